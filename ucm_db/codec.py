@@ -1,0 +1,315 @@
+"""Block payload encoding: header, checksum, byte-shuffle + zstd.
+
+Wire format (little-endian)::
+
+    header   magic "UCMB" | format u16 | codec u8 | flags u8 | n_frames u32 |
+             raw_len u64 | body_len u64 | key 32B | checksum u64
+    table    n_frames x (raw_len u64 | stored_len u64 | mode u8 |
+             element_bytes u8 | plane_mask u8 | 5 pad)
+    body     the frames' stored bytes, back to back
+
+A frame is one layer's bytes (or the whole block). Modes: RAW (stored as is),
+ZSTD (whole frame), SHUFFLE (bytes of each element split into planes, plane
+``i`` zstd-compressed if bit ``i`` of plane_mask is set, else raw; the body
+of such a frame starts with one u32 stored length per plane).
+
+Invariants:
+    * The checksum (xxh3-64) covers header (checksum field zeroed), table and
+      body, and the header holds the owning key: a block served for the
+      wrong key, truncated, extended or bit-flipped fails :func:`decode`.
+    * Every length is checked against the header's bounds before anything is
+      allocated or decompressed (no decompression bombs).
+    * Any mismatch raises :class:`~ucm_db.errors.CorruptBlockError`; nothing
+      else escapes for malformed input.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import xxhash
+import zstandard
+
+from ucm_db.errors import ConfigError, CorruptBlockError
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+MAGIC = b"UCMB"
+CODEC_FORMAT_VERSION = 1
+CODEC_IDS = {"none": 0, "zstd": 1}
+MODE_RAW, MODE_ZSTD, MODE_SHUFFLE = 0, 1, 2
+MAX_FRAMES = 4096
+#: Largest raw block accepted on decode (bounds allocation on hostile input).
+MAX_RAW_BYTES = 1 << 32
+
+_HEADER = struct.Struct("<4sHBBIQQ32sQ")
+_FRAME = struct.Struct("<QQBBB5x")
+HEADER_BYTES = _HEADER.size
+_CHECKSUM_OFFSET = HEADER_BYTES - 8
+_ZERO_CHECKSUM = bytes(8)
+#: A plane is kept compressed only if it shrinks below this fraction.
+_KEEP_COMPRESSED_RATIO = 0.92
+_PROBE_BYTES = 64 * 1024
+
+_DTYPE_ELEMENT_BYTES = {
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float32": 4, "fp32": 4, "float": 4,
+}
+
+
+def element_bytes_for(kv_dtype: str) -> int:
+    """Element size used for byte-shuffling a KV dtype (1 = no shuffle)."""
+    name = kv_dtype.lower().removeprefix("torch.")
+    return _DTYPE_ELEMENT_BYTES.get(name, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """Parsed block header (validated against the blob's length)."""
+
+    codec: str
+    n_frames: int
+    raw_len: int
+    body_len: int
+    key: bytes
+    checksum: int
+
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cctx
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def encode(
+    key: bytes,
+    frames: Sequence[Buffer] | Buffer,
+    *,
+    codec: str = "zstd",
+    element_bytes: int = 2,
+    level: int = 1,
+) -> bytes:
+    """Encodes one block.
+
+    Args:
+        key: the 32-byte key the block belongs to (bound into the checksum).
+        frames: the block's raw bytes, or a sequence of per-layer frames.
+        codec: ``"none"`` or ``"zstd"``.
+        element_bytes: element size for byte-shuffling (2 for bf16/fp16).
+        level: zstd level.
+
+    Returns:
+        The encoded blob.
+    """
+    if codec not in CODEC_IDS:
+        raise ConfigError(f"unknown codec {codec!r}", hint=f"use one of {', '.join(CODEC_IDS)}")
+    if len(key) != 32:
+        raise ConfigError("block keys are 32 bytes", hint="use Namespace.block_keys")
+    if isinstance(frames, (bytes, bytearray, memoryview)):
+        frames = [frames]
+    if len(frames) > MAX_FRAMES:
+        raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
+    table: list[bytes] = []
+    parts: list[Buffer] = []
+    raw_len = body_len = 0
+    for frame in frames:
+        view = memoryview(frame).cast("B")
+        mode, elem, mask, stored = _encode_frame(view, codec, element_bytes, level)
+        stored_len = sum(len(p) for p in stored)
+        table.append(_FRAME.pack(len(view), stored_len, mode, elem, mask))
+        parts.extend(stored)
+        raw_len += len(view)
+        body_len += stored_len
+    header = _HEADER.pack(MAGIC, CODEC_FORMAT_VERSION, CODEC_IDS[codec], 0, len(table), raw_len, body_len, bytes(key), 0)
+    hasher = xxhash.xxh3_64(header)
+    for piece in table:
+        hasher.update(piece)
+    for piece in parts:
+        hasher.update(piece)
+    header = header[:_CHECKSUM_OFFSET] + struct.pack("<Q", hasher.intdigest())
+    return b"".join([header, *table, *parts])
+
+
+def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) -> tuple[int, int, int, list[Buffer]]:
+    if codec == "none" or len(view) == 0:
+        return MODE_RAW, 1, 0, [view]
+    cctx = _compressor(level)
+    if element_bytes not in (2, 4) or len(view) % element_bytes:
+        packed = cctx.compress(view)
+        if len(packed) < len(view) * _KEEP_COMPRESSED_RATIO:
+            return MODE_ZSTD, 1, 0, [packed]
+        return MODE_RAW, 1, 0, [view]
+    planes = _shuffle(view, element_bytes)
+    mask = 0
+    stored: list[Buffer] = []
+    for i, plane in enumerate(planes):
+        probe = plane[:_PROBE_BYTES]
+        if len(cctx.compress(probe)) < len(probe) * _KEEP_COMPRESSED_RATIO:
+            packed = cctx.compress(plane)
+            if len(packed) < len(plane) * _KEEP_COMPRESSED_RATIO:
+                mask |= 1 << i
+                stored.append(packed)
+                continue
+        stored.append(plane)
+    lengths = struct.pack(f"<{element_bytes}I", *(len(p) for p in stored))
+    return MODE_SHUFFLE, element_bytes, mask, [lengths, *stored]
+
+
+def _shuffle(view: memoryview, element_bytes: int) -> list[memoryview]:
+    """Splits elements into byte planes, least significant byte first."""
+    dtype = np.uint16 if element_bytes == 2 else np.uint32
+    words = np.frombuffer(view, dtype=dtype)
+    return [memoryview((words >> (8 * i)).astype(np.uint8)) for i in range(element_bytes)]
+
+
+def _unshuffle(planes: list[Buffer], out: memoryview, element_bytes: int) -> None:
+    dtype = np.uint16 if element_bytes == 2 else np.uint32
+    words = np.frombuffer(out, dtype=dtype)
+    scratch = np.empty_like(words)
+    for i in reversed(range(element_bytes)):
+        plane = np.frombuffer(planes[i], dtype=np.uint8)
+        if i == element_bytes - 1:
+            np.copyto(words, plane, casting="unsafe")
+        else:
+            words <<= 8
+            np.copyto(scratch, plane, casting="unsafe")
+            words |= scratch
+
+
+def read_header(blob: Buffer) -> Header:
+    """Parses and bounds-checks a blob's header (checksum not verified)."""
+    if len(blob) < HEADER_BYTES:
+        raise CorruptBlockError(f"block of {len(blob)} bytes is shorter than its header")
+    magic, version, codec_id, _flags, n_frames, raw_len, body_len, key, checksum = _HEADER.unpack_from(blob, 0)
+    if magic != MAGIC:
+        raise CorruptBlockError("bad magic: not a ucm-db block")
+    if version != CODEC_FORMAT_VERSION:
+        raise CorruptBlockError(f"block format {version} is not {CODEC_FORMAT_VERSION}")
+    codec = next((name for name, cid in CODEC_IDS.items() if cid == codec_id), None)
+    if codec is None:
+        raise CorruptBlockError(f"unknown codec id {codec_id}")
+    if n_frames > MAX_FRAMES or raw_len > MAX_RAW_BYTES:
+        raise CorruptBlockError(f"implausible header: {n_frames} frames, {raw_len} raw bytes")
+    if HEADER_BYTES + n_frames * _FRAME.size + body_len != len(blob):
+        raise CorruptBlockError(f"block length {len(blob)} does not match its header")
+    return Header(codec, n_frames, raw_len, body_len, bytes(key), checksum)
+
+
+def verify(blob: Buffer, key: bytes) -> Header:
+    """Checks header bounds, owning key and checksum; returns the header."""
+    header = read_header(blob)
+    if header.key != key:
+        raise CorruptBlockError("block belongs to another key")
+    view = memoryview(blob)
+    hasher = xxhash.xxh3_64(view[:_CHECKSUM_OFFSET])
+    hasher.update(_ZERO_CHECKSUM)
+    hasher.update(view[HEADER_BYTES:])
+    if hasher.intdigest() != header.checksum:
+        raise CorruptBlockError("checksum mismatch")
+    return header
+
+
+def decode_into(blob: Buffer, key: bytes, out: Buffer) -> int:
+    """Verifies ``blob`` and writes its raw bytes into ``out``.
+
+    Returns:
+        The number of raw bytes written.
+
+    Raises:
+        CorruptBlockError: on any mismatch (``out`` may be partly written).
+        ValueError: ``out`` is too small.
+    """
+    header = verify(blob, key)
+    out_view = memoryview(out).cast("B")
+    if len(out_view) < header.raw_len:
+        raise ValueError(f"output buffer of {len(out_view)} bytes is smaller than the block's {header.raw_len}")
+    view = memoryview(blob)
+    table_at = HEADER_BYTES
+    body_at = HEADER_BYTES + header.n_frames * _FRAME.size
+    raw_at = 0
+    for _ in range(header.n_frames):
+        raw_len, stored_len, mode, elem, mask = _FRAME.unpack_from(view, table_at)
+        table_at += _FRAME.size
+        if raw_at + raw_len > header.raw_len or body_at + stored_len > len(view):
+            raise CorruptBlockError("frame table exceeds the block")
+        _decode_frame(view[body_at : body_at + stored_len], out_view[raw_at : raw_at + raw_len], mode, elem, mask)
+        raw_at += raw_len
+        body_at += stored_len
+    if raw_at != header.raw_len:
+        raise CorruptBlockError("frames do not add up to the raw length")
+    return raw_at
+
+
+def decode(blob: Buffer, key: bytes) -> bytearray:
+    """Verifies ``blob`` and returns its raw bytes."""
+    header = read_header(blob)
+    out = bytearray(header.raw_len)
+    decode_into(blob, key, out)
+    return out
+
+
+def frame_sizes(blob: Buffer) -> list[int]:
+    """Raw sizes of the blob's frames (header-checked, not checksummed)."""
+    header = read_header(blob)
+    return [_FRAME.unpack_from(blob, HEADER_BYTES + i * _FRAME.size)[0] for i in range(header.n_frames)]
+
+
+def _decode_frame(stored: memoryview, out: memoryview, mode: int, elem: int, mask: int) -> None:
+    if mode == MODE_RAW:
+        if len(stored) != len(out):
+            raise CorruptBlockError("raw frame length mismatch")
+        out[:] = stored
+    elif mode == MODE_ZSTD:
+        out[:] = _zstd_exact(stored, len(out))
+    elif mode == MODE_SHUFFLE:
+        if elem not in (2, 4) or len(out) % elem or len(stored) < 4 * elem:
+            raise CorruptBlockError("bad shuffle frame")
+        lengths = struct.unpack_from(f"<{elem}I", stored, 0)
+        plane_len = len(out) // elem
+        at = 4 * elem
+        planes: list[Buffer] = []
+        for i, length in enumerate(lengths):
+            part = stored[at : at + length]
+            if len(part) != length:
+                raise CorruptBlockError("shuffle plane exceeds the frame")
+            at += length
+            if mask >> i & 1:
+                planes.append(_zstd_exact(part, plane_len))
+            elif length == plane_len:
+                planes.append(part)
+            else:
+                raise CorruptBlockError("raw plane length mismatch")
+        if at != len(stored):
+            raise CorruptBlockError("shuffle frame has trailing bytes")
+        _unshuffle(planes, out, elem)
+    else:
+        raise CorruptBlockError(f"unknown frame mode {mode}")
+
+
+def _zstd_exact(data: memoryview, size: int) -> bytes:
+    try:
+        result = _decompressor().decompress(data, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise CorruptBlockError(f"zstd: {exc}") from exc
+    if len(result) != size:
+        raise CorruptBlockError("decompressed size mismatch")
+    return result

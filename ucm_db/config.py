@@ -1,0 +1,171 @@
+"""Store configuration: one frozen dataclass and one parser used by every door.
+
+Invariants:
+    * Every field is validated in ``__post_init__``; an invalid value raises
+      :class:`~ucm_db.errors.ConfigError` naming the field and the fix.
+    * ``from_dict`` rejects unknown keys, listing the valid ones.
+    * Fields in :data:`PERSISTED_FIELDS` are written into a store when it is
+      created; reopening uses them, and an explicit conflicting value is an
+      error (a store's codec or capacity never changes by accident).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ucm_db.errors import ConfigError
+
+CODECS = ("zstd", "none")
+DURABILITIES = ("sync", "group")
+ENGINES = ("lmdb", "rocksdb", "memory")
+REMOTE_MODES = ("write_back", "write_through")
+
+#: Settings recorded in the store at creation and enforced on reopen.
+PERSISTED_FIELDS = ("capacity_bytes", "codec", "zstd_level", "durability", "engine")
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Options of :func:`ucm_db.open`, by field name.
+
+    Attributes:
+        capacity_bytes: stored (compressed) payload bytes kept before LRU
+            eviction starts.
+        codec: ``"zstd"`` (byte-shuffled zstd, for 2-byte KV dtypes) or
+            ``"none"``.
+        zstd_level: zstd level for the ``zstd`` codec.
+        durability: ``"sync"`` fsyncs every commit; ``"group"`` syncs every
+            ``sync_interval_s`` (a killed process loses nothing it
+            committed; a power loss may lose the last interval).
+        sync_interval_s: interval of the background sync and of flushing
+            access-time and hit counters.
+        engine: local engine: ``"lmdb"`` (multi-process), ``"rocksdb"``
+            (single process) or ``"memory"`` (reference, not persistent).
+        encode_threads: threads compressing a batch before its commit
+            (0 compresses in the caller's thread).
+        max_readers: LMDB reader slots (processes x threads reading at once).
+        map_size_bytes: initial LMDB map size; None derives it from capacity.
+        remote: fsspec URL of the remote tier (``s3://b/p``, ``file:///d``,
+            ``memory://x``) or None.
+        remote_options: keyword arguments for the fsspec filesystem
+            (endpoint, credentials, timeouts). Never persisted.
+        remote_mode: ``"write_back"`` (durable upload queue drained in the
+            background) or ``"write_through"`` (put uploads before it
+            returns).
+        remote_deadline_s: longest a lookup waits on the remote tier.
+        upload_concurrency: parallel uploads of the background uploader.
+    """
+
+    capacity_bytes: int = 8 * GIB
+    codec: str = "zstd"
+    zstd_level: int = 1
+    durability: str = "group"
+    sync_interval_s: float = 1.0
+    engine: str = "lmdb"
+    encode_threads: int = 2
+    max_readers: int = 1024
+    map_size_bytes: int | None = None
+    remote: str | None = None
+    remote_options: Mapping[str, Any] = field(default_factory=dict)
+    remote_mode: str = "write_back"
+    remote_deadline_s: float = 0.2
+    upload_concurrency: int = 4
+
+    def __post_init__(self) -> None:
+        _require_int("capacity_bytes", self.capacity_bytes, minimum=1 << 20)
+        _require_choice("codec", self.codec, CODECS)
+        _require_int("zstd_level", self.zstd_level, minimum=-7)
+        if self.zstd_level > 22:
+            raise ConfigError("zstd_level must be <= 22", hint="use 1 (fast) to 19 (small)")
+        _require_choice("durability", self.durability, DURABILITIES)
+        _require_positive_float("sync_interval_s", self.sync_interval_s)
+        _require_choice("engine", self.engine, ENGINES)
+        _require_int("encode_threads", self.encode_threads, minimum=0)
+        _require_int("max_readers", self.max_readers, minimum=8)
+        if self.map_size_bytes is not None:
+            _require_int("map_size_bytes", self.map_size_bytes, minimum=1 << 20)
+        if self.remote is not None and (not isinstance(self.remote, str) or "://" not in self.remote):
+            raise ConfigError(
+                f"remote must be an fsspec URL such as s3://bucket/prefix, got {self.remote!r}",
+                hint="write file:///abs/dir for a shared directory",
+            )
+        if not isinstance(self.remote_options, Mapping):
+            raise ConfigError("remote_options must be a mapping", hint="pass a dict such as {'endpoint_url': ...}")
+        _require_choice("remote_mode", self.remote_mode, REMOTE_MODES)
+        _require_positive_float("remote_deadline_s", self.remote_deadline_s)
+        _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> StoreConfig:
+        """Builds a config from a mapping; unknown keys are an error."""
+        unknown = sorted(set(options) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {', '.join(unknown)}",
+                hint=f"valid options are: {', '.join(cls.field_names())}",
+            )
+        return cls(**dict(options))
+
+    def persisted(self) -> dict[str, Any]:
+        """The settings recorded in a store when it is created."""
+        return {name: getattr(self, name) for name in PERSISTED_FIELDS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields, remote_options redacted (they may hold credentials)."""
+        out = dataclasses.asdict(self)
+        out["remote_options"] = {k: "***" for k in self.remote_options}
+        return out
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Reads a YAML or JSON config file into a dict (not yet validated)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}", hint="check the path") from exc
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}", hint="fix the JSON") from exc
+    else:
+        try:
+            import yaml
+        except ImportError as exc:  # pragma: no cover - pyyaml is a dependency
+            raise ConfigError("YAML config needs pyyaml", hint="pip install pyyaml, or use a .json file") from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}", hint="fix the YAML") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option names to values", hint="write key: value lines")
+    return data
+
+
+def _require_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}", hint=f"pass {name}=<int>")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}", hint=f"raise {name}")
+
+
+def _require_positive_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}", hint=f"pass {name}=0.5")
+
+
+def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}", hint=f"pass {name}={choices[0]!r}")

@@ -1,0 +1,90 @@
+"""The one exception hierarchy of ucm-db.
+
+Every error raised on purpose by ucm-db derives from :class:`UcmDbError` and
+carries a ``hint``: one sentence telling the user what to change. Subclasses
+also inherit the matching builtin so callers that catch ``ValueError`` or
+``OSError`` keep working.
+"""
+
+from __future__ import annotations
+
+
+class UcmDbError(Exception):
+    """Base class of every ucm-db error.
+
+    Attributes:
+        hint: what the user can do about it (may be empty).
+    """
+
+    default_hint = ""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.hint = self.default_hint if hint is None else hint
+        text = f"{message} (hint: {self.hint})" if self.hint else message
+        super().__init__(text)
+
+
+class ConfigError(UcmDbError, ValueError):
+    """An option or config file is invalid or conflicts with the store."""
+
+    default_hint = "check the option names and values in the README's configuration table"
+
+
+class TierError(UcmDbError, OSError):
+    """A tier (local engine or remote) failed to read or write."""
+
+    default_hint = "check that the store path is on a local, writable disk with free space"
+
+
+class StoreFullError(TierError):
+    """The batch cannot fit even after evicting everything evictable."""
+
+    default_hint = "raise capacity_bytes or put smaller batches"
+
+
+class LockedError(TierError):
+    """Another process holds the store in a way that excludes this one."""
+
+    default_hint = "stop the other process, or use the LMDB engine, which several processes can share"
+
+
+class CorruptBlockError(UcmDbError, ValueError):
+    """A stored block failed validation (header, length, key or checksum).
+
+    Raised only inside the codec; the store turns it into a miss and a
+    quarantine record, so callers of the store never see wrong bytes.
+    """
+
+    default_hint = "the block is quarantined and will be recomputed; run `ucm-db verify PATH` to check the rest"
+
+
+class MissingAncestorError(UcmDbError, KeyError):
+    """A put would store a block whose parent block is not stored.
+
+    The store keeps the prefix invariant: every stored block's ancestors are
+    stored too. A put of a chain suffix must name the parent key, and that
+    parent must be present (or be in the same batch).
+    """
+
+    default_hint = "put the chain from its first missing block, passing parent= the key before it"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class FormatVersionError(UcmDbError, RuntimeError):
+    """The store was written by another on-disk format version."""
+
+    default_hint = "run `ucm-db migrate PATH`"
+
+
+class MigrationError(UcmDbError, RuntimeError):
+    """A migration failed; the store is left at its previous version."""
+
+    default_hint = "restore from backup or report the error; the store was not changed"
+
+
+class ClosedError(UcmDbError, RuntimeError):
+    """The store was used after close()."""
+
+    default_hint = "open the store again with ucm_db.open(path)"

@@ -1,0 +1,186 @@
+"""Namespaces and chained block keys.
+
+A :class:`Namespace` names everything that makes two KV caches incompatible:
+model identity, KV dtype and layout, block size, parallel ranks, format.
+Its :attr:`Namespace.digest` seeds every key chain, so blocks of different
+namespaces can never collide or hit each other.
+
+Invariants:
+    * Keys are deterministic across processes, interpreter runs and
+      platforms: they depend only on the namespace fields, the token ids and
+      the request extras (no ``hash()``, no PYTHONHASHSEED).
+    * ``key[i] = H(key[i-1] || tokens of block i)`` with
+      ``key[-1] = H(namespace digest || canonical extras)``; a key therefore
+      names its whole prefix, and only full blocks get keys.
+    * Keys are 32-byte BLAKE2b digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Union
+
+from ucm_db.errors import ConfigError
+
+KEY_BYTES = 32
+#: Bumped when the way keys are derived changes (old keys become misses).
+KEY_SCHEME_VERSION = 1
+
+ExtraValue = Union[str, int, bytes, None]
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Identity of a KV cache; blocks of different namespaces never mix.
+
+    Attributes:
+        model: model identity (name or path, plus revision if it matters).
+        kv_dtype: KV cache element type, e.g. ``"bfloat16"``.
+        block_size: tokens per block.
+        tp_rank, tp_size: tensor-parallel rank and world size.
+        pp_rank, pp_size: pipeline-parallel rank and world size.
+        layout: KV layout descriptor (backend and tensor shapes per block).
+        key_scheme: version of the key derivation.
+        extra: free-form identity (e.g. quantisation config); empty if none.
+    """
+
+    model: str
+    kv_dtype: str
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    layout: str = ""
+    key_scheme: int = KEY_SCHEME_VERSION
+    extra: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("Namespace.model must be a non-empty string", hint="pass the model name or path")
+        if not isinstance(self.kv_dtype, str) or not self.kv_dtype:
+            raise ConfigError("Namespace.kv_dtype must be a non-empty string", hint="pass e.g. kv_dtype='bfloat16'")
+        for name in ("block_size", "tp_size", "pp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Namespace.{name} must be a positive integer, got {value!r}", hint=f"pass {name}=1 or more")
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            value = getattr(self, rank)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < getattr(self, size):
+                raise ConfigError(f"Namespace.{rank} must be in [0, {size}), got {value!r}", hint=f"check {rank} and {size}")
+        object.__setattr__(self, "_digest", _namespace_digest(self))
+
+    @property
+    def digest(self) -> bytes:
+        """32-byte stable digest of all fields."""
+        return self._digest  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def short_id(self) -> str:
+        """16 hex characters identifying the namespace in paths and reports."""
+        return self.digest[:8].hex()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Namespace:
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise ConfigError(f"unknown Namespace field(s) {', '.join(unknown)}", hint=f"valid fields: {', '.join(sorted(valid))}")
+        return cls(**dict(data))
+
+    def root_key(self, extras: Mapping[str, ExtraValue] | None = None) -> bytes:
+        """The virtual parent of a chain's first block, for these extras."""
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"ucm-db/root")
+        h.update(self.digest)
+        if extras:
+            h.update(_canonical_extras(extras))
+        return h.digest()
+
+    def block_keys(
+        self,
+        token_ids: Sequence[int],
+        extras: Mapping[str, ExtraValue] | None = None,
+        *,
+        parent: bytes | None = None,
+    ) -> list[bytes]:
+        """Keys of the full blocks of ``token_ids``.
+
+        Args:
+            token_ids: token ids; a trailing partial block gets no key.
+            extras: per-request identity mixed into the chain's root: LoRA
+                name, ``cache_salt``, multimodal hashes, prompt-embedding
+                digest. Values are str, int, bytes or None.
+            parent: continue an existing chain from this key (the key of the
+                block just before ``token_ids[0]``); ``extras`` must then be
+                None because the parent already carries them.
+
+        Returns:
+            One 32-byte key per full block, in order.
+        """
+        if parent is not None:
+            if extras:
+                raise ConfigError("block_keys: pass either parent= or extras=, not both", hint="the parent key already includes the extras")
+            if len(parent) != KEY_BYTES:
+                raise ConfigError(f"parent must be a {KEY_BYTES}-byte key", hint="pass a key returned by block_keys")
+            prev = bytes(parent)
+        else:
+            prev = self.root_key(extras)
+        block_size = self.block_size
+        n_blocks = len(token_ids) // block_size
+        if n_blocks == 0:
+            return []
+        raw = _token_bytes(token_ids, n_blocks * block_size)
+        stride = block_size * 4
+        blake = hashlib.blake2b
+        out: list[bytes] = []
+        append = out.append
+        for start in range(0, n_blocks * stride, stride):
+            prev = blake(prev + raw[start : start + stride], digest_size=KEY_BYTES).digest()
+            append(prev)
+        return out
+
+
+def _token_bytes(token_ids: Sequence[int], count: int) -> bytes:
+    """Little-endian uint32 bytes of the first ``count`` token ids."""
+    tobytes = getattr(token_ids, "tobytes", None)
+    dtype = getattr(token_ids, "dtype", None)
+    if tobytes is not None and dtype is not None and str(dtype) in ("int32", "uint32", "int64", "uint64"):
+        # numpy array: convert without a Python loop.
+        return token_ids[:count].astype("<u4").tobytes()  # type: ignore[index,union-attr,no-any-return]
+    try:
+        arr = array("I", token_ids[:count] if not isinstance(token_ids, array) else token_ids[:count])
+    except (OverflowError, TypeError) as exc:
+        raise ConfigError("token ids must be non-negative integers < 2**32", hint="pass the prompt's token ids") from exc
+    if arr.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte unsigned int
+        raise RuntimeError("unsigned int is not 4 bytes on this platform")
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _canonical_extras(extras: Mapping[str, ExtraValue]) -> bytes:
+    items = []
+    for name in sorted(extras):
+        value = extras[name]
+        if value is None:
+            continue
+        if isinstance(value, bytes):
+            items.append([name, "b", value.hex()])
+        elif isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise ConfigError(f"extra {name!r} must be str, int, bytes or None, got {type(value).__name__}", hint="hash it to bytes first")
+        else:
+            items.append([name, "s" if isinstance(value, str) else "i", value])
+    return json.dumps(items, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _namespace_digest(namespace: Namespace) -> bytes:
+    body = json.dumps(asdict(namespace), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(b"ucm-db/namespace\0" + body.encode()).digest()

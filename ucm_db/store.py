@@ -1,0 +1,467 @@
+"""The tiered block store: the public object behind :func:`ucm_db.open`.
+
+A :class:`Store` turns ``(namespace, keys, payloads)`` into encoded blocks in a
+:class:`~ucm_db.tiers.local.LocalTier`, and back.
+
+Invariants:
+    * A block is visible only after the transaction that put it commits.
+    * Every payload read is verified (header, owning key, checksum) before a
+      byte reaches the caller; a corrupt block reads as ``None`` and is
+      quarantined, together with its descendants (prefix invariant).
+    * Reader activity (LRU touches, hit and miss counts) is kept in memory
+      and folded into the next write, or written by the maintenance thread
+      every ``sync_interval_s``: reads never take the writer lock.
+    * The store is safe for threads, and for several processes on one node
+      with the LMDB engine; it re-opens itself in a forked child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from ucm_db import codec
+from ucm_db.config import PERSISTED_FIELDS, StoreConfig
+from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, FormatVersionError, MissingAncestorError
+from ucm_db.keys import KEY_BYTES, Namespace
+from ucm_db.tiers.base import Buffer, Engine
+from ucm_db.tiers.local import BlockEntry, LocalTier, PendingActivity, PutResult
+
+#: On-disk format of the store's tables; migrations move stores between them.
+STORE_FORMAT_VERSION = 1
+FORMAT_VERSION_KEY = b"format_version"
+SETTINGS_KEY = b"settings"
+_ACTIVITY_FLUSH_KEYS = 4096
+
+Payload = Union[Buffer, Sequence[Buffer]]
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    description: dict[str, Any]
+    blocks: int
+    raw_bytes: int
+    stored_bytes: int
+    last_use_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A snapshot of the store's counters (committed state plus this
+    process's not yet flushed hits and misses)."""
+
+    path: str
+    engine: str
+    format_version: int
+    settings: dict[str, Any]
+    capacity_bytes: int
+    blocks: int
+    raw_bytes: int
+    stored_bytes: int
+    file_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    quarantined: int
+    pending_uploads: int
+    namespaces: dict[str, NamespaceStats] = field(default_factory=dict)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["compression_ratio"] = self.compression_ratio
+        return out
+
+
+def open(path: str | os.PathLike[str], **options: Any) -> Store:  # noqa: A001 - public API name
+    """Opens (creating if needed) the store at ``path``.
+
+    Args:
+        path: store directory on a local disk.
+        **options: :class:`~ucm_db.config.StoreConfig` fields by name. On an
+            existing store, omitted persisted settings (capacity, codec,
+            durability, engine) come from the store; a conflicting one is a
+            :class:`~ucm_db.errors.ConfigError`.
+    """
+    return Store(path, **options)
+
+
+def detect_engine(path: Path) -> str | None:
+    """The engine of an existing store directory, or None if there is none."""
+    for name in ("lmdb", "rocksdb"):
+        if (path / name).is_dir():
+            return name
+    return None
+
+
+def _make_engine(path: Path, config: StoreConfig) -> Engine:
+    if config.engine == "memory":
+        from ucm_db.tiers.memory import MemoryEngine
+
+        return MemoryEngine()
+    if config.engine == "rocksdb":
+        from ucm_db.tiers.rocksdb import RocksDbEngine  # type: ignore[import-not-found]
+
+        return RocksDbEngine(path / "rocksdb", sync=config.durability == "sync")  # type: ignore[no-any-return]
+    from ucm_db.tiers.lmdb import LmdbEngine
+
+    map_size = config.map_size_bytes or max(64 << 20, 2 * config.capacity_bytes + (256 << 20))
+    return LmdbEngine(path / "lmdb", map_size_bytes=map_size, sync=config.durability == "sync", max_readers=config.max_readers)
+
+
+class Store:
+    """A KV block store (see module invariants). Use :func:`ucm_db.open`."""
+
+    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+        self.path = Path(path)
+        explicit = dict(options)
+        StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
+        if "engine" not in explicit:
+            existing = detect_engine(self.path)
+            if existing is not None:
+                explicit["engine"] = existing
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.config = StoreConfig.from_dict(explicit)
+        self._engine = _make_engine(self.path, self.config)
+        self._tier = LocalTier(self._engine, capacity_bytes=self.config.capacity_bytes)
+        self.config = self._adopt_settings(explicit)
+        self._tier.capacity_bytes = self.config.capacity_bytes
+        self._closed = False
+        self._lock = threading.Lock()
+        self._activity = PendingActivity()
+        self._pid = -1
+        self._pool: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()
+        self._maintenance: threading.Thread | None = None
+        self._ensure_process()
+
+    # -- setup -----------------------------------------------------------------
+    def _adopt_settings(self, explicit: Mapping[str, Any]) -> StoreConfig:
+        """Records settings in a new store, or checks them against an old one."""
+        wanted = self.config.persisted()
+
+        def run(txn: Any) -> tuple[int, dict[str, Any]]:
+            version = txn.get("info", FORMAT_VERSION_KEY)
+            settings = txn.get("info", SETTINGS_KEY)
+            if version is None:
+                txn.put("info", FORMAT_VERSION_KEY, str(STORE_FORMAT_VERSION).encode())
+                txn.put("info", SETTINGS_KEY, json.dumps(wanted, sort_keys=True).encode())
+                return STORE_FORMAT_VERSION, wanted
+            return int(bytes(version)), json.loads(bytes(settings)) if settings is not None else {}
+
+        version, stored = self._engine.write(run)
+        check_format_version(version, self.path)
+        for name in PERSISTED_FIELDS:
+            if name in explicit and name in stored and explicit[name] != stored[name]:
+                raise ConfigError(
+                    f"{name}={explicit[name]!r} conflicts with the store at {self.path}, created with {name}={stored[name]!r}",
+                    hint=f"omit {name} to use the stored setting, or use a new store path",
+                )
+        merged = {**{k: v for k, v in explicit.items()}, **{k: v for k, v in stored.items() if k in PERSISTED_FIELDS}}
+        return StoreConfig.from_dict(merged)
+
+    def _ensure_process(self) -> None:
+        """Starts this process's thread pool and maintenance thread (again
+        after a fork)."""
+        if self._pid == os.getpid():
+            return
+        with self._lock if self._pid == -1 else _fresh_lock(self):
+            if self._pid == os.getpid():
+                return
+            self._activity = PendingActivity()
+            self._pool = ThreadPoolExecutor(self.config.encode_threads, "ucm-db-codec") if self.config.encode_threads else None
+            self._stop = threading.Event()
+            self._maintenance = threading.Thread(target=self._maintain, name="ucm-db-maintenance", daemon=True)
+            self._pid = os.getpid()
+            self._maintenance.start()
+
+    def _maintain(self) -> None:
+        while not self._stop.wait(self.config.sync_interval_s):
+            try:
+                self._flush_activity()
+                if self.config.durability == "group":
+                    self._engine.sync()
+            except Exception:  # noqa: BLE001 - keep the thread alive; the next flush() reports
+                pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"store {self.path} is closed")
+        self._ensure_process()
+
+    # -- writes ----------------------------------------------------------------
+    def put(
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        payloads: Sequence[Payload],
+        *,
+        parent: bytes | None = None,
+    ) -> PutResult:
+        """Atomically stores a chain segment.
+
+        Args:
+            namespace: the blocks' namespace.
+            keys: consecutive chain keys (``keys[i]``'s parent is
+                ``keys[i-1]``).
+            payloads: one per key: bytes-like, or a sequence of per-layer
+                frames (stored as separately decodable frames).
+            parent: key of the block before ``keys[0]``; None if ``keys[0]``
+                is the chain's first block.
+
+        Raises:
+            MissingAncestorError: ``parent`` is not stored (nothing written).
+            StoreFullError: the batch alone exceeds ``capacity_bytes``.
+        """
+        self._check_open()
+        if len(keys) != len(payloads):
+            raise ConfigError(f"put got {len(keys)} keys and {len(payloads)} payloads", hint="pass one payload per key")
+        for key in keys:
+            if len(key) != KEY_BYTES:
+                raise ConfigError(f"block keys are {KEY_BYTES} bytes, got {len(key)}", hint="use Namespace.block_keys")
+        if not keys:
+            return PutResult()
+        parents = [parent, *keys[:-1]]
+        present = self._tier.exists(keys)
+        todo = [i for i, p in enumerate(present) if not p]
+        try:
+            return self._put_indices(namespace, keys, payloads, parents, todo)
+        except MissingAncestorError:
+            if len(todo) == len(keys):
+                raise
+            # A block seen present was evicted meanwhile: put the whole chain.
+            return self._put_indices(namespace, keys, payloads, parents, list(range(len(keys))))
+
+    def _put_indices(
+        self, namespace: Namespace, keys: Sequence[bytes], payloads: Sequence[Payload],
+        parents: Sequence[bytes | None], todo: list[int],
+    ) -> PutResult:
+        blobs = self._encode_many([(keys[i], payloads[i]) for i in todo], namespace)
+        entries = [
+            BlockEntry(keys[i], parents[i], blob, raw, namespace.digest[:16])
+            for i, (blob, raw) in zip(todo, blobs)
+        ]
+        activity = self._take_activity()
+        desc = (namespace.digest[:16], json.dumps(namespace.to_dict(), sort_keys=True).encode())
+        try:
+            result = self._tier.put_blocks(entries, namespace_desc=desc, enqueue_upload=False, activity=activity)
+        except BaseException:
+            self._return_activity(activity)
+            raise
+        result.already_present += len(keys) - len(todo)
+        return result
+
+    def _encode_many(self, items: list[tuple[bytes, Payload]], namespace: Namespace) -> list[tuple[bytes, int]]:
+        element_bytes = codec.element_bytes_for(namespace.kv_dtype)
+        cfg = self.config
+
+        def encode_one(item: tuple[bytes, Payload]) -> tuple[bytes, int]:
+            key, payload = item
+            frames = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+            raw = sum(memoryview(f).nbytes for f in frames)
+            return codec.encode(key, frames, codec=cfg.codec, element_bytes=element_bytes, level=cfg.zstd_level), raw
+
+        if self._pool is None or len(items) < 2 or cfg.codec == "none":
+            return [encode_one(item) for item in items]
+        return list(self._pool.map(encode_one, items))
+
+    def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        """Deletes blocks and their descendants; returns blocks removed."""
+        self._check_open()
+        return self._tier.delete(keys)
+
+    # -- reads -------------------------------------------------------------------
+    def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` stored: O(log n) reads."""
+        self._check_open()
+        return self._tier.count_prefix(keys)
+
+    def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """Raw payloads of ``keys``; ``None`` for a miss or a corrupt block."""
+        self._check_open()
+        corrupt: list[tuple[bytes, str]] = []
+
+        def visit(i: int, blob: memoryview) -> Any:
+            try:
+                header = codec.read_header(blob)
+                if header.codec == "none" or self._pool is None:
+                    return codec.decode(blob, keys[i])
+            except CorruptBlockError as exc:
+                corrupt.append((keys[i], str(exc)))
+                return None
+            return _Deferred(bytes(blob))
+
+        results = self._tier.read_blocks(keys, visit)
+        deferred = [(i, r) for i, r in enumerate(results) if isinstance(r, _Deferred)]
+        if deferred:
+            def decode_deferred(item: tuple[int, _Deferred]) -> bytearray | None:
+                i, d = item
+                try:
+                    return codec.decode(d.blob, keys[i])
+                except CorruptBlockError as exc:
+                    corrupt.append((keys[i], str(exc)))
+                    return None
+            assert self._pool is not None
+            for (i, _), value in zip(deferred, self._pool.map(decode_deferred, deferred)):
+                results[i] = value
+        return self._finish_read(keys, results, corrupt)
+
+    def get_into(self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+        """Decodes blocks straight into caller-provided buffers.
+
+        Returns:
+            For each key, True if ``buffers[i]`` now holds the block.
+        """
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise ConfigError("get_into needs one buffer per key", hint="pass len(keys) buffers")
+        corrupt: list[tuple[bytes, str]] = []
+
+        def visit(i: int, blob: memoryview) -> bool:
+            try:
+                codec.decode_into(blob, keys[i], buffers[i])
+                return True
+            except CorruptBlockError as exc:
+                corrupt.append((keys[i], str(exc)))
+                return False
+
+        results = self._tier.read_blocks(keys, visit)
+        done = self._finish_read(keys, [True if r else None for r in results], corrupt)
+        return [r is not None for r in done]
+
+    def _finish_read(self, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]]) -> list[Any]:
+        for key, reason in corrupt:
+            self._quarantine(key, reason)
+        now = time.time_ns()
+        with self._lock:
+            activity = self._activity
+            for key, value in zip(keys, results):
+                if value is None:
+                    activity.misses += 1
+                else:
+                    activity.hits += 1
+                    activity.touched[key] = now
+            big = len(activity.touched) >= _ACTIVITY_FLUSH_KEYS
+        if big:
+            self._flush_activity()
+        return results
+
+    def _quarantine(self, key: bytes, reason: str) -> None:
+        def still_corrupt(blob: memoryview) -> bool:
+            try:
+                codec.verify(blob, key)
+                return False
+            except CorruptBlockError:
+                return True
+        self._tier.quarantine(key, reason, still_corrupt)
+
+    # -- activity, durability ------------------------------------------------------
+    def _take_activity(self) -> PendingActivity:
+        with self._lock:
+            activity, self._activity = self._activity, PendingActivity()
+        return activity
+
+    def _return_activity(self, activity: PendingActivity) -> None:
+        with self._lock:
+            for key, ns in activity.touched.items():
+                self._activity.touched[key] = max(ns, self._activity.touched.get(key, 0))
+            self._activity.hits += activity.hits
+            self._activity.misses += activity.misses
+
+    def _flush_activity(self) -> None:
+        activity = self._take_activity()
+        try:
+            self._tier.apply_activity(activity)
+        except BaseException:
+            self._return_activity(activity)
+            raise
+
+    def flush(self) -> None:
+        """Writes pending activity and makes every commit durable."""
+        self._check_open()
+        self._flush_activity()
+        self._engine.sync()
+
+    def close(self) -> None:
+        """Flushes and closes; further calls raise ClosedError."""
+        if self._closed:
+            return
+        if self._pid == os.getpid():
+            self._stop.set()
+            if self._maintenance is not None:
+                self._maintenance.join()
+            try:
+                self._flush_activity()
+                self._engine.sync()
+            finally:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+        self._closed = True
+        self._engine.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- introspection -------------------------------------------------------------
+    @property
+    def tier(self) -> LocalTier:
+        """The local tier (for tools and tests)."""
+        return self._tier
+
+    def stats(self) -> StoreStats:
+        """Counters of the whole store (all processes), plus this process's
+        unflushed hits and misses."""
+        self._check_open()
+        totals = self._tier.totals()
+        with self._lock:
+            hits, misses = self._activity.hits, self._activity.misses
+        descriptions = self._tier.namespace_descriptions()
+        namespaces = {
+            ns_id.hex(): NamespaceStats(descriptions.get(ns_id, {}), *counts)
+            for ns_id, counts in self._tier.namespace_counts().items()
+            if counts[0]
+        }
+        return StoreStats(
+            path=str(self.path), engine=self.config.engine, format_version=STORE_FORMAT_VERSION,
+            settings=self.config.to_dict(), capacity_bytes=self.config.capacity_bytes,
+            blocks=totals.blocks, raw_bytes=totals.raw_bytes, stored_bytes=totals.stored_bytes,
+            file_bytes=self._engine.file_bytes(), hits=totals.hits + hits, misses=totals.misses + misses,
+            evictions=totals.evictions, quarantined=totals.quarantined,
+            pending_uploads=len(self._tier.pending_uploads()), namespaces=namespaces,
+        )
+
+
+@dataclass(slots=True)
+class _Deferred:
+    blob: bytes
+
+
+def _fresh_lock(store: Store) -> threading.Lock:
+    # After fork the parent's lock may be held by a thread that does not
+    # exist here: give the child a new one.
+    store._lock = threading.Lock()
+    return store._lock
+
+
+def check_format_version(version: int, path: Path) -> None:
+    """Refuses stores of another format version, with the fix."""
+    if version < STORE_FORMAT_VERSION:
+        raise FormatVersionError(f"store at {path} has format {version}, this ucm-db reads {STORE_FORMAT_VERSION}", hint=f"run `ucm-db migrate {path}`")
+    if version > STORE_FORMAT_VERSION:
+        raise FormatVersionError(
+            f"store at {path} has format {version}, newer than this ucm-db ({STORE_FORMAT_VERSION})",
+            hint="upgrade ucm-db; older code never writes to a newer store",
+        )

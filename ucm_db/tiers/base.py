@@ -1,0 +1,118 @@
+"""Tier and engine interfaces.
+
+Two levels live here:
+
+* :class:`Tier` is the block-level interface every tier offers (local or
+  remote): batch get and put, exists, delete, iterate, capabilities. A miss
+  is ``None``, never an exception.
+* :class:`Engine` is the transactional table store a *local* tier is built
+  on (LMDB, RocksDB, memory). It knows nothing of blocks: it runs a function
+  inside a read or write transaction over named tables of sorted bytes keys.
+
+Invariants:
+    * ``Engine.write(fn)`` is atomic: either every change ``fn`` made is
+      committed or none is (an exception aborts). ``fn`` may be re-run after
+      the engine grows its map, so it must not have side effects outside the
+      transaction.
+    * Buffers returned by ``Txn.get``/``Txn.scan`` are valid only inside the
+      transaction; copy them out before returning.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar, Union
+
+Buffer = Union[bytes, bytearray, memoryview]
+T = TypeVar("T")
+
+#: Tables every local engine provides.
+TABLES = ("blocks", "meta", "lru", "children", "info", "quarantine", "uploads", "migrations")
+
+
+@dataclass(frozen=True, slots=True)
+class TierCapabilities:
+    """What a tier can promise.
+
+    Attributes:
+        persistent: survives a process restart.
+        transactional: a batch put is atomic.
+        multi_process: several processes may open it at once.
+        sorted_iteration: iterate() yields keys in byte order.
+    """
+
+    persistent: bool
+    transactional: bool
+    multi_process: bool
+    sorted_iteration: bool
+
+
+class Tier(ABC):
+    """Block-level tier: keys are 32-byte block keys, values encoded blobs."""
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> TierCapabilities: ...
+
+    @abstractmethod
+    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Encoded blobs of ``keys``; ``None`` for a miss."""
+
+    @abstractmethod
+    def put_batch(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
+        """Stores ``(key, blob)`` pairs (atomically where transactional)."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Deletes keys; returns how many were present."""
+
+    @abstractmethod
+    def iterate(self) -> Iterator[bytes]:
+        """Yields every stored key."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases resources."""
+
+
+class Txn(Protocol):
+    """One transaction over an engine's tables."""
+
+    def get(self, table: str, key: bytes) -> Buffer | None: ...
+
+    def put(self, table: str, key: bytes, value: Buffer) -> None: ...
+
+    def delete(self, table: str, key: bytes) -> bool: ...
+
+    def scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
+        """Yields ``(key, value)`` in key order for keys starting with prefix."""
+        ...
+
+
+class Engine(ABC):
+    """A transactional store of named tables (see module invariants)."""
+
+    name: str = ""
+    multi_process: bool = False
+    persistent: bool = True
+
+    @abstractmethod
+    def read(self, fn: Callable[[Txn], T]) -> T: ...
+
+    @abstractmethod
+    def write(self, fn: Callable[[Txn], T]) -> T: ...
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Makes every committed transaction durable."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def file_bytes(self) -> int:
+        """Bytes the engine's files take on disk (0 if not on disk)."""
+        return 0

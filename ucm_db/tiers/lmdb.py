@@ -1,0 +1,203 @@
+"""LMDB engine: the default local tier.
+
+The OS page cache over the LMDB file is the DRAM tier, the file the SSD tier.
+
+Invariants and choices:
+    * Never ``writemap`` (a full disk would SIGBUS); ``readahead`` on;
+      ``reader_check()`` on every open clears reader slots of dead processes.
+    * The environment is opened lazily and re-opened in a forked child (an
+      LMDB environment must not cross ``fork``).
+    * Map growth happens outside any transaction: a write that hits
+      ``MapFullError`` is aborted, the map is doubled while no transaction of
+      this process runs, and the write function is run again.
+    * Write transactions of this process are serialised by a lock (LMDB's
+      own writer lock serialises processes).
+    * The directory is created 0700 and the files 0600.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmdb
+
+from ucm_db.errors import TierError
+from ucm_db.tiers.base import TABLES, Buffer, Engine, T
+
+_MAX_MAP_BYTES = 1 << 46
+
+
+class _LmdbTxn:
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, object]) -> None:
+        self._txn = txn
+        self._dbs = dbs
+
+    def get(self, table: str, key: bytes) -> Buffer | None:
+        return self._txn.get(key, db=self._dbs[table])  # type: ignore[no-any-return]
+
+    def put(self, table: str, key: bytes, value: Buffer) -> None:
+        self._txn.put(key, value, db=self._dbs[table])
+
+    def delete(self, table: str, key: bytes) -> bool:
+        return self._txn.delete(key, db=self._dbs[table])  # type: ignore[no-any-return]
+
+    def scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
+        cursor = self._txn.cursor(db=self._dbs[table])
+        if not cursor.set_range(prefix):
+            return
+        for key, value in cursor:
+            key = bytes(key)
+            if not key.startswith(prefix):
+                return
+            yield key, value
+
+
+class _SharedExclusiveLock:
+    """Many transactions at once, or one map resize alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+class LmdbEngine(Engine):
+    """Tables as LMDB sub-databases in one environment directory."""
+
+    name = "lmdb"
+    multi_process = True
+    persistent = True
+
+    def __init__(self, path: str | Path, *, map_size_bytes: int, sync: bool, max_readers: int = 1024) -> None:
+        self.path = Path(path)
+        self._map_size_bytes = map_size_bytes
+        self._sync = sync
+        self._max_readers = max_readers
+        self._env: lmdb.Environment | None = None
+        self._dbs: dict[str, object] = {}
+        self._pid = -1
+        self._open_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._txn_gate = _SharedExclusiveLock()
+
+    def _environment(self) -> lmdb.Environment:
+        if self._env is not None and self._pid == os.getpid():
+            return self._env
+        with self._open_lock:
+            if self._env is None or self._pid != os.getpid():
+                self._open()
+        assert self._env is not None
+        return self._env
+
+    def _open(self) -> None:
+        # A forked child must not touch the parent's environment: drop it.
+        self._env = None
+        self._write_lock = threading.Lock()
+        self._txn_gate = _SharedExclusiveLock()
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            env = lmdb.open(
+                str(self.path),
+                map_size=self._map_size_bytes,
+                subdir=True,
+                max_dbs=len(TABLES) + 4,
+                max_readers=self._max_readers,
+                sync=self._sync,
+                metasync=True,
+                readahead=True,
+                writemap=False,
+                lock=True,
+                mode=0o600,
+            )
+        except lmdb.Error as exc:
+            raise TierError(f"cannot open LMDB store at {self.path}: {exc}") from exc
+        env.reader_check()
+        current = env.info()["map_size"]
+        if current < self._map_size_bytes:
+            env.set_mapsize(self._map_size_bytes)
+        self._dbs = {name: env.open_db(name.encode()) for name in TABLES}
+        self._env = env
+        self._pid = os.getpid()
+
+    def read(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
+        env = self._environment()
+        for _ in range(3):
+            try:
+                with self._txn_gate.shared(), env.begin(buffers=True) as txn:
+                    return fn(_LmdbTxn(txn, self._dbs))
+            except lmdb.MapResizedError:
+                self._adopt_resize(env)
+        raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
+
+    def write(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
+        env = self._environment()
+        while True:
+            try:
+                with self._write_lock, self._txn_gate.shared(), env.begin(write=True, buffers=True) as txn:
+                    return fn(_LmdbTxn(txn, self._dbs))
+            except lmdb.MapFullError:
+                self._grow(env)
+            except lmdb.MapResizedError:
+                self._adopt_resize(env)
+            except lmdb.Error as exc:
+                raise TierError(f"LMDB write to {self.path} failed: {exc}") from exc
+
+    def _grow(self, env: lmdb.Environment) -> None:
+        with self._txn_gate.exclusive():
+            size = env.info()["map_size"]
+            if size * 2 > _MAX_MAP_BYTES:
+                raise TierError(f"LMDB map of {self.path} cannot grow past {size} bytes")
+            env.set_mapsize(size * 2)
+
+    def _adopt_resize(self, env: lmdb.Environment) -> None:
+        with self._txn_gate.exclusive():
+            env.set_mapsize(0)
+
+    def sync(self) -> None:
+        env = self._environment()
+        try:
+            env.sync(True)
+        except lmdb.Error as exc:
+            raise TierError(f"LMDB sync of {self.path} failed: {exc}") from exc
+
+    def close(self) -> None:
+        with self._open_lock:
+            if self._env is not None and self._pid == os.getpid():
+                self._env.close()
+            self._env = None
+
+    def file_bytes(self) -> int:
+        data = self.path / "data.mdb"
+        return data.stat().st_size if data.exists() else 0
