@@ -100,8 +100,9 @@ class Namespace:
         """The virtual parent of a chain's first block, for these extras."""
         h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"ucm-db/root")
         h.update(self.digest)
-        if extras:
-            h.update(_canonical_extras(extras))
+        canonical = _canonical_extras(extras) if extras else b""
+        if canonical:
+            h.update(canonical)
         return h.digest()
 
     def block_keys(
@@ -178,6 +179,8 @@ def _canonical_extras(extras: Mapping[str, ExtraValue]) -> bytes:
             raise ConfigError(f"extra {name!r} must be str, int, bytes or None, got {type(value).__name__}", hint="hash it to bytes first")
         else:
             items.append([name, "s" if isinstance(value, str) else "i", value])
+    if not items:
+        return b""
     return json.dumps(items, separators=(",", ":"), ensure_ascii=True).encode()
 
 
