@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
 
@@ -289,6 +290,7 @@ class LocalTier(Tier):
                 depths[entry.key] = depth
                 meta = BlockMeta(entry.namespace_id, entry.parent, depth, entry.raw_bytes, len(entry.blob), now, now, 0)
                 txn.put("blocks", entry.key, entry.blob)
+                crashpoint("local.after_payload_write")
                 txn.put("meta", entry.key, meta.pack())
                 txn.put("lru", lru_key(now, depth, entry.key), b"")
                 if entry.parent is not None:
@@ -301,6 +303,7 @@ class LocalTier(Tier):
                 self._apply_activity(txn, changes, activity)
             result.evicted = self._evict_over_capacity(txn, changes, protected=in_batch)
             changes.commit()
+            crashpoint("local.before_commit")
             return result
         return self.engine.write(run)
 
