@@ -1,16 +1,24 @@
-"""Shared pytest options for the whole suite."""
+"""Shared pytest options and fixtures.
+
+``--long`` enables the long soak / crash modes (marker ``long``); without it
+those tests are deselected, and the README's test command runs the rest.
+"""
+
+from __future__ import annotations
 
 import pytest
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--long", action="store_true", default=False, help="run soak / long crash modes (marker `long`)")
+    parser.addoption("--long", action="store_true", default=False, help="run the long soak and crash modes too")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--long"):
         return
-    skip_long = pytest.mark.skip(reason="long mode: run with --long")
+    kept, dropped = [], []
     for item in items:
-        if "long" in item.keywords:
-            item.add_marker(skip_long)
+        (dropped if item.get_closest_marker("long") else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
