@@ -1,0 +1,286 @@
+"""RocksDB engine: an alternative single-process local tier (via rocksdict).
+
+Layout: one RocksDB database per store directory, one column family per
+table of :data:`~ucm_db.tiers.base.TABLES`. The ``blocks`` family keeps
+values of 4 KiB and more in blob files (integrated BlobDB), so compaction
+moves small index entries instead of whole KV payloads; blobs are stored
+uncompressed because the codec already compressed them.
+
+Invariants and choices:
+    * rocksdict is used with ``raw_mode=True`` only: keys and values are raw
+      bytes, never pickled Python objects.
+    * ``write(fn)`` runs ``fn`` against an overlay of pending changes over
+      the committed tables (read-your-writes, sorted merged scans), then
+      commits the whole overlay as one ``WriteBatch``: all or nothing. An
+      exception in ``fn`` leaves the database untouched.
+    * Writers are serialised by a lock. Readers share a gate that the commit
+      of a batch takes exclusively, so a read transaction never sees half of
+      a batch across column families.
+    * Single process: RocksDB's ``LOCK`` file refuses a second opener, which
+      is reported as :class:`~ucm_db.errors.LockedError`; a forked child
+      must not use its parent's handle and gets the same error.
+    * ``sync=True`` fsyncs the WAL on every commit; otherwise
+      :meth:`RocksDbEngine.sync` flushes and fsyncs the WAL (group commit).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import rocksdict
+
+from ucm_db.errors import LockedError, TierError
+from ucm_db.tiers.base import TABLES, Buffer, Engine, T
+
+#: Values at least this large go to blob files instead of the LSM tree.
+MIN_BLOB_BYTES = 4096
+_DELETED = object()
+
+
+def _options(table: str | None) -> rocksdict.Options:
+    opts = rocksdict.Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.create_missing_column_families(True)
+    if table == "blocks":
+        # Payloads are already compressed and large: keep them out of the
+        # LSM tree so compaction rewrites only the small index entries.
+        opts.set_enable_blob_files(True)
+        opts.set_min_blob_size(MIN_BLOB_BYTES)
+        opts.set_blob_compression_type(rocksdict.DBCompressionType.none())
+        opts.set_compression_type(rocksdict.DBCompressionType.none())
+        opts.set_enable_blob_gc(True)
+    return opts
+
+
+class _Gate:
+    """Many readers at once, or one commit alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._committing = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            while self._committing:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def committing(self) -> Iterator[None]:
+        with self._cond:
+            self._committing = True
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._committing = False
+                self._cond.notify_all()
+
+
+class _RocksTxn:
+    """A transaction: committed tables, plus an overlay when writable."""
+
+    def __init__(self, families: dict[str, rocksdict.Rdict], writable: bool) -> None:
+        self._families = families
+        self._writable = writable
+        self.overlay: dict[str, dict[bytes, object]] = {name: {} for name in families}
+
+    def get(self, table: str, key: bytes) -> Buffer | None:
+        key = bytes(key)
+        pending = self.overlay[table].get(key)
+        if pending is _DELETED:
+            return None
+        if pending is not None:
+            return pending  # type: ignore[return-value]
+        return self._families[table].get(key)  # type: ignore[no-any-return]
+
+    def put(self, table: str, key: bytes, value: Buffer) -> None:
+        if not self._writable:
+            raise TierError("put in a read transaction", hint="use Engine.write")
+        self.overlay[table][bytes(key)] = bytes(value)
+
+    def delete(self, table: str, key: bytes) -> bool:
+        if not self._writable:
+            raise TierError("delete in a read transaction", hint="use Engine.write")
+        present = self.get(table, key) is not None
+        self.overlay[table][bytes(key)] = _DELETED
+        return present
+
+    def scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
+        # The overlay is snapshotted at the start so callers may change the
+        # table while they iterate (they see the state as of the call).
+        pending = sorted((k, v) for k, v in self.overlay[table].items() if k.startswith(prefix))
+        yield from _merge(self._base_scan(table, prefix), pending)
+
+    def _base_scan(self, table: str, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        it = self._families[table].iter()
+        it.seek(prefix)
+        while it.valid():
+            key = it.key()
+            if not key.startswith(prefix):
+                return
+            yield key, it.value()
+            it.next()
+
+    def batch(self, handles: dict[str, object]) -> rocksdict.WriteBatch | None:
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for table, changes in self.overlay.items():
+            for key, value in changes.items():
+                if value is _DELETED:
+                    batch.delete(key, handles[table])
+                else:
+                    batch.put(key, value, handles[table])
+        return None if batch.is_empty() else batch
+
+
+def _merge(base: Iterator[tuple[bytes, bytes]], pending: list[tuple[bytes, object]]) -> Iterator[tuple[bytes, Buffer]]:
+    """Merges sorted committed items with sorted overlay items (overlay wins)."""
+    i = 0
+    for key, value in base:
+        while i < len(pending) and pending[i][0] < key:
+            if pending[i][1] is not _DELETED:
+                yield pending[i]  # type: ignore[misc]
+            i += 1
+        if i < len(pending) and pending[i][0] == key:
+            if pending[i][1] is not _DELETED:
+                yield pending[i]  # type: ignore[misc]
+            i += 1
+            continue
+        yield key, value
+    for key, value in pending[i:]:
+        if value is not _DELETED:
+            yield key, value  # type: ignore[misc]
+
+
+class RocksDbEngine(Engine):
+    """Tables as RocksDB column families (single process; see module docs)."""
+
+    name = "rocksdb"
+    multi_process = False
+    persistent = True
+
+    def __init__(self, path: str | Path, *, sync: bool, read_only: bool = False) -> None:
+        self.path = Path(path)
+        self._sync = sync
+        self._read_only = read_only
+        self._write_lock = threading.Lock()
+        self._gate = _Gate()
+        self._pid = os.getpid()
+        self._db = self._open()
+        self._families = {name: self._db.get_column_family(name) for name in TABLES}
+        self._handles = {name: self._db.get_column_family_handle(name) for name in TABLES}
+        self._write_options = rocksdict.WriteOptions()
+        self._write_options.sync = sync
+        self._closed = False
+
+    def _open(self) -> rocksdict.Rdict:
+        try:
+            if self._read_only:
+                existing = rocksdict.Rdict.list_cf(str(self.path), rocksdict.Options(raw_mode=True))
+                missing = sorted(set(TABLES) - set(existing))
+                if missing:
+                    raise TierError(f"RocksDB store at {self.path} lacks tables {', '.join(missing)}", hint="open it once for writing")
+                return rocksdict.Rdict(
+                    str(self.path), options=_options(None),
+                    column_families={name: _options(name) for name in existing},
+                    access_type=rocksdict.AccessType.read_only(),
+                )
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return rocksdict.Rdict(
+                str(self.path), options=_options(None),
+                column_families={name: _options(name) for name in TABLES},
+            )
+        except TierError:
+            raise
+        except Exception as exc:  # rocksdict raises plain Exception for IO errors
+            if "lock" in str(exc).lower():
+                raise LockedError(
+                    f"RocksDB store at {self.path} is already open in another process or handle "
+                    f"(the rocksdb engine is single-process): {exc}",
+                ) from exc
+            raise TierError(f"cannot open RocksDB store at {self.path}: {exc}") from exc
+
+    def _check(self) -> None:
+        if self._pid != os.getpid():
+            raise LockedError(
+                f"RocksDB store at {self.path} was opened in process {self._pid} and used in forked child {os.getpid()}",
+                hint="open the store after fork, in one process only, or use the LMDB engine",
+            )
+        if self._closed:
+            raise TierError(f"RocksDB store at {self.path} is closed", hint="open the store again")
+
+    def read(self, fn: Callable[[_RocksTxn], T]) -> T:  # type: ignore[override]
+        self._check()
+        with self._gate.reading():
+            return fn(_RocksTxn(self._families, writable=False))
+
+    def write(self, fn: Callable[[_RocksTxn], T]) -> T:  # type: ignore[override]
+        self._check()
+        if self._read_only:
+            raise TierError(f"RocksDB store at {self.path} is open read-only", hint="open it without read_only")
+        with self._write_lock:
+            txn = _RocksTxn(self._families, writable=True)
+            result = fn(txn)
+            batch = txn.batch(self._handles)
+            if batch is not None:
+                try:
+                    with self._gate.committing():
+                        self._db.write(batch, self._write_options)
+                except Exception as exc:
+                    raise TierError(f"RocksDB write to {self.path} failed: {exc}") from exc
+            return result
+
+    def sync(self) -> None:
+        self._check()
+        if self._read_only:
+            return
+        try:
+            self._db.flush_wal(True)
+        except Exception as exc:
+            raise TierError(f"RocksDB sync of {self.path} failed: {exc}") from exc
+
+    def compact(self) -> None:
+        """Compacts every column family (reclaims space of deleted entries)."""
+        self._check()
+        for family in self._families.values():
+            family.compact_range(None, None)
+
+    def close(self) -> None:
+        if self._closed or self._pid != os.getpid():
+            self._closed = True
+            return
+        self._closed = True
+        with self._write_lock:
+            if not self._read_only:
+                self._db.flush_wal(True)
+            # Column family handles and views keep the database (and its
+            # LOCK file) alive until they are released.
+            self._handles.clear()
+            for family in self._families.values():
+                family.close()
+            self._families.clear()
+            self._db.close()
+
+    def file_bytes(self) -> int:
+        total = 0
+        for root, _dirs, files in os.walk(self.path):
+            for name in files:
+                try:
+                    total += os.path.getsize(os.path.join(root, name))
+                except OSError:
+                    pass  # a file removed by a background compaction meanwhile
+        return total
