@@ -26,7 +26,13 @@ def _lmdb(path: Path) -> Engine:
     return LmdbEngine(path / "lmdb", map_size_bytes=1 << 20, sync=False)
 
 
-ENGINE_FACTORIES: dict[str, Callable[[Path], Engine]] = {"memory": _memory, "lmdb": _lmdb}
+def _rocksdb(path: Path) -> Engine:
+    from ucm_db.tiers.rocksdb import RocksDbEngine
+
+    return RocksDbEngine(path / "rocksdb", sync=False)
+
+
+ENGINE_FACTORIES: dict[str, Callable[[Path], Engine]] = {"memory": _memory, "lmdb": _lmdb, "rocksdb": _rocksdb}
 
 
 @pytest.fixture(params=sorted(ENGINE_FACTORIES))
