@@ -31,6 +31,7 @@ from ucm_db import codec
 from ucm_db.config import PERSISTED_FIELDS, StoreConfig
 from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, FormatVersionError, MissingAncestorError
 from ucm_db.keys import KEY_BYTES, Namespace
+from ucm_db.storelock import hold_shared
 from ucm_db.tiers.base import Buffer, Engine
 from ucm_db.tiers.local import BlockEntry, LocalTier, PendingActivity, PutResult
 
@@ -131,6 +132,7 @@ class Store:
             if existing is not None:
                 explicit["engine"] = existing
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._dir_lock = hold_shared(self.path)  # keeps compact/migrate from rewriting files under us
         self.config = StoreConfig.from_dict(explicit)
         self._engine = _make_engine(self.path, self.config)
         self._tier = LocalTier(self._engine, capacity_bytes=self.config.capacity_bytes)
@@ -408,6 +410,7 @@ class Store:
                     self._pool.shutdown(wait=True)
         self._closed = True
         self._engine.close()
+        self._dir_lock.release()
 
     def __enter__(self) -> Store:
         return self
