@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     if job == "setup":
         return 0
     if job == "demo":
-        cmd = [str(PY), "-m", "ucm_db.tools.demo", *rest]
+        cmd = [str(PY), "-m", "ucm_db.connector.demo", *rest]
     else:
         cmd = [str(PY), "-m", "pytest", *rest]
     print("+", " ".join(cmd), flush=True)
