@@ -1,1 +1,183 @@
-"""placeholder"""
+"""Store format migrations: numbered, registered, each in one transaction.
+
+A store records its format version in ``info/format_version``. Migration
+``N`` moves a store from format ``N-1`` to ``N``; the modules named
+``vNNNN_<name>.py`` in :mod:`ucm_db.migrations.versions` each define one
+:class:`Migration` as ``MIGRATION`` and are registered on first use.
+
+Invariants:
+    * A migration runs in one engine write transaction together with the
+      record that it ran (table ``migrations``, key ``%08d`` of its version)
+      and the new ``format_version``: a store is at format ``N`` exactly when
+      migration ``N`` (or creation at ``N``) committed, never half-way.
+    * A failed migration raises :class:`~ucm_db.errors.MigrationError` and
+      leaves the store at its previous version, untouched.
+    * Migrating needs the store to itself: it holds the store's lock
+      exclusively (see :mod:`ucm_db.storelock`) and refuses, naming them,
+      while other processes have the store open.
+    * Migrations never read stored payloads as code (no pickle); they move
+      bytes and JSON only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ucm_db.errors import MigrationError
+from ucm_db.store import FORMAT_VERSION_KEY, STORE_FORMAT_VERSION
+from ucm_db.tiers.base import Txn
+
+from ucm_db.migrations.access import exclusive_engine, open_engine, read_format_version
+
+MIGRATIONS_TABLE = "migrations"
+_MODULE_NAME = re.compile(r"^v(\d{4})_\w+$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One format step.
+
+    Attributes:
+        version: the format version the store has after this migration.
+        name: short identifier (the module name without its number).
+        description: what changes, for ``ucm-db migrate --list``.
+        upgrade: the change, run inside the migration's write transaction;
+            it must not have effects outside ``txn`` (it may be re-run).
+    """
+
+    version: int
+    name: str
+    description: str
+    upgrade: Callable[[Txn], None]
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedMigration:
+    """The record a migration left in the ``migrations`` table."""
+
+    version: int
+    name: str
+    applied_ns: int
+    ucm_db_version: str
+
+
+_registry: dict[int, Migration] = {}
+_discovered = False
+
+
+def register(migration: Migration) -> Migration:
+    """Adds a migration to the registry (tests register extra ones)."""
+    if migration.version in _registry and _registry[migration.version] is not migration:
+        raise MigrationError(f"two migrations claim format version {migration.version}", hint="renumber one of them")
+    _registry[migration.version] = migration
+    return migration
+
+
+def unregister(version: int) -> None:
+    """Removes a migration registered by a test."""
+    _registry.pop(version, None)
+
+
+def registered() -> list[Migration]:
+    """Every known migration, by version (modules are imported on first call)."""
+    global _discovered
+    if not _discovered:
+        from ucm_db.migrations import versions
+
+        for info in pkgutil.iter_modules(versions.__path__):
+            match = _MODULE_NAME.match(info.name)
+            if match:
+                module = importlib.import_module(f"{versions.__name__}.{info.name}")
+                migration = register(module.MIGRATION)
+                if migration.version != int(match.group(1)):
+                    raise MigrationError(f"module {info.name} defines version {migration.version}", hint="match the file name")
+        _discovered = True
+    return [_registry[v] for v in sorted(_registry)]
+
+
+def applied(path: str | Path) -> list[AppliedMigration]:
+    """Migrations recorded as applied to the store at ``path``."""
+    engine = open_engine(Path(path), read_only=True)
+    try:
+        records = engine.read(lambda txn: [json.loads(bytes(v)) for _, v in txn.scan(MIGRATIONS_TABLE)])
+    finally:
+        engine.close()
+    return [AppliedMigration(r["version"], r["name"], r["applied_ns"], r["ucm_db_version"]) for r in records]
+
+
+def pending(path: str | Path, target: int = STORE_FORMAT_VERSION) -> list[Migration]:
+    """Migrations that would take the store at ``path`` to ``target``."""
+    engine = open_engine(Path(path), read_only=True)
+    try:
+        version = read_format_version(engine)
+    finally:
+        engine.close()
+    return plan(version, target, path)
+
+
+def plan(version: int, target: int, path: str | Path) -> list[Migration]:
+    """The chain of migrations from ``version`` to ``target``."""
+    if version > target:
+        raise MigrationError(
+            f"store at {path} has format {version}, newer than the target {target}",
+            hint="upgrade ucm-db; migrations only go forward",
+        )
+    known = {m.version: m for m in registered()}
+    steps = []
+    for step in range(version + 1, target + 1):
+        if step not in known:
+            raise MigrationError(f"no migration to format {step} is registered", hint="upgrade ucm-db")
+        steps.append(known[step])
+    return steps
+
+
+def migrate(
+    path: str | Path,
+    target: int = STORE_FORMAT_VERSION,
+    *,
+    on_step: Callable[[Migration], None] | None = None,
+) -> list[Migration]:
+    """Applies pending migrations in order; returns those applied.
+
+    Raises:
+        LockedError: other processes have the store open.
+        MigrationError: a migration failed; the store stays at the format of
+            the last migration that committed.
+    """
+    path = Path(path)
+    with exclusive_engine(path) as engine:
+        steps = plan(read_format_version(engine), target, path)
+        for migration in steps:
+            _apply(engine, migration, path)
+            if on_step is not None:
+                on_step(migration)
+    return steps
+
+
+def _apply(engine: Any, migration: Migration, path: Path) -> None:
+    from ucm_db import __version__
+
+    def run(txn: Txn) -> None:
+        found = int(bytes(txn.get("info", FORMAT_VERSION_KEY) or b"0"))
+        if found != migration.version - 1:
+            raise MigrationError(f"store at {path} is at format {found}, expected {migration.version - 1}")
+        migration.upgrade(txn)
+        record = {"version": migration.version, "name": migration.name, "applied_ns": time.time_ns(), "ucm_db_version": __version__}
+        txn.put(MIGRATIONS_TABLE, b"%08d" % migration.version, json.dumps(record, sort_keys=True).encode())
+        txn.put("info", FORMAT_VERSION_KEY, str(migration.version).encode())
+
+    try:
+        engine.write(run)
+    except MigrationError:
+        raise
+    except Exception as exc:
+        raise MigrationError(f"migration {migration.version} ({migration.name}) of {path} failed: {exc}") from exc
+    engine.sync()

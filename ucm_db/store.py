@@ -36,8 +36,10 @@ from ucm_db.tiers.base import Buffer, Engine
 from ucm_db.tiers.local import BlockEntry, LocalTier, PendingActivity, PutResult
 
 #: On-disk format of the store's tables; migrations move stores between them.
-STORE_FORMAT_VERSION = 1
+STORE_FORMAT_VERSION = 2
 FORMAT_VERSION_KEY = b"format_version"
+#: JSON record of the code that created the store (format 2 on; see migrations).
+CREATED_KEY = b"created"
 SETTINGS_KEY = b"settings"
 _ACTIVITY_FLUSH_KEYS = 4096
 
@@ -134,9 +136,17 @@ class Store:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._dir_lock = hold_shared(self.path)  # keeps compact/migrate from rewriting files under us
         self.config = StoreConfig.from_dict(explicit)
-        self._engine = _make_engine(self.path, self.config)
-        self._tier = LocalTier(self._engine, capacity_bytes=self.config.capacity_bytes)
-        self.config = self._adopt_settings(explicit)
+        try:
+            self._engine = _make_engine(self.path, self.config)
+            self._tier = LocalTier(self._engine, capacity_bytes=self.config.capacity_bytes)
+            self.config = self._adopt_settings(explicit)
+        except BaseException:
+            # A refused store (format, settings, lock) is let go at once, so
+            # e.g. `migrate` in this same process can take it.
+            if hasattr(self, "_engine"):
+                self._engine.close()
+            self._dir_lock.release()
+            raise
         self._tier.capacity_bytes = self.config.capacity_bytes
         self._closed = False
         self._lock = threading.Lock()
@@ -158,6 +168,7 @@ class Store:
             if version is None:
                 txn.put("info", FORMAT_VERSION_KEY, str(STORE_FORMAT_VERSION).encode())
                 txn.put("info", SETTINGS_KEY, json.dumps(wanted, sort_keys=True).encode())
+                txn.put("info", CREATED_KEY, creation_record())
                 return STORE_FORMAT_VERSION, wanted
             return int(bytes(version)), json.loads(bytes(settings)) if settings is not None else {}
 
@@ -457,6 +468,14 @@ def _fresh_lock(store: Store) -> threading.Lock:
     # exist here: give the child a new one.
     store._lock = threading.Lock()
     return store._lock
+
+
+def creation_record() -> bytes:
+    """The ``info/created`` record of a store this code creates."""
+    from ucm_db import __version__
+
+    record = {"ucm_db_version": __version__, "created_ns": time.time_ns(), "format_version": STORE_FORMAT_VERSION}
+    return json.dumps(record, sort_keys=True).encode()
 
 
 def check_format_version(version: int, path: Path) -> None:

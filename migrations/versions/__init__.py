@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Numbered migration modules: ``vNNNN_<name>.py`` each defining ``MIGRATION``."""

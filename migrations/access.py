@@ -1,0 +1,83 @@
+"""Opening a store's engine directly, below :class:`ucm_db.Store`.
+
+Migrations and maintenance tools must read stores the current code refuses
+to open (an older format) and must not write reader activity while they
+look. They open the engine alone, read-only where they can.
+
+Invariants:
+    * :func:`open_engine` never creates a store: a path without one is a
+      :class:`~ucm_db.errors.ConfigError`.
+    * :func:`exclusive_engine` holds the store's lock exclusively for as long
+      as the engine is open, or refuses naming the processes that hold it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ucm_db.errors import ConfigError, LockedError
+from ucm_db.store import FORMAT_VERSION_KEY, detect_engine
+from ucm_db.storelock import StoreLock, describe, holders
+from ucm_db.tiers.base import Engine
+
+#: Smallest LMDB map to ask for; LMDB keeps a store's larger recorded size.
+_MIN_MAP_BYTES = 1 << 20
+
+
+def require_store(path: Path) -> str:
+    """The engine name of the store at ``path``; ConfigError if there is none."""
+    engine = detect_engine(path)
+    if engine is None:
+        raise ConfigError(
+            f"no ucm-db store at {path}",
+            hint="pass the directory given to ucm_db.open (it holds lmdb/ or rocksdb/)",
+        )
+    return engine
+
+
+def open_engine(path: Path, *, read_only: bool = False, sync: bool = True) -> Engine:
+    """Opens the engine of the existing store at ``path`` (no Store checks)."""
+    name = require_store(path)
+    if name == "rocksdb":
+        from ucm_db.tiers.rocksdb import RocksDbEngine
+
+        return RocksDbEngine(path / "rocksdb", sync=sync, read_only=read_only)
+    from ucm_db.tiers.lmdb import LmdbEngine
+
+    return LmdbEngine(path / "lmdb", map_size_bytes=_MIN_MAP_BYTES, sync=sync)
+
+
+def read_format_version(engine: Engine) -> int:
+    """The format version recorded in the store."""
+    raw = engine.read(lambda txn: txn.get("info", FORMAT_VERSION_KEY))
+    if raw is None:
+        raise ConfigError("the store records no format version", hint="it was never opened by ucm-db; check the path")
+    return int(bytes(raw))
+
+
+def refuse_if_held(path: Path, lock: StoreLock, action: str) -> None:
+    """Takes ``lock`` exclusively or raises LockedError naming the holders."""
+    if not lock.try_exclusive():
+        lock.release()
+        raise LockedError(
+            f"cannot {action} {path}: the store is open in {describe(holders(path))}",
+            hint="stop or close those processes, then run the command again",
+        )
+
+
+@contextmanager
+def exclusive_engine(path: Path, action: str = "migrate") -> Iterator[Engine]:
+    """The store's engine, opened for writing while no one else has it."""
+    require_store(path)
+    lock = StoreLock(path)
+    refuse_if_held(path, lock, action)
+    try:
+        engine = open_engine(path, read_only=False, sync=True)
+        try:
+            yield engine
+        finally:
+            engine.close()
+    finally:
+        lock.release()
