@@ -55,6 +55,16 @@ _ZERO_CHECKSUM = bytes(8)
 #: A plane is kept compressed only if it shrinks below this fraction.
 _KEEP_COMPRESSED_RATIO = 0.92
 _PROBE_BYTES = 64 * 1024
+#: zstd settings for byte planes at level 1. The exponent plane of bf16/fp16
+#: K/V repeats little beyond a few bytes, so level 1's short matches cost
+#: more to code and to decode than the literals they replace; asking for
+#: 7-byte matches from a small hash table leaves an almost literal-only
+#: (Huffman) frame that is slightly smaller and about 1.5x faster to
+#: decompress on real bf16 K/V (BENCHMARKS.md). Any zstd decoder reads it.
+_PLANE_PARAMS = zstandard.ZstdCompressionParameters(
+    strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=8, chain_log=6, search_log=1,
+    min_match=7, target_length=0, write_content_size=True,
+)
 
 _DTYPE_ELEMENT_BYTES = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
@@ -83,13 +93,19 @@ class Header:
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def _compressor(level: int, *, planes: bool = False) -> zstandard.ZstdCompressor:
+    """This thread's compressor for ``level`` (plane-tuned at level 1)."""
     cache = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
-    cctx = cache.get(level)
+    tuned = planes and level == 1
+    cctx = cache.get((level, tuned))
     if cctx is None:
-        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        if tuned:
+            cctx = zstandard.ZstdCompressor(compression_params=_PLANE_PARAMS)
+        else:
+            cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        cache[(level, tuned)] = cctx
     return cctx
 
 
@@ -159,6 +175,7 @@ def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) 
             return MODE_ZSTD, 1, 0, [packed]
         return MODE_RAW, 1, 0, [view]
     planes = _shuffle(view, element_bytes)
+    cctx = _compressor(level, planes=True)
     mask = 0
     stored: list[Buffer] = []
     for i, plane in enumerate(planes):
@@ -176,23 +193,25 @@ def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) 
 
 def _shuffle(view: memoryview, element_bytes: int) -> list[memoryview]:
     """Splits elements into byte planes, least significant byte first."""
-    dtype = np.uint16 if element_bytes == 2 else np.uint32
-    words = np.frombuffer(view, dtype=dtype)
-    return [memoryview((words >> (8 * i)).astype(np.uint8)) for i in range(element_bytes)]
+    words = np.frombuffer(view, dtype="<u2" if element_bytes == 2 else "<u4")
+    planes = [words.astype(np.uint8)]  # the cast keeps the low byte: one pass
+    for i in range(1, element_bytes):
+        plane = np.empty(len(words), dtype=np.uint8)
+        # Shift and narrow in one ufunc pass, without a uint16 temporary.
+        np.right_shift(words, 8 * i, out=plane, casting="unsafe")
+        planes.append(plane)
+    return [memoryview(p) for p in planes]
 
 
 def _unshuffle(planes: list[Buffer], out: memoryview, element_bytes: int) -> None:
-    dtype = np.uint16 if element_bytes == 2 else np.uint32
+    """Interleaves byte planes back into elements, in two passes for bf16."""
+    dtype = np.dtype("<u2" if element_bytes == 2 else "<u4")
     words = np.frombuffer(out, dtype=dtype)
-    scratch = np.empty_like(words)
-    for i in reversed(range(element_bytes)):
-        plane = np.frombuffer(planes[i], dtype=np.uint8)
-        if i == element_bytes - 1:
-            np.copyto(words, plane, casting="unsafe")
-        else:
-            words <<= 8
-            np.copyto(scratch, plane, casting="unsafe")
-            words |= scratch
+    top = element_bytes - 1
+    np.left_shift(np.frombuffer(planes[top], dtype=np.uint8), 8 * top, out=words, dtype=dtype, casting="unsafe")
+    for i in range(1, top):
+        words |= np.left_shift(np.frombuffer(planes[i], dtype=np.uint8), 8 * i, dtype=dtype)
+    np.bitwise_or(words, np.frombuffer(planes[0], dtype=np.uint8), out=words, casting="unsafe")
 
 
 def read_header(blob: Buffer) -> Header:

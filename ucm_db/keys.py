@@ -32,6 +32,8 @@ KEY_BYTES = 32
 KEY_SCHEME_VERSION = 1
 
 ExtraValue = Union[str, int, bytes, None]
+#: Unkeyed, unsalted blake2b with a 32-byte digest: the chain hash.
+_KEY_HASHER = hashlib.blake2b(digest_size=KEY_BYTES)
 
 
 @dataclass(frozen=True)
@@ -140,11 +142,17 @@ class Namespace:
             return []
         raw = _token_bytes(token_ids, n_blocks * block_size)
         stride = block_size * 4
-        blake = hashlib.blake2b
+        # Copying a ready hasher skips blake2b's keyword parsing and
+        # parameter block set-up, and two update() calls skip a concatenation:
+        # together about 1.5x faster than blake2b(prev + chunk) per key.
+        new_hasher = _KEY_HASHER.copy
         out: list[bytes] = []
         append = out.append
         for start in range(0, n_blocks * stride, stride):
-            prev = blake(prev + raw[start : start + stride], digest_size=KEY_BYTES).digest()
+            hasher = new_hasher()
+            hasher.update(prev)
+            hasher.update(raw[start : start + stride])
+            prev = hasher.digest()
             append(prev)
         return out
 
@@ -157,7 +165,7 @@ def _token_bytes(token_ids: Sequence[int], count: int) -> bytes:
         # numpy array: convert without a Python loop.
         return token_ids[:count].astype("<u4").tobytes()  # type: ignore[index,union-attr,no-any-return]
     try:
-        arr = array("I", token_ids[:count] if not isinstance(token_ids, array) else token_ids[:count])
+        arr = array("I", token_ids if len(token_ids) == count else token_ids[:count])
     except (OverflowError, TypeError) as exc:
         raise ConfigError("token ids must be non-negative integers < 2**32", hint="pass the prompt's token ids") from exc
     if arr.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte unsigned int
