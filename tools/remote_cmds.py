@@ -1,0 +1,130 @@
+"""``ucm-db gc``, ``ucm-db warm`` and ``ucm-db bench``: commands that
+delegate to other modules (remote GC, the warming API, the benchmark)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ucm_db.errors import ConfigError
+
+from ucm_db.tools.cli_common import emit, human_bytes, json_option
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration_s(text: str) -> float:
+    """``"7d" -> 604800.0``; units s, m, h, d, w (default seconds)."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ConfigError(f"cannot read duration {text!r}", hint="write e.g. 90s, 30m, 12h, 7d or 2w")
+    return float(match.group(1)) * _SECONDS[match.group(2)]
+
+
+def parse_size_bytes(text: str) -> int:
+    """``"10GiB" -> 10737418240``, ``"500MB" -> 500000000``, ``"4096" -> 4096``."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"cannot read size {text!r}", hint="write e.g. 4096, 500MB or 10GiB")
+    unit = match.group(2).lower().rstrip("b")
+    power = " kmgt".index(unit[0]) if unit else 0
+    base = 1024 if unit.endswith("i") else 1000
+    return int(float(match.group(1)) * base**power)
+
+
+def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
+    """``("endpoint_url=http://x", "anon=true")`` -> fsspec keyword arguments."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--option {item!r} is not NAME=VALUE", hint="write e.g. --option endpoint_url=http://127.0.0.1:9000")
+        out[name] = {"true": True, "false": False}.get(value.lower(), value)
+    return out
+
+
+@click.command("gc")
+@click.argument("remote")
+@click.option("--older-than", default=None, help="Remove objects not written for this long (e.g. 7d, 12h).")
+@click.option("--max-bytes", default=None, help="Remove the oldest objects until the remote holds at most this much (e.g. 500GiB).")
+@click.option("--option", "options", multiple=True, help="fsspec option NAME=VALUE (endpoint_url, key, secret, ...); repeatable.")
+@click.option("--dry-run", is_flag=True, help="Report what would be removed without removing it.")
+@json_option
+def gc_command(remote: str, older_than: str | None, max_bytes: str | None, options: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
+    """Garbage-collect the remote tier at REMOTE (an fsspec URL): remove old
+    objects by age and/or down to a size, oldest first, together with their
+    descendants so the remote keeps whole prefixes. Safe beside live servers.
+
+    \b
+    Example:
+        ucm-db gc s3://kv-cache/prod --older-than 14d --max-bytes 2TiB \\
+            --option endpoint_url=http://minio:9000
+    """
+    if older_than is None and max_bytes is None:
+        raise ConfigError("gc needs --older-than and/or --max-bytes", hint="e.g. ucm-db gc s3://b/p --older-than 7d")
+    from ucm_db.tiers.remote import RemoteRoot
+    from ucm_db.tools.remote_gc import gc
+
+    root = RemoteRoot.from_url(remote, parse_options(options))
+    report = gc(root, older_than_s=parse_duration_s(older_than) if older_than else None,
+                max_bytes=parse_size_bytes(max_bytes) if max_bytes else None, dry_run=dry_run)
+    report["remote"] = remote
+
+    def human(r: dict[str, Any]) -> str:
+        verb = "would remove" if r["dry_run"] else "removed"
+        return (f"{r['remote']}: {r['objects_before']} objects, {human_bytes(r['bytes_before'])}; {verb} {r['removed_objects']} "
+                f"({r['removed_by_rule']} by rule + {r['removed_descendants']} descendants), {human_bytes(r['removed_bytes'])}; "
+                f"{r['temp_files_removed']} stale temp files")
+
+    emit(as_json, report, human)
+
+
+@click.command("warm")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@json_option
+def warm_command(path: Path, args: tuple[str, ...], as_json: bool) -> None:
+    """Warm the store at PATH from its remote tier (delegates to
+    ucm_db.warming; see its help for the selection options).
+
+    \b
+    Example:
+        ucm-db warm /var/cache/ucm-db --option remote=s3://kv-cache/prod
+    """
+    try:
+        warming = importlib.import_module("ucm_db.warming")
+    except ImportError as exc:
+        raise ConfigError("this ucm-db has no warming API (ucm_db.warming is missing)", hint="upgrade ucm-db") from exc
+    runner = getattr(warming, "cli_main", None)
+    if runner is None:
+        raise ConfigError("ucm_db.warming offers no command-line entry (cli_main)", hint="use the Python API: ucm_db.warming")
+    raise SystemExit(runner(str(path), list(args), as_json=as_json))
+
+
+@click.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench_command(args: tuple[str, ...]) -> None:
+    """Run the benchmark (delegates to ucm_db.tools.bench; `ucm-db bench
+    --help` lists its options). `ucm-db bench engines` compares the LMDB
+    and RocksDB engines side by side.
+
+    \b
+    Example:
+        ucm-db bench --quick
+        ucm-db bench engines --blocks 2000
+    """
+    if args and args[0] == "engines":
+        from ucm_db.tools.bench_engines import main as engines_main
+
+        raise SystemExit(engines_main(list(args[1:])))
+    try:
+        bench = importlib.import_module("ucm_db.tools.bench")
+    except ImportError as exc:
+        raise ConfigError(f"the benchmark module is missing ({exc})", hint="reinstall ucm-db with its tools") from exc
+    raise SystemExit(bench.main(list(args)))
