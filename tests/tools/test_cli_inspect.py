@@ -1,0 +1,90 @@
+"""`ucm-db inspect` figures against a store with known contents."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+
+from cli_stores import BLOCK_BYTES, NS_A, NS_B, invoke, invoke_json, make_store
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "stores"
+
+
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
+def test_inspect_reports_known_contents(tmp_path: Path, engine: str) -> None:
+    chains = make_store(tmp_path / "s", engine=engine)
+    with ucm_db.open(tmp_path / "s") as store:
+        metas = store.tier.metas([k for keys in chains.values() for k in keys])
+    stored = sum(m.stored_bytes for m in metas if m)
+
+    r = invoke_json("inspect", tmp_path / "s", "--top", 2)
+    assert r["engine"] == engine and r["format_version"] == ucm_db.STORE_FORMAT_VERSION and r["pending_migrations"] == []
+    assert r["blocks"] == 23
+    assert r["raw_bytes"] == 23 * BLOCK_BYTES
+    assert r["stored_bytes"] == stored
+    assert r["compression_ratio"] == pytest.approx(23 * BLOCK_BYTES / stored, rel=1e-3)
+    assert 1.5 < r["compression_ratio"] < 3  # half of each payload is zeros
+    assert r["capacity_bytes"] == 1 << 30
+    assert r["use_fraction"] == pytest.approx(stored / (1 << 30), abs=1e-4)
+    assert r["hits"] == 6 and r["misses"] == 0  # two gets of 3 blocks
+    assert r["quarantine_records"] == 0 and r["pending_uploads"] == 0 and r["remote"] is None
+    assert r["created"]["ucm_db_version"] == ucm_db.__version__
+
+    rows = {row["model"]: row for row in r["namespaces"]}
+    assert rows["test/alpha"]["blocks"] == 20 and rows["test/alpha"]["raw_bytes"] == 20 * BLOCK_BYTES
+    assert rows["test/beta"]["blocks"] == 3 and rows["test/beta"]["kv_dtype"] == "float16"
+    assert rows["test/beta"]["block_size"] == 8 and rows["test/beta"]["rank"] == "tp 1/2 pp 0/1"
+    assert rows["test/beta"]["id"] == NS_B.digest[:16].hex()
+
+    assert sum(r["histograms"]["age_since_last_use"].values()) == 23
+    assert r["histograms"]["age_since_last_use"]["< 1 h"] == 0 or r["histograms"]["age_since_last_use"]["< 1 min"] == 23
+    # Per-block hits count touches per activity flush (both gets fell in one
+    # flush), on the block itself; ancestors are only touched.
+    assert r["histograms"]["hits"] == {"0": 20, "1": 3, "2-3": 0, "4-7": 0, "8-15": 0, "16+": 0}
+    hottest = r["hottest_chains"]
+    assert len(hottest) == 2
+    assert hottest[0]["first_block"] == chains["b0"][0].hex()
+    assert hottest[0]["hits"] == 3 and hottest[0]["blocks"] == 3 and hottest[0]["longest_blocks"] == 3
+
+
+def test_inspect_namespace_filter_and_human_output(tmp_path: Path) -> None:
+    make_store(tmp_path / "s")
+    r = invoke_json("inspect", tmp_path / "s", "--namespace", "test/beta")
+    assert [row["model"] for row in r["namespaces"]] == ["test/beta"]
+    assert r["selected_blocks"] == 3
+    assert sum(r["histograms"]["hits"].values()) == 3
+    by_prefix = invoke_json("inspect", tmp_path / "s", "--namespace", NS_A.digest[:4].hex())
+    assert by_prefix["selected_blocks"] == 20
+
+    text = invoke("inspect", tmp_path / "s").stdout
+    assert "test/alpha" in text and "test/beta" in text and "blocks         23" in text and "ratio" in text
+
+    bad = invoke("inspect", tmp_path / "s", "--namespace", "nope", expect=2)
+    assert "no namespace matches 'nope'" in bad.stderr and "test/alpha" in bad.stderr
+
+
+def test_inspect_is_read_only(tmp_path: Path) -> None:
+    make_store(tmp_path / "s")
+    data = tmp_path / "s" / "lmdb" / "data.mdb"
+    before = data.read_bytes()
+    invoke("inspect", tmp_path / "s", "--top", 3)
+    invoke("verify", tmp_path / "s")
+    assert data.read_bytes() == before
+
+
+def test_inspect_older_format_names_the_migration(tmp_path: Path) -> None:
+    shutil.copytree(FIXTURES / "format1-lmdb", tmp_path / "old")
+    r = invoke_json("inspect", tmp_path / "old")
+    assert r["format_version"] == 1 and r["pending_migrations"] == ["created_record"] and r["blocks"] == 11
+    assert "ucm-db migrate" in invoke("inspect", tmp_path / "old").stdout
+
+
+def test_inspect_beside_a_live_rocksdb_writer_in_this_process(tmp_path: Path) -> None:
+    make_store(tmp_path / "s", engine="rocksdb")
+    with ucm_db.open(tmp_path / "s") as store:  # holds RocksDB's LOCK
+        store.flush()
+        assert invoke_json("inspect", tmp_path / "s")["blocks"] == 23  # read-only open needs no lock
