@@ -133,8 +133,9 @@ def verify_converted(dest_path: Path) -> int:
 
 def migrate_in_place(path: Path, *, dry_run: bool) -> dict[str, Any]:
     path = Path(path)
-    todo = migrations.pending(path)
-    done = [] if dry_run else migrations.migrate(path)
+    # migrate() checks that no one else has the store before opening it.
+    todo = migrations.pending(path) if dry_run else migrations.migrate(path)
+    done = [] if dry_run else todo
     return {
         "path": str(path), "target_format": STORE_FORMAT_VERSION, "dry_run": dry_run,
         "pending": [{"version": m.version, "name": m.name, "description": m.description} for m in todo],

@@ -1,0 +1,66 @@
+"""`ucm-db gc` on a real file:// remote laid out by ucm_db.tiers.remote."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ucm_db import codec
+from ucm_db.tiers.remote import RemoteRoot
+
+from cli_stores import NS_A, chain_keys, invoke, invoke_json, payload
+
+DAY_S = 86400
+
+
+def fill_remote(url: str) -> dict[str, list[bytes]]:
+    """Chains x (first 2 blocks 10 days old, rest new), y (new), z (all old)."""
+    root = RemoteRoot.from_url(url)
+    tier = root.tier(NS_A.digest[:16])
+    chains = {tag: chain_keys(NS_A, tag, 5) for tag in ("x", "y", "z")}
+    old = time.time() - 10 * DAY_S
+    for tag, keys in chains.items():
+        for i, key in enumerate(keys):
+            tier.store(key, keys[i - 1] if i else None, codec.encode(key, payload(tag, i), codec="none"))
+            if tag == "z" or (tag == "x" and i < 2):
+                os.utime(tier.path(key), (old, old))
+    return chains
+
+
+def present(url: str, keys: list[bytes]) -> list[bool]:
+    return RemoteRoot.from_url(url).tier(NS_A.digest[:16]).exists(keys)
+
+
+def test_gc_by_age_removes_old_objects_and_their_descendants(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'remote'}"
+    chains = fill_remote(url)
+    stale = tmp_path / "remote" / NS_A.digest[:8].hex() / ".tmp-crashed-upload"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - DAY_S, time.time() - DAY_S))
+
+    dry = invoke_json("gc", url, "--older-than", "7d", "--dry-run")
+    assert dry["removed_objects"] == 10 and all(present(url, chains["z"]))
+
+    r = invoke_json("gc", url, "--older-than", "7d")
+    assert r["objects_before"] == 15 and r["removed_by_rule"] == 7 and r["removed_descendants"] == 3
+    assert r["temp_files_removed"] == 1 and not stale.exists()
+    assert present(url, chains["x"]) == [False] * 5  # new tail went with its old ancestors
+    assert present(url, chains["z"]) == [False] * 5
+    assert present(url, chains["y"]) == [True] * 5
+
+
+def test_gc_to_a_size_removes_oldest_first(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'remote'}"
+    chains = fill_remote(url)
+    size = os.path.getsize(RemoteRoot.from_url(url).tier(NS_A.digest[:16]).path(chains["y"][0]))
+    r = invoke_json("gc", url, "--max-bytes", str(size * 6))
+    assert r["bytes_after"] <= size * 6
+    assert present(url, chains["y"]) == [True] * 5
+    assert not any(present(url, chains["z"]))
+
+
+def test_gc_needs_a_rule(tmp_path: Path) -> None:
+    result = invoke("gc", f"file://{tmp_path}", expect=2)
+    assert "--older-than" in result.stderr
+    assert "cannot read duration" in invoke("gc", f"file://{tmp_path}", "--older-than", "soon", expect=2).stderr
