@@ -47,3 +47,10 @@ def test_real_entry_point_in_a_subprocess(tmp_path: Path) -> None:
     missing = subprocess.run([str(exe), "verify", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no ucm-db store" in missing.stderr
     assert not (tmp_path / "nothing").exists()  # looking never creates a store
+
+
+def test_bench_delegates_and_compares_engines() -> None:
+    assert "usage: ucm-db bench" in invoke("bench", "--help").stdout
+    report = json.loads(invoke("bench", "engines", "--blocks", 32, "--chain-blocks", 8, "--block-bytes", 4096, "--repeat", 1, "--json").stdout)
+    assert set(report["engines"]) == {"lmdb", "rocksdb"} and report["blocks"] == 32
+    assert all(e["put_MBps"] > 0 and e["get_MBps"] > 0 for e in report["engines"].values())
