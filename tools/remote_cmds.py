@@ -4,6 +4,7 @@ delegate to other modules (remote GC, the warming API, the benchmark)."""
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -85,26 +86,71 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
     emit(as_json, report, human)
 
 
+def read_chains(tokens_file: Path | None, keys_file: Path | None) -> tuple[list[list[int]] | None, list[list[bytes]] | None]:
+    """Token sequences (JSON list per line) or key chains (hex keys per line)."""
+    if (tokens_file is None) == (keys_file is None):
+        raise ConfigError("warm needs exactly one of --tokens FILE or --keys FILE", hint="e.g. --tokens prompts.jsonl")
+    source = tokens_file or keys_file
+    assert source is not None
+    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        if tokens_file is not None:
+            tokens = [json.loads(line) for line in lines]
+            if not all(isinstance(t, list) and all(isinstance(i, int) for i in t) for t in tokens):
+                raise ValueError("each line must be a JSON list of integers")
+            return tokens, None
+        return None, [[bytes.fromhex(k) for k in line.split()] for line in lines]
+    except ValueError as exc:
+        raise ConfigError(f"cannot read {source}: {exc}", hint="--tokens: one JSON list of token ids per line; --keys: hex keys of one chain per line") from exc
+
+
+def remote_namespace(url: str, options: dict[str, Any], wanted: str) -> Any:
+    """The Namespace described by the remote manifest matching ``wanted``
+    (short-id prefix or model name)."""
+    from ucm_db import Namespace
+    from ucm_db.tiers.remote import RemoteRoot
+
+    root = RemoteRoot.from_url(url, options)
+    found = []
+    for short_id in root.namespaces():
+        manifest = root.read_manifest(bytes.fromhex(short_id)) or {}
+        desc = manifest.get("namespace") or {}
+        if short_id.startswith(wanted.lower()) or desc.get("model") == wanted:
+            found.append(Namespace.from_dict(desc))
+    if len(found) != 1:
+        raise ConfigError(f"{len(found)} namespaces on {url} match {wanted!r}", hint="pass a longer id prefix or the exact model name")
+    return found[0]
+
+
 @click.command("warm")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--remote", required=True, help="fsspec URL of the remote tier to warm from.")
+@click.option("--namespace", "namespace", required=True, help="Namespace on the remote: id prefix or model name.")
+@click.option("--tokens", "tokens_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="File of prompts: one JSON list of token ids per line.")
+@click.option("--keys", "keys_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="File of chains: hex block keys of one chain per line.")
+@click.option("--option", "options", multiple=True, help="fsspec option NAME=VALUE for the remote; repeatable.")
 @json_option
-def warm_command(path: Path, args: tuple[str, ...], as_json: bool) -> None:
-    """Warm the store at PATH from its remote tier (delegates to
-    ucm_db.warming; see its help for the selection options).
+def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | None, keys_file: Path | None,
+                 options: tuple[str, ...], as_json: bool) -> None:
+    """Pull the blocks of the given prompts (or key chains) from the remote
+    tier into the local store at PATH ahead of traffic (ucm_db.warming).
 
     \b
     Example:
-        ucm-db warm /var/cache/ucm-db --option remote=s3://kv-cache/prod
+        ucm-db warm /var/cache/ucm-db --remote s3://kv-cache/prod \\
+            --namespace Qwen/Qwen2.5-0.5B --tokens system_prompts.jsonl
     """
-    try:
-        warming = importlib.import_module("ucm_db.warming")
-    except ImportError as exc:
-        raise ConfigError("this ucm-db has no warming API (ucm_db.warming is missing)", hint="upgrade ucm-db") from exc
-    runner = getattr(warming, "cli_main", None)
-    if runner is None:
-        raise ConfigError("ucm_db.warming offers no command-line entry (cli_main)", hint="use the Python API: ucm_db.warming")
-    raise SystemExit(runner(str(path), list(args), as_json=as_json))
+    import dataclasses
+
+    import ucm_db
+
+    tokens, keys = read_chains(tokens_file, keys_file)
+    remote_options = parse_options(options)
+    ns = remote_namespace(remote, remote_options, namespace)
+    with ucm_db.open(path, remote=remote, remote_options=remote_options) as store:
+        report = store.warm(ns, token_sequences=tokens, keys=keys)
+    data = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
+    emit(as_json, data, lambda d: "warmed: " + ", ".join(f"{k}={v}" for k, v in d.items()))
 
 
 @click.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})

@@ -1,0 +1,37 @@
+"""`ucm-db warm` pulls chains from a real file:// remote into an empty store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+
+from cli_stores import NS_A, payload, invoke, invoke_json
+
+
+def test_warm_from_remote_by_tokens(tmp_path: Path) -> None:
+    pytest.importorskip("ucm_db.warming", reason="the warming API (ucm_db/warming.py) has not landed")
+    url = f"file://{tmp_path / 'remote'}"
+    prompts = [[(7 * p + i) % 30000 for i in range(NS_A.block_size * 4)] for p in range(3)]
+    with ucm_db.open(tmp_path / "a", remote=url, remote_mode="write_through", capacity_bytes=1 << 26) as source:
+        for p, tokens in enumerate(prompts):
+            keys = NS_A.block_keys(tokens)
+            source.put(NS_A, keys, [payload(f"w{p}", i) for i in range(len(keys))])
+    tokens_file = tmp_path / "prompts.jsonl"
+    tokens_file.write_text("\n".join(json.dumps(t) for t in prompts))
+    ucm_db.open(tmp_path / "b", capacity_bytes=1 << 26).close()
+
+    invoke_json("warm", tmp_path / "b", "--remote", url, "--namespace", "test/alpha", "--tokens", tokens_file)
+    with ucm_db.open(tmp_path / "b") as store:
+        for p, tokens in enumerate(prompts):
+            keys = NS_A.block_keys(tokens)
+            assert store.tier.count_prefix(keys) == 4  # local now, no remote configured here
+            assert store.get(NS_A, keys) == [bytearray(payload(f"w{p}", i)) for i in range(4)]
+
+
+def test_warm_needs_tokens_or_keys(tmp_path: Path) -> None:
+    result = invoke("warm", tmp_path, "--remote", "memory://x", "--namespace", "m", expect=2)
+    assert "--tokens FILE or --keys FILE" in result.stderr
