@@ -147,9 +147,24 @@ class LmdbEngine(Engine):
         current = env.info()["map_size"]
         if current < self._map_size_bytes:
             env.set_mapsize(self._map_size_bytes)
-        self._dbs = {name: env.open_db(name.encode()) for name in TABLES}
+        self._dbs = self._open_tables(env)
         self._env = env
         self._pid = os.getpid()
+
+    def _open_tables(self, env: lmdb.Environment) -> dict[str, object]:
+        """Opens the named tables, adopting a map that another process grew
+        between our open and now (found by the crash loop: a reopen failed
+        with MDB_MAP_RESIZED while other processes were writing)."""
+        for _ in range(16):
+            try:
+                return {name: env.open_db(name.encode()) for name in TABLES}
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+            except lmdb.Error as exc:
+                env.close()
+                raise TierError(f"cannot open the tables of LMDB store {self.path}: {exc}") from exc
+        env.close()
+        raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def read(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
         env = self._environment()
