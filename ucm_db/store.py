@@ -13,6 +13,12 @@ Invariants:
       every ``sync_interval_s``: reads never take the writer lock.
     * The store is safe for threads, and for several processes on one node
       with the LMDB engine; it re-opens itself in a forked child.
+    * With a ``remote``: every block put is queued for upload in its own
+      commit (write-back drains the queue in the background; write-through
+      uploads before ``put`` returns); local misses in lookup/get read
+      through to the remote and promote into the local tier (see
+      :mod:`ucm_db.readthrough`); a lookup waits at most
+      ``remote_deadline_s`` on the remote.
 """
 
 from __future__ import annotations
@@ -25,15 +31,25 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from ucm_db import codec
 from ucm_db.config import PERSISTED_FIELDS, StoreConfig
-from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, FormatVersionError, MissingAncestorError
+from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, FormatVersionError, MissingAncestorError, TierError
 from ucm_db.keys import KEY_BYTES, Namespace
 from ucm_db.storelock import hold_shared
 from ucm_db.tiers.base import Buffer, Engine
 from ucm_db.tiers.local import BlockEntry, LocalTier, PendingActivity, PutResult
+
+if TYPE_CHECKING:
+    from ucm_db.readthrough import RemoteLink
+    from ucm_db.uploader import Uploader
+    from ucm_db.warming import WarmProgress, WarmReport
+
+#: A bulk remote fetch (get of local misses) waits this many lookup deadlines.
+FETCH_DEADLINE_FACTOR = 10
+#: Default seconds flush() waits for the upload queue to drain.
+FLUSH_UPLOAD_TIMEOUT_S = 60.0
 
 #: On-disk format of the store's tables; migrations move stores between them.
 STORE_FORMAT_VERSION = 2
@@ -75,6 +91,7 @@ class StoreStats:
     quarantined: int
     pending_uploads: int
     namespaces: dict[str, NamespaceStats] = field(default_factory=dict)
+    remote: dict[str, Any] = field(default_factory=dict)
 
     @property
     def compression_ratio(self) -> float:
@@ -155,6 +172,12 @@ class Store:
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._maintenance: threading.Thread | None = None
+        self._remote: RemoteLink | None = None
+        self._uploader: Uploader | None = None
+        if self.config.remote is not None:
+            from ucm_db.readthrough import RemoteLink
+
+            self._remote = RemoteLink(self.config.remote, dict(self.config.remote_options))
         self._ensure_process()
 
     # -- setup -----------------------------------------------------------------
@@ -195,8 +218,19 @@ class Store:
             self._pool = ThreadPoolExecutor(self.config.encode_threads, "ucm-db-codec") if self.config.encode_threads else None
             self._stop = threading.Event()
             self._maintenance = threading.Thread(target=self._maintain, name="ucm-db-maintenance", daemon=True)
+            self._start_uploader()
             self._pid = os.getpid()
             self._maintenance.start()
+
+    def _start_uploader(self) -> None:
+        if self._remote is None:
+            return
+        from ucm_db.uploader import Uploader
+
+        if self._uploader is not None:  # inherited across fork: its thread is gone
+            self._uploader.forget_lock_after_fork()
+        self._uploader = Uploader(self._tier, self._remote.root, self.path, concurrency=self.config.upload_concurrency)
+        self._uploader.start()
 
     def _maintain(self) -> None:
         while not self._stop.wait(self.config.sync_interval_s):
@@ -267,12 +301,31 @@ class Store:
         activity = self._take_activity()
         desc = (namespace.digest[:16], json.dumps(namespace.to_dict(), sort_keys=True).encode())
         try:
-            result = self._tier.put_blocks(entries, namespace_desc=desc, enqueue_upload=False, activity=activity)
+            result = self._tier.put_blocks(
+                entries, namespace_desc=desc, enqueue_upload=self._remote is not None, activity=activity,
+            )
         except BaseException:
             self._return_activity(activity)
             raise
         result.already_present += len(keys) - len(todo)
+        if self._uploader is not None and entries:
+            if self.config.remote_mode == "write_through":
+                self._upload_through(entries)
+            else:
+                self._uploader.notify()
         return result
+
+    def _upload_through(self, entries: list[BlockEntry]) -> None:
+        """Write-through: uploads the batch before put returns. The blocks
+        are committed and queued already, so a failure loses nothing."""
+        assert self._uploader is not None
+        errors = self._uploader.upload_now([(e.key, e.parent, e.namespace_id, bytes(e.blob)) for e in entries])
+        if errors:
+            self._uploader.notify()
+            raise TierError(
+                f"write-through upload of {len(errors)} of {len(entries)} block(s) failed: {errors[0]}",
+                hint="the blocks are stored locally and queued; the background uploader retries them",
+            )
 
     def _encode_many(self, items: list[tuple[bytes, Payload]], namespace: Namespace) -> list[tuple[bytes, int]]:
         element_bytes = codec.element_bytes_for(namespace.kv_dtype)
@@ -297,7 +350,12 @@ class Store:
     def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` stored: O(log n) reads."""
         self._check_open()
-        return self._tier.count_prefix(keys)
+        count = self._tier.count_prefix(keys)
+        if self._remote is not None and count < len(keys):
+            count, _ = self._remote.extend_prefix(
+                self._tier, namespace.digest[:16], keys, count, self.config.remote_deadline_s,
+            )
+        return count
 
     def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
         """Raw payloads of ``keys``; ``None`` for a miss or a corrupt block."""
@@ -327,7 +385,28 @@ class Store:
             assert self._pool is not None
             for (i, _), value in zip(deferred, self._pool.map(decode_deferred, deferred)):
                 results[i] = value
+        for i, blob in self._read_through(namespace, keys, results, corrupt).items():
+            results[i] = codec.decode(blob, keys[i])
         return self._finish_read(keys, results, corrupt)
+
+    def _read_through(
+        self, namespace: Namespace, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]],
+    ) -> dict[int, bytes]:
+        """Fetches local misses from the remote, promotes what keeps the
+        prefix invariant, and returns verified blobs by index."""
+        if self._remote is None:
+            return {}
+        bad = {key for key, _ in corrupt}
+        missing = [i for i, r in enumerate(results) if r is None and keys[i] not in bad]
+        if not missing:
+            return {}
+        from ucm_db.readthrough import promotable_runs, promote
+
+        deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self.config.remote_deadline_s
+        objects = self._remote.fetch_many(namespace.digest[:16], [keys[i] for i in missing], deadline)
+        for run in promotable_runs(self._tier, objects):
+            promote(self._tier, run)
+        return {i: obj.blob for i, obj in zip(missing, objects) if obj is not None}
 
     def get_into(self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         """Decodes blocks straight into caller-provided buffers.
@@ -349,7 +428,11 @@ class Store:
                 return False
 
         results = self._tier.read_blocks(keys, visit)
-        done = self._finish_read(keys, [True if r else None for r in results], corrupt)
+        flags: list[Any] = [True if r else None for r in results]
+        for i, blob in self._read_through(namespace, keys, flags, corrupt).items():
+            codec.decode_into(blob, keys[i], buffers[i])
+            flags[i] = True
+        done = self._finish_read(keys, flags, corrupt)
         return [r is not None for r in done]
 
     def _finish_read(self, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]]) -> list[Any]:
@@ -399,11 +482,42 @@ class Store:
             self._return_activity(activity)
             raise
 
-    def flush(self) -> None:
-        """Writes pending activity and makes every commit durable."""
+    def flush(self, *, upload_timeout_s: float | None = FLUSH_UPLOAD_TIMEOUT_S) -> None:
+        """Writes pending activity, makes every commit durable and, with a
+        remote, waits until the upload queue is empty.
+
+        Args:
+            upload_timeout_s: longest wait for the upload queue (None: no
+                limit).
+
+        Raises:
+            TierError: uploads still pending after ``upload_timeout_s``
+                (they stay queued and resume).
+        """
         self._check_open()
         self._flush_activity()
         self._engine.sync()
+        if self._uploader is not None:
+            self._uploader.wait_drained(upload_timeout_s)
+
+    def warm(
+        self,
+        namespace: Namespace,
+        *,
+        token_sequences: Sequence[Sequence[int]] | None = None,
+        keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None = None,
+        progress: WarmProgress | None = None,
+    ) -> WarmReport:
+        """Pulls what the remote has of these chains into the local tier
+        ahead of traffic; see :func:`ucm_db.warming.warm`."""
+        from ucm_db.warming import warm
+
+        return warm(self, namespace, token_sequences=token_sequences, keys=keys, progress=progress)
+
+    @property
+    def remote(self) -> RemoteLink | None:
+        """The remote tier link, or None without a ``remote``."""
+        return self._remote
 
     def close(self) -> None:
         """Flushes and closes; further calls raise ClosedError."""
@@ -413,6 +527,10 @@ class Store:
             self._stop.set()
             if self._maintenance is not None:
                 self._maintenance.join()
+            if self._uploader is not None:
+                self._uploader.stop()
+            if self._remote is not None:
+                self._remote.close()
             try:
                 self._flush_activity()
                 self._engine.sync()
@@ -455,7 +573,16 @@ class Store:
             file_bytes=self._engine.file_bytes(), hits=totals.hits + hits, misses=totals.misses + misses,
             evictions=totals.evictions, quarantined=totals.quarantined,
             pending_uploads=len(self._tier.pending_uploads()), namespaces=namespaces,
+            remote=self._remote_stats(),
         )
+
+    def _remote_stats(self) -> dict[str, Any]:
+        if self._remote is None:
+            return {}
+        from ucm_db.uploader import describe
+
+        return {"url": self.config.remote, **asdict(self._remote.root.stats), **describe(self._uploader),
+                "breaker_trips": self._remote.breaker.trips}
 
 
 @dataclass(slots=True)

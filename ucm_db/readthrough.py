@@ -1,0 +1,292 @@
+"""Read-through from the remote tier, with deadlines and backoff.
+
+:class:`RemoteLink` is what a :class:`~ucm_db.store.Store` with a ``remote``
+holds: the :class:`~ucm_db.tiers.remote.RemoteRoot`, a thread pool for
+concurrent requests, a circuit breaker, and the promotion of fetched blocks
+into the local tier.
+
+Invariants:
+    * A remote call made on behalf of a lookup returns within its deadline:
+      requests run on a pool and are waited on with a timeout; requests
+      still running at the deadline are abandoned (their results ignored).
+    * When the remote fails (an error other than "not found", or a deadline
+      passing with no request answered) the breaker opens for a backoff that
+      doubles up to :data:`MAX_BACKOFF_S`; while open, reads skip the remote
+      at once and the store serves what is local.
+    * Promotion keeps the local prefix invariant: blocks are put in chain
+      order, each with the parent its object names, and the first one only
+      if its parent is local (or it is a chain's first block). An object
+      whose parent disagrees with the caller's chain is a miss.
+    * Promoted blocks are not queued for upload (they came from the remote).
+    * Remote presence along a chain is treated as monotone for the search
+      (uploads go ancestors first); where it is not, the search can only
+      over-estimate, and the fetch stops at the first block it cannot get.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from ucm_db.errors import MissingAncestorError
+from ucm_db.tiers.local import BlockEntry, LocalTier
+from ucm_db.tiers.remote import RemoteObject, RemoteRoot, RemoteTier
+
+#: Parallel probes per round of the prefix search (rounds ~ log_{F+1} n).
+SEARCH_FANOUT = 8
+#: Threads for remote reads (probes and fetches).
+READ_THREADS = 16
+MIN_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 5.0
+#: Deadline of bulk fetches (get of local misses, warming), which move data.
+FETCH_DEADLINE_S = 30.0
+
+
+class Breaker:
+    """Circuit breaker: open after a failure, for a doubling backoff."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open_until = 0.0
+        self._backoff_s = MIN_BACKOFF_S
+        self.trips = 0
+
+    def allow(self) -> bool:
+        return time.monotonic() >= self._open_until
+
+    def failure(self) -> None:
+        with self._lock:
+            self._open_until = time.monotonic() + self._backoff_s
+            self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
+            self.trips += 1
+
+    def success(self) -> None:
+        with self._lock:
+            self._backoff_s = MIN_BACKOFF_S
+            self._open_until = 0.0
+
+
+@dataclass(slots=True)
+class SearchResult:
+    """Outcome of a remote prefix search.
+
+    Attributes:
+        count: leading keys found present (a lower bound when ``complete``
+            is False: the deadline or an error cut the search short).
+        rounds: sequential round trips made.
+        requests: probe requests issued.
+        complete: the search ran to its end.
+    """
+
+    count: int
+    rounds: int
+    requests: int
+    complete: bool
+
+
+def search_points(lo: int, hi: int, fanout: int, first_round: bool) -> list[int]:
+    """Indices to probe in ``[lo, hi)``: ``fanout`` evenly spaced points,
+    plus the last index in the first round (a full hit then costs 1 round)."""
+    span = hi - lo
+    k = min(fanout, span)
+    points = {lo + (j * span) // (k + 1) for j in range(1, k + 1)}
+    if first_round:
+        points.add(hi - 1)
+    return sorted(p for p in points if lo <= p < hi)
+
+
+def search_prefix(
+    probe_many: Callable[[list[int]], list[bool] | None], n: int, *, fanout: int = SEARCH_FANOUT,
+) -> SearchResult:
+    """Finds how many leading items are present with parallel probes.
+
+    ``probe_many(indices)`` returns presence per index, or None when it could
+    not answer (deadline, error): the search stops with what it knows.
+    Each round narrows ``[lo, hi]`` by a factor of ``fanout + 1``.
+    """
+    lo, hi = 0, n
+    rounds = requests = 0
+    while lo < hi:
+        points = search_points(lo, hi, fanout, rounds == 0)
+        present = probe_many(points)
+        rounds += 1
+        requests += len(points)
+        if present is None:
+            return SearchResult(lo, rounds, requests, False)
+        for point, here in zip(points, present):
+            if here:
+                lo = max(lo, point + 1)
+            else:
+                hi = min(hi, point)
+                break
+        lo = min(lo, hi)
+    return SearchResult(lo, rounds, requests, True)
+
+
+class RemoteLink:
+    """The store's connection to its remote tier (see module invariants)."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.url = url
+        self.root = RemoteRoot.from_url(url, options)
+        self.breaker = Breaker()
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucm-db-remote")
+        self._tiers: dict[bytes, RemoteTier] = {}
+        self.last_search: SearchResult | None = None
+
+    def tier(self, namespace_id: bytes) -> RemoteTier:
+        tier = self._tiers.get(namespace_id)
+        if tier is None:
+            tier = self._tiers[namespace_id] = self.root.tier(namespace_id)
+        return tier
+
+    def close(self) -> None:
+        # Never wait on a hung remote: abandon running requests.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- concurrency with a deadline ----------------------------------------------
+    def run_all(self, calls: list[Callable[[], Any]], deadline: float) -> list[Future[Any]] | None:
+        """Runs calls on the pool until done or ``deadline`` (monotonic).
+
+        Returns the futures (some maybe unfinished), or None if the breaker
+        is open or an error other than "not found" occurred (breaker trips).
+        """
+        if not self.breaker.allow():
+            return None
+        futures = [self._pool.submit(call) for call in calls]
+        done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            self.breaker.failure()
+            return None
+        if pending and not done:
+            self.breaker.failure()  # nothing answered in time: looks down
+        elif not pending:
+            self.breaker.success()
+        return futures
+
+    # -- lookups -------------------------------------------------------------------
+    def search(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> SearchResult:
+        """Counts leading ``keys`` present on the remote (parallel k-ary search)."""
+        tier = self.tier(namespace_id)
+
+        def probe_many(indices: list[int]) -> list[bool] | None:
+            futures = self.run_all([_bind(tier.probe, keys[i]) for i in indices], deadline)
+            if futures is None or not all(f.done() for f in futures):
+                return None
+            return [_probe_ok(f.result(), keys, i) for f, i in zip(futures, indices)]
+
+        result = search_prefix(probe_many, len(keys))
+        self.last_search = result
+        return result
+
+    def fetch_chain(
+        self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float,
+    ) -> list[RemoteObject]:
+        """Fetches ``keys`` (a chain whose first block's parent is
+        ``parent``) and returns the leading run that arrived verified and
+        chained before the deadline."""
+        tier = self.tier(namespace_id)
+        futures = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
+        if futures is None:
+            return []
+        out: list[RemoteObject] = []
+        expected = parent
+        for future in futures:
+            if not future.done() or future.exception() is not None:
+                break
+            obj = future.result()
+            if obj is None or obj.parent != expected:
+                break
+            out.append(obj)
+            expected = obj.key
+        return out
+
+    def fetch_many(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> list[RemoteObject | None]:
+        """Fetches unrelated keys; None for each one not available in time."""
+        tier = self.tier(namespace_id)
+        futures = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
+        if futures is None:
+            return [None] * len(keys)
+        return [f.result() if f.done() and f.exception() is None else None for f in futures]
+
+    def extend_prefix(
+        self, local: LocalTier, namespace_id: bytes, keys: Sequence[bytes], local_n: int, deadline_s: float,
+    ) -> tuple[int, int]:
+        """Promotes remote blocks continuing the local prefix ``keys[:local_n]``.
+
+        Returns:
+            ``(blocks now local, bytes fetched)``.
+        """
+        deadline = time.monotonic() + deadline_s
+        rest = keys[local_n:]
+        found = self.search(namespace_id, rest, deadline)
+        if found.count == 0:
+            return local_n, 0
+        parent = keys[local_n - 1] if local_n else None
+        objects = self.fetch_chain(namespace_id, rest[: found.count], parent, deadline)
+        if local_n == 0 and objects and objects[0].parent is not None:
+            # The caller's keys do not start at the chain's root; only a
+            # locally stored parent lets the first block in.
+            if not local.exists([objects[0].parent])[0]:
+                return 0, 0
+        promoted = promote(local, objects)
+        return local_n + promoted, sum(len(o.blob) for o in objects[:promoted])
+
+
+def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
+    """Puts a verified chain run into the local tier; returns blocks put.
+
+    Nothing is put when the run's first parent has meanwhile been evicted
+    locally (the caller sees a shorter prefix, never a broken invariant).
+    """
+    if not objects:
+        return 0
+    entries = [BlockEntry(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
+    try:
+        local.put_blocks(entries, enqueue_upload=False)
+    except MissingAncestorError:
+        return 0
+    return len(entries)
+
+
+def promotable_runs(
+    local: LocalTier, objects: Sequence[RemoteObject | None],
+) -> list[list[RemoteObject]]:
+    """Splits fetched objects (in the caller's order) into runs that can be
+    promoted: each run's first parent is local or absent, and each next
+    object's parent is the previous object."""
+    present = [o for o in objects if o is not None]
+    parents_local = local.exists([o.parent for o in present if o.parent is not None]) if present else []
+    local_parent = iter(parents_local)
+    runs: list[list[RemoteObject]] = []
+    previous: RemoteObject | None = None
+    for obj in objects:
+        if obj is None:
+            previous = None
+            continue
+        ok_local = obj.parent is None or next(local_parent)
+        if previous is not None and obj.parent == previous.key:
+            runs[-1].append(obj)
+        elif ok_local:
+            runs.append([obj])
+        else:
+            previous = None
+            continue
+        previous = obj
+    return runs
+
+
+def _bind(fn: Callable[[bytes], Any], key: bytes) -> Callable[[], Any]:
+    return lambda: fn(key)
+
+
+def _probe_ok(obj: RemoteObject | None, keys: Sequence[bytes], index: int) -> bool:
+    """A probe counts as present only if the object chains to its
+    predecessor in the caller's key list."""
+    if obj is None:
+        return False
+    return index == 0 or obj.parent == keys[index - 1]

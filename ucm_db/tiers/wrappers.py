@@ -1,0 +1,205 @@
+"""Fault-injecting and latency-adding fsspec filesystem, for tests and benches.
+
+``ucmfault://`` wraps any fsspec filesystem and injects the faults a real
+remote produces: added latency, timeouts, connection errors, a remote that
+hangs (is "down"), truncated reads and bit-flipped reads. It is registered
+as an fsspec protocol, so a store opens it through its ordinary config::
+
+    ucm_db.open(path, remote="ucmfault://bucket/kv", remote_options={
+        "target_protocol": "s3", "target_options": {"endpoint_url": ...},
+        "plan": FaultPlan(read_error_rate=0.2, bitflip_rate=0.1, seed=1)})
+
+(``plan`` may also be given as a dict of :class:`FaultPlan` fields, which
+survives JSON, e.g. for a subprocess.)
+
+Invariants:
+    * Paths pass to the target unchanged; "not found" passes through as is
+      (a fault is never disguised as a miss, nor a miss as a fault).
+    * Writes go through :func:`~ucm_db.tiers.remote.write_whole` on the
+      target, so a wrapped local directory keeps its atomic rename.
+    * Faults are drawn from a seeded RNG: a run is reproducible for a given
+      sequence of calls (threads can reorder the draws).
+    * A hang waits on :meth:`FaultPlan.heal` (or ``hang_s``), so tests can
+      release stuck threads instead of leaving them behind.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import fsspec
+from fsspec.spec import AbstractFileSystem
+
+from ucm_db.errors import ConfigError
+from ucm_db.tiers.remote import write_whole
+
+PROTOCOL = "ucmfault"
+
+
+@dataclass
+class FaultPlan:
+    """What to inject; mutable at run time (e.g. take the remote down).
+
+    Attributes:
+        latency_s: added to every request.
+        read_error_rate: share of reads raising ConnectionError.
+        write_error_rate: share of writes raising ConnectionError.
+        timeout_rate: share of requests that sleep ``timeout_s`` and raise
+            TimeoutError.
+        timeout_s: how long such a request takes before failing.
+        truncate_rate: share of reads returning a random prefix.
+        bitflip_rate: share of reads with one random bit flipped.
+        down: every request hangs until :meth:`heal` or ``hang_s``, then
+            raises TimeoutError.
+        hang_s: longest a hang lasts.
+        seed: RNG seed.
+    """
+
+    latency_s: float = 0.0
+    read_error_rate: float = 0.0
+    write_error_rate: float = 0.0
+    timeout_rate: float = 0.0
+    timeout_s: float = 0.05
+    truncate_rate: float = 0.0
+    bitflip_rate: float = 0.0
+    down: bool = False
+    hang_s: float = 30.0
+    seed: int = 0
+    injected: dict[str, int] = field(default_factory=dict)
+    _rng: random.Random = field(init=False, repr=False)
+    _lock: threading.Lock = field(init=False, repr=False)
+    _healed: threading.Event = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._lock = threading.Lock()
+        self._healed = threading.Event()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FaultPlan:
+        valid = {f.name for f in fields(cls) if f.init and f.name != "injected"}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise ConfigError(f"unknown fault plan field(s) {', '.join(unknown)}", hint=f"valid: {', '.join(sorted(valid))}")
+        return cls(**data)
+
+    def take_down(self) -> None:
+        self._healed.clear()
+        self.down = True
+
+    def heal(self) -> None:
+        """Brings the remote back and releases every hung request."""
+        self.down = False
+        self._healed.set()
+
+    def clear(self) -> None:
+        """No more faults (the remote behaves normally)."""
+        self.heal()
+        self.read_error_rate = self.write_error_rate = self.timeout_rate = 0.0
+        self.truncate_rate = self.bitflip_rate = self.latency_s = 0.0
+
+    def chance(self, rate: float) -> bool:
+        if rate <= 0:
+            return False
+        with self._lock:
+            return self._rng.random() < rate
+
+    def count(self, what: str) -> None:
+        with self._lock:
+            self.injected[what] = self.injected.get(what, 0) + 1
+
+    def randint(self, lo: int, hi: int) -> int:
+        with self._lock:
+            return self._rng.randint(lo, hi)
+
+    # -- fault points --------------------------------------------------------
+    def before(self, error_rate: float) -> None:
+        """Latency, hangs, timeouts and errors before a request."""
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        if self.down:
+            self.count("hang")
+            self._healed.wait(self.hang_s)
+            raise TimeoutError("injected: remote down")
+        if self.chance(self.timeout_rate):
+            self.count("timeout")
+            time.sleep(self.timeout_s)
+            raise TimeoutError("injected: request timed out")
+        if self.chance(error_rate):
+            self.count("error")
+            raise ConnectionError("injected: connection reset")
+
+    def mangle(self, data: bytes) -> bytes:
+        """Truncates or bit-flips a read's bytes, by the plan's rates."""
+        if data and self.chance(self.truncate_rate):
+            self.count("truncate")
+            return data[: self.randint(0, len(data) - 1)]
+        if data and self.chance(self.bitflip_rate):
+            self.count("bitflip")
+            at = self.randint(0, len(data) * 8 - 1)
+            flipped = bytearray(data)
+            flipped[at // 8] ^= 1 << (at % 8)
+            return bytes(flipped)
+        return data
+
+
+class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
+    """fsspec filesystem delegating to a target through a :class:`FaultPlan`."""
+
+    protocol = (PROTOCOL,)
+    cachable = False  # each store gets its own plan
+
+    def __init__(
+        self,
+        target_protocol: str = "memory",
+        target_options: dict[str, Any] | None = None,
+        plan: FaultPlan | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.target = fsspec.filesystem(target_protocol, **dict(target_options or {}))
+        if isinstance(plan, dict):
+            plan = FaultPlan.from_dict(plan)
+        self.plan = plan if plan is not None else FaultPlan()
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        self.plan.before(self.plan.read_error_rate)
+        data = self.target.cat_file(path, start=start, end=end, **kwargs)
+        return self.plan.mangle(bytes(data))
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+        self.plan.before(self.plan.write_error_rate)
+        write_whole(self.target, path, bytes(value))
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        self.plan.before(self.plan.read_error_rate)
+        return bool(self.target.exists(path))
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        self.plan.before(self.plan.read_error_rate)
+        return dict(self.target.info(path, **kwargs))
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        self.plan.before(self.plan.read_error_rate)
+        return self.target.ls(path, detail=detail, **kwargs)
+
+    def find(self, path: str, **kwargs: Any) -> Any:
+        self.plan.before(self.plan.read_error_rate)
+        return self.target.find(path, **kwargs)
+
+    def rm_file(self, path: str) -> None:
+        self.plan.before(self.plan.write_error_rate)
+        self.target.rm_file(path)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self.target.makedirs(path, exist_ok=exist_ok)
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        self.target.mkdir(path, create_parents=create_parents, **kwargs)
+
+
+fsspec.register_implementation(PROTOCOL, FaultyFileSystem, clobber=True)

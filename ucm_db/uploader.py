@@ -1,0 +1,215 @@
+"""Background write-back: drains the local tier's durable upload queue.
+
+A block put with ``remote_mode="write_back"`` is committed locally together
+with a row in the ``uploads`` table (same transaction). The
+:class:`Uploader` thread reads queued keys, uploads their objects to the
+remote tier with bounded concurrency, and deletes the rows of the uploads
+that succeeded.
+
+Invariants:
+    * A queue row is deleted only after its object is fully written, so a
+      crash at any point loses nothing: the next process re-uploads (objects
+      are immutable and named by key, so a repeat is harmless).
+    * A block evicted or deleted locally leaves the queue in the same
+      transaction (the local tier does that); nothing else removes rows.
+    * Within a batch, shallower blocks are uploaded first, so the remote
+      mostly holds ancestors before descendants (the remote prefix search
+      relies on it for precision, never for correctness).
+    * Failures back off exponentially (50 ms doubling to 5 s) and retry
+      forever; rows stay queued.
+    * One uploader per store directory across processes: an exclusive
+      ``flock`` on ``uploader.lock`` elects it; the kernel releases it when
+      its process dies, and another process takes over.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ucm_db.errors import TierError
+from ucm_db.tiers.local import LocalTier
+from ucm_db.tiers.remote import RemoteRoot
+
+BATCH_KEYS = 256
+IDLE_POLL_S = 0.5
+MIN_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 5.0
+LOCK_NAME = "uploader.lock"
+
+
+class Uploader:
+    """Drains the upload queue of ``local`` into ``remote`` (a daemon thread).
+
+    Args:
+        local: the store's local tier (owns the queue).
+        remote: where objects go.
+        store_dir: directory holding the election lock file.
+        concurrency: uploads in flight at once.
+    """
+
+    def __init__(self, local: LocalTier, remote: RemoteRoot, store_dir: Path, *, concurrency: int) -> None:
+        self.local = local
+        self.remote = remote
+        self.concurrency = concurrency
+        self._lock_path = store_dir / LOCK_NAME
+        self._lock_fd: int | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Condition()
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload")
+        self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
+        self.uploaded = 0
+        self.failures = 0
+        self.last_error: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def notify(self) -> None:
+        """Wakes the thread (called after a put queued blocks)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stops after the batch in flight; queued rows stay for next time."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._release_lock()
+
+    # -- the loop ----------------------------------------------------------------
+    def _run(self) -> None:
+        backoff_s = MIN_BACKOFF_S
+        while not self._stop.is_set():
+            if not self._take_lock():
+                self._sleep(IDLE_POLL_S)
+                continue
+            try:
+                moved, failed = self.drain_batch()
+            except Exception as exc:  # noqa: BLE001 - keep draining; the error is reported by flush()
+                moved, failed = 0, 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            if failed:
+                self.failures += failed
+                self._sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+            elif moved:
+                backoff_s = MIN_BACKOFF_S
+            else:
+                with self._idle:
+                    self._idle.notify_all()
+                self._sleep(IDLE_POLL_S)
+
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def drain_batch(self) -> tuple[int, int]:
+        """Uploads one batch of queued blocks; returns ``(uploaded, failed)``."""
+        keys = self.local.pending_uploads(limit=BATCH_KEYS)
+        if not keys:
+            return 0, 0
+        items = self._read_items(keys)
+        gone = [k for k, item in zip(keys, items) if item is None]
+        work = sorted((item for item in items if item is not None), key=lambda it: it[3])
+        self._ensure_manifests({item[2] for item in work})
+        results = list(self._pool.map(self._upload_one, work))
+        done = [item[0] for item, error in zip(work, results) if error is None]
+        errors = [error for error in results if error is not None]
+        if errors:
+            self.last_error = errors[0]
+        # Rows of blocks that vanished (raced with eviction) are dropped too.
+        self.local.mark_uploaded(done + gone)
+        self.uploaded += len(done)
+        return len(done), len(errors)
+
+    def _read_items(self, keys: list[bytes]) -> list[tuple[bytes, bytes | None, bytes, int, bytes] | None]:
+        metas = self.local.metas(keys)
+        blobs = self.local.read_blocks(keys, lambda _i, blob: bytes(blob))
+        out: list[tuple[bytes, bytes | None, bytes, int, bytes] | None] = []
+        for key, meta, blob in zip(keys, metas, blobs):
+            if meta is None or blob is None:
+                out.append(None)
+            else:
+                out.append((key, meta.parent, meta.namespace_id, meta.depth, blob))
+        return out
+
+    def _upload_one(self, item: tuple[bytes, bytes | None, bytes, int, bytes]) -> str | None:
+        key, parent, namespace_id, _depth, blob = item
+        try:
+            self.remote.tier(namespace_id).store(key, parent, blob)
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the row queued
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _ensure_manifests(self, namespace_ids: set[bytes]) -> None:
+        if not namespace_ids:
+            return
+        descriptions = self.local.namespace_descriptions()
+        for namespace_id in namespace_ids:
+            self.remote.ensure_manifest(namespace_id, descriptions.get(namespace_id, {}))
+
+    # -- election ----------------------------------------------------------------
+    def _take_lock(self) -> bool:
+        if self._lock_fd is not None:
+            return True
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- waiting -----------------------------------------------------------------
+    def wait_drained(self, timeout_s: float | None) -> None:
+        """Blocks until the queue is empty (whichever process drains it).
+
+        Raises:
+            TierError: still not empty after ``timeout_s``; rows stay queued.
+        """
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.local.pending_uploads(limit=1):
+            if end is not None and time.monotonic() >= end:
+                left = len(self.local.pending_uploads())
+                raise TierError(
+                    f"{left} block(s) still waiting for upload to {self.remote.root} after {timeout_s} s"
+                    + (f" (last error: {self.last_error})" if self.last_error else ""),
+                    hint="check the remote; the blocks stay queued and upload when it is back",
+                )
+            self._wake.set()
+            with self._idle:
+                self._idle.wait(0.05)
+
+    def upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]]) -> list[str]:
+        """Uploads ``(key, parent, namespace id, blob)`` items at once
+        (write-through) and dequeues those that succeeded; returns errors."""
+        self._ensure_manifests({item[2] for item in items})
+        work = [(key, parent, ns, 0, blob) for key, parent, ns, blob in items]
+        results = list(self._pool.map(self._upload_one, work))
+        self.local.mark_uploaded([item[0] for item, error in zip(work, results) if error is None])
+        return [error for error in results if error is not None]
+
+    def forget_lock_after_fork(self) -> None:
+        """In a forked child: drop the inherited lock descriptor (closing
+        this copy leaves the parent's lock alone)."""
+        self._release_lock()
+
+
+def describe(uploader: Uploader | None) -> dict[str, Any]:
+    """Counters for stats and the CLI."""
+    if uploader is None:
+        return {}
+    return {"uploaded": uploader.uploaded, "failures": uploader.failures, "last_error": uploader.last_error}

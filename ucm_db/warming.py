@@ -1,0 +1,176 @@
+"""Cache warming: pull what the remote tier has into the local tier.
+
+:func:`warm` takes chains (token sequences, or block keys) of one namespace
+and, for each, promotes the remote blocks that extend the local prefix, so
+the first real request of a node finds them locally.
+
+Invariants:
+    * Warming only adds blocks that verify (envelope and codec checksum,
+      owning key, parent chain); a corrupt or missing remote block ends that
+      chain's warming (``missing`` counts the rest of the chain).
+    * The local prefix invariant holds throughout: each chain is promoted
+      from its first missing block, in order, with its parent.
+    * Warming never uploads (promoted blocks are not queued).
+    * Chains are fetched in batches of :data:`BATCH_BLOCKS`, with the remote
+      read pool's concurrency; each batch waits at most
+      :data:`BATCH_DEADLINE_S`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from ucm_db.errors import ConfigError
+from ucm_db.keys import Namespace
+from ucm_db.tiers.remote import remote_failure
+
+if TYPE_CHECKING:
+    from ucm_db.store import Store
+
+BATCH_BLOCKS = 64
+BATCH_DEADLINE_S = 30.0
+
+#: ``progress(blocks_done, blocks_total)``, called after each batch.
+WarmProgress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmReport:
+    """What a warming run did.
+
+    Attributes:
+        already_local: blocks that were local before warming.
+        fetched: blocks fetched from the remote and promoted.
+        missing: blocks neither local nor fetchable (absent, corrupt, or
+            after such a block in their chain).
+        bytes: stored (encoded) bytes fetched.
+        seconds: wall time of the run.
+    """
+
+    already_local: int
+    fetched: int
+    missing: int
+    bytes: int
+    seconds: float
+
+    @property
+    def blocks(self) -> int:
+        return self.already_local + self.fetched + self.missing
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "blocks": self.blocks}
+
+
+def chains_of(
+    namespace: Namespace,
+    token_sequences: Sequence[Sequence[int]] | None,
+    keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None,
+) -> list[list[bytes]]:
+    """Key chains to warm: one per token sequence, plus ``keys`` (one chain
+    given as a flat list of keys, or a list of chains)."""
+    if token_sequences is None and keys is None:
+        raise ConfigError("warm needs token_sequences= or keys=", hint="pass the prompts' token ids, or block keys")
+    chains = [namespace.block_keys(tokens) for tokens in token_sequences or []]
+    if keys:
+        if isinstance(keys[0], (bytes, bytearray)):
+            chains.append([bytes(k) for k in keys])  # type: ignore[arg-type]
+        else:
+            chains.extend([bytes(k) for k in chain] for chain in keys)  # type: ignore[union-attr]
+    for chain in chains:
+        for key in chain:
+            if len(key) != 32:
+                raise ConfigError(f"block keys are 32 bytes, got {len(key)}", hint="use Namespace.block_keys")
+    return [chain for chain in chains if chain]
+
+
+def warm(
+    store: Store,
+    namespace: Namespace,
+    *,
+    token_sequences: Sequence[Sequence[int]] | None = None,
+    keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None = None,
+    progress: WarmProgress | None = None,
+) -> WarmReport:
+    """Promotes remote blocks of the given chains into ``store``'s local tier.
+
+    Args:
+        store: an open store; without a ``remote`` only ``already_local`` and
+            ``missing`` are counted.
+        namespace: the chains' namespace.
+        token_sequences: prompts' token ids (full blocks only count).
+        keys: block keys: one chain, or a list of chains. A chain that does
+            not start at a chain root warms only if its first block's parent
+            is local.
+        progress: called as ``progress(done, total)`` in blocks.
+
+    Returns:
+        A :class:`WarmReport`.
+    """
+    started = time.monotonic()
+    chains = chains_of(namespace, token_sequences, keys)
+    total = sum(len(chain) for chain in chains)
+    counts = {"already_local": 0, "fetched": 0, "missing": 0, "bytes": 0}
+    done = 0
+    for chain in chains:
+        local_n = store.tier.count_prefix(chain)
+        counts["already_local"] += local_n
+        done += local_n
+        fetched, nbytes = _warm_chain(store, namespace, chain, local_n, lambda n: _tick(progress, done + n, total))
+        counts["fetched"] += fetched
+        counts["bytes"] += nbytes
+        counts["missing"] += len(chain) - local_n - fetched
+        done += len(chain) - local_n
+        _tick(progress, done, total)
+    return WarmReport(seconds=time.monotonic() - started, **counts)
+
+
+def _warm_chain(
+    store: Store, namespace: Namespace, chain: list[bytes], local_n: int, on_batch: Callable[[int], None],
+) -> tuple[int, int]:
+    """Fetches ``chain[local_n:]`` batch by batch; stops at the first gap."""
+    link = store.remote
+    if link is None or local_n == len(chain):
+        return 0, 0
+    from ucm_db.readthrough import promote
+
+    namespace_id = namespace.digest[:16]
+    fetched = nbytes = 0
+    at = local_n
+    parent = chain[at - 1] if at else None
+    if at == 0:
+        ok, parent = _first_parent(store, link, namespace_id, chain[0])
+        if not ok:
+            return 0, 0
+    while at < len(chain):
+        batch = chain[at : at + BATCH_BLOCKS]
+        objects = link.fetch_chain(namespace_id, batch, parent, time.monotonic() + BATCH_DEADLINE_S)
+        promoted = promote(store.tier, objects)
+        fetched += promoted
+        nbytes += sum(len(o.blob) for o in objects[:promoted])
+        at += promoted
+        on_batch(fetched)
+        if promoted < len(batch):
+            break
+        parent = chain[at - 1]
+    return fetched, nbytes
+
+
+def _first_parent(store: Store, link: Any, namespace_id: bytes, first_key: bytes) -> tuple[bool, bytes | None]:
+    """A chain given by keys may start mid-chain: its first block can be
+    promoted only if it is a chain root or its parent is local. Returns
+    ``(promotable, parent)``."""
+    try:
+        probe = link.tier(namespace_id).probe(first_key)
+    except Exception as exc:  # noqa: BLE001 - any remote failure is reported the same way
+        raise remote_failure(exc, link.url) from exc
+    if probe is None:
+        return False, None
+    return probe.parent is None or store.tier.exists([probe.parent])[0], probe.parent
+
+
+def _tick(progress: WarmProgress | None, done: int, total: int) -> None:
+    if progress is not None:
+        progress(done, total)
