@@ -31,6 +31,18 @@ from ucm_db.tiers.base import TABLES, Buffer, Engine, T
 _MAX_MAP_BYTES = 1 << 46
 
 
+def _lmdb_open(path: str, **options: object) -> lmdb.Environment:
+    """``lmdb.open``, retried while other processes grow the map: opening
+    runs a transaction, which fails with MDB_MAP_RESIZED when a writer grew
+    the map after the meta page was read (seen in the crash loop)."""
+    for _ in range(15):
+        try:
+            return lmdb.open(path, **options)
+        except lmdb.MapResizedError:
+            continue
+    return lmdb.open(path, **options)
+
+
 class _LmdbTxn:
     def __init__(self, txn: lmdb.Transaction, dbs: dict[str, object]) -> None:
         self._txn = txn
@@ -128,7 +140,7 @@ class LmdbEngine(Engine):
         self._txn_gate = _SharedExclusiveLock()
         try:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            env = lmdb.open(
+            env = _lmdb_open(
                 str(self.path),
                 map_size=self._map_size_bytes,
                 subdir=True,
