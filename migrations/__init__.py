@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MigrationError
 from ucm_db.store import FORMAT_VERSION_KEY, STORE_FORMAT_VERSION
 from ucm_db.tiers.base import Txn
@@ -170,6 +171,7 @@ def _apply(engine: Any, migration: Migration, path: Path) -> None:
         if found != migration.version - 1:
             raise MigrationError(f"store at {path} is at format {found}, expected {migration.version - 1}")
         migration.upgrade(txn)
+        crashpoint("migrate.during_migration")
         record = {"version": migration.version, "name": migration.name, "applied_ns": time.time_ns(), "ucm_db_version": __version__}
         txn.put(MIGRATIONS_TABLE, b"%08d" % migration.version, json.dumps(record, sort_keys=True).encode())
         txn.put("info", FORMAT_VERSION_KEY, str(migration.version).encode())

@@ -26,6 +26,7 @@ from typing import Any
 
 import click
 
+from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import FormatVersionError, LockedError
 from ucm_db.migrations.access import open_engine, read_format_version, require_store
 from ucm_db.store import SETTINGS_KEY, STORE_FORMAT_VERSION
@@ -144,7 +145,9 @@ def rewrite_lmdb(path: Path) -> None:
         new = tmp / "data.mdb"
         os.chmod(new, 0o600)
         _fsync(new)
+        crashpoint("compact.during_switch")  # 1st: before the switch
         os.replace(new, lmdb_dir / "data.mdb")
+        crashpoint("compact.during_switch")  # 2nd: switched, stale lock.mdb still there
         # No process has the environment open: its reader table is stale.
         (lmdb_dir / "lock.mdb").unlink(missing_ok=True)
         _fsync(lmdb_dir)

@@ -32,6 +32,7 @@ KNOWN_POINTS = (
     "local.after_payload_write",
     "local.before_commit",
     "remote.during_upload",
+    "remote.before_mark_uploaded",
     "compact.during_switch",
     "migrate.during_migration",
 )

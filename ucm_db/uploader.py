@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import TierError
 from ucm_db.tiers.local import LocalTier
 from ucm_db.tiers.remote import RemoteRoot
@@ -125,6 +126,7 @@ class Uploader:
         if errors:
             self.last_error = errors[0]
         # Rows of blocks that vanished (raced with eviction) are dropped too.
+        crashpoint("remote.before_mark_uploaded")
         self.local.mark_uploaded(done + gone)
         self.uploaded += len(done)
         return len(done), len(errors)

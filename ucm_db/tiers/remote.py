@@ -55,6 +55,7 @@ from typing import Any
 import xxhash
 
 from ucm_db import codec
+from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError
 from ucm_db.tiers.base import Buffer, Tier, TierCapabilities
 
@@ -171,6 +172,7 @@ def write_whole(fs: Any, path: str, data: bytes) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+            crashpoint("remote.during_upload")
             os.fsync(fd)
         finally:
             os.close(fd)
