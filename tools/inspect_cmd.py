@@ -168,7 +168,7 @@ def render(r: dict[str, Any]) -> str:
         f"blocks         {r['blocks']}   raw {human_bytes(r['raw_bytes'])} -> stored {human_bytes(r['stored_bytes'])} (ratio {r['compression_ratio']:.2f}x)",
         f"activity       hits {r['hits']}, misses {r['misses']}, evictions {r['evictions']}",
         f"quarantine     {r['quarantine_records']} records ({r['quarantined_total']} blocks quarantined ever)",
-        f"uploads        {r['pending_uploads']} pending   remote {r['remote'] or '-'}",
+        f"uploads        {r['pending_uploads']} pending   remote {r['remote'] or 'not recorded in the store'}",
         "",
     ]
     rows = [[n["id"][:16], n["model"], n["kv_dtype"], n["block_size"], n["rank"], n["blocks"], human_bytes(n["stored_bytes"]),

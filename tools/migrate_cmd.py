@@ -23,7 +23,6 @@ from ucm_db import migrations
 from ucm_db.errors import ConfigError, FormatVersionError, MigrationError
 from ucm_db.store import SETTINGS_KEY, STORE_FORMAT_VERSION, detect_engine
 from ucm_db.tiers.base import TABLES, Engine, Txn
-from ucm_db.tiers.local import LocalTier
 
 from ucm_db.tools.cli_common import emit, json_option, progress, store_view
 from ucm_db.tools.verify_cmd import verify_view

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,27 @@ def remote_namespace(url: str, options: dict[str, Any], wanted: str) -> Any:
     return found[0]
 
 
+class _LazyBar:
+    """A stderr progress bar created on the first ``update(done, total)``
+    (the total is known only once warming has planned its chains)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled and sys.stderr.isatty()
+        self._bar: Any = None
+
+    def update(self, done: int, total: int) -> None:
+        if not self._enabled or total <= 0:
+            return
+        if self._bar is None:
+            self._bar = click.progressbar(length=total, label="warming", file=sys.stderr, show_pos=True)
+            self._bar.__enter__()
+        self._bar.update(max(0, done - self._bar.pos))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+
+
 @click.command("warm")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--remote", required=True, help="fsspec URL of the remote tier to warm from.")
@@ -147,8 +169,12 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
     tokens, keys = read_chains(tokens_file, keys_file)
     remote_options = parse_options(options)
     ns = remote_namespace(remote, remote_options, namespace)
-    with ucm_db.open(path, remote=remote, remote_options=remote_options) as store:
-        report = store.warm(ns, token_sequences=tokens, keys=keys)
+    bar = _LazyBar(enabled=not as_json)
+    try:
+        with ucm_db.open(path, remote=remote, remote_options=remote_options) as store:
+            report = store.warm(ns, token_sequences=tokens, keys=keys, progress=bar.update)
+    finally:
+        bar.close()
     data = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
     emit(as_json, data, lambda d: "warmed: " + ", ".join(f"{k}={v}" for k, v in d.items()))
 
