@@ -1,0 +1,169 @@
+"""``UcmDbConnector``: the vLLM ``KVConnectorBase_V1`` facade.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "UcmDbConnector",
+        "kv_connector_module_path": "ucm_db.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"path": "/var/cache/ucm-db"}}'
+
+The facade only dispatches: scheduler-role calls go to
+:class:`~ucm_db.connector.scheduler.UcmDbScheduler`, worker-role calls to
+:class:`~ucm_db.connector.worker.UcmDbWorker`. Settings are parsed (and bad
+keys rejected) in the constructor of both roles, so a typo stops the engine
+at start-up.
+
+Invariants:
+    * Every vLLM call reaching the wrong role is a no-op (or an empty answer),
+      never an AttributeError.
+    * Loads are synchronous from vLLM's point of view (``load_kv_async`` is
+      always False): a hit is fully in the KV cache, or reported failed,
+      by the end of the step that uses it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.logger import init_logger
+
+from ucm_db.connector.identity import kv_shape
+from ucm_db.connector.metadata import UcmDbConnectorMetadata
+from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
+from ucm_db.connector.scheduler import UcmDbScheduler
+from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.connector.worker import UcmDbWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+
+class UcmDbConnector(KVConnectorBase_V1):
+    """KV connector storing full KV blocks in a ucm-db store."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.settings = ConnectorSettings.from_extra_config(extra)
+        self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
+        self._scheduler: UcmDbScheduler | None = None
+        self._worker: UcmDbWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "ucm-db: kv_load_failure_policy=%r makes a corrupt or evicted block fail its request; "
+                    "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+            self._scheduler = UcmDbScheduler(self.settings, self.shape)
+        else:
+            num_blocks = getattr(kv_cache_config, "num_blocks", None)
+            self._worker = UcmDbWorker(self.settings, self.shape, num_blocks)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A dropped save is only a future miss: never recompute a preempted
+        # request on our account.
+        return False
+
+    # -- worker side ----------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is not None:
+            tp_rank, pp_rank = _ranks()
+            self._worker.register_kv_caches(kv_caches, tp_rank, pp_rank)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.start_load(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        # Blocks are saved whole at wait_for_save: a layer's KV is not final
+        # for the block until the step ends, and whole-block copies are
+        # cheaper than per-layer ones here.
+        return
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.save(self._metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Saves are copied out within their step and loads are synchronous:
+        # no request ever waits on us.
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        part = self._worker or self._scheduler
+        return part.counters.take() if part is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def _metadata(self) -> UcmDbConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, UcmDbConnectorMetadata)
+        return meta
+
+    # -- scheduler side ---------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- metrics -------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return UcmDbConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return UcmDbPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _ranks() -> tuple[int, int]:
+    """(tp_rank, pp_rank) of this worker; (0, 0) outside a distributed run."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+    except (AssertionError, AttributeError, RuntimeError):
+        return 0, 0

@@ -1,0 +1,171 @@
+"""KV cache layouts: the one module that knows how backends arrange paged KV.
+
+Every supported layout reduces, per layer, to a list of *block-major
+segments*: tensors whose first dimension is the vLLM block id, so that
+``segment[b]`` is everything that segment holds for block ``b``:
+
+=================  ===========================================  ==========================
+layout             per-layer tensor(s)                          segments of one layer
+=================  ===========================================  ==========================
+``cpu``            ``[num_blocks, kv_heads, block, 2*head]``    ``[t]`` (K transposed
+                   (vLLM CPU backend)                           inside: bytes are opaque)
+``flash``          ``[2, num_blocks, block, heads, head]``      ``[t[0], t[1]]`` (K, V)
+                   (CUDA flash-attention)
+``mla``            ``[num_blocks, block, dim]``                 ``[t]``
+``kv_tuple``       ``(k_cache, v_cache)``, each                 ``[k, v]``
+                   ``[num_blocks, block, heads, head]``
+                   (vllm-ascend)
+=================  ===========================================  ==========================
+
+A stored block is one frame per layer (layers in registration order); a
+layer's frame is its segments' bytes for that block, back to back. The store
+only ever sees bytes.
+
+Invariants:
+    * Copies use plain torch ops (``index_select``, ``index_copy_``,
+      ``copy_``), so the same code moves NPU, CUDA and CPU tensors; nothing
+      assumes contiguity of a segment beyond what ``copy_`` handles.
+    * Whole blocks are copied, never token slices: some kernels (CPU, AMX)
+      permute tokens inside a block.
+    * If the kernel block is smaller than vLLM's block (``kernel_ratio`` > 1),
+      one vLLM block spans ``kernel_ratio`` consecutive kernel blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import torch
+
+from ucm_db.errors import ConfigError
+
+KVCacheEntry = Union[torch.Tensor, Sequence[torch.Tensor]]
+LAYOUT_KINDS = ("cpu", "flash", "mla", "kv_tuple")
+
+
+@dataclass(frozen=True)
+class LayerSegments:
+    """One layer's block-major segments and their bytes per block."""
+
+    name: str
+    segments: tuple[torch.Tensor, ...]
+    segment_bytes: tuple[int, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.segment_bytes)
+
+
+class KVLayout:
+    """Block-major view of registered KV caches (see module docstring)."""
+
+    def __init__(self, kind: str, layers: Sequence[LayerSegments]) -> None:
+        if not layers:
+            raise ConfigError("no KV cache layers were registered", hint="the model has no attention layers ucm-db can store")
+        self.kind = kind
+        self.layers = tuple(layers)
+        self.layer_bytes = tuple(layer.block_bytes for layer in self.layers)
+        self.layer_offsets = tuple(int(x) for x in np.cumsum((0,) + self.layer_bytes[:-1]))
+        self.block_bytes = sum(self.layer_bytes)
+        self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self.device = self.layers[0].segments[0].device
+
+    def describe(self) -> str:
+        """Shapes and dtypes, for logs and error messages."""
+        first = self.layers[0]
+        shapes = ", ".join(f"{tuple(s.shape)}:{s.dtype}" for s in first.segments)
+        return f"{self.kind}: {len(self.layers)} layers x [{shapes}], {self.block_bytes} bytes per block"
+
+    def new_staging(self, num_blocks: int) -> torch.Tensor:
+        """A CPU byte buffer holding ``num_blocks`` whole blocks, one per row."""
+        return torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8)
+
+    def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        """Copies blocks ``block_ids`` out of the KV caches into staging rows."""
+        ids = self._ids(block_ids)
+        for i in range(len(self.layers)):
+            for seg, dst in self._segment_views(i, staging[: len(block_ids)]):
+                dst.copy_(seg.index_select(0, ids))
+
+    def scatter(self, block_ids: Sequence[int], staging: torch.Tensor, layer: int | None = None) -> None:
+        """Copies staging rows into the KV caches at ``block_ids`` (one layer
+        if ``layer`` is given, else all)."""
+        ids = self._ids(block_ids)
+        layers = range(len(self.layers)) if layer is None else (layer,)
+        for i in layers:
+            for seg, src in self._segment_views(i, staging[: len(block_ids)]):
+                seg.index_copy_(0, ids, src.to(seg.device))
+
+    def frames(self, row: np.ndarray) -> list[memoryview]:
+        """A staged block's per-layer frames (views, no copy)."""
+        return [memoryview(row[off : off + size]) for off, size in zip(self.layer_offsets, self.layer_bytes)]
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def _segment_views(self, layer: int, staging: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(segment, matching typed view of the staging rows) pairs."""
+        out = []
+        offset = self.layer_offsets[layer]
+        spec = self.layers[layer]
+        for seg, size in zip(spec.segments, spec.segment_bytes):
+            typed = staging[:, offset : offset + size].view(seg.dtype)
+            out.append((seg, typed.unflatten(1, tuple(seg.shape[1:]))))
+            offset += size
+        return out
+
+
+def detect_layout(kv_caches: Mapping[str, KVCacheEntry], num_blocks: int | None = None) -> KVLayout:
+    """Builds the :class:`KVLayout` of registered KV caches.
+
+    Args:
+        kv_caches: layer name -> tensor, or (k_cache, v_cache) tuple.
+        num_blocks: vLLM's block count (resolves ambiguous shapes and the
+            kernel block ratio); None to infer from the tensors.
+
+    Raises:
+        ConfigError: a layout ucm-db does not know.
+    """
+    kinds = set()
+    layers = []
+    for name, entry in kv_caches.items():
+        kind, segments = _layer_segments(name, entry, num_blocks)
+        kinds.add(kind)
+        layers.append(_make_layer(name, segments, num_blocks))
+    if len(kinds) > 1:
+        raise ConfigError(f"KV caches mix layouts {sorted(kinds)}", hint="ucm-db supports one KV layout per model")
+    return KVLayout(kinds.pop() if kinds else "cpu", layers)
+
+
+def _layer_segments(name: str, entry: KVCacheEntry, num_blocks: int | None) -> tuple[str, list[torch.Tensor]]:
+    if isinstance(entry, (tuple, list)):
+        if len(entry) != 2 or not all(isinstance(t, torch.Tensor) for t in entry):
+            raise ConfigError(f"layer {name}: expected a (k_cache, v_cache) tuple", hint="report this KV layout to ucm-db")
+        return "kv_tuple", list(entry)
+    if not isinstance(entry, torch.Tensor):
+        raise ConfigError(f"layer {name}: KV cache is a {type(entry).__name__}, not a tensor", hint="report this KV layout to ucm-db")
+    if entry.dim() == 5 and entry.shape[0] == 2 and (num_blocks is None or entry.shape[0] < num_blocks):
+        return "flash", [entry[0], entry[1]]
+    if entry.dim() == 3:
+        return "mla", [entry]
+    if entry.dim() == 4:
+        return "cpu", [entry]
+    raise ConfigError(f"layer {name}: unknown KV cache shape {tuple(entry.shape)}", hint="report this KV layout to ucm-db")
+
+
+def _make_layer(name: str, segments: list[torch.Tensor], num_blocks: int | None) -> LayerSegments:
+    fixed = []
+    for seg in segments:
+        if num_blocks is not None and seg.shape[0] != num_blocks:
+            if seg.shape[0] % num_blocks:
+                raise ConfigError(
+                    f"layer {name}: {seg.shape[0]} kernel blocks is not a multiple of {num_blocks} vLLM blocks",
+                    hint="report this KV layout to ucm-db",
+                )
+            seg = seg.unflatten(0, (num_blocks, seg.shape[0] // num_blocks))
+        fixed.append(seg)
+    sizes = tuple(int(s[0].numel()) * s.element_size() for s in fixed)
+    return LayerSegments(name, tuple(fixed), sizes)

@@ -1,0 +1,135 @@
+"""Connector metrics: vLLM ``KVConnectorStats`` and Prometheus metrics.
+
+Counters are plain numbers in a dict (vLLM ships them from the workers and
+the scheduler to the front-end process, where ``build_kv_connector_stats``
+rebuilds them). Every counter is a sum over the interval except the gauges in
+:data:`GAUGES`, which keep the latest non-zero value.
+
+Invariants:
+    * ``data`` holds only the names in :data:`COUNTERS` and :data:`GAUGES`;
+      unknown names from a peer are ignored, not trusted.
+    * Stats objects are never shared between threads: the owner swaps in a
+      fresh one under its own lock (:meth:`Counters.take`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = (
+    "lookups", "lookup_s", "query_tokens", "hit_tokens",
+    "loaded_blocks", "loaded_bytes", "load_s", "load_errors",
+    "saved_blocks", "saved_bytes", "save_copy_s", "save_commit_s", "save_errors", "saves_dropped",
+)
+GAUGES = ("compression_ratio",)
+
+
+@dataclass
+class UcmDbConnectorStats(KVConnectorStats):
+    """ucm-db's counters in vLLM's stats protocol."""
+
+    def __post_init__(self) -> None:  # KVConnectorStats is a dataclass
+        clean = {name: float(self.data.get(name, 0) or 0) for name in COUNTERS + GAUGES}
+        self.data = clean
+
+    def reset(self) -> None:
+        self.data = {name: 0.0 for name in COUNTERS + GAUGES}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name in COUNTERS:
+            self.data[name] += float(other.data.get(name, 0) or 0)
+        for name in GAUGES:
+            value = float(other.data.get(name, 0) or 0)
+            if value:
+                self.data[name] = value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {
+            "lookups": int(d["lookups"]),
+            "hit_tokens": int(d["hit_tokens"]),
+            "hit_rate": round(d["hit_tokens"] / d["query_tokens"], 4) if d["query_tokens"] else 0.0,
+            "avg_lookup_ms": round(1e3 * d["lookup_s"] / d["lookups"], 3) if d["lookups"] else 0.0,
+            "loaded_MB": round(d["loaded_bytes"] / 1e6, 3),
+            "load_GBps": round(d["loaded_bytes"] / d["load_s"] / 1e9, 3) if d["load_s"] else 0.0,
+            "load_errors": int(d["load_errors"]),
+            "saved_MB": round(d["saved_bytes"] / 1e6, 3),
+            "save_commit_s": round(d["save_commit_s"], 4),
+            "save_errors": int(d["save_errors"]),
+            "saves_dropped": int(d["saves_dropped"]),
+            "compression_ratio": round(d["compression_ratio"], 3),
+        }
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[name] for name in COUNTERS)
+
+
+class Counters:
+    """Thread-safe accumulator that hands out :class:`UcmDbConnectorStats`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = UcmDbConnectorStats()
+        self.totals = UcmDbConnectorStats()  # since start, for tests and the demo
+
+    def add(self, **values: float) -> None:
+        with self._lock:
+            for name, value in values.items():
+                if name in GAUGES:
+                    self._stats.data[name] = float(value)
+                    self.totals.data[name] = float(value)
+                else:
+                    self._stats.data[name] += value
+                    self.totals.data[name] += value
+
+    def take(self) -> UcmDbConnectorStats | None:
+        """The interval's stats (None if nothing happened), reset to zero."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, UcmDbConnectorStats()
+        return out
+
+
+_PROM = {
+    "lookups": ("ucm_db_lookups", "Scheduler-side prefix lookups"),
+    "hit_tokens": ("ucm_db_hit_tokens", "Prompt tokens loaded from ucm-db instead of computed"),
+    "query_tokens": ("ucm_db_query_tokens", "Prompt tokens looked up in ucm-db"),
+    "loaded_bytes": ("ucm_db_loaded_bytes", "KV bytes loaded into the paged cache"),
+    "load_s": ("ucm_db_load_seconds", "Seconds spent loading KV blocks"),
+    "load_errors": ("ucm_db_load_errors", "Blocks that failed to load (missing or corrupt) and were recomputed"),
+    "saved_bytes": ("ucm_db_saved_bytes", "Raw KV bytes handed to the background writer"),
+    "save_commit_s": ("ucm_db_save_commit_seconds", "Seconds the background writer spent encoding and committing"),
+    "saves_dropped": ("ucm_db_saves_dropped", "Blocks not saved because the writer queue was full"),
+}
+
+
+class UcmDbPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters per engine, plus a compression-ratio gauge."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, (metric, doc) in _PROM.items():
+            counter = self._counter_cls(name=f"vllm:{metric}", documentation=doc, labelnames=labelnames)
+            self._counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        gauge = self._gauge_cls(
+            name="vllm:ucm_db_compression_ratio", documentation="Raw / stored bytes of this model's stored KV blocks",
+            labelnames=labelnames,
+        )
+        self._ratio = {idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, per_engine in self._counters.items():
+            value = float(transfer_stats_data.get(name, 0) or 0)
+            if value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
+        ratio = float(transfer_stats_data.get("compression_ratio", 0) or 0)
+        if ratio and engine_idx in self._ratio:
+            self._ratio[engine_idx].set(ratio)

@@ -1,0 +1,117 @@
+"""Connector settings: ``kv_connector_extra_config`` parsed into one frozen value.
+
+The extra config accepts, by name:
+
+* every :class:`ucm_db.config.StoreConfig` option (``capacity_bytes``,
+  ``codec``, ``durability``, ``remote`` ...), validated by the core's own
+  parser, so the connector, the CLI and the Python API agree;
+* ``path``: the store directory. Default: ``$UCM_DB_PATH`` if set, else
+  ``$XDG_CACHE_HOME/ucm-db`` (``~/.cache/ucm-db``);
+* ``config_file``: a YAML or JSON file holding any of these keys (keys given
+  directly in the extra config win over the file);
+* connector options: ``load_mode`` (``"block"``: load every block before the
+  forward; ``"layer"``: load in a background thread and let each attention
+  layer wait only for its own layer), ``model_id`` (explicit model identity
+  for the namespace instead of the config+weights fingerprint),
+  ``max_pending_save_bytes`` (bound on KV bytes queued for the background
+  writer; saves beyond it are dropped and counted, never blocking the
+  forward pass).
+
+Invariants:
+    * An unknown key anywhere (extra config or file) raises
+      :class:`~ucm_db.errors.ConfigError` listing every valid key.
+    * Parsing touches no store and no tensor: both the scheduler and the
+      worker processes parse the same dict to the same value.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ucm_db.config import StoreConfig, load_config_file
+from ucm_db.errors import ConfigError
+
+LOAD_MODES = ("block", "layer")
+#: Environment variable naming the default store path.
+PATH_ENV = "UCM_DB_PATH"
+_CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes")
+
+
+def default_store_path() -> Path:
+    """The embedded default store path (see the module docstring)."""
+    explicit = os.environ.get(PATH_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "ucm-db"
+
+
+def valid_keys() -> tuple[str, ...]:
+    """Every key the extra config accepts."""
+    return _CONNECTOR_KEYS + StoreConfig.field_names()
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """What the connector needs from its extra config.
+
+    Attributes:
+        path: store directory.
+        store_options: options passed to :func:`ucm_db.open` (validated).
+        load_mode: ``"block"`` or ``"layer"``.
+        model_id: explicit model identity, or None to fingerprint the model.
+        max_pending_save_bytes: bound on bytes waiting for the writer.
+    """
+
+    path: Path
+    store_options: Mapping[str, Any] = field(default_factory=dict)
+    load_mode: str = "block"
+    model_id: str | None = None
+    max_pending_save_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.load_mode not in LOAD_MODES:
+            raise ConfigError(f"load_mode must be one of {', '.join(LOAD_MODES)}, got {self.load_mode!r}", hint="use load_mode='block'")
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
+            raise ConfigError("model_id must be a non-empty string", hint="omit it to fingerprint the model's config and weights")
+        limit = self.max_pending_save_bytes
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1 << 20:
+            raise ConfigError(f"max_pending_save_bytes must be an integer >= 1 MiB, got {limit!r}", hint="use e.g. 1073741824")
+        StoreConfig.from_dict(self.store_options)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Parses ``kv_connector_extra_config`` (see the module docstring)."""
+        given = dict(extra or {})
+        _reject_unknown(given, "kv_connector_extra_config")
+        merged: dict[str, Any] = {}
+        config_file = given.pop("config_file", None)
+        if config_file is not None:
+            from_file = load_config_file(config_file)
+            if "config_file" in from_file:
+                raise ConfigError(f"{config_file}: config_file may not name another config file", hint="merge the files")
+            _reject_unknown(from_file, str(config_file))
+            merged.update(from_file)
+        merged.update(given)
+        store_options = {k: v for k, v in merged.items() if k not in _CONNECTOR_KEYS}
+        path = merged.get("path")
+        if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
+            raise ConfigError(f"path must be a directory path, got {path!r}", hint="pass path='/var/cache/ucm-db'")
+        kwargs: dict[str, Any] = {k: merged[k] for k in ("load_mode", "model_id", "max_pending_save_bytes") if k in merged}
+        return cls(
+            path=Path(path).expanduser() if path is not None else default_store_path(),
+            store_options=store_options, **kwargs,
+        )
+
+
+def _reject_unknown(options: Mapping[str, Any], where: str) -> None:
+    unknown = sorted(set(options) - set(valid_keys()))
+    if unknown:
+        raise ConfigError(
+            f"unknown ucm-db connector option(s) in {where}: {', '.join(unknown)}",
+            hint=f"valid keys are: {', '.join(valid_keys())}",
+        )

@@ -1,0 +1,126 @@
+"""Background writer: compression and commit of saved blocks off the forward pass.
+
+The worker copies newly computed blocks out of the paged KV cache into a
+staging buffer during ``wait_for_save`` and hands the buffer here; one
+thread encodes and commits each job with ``Store.put``.
+
+Invariants:
+    * Jobs commit in submission order (one thread, FIFO), so a request's
+      chain segment is committed before the segment that names it as parent.
+    * At most ``max_pending_bytes`` of staging wait in the queue; a job that
+      would exceed it is dropped and counted (the cache is best effort; the
+      forward pass never waits for the disk).
+    * A failed put (missing parent after an eviction, full store, I/O error)
+      loses only that job: it is counted and logged, the thread goes on.
+    * :meth:`close` commits every queued job before returning.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+import ucm_db
+from ucm_db.connector.metrics import Counters
+from ucm_db.errors import MissingAncestorError, UcmDbError
+from ucm_db.keys import Namespace
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+_RATIO_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Staged blocks of one chain segment, ready to commit."""
+
+    namespace: Namespace
+    keys: tuple[bytes, ...]
+    parent: bytes | None
+    staging: torch.Tensor  # uint8 [len(keys), block_bytes], CPU
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.staging.numel())
+
+
+class BackgroundWriter:
+    """One thread committing :class:`SaveJob` s (see module invariants)."""
+
+    def __init__(self, store: ucm_db.Store, frames: Callable[[np.ndarray], list[memoryview]], counters: Counters, max_pending_bytes: int) -> None:
+        self._store = store
+        self._frames = frames
+        self._counters = counters
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._last_ratio_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="ucm-db-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> bool:
+        """Queues a job; False (and counted) if the queue is full."""
+        with self._lock:
+            if self._pending_bytes + job.nbytes > self._max_pending_bytes:
+                self._counters.add(saves_dropped=len(job.keys))
+                return False
+            self._pending_bytes += job.nbytes
+        self._queue.put(job)
+        return True
+
+    def drain(self) -> None:
+        """Blocks until every queued job is committed (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._commit(job)
+            finally:
+                if job is not None:
+                    with self._lock:
+                        self._pending_bytes -= job.nbytes
+                self._queue.task_done()
+
+    def _commit(self, job: SaveJob) -> None:
+        started = time.perf_counter()
+        rows = job.staging.numpy()
+        payloads = [self._frames(rows[i]) for i in range(len(job.keys))]
+        try:
+            self._store.put(job.namespace, job.keys, payloads, parent=job.parent)
+        except MissingAncestorError:
+            # The parent was evicted (or its save dropped) meanwhile: the
+            # prefix invariant forbids storing an orphan; skip the segment.
+            self._counters.add(save_errors=len(job.keys))
+            logger.debug("ucm-db: skipped a save whose parent block is gone")
+            return
+        except (UcmDbError, OSError) as exc:
+            self._counters.add(save_errors=len(job.keys))
+            logger.warning("ucm-db: saving %d blocks failed: %s", len(job.keys), exc)
+            return
+        self._counters.add(saved_blocks=len(job.keys), saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started)
+        self._update_ratio(job.namespace)
+
+    def _update_ratio(self, namespace: Namespace) -> None:
+        now = time.monotonic()
+        if now - self._last_ratio_s < _RATIO_INTERVAL_S:
+            return
+        self._last_ratio_s = now
+        stats = self._store.stats().namespaces.get(namespace.digest[:16].hex())
+        if stats is not None and stats.stored_bytes:
+            self._counters.add(compression_ratio=stats.raw_bytes / stats.stored_bytes)

@@ -1,0 +1,77 @@
+"""Runs one vLLM CPU engine for the e2e tests, in its own process.
+
+    python engine_job.py SPEC.json RESULT.json
+
+SPEC: {"model": dir, "connector": {extra config} | null, "prefix_caching": bool,
+       "prompts": [{"ids": [...], "cache_salt": str | null}], "max_tokens": int,
+       "dtype": str, "block_size": int}
+RESULT: {"outputs": [[token ids]], "cached": [num_cached_tokens], "engine_start_s": float}
+Each prompt is sent alone (one generate call each) so that a prompt's saves
+can serve the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def make_engine(spec: dict):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
+        block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
+        max_num_seqs=8, enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
+    )
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "UcmDbConnector", "kv_connector_module_path": "ucm_db.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["connector"],
+        }
+    return LLM(**kwargs)
+
+
+def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs, cached, latency = [], [], []
+    for i, prompt in enumerate(prompts):
+        if between is not None:
+            between(i)
+        tp = TokensPrompt(prompt_token_ids=prompt["ids"])
+        if prompt.get("cache_salt"):
+            tp["cache_salt"] = prompt["cache_salt"]
+        started = time.perf_counter()
+        out = llm.generate([tp], params, use_tqdm=False)[0]
+        latency.append(time.perf_counter() - started)
+        outputs.append(list(out.outputs[0].token_ids))
+        cached.append(int(out.num_cached_tokens or 0))
+    return {"outputs": outputs, "cached": cached, "latency_s": latency}
+
+
+def main() -> int:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    with open(sys.argv[1]) as handle:
+        spec = json.load(handle)
+    started = time.perf_counter()
+    llm = make_engine(spec)
+    start_s = time.perf_counter() - started
+    try:
+        result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    result["engine_start_s"] = start_s
+    with open(sys.argv[2], "w") as handle:
+        json.dump(result, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
