@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from ucm_db import codec
 from ucm_db.tiers.remote import RemoteRoot
@@ -64,3 +67,46 @@ def test_gc_needs_a_rule(tmp_path: Path) -> None:
     result = invoke("gc", f"file://{tmp_path}", expect=2)
     assert "--older-than" in result.stderr
     assert "cannot read duration" in invoke("gc", f"file://{tmp_path}", "--older-than", "soon", expect=2).stderr
+
+
+@pytest.fixture(scope="module")
+def s3_url() -> Iterator[tuple[str, list[str]]]:
+    """A bucket on a real S3 API server (moto) on 127.0.0.1, with the
+    --option flags that reach it."""
+    import logging
+    import socket
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing"}
+    fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir("gc-test")
+    yield "s3://gc-test/kv", [f"{k}={v}" for k, v in options.items()]
+    server.stop()
+
+
+@pytest.mark.s3
+def test_gc_on_s3_keeps_whole_prefixes(s3_url: tuple[str, list[str]]) -> None:
+    url, flags = s3_url
+    options = dict(flag.split("=", 1) for flag in flags)
+    root = RemoteRoot.from_url(url, options)
+    tier = root.tier(NS_A.digest[:16])
+    chains = {tag: chain_keys(NS_A, tag, 5) for tag in ("p", "q", "r")}
+    for tag, keys in chains.items():
+        for i, key in enumerate(keys):
+            tier.store(key, keys[i - 1] if i else None, codec.encode(key, payload(tag, i), codec="none"))
+    size = len(root.fs.cat_file(tier.path(chains["p"][0])))
+    option_args = [a for flag in flags for a in ("--option", flag)]
+
+    r = invoke_json("gc", url, "--max-bytes", str(size * 7), *option_args)
+    assert r["objects_before"] == 15 and r["bytes_after"] <= size * 7 and r["removed_objects"] >= 8
+    root.fs.invalidate_cache()
+    for keys in chains.values():
+        have = tier.exists(keys)
+        assert have == sorted(have, reverse=True), have  # present blocks form a prefix
