@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from ucm_db.errors import LockedError
+from ucm_db.errors import LockedError, TierError
 
 LOCK_FILE = "ucm-db.lock"
 #: Longest a process opening a store waits for maintenance to finish.
@@ -34,7 +34,11 @@ class StoreLock:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path) / LOCK_FILE
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise TierError(f"cannot open the store's lock file {self.path}: {exc}") from exc
         self.mode = ""
 
     def _try(self, flags: int) -> bool:
