@@ -377,7 +377,10 @@ class RemoteTier(Tier):
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
         for key in keys:
-            self.remote.count(requests=1)
+            # Object stores delete missing keys silently: ask first to count.
+            self.remote.count(requests=2)
+            if not self.remote.fs.exists(self.path(key)):
+                continue
             try:
                 self.remote.fs.rm_file(self.path(key))
                 removed += 1

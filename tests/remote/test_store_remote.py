@@ -1,0 +1,126 @@
+"""A store with a remote: write-back and write-through uploads, read-through
+lookup/get with promotion, warming, on memory://, a shared directory and S3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+from ucm_db.errors import ConfigError
+from ucm_db.tiers.remote import RemoteRoot, unpack_object
+
+from .conftest import Remote, chain
+
+pytestmark = pytest.mark.timeout(60)
+CAP = 64 << 20
+
+
+def _remote_objects(remote: Remote, namespace) -> dict[bytes, bytes]:
+    root = RemoteRoot.from_url(remote.url, remote.options)
+    tier = root.tier(namespace.digest[:16])
+    return {key: root.fs.cat_file(tier.path(key)) for key in tier.iterate()}
+
+
+def test_write_back_uploads_every_block_and_flush_waits(remote: Remote, tmp_path: Path, namespace) -> None:
+    keys, payloads = chain(namespace, 40)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as store:
+        store.put(namespace, keys[:25], payloads[:25])
+        store.put(namespace, keys[25:], payloads[25:], parent=keys[24])
+        store.flush()
+        assert store.stats().pending_uploads == 0
+    objects = _remote_objects(remote, namespace)
+    assert set(objects) == set(keys)
+    for i, key in enumerate(keys):
+        obj = unpack_object(objects[key], key)
+        assert obj.parent == (keys[i - 1] if i else None)
+    manifest = RemoteRoot.from_url(remote.url, remote.options).read_manifest(namespace.digest[:16])
+    assert manifest is not None and manifest["namespace"] == namespace.to_dict()
+
+
+def test_second_node_reads_through_and_promotes(remote: Remote, tmp_path: Path, namespace) -> None:
+    keys, payloads = chain(namespace, 30)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys[:20], payloads[:20])
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
+        node_b.put(namespace, keys[:3], payloads[:3])  # B has a short local prefix of its own
+        assert node_b.lookup(namespace, keys) == 20
+        assert node_b.tier.count_prefix(keys) == 20  # promoted, local from now on
+        assert node_b.get(namespace, keys) == [*payloads[:20], *[None] * 10]
+        assert node_b.tier.check() == []
+        assert node_b.stats().pending_uploads == 0  # promoted blocks are not re-uploaded
+
+
+def test_get_reads_through_without_lookup(remote: Remote, tmp_path: Path, namespace) -> None:
+    keys, payloads = chain(namespace, 12)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, payloads)
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=2.0)) as node_b:
+        buffers = [bytearray(len(p)) for p in payloads[:6]]
+        assert node_b.get_into(namespace, keys[:6], buffers) == [True] * 6
+        assert buffers == payloads[:6]
+        assert node_b.tier.count_prefix(keys) == 6
+        # A suffix whose parent is not local is served but cannot be promoted.
+        assert node_b.get(namespace, keys[8:]) == payloads[8:]
+        assert node_b.tier.count_prefix(keys) == 6
+        assert node_b.tier.check() == []
+
+
+def test_write_through_uploads_before_put_returns(remote: Remote, tmp_path: Path, namespace) -> None:
+    keys, payloads = chain(namespace, 8)
+    options = remote.store_options(remote_mode="write_through")
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **options) as store:
+        store.put(namespace, keys, payloads)
+        assert store.stats().pending_uploads == 0
+        assert set(_remote_objects(remote, namespace)) == set(keys)
+
+
+def test_warm_reports_local_fetched_missing(remote: Remote, tmp_path: Path, namespace) -> None:
+    keys, payloads = chain(namespace, 16, seed=1)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys[:10], payloads[:10])
+        node_a.flush()
+    ticks: list[tuple[int, int]] = []
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options()) as node_b:
+        node_b.put(namespace, keys[:2], payloads[:2])
+        report = node_b.warm(namespace, keys=keys, progress=lambda done, total: ticks.append((done, total)))
+        assert (report.already_local, report.fetched, report.missing) == (2, 8, 6)
+        assert report.bytes > 0 and report.seconds >= 0
+        assert ticks[-1] == (16, 16)
+        assert node_b.tier.count_prefix(keys) == 10
+        again = node_b.warm(namespace, keys=[keys])
+        assert (again.already_local, again.fetched, again.missing) == (10, 0, 6)
+
+
+def test_warm_by_token_sequences(remote: Remote, tmp_path: Path, namespace) -> None:
+    tokens = list(range(1000, 1000 + 4 * 9 + 2))  # 9 full blocks and a partial one
+    keys = namespace.block_keys(tokens)
+    payloads = [bytes([i]) * 2048 for i in range(len(keys))]
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, payloads)
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options()) as node_b:
+        report = node_b.warm(namespace, token_sequences=[tokens, tokens[:8]])
+        assert (report.already_local, report.fetched, report.missing) == (2, 9, 0)
+        assert node_b.get(namespace, keys) == payloads
+
+
+def test_warm_needs_input(tmp_path: Path, namespace) -> None:
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP) as store:
+        with pytest.raises(ConfigError):
+            store.warm(namespace)
+        report = store.warm(namespace, keys=chain(namespace, 3)[0])
+        assert (report.already_local, report.fetched, report.missing) == (0, 0, 3)
+
+
+def test_eviction_before_upload_drops_queue_rows(tmp_path: Path, namespace) -> None:
+    remote = f"memory://ucm-evict-{tmp_path.name}"
+    keys, payloads = chain(namespace, 2)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=remote) as store:
+        store.put(namespace, keys, payloads)
+        store.delete(namespace, keys[:1])  # removes both (descendants go too)
+        store.flush(upload_timeout_s=10)
+        assert store.stats().pending_uploads == 0
