@@ -178,9 +178,12 @@ def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) 
     cctx = _compressor(level, planes=True)
     mask = 0
     stored: list[Buffer] = []
+    top = element_bytes - 1
     for i, plane in enumerate(planes):
+        # Only low planes (mantissa bits) are probed first: the top plane of
+        # a float holds sign and exponent and is nearly always compressible.
         probe = plane[:_PROBE_BYTES]
-        if len(cctx.compress(probe)) < len(probe) * _KEEP_COMPRESSED_RATIO:
+        if i == top or len(cctx.compress(probe)) < len(probe) * _KEEP_COMPRESSED_RATIO:
             packed = cctx.compress(plane)
             if len(packed) < len(plane) * _KEEP_COMPRESSED_RATIO:
                 mask |= 1 << i
@@ -258,6 +261,11 @@ def decode_into(blob: Buffer, key: bytes, out: Buffer) -> int:
         ValueError: ``out`` is too small.
     """
     header = verify(blob, key)
+    return _decode_verified(blob, header, out)
+
+
+def _decode_verified(blob: Buffer, header: Header, out: Buffer) -> int:
+    """Decodes a blob whose header and checksum :func:`verify` accepted."""
     out_view = memoryview(out).cast("B")
     if len(out_view) < header.raw_len:
         raise ValueError(f"output buffer of {len(out_view)} bytes is smaller than the block's {header.raw_len}")
@@ -280,9 +288,11 @@ def decode_into(blob: Buffer, key: bytes, out: Buffer) -> int:
 
 def decode(blob: Buffer, key: bytes) -> bytearray:
     """Verifies ``blob`` and returns its raw bytes."""
-    header = read_header(blob)
+    # Checksum first: a corrupt raw_len must not size an allocation (a
+    # flipped high bit would otherwise allocate up to MAX_RAW_BYTES).
+    header = verify(blob, key)
     out = bytearray(header.raw_len)
-    decode_into(blob, key, out)
+    _decode_verified(blob, header, out)
     return out
 
 
@@ -326,6 +336,11 @@ def _decode_frame(stored: memoryview, out: memoryview, mode: int, elem: int, mas
 
 def _zstd_exact(data: memoryview, size: int) -> bytes:
     try:
+        # zstandard allocates a frame's own content size and then ignores
+        # max_output_size: refuse any claim other than the table's first.
+        claimed = zstandard.frame_content_size(data)
+        if claimed not in (-1, size):
+            raise CorruptBlockError(f"zstd frame claims {claimed} bytes where the block table says {size}")
         result = _decompressor().decompress(data, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise CorruptBlockError(f"zstd: {exc}") from exc

@@ -1,0 +1,100 @@
+"""The fast paths added for the benchmark targets still mean the same thing.
+
+* keys: the copied-hasher chain loop equals the documented derivation
+  ``key[i] = blake2b-256(key[i-1] || uint32-LE tokens of block i)``.
+* codec: the one-pass shuffle and two-pass unshuffle invert each other for
+  2- and 4-byte elements, also on unaligned input; plane frames made with the
+  tuned level-1 parameters are ordinary zstd frames; the top (sign/exponent)
+  plane is compressed without a probe, the mantissa plane stays raw when it
+  does not shrink.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+
+import numpy as np
+import pytest
+import zstandard
+
+from ucm_db import codec
+from ucm_db.keys import Namespace
+
+KEY = bytes(range(32))
+NS = Namespace(model="perf-paths", kv_dtype="bfloat16", block_size=16)
+
+
+def _reference_keys(namespace: Namespace, tokens: list[int]) -> list[bytes]:
+    prev = namespace.root_key()
+    out = []
+    size = namespace.block_size
+    for start in range(0, len(tokens) // size * size, size):
+        chunk = struct.pack(f"<{size}I", *tokens[start : start + size])
+        prev = hashlib.blake2b(prev + chunk, digest_size=32).digest()
+        out.append(prev)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "numpy32", "numpy64", "array_I", "array_l"])
+def test_block_keys_match_the_documented_derivation(kind: str) -> None:
+    tokens = [(i * 7919 + 13) % 50_000 for i in range(16 * 37 + 5)]  # 37 full blocks and a partial one
+    converted = {
+        "list": tokens, "tuple": tuple(tokens),
+        "numpy32": np.array(tokens, dtype=np.int32), "numpy64": np.array(tokens, dtype=np.int64),
+        "array_I": array("I", tokens), "array_l": array("l", tokens),
+    }[kind]
+    assert NS.block_keys(converted) == _reference_keys(NS, tokens)
+
+
+def _bf16_like(n_elements: int, seed: int = 0) -> np.ndarray:
+    values = np.random.default_rng(seed).standard_normal(n_elements).astype(np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("element_bytes", [2, 4])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_shuffle_then_unshuffle_is_identity_even_unaligned(element_bytes: int, offset: int) -> None:
+    data = np.random.default_rng(element_bytes + offset).integers(0, 256, 4096 * element_bytes, dtype=np.uint8)
+    backing = bytearray(offset) + bytearray(data.tobytes())
+    view = memoryview(backing)[offset:]
+    planes = codec._shuffle(view, element_bytes)
+    assert len(planes) == element_bytes
+    words = data.view("<u2" if element_bytes == 2 else "<u4")
+    for i, plane in enumerate(planes):  # plane i holds byte i of every element
+        assert bytes(plane) == ((words >> (8 * i)) & 0xFF).astype(np.uint8).tobytes()
+    out = bytearray(len(data) + offset)
+    codec._unshuffle(planes, memoryview(out)[offset:], element_bytes)
+    assert bytes(out[offset:]) == data.tobytes()
+
+
+def test_plane_frames_are_plain_zstd_and_only_the_top_plane_shrinks() -> None:
+    raw = _bf16_like(1 << 16).tobytes()
+    blob = codec.encode(KEY, raw, codec="zstd", element_bytes=2, level=1)
+    table_at = codec.HEADER_BYTES
+    _raw_len, stored_len, mode, elem, mask = struct.unpack_from("<QQBBB5x", blob, table_at)
+    assert (mode, elem, mask) == (codec.MODE_SHUFFLE, 2, 0b10)  # mantissa raw, sign/exponent compressed
+    body = memoryview(blob)[table_at + 24 : table_at + 24 + stored_len]
+    low_len, high_len = struct.unpack_from("<2I", body, 0)
+    high = body[8 + low_len : 8 + low_len + high_len]
+    plain = zstandard.ZstdDecompressor().decompress(high)
+    assert plain == raw[1::2]  # little-endian: byte 1 of each element
+    assert bytes(codec.decode(blob, KEY)) == raw
+
+
+def test_incompressible_planes_are_stored_raw_and_round_trip() -> None:
+    raw = np.random.default_rng(3).integers(0, 256, 1 << 17, dtype=np.uint8).tobytes()
+    blob = codec.encode(KEY, raw, codec="zstd", element_bytes=2)
+    _raw_len, _stored, mode, _elem, mask = struct.unpack_from("<QQBBB5x", blob, codec.HEADER_BYTES)
+    assert mode == codec.MODE_SHUFFLE and mask == 0
+    assert bytes(codec.decode(blob, KEY)) == raw
+
+
+@pytest.mark.parametrize("level", [1, 3, -1])
+def test_other_levels_round_trip_with_their_own_compressor(level: int) -> None:
+    raw = _bf16_like(1 << 14, seed=level + 10).tobytes()
+    blob = codec.encode(KEY, raw, codec="zstd", element_bytes=2, level=level)
+    assert bytes(codec.decode(blob, KEY)) == raw
+    tuned = codec._compressor(level, planes=True)
+    assert (tuned is codec._compressor(1, planes=True)) == (level == 1)
