@@ -42,9 +42,9 @@ def test_table_output_lists_targets() -> None:
 
 @pytest.mark.slow
 def test_captured_kv_is_real_bf16_and_compressible() -> None:
-    from ucm_db.tools.kv_sample import capture_kv, kv_blocks
+    from ucm_db.tools.kv_sample import capture_kv_in_subprocess, kv_blocks
 
-    stream = capture_kv()
+    stream = capture_kv_in_subprocess()
     # 6 layers x (k, v) x 16 tokens x 384 hidden per token block
     assert stream.dtype == np.uint16 and len(stream) % (6 * 2 * 16 * 384) == 0
     values = (stream.astype(np.uint32) << 16).view(np.float32)

@@ -86,9 +86,9 @@ def _scale_targets(options: BenchOptions) -> tuple[Target, ...]:
 
 def load_payloads(count: int) -> list[memoryview]:
     """``count`` 2 MiB blocks of real bf16 K/V (captured once per run)."""
-    from ucm_db.tools.kv_sample import capture_kv, kv_blocks
+    from ucm_db.tools.kv_sample import capture_kv_in_subprocess, kv_blocks
 
-    stream = capture_kv()
+    stream = capture_kv_in_subprocess()
     return [memoryview(block) for block in kv_blocks(stream, BLOCK_BYTES, count)]
 
 

@@ -16,6 +16,7 @@ Baselines (same bytes, same run):
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -32,6 +33,7 @@ from ucm_db.tools.bench_common import (
     chain_keys,
     put_chain,
     rate_figure,
+    time_figure,
 )
 
 _GIB = 1 << 30
@@ -52,42 +54,68 @@ def run_put(options: BenchOptions, payloads: list[memoryview]) -> dict[str, Figu
         "store_sync_none": lambda: _store_once(options, payloads, n_blocks, codec="none", durability="sync"),
         "store_group_zstd": lambda: _store_once(options, payloads, n_blocks, codec="zstd", durability="group"),
     }
-    runs: dict[str, list[float]] = {name: [] for name in cases}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
     for _ in range(options.repeat):
         for name, once in cases.items():
             runs[name].append(once())
     note = f"{n_blocks} x 2 MiB, {BLOCKS_PER_COMMIT}/commit, timed to durable; {raw_bytes >> 20} MiB/run"
-    return {name: rate_figure(r, raw_bytes, "GB/s", note=note) for name, r in runs.items()}
+    figures = {}
+    for name, pairs in runs.items():
+        figures[name] = rate_figure([wall for wall, _ in pairs], raw_bytes, "GB/s", note=note)
+    for name, pairs in runs.items():
+        figures[f"{name}_cpu_per_block"] = time_figure(
+            [cpu for _, cpu in pairs], n_blocks, "ms", note="CPU time of the whole process (all threads) per 2 MiB block",
+        )
+    return figures
+
+
+class _Clock:
+    """Wall and whole-process CPU time of one timed region."""
+
+    def __enter__(self) -> _Clock:
+        self.wall, self.cpu = time.perf_counter(), _cpu_s()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, _cpu_s() - self.cpu
+
+    def pair(self) -> tuple[float, float]:
+        return self.wall, self.cpu
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _fresh_dir(options: BenchOptions, name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"ucm-bench-{name}-", dir=options.scratch_dir))
 
 
-def _store_once(options: BenchOptions, payloads: list[memoryview], n_blocks: int, *, codec: str, durability: str) -> float:
+def _store_once(options: BenchOptions, payloads: list[memoryview], n_blocks: int, *, codec: str, durability: str) -> tuple[float, float]:
     keys = chain_keys(n_blocks, seed=1)
     path = _fresh_dir(options, f"put-{codec}-{durability}")
     store = ucm_db.open(path, codec=codec, durability=durability, capacity_bytes=4 * _GIB, encode_threads=2)
     try:
-        start = time.perf_counter()
-        put_chain(store, keys, payloads)
-        store.flush()
-        return time.perf_counter() - start
+        with _Clock() as clock:
+            put_chain(store, keys, payloads)
+            store.flush()
+        return clock.pair()
     finally:
         store.close()
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _files_once(options: BenchOptions, payloads: list[memoryview], n_blocks: int) -> float:
+def _files_once(options: BenchOptions, payloads: list[memoryview], n_blocks: int) -> tuple[float, float]:
     path = _fresh_dir(options, "files")
     dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        start = time.perf_counter()
-        for i in range(n_blocks):
-            _write_file_durably(path, f"{i:08x}", payloads[i % len(payloads)])
-            if (i + 1) % BLOCKS_PER_COMMIT == 0 or i == n_blocks - 1:
-                os.fsync(dir_fd)  # make the renames themselves durable
-        return time.perf_counter() - start
+        with _Clock() as clock:
+            for i in range(n_blocks):
+                _write_file_durably(path, f"{i:08x}", payloads[i % len(payloads)])
+                if (i + 1) % BLOCKS_PER_COMMIT == 0 or i == n_blocks - 1:
+                    os.fsync(dir_fd)  # make the renames themselves durable
+        return clock.pair()
     finally:
         os.close(dir_fd)
         shutil.rmtree(path, ignore_errors=True)
@@ -106,18 +134,18 @@ def _write_file_durably(directory: Path, name: str, payload: memoryview) -> None
     os.rename(tmp, directory / name)
 
 
-def _raw_lmdb_once(options: BenchOptions, payloads: list[memoryview], n_blocks: int) -> float:
+def _raw_lmdb_once(options: BenchOptions, payloads: list[memoryview], n_blocks: int) -> tuple[float, float]:
     keys = chain_keys(n_blocks, seed=1)
     path = _fresh_dir(options, "rawlmdb")
     env = lmdb.open(str(path), map_size=4 * _GIB, sync=True, metasync=True, writemap=False, readahead=True)
     try:
-        start = time.perf_counter()
-        for at in range(0, n_blocks, BLOCKS_PER_COMMIT):
-            with env.begin(write=True) as txn:
-                for i in range(at, min(at + BLOCKS_PER_COMMIT, n_blocks)):
-                    txn.put(keys[i], payloads[i % len(payloads)])
-        env.sync(True)
-        return time.perf_counter() - start
+        with _Clock() as clock:
+            for at in range(0, n_blocks, BLOCKS_PER_COMMIT):
+                with env.begin(write=True) as txn:
+                    for i in range(at, min(at + BLOCKS_PER_COMMIT, n_blocks)):
+                        txn.put(keys[i], payloads[i % len(payloads)])
+            env.sync(True)
+        return clock.pair()
     finally:
         env.close()
         shutil.rmtree(path, ignore_errors=True)

@@ -23,6 +23,9 @@ Invariants:
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +145,27 @@ def _to_blocks(captured: list, n_layers: int) -> np.ndarray:
     return kv.view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
 
 
+def capture_kv_in_subprocess(timeout_s: float = 600.0) -> np.ndarray:
+    """:func:`capture_kv` run in a child interpreter.
+
+    Keeps torch (its thread pools, its memory) out of the calling process,
+    so a benchmark that follows measures ucm-db alone. The child writes a
+    plain ``.npy`` array, read back with ``allow_pickle=False``.
+    """
+    with tempfile.TemporaryDirectory(prefix="ucm-kv-") as tmp:
+        out = Path(tmp) / "kv.npy"
+        proc = subprocess.run(
+            [sys.executable, "-m", "ucm_db.tools.kv_sample", str(out)],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"K/V capture failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        stream = np.load(out, allow_pickle=False)
+    if stream.dtype != np.uint16 or stream.ndim != 1:
+        raise RuntimeError(f"K/V capture returned {stream.dtype} {stream.shape}, expected a flat uint16 array")
+    return stream
+
+
 def kv_blocks(stream: np.ndarray, block_bytes: int, count: int) -> list[np.ndarray]:
     """Cuts ``count`` blocks of ``block_bytes`` out of a captured stream.
 
@@ -158,3 +182,17 @@ def kv_blocks(stream: np.ndarray, block_bytes: int, count: int) -> list[np.ndarr
         blocks.append(circular[at : at + block_bytes].copy())
         at = (at + block_bytes) % len(raw)
     return blocks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ucm_db.tools.kv_sample OUT.npy``: capture and save."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m ucm_db.tools.kv_sample OUT.npy", file=sys.stderr)
+        return 2
+    np.save(args[0], capture_kv(), allow_pickle=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
