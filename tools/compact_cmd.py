@@ -36,8 +36,10 @@ from ucm_db.tiers.local import LocalTier, lru_key, BlockMeta
 
 from ucm_db.tools.cli_common import VIEW_LOCK_WAIT_S, emit, human_bytes, json_option, progress, warn
 
-#: Eviction proceeds in about this many transactions.
+#: Eviction proceeds in about this many transactions...
 EVICTION_STEPS = 16
+#: ...each evicting about this many blocks at most.
+MAX_EVICTIONS_PER_TXN = 256
 _MAX_EVICTION_ROUNDS = 10_000
 
 
@@ -47,8 +49,12 @@ def dir_bytes(path: Path) -> int:
 
 def evict_to(tier: LocalTier, target_bytes: int, show_progress: bool) -> int:
     """Evicts LRU blocks until stored bytes <= target; returns blocks evicted."""
-    start = tier.totals().stored_bytes
-    step = max((start - target_bytes) // EVICTION_STEPS, 1 << 20)
+    totals = tier.totals()
+    start = totals.stored_bytes
+    # Bounded in blocks too: an engine that buffers a transaction's deletes
+    # (RocksDB's overlay) rescans them for every victim.
+    block_bytes = max(1, start // max(1, totals.blocks))
+    step = max(1, min((start - target_bytes) // EVICTION_STEPS, MAX_EVICTIONS_PER_TXN * block_bytes))
     evicted = 0
     with progress(show_progress, max(0, start - target_bytes), "evicting") as bar:
         for _ in range(_MAX_EVICTION_ROUNDS):

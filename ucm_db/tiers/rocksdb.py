@@ -19,6 +19,13 @@ Invariants and choices:
     * Single process: RocksDB's ``LOCK`` file refuses a second opener, which
       is reported as :class:`~ucm_db.errors.LockedError`; a forked child
       must not use its parent's handle and gets the same error.
+    * Scans start at a per-table *floor*, a key below which nothing is
+      live: a whole-table scan records its first key, a put below the floor
+      lowers it. Queue-like tables (the LRU index, scanned from the start
+      for every eviction) would otherwise step over the tombstones of every
+      entry ever evicted. A write transaction works on a copy of the floors,
+      adopted only when it commits (an aborted one may have raised a floor
+      over its own buffered deletes).
     * ``sync=True`` fsyncs the WAL on every commit; otherwise
       :meth:`RocksDbEngine.sync` flushes and fsyncs the WAL (group commit).
 """
@@ -94,10 +101,12 @@ class _Gate:
 class _RocksTxn:
     """A transaction: committed tables, plus an overlay when writable."""
 
-    def __init__(self, families: dict[str, rocksdict.Rdict], writable: bool) -> None:
+    def __init__(self, families: dict[str, rocksdict.Rdict], writable: bool, floors: dict[str, bytes]) -> None:
         self._families = families
         self._writable = writable
         self.overlay: dict[str, dict[bytes, object]] = {name: {} for name in families}
+        #: Per table, a key below which nothing is live (see RocksDbEngine).
+        self.floors = floors
 
     def get(self, table: str, key: bytes) -> Buffer | None:
         key = bytes(key)
@@ -111,7 +120,10 @@ class _RocksTxn:
     def put(self, table: str, key: bytes, value: Buffer) -> None:
         if not self._writable:
             raise TierError("put in a read transaction", hint="use Engine.write")
-        self.overlay[table][bytes(key)] = bytes(value)
+        key = bytes(key)
+        self.overlay[table][key] = bytes(value)
+        if key < self.floors.get(table, b""):
+            self.floors[table] = key
 
     def delete(self, table: str, key: bytes) -> bool:
         if not self._writable:
@@ -123,12 +135,19 @@ class _RocksTxn:
     def scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
         # The overlay is snapshotted at the start so callers may change the
         # table while they iterate (they see the state as of the call).
-        pending = sorted((k, v) for k, v in self.overlay[table].items() if k.startswith(prefix))
-        yield from _merge(self._base_scan(table, prefix), pending)
+        start = max(prefix, self.floors.get(table, b""))
+        pending = sorted((k, v) for k, v in self.overlay[table].items() if k.startswith(prefix) and k >= start)
+        first = True
+        for item in _merge(self._base_scan(table, prefix, start), pending):
+            if first and not prefix:
+                # Nothing is live before the first key of a whole-table scan.
+                self.floors[table] = item[0]
+            first = False
+            yield item
 
-    def _base_scan(self, table: str, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    def _base_scan(self, table: str, prefix: bytes, start: bytes) -> Iterator[tuple[bytes, bytes]]:
         it = self._families[table].iter()
-        it.seek(prefix)
+        it.seek(start)
         while it.valid():
             key = it.key()
             if not key.startswith(prefix):
@@ -179,6 +198,7 @@ class RocksDbEngine(Engine):
         self._read_only = read_only
         self._write_lock = threading.Lock()
         self._gate = _Gate()
+        self._floors: dict[str, bytes] = {}
         self._pid = os.getpid()
         self._db = self._open()
         self._families = {name: self._db.get_column_family(name) for name in TABLES}
@@ -226,22 +246,23 @@ class RocksDbEngine(Engine):
     def read(self, fn: Callable[[_RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
         with self._gate.reading():
-            return fn(_RocksTxn(self._families, writable=False))
+            return fn(_RocksTxn(self._families, writable=False, floors=self._floors))
 
     def write(self, fn: Callable[[_RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
         if self._read_only:
             raise TierError(f"RocksDB store at {self.path} is open read-only", hint="open it without read_only")
         with self._write_lock:
-            txn = _RocksTxn(self._families, writable=True)
+            txn = _RocksTxn(self._families, writable=True, floors=dict(self._floors))
             result = fn(txn)
             batch = txn.batch(self._handles)
-            if batch is not None:
-                try:
-                    with self._gate.committing():
+            try:
+                with self._gate.committing():
+                    if batch is not None:
                         self._db.write(batch, self._write_options)
-                except Exception as exc:
-                    raise TierError(f"RocksDB write to {self.path} failed: {exc}") from exc
+                    self._floors = txn.floors
+            except Exception as exc:
+                raise TierError(f"RocksDB write to {self.path} failed: {exc}") from exc
             return result
 
     def sync(self) -> None:
@@ -254,10 +275,19 @@ class RocksDbEngine(Engine):
             raise TierError(f"RocksDB sync of {self.path} failed: {exc}") from exc
 
     def compact(self) -> None:
-        """Compacts every column family (reclaims space of deleted entries)."""
+        """Compacts every column family, rewriting all blob files, so the
+        space of deleted entries and payloads goes back to the filesystem."""
         self._check()
-        for family in self._families.values():
-            family.compact_range(None, None)
+        options = rocksdict.CompactOptions()
+        options.set_bottommost_level_compaction(rocksdict.BottommostLevelCompaction.force())
+        blocks = self._families["blocks"]
+        # Normal compactions relocate only the oldest quarter of blob files.
+        blocks.set_options({"blob_garbage_collection_age_cutoff": "1.0", "blob_garbage_collection_force_threshold": "0.0"})
+        try:
+            for family in self._families.values():
+                family.compact_range(None, None, options)
+        finally:
+            blocks.set_options({"blob_garbage_collection_age_cutoff": "0.25", "blob_garbage_collection_force_threshold": "1.0"})
 
     def close(self) -> None:
         if self._closed or self._pid != os.getpid():
