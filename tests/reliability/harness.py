@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -83,6 +84,9 @@ def fork_call(fn: Callable[..., Any], *args: Any, log_path: Path) -> int:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        # A child killed by a fatal signal is an outcome the parent records;
+        # pytest's faulthandler would print its stack to the terminal.
+        faulthandler.disable()
         random.seed(os.urandom(16))
         fn(*args)
         code = 0
