@@ -28,7 +28,9 @@ import fcntl
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ BATCH_KEYS = 256
 IDLE_POLL_S = 0.5
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
+STOP_POLL_S = 0.1
 LOCK_NAME = "uploader.lock"
 
 
@@ -119,8 +122,16 @@ class Uploader:
         items = self._read_items(keys)
         gone = [k for k, item in zip(keys, items) if item is None]
         work = sorted((item for item in items if item is not None), key=lambda it: it[3])
-        self._ensure_manifests({item[2] for item in work})
-        results = list(self._pool.map(self._upload_one, work))
+        namespaces = {item[2] for item in work}
+        manifest = self._run_uploads([lambda: self._ensure_manifests(namespaces)])
+        if manifest is None:
+            return 0, 0
+        if manifest[0] is not None:
+            self.last_error = manifest[0]
+            return 0, 1
+        results = self._run_uploads([partial(self._upload_one, item) for item in work])
+        if results is None:
+            return 0, 0  # stopping: unfinished rows stay queued
         done = [item[0] for item, error in zip(work, results) if error is None]
         errors = [error for error in results if error is not None]
         if errors:
@@ -142,6 +153,17 @@ class Uploader:
                 out.append((key, meta.parent, meta.namespace_id, meta.depth, blob))
         return out
 
+    def _run_uploads(self, calls: list[Callable[[], str | None]]) -> list[str | None] | None:
+        """Runs remote calls on the pool; returns their errors (None for a
+        success), or None if asked to stop first: a hung remote must not hold
+        up close(), and nothing local is touched after stop."""
+        futures = [self._pool.submit(_catching, call) for call in calls]
+        while not self._stop.is_set():
+            _done, pending = wait(futures, timeout=STOP_POLL_S)
+            if not pending:
+                return [f.result() for f in futures]
+        return None
+
     def _upload_one(self, item: tuple[bytes, bytes | None, bytes, int, bytes]) -> str | None:
         key, parent, namespace_id, _depth, blob = item
         try:
@@ -151,7 +173,7 @@ class Uploader:
         return None
 
     def _ensure_manifests(self, namespace_ids: set[bytes]) -> None:
-        if not namespace_ids:
+        if not namespace_ids - self.remote.manifests_written:
             return
         descriptions = self.local.namespace_descriptions()
         for namespace_id in namespace_ids:
@@ -198,7 +220,10 @@ class Uploader:
     def upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]]) -> list[str]:
         """Uploads ``(key, parent, namespace id, blob)`` items at once
         (write-through) and dequeues those that succeeded; returns errors."""
-        self._ensure_manifests({item[2] for item in items})
+        try:
+            self._ensure_manifests({item[2] for item in items})
+        except Exception as exc:  # noqa: BLE001 - reported like an upload failure
+            return [f"{type(exc).__name__}: {exc}"] * len(items)
         work = [(key, parent, ns, 0, blob) for key, parent, ns, blob in items]
         results = list(self._pool.map(self._upload_one, work))
         self.local.mark_uploaded([item[0] for item, error in zip(work, results) if error is None])
@@ -208,6 +233,13 @@ class Uploader:
         """In a forked child: drop the inherited lock descriptor (closing
         this copy leaves the parent's lock alone)."""
         self._release_lock()
+
+
+def _catching(call: Callable[[], str | None]) -> str | None:
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the rows queued
+        return f"{type(exc).__name__}: {exc}"
 
 
 def describe(uploader: Uploader | None) -> dict[str, Any]:

@@ -19,6 +19,8 @@ import pytest
 
 from ucm_db.keys import Namespace
 
+from .node_proc import chain  # noqa: F401 - re-exported for the tests
+
 BUCKET = "ucm-db-test"
 
 
@@ -84,14 +86,3 @@ def make_remote(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Re
 @pytest.fixture
 def namespace() -> Namespace:
     return Namespace(model="test/remote", kv_dtype="bfloat16", block_size=4, layout="test")
-
-
-def chain(namespace: Namespace, n_blocks: int, seed: int = 0) -> tuple[list[bytes], list[bytes]]:
-    """Keys and distinct, partly compressible payloads of one chain."""
-    import random
-
-    rng = random.Random(seed)
-    tokens = [rng.randrange(50_000) for _ in range(n_blocks * namespace.block_size)]
-    keys = namespace.block_keys(tokens)
-    payloads = [rng.randbytes(512) + bytes(1536) + key for key in keys]
-    return keys, payloads

@@ -215,7 +215,7 @@ class RemoteRoot:
         self.root = root.rstrip("/")
         self.stats = RemoteStats()
         self._lock = threading.Lock()
-        self._manifests: set[bytes] = set()
+        self.manifests_written: set[bytes] = set()
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any] | None = None) -> RemoteRoot:
@@ -240,11 +240,10 @@ class RemoteRoot:
     # -- manifests -------------------------------------------------------------
     def ensure_manifest(self, namespace_id: bytes, description: dict[str, Any]) -> None:
         """Writes the namespace manifest once (idempotent, whole-object)."""
-        if namespace_id in self._manifests:
+        if namespace_id in self.manifests_written:
             return
         path = f"{self.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
-        self.count(requests=1)
-        if not self.fs.exists(path):
+        if self.read_manifest(namespace_id) is None:  # one GET (exists() costs two on S3)
             body = {
                 "ucm_db_remote_format": OBJECT_FORMAT_VERSION,
                 "namespace_id": namespace_id.hex(),
@@ -255,7 +254,7 @@ class RemoteRoot:
             self.count(requests=1, puts=1)
             write_whole(self.fs, path, json.dumps(body, indent=2, sort_keys=True).encode())
         with self._lock:
-            self._manifests.add(namespace_id)
+            self.manifests_written.add(namespace_id)
 
     def read_manifest(self, namespace_id: bytes) -> dict[str, Any] | None:
         path = f"{self.namespace_dir(namespace_id)}/{MANIFEST_NAME}"

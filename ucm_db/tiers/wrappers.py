@@ -28,7 +28,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import fsspec
@@ -40,9 +39,11 @@ from ucm_db.tiers.remote import write_whole
 PROTOCOL = "ucmfault"
 
 
-@dataclass
 class FaultPlan:
     """What to inject; mutable at run time (e.g. take the remote down).
+
+    A plain class, not a dataclass: it holds live shared state (a lock, an
+    event), and config snapshots copy dataclasses field by field.
 
     Attributes:
         latency_s: added to every request.
@@ -57,34 +58,44 @@ class FaultPlan:
             raises TimeoutError.
         hang_s: longest a hang lasts.
         seed: RNG seed.
+        injected: how many faults of each kind were injected.
     """
 
-    latency_s: float = 0.0
-    read_error_rate: float = 0.0
-    write_error_rate: float = 0.0
-    timeout_rate: float = 0.0
-    timeout_s: float = 0.05
-    truncate_rate: float = 0.0
-    bitflip_rate: float = 0.0
-    down: bool = False
-    hang_s: float = 30.0
-    seed: int = 0
-    injected: dict[str, int] = field(default_factory=dict)
-    _rng: random.Random = field(init=False, repr=False)
-    _lock: threading.Lock = field(init=False, repr=False)
-    _healed: threading.Event = field(init=False, repr=False)
+    FIELDS = ("latency_s", "read_error_rate", "write_error_rate", "timeout_rate", "timeout_s",
+              "truncate_rate", "bitflip_rate", "down", "hang_s", "seed")
 
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
+    def __init__(
+        self, *, latency_s: float = 0.0, read_error_rate: float = 0.0, write_error_rate: float = 0.0,
+        timeout_rate: float = 0.0, timeout_s: float = 0.05, truncate_rate: float = 0.0,
+        bitflip_rate: float = 0.0, down: bool = False, hang_s: float = 30.0, seed: int = 0,
+    ) -> None:
+        self.latency_s = latency_s
+        self.read_error_rate = read_error_rate
+        self.write_error_rate = write_error_rate
+        self.timeout_rate = timeout_rate
+        self.timeout_s = timeout_s
+        self.truncate_rate = truncate_rate
+        self.bitflip_rate = bitflip_rate
+        self.down = down
+        self.hang_s = hang_s
+        self.seed = seed
+        self.injected: dict[str, int] = {}
+        self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._healed = threading.Event()
 
+    def __repr__(self) -> str:
+        return "FaultPlan(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS) + ")"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FaultPlan:
+        # A plan is shared, live state (config snapshots deep-copy options).
+        return self
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FaultPlan:
-        valid = {f.name for f in fields(cls) if f.init and f.name != "injected"}
-        unknown = sorted(set(data) - valid)
+        unknown = sorted(set(data) - set(cls.FIELDS))
         if unknown:
-            raise ConfigError(f"unknown fault plan field(s) {', '.join(unknown)}", hint=f"valid: {', '.join(sorted(valid))}")
+            raise ConfigError(f"unknown fault plan field(s) {', '.join(unknown)}", hint=f"valid: {', '.join(cls.FIELDS)}")
         return cls(**data)
 
     def take_down(self) -> None:

@@ -1,0 +1,137 @@
+"""Fault injection (ucmfault:// over memory://): a remote that is down,
+slow, failing, truncating or bit-flipping gives misses and retries, never
+wrong bytes and never a hang; lookups keep to their deadline."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+from ucm_db.errors import TierError
+from ucm_db.tiers.wrappers import FaultPlan
+
+from .conftest import chain
+
+pytestmark = pytest.mark.timeout(60)
+CAP = 64 << 20
+DEADLINE_S = 0.2
+#: Scheduling slack on a loaded 2-core machine.
+SLACK_S = 0.25
+
+
+@pytest.fixture
+def root() -> str:
+    return f"ucm-fault-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def plan() -> FaultPlan:
+    plan = FaultPlan(seed=5, hang_s=20.0)
+    yield plan
+    plan.heal()  # release any request still hanging
+
+
+def _seed_remote(tmp_path: Path, root: str, namespace, n_blocks: int) -> tuple[list[bytes], list[bytes]]:
+    keys, payloads = chain(namespace, n_blocks)
+    with ucm_db.open(tmp_path / "node-a", capacity_bytes=CAP, remote=f"memory://{root}") as node_a:
+        node_a.put(namespace, keys, payloads)
+        node_a.flush(upload_timeout_s=30)
+    return keys, payloads
+
+
+def _faulty(tmp_path: Path, root: str, plan: FaultPlan, name: str = "node-b", **options) -> ucm_db.Store:
+    return ucm_db.open(
+        tmp_path / name, capacity_bytes=CAP, remote=f"ucmfault://{root}",
+        remote_options={"target_protocol": "memory", "plan": plan}, remote_deadline_s=DEADLINE_S, **options,
+    )
+
+
+def test_remote_down_lookup_keeps_deadline_and_local_hits(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    keys, payloads = _seed_remote(tmp_path, root, namespace, 20)
+    with _faulty(tmp_path, root, plan) as node_b:
+        node_b.put(namespace, keys[:5], payloads[:5])
+        plan.take_down()
+        for _ in range(5):
+            started = time.monotonic()
+            assert node_b.lookup(namespace, keys) == 5
+            assert time.monotonic() - started < DEADLINE_S + SLACK_S
+        assert node_b.get(namespace, keys[:5]) == payloads[:5]  # local hits still served
+        started = time.monotonic()
+        assert node_b.get(namespace, keys[5:8]) == [None] * 3  # breaker open: no wait
+        assert time.monotonic() - started < 10 * DEADLINE_S + SLACK_S
+        assert plan.injected.get("hang", 0) > 0
+        plan.heal()
+        end = time.monotonic() + 10
+        while node_b.lookup(namespace, keys) < 20 and time.monotonic() < end:
+            time.sleep(0.05)  # the breaker lets a request through after its backoff
+        assert node_b.lookup(namespace, keys) == 20
+        assert node_b.get(namespace, keys) == payloads
+
+
+def test_flaky_reads_give_misses_never_wrong_bytes(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    keys, payloads = _seed_remote(tmp_path, root, namespace, 30)
+    plan.read_error_rate, plan.timeout_rate, plan.truncate_rate, plan.bitflip_rate = 0.1, 0.05, 0.15, 0.15
+    with _faulty(tmp_path, root, plan) as node_b:
+        for attempt in range(40):
+            count = node_b.lookup(namespace, keys)
+            got = node_b.get(namespace, keys)
+            for value, expected in zip(got, payloads):
+                assert value is None or value == expected
+            assert node_b.get(namespace, keys[:count]) == payloads[:count]
+            if count == len(keys):
+                break
+            time.sleep(0.02)
+        assert plan.injected.get("bitflip", 0) + plan.injected.get("truncate", 0) > 0
+        assert node_b.stats().remote["corrupt"] > 0
+        plan.clear()
+        end = time.monotonic() + 10
+        while node_b.lookup(namespace, keys) < len(keys) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert node_b.get(namespace, keys) == payloads
+        assert node_b.tier.check() == []
+
+
+def test_failing_uploads_retry_until_the_remote_has_everything(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    keys, payloads = chain(namespace, 40)
+    plan.write_error_rate, plan.timeout_rate = 0.4, 0.05
+    with _faulty(tmp_path, root, plan, name="writer") as store:
+        store.put(namespace, keys, payloads)
+        store.flush(upload_timeout_s=40)
+        assert store.stats().remote["failures"] > 0
+    with ucm_db.open(tmp_path / "reader", capacity_bytes=CAP, remote=f"memory://{root}", remote_deadline_s=5.0) as reader:
+        assert reader.lookup(namespace, keys) == 40
+        assert reader.get(namespace, keys) == payloads
+
+
+def test_remote_down_queue_is_kept_and_drains_after(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    keys, payloads = chain(namespace, 12)
+    plan.take_down()
+    with _faulty(tmp_path, root, plan, name="writer") as store:
+        store.put(namespace, keys, payloads)
+        with pytest.raises(TierError, match="still waiting for upload"):
+            store.flush(upload_timeout_s=0.3)
+        assert store.stats().pending_uploads == 12
+    # Reopen while still down: the queue is durable, nothing was dropped.
+    with _faulty(tmp_path, root, plan, name="writer") as store:
+        assert store.stats().pending_uploads == 12
+        assert store.get(namespace, keys) == payloads
+        plan.heal()
+        store.flush(upload_timeout_s=30)
+        assert store.stats().pending_uploads == 0
+
+
+def test_write_through_failure_keeps_blocks_queued(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    keys, payloads = chain(namespace, 4)
+    plan.write_error_rate = 1.0
+    with _faulty(tmp_path, root, plan, name="writer", remote_mode="write_through") as store:
+        with pytest.raises(TierError, match="write-through"):
+            store.put(namespace, keys, payloads)
+        assert store.get(namespace, keys) == payloads  # committed locally
+        assert store.stats().pending_uploads == 4
+        plan.clear()
+        store.flush(upload_timeout_s=30)
+        assert store.stats().pending_uploads == 0
