@@ -58,7 +58,7 @@ class Target:
             value /= results[self.denominator].value
         met = value <= self.bound if self.at_most else value >= self.bound
         op = "<=" if self.at_most else ">="
-        return {"target": self.name, "measured": round(value, 4), "bound": f"{op} {self.bound}", "met": met}
+        return {"target": self.name, "measured": round(value, 4), "bound": f"{op} {self.bound:.3g}", "met": met}
 
 
 TARGETS = (
@@ -78,7 +78,7 @@ TARGETS = (
 def _scale_targets(options: BenchOptions) -> tuple[Target, ...]:
     small, large = (f"{n // 1000}k" if n >= 1000 else str(n) for n in options.scale_blocks)
     return (
-        Target(f"put 2 MiB, {small} / {large} store (>= 1/1.5)", f"scale_{large}_put_2mib", f"scale_{small}_put_2mib", 1 / 1.5),
+        Target(f"put 2 MiB GB/s, {large} / {small} store", f"scale_{large}_put_2mib", f"scale_{small}_put_2mib", 1 / 1.5),
         Target(f"commit 16x4K, {large} / {small} store", f"scale_{large}_commit_16x4k", f"scale_{small}_commit_16x4k", 1.5, at_most=True),
         Target(f"lookup 8192, {large} / {small} store", f"scale_{large}_lookup_8192", f"scale_{small}_lookup_8192", 1.5, at_most=True),
     )
@@ -150,11 +150,11 @@ def _parse(argv: list[str] | None) -> tuple[BenchOptions, bool]:
     parser = argparse.ArgumentParser(prog="ucm-db bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 repetitions (about a minute)")
     parser.add_argument("--json", action="store_true", help="print the full report as JSON")
-    parser.add_argument("--repeat", type=int, default=None, help="repetitions per figure (default 5, quick 3)")
+    parser.add_argument("--repeat", type=int, default=None, help="repetitions per figure (default 7, quick 3)")
     parser.add_argument("--dir", default=None, help="scratch directory for the test stores (default: system temp)")
     parser.add_argument("--only", default=None, help=f"comma-separated sections: {','.join(SECTIONS)}")
     args = parser.parse_args(argv)
-    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
+    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 7)
     if repeat < 1:
         parser.error("--repeat must be at least 1")
     options = BenchOptions(

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -35,6 +36,9 @@ CHAIN_BLOCKS = 8192
 TOKENS_128K = 128 * 1024
 _SMALL_BYTES = 4096
 _PREFILL_CHAIN = 512
+_SCALE_BIG_BLOCKS = 32
+_SCALE_COMMITS = 20
+_SCALE_LOOKUPS = 200
 _GIB = 1 << 30
 
 
@@ -87,14 +91,23 @@ def run_block_keys(options: BenchOptions) -> dict[str, Figure]:
 
 
 def run_scale(options: BenchOptions, payloads: list[memoryview]) -> dict[str, Figure]:
-    """Put and lookup figures in stores pre-filled with few and many blocks."""
-    figures: dict[str, Figure] = {}
-    for prefill in options.scale_blocks:
-        with scratch(options, f"scale{prefill}") as path:
-            with ucm_db.open(path, codec="none", capacity_bytes=8 * _GIB) as store:
-                chain = _prefill(store, prefill)
-                figures.update(_scale_figures(options, store, payloads, prefill, chain))
-    return figures
+    """Put and lookup figures in stores pre-filled with few and many blocks.
+
+    Both stores are filled first and then measured in turns within each
+    repetition, so load on the shared machine hits both alike.
+    """
+    with contextlib.ExitStack() as stack:
+        stores = {}
+        for prefill in options.scale_blocks:
+            path = stack.enter_context(scratch(options, f"scale{prefill}"))
+            store = stack.enter_context(ucm_db.open(path, codec="none", capacity_bytes=8 * _GIB))
+            stores[prefill] = (store, _prefill(store, prefill))
+        runs: dict[int, dict[str, list[float]]] = {p: {"put": [], "commit": [], "lookup": []} for p in stores}
+        for rep in range(options.repeat):
+            for prefill, (store, chain) in stores.items():
+                for name, value in _scale_once(store, payloads, chain, rep).items():
+                    runs[prefill][name].append(value)
+        return {name: fig for prefill, r in runs.items() for name, fig in _scale_figures(prefill, r).items()}
 
 
 def _prefill(store: Any, n_blocks: int) -> list[bytes]:
@@ -110,28 +123,36 @@ def _prefill(store: Any, n_blocks: int) -> list[bytes]:
         remaining -= count
         seed += 1
     store.flush()
+    if store.lookup(NAMESPACE, lookup_chain) != CHAIN_BLOCKS:
+        raise RuntimeError("pre-filled store lost its lookup chain")
     return lookup_chain
 
 
-def _scale_figures(options: BenchOptions, store: Any, payloads: list[memoryview], prefill: int,
-                   lookup_chain: list[bytes]) -> dict[str, Figure]:
-    label = f"{prefill // 1000}k" if prefill >= 1000 else str(prefill)
-    n_big = 32
+def _scale_once(store: Any, payloads: list[memoryview], lookup_chain: list[bytes], rep: int) -> dict[str, float]:
+    """One repetition: durable 2 MiB put, small commits, lookups (seconds)."""
     small = [memoryview(np.full(_SMALL_BYTES, 7, dtype=np.uint8))]
-    put_runs, commit_runs = [], []
-    for rep in range(options.repeat):
-        keys = chain_keys(n_big, seed=1000 + rep)
-        start = time.perf_counter()
-        put_chain(store, keys, payloads)
-        store.flush()
-        put_runs.append(time.perf_counter() - start)
-        small_keys = chain_keys(BLOCKS_PER_COMMIT * 20, seed=2000 + rep)
-        start = time.perf_counter()
-        put_chain(store, small_keys, small)
-        commit_runs.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    put_chain(store, chain_keys(_SCALE_BIG_BLOCKS, seed=1000 + rep), payloads)
+    store.flush()
+    put_s = time.perf_counter() - start
+    small_keys = chain_keys(BLOCKS_PER_COMMIT * _SCALE_COMMITS, seed=2000 + rep)
+    start = time.perf_counter()
+    put_chain(store, small_keys, small)
+    commit_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(_SCALE_LOOKUPS):
+        store.lookup(NAMESPACE, lookup_chain)
+    return {"put": put_s, "commit": commit_s, "lookup": time.perf_counter() - start}
+
+
+def _scale_figures(prefill: int, runs: dict[str, list[float]]) -> dict[str, Figure]:
+    label = f"{prefill // 1000}k" if prefill >= 1000 else str(prefill)
     note = f"store pre-filled with {prefill} x 4 KiB blocks"
     return {
-        f"scale_{label}_put_2mib": rate_figure(put_runs, n_big * BLOCK_BYTES, "GB/s", note=note + "; 32 x 2 MiB to durable"),
-        f"scale_{label}_commit_16x4k": time_figure(commit_runs, 20, "ms", note=note + "; one commit of 16 x 4 KiB (no fsync)"),
-        f"scale_{label}_lookup_8192": _lookup_figure(options, store, lookup_chain, CHAIN_BLOCKS),
+        f"scale_{label}_put_2mib": rate_figure(runs["put"], _SCALE_BIG_BLOCKS * BLOCK_BYTES, "GB/s",
+                                               note=note + f"; {_SCALE_BIG_BLOCKS} x 2 MiB to durable"),
+        f"scale_{label}_commit_16x4k": time_figure(runs["commit"], _SCALE_COMMITS, "ms",
+                                                   note=note + "; one commit of 16 x 4 KiB (no fsync)"),
+        f"scale_{label}_lookup_8192": time_figure(runs["lookup"], _SCALE_LOOKUPS, "ms",
+                                                  note=note + f"; 8192-key chain, mean of {_SCALE_LOOKUPS} calls"),
     }
