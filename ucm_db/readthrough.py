@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +205,46 @@ class RemoteLink:
             out.append(obj)
             expected = obj.key
         return out
+
+    def stream_chain(
+        self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, *,
+        chunk_blocks: int = 64, timeout_s: float = FETCH_DEADLINE_S,
+    ) -> Iterator[list[RemoteObject]]:
+        """Fetches a chain with :data:`READ_THREADS` requests in flight and
+        yields verified, chained runs of up to ``chunk_blocks`` in order, so
+        the caller promotes one run while the next is being fetched. Stops
+        at the first block missing, corrupt, off-chain, failed, or slower
+        than ``timeout_s``."""
+        if not self.breaker.allow():
+            return
+        tier = self.tier(namespace_id)
+        window = 2 * READ_THREADS
+        pending: deque[Future[RemoteObject | None]] = deque()
+        next_at = 0
+        expected = parent
+        run: list[RemoteObject] = []
+        try:
+            while next_at < len(keys) or pending:
+                while next_at < len(keys) and len(pending) < window:
+                    pending.append(self._pool.submit(tier.fetch, keys[next_at]))
+                    next_at += 1
+                try:
+                    obj = pending.popleft().result(timeout=timeout_s)
+                except Exception:  # noqa: BLE001 - timeout or remote error: stop here, back off
+                    self.breaker.failure()
+                    break
+                if obj is None or obj.parent != expected:
+                    break
+                run.append(obj)
+                expected = obj.key
+                if len(run) >= chunk_blocks:
+                    yield run
+                    run = []
+            if run:
+                yield run
+        finally:
+            for future in pending:
+                future.cancel()
 
     def fetch_many(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> list[RemoteObject | None]:
         """Fetches unrelated keys; None for each one not available in time."""

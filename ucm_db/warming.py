@@ -11,9 +11,9 @@ Invariants:
     * The local prefix invariant holds throughout: each chain is promoted
       from its first missing block, in order, with its parent.
     * Warming never uploads (promoted blocks are not queued).
-    * Chains are fetched in batches of :data:`BATCH_BLOCKS`, with the remote
-      read pool's concurrency; each batch waits at most
-      :data:`BATCH_DEADLINE_S`.
+    * Chains stream in: the remote read pool keeps requests in flight while
+      runs of :data:`BATCH_BLOCKS` are promoted; a request slower than
+      :data:`BATCH_DEADLINE_S` ends the chain's warming.
 """
 
 from __future__ import annotations
@@ -144,17 +144,13 @@ def _warm_chain(
         ok, parent = _first_parent(store, link, namespace_id, chain[0])
         if not ok:
             return 0, 0
-    while at < len(chain):
-        batch = chain[at : at + BATCH_BLOCKS]
-        objects = link.fetch_chain(namespace_id, batch, parent, time.monotonic() + BATCH_DEADLINE_S)
-        promoted = promote(store.tier, objects)
+    for run in link.stream_chain(namespace_id, chain[at:], parent, chunk_blocks=BATCH_BLOCKS, timeout_s=BATCH_DEADLINE_S):
+        promoted = promote(store.tier, run)
         fetched += promoted
-        nbytes += sum(len(o.blob) for o in objects[:promoted])
-        at += promoted
+        nbytes += sum(len(o.blob) for o in run[:promoted])
         on_batch(fetched)
-        if promoted < len(batch):
+        if promoted < len(run):
             break
-        parent = chain[at - 1]
     return fetched, nbytes
 
 
