@@ -1,0 +1,125 @@
+"""Connector-side warming: pre-seed a store from an engine, or import KV.
+
+* :func:`warm_engine` runs prefill-only requests (one output token) for a
+  list of prompts through a vLLM engine configured with the UcmDbConnector,
+  so a system prompt or document set is stored before users arrive (the
+  pre-seed step of the TTFT benchmark). What the connector saves goes to
+  the store, and through its upload queue to the remote tier if one is set.
+* :func:`import_kv` puts blocks computed elsewhere into a store: token ids
+  give the chain keys, the KV tensors (in any layout
+  :mod:`ucm_db.connector.layouts` knows) give the payloads, gathered
+  exactly as the connector's worker gathers them, so an engine loading the
+  blocks later sees the same bytes it would have saved itself.
+
+Invariants:
+    * Keys are derived as the scheduler derives them
+      (``Namespace.block_keys(tokens, extras)``), so imported blocks hit for
+      the same prompt, extras (``cache_salt``, LoRA ...) and namespace.
+    * Only full blocks are imported; a trailing partial block is ignored.
+    * Imports keep the store's prefix invariant: the chain is put from its
+      first block (or after ``parent``) in one atomic batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import ucm_db
+from ucm_db.errors import ConfigError
+from ucm_db.keys import Namespace
+
+from ucm_db.connector.layouts import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWarmReport:
+    """Outcome of :func:`warm_engine`.
+
+    Attributes:
+        prompts: prompts run.
+        prompt_tokens: tokens prefilled in total.
+        cached_tokens: tokens vLLM reported as not computed (already stored).
+        seconds: wall time.
+    """
+
+    prompts: int
+    prompt_tokens: int
+    cached_tokens: int
+    seconds: float
+
+
+def warm_engine(llm: Any, prompts: Sequence[Sequence[int] | Mapping[str, Any]]) -> EngineWarmReport:
+    """Runs each prompt through ``llm`` with one output token.
+
+    Args:
+        llm: a ``vllm.LLM`` whose ``kv_transfer_config`` uses the
+            UcmDbConnector.
+        prompts: token id lists, or dicts ``{"ids": [...], "cache_salt": s}``.
+
+    Returns:
+        An :class:`EngineWarmReport`. The connector commits saves from a
+        background thread: flush the store (or wait) before relying on them
+        from another process.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    started = time.perf_counter()
+    total = cached = 0
+    for prompt in prompts:
+        ids = list(prompt["ids"] if isinstance(prompt, Mapping) else prompt)
+        tokens_prompt = TokensPrompt(prompt_token_ids=ids)
+        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if salt:
+            tokens_prompt["cache_salt"] = salt
+        out = llm.generate([tokens_prompt], params, use_tqdm=False)[0]
+        total += len(ids)
+        cached += int(out.num_cached_tokens or 0)
+    return EngineWarmReport(len(prompts), total, cached, time.perf_counter() - started)
+
+
+def import_kv(
+    store: ucm_db.Store,
+    namespace: Namespace,
+    layout: KVLayout,
+    token_ids: Sequence[int],
+    block_ids: Sequence[int],
+    *,
+    extras: Mapping[str, Any] | None = None,
+) -> ucm_db.PutResult:
+    """Stores the KV of ``token_ids`` held in ``layout``'s tensors.
+
+    Args:
+        store: the destination store.
+        namespace: the engine's namespace (model, dtype, layout, rank ...).
+        layout: the KV caches holding the computed blocks
+            (:func:`~ucm_db.connector.layouts.detect_layout` over tensors
+            shaped like the engine's).
+        token_ids: the prompt's token ids.
+        block_ids: for each full block of ``token_ids``, the index of the
+            block in ``layout``'s tensors.
+        extras: request extras (``cache_salt``, ``lora`` ...), as the
+            connector's scheduler derives them.
+
+    Raises:
+        ConfigError: ``block_ids`` does not match the number of full blocks.
+    """
+    keys = namespace.block_keys(token_ids, dict(extras or {}))
+    if len(block_ids) != len(keys):
+        raise ConfigError(
+            f"import_kv got {len(block_ids)} block ids for {len(keys)} full blocks of {len(token_ids)} tokens",
+            hint=f"pass one block id per full block of {namespace.block_size} tokens",
+        )
+    if not keys:
+        return ucm_db.PutResult()
+    staging = layout.new_staging(len(keys))
+    layout.gather(block_ids, staging)
+    rows = staging.numpy()
+    payloads = [layout.frames(rows[i]) for i in range(len(keys))]
+    return store.put(namespace, keys, payloads)
