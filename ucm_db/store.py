@@ -227,8 +227,10 @@ class Store:
             return
         from ucm_db.uploader import Uploader
 
-        if self._uploader is not None:  # inherited across fork: its thread is gone
-            self._uploader.forget_lock_after_fork()
+        if self._pid != -1:  # a forked child: the parent's threads are gone
+            pass  # self._remote.after_fork()
+            if self._uploader is not None:
+                self._uploader.forget_lock_after_fork()
         self._uploader = Uploader(self._tier, self._remote.root, self.path, concurrency=self.config.upload_concurrency)
         self._uploader.start()
 
@@ -273,9 +275,7 @@ class Store:
         self._check_open()
         if len(keys) != len(payloads):
             raise ConfigError(f"put got {len(keys)} keys and {len(payloads)} payloads", hint="pass one payload per key")
-        for key in keys:
-            if len(key) != KEY_BYTES:
-                raise ConfigError(f"block keys are {KEY_BYTES} bytes, got {len(key)}", hint="use Namespace.block_keys")
+        _require_keys(keys)
         if not keys:
             return PutResult()
         parents = [parent, *keys[:-1]]
@@ -344,12 +344,14 @@ class Store:
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Deletes blocks and their descendants; returns blocks removed."""
         self._check_open()
+        _require_keys(keys)
         return self._tier.delete(keys)
 
     # -- reads -------------------------------------------------------------------
     def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` stored: O(log n) reads."""
         self._check_open()
+        _require_keys(keys)
         count = self._tier.count_prefix(keys)
         if self._remote is not None and count < len(keys):
             count, _ = self._remote.extend_prefix(
@@ -360,6 +362,7 @@ class Store:
     def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
         """Raw payloads of ``keys``; ``None`` for a miss or a corrupt block."""
         self._check_open()
+        _require_keys(keys)
         corrupt: list[tuple[bytes, str]] = []
 
         def visit(i: int, blob: memoryview) -> Any:
@@ -415,6 +418,7 @@ class Store:
             For each key, True if ``buffers[i]`` now holds the block.
         """
         self._check_open()
+        _require_keys(keys)
         if len(keys) != len(buffers):
             raise ConfigError("get_into needs one buffer per key", hint="pass len(keys) buffers")
         corrupt: list[tuple[bytes, str]] = []
@@ -588,6 +592,15 @@ class Store:
 @dataclass(slots=True)
 class _Deferred:
     blob: bytes
+
+
+def _require_keys(keys: Sequence[bytes]) -> None:
+    """Refuses keys that are not 32-byte block keys (map(len) runs in C: a
+    lookup of 8192 keys stays cheap)."""
+    lengths = set(map(len, keys))
+    if lengths - {KEY_BYTES}:
+        bad = sorted(lengths - {KEY_BYTES})[0]
+        raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {bad}", hint="use Namespace.block_keys")
 
 
 def _fresh_lock(store: Store) -> threading.Lock:
