@@ -145,6 +145,12 @@ class RemoteLink:
             tier = self._tiers[namespace_id] = self.root.tier(namespace_id)
         return tier
 
+    def after_fork(self) -> None:
+        """In a forked child: the parent's pool threads do not exist here."""
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucm-db-remote")
+        self.breaker = Breaker()
+        self.root.after_fork()
+
     def close(self) -> None:
         # Never wait on a hung remote: abandon running requests.
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -228,7 +228,7 @@ class Store:
         from ucm_db.uploader import Uploader
 
         if self._pid != -1:  # a forked child: the parent's threads are gone
-            pass  # self._remote.after_fork()
+            self._remote.after_fork()
             if self._uploader is not None:
                 self._uploader.forget_lock_after_fork()
         self._uploader = Uploader(self._tier, self._remote.root, self.path, concurrency=self.config.upload_concurrency)

@@ -125,3 +125,28 @@ def test_eviction_before_upload_drops_queue_rows(tmp_path: Path, namespace) -> N
         store.delete(namespace, keys[:1])  # removes both (descendants go too)
         store.flush(upload_timeout_s=10)
         assert store.stats().pending_uploads == 0
+
+
+def test_forked_child_reads_through_and_uploads(tmp_path: Path, namespace) -> None:
+    import os
+
+    remote = f"file://{tmp_path}/shared"
+    keys, payloads = chain(namespace, 10)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=remote) as node_a:
+        node_a.put(namespace, keys[:6], payloads[:6])
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, remote=remote, remote_deadline_s=5.0) as node_b:
+        assert node_b.get(namespace, [os.urandom(32) for _ in range(64)]) == [None] * 64  # fills the parent's read pool
+        pid = os.fork()
+        if pid == 0:  # child: its own read pool and uploader must work
+            ok = node_b.lookup(namespace, keys) == 6 and node_b.get(namespace, keys[:6]) == payloads[:6]
+            node_b.put(namespace, keys[6:], payloads[6:], parent=keys[5])
+            try:
+                node_b.flush(upload_timeout_s=20)
+            except Exception:  # noqa: BLE001 - reported through the exit code
+                ok = False
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    tier = RemoteRoot.from_url(remote).tier(namespace.digest[:16])
+    assert sorted(tier.iterate()) == sorted(keys)

@@ -217,6 +217,10 @@ class RemoteRoot:
         self._lock = threading.Lock()
         self.manifests_written: set[bytes] = set()
 
+    def after_fork(self) -> None:
+        """In a forked child: a lock held by a parent thread stays held."""
+        self._lock = threading.Lock()
+
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any] | None = None) -> RemoteRoot:
         fs, root = open_filesystem(url, options)
