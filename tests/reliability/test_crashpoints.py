@@ -110,6 +110,28 @@ def test_local_crash_points(tmp_path: Path, point: str) -> None:
     assert report["acked_checked"] > 0
 
 
+@pytest.mark.long
+@pytest.mark.parametrize("point", ["local.after_payload_write", "local.before_commit"])
+def test_local_crash_points_long(tmp_path: Path, point: str) -> None:
+    """100 kills per step on one store, at random nth."""
+    rng = random.Random()
+    for _ in range(100):
+        report = crash_and_check(tmp_path, f"{point}:{rng.randint(1, 60)}", OPTIONS)
+        assert report["in_flight_present"] == 0
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("point", ["remote.during_upload", "remote.before_mark_uploaded"])
+def test_remote_crash_points_long(tmp_path: Path, point: str) -> None:
+    remote_dir = tmp_path / "remote"
+    remote_dir.mkdir()
+    options = {**OPTIONS, "remote": f"file://{remote_dir}", "remote_mode": "write_back"}
+    rng = random.Random()
+    for _ in range(40):
+        report = crash_and_check(tmp_path, f"{point}:{rng.randint(1, 30)}", options)
+        assert report["remote_missing_or_torn"] == [] and report["pending_uploads"] == 0, report
+
+
 def test_env_var_arms_a_fresh_interpreter(tmp_path: Path) -> None:
     """The variable works from process start (no reload), as in production."""
     script = (
