@@ -43,6 +43,8 @@ SEARCH_FANOUT = 8
 READ_THREADS = 16
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
+#: Marks a call that did not finish before its deadline.
+UNFINISHED: Any = object()
 #: Deadline of bulk fetches (get of local misses, warming), which move data.
 FETCH_DEADLINE_S = 30.0
 
@@ -156,16 +158,21 @@ class RemoteLink:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- concurrency with a deadline ----------------------------------------------
-    def run_all(self, calls: list[Callable[[], Any]], deadline: float) -> list[Future[Any]] | None:
-        """Runs calls on the pool until done or ``deadline`` (monotonic).
+    def run_all(self, calls: list[Callable[[], Any]], deadline: float) -> list[Any] | None:
+        """Runs calls on the pool until all are done or ``deadline``
+        (monotonic); calls not finished by then are cancelled or abandoned.
 
-        Returns the futures (some maybe unfinished), or None if the breaker
-        is open or an error other than "not found" occurred (breaker trips).
+        Returns:
+            Each call's result, :data:`UNFINISHED` where it did not finish
+            in time; None if the breaker is open or a call failed with an
+            error other than "not found" (the breaker trips).
         """
         if not self.breaker.allow():
             return None
         futures = [self._pool.submit(call) for call in calls]
         done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_EXCEPTION)
+        for future in pending:
+            future.cancel()  # queued ones never run; running ones finish unread
         if any(f.exception() is not None for f in done):
             self.breaker.failure()
             return None
@@ -173,7 +180,7 @@ class RemoteLink:
             self.breaker.failure()  # nothing answered in time: looks down
         elif not pending:
             self.breaker.success()
-        return futures
+        return [f.result() if f in done else UNFINISHED for f in futures]
 
     # -- lookups -------------------------------------------------------------------
     def search(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> SearchResult:
@@ -181,10 +188,10 @@ class RemoteLink:
         tier = self.tier(namespace_id)
 
         def probe_many(indices: list[int]) -> list[bool] | None:
-            futures = self.run_all([_bind(tier.probe, keys[i]) for i in indices], deadline)
-            if futures is None or not all(f.done() for f in futures):
+            results = self.run_all([_bind(tier.probe, keys[i]) for i in indices], deadline)
+            if results is None or any(r is UNFINISHED for r in results):
                 return None
-            return [_probe_ok(f.result(), keys, i) for f, i in zip(futures, indices)]
+            return [_probe_ok(r, keys, i) for r, i in zip(results, indices)]
 
         result = search_prefix(probe_many, len(keys))
         self.last_search = result
@@ -197,16 +204,13 @@ class RemoteLink:
         ``parent``) and returns the leading run that arrived verified and
         chained before the deadline."""
         tier = self.tier(namespace_id)
-        futures = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
-        if futures is None:
+        results = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
+        if results is None:
             return []
         out: list[RemoteObject] = []
         expected = parent
-        for future in futures:
-            if not future.done() or future.exception() is not None:
-                break
-            obj = future.result()
-            if obj is None or obj.parent != expected:
+        for obj in results:
+            if obj is None or obj is UNFINISHED or obj.parent != expected:
                 break
             out.append(obj)
             expected = obj.key
@@ -255,10 +259,10 @@ class RemoteLink:
     def fetch_many(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> list[RemoteObject | None]:
         """Fetches unrelated keys; None for each one not available in time."""
         tier = self.tier(namespace_id)
-        futures = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
-        if futures is None:
+        results = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
+        if results is None:
             return [None] * len(keys)
-        return [f.result() if f.done() and f.exception() is None else None for f in futures]
+        return [None if r is UNFINISHED else r for r in results]
 
     def extend_prefix(
         self, local: LocalTier, namespace_id: bytes, keys: Sequence[bytes], local_n: int, deadline_s: float,
