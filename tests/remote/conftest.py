@@ -68,7 +68,7 @@ def s3_options(endpoint: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(params=["memory", "file", "s3"])
+@pytest.fixture(params=["memory", "file", pytest.param("s3", marks=pytest.mark.s3)])
 def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
     return make_remote(request.param, tmp_path, request)
 

@@ -41,7 +41,7 @@ def _wait_line(proc: subprocess.Popen[str], line: str, timeout_s: float = 60) ->
     raise AssertionError(f"node did not print {line}")
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", pytest.param("s3", marks=pytest.mark.s3)])
 def test_node_b_hits_what_gone_node_a_wrote(kind: str, tmp_path: Path, namespace, request) -> None:
     remote = make_remote(kind, tmp_path, request)
     spec = {"store": str(tmp_path / "node-a"), "remote": remote.url, "remote_options": remote.options,
@@ -61,7 +61,7 @@ def _object_count(remote: Remote, namespace) -> int:
 
 
 @pytest.mark.crash
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", pytest.param("s3", marks=[pytest.mark.s3, pytest.mark.slow])])
 def test_sigkill_during_uploads_then_restart_completes_remote(kind: str, tmp_path: Path, namespace, request) -> None:
     remote = make_remote(kind, tmp_path, request)
     # The child uploads 2 at a time through a latency wrapper (moto is slow
