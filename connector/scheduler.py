@@ -34,12 +34,16 @@ from ucm_db.connector.identity import KVShape, reader_namespaces
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.connector.stores import acquire, release
 from ucm_db.keys import Namespace
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+#: Blocks hashed and looked up first; later segments grow 4x.
+_FIRST_SEGMENT_BLOCKS = 16
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
@@ -86,7 +90,7 @@ class UcmDbScheduler:
     """Scheduler-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
     def __init__(self, settings: ConnectorSettings, shape: KVShape) -> None:
-        self._store = ucm_db.open(settings.path, **settings.store_options)
+        self._store = acquire(settings)
         self._namespaces: list[Namespace] = reader_namespaces(shape)
         self._block_size = shape.block_size
         self._requests: dict[str, _RequestState] = {}
@@ -102,8 +106,8 @@ class UcmDbScheduler:
         return state
 
     def _keys(self, state: _RequestState, num_blocks: int) -> list[list[bytes]]:
-        """The first ``num_blocks`` keys of each namespace's chain, hashing
-        only blocks not hashed before."""
+        """Each namespace's key chain, at least ``num_blocks`` long (maybe
+        longer: callers slice), hashing only blocks not hashed before."""
         if not state.chains:
             state.chains = [[] for _ in self._namespaces]
         have = len(state.chains[0])
@@ -114,11 +118,11 @@ class UcmDbScheduler:
                     chain.extend(ns.block_keys(tokens, parent=chain[-1]))
                 else:
                     chain.extend(ns.block_keys(tokens, state.extras))
-        return [chain[:num_blocks] for chain in state.chains]
+        return state.chains  # callers slice: copying 1000s of keys per call showed in profiles
 
     def keys_for(self, request: Request, num_blocks: int) -> list[list[bytes]]:
         """Chain keys of a request's first blocks, per namespace (tests, tools)."""
-        return self._keys(self._state(request), num_blocks)
+        return [chain[:num_blocks] for chain in self._keys(self._state(request), num_blocks)]
 
     # -- vLLM scheduler hooks ------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -130,11 +134,24 @@ class UcmDbScheduler:
         if max_blocks * self._block_size <= num_computed_tokens:
             state.last_lookup_blocks = 0
             return 0, False
-        keys = self._keys(state, max_blocks)
-        hit_blocks = min(self._store.lookup(ns, chain) for ns, chain in zip(self._namespaces, keys))
+        hit_blocks = self._longest_stored_prefix(state, max_blocks)
         state.last_lookup_blocks = hit_blocks
         state.last_lookup_s = time.perf_counter() - started
         return max(0, hit_blocks * self._block_size - num_computed_tokens), False
+
+    def _longest_stored_prefix(self, state: _RequestState, max_blocks: int) -> int:
+        """Leading blocks every namespace holds, hashing no further than
+        needed: segments of growing size are hashed and looked up until one
+        is not fully stored (a miss costs one small segment, not the prompt;
+        the prefix invariant makes a segment's count exact)."""
+        found, want = 0, min(max_blocks, _FIRST_SEGMENT_BLOCKS)
+        while True:
+            chains = self._keys(state, want)
+            present = min(self._store.lookup(ns, chain[found:want]) for ns, chain in zip(self._namespaces, chains))
+            found += present
+            if found < want or want == max_blocks:
+                return found
+            want = min(max_blocks, want * 4)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
@@ -211,7 +228,7 @@ class UcmDbScheduler:
 
     def shutdown(self) -> None:
         self._requests.clear()
-        self._store.close()
+        release(self._store)
 
     @property
     def store(self) -> ucm_db.Store:

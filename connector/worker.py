@@ -30,6 +30,7 @@ from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.connector.stores import acquire, release
 from ucm_db.connector.writer import BackgroundWriter, SaveJob
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -68,7 +69,7 @@ class UcmDbWorker:
         self._namespace = rank_namespace(self._shape, tp_rank, pp_rank)
         self._chain = namespace_index(self._shape, tp_rank, pp_rank)
         self._writes = writes_blocks(self._shape, tp_rank)
-        self._store = ucm_db.open(self._settings.path, **self._settings.store_options)
+        self._store = acquire(self._settings)
         self._writer = BackgroundWriter(self._store, self._layout.frames, self.counters, self._settings.max_pending_save_bytes)
         logger.info(
             "ucm-db connector (worker tp=%d pp=%d): store %s, %s, load_mode=%s, namespace %s",
@@ -178,5 +179,5 @@ class UcmDbWorker:
             self._writer.close()
             self._writer = None
         if self._store is not None:
-            self._store.close()
+            release(self._store)
             self._store = None

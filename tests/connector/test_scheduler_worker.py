@@ -1,0 +1,270 @@
+"""Scheduler and worker halves with real vLLM request objects, a real store
+and CPU KV tensors, without an engine (fast; the engine tests are in
+tests/vllm).
+
+The scheduler plans; the worker executes the plan against KV tensors shaped
+like vLLM CPU's; a second worker with zeroed tensors stands for a restarted
+engine.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from ucm_db.connector.identity import KVShape, reader_namespaces, rank_namespace  # noqa: E402
+from ucm_db.connector.metadata import UcmDbConnectorMetadata  # noqa: E402
+from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
+from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+
+BS = 32
+NUM_BLOCKS = 64
+
+
+def _shape(tp_size: int = 1, use_mla: bool = False, model: str = "tiny") -> KVShape:
+    return KVShape(model=model, kv_dtype="bfloat16", block_size=BS, use_mla=use_mla, layout="cpu-test", tp_size=tp_size, pp_size=1)
+
+
+def _request(req_id: str, tokens: list[int], **kwargs: object) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, **kwargs)  # type: ignore[arg-type]
+
+
+def _kv() -> dict[str, torch.Tensor]:
+    return {f"layers.{i}.attn": torch.zeros(NUM_BLOCKS, 2, BS, 128, dtype=torch.bfloat16) for i in range(2)}
+
+
+def _new_step(req: Request, block_ids: list[int], num_tokens: int) -> SchedulerOutput:
+    new = NewRequestData.from_request(req, (block_ids,))
+    out = SchedulerOutput(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={req.request_id: num_tokens}, total_num_scheduled_tokens=num_tokens,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )
+    out.kv_connector_block_state = KVConnectorBlockState({req.request_id}, lambda _rid: (block_ids,), {})
+    return out
+
+
+def _admit(sched: UcmDbScheduler, req: Request, local_tokens: int = 0) -> int:
+    """What vLLM's scheduler does for a new request: lookup, alloc, set computed."""
+    ext, is_async = sched.get_num_new_matched_tokens(req, local_tokens)
+    assert is_async is False
+    sched.update_state_after_alloc(req, None, ext)  # type: ignore[arg-type]
+    req.num_computed_tokens = local_tokens + ext
+    return ext
+
+
+@pytest.fixture()
+def settings(tmp_path: Path) -> ConnectorSettings:
+    return ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+
+
+def _save_prompt(settings: ConnectorSettings, tokens: list[int], kv: dict[str, torch.Tensor], **req_kwargs: object) -> None:
+    """A first engine: computes nothing, but saves `kv` blocks 0.. for `tokens`."""
+    sched = UcmDbScheduler(settings, _shape())
+    worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+    worker.register_kv_caches(kv, 0, 0)
+    req = _request("a", tokens, **req_kwargs)
+    assert _admit(sched, req) == 0
+    block_ids = list(range(len(tokens) // BS + 1))
+    meta = sched.build_connector_meta(_new_step(req, block_ids, len(tokens)))
+    assert meta.loads == [] and len(meta.saves) == 1
+    worker.save(meta)
+    worker.drain()
+    sched.request_finished(req, block_ids)
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_round_trip_restart_loads_at_allocated_blocks(settings: ConnectorSettings) -> None:
+    tokens = list(range(1, 5 * BS + 10))  # 5 full blocks + 9 tokens
+    kv = {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}
+    _save_prompt(settings, tokens, kv)
+
+    sched = UcmDbScheduler(settings, _shape())
+    worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+    fresh = _kv()
+    worker.register_kv_caches(fresh, 0, 0)
+    req = _request("b", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)  # no side effects
+    assert _admit(sched, req) == 5 * BS
+    targets = [10, 11, 12, 13, 14, 15]
+    meta = sched.build_connector_meta(_new_step(req, targets, len(tokens) - 5 * BS))
+    (load,) = meta.loads
+    assert load.block_ids == (10, 11, 12, 13, 14)
+    worker.start_load(meta)
+    assert worker.take_load_errors() == set()
+    for name in kv:
+        assert torch.equal(fresh[name][10:15].view(torch.int16), kv[name][0:5].view(torch.int16))
+    assert not fresh[name][15].any()
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_never_claims_the_whole_prompt(settings: ConnectorSettings) -> None:
+    tokens = list(range(1, 4 * BS + 1))  # exactly 4 blocks
+    _save_prompt(settings, tokens, _kv())
+    sched = UcmDbScheduler(settings, _shape())
+    # The last block holds the last token, which must be computed.
+    assert sched.get_num_new_matched_tokens(_request("b", tokens), 0) == (3 * BS, False)
+    # Beyond vLLM's own hit only.
+    assert sched.get_num_new_matched_tokens(_request("c", tokens), 2 * BS) == (BS, False)
+    assert sched.get_num_new_matched_tokens(_request("d", tokens), 3 * BS) == (0, False)
+    sched.shutdown()
+
+
+def test_partial_prefix_and_extras(settings: ConnectorSettings) -> None:
+    tokens = list(range(1, 6 * BS + 1))
+    _save_prompt(settings, tokens, _kv())
+    sched = UcmDbScheduler(settings, _shape())
+    branched = tokens[: 3 * BS] + [7] * (3 * BS)
+    assert sched.get_num_new_matched_tokens(_request("p", branched), 0) == (3 * BS, False)
+    assert sched.get_num_new_matched_tokens(_request("s", tokens, cache_salt="other"), 0) == (0, False)
+    from vllm.lora.request import LoRARequest
+
+    lora = LoRARequest("adapter", 1, "/nonexistent")
+    assert sched.get_num_new_matched_tokens(_request("l", tokens, lora_request=lora), 0) == (0, False)
+    other_model = UcmDbScheduler(settings, _shape(model="another"))
+    assert other_model.get_num_new_matched_tokens(_request("m", tokens), 0) == (0, False)
+    other_model.shutdown()
+    sched.shutdown()
+
+
+def test_salted_request_hits_its_own_salt(settings: ConnectorSettings) -> None:
+    tokens = list(range(1, 3 * BS + 5))
+    _save_prompt(settings, tokens, _kv(), cache_salt="tenant-a")
+    sched = UcmDbScheduler(settings, _shape())
+    assert sched.get_num_new_matched_tokens(_request("a2", tokens, cache_salt="tenant-a"), 0) == (3 * BS, False)
+    assert sched.get_num_new_matched_tokens(_request("n", tokens), 0) == (0, False)
+    sched.shutdown()
+
+
+def test_saves_are_incremental_across_steps(settings: ConnectorSettings) -> None:
+    sched = UcmDbScheduler(settings, _shape())
+    tokens = list(range(1, 3 * BS + 20))
+    req = _request("r", tokens)
+    _admit(sched, req)
+    block_ids = [5, 6, 7, 8]
+    # Chunked prefill: 40 tokens, then the rest.
+    meta = sched.build_connector_meta(_new_step(req, block_ids, 40))
+    assert [s.block_ids for s in meta.saves] == [(5,)]
+    assert meta.saves[0].parents == (None,)
+    req.num_computed_tokens = 40
+    step2 = _new_step(req, block_ids, len(tokens) - 40)
+    step2.scheduled_new_reqs = []
+    meta2 = sched.build_connector_meta(step2)
+    (save,) = meta2.saves
+    assert save.block_ids == (6, 7)
+    first_key = meta.saves[0].keys[0][0]
+    assert save.parents == (first_key,)
+    sched.shutdown()
+
+
+def test_missing_block_is_reported_as_load_error(settings: ConnectorSettings) -> None:
+    tokens = list(range(1, 4 * BS + 3))
+    _save_prompt(settings, tokens, _kv())
+    sched = UcmDbScheduler(settings, _shape())
+    req = _request("b", tokens)
+    assert _admit(sched, req) == 4 * BS
+    meta = sched.build_connector_meta(_new_step(req, [20, 21, 22, 23, 24], 2))
+    ns = reader_namespaces(_shape())[0]
+    # Both halves share the process's one handle of the store.
+    assert sched.store.delete(ns, [meta.loads[0].keys[0][2]]) == 2  # block 2 and its child
+    worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+    worker.register_kv_caches(_kv(), 0, 0)
+    worker.start_load(meta)
+    assert worker.take_load_errors() == {22, 23}
+    assert worker.counters.totals.data["load_errors"] == 2
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_layer_mode_waits_per_layer(tmp_path: Path) -> None:
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "load_mode": "layer"})
+    tokens = list(range(1, 3 * BS + 3))
+    kv = {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}
+    _save_prompt(settings, tokens, kv)
+    sched = UcmDbScheduler(settings, _shape())
+    req = _request("b", tokens)
+    _admit(sched, req)
+    meta = sched.build_connector_meta(_new_step(req, [30, 31, 32, 33], 2))
+    worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+    fresh = _kv()
+    worker.register_kv_caches(fresh, 0, 0)
+    worker.start_load(meta)
+    for name in fresh:  # what each attention layer does before running
+        worker.wait_for_layer(name)
+        assert torch.equal(fresh[name][30:33].view(torch.int16), kv[name][0:3].view(torch.int16))
+    assert worker.take_load_errors() == set()
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_tp_ranks_have_distinct_namespaces_and_mla_shares_one() -> None:
+    tp = _shape(tp_size=2)
+    assert len({ns.digest for ns in reader_namespaces(tp)}) == 2
+    mla = _shape(tp_size=4, use_mla=True)
+    assert reader_namespaces(mla) == [rank_namespace(mla, 3, 0)]
+
+
+def test_hit_requires_every_tp_rank(tmp_path: Path) -> None:
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")})
+    shape = _shape(tp_size=2)
+    tokens = list(range(1, 3 * BS + 3))
+    sched = UcmDbScheduler(settings, shape)
+    req = _request("a", tokens)
+    _admit(sched, req)
+    meta = sched.build_connector_meta(_new_step(req, [0, 1, 2, 3], len(tokens)))
+    rank0 = UcmDbWorker(settings, shape, NUM_BLOCKS)
+    rank0.register_kv_caches(_kv(), 0, 0)
+    rank0.save(meta)
+    rank0.drain()
+    assert sched.get_num_new_matched_tokens(_request("b", tokens), 0) == (0, False)  # rank 1 has nothing yet
+    rank1 = UcmDbWorker(settings, shape, NUM_BLOCKS)
+    rank1.register_kv_caches(_kv(), 1, 0)
+    rank1.save(meta)
+    rank1.drain()
+    assert sched.get_num_new_matched_tokens(_request("c", tokens), 0) == (3 * BS, False)
+    for part in (rank0, rank1, sched):
+        part.shutdown()
+
+
+def test_full_writer_queue_drops_and_counts(tmp_path: Path) -> None:
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "max_pending_save_bytes": 1 << 20})
+    worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+    big = {f"layers.{i}.attn": torch.zeros(NUM_BLOCKS, 8, BS, 128, dtype=torch.bfloat16) for i in range(4)}
+    worker.register_kv_caches(big, 0, 0)  # 256 KiB per block
+    sched = UcmDbScheduler(settings, _shape())
+    req = _request("a", list(range(1, 8 * BS + 2)))
+    _admit(sched, req)
+    meta = sched.build_connector_meta(_new_step(req, list(range(9)), 8 * BS + 1))
+    worker.save(meta)  # 8 blocks = 2 MiB > 1 MiB: dropped, never blocking
+    worker.drain()
+    assert worker.counters.totals.data["saves_dropped"] == 8
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_lookup_of_a_32k_prompt_is_fast(settings: ConnectorSettings) -> None:
+    # Not a benchmark (see connector/bench_overhead.py): a guard against an
+    # accidental O(n^2) or per-block store read.
+    sched = UcmDbScheduler(settings, _shape())
+    tokens = list(range(32 * 1024))
+    started = time.perf_counter()
+    assert sched.get_num_new_matched_tokens(_request("big", tokens), 0) == (0, False)
+    assert time.perf_counter() - started < 0.5
+    sched.shutdown()
+
+
+def test_metadata_is_plain() -> None:
+    assert UcmDbConnectorMetadata().empty

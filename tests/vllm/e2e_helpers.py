@@ -1,0 +1,132 @@
+"""Helpers for the vLLM end-to-end tests (marker ``vllm``).
+
+Imported by name (``tests/vllm`` is on sys.path under pytest's prepend
+import mode; it has no ``__init__.py`` on purpose: a package named ``vllm``
+would shadow the real one).
+
+* :func:`build_tiny_model`: a random-weight Llama written with
+  ``save_pretrained`` (no hub access); different seeds give different models.
+* :func:`start_engine_process` / :meth:`EngineProcess.wait`: one engine in a
+  NEW process (``engine_job.py``), output to a log file (an engine writing to
+  a pipe nobody reads can hang).
+* :func:`in_process_engine`: one engine in the pytest process; always shut
+  down with ``llm.llm_engine.engine_core.shutdown()``.
+* :func:`wait_for_new_blocks`: the connector commits saves from a background
+  thread in the worker process; tests wait for the commit before relying on
+  a hit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ucm_db
+
+HERE = Path(__file__).resolve().parent
+ENGINE_JOB = HERE / "engine_job.py"
+BLOCK_SIZE = 32
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+
+def build_tiny_model(out_dir: Path, seed: int) -> Path:
+    """Writes a 2-layer random-weight Llama (bf16, ~3 MB) to ``out_dir``."""
+    if (out_dir / "config.json").exists():
+        return out_dir
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two different tiny models (same architecture, different weights)."""
+    root = tmp_path_factory.mktemp("models")
+    return build_tiny_model(root / "model_a", seed=0), build_tiny_model(root / "model_b", seed=1)
+
+
+@dataclass
+class EngineProcess:
+    """A running ``engine_job.py``."""
+
+    proc: subprocess.Popen[bytes]
+    result_path: Path
+    log_path: Path
+
+    def wait(self, timeout_s: float = 600) -> dict[str, Any]:
+        """Waits for the engine; returns its result with ``log`` added."""
+        rc = self.proc.wait(timeout=timeout_s)
+        log = self.log_path.read_text(errors="replace")
+        if rc != 0:
+            raise AssertionError(f"engine process failed (rc={rc}); log tail:\n{log[-4000:]}")
+        result = json.loads(self.result_path.read_text())
+        result["log"] = log
+        return result
+
+
+def start_engine_process(spec: dict[str, Any], work_dir: Path, name: str) -> EngineProcess:
+    """Starts one engine in a new process (see ``engine_job.py`` for ``spec``)."""
+    spec_path = work_dir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path, log_path = work_dir / f"{name}.result.json", work_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(ENGINE_JOB), str(spec_path), str(result_path)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    return EngineProcess(proc, result_path, log_path)
+
+
+@contextmanager
+def in_process_engine(spec: dict[str, Any]) -> Iterator[Any]:
+    """One engine in this process, shut down on exit."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import engine_job
+    finally:
+        sys.path.remove(str(HERE))
+    llm = engine_job.make_engine(spec)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def store_blocks(path: Path) -> int:
+    with ucm_db.open(path) as store:
+        return store.stats().blocks
+
+
+def wait_for_new_blocks(path: Path, before: int, timeout_s: float = 60, settle_s: float = 0.5) -> int:
+    """Waits until the store holds more than ``before`` blocks and the count
+    has not changed for ``settle_s``; returns the count."""
+    deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = store_blocks(path)
+        if count != last:
+            last, since = count, time.monotonic()
+        elif count > before and time.monotonic() - since >= settle_s:
+            return count
+        time.sleep(0.1)
+    raise AssertionError(f"store at {path} did not grow past {before} blocks within {timeout_s}s (has {last})")
