@@ -228,7 +228,7 @@ class RemoteLink:
         if not self.breaker.allow():
             return
         tier = self.tier(namespace_id)
-        window = 2 * READ_THREADS
+        window = max(2 * READ_THREADS, 2 * chunk_blocks)  # keep fetching while the caller promotes a run
         pending: deque[Future[RemoteObject | None]] = deque()
         next_at = 0
         expected = parent

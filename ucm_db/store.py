@@ -394,7 +394,7 @@ class Store:
 
     def _read_through(
         self, namespace: Namespace, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]],
-    ) -> dict[int, bytes]:
+    ) -> dict[int, Buffer]:
         """Fetches local misses from the remote, promotes what keeps the
         prefix invariant, and returns verified blobs by index."""
         if self._remote is None:

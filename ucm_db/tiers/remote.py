@@ -80,7 +80,8 @@ class RemoteObject:
         key: the block key.
         parent: the parent key, None for a chain's first block.
         namespace_id: 16-byte namespace id (first bytes of its digest).
-        blob: the codec blob (empty for a probe result).
+        blob: the codec blob, a read-only view into the fetched object
+            (empty for a probe result).
         raw_bytes: raw payload length from the codec header (-1 for a
             probe result).
     """
@@ -88,7 +89,7 @@ class RemoteObject:
     key: bytes
     parent: bytes | None
     namespace_id: bytes
-    blob: bytes
+    blob: Buffer
     raw_bytes: int
 
 
@@ -141,7 +142,7 @@ def parse_envelope(data: Buffer, key: bytes) -> tuple[bytes | None, bytes]:
 def unpack_object(data: Buffer, key: bytes) -> RemoteObject:
     """Verifies a whole object (envelope and codec blob) for ``key``."""
     parent, namespace_id = parse_envelope(data, key)
-    blob = bytes(memoryview(data)[ENVELOPE_BYTES:])
+    blob = memoryview(data)[ENVELOPE_BYTES:]  # a view: no copy of the payload
     header = codec.verify(blob, key)
     return RemoteObject(key, parent, namespace_id, blob, header.raw_len)
 
@@ -362,7 +363,7 @@ class RemoteTier(Tier):
         out: list[bytes | None] = []
         for key in keys:
             obj = self.fetch(key)
-            out.append(None if obj is None else obj.blob)
+            out.append(None if obj is None else bytes(obj.blob))
         return out
 
     def put_batch(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
