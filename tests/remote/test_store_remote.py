@@ -150,3 +150,20 @@ def test_forked_child_reads_through_and_uploads(tmp_path: Path, namespace) -> No
         assert os.waitstatus_to_exitcode(status) == 0
     tier = RemoteRoot.from_url(remote).tier(namespace.digest[:16])
     assert sorted(tier.iterate()) == sorted(keys)
+
+
+def test_locally_corrupt_block_is_served_from_the_remote(tmp_path: Path, namespace) -> None:
+    remote = f"file://{tmp_path}/shared"
+    keys, payloads = chain(namespace, 4)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=remote, remote_deadline_s=5.0) as store:
+        store.put(namespace, keys, payloads)
+        store.flush()
+        (blob,) = store.tier.get_batch([keys[1]])
+        damaged = bytearray(blob)
+        damaged[-3] ^= 0x40
+        store.tier.engine.write(lambda txn: txn.put("blocks", keys[1], bytes(damaged)))
+        assert store.get(namespace, keys) == payloads  # the remote's verified copy, never the damaged bytes
+        assert keys[1] in store.tier.quarantine_records()
+        assert store.lookup(namespace, keys) == 4  # re-promoted from the remote
+        assert store.get(namespace, keys) == payloads
+        assert store.tier.check() == []
