@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.logger import init_logger
 
 import ucm_db
@@ -82,7 +83,7 @@ def _tensor_digest(tensor: Any) -> bytes:
     cpu = tensor.detach().to("cpu").contiguous()
     digest = hashlib.blake2b(digest_size=32, person=b"ucm-db/embeds")
     digest.update(repr((tuple(cpu.shape), str(cpu.dtype))).encode())
-    digest.update(cpu.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    digest.update(cpu.view(-1).view(torch.uint8).numpy().tobytes())
     return digest.digest()
 
 

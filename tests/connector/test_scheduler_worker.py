@@ -268,3 +268,21 @@ def test_lookup_of_a_32k_prompt_is_fast(settings: ConnectorSettings) -> None:
 
 def test_metadata_is_plain() -> None:
     assert UcmDbConnectorMetadata().empty
+
+
+def test_request_extras_cover_salt_lora_and_prompt_embeds() -> None:
+    from vllm.lora.request import LoRARequest
+
+    from ucm_db.connector.scheduler import request_extras
+
+    embeds = torch.randn(40, 16)
+    plain = request_extras(_request("a", [1, 2, 3]))
+    assert plain == {}
+    salted = request_extras(_request("b", [1, 2, 3], cache_salt="s"))
+    assert salted == {"cache_salt": "s"}
+    lora = request_extras(_request("c", [1, 2, 3], lora_request=LoRARequest("ad", 1, "/x")))
+    assert lora == {"lora": "ad"}
+    e1 = request_extras(Request("e1", None, SamplingParams(max_tokens=1), None, prompt_embeds=embeds))
+    e2 = request_extras(Request("e2", None, SamplingParams(max_tokens=1), None, prompt_embeds=embeds.clone()))
+    e3 = request_extras(Request("e3", None, SamplingParams(max_tokens=1), None, prompt_embeds=embeds + 1))
+    assert e1 == e2 and e1 != e3 and len(e1["prompt_embeds"]) == 32
