@@ -18,6 +18,9 @@ Invariants:
       if its parent is local (or it is a chain's first block). An object
       whose parent disagrees with the caller's chain is a miss.
     * Promoted blocks are not queued for upload (they came from the remote).
+    * A lookup whose deadline cut its fetch short hands the rest of the
+      found prefix to one background thread (bounded queue), so remote-only
+      hits arrive asynchronously and the next lookup finds them local.
     * Remote presence along a chain is treated as monotone for the search
       (uploads go ancestors first); where it is not, the search can only
       over-estimate, and the fetch stops at the first block it cannot get.
@@ -43,6 +46,10 @@ SEARCH_FANOUT = 8
 READ_THREADS = 16
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
+#: Background promotions of chain tails queued at once (more are dropped).
+MAX_CONTINUATIONS = 8
+#: Longest close() waits for a background promotion's commit.
+CLOSE_WAIT_S = 5.0
 #: Marks a call that did not finish before its deadline.
 UNFINISHED: Any = object()
 #: Deadline of bulk fetches (get of local misses, warming), which move data.
@@ -140,6 +147,15 @@ class RemoteLink:
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucm-db-remote")
         self._tiers: dict[bytes, RemoteTier] = {}
         self.last_search: SearchResult | None = None
+        self._start_background()
+
+    def _start_background(self) -> None:
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="ucm-db-promote")
+        self._continuing_lock = threading.Lock()
+        self._promote_lock = threading.Lock()
+        self._continuing = 0
+        self._closed = False
+        self.promoted_in_background = 0
 
     def tier(self, namespace_id: bytes) -> RemoteTier:
         tier = self._tiers.get(namespace_id)
@@ -152,9 +168,15 @@ class RemoteLink:
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucm-db-remote")
         self.breaker = Breaker()
         self.root.after_fork()
+        self._start_background()
 
     def close(self) -> None:
-        # Never wait on a hung remote: abandon running requests.
+        # Never wait on a hung remote: abandon running requests. A running
+        # continuation stops at its next run (it checks _closed).
+        self._closed = True
+        self._background.shutdown(wait=False, cancel_futures=True)
+        if self._promote_lock.acquire(timeout=CLOSE_WAIT_S):
+            self._promote_lock.release()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- concurrency with a deadline ----------------------------------------------
@@ -279,13 +301,36 @@ class RemoteLink:
             return local_n, 0
         parent = keys[local_n - 1] if local_n else None
         objects = self.fetch_chain(namespace_id, rest[: found.count], parent, deadline)
-        if local_n == 0 and objects and objects[0].parent is not None:
-            # The caller's keys do not start at the chain's root; only a
-            # locally stored parent lets the first block in.
-            if not local.exists([objects[0].parent])[0]:
-                return 0, 0
         promoted = promote(local, objects)
+        if promoted == len(objects) and promoted < found.count:
+            # The deadline cut the fetch short: finish in the background so
+            # the next lookup of this prefix finds it local.
+            tail_parent = objects[-1].key if objects else parent
+            self.continue_later(local, namespace_id, list(rest[promoted : found.count]), tail_parent)
         return local_n + promoted, sum(len(o.blob) for o in objects[:promoted])
+
+    def continue_later(self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None) -> bool:
+        """Queues a background promotion of a chain tail (at most
+        :data:`MAX_CONTINUATIONS` queued; more are dropped, not blocked on)."""
+        with self._continuing_lock:
+            if self._closed or self._continuing >= MAX_CONTINUATIONS:
+                return False
+            self._continuing += 1
+        self._background.submit(self._continue, local, namespace_id, keys, parent)
+        return True
+
+    def _continue(self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None) -> None:
+        try:
+            for run in self.stream_chain(namespace_id, keys, parent):
+                with self._promote_lock:  # close() waits for a promotion in progress
+                    if self._closed or promote(local, run) < len(run):
+                        break
+                self.promoted_in_background += len(run)
+        except Exception:  # noqa: BLE001 - best effort: a later lookup retries
+            pass
+        finally:
+            with self._continuing_lock:
+                self._continuing -= 1
 
 
 def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:

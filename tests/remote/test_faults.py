@@ -135,3 +135,20 @@ def test_write_through_failure_keeps_blocks_queued(tmp_path: Path, root: str, pl
         plan.clear()
         store.flush(upload_timeout_s=30)
         assert store.stats().pending_uploads == 0
+
+
+def test_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    keys, payloads = _seed_remote(tmp_path, root, namespace, 80)
+    plan.latency_s = 0.06  # 80 fetches, 16 at a time: 5 waves of 60 ms, more than one deadline
+    with _faulty(tmp_path, root, plan) as node_b:
+        started = time.monotonic()
+        first = node_b.lookup(namespace, keys)
+        assert time.monotonic() - started < DEADLINE_S + SLACK_S
+        assert first < 80
+        end = time.monotonic() + 20
+        while node_b.tier.count_prefix(keys) < 80 and time.monotonic() < end:
+            time.sleep(0.05)  # no further lookups: the background promotion fills it
+        assert node_b.tier.count_prefix(keys) == 80
+        assert node_b.remote.promoted_in_background == 80 - first
+        assert node_b.get(namespace, keys) == payloads
+        assert node_b.tier.check() == []
