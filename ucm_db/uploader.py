@@ -40,6 +40,8 @@ from ucm_db.tiers.local import LocalTier
 from ucm_db.tiers.remote import RemoteRoot
 
 BATCH_KEYS = 256
+#: Stored bytes read from the local tier per batch (bounds the uploader's memory).
+BATCH_BYTES = 64 << 20
 IDLE_POLL_S = 0.5
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
@@ -83,7 +85,8 @@ class Uploader:
         """Stops after the batch in flight; queued rows stay for next time."""
         self._stop.set()
         self._wake.set()
-        self._thread.join()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._release_lock()
 
@@ -119,8 +122,9 @@ class Uploader:
         keys = self.local.pending_uploads(limit=BATCH_KEYS)
         if not keys:
             return 0, 0
+        keys, gone = self._plan_batch(keys)
         items = self._read_items(keys)
-        gone = [k for k, item in zip(keys, items) if item is None]
+        gone += [k for k, item in zip(keys, items) if item is None]
         work = sorted((item for item in items if item is not None), key=lambda it: it[3])
         namespaces = {item[2] for item in work}
         manifest = self._run_uploads([lambda: self._ensure_manifests(namespaces)])
@@ -141,6 +145,21 @@ class Uploader:
         self.local.mark_uploaded(done + gone)
         self.uploaded += len(done)
         return len(done), len(errors)
+
+    def _plan_batch(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Shallowest blocks first, up to :data:`BATCH_BYTES` stored bytes
+        (at least one); returns ``(keys to upload, keys no longer stored)``."""
+        metas = self.local.metas(keys)
+        gone = [k for k, m in zip(keys, metas) if m is None]
+        present = sorted(((m.depth, k, m.stored_bytes) for k, m in zip(keys, metas) if m is not None))
+        chosen: list[bytes] = []
+        total_bytes = 0
+        for _depth, key, stored_bytes in present:
+            if chosen and total_bytes + stored_bytes > BATCH_BYTES:
+                break
+            chosen.append(key)
+            total_bytes += stored_bytes
+        return chosen, gone
 
     def _read_items(self, keys: list[bytes]) -> list[tuple[bytes, bytes | None, bytes, int, bytes] | None]:
         metas = self.local.metas(keys)

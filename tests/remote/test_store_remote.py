@@ -167,3 +167,27 @@ def test_locally_corrupt_block_is_served_from_the_remote(tmp_path: Path, namespa
         assert store.lookup(namespace, keys) == 4  # re-promoted from the remote
         assert store.get(namespace, keys) == payloads
         assert store.tier.check() == []
+
+
+def test_uploader_batches_are_bounded_by_bytes_shallowest_first(tmp_path: Path, namespace, monkeypatch) -> None:
+    import json as _json
+
+    from ucm_db import codec as _codec
+    from ucm_db import uploader as uploader_module
+    from ucm_db.tiers.local import BlockEntry
+
+    keys, payloads = chain(namespace, 6)
+    ns_id = namespace.digest[:16]
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP) as store:  # no remote: nothing drains behind our back
+        entries = [BlockEntry(k, keys[i - 1] if i else None, _codec.encode(k, p), len(p), ns_id)
+                   for i, (k, p) in enumerate(zip(keys, payloads))]
+        store.tier.put_blocks(entries, namespace_desc=(ns_id, _json.dumps(namespace.to_dict()).encode()), enqueue_upload=True)
+        root = RemoteRoot.from_url(f"memory://ucm-batch-{tmp_path.name}")
+        monkeypatch.setattr(uploader_module, "BATCH_BYTES", 1)
+        uploader = uploader_module.Uploader(store.tier, root, store.path, concurrency=2)
+        tier = root.tier(ns_id)
+        for depth in range(6):
+            assert uploader.drain_batch() == (1, 0)
+            assert sorted(tier.iterate()) == sorted(keys[: depth + 1])  # ancestors go first
+        assert uploader.drain_batch() == (0, 0)
+        uploader.stop()
