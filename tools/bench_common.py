@@ -13,8 +13,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +44,7 @@ class BenchOptions:
     """
 
     quick: bool = False
-    repeat: int = 5
+    repeat: int = 7
     scratch_dir: str | None = None
     only: tuple[str, ...] | None = None
     scale_blocks: tuple[int, int] = (1_000, 200_000)
@@ -71,25 +70,6 @@ class Figure:
 
     def to_dict(self) -> dict[str, Any]:
         return {"value": self.value, "unit": self.unit, "runs": self.runs, "note": self.note}
-
-
-def time_runs(fn: Callable[[], Any], repeat: int, *, setup: Callable[[], Any] | None = None,
-              teardown: Callable[[Any], None] | None = None) -> list[float]:
-    """Seconds of ``fn(state)``-style runs; ``setup``/``teardown`` untimed.
-
-    If ``setup`` is given, its result is passed to ``fn`` and ``teardown``.
-    """
-    runs = []
-    for _ in range(repeat):
-        state = setup() if setup is not None else None
-        try:
-            start = time.perf_counter()
-            fn(state) if setup is not None else fn()  # type: ignore[call-arg]
-            runs.append(time.perf_counter() - start)
-        finally:
-            if teardown is not None:
-                teardown(state)
-    return runs
 
 
 def rate_figure(runs_s: list[float], amount: float, unit: str, scale: float = 1e9, note: str = "") -> Figure:
