@@ -18,9 +18,12 @@ Invariants:
       if its parent is local (or it is a chain's first block). An object
       whose parent disagrees with the caller's chain is a miss.
     * Promoted blocks are not queued for upload (they came from the remote).
-    * A lookup whose deadline cut its fetch short hands the rest of the
-      found prefix to one background thread (bounded queue), so remote-only
-      hits arrive asynchronously and the next lookup finds them local.
+    * A lookup whose deadline cut its fetch short, or that fetched more than
+      :data:`SYNC_PROMOTE_BYTES`, hands the rest of the found prefix to one
+      background thread (bounded queue), so remote-only hits arrive
+      asynchronously and the next lookup finds them local. A lookup thus
+      waits at most its deadline on the remote plus one local commit of at
+      most that many bytes.
     * Remote presence along a chain is treated as monotone for the search
       (uploads go ancestors first); where it is not, the search can only
       over-estimate, and the fetch stops at the first block it cannot get.
@@ -28,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -48,6 +52,9 @@ MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
 #: Background promotions of chain tails queued at once (more are dropped).
 MAX_CONTINUATIONS = 8
+#: Bytes a lookup commits locally before returning; the rest of what it
+#: fetched is promoted in the background (bounds a lookup's local commit).
+SYNC_PROMOTE_BYTES = 32 << 20
 #: Longest close() waits for a background promotion's commit.
 CLOSE_WAIT_S = 5.0
 #: Marks a call that did not finish before its deadline.
@@ -301,27 +308,37 @@ class RemoteLink:
             return local_n, 0
         parent = keys[local_n - 1] if local_n else None
         objects = self.fetch_chain(namespace_id, rest[: found.count], parent, deadline)
-        promoted = promote(local, objects)
-        if promoted == len(objects) and promoted < found.count:
-            # The deadline cut the fetch short: finish in the background so
-            # the next lookup of this prefix finds it local.
-            tail_parent = objects[-1].key if objects else parent
-            self.continue_later(local, namespace_id, list(rest[promoted : found.count]), tail_parent)
-        return local_n + promoted, sum(len(o.blob) for o in objects[:promoted])
+        now, later = _split_by_bytes(objects, SYNC_PROMOTE_BYTES)
+        promoted = promote(local, now)
+        if promoted == len(now) and promoted < found.count:
+            # The deadline (or the commit budget) cut the promotion short:
+            # finish in the background so the next lookup finds it local.
+            tail_parent = now[-1].key if now else parent
+            self.continue_later(local, namespace_id, list(rest[promoted : found.count]), tail_parent, later)
+        return local_n + promoted, sum(len(o.blob) for o in now[:promoted])
 
-    def continue_later(self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None) -> bool:
-        """Queues a background promotion of a chain tail (at most
+    def continue_later(
+        self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None,
+        fetched: Sequence[RemoteObject] = (),
+    ) -> bool:
+        """Queues a background promotion of a chain tail whose first
+        ``len(fetched)`` objects are already here (at most
         :data:`MAX_CONTINUATIONS` queued; more are dropped, not blocked on)."""
         with self._continuing_lock:
             if self._closed or self._continuing >= MAX_CONTINUATIONS:
                 return False
             self._continuing += 1
-        self._background.submit(self._continue, local, namespace_id, keys, parent)
+        self._background.submit(self._continue, local, namespace_id, keys, parent, list(fetched))
         return True
 
-    def _continue(self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None) -> None:
+    def _continue(
+        self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None, fetched: list[RemoteObject],
+    ) -> None:
         try:
-            for run in self.stream_chain(namespace_id, keys, parent):
+            runs = [fetched[i : i + 64] for i in range(0, len(fetched), 64)]
+            if fetched:
+                parent = fetched[-1].key
+            for run in itertools.chain(runs, self.stream_chain(namespace_id, keys[len(fetched):], parent)):
                 with self._promote_lock:  # close() waits for a promotion in progress
                     if self._closed or promote(local, run) < len(run):
                         break
@@ -331,6 +348,16 @@ class RemoteLink:
         finally:
             with self._continuing_lock:
                 self._continuing -= 1
+
+
+def _split_by_bytes(objects: list[RemoteObject], budget_bytes: int) -> tuple[list[RemoteObject], list[RemoteObject]]:
+    """The leading objects within ``budget_bytes`` (at least one), and the rest."""
+    total = 0
+    for i, obj in enumerate(objects):
+        total += len(obj.blob)
+        if total > budget_bytes and i > 0:
+            return objects[:i], objects[i:]
+    return objects, []
 
 
 def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:

@@ -44,9 +44,10 @@ def _seed_remote(tmp_path: Path, root: str, namespace, n_blocks: int) -> tuple[l
 
 
 def _faulty(tmp_path: Path, root: str, plan: FaultPlan, name: str = "node-b", **options) -> ucm_db.Store:
+    options.setdefault("remote_deadline_s", DEADLINE_S)
     return ucm_db.open(
         tmp_path / name, capacity_bytes=CAP, remote=f"ucmfault://{root}",
-        remote_options={"target_protocol": "memory", "plan": plan}, remote_deadline_s=DEADLINE_S, **options,
+        remote_options={"target_protocol": "memory", "plan": plan}, **options,
     )
 
 
@@ -150,5 +151,22 @@ def test_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root:
             time.sleep(0.05)  # no further lookups: the background promotion fills it
         assert node_b.tier.count_prefix(keys) == 80
         assert node_b.remote.promoted_in_background == 80 - first
+        assert node_b.get(namespace, keys) == payloads
+        assert node_b.tier.check() == []
+
+
+def test_lookup_commits_a_bounded_amount_and_promotes_the_rest_in_background(
+    tmp_path: Path, root: str, plan: FaultPlan, namespace, monkeypatch,
+) -> None:
+    from ucm_db import readthrough
+
+    keys, payloads = _seed_remote(tmp_path, root, namespace, 30)
+    monkeypatch.setattr(readthrough, "SYNC_PROMOTE_BYTES", 1)  # one block per lookup commit
+    with _faulty(tmp_path, root, plan, remote_deadline_s=5.0) as node_b:
+        assert node_b.lookup(namespace, keys) == 1
+        end = time.monotonic() + 20
+        while node_b.tier.count_prefix(keys) < 30 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert node_b.tier.count_prefix(keys) == 30
         assert node_b.get(namespace, keys) == payloads
         assert node_b.tier.check() == []
