@@ -58,6 +58,8 @@ FORMAT_VERSION_KEY = b"format_version"
 CREATED_KEY = b"created"
 SETTINGS_KEY = b"settings"
 _ACTIVITY_FLUSH_KEYS = 4096
+_CODEC_ID_OFFSET = 6  # byte offset of the codec id in a block header (codec.py)
+_CODEC_NONE_ID = codec.CODEC_IDS["none"]
 
 Payload = Union[Buffer, Sequence[Buffer]]
 
@@ -333,7 +335,9 @@ class Store:
 
         def encode_one(item: tuple[bytes, Payload]) -> tuple[bytes, int]:
             key, payload = item
-            frames = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+            # A list or tuple is per-layer frames; anything else (bytes, numpy
+            # array, memoryview) is one buffer.
+            frames = list(payload) if isinstance(payload, (list, tuple)) else [payload]
             raw = sum(memoryview(f).nbytes for f in frames)
             return codec.encode(key, frames, codec=cfg.codec, element_bytes=element_bytes, level=cfg.zstd_level), raw
 
@@ -427,7 +431,9 @@ class Store:
             raise ConfigError("get_into needs one buffer per key", hint="pass len(keys) buffers")
         corrupt: list[tuple[bytes, str]] = []
 
-        def visit(i: int, blob: memoryview) -> bool:
+        parallel = self._pool is not None and len(keys) > 1
+
+        def decode(i: int, blob: Buffer) -> bool:
             try:
                 codec.decode_into(blob, keys[i], buffers[i])
                 return True
@@ -435,7 +441,19 @@ class Store:
                 corrupt.append((keys[i], str(exc)))
                 return False
 
+        def visit(i: int, blob: memoryview) -> Any:
+            # Raw blocks are one memcpy: decode inside the read transaction.
+            # Compressed ones are copied out and decoded on the codec threads.
+            if parallel and len(blob) > _CODEC_ID_OFFSET and blob[_CODEC_ID_OFFSET] != _CODEC_NONE_ID:
+                return _Deferred(bytes(blob))
+            return decode(i, blob)
+
         results = self._tier.read_blocks(keys, visit)
+        deferred = [(i, r) for i, r in enumerate(results) if isinstance(r, _Deferred)]
+        if deferred:
+            assert self._pool is not None
+            for (i, _), ok in zip(deferred, self._pool.map(lambda item: decode(item[0], item[1].blob), deferred)):
+                results[i] = ok
         flags: list[Any] = [True if r else None for r in results]
         for i, blob in self._read_through(namespace, keys, flags, corrupt).items():
             codec.decode_into(blob, keys[i], buffers[i])
