@@ -28,7 +28,7 @@ from ucm_db.connector.demo import BLOCK_SIZE, build_model, demo_dir, run_pass_in
 LOOKUP_TOKENS = 32 * 1024
 
 
-def bench_lookup(repeats: int = 30) -> dict[str, float]:
+def bench_lookup(block_size: int = BLOCK_SIZE, repeats: int = 30) -> dict[str, float]:
     """Median milliseconds of the scheduler-side lookup (miss and hit)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -37,7 +37,7 @@ def bench_lookup(repeats: int = 30) -> dict[str, float]:
     from ucm_db.connector.scheduler import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
 
-    shape = KVShape(model="bench", kv_dtype="bfloat16", block_size=BLOCK_SIZE, use_mla=False, layout="bench", tp_size=1, pp_size=1)
+    shape = KVShape(model="bench", kv_dtype="bfloat16", block_size=block_size, use_mla=False, layout="bench", tp_size=1, pp_size=1)
     rng = random.Random(0)
     tokens = [rng.randrange(3, 32000) for _ in range(LOOKUP_TOKENS)]
     out: dict[str, float] = {}
@@ -58,7 +58,7 @@ def bench_lookup(repeats: int = 30) -> dict[str, float]:
         keys = ns.block_keys(tokens)
         sched.store.put(ns, keys, [b"\0" * 64] * len(keys))
         samples = [once() for _ in range(repeats)]
-        assert samples[0][2] == (LOOKUP_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert samples[0][2] == (LOOKUP_TOKENS - 1) // block_size * block_size
         out["hit_ms"] = 1e3 * statistics.median(s[0] for s in samples)
         out["hit_cpu_ms"] = 1e3 * statistics.median(s[1] for s in samples)
         hashing = []
@@ -99,11 +99,12 @@ def bench_ttft(prompts: int, prompt_tokens: int) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ucm_db.connector.bench_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--lookup-only", action="store_true")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="block size of the lookup benchmark")
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     args = parser.parse_args(argv)
-    lookup = bench_lookup()
-    print(f"scheduler lookup, {LOOKUP_TOKENS}-token prompt ({int(lookup['blocks'])} blocks of {BLOCK_SIZE}), median of 30,"
+    lookup = bench_lookup(args.block_size)
+    print(f"scheduler lookup, {LOOKUP_TOKENS}-token prompt ({int(lookup['blocks'])} blocks of {args.block_size}), median of 30,"
           f" wall (CPU) ms: miss {lookup['miss_ms']:.3f} ({lookup['miss_cpu_ms']:.3f}),"
           f" full hit {lookup['hit_ms']:.3f} ({lookup['hit_cpu_ms']:.3f});"
           f" hashing the whole chain alone {lookup['hashing_cpu_ms']:.3f} CPU ms; target <= 1 ms")

@@ -118,7 +118,7 @@ def run_pass_in_new_process(spec: dict[str, Any], work: Path, name: str) -> dict
     if rc != 0:
         raise SystemExit(f"engine pass {name!r} failed (exit {rc}); last lines of {log_path}:\n{text[-3000:]}")
     result = json.loads(result_path.read_text())
-    result["ucm_hits"] = [(int(m[3]), int(m[4])) for m in _HIT_LINE.findall(text)][1:]  # [0] is the warm-up
+    result["ucm_hits"] = [(int(m[2]), int(m[3])) for m in _HIT_LINE.findall(text)][1:]  # [0] is the warm-up
     return result
 
 
