@@ -154,12 +154,15 @@ def test_swapped_payloads_and_foreign_headers_are_detected(injector: Injector) -
 
 
 # -- decompression bombs ---------------------------------------------------------
+FRAME_BYTES = struct.calcsize("<QQBBB5x")  # one frame-table entry (codec wire format)
+
+
 def forge(blob: bytes, *, raw_len: int | None = None, table: bytes | None = None, body: bytes | None = None) -> bytes:
     """Rewrites header fields and recomputes the checksum, as an attacker who
     can write objects (but not break BLAKE2 keys) would."""
     header = bytearray(blob[: codec.HEADER_BYTES])
     n_frames = struct.unpack_from("<I", header, 8)[0]
-    table_end = codec.HEADER_BYTES + 32 * n_frames
+    table_end = codec.HEADER_BYTES + FRAME_BYTES * n_frames
     table = blob[codec.HEADER_BYTES : table_end] if table is None else table
     body = blob[table_end:] if body is None else body
     if raw_len is not None:
@@ -193,7 +196,7 @@ def bounded_decode(blob: bytes, key: bytes) -> tuple[float, int]:
 def test_decompression_bombs_are_rejected_before_allocation() -> None:
     key = NS.block_keys(chain_tokens("bomb", 1))[0]
     blob = codec.encode(key, bytes(1024), codec="zstd", element_bytes=1)  # one MODE_ZSTD frame
-    table = bytearray(blob[codec.HEADER_BYTES : codec.HEADER_BYTES + 32])
+    table = bytearray(blob[codec.HEADER_BYTES : codec.HEADER_BYTES + FRAME_BYTES])
     assert table[16] == codec.MODE_ZSTD
     bombs = {
         "header raw_len 2**40": forge(blob, raw_len=1 << 40),
