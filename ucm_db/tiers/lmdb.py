@@ -196,22 +196,9 @@ class LmdbEngine(Engine):
         current = env.info()["map_size"]
         if current < self._map_size_bytes:
             env.set_mapsize(self._map_size_bytes)
-        self._refuse_truncated(env)
         self._dbs = self._open_tables(env)
         self._env = env
         self._pid = os.getpid()
-
-    def _refuse_truncated(self, env: lmdb.Environment) -> None:
-        """A data file shorter than its meta page says would SIGBUS on the
-        first read of a missing page: refuse it with an error instead."""
-        needed_bytes = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        size_bytes = (self.path / "data.mdb").stat().st_size
-        if size_bytes < needed_bytes:
-            env.close()
-            raise TierError(
-                f"LMDB file {self.path / 'data.mdb'} is truncated ({size_bytes} of {needed_bytes} bytes)",
-                hint=f"the store is damaged: delete {self.path.parent} (it is a cache) or restore it",
-            )
 
     def _open_tables(self, env: lmdb.Environment) -> dict[str, object]:
         """Opens the named tables, adopting a map that another process grew
