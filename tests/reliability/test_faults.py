@@ -19,7 +19,6 @@ import json
 import os
 import random
 import resource
-import shutil
 import signal
 import subprocess
 import time

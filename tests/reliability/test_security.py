@@ -18,8 +18,6 @@
 from __future__ import annotations
 
 import ast
-import itertools
-import json
 import os
 import pickle
 import stat
