@@ -72,6 +72,49 @@ def bench_lookup(block_size: int = BLOCK_SIZE, repeats: int = 30) -> dict[str, f
     return out
 
 
+def bench_save_path(prompt_tokens: int, repeats: int = 10) -> dict[str, float]:
+    """CPU ms per prompt of the save path for the demo model's KV shape:
+    the copy-out on the forward thread (``KVLayout.gather``) and the
+    background writer's encode + commit (``Store.put``) per codec."""
+    import torch
+
+    from ucm_db.connector.layouts import detect_layout
+    from ucm_db.keys import Namespace
+
+    blocks = prompt_tokens // BLOCK_SIZE
+    kv = {f"l{i}": torch.randn(4 * blocks, 4, BLOCK_SIZE, 128).to(torch.bfloat16) for i in range(6)}
+    layout = detect_layout(kv, 4 * blocks)
+    staging = layout.new_staging(blocks)
+    ids = list(range(blocks, 2 * blocks))
+    out: dict[str, float] = {}
+    samples = []
+    for _ in range(repeats):
+        cpu = time.process_time()
+        layout.gather(ids, staging)
+        samples.append(time.process_time() - cpu)
+    out["copy_out_ms"] = 1e3 * statistics.median(samples)
+    rows = staging.numpy()
+    payloads = [layout.frames(rows[i]) for i in range(blocks)]
+    for codec in ("none", "zstd"):
+        with tempfile.TemporaryDirectory() as tmp, ucm_db_open(tmp, codec=codec, encode_threads=0) as store:
+            samples = []
+            for r in range(repeats):
+                ns = Namespace(model=f"bench{r}", kv_dtype="bfloat16", block_size=BLOCK_SIZE)
+                keys = ns.block_keys(list(range(blocks * BLOCK_SIZE)))
+                cpu = time.process_time()
+                store.put(ns, keys, payloads)
+                samples.append(time.process_time() - cpu)
+            out[f"commit_{codec}_ms"] = 1e3 * statistics.median(samples)
+    out["bytes"] = float(blocks * layout.block_bytes)
+    return out
+
+
+def ucm_db_open(path: str, **options: object):  # noqa: ANN201 - small indirection for the import
+    import ucm_db
+
+    return ucm_db.open(path, **options)
+
+
 def bench_ttft(prompts: int, prompt_tokens: int) -> dict[str, dict[str, float]]:
     """Median TTFT per configuration (each in its own engine process)."""
     model = build_model(demo_dir() / "model")
@@ -99,6 +142,7 @@ def bench_ttft(prompts: int, prompt_tokens: int) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ucm_db.connector.bench_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--lookup-only", action="store_true")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine TTFT runs")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="block size of the lookup benchmark")
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
@@ -110,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
           f" hashing the whole chain alone {lookup['hashing_cpu_ms']:.3f} CPU ms; target <= 1 ms")
     if args.lookup_only:
         return 0
+    if args.no_engine:
+        save = bench_save_path(args.prompt_tokens)
+        print(f"save path per {args.prompt_tokens}-token prompt ({save['bytes'] / 1e6:.1f} MB of KV), CPU ms: copy-out {save['copy_out_ms']:.2f},"
+              f" encode+commit none {save['commit_none_ms']:.2f}, zstd {save['commit_zstd_ms']:.2f}")
+        return 0
+    save = bench_save_path(args.prompt_tokens)
+    print(f"save path per {args.prompt_tokens}-token prompt of the demo model ({save['bytes'] / 1e6:.1f} MB of KV), CPU ms:"
+          f" copy-out on the forward thread {save['copy_out_ms']:.2f}; background encode+commit"
+          f" codec none {save['commit_none_ms']:.2f}, zstd {save['commit_zstd_ms']:.2f}")
     print(f"TTFT, 0% hits, {args.prompts} prompts of {args.prompt_tokens} tokens, one engine process per configuration:")
     ttft = bench_ttft(args.prompts, args.prompt_tokens)
     base = ttft["no connector"]["median_ms"]
