@@ -100,11 +100,7 @@ def start_engine_process(spec: dict[str, Any], work_dir: Path, name: str) -> Eng
 @contextmanager
 def in_process_engine(spec: dict[str, Any]) -> Iterator[Any]:
     """One engine in this process, shut down on exit."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import engine_job
-    finally:
-        sys.path.remove(str(HERE))
+    import engine_job  # tests/vllm is on sys.path (see the module docstring)
     llm = engine_job.make_engine(spec)
     try:
         yield llm
