@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 import pickle
 import stat
 import time
@@ -269,13 +271,17 @@ def test_store_directories_are_0700_and_files_0600(tmp_path: Path, engine: str) 
         pytest.importorskip("rocksdict")
     store_path = tmp_path / "fresh" / "store"
 
-    def child() -> None:
-        os.umask(0)
-        with ucm_db.open(store_path, capacity_bytes=1 << 26, engine=engine) as store:
-            keys = NS.block_keys(chain_tokens("modes", 1))
-            store.put(NS, keys, [b"x" * 64])
-
-    assert run_child(child, log_path=tmp_path / "child.log", timeout_s=60) == 0, tail(tmp_path / "child.log")
+    # A fresh interpreter, not a fork: forking a pytest process that has
+    # opened RocksDB before (its background threads hold locks) can hang the child.
+    code = (
+        "import os, sys, ucm_db\n"
+        "os.umask(0)\n"
+        "ns = ucm_db.Namespace(model='modes', kv_dtype='bfloat16', block_size=4)\n"
+        "with ucm_db.open(sys.argv[1], capacity_bytes=1 << 26, engine=sys.argv[2]) as store:\n"
+        "    store.put(ns, ns.block_keys([1, 2, 3, 4]), [b'x' * 64])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(store_path), engine], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
     bad = []
     for path in [store_path, *store_path.rglob("*")]:
         mode = stat.S_IMODE(path.lstat().st_mode)
