@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -184,17 +185,30 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
 def bench_command(args: tuple[str, ...]) -> None:
     """Run the benchmark (delegates to ucm_db.tools.bench; `ucm-db bench
     --help` lists its options). `ucm-db bench engines` compares the LMDB
-    and RocksDB engines side by side.
+    and RocksDB engines side by side; `bench remote` measures the remote
+    tier; `bench ttft` and `bench overhead` run real vLLM engines on CPU
+    (TTFT vs recompute, vLLM's prefix cache and ExampleConnector; connector
+    overhead at 0% hits).
 
     \b
     Example:
         ucm-db bench --quick
         ucm-db bench engines --blocks 2000
+        ucm-db bench ttft --prompts 4 --tokens 2048
     """
     if args and args[0] == "engines":
         from ucm_db.tools.bench_engines import main as engines_main
 
         raise SystemExit(engines_main(list(args[1:])))
+    if args and args[0] == "remote":
+        from ucm_db.tools.bench_remote import main as remote_main
+
+        raise SystemExit(remote_main(list(args[1:])))
+    if args and args[0] in ("ttft", "overhead"):
+        # The engine benchmarks live in the connector (vLLM); tools never
+        # import it, so they run as their own process.
+        module = "ucm_db.connector.bench_ttft" if args[0] == "ttft" else "ucm_db.connector.bench_overhead"
+        raise SystemExit(subprocess.call([sys.executable, "-m", module, *args[1:]]))
     try:
         bench = importlib.import_module("ucm_db.tools.bench")
     except ImportError as exc:
