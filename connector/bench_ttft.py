@@ -25,12 +25,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ucm_db.connector.engine_process import RUN_SPEC_FLAG, run_in_new_process
 
 BLOCK_SIZE = 32
 SEED_FRACTION = 0.8
@@ -74,20 +75,6 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _in_new_process(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
-    spec_path, result_path, log_path = work / f"{name}.json", work / f"{name}.out.json", work / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    with log_path.open("wb") as log:
-        rc = subprocess.call(
-            [sys.executable, "-m", "ucm_db.connector.bench_ttft", "--run-engine", str(spec_path), str(result_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-    if rc != 0:
-        tail = log_path.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"engine {name!r} failed (exit {rc}); end of {log_path}:\n{tail}")
-    return json.loads(result_path.read_text())  # type: ignore[no-any-return]
-
-
 def _prompts(seed: int, count: int, tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(seed)
     full = [[rng.randrange(3, 8000) for _ in range(tokens)] for _ in range(count)]
@@ -122,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, engines in plan:
             print(f"  {name}: {len(engines)} engine(s) ...", file=sys.stderr, flush=True)
             for i, spec in enumerate(engines):
-                outcome = _in_new_process(spec, work, f"{name}{i}")
+                outcome, _ = run_in_new_process("ucm_db.connector.bench_ttft", spec, work, f"{name}{i}")
             results[name] = outcome
     return _summarise(results, args)
 
@@ -161,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", choices=["none", "zstd"], default="none")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--run-engine", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument(RUN_SPEC_FLAG, dest="run_spec", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.run_engine:
-        spec = json.loads(Path(args.run_engine[0]).read_text())
-        Path(args.run_engine[1]).write_text(json.dumps(run_engine(spec)))
+    if args.run_spec:
+        spec = json.loads(Path(args.run_spec[0]).read_text())
+        Path(args.run_spec[1]).write_text(json.dumps(run_engine(spec)))
         return 0
     report = run(args)
     if args.json:

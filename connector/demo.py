@@ -26,12 +26,13 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ucm_db.connector.engine_process import RUN_SPEC_FLAG, run_in_new_process
 
 BLOCK_SIZE = 32
 _HIT_LINE = re.compile(r"ucm-db: request (\S+): (\d+) prompt tokens, (\d+) from vLLM's prefix cache, (\d+) hit tokens")
@@ -106,18 +107,8 @@ def run_pass(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_pass_in_new_process(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
-    """``run_pass`` in a fresh Python process; its log goes to a file."""
-    spec_path, result_path, log_path = work / f"{name}.json", work / f"{name}.result.json", work / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    with log_path.open("wb") as log:
-        rc = subprocess.call(
-            [sys.executable, "-m", "ucm_db.connector.demo", "--run-pass", str(spec_path), str(result_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-    text = log_path.read_text(errors="replace")
-    if rc != 0:
-        raise SystemExit(f"engine pass {name!r} failed (exit {rc}); last lines of {log_path}:\n{text[-3000:]}")
-    result = json.loads(result_path.read_text())
+    """``run_pass`` in a fresh Python process; hit lines parsed from its log."""
+    result, text = run_in_new_process("ucm_db.connector.demo", spec, work, name)
     result["ucm_hits"] = [(int(m[2]), int(m[3])) for m in _HIT_LINE.findall(text)][1:]  # [0] is the warm-up
     return result
 
@@ -151,11 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=1536)
     parser.add_argument("--suffix-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--run-pass", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument(RUN_SPEC_FLAG, dest="run_spec", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.run_pass:
-        spec = json.loads(Path(args.run_pass[0]).read_text())
-        Path(args.run_pass[1]).write_text(json.dumps(run_pass(spec)))
+    if args.run_spec:
+        spec = json.loads(Path(args.run_spec[0]).read_text())
+        Path(args.run_spec[1]).write_text(json.dumps(run_pass(spec)))
         return 0
     from ucm_db.connector.settings import default_store_path
 

@@ -192,7 +192,6 @@ def bench_lookup(url: str, options: dict[str, Any], scratch: Path, cfg: Mapping[
             written = present
             times, result = [], None
             for _ in range(cfg["repeat"]):
-                before = root.stats.requests
                 started = time.perf_counter()
                 result = link.search(ns_id, keys, time.monotonic() + 30.0)
                 times.append(time.perf_counter() - started)

@@ -163,7 +163,7 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"store          {r['path']}",
         f"engine         {r['engine']}   format {fmt}   created by ucm-db {created.get('ucm_db_version') or 'unknown'}",
-        f"settings       " + ", ".join(f"{k}={v}" for k, v in sorted(r["settings"].items())),
+        "settings       " + ", ".join(f"{k}={v}" for k, v in sorted(r["settings"].items())),
         f"capacity       {human_bytes(r['capacity_bytes'])}, used {human_bytes(r['stored_bytes'])} ({use}); files {human_bytes(r['file_bytes'])}",
         f"blocks         {r['blocks']}   raw {human_bytes(r['raw_bytes'])} -> stored {human_bytes(r['stored_bytes'])} (ratio {r['compression_ratio']:.2f}x)",
         f"activity       hits {r['hits']}, misses {r['misses']}, evictions {r['evictions']}",

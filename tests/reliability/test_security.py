@@ -32,7 +32,7 @@ import ucm_db
 from ucm_db import Namespace
 from ucm_db.errors import ConfigError
 
-from .harness import NS, chain_tokens, payload_for, run_child, tail
+from .harness import NS, chain_tokens, payload_for
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = ("ucm_db", "connector", "migrations", "tools")
