@@ -89,3 +89,10 @@ def test_no_unsafe_deserialisation(path: Path) -> None:
             if isinstance(func, ast.Attribute) and func.attr == "Rdict" or isinstance(func, ast.Name) and func.id == "Rdict":
                 source = ast.get_source_segment(path.read_text(), node) or ""
                 assert "raw_mode" in source or "options" in source, f"{path}:{node.lineno} opens rocksdict without raw_mode"
+
+
+@pytest.mark.slow
+def test_core_is_mypy_clean() -> None:
+    pytest.importorskip("mypy")
+    out = subprocess.run([sys.executable, "-m", "mypy", "ucm_db"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]

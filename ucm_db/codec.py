@@ -157,12 +157,12 @@ def encode(
         body_len += stored_len
     header = _HEADER.pack(MAGIC, CODEC_FORMAT_VERSION, CODEC_IDS[codec], 0, len(table), raw_len, body_len, bytes(key), 0)
     hasher = xxhash.xxh3_64(header)
-    for piece in table:
-        hasher.update(piece)
+    for entry in table:
+        hasher.update(entry)
     for piece in parts:
         hasher.update(piece)
-    header = header[:_CHECKSUM_OFFSET] + struct.pack("<Q", hasher.intdigest())
-    return b"".join([header, *table, *parts])
+    sealed = header[:_CHECKSUM_OFFSET] + struct.pack("<Q", hasher.intdigest())
+    return b"".join([sealed, *table, *parts])
 
 
 def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) -> tuple[int, int, int, list[Buffer]]:
@@ -203,7 +203,7 @@ def _shuffle(view: memoryview, element_bytes: int) -> list[memoryview]:
         # Shift and narrow in one ufunc pass, without a uint16 temporary.
         np.right_shift(words, 8 * i, out=plane, casting="unsafe")
         planes.append(plane)
-    return [memoryview(p) for p in planes]
+    return [memoryview(p.data) for p in planes]
 
 
 def _unshuffle(planes: list[Buffer], out: memoryview, element_bytes: int) -> None:

@@ -163,7 +163,8 @@ def _token_bytes(token_ids: Sequence[int], count: int) -> bytes:
     dtype = getattr(token_ids, "dtype", None)
     if tobytes is not None and dtype is not None and str(dtype) in ("int32", "uint32", "int64", "uint64"):
         # numpy array: convert without a Python loop.
-        return token_ids[:count].astype("<u4").tobytes()  # type: ignore[index,union-attr,no-any-return]
+        as_array: Any = token_ids
+        return as_array[:count].astype("<u4").tobytes()  # type: ignore[no-any-return]
     try:
         arr = array("I", token_ids if len(token_ids) == count else token_ids[:count])
     except (OverflowError, TypeError) as exc:
@@ -176,7 +177,7 @@ def _token_bytes(token_ids: Sequence[int], count: int) -> bytes:
 
 
 def _canonical_extras(extras: Mapping[str, ExtraValue]) -> bytes:
-    items = []
+    items: list[list[Any]] = []
     for name in sorted(extras):
         value = extras[name]
         if value is None:

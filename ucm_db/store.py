@@ -337,7 +337,7 @@ class Store:
             key, payload = item
             # A list or tuple is per-layer frames; anything else (bytes, numpy
             # array, memoryview) is one buffer.
-            frames = list(payload) if isinstance(payload, (list, tuple)) else [payload]
+            frames: list[Any] = list(payload) if isinstance(payload, (list, tuple)) else [payload]
             raw = sum(memoryview(f).nbytes for f in frames)
             return codec.encode(key, frames, codec=cfg.codec, element_bytes=element_bytes, level=cfg.zstd_level), raw
 

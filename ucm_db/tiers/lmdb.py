@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -67,7 +68,7 @@ def _keep_dirty_page_memory() -> None:
     mallopt(_M_TRIM_THRESHOLD, _MALLOC_TRIM_THRESHOLD_BYTES)
 
 
-def _lmdb_open(path: str, **options: object) -> lmdb.Environment:
+def _lmdb_open(path: str, **options: Any) -> lmdb.Environment:
     """``lmdb.open``, retried while other processes grow the map: opening
     runs a transaction, which fails with MDB_MAP_RESIZED when a writer grew
     the map after the meta page was read (seen in the crash loop)."""
@@ -80,7 +81,7 @@ def _lmdb_open(path: str, **options: object) -> lmdb.Environment:
 
 
 class _LmdbTxn:
-    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, object]) -> None:
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
         self._txn = txn
         self._dbs = dbs
 
@@ -154,7 +155,7 @@ class LmdbEngine(Engine):
         self._sync = sync
         self._max_readers = max_readers
         self._env: lmdb.Environment | None = None
-        self._dbs: dict[str, object] = {}
+        self._dbs: dict[str, Any] = {}
         self._pid = -1
         self._open_lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -200,7 +201,7 @@ class LmdbEngine(Engine):
         self._env = env
         self._pid = os.getpid()
 
-    def _open_tables(self, env: lmdb.Environment) -> dict[str, object]:
+    def _open_tables(self, env: lmdb.Environment) -> dict[str, Any]:
         """Opens the named tables, adopting a map that another process grew
         between our open and now (found by the crash loop: a reopen failed
         with MDB_MAP_RESIZED while other processes were writing)."""

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import rocksdict
 
@@ -155,7 +156,7 @@ class _RocksTxn:
             yield key, it.value()
             it.next()
 
-    def batch(self, handles: dict[str, object]) -> rocksdict.WriteBatch | None:
+    def batch(self, handles: Mapping[str, Any]) -> rocksdict.WriteBatch | None:
         batch = rocksdict.WriteBatch(raw_mode=True)
         for table, changes in self.overlay.items():
             for key, value in changes.items():
@@ -180,9 +181,9 @@ def _merge(base: Iterator[tuple[bytes, bytes]], pending: list[tuple[bytes, objec
             i += 1
             continue
         yield key, value
-    for key, value in pending[i:]:
-        if value is not _DELETED:
-            yield key, value  # type: ignore[misc]
+    for key, change in pending[i:]:
+        if change is not _DELETED:
+            yield key, change  # type: ignore[misc]
 
 
 class RocksDbEngine(Engine):
