@@ -5,9 +5,10 @@
 
 The usual prefix-cache procedure: pre-seed with prompts of 0.8x the target
 length (output length 1), then measure prompts of the full length that start
-with those seeds. Four setups, each measured in this one run:
+with those seeds. Five setups, each measured in this one run:
 
 * ``recompute``      -- no connector, vLLM prefix caching off;
+* ``cold_prefix_on`` -- no connector, prefix caching on, nothing seeded (a restarted engine);
 * ``vllm_prefix``    -- vLLM's own prefix cache, warm (seed and measure in one engine);
 * ``ucmdb_restart``  -- ucm-db: seed in one engine, measure in a NEW engine process;
 * ``example_restart``-- vLLM's in-tree ExampleConnector, seeded and measured the same way.
@@ -100,6 +101,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}}
         plan = [
             ("recompute", [{**common, "prefix_caching": False, "measure_prompts": full}]),
+            # Cold with prefix caching on: what a restarted engine without a
+            # connector does (vLLM's scheduling differs with caching on/off).
+            ("cold_prefix_on", [{**common, "prefix_caching": True, "measure_prompts": full}]),
             ("vllm_prefix", [{**common, "prefix_caching": True, "seed_prompts": seeds, "measure_prompts": full}]),
             ("ucmdb_restart", [{**common, "prefix_caching": True, "kv_transfer_config": ucm, "seed_prompts": seeds},
                                {**common, "prefix_caching": True, "kv_transfer_config": ucm, "measure_prompts": full}]),
