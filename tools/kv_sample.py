@@ -113,7 +113,8 @@ def capture_kv(passages: tuple[str, ...] = PASSAGES) -> np.ndarray:
 
     path = model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
+    model = AutoModel.from_pretrained(path)
+    model.train(False)  # inference mode (dropout off)
     captured: list[torch.Tensor] = []
     hooks = []
     for layer in model.encoder.layer:
