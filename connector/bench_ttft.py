@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ucm_db.connector.engine_process import RUN_SPEC_FLAG, run_in_new_process
+from ucm_db.connector.engine_process import add_job_argument, run_in_new_process, serve_job
 
 BLOCK_SIZE = 32
 SEED_FRACTION = 0.8
@@ -152,12 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", choices=["none", "zstd"], default="none")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument(RUN_SPEC_FLAG, dest="run_spec", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
+    add_job_argument(parser)
     args = parser.parse_args(argv)
     if args.run_spec:
-        spec = json.loads(Path(args.run_spec[0]).read_text())
-        Path(args.run_spec[1]).write_text(json.dumps(run_engine(spec)))
-        return 0
+        return serve_job(args.run_spec, run_engine)
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -21,7 +21,6 @@ cold even when the store already holds earlier runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ucm_db.connector.engine_process import RUN_SPEC_FLAG, run_in_new_process
+from ucm_db.connector.engine_process import add_job_argument, run_in_new_process, serve_job
 
 BLOCK_SIZE = 32
 _HIT_LINE = re.compile(r"ucm-db: request (\S+): (\d+) prompt tokens, (\d+) from vLLM's prefix cache, (\d+) hit tokens")
@@ -142,12 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=1536)
     parser.add_argument("--suffix-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument(RUN_SPEC_FLAG, dest="run_spec", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
+    add_job_argument(parser)
     args = parser.parse_args(argv)
     if args.run_spec:
-        spec = json.loads(Path(args.run_spec[0]).read_text())
-        Path(args.run_spec[1]).write_text(json.dumps(run_pass(spec)))
-        return 0
+        return serve_job(args.run_spec, run_pass)
     from ucm_db.connector.settings import default_store_path
 
     store = args.store or default_store_path()

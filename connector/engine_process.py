@@ -8,9 +8,11 @@ fresh process is what "after a restart" means.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +36,15 @@ def run_in_new_process(module: str, spec: dict[str, Any], work: Path, name: str)
     if rc != 0:
         raise SystemExit(f"engine job {name!r} failed (exit {rc}); last lines of {log_path}:\n{text[-3000:]}")
     return json.loads(result_path.read_text()), text
+
+
+def add_job_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds the hidden ``--run-spec SPEC RESULT`` option of a job module."""
+    parser.add_argument(RUN_SPEC_FLAG, dest="run_spec", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
+
+
+def serve_job(run_spec: Sequence[str], job: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+    """The child's side: reads the spec, runs ``job``, writes its result."""
+    spec = json.loads(Path(run_spec[0]).read_text())
+    Path(run_spec[1]).write_text(json.dumps(job(spec)))
+    return 0
