@@ -300,17 +300,26 @@ class RemoteTier(Tier):
         return self.remote.object_path(self.namespace_id, key)
 
     # -- single-object operations (what the thread pools run) -----------------
-    def fetch(self, key: bytes) -> RemoteObject | None:
-        """The verified object of ``key``; None if absent or corrupt."""
-        self.remote.count(requests=1, gets=1)
+    def _read(self, key: bytes, *, end: int | None = None, gets: int = 0) -> bytes | None:
+        """Bytes of ``key``'s object (the first ``end`` if given), counted;
+        None if it does not exist. Other errors are counted and raised."""
+        self.remote.count(requests=1, gets=gets)
         try:
-            data = self.remote.fs.cat_file(self.path(key))
+            if end is None:
+                return self.remote.fs.cat_file(self.path(key))  # type: ignore[no-any-return]
+            return self.remote.fs.cat_file(self.path(key), start=0, end=end)  # type: ignore[no-any-return]
         except FileNotFoundError:
             self.remote.count(misses=1)
             return None
         except BaseException:
             self.remote.count(errors=1)
             raise
+
+    def fetch(self, key: bytes) -> RemoteObject | None:
+        """The verified object of ``key``; None if absent or corrupt."""
+        data = self._read(key, gets=1)
+        if data is None:
+            return None
         self.remote.count(bytes_read=len(data))
         try:
             obj = unpack_object(data, key)
@@ -325,15 +334,9 @@ class RemoteTier(Tier):
     def probe(self, key: bytes) -> RemoteObject | None:
         """Presence check reading only the envelope and codec header (one
         ranged request); returns the object without its blob, or None."""
-        self.remote.count(requests=1)
-        try:
-            data = self.remote.fs.cat_file(self.path(key), start=0, end=PROBE_BYTES)
-        except FileNotFoundError:
-            self.remote.count(misses=1)
+        data = self._read(key, end=PROBE_BYTES)
+        if data is None:
             return None
-        except BaseException:
-            self.remote.count(errors=1)
-            raise
         try:
             parent, namespace_id = parse_envelope(data, key)
         except CorruptBlockError:
