@@ -217,6 +217,8 @@ static void chain_hash(const uint8_t *prev, const uint8_t *tokens, size_t stride
  * Token ids -> little-endian uint32 bytes
  * ------------------------------------------------------------------------ */
 
+#define TOO_LARGE "token id is greater than 2**32 - 1"
+
 /* Same rules as array('I', ...): an int or an object with __index__;
  * OverflowError outside [0, 2**32), TypeError for anything else. */
 static int token_value(PyObject *item, uint32_t *out)
@@ -236,7 +238,7 @@ static int token_value(PyObject *item, uint32_t *out)
         return -1;
     }
     if (value > 0xFFFFFFFFUL) {
-        PyErr_SetString(PyExc_OverflowError, "token id is greater than 2**32 - 1");
+        PyErr_SetString(PyExc_OverflowError, TOO_LARGE);
         return -1;
     }
     *out = (uint32_t)value;
@@ -251,29 +253,40 @@ static inline void store32_le(uint8_t *p, uint32_t x)
     p[3] = (uint8_t)(x >> 24);
 }
 
-/* Converts the first `count` ids of a list or tuple into dst (4 * count bytes). */
+/* Converts the first `count` ids of a list or tuple into dst (4 * count bytes).
+ * The caller checked that the sequence holds at least `count` items. */
 static int sequence_to_le32(PyObject *seq, Py_ssize_t count, uint8_t *dst)
 {
-    int is_list = PyList_Check(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < count; i++) {
-        /* __index__ may run Python code that shrinks the list: recheck. */
-        Py_ssize_t size = is_list ? PyList_GET_SIZE(seq) : PyTuple_GET_SIZE(seq);
-        if (i >= size) {
-            PyErr_SetString(PyExc_ValueError, "token list changed size during conversion");
-            return -1;
-        }
-        PyObject *item = is_list ? PyList_GET_ITEM(seq, i) : PyTuple_GET_ITEM(seq, i);
+        PyObject *item = items[i];
         uint32_t value;
-        int rc;
         if (PyLong_CheckExact(item)) {
-            rc = token_value(item, &value); /* runs no Python code */
+            /* The common case, kept lean: reading an exact int runs no Python code. */
+            unsigned long wide = PyLong_AsUnsignedLong(item);
+            if (wide >= 0xFFFFFFFFUL) { /* 2**32 - 1, too large, or an error (negative) */
+                if (wide == (unsigned long)-1 && PyErr_Occurred()) {
+                    return -1;
+                }
+                if (wide > 0xFFFFFFFFUL) {
+                    PyErr_SetString(PyExc_OverflowError, TOO_LARGE);
+                    return -1;
+                }
+            }
+            value = (uint32_t)wide;
         } else {
+            /* __index__ may run Python code that shrinks or reallocates a list. */
             Py_INCREF(item);
-            rc = token_value(item, &value);
+            int rc = token_value(item, &value);
             Py_DECREF(item);
-        }
-        if (rc < 0) {
-            return -1;
+            if (rc < 0) {
+                return -1;
+            }
+            if (PySequence_Fast_GET_SIZE(seq) < count) {
+                PyErr_SetString(PyExc_ValueError, "token list changed size during conversion");
+                return -1;
+            }
+            items = PySequence_Fast_ITEMS(seq);
         }
         store32_le(dst + 4 * i, value);
     }
