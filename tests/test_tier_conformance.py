@@ -53,7 +53,7 @@ NS_ID = b"n" * 16
 def chain(n: int, size: int = 100, tag: bytes = b"") -> list[BlockEntry]:
     keys = [(tag + b"k%05d" % i).ljust(32, b".") for i in range(n)]
     return [
-        BlockEntry(k, keys[i - 1] if i else None, bytes([i % 251]) * size, size * 2, NS_ID)
+        BlockEntry(k, keys[i - 1] if i else None, b"", bytes([i % 251]) * size, size * 2, NS_ID)
         for i, k in enumerate(keys)
     ]
 
@@ -93,7 +93,7 @@ def test_put_get_exists_delete_iterate(tier: LocalTier) -> None:
     result = tier.put_blocks(entries)
     assert result.stored == 5
     keys = [e.key for e in entries]
-    assert tier.get_batch(keys) == [bytes(e.blob) for e in entries]
+    assert tier.get_batch(keys) == [bytes(e.head) + bytes(e.body) for e in entries]
     assert tier.exists(keys + [b"x" * 32]) == [True] * 5 + [False]
     assert sorted(tier.iterate()) == sorted(keys)
     assert tier.capabilities.transactional
@@ -165,12 +165,12 @@ def test_batch_larger_than_capacity_is_refused(engine: Engine) -> None:
 def test_quarantine_removes_descendants_and_records(tier: LocalTier) -> None:
     entries = chain(4)
     tier.put_blocks(entries)
-    assert tier.quarantine(entries[1].key, "checksum mismatch", lambda blob: True)
+    assert tier.quarantine(entries[1].key, "checksum mismatch", lambda head, body: True)
     assert tier.exists([e.key for e in entries]) == [True, False, False, False]
     assert tier.quarantine_records()[entries[1].key]["reason"] == "checksum mismatch"
     assert tier.totals().quarantined == 1
     # A block that is healthy when re-checked is left alone.
-    assert not tier.quarantine(entries[0].key, "stale", lambda blob: False)
+    assert not tier.quarantine(entries[0].key, "stale", lambda head, body: False)
     assert tier.check() == []
 
 

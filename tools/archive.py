@@ -65,7 +65,7 @@ def export_store(path: Path, archive: Path, namespaces: tuple[str, ...], show_pr
             _add(tar, "manifest.json", json.dumps(manifest).encode())
             for start in range(0, len(blocks), CHUNK_BLOCKS):
                 keys = [k for k, _ in blocks[start : start + CHUNK_BLOCKS]]
-                blobs = view.engine.read(lambda txn, keys=keys: [bytes(txn.get("blocks", k) or b"") for k in keys])
+                blobs = [blob or b"" for blob in view.tier.read_blobs(keys)]
                 for key, blob in zip(keys, blobs):
                     _add(tar, f"blocks/{key.hex()}", blob)
                     stored += len(blob)
@@ -159,7 +159,7 @@ def _checked_entry(
         header = codec.verify(blob, key)
     except CorruptBlockError as exc:
         return None, f"corrupt: {exc}"
-    return BlockEntry(key, parent, blob, header.raw_len, ns_id), ""
+    return BlockEntry.of_blob(key, parent, blob, header.raw_len, ns_id), ""
 
 
 def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: dict[str, Any]) -> None:

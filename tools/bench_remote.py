@@ -104,7 +104,7 @@ def _queued_store(path: Path, keys: list[bytes], payloads: list[bytes]) -> tuple
     store = ucm_db.open(path, capacity_bytes=4 << 30)
     blobs = [codec.encode(k, p, codec="zstd") for k, p in zip(keys, payloads)]
     ns_id = NAMESPACE.digest[:16]
-    entries = [BlockEntry(k, keys[i - 1] if i else None, b, len(p), ns_id) for i, (k, b, p) in enumerate(zip(keys, blobs, payloads))]
+    entries = [BlockEntry.of_blob(k, keys[i - 1] if i else None, b, len(p), ns_id) for i, (k, b, p) in enumerate(zip(keys, blobs, payloads))]
     desc = (ns_id, json.dumps(NAMESPACE.to_dict(), sort_keys=True).encode())
     store.tier.put_blocks(entries, namespace_desc=desc, enqueue_upload=True)
     return store, blobs

@@ -84,6 +84,7 @@ def drop_orphans(engine: Engine) -> dict[str, int]:
 
         dead: dict[str, list[bytes]] = {
             "blocks": [k for k, _ in txn.scan("blocks") if not present(k)],
+            "heads": [k for k, _ in txn.scan("heads") if not present(k)],
             "uploads": [k for k, _ in txn.scan("uploads") if not present(k)],
             "children": [k for k, _ in txn.scan("children") if not (present(k[:32]) and present(k[32:]))],
             "lru": [k for k, _ in txn.scan("lru") if not _lru_matches(txn, k)],

@@ -18,7 +18,7 @@ import click
 from ucm_db import codec
 from ucm_db.errors import CorruptBlockError, FormatVersionError
 from ucm_db.tiers.base import Txn
-from ucm_db.tiers.local import BlockMeta
+from ucm_db.tiers.local import BlockMeta, body_of
 
 from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, emit, json_option, progress, store_view
 
@@ -42,17 +42,21 @@ class VerifyReport:
         }
 
 
-def check_block(key: bytes, meta_data: Any, blob: Any) -> tuple[int, str | None]:
+def check_block(key: bytes, meta_data: Any, head_data: Any, stored: Any) -> tuple[int, str | None]:
     """(raw bytes, None) for a good block, (0, reason) for a bad one."""
     if meta_data is None:
         return 0, "metadata vanished"
-    if blob is None:
+    if stored is None:
         return 0, "payload missing"
+    if head_data is None:
+        return 0, "head missing"
     meta = BlockMeta.unpack(meta_data)
-    if len(blob) != meta.stored_bytes:
-        return 0, f"payload is {len(blob)} bytes, metadata says {meta.stored_bytes}"
+    head = memoryview(head_data)
+    body = body_of(head, memoryview(stored))
+    if len(head) + len(body) != meta.stored_bytes:
+        return 0, f"block is {len(head) + len(body)} bytes, metadata says {meta.stored_bytes}"
     try:
-        return len(codec.decode(blob, key)), None
+        return len(codec.decode_parts(head, body, key)), None
     except CorruptBlockError as exc:
         return 0, str(exc)
 
@@ -68,7 +72,7 @@ def verify_view(view: Any, *, sample: int | None, seed: int, show_progress: bool
             chunk = keys[start : start + CHUNK_BLOCKS]
 
             def run(txn: Txn, chunk: list[bytes] = chunk) -> list[tuple[int, str | None]]:
-                return [check_block(k, txn.get("meta", k), txn.get("blocks", k)) for k in chunk]
+                return [check_block(k, txn.get("meta", k), txn.get("heads", k), txn.get("blocks", k)) for k in chunk]
 
             for key, (raw, reason) in zip(chunk, view.engine.read(run)):
                 report.checked += 1
@@ -86,9 +90,9 @@ def quarantine_corrupt(path: Path, corrupt: dict[bytes, str]) -> int:
     import ucm_db
 
     def still_corrupt_for(key: bytes) -> Any:
-        def check(blob: memoryview) -> bool:
+        def check(head: memoryview, body: memoryview) -> bool:
             try:
-                codec.verify(blob, key)
+                codec.verify_parts(head, body, key)
                 return False
             except CorruptBlockError:
                 return True

@@ -8,6 +8,12 @@ Wire format (little-endian)::
              element_bytes u8 | plane_mask u8 | 5 pad)
     body     the frames' stored bytes, back to back
 
+The *head* is header plus table; the *body* is the frames. A blob is head
+and body back to back (remote objects, archives); the local tier keeps the
+two apart (:func:`encode_parts`, :func:`decode_parts_into`) so that an
+uncompressed body goes into the store as the caller's own buffer, without a
+copy to put a header in front of it.
+
 A frame is one layer's bytes (or the whole block). Modes: RAW (stored as is),
 ZSTD (whole frame), SHUFFLE (bytes of each element split into planes, plane
 ``i`` zstd-compressed if bit ``i`` of plane_mask is set, else raw; the body
@@ -51,6 +57,9 @@ _HEADER = struct.Struct("<4sHBBIQQ32sQ")
 _FRAME = struct.Struct("<QQBBB5x")
 HEADER_BYTES = _HEADER.size
 _CHECKSUM_OFFSET = HEADER_BYTES - 8
+_CODEC_ID_OFFSET = 6
+_N_FRAMES_OFFSET = 8
+_CODEC_NAMES = {cid: name for name, cid in CODEC_IDS.items()}
 _ZERO_CHECKSUM = bytes(8)
 #: A plane is kept compressed only if it shrinks below this fraction.
 _KEEP_COMPRESSED_RATIO = 0.92
@@ -116,6 +125,30 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedBlock:
+    """One encoded block as head (sealed header + frame table) and body.
+
+    ``body`` is a list of buffers laid back to back; for codec ``none`` they
+    are views of the caller's frames (valid while the caller's buffers are).
+    """
+
+    head: bytes
+    body: list[Buffer]
+    raw_len: int
+    body_len: int
+
+    def body_buffer(self) -> Buffer:
+        """The body as one buffer: the caller's own when there is one part."""
+        if len(self.body) == 1:
+            return self.body[0]
+        return b"".join(self.body)
+
+    def blob(self) -> bytes:
+        """Head and body joined: the portable form (remote, archives)."""
+        return b"".join([self.head, *self.body])
+
+
 def encode(
     key: bytes,
     frames: Sequence[Buffer] | Buffer,
@@ -124,6 +157,18 @@ def encode(
     element_bytes: int = 2,
     level: int = 1,
 ) -> bytes:
+    """Encodes one block into a blob (head and body joined); see :func:`encode_parts`."""
+    return encode_parts(key, frames, codec=codec, element_bytes=element_bytes, level=level).blob()
+
+
+def encode_parts(
+    key: bytes,
+    frames: Sequence[Buffer] | Buffer,
+    *,
+    codec: str = "zstd",
+    element_bytes: int = 2,
+    level: int = 1,
+) -> EncodedBlock:
     """Encodes one block.
 
     Args:
@@ -134,7 +179,8 @@ def encode(
         level: zstd level.
 
     Returns:
-        The encoded blob.
+        The head and the body; nothing of the payload is copied for codec
+        ``none``.
     """
     if codec not in CODEC_IDS:
         raise ConfigError(f"unknown codec {codec!r}", hint=f"use one of {', '.join(CODEC_IDS)}")
@@ -161,8 +207,8 @@ def encode(
         hasher.update(entry)
     for piece in parts:
         hasher.update(piece)
-    sealed = header[:_CHECKSUM_OFFSET] + struct.pack("<Q", hasher.intdigest())
-    return b"".join([sealed, *table, *parts])
+    head = b"".join([header[:_CHECKSUM_OFFSET], struct.pack("<Q", hasher.intdigest()), *table])
+    return EncodedBlock(head, parts, raw_len, body_len)
 
 
 def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) -> tuple[int, int, int, list[Buffer]]:
@@ -217,34 +263,66 @@ def _unshuffle(planes: list[Buffer], out: memoryview, element_bytes: int) -> Non
     np.bitwise_or(words, np.frombuffer(planes[0], dtype=np.uint8), out=words, casting="unsafe")
 
 
-def read_header(blob: Buffer) -> Header:
-    """Parses and bounds-checks a blob's header (checksum not verified)."""
+def head_bytes(blob: Buffer) -> int:
+    """Length of a blob's head (header + table), bounds-checked."""
     if len(blob) < HEADER_BYTES:
         raise CorruptBlockError(f"block of {len(blob)} bytes is shorter than its header")
-    magic, version, codec_id, _flags, n_frames, raw_len, body_len, key, checksum = _HEADER.unpack_from(blob, 0)
+    n_frames = struct.unpack_from("<I", blob, _N_FRAMES_OFFSET)[0]
+    if n_frames > MAX_FRAMES:
+        raise CorruptBlockError(f"implausible header: {n_frames} frames")
+    return HEADER_BYTES + n_frames * _FRAME.size
+
+
+def split(blob: Buffer) -> tuple[memoryview, memoryview]:
+    """A blob's head and body, as views (no copy)."""
+    view = memoryview(blob)
+    at = head_bytes(view)
+    return view[:at], view[at:]
+
+
+def read_header(blob: Buffer) -> Header:
+    """Parses and bounds-checks a blob's header (checksum not verified)."""
+    head, body = split(blob)
+    return read_head(head, len(body))
+
+
+def read_head(head: Buffer, body_bytes: int) -> Header:
+    """Parses and bounds-checks a head against its body's length."""
+    if len(head) < HEADER_BYTES:
+        raise CorruptBlockError(f"block head of {len(head)} bytes is shorter than its header")
+    magic, version, codec_id, _flags, n_frames, raw_len, body_len, key, checksum = _HEADER.unpack_from(head, 0)
     if magic != MAGIC:
         raise CorruptBlockError("bad magic: not a ucm-db block")
     if version != CODEC_FORMAT_VERSION:
         raise CorruptBlockError(f"block format {version} is not {CODEC_FORMAT_VERSION}")
-    codec = next((name for name, cid in CODEC_IDS.items() if cid == codec_id), None)
+    codec = _CODEC_NAMES.get(codec_id)
     if codec is None:
         raise CorruptBlockError(f"unknown codec id {codec_id}")
     if n_frames > MAX_FRAMES or raw_len > MAX_RAW_BYTES:
         raise CorruptBlockError(f"implausible header: {n_frames} frames, {raw_len} raw bytes")
-    if HEADER_BYTES + n_frames * _FRAME.size + body_len != len(blob):
-        raise CorruptBlockError(f"block length {len(blob)} does not match its header")
+    if HEADER_BYTES + n_frames * _FRAME.size != len(head):
+        raise CorruptBlockError(f"block head of {len(head)} bytes does not match its {n_frames} frames")
+    if body_len != body_bytes:
+        raise CorruptBlockError(f"block body of {body_bytes} bytes does not match its header ({body_len})")
     return Header(codec, n_frames, raw_len, body_len, bytes(key), checksum)
 
 
 def verify(blob: Buffer, key: bytes) -> Header:
     """Checks header bounds, owning key and checksum; returns the header."""
-    header = read_header(blob)
+    head, body = split(blob)
+    return verify_parts(head, body, key)
+
+
+def verify_parts(head: Buffer, body: Buffer, key: bytes) -> Header:
+    """:func:`verify` for a head and body kept apart."""
+    header = read_head(head, len(body))
     if header.key != key:
         raise CorruptBlockError("block belongs to another key")
-    view = memoryview(blob)
-    hasher = xxhash.xxh3_64(view[:_CHECKSUM_OFFSET])
+    head_view = memoryview(head)
+    hasher = xxhash.xxh3_64(head_view[:_CHECKSUM_OFFSET])
     hasher.update(_ZERO_CHECKSUM)
-    hasher.update(view[HEADER_BYTES:])
+    hasher.update(head_view[HEADER_BYTES:])
+    hasher.update(body)
     if hasher.intdigest() != header.checksum:
         raise CorruptBlockError("checksum mismatch")
     return header
@@ -260,25 +338,31 @@ def decode_into(blob: Buffer, key: bytes, out: Buffer) -> int:
         CorruptBlockError: on any mismatch (``out`` may be partly written).
         ValueError: ``out`` is too small.
     """
-    header = verify(blob, key)
-    return _decode_verified(blob, header, out)
+    head, body = split(blob)
+    return decode_parts_into(head, body, key, out)
 
 
-def _decode_verified(blob: Buffer, header: Header, out: Buffer) -> int:
-    """Decodes a blob whose header and checksum :func:`verify` accepted."""
+def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer) -> int:
+    """:func:`decode_into` for a head and body kept apart."""
+    header = verify_parts(head, body, key)
+    return _decode_verified(head, body, header, out)
+
+
+def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) -> int:
+    """Decodes a block whose header and checksum :func:`verify_parts` accepted."""
     out_view = memoryview(out).cast("B")
     if len(out_view) < header.raw_len:
         raise ValueError(f"output buffer of {len(out_view)} bytes is smaller than the block's {header.raw_len}")
-    view = memoryview(blob)
+    body_view = memoryview(body)
     table_at = HEADER_BYTES
-    body_at = HEADER_BYTES + header.n_frames * _FRAME.size
+    body_at = 0
     raw_at = 0
     for _ in range(header.n_frames):
-        raw_len, stored_len, mode, elem, mask = _FRAME.unpack_from(view, table_at)
+        raw_len, stored_len, mode, elem, mask = _FRAME.unpack_from(head, table_at)
         table_at += _FRAME.size
-        if raw_at + raw_len > header.raw_len or body_at + stored_len > len(view):
+        if raw_at + raw_len > header.raw_len or body_at + stored_len > len(body_view):
             raise CorruptBlockError("frame table exceeds the block")
-        _decode_frame(view[body_at : body_at + stored_len], out_view[raw_at : raw_at + raw_len], mode, elem, mask)
+        _decode_frame(body_view[body_at : body_at + stored_len], out_view[raw_at : raw_at + raw_len], mode, elem, mask)
         raw_at += raw_len
         body_at += stored_len
     if raw_at != header.raw_len:
@@ -288,12 +372,25 @@ def _decode_verified(blob: Buffer, header: Header, out: Buffer) -> int:
 
 def decode(blob: Buffer, key: bytes) -> bytearray:
     """Verifies ``blob`` and returns its raw bytes."""
+    head, body = split(blob)
+    return decode_parts(head, body, key)
+
+
+def decode_parts(head: Buffer, body: Buffer, key: bytes) -> bytearray:
+    """:func:`decode` for a head and body kept apart."""
     # Checksum first: a corrupt raw_len must not size an allocation (a
     # flipped high bit would otherwise allocate up to MAX_RAW_BYTES).
-    header = verify(blob, key)
+    header = verify_parts(head, body, key)
     out = bytearray(header.raw_len)
-    _decode_verified(blob, header, out)
+    _decode_verified(head, body, header, out)
     return out
+
+
+def codec_of_head(head: Buffer) -> str | None:
+    """The codec named by a head (unverified), or None if unreadable."""
+    if len(head) <= _CODEC_ID_OFFSET:
+        return None
+    return _CODEC_NAMES.get(head[_CODEC_ID_OFFSET])
 
 
 def frame_sizes(blob: Buffer) -> list[int]:

@@ -368,7 +368,7 @@ def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
     """
     if not objects:
         return 0
-    entries = [BlockEntry(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
+    entries = [BlockEntry.of_blob(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
     try:
         local.put_blocks(entries, enqueue_upload=False)
     except MissingAncestorError:

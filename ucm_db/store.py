@@ -52,14 +52,12 @@ FETCH_DEADLINE_FACTOR = 10
 FLUSH_UPLOAD_TIMEOUT_S = 60.0
 
 #: On-disk format of the store's tables; migrations move stores between them.
-STORE_FORMAT_VERSION = 2
+STORE_FORMAT_VERSION = 3
 FORMAT_VERSION_KEY = b"format_version"
 #: JSON record of the code that created the store (format 2 on; see migrations).
 CREATED_KEY = b"created"
 SETTINGS_KEY = b"settings"
 _ACTIVITY_FLUSH_KEYS = 4096
-_CODEC_ID_OFFSET = 6  # byte offset of the codec id in a block header (codec.py)
-_CODEC_NONE_ID = codec.CODEC_IDS["none"]
 
 Payload = Union[Buffer, Sequence[Buffer]]
 
@@ -295,10 +293,10 @@ class Store:
         self, namespace: Namespace, keys: Sequence[bytes], payloads: Sequence[Payload],
         parents: Sequence[bytes | None], todo: list[int],
     ) -> PutResult:
-        blobs = self._encode_many([(keys[i], payloads[i]) for i in todo], namespace)
+        encoded = self._encode_many([(keys[i], payloads[i]) for i in todo], namespace)
         entries = [
-            BlockEntry(keys[i], parents[i], blob, raw, namespace.digest[:16])
-            for i, (blob, raw) in zip(todo, blobs)
+            BlockEntry(keys[i], parents[i], block.head, block.body_buffer(), block.raw_len, namespace.digest[:16])
+            for i, block in zip(todo, encoded)
         ]
         activity = self._take_activity()
         desc = (namespace.digest[:16], json.dumps(namespace.to_dict(), sort_keys=True).encode())
@@ -321,7 +319,7 @@ class Store:
         """Write-through: uploads the batch before put returns. The blocks
         are committed and queued already, so a failure loses nothing."""
         assert self._uploader is not None
-        errors = self._uploader.upload_now([(e.key, e.parent, e.namespace_id, bytes(e.blob)) for e in entries])
+        errors = self._uploader.upload_now([(e.key, e.parent, e.namespace_id, b"".join([e.head, e.body])) for e in entries])
         if errors:
             self._uploader.notify()
             raise TierError(
@@ -329,17 +327,16 @@ class Store:
                 hint="the blocks are stored locally and queued; the background uploader retries them",
             )
 
-    def _encode_many(self, items: list[tuple[bytes, Payload]], namespace: Namespace) -> list[tuple[bytes, int]]:
+    def _encode_many(self, items: list[tuple[bytes, Payload]], namespace: Namespace) -> list[codec.EncodedBlock]:
         element_bytes = codec.element_bytes_for(namespace.kv_dtype)
         cfg = self.config
 
-        def encode_one(item: tuple[bytes, Payload]) -> tuple[bytes, int]:
+        def encode_one(item: tuple[bytes, Payload]) -> codec.EncodedBlock:
             key, payload = item
             # A list or tuple is per-layer frames; anything else (bytes, numpy
             # array, memoryview) is one buffer.
             frames: list[Any] = list(payload) if isinstance(payload, (list, tuple)) else [payload]
-            raw = sum(memoryview(f).nbytes for f in frames)
-            return codec.encode(key, frames, codec=cfg.codec, element_bytes=element_bytes, level=cfg.zstd_level), raw
+            return codec.encode_parts(key, frames, codec=cfg.codec, element_bytes=element_bytes, level=cfg.zstd_level)
 
         if self._pool is None or len(items) < 2 or cfg.codec == "none":
             return [encode_one(item) for item in items]
@@ -373,15 +370,14 @@ class Store:
         _require_keys(keys)
         corrupt: list[tuple[bytes, str]] = []
 
-        def visit(i: int, blob: memoryview) -> Any:
+        def visit(i: int, head: memoryview, body: memoryview) -> Any:
             try:
-                header = codec.read_header(blob)
-                if header.codec == "none" or self._pool is None:
-                    return codec.decode(blob, keys[i])
+                if self._pool is None or codec.codec_of_head(head) != "zstd":
+                    return codec.decode_parts(head, body, keys[i])
             except CorruptBlockError as exc:
                 corrupt.append((keys[i], str(exc)))
                 return None
-            return _Deferred(bytes(blob))
+            return _Deferred(bytes(head), bytes(body))
 
         results = self._tier.read_blocks(keys, visit)
         deferred = [(i, r) for i, r in enumerate(results) if isinstance(r, _Deferred)]
@@ -389,7 +385,7 @@ class Store:
             def decode_deferred(item: tuple[int, _Deferred]) -> bytearray | None:
                 i, d = item
                 try:
-                    return codec.decode(d.blob, keys[i])
+                    return codec.decode_parts(d.head, d.body, keys[i])
                 except CorruptBlockError as exc:
                     corrupt.append((keys[i], str(exc)))
                     return None
@@ -433,26 +429,26 @@ class Store:
 
         parallel = self._pool is not None and len(keys) > 1
 
-        def decode(i: int, blob: Buffer) -> bool:
+        def decode(i: int, head: Buffer, body: Buffer) -> bool:
             try:
-                codec.decode_into(blob, keys[i], buffers[i])
+                codec.decode_parts_into(head, body, keys[i], buffers[i])
                 return True
             except CorruptBlockError as exc:
                 corrupt.append((keys[i], str(exc)))
                 return False
 
-        def visit(i: int, blob: memoryview) -> Any:
+        def visit(i: int, head: memoryview, body: memoryview) -> Any:
             # Raw blocks are one memcpy: decode inside the read transaction.
             # Compressed ones are copied out and decoded on the codec threads.
-            if parallel and len(blob) > _CODEC_ID_OFFSET and blob[_CODEC_ID_OFFSET] != _CODEC_NONE_ID:
-                return _Deferred(bytes(blob))
-            return decode(i, blob)
+            if parallel and codec.codec_of_head(head) == "zstd":
+                return _Deferred(bytes(head), bytes(body))
+            return decode(i, head, body)
 
         results = self._tier.read_blocks(keys, visit)
         deferred = [(i, r) for i, r in enumerate(results) if isinstance(r, _Deferred)]
         if deferred:
             assert self._pool is not None
-            for (i, _), ok in zip(deferred, self._pool.map(lambda item: decode(item[0], item[1].blob), deferred)):
+            for (i, _), ok in zip(deferred, self._pool.map(lambda item: decode(item[0], item[1].head, item[1].body), deferred)):
                 results[i] = ok
         flags: list[Any] = [True if r else None for r in results]
         for i, blob in self._read_through(namespace, keys, flags, corrupt).items():
@@ -479,9 +475,9 @@ class Store:
         return results
 
     def _quarantine(self, key: bytes, reason: str) -> None:
-        def still_corrupt(blob: memoryview) -> bool:
+        def still_corrupt(head: memoryview, body: memoryview) -> bool:
             try:
-                codec.verify(blob, key)
+                codec.verify_parts(head, body, key)
                 return False
             except CorruptBlockError:
                 return True
@@ -631,7 +627,8 @@ class _ProbedKeys(Sequence[bytes]):
 
 @dataclass(slots=True)
 class _Deferred:
-    blob: bytes
+    head: bytes
+    body: bytes
 
 
 def _require_keys(keys: Sequence[bytes]) -> None:

@@ -163,7 +163,7 @@ class Uploader:
 
     def _read_items(self, keys: list[bytes]) -> list[tuple[bytes, bytes | None, bytes, int, bytes] | None]:
         metas = self.local.metas(keys)
-        blobs = self.local.read_blocks(keys, lambda _i, blob: bytes(blob))
+        blobs = self.local.read_blobs(keys)
         out: list[tuple[bytes, bytes | None, bytes, int, bytes] | None] = []
         for key, meta, blob in zip(keys, metas, blobs):
             if meta is None or blob is None:

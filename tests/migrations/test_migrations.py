@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import ucm_db
-from ucm_db import migrations
+from ucm_db import codec, migrations
 from ucm_db.errors import FormatVersionError, LockedError, MigrationError
 from ucm_db.migrations import Migration
 from ucm_db.store import CREATED_KEY, STORE_FORMAT_VERSION
@@ -35,16 +35,17 @@ def assert_fixture_contents(store: ucm_db.Store) -> None:
 
 
 @pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
-def test_format1_fixture_is_refused_then_migrated(tmp_path: Path, engine: str) -> None:
-    path = fixture_copy(tmp_path, f"format1-{engine}")
+@pytest.mark.parametrize("old_format", [1, 2])
+def test_old_fixture_is_refused_then_migrated(tmp_path: Path, engine: str, old_format: int) -> None:
+    path = fixture_copy(tmp_path, f"format{old_format}-{engine}")
     with pytest.raises(FormatVersionError) as info:
         ucm_db.open(path)
     assert f"ucm-db migrate {path}" in info.value.hint
 
-    assert [m.version for m in migrations.pending(path)] == list(range(2, STORE_FORMAT_VERSION + 1))
+    assert [m.version for m in migrations.pending(path)] == list(range(old_format + 1, STORE_FORMAT_VERSION + 1))
     assert migrations.applied(path) == []
     done = migrations.migrate(path)
-    assert [m.version for m in done] == list(range(2, STORE_FORMAT_VERSION + 1))
+    assert [m.version for m in done] == list(range(old_format + 1, STORE_FORMAT_VERSION + 1))
     assert migrations.pending(path) == []
     assert [(a.version, a.name) for a in migrations.applied(path)] == [(m.version, m.name) for m in done]
     assert migrations.migrate(path) == []  # idempotent
@@ -53,7 +54,40 @@ def test_format1_fixture_is_refused_then_migrated(tmp_path: Path, engine: str) -
         assert store.config.engine == engine
         assert_fixture_contents(store)
         created = json.loads(store.tier.info_get(CREATED_KEY) or b"{}")
-        assert created["ucm_db_version"] is None and created["format_version"] == 1
+        assert created["format_version"] == old_format
+        assert (created["ucm_db_version"] is None) == (old_format == 1)
+
+
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
+def test_migrated_blocks_keep_their_joined_values_and_new_puts_split(tmp_path: Path, engine: str) -> None:
+    """Format 3 moves heads into their own table without rewriting payloads;
+    blocks put afterwards store the body alone; both kinds read back, and a
+    damaged joined block is still caught."""
+    path = fixture_copy(tmp_path, f"format2-{engine}")
+    migrations.migrate(path)
+    expected = expected_blocks()
+    old_key = next(iter(expected))
+    with ucm_db.open(path) as store:
+        engine_ = store.tier.engine
+        head = bytes(engine_.read(lambda txn: txn.get("heads", old_key)))
+        stored = bytes(engine_.read(lambda txn: txn.get("blocks", old_key)))
+        assert stored.startswith(head) and len(head) >= codec.HEADER_BYTES
+        assert_fixture_contents(store)
+        ns = NAMESPACES["llama"]
+        keys = ns.block_keys(list(range(3 * ns.block_size)), {"cache_salt": "new"})
+        payloads = [bytes([i]) * 512 for i in range(3)]
+        store.put(ns, keys, payloads)
+        new_head = bytes(engine_.read(lambda txn: txn.get("heads", keys[0])))
+        new_stored = bytes(engine_.read(lambda txn: txn.get("blocks", keys[0])))
+        assert not new_stored.startswith(new_head) and len(new_head) + len(new_stored) == store.tier.metas(keys[:1])[0].stored_bytes
+        assert store.get(ns, keys) == [bytearray(p) for p in payloads]
+        # Flip one payload byte of an old (joined) block: a miss, quarantined.
+        damaged = bytearray(stored)
+        damaged[-1] ^= 1
+        engine_.write(lambda txn: txn.put("blocks", old_key, bytes(damaged)))
+        ns_name, _payload = expected[old_key]
+        assert store.get(NAMESPACES[ns_name], [old_key]) == [None]
+        assert store.stats().quarantined >= 1 and store.tier.check() == []
 
 
 def test_new_store_records_its_creator_and_needs_no_migration(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Corruption: damaged blocks are detected, quarantined, never served.
 
-Damage is injected where it would really happen: into the stored blob, by
-writing the engine's ``blocks`` table directly (as a bad disk or a buggy
+Damage is injected where it would really happen: into the stored block, by
+writing the engine's ``heads`` and ``blocks`` tables directly (as a bad disk or a buggy
 copy would), then reading through ``Store.get`` / ``Store.get_into``.
 Every injected fault must read as a miss (0 wrong bytes) and add exactly one
 quarantine record. Damaged LMDB *files* are opened in a child process: the
@@ -57,8 +57,16 @@ class Injector:
         return blob
 
     def inject(self, key: bytes, payload: bytes, damaged: bytes, *, via_get_into: bool = False) -> None:
-        """Replaces the stored blob of ``key`` by ``damaged`` and reads it."""
-        self.store.tier.engine.write(lambda txn: txn.put("blocks", key, damaged))
+        """Replaces the stored block of ``key`` by ``damaged`` (a joined blob,
+        split where the good block's head ends: its first bytes go to the
+        ``heads`` table, the rest to ``blocks``) and reads it."""
+        head_len = codec.head_bytes(self.stored_blob(key))
+
+        def write(txn: Any) -> None:
+            txn.put("heads", key, damaged[:head_len])
+            txn.put("blocks", key, damaged[head_len:])
+
+        self.store.tier.engine.write(write)
         self.injected += 1
         if via_get_into:
             out = bytearray(len(payload))

@@ -92,9 +92,9 @@ def verifier_main(run_dir: Path, store_path: Path, durability: str) -> None:
         for start in range(0, len(keys), 512):
             batch = keys[start : start + 512]
 
-            def visit(i: int, blob: memoryview, batch: list[bytes] = batch) -> str | None:
+            def visit(i: int, head: memoryview, body: memoryview, batch: list[bytes] = batch) -> str | None:
                 try:
-                    codec.verify(blob, batch[i])
+                    codec.verify_parts(head, body, batch[i])
                     return None
                 except ucm_db.CorruptBlockError as exc:
                     return str(exc)

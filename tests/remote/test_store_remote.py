@@ -179,7 +179,7 @@ def test_uploader_batches_are_bounded_by_bytes_shallowest_first(tmp_path: Path, 
     keys, payloads = chain(namespace, 6)
     ns_id = namespace.digest[:16]
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP) as store:  # no remote: nothing drains behind our back
-        entries = [BlockEntry(k, keys[i - 1] if i else None, _codec.encode(k, p), len(p), ns_id)
+        entries = [BlockEntry.of_blob(k, keys[i - 1] if i else None, _codec.encode(k, p), len(p), ns_id)
                    for i, (k, p) in enumerate(zip(keys, payloads))]
         store.tier.put_blocks(entries, namespace_desc=(ns_id, _json.dumps(namespace.to_dict()).encode()), enqueue_upload=True)
         root = RemoteRoot.from_url(f"memory://ucm-batch-{tmp_path.name}")

@@ -81,10 +81,10 @@ def test_import_refuses_a_namespace_that_does_not_match_its_id(tmp_path: Path) -
 def test_migrate_command_on_the_format1_fixture(tmp_path: Path) -> None:
     shutil.copytree(FIXTURES / "format1-lmdb", tmp_path / "old")
     dry = invoke_json("migrate", tmp_path / "old", "--dry-run")
-    assert [m["name"] for m in dry["pending"]] == ["created_record"] and dry["applied_now"] == []
+    assert [m["name"] for m in dry["pending"]] == ["created_record", "split_heads"] and dry["applied_now"] == []
     assert invoke("verify", tmp_path / "old", "--fix", expect=2).stderr.count("ucm-db migrate") == 1
     r = invoke_json("migrate", tmp_path / "old")
-    assert r["applied_now"] == [2] and [a["name"] for a in r["applied"]] == ["created_record"]
+    assert r["applied_now"] == [2, 3] and [a["name"] for a in r["applied"]] == ["created_record", "split_heads"]
     assert "nothing to migrate" in invoke("migrate", tmp_path / "old").stdout
     assert invoke_json("verify", tmp_path / "old")["checked"] == 11
 
@@ -99,7 +99,7 @@ def test_migrate_refuses_while_the_store_is_open(tmp_path: Path) -> None:
 def test_engine_conversion_round_trip_preserves_everything(tmp_path: Path) -> None:
     chains = make_store(tmp_path / "lmdb")
     with ucm_db.open(tmp_path / "lmdb") as store:
-        store.tier.quarantine(b"q" * 32, "kept across conversion", lambda blob: True)
+        store.tier.quarantine(b"q" * 32, "kept across conversion", lambda head, body: True)
         all_keys = [k for keys in chains.values() for k in keys]
         metas_before = store.tier.metas(all_keys)
 

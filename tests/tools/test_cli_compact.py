@@ -65,7 +65,7 @@ def test_compact_evicts_to_target_and_drops_quarantine_records(tmp_path: Path) -
     make_store(tmp_path / "s")
     with ucm_db.open(tmp_path / "s") as store:
         target = store.stats().stored_bytes // 2
-        store.tier.quarantine(b"q" * 32, "test record", lambda blob: True)
+        store.tier.quarantine(b"q" * 32, "test record", lambda head, body: True)
     r = invoke_json("compact", tmp_path / "s", "--target-bytes", target)
     assert r["stored_bytes_after"] <= target and r["evicted_blocks"] > 0
     assert r["blocks_after"] == r["blocks_before"] - r["evicted_blocks"]

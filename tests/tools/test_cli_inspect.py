@@ -79,7 +79,7 @@ def test_inspect_is_read_only(tmp_path: Path) -> None:
 def test_inspect_older_format_names_the_migration(tmp_path: Path) -> None:
     shutil.copytree(FIXTURES / "format1-lmdb", tmp_path / "old")
     r = invoke_json("inspect", tmp_path / "old")
-    assert r["format_version"] == 1 and r["pending_migrations"] == ["created_record"] and r["blocks"] == 11
+    assert r["format_version"] == 1 and r["pending_migrations"] == ["created_record", "split_heads"] and r["blocks"] == 11
     assert "ucm-db migrate" in invoke("inspect", tmp_path / "old").stdout
 
 

@@ -29,7 +29,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 T = TypeVar("T")
 
 #: Tables every local engine provides.
-TABLES = ("blocks", "meta", "lru", "children", "info", "quarantine", "uploads", "migrations")
+TABLES = ("blocks", "heads", "meta", "lru", "children", "info", "quarantine", "uploads", "migrations")
 
 
 @dataclass(frozen=True, slots=True)

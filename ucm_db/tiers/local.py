@@ -4,7 +4,10 @@
 together with everything needed to manage them, all updated in the same
 transaction as the payload:
 
-* ``blocks``:   key -> encoded blob
+* ``heads``:    key -> the block's head (sealed header + frame table)
+* ``blocks``:   key -> the block's body (stored frames). Blocks written
+  before store format 3 hold head and body joined; :func:`body_of` tells
+  them apart by length, so such blocks read without being rewritten.
 * ``meta``:     key -> :class:`BlockMeta` (namespace, parent, depth, sizes,
   access time, hits)
 * ``lru``:      access_ns (BE) | inverted depth (BE) | key -> b"" (eviction order)
@@ -34,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ucm_db import codec
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
@@ -100,13 +104,28 @@ class Totals:
 
 @dataclass(frozen=True, slots=True)
 class BlockEntry:
-    """One block to put: key, parent (None for a chain root), encoded blob."""
+    """One block to put: key, parent (None for a chain root), head and body."""
 
     key: bytes
     parent: bytes | None
-    blob: Buffer
+    head: Buffer
+    body: Buffer
     raw_bytes: int
     namespace_id: bytes
+
+    @classmethod
+    def of_blob(cls, key: bytes, parent: bytes | None, blob: Buffer, raw_bytes: int, namespace_id: bytes) -> BlockEntry:
+        """An entry from a joined blob, split without copying.
+
+        Raises:
+            CorruptBlockError: the blob's header is unreadable.
+        """
+        head, body = codec.split(blob)
+        return cls(key, parent, head, body, raw_bytes, namespace_id)
+
+    @property
+    def stored_bytes(self) -> int:
+        return len(self.head) + len(self.body)
 
 
 @dataclass(slots=True)
@@ -181,14 +200,14 @@ class LocalTier(Tier):
 
     # -- Tier interface ----------------------------------------------------
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self.read_blocks(keys, lambda _i, blob: bytes(blob))
+        return self.read_blobs(keys)
 
     def put_batch(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
         """Stores raw (key, blob) pairs as chain roots of an anonymous namespace.
 
         Tier-level puts know no parents; the store uses :meth:`put_blocks`.
         """
-        entries = [BlockEntry(k, None, blob, len(blob), bytes(16)) for k, blob in items]
+        entries = [BlockEntry(k, None, b"", blob, len(blob), bytes(16)) for k, blob in items]
         self.put_blocks(entries)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -209,16 +228,26 @@ class LocalTier(Tier):
         self.engine.close()
 
     # -- reads ---------------------------------------------------------------
-    def read_blocks(self, keys: Sequence[bytes], visit: Callable[[int, memoryview], T]) -> list[T | None]:
-        """Runs ``visit(i, blob)`` inside one read transaction for each key
-        present; ``None`` where absent. ``blob`` is valid only during visit."""
+    def read_blocks(self, keys: Sequence[bytes], visit: Callable[[int, memoryview, memoryview], T]) -> list[T | None]:
+        """Runs ``visit(i, head, body)`` inside one read transaction for each
+        key present; ``None`` where absent. The views are valid only during
+        visit. A block whose head is missing is visited with an empty head
+        (the codec then finds it corrupt)."""
         def run(txn: Txn) -> list[T | None]:
             out: list[T | None] = []
             for i, key in enumerate(keys):
-                blob = txn.get("blocks", key)
-                out.append(None if blob is None else visit(i, memoryview(blob)))
+                stored = txn.get("blocks", key)
+                if stored is None:
+                    out.append(None)
+                    continue
+                head = memoryview(txn.get("heads", key) or b"")
+                out.append(visit(i, head, body_of(head, memoryview(stored))))
             return out
         return self.engine.read(run)
+
+    def read_blobs(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Blocks as joined blobs (head + body), for remote objects and archives."""
+        return self.read_blocks(keys, lambda _i, head, body: b"".join([head, body]))
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys present: a binary search (prefix invariant)."""
@@ -288,8 +317,9 @@ class LocalTier(Tier):
                     continue
                 depth = self._depth_of_parent(txn, entry, depths) + 1
                 depths[entry.key] = depth
-                meta = BlockMeta(entry.namespace_id, entry.parent, depth, entry.raw_bytes, len(entry.blob), now, now, 0)
-                txn.put("blocks", entry.key, entry.blob)
+                meta = BlockMeta(entry.namespace_id, entry.parent, depth, entry.raw_bytes, entry.stored_bytes, now, now, 0)
+                txn.put("heads", entry.key, entry.head)
+                txn.put("blocks", entry.key, entry.body)
                 crashpoint("local.after_payload_write")
                 txn.put("meta", entry.key, meta.pack())
                 txn.put("lru", lru_key(now, depth, entry.key), b"")
@@ -354,6 +384,7 @@ class LocalTier(Tier):
         meta = BlockMeta.unpack(data)
         txn.delete("meta", key)
         txn.delete("blocks", key)
+        txn.delete("heads", key)
         txn.delete("lru", lru_key(meta.access_ns, meta.depth, key))
         txn.delete("uploads", key)
         for child, _ in list(txn.scan("children", key)):
@@ -397,17 +428,20 @@ class LocalTier(Tier):
                 counts[3] = max(counts[3], access_ns)
                 current = meta.parent
 
-    def quarantine(self, key: bytes, reason: str, still_corrupt: Callable[[memoryview], bool]) -> bool:
+    def quarantine(self, key: bytes, reason: str, still_corrupt: Callable[[memoryview, memoryview], bool]) -> bool:
         """Moves a corrupt block (and its descendants) out of the store.
 
-        ``still_corrupt`` re-checks the blob inside the write transaction, so
-        a block another process has meanwhile replaced is left alone.
+        ``still_corrupt(head, body)`` re-checks the block inside the write
+        transaction, so a block another process has meanwhile replaced is
+        left alone.
         """
         def run(txn: Txn) -> bool:
-            blob = txn.get("blocks", key)
+            stored = txn.get("blocks", key)
             data = txn.get("meta", key)
-            if data is not None and blob is not None and not still_corrupt(memoryview(blob)):
-                return False
+            if data is not None and stored is not None:
+                head = memoryview(txn.get("heads", key) or b"")
+                if not still_corrupt(head, body_of(head, memoryview(stored))):
+                    return False
             meta = _meta_or_none(data)
             record = {
                 "reason": reason, "time_ns": time.time_ns(),
@@ -452,20 +486,37 @@ class LocalTier(Tier):
                 count += 1
                 raw += meta.raw_bytes
                 stored += meta.stored_bytes
-                blob = txn.get("blocks", key)
-                if blob is None or len(blob) != meta.stored_bytes:
-                    problems.append(f"block {key.hex()[:16]}: payload missing or wrong size")
+                stored_len = _len_or_none(txn.get("blocks", key))
+                head_len = _len_or_none(txn.get("heads", key))
+                if stored_len is None or head_len is None:
+                    problems.append(f"block {key.hex()[:16]}: payload or head missing")
+                elif meta.stored_bytes not in (stored_len, stored_len + head_len):
+                    problems.append(f"block {key.hex()[:16]}: payload of wrong size")
                 if meta.parent is not None and txn.get("meta", meta.parent) is None:
                     problems.append(f"block {key.hex()[:16]}: parent missing (prefix invariant broken)")
                 if txn.get("lru", lru_key(meta.access_ns, meta.depth, key)) is None:
                     problems.append(f"block {key.hex()[:16]}: no LRU entry")
-            for key, _ in txn.scan("blocks"):
-                if txn.get("meta", key) is None:
-                    problems.append(f"payload {key.hex()[:16]} has no metadata (orphan)")
+            for table in ("blocks", "heads"):
+                for key, _ in txn.scan(table):
+                    if txn.get("meta", key) is None:
+                        problems.append(f"{table} entry {key.hex()[:16]} has no metadata (orphan)")
             if (count, raw, stored) != (totals.blocks, totals.raw_bytes, totals.stored_bytes):
                 problems.append(f"totals {totals} disagree with metadata ({count}, {raw}, {stored})")
             return problems
         return self.engine.read(run)
+
+
+def body_of(head: memoryview, stored: memoryview) -> memoryview:
+    """The body within a ``blocks`` value: the value itself, or (a block
+    written before format 3) what follows the head in it."""
+    n = len(head)
+    if n and len(stored) > n and stored[:n] == head:
+        return stored[n:]
+    return stored
+
+
+def _len_or_none(data: Buffer | None) -> int | None:
+    return None if data is None else len(data)
 
 
 def _meta_or_none(data: Buffer | None) -> BlockMeta | None:
