@@ -528,6 +528,24 @@ static void merge4(uint8_t *out, size_t n, const uint8_t *p0, const uint8_t *p1,
 #endif
 }
 
+static void split_any(const uint8_t *src, size_t n, int element_bytes, uint8_t *const p[4])
+{
+    if (element_bytes == 2) {
+        split2(src, n, p[0], p[1]);
+    } else {
+        split4(src, n, p[0], p[1], p[2], p[3]);
+    }
+}
+
+static void merge_any(uint8_t *out, size_t n, int element_bytes, const Py_buffer planes[4])
+{
+    if (element_bytes == 2) {
+        merge2(out, n, planes[0].buf, planes[1].buf);
+    } else {
+        merge4(out, n, planes[0].buf, planes[1].buf, planes[2].buf, planes[3].buf);
+    }
+}
+
 static PyObject *native_split_planes(PyObject *module, PyObject *args)
 {
     Py_buffer src;
@@ -560,13 +578,13 @@ static PyObject *native_split_planes(PyObject *module, PyObject *args)
         PyList_SET_ITEM(planes, i, plane);
     }
     /* The new bytearrays are not shared yet, and src stays pinned by its buffer export. */
-    Py_BEGIN_ALLOW_THREADS
-    if (element_bytes == 2) {
-        split2(src.buf, (size_t)n, p[0], p[1]);
+    if (src.len >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        split_any(src.buf, (size_t)n, element_bytes, p);
+        Py_END_ALLOW_THREADS
     } else {
-        split4(src.buf, (size_t)n, p[0], p[1], p[2], p[3]);
+        split_any(src.buf, (size_t)n, element_bytes, p);
     }
-    Py_END_ALLOW_THREADS
 
 done:
     PyBuffer_Release(&src);
@@ -635,16 +653,10 @@ static PyObject *native_merge_planes(PyObject *module, PyObject *args)
     }
     if (out.len >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        if (element_bytes == 2) {
-            merge2(out.buf, (size_t)n, planes[0].buf, planes[1].buf);
-        } else {
-            merge4(out.buf, (size_t)n, planes[0].buf, planes[1].buf, planes[2].buf, planes[3].buf);
-        }
+        merge_any(out.buf, (size_t)n, element_bytes, planes);
         Py_END_ALLOW_THREADS
-    } else if (element_bytes == 2) {
-        merge2(out.buf, (size_t)n, planes[0].buf, planes[1].buf);
     } else {
-        merge4(out.buf, (size_t)n, planes[0].buf, planes[1].buf, planes[2].buf, planes[3].buf);
+        merge_any(out.buf, (size_t)n, element_bytes, planes);
     }
     result = Py_NewRef(Py_None);
 
