@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -225,3 +226,30 @@ def test_store_reopens_itself_after_fork(tmp_path: Path) -> None:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert s.lookup(NS, NS.block_keys(list(range(100, 108)))) == 2
+
+
+def test_group_commits_start_the_sync_after_sync_bytes(tmp_path: Path) -> None:
+    """With a long interval, only the byte trigger can sync this soon; a
+    store under the threshold keeps its bytes unsynced until the interval."""
+    with ucm_db.open(tmp_path / "s", codec="none", durability="group", sync_interval_s=3600, sync_bytes=1 << 20) as store:
+        keys = NS.block_keys(list(range(16)))
+        store.put(NS, keys[:1], [bytes(64 << 10)])
+        assert store._unsynced_bytes > 0  # under the threshold: no wake-up
+        store.put(NS, keys[1:], [bytes(1 << 20)] * 3)
+        deadline = time.monotonic() + 10
+        while store._unsynced_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store._unsynced_bytes == 0
+        assert store.get(NS, keys) == [bytearray(64 << 10)] + [bytearray(1 << 20)] * 3
+
+
+def test_encoded_body_of_an_uncompressed_put_is_the_callers_buffer(tmp_path: Path) -> None:
+    """Codec none hands the payload to the engine as is: the stored body is
+    the payload's bytes and the head is kept apart."""
+    with ucm_db.open(tmp_path / "s", codec="none") as store:
+        keys = NS.block_keys(list(range(4)))
+        payload = np.arange(512, dtype=np.uint16).tobytes()
+        store.put(NS, keys, [payload])
+        body = store.tier.engine.read(lambda txn: bytes(txn.get("blocks", keys[0])))
+        head = store.tier.engine.read(lambda txn: bytes(txn.get("heads", keys[0])))
+        assert body == payload and head[:4] == b"UCMB"

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
-import numpy as np
 import xxhash
 import zstandard
 
+from ucm_db import native
 from ucm_db.errors import ConfigError, CorruptBlockError
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -241,26 +241,17 @@ def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) 
 
 
 def _shuffle(view: memoryview, element_bytes: int) -> list[memoryview]:
-    """Splits elements into byte planes, least significant byte first."""
-    words = np.frombuffer(view, dtype="<u2" if element_bytes == 2 else "<u4")
-    planes = [words.astype(np.uint8)]  # the cast keeps the low byte: one pass
-    for i in range(1, element_bytes):
-        plane = np.empty(len(words), dtype=np.uint8)
-        # Shift and narrow in one ufunc pass, without a uint16 temporary.
-        np.right_shift(words, 8 * i, out=plane, casting="unsafe")
-        planes.append(plane)
-    return [memoryview(p.data) for p in planes]
+    """Splits elements into byte planes, least significant byte first
+    (one pass in C when :mod:`ucm_db.native` is built)."""
+    return [memoryview(p) for p in native.split_planes(view, element_bytes)]
 
 
 def _unshuffle(planes: list[Buffer], out: memoryview, element_bytes: int) -> None:
-    """Interleaves byte planes back into elements, in two passes for bf16."""
-    dtype = np.dtype("<u2" if element_bytes == 2 else "<u4")
-    words = np.frombuffer(out, dtype=dtype)
-    top = element_bytes - 1
-    np.left_shift(np.frombuffer(planes[top], dtype=np.uint8), 8 * top, out=words, dtype=dtype, casting="unsafe")
-    for i in range(1, top):
-        words |= np.left_shift(np.frombuffer(planes[i], dtype=np.uint8), 8 * i, dtype=dtype)
-    np.bitwise_or(words, np.frombuffer(planes[0], dtype=np.uint8), out=words, casting="unsafe")
+    """Interleaves byte planes back into elements, straight into ``out``."""
+    try:
+        native.merge_planes(planes, out, element_bytes)
+    except ValueError as exc:
+        raise CorruptBlockError(f"byte planes do not fit the frame: {exc}") from exc
 
 
 def head_bytes(blob: Buffer) -> int:

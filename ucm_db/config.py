@@ -29,6 +29,7 @@ REMOTE_MODES = ("write_back", "write_through")
 PERSISTED_FIELDS = ("capacity_bytes", "codec", "zstd_level", "durability", "engine")
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,10 @@ class StoreConfig:
             committed; a power loss may lose the last interval).
         sync_interval_s: interval of the background sync and of flushing
             access-time and hit counters.
+        sync_bytes: with ``"group"``, the background sync also starts as
+            soon as this many stored bytes were committed since the last
+            one, so the disk writes back while puts go on and ``flush()``
+            finds little left to wait for.
         engine: local engine: ``"lmdb"`` (multi-process), ``"rocksdb"``
             (single process) or ``"memory"`` (reference, not persistent).
         encode_threads: threads compressing a batch before its commit
@@ -68,6 +73,7 @@ class StoreConfig:
     zstd_level: int = 1
     durability: str = "group"
     sync_interval_s: float = 1.0
+    sync_bytes: int = 32 * MIB
     engine: str = "lmdb"
     encode_threads: int = 2
     max_readers: int = 1024
@@ -86,6 +92,7 @@ class StoreConfig:
             raise ConfigError("zstd_level must be <= 22", hint="use 1 (fast) to 19 (small)")
         _require_choice("durability", self.durability, DURABILITIES)
         _require_positive_float("sync_interval_s", self.sync_interval_s)
+        _require_int("sync_bytes", self.sync_bytes, minimum=1)
         _require_choice("engine", self.engine, ENGINES)
         _require_int("encode_threads", self.encode_threads, minimum=0)
         _require_int("max_readers", self.max_readers, minimum=8)

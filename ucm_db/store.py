@@ -171,6 +171,8 @@ class Store:
         self._pid = -1
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._unsynced_bytes = 0
         self._maintenance: threading.Thread | None = None
         self._remote: RemoteLink | None = None
         self._uploader: Uploader | None = None
@@ -217,6 +219,8 @@ class Store:
             self._activity = PendingActivity()
             self._pool = ThreadPoolExecutor(self.config.encode_threads, "ucm-db-codec") if self.config.encode_threads else None
             self._stop = threading.Event()
+            self._wake = threading.Event()
+            self._unsynced_bytes = 0
             self._maintenance = threading.Thread(target=self._maintain, name="ucm-db-maintenance", daemon=True)
             self._start_uploader()
             self._pid = os.getpid()
@@ -235,13 +239,33 @@ class Store:
         self._uploader.start()
 
     def _maintain(self) -> None:
-        while not self._stop.wait(self.config.sync_interval_s):
+        """Every ``sync_interval_s``, or when woken by ``sync_bytes`` of
+        group commits: folds reader activity in and (group) syncs."""
+        while True:
+            woken = self._wake.wait(self.config.sync_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                self._flush_activity()
+                if not woken:
+                    self._flush_activity()
                 if self.config.durability == "group":
+                    with self._lock:
+                        self._unsynced_bytes = 0
                     self._engine.sync()
             except Exception:  # noqa: BLE001 - keep the thread alive; the next flush() reports
                 pass
+
+    def _committed(self, stored_bytes: int) -> None:
+        """Counts group-commit bytes; wakes the sync once ``sync_bytes`` are
+        unsynced, so the disk's write-back overlaps the next puts."""
+        if self.config.durability != "group" or not stored_bytes:
+            return
+        with self._lock:
+            self._unsynced_bytes += stored_bytes
+            due = self._unsynced_bytes >= self.config.sync_bytes
+        if due:
+            self._wake.set()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -308,6 +332,7 @@ class Store:
             self._return_activity(activity)
             raise
         result.already_present += len(keys) - len(todo)
+        self._committed(sum(e.stored_bytes for e in entries))
         if self._uploader is not None and entries:
             if self.config.remote_mode == "write_through":
                 self._upload_through(entries)
@@ -547,6 +572,7 @@ class Store:
             return
         if self._pid == os.getpid():
             self._stop.set()
+            self._wake.set()
             if self._maintenance is not None:
                 self._maintenance.join()
             if self._uploader is not None:
