@@ -76,6 +76,14 @@ def test_incremental_chain_equals_whole_chain(tokens: list[int], split_blocks: i
     assert head + tail == whole
 
 
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=80), st.integers(0, 80), st.integers(0, 80))
+def test_start_and_stop_equal_slicing(tokens: list[int], start: int, stop: int) -> None:
+    parent = NS.block_keys(list(range(NS.block_size)))[0]
+    assert NS.block_keys(tokens, start=start, stop=stop) == NS.block_keys(tokens[start:stop])
+    assert NS.block_keys(tokens, parent=parent, start=start) == NS.block_keys(tokens[start:], parent=parent)
+    assert NS.block_keys(tuple(tokens), {"cache_salt": "s"}, stop=stop) == NS.block_keys(tokens[:stop], {"cache_salt": "s"})
+
+
 def test_numpy_tokens_match_list_tokens() -> None:
     np = pytest.importorskip("numpy")
     tokens = list(range(1000, 1040))

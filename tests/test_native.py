@@ -96,6 +96,13 @@ def test_chain_keys_native_equals_python_and_reference(prev: bytes, tokens: list
         assert chain(bytearray(prev), tuple(tokens), block_size, n_blocks) == expected
         assert chain(prev, raw.tobytes(), block_size, n_blocks) == expected
         assert chain(memoryview(prev), raw, block_size, n_blocks) == expected
+        # start: the same keys from a later index of a longer list or buffer, no slicing.
+        pad = data.draw(st.integers(0, 40), label="pad")
+        padded = [7] * pad + tokens
+        assert chain(prev, padded, block_size, n_blocks, pad) == expected
+        assert chain(prev, np.array(padded, dtype="<u4").tobytes(), block_size, n_blocks, pad) == expected
+        with pytest.raises(ValueError):
+            chain(prev, padded, block_size, n_blocks, len(padded) - n_blocks * block_size + 1)
 
 
 @pytest.mark.parametrize("kind", ["native", "python"])
@@ -184,7 +191,7 @@ def test_block_keys_are_identical_on_the_fallback_path(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(native, "chain_keys", fallback)
     after = [NS.block_keys(tokens, **kwargs) for tokens, kwargs in _key_cases()]
-    assert calls == [(16, 40), (16, 40), (16, 40), (16, 40), (16, 9)]
+    assert calls == [(16, 40, 0), (16, 40, 0), (16, 40, 0), (16, 40, 0), (16, 9, 0)]
     assert after == before
     tokens = _key_cases()[0][0]
     assert before[0] == _reference_chain(NS.root_key(), tokens, 16, 40)

@@ -4,7 +4,7 @@
  * module is not built, and tests/test_native.py checks that both give the
  * same bytes.
  *
- *   chain_keys(prev, tokens, block_size, n_blocks) -> list[bytes]
+ *   chain_keys(prev, tokens, block_size, n_blocks, start=0) -> list[bytes]
  *       key[i] = BLAKE2b-256(key[i-1] || little-endian uint32 token ids of
  *       block i), key[-1] = prev. BLAKE2b is written here from RFC 7693
  *       (unkeyed, digest length 32, no salt or personalisation).
@@ -255,9 +255,9 @@ static inline void store32_le(uint8_t *p, uint32_t x)
 
 /* Converts the first `count` ids of a list or tuple into dst (4 * count bytes).
  * The caller checked that the sequence holds at least `count` items. */
-static int sequence_to_le32(PyObject *seq, Py_ssize_t count, uint8_t *dst)
+static int sequence_to_le32(PyObject *seq, Py_ssize_t start, Py_ssize_t count, uint8_t *dst)
 {
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq) + start;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = items[i];
         uint32_t value;
@@ -282,11 +282,11 @@ static int sequence_to_le32(PyObject *seq, Py_ssize_t count, uint8_t *dst)
             if (rc < 0) {
                 return -1;
             }
-            if (PySequence_Fast_GET_SIZE(seq) < count) {
+            if (PySequence_Fast_GET_SIZE(seq) < start + count) {
                 PyErr_SetString(PyExc_ValueError, "token list changed size during conversion");
                 return -1;
             }
-            items = PySequence_Fast_ITEMS(seq);
+            items = PySequence_Fast_ITEMS(seq) + start;
         }
         store32_le(dst + 4 * i, value);
     }
@@ -337,9 +337,9 @@ static PyObject *native_chain_keys(PyObject *module, PyObject *args)
 {
     Py_buffer prev, tokens_view;
     PyObject *tokens;
-    Py_ssize_t block_size, n_blocks;
+    Py_ssize_t block_size, n_blocks, start = 0;
     (void)module;
-    if (!PyArg_ParseTuple(args, "y*Onn:chain_keys", &prev, &tokens, &block_size, &n_blocks)) {
+    if (!PyArg_ParseTuple(args, "y*Onn|n:chain_keys", &prev, &tokens, &block_size, &n_blocks, &start)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -350,8 +350,8 @@ static PyObject *native_chain_keys(PyObject *module, PyObject *args)
         PyErr_Format(PyExc_ValueError, "prev must be %d bytes, got %zd", B2B_OUT_BYTES, prev.len);
         goto done;
     }
-    if (block_size < 1 || n_blocks < 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size must be >= 1 and n_blocks >= 0");
+    if (block_size < 1 || n_blocks < 0 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be >= 1, n_blocks and start >= 0");
         goto done;
     }
     if (n_blocks > PY_SSIZE_T_MAX / 4 / block_size || n_blocks > PY_SSIZE_T_MAX / B2B_OUT_BYTES) {
@@ -359,11 +359,15 @@ static PyObject *native_chain_keys(PyObject *module, PyObject *args)
         goto done;
     }
     Py_ssize_t count = n_blocks * block_size;
+    if (start > PY_SSIZE_T_MAX / 4 - count) {
+        PyErr_SetString(PyExc_OverflowError, "start + n_blocks * block_size is too large");
+        goto done;
+    }
     const uint8_t *raw;
     if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
-        if (PySequence_Fast_GET_SIZE(tokens) < count) {
-            PyErr_Format(PyExc_ValueError, "tokens holds %zd ids, fewer than n_blocks * block_size = %zd",
-                         PySequence_Fast_GET_SIZE(tokens), count);
+        if (PySequence_Fast_GET_SIZE(tokens) - start < count) {
+            PyErr_Format(PyExc_ValueError, "tokens holds %zd ids, fewer than start + n_blocks * block_size = %zd",
+                         PySequence_Fast_GET_SIZE(tokens), start + count);
             goto done;
         }
         converted = PyMem_Malloc(count > 0 ? (size_t)count * 4 : 1);
@@ -371,7 +375,7 @@ static PyObject *native_chain_keys(PyObject *module, PyObject *args)
             PyErr_NoMemory();
             goto done;
         }
-        if (sequence_to_le32(tokens, count, converted) < 0) {
+        if (sequence_to_le32(tokens, start, count, converted) < 0) {
             goto done;
         }
         raw = converted;
@@ -385,12 +389,12 @@ static PyObject *native_chain_keys(PyObject *module, PyObject *args)
             PyErr_Format(PyExc_TypeError, "tokens buffer must hold bytes or little-endian uint32, not format '%s'", fmt);
             goto done;
         }
-        if (tokens_view.len < count * 4) {
-            PyErr_Format(PyExc_ValueError, "tokens buffer holds %zd bytes, fewer than 4 * n_blocks * block_size = %zd",
-                         tokens_view.len, count * 4);
+        if (tokens_view.len / 4 - start < count) {
+            PyErr_Format(PyExc_ValueError, "tokens buffer holds %zd bytes, fewer than 4 * (start + n_blocks * block_size) = %zd",
+                         tokens_view.len, 4 * (start + count));
             goto done;
         }
-        raw = tokens_view.buf;
+        raw = (const uint8_t *)tokens_view.buf + 4 * start;
     } else {
         PyErr_Format(PyExc_TypeError, "tokens must be a list or tuple of ints or a uint32 buffer, not %.100s",
                      Py_TYPE(tokens)->tp_name);
@@ -677,7 +681,7 @@ done:
 
 static PyMethodDef native_methods[] = {
     {"chain_keys", native_chain_keys, METH_VARARGS,
-     "chain_keys(prev, tokens, block_size, n_blocks, /) -> list[bytes]\n\n"
+     "chain_keys(prev, tokens, block_size, n_blocks, start=0, /) -> list[bytes]\n\n"
      "Chained BLAKE2b-256 keys of n_blocks blocks of block_size uint32 token ids."},
     {"split_planes", native_split_planes, METH_VARARGS,
      "split_planes(src, element_bytes, /) -> list[bytearray]\n\n"

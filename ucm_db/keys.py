@@ -115,8 +115,10 @@ class Namespace:
         extras: Mapping[str, ExtraValue] | None = None,
         *,
         parent: bytes | None = None,
+        start: int = 0,
+        stop: int | None = None,
     ) -> list[bytes]:
-        """Keys of the full blocks of ``token_ids``.
+        """Keys of the full blocks of ``token_ids[start:stop]``.
 
         Args:
             token_ids: token ids; a trailing partial block gets no key.
@@ -126,6 +128,9 @@ class Namespace:
             parent: continue an existing chain from this key (the key of the
                 block just before ``token_ids[0]``); ``extras`` must then be
                 None because the parent already carries them.
+            start, stop: the tokens to hash, as a slice would pick them but
+                without copying a long list (``parent`` is then the key of
+                the block ending at ``start``).
 
         Returns:
             One 32-byte key per full block, in order.
@@ -139,16 +144,20 @@ class Namespace:
         else:
             prev = self.root_key(extras)
         block_size = self.block_size
-        n_blocks = len(token_ids) // block_size
+        end = len(token_ids) if stop is None else min(stop, len(token_ids))
+        if start < 0 or end < 0:
+            raise ConfigError(f"start and stop must be >= 0, got {start} and {stop}", hint="pass indices into token_ids")
+        n_blocks = max(0, end - start) // block_size
         if n_blocks == 0:
             return []
         tokens: native.TokenSource
         if isinstance(token_ids, (list, tuple)):
             tokens = token_ids  # converted (and checked) by chain_keys, in C when built
         else:
-            tokens = _token_bytes(token_ids, n_blocks * block_size)
+            tokens = _token_bytes(token_ids[start:end], n_blocks * block_size)
+            start = 0
         try:
-            return native.chain_keys(prev, tokens, block_size, n_blocks)
+            return native.chain_keys(prev, tokens, block_size, n_blocks, start)
         except (OverflowError, TypeError) as exc:
             raise ConfigError(_BAD_TOKENS, hint="pass the prompt's token ids") from exc
 

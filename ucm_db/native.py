@@ -50,14 +50,14 @@ _LE_UINT32_FORMATS = ("<I",) + (("I", "@I", "=I") if sys.byteorder == "little" e
 _BYTE_FORMATS = ("B", "b", "c", "@B", "=B", "<B")
 
 
-def chain_keys_py(prev: Buffer, tokens: TokenSource, block_size: int, n_blocks: int) -> list[bytes]:
+def chain_keys_py(prev: Buffer, tokens: TokenSource, block_size: int, n_blocks: int, start: int = 0) -> list[bytes]:
     """Pure-Python :func:`chain_keys`."""
     if len(prev) != KEY_BYTES:
         raise ValueError(f"prev must be {KEY_BYTES} bytes, got {len(prev)}")
-    if block_size < 1 or n_blocks < 0:
-        raise ValueError("block_size must be >= 1 and n_blocks >= 0")
+    if block_size < 1 or n_blocks < 0 or start < 0:
+        raise ValueError("block_size must be >= 1, n_blocks and start >= 0")
     stride = block_size * 4
-    raw = _le_uint32_bytes(tokens, n_blocks * block_size)
+    raw = _le_uint32_bytes(tokens, n_blocks * block_size, start)
     # Copying a ready hasher skips blake2b's keyword parsing and parameter
     # block set-up, and two update() calls skip a concatenation: together
     # about 1.5x faster than blake2b(prev + chunk) per key.
@@ -74,12 +74,12 @@ def chain_keys_py(prev: Buffer, tokens: TokenSource, block_size: int, n_blocks: 
     return out
 
 
-def _le_uint32_bytes(tokens: TokenSource, count: int) -> bytes | memoryview:
-    """The first ``count`` ids as little-endian uint32 bytes (the extension's rules)."""
+def _le_uint32_bytes(tokens: TokenSource, count: int, start: int = 0) -> bytes | memoryview:
+    """``count`` ids from index ``start`` as little-endian uint32 bytes (the extension's rules)."""
     if isinstance(tokens, (list, tuple)):
-        if len(tokens) < count:
-            raise ValueError(f"tokens holds {len(tokens)} ids, fewer than n_blocks * block_size = {count}")
-        arr = array("I", tokens[:count])  # OverflowError / TypeError like the extension
+        if len(tokens) - start < count:
+            raise ValueError(f"tokens holds {len(tokens)} ids, fewer than start + n_blocks * block_size = {start + count}")
+        arr = array("I", tokens[start : start + count])  # OverflowError / TypeError like the extension
         if arr.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte unsigned int
             raise RuntimeError("unsigned int is not 4 bytes on this platform")
         if sys.byteorder != "little":  # pragma: no cover
@@ -91,9 +91,9 @@ def _le_uint32_bytes(tokens: TokenSource, count: int) -> bytes | memoryview:
     if not view.c_contiguous:
         raise BufferError("tokens buffer is not C-contiguous")
     raw = view.cast("B")
-    if len(raw) < 4 * count:
-        raise ValueError(f"tokens buffer holds {len(raw)} bytes, fewer than 4 * n_blocks * block_size = {4 * count}")
-    return raw[: 4 * count]
+    if len(raw) // 4 - start < count:
+        raise ValueError(f"tokens buffer holds {len(raw)} bytes, fewer than 4 * (start + n_blocks * block_size) = {4 * (start + count)}")
+    return raw[4 * start : 4 * (start + count)]
 
 
 def split_planes_py(src: Buffer, element_bytes: int) -> list[bytearray]:
@@ -143,10 +143,11 @@ def _check_element_bytes(element_bytes: int) -> None:
         raise ValueError(f"element_bytes must be 2 or 4, got {element_bytes}")
 
 
-#: ``chain_keys(prev, tokens, block_size, n_blocks)``: ``n_blocks`` chained
-#: keys, ``key[i] = BLAKE2b-256(key[i-1] || uint32 LE ids of block i)`` with
-#: ``key[-1] = prev``; reads only the first ``n_blocks * block_size`` ids.
-chain_keys: Callable[[Buffer, TokenSource, int, int], list[bytes]]
+#: ``chain_keys(prev, tokens, block_size, n_blocks, start=0)``: ``n_blocks``
+#: chained keys, ``key[i] = BLAKE2b-256(key[i-1] || uint32 LE ids of block
+#: i)`` with ``key[-1] = prev``; reads only the ``n_blocks * block_size`` ids
+#: from index ``start`` (no copy of a long list to skip its head).
+chain_keys: Callable[..., list[bytes]]
 #: ``split_planes(src, element_bytes)``: plane ``i`` holds byte ``i`` (least
 #: significant first) of each little-endian element; sizes 2 and 4.
 split_planes: Callable[[Buffer, int], list[bytearray]]

@@ -27,11 +27,11 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from ucm_db import codec
 from ucm_db.config import PERSISTED_FIELDS, StoreConfig
@@ -60,6 +60,7 @@ SETTINGS_KEY = b"settings"
 _ACTIVITY_FLUSH_KEYS = 4096
 
 Payload = Union[Buffer, Sequence[Buffer]]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,31 +396,43 @@ class Store:
         _require_keys(keys)
         corrupt: list[tuple[bytes, str]] = []
 
-        def visit(i: int, head: memoryview, body: memoryview) -> Any:
+        def decode(i: int, head: memoryview, body: memoryview) -> bytearray | None:
             try:
-                if self._pool is None or codec.codec_of_head(head) != "zstd":
-                    return codec.decode_parts(head, body, keys[i])
+                return codec.decode_parts(head, body, keys[i])
             except CorruptBlockError as exc:
                 corrupt.append((keys[i], str(exc)))
                 return None
-            return _Deferred(bytes(head), bytes(body))
 
-        results = self._tier.read_blocks(keys, visit)
-        deferred = [(i, r) for i, r in enumerate(results) if isinstance(r, _Deferred)]
-        if deferred:
-            def decode_deferred(item: tuple[int, _Deferred]) -> bytearray | None:
-                i, d = item
-                try:
-                    return codec.decode_parts(d.head, d.body, keys[i])
-                except CorruptBlockError as exc:
-                    corrupt.append((keys[i], str(exc)))
-                    return None
-            assert self._pool is not None
-            for (i, _), value in zip(deferred, self._pool.map(decode_deferred, deferred)):
-                results[i] = value
+        results = self._tier.with_blocks(keys, lambda blocks: self._decode_blocks(blocks, decode))
         for i, blob in self._read_through(namespace, keys, results, corrupt).items():
             results[i] = codec.decode(blob, keys[i])
         return self._finish_read(keys, results, corrupt)
+
+    def _decode_blocks(
+        self, blocks: list[tuple[memoryview, memoryview] | None], decode: Callable[[int, memoryview, memoryview], T],
+    ) -> list[T | None]:
+        """``decode(i, head, body)`` for each present block, inside the
+        caller's read transaction. Compressed blocks of a batch are decoded
+        on the codec threads straight from the stored bytes (no copy out);
+        raw ones are one memcpy each and stay on this thread."""
+        results: list[T | None] = [None] * len(blocks)
+        compressed: list[int] = []
+        for i, block in enumerate(blocks):
+            if block is None:
+                continue
+            if self._pool is not None and codec.codec_of_head(block[0]) == "zstd":
+                compressed.append(i)
+            else:
+                results[i] = decode(i, *block)
+        if len(compressed) == 1 or (compressed and self._pool is None):
+            for i in compressed:
+                results[i] = decode(i, *blocks[i])  # type: ignore[misc]
+        elif compressed:
+            assert self._pool is not None
+            done = self._pool.map(lambda i: decode(i, *blocks[i]), compressed)  # type: ignore[misc]
+            for i, value in zip(compressed, done):
+                results[i] = value
+        return results
 
     def _read_through(
         self, namespace: Namespace, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]],
@@ -452,9 +465,7 @@ class Store:
             raise ConfigError("get_into needs one buffer per key", hint="pass len(keys) buffers")
         corrupt: list[tuple[bytes, str]] = []
 
-        parallel = self._pool is not None and len(keys) > 1
-
-        def decode(i: int, head: Buffer, body: Buffer) -> bool:
+        def decode(i: int, head: memoryview, body: memoryview) -> bool:
             try:
                 codec.decode_parts_into(head, body, keys[i], buffers[i])
                 return True
@@ -462,19 +473,7 @@ class Store:
                 corrupt.append((keys[i], str(exc)))
                 return False
 
-        def visit(i: int, head: memoryview, body: memoryview) -> Any:
-            # Raw blocks are one memcpy: decode inside the read transaction.
-            # Compressed ones are copied out and decoded on the codec threads.
-            if parallel and codec.codec_of_head(head) == "zstd":
-                return _Deferred(bytes(head), bytes(body))
-            return decode(i, head, body)
-
-        results = self._tier.read_blocks(keys, visit)
-        deferred = [(i, r) for i, r in enumerate(results) if isinstance(r, _Deferred)]
-        if deferred:
-            assert self._pool is not None
-            for (i, _), ok in zip(deferred, self._pool.map(lambda item: decode(item[0], item[1].head, item[1].body), deferred)):
-                results[i] = ok
+        results = self._tier.with_blocks(keys, lambda blocks: self._decode_blocks(blocks, decode))
         flags: list[Any] = [True if r else None for r in results]
         for i, blob in self._read_through(namespace, keys, flags, corrupt).items():
             codec.decode_into(blob, keys[i], buffers[i])
@@ -649,12 +648,6 @@ class _ProbedKeys(Sequence[bytes]):
         if isinstance(index, int) and len(key) != KEY_BYTES:
             raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {len(key)}", hint="use Namespace.block_keys")
         return key
-
-
-@dataclass(slots=True)
-class _Deferred:
-    head: bytes
-    body: bytes
 
 
 def _require_keys(keys: Sequence[bytes]) -> None:

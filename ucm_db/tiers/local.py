@@ -233,16 +233,28 @@ class LocalTier(Tier):
         key present; ``None`` where absent. The views are valid only during
         visit. A block whose head is missing is visited with an empty head
         (the codec then finds it corrupt)."""
-        def run(txn: Txn) -> list[T | None]:
-            out: list[T | None] = []
-            for i, key in enumerate(keys):
+        def run(blocks: list[tuple[memoryview, memoryview] | None]) -> list[T | None]:
+            return [None if b is None else visit(i, b[0], b[1]) for i, b in enumerate(blocks)]
+        return self.with_blocks(keys, run)
+
+    def with_blocks(self, keys: Sequence[bytes], fn: Callable[[list[tuple[memoryview, memoryview] | None]], T]) -> T:
+        """Calls ``fn`` with every key's ``(head, body)`` (None where absent)
+        inside one read transaction, and returns its result.
+
+        The views stay valid until ``fn`` returns, from any thread: ``fn`` may
+        hand them to worker threads (parallel decode without copying the
+        stored bytes out first) as long as it waits for them.
+        """
+        def run(txn: Txn) -> T:
+            blocks: list[tuple[memoryview, memoryview] | None] = []
+            for key in keys:
                 stored = txn.get("blocks", key)
                 if stored is None:
-                    out.append(None)
+                    blocks.append(None)
                     continue
                 head = memoryview(txn.get("heads", key) or b"")
-                out.append(visit(i, head, body_of(head, memoryview(stored))))
-            return out
+                blocks.append((head, body_of(head, memoryview(stored))))
+            return fn(blocks)
         return self.engine.read(run)
 
     def read_blobs(self, keys: Sequence[bytes]) -> list[bytes | None]:
