@@ -36,6 +36,8 @@ from ucm_db.connector.engine_process import add_job_argument, run_in_new_process
 
 BLOCK_SIZE = 32
 SEED_FRACTION = 0.8
+#: VLLM_CPU_NUM_OF_RESERVED_CPU of every engine (see run_engine).
+RESERVED_CPUS = 1
 
 
 def _engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
@@ -53,6 +55,11 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine: optionally seed, optionally measure (runs in a child)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    # The same CPU layout for every engine: vLLM-CPU otherwise gives the model
+    # one more core whenever a KV connector is configured (2 threads instead
+    # of 1 here), which made connector rows 2x faster than recompute for no
+    # reason of their own (docs/vllm-cpu-connector-effect.md).
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(RESERVED_CPUS))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

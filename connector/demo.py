@@ -72,6 +72,9 @@ def run_pass(spec: dict[str, Any]) -> dict[str, Any]:
     """Starts one engine, sends ``spec['prompts']`` one by one (max_tokens=1)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if spec.get("reserved_cpus") is not None:
+        # Benchmarks pin vLLM's CPU layout: see docs/vllm-cpu-connector-effect.md.
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(spec["reserved_cpus"])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
