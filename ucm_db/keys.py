@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Union
@@ -154,7 +152,7 @@ class Namespace:
         if isinstance(token_ids, (list, tuple)):
             tokens = token_ids  # converted (and checked) by chain_keys, in C when built
         else:
-            tokens = _token_bytes(token_ids[start:end], n_blocks * block_size)
+            tokens = _as_chain_tokens(token_ids[start:end], n_blocks * block_size)
             start = 0
         try:
             return native.chain_keys(prev, tokens, block_size, n_blocks, start)
@@ -165,23 +163,15 @@ class Namespace:
 _BAD_TOKENS = "token ids must be non-negative integers < 2**32"
 
 
-def _token_bytes(token_ids: Sequence[int], count: int) -> bytes:
-    """Little-endian uint32 bytes of the first ``count`` token ids."""
-    tobytes = getattr(token_ids, "tobytes", None)
+def _as_chain_tokens(token_ids: Sequence[int], count: int) -> native.TokenSource:
+    """The first ``count`` ids in a form :func:`ucm_db.native.chain_keys`
+    takes: a numpy integer array as little-endian uint32 bytes (no Python
+    loop), any other sequence as a list (converted and checked there)."""
     dtype = getattr(token_ids, "dtype", None)
-    if tobytes is not None and dtype is not None and str(dtype) in ("int32", "uint32", "int64", "uint64"):
-        # numpy array: convert without a Python loop.
+    if dtype is not None and hasattr(token_ids, "astype") and str(dtype) in ("int32", "uint32", "int64", "uint64"):
         as_array: Any = token_ids
         return as_array[:count].astype("<u4").tobytes()  # type: ignore[no-any-return]
-    try:
-        arr = array("I", token_ids if len(token_ids) == count else token_ids[:count])
-    except (OverflowError, TypeError) as exc:
-        raise ConfigError(_BAD_TOKENS, hint="pass the prompt's token ids") from exc
-    if arr.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte unsigned int
-        raise RuntimeError("unsigned int is not 4 bytes on this platform")
-    if sys.byteorder != "little":  # pragma: no cover
-        arr.byteswap()
-    return arr.tobytes()
+    return list(token_ids[:count])
 
 
 def _canonical_extras(extras: Mapping[str, ExtraValue]) -> bytes:

@@ -425,11 +425,10 @@ class Store:
                 compressed.append(i)
             else:
                 results[i] = decode(i, *block)
-        if len(compressed) == 1 or (compressed and self._pool is None):
-            for i in compressed:
-                results[i] = decode(i, *blocks[i])  # type: ignore[misc]
+        if len(compressed) == 1:
+            results[compressed[0]] = decode(compressed[0], *blocks[compressed[0]])  # type: ignore[misc]
         elif compressed:
-            assert self._pool is not None
+            assert self._pool is not None  # only blocks for the pool were listed
             done = self._pool.map(lambda i: decode(i, *blocks[i]), compressed)  # type: ignore[misc]
             for i, value in zip(compressed, done):
                 results[i] = value
