@@ -149,6 +149,30 @@ def record_failure(run_dir: Path, what: str, **details: Any) -> None:
         os.close(fd)
 
 
+def write_counter(path: Path, value: int) -> None:
+    """Publishes ``value`` atomically (temp file + rename): a SIGKILL at any
+    instant leaves the previous value or the new one, never an empty file."""
+    scratch = path.with_name(f".{path.name}.{os.getpid()}")
+    scratch.write_text(str(value))
+    os.replace(scratch, path)
+
+
+def read_counter(path: Path) -> int:
+    """The last value :func:`write_counter` published at ``path``; 0 if none."""
+    try:
+        return int(path.read_text())
+    except FileNotFoundError:
+        return 0
+
+
+def wait_counter(path: Path, at_least: int, timeout_s: float) -> int:
+    """Polls :func:`read_counter` until it reaches ``at_least`` or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read_counter(path)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
 def read_failures(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "failures.jsonl"
     if not path.exists():

@@ -24,7 +24,10 @@ import pytest
 
 import ucm_db
 
-from .harness import NS, chain_tokens, fork_call, kill_and_reap, payload_for, read_failures, record_failure, tail, wait_pid
+from .harness import (
+    NS, chain_tokens, fork_call, kill_and_reap, payload_for, read_counter, read_failures, record_failure, tail,
+    wait_counter, wait_pid, write_counter,
+)
 
 CHAINS = 48
 BLOCKS_PER_CHAIN = 4
@@ -34,6 +37,7 @@ CAPACITY_BYTES = 32 << 20
 OPTIONS: dict[str, Any] = {"capacity_bytes": CAPACITY_BYTES, "durability": "group", "sync_interval_s": 0.2}
 OPS = ("get", "put", "lookup", "delete")
 OP_WEIGHTS = (40, 30, 20, 10)
+INSPECTOR_GRACE_S = 60.0
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -111,7 +115,7 @@ def inspector(run_dir: Path, store_path: Path) -> None:
             for problem in store.tier.check():
                 record_failure(run_dir, "inspector: index problem", problem=problem)
             rounds += 1
-            (run_dir / "inspector.rounds").write_text(str(rounds))
+            write_counter(run_dir / "inspector.rounds", rounds)
             time.sleep(0.05)
 
 
@@ -130,7 +134,7 @@ def cli_inspector(run_dir: Path, store_path: Path) -> None:
             if result.exit_code != 0:
                 record_failure(run_dir, f"ucm-db {args[0]} exit {result.exit_code}", output=result.output[-2000:])
         rounds += 1
-        (run_dir / "cli.rounds").write_text(str(rounds))
+        write_counter(run_dir / "cli.rounds", rounds)
 
 
 def percentile_ms(values: list[float], q: float) -> float:
@@ -150,6 +154,10 @@ def concurrent_load(run_dir: Path, *, workers: int, n_ops: int, watchdog_s: floa
             status = wait_pid(pid, max(1.0, deadline - time.monotonic()))
             assert status is not None, f"worker {wid} still running after {watchdog_s} s: deadlock?\n{tail(run_dir / f'worker-{wid}.log')}"
             assert status == 0, f"worker {wid} failed ({status}):\n{tail(run_dir / f'worker-{wid}.log')}"
+        # The inspectors start beside four busy workers; on a loaded machine the
+        # workers can finish first. Give each inspector time for one round.
+        for name in ("inspector", "cli"):
+            wait_counter(run_dir / f"{name}.rounds", 1, timeout_s=INSPECTOR_GRACE_S)
         assert wait_pid(inspector_pid, 0) is None, f"inspector died:\n{tail(run_dir / 'inspector.log')}"
         assert wait_pid(cli_pid, 0) is None, f"CLI inspector died:\n{tail(run_dir / 'cli.log')}"
     finally:
@@ -166,8 +174,8 @@ def concurrent_load(run_dir: Path, *, workers: int, n_ops: int, watchdog_s: floa
         "workers": workers, "ops_per_worker": n_ops, "seconds": round(seconds, 1),
         "errors": sum(r["errors"] for r in results), "wrong": sum(r["wrong"] for r in results),
         "moved_GiB": round(sum(r["moved_bytes"] for r in results) / (1 << 30), 2),
-        "evictions": stats.evictions, "inspector_rounds": int((run_dir / "inspector.rounds").read_text() or 0),
-        "cli_rounds": int((run_dir / "cli.rounds").read_text() or 0),
+        "evictions": stats.evictions, "inspector_rounds": read_counter(run_dir / "inspector.rounds"),
+        "cli_rounds": read_counter(run_dir / "cli.rounds"),
     }
     for op in OPS:
         values = [v for r in results for v in r["latencies"][op]]
