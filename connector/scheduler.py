@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,8 @@ class _RequestState:
     """What the scheduler side remembers about one request."""
 
     request: Request
-    extras: dict[str, Any]
+    extras: dict[str, Any]        # root extras of the key chain
+    block_extras: dict[int, bytes]  # per-block extras, by block index
     chains: list[list[bytes]] = field(default_factory=list)  # one key chain per reader namespace
     stored_blocks: int = 0  # leading blocks known present in the store
     saved_blocks: int = 0   # leading blocks stored or planned for saving
@@ -65,17 +67,33 @@ class _RequestState:
 
 
 def request_extras(request: Request) -> dict[str, Any]:
-    """Everything besides token ids that changes a request's KV."""
+    """What changes all of a request's KV besides its token ids: the root
+    extras of its key chain (LoRA adapter, ``cache_salt``)."""
     extras: dict[str, Any] = {}
     if request.lora_request is not None:
         extras["lora"] = str(request.lora_request.lora_name)
     if request.cache_salt:
         extras["cache_salt"] = str(request.cache_salt)
-    mm = [[f.identifier, f.mm_position.offset, f.mm_position.length] for f in request.mm_features or []]
-    if mm:
-        extras["mm"] = repr(mm)
+    return extras
+
+
+def request_block_extras(request: Request, block_size: int) -> dict[int, bytes]:
+    """What changes single blocks' KV besides their token ids, by block index:
+    the multimodal items whose placeholder tokens a block holds (identifier,
+    offset, length of each), and a digest of the block's rows of
+    ``prompt_embeds``. Blocks before the first such block keep the keys of a
+    plain prompt, so a shared text prefix still hits."""
+    items: dict[int, list[list[Any]]] = {}
+    for feature in request.mm_features or []:
+        offset, length = int(feature.mm_position.offset), int(feature.mm_position.length)
+        for block in range(offset // block_size, (offset + max(length, 1) - 1) // block_size + 1):
+            items.setdefault(block, []).append([str(feature.identifier), offset, length])
+    extras = {block: b"mm" + json.dumps(listed, separators=(",", ":")).encode() for block, listed in items.items()}
     if request.prompt_embeds is not None:
-        extras["prompt_embeds"] = _tensor_digest(request.prompt_embeds)
+        embeds = request.prompt_embeds.detach().to("cpu")  # one device copy, not one per block
+        for block in range(int(embeds.shape[0]) // block_size):
+            digest = _tensor_digest(embeds[block * block_size : (block + 1) * block_size])
+            extras[block] = extras.get(block, b"") + b"pe" + digest
     return extras
 
 
@@ -102,7 +120,7 @@ class UcmDbScheduler:
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None or state.request is not request:
-            state = _RequestState(request, request_extras(request))
+            state = _RequestState(request, request_extras(request), request_block_extras(request, self._block_size))
             self._requests[request.request_id] = state
         return state
 
@@ -116,6 +134,7 @@ class UcmDbScheduler:
             end = num_blocks * self._block_size
             request = state.request
             prompt = request.prompt_token_ids
+            block_extras = state.block_extras
             if isinstance(prompt, list) and len(prompt) >= end:
                 # The prompt list itself, cut by block_keys: slicing 32K ids
                 # cost 0.25 ms (a reference to every int) on a 1 ms budget.
@@ -123,11 +142,12 @@ class UcmDbScheduler:
             else:
                 tokens, start = request.all_token_ids[have * self._block_size : end], 0
                 end = len(tokens)
+                block_extras = {k - have: v for k, v in block_extras.items() if k >= have}
             for ns, chain in zip(self._namespaces, state.chains):
                 if have:
-                    chain.extend(ns.block_keys(tokens, parent=chain[-1], start=start, stop=end))
+                    chain.extend(ns.block_keys(tokens, parent=chain[-1], start=start, stop=end, block_extras=block_extras))
                 else:
-                    chain.extend(ns.block_keys(tokens, state.extras, start=start, stop=end))
+                    chain.extend(ns.block_keys(tokens, state.extras, start=start, stop=end, block_extras=block_extras))
         return state.chains  # callers slice: copying 1000s of keys per call showed in profiles
 
     def keys_for(self, request: Request, num_blocks: int) -> list[list[bytes]]:

@@ -84,6 +84,34 @@ def test_start_and_stop_equal_slicing(tokens: list[int], start: int, stop: int) 
     assert NS.block_keys(tuple(tokens), {"cache_salt": "s"}, stop=stop) == NS.block_keys(tokens[:stop], {"cache_salt": "s"})
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**16), min_size=4, max_size=60),
+    st.dictionaries(st.integers(0, 15), st.binary(min_size=1, max_size=8), max_size=4),
+    st.integers(0, 15),
+)
+def test_block_extras_change_keys_from_their_block_on(tokens: list[int], block_extras: dict[int, bytes], split_blocks: int) -> None:
+    plain = NS.block_keys(tokens)
+    marked = NS.block_keys(tokens, block_extras=block_extras)
+    first = min((k for k in block_extras if k < len(plain)), default=len(plain))
+    assert marked[:first] == plain[:first]
+    assert all(a != b for a, b in zip(marked[first:], plain[first:]))
+    cut = min(split_blocks, len(plain)) * NS.block_size
+    head = NS.block_keys(tokens, stop=cut, block_extras=block_extras)
+    tail = NS.block_keys(tokens, parent=head[-1], start=cut, block_extras=block_extras) if head else marked
+    assert (head + tail if head else tail) == marked
+
+
+def test_block_extras_need_a_block_boundary_and_bytes() -> None:
+    tokens = list(range(16))
+    with pytest.raises(ConfigError):
+        NS.block_keys(tokens, start=2, block_extras={1: b"x"})
+    with pytest.raises(ConfigError):
+        NS.block_keys(tokens, block_extras={1: "x"})  # type: ignore[dict-item]
+    np = pytest.importorskip("numpy")
+    assert NS.block_keys(np.array(tokens), start=4, block_extras={2: b"x"}) == NS.block_keys(tokens, start=4, block_extras={2: b"x"})
+
+
 def test_numpy_tokens_match_list_tokens() -> None:
     np = pytest.importorskip("numpy")
     tokens = list(range(1000, 1040))

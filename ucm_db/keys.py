@@ -12,6 +12,11 @@ Invariants:
     * ``key[i] = H(key[i-1] || tokens of block i)`` with
       ``key[-1] = H(namespace digest || canonical extras)``; a key therefore
       names its whole prefix, and only full blocks get keys.
+    * A block with a block extra ``e`` (a multimodal item or prompt
+      embeddings inside it) is chained from ``H(key[i-1] || e)`` instead of
+      ``key[i-1]``: the blocks before it keep the keys of a plain prompt with
+      the same tokens, so prefixes are shared up to the first block whose
+      extras differ, and every key after it differs.
     * Keys are 32-byte BLAKE2b digests (unkeyed, no salt or person) over
       the parent key and the block's token ids as little-endian uint32.
       :func:`ucm_db.native.chain_keys` computes the chain, in C when the
@@ -115,6 +120,7 @@ class Namespace:
         parent: bytes | None = None,
         start: int = 0,
         stop: int | None = None,
+        block_extras: Mapping[int, bytes] | None = None,
     ) -> list[bytes]:
         """Keys of the full blocks of ``token_ids[start:stop]``.
 
@@ -129,6 +135,11 @@ class Namespace:
             start, stop: the tokens to hash, as a slice would pick them but
                 without copying a long list (``parent`` is then the key of
                 the block ending at ``start``).
+            block_extras: bytes that change one block's KV beyond its token
+                ids (e.g. the hash of an image whose placeholder tokens it
+                holds), keyed by block index in ``token_ids`` (block ``k``
+                holds ``token_ids[k * block_size : (k + 1) * block_size]``);
+                ``start`` must then be a multiple of ``block_size``.
 
         Returns:
             One 32-byte key per full block, in order.
@@ -148,16 +159,46 @@ class Namespace:
         n_blocks = max(0, end - start) // block_size
         if n_blocks == 0:
             return []
+        first_block = start // block_size
+        if block_extras and start % block_size:
+            raise ConfigError(f"block_extras needs start at a block boundary, got start={start}", hint=f"pass a multiple of {block_size}")
         tokens: native.TokenSource
         if isinstance(token_ids, (list, tuple)):
             tokens = token_ids  # converted (and checked) by chain_keys, in C when built
         else:
             tokens = _as_chain_tokens(token_ids[start:end], n_blocks * block_size)
             start = 0
+        marked = sorted(k - first_block for k in block_extras or () if first_block <= k < first_block + n_blocks)
         try:
-            return native.chain_keys(prev, tokens, block_size, n_blocks, start)
+            if not marked:
+                return native.chain_keys(prev, tokens, block_size, n_blocks, start)
+            assert block_extras is not None
+            keys: list[bytes] = []
+            done = 0
+            for index in [*marked, n_blocks]:
+                if index > done:  # a run of plain blocks
+                    keys.extend(native.chain_keys(prev, tokens, block_size, index - done, start + done * block_size))
+                    prev = keys[-1]
+                    done = index
+                if index < n_blocks:  # one block with extras
+                    prev = _mix_block_extra(prev, block_extras[first_block + index])
+                    keys.extend(native.chain_keys(prev, tokens, block_size, 1, start + index * block_size))
+                    prev = keys[-1]
+                    done = index + 1
+            return keys
         except (OverflowError, TypeError) as exc:
             raise ConfigError(_BAD_TOKENS, hint="pass the prompt's token ids") from exc
+
+
+def _mix_block_extra(parent: bytes, extra: bytes) -> bytes:
+    """The parent a block with ``extra`` is chained from (see invariants)."""
+    if not isinstance(extra, (bytes, bytearray)):
+        raise ConfigError(f"block extras must be bytes, got {type(extra).__name__}", hint="hash the item to bytes first")
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"ucm-db/blockx")
+    h.update(parent)
+    h.update(len(extra).to_bytes(8, "little"))
+    h.update(extra)
+    return h.digest()
 
 
 _BAD_TOKENS = "token ids must be non-negative integers < 2**32"

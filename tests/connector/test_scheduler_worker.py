@@ -270,19 +270,61 @@ def test_metadata_is_plain() -> None:
     assert UcmDbConnectorMetadata().empty
 
 
-def test_request_extras_cover_salt_lora_and_prompt_embeds() -> None:
+def test_request_extras_cover_salt_and_lora() -> None:
     from vllm.lora.request import LoRARequest
 
     from ucm_db.connector.scheduler import request_extras
 
-    embeds = torch.randn(40, 16)
-    plain = request_extras(_request("a", [1, 2, 3]))
-    assert plain == {}
-    salted = request_extras(_request("b", [1, 2, 3], cache_salt="s"))
-    assert salted == {"cache_salt": "s"}
-    lora = request_extras(_request("c", [1, 2, 3], lora_request=LoRARequest("ad", 1, "/x")))
-    assert lora == {"lora": "ad"}
-    e1 = request_extras(Request("e1", None, SamplingParams(max_tokens=1), None, prompt_embeds=embeds))
-    e2 = request_extras(Request("e2", None, SamplingParams(max_tokens=1), None, prompt_embeds=embeds.clone()))
-    e3 = request_extras(Request("e3", None, SamplingParams(max_tokens=1), None, prompt_embeds=embeds + 1))
-    assert e1 == e2 and e1 != e3 and len(e1["prompt_embeds"]) == 32
+    assert request_extras(_request("a", [1, 2, 3])) == {}
+    assert request_extras(_request("b", [1, 2, 3], cache_salt="s")) == {"cache_salt": "s"}
+    assert request_extras(_request("c", [1, 2, 3], lora_request=LoRARequest("ad", 1, "/x"))) == {"lora": "ad"}
+
+
+def _mm(identifier: str, offset: int, length: int) -> object:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier, mm_position=PlaceholderRange(offset, length))
+
+
+def test_multimodal_prompts_share_the_text_prefix_before_their_first_item(settings: ConnectorSettings) -> None:
+    """Per-block multimodal extras: blocks before an image keep plain keys
+    (hits for a shared system prompt), the image's blocks and every block
+    after them depend on the image's identity."""
+    sched = UcmDbScheduler(settings, _shape())
+    tokens = list(range(10 * BS))
+    plain = sched.keys_for(_request("plain", tokens), 10)[0]
+    cat = sched.keys_for(_request("cat", tokens, mm_features=[_mm("cat", 3 * BS + 5, 2 * BS)]), 10)[0]
+    dog = sched.keys_for(_request("dog", tokens, mm_features=[_mm("dog", 3 * BS + 5, 2 * BS)]), 10)[0]
+    cat_later = sched.keys_for(_request("cat2", tokens, mm_features=[_mm("cat", 4 * BS + 5, 2 * BS)]), 10)[0]
+    assert cat[:3] == dog[:3] == plain[:3]
+    assert all(len({a, b, c}) == 3 for a, b, c in zip(cat[3:], dog[3:], plain[3:]))
+    assert cat_later[:4] == plain[:4] and cat_later[4] not in (cat[4], plain[4])
+    # Incremental hashing (the scheduler extends a request's chain block by
+    # block as it grows) gives the same keys as hashing at once.
+    grown = _request("grown", tokens, mm_features=[_mm("cat", 3 * BS + 5, 2 * BS)])
+    assert sched.keys_for(grown, 2)[0] == cat[:2]
+    assert sched.keys_for(grown, 4)[0] == cat[:4]
+    assert sched.keys_for(grown, 10)[0] == cat
+    # A stored multimodal prompt: the same image hits all of it, another image
+    # only the text blocks before it.
+    ns = sched._namespaces[0]
+    sched.store.put(ns, cat, [b"kv"] * len(cat))
+    assert sched.get_num_new_matched_tokens(_request("cat3", tokens + [1], mm_features=[_mm("cat", 3 * BS + 5, 2 * BS)]), 0)[0] == 10 * BS
+    assert sched.get_num_new_matched_tokens(_request("dog2", tokens + [1], mm_features=[_mm("dog", 3 * BS + 5, 2 * BS)]), 0)[0] == 3 * BS
+    sched.shutdown()
+
+
+def test_prompt_embeds_key_each_block_by_its_own_rows(settings: ConnectorSettings) -> None:
+    sched = UcmDbScheduler(settings, _shape())
+    embeds = torch.randn(4 * BS, 16)
+    changed = embeds.clone()
+    changed[2 * BS + 1] += 1  # a row of block 2
+
+    def keys(req_id: str, rows: torch.Tensor) -> list[bytes]:
+        return sched.keys_for(Request(req_id, None, SamplingParams(max_tokens=1), None, prompt_embeds=rows), 4)[0]
+
+    same, again, other = keys("e1", embeds), keys("e2", embeds.clone()), keys("e3", changed)
+    assert same == again and len(same) == 4
+    assert other[:2] == same[:2] and all(a != b for a, b in zip(other[2:], same[2:]))
+    assert keys("e4", embeds + 1)[0] != same[0]
+    sched.shutdown()
