@@ -1,14 +1,14 @@
 """Connector overhead figures (a script that prints, never a test).
 
-    python -m ucm_db.connector.bench_overhead [--lookup-only] [--prompts 12] [--prompt-tokens 1024]
+    python -m ucm_db.connector.bench_overhead [--lookup-only] [--prompts 12] [--prompt-tokens 1024] [--rounds 3]
 
 1. Scheduler-side lookup of a 32K-token prompt: ``get_num_new_matched_tokens``
    on a fresh request (block keys hashed from scratch, then the store's
    binary search), against an empty store (miss) and a store holding the
    whole chain (hit). Target: <= 1 ms.
 2. TTFT on a 0%-hit workload (every prompt new), each configuration in its
-   own engine process, one after another in this run: no connector, ucm-db
-   with codec ``none``, ucm-db with codec ``zstd`` (fresh stores). Target:
+   own engine process: no connector, ucm-db with codec ``none``, ucm-db with
+   codec ``zstd`` (fresh stores), ``--rounds`` times, interleaved. Target:
    ucm-db/none within 1.05x of no connector. On a CPU-only engine the
    background writer's compression competes with the model for the same
    cores, which the zstd figure shows.
@@ -121,29 +121,51 @@ def ucm_db_open(path: str, **options: object):  # noqa: ANN201 - small indirecti
     return ucm_db.open(path, **options)
 
 
-def bench_ttft(prompts: int, prompt_tokens: int) -> dict[str, dict[str, float]]:
-    """Median TTFT per configuration (each in its own engine process)."""
+def bench_ttft(prompts: int, prompt_tokens: int, rounds: int) -> dict[str, dict[str, float]]:
+    """TTFT per configuration, each engine in its own process, interleaved.
+
+    Every round runs each configuration once, in an order that rotates from
+    round to round, so a host that speeds up or slows down during the run
+    (these machines do) shifts every configuration alike. Per configuration:
+    the median and minimum over all its prompts, and the median over rounds of
+    its ratio to the no-connector engine of the same round.
+    """
     model = build_model(demo_dir() / "model")
     rng = random.Random(time.time_ns())
     texts = [[rng.randrange(3, 8000) for _ in range(prompt_tokens)] for _ in range(prompts)]
-    results: dict[str, dict[str, float]] = {}
+    names = ["no connector", "ucm-db codec=none", "ucm-db codec=zstd"]
+    ttft_s: dict[str, list[float]] = {name: [] for name in names}
+    round_ratios: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="ucm-db-overhead-") as tmp:
         work = Path(tmp)
-        configs = {
-            "no connector": None,
-            "ucm-db codec=none": {"path": str(work / "store_none"), "codec": "none"},
-            "ucm-db codec=zstd": {"path": str(work / "store_zstd"), "codec": "zstd"},
+        for round_index in range(rounds):
+            order = names[round_index % len(names):] + names[: round_index % len(names)]
+            round_medians: dict[str, float] = {}
+            for name in order:
+                print(f"  round {round_index + 1}/{rounds}: {name} ...", flush=True)
+                connector = None
+                if name != "no connector":
+                    codec = name.rsplit("=", 1)[1]
+                    connector = {"path": str(work / f"store_{codec}_{round_index}"), "codec": codec}
+                # A fresh first token per engine keeps every prompt at 0% hits.
+                salt = rng.randrange(1 << 30)
+                spec_prompts = [[salt % 7000 + 3] + p[1:] for p in texts]
+                spec = {"model": str(model), "connector": connector, "prompts": spec_prompts, "reserved_cpus": RESERVED_CPUS}
+                result = run_pass_in_new_process(spec, work, f"{name.replace(' ', '_')}_{round_index}")
+                assert not any(result["cached"]), f"{name}: expected 0% hits, got {result['cached']}"
+                ttft_s[name].extend(result["ttft_s"])
+                round_medians[name] = statistics.median(result["ttft_s"])
+            for name in names:
+                round_ratios[name].append(round_medians[name] / round_medians["no connector"])
+    return {
+        name: {
+            "median_ms": 1e3 * statistics.median(ttft_s[name]),
+            "min_ms": 1e3 * min(ttft_s[name]),
+            "ratio_of_round_medians": statistics.median(round_ratios[name]),
+            "round_ratios": round_ratios[name],
         }
-        for name, connector in configs.items():
-            print(f"  running: {name} ...", flush=True)
-            # Fresh prompts per configuration keep every one at 0% hit.
-            salt = rng.randrange(1 << 30)
-            spec_prompts = [[salt % 7000 + 3] + p[1:] for p in texts]
-            spec = {"model": str(model), "connector": connector, "prompts": spec_prompts, "reserved_cpus": RESERVED_CPUS}
-            result = run_pass_in_new_process(spec, work, name.replace(" ", "_"))
-            assert not any(result["cached"]), f"{name}: expected 0% hits, got {result['cached']}"
-            results[name] = {"median_ms": 1e3 * statistics.median(result["ttft_s"]), "min_ms": 1e3 * min(result["ttft_s"])}
-    return results
+        for name in names
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="block size of the lookup benchmark")
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3, help="engine runs per configuration, interleaved")
     args = parser.parse_args(argv)
     lookup = bench_lookup(args.block_size)
     print(f"scheduler lookup, {LOOKUP_TOKENS}-token prompt ({int(lookup['blocks'])} blocks of {args.block_size}), median of 30,"
@@ -170,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"save path per {args.prompt_tokens}-token prompt of the demo model ({save['bytes'] / 1e6:.1f} MB of KV), CPU ms:"
           f" copy-out on the forward thread {save['copy_out_ms']:.2f}; background encode+commit"
           f" codec none {save['commit_none_ms']:.2f}, zstd {save['commit_zstd_ms']:.2f}")
-    print(f"TTFT, 0% hits, {args.prompts} prompts of {args.prompt_tokens} tokens, one engine process per configuration:")
-    ttft = bench_ttft(args.prompts, args.prompt_tokens)
+    print(f"TTFT, 0% hits, {args.prompts} prompts of {args.prompt_tokens} tokens, {args.rounds} rounds,"
+          " one engine process per configuration per round, configurations interleaved:")
+    ttft = bench_ttft(args.prompts, args.prompt_tokens, args.rounds)
     base = ttft["no connector"]["median_ms"]
     for name, figures in ttft.items():
-        print(f"  {name:<20} median {figures['median_ms']:8.1f} ms  min {figures['min_ms']:8.1f} ms  ratio {figures['median_ms'] / base:.3f}x")
+        rounds = ", ".join(f"{r:.3f}" for r in figures["round_ratios"])
+        print(f"  {name:<20} median {figures['median_ms']:8.1f} ms  min {figures['min_ms']:8.1f} ms"
+              f"  ratio of medians {figures['median_ms'] / base:.3f}x  per round [{rounds}]"
+              f" -> median {figures['ratio_of_round_medians']:.3f}x")
     return 0
 
 
