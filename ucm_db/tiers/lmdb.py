@@ -15,6 +15,9 @@ Invariants and choices:
     * The directory is created 0700 and the files 0600.
     * Once per process, glibc's malloc is asked to keep freed memory (see
       :func:`_keep_dirty_page_memory`); ``UCM_DB_MALLOC_TUNING=0`` opts out.
+    * Without ``sync``, a durable marker announces unsynced commits, and an
+      open after an OS crash reads such a store in a child process first
+      and sets it aside if damaged (:mod:`ucm_db.tiers.lmdb_recovery`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import lmdb
 
 from ucm_db.errors import TierError
 from ucm_db.tiers.base import TABLES, Buffer, Engine, T
+from ucm_db.tiers.lmdb_recovery import RecoveryReport, UnsyncedMarker, recover_after_os_crash
 
 _MAX_MAP_BYTES = 1 << 46
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -160,6 +164,9 @@ class LmdbEngine(Engine):
         self._open_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
+        self._marker: UnsyncedMarker | None = None
+        #: What the last open found after an OS crash (None: nothing to check).
+        self.recovery: RecoveryReport | None = None
 
     def _environment(self) -> lmdb.Environment:
         if self._env is not None and self._pid == os.getpid():
@@ -176,6 +183,8 @@ class LmdbEngine(Engine):
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
         try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.recovery = recover_after_os_crash(self.path)
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             env = _lmdb_open(
                 str(self.path),
@@ -198,6 +207,7 @@ class LmdbEngine(Engine):
         if current < self._map_size_bytes:
             env.set_mapsize(self._map_size_bytes)
         self._dbs = self._open_tables(env)
+        self._marker = None if self._sync else UnsyncedMarker(self.path)
         self._env = env
         self._pid = os.getpid()
 
@@ -233,6 +243,8 @@ class LmdbEngine(Engine):
 
     def write(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
         env = self._environment()
+        if self._marker is not None:
+            self._marker.before_commit()
         while True:
             try:
                 with self._write_lock, self._txn_gate.shared(), env.begin(write=True, buffers=True) as txn:
@@ -257,14 +269,24 @@ class LmdbEngine(Engine):
 
     def sync(self) -> None:
         env = self._environment()
+        generation = self._marker.generation() if self._marker is not None else 0
         try:
             env.sync(True)
+            if self._marker is not None:
+                self._marker.synced(generation)
         except lmdb.Error as exc:
             raise TierError(f"LMDB sync of {self.path} failed: {exc}") from exc
 
     def close(self) -> None:
         with self._open_lock:
             if self._env is not None and self._pid == os.getpid():
+                if self._marker is not None:
+                    generation = self._marker.generation()
+                    try:
+                        self._env.sync(True)
+                        self._marker.closed(generation)
+                    except lmdb.Error:
+                        pass  # the marker stays: the next open after a crash checks the store
                 self._env.close()
             self._env = None
 
