@@ -184,7 +184,13 @@ class LmdbEngine(Engine):
         self._txn_gate = _SharedExclusiveLock()
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.recovery = recover_after_os_crash(self.path)
+            try:
+                self.recovery = recover_after_os_crash(self.path)
+            except OSError as exc:
+                raise TierError(
+                    f"cannot check LMDB store {self.path} after an OS crash: {exc}",
+                    hint=f"make {self.path.parent} writable by this user, or delete the store (it is a cache)",
+                ) from exc
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             env = _lmdb_open(
                 str(self.path),
