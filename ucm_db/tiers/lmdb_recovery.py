@@ -69,19 +69,13 @@ def boot_id() -> str | None:
         return None
 
 
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync of a file or a directory (Linux opens both read-only); a
+    missing path has nothing to sync."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -129,7 +123,7 @@ class UnsyncedMarker:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            _fsync_dir(self._dir)
+            _fsync(self._dir)
             self._present = True
 
     def synced(self, generation_before_sync: int) -> None:
@@ -202,7 +196,7 @@ def recover_after_os_crash(env_dir: Path) -> RecoveryReport | None:
         if dead:
             # A process crash: the page cache kept its commits, but they are
             # not on disk yet. Sync the file before forgetting the marker.
-            _fsync_file(env_dir / "data.mdb")
+            _fsync(env_dir / "data.mdb")
             for marker in dead:
                 marker.unlink(missing_ok=True)
         if not foreign:
