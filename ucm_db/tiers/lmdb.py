@@ -287,12 +287,7 @@ class LmdbEngine(Engine):
         with self._open_lock:
             if self._env is not None and self._pid == os.getpid():
                 if self._marker is not None:
-                    generation = self._marker.generation()
-                    try:
-                        self._env.sync(True)
-                        self._marker.closed(generation)
-                    except lmdb.Error:
-                        pass  # the marker stays: the next open after a crash checks the store
+                    self._marker.closed()
                 self._env.close()
             self._env = None
 

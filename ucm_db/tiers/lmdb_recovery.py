@@ -87,7 +87,7 @@ class UnsyncedMarker:
 
     Call :meth:`before_commit` before every unsynced write transaction,
     :meth:`synced` with the generation read by :meth:`generation` before each
-    sync started, and :meth:`closed` after the last sync. Thread-safe;
+    sync started, and :meth:`closed` when the environment closes. Thread-safe;
     create a new one in a forked child.
     """
 
@@ -135,11 +135,12 @@ class UnsyncedMarker:
             if idle:
                 self._remove()
 
-    def closed(self, generation_before_sync: int) -> None:
-        """After the final sync of a closing environment: removes the marker
-        unless a commit was announced after that sync began."""
+    def closed(self) -> None:
+        """When the environment closes: removes the marker if the last sync
+        began after the last commit (``Store.close`` syncs first); else it
+        stays, and the next open syncs the file and removes it."""
         with self._lock:
-            if self._generation == generation_before_sync:
+            if self._generation == self._generation_at_last_sync:
                 self._remove()
 
     def _remove(self) -> None:
@@ -154,11 +155,11 @@ class UnsyncedMarker:
 
 @dataclass(frozen=True)
 class RecoveryReport:
-    """What :func:`recover_after_os_crash` found and did."""
+    """What :func:`recover_after_os_crash` found and did (returned only when
+    it read the environment in a child)."""
 
     foreign_markers: int  # markers of another boot: unsynced commits before an OS crash
-    checked: bool         # the environment was read end to end in a child
-    damaged: bool         # the check failed; the environment was moved aside
+    damaged: bool         # the child's end-to-end read failed; the environment was moved aside
     moved_to: Path | None
 
 
@@ -206,7 +207,7 @@ def recover_after_os_crash(env_dir: Path) -> RecoveryReport | None:
             for marker in foreign:
                 marker.unlink(missing_ok=True)
             logger.info("ucm-db: %s had unsynced commits before an OS crash; it reads back whole", env_dir)
-            return RecoveryReport(len(foreign), checked=True, damaged=False, moved_to=None)
+            return RecoveryReport(len(foreign), damaged=False, moved_to=None)
         moved_to = env_dir.parent / DAMAGED_DIR / f"{env_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         moved_to.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.replace(env_dir, moved_to)
@@ -215,7 +216,7 @@ def recover_after_os_crash(env_dir: Path) -> RecoveryReport | None:
             "moved it to %s and started an empty store. Delete that directory once you no longer need it; "
             "use durability='sync' where a power loss must not cost the cache.", env_dir, failure, moved_to,
         )
-        return RecoveryReport(len(foreign), checked=True, damaged=True, moved_to=moved_to)
+        return RecoveryReport(len(foreign), damaged=True, moved_to=moved_to)
     finally:
         os.close(fd)
 
