@@ -133,7 +133,8 @@ def bench_ttft(prompts: int, prompt_tokens: int, rounds: int) -> dict[str, dict[
     model = build_model(demo_dir() / "model")
     rng = random.Random(time.time_ns())
     texts = [[rng.randrange(3, 8000) for _ in range(prompt_tokens)] for _ in range(prompts)]
-    names = ["no connector", "ucm-db codec=none", "ucm-db codec=zstd"]
+    codecs = {"no connector": None, "ucm-db codec=none": "none", "ucm-db codec=zstd": "zstd"}
+    names = list(codecs)
     ttft_s: dict[str, list[float]] = {name: [] for name in names}
     round_ratios: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="ucm-db-overhead-") as tmp:
@@ -143,10 +144,8 @@ def bench_ttft(prompts: int, prompt_tokens: int, rounds: int) -> dict[str, dict[
             round_medians: dict[str, float] = {}
             for name in order:
                 print(f"  round {round_index + 1}/{rounds}: {name} ...", flush=True)
-                connector = None
-                if name != "no connector":
-                    codec = name.rsplit("=", 1)[1]
-                    connector = {"path": str(work / f"store_{codec}_{round_index}"), "codec": codec}
+                codec = codecs[name]
+                connector = None if codec is None else {"path": str(work / f"store_{codec}_{round_index}"), "codec": codec}
                 # A fresh first token per engine keeps every prompt at 0% hits.
                 salt = rng.randrange(1 << 30)
                 spec_prompts = [[salt % 7000 + 3] + p[1:] for p in texts]
