@@ -33,7 +33,7 @@ from typing import Any
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MigrationError
-from ucm_db.store import FORMAT_VERSION_KEY, STORE_FORMAT_VERSION
+from ucm_db.format import FORMAT_VERSION_KEY, STORE_FORMAT_VERSION
 from ucm_db.tiers.base import Txn
 
 from ucm_db.migrations.access import exclusive_engine, open_engine, read_format_version
@@ -164,7 +164,7 @@ def migrate(
 
 
 def _apply(engine: Any, migration: Migration, path: Path) -> None:
-    from ucm_db import __version__
+    from ucm_db.version import __version__
 
     def run(txn: Txn) -> None:
         found = int(bytes(txn.get("info", FORMAT_VERSION_KEY) or b"0"))

@@ -18,12 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ucm_db.errors import ConfigError, LockedError
-from ucm_db.store import FORMAT_VERSION_KEY, detect_engine
+from ucm_db.format import detect_engine
+from ucm_db.format import open_engine as _open_engine
+from ucm_db.format import read_format_version  # noqa: F401 - re-exported for migrations and tools
 from ucm_db.storelock import StoreLock, describe, holders
 from ucm_db.tiers.base import Engine
-
-#: Smallest LMDB map to ask for; LMDB keeps a store's larger recorded size.
-_MIN_MAP_BYTES = 1 << 20
 
 
 def require_store(path: Path) -> str:
@@ -39,22 +38,7 @@ def require_store(path: Path) -> str:
 
 def open_engine(path: Path, *, read_only: bool = False, sync: bool = True) -> Engine:
     """Opens the engine of the existing store at ``path`` (no Store checks)."""
-    name = require_store(path)
-    if name == "rocksdb":
-        from ucm_db.tiers.rocksdb import RocksDbEngine
-
-        return RocksDbEngine(path / "rocksdb", sync=sync, read_only=read_only)
-    from ucm_db.tiers.lmdb import LmdbEngine
-
-    return LmdbEngine(path / "lmdb", map_size_bytes=_MIN_MAP_BYTES, sync=sync)
-
-
-def read_format_version(engine: Engine) -> int:
-    """The format version recorded in the store."""
-    raw = engine.read(lambda txn: txn.get("info", FORMAT_VERSION_KEY))
-    if raw is None:
-        raise ConfigError("the store records no format version", hint="it was never opened by ucm-db; check the path")
-    return int(bytes(raw))
+    return _open_engine(path, require_store(path), sync=sync, read_only=read_only)
 
 
 def refuse_if_held(path: Path, lock: StoreLock, action: str) -> None:

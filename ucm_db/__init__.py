@@ -17,14 +17,14 @@ from ucm_db.errors import (
     TierError,
     UcmDbError,
 )
-from ucm_db.keys import Namespace
+from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.store import STORE_FORMAT_VERSION, NamespaceStats, Store, StoreStats, open
 from ucm_db.tiers.local import PutResult
 
-__version__ = "0.1.0"
+from ucm_db.version import __version__
 
 __all__ = [
-    "STORE_FORMAT_VERSION", "ClosedError", "ConfigError", "CorruptBlockError", "FormatVersionError",
+    "STORE_FORMAT_VERSION", "BlockKeys", "ClosedError", "ConfigError", "CorruptBlockError", "FormatVersionError",
     "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "PutResult",
     "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
 ]

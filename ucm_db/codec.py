@@ -343,7 +343,10 @@ def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) ->
     """Decodes a block whose header and checksum :func:`verify_parts` accepted."""
     out_view = memoryview(out).cast("B")
     if len(out_view) < header.raw_len:
-        raise ValueError(f"output buffer of {len(out_view)} bytes is smaller than the block's {header.raw_len}")
+        raise ConfigError(
+            f"output buffer of {len(out_view)} bytes is smaller than the block's {header.raw_len}",
+            hint="pass get_into buffers at least as large as the stored blocks",
+        )
     body_view = memoryview(body)
     table_at = HEADER_BYTES
     body_at = 0
@@ -435,3 +438,22 @@ def _zstd_exact(data: memoryview, size: int) -> bytes:
     if len(result) != size:
         raise CorruptBlockError("decompressed size mismatch")
     return result
+
+
+def transcode(blob: Buffer, key: bytes, *, codec: str, element_bytes: int, level: int = 1) -> Buffer:
+    """``blob`` re-encoded with ``codec`` (frames kept apart), or ``blob``
+    itself when it already uses it. The block is verified first: a corrupt
+    one raises :class:`CorruptBlockError` and is never re-sealed as whole.
+
+    Raises:
+        CorruptBlockError: ``blob`` fails verification against ``key``.
+    """
+    if codec_of_head(blob) == codec:
+        return blob
+    raw = memoryview(decode(blob, key))
+    frames: list[memoryview] = []
+    offset = 0
+    for size in frame_sizes(blob):
+        frames.append(raw[offset : offset + size])
+        offset += size
+    return encode_parts(key, frames, codec=codec, element_bytes=element_bytes, level=level).blob()

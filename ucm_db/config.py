@@ -24,12 +24,19 @@ CODECS = ("zstd", "none")
 DURABILITIES = ("sync", "group")
 ENGINES = ("lmdb", "rocksdb", "memory")
 REMOTE_MODES = ("write_back", "write_through")
+#: Codec of remote objects: as the local tier, fixed, or chosen from measured speeds.
+REMOTE_CODECS = ("same", "none", "zstd", "auto")
 
 #: Settings recorded in the store at creation and enforced on reopen.
 PERSISTED_FIELDS = ("capacity_bytes", "codec", "zstd_level", "durability", "engine")
 
 GIB = 1 << 30
 MIB = 1 << 20
+#: Longest background sync / activity-flush interval: group durability's
+#: promise ("a power loss may lose the last interval") needs a real bound.
+MAX_SYNC_INTERVAL_S = 3600.0
+#: Longest wait on the remote tier per lookup.
+MAX_REMOTE_DEADLINE_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +73,10 @@ class StoreConfig:
             returns).
         remote_deadline_s: longest a lookup waits on the remote tier.
         upload_concurrency: parallel uploads of the background uploader.
+        remote_codec: codec of remote objects: ``"same"`` as ``codec``,
+            ``"none"``, ``"zstd"``, or ``"auto"`` (zstd when the measured
+            link is slower than the measured compression; see
+            :mod:`ucm_db.remote_codec`). Read-through keeps what it fetched.
     """
 
     capacity_bytes: int = 8 * GIB
@@ -83,6 +94,7 @@ class StoreConfig:
     remote_mode: str = "write_back"
     remote_deadline_s: float = 0.2
     upload_concurrency: int = 4
+    remote_codec: str = "same"
 
     def __post_init__(self) -> None:
         _require_int("capacity_bytes", self.capacity_bytes, minimum=1 << 20)
@@ -91,7 +103,7 @@ class StoreConfig:
         if self.zstd_level > 22:
             raise ConfigError("zstd_level must be <= 22", hint="use 1 (fast) to 19 (small)")
         _require_choice("durability", self.durability, DURABILITIES)
-        _require_positive_float("sync_interval_s", self.sync_interval_s)
+        _require_positive_float("sync_interval_s", self.sync_interval_s, maximum=MAX_SYNC_INTERVAL_S)
         _require_int("sync_bytes", self.sync_bytes, minimum=1)
         _require_choice("engine", self.engine, ENGINES)
         _require_int("encode_threads", self.encode_threads, minimum=0)
@@ -106,8 +118,9 @@ class StoreConfig:
         if not isinstance(self.remote_options, Mapping):
             raise ConfigError("remote_options must be a mapping", hint="pass a dict such as {'endpoint_url': ...}")
         _require_choice("remote_mode", self.remote_mode, REMOTE_MODES)
-        _require_positive_float("remote_deadline_s", self.remote_deadline_s)
+        _require_positive_float("remote_deadline_s", self.remote_deadline_s, maximum=MAX_REMOTE_DEADLINE_S)
         _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
+        _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -158,6 +171,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}", hint="fix the YAML") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option names to values", hint="write key: value lines")
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(
+            f"config file {path} has option name(s) that are not strings: {', '.join(map(repr, odd))}",
+            hint="option names are words such as capacity_bytes; quote them if YAML reads them as numbers",
+        )
     return data
 
 
@@ -168,9 +187,13 @@ def _require_int(name: str, value: Any, *, minimum: int) -> None:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}", hint=f"raise {name}")
 
 
-def _require_positive_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}", hint=f"pass {name}=0.5")
+def _require_positive_float(name: str, value: Any, *, maximum: float) -> None:
+    # `not 0 < value <= maximum` also refuses NaN and infinity: a timer
+    # given either would overflow (or never fire) in threading.Event.wait.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= maximum:
+        raise ConfigError(
+            f"{name} must be a number of seconds in (0, {maximum:g}], got {value!r}", hint=f"pass e.g. {name}=0.5",
+        )
 
 
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -19,19 +19,19 @@ Invariants:
       extras differ, and every key after it differs.
     * Keys are 32-byte BLAKE2b digests (unkeyed, no salt or person) over
       the parent key and the block's token ids as little-endian uint32.
-      :func:`ucm_db.native.chain_keys` computes the chain, in C when the
-      extension is built, else in Python; both give the same bytes.
+      :func:`ucm_db.key_chain.chain_keys` computes the chain with hashlib's
+      BLAKE2b, the one implementation behind every key.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Union
+from typing import Any, SupportsIndex, Union, overload
 
-from ucm_db import native
+from ucm_db import key_chain
 from ucm_db.errors import ConfigError
 
 KEY_BYTES = 32
@@ -121,7 +121,7 @@ class Namespace:
         start: int = 0,
         stop: int | None = None,
         block_extras: Mapping[int, bytes] | None = None,
-    ) -> list[bytes]:
+    ) -> BlockKeys:
         """Keys of the full blocks of ``token_ids[start:stop]``.
 
         Args:
@@ -142,7 +142,9 @@ class Namespace:
                 ``start`` must then be a multiple of ``block_size``.
 
         Returns:
-            One 32-byte key per full block, in order.
+            One 32-byte key per full block, in order, as a :class:`BlockKeys`
+            that knows the key before its first one (``parent``), so
+            ``store.put(ns, keys[i:j], ...)`` needs no ``parent=``.
         """
         if parent is not None:
             if extras:
@@ -158,36 +160,83 @@ class Namespace:
             raise ConfigError(f"start and stop must be >= 0, got {start} and {stop}", hint="pass indices into token_ids")
         n_blocks = max(0, end - start) // block_size
         if n_blocks == 0:
-            return []
+            return BlockKeys(parent=bytes(parent) if parent is not None else None)
         first_block = start // block_size
         if block_extras and start % block_size:
             raise ConfigError(f"block_extras needs start at a block boundary, got start={start}", hint=f"pass a multiple of {block_size}")
-        tokens: native.TokenSource
+        tokens: key_chain.TokenSource
         if isinstance(token_ids, (list, tuple)):
-            tokens = token_ids  # converted (and checked) by chain_keys, in C when built
+            tokens = token_ids  # converted (and checked) by chain_keys
         else:
             tokens = _as_chain_tokens(token_ids[start:end], n_blocks * block_size)
             start = 0
         marked = sorted(k - first_block for k in block_extras or () if first_block <= k < first_block + n_blocks)
+        chain_parent = bytes(parent) if parent is not None else None
         try:
             if not marked:
-                return native.chain_keys(prev, tokens, block_size, n_blocks, start)
+                return BlockKeys(key_chain.chain_keys(prev, tokens, block_size, n_blocks, start), parent=chain_parent)
             assert block_extras is not None
             keys: list[bytes] = []
             done = 0
             for index in [*marked, n_blocks]:
                 if index > done:  # a run of plain blocks
-                    keys.extend(native.chain_keys(prev, tokens, block_size, index - done, start + done * block_size))
+                    keys.extend(key_chain.chain_keys(prev, tokens, block_size, index - done, start + done * block_size))
                     prev = keys[-1]
                     done = index
                 if index < n_blocks:  # one block with extras
                     prev = _mix_block_extra(prev, block_extras[first_block + index])
-                    keys.extend(native.chain_keys(prev, tokens, block_size, 1, start + index * block_size))
+                    keys.extend(key_chain.chain_keys(prev, tokens, block_size, 1, start + index * block_size))
                     prev = keys[-1]
                     done = index + 1
-            return keys
+            return BlockKeys(keys, parent=chain_parent)
         except (OverflowError, TypeError) as exc:
             raise ConfigError(_BAD_TOKENS, hint="pass the prompt's token ids") from exc
+
+
+class BlockKeys(list):  # type: ignore[type-arg]
+    """A run of consecutive chain keys that knows where it starts.
+
+    ``parent`` is the key of the block before the first one, or None when
+    the first key is a chain's first block. A contiguous slice keeps the
+    rule (``keys[i:j].parent == keys[i - 1]`` for ``i > 0``), so a store
+    always knows a segment's parent and can refuse one whose parent is not
+    stored (the prefix invariant). Concatenation and other list operations
+    give plain lists, which carry no parent.
+    """
+
+    __slots__ = ("parent",)
+
+    def __init__(self, keys: Iterable[bytes] = (), *, parent: bytes | None = None) -> None:
+        super().__init__(keys)
+        self.parent = parent
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> BlockKeys | list[bytes]: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> Any:
+        if not isinstance(index, slice):
+            return super().__getitem__(index)
+        items = super().__getitem__(index)
+        start, _stop, step = index.indices(len(self))
+        if step != 1:
+            return items
+        if not items:
+            return BlockKeys(parent=None)
+        return BlockKeys(items, parent=super().__getitem__(start - 1) if start > 0 else self.parent)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_block_keys, (list(self), self.parent))
+
+    def __repr__(self) -> str:
+        parent = self.parent.hex()[:16] if self.parent is not None else None
+        return f"BlockKeys({len(self)} keys, parent={parent})"
+
+
+def _rebuild_block_keys(keys: list[bytes], parent: bytes | None) -> BlockKeys:
+    return BlockKeys(keys, parent=parent)
 
 
 def _mix_block_extra(parent: bytes, extra: bytes) -> bytes:
@@ -204,14 +253,20 @@ def _mix_block_extra(parent: bytes, extra: bytes) -> bytes:
 _BAD_TOKENS = "token ids must be non-negative integers < 2**32"
 
 
-def _as_chain_tokens(token_ids: Sequence[int], count: int) -> native.TokenSource:
-    """The first ``count`` ids in a form :func:`ucm_db.native.chain_keys`
+def _as_chain_tokens(token_ids: Sequence[int], count: int) -> key_chain.TokenSource:
+    """The first ``count`` ids in a form :func:`ucm_db.key_chain.chain_keys`
     takes: a numpy integer array as little-endian uint32 bytes (no Python
     loop), any other sequence as a list (converted and checked there)."""
     dtype = getattr(token_ids, "dtype", None)
     if dtype is not None and hasattr(token_ids, "astype") and str(dtype) in ("int32", "uint32", "int64", "uint64"):
-        as_array: Any = token_ids
-        return as_array[:count].astype("<u4").tobytes()  # type: ignore[no-any-return]
+        as_array: Any = token_ids[:count]
+        # The same rule as for a list: ids outside [0, 2**32) are refused,
+        # never wrapped into another id's key (astype would wrap them).
+        if str(dtype) in ("int32", "int64", "uint64") and len(as_array) and (
+            int(as_array.min()) < 0 or int(as_array.max()) >= 1 << 32
+        ):
+            raise ConfigError(_BAD_TOKENS, hint="pass the prompt's token ids")
+        return as_array.astype("<u4").tobytes()  # type: ignore[no-any-return]
     return list(token_ids[:count])
 
 

@@ -12,10 +12,14 @@ Invariants:
       the parent's lock, and unlocking in one would unlock both.
     * Taking the exclusive lock never waits: a caller that cannot have it
       learns which processes hold the store (:func:`holders`) and decides.
+    * Creating the store directory (:func:`ensure_store_dir`) and opening
+      the lock file turn every OSError into a TierError whose hint names
+      that failure's fix (:func:`os_error`).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -38,7 +42,7 @@ class StoreLock:
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise TierError(f"cannot open the store's lock file {self.path}: {exc}") from exc
+            raise os_error("open the store's lock file", self.path, exc) from exc
         self.mode = ""
 
     def _try(self, flags: int) -> bool:
@@ -85,6 +89,40 @@ class StoreLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def os_error(what: str, path: Path, exc: OSError) -> TierError:
+    """A TierError for an OSError while creating or opening ``path``."""
+    code = exc.errno
+    if code == errno.EROFS:
+        return TierError(f"cannot {what} {path}: the file system is read-only",
+                         hint="put the store on a writable local disk, or remount that file system read-write")
+    if code in (errno.EACCES, errno.EPERM):
+        return TierError(f"cannot {what} {path}: permission denied",
+                         hint=f"give this user ({os.getuid()}) write access to {path.parent}, or choose a store path it owns")
+    if code == errno.ENOSPC:
+        return TierError(f"cannot {what} {path}: no space left on the device",
+                         hint="free space on that disk, or lower capacity_bytes / choose a store path on a larger disk")
+    if code in (errno.EEXIST, errno.ENOTDIR):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        return TierError(f"cannot {what} {path}: {blocker} is a file, not a directory",
+                         hint=f"move {blocker} away or choose another store path (a store is a directory)")
+    return TierError(f"cannot {what} {path}: {exc}")
+
+
+def ensure_store_dir(path: str | os.PathLike[str]) -> Path:
+    """Creates the store directory (0700, with parents) if needed; every
+    failure is a TierError with the fix (the path is a file, read-only
+    file system, permission, full disk). Returns the path."""
+    store = Path(path)
+    if store.exists() and not store.is_dir():
+        raise TierError(f"the store path {store} is a file, not a directory",
+                        hint=f"move {store} away or choose another store path (a store is a directory)")
+    try:
+        store.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise os_error("create the store directory", store, exc) from exc
+    return store
 
 
 def hold_shared(path: str | os.PathLike[str], timeout_s: float = SHARED_WAIT_S) -> StoreLock:

@@ -25,17 +25,21 @@ Invariants:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ucm_db.crashpoints import crashpoint
-from ucm_db.errors import TierError
+from ucm_db import codec
+from ucm_db.errors import CorruptBlockError, TierError
+from ucm_db.remote_codec import RemoteCodec
 from ucm_db.tiers.local import LocalTier
 from ucm_db.tiers.remote import RemoteRoot
 
@@ -47,6 +51,8 @@ MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
 STOP_POLL_S = 0.1
 LOCK_NAME = "uploader.lock"
+#: ``info`` record of the remote codec in force, for ``ucm-db inspect``.
+REMOTE_CODEC_RECORD = b"remote_codec"
 
 
 class Uploader:
@@ -59,9 +65,15 @@ class Uploader:
         concurrency: uploads in flight at once.
     """
 
-    def __init__(self, local: LocalTier, remote: RemoteRoot, store_dir: Path, *, concurrency: int) -> None:
+    def __init__(
+        self, local: LocalTier, remote: RemoteRoot, store_dir: Path, *, concurrency: int,
+        remote_codec: RemoteCodec | None = None,
+    ) -> None:
         self.local = local
         self.remote = remote
+        self.codec = remote_codec
+        self._recorded_codec: str | None = None
+        self._element_bytes: dict[bytes, int] = {}
         self.concurrency = concurrency
         self._lock_path = store_dir / LOCK_NAME
         self._lock_fd: int | None = None
@@ -144,7 +156,20 @@ class Uploader:
         crashpoint("remote.before_mark_uploaded")
         self.local.mark_uploaded(done + gone)
         self.uploaded += len(done)
+        self._record_codec_choice()
         return len(done), len(errors)
+
+    def _record_codec_choice(self) -> None:
+        """Keeps ``info/remote_codec`` (what ``ucm-db inspect`` shows) up to
+        date when the codec in force changes."""
+        if self.codec is None:
+            return
+        choice = self.codec.choice()
+        if choice.codec == self._recorded_codec:
+            return
+        record = {**asdict(choice), "time_ns": time.time_ns()}
+        self.local.info_put(REMOTE_CODEC_RECORD, json.dumps(record, sort_keys=True).encode())
+        self._recorded_codec = choice.codec
 
     def _plan_batch(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Shallowest blocks first, up to :data:`BATCH_BYTES` stored bytes
@@ -186,10 +211,29 @@ class Uploader:
     def _upload_one(self, item: tuple[bytes, bytes | None, bytes, int, bytes]) -> str | None:
         key, parent, namespace_id, _depth, blob = item
         try:
-            self.remote.tier(namespace_id).store(key, parent, blob)
+            sent = self._encode_for_remote(key, namespace_id, blob)
+            started = time.perf_counter()
+            self.remote.tier(namespace_id).store(key, parent, sent)
+            if self.codec is not None:
+                self.codec.observe_send(len(sent), time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - any failure keeps the row queued
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    def _encode_for_remote(self, key: bytes, namespace_id: bytes, blob: bytes) -> bytes:
+        """The object to upload: ``blob`` in the remote codec. A block that
+        fails verification goes as it is (remote readers verify it too and
+        read it as a miss), so a damaged local copy never blocks the queue."""
+        if self.codec is None:
+            return blob
+        element_bytes = self._element_bytes.get(namespace_id)
+        if element_bytes is None:
+            kv_dtype = self.local.namespace_descriptions().get(namespace_id, {}).get("kv_dtype", "")
+            element_bytes = self._element_bytes.setdefault(namespace_id, codec.element_bytes_for(str(kv_dtype)))
+        try:
+            return self.codec.encode(blob, key, element_bytes)[0]
+        except CorruptBlockError:
+            return blob
 
     def _ensure_manifests(self, namespace_ids: set[bytes]) -> None:
         if not namespace_ids - self.remote.manifests_written:
@@ -265,4 +309,7 @@ def describe(uploader: Uploader | None) -> dict[str, Any]:
     """Counters for stats and the CLI."""
     if uploader is None:
         return {}
-    return {"uploaded": uploader.uploaded, "failures": uploader.failures, "last_error": uploader.last_error}
+    out: dict[str, Any] = {"uploaded": uploader.uploaded, "failures": uploader.failures, "last_error": uploader.last_error}
+    if uploader.codec is not None:
+        out["codec"] = asdict(uploader.codec.choice())
+    return out

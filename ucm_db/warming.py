@@ -14,21 +14,28 @@ Invariants:
     * Chains stream in: the remote read pool keeps requests in flight while
       runs of :data:`BATCH_BLOCKS` are promoted; a request slower than
       :data:`BATCH_DEADLINE_S` ends the chain's warming.
+    * Finding a namespace on a remote (:func:`remote_namespaces`) never
+      fails because of another entry: a stray entry under the root or one
+      namespace's missing or broken manifest is reported (a warning and a
+      line in ``problems``), and every other namespace is still found.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ucm_db.errors import ConfigError
+from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.keys import Namespace
-from ucm_db.tiers.remote import remote_failure
+from ucm_db.tiers.remote import RemoteRoot, remote_failure
 
 if TYPE_CHECKING:
     from ucm_db.store import Store
+
+_log = logging.getLogger("ucm_db")
 
 BATCH_BLOCKS = 64
 BATCH_DEADLINE_S = 30.0
@@ -64,6 +71,76 @@ class WarmReport:
         return {**asdict(self), "blocks": self.blocks}
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteNamespaces:
+    """The namespaces a remote describes.
+
+    Attributes:
+        url: the remote.
+        namespaces: by short id, each from its readable manifest.
+        problems: one line per entry skipped (a stray entry, a missing or
+            broken manifest, a manifest that describes another namespace).
+    """
+
+    url: str
+    namespaces: dict[str, Namespace]
+    problems: list[str]
+
+    def find(self, wanted: str) -> Namespace:
+        """The one namespace whose short id starts with ``wanted`` or whose
+        model is ``wanted``.
+
+        Raises:
+            ConfigError: none or several match (the problems are named, since
+                the one wanted may be among the skipped entries).
+        """
+        found = [ns for short_id, ns in sorted(self.namespaces.items())
+                 if short_id.startswith(wanted.lower()) or ns.model == wanted]
+        if len(found) == 1:
+            return found[0]
+        skipped = f"; skipped: {'; '.join(self.problems)}" if self.problems else ""
+        raise ConfigError(
+            f"{len(found)} namespaces on {self.url} match {wanted!r}{skipped}",
+            hint="pass a longer id prefix or the exact model name" if found else
+            "check --namespace against `ucm-db inspect` of a store writing there; a broken manifest is rewritten by the next upload",
+        )
+
+
+def remote_namespaces(url: str, options: dict[str, Any] | None = None) -> RemoteNamespaces:
+    """Reads every namespace manifest under the remote ``url``.
+
+    A stray entry or a bad manifest is skipped, logged and listed in
+    ``problems``; it never hides the other namespaces.
+
+    Raises:
+        ConfigError: the URL cannot be opened (unknown protocol, missing
+            backend).
+        TierError: the remote root cannot be listed.
+    """
+    root = RemoteRoot.from_url(url, options)
+    try:
+        manifests, problems = root.manifests()
+    except UcmDbError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any listing failure is reported the same way
+        raise remote_failure(exc, url) from exc
+    namespaces: dict[str, Namespace] = {}
+    for short_id, manifest in manifests.items():
+        where = f"{root.namespace_dir(bytes.fromhex(short_id))}/manifest.json"
+        try:
+            namespace = Namespace.from_dict(manifest.get("namespace") or {})
+        except (UcmDbError, TypeError, ValueError) as exc:
+            problem = f"{where}: not a namespace description ({exc}); skipped"
+        else:
+            if namespace.short_id == short_id:
+                namespaces[short_id] = namespace
+                continue
+            problem = f"{where} describes namespace {namespace.short_id}, not {short_id}; skipped"
+        _log.warning("remote %s: %s", url, problem)
+        problems.append(problem)
+    return RemoteNamespaces(url, namespaces, problems)
+
+
 def chains_of(
     namespace: Namespace,
     token_sequences: Sequence[Sequence[int]] | None,
@@ -73,7 +150,7 @@ def chains_of(
     given as a flat list of keys, or a list of chains)."""
     if token_sequences is None and keys is None:
         raise ConfigError("warm needs token_sequences= or keys=", hint="pass the prompts' token ids, or block keys")
-    chains = [namespace.block_keys(tokens) for tokens in token_sequences or []]
+    chains: list[list[bytes]] = [namespace.block_keys(tokens) for tokens in token_sequences or []]
     if keys:
         if isinstance(keys[0], (bytes, bytearray)):
             chains.append([bytes(k) for k in keys])  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 """Format 2: the store records which ucm-db created it (``info/created``).
 
 Stores created at format 2 or later get the record at creation
-(:func:`ucm_db.store.creation_record`); this migration gives older stores
+(:func:`ucm_db.format.creation_record`); this migration gives older stores
 one saying that their creator is unknown, so every store at format 2 has it
 and tools can rely on its presence. Blocks, metadata and accounting are
 unchanged.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from ucm_db.migrations import Migration
-from ucm_db.store import CREATED_KEY
+from ucm_db.format import CREATED_KEY
 from ucm_db.tiers.base import Txn
 
 

@@ -3,7 +3,8 @@
 Two levels live here:
 
 * :class:`Tier` is the block-level interface every tier offers (local or
-  remote): batch get and put, exists, delete, iterate, capabilities. A miss
+  remote): batch get, exists, delete, iterate, capabilities (each tier puts
+  through its own method, which knows parents and namespaces). A miss
   is ``None``, never an exception.
 * :class:`Engine` is the transactional table store a *local* tier is built
   on (LMDB, RocksDB, memory). It knows nothing of blocks: it runs a function
@@ -59,10 +60,6 @@ class Tier(ABC):
     @abstractmethod
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Encoded blobs of ``keys``; ``None`` for a miss."""
-
-    @abstractmethod
-    def put_batch(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
-        """Stores ``(key, blob)`` pairs (atomically where transactional)."""
 
     @abstractmethod
     def exists(self, keys: Sequence[bytes]) -> list[bool]: ...

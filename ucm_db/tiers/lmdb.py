@@ -15,9 +15,21 @@ Invariants and choices:
     * The directory is created 0700 and the files 0600.
     * Once per process, glibc's malloc is asked to keep freed memory (see
       :func:`_keep_dirty_page_memory`); ``UCM_DB_MALLOC_TUNING=0`` opts out.
-    * Without ``sync``, a durable marker announces unsynced commits, and an
-      open after an OS crash reads such a store in a child process first
-      and sets it aside if damaged (:mod:`ucm_db.tiers.lmdb_recovery`).
+    * Durability never risks the file. ``sync=True``: every commit
+      fdatasyncs its pages, then its meta page (LMDB's default).
+      ``sync=False`` (``durability="group"``): commits use MDB_NOSYNC and
+      reach only the OS page cache; :meth:`LmdbEngine.sync` (run by the
+      store every ``sync_interval_s``) makes them durable and pins the
+      synced snapshot, and an open after an OS crash reopens the last
+      synced snapshot (:mod:`ucm_db.tiers.lmdb_groupsync`). A power loss
+      thus undoes the commits since the last completed sync and damages
+      nothing; a process crash loses nothing.
+    * A data file is checked against its meta pages before it is mapped
+      (:func:`ucm_db.tiers.lmdb_meta.check_file`): a truncated or foreign
+      file is a :class:`TierError` naming the damage, never a SIGBUS.
+    * Stores written by older versions with unsynced-commit markers are
+      still checked in a child process after an OS crash
+      (:mod:`ucm_db.tiers.lmdb_recovery`); no marker is written any more.
 """
 
 from __future__ import annotations
@@ -35,7 +47,19 @@ import lmdb
 
 from ucm_db.errors import TierError
 from ucm_db.tiers.base import TABLES, Buffer, Engine, T
-from ucm_db.tiers.lmdb_recovery import RecoveryReport, UnsyncedMarker, recover_after_os_crash
+from ucm_db.storelock import ensure_store_dir
+from ucm_db.tiers.lmdb_checks import check_data_file, ensure_env_dir, lmdb_error
+from ucm_db.tiers.lmdb_groupsync import RollbackReport, SnapshotPin, roll_back_after_os_crash
+from ucm_db.tiers.lmdb_meta import FileCheck, check_file
+from ucm_db.tiers.lmdb_recovery import (
+    CHECK_TIMEOUT_S,
+    RecoveryReport,
+    logger,
+    recover_after_os_crash,
+    recovery_lock,
+    set_aside,
+    walk_in_child,
+)
 
 _MAX_MAP_BYTES = 1 << 46
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -164,9 +188,11 @@ class LmdbEngine(Engine):
         self._open_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
-        self._marker: UnsyncedMarker | None = None
-        #: What the last open found after an OS crash (None: nothing to check).
+        self._pin: SnapshotPin | None = None
+        #: What the last open found of an older version's markers after an OS crash (None: nothing to check).
         self.recovery: RecoveryReport | None = None
+        #: Group durability: the rollback to the last synced snapshot the last open made after an OS crash.
+        self.rollback: RollbackReport | None = None
 
     def _environment(self) -> lmdb.Environment:
         if self._env is not None and self._pid == os.getpid():
@@ -180,18 +206,28 @@ class LmdbEngine(Engine):
     def _open(self) -> None:
         # A forked child must not touch the parent's environment: drop it.
         self._env = None
+        # The parent's pin is dropped, never released: ending its read
+        # transaction would clear the parent's slot in the shared lock file
+        # (py-lmdb's objects do nothing when freed in a forked child).
+        self._pin = None
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
+        ensure_store_dir(self.path.parent)
+        ensure_env_dir(self.path)
         try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            try:
-                self.recovery = recover_after_os_crash(self.path)
-            except OSError as exc:
-                raise TierError(
-                    f"cannot check LMDB store {self.path} after an OS crash: {exc}",
-                    hint=f"make {self.path.parent} writable by this user, or delete the store (it is a cache)",
-                ) from exc
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.recovery = recover_after_os_crash(self.path)
+            if not self._sync:
+                with recovery_lock(self.path):
+                    self.rollback = roll_back_after_os_crash(self.path)
+                    if self.rollback is not None:
+                        self._set_aside_if_still_damaged()
+        except OSError as exc:
+            raise TierError(
+                f"cannot check LMDB store {self.path} after an OS crash: {exc}",
+                hint=f"make {self.path.parent} writable by this user, or delete the store (it is a cache)",
+            ) from exc
+        check_data_file(self.path)
+        try:
             env = _lmdb_open(
                 str(self.path),
                 map_size=self._map_size_bytes,
@@ -205,17 +241,56 @@ class LmdbEngine(Engine):
                 lock=True,
                 mode=0o600,
             )
-        except lmdb.Error as exc:
-            raise TierError(f"cannot open LMDB store at {self.path}: {exc}") from exc
-        env.reader_check()
-        _keep_dirty_page_memory()
-        current = env.info()["map_size"]
-        if current < self._map_size_bytes:
-            env.set_mapsize(self._map_size_bytes)
-        self._dbs = self._open_tables(env)
-        self._marker = None if self._sync else UnsyncedMarker(self.path)
+        except (lmdb.Error, OSError) as exc:
+            raise lmdb_error("Opening LMDB store", self.path, exc) from exc
+        try:
+            _keep_dirty_page_memory()
+            current = env.info()["map_size"]
+            if current < self._map_size_bytes:
+                env.set_mapsize(self._map_size_bytes)
+            self._dbs = self._open_tables(env)
+            if not self._sync:
+                # Record (and pin) a synced snapshot before clearing dead readers,
+                # whose slots may pin the snapshot of the current record.
+                self._pin = SnapshotPin(self.path)
+                self._sync_env(env)
+            env.reader_check()
+        except BaseException:
+            if self._pin is not None:
+                self._pin.release()
+                self._pin = None
+            env.close()
+            raise
         self._env = env
         self._pid = os.getpid()
+
+    def _set_aside_if_still_damaged(self) -> None:
+        """The last resort after a rollback: a synced snapshot that still
+        does not fit in the file means the disk lost synced writes (it lied
+        about fsync). The store is a cache: move it aside and start empty."""
+        check = self.check_file()
+        if check.ok:
+            return
+        moved_to = set_aside(self.path)
+        ensure_env_dir(self.path)
+        logger.warning(
+            "ucm-db: %s lost synced writes in an OS crash (%s): the disk or its cache does not honour fsync. "
+            "Moved it to %s and started an empty store.", self.path, check.problem, moved_to,
+        )
+
+    def check_file(self) -> FileCheck:
+        """The data file checked against its meta pages, without mapping it
+        (:func:`ucm_db.tiers.lmdb_meta.check_file`)."""
+        return check_file(self.path / "data.mdb")
+
+    def walk_in_child(self, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
+        """None if the store is intact: its meta pages check out and a child
+        process reads every table back; else one sentence naming the damage.
+        Never crashes this process, whatever the file holds."""
+        check = self.check_file()
+        if not check.ok:
+            return check.problem
+        return walk_in_child(self.path, lock=True, timeout_s=timeout_s)
 
     def _open_tables(self, env: lmdb.Environment) -> dict[str, Any]:
         """Opens the named tables, adopting a map that another process grew
@@ -227,9 +302,7 @@ class LmdbEngine(Engine):
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
             except lmdb.Error as exc:
-                env.close()
-                raise TierError(f"cannot open the tables of LMDB store {self.path}: {exc}") from exc
-        env.close()
+                raise lmdb_error("Opening the tables of LMDB store", self.path, exc) from exc
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def read(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
@@ -241,16 +314,11 @@ class LmdbEngine(Engine):
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
             except lmdb.Error as exc:  # e.g. MDB_CORRUPTED from a damaged page
-                raise TierError(
-                    f"LMDB read of {self.path} failed: {exc}",
-                    hint=f"the store file may be damaged: run `ucm-db verify {self.path.parent}`, or delete the store (it is a cache)",
-                ) from exc
+                raise lmdb_error("LMDB read of", self.path, exc) from exc
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def write(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
         env = self._environment()
-        if self._marker is not None:
-            self._marker.before_commit()
         while True:
             try:
                 with self._write_lock, self._txn_gate.shared(), env.begin(write=True, buffers=True) as txn:
@@ -260,34 +328,59 @@ class LmdbEngine(Engine):
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
             except lmdb.Error as exc:
-                raise TierError(f"LMDB write to {self.path} failed: {exc}") from exc
+                raise lmdb_error("LMDB write to", self.path, exc) from exc
 
     def _grow(self, env: lmdb.Environment) -> None:
         with self._txn_gate.exclusive():
             size = env.info()["map_size"]
             if size * 2 > _MAX_MAP_BYTES:
                 raise TierError(f"LMDB map of {self.path} cannot grow past {size} bytes")
-            env.set_mapsize(size * 2)
+            self._set_mapsize(env, size * 2)
 
     def _adopt_resize(self, env: lmdb.Environment) -> None:
         with self._txn_gate.exclusive():
-            env.set_mapsize(0)
+            self._set_mapsize(env, 0)
+
+    def _set_mapsize(self, env: lmdb.Environment, size: int) -> None:
+        """``set_mapsize`` (under the exclusive gate). py-lmdb ends every
+        transaction of the environment when the map changes, the snapshot
+        pin's too: re-pin at once. No commit of this process runs meanwhile,
+        and another process's pin is at or before the recorded snapshot, so
+        no page of it is reused in between."""
+        env.set_mapsize(size)
+        if self._pin is None:
+            return
+        self._pin.ended()
+        for _ in range(16):
+            try:
+                self._pin.sync(env)
+                return
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
 
     def sync(self) -> None:
-        env = self._environment()
-        generation = self._marker.generation() if self._marker is not None else 0
-        try:
-            env.sync(True)
-            if self._marker is not None:
-                self._marker.synced(generation)
-        except lmdb.Error as exc:
-            raise TierError(f"LMDB sync of {self.path} failed: {exc}") from exc
+        self._sync_env(self._environment())
+
+    def _sync_env(self, env: lmdb.Environment) -> None:
+        for _ in range(16):
+            try:
+                if self._pin is None:
+                    env.sync(True)
+                else:
+                    self._pin.sync(env)
+                return
+            except lmdb.MapResizedError:
+                self._adopt_resize(env)
+            except (lmdb.Error, OSError) as exc:
+                raise lmdb_error("LMDB sync of", self.path, exc) from exc
+        raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def close(self) -> None:
         with self._open_lock:
             if self._env is not None and self._pid == os.getpid():
-                if self._marker is not None:
-                    self._marker.closed()
+                if self._pin is not None:
+                    self._pin.release()
+                    self._pin = None
                 self._env.close()
             self._env = None
 

@@ -1,39 +1,29 @@
-"""Power-loss recovery for LMDB stores written with ``durability="group"``.
+"""Post-crash checks of LMDB stores: legacy markers, the child read, set-aside.
 
-Group durability commits with LMDB's NOSYNC and fsyncs in the background.
-A process crash loses nothing (the page cache keeps every commit), but an OS
-crash or power loss between a commit and the next sync can leave a meta page
-that points at pages never written: a damaged file, which LMDB cannot detect
-and which may crash a reader (SIGBUS, SIGSEGV) instead of raising.
+Group durability no longer risks the file (:mod:`ucm_db.tiers.lmdb_groupsync`
+reopens the last synced snapshot after an OS crash). Versions before it ran
+group durability on a bare MDB_NOSYNC and announced unsynced commits with a
+durable marker file, ``unsynced/<boot id>.<pid>``, in the environment
+directory. A store such a version left behind when the machine went down
+may be damaged, and this module still handles it:
 
-This module makes that case detectable and harmless:
-
-* :class:`UnsyncedMarker`: before its first unsynced commit, a process
-  creates ``unsynced/<boot id>.<pid>`` in the environment directory and
-  fsyncs it. It removes the marker at close, or after a sync once a whole
-  sync interval passed without a commit: a writing process keeps its marker,
-  so the fsyncs are paid when writing starts, not once per interval. A
-  marker therefore exists on disk whenever unsynced commits may exist.
-* :func:`recover_after_os_crash`: at open, under an exclusive ``flock``, a
-  marker of another boot means the machine went down with unsynced commits.
-  The environment is then read end to end in a child process (every table,
-  every value's first and last byte); if the child fails or dies, the
-  environment directory is moved to ``<store>/damaged/lmdb-<time>`` and the
-  store starts empty (it is a cache). Markers of this boot whose process is
-  gone are left by process crashes, which lose nothing: they are removed.
+* :func:`recover_after_os_crash`: at open, under :func:`recovery_lock`, a
+  marker of another boot means unsynced commits before an OS crash. The
+  environment is read end to end in a child process (every table, every
+  value's first and last byte); if the child fails or dies, the environment
+  directory is moved to ``<store>/damaged/lmdb-<time>`` and the store starts
+  empty (it is a cache). Markers of this boot whose process is gone were
+  left by process crashes, which lose nothing: they are removed after the
+  data file is fsynced.
 
 Invariants:
-    * A marker is durable (file and directory fsynced) before the commit it
-      covers starts, and removed only after a sync that began after the last
-      commit it covers (or at close, after the final sync).
     * A store is never moved aside unless a marker of another boot exists
       and the child check failed; a check is never run in this process.
-    * Without a boot id (not Linux) markers are not written and nothing is
-      checked: group durability then keeps its documented power-loss risk.
+    * No current code writes markers; this is the last resort for old ones.
 
 ``UCM_DB_BOOT_ID`` overrides the boot id. It exists for the tests, which
 cannot power a machine off: they write under one boot id and reopen under
-another, which is what a reboot looks like to this module.
+another, which is what a reboot looks like to ucm-db.
 """
 
 from __future__ import annotations
@@ -43,8 +33,9 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,77 +73,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-class UnsyncedMarker:
-    """This process's marker of unsynced commits in one environment.
-
-    Call :meth:`before_commit` before every unsynced write transaction,
-    :meth:`synced` with the generation read by :meth:`generation` before each
-    sync started, and :meth:`closed` when the environment closes. Thread-safe;
-    create a new one in a forked child.
-    """
-
-    def __init__(self, env_dir: Path) -> None:
-        self._dir = env_dir / MARKER_DIR
-        self._boot = boot_id()
-        self._lock = threading.Lock()
-        self._generation = 0            # commits announced so far
-        self._generation_at_last_sync = -1
-        self._present = False
-
-    @property
-    def path(self) -> Path:
-        return self._dir / f"{self._boot}.{os.getpid()}"
-
-    def generation(self) -> int:
-        """Commits announced so far; read it before starting a sync."""
-        with self._lock:
-            return self._generation
-
-    def before_commit(self) -> None:
-        """Makes sure a durable marker exists before an unsynced commit."""
-        if self._boot is None:
-            return
-        with self._lock:
-            self._generation += 1
-            if self._present:
-                return
-            self._dir.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.write(fd, f"{time.time():.3f}\n".encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            _fsync(self._dir)
-            self._present = True
-
-    def synced(self, generation_before_sync: int) -> None:
-        """After a sync: removes the marker if no commit was announced since
-        the previous sync began (a commit-free interval, all of it synced)."""
-        with self._lock:
-            idle = generation_before_sync == self._generation_at_last_sync == self._generation
-            self._generation_at_last_sync = generation_before_sync
-            if idle:
-                self._remove()
-
-    def closed(self) -> None:
-        """When the environment closes: removes the marker if the last sync
-        began after the last commit (``Store.close`` syncs first); else it
-        stays, and the next open syncs the file and removes it."""
-        with self._lock:
-            if self._generation == self._generation_at_last_sync:
-                self._remove()
-
-    def _remove(self) -> None:
-        if not self._present:
-            return
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        self._present = False  # a lost unlink only costs a check after a crash
-
-
 @dataclass(frozen=True)
 class RecoveryReport:
     """What :func:`recover_after_os_crash` found and did (returned only when
@@ -173,6 +93,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def set_aside(env_dir: Path) -> Path:
+    """Moves a damaged environment directory to ``<store>/damaged/<name>-<time>-<pid>``
+    (kept for inspection; the store then starts empty) and returns where.
+    The caller makes sure no process has it open."""
+    moved_to = env_dir.parent / DAMAGED_DIR / f"{env_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    moved_to.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.replace(env_dir, moved_to)
+    _fsync(env_dir.parent)
+    return moved_to
+
+
+@contextmanager
+def recovery_lock(env_dir: Path) -> Iterator[None]:
+    """Exclusive ``flock`` that serialises post-crash checks of ``env_dir``
+    between processes (a file beside it, so moving it aside is allowed)."""
+    fd = os.open(env_dir.parent / f".{env_dir.name}.recovery.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def recover_after_os_crash(env_dir: Path) -> RecoveryReport | None:
     """Checks ``env_dir`` if an OS crash may have damaged it (see module doc).
 
@@ -182,10 +125,7 @@ def recover_after_os_crash(env_dir: Path) -> RecoveryReport | None:
     markers_dir = env_dir / MARKER_DIR
     if current is None or not markers_dir.is_dir():
         return None
-    lock_path = env_dir.parent / f".{env_dir.name}.recovery.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with recovery_lock(env_dir):
         foreign: list[Path] = []
         dead: list[Path] = []
         for marker in markers_dir.iterdir():
@@ -202,29 +142,25 @@ def recover_after_os_crash(env_dir: Path) -> RecoveryReport | None:
                 marker.unlink(missing_ok=True)
         if not foreign:
             return None
-        failure = _check_in_child(env_dir)
+        failure = walk_in_child(env_dir, lock=False)
         if failure is None:
             for marker in foreign:
                 marker.unlink(missing_ok=True)
             logger.info("ucm-db: %s had unsynced commits before an OS crash; it reads back whole", env_dir)
             return RecoveryReport(len(foreign), damaged=False, moved_to=None)
-        moved_to = env_dir.parent / DAMAGED_DIR / f"{env_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        moved_to.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.replace(env_dir, moved_to)
+        moved_to = set_aside(env_dir)
         logger.warning(
             "ucm-db: %s was damaged by an OS crash or power loss during group-durability writes (%s); "
             "moved it to %s and started an empty store. Delete that directory once you no longer need it; "
             "use durability='sync' where a power loss must not cost the cache.", env_dir, failure, moved_to,
         )
         return RecoveryReport(len(foreign), damaged=True, moved_to=moved_to)
-    finally:
-        os.close(fd)
 
 
-_CHECK_SCRIPT = r"""
+_WALK_SCRIPT = r"""
 import sys
 import lmdb
-env = lmdb.open(sys.argv[1], readonly=True, lock=False, subdir=True, max_dbs=64)
+env = lmdb.open(sys.argv[1], readonly=True, lock=sys.argv[2] == "lock", subdir=True, max_dbs=64)
 with env.begin(buffers=True) as txn:
     names = [bytes(k) for k, _ in txn.cursor()]
     for name in names:
@@ -233,24 +169,32 @@ with env.begin(buffers=True) as txn:
             if len(value):
                 value[0], value[len(value) - 1]
 """
+_SIGNAL_NAMES = {6: "SIGABRT, an LMDB assertion on a damaged page", 7: "SIGBUS, a page past the end of the file",
+                 11: "SIGSEGV, a damaged page pointer"}
 
 
-def _check_in_child(env_dir: Path) -> str | None:
-    """Reads every table of the environment in a child; None if it read
-    back whole, else what went wrong (an error, a signal, a timeout)."""
+def walk_in_child(env_dir: Path, *, lock: bool = True, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
+    """Reads every table of the environment in a child process (every key,
+    every value's first and last byte); None if it read back whole, else
+    one sentence saying what went wrong (an LMDB error, the signal that
+    killed the child, a timeout). A damaged file can crash the reader
+    (LMDB asserts, or SIGBUS past a truncated end): only the child dies.
+
+    ``lock=False`` reads without LMDB's lock file: only for a store no
+    process has open (the open-time check after an OS crash)."""
     if not (env_dir / "data.mdb").exists():
         return None
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _CHECK_SCRIPT, str(env_dir)],
-            capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, check=False,
+            [sys.executable, "-c", _WALK_SCRIPT, str(env_dir), "lock" if lock else "nolock"],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
         )
     except subprocess.TimeoutExpired:
-        return f"the check did not finish in {CHECK_TIMEOUT_S:.0f} s"
+        return f"reading it did not finish in {timeout_s:.0f} s"
     if done.returncode == 0:
         return None
     if done.returncode < 0:
-        return f"the check was killed by signal {-done.returncode}"
+        signum = -done.returncode
+        return f"reading it killed the reading process with signal {signum} ({_SIGNAL_NAMES.get(signum, 'a crash')})"
     lines = done.stderr.strip().splitlines()
-    return lines[-1] if lines else f"the check exited with status {done.returncode}"
-
+    return lines[-1] if lines else f"reading it failed with exit status {done.returncode}"

@@ -31,157 +31,24 @@ Invariants:
 from __future__ import annotations
 
 import json
-import struct
+import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from ucm_db import codec
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
+from ucm_db.tiers import records
+from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
+    NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
+)
 from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
+from ucm_db.tiers.index_types import (  # noqa: F401 - re-exported: the index's value types
+    LRU_PREFIX, MAX_DEPTH, NO_PARENT, BlockEntry, BlockMeta, PendingActivity, PutResult, lru_key,
+)
 
 T = TypeVar("T")
-NO_PARENT = bytes(32)
-_META = struct.Struct("<16s32sIQQQQI")
-_TOTALS = struct.Struct("<7Q")
-_NS_COUNTS = struct.Struct("<4Q")
-_LRU_PREFIX = struct.Struct(">QI")
-_MAX_DEPTH = 0xFFFFFFFF
-TOTALS_KEY = b"totals"
-NS_COUNTS_PREFIX = b"nscount:"
-NS_DESC_PREFIX = b"nsdesc:"
-
-
-@dataclass(slots=True)
-class BlockMeta:
-    """Per-block metadata kept beside the payload."""
-
-    namespace_id: bytes
-    parent: bytes | None
-    depth: int
-    raw_bytes: int
-    stored_bytes: int
-    created_ns: int
-    access_ns: int
-    hits: int
-
-    def pack(self) -> bytes:
-        return _META.pack(
-            self.namespace_id, self.parent or NO_PARENT, self.depth, self.raw_bytes,
-            self.stored_bytes, self.created_ns, self.access_ns, self.hits,
-        )
-
-    @classmethod
-    def unpack(cls, data: Buffer) -> BlockMeta:
-        ns, parent, depth, raw, stored, created, access, hits = _META.unpack(data)
-        return cls(ns, None if parent == NO_PARENT else parent, depth, raw, stored, created, access, hits)
-
-
-@dataclass(slots=True)
-class Totals:
-    """Store-wide counters (persisted in ``info/totals``)."""
-
-    blocks: int = 0
-    raw_bytes: int = 0
-    stored_bytes: int = 0
-    evictions: int = 0
-    quarantined: int = 0
-    hits: int = 0
-    misses: int = 0
-
-    @classmethod
-    def read(cls, txn: Txn) -> Totals:
-        data = txn.get("info", TOTALS_KEY)
-        return cls(*_TOTALS.unpack(data)) if data is not None else cls()
-
-    def write(self, txn: Txn) -> None:
-        txn.put("info", TOTALS_KEY, _TOTALS.pack(
-            self.blocks, self.raw_bytes, self.stored_bytes, self.evictions, self.quarantined, self.hits, self.misses,
-        ))
-
-
-@dataclass(frozen=True, slots=True)
-class BlockEntry:
-    """One block to put: key, parent (None for a chain root), head and body."""
-
-    key: bytes
-    parent: bytes | None
-    head: Buffer
-    body: Buffer
-    raw_bytes: int
-    namespace_id: bytes
-
-    @classmethod
-    def of_blob(cls, key: bytes, parent: bytes | None, blob: Buffer, raw_bytes: int, namespace_id: bytes) -> BlockEntry:
-        """An entry from a joined blob, split without copying.
-
-        Raises:
-            CorruptBlockError: the blob's header is unreadable.
-        """
-        head, body = codec.split(blob)
-        return cls(key, parent, head, body, raw_bytes, namespace_id)
-
-    @property
-    def stored_bytes(self) -> int:
-        return len(self.head) + len(self.body)
-
-
-@dataclass(slots=True)
-class PutResult:
-    stored: int = 0
-    already_present: int = 0
-    evicted: int = 0
-
-
-@dataclass(slots=True)
-class PendingActivity:
-    """Reader activity folded into the next write (touches, hits, misses)."""
-
-    touched: dict[bytes, int] = field(default_factory=dict)
-    hits: int = 0
-    misses: int = 0
-
-    def empty(self) -> bool:
-        return not self.touched and not self.hits and not self.misses
-
-
-def lru_key(access_ns: int, depth: int, key: bytes) -> bytes:
-    return _LRU_PREFIX.pack(access_ns, _MAX_DEPTH - depth) + key
-
-
-class _Changes:
-    """Counter deltas accumulated inside one write transaction."""
-
-    def __init__(self, txn: Txn) -> None:
-        self.txn = txn
-        self.totals = Totals.read(txn)
-        self.ns_counts: dict[bytes, list[int]] = {}
-
-    def ns(self, namespace_id: bytes) -> list[int]:
-        counts = self.ns_counts.get(namespace_id)
-        if counts is None:
-            data = self.txn.get("info", NS_COUNTS_PREFIX + namespace_id)
-            counts = list(_NS_COUNTS.unpack(data)) if data is not None else [0, 0, 0, 0]
-            self.ns_counts[namespace_id] = counts
-        return counts
-
-    def add(self, meta: BlockMeta, sign: int) -> None:
-        self.totals.blocks += sign
-        self.totals.raw_bytes += sign * meta.raw_bytes
-        self.totals.stored_bytes += sign * meta.stored_bytes
-        counts = self.ns(meta.namespace_id)
-        counts[0] += sign
-        counts[1] += sign * meta.raw_bytes
-        counts[2] += sign * meta.stored_bytes
-        if sign > 0:
-            counts[3] = max(counts[3], meta.access_ns)
-
-    def commit(self) -> None:
-        self.totals.write(self.txn)
-        for namespace_id, counts in self.ns_counts.items():
-            self.txn.put("info", NS_COUNTS_PREFIX + namespace_id, _NS_COUNTS.pack(*counts))
+logger = logging.getLogger("ucm_db")
 
 
 class LocalTier(Tier):
@@ -202,21 +69,17 @@ class LocalTier(Tier):
     def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self.read_blobs(keys)
 
-    def put_batch(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
-        """Stores raw (key, blob) pairs as chain roots of an anonymous namespace.
-
-        Tier-level puts know no parents; the store uses :meth:`put_blocks`.
-        """
-        entries = [BlockEntry(k, None, b"", blob, len(blob), bytes(16)) for k, blob in items]
-        self.put_blocks(entries)
-
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.engine.read(lambda txn: [txn.get("meta", k) is not None for k in keys])
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
+        """Removes ``keys`` and their descendants; with ``namespace_id``,
+        only keys stored under that namespace."""
         def run(txn: Txn) -> int:
-            changes = _Changes(txn)
-            removed = sum(self._remove_tree(txn, changes, k) for k in keys if txn.get("meta", k) is not None)
+            changes = Changes(txn)
+            removed = sum(
+                self._remove_tree(txn, changes, k) for k in keys if _in_namespace(txn.get("meta", k), namespace_id)
+            )
             changes.commit()
             return removed
         return self.engine.write(run)
@@ -237,9 +100,13 @@ class LocalTier(Tier):
             return [None if b is None else visit(i, b[0], b[1]) for i, b in enumerate(blocks)]
         return self.with_blocks(keys, run)
 
-    def with_blocks(self, keys: Sequence[bytes], fn: Callable[[list[tuple[memoryview, memoryview] | None]], T]) -> T:
-        """Calls ``fn`` with every key's ``(head, body)`` (None where absent)
-        inside one read transaction, and returns its result.
+    def with_blocks(
+        self, keys: Sequence[bytes], fn: Callable[[list[tuple[memoryview, memoryview] | None]], T],
+        *, namespace_id: bytes | None = None,
+    ) -> T:
+        """Calls ``fn`` with every key's ``(head, body)`` (None where absent,
+        or, given ``namespace_id``, stored under another namespace) inside
+        one read transaction, and returns its result.
 
         The views stay valid until ``fn`` returns, from any thread: ``fn`` may
         hand them to worker threads (parallel decode without copying the
@@ -249,7 +116,7 @@ class LocalTier(Tier):
             blocks: list[tuple[memoryview, memoryview] | None] = []
             for key in keys:
                 stored = txn.get("blocks", key)
-                if stored is None:
+                if stored is None or (namespace_id is not None and not _in_namespace(txn.get("meta", key), namespace_id)):
                     blocks.append(None)
                     continue
                 head = memoryview(txn.get("heads", key) or b"")
@@ -261,13 +128,14 @@ class LocalTier(Tier):
         """Blocks as joined blobs (head + body), for remote objects and archives."""
         return self.read_blocks(keys, lambda _i, head, body: b"".join([head, body]))
 
-    def count_prefix(self, keys: Sequence[bytes]) -> int:
-        """Number of leading keys present: a binary search (prefix invariant)."""
+    def count_prefix(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
+        """Number of leading keys present (given ``namespace_id``: present
+        under that namespace): a binary search (prefix invariant)."""
         def run(txn: Txn) -> int:
             lo, hi = 0, len(keys)
             while lo < hi:
                 mid = (lo + hi) // 2
-                if txn.get("meta", keys[mid]) is not None:
+                if _in_namespace(txn.get("meta", keys[mid]), namespace_id):
                     lo = mid + 1
                 else:
                     hi = mid
@@ -278,16 +146,31 @@ class LocalTier(Tier):
         return self.engine.read(lambda txn: [_meta_or_none(txn.get("meta", k)) for k in keys])
 
     def totals(self) -> Totals:
-        return self.engine.read(Totals.read)
+        """The store's totals (recounted from the metadata if the record
+        is damaged; ``verify --fix`` rewrites it)."""
+        return self.engine.read(Totals.read_or_recompute)
 
     def namespace_counts(self) -> dict[bytes, tuple[int, int, int, int]]:
+        """(blocks, raw bytes, stored bytes, last use ns) per namespace id;
+        recounted from the metadata if any record is damaged."""
         def run(txn: Txn) -> dict[bytes, tuple[int, int, int, int]]:
-            return {k[len(NS_COUNTS_PREFIX):]: _NS_COUNTS.unpack(v) for k, v in txn.scan("info", NS_COUNTS_PREFIX)}
+            out: dict[bytes, tuple[int, int, int, int]] = {}
+            for name, value in records.scan_checked(txn, NS_COUNTS_PREFIX, size=NS_COUNTS.size):
+                if value is None:
+                    logger.warning("ucm-db: info record %r is damaged; recounting namespaces from the metadata", name)
+                    return {ns: tuple(c) for ns, c in recount(txn)[1].items()}  # type: ignore[misc]
+                out[name[len(NS_COUNTS_PREFIX):]] = NS_COUNTS.unpack(value)
+            return out
         return self.engine.read(run)
 
     def namespace_descriptions(self) -> dict[bytes, dict[str, Any]]:
+        """The recorded description of each namespace id; a damaged one
+        reads as ``{"damaged": reason}``."""
         def run(txn: Txn) -> dict[bytes, dict[str, Any]]:
-            return {k[len(NS_DESC_PREFIX):]: json.loads(bytes(v)) for k, v in txn.scan("info", NS_DESC_PREFIX)}
+            out: dict[bytes, dict[str, Any]] = {}
+            for name, value in records.scan_checked(txn, NS_DESC_PREFIX):
+                out[name[len(NS_DESC_PREFIX):]] = parse_description(value)
+            return out
         return self.engine.read(run)
 
     def info_get(self, name: bytes) -> bytes | None:
@@ -313,13 +196,13 @@ class LocalTier(Tier):
             StoreFullError: the batch alone exceeds the capacity.
         """
         def run(txn: Txn) -> PutResult:
-            changes = _Changes(txn)
+            changes = Changes(txn)
             result = PutResult()
             now = time.time_ns()
             in_batch: set[bytes] = set()
             depths: dict[bytes, int] = {}
             if namespace_desc is not None and txn.get("info", NS_DESC_PREFIX + namespace_desc[0]) is None:
-                txn.put("info", NS_DESC_PREFIX + namespace_desc[0], namespace_desc[1])
+                records.put_checked(txn, NS_DESC_PREFIX + namespace_desc[0], namespace_desc[1])
             for entry in entries:
                 in_batch.add(entry.key)
                 existing = txn.get("meta", entry.key)
@@ -343,7 +226,7 @@ class LocalTier(Tier):
                 result.stored += 1
             if activity is not None:
                 self._apply_activity(txn, changes, activity)
-            result.evicted = self._evict_over_capacity(txn, changes, protected=in_batch)
+            result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch))
             changes.commit()
             crashpoint("local.before_commit")
             return result
@@ -361,25 +244,34 @@ class LocalTier(Tier):
             )
         return BlockMeta.unpack(parent_meta).depth
 
-    def _evict_over_capacity(self, txn: Txn, changes: _Changes, *, protected: set[bytes]) -> int:
+    def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: Container[bytes]) -> int:
+        """Evicts LRU chain tails until the totals fit the capacity, never a
+        ``protected`` block (a put's batch and the batch's ancestors:
+        evicting an ancestor would take the new blocks with it).
+
+        Raises:
+            StoreFullError: only protected blocks are left to evict; the
+                caller's transaction then writes nothing.
+        """
         evicted = 0
         while changes.totals.stored_bytes > self.capacity_bytes:
             victim = None
             for lru, _ in txn.scan("lru"):
-                key = lru[_LRU_PREFIX.size:]
+                key = lru[LRU_PREFIX.size:]
                 if key not in protected:
                     victim = key
                     break
             if victim is None:
                 raise StoreFullError(
-                    f"batch needs {changes.totals.stored_bytes} bytes but capacity_bytes is {self.capacity_bytes}"
+                    f"the batch and its ancestors need {changes.totals.stored_bytes} bytes but capacity_bytes is "
+                    f"{self.capacity_bytes}; nothing was stored"
                 )
             count = self._remove_tree(txn, changes, victim)
             evicted += count
             changes.totals.evictions += count
         return evicted
 
-    def _remove_tree(self, txn: Txn, changes: _Changes, key: bytes) -> int:
+    def _remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
         """Removes ``key`` and all its descendants; returns blocks removed."""
         stack = [key]
         removed = 0
@@ -389,7 +281,7 @@ class LocalTier(Tier):
             removed += self._remove_one(txn, changes, current)
         return removed
 
-    def _remove_one(self, txn: Txn, changes: _Changes, key: bytes) -> int:
+    def _remove_one(self, txn: Txn, changes: Changes, key: bytes) -> int:
         data = txn.get("meta", key)
         if data is None:
             return 0
@@ -411,12 +303,12 @@ class LocalTier(Tier):
         if activity.empty():
             return
         def run(txn: Txn) -> None:
-            changes = _Changes(txn)
+            changes = Changes(txn)
             self._apply_activity(txn, changes, activity)
             changes.commit()
         self.engine.write(run)
 
-    def _apply_activity(self, txn: Txn, changes: _Changes, activity: PendingActivity) -> None:
+    def _apply_activity(self, txn: Txn, changes: Changes, activity: PendingActivity) -> None:
         changes.totals.hits += activity.hits
         changes.totals.misses += activity.misses
         visited: set[bytes] = set()
@@ -460,7 +352,7 @@ class LocalTier(Tier):
                 "namespace": meta.namespace_id.hex() if meta else None,
                 "stored_bytes": meta.stored_bytes if meta else None,
             }
-            changes = _Changes(txn)
+            changes = Changes(txn)
             self._remove_tree(txn, changes, key)
             txn.put("quarantine", key, json.dumps(record).encode())
             changes.totals.quarantined += 1
@@ -490,8 +382,11 @@ class LocalTier(Tier):
     def check(self) -> list[str]:
         """Consistency problems of the index (empty list when healthy)."""
         def run(txn: Txn) -> list[str]:
-            problems: list[str] = []
-            totals = Totals.read(txn)
+            problems: list[str] = [f"info record {name!r} is damaged: {reason}" for name, reason in damaged_records(txn)]
+            try:
+                totals = Totals.read(txn)
+            except records.DamagedRecord:
+                totals = Totals(-1, -1, -1)
             count = raw = stored = 0
             for key, data in txn.scan("meta"):
                 meta = BlockMeta.unpack(data)
@@ -516,6 +411,149 @@ class LocalTier(Tier):
                 problems.append(f"totals {totals} disagree with metadata ({count}, {raw}, {stored})")
             return problems
         return self.engine.read(run)
+
+    # -- checked info records ------------------------------------------------------
+    def damaged_records(self) -> list[tuple[str, str]]:
+        """(name, reason) of every damaged info record (empty when healthy)."""
+        return self.engine.read(damaged_records)
+
+    def recompute_totals(self) -> Totals:
+        """Rewrites the totals and per-namespace counters from the block
+        metadata (keeping the event counters if their record is whole);
+        returns the new totals."""
+        def run(txn: Txn) -> Totals:
+            totals, per_namespace = recount(txn)
+            try:
+                old = Totals.read(txn)
+                totals.evictions, totals.quarantined, totals.hits, totals.misses = (
+                    old.evictions, old.quarantined, old.hits, old.misses,
+                )
+            except records.DamagedRecord:
+                pass
+            for name, _ in list(txn.scan("info", NS_COUNTS_PREFIX)):
+                records.delete_checked(txn, bytes(name))
+            totals.write(txn)
+            for namespace_id, counts in per_namespace.items():
+                records.put_checked(txn, NS_COUNTS_PREFIX + namespace_id, NS_COUNTS.pack(*counts))
+            return totals
+        return self.engine.write(run)
+
+    def seal_records(self) -> int:
+        """Adds checksums to counter and description records written by
+        format-3 code (see :mod:`ucm_db.tiers.records`); returns how many."""
+        def run(txn: Txn) -> int:
+            return records.seal(txn, (TOTALS_KEY, NS_COUNTS_PREFIX, NS_DESC_PREFIX))
+        return self.engine.write(run)
+
+    # -- maintenance primitives (for ucm_db.maintenance; each one transaction) --
+    def scan_metas(self, namespaces: set[bytes] | None = None) -> dict[bytes, BlockMeta]:
+        """Metadata of every block (of ``namespaces``, None = all), from one snapshot."""
+        def run(txn: Txn) -> dict[bytes, BlockMeta]:
+            metas = ((bytes(k), BlockMeta.unpack(v)) for k, v in txn.scan("meta"))
+            return {k: m for k, m in metas if namespaces is None or m.namespace_id in namespaces}
+        return self.engine.read(run)
+
+    def visit_stored(
+        self, keys: Sequence[bytes], visit: Callable[[bytes, Buffer | None, Buffer | None, Buffer | None], T],
+    ) -> list[T]:
+        """``visit(key, meta record, head, stored value)`` for each key inside
+        one read transaction (None for what is missing); the buffers are valid
+        only during the call."""
+        return self.engine.read(lambda txn: [visit(k, txn.get("meta", k), txn.get("heads", k), txn.get("blocks", k)) for k in keys])
+
+    def evict_lru(self, target_bytes: int, max_blocks: int) -> int:
+        """Evicts least recently used blocks (with their descendants) until at
+        most ``target_bytes`` are stored or about ``max_blocks`` went; returns
+        blocks evicted (counted in the totals' evictions)."""
+        def run(txn: Txn) -> int:
+            changes = Changes(txn)
+            evicted = 0
+            while changes.totals.stored_bytes > target_bytes and evicted < max_blocks:
+                oldest = next((bytes(lru) for lru, _ in txn.scan("lru")), None)
+                if oldest is None:
+                    break
+                victim = oldest[LRU_PREFIX.size:]
+                if txn.get("meta", victim) is None:  # a stale LRU entry: drop it
+                    txn.delete("lru", oldest)
+                    continue
+                count = self._remove_tree(txn, changes, victim)
+                evicted += count
+                changes.totals.evictions += count
+            changes.commit()
+            return evicted
+        return self.engine.write(run)
+
+    def drop_quarantine_records(self) -> int:
+        """Deletes every quarantine record; returns how many there were."""
+        def run(txn: Txn) -> int:
+            keys = [bytes(k) for k, _ in txn.scan("quarantine")]
+            for key in keys:
+                txn.delete("quarantine", key)
+            return len(keys)
+        return self.engine.write(run)
+
+    def drop_orphans(self) -> dict[str, int]:
+        """Deletes index entries whose block has no metadata; returns counts per table."""
+        def run(txn: Txn) -> dict[str, int]:
+            def present(key: bytes) -> bool:
+                return txn.get("meta", key) is not None
+
+            def lru_matches(lru: bytes) -> bool:
+                data = txn.get("meta", lru[-32:])
+                if data is None:
+                    return False
+                meta = BlockMeta.unpack(data)
+                return lru_key(meta.access_ns, meta.depth, lru[-32:]) == lru
+
+            dead: dict[str, list[bytes]] = {
+                "blocks": [bytes(k) for k, _ in txn.scan("blocks") if not present(k)],
+                "heads": [bytes(k) for k, _ in txn.scan("heads") if not present(k)],
+                "uploads": [bytes(k) for k, _ in txn.scan("uploads") if not present(k)],
+                "children": [bytes(k) for k, _ in txn.scan("children") if not (present(k[:32]) and present(k[32:]))],
+                "lru": [bytes(k) for k, _ in txn.scan("lru") if not lru_matches(bytes(k))],
+            }
+            for table, keys in dead.items():
+                for key in keys:
+                    txn.delete(table, key)
+            return {table: len(keys) for table, keys in dead.items()}
+        return self.engine.write(run)
+
+
+class _LazyAncestors:
+    """``key in protected`` for a put's eviction: the batch's keys, or an
+    ancestor of the batch. The ancestor walk (one metadata read per level)
+    runs only if eviction asks, i.e. only in a full store."""
+
+    def __init__(self, txn: Txn, entries: Sequence[BlockEntry], in_batch: set[bytes]) -> None:
+        self._txn = txn
+        self._entries = entries
+        self._keys: set[bytes] | None = None
+        self._in_batch = in_batch
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._in_batch:
+            return True
+        if self._keys is None:
+            self._keys = self._walk()
+        return key in self._keys
+
+    def _walk(self) -> set[bytes]:
+        ancestors: set[bytes] = set()
+        for entry in self._entries:
+            current = entry.parent
+            while current is not None and current not in self._in_batch and current not in ancestors:
+                ancestors.add(current)
+                data = self._txn.get("meta", current)
+                current = BlockMeta.unpack(data).parent if data is not None else None
+        return ancestors
+
+
+def _in_namespace(meta: Buffer | None, namespace_id: bytes | None) -> bool:
+    """Whether a ``meta`` record exists and, given ``namespace_id``, names
+    that namespace (its first 16 bytes)."""
+    if meta is None:
+        return False
+    return namespace_id is None or bytes(meta[:16]) == namespace_id
 
 
 def body_of(head: memoryview, stored: memoryview) -> memoryview:

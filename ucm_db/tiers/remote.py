@@ -10,18 +10,10 @@ The namespace short id is the first 8 bytes of the namespace digest in hex
 (:attr:`ucm_db.keys.Namespace.short_id`); the 256 ``<key[0] hex>`` fan-out
 directories keep listings small on filesystems that dislike large ones.
 
-Object format (little-endian): a 64-byte envelope followed by the codec blob
-(:mod:`ucm_db.codec`) exactly as the local tier stores it::
-
-    envelope  magic "UCMR" | version u16 | flags u16 | namespace id 16B |
-              parent key 32B | checksum u64
-    blob      codec header (owning key, raw length, ...) | frame table | body
-
-The envelope carries what the codec blob lacks to promote the block into a
-local tier: its parent key (flag bit 0 set; a chain's first block has none)
-and the 16-byte namespace id. Its checksum is xxh3-64 over the envelope with
-the checksum field zeroed, followed by the object's own key, so an envelope
-that is bit-flipped or served under another key's path fails.
+An object is a 64-byte envelope (parent key, namespace id, checksum bound to
+the key) followed by the codec blob exactly as the local tier stores it; see
+:mod:`ucm_db.tiers.remote_object`. Local and NFS directories are read and
+written through :mod:`ucm_db.tiers.remote_files`.
 
 Invariants:
     * Objects are immutable and named by their key: writing one twice writes
@@ -33,6 +25,17 @@ Invariants:
     * Every object read is verified (envelope checksum + codec header,
       owning key and checksum) before its bytes leave this module; a failure
       is a miss, counted in :attr:`RemoteStats.corrupt`, never wrong bytes.
+    * Every read is bounded by what the object's header allows: the first
+      request reads at most :data:`FIRST_READ_BYTES`; the envelope and codec
+      header then state the object's exact length, which must be within
+      :data:`MAX_OBJECT_BYTES`, and at most that many bytes (plus one, to
+      see an object longer than stated) are read. An object shorter or
+      longer than its header states is corrupt (a miss).
+    * On a local or NFS directory only regular files are read: a symlink,
+      FIFO, device or directory in an object's place is never opened for
+      reading (so never hangs or streams), it is a miss, counted in
+      :attr:`RemoteStats.not_regular`, logged once per path and listed in
+      :attr:`RemoteRoot.quarantined`.
     * A miss is ``None``; errors other than "not found" propagate to the
       caller (the store's read-through layer turns them into misses with a
       deadline and backoff).
@@ -43,54 +46,35 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import os
-import struct
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from ucm_db import codec
-from ucm_db.crashpoints import crashpoint
-from ucm_db.errors import ConfigError, CorruptBlockError, TierError
+from ucm_db.errors import ConfigError, CorruptBlockError, TierError, UcmDbError
 from ucm_db.tiers.base import Buffer, Tier, TierCapabilities
+from ucm_db.tiers.remote_files import (  # noqa: F401 - re-exported: the remote tier's public names
+    TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, write_whole,
+)
+from ucm_db.tiers.remote_object import (  # noqa: F401 - re-exported
+    ENVELOPE_BYTES, MAX_OBJECT_BYTES, OBJECT_FORMAT_VERSION, OBJECT_MAGIC, PROBE_BYTES, RemoteObject, pack_object,
+    parse_envelope, stated_object_bytes, unpack_object,
+)
 
-OBJECT_MAGIC = b"UCMR"
-OBJECT_FORMAT_VERSION = 1
-_ENVELOPE = struct.Struct("<4sHH16s32sQ")
-ENVELOPE_BYTES = _ENVELOPE.size
-_ENV_CHECKSUM_OFFSET = ENVELOPE_BYTES - 8
-_FLAG_HAS_PARENT = 1
-_NO_PARENT = bytes(32)
-#: Bytes a presence probe reads: the envelope plus the codec header.
-PROBE_BYTES = ENVELOPE_BYTES + codec.HEADER_BYTES
 MANIFEST_NAME = "manifest.json"
-TEMP_PREFIX = ".tmp-"
+#: The first request of a fetch reads this much: a whole object when it is
+#: smaller (one request for typical KV blocks), its header otherwise.
+FIRST_READ_BYTES = 8 << 20
+#: A manifest is a small JSON document; a bigger one is not read.
+MAX_MANIFEST_BYTES = 1 << 20
+#: Paths kept in :attr:`RemoteRoot.quarantined` (later ones are counted only).
+MAX_QUARANTINED = 1024
 
-
-@dataclass(frozen=True, slots=True)
-class RemoteObject:
-    """A verified remote block (or, from a probe, its verified envelope).
-
-    Attributes:
-        key: the block key.
-        parent: the parent key, None for a chain's first block.
-        namespace_id: 16-byte namespace id (first bytes of its digest).
-        blob: the codec blob, a read-only view into the fetched object
-            (empty for a probe result).
-        raw_bytes: raw payload length from the codec header (-1 for a
-            probe result).
-    """
-
-    key: bytes
-    parent: bytes | None
-    namespace_id: bytes
-    blob: Buffer
-    raw_bytes: int
+_log = logging.getLogger("ucm_db")
 
 
 @dataclass(slots=True)
@@ -105,85 +89,14 @@ class RemoteStats:
     errors: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    not_regular: int = 0
 
 
-def pack_object(key: bytes, parent: bytes | None, namespace_id: bytes, blob: Buffer) -> bytes:
-    """Builds the object bytes for ``blob`` (envelope + blob)."""
-    if len(namespace_id) != 16:
-        raise ConfigError("namespace id must be 16 bytes", hint="pass namespace.digest[:16]")
-    flags = _FLAG_HAS_PARENT if parent is not None else 0
-    head = _ENVELOPE.pack(OBJECT_MAGIC, OBJECT_FORMAT_VERSION, flags, namespace_id, parent or _NO_PARENT, 0)
-    checksum = xxhash.xxh3_64(head + key).intdigest()
-    return head[:_ENV_CHECKSUM_OFFSET] + struct.pack("<Q", checksum) + bytes(blob)
+class ManifestError(UcmDbError):
+    """A namespace manifest on the remote cannot be read as one."""
 
-
-def parse_envelope(data: Buffer, key: bytes) -> tuple[bytes | None, bytes]:
-    """Verifies an object's envelope; returns ``(parent, namespace_id)``.
-
-    Raises:
-        CorruptBlockError: short, wrong magic or version, or bad checksum.
-    """
-    if len(data) < ENVELOPE_BYTES:
-        raise CorruptBlockError(f"remote object of {len(data)} bytes is shorter than its envelope")
-    magic, version, flags, namespace_id, parent, checksum = _ENVELOPE.unpack_from(data, 0)
-    if magic != OBJECT_MAGIC:
-        raise CorruptBlockError("bad magic: not a ucm-db remote object")
-    if version != OBJECT_FORMAT_VERSION:
-        raise CorruptBlockError(f"remote object format {version} is not {OBJECT_FORMAT_VERSION}")
-    view = memoryview(data)
-    hasher = xxhash.xxh3_64(view[:_ENV_CHECKSUM_OFFSET])
-    hasher.update(bytes(8))
-    hasher.update(key)
-    if hasher.intdigest() != checksum:
-        raise CorruptBlockError("remote envelope checksum mismatch")
-    return (bytes(parent) if flags & _FLAG_HAS_PARENT else None), bytes(namespace_id)
-
-
-def unpack_object(data: Buffer, key: bytes) -> RemoteObject:
-    """Verifies a whole object (envelope and codec blob) for ``key``."""
-    parent, namespace_id = parse_envelope(data, key)
-    blob = memoryview(data)[ENVELOPE_BYTES:]  # a view: no copy of the payload
-    header = codec.verify(blob, key)
-    return RemoteObject(key, parent, namespace_id, blob, header.raw_len)
-
-
-def is_local_fs(fs: Any) -> bool:
-    """True for fsspec's local filesystem (where rename is atomic)."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
-
-
-def write_whole(fs: Any, path: str, data: bytes) -> None:
-    """Writes ``data`` as one whole object: readers see all of it or nothing.
-
-    Object stores and ``memory://`` replace objects atomically on
-    ``pipe_file``; a local or NFS directory gets a temp file in the same
-    directory, fsync, then rename.
-    """
-    if not is_local_fs(fs):
-        fs.pipe_file(path, data)
-        return
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            crashpoint("remote.during_upload")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    default_hint = ("a store writing to this namespace rewrites it; or delete the file so the next upload recreates it, "
+                    "or pass the namespace by a longer id prefix")
 
 
 def open_filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -196,8 +109,6 @@ def open_filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[An
         import fsspec.core
     except ImportError as exc:  # pragma: no cover - fsspec is in the remote extra
         raise ConfigError("the remote tier needs fsspec", hint="pip install 'ucm-db[remote]' (or [s3])") from exc
-    if url.startswith("ucmfault://"):
-        import ucm_db.tiers.wrappers  # noqa: F401 - registers the fault-injecting protocol
     try:
         fs, root = fsspec.core.url_to_fs(url, **dict(options or {}))
     except (ImportError, ValueError) as exc:
@@ -217,6 +128,11 @@ class RemoteRoot:
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self.manifests_written: set[bytes] = set()
+        self._local = is_local_fs(fs)
+        #: Paths found unreadable as objects (not a regular file), with why;
+        #: at most :data:`MAX_QUARANTINED`. Nothing is moved on the remote:
+        #: other nodes share it, and an operator decides.
+        self.quarantined: dict[str, str] = {}
 
     def after_fork(self) -> None:
         """In a forked child: a lock held by a parent thread stays held."""
@@ -242,13 +158,53 @@ class RemoteRoot:
             for name, delta in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
 
+    def read_range(self, path: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of the object at ``path`` (fewer at its
+        end), as one counted request; None if it does not exist or is not a
+        regular file (which is quarantined). Other errors are counted and
+        raised."""
+        self.count(requests=1)
+        try:
+            if self._local:
+                data: bytes = read_local_range(path, start, end)
+            else:
+                data = self.fs.cat_file(path, start=start, end=end)
+        except FileNotFoundError:
+            self.count(misses=1)
+            return None
+        except (NotRegularFileError, IsADirectoryError) as exc:
+            self.quarantine(path, str(exc))
+            return None
+        except BaseException:
+            self.count(errors=1)
+            raise
+        self.count(bytes_read=len(data))
+        return data
+
+    def quarantine(self, path: str, why: str) -> None:
+        """Records a path that is not an object (a miss for every reader);
+        logs it once."""
+        with self._lock:
+            self.stats.not_regular += 1
+            new = path not in self.quarantined and len(self.quarantined) < MAX_QUARANTINED
+            if new:
+                self.quarantined[path] = why
+        if new:
+            _log.warning("remote %s: %s; it reads as a miss (hint: remove it from the remote)", self.root, why)
+
     # -- manifests -------------------------------------------------------------
     def ensure_manifest(self, namespace_id: bytes, description: dict[str, Any]) -> None:
-        """Writes the namespace manifest once (idempotent, whole-object)."""
+        """Writes the namespace manifest once (idempotent, whole-object); an
+        unreadable manifest is replaced."""
         if namespace_id in self.manifests_written:
             return
         path = f"{self.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
-        if self.read_manifest(namespace_id) is None:  # one GET (exists() costs two on S3)
+        try:
+            present = self.read_manifest(namespace_id) is not None  # one GET (exists() costs two on S3)
+        except ManifestError as exc:
+            _log.warning("%s; rewriting it", exc)
+            present = False
+        if not present:
             body = {
                 "ucm_db_remote_format": OBJECT_FORMAT_VERSION,
                 "namespace_id": namespace_id.hex(),
@@ -262,21 +218,91 @@ class RemoteRoot:
             self.manifests_written.add(namespace_id)
 
     def read_manifest(self, namespace_id: bytes) -> dict[str, Any] | None:
+        """The namespace's manifest; None if it has none.
+
+        Raises:
+            ManifestError: the manifest is not a regular file, larger than
+                :data:`MAX_MANIFEST_BYTES`, or not a JSON object.
+        """
         path = f"{self.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
-        self.count(requests=1)
-        try:
-            return json.loads(self.fs.cat_file(path))  # type: ignore[no-any-return]
-        except FileNotFoundError:
+        if self._local and os.path.lexists(path):
+            try:
+                require_regular_file(path, os.lstat(path).st_mode)
+            except (NotRegularFileError, FileNotFoundError) as exc:
+                raise ManifestError(f"namespace manifest {path} is unreadable: {exc}") from exc
+        data = self.read_range(path, 0, MAX_MANIFEST_BYTES + 1)
+        if data is None:
             return None
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"namespace manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes")
+        try:
+            manifest = json.loads(bytes(data))
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ManifestError(f"namespace manifest {path} is not JSON: {exc}") from exc
+        if not isinstance(manifest, dict):
+            raise ManifestError(f"namespace manifest {path} is not a JSON object")
+        return manifest
 
     def namespaces(self) -> list[str]:
-        """Short ids of the namespaces present under the root."""
+        """Short ids of the namespaces present under the root: entries named
+        by 16 lowercase hex digits (anything else is not a namespace)."""
+        return sorted(self.list_namespaces().entries)
+
+    def list_namespaces(self) -> NamespaceListing:
+        """Namespace directories under the root and the entries that are not
+        one (listing only; manifests are read by :meth:`manifests`)."""
         self.count(requests=1)
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
-            return []
-        return sorted(os.path.basename(str(e).rstrip("/")) for e in entries if len(os.path.basename(str(e).rstrip("/"))) == 16)
+            return NamespaceListing([], [])
+        found: list[str] = []
+        stray: list[str] = []
+        for entry in entries:
+            name = os.path.basename(str(entry).rstrip("/"))
+            (found if is_namespace_id(name) else stray).append(name)
+        return NamespaceListing(sorted(found), sorted(stray))
+
+    def manifests(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """Every readable namespace manifest, by short id, and one problem
+        line per entry that is not a namespace or whose manifest is missing
+        or unreadable (each also logged as a warning): one bad entry never
+        hides the others."""
+        listing = self.list_namespaces()
+        problems = [f"{self.root}/{name}: not a namespace (its name is not 16 hex digits); skipped"
+                    for name in listing.stray if name != MANIFEST_NAME and not name.startswith(TEMP_PREFIX)]
+        found: dict[str, dict[str, Any]] = {}
+        for short_id in listing.entries:
+            try:
+                manifest = self.read_manifest(bytes.fromhex(short_id))
+            except ManifestError as exc:
+                problems.append(str(exc))
+                continue
+            if manifest is None:
+                problems.append(f"{self.namespace_dir(bytes.fromhex(short_id))}: no {MANIFEST_NAME}; skipped")
+            else:
+                found[short_id] = manifest
+        for problem in problems:
+            _log.warning("remote %s: %s", self.root, problem)
+        return found, problems
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceListing:
+    """Entries directly under a remote root.
+
+    Attributes:
+        entries: namespace short ids (16 lowercase hex digits).
+        stray: names of every other entry.
+    """
+
+    entries: list[str]
+    stray: list[str]
+
+
+def is_namespace_id(name: str) -> bool:
+    """True for a namespace short id: 16 lowercase hex digits."""
+    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
 
 
 class RemoteTier(Tier):
@@ -300,28 +326,44 @@ class RemoteTier(Tier):
         return self.remote.object_path(self.namespace_id, key)
 
     # -- single-object operations (what the thread pools run) -----------------
-    def _read(self, key: bytes, *, end: int | None = None, gets: int = 0) -> bytes | None:
-        """Bytes of ``key``'s object (the first ``end`` if given), counted;
-        None if it does not exist. Other errors are counted and raised."""
-        self.remote.count(requests=1, gets=gets)
-        try:
-            if end is None:
-                return self.remote.fs.cat_file(self.path(key))  # type: ignore[no-any-return]
-            return self.remote.fs.cat_file(self.path(key), start=0, end=end)  # type: ignore[no-any-return]
-        except FileNotFoundError:
-            self.remote.count(misses=1)
+    def read_object(self, key: bytes) -> bytes | None:
+        """The whole object of ``key``, read within the bound its header
+        states (see the module invariants); None if absent or not a regular
+        file.
+
+        Raises:
+            CorruptBlockError: bad envelope or codec header, a stated length
+                above :data:`MAX_OBJECT_BYTES`, or an object shorter or
+                longer than stated.
+        """
+        path = self.path(key)
+        first = self.remote.read_range(path, 0, FIRST_READ_BYTES)
+        if first is None:
             return None
-        except BaseException:
-            self.remote.count(errors=1)
-            raise
+        stated = stated_object_bytes(first, key)
+        if len(first) < FIRST_READ_BYTES:  # the whole object
+            if len(first) != stated:
+                raise CorruptBlockError(f"remote object of {len(first)} bytes states {stated}")
+            return first
+        if stated < FIRST_READ_BYTES:
+            raise CorruptBlockError(f"remote object is longer than the {stated} bytes it states")
+        # From one byte before the end of the first read (a range starting at
+        # an object's end is an error on S3) to one byte past the stated end
+        # (to see an object longer than stated).
+        rest = self.remote.read_range(path, FIRST_READ_BYTES - 1, stated + 1)
+        if rest is None:
+            return None  # removed between the two reads
+        if len(rest) != stated - FIRST_READ_BYTES + 1:
+            raise CorruptBlockError(f"remote object's length does not match the {stated} bytes it states")
+        return b"".join((first, memoryview(rest)[1:]))
 
     def fetch(self, key: bytes) -> RemoteObject | None:
         """The verified object of ``key``; None if absent or corrupt."""
-        data = self._read(key, gets=1)
-        if data is None:
-            return None
-        self.remote.count(bytes_read=len(data))
+        self.remote.count(gets=1)
         try:
+            data = self.read_object(key)
+            if data is None:
+                return None
             obj = unpack_object(data, key)
         except CorruptBlockError:
             self.remote.count(corrupt=1)
@@ -334,7 +376,7 @@ class RemoteTier(Tier):
     def probe(self, key: bytes) -> RemoteObject | None:
         """Presence check reading only the envelope and codec header (one
         ranged request); returns the object without its blob, or None."""
-        data = self._read(key, end=PROBE_BYTES)
+        data = self.remote.read_range(self.path(key), 0, PROBE_BYTES)
         if data is None:
             return None
         try:

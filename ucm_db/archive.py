@@ -1,0 +1,241 @@
+"""Portable archives of namespaces: export from a store, import into one.
+
+Archive format: an uncompressed tar (payloads are already compressed) of
+
+* ``manifest.json`` first: ``{"format": "ucm-db-export", "version": 1,
+  "created_ns", "ucm_db_version", "namespaces": {id hex: description},
+  "blocks": [[key hex, parent hex | null, namespace id hex], ...]}``, with
+  each namespace's blocks parent-first;
+* ``blocks/<key hex>``: each block's encoded blob exactly as stored (codec
+  header, owning key, checksum).
+
+Invariants:
+    * Import trusts nothing in the archive: the manifest's shape is checked
+      before anything is written, each namespace description must hash to
+      its id, each blob must pass :func:`ucm_db.codec.verify` under its key,
+      and a block whose parent is missing or bad is skipped (prefix
+      invariant). Only JSON and codec blobs are read; nothing is unpickled.
+    * Import only adds blocks: nothing already stored is lost.
+    * Export writes ``ARCHIVE.partial`` and renames it into place when
+      complete, so a failed export leaves no truncated archive behind.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ucm_db import codec
+from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, TierError
+from ucm_db.keys import KEY_BYTES, Namespace
+from ucm_db.store_view import ProgressFn, open_view, select_namespaces
+from ucm_db.tiers.local import BlockEntry
+
+ARCHIVE_FORMAT = "ucm-db-export"
+ARCHIVE_VERSION = 1
+#: Blocks per read transaction on export and per put on import.
+CHUNK_BLOCKS = 256
+MAX_MANIFEST_BYTES = 1 << 30
+_NS_ID_BYTES = 16
+_DAMAGED = "the archive is damaged or not written by ucm-db export; export it again"
+
+
+def _check_destination(archive: Path) -> None:
+    if archive.is_dir():
+        raise ConfigError(f"{archive} is a directory", hint="name the archive file to write, e.g. DIR/store.tar")
+    if not archive.parent.is_dir():
+        raise ConfigError(f"cannot write {archive}: directory {archive.parent} does not exist",
+                          hint=f"create it first (mkdir -p {archive.parent}) or pick another path")
+
+
+def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str, ...] = (),
+                   progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Writes the blocks of ``namespaces`` (all by default) of the store at
+    ``path`` to the tar ``archive``; read-only on the store."""
+    from ucm_db.version import __version__
+
+    archive = Path(archive)
+    _check_destination(archive)
+    with open_view(path) as view:
+        selected = select_namespaces(view, namespaces)
+        descriptions = view.tier.namespace_descriptions()
+        blocks = sorted(view.tier.scan_metas(selected).items(), key=lambda km: (km[1].namespace_id, km[1].depth, km[0]))
+        used = sorted({m.namespace_id for _, m in blocks} | (selected or set()))
+        manifest = {
+            "format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION, "created_ns": time.time_ns(), "ucm_db_version": __version__,
+            "namespaces": {ns.hex(): descriptions.get(ns, {}) for ns in used},
+            "blocks": [[k.hex(), m.parent.hex() if m.parent else None, m.namespace_id.hex()] for k, m in blocks],
+        }
+        stored = 0
+        partial = archive.with_name(archive.name + ".partial")
+        try:
+            with tarfile.open(partial, "w") as tar:
+                _add(tar, "manifest.json", json.dumps(manifest).encode())
+                for start in range(0, len(blocks), CHUNK_BLOCKS):
+                    keys = [k for k, _ in blocks[start : start + CHUNK_BLOCKS]]
+                    for key, blob in zip(keys, view.tier.read_blobs(keys)):
+                        _add(tar, f"blocks/{key.hex()}", blob or b"")
+                        stored += len(blob or b"")
+                    if progress is not None:
+                        progress(start + len(keys), len(blocks))
+            os.replace(partial, archive)
+        except OSError as exc:
+            partial.unlink(missing_ok=True)
+            raise TierError(f"cannot write {archive}: {exc}", hint=f"check the free space and permissions of {archive.parent}") from exc
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+    return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"]}
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = int(time.time())
+    info.mode = 0o600
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _is_hex(value: Any, n_bytes: int) -> bool:
+    if not isinstance(value, str) or len(value) != 2 * n_bytes:
+        return False
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        return False
+    return True
+
+
+def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
+    """The manifest, after checking its whole shape (ConfigError otherwise)."""
+    if not isinstance(manifest, dict) or manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") != ARCHIVE_VERSION:
+        raise ConfigError(f"{archive} is not a ucm-db export of version {ARCHIVE_VERSION}", hint="export it again with this ucm-db")
+    for name, kind in (("namespaces", dict), ("blocks", list)):
+        if not isinstance(manifest.get(name), kind):
+            raise ConfigError(f"{archive}: the manifest has no {name} {kind.__name__}", hint=_DAMAGED)
+    for ns_hex, desc in manifest["namespaces"].items():
+        if not _is_hex(ns_hex, _NS_ID_BYTES) or not isinstance(desc, dict):
+            raise ConfigError(f"{archive}: namespace entry {str(ns_hex)[:40]!r} is malformed", hint=_DAMAGED)
+        try:
+            digest = Namespace.from_dict(desc).digest[:_NS_ID_BYTES].hex()
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{archive}: namespace {ns_hex} has an invalid description: {exc}", hint=_DAMAGED) from exc
+        if digest != ns_hex:
+            raise ConfigError(f"{archive}: namespace {ns_hex} does not match its description (hashes to {digest})",
+                              hint="the archive was altered; export it again")
+    for row in manifest["blocks"]:
+        ok = (isinstance(row, list) and len(row) == 3 and _is_hex(row[0], KEY_BYTES)
+              and (row[1] is None or _is_hex(row[1], KEY_BYTES)) and _is_hex(row[2], _NS_ID_BYTES))
+        if not ok:
+            raise ConfigError(f"{archive}: block entry {str(row)[:80]} is malformed", hint=_DAMAGED)
+    return manifest
+
+
+def read_manifest(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
+    try:
+        member = tar.getmember("manifest.json")
+    except KeyError as exc:
+        raise ConfigError(f"{archive} has no manifest.json", hint="pass an archive written by ucm-db export") from exc
+    if member.size > MAX_MANIFEST_BYTES:
+        raise ConfigError(f"{archive}: manifest of {member.size} bytes is implausible", hint=_DAMAGED)
+    try:
+        manifest = json.loads(_member_bytes(tar, member))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{archive}: manifest.json is not valid JSON: {exc}", hint=_DAMAGED) from exc
+    return check_manifest(manifest, archive)
+
+
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    handle = tar.extractfile(member)
+    if handle is None:
+        raise ConfigError(f"archive member {member.name} is not a file", hint=_DAMAGED)
+    return handle.read()
+
+
+def _open_archive(archive: Path) -> tarfile.TarFile:
+    if not archive.is_file():
+        raise ConfigError(f"{archive} is not a file", hint="pass an archive written by ucm-db export")
+    try:
+        return tarfile.open(archive, "r:")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {archive}: {exc}", hint="check the path and its permissions") from exc
+    except tarfile.TarError as exc:
+        raise ConfigError(f"{archive} is not a tar archive ({exc})", hint="pass an archive written by ucm-db export") from exc
+
+
+def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Loads ``archive`` into the store at ``path`` (created if missing);
+    returns counts and the skipped blocks with reasons (module invariants)."""
+    import ucm_db
+
+    archive, path = Path(archive), Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
+    report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "skipped": []}
+    with _open_archive(archive) as tar:
+        try:
+            manifest = read_manifest(tar, archive)
+            members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        except tarfile.TarError as exc:
+            raise ConfigError(f"{archive} is a damaged tar archive ({exc})", hint=_DAMAGED) from exc
+        total = len(manifest["blocks"])
+        with ucm_db.open(path) as store:
+            good: set[bytes] = set()
+            batch: list[BlockEntry] = []
+            for done, (key_hex, parent_hex, ns_hex) in enumerate(manifest["blocks"], 1):
+                key, ns_id = bytes.fromhex(key_hex), bytes.fromhex(ns_hex)
+                parent = bytes.fromhex(parent_hex) if parent_hex else None
+                entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest)
+                if entry is None:
+                    report["skipped"].append({"key": key_hex, "reason": reason})
+                else:
+                    if batch and (ns_id != batch[0].namespace_id or len(batch) >= CHUNK_BLOCKS):
+                        _put(store, batch, manifest, report)
+                        batch = []
+                    batch.append(entry)
+                    good.add(key)
+                if progress is not None and (done % CHUNK_BLOCKS == 0 or done == total):
+                    progress(done, total)
+            _put(store, batch, manifest, report)
+    return report
+
+
+def _checked_entry(
+    tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], key: bytes, parent: bytes | None,
+    ns_id: bytes, good: set[bytes], manifest: dict[str, Any],
+) -> tuple[BlockEntry | None, str]:
+    if ns_id.hex() not in manifest["namespaces"]:
+        return None, "namespace not described in the manifest"
+    if parent is not None and parent not in good:
+        return None, "parent block missing or bad"
+    member = members.get(f"blocks/{key.hex()}")
+    if member is None:
+        return None, "payload missing from the archive"
+    if member.size > codec.MAX_RAW_BYTES:
+        return None, "payload implausibly large"
+    blob = _member_bytes(tar, member)
+    try:
+        header = codec.verify(blob, key)
+        return BlockEntry.of_blob(key, parent, blob, header.raw_len, ns_id), ""
+    except CorruptBlockError as exc:
+        return None, f"corrupt: {exc}"
+
+
+def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: dict[str, Any]) -> None:
+    if not batch:
+        return
+    ns_hex = batch[0].namespace_id.hex()
+    desc = (batch[0].namespace_id, json.dumps(manifest["namespaces"][ns_hex], sort_keys=True).encode())
+    try:
+        result = store.tier.put_blocks(batch, namespace_desc=desc)
+    except MissingAncestorError:
+        # A parent put earlier was evicted meanwhile: the store is too small.
+        report["skipped"] += [{"key": e.key.hex(), "reason": "parent evicted during import (capacity too small)"} for e in batch]
+        return
+    report["stored"] += result.stored
+    report["already_present"] += result.already_present

@@ -1,0 +1,152 @@
+"""Checks and normalisation of the arguments of the public store API.
+
+Every function here either returns the argument in the one form the store
+works with or raises :class:`~ucm_db.errors.ConfigError` naming the problem
+and its fix; none of them touches stored data, so a refused call has
+written nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ucm_db.errors import ConfigError, TierError
+from ucm_db.keys import KEY_BYTES, BlockKeys
+from ucm_db.tiers.base import Buffer
+
+
+class Unset:
+    """Type of :data:`UNSET`: ``put``'s ``parent`` was not given."""
+
+    __slots__ = ()
+
+
+UNSET = Unset()
+
+
+class ProbedKeys(Sequence[bytes]):
+    """A view of ``keys`` that refuses a malformed key when it is read."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        self._keys = keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, index: Any) -> Any:
+        key = self._keys[index]
+        if isinstance(index, int) and len(key) != KEY_BYTES:
+            raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {len(key)}", hint="use Namespace.block_keys")
+        return key
+
+
+def parse_settings(raw: Buffer | None, path: Path) -> dict[str, Any]:
+    """The persisted settings record, or a :class:`TierError` naming it."""
+    if raw is None:
+        return {}
+    try:
+        settings = json.loads(bytes(raw))
+    except (ValueError, UnicodeDecodeError):
+        settings = None
+    if not isinstance(settings, dict):
+        raise TierError(
+            f"the settings record of the store at {path} is damaged",
+            hint=f"run `ucm-db verify {path}` for a full report; move the store aside to start a new one",
+        )
+    return settings
+
+
+def key_list(keys: Any, operation: str) -> Sequence[bytes]:
+    """``keys`` as a sequence of 32-byte ``bytes`` keys: an iterator is
+    read into a list (never silently consumed), bytearray/memoryview keys
+    become bytes, anything else is a :class:`ConfigError`."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable):
+        raise ConfigError(
+            f"{operation} takes a sequence of block keys, got {type(keys).__name__}",
+            hint="pass a list of 32-byte keys, e.g. from Namespace.block_keys (wrap a single key: [key])",
+        )
+    if not isinstance(keys, Sequence):
+        keys = list(keys)
+    if set(map(type, keys)) - {bytes}:
+        for key in keys:
+            if not isinstance(key, (bytes, bytearray, memoryview)):
+                raise ConfigError(
+                    f"block keys are 32-byte bytes objects, got a {type(key).__name__}", hint="use Namespace.block_keys",
+                )
+        converted = [bytes(key) for key in keys]
+        keys = BlockKeys(converted, parent=keys.parent) if isinstance(keys, BlockKeys) else converted
+    require_keys(keys)
+    return keys
+
+
+def segment_parent(keys: Sequence[bytes], parent: bytes | None | Unset) -> bytes | None:
+    """The parent of ``keys[0]`` for a put: ``parent=`` if given (checked
+    against a :class:`BlockKeys`'s own), else the ``BlockKeys``'s."""
+    if isinstance(parent, Unset):
+        if isinstance(keys, BlockKeys):
+            return keys.parent
+        if not keys:
+            return None
+        raise ConfigError(
+            "put of a plain key list needs parent=: the key of the block before keys[0], or None if keys[0] "
+            "is its chain's first block",
+            hint="pass keys from Namespace.block_keys (its slices know their parent), or parent= explicitly",
+        )
+    if parent is not None:
+        if not isinstance(parent, (bytes, bytearray, memoryview)) or len(parent) != KEY_BYTES:
+            raise ConfigError(
+                f"parent must be a {KEY_BYTES}-byte block key or None, got {type(parent).__name__}",
+                hint="pass the key of the block before keys[0], as returned by Namespace.block_keys",
+            )
+        parent = bytes(parent)
+    if isinstance(keys, BlockKeys) and keys and keys.parent != parent:
+        raise ConfigError(
+            "parent= disagrees with the keys' own parent (the key before keys[0] in Namespace.block_keys)",
+            hint="omit parent= when passing a slice of Namespace.block_keys",
+        )
+    return parent
+
+
+def require_payload(payload: Any) -> None:
+    """Refuses payloads that are not C-contiguous byte buffers (or a
+    list/tuple of them): a str, None, a dict, a strided or object-dtype
+    numpy array would otherwise fail deep in the codec or, for object
+    arrays, store raw pointers."""
+    for frame in payload if isinstance(payload, (list, tuple)) else (payload,):
+        try:
+            view = memoryview(frame)
+        except TypeError:
+            raise ConfigError(
+                f"a payload must be bytes-like (bytes, bytearray, memoryview, numpy array), got {type(frame).__name__}",
+                hint="pass the block's bytes, or a list of per-layer byte buffers",
+            ) from None
+        if "O" in view.format:
+            raise ConfigError("a payload holds Python objects (numpy dtype=object)", hint="pass numeric arrays, e.g. arr.astype(np.float16)")
+        if not view.c_contiguous:
+            raise ConfigError("a payload is not C-contiguous (a strided view)", hint="pass numpy.ascontiguousarray(payload)")
+
+
+def require_writable(buffer: Any) -> None:
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise ConfigError(
+            f"get_into writes into buffers (bytearray, numpy array), got {type(buffer).__name__}",
+            hint="pass writable buffers such as bytearray(size)",
+        ) from None
+    if view.readonly or not view.c_contiguous:
+        raise ConfigError("get_into needs writable, C-contiguous buffers", hint="pass bytearray(size) or a contiguous numpy array")
+
+
+def require_keys(keys: Sequence[bytes]) -> None:
+    """Refuses keys that are not 32-byte block keys (map(len) runs in C: a
+    lookup of 8192 keys stays cheap)."""
+    lengths = set(map(len, keys))
+    if lengths - {KEY_BYTES}:
+        bad = sorted(lengths - {KEY_BYTES})[0]
+        raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {bad}", hint="use Namespace.block_keys")

@@ -1,0 +1,149 @@
+"""One process's background work for an open store: reader activity and
+the maintenance thread.
+
+Reads never take the writer lock: their LRU touches and hit/miss counts
+are buffered here and folded into the next write transaction (a put), or
+written by the maintenance thread every ``sync_interval_s``. With group
+durability the same thread syncs the engine every interval, and as soon as
+``sync_bytes`` were committed since the last sync.
+
+Invariants:
+    * Buffered activity is never dropped while the store is open: a failed
+      write hands it back to the buffer (:meth:`Background.give_back`).
+    * A failed maintenance round is logged, counted in ``errors`` and
+      retried next interval. If the thread itself dies, its exception stays
+      in ``failure`` and the store refuses puts: with group durability a
+      store that nobody syncs must not go on acknowledging writes.
+    * A :class:`Background` belongs to the process that made it; a forked
+      child makes its own (the parent's thread does not exist there).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ucm_db.config import StoreConfig
+from ucm_db.tiers.base import Engine
+from ucm_db.tiers.local import LocalTier, PendingActivity
+
+logger = logging.getLogger("ucm_db")
+
+#: Buffered touches that make a read flush the activity at once.
+ACTIVITY_FLUSH_KEYS = 4096
+
+
+class Background:
+    """Activity buffer and maintenance thread of one store in one process."""
+
+    def __init__(self, path: Path, engine: Engine, tier: LocalTier, config: StoreConfig) -> None:
+        self._path = path
+        self._engine = engine
+        self._tier = tier
+        self._config = config
+        self._lock = threading.Lock()
+        self._activity = PendingActivity()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._unsynced_bytes = 0
+        self.errors = 0
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ucm-db-maintenance", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the thread (after its current round); idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # -- reader activity -----------------------------------------------------------
+    def record_reads(self, keys: Sequence[bytes], results: Sequence[Any]) -> None:
+        """Counts a read's hits (``results[i]`` not None, touching the key)
+        and misses; flushes at once when many touches are buffered."""
+        now = time.time_ns()
+        with self._lock:
+            activity = self._activity
+            for key, value in zip(keys, results):
+                if value is None:
+                    activity.misses += 1
+                else:
+                    activity.hits += 1
+                    activity.touched[key] = now
+            big = len(activity.touched) >= ACTIVITY_FLUSH_KEYS
+        if big:
+            self.flush_activity()
+
+    def take(self) -> PendingActivity:
+        """The buffered activity, for a write to fold in (the buffer starts
+        empty); hand it back with :meth:`give_back` if the write fails."""
+        with self._lock:
+            activity, self._activity = self._activity, PendingActivity()
+        return activity
+
+    def give_back(self, activity: PendingActivity) -> None:
+        with self._lock:
+            for key, access_ns in activity.touched.items():
+                self._activity.touched[key] = max(access_ns, self._activity.touched.get(key, 0))
+            self._activity.hits += activity.hits
+            self._activity.misses += activity.misses
+
+    def flush_activity(self) -> None:
+        """Writes the buffered activity in one transaction."""
+        activity = self.take()
+        try:
+            self._tier.apply_activity(activity)
+        except BaseException:
+            self.give_back(activity)
+            raise
+
+    def pending_counts(self) -> tuple[int, int]:
+        """(hits, misses) buffered and not yet written."""
+        with self._lock:
+            return self._activity.hits, self._activity.misses
+
+    # -- durability ----------------------------------------------------------------
+    def committed(self, stored_bytes: int) -> None:
+        """Counts group-commit bytes; wakes the sync once ``sync_bytes`` are
+        unsynced, so the disk's write-back overlaps the next puts."""
+        if self._config.durability != "group" or not stored_bytes:
+            return
+        with self._lock:
+            self._unsynced_bytes += stored_bytes
+            due = self._unsynced_bytes >= self._config.sync_bytes
+        if due:
+            self._wake.set()
+
+    @property
+    def unsynced_bytes(self) -> int:
+        """Group-commit bytes since the last sync started."""
+        with self._lock:
+            return self._unsynced_bytes
+
+    def _run(self) -> None:
+        try:
+            while True:
+                woken = self._wake.wait(self._config.sync_interval_s)
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                try:
+                    if not woken:
+                        self.flush_activity()
+                    if self._config.durability == "group":
+                        with self._lock:
+                            self._unsynced_bytes = 0
+                        self._engine.sync()
+                except Exception as exc:  # noqa: BLE001 - logged, counted, retried next round
+                    self.errors += 1
+                    logger.warning("ucm-db store %s: background sync/flush failed (retrying): %s", self._path, exc)
+        except BaseException as exc:
+            self.failure = exc
+            logger.error("ucm-db store %s: the maintenance thread died; puts are refused until reopen: %r", self._path, exc)

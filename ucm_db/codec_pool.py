@@ -1,0 +1,74 @@
+"""Batch encoding and decoding of blocks on the store's codec threads.
+
+Invariants:
+    * Results come back in input order, whatever thread produced them.
+    * Uncompressed work (codec ``none``: a header and at most one memcpy per
+      block) stays on the caller's thread; only zstd work, and only batches
+      of two or more blocks, go to the pool, where the GIL-free compressor
+      runs in parallel.
+    * Decoding runs inside the caller's read transaction, straight from the
+      stored bytes: the pool is joined before :meth:`CodecPool.decode_blocks`
+      returns, so no view outlives the transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, Union
+
+from ucm_db import codec
+from ucm_db.tiers.base import Buffer
+
+T = TypeVar("T")
+Payload = Union[Buffer, Sequence[Buffer]]
+
+
+class CodecPool:
+    """The codec threads of one store in one process (none if ``threads``
+    is 0: everything then runs on the caller's thread)."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, "ucm-db-codec") if threads else None
+
+    def encode_many(
+        self, items: Sequence[tuple[bytes, Payload]], *, codec_name: str, element_bytes: int, level: int,
+    ) -> list[codec.EncodedBlock]:
+        """Encodes ``(key, payload)`` pairs; a list or tuple payload is
+        per-layer frames, anything else (bytes, numpy array, memoryview) one
+        buffer."""
+        def encode_one(item: tuple[bytes, Payload]) -> codec.EncodedBlock:
+            key, payload = item
+            frames: list[Any] = list(payload) if isinstance(payload, (list, tuple)) else [payload]
+            return codec.encode_parts(key, frames, codec=codec_name, element_bytes=element_bytes, level=level)
+
+        if self._pool is None or len(items) < 2 or codec_name == "none":
+            return [encode_one(item) for item in items]
+        return list(self._pool.map(encode_one, items))
+
+    def decode_blocks(
+        self, blocks: Sequence[tuple[memoryview, memoryview] | None], decode: Callable[[int, memoryview, memoryview], T],
+    ) -> list[T | None]:
+        """``decode(i, head, body)`` for each present block (None where
+        absent); compressed blocks of a batch on the pool."""
+        results: list[T | None] = [None] * len(blocks)
+        compressed: list[int] = []
+        for i, block in enumerate(blocks):
+            if block is None:
+                continue
+            if self._pool is not None and codec.codec_of_head(block[0]) == "zstd":
+                compressed.append(i)
+            else:
+                results[i] = decode(i, *block)
+        if len(compressed) == 1:
+            results[compressed[0]] = decode(compressed[0], *blocks[compressed[0]])  # type: ignore[misc]
+        elif compressed:
+            assert self._pool is not None  # only blocks for the pool were listed
+            done = self._pool.map(lambda i: decode(i, *blocks[i]), compressed)  # type: ignore[misc]
+            for i, value in zip(compressed, done):
+                results[i] = value
+        return results
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,200 @@
+"""Compaction: evict to a size, drop dead records, shrink the files.
+
+Steps, in order:
+    1. Evict LRU blocks until stored bytes <= ``target_bytes``, in several
+       short write transactions (:meth:`LocalTier.evict_lru`), so live
+       writers are held up only briefly.
+    2. Drop quarantine records and orphaned index entries (payloads, LRU,
+       child links or upload-queue entries whose block has no metadata).
+    3. Reclaim file space. LMDB: a compacting copy (``Environment.copy(...,
+       compact=True)``) into a new file, fsynced, then renamed over
+       ``data.mdb`` (atomic: a crash leaves the old or the new file, never a
+       mix). RocksDB: a full manual compaction.
+
+Safety with live processes: steps 1 and 2 are ordinary transactions, safe
+beside other LMDB processes. Step 3 replaces the file other processes map,
+so it runs only while this process holds the store's lock exclusively (no
+process has the store open) and no other live process holds an LMDB reader
+slot; otherwise it is skipped and the processes are named in the report.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ucm_db.crashpoints import crashpoint
+from ucm_db.errors import FormatVersionError, LockedError
+from ucm_db.format import STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings
+from ucm_db.store_view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
+from ucm_db.storelock import StoreLock, describe, holders
+from ucm_db.tiers.local import LocalTier
+
+#: Eviction proceeds in about this many transactions...
+EVICTION_STEPS = 16
+#: ...each evicting about this many blocks at most.
+MAX_EVICTIONS_PER_TXN = 256
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def evict_to(tier: LocalTier, target_bytes: int, progress: ProgressFn | None = None) -> int:
+    """Evicts LRU blocks until stored bytes <= ``target_bytes``; returns
+    blocks evicted. Each transaction evicts about 1/EVICTION_STEPS of the
+    excess, and at most MAX_EVICTIONS_PER_TXN blocks (an engine that buffers
+    a transaction's deletes, RocksDB's overlay, rescans them per victim)."""
+    totals = tier.totals()
+    start = totals.stored_bytes
+    block_bytes = max(1, start // max(1, totals.blocks))
+    step_bytes = max(1, (start - target_bytes) // EVICTION_STEPS)
+    max_blocks = max(1, min(MAX_EVICTIONS_PER_TXN, step_bytes // block_bytes))
+    evicted = 0
+    while True:
+        stored = tier.totals().stored_bytes
+        if stored <= target_bytes:
+            break
+        count = tier.evict_lru(max(target_bytes, stored - step_bytes), max_blocks)
+        if count == 0:  # nothing left to evict
+            break
+        evicted += count
+        if progress is not None:
+            progress(start - tier.totals().stored_bytes, start - target_bytes)
+    return evicted
+
+
+def other_lmdb_readers(lmdb_dir: Path) -> list[int]:
+    """Live pids other than ours in the LMDB reader table."""
+    import lmdb
+
+    env = lmdb.open(str(lmdb_dir), readonly=True, max_dbs=16, subdir=True)
+    try:
+        lines = env.readers().splitlines()[1:]
+    finally:
+        env.close()
+    pids = set()
+    for line in lines:
+        parts = line.split()
+        if parts and parts[0].isdigit() and int(parts[0]) != os.getpid() and _alive(int(parts[0])):
+            pids.add(int(parts[0]))
+    return sorted(pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def rewrite_lmdb(path: Path) -> None:
+    """Compacting copy of ``path/lmdb/data.mdb``, renamed over it atomically.
+
+    The caller holds the store's lock exclusively and no engine is open.
+    """
+    import lmdb
+
+    lmdb_dir = path / "lmdb"
+    for stale in path.glob("lmdb.compact-*"):  # left by a crashed compact
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path / f"lmdb.compact-{os.getpid()}"
+    tmp.mkdir(mode=0o700)
+    try:
+        env = lmdb.open(str(lmdb_dir), readonly=True, max_dbs=16, subdir=True)
+        try:
+            env.copy(str(tmp), compact=True)
+        finally:
+            env.close()
+        new = tmp / "data.mdb"
+        os.chmod(new, 0o600)
+        _fsync(new)
+        crashpoint("compact.during_switch")  # 1st: before the switch
+        os.replace(new, lmdb_dir / "data.mdb")
+        crashpoint("compact.during_switch")  # 2nd: switched, stale lock.mdb still there
+        # No process has the environment open: its reader table is stale.
+        (lmdb_dir / "lock.mdb").unlink(missing_ok=True)
+        _fsync(lmdb_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def compact(path: str | Path, *, target_bytes: int | None = None, require_exclusive: bool = False,
+            progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Runs the compaction steps (module docstring); returns the report.
+
+    Raises:
+        LockedError: other processes have the store open and
+            ``require_exclusive`` was given (or the engine is RocksDB).
+        FormatVersionError: the store is of another format.
+    """
+    path = Path(path)
+    engine_name = check_store_path(path)
+    lock = StoreLock(path)
+    exclusive = lock.try_exclusive()
+    held_by = [] if exclusive else [p for p in holders(path) if p != os.getpid()]
+    try:
+        if not exclusive:
+            if require_exclusive or engine_name == "rocksdb":
+                why = "the rocksdb engine is single-process" if engine_name == "rocksdb" else "exclusive use was required"
+                raise LockedError(f"cannot compact {path}: it is open in {describe(held_by)} ({why})",
+                                  hint="stop or close those processes, then run ucm-db compact again")
+            lock.acquire_shared(VIEW_LOCK_WAIT_S)
+        report: dict[str, Any] = {"path": str(path), "engine": engine_name, "exclusive": exclusive, "held_by": held_by,
+                                  "file_bytes_before": dir_bytes(path / engine_name)}
+        report.update(_transactional_steps(path, engine_name, target_bytes, exclusive, progress))
+        report["rewrite"], report["rewrite_skipped_because"] = _rewrite_step(path, engine_name, exclusive, held_by)
+        report["file_bytes_after"] = dir_bytes(path / engine_name)
+        return report
+    finally:
+        lock.release()
+
+
+def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None, exclusive: bool,
+                         progress: ProgressFn | None) -> dict[str, Any]:
+    engine = open_engine(path, engine_name, read_only=False, sync=True)
+    try:
+        version = read_format_version(engine)
+        if version != STORE_FORMAT_VERSION:
+            raise FormatVersionError(f"store at {path} has format {version}, this ucm-db compacts {STORE_FORMAT_VERSION}",
+                                     hint=f"run `ucm-db migrate {path}` first" if version < STORE_FORMAT_VERSION else "upgrade ucm-db")
+        capacity = int(read_settings(engine).get("capacity_bytes", UNLIMITED_BYTES))
+        tier = LocalTier(engine, capacity_bytes=capacity)
+        before = tier.totals()
+        evicted = evict_to(tier, target_bytes, progress) if target_bytes is not None else 0
+        out = {"blocks_before": before.blocks, "stored_bytes_before": before.stored_bytes, "evicted_blocks": evicted,
+               "quarantine_records_dropped": tier.drop_quarantine_records(), "orphans_dropped": tier.drop_orphans()}
+        if engine_name == "rocksdb" and exclusive:
+            engine.compact()  # type: ignore[attr-defined]
+        after = tier.totals()
+        out.update(blocks_after=after.blocks, stored_bytes_after=after.stored_bytes, index_problems=tier.check())
+        return out
+    finally:
+        engine.close()
+
+
+def _rewrite_step(path: Path, engine_name: str, exclusive: bool, held_by: list[int]) -> tuple[str, str | None]:
+    """("rewritten" | "rocksdb compaction" | "skipped", why skipped)."""
+    if engine_name != "lmdb":
+        return ("rocksdb compaction", None) if exclusive else ("skipped", f"the store is open in {describe(held_by)}")
+    if not exclusive:
+        return "skipped", (f"the store is open in {describe(held_by)}; freed pages are reused by LMDB, "
+                           "stop those processes and run compact again to shrink the file")
+    readers = other_lmdb_readers(path / "lmdb")
+    if readers:
+        return "skipped", f"LMDB readers {describe(readers)} have the file open outside ucm-db's lock"
+    rewrite_lmdb(path)
+    return "rewritten", None

@@ -1,0 +1,140 @@
+"""The store's on-disk format: version, info records, and the one engine opener.
+
+Everything that says how a store directory is laid out lives here, so the
+store, migrations and tools agree on it by importing one module.
+
+Invariants:
+    * A store directory holds exactly one engine directory, named after its
+      engine (``lmdb/`` or ``rocksdb/``); :func:`detect_engine` reads that.
+    * ``info/format_version`` holds the decimal format version; a store of
+      another version is refused by :func:`check_format_version` with the fix.
+    * :func:`open_engine` is the only place an engine object is built (the
+      store, migrations, conversion and the tools all come through it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ucm_db.errors import ConfigError, FormatVersionError
+
+if TYPE_CHECKING:
+    from ucm_db.config import StoreConfig
+    from ucm_db.tiers.base import Engine
+
+#: On-disk format of the store's tables; migrations move stores between them.
+STORE_FORMAT_VERSION = 3
+#: Table holding the store's records about itself.
+INFO_TABLE = "info"
+FORMAT_VERSION_KEY = b"format_version"
+#: JSON record of the code that created the store (format 2 on; see migrations).
+CREATED_KEY = b"created"
+#: JSON of the persisted settings (capacity, codec, durability, engine).
+SETTINGS_KEY = b"settings"
+#: Engines whose files live in a directory of their own name under the store.
+ON_DISK_ENGINES = ("lmdb", "rocksdb")
+#: Smallest LMDB map to ask for when opening an existing store (LMDB keeps a
+#: store's larger recorded size).
+MIN_MAP_BYTES = 1 << 20
+
+
+def detect_engine(path: Path) -> str | None:
+    """The engine of an existing store directory, or None if there is none."""
+    for name in ON_DISK_ENGINES:
+        if (Path(path) / name).is_dir():
+            return name
+    return None
+
+
+def configured_map_bytes(config: StoreConfig) -> int:
+    """The LMDB map size a store opened with ``config`` starts with."""
+    return config.map_size_bytes or max(64 << 20, 2 * config.capacity_bytes + (256 << 20))
+
+
+def open_engine(
+    path: Path,
+    engine: str,
+    *,
+    sync: bool,
+    read_only: bool = False,
+    map_size_bytes: int = MIN_MAP_BYTES,
+    max_readers: int = 1024,
+) -> Engine:
+    """Builds the ``engine`` engine of the store directory ``path`` (created
+    if missing; callers that must not create one check :func:`detect_engine`
+    first). ``read_only`` is honoured where the engine supports it (RocksDB)."""
+    if engine == "memory":
+        from ucm_db.tiers.memory import MemoryEngine
+
+        return MemoryEngine()
+    if engine == "rocksdb":
+        from ucm_db.tiers.rocksdb import RocksDbEngine
+
+        return RocksDbEngine(Path(path) / "rocksdb", sync=sync, read_only=read_only)
+    if engine != "lmdb":
+        raise ConfigError(f"unknown engine {engine!r}", hint="use one of lmdb, rocksdb, memory")
+    from ucm_db.tiers.lmdb import LmdbEngine
+
+    return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=sync, max_readers=max_readers)
+
+
+def engine_for_config(path: Path, config: StoreConfig) -> Engine:
+    """The engine :class:`~ucm_db.Store` opens for ``config`` at ``path``."""
+    return open_engine(path, config.engine, sync=config.durability == "sync",
+                       map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers)
+
+
+def creation_record() -> bytes:
+    """The ``info/created`` record of a store this code creates."""
+    from ucm_db.version import __version__
+
+    record = {"ucm_db_version": __version__, "created_ns": time.time_ns(), "format_version": STORE_FORMAT_VERSION}
+    return json.dumps(record, sort_keys=True).encode()
+
+
+def check_format_version(version: int, path: Path) -> None:
+    """Refuses stores of another format version, with the fix."""
+    if version < STORE_FORMAT_VERSION:
+        raise FormatVersionError(f"store at {path} has format {version}, this ucm-db reads {STORE_FORMAT_VERSION}", hint=f"run `ucm-db migrate {path}`")
+    if version > STORE_FORMAT_VERSION:
+        raise FormatVersionError(
+            f"store at {path} has format {version}, newer than this ucm-db ({STORE_FORMAT_VERSION})",
+            hint="upgrade ucm-db; older code never writes to a newer store",
+        )
+
+
+def parse_format_version(raw: bytes | None) -> int:
+    """The format version in an ``info/format_version`` record."""
+    if raw is None:
+        raise ConfigError("the store records no format version", hint="it was never opened by ucm-db; check the path")
+    try:
+        return int(bytes(raw))
+    except ValueError:
+        raise ConfigError(f"the store's format version record is damaged ({bytes(raw)[:16]!r})",
+                          hint="run `ucm-db verify` on the store; if it cannot repair it, move the store aside") from None
+
+
+def read_format_version(engine: Engine) -> int:
+    """The format version recorded in ``engine``'s store."""
+    return parse_format_version(engine.read(lambda txn: _copy(txn.get(INFO_TABLE, FORMAT_VERSION_KEY))))
+
+
+def read_settings(engine: Engine) -> dict[str, Any]:
+    """The persisted settings recorded in ``engine``'s store ({} if none)."""
+    raw = engine.read(lambda txn: _copy(txn.get(INFO_TABLE, SETTINGS_KEY)))
+    if raw is None:
+        return {}
+    try:
+        settings = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        settings = None
+    if not isinstance(settings, dict):
+        raise ConfigError("the store's settings record is damaged", hint="run `ucm-db verify` on the store")
+    return settings
+
+
+def _copy(value: Any) -> bytes | None:
+    return None if value is None else bytes(value)

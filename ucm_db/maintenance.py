@@ -1,0 +1,125 @@
+"""Looking after a store: the public maintenance API (the ``ucm-db`` CLI is a
+thin layer over it).
+
+Every operation takes a store path and works below :class:`~ucm_db.Store`
+where it must (old formats, damaged records, no reader activity written):
+
+* :func:`inspect` -- totals, namespaces, histograms, hottest chains;
+  :func:`iter_blocks` and :func:`namespaces` for scripts.
+* :func:`verify` -- decode and checksum every block (or a sample), check the
+  index and the store's records; with ``fix`` (or :func:`repair`) quarantine
+  corrupt blocks and blocks on parent cycles, and recount damaged or
+  disagreeing totals.
+* :func:`compact` -- evict to a size, drop dead records, shrink the file;
+  :func:`evict_to_bytes` alone.
+* :func:`export_archive` / :func:`import_archive` -- portable tar archives.
+* :func:`gc_remote` -- garbage-collect a remote tier; :func:`remote_namespace`
+  finds a namespace recorded on one.
+
+``isolated=True`` (what the CLI passes) runs the reading part of
+:func:`inspect` and :func:`verify` in a child process (:mod:`ucm_db.isolation`):
+a damaged file that makes LMDB abort or the kernel send SIGBUS is then a
+:class:`~ucm_db.errors.TierError` naming the damage, not a dead caller.
+
+Invariants:
+    * Nothing here creates a store except :func:`import_archive` (whose
+      destination may be new); read-only operations write nothing.
+    * Bad input is a :class:`~ucm_db.errors.UcmDbError` with a hint, raised
+      before anything stored is changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ucm_db.archive import export_archive, import_archive
+from ucm_db.compaction import compact, evict_to
+from ucm_db.errors import ConfigError, FormatVersionError
+from ucm_db.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
+from ucm_db.isolation import run_isolated
+from ucm_db.keys import Namespace
+from ucm_db.store_view import ProgressFn, StoreView, open_view, select_namespaces
+from ucm_db.verification import VerifyReport, repair, verify_view
+
+__all__ = [
+    "BlockInfo", "ProgressFn", "StoreView", "VerifyReport", "compact", "evict_to_bytes", "export_archive", "gc_remote",
+    "import_archive", "inspect", "iter_blocks", "namespaces", "open_view", "remote_namespace", "repair", "verify",
+]
+
+
+def inspect(path: str | Path, *, namespaces: tuple[str, ...] = (), top: int = 0, now_ns: int | None = None,
+            isolated: bool = False) -> dict[str, Any]:
+    """The inspect report of the store at ``path`` (JSON-ready dict); with
+    ``top`` also the N hottest chains and any parent cycles found."""
+    def run() -> dict[str, Any]:
+        with open_view(path) as view:
+            return inspect_view(view, namespaces=namespaces, top=top, now_ns=now_ns)
+    return run_isolated(run, path) if isolated else run()
+
+
+def namespaces(path: str | Path) -> list[dict[str, Any]]:
+    """Each namespace holding blocks: id, description and counters."""
+    import time
+
+    with open_view(path) as view:
+        return namespace_rows(view, None, time.time_ns())
+
+
+def iter_blocks(path: str | Path, namespaces: tuple[str, ...] = ()) -> Iterator[BlockInfo]:
+    """Every block (of the namespaces named by id prefix or model), in key order."""
+    with open_view(path) as view:
+        yield from _iter_view_blocks(view, select_namespaces(view, namespaces))
+
+
+def verify(path: str | Path, *, sample: int | None = None, seed: int = 0, fix: bool = False,
+           progress: ProgressFn | None = None, isolated: bool = False) -> VerifyReport:
+    """Checks every block (or ``sample`` at random, chosen by ``seed``) and
+    the index; with ``fix`` repairs what was found (see :mod:`ucm_db.verification`)."""
+    path = Path(path)
+
+    def check() -> dict[str, Any]:
+        with open_view(path) as view:
+            if fix and not view.current_format:
+                raise FormatVersionError(f"store at {path} has format {view.format_version}", hint=f"run `ucm-db migrate {path}` before --fix")
+            return verify_view(view, sample=sample, seed=seed, progress=progress).to_dict()
+
+    report = VerifyReport.from_dict(run_isolated(check, path) if isolated else check())
+    if fix and report.problems:
+        repair(path, report)
+    return report
+
+
+def evict_to_bytes(path: str | Path, target_bytes: int, progress: ProgressFn | None = None) -> int:
+    """Evicts least recently used blocks of the store at ``path`` until at
+    most ``target_bytes`` are stored; returns blocks evicted."""
+    if target_bytes < 0:
+        raise ConfigError(f"target_bytes must be >= 0, got {target_bytes}", hint="pass a size in bytes")
+    with open_view(path, writable=True) as view:
+        if not view.current_format:
+            raise FormatVersionError(f"store at {path} has format {view.format_version}", hint=f"run `ucm-db migrate {path}` first")
+        return evict_to(view.tier, target_bytes, progress)
+
+
+def gc_remote(url: str, options: dict[str, Any] | None = None, *, older_than_s: float | None = None,
+              max_bytes: int | None = None, dry_run: bool = False) -> dict[str, Any]:
+    """Garbage-collects the remote tier at ``url`` (see :mod:`ucm_db.remote_gc`)."""
+    from ucm_db.remote_gc import gc
+    from ucm_db.tiers.remote import RemoteRoot
+
+    if older_than_s is None and max_bytes is None:
+        raise ConfigError("remote gc needs an age and/or a size limit", hint="pass older_than_s and/or max_bytes (--older-than / --max-bytes)")
+    report = gc(RemoteRoot.from_url(url, dict(options or {})), older_than_s=older_than_s, max_bytes=max_bytes, dry_run=dry_run)
+    report["remote"] = url
+    return report
+
+
+def remote_namespace(url: str, options: dict[str, Any] | None, wanted: str) -> Namespace:
+    """The one namespace recorded on the remote at ``url`` whose short id
+    starts with ``wanted`` or whose model is ``wanted``; a stray entry or
+    another namespace's broken manifest is skipped with a warning (see
+    :func:`ucm_db.warming.remote_namespaces`)."""
+    from ucm_db.warming import remote_namespaces
+
+    return remote_namespaces(url, dict(options or {})).find(wanted)

@@ -1,0 +1,143 @@
+"""A store opened below the :class:`~ucm_db.Store` API, for maintenance.
+
+Maintenance must look at stores the Store refuses (an older format, damaged
+records) and must not disturb a live store while it looks: a view opens the
+engine alone, writes no reader activity and takes the store's lock shared
+(so a running ``compact``/``migrate`` is waited for, never raced).
+
+Invariants:
+    * :func:`open_view` never creates a store, nor a missing engine file: a
+      path without a store, a store path that is a file, or an LMDB store
+      without its ``data.mdb`` is a :class:`~ucm_db.errors.ConfigError`.
+    * A view is read-only unless opened ``writable``.
+    * A damaged settings, format-version or creation record does not stop a
+      view: it is listed in :attr:`StoreView.damaged` (maintenance exists to
+      report damage), read as empty settings, format -1, no creation record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ucm_db.errors import ConfigError, UcmDbError
+from ucm_db.format import CREATED_KEY, INFO_TABLE, STORE_FORMAT_VERSION, detect_engine, open_engine, read_format_version, read_settings
+from ucm_db.storelock import hold_shared
+from ucm_db.tiers.base import Engine
+from ucm_db.tiers.local import LocalTier
+
+T = TypeVar("T")
+#: Progress callback of long maintenance operations: ``(done, total)``.
+ProgressFn = Callable[[int, int], None]
+#: Seconds a view waits for a running compact/migrate.
+VIEW_LOCK_WAIT_S = 30.0
+#: Capacity assumed for a store that records none (nothing is evicted).
+UNLIMITED_BYTES = 1 << 62
+
+
+@dataclass
+class StoreView:
+    """A store's engine and local tier, opened for maintenance."""
+
+    path: Path
+    engine_name: str
+    engine: Engine
+    tier: LocalTier
+    format_version: int
+    settings: dict[str, Any]
+    created: dict[str, Any] | None
+    #: One sentence per damaged store record found on opening.
+    damaged: list[str] = field(default_factory=list)
+
+    @property
+    def current_format(self) -> bool:
+        return self.format_version == STORE_FORMAT_VERSION
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.settings.get("capacity_bytes", 0))
+
+
+def check_store_path(path: Path) -> str:
+    """The engine name of the existing store at ``path``, after checking that
+    opening it creates nothing (see module invariants)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a ucm-db store directory", hint="pass the directory given to ucm_db.open")
+    name = detect_engine(path)
+    if name is None:
+        raise ConfigError(f"no ucm-db store at {path}", hint="pass the directory given to ucm_db.open (it holds lmdb/ or rocksdb/)")
+    if name == "lmdb" and not (path / "lmdb" / "data.mdb").is_file():
+        raise ConfigError(
+            f"store at {path} has an lmdb/ directory but no lmdb/data.mdb",
+            hint="the store's data file is gone or was moved; restore it, or remove the directory to start empty",
+        )
+    return name
+
+
+@contextmanager
+def open_view(path: str | Path, *, writable: bool = False) -> Iterator[StoreView]:
+    """Opens the existing store at ``path`` for maintenance (module invariants)."""
+    path = Path(path)
+    name = check_store_path(path)
+    lock = hold_shared(path, VIEW_LOCK_WAIT_S)
+    try:
+        engine = open_engine(path, name, read_only=not writable, sync=True)
+        try:
+            damaged: list[str] = []
+            no_settings: dict[str, Any] = {}
+            settings = _tolerant(lambda: read_settings(engine), no_settings, "settings", damaged)
+            version = _tolerant(lambda: read_format_version(engine), -1, "format_version", damaged)
+            created_raw = engine.read(lambda txn: _copy(txn.get(INFO_TABLE, CREATED_KEY)))
+            created = _json_or_none(created_raw)
+            if created_raw is not None and created is None:
+                damaged.append("info record 'created' is damaged: not a JSON object")
+            capacity = _tolerant(lambda: int(settings.get("capacity_bytes", UNLIMITED_BYTES)), UNLIMITED_BYTES, "settings", damaged)
+            yield StoreView(path, name, engine, LocalTier(engine, capacity_bytes=capacity), version, settings, created, damaged)
+        finally:
+            engine.close()
+    finally:
+        lock.release()
+
+
+def select_namespaces(view: StoreView, wanted: tuple[str, ...]) -> set[bytes] | None:
+    """Namespace ids matching ``wanted`` (id hex prefixes or model names);
+    None means all."""
+    if not wanted:
+        return None
+    descriptions = view.tier.namespace_descriptions()
+    chosen: set[bytes] = set()
+    for item in wanted:
+        found = {ns for ns, d in descriptions.items() if ns.hex().startswith(item.lower()) or d.get("model") == item}
+        if not found:
+            known = ", ".join(f"{ns.hex()} ({d.get('model')})" for ns, d in descriptions.items()) or "none"
+            raise ConfigError(f"no namespace matches {item!r}", hint=f"pass an id prefix or model name; the store has: {known}")
+        chosen |= found
+    return chosen
+
+
+def _tolerant(read: Callable[[], T], fallback: T, record: str, damaged: list[str]) -> T:
+    """``read()``, or ``fallback`` with the damage noted in ``damaged``."""
+    try:
+        return read()
+    except (UcmDbError, ValueError, TypeError) as exc:
+        damaged.append(f"info record {record!r} is damaged: {exc}")
+        return fallback
+
+
+def _json_or_none(raw: bytes | None) -> dict[str, Any] | None:
+    """A JSON object record, or None if absent or unreadable (reported, not fatal)."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _copy(value: Any) -> bytes | None:
+    return None if value is None else bytes(value)

@@ -1,0 +1,182 @@
+"""Store-wide and per-namespace counters, kept exact inside every write
+transaction.
+
+Invariants:
+    * At every commit ``info/totals`` and each ``info/nscount:<ns>`` equal
+      the sums over the ``meta`` records (:func:`recount` computes them).
+    * The records are checksummed (:mod:`ucm_db.tiers.records`); a damaged
+      one is recounted from the metadata inside the transaction that finds
+      it, so one flipped bit never wedges later puts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ucm_db.format import CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY
+from ucm_db.tiers import records
+from ucm_db.tiers.base import Buffer, Txn
+from ucm_db.tiers.index_types import BlockMeta
+
+logger = logging.getLogger("ucm_db")
+TOTALS = struct.Struct("<7Q")
+NS_COUNTS = struct.Struct("<4Q")
+TOTALS_KEY = b"totals"
+NS_COUNTS_PREFIX = b"nscount:"
+NS_DESC_PREFIX = b"nsdesc:"
+
+
+@dataclass(slots=True)
+class Totals:
+    """Store-wide counters (persisted in ``info/totals``)."""
+
+    blocks: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    evictions: int = 0
+    quarantined: int = 0
+    hits: int = 0
+    misses: int = 0
+
+    @classmethod
+    def read(cls, txn: Txn) -> Totals:
+        """The recorded totals.
+
+        Raises:
+            DamagedRecord: the record fails its checksum or shape check.
+        """
+        data = records.get_checked(txn, TOTALS_KEY, size=TOTALS.size)
+        return cls(*TOTALS.unpack(data)) if data is not None else cls()
+
+    @classmethod
+    def read_or_recompute(cls, txn: Txn) -> Totals:
+        """The recorded totals, or (damaged record) the block counts
+        recomputed from the metadata, with the event counters zeroed."""
+        try:
+            return cls.read(txn)
+        except records.DamagedRecord as exc:
+            logger.warning("ucm-db: %s; using totals recomputed from the block metadata", exc)
+            return recount(txn)[0]
+
+    def write(self, txn: Txn) -> None:
+        records.put_checked(txn, TOTALS_KEY, TOTALS.pack(
+            self.blocks, self.raw_bytes, self.stored_bytes, self.evictions, self.quarantined, self.hits, self.misses,
+        ))
+
+
+class Changes:
+    """Counter deltas accumulated inside one write transaction."""
+
+    def __init__(self, txn: Txn) -> None:
+        self.txn = txn
+        self.ns_counts: dict[bytes, list[int]] = {}
+        self._recounts = 0
+        try:
+            self.totals = Totals.read(txn)
+        except records.DamagedRecord as exc:
+            self.recount(exc)
+
+    def recount(self, cause: records.DamagedRecord) -> None:
+        """Replaces every counter by a recount from the metadata (a damaged
+        counter record must not wedge later puts); the commit rewrites them
+        all. Deltas added before are already in the metadata."""
+        logger.warning("ucm-db: %s; recomputing the counters from the block metadata", cause)
+        self._recounts += 1
+        totals, per_namespace = recount(self.txn)
+        previous = getattr(self, "totals", None)
+        if previous is not None:  # keep the event counters this transaction has seen
+            totals.evictions, totals.quarantined = previous.evictions, previous.quarantined
+            totals.hits, totals.misses = previous.hits, previous.misses
+        self.totals = totals
+        for name, _ in list(self.txn.scan("info", NS_COUNTS_PREFIX)):
+            per_namespace.setdefault(bytes(name)[len(NS_COUNTS_PREFIX):], [0, 0, 0, 0])
+        self.ns_counts = per_namespace
+
+    def ns(self, namespace_id: bytes) -> list[int]:
+        counts = self.ns_counts.get(namespace_id)
+        if counts is None:
+            try:
+                data = records.get_checked(self.txn, NS_COUNTS_PREFIX + namespace_id, size=NS_COUNTS.size)
+            except records.DamagedRecord as exc:
+                self.recount(exc)
+                return self.ns(namespace_id)
+            counts = list(NS_COUNTS.unpack(data)) if data is not None else [0, 0, 0, 0]
+            self.ns_counts[namespace_id] = counts
+        return counts
+
+    def add(self, meta: BlockMeta, sign: int) -> None:
+        """Counts a block just written (+1) or deleted (-1) in ``meta``."""
+        recounts = self._recounts
+        counts = self.ns(meta.namespace_id)
+        if self._recounts != recounts:
+            return  # ns() just recounted from the metadata, which holds this change already
+        self.totals.blocks += sign
+        self.totals.raw_bytes += sign * meta.raw_bytes
+        self.totals.stored_bytes += sign * meta.stored_bytes
+        counts[0] += sign
+        counts[1] += sign * meta.raw_bytes
+        counts[2] += sign * meta.stored_bytes
+        if sign > 0:
+            counts[3] = max(counts[3], meta.access_ns)
+
+    def commit(self) -> None:
+        self.totals.write(self.txn)
+        for namespace_id, counts in self.ns_counts.items():
+            records.put_checked(self.txn, NS_COUNTS_PREFIX + namespace_id, NS_COUNTS.pack(*counts))
+
+
+def recount(txn: Txn) -> tuple[Totals, dict[bytes, list[int]]]:
+    """Totals and per-namespace counters recomputed from ``meta`` (event
+    counters zero): what the records must say at every commit."""
+    totals = Totals()
+    per_namespace: dict[bytes, list[int]] = {}
+    for _key, data in txn.scan("meta"):
+        meta = BlockMeta.unpack(data)
+        totals.blocks += 1
+        totals.raw_bytes += meta.raw_bytes
+        totals.stored_bytes += meta.stored_bytes
+        counts = per_namespace.setdefault(meta.namespace_id, [0, 0, 0, 0])
+        counts[0] += 1
+        counts[1] += meta.raw_bytes
+        counts[2] += meta.stored_bytes
+        counts[3] = max(counts[3], meta.access_ns)
+    return totals, per_namespace
+
+
+def parse_description(value: Buffer | None) -> dict[str, Any]:
+    if value is None:
+        return {"damaged": "checksum mismatch"}
+    try:
+        description = json.loads(bytes(value))
+    except (ValueError, UnicodeDecodeError):
+        return {"damaged": "not JSON"}
+    return description if isinstance(description, dict) else {"damaged": "not a JSON object"}
+
+
+def damaged_records(txn: Txn) -> list[tuple[str, str]]:
+    """(record name, reason) of every damaged info record this module or
+    :mod:`ucm_db.format` defines."""
+    found: list[tuple[str, str]] = []
+    try:
+        Totals.read(txn)
+    except records.DamagedRecord as exc:
+        found.append((TOTALS_KEY.decode(), exc.reason))
+    for prefix, size in ((NS_COUNTS_PREFIX, NS_COUNTS.size), (NS_DESC_PREFIX, None)):
+        for name, value in records.scan_checked(txn, prefix, size=size):
+            reason = "checksum mismatch or wrong size" if value is None else None
+            if reason is None and prefix == NS_DESC_PREFIX:
+                reason = parse_description(value).get("damaged")
+            if reason:
+                found.append((name.decode(errors="replace"), reason))
+    version = txn.get("info", FORMAT_VERSION_KEY)
+    if version is not None and not bytes(version).isdigit():
+        found.append((FORMAT_VERSION_KEY.decode(), "not a decimal number"))
+    for name in (SETTINGS_KEY, CREATED_KEY):
+        value = txn.get("info", name)
+        if value is not None and "damaged" in parse_description(value):
+            found.append((name.decode(), parse_description(value)["damaged"]))
+    return found

@@ -1,0 +1,96 @@
+"""The value types of the local block index: per-block metadata, entries
+to put, put results, buffered reader activity, and LRU index keys.
+
+Invariants:
+    * :class:`BlockMeta` packs to a fixed 88-byte record; its first 16 bytes
+      are the namespace id (readers check a block's namespace from them).
+    * :func:`lru_key` orders by access time, then deeper blocks first, so
+      equal-time chain tails sort before their ancestors.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from ucm_db import codec
+from ucm_db.tiers.base import Buffer
+
+NO_PARENT = bytes(32)
+META = struct.Struct("<16s32sIQQQQI")
+LRU_PREFIX = struct.Struct(">QI")
+MAX_DEPTH = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    """Per-block metadata kept beside the payload."""
+
+    namespace_id: bytes
+    parent: bytes | None
+    depth: int
+    raw_bytes: int
+    stored_bytes: int
+    created_ns: int
+    access_ns: int
+    hits: int
+
+    def pack(self) -> bytes:
+        return META.pack(
+            self.namespace_id, self.parent or NO_PARENT, self.depth, self.raw_bytes,
+            self.stored_bytes, self.created_ns, self.access_ns, self.hits,
+        )
+
+    @classmethod
+    def unpack(cls, data: Buffer) -> BlockMeta:
+        ns, parent, depth, raw, stored, created, access, hits = META.unpack(data)
+        return cls(ns, None if parent == NO_PARENT else parent, depth, raw, stored, created, access, hits)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEntry:
+    """One block to put: key, parent (None for a chain root), head and body."""
+
+    key: bytes
+    parent: bytes | None
+    head: Buffer
+    body: Buffer
+    raw_bytes: int
+    namespace_id: bytes
+
+    @classmethod
+    def of_blob(cls, key: bytes, parent: bytes | None, blob: Buffer, raw_bytes: int, namespace_id: bytes) -> BlockEntry:
+        """An entry from a joined blob, split without copying.
+
+        Raises:
+            CorruptBlockError: the blob's header is unreadable.
+        """
+        head, body = codec.split(blob)
+        return cls(key, parent, head, body, raw_bytes, namespace_id)
+
+    @property
+    def stored_bytes(self) -> int:
+        return len(self.head) + len(self.body)
+
+
+@dataclass(slots=True)
+class PutResult:
+    stored: int = 0
+    already_present: int = 0
+    evicted: int = 0
+
+
+@dataclass(slots=True)
+class PendingActivity:
+    """Reader activity folded into the next write (touches, hits, misses)."""
+
+    touched: dict[bytes, int] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+    def empty(self) -> bool:
+        return not self.touched and not self.hits and not self.misses
+
+
+def lru_key(access_ns: int, depth: int, key: bytes) -> bytes:
+    return LRU_PREFIX.pack(access_ns, MAX_DEPTH - depth) + key

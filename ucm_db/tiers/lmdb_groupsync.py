@@ -1,0 +1,239 @@
+"""Group durability that a power loss cannot damage: pinned synced snapshots.
+
+``durability="group"`` commits with LMDB's MDB_NOSYNC (a commit reaches the
+OS page cache, not the disk) and syncs in the background. A process crash
+loses nothing. A power loss can leave on disk any subset of the pages
+written since the last sync, including a meta page naming pages that never
+arrived. This module turns that into "the store is as it was at the last
+completed sync":
+
+* :class:`SnapshotPin`, on every sync: begin a read transaction (its
+  snapshot ``S`` is the newest commit), copy ``S``'s meta page with ``pread``,
+  ``fdatasync`` the file (``S`` and everything before it is now on disk),
+  write ``S``'s meta into the *sync record* ``synced-snapshot`` beside the
+  data file and fdatasync it, and only then end the previous pin. The read
+  transaction stays open: LMDB reuses no page that a live reader's snapshot
+  can reach, so no later commit, synced or not, overwrites a page of ``S``.
+* :func:`roll_back_after_os_crash`, at open, under the recovery lock: if the
+  record was written under another boot (the machine went down since) and
+  the data file's newest meta page is newer than ``S``, the commits after
+  ``S`` may be torn: both meta pages are rewritten to ``S``'s (fsynced), and
+  LMDB opens snapshot ``S``, whose pages are all on disk and untouched.
+  Pages written after ``S`` are unreferenced, so LMDB reuses them.
+
+Invariants:
+    * The record's snapshot is durable before the record is, and stays
+      pinned (by a live or a stale reader slot) until a newer record is
+      durable: an open writes a fresh record before it clears dead readers.
+    * The record only moves forward (a newer transaction id, under ``flock``);
+      it is tied to the data file's inode, so a file replaced by ``compact``
+      or ``migrate`` is never rolled back with another file's meta page.
+    * After a process crash (same boot) nothing is rolled back: the page
+      cache still holds every commit.
+    * Without a boot id (not Linux, no ``UCM_DB_BOOT_ID``) nothing is rolled
+      back, and group durability keeps LMDB's own MDB_NOSYNC risk.
+
+The record file has two 512-byte slots written alternately, each with a
+CRC-32, so a write torn by a power loss leaves the other slot valid.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from ucm_db.tiers.lmdb_meta import META_BODY_BYTES, read_meta_pages, write_meta_body
+from ucm_db.tiers.lmdb_recovery import boot_id
+
+RECORD_FILE = "synced-snapshot"
+_SLOT_BYTES = 512
+_MAGIC = b"UCMSNAP1"
+_RECORD = struct.Struct(f"<8sQQ64s{META_BODY_BYTES}s")  # magic, txnid, data inode, boot id, meta body
+#: Attempts to copy a snapshot's meta page before two newer commits replace it.
+_META_COPY_TRIES = 8
+
+logger = logging.getLogger("ucm_db")
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """The last snapshot known to be on disk."""
+
+    txnid: int
+    data_inode: int
+    boot: str
+    meta_body: bytes
+
+
+@dataclass(frozen=True)
+class RollbackReport:
+    """What :func:`roll_back_after_os_crash` did."""
+
+    from_txnid: int   # the newest meta page on disk after the crash
+    to_txnid: int     # the synced snapshot the store now opens
+
+
+def _encode(record: SyncRecord) -> bytes:
+    packed = _RECORD.pack(_MAGIC, record.txnid, record.data_inode, record.boot.encode()[:64], record.meta_body)
+    slot = packed + struct.pack("<I", zlib.crc32(packed))
+    return slot.ljust(_SLOT_BYTES, b"\0")
+
+
+def _decode(slot: bytes) -> SyncRecord | None:
+    if len(slot) < _RECORD.size + 4:
+        return None
+    packed = slot[:_RECORD.size]
+    (crc,) = struct.unpack_from("<I", slot, _RECORD.size)
+    if zlib.crc32(packed) != crc:
+        return None
+    magic, txnid, inode, boot, body = _RECORD.unpack(packed)
+    if magic != _MAGIC:
+        return None
+    return SyncRecord(txnid, inode, boot.rstrip(b"\0").decode(errors="replace"), body)
+
+
+def _read_slots(fd: int) -> list[SyncRecord | None]:
+    return [_decode(os.pread(fd, _SLOT_BYTES, i * _SLOT_BYTES)) for i in (0, 1)]
+
+
+def read_record(env_dir: Path) -> SyncRecord | None:
+    """The newest valid sync record of the environment, or None."""
+    try:
+        fd = os.open(env_dir / RECORD_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        records = [r for r in _read_slots(fd) if r is not None]
+    finally:
+        os.close(fd)
+    return max(records, key=lambda r: r.txnid) if records else None
+
+
+def _write_record(env_dir: Path, record: SyncRecord, *, force: bool = False) -> None:
+    """Writes ``record`` into the older slot and fdatasyncs, unless a newer
+    one is already recorded (``force``: write it anyway, for a rollback)."""
+    fd = os.open(env_dir / RECORD_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        slots = _read_slots(fd)
+        valid = [(r.txnid, i) for i, r in enumerate(slots) if r is not None]
+        newest = max(valid) if valid else None
+        if newest is not None and not force:
+            current = slots[newest[1]]
+            assert current is not None
+            if current.data_inode == record.data_inode and (
+                current.txnid > record.txnid or (current.txnid == record.txnid and current.boot == record.boot)
+            ):
+                return
+        target = 0 if newest is None else 1 - newest[1]
+        os.pwrite(fd, _encode(record), target * _SLOT_BYTES)
+        if force:  # the other slot must not outrank the rollback target
+            os.pwrite(fd, _encode(record), (1 - target) * _SLOT_BYTES)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+class SnapshotPin:
+    """One process's pinned synced snapshot of one environment (module doc).
+
+    Thread-safe. Create a new one after ``fork`` (transactions do not cross
+    it) and call :meth:`release` before the environment closes.
+    """
+
+    def __init__(self, env_dir: Path) -> None:
+        self._dir = env_dir
+        self._boot = boot_id()
+        self._lock = threading.Lock()
+        self._pin: Any = None  # the read transaction on the last recorded snapshot
+
+    def sync(self, env: lmdb.Environment) -> None:
+        """Makes every commit so far durable and records the newest one.
+
+        Raises ``lmdb.MapResizedError`` when another process grew the map
+        (the caller adopts the size and calls again)."""
+        with self._lock:
+            for _ in range(_META_COPY_TRIES):
+                txn = env.begin(write=False)
+                if self._pin is not None and txn.id() == self._pin.id():
+                    txn.abort()  # no commit since the pinned snapshot, which is durable and recorded
+                    return
+                meta = self._meta_of(txn.id())
+                if meta is not None:
+                    break
+                txn.abort()  # two newer commits replaced its meta page: take a newer snapshot
+            else:
+                env.sync(True)
+                return  # durable, but not recordable now: the previous pin stays
+            try:
+                env.sync(True)
+                if self._boot is not None:
+                    inode = os.stat(self._dir / "data.mdb").st_ino
+                    _write_record(self._dir, SyncRecord(txn.id(), inode, self._boot, meta))
+            except BaseException:
+                txn.abort()
+                raise
+            previous, self._pin = self._pin, txn
+            if previous is not None:
+                previous.abort()
+
+    def _meta_of(self, txnid: int) -> bytes | None:
+        """Snapshot ``txnid``'s meta body, read twice alike (a read racing a
+        commit that rewrites that slot could mix two metas); None if that
+        slot already holds a newer snapshot."""
+        bodies = []
+        for _ in range(2):
+            pages, _ = read_meta_pages(self._dir / "data.mdb")
+            bodies.append(next((p.body for p in pages if p.txnid == txnid), None))
+        return bodies[0] if bodies[0] == bodies[1] else None
+
+    def ended(self) -> None:
+        """Forgets the pin's transaction, which py-lmdb already ended (a map
+        resize ends every transaction); the next :meth:`sync` pins again."""
+        with self._lock:
+            self._pin = None
+
+    def release(self) -> None:
+        """Ends the pin (the environment is about to close)."""
+        with self._lock:
+            if self._pin is not None:
+                self._pin.abort()
+                self._pin = None
+
+
+def roll_back_after_os_crash(env_dir: Path) -> RollbackReport | None:
+    """Reopens the last synced snapshot if an OS crash may have torn later
+    commits (module doc). Call under the environment's recovery lock,
+    before LMDB opens it. Returns None when nothing was rolled back."""
+    current_boot = boot_id()
+    record = read_record(env_dir)
+    data = env_dir / "data.mdb"
+    if current_boot is None or record is None or record.boot == current_boot or not data.is_file():
+        return None
+    if os.stat(data).st_ino != record.data_inode:
+        return None  # the file was replaced (compact, migrate): the record is not about it
+    try:
+        pages, _ = read_meta_pages(data)
+    except OSError:
+        return None
+    newest = max((p.txnid for p in pages), default=-1)
+    report = None
+    if newest > record.txnid or len(pages) < 2:
+        write_meta_body(data, record.meta_body)
+        report = RollbackReport(newest, record.txnid)
+        logger.warning(
+            "ucm-db: %s: the machine went down with commits not yet synced (durability='group'); "
+            "reopened the last synced snapshot (transaction %d; the disk's newest was %d)",
+            env_dir, record.txnid, newest,
+        )
+    _write_record(env_dir, SyncRecord(record.txnid, record.data_inode, current_boot, record.meta_body), force=True)
+    return report

@@ -1,0 +1,112 @@
+"""Files of a remote tier on a local or NFS directory: whole-object writes
+and reads that open regular files only.
+
+Invariants:
+    * :func:`write_whole` never leaves a partial object under its final name
+      (temp file in the same directory, fsync, rename; temp names start with
+      :data:`TEMP_PREFIX` and are never read as objects).
+    * :func:`read_local_range` never opens anything but a regular file for
+      reading: a symlink, FIFO, device, socket or directory raises
+      :class:`NotRegularFileError` without blocking or streaming.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import uuid
+from typing import Any
+
+from ucm_db.crashpoints import crashpoint
+
+TEMP_PREFIX = ".tmp-"
+
+
+class NotRegularFileError(OSError):
+    """A local remote path is not a regular file (a symlink, FIFO, device or
+    directory in an object's place); it is never opened for reading."""
+
+
+def is_local_fs(fs: Any) -> bool:
+    """True for fsspec's local filesystem (where rename is atomic)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def write_whole(fs: Any, path: str, data: bytes) -> None:
+    """Writes ``data`` as one whole object: readers see all of it or nothing.
+
+    Object stores and ``memory://`` replace objects atomically on
+    ``pipe_file``; a local or NFS directory gets a temp file in the same
+    directory, fsync, then rename.
+    """
+    if not is_local_fs(fs):
+        fs.pipe_file(path, data)
+        return
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            crashpoint("remote.during_upload")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_local_range(path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a regular local file (fewer at its end).
+
+    Nothing but a regular file is ever opened for reading: the path is
+    checked with ``lstat`` first, then opened with ``O_NOFOLLOW`` and
+    ``O_NONBLOCK`` (a FIFO swapped in meanwhile cannot block the open) and
+    checked again with ``fstat``. At most ``end - start`` bytes are read,
+    in one pass into the returned buffer.
+
+    Raises:
+        FileNotFoundError: no such path (a miss).
+        NotRegularFileError: a symlink, FIFO, device, socket or directory.
+    """
+    require_regular_file(path, os.lstat(path).st_mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: replaced by a symlink after the lstat
+        raise NotRegularFileError(f"{path} cannot be opened as a regular file: {exc}") from exc
+    try:
+        info = os.fstat(fd)
+        require_regular_file(path, info.st_mode)
+        want = max(0, min(end, info.st_size) - start)
+        data = os.pread(fd, want, start)
+        if len(data) < want:  # a short read (large reads, or truncated while read)
+            parts = [data]
+            got = len(data)
+            while got < want and (more := os.pread(fd, want - got, start + got)):
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+def require_regular_file(path: str, mode: int) -> None:
+    """Raises :class:`NotRegularFileError` naming what ``path`` is, unless
+    ``mode`` (from ``lstat``/``fstat``) is a regular file's."""
+    if not stat.S_ISREG(mode):
+        kind = ("symlink" if stat.S_ISLNK(mode) else "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode)
+                else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "socket" if stat.S_ISSOCK(mode) else "special file")
+        raise NotRegularFileError(f"{path} is a {kind}, not a regular file")
