@@ -14,15 +14,24 @@ keys rejected) in the constructor of both roles, so a typo stops the engine
 at start-up.
 
 Invariants:
-    * Every vLLM call reaching the wrong role is a no-op (or an empty answer),
-      never an AttributeError.
+    * Every vLLM call reaching the wrong role is a no-op with an empty
+      answer (no tokens matched, empty metadata, nothing finished), never an
+      AttributeError or AssertionError: vLLM may call either side's hooks
+      on either role (tests/connector/test_connector_roles.py).
     * Loads are synchronous from vLLM's point of view (``load_kv_async`` is
       always False): a hit is fully in the KV cache, or reported failed,
-      by the end of the step that uses it.
+      by the end of the step that uses it. A request waiting for a
+      producer's announced blocks gets ``None`` from
+      ``get_num_new_matched_tokens`` (vLLM asks again next step) until they
+      are visible or its ``load_deadline_s`` passed.
+    * ``kv_role`` picks the prefill/decode role (:mod:`ucm_db.connector.roles`):
+      ``kv_producer`` commits within the step and returns what it published
+      as ``kv_transfer_params``; ``kv_consumer`` never saves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +41,7 @@ from vllm.logger import init_logger
 from ucm_db.connector.identity import kv_shape
 from ucm_db.connector.metadata import UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
+from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.scheduler import UcmDbScheduler
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.worker import UcmDbWorker
@@ -56,6 +66,11 @@ class UcmDbConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra_config(extra)
+        self.pd_role = RolePolicy.from_kv_role(self._kv_transfer_config.kv_role)
+        if self.pd_role.publishes:
+            self.settings = dataclasses.replace(
+                self.settings, store_options=producer_store_options(self.settings.store_options, self.settings.publish),
+            )
         self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
         self._scheduler: UcmDbScheduler | None = None
         self._worker: UcmDbWorker | None = None
@@ -66,10 +81,10 @@ class UcmDbConnector(KVConnectorBase_V1):
                     "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
-            self._scheduler = UcmDbScheduler(self.settings, self.shape)
+            self._scheduler = UcmDbScheduler(self.settings, self.shape, self.pd_role)
         else:
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
-            self._worker = UcmDbWorker(self.settings, self.shape, num_blocks)
+            self._worker = UcmDbWorker(self.settings, self.shape, num_blocks, self.pd_role)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -121,7 +136,8 @@ class UcmDbConnector(KVConnectorBase_V1):
 
     def _metadata(self) -> UcmDbConnectorMetadata:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, UcmDbConnectorMetadata)
+        if not isinstance(meta, UcmDbConnectorMetadata):
+            raise TypeError(f"ucm-db's worker was bound {type(meta).__name__}, not the metadata its scheduler builds")
         return meta
 
     # -- scheduler side ---------------------------------------------------------
@@ -131,19 +147,22 @@ class UcmDbConnector(KVConnectorBase_V1):
             self._scheduler.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return UcmDbConnectorMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return False, None
         return self._scheduler.request_finished(request, block_ids)
 
     # -- metrics -------------------------------------------------------------------

@@ -1,21 +1,32 @@
-"""Namespaces of a vLLM deployment: what makes its KV bytes incompatible.
+"""Namespaces and storage units of a vLLM deployment.
 
 A namespace fingerprints the model (``model_id`` if configured, else the
 model name and revision for hub models, or a digest of the config and
 weight files for a local directory: never the directory's path, so a copied
 model keeps its cache and two different models in one path never share),
-the KV dtype, the block size, the tensor/pipeline rank and size, and a
-layout descriptor (platform, attention ISA, spec kind, layers, heads, head
-size).
+the KV dtype, the block size, and a layout descriptor (platform, attention
+ISA, spec kind, layers, *total* KV heads, head size). It does not depend on
+the tensor- or pipeline-parallel size or rank: blocks are stored as units of
+one KV head and one pipeline stage's layers (:mod:`ucm_db.units`,
+``docs/tp.md``), so a store written at one TP size serves every other.
 
 Invariants:
-    * The scheduler process and every worker derive identical namespaces
-      from the same ``VllmConfig`` and ``KVCacheConfig``: nothing here looks
-      at live tensors or process-local state except the rank a worker passes.
-    * MLA caches are identical on every TP rank: they live under one
-      namespace (``tp_rank=0, tp_size=1``) that rank 0 writes and all read.
-    * A hit counts only if every rank can load it: :func:`reader_namespaces`
-      lists every namespace a scheduler-side lookup must find the block in.
+    * The scheduler process and every worker derive identical namespaces,
+      grids and spans from the same ``VllmConfig`` and ``KVCacheConfig``:
+      nothing here looks at live tensors or process-local state except the
+      ranks a worker passes.
+    * At TP=1 and PP=1 the namespace is the one ucm-db used before units
+      (same fields, same layout string), so whole blocks stored then are
+      units covering the whole grid, readable at any TP.
+    * Each KV head has exactly one writer rank (the first of the ranks
+      holding a replicated head); MLA's latent (one "head", identical on
+      every rank) is written by TP rank 0 and read by every rank.
+    * A hit counts only if every unit of :func:`reader_spans` (every head of
+      every pipeline stage) is loadable.
+    * Blocks stored per rank before units (TP>1 or PP>1) stay readable at
+      the TP/PP size that wrote them, under :func:`legacy_rank_namespaces`;
+      their keys are rooted in the rank's namespace, so no other size can
+      find them (``docs/tp.md``).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from typing import Any
 
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
+from ucm_db.units import KVGrid, UnitSpan, head_range, writes_heads
 
 #: Weight files up to this size are hashed whole; larger ones are sampled.
 _FULL_HASH_BYTES = 256 << 20
@@ -48,6 +60,8 @@ class KVShape:
     layout: str
     tp_size: int
     pp_size: int
+    kv_heads: int = 1  # the model's total KV heads (1 for MLA)
+    layers: int = 1    # the model's total attention layers
 
 
 def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KVShape:
@@ -65,11 +79,14 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     dtype = str(spec.dtype).removeprefix("torch.")
     model_config = vllm_config.model_config
     layers = getattr(model_config.hf_text_config, "num_hidden_layers", len(groups[0].layer_names))
+    # The whole model's KV heads, not this rank's share: equal at TP=1, so
+    # TP=1 namespaces are what they were before units (module invariants).
+    kv_heads = 1 if use_mla else int(model_config.get_total_num_kv_heads())
     parts = {
         "platform": _platform_tag(spec, vllm_config),
         "spec": type(spec).__name__,
         "layers": layers,
-        "kv_heads": getattr(spec, "num_kv_heads", 1),
+        "kv_heads": kv_heads,
         "head_size": getattr(spec, "head_size", 0),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
     }
@@ -82,36 +99,75 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         layout=json.dumps(parts, sort_keys=True, separators=(",", ":")),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
+        kv_heads=kv_heads,
+        layers=int(layers),
     )
 
 
-def rank_namespace(shape: KVShape, tp_rank: int, pp_rank: int) -> Namespace:
-    """The namespace a worker of ranks (tp_rank, pp_rank) reads and writes."""
+def namespace(shape: KVShape) -> Namespace:
+    """The deployment's namespace: the same at every TP/PP size and rank."""
+    return Namespace(model=shape.model, kv_dtype=shape.kv_dtype, block_size=shape.block_size, layout=shape.layout)
+
+
+def grid(shape: KVShape) -> KVGrid:
+    """The model's whole KV of one block: KV heads (1 for MLA) by layers."""
+    return KVGrid(1 if shape.use_mla else shape.kv_heads, shape.layers)
+
+
+def stage_layers(shape: KVShape, pp_rank: int) -> tuple[int, int]:
+    """Layers ``[start, stop)`` of pipeline stage ``pp_rank`` (vLLM's split)."""
+    if shape.pp_size == 1:
+        return 0, shape.layers
+    from vllm.distributed.utils import get_pp_indices
+
+    start, stop = get_pp_indices(shape.layers, pp_rank, shape.pp_size)
+    return int(start), int(stop)
+
+
+def rank_spans(shape: KVShape, tp_rank: int, pp_rank: int) -> list[UnitSpan]:
+    """The units a worker of ranks (tp_rank, pp_rank) reads, in the order
+    of its local KV heads."""
+    layers = stage_layers(shape, pp_rank)
     if shape.use_mla:
-        tp_rank, tp_size = 0, 1
-    else:
-        tp_size = shape.tp_size
-    return Namespace(
-        model=shape.model, kv_dtype=shape.kv_dtype, block_size=shape.block_size,
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=shape.pp_size, layout=shape.layout,
-    )
+        return grid(shape).head_spans(layers)
+    start, stop = head_range(shape.kv_heads, shape.tp_size, tp_rank)
+    return grid(shape).head_spans(layers)[start:stop]
 
 
-def reader_namespaces(shape: KVShape) -> list[Namespace]:
-    """Every namespace a block must be in before the scheduler claims it."""
-    tp_ranks = [0] if shape.use_mla else list(range(shape.tp_size))
-    return [rank_namespace(shape, tp, pp) for pp in range(shape.pp_size) for tp in tp_ranks]
+def writes_units(shape: KVShape, tp_rank: int) -> bool:
+    """Whether the worker of ``tp_rank`` writes its units (one writer per
+    head; MLA: TP rank 0)."""
+    if shape.use_mla:
+        return tp_rank == 0
+    return writes_heads(shape.kv_heads, shape.tp_size, tp_rank)
 
 
-def namespace_index(shape: KVShape, tp_rank: int, pp_rank: int) -> int:
-    """Position of a worker's namespace in :func:`reader_namespaces`."""
-    tp_count = 1 if shape.use_mla else shape.tp_size
-    return pp_rank * tp_count + (0 if shape.use_mla else tp_rank)
+def reader_spans(shape: KVShape) -> list[UnitSpan]:
+    """Every unit of a block a hit needs: every head of every stage."""
+    g = grid(shape)
+    return [span for pp in range(shape.pp_size) for span in g.head_spans(stage_layers(shape, pp))]
 
 
-def writes_blocks(shape: KVShape, tp_rank: int) -> bool:
-    """MLA: only TP rank 0 writes the replicated cache."""
-    return not shape.use_mla or tp_rank == 0
+def legacy_rank_namespaces(shape: KVShape) -> list[Namespace]:
+    """The per-rank namespaces ucm-db used before units at this
+    deployment's TP/PP size, at index ``pp_rank * tp_size + tp_rank`` (a
+    rank's share of the heads in the layout string), or [] where there were
+    none (TP=1 and PP=1 used today's namespace; MLA used TP rank 0's)."""
+    if shape.use_mla or (shape.tp_size == 1 and shape.pp_size == 1):
+        return []
+    try:
+        parts = json.loads(shape.layout)
+    except ValueError:
+        return []
+    if not isinstance(parts, dict) or "kv_heads" not in parts:
+        return []
+    parts["kv_heads"] = max(1, shape.kv_heads // shape.tp_size)
+    layout = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+    return [
+        Namespace(model=shape.model, kv_dtype=shape.kv_dtype, block_size=shape.block_size, tp_rank=tp, tp_size=shape.tp_size,
+                  pp_rank=pp, pp_size=shape.pp_size, layout=layout)
+        for pp in range(shape.pp_size) for tp in range(shape.tp_size)
+    ]
 
 
 def model_fingerprint(model_config: Any) -> str:

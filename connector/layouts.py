@@ -17,9 +17,18 @@ layout             per-layer tensor(s)                          segments of one 
                    (vllm-ascend)
 =================  ===========================================  ==========================
 
-A stored block is one frame per layer (layers in registration order); a
-layer's frame is its segments' bytes for that block, back to back. The store
-only ever sees bytes.
+The connector stores a block as *units* of one KV head (:mod:`ucm_db.units`,
+``docs/tp.md``): a unit is one frame per layer (layers in registration
+order), a layer's frame is that head's slice of each segment for the block,
+back to back (``cpu``: the head's ``[block, 2*head]`` slab, contiguous in
+the cache; ``flash``/``kv_tuple``: the head's K ``[block, head]`` then its V,
+strided in the cache). MLA has one unit (its latent). Unit staging is
+``uint8 [blocks, local heads, unit bytes]``, so the store decodes each unit
+straight into its row and the copies into the KV caches are strided views.
+A *whole* block (every local head per frame, the segments' bytes back to
+back) is what ucm-db stored before units; :meth:`KVLayout.scatter_whole`
+reads such a block of all the model's heads into a rank holding some. The
+store only ever sees bytes.
 
 Invariants:
     * Copies use plain torch ops (``index_select``, ``index_copy_``,
@@ -29,6 +38,9 @@ Invariants:
       permute tokens inside a block.
     * If the kernel block is smaller than vLLM's block (``kernel_ratio`` > 1),
       one vLLM block spans ``kernel_ratio`` consecutive kernel blocks.
+    * A unit's bytes are a function of that head's KV only, never of how
+      many heads the rank holds: a head unit gathered at any TP size is
+      byte-identical (tested for TP 1-8 in ``tests/connector``).
 """
 
 from __future__ import annotations
@@ -53,10 +65,16 @@ class LayerSegments:
     name: str
     segments: tuple[torch.Tensor, ...]
     segment_bytes: tuple[int, ...]
+    #: Axis of the KV heads in ``segment[b]`` (None: MLA, no heads).
+    head_axis: int | None = None
 
     @property
     def block_bytes(self) -> int:
         return sum(self.segment_bytes)
+
+    @property
+    def heads(self) -> int:
+        return 1 if self.head_axis is None else int(self.segments[0].shape[1 + self.head_axis])
 
 
 class KVLayout:
@@ -72,6 +90,14 @@ class KVLayout:
         self.block_bytes = sum(self.layer_bytes)
         self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
         self.device = self.layers[0].segments[0].device
+        heads = {layer.heads for layer in self.layers}
+        if len(heads) != 1:
+            raise ConfigError(f"KV layers hold different numbers of KV heads {sorted(heads)}", hint="ucm-db stores models with uniform attention layers")
+        #: KV heads this rank holds (1 for MLA): the units of one block.
+        self.heads = heads.pop()
+        self.unit_layer_bytes = tuple(size // self.heads for size in self.layer_bytes)
+        self.unit_layer_offsets = tuple(int(x) for x in np.cumsum((0,) + self.unit_layer_bytes[:-1]))
+        self.unit_bytes = sum(self.unit_layer_bytes)
 
     def describe(self) -> str:
         """Shapes and dtypes, for logs and error messages."""
@@ -102,6 +128,73 @@ class KVLayout:
     def frames(self, row: np.ndarray) -> list[memoryview]:
         """A staged block's per-layer frames (views, no copy)."""
         return [memoryview(row[off : off + size]) for off, size in zip(self.layer_offsets, self.layer_bytes)]
+
+    # -- head units (see module docstring) ---------------------------------------
+    def new_unit_staging(self, num_blocks: int) -> torch.Tensor:
+        """A CPU byte buffer of ``num_blocks`` blocks' units: ``[blocks, heads, unit bytes]``."""
+        return torch.empty((num_blocks, self.heads, self.unit_bytes), dtype=torch.uint8)
+
+    def gather_units(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        """Copies the units of blocks ``block_ids`` into unit staging."""
+        ids = self._ids(block_ids)
+        for i in range(len(self.layers)):
+            for seg, axis, dst in self._unit_views(i, staging[: len(block_ids)]):
+                src = seg.index_select(0, ids)
+                dst.copy_(src.unsqueeze(1) if axis is None else src.movedim(1 + axis, 1))
+
+    def scatter_units(self, block_ids: Sequence[int], staging: torch.Tensor, layer: int | None = None) -> None:
+        """Copies unit staging into the KV caches at ``block_ids`` (one
+        layer if ``layer`` is given, else all)."""
+        ids = self._ids(block_ids)
+        for i in range(len(self.layers)) if layer is None else (layer,):
+            for seg, axis, src in self._unit_views(i, staging[: len(block_ids)]):
+                seg.index_copy_(0, ids, (src[:, 0] if axis is None else src.movedim(1, 1 + axis)).to(seg.device))
+
+    def unit_frames(self, unit_row: np.ndarray) -> list[memoryview]:
+        """One staged unit's per-layer frames (views, no copy)."""
+        return [memoryview(unit_row[off : off + size]) for off, size in zip(self.unit_layer_offsets, self.unit_layer_bytes)]
+
+    def whole_block_bytes(self, total_heads: int) -> int:
+        """Bytes of a whole block holding ``total_heads`` heads per layer."""
+        return self.unit_bytes * total_heads
+
+    def scatter_whole(
+        self, block_ids: Sequence[int], staging: torch.Tensor, total_heads: int, head_start: int, layer: int | None = None,
+    ) -> None:
+        """Copies heads ``[head_start, head_start + self.heads)`` of whole
+        blocks of ``total_heads`` heads (``uint8 [blocks, whole bytes]``)
+        into the KV caches at ``block_ids``."""
+        ids = self._ids(block_ids)
+        rows = staging[: len(block_ids)]
+        for i in range(len(self.layers)) if layer is None else (layer,):
+            spec = self.layers[i]
+            offset = self.unit_layer_offsets[i] * total_heads
+            for seg, size in zip(spec.segments, spec.segment_bytes):
+                whole = size // self.heads * total_heads
+                shape = list(seg.shape[1:])
+                if spec.head_axis is not None:
+                    shape[spec.head_axis] = total_heads
+                typed = rows[:, offset : offset + whole].view(seg.dtype).unflatten(1, tuple(shape))
+                if spec.head_axis is not None:
+                    typed = typed.narrow(1 + spec.head_axis, head_start, self.heads)
+                seg.index_copy_(0, ids, typed.to(seg.device))
+                offset += whole
+
+    def _unit_views(self, layer: int, staging: torch.Tensor) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
+        """(segment, head axis, typed ``[blocks, heads, *slab]`` view of the
+        unit staging) triples of one layer."""
+        out = []
+        offset = self.unit_layer_offsets[layer]
+        spec = self.layers[layer]
+        for seg, size in zip(spec.segments, spec.segment_bytes):
+            slab = size // self.heads
+            shape = list(seg.shape[1:])
+            if spec.head_axis is not None:
+                del shape[spec.head_axis]
+            typed = staging[:, :, offset : offset + slab].view(seg.dtype)
+            out.append((seg, spec.head_axis, typed.unflatten(2, tuple(shape))))
+            offset += slab
+        return out
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
@@ -134,7 +227,7 @@ def detect_layout(kv_caches: Mapping[str, KVCacheEntry], num_blocks: int | None 
     for name, entry in kv_caches.items():
         kind, segments = _layer_segments(name, entry, num_blocks)
         kinds.add(kind)
-        layers.append(_make_layer(name, segments, num_blocks))
+        layers.append(_make_layer(name, segments, num_blocks, _HEAD_AXIS[kind]))
     if len(kinds) > 1:
         raise ConfigError(f"KV caches mix layouts {sorted(kinds)}", hint="ucm-db supports one KV layout per model")
     return KVLayout(kinds.pop() if kinds else "cpu", layers)
@@ -156,8 +249,13 @@ def _layer_segments(name: str, entry: KVCacheEntry, num_blocks: int | None) -> t
     raise ConfigError(f"layer {name}: unknown KV cache shape {tuple(entry.shape)}", hint="report this KV layout to ucm-db")
 
 
-def _make_layer(name: str, segments: list[torch.Tensor], num_blocks: int | None) -> LayerSegments:
+#: Axis of the KV heads in one block's slice of a segment, per layout kind.
+_HEAD_AXIS: dict[str, int | None] = {"cpu": 0, "flash": 1, "kv_tuple": 1, "mla": None}
+
+
+def _make_layer(name: str, segments: list[torch.Tensor], num_blocks: int | None, head_axis: int | None) -> LayerSegments:
     fixed = []
+    ratio = False
     for seg in segments:
         if num_blocks is not None and seg.shape[0] != num_blocks:
             if seg.shape[0] % num_blocks:
@@ -166,6 +264,9 @@ def _make_layer(name: str, segments: list[torch.Tensor], num_blocks: int | None)
                     hint="report this KV layout to ucm-db",
                 )
             seg = seg.unflatten(0, (num_blocks, seg.shape[0] // num_blocks))
+            ratio = True
         fixed.append(seg)
     sizes = tuple(int(s[0].numel()) * s.element_size() for s in fixed)
-    return LayerSegments(name, tuple(fixed), sizes)
+    # Kernel blocks inside a vLLM block add one leading axis before the heads.
+    axis = None if head_axis is None else head_axis + int(ratio)
+    return LayerSegments(name, tuple(fixed), sizes, axis)

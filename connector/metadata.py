@@ -2,11 +2,16 @@
 
 Invariants:
     * A :class:`BlockTransfer` names consecutive blocks of one request's key
-      chains, one chain per reader namespace (keys are rooted in their
-      namespace, so TP ranks have distinct chains): ``keys[n][i]`` belongs
-      in vLLM block ``block_ids[i]`` for namespace ``n``, and ``parents[n]``
-      is the key just before ``keys[n][0]`` (None at the chain's start), so a
-      save is a valid ``Store.put`` segment.
+      chain (block keys, the same for every rank: each worker derives the
+      keys of its own units from them, see :mod:`ucm_db.units`):
+      ``keys[i]`` belongs in vLLM block ``block_ids[i]``, and ``parent`` is
+      the block key just before ``keys[0]`` (None at the chain's start), so
+      each unit chain of a save is a valid ``Store.put`` segment.
+    * ``source`` says where a load reads: ``units`` (the blocks' units),
+      ``whole`` (whole blocks stored at TP=1 before units, keyed by the block
+      key) or ``ranks`` (per-rank blocks stored before units at this
+      deployment's TP/PP size: ``rank_keys[n]`` are the keys of rank
+      namespace ``n``, see :func:`~ucm_db.connector.identity.legacy_rank_namespaces`).
     * Loads of a step complete (or are reported failed) within that step;
       saves are copied out of the KV caches within that step.
     * Only plain values: vLLM ships this object to worker processes.
@@ -24,13 +29,17 @@ class BlockTransfer:
     """Blocks of one request to load or save this step."""
 
     req_id: str
-    keys: tuple[tuple[bytes, ...], ...]
+    keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
-    parents: tuple[bytes | None, ...] = ()
+    parent: bytes | None = None
+    source: str = "units"
+    rank_keys: tuple[tuple[bytes, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        if any(len(chain) != len(self.block_ids) for chain in self.keys):
+        if any(len(keys) != len(self.block_ids) for keys in (self.keys, *self.rank_keys)):
             raise ValueError(f"key chains do not match {len(self.block_ids)} block ids")
+        if self.source not in ("units", "whole", "ranks") or (self.source == "ranks") != bool(self.rank_keys):
+            raise ValueError(f"bad load source {self.source!r}")
 
 
 @dataclass

@@ -24,6 +24,10 @@ COUNTERS = (
     "lookups", "lookup_s", "query_tokens", "hit_tokens",
     "loaded_blocks", "loaded_bytes", "load_s", "load_errors",
     "saved_blocks", "saved_bytes", "save_copy_s", "save_commit_s", "save_errors", "saves_dropped",
+    # prefill/decode (roles.py): producer's in-step commit wait, blocks it
+    # announced; consumer's wait for them and announced blocks still missing
+    # at its deadline (read-after-write misses)
+    "publish_wait_s", "published_blocks", "publication_wait_s", "publication_misses",
 )
 GAUGES = ("compression_ratio",)
 
@@ -106,7 +110,13 @@ _PROM = {
     "load_errors": ("ucm_db_load_errors", "Blocks that failed to load (missing or corrupt) and were recomputed"),
     "saved_bytes": ("ucm_db_saved_bytes", "Raw KV bytes handed to the background writer"),
     "save_commit_s": ("ucm_db_save_commit_seconds", "Seconds the background writer spent encoding and committing"),
+    "save_copy_s": ("ucm_db_save_copy_seconds", "Seconds the forward pass spent copying blocks out for saving"),
+    "save_errors": ("ucm_db_save_errors", "Blocks whose save failed (logged; a future miss, never wrong KV)"),
     "saves_dropped": ("ucm_db_saves_dropped", "Blocks not saved because the writer queue was full"),
+    "publish_wait_s": ("ucm_db_publish_wait_seconds", "Seconds a kv_producer's steps waited for their blocks to commit (and upload)"),
+    "published_blocks": ("ucm_db_published_blocks", "Blocks a kv_producer announced to consumers"),
+    "publication_wait_s": ("ucm_db_publication_wait_seconds", "Seconds consumers' requests waited for announced blocks"),
+    "publication_misses": ("ucm_db_publication_misses", "Announced blocks not visible by the consumer's deadline (recomputed)"),
 }
 
 

@@ -1,22 +1,30 @@
 """Scheduler side of the connector: prefix lookups and the per-step plan.
 
-Per request it keeps the chain of block keys, extended incrementally as the
-request grows (``Namespace.block_keys(..., parent=last_key)``), hashed by
-ucm-db from the token ids and the request's extras (LoRA name,
-``cache_salt``, multimodal item hashes and offsets, prompt-embedding
-digest), so keys are stable across restarts and vLLM versions.
+Per request it keeps one chain of block keys (the namespace does not depend
+on the TP size or rank, so every rank shares it), extended incrementally as
+the request grows (``Namespace.block_keys(..., parent=last_key)``) and
+hashed once per request, by ucm-db, from the token ids and the request's
+extras (LoRA name, ``cache_salt``, multimodal item hashes and offsets,
+prompt-embedding digest), so keys are stable across restarts and vLLM
+versions. Workers derive their units' keys from these block keys
+(:mod:`ucm_db.units`).
 
 Invariants:
-    * ``get_num_new_matched_tokens`` changes nothing but a memo of the
-      request's keys (a pure function of the request); it claims only whole
-      blocks that every rank's namespace holds, never the prompt's last
-      token, and only beyond what vLLM already computed.
+    * ``get_num_new_matched_tokens`` changes two things, both per request:
+      the memo of its block keys (a pure function of the request) and a
+      :class:`LookupRecord` of this call's result, which only the
+      ``update_state_after_alloc`` vLLM calls next for the request reads (a
+      second lookup replaces it). It claims only whole blocks whose every
+      unit (every KV head of every pipeline stage) is stored, never the
+      prompt's last token, and only beyond what vLLM already computed.
     * A load plan covers blocks ``[local, local + external)`` of the request,
       exactly what vLLM allocated for the external tokens.
     * A save plan covers each block whose KV becomes complete during the
       step, once per request (``saved_blocks`` only grows), and starts after
-      the blocks known stored, so every segment's parent is stored or saved
-      before it (the writer is FIFO).
+      the blocks whose units are known stored, so every unit chain's parent
+      is stored or saved before it (the writer is FIFO). Blocks loaded from
+      pre-unit blocks (whole TP=1 blocks, or per-rank blocks of this TP/PP
+      size) are saved again as units: the store converts itself on use.
 """
 
 from __future__ import annotations
@@ -32,12 +40,15 @@ import torch
 from vllm.logger import init_logger
 
 import ucm_db
-from ucm_db.connector.identity import KVShape, reader_namespaces
+from ucm_db.connector.cost_model import CostModel
+from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import Counters
+from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
-from ucm_db.keys import Namespace
+from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.units import stored_prefix
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -46,8 +57,22 @@ if TYPE_CHECKING:
 
 #: Blocks hashed and looked up first; later segments grow 4x.
 _FIRST_SEGMENT_BLOCKS = 16
+#: Shortest interval between two compression-ratio reports of the scheduler.
+_RATIO_INTERVAL_S = 2.0
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRecord:
+    """The result of the last lookup of a request, for the
+    ``update_state_after_alloc`` that follows it."""
+
+    local_tokens: int   # vLLM's own prefix-cache hit the lookup was given
+    hit_blocks: int     # leading blocks loadable
+    unit_blocks: int    # leading blocks stored as units (<= hit_blocks)
+    source: str         # where the hit is read: units, whole or ranks (see metadata)
+    seconds: float
 
 
 @dataclass
@@ -57,13 +82,13 @@ class _RequestState:
     request: Request
     extras: dict[str, Any]        # root extras of the key chain
     block_extras: dict[int, bytes]  # per-block extras, by block index
-    chains: list[list[bytes]] = field(default_factory=list)  # one key chain per reader namespace
-    stored_blocks: int = 0  # leading blocks known present in the store
+    keys: BlockKeys = field(default_factory=BlockKeys)  # the request's block keys, grown on demand
+    rank_keys: list[list[bytes]] = field(default_factory=list)  # per pre-unit rank namespace, only if stored
+    stored_blocks: int = 0  # leading blocks whose units are known stored
     saved_blocks: int = 0   # leading blocks stored or planned for saving
     pending_load_tokens: int = 0
-    last_lookup_blocks: int = 0
-    last_lookup_s: float = 0.0
-    last_local_tokens: int = 0  # vLLM's own prefix-cache hit at the last lookup
+    pending_source: str = "units"
+    lookup: LookupRecord | None = None
 
 
 def request_extras(request: Request) -> dict[str, Any]:
@@ -108,13 +133,31 @@ def _tensor_digest(tensor: Any) -> bytes:
 class UcmDbScheduler:
     """Scheduler-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
-    def __init__(self, settings: ConnectorSettings, shape: KVShape) -> None:
+    def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy = RolePolicy()) -> None:
         self._store = acquire(settings)
-        self._namespaces: list[Namespace] = reader_namespaces(shape)
+        self._namespace = namespace(shape)
+        self._role = role  # prefill/decode role (roles.py)
+        self._waits = PublicationWaits(settings.load_deadline_s)
+        self._publish_target = settings.publish
+        self._ratio_at_s = float("-inf")
+        self._grid = grid(shape)
+        self._spans = reader_spans(shape)
+        # Whole blocks (pre-unit stores; PP=1 only) are a second source
+        # wherever a unit is not the whole block.
+        self._whole_spans = [self._grid.whole] if shape.pp_size == 1 and self._spans != [self._grid.whole] else []
+        # Per-rank pre-unit blocks of this TP/PP size: looked up only if the
+        # store holds every rank's namespace (each costs a key chain).
+        self._rank_namespaces = _stored(self._store, legacy_rank_namespaces(shape))
         self._block_size = shape.block_size
         self._requests: dict[str, _RequestState] = {}
         self.counters = Counters()
-        logger.info("ucm-db connector (scheduler): store %s, %d namespace(s), model %s", settings.path, len(self._namespaces), shape.model)
+        self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
+        self._step_at_s: float | None = None  # when the last step was planned
+        self._step_tokens = 0  # tokens it scheduled
+        logger.info(
+            "ucm-db connector (scheduler): store %s, namespace %s, %d unit(s) per block, model %s",
+            settings.path, self._namespace.short_id, len(self._spans), shape.model,
+        )
 
     # -- keys --------------------------------------------------------------------
     def _state(self, request: Request) -> _RequestState:
@@ -124,12 +167,10 @@ class UcmDbScheduler:
             self._requests[request.request_id] = state
         return state
 
-    def _keys(self, state: _RequestState, num_blocks: int) -> list[list[bytes]]:
-        """Each namespace's key chain, at least ``num_blocks`` long (maybe
+    def _keys(self, state: _RequestState, num_blocks: int) -> BlockKeys:
+        """The request's block keys, at least ``num_blocks`` long (maybe
         longer: callers slice), hashing only blocks not hashed before."""
-        if not state.chains:
-            state.chains = [[] for _ in self._namespaces]
-        have = len(state.chains[0])
+        have = len(state.keys)
         if have < num_blocks:
             end = num_blocks * self._block_size
             request = state.request
@@ -139,61 +180,150 @@ class UcmDbScheduler:
             # budget. Past the prompt, all_token_ids (block_keys slices it).
             tokens = prompt if isinstance(prompt, list) and len(prompt) >= end else request.all_token_ids
             start = have * self._block_size
-            for ns, chain in zip(self._namespaces, state.chains):
-                if have:
-                    chain.extend(ns.block_keys(tokens, parent=chain[-1], start=start, stop=end, block_extras=state.block_extras))
-                else:
-                    chain.extend(ns.block_keys(tokens, state.extras, start=start, stop=end, block_extras=state.block_extras))
-        return state.chains  # callers slice: copying 1000s of keys per call showed in profiles
+            if have:
+                more = self._namespace.block_keys(tokens, parent=state.keys[-1], start=start, stop=end, block_extras=state.block_extras)
+            else:
+                more = self._namespace.block_keys(tokens, state.extras, start=start, stop=end, block_extras=state.block_extras)
+            state.keys.extend(more)
+        return state.keys  # callers slice: copying 1000s of keys per call showed in profiles
 
-    def keys_for(self, request: Request, num_blocks: int) -> list[list[bytes]]:
-        """Chain keys of a request's first blocks, per namespace (tests, tools)."""
-        return [chain[:num_blocks] for chain in self._keys(self._state(request), num_blocks)]
+    def _rank_keys(self, state: _RequestState, num_blocks: int) -> list[list[bytes]]:
+        """Each pre-unit rank namespace's chain (stores holding them only)."""
+        if not state.rank_keys or len(state.rank_keys[0]) < num_blocks:
+            request = state.request
+            tokens = request.all_token_ids[: num_blocks * self._block_size]
+            state.rank_keys = [ns.block_keys(tokens, state.extras, block_extras=state.block_extras) for ns in self._rank_namespaces]
+        return state.rank_keys
+
+    def keys_for(self, request: Request, num_blocks: int) -> list[bytes]:
+        """Block keys of a request's first blocks (tests, tools)."""
+        return list(self._keys(self._state(request), num_blocks)[:num_blocks])
 
     # -- vLLM scheduler hooks ------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Loadable tokens beyond ``num_computed_tokens`` (see invariants)."""
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Loadable tokens beyond ``num_computed_tokens`` (see invariants);
+        None while a producer's announced blocks are awaited (roles.py)."""
+        if self._waits.too_soon(request.request_id):
+            return None, False
         started = time.perf_counter()
         state = self._state(request)
-        state.last_local_tokens = num_computed_tokens
         max_blocks = (request.num_tokens - 1) // self._block_size
         if max_blocks * self._block_size <= num_computed_tokens:
-            state.last_lookup_blocks = 0
+            state.lookup = LookupRecord(num_computed_tokens, 0, 0, "units", 0.0)
             return 0, False
-        hit_blocks = self._longest_stored_prefix(state, max_blocks)
-        state.last_lookup_blocks = hit_blocks
-        state.last_lookup_s = time.perf_counter() - started
-        return max(0, hit_blocks * self._block_size - num_computed_tokens), False
+        found = self._stored_blocks(state, max_blocks)
+        source = max(found, key=lambda name: found[name])  # units first on a tie
+        hit = found[source]
+        if self._await_publication(state, max_blocks, hit):
+            return None, False
+        state.lookup = LookupRecord(num_computed_tokens, hit, found["units"], source, time.perf_counter() - started)
+        return max(0, hit * self._block_size - num_computed_tokens), False
 
-    def _longest_stored_prefix(self, state: _RequestState, max_blocks: int) -> int:
-        """Leading blocks every namespace holds, hashing no further than
-        needed: the first segment is hashed and looked up alone, the rest of
-        the prompt only if all of it is stored. A miss costs one small
-        segment, not the prompt; a hit costs two lookups (each a binary
-        search: the prefix invariant makes a segment's count exact)."""
+    def _stored_blocks(self, state: _RequestState, max_blocks: int) -> dict[str, int]:
+        """Leading blocks loadable from each source: the units, and where
+        those stop short, whole pre-unit blocks and per-rank pre-unit blocks
+        (each only where the store can hold them)."""
+        found = {"units": self._longest_stored_prefix(state, max_blocks, self._spans)}
+        if found["units"] < max_blocks and self._whole_spans:
+            found["whole"] = self._longest_stored_prefix(state, max_blocks, self._whole_spans)
+        if found["units"] < max_blocks and self._rank_namespaces:
+            chains = self._rank_keys(state, max_blocks)
+            found["ranks"] = min(self._store.lookup(ns, keys[:max_blocks]) for ns, keys in zip(self._rank_namespaces, chains))
+        return found
+
+    def _longest_stored_prefix(self, state: _RequestState, max_blocks: int, spans: Sequence[Any]) -> int:
+        """Leading blocks with every unit of ``spans`` stored, hashing no
+        further than needed: the first segment is hashed and looked up
+        alone, the rest of the prompt only if all of it is stored. A miss
+        costs one small segment, not the prompt; a hit costs two lookups
+        (each a binary search plus a probe per further unit: the prefix
+        invariant makes a segment's count exact)."""
         found, want = 0, min(max_blocks, _FIRST_SEGMENT_BLOCKS)
         while True:
-            chains = self._keys(state, want)
-            present = min(self._store.lookup(ns, chain[found:want]) for ns, chain in zip(self._namespaces, chains))
-            found += present
+            keys = self._keys(state, want)
+            found += self._priced_prefix(spans, keys, found, want)
             if found < want or want == max_blocks:
                 return found
             want = max_blocks
 
+    def _priced_prefix(self, spans: Sequence[Any], keys: Sequence[bytes], start: int, stop: int) -> int:
+        """:func:`stored_prefix` from the local tier, continued from the
+        remote only where the cost model expects the remote faster than
+        recomputing (or due a re-probe); the remote lookup (which promotes
+        what it finds) is timed to measure the remote's rate."""
+        local = stored_prefix(_LocalTier(self._store), self._namespace, self._grid, spans, keys, start, stop)
+        ns_id = self._namespace.digest[:16].hex()
+        if self._store.remote is None or start + local >= stop or not self.cost.should_ask(ns_id, "remote"):
+            return local
+        started = time.perf_counter()
+        found = stored_prefix(self._store, self._namespace, self._grid, spans, keys, start + local, stop)
+        self.cost.observe_load(ns_id, "remote", found * self._block_size, time.perf_counter() - started)
+        return local + found
+
+    def _observe_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Prefill rate sample: the tokens the previous step scheduled over
+        the time until this step is planned (an idle gap between the two
+        only lowers the rate, which favours loading)."""
+        now = time.perf_counter()
+        if self._step_at_s is not None and self._step_tokens:
+            self.cost.observe_prefill(self._step_tokens, now - self._step_at_s)
+        self._step_at_s = now
+        self._step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+
+    def _report_ratio(self) -> None:
+        """The stored namespace's compression ratio, at most every
+        :data:`_RATIO_INTERVAL_S`: a server that only loads (a kv_consumer)
+        has no writer to report it."""
+        now = time.monotonic()
+        if now - self._ratio_at_s < _RATIO_INTERVAL_S:
+            return
+        self._ratio_at_s = now
+        stats = self._store.stats().namespaces.get(self._namespace.digest[:16].hex())
+        if stats is not None and stats.stored_bytes:
+            self.counters.add(compression_ratio=stats.raw_bytes / stats.stored_bytes)
+
+    def _await_publication(self, state: _RequestState, max_blocks: int, hit: int) -> bool:
+        """True: defer the request, a producer announced blocks that are not
+        visible yet and its deadline is ahead (:mod:`ucm_db.connector.roles`)."""
+        request = state.request
+        publication = Publication.from_params(getattr(request, "kv_transfer_params", None))
+        if publication is None:
+            return False
+        expected = publication.expected_blocks(
+            self._namespace.digest[:16].hex(), self._block_size, lambda n: self._keys(state, n), max_blocks,
+        )
+        if self._waits.decide(request.request_id, expected, hit):
+            return True
+        waited_s = self._waits.waited_s(request.request_id)
+        self._waits.forget(request.request_id)
+        self.counters.add(publication_wait_s=waited_s, publication_misses=max(0, expected - hit))
+        if expected > hit:
+            logger.warning(
+                "ucm-db: request %s: %d of %d announced blocks not visible after %.2f s; the rest is recomputed",
+                request.request_id, expected - hit, expected, waited_s,
+            )
+        return False
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
+        record = state.lookup or LookupRecord(request.num_computed_tokens, 0, 0, "units", 0.0)
+        state.lookup = None
         state.pending_load_tokens = num_external_tokens
-        state.stored_blocks = max(state.stored_blocks, state.last_lookup_blocks)
+        state.pending_source = record.source
+        state.stored_blocks = max(state.stored_blocks, record.unit_blocks)
         state.saved_blocks = max(state.saved_blocks, state.stored_blocks)
-        query = max(0, request.num_prompt_tokens - state.last_local_tokens)
-        self.counters.add(lookups=1, lookup_s=state.last_lookup_s, query_tokens=query, hit_tokens=num_external_tokens)
+        query = max(0, request.num_prompt_tokens - record.local_tokens)
+        self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens)
+        if num_external_tokens:
+            self._report_ratio()
         logger.info(
             "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
-            request.request_id, request.num_prompt_tokens, state.last_local_tokens, num_external_tokens,
+            request.request_id, request.num_prompt_tokens, record.local_tokens, num_external_tokens,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         meta = UcmDbConnectorMetadata()
+        self._observe_step(scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
             self._plan_load(meta, new_req.req_id, new_req.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
@@ -201,7 +331,7 @@ class UcmDbScheduler:
             block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and block_ids is not None:
                 self._plan_load(meta, req_id, block_ids[0])
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items() if self._role.saves else ():
             self._plan_save(meta, scheduler_output, req_id, num_tokens)
         return meta
 
@@ -213,8 +343,10 @@ class UcmDbScheduler:
         end = state.request.num_computed_tokens // self._block_size
         start = end - state.pending_load_tokens // self._block_size
         state.pending_load_tokens = 0
-        chains = self._keys(state, end)
-        meta.loads.append(BlockTransfer(req_id, tuple(tuple(c[start:end]) for c in chains), tuple(block_ids[start:end])))
+        keys = self._keys(state, end)
+        source, state.pending_source = state.pending_source, "units"
+        rank_keys = tuple(tuple(c[start:end]) for c in self._rank_keys(state, end)) if source == "ranks" else ()
+        meta.loads.append(BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), source=source, rank_keys=rank_keys))
 
     def _plan_save(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput, req_id: str, num_tokens: int) -> None:
         state = self._requests.get(req_id)
@@ -231,9 +363,8 @@ class UcmDbScheduler:
         block_ids = self._block_ids(scheduler_output, req_id)
         if block_ids is None or len(block_ids) < end:
             return
-        chains = self._keys(state, end)
-        parents = tuple(c[start - 1] if start else None for c in chains)
-        meta.saves.append(BlockTransfer(req_id, tuple(tuple(c[start:end]) for c in chains), tuple(block_ids[start:end]), parents))
+        keys = self._keys(state, end)
+        meta.saves.append(BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None))
         state.saved_blocks = end
 
     def _block_ids(self, scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:
@@ -249,9 +380,18 @@ class UcmDbScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forgets the request. Saves were copied out during their steps,
-        so vLLM may free the blocks at once."""
-        self._requests.pop(request.request_id, None)
-        return False, None
+        so vLLM may free the blocks at once. A ``kv_producer`` returns what
+        it published as ``kv_transfer_params``: its saves were committed
+        inside their steps (roles.py)."""
+        state = self._requests.pop(request.request_id, None)
+        self._waits.forget(request.request_id)
+        if not self._role.publishes or state is None:
+            return False, None
+        blocks = min(state.saved_blocks, request.num_prompt_tokens // self._block_size)
+        last_key = self._keys(state, blocks)[blocks - 1].hex() if blocks else ""
+        self.counters.add(published_blocks=blocks)
+        publication = Publication(self._namespace.digest[:16].hex(), blocks, self._block_size, last_key, self._publish_target)
+        return False, publication.to_params()
 
     def shutdown(self) -> None:
         self._requests.clear()
@@ -260,3 +400,21 @@ class UcmDbScheduler:
     @property
     def store(self) -> ucm_db.Store:
         return self._store
+
+
+class _LocalTier:
+    """A store whose ``lookup`` looks at the local tier only."""
+
+    def __init__(self, store: ucm_db.Store) -> None:
+        self._store = store
+
+    def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        return self._store.lookup(namespace, keys, remote=False)
+
+
+def _stored(store: ucm_db.Store, namespaces: list[Namespace]) -> list[Namespace]:
+    """``namespaces`` if the store holds blocks of every one, else []."""
+    if not namespaces:
+        return []
+    held = store.stats().namespaces
+    return namespaces if all(ns.digest[:16].hex() in held for ns in namespaces) else []

@@ -15,7 +15,12 @@ The extra config accepts, by name:
   for the namespace instead of the config+weights fingerprint),
   ``max_pending_save_bytes`` (bound on KV bytes queued for the background
   writer; saves beyond it are dropped and counted, never blocking the
-  forward pass).
+  forward pass); ``publish`` (``"local"`` or ``"remote"``: where a
+  ``kv_producer`` publishes) and ``load_deadline_s`` (longest a consumer
+  waits for a producer's published blocks), see :mod:`ucm_db.connector.roles`;
+  ``load_policy`` (``"auto"``: claim a hit only where loading it is expected
+  faster than recomputing it; ``"always"``: load every hit, for debugging),
+  see :mod:`ucm_db.connector.cost_model`.
 
 Invariants:
     * An unknown key anywhere (extra config or file) raises
@@ -33,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.config import StoreConfig, load_config_file
+from ucm_db.connector.cost_model import check_load_policy
+from ucm_db.connector.roles import check_publish_options
 from ucm_db.errors import ConfigError
 
 LOAD_MODES = ("block", "layer")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
-_CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes")
+_CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "load_deadline_s", "load_policy")
 
 
 def default_store_path() -> Path:
@@ -65,6 +72,10 @@ class ConnectorSettings:
         load_mode: ``"block"`` or ``"layer"``.
         model_id: explicit model identity, or None to fingerprint the model.
         max_pending_save_bytes: bound on bytes waiting for the writer.
+        publish: where a ``kv_producer`` publishes (``"local"``, ``"remote"``).
+        load_deadline_s: longest a consumer waits for published blocks.
+        load_policy: ``"auto"`` (claim a hit only where loading is expected
+            faster than recomputing, see cost_model.py) or ``"always"``.
     """
 
     path: Path
@@ -72,6 +83,9 @@ class ConnectorSettings:
     load_mode: str = "block"
     model_id: str | None = None
     max_pending_save_bytes: int = 1 << 30
+    publish: str = "local"
+    load_deadline_s: float = 5.0
+    load_policy: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
@@ -82,6 +96,8 @@ class ConnectorSettings:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1 << 20:
             raise ConfigError(f"max_pending_save_bytes must be an integer >= 1 MiB, got {limit!r}", hint="use e.g. 1073741824")
         StoreConfig.from_dict(self.store_options)
+        check_publish_options(self.publish, self.load_deadline_s)
+        check_load_policy(self.load_policy)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -101,7 +117,7 @@ class ConnectorSettings:
         path = merged.get("path")
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
             raise ConfigError(f"path must be a directory path, got {path!r}", hint="pass path='/var/cache/ucm-db'")
-        kwargs: dict[str, Any] = {k: merged[k] for k in ("load_mode", "model_id", "max_pending_save_bytes") if k in merged}
+        kwargs: dict[str, Any] = {k: merged[k] for k in ("load_mode", "model_id", "max_pending_save_bytes", "publish", "load_deadline_s", "load_policy") if k in merged}
         return cls(
             path=Path(path).expanduser() if path is not None else default_store_path(),
             store_options=store_options, **kwargs,

@@ -18,6 +18,10 @@ Invariants:
     * Only full blocks are imported; a trailing partial block is ignored.
     * Imports keep the store's prefix invariant: the chain is put from its
       first block (or after ``parent``) in one atomic batch.
+    * Imports store whole blocks (every KV head the layout holds, keyed by
+      the block key), not per-head units (``docs/tp.md``): given the
+      deployment's namespace and all the model's heads, an engine at any TP
+      size reads them and converts them to units on first use.
 """
 
 from __future__ import annotations

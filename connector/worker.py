@@ -12,7 +12,15 @@ Invariants:
     * Saves copy blocks out of the KV cache in ``wait_for_save`` (the
       blocks may be reused by the next step) and leave encoding and commit
       to the :class:`~ucm_db.connector.writer.BackgroundWriter`.
-    * With MLA only TP rank 0 saves; every rank loads.
+    * A worker reads and writes the units of its own KV heads and pipeline
+      stage (:func:`~ucm_db.connector.identity.rank_spans`), whatever TP size
+      wrote them; a block loads only if all its units do. Each head has one
+      writer rank (replicated GQA heads: the first rank holding it; MLA: TP
+      rank 0); every rank loads.
+    * A whole pre-unit block (``source="whole"``) is decoded whole and only
+      this rank's heads are copied into the KV caches; a per-rank pre-unit
+      block (``source="ranks"``) is this rank's own, read from its rank
+      namespace.
 """
 
 from __future__ import annotations
@@ -25,13 +33,16 @@ import torch
 from vllm.logger import init_logger
 
 import ucm_db
-from ucm_db.connector.identity import KVShape, namespace_index, rank_namespace, writes_blocks
+from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, rank_spans, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import Counters
+from ucm_db.connector.roles import RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
 from ucm_db.connector.writer import BackgroundWriter, SaveJob
+from ucm_db.errors import ConfigError
+from ucm_db.units import UnitKeys, unit_key
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
@@ -51,8 +62,9 @@ class _LayerLoad:
 class UcmDbWorker:
     """Worker-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
-    def __init__(self, settings: ConnectorSettings, shape: KVShape, num_blocks: int | None) -> None:
+    def __init__(self, settings: ConnectorSettings, shape: KVShape, num_blocks: int | None, role: RolePolicy = RolePolicy()) -> None:
         self._settings = settings
+        self._role = role  # a kv_consumer never saves; a kv_producer commits within the step
         self._shape = shape
         self._num_blocks = num_blocks
         self._layout: KVLayout | None = None
@@ -66,14 +78,20 @@ class UcmDbWorker:
     # -- setup ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, KVCacheEntry], tp_rank: int, pp_rank: int) -> None:
         self._layout = detect_layout(kv_caches, self._num_blocks)
-        self._namespace = rank_namespace(self._shape, tp_rank, pp_rank)
-        self._chain = namespace_index(self._shape, tp_rank, pp_rank)
-        self._writes = writes_blocks(self._shape, tp_rank)
+        self._namespace = namespace(self._shape)
+        self._grid = grid(self._shape)
+        self._spans = rank_spans(self._shape, tp_rank, pp_rank)
+        _check_layout(self._layout, self._spans, tp_rank, pp_rank)
+        self._writes = writes_units(self._shape, tp_rank)
+        self._legacy = legacy_rank_namespaces(self._shape)
+        self._legacy_index = pp_rank * self._shape.tp_size + tp_rank
         self._store = acquire(self._settings)
-        self._writer = BackgroundWriter(self._store, self._layout.frames, self.counters, self._settings.max_pending_save_bytes)
+        self._writer = BackgroundWriter(self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes)
         logger.info(
-            "ucm-db connector (worker tp=%d pp=%d): store %s, %s, load_mode=%s, namespace %s",
+            "ucm-db connector (worker tp=%d pp=%d): store %s, %s, load_mode=%s, namespace %s, heads %d-%d, layers %d-%d%s",
             tp_rank, pp_rank, self._settings.path, self._layout.describe(), self._settings.load_mode, self._namespace.short_id,
+            self._spans[0].head_start, self._spans[-1].head_stop - 1, self._spans[0].layer_start, self._spans[0].layer_stop - 1,
+            "" if self._writes else " (reads only: another rank writes these heads)",
         )
 
     @property
@@ -123,30 +141,78 @@ class UcmDbWorker:
     def _load_blocks(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None) -> None:
         assert self._store is not None
         started = time.perf_counter()
-        keys = [k for t in loads for k in t.keys[self._chain]]
-        block_ids = [b for t in loads for b in t.block_ids]
-        staging = self.layout.new_staging(len(keys))
-        rows = staging.numpy()
-        ok = self._store.get_into(self._namespace, keys, [rows[i] for i in range(len(keys))])
-        good = [i for i, flag in enumerate(ok) if flag]
-        failed = {block_ids[i] for i, flag in enumerate(ok) if not flag}
+        parts = [self._read_units([t for t in loads if t.source == "units"]), self._read_whole([t for t in loads if t.source == "whole"]),
+                 self._read_rank([t for t in loads if t.source == "ranks"])]
+        failed = {b for _, _, bad in parts for b in bad}
         if failed:
             with self._errors_lock:
                 self._load_errors.update(failed)
-            logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them", len(failed), len(keys))
-        if len(good) != len(keys):
-            staging = staging.index_select(0, torch.as_tensor(good, dtype=torch.long))
-        good_ids = [block_ids[i] for i in good]
-        if job is None:
-            self.layout.scatter(good_ids, staging)
-        else:
-            for layer in range(len(self.layout.layers)):
-                self.layout.scatter(good_ids, staging, layer=layer)
+            total = sum(len(t.block_ids) for t in loads)
+            logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them", len(failed), total)
+        (unit_ids, units, _), (whole_ids, whole, _), (rank_ids, rank, _) = parts
+        for layer in range(len(self.layout.layers)) if job is not None else (None,):
+            if unit_ids:
+                self.layout.scatter_units(unit_ids, units, layer=layer)
+            if whole_ids:
+                self.layout.scatter_whole(whole_ids, whole, self._grid.heads, self._spans[0].head_start, layer=layer)
+            if rank_ids:
+                self.layout.scatter(rank_ids, rank, layer=layer)
+            if job is not None and layer is not None:
                 job.ready[layer].set()
+        good = len(unit_ids) + len(whole_ids) + len(rank_ids)
         self.counters.add(
-            loaded_blocks=len(good), loaded_bytes=len(good) * self.layout.block_bytes,
+            loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes,
             load_s=time.perf_counter() - started, load_errors=len(failed),
         )
+
+    def _read_units(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
+        """Decodes this rank's units of ``loads`` into unit staging:
+        (block ids with every unit loaded, their staging rows, block ids failed)."""
+        assert self._store is not None
+        block_keys = [k for t in loads for k in t.keys]
+        block_ids = [b for t in loads for b in t.block_ids]
+        staging = self.layout.new_unit_staging(len(block_keys))
+        if not block_keys:
+            return [], staging, set()
+        rows = staging.numpy()
+        spans = self._spans
+        keys = [unit_key(k, span, self._grid) for k in block_keys for span in spans]
+        buffers = [rows[i, j] for i in range(len(block_keys)) for j in range(len(spans))]
+        ok = self._store.get_into(self._namespace, keys, buffers)
+        per_block = len(spans)
+        good = [i for i in range(len(block_keys)) if all(ok[i * per_block : (i + 1) * per_block])]
+        failed = set(block_ids) - {block_ids[i] for i in good}
+        if len(good) != len(block_keys):
+            staging = staging.index_select(0, torch.as_tensor(good, dtype=torch.long))
+        return [block_ids[i] for i in good], staging, failed
+
+    def _read_whole(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
+        """Decodes whole pre-unit blocks (every KV head) of ``loads``."""
+        keys = [k for t in loads for k in t.keys]
+        staging = torch.empty((len(keys), self.layout.whole_block_bytes(self._grid.heads)), dtype=torch.uint8)
+        return self._read_rows(self._namespace, keys, [b for t in loads for b in t.block_ids], staging)
+
+    def _read_rank(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
+        """Decodes this rank's pre-unit blocks (its heads, its namespace)."""
+        if not loads:
+            return [], self.layout.new_staging(0), set()
+        index = self._legacy_index
+        keys = [k for t in loads for k in t.rank_keys[index]]
+        return self._read_rows(self._legacy[index], keys, [b for t in loads for b in t.block_ids], self.layout.new_staging(len(keys)))
+
+    def _read_rows(
+        self, namespace: ucm_db.Namespace, keys: list[bytes], block_ids: list[int], staging: torch.Tensor,
+    ) -> tuple[list[int], torch.Tensor, set[int]]:
+        """Decodes one payload per key into the rows of ``staging``."""
+        assert self._store is not None
+        if not keys:
+            return [], staging, set()
+        rows = staging.numpy()
+        ok = self._store.get_into(namespace, keys, [rows[i] for i in range(len(keys))])
+        good = [i for i, flag in enumerate(ok) if flag]
+        if len(good) != len(keys):
+            staging = staging.index_select(0, torch.as_tensor(good, dtype=torch.long))
+        return [block_ids[i] for i in good], staging, {block_ids[i] for i, flag in enumerate(ok) if not flag}
 
     def take_load_errors(self) -> set[int]:
         self.finish_loads()
@@ -158,15 +224,22 @@ class UcmDbWorker:
     def save(self, meta: UcmDbConnectorMetadata) -> None:
         """Copies this step's newly computed blocks out and queues them."""
         self.finish_loads()
-        if not meta.saves or not self._writes or self._writer is None:
+        if not meta.saves or not self._writes or self._writer is None or not self._role.saves:
             return
         started = time.perf_counter()
         for transfer in meta.saves:
-            staging = self.layout.new_staging(len(transfer.block_ids))
-            self.layout.gather(transfer.block_ids, staging)
-            parent = transfer.parents[self._chain] if transfer.parents else None
-            self._writer.submit(SaveJob(self._namespace, transfer.keys[self._chain], parent, staging))
+            staging = self.layout.new_unit_staging(len(transfer.block_ids))
+            self.layout.gather_units(transfer.block_ids, staging)
+            block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
+            start = 1 if transfer.parent is not None else 0
+            chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
+            self._writer.submit(SaveJob(self._namespace, chains, staging))
         self.counters.add(save_copy_s=time.perf_counter() - started)
+        if self._role.publishes:
+            # Read-after-write: a producer's blocks are committed (and
+            # uploaded, publish="remote") before this step's output leaves.
+            self._writer.drain()
+            self.counters.add(publish_wait_s=time.perf_counter() - started)
 
     def drain(self) -> None:
         """Waits until every queued save is committed (tests, benchmarks)."""
@@ -181,3 +254,16 @@ class UcmDbWorker:
         if self._store is not None:
             release(self._store)
             self._store = None
+
+
+def _check_layout(layout: KVLayout, spans: Sequence[object], tp_rank: int, pp_rank: int) -> None:
+    """Refuses KV caches that do not hold the heads and layers the
+    deployment's shape gives this rank (the units would be wrong)."""
+    first = spans[0]
+    layers = first.layer_stop - first.layer_start  # type: ignore[attr-defined]
+    if layout.heads != len(spans) or len(layout.layers) != layers:
+        raise ConfigError(
+            f"worker tp={tp_rank} pp={pp_rank} registered KV caches with {layout.heads} KV heads and "
+            f"{len(layout.layers)} layers; the model's config gives this rank {len(spans)} heads and {layers} layers",
+            hint="report this model to ucm-db (its KV cache layout is not what its config says)",
+        )

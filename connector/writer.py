@@ -1,12 +1,16 @@
 """Background writer: compression and commit of saved blocks off the forward pass.
 
-The worker copies newly computed blocks out of the paged KV cache into a
-staging buffer during ``wait_for_save`` and hands the buffer here; one
-thread encodes and commits each job with ``Store.put``.
+The worker copies the units of newly computed blocks out of the paged KV
+cache into a staging buffer during ``wait_for_save`` and hands the buffer
+here; one thread encodes and commits each job, one ``Store.put`` per unit
+chain (a KV head's units of consecutive blocks).
 
 Invariants:
     * Jobs commit in submission order (one thread, FIFO), so a request's
       chain segment is committed before the segment that names it as parent.
+    * A job's unit chains are put separately: each keeps the prefix
+      invariant on its own, which is what lookups rely on
+      (:func:`ucm_db.units.stored_prefix`).
     * At most ``max_pending_bytes`` of staging wait in the queue; a job that
       would exceed it is dropped and counted (the cache is best effort; the
       forward pass never waits for the disk).
@@ -31,6 +35,7 @@ import ucm_db
 from ucm_db.connector.metrics import Counters
 from ucm_db.errors import MissingAncestorError, UcmDbError
 from ucm_db.keys import Namespace
+from ucm_db.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 _RATIO_INTERVAL_S = 2.0
@@ -38,16 +43,20 @@ _RATIO_INTERVAL_S = 2.0
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Staged blocks of one chain segment, ready to commit."""
+    """Staged units of one chain segment, ready to commit: ``chains[j]``
+    holds the keys of the units in ``staging[:, j]``."""
 
     namespace: Namespace
-    keys: tuple[bytes, ...]
-    parent: bytes | None
-    staging: torch.Tensor  # uint8 [len(keys), block_bytes], CPU
+    chains: tuple[UnitKeys, ...]
+    staging: torch.Tensor  # uint8 [blocks, units, unit_bytes], CPU
 
     @property
     def nbytes(self) -> int:
         return int(self.staging.numel())
+
+    @property
+    def blocks(self) -> int:
+        return int(self.staging.shape[0])
 
 
 class BackgroundWriter:
@@ -69,7 +78,7 @@ class BackgroundWriter:
         """Queues a job; False (and counted) if the queue is full."""
         with self._lock:
             if self._pending_bytes + job.nbytes > self._max_pending_bytes:
-                self._counters.add(saves_dropped=len(job.keys))
+                self._counters.add(saves_dropped=job.blocks)
                 return False
             self._pending_bytes += job.nbytes
         self._queue.put(job)
@@ -100,20 +109,23 @@ class BackgroundWriter:
     def _commit(self, job: SaveJob) -> None:
         started = time.perf_counter()
         rows = job.staging.numpy()
-        payloads = [self._frames(rows[i]) for i in range(len(job.keys))]
-        try:
-            self._store.put(job.namespace, job.keys, payloads, parent=job.parent)
-        except MissingAncestorError:
-            # The parent was evicted (or its save dropped) meanwhile: the
-            # prefix invariant forbids storing an orphan; skip the segment.
-            self._counters.add(save_errors=len(job.keys))
-            logger.debug("ucm-db: skipped a save whose parent block is gone")
+        failed = 0
+        for j, keys in enumerate(job.chains):
+            payloads = [self._frames(rows[i, j]) for i in range(len(keys))]
+            try:
+                self._store.put(job.namespace, list(keys), payloads, parent=keys.parent())
+            except MissingAncestorError:
+                # The parent was evicted (or its save dropped) meanwhile: the
+                # prefix invariant forbids storing an orphan; skip the chain.
+                failed += 1
+                logger.debug("ucm-db: skipped a save whose parent unit is gone")
+            except (UcmDbError, OSError) as exc:
+                failed += 1
+                logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
+        if failed:
+            self._counters.add(save_errors=job.blocks)
             return
-        except (UcmDbError, OSError) as exc:
-            self._counters.add(save_errors=len(job.keys))
-            logger.warning("ucm-db: saving %d blocks failed: %s", len(job.keys), exc)
-            return
-        self._counters.add(saved_blocks=len(job.keys), saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started)
+        self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started)
         self._update_ratio(job.namespace)
 
     def _update_ratio(self, namespace: Namespace) -> None:

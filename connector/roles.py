@@ -1,0 +1,200 @@
+"""Prefill/decode roles (vLLM's ``kv_role``) and the publication record a
+producer hands its consumers through ``kv_transfer_params``.
+
+Roles:
+    * ``kv_producer`` (prefill): loads its own hits and saves every block it
+      computes. A step's blocks are committed (and, with ``publish="remote"``,
+      uploaded: write-through) inside ``wait_for_save``, before the step's
+      output leaves the engine; ``request_finished`` then returns a
+      :class:`Publication` as the request's ``kv_transfer_params``.
+    * ``kv_consumer`` (decode): loads, never saves, so it never evicts a
+      block on its own account. Given a producer's publication, it claims
+      every published full block, waiting for blocks not yet visible (at
+      most ``load_deadline_s`` per request) without holding up other
+      requests; what is still missing then is recomputed.
+    * ``kv_both`` (default): loads, and saves in the background (nothing
+      waits for a commit). It honours a publication too.
+
+Invariants:
+    * Only plain values cross processes: a publication is a JSON-able dict
+      under the single key :data:`PARAMS_KEY`, so it survives vLLM's HTTP
+      responses, the PD proxy and the next request unchanged.
+    * A publication is trusted only as a *count*: the consumer derives its
+      own block keys from its own tokens and checks the last published key
+      against them, so a publication for other tokens, another namespace
+      or a malformed one is ignored (ordinary lookup), never loaded.
+    * A consumer waits for one request at most ``load_deadline_s`` from its
+      first lookup; the wait is a deferred lookup (vLLM schedules the
+      request again later), so no KV blocks are held while waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ucm_db.errors import ConfigError
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+#: Where a producer publishes: its local store (consumers on this node share
+#: the directory) or also the remote tier (consumers on other nodes).
+PUBLISH_TARGETS = ("local", "remote")
+#: The one key of ``kv_transfer_params`` that ucm-db reads and writes.
+PARAMS_KEY = "ucm_db"
+PARAMS_VERSION = 1
+#: Shortest interval between two lookups of a request waiting for a publication.
+RECHECK_INTERVAL_S = 0.005
+
+
+@dataclass(frozen=True, slots=True)
+class RolePolicy:
+    """What a connector of one ``kv_role`` does."""
+
+    role: str = "kv_both"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"kv_role must be one of {', '.join(ROLES)}, got {self.role!r}", hint="use \"kv_role\": \"kv_both\"")
+
+    @classmethod
+    def from_kv_role(cls, kv_role: str | None) -> RolePolicy:
+        """vLLM's ``kv_role`` (None: ``kv_both``)."""
+        return cls(kv_role or "kv_both")
+
+    @property
+    def saves(self) -> bool:
+        """Saves computed blocks (producer, both)."""
+        return self.role != "kv_consumer"
+
+    @property
+    def publishes(self) -> bool:
+        """Commits within the step and announces what it committed."""
+        return self.role == "kv_producer"
+
+
+def check_publish_options(publish: str, load_deadline_s: float) -> None:
+    """Validates the connector's PD settings (raises ConfigError)."""
+    if publish not in PUBLISH_TARGETS:
+        raise ConfigError(f"publish must be one of {', '.join(PUBLISH_TARGETS)}, got {publish!r}",
+                          hint="use publish='local' (consumers share this store) or 'remote' (consumers on other nodes)")
+    if isinstance(load_deadline_s, bool) or not isinstance(load_deadline_s, (int, float)) or not 0 <= load_deadline_s <= 600:
+        raise ConfigError(f"load_deadline_s must be a number of seconds in [0, 600], got {load_deadline_s!r}",
+                          hint="use e.g. load_deadline_s=5.0")
+
+
+def producer_store_options(store_options: Mapping[str, Any], publish: str) -> dict[str, Any]:
+    """Store options of a producer: ``publish="remote"`` needs a remote tier
+    and uploads within the put (``remote_mode="write_through"``), so a
+    published block is on the remote before its request's output leaves."""
+    options = dict(store_options)
+    if publish != "remote":
+        return options
+    if not options.get("remote"):
+        raise ConfigError("publish='remote' needs a remote tier", hint="add \"remote\": \"s3://bucket/prefix\" (or file:///shared/dir) to the extra config")
+    if options.get("remote_mode", "write_through") != "write_through":
+        raise ConfigError(
+            f"publish='remote' uploads within the step; remote_mode={options['remote_mode']!r} contradicts it",
+            hint="drop remote_mode (a producer publishing remotely writes through)",
+        )
+    options["remote_mode"] = "write_through"
+    return options
+
+
+@dataclass(frozen=True, slots=True)
+class Publication:
+    """What a producer committed for one request: the leading ``blocks``
+    full blocks of its key chain under ``namespace_id`` (hex), the last of
+    them keyed ``last_key`` (hex)."""
+
+    namespace_id: str
+    blocks: int
+    block_size: int
+    last_key: str
+    target: str = "local"
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+    def to_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` a producer's ``request_finished`` returns."""
+        return {PARAMS_KEY: {
+            "version": PARAMS_VERSION, "namespace": self.namespace_id, "blocks": self.blocks,
+            "block_size": self.block_size, "tokens": self.tokens, "last_key": self.last_key, "published_to": self.target,
+        }}
+
+    @classmethod
+    def from_params(cls, params: Any) -> Publication | None:
+        """The publication in a request's ``kv_transfer_params``; None when
+        there is none or it is malformed (see module invariants)."""
+        if not isinstance(params, Mapping):
+            return None
+        body = params.get(PARAMS_KEY)
+        if not isinstance(body, Mapping) or body.get("version") != PARAMS_VERSION:
+            return None
+        try:
+            blocks, block_size = body["blocks"], body["block_size"]
+            namespace_id, last_key = body["namespace"], body["last_key"]
+            target = body.get("published_to", "local")
+        except KeyError:
+            return None
+        if not (isinstance(blocks, int) and isinstance(block_size, int) and blocks >= 0 and block_size > 0):
+            return None
+        if not (isinstance(namespace_id, str) and isinstance(last_key, str) and isinstance(target, str)):
+            return None
+        return cls(namespace_id, blocks, block_size, last_key, target)
+
+    def expected_blocks(self, namespace_id: str, block_size: int, keys: Any, max_blocks: int) -> int:
+        """Blocks a consumer may count on: 0 unless the publication is for
+        this namespace and block size and its last key is the consumer's own
+        key for that block (``keys(n)``: the consumer's first ``n`` keys)."""
+        if self.namespace_id != namespace_id or self.block_size != block_size or self.blocks == 0:
+            return 0
+        blocks = min(self.blocks, max_blocks)
+        if blocks == 0:
+            return 0
+        chain = keys(self.blocks) if self.blocks <= max_blocks + 1 else None
+        if chain is None or len(chain) < self.blocks or chain[self.blocks - 1].hex() != self.last_key:
+            return 0
+        return blocks
+
+
+class PublicationWaits:
+    """Per request, since when a consumer waits for published blocks.
+
+    ``decide`` answers each lookup: keep waiting (True) while fewer than the
+    expected blocks are visible and the request's deadline has not passed.
+    """
+
+    def __init__(self, deadline_s: float, clock: Any = time.monotonic) -> None:
+        self._deadline_s = float(deadline_s)
+        self._clock = clock
+        self._since: dict[str, float] = {}
+        self._checked: dict[str, float] = {}
+
+    def decide(self, req_id: str, expected_blocks: int, visible_blocks: int) -> bool:
+        """True: defer the request (look again later); False: claim what is visible."""
+        if visible_blocks >= expected_blocks:
+            return False
+        now = self._clock()
+        since = self._since.setdefault(req_id, now)
+        if now - since >= self._deadline_s:
+            return False
+        self._checked[req_id] = now
+        return True
+
+    def too_soon(self, req_id: str) -> bool:
+        """True if this request was looked up less than
+        :data:`RECHECK_INTERVAL_S` ago (defer without a lookup)."""
+        last = self._checked.get(req_id)
+        return last is not None and self._clock() - last < RECHECK_INTERVAL_S
+
+    def waited_s(self, req_id: str) -> float:
+        since = self._since.get(req_id)
+        return 0.0 if since is None else self._clock() - since
+
+    def forget(self, req_id: str) -> None:
+        self._since.pop(req_id, None)
+        self._checked.pop(req_id, None)
