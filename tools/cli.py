@@ -3,25 +3,29 @@
 Exit status: 0 ok; 1 problems found (corrupt blocks, skipped imports, a
 failed operation); 2 usage or configuration error (bad options, no store at
 the path, a format that needs ``ucm-db migrate``, a store held by another
-process). Errors print one line to stderr with the fix (the error's hint).
+process). Errors print one line to stderr with the fix (the error's hint);
+under ``--json`` stdout also holds the error as one JSON document.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
 import click
 
-from ucm_db.errors import ConfigError, FormatVersionError, LockedError, UcmDbError
+from ucm_db import ConfigError, FormatVersionError, LockedError, UcmDbError
 
 from ucm_db.tools.archive import export_command, import_command
 from ucm_db.tools.compact_cmd import compact_command
 from ucm_db.tools.inspect_cmd import inspect_command
 from ucm_db.tools.migrate_cmd import migrate_command
-from ucm_db.tools.remote_cmds import bench_command, gc_command, warm_command
+from ucm_db.tools.remote_cmds import gc_command, warm_command
+# `ucm-db bench`: a lazy group; the benchmarks are imported only when one runs.
+from ucm_db.tools.cli_bench import bench_group
 from ucm_db.tools.verify_cmd import verify_command
-from ucm_db.tools.cli_common import EXIT_PROBLEMS, EXIT_USAGE
+from ucm_db.tools.cli_common import EXIT_PROBLEMS, EXIT_USAGE, JSON_META_KEY, error_document
 
 #: Errors that mean "the command or its configuration must change".
 USAGE_ERRORS = (ConfigError, FormatVersionError, LockedError)
@@ -31,15 +35,45 @@ def exit_code_for(exc: UcmDbError) -> int:
     return EXIT_USAGE if isinstance(exc, USAGE_ERRORS) else EXIT_PROBLEMS
 
 
+#: Key in ``click.Context.meta`` holding the command line the group parsed.
+ARGV_META_KEY = "ucm_db.argv"
+
+
+def _json_requested(ctx: click.Context) -> bool:
+    argv = ctx.meta.get(ARGV_META_KEY, [])
+    before_separator = argv[: argv.index("--")] if "--" in argv else argv
+    return bool(ctx.meta.get(JSON_META_KEY)) or "--json" in before_separator
+
+
+def report_error(ctx: click.Context, exc: BaseException, exit_code: int) -> None:
+    """One line on stderr; under ``--json`` also the error document on stdout."""
+    if _json_requested(ctx):
+        click.echo(json.dumps(error_document(exc, exit_code), indent=2, sort_keys=True))
+    if isinstance(exc, click.ClickException):
+        exc.show()
+    else:
+        click.echo(f"ucm-db: error: {exc}", err=True)
+
+
 class UcmDbGroup(click.Group):
-    """Turns ucm-db errors into one stderr line and a meaningful exit status."""
+    """Turns ucm-db errors (and, under ``--json``, usage errors) into one
+    stderr line, the JSON error document when asked, and an exit status."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[ARGV_META_KEY] = list(args)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except UcmDbError as exc:
-            click.echo(f"ucm-db: error: {exc}", err=True)
+            report_error(ctx, exc, exit_code_for(exc))
             ctx.exit(exit_code_for(exc))
+        except click.ClickException as exc:
+            if not _json_requested(ctx):
+                raise
+            report_error(ctx, exc, EXIT_USAGE)
+            ctx.exit(EXIT_USAGE)
 
 
 @click.group(cls=UcmDbGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,7 +88,7 @@ def cli() -> None:
 
 
 for command in (inspect_command, verify_command, compact_command, gc_command, export_command, import_command,
-                warm_command, bench_command, migrate_command):
+                warm_command, bench_group, migrate_command):
     cli.add_command(command)
 
 

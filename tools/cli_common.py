@@ -1,42 +1,57 @@
-"""Shared pieces of the ``ucm-db`` commands: output, progress, store views.
+"""Shared pieces of the ``ucm-db`` commands: output, progress, errors.
 
 Invariants:
     * Human output goes to stdout; with ``--json`` stdout holds exactly one
       JSON document and nothing else (progress bars and warnings go to
-      stderr, and progress is off under ``--json``).
-    * :func:`store_view` never creates or changes a store: it opens the
-      engine alone (read-only where the engine allows) and writes no reader
-      activity, so looking at a live store does not disturb it.
+      stderr, and progress is off under ``--json``). An error under
+      ``--json`` is that document too: ``{"error": {...}}``.
+    * The commands reach stores only through :mod:`ucm_db.maintenance`,
+      :mod:`ucm_db.migrations` and the public ``ucm_db`` API.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
-from ucm_db.migrations.access import open_engine, read_format_version, require_store
-from ucm_db.storelock import hold_shared
-from ucm_db.store import CREATED_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION
-from ucm_db.tiers.base import Engine
-from ucm_db.tiers.local import LocalTier
-
 F = TypeVar("F", bound=Callable[..., Any])
-#: Seconds a read-only view waits for a running compact/migrate.
-VIEW_LOCK_WAIT_S = 30.0
+#: Key in ``click.Context.meta`` set when the command was given ``--json``.
+JSON_META_KEY = "ucm_db.json"
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 
+def _remember_json(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    if value:
+        ctx.meta[JSON_META_KEY] = True
+    return value
+
+
 def json_option(fn: F) -> F:
-    """``--json``: print one JSON document instead of the human report."""
-    return click.option("--json", "as_json", is_flag=True, help="Print a JSON document for scripts.")(fn)
+    """``--json``: print one JSON document instead of the human report (the
+    error, if the command fails)."""
+    return click.option("--json", "as_json", is_flag=True, callback=_remember_json,
+                        help="Print a JSON document for scripts.")(fn)
+
+
+def wants_json(ctx: click.Context | None) -> bool:
+    """Whether the running command was given ``--json``."""
+    return bool(ctx is not None and ctx.meta.get(JSON_META_KEY))
+
+
+def error_document(exc: BaseException, exit_code: int) -> dict[str, Any]:
+    """The ``--json`` form of a failed command: type, message, hint, exit code."""
+    if isinstance(exc, click.ClickException):
+        message, hint = exc.format_message(), None
+    else:
+        message, hint = str(exc), getattr(exc, "hint", None) or None
+        if hint and message.endswith(f" (hint: {hint})"):
+            message = message[: -len(f" (hint: {hint})")]
+    return {"error": {"type": type(exc).__name__, "message": message, "hint": hint, "exit_code": exit_code}}
 
 
 def emit(as_json: bool, data: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
@@ -51,16 +66,31 @@ def warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
 
 
-def progress(enabled: bool, length: int, label: str) -> Any:
-    """A click progress bar on stderr, or a do-nothing stand-in."""
-    if not enabled or length <= 0 or not sys.stderr.isatty():
-        return nullcontext(_NoBar())
-    return click.progressbar(length=length, label=label, file=sys.stderr, show_pos=True)
+class ProgressBar:
+    """A stderr progress bar fed ``(done, total)`` (a maintenance
+    :data:`~ucm_db.maintenance.ProgressFn`), created on the first update;
+    does nothing under ``--json`` or when stderr is not a terminal."""
 
+    def __init__(self, enabled: bool, label: str) -> None:
+        self._enabled = enabled and sys.stderr.isatty()
+        self._label = label
+        self._bar: Any = None
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
+    def __call__(self, done: int, total: int) -> None:
+        if not self._enabled or total <= 0:
+            return
+        if self._bar is None:
+            self._bar = click.progressbar(length=total, label=self._label, file=sys.stderr, show_pos=True)
+            self._bar.__enter__()
+        self._bar.update(max(0, done - self._bar.pos))
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+            self._bar = None
 
 
 def human_bytes(n: float) -> str:
@@ -77,46 +107,3 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [headers] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-@dataclass
-class StoreView:
-    """A store opened below the Store API (see module invariants)."""
-
-    path: Path
-    engine_name: str
-    engine: Engine
-    tier: LocalTier
-    format_version: int
-    settings: dict[str, Any]
-    created: dict[str, Any] | None
-
-    @property
-    def current_format(self) -> bool:
-        return self.format_version == STORE_FORMAT_VERSION
-
-
-@contextmanager
-def store_view(path: str | Path, *, writable: bool = False) -> Iterator[StoreView]:
-    """Opens the store at ``path`` for tools (read-only unless ``writable``)."""
-    path = Path(path)
-    name = require_store(path)
-    lock = hold_shared(path, VIEW_LOCK_WAIT_S)
-    try:
-        engine = open_engine(path, read_only=not writable, sync=True)
-        try:
-            settings_raw, created_raw = engine.read(lambda txn: (_copy(txn.get("info", SETTINGS_KEY)), _copy(txn.get("info", CREATED_KEY))))
-            settings = json.loads(settings_raw) if settings_raw else {}
-            view = StoreView(
-                path, name, engine, LocalTier(engine, capacity_bytes=int(settings.get("capacity_bytes", 1 << 62))),
-                read_format_version(engine), settings, json.loads(created_raw) if created_raw else None,
-            )
-            yield view
-        finally:
-            engine.close()
-    finally:
-        lock.release()
-
-
-def _copy(value: Any) -> bytes | None:
-    return None if value is None else bytes(value)

@@ -1,24 +1,22 @@
-"""``ucm-db gc``, ``ucm-db warm`` and ``ucm-db bench``: commands that
-delegate to other modules (remote GC, the warming API, the benchmark)."""
+"""``ucm-db gc`` and ``ucm-db warm``: commands that delegate to other
+modules (:func:`ucm_db.maintenance.gc_remote`, the store's warming API).
+``ucm-db bench`` is :mod:`ucm_db.tools.cli_bench`."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ucm_db.errors import ConfigError
+from ucm_db import ConfigError, maintenance
 
-from ucm_db.tools.cli_common import emit, human_bytes, json_option
+from ucm_db.tools.cli_common import ProgressBar, emit, human_bytes, json_option
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -35,9 +33,9 @@ def parse_size_bytes(text: str) -> int:
     match = _SIZE.match(text)
     if not match:
         raise ConfigError(f"cannot read size {text!r}", hint="write e.g. 4096, 500MB or 10GiB")
-    unit = match.group(2).lower().rstrip("b")
-    power = " kmgt".index(unit[0]) if unit else 0
-    base = 1024 if unit.endswith("i") else 1000
+    unit = (match.group(2) or "").lower()
+    power = " kmgt".index(unit) if unit else 0
+    base = 1024 if match.group(3) else 1000
     return int(float(match.group(1)) * base**power)
 
 
@@ -71,13 +69,8 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
     """
     if older_than is None and max_bytes is None:
         raise ConfigError("gc needs --older-than and/or --max-bytes", hint="e.g. ucm-db gc s3://b/p --older-than 7d")
-    from ucm_db.tiers.remote import RemoteRoot
-    from ucm_db.tools.remote_gc import gc
-
-    root = RemoteRoot.from_url(remote, parse_options(options))
-    report = gc(root, older_than_s=parse_duration_s(older_than) if older_than else None,
-                max_bytes=parse_size_bytes(max_bytes) if max_bytes else None, dry_run=dry_run)
-    report["remote"] = remote
+    report = maintenance.gc_remote(remote, parse_options(options), older_than_s=parse_duration_s(older_than) if older_than else None,
+                                   max_bytes=parse_size_bytes(max_bytes) if max_bytes else None, dry_run=dry_run)
 
     def human(r: dict[str, Any]) -> str:
         verb = "would remove" if r["dry_run"] else "removed"
@@ -106,45 +99,6 @@ def read_chains(tokens_file: Path | None, keys_file: Path | None) -> tuple[list[
         raise ConfigError(f"cannot read {source}: {exc}", hint="--tokens: one JSON list of token ids per line; --keys: hex keys of one chain per line") from exc
 
 
-def remote_namespace(url: str, options: dict[str, Any], wanted: str) -> Any:
-    """The Namespace described by the remote manifest matching ``wanted``
-    (short-id prefix or model name)."""
-    from ucm_db import Namespace
-    from ucm_db.tiers.remote import RemoteRoot
-
-    root = RemoteRoot.from_url(url, options)
-    found = []
-    for short_id in root.namespaces():
-        manifest = root.read_manifest(bytes.fromhex(short_id)) or {}
-        desc = manifest.get("namespace") or {}
-        if short_id.startswith(wanted.lower()) or desc.get("model") == wanted:
-            found.append(Namespace.from_dict(desc))
-    if len(found) != 1:
-        raise ConfigError(f"{len(found)} namespaces on {url} match {wanted!r}", hint="pass a longer id prefix or the exact model name")
-    return found[0]
-
-
-class _LazyBar:
-    """A stderr progress bar created on the first ``update(done, total)``
-    (the total is known only once warming has planned its chains)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self._enabled = enabled and sys.stderr.isatty()
-        self._bar: Any = None
-
-    def update(self, done: int, total: int) -> None:
-        if not self._enabled or total <= 0:
-            return
-        if self._bar is None:
-            self._bar = click.progressbar(length=total, label="warming", file=sys.stderr, show_pos=True)
-            self._bar.__enter__()
-        self._bar.update(max(0, done - self._bar.pos))
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(None, None, None)
-
-
 @click.command("warm")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--remote", required=True, help="fsspec URL of the remote tier to warm from.")
@@ -169,48 +123,8 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
 
     tokens, keys = read_chains(tokens_file, keys_file)
     remote_options = parse_options(options)
-    ns = remote_namespace(remote, remote_options, namespace)
-    bar = _LazyBar(enabled=not as_json)
-    try:
-        with ucm_db.open(path, remote=remote, remote_options=remote_options) as store:
-            report = store.warm(ns, token_sequences=tokens, keys=keys, progress=bar.update)
-    finally:
-        bar.close()
+    ns = maintenance.remote_namespace(remote, remote_options, namespace)
+    with ProgressBar(not as_json, "warming") as bar, ucm_db.open(path, remote=remote, remote_options=remote_options) as store:
+        report = store.warm(ns, token_sequences=tokens, keys=keys, progress=bar)
     data = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
     emit(as_json, data, lambda d: "warmed: " + ", ".join(f"{k}={v}" for k, v in d.items()))
-
-
-@click.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def bench_command(args: tuple[str, ...]) -> None:
-    """Run the benchmark (delegates to ucm_db.tools.bench; `ucm-db bench
-    --help` lists its options). `ucm-db bench engines` compares the LMDB
-    and RocksDB engines side by side; `bench remote` measures the remote
-    tier; `bench ttft` and `bench overhead` run real vLLM engines on CPU
-    (TTFT vs recompute, vLLM's prefix cache and ExampleConnector; connector
-    overhead at 0% hits).
-
-    \b
-    Example:
-        ucm-db bench --quick
-        ucm-db bench engines --blocks 2000
-        ucm-db bench ttft --prompts 4 --tokens 2048
-    """
-    if args and args[0] == "engines":
-        from ucm_db.tools.bench_engines import main as engines_main
-
-        raise SystemExit(engines_main(list(args[1:])))
-    if args and args[0] == "remote":
-        from ucm_db.tools.bench_remote import main as remote_main
-
-        raise SystemExit(remote_main(list(args[1:])))
-    if args and args[0] in ("ttft", "overhead"):
-        # The engine benchmarks live in the connector (vLLM); tools never
-        # import it, so they run as their own process.
-        module = "ucm_db.connector.bench_ttft" if args[0] == "ttft" else "ucm_db.connector.bench_overhead"
-        raise SystemExit(subprocess.call([sys.executable, "-m", module, *args[1:]]))
-    try:
-        bench = importlib.import_module("ucm_db.tools.bench")
-    except ImportError as exc:
-        raise ConfigError(f"the benchmark module is missing ({exc})", hint="reinstall ucm-db with its tools") from exc
-    raise SystemExit(bench.main(list(args)))

@@ -25,7 +25,7 @@ from pathlib import Path
 import lmdb
 
 import ucm_db
-from ucm_db.tools.bench_common import (
+from ucm_db.tools.bench.common import (
     BLOCK_BYTES,
     BLOCKS_PER_COMMIT,
     BenchOptions,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import ucm_db
-from ucm_db.tools.bench_common import (
+from ucm_db.tools.bench.common import (
     BLOCK_BYTES,
     BLOCKS_PER_COMMIT,
     NAMESPACE,

@@ -11,7 +11,7 @@ after another::
 
 Invariants:
     * torch and transformers are imported only inside :func:`capture_kv`, so
-      importing this module (and ``ucm_db.tools.bench``) stays cheap and the
+      importing this module (and the benchmarks) stays cheap and the
       core never sees torch.
     * Everything runs offline (``HF_HUB_OFFLINE=1``); the model is read from
       the package's own directory.
@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import click
 import numpy as np
 
 #: Tokens per KV-cache block in the captured layout (vLLM's default).
@@ -156,7 +157,7 @@ def capture_kv_in_subprocess(timeout_s: float = 600.0) -> np.ndarray:
     with tempfile.TemporaryDirectory(prefix="ucm-kv-") as tmp:
         out = Path(tmp) / "kv.npy"
         proc = subprocess.run(
-            [sys.executable, "-m", "ucm_db.tools.kv_sample", str(out)],
+            [sys.executable, "-m", "ucm_db.tools.bench.kv_sample", str(out)],
             capture_output=True, text=True, timeout=timeout_s, check=False,
         )
         if proc.returncode != 0:
@@ -185,15 +186,17 @@ def kv_blocks(stream: np.ndarray, block_bytes: int, count: int) -> list[np.ndarr
     return blocks
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ucm_db.tools.kv_sample OUT.npy``: capture and save."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m ucm_db.tools.kv_sample OUT.npy", file=sys.stderr)
-        return 2
-    np.save(args[0], capture_kv(), allow_pickle=False)
-    return 0
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+def main(out: Path) -> None:
+    """Captures real K/V activations and saves them to OUT (a plain .npy, no pickle).
+
+    \b
+    Example:
+        python -m ucm_db.tools.bench.kv_sample /tmp/kv.npy
+    """
+    np.save(out, capture_kv(), allow_pickle=False)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

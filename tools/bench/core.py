@@ -1,4 +1,4 @@
-"""The core benchmark: ``python -m ucm_db.tools.bench`` (also ``ucm-db bench``).
+"""The core benchmark: ``ucm-db bench core`` (also ``python -m ucm_db.tools.bench core``).
 
 Measures the store against baselines taken in the same run and checks the
 targets of issue 2:
@@ -17,7 +17,7 @@ block_keys, 128K tokens     <= 10 ms
 Invariants:
     * Every figure is a median of several repetitions; raw runs are kept in
       ``--json`` output.
-    * K/V payloads are real activations (:mod:`ucm_db.tools.kv_sample`),
+    * K/V payloads are real activations (:mod:`ucm_db.tools.bench.kv_sample`),
       never random bytes; torch is imported only to capture them.
     * Nothing is hard-coded: a target's verdict comes from the figures of
       this run.
@@ -25,17 +25,17 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.tools.bench_common import BLOCK_BYTES, BenchOptions, Figure
+import click
+
+from ucm_db.tools.bench.common import BLOCK_BYTES, BenchOptions, Figure
 
 SECTIONS = ("put", "get", "codec", "lookup", "keys", "scale")
 
@@ -86,7 +86,7 @@ def _scale_targets(options: BenchOptions) -> tuple[Target, ...]:
 
 def load_payloads(count: int) -> list[memoryview]:
     """``count`` 2 MiB blocks of real bf16 K/V (captured once per run)."""
-    from ucm_db.tools.kv_sample import capture_kv_in_subprocess, kv_blocks
+    from ucm_db.tools.bench.kv_sample import capture_kv_in_subprocess, kv_blocks
 
     stream = capture_kv_in_subprocess()
     return [memoryview(block) for block in kv_blocks(stream, BLOCK_BYTES, count)]
@@ -118,7 +118,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
 
 
 def _section_runners(options: BenchOptions, payloads: list[memoryview]) -> dict[str, Callable[[], dict[str, Figure]]]:
-    from ucm_db.tools import bench_index, bench_put, bench_read
+    from ucm_db.tools.bench import index as bench_index, put as bench_put, read as bench_read
 
     return {
         "put": lambda: bench_put.run_put(options, payloads),
@@ -146,36 +146,30 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _parse(argv: list[str] | None) -> tuple[BenchOptions, bool]:
-    parser = argparse.ArgumentParser(prog="ucm-db bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, 3 repetitions (about a minute)")
-    parser.add_argument("--json", action="store_true", help="print the full report as JSON")
-    parser.add_argument("--repeat", type=int, default=None, help="repetitions per figure (default 7, quick 3)")
-    parser.add_argument("--dir", default=None, help="scratch directory for the test stores (default: system temp)")
-    parser.add_argument("--only", default=None, help=f"comma-separated sections: {','.join(SECTIONS)}")
-    args = parser.parse_args(argv)
-    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 7)
-    if repeat < 1:
-        parser.error("--repeat must be at least 1")
+@click.command("core", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--quick", is_flag=True, help="small sizes, 3 repetitions (about a minute)")
+@click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
+@click.option("--repeat", type=click.IntRange(min=1), default=None, help="repetitions per figure (default 7, quick 3)")
+@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory for the test stores (default: system temp)")
+@click.option("--only", default=None, help=f"comma-separated sections: {','.join(SECTIONS)}")
+def command(quick: bool, as_json: bool, repeat: int | None, scratch_dir: str | None, only: str | None) -> None:
+    """The store against baselines measured in the same run: put, get, codec, lookup, keys, scale.
+
+    Targets are reported, not enforced (exit status 0); an unknown section
+    is a usage error (2).
+
+    \b
+    Example:
+        ucm-db bench core --quick
+        ucm-db bench core --only lookup,keys --json
+    """
+    sections = tuple(s.strip() for s in only.split(",")) if only else None
+    unknown = sorted(set(sections or ()) - set(SECTIONS))
+    if unknown:
+        raise click.BadParameter(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}", param_hint="--only")
     options = BenchOptions(
-        quick=args.quick, repeat=repeat, scratch_dir=args.dir,
-        only=tuple(s.strip() for s in args.only.split(",")) if args.only else None,
-        scale_blocks=(1_000, 20_000) if args.quick else (1_000, 200_000),
+        quick=quick, repeat=repeat if repeat is not None else (3 if quick else 7), scratch_dir=scratch_dir,
+        only=sections, scale_blocks=(1_000, 20_000) if quick else (1_000, 200_000),
     )
-    return options, args.json
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark; exit status 0 (targets are reported, not enforced)."""
-    options, as_json = _parse(argv)
-    try:
-        report = run(options)
-    except ValueError as exc:
-        print(f"ucm-db bench: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if as_json else format_table(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    report = run(options)
+    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))

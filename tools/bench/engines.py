@@ -10,16 +10,16 @@ relative to LMDB measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import click
 
 import ucm_db
 from ucm_db import Namespace
@@ -97,21 +97,21 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ucm-db bench engines", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", type=int, default=2048, help="blocks per run (default 2048)")
-    parser.add_argument("--block-bytes", type=int, default=64 * 1024, help="bytes per block (default 65536)")
-    parser.add_argument("--chain-blocks", type=int, default=32, help="blocks per chain and per put (default 32)")
-    parser.add_argument("--repeat", type=int, default=5, help="runs per engine; the median is reported (default 5)")
-    parser.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
-    if min(args.blocks, args.block_bytes, args.chain_blocks, args.repeat) < 1 or args.blocks < args.chain_blocks:
-        parser.error("sizes and --repeat must be positive, and --blocks >= --chain-blocks")
-    report = compare(args.blocks, args.block_bytes, args.chain_blocks, args.repeat, args.dir)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 0
+@click.command("engines", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--blocks", type=click.IntRange(min=1), default=2048, show_default=True, help="blocks per run")
+@click.option("--block-bytes", type=click.IntRange(min=1), default=64 * 1024, show_default=True, help="bytes per block")
+@click.option("--chain-blocks", type=click.IntRange(min=1), default=32, show_default=True, help="blocks per chain and per put")
+@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="runs per engine; the median is reported")
+@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (default: system temp)")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def command(blocks: int, block_bytes: int, chain_blocks: int, repeat: int, scratch_dir: str | None, as_json: bool) -> None:
+    """The LMDB and RocksDB engines side by side through the Store API (put, get, lookup).
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    \b
+    Example:
+        ucm-db bench engines --blocks 2000 --repeat 5
+    """
+    if blocks < chain_blocks:
+        raise click.BadParameter(f"--blocks {blocks} is fewer than one chain of --chain-blocks {chain_blocks}", param_hint="--blocks")
+    report = compare(blocks, block_bytes, chain_blocks, repeat, scratch_dir)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))

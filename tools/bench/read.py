@@ -16,7 +16,7 @@ import numpy as np
 
 import ucm_db
 from ucm_db import codec
-from ucm_db.tools.bench_common import (
+from ucm_db.tools.bench.common import (
     BLOCK_BYTES,
     NAMESPACE,
     BenchOptions,

@@ -1,4 +1,4 @@
-"""Remote tier benchmark: ``python -m ucm_db.tools.bench_remote`` (``ucm-db bench remote``).
+"""Remote tier benchmark: ``ucm-db bench remote`` (also ``python -m ucm_db.tools.bench remote``).
 
 Measures, against a ``file://`` directory and a real S3 API (moto's
 ThreadedMotoServer on 127.0.0.1, started here):
@@ -13,7 +13,8 @@ ThreadedMotoServer on 127.0.0.1, started here):
 * lookup: the remote prefix search over an 8192-block chain, counting
   sequential round trips and requests, for a full, half and empty remote;
 * remote down: lookup latency against the deadline when every request
-  hangs (``ucmfault://`` wrapper), with the local prefix still served.
+  hangs (``ucmbench-down://``, :mod:`ucm_db.tools.bench.down_remote`), with the
+  local prefix still served.
 
 Every figure is the median of ``--repeat`` runs; ratios compare runs made
 in the same process, interleaved.
@@ -25,7 +26,6 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -39,6 +39,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import click
 
 import ucm_db
 from ucm_db import codec
@@ -206,19 +208,20 @@ def bench_lookup(url: str, options: dict[str, Any], scratch: Path, cfg: Mapping[
 
 def bench_down(scratch: Path, cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Lookup latency while every remote request hangs."""
-    from ucm_db.tiers.wrappers import FaultPlan
+    from ucm_db.tools.bench import down_remote
 
+    down_remote.register()
     keys, payloads = _payloads(64, 1024)
-    plan = FaultPlan(hang_s=30.0)
+    switch = down_remote.DownSwitch(hang_s=30.0)
     deadline_s = cfg["deadline_s"]
-    remote = f"ucmfault://{scratch}/down-remote"
+    remote = f"{down_remote.PROTOCOL}://{scratch}/down-remote"
     times = []
     try:
         with ucm_db.open(scratch / "down", capacity_bytes=1 << 30, remote=remote, remote_deadline_s=deadline_s,
-                         remote_options={"target_protocol": "file", "plan": plan}) as store:
+                         remote_options={"switch": switch}) as store:
             store.put(NAMESPACE, keys[:32], payloads[:32])
             store.flush()
-            plan.take_down()
+            switch.take_down()
             for _ in range(max(8, cfg["repeat"])):
                 started = time.perf_counter()
                 found = store.lookup(NAMESPACE, keys)
@@ -227,15 +230,15 @@ def bench_down(scratch: Path, cfg: Mapping[str, Any]) -> dict[str, Any]:
                 time.sleep(0.06)  # let the breaker half-open so some lookups try the remote again
             local_ok = store.get(NAMESPACE, keys[:32]) == payloads[:32]
     finally:
-        plan.heal()
+        switch.heal()
     return {"deadline_s": deadline_s, "lookup_median_ms": round(_median(times) * 1e3, 1),
             "lookup_max_ms": round(max(times) * 1e3, 1), "runs_ms": [round(t * 1e3, 1) for t in times],
             "local_hits_served": local_ok}
 
 
-def run(args: Mapping[str, Any] | argparse.Namespace | None = None) -> dict[str, Any]:
-    """Runs the remote benchmark; returns the figures as a dict."""
-    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+def run(args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Runs the remote benchmark (options as in :data:`DEFAULTS`); returns the figures as a dict."""
+    given = dict(args or {})
     cfg = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
     targets = [t.strip() for t in str(cfg["targets"]).split(",") if t.strip()]
     scratch = Path(tempfile.mkdtemp(prefix="ucm-bench-remote-", dir=cfg["scratch_dir"]))
@@ -258,26 +261,25 @@ def run(args: Mapping[str, Any] | argparse.Namespace | None = None) -> dict[str,
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ucm-db bench remote", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", help="comma list of file, s3 (default: file,s3)")
-    parser.add_argument("--blocks", type=int, help="blocks per transfer run (default 128)")
-    parser.add_argument("--block-kib", dest="block_kib", type=int, help="raw KiB per block (default 256)")
-    parser.add_argument("--concurrency", type=int, help="upload threads, ucm-db and raw fsspec alike (default 4)")
-    parser.add_argument("--repeat", type=int, help="runs per figure; the median is reported (default 3)")
-    parser.add_argument("--lookup-blocks", dest="lookup_blocks", type=int, help="chain length of the lookup test (default 8192)")
-    parser.add_argument("--deadline-s", dest="deadline_s", type=float, help="remote_deadline_s for the remote-down test (default 0.2)")
-    parser.add_argument("--scratch-dir", dest="scratch_dir", help="parent of the scratch stores")
-    parser.add_argument("--json", action="store_true", help="print JSON only")
-    args = parser.parse_args(argv)
-    as_json = args.json
-    del args.json
-    results = run(args)
-    if as_json:
-        print(json.dumps(results, indent=2))
-    else:
-        print(_human(results))
-    return 0
+@click.command("remote", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--targets", help="comma list of file, s3 (default: file,s3)")
+@click.option("--blocks", type=click.IntRange(min=1), help="blocks per transfer run (default 128)")
+@click.option("--block-kib", type=click.IntRange(min=1), help="raw KiB per block (default 256)")
+@click.option("--concurrency", type=click.IntRange(min=1), help="upload threads, ucm-db and raw fsspec alike (default 4)")
+@click.option("--repeat", type=click.IntRange(min=1), help="runs per figure; the median is reported (default 3)")
+@click.option("--lookup-blocks", type=click.IntRange(min=2), help="chain length of the lookup test (default 8192)")
+@click.option("--deadline-s", type=click.FloatRange(min=0, min_open=True), help="remote_deadline_s for the remote-down test (default 0.2)")
+@click.option("--scratch-dir", type=click.Path(file_okay=False), help="parent of the scratch stores")
+@click.option("--json", "as_json", is_flag=True, help="print JSON only")
+def command(as_json: bool, **options: Any) -> None:
+    """The remote tier against raw fsspec: upload, download, lookup round trips, a remote that is down.
+
+    \b
+    Example:
+        ucm-db bench remote --targets file --repeat 3
+    """
+    results = run(options)
+    click.echo(json.dumps(results, indent=2) if as_json else _human(results))
 
 
 def _human(results: dict[str, Any]) -> str:
@@ -304,6 +306,3 @@ def _human(results: dict[str, Any]) -> str:
                  f" (deadline {down['deadline_s'] * 1e3:.0f} ms); local hits served: {down['local_hits_served']}")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,272 @@
+"""The serving benchmark: ``ucm-db bench serve`` (issue 13, item 1).
+
+vLLM's OpenAI server on CPU (a random-weight Llama with a local tokenizer,
+:mod:`.serve_model`) driven by vLLM's own load generator, ``vllm bench
+serve --dataset-name prefix_repetition`` (:mod:`.serve_server`), in these
+rows ("capped": the engine's KV cache is ``--capped-blocks``, smaller than
+the working set; "bound": ``--bound-blocks``, which holds all of it):
+
+==========================  ===================================================
+no-conn-capped              no connector, capped, first pass
+cold-bound                  no connector, bound, first pass
+warm-bound                  the same server, second pass (same requests)
+ucm-first                   ucm-db, capped, first pass (store empty)
+ucm-second                  the same server, second pass (store warm)
+ucm-restart                 a new server on the warm store (vLLM's cache empty)
+ucm-remote                  a new server, empty local tier over the warm
+                            ``file://`` remote the servers above wrote
+==========================  ===================================================
+
+Targets (issue 13): ucm-first >= 0.97x cold-bound request throughput;
+ucm-second and ucm-restart >= 1.0x warm-bound; ucm-remote >= 0.8x warm-bound.
+
+Invariants:
+    * Each row's servers start fresh (a new process: vLLM's prefix cache
+      and the connector's state are empty) except the second passes, which
+      replay the same requests (same ``--seed``) on the same server.
+    * Each of ``--runs`` repetitions uses new, empty stores; a row's figure
+      is the median over runs, and every run is kept (``--json``).
+    * A pass that does not complete every request stops the benchmark.
+    * Verdicts are computed from this run's figures, never hard-coded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ucm_db.tools.bench.serve_server import BLOCK_SIZE, LoadSpec, Server, ServerSpec, run_load
+
+ROWS = {
+    "no-conn-capped": "no connector, capped, first pass",
+    "cold-bound": "cold bound: no connector, bound, first pass",
+    "warm-bound": "warm bound: no connector, bound, second pass",
+    "ucm-first": "ucm-db, capped, first pass (store empty)",
+    "ucm-second": "ucm-db, capped, second pass (store warm)",
+    "ucm-restart": "ucm-db, capped, new engine on the warm store",
+    "ucm-remote": "ucm-db, capped, empty local tier over warm file:// remote",
+}
+#: row -> (baseline row, bound on row / baseline request throughput).
+TARGETS = {
+    "ucm-first": ("cold-bound", 0.97),
+    "ucm-second": ("warm-bound", 1.0),
+    "ucm-restart": ("warm-bound", 1.0),
+    "ucm-remote": ("warm-bound", 0.8),
+}
+#: What each row's result keeps from ``vllm bench serve``'s saved result.
+KEPT = ("request_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_e2el_ms", "duration")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Sizes of one benchmark run (defaults: the issue's setup)."""
+
+    load: LoadSpec = LoadSpec()
+    layers: int = 8
+    capped_blocks: int = 256
+    bound_blocks: int = 1200
+    runs: int = 1
+    rows: tuple[str, ...] = tuple(ROWS)
+    scratch_dir: str | None = None
+    enforce_eager: bool = False
+    start_timeout_s: float = 1200.0
+
+    @property
+    def max_model_len(self) -> int:
+        return -(-(self.load.request_tokens + BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE
+
+    @property
+    def working_set_blocks(self) -> int:
+        """Blocks of every prefix and every request's own tail (what 'bound' must hold)."""
+        per_prompt_tail = -(-(self.load.suffix_len + self.load.output_len) // BLOCK_SIZE)
+        return self.load.num_prefixes * (self.load.prefix_len // BLOCK_SIZE) + self.load.num_prompts * per_prompt_tail
+
+
+Progress = Callable[[str], None]
+
+
+def _connector(store: Path, remote: Path) -> dict[str, Any]:
+    return {"path": str(store), "remote": remote.as_uri(), "capacity_bytes": 16 << 30}
+
+
+def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: str, progress: Progress) -> dict[str, Any]:
+    started = time.perf_counter()
+    result = run_load(options.load, server, model, work, name)
+    kept = {key: float(result[key]) for key in KEPT if key in result}
+    progress(f"  {name}: {kept.get('request_throughput', 0):.2f} req/s, TTFT p50 {kept.get('median_ttft_ms', 0):.0f} ms, "
+             f"p99 {kept.get('p99_ttft_ms', 0):.0f} ms ({time.perf_counter() - started:.0f} s)")
+    return kept
+
+
+def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress) -> dict[str, dict[str, Any]]:
+    """Every wanted row once, with new stores under ``work``."""
+    rows: dict[str, dict[str, Any]] = {}
+    want = set(options.rows)
+    capped = ServerSpec(model, options.capped_blocks, options.max_model_len, enforce_eager=options.enforce_eager)
+    store, remote = work / "store", work / "remote"
+    ucm = replace(capped, connector=_connector(store, remote))
+
+    def serve(spec: ServerSpec, label: str, passes: tuple[str, ...]) -> None:
+        if not want & set(passes):
+            return
+        progress(f"starting the server for {label}")
+        with Server(spec, work / f"{label}.server.log", start_timeout_s=options.start_timeout_s) as server:
+            progress(f"  healthy after {server.start_s:.0f} s")
+            for row in passes:
+                rows[row] = _pass(options, server, model, work, row, progress)
+                rows[row]["server_start_s"] = server.start_s
+
+    serve(capped, "no-conn-capped", ("no-conn-capped",))
+    serve(replace(capped, num_blocks=options.bound_blocks), "bound", ("cold-bound", "warm-bound"))
+    serve(ucm, "ucm", ("ucm-first", "ucm-second"))
+    serve(ucm, "ucm-restart", ("ucm-restart",))
+    if "ucm-remote" in want:
+        _drain_uploads(store, remote, progress)
+        serve(replace(capped, connector=_connector(work / "empty-local", remote)), "ucm-remote", ("ucm-remote",))
+    return rows
+
+
+def _drain_uploads(store: Path, remote: Path, progress: Progress) -> None:
+    """Finishes the warm store's write-back queue, so the remote holds every block."""
+    import ucm_db
+
+    started = time.perf_counter()
+    with ucm_db.open(store, remote=remote.as_uri()) as opened:
+        opened.flush(upload_timeout_s=600.0)
+    n_objects = sum(1 for p in remote.rglob("*") if p.is_file())
+    progress(f"  remote upload queue drained in {time.perf_counter() - started:.1f} s ({n_objects} remote files)")
+    if n_objects == 0:
+        raise RuntimeError(f"the remote {remote} is empty after the ucm-db rows: the ucm-remote row would measure nothing")
+
+
+def run(options: ServeOptions, progress: Progress) -> dict[str, Any]:
+    """All runs; returns the report (medians, every run, targets)."""
+    from ucm_db.tools.bench.serve_model import build_serve_model
+
+    if options.capped_blocks * BLOCK_SIZE < options.max_model_len:
+        raise ValueError(f"--capped-blocks {options.capped_blocks} cannot hold one request "
+                         f"({options.max_model_len} tokens = {options.max_model_len // BLOCK_SIZE} blocks)")
+    started = time.time()
+    model = build_serve_model(options.layers)
+    all_runs: list[dict[str, dict[str, Any]]] = []
+    for index in range(options.runs):
+        work = Path(tempfile.mkdtemp(prefix="ucm-bench-serve-", dir=options.scratch_dir))
+        progress(f"run {index + 1}/{options.runs} in {work}")
+        try:
+            all_runs.append(run_once(options, model, work, progress))
+        finally:
+            if os.environ.get("UCM_DB_BENCH_KEEP") != "1":
+                shutil.rmtree(work, ignore_errors=True)
+    return _report(options, all_runs, time.time() - started)
+
+
+def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], elapsed_s: float) -> dict[str, Any]:
+    medians: dict[str, dict[str, float]] = {}
+    for row in ROWS:
+        per_run = [r[row] for r in all_runs if row in r]
+        if per_run:
+            medians[row] = {key: statistics.median(r[key] for r in per_run) for key in per_run[0]}
+    targets = []
+    for row, (base, bound) in TARGETS.items():
+        if row in medians and base in medians:
+            ratio = medians[row]["request_throughput"] / medians[base]["request_throughput"]
+            targets.append({"target": f"{row} / {base} req/s", "measured": round(ratio, 3), "bound": f">= {bound}",
+                            "met": ratio >= bound})
+    load = options.load
+    return {
+        "options": {"num_prompts": load.num_prompts, "num_prefixes": load.num_prefixes, "prefix_len": load.prefix_len,
+                    "suffix_len": load.suffix_len, "output_len": load.output_len, "concurrency": load.concurrency,
+                    "seed": load.seed, "layers": options.layers, "capped_blocks": options.capped_blocks,
+                    "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
+                    "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
+        "elapsed_s": round(elapsed_s, 1),
+        "rows": medians,
+        "runs": all_runs,
+        "targets": targets,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The issue's table: one line per row (medians), then the targets."""
+    o = report["options"]
+    lines = [f"{o['num_prompts']} requests, {o['num_prefixes']} prefixes of {o['prefix_len']} + {o['suffix_len']}-token "
+             f"suffixes, {o['output_len']} output tokens, concurrency {o['concurrency']}, seed {o['seed']}; "
+             f"{o['layers']}-layer Llama bf16, block {o['block_size']}; capped {o['capped_blocks']} blocks "
+             f"(working set {o['working_set_blocks']}: {o['working_set_blocks'] / o['capped_blocks']:.1f}x), "
+             f"bound {o['bound_blocks']}; median of {o['runs']} run(s)" + ("; --enforce-eager" if o["enforce_eager"] else ""),
+             "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"]
+    for row, label in ROWS.items():
+        if row in report["rows"]:
+            r = report["rows"][row]
+            lines.append(f"{label:<58} {r['request_throughput']:>7.2f} {r['median_ttft_ms']:>12.0f} {r['p99_ttft_ms']:>12.0f}")
+    lines.append("")
+    for t in report["targets"]:
+        lines.append(f"{t['target']:<40} {t['measured']:>7.3f}  {t['bound']:<7} {'met' if t['met'] else 'MISSED'}")
+    load = ", ".join(f"{x:.2f}" for x in report["machine"]["load_avg_at_end"])
+    lines.append(f"\n{report['machine']['cpus']} CPUs, load average at end {load}; {report['elapsed_s']} s")
+    return "\n".join(lines)
+
+
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--num-prompts", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--num-prefixes", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prefix-len", type=click.IntRange(min=BLOCK_SIZE), default=2048, show_default=True, help="tokens")
+@click.option("--suffix-len", type=click.IntRange(min=1), default=64, show_default=True, help="tokens")
+@click.option("--output-len", type=click.IntRange(min=1), default=16, show_default=True, help="tokens")
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--seed", type=int, default=7, show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=8, show_default=True, help="layers of the random Llama")
+@click.option("--capped-blocks", type=click.IntRange(min=1), default=256, show_default=True, help="KV blocks of the capped engines")
+@click.option("--bound-blocks", type=click.IntRange(min=1), default=1200, show_default=True, help="KV blocks of the bound engine")
+@click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True, help="repetitions (medians reported)")
+@click.option("--rows", default=",".join(ROWS), show_default=True, help="comma-separated rows to run")
+@click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
+@click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True,
+              help="longest wait for a server to become healthy")
+@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (stores, logs)")
+@click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
+def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
+            seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str,
+            enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
+    """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
+
+    Rows: no connector capped, cold and warm bounds, ucm-db first and second
+    pass, after an engine restart, and an empty local tier over a warm
+    file:// remote. Each server start takes about a minute; the default size
+    (the issue's) takes about an hour on 2 cores. Progress goes to stderr;
+    targets are reported, not enforced.
+
+    \b
+    Example:
+        ucm-db bench serve --num-prompts 32 --num-prefixes 8 --prefix-len 1024 --capped-blocks 144 --bound-blocks 600
+        ucm-db bench serve --runs 3 --json
+    """
+    wanted = tuple(r.strip() for r in rows.split(",") if r.strip())
+    unknown = sorted(set(wanted) - set(ROWS))
+    if unknown:
+        raise click.BadParameter(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}", param_hint="--rows")
+    if num_prompts < num_prefixes:
+        raise click.BadParameter("must be at least --num-prefixes (vLLM's prefix_repetition needs a prompt per prefix)",
+                                 param_hint="--num-prompts")
+    load = LoadSpec(num_prompts=num_prompts, num_prefixes=num_prefixes, prefix_len=prefix_len, suffix_len=suffix_len,
+                    output_len=output_len, concurrency=concurrency, seed=seed)
+    options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
+                           rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager,
+                           start_timeout_s=start_timeout_s)
+    if capped_blocks * BLOCK_SIZE < options.max_model_len:
+        raise click.BadParameter(f"{capped_blocks} blocks cannot hold one request ({options.max_model_len} tokens)",
+                                 param_hint="--capped-blocks")
+    report = run(options, progress=lambda line: click.echo(line, err=True))
+    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
