@@ -12,14 +12,16 @@ import json
 import numpy as np
 import pytest
 import zstandard
+from click.testing import CliRunner
 
-from ucm_db.tools import bench
-from ucm_db.tools.bench_common import BenchOptions
+from ucm_db.tools.bench import core as bench
+from ucm_db.tools.bench.common import BenchOptions
 
 
-def test_quick_index_sections_report_figures_and_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--quick", "--only", "lookup,keys", "--repeat", "1", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+def test_quick_index_sections_report_figures_and_verdicts() -> None:
+    result = CliRunner().invoke(bench.command, ["--quick", "--only", "lookup,keys", "--repeat", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
     figures = report["figures"]
     for name in ("lookup_8192_all", "lookup_8192_half", "lookup_8192_none", "block_keys_128k_list_wall"):
         assert figures[name]["value"] > 0
@@ -29,9 +31,9 @@ def test_quick_index_sections_report_figures_and_verdicts(capsys: pytest.Capture
     assert lookup["met"] == (lookup["measured"] <= 0.2)
 
 
-def test_unknown_section_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--only", "nonsense"]) == 2
-    assert "unknown section" in capsys.readouterr().err
+def test_unknown_section_is_a_usage_error() -> None:
+    result = CliRunner().invoke(bench.command, ["--only", "nonsense"])
+    assert result.exit_code == 2 and "unknown section" in result.output
 
 
 def test_table_output_lists_targets() -> None:
@@ -42,7 +44,7 @@ def test_table_output_lists_targets() -> None:
 
 @pytest.mark.slow
 def test_captured_kv_is_real_bf16_and_compressible() -> None:
-    from ucm_db.tools.kv_sample import capture_kv_in_subprocess, kv_blocks
+    from ucm_db.tools.bench.kv_sample import capture_kv_in_subprocess, kv_blocks
 
     stream = capture_kv_in_subprocess()
     # 6 layers x (k, v) x 16 tokens x 384 hidden per token block

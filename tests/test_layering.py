@@ -6,6 +6,11 @@
   module level).
 * No pickle / marshal / eval / exec / torch.load anywhere shipped; rocksdict
   only in raw mode.
+* The house rules of docs/architecture.md: tools/ and connector/ reach the
+  store only through the public API (``ucm_db.__all__``, the public modules
+  ``ucm_db.maintenance``, ``errors``, ``keys``, ``units``, ``config``) and
+  ``ucm_db.migrations``; no import cycle among the shipped modules (deferred
+  imports inside functions count; ``if TYPE_CHECKING:`` imports do not).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def test_importing_the_core_loads_no_torch_vllm_click() -> None:
 
 @pytest.mark.parametrize("folder", ["tools", "migrations"])
 def test_tools_and_migrations_do_not_import_the_connector(folder: str) -> None:
-    for path in _modules(folder):
+    for path in _product_modules(folder):  # the benchmarks and the demo drive vLLM engines
         bad = {n for n in _imports(path) if n.startswith("ucm_db.connector") or n.split(".")[0] == "vllm"}
         assert not bad, f"{path} imports {bad}"
         top = {n for n in _imports(path, top_level_only=True) if n.split(".")[0] == "torch"}
@@ -96,3 +101,166 @@ def test_core_is_mypy_clean() -> None:
     pytest.importorskip("mypy")
     out = subprocess.run([sys.executable, "-m", "mypy", "ucm_db"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+# -- the house rules (docs/architecture.md) ------------------------------------
+#: Where each shipped folder lives in the ``ucm_db`` package.
+PACKAGE_OF = {"ucm_db": "ucm_db", "connector": "ucm_db.connector", "migrations": "ucm_db.migrations", "tools": "ucm_db.tools"}
+#: Core modules that are public API besides the names in ``ucm_db.__all__``.
+PUBLIC_MODULES = {"ucm_db", "ucm_db.errors", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance"}
+#: Packages public as a whole (every submodule).
+PUBLIC_PACKAGES = ("ucm_db.migrations",)
+#: Measuring and demo code: it times and drives the internals it measures, so
+#: the public-API rule does not bind it (nothing product-side imports it).
+MEASURING = ("tools/bench/", "tools/demo.py")
+
+
+def _module_name(path: Path) -> str:
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join([PACKAGE_OF[folder], *[p for p in rest if p != "__init__"]])
+
+
+def _is_public(module: str, own_package: str) -> bool:
+    return (module in PUBLIC_MODULES or module == own_package or module.startswith(own_package + ".")
+            or any(module == p or module.startswith(p + ".") for p in PUBLIC_PACKAGES))
+
+
+def _public_names() -> set[str]:
+    import ucm_db
+
+    return set(ucm_db.__all__) | {"__version__"} | {m.split(".", 1)[1] for m in PUBLIC_MODULES if "." in m} | {
+        p.split(".", 1)[1] for p in PUBLIC_PACKAGES}
+
+
+def private_uses(path: Path, own_package: str) -> list[str]:
+    """Imports (and ``ucm_db.X`` attribute uses) of ``path`` that are not public API."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    public_names = _public_names()
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bad += [f"line {node.lineno}: import {a.name}" for a in node.names
+                    if a.name.split(".")[0] == "ucm_db" and not _is_public(a.name, own_package)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.split(".")[0] == "ucm_db":
+            if not _is_public(node.module, own_package):
+                bad.append(f"line {node.lineno}: from {node.module} import ...")
+            elif node.module == "ucm_db":
+                bad += [f"line {node.lineno}: from ucm_db import {a.name}" for a in node.names if a.name not in public_names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ucm_db":
+            if node.attr not in public_names:
+                bad.append(f"line {node.lineno}: ucm_db.{node.attr}")
+    return bad
+
+
+def _product_modules(folder: str) -> list[Path]:
+    return [p for p in _modules(folder) if not str(p.relative_to(ROOT)).startswith(MEASURING)]
+
+
+@pytest.mark.parametrize("folder", ["tools", "connector"])
+def test_tools_and_connector_use_only_the_public_api(folder: str) -> None:
+    problems = {str(p.relative_to(ROOT)): private_uses(p, PACKAGE_OF[folder]) for p in _product_modules(folder)}
+    problems = {k: v for k, v in problems.items() if v}
+    assert not problems, f"private imports (see docs/architecture.md): {problems}"
+
+
+def test_cli_and_connector_start_load_no_measuring_code() -> None:
+    """What ``ucm-db`` and vLLM load at start: no benchmark or demo module,
+    and the CLI no vllm or torch."""
+    code = (
+        "import sys, ucm_db.tools.cli\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('vllm', 'torch')"
+        " or n.startswith(('ucm_db.tools.bench', 'ucm_db.tools.demo', 'ucm_db.connector'))))\n"
+        "import ucm_db.connector\n"
+        "print(sorted(n for n in sys.modules if n.startswith(('ucm_db.tools.bench', 'ucm_db.tools.demo',"
+        " 'ucm_db.connector.bench', 'ucm_db.connector.demo'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout
+
+
+def test_the_public_api_rule_catches_private_imports(tmp_path: Path) -> None:
+    """The checker itself: each kind of private use is caught, public ones pass."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import ucm_db\nfrom ucm_db import Namespace, maintenance, migrations\nfrom ucm_db.errors import ConfigError\n"
+        "from ucm_db.migrations.convert import convert\nfrom ucm_db.tools.cli_common import emit\n"
+        "from ucm_db.tiers.local import LocalTier\nfrom ucm_db import codec\nimport ucm_db.readthrough\n"
+        "x = ucm_db.open\ny = ucm_db.store\n"
+    )
+    assert private_uses(sample, "ucm_db.tools") == [
+        "line 6: from ucm_db.tiers.local import ...", "line 7: from ucm_db import codec",
+        "line 8: import ucm_db.readthrough", "line 10: ucm_db.store",
+    ]
+
+
+def _shipped_imports(path: Path, modules: set[str]) -> set[str]:
+    """Shipped modules that ``path`` imports anywhere (function bodies too:
+    a deferred import still makes a cycle), except in ``if TYPE_CHECKING:``
+    blocks. ``from P import name`` counts as importing ``P.name`` when that
+    is a module, else ``P``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+                                         or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            typing_only.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in modules else node.module)
+    return found & modules
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module, or with a self-edge."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan; the graph is small, recursion is fine
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return cycles
+
+
+def test_no_import_cycles_among_shipped_modules() -> None:
+    paths = {_module_name(p): p for folder in SHIPPED for p in _modules(folder)}
+    graph = {name: _shipped_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    assert sum(len(v) for v in graph.values()) > 50  # the walk found the imports
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"a"}, "b": set()}) == [["a"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

@@ -234,12 +234,12 @@ def test_group_commits_start_the_sync_after_sync_bytes(tmp_path: Path) -> None:
     with ucm_db.open(tmp_path / "s", codec="none", durability="group", sync_interval_s=3600, sync_bytes=1 << 20) as store:
         keys = NS.block_keys(list(range(16)))
         store.put(NS, keys[:1], [bytes(64 << 10)])
-        assert store._unsynced_bytes > 0  # under the threshold: no wake-up
+        assert store._activity.unsynced_bytes > 0  # under the threshold: no wake-up
         store.put(NS, keys[1:], [bytes(1 << 20)] * 3)
         deadline = time.monotonic() + 10
-        while store._unsynced_bytes and time.monotonic() < deadline:
+        while store._activity.unsynced_bytes and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert store._unsynced_bytes == 0
+        assert store._activity.unsynced_bytes == 0
         assert store.get(NS, keys) == [bytearray(64 << 10)] + [bytearray(1 << 20)] * 3
 
 

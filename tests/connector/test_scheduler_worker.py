@@ -21,18 +21,28 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from ucm_db.connector.identity import KVShape, reader_namespaces, rank_namespace  # noqa: E402
+from ucm_db.connector.identity import KVShape, grid, namespace, reader_spans  # noqa: E402
 from ucm_db.connector.metadata import UcmDbConnectorMetadata  # noqa: E402
 from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.units import UnitKeys, unit_key  # noqa: E402
 
 BS = 32
 NUM_BLOCKS = 64
 
 
-def _shape(tp_size: int = 1, use_mla: bool = False, model: str = "tiny") -> KVShape:
-    return KVShape(model=model, kv_dtype="bfloat16", block_size=BS, use_mla=use_mla, layout="cpu-test", tp_size=tp_size, pp_size=1)
+def _shape(tp_size: int = 1, use_mla: bool = False, model: str = "tiny", kv_heads: int = 2, layers: int = 2) -> KVShape:
+    return KVShape(
+        model=model, kv_dtype="bfloat16", block_size=BS, use_mla=use_mla, layout="cpu-test", tp_size=tp_size, pp_size=1,
+        kv_heads=kv_heads, layers=layers,
+    )
+
+
+def _put_units(store: object, shape: KVShape, keys: list[bytes]) -> None:
+    """Stores a payload for every unit of ``keys`` (what all ranks save)."""
+    for span in reader_spans(shape):
+        store.put(namespace(shape), list(UnitKeys(keys, grid(shape), span)), [b"kv"] * len(keys), parent=None)  # type: ignore[attr-defined]
 
 
 def _request(req_id: str, tokens: list[int], **kwargs: object) -> Request:
@@ -158,15 +168,15 @@ def test_saves_are_incremental_across_steps(settings: ConnectorSettings) -> None
     # Chunked prefill: 40 tokens, then the rest.
     meta = sched.build_connector_meta(_new_step(req, block_ids, 40))
     assert [s.block_ids for s in meta.saves] == [(5,)]
-    assert meta.saves[0].parents == (None,)
+    assert meta.saves[0].parent is None
     req.num_computed_tokens = 40
     step2 = _new_step(req, block_ids, len(tokens) - 40)
     step2.scheduled_new_reqs = []
     meta2 = sched.build_connector_meta(step2)
     (save,) = meta2.saves
     assert save.block_ids == (6, 7)
-    first_key = meta.saves[0].keys[0][0]
-    assert save.parents == (first_key,)
+    first_key = meta.saves[0].keys[0]
+    assert save.parent == first_key
     sched.shutdown()
 
 
@@ -177,9 +187,10 @@ def test_missing_block_is_reported_as_load_error(settings: ConnectorSettings) ->
     req = _request("b", tokens)
     assert _admit(sched, req) == 4 * BS
     meta = sched.build_connector_meta(_new_step(req, [20, 21, 22, 23, 24], 2))
-    ns = reader_namespaces(_shape())[0]
-    # Both halves share the process's one handle of the store.
-    assert sched.store.delete(ns, [meta.loads[0].keys[0][2]]) == 2  # block 2 and its child
+    ns, g = namespace(_shape()), grid(_shape())
+    # Both halves share the process's one handle of the store. One head's
+    # unit of block 2 (and, prefix invariant, that head's unit of block 3).
+    assert sched.store.delete(ns, [unit_key(meta.loads[0].keys[2], reader_spans(_shape())[1], g)]) == 2
     worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
     worker.register_kv_caches(_kv(), 0, 0)
     worker.start_load(meta)
@@ -210,16 +221,16 @@ def test_layer_mode_waits_per_layer(tmp_path: Path) -> None:
     sched.shutdown()
 
 
-def test_tp_ranks_have_distinct_namespaces_and_mla_shares_one() -> None:
-    tp = _shape(tp_size=2)
-    assert len({ns.digest for ns in reader_namespaces(tp)}) == 2
+def test_namespace_is_the_same_at_every_tp_size_and_mla_has_one_unit() -> None:
+    assert len({namespace(_shape(tp_size=tp, kv_heads=8)).digest for tp in (1, 2, 4, 8)}) == 1
+    assert [(s.head_start, s.head_stop) for s in reader_spans(_shape(tp_size=4, kv_heads=2))] == [(0, 1), (1, 2)]
     mla = _shape(tp_size=4, use_mla=True)
-    assert reader_namespaces(mla) == [rank_namespace(mla, 3, 0)]
+    assert reader_spans(mla) == [grid(mla).whole]
 
 
 def test_hit_requires_every_tp_rank(tmp_path: Path) -> None:
     settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")})
-    shape = _shape(tp_size=2)
+    shape = _shape(tp_size=2, kv_heads=4)  # two heads per rank, as _kv() holds
     tokens = list(range(1, 3 * BS + 3))
     sched = UcmDbScheduler(settings, shape)
     req = _request("a", tokens)
@@ -241,10 +252,10 @@ def test_hit_requires_every_tp_rank(tmp_path: Path) -> None:
 
 def test_full_writer_queue_drops_and_counts(tmp_path: Path) -> None:
     settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "max_pending_save_bytes": 1 << 20})
-    worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+    worker = UcmDbWorker(settings, _shape(kv_heads=8, layers=4), NUM_BLOCKS)
     big = {f"layers.{i}.attn": torch.zeros(NUM_BLOCKS, 8, BS, 128, dtype=torch.bfloat16) for i in range(4)}
     worker.register_kv_caches(big, 0, 0)  # 256 KiB per block
-    sched = UcmDbScheduler(settings, _shape())
+    sched = UcmDbScheduler(settings, _shape(kv_heads=8, layers=4))
     req = _request("a", list(range(1, 8 * BS + 2)))
     _admit(sched, req)
     meta = sched.build_connector_meta(_new_step(req, list(range(9)), 8 * BS + 1))
@@ -292,23 +303,22 @@ def test_multimodal_prompts_share_the_text_prefix_before_their_first_item(settin
     after them depend on the image's identity."""
     sched = UcmDbScheduler(settings, _shape())
     tokens = list(range(10 * BS))
-    plain = sched.keys_for(_request("plain", tokens), 10)[0]
-    cat = sched.keys_for(_request("cat", tokens, mm_features=[_mm("cat", 3 * BS + 5, 2 * BS)]), 10)[0]
-    dog = sched.keys_for(_request("dog", tokens, mm_features=[_mm("dog", 3 * BS + 5, 2 * BS)]), 10)[0]
-    cat_later = sched.keys_for(_request("cat2", tokens, mm_features=[_mm("cat", 4 * BS + 5, 2 * BS)]), 10)[0]
+    plain = sched.keys_for(_request("plain", tokens), 10)
+    cat = sched.keys_for(_request("cat", tokens, mm_features=[_mm("cat", 3 * BS + 5, 2 * BS)]), 10)
+    dog = sched.keys_for(_request("dog", tokens, mm_features=[_mm("dog", 3 * BS + 5, 2 * BS)]), 10)
+    cat_later = sched.keys_for(_request("cat2", tokens, mm_features=[_mm("cat", 4 * BS + 5, 2 * BS)]), 10)
     assert cat[:3] == dog[:3] == plain[:3]
     assert all(len({a, b, c}) == 3 for a, b, c in zip(cat[3:], dog[3:], plain[3:]))
     assert cat_later[:4] == plain[:4] and cat_later[4] not in (cat[4], plain[4])
     # Incremental hashing (the scheduler extends a request's chain block by
     # block as it grows) gives the same keys as hashing at once.
     grown = _request("grown", tokens, mm_features=[_mm("cat", 3 * BS + 5, 2 * BS)])
-    assert sched.keys_for(grown, 2)[0] == cat[:2]
-    assert sched.keys_for(grown, 4)[0] == cat[:4]
-    assert sched.keys_for(grown, 10)[0] == cat
+    assert sched.keys_for(grown, 2) == cat[:2]
+    assert sched.keys_for(grown, 4) == cat[:4]
+    assert sched.keys_for(grown, 10) == cat
     # A stored multimodal prompt: the same image hits all of it, another image
     # only the text blocks before it.
-    ns = sched._namespaces[0]
-    sched.store.put(ns, cat, [b"kv"] * len(cat))
+    _put_units(sched.store, _shape(), cat)
     assert sched.get_num_new_matched_tokens(_request("cat3", tokens + [1], mm_features=[_mm("cat", 3 * BS + 5, 2 * BS)]), 0)[0] == 10 * BS
     assert sched.get_num_new_matched_tokens(_request("dog2", tokens + [1], mm_features=[_mm("dog", 3 * BS + 5, 2 * BS)]), 0)[0] == 3 * BS
     sched.shutdown()
@@ -321,7 +331,7 @@ def test_prompt_embeds_key_each_block_by_its_own_rows(settings: ConnectorSetting
     changed[2 * BS + 1] += 1  # a row of block 2
 
     def keys(req_id: str, rows: torch.Tensor) -> list[bytes]:
-        return sched.keys_for(Request(req_id, None, SamplingParams(max_tokens=1), None, prompt_embeds=rows), 4)[0]
+        return sched.keys_for(Request(req_id, None, SamplingParams(max_tokens=1), None, prompt_embeds=rows), 4)
 
     same, again, other = keys("e1", embeds), keys("e2", embeds.clone()), keys("e3", changed)
     assert same == again and len(same) == 4

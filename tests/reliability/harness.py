@@ -12,10 +12,19 @@
   so a kill leaves at most a torn last line, which the reader ignores. No
   fsync: only processes die here, never the kernel, so the page cache keeps
   every completed write.
+* Under capacity pressure (:class:`EvictionOracle`) the lines also carry
+  wall-clock times (the clock of the store's LRU) and the oracle knows which
+  acknowledged blocks an eviction may legally have removed: LRU order is
+  put order, except for blocks a reader touched (logged as touch windows) and
+  a put's own batch and ancestors, which its eviction never removes. A block
+  is *protected* while fewer bytes than the capacity (or a running
+  compaction's target) were put or touched after it; a protected block that
+  is missing is lost.
 """
 
 from __future__ import annotations
 
+import bisect
 import faulthandler
 import hashlib
 import json
@@ -182,19 +191,49 @@ def read_failures(run_dir: Path) -> list[dict[str, Any]]:
 
 # -- oracle ---------------------------------------------------------------------
 class OracleWriter:
-    """Append-only intent/ack log of one writer incarnation."""
+    """Append-only intent/ack log of one writer incarnation.
+
+    Tokens other than 64 hex digits (``t=`` times, ``p=`` parents, ``e=``
+    eviction counts) are read only by :func:`read_eviction_oracle`.
+    """
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
-    def _line(self, tag: str, keys: Iterable[bytes]) -> None:
-        os.write(self._fd, (tag + " " + " ".join(k.hex() for k in keys) + "\n").encode())
+    def _line(self, tag: str, keys: Iterable[bytes], *extra: str) -> None:
+        os.write(self._fd, (" ".join((tag, *extra, *(k.hex() for k in keys))) + "\n").encode())
 
-    def intent(self, keys: Iterable[bytes]) -> None:
-        self._line("I", keys)
+    def intent(self, keys: Iterable[bytes], *, parent: bytes | None = None, timed: bool = False, oversize: bool = False) -> None:
+        """Keys about to be put; ``oversize``: more than the capacity, so the
+        put must be refused (if its process dies, it still stored nothing)."""
+        extra = (f"t={time.time_ns()}", f"p={parent.hex() if parent else '-'}") if timed else ()
+        self._line("I", keys, *extra, *(("x=oversize",) if oversize else ()))
 
-    def ack(self, keys: Iterable[bytes]) -> None:
-        self._line("A", keys)
+    def ack(self, keys: Iterable[bytes], *, evicted: int | None = None) -> None:
+        extra = (f"t={time.time_ns()}", f"e={evicted}") if evicted is not None else ()
+        self._line("A", keys, *extra)
+
+    def refused(self, keys: Iterable[bytes]) -> None:
+        """The put raised StoreFullError: none of ``keys`` may be stored."""
+        self._line("R", keys)
+
+    def touch_open(self, keys: Iterable[bytes]) -> None:
+        """Reads that may touch ``keys`` (and their ancestors) start now."""
+        self._line("T", keys, f"t={time.time_ns()}")
+
+    def touch_close(self) -> None:
+        self._line("U", (), f"t={time.time_ns()}")
+
+    def evict_open(self, target_bytes: int) -> None:
+        """A compaction evicting down to ``target_bytes`` starts now."""
+        self._line("E", (), f"t={time.time_ns()}", f"target={target_bytes}")
+
+    def evict_close(self) -> None:
+        self._line("F", (), f"t={time.time_ns()}")
+
+    def missing_after_ack(self, keys: Iterable[bytes]) -> None:
+        """Blocks of a chain whose put just returned were found missing."""
+        self._line("M", keys, f"t={time.time_ns()}")
 
 
 @dataclass
@@ -219,7 +258,9 @@ def read_oracle(run_dir: Path) -> OracleState:
             if not line:
                 continue
             tag, *hexes = line.decode().split(" ")
-            keys = {bytes.fromhex(h) for h in hexes if h}
+            if tag not in ("A", "I"):
+                continue
+            keys = {bytes.fromhex(h) for h in hexes if len(h) == 64}
             (state.acked if tag == "A" else state.intended).update(keys)
     return state
 
@@ -261,4 +302,260 @@ def check_store_against_oracle(
         "in_flight_present": len(in_flight), "in_flight_wrong": in_flight_wrong,
         "index_problems": store.tier.check()[:10], "stored_blocks": len(stored),
         "quarantined": store.stats().quarantined, "evictions": store.stats().evictions,
+    }
+
+
+# -- oracle under capacity pressure ----------------------------------------------------
+#: End time of an operation whose process died inside it (it may have committed).
+NEVER_NS = 1 << 63
+#: Upper bound of a block's stored bytes beyond its raw payload (codec head,
+#: plane lengths): sizes in the eviction oracle are upper bounds.
+STORED_OVERHEAD_BYTES = 128
+
+
+@dataclass
+class PutRecord:
+    keys: list[bytes]
+    parent: bytes | None
+    start_ns: int
+    end_ns: int = NEVER_NS  #: the ack, else the writer's death, else never
+    evicted: int | None = None
+    refused: bool = False
+
+
+@dataclass
+class EvictionOracle:
+    """Everything the writers, readers and compactions logged (see
+    :class:`OracleWriter`)."""
+
+    puts: list[PutRecord] = field(default_factory=list)
+    parent: dict[bytes, bytes | None] = field(default_factory=dict)
+    intent_ns: dict[bytes, int] = field(default_factory=dict)
+    acked: set[bytes] = field(default_factory=set)
+    intended: set[bytes] = field(default_factory=set)
+    refused: set[bytes] = field(default_factory=set)
+    touches: list[tuple[int, int, list[bytes]]] = field(default_factory=list)
+    compactions: list[tuple[int, int, int]] = field(default_factory=list)
+    compactions_killed: int = 0
+    missing_after_ack: list[tuple[int, list[bytes]]] = field(default_factory=list)
+    torn_lines: int = 0
+
+    def ancestors_and_self(self, key: bytes) -> list[bytes]:
+        out, seen = [], set()
+        current: bytes | None = key
+        while current is not None and current not in seen:
+            seen.add(current)
+            out.append(current)
+            current = self.parent.get(current)
+        return out
+
+
+def record_death(run_dir: Path, pid: int) -> None:
+    """Notes that ``pid`` is dead by now (called after reaping it): what it
+    left unfinished in its log ended before this time."""
+    line = f"{pid} {time.time_ns()}\n".encode()
+    fd = os.open(run_dir / "deaths.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def _deaths(run_dir: Path) -> dict[int, int]:
+    try:
+        lines = (run_dir / "deaths.log").read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    return {int(pid): int(t) for pid, t in (line.split() for line in lines if line.strip())}
+
+
+def read_eviction_oracle(run_dir: Path) -> EvictionOracle:
+    """Reads every process's log (a torn last line is ignored). A log named
+    ``oracle-<role>-<pid>.log`` whose process is recorded dead has its
+    unfinished put, touch or compaction end at the death; otherwise never."""
+    oracle = EvictionOracle()
+    deaths = _deaths(run_dir)
+    for path in sorted(run_dir.glob("oracle-*.log")):
+        pid = path.stem.rpartition("-")[2]
+        died_ns = deaths.get(int(pid), NEVER_NS) if pid.isdigit() else NEVER_NS
+        data = path.read_bytes()
+        complete, _, torn = data.rpartition(b"\n")
+        oracle.torn_lines += bool(torn)
+        put: PutRecord | None = None
+        touch: tuple[int, list[bytes]] | None = None
+        compaction: tuple[int, int] | None = None
+        for line in complete.split(b"\n"):
+            if not line:
+                continue
+            tag, *tokens = line.decode().split(" ")
+            attrs = dict(t.split("=", 1) for t in tokens if "=" in t)
+            keys = [bytes.fromhex(t) for t in tokens if len(t) == 64]
+            now = int(attrs.get("t", NEVER_NS))
+            if tag == "I":
+                parent = None if attrs.get("p", "-") == "-" else bytes.fromhex(attrs["p"])
+                put = PutRecord(keys, parent, now, died_ns, refused=attrs.get("x") == "oversize")
+                oracle.puts.append(put)
+                if put.refused:
+                    oracle.refused.update(keys)
+                oracle.intended.update(keys)
+                for i, key in enumerate(keys):
+                    oracle.parent.setdefault(key, keys[i - 1] if i else parent)
+                    oracle.intent_ns.setdefault(key, now)
+            elif tag == "A" and put is not None:
+                put.end_ns, put.evicted = now, int(attrs.get("e", 0))
+                oracle.acked.update(keys)
+                put = None
+            elif tag == "R" and put is not None:
+                put.refused, put.end_ns = True, 0
+                oracle.refused.update(keys)
+                put = None
+            elif tag == "T":
+                touch = (now, keys)
+            elif tag == "U" and touch is not None:
+                oracle.touches.append((touch[0], now, touch[1]))
+                touch = None
+            elif tag == "E":
+                compaction = (now, int(attrs["target"]))
+            elif tag == "F" and compaction is not None:
+                oracle.compactions.append((compaction[0], now, compaction[1]))
+                compaction = None
+            elif tag == "M":
+                oracle.missing_after_ack.append((now, keys))
+        if touch is not None:  # died (or still) inside the reads: they may have touched
+            oracle.touches.append((touch[0], died_ns, touch[1]))
+        if compaction is not None:
+            oracle.compactions.append((compaction[0], died_ns, compaction[1]))
+            oracle.compactions_killed += 1
+    return oracle
+
+
+class EvictionRule:
+    """Which acknowledged blocks an eviction may legally have removed.
+
+    LRU order is put order, changed only by touches (which make a block and
+    its ancestors newer). A put's eviction takes LRU blocks except its own
+    batch and the batch's ancestors (at most ``max_chain_bytes``); a
+    compaction evicts LRU blocks down to its target. So block B can be gone
+    only if, counting upper bounds of stored sizes, the blocks put or
+    touched after B's put started (including operations whose process died
+    in them) plus B plus a chain's ancestors exceed the capacity, or plus B
+    exceed a compaction's target that ran after B's put started.
+    """
+
+    def __init__(self, oracle: EvictionOracle, *, size_range: tuple[int, int], capacity_bytes: int, max_chain_bytes: int) -> None:
+        self.oracle = oracle
+        self.size_range = size_range
+        self.capacity_bytes = capacity_bytes
+        self.max_chain_bytes = max_chain_bytes
+        last_newer: dict[bytes, int] = {}
+        for put in oracle.puts:
+            if not put.refused:
+                for key in put.keys:
+                    last_newer[key] = max(last_newer.get(key, 0), put.end_ns)
+        for _start, end, keys in oracle.touches:
+            for key in keys:
+                for k in oracle.ancestors_and_self(key):
+                    last_newer[k] = max(last_newer.get(k, 0), end)
+        ordered = sorted(last_newer.items(), key=lambda kv: kv[1])
+        self._ends = [end for _, end in ordered]
+        sizes = [self.size_bytes(k) for k, _ in ordered]
+        self._suffix_bytes = [0] * (len(sizes) + 1)
+        for i in range(len(sizes) - 1, -1, -1):
+            self._suffix_bytes[i] = self._suffix_bytes[i + 1] + sizes[i]
+
+    def size_bytes(self, key: bytes) -> int:
+        return size_for(key, *self.size_range) + STORED_OVERHEAD_BYTES
+
+    def newer_bytes(self, key: bytes, before_ns: int = NEVER_NS) -> int:
+        """Upper bound of the bytes put or touched after ``key``'s put started
+        (by operations that started before ``before_ns``)."""
+        since = self.oracle.intent_ns[key]
+        if before_ns >= NEVER_NS:
+            return self._suffix_bytes[bisect.bisect_right(self._ends, since)]
+        newer: set[bytes] = set()
+        for put in self.oracle.puts:
+            if not put.refused and put.end_ns > since and put.start_ns < before_ns:
+                newer.update(put.keys)
+        for start, end, keys in self.oracle.touches:
+            if end > since and start < before_ns:
+                for k in keys:
+                    newer.update(self.oracle.ancestors_and_self(k))
+        return sum(self.size_bytes(k) for k in newer)
+
+    def may_be_evicted(self, key: bytes, before_ns: int = NEVER_NS) -> bool:
+        newer = self.newer_bytes(key, before_ns) + self.size_bytes(key)
+        if newer + self.max_chain_bytes > self.capacity_bytes:
+            return True
+        since = self.oracle.intent_ns[key]
+        return any(end > since and start < before_ns and newer > target for start, end, target in self.oracle.compactions)
+
+
+def read_untouched(store: ucm_db.Store, keys: list[bytes]) -> list[bytes | None | str]:
+    """Decoded payloads read below the Store API (no LRU touch); None where
+    absent, the error text where corrupt."""
+    from ucm_db import codec
+
+    out: list[bytes | None | str] = []
+    for start in range(0, len(keys), 256):
+        batch = keys[start : start + 256]
+
+        def visit(i: int, head: memoryview, body: memoryview, batch: list[bytes] = batch) -> bytes | str:
+            try:
+                return bytes(codec.decode_parts(head, body, batch[i]))
+            except ucm_db.CorruptBlockError as exc:
+                return f"corrupt: {exc}"
+
+        out.extend(store.tier.read_blocks(batch, visit))
+    return out
+
+
+def check_store_under_pressure(
+    store: ucm_db.Store, run_dir: Path, *, size_range: tuple[int, int], capacity_bytes: int, max_chain_bytes: int, final: bool,
+) -> dict[str, Any]:
+    """Compares a store under capacity pressure with the eviction oracle.
+
+    Violations: an acknowledged block missing that no eviction could have
+    removed (``lost``); wrong or corrupt bytes of any stored block; a block
+    nobody put; a block of a put refused with StoreFullError; a chain
+    missing right after its put returned when no eviction could explain it;
+    a stored block whose parent is not stored (at the final check, when no
+    writer runs). Reads go below the Store API, so checking touches nothing.
+    """
+    # Writers may still run: list first (an intent is logged before its put),
+    # read the acknowledged blocks, then read the logs again, so every
+    # operation that could have evicted a block before it was read is known.
+    stored = list(store.tier.iterate())
+    acked = sorted(read_eviction_oracle(run_dir).acked)
+    values = read_untouched(store, acked)
+    oracle = read_eviction_oracle(run_dir)
+    rule = EvictionRule(oracle, size_range=size_range, capacity_bytes=capacity_bytes, max_chain_bytes=max_chain_bytes)
+    lost, wrong, strict = [], [], 0
+    for key, value in zip(acked, values):
+        protected = not rule.may_be_evicted(key)
+        strict += protected
+        if value is None and protected:
+            lost.append(key.hex())
+        elif value is not None and value != payload_for(key, size_for(key, *size_range)):
+            wrong.append(key.hex())
+    unknown = [k.hex() for k in set(stored) - oracle.intended]
+    refused_present = [k.hex() for k in set(stored) & oracle.refused]
+    others = sorted(set(stored) & oracle.intended - oracle.acked)
+    wrong += [k.hex() for k, v in zip(others, read_untouched(store, others))
+              if v is not None and v != payload_for(k, size_for(k, *size_range))]
+    unexplained = [k.hex() for t, keys in oracle.missing_after_ack for k in keys if not rule.may_be_evicted(k, t)]
+    orphans: list[str] = []
+    if final:
+        present = set(stored)
+        metas = store.tier.metas(stored)
+        orphans = [k.hex() for k, m in zip(stored, metas) if m is not None and m.parent is not None and m.parent not in present]
+    stats = store.stats()
+    evicted_logged = sum(p.evicted or 0 for p in oracle.puts)
+    return {
+        "acked": len(acked), "strictly_checked": strict, "lost": lost[:10], "n_lost": len(lost), "wrong": wrong[:10],
+        "n_wrong": len(wrong), "unknown": unknown[:10], "n_unknown": len(unknown), "refused_present": refused_present[:10],
+        "refused": len(oracle.refused), "missing_after_ack": len(oracle.missing_after_ack), "unexplained_missing_after_ack": unexplained[:10],
+        "orphans": orphans[:10], "index_problems": store.tier.check()[:10], "stored_blocks": len(stored),
+        "quarantined": stats.quarantined, "evictions": stats.evictions, "evictions_logged_by_puts": evicted_logged,
+        "compactions": len(oracle.compactions), "compactions_killed": oracle.compactions_killed, "touch_windows": len(oracle.touches), "torn_lines": oracle.torn_lines,
+        "in_flight": len(oracle.intended - oracle.acked - oracle.refused),
     }

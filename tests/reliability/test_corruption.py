@@ -48,7 +48,7 @@ class Injector:
         self._n += 1
         key = NS.block_keys(chain_tokens(f"corrupt-{self._n}", 1))[0]
         payload = payload_for(key, size_bytes)
-        self.store.put(NS, [key], [payload])
+        self.store.put(NS, [key], [payload], parent=None)
         return key, payload
 
     def stored_blob(self, key: bytes) -> bytes:
@@ -79,7 +79,7 @@ class Injector:
         elif bytes(value) != payload:
             self.wrong += 1
         # Re-put for the next injection (the quarantine removed the block).
-        self.store.put(NS, [key], [payload])
+        self.store.put(NS, [key], [payload], parent=None)
 
     def assert_all_detected(self) -> None:
         assert self.wrong == 0, f"{self.wrong} damaged blocks served wrong bytes"

@@ -42,7 +42,7 @@ def put_until_error(store: ucm_db.Store, tag: str, limit: int = 10_000) -> tuple
     for n in range(limit):
         key = NS.block_keys(chain_tokens(f"{tag}-{n}", 1))[0]
         try:
-            store.put(NS, [key], [payload_for(key, size_for(key, *SIZE_RANGE))])
+            store.put(NS, [key], [payload_for(key, size_for(key, *SIZE_RANGE))], parent=None)
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             return acked, exc
         acked.append(key)
@@ -215,8 +215,9 @@ def faulty_remote(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, 
 @pytest.mark.s3
 @pytest.mark.slow
 def test_remote_faults_give_misses_and_retries_never_wrong_bytes(tmp_path: Path, faulty_remote: tuple[str, dict[str, Any]]) -> None:
-    from ucm_db.tiers.wrappers import FaultPlan
+    from faultfs import FaultPlan, register
 
+    register()
     url, target = faulty_remote
     plan = FaultPlan(write_error_rate=0.3, read_error_rate=0.1, timeout_rate=0.05, timeout_s=0.05,
                      truncate_rate=0.1, bitflip_rate=0.1, seed=7)

@@ -1,11 +1,13 @@
-"""Group durability after an OS crash: markers, the child check, set-aside.
+"""Group durability after an OS crash: synced snapshots, rollback, legacy markers.
 
-A power loss cannot be produced in a test. What the recovery code sees of
-one is a marker of unsynced commits written under another boot id, so these
-tests write under ``UCM_DB_BOOT_ID=boot-a`` in a real child process that is
-SIGKILLed (its marker stays), and reopen under ``boot-b``: the one simulated
-part, and it is the boot id alone. The damage a power loss leaves (pages
-never written) is produced for real, by truncating ``data.mdb``.
+Power is cut for real in ``test_powercut.py`` (a FUSE file system). These
+tests pin down the pieces on the real disk: a writer child puts under
+``UCM_DB_BOOT_ID=boot-a`` and is SIGKILLed with commits after its last
+sync; reopening under ``boot-a`` is a process crash (nothing may be lost),
+under ``boot-b`` a reboot (the store reopens its last synced snapshot). The
+pages a power loss never wrote are removed for real, by truncating
+``data.mdb`` to the synced snapshot's end. Stores of older versions, which
+left unsynced-commit markers, are made by writing such a marker by hand.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 import pytest
 
 import ucm_db
+from ucm_db.tiers.lmdb_groupsync import read_record
+from ucm_db.tiers.lmdb_meta import check_file, read_meta_pages
 from ucm_db.tiers.lmdb_recovery import BOOT_ID_ENV, MARKER_DIR
 
 from .harness import NS, chain_tokens, fork_call, kill_and_reap, payload_for, tail, wait_counter, write_counter
@@ -25,6 +29,7 @@ pytestmark = [pytest.mark.multiprocess]
 
 GROUP = {"durability": "group", "sync_interval_s": 3600.0, "sync_bytes": 1 << 40}
 BLOCKS = 24
+SYNCED = 12  # blocks put and flushed before the unsynced rest
 BLOCK_BYTES = 48 << 10
 
 
@@ -32,17 +37,18 @@ def _keys() -> list[bytes]:
     return NS.block_keys(chain_tokens("power-loss", BLOCKS))
 
 
-def _markers(store_path: Path) -> list[str]:
-    marker_dir = store_path / "lmdb" / MARKER_DIR
-    return sorted(os.listdir(marker_dir)) if marker_dir.is_dir() else []
+def _payloads(keys: list[bytes]) -> list[bytes]:
+    return [payload_for(k, BLOCK_BYTES) for k in keys]
 
 
 def _write_then_wait(store_path: Path, boot: str, ready: Path) -> None:
-    """Child: puts the blocks unsynced, says so, and waits for its SIGKILL."""
+    """Child: puts SYNCED blocks and flushes, puts the rest unsynced, says so, waits for SIGKILL."""
     os.environ[BOOT_ID_ENV] = boot
     store = ucm_db.open(store_path, **GROUP)
     keys = _keys()
-    store.put(NS, keys, [payload_for(k, BLOCK_BYTES) for k in keys])
+    store.put(NS, keys[:SYNCED], _payloads(keys[:SYNCED]))
+    store.flush()
+    store.put(NS, keys[SYNCED:], _payloads(keys[SYNCED:]), parent=keys[SYNCED - 1])
     write_counter(ready, 1)
     while True:
         os.pause()
@@ -56,68 +62,169 @@ def _killed_writer(tmp_path: Path, boot: str) -> Path:
         assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "writer.log")
     finally:
         kill_and_reap(pid)
-    assert [m.split(".")[0] for m in _markers(store_path)] == [boot], "the killed writer's marker is on disk"
     return store_path
 
 
-def test_marker_exists_exactly_while_commits_are_unsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_group_sync_records_a_durable_snapshot_and_writes_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
     keys = _keys()
+    env_dir = tmp_path / "group" / "lmdb"
     with ucm_db.open(tmp_path / "group", **GROUP) as store:
-        mine = [f"boot-a.{os.getpid()}"]
-        store.put(NS, keys[:4], [payload_for(k, 1024) for k in keys[:4]])
-        assert _markers(tmp_path / "group") == mine
+        store.put(NS, keys[:4], _payloads(keys[:4]))
         store.flush()
-        assert _markers(tmp_path / "group") == mine, "a writing process keeps its marker across syncs"
-        store.flush()
-        assert _markers(tmp_path / "group") == [], "a sync after a commit-free interval removes it"
-        store.put(NS, keys[4:8], [payload_for(k, 1024) for k in keys[4:8]], parent=keys[3])
-        assert _markers(tmp_path / "group") == mine
-    assert _markers(tmp_path / "group") == [], "close syncs, so it leaves no marker"
-    with ucm_db.open(tmp_path / "sync", durability="sync") as store:
-        store.put(NS, keys[:4], [payload_for(k, 1024) for k in keys[:4]])
-        assert _markers(tmp_path / "sync") == []
+        record = read_record(env_dir)
+        newest = max(m.txnid for m in read_meta_pages(env_dir / "data.mdb")[0])
+        assert record is not None and record.boot == "boot-a" and record.txnid == newest
+        store.put(NS, keys[4:8], _payloads(keys[4:8]), parent=keys[3])
+        assert read_record(env_dir) == record, "an unsynced commit does not move the record"
+    assert read_record(env_dir).txnid > record.txnid, "close syncs and records"  # type: ignore[union-attr]
+    assert not (env_dir / MARKER_DIR).exists()
 
 
-def test_process_crash_loses_nothing_and_needs_no_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _parent_pin(store: ucm_db.Store) -> int | None:
+    """The snapshot this process's reader slot pins, from LMDB's reader table."""
+    env = store.tier.engine._environment()
+    for line in env.readers().splitlines()[1:]:
+        pid, _thread, txnid = line.split()
+        if int(pid) == os.getpid() and txnid != "-":
+            return int(txnid)
+    return None
+
+
+def test_forked_child_does_not_unpin_the_parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
+    keys = _keys()
+    with ucm_db.open(tmp_path / "s", **GROUP) as store:
+        store.put(NS, keys[:4], _payloads(keys[:4]))
+        store.flush()
+        pinned = _parent_pin(store)
+        assert pinned is not None and pinned == read_record(tmp_path / "s" / "lmdb").txnid  # type: ignore[union-attr]
+        pid = os.fork()
+        if pid == 0:  # the child reopens the inherited store and writes
+            try:
+                store.put(NS, keys[4:8], _payloads(keys[4:8]), parent=keys[3])
+                store.flush()
+                os._exit(0)
+            except BaseException:  # noqa: BLE001
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert _parent_pin(store) == pinned, "the child's reopen released the parent's snapshot pin"
+
+
+def test_map_growth_re_pins_the_synced_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
+    keys = _keys()
+    with ucm_db.open(tmp_path / "s", map_size_bytes=1 << 20, **GROUP) as store:
+        store.put(NS, keys[:1], _payloads(keys[:1]))
+        store.flush()
+        before = store.tier.engine._environment().info()["map_size"]
+        for i in range(1, BLOCKS):  # 23 x 48 KiB: the 1 MiB map doubles at least once
+            store.put(NS, keys[i:i + 1], _payloads(keys[i:i + 1]), parent=keys[i - 1])
+        assert store.tier.engine._environment().info()["map_size"] > before
+        record = read_record(tmp_path / "s" / "lmdb")
+        assert record is not None and _parent_pin(store) == record.txnid, "a map resize ended the pin and nothing re-pinned"
+
+
+def test_process_crash_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store_path = _killed_writer(tmp_path, "boot-a")
     monkeypatch.setenv(BOOT_ID_ENV, "boot-a")  # same boot: only the process died
     with ucm_db.open(store_path, **GROUP) as store:
-        assert store.tier.engine.recovery is None
+        assert store.tier.engine.rollback is None
         keys = _keys()
-        assert store.get(NS, keys) == [payload_for(k, BLOCK_BYTES) for k in keys]
-        assert all(not m.startswith("boot-a.") or m.endswith(f".{os.getpid()}") for m in _markers(store_path))
+        assert store.get(NS, keys) == _payloads(keys)
 
 
-def test_intact_store_after_an_os_crash_is_checked_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("torn", [False, True])
+def test_os_crash_reopens_the_last_synced_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, torn: bool,
+) -> None:
     store_path = _killed_writer(tmp_path, "boot-a")
+    env_dir = store_path / "lmdb"
+    record = read_record(env_dir)
+    assert record is not None
+    if torn:  # the unsynced pages never reached the disk: cut the file to the synced snapshot's end
+        pages = [m for m in read_meta_pages(env_dir / "data.mdb")[0]]
+        synced_end = min((m.last_page + 1) * m.page_bytes for m in pages if m.txnid >= record.txnid)
+        os.truncate(env_dir / "data.mdb", synced_end)
+        assert not check_file(env_dir / "data.mdb").ok, "the newest meta page now names missing pages"
     monkeypatch.setenv(BOOT_ID_ENV, "boot-b")  # the machine rebooted
+    caplog.set_level(logging.WARNING, logger="ucm_db")
+    keys = _keys()
     with ucm_db.open(store_path, **GROUP) as store:
-        report = store.tier.engine.recovery
-        assert report is not None and not report.damaged and report.foreign_markers == 1
-        keys = _keys()
-        assert store.get(NS, keys) == [payload_for(k, BLOCK_BYTES) for k in keys]
-        assert not any(m.startswith("boot-a.") for m in _markers(store_path))
-    assert not (store_path / "damaged").exists()
+        rollback = store.tier.engine.rollback
+        assert rollback is not None and rollback.to_txnid == record.txnid < rollback.from_txnid
+        assert store.get(NS, keys[:SYNCED]) == _payloads(keys[:SYNCED]), "everything synced survives"
+        assert store.get(NS, keys[SYNCED:]) == [None] * (BLOCKS - SYNCED), "commits after the last sync are undone whole"
+        assert store.lookup(NS, keys) == SYNCED
+        assert store.tier.check() == []
+        store.put(NS, keys[SYNCED:], [b"again"] * (BLOCKS - SYNCED), parent=keys[SYNCED - 1])
+    assert not (store_path / "damaged").exists(), "nothing is set aside"
+    assert any("last synced snapshot" in r.getMessage() for r in caplog.records)
+    with ucm_db.open(store_path, **GROUP) as store:
+        assert store.tier.engine.rollback is None
+        assert store.get(NS, keys[SYNCED:]) == [b"again"] * (BLOCKS - SYNCED)
 
 
-def test_damaged_store_after_an_os_crash_is_set_aside_not_crashed_on(
+def test_synced_snapshot_lost_by_a_lying_disk_is_set_aside(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     store_path = _killed_writer(tmp_path, "boot-a")
     data = store_path / "lmdb" / "data.mdb"
+    os.truncate(data, 3 * 4096)  # even synced pages are gone: the disk did not honour fsync
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-b")
+    caplog.set_level(logging.WARNING, logger="ucm_db")
+    keys = _keys()
+    with ucm_db.open(store_path, **GROUP) as store:
+        assert store.tier.engine.rollback is not None
+        assert store.stats().blocks == 0, "the last resort: an empty store, not a crash"
+        store.put(NS, keys[:2], [b"fresh-0", b"fresh-1"])
+        assert store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]
+    moved = list((store_path / "damaged").iterdir())
+    assert len(moved) == 1 and (moved[0] / "data.mdb").stat().st_size == 3 * 4096
+    assert any("does not honour fsync" in r.getMessage() for r in caplog.records)
+
+
+def _legacy_store(tmp_path: Path) -> Path:
+    """A store as an older version left it after an OS crash: a marker of unsynced commits of boot-a."""
+    store_path = tmp_path / "store"
+    keys = _keys()
+    with ucm_db.open(store_path, durability="sync") as store:
+        store.put(NS, keys, _payloads(keys))
+    marker_dir = store_path / "lmdb" / MARKER_DIR
+    marker_dir.mkdir()
+    (marker_dir / "boot-a.4242").write_text("1.0\n")
+    return store_path
+
+
+def test_legacy_marker_intact_store_is_checked_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store_path = _legacy_store(tmp_path)
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-b")
+    with ucm_db.open(store_path) as store:
+        report = store.tier.engine.recovery
+        assert report is not None and not report.damaged and report.foreign_markers == 1
+        keys = _keys()
+        assert store.get(NS, keys) == _payloads(keys)
+    assert os.listdir(store_path / "lmdb" / MARKER_DIR) == []
+    assert not (store_path / "damaged").exists()
+
+
+def test_legacy_marker_damaged_store_is_set_aside_not_crashed_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    store_path = _legacy_store(tmp_path)
+    data = store_path / "lmdb" / "data.mdb"
     os.truncate(data, data.stat().st_size // 2)  # pages the power loss never let reach the disk
     monkeypatch.setenv(BOOT_ID_ENV, "boot-b")
     caplog.set_level(logging.WARNING, logger="ucm_db")
-    with ucm_db.open(store_path, **GROUP) as store:
+    keys = _keys()
+    with ucm_db.open(store_path) as store:
         report = store.tier.engine.recovery
         assert report is not None and report.damaged and report.moved_to is not None
         assert (report.moved_to / "data.mdb").exists(), "the damaged file is kept for inspection"
         assert store.stats().blocks == 0
-        keys = _keys()
-        assert store.get(NS, keys[:1]) == [None]
         store.put(NS, keys[:2], [b"fresh-0", b"fresh-1"])
         assert store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]
-    assert any("moved it to" in r.getMessage() and "durability='sync'" in r.getMessage() for r in caplog.records)
-    with ucm_db.open(store_path, **GROUP) as store:
+    assert any("moved it to" in r.getMessage() for r in caplog.records)
+    with ucm_db.open(store_path) as store:
         assert store.tier.engine.recovery is None and store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]

@@ -208,7 +208,7 @@ def test_hostile_keys_are_refused_before_any_io(tmp_path: Path) -> None:
     with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 26, remote=f"file://{tmp_path / 'remote'}") as store:
         for key in HOSTILE_KEYS:
             with pytest.raises(ConfigError):
-                store.put(NS, [key], [b"x" * 64])
+                store.put(NS, [key], [b"x" * 64], parent=None)
             with pytest.raises(ConfigError):
                 store.get(NS, [key])
             with pytest.raises(ConfigError):
@@ -245,7 +245,7 @@ def test_hostile_remote_listing_never_touches_outside_files(tmp_path: Path) -> N
         listed = set(store.remote.root.tier(NS.digest[:16]).iterate())  # type: ignore[union-attr]
         assert set(keys) <= listed
     assert secret.read_bytes() == b"do not touch"
-    from ucm_db.tools.remote_gc import gc
+    from ucm_db.remote_gc import gc
     from ucm_db.tiers.remote import RemoteRoot
 
     gc(RemoteRoot.from_url(f"file://{remote_dir}"), older_than_s=0.0, max_bytes=None, dry_run=False, now_s=time.time() + 10)

@@ -2,7 +2,8 @@
 ThreadedMotoServer on 127.0.0.1), a shared directory and ``memory://``.
 
 ``remote`` is parametrized over the three: each test gets a fresh root and
-the ``remote_options`` that reach it.
+the ``remote_options`` that reach it. Importing this conftest registers the
+tests' fault-injecting ``ucmfault://`` protocol (:mod:`faultfs`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from typing import Any
 
 import pytest
 
+import faultfs
 from ucm_db.keys import Namespace
 
 from .node_proc import chain  # noqa: F401 - re-exported for the tests
 
 BUCKET = "ucm-db-test"
+faultfs.register()
 
 
 @dataclass(frozen=True)

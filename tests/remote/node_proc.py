@@ -14,6 +14,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -28,6 +29,12 @@ def chain(namespace: Any, n_blocks: int, seed: int = 0) -> tuple[list[bytes], li
 
 def main(spec: dict[str, Any]) -> None:
     import ucm_db
+
+    if spec["remote"].startswith("ucmfault://"):  # the tests' fault wrapper: registered by whoever uses it
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import faultfs
+
+        faultfs.register()
 
     namespace = ucm_db.Namespace.from_dict(spec["namespace"])
     keys, payloads = chain(namespace, spec["n_blocks"], spec.get("seed", 0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucm_db.tools import bench_remote
+from ucm_db.tools.bench import remote as bench_remote
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import pytest
 
 import ucm_db
 from ucm_db.errors import TierError
-from ucm_db.tiers.wrappers import FaultPlan
+from faultfs import FaultPlan
 
 from .conftest import chain
 
@@ -173,3 +173,25 @@ def test_lookup_commits_a_bounded_amount_and_promotes_the_rest_in_background(
         assert node_b.tier.count_prefix(keys) == 30
         assert node_b.get(namespace, keys) == payloads
         assert node_b.tier.check() == []
+
+
+def test_the_product_does_not_know_the_fault_protocol() -> None:
+    """``ucmfault://`` is the tests' (tests/faultfs.py): no shipped module
+    names it, and importing every core module registers nothing under it."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    shipped = [p for folder in ("ucm_db", "connector", "tools", "migrations") for p in (root / folder).rglob("*.py")]
+    assert len(shipped) > 20
+    assert [str(p.relative_to(root)) for p in shipped if "ucmfault" in p.read_text()] == []
+    code = (
+        "import importlib, pkgutil, fsspec, ucm_db\n"
+        "for m in pkgutil.walk_packages(ucm_db.__path__, 'ucm_db.'):\n"
+        "    if m.name.split('.')[1] not in ('connector', 'tools', 'migrations'):\n"
+        "        importlib.import_module(m.name)\n"
+        "print('ucmfault' in fsspec.registry)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -4,7 +4,8 @@
 
 SPEC: {"model": dir, "connector": {extra config} | null, "prefix_caching": bool,
        "prompts": [{"ids": [...], "cache_salt": str | null}], "max_tokens": int,
-       "dtype": str, "block_size": int}
+       "dtype": str, "block_size": int, "tp": int, "env": {name: value}}
+("env" is set before vLLM is imported: e.g. the TP=2 CPU thread binding.)
 RESULT: {"outputs": [[token ids]], "cached": [num_cached_tokens], "engine_start_s": float}
 Each prompt is sent alone (one generate call each) so that a prompt's saves
 can serve the next one.
@@ -25,6 +26,7 @@ def make_engine(spec: dict):
         model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
         block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=8, enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
+        tensor_parallel_size=spec.get("tp", 1),
     )
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
@@ -60,6 +62,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     with open(sys.argv[1]) as handle:
         spec = json.load(handle)
+    os.environ.update(spec.get("env", {}))
     started = time.perf_counter()
     llm = make_engine(spec)
     start_s = time.perf_counter() - started

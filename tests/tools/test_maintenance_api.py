@@ -1,0 +1,99 @@
+"""The maintenance API (ucm_db.maintenance) called directly, as scripts do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+from ucm_db import maintenance
+
+from cli_stores import NS_A, NS_B, make_store
+
+
+def test_blocks_and_namespaces_of_a_known_store(tmp_path: Path) -> None:
+    chains = make_store(tmp_path / "s")
+    blocks = list(maintenance.iter_blocks(tmp_path / "s"))
+    assert [b.key for b in blocks] == sorted(k for keys in chains.values() for k in keys)
+    by_key = {b.key: b for b in blocks}
+    for keys in chains.values():
+        assert [by_key[k].parent for k in keys] == [None, *keys[:-1]]
+        assert [by_key[k].depth for k in keys] == list(range(len(keys)))
+    only_b = list(maintenance.iter_blocks(tmp_path / "s", ("test/beta",)))
+    assert [b.key for b in only_b] == sorted(chains["b0"]) and {b.namespace_id for b in only_b} == {NS_B.digest[:16]}
+    rows = {r["model"]: r for r in maintenance.namespaces(tmp_path / "s")}
+    assert rows["test/alpha"]["blocks"] == 20 and rows["test/beta"]["blocks"] == 3
+
+
+def test_evict_to_bytes_keeps_whole_prefixes_and_the_capacity(tmp_path: Path) -> None:
+    chains = make_store(tmp_path / "s")
+    with ucm_db.open(tmp_path / "s") as store:
+        store.get(NS_A, chains["a3"])  # a3 becomes the most recently used
+        before = store.stats()
+    target = before.stored_bytes // 2
+    evicted = maintenance.evict_to_bytes(tmp_path / "s", target)
+    with ucm_db.open(tmp_path / "s") as store:
+        after = store.stats()
+        assert after.stored_bytes <= target and after.blocks == before.blocks - evicted > 0
+        assert after.evictions == before.evictions + evicted
+        assert after.capacity_bytes == before.capacity_bytes  # eviction no longer lowers the capacity
+        assert store.lookup(NS_A, chains["a3"]) == 5
+        for tag, keys in chains.items():
+            n = store.lookup(NS_B if tag == "b0" else NS_A, keys)
+            assert store.tier.exists(keys) == [True] * n + [False] * (len(keys) - n)  # whole prefixes only
+        assert store.tier.check() == []
+    assert maintenance.evict_to_bytes(tmp_path / "s", 0) == after.blocks
+    with pytest.raises(ucm_db.ConfigError):
+        maintenance.evict_to_bytes(tmp_path / "s", -1)
+
+
+def test_verify_fix_recounts_damaged_totals(tmp_path: Path) -> None:
+    make_store(tmp_path / "s")
+    with ucm_db.open(tmp_path / "s") as store:
+        good = store.stats()
+        store.tier.engine.write(lambda txn: txn.put("info", b"totals", bytes(56)))  # one damaged counter record
+    report = maintenance.verify(tmp_path / "s")
+    assert report.problems and not report.corrupt and report.checked == 23
+    fixed = maintenance.verify(tmp_path / "s", fix=True)
+    assert fixed.totals_recomputed and fixed.quarantined_blocks == 0
+    assert not maintenance.verify(tmp_path / "s").problems
+    with ucm_db.open(tmp_path / "s") as store:
+        now = store.stats()
+    assert (now.blocks, now.raw_bytes, now.stored_bytes) == (good.blocks, good.raw_bytes, good.stored_bytes)
+
+
+def test_read_only_operations_refuse_a_missing_store_and_create_nothing(tmp_path: Path) -> None:
+    for call in (maintenance.inspect, maintenance.verify, maintenance.namespaces, lambda p: list(maintenance.iter_blocks(p))):
+        with pytest.raises(ucm_db.ConfigError) as info:
+            call(tmp_path / "none")
+        assert info.value.hint
+    assert not (tmp_path / "none").exists()
+
+
+def test_an_isolated_read_survives_a_reader_killed_by_a_signal(tmp_path: Path) -> None:
+    """What a damaged LMDB file does to a reader (an abort, a SIGBUS), done
+    for real to the child: the caller gets a TierError, not a death."""
+    import os
+    import signal
+
+    from ucm_db.isolation import run_isolated
+
+    for sig in (signal.SIGABRT, signal.SIGBUS):
+        with pytest.raises(ucm_db.TierError) as info:
+            run_isolated(lambda sig=sig: os.kill(os.getpid(), sig), tmp_path)  # type: ignore[misc]
+        assert sig.name in str(info.value) and str(tmp_path) in info.value.hint
+    assert run_isolated(lambda: {"blocks": 3, "key": "ab"}, tmp_path) == {"blocks": 3, "key": "ab"}
+
+    def refuse() -> dict[str, object]:
+        raise ucm_db.FormatVersionError("store at X has format 1", hint="run `ucm-db migrate X`")
+
+    with pytest.raises(ucm_db.FormatVersionError) as refused:
+        run_isolated(refuse, tmp_path)
+    assert refused.value.hint == "run `ucm-db migrate X`" and str(refused.value).startswith("store at X has format 1")
+
+
+def test_isolated_inspect_and_verify_match_the_in_process_ones(tmp_path: Path) -> None:
+    make_store(tmp_path / "s")
+    assert maintenance.inspect(tmp_path / "s", top=2, now_ns=1, isolated=True) == maintenance.inspect(tmp_path / "s", top=2, now_ns=1)
+    assert maintenance.verify(tmp_path / "s", isolated=True) == maintenance.verify(tmp_path / "s")
