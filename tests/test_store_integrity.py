@@ -10,6 +10,7 @@ sync interval, and raw tracebacks for malformed arguments.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -348,3 +349,62 @@ def test_records_of_format3_code_are_sealed_on_open(tmp_path):
         assert store.tier.engine.read(lambda txn: len(list(txn.scan("info", b"sum:")))) >= 3
         _flip_record(store, b"totals", bit=1)
         assert store.tier.damaged_records()
+
+
+# -- items 13/14: the store path and close -------------------------------------
+def test_a_store_path_that_is_a_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "store"
+    path.write_bytes(b"not a store")
+    with pytest.raises(TierError, match="is a file") as info:
+        ucm_db.open(path)
+    assert "choose another store path" in info.value.hint
+    assert path.read_bytes() == b"not a store"
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A real read-only file system: a tmpfs mounted ``ro`` (needs root, as
+    the power-cut tests do)."""
+    import subprocess
+
+    mount_point = tmp_path / "ro"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "none", str(mount_point)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"cannot mount a read-only tmpfs for this test (needs root): {done.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_new_store_on_a_read_only_file_system_is_a_clear_error(read_only_dir):
+    with pytest.raises(TierError) as info:
+        ucm_db.open(read_only_dir / "store")
+    message = f"{info.value} {info.value.hint}"
+    assert "read-only" in message.lower(), message
+    assert "Errno" not in str(info.value).split(":")[0]
+
+
+def test_a_failed_close_still_releases_the_store(tmp_path, monkeypatch):
+    # A failing fsync (EIO on a dying disk) cannot be produced on demand;
+    # the engine's sync is replaced by one that fails, which is the fault.
+    path = tmp_path / "s"
+    store = open_store(path)
+    keys = chain(2)
+    store.put(NS, keys, [payload(0), payload(1)])
+
+    def failing_sync() -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(store._engine, "sync", failing_sync)
+    with pytest.raises(OSError, match="Input/output"):
+        store.close()
+    monkeypatch.undo()
+    with pytest.raises(ucm_db.ClosedError):
+        store.lookup(NS, keys)
+    # Released: the same process opens the store again, and compaction (which
+    # needs the store's lock exclusively) is not blocked by the closed handle.
+    with open_store(path) as again:
+        assert again.lookup(NS, keys) == 2
+    from ucm_db.storelock import holders
+
+    assert os.getpid() not in holders(path)

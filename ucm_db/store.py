@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,7 +49,7 @@ from ucm_db.arguments import (
 )
 from ucm_db.keys import Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
-from ucm_db.storelock import hold_shared
+from ucm_db.storelock import ensure_store_dir, hold_shared
 from ucm_db.tiers.base import Buffer
 from ucm_db.tiers.local import BlockEntry, LocalTier, PutResult
 
@@ -99,7 +99,7 @@ class Store:
                 f"engine={explicit['engine']!r} conflicts with the store at {self.path}, which is a {existing} store",
                 hint=f"omit engine (or pass engine={existing!r}) to open it, or use a new store path for another engine",
             )
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_store_dir(self.path)  # a file or a read-only volume is a TierError with the fix
         self._dir_lock = hold_shared(self.path)  # keeps compact/migrate from rewriting files under us
         self.config = StoreConfig.from_dict(explicit)
         try:
@@ -474,24 +474,42 @@ class Store:
         return self._remote
 
     def close(self) -> None:
-        """Flushes and closes; further calls raise ClosedError."""
+        """Flushes and closes; further calls raise ClosedError.
+
+        The store is released (engine closed, lock let go) even when the
+        flush or the final sync fails; that failure is raised afterwards."""
         if self._closed:
             return
-        if self._pid == os.getpid():
-            self._activity.stop()
-            if self._uploader is not None:
-                self._uploader.stop()
-            if self._remote is not None:
-                self._remote.close()
-            try:
-                self._activity.flush_activity()
-                self._engine.sync()
-            finally:
-                if self._pool is not None:
-                    self._pool.shutdown()
         self._closed = True
-        self._engine.close()
-        self._dir_lock.release()
+        try:
+            if self._pid == os.getpid():
+                self._close_this_process()
+        finally:
+            try:
+                self._engine.close()
+            finally:
+                self._dir_lock.release()
+
+    def _close_this_process(self) -> None:
+        """Stops this process's threads, flushes counters and syncs. Every
+        step runs even when an earlier one fails; the first failure is
+        raised at the end."""
+        steps: list[Callable[[], object]] = [self._activity.stop]
+        if self._uploader is not None:
+            steps.append(self._uploader.stop)
+        if self._remote is not None:
+            steps.append(self._remote.close)
+        steps += [self._activity.flush_activity, self._engine.sync]
+        if self._pool is not None:
+            steps.append(self._pool.shutdown)
+        first: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                first = first or exc
+        if first is not None:
+            raise first
 
     def __enter__(self) -> Store:
         return self
