@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucm_db.tiers.lmdb_pages import DamagedTree, first_reachable_page_past_end
+
 MAGIC = 0xBEEFC0DE
 DATA_VERSION = 1
 PAGE_HEADER_BYTES = 16
@@ -61,6 +63,9 @@ class FileCheck:
     file_bytes: int
     problem: str | None
     current: MetaPage | None = None
+    #: Bytes between the file's end and its snapshot's last page that no
+    #: tree reaches (pages LMDB freed before writing them): harmless.
+    unwritten_tail_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -129,8 +134,10 @@ def _check_once(data_path: Path) -> FileCheck:
     """One check of an LMDB data file against its meta pages.
 
     Intact means: a regular file holding two valid meta pages (magic,
-    version, page size) whose current snapshot's pages all lie inside the
-    file (``(last_page + 1) * page_bytes <= file length``) and whose tree
+    version, page size) whose current snapshot's reachable pages all lie
+    inside the file (checked page by page with
+    :mod:`ucm_db.tiers.lmdb_pages` only when the file is shorter than
+    ``(last_page + 1) * page_bytes``) and whose tree
     roots lie at or below that last page. A missing file is intact (LMDB
     creates it); anything else gets ``problem`` set to one sentence.
     """
@@ -155,12 +162,26 @@ def _check_once(data_path: Path) -> FileCheck:
     current = max(pages, key=lambda m: m.txnid)
     needed = (current.last_page + 1) * current.page_bytes
     if needed > size:
-        return FileCheck(
-            path, size,
-            f"{path} is truncated: its snapshot {current.txnid} uses {current.last_page + 1} pages "
-            f"({needed} bytes) but the file has {size} bytes",
-            current,
-        )
+        # LMDB never writes a page freed in the transaction that allocated
+        # it, so a healthy file can end before its last page: only a
+        # reachable page past the end is damage.
+        try:
+            past_end = first_reachable_page_past_end(
+                path, page_bytes=current.page_bytes, last_page=current.last_page,
+                roots=(current.free_root, current.main_root), file_bytes=size,
+            )
+        except DamagedTree as exc:
+            return FileCheck(path, size, f"{path} is damaged: {exc}", current)
+        except OSError as exc:
+            return FileCheck(path, size, f"{path} cannot be read: {exc}", current)
+        if past_end is not None:
+            return FileCheck(
+                path, size,
+                f"{path} is truncated: its snapshot {current.txnid} uses page {past_end} "
+                f"but the file has {size} bytes ({size // current.page_bytes} pages)",
+                current,
+            )
+        return FileCheck(path, size, None, current, unwritten_tail_bytes=needed - size)
     for name, root in (("free-page", current.free_root), ("main", current.main_root)):
         if root != (1 << 64) - 1 and root > current.last_page:
             return FileCheck(path, size, f"{path} is damaged: its {name} tree root is page {root}, past its last page {current.last_page}", current)
