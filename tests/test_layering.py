@@ -156,6 +156,27 @@ def _product_modules(folder: str) -> list[Path]:
     return [p for p in _modules(folder) if not str(p.relative_to(ROOT)).startswith(MEASURING)]
 
 
+#: The only measuring modules that time core internals, and why: the rest of
+#: the benchmarks and the demo go through the public API (and the connector).
+MEASURES_CORE_INTERNALS = {
+    "tools/bench/remote.py": "times the read-through, the uploader and the object codec against raw fsspec",
+    "tools/bench/down_remote.py": "writes remote objects the way the tier does, to serve them from a dead endpoint",
+    "tools/bench/read.py": "times the codec's decode against memcpy",
+}
+
+
+def test_measuring_code_uses_core_internals_only_where_it_measures_them() -> None:
+    problems = {}
+    for path in _modules("tools"):
+        relative = str(path.relative_to(ROOT))
+        if not relative.startswith(MEASURING) or relative in MEASURES_CORE_INTERNALS:
+            continue
+        uses = [u for u in private_uses(path, "ucm_db.tools") if "ucm_db.connector" not in u]
+        if uses:
+            problems[relative] = uses
+    assert not problems, f"benchmark or demo code reaching into the core (use ucm_db's public API): {problems}"
+
+
 @pytest.mark.parametrize("folder", ["tools", "connector"])
 def test_tools_and_connector_use_only_the_public_api(folder: str) -> None:
     problems = {str(p.relative_to(ROOT)): private_uses(p, PACKAGE_OF[folder]) for p in _product_modules(folder)}

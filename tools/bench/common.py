@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ucm_db.keys import Namespace
+from ucm_db import Namespace
 
 MIB = 1 << 20
 BLOCK_BYTES = 2 * MIB

@@ -86,7 +86,7 @@ def bench_save_path(prompt_tokens: int, repeats: int = 10) -> dict[str, float]:
     import torch
 
     from ucm_db.connector.layouts import detect_layout
-    from ucm_db.keys import Namespace
+    from ucm_db import Namespace
 
     blocks = prompt_tokens // BLOCK_SIZE
     kv = {f"l{i}": torch.randn(4 * blocks, 4, BLOCK_SIZE, 128).to(torch.bfloat16) for i in range(6)}

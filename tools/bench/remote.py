@@ -44,7 +44,7 @@ import click
 
 import ucm_db
 from ucm_db import codec
-from ucm_db.keys import Namespace
+from ucm_db import Namespace
 from ucm_db.readthrough import READ_THREADS, RemoteLink
 from ucm_db.tiers.local import BlockEntry
 from ucm_db.tiers.remote import RemoteRoot, is_local_fs, pack_object, write_whole

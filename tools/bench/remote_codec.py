@@ -29,7 +29,7 @@ from typing import Any
 import click
 
 import ucm_db
-from ucm_db.keys import Namespace
+from ucm_db import Namespace
 from ucm_db.tools.bench.throttle import register
 
 NAMESPACE = Namespace(model="bench/remote-codec", kv_dtype="bfloat16", block_size=16)

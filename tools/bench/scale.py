@@ -53,7 +53,7 @@ import click
 import numpy as np
 
 import ucm_db
-from ucm_db.keys import Namespace
+from ucm_db import Namespace
 
 #: Namespace of the scale stores (vLLM CPU block size 32, bf16).
 NAMESPACE = Namespace(model="ucm-db-bench-scale", kv_dtype="bfloat16", block_size=32)
