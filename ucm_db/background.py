@@ -16,6 +16,9 @@ Invariants:
       store that nobody syncs must not go on acknowledging writes.
     * A :class:`Background` belongs to the process that made it; a forked
       child makes its own (the parent's thread does not exist there).
+    * A read-only store (``config.read_only``) has no thread and writes
+      nothing: hits and misses are counted in memory (``stats()`` shows
+      them), LRU touches are not kept.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class Background:
         self._thread = threading.Thread(target=self._run, name="ucm-db-maintenance", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        if not self._config.read_only:  # nothing to flush or sync
+            self._thread.start()
 
     def stop(self) -> None:
         """Stops the thread (after its current round); idempotent."""
@@ -76,7 +80,8 @@ class Background:
                     activity.misses += 1
                 else:
                     activity.hits += 1
-                    activity.touched[key] = now
+                    if not self._config.read_only:
+                        activity.touched[key] = now
             big = len(activity.touched) >= ACTIVITY_FLUSH_KEYS
         if big:
             self.flush_activity()
@@ -96,7 +101,10 @@ class Background:
             self._activity.misses += activity.misses
 
     def flush_activity(self) -> None:
-        """Writes the buffered activity in one transaction."""
+        """Writes the buffered activity in one transaction (a read-only
+        store keeps its counts in memory)."""
+        if self._config.read_only:
+            return
         activity = self.take()
         try:
             self._tier.apply_activity(activity)

@@ -77,6 +77,14 @@ class StoreConfig:
             ``"none"``, ``"zstd"``, or ``"auto"`` (zstd when the measured
             link is slower than the measured compression; see
             :mod:`ucm_db.remote_codec`). Read-through keeps what it fetched.
+        read_only: open an existing store without writing anything: no
+            lock file is created (an existing one is locked shared through
+            a read-only descriptor), LMDB runs without its lock file where
+            the file system is read-only, reader activity (LRU touches, hit
+            counts) stays in memory, a corrupt block reads as a miss without
+            a quarantine record, and ``put``/``delete`` raise
+            :class:`~ucm_db.errors.TierError`. For a store on a read-only
+            volume (a ``kv_consumer``). Never persisted.
     """
 
     capacity_bytes: int = 8 * GIB
@@ -95,6 +103,7 @@ class StoreConfig:
     remote_deadline_s: float = 0.2
     upload_concurrency: int = 4
     remote_codec: str = "same"
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         _require_int("capacity_bytes", self.capacity_bytes, minimum=1 << 20)
@@ -121,6 +130,15 @@ class StoreConfig:
         _require_positive_float("remote_deadline_s", self.remote_deadline_s, maximum=MAX_REMOTE_DEADLINE_S)
         _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
+        if not isinstance(self.read_only, bool):
+            raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")
+        if self.read_only and self.engine == "memory":
+            raise ConfigError("read_only has no meaning for the memory engine (it starts empty)", hint="omit read_only")
+        if self.read_only and self.remote is not None:
+            raise ConfigError(
+                "read_only and remote do not mix: blocks read through from the remote are kept in the local tier",
+                hint="open the local store writable to use a remote tier, or drop remote to serve the read-only store alone",
+            )
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -65,7 +65,8 @@ def open_engine(
 ) -> Engine:
     """Builds the ``engine`` engine of the store directory ``path`` (created
     if missing; callers that must not create one check :func:`detect_engine`
-    first). ``read_only`` is honoured where the engine supports it (RocksDB)."""
+    first). ``read_only`` is honoured where the engine supports it (RocksDB);
+    :func:`engine_for_config` also opens LMDB read-only."""
     if engine == "memory":
         from ucm_db.tiers.memory import MemoryEngine
 
@@ -82,8 +83,14 @@ def open_engine(
 
 
 def engine_for_config(path: Path, config: StoreConfig) -> Engine:
-    """The engine :class:`~ucm_db.Store` opens for ``config`` at ``path``."""
-    return open_engine(path, config.engine, sync=config.durability == "sync",
+    """The engine :class:`~ucm_db.Store` opens for ``config`` at ``path``
+    (``read_only``: writing nothing, see :class:`~ucm_db.tiers.lmdb.LmdbEngine`)."""
+    if config.read_only and config.engine == "lmdb":
+        from ucm_db.tiers.lmdb import LmdbEngine
+
+        return LmdbEngine(Path(path) / "lmdb", map_size_bytes=configured_map_bytes(config), sync=True,
+                          max_readers=config.max_readers, read_only=True)
+    return open_engine(path, config.engine, sync=config.durability == "sync", read_only=config.read_only,
                        map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers)
 
 

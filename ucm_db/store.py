@@ -76,7 +76,10 @@ def open(path: str | os.PathLike[str], **options: Any) -> Store:  # noqa: A001 -
         **options: :class:`~ucm_db.config.StoreConfig` fields by name. On an
             existing store, omitted persisted settings (capacity, codec,
             durability, engine) come from the store; a conflicting one is a
-            :class:`~ucm_db.errors.ConfigError`.
+            :class:`~ucm_db.errors.ConfigError`. ``read_only=True`` opens an
+            existing store (on a read-only volume too) without writing
+            anything; puts and deletes then raise
+            :class:`~ucm_db.errors.TierError`.
     """
     return Store(path, **options)
 
@@ -99,8 +102,16 @@ class Store:
                 f"engine={explicit['engine']!r} conflicts with the store at {self.path}, which is a {existing} store",
                 hint=f"omit engine (or pass engine={existing!r}) to open it, or use a new store path for another engine",
             )
-        ensure_store_dir(self.path)  # a file or a read-only volume is a TierError with the fix
-        self._dir_lock = hold_shared(self.path)  # keeps compact/migrate from rewriting files under us
+        read_only = explicit.get("read_only") is True
+        if read_only and existing is None:
+            raise TierError(
+                f"no ucm-db store at {self.path} to open read-only",
+                hint="check the path (a read-only open never creates a store), or open it writable once to create it",
+            )
+        if not read_only:
+            ensure_store_dir(self.path)  # a file or a read-only volume is a TierError with the fix
+        # Keeps compact/migrate from rewriting files under us (read-only: creating nothing).
+        self._dir_lock = hold_shared(self.path, read_only=read_only)
         self.config = StoreConfig.from_dict(explicit)
         try:
             self._engine = engine_for_config(self.path, self.config)
@@ -136,15 +147,19 @@ class Store:
             version = txn.get("info", FORMAT_VERSION_KEY)
             settings = txn.get("info", SETTINGS_KEY)
             if version is None:
+                if self.config.read_only:
+                    raise TierError(f"the store at {self.path} was never initialised: it records no format version",
+                                    hint="open it writable once, or check the path")
                 txn.put("info", FORMAT_VERSION_KEY, str(STORE_FORMAT_VERSION).encode())
                 txn.put("info", SETTINGS_KEY, json.dumps(wanted, sort_keys=True).encode())
                 txn.put("info", CREATED_KEY, creation_record())
                 return STORE_FORMAT_VERSION, wanted
             return parse_format_version(bytes(version)), parse_settings(settings, self.path)
 
-        version, stored = self._engine.write(run)
+        version, stored = (self._engine.read if self.config.read_only else self._engine.write)(run)
         check_format_version(version, self.path)
-        self._tier.seal_records()
+        if not self.config.read_only:
+            self._tier.seal_records()
         for name in PERSISTED_FIELDS:
             if name in explicit and name in stored and explicit[name] != stored[name]:
                 raise ConfigError(
@@ -204,8 +219,14 @@ class Store:
         assert self._background is not None  # made in __init__ and after every fork
         return self._background
 
+    def _refuse_read_only(self, operation: str) -> None:
+        if self.config.read_only:
+            raise TierError(f"{operation} on store {self.path}, which is open read-only",
+                            hint="open it without read_only=True (on a writable volume) to store or delete blocks")
+
     def _check_writable(self) -> None:
         self._check_open()
+        self._refuse_read_only("put")
         failure = self._activity.failure
         if failure is not None:
             raise TierError(
@@ -321,6 +342,7 @@ class Store:
         descendants; returns blocks removed. A key stored under another
         namespace is left alone."""
         self._check_open()
+        self._refuse_read_only("delete")
         keys = key_list(keys, "delete")
         return self._tier.delete(keys, namespace_id=namespace.digest[:16])
 
@@ -427,6 +449,9 @@ class Store:
         return results
 
     def _quarantine(self, key: bytes, reason: str) -> None:
+        if self.config.read_only:
+            return  # the block reads as a miss all the same; a writer quarantines it
+
         def still_corrupt(head: memoryview, body: memoryview) -> bool:
             try:
                 codec.verify_parts(head, body, key)

@@ -15,6 +15,11 @@ Invariants:
     * Creating the store directory (:func:`ensure_store_dir`) and opening
       the lock file turn every OSError into a TierError whose hint names
       that failure's fix (:func:`os_error`).
+    * A read-only holder (``read_only=True``, a store on a read-only
+      volume) creates nothing: it locks an existing lock file through a
+      read-only descriptor (``flock`` needs no write access), and where
+      there is no lock file it holds nothing (no process of this version
+      ever opened the store writable, so nobody can be compacting it).
 """
 
 from __future__ import annotations
@@ -36,11 +41,19 @@ _POLL_S = 0.02
 class StoreLock:
     """One open descriptor on the lock file, holding a shared or exclusive lock."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, read_only: bool = False) -> None:
         self.path = Path(path) / LOCK_FILE
         self._fd: int | None = None
+        self._absent = False  # read-only and no lock file: nothing to hold
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if read_only:
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            else:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError as exc:
+            if not read_only:
+                raise os_error("open the store's lock file", self.path, exc) from exc
+            self._absent = True
         except OSError as exc:
             raise os_error("open the store's lock file", self.path, exc) from exc
         self.mode = ""
@@ -55,6 +68,9 @@ class StoreLock:
 
     def acquire_shared(self, timeout_s: float = SHARED_WAIT_S) -> None:
         """Takes the shared lock, waiting up to ``timeout_s`` for maintenance."""
+        if self._absent:
+            self.mode = "none"
+            return
         deadline = time.monotonic() + timeout_s
         while not self._try(fcntl.LOCK_SH):
             if time.monotonic() >= deadline:
@@ -69,6 +85,8 @@ class StoreLock:
 
     def try_exclusive(self) -> bool:
         """Takes the exclusive lock if no other process holds the store."""
+        if self._absent:
+            return False
         if self._try(fcntl.LOCK_EX):
             self.mode = "exclusive"
             return True
@@ -96,7 +114,8 @@ def os_error(what: str, path: Path, exc: OSError) -> TierError:
     code = exc.errno
     if code == errno.EROFS:
         return TierError(f"cannot {what} {path}: the file system is read-only",
-                         hint="put the store on a writable local disk, or remount that file system read-write")
+                         hint="put the store on a writable local disk or remount that file system read-write; "
+                         "to only read an existing store there, open it with read_only=True")
     if code in (errno.EACCES, errno.EPERM):
         return TierError(f"cannot {what} {path}: permission denied",
                          hint=f"give this user ({os.getuid()}) write access to {path.parent}, or choose a store path it owns")
@@ -125,9 +144,10 @@ def ensure_store_dir(path: str | os.PathLike[str]) -> Path:
     return store
 
 
-def hold_shared(path: str | os.PathLike[str], timeout_s: float = SHARED_WAIT_S) -> StoreLock:
-    """Opens the lock file of the store at ``path`` and holds it shared."""
-    lock = StoreLock(path)
+def hold_shared(path: str | os.PathLike[str], timeout_s: float = SHARED_WAIT_S, *, read_only: bool = False) -> StoreLock:
+    """Opens the lock file of the store at ``path`` and holds it shared
+    (``read_only``: creating nothing, see the module invariants)."""
+    lock = StoreLock(path, read_only=read_only)
     lock.acquire_shared(timeout_s)
     return lock
 

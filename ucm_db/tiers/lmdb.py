@@ -30,6 +30,14 @@ Invariants and choices:
     * Stores written by older versions with unsynced-commit markers are
       still checked in a child process after an OS crash
       (:mod:`ucm_db.tiers.lmdb_recovery`); no marker is written any more.
+    * ``read_only`` (a store on a read-only volume) writes nothing: the
+      environment is opened ``MDB_RDONLY``, with LMDB's lock file where it
+      can be opened and without it (``MDB_NOLOCK``) where the volume is
+      read-only; no OS-crash check or rollback, no snapshot pin, ``sync``
+      does nothing and ``write`` raises :class:`TierError`. Without the lock
+      file no writer sees this process's readers, so a store written
+      through another mount meanwhile may show a reader torn pages: the
+      payload checksums turn those into misses.
 """
 
 from __future__ import annotations
@@ -177,8 +185,9 @@ class LmdbEngine(Engine):
     multi_process = True
     persistent = True
 
-    def __init__(self, path: str | Path, *, map_size_bytes: int, sync: bool, max_readers: int = 1024) -> None:
+    def __init__(self, path: str | Path, *, map_size_bytes: int, sync: bool, max_readers: int = 1024, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.read_only = read_only
         self._map_size_bytes = map_size_bytes
         self._sync = sync
         self._max_readers = max_readers
@@ -212,6 +221,11 @@ class LmdbEngine(Engine):
         self._pin = None
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
+        if self.read_only:
+            self._env = self._open_read_only()
+            self._dbs = self._open_tables(self._env)
+            self._pid = os.getpid()
+            return
         ensure_store_dir(self.path.parent)
         ensure_env_dir(self.path)
         try:
@@ -264,6 +278,23 @@ class LmdbEngine(Engine):
         self._env = env
         self._pid = os.getpid()
 
+    def _open_read_only(self) -> lmdb.Environment:
+        """The environment opened ``MDB_RDONLY`` (module invariants): with
+        LMDB's lock file if this process may open it, else without."""
+        check_data_file(self.path)
+        options: dict[str, Any] = dict(
+            subdir=True, readonly=True, max_dbs=len(TABLES) + 4, max_readers=self._max_readers, readahead=True, create=False,
+        )
+        try:
+            return _lmdb_open(str(self.path), lock=True, **options)
+        except (lmdb.ReadonlyError, lmdb.Error, OSError) as exc:
+            if _lock_file_writable(self.path):
+                raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
+        try:
+            return _lmdb_open(str(self.path), lock=False, **options)
+        except (lmdb.Error, OSError) as exc:
+            raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
+
     def _set_aside_if_still_damaged(self) -> None:
         """The last resort after a rollback: a synced snapshot that still
         does not fit in the file means the disk lost synced writes (it lied
@@ -298,7 +329,7 @@ class LmdbEngine(Engine):
         with MDB_MAP_RESIZED while other processes were writing)."""
         for _ in range(16):
             try:
-                return {name: env.open_db(name.encode()) for name in TABLES}
+                return {name: env.open_db(name.encode(), create=not self.read_only) for name in TABLES}
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
             except lmdb.Error as exc:
@@ -318,6 +349,8 @@ class LmdbEngine(Engine):
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def write(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
+        if self.read_only:
+            raise TierError(f"LMDB store {self.path} is open read-only", hint="open it without read_only=True to write")
         env = self._environment()
         while True:
             try:
@@ -359,6 +392,8 @@ class LmdbEngine(Engine):
                 env.set_mapsize(0)
 
     def sync(self) -> None:
+        if self.read_only:
+            return  # nothing written, nothing to make durable
         self._sync_env(self._environment())
 
     def _sync_env(self, env: lmdb.Environment) -> None:
@@ -387,3 +422,10 @@ class LmdbEngine(Engine):
     def file_bytes(self) -> int:
         data = self.path / "data.mdb"
         return data.stat().st_size if data.exists() else 0
+
+
+def _lock_file_writable(env_dir: Path) -> bool:
+    """True if this process could open (or create) LMDB's lock file for
+    writing: a read-only open that failed then failed for another reason."""
+    lock = env_dir / "lock.mdb"
+    return os.access(lock, os.W_OK) if lock.exists() else os.access(env_dir, os.W_OK)
