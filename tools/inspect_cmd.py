@@ -33,9 +33,9 @@ def render(r: dict[str, Any]) -> str:
         + (f"   remote codec {r['remote_codec'].get('codec')} ({r['remote_codec'].get('setting')})" if r.get("remote_codec") else ""),
         "",
     ]
-    rows = [[n["id"][:16], n["model"], n["kv_dtype"], n["block_size"], n["rank"], n["blocks"], human_bytes(n["stored_bytes"]),
+    rows = [[n["id"][:16], n["model"], n["kv_dtype"], n["block_size"], n["rank"], n["read_at"], n["blocks"], human_bytes(n["stored_bytes"]),
              f"{n['last_use_age_s']:.0f} s ago" if n["last_use_age_s"] is not None else "-"] for n in r["namespaces"]]
-    lines.append(table(["namespace", "model", "dtype", "block", "rank", "blocks", "stored", "last use"], rows))
+    lines.append(table(["namespace", "model", "dtype", "block", "rank", "read at", "blocks", "stored", "last use"], rows))
     for name, hist in r["histograms"].items():
         lines.append(f"\n{name.replace('_', ' ')}:")
         lines.extend(f"  {label:<10} {count}" for label, count in hist.items())
