@@ -9,9 +9,16 @@ Enable it with::
 
 The facade only dispatches: scheduler-role calls go to
 :class:`~ucm_db.connector.scheduler.UcmDbScheduler`, worker-role calls to
-:class:`~ucm_db.connector.worker.UcmDbWorker`. Settings are parsed (and bad
-keys rejected) in the constructor of both roles, so a typo stops the engine
-at start-up.
+:class:`~ucm_db.connector.worker.UcmDbWorker`.
+
+Start-up: a bad setting or an unusable store stops the engine with one log
+line ``ucm-db connector cannot start: <error> (hint: <fix>)`` ahead of vLLM's
+tracebacks. Settings are parsed and the store is opened (and held until
+``shutdown``) in the constructor of both roles; before that, the engine core
+asks :meth:`UcmDbConnector.get_required_kvcache_layout` right after loading
+the weights (before profiling, KV allocation and compilation), which runs
+the same checks. A ``kv_consumer`` whose store is on a read-only volume
+opens it read-only (:func:`ucm_db.connector.stores.role_store_options`).
 
 Invariants:
     * Every vLLM call reaching the wrong role is a no-op with an empty
@@ -31,20 +38,21 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.logger import init_logger
 
+import ucm_db
 from ucm_db.connector.identity import kv_shape
 from ucm_db.connector.metadata import UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
-from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.scheduler import UcmDbScheduler
 from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.connector.stores import acquire, check_openable, release, role_settings
 from ucm_db.connector.worker import UcmDbWorker
+from ucm_db.errors import UcmDbError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,13 +72,17 @@ class UcmDbConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config
-        self.settings = ConnectorSettings.from_extra_config(extra)
-        self.pd_role = RolePolicy.from_kv_role(self._kv_transfer_config.kv_role)
-        if self.pd_role.publishes:
-            self.settings = dataclasses.replace(
-                self.settings, store_options=producer_store_options(self.settings.store_options, self.settings.publish),
+        self._held_store: ucm_db.Store | None = None
+        try:
+            self.settings, self.pd_role = role_settings(
+                self._kv_transfer_config.kv_connector_extra_config, self._kv_transfer_config.kv_role,
             )
+            # Opened here, held until shutdown: a bad path or an unusable
+            # store stops the engine now, not at the first request.
+            self._held_store = acquire(self.settings)
+        except UcmDbError as exc:
+            _log_start_failure(exc)
+            raise
         self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
         self._scheduler: UcmDbScheduler | None = None
         self._worker: UcmDbWorker | None = None
@@ -133,6 +145,9 @@ class UcmDbConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        held, self._held_store = self._held_store, None
+        if held is not None:
+            release(held)
 
     def _metadata(self) -> UcmDbConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -165,6 +180,34 @@ class UcmDbConnector(KVConnectorBase_V1):
             return False, None
         return self._scheduler.request_finished(request, block_ids)
 
+    # -- start-up checks ---------------------------------------------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # vLLM's engine core asks this right after loading the weights, before
+        # it profiles memory, allocates the KV cache and compiles: the earliest
+        # call that carries the whole config on every platform. Settings and
+        # store are checked here so a mistake costs seconds, not a warm-up.
+        try:
+            settings, _ = role_settings(vllm_config.kv_transfer_config.kv_connector_extra_config,
+                                        vllm_config.kv_transfer_config.kv_role)
+            check_openable(settings)
+        except UcmDbError as exc:
+            _log_start_failure(exc)
+            raise
+        return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Asked while vLLM builds its config (before any engine process starts)
+        # where full CUDA graphs are on: settings are checked there too. Layer
+        # mode loads in a thread that attention layers wait for, which a
+        # captured graph cannot do.
+        try:
+            return ConnectorSettings.from_extra_config(extra_config).load_mode == "layer"
+        except UcmDbError as exc:
+            _log_start_failure(exc)
+            raise
+
     # -- metrics -------------------------------------------------------------------
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -176,6 +219,11 @@ class UcmDbConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return UcmDbPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _log_start_failure(exc: UcmDbError) -> None:
+    """One log line with the error and its hint, ahead of vLLM's tracebacks."""
+    logger.error("ucm-db connector cannot start: %s", exc)
 
 
 def _ranks() -> tuple[int, int]:

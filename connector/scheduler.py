@@ -314,8 +314,7 @@ class UcmDbScheduler:
         state.saved_blocks = max(state.saved_blocks, state.stored_blocks)
         query = max(0, request.num_prompt_tokens - record.local_tokens)
         self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens)
-        if num_external_tokens:
-            self._report_ratio()
+        self._report_ratio()  # every lookup, hit or not: the gauge describes the store, not this request
         logger.info(
             "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
             request.request_id, request.num_prompt_tokens, record.local_tokens, num_external_tokens,

@@ -9,16 +9,26 @@ Invariants:
       release, after every holder's writes were handed to it.
     * Handles are keyed by resolved path and process id, so a forked child
       never reuses its parent's handle.
+    * :func:`role_store_options` decides how a role opens the store before
+      anything is opened: a ``kv_consumer`` whose store is on a read-only
+      volume (or not writable by this user) opens it ``read_only``; a role
+      that saves is refused there, with the fix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from pathlib import Path
 
+from collections.abc import Mapping
+from typing import Any
+
 import ucm_db
+from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.errors import TierError
 
 _lock = threading.Lock()
 _handles: dict[tuple[int, Path], list] = {}  # key -> [store, refcount]
@@ -46,3 +56,52 @@ def release(store: ucm_db.Store) -> None:
                     del _handles[key]
                     store.close()
                 return
+
+
+def store_is_read_only(path: Path) -> bool:
+    """True if the existing store directory ``path`` cannot be written by
+    this process (a read-only volume, or no write permission)."""
+    path = path.expanduser()
+    return path.is_dir() and not os.access(path, os.W_OK)
+
+
+def role_store_options(settings: ConnectorSettings, saves: bool) -> ConnectorSettings:
+    """``settings`` as a role opens its store (module invariants): an
+    explicit ``read_only`` is kept; a consumer (``saves`` False) on a
+    read-only store gets ``read_only=True``; a saving role there is a
+    :class:`~ucm_db.errors.TierError` naming the fix."""
+    explicit = settings.store_options.get("read_only")
+    if explicit is not None:
+        if explicit and saves:
+            raise TierError(
+                f"read_only is set for the store {settings.path}, but this kv_role saves blocks",
+                hint='use "kv_role": "kv_consumer" to serve a store without writing to it, or drop read_only',
+            )
+        return settings
+    if not store_is_read_only(settings.path):
+        return settings
+    if saves:
+        raise TierError(
+            f"the store {settings.path} is not writable (a read-only volume or no write permission), and this kv_role saves blocks",
+            hint='use "kv_role": "kv_consumer" to serve it without writing, or put the store on a writable volume',
+        )
+    return dataclasses.replace(settings, store_options={**settings.store_options, "read_only": True})
+
+
+def check_openable(settings: ConnectorSettings) -> None:
+    """Opens the store and closes it again (unless this process holds it
+    already): raises its TierError/ConfigError now, not at first use."""
+    store = acquire(settings)
+    release(store)
+
+
+def role_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> tuple[ConnectorSettings, RolePolicy]:
+    """The settings a connector of ``kv_role`` opens its store with, from
+    ``kv_connector_extra_config``: parsed and checked (ConfigError), the
+    producer's publication options applied, read-only decided
+    (:func:`role_store_options`). Opens nothing."""
+    settings = ConnectorSettings.from_extra_config(extra)
+    role = RolePolicy.from_kv_role(kv_role)
+    if role.publishes:
+        settings = dataclasses.replace(settings, store_options=producer_store_options(settings.store_options, settings.publish))
+    return role_store_options(settings, role.saves), role
