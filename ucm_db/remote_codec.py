@@ -8,7 +8,9 @@ the local tier as they are: a block's head names its codec, so a local tier
 may hold both.
 
 ``auto`` compresses when the link, not the CPU, limits the upload. With
-``C`` the measured zstd speed of the upload threads together (raw bytes/s),
+``C`` the measured zstd speed of the upload threads together (raw bytes/s;
+one thread's speed times the threads that can run at once, at most the
+cores),
 ``L`` the measured link speed (bytes on the wire/s) and ``r`` the measured
 compression ratio, uploading raw moves ``L`` raw bytes/s and uploading
 compressed ``min(C, r * L)``; zstd is chosen when that is at least
@@ -25,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +38,10 @@ from ucm_db import codec
 AUTO_MARGIN = 1.05
 #: One upload in this many measures the codec not chosen.
 PROBE_EVERY = 16
+#: Shortest busy time of the link that one link-speed measurement spans.
+LINK_WINDOW_S = 0.05
+#: Longest busy stretch measured as one window while uploads keep overlapping.
+LINK_BUSY_WINDOW_S = 1.0
 #: Weight of a new measurement in the moving averages.
 _EWMA = 0.2
 
@@ -64,6 +71,12 @@ class RemoteCodec:
         self._link_bps: float | None = None
         self._ratio: float | None = None
         self._uploads = 0
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self._busy_s = 0.0
+        self._window_bytes = 0
+        #: Compressions that really run at once: the upload threads, up to the cores.
+        self._parallel = max(1, min(self._threads, os.cpu_count() or 1))
 
     def next_codec(self) -> str:
         """The codec for the next upload."""
@@ -89,11 +102,34 @@ class RemoteCodec:
                 self._observe(compress_bps=raw / elapsed, ratio=raw / len(out))
         return bytes(out), wanted
 
-    def observe_send(self, sent_bytes: int, seconds: float) -> None:
-        """One object of ``sent_bytes`` took ``seconds`` to upload (one of
-        ``threads`` concurrent uploads)."""
-        if seconds > 0 and sent_bytes:
-            self._observe(link_bps=sent_bytes / seconds * self._threads)
+    def send_started(self) -> None:
+        """An upload began sending (pair with :meth:`send_finished`)."""
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+
+    def send_finished(self, sent_bytes: int) -> None:
+        """An upload of ``sent_bytes`` finished (or failed: pass 0).
+
+        The link speed is the bytes sent over the time at least one upload
+        was in flight, measured over windows of at least :data:`LINK_WINDOW_S`: right
+        whatever number of uploads share the link, unlike a per-upload speed
+        scaled by the thread count (which overstates a link that one upload
+        at a time already fills); see :data:`LINK_BUSY_WINDOW_S`."""
+        with self._lock:
+            now = time.perf_counter()
+            self._busy_s += now - self._busy_since  # the link was busy since the last start or finish
+            self._busy_since = now
+            self._in_flight -= 1
+            self._window_bytes += sent_bytes
+            # Measure when the link goes idle (every byte of the window has
+            # arrived), or after a long busy stretch (bytes still in flight
+            # then are a small part of the window).
+            idle = self._in_flight == 0 and self._busy_s >= LINK_WINDOW_S
+            if (idle or self._busy_s >= LINK_BUSY_WINDOW_S) and self._window_bytes:
+                self._link_bps = _mix(self._link_bps, self._window_bytes / self._busy_s)
+                self._window_bytes, self._busy_s = 0, 0.0
 
     def choice(self) -> CodecChoice:
         with self._lock:
@@ -103,7 +139,7 @@ class RemoteCodec:
     def _auto_choice(self) -> str:
         if self._compress_bps is None or self._link_bps is None or self._ratio is None:
             return "zstd"
-        compress_total = self._compress_bps * self._threads
+        compress_total = self._compress_bps * self._parallel
         return "zstd" if min(compress_total, self._ratio * self._link_bps) >= AUTO_MARGIN * self._link_bps else "none"
 
     def _observe(self, *, compress_bps: float | None = None, link_bps: float | None = None, ratio: float | None = None) -> None:

@@ -212,12 +212,19 @@ class Uploader:
         key, parent, namespace_id, _depth, blob = item
         try:
             sent = self._encode_for_remote(key, namespace_id, blob)
-            started = time.perf_counter()
-            self.remote.tier(namespace_id).store(key, parent, sent)
-            if self.codec is not None:
-                self.codec.observe_send(len(sent), time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - any failure keeps the row queued
             return f"{type(exc).__name__}: {exc}"
+        sent_bytes = 0
+        if self.codec is not None:
+            self.codec.send_started()
+        try:
+            self.remote.tier(namespace_id).store(key, parent, sent)
+            sent_bytes = len(sent)
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the row queued
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            if self.codec is not None:
+                self.codec.send_finished(sent_bytes)
         return None
 
     def _encode_for_remote(self, key: bytes, namespace_id: bytes, blob: bytes) -> bytes:

@@ -7,6 +7,7 @@ decision rule of ``auto`` is also checked on its own with given speeds.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -98,13 +99,35 @@ def test_auto_decides_by_the_measured_speeds() -> None:
     def decided(compress: float, link: float, ratio: float) -> str:
         chooser = RemoteCodec("auto", local_codec="none", level=1, threads=4)
         assert chooser.next_codec() == "zstd"  # nothing measured yet: compress
-        chooser._observe(compress_bps=compress, ratio=ratio)
-        chooser.observe_send(int(link / 4), 1.0)  # one of 4 concurrent uploads
+        chooser._observe(compress_bps=compress, ratio=ratio, link_bps=link)
         return chooser.choice().codec
 
     assert decided(compress=400e6, link=100e6, ratio=1.45) == "zstd"   # the link limits
     assert decided(compress=400e6, link=4e9, ratio=1.45) == "none"     # the CPU limits
     assert decided(compress=400e6, link=100e6, ratio=1.01) == "none"   # nothing to gain
+
+
+def test_the_link_speed_counts_the_time_the_link_was_busy() -> None:
+    """Bytes over busy time, whatever the number of uploads in flight: four
+    uploads sharing the link for 0.1 s moved 4 MB (40 MB/s, not 4 x 40), and
+    one upload at a time moving 1 MB per 0.1 s is 10 MB/s (not 4 x 10, as a
+    per-upload speed times the thread count would say)."""
+    shared = RemoteCodec("auto", local_codec="none", level=1, threads=4)
+    for _ in range(4):
+        shared.send_started()
+    time.sleep(0.1)
+    for _ in range(4):
+        shared.send_finished(1_000_000)
+    link = shared.choice().link_bytes_per_s
+    assert link is not None and 10e6 < link <= 40e6 * 1.01
+
+    alone = RemoteCodec("auto", local_codec="none", level=1, threads=4)
+    for _ in range(2):
+        alone.send_started()
+        time.sleep(0.1)
+        alone.send_finished(1_000_000)
+    link = alone.choice().link_bytes_per_s
+    assert link is not None and 2.5e6 < link <= 10e6 * 1.01
 
 
 def test_auto_keeps_probing_the_other_codec() -> None:
