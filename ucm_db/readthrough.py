@@ -306,7 +306,7 @@ class RemoteLink:
         found = self.search(namespace_id, rest, deadline)
         if found.count == 0:
             return local_n, 0
-        parent = keys[local_n - 1] if local_n else None
+        parent = keys[local_n - 1] if local_n else first_parent(keys)
         objects = self.fetch_chain(namespace_id, rest[: found.count], parent, deadline)
         now, later = _split_by_bytes(objects, SYNC_PROMOTE_BYTES)
         promoted = promote(local, now)
@@ -358,6 +358,17 @@ def _split_by_bytes(objects: list[RemoteObject], budget_bytes: int) -> tuple[lis
         if total > budget_bytes and i > 0:
             return objects[:i], objects[i:]
     return objects, []
+
+
+def first_parent(keys: Sequence[bytes]) -> bytes | None:
+    """The key before ``keys[0]``: a ``BlockKeys`` slice's ``parent``, a
+    ``UnitKeys`` slice's ``parent()``, None for a plain list (a chain's
+    start). A lookup of a segment that starts mid-chain (the connector looks
+    a long prompt up in segments) must check the remote objects against
+    that parent, not None, or it finds none of them."""
+    parent = getattr(keys, "parent", None)
+    found = parent() if callable(parent) else parent
+    return bytes(found) if isinstance(found, (bytes, bytearray, memoryview)) else None
 
 
 def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
