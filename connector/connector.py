@@ -56,12 +56,14 @@ from ucm_db.errors import UcmDbError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -136,6 +138,10 @@ class UcmDbConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        # The step's load timings, for the scheduler's cost model.
+        return self._worker.take_worker_meta() if self._worker is not None else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         part = self._worker or self._scheduler
         return part.counters.take() if part is not None else None
@@ -179,6 +185,11 @@ class UcmDbConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return False, None
         return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Workers' load timings and the step's round trip -> cost model.
+        if self._scheduler is not None:
+            self._scheduler.observe_output(getattr(connector_output, "kv_connector_worker_meta", None))
 
     # -- start-up checks ---------------------------------------------------------------
     @classmethod

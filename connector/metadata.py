@@ -15,13 +15,18 @@ Invariants:
     * Loads of a step complete (or are reported failed) within that step;
       saves are copied out of the KV caches within that step.
     * Only plain values: vLLM ships this object to worker processes.
+    * Every step's metadata carries the scheduler's ``step`` number; a
+      worker echoes it in its :class:`UcmDbWorkerMetadata` with the step's
+      load timings, so the scheduler's cost model pairs each step's round
+      trip with its own loads (cost_model.py), whatever the order outputs
+      arrive in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +53,29 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    step: int = -1  # the scheduler's step number (-1: not numbered)
 
     @property
     def empty(self) -> bool:
         return not self.loads and not self.saves
+
+
+@dataclass
+class UcmDbWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: what one step's loads cost.
+
+    ``loads`` maps ``(namespace id, tier)`` to ``(tokens loaded, seconds)``.
+    Ranks load their own heads of the same blocks in parallel, so the
+    aggregate over ranks keeps the most tokens and the longest time.
+    """
+
+    step: int = -1
+    loads: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, UcmDbWorkerMetadata):
+            self.step = max(self.step, other.step)
+            for key, (tokens, seconds) in other.loads.items():
+                have_tokens, have_s = self.loads.get(key, (0, 0.0))
+                self.loads[key] = (max(have_tokens, tokens), max(have_s, seconds))
+        return self

@@ -25,6 +25,15 @@ Invariants:
       is stored or saved before it (the writer is FIFO). Blocks loaded from
       pre-unit blocks (whole TP=1 blocks, or per-rank blocks of this TP/PP
       size) are saved again as units: the store converts itself on use.
+    * Load or recompute (cost_model.py, ``load_policy``): the remote tier is
+      asked only as the cost model decides (all of the prefix, a probe of
+      :data:`_PROBE_BLOCKS` blocks, or nothing), and a local hit is not
+      claimed while the local tier is judged slower than recomputing. The
+      model learns from real work only: the remote's rate from the timed
+      lookups that promote remote blocks, the local tier's from the
+      workers' load timings, the prefill rate from each step's round trip
+      (metadata built -> worker output back, less its loads and the remote
+      lookups meanwhile), the last two fed back through ``update_connector_output``.
 """
 
 from __future__ import annotations
@@ -40,9 +49,9 @@ import torch
 from vllm.logger import init_logger
 
 import ucm_db
-from ucm_db.connector.cost_model import CostModel
+from ucm_db.connector.cost_model import CostModel, Decision
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
-from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
+from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
@@ -57,6 +66,11 @@ if TYPE_CHECKING:
 
 #: Blocks hashed and looked up first; later segments grow 4x.
 _FIRST_SEGMENT_BLOCKS = 16
+#: Blocks a probe of a tier the cost model cannot judge asks for.
+_PROBE_BLOCKS = 4
+#: Steps awaiting their workers' output at most (older ones are dropped:
+#: an output that carried no metadata never comes).
+_MAX_PENDING_STEPS = 64
 #: Shortest interval between two compression-ratio reports of the scheduler.
 _RATIO_INTERVAL_S = 2.0
 
@@ -152,8 +166,11 @@ class UcmDbScheduler:
         self._requests: dict[str, _RequestState] = {}
         self.counters = Counters()
         self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
-        self._step_at_s: float | None = None  # when the last step was planned
-        self._step_tokens = 0  # tokens it scheduled
+        self._ns_id = self._namespace.digest[:16].hex()
+        self._step = 0  # number of the next step's metadata
+        # step -> (planned at, tokens scheduled, remote lookup seconds so far)
+        self._pending_steps: dict[int, tuple[float, int, float]] = {}
+        self._remote_lookup_s = 0.0  # total seconds of timed remote lookups
         logger.info(
             "ucm-db connector (scheduler): store %s, namespace %s, %d unit(s) per block, model %s",
             settings.path, self._namespace.short_id, len(self._spans), shape.model,
@@ -216,6 +233,8 @@ class UcmDbScheduler:
         hit = found[source]
         if self._await_publication(state, max_blocks, hit):
             return None, False
+        if hit and self.cost.decide(self._ns_id, "local", probe_unmeasured=False) is Decision.SKIP:
+            hit = 0  # the local tier is judged slower than recomputing (cost_model.py)
         state.lookup = LookupRecord(num_computed_tokens, hit, found["units"], source, time.perf_counter() - started)
         return max(0, hit * self._block_size - num_computed_tokens), False
 
@@ -248,27 +267,51 @@ class UcmDbScheduler:
 
     def _priced_prefix(self, spans: Sequence[Any], keys: Sequence[bytes], start: int, stop: int) -> int:
         """:func:`stored_prefix` from the local tier, continued from the
-        remote only where the cost model expects the remote faster than
-        recomputing (or due a re-probe); the remote lookup (which promotes
-        what it finds) is timed to measure the remote's rate."""
+        remote as far as the cost model decides (all, a probe of
+        :data:`_PROBE_BLOCKS` blocks, or nothing); the remote lookup (which
+        promotes what it finds) is timed to measure the remote's rate."""
         local = stored_prefix(_LocalTier(self._store), self._namespace, self._grid, spans, keys, start, stop)
-        ns_id = self._namespace.digest[:16].hex()
-        if self._store.remote is None or start + local >= stop or not self.cost.should_ask(ns_id, "remote"):
+        if self._store.remote is None or start + local >= stop:
             return local
+        decision = self.cost.decide(self._ns_id, "remote")
+        if decision is Decision.SKIP:
+            return local
+        if decision is Decision.PROBE:
+            stop = min(stop, start + local + _PROBE_BLOCKS)
         started = time.perf_counter()
         found = stored_prefix(self._store, self._namespace, self._grid, spans, keys, start + local, stop)
-        self.cost.observe_load(ns_id, "remote", found * self._block_size, time.perf_counter() - started)
+        elapsed_s = time.perf_counter() - started
+        self._remote_lookup_s += elapsed_s
+        self.cost.observe_load(self._ns_id, "remote", found * self._block_size, elapsed_s)
         return local + found
 
-    def _observe_step(self, scheduler_output: SchedulerOutput) -> None:
-        """Prefill rate sample: the tokens the previous step scheduled over
-        the time until this step is planned (an idle gap between the two
-        only lowers the rate, which favours loading)."""
+    def _number_step(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
+        """Numbers the step and remembers when it was planned, for the
+        prefill sample its workers' output completes (:meth:`observe_output`)."""
+        meta.step, self._step = self._step, self._step + 1
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self._pending_steps[meta.step] = (time.perf_counter(), tokens, self._remote_lookup_s)
+        if len(self._pending_steps) > _MAX_PENDING_STEPS:
+            del self._pending_steps[min(self._pending_steps)]
+
+    def observe_output(self, worker_meta: object) -> None:
+        """Feeds one step's worker output to the cost model: the local
+        tier's load timings, and the step's prefill sample (its round trip
+        less those loads and the remote lookups made meanwhile, which are
+        the connector's time, not the model's)."""
+        if not isinstance(worker_meta, UcmDbWorkerMetadata):
+            return
         now = time.perf_counter()
-        if self._step_at_s is not None and self._step_tokens:
-            self.cost.observe_prefill(self._step_tokens, now - self._step_at_s)
-        self._step_at_s = now
-        self._step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        load_s = 0.0
+        for (ns_id, tier), (tokens, seconds) in worker_meta.loads.items():
+            self.cost.observe_load(ns_id, tier, tokens, seconds)
+            load_s = max(load_s, seconds)
+        planned = self._pending_steps.pop(worker_meta.step, None)
+        for step in [s for s in self._pending_steps if s < worker_meta.step]:
+            del self._pending_steps[step]  # their outputs carried no metadata
+        if planned is not None:
+            planned_at_s, tokens, lookup_s = planned
+            self.cost.observe_prefill(tokens, now - planned_at_s - load_s - (self._remote_lookup_s - lookup_s))
 
     def _report_ratio(self) -> None:
         """The stored namespace's compression ratio, at most every
@@ -322,7 +365,7 @@ class UcmDbScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         meta = UcmDbConnectorMetadata()
-        self._observe_step(scheduler_output)
+        self._number_step(meta, scheduler_output)
         for new_req in scheduler_output.scheduled_new_reqs:
             self._plan_load(meta, new_req.req_id, new_req.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs

@@ -21,6 +21,10 @@ Invariants:
       this rank's heads are copied into the KV caches; a per-rank pre-unit
       block (``source="ranks"``) is this rank's own, read from its rank
       namespace.
+    * Each step's loads are timed (wall time of the read and the copy into
+      the KV caches) and handed back once, with the step's number, by
+      :meth:`UcmDbWorker.take_worker_meta`: the scheduler's cost model
+      learns the local tier's load rate from them (cost_model.py).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, rank_spans, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
-from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
+from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.roles import RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
@@ -73,6 +77,8 @@ class UcmDbWorker:
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
         self._layer_load: _LayerLoad | None = None
+        self._step = -1  # the step whose metadata was bound last
+        self._step_loads: dict[tuple[str, str], tuple[int, float]] = {}  # its load timings (under _errors_lock)
         self.counters = Counters()
 
     # -- setup ---------------------------------------------------------------
@@ -102,6 +108,7 @@ class UcmDbWorker:
 
     # -- loads ---------------------------------------------------------------
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
+        self._step = meta.step
         if not meta.loads or self._store is None:
             return
         if self._settings.load_mode == "layer":
@@ -160,10 +167,29 @@ class UcmDbWorker:
             if job is not None and layer is not None:
                 job.ready[layer].set()
         good = len(unit_ids) + len(whole_ids) + len(rank_ids)
-        self.counters.add(
-            loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes,
-            load_s=time.perf_counter() - started, load_errors=len(failed),
-        )
+        load_s = time.perf_counter() - started
+        self.counters.add(loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes, load_s=load_s, load_errors=len(failed))
+        self._time_load(good * self._shape.block_size, load_s)
+
+    def _time_load(self, tokens: int, seconds: float) -> None:
+        """Adds a load of this step to the timings the scheduler gets back
+        (the local tier's: a remote block was promoted by the scheduler's
+        lookup before it was planned)."""
+        key = (self._namespace.digest[:16].hex(), "local")
+        with self._errors_lock:
+            have_tokens, have_s = self._step_loads.get(key, (0, 0.0))
+            self._step_loads[key] = (have_tokens + tokens, have_s + seconds)
+
+    def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
+        """The bound step's number and load timings, once (None if no step
+        was bound since the last call); joins a running layer load first."""
+        self.finish_loads()
+        if self._step < 0:
+            return None
+        with self._errors_lock:
+            loads, self._step_loads = self._step_loads, {}
+        meta, self._step = UcmDbWorkerMetadata(self._step, loads), -1
+        return meta
 
     def _read_units(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
         """Decodes this rank's units of ``loads`` into unit staging:

@@ -1,8 +1,10 @@
 """Load-or-recompute: the cost model's decisions (pure), the ``load_policy``
-setting, and the scheduler over a real store whose remote is a real
+setting, the worker -> scheduler feedback (worker metadata, step round
+trips), and the scheduler over a real store whose remote is a real
 ``throttled://`` directory at two bandwidths (no engine: the prefill rate is
 given as a calibration, the remote's rate is measured by the scheduler's own
-timed lookups)."""
+timed lookups). tests/vllm/test_cost_policy.py runs the same on a real
+engine."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ucm_db.connector.cost_model import CostModel, check_load_policy
+from ucm_db.connector.cost_model import CostModel, Decision, check_load_policy
 from ucm_db.errors import ConfigError
 
 
@@ -68,6 +70,42 @@ def test_slow_tier_is_reprobed_and_recovers() -> None:
     assert model.should_ask("ns", "remote") and model.faster_than_recompute("ns", "remote")
 
 
+def test_unmeasured_tier_is_probed_measured_one_loaded_or_skipped() -> None:
+    clock = _Clock()
+    model = CostModel(clock=clock, reprobe_interval_s=30.0)
+    assert model.decide("ns", "remote") is Decision.PROBE
+    assert model.decide("ns", "local", probe_unmeasured=False) is Decision.LOAD
+    model.observe_load("ns", "remote", 1000, 1.0)
+    assert model.decide("ns", "remote") is Decision.LOAD  # prefill unmeasured: load
+    model.observe_prefill(10_000, 1.0)
+    assert model.decide("ns", "remote") is Decision.SKIP  # 10x slower than prefill
+    clock.now_s += 30.0
+    assert model.decide("ns", "remote") is Decision.PROBE  # re-probe due ...
+    assert model.decide("ns", "remote") is Decision.SKIP   # ... once per interval, even if it found nothing
+    assert model.skipped["remote"] == 2
+
+
+def test_one_slow_sample_weighs_its_time_not_its_rate() -> None:
+    """The estimate averages seconds per token: a 100x slower load after a
+    fast one moves the estimate by the time it cost, and the tier is judged
+    slower than recompute at once (an average of rates would still say fast)."""
+    model = CostModel(weight=0.3)
+    model.observe_prefill(1000, 1.0)               # 1 ms per token
+    model.observe_load("ns", "remote", 100_000, 1.0)  # 0.01 ms per token
+    assert model.decide("ns", "remote") is Decision.LOAD
+    model.observe_load("ns", "remote", 100, 1.0)      # the link fell to 10 ms per token
+    assert model.seconds_per_token("ns", "remote") == pytest.approx(0.7 * 1e-5 + 0.3 * 1e-2)
+    assert model.decide("ns", "remote") is Decision.SKIP
+
+
+def test_small_steps_are_not_prefill_samples() -> None:
+    model = CostModel(min_prefill_tokens=256)
+    model.observe_prefill(8, 0.02)  # a decode step: per-step overhead
+    assert model.prefill.value is None
+    model.observe_prefill(512, 0.1)
+    assert model.prefill.rate == pytest.approx(5120.0)
+
+
 def test_always_policy_and_noise_samples() -> None:
     model = CostModel("always")
     model.observe_prefill(1000, 1.0)
@@ -95,11 +133,14 @@ def test_load_policy_setting() -> None:
 
 
 # -- scheduler over a throttled remote ---------------------------------------------
-BS, BLOCKS, PAYLOAD_BYTES = 32, 16, 16 << 10
+#: 24 blocks: past the scheduler's first 16-block lookup segment, so a
+#: claim covers a remote segment that starts mid-chain (its parent is not None).
+BS, BLOCKS, PAYLOAD_BYTES = 32, 24, 16 << 10
 #: Calibrated prefill rate of the scheduler tests: a slow link (0.5 MB/s:
-#: ~1000 tokens/s of these blocks) is far below it, a fast one (1 GB/s) far
-#: above it even with the lookup's own promotion cost.
-PREFILL_TOKENS_PER_S = 5000.0
+#: ~500 tokens/s of these blocks, two 16 KiB units per 32-token block) is
+#: far below it, a fast one (1 GB/s) far above it even with the lookup's own
+#: promotion cost on a 4-block probe (64 ms of budget).
+PREFILL_TOKENS_PER_S = 2000.0
 
 
 def _remote_with(tmp_path: Path, prompts: list[list[int]]) -> Path:
@@ -166,8 +207,11 @@ def test_scheduler_claims_a_remote_hit_only_where_it_beats_recompute(
     sched = UcmDbScheduler(settings, _shape())
     try:
         sched.cost.observe_prefill(int(PREFILL_TOKENS_PER_S), 1.0)  # calibration
-        # Unmeasured remote: asked (and timed) whatever its speed.
-        assert _claim(sched, probe, "probe") == BLOCKS * BS
+        # Unmeasured remote: probed (a few blocks, timed) whatever its speed;
+        # "always" loads everything at once.
+        from ucm_db.connector.scheduler import _PROBE_BLOCKS
+
+        assert _claim(sched, probe, "probe") == (BLOCKS if policy == "always" else _PROBE_BLOCKS) * BS
         ns_id = sched._namespace.digest[:16].hex()
         assert sched.cost.load_rate(ns_id, "remote") is not None
         got = _claim(sched, second, "second")
@@ -190,35 +234,89 @@ def _request_for(tokens: list[int]):  # type: ignore[no-untyped-def]
     return Request("keys", tokens, SamplingParams(max_tokens=4), None)
 
 
+def _step(tokens: int):  # type: ignore[no-untyped-def]
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=tokens, scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )
+
+
 @pytest.mark.vllm
-def test_scheduler_measures_prefill_rate_from_step_timings(tmp_path: Path) -> None:
-    """The tokens one step scheduled over the time until the next step is
-    planned become a prefill-rate sample."""
+def test_scheduler_learns_prefill_and_local_rates_from_worker_output(tmp_path: Path) -> None:
+    """A step's round trip (metadata built -> its workers' output back),
+    less the step's loads, is a prefill sample; the loads are the local
+    tier's rate. Output of another step, or none, teaches nothing wrong."""
     pytest.importorskip("vllm")
     import time
 
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
-
+    from ucm_db.connector.metadata import UcmDbWorkerMetadata
     from ucm_db.connector.scheduler import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
 
-    def step(tokens: int) -> SchedulerOutput:
-        return SchedulerOutput(
-            scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
-            num_scheduled_tokens={}, total_num_scheduled_tokens=tokens, scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
-        )
-
     sched = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")}), _shape())
+    ns_id = sched._namespace.digest[:16].hex()
     try:
-        sched.build_connector_meta(step(0))  # idle step: no sample
-        sched.build_connector_meta(step(2000))
-        assert sched.cost.prefill.value is None
+        idle = sched.build_connector_meta(_step(0))
+        sched.observe_output(UcmDbWorkerMetadata(idle.step))  # nothing computed: no sample
+        lost = sched.build_connector_meta(_step(2000))         # its output never comes back
+        meta = sched.build_connector_meta(_step(2000))
+        assert meta.step == lost.step + 1 == idle.step + 2
         started = time.perf_counter()
-        time.sleep(0.2)
-        sched.build_connector_meta(step(0))
+        time.sleep(0.3)
+        sched.observe_output(UcmDbWorkerMetadata(meta.step, {(ns_id, "local"): (1024, 0.1)}))
         elapsed_s = time.perf_counter() - started
-        rate = sched.cost.prefill.value
-        assert rate is not None and 2000 / (elapsed_s + 0.05) <= rate <= 2000 / 0.2
+        assert sched.cost.load_rate(ns_id, "local") == pytest.approx(10240.0)
+        rate = sched.cost.prefill.rate
+        # 2000 tokens in the round trip less the 0.1 s of loads
+        assert rate is not None and 2000 / (elapsed_s - 0.1 + 0.05) <= rate <= 2000 / 0.2
+        assert sched.cost.prefill.samples == 1
+        sched.observe_output(UcmDbWorkerMetadata(lost.step))  # dropped as stale: no sample
+        sched.observe_output(None)
+        assert sched.cost.prefill.samples == 1
     finally:
         sched.shutdown()
+
+
+def test_worker_metadata_aggregates_ranks_by_the_slowest() -> None:
+    pytest.importorskip("vllm")
+    from ucm_db.connector.metadata import UcmDbWorkerMetadata
+
+    rank0 = UcmDbWorkerMetadata(7, {("ns", "local"): (512, 0.2)})
+    rank1 = UcmDbWorkerMetadata(7, {("ns", "local"): (512, 0.3)})
+    merged = rank0.aggregate(rank1)
+    assert isinstance(merged, UcmDbWorkerMetadata)
+    assert merged.step == 7 and merged.loads == {("ns", "local"): (512, 0.3)}
+
+
+@pytest.mark.vllm
+def test_local_hit_judged_slower_than_recompute_is_not_claimed(tmp_path: Path) -> None:
+    """A slow local tier (as its workers' timings report it) loses its
+    claims, except for a re-probe; ``always`` keeps loading."""
+    pytest.importorskip("vllm")
+    import ucm_db
+    from ucm_db.connector.identity import grid, namespace, reader_spans
+    from ucm_db.connector.metadata import UcmDbWorkerMetadata
+    from ucm_db.connector.scheduler import UcmDbScheduler
+    from ucm_db.connector.settings import ConnectorSettings
+    from ucm_db.units import UnitKeys
+
+    tokens = list(range(1, BS * BLOCKS + 5))
+    shape = _shape()
+    with ucm_db.open(tmp_path / "s") as store:
+        keys = namespace(shape).block_keys(tokens)
+        for span in reader_spans(shape):
+            units = list(UnitKeys(keys, grid(shape), span))
+            store.put(namespace(shape), units, [os.urandom(PAYLOAD_BYTES) for _ in units], parent=None)
+    for policy, claimed in (("auto", 0), ("always", BLOCKS * BS)):
+        sched = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "load_policy": policy}), shape)
+        try:
+            assert _claim(sched, tokens, "first") == BLOCKS * BS  # unmeasured: loaded
+            sched.cost.observe_prefill(10_000, 1.0)
+            meta = sched.build_connector_meta(_step(0))
+            sched.observe_output(UcmDbWorkerMetadata(meta.step, {(sched._ns_id, "local"): (512, 1.0)}))  # 512 tokens/s
+            assert _claim(sched, tokens, "second") == claimed
+        finally:
+            sched.shutdown()
