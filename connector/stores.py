@@ -20,9 +20,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from pathlib import Path
-
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import ucm_db
