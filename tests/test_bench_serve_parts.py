@@ -66,3 +66,28 @@ def test_verdicts_are_medians_of_the_runs_against_their_bounds() -> None:
     assert verdicts["ucm-second / warm-bound req/s"]["met"] is True  # 6.5 / 6.0
     assert "ucm-restart / warm-bound req/s" not in verdicts  # no figure, no verdict
     assert "ucm-db, capped, first pass (store empty)" in serve.format_table(report)
+
+
+@pytest.mark.s3
+def test_the_s3_row_reads_a_copy_of_the_warm_file_remote(tmp_path) -> None:
+    """The ``ucm-remote-s3`` row serves from a moto bucket holding the warm
+    ``file://`` remote's objects under the same paths: a store with an empty
+    local tier over that bucket finds and reads every block."""
+    import ucm_db
+    from ucm_db import Namespace
+    from ucm_db.tools.bench.remote import MotoS3
+
+    ns = Namespace(model="serve-s3-row", kv_dtype="bfloat16", block_size=4)
+    keys = ns.block_keys(list(range(4 * 6)))
+    payloads = [bytes([i]) * 4096 for i in range(6)]
+    remote = tmp_path / "remote"
+    with ucm_db.open(tmp_path / "warm", remote=remote.as_uri(), codec="zstd") as store:
+        store.put(ns, keys, payloads)
+        store.flush(upload_timeout_s=60)
+    with MotoS3() as s3:
+        url = serve._copy_to_s3(remote, s3.options)
+        # A generous deadline: s3fs's first request to moto (session set-up)
+        # can outlast the default one on a loaded machine.
+        with ucm_db.open(tmp_path / "empty", remote=url, remote_options=s3.options, remote_deadline_s=10.0) as store:
+            assert store.lookup(ns, keys) == 6
+            assert [bytes(b) for b in store.get(ns, keys)] == payloads

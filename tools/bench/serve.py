@@ -56,6 +56,7 @@ ROWS = {
     "ucm-second": "ucm-db, capped, second pass (store warm)",
     "ucm-restart": "ucm-db, capped, new engine on the warm store",
     "ucm-remote": "ucm-db, capped, empty local tier over warm file:// remote",
+    "ucm-remote-s3": "ucm-db, capped, empty local tier over warm S3 (moto)",
 }
 #: row -> (baseline row, bound on row / baseline request throughput).
 TARGETS = {
@@ -63,6 +64,7 @@ TARGETS = {
     "ucm-second": ("warm-bound", 1.0),
     "ucm-restart": ("warm-bound", 1.0),
     "ucm-remote": ("warm-bound", 0.8),
+    "ucm-remote-s3": ("warm-bound", 0.8),
 }
 #: What each row's result keeps from ``vllm bench serve``'s saved result.
 KEPT = ("request_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_e2el_ms", "duration")
@@ -131,10 +133,31 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     serve(replace(capped, num_blocks=options.bound_blocks), "bound", ("cold-bound", "warm-bound"))
     serve(ucm, "ucm", ("ucm-first", "ucm-second"))
     serve(ucm, "ucm-restart", ("ucm-restart",))
-    if "ucm-remote" in want:
+    if want & {"ucm-remote", "ucm-remote-s3"}:
         _drain_uploads(store, remote, progress)
         serve(replace(capped, connector=_connector(work / "empty-local", remote)), "ucm-remote", ("ucm-remote",))
+    if "ucm-remote-s3" in want:
+        from ucm_db.tools.bench.remote import MotoS3
+
+        with MotoS3() as s3:
+            started = time.perf_counter()
+            url = _copy_to_s3(remote, s3.options)
+            progress(f"  remote copied to {url} in {time.perf_counter() - started:.1f} s")
+            s3_connector = {"path": str(work / "empty-local-s3"), "remote": url, "capacity_bytes": 16 << 30,
+                            "remote_options": s3.options}
+            serve(replace(capped, connector=s3_connector), "ucm-remote-s3", ("ucm-remote-s3",))
     return rows
+
+
+def _copy_to_s3(remote: Path, s3_options: dict[str, Any]) -> str:
+    """Copies the warm ``file://`` remote into the moto bucket, object for
+    object (the same relative paths); returns the S3 remote's URL."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **s3_options, skip_instance_cache=True)
+    for path in sorted(p for p in remote.rglob("*") if p.is_file()):
+        fs.pipe_file(f"ucm-bench/kv/{path.relative_to(remote).as_posix()}", path.read_bytes())
+    return "s3://ucm-bench/kv"
 
 
 def _drain_uploads(store: Path, remote: Path, progress: Progress) -> None:
