@@ -27,6 +27,7 @@ BENCHMARKS = {
     "tp": "ucm_db.tools.bench.tp:command",
     "scale": "ucm_db.tools.bench.scale:command",
     "serve": "ucm_db.tools.bench.serve:command",
+    "cost": "ucm_db.tools.bench.cost:command",
 }
 
 

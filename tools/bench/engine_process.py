@@ -32,6 +32,7 @@ import click
 JOBS = {
     "engine_pass": "ucm_db.tools.bench.engine_pass:run_pass",
     "ttft_engine": "ucm_db.tools.bench.ttft:run_engine",
+    "cost_engine": "ucm_db.tools.bench.cost:run_engine",
 }
 
 
