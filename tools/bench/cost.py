@@ -1,6 +1,6 @@
 """Load or recompute over a throttled remote: ``ucm-db bench cost`` (issue 13, item 2).
 
-    ucm-db bench cost [--lengths 1024,2048,4096,8192] [--repeats 3] [--json]
+    ucm-db bench cost [--lengths 1024,2048,4096,8160] [--repeats 3] [--json]
 
 TTFT of prompts of each length whose KV is on a ``throttled://`` remote
 (:mod:`.throttle`: a local directory behind one token-bucket link) and not
@@ -54,6 +54,8 @@ from ucm_db.tools.bench.engine_pass import build_model, demo_dir
 from ucm_db.tools.bench.engine_process import run_in_new_process
 
 BLOCK_SIZE = 32
+#: Longest prompt: the model's 8192 positions hold it and its one output token.
+MAX_TOKENS = 8160
 #: Length of the warm-up prompts (two unstored, one stored), at most the longest measured.
 WARM_TOKENS = 1024
 FILL_BYTES_PER_S = 1e12
@@ -191,15 +193,12 @@ def run(lengths: list[int], repeats: int, layers: int, hidden: int, slow_fractio
     bytes_per_token = _kv_bytes_per_token(model)
     prompts = _prompts(lengths, repeats, seed)
     order = prompts["lengths"]
-    common = {"model": str(model), "max_model_len": max(lengths) + 64, **{k: prompts[k] for k in ("unstored", "probe", "prompts")}}
-
-    def progress(line: str) -> None:
-        print(f"    {line}", file=sys.stderr, flush=True)
+    common = {"model": str(model), "max_model_len": max(lengths) + BLOCK_SIZE, **{k: prompts[k] for k in ("unstored", "probe", "prompts")}}
 
     with tempfile.TemporaryDirectory(prefix="ucm-db-cost-") as tmp:
         work = Path(tmp)
         print("  recompute: 1 engine ...", file=sys.stderr, flush=True)
-        recompute, _ = run_in_new_process("cost_engine", common, work, "recompute", progress=progress)
+        recompute = _engine(common, work, "recompute")
         rates = [n / (row["ttft_ms"] / 1e3) for n, row in _medians(recompute, order).items()]
         break_even = (min(rates) * bytes_per_token, max(rates) * bytes_per_token)
         links = {"slow": slow_mbps * 1e6 if slow_mbps else break_even[0] * slow_fraction,
@@ -212,8 +211,20 @@ def run(lengths: list[int], repeats: int, layers: int, hidden: int, slow_fractio
                 print(f"  {name}: 1 engine, link {bandwidth / 1e6:.1f} MB/s ...", file=sys.stderr, flush=True)
                 spec = {**common, "policy": policy, "bandwidth_bytes_per_s": bandwidth, "remote_dir": str(work / "remote"),
                         "store": str(work / f"store-{name}"), "fill": not engines, "fill_store": str(work / "fill-store")}
-                engines[name], _ = run_in_new_process("cost_engine", spec, work, name, progress=progress)
+                engines[name] = _engine(spec, work, name)
     return _report(recompute, engines, links, break_even, order, bytes_per_token, layers, hidden, repeats)
+
+
+def _engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+    """One engine job in a new process; its failure is printed (the
+    ``ucm-db`` script turns a SystemExit into an exit status only)."""
+    try:
+        result, _ = run_in_new_process("cost_engine", spec, work, name,
+                                       progress=lambda line: print(f"    {line}", file=sys.stderr, flush=True))
+    except SystemExit as exc:
+        print(exc, file=sys.stderr, flush=True)
+        raise
+    return result
 
 
 def _report(recompute: dict[str, Any], engines: dict[str, dict[str, Any]], links: dict[str, float],
@@ -263,13 +274,13 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str) -> list[int
         lengths = sorted({int(part) for part in value.split(",") if part.strip()})
     except ValueError as exc:
         raise click.BadParameter("give token counts separated by commas, e.g. 1024,2048") from exc
-    if not lengths or min(lengths) < 2 * BLOCK_SIZE:
-        raise click.BadParameter(f"each length must be at least {2 * BLOCK_SIZE} tokens")
+    if not lengths or min(lengths) < 2 * BLOCK_SIZE or max(lengths) > MAX_TOKENS:
+        raise click.BadParameter(f"each length must be {2 * BLOCK_SIZE} to {MAX_TOKENS} tokens")
     return lengths
 
 
 @click.command("cost", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, callback=_lengths, help="prompt lengths in tokens")
+@click.option("--lengths", default="1024,2048,4096,8160", show_default=True, callback=_lengths, help="prompt lengths in tokens")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="prompts per length (median)")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="layers of the random-weight Llama")
 @click.option("--hidden", type=click.IntRange(min=64), default=512, show_default=True, help="hidden size of the model")
@@ -286,7 +297,7 @@ def command(as_json: bool, **options: Any) -> None:
 
     \b
     Example:
-        ucm-db bench cost --lengths 1024,2048,4096,8192 --repeats 3
+        ucm-db bench cost --lengths 1024,2048,4096,8160 --repeats 3
     """
     report = run(**options)
     if as_json:
