@@ -5,7 +5,12 @@ Steps, in order:
        short write transactions (:meth:`LocalTier.evict_lru`), so live
        writers are held up only briefly.
     2. Drop quarantine records and orphaned index entries (payloads, LRU,
-       child links or upload-queue entries whose block has no metadata).
+       child links or upload-queue entries whose block has no metadata):
+       a read-only audit in sorted scans names the tables that may hold
+       any, and only those are walked, in write transactions of at most
+       about ``MAINTENANCE_CHUNK_KEYS`` entries each
+       (:meth:`LocalTier.drop_orphans`). Memory and transaction size stay
+       bounded on a store of millions of blocks.
     3. Reclaim file space. LMDB: a compacting copy (``Environment.copy(...,
        compact=True)``) into a new file, fsynced, then renamed over
        ``data.mdb`` (atomic: a crash leaves the old or the new file, never a

@@ -134,6 +134,10 @@ class _LmdbTxn:
         cursor = self._txn.cursor(db=self._dbs[table])
         if not cursor.set_range(prefix):
             return
+        if not prefix:  # a whole table: no bound to test per key (maintenance walks millions)
+            for key, value in cursor:
+                yield bytes(key), value
+            return
         for key, value in cursor:
             key = bytes(key)
             if not key.startswith(prefix):

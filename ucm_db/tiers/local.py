@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.tiers import records
+from ucm_db.tiers import chunked, index_audit, records
 from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
     NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
 )
@@ -48,6 +48,9 @@ from ucm_db.tiers.index_types import (  # noqa: F401 - re-exported: the index's 
 )
 
 T = TypeVar("T")
+#: Entries a maintenance write transaction scans at most: a compact beside
+#: live writers holds their lock for milliseconds at a time, not for the walk.
+MAINTENANCE_CHUNK_KEYS = 4096
 logger = logging.getLogger("ucm_db")
 
 
@@ -380,35 +383,18 @@ class LocalTier(Tier):
 
     # -- checks ----------------------------------------------------------------
     def check(self) -> list[str]:
-        """Consistency problems of the index (empty list when healthy)."""
+        """Consistency problems of the index (empty list when healthy), from
+        one snapshot in sorted scans (:mod:`ucm_db.tiers.index_audit`)."""
         def run(txn: Txn) -> list[str]:
             problems: list[str] = [f"info record {name!r} is damaged: {reason}" for name, reason in damaged_records(txn)]
             try:
                 totals = Totals.read(txn)
             except records.DamagedRecord:
                 totals = Totals(-1, -1, -1)
-            count = raw = stored = 0
-            for key, data in txn.scan("meta"):
-                meta = BlockMeta.unpack(data)
-                count += 1
-                raw += meta.raw_bytes
-                stored += meta.stored_bytes
-                stored_len = _len_or_none(txn.get("blocks", key))
-                head_len = _len_or_none(txn.get("heads", key))
-                if stored_len is None or head_len is None:
-                    problems.append(f"block {key.hex()[:16]}: payload or head missing")
-                elif meta.stored_bytes not in (stored_len, stored_len + head_len):
-                    problems.append(f"block {key.hex()[:16]}: payload of wrong size")
-                if meta.parent is not None and txn.get("meta", meta.parent) is None:
-                    problems.append(f"block {key.hex()[:16]}: parent missing (prefix invariant broken)")
-                if txn.get("lru", lru_key(meta.access_ns, meta.depth, key)) is None:
-                    problems.append(f"block {key.hex()[:16]}: no LRU entry")
-            for table in ("blocks", "heads"):
-                for key, _ in txn.scan(table):
-                    if txn.get("meta", key) is None:
-                        problems.append(f"{table} entry {key.hex()[:16]} has no metadata (orphan)")
-            if (count, raw, stored) != (totals.blocks, totals.raw_bytes, totals.stored_bytes):
-                problems.append(f"totals {totals} disagree with metadata ({count}, {raw}, {stored})")
+            found = index_audit.audit(txn)
+            problems += found.problems
+            if (found.blocks, found.raw_bytes, found.stored_bytes) != (totals.blocks, totals.raw_bytes, totals.stored_bytes):
+                problems.append(f"totals {totals} disagree with metadata ({found.blocks}, {found.raw_bytes}, {found.stored_bytes})")
             return problems
         return self.engine.read(run)
 
@@ -483,40 +469,57 @@ class LocalTier(Tier):
             return evicted
         return self.engine.write(run)
 
-    def drop_quarantine_records(self) -> int:
-        """Deletes every quarantine record; returns how many there were."""
-        def run(txn: Txn) -> int:
-            keys = [bytes(k) for k, _ in txn.scan("quarantine")]
-            for key in keys:
-                txn.delete("quarantine", key)
-            return len(keys)
-        return self.engine.write(run)
+    def sample_keys(self, count: int, *, seed: int = 0) -> list[bytes]:
+        """About ``count`` distinct stored keys chosen at random by ``seed``,
+        sorted, in O(count) reads whatever the store's size (random prefix
+        probes, :func:`ucm_db.tiers.chunked.sample_keys`)."""
+        return chunked.sample_keys(self.engine, "meta", count, total_keys=self.totals().blocks, seed=seed)
 
-    def drop_orphans(self) -> dict[str, int]:
-        """Deletes index entries whose block has no metadata; returns counts per table."""
-        def run(txn: Txn) -> dict[str, int]:
-            def present(key: bytes) -> bool:
-                return txn.get("meta", key) is not None
+    def drop_quarantine_records(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> int:
+        """Deletes every quarantine record, at most about ``chunk_keys`` per
+        write transaction; returns how many there were."""
+        return self._drop_where("quarantine", lambda _txn, _key: True, chunk_keys)
 
-            def lru_matches(lru: bytes) -> bool:
-                data = txn.get("meta", lru[-32:])
-                if data is None:
-                    return False
-                meta = BlockMeta.unpack(data)
-                return lru_key(meta.access_ns, meta.depth, lru[-32:]) == lru
+    def drop_orphans(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> dict[str, int]:
+        """Deletes index entries whose block has no metadata; returns counts
+        per table.
 
-            dead: dict[str, list[bytes]] = {
-                "blocks": [bytes(k) for k, _ in txn.scan("blocks") if not present(k)],
-                "heads": [bytes(k) for k, _ in txn.scan("heads") if not present(k)],
-                "uploads": [bytes(k) for k, _ in txn.scan("uploads") if not present(k)],
-                "children": [bytes(k) for k, _ in txn.scan("children") if not (present(k[:32]) and present(k[32:]))],
-                "lru": [bytes(k) for k, _ in txn.scan("lru") if not lru_matches(bytes(k))],
-            }
-            for table, keys in dead.items():
-                for key in keys:
-                    txn.delete(table, key)
-            return {table: len(keys) for table, keys in dead.items()}
-        return self.engine.write(run)
+        A read-only audit in sorted scans (:func:`ucm_db.tiers.index_audit.audit`)
+        first tells which tables may hold such entries; only those are
+        walked again entry by entry, each write transaction scanning at most
+        about ``chunk_keys`` entries of one table
+        (:func:`ucm_db.tiers.chunked.partitions`). So a large store neither
+        holds the writer lock for long nor builds a big transaction, and an
+        entry is judged and deleted in the same transaction."""
+        def present(txn: Txn, key: bytes) -> bool:
+            return txn.get("meta", key) is not None
+
+        def lru_dead(txn: Txn, lru: bytes) -> bool:
+            data = txn.get("meta", lru[-32:])
+            if data is None:
+                return True
+            meta = BlockMeta.unpack(data)
+            return lru_key(meta.access_ns, meta.depth, lru[-32:]) != lru
+
+        dead_if: dict[str, Callable[[Txn, bytes], bool]] = {
+            "blocks": lambda txn, k: not present(txn, k),
+            "heads": lambda txn, k: not present(txn, k),
+            "uploads": lambda txn, k: not present(txn, k),
+            "children": lambda txn, k: not (present(txn, k[:32]) and present(txn, k[32:])),
+            "lru": lru_dead,
+        }
+        suspect = self.engine.read(lambda txn: index_audit.audit(txn).suspect)
+        return {table: self._drop_where(table, dead, chunk_keys) if table in suspect else 0 for table, dead in dead_if.items()}
+
+    def _drop_where(self, table: str, dead: Callable[[Txn, bytes], bool], chunk_keys: int) -> int:
+        """Deletes the entries of ``table`` that ``dead(txn, key)`` picks, one
+        write transaction per partition of at most about ``chunk_keys`` keys."""
+        def run(txn: Txn, prefix: bytes) -> int:
+            doomed = [k for k, _ in txn.scan(table, prefix) if dead(txn, k)]
+            for key in doomed:
+                txn.delete(table, key)
+            return len(doomed)
+        return sum(self.engine.write(lambda txn: run(txn, p)) for p in chunked.partitions(self.engine, table, chunk_keys))
 
 
 class _LazyAncestors:
@@ -563,10 +566,6 @@ def body_of(head: memoryview, stored: memoryview) -> memoryview:
     if n and len(stored) > n and stored[:n] == head:
         return stored[n:]
     return stored
-
-
-def _len_or_none(data: Buffer | None) -> int | None:
-    return None if data is None else len(data)
 
 
 def _meta_or_none(data: Buffer | None) -> BlockMeta | None:

@@ -1,0 +1,182 @@
+"""The local index's consistency check in sequential scans.
+
+:meth:`LocalTier.check` and :meth:`LocalTier.drop_orphans` both ask how the
+index tables agree with ``meta``. Asked one key at a time, that is five
+random B-tree reads per block: on a store of 1M blocks about a minute of
+Python, most of ``ucm-db compact``. :func:`audit` answers from one read
+transaction of sorted scans instead:
+
+* ``meta``, ``blocks`` and ``heads`` share their keys, so one merged walk
+  over the three finds missing payloads and heads, wrong sizes and orphans.
+* ``children`` is sorted by parent: walked beside ``meta`` it shows every
+  child link whose parent is stored or not.
+* The ``lru`` and ``children`` entries each block implies are compared with
+  the tables as order-free fingerprints (count and a sum of 64-bit hashes).
+  Only where a fingerprint differs are that table's entries looked up one
+  by one (:func:`lru_problems`), so a healthy store never pays for it.
+
+Invariants:
+    * ``audit(txn).problems`` names the same problems, in the same words, as
+      checking every block by key would: payload or head missing, wrong
+      size, parent missing, no LRU entry, ``blocks``/``heads`` orphans.
+    * ``audit(txn).suspect`` holds every table that may have entries whose
+      block has no metadata (``uploads`` always: it is not walked here).
+    * Memory is O(1) in the store's size beyond the problems found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import xxhash
+
+from ucm_db.tiers.base import Buffer, Txn
+from ucm_db.tiers.index_types import META, NO_PARENT, BlockMeta, lru_key
+
+_MASK = (1 << 64) - 1
+_hash = xxhash.xxh3_64_intdigest
+_PARENT = slice(16, 48)  # the parent key's bytes within a packed BlockMeta
+
+
+@dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """An order-free summary of a set of keys (count, sum of 64-bit hashes
+    mod 2**64): equal sets give equal fingerprints; different ones almost
+    never do."""
+
+    count: int
+    hash_sum: int
+
+
+@dataclass
+class Audit:
+    """What :func:`audit` found."""
+
+    problems: list[str] = field(default_factory=list)
+    suspect: set[str] = field(default_factory=lambda: {"uploads"})
+    blocks: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+
+
+def audit(txn: Txn) -> Audit:
+    """Checks the index against ``meta`` inside ``txn`` (module docstring)."""
+    found = Audit()
+    lru_expected = children_expected = children_count = 0
+    links = _LinkWalk(txn.scan("children"))
+    for key, data, stored, head in _three_way(txn.scan("meta"), txn.scan("blocks"), txn.scan("heads")):
+        if data is None:
+            for table, value in (("blocks", stored), ("heads", head)):
+                if value is not None:
+                    found.problems.append(f"{table} entry {key.hex()[:16]} has no metadata (orphan)")
+                    found.suspect.add(table)
+            continue
+        links.up_to(key)
+        _ns, parent, depth, raw, size, _created, access_ns, _hits = META.unpack(data)
+        found.blocks += 1
+        found.raw_bytes += raw
+        found.stored_bytes += size
+        if stored is None or head is None:
+            found.problems.append(f"block {key.hex()[:16]}: payload or head missing")
+        elif size not in (len(stored), len(stored) + len(head)):
+            found.problems.append(f"block {key.hex()[:16]}: payload of wrong size")
+        lru_expected += _hash(lru_key(access_ns, depth, key))
+        if parent != NO_PARENT:
+            children_expected += _hash(parent + key)
+            children_count += 1
+    links.up_to(None)
+    if links.fingerprint() == Fingerprint(children_count, children_expected & _MASK):
+        # Every block's link is there, so the walk saw every block's parent.
+        found.problems += [f"block {k.hex()[:16]}: parent missing (prefix invariant broken)" for k in sorted(links.orphaned)]
+        children_ok = not links.orphaned
+    else:
+        found.problems += _parent_problems(txn)
+        children_ok = False
+    if _fingerprint(k for k, _ in txn.scan("lru")) != Fingerprint(found.blocks, lru_expected & _MASK):
+        found.suspect.add("lru")
+        found.problems += lru_problems(txn)
+    if not children_ok:
+        found.suspect.add("children")
+    return found
+
+
+def _fingerprint(keys: Iterator[bytes]) -> Fingerprint:
+    count = total = 0
+    for key in keys:
+        count += 1
+        total += _hash(key)
+    return Fingerprint(count, total & _MASK)
+
+
+class _LinkWalk:
+    """Walks ``children`` (sorted by parent) beside the sorted ``meta`` keys:
+    a link whose parent sorts before the current block key and was not a
+    block key itself names a missing parent."""
+
+    def __init__(self, links: Iterator[tuple[bytes, Buffer]]) -> None:
+        self._links = links
+        self._current = next(links, None)
+        self._count = self._sum = 0
+        self.orphaned: list[bytes] = []  # children whose parent is missing
+
+    def up_to(self, key: bytes | None) -> None:
+        """Consumes the links whose parent is ``<= key`` (all, for None)."""
+        while self._current is not None and (key is None or self._current[0][:32] <= key):
+            link = self._current[0]
+            self._count += 1
+            self._sum += _hash(link)
+            if link[:32] != key:
+                self.orphaned.append(link[32:])
+            self._current = next(self._links, None)
+
+    def fingerprint(self) -> Fingerprint:
+        return Fingerprint(self._count, self._sum & _MASK)
+
+
+def _parent_problems(txn: Txn) -> list[str]:
+    """Blocks whose parent is not stored, looked up one by one."""
+    problems = []
+    for key, data in txn.scan("meta"):
+        parent = bytes(data[_PARENT])
+        if parent != NO_PARENT and txn.get("meta", parent) is None:
+            problems.append(f"block {key.hex()[:16]}: parent missing (prefix invariant broken)")
+    return problems
+
+
+def lru_problems(txn: Txn) -> list[str]:
+    """Blocks without their LRU entry, looked up one by one."""
+    problems = []
+    for key, data in txn.scan("meta"):
+        meta = BlockMeta.unpack(data)
+        if txn.get("lru", lru_key(meta.access_ns, meta.depth, key)) is None:
+            problems.append(f"block {key.hex()[:16]}: no LRU entry")
+    return problems
+
+
+def _three_way(
+    metas: Iterator[tuple[bytes, Buffer]], blocks: Iterator[tuple[bytes, Buffer]], heads: Iterator[tuple[bytes, Buffer]],
+) -> Iterator[tuple[bytes, Buffer | None, Buffer | None, Buffer | None]]:
+    """Merges three sorted ``(key, value)`` streams: each key once with the
+    three values (None where a stream lacks the key). The common case, one
+    key in all three, takes one comparison."""
+    streams = (metas, blocks, heads)
+    items = [next(s, None) for s in streams]
+    while True:
+        m, b, h = items
+        if m is not None and b is not None and h is not None and m[0] == b[0] == h[0]:
+            yield m[0], m[1], b[1], h[1]
+            items = [next(metas, None), next(blocks, None), next(heads, None)]
+            continue
+        present = [item[0] for item in items if item is not None]
+        if not present:
+            return
+        key = min(present)
+        row: list[Buffer | None] = []
+        for i, item in enumerate(items):
+            if item is not None and item[0] == key:
+                row.append(item[1])
+                items[i] = next(streams[i], None)
+            else:
+                row.append(None)
+        yield key, row[0], row[1], row[2]
