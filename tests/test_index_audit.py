@@ -110,3 +110,22 @@ def test_a_healthy_store_suspects_no_table_but_the_upload_queue(tier: LocalTier)
     assert tier.engine.read(audit).suspect == {"uploads"}
     assert tier.drop_orphans() == {"blocks": 0, "heads": 0, "uploads": 0, "children": 0, "lru": 0}
     assert tier.check() == []
+
+
+def test_drop_orphans_and_check_audits_once_when_nothing_is_dropped(tier: LocalTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucm_db.tiers import index_audit
+
+    calls: list[int] = []
+    real = index_audit.audit
+
+    def counting(txn: Txn) -> Any:
+        calls.append(1)
+        return real(txn)
+
+    monkeypatch.setattr(index_audit, "audit", counting)
+    assert tier.drop_orphans_and_check() == (dict.fromkeys(["blocks", "heads", "uploads", "children", "lru"], 0), [])
+    assert len(calls) == 1
+    tier.engine.write(DAMAGE["orphan payload"](tier))
+    dropped, problems = tier.drop_orphans_and_check()
+    assert (dropped["blocks"], dropped["heads"], problems) == (1, 1, [])  # the problems are those left after dropping
+    assert len(calls) == 3

@@ -180,12 +180,14 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         tier = LocalTier(engine, capacity_bytes=capacity)
         before = tier.totals()
         evicted = evict_to(tier, target_bytes, progress) if target_bytes is not None else 0
+        quarantine_dropped = tier.drop_quarantine_records()
+        orphans_dropped, index_problems = tier.drop_orphans_and_check()  # one audit of the index when nothing is dropped
         out = {"blocks_before": before.blocks, "stored_bytes_before": before.stored_bytes, "evicted_blocks": evicted,
-               "quarantine_records_dropped": tier.drop_quarantine_records(), "orphans_dropped": tier.drop_orphans()}
+               "quarantine_records_dropped": quarantine_dropped, "orphans_dropped": orphans_dropped}
         if engine_name == "rocksdb" and exclusive:
             engine.compact()  # type: ignore[attr-defined]
         after = tier.totals()
-        out.update(blocks_after=after.blocks, stored_bytes_after=after.stored_bytes, index_problems=tier.check())
+        out.update(blocks_after=after.blocks, stored_bytes_after=after.stored_bytes, index_problems=index_problems)
         return out
     finally:
         engine.close()
