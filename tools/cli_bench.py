@@ -28,6 +28,7 @@ BENCHMARKS = {
     "scale": "ucm_db.tools.bench.scale:command",
     "serve": "ucm_db.tools.bench.serve:command",
     "cost": "ucm_db.tools.bench.cost:command",
+    "pd": "ucm_db.tools.bench.pd:command",
 }
 
 
