@@ -21,7 +21,7 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-from ucm_db.tiers.remote import write_whole
+from ucm_db.components import write_whole
 
 PROTOCOL = "ucmbench-down"
 

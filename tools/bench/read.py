@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import ucm_db
-from ucm_db import codec
+from ucm_db.components import codec
 from ucm_db.tools.bench.common import (
     BLOCK_BYTES,
     NAMESPACE,

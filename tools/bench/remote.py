@@ -43,12 +43,18 @@ from typing import Any
 import click
 
 import ucm_db
-from ucm_db import codec
 from ucm_db import Namespace
-from ucm_db.readthrough import READ_THREADS, RemoteLink
-from ucm_db.tiers.local import BlockEntry
-from ucm_db.tiers.remote import RemoteRoot, is_local_fs, pack_object, write_whole
-from ucm_db.uploader import Uploader
+from ucm_db.components import (
+    READ_THREADS,
+    BlockEntry,
+    RemoteLink,
+    RemoteRoot,
+    Uploader,
+    codec,
+    is_local_fs,
+    pack_object,
+    write_whole,
+)
 
 NAMESPACE = Namespace(model="bench/remote", kv_dtype="bfloat16", block_size=16)
 LOOKUP_BLOCKS = 8192
