@@ -285,6 +285,39 @@ class RemoteLink:
             for future in pending:
                 future.cancel()
 
+    def fetch_in_order(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> Iterator[RemoteObject | None]:
+        """Fetches unrelated keys with up to ``2 * READ_THREADS`` requests in
+        flight and yields one result per key, in order (None: absent,
+        corrupt, or not fetched by ``deadline``), so the caller can promote
+        the first ones while later ones are still on the wire. The breaker
+        opens (and every later key yields None) on an error other than "not
+        found", or when the deadline passes before any request answered."""
+        if not self.breaker.allow():
+            yield from itertools.repeat(None, len(keys))
+            return
+        tier = self.tier(namespace_id)
+        window = 2 * READ_THREADS
+        pending: deque[Future[RemoteObject | None]] = deque()
+        next_at = answered = 0
+        try:
+            while answered < len(keys):
+                while next_at < len(keys) and len(pending) < window:
+                    pending.append(self._pool.submit(tier.fetch, keys[next_at]))
+                    next_at += 1
+                try:
+                    obj = pending.popleft().result(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception as exc:  # noqa: BLE001 - a timeout or a remote error ends the fetch
+                    if answered == 0 or not isinstance(exc, TimeoutError):
+                        self.breaker.failure()
+                    yield from itertools.repeat(None, len(keys) - answered)
+                    return
+                answered += 1
+                yield obj
+            self.breaker.success()
+        finally:
+            for future in pending:
+                future.cancel()  # queued ones never run; running ones finish unread
+
     def fetch_many(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> list[RemoteObject | None]:
         """Fetches unrelated keys; None for each one not available in time."""
         tier = self.tier(namespace_id)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ucm_db import codec
 from ucm_db.background import Background
 from ucm_db.codec_pool import CodecPool, Payload
-from ucm_db.config import PERSISTED_FIELDS, StoreConfig
+from ucm_db.config import CODECS, PERSISTED_FIELDS, StoreConfig
 from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORMAT_VERSION and friends
     CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION, check_format_version, creation_record, detect_engine,
     engine_for_config, parse_format_version,
@@ -47,7 +47,7 @@ from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, MissingAn
 from ucm_db.arguments import (
     UNSET, ProbedKeys, Unset, key_list, parse_settings, require_keys, require_payload, require_writable, segment_parent,
 )
-from ucm_db.keys import Namespace
+from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
 from ucm_db.storelock import ensure_store_dir, hold_shared
 from ucm_db.tiers.base import Buffer
@@ -55,6 +55,7 @@ from ucm_db.tiers.local import BlockEntry, LocalTier, PutResult
 
 if TYPE_CHECKING:
     from ucm_db.readthrough import RemoteLink
+    from ucm_db.tiers.remote import RemoteObject
     from ucm_db.uploader import Uploader
     from ucm_db.warming import WarmProgress, WarmReport
 
@@ -62,6 +63,8 @@ logger = logging.getLogger("ucm_db")
 
 #: A bulk remote fetch (get of local misses) waits this many lookup deadlines.
 FETCH_DEADLINE_FACTOR = 10
+#: Bytes of fetched remote objects a read-through promotes per local commit.
+PROMOTE_BATCH_BYTES = 16 << 20
 #: Default seconds flush() waits for the upload queue to drain.
 FLUSH_UPLOAD_TIMEOUT_S = 60.0
 
@@ -242,6 +245,7 @@ class Store:
         payloads: Sequence[Payload],
         *,
         parent: bytes | None | Unset = UNSET,
+        codec_name: str | None = None,
     ) -> PutResult:
         """Atomically stores a chain segment.
 
@@ -262,6 +266,9 @@ class Store:
                 is the chain's first block. Needed for a plain list of keys;
                 for :class:`~ucm_db.keys.BlockKeys` it defaults to (and must
                 agree with) ``keys.parent``.
+            codec_name: codec of these blocks (``"none"`` or ``"zstd"``);
+                None: the store's ``codec``. Each block names its codec in
+                its own header, so readers never need to know.
 
         Raises:
             MissingAncestorError: ``parent`` is not stored (nothing written).
@@ -272,35 +279,84 @@ class Store:
         """
         self._check_writable()
         keys = key_list(keys, "put")
-        parent = segment_parent(keys, parent)
-        if not isinstance(payloads, Sequence) or isinstance(payloads, (bytes, bytearray, memoryview, str)):
-            raise ConfigError(
-                f"put takes a sequence of payloads (one per key), got {type(payloads).__name__}",
-                hint="pass a list such as [block0_bytes, block1_bytes]",
-            )
-        if len(keys) != len(payloads):
-            raise ConfigError(f"put got {len(keys)} keys and {len(payloads)} payloads", hint="pass one payload per key")
+        return self._put_checked(namespace, [(keys, payloads, segment_parent(keys, parent))], codec_name)
+
+    def put_segments(
+        self,
+        namespace: Namespace,
+        segments: Sequence[tuple[Sequence[bytes], Sequence[Payload]]],
+        *,
+        codec_name: str | None = None,
+    ) -> PutResult:
+        """Atomically stores several chain segments in one transaction
+        (e.g. the KV-head unit chains of one engine step): every block of
+        every segment, or nothing.
+
+        Args:
+            segments: ``(keys, payloads)`` pairs; each ``keys`` is a
+                :class:`~ucm_db.keys.BlockKeys` (it knows its parent). A
+                segment may continue another one of the same call.
+            codec_name: as for :meth:`put`.
+
+        Raises:
+            The errors of :meth:`put`; MissingAncestorError if any
+            segment's parent is neither stored nor in the call.
+        """
+        self._check_writable()
+        checked: list[tuple[Sequence[bytes], Sequence[Payload], bytes | None]] = []
+        for keys, payloads in segments:
+            keys = key_list(keys, "put_segments")
+            if not isinstance(keys, BlockKeys):
+                raise ConfigError(
+                    "put_segments takes BlockKeys (keys that know their parent)",
+                    hint="pass slices of Namespace.block_keys, or BlockKeys(keys, parent=...)",
+                )
+            checked.append((keys, payloads, keys.parent))
+        return self._put_checked(namespace, checked, codec_name)
+
+    def _put_checked(
+        self, namespace: Namespace, segments: list[tuple[Sequence[bytes], Sequence[Payload], bytes | None]],
+        codec_name: str | None,
+    ) -> PutResult:
+        if codec_name is None:
+            codec_name = self.config.codec
+        elif codec_name not in CODECS:
+            raise ConfigError(f"unknown codec {codec_name!r}", hint=f"use one of {', '.join(CODECS)}, or None for the store's")
+        keys: list[bytes] = []
+        payloads: list[Payload] = []
+        parents: list[bytes | None] = []
+        for segment_keys, segment_payloads, parent in segments:
+            if not isinstance(segment_payloads, Sequence) or isinstance(segment_payloads, (bytes, bytearray, memoryview, str)):
+                raise ConfigError(
+                    f"put takes a sequence of payloads (one per key), got {type(segment_payloads).__name__}",
+                    hint="pass a list such as [block0_bytes, block1_bytes]",
+                )
+            if len(segment_keys) != len(segment_payloads):
+                raise ConfigError(f"put got {len(segment_keys)} keys and {len(segment_payloads)} payloads", hint="pass one payload per key")
+            for payload in segment_payloads:
+                require_payload(payload)
+            if segment_keys:
+                parents.extend([parent, *segment_keys[:-1]])
+                keys.extend(segment_keys)
+                payloads.extend(segment_payloads)
         if not keys:
             return PutResult()
-        for payload in payloads:
-            require_payload(payload)
-        parents = [parent, *keys[:-1]]
         present = self._tier.exists(keys)
         todo = [i for i, p in enumerate(present) if not p]
         try:
-            return self._put_indices(namespace, keys, payloads, parents, todo)
+            return self._put_indices(namespace, keys, payloads, parents, todo, codec_name)
         except MissingAncestorError:
             if len(todo) == len(keys):
                 raise
             # A block seen present was evicted meanwhile: put the whole chain.
-            return self._put_indices(namespace, keys, payloads, parents, list(range(len(keys))))
+            return self._put_indices(namespace, keys, payloads, parents, list(range(len(keys))), codec_name)
 
     def _put_indices(
         self, namespace: Namespace, keys: Sequence[bytes], payloads: Sequence[Payload],
-        parents: Sequence[bytes | None], todo: list[int],
+        parents: Sequence[bytes | None], todo: list[int], codec_name: str,
     ) -> PutResult:
         encoded = self._codecs.encode_many(
-            [(keys[i], payloads[i]) for i in todo], codec_name=self.config.codec,
+            [(keys[i], payloads[i]) for i in todo], codec_name=codec_name,
             element_bytes=codec.element_bytes_for(namespace.kv_dtype), level=self.config.zstd_level,
         )
         entries = [
@@ -405,10 +461,29 @@ class Store:
         from ucm_db.readthrough import promotable_runs, promote
 
         deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self.config.remote_deadline_s
-        objects = self._remote.fetch_many(namespace.digest[:16], [keys[i] for i in missing], deadline)
-        for run in promotable_runs(self._tier, objects):
-            promote(self._tier, run)
-        return {i: obj.blob for i, obj in zip(missing, objects) if obj is not None}
+        found: dict[int, Buffer] = {}
+        batch: list[RemoteObject | None] = []
+        batch_bytes = 0
+
+        def promote_batch() -> None:
+            for run in promotable_runs(self._tier, batch):
+                promote(self._tier, run)
+
+        # Objects arrive in order while later ones are fetched: each batch
+        # of PROMOTE_BATCH_BYTES is promoted then, overlapping the commit
+        # with the transfer (a batch's first parent is the previous batch's
+        # last block, promoted already).
+        fetched = self._remote.fetch_in_order(namespace.digest[:16], [keys[i] for i in missing], deadline)
+        for i, obj in zip(missing, fetched):
+            batch.append(obj)
+            if obj is not None:
+                found[i] = obj.blob
+                batch_bytes += len(obj.blob)
+            if batch_bytes >= PROMOTE_BATCH_BYTES:
+                promote_batch()
+                batch, batch_bytes = [], 0
+        promote_batch()
+        return found
 
     def get_into(self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         """Decodes blocks straight into caller-provided buffers.

@@ -70,6 +70,26 @@ def test_get_reads_through_without_lookup(remote: Remote, tmp_path: Path, namesp
         assert node_b.tier.check() == []
 
 
+@pytest.mark.parametrize("batch_bytes", [1, 64 << 20])
+def test_get_promotes_in_batches_as_objects_arrive(remote: Remote, tmp_path: Path, namespace, monkeypatch, batch_bytes: int) -> None:
+    # One object per local commit (batch_bytes=1) or all in one: the same
+    # blocks end up local; a hole on the remote stops promotion there, and
+    # what follows it is served but not promoted (its parent is not local).
+    import ucm_db.store
+
+    monkeypatch.setattr(ucm_db.store, "PROMOTE_BATCH_BYTES", batch_bytes)
+    keys, payloads = chain(namespace, 10)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, payloads)
+        node_a.flush()
+    root = RemoteRoot.from_url(remote.url, remote.options)
+    root.fs.rm_file(root.tier(namespace.digest[:16]).path(keys[6]))
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=2.0)) as node_b:
+        assert node_b.get(namespace, keys) == [*payloads[:6], None, *payloads[7:]]
+        assert node_b.tier.count_prefix(keys) == 6
+        assert node_b.tier.check() == []
+
+
 def test_write_through_uploads_before_put_returns(remote: Remote, tmp_path: Path, namespace) -> None:
     keys, payloads = chain(namespace, 8)
     options = remote.store_options(remote_mode="write_through")

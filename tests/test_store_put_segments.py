@@ -1,0 +1,92 @@
+"""Several chain segments in one transaction (``Store.put_segments``) and a
+per-put codec (``codec_name=``): what a producer's in-step commit uses
+(issue 11's publication wait)."""
+
+from __future__ import annotations
+
+import pytest
+
+import ucm_db
+from ucm_db import BlockKeys, ConfigError, MissingAncestorError, Namespace, StoreFullError
+
+NS = Namespace(model="segments-test", kv_dtype="bfloat16", block_size=4)
+BLOCK_BYTES = 16 << 10
+
+
+def payload(seed: int, i: int) -> bytes:
+    # Half compressible (a constant byte plane), half not: zstd shrinks it.
+    body = bytes((seed * 31 + i * 7 + j * 13) % 256 for j in range(256)) * (BLOCK_BYTES // 512)
+    return bytes(x for pair in zip(body, b"\x3f" * len(body)) for x in pair)
+
+
+def chain(n: int, seed: int) -> BlockKeys:
+    return NS.block_keys([seed * 100_000 + t for t in range(4 * n)])
+
+
+def open_store(path, **options):
+    options.setdefault("capacity_bytes", 64 << 20)
+    options.setdefault("codec", "zstd")
+    return ucm_db.open(path, **options)
+
+
+def test_segments_land_together_and_read_back(tmp_path):
+    a, b = chain(5, 1), chain(3, 2)
+    with open_store(tmp_path) as store:
+        result = store.put_segments(NS, [(a, [payload(1, i) for i in range(5)]), (b, [payload(2, i) for i in range(3)])])
+        assert result.stored == 8
+        assert store.lookup(NS, a) == 5 and store.lookup(NS, b) == 3
+        assert store.get(NS, list(b)) == [payload(2, i) for i in range(3)]
+
+
+def test_a_segment_may_continue_an_earlier_one_of_the_same_call(tmp_path):
+    keys = chain(6, 3)
+    with open_store(tmp_path) as store:
+        store.put_segments(NS, [(keys[:2], [payload(3, i) for i in range(2)]), (keys[2:], [payload(3, i) for i in range(2, 6)])])
+        assert store.lookup(NS, keys) == 6
+
+
+def test_one_orphan_segment_stores_nothing_of_the_call(tmp_path):
+    good, orphan = chain(3, 4), chain(4, 5)[2:]
+    with open_store(tmp_path) as store:
+        with pytest.raises(MissingAncestorError):
+            store.put_segments(NS, [(good, [payload(4, i) for i in range(3)]), (orphan, [payload(5, i) for i in range(2)])])
+        assert store.lookup(NS, good) == 0 and store.stats().blocks == 0
+
+
+def test_segments_too_big_for_the_store_store_nothing(tmp_path):
+    with open_store(tmp_path, capacity_bytes=1 << 20, codec="none") as store:
+        big = [(chain(40, s), [payload(s, i) for i in range(40)]) for s in (6, 7)]
+        with pytest.raises(StoreFullError):
+            store.put_segments(NS, big)
+        assert store.stats().blocks == 0
+
+
+def test_plain_key_lists_are_refused_with_the_fix(tmp_path):
+    with open_store(tmp_path) as store:
+        with pytest.raises(ConfigError, match="BlockKeys"):
+            store.put_segments(NS, [(list(chain(2, 8)), [payload(8, 0), payload(8, 1)])])
+        with pytest.raises(ConfigError, match="2 keys and 1 payloads"):
+            store.put_segments(NS, [(chain(2, 8), [payload(8, 0)])])
+
+
+def test_a_per_put_codec_overrides_the_stores_and_reads_back(tmp_path):
+    raw, packed = chain(4, 9), chain(4, 10)
+    with open_store(tmp_path) as store:
+        store.put(NS, raw, [payload(9, i) for i in range(4)], codec_name="none")
+        stats = store.stats()
+        assert stats.stored_bytes >= stats.raw_bytes  # stored as is
+        store.put(NS, packed, [payload(10, i) for i in range(4)])  # the store's zstd
+        after = store.stats()
+        assert after.stored_bytes - stats.stored_bytes < after.raw_bytes - stats.raw_bytes
+        assert store.get(NS, list(raw)) == [payload(9, i) for i in range(4)]
+        assert store.get(NS, list(packed)) == [payload(10, i) for i in range(4)]
+    with open_store(tmp_path) as reopened:  # the store's codec stays zstd
+        assert reopened.config.codec == "zstd"
+        assert reopened.get(NS, list(raw)) == [payload(9, i) for i in range(4)]
+
+
+def test_an_unknown_per_put_codec_is_refused_and_stores_nothing(tmp_path):
+    with open_store(tmp_path) as store:
+        with pytest.raises(ConfigError, match="unknown codec 'lz4'"):
+            store.put(NS, chain(2, 11), [payload(11, 0), payload(11, 1)], codec_name="lz4")
+        assert store.stats().blocks == 0
