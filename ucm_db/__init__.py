@@ -17,6 +17,7 @@ from ucm_db.errors import (
     TierError,
     UcmDbError,
 )
+from ucm_db.codec import Framed
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.store import STORE_FORMAT_VERSION, NamespaceStats, Store, StoreStats, open
 from ucm_db.tiers.local import PutResult
@@ -24,7 +25,7 @@ from ucm_db.tiers.local import PutResult
 from ucm_db.version import __version__
 
 __all__ = [
-    "STORE_FORMAT_VERSION", "BlockKeys", "ClosedError", "ConfigError", "CorruptBlockError", "FormatVersionError",
+    "STORE_FORMAT_VERSION", "BlockKeys", "ClosedError", "ConfigError", "CorruptBlockError", "FormatVersionError", "Framed",
     "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "PutResult",
     "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
 ]

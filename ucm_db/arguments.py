@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ucm_db.codec import Framed
 from ucm_db.errors import ConfigError, TierError
 from ucm_db.keys import KEY_BYTES, BlockKeys
 from ucm_db.tiers.base import Buffer
@@ -117,6 +118,8 @@ def require_payload(payload: Any) -> None:
     list/tuple of them): a str, None, a dict, a strided or object-dtype
     numpy array would otherwise fail deep in the codec or, for object
     arrays, store raw pointers."""
+    if isinstance(payload, Framed):
+        payload = payload.buffer  # its own constructor checked the frames
     for frame in payload if isinstance(payload, (list, tuple)) else (payload,):
         try:
             view = memoryview(frame)

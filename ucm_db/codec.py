@@ -149,6 +149,44 @@ class EncodedBlock:
         return b"".join([self.head, *self.body])
 
 
+@dataclass(frozen=True, slots=True)
+class Framed:
+    """A block held in one contiguous buffer and cut into frames (e.g. a
+    staged KV unit whose layers lie back to back): encoded exactly like the
+    list of its frames, but with codec ``none`` the body is ``buffer``
+    itself, never joined from its pieces.
+
+    Attributes:
+        buffer: the block's bytes (C-contiguous).
+        frame_bytes: the frames' lengths, in order; they sum to the
+            buffer's length.
+    """
+
+    buffer: Buffer
+    frame_bytes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        view = memoryview(self.buffer)
+        if not view.c_contiguous:
+            raise ConfigError("a Framed buffer is not C-contiguous (a strided view)", hint="pass numpy.ascontiguousarray(buffer)")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.frame_bytes):
+            raise ConfigError("Framed.frame_bytes must be non-negative integers", hint="pass each frame's length in bytes")
+        if sum(self.frame_bytes) != view.nbytes:
+            raise ConfigError(
+                f"Framed.frame_bytes sum to {sum(self.frame_bytes)} bytes but the buffer holds {view.nbytes}",
+                hint="pass one length per frame, covering the whole buffer",
+            )
+
+    def frames(self) -> list[memoryview]:
+        """The frames as views of the buffer (no copy)."""
+        view = memoryview(self.buffer).cast("B")
+        out, offset = [], 0
+        for n in self.frame_bytes:
+            out.append(view[offset : offset + n])
+            offset += n
+        return out
+
+
 def encode(
     key: bytes,
     frames: Sequence[Buffer] | Buffer,
@@ -163,7 +201,7 @@ def encode(
 
 def encode_parts(
     key: bytes,
-    frames: Sequence[Buffer] | Buffer,
+    frames: Sequence[Buffer] | Buffer | Framed,
     *,
     codec: str = "zstd",
     element_bytes: int = 2,
@@ -173,7 +211,8 @@ def encode_parts(
 
     Args:
         key: the 32-byte key the block belongs to (bound into the checksum).
-        frames: the block's raw bytes, or a sequence of per-layer frames.
+        frames: the block's raw bytes, a sequence of per-layer frames, or
+            a :class:`Framed` buffer.
         codec: ``"none"`` or ``"zstd"``.
         element_bytes: element size for byte-shuffling (2 for bf16/fp16).
         level: zstd level.
@@ -186,6 +225,10 @@ def encode_parts(
         raise ConfigError(f"unknown codec {codec!r}", hint=f"use one of {', '.join(CODEC_IDS)}")
     if len(key) != 32:
         raise ConfigError("block keys are 32 bytes", hint="use Namespace.block_keys")
+    if isinstance(frames, Framed):
+        if codec == "none":
+            return _encode_framed_raw(key, frames)
+        frames = frames.frames()
     if isinstance(frames, (bytes, bytearray, memoryview)):
         frames = [frames]
     if len(frames) > MAX_FRAMES:
@@ -209,6 +252,22 @@ def encode_parts(
         hasher.update(piece)
     head = b"".join([header[:_CHECKSUM_OFFSET], struct.pack("<Q", hasher.intdigest()), *table])
     return EncodedBlock(head, parts, raw_len, body_len)
+
+
+def _encode_framed_raw(key: bytes, framed: Framed) -> EncodedBlock:
+    """Codec ``none`` of a :class:`Framed` block: the same bytes as its
+    frames' list would give, with the buffer itself as the one body part."""
+    if len(framed.frame_bytes) > MAX_FRAMES:
+        raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
+    body = memoryview(framed.buffer).cast("B")
+    table = [_FRAME.pack(n, n, MODE_RAW, 1, 0) for n in framed.frame_bytes]
+    header = _HEADER.pack(MAGIC, CODEC_FORMAT_VERSION, CODEC_IDS["none"], 0, len(table), len(body), len(body), bytes(key), 0)
+    hasher = xxhash.xxh3_64(header)
+    for entry in table:
+        hasher.update(entry)
+    hasher.update(body)
+    head = b"".join([header[:_CHECKSUM_OFFSET], struct.pack("<Q", hasher.intdigest()), *table])
+    return EncodedBlock(head, [body], len(body), len(body))
 
 
 def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) -> tuple[int, int, int, list[Buffer]]:

@@ -21,7 +21,7 @@ from ucm_db import codec
 from ucm_db.tiers.base import Buffer
 
 T = TypeVar("T")
-Payload = Union[Buffer, Sequence[Buffer]]
+Payload = Union[Buffer, Sequence[Buffer], codec.Framed]
 
 
 class CodecPool:
@@ -35,11 +35,12 @@ class CodecPool:
         self, items: Sequence[tuple[bytes, Payload]], *, codec_name: str, element_bytes: int, level: int,
     ) -> list[codec.EncodedBlock]:
         """Encodes ``(key, payload)`` pairs; a list or tuple payload is
-        per-layer frames, anything else (bytes, numpy array, memoryview) one
+        per-layer frames, a :class:`~ucm_db.codec.Framed` one buffer cut
+        into frames, anything else (bytes, numpy array, memoryview) one
         buffer."""
         def encode_one(item: tuple[bytes, Payload]) -> codec.EncodedBlock:
             key, payload = item
-            frames: list[Any] = list(payload) if isinstance(payload, (list, tuple)) else [payload]
+            frames: Any = payload if isinstance(payload, codec.Framed) else list(payload) if isinstance(payload, (list, tuple)) else [payload]
             return codec.encode_parts(key, frames, codec=codec_name, element_bytes=element_bytes, level=level)
 
         if self._pool is None or len(items) < 2 or codec_name == "none":
