@@ -52,6 +52,7 @@ from typing import Union
 import numpy as np
 import torch
 
+import ucm_db
 from ucm_db.errors import ConfigError
 
 KVCacheEntry = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -150,9 +151,10 @@ class KVLayout:
             for seg, axis, src in self._unit_views(i, staging[: len(block_ids)]):
                 seg.index_copy_(0, ids, (src[:, 0] if axis is None else src.movedim(1, 1 + axis)).to(seg.device))
 
-    def unit_frames(self, unit_row: np.ndarray) -> list[memoryview]:
-        """One staged unit's per-layer frames (views, no copy)."""
-        return [memoryview(unit_row[off : off + size]) for off, size in zip(self.unit_layer_offsets, self.unit_layer_bytes)]
+    def unit_frames(self, unit_row: np.ndarray) -> ucm_db.Framed:
+        """One staged unit as its per-layer frames, which lie back to back
+        in the row (no copy; stored uncompressed, the row is the body)."""
+        return ucm_db.Framed(memoryview(unit_row), self.unit_layer_bytes)  # type: ignore[arg-type]
 
     def whole_block_bytes(self, total_heads: int) -> int:
         """Bytes of a whole block holding ``total_heads`` heads per layer."""

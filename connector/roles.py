@@ -5,7 +5,10 @@ Roles:
     * ``kv_producer`` (prefill): loads its own hits and saves every block it
       computes. A step's blocks are committed (and, with ``publish="remote"``,
       uploaded: write-through) inside ``wait_for_save``, before the step's
-      output leaves the engine; ``request_finished`` then returns a
+      output leaves the engine, all KV-head units of a request in one
+      transaction and by default uncompressed (``publish_codec``: zstd
+      would triple the wait; an upload still uses the remote's codec);
+      ``request_finished`` then returns a
       :class:`Publication` as the request's ``kv_transfer_params``.
     * ``kv_consumer`` (decode): loads, never saves, so it never evicts a
       block on its own account. Given a producer's publication, it claims
@@ -41,6 +44,8 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 #: Where a producer publishes: its local store (consumers on this node share
 #: the directory) or also the remote tier (consumers on other nodes).
 PUBLISH_TARGETS = ("local", "remote")
+#: Codecs of a producer's in-step commit; "store": the store's own ``codec``.
+PUBLISH_CODECS = ("none", "zstd", "store")
 #: The one key of ``kv_transfer_params`` that ucm-db reads and writes.
 PARAMS_KEY = "ucm_db"
 PARAMS_VERSION = 1
@@ -74,8 +79,11 @@ class RolePolicy:
         return self.role == "kv_producer"
 
 
-def check_publish_options(publish: str, load_deadline_s: float) -> None:
+def check_publish_options(publish: str, load_deadline_s: float, publish_codec: str = "none") -> None:
     """Validates the connector's PD settings (raises ConfigError)."""
+    if publish_codec not in PUBLISH_CODECS:
+        raise ConfigError(f"publish_codec must be one of {', '.join(PUBLISH_CODECS)}, got {publish_codec!r}",
+                          hint="use publish_codec='none' (fastest publication) or 'store' (the store's codec, smaller)")
     if publish not in PUBLISH_TARGETS:
         raise ConfigError(f"publish must be one of {', '.join(PUBLISH_TARGETS)}, got {publish!r}",
                           hint="use publish='local' (consumers share this store) or 'remote' (consumers on other nodes)")

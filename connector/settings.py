@@ -16,8 +16,11 @@ The extra config accepts, by name:
   ``max_pending_save_bytes`` (bound on KV bytes queued for the background
   writer; saves beyond it are dropped and counted, never blocking the
   forward pass); ``publish`` (``"local"`` or ``"remote"``: where a
-  ``kv_producer`` publishes) and ``load_deadline_s`` (longest a consumer
-  waits for a producer's published blocks), see :mod:`ucm_db.connector.roles`;
+  ``kv_producer`` publishes), ``publish_codec`` (codec of a producer's
+  in-step commit: ``"none"``, the default, keeps compression off the
+  step's critical path; ``"zstd"``; ``"store"``: the store's ``codec``)
+  and ``load_deadline_s`` (longest a consumer waits for a producer's
+  published blocks), see :mod:`ucm_db.connector.roles`;
   ``load_policy`` (``"auto"``: claim a hit only where loading it is expected
   faster than recomputing it; ``"always"``: load every hit, for debugging),
   see :mod:`ucm_db.connector.cost_model`.
@@ -45,7 +48,7 @@ from ucm_db.errors import ConfigError
 LOAD_MODES = ("block", "layer")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
-_CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "load_deadline_s", "load_policy")
+_CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s", "load_policy")
 
 
 def default_store_path() -> Path:
@@ -73,6 +76,8 @@ class ConnectorSettings:
         model_id: explicit model identity, or None to fingerprint the model.
         max_pending_save_bytes: bound on bytes waiting for the writer.
         publish: where a ``kv_producer`` publishes (``"local"``, ``"remote"``).
+        publish_codec: codec of a ``kv_producer``'s blocks (``"none"``,
+            ``"zstd"``, or ``"store"`` for the store's ``codec``).
         load_deadline_s: longest a consumer waits for published blocks.
         load_policy: ``"auto"`` (claim a hit only where loading is expected
             faster than recomputing, see cost_model.py) or ``"always"``.
@@ -84,6 +89,7 @@ class ConnectorSettings:
     model_id: str | None = None
     max_pending_save_bytes: int = 1 << 30
     publish: str = "local"
+    publish_codec: str = "none"
     load_deadline_s: float = 5.0
     load_policy: str = "auto"
 
@@ -96,7 +102,7 @@ class ConnectorSettings:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1 << 20:
             raise ConfigError(f"max_pending_save_bytes must be an integer >= 1 MiB, got {limit!r}", hint="use e.g. 1073741824")
         StoreConfig.from_dict(self.store_options)
-        check_publish_options(self.publish, self.load_deadline_s)
+        check_publish_options(self.publish, self.load_deadline_s, self.publish_codec)
         check_load_policy(self.load_policy)
 
     @classmethod
@@ -117,7 +123,7 @@ class ConnectorSettings:
         path = merged.get("path")
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
             raise ConfigError(f"path must be a directory path, got {path!r}", hint="pass path='/var/cache/ucm-db'")
-        kwargs: dict[str, Any] = {k: merged[k] for k in ("load_mode", "model_id", "max_pending_save_bytes", "publish", "load_deadline_s", "load_policy") if k in merged}
+        kwargs: dict[str, Any] = {k: merged[k] for k in ("load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s", "load_policy") if k in merged}
         return cls(
             path=Path(path).expanduser() if path is not None else default_store_path(),
             store_options=store_options, **kwargs,

@@ -92,7 +92,11 @@ class UcmDbWorker:
         self._legacy = legacy_rank_namespaces(self._shape)
         self._legacy_index = pp_rank * self._shape.tp_size + tp_rank
         self._store = acquire(self._settings)
-        self._writer = BackgroundWriter(self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes)
+        publish_codec = self._settings.publish_codec
+        self._writer = BackgroundWriter(
+            self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes,
+            codec_name=publish_codec if self._role.publishes and publish_codec != "store" else None,
+        )
         logger.info(
             "ucm-db connector (worker tp=%d pp=%d): store %s, %s, load_mode=%s, namespace %s, heads %d-%d, layers %d-%d%s",
             tp_rank, pp_rank, self._settings.path, self._layout.describe(), self._settings.load_mode, self._namespace.short_id,

@@ -2,15 +2,17 @@
 
 The worker copies the units of newly computed blocks out of the paged KV
 cache into a staging buffer during ``wait_for_save`` and hands the buffer
-here; one thread encodes and commits each job, one ``Store.put`` per unit
-chain (a KV head's units of consecutive blocks).
+here; one thread encodes and commits each job: all its unit chains (a KV
+head's units of consecutive blocks) in one transaction
+(``Store.put_segments``).
 
 Invariants:
     * Jobs commit in submission order (one thread, FIFO), so a request's
       chain segment is committed before the segment that names it as parent.
-    * A job's unit chains are put separately: each keeps the prefix
-      invariant on its own, which is what lookups rely on
-      (:func:`ucm_db.units.stored_prefix`).
+    * Each unit chain keeps the prefix invariant on its own, which is what
+      lookups rely on (:func:`ucm_db.units.stored_prefix`): if the job's
+      one transaction fails on a missing parent (one head's parent evicted
+      meanwhile), its chains are put one by one, so the others still land.
     * At most ``max_pending_bytes`` of staging wait in the queue; a job that
       would exceed it is dropped and counted (the cache is best effort; the
       forward pass never waits for the disk).
@@ -34,7 +36,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db.connector.metrics import Counters
 from ucm_db.errors import MissingAncestorError, UcmDbError
-from ucm_db.keys import Namespace
+from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -62,8 +64,13 @@ class SaveJob:
 class BackgroundWriter:
     """One thread committing :class:`SaveJob` s (see module invariants)."""
 
-    def __init__(self, store: ucm_db.Store, frames: Callable[[np.ndarray], list[memoryview]], counters: Counters, max_pending_bytes: int) -> None:
+    def __init__(
+        self, store: ucm_db.Store, frames: Callable[[np.ndarray], ucm_db.Framed], counters: Counters, max_pending_bytes: int,
+        *, codec_name: str | None = None,
+    ) -> None:
+        """``codec_name``: codec of the saved blocks (None: the store's)."""
         self._store = store
+        self._codec_name = codec_name
         self._frames = frames
         self._counters = counters
         self._max_pending_bytes = max_pending_bytes
@@ -109,11 +116,30 @@ class BackgroundWriter:
     def _commit(self, job: SaveJob) -> None:
         started = time.perf_counter()
         rows = job.staging.numpy()
+        segments = [
+            (BlockKeys(list(keys), parent=keys.parent()), [self._frames(rows[i, j]) for i in range(len(keys))])
+            for j, keys in enumerate(job.chains)
+        ]
+        try:
+            self._store.put_segments(job.namespace, segments, codec_name=self._codec_name)
+            failed = 0
+        except MissingAncestorError:
+            failed = self._put_one_by_one(job, segments)
+        except (UcmDbError, OSError) as exc:
+            failed = len(segments)
+            logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
+        if failed:
+            self._counters.add(save_errors=job.blocks)
+            return
+        self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started)
+        self._update_ratio(job.namespace)
+
+    def _put_one_by_one(self, job: SaveJob, segments: list[tuple[BlockKeys, list[ucm_db.Framed]]]) -> int:
+        """Puts each chain on its own; returns how many failed."""
         failed = 0
-        for j, keys in enumerate(job.chains):
-            payloads = [self._frames(rows[i, j]) for i in range(len(keys))]
+        for keys, payloads in segments:
             try:
-                self._store.put(job.namespace, list(keys), payloads, parent=keys.parent())
+                self._store.put(job.namespace, keys, payloads, codec_name=self._codec_name)
             except MissingAncestorError:
                 # The parent was evicted (or its save dropped) meanwhile: the
                 # prefix invariant forbids storing an orphan; skip the chain.
@@ -122,11 +148,7 @@ class BackgroundWriter:
             except (UcmDbError, OSError) as exc:
                 failed += 1
                 logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
-        if failed:
-            self._counters.add(save_errors=job.blocks)
-            return
-        self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started)
-        self._update_ratio(job.namespace)
+        return failed
 
     def _update_ratio(self, namespace: Namespace) -> None:
         now = time.monotonic()

@@ -100,6 +100,26 @@ def test_producer_commits_within_the_step_and_announces_its_blocks(settings: Con
     assert params[PARAMS_KEY]["published_to"] == "local"
 
 
+@pytest.mark.parametrize(("publish_codec", "compressed"), [(None, False), ("none", False), ("zstd", True), ("store", True)])
+def test_a_producer_publishes_uncompressed_unless_told(tmp_path: Path, publish_codec: str | None, compressed: bool) -> None:
+    extra: dict[str, Any] = {"path": str(tmp_path / "store"), "codec": "zstd"}
+    if publish_codec is not None:
+        extra["publish_codec"] = publish_codec
+    settings = ConnectorSettings.from_extra_config(extra)
+    params = _produce(settings, list(range(3, 3 + 4 * BS + 1)), _kv(6))
+    assert params[PARAMS_KEY]["blocks"] == 4
+    sched = UcmDbScheduler(settings, SHAPE, CONSUMER)
+    stats = sched.store.stats()
+    assert stats.blocks == 4 * SHAPE.kv_heads  # one unit per KV head, all in the step's one commit
+    assert (stats.stored_bytes < stats.raw_bytes) is compressed
+    sched.shutdown()
+
+
+def test_an_unknown_publish_codec_is_refused_with_the_choices(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="publish_codec must be one of none, zstd, store"):
+        ConnectorSettings.from_extra_config({"path": str(tmp_path), "publish_codec": "lz4"})
+
+
 def test_consumer_claims_published_blocks_and_loads_them(settings: ConnectorSettings) -> None:
     tokens = list(range(3, 3 + 4 * BS))  # an exact multiple of the block size
     kv = _kv(1)
