@@ -15,6 +15,10 @@ Invariants and choices:
     * The directory is created 0700 and the files 0600.
     * Once per process, glibc's malloc is asked to keep freed memory (see
       :func:`_keep_dirty_page_memory`); ``UCM_DB_MALLOC_TUNING=0`` opts out.
+    * After every open, the pages of the data file already in the page
+      cache are mapped into this process in the background
+      (:mod:`ucm_db.tiers.lmdb_prefault`), so a large store's commits do not
+      pay a page fault per page moved; ``UCM_DB_PREFAULT=0`` opts out.
     * Durability never risks the file. ``sync=True``: every commit
       fdatasyncs its pages, then its meta page (LMDB's default).
       ``sync=False`` (``durability="group"``): commits use MDB_NOSYNC and
@@ -59,6 +63,7 @@ from ucm_db.storelock import ensure_store_dir
 from ucm_db.tiers.lmdb_checks import check_data_file, ensure_env_dir, lmdb_error
 from ucm_db.tiers.lmdb_groupsync import RollbackReport, SnapshotPin, roll_back_after_os_crash
 from ucm_db.tiers.lmdb_meta import FileCheck, check_file
+from ucm_db.tiers.lmdb_prefault import Prefault
 from ucm_db.tiers.lmdb_recovery import (
     CHECK_TIMEOUT_S,
     RecoveryReport,
@@ -202,6 +207,7 @@ class LmdbEngine(Engine):
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
         self._pin: SnapshotPin | None = None
+        self.prefault: Prefault | None = None
         #: What the last open found of an older version's markers after an OS crash (None: nothing to check).
         self.recovery: RecoveryReport | None = None
         #: Group durability: the rollback to the last synced snapshot the last open made after an OS crash.
@@ -225,10 +231,12 @@ class LmdbEngine(Engine):
         self._pin = None
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
+        self.prefault = None  # a forked child: the parent's thread is not here
         if self.read_only:
             self._env = self._open_read_only()
             self._dbs = self._open_tables(self._env)
             self._pid = os.getpid()
+            self._start_prefault()
             return
         ensure_store_dir(self.path.parent)
         ensure_env_dir(self.path)
@@ -281,6 +289,11 @@ class LmdbEngine(Engine):
             raise
         self._env = env
         self._pid = os.getpid()
+        self._start_prefault()
+
+    def _start_prefault(self) -> None:
+        self.prefault = Prefault(self.path / "data.mdb", self._txn_gate.shared)
+        self.prefault.start()
 
     def _open_read_only(self) -> lmdb.Environment:
         """The environment opened ``MDB_RDONLY`` (module invariants): with
@@ -417,6 +430,9 @@ class LmdbEngine(Engine):
     def close(self) -> None:
         with self._open_lock:
             if self._env is not None and self._pid == os.getpid():
+                if self.prefault is not None:
+                    self.prefault.stop()  # before the file is unmapped
+                    self.prefault = None
                 if self._pin is not None:
                     self._pin.release()
                     self._pin = None
