@@ -298,3 +298,27 @@ def test_a_load_only_consumer_reports_the_compression_ratio(settings: ConnectorS
     ratio = sched.counters.totals.data["compression_ratio"]
     assert ratio > 0 and ratio == pytest.approx(ns.raw_bytes / ns.stored_bytes)
     sched.shutdown()
+
+
+def test_a_head_whose_parent_unit_is_gone_loses_only_its_own_chain(tmp_path: Path) -> None:
+    # The writer commits a job's head chains in one transaction; when one
+    # head's parent unit was evicted meanwhile, that transaction fails and
+    # the chains are put one by one: the other head's units still land.
+    from ucm_db.units import KVGrid, UnitKeys
+
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    worker = UcmDbWorker(settings, SHAPE, NUM_BLOCKS, RolePolicy("kv_both"))
+    worker.register_kv_caches(_kv(7), 0, 0)
+    keys = tuple(namespace(SHAPE).block_keys(list(range(3, 3 + 5 * BS))))
+    worker.save(UcmDbConnectorMetadata(saves=[BlockTransfer("r", keys[:3], (0, 1, 2))]))
+    worker.drain()
+    grid = KVGrid(heads=SHAPE.kv_heads, layers=SHAPE.layers)
+    head0, head1 = (UnitKeys(keys, grid, span) for span in grid.head_spans())
+    store = worker._store
+    assert store is not None and store.delete(namespace(SHAPE), [head0[2]]) == 1
+    worker.save(UcmDbConnectorMetadata(saves=[BlockTransfer("r", keys[3:], (3, 4), parent=keys[2])]))
+    worker.drain()
+    assert store.lookup(namespace(SHAPE), list(head1)) == 5
+    assert store.lookup(namespace(SHAPE), list(head0)) == 2
+    assert worker.counters.totals.data["save_errors"] == 2
+    worker.shutdown()
