@@ -105,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("aborted", err=True)
         return EXIT_PROBLEMS
     except SystemExit as exc:
-        return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_PROBLEMS
+        if isinstance(exc.code, str):  # sys.exit("message"): show the message, as Python itself would
+            click.echo(exc.code, err=True)
+            return EXIT_PROBLEMS
+        return int(exc.code or 0)
     return int(result or 0) if isinstance(result, int) else 0
 
 

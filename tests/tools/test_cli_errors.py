@@ -201,3 +201,16 @@ def test_verify_and_inspect_report_a_damaged_store_record(tmp_path: Path, record
     assert any(f"'{record.decode()}' is damaged" in p for p in report["index_problems"]), report["index_problems"]
     shown = invoke_json("inspect", tmp_path / "s")
     assert shown["blocks"] == 23 and any(record.decode() in d for d in shown["damaged_records"])
+
+
+def test_a_command_exiting_with_a_message_prints_it(monkeypatch, capsys) -> None:
+    # A job that fails with SystemExit("...") (the benchmarks' engine jobs
+    # do) must show its message, as `python -c 'sys.exit("...")'` would.
+    from ucm_db.tools import cli as cli_module
+
+    def failing_main(**_: Any) -> None:
+        raise SystemExit("engine job failed: see its log")
+
+    monkeypatch.setattr(cli_module.cli, "main", failing_main)
+    assert cli_module.main(["inspect", "x"]) == cli_module.EXIT_PROBLEMS
+    assert "engine job failed: see its log" in capsys.readouterr().err

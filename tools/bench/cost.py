@@ -216,14 +216,10 @@ def run(lengths: list[int], repeats: int, layers: int, hidden: int, slow_fractio
 
 
 def _engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
-    """One engine job in a new process; its failure is printed (the
-    ``ucm-db`` script turns a SystemExit into an exit status only)."""
-    try:
-        result, _ = run_in_new_process("cost_engine", spec, work, name,
-                                       progress=lambda line: print(f"    {line}", file=sys.stderr, flush=True))
-    except SystemExit as exc:
-        print(exc, file=sys.stderr, flush=True)
-        raise
+    """One engine job in a new process (a failure is a SystemExit whose
+    message the ``ucm-db`` script prints)."""
+    result, _ = run_in_new_process("cost_engine", spec, work, name,
+                                   progress=lambda line: print(f"    {line}", file=sys.stderr, flush=True))
     return result
 
 
