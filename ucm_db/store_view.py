@@ -9,7 +9,10 @@ Invariants:
     * :func:`open_view` never creates a store, nor a missing engine file: a
       path without a store, a store path that is a file, or an LMDB store
       without its ``data.mdb`` is a :class:`~ucm_db.errors.ConfigError`.
-    * A view is read-only unless opened ``writable``.
+    * A view is read-only unless opened ``writable``. A store directory
+      this user cannot write is viewed without writing a byte (no lock
+      file, the engine opened read-only), as ``ucm_db.open(read_only=True)``
+      would: ``ucm-db inspect`` and ``verify`` work on a read-only volume.
     * A damaged settings, format-version or creation record does not stop a
       view: it is listed in :attr:`StoreView.damaged` (maintenance exists to
       report damage), read as empty settings, format -1, no creation record.
@@ -18,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +29,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ucm_db.errors import ConfigError, UcmDbError
-from ucm_db.format import CREATED_KEY, INFO_TABLE, STORE_FORMAT_VERSION, detect_engine, open_engine, read_format_version, read_settings
+from ucm_db.format import (
+    CREATED_KEY, INFO_TABLE, MIN_MAP_BYTES, STORE_FORMAT_VERSION, detect_engine, open_engine, read_format_version, read_settings,
+)
 from ucm_db.storelock import hold_shared
 from ucm_db.tiers.base import Engine
 from ucm_db.tiers.local import LocalTier
@@ -83,9 +89,17 @@ def open_view(path: str | Path, *, writable: bool = False) -> Iterator[StoreView
     """Opens the existing store at ``path`` for maintenance (module invariants)."""
     path = Path(path)
     name = check_store_path(path)
-    lock = hold_shared(path, VIEW_LOCK_WAIT_S)
+    # A store the user cannot write (a read-only volume, a shared snapshot)
+    # is viewed as a read-only Store opens it: nothing is created there.
+    untouchable = not writable and not os.access(path, os.W_OK)
+    lock = hold_shared(path, VIEW_LOCK_WAIT_S, read_only=untouchable)
     try:
-        engine = open_engine(path, name, read_only=not writable, sync=True)
+        if untouchable and name == "lmdb":
+            from ucm_db.tiers.lmdb import LmdbEngine
+
+            engine: Engine = LmdbEngine(path / "lmdb", map_size_bytes=MIN_MAP_BYTES, sync=True, read_only=True)
+        else:
+            engine = open_engine(path, name, read_only=not writable, sync=True)
         try:
             damaged: list[str] = []
             no_settings: dict[str, Any] = {}

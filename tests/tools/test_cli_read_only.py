@@ -1,0 +1,22 @@
+"""`ucm-db inspect` and `verify` on a store the user cannot write (a real
+read-only bind mount): they report, and write nothing there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cli_stores import invoke_json, make_store
+from readonly_mount import read_only_view, tree
+
+
+def test_inspect_and_verify_read_a_store_on_a_read_only_volume(tmp_path: Path) -> None:
+    # LMDB only: rocksdict writes files beside a database even when it
+    # opens it read-only, so a RocksDB store cannot be read on such a volume.
+    source = tmp_path / "store"
+    chains = make_store(source, "lmdb")
+    before = tree(source)
+    with read_only_view(source, tmp_path / "ro") as view:
+        report = invoke_json("inspect", view)
+        assert report["blocks"] == sum(len(keys) for keys in chains.values())
+        invoke_json("verify", view)  # exit 0: no problem found
+    assert tree(source) == before
