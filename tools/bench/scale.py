@@ -7,10 +7,12 @@ prompt each), and measures in each:
 ==================  ==========================================================
 open                ``ucm_db.open`` in a fresh process (import excluded)
 first hit           open -> the first ``lookup`` that returns a hit, same process
-lookup              a stored 1024-block chain (32K tokens), full hit, per call
-put                 one new 64-block chain segment (a 2K-token prompt), per call,
-                    after untimed ones for ``WARMUP_S`` (at least ``WARMUP_PUTS``;
-                    with the page faults per timed put)
+lookup              a stored 1024-block chain (32K tokens), full hit, median
+                    per call of ``LOOKUPS_PER_RUN``
+put                 one new 64-block chain segment (a 2K-token prompt), median
+                    per call, after ``WARMUP_PUTS`` untimed ones and ``WARMUP_S``
+                    from the first (with the page faults per timed put); every
+                    put is deleted after, so the store keeps its size
 verify --sample     the real ``ucm-db verify PATH --sample N --json``, wall
 compact             the real ``ucm-db compact PATH --json``, wall (rewrites the file)
 ==================  ==========================================================
@@ -60,12 +62,12 @@ from ucm_db import Namespace
 NAMESPACE = Namespace(model="ucm-db-bench-scale", kv_dtype="bfloat16", block_size=32)
 CHAIN_BLOCKS = 1024  # 32K tokens of 32-token blocks
 PUT_BLOCKS = 64  # one put: a 2K-token prompt's new blocks
-LOOKUPS_PER_RUN = 50
+LOOKUPS_PER_RUN = 300
 PUTS_PER_RUN = 30
-#: Untimed puts after open, for at least WARMUP_S: a just-opened process
-#: takes a page fault on each page of the LMDB map it touches first until
-#: the store's background prefault has mapped the cached file (about 0.3 s
-#: at 1M blocks here); a serving process is long-lived.
+#: Untimed puts after open, then a pause until WARMUP_S: a just-opened
+#: process takes a page fault on each page of the LMDB map it touches first
+#: until the store's background prefault has mapped the cached file (about
+#: 0.3 s at 1M blocks here); a serving process is long-lived.
 WARMUP_PUTS = 10
 WARMUP_S = 2.0
 _GIB = 1 << 30
@@ -162,32 +164,41 @@ def probe_open(path: Path, seed: int, chain_blocks: int = CHAIN_BLOCKS) -> dict[
 
 # -- lookup and put, in this process ---------------------------------------------
 def time_lookups(store: Any, chains: list[list[bytes]]) -> float:
-    """Mean seconds per full-hit lookup, cycling over ``chains``."""
-    start = time.perf_counter()
+    """Median seconds per full-hit lookup, cycling over ``chains``."""
+    times = []
     for i in range(LOOKUPS_PER_RUN):
         keys = chains[i % len(chains)]
-        if store.lookup(NAMESPACE, keys) != len(keys):
+        t0 = time.perf_counter()
+        found = store.lookup(NAMESPACE, keys)
+        times.append(time.perf_counter() - t0)
+        if found != len(keys):
             raise RuntimeError("lookup of a stored chain was not a full hit")
-    return (time.perf_counter() - start) / LOOKUPS_PER_RUN
+    return statistics.median(times)
 
 
 def time_puts(store: Any, first_seed: int, payload_bytes: int) -> tuple[float, float]:
     """Median seconds per put of a new ``PUT_BLOCKS``-block chain root
-    segment, and the minor page faults per timed put (this process)."""
+    segment, and the minor page faults per timed put (this process). The
+    puts are deleted afterwards, so the store keeps its size across runs."""
     payload = bytes([3]) * payload_bytes
-    seed = first_seed
-    warm_until = time.monotonic() + WARMUP_S
-    while seed < first_seed + WARMUP_PUTS or time.monotonic() < warm_until:
-        store.put(NAMESPACE, chain_keys(seed, PUT_BLOCKS), [payload] * PUT_BLOCKS, parent=None)
-        seed += 1
-    times = []
-    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for i in range(PUTS_PER_RUN):
-        keys = chain_keys(seed + i, PUT_BLOCKS)
+    roots = []
+
+    def put(seed: int) -> float:
+        keys = chain_keys(seed, PUT_BLOCKS)
         t0 = time.perf_counter()
         store.put(NAMESPACE, keys, [payload] * PUT_BLOCKS, parent=None)
-        times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        roots.append(keys[0])
+        return elapsed
+
+    warm_until = time.monotonic() + WARMUP_S
+    for i in range(WARMUP_PUTS):
+        put(first_seed + i)
+    time.sleep(max(0.0, warm_until - time.monotonic()))
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    times = [put(first_seed + WARMUP_PUTS + i) for i in range(PUTS_PER_RUN)]
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+    store.delete(NAMESPACE, roots)  # each root takes its chain with it
     return statistics.median(times), faults / PUTS_PER_RUN
 
 
@@ -206,6 +217,8 @@ def _cli(*args: str) -> float:
 # -- the run ----------------------------------------------------------------------
 @contextmanager
 def _scratch(options: ScaleOptions) -> Iterator[Path]:
+    if options.scratch_dir is not None:
+        Path(options.scratch_dir).mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix="ucm-bench-scale-", dir=options.scratch_dir))
     try:
         yield path
@@ -242,7 +255,7 @@ def run(options: ScaleOptions, *, progress: bool = False) -> dict[str, Any]:
                 with ucm_db.open(paths[name]) as store:
                     store.lookup(NAMESPACE, chains[0])  # the first call's one-off costs are "first hit"
                     add(name, "lookup_ms", time_lookups(store, chains) * 1e3)
-                    put_s, faults = time_puts(store, 10_000_000 + rep * 100_000, options.payload_bytes)
+                    put_s, faults = time_puts(store, 10_000_000 + rep * 1000, options.payload_bytes)
                     add(name, "put_ms", put_s * 1e3)
                     add(name, "put_minor_faults", faults)
             for name in sizes:
