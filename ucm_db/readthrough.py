@@ -55,6 +55,9 @@ MAX_CONTINUATIONS = 8
 #: Bytes a lookup commits locally before returning; the rest of what it
 #: fetched is promoted in the background (bounds a lookup's local commit).
 SYNC_PROMOTE_BYTES = 32 << 20
+#: Bytes of fetched objects promoted per local commit while later ones are
+#: still being fetched (read-through of ``get``, warming, continuations).
+PROMOTE_BATCH_BYTES = 16 << 20
 #: Longest close() waits for a background promotion's commit.
 CLOSE_WAIT_S = 5.0
 #: Marks a call that did not finish before its deadline.
@@ -247,11 +250,12 @@ class RemoteLink:
 
     def stream_chain(
         self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, *,
-        chunk_blocks: int = 64, timeout_s: float = FETCH_DEADLINE_S,
+        chunk_blocks: int = 64, chunk_bytes: int = PROMOTE_BATCH_BYTES, timeout_s: float = FETCH_DEADLINE_S,
     ) -> Iterator[list[RemoteObject]]:
         """Fetches a chain with :data:`READ_THREADS` requests in flight and
-        yields verified, chained runs of up to ``chunk_blocks`` in order, so
-        the caller promotes one run while the next is being fetched. Stops
+        yields verified, chained runs of up to ``chunk_blocks`` blocks or
+        ``chunk_bytes`` (whichever comes first) in order, so the caller
+        promotes one run while the next is being fetched. Stops
         at the first block missing, corrupt, off-chain, failed, or slower
         than ``timeout_s``."""
         if not self.breaker.allow():
@@ -262,6 +266,7 @@ class RemoteLink:
         next_at = 0
         expected = parent
         run: list[RemoteObject] = []
+        run_bytes = 0
         try:
             while next_at < len(keys) or pending:
                 while next_at < len(keys) and len(pending) < window:
@@ -275,10 +280,11 @@ class RemoteLink:
                 if obj is None or obj.parent != expected:
                     break
                 run.append(obj)
+                run_bytes += len(obj.blob)
                 expected = obj.key
-                if len(run) >= chunk_blocks:
+                if len(run) >= chunk_blocks or run_bytes >= chunk_bytes:
                     yield run
-                    run = []
+                    run, run_bytes = [], 0
             if run:
                 yield run
         finally:

@@ -63,8 +63,6 @@ logger = logging.getLogger("ucm_db")
 
 #: A bulk remote fetch (get of local misses) waits this many lookup deadlines.
 FETCH_DEADLINE_FACTOR = 10
-#: Bytes of fetched remote objects a read-through promotes per local commit.
-PROMOTE_BATCH_BYTES = 16 << 20
 #: Default seconds flush() waits for the upload queue to drain.
 FLUSH_UPLOAD_TIMEOUT_S = 60.0
 
@@ -458,7 +456,7 @@ class Store:
         missing = [i for i, r in enumerate(results) if r is None]
         if not missing:
             return {}
-        from ucm_db.readthrough import promotable_runs, promote
+        from ucm_db.readthrough import PROMOTE_BATCH_BYTES, promotable_runs, promote
 
         deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self.config.remote_deadline_s
         found: dict[int, Buffer] = {}

@@ -75,9 +75,9 @@ def test_get_promotes_in_batches_as_objects_arrive(remote: Remote, tmp_path: Pat
     # One object per local commit (batch_bytes=1) or all in one: the same
     # blocks end up local; a hole on the remote stops promotion there, and
     # what follows it is served but not promoted (its parent is not local).
-    import ucm_db.store
+    import ucm_db.readthrough
 
-    monkeypatch.setattr(ucm_db.store, "PROMOTE_BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(ucm_db.readthrough, "PROMOTE_BATCH_BYTES", batch_bytes)
     keys, payloads = chain(namespace, 10)
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
         node_a.put(namespace, keys, payloads)

@@ -8,7 +8,11 @@ token bucket for every byte in or out) and each remote codec (``none``,
   uploader to drain; raw bytes / seconds from the first put to the drained
   queue;
 * read-through: an empty local tier over that remote reads every block
-  (fetch, verify, promote); raw bytes / seconds;
+  with ``get`` (fetch, verify, promote, decode into new buffers); raw bytes /
+  seconds;
+* warm: another empty local tier pulls the same chain into itself with
+  ``Store.warm`` (fetch, verify, promote: what a serving node's lookups
+  do), without decoding anything for a caller; raw bytes / seconds;
 * baseline: raw ``cat_file`` of the same objects through the same link and
   the same number of threads, and the link's own bandwidth.
 
@@ -66,6 +70,13 @@ def _one_run(scratch: Path, bandwidth: float, remote_codec: str, payloads: list[
         read_s = time.perf_counter() - started
         if any(b is None for b in blocks):
             raise RuntimeError("read-through missed a block the writer uploaded")
+    with ucm_db.open(scratch / f"m-{remote_codec}-{int(bandwidth)}-{run}", codec="none", capacity_bytes=4 << 30,
+                     remote_deadline_s=30, **remote) as warmer:
+        started = time.perf_counter()
+        report = warmer.warm(NAMESPACE, keys=keys)
+        warm_s = time.perf_counter() - started
+        if warmer.lookup(NAMESPACE, keys, remote=False) != len(keys):
+            raise RuntimeError(f"warm left blocks on the remote: {report}")
     files = sorted(p for p in remote_dir.rglob("*") if p.is_file() and len(p.name) == 64)
     fs_bytes = sum(p.stat().st_size for p in files)
     import fsspec
@@ -78,6 +89,7 @@ def _one_run(scratch: Path, bandwidth: float, remote_codec: str, payloads: list[
     cat_s = time.perf_counter() - started
     return {
         "upload_raw_mb_s": raw_bytes / upload_s / 1e6, "read_through_raw_mb_s": raw_bytes / read_s / 1e6,
+        "warm_raw_mb_s": raw_bytes / warm_s / 1e6,
         "cat_file_mb_s": fs_bytes / cat_s / 1e6, "stored_ratio": raw_bytes / fs_bytes if fs_bytes else 0.0,
         "auto_choice": choice,
     }
@@ -96,7 +108,7 @@ def run(bandwidths_mb_s: list[float], blocks: int, runs: int) -> dict[str, Any]:
                     samples[remote_codec].append(_one_run(scratch, bandwidth_mb_s * 1e6, remote_codec, payloads, n))
             for remote_codec, results in samples.items():
                 row: dict[str, Any] = {"bandwidth_mb_s": bandwidth_mb_s, "remote_codec": remote_codec}
-                for name in ("upload_raw_mb_s", "read_through_raw_mb_s", "cat_file_mb_s", "stored_ratio"):
+                for name in ("upload_raw_mb_s", "read_through_raw_mb_s", "warm_raw_mb_s", "cat_file_mb_s", "stored_ratio"):
                     row[name] = round(statistics.median(r[name] for r in results), 2)
                 row["auto_choice"] = [r["auto_choice"] for r in results]
                 rows.append(row)
@@ -109,6 +121,7 @@ def run(bandwidths_mb_s: list[float], blocks: int, runs: int) -> dict[str, Any]:
                 by[(bw, "zstd")]["upload_raw_mb_s"], by[(bw, "none")]["upload_raw_mb_s"]), 2),
             "read_through_none_over_cat_file": round(
                 by[(bw, "none")]["read_through_raw_mb_s"] / by[(bw, "none")]["cat_file_mb_s"], 2),
+            "warm_none_over_cat_file": round(by[(bw, "none")]["warm_raw_mb_s"] / by[(bw, "none")]["cat_file_mb_s"], 2),
         }
         for bw in bandwidths_mb_s
     }
@@ -133,10 +146,11 @@ def command(bandwidth_mb_s: str, blocks: int, runs: int, as_json: bool) -> None:
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"{blocks} blocks of {BLOCK_BYTES >> 20} MiB real bf16 K/V, median of {runs} runs")
-    click.echo(f"{'link MB/s':>10} {'codec':>6} {'upload raw MB/s':>16} {'read-through raw MB/s':>22} {'cat_file MB/s':>14} {'ratio':>6}  auto chose")
+    click.echo(f"{'link MB/s':>10} {'codec':>6} {'upload raw MB/s':>16} {'read-through raw MB/s':>22} {'warm raw MB/s':>14} "
+               f"{'cat_file MB/s':>14} {'ratio':>6}  auto chose")
     for row in result["rows"]:
         click.echo(f"{row['bandwidth_mb_s']:>10g} {row['remote_codec']:>6} {row['upload_raw_mb_s']:>16.1f} "
-                   f"{row['read_through_raw_mb_s']:>22.1f} {row['cat_file_mb_s']:>14.1f} {row['stored_ratio']:>6.2f}  "
+                   f"{row['read_through_raw_mb_s']:>22.1f} {row['warm_raw_mb_s']:>14.1f} {row['cat_file_mb_s']:>14.1f} {row['stored_ratio']:>6.2f}  "
                    f"{','.join(row['auto_choice']) if row['remote_codec'] == 'auto' else ''}")
     for bandwidth, ratio in result["ratios"].items():
         click.echo(f"{bandwidth} MB/s: " + ", ".join(f"{k} {v}x" for k, v in ratio.items()))
