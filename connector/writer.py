@@ -12,7 +12,8 @@ Invariants:
     * Each unit chain keeps the prefix invariant on its own, which is what
       lookups rely on (:func:`ucm_db.units.stored_prefix`): if the job's
       one transaction fails on a missing parent (one head's parent evicted
-      meanwhile), its chains are put one by one, so the others still land.
+      meanwhile) or on capacity (all heads together do not fit), its chains
+      are put one by one, so the others still land.
     * At most ``max_pending_bytes`` of staging wait in the queue; a job that
       would exceed it is dropped and counted (the cache is best effort; the
       forward pass never waits for the disk).
@@ -35,7 +36,7 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db.connector.metrics import Counters
-from ucm_db.errors import MissingAncestorError, UcmDbError
+from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.units import UnitKeys
 
@@ -123,7 +124,7 @@ class BackgroundWriter:
         try:
             self._store.put_segments(job.namespace, segments, codec_name=self._codec_name)
             failed = 0
-        except MissingAncestorError:
+        except (MissingAncestorError, StoreFullError):
             failed = self._put_one_by_one(job, segments)
         except (UcmDbError, OSError) as exc:
             failed = len(segments)

@@ -472,7 +472,7 @@ class Store:
         # with the transfer (a batch's first parent is the previous batch's
         # last block, promoted already).
         fetched = self._remote.fetch_in_order(namespace.digest[:16], [keys[i] for i in missing], deadline)
-        for i, obj in zip(missing, fetched):
+        for obj, i in zip(fetched, missing):  # fetched first: the generator runs to its end (breaker.success)
             batch.append(obj)
             if obj is not None:
                 found[i] = obj.blob
