@@ -90,10 +90,11 @@ def test_summary_of_the_serving_part() -> None:
 
 
 def test_server_command_lines() -> None:
-    producer = pd_serve.VllmServerSpec(Path("/m"), 2112, "kv_producer", {"path": "/s"})
+    producer = pd_serve.ServerSpec(Path("/m"), None, 2112, {"path": "/s"}, enforce_eager=True, role="kv_producer")
     argv = producer.argv(8100)
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert config == transfer_config("kv_producer", {"path": "/s"}) and "--enforce-eager" in argv
-    assert "--kv-transfer-config" not in pd_serve.VllmServerSpec(Path("/m"), 2112).argv(8100)
+    assert "--kv-transfer-config" not in pd_serve.ServerSpec(Path("/m"), None, 2112).argv(8100)
+    assert "--num-gpu-blocks-override" not in argv
     proxy = pd_serve.ProxySpec("http://a:1", "http://b:2").argv(8000)
     assert proxy[1:3] == ["-m", "ucm_db.connector.proxy"] and "--port" in proxy

@@ -49,8 +49,9 @@ from typing import Any
 
 import click
 
+from ucm_db.tools.bench.serve_server import CONNECTOR, transfer_config  # noqa: F401 - CONNECTOR re-exported for the PD tests
+
 BLOCK_SIZE = 32
-CONNECTOR = {"kv_connector": "UcmDbConnector", "kv_connector_module_path": "ucm_db.connector", "kv_load_failure_policy": "recompute"}
 #: TP=2 on a 2-core machine: one core per rank.
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 #: The producer's in-step commit (and upload) wait, as vLLM's snapshot names it.
@@ -58,11 +59,6 @@ PUBLISH_WAIT_METRIC = "vllm:ucm_db_publish_wait_seconds"
 #: Per-request counters a producer records with ``spec["stats"]`` (result key -> metric).
 SAVE_METRICS = {"publish_wait_s": PUBLISH_WAIT_METRIC, "save_copy_s": "vllm:ucm_db_save_copy_seconds",
                 "save_commit_s": "vllm:ucm_db_save_commit_seconds"}
-
-
-def transfer_config(role: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` for ucm-db in ``role`` with connector options ``extra``."""
-    return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
 
 
 # -- the engine job (runs in the child) ---------------------------------------------

@@ -27,35 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucm_db.tools.bench.pd_engine import transfer_config
-from ucm_db.tools.bench.serve_server import BLOCK_SIZE, Server
-
-SERVED_NAME = "bench"
-
-
-@dataclass(frozen=True)
-class VllmServerSpec:
-    """One OpenAI server: the model, and the connector's role and options (no role: no connector)."""
-
-    model: Path
-    max_model_len: int
-    role: str | None = None
-    connector: dict[str, Any] | None = None
-    enforce_eager: bool = True
-    env: dict[str, str] = field(default_factory=dict)
-
-    def argv(self, port: int) -> list[str]:
-        args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-            "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
-            "--max-model-len", str(self.max_model_len), "--max-num-seqs", "8", "--seed", "0",
-            "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-        ]
-        if self.enforce_eager:
-            args.append("--enforce-eager")  # no torch.compile: minutes less per start on a loaded host
-        if self.role is not None:
-            args += ["--kv-transfer-config", json.dumps(transfer_config(self.role, self.connector or {}))]
-        return args
+from ucm_db.tools.bench.serve_server import SERVED_NAME, Server, ServerSpec
 
 
 @dataclass(frozen=True)
@@ -134,13 +106,13 @@ def run_serving(model: Path, prompts: list[list[int]], work: Path, *, max_model_
                 enforce_eager: bool, start_timeout_s: float, progress: Any) -> dict[str, Any]:
     """Both setups, one after the other: PD through the proxy, then one server without a connector."""
     store = {"path": str(work / "serve-store")}
-    producer = VllmServerSpec(model, max_model_len, "kv_producer", store, enforce_eager)
-    consumer = VllmServerSpec(model, max_model_len, "kv_consumer", store, enforce_eager)
+    producer = ServerSpec(model, None, max_model_len, store, enforce_eager, role="kv_producer")
+    consumer = ServerSpec(model, None, max_model_len, store, enforce_eager, role="kv_consumer")
     out: dict[str, Any] = {}
     with ExitStack() as stack:
         progress("serve: starting prefill and decode servers ...")
         # Both start at once (Server.__enter__ blocks until healthy), each in a thread.
-        servers = [Server(spec, work / f"{name}.log", start_timeout_s=start_timeout_s)  # type: ignore[arg-type]
+        servers = [Server(spec, work / f"{name}.log", start_timeout_s=start_timeout_s)
                    for name, spec in (("prefill", producer), ("decode", consumer))]
         for server in servers:
             stack.callback(server.stop)
@@ -148,11 +120,11 @@ def run_serving(model: Path, prompts: list[list[int]], work: Path, *, max_model_
             started = [pool.submit(server.__enter__) for server in servers]
         for future in started:
             future.result()  # a server that failed to start raises here (both are stopped on the way out)
-        proxy = stack.enter_context(Server(ProxySpec(servers[0].base_url, servers[1].base_url),  # type: ignore[arg-type]
+        proxy = stack.enter_context(Server(ProxySpec(servers[0].base_url, servers[1].base_url),
                                            work / "proxy.log", start_timeout_s=120))
         progress(f"serve: PD through the proxy, {len(prompts)} prompts ...")
         out["pd"] = _requests(proxy.base_url, prompts, max_tokens)
-    with Server(VllmServerSpec(model, max_model_len, enforce_eager=enforce_eager),  # type: ignore[arg-type]
+    with Server(ServerSpec(model, None, max_model_len, enforce_eager=enforce_eager),
                 work / "single.log", start_timeout_s=start_timeout_s) as single:
         progress(f"serve: one server without a connector, {len(prompts)} prompts ...")
         out["single"] = _requests(single.base_url, prompts, max_tokens)

@@ -27,7 +27,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 BLOCK_SIZE = 32
 #: 1 is vLLM's own layout here without a connector: one core for the model,
@@ -35,33 +35,52 @@ BLOCK_SIZE = 32
 RESERVED_CPUS = 1
 
 
+#: The ucm-db connector in vLLM's ``kv_transfer_config``, less role and options.
+CONNECTOR = {"kv_connector": "UcmDbConnector", "kv_connector_module_path": "ucm_db.connector", "kv_load_failure_policy": "recompute"}
+#: The model name every benchmark server answers to.
+SERVED_NAME = "bench"
+
+
+def transfer_config(role: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for ucm-db in ``role`` with connector options ``extra``."""
+    return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
+
+
+class ProcessSpec(Protocol):
+    """What :class:`Server` starts: a command line for a port, and extra environment."""
+
+    @property
+    def env(self) -> dict[str, str]: ...
+
+    def argv(self, port: int) -> list[str]: ...
+
+
 @dataclass(frozen=True)
 class ServerSpec:
-    """One server: the model, its KV cache cap and the connector (None: without one)."""
+    """One OpenAI server: the model, its KV cache cap (None: vLLM's own
+    sizing) and the connector (None: without one) in ``role``."""
 
     model: Path
-    num_blocks: int
+    num_blocks: int | None
     max_model_len: int
     connector: dict[str, Any] | None = None
     enforce_eager: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    role: str = "kv_both"
 
     def argv(self, port: int) -> list[str]:
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-            "--served-model-name", "bench", "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
-            "--num-gpu-blocks-override", str(self.num_blocks), "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", "8", "--seed", "0", "--host", "127.0.0.1", "--port", str(port),
-            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+            "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", str(self.max_model_len), "--max-num-seqs", "8", "--seed", "0",
+            "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         ]
+        if self.num_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.enforce_eager:
             args.append("--enforce-eager")  # no torch.compile: minutes less per start on a loaded host
         if self.connector is not None:
-            args += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "UcmDbConnector", "kv_connector_module_path": "ucm_db.connector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": self.connector,
-            })]
+            args += ["--kv-transfer-config", json.dumps(transfer_config(self.role, self.connector))]
         return args
 
 
@@ -74,7 +93,7 @@ def free_port() -> int:
 class Server:
     """A running OpenAI server (use as a context manager)."""
 
-    def __init__(self, spec: ServerSpec, log_path: Path, *, start_timeout_s: float = 420.0) -> None:
+    def __init__(self, spec: ProcessSpec, log_path: Path, *, start_timeout_s: float = 420.0) -> None:
         self.spec = spec
         self.port = free_port()
         self.log_path = log_path
