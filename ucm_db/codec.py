@@ -244,6 +244,11 @@ def encode_parts(
         parts.extend(stored)
         raw_len += len(view)
         body_len += stored_len
+    return _sealed(key, codec, table, parts, raw_len, body_len)
+
+
+def _sealed(key: bytes, codec: str, table: list[bytes], parts: list[Buffer], raw_len: int, body_len: int) -> EncodedBlock:
+    """The block with its header, whose checksum covers header, table and body."""
     header = _HEADER.pack(MAGIC, CODEC_FORMAT_VERSION, CODEC_IDS[codec], 0, len(table), raw_len, body_len, bytes(key), 0)
     hasher = xxhash.xxh3_64(header)
     for entry in table:
@@ -261,13 +266,7 @@ def _encode_framed_raw(key: bytes, framed: Framed) -> EncodedBlock:
         raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
     body = memoryview(framed.buffer).cast("B")
     table = [_FRAME.pack(n, n, MODE_RAW, 1, 0) for n in framed.frame_bytes]
-    header = _HEADER.pack(MAGIC, CODEC_FORMAT_VERSION, CODEC_IDS["none"], 0, len(table), len(body), len(body), bytes(key), 0)
-    hasher = xxhash.xxh3_64(header)
-    for entry in table:
-        hasher.update(entry)
-    hasher.update(body)
-    head = b"".join([header[:_CHECKSUM_OFFSET], struct.pack("<Q", hasher.intdigest()), *table])
-    return EncodedBlock(head, [body], len(body), len(body))
+    return _sealed(key, "none", table, [body], len(body), len(body))
 
 
 def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) -> tuple[int, int, int, list[Buffer]]:

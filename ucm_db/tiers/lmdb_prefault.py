@@ -30,7 +30,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -166,7 +165,3 @@ class Prefault:
                 return False
             self.populated_pages += run_bytes // _PAGE_BYTES
         return True
-
-
-def no_guard() -> ContextManager[None]:
-    return contextlib.nullcontext()
