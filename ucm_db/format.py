@@ -82,14 +82,19 @@ def open_engine(
     return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=sync, max_readers=max_readers)
 
 
+def open_lmdb_read_only(path: Path, *, map_size_bytes: int = MIN_MAP_BYTES, max_readers: int = 1024) -> Engine:
+    """The LMDB engine of the store directory ``path`` opened ``MDB_RDONLY``,
+    writing nothing there (see :class:`~ucm_db.tiers.lmdb.LmdbEngine`)."""
+    from ucm_db.tiers.lmdb import LmdbEngine
+
+    return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=True, max_readers=max_readers, read_only=True)
+
+
 def engine_for_config(path: Path, config: StoreConfig) -> Engine:
     """The engine :class:`~ucm_db.Store` opens for ``config`` at ``path``
     (``read_only``: writing nothing, see :class:`~ucm_db.tiers.lmdb.LmdbEngine`)."""
     if config.read_only and config.engine == "lmdb":
-        from ucm_db.tiers.lmdb import LmdbEngine
-
-        return LmdbEngine(Path(path) / "lmdb", map_size_bytes=configured_map_bytes(config), sync=True,
-                          max_readers=config.max_readers, read_only=True)
+        return open_lmdb_read_only(path, map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers)
     return open_engine(path, config.engine, sync=config.durability == "sync", read_only=config.read_only,
                        map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers)
 

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.format import (
-    CREATED_KEY, INFO_TABLE, MIN_MAP_BYTES, STORE_FORMAT_VERSION, detect_engine, open_engine, read_format_version, read_settings,
+    CREATED_KEY, INFO_TABLE, STORE_FORMAT_VERSION, detect_engine, open_engine, open_lmdb_read_only, read_format_version,
+    read_settings,
 )
 from ucm_db.storelock import hold_shared
 from ucm_db.tiers.base import Engine
@@ -95,9 +96,7 @@ def open_view(path: str | Path, *, writable: bool = False) -> Iterator[StoreView
     lock = hold_shared(path, VIEW_LOCK_WAIT_S, read_only=untouchable)
     try:
         if untouchable and name == "lmdb":
-            from ucm_db.tiers.lmdb import LmdbEngine
-
-            engine: Engine = LmdbEngine(path / "lmdb", map_size_bytes=MIN_MAP_BYTES, sync=True, read_only=True)
+            engine = open_lmdb_read_only(path)
         else:
             engine = open_engine(path, name, read_only=not writable, sync=True)
         try:
