@@ -32,10 +32,11 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -252,31 +253,20 @@ class RemoteLink:
         self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, *,
         chunk_blocks: int = 64, chunk_bytes: int = PROMOTE_BATCH_BYTES, timeout_s: float = FETCH_DEADLINE_S,
     ) -> Iterator[list[RemoteObject]]:
-        """Fetches a chain with :data:`READ_THREADS` requests in flight and
-        yields verified, chained runs of up to ``chunk_blocks`` blocks or
-        ``chunk_bytes`` (whichever comes first) in order, so the caller
-        promotes one run while the next is being fetched. Stops
-        at the first block missing, corrupt, off-chain, failed, or slower
-        than ``timeout_s``."""
-        if not self.breaker.allow():
-            return
-        tier = self.tier(namespace_id)
-        window = max(2 * READ_THREADS, 2 * chunk_blocks)  # keep fetching while the caller promotes a run
-        pending: deque[Future[RemoteObject | None]] = deque()
-        next_at = 0
+        """Fetches a chain (:meth:`fetch_in_order`, a window of at least two
+        chunks) and yields verified, chained runs of up to ``chunk_blocks``
+        blocks or ``chunk_bytes`` (whichever comes first) in order, so the
+        caller promotes one run while the next is being fetched. Stops at
+        the first block missing, corrupt, off-chain, failed, or slower than
+        ``timeout_s``."""
+        fetched = self.fetch_in_order(
+            namespace_id, keys, math.inf, window=max(2 * READ_THREADS, 2 * chunk_blocks), result_timeout_s=timeout_s,
+        )
         expected = parent
         run: list[RemoteObject] = []
         run_bytes = 0
         try:
-            while next_at < len(keys) or pending:
-                while next_at < len(keys) and len(pending) < window:
-                    pending.append(self._pool.submit(tier.fetch, keys[next_at]))
-                    next_at += 1
-                try:
-                    obj = pending.popleft().result(timeout=timeout_s)
-                except Exception:  # noqa: BLE001 - timeout or remote error: stop here, back off
-                    self.breaker.failure()
-                    break
+            for obj in fetched:
                 if obj is None or obj.parent != expected:
                     break
                 run.append(obj)
@@ -288,21 +278,26 @@ class RemoteLink:
             if run:
                 yield run
         finally:
-            for future in pending:
-                future.cancel()
+            fetched.close()  # cancels what is still queued
 
-    def fetch_in_order(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> Iterator[RemoteObject | None]:
-        """Fetches unrelated keys with up to ``2 * READ_THREADS`` requests in
-        flight and yields one result per key, in order (None: absent,
-        corrupt, or not fetched by ``deadline``), so the caller can promote
-        the first ones while later ones are still on the wire. The breaker
-        opens (and every later key yields None) on an error other than "not
-        found", or when the deadline passes before any request answered."""
+    def fetch_in_order(
+        self, namespace_id: bytes, keys: Sequence[bytes], deadline: float, *,
+        window: int = 2 * READ_THREADS, result_timeout_s: float | None = None,
+    ) -> Generator[RemoteObject | None, None, None]:
+        """Fetches keys with up to ``window`` requests in flight and yields
+        one result per key, in order (None: absent, corrupt, or not fetched
+        in time), so the caller can promote the first ones while later ones
+        are still on the wire. In time: by ``deadline`` (monotonic), and
+        within ``result_timeout_s`` of waiting for each one if given.
+
+        The breaker opens (and every later key yields None) on an error
+        other than "not found", on a result slower than
+        ``result_timeout_s``, or when the deadline passes before any
+        request answered; it closes when every key answered."""
         if not self.breaker.allow():
             yield from itertools.repeat(None, len(keys))
             return
         tier = self.tier(namespace_id)
-        window = 2 * READ_THREADS
         pending: deque[Future[RemoteObject | None]] = deque()
         next_at = answered = 0
         try:
@@ -310,10 +305,12 @@ class RemoteLink:
                 while next_at < len(keys) and len(pending) < window:
                     pending.append(self._pool.submit(tier.fetch, keys[next_at]))
                     next_at += 1
+                wait_s = max(0.0, deadline - time.monotonic())
+                stalled = result_timeout_s is not None and result_timeout_s <= wait_s
                 try:
-                    obj = pending.popleft().result(timeout=max(0.0, deadline - time.monotonic()))
+                    obj = pending.popleft().result(timeout=result_timeout_s if stalled else wait_s)
                 except Exception as exc:  # noqa: BLE001 - a timeout or a remote error ends the fetch
-                    if answered == 0 or not isinstance(exc, TimeoutError):
+                    if answered == 0 or stalled or not isinstance(exc, TimeoutError):
                         self.breaker.failure()
                     yield from itertools.repeat(None, len(keys) - answered)
                     return
