@@ -38,7 +38,7 @@ def test_engine_on_node_b_hits_node_a_remote(helpers, tmp_path: Path) -> None:
 
     def spec(store: Path, prompts: int = 1) -> dict:
         connector = {"path": str(store), "remote": remote, "remote_deadline_s": 2.0}
-        return {"model": str(model), "prefix_caching": False, "max_tokens": MAX_TOKENS,
+        return {"model": str(model), "prefix_caching": False, "enforce_eager": True, "max_tokens": MAX_TOKENS,
                 "connector": connector, "prompts": [prompt] * prompts}
 
     node_a = helpers.start_engine_process(spec(tmp_path / "node-a"), tmp_path, "node_a").wait()

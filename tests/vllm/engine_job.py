@@ -4,8 +4,11 @@
 
 SPEC: {"model": dir, "connector": {extra config} | null, "prefix_caching": bool,
        "prompts": [{"ids": [...], "cache_salt": str | null}], "max_tokens": int,
-       "dtype": str, "block_size": int, "tp": int, "env": {name: value}}
-("env" is set before vLLM is imported: e.g. the TP=2 CPU thread binding.)
+       "dtype": str, "block_size": int, "tp": int, "env": {name: value},
+       "enforce_eager": bool}
+("env" is set before vLLM is imported: e.g. the TP=2 CPU thread binding.
+"enforce_eager" skips torch.compile: about 20 s less per engine start here;
+the connector's own e2e module keeps vLLM's default, compiled.)
 RESULT: {"outputs": [[token ids]], "cached": [num_cached_tokens], "engine_start_s": float}
 Each prompt is sent alone (one generate call each) so that a prompt's saves
 can serve the next one.
@@ -26,7 +29,7 @@ def make_engine(spec: dict):
         model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"),
         block_size=spec.get("block_size", 32), max_model_len=spec.get("max_model_len", 2048),
         max_num_seqs=8, enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
-        tensor_parallel_size=spec.get("tp", 1),
+        tensor_parallel_size=spec.get("tp", 1), enforce_eager=spec.get("enforce_eager", False),
     )
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {

@@ -80,12 +80,15 @@ class ServerProcess:
             self.kill()
 
 
-def vllm_server_args(model: Path, port: int, role: str, extra: dict[str, Any], tp: int = 1) -> list[str]:
+def vllm_server_args(model: Path, port: int, role: str, extra: dict[str, Any], tp: int = 1,
+                     enforce_eager: bool = False) -> list[str]:
+    """``enforce_eager`` skips torch.compile (about 20 s less per start on the 2-core machine)."""
     return [
         "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
         "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048", "--max-num-seqs", "8", "--dtype", "float32",
         "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
         "--seed", "0", "--tensor-parallel-size", str(tp), "--kv-transfer-config", json.dumps(transfer_config(role, extra)),
+        *(["--enforce-eager"] if enforce_eager else []),
     ]
 
 

@@ -108,7 +108,7 @@ def test_remote_hit_slower_than_recompute_is_recomputed_faster_one_loaded(
     with _without_request_proxies():
         llm = LLM(
             model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=2048,
-            max_num_seqs=2, enable_prefix_caching=True, seed=0,
+            max_num_seqs=2, enable_prefix_caching=True, seed=0, enforce_eager=True,
             kv_transfer_config={
                 "kv_connector": "UcmDbConnector", "kv_connector_module_path": "ucm_db.connector",
                 "kv_role": "kv_consumer",  # loads only: no upload competes for the link

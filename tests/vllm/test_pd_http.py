@@ -52,9 +52,10 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     store = root / "store"
     ports = {"prefill": _port(), "decode": _port(), "proxy": _port()}
     servers = {
-        "prefill": ServerProcess.start(vllm_server_args(model, ports["prefill"], "kv_producer", {"path": str(store)}),
+        "prefill": ServerProcess.start(vllm_server_args(model, ports["prefill"], "kv_producer", {"path": str(store)}, enforce_eager=True),
                                        ports["prefill"], root / "prefill.log", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
-        "decode": ServerProcess.start(vllm_server_args(model, ports["decode"], "kv_consumer", {"path": str(store), "load_deadline_s": 30}, tp=2),
+        "decode": ServerProcess.start(vllm_server_args(model, ports["decode"], "kv_consumer", {"path": str(store), "load_deadline_s": 30}, tp=2,
+                                                       enforce_eager=True),
                                       ports["decode"], root / "decode.log", TP2_ENV),
     }
     try:

@@ -47,7 +47,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     remote = f"file://{root / 'remote'}"
     params = root / "params.jsonl"
     common = {"model": str(model), "dtype": "float32", "prompts": _prompts(), "max_tokens": MAX_TOKENS,
-              "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+              "enforce_eager": True, "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
     s2 = str(root / "s2")
     jobs = {
         "producer": start_job({**common, "role": "kv_producer", "params_out": str(params),

@@ -51,7 +51,7 @@ def _prompts() -> dict[str, dict[str, Any]]:
 def _spec(model: Path, tp: int, store: Path | None, names: list[str]) -> dict[str, Any]:
     prompts = _prompts()
     return {
-        "model": str(model), "dtype": "float32", "tp": tp, "env": TP2_ENV if tp == 2 else TP1_ENV,
+        "model": str(model), "dtype": "float32", "tp": tp, "enforce_eager": True, "env": TP2_ENV if tp == 2 else TP1_ENV,
         "prefix_caching": False, "max_tokens": MAX_TOKENS,
         "connector": None if store is None else {"path": str(store)},
         "prompts": [prompts[n] for n in names],

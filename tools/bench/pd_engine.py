@@ -19,6 +19,9 @@ runs :func:`run_job` on the spec (``spec["role"]``):
   short hit. With ``spec["compare_recompute"]`` it then computes the same
   prompt whole under a salt (``recompute_latency_s``).
 
+``spec["enforce_eager"]`` (default false) runs the engine without
+torch.compile: a faster start, for the tests.
+
 RESULT: {"outputs": [[ids]], "cached": [num_cached_tokens], "params": [...],
 "latency_s": [...], "blocks_after_publish": int | None, "reference": [[ids]],
 "publish_wait_s", "save_copy_s", "save_commit_s": [...] (producers with ``spec["stats"]``)}.
@@ -68,7 +71,8 @@ def _engine(spec: dict[str, Any]) -> Any:
     return LLM(
         model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"), block_size=BLOCK_SIZE,
         max_model_len=spec.get("max_model_len", 2048), max_num_seqs=8, enable_prefix_caching=False, seed=0,
-        tensor_parallel_size=spec.get("tp", 1), disable_log_stats=not spec.get("stats", False),
+        tensor_parallel_size=spec.get("tp", 1), enforce_eager=spec.get("enforce_eager", False),
+        disable_log_stats=not spec.get("stats", False),
         kv_transfer_config=transfer_config(spec["role"], spec["connector"]),
     )
 
