@@ -16,13 +16,13 @@ from click.testing import CliRunner
 import ucm_db
 from ucm_db.tools.bench import scale
 
-FIGURES = ("open_s", "first_hit_s", "import_s", "lookup_ms", "put_ms", "verify_sample_s", "compact_s")
+FIGURES = ("open_s", "first_hit_s", "import_s", "lookup_ms", "put_ms", "put_real_ms", "verify_sample_s", "compact_s")
 COUNTS = ("put_minor_faults",)  # may be 0 on a small store
 
 
 def test_tiny_run_reports_every_figure_and_honest_verdicts(tmp_path) -> None:
     result = CliRunner().invoke(scale.command, [
-        "--blocks", "384", "--small-blocks", "128", "--chain-blocks", "64", "--payload-bytes", "32", "--runs", "1",
+        "--blocks", "384", "--small-blocks", "128", "--chain-blocks", "64", "--payload-bytes", "32", "--real-put-bytes", "4096", "--runs", "1",
         "--verify-sample", "16", "--dir", str(tmp_path), "--json",
     ])
     assert result.exit_code == 0, result.output

@@ -13,6 +13,10 @@ put                 one new 64-block chain segment (a 2K-token prompt), median
                     per call, after ``WARMUP_PUTS`` untimed ones and ``WARMUP_S``
                     from the first (with the page faults per timed put); every
                     put is deleted after, so the store keeps its size
+put, real size      the same with ``--real-put-bytes`` per block (default
+                    256 KiB: one 32-token block of an 8-layer model with 8 KV
+                    heads of 64, bf16), the cost a serving engine pays: the
+                    small-payload put is the index alone, its worst case
 verify --sample     the real ``ucm-db verify PATH --sample N --json``, wall
 compact             the real ``ucm-db compact PATH --json``, wall (rewrites the file)
 ==================  ==========================================================
@@ -71,6 +75,8 @@ PUTS_PER_RUN = 30
 WARMUP_PUTS = 10
 WARMUP_S = 2.0
 _GIB = 1 << 30
+#: One 32-token block of an 8-layer model, 8 KV heads of 64, bf16 (K and V).
+REAL_BLOCK_BYTES = 8 * 2 * 8 * 64 * 32 * 2
 #: Figures whose large / small ratio has a target, and the bound.
 RATIO_TARGETS = {"lookup_ms": 1.5, "put_ms": 1.5}
 FIRST_HIT_TARGET_S = 1.0
@@ -88,6 +94,8 @@ class ScaleOptions:
         scratch_dir: parent of the scratch stores (None: the system temp dir).
         compact: also time ``ucm-db compact`` (rewrites the store file).
         chain_blocks: blocks per stored chain (and per measured lookup).
+        real_put_bytes: bytes per block of the second put figure
+            (``put_real_ms``); 0 leaves it out.
     """
 
     large_blocks: int = 1_000_000
@@ -98,6 +106,7 @@ class ScaleOptions:
     scratch_dir: str | None = None
     compact: bool = True
     chain_blocks: int = CHAIN_BLOCKS
+    real_put_bytes: int = REAL_BLOCK_BYTES
 
 
 def chain_keys(seed: int, count: int = CHAIN_BLOCKS) -> list[bytes]:
@@ -258,6 +267,9 @@ def run(options: ScaleOptions, *, progress: bool = False) -> dict[str, Any]:
                     put_s, faults = time_puts(store, 10_000_000 + rep * 1000, options.payload_bytes)
                     add(name, "put_ms", put_s * 1e3)
                     add(name, "put_minor_faults", faults)
+                    if options.real_put_bytes:
+                        put_s, _ = time_puts(store, 20_000_000 + rep * 1000, options.real_put_bytes)
+                        add(name, "put_real_ms", put_s * 1e3)
             for name in sizes:
                 add(name, "verify_sample_s", _cli("verify", str(paths[name]), "--sample", str(options.verify_sample), "--json"))
         if options.compact:
@@ -279,7 +291,8 @@ def _report(options: ScaleOptions, runs: dict[str, dict[str, list[float]]], buil
     return {
         "options": {"large_blocks": options.large_blocks, "small_blocks": options.small_blocks,
                     "payload_bytes": options.payload_bytes, "runs": options.runs, "verify_sample": options.verify_sample,
-                    "chain_blocks": options.chain_blocks, "put_blocks": PUT_BLOCKS, "block_tokens": NAMESPACE.block_size},
+                    "chain_blocks": options.chain_blocks, "put_blocks": PUT_BLOCKS,
+                    "real_put_bytes": options.real_put_bytes, "block_tokens": NAMESPACE.block_size},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
@@ -294,6 +307,7 @@ def _report(options: ScaleOptions, runs: dict[str, dict[str, list[float]]], buil
 
 _ROWS = (("open_s", "open (new process)", 1e3, "ms"), ("first_hit_s", "open -> first hit", 1e3, "ms"),
          ("lookup_ms", "lookup of a chain, full hit", 1.0, "ms"), ("put_ms", f"put {PUT_BLOCKS} blocks", 1.0, "ms"),
+         ("put_real_ms", f"put {PUT_BLOCKS} blocks, real size", 1.0, "ms"),
          ("verify_sample_s", "ucm-db verify --sample", 1.0, "s"), ("compact_s", "ucm-db compact", 1.0, "s"),
          ("put_minor_faults", "page faults per put (minor)", 1.0, ""), ("import_s", "import ucm_db (probe)", 1e3, "ms"))
 
@@ -321,7 +335,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{t['target']:<44} {t['measured']:>9.4g}  {t['bound']:<8} {'met' if t['met'] else 'MISSED'}")
     load = ", ".join(f"{x:.2f}" for x in report["machine"]["load_avg_at_end"])
     lines.append(f"\n{report['machine']['cpus']} CPUs, load average at end {load}; {report['elapsed_s']} s; "
-                 f"{opts['payload_bytes']}-byte payloads, chains of {opts['chain_blocks']} x {opts['block_tokens']}-token blocks")
+                 f"{opts['payload_bytes']}-byte payloads ({opts['real_put_bytes']} in 'real size'), chains of {opts['chain_blocks']} x {opts['block_tokens']}-token blocks")
     return "\n".join(lines)
 
 
@@ -333,6 +347,8 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--chain-blocks", type=click.IntRange(min=1), default=CHAIN_BLOCKS, show_default=True,
               help="blocks per chain (a prompt of this many 32-token blocks); each lookup reads one chain")
 @click.option("--payload-bytes", type=click.IntRange(min=1), default=128, show_default=True, help="bytes per block")
+@click.option("--real-put-bytes", type=click.IntRange(min=0), default=REAL_BLOCK_BYTES, show_default=True,
+              help="bytes per block of the 'put, real size' figure (0: leave it out)")
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True, help="repetitions per figure (medians)")
 @click.option("--verify-sample", type=click.IntRange(min=1), default=1000, show_default=True,
               help="N of `ucm-db verify --sample N`")
@@ -340,7 +356,7 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
               help="scratch directory for the two stores (default: system temp)")
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
-def command(large_blocks: int, small_blocks: int, chain_blocks: int, payload_bytes: int, runs: int, verify_sample: int, no_compact: bool,
+def command(large_blocks: int, small_blocks: int, chain_blocks: int, payload_bytes: int, real_put_bytes: int, runs: int, verify_sample: int, no_compact: bool,
             scratch_dir: str | None, as_json: bool) -> None:
     """A large store against a small one: open, first hit, lookup, put, verify --sample, compact.
 
@@ -358,6 +374,6 @@ def command(large_blocks: int, small_blocks: int, chain_blocks: int, payload_byt
                                  param_hint="--blocks/--small-blocks")
     options = ScaleOptions(large_blocks=large_blocks, small_blocks=small_blocks, payload_bytes=payload_bytes, runs=runs,
                            verify_sample=verify_sample, scratch_dir=scratch_dir, compact=not no_compact,
-                           chain_blocks=chain_blocks)
+                           chain_blocks=chain_blocks, real_put_bytes=real_put_bytes)
     report = run(options, progress=True)  # progress goes to stderr
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
