@@ -91,3 +91,5 @@ def test_the_s3_row_reads_a_copy_of_the_warm_file_remote(tmp_path) -> None:
         with ucm_db.open(tmp_path / "empty", remote=url, remote_options=s3.options, remote_deadline_s=10.0) as store:
             assert store.lookup(ns, keys) == 6
             assert [bytes(b) for b in store.get(ns, keys)] == payloads
+        # The link's raw figure reads real objects of the bucket.
+        assert serve._raw_read_mb_s(url, s3.options) > 0

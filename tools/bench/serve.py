@@ -143,9 +143,12 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
             started = time.perf_counter()
             url = _copy_to_s3(remote, s3.options)
             progress(f"  remote copied to {url} in {time.perf_counter() - started:.1f} s")
+            link_mb_s = _raw_read_mb_s(url, s3.options)
+            progress(f"  raw read of the bucket (s3fs cat, concurrent): {link_mb_s:.1f} MB/s")
             s3_connector = {"path": str(work / "empty-local-s3"), "remote": url, "capacity_bytes": 16 << 30,
                             "remote_options": s3.options}
             serve(replace(capped, connector=s3_connector), "ucm-remote-s3", ("ucm-remote-s3",))
+            rows["ucm-remote-s3"]["link_raw_read_mb_s"] = link_mb_s
     return rows
 
 
@@ -158,6 +161,25 @@ def _copy_to_s3(remote: Path, s3_options: dict[str, Any]) -> str:
     for path in sorted(p for p in remote.rglob("*") if p.is_file()):
         fs.pipe_file(f"ucm-bench/kv/{path.relative_to(remote).as_posix()}", path.read_bytes())
     return "s3://ucm-bench/kv"
+
+
+def _raw_read_mb_s(url: str, s3_options: dict[str, Any], max_bytes: int = 64 << 20) -> float:
+    """MB/s of plain s3fs reads of the bucket's objects (up to ``max_bytes``
+    of them, fetched concurrently by one ``cat`` call): what the link gives
+    before ucm-db does anything, the scale the ``ucm-remote-s3`` row is read
+    against (moto serves a few MB/s on a 2-core host)."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **s3_options, skip_instance_cache=True)
+    chosen, total = [], 0
+    for path, info in sorted(fs.find(url, detail=True).items()):
+        if total >= max_bytes:
+            break
+        chosen.append(path)
+        total += int(info["size"])
+    started = time.perf_counter()
+    read = sum(len(blob) for blob in fs.cat(chosen).values())
+    return read / (time.perf_counter() - started) / 1e6
 
 
 def _drain_uploads(store: Path, remote: Path, progress: Progress) -> None:
@@ -234,6 +256,8 @@ def format_table(report: dict[str, Any]) -> str:
         if row in report["rows"]:
             r = report["rows"][row]
             lines.append(f"{label:<58} {r['request_throughput']:>7.2f} {r['median_ttft_ms']:>12.0f} {r['p99_ttft_ms']:>12.0f}")
+    if "link_raw_read_mb_s" in report["rows"].get("ucm-remote-s3", {}):
+        lines.append(f"S3 (moto) raw read of the bucket: {report['rows']['ucm-remote-s3']['link_raw_read_mb_s']:.1f} MB/s")
     lines.append("")
     for t in report["targets"]:
         lines.append(f"{t['target']:<40} {t['measured']:>7.3f}  {t['bound']:<7} {'met' if t['met'] else 'MISSED'}")
