@@ -28,6 +28,9 @@ COUNTERS = (
     # announced; consumer's wait for them and announced blocks still missing
     # at its deadline (read-after-write misses)
     "publish_wait_s", "published_blocks", "publication_wait_s", "publication_misses",
+    # load_policy auto (cost_model.py): lookups whose stored KV was left to
+    # recompute because loading it was expected to be slower
+    "cost_skips",
 )
 GAUGES = ("compression_ratio",)
 
@@ -67,6 +70,7 @@ class UcmDbConnectorStats(KVConnectorStats):
             "save_errors": int(d["save_errors"]),
             "saves_dropped": int(d["saves_dropped"]),
             "compression_ratio": round(d["compression_ratio"], 3),
+            "cost_skips": int(d["cost_skips"]),
         }
         return out
 
@@ -117,6 +121,7 @@ _PROM = {
     "published_blocks": ("ucm_db_published_blocks", "Blocks a kv_producer announced to consumers"),
     "publication_wait_s": ("ucm_db_publication_wait_seconds", "Seconds consumers' requests waited for announced blocks"),
     "publication_misses": ("ucm_db_publication_misses", "Announced blocks not visible by the consumer's deadline (recomputed)"),
+    "cost_skips": ("ucm_db_cost_skips", "Lookups that left a store tier unasked or its hit unclaimed: recomputing was expected faster (load_policy auto)"),
 }
 
 

@@ -228,6 +228,7 @@ class UcmDbScheduler:
         if max_blocks * self._block_size <= num_computed_tokens:
             state.lookup = LookupRecord(num_computed_tokens, 0, 0, "units", 0.0)
             return 0, False
+        skips_before = sum(self.cost.skipped.values())
         found = self._stored_blocks(state, max_blocks)
         source = max(found, key=lambda name: found[name])  # units first on a tie
         hit = found[source]
@@ -235,6 +236,8 @@ class UcmDbScheduler:
             return None, False
         if hit and self.cost.decide(self._ns_id, "local", probe_unmeasured=False) is Decision.SKIP:
             hit = 0  # the local tier is judged slower than recomputing (cost_model.py)
+        if sum(self.cost.skipped.values()) > skips_before:
+            self.counters.add(cost_skips=1)  # once per lookup, however many segments or sources it priced
         state.lookup = LookupRecord(num_computed_tokens, hit, found["units"], source, time.perf_counter() - started)
         return max(0, hit * self._block_size - num_computed_tokens), False
 

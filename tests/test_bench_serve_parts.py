@@ -68,6 +68,34 @@ def test_verdicts_are_medians_of_the_runs_against_their_bounds() -> None:
     assert "ucm-db, capped, first pass (store empty)" in serve.format_table(report)
 
 
+def test_connector_counters_are_read_from_prometheus_text_and_differenced_per_pass() -> None:
+    from ucm_db.tools.bench.serve_server import parse_connector_counters
+
+    page = "\n".join([
+        "# HELP vllm:ucm_db_hit_tokens_total Prompt tokens loaded from ucm-db instead of computed",
+        "# TYPE vllm:ucm_db_hit_tokens_total counter",
+        'vllm:ucm_db_hit_tokens_total{engine="0",model_name="bench"} 3072.0',
+        'vllm:ucm_db_hit_tokens_total{engine="1",model_name="bench"} 1024.0',
+        'vllm:ucm_db_hit_tokens_created{engine="0",model_name="bench"} 1.76e+09',
+        'vllm:ucm_db_loaded_bytes_total{engine="0",model_name="bench"} 2.5e+07',
+        'vllm:ucm_db_compression_ratio{engine="0",model_name="bench"} 1.47',
+        'vllm:prompt_tokens_total{engine="0",model_name="bench"} 9999.0',
+        "vllm:ucm_db_cost_skips_total 2",
+    ])
+    counters = parse_connector_counters(page)
+    assert counters == {"hit_tokens": 4096.0, "loaded_bytes": 2.5e7, "cost_skips": 2.0}
+    assert parse_connector_counters("vllm:prompt_tokens_total 5.0") == {}  # a server without ucm-db
+    delta = serve.pass_counters({"hit_tokens": 1000.0, "cost_skips": 2.0},
+                                {**counters, "query_tokens": 8192.0, "load_seconds": 0.5})
+    assert delta["hit_tokens"] == 3096.0 and delta["query_tokens"] == 8192.0 and delta["cost_skips"] == 0.0
+    assert delta["loaded_MB"] == 25.0 and delta["load_s"] == 0.5
+
+
+def test_medians_of_runs_take_the_connector_counters_key_by_key() -> None:
+    runs = [{"request_throughput": rps, "ucm_db": {"hit_tokens": hits}} for rps, hits in ((1.0, 10.0), (3.0, 30.0), (2.0, 5.0))]
+    assert serve._medians(runs) == {"request_throughput": 2.0, "ucm_db": {"hit_tokens": 10.0}}
+
+
 @pytest.mark.s3
 def test_the_s3_row_reads_a_copy_of_the_warm_file_remote(tmp_path) -> None:
     """The ``ucm-remote-s3`` row serves from a moto bucket holding the warm

@@ -214,8 +214,13 @@ def test_scheduler_claims_a_remote_hit_only_where_it_beats_recompute(
         assert _claim(sched, probe, "probe") == (BLOCKS if policy == "always" else _PROBE_BLOCKS) * BS
         ns_id = sched._namespace.digest[:16].hex()
         assert sched.cost.load_rate(ns_id, "remote") is not None
+        skips_after_probe = sched.counters.totals.data["cost_skips"]
         got = _claim(sched, second, "second")
         assert got == (BLOCKS * BS if loads else 0)
+        # A skip is visible to operators (vllm:ucm_db_cost_skips), once per
+        # lookup; a load is not one.
+        assert sched.counters.totals.data["cost_skips"] - skips_after_probe == (0 if loads else 1)
+        assert sched.counters.totals.data["cost_skips"] == 0 or not loads
         from ucm_db.connector.identity import grid, reader_spans
         from ucm_db.units import UnitKeys
 
@@ -318,5 +323,6 @@ def test_local_hit_judged_slower_than_recompute_is_not_claimed(tmp_path: Path) -
             meta = sched.build_connector_meta(_step(0))
             sched.observe_output(UcmDbWorkerMetadata(meta.step, {(sched._ns_id, "local"): (512, 1.0)}))  # 512 tokens/s
             assert _claim(sched, tokens, "second") == claimed
+            assert sched.counters.totals.data["cost_skips"] == (1 if claimed == 0 else 0)
         finally:
             sched.shutdown()

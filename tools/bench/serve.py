@@ -104,11 +104,29 @@ def _connector(store: Path, remote: Path) -> dict[str, Any]:
 
 def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: str, progress: Progress) -> dict[str, Any]:
     started = time.perf_counter()
+    before = server.connector_counters()
     result = run_load(options.load, server, model, work, name)
-    kept = {key: float(result[key]) for key in KEPT if key in result}
+    kept: dict[str, Any] = {key: float(result[key]) for key in KEPT if key in result}
+    note = ""
+    if before or server.connector_counters():
+        kept["ucm_db"] = pass_counters(before, server.connector_counters())
+        ucm = kept["ucm_db"]
+        note = (f"; ucm-db: {ucm['hit_tokens']:.0f} of {ucm['query_tokens']:.0f} looked-up tokens loaded, "
+                f"{ucm['loaded_MB']:.0f} MB in {ucm['load_s']:.1f} s, {ucm['cost_skips']:.0f} cost skips")
     progress(f"  {name}: {kept.get('request_throughput', 0):.2f} req/s, TTFT p50 {kept.get('median_ttft_ms', 0):.0f} ms, "
-             f"p99 {kept.get('p99_ttft_ms', 0):.0f} ms ({time.perf_counter() - started:.0f} s)")
+             f"p99 {kept.get('p99_ttft_ms', 0):.0f} ms ({time.perf_counter() - started:.0f} s){note}")
     return kept
+
+
+def pass_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the connector did during one pass (the difference of its
+    ``/metrics`` counters): tokens looked up and loaded, bytes and seconds
+    of loads, lookups that recomputed by the cost model's choice."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    return {"query_tokens": delta("query_tokens"), "hit_tokens": delta("hit_tokens"),
+            "loaded_MB": round(delta("loaded_bytes") / 1e6, 3), "load_s": round(delta("load_seconds"), 3),
+            "cost_skips": delta("cost_skips"), "load_errors": delta("load_errors")}
 
 
 def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress) -> dict[str, dict[str, Any]]:
@@ -221,7 +239,7 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
     for row in ROWS:
         per_run = [r[row] for r in all_runs if row in r]
         if per_run:
-            medians[row] = {key: statistics.median(r[key] for r in per_run) for key in per_run[0]}
+            medians[row] = _medians(per_run)
     targets = []
     for row, (base, bound) in TARGETS.items():
         if row in medians and base in medians:
@@ -243,6 +261,16 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
     }
 
 
+def _medians(per_run: list[dict[str, Any]]) -> dict[str, Any]:
+    """Key by key median of one row's runs; nested dicts (the connector's
+    counters) key by key too."""
+    out: dict[str, Any] = {}
+    for key, first in per_run[0].items():
+        values = [r[key] for r in per_run if key in r]
+        out[key] = _medians(values) if isinstance(first, dict) else statistics.median(values)
+    return out
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The issue's table: one line per row (medians), then the targets."""
     o = report["options"]
@@ -251,11 +279,13 @@ def format_table(report: dict[str, Any]) -> str:
              f"{o['layers']}-layer Llama bf16, block {o['block_size']}; capped {o['capped_blocks']} blocks "
              f"(working set {o['working_set_blocks']}: {o['working_set_blocks'] / o['capped_blocks']:.1f}x), "
              f"bound {o['bound_blocks']}; median of {o['runs']} run(s)" + ("; --enforce-eager" if o["enforce_eager"] else ""),
-             "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}"]
+             "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  ucm-db loaded / looked up, skips"]
     for row, label in ROWS.items():
         if row in report["rows"]:
             r = report["rows"][row]
-            lines.append(f"{label:<58} {r['request_throughput']:>7.2f} {r['median_ttft_ms']:>12.0f} {r['p99_ttft_ms']:>12.0f}")
+            ucm = r.get("ucm_db")
+            did = f"  {ucm['hit_tokens']:.0f} / {ucm['query_tokens']:.0f} tokens, {ucm['cost_skips']:.0f}" if ucm else ""
+            lines.append(f"{label:<58} {r['request_throughput']:>7.2f} {r['median_ttft_ms']:>12.0f} {r['p99_ttft_ms']:>12.0f}{did}")
     if "link_raw_read_mb_s" in report["rows"].get("ucm-remote-s3", {}):
         lines.append(f"S3 (moto) raw read of the bucket: {report['rows']['ucm-remote-s3']['link_raw_read_mb_s']:.1f} MB/s")
     lines.append("")

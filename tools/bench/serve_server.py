@@ -124,6 +124,12 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def connector_counters(self) -> dict[str, float]:
+        """The ucm-db counters on the server's ``/metrics`` now (empty
+        without a connector): see :func:`parse_connector_counters`."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as response:
+            return parse_connector_counters(response.read().decode("utf-8", errors="replace"))
+
     def _wait_healthy(self) -> None:
         assert self._proc is not None
         deadline = time.monotonic() + self.start_timeout_s
@@ -159,6 +165,31 @@ class Server:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+#: Prometheus names of the connector's counters (connector/metrics.py).
+_COUNTER_PREFIX, _COUNTER_SUFFIX = "vllm:ucm_db_", "_total"
+
+
+def parse_connector_counters(text: str) -> dict[str, float]:
+    """ucm-db's counters in a Prometheus text page, summed over their
+    labels (engines): ``{"hit_tokens": ..., "cost_skips": ...}``. Lines of
+    other metrics, comments and ``_created`` samples are ignored."""
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_COUNTER_PREFIX):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0][len(_COUNTER_PREFIX):]
+        if not name.endswith(_COUNTER_SUFFIX):
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        key = name[:-len(_COUNTER_SUFFIX)]
+        counters[key] = counters.get(key, 0.0) + number
+    return counters
 
 
 @dataclass(frozen=True)
