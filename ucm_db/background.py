@@ -5,7 +5,24 @@ Reads never take the writer lock: their LRU touches and hit/miss counts
 are buffered here and folded into the next write transaction (a put), or
 written by the maintenance thread every ``sync_interval_s``. With group
 durability the same thread syncs the engine every interval, and as soon as
-``sync_bytes`` were committed since the last sync.
+``sync_bytes`` were committed since the last sync, or the engine's data file
+grew by ``sync_bytes`` since then.
+
+Why growth counts: a group-durable LMDB store pins its last synced snapshot
+(``tiers/lmdb_groupsync.py``), so no page freed after that snapshot is
+reused before the next sync, and every page a commit copies on write goes
+to the end of the file. Small-payload commits (index-heavy puts, deletes,
+evictions) write few payload bytes but copy many B-tree pages: counted by
+payload alone, a burst of them grew a store's file to 4.5x its live pages,
+and the hundreds of thousands of single free pages left behind made every
+later put of large blocks scan them for a contiguous run (LMDB's
+``mdb_page_alloc``): 16x slower puts of 512 KiB blocks in a 1M-block store.
+So growth beyond the payload committed (``excess growth``, pages copied on
+write that the pin keeps from being reused) wakes the sync at
+``sync_bytes``, and at ``UNSYNCED_GROWTH_FACTOR * sync_bytes`` the committing
+thread waits (outside every lock) until a sync completes and moves the pin:
+the file's growth beyond its live pages stays bounded whatever the mix of
+commits, at the price of index-heavy bursts running at the disk's sync pace.
 
 Invariants:
     * Buffered activity is never dropped while the store is open: a failed
@@ -38,6 +55,12 @@ logger = logging.getLogger("ucm_db")
 
 #: Buffered touches that make a read flush the activity at once.
 ACTIVITY_FLUSH_KEYS = 4096
+#: Excess growth since the last sync (in ``sync_bytes``) at which a commit
+#: waits for a sync to complete (module doc).
+UNSYNCED_GROWTH_FACTOR = 1
+#: Longest such wait: a sync slower than this (a stalled disk) lets the
+#: writer go on rather than hang it; the interval sync still runs.
+GROWTH_WAIT_S = 30.0
 
 
 class Background:
@@ -53,6 +76,9 @@ class Background:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._unsynced_bytes = 0
+        self._extent_at_sync: int | None = None  # engine.used_extent_bytes() when the last sync started
+        self._synced = threading.Condition(self._lock)  # notified when a sync completes
+        self._syncs_done = 0
         self.errors = 0
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ucm-db-maintenance", daemon=True)
@@ -65,6 +91,8 @@ class Background:
         """Stops the thread (after its current round); idempotent."""
         self._stop.set()
         self._wake.set()
+        with self._lock:
+            self._synced.notify_all()  # a writer waiting for a sync goes on
         if self._thread.is_alive():
             self._thread.join()
 
@@ -120,14 +148,24 @@ class Background:
     # -- durability ----------------------------------------------------------------
     def committed(self, stored_bytes: int) -> None:
         """Counts group-commit bytes; wakes the sync once ``sync_bytes`` are
-        unsynced, so the disk's write-back overlaps the next puts."""
-        if self._config.durability != "group" or not stored_bytes:
+        unsynced or the data file grew by ``sync_bytes`` since the last sync
+        (module doc), so the disk's write-back overlaps the next puts."""
+        if self._config.durability != "group":
             return
+        extent = self._engine.used_extent_bytes()
+        limit = self._config.sync_bytes
         with self._lock:
             self._unsynced_bytes += stored_bytes
-            due = self._unsynced_bytes >= self._config.sync_bytes
-        if due:
-            self._wake.set()
+            if self._extent_at_sync is None:
+                self._extent_at_sync = extent
+            grown = 0 if extent is None or self._extent_at_sync is None else extent - self._extent_at_sync
+            excess = grown - self._unsynced_bytes
+            due = max(self._unsynced_bytes, excess) >= limit
+            if due:
+                self._wake.set()
+            if excess >= UNSYNCED_GROWTH_FACTOR * limit and self._thread.is_alive():
+                target = self._syncs_done + 1
+                self._synced.wait_for(lambda: self._syncs_done >= target or self._stop.is_set(), GROWTH_WAIT_S)
 
     @property
     def unsynced_bytes(self) -> int:
@@ -146,9 +184,16 @@ class Background:
                     if not woken:
                         self.flush_activity()
                     if self._config.durability == "group":
+                        extent = self._engine.used_extent_bytes()
                         with self._lock:
                             self._unsynced_bytes = 0
-                        self._engine.sync()
+                            self._extent_at_sync = extent
+                        try:
+                            self._engine.sync()
+                        finally:
+                            with self._lock:
+                                self._syncs_done += 1
+                                self._synced.notify_all()
                 except Exception as exc:  # noqa: BLE001 - logged, counted, retried next round
                     self.errors += 1
                     logger.warning("ucm-db store %s: background sync/flush failed (retrying): %s", self._path, exc)

@@ -398,7 +398,9 @@ class Store:
         self._check_open()
         self._refuse_read_only("delete")
         keys = key_list(keys, "delete")
-        return self._tier.delete(keys, namespace_id=namespace.digest[:16])
+        removed = self._tier.delete(keys, namespace_id=namespace.digest[:16])
+        self._activity.committed(0)  # a delete writes index pages only: its file growth counts
+        return removed
 
     # -- reads -------------------------------------------------------------------
     def lookup(self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = True) -> int:

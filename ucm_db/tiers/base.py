@@ -113,3 +113,9 @@ class Engine(ABC):
     def file_bytes(self) -> int:
         """Bytes the engine's files take on disk (0 if not on disk)."""
         return 0
+
+    def used_extent_bytes(self) -> int | None:
+        """How far into its data file the engine's pages reach now (its high
+        water mark), or None where the engine has no such figure. Cheap
+        enough to ask after every commit."""
+        return None

@@ -208,6 +208,7 @@ class LmdbEngine(Engine):
         self._txn_gate = _SharedExclusiveLock()
         self._pin: SnapshotPin | None = None
         self.prefault: Prefault | None = None
+        self._page_bytes: int | None = None
         #: What the last open found of an older version's markers after an OS crash (None: nothing to check).
         self.recovery: RecoveryReport | None = None
         #: Group durability: the rollback to the last synced snapshot the last open made after an OS crash.
@@ -442,6 +443,14 @@ class LmdbEngine(Engine):
     def file_bytes(self) -> int:
         data = self.path / "data.mdb"
         return data.stat().st_size if data.exists() else 0
+
+    def used_extent_bytes(self) -> int | None:
+        """Pages up to the newest snapshot's last page: grows only when a
+        commit found no reusable free page (see ``Background.committed``)."""
+        env = self._environment()
+        if self._page_bytes is None:
+            self._page_bytes = int(env.stat()["psize"])
+        return int(env.info()["last_pgno"] + 1) * self._page_bytes
 
 
 def _lock_file_writable(env_dir: Path) -> bool:
