@@ -16,6 +16,20 @@ from ucm_db import maintenance
 from ucm_db.tools.cli_common import emit, human_bytes, json_option, table
 
 
+#: Free fraction of the data file above which inspect suggests ``compact``.
+COMPACT_HINT_FREE_FRACTION = 0.5
+
+
+def _free_pages(r: dict[str, Any]) -> str:
+    free, total = r.get("file_free_bytes"), r["file_bytes"]
+    if free is None or not total:
+        return ""
+    text = f" ({human_bytes(free)} free pages, {free / total:.0%})"
+    if free / total >= COMPACT_HINT_FREE_FRACTION:
+        text += f": `ucm-db compact {r['path']}` returns them (a long free list slows puts of large blocks)"
+    return text
+
+
 def render(r: dict[str, Any]) -> str:
     """The human report."""
     fmt = f"{r['format_version']}" + ("" if not r["pending_migrations"] else f" (pending: {', '.join(r['pending_migrations'])}; run `ucm-db migrate {r['path']}`)")
@@ -25,7 +39,8 @@ def render(r: dict[str, Any]) -> str:
         f"store          {r['path']}",
         f"engine         {r['engine']}   format {fmt}   created by ucm-db {created.get('ucm_db_version') or 'unknown'}",
         "settings       " + ", ".join(f"{k}={v}" for k, v in sorted(r["settings"].items())),
-        f"capacity       {human_bytes(r['capacity_bytes'])}, used {human_bytes(r['stored_bytes'])} ({use}); files {human_bytes(r['file_bytes'])}",
+        f"capacity       {human_bytes(r['capacity_bytes'])}, used {human_bytes(r['stored_bytes'])} ({use}); files {human_bytes(r['file_bytes'])}"
+        + _free_pages(r),
         f"blocks         {r['blocks']}   raw {human_bytes(r['raw_bytes'])} -> stored {human_bytes(r['stored_bytes'])} (ratio {r['compression_ratio']:.2f}x)",
         f"activity       hits {r['hits']}, misses {r['misses']}, evictions {r['evictions']}",
         f"quarantine     {r['quarantine_records']} records ({r['quarantined_total']} blocks quarantined ever)",

@@ -158,7 +158,7 @@ def inspect_view(view: StoreView, *, namespaces: tuple[str, ...] = (), top: int 
         "blocks": totals.blocks, "raw_bytes": totals.raw_bytes, "stored_bytes": totals.stored_bytes,
         "compression_ratio": round(totals.raw_bytes / totals.stored_bytes, 4) if totals.stored_bytes else 1.0,
         "use_fraction": round(totals.stored_bytes / capacity, 4) if capacity else None,
-        "file_bytes": view.engine.file_bytes(), "hits": totals.hits, "misses": totals.misses,
+        "file_bytes": view.engine.file_bytes(), "file_free_bytes": view.engine.free_page_bytes(), "hits": totals.hits, "misses": totals.misses,
         "evictions": totals.evictions, "quarantined_total": totals.quarantined,
         "quarantine_records": len(quarantine),
         "quarantined_blocks": [k.hex() for k in quarantine[:LISTED_QUARANTINE]],

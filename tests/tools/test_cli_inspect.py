@@ -33,6 +33,10 @@ def test_inspect_reports_known_contents(tmp_path: Path, engine: str) -> None:
     assert r["hits"] == 6 and r["misses"] == 0  # two gets of 3 blocks
     assert r["quarantine_records"] == 0 and r["pending_uploads"] == 0 and r["remote"] is None
     assert r["created"]["ucm_db_version"] == ucm_db.__version__
+    if engine == "lmdb":  # free pages: within the file, and fewer after compact rewrote it
+        assert 0 <= r["file_free_bytes"] < r["file_bytes"]
+    else:
+        assert r["file_free_bytes"] is None
 
     rows = {row["model"]: row for row in r["namespaces"]}
     assert rows["test/alpha"]["blocks"] == 20 and rows["test/alpha"]["raw_bytes"] == 20 * BLOCK_BYTES
@@ -92,3 +96,18 @@ def test_inspect_beside_a_live_rocksdb_writer_in_this_process(tmp_path: Path) ->
     with ucm_db.open(tmp_path / "s") as store:  # holds RocksDB's LOCK
         store.flush()
         assert invoke_json("inspect", tmp_path / "s")["blocks"] == 23  # read-only open needs no lock
+
+
+def test_inspect_shows_free_pages_and_suggests_compact_when_most_of_the_file_is_free(tmp_path: Path) -> None:
+    ns = ucm_db.Namespace(model="free-pages", kv_dtype="bfloat16", block_size=4)
+    keys = ns.block_keys(list(range(4 * 256)))
+    with ucm_db.open(tmp_path / "s", codec="none") as store:
+        store.put(ns, keys, [bytes([i % 251]) * 65536 for i in range(256)])  # 16 MiB of overflow pages
+        store.delete(ns, keys[:1])  # the root takes the chain with it: the pages go to the free list
+    before = invoke_json("inspect", tmp_path / "s")
+    assert before["blocks"] == 0 and before["file_free_bytes"] >= 16 << 20
+    assert "`ucm-db compact" in invoke("inspect", tmp_path / "s").output
+    invoke("compact", tmp_path / "s")
+    after = invoke_json("inspect", tmp_path / "s")
+    assert after["file_free_bytes"] < (1 << 20) and after["file_bytes"] < before["file_bytes"]
+    assert "`ucm-db compact" not in invoke("inspect", tmp_path / "s").output

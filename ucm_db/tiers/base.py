@@ -114,6 +114,11 @@ class Engine(ABC):
         """Bytes the engine's files take on disk (0 if not on disk)."""
         return 0
 
+    def free_page_bytes(self) -> int | None:
+        """Bytes of the data file's pages that hold nothing now (reusable
+        free space), or None where the engine has no such figure."""
+        return None
+
     def used_extent_bytes(self) -> int | None:
         """How far into its data file the engine's pages reach now (its high
         water mark), or None where the engine has no such figure. Cheap

@@ -444,6 +444,18 @@ class LmdbEngine(Engine):
         data = self.path / "data.mdb"
         return data.stat().st_size if data.exists() else 0
 
+    def free_page_bytes(self) -> int | None:
+        """Pages up to the last one in use that no table holds: LMDB's free
+        list (large, they slow every put of a large block: it is searched
+        for contiguous runs; ``ucm-db compact`` returns them to the disk)."""
+        env = self._environment()
+        with self._txn_gate.shared(), env.begin() as txn:
+            stats = [txn.stat(db) for db in self._dbs.values()] + [env.stat()]
+            last_page = int(env.info()["last_pgno"])
+        in_tables = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
+        meta_pages = 2
+        return max(0, last_page + 1 - meta_pages - in_tables) * int(stats[-1]["psize"])
+
     def used_extent_bytes(self) -> int | None:
         """Pages up to the newest snapshot's last page: grows only when a
         commit found no reusable free page (see ``Background.committed``)."""
