@@ -16,7 +16,7 @@ from click.testing import CliRunner
 import ucm_db
 from ucm_db.tools.bench import scale
 
-FIGURES = ("open_s", "first_hit_s", "import_s", "lookup_ms", "put_ms", "put_real_ms", "verify_sample_s", "compact_s")
+FIGURES = ("open_s", "first_hit_s", "import_s", "lookup_ms", "put_ms", "put_real_ms", "verify_sample_s", "compact_s", "put_real_compacted_ms")
 COUNTS = ("put_minor_faults",)  # may be 0 on a small store
 
 

@@ -45,6 +45,7 @@ def test_vllm_version_seen_by_the_cli_selects_the_cpu_platform() -> None:
     (["--rows", "ucm-first,bogus"], "unknown row(s) bogus"),
     (["--capped-blocks", "10", "--prefix-len", "1024"], "cannot hold one request"),
     (["--num-prompts", "4", "--num-prefixes", "8"], "at least --num-prefixes"),
+    (["--num-prompts", "128", "--num-prefixes", "52"], "so 128 would send 104"),
 ])
 def test_bad_sizes_are_usage_errors_before_any_server_starts(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve.command, args)

@@ -337,6 +337,11 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     if num_prompts < num_prefixes:
         raise click.BadParameter("must be at least --num-prefixes (vLLM's prefix_repetition needs a prompt per prefix)",
                                  param_hint="--num-prompts")
+    if num_prompts % num_prefixes:
+        multiple = num_prompts // num_prefixes * num_prefixes
+        raise click.BadParameter(f"must be a multiple of --num-prefixes ({num_prefixes}): vLLM's prefix_repetition sends "
+                                 f"num_prompts // num_prefixes prompts per prefix, so {num_prompts} would send {multiple}",
+                                 param_hint="--num-prompts")
     load = LoadSpec(num_prompts=num_prompts, num_prefixes=num_prefixes, prefix_len=prefix_len, suffix_len=suffix_len,
                     output_len=output_len, concurrency=concurrency, seed=seed)
     options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
