@@ -83,6 +83,7 @@ class ServeOptions:
     scratch_dir: str | None = None
     enforce_eager: bool = False
     start_timeout_s: float = 1200.0
+    codec: str = "zstd"  # the ucm-db stores' (local tier) codec
 
     @property
     def max_model_len(self) -> int:
@@ -98,8 +99,9 @@ class ServeOptions:
 Progress = Callable[[str], None]
 
 
-def _connector(store: Path, remote: Path) -> dict[str, Any]:
-    return {"path": str(store), "remote": remote.as_uri(), "capacity_bytes": 16 << 30}
+def _connector(store: Path, remote: Path, codec: str) -> dict[str, Any]:
+    return {"path": str(store), "remote": remote.as_uri(), "capacity_bytes": 16 << 30, "codec": codec,
+            "remote_codec": "zstd"}
 
 
 def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: str, progress: Progress) -> dict[str, Any]:
@@ -135,7 +137,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     want = set(options.rows)
     capped = ServerSpec(model, options.capped_blocks, options.max_model_len, enforce_eager=options.enforce_eager)
     store, remote = work / "store", work / "remote"
-    ucm = replace(capped, connector=_connector(store, remote))
+    ucm = replace(capped, connector=_connector(store, remote, options.codec))
 
     def serve(spec: ServerSpec, label: str, passes: tuple[str, ...]) -> None:
         if not want & set(passes):
@@ -153,7 +155,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     serve(ucm, "ucm-restart", ("ucm-restart",))
     if want & {"ucm-remote", "ucm-remote-s3"}:
         _drain_uploads(store, remote, progress)
-        serve(replace(capped, connector=_connector(work / "empty-local", remote)), "ucm-remote", ("ucm-remote",))
+        serve(replace(capped, connector=_connector(work / "empty-local", remote, options.codec)), "ucm-remote", ("ucm-remote",))
     if "ucm-remote-s3" in want:
         from ucm_db.tools.bench.remote import MotoS3
 
@@ -163,7 +165,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
             progress(f"  remote copied to {url} in {time.perf_counter() - started:.1f} s")
             link_mb_s = _raw_read_mb_s(url, s3.options)
             progress(f"  raw read of the bucket (s3fs cat, concurrent): {link_mb_s:.1f} MB/s")
-            s3_connector = {"path": str(work / "empty-local-s3"), "remote": url, "capacity_bytes": 16 << 30,
+            s3_connector = {"path": str(work / "empty-local-s3"), "remote": url, "capacity_bytes": 16 << 30, "codec": options.codec, "remote_codec": "zstd",
                             "remote_options": s3.options}
             serve(replace(capped, connector=s3_connector), "ucm-remote-s3", ("ucm-remote-s3",))
             rows["ucm-remote-s3"]["link_raw_read_mb_s"] = link_mb_s
@@ -252,7 +254,8 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
                     "suffix_len": load.suffix_len, "output_len": load.output_len, "concurrency": load.concurrency,
                     "seed": load.seed, "layers": options.layers, "capped_blocks": options.capped_blocks,
                     "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
-                    "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager},
+                    "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager,
+                    "codec": options.codec},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": medians,
@@ -309,13 +312,15 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--bound-blocks", type=click.IntRange(min=1), default=1200, show_default=True, help="KV blocks of the bound engine")
 @click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True, help="repetitions (medians reported)")
 @click.option("--rows", default=",".join(ROWS), show_default=True, help="comma-separated rows to run")
+@click.option("--codec", type=click.Choice(["zstd", "none"]), default="zstd", show_default=True,
+              help="codec of the ucm-db rows' local tier (the store's `codec`; the remote keeps its own, `remote_codec`)")
 @click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
 @click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True,
               help="longest wait for a server to become healthy")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (stores, logs)")
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
-            seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str,
+            seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str, codec: str,
             enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
@@ -345,7 +350,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     load = LoadSpec(num_prompts=num_prompts, num_prefixes=num_prefixes, prefix_len=prefix_len, suffix_len=suffix_len,
                     output_len=output_len, concurrency=concurrency, seed=seed)
     options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
-                           rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager,
+                           rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec,
                            start_timeout_s=start_timeout_s)
     if capped_blocks * BLOCK_SIZE < options.max_model_len:
         raise click.BadParameter(f"{capped_blocks} blocks cannot hold one request ({options.max_model_len} tokens)",
