@@ -114,7 +114,7 @@ def test_the_s3_row_reads_a_copy_of_the_warm_file_remote(tmp_path) -> None:
         store.put(ns, keys, payloads)
         store.flush(upload_timeout_s=60)
     with MotoS3() as s3:
-        url = serve._copy_to_s3(remote, s3.options)
+        url = serve._copy_to_s3(remote, s3.options, s3.bucket)
         # A generous deadline: s3fs's first request to moto (session set-up)
         # can outlast the default one on a loaded machine.
         with ucm_db.open(tmp_path / "empty", remote=url, remote_options=s3.options, remote_deadline_s=10.0) as store:
@@ -122,3 +122,8 @@ def test_the_s3_row_reads_a_copy_of_the_warm_file_remote(tmp_path) -> None:
             assert [bytes(b) for b in store.get(ns, keys)] == payloads
         # The link's raw figure reads real objects of the bucket.
         assert serve._raw_read_mb_s(url, s3.options) > 0
+    with MotoS3() as again:  # a second server in the same process (a benchmark's next run) starts empty
+        assert again.bucket != s3.bucket
+        import fsspec
+
+        assert fsspec.filesystem("s3", **again.options, skip_instance_cache=True).ls(again.bucket) == []

@@ -71,7 +71,9 @@ def _free_port() -> int:
 
 
 class MotoS3:
-    """A moto S3 server on 127.0.0.1 with one bucket (context manager)."""
+    """A moto S3 server on 127.0.0.1 with one new, empty bucket, ``bucket``
+    (context manager). moto keeps its buckets in process-wide state, so each
+    server of a process gets a bucket name of its own."""
 
     def __enter__(self) -> MotoS3:
         from moto.server import ThreadedMotoServer
@@ -83,7 +85,8 @@ class MotoS3:
         self.options = {"endpoint_url": f"http://{host}:{port}", "key": "bench", "secret": "bench", "anon": False}
         import fsspec
 
-        fsspec.filesystem("s3", **self.options, skip_instance_cache=True).mkdir("ucm-bench")
+        self.bucket = f"ucm-bench-{uuid.uuid4().hex[:8]}"
+        fsspec.filesystem("s3", **self.options, skip_instance_cache=True).mkdir(self.bucket)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -258,8 +261,8 @@ def run(args: Mapping[str, Any] | None = None) -> dict[str, Any]:
         if "s3" in targets:
             with MotoS3() as s3:
                 results["s3"] = {
-                    "transfer": bench_transfer(lambda: f"s3://ucm-bench/{uuid.uuid4().hex[:8]}", s3.options, scratch / "s", cfg),
-                    "lookup": bench_lookup("s3://ucm-bench/lookup", s3.options, scratch / "sl", cfg),
+                    "transfer": bench_transfer(lambda: f"s3://{s3.bucket}/{uuid.uuid4().hex[:8]}", s3.options, scratch / "s", cfg),
+                    "lookup": bench_lookup(f"s3://{s3.bucket}/lookup", s3.options, scratch / "sl", cfg),
                 }
         results["remote_down"] = bench_down(scratch, cfg)
     finally:

@@ -161,7 +161,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
 
         with MotoS3() as s3:
             started = time.perf_counter()
-            url = _copy_to_s3(remote, s3.options)
+            url = _copy_to_s3(remote, s3.options, s3.bucket)
             progress(f"  remote copied to {url} in {time.perf_counter() - started:.1f} s")
             link_mb_s = _raw_read_mb_s(url, s3.options)
             progress(f"  raw read of the bucket (s3fs cat, concurrent): {link_mb_s:.1f} MB/s")
@@ -172,15 +172,15 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     return rows
 
 
-def _copy_to_s3(remote: Path, s3_options: dict[str, Any]) -> str:
+def _copy_to_s3(remote: Path, s3_options: dict[str, Any], bucket: str) -> str:
     """Copies the warm ``file://`` remote into the moto bucket, object for
     object (the same relative paths); returns the S3 remote's URL."""
     import fsspec
 
     fs = fsspec.filesystem("s3", **s3_options, skip_instance_cache=True)
     for path in sorted(p for p in remote.rglob("*") if p.is_file()):
-        fs.pipe_file(f"ucm-bench/kv/{path.relative_to(remote).as_posix()}", path.read_bytes())
-    return "s3://ucm-bench/kv"
+        fs.pipe_file(f"{bucket}/kv/{path.relative_to(remote).as_posix()}", path.read_bytes())
+    return f"s3://{bucket}/kv"
 
 
 def _raw_read_mb_s(url: str, s3_options: dict[str, Any], max_bytes: int = 64 << 20) -> float:
