@@ -23,6 +23,10 @@ write that the pin keeps from being reused) wakes the sync at
 thread waits (outside every lock) until a sync completes and moves the pin:
 the file's growth beyond its live pages stays bounded whatever the mix of
 commits, at the price of index-heavy bursts running at the disk's sync pace.
+Where several processes write one store, each sees the others' payload as
+growth of its own: it may wait for a sync of its own a little more often
+(about a dozen waits per run of the crash loop's writers), never longer than
+one sync (GROWTH_WAIT_S at most).
 
 Invariants:
     * Buffered activity is never dropped while the store is open: a failed
