@@ -66,8 +66,11 @@ if TYPE_CHECKING:
 
 #: Blocks hashed and looked up first; later segments grow 4x.
 _FIRST_SEGMENT_BLOCKS = 16
-#: Blocks a probe of a tier the cost model cannot judge asks for.
-_PROBE_BLOCKS = 4
+#: Blocks a probe of a tier the cost model cannot judge asks for: one first
+#: lookup segment. A probe's time is mostly the lookup's fixed cost (fetch
+#: round trips, promotion commit); 4 blocks measured a 2 GB/s link below a
+#: small model's prefill rate on a fast host, so a fast remote was never loaded.
+_PROBE_BLOCKS = _FIRST_SEGMENT_BLOCKS
 #: Steps awaiting their workers' output at most (older ones are dropped:
 #: an output that carried no metadata never comes).
 _MAX_PENDING_STEPS = 64

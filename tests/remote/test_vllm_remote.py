@@ -51,7 +51,7 @@ def test_engine_on_node_b_hits_node_a_remote(helpers, tmp_path: Path) -> None:
     assert stored_a >= FULL_BLOCKS - 1
 
     # Node B sends the prompt twice: with load_policy "auto" the first remote
-    # hit of a new engine is a 4-block probe that measures the remote (README,
+    # hit of a new engine is a 16-block probe that measures the remote (README,
     # "Never slower than recompute"); the second loads every stored block.
     node_b = helpers.start_engine_process(spec(tmp_path / "node-b", prompts=2), tmp_path, "node_b").wait()
     assert node_b["outputs"] == node_a["outputs"] * 2

@@ -143,7 +143,8 @@ def test_remote_hit_slower_than_recompute_is_recomputed_faster_one_loaded(
         probed, _ = run(hits[0])  # 2. probe of the unmeasured remote
         from ucm_db.connector.scheduler import _PROBE_BLOCKS
 
-        assert probed == _PROBE_BLOCKS * BLOCK_SIZE
+        # The probe's first segment, and the rest of the prompt if the probe measured the link faster than prefill.
+        assert probed in (_PROBE_BLOCKS * BLOCK_SIZE, stored_tokens(hits[0])), (probed, cost.describe(ns_id))
         assert cost.load_rate(ns_id, "remote") is not None and cost.load_rate(ns_id, "local") is not None
         loaded, _ = run(hits[1])  # 3. fast: loaded whole
         assert loaded == stored_tokens(hits[1]), cost.describe(ns_id)
