@@ -99,19 +99,21 @@ class ServeOptions:
 Progress = Callable[[str], None]
 
 
-def _connector(store: Path, remote: Path, codec: str) -> dict[str, Any]:
-    return {"path": str(store), "remote": remote.as_uri(), "capacity_bytes": 16 << 30, "codec": codec,
-            "remote_codec": "zstd"}
+def _connector(store: Path, remote_url: str, codec: str, **extra: Any) -> dict[str, Any]:
+    """Connector options of a ucm-db row: local tier in ``codec``, remote objects zstd."""
+    return {"path": str(store), "remote": remote_url, "capacity_bytes": 16 << 30, "codec": codec,
+            "remote_codec": "zstd", **extra}
 
 
 def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: str, progress: Progress) -> dict[str, Any]:
     started = time.perf_counter()
     before = server.connector_counters()
     result = run_load(options.load, server, model, work, name)
+    after = server.connector_counters()
     kept: dict[str, Any] = {key: float(result[key]) for key in KEPT if key in result}
     note = ""
-    if before or server.connector_counters():
-        kept["ucm_db"] = pass_counters(before, server.connector_counters())
+    if before or after:
+        kept["ucm_db"] = pass_counters(before, after)
         ucm = kept["ucm_db"]
         note = (f"; ucm-db: {ucm['hit_tokens']:.0f} of {ucm['query_tokens']:.0f} looked-up tokens loaded, "
                 f"{ucm['loaded_MB']:.0f} MB in {ucm['load_s']:.1f} s, {ucm['cost_skips']:.0f} cost skips")
@@ -137,7 +139,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     want = set(options.rows)
     capped = ServerSpec(model, options.capped_blocks, options.max_model_len, enforce_eager=options.enforce_eager)
     store, remote = work / "store", work / "remote"
-    ucm = replace(capped, connector=_connector(store, remote, options.codec))
+    ucm = replace(capped, connector=_connector(store, remote.as_uri(), options.codec))
 
     def serve(spec: ServerSpec, label: str, passes: tuple[str, ...]) -> None:
         if not want & set(passes):
@@ -155,7 +157,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     serve(ucm, "ucm-restart", ("ucm-restart",))
     if want & {"ucm-remote", "ucm-remote-s3"}:
         _drain_uploads(store, remote, progress)
-        serve(replace(capped, connector=_connector(work / "empty-local", remote, options.codec)), "ucm-remote", ("ucm-remote",))
+        serve(replace(capped, connector=_connector(work / "empty-local", remote.as_uri(), options.codec)), "ucm-remote", ("ucm-remote",))
     if "ucm-remote-s3" in want:
         from ucm_db.tools.bench.remote import MotoS3
 
@@ -165,8 +167,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
             progress(f"  remote copied to {url} in {time.perf_counter() - started:.1f} s")
             link_mb_s = _raw_read_mb_s(url, s3.options)
             progress(f"  raw read of the bucket (s3fs cat, concurrent): {link_mb_s:.1f} MB/s")
-            s3_connector = {"path": str(work / "empty-local-s3"), "remote": url, "capacity_bytes": 16 << 30, "codec": options.codec, "remote_codec": "zstd",
-                            "remote_options": s3.options}
+            s3_connector = _connector(work / "empty-local-s3", url, options.codec, remote_options=s3.options)
             serve(replace(capped, connector=s3_connector), "ucm-remote-s3", ("ucm-remote-s3",))
             rows["ucm-remote-s3"]["link_raw_read_mb_s"] = link_mb_s
     return rows
