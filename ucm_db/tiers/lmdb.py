@@ -445,24 +445,31 @@ class LmdbEngine(Engine):
         return data.stat().st_size if data.exists() else 0
 
     def free_page_bytes(self) -> int | None:
-        """Pages up to the last one in use that no table holds: LMDB's free
-        list (large, they slow every put of a large block: it is searched
-        for contiguous runs; ``ucm-db compact`` returns them to the disk)."""
+        """The pages below the used extent that no table holds: LMDB's free
+        list. A long one slows every put of a large block (it is searched
+        for a contiguous run); ``ucm-db compact`` returns it to the disk."""
         env = self._environment()
         with self._txn_gate.shared(), env.begin() as txn:
             stats = [txn.stat(db) for db in self._dbs.values()] + [env.stat()]
-            last_page = int(env.info()["last_pgno"])
+            extent_pages = self._extent_pages(env)
         in_tables = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
         meta_pages = 2
-        return max(0, last_page + 1 - meta_pages - in_tables) * int(stats[-1]["psize"])
+        return max(0, extent_pages - meta_pages - in_tables) * self._page_size(env)
 
     def used_extent_bytes(self) -> int | None:
         """Pages up to the newest snapshot's last page: grows only when a
         commit found no reusable free page (see ``Background.committed``)."""
         env = self._environment()
+        return self._extent_pages(env) * self._page_size(env)
+
+    @staticmethod
+    def _extent_pages(env: lmdb.Environment) -> int:
+        return int(env.info()["last_pgno"]) + 1
+
+    def _page_size(self, env: lmdb.Environment) -> int:
         if self._page_bytes is None:
             self._page_bytes = int(env.stat()["psize"])
-        return int(env.info()["last_pgno"] + 1) * self._page_bytes
+        return self._page_bytes
 
 
 def _lock_file_writable(env_dir: Path) -> bool:
