@@ -24,6 +24,9 @@ completes and moves the pin (waiting only from 4x ``sync_bytes`` left a
 200k-block burst's file at 765 MB, against 561 MB):
 the file's growth beyond its live pages stays bounded whatever the mix of
 commits, at the price of index-heavy bursts running at the disk's sync pace.
+The check runs after puts and deletes; growth from other writes (a reader's
+large touch flush, the uploader's queue marks) is part of the extent the
+next put measures, and a reader never waits: lookups stay off this path.
 Where several processes write one store, each sees the others' payload as
 growth of its own: it may wait for a sync of its own a little more often
 (about a dozen waits per run of the crash loop's writers), never longer than
