@@ -7,19 +7,22 @@
   tuned level-1 parameters are ordinary zstd frames; the top (sign/exponent)
   plane is compressed without a probe, the mantissa plane stays raw when it
   does not shrink.
+* codec pool: only blocks of large frames go to its threads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from array import array
 
 import numpy as np
 import pytest
 import zstandard
 
-from ucm_db import codec
+from ucm_db import codec, codec_pool
+from ucm_db.codec_pool import CodecPool
 from ucm_db.keys import Namespace
 
 KEY = bytes(range(32))
@@ -98,3 +101,27 @@ def test_other_levels_round_trip_with_their_own_compressor(level: int) -> None:
     assert bytes(codec.decode(blob, KEY)) == raw
     tuned = codec._compressor(level, planes=True)
     assert (tuned is codec._compressor(1, planes=True)) == (level == 1)
+
+
+@pytest.mark.parametrize(("frame_bytes", "on_pool"), [(8 << 10, False), (codec_pool.POOL_MIN_FRAME_BYTES, True)])
+def test_codec_pool_takes_only_blocks_of_large_frames(frame_bytes: int, on_pool: bool) -> None:
+    """Small frames stay on the caller's thread (per-frame Python holds the
+    GIL: 2 threads decoded 8 KiB frames at 0.45x); large ones go to the pool."""
+    pool = CodecPool(2)
+    try:
+        frames = (frame_bytes,) * 2
+        payload = np.random.default_rng(1).standard_normal(frame_bytes).astype(np.float16).view(np.uint8)
+        items = [(bytes([i]) * 32, codec.Framed(payload, frames)) for i in range(3)]
+        encoded = pool.encode_many(items, codec_name="zstd", element_bytes=2, level=1)
+        threads: list[str] = []
+
+        def decode(i: int, head: memoryview, body: memoryview) -> bytearray:
+            threads.append(threading.current_thread().name)
+            return codec.decode_parts(head, body, items[i][0])
+
+        blocks = [(memoryview(block.head), memoryview(bytes(block.body_buffer()))) for block in encoded]
+        decoded = pool.decode_blocks(blocks, decode)
+        assert all(bytes(d) == payload.tobytes() for d in decoded)  # type: ignore[union-attr]
+        assert all(name.startswith("ucm-db-codec") == on_pool for name in threads), threads
+    finally:
+        pool.shutdown()

@@ -445,6 +445,16 @@ def codec_of_head(head: Buffer) -> str | None:
     return _CODEC_NAMES.get(head[_CODEC_ID_OFFSET])
 
 
+def mean_frame_bytes_of_head(head: Buffer) -> int:
+    """Raw bytes per frame on average, as a head states them (unverified;
+    0 if unreadable): what the codec pool sizes its work by."""
+    if len(head) < HEADER_BYTES:
+        return 0
+    n_frames = struct.unpack_from("<I", head, _N_FRAMES_OFFSET)[0]
+    raw_len = struct.unpack_from("<Q", head, _N_FRAMES_OFFSET + 4)[0]
+    return raw_len // n_frames if n_frames else 0
+
+
 def frame_sizes(blob: Buffer) -> list[int]:
     """Raw sizes of the blob's frames (header-checked, not checksummed)."""
     header = read_header(blob)
