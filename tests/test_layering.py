@@ -8,7 +8,8 @@
   only in raw mode.
 * The house rules of docs/architecture.md: tools/ and connector/ reach the
   store only through the public API (``ucm_db.__all__``, the public modules
-  ``ucm_db.maintenance``, ``errors``, ``keys``, ``units``, ``config``) and
+  ``ucm_db.maintenance``, ``errors``, ``keys``, ``units``, ``config``,
+  ``cpu_placement``) and
   ``ucm_db.migrations``; no import cycle among the shipped modules (deferred
   imports inside functions count; ``if TYPE_CHECKING:`` imports do not).
 """
@@ -108,7 +109,7 @@ def test_core_is_mypy_clean() -> None:
 PACKAGE_OF = {"ucm_db": "ucm_db", "connector": "ucm_db.connector", "migrations": "ucm_db.migrations", "tools": "ucm_db.tools"}
 #: Core modules that are public API besides the names in ``ucm_db.__all__``.
 PUBLIC_MODULES = {"ucm_db", "ucm_db.errors", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance",
-                  "ucm_db.components"}
+                  "ucm_db.components", "ucm_db.cpu_placement"}
 #: Packages public as a whole (every submodule).
 PUBLIC_PACKAGES = ("ucm_db.migrations",)
 #: Measuring and demo code: it times and drives the internals it measures, so

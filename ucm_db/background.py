@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ucm_db.cpu_placement import place_current_thread
 from ucm_db.config import StoreConfig
 from ucm_db.tiers.base import Engine
 from ucm_db.tiers.local import LocalTier, PendingActivity
@@ -179,6 +180,7 @@ class Background:
             return self._unsynced_bytes
 
     def _run(self) -> None:
+        place_current_thread()
         try:
             while True:
                 woken = self._wake.wait(self._config.sync_interval_s)

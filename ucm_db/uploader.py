@@ -38,6 +38,7 @@ from typing import Any
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db import codec
+from ucm_db.cpu_placement import place_current_thread
 from ucm_db.errors import CorruptBlockError, TierError
 from ucm_db.remote_codec import RemoteCodec
 from ucm_db.tiers.local import LocalTier
@@ -80,7 +81,7 @@ class Uploader:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle = threading.Condition()
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload")
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload", initializer=place_current_thread)
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
         self.uploaded = 0
         self.failures = 0
@@ -104,6 +105,7 @@ class Uploader:
 
     # -- the loop ----------------------------------------------------------------
     def _run(self) -> None:
+        place_current_thread()
         backoff_s = MIN_BACKOFF_S
         while not self._stop.is_set():
             if not self._take_lock():

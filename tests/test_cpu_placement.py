@@ -1,0 +1,95 @@
+"""Background threads of the store placed off a pinned host thread's CPUs
+(ucm_db.cpu_placement), with real threads, a real store and the kernel's
+own affinity calls. Needs 2 CPUs (this project's machines have 2)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+import ucm_db
+from ucm_db import cpu_placement
+from ucm_db.keys import Namespace
+
+T = TypeVar("T")
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin one away from the other")
+
+
+def _in_thread_pinned_to(cpus: set[int], fn: Callable[[], T]) -> T:
+    """Runs ``fn`` in a new thread bound to ``cpus`` (what vLLM-CPU does to its model thread)."""
+    out: list[T] = []
+
+    def run() -> None:
+        os.sched_setaffinity(0, cpus)
+        out.append(fn())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> object:
+    yield
+    cpu_placement.set_background_cpus(None)
+
+
+def _cpus() -> tuple[int, set[int]]:
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[0], set(allowed[1:])
+
+
+def test_spare_cpus_are_the_allowed_ones_the_thread_is_not_bound_to() -> None:
+    first, rest = _cpus()
+    assert _in_thread_pinned_to({first}, cpu_placement.spare_cpus) == rest
+    assert _in_thread_pinned_to(set(os.sched_getaffinity(0)), cpu_placement.spare_cpus) == set()
+
+
+def test_threads_move_only_once_cpus_are_named() -> None:
+    first, rest = _cpus()
+
+    def start_and_report() -> set[int]:
+        seen: list[set[int]] = []
+
+        def child() -> None:
+            cpu_placement.place_current_thread()
+            seen.append(set(os.sched_getaffinity(0)))
+
+        thread = threading.Thread(target=child)
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    assert _in_thread_pinned_to({first}, start_and_report) == {first}  # default: inherited
+    cpu_placement.set_background_cpus(rest)
+    assert _in_thread_pinned_to({first}, start_and_report) == rest
+
+
+def test_store_threads_start_on_the_background_cpus(tmp_path: Path) -> None:
+    """A pinned host opens a store and writes through its codec threads:
+    maintenance and codec threads run on the named CPUs, not the host's."""
+    first, rest = _cpus()
+    ns = Namespace(model="m", kv_dtype="bfloat16", block_size=16)
+
+    def open_and_write() -> dict[str, set[int]]:
+        cpu_placement.set_background_cpus(cpu_placement.spare_cpus())
+        store = ucm_db.open(tmp_path / "s", encode_threads=2)
+        try:
+            keys = ns.block_keys(list(range(16 * 4)))
+            # 1 MiB single-frame blocks: big enough for the codec pool.
+            store.put(ns, keys, [bytes(1 << 20) for _ in keys])
+            return {t.name: set(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
+                    if t.name.startswith("ucm-db") and t.native_id is not None}
+        finally:
+            store.close()
+
+    placed = _in_thread_pinned_to({first}, open_and_write)
+    assert "ucm-db-maintenance" in placed and any(name.startswith("ucm-db-codec") for name in placed), placed
+    assert all(cpus == rest for cpus in placed.values()), placed

@@ -1,0 +1,78 @@
+"""Where the store's background threads run, in a process that pins its
+compute.
+
+vLLM on CPU binds its model's OpenMP threads to cores
+(``VLLM_CPU_OMP_THREADS_BIND``), and every thread the worker process starts
+afterwards inherits that binding: compression, decoding and uploads would
+take turns with the model on its own cores while the cores vLLM reserved
+stay idle. A host that knows this names the cores for background work once
+per process (:func:`set_background_cpus`, usually with :func:`spare_cpus`);
+each background thread of the store (codec, maintenance, upload) and of its
+host places itself there when it starts (:func:`place_current_thread`).
+
+Invariants:
+    * Nothing moves until :func:`set_background_cpus` names a non-empty set:
+      by default threads keep the CPUs they inherit.
+    * Placement never fails a thread: an affinity the OS refuses (a cpuset
+      that shrank, a platform without ``sched_setaffinity``) leaves the
+      thread where it was.
+    * Threads already running stay where they are; only threads that start
+      (or call :func:`place_current_thread`) afterwards move.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+
+_lock = threading.Lock()
+_background_cpus: frozenset[int] = frozenset()
+
+
+def set_background_cpus(cpus: Iterable[int] | None) -> None:
+    """CPUs for the store's background threads started from now on, in
+    this process (None or empty: where they are started, the default)."""
+    global _background_cpus
+    with _lock:
+        _background_cpus = frozenset(int(c) for c in cpus or ())
+
+
+def background_cpus() -> frozenset[int]:
+    """The set named by :func:`set_background_cpus` (empty: none)."""
+    return _background_cpus
+
+
+def place_current_thread() -> None:
+    """Moves the calling thread to the background CPUs, if any are named."""
+    cpus = _background_cpus
+    if cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:
+            pass  # see the invariants: the thread stays where it was
+
+
+def spare_cpus() -> frozenset[int]:
+    """CPUs this process may run on that the calling thread is not bound
+    to (empty if it may run anywhere, or where affinity is unknown).
+
+    The process's allowed CPUs are asked of a short-lived thread that widens
+    its own affinity to every CPU: the kernel keeps the part its cpuset
+    allows, whatever the calling thread is bound to."""
+    if not hasattr(os, "sched_getaffinity"):
+        return frozenset()
+    mine = frozenset(os.sched_getaffinity(0))
+    allowed: list[frozenset[int]] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+            allowed.append(frozenset(os.sched_getaffinity(0)))
+        except OSError:
+            allowed.append(mine)
+
+    thread = threading.Thread(target=probe, name="ucm-db-cpu-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return allowed[0] - mine if allowed else frozenset()
