@@ -25,9 +25,13 @@ Invariants:
       answer (no tokens matched, empty metadata, nothing finished), never an
       AttributeError or AssertionError: vLLM may call either side's hooks
       on either role (tests/connector/test_connector_roles.py).
-    * Loads are synchronous from vLLM's point of view (``load_kv_async`` is
-      always False): a hit is fully in the KV cache, or reported failed,
-      by the end of the step that uses it. A request waiting for a
+    * With ``load_mode`` ``block`` or ``layer`` loads are synchronous from
+      vLLM's point of view (``load_kv_async`` False): a hit is fully in the
+      KV cache, or reported failed, by the end of the step that uses it.
+      With ``async`` a hit loads beside later steps (``load_kv_async``
+      True) and ``get_finished`` names the request once it is in place;
+      a step with nothing else to run waits up to :data:`IDLE_WAIT_S` there
+      for a load to end instead of spinning. A request waiting for a
       producer's announced blocks gets ``None`` from
       ``get_num_new_matched_tokens`` (vLLM asks again next step) until they
       are visible or its ``load_deadline_s`` passed.
@@ -38,6 +42,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 
 import ucm_db
+from ucm_db import cpu_placement
 from ucm_db.connector.identity import kv_shape
 from ucm_db.connector.metadata import UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
@@ -68,6 +74,11 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
+#: Longest wait in ``get_finished`` of a step that schedules no tokens while
+#: async loads run (the engine would otherwise spin through empty steps,
+#: taking the CPU the loads need).
+IDLE_WAIT_S = 0.05
+
 
 class UcmDbConnector(KVConnectorBase_V1):
     """KV connector storing full KV blocks in a ucm-db store."""
@@ -75,6 +86,8 @@ class UcmDbConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._held_store: ucm_db.Store | None = None
+        if role != KVConnectorRole.SCHEDULER:
+            _use_spare_cpus()  # before the store opens: its threads start off the model's cores
         try:
             self.settings, self.pd_role = role_settings(
                 self._kv_transfer_config.kv_connector_extra_config, self._kv_transfer_config.kv_role,
@@ -131,9 +144,13 @@ class UcmDbConnector(KVConnectorBase_V1):
             self._worker.save(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Saves are copied out within their step and loads are synchronous:
-        # no request ever waits on us.
-        return None, None
+        # Saves are copied out within their step: no request waits to free
+        # its blocks. Requests wait on us only for async loads.
+        if self._worker is None:
+            return None, None
+        idle = self.has_connector_metadata() and self._metadata().idle
+        done = self._worker.finished_loads(IDLE_WAIT_S if idle else 0.0)
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -230,6 +247,18 @@ class UcmDbConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return UcmDbPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _use_spare_cpus() -> None:
+    """Names the CPUs this worker may use beyond its model's binding (on
+    vLLM-CPU, the reserved cores) for ucm-db's threads: compression, loads
+    and uploads then run beside the model, not on its cores. Does nothing
+    where the model thread is not bound (:mod:`ucm_db.cpu_placement`)."""
+    spare = cpu_placement.spare_cpus()
+    if spare:
+        cpu_placement.set_background_cpus(spare)
+        logger.info("ucm-db: background threads on CPUs %s (the model thread is bound to %s)",
+                    sorted(spare), sorted(os.sched_getaffinity(0)))
 
 
 def _log_start_failure(exc: UcmDbError) -> None:

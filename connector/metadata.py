@@ -12,8 +12,12 @@ Invariants:
       key) or ``ranks`` (per-rank blocks stored before units at this
       deployment's TP/PP size: ``rank_keys[n]`` are the keys of rank
       namespace ``n``, see :func:`~ucm_db.connector.identity.legacy_rank_namespaces`).
-    * Loads of a step complete (or are reported failed) within that step;
-      saves are copied out of the KV caches within that step.
+    * ``loads`` complete (or are reported failed) within their step;
+      ``async_loads`` (``load_mode: "async"``, one transfer per request,
+      whose blocks vLLM holds for it) complete in a later step, which
+      reports the request finished; saves are copied out of the KV caches
+      within their step. ``idle``: the step schedules no tokens (a worker
+      may wait a little for async loads instead of letting the engine spin).
     * Only plain values: vLLM ships this object to worker processes.
     * Every step's metadata carries the scheduler's ``step`` number; a
       worker echoes it in its :class:`UcmDbWorkerMetadata` with the step's
@@ -54,28 +58,39 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     step: int = -1  # the scheduler's step number (-1: not numbered)
+    async_loads: list[BlockTransfer] = field(default_factory=list)
+    idle: bool = False  # no tokens scheduled this step
 
     @property
     def empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.async_loads
 
 
 @dataclass
 class UcmDbWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: what one step's loads cost.
 
-    ``loads`` maps ``(namespace id, tier)`` to ``(tokens loaded, seconds)``.
-    Ranks load their own heads of the same blocks in parallel, so the
-    aggregate over ranks keeps the most tokens and the longest time.
+    ``loads`` maps ``(namespace id, tier)`` to ``(tokens loaded, seconds)``
+    of the step's own loads; ``background_loads`` the same for async loads
+    that ended since the last report (they ran beside the steps, so they are
+    no part of a step's time). Ranks load their own heads of the same blocks
+    in parallel, so the aggregate over ranks keeps the most tokens and the
+    longest time.
     """
 
     step: int = -1
     loads: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+    background_loads: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, UcmDbWorkerMetadata):
             self.step = max(self.step, other.step)
-            for key, (tokens, seconds) in other.loads.items():
-                have_tokens, have_s = self.loads.get(key, (0, 0.0))
-                self.loads[key] = (max(have_tokens, tokens), max(have_s, seconds))
+            _merge_max(self.loads, other.loads)
+            _merge_max(self.background_loads, other.background_loads)
         return self
+
+
+def _merge_max(into: dict[tuple[str, str], tuple[int, float]], other: dict[tuple[str, str], tuple[int, float]]) -> None:
+    for key, (tokens, seconds) in other.items():
+        have_tokens, have_s = into.get(key, (0, 0.0))
+        into[key] = (max(have_tokens, tokens), max(have_s, seconds))

@@ -18,7 +18,10 @@ Invariants:
       unit (every KV head of every pipeline stage) is stored, never the
       prompt's last token, and only beyond what vLLM already computed.
     * A load plan covers blocks ``[local, local + external)`` of the request,
-      exactly what vLLM allocated for the external tokens.
+      exactly what vLLM allocated for the external tokens. With
+      ``load_mode: "async"`` a hit is claimed asynchronously and its plan is
+      made at allocation (vLLM holds the request until a worker reports its
+      load finished, and never schedules it with a load of its own later).
     * A save plan covers each block whose KV becomes complete during the
       step, once per request (``saved_blocks`` only grows), and starts after
       the blocks whose units are known stored, so every unit chain's parent
@@ -174,6 +177,8 @@ class UcmDbScheduler:
         # step -> (planned at, tokens scheduled, remote lookup seconds so far)
         self._pending_steps: dict[int, tuple[float, int, float]] = {}
         self._remote_lookup_s = 0.0  # total seconds of timed remote lookups
+        self._async = settings.load_mode == "async"
+        self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
         logger.info(
             "ucm-db connector (scheduler): store %s, namespace %s, %d unit(s) per block, model %s",
             settings.path, self._namespace.short_id, len(self._spans), shape.model,
@@ -242,7 +247,8 @@ class UcmDbScheduler:
         if sum(self.cost.skipped.values()) > skips_before:
             self.counters.add(cost_skips=1)  # once per lookup, however many segments or sources it priced
         state.lookup = LookupRecord(num_computed_tokens, hit, found["units"], source, time.perf_counter() - started)
-        return max(0, hit * self._block_size - num_computed_tokens), False
+        tokens = max(0, hit * self._block_size - num_computed_tokens)
+        return tokens, self._async and tokens > 0
 
     def _stored_blocks(self, state: _RequestState, max_blocks: int) -> dict[str, int]:
         """Leading blocks loadable from each source: the units, and where
@@ -312,6 +318,8 @@ class UcmDbScheduler:
         for (ns_id, tier), (tokens, seconds) in worker_meta.loads.items():
             self.cost.observe_load(ns_id, tier, tokens, seconds)
             load_s = max(load_s, seconds)
+        for (ns_id, tier), (tokens, seconds) in worker_meta.background_loads.items():
+            self.cost.observe_load(ns_id, tier, tokens, seconds)  # beside the step: not part of its time
         planned = self._pending_steps.pop(worker_meta.step, None)
         for step in [s for s in self._pending_steps if s < worker_meta.step]:
             del self._pending_steps[step]  # their outputs carried no metadata
@@ -355,10 +363,19 @@ class UcmDbScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
-        record = state.lookup or LookupRecord(request.num_computed_tokens, 0, 0, "units", 0.0)
+        record = state.lookup
         state.lookup = None
+        if record is None:
+            # No lookup before this allocation: a request back from an async
+            # load (its hit is in place) or resumed with its KV. Nothing to load.
+            state.pending_load_tokens = 0
+            return
         state.pending_load_tokens = num_external_tokens
         state.pending_source = record.source
+        if self._async and num_external_tokens:
+            # vLLM computes nothing for it until the load is reported done.
+            end = (record.local_tokens + num_external_tokens) // self._block_size
+            self._async_plans.append(self._load_transfer(state, request.request_id, blocks.get_block_ids()[0], end))
         state.stored_blocks = max(state.stored_blocks, record.unit_blocks)
         state.saved_blocks = max(state.saved_blocks, state.stored_blocks)
         query = max(0, request.num_prompt_tokens - record.local_tokens)
@@ -372,6 +389,8 @@ class UcmDbScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         meta = UcmDbConnectorMetadata()
         self._number_step(meta, scheduler_output)
+        meta.async_loads, self._async_plans = self._async_plans, []
+        meta.idle = not int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         for new_req in scheduler_output.scheduled_new_reqs:
             self._plan_load(meta, new_req.req_id, new_req.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
@@ -388,13 +407,17 @@ class UcmDbScheduler:
         if state is None or not state.pending_load_tokens:
             return
         # request.num_computed_tokens = local hit + external hit here.
-        end = state.request.num_computed_tokens // self._block_size
+        meta.loads.append(self._load_transfer(state, req_id, block_ids, state.request.num_computed_tokens // self._block_size))
+
+    def _load_transfer(self, state: _RequestState, req_id: str, block_ids: Sequence[int], end: int) -> BlockTransfer:
+        """The load of the request's pending external tokens, which end at
+        block ``end``; clears the pending load."""
         start = end - state.pending_load_tokens // self._block_size
         state.pending_load_tokens = 0
         keys = self._keys(state, end)
         source, state.pending_source = state.pending_source, "units"
         rank_keys = tuple(tuple(c[start:end]) for c in self._rank_keys(state, end)) if source == "ranks" else ()
-        meta.loads.append(BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), source=source, rank_keys=rank_keys))
+        return BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), source=source, rank_keys=rank_keys)
 
     def _plan_save(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput, req_id: str, num_tokens: int) -> None:
         state = self._requests.get(req_id)

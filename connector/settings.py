@@ -11,7 +11,9 @@ The extra config accepts, by name:
   directly in the extra config win over the file);
 * connector options: ``load_mode`` (``"block"``: load every block before the
   forward; ``"layer"``: load in a background thread and let each attention
-  layer wait only for its own layer), ``model_id`` (explicit model identity
+  layer wait only for its own layer; ``"async"``: a request's hit loads in a
+  background thread while the engine runs other requests, and the request
+  is scheduled once it is in place), ``model_id`` (explicit model identity
   for the namespace instead of the config+weights fingerprint),
   ``max_pending_save_bytes`` (bound on KV bytes queued for the background
   writer; saves beyond it are dropped and counted, never blocking the
@@ -45,7 +47,7 @@ from ucm_db.connector.cost_model import check_load_policy
 from ucm_db.connector.roles import check_publish_options
 from ucm_db.errors import ConfigError
 
-LOAD_MODES = ("block", "layer")
+LOAD_MODES = ("block", "layer", "async")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
 _CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s", "load_policy")
@@ -72,7 +74,7 @@ class ConnectorSettings:
     Attributes:
         path: store directory.
         store_options: options passed to :func:`ucm_db.open` (validated).
-        load_mode: ``"block"`` or ``"layer"``.
+        load_mode: ``"block"``, ``"layer"`` or ``"async"``.
         model_id: explicit model identity, or None to fingerprint the model.
         max_pending_save_bytes: bound on bytes waiting for the writer.
         publish: where a ``kv_producer`` publishes (``"local"``, ``"remote"``).

@@ -6,6 +6,10 @@ Invariants:
       decodes every block, then fills layer after layer, and each attention
       layer waits only for its own layer (``wait_for_layer_load``). Either
       way the loader is joined before the step's load errors are reported.
+      In ``async`` mode a request's hit loads beside later steps
+      (:mod:`ucm_db.connector.async_loads`) and the request is reported by
+      :meth:`UcmDbWorker.finished_loads` once its blocks are filled, with
+      its failed blocks in the same step's load errors.
     * A block that fails to load (missing, corrupt: the store verifies every
       payload) is reported by :meth:`UcmDbWorker.take_load_errors` so vLLM
       recomputes it; no unverified byte reaches the KV cache.
@@ -24,7 +28,9 @@ Invariants:
     * Each step's loads are timed (wall time of the read and the copy into
       the KV caches) and handed back once, with the step's number, by
       :meth:`UcmDbWorker.take_worker_meta`: the scheduler's cost model
-      learns the local tier's load rate from them (cost_model.py).
+      learns the local tier's load rate from them (cost_model.py). Async
+      loads are handed back apart (``background_loads``): they ran beside
+      the steps, not inside them.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import torch
 from vllm.logger import init_logger
 
 import ucm_db
+from ucm_db import cpu_placement
+from ucm_db.connector.async_loads import AsyncLoader
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, rank_spans, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
@@ -79,6 +87,9 @@ class UcmDbWorker:
         self._layer_load: _LayerLoad | None = None
         self._step = -1  # the step whose metadata was bound last
         self._step_loads: dict[tuple[str, str], tuple[int, float]] = {}  # its load timings (under _errors_lock)
+        self._background_loads: dict[tuple[str, str], tuple[int, float]] = {}  # async loads ended since (same lock)
+        self._async: AsyncLoader | None = None
+        self._unserved: set[str] = set()  # async loads this worker cannot run: reported finished, failed
         self.counters = Counters()
 
     # -- setup ---------------------------------------------------------------
@@ -92,6 +103,8 @@ class UcmDbWorker:
         self._legacy = legacy_rank_namespaces(self._shape)
         self._legacy_index = pp_rank * self._shape.tp_size + tp_rank
         self._store = acquire(self._settings)
+        if self._settings.load_mode == "async":
+            self._async = AsyncLoader(lambda loads: self._load_checked(loads, None, background=True))
         publish_codec = self._settings.publish_codec
         self._writer = BackgroundWriter(
             self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes,
@@ -113,6 +126,13 @@ class UcmDbWorker:
     # -- loads ---------------------------------------------------------------
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
         self._step = meta.step
+        if meta.async_loads:
+            if self._async is None:  # load_mode differs between scheduler and worker: never strand a request
+                with self._errors_lock:
+                    self._load_errors.update(b for t in meta.async_loads for b in t.block_ids)
+                self._unserved.update(t.req_id for t in meta.async_loads)
+            else:
+                self._async.submit(meta.async_loads)
         if not meta.loads or self._store is None:
             return
         if self._settings.load_mode == "layer":
@@ -139,25 +159,34 @@ class UcmDbWorker:
             job.thread.join()
 
     def _load(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None) -> None:
-        try:
-            self._load_blocks(loads, job)
-        except Exception:  # noqa: BLE001 - a failed load must become recompute, not a crash
-            logger.exception("ucm-db: loading KV blocks failed; they will be recomputed")
+        if job is not None:  # layer mode's thread: beside the model, off its cores where it is bound
+            cpu_placement.place_current_thread()
+        failed = self._load_checked(loads, job)
+        if failed:
             with self._errors_lock:
-                self._load_errors.update(b for t in loads for b in t.block_ids)
+                self._load_errors.update(failed)
+
+    def _load_checked(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, *, background: bool = False) -> set[int]:
+        """Loads ``loads``; returns the block ids that failed (all of them
+        if the load raised: a failed load becomes recompute, not a crash)."""
+        try:
+            if self._store is None:
+                return {b for t in loads for b in t.block_ids}
+            return self._load_blocks(loads, job, background)
+        except Exception:  # noqa: BLE001 - see the docstring
+            logger.exception("ucm-db: loading KV blocks failed; they will be recomputed")
+            return {b for t in loads for b in t.block_ids}
         finally:
             if job is not None:
                 job.finish()
 
-    def _load_blocks(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None) -> None:
+    def _load_blocks(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, background: bool) -> set[int]:
         assert self._store is not None
         started = time.perf_counter()
         parts = [self._read_units([t for t in loads if t.source == "units"]), self._read_whole([t for t in loads if t.source == "whole"]),
                  self._read_rank([t for t in loads if t.source == "ranks"])]
         failed = {b for _, _, bad in parts for b in bad}
         if failed:
-            with self._errors_lock:
-                self._load_errors.update(failed)
             total = sum(len(t.block_ids) for t in loads)
             logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them", len(failed), total)
         (unit_ids, units, _), (whole_ids, whole, _), (rank_ids, rank, _) = parts
@@ -173,16 +202,32 @@ class UcmDbWorker:
         good = len(unit_ids) + len(whole_ids) + len(rank_ids)
         load_s = time.perf_counter() - started
         self.counters.add(loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes, load_s=load_s, load_errors=len(failed))
-        self._time_load(good * self._shape.block_size, load_s)
+        self._time_load(good * self._shape.block_size, load_s, background)
+        return failed
 
-    def _time_load(self, tokens: int, seconds: float) -> None:
-        """Adds a load of this step to the timings the scheduler gets back
-        (the local tier's: a remote block was promoted by the scheduler's
-        lookup before it was planned)."""
+    def _time_load(self, tokens: int, seconds: float, background: bool = False) -> None:
+        """Adds a load to the timings the scheduler gets back (the local
+        tier's: a remote block was promoted by the scheduler's lookup before
+        it was planned): this step's, or with ``background`` an async one."""
         key = (self._namespace.digest[:16].hex(), "local")
         with self._errors_lock:
-            have_tokens, have_s = self._step_loads.get(key, (0, 0.0))
-            self._step_loads[key] = (have_tokens + tokens, have_s + seconds)
+            timings = self._background_loads if background else self._step_loads
+            have_tokens, have_s = timings.get(key, (0, 0.0))
+            timings[key] = (have_tokens + tokens, have_s + seconds)
+
+    def finished_loads(self, wait_s: float = 0.0) -> set[str]:
+        """Requests whose async loads ended since the last call; their
+        failed blocks join the load errors :meth:`take_load_errors` reports
+        next (vLLM asks for both in the same step, in this order). With
+        ``wait_s``, waits that long at most for one (see AsyncLoader)."""
+        unserved, self._unserved = self._unserved, set()
+        if self._async is None:
+            return unserved
+        finished, failed = self._async.take_finished(wait_s)
+        if failed:
+            with self._errors_lock:
+                self._load_errors.update(failed)
+        return finished | unserved
 
     def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
         """The bound step's number and load timings, once (None if no step
@@ -192,7 +237,8 @@ class UcmDbWorker:
             return None
         with self._errors_lock:
             loads, self._step_loads = self._step_loads, {}
-        meta, self._step = UcmDbWorkerMetadata(self._step, loads), -1
+            background, self._background_loads = self._background_loads, {}
+        meta, self._step = UcmDbWorkerMetadata(self._step, loads, background), -1
         return meta
 
     def _read_units(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
@@ -278,6 +324,9 @@ class UcmDbWorker:
 
     def shutdown(self) -> None:
         self.finish_loads()
+        if self._async is not None:
+            self._async.close()
+            self._async = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

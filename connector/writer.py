@@ -35,6 +35,7 @@ import torch
 from vllm.logger import init_logger
 
 import ucm_db
+from ucm_db import cpu_placement
 from ucm_db.connector.metrics import Counters
 from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
 from ucm_db.keys import BlockKeys, Namespace
@@ -102,6 +103,7 @@ class BackgroundWriter:
             self._thread.join()
 
     def _run(self) -> None:
+        cpu_placement.place_current_thread()  # encode off the model's cores where it is bound
         while True:
             job = self._queue.get()
             try:

@@ -34,7 +34,7 @@ def test_invalid_store_option_is_rejected_by_the_core_parser() -> None:
 
 def test_invalid_connector_option() -> None:
     with pytest.raises(ConfigError, match="load_mode"):
-        ConnectorSettings.from_extra_config({"load_mode": "async"})
+        ConnectorSettings.from_extra_config({"load_mode": "later"})
     with pytest.raises(ConfigError, match="max_pending_save_bytes"):
         ConnectorSettings.from_extra_config({"max_pending_save_bytes": 10})
 

@@ -40,20 +40,32 @@ def make_engine(spec: dict):
     return LLM(**kwargs)
 
 
-def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None) -> dict:
-    from vllm import SamplingParams
+def _tokens_prompt(prompt: dict):
     from vllm.inputs import TokensPrompt
 
+    tp = TokensPrompt(prompt_token_ids=prompt["ids"])
+    if prompt.get("cache_salt"):
+        tp["cache_salt"] = prompt["cache_salt"]
+    return tp
+
+
+def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None, batch: bool = False) -> dict:
+    """Runs ``prompts`` one by one, or with ``batch`` all in one generate call
+    (its one latency is the batch's)."""
+    from vllm import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if batch:
+        started = time.perf_counter()
+        outs = llm.generate([_tokens_prompt(p) for p in prompts], params, use_tqdm=False)
+        return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "cached": [int(o.num_cached_tokens or 0) for o in outs],
+                "latency_s": [time.perf_counter() - started]}
     outputs, cached, latency = [], [], []
     for i, prompt in enumerate(prompts):
         if between is not None:
             between(i)
-        tp = TokensPrompt(prompt_token_ids=prompt["ids"])
-        if prompt.get("cache_salt"):
-            tp["cache_salt"] = prompt["cache_salt"]
         started = time.perf_counter()
-        out = llm.generate([tp], params, use_tqdm=False)[0]
+        out = llm.generate([_tokens_prompt(prompt)], params, use_tqdm=False)[0]
         latency.append(time.perf_counter() - started)
         outputs.append(list(out.outputs[0].token_ids))
         cached.append(int(out.num_cached_tokens or 0))
@@ -70,7 +82,7 @@ def main() -> int:
     llm = make_engine(spec)
     start_s = time.perf_counter() - started
     try:
-        result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8))
+        result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8), batch=spec.get("batch", False))
     finally:
         llm.llm_engine.engine_core.shutdown()
     result["engine_start_s"] = start_s

@@ -11,7 +11,10 @@ One scenario, run once for the module (engine starts dominate the cost):
    tier: a real corrupt payload, not a mock).
 4. ``second`` (new process): model A + ucm-db in layer-by-layer mode on the
    same store, all prompts again; at the same time ``other_model`` (new
-   process): model B + ucm-db on the same store, the same prompts.
+   process): model B + ucm-db on the same store, the same prompts; and
+   ``async`` (new process): model A + ucm-db with asynchronous loads, the
+   same prompts submitted together (so loads run beside other requests),
+   the model bound to one core and one reserved (ucm-db's threads move there).
 
 Every test below asserts on one part of the results.
 """
@@ -101,13 +104,16 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     corrupt_key = _corrupt_one_block(store, _prompts()["pc"]["ids"])
     second = start_engine_process(_spec(model_a, store, names, load_mode="layer"), work, "second")
     other = start_engine_process(_spec(model_b, store, names), work, "other_model")
-    results = {"second": second.wait(), "other": other.wait()}
+    # vLLM-CPU's layout of the benchmarks: the model bound to core 0, core 1 reserved.
+    async_spec = {**_spec(model_a, store, names, load_mode="async"), "batch": True, "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}}
+    async_mode = start_engine_process(async_spec, work, "async")
+    results = {"second": second.wait(), "other": other.wait(), "async": async_mode.wait()}
     with ucm_db.open(store) as opened:
         stats = opened.stats()
         quarantine = opened.tier.quarantine_records()
     return {
         "names": names, "reference": dict(zip(names, ref["outputs"])), "first": first,
-        "second": results["second"], "other": results["other"], "stats": stats,
+        "second": results["second"], "other": results["other"], "async": results["async"], "stats": stats,
         "quarantine": quarantine, "corrupt_key": corrupt_key, "store": store,
     }
 
@@ -140,6 +146,18 @@ def test_new_process_loads_stored_prefix_with_identical_outputs(scenario: dict[s
     hit_lines = [line for line in second["log"].splitlines() if "hit tokens loaded from ucm-db" in line]
     assert len(hit_lines) == len(names)
     assert all(" 0 hit tokens" not in line for line in hit_lines)
+
+
+def test_async_loads_give_identical_outputs_and_hit(scenario: dict[str, Any]) -> None:
+    run, names = scenario["async"], scenario["names"]
+    assert dict(zip(names, run["outputs"])) == scenario["reference"]
+    cached = dict(zip(names, run["cached"]))
+    for name in ("p0", "p1", "p2", "p0_salted"):
+        # The whole stored prefix, loaded beside the other requests.
+        assert cached[name] == (len(_prompts()[name]["ids"]) - 1) // BLOCK_SIZE * BLOCK_SIZE, name
+    assert "load_mode=async" in run["log"]
+    # The model thread is bound; ucm-db's threads (loads, saves) run on the reserved core.
+    assert "ucm-db: background threads on CPUs" in run["log"]
 
 
 def test_corrupt_block_is_recomputed_and_counted(scenario: dict[str, Any]) -> None:

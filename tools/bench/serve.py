@@ -84,6 +84,7 @@ class ServeOptions:
     enforce_eager: bool = False
     start_timeout_s: float = 1200.0
     codec: str = "zstd"  # the ucm-db stores' (local tier) codec
+    load_mode: str = "block"  # the ucm-db rows' connector load_mode
 
     @property
     def max_model_len(self) -> int:
@@ -99,10 +100,11 @@ class ServeOptions:
 Progress = Callable[[str], None]
 
 
-def _connector(store: Path, remote_url: str, codec: str, **extra: Any) -> dict[str, Any]:
-    """Connector options of a ucm-db row: local tier in ``codec``, remote objects zstd."""
-    return {"path": str(store), "remote": remote_url, "capacity_bytes": 16 << 30, "codec": codec,
-            "remote_codec": "zstd", **extra}
+def _connector(store: Path, remote_url: str, options: ServeOptions, **extra: Any) -> dict[str, Any]:
+    """Connector options of a ucm-db row: local tier in the options' codec,
+    remote objects zstd, the options' load mode."""
+    return {"path": str(store), "remote": remote_url, "capacity_bytes": 16 << 30, "codec": options.codec,
+            "remote_codec": "zstd", "load_mode": options.load_mode, **extra}
 
 
 def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: str, progress: Progress) -> dict[str, Any]:
@@ -139,7 +141,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     want = set(options.rows)
     capped = ServerSpec(model, options.capped_blocks, options.max_model_len, enforce_eager=options.enforce_eager)
     store, remote = work / "store", work / "remote"
-    ucm = replace(capped, connector=_connector(store, remote.as_uri(), options.codec))
+    ucm = replace(capped, connector=_connector(store, remote.as_uri(), options))
 
     def serve(spec: ServerSpec, label: str, passes: tuple[str, ...]) -> None:
         if not want & set(passes):
@@ -157,7 +159,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     serve(ucm, "ucm-restart", ("ucm-restart",))
     if want & {"ucm-remote", "ucm-remote-s3"}:
         _drain_uploads(store, remote, progress)
-        serve(replace(capped, connector=_connector(work / "empty-local", remote.as_uri(), options.codec)), "ucm-remote", ("ucm-remote",))
+        serve(replace(capped, connector=_connector(work / "empty-local", remote.as_uri(), options)), "ucm-remote", ("ucm-remote",))
     if "ucm-remote-s3" in want:
         from ucm_db.tools.bench.remote import MotoS3
 
@@ -167,7 +169,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
             progress(f"  remote copied to {url} in {time.perf_counter() - started:.1f} s")
             link_mb_s = _raw_read_mb_s(url, s3.options)
             progress(f"  raw read of the bucket (s3fs cat, concurrent): {link_mb_s:.1f} MB/s")
-            s3_connector = _connector(work / "empty-local-s3", url, options.codec, remote_options=s3.options)
+            s3_connector = _connector(work / "empty-local-s3", url, options, remote_options=s3.options)
             serve(replace(capped, connector=s3_connector), "ucm-remote-s3", ("ucm-remote-s3",))
             rows["ucm-remote-s3"]["link_raw_read_mb_s"] = link_mb_s
     return rows
@@ -224,6 +226,8 @@ def run(options: ServeOptions, progress: Progress) -> dict[str, Any]:
         raise ValueError(f"--capped-blocks {options.capped_blocks} cannot hold one request "
                          f"({options.max_model_len} tokens = {options.max_model_len // BLOCK_SIZE} blocks)")
     started = time.time()
+    if options.scratch_dir is not None:
+        Path(options.scratch_dir).mkdir(parents=True, exist_ok=True)
     model = build_serve_model(options.layers)
     all_runs: list[dict[str, dict[str, Any]]] = []
     for index in range(options.runs):
@@ -256,7 +260,7 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
                     "seed": load.seed, "layers": options.layers, "capped_blocks": options.capped_blocks,
                     "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
                     "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager,
-                    "codec": options.codec},
+                    "codec": options.codec, "load_mode": options.load_mode},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": medians,
@@ -282,7 +286,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"suffixes, {o['output_len']} output tokens, concurrency {o['concurrency']}, seed {o['seed']}; "
              f"{o['layers']}-layer Llama bf16, block {o['block_size']}; capped {o['capped_blocks']} blocks "
              f"(working set {o['working_set_blocks']}: {o['working_set_blocks'] / o['capped_blocks']:.1f}x), "
-             f"bound {o['bound_blocks']}; median of {o['runs']} run(s)" + ("; --enforce-eager" if o["enforce_eager"] else ""),
+             f"bound {o['bound_blocks']}; median of {o['runs']} run(s); ucm-db codec {o.get('codec', 'zstd')}, "
+             f"load_mode {o.get('load_mode', 'block')}" + ("; --enforce-eager" if o["enforce_eager"] else ""),
              "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  ucm-db loaded / looked up, skips"]
     for row, label in ROWS.items():
         if row in report["rows"]:
@@ -315,6 +320,8 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--rows", default=",".join(ROWS), show_default=True, help="comma-separated rows to run")
 @click.option("--codec", type=click.Choice(["zstd", "none"]), default="zstd", show_default=True,
               help="codec of the ucm-db rows' local tier (the store's `codec`; the remote keeps its own, `remote_codec`)")
+@click.option("--load-mode", type=click.Choice(["block", "layer", "async"]), default="block", show_default=True,
+              help="the ucm-db rows' connector load_mode")
 @click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
 @click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True,
               help="longest wait for a server to become healthy")
@@ -322,7 +329,7 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
             seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str, codec: str,
-            enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
+            load_mode: str, enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
     Rows: no connector capped, cold and warm bounds, ucm-db first and second
@@ -351,7 +358,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     load = LoadSpec(num_prompts=num_prompts, num_prefixes=num_prefixes, prefix_len=prefix_len, suffix_len=suffix_len,
                     output_len=output_len, concurrency=concurrency, seed=seed)
     options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
-                           rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec,
+                           rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec, load_mode=load_mode,
                            start_timeout_s=start_timeout_s)
     if capped_blocks * BLOCK_SIZE < options.max_model_len:
         raise click.BadParameter(f"{capped_blocks} blocks cannot hold one request ({options.max_model_len} tokens)",
