@@ -44,7 +44,7 @@ class AsyncLoader:
         self._load = load
         self._cond = threading.Condition()
         self._queue: deque[tuple[str, list[BlockTransfer]]] = deque()
-        self._finished: set[str] = set()
+        self._finished: list[str] = []
         self._failed_blocks: set[int] = set()
         self._in_flight = 0  # submitted and not yet taken as finished
         self._closed = False
@@ -76,10 +76,10 @@ class AsyncLoader:
         with self._cond:
             if wait_s > 0 and not self._finished and self._in_flight:
                 self._cond.wait_for(lambda: bool(self._finished) or self._closed, timeout=wait_s)
-            finished, self._finished = self._finished, set()
+            finished, self._finished = self._finished, []
             failed, self._failed_blocks = self._failed_blocks, set()
             self._in_flight -= len(finished)
-            return finished, failed
+            return set(finished), failed
 
     def close(self) -> None:
         with self._cond:
@@ -103,5 +103,5 @@ class AsyncLoader:
                 failed = {b for t in transfers for b in t.block_ids}
             with self._cond:
                 self._failed_blocks.update(failed)
-                self._finished.add(req_id)
+                self._finished.append(req_id)
                 self._cond.notify_all()

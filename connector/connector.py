@@ -77,7 +77,7 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler p
 #: Longest wait in ``get_finished`` of a step that schedules no tokens while
 #: async loads run (the engine would otherwise spin through empty steps,
 #: taking the CPU the loads need).
-IDLE_WAIT_S = 0.05
+IDLE_WAIT_S = 0.01
 
 
 class UcmDbConnector(KVConnectorBase_V1):
@@ -87,7 +87,7 @@ class UcmDbConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._held_store: ucm_db.Store | None = None
         if role != KVConnectorRole.SCHEDULER:
-            _use_spare_cpus()  # before the store opens: its threads start off the model's cores
+            _use_spare_cpus(vllm_config)  # before the store opens: its threads start off the model's cores
         try:
             self.settings, self.pd_role = role_settings(
                 self._kv_transfer_config.kv_connector_extra_config, self._kv_transfer_config.kv_role,
@@ -249,12 +249,27 @@ class UcmDbConnector(KVConnectorBase_V1):
         return UcmDbPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _use_spare_cpus() -> None:
-    """Names the CPUs this worker may use beyond its model's binding (on
-    vLLM-CPU, the reserved cores) for ucm-db's threads: compression, loads
-    and uploads then run beside the model, not on its cores. Does nothing
-    where the model thread is not bound (:mod:`ucm_db.cpu_placement`)."""
-    spare = cpu_placement.spare_cpus()
+def _use_spare_cpus(vllm_config: VllmConfig) -> None:
+    """On vLLM-CPU with one worker and its thread binding on, names the CPUs
+    the engine was started with that the model thread is not bound to (the
+    reserved cores) for ucm-db's threads: compression, loads and uploads
+    then run beside the model, not on its cores (:mod:`ucm_db.cpu_placement`).
+
+    "Started with" is the parent process's affinity (the engine core, or
+    the process that made the engine), so a ``taskset``/``numactl`` binding
+    of the server holds. Nothing moves with several workers (each rank's
+    model cores are its own to know: another rank's could look spare), on
+    other platforms, or with ``VLLM_CPU_OMP_THREADS_BIND=nobind``."""
+    from vllm.platforms import current_platform
+
+    if (not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1
+            or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "nobind"):
+        return
+    try:
+        started_with = os.sched_getaffinity(os.getppid())
+    except OSError:
+        return
+    spare = cpu_placement.spare_cpus(started_with)
     if spare:
         cpu_placement.set_background_cpus(spare)
         logger.info("ucm-db: background threads on CPUs %s (the model thread is bound to %s)",

@@ -19,9 +19,11 @@ Invariants:
       prompt's last token, and only beyond what vLLM already computed.
     * A load plan covers blocks ``[local, local + external)`` of the request,
       exactly what vLLM allocated for the external tokens. With
-      ``load_mode: "async"`` a hit is claimed asynchronously and its plan is
-      made at allocation (vLLM holds the request until a worker reports its
-      load finished, and never schedules it with a load of its own later).
+      ``load_mode: "async"`` a request's first hit is claimed asynchronously
+      and its plan is made at allocation (vLLM holds the request until a
+      worker reports its load finished, and never schedules it with a load
+      of its own later); any later claim for the same request is
+      synchronous, so a load that keeps failing is recomputed, not retried.
     * A save plan covers each block whose KV becomes complete during the
       step, once per request (``saved_blocks`` only grows), and starts after
       the blocks whose units are known stored, so every unit chain's parent
@@ -109,6 +111,7 @@ class _RequestState:
     pending_load_tokens: int = 0
     pending_source: str = "units"
     lookup: LookupRecord | None = None
+    async_tried: bool = False  # an async load was planned: later lookups claim synchronously
 
 
 def request_extras(request: Request) -> dict[str, Any]:
@@ -248,7 +251,11 @@ class UcmDbScheduler:
             self.counters.add(cost_skips=1)  # once per lookup, however many segments or sources it priced
         state.lookup = LookupRecord(num_computed_tokens, hit, found["units"], source, time.perf_counter() - started)
         tokens = max(0, hit * self._block_size - num_computed_tokens)
-        return tokens, self._async and tokens > 0
+        # Once per request: a failed async load sends the request back with
+        # nothing computed, and vLLM asks again; an async claim of the same
+        # blocks could fail the same way forever. A sync claim that fails is
+        # recomputed.
+        return tokens, self._async and tokens > 0 and not state.async_tried
 
     def _stored_blocks(self, state: _RequestState, max_blocks: int) -> dict[str, int]:
         """Leading blocks loadable from each source: the units, and where
@@ -372,8 +379,9 @@ class UcmDbScheduler:
             return
         state.pending_load_tokens = num_external_tokens
         state.pending_source = record.source
-        if self._async and num_external_tokens:
+        if self._async and num_external_tokens and not state.async_tried:
             # vLLM computes nothing for it until the load is reported done.
+            state.async_tried = True
             end = (record.local_tokens + num_external_tokens) // self._block_size
             self._async_plans.append(self._load_transfer(state, request.request_id, blocks.get_block_ids()[0], end))
         state.stored_blocks = max(state.stored_blocks, record.unit_blocks)

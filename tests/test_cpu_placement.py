@@ -48,8 +48,11 @@ def _cpus() -> tuple[int, set[int]]:
 
 def test_spare_cpus_are_the_allowed_ones_the_thread_is_not_bound_to() -> None:
     first, rest = _cpus()
-    assert _in_thread_pinned_to({first}, cpu_placement.spare_cpus) == rest
-    assert _in_thread_pinned_to(set(os.sched_getaffinity(0)), cpu_placement.spare_cpus) == set()
+    allowed = set(os.sched_getaffinity(0))
+    assert _in_thread_pinned_to({first}, lambda: cpu_placement.spare_cpus(allowed)) == rest
+    assert _in_thread_pinned_to(allowed, lambda: cpu_placement.spare_cpus(allowed)) == set()
+    # Only what the caller allows: never CPUs outside it.
+    assert _in_thread_pinned_to({first}, lambda: cpu_placement.spare_cpus({first})) == set()
 
 
 def test_threads_move_only_once_cpus_are_named() -> None:
@@ -79,7 +82,7 @@ def test_store_threads_start_on_the_background_cpus(tmp_path: Path) -> None:
     ns = Namespace(model="m", kv_dtype="bfloat16", block_size=16)
 
     def open_and_write() -> dict[str, set[int]]:
-        cpu_placement.set_background_cpus(cpu_placement.spare_cpus())
+        cpu_placement.set_background_cpus(cpu_placement.spare_cpus(os.sched_getaffinity(os.getpid())))
         store = ucm_db.open(tmp_path / "s", encode_threads=2)
         try:
             keys = ns.block_keys(list(range(16 * 4)))

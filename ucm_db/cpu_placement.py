@@ -6,7 +6,8 @@ vLLM on CPU binds its model's OpenMP threads to cores
 afterwards inherits that binding: compression, decoding and uploads would
 take turns with the model on its own cores while the cores vLLM reserved
 stay idle. A host that knows this names the cores for background work once
-per process (:func:`set_background_cpus`, usually with :func:`spare_cpus`);
+per process (:func:`set_background_cpus`, for example with
+:func:`spare_cpus` of the CPUs the host was started with);
 each background thread of the store (codec, maintenance, upload) and of its
 host places itself there when it starts (:func:`place_current_thread`).
 
@@ -53,26 +54,13 @@ def place_current_thread() -> None:
             pass  # see the invariants: the thread stays where it was
 
 
-def spare_cpus() -> frozenset[int]:
-    """CPUs this process may run on that the calling thread is not bound
-    to (empty if it may run anywhere, or where affinity is unknown).
+def spare_cpus(allowed: Iterable[int]) -> frozenset[int]:
+    """The CPUs of ``allowed`` that the calling thread is not bound to
+    (empty where affinity is unknown).
 
-    The process's allowed CPUs are asked of a short-lived thread that widens
-    its own affinity to every CPU: the kernel keeps the part its cpuset
-    allows, whatever the calling thread is bound to."""
+    ``allowed`` is the caller's to know: what the host process was started
+    with (a ``taskset``/``numactl`` binding, the CPUs it leaves to others),
+    never simply every CPU of the machine."""
     if not hasattr(os, "sched_getaffinity"):
         return frozenset()
-    mine = frozenset(os.sched_getaffinity(0))
-    allowed: list[frozenset[int]] = []
-
-    def probe() -> None:
-        try:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-            allowed.append(frozenset(os.sched_getaffinity(0)))
-        except OSError:
-            allowed.append(mine)
-
-    thread = threading.Thread(target=probe, name="ucm-db-cpu-probe", daemon=True)
-    thread.start()
-    thread.join()
-    return allowed[0] - mine if allowed else frozenset()
+    return frozenset(int(c) for c in allowed) - frozenset(os.sched_getaffinity(0))

@@ -113,6 +113,11 @@ def test_missing_block_is_reported_with_its_request(settings: ConnectorSettings)
     # request reported finished has its failed blocks in that same answer.
     assert _wait_finished(worker) == {"b"}
     assert worker.take_load_errors() == {22, 23}
+    # vLLM keeps the good blocks and recomputes the rest. Had it freed them
+    # all (nothing valid), it would ask again: that claim is synchronous,
+    # so a block that keeps failing is recomputed, not retried forever.
+    req.num_computed_tokens = 0
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
     worker.shutdown()
     sched.shutdown()
 
