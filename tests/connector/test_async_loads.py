@@ -26,7 +26,7 @@ from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
 from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
 from ucm_db.units import unit_key  # noqa: E402
 
-from test_scheduler_worker import BS, NUM_BLOCKS, _kv, _new_step, _request, _save_prompt, _shape  # noqa: E402
+from test_scheduler_worker import BS, NUM_BLOCKS, _kv, _new_step, _request, _save_prompt, _shape, restarted  # noqa: E402
 
 
 @pytest.fixture()
@@ -58,13 +58,7 @@ def _wait_finished(worker: UcmDbWorker, timeout_s: float = 10.0) -> set[str]:
 
 def test_hit_loads_asynchronously_into_the_allocated_blocks(settings: ConnectorSettings) -> None:
     tokens = list(range(1, 5 * BS + 10))  # 5 full blocks + 9 tokens
-    kv = {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}
-    _save_prompt(settings, tokens, kv)
-
-    sched = UcmDbScheduler(settings, _shape())
-    worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
-    fresh = _kv()
-    worker.register_kv_caches(fresh, 0, 0)
+    kv, sched, worker, fresh = restarted(settings, tokens)
     req = _request("b", tokens)
     # vLLM's local prefix cache had the first block; ucm-db claims 4 more, asynchronously.
     assert sched.get_num_new_matched_tokens(req, BS) == (4 * BS, True)

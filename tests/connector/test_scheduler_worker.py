@@ -95,15 +95,21 @@ def _save_prompt(settings: ConnectorSettings, tokens: list[int], kv: dict[str, t
     sched.shutdown()
 
 
-def test_round_trip_restart_loads_at_allocated_blocks(settings: ConnectorSettings) -> None:
-    tokens = list(range(1, 5 * BS + 10))  # 5 full blocks + 9 tokens
+def restarted(settings: ConnectorSettings, tokens: list[int]) -> tuple[dict[str, torch.Tensor], UcmDbScheduler, UcmDbWorker, dict[str, torch.Tensor]]:
+    """Random KV saved for ``tokens`` by a first engine, then a restarted
+    engine's halves: (the saved KV, scheduler, worker, its zeroed KV caches)."""
     kv = {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}
     _save_prompt(settings, tokens, kv)
-
     sched = UcmDbScheduler(settings, _shape())
     worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
     fresh = _kv()
     worker.register_kv_caches(fresh, 0, 0)
+    return kv, sched, worker, fresh
+
+
+def test_round_trip_restart_loads_at_allocated_blocks(settings: ConnectorSettings) -> None:
+    tokens = list(range(1, 5 * BS + 10))  # 5 full blocks + 9 tokens
+    kv, sched, worker, fresh = restarted(settings, tokens)
     req = _request("b", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
     assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)  # no side effects
