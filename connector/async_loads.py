@@ -32,9 +32,9 @@ from ucm_db.connector.metadata import BlockTransfer
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
-#: A load: copies ``transfers`` into the KV caches and returns the block ids
-#: that failed.
-LoadFn = Callable[[Sequence[BlockTransfer]], set[int]]
+#: A load: copies one request's transfer into the KV caches and returns the
+#: block ids that failed.
+LoadFn = Callable[[BlockTransfer], set[int]]
 
 
 class AsyncLoader:
@@ -43,7 +43,7 @@ class AsyncLoader:
     def __init__(self, load: LoadFn) -> None:
         self._load = load
         self._cond = threading.Condition()
-        self._queue: deque[tuple[str, list[BlockTransfer]]] = deque()
+        self._queue: deque[BlockTransfer] = deque()
         self._finished: list[str] = []
         self._failed_blocks: set[int] = set()
         self._in_flight = 0  # submitted and not yet taken as finished
@@ -52,14 +52,11 @@ class AsyncLoader:
         self._thread.start()
 
     def submit(self, transfers: Sequence[BlockTransfer]) -> None:
-        """Queues one step's async loads, a job per request."""
-        by_request: dict[str, list[BlockTransfer]] = {}
-        for transfer in transfers:
-            by_request.setdefault(transfer.req_id, []).append(transfer)
+        """Queues one step's async loads (one transfer per request, as the
+        scheduler plans them)."""
         with self._cond:
-            for req_id, jobs in by_request.items():
-                self._queue.append((req_id, jobs))
-                self._in_flight += 1
+            self._queue.extend(transfers)
+            self._in_flight += len(transfers)
             self._cond.notify_all()
 
     @property
@@ -95,13 +92,13 @@ class AsyncLoader:
                 self._cond.wait_for(lambda: bool(self._queue) or self._closed)
                 if self._closed:
                     return
-                req_id, transfers = self._queue.popleft()
+                transfer = self._queue.popleft()
             try:
-                failed = self._load(transfers)
+                failed = self._load(transfer)
             except Exception:  # noqa: BLE001 - a failed load must become recompute, not a dead loader
-                logger.exception("ucm-db: loading KV blocks of request %s failed; they will be recomputed", req_id)
-                failed = {b for t in transfers for b in t.block_ids}
+                logger.exception("ucm-db: loading KV blocks of request %s failed; they will be recomputed", transfer.req_id)
+                failed = set(transfer.block_ids)
             with self._cond:
                 self._failed_blocks.update(failed)
-                self._finished.append(req_id)
+                self._finished.append(transfer.req_id)
                 self._cond.notify_all()

@@ -309,6 +309,7 @@ class UcmDbScheduler:
         prefill sample its workers' output completes (:meth:`observe_output`)."""
         meta.step, self._step = self._step, self._step + 1
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        meta.idle = not tokens
         self._pending_steps[meta.step] = (time.perf_counter(), tokens, self._remote_lookup_s)
         if len(self._pending_steps) > _MAX_PENDING_STEPS:
             del self._pending_steps[min(self._pending_steps)]
@@ -398,7 +399,6 @@ class UcmDbScheduler:
         meta = UcmDbConnectorMetadata()
         self._number_step(meta, scheduler_output)
         meta.async_loads, self._async_plans = self._async_plans, []
-        meta.idle = not int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         for new_req in scheduler_output.scheduled_new_reqs:
             self._plan_load(meta, new_req.req_id, new_req.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs

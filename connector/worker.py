@@ -88,8 +88,7 @@ class UcmDbWorker:
         self._step = -1  # the step whose metadata was bound last
         self._step_loads: dict[tuple[str, str], tuple[int, float]] = {}  # its load timings (under _errors_lock)
         self._background_loads: dict[tuple[str, str], tuple[int, float]] = {}  # async loads ended since (same lock)
-        self._async: AsyncLoader | None = None
-        self._unserved: set[str] = set()  # async loads this worker cannot run: reported finished, failed
+        self._async: AsyncLoader | None = None  # started by the first async load
         self.counters = Counters()
 
     # -- setup ---------------------------------------------------------------
@@ -103,8 +102,6 @@ class UcmDbWorker:
         self._legacy = legacy_rank_namespaces(self._shape)
         self._legacy_index = pp_rank * self._shape.tp_size + tp_rank
         self._store = acquire(self._settings)
-        if self._settings.load_mode == "async":
-            self._async = AsyncLoader(lambda loads: self._load_checked(loads, None, background=True))
         publish_codec = self._settings.publish_codec
         self._writer = BackgroundWriter(
             self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes,
@@ -127,12 +124,9 @@ class UcmDbWorker:
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
         self._step = meta.step
         if meta.async_loads:
-            if self._async is None:  # load_mode differs between scheduler and worker: never strand a request
-                with self._errors_lock:
-                    self._load_errors.update(b for t in meta.async_loads for b in t.block_ids)
-                self._unserved.update(t.req_id for t in meta.async_loads)
-            else:
-                self._async.submit(meta.async_loads)
+            if self._async is None:
+                self._async = AsyncLoader(lambda load: self._load_checked([load], None, background=True))
+            self._async.submit(meta.async_loads)
         if not meta.loads or self._store is None:
             return
         if self._settings.load_mode == "layer":
@@ -220,14 +214,13 @@ class UcmDbWorker:
         failed blocks join the load errors :meth:`take_load_errors` reports
         next (vLLM asks for both in the same step, in this order). With
         ``wait_s``, waits that long at most for one (see AsyncLoader)."""
-        unserved, self._unserved = self._unserved, set()
         if self._async is None:
-            return unserved
+            return set()
         finished, failed = self._async.take_finished(wait_s)
         if failed:
             with self._errors_lock:
                 self._load_errors.update(failed)
-        return finished | unserved
+        return finished
 
     def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
         """The bound step's number and load timings, once (None if no step

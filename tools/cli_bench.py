@@ -22,6 +22,7 @@ BENCHMARKS = {
     "engines": "ucm_db.tools.bench.engines:command",
     "remote": "ucm_db.tools.bench.remote:command",
     "remote-codec": "ucm_db.tools.bench.remote_codec:command",
+    "codec-pool": "ucm_db.tools.bench.codec_pool:command",
     "ttft": "ucm_db.tools.bench.ttft:command",
     "overhead": "ucm_db.tools.bench.overhead:command",
     "tp": "ucm_db.tools.bench.tp:command",

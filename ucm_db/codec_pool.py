@@ -25,11 +25,11 @@ from ucm_db.tiers.base import Buffer
 
 T = TypeVar("T")
 
-#: Smallest mean frame (raw bytes) a block needs to go to the pool. Measured
-#: on 16 MiB of bf16 blocks, 2 threads against the caller's thread alone
-#: (2-core host, 2026-11-25): decode 0.45x at 8 KiB frames (a vLLM-CPU
-#: layer unit), 0.58x at 64 KiB, 1.0x at 256 KiB, 1.57x at 1 MiB; encode
-#: 0.65x, 0.92x, 1.0x, 1.36x (2 MiB).
+#: Smallest mean frame (raw bytes) a block needs to go to the pool. 2
+#: threads against the caller's thread alone on 16 MiB of bf16 blocks
+#: (`ucm-db bench codec-pool --force-pool`, 2-core host, BENCHMARKS.md):
+#: decode 0.64x at 8 KiB frames (a vLLM-CPU layer unit), 0.95x at 64 KiB,
+#: 1.14-1.22x from 256 KiB to 2 MiB; encode 0.85x, 0.80x, then 1.1-1.2x.
 POOL_MIN_FRAME_BYTES = 512 << 10
 Payload = Union[Buffer, Sequence[Buffer], codec.Framed]
 

@@ -150,8 +150,7 @@ def test_loader_reports_every_request_once_even_when_a_load_raises() -> None:
     started = threading.Event()
     release = threading.Event()
 
-    def load(transfers: object) -> set[int]:
-        (transfer,) = transfers  # type: ignore[misc]
+    def load(transfer: BlockTransfer) -> set[int]:
         if transfer.req_id == "boom":
             raise OSError("disk gone")
         if transfer.req_id == "slow":
