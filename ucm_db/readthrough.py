@@ -27,6 +27,10 @@ Invariants:
     * Remote presence along a chain is treated as monotone for the search
       (uploads go ancestors first); where it is not, the search can only
       over-estimate, and the fetch stops at the first block it cannot get.
+    * A lookup asks the remote only for what it could promote: nothing when
+      the first key's parent is not local; a continuation of at most
+      :data:`DIRECT_FETCH_KEYS` keys is fetched outright (one request per
+      key, no search), a longer one searched first.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ from ucm_db.tiers.remote import RemoteObject, RemoteRoot, RemoteTier
 
 #: Parallel probes per round of the prefix search (rounds ~ log_{F+1} n).
 SEARCH_FANOUT = 8
+#: A remote continuation of at most this many keys is fetched at once, with
+#: no presence search first: one round trip instead of two or more (a hit's
+#: bytes are wanted anyway; a miss costs one request per key, about what
+#: the search's probes would). The connector's first lookup segment fits.
+DIRECT_FETCH_KEYS = 2 * SEARCH_FANOUT
 #: Threads for remote reads (probes and fetches).
 READ_THREADS = 16
 MIN_BACKOFF_S = 0.05
@@ -236,18 +245,19 @@ class RemoteLink:
         """Fetches ``keys`` (a chain whose first block's parent is
         ``parent``) and returns the leading run that arrived verified and
         chained before the deadline."""
+        return self._fetch_run(namespace_id, keys, parent, deadline)[0]
+
+    def _fetch_run(
+        self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float,
+    ) -> tuple[list[RemoteObject], bool]:
+        """:meth:`fetch_chain`, and whether every request answered (False:
+        the deadline or an error cut the fetch, so a short run says nothing
+        of what the remote holds past it)."""
         tier = self.tier(namespace_id)
         results = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
         if results is None:
-            return []
-        out: list[RemoteObject] = []
-        expected = parent
-        for obj in results:
-            if obj is None or obj is UNFINISHED or obj.parent != expected:
-                break
-            out.append(obj)
-            expected = obj.key
-        return out
+            return [], False
+        return _leading_run(results, parent)
 
     def stream_chain(
         self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, *,
@@ -339,18 +349,28 @@ class RemoteLink:
         """
         deadline = time.monotonic() + deadline_s
         rest = keys[local_n:]
-        found = self.search(namespace_id, rest, deadline)
-        if found.count == 0:
-            return local_n, 0
         parent = keys[local_n - 1] if local_n else first_parent(keys)
-        objects = self.fetch_chain(namespace_id, rest[: found.count], parent, deadline)
+        if local_n == 0 and parent is not None and not local.exists([parent])[0]:
+            # Nothing fetched could be promoted: a unit looked up alone past
+            # its chain's local prefix (the connector's probe of a block's
+            # last unit), or a parent evicted meanwhile. No request at all.
+            return 0, 0
+        if len(rest) <= DIRECT_FETCH_KEYS:
+            objects, complete = self._fetch_run(namespace_id, rest, parent, deadline)
+            present = len(objects) if complete else len(rest)  # cut short: the rest may be there
+        else:
+            found = self.search(namespace_id, rest, deadline)
+            if found.count == 0:
+                return local_n, 0
+            present = found.count
+            objects = self.fetch_chain(namespace_id, rest[:present], parent, deadline)
         now, later = _split_by_bytes(objects, SYNC_PROMOTE_BYTES)
         promoted = promote(local, now)
-        if promoted == len(now) and promoted < found.count:
+        if promoted == len(now) and promoted < present:
             # The deadline (or the commit budget) cut the promotion short:
             # finish in the background so the next lookup finds it local.
             tail_parent = now[-1].key if now else parent
-            self.continue_later(local, namespace_id, list(rest[promoted : found.count]), tail_parent, later)
+            self.continue_later(local, namespace_id, list(rest[promoted:present]), tail_parent, later)
         return local_n + promoted, sum(len(o.blob) for o in now[:promoted])
 
     def continue_later(
@@ -384,6 +404,22 @@ class RemoteLink:
         finally:
             with self._continuing_lock:
                 self._continuing -= 1
+
+
+def _leading_run(results: Sequence[Any], parent: bytes | None) -> tuple[list[RemoteObject], bool]:
+    """The leading verified run of fetch results chained from ``parent``,
+    and whether every request answered (False: a result is
+    :data:`UNFINISHED`, so a short run says nothing of what lies past it)."""
+    out: list[RemoteObject] = []
+    expected = parent
+    for obj in results:
+        if obj is UNFINISHED:
+            return out, False
+        if obj is None or obj.parent != expected:
+            break
+        out.append(obj)
+        expected = obj.key
+    return out, True
 
 
 def _split_by_bytes(objects: list[RemoteObject], budget_bytes: int) -> tuple[list[RemoteObject], list[RemoteObject]]:

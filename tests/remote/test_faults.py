@@ -158,6 +158,29 @@ def test_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root:
         assert node_b.tier.check() == []
 
 
+def test_short_lookup_cut_by_deadline_finishes_in_the_background(
+    tmp_path: Path, root: str, plan: FaultPlan, namespace, monkeypatch,
+) -> None:
+    """The direct fetch of a short continuation (no search first) cut by the
+    deadline: the lookup returns what arrived, the rest is promoted later."""
+    from ucm_db import readthrough
+
+    n_blocks = readthrough.DIRECT_FETCH_KEYS
+    keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
+    monkeypatch.setattr(readthrough, "READ_THREADS", 4)  # 4 waves of requests
+    plan.latency_s = DEADLINE_S / 2.5  # the deadline passes in the third wave
+    with _faulty(tmp_path, root, plan) as node_b:
+        first = node_b.lookup(namespace, keys)
+        assert 0 < first < n_blocks
+        end = time.monotonic() + 20
+        while node_b.tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
+            time.sleep(0.05)
+        assert node_b.tier.count_prefix(keys) == n_blocks
+        assert node_b.remote.promoted_in_background == n_blocks - first
+        assert node_b.get(namespace, keys) == payloads
+        assert node_b.tier.check() == []
+
+
 def test_lookup_commits_a_bounded_amount_and_promotes_the_rest_in_background(
     tmp_path: Path, root: str, plan: FaultPlan, namespace, monkeypatch,
 ) -> None:

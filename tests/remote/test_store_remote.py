@@ -211,3 +211,38 @@ def test_uploader_batches_are_bounded_by_bytes_shallowest_first(tmp_path: Path, 
             assert sorted(tier.iterate()) == sorted(keys[: depth + 1])  # ancestors go first
         assert uploader.drain_batch() == (0, 0)
         uploader.stop()
+
+
+def test_short_lookup_fetches_each_block_once_without_a_search(remote: Remote, tmp_path: Path, namespace) -> None:
+    """A continuation of at most DIRECT_FETCH_KEYS blocks is one request per
+    block (the fetch finds the count; no probes first), hit or miss."""
+    from ucm_db.readthrough import DIRECT_FETCH_KEYS
+
+    keys, payloads = chain(namespace, DIRECT_FETCH_KEYS)
+    held = DIRECT_FETCH_KEYS - 5
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys[:held], payloads[:held])
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
+        stats = node_b.remote.root.stats
+        assert node_b.lookup(namespace, keys) == held
+        assert (stats.requests, stats.gets, stats.misses) == (DIRECT_FETCH_KEYS, DIRECT_FETCH_KEYS, 5)
+        assert node_b.tier.count_prefix(keys) == held
+        assert node_b.get(namespace, keys[:held]) == payloads[:held]
+
+
+def test_lookup_past_a_missing_local_parent_makes_no_request(remote: Remote, tmp_path: Path, namespace) -> None:
+    """A slice whose parent is not local (the connector's probe of one unit)
+    could promote nothing: it is answered without asking the remote."""
+    keys, payloads = chain(namespace, 20)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, payloads)
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
+        stats = node_b.remote.root.stats
+        assert node_b.lookup(namespace, keys[10:11]) == 0
+        assert stats.requests == 0
+        node_b.put(namespace, keys[:10], payloads[:10])  # the parent is local now
+        assert node_b.lookup(namespace, keys[10:11]) == 1
+        assert stats.gets == 1  # (its own uploads may read the manifest)
+        assert node_b.lookup(namespace, keys) == 20
