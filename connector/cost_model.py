@@ -23,6 +23,12 @@ Invariants:
       computing it; otherwise it is skipped (``SKIP``), except once every
       ``reprobe_interval_s`` (``PROBE``), so a recovered tier is noticed:
       the probe's measurement is a sample like any other.
+    * Where the scheduler states the claim at stake (its tokens, and the
+      lookups that bring it) and a tier's load times have been fitted as a
+      fixed cost plus a cost per token (:class:`LoadFit`), the claim is
+      priced whole: its fixed costs, once per lookup, count against it, so
+      a short prompt is recomputed where a long one over the same link is
+      loaded. Without a fit, seconds per token are compared as above.
     * Prefill samples come from steps that computed at least
       ``min_prefill_tokens`` tokens: a decode step's time is per-step
       overhead, not a prefill rate.
@@ -85,6 +91,57 @@ class Ewma:
         return None if self.value is None else 1.0 / self.value
 
 
+@dataclass
+class LoadFit:
+    """Seconds to load ``n`` tokens from a tier, fitted as ``fixed_s +
+    per_token_s * n`` by exponentially weighted least squares over
+    ``(tokens, seconds)`` samples. A lookup's fixed cost (round trips, a
+    commit, a scheduling round) makes short loads dearer per token than
+    long ones; a single rate cannot say that a 1K-token load loses where an
+    8K-token one wins. Samples with no tokens (a lookup that found nothing)
+    are kept: they pin the fixed cost.
+
+    Invariants:
+        * :meth:`line` is None unless the samples span sizes enough to tell
+          the two terms apart (coefficient of variation of the token counts
+          at least :data:`MIN_SPREAD`) and both terms come out non-negative;
+          callers then fall back to the per-token average (:class:`Ewma`).
+    """
+
+    weight: float = 0.15
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    #: Token counts must vary at least this much (std / mean) for a fit.
+    MIN_SPREAD = 0.25
+
+    def add(self, tokens: int, seconds: float) -> None:
+        keep = 1.0 - self.weight if self._w else 0.0
+        w = self.weight
+        self._w = keep * self._w + w
+        self._x = keep * self._x + w * tokens
+        self._y = keep * self._y + w * seconds
+        self._xx = keep * self._xx + w * tokens * tokens
+        self._xy = keep * self._xy + w * tokens * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """``(fixed_s, per_token_s)``, or None (see the invariants)."""
+        if self._w <= 0 or self._x <= 0:
+            return None
+        mean_x = self._x / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x < (self.MIN_SPREAD * mean_x) ** 2:
+            return None
+        per_token_s = (self._xy / self._w - mean_x * self._y / self._w) / var_x
+        fixed_s = self._y / self._w - per_token_s * mean_x
+        if per_token_s <= 0 or fixed_s < 0:
+            return None
+        return fixed_s, per_token_s
+
+
 class CostModel:
     """Measured prefill and load costs, and the decisions made from them
     (see the module invariants)."""
@@ -100,6 +157,7 @@ class CostModel:
         self._clock = clock
         self.prefill = Ewma(weight)
         self._load: dict[tuple[str, str], Ewma] = {}
+        self._fits: dict[tuple[str, str], LoadFit] = {}
         self._last_asked_s: dict[tuple[str, str], float] = {}
         self.skipped: dict[str, int] = {tier: 0 for tier in TIERS}
 
@@ -118,6 +176,15 @@ class CostModel:
         self._last_asked_s[(namespace, tier)] = self._clock()
         if tokens > 0 and seconds >= _MIN_SAMPLE_S:
             self._load.setdefault((namespace, tier), Ewma(self._weight)).add(seconds / tokens)
+        if tokens >= 0 and seconds > 0:
+            self._fits.setdefault((namespace, tier), LoadFit()).add(tokens, seconds)
+
+    def load_line(self, namespace: str, tier: str) -> tuple[float, float] | None:
+        """``(fixed_s, per_token_s)`` of ``tier``'s fitted load time, None
+        while the samples cannot tell the two apart (:class:`LoadFit`)."""
+        _check_tier(tier)
+        fit = self._fits.get((namespace, tier))
+        return None if fit is None else fit.line()
 
     def load_rate(self, namespace: str, tier: str) -> float | None:
         """Measured tokens per second from ``tier``, None if unmeasured."""
@@ -137,25 +204,52 @@ class CostModel:
         local = self._load.get((namespace, "local")) if tier == "remote" else None
         return ewma.value + (local.value if local is not None and local.value is not None else 0.0)
 
-    def faster_than_recompute(self, namespace: str, tier: str) -> bool:
+    def claim_seconds(self, namespace: str, tier: str, tokens: int, lookups: int = 1) -> float | None:
+        """Expected seconds to load a claim of ``tokens`` tokens from
+        ``tier`` in ``lookups`` timed lookups, by the fitted lines (a remote
+        claim also passes through the local tier); None where a tier on the
+        way has no fit (:meth:`load_line`)."""
+        line = self.load_line(namespace, tier)
+        if line is None:
+            return None
+        total_s = lookups * line[0] + tokens * line[1]
+        if tier == "remote":
+            local = self.load_line(namespace, "local")
+            if local is not None:
+                total_s += local[0] + tokens * local[1]
+            else:  # no local fit: its average per token, where measured
+                total_s += tokens * (self.seconds_per_token(namespace, "local") or 0.0)
+        return total_s
+
+    def faster_than_recompute(self, namespace: str, tier: str, tokens: int | None = None, lookups: int = 1) -> bool:
         """True if loading from ``tier`` is expected to beat recomputing,
         or cannot be judged yet (either cost unmeasured), or the policy is
-        "always"."""
+        "always". Given the claim's ``tokens`` (and the ``lookups`` that
+        bring it), a fitted fixed cost is counted once per lookup
+        (:meth:`claim_seconds`); otherwise, or while there is no fit,
+        seconds per token are compared."""
         if self.policy == "always" or self.prefill.value is None:
             return True
+        if tokens:
+            claim_s = self.claim_seconds(namespace, tier, tokens, lookups)
+            if claim_s is not None:
+                return claim_s < tokens * self.prefill.value
         load_s = self.seconds_per_token(namespace, tier)
         return load_s is None or load_s < self.prefill.value
 
-    def decide(self, namespace: str, tier: str, *, probe_unmeasured: bool = True) -> Decision:
+    def decide(
+        self, namespace: str, tier: str, *, probe_unmeasured: bool = True, tokens: int | None = None, lookups: int = 1,
+    ) -> Decision:
         """What to ask ``tier`` for now (module invariants); a skip is
         counted in :attr:`skipped`. ``probe_unmeasured=False`` loads an
         unmeasured tier in full (the local tier: its loads are timed
-        anyway, and its first one is no gamble)."""
+        anyway, and its first one is no gamble). ``tokens`` and ``lookups``
+        describe the claim at stake (:meth:`faster_than_recompute`)."""
         if self.policy == "always":
             return Decision.LOAD
         if self.seconds_per_token(namespace, tier) is None:
             return Decision.PROBE if probe_unmeasured else Decision.LOAD
-        if self.faster_than_recompute(namespace, tier):
+        if self.faster_than_recompute(namespace, tier, tokens, lookups):
             return Decision.LOAD
         last_s = self._last_asked_s.get((namespace, tier), float("-inf"))
         if self._clock() - last_s >= self._reprobe_interval_s:
@@ -170,8 +264,11 @@ class CostModel:
 
     def describe(self, namespace: str) -> dict[str, float | None]:
         """Current estimates in tokens per second (logs, benchmarks)."""
+        lines = {tier: self.load_line(namespace, tier) for tier in TIERS}
         return {"prefill_tokens_per_s": self.prefill.rate,
-                **{f"{tier}_tokens_per_s": self.load_rate(namespace, tier) for tier in TIERS}}
+                **{f"{tier}_tokens_per_s": self.load_rate(namespace, tier) for tier in TIERS},
+                **{f"{tier}_fixed_s": None if line is None else line[0] for tier, line in lines.items()},
+                **{f"{tier}_fitted_tokens_per_s": None if line is None else 1.0 / line[1] for tier, line in lines.items()}}
 
 
 def _check_tier(tier: str) -> None:

@@ -245,7 +245,9 @@ class UcmDbScheduler:
         hit = found[source]
         if self._await_publication(state, max_blocks, hit):
             return None, False
-        if hit and self.cost.decide(self._ns_id, "local", probe_unmeasured=False) is Decision.SKIP:
+        if hit and self.cost.decide(
+            self._ns_id, "local", probe_unmeasured=False, tokens=max(0, hit * self._block_size - num_computed_tokens),
+        ) is Decision.SKIP:
             hit = 0  # the local tier is judged slower than recomputing (cost_model.py)
         if sum(self.cost.skipped.values()) > skips_before:
             self.counters.add(cost_skips=1)  # once per lookup, however many segments or sources it priced
@@ -279,20 +281,24 @@ class UcmDbScheduler:
         found, want = 0, min(max_blocks, _FIRST_SEGMENT_BLOCKS)
         while True:
             keys = self._keys(state, want)
-            found += self._priced_prefix(spans, keys, found, want)
+            found += self._priced_prefix(spans, keys, found, want, max_blocks)
             if found < want or want == max_blocks:
                 return found
             want = max_blocks
 
-    def _priced_prefix(self, spans: Sequence[Any], keys: Sequence[bytes], start: int, stop: int) -> int:
+    def _priced_prefix(self, spans: Sequence[Any], keys: Sequence[bytes], start: int, stop: int, max_blocks: int) -> int:
         """:func:`stored_prefix` from the local tier, continued from the
         remote as far as the cost model decides (all, a probe of
         :data:`_PROBE_BLOCKS` blocks, or nothing); the remote lookup (which
-        promotes what it finds) is timed to measure the remote's rate."""
+        promotes what it finds) is timed to measure the remote's rate. The
+        claim priced is what the remote could supply of the prompt's
+        ``max_blocks``: the rest of the prompt, in this lookup and, for a
+        first segment, the next one."""
         local = stored_prefix(_LocalTier(self._store), self._namespace, self._grid, spans, keys, start, stop)
         if self._store.remote is None or start + local >= stop:
             return local
-        decision = self.cost.decide(self._ns_id, "remote")
+        claim_tokens = (max_blocks - start - local) * self._block_size
+        decision = self.cost.decide(self._ns_id, "remote", tokens=claim_tokens, lookups=1 if stop >= max_blocks else 2)
         if decision is Decision.SKIP:
             return local
         if decision is Decision.PROBE:

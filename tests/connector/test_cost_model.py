@@ -98,6 +98,42 @@ def test_one_slow_sample_weighs_its_time_not_its_rate() -> None:
     assert model.decide("ns", "remote") is Decision.SKIP
 
 
+def test_load_fit_separates_fixed_and_per_token_costs() -> None:
+    from ucm_db.connector.cost_model import LoadFit
+
+    fit = LoadFit(weight=0.2)
+    fit.add(512, 0.010 + 512 * 1e-5)
+    fit.add(530, 0.010 + 530 * 1e-5)
+    assert fit.line() is None  # about one size: the two terms cannot be told apart
+    for tokens in (0, 992, 4064, 8128, 480):
+        fit.add(tokens, 0.010 + tokens * 1e-5)
+    fixed_s, per_token_s = fit.line()
+    assert fixed_s == pytest.approx(0.010) and per_token_s == pytest.approx(1e-5)
+    falling = LoadFit()
+    for tokens, seconds in ((100, 1.0), (1000, 0.5)):  # dearer when longer: no plausible line
+        falling.add(tokens, seconds)
+    assert falling.line() is None
+
+
+def test_fixed_cost_recomputes_a_short_claim_and_loads_a_long_one() -> None:
+    """Over one link, a 1K-token claim loses to recompute by its fixed cost
+    and an 8K-token one wins; the per-token average alone says "load"
+    for both (it is dearer than the marginal cost, not the claim's)."""
+    model = CostModel()
+    model.observe_prefill(1024, 1024 * 20e-6)  # 20 us per token
+    for tokens in (0, 512, 480, 0, 512, 4064, 8128):
+        model.observe_load("ns", "remote", tokens, 0.008 + tokens * 10e-6)  # 8 ms per lookup + 10 us per token
+    assert model.seconds_per_token("ns", "remote") < 20e-6  # the average alone would load everything
+    assert model.load_line("ns", "remote") == pytest.approx((0.008, 10e-6))
+    assert model.decide("ns", "remote", tokens=992, lookups=2) is Decision.SKIP  # 26 ms against 20 ms
+    assert model.decide("ns", "remote", tokens=8128, lookups=2) is Decision.LOAD  # 97 ms against 163 ms
+    assert model.decide("ns", "remote", tokens=512, lookups=1) is Decision.SKIP  # 13 ms against 10 ms
+    assert model.decide("ns", "remote", tokens=2048, lookups=1) is Decision.LOAD  # 28 ms against 41 ms
+    model.observe_load("ns", "local", 992, 0.002)  # the local tier's time is added (no fit yet: its average)
+    assert model.claim_seconds("ns", "remote", 2048, 1) == pytest.approx(0.008 + 2048 * 10e-6 + 2048 * 0.002 / 992)
+    assert CostModel("always").decide("ns", "remote", tokens=32, lookups=2) is Decision.LOAD
+
+
 def test_small_steps_are_not_prefill_samples() -> None:
     model = CostModel(min_prefill_tokens=256)
     model.observe_prefill(8, 0.02)  # a decode step: per-step overhead
