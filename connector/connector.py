@@ -30,7 +30,8 @@ Invariants:
       KV cache, or reported failed, by the end of the step that uses it.
       With ``async`` a hit loads beside later steps (``load_kv_async``
       True) and ``get_finished`` names the request once it is in place;
-      a step with nothing else to run waits up to :data:`IDLE_WAIT_S` there
+      a step with nothing else to run waits up to
+      :data:`~ucm_db.connector.metadata.IDLE_WAIT_S` there
       for a load to end instead of spinning. A request waiting for a
       producer's announced blocks gets ``None`` from
       ``get_num_new_matched_tokens`` (vLLM asks again next step) until they
@@ -52,7 +53,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.identity import kv_shape
-from ucm_db.connector.metadata import UcmDbConnectorMetadata
+from ucm_db.connector.metadata import IDLE_WAIT_S, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
 from ucm_db.connector.scheduler import UcmDbScheduler
 from ucm_db.connector.settings import ConnectorSettings
@@ -74,10 +75,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
-#: Longest wait in ``get_finished`` of a step that schedules no tokens while
-#: async loads run (the engine would otherwise spin through empty steps,
-#: taking the CPU the loads need).
-IDLE_WAIT_S = 0.01
 
 
 class UcmDbConnector(KVConnectorBase_V1):

@@ -32,6 +32,12 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+#: Longest a step that schedules no tokens waits for background work (an
+#: async load in ``get_finished``, a background remote lookup in the
+#: scheduler's lookup): the engine would otherwise spin through empty
+#: steps, taking the CPU that work needs.
+IDLE_WAIT_S = 0.01
+
 
 @dataclass(frozen=True, slots=True)
 class BlockTransfer:

@@ -39,6 +39,12 @@ Invariants:
       workers' load timings, the prefill rate from each step's round trip
       (metadata built -> worker output back, less its loads and the remote
       lookups meanwhile), the last two fed back through ``update_connector_output``.
+    * ``remote_lookup: "background"`` (remote_lookups.py): a lookup that
+      would ask the remote submits one background job per request and
+      source instead, for the whole claim, and answers None (vLLM asks
+      again next step) until it has finished; the remote is then not asked
+      again for that request, whose hit is found in the local tier. Its
+      time is a remote sample but not part of any step's time.
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db.connector.cost_model import CostModel, Decision
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
-from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
+from ucm_db.connector.metadata import IDLE_WAIT_S, BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
+from ucm_db.connector.remote_lookups import RemoteLookups
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
@@ -112,6 +119,7 @@ class _RequestState:
     pending_source: str = "units"
     lookup: LookupRecord | None = None
     async_tried: bool = False  # an async load was planned: later lookups claim synchronously
+    remote_asked: set[str] = field(default_factory=set)  # sources whose background remote lookup finished
 
 
 def request_extras(request: Request) -> dict[str, Any]:
@@ -182,6 +190,9 @@ class UcmDbScheduler:
         self._remote_lookup_s = 0.0  # total seconds of timed remote lookups
         self._async = settings.load_mode == "async"
         self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
+        # remote_lookup="background": remote fetches off the scheduler's thread (remote_lookups.py)
+        self._lookups = RemoteLookups() if settings.remote_lookup == "background" and self._store.remote is not None else None
+        self._last_step_idle = False
         logger.info(
             "ucm-db connector (scheduler): store %s, namespace %s, %d unit(s) per block, model %s",
             settings.path, self._namespace.short_id, len(self._spans), shape.model,
@@ -240,7 +251,10 @@ class UcmDbScheduler:
             state.lookup = LookupRecord(num_computed_tokens, 0, 0, "units", 0.0)
             return 0, False
         skips_before = sum(self.cost.skipped.values())
-        found = self._stored_blocks(state, max_blocks)
+        try:
+            found = self._stored_blocks(state, max_blocks)
+        except _LookupPending:
+            return None, False  # a background remote lookup is running: vLLM asks again next step
         source = max(found, key=lambda name: found[name])  # units first on a tie
         hit = found[source]
         if self._await_publication(state, max_blocks, hit):
@@ -263,15 +277,15 @@ class UcmDbScheduler:
         """Leading blocks loadable from each source: the units, and where
         those stop short, whole pre-unit blocks and per-rank pre-unit blocks
         (each only where the store can hold them)."""
-        found = {"units": self._longest_stored_prefix(state, max_blocks, self._spans)}
+        found = {"units": self._longest_stored_prefix(state, max_blocks, self._spans, "units")}
         if found["units"] < max_blocks and self._whole_spans:
-            found["whole"] = self._longest_stored_prefix(state, max_blocks, self._whole_spans)
+            found["whole"] = self._longest_stored_prefix(state, max_blocks, self._whole_spans, "whole")
         if found["units"] < max_blocks and self._rank_namespaces:
             chains = self._rank_keys(state, max_blocks)
             found["ranks"] = min(self._store.lookup(ns, keys[:max_blocks]) for ns, keys in zip(self._rank_namespaces, chains))
         return found
 
-    def _longest_stored_prefix(self, state: _RequestState, max_blocks: int, spans: Sequence[Any]) -> int:
+    def _longest_stored_prefix(self, state: _RequestState, max_blocks: int, spans: Sequence[Any], source: str) -> int:
         """Leading blocks with every unit of ``spans`` stored, hashing no
         further than needed: the first segment is hashed and looked up
         alone, the rest of the prompt only if all of it is stored. A miss
@@ -281,21 +295,29 @@ class UcmDbScheduler:
         found, want = 0, min(max_blocks, _FIRST_SEGMENT_BLOCKS)
         while True:
             keys = self._keys(state, want)
-            found += self._priced_prefix(spans, keys, found, want, max_blocks)
+            found += self._priced_prefix(state, source, spans, keys, found, want, max_blocks)
             if found < want or want == max_blocks:
                 return found
             want = max_blocks
 
-    def _priced_prefix(self, spans: Sequence[Any], keys: Sequence[bytes], start: int, stop: int, max_blocks: int) -> int:
+    def _priced_prefix(
+        self, state: _RequestState, source: str, spans: Sequence[Any], keys: Sequence[bytes], start: int, stop: int,
+        max_blocks: int,
+    ) -> int:
         """:func:`stored_prefix` from the local tier, continued from the
         remote as far as the cost model decides (all, a probe of
         :data:`_PROBE_BLOCKS` blocks, or nothing); the remote lookup (which
         promotes what it finds) is timed to measure the remote's rate. The
         claim priced is what the remote could supply of the prompt's
         ``max_blocks``: the rest of the prompt, in this lookup and, for a
-        first segment, the next one."""
+        first segment, the next one. With background lookups the remote is
+        asked once per request and source, for the whole claim, and
+        :class:`_LookupPending` is raised until it has finished."""
+        job_key = f"{state.request.request_id}/{source}"
+        if self._lookups is not None:
+            self._harvest(state, source, job_key)
         local = stored_prefix(_LocalTier(self._store), self._namespace, self._grid, spans, keys, start, stop)
-        if self._store.remote is None or start + local >= stop:
+        if self._store.remote is None or start + local >= stop or source in state.remote_asked:
             return local
         claim_tokens = (max_blocks - start - local) * self._block_size
         decision = self.cost.decide(self._ns_id, "remote", tokens=claim_tokens, lookups=1 if stop >= max_blocks else 2)
@@ -303,6 +325,14 @@ class UcmDbScheduler:
             return local
         if decision is Decision.PROBE:
             stop = min(stop, start + local + _PROBE_BLOCKS)
+        if self._lookups is not None:
+            job_stop = stop if decision is Decision.PROBE else max_blocks
+            chain = self._keys(state, job_stop)[:job_stop]  # a snapshot: the scheduler grows state.keys meanwhile
+            first = start + local
+            self._lookups.submit(
+                job_key, lambda: stored_prefix(self._store, self._namespace, self._grid, spans, chain, first, job_stop),
+            )
+            raise _LookupPending
         started = time.perf_counter()
         found = stored_prefix(self._store, self._namespace, self._grid, spans, keys, start + local, stop)
         elapsed_s = time.perf_counter() - started
@@ -310,12 +340,30 @@ class UcmDbScheduler:
         self.cost.observe_load(self._ns_id, "remote", found * self._block_size, elapsed_s)
         return local + found
 
+    def _harvest(self, state: _RequestState, source: str, job_key: str) -> None:
+        """Takes a finished background lookup's result into the cost model
+        (its time is the request's wait, not a step's); raises
+        :class:`_LookupPending` while it runs, after waiting up to
+        :data:`~ucm_db.connector.metadata.IDLE_WAIT_S` for it when the last
+        step had nothing to run (the engine would only spin meanwhile)."""
+        assert self._lookups is not None
+        if self._lookups.pending(job_key):
+            if self._last_step_idle:
+                self._lookups.wait(job_key, IDLE_WAIT_S)
+            if self._lookups.pending(job_key):
+                raise _LookupPending
+        result = self._lookups.take(job_key)
+        if result is not None:
+            self.cost.observe_load(self._ns_id, "remote", result.found_blocks * self._block_size, result.elapsed_s)
+            state.remote_asked.add(source)
+
     def _number_step(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
         """Numbers the step and remembers when it was planned, for the
         prefill sample its workers' output completes (:meth:`observe_output`)."""
         meta.step, self._step = self._step, self._step + 1
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         meta.idle = not tokens
+        self._last_step_idle = meta.idle
         self._pending_steps[meta.step] = (time.perf_counter(), tokens, self._remote_lookup_s)
         if len(self._pending_steps) > _MAX_PENDING_STEPS:
             del self._pending_steps[min(self._pending_steps)]
@@ -470,6 +518,9 @@ class UcmDbScheduler:
         inside their steps (roles.py)."""
         state = self._requests.pop(request.request_id, None)
         self._waits.forget(request.request_id)
+        if self._lookups is not None:
+            for source in ("units", "whole"):
+                self._lookups.forget(f"{request.request_id}/{source}")
         if not self._role.publishes or state is None:
             return False, None
         blocks = min(state.saved_blocks, request.num_prompt_tokens // self._block_size)
@@ -480,11 +531,17 @@ class UcmDbScheduler:
 
     def shutdown(self) -> None:
         self._requests.clear()
+        if self._lookups is not None:
+            self._lookups.close()
         release(self._store)
 
     @property
     def store(self) -> ucm_db.Store:
         return self._store
+
+
+class _LookupPending(Exception):
+    """A background remote lookup of the request is still running."""
 
 
 class _LocalTier:

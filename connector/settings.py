@@ -25,7 +25,11 @@ The extra config accepts, by name:
   published blocks), see :mod:`ucm_db.connector.roles`;
   ``load_policy`` (``"auto"``: claim a hit only where loading it is expected
   faster than recomputing it; ``"always"``: load every hit, for debugging),
-  see :mod:`ucm_db.connector.cost_model`.
+  see :mod:`ucm_db.connector.cost_model`; ``remote_lookup`` (``"inline"``:
+  the scheduler's lookup fetches a remote hit into the local tier before it
+  answers vLLM; ``"background"``: the fetch runs on a connector thread while
+  vLLM schedules other requests, and the request is claimed once its blocks
+  are local), see :mod:`ucm_db.connector.remote_lookups`.
 
 Invariants:
     * An unknown key anywhere (extra config or file) raises
@@ -48,9 +52,11 @@ from ucm_db.connector.roles import check_publish_options
 from ucm_db.errors import ConfigError
 
 LOAD_MODES = ("block", "layer", "async")
+REMOTE_LOOKUPS = ("inline", "background")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
-_CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s", "load_policy")
+_CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s",
+                   "load_policy", "remote_lookup")
 
 
 def default_store_path() -> Path:
@@ -83,6 +89,7 @@ class ConnectorSettings:
         load_deadline_s: longest a consumer waits for published blocks.
         load_policy: ``"auto"`` (claim a hit only where loading is expected
             faster than recomputing, see cost_model.py) or ``"always"``.
+        remote_lookup: ``"inline"`` or ``"background"`` (remote_lookups.py).
     """
 
     path: Path
@@ -94,6 +101,7 @@ class ConnectorSettings:
     publish_codec: str = "none"
     load_deadline_s: float = 5.0
     load_policy: str = "auto"
+    remote_lookup: str = "inline"
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
@@ -106,6 +114,11 @@ class ConnectorSettings:
         StoreConfig.from_dict(self.store_options)
         check_publish_options(self.publish, self.load_deadline_s, self.publish_codec)
         check_load_policy(self.load_policy)
+        if self.remote_lookup not in REMOTE_LOOKUPS:
+            raise ConfigError(
+                f"remote_lookup must be one of {', '.join(REMOTE_LOOKUPS)}, got {self.remote_lookup!r}",
+                hint="use remote_lookup='inline' (fetch while the scheduler waits) or 'background'",
+            )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -125,7 +138,8 @@ class ConnectorSettings:
         path = merged.get("path")
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
             raise ConfigError(f"path must be a directory path, got {path!r}", hint="pass path='/var/cache/ucm-db'")
-        kwargs: dict[str, Any] = {k: merged[k] for k in ("load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s", "load_policy") if k in merged}
+        kwargs: dict[str, Any] = {k: merged[k] for k in ("load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s", "load_policy",
+                                                "remote_lookup") if k in merged}
         return cls(
             path=Path(path).expanduser() if path is not None else default_store_path(),
             store_options=store_options, **kwargs,

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "scale": "ucm_db.tools.bench.scale:command",
     "serve": "ucm_db.tools.bench.serve:command",
     "cost": "ucm_db.tools.bench.cost:command",
+    "remote-lookup": "ucm_db.tools.bench.remote_lookup:command",
     "pd": "ucm_db.tools.bench.pd:command",
 }
 

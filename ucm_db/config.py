@@ -73,6 +73,12 @@ class StoreConfig:
             returns).
         remote_deadline_s: longest a lookup waits on the remote tier.
         upload_concurrency: parallel uploads of the background uploader.
+        remote_read_concurrency: parallel requests of remote reads (the
+            lookups' probes and fetches, read-through of ``get``). A lookup
+            of N objects takes about N / this many round trips: raise it
+            for an object store with long round trips (64 against 20 ms:
+            BENCHMARKS.md); on a fast shared directory more threads only
+            contend for the CPU.
         remote_codec: codec of remote objects: ``"same"`` as ``codec``,
             ``"none"``, ``"zstd"``, or ``"auto"`` (zstd when the measured
             link is slower than the measured compression; see
@@ -102,6 +108,7 @@ class StoreConfig:
     remote_mode: str = "write_back"
     remote_deadline_s: float = 0.2
     upload_concurrency: int = 4
+    remote_read_concurrency: int = 16
     remote_codec: str = "same"
     read_only: bool = False
 
@@ -129,6 +136,7 @@ class StoreConfig:
         _require_choice("remote_mode", self.remote_mode, REMOTE_MODES)
         _require_positive_float("remote_deadline_s", self.remote_deadline_s, maximum=MAX_REMOTE_DEADLINE_S)
         _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
+        _require_int("remote_read_concurrency", self.remote_read_concurrency, minimum=1)
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")

@@ -56,7 +56,8 @@ SEARCH_FANOUT = 8
 #: bytes are wanted anyway; a miss costs one request per key, about what
 #: the search's probes would). The connector's first lookup segment fits.
 DIRECT_FETCH_KEYS = 2 * SEARCH_FANOUT
-#: Threads for remote reads (probes and fetches).
+#: Threads for remote reads (probes and fetches) unless the store's
+#: ``remote_read_concurrency`` says otherwise.
 READ_THREADS = 16
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
@@ -160,11 +161,12 @@ def search_prefix(
 class RemoteLink:
     """The store's connection to its remote tier (see module invariants)."""
 
-    def __init__(self, url: str, options: dict[str, Any]) -> None:
+    def __init__(self, url: str, options: dict[str, Any], read_threads: int | None = None) -> None:
         self.url = url
         self.root = RemoteRoot.from_url(url, options)
         self.breaker = Breaker()
-        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucm-db-remote")
+        self.read_threads = read_threads or READ_THREADS
+        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")
         self._tiers: dict[bytes, RemoteTier] = {}
         self.last_search: SearchResult | None = None
         self._start_background()
@@ -185,7 +187,7 @@ class RemoteLink:
 
     def after_fork(self) -> None:
         """In a forked child: the parent's pool threads do not exist here."""
-        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ucm-db-remote")
+        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")
         self.breaker = Breaker()
         self.root.after_fork()
         self._start_background()
@@ -270,7 +272,7 @@ class RemoteLink:
         the first block missing, corrupt, off-chain, failed, or slower than
         ``timeout_s``."""
         fetched = self.fetch_in_order(
-            namespace_id, keys, math.inf, window=max(2 * READ_THREADS, 2 * chunk_blocks), result_timeout_s=timeout_s,
+            namespace_id, keys, math.inf, window=max(2 * self.read_threads, 2 * chunk_blocks), result_timeout_s=timeout_s,
         )
         expected = parent
         run: list[RemoteObject] = []
@@ -292,9 +294,10 @@ class RemoteLink:
 
     def fetch_in_order(
         self, namespace_id: bytes, keys: Sequence[bytes], deadline: float, *,
-        window: int = 2 * READ_THREADS, result_timeout_s: float | None = None,
+        window: int | None = None, result_timeout_s: float | None = None,
     ) -> Generator[RemoteObject | None, None, None]:
-        """Fetches keys with up to ``window`` requests in flight and yields
+        """Fetches keys with up to ``window`` (default: twice the read
+        threads) requests in flight and yields
         one result per key, in order (None: absent, corrupt, or not fetched
         in time), so the caller can promote the first ones while later ones
         are still on the wire. In time: by ``deadline`` (monotonic), and
@@ -308,6 +311,7 @@ class RemoteLink:
             yield from itertools.repeat(None, len(keys))
             return
         tier = self.tier(namespace_id)
+        window = window or 2 * self.read_threads
         pending: deque[Future[RemoteObject | None]] = deque()
         next_at = answered = 0
         try:

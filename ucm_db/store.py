@@ -136,7 +136,7 @@ class Store:
         if self.config.remote is not None:
             from ucm_db.readthrough import RemoteLink
 
-            self._remote = RemoteLink(self.config.remote, dict(self.config.remote_options))
+            self._remote = RemoteLink(self.config.remote, dict(self.config.remote_options), self.config.remote_read_concurrency)
         self._ensure_process()
 
     # -- setup -----------------------------------------------------------------

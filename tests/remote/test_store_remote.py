@@ -246,3 +246,17 @@ def test_lookup_past_a_missing_local_parent_makes_no_request(remote: Remote, tmp
         assert node_b.lookup(namespace, keys[10:11]) == 1
         assert stats.gets == 1  # (its own uploads may read the manifest)
         assert node_b.lookup(namespace, keys) == 20
+
+
+def test_remote_read_concurrency_bounds_the_read_threads(remote: Remote, tmp_path: Path, namespace) -> None:
+    keys, payloads = chain(namespace, 20)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, payloads)
+        node_a.flush()
+        assert node_a.remote.read_threads == 16  # the default
+    opened = ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0, remote_read_concurrency=3))
+    with opened as node_b:
+        assert node_b.remote.read_threads == 3
+        assert node_b.lookup(namespace, keys) == 20
+    with pytest.raises(ConfigError, match="remote_read_concurrency"):
+        ucm_db.open(tmp_path / "c", remote_read_concurrency=0, **remote.store_options())

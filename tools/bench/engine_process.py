@@ -33,6 +33,7 @@ JOBS = {
     "engine_pass": "ucm_db.tools.bench.engine_pass:run_pass",
     "ttft_engine": "ucm_db.tools.bench.ttft:run_engine",
     "cost_engine": "ucm_db.tools.bench.cost:run_engine",
+    "remote_lookup_engine": "ucm_db.tools.bench.remote_lookup:run_engine",
 }
 
 

@@ -85,6 +85,7 @@ class ServeOptions:
     start_timeout_s: float = 1200.0
     codec: str = "zstd"  # the ucm-db stores' (local tier) codec
     load_mode: str = "block"  # the ucm-db rows' connector load_mode
+    remote_lookup: str = "inline"  # the ucm-db rows' connector remote_lookup
 
     @property
     def max_model_len(self) -> int:
@@ -102,9 +103,9 @@ Progress = Callable[[str], None]
 
 def _connector(store: Path, remote_url: str, options: ServeOptions, **extra: Any) -> dict[str, Any]:
     """Connector options of a ucm-db row: local tier in the options' codec,
-    remote objects zstd, the options' load mode."""
+    remote objects zstd, the options' load mode and remote lookup."""
     return {"path": str(store), "remote": remote_url, "capacity_bytes": 16 << 30, "codec": options.codec,
-            "remote_codec": "zstd", "load_mode": options.load_mode, **extra}
+            "remote_codec": "zstd", "load_mode": options.load_mode, "remote_lookup": options.remote_lookup, **extra}
 
 
 def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: str, progress: Progress) -> dict[str, Any]:
@@ -260,7 +261,7 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
                     "seed": load.seed, "layers": options.layers, "capped_blocks": options.capped_blocks,
                     "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
                     "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager,
-                    "codec": options.codec, "load_mode": options.load_mode},
+                    "codec": options.codec, "load_mode": options.load_mode, "remote_lookup": options.remote_lookup},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": medians,
@@ -287,7 +288,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"{o['layers']}-layer Llama bf16, block {o['block_size']}; capped {o['capped_blocks']} blocks "
              f"(working set {o['working_set_blocks']}: {o['working_set_blocks'] / o['capped_blocks']:.1f}x), "
              f"bound {o['bound_blocks']}; median of {o['runs']} run(s); ucm-db codec {o.get('codec', 'zstd')}, "
-             f"load_mode {o.get('load_mode', 'block')}" + ("; --enforce-eager" if o["enforce_eager"] else ""),
+             f"load_mode {o.get('load_mode', 'block')}, remote_lookup {o.get('remote_lookup', 'inline')}" + ("; --enforce-eager" if o["enforce_eager"] else ""),
              "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  ucm-db loaded / looked up, skips"]
     for row, label in ROWS.items():
         if row in report["rows"]:
@@ -322,6 +323,8 @@ def format_table(report: dict[str, Any]) -> str:
               help="codec of the ucm-db rows' local tier (the store's `codec`; the remote keeps its own, `remote_codec`)")
 @click.option("--load-mode", type=click.Choice(["block", "layer", "async"]), default="block", show_default=True,
               help="the ucm-db rows' connector load_mode")
+@click.option("--remote-lookup", type=click.Choice(["inline", "background"]), default="inline", show_default=True,
+              help="the ucm-db rows' connector remote_lookup")
 @click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
 @click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True,
               help="longest wait for a server to become healthy")
@@ -329,7 +332,7 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
             seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str, codec: str,
-            load_mode: str, enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
+            load_mode: str, remote_lookup: str, enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
     Rows: no connector capped, cold and warm bounds, ucm-db first and second
@@ -359,7 +362,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
                     output_len=output_len, concurrency=concurrency, seed=seed)
     options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
                            rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec, load_mode=load_mode,
-                           start_timeout_s=start_timeout_s)
+                           remote_lookup=remote_lookup, start_timeout_s=start_timeout_s)
     if capped_blocks * BLOCK_SIZE < options.max_model_len:
         raise click.BadParameter(f"{capped_blocks} blocks cannot hold one request ({options.max_model_len} tokens)",
                                  param_hint="--capped-blocks")

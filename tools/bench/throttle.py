@@ -52,19 +52,28 @@ class TokenBucket:
 
 
 class ThrottledFileSystem(DirFileSystem):
-    """A local directory behind a link of ``bandwidth_bytes_per_s``."""
+    """A local directory behind a link of ``bandwidth_bytes_per_s``, each
+    read or write request first waiting ``latency_s`` (its round trip; a
+    missing object's too)."""
 
     protocol = PROTOCOL
 
-    def __init__(self, path: str, bandwidth_bytes_per_s: float, **options: Any) -> None:
+    def __init__(self, path: str, bandwidth_bytes_per_s: float, latency_s: float = 0.0, **options: Any) -> None:
         super().__init__(path=path, fs=LocalFileSystem(auto_mkdir=True), **options)
         self.bucket = TokenBucket(float(bandwidth_bytes_per_s))
+        if latency_s < 0:
+            raise ValueError("latency must not be negative")
+        self.latency_s = float(latency_s)
 
     def pipe_file(self, path: str, value: bytes, *args: Any, **kwargs: Any) -> Any:
+        if self.latency_s:
+            time.sleep(self.latency_s)
         self.bucket.take(len(value))
         return super().pipe_file(path, value, *args, **kwargs)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> Any:
+        if self.latency_s:
+            time.sleep(self.latency_s)
         data = super().cat_file(path, start=start, end=end, **kwargs)
         self.bucket.take(len(data))
         return data

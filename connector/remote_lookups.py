@@ -1,0 +1,111 @@
+"""Remote lookups beside the engine's steps (``remote_lookup: "background"``).
+
+An inline remote lookup fetches a hit's blocks into the local tier inside
+the scheduler's ``get_num_new_matched_tokens``, and every running request
+waits for it: on vLLM-CPU the scheduler and the model share a process. In
+the background, the lookup runs on one connector thread; the scheduler
+answers vLLM "not known yet" (None), vLLM leaves the request waiting and
+schedules the others, and asks again at its next step. Once the lookup has
+finished, its blocks are local and the request is claimed like a local hit.
+
+Invariants:
+    * At most one lookup per request is queued or running; its result is
+      handed out once (:meth:`RemoteLookups.take`), on the scheduler's
+      thread, which alone feeds the cost model.
+    * Up to :data:`LOOKUP_THREADS` lookups run at once, started in
+      submission order, on threads placed with the store's other background
+      threads (:mod:`ucm_db.cpu_placement`). Their requests share the
+      store's remote read threads (``remote_read_concurrency``): over a link
+      with long round trips, lookups side by side fill them where one alone
+      waits a round trip per wave.
+    * A lookup that raises counts as finding nothing (the request is
+      recomputed); it never stops the thread.
+    * A forgotten request's lookup still runs (what it promotes stays
+      local, which is harmless); its result is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+
+from ucm_db import cpu_placement
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+#: Remote lookups of different requests running at once.
+LOOKUP_THREADS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """A finished lookup: blocks found and the seconds it took."""
+
+    found_blocks: int
+    elapsed_s: float
+
+
+class RemoteLookups:
+    """Background threads running remote lookups, keyed by request id
+    (see the module invariants)."""
+
+    def __init__(self, threads: int = LOOKUP_THREADS) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ucm-db-lookup", initializer=cpu_placement.place_current_thread)
+        self._jobs: dict[str, Future[LookupResult]] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, request_id: str, lookup: Callable[[], int]) -> None:
+        """Queues ``lookup`` (returns blocks found) for ``request_id``,
+        unless one is already queued, running or unclaimed."""
+        with self._lock:
+            if request_id not in self._jobs:
+                self._jobs[request_id] = self._pool.submit(_timed, lookup)
+
+    def pending(self, request_id: str) -> bool:
+        """Whether a lookup for ``request_id`` is queued or running."""
+        job = self._jobs.get(request_id)
+        return job is not None and not job.done()
+
+    def submitted(self, request_id: str) -> bool:
+        return request_id in self._jobs
+
+    def wait(self, request_id: str, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` for ``request_id``'s lookup."""
+        job = self._jobs.get(request_id)
+        if job is not None and timeout_s > 0:
+            wait_futures([job], timeout=timeout_s)
+
+    def take(self, request_id: str) -> LookupResult | None:
+        """The finished lookup's result, handed out once; None if none is
+        finished (or none was submitted)."""
+        with self._lock:
+            job = self._jobs.get(request_id)
+            if job is None or not job.done():
+                return None
+            del self._jobs[request_id]
+        try:
+            return job.result()
+        except Exception:  # noqa: BLE001 - a failed lookup finds nothing: the request is recomputed
+            logger.warning("ucm-db: background remote lookup of request %s failed", request_id, exc_info=True)
+            return LookupResult(0, 0.0)
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._jobs.pop(request_id, None)
+
+    def close(self) -> None:
+        """Drops queued lookups; a running one finishes on its own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._jobs.clear()
+
+
+def _timed(lookup: Callable[[], int]) -> LookupResult:
+    started = time.perf_counter()
+    found = lookup()
+    return LookupResult(found, time.perf_counter() - started)

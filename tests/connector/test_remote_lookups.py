@@ -1,0 +1,107 @@
+"""``remote_lookup: "background"``: the scheduler answers vLLM "not known
+yet" (None) while a remote hit is fetched on a connector thread, then
+claims it from the local tier; the lookup loop itself (one job per request,
+result handed out once, failures as misses). Real store, real
+``throttled://`` remote (a local directory behind one link), real vLLM
+``Request`` objects; no engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ucm_db.connector.remote_lookups import RemoteLookups
+
+from test_cost_model import BLOCKS, BS, _remote_with, _shape  # noqa: E402
+
+
+def test_lookup_runs_once_per_key_and_hands_its_result_out_once() -> None:
+    lookups = RemoteLookups()
+    gate = threading.Event()
+    calls: list[str] = []
+
+    def lookup() -> int:
+        calls.append("a")
+        gate.wait(5)
+        return 7
+
+    try:
+        lookups.submit("a", lookup)
+        lookups.submit("a", lookup)  # already queued: not again
+        assert lookups.pending("a") and lookups.take("a") is None
+        gate.set()
+        lookups.wait("a", 5.0)
+        result = lookups.take("a")
+        assert result is not None and result.found_blocks == 7 and result.elapsed_s > 0
+        assert lookups.take("a") is None and calls == ["a"]
+        lookups.submit("b", lambda: 1 // 0)  # a failing lookup finds nothing
+        lookups.wait("b", 5.0)
+        assert lookups.take("b").found_blocks == 0
+        lookups.submit("c", lambda: 3)
+        lookups.forget("c")
+        assert not lookups.submitted("c")
+    finally:
+        lookups.close()
+
+
+def _request(tokens: list[int], req_id: str):  # type: ignore[no-untyped-def]
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None)
+
+
+@pytest.mark.vllm
+def test_background_lookup_answers_none_until_the_hit_is_local(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from ucm_db.connector.scheduler import UcmDbScheduler
+    from ucm_db.connector.settings import ConnectorSettings
+
+    prompt, other = (list(range(1 + s, BS * BLOCKS + 5 + s)) for s in (0, 10_000))
+    remote_dir = _remote_with(tmp_path, [prompt])
+    # 24 blocks x 2 units x 16 KiB over 2 MB/s: about 0.4 s of fetching.
+    settings = ConnectorSettings.from_extra_config({
+        "path": str(tmp_path / "reader"), "load_policy": "always", "remote": "throttled://kv", "remote_lookup": "background",
+        "remote_options": {"path": str(remote_dir), "bandwidth_bytes_per_s": 2e6}, "remote_deadline_s": 10.0,
+    })
+    sched = UcmDbScheduler(settings, _shape())
+    try:
+        request = _request(prompt, "r")
+        started = time.monotonic()
+        assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+        assert time.monotonic() - started < 0.2  # the scheduler did not wait for the link
+        polls = 1
+        while (answer := sched.get_num_new_matched_tokens(request, 0))[0] is None:
+            polls += 1
+            assert time.monotonic() - started < 30
+            time.sleep(0.02)
+        assert answer == (BLOCKS * BS, False) and polls > 2
+        # The blocks are local now: the same prompt again is claimed at once.
+        assert sched.get_num_new_matched_tokens(_request(prompt, "r2"), 0) == (BLOCKS * BS, False)
+        ns_id = sched._namespace.digest[:16].hex()
+        assert sched.cost.load_rate(ns_id, "remote") is not None  # the lookup's time was a sample
+        # A prompt the remote lacks: one background round, then a miss.
+        miss = _request(other, "m")
+        assert sched.get_num_new_matched_tokens(miss, 0) == (None, False)
+        deadline = time.monotonic() + 30
+        while (answer := sched.get_num_new_matched_tokens(miss, 0))[0] is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert answer == (0, False)
+        assert sched.get_num_new_matched_tokens(miss, 0) == (0, False)  # not asked again
+        sched.request_finished(miss, [])
+    finally:
+        sched.shutdown()
+
+
+def test_remote_lookup_setting() -> None:
+    from ucm_db.connector.settings import ConnectorSettings, valid_keys
+    from ucm_db.errors import ConfigError
+
+    assert "remote_lookup" in valid_keys()
+    assert ConnectorSettings.from_extra_config({"path": "/tmp/x"}).remote_lookup == "inline"
+    with pytest.raises(ConfigError) as caught:
+        ConnectorSettings.from_extra_config({"path": "/tmp/x", "remote_lookup": "later"})
+    assert "remote_lookup" in caught.value.hint
