@@ -158,18 +158,15 @@ def test_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root:
         assert node_b.tier.check() == []
 
 
-def test_short_lookup_cut_by_deadline_finishes_in_the_background(
-    tmp_path: Path, root: str, plan: FaultPlan, namespace, monkeypatch,
-) -> None:
+def test_short_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
     """The direct fetch of a short continuation (no search first) cut by the
     deadline: the lookup returns what arrived, the rest is promoted later."""
     from ucm_db import readthrough
 
     n_blocks = readthrough.DIRECT_FETCH_KEYS
     keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
-    monkeypatch.setattr(readthrough, "READ_THREADS", 4)  # 4 waves of requests
     plan.latency_s = DEADLINE_S / 2.5  # the deadline passes in the third wave
-    with _faulty(tmp_path, root, plan) as node_b:
+    with _faulty(tmp_path, root, plan, remote_read_concurrency=4) as node_b:  # 4 waves of requests
         first = node_b.lookup(namespace, keys)
         assert 0 < first < n_blocks
         end = time.monotonic() + 20
