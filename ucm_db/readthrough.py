@@ -52,9 +52,10 @@ from ucm_db.tiers.remote import RemoteObject, RemoteRoot, RemoteTier
 #: Parallel probes per round of the prefix search (rounds ~ log_{F+1} n).
 SEARCH_FANOUT = 8
 #: A remote continuation of at most this many keys is fetched at once, with
-#: no presence search first: one round trip instead of two or more (a hit's
-#: bytes are wanted anyway; a miss costs one request per key, about what
-#: the search's probes would). The connector's first lookup segment fits.
+#: no presence search first: one round of requests instead of two or more
+#: (a single round trip where ``remote_read_concurrency`` is at least this;
+#: a hit's bytes are wanted anyway; a miss costs one request per key, about
+#: what the search's probes would). The connector's first lookup segment fits.
 DIRECT_FETCH_KEYS = 2 * SEARCH_FANOUT
 #: Threads for remote reads (probes and fetches) unless the store's
 #: ``remote_read_concurrency`` says otherwise.
@@ -247,18 +248,20 @@ class RemoteLink:
         """Fetches ``keys`` (a chain whose first block's parent is
         ``parent``) and returns the leading run that arrived verified and
         chained before the deadline."""
-        return self._fetch_run(namespace_id, keys, parent, deadline)[0]
+        run = self._fetch_run(namespace_id, keys, parent, deadline)
+        return [] if run is None else run[0]
 
     def _fetch_run(
         self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float,
-    ) -> tuple[list[RemoteObject], bool]:
+    ) -> tuple[list[RemoteObject], bool] | None:
         """:meth:`fetch_chain`, and whether every request answered (False:
-        the deadline or an error cut the fetch, so a short run says nothing
-        of what the remote holds past it)."""
+        the deadline cut the fetch, so a short run says nothing of what the
+        remote holds past it); None when the remote did not answer at all
+        (breaker open, an error, no request done in time)."""
         tier = self.tier(namespace_id)
         results = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
-        if results is None:
-            return [], False
+        if results is None or (keys and all(r is UNFINISHED for r in results)):
+            return None
         return _leading_run(results, parent)
 
     def stream_chain(
@@ -360,7 +363,10 @@ class RemoteLink:
             # last unit), or a parent evicted meanwhile. No request at all.
             return 0, 0
         if len(rest) <= DIRECT_FETCH_KEYS:
-            objects, complete = self._fetch_run(namespace_id, rest, parent, deadline)
+            run = self._fetch_run(namespace_id, rest, parent, deadline)
+            if run is None:
+                return local_n, 0  # the remote is down or silent: nothing to continue later
+            objects, complete = run
             present = len(objects) if complete else len(rest)  # cut short: the rest may be there
         else:
             found = self.search(namespace_id, rest, deadline)

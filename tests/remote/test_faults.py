@@ -178,6 +178,23 @@ def test_short_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path,
         assert node_b.tier.check() == []
 
 
+def test_short_lookup_of_a_down_remote_leaves_nothing_to_continue(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    """A direct fetch the remote never answers (down: requests hang) is a
+    miss within the deadline and queues no background promotion: with the
+    breaker open, later lookups skip the remote at once."""
+    keys, _payloads = _seed_remote(tmp_path, root, namespace, 12)
+    with _faulty(tmp_path, root, plan) as node_b:
+        plan.take_down()
+        for _ in range(3):
+            started = time.monotonic()
+            assert node_b.lookup(namespace, keys) == 0
+            assert time.monotonic() - started < DEADLINE_S + SLACK_S
+        plan.heal()  # hung requests return now: a queued continuation would promote them
+        time.sleep(0.5)
+        assert node_b.remote.promoted_in_background == 0
+        assert node_b.tier.count_prefix(keys) == 0
+
+
 def test_lookup_commits_a_bounded_amount_and_promotes_the_rest_in_background(
     tmp_path: Path, root: str, plan: FaultPlan, namespace, monkeypatch,
 ) -> None:
