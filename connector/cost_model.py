@@ -9,7 +9,9 @@ blocks into the local tier, ``"local"`` from the workers' timed loads, fed
 back through vLLM's ``update_connector_output`` (scheduler.py). Each is an
 exponentially weighted moving average of seconds per token, not of rates:
 one slow sample among fast ones moves the estimate as much as the time it
-cost (an average of rates would hide it).
+cost (an average of rates would hide it). Each tier's samples are also
+fitted as a fixed cost per lookup plus a cost per token (:class:`LoadFit`),
+which prices a whole claim where the scheduler states it (below).
 
 Invariants:
     * With ``policy="always"`` every tier is asked for everything.
@@ -18,9 +20,11 @@ Invariants:
       probe, not a prompt; a measured tier with the prefill cost still
       unmeasured is loaded (``LOAD``: the connector's behaviour before this
       model existed).
-    * A tier is loaded from only if one token from it (its own time plus
-      the local tier's, where measured) is expected to take less than
-      computing it; otherwise it is skipped (``SKIP``), except once every
+    * A tier is loaded from only if loading is expected to take less than
+      computing: the claim priced whole by the fitted lines where there are
+      some (next invariant), else one token from it (its own time plus the
+      local tier's, where measured) against one computed; otherwise it is
+      skipped (``SKIP``), except once every
       ``reprobe_interval_s`` (``PROBE``), so a recovered tier is noticed:
       the probe's measurement is a sample like any other.
     * Where the scheduler states the claim at stake (its tokens, and the
@@ -28,7 +32,7 @@ Invariants:
       fixed cost plus a cost per token (:class:`LoadFit`), the claim is
       priced whole: its fixed costs, once per lookup, count against it, so
       a short prompt is recomputed where a long one over the same link is
-      loaded. Without a fit, seconds per token are compared as above.
+      loaded. Without a fit, seconds per token are compared.
     * Prefill samples come from steps that computed at least
       ``min_prefill_tokens`` tokens: a decode step's time is per-step
       overhead, not a prefill rate.
@@ -104,12 +108,15 @@ class LoadFit:
     Invariants:
         * :meth:`line` is None unless the samples span sizes enough to tell
           the two terms apart (coefficient of variation of the token counts
-          at least :data:`MIN_SPREAD`) and both terms come out non-negative;
-          callers then fall back to the per-token average (:class:`Ewma`).
+          at least :data:`MIN_SPREAD`), samples with tokens hold at least
+          :data:`MIN_TOKEN_SHARE` of the weight, and the cost per token
+          comes out positive; callers then fall back to the per-token
+          average (:class:`Ewma`). A fixed cost fitted below zero is zero.
     """
 
     weight: float = 0.15
     _w: float = 0.0
+    _w_tokens: float = 0.0  # weight of the samples that carried tokens
     _x: float = 0.0
     _y: float = 0.0
     _xx: float = 0.0
@@ -117,11 +124,16 @@ class LoadFit:
 
     #: Token counts must vary at least this much (std / mean) for a fit.
     MIN_SPREAD = 0.25
+    #: Samples with tokens must hold at least this share of the weight: a
+    #: long run of misses otherwise leaves a slope resting on hits whose
+    #: weight has decayed to nothing.
+    MIN_TOKEN_SHARE = 0.2
 
     def add(self, tokens: int, seconds: float) -> None:
         keep = 1.0 - self.weight if self._w else 0.0
         w = self.weight
         self._w = keep * self._w + w
+        self._w_tokens = keep * self._w_tokens + (w if tokens > 0 else 0.0)
         self._x = keep * self._x + w * tokens
         self._y = keep * self._y + w * seconds
         self._xx = keep * self._xx + w * tokens * tokens
@@ -129,7 +141,7 @@ class LoadFit:
 
     def line(self) -> tuple[float, float] | None:
         """``(fixed_s, per_token_s)``, or None (see the invariants)."""
-        if self._w <= 0 or self._x <= 0:
+        if self._w <= 0 or self._x <= 0 or self._w_tokens < self.MIN_TOKEN_SHARE * self._w:
             return None
         mean_x = self._x / self._w
         var_x = self._xx / self._w - mean_x * mean_x
@@ -137,8 +149,10 @@ class LoadFit:
             return None
         per_token_s = (self._xy / self._w - mean_x * self._y / self._w) / var_x
         fixed_s = self._y / self._w - per_token_s * mean_x
-        if per_token_s <= 0 or fixed_s < 0:
+        if per_token_s <= 0:
             return None
+        if fixed_s < 0:  # no fixed cost to speak of (noise put it below 0): the line through the origin
+            return 0.0, self._xy / self._xx
         return fixed_s, per_token_s
 
 
@@ -176,7 +190,7 @@ class CostModel:
         self._last_asked_s[(namespace, tier)] = self._clock()
         if tokens > 0 and seconds >= _MIN_SAMPLE_S:
             self._load.setdefault((namespace, tier), Ewma(self._weight)).add(seconds / tokens)
-        if tokens >= 0 and seconds > 0:
+        if tokens >= 0 and seconds >= _MIN_SAMPLE_S:  # a lookup that asked nothing is no sample
             self._fits.setdefault((namespace, tier), LoadFit()).add(tokens, seconds)
 
     def load_line(self, namespace: str, tier: str) -> tuple[float, float] | None:

@@ -9,7 +9,8 @@ schedules the others, and asks again at its next step. Once the lookup has
 finished, its blocks are local and the request is claimed like a local hit.
 
 Invariants:
-    * At most one lookup per request is queued or running; its result is
+    * Jobs are keyed by request and source (``"<request id>/units"``); at
+      most one per key is queued or running; its result is
       handed out once (:meth:`RemoteLookups.take`), on the scheduler's
       thread, which alone feeds the cost model.
     * Up to :data:`LOOKUP_THREADS` lookups run at once, started in
@@ -20,8 +21,11 @@ Invariants:
       waits a round trip per wave.
     * A lookup that raises counts as finding nothing (the request is
       recomputed); it never stops the thread.
-    * A forgotten request's lookup still runs (what it promotes stays
-      local, which is harmless); its result is dropped.
+    * A forgotten request's lookup is cancelled if still queued; a running
+      one finishes (what it promotes stays local, which is harmless) and
+      its result is dropped. :meth:`RemoteLookups.close` drops queued ones
+      and waits for running ones (each bounded by its deadline), so the
+      store is never closed under a lookup.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log han
 
 #: Remote lookups of different requests running at once.
 LOOKUP_THREADS = 4
+#: A background lookup's deadline on the remote (per store lookup, instead
+#: of the store's short ``remote_deadline_s``): it holds up only its own
+#: request, which is recomputed if the remote does not answer by then.
+BACKGROUND_DEADLINE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +104,13 @@ class RemoteLookups:
 
     def forget(self, request_id: str) -> None:
         with self._lock:
-            self._jobs.pop(request_id, None)
+            job = self._jobs.pop(request_id, None)
+        if job is not None:
+            job.cancel()  # still queued: never runs
 
     def close(self) -> None:
-        """Drops queued lookups; a running one finishes on its own."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Drops queued lookups and waits for running ones."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._jobs.clear()
 

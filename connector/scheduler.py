@@ -39,12 +39,15 @@ Invariants:
       workers' load timings, the prefill rate from each step's round trip
       (metadata built -> worker output back, less its loads and the remote
       lookups meanwhile), the last two fed back through ``update_connector_output``.
-    * ``remote_lookup: "background"`` (remote_lookups.py): a lookup that
-      would ask the remote submits one background job per request and
+    * ``remote_lookup: "background"`` (remote_lookups.py): a priced remote
+      lookup (of the units or whole blocks; per-rank pre-unit blocks are
+      still looked up inline) submits one background job per request and
       source instead, for the whole claim, and answers None (vLLM asks
       again next step) until it has finished; the remote is then not asked
-      again for that request, whose hit is found in the local tier. Its
-      time is a remote sample but not part of any step's time.
+      again for that request, whose hit is found in the local tier. A
+      probe job is followed by one more decision for the rest of the
+      prompt, now measured. A job's time is a remote sample but not part of
+      any step's time.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from ucm_db.connector.cost_model import CostModel, Decision
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
 from ucm_db.connector.metadata import IDLE_WAIT_S, BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
-from ucm_db.connector.remote_lookups import RemoteLookups
+from ucm_db.connector.remote_lookups import BACKGROUND_DEADLINE_S, RemoteLookups
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
@@ -120,6 +123,8 @@ class _RequestState:
     lookup: LookupRecord | None = None
     async_tried: bool = False  # an async load was planned: later lookups claim synchronously
     remote_asked: set[str] = field(default_factory=set)  # sources whose background remote lookup finished
+    remote_probing: set[str] = field(default_factory=set)  # sources whose background job is a probe
+    remote_probed: set[str] = field(default_factory=set)  # sources whose background probe finished
 
 
 def request_extras(request: Request) -> dict[str, Any]:
@@ -320,17 +325,26 @@ class UcmDbScheduler:
         if self._store.remote is None or start + local >= stop or source in state.remote_asked:
             return local
         claim_tokens = (max_blocks - start - local) * self._block_size
-        decision = self.cost.decide(self._ns_id, "remote", tokens=claim_tokens, lookups=1 if stop >= max_blocks else 2)
+        # One lookup brings the claim in the background (it covers the rest of
+        # the prompt) or for a last segment; a first segment's claim takes two.
+        lookups = 1 if self._lookups is not None or stop >= max_blocks else 2
+        decision = self.cost.decide(self._ns_id, "remote", tokens=claim_tokens, lookups=lookups)
         if decision is Decision.SKIP:
             return local
         if decision is Decision.PROBE:
             stop = min(stop, start + local + _PROBE_BLOCKS)
         if self._lookups is not None:
+            if decision is Decision.PROBE:
+                if source in state.remote_probed:  # one probe per request: then decided, or left alone
+                    state.remote_asked.add(source)
+                    return local
+                state.remote_probing.add(source)
             job_stop = stop if decision is Decision.PROBE else max_blocks
             chain = self._keys(state, job_stop)[:job_stop]  # a snapshot: the scheduler grows state.keys meanwhile
             first = start + local
+            store = _BackgroundLookups(self._store)
             self._lookups.submit(
-                job_key, lambda: stored_prefix(self._store, self._namespace, self._grid, spans, chain, first, job_stop),
+                job_key, lambda: stored_prefix(store, self._namespace, self._grid, spans, chain, first, job_stop),
             )
             raise _LookupPending
         started = time.perf_counter()
@@ -349,13 +363,18 @@ class UcmDbScheduler:
         assert self._lookups is not None
         if self._lookups.pending(job_key):
             if self._last_step_idle:
+                self._last_step_idle = False  # one wait per idle step, not one per waiting request
                 self._lookups.wait(job_key, IDLE_WAIT_S)
             if self._lookups.pending(job_key):
                 raise _LookupPending
         result = self._lookups.take(job_key)
         if result is not None:
             self.cost.observe_load(self._ns_id, "remote", result.found_blocks * self._block_size, result.elapsed_s)
-            state.remote_asked.add(source)
+            if source in state.remote_probing:  # a probe measured the link: the rest is decided again
+                state.remote_probing.discard(source)
+                state.remote_probed.add(source)
+            else:
+                state.remote_asked.add(source)
 
     def _number_step(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
         """Numbers the step and remembers when it was planned, for the
@@ -542,6 +561,20 @@ class UcmDbScheduler:
 
 class _LookupPending(Exception):
     """A background remote lookup of the request is still running."""
+
+
+class _BackgroundLookups:
+    """A store whose ``lookup`` waits up to
+    :data:`~ucm_db.connector.remote_lookups.BACKGROUND_DEADLINE_S` on the
+    remote: off the serving path, a lookup need not be cut at the store's
+    ``remote_deadline_s`` (made short so an inline lookup never holds the
+    engine up)."""
+
+    def __init__(self, store: ucm_db.Store) -> None:
+        self._store = store
+
+    def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        return self._store.lookup(namespace, keys, remote_deadline_s=BACKGROUND_DEADLINE_S)
 
 
 class _LocalTier:

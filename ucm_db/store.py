@@ -403,13 +403,18 @@ class Store:
         return removed
 
     # -- reads -------------------------------------------------------------------
-    def lookup(self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = True) -> int:
+    def lookup(
+        self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = True, remote_deadline_s: float | None = None,
+    ) -> int:
         """Number of leading ``keys`` stored: O(log n) reads.
 
         Args:
             remote: also continue the local prefix from the remote tier
                 (promoting what it finds, within ``remote_deadline_s``);
                 False looks at the local tier only.
+            remote_deadline_s: this call's deadline on the remote instead of
+                the store's ``remote_deadline_s`` (a lookup off the serving
+                path can wait longer).
         """
         self._check_open()
         # Checked: the first and last key and the O(log n) keys the binary
@@ -421,9 +426,10 @@ class Store:
             require_keys((keys[0], keys[-1]))
         count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.digest[:16])
         if remote and self._remote is not None and count < len(keys):
-            count, _ = self._remote.extend_prefix(
-                self._tier, namespace.digest[:16], keys, count, self.config.remote_deadline_s,
-            )
+            deadline_s = self.config.remote_deadline_s if remote_deadline_s is None else remote_deadline_s
+            if not deadline_s > 0:
+                raise ConfigError(f"remote_deadline_s must be positive, got {remote_deadline_s!r}", hint="pass seconds, e.g. 5.0")
+            count, _ = self._remote.extend_prefix(self._tier, namespace.digest[:16], keys, count, deadline_s)
         return count
 
     def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:

@@ -363,3 +363,28 @@ def test_local_hit_judged_slower_than_recompute_is_not_claimed(tmp_path: Path) -
             assert sched.counters.totals.data["cost_skips"] == (1 if claimed == 0 else 0)
         finally:
             sched.shutdown()
+
+
+def test_load_fit_needs_recent_hits_and_clamps_a_negative_fixed_cost() -> None:
+    from ucm_db.connector.cost_model import LoadFit
+
+    fit = LoadFit(weight=0.15)
+    for tokens in (512, 4096, 1024, 8192):
+        fit.add(tokens, 0.002 + tokens * 1e-5)
+    assert fit.line() == pytest.approx((0.002, 1e-5))
+    for _ in range(200):  # a long run of misses: the hits' weight decays away
+        fit.add(0, 0.002)
+    assert fit.line() is None  # not a slope resting on nothing
+    noisy = LoadFit()
+    for tokens, seconds in ((100, 0.0009), (1000, 0.0101), (2000, 0.0199)):  # no fixed cost: noise below zero
+        noisy.add(tokens, seconds)
+    fixed_s, per_token_s = noisy.line()
+    assert fixed_s == 0.0 and per_token_s == pytest.approx(1e-5, rel=0.02)
+
+
+def test_lookups_that_asked_nothing_are_no_samples() -> None:
+    model = CostModel()
+    for tokens in (512, 4096):
+        model.observe_load("ns", "remote", tokens, 0.002 + tokens * 1e-5)
+    model.observe_load("ns", "remote", 0, 2e-5)  # breaker open: answered at once, nothing asked
+    assert model.load_line("ns", "remote") == pytest.approx((0.002, 1e-5))

@@ -47,6 +47,18 @@ def test_lookup_runs_once_per_key_and_hands_its_result_out_once() -> None:
         lookups.close()
 
 
+def test_forgotten_lookup_never_runs_if_still_queued() -> None:
+    lookups = RemoteLookups(threads=1)
+    gate = threading.Event()
+    ran: list[str] = []
+    lookups.submit("busy", lambda: (gate.wait(5), ran.append("busy"), 0)[-1])
+    lookups.submit("queued", lambda: (ran.append("queued"), 0)[-1])
+    lookups.forget("queued")
+    gate.set()
+    lookups.close()  # waits for the running one
+    assert ran == ["busy"]
+
+
 def _request(tokens: list[int], req_id: str):  # type: ignore[no-untyped-def]
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -105,3 +117,37 @@ def test_remote_lookup_setting() -> None:
     with pytest.raises(ConfigError) as caught:
         ConnectorSettings.from_extra_config({"path": "/tmp/x", "remote_lookup": "later"})
     assert "remote_lookup" in caught.value.hint
+
+
+def _poll(sched, request, timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while (answer := sched.get_num_new_matched_tokens(request, 0))[0] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return answer
+
+
+@pytest.mark.vllm
+def test_background_probe_of_an_unmeasured_link_goes_on_to_the_whole_claim(tmp_path: Path) -> None:
+    """load_policy auto: the first background job is a probe (16 blocks);
+    once it has measured the link fast, the rest of the prompt is decided
+    again and fetched, so the hit is claimed whole, not capped at the probe."""
+    pytest.importorskip("vllm")
+    from test_cost_model import PREFILL_TOKENS_PER_S  # noqa: E402
+
+    from ucm_db.connector.scheduler import _PROBE_BLOCKS, UcmDbScheduler
+    from ucm_db.connector.settings import ConnectorSettings
+
+    prompt = list(range(1, BS * BLOCKS + 5))
+    remote_dir = _remote_with(tmp_path, [prompt])
+    settings = ConnectorSettings.from_extra_config({
+        "path": str(tmp_path / "reader"), "remote": "throttled://kv", "remote_lookup": "background",
+        "remote_options": {"path": str(remote_dir), "bandwidth_bytes_per_s": 1e9},
+    })
+    sched = UcmDbScheduler(settings, _shape())
+    try:
+        sched.cost.observe_prefill(int(PREFILL_TOKENS_PER_S), 1.0)  # calibration
+        assert BLOCKS > _PROBE_BLOCKS
+        assert _poll(sched, _request(prompt, "r")) == (BLOCKS * BS, False)
+    finally:
+        sched.shutdown()
