@@ -3,7 +3,7 @@
 An inline remote lookup fetches a hit's blocks into the local tier inside
 the scheduler's ``get_num_new_matched_tokens``, and every running request
 waits for it: on vLLM-CPU the scheduler and the model share a process. In
-the background, the lookup runs on one connector thread; the scheduler
+the background, the lookup runs on a connector thread; the scheduler
 answers vLLM "not known yet" (None), vLLM leaves the request waiting and
 schedules the others, and asks again at its next step. Once the lookup has
 finished, its blocks are local and the request is claimed like a local hit.
@@ -59,52 +59,49 @@ class LookupResult:
 
 
 class RemoteLookups:
-    """Background threads running remote lookups, keyed by request id
-    (see the module invariants)."""
+    """Background threads running remote lookups, keyed by request and
+    source (see the module invariants)."""
 
     def __init__(self, threads: int = LOOKUP_THREADS) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ucm-db-lookup", initializer=cpu_placement.place_current_thread)
         self._jobs: dict[str, Future[LookupResult]] = {}
         self._lock = threading.Lock()
 
-    def submit(self, request_id: str, lookup: Callable[[], int]) -> None:
-        """Queues ``lookup`` (returns blocks found) for ``request_id``,
+    def submit(self, key: str, lookup: Callable[[], int]) -> None:
+        """Queues ``lookup`` (returns blocks found) under ``key``,
         unless one is already queued, running or unclaimed."""
         with self._lock:
-            if request_id not in self._jobs:
-                self._jobs[request_id] = self._pool.submit(_timed, lookup)
+            if key not in self._jobs:
+                self._jobs[key] = self._pool.submit(_timed, lookup)
 
-    def pending(self, request_id: str) -> bool:
-        """Whether a lookup for ``request_id`` is queued or running."""
-        job = self._jobs.get(request_id)
+    def pending(self, key: str) -> bool:
+        """Whether a lookup for ``key`` is queued or running."""
+        job = self._jobs.get(key)
         return job is not None and not job.done()
 
-    def submitted(self, request_id: str) -> bool:
-        return request_id in self._jobs
-
-    def wait(self, request_id: str, timeout_s: float) -> None:
-        """Waits up to ``timeout_s`` for ``request_id``'s lookup."""
-        job = self._jobs.get(request_id)
+    def wait(self, key: str, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` for ``key``'s lookup."""
+        job = self._jobs.get(key)
         if job is not None and timeout_s > 0:
             wait_futures([job], timeout=timeout_s)
 
-    def take(self, request_id: str) -> LookupResult | None:
+    def take(self, key: str) -> LookupResult | None:
         """The finished lookup's result, handed out once; None if none is
         finished (or none was submitted)."""
         with self._lock:
-            job = self._jobs.get(request_id)
+            job = self._jobs.get(key)
             if job is None or not job.done():
                 return None
-            del self._jobs[request_id]
+            del self._jobs[key]
         try:
             return job.result()
         except Exception:  # noqa: BLE001 - a failed lookup finds nothing: the request is recomputed
-            logger.warning("ucm-db: background remote lookup of request %s failed", request_id, exc_info=True)
+            logger.warning("ucm-db: background remote lookup %s failed", key, exc_info=True)
             return LookupResult(0, 0.0)
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, key: str) -> None:
         with self._lock:
-            job = self._jobs.pop(request_id, None)
+            job = self._jobs.pop(key, None)
         if job is not None:
             job.cancel()  # still queued: never runs
 

@@ -81,6 +81,8 @@ if TYPE_CHECKING:
 
 #: Blocks hashed and looked up first; later segments grow 4x.
 _FIRST_SEGMENT_BLOCKS = 16
+#: Sources whose lookups are priced (and may run in the background).
+_SOURCES_LOOKED_UP = ("units", "whole")
 #: Blocks a probe of a tier the cost model cannot judge asks for: one first
 #: lookup segment. A probe's time is mostly the lookup's fixed cost (fetch
 #: round trips, promotion commit); 4 blocks measured a 2 GB/s link below a
@@ -318,9 +320,8 @@ class UcmDbScheduler:
         first segment, the next one. With background lookups the remote is
         asked once per request and source, for the whole claim, and
         :class:`_LookupPending` is raised until it has finished."""
-        job_key = f"{state.request.request_id}/{source}"
         if self._lookups is not None:
-            self._harvest(state, source, job_key)
+            self._harvest(state, source)
         local = stored_prefix(_LocalTier(self._store), self._namespace, self._grid, spans, keys, start, stop)
         if self._store.remote is None or start + local >= stop or source in state.remote_asked:
             return local
@@ -342,9 +343,9 @@ class UcmDbScheduler:
             job_stop = stop if decision is Decision.PROBE else max_blocks
             chain = self._keys(state, job_stop)[:job_stop]  # a snapshot: the scheduler grows state.keys meanwhile
             first = start + local
-            store = _BackgroundLookups(self._store)
+            store = _BackgroundStore(self._store)
             self._lookups.submit(
-                job_key, lambda: stored_prefix(store, self._namespace, self._grid, spans, chain, first, job_stop),
+                _job_key(state.request.request_id, source), lambda: stored_prefix(store, self._namespace, self._grid, spans, chain, first, job_stop),
             )
             raise _LookupPending
         started = time.perf_counter()
@@ -354,13 +355,14 @@ class UcmDbScheduler:
         self.cost.observe_load(self._ns_id, "remote", found * self._block_size, elapsed_s)
         return local + found
 
-    def _harvest(self, state: _RequestState, source: str, job_key: str) -> None:
+    def _harvest(self, state: _RequestState, source: str) -> None:
         """Takes a finished background lookup's result into the cost model
         (its time is the request's wait, not a step's); raises
         :class:`_LookupPending` while it runs, after waiting up to
         :data:`~ucm_db.connector.metadata.IDLE_WAIT_S` for it when the last
         step had nothing to run (the engine would only spin meanwhile)."""
         assert self._lookups is not None
+        job_key = _job_key(state.request.request_id, source)
         if self._lookups.pending(job_key):
             if self._last_step_idle:
                 self._last_step_idle = False  # one wait per idle step, not one per waiting request
@@ -538,8 +540,8 @@ class UcmDbScheduler:
         state = self._requests.pop(request.request_id, None)
         self._waits.forget(request.request_id)
         if self._lookups is not None:
-            for source in ("units", "whole"):
-                self._lookups.forget(f"{request.request_id}/{source}")
+            for source in _SOURCES_LOOKED_UP:
+                self._lookups.forget(_job_key(request.request_id, source))
         if not self._role.publishes or state is None:
             return False, None
         blocks = min(state.saved_blocks, request.num_prompt_tokens // self._block_size)
@@ -563,7 +565,12 @@ class _LookupPending(Exception):
     """A background remote lookup of the request is still running."""
 
 
-class _BackgroundLookups:
+def _job_key(request_id: str, source: str) -> str:
+    """A background lookup's key: one per request and priced source."""
+    return f"{request_id}/{source}"
+
+
+class _BackgroundStore:
     """A store whose ``lookup`` waits up to
     :data:`~ucm_db.connector.remote_lookups.BACKGROUND_DEADLINE_S` on the
     remote: off the serving path, a lookup need not be cut at the store's

@@ -138,8 +138,7 @@ class ConnectorSettings:
         path = merged.get("path")
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
             raise ConfigError(f"path must be a directory path, got {path!r}", hint="pass path='/var/cache/ucm-db'")
-        kwargs: dict[str, Any] = {k: merged[k] for k in ("load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s", "load_policy",
-                                                "remote_lookup") if k in merged}
+        kwargs: dict[str, Any] = {k: merged[k] for k in _CONNECTOR_KEYS if k in merged and k not in ("path", "config_file")}
         return cls(
             path=Path(path).expanduser() if path is not None else default_store_path(),
             store_options=store_options, **kwargs,

@@ -424,11 +424,11 @@ class Store:
             keys = key_list(keys, "lookup")
         if keys:
             require_keys((keys[0], keys[-1]))
+        deadline_s = self.config.remote_deadline_s if remote_deadline_s is None else remote_deadline_s
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+            raise ConfigError(f"remote_deadline_s must be a positive number of seconds, got {remote_deadline_s!r}", hint="pass e.g. 5.0")
         count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.digest[:16])
         if remote and self._remote is not None and count < len(keys):
-            deadline_s = self.config.remote_deadline_s if remote_deadline_s is None else remote_deadline_s
-            if not deadline_s > 0:
-                raise ConfigError(f"remote_deadline_s must be positive, got {remote_deadline_s!r}", hint="pass seconds, e.g. 5.0")
             count, _ = self._remote.extend_prefix(self._tier, namespace.digest[:16], keys, count, deadline_s)
         return count
 

@@ -260,3 +260,18 @@ def test_remote_read_concurrency_bounds_the_read_threads(remote: Remote, tmp_pat
         assert node_b.lookup(namespace, keys) == 20
     with pytest.raises(ConfigError, match="remote_read_concurrency"):
         ucm_db.open(tmp_path / "c", remote_read_concurrency=0, **remote.store_options())
+
+
+def test_lookup_deadline_override(remote: Remote, tmp_path: Path, namespace) -> None:
+    """A lookup off the serving path may wait longer than the store's
+    remote_deadline_s; a deadline that is not a positive number is refused."""
+    keys, payloads = chain(namespace, 20)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, payloads)
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options()) as node_b:
+        for bad in (0, -1.0, "5", True):
+            with pytest.raises(ConfigError, match="remote_deadline_s"):
+                node_b.lookup(namespace, keys, remote_deadline_s=bad)
+        assert node_b.tier.count_prefix(keys) == 0  # a refused call asked nothing
+        assert node_b.lookup(namespace, keys, remote_deadline_s=10.0) == 20
