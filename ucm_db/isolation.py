@@ -11,6 +11,9 @@ Invariants:
       the fix; a :class:`~ucm_db.errors.UcmDbError` in the child is raised
       again in the caller, same class, message and hint.
     * Only JSON crosses the pipe (no pickle).
+    * An unexpected exception in the child is named in the caller's
+      :class:`~ucm_db.errors.TierError` (type, message, last frame), also
+      where the child's stderr goes nowhere (a captured CLI run).
     * The child never returns into the caller's code: it leaves with
       ``os._exit`` whatever happens.
 """
@@ -44,23 +47,11 @@ def run_isolated(fn: Callable[[], dict[str, Any]], path: str | Path) -> dict[str
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # child
-        os.close(read_fd)
-        status = 0
+        status = _CHILD_FAILED
         try:
-            try:
-                message: dict[str, Any] = {"result": fn()}
-            except UcmDbError as exc:
-                message = {"error": {"type": type(exc).__name__, "message": _message_of(exc), "hint": exc.hint}}
-            data = json.dumps(message, default=str).encode()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(write_fd, view):]
-        except BaseException:  # noqa: BLE001 - report and leave; never unwind into the caller's code
-            traceback.print_exc()
-            status = _CHILD_FAILED
+            os.close(read_fd)
+            status = _child(fn, write_fd)
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
             os._exit(status)
     os.close(write_fd)
     try:
@@ -75,14 +66,62 @@ def run_isolated(fn: Callable[[], dict[str, Any]], path: str | Path) -> dict[str
             hint=f"move {path} aside (or delete it: it is a cache) and let ucm-db start an empty store there",
         )
     code = os.WEXITSTATUS(wait_status)
-    if code != 0 or not data:
+    message = _decoded(data)
+    if "crash" in message:
+        raise TierError(f"checking the store at {path} failed in the checking process: {message['crash']}",
+                        hint="run the command again, and report it with this message if it repeats")
+    if code != 0 or not message:
         raise TierError(f"checking the store at {path} failed in the checking process (exit status {code})",
                         hint="see the error printed above; run the command again, and report it if it repeats")
-    message = json.loads(data)
     if "error" in message:
         raise _rebuilt(message["error"])
     result: dict[str, Any] = message["result"]
     return result
+
+
+def _child(fn: Callable[[], dict[str, Any]], write_fd: int) -> int:
+    """The child's work: ``fn()``'s result, its UcmDbError, or (anything
+    else) a crash record written to the pipe; returns the exit status."""
+    status = 0
+    try:
+        try:
+            message: dict[str, Any] = {"result": fn()}
+        except UcmDbError as exc:
+            message = {"error": {"type": type(exc).__name__, "message": _message_of(exc), "hint": exc.hint}}
+        except Exception as exc:  # noqa: BLE001 - named to the caller, never unwound into its code
+            traceback.print_exc()
+            message = {"crash": _crash_text(exc)}
+            status = _CHILD_FAILED
+        _write_all(write_fd, json.dumps(message, default=str).encode())
+    except BaseException:  # noqa: BLE001 - the pipe itself failed: leave with the status alone
+        traceback.print_exc()
+        status = _CHILD_FAILED
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return status
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _crash_text(exc: BaseException) -> str:
+    """``Type: message (at file:line in function)`` for the innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _decoded(data: bytes) -> dict[str, Any]:
+    """The child's JSON message; empty when it wrote nothing whole."""
+    try:
+        message = json.loads(data) if data else {}
+    except ValueError:
+        return {}
+    return message if isinstance(message, dict) else {}
 
 
 def _message_of(exc: UcmDbError) -> str:

@@ -21,6 +21,7 @@ import random
 import resource
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,6 +158,31 @@ def test_map_full_grows_the_map(tmp_path: Path) -> None:
         assert error is None and len(acked) == 80
         assert store.tier.engine._environment().info()["map_size"] > 1 << 20  # type: ignore[attr-defined]
         assert_readable(store, acked)
+
+
+GROW_THE_MAP = """
+import sys, ucm_db
+from tests.reliability.harness import NS, chain_tokens, payload_for
+with ucm_db.open(sys.argv[1], capacity_bytes=1 << 30, map_size_bytes=1 << 20) as store:
+    for i in range(80):
+        key = NS.block_keys(chain_tokens(f"other-{i}", 1))
+        store.put(NS, key, [payload_for(key[0], 64 << 10)])
+"""
+
+
+def test_every_read_adopts_a_map_another_process_grew(tmp_path: Path) -> None:
+    """Found by the concurrent-load suite: after another process grew the
+    map, the free-page count (``ucm-db inspect``) began a bare transaction
+    and failed with MDB_MAP_RESIZED where every other read adopts the size."""
+    path = tmp_path / "s"
+    with ucm_db.open(path, capacity_bytes=1 << 30, map_size_bytes=1 << 20) as store:
+        mine, _ = put_until_error(store, "mine", limit=1)
+        # Its own interpreter: LMDB refuses a second open of one file in a process.
+        subprocess.run([sys.executable, "-c", GROW_THE_MAP, str(path)], check=True, timeout=120, cwd=Path(__file__).parents[2])
+        engine = store.tier.engine
+        assert engine.free_page_bytes() is not None  # type: ignore[attr-defined]
+        assert engine._environment().info()["map_size"] > 1 << 20  # type: ignore[attr-defined]
+        assert_readable(store, mine)
 
 
 def test_capacity_full_evicts(tmp_path: Path) -> None:

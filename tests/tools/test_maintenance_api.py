@@ -92,6 +92,13 @@ def test_an_isolated_read_survives_a_reader_killed_by_a_signal(tmp_path: Path) -
         run_isolated(refuse, tmp_path)
     assert refused.value.hint == "run `ucm-db migrate X`" and str(refused.value).startswith("store at X has format 1")
 
+    def crash() -> dict[str, object]:
+        raise KeyError("lost-entry")
+
+    with pytest.raises(ucm_db.TierError) as crashed:
+        run_isolated(crash, tmp_path)
+    assert "KeyError" in str(crashed.value) and "lost-entry" in str(crashed.value) and "in crash" in str(crashed.value)
+
 
 def test_isolated_inspect_and_verify_match_the_in_process_ones(tmp_path: Path) -> None:
     make_store(tmp_path / "s")

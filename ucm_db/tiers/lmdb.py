@@ -355,11 +355,17 @@ class LmdbEngine(Engine):
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def read(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
+        return self._in_read_txn(lambda txn: fn(_LmdbTxn(txn, self._dbs)))
+
+    def _in_read_txn(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """``fn`` in a read transaction, adopting a map another process grew
+        meanwhile (every read goes through here: a bare ``env.begin`` fails
+        with MDB_MAP_RESIZED beside a growing writer)."""
         env = self._environment()
         for _ in range(3):
             try:
                 with self._txn_gate.shared(), env.begin(buffers=True) as txn:
-                    return fn(_LmdbTxn(txn, self._dbs))
+                    return fn(txn)
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
             except lmdb.Error as exc:  # e.g. MDB_CORRUPTED from a damaged page
@@ -449,9 +455,11 @@ class LmdbEngine(Engine):
         list. A long one slows every put of a large block (it is searched
         for a contiguous run); ``ucm-db compact`` returns it to the disk."""
         env = self._environment()
-        with self._txn_gate.shared(), env.begin() as txn:
-            stats = [txn.stat(db) for db in self._dbs.values()] + [env.stat()]
-            extent_pages = self._extent_pages(env)
+
+        def measure(txn: lmdb.Transaction) -> tuple[list[Any], int]:
+            return [txn.stat(db) for db in self._dbs.values()] + [env.stat()], self._extent_pages(env)
+
+        stats, extent_pages = self._in_read_txn(measure)
         in_tables = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
         meta_pages = 2
         return max(0, extent_pages - meta_pages - in_tables) * self._page_size(env)
