@@ -6,7 +6,10 @@ token bucket for every byte in or out) and each remote codec (``none``,
 
 * upload: puts N blocks of real bf16 K/V (write-back) and waits for the
   uploader to drain; raw bytes / seconds from the first put to the drained
-  queue;
+  queue (the local puts, about as fast as a 400 MB/s link here, count in);
+* drain: the uploader alone on a backlog of N queued blocks (the puts run
+  while the bench holds the store's uploader election lock, as another
+  process would; the clock starts when it lets go): raw bytes / seconds;
 * read-through: an empty local tier over that remote reads every block
   with ``get`` (fetch, verify, promote, decode into new buffers); raw bytes /
   seconds;
@@ -22,7 +25,9 @@ throughput over none's at the same bandwidth (issue target >= 1.3x).
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -35,6 +40,7 @@ import click
 import ucm_db
 from ucm_db import Namespace
 from ucm_db.tools.bench.throttle import register
+from ucm_db.uploader import LOCK_NAME
 
 NAMESPACE = Namespace(model="bench/remote-codec", kv_dtype="bfloat16", block_size=16)
 CODECS = ("none", "zstd", "auto")
@@ -63,6 +69,8 @@ def _one_run(scratch: Path, bandwidth: float, remote_codec: str, payloads: list[
         writer.flush(upload_timeout_s=600)
         upload_s = time.perf_counter() - started
         choice = writer.stats().remote.get("codec", {}).get("codec", remote_codec)
+    drain_remote = {"remote": "throttled://kv", "remote_options": {"path": str(remote_dir) + "-drain", "bandwidth_bytes_per_s": bandwidth}}
+    drain_s = _backlog_drain_s(scratch / f"d-{remote_codec}-{int(bandwidth)}-{run}", remote_codec, drain_remote, payloads, keys)
     with ucm_db.open(scratch / f"r-{remote_codec}-{int(bandwidth)}-{run}", codec="none", capacity_bytes=4 << 30,
                      remote_deadline_s=30, **remote) as reader:
         started = time.perf_counter()
@@ -88,11 +96,31 @@ def _one_run(scratch: Path, bandwidth: float, remote_codec: str, payloads: list[
         list(pool.map(lambda rel: fs.cat_file(f"{root}/{rel}"), relative))
     cat_s = time.perf_counter() - started
     return {
-        "upload_raw_mb_s": raw_bytes / upload_s / 1e6, "read_through_raw_mb_s": raw_bytes / read_s / 1e6,
+        "upload_raw_mb_s": raw_bytes / upload_s / 1e6, "drain_raw_mb_s": raw_bytes / drain_s / 1e6, "read_through_raw_mb_s": raw_bytes / read_s / 1e6,
         "warm_raw_mb_s": raw_bytes / warm_s / 1e6,
         "cat_file_mb_s": fs_bytes / cat_s / 1e6, "stored_ratio": raw_bytes / fs_bytes if fs_bytes else 0.0,
         "auto_choice": choice,
     }
+
+
+def _backlog_drain_s(store_dir: Path, remote_codec: str, remote: dict[str, Any], payloads: list[memoryview],
+                     keys: list[bytes]) -> float:
+    """Seconds the uploader takes to drain a backlog of ``payloads``."""
+    store_dir.mkdir()
+    lock_fd = os.open(store_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # this store's uploader waits, as if another process held the queue
+        with ucm_db.open(store_dir, codec="none", capacity_bytes=4 << 30, remote_codec=remote_codec, **remote) as writer:
+            for i in range(0, len(keys), 8):
+                writer.put(NAMESPACE, keys[i : i + 8], payloads[i : i + 8])
+            started = time.perf_counter()
+            os.close(lock_fd)
+            lock_fd = -1
+            writer.flush(upload_timeout_s=600)
+            return time.perf_counter() - started
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
 
 
 def run(bandwidths_mb_s: list[float], blocks: int, runs: int) -> dict[str, Any]:
@@ -108,7 +136,7 @@ def run(bandwidths_mb_s: list[float], blocks: int, runs: int) -> dict[str, Any]:
                     samples[remote_codec].append(_one_run(scratch, bandwidth_mb_s * 1e6, remote_codec, payloads, n))
             for remote_codec, results in samples.items():
                 row: dict[str, Any] = {"bandwidth_mb_s": bandwidth_mb_s, "remote_codec": remote_codec}
-                for name in ("upload_raw_mb_s", "read_through_raw_mb_s", "warm_raw_mb_s", "cat_file_mb_s", "stored_ratio"):
+                for name in ("upload_raw_mb_s", "drain_raw_mb_s", "read_through_raw_mb_s", "warm_raw_mb_s", "cat_file_mb_s", "stored_ratio"):
                     row[name] = round(statistics.median(r[name] for r in results), 2)
                 row["auto_choice"] = [r["auto_choice"] for r in results]
                 rows.append(row)
@@ -116,6 +144,7 @@ def run(bandwidths_mb_s: list[float], blocks: int, runs: int) -> dict[str, Any]:
     ratios = {
         f"{bw:g}": {
             "upload_zstd_over_none": round(by[(bw, "zstd")]["upload_raw_mb_s"] / by[(bw, "none")]["upload_raw_mb_s"], 2),
+            "drain_zstd_over_none": round(by[(bw, "zstd")]["drain_raw_mb_s"] / by[(bw, "none")]["drain_raw_mb_s"], 2),
             "read_zstd_over_none": round(by[(bw, "zstd")]["read_through_raw_mb_s"] / by[(bw, "none")]["read_through_raw_mb_s"], 2),
             "upload_auto_over_best": round(by[(bw, "auto")]["upload_raw_mb_s"] / max(
                 by[(bw, "zstd")]["upload_raw_mb_s"], by[(bw, "none")]["upload_raw_mb_s"]), 2),
@@ -146,10 +175,10 @@ def command(bandwidth_mb_s: str, blocks: int, runs: int, as_json: bool) -> None:
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"{blocks} blocks of {BLOCK_BYTES >> 20} MiB real bf16 K/V, median of {runs} runs")
-    click.echo(f"{'link MB/s':>10} {'codec':>6} {'upload raw MB/s':>16} {'read-through raw MB/s':>22} {'warm raw MB/s':>14} "
+    click.echo(f"{'link MB/s':>10} {'codec':>6} {'upload raw MB/s':>16} {'drain raw MB/s':>15} {'read-through raw MB/s':>22} {'warm raw MB/s':>14} "
                f"{'cat_file MB/s':>14} {'ratio':>6}  auto chose")
     for row in result["rows"]:
-        click.echo(f"{row['bandwidth_mb_s']:>10g} {row['remote_codec']:>6} {row['upload_raw_mb_s']:>16.1f} "
+        click.echo(f"{row['bandwidth_mb_s']:>10g} {row['remote_codec']:>6} {row['upload_raw_mb_s']:>16.1f} {row['drain_raw_mb_s']:>15.1f} "
                    f"{row['read_through_raw_mb_s']:>22.1f} {row['warm_raw_mb_s']:>14.1f} {row['cat_file_mb_s']:>14.1f} {row['stored_ratio']:>6.2f}  "
                    f"{','.join(row['auto_choice']) if row['remote_codec'] == 'auto' else ''}")
     for bandwidth, ratio in result["ratios"].items():
