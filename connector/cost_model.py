@@ -36,6 +36,9 @@ Invariants:
     * Prefill samples come from steps that computed at least
       ``min_prefill_tokens`` tokens: a decode step's time is per-step
       overhead, not a prefill rate.
+    * A recompute is priced by the positions it computes where the
+      samples fit a cost per token rising with position
+      (:class:`PrefillFit`: attention), else by the average per token.
     * Pure Python, no vLLM or torch imports: the scheduler feeds it.
 """
 
@@ -96,64 +99,110 @@ class Ewma:
 
 
 @dataclass
-class LoadFit:
-    """Seconds to load ``n`` tokens from a tier, fitted as ``fixed_s +
-    per_token_s * n`` by exponentially weighted least squares over
-    ``(tokens, seconds)`` samples. A lookup's fixed cost (round trips, a
-    commit, a scheduling round) makes short loads dearer per token than
-    long ones; a single rate cannot say that a 1K-token load loses where an
-    8K-token one wins. Samples with no tokens (a lookup that found nothing)
-    are kept: they pin the fixed cost.
+class WeightedLine:
+    """``y = intercept + slope * x`` by exponentially weighted least squares
+    (each new sample keeps ``1 - weight`` of the old ones' weight).
 
     Invariants:
-        * :meth:`line` is None unless the samples span sizes enough to tell
-          the two terms apart (coefficient of variation of the token counts
-          at least :data:`MIN_SPREAD`), samples with tokens hold at least
-          :data:`MIN_TOKEN_SHARE` of the weight, and the cost per token
-          comes out positive; callers then fall back to the per-token
-          average (:class:`Ewma`). A fixed cost fitted below zero is zero.
+        * :meth:`fit` is None unless the ``x`` of the samples vary enough
+          to tell the two terms apart (coefficient of variation at least
+          :data:`MIN_SPREAD`).
     """
 
     weight: float = 0.15
     _w: float = 0.0
-    _w_tokens: float = 0.0  # weight of the samples that carried tokens
     _x: float = 0.0
     _y: float = 0.0
     _xx: float = 0.0
     _xy: float = 0.0
 
-    #: Token counts must vary at least this much (std / mean) for a fit.
+    #: The ``x`` of the samples must vary at least this much (std / mean).
     MIN_SPREAD = 0.25
-    #: Samples with tokens must hold at least this share of the weight: a
-    #: long run of misses otherwise leaves a slope resting on hits whose
-    #: weight has decayed to nothing.
-    MIN_TOKEN_SHARE = 0.2
 
-    def add(self, tokens: int, seconds: float) -> None:
-        keep = 1.0 - self.weight if self._w else 0.0
+    def add(self, x: float, y: float) -> None:
+        keep = self._keep()
         w = self.weight
         self._w = keep * self._w + w
-        self._w_tokens = keep * self._w_tokens + (w if tokens > 0 else 0.0)
-        self._x = keep * self._x + w * tokens
-        self._y = keep * self._y + w * seconds
-        self._xx = keep * self._xx + w * tokens * tokens
-        self._xy = keep * self._xy + w * tokens * seconds
+        self._x = keep * self._x + w * x
+        self._y = keep * self._y + w * y
+        self._xx = keep * self._xx + w * x * x
+        self._xy = keep * self._xy + w * x * y
 
-    def line(self) -> tuple[float, float] | None:
-        """``(fixed_s, per_token_s)``, or None (see the invariants)."""
-        if self._w <= 0 or self._x <= 0 or self._w_tokens < self.MIN_TOKEN_SHARE * self._w:
+    def _keep(self) -> float:
+        return 1.0 - self.weight if self._w else 0.0
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(intercept, slope)``, or None while ``x`` varies too little."""
+        if self._w <= 0 or self._x <= 0:
             return None
         mean_x = self._x / self._w
         var_x = self._xx / self._w - mean_x * mean_x
         if var_x < (self.MIN_SPREAD * mean_x) ** 2:
             return None
-        per_token_s = (self._xy / self._w - mean_x * self._y / self._w) / var_x
-        fixed_s = self._y / self._w - per_token_s * mean_x
-        if per_token_s <= 0:
+        slope = (self._xy / self._w - mean_x * self._y / self._w) / var_x
+        return self._y / self._w - slope * mean_x, slope
+
+    def slope_through_origin(self) -> float:
+        """The least-squares slope of ``y = slope * x`` (samples with x > 0 exist)."""
+        return self._xy / self._xx
+
+
+@dataclass
+class LoadFit(WeightedLine):
+    """Seconds to load ``n`` tokens from a tier, fitted as ``fixed_s +
+    per_token_s * n`` over ``(tokens, seconds)`` samples. A lookup's fixed
+    cost (round trips, a commit, a scheduling round) makes short loads
+    dearer per token than long ones; a single rate cannot say that a
+    1K-token load loses where an 8K-token one wins. Samples with no tokens
+    (a lookup that found nothing) are kept: they pin the fixed cost.
+
+    Invariants:
+        * :meth:`line` is None unless :meth:`WeightedLine.fit` has a line,
+          samples with tokens hold at least :data:`MIN_TOKEN_SHARE` of the
+          weight, and the cost per token comes out positive; callers then
+          fall back to the per-token average (:class:`Ewma`). A fixed cost
+          fitted below zero is zero.
+    """
+
+    _w_tokens: float = 0.0  # weight of the samples that carried tokens
+
+    #: Samples with tokens must hold at least this share of the weight: a
+    #: long run of misses otherwise leaves a slope resting on hits whose
+    #: weight has decayed to nothing.
+    MIN_TOKEN_SHARE = 0.2
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self._w_tokens = self._keep() * self._w_tokens + (self.weight if tokens > 0 else 0.0)
+        super().add(tokens, seconds)
+
+    def line(self) -> tuple[float, float] | None:
+        """``(fixed_s, per_token_s)``, or None (see the invariants)."""
+        fitted = self.fit() if self._w_tokens >= self.MIN_TOKEN_SHARE * self._w else None
+        if fitted is None or fitted[1] <= 0:
             return None
-        if fixed_s < 0:  # no fixed cost to speak of (noise put it below 0): the line through the origin
-            return 0.0, self._xy / self._xx
-        return fixed_s, per_token_s
+        if fitted[0] < 0:  # no fixed cost to speak of (noise put it below 0): the line through the origin
+            return 0.0, self.slope_through_origin()
+        return fitted
+
+
+@dataclass
+class PrefillFit(WeightedLine):
+    """The engine's seconds per computed token as a line in the token's
+    position in its sequence, over ``(mean position, seconds per token)``
+    samples of prefill steps. Attention reads every earlier token, so a
+    token at position 8000 costs more than one at 1000: one average per
+    token prices a short recompute too high (and loads it where computing
+    is faster) and a long one too low.
+
+    Invariants:
+        * :meth:`line` is None unless :meth:`WeightedLine.fit` has a line
+          with both terms positive; callers then use the average per token.
+    """
+
+    def line(self) -> tuple[float, float] | None:
+        """``(seconds_per_token_at_0, seconds_per_token_per_position)``, or None."""
+        fitted = self.fit()
+        return fitted if fitted is not None and fitted[0] > 0 and fitted[1] > 0 else None
 
 
 class CostModel:
@@ -170,17 +219,32 @@ class CostModel:
         self._min_prefill_tokens = min_prefill_tokens
         self._clock = clock
         self.prefill = Ewma(weight)
+        self._prefill_fit = PrefillFit()
         self._load: dict[tuple[str, str], Ewma] = {}
         self._fits: dict[tuple[str, str], LoadFit] = {}
         self._last_asked_s: dict[tuple[str, str], float] = {}
         self.skipped: dict[str, int] = {tier: 0 for tier in TIERS}
 
     # -- measurements -------------------------------------------------------------
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
+    def observe_prefill(self, tokens: int, seconds: float, mean_position: float | None = None) -> None:
         """A step computed ``tokens`` tokens in ``seconds`` (its own time,
-        loads excluded); small steps are ignored (module invariants)."""
+        loads excluded), their mean position in their sequences
+        ``mean_position`` where known; small steps are ignored (module
+        invariants)."""
         if tokens >= self._min_prefill_tokens and seconds >= _MIN_SAMPLE_S:
             self.prefill.add(seconds / tokens)
+            if mean_position is not None:
+                self._prefill_fit.add(mean_position, seconds / tokens)
+
+    def recompute_seconds(self, tokens: int, first_position: int = 0) -> float | None:
+        """Expected seconds to compute ``tokens`` tokens from position
+        ``first_position`` on: by the fitted line in position where there
+        is one (:class:`PrefillFit`), else by the average per token; None
+        while prefill is unmeasured."""
+        line = self._prefill_fit.line()
+        if line is not None:
+            return tokens * (line[0] + line[1] * (first_position + (tokens - 1) / 2))
+        return None if self.prefill.value is None else tokens * self.prefill.value
 
     def observe_load(self, namespace: str, tier: str, tokens: int, seconds: float) -> None:
         """``tokens`` tokens of ``namespace`` came from ``tier`` in
@@ -235,35 +299,41 @@ class CostModel:
                 total_s += tokens * (self.seconds_per_token(namespace, "local") or 0.0)
         return total_s
 
-    def faster_than_recompute(self, namespace: str, tier: str, tokens: int | None = None, lookups: int = 1) -> bool:
+    def faster_than_recompute(
+        self, namespace: str, tier: str, tokens: int | None = None, lookups: int = 1, first_position: int = 0,
+    ) -> bool:
         """True if loading from ``tier`` is expected to beat recomputing,
         or cannot be judged yet (either cost unmeasured), or the policy is
-        "always". Given the claim's ``tokens`` (and the ``lookups`` that
-        bring it), a fitted fixed cost is counted once per lookup
-        (:meth:`claim_seconds`); otherwise, or while there is no fit,
-        seconds per token are compared."""
+        "always". Given the claim's ``tokens`` from ``first_position`` on
+        (and the ``lookups`` that bring it), a fitted fixed cost is counted
+        once per lookup (:meth:`claim_seconds`) against the recompute of
+        those positions (:meth:`recompute_seconds`); otherwise, or while
+        there is no fit, seconds per token are compared."""
         if self.policy == "always" or self.prefill.value is None:
             return True
         if tokens:
             claim_s = self.claim_seconds(namespace, tier, tokens, lookups)
-            if claim_s is not None:
-                return claim_s < tokens * self.prefill.value
+            recompute_s = self.recompute_seconds(tokens, first_position)
+            if claim_s is not None and recompute_s is not None:
+                return claim_s < recompute_s
         load_s = self.seconds_per_token(namespace, tier)
         return load_s is None or load_s < self.prefill.value
 
     def decide(
         self, namespace: str, tier: str, *, probe_unmeasured: bool = True, tokens: int | None = None, lookups: int = 1,
+        first_position: int = 0,
     ) -> Decision:
         """What to ask ``tier`` for now (module invariants); a skip is
         counted in :attr:`skipped`. ``probe_unmeasured=False`` loads an
         unmeasured tier in full (the local tier: its loads are timed
-        anyway, and its first one is no gamble). ``tokens`` and ``lookups``
-        describe the claim at stake (:meth:`faster_than_recompute`)."""
+        anyway, and its first one is no gamble). ``tokens``, ``lookups``
+        and ``first_position`` describe the claim at stake
+        (:meth:`faster_than_recompute`)."""
         if self.policy == "always":
             return Decision.LOAD
         if self.seconds_per_token(namespace, tier) is None:
             return Decision.PROBE if probe_unmeasured else Decision.LOAD
-        if self.faster_than_recompute(namespace, tier, tokens, lookups):
+        if self.faster_than_recompute(namespace, tier, tokens, lookups, first_position):
             return Decision.LOAD
         last_s = self._last_asked_s.get((namespace, tier), float("-inf"))
         if self._clock() - last_s >= self._reprobe_interval_s:
@@ -279,7 +349,10 @@ class CostModel:
     def describe(self, namespace: str) -> dict[str, float | None]:
         """Current estimates in tokens per second (logs, benchmarks)."""
         lines = {tier: self.load_line(namespace, tier) for tier in TIERS}
+        prefill_line = self._prefill_fit.line()
         return {"prefill_tokens_per_s": self.prefill.rate,
+                "prefill_s_per_token_at_0": None if prefill_line is None else prefill_line[0],
+                "prefill_s_per_token_per_position": None if prefill_line is None else prefill_line[1],
                 **{f"{tier}_tokens_per_s": self.load_rate(namespace, tier) for tier in TIERS},
                 **{f"{tier}_fixed_s": None if line is None else line[0] for tier, line in lines.items()},
                 **{f"{tier}_fitted_tokens_per_s": None if line is None else 1.0 / line[1] for tier, line in lines.items()}}

@@ -193,7 +193,7 @@ class UcmDbScheduler:
         self._ns_id = self._namespace.digest[:16].hex()
         self._step = 0  # number of the next step's metadata
         # step -> (planned at, tokens scheduled, remote lookup seconds so far)
-        self._pending_steps: dict[int, tuple[float, int, float]] = {}
+        self._pending_steps: dict[int, tuple[float, int, float, float | None]] = {}
         self._remote_lookup_s = 0.0  # total seconds of timed remote lookups
         self._async = settings.load_mode == "async"
         self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
@@ -268,6 +268,7 @@ class UcmDbScheduler:
             return None, False
         if hit and self.cost.decide(
             self._ns_id, "local", probe_unmeasured=False, tokens=max(0, hit * self._block_size - num_computed_tokens),
+            first_position=num_computed_tokens,
         ) is Decision.SKIP:
             hit = 0  # the local tier is judged slower than recomputing (cost_model.py)
         if sum(self.cost.skipped.values()) > skips_before:
@@ -329,7 +330,8 @@ class UcmDbScheduler:
         # One lookup brings the claim in the background (it covers the rest of
         # the prompt) or for a last segment; a first segment's claim takes two.
         lookups = 1 if self._lookups is not None or stop >= max_blocks else 2
-        decision = self.cost.decide(self._ns_id, "remote", tokens=claim_tokens, lookups=lookups)
+        decision = self.cost.decide(self._ns_id, "remote", tokens=claim_tokens, lookups=lookups,
+                                    first_position=(start + local) * self._block_size)
         if decision is Decision.SKIP:
             return local
         if decision is Decision.PROBE:
@@ -385,7 +387,7 @@ class UcmDbScheduler:
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         meta.idle = not tokens
         self._last_step_idle = meta.idle
-        self._pending_steps[meta.step] = (time.perf_counter(), tokens, self._remote_lookup_s)
+        self._pending_steps[meta.step] = (time.perf_counter(), tokens, self._remote_lookup_s, _mean_position(scheduler_output))
         if len(self._pending_steps) > _MAX_PENDING_STEPS:
             del self._pending_steps[min(self._pending_steps)]
 
@@ -407,8 +409,8 @@ class UcmDbScheduler:
         for step in [s for s in self._pending_steps if s < worker_meta.step]:
             del self._pending_steps[step]  # their outputs carried no metadata
         if planned is not None:
-            planned_at_s, tokens, lookup_s = planned
-            self.cost.observe_prefill(tokens, now - planned_at_s - load_s - (self._remote_lookup_s - lookup_s))
+            planned_at_s, tokens, lookup_s, mean_position = planned
+            self.cost.observe_prefill(tokens, now - planned_at_s - load_s - (self._remote_lookup_s - lookup_s), mean_position)
 
     def _report_ratio(self) -> None:
         """The stored namespace's compression ratio, at most every
@@ -559,6 +561,26 @@ class UcmDbScheduler:
     @property
     def store(self) -> ucm_db.Store:
         return self._store
+
+
+def _mean_position(scheduler_output: SchedulerOutput) -> float | None:
+    """The mean position in its sequence of every token the step computes
+    (a request computing ``n`` tokens after ``c`` computed ones adds
+    positions ``c .. c + n - 1``); None where the output does not say."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+    new_reqs = getattr(scheduler_output, "scheduled_new_reqs", None)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if not isinstance(scheduled, dict) or new_reqs is None or cached is None:
+        return None
+    computed = {req.req_id: req.num_computed_tokens for req in new_reqs}
+    computed.update(zip(getattr(cached, "req_ids", ()), getattr(cached, "num_computed_tokens", ())))
+    tokens = position_sum = 0.0
+    for req_id, n in scheduled.items():
+        if req_id not in computed:
+            return None
+        tokens += n
+        position_sum += n * (computed[req_id] + (n - 1) / 2)
+    return position_sum / tokens if tokens else None
 
 
 class _LookupPending(Exception):

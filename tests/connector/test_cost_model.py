@@ -134,6 +134,39 @@ def test_fixed_cost_recomputes_a_short_claim_and_loads_a_long_one() -> None:
     assert CostModel("always").decide("ns", "remote", tokens=32, lookups=2) is Decision.LOAD
 
 
+def test_recompute_is_priced_by_the_positions_it_computes() -> None:
+    """Attention makes a token at position 8000 dearer than one at 1000.
+    With the per-token average of long and short prefills, a short
+    recompute looks dearer than it is and a borderline load wins it; priced
+    by its positions, it is recomputed, and a long one is still loaded."""
+    from ucm_db.connector.cost_model import PrefillFit
+
+    def per_token_s(position: float) -> float:
+        return 15e-6 + position * 5e-9  # 15 us per token at 0, +5 us per 1000 positions
+
+    model = CostModel(weight=0.3)
+    for tokens in (1024, 8160, 2048, 4096, 1024, 8160):  # whole prompts: mean position (n - 1) / 2
+        mean_position = (tokens - 1) / 2
+        model.observe_prefill(tokens, tokens * per_token_s(mean_position), mean_position)
+    assert model.recompute_seconds(1024) == pytest.approx(1024 * per_token_s(511.5))
+    assert model.recompute_seconds(64, first_position=2048) == pytest.approx(64 * per_token_s(2048 + 31.5))
+    for tokens in (0, 1024, 8160, 2048):
+        model.observe_load("ns", "remote", tokens, 0.004 + tokens * 15e-6)  # 4 ms per lookup + 15 us per token
+    average_s = model.prefill.value
+    assert 1024 * average_s > 0.004 + 1024 * 15e-6  # by the average the 1K-token claim would be loaded
+    assert model.decide("ns", "remote", tokens=1024, lookups=1) is Decision.SKIP  # 19.4 ms load against 17.9 ms
+    assert model.decide("ns", "remote", tokens=8160, lookups=1) is Decision.LOAD  # 126 ms against 289 ms
+    assert model.describe("ns")["prefill_s_per_token_per_position"] == pytest.approx(5e-9)
+
+    flat = PrefillFit()
+    for position in (100.0, 1000.0, 4000.0):
+        flat.add(position, 20e-6 - position * 1e-9)  # cheaper when longer: no plausible line
+    assert flat.line() is None
+    no_positions = CostModel()
+    no_positions.observe_prefill(1024, 0.02)  # a step whose positions are unknown: the average alone
+    assert no_positions.recompute_seconds(512, first_position=4096) == pytest.approx(0.01)
+
+
 def test_small_steps_are_not_prefill_samples() -> None:
     model = CostModel(min_prefill_tokens=256)
     model.observe_prefill(8, 0.02)  # a decode step: per-step overhead
@@ -284,6 +317,30 @@ def _step(tokens: int):  # type: ignore[no-untyped-def]
         num_scheduled_tokens={}, total_num_scheduled_tokens=tokens, scheduled_spec_decode_tokens={},
         scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
     )
+
+
+@pytest.mark.vllm
+def test_a_step_s_mean_position_counts_every_token_it_computes() -> None:
+    """A real vLLM SchedulerOutput: a new request computing 512 tokens
+    after 1024 loaded ones, and a running one decoding at position 3000."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+
+    from ucm_db.connector.scheduler import _mean_position
+
+    request = _request_for(list(range(1, 1600)))
+    request.num_computed_tokens = 1024
+    step = _step(513)
+    step.scheduled_new_reqs = [NewRequestData.from_request(request, ([0],))]
+    step.scheduled_cached_reqs = CachedRequestData(
+        req_ids=["running"], resumed_req_ids=set(), new_token_ids=[], all_token_ids={}, new_block_ids=[None],
+        num_computed_tokens=[3000], num_output_tokens=[5],
+    )
+    step.num_scheduled_tokens = {request.request_id: 512, "running": 1}
+    assert _mean_position(step) == pytest.approx((512 * (1024 + 255.5) + 3000) / 513)
+    step.num_scheduled_tokens["unknown"] = 8
+    assert _mean_position(step) is None  # a request the output does not describe: no sample
+    assert _mean_position(_step(0)) is None
 
 
 @pytest.mark.vllm
