@@ -36,9 +36,12 @@ Invariants:
     * Prefill samples come from steps that computed at least
       ``min_prefill_tokens`` tokens: a decode step's time is per-step
       overhead, not a prefill rate.
-    * A recompute is priced by the positions it computes where the
-      samples fit a cost per token rising with position
-      (:class:`PrefillFit`: attention), else by the average per token.
+    * Where a claim is priced whole (previous invariant), its recompute is
+      priced by the positions it computes if the prefill samples fit a
+      cost per token rising with position (:class:`PrefillFit`:
+      attention), else by the average per token. The line is fitted on
+      whole steps, so a step's fixed overhead, spread over its tokens,
+      flattens it: a skewed fit errs towards the average, never below 0.
     * Pure Python, no vLLM or torch imports: the scheduler feeds it.
 """
 
@@ -219,7 +222,7 @@ class CostModel:
         self._min_prefill_tokens = min_prefill_tokens
         self._clock = clock
         self.prefill = Ewma(weight)
-        self._prefill_fit = PrefillFit()
+        self._prefill_fit = PrefillFit()  # its own decay, like each LoadFit (fewer, larger samples than the averages)
         self._load: dict[tuple[str, str], Ewma] = {}
         self._fits: dict[tuple[str, str], LoadFit] = {}
         self._last_asked_s: dict[tuple[str, str], float] = {}
@@ -347,7 +350,8 @@ class CostModel:
         return self.decide(namespace, tier) is not Decision.SKIP
 
     def describe(self, namespace: str) -> dict[str, float | None]:
-        """Current estimates in tokens per second (logs, benchmarks)."""
+        """Current estimates (logs, benchmarks): rates in tokens per second,
+        fixed costs in seconds, the prefill line in seconds per token."""
         lines = {tier: self.load_line(namespace, tier) for tier in TIERS}
         prefill_line = self._prefill_fit.line()
         return {"prefill_tokens_per_s": self.prefill.rate,

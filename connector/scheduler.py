@@ -63,7 +63,7 @@ import torch
 from vllm.logger import init_logger
 
 import ucm_db
-from ucm_db.connector.cost_model import CostModel, Decision
+from ucm_db.connector.cost_model import MIN_PREFILL_TOKENS, CostModel, Decision
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
 from ucm_db.connector.metadata import IDLE_WAIT_S, BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -124,6 +124,7 @@ class _RequestState:
     pending_source: str = "units"
     lookup: LookupRecord | None = None
     async_tried: bool = False  # an async load was planned: later lookups claim synchronously
+    vllm_computed_tokens: int = 0  # what vLLM's own prefix cache held at the last lookup: no claim prices it
     remote_asked: set[str] = field(default_factory=set)  # sources whose background remote lookup finished
     remote_probing: set[str] = field(default_factory=set)  # sources whose background job is a probe
     remote_probed: set[str] = field(default_factory=set)  # sources whose background probe finished
@@ -192,7 +193,7 @@ class UcmDbScheduler:
         self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
         self._ns_id = self._namespace.digest[:16].hex()
         self._step = 0  # number of the next step's metadata
-        # step -> (planned at, tokens scheduled, remote lookup seconds so far)
+        # step -> (planned at, tokens scheduled, remote lookup seconds so far, mean position of those tokens)
         self._pending_steps: dict[int, tuple[float, int, float, float | None]] = {}
         self._remote_lookup_s = 0.0  # total seconds of timed remote lookups
         self._async = settings.load_mode == "async"
@@ -258,6 +259,7 @@ class UcmDbScheduler:
             state.lookup = LookupRecord(num_computed_tokens, 0, 0, "units", 0.0)
             return 0, False
         skips_before = sum(self.cost.skipped.values())
+        state.vllm_computed_tokens = num_computed_tokens
         try:
             found = self._stored_blocks(state, max_blocks)
         except _LookupPending:
@@ -317,8 +319,9 @@ class UcmDbScheduler:
         :data:`_PROBE_BLOCKS` blocks, or nothing); the remote lookup (which
         promotes what it finds) is timed to measure the remote's rate. The
         claim priced is what the remote could supply of the prompt's
-        ``max_blocks``: the rest of the prompt, in this lookup and, for a
-        first segment, the next one. With background lookups the remote is
+        ``max_blocks``: the rest of the prompt past what vLLM's own prefix
+        cache and the local tier hold, in this lookup and, for a first
+        segment, the next one. With background lookups the remote is
         asked once per request and source, for the whole claim, and
         :class:`_LookupPending` is raised until it has finished."""
         if self._lookups is not None:
@@ -326,12 +329,13 @@ class UcmDbScheduler:
         local = stored_prefix(_LocalTier(self._store), self._namespace, self._grid, spans, keys, start, stop)
         if self._store.remote is None or start + local >= stop or source in state.remote_asked:
             return local
-        claim_tokens = (max_blocks - start - local) * self._block_size
+        # The claim: the rest of the prompt past what vLLM and the local tier hold.
+        first_token = max((start + local) * self._block_size, state.vllm_computed_tokens)
+        claim_tokens = max(0, max_blocks * self._block_size - first_token)
         # One lookup brings the claim in the background (it covers the rest of
         # the prompt) or for a last segment; a first segment's claim takes two.
         lookups = 1 if self._lookups is not None or stop >= max_blocks else 2
-        decision = self.cost.decide(self._ns_id, "remote", tokens=claim_tokens, lookups=lookups,
-                                    first_position=(start + local) * self._block_size)
+        decision = self.cost.decide(self._ns_id, "remote", tokens=claim_tokens, lookups=lookups, first_position=first_token)
         if decision is Decision.SKIP:
             return local
         if decision is Decision.PROBE:
@@ -387,7 +391,8 @@ class UcmDbScheduler:
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         meta.idle = not tokens
         self._last_step_idle = meta.idle
-        self._pending_steps[meta.step] = (time.perf_counter(), tokens, self._remote_lookup_s, _mean_position(scheduler_output))
+        mean_position = _mean_position(scheduler_output) if tokens >= MIN_PREFILL_TOKENS else None  # no sample anyway
+        self._pending_steps[meta.step] = (time.perf_counter(), tokens, self._remote_lookup_s, mean_position)
         if len(self._pending_steps) > _MAX_PENDING_STEPS:
             del self._pending_steps[min(self._pending_steps)]
 
@@ -572,12 +577,12 @@ def _mean_position(scheduler_output: SchedulerOutput) -> float | None:
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     if not isinstance(scheduled, dict) or new_reqs is None or cached is None:
         return None
-    computed = {req.req_id: req.num_computed_tokens for req in new_reqs}
+    computed = {getattr(req, "req_id", None): getattr(req, "num_computed_tokens", None) for req in new_reqs}
     computed.update(zip(getattr(cached, "req_ids", ()), getattr(cached, "num_computed_tokens", ())))
     tokens = position_sum = 0.0
     for req_id, n in scheduled.items():
-        if req_id not in computed:
-            return None
+        if not isinstance(computed.get(req_id), int):
+            return None  # a request the output does not describe (another vLLM's layout): no sample
         tokens += n
         position_sum += n * (computed[req_id] + (n - 1) / 2)
     return position_sum / tokens if tokens else None

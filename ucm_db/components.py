@@ -14,7 +14,7 @@ from ucm_db import codec, codec_pool
 from ucm_db.readthrough import READ_THREADS, RemoteLink
 from ucm_db.tiers.index_types import BlockEntry
 from ucm_db.tiers.remote import RemoteRoot, is_local_fs, pack_object, write_whole
-from ucm_db.uploader import Uploader
+from ucm_db.uploader import LOCK_NAME as UPLOADER_LOCK_NAME, Uploader
 
-__all__ = ["READ_THREADS", "BlockEntry", "RemoteLink", "RemoteRoot", "Uploader", "codec", "codec_pool", "is_local_fs", "pack_object",
-           "write_whole"]
+__all__ = ["READ_THREADS", "UPLOADER_LOCK_NAME", "BlockEntry", "RemoteLink", "RemoteRoot", "Uploader", "codec", "codec_pool", "is_local_fs",
+           "pack_object", "write_whole"]

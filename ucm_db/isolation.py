@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ from ucm_db import errors
 from ucm_db.errors import TierError, UcmDbError
 
 _CHILD_FAILED = 70  # the child's exit status after an unexpected exception
+_HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # blocked across the fork (run_isolated)
 
 
 def run_isolated(fn: Callable[[], dict[str, Any]], path: str | Path) -> dict[str, Any]:
@@ -45,14 +47,23 @@ def run_isolated(fn: Callable[[], dict[str, Any]], path: str | Path) -> dict[str
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    # Ctrl-C reaches the child too: held back until the child is inside the
+    # block that always ends in os._exit, so it never unwinds into the CLI.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
     if pid == 0:  # child
         status = _CHILD_FAILED
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(read_fd)
             status = _child(fn, write_fd)
         finally:
             os._exit(status)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     os.close(write_fd)
     try:
         with os.fdopen(read_fd, "rb") as pipe:
@@ -89,10 +100,16 @@ def _child(fn: Callable[[], dict[str, Any]], write_fd: int) -> int:
         except UcmDbError as exc:
             message = {"error": {"type": type(exc).__name__, "message": _message_of(exc), "hint": exc.hint}}
         except Exception as exc:  # noqa: BLE001 - named to the caller, never unwound into its code
-            traceback.print_exc()
             message = {"crash": _crash_text(exc)}
             status = _CHILD_FAILED
-        _write_all(write_fd, json.dumps(message, default=str).encode())
+            with contextlib.suppress(Exception):  # a closed stderr must not lose the record
+                traceback.print_exc()
+        try:
+            data = json.dumps(message, default=str).encode()
+        except (TypeError, ValueError) as exc:  # a result JSON cannot carry (a cycle, a bad key)
+            data = json.dumps({"crash": _crash_text(exc)}).encode()
+            status = _CHILD_FAILED
+        _write_all(write_fd, data)
     except BaseException:  # noqa: BLE001 - the pipe itself failed: leave with the status alone
         traceback.print_exc()
         status = _CHILD_FAILED

@@ -175,7 +175,8 @@ def test_every_read_adopts_a_map_another_process_grew(tmp_path: Path) -> None:
     map, the free-page count (``ucm-db inspect``) began a bare transaction
     and failed with MDB_MAP_RESIZED where every other read adopts the size."""
     path = tmp_path / "s"
-    with ucm_db.open(path, capacity_bytes=1 << 30, map_size_bytes=1 << 20) as store:
+    # durability "sync": no background sync that would adopt the new size first
+    with ucm_db.open(path, capacity_bytes=1 << 30, map_size_bytes=1 << 20, durability="sync") as store:
         mine, _ = put_until_error(store, "mine", limit=1)
         # Its own interpreter: LMDB refuses a second open of one file in a process.
         subprocess.run([sys.executable, "-c", GROW_THE_MAP, str(path)], check=True, timeout=120, cwd=Path(__file__).parents[2])

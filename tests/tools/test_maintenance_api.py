@@ -92,12 +92,27 @@ def test_an_isolated_read_survives_a_reader_killed_by_a_signal(tmp_path: Path) -
         run_isolated(refuse, tmp_path)
     assert refused.value.hint == "run `ucm-db migrate X`" and str(refused.value).startswith("store at X has format 1")
 
+
+def test_an_unexpected_error_in_the_isolated_read_is_named_to_the_caller(tmp_path: Path) -> None:
+    """Found by the concurrent-load suite: the CLI's captured stderr lost
+    the child's traceback, and the caller said only "exit status 70"."""
+    from ucm_db.isolation import run_isolated
+
     def crash() -> dict[str, object]:
         raise KeyError("lost-entry")
 
     with pytest.raises(ucm_db.TierError) as crashed:
         run_isolated(crash, tmp_path)
     assert "KeyError" in str(crashed.value) and "lost-entry" in str(crashed.value) and "in crash" in str(crashed.value)
+
+    def unencodable() -> dict[str, object]:
+        cycle: dict[str, object] = {}
+        cycle["self"] = cycle
+        return cycle
+
+    with pytest.raises(ucm_db.TierError) as refused:
+        run_isolated(unencodable, tmp_path)
+    assert "ValueError" in str(refused.value) and "Circular" in str(refused.value)
 
 
 def test_isolated_inspect_and_verify_match_the_in_process_ones(tmp_path: Path) -> None:

@@ -39,8 +39,8 @@ import click
 
 import ucm_db
 from ucm_db import Namespace
+from ucm_db.components import UPLOADER_LOCK_NAME  # the drain bench plays another process holding the election lock
 from ucm_db.tools.bench.throttle import register
-from ucm_db.uploader import LOCK_NAME
 
 NAMESPACE = Namespace(model="bench/remote-codec", kv_dtype="bfloat16", block_size=16)
 CODECS = ("none", "zstd", "auto")
@@ -107,17 +107,23 @@ def _backlog_drain_s(store_dir: Path, remote_codec: str, remote: dict[str, Any],
                      keys: list[bytes]) -> float:
     """Seconds the uploader takes to drain a backlog of ``payloads``."""
     store_dir.mkdir()
-    lock_fd = os.open(store_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    lock_fd = os.open(store_dir / UPLOADER_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # this store's uploader waits, as if another process held the queue
         with ucm_db.open(store_dir, codec="none", capacity_bytes=4 << 30, remote_codec=remote_codec, **remote) as writer:
             for i in range(0, len(keys), 8):
                 writer.put(NAMESPACE, keys[i : i + 8], payloads[i : i + 8])
+            if writer.stats().remote.get("uploaded"):
+                raise RuntimeError("the uploader ran while the bench held its election lock: the drain would be short")
             started = time.perf_counter()
             os.close(lock_fd)
             lock_fd = -1
             writer.flush(upload_timeout_s=600)
-            return time.perf_counter() - started
+            drain_s = time.perf_counter() - started
+            uploaded = writer.stats().remote.get("uploaded")
+            if uploaded != len(keys):  # e.g. eviction took queued blocks: the rate would count bytes never sent
+                raise RuntimeError(f"the drain uploaded {uploaded} of {len(keys)} blocks")
+            return drain_s
     finally:
         if lock_fd >= 0:
             os.close(lock_fd)
