@@ -1,6 +1,6 @@
 """Load or recompute over a throttled remote: ``ucm-db bench cost`` (issue 13, item 2).
 
-    ucm-db bench cost [--lengths 1024,2048,4096,8160] [--repeats 3] [--json]
+    ucm-db bench cost [--lengths 1024,2048,4096,8160] [--repeats 3] [--rounds 1] [--json]
 
 TTFT of prompts of each length whose KV is on a ``throttled://`` remote
 (:mod:`.throttle`: a local directory behind one token-bucket link) and not
@@ -30,6 +30,12 @@ Procedure:
    first, probing, ask), all 1K tokens (or the longest length if shorter), then the measured prompts, lengths
    interleaved. TTFT is the wall time of one ``generate`` with
    ``max_tokens=1``; ``cached`` is vLLM's count of tokens not computed.
+
+With ``--rounds N`` the five engines run N times, every other round in
+reverse order (recompute last, then first), and each figure is the median
+over every round's prompts: engines run one after another, and a host
+whose speed drifts meanwhile otherwise shows up as a difference between
+``auto`` and the engine it chose like.
 
 Every engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
 ``throttled://`` file system registered in the job serves the connector,
@@ -185,8 +191,10 @@ def _medians(outcome: dict[str, Any], order: list[int]) -> dict[int, dict[str, f
 
 
 def run(lengths: list[int], repeats: int, layers: int, hidden: int, slow_fraction: float, fast_factor: float,
-        slow_mbps: float | None, fast_mbps: float | None, seed: int) -> dict[str, Any]:
-    """Every engine in its own process; returns the report."""
+        slow_mbps: float | None, fast_mbps: float | None, seed: int, rounds: int = 1) -> dict[str, Any]:
+    """Every engine in its own process, ``rounds`` times (every other round
+    in reverse order, so a host that drifts weighs on every engine alike);
+    returns the report, each engine's prompts pooled over the rounds."""
     base = demo_dir()
     base.mkdir(parents=True, exist_ok=True)
     model = build_model(base / f"bench-model-{layers}x{hidden}", layers=layers, hidden=hidden)
@@ -198,21 +206,41 @@ def run(lengths: list[int], repeats: int, layers: int, hidden: int, slow_fractio
     with tempfile.TemporaryDirectory(prefix="ucm-db-cost-") as tmp:
         work = Path(tmp)
         print("  recompute: 1 engine ...", file=sys.stderr, flush=True)
-        recompute = _engine(common, work, "recompute")
-        rates = [n / (row["ttft_ms"] / 1e3) for n, row in _medians(recompute, order).items()]
+        outcomes: dict[str, list[dict[str, Any]]] = {"recompute": [_engine(common, work, "recompute-0")]}
+        rates = [n / (row["ttft_ms"] / 1e3) for n, row in _medians(outcomes["recompute"][0], order).items()]
         break_even = (min(rates) * bytes_per_token, max(rates) * bytes_per_token)
         links = {"slow": slow_mbps * 1e6 if slow_mbps else break_even[0] * slow_fraction,
                  "fast": fast_mbps * 1e6 if fast_mbps else break_even[1] * fast_factor}
         (work / "remote").mkdir()
-        engines: dict[str, dict[str, Any]] = {}
-        for link, bandwidth in links.items():
-            for policy in POLICIES:
-                name = f"{link}-{policy}"
-                print(f"  {name}: 1 engine, link {bandwidth / 1e6:.1f} MB/s ...", file=sys.stderr, flush=True)
-                spec = {**common, "policy": policy, "bandwidth_bytes_per_s": bandwidth, "remote_dir": str(work / "remote"),
-                        "store": str(work / f"store-{name}"), "fill": not engines, "fill_store": str(work / "fill-store")}
-                engines[name] = _engine(spec, work, name)
-    return _report(recompute, engines, links, break_even, order, bytes_per_token, layers, hidden, repeats)
+        names = [f"{link}-{policy}" for link in links for policy in POLICIES]
+        for round_index in range(rounds):
+            turn = names + ["recompute"] if round_index % 2 == 0 else ["recompute", *reversed(names)]
+            for name in turn:
+                if name == "recompute" and round_index == 0:
+                    continue  # calibrated the links above
+                tag = f"{name}-{round_index}"
+                if name == "recompute":
+                    print(f"  recompute: 1 engine (round {round_index + 1}) ...", file=sys.stderr, flush=True)
+                    outcomes[name].append(_engine(common, work, tag))
+                    continue
+                link, policy = name.split("-")
+                print(f"  {name}: 1 engine, link {links[link] / 1e6:.1f} MB/s (round {round_index + 1}) ...", file=sys.stderr, flush=True)
+                spec = {**common, "policy": policy, "bandwidth_bytes_per_s": links[link], "remote_dir": str(work / "remote"),
+                        "store": str(work / f"store-{tag}"), "fill": len(outcomes) == 1, "fill_store": str(work / "fill-store")}
+                outcomes.setdefault(name, []).append(_engine(spec, work, tag))
+    pooled = {name: _pooled(runs) for name, runs in outcomes.items()}
+    recompute = pooled.pop("recompute")
+    return _report(recompute, pooled, links, break_even, order * rounds, bytes_per_token, layers, hidden, repeats, rounds)
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's rounds as one outcome: prompts concatenated in round
+    order, the last round's cost model and counters."""
+    pooled = dict(runs[-1])
+    pooled.update({key: value for run in runs for key, value in run.items() if key == "filled_blocks"})  # the filling round's
+    pooled["ttft_s"] = [t for run in runs for t in run["ttft_s"]]
+    pooled["cached"] = [c for run in runs for c in run["cached"]]
+    return pooled
 
 
 def _engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
@@ -225,7 +253,7 @@ def _engine(spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
 
 def _report(recompute: dict[str, Any], engines: dict[str, dict[str, Any]], links: dict[str, float],
             break_even: tuple[float, float], order: list[int], bytes_per_token: int, layers: int, hidden: int,
-            repeats: int) -> dict[str, Any]:
+            repeats: int, rounds: int = 1) -> dict[str, Any]:
     base = _medians(recompute, order)
     rows = []
     for link, bandwidth in links.items():
@@ -241,7 +269,7 @@ def _report(recompute: dict[str, Any], engines: dict[str, dict[str, Any]], links
             })
     return {
         "model": f"llama {layers} layers x {hidden} hidden, bf16, random weights", "kv_bytes_per_token": bytes_per_token,
-        "block_size": BLOCK_SIZE, "repeats": repeats, "break_even_MBps": [round(b / 1e6, 2) for b in break_even],
+        "block_size": BLOCK_SIZE, "repeats": repeats, "rounds": rounds, "break_even_MBps": [round(b / 1e6, 2) for b in break_even],
         "rows": rows, "target_auto_over_best": 1.1,
         "worst_auto_over_best": max(r["auto_over_best"] for r in rows),
         "engines": {name: {k: v for k, v in out.items() if k in ("cost_model", "remote_skipped", "filled_blocks", "ttft_s", "cached")}
@@ -252,7 +280,8 @@ def _report(recompute: dict[str, Any], engines: dict[str, dict[str, Any]], links
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"load or recompute over a throttled remote ({report['model']}, {report['kv_bytes_per_token']} KV bytes/token, "
-          f"block {report['block_size']}); median TTFT of {report['repeats']} prompts per length")
+          f"block {report['block_size']}); median TTFT of {report['repeats']} prompts per length"
+          + (f" in each of {report['rounds']} rounds" if report.get("rounds", 1) > 1 else ""))
     print(f"break-even link (slowest, fastest length): {report['break_even_MBps'][0]} / {report['break_even_MBps'][1]} MB/s")
     print(f"{'link':<5} {'MB/s':>7} {'tokens':>6} {'recompute ms':>12} {'always ms':>10} {'auto ms':>9} "
           f"{'auto cached':>11} {'load/recomp':>11} {'auto/min':>8}")
@@ -278,6 +307,8 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str) -> list[int
 @click.command("cost", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--lengths", default="1024,2048,4096,8160", show_default=True, callback=_lengths, help="prompt lengths in tokens")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="prompts per length (median)")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="run every engine this many times, every other round in reverse order; medians pool the rounds")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True, help="layers of the random-weight Llama")
 @click.option("--hidden", type=click.IntRange(min=64), default=512, show_default=True, help="hidden size of the model")
 @click.option("--slow-fraction", type=click.FloatRange(min=0.01, max=0.95), default=0.5, show_default=True,
