@@ -31,8 +31,9 @@ Procedure:
    interleaved. TTFT is the wall time of one ``generate`` with
    ``max_tokens=1``; ``cached`` is vLLM's count of tokens not computed.
 
-With ``--rounds N`` the five engines run N times, every other round in
-reverse order (recompute last, then first), and each figure is the median
+With ``--rounds N`` the five engines run N times (each round recompute
+first, then the four connector engines, in reverse order every other
+round), and each figure is the median
 over every round's prompts: engines run one after another, and a host
 whose speed drifts meanwhile otherwise shows up as a difference between
 ``auto`` and the engine it chose like.
@@ -192,9 +193,10 @@ def _medians(outcome: dict[str, Any], order: list[int]) -> dict[int, dict[str, f
 
 def run(lengths: list[int], repeats: int, layers: int, hidden: int, slow_fraction: float, fast_factor: float,
         slow_mbps: float | None, fast_mbps: float | None, seed: int, rounds: int = 1) -> dict[str, Any]:
-    """Every engine in its own process, ``rounds`` times (every other round
-    in reverse order, so a host that drifts weighs on every engine alike);
-    returns the report, each engine's prompts pooled over the rounds."""
+    """Every engine in its own process, ``rounds`` times (recompute first,
+    then the connector engines, in reverse order every other round, so a
+    host that drifts weighs on them alike); returns the report, each
+    engine's prompts pooled over the rounds."""
     base = demo_dir()
     base.mkdir(parents=True, exist_ok=True)
     model = build_model(base / f"bench-model-{layers}x{hidden}", layers=layers, hidden=hidden)
@@ -214,15 +216,11 @@ def run(lengths: list[int], repeats: int, layers: int, hidden: int, slow_fractio
         (work / "remote").mkdir()
         names = [f"{link}-{policy}" for link in links for policy in POLICIES]
         for round_index in range(rounds):
-            turn = names + ["recompute"] if round_index % 2 == 0 else ["recompute", *reversed(names)]
-            for name in turn:
-                if name == "recompute" and round_index == 0:
-                    continue  # calibrated the links above
+            if round_index:  # round 1's recompute engine calibrated the links above
+                print(f"  recompute: 1 engine (round {round_index + 1}) ...", file=sys.stderr, flush=True)
+                outcomes["recompute"].append(_engine(common, work, f"recompute-{round_index}"))
+            for name in names if round_index % 2 == 0 else names[::-1]:
                 tag = f"{name}-{round_index}"
-                if name == "recompute":
-                    print(f"  recompute: 1 engine (round {round_index + 1}) ...", file=sys.stderr, flush=True)
-                    outcomes[name].append(_engine(common, work, tag))
-                    continue
                 link, policy = name.split("-")
                 print(f"  {name}: 1 engine, link {links[link] / 1e6:.1f} MB/s (round {round_index + 1}) ...", file=sys.stderr, flush=True)
                 spec = {**common, "policy": policy, "bandwidth_bytes_per_s": links[link], "remote_dir": str(work / "remote"),
@@ -237,7 +235,9 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One engine's rounds as one outcome: prompts concatenated in round
     order, the last round's cost model and counters."""
     pooled = dict(runs[-1])
-    pooled.update({key: value for run in runs for key, value in run.items() if key == "filled_blocks"})  # the filling round's
+    filled = [run["filled_blocks"] for run in runs if "filled_blocks" in run]  # the round that filled the remote
+    if filled:
+        pooled["filled_blocks"] = filled[0]
     pooled["ttft_s"] = [t for run in runs for t in run["ttft_s"]]
     pooled["cached"] = [c for run in runs for c in run["cached"]]
     return pooled

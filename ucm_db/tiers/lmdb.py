@@ -129,6 +129,10 @@ class _LmdbTxn:
     def get(self, table: str, key: bytes) -> Buffer | None:
         return self._txn.get(key, db=self._dbs[table])  # type: ignore[no-any-return]
 
+    def stat(self, table: str) -> Any:
+        """LMDB's page counts of ``table`` in this snapshot (``txn.stat``)."""
+        return self._txn.stat(self._dbs[table])
+
     def put(self, table: str, key: bytes, value: Buffer) -> None:
         self._txn.put(key, value, db=self._dbs[table])
 
@@ -355,9 +359,6 @@ class LmdbEngine(Engine):
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def read(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
-        return self._in_read_txn(lambda txn: fn(_LmdbTxn(txn, self._dbs)))
-
-    def _in_read_txn(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """``fn`` in a read transaction, adopting a map another process grew
         meanwhile (every read goes through here: a bare ``env.begin`` fails
         with MDB_MAP_RESIZED beside a growing writer)."""
@@ -365,7 +366,7 @@ class LmdbEngine(Engine):
         for _ in range(3):
             try:
                 with self._txn_gate.shared(), env.begin(buffers=True) as txn:
-                    return fn(txn)
+                    return fn(_LmdbTxn(txn, self._dbs))
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
             except lmdb.Error as exc:  # e.g. MDB_CORRUPTED from a damaged page
@@ -456,10 +457,10 @@ class LmdbEngine(Engine):
         for a contiguous run); ``ucm-db compact`` returns it to the disk."""
         env = self._environment()
 
-        def measure(txn: lmdb.Transaction) -> tuple[list[Any], int]:
-            return [txn.stat(db) for db in self._dbs.values()] + [env.stat()], self._extent_pages(env)
+        def measure(txn: _LmdbTxn) -> tuple[list[Any], int]:
+            return [txn.stat(table) for table in self._dbs] + [env.stat()], self._extent_pages(env)
 
-        stats, extent_pages = self._in_read_txn(measure)
+        stats, extent_pages = self.read(measure)
         in_tables = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
         meta_pages = 2
         return max(0, extent_pages - meta_pages - in_tables) * self._page_size(env)
