@@ -31,7 +31,63 @@ def _bf16_like(n_elements: int, seed: int = 0) -> bytes:
 def test_round_trip_any_bytes(frames: list[bytes], name: str, element_bytes: int) -> None:
     blob = codec.encode(KEY, frames, codec=name, element_bytes=element_bytes)
     assert bytes(codec.decode(blob, KEY)) == b"".join(frames)
-    assert codec.frame_sizes(blob) == [len(f) for f in frames]
+    sizes = codec.frame_sizes(blob)
+    if name == "none":
+        assert sizes == [len(f) for f in frames]
+    else:  # runs of adjacent frames: the stored boundaries are some of the caller's
+        assert sum(sizes) == sum(len(f) for f in frames)
+        assert set(_boundaries(sizes)) <= set(_boundaries([len(f) for f in frames]))
+
+
+def _boundaries(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(1, len(sizes))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(frame_kib=st.lists(st.sampled_from([0, 1, 8, 64, 200, 256, 300]), min_size=1, max_size=12), odd=st.booleans())
+def test_zstd_groups_small_adjacent_frames_and_framed_gives_the_same_bytes(frame_kib: list[int], odd: bool) -> None:
+    sizes = [n << 10 for n in frame_kib]
+    if odd:  # a frame that is not whole elements stands alone
+        sizes[len(sizes) // 2] += 1
+    raw = _bf16_like((sum(sizes) + 1) // 2)[: sum(sizes)]
+    frames, at = [], 0
+    for n in sizes:
+        frames.append(raw[at : at + n])
+        at += n
+    listed = codec.encode(KEY, frames, codec="zstd", element_bytes=2)
+    framed = codec.encode_parts(KEY, codec.Framed(raw, tuple(sizes)), codec="zstd", element_bytes=2).blob()
+    assert listed == framed
+    assert bytes(codec.decode(listed, KEY)) == raw
+    stored = codec.frame_sizes(listed)
+    caller_bounds = set(_boundaries(sizes))
+    assert set(_boundaries(stored)) <= caller_bounds
+    # A stored frame holds several caller frames only while they are whole
+    # elements and the run is under the group size before its last frame.
+    at = 0
+    for size in stored:
+        inner = [b - at for b in caller_bounds if at < b < at + size]
+        if inner:
+            assert max(inner) < codec.ZSTD_GROUP_BYTES
+            assert all(b % 2 == 0 for b in inner)
+        at += size
+    # A caller frame of the group size or more is stored alone.
+    stored_bounds = {0, sum(sizes)} | set(_boundaries(stored))
+    at = 0
+    for n in sizes:
+        if n >= codec.ZSTD_GROUP_BYTES:
+            assert at in stored_bounds and at + n in stored_bounds
+        at += n
+
+
+def test_zstd_groups_vllm_cpu_layer_frames_into_one() -> None:
+    """Eight 8 KiB layer frames (a vLLM-CPU head unit) become one zstd frame,
+    and it decodes to the same bytes."""
+    raw = _bf16_like(32 << 10)
+    frames = [raw[i : i + (8 << 10)] for i in range(0, len(raw), 8 << 10)]
+    blob = codec.encode(KEY, frames, codec="zstd", element_bytes=2)
+    assert codec.frame_sizes(blob) == [len(raw)]
+    assert bytes(codec.decode(blob, KEY)) == raw
+    assert codec.frame_sizes(codec.encode(KEY, frames, codec="none")) == [8 << 10] * 8
 
 
 def test_zstd_compresses_bf16_like_data_and_round_trips() -> None:

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "remote": "ucm_db.tools.bench.remote:command",
     "remote-codec": "ucm_db.tools.bench.remote_codec:command",
     "codec-pool": "ucm_db.tools.bench.codec_pool:command",
+    "codec-frames": "ucm_db.tools.bench.codec_frames:command",
     "ttft": "ucm_db.tools.bench.ttft:command",
     "overhead": "ucm_db.tools.bench.overhead:command",
     "tp": "ucm_db.tools.bench.tp:command",

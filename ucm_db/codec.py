@@ -14,7 +14,11 @@ two apart (:func:`encode_parts`, :func:`decode_parts_into`) so that an
 uncompressed body goes into the store as the caller's own buffer, without a
 copy to put a header in front of it.
 
-A frame is one layer's bytes (or the whole block). Modes: RAW (stored as is),
+A frame is a run of the caller's frames (layers) or the whole block. With
+codec ``none`` each caller frame is one stored frame; ``zstd`` compresses
+runs of adjacent small frames together (:data:`ZSTD_GROUP_BYTES`), so its
+frame table keeps fewer boundaries than the caller gave. Readers place
+layers by the layout, never by the frame table. Modes: RAW (stored as is),
 ZSTD (whole frame), SHUFFLE (bytes of each element split into planes, plane
 ``i`` zstd-compressed if bit ``i`` of plane_mask is set, else raw; the body
 of such a frame starts with one u32 stored length per plane).
@@ -50,6 +54,13 @@ CODEC_FORMAT_VERSION = 1
 CODEC_IDS = {"none": 0, "zstd": 1}
 MODE_RAW, MODE_ZSTD, MODE_SHUFFLE = 0, 1, 2
 MAX_FRAMES = 4096
+#: zstd compresses adjacent frames of a block together until a group holds
+#: this many raw bytes: below ~64 KiB zstd's fixed cost per frame (a
+#: context reset, a Huffman table read and built) dominates. Real-like bf16
+#: K/V on the 2-core host (``ucm-db bench codec-frames``, BENCHMARKS.md):
+#: 8 KiB frames (one vLLM-CPU layer of a head unit) decode at 0.5 GB/s and
+#: encode at 0.3 GB/s per core, 256 KiB frames at 2.7 and 1.5 GB/s.
+ZSTD_GROUP_BYTES = 256 << 10
 #: Largest raw block accepted on decode (bounds allocation on hostile input).
 MAX_RAW_BYTES = 1 << 32
 
@@ -228,16 +239,20 @@ def encode_parts(
     if isinstance(frames, Framed):
         if codec == "none":
             return _encode_framed_raw(key, frames)
-        frames = frames.frames()
-    if isinstance(frames, (bytes, bytearray, memoryview)):
-        frames = [frames]
-    if len(frames) > MAX_FRAMES:
-        raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
+        if len(frames.frame_bytes) > MAX_FRAMES:
+            raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
+        groups = _zstd_groups_of_framed(frames, element_bytes)
+    else:
+        if isinstance(frames, (bytes, bytearray, memoryview)):
+            frames = [frames]
+        if len(frames) > MAX_FRAMES:
+            raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
+        views = [memoryview(frame).cast("B") for frame in frames]
+        groups = views if codec == "none" else _zstd_groups_of_views(views, element_bytes)
     table: list[bytes] = []
     parts: list[Buffer] = []
     raw_len = body_len = 0
-    for frame in frames:
-        view = memoryview(frame).cast("B")
+    for view in groups:
         mode, elem, mask, stored = _encode_frame(view, codec, element_bytes, level)
         stored_len = sum(len(p) for p in stored)
         table.append(_FRAME.pack(len(view), stored_len, mode, elem, mask))
@@ -245,6 +260,46 @@ def encode_parts(
         raw_len += len(view)
         body_len += stored_len
     return _sealed(key, codec, table, parts, raw_len, body_len)
+
+
+def _zstd_runs(frame_bytes: Sequence[int], element_bytes: int) -> list[range]:
+    """Which frames zstd compresses together: runs of adjacent frames (as
+    index ranges) joined until a run holds :data:`ZSTD_GROUP_BYTES`. A
+    frame of that size or more stands alone, and so does one whose length
+    is not a whole number of elements, so every run shuffles on element
+    boundaries."""
+    step = element_bytes if element_bytes in (2, 4) else 1
+    runs: list[range] = []
+    start = run_bytes = 0
+    for i, size in enumerate(frame_bytes):
+        if size >= ZSTD_GROUP_BYTES or size % step:
+            if start < i:
+                runs.append(range(start, i))
+            runs.append(range(i, i + 1))
+            start, run_bytes = i + 1, 0
+            continue
+        run_bytes += size
+        if run_bytes >= ZSTD_GROUP_BYTES:
+            runs.append(range(start, i + 1))
+            start, run_bytes = i + 1, 0
+    if start < len(frame_bytes):
+        runs.append(range(start, len(frame_bytes)))
+    return runs
+
+
+def _zstd_groups_of_views(views: list[memoryview], element_bytes: int) -> list[memoryview]:
+    """The compression groups of separate frames (a run of several is joined: one copy)."""
+    runs = _zstd_runs([len(v) for v in views], element_bytes)
+    return [views[r.start] if len(r) == 1 else memoryview(b"".join(views[r.start : r.stop])) for r in runs]
+
+
+def _zstd_groups_of_framed(framed: Framed, element_bytes: int) -> list[memoryview]:
+    """The compression groups of a :class:`Framed` block: views of its buffer, no copy."""
+    body = memoryview(framed.buffer).cast("B")
+    offsets = [0]
+    for size in framed.frame_bytes:
+        offsets.append(offsets[-1] + size)
+    return [body[offsets[r.start] : offsets[r.stop]] for r in _zstd_runs(framed.frame_bytes, element_bytes)]
 
 
 def _sealed(key: bytes, codec: str, table: list[bytes], parts: list[Buffer], raw_len: int, body_len: int) -> EncodedBlock:

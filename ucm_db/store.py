@@ -258,8 +258,9 @@ class Store:
                 ``keys[i-1]``), best a slice of :meth:`Namespace.block_keys`,
                 which knows the key before its first one.
             payloads: one per key: bytes-like (C-contiguous buffers), or a
-                list/tuple of per-layer frames (stored as separately
-                decodable frames).
+                list/tuple of per-layer frames (kept apart with codec
+                ``none``; zstd compresses runs of small adjacent frames
+                together, see :data:`ucm_db.codec.ZSTD_GROUP_BYTES`).
             parent: key of the block before ``keys[0]``; None if ``keys[0]``
                 is the chain's first block. Needed for a plain list of keys;
                 for :class:`~ucm_db.keys.BlockKeys` it defaults to (and must

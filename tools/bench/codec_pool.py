@@ -27,20 +27,20 @@ _TOTAL_BYTES = 16 << 20
 _NS = Namespace(model="bench-codec-pool", kv_dtype="bfloat16", block_size=32)
 
 
-def _bf16_like(num_blocks: int, block_bytes: int) -> np.ndarray:
+def bf16_like(num_blocks: int, block_bytes: int) -> np.ndarray:
     """Normal values as bf16 bit patterns (sign/exponent plane compressible, mantissa not)."""
     values = np.random.default_rng(0).standard_normal((num_blocks, block_bytes // 2)).astype(np.float32)
     return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
 
 
-def measure(frame_bytes: int, block_bytes: int, threads: int, runs: int) -> dict[str, float]:
+def measure(frame_bytes: int, block_bytes: int, threads: int, runs: int, *, codec_name: str = "zstd") -> dict[str, float]:
     """Median decode and encode MB/s of one configuration."""
     num_blocks = _TOTAL_BYTES // block_bytes
-    data = _bf16_like(num_blocks, block_bytes)
+    data = bf16_like(num_blocks, block_bytes)
     frames = (frame_bytes,) * (block_bytes // frame_bytes)
     encode_s, decode_s = [], []
     with tempfile.TemporaryDirectory(prefix="ucm-bench-pool-") as tmp:
-        with ucm_db.open(tmp, codec="zstd", capacity_bytes=8 << 30, encode_threads=threads, durability="group") as store:
+        with ucm_db.open(tmp, codec=codec_name, capacity_bytes=8 << 30, encode_threads=threads, durability="group") as store:
             out = np.empty_like(data)
             buffers = [out[i] for i in range(num_blocks)]
             for run in range(runs):
