@@ -14,6 +14,8 @@ import pytest
 import zstandard
 from click.testing import CliRunner
 
+from ucm_db import codec
+from ucm_db.tools.bench import codec_frames
 from ucm_db.tools.bench import core as bench
 from ucm_db.tools.bench.common import BenchOptions
 
@@ -55,3 +57,21 @@ def test_captured_kv_is_real_bf16_and_compressible() -> None:
     assert all(len(b) == 2 << 20 for b in blocks) and not np.array_equal(blocks[0], blocks[1])
     high_bytes = blocks[0][1::2].tobytes()  # sign and exponent: compressible unless the data were random
     assert len(zstandard.ZstdCompressor(level=1).compress(high_bytes)) < 0.6 * len(high_bytes)
+
+
+def test_codec_frames_reports_each_configuration_and_restores_the_group_size() -> None:
+    result = CliRunner().invoke(codec_frames.command, ["--frame-kib", "8", "--block-kib", "64", "--runs", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)
+    assert row["frame_bytes"] == 8 << 10 and row["block_bytes"] == 64 << 10
+    for config in ("grouped", "alone", "none"):
+        assert row[config]["decode_MBps"] > 0 and row[config]["encode_MBps"] > 0
+    # Grouping 8 KiB frames never costs ratio (one Huffman table per group,
+    # not per frame); the measured speeds are not asserted.
+    assert row["grouped"]["ratio"] >= row["alone"]["ratio"] > 1.2
+    assert codec.ZSTD_GROUP_BYTES == 256 << 10
+
+
+def test_codec_frames_refuses_frames_that_do_not_divide_the_block() -> None:
+    result = CliRunner().invoke(codec_frames.command, ["--frame-kib", "24", "--block-kib", "64"])
+    assert result.exit_code == 2 and "do not divide" in result.output
