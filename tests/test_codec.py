@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucm_db import codec
-from ucm_db.errors import CorruptBlockError
+from ucm_db.errors import ConfigError, CorruptBlockError
 
 KEY = bytes(range(32))
 
@@ -142,3 +142,12 @@ def test_element_size_table() -> None:
     assert codec.element_bytes_for("torch.bfloat16") == 2
     assert codec.element_bytes_for("float32") == 4
     assert codec.element_bytes_for("fp8_e4m3") == 1
+
+
+@pytest.mark.parametrize("name", ["none", "zstd"])
+def test_more_frames_than_the_table_holds_is_a_config_error_for_lists_and_framed(name: str) -> None:
+    too_many = codec.MAX_FRAMES + 1
+    with pytest.raises(ConfigError, match="at most"):
+        codec.encode(KEY, [b"ab"] * too_many, codec=name, element_bytes=2)
+    with pytest.raises(ConfigError, match="at most"):
+        codec.encode_parts(KEY, codec.Framed(b"ab" * too_many, (2,) * too_many), codec=name, element_bytes=2)

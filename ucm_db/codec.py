@@ -237,17 +237,15 @@ def encode_parts(
         raise ConfigError(f"unknown codec {codec!r}", hint=f"use one of {', '.join(CODEC_IDS)}")
     if len(key) != 32:
         raise ConfigError("block keys are 32 bytes", hint="use Namespace.block_keys")
+    if isinstance(frames, (bytes, bytearray, memoryview)):
+        frames = [frames]
+    if len(frames.frame_bytes if isinstance(frames, Framed) else frames) > MAX_FRAMES:
+        raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
     if isinstance(frames, Framed):
         if codec == "none":
             return _encode_framed_raw(key, frames)
-        if len(frames.frame_bytes) > MAX_FRAMES:
-            raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
         groups = _zstd_groups_of_framed(frames, element_bytes)
     else:
-        if isinstance(frames, (bytes, bytearray, memoryview)):
-            frames = [frames]
-        if len(frames) > MAX_FRAMES:
-            raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
         views = [memoryview(frame).cast("B") for frame in frames]
         groups = views if codec == "none" else _zstd_groups_of_views(views, element_bytes)
     table: list[bytes] = []
@@ -316,10 +314,9 @@ def _sealed(key: bytes, codec: str, table: list[bytes], parts: list[Buffer], raw
 
 
 def _encode_framed_raw(key: bytes, framed: Framed) -> EncodedBlock:
-    """Codec ``none`` of a :class:`Framed` block: the same bytes as its
-    frames' list would give, with the buffer itself as the one body part."""
-    if len(framed.frame_bytes) > MAX_FRAMES:
-        raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
+    """Codec ``none`` of a :class:`Framed` block (at most ``MAX_FRAMES``
+    frames, checked by :func:`encode_parts`): the same bytes as its frames'
+    list would give, with the buffer itself as the one body part."""
     body = memoryview(framed.buffer).cast("B")
     table = [_FRAME.pack(n, n, MODE_RAW, 1, 0) for n in framed.frame_bytes]
     return _sealed(key, "none", table, [body], len(body), len(body))
