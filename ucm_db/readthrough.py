@@ -9,6 +9,9 @@ Invariants:
     * A remote call made on behalf of a lookup returns within its deadline:
       requests run on a pool and are waited on with a timeout; requests
       still running at the deadline are abandoned (their results ignored).
+      The exception is a remote directory on a local disk while its reads
+      stay fast (:mod:`ucm_db.inline_reads`): requests then run in order
+      on the caller's thread, none started past the deadline.
     * When the remote fails (an error other than "not found", or a deadline
       passing with no request answered) the breaker opens for a backoff that
       doubles up to :data:`MAX_BACKOFF_S`; while open, reads skip the remote
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.errors import MissingAncestorError
+from ucm_db.inline_reads import InlineReads, is_local_disk
 from ucm_db.tiers.local import BlockEntry, LocalTier
 from ucm_db.tiers.remote import RemoteObject, RemoteRoot, RemoteTier
 
@@ -170,6 +174,7 @@ class RemoteLink:
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")
         self._tiers: dict[bytes, RemoteTier] = {}
         self.last_search: SearchResult | None = None
+        self.inline = InlineReads(self.root.is_local and is_local_disk(self.root.root))
         self._start_background()
 
     def _start_background(self) -> None:
@@ -214,7 +219,9 @@ class RemoteLink:
         """
         if not self.breaker.allow():
             return None
-        futures = [self._pool.submit(call) for call in calls]
+        if self.inline.use():
+            return self._run_inline(calls, deadline)
+        futures = [self._pool.submit(self.inline.timed(call)) for call in calls]
         done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_EXCEPTION)
         for future in pending:
             future.cancel()  # queued ones never run; running ones finish unread
@@ -226,6 +233,28 @@ class RemoteLink:
         elif not pending:
             self.breaker.success()
         return [f.result() if f in done else UNFINISHED for f in futures]
+
+    def _run_inline(self, calls: list[Callable[[], Any]], deadline: float) -> list[Any] | None:
+        """:meth:`run_all` on the caller's thread, in order: a call is not
+        started past ``deadline`` (it is :data:`UNFINISHED`)."""
+        results: list[Any] = []
+        for call in calls:
+            if time.monotonic() >= deadline:
+                results.append(UNFINISHED)
+                continue
+            started = time.perf_counter()
+            try:
+                results.append(call())
+            except Exception:  # noqa: BLE001 - as a pooled call's error: the breaker trips
+                self.breaker.failure()
+                return None
+            self.inline.observe(time.perf_counter() - started)
+            self.inline.inline_requests += 1
+        if calls and all(r is UNFINISHED for r in results):
+            self.breaker.failure()  # nothing answered in time: looks down
+        elif not any(r is UNFINISHED for r in results):
+            self.breaker.success()
+        return results
 
     # -- lookups -------------------------------------------------------------------
     def search(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> SearchResult:
@@ -314,13 +343,16 @@ class RemoteLink:
             yield from itertools.repeat(None, len(keys))
             return
         tier = self.tier(namespace_id)
+        if self.inline.use():
+            yield from self._fetch_inline(tier, keys, deadline, result_timeout_s)
+            return
         window = window or 2 * self.read_threads
         pending: deque[Future[RemoteObject | None]] = deque()
         next_at = answered = 0
         try:
             while answered < len(keys):
                 while next_at < len(keys) and len(pending) < window:
-                    pending.append(self._pool.submit(tier.fetch, keys[next_at]))
+                    pending.append(self._pool.submit(self.inline.timed(_bind(tier.fetch, keys[next_at]))))
                     next_at += 1
                 wait_s = max(0.0, deadline - time.monotonic())
                 stalled = result_timeout_s is not None and result_timeout_s <= wait_s
@@ -337,6 +369,36 @@ class RemoteLink:
         finally:
             for future in pending:
                 future.cancel()  # queued ones never run; running ones finish unread
+
+    def _fetch_inline(
+        self, tier: RemoteTier, keys: Sequence[bytes], deadline: float, result_timeout_s: float | None,
+    ) -> Generator[RemoteObject | None, None, None]:
+        """:meth:`fetch_in_order` on the caller's thread (a fast local disk):
+        no fetch starts past ``deadline``; an error opens the breaker and
+        ends it, as does a fetch slower than ``result_timeout_s`` (after
+        yielding what it fetched)."""
+        for answered, key in enumerate(keys):
+            if time.monotonic() >= deadline:
+                if answered == 0:
+                    self.breaker.failure()
+                yield from itertools.repeat(None, len(keys) - answered)
+                return
+            started = time.perf_counter()
+            try:
+                obj = tier.fetch(key)
+            except Exception:  # noqa: BLE001 - a remote error ends the fetch
+                self.breaker.failure()
+                yield from itertools.repeat(None, len(keys) - answered)
+                return
+            elapsed_s = time.perf_counter() - started
+            self.inline.observe(elapsed_s)
+            self.inline.inline_requests += 1
+            yield obj
+            if result_timeout_s is not None and elapsed_s > result_timeout_s:
+                self.breaker.failure()  # as a pooled result this slow: the rest is not asked for
+                yield from itertools.repeat(None, len(keys) - answered - 1)
+                return
+        self.breaker.success()
 
     def fetch_many(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> list[RemoteObject | None]:
         """Fetches unrelated keys; None for each one not available in time."""

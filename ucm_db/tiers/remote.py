@@ -134,6 +134,11 @@ class RemoteRoot:
         #: other nodes share it, and an operator decides.
         self.quarantined: dict[str, str] = {}
 
+    @property
+    def is_local(self) -> bool:
+        """True for a directory of this machine's file systems (``file://``; NFS included)."""
+        return self._local
+
     def after_fork(self) -> None:
         """In a forked child: a lock held by a parent thread stays held."""
         self._lock = threading.Lock()
