@@ -20,6 +20,8 @@ Invariants:
     * Inline requests keep the deadline between requests: a request is not
       started past it (so a lookup overruns its deadline by at most one
       local read).
+    * ``UCM_DB_INLINE_READS=0`` in the environment sends every request to
+      the pool (to compare the two, or to rule inline reads out).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class InlineReads:
     """One remote's choice between inline and pooled requests (see module invariants)."""
 
     def __init__(self, allowed: bool) -> None:
-        self.allowed = allowed
+        self.allowed = allowed and os.environ.get("UCM_DB_INLINE_READS", "1") != "0"
         self._average_s = 0.0  # optimistic: the first requests of a local disk go inline
         self.inline_requests = 0
 

@@ -58,6 +58,12 @@ def test_no_mount_table_means_no_inline_reads(tmp_path: Path) -> None:
     assert not is_local_disk("/", str(tmp_path / "missing"))
 
 
+def test_the_environment_can_rule_inline_reads_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert InlineReads(True).use()
+    monkeypatch.setenv("UCM_DB_INLINE_READS", "0")
+    assert not InlineReads(True).use()
+
+
 def test_slow_requests_move_to_the_pool_and_fast_ones_back() -> None:
     reads = InlineReads(True)
     assert reads.use()
