@@ -450,25 +450,28 @@ class Store:
         results = self._tier.with_blocks(
             keys, lambda blocks: self._codecs.decode_blocks(blocks, decode), namespace_id=namespace.digest[:16],
         )
-        for i, blob in self._read_through(namespace, keys, results, corrupt).items():
+        def decode_fetched(i: int, blob: Buffer) -> None:
             results[i] = codec.decode(blob, keys[i])
+
+        self._read_through(namespace, keys, results, decode_fetched)
         return self._finish_read(keys, results, corrupt)
 
     def _read_through(
-        self, namespace: Namespace, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]],
-    ) -> dict[int, Buffer]:
-        """Fetches local misses (corrupt local blocks included: the remote
-        copy is verified on its own) from the remote, promotes what keeps
-        the prefix invariant, and returns verified blobs by index."""
+        self, namespace: Namespace, keys: Sequence[bytes], results: list[Any], use: Callable[[int, Buffer], None],
+    ) -> None:
+        """Fetches local misses (``None`` in ``results``; corrupt local
+        blocks included: the remote copy is verified on its own) from the
+        remote, promotes what keeps the prefix invariant, and hands each
+        verified blob to ``use(index, blob)`` as it arrives, so the caller
+        decodes it while later ones are still being fetched."""
         if self._remote is None:
-            return {}
+            return
         missing = [i for i, r in enumerate(results) if r is None]
         if not missing:
-            return {}
+            return
         from ucm_db.readthrough import PROMOTE_BATCH_BYTES, promotable_runs, promote
 
         deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self.config.remote_deadline_s
-        found: dict[int, Buffer] = {}
         batch: list[RemoteObject | None] = []
         batch_bytes = 0
 
@@ -484,13 +487,12 @@ class Store:
         for obj, i in zip(fetched, missing):  # fetched first: the generator runs to its end (breaker.success)
             batch.append(obj)
             if obj is not None:
-                found[i] = obj.blob
+                use(i, obj.blob)
                 batch_bytes += len(obj.blob)
             if batch_bytes >= PROMOTE_BATCH_BYTES:
                 promote_batch()
                 batch, batch_bytes = [], 0
         promote_batch()
-        return found
 
     def get_into(self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         """Decodes blocks straight into caller-provided buffers.
@@ -518,9 +520,12 @@ class Store:
             keys, lambda blocks: self._codecs.decode_blocks(blocks, decode), namespace_id=namespace.digest[:16],
         )
         flags: list[Any] = [True if r else None for r in results]
-        for i, blob in self._read_through(namespace, keys, flags, corrupt).items():
+
+        def decode_fetched(i: int, blob: Buffer) -> None:
             codec.decode_into(blob, keys[i], buffers[i])
             flags[i] = True
+
+        self._read_through(namespace, keys, flags, decode_fetched)
         done = self._finish_read(keys, flags, corrupt)
         return [r is not None for r in done]
 
