@@ -104,14 +104,20 @@ def test_inline_requests_stop_at_the_deadline_without_tripping_the_breaker(tmp_p
         link.close()
 
 
-def test_a_local_directory_remote_reads_through_inline(tmp_path: Path, namespace) -> None:
-    if not is_local_disk(str(tmp_path)):
-        pytest.skip(f"{tmp_path} is not on a local-disk file system here ({file_system_type(str(tmp_path))})")
+def _warm_remote(tmp_path: Path, namespace, n_blocks: int) -> tuple[Remote, list[bytes], list[bytes]]:
+    """A ``file://`` remote under ``tmp_path`` holding one uploaded chain."""
     remote = Remote("file", (tmp_path / "remote").as_uri())
-    keys, payloads = chain(namespace, 40)
+    keys, payloads = chain(namespace, n_blocks)
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
         node_a.put(namespace, keys, payloads)
         node_a.flush()
+    return remote, keys, payloads
+
+
+def test_a_local_directory_remote_reads_through_inline(tmp_path: Path, namespace) -> None:
+    if not is_local_disk(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is not on a local-disk file system here ({file_system_type(str(tmp_path))})")
+    remote, keys, payloads = _warm_remote(tmp_path, namespace, 40)
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
         link = node_b.remote
         assert link is not None and link.inline.allowed
@@ -131,11 +137,7 @@ def test_a_local_directory_remote_reads_through_inline(tmp_path: Path, namespace
 
 
 def test_a_slow_local_directory_reads_through_the_pool(tmp_path: Path, namespace) -> None:
-    remote = Remote("file", (tmp_path / "remote").as_uri())
-    keys, payloads = chain(namespace, 20)
-    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
-        node_a.put(namespace, keys, payloads)
-        node_a.flush()
+    remote, keys, payloads = _warm_remote(tmp_path, namespace, 20)
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
         link = node_b.remote
         assert link is not None
