@@ -242,14 +242,11 @@ class RemoteLink:
             if time.monotonic() >= deadline:
                 results.append(UNFINISHED)
                 continue
-            started = time.perf_counter()
             try:
-                results.append(call())
+                results.append(self.inline.run(call))
             except Exception:  # noqa: BLE001 - as a pooled call's error: the breaker trips
                 self.breaker.failure()
                 return None
-            self.inline.observe(time.perf_counter() - started)
-            self.inline.inline_requests += 1
         if calls and all(r is UNFINISHED for r in results):
             self.breaker.failure()  # nothing answered in time: looks down
         elif not any(r is UNFINISHED for r in results):
@@ -385,14 +382,12 @@ class RemoteLink:
                 return
             started = time.perf_counter()
             try:
-                obj = tier.fetch(key)
+                obj = self.inline.run(_bind(tier.fetch, key))
             except Exception:  # noqa: BLE001 - a remote error ends the fetch
                 self.breaker.failure()
                 yield from itertools.repeat(None, len(keys) - answered)
                 return
             elapsed_s = time.perf_counter() - started
-            self.inline.observe(elapsed_s)
-            self.inline.inline_requests += 1
             yield obj
             if result_timeout_s is not None and elapsed_s > result_timeout_s:
                 self.breaker.failure()  # as a pooled result this slow: the rest is not asked for

@@ -450,6 +450,7 @@ class Store:
         results = self._tier.with_blocks(
             keys, lambda blocks: self._codecs.decode_blocks(blocks, decode), namespace_id=namespace.digest[:16],
         )
+
         def decode_fetched(i: int, blob: Buffer) -> None:
             results[i] = codec.decode(blob, keys[i])
 
