@@ -11,12 +11,17 @@ Invariants:
     * Decoding runs inside the caller's read transaction, straight from the
       stored bytes: the pool is joined before :meth:`CodecPool.decode_blocks`
       returns, so no view outlives the transaction.
+    * Blocks fetched one by one (a read-through) are decoded through
+      :class:`PendingDecodes`: the pool's share runs while the caller goes on
+      fetching and promoting, and :meth:`PendingDecodes.join` returns only
+      when every decode has finished, so no result lands after the read
+      that asked for it has returned.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar, Union, cast
 
 from ucm_db import codec
@@ -67,8 +72,7 @@ class CodecPool:
         for i, block in enumerate(blocks):
             if block is None:
                 continue
-            head = block[0]
-            if self._pool is not None and codec.codec_of_head(head) == "zstd" and codec.mean_frame_bytes_of_head(head) >= POOL_MIN_FRAME_BYTES:
+            if self._pool is not None and _wants_pool(block[0]):
                 compressed.append(i)
             else:
                 results[i] = decode(i, *block)
@@ -81,9 +85,50 @@ class CodecPool:
                 results[i] = value
         return results
 
+    def pending(self) -> PendingDecodes:
+        """A set of decodes of blocks that arrive one by one (see
+        :class:`PendingDecodes`)."""
+        return PendingDecodes(self._pool)
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class PendingDecodes:
+    """Decodes of fetched blocks, started as each block arrives.
+
+    A zstd block with large frames is decoded on the pool, so its decode
+    overlaps the caller's next fetch and promotion; anything else is decoded
+    at once on the caller's thread (the same split as
+    :meth:`CodecPool.decode_blocks`). A block handed in must stay unchanged
+    until :meth:`join` returns (a fetched object's bytes do).
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor | None) -> None:
+        self._pool = pool
+        self._futures: list[Future[None]] = []
+
+    def add(self, blob: Buffer, decode: Callable[[], None]) -> None:
+        """Runs ``decode()`` for ``blob`` now or on the pool."""
+        if self._pool is not None and _wants_pool(blob):
+            self._futures.append(self._pool.submit(decode))
+        else:
+            decode()
+
+    def join(self) -> None:
+        """Waits for every decode; re-raises the first one's error (in the
+        order they were added), after all of them have finished."""
+        futures, self._futures = self._futures, []
+        wait(futures)
+        for future in futures:
+            future.result()
+
+
+def _wants_pool(head: Buffer) -> bool:
+    """Whether a block (its head, or the whole blob: only the header is
+    read) is zstd with frames large enough for the pool to pay."""
+    return codec.codec_of_head(head) == "zstd" and codec.mean_frame_bytes_of_head(head) >= POOL_MIN_FRAME_BYTES
 
 
 def _mean_frame_bytes(payload: Payload) -> int:

@@ -483,17 +483,22 @@ class Store:
         # Objects arrive in order while later ones are fetched: each batch
         # of PROMOTE_BATCH_BYTES is promoted then, overlapping the commit
         # with the transfer (a batch's first parent is the previous batch's
-        # last block, promoted already).
-        fetched = self._remote.fetch_in_order(namespace.digest[:16], [keys[i] for i in missing], deadline)
-        for obj, i in zip(fetched, missing):  # fetched first: the generator runs to its end (breaker.success)
-            batch.append(obj)
-            if obj is not None:
-                use(i, obj.blob)
-                batch_bytes += len(obj.blob)
-            if batch_bytes >= PROMOTE_BATCH_BYTES:
-                promote_batch()
-                batch, batch_bytes = [], 0
-        promote_batch()
+        # last block, promoted already), and large zstd blocks are decoded
+        # on the codec threads meanwhile, joined before this returns.
+        decodes = self._codecs.pending()
+        try:
+            fetched = self._remote.fetch_in_order(namespace.digest[:16], [keys[i] for i in missing], deadline)
+            for obj, i in zip(fetched, missing):  # fetched first: the generator runs to its end (breaker.success)
+                batch.append(obj)
+                if obj is not None:
+                    decodes.add(obj.blob, functools.partial(use, i, obj.blob))
+                    batch_bytes += len(obj.blob)
+                if batch_bytes >= PROMOTE_BATCH_BYTES:
+                    promote_batch()
+                    batch, batch_bytes = [], 0
+            promote_batch()
+        finally:
+            decodes.join()
 
     def get_into(self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
         """Decodes blocks straight into caller-provided buffers.

@@ -12,6 +12,7 @@ import pytest
 
 import ucm_db
 from ucm_db import codec
+from ucm_db.errors import CorruptBlockError
 
 pytestmark = pytest.mark.timeout(120)
 BLOCKS = 12
@@ -65,3 +66,62 @@ def test_fetched_blocks_are_decoded_while_later_ones_arrive(
     assert len(decoded_at) == BLOCKS
     # The first block was decoded in the first half of the transfer, not after the last one arrived.
     assert decoded_at[0] - started < 0.5 * (finished - started), (decoded_at[0] - started, finished - started)
+
+
+def test_large_zstd_blocks_are_decoded_on_the_codec_threads(tmp_path: Path, namespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks whose zstd frames are large enough for the pool are decoded on
+    the codec threads while the caller fetches and promotes the next ones;
+    every result is in place when ``get`` returns."""
+    import threading
+
+    from ucm_db.codec_pool import POOL_MIN_FRAME_BYTES
+
+    block_bytes = 2 * POOL_MIN_FRAME_BYTES
+    remote = {"remote": f"file://{tmp_path / 'remote'}"}
+    keys = namespace.block_keys(list(range(6 * namespace.block_size)))
+    payloads = [bytes([i]) * (block_bytes // 2) + bytes(range(256)) * (block_bytes // 512) for i in range(6)]
+    with ucm_db.open(tmp_path / "writer", codec="zstd", capacity_bytes=64 << 20, **remote) as writer:
+        writer.put(namespace, keys, payloads)
+        writer.flush(upload_timeout_s=60)
+    threads: list[str] = []
+    real_decode = codec.decode
+
+    def decode(*args, **kwargs):
+        time.sleep(0.05)  # slower than the caller's loop: a decode still running at the end must be waited for
+        result = real_decode(*args, **kwargs)
+        threads.append(threading.current_thread().name)
+        return result
+
+    monkeypatch.setattr(codec, "decode", decode)
+    with ucm_db.open(tmp_path / "reader", capacity_bytes=64 << 20, **remote) as reader:
+        assert reader.get(namespace, keys) == payloads
+        assert len(threads) == 6  # all joined before get returned
+        assert reader.lookup(namespace, keys, remote=False) == 6
+    assert all(name.startswith("ucm-db-codec") for name in threads), threads
+
+
+def test_pending_decodes_join_waits_for_all_then_raises_the_first_error() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ucm_db.codec_pool import POOL_MIN_FRAME_BYTES, PendingDecodes
+
+    large = codec.encode(b"k" * 32, bytes(2 * POOL_MIN_FRAME_BYTES), codec="zstd", element_bytes=2)
+    finished: list[int] = []
+
+    def fails() -> None:
+        raise CorruptBlockError("first")
+
+    def slow() -> None:
+        time.sleep(0.2)
+        finished.append(1)
+
+    with ThreadPoolExecutor(2) as pool:
+        pending = PendingDecodes(pool)
+        pending.add(large, fails)
+        pending.add(large, slow)
+        with pytest.raises(CorruptBlockError, match="first"):
+            pending.join()
+        assert finished == [1]  # the slow decode ended before join raised
+        ran_here: list[str] = []
+        pending.add(codec.encode(b"k" * 32, bytes(64), codec="none", element_bytes=2), lambda: ran_here.append("now"))
+        assert ran_here == ["now"]  # codec none: decoded at once on the caller's thread
