@@ -452,7 +452,10 @@ class Store:
         )
 
         def decode_fetched(i: int, blob: Buffer) -> None:
-            results[i] = codec.decode(blob, keys[i])
+            try:
+                results[i] = codec.decode(blob, keys[i])
+            except CorruptBlockError as exc:  # checksum held, frames did not: a miss like a local one
+                corrupt.append((keys[i], str(exc)))
 
         self._read_through(namespace, keys, results, decode_fetched)
         return self._finish_read(keys, results, corrupt)
@@ -528,8 +531,11 @@ class Store:
         flags: list[Any] = [True if r else None for r in results]
 
         def decode_fetched(i: int, blob: Buffer) -> None:
-            codec.decode_into(blob, keys[i], buffers[i])
-            flags[i] = True
+            try:
+                codec.decode_into(blob, keys[i], buffers[i])
+                flags[i] = True
+            except CorruptBlockError as exc:  # checksum held, frames did not: a miss like a local one
+                corrupt.append((keys[i], str(exc)))
 
         self._read_through(namespace, keys, flags, decode_fetched)
         done = self._finish_read(keys, flags, corrupt)
@@ -546,8 +552,10 @@ class Store:
             return  # the block reads as a miss all the same; a writer quarantines it
 
         def still_corrupt(head: memoryview, body: memoryview) -> bool:
+            # Decoded, not only checksummed: a block whose checksum holds
+            # but whose frames do not decode is as unreadable.
             try:
-                codec.verify_parts(head, body, key)
+                codec.decode_parts(head, body, key)
                 return False
             except CorruptBlockError:
                 return True

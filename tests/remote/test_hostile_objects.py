@@ -210,3 +210,53 @@ def test_remote_gc_never_opens_what_is_not_an_object(tmp_path: Path, namespace: 
     assert status == 0, tail(tmp_path / "gc.log")
     assert not os.path.lexists(tier.path(keys[2])) and not os.path.lexists(tier.path(keys[3]))
     assert os.path.exists("/dev/zero")  # the link went, not its target
+
+
+def _resealed_with_bad_frame_mode(real: bytes) -> bytes:
+    """The real object with its first frame's mode set to one no codec
+    knows, and the codec checksum recomputed: it passes every check a fetch
+    makes and fails only when decoded (what a writer with a bug, or a
+    hostile one, could upload)."""
+    import xxhash
+
+    from ucm_db import codec
+
+    out = bytearray(real)
+    blob = memoryview(out)[ENVELOPE_BYTES:]
+    blob[codec.HEADER_BYTES + 16] = 9  # frame entry: raw_len Q, stored_len Q, then the mode byte
+    head_bytes = codec.head_bytes(blob)
+    checksum_at = codec.HEADER_BYTES - 8
+    hasher = xxhash.xxh3_64(bytes(blob[:checksum_at]) + bytes(8))
+    hasher.update(blob[codec.HEADER_BYTES:head_bytes])
+    hasher.update(blob[head_bytes:])
+    struct.pack_into("<Q", blob, checksum_at, hasher.intdigest())
+    return bytes(out)
+
+
+@pytest.mark.parametrize("method", ["get", "get_into"])
+def test_fetched_block_that_fails_to_decode_is_a_miss_and_quarantined(tmp_path: Path, namespace: Any, method: str) -> None:
+    """A remote object whose checksum holds but whose frames cannot be
+    decoded reads as a miss from ``get`` / ``get_into`` (never an exception
+    out of the read, never other bytes), and its promoted local copy is
+    quarantined, so the next read fetches it again instead of failing on it."""
+    from ucm_db import codec
+
+    url = f"file://{tmp_path / 'remote'}"
+    keys, payloads = _seed(tmp_path, url, namespace)
+    bad = Path(RemoteRoot.from_url(url).tier(namespace.digest[:16]).path(keys[2]))
+    bad.write_bytes(_resealed_with_bad_frame_mode(bad.read_bytes()))
+    obj = RemoteRoot.from_url(url).tier(namespace.digest[:16]).fetch(keys[2])
+    assert obj is not None, "the planted object must pass the fetch's checks"
+    with pytest.raises(codec.CorruptBlockError, match="frame mode"):
+        codec.decode(obj.blob, keys[2])
+
+    with ucm_db.open(tmp_path / "reader", capacity_bytes=CAP, remote=url) as reader:
+        if method == "get":
+            got = reader.get(namespace, keys)
+            assert got[:2] == payloads[:2] and got[2] is None
+        else:
+            buffers = [bytearray(len(p)) for p in payloads]
+            assert reader.get_into(namespace, keys, buffers)[:3] == [True, True, False]
+            assert buffers[:2] == payloads[:2]
+        assert reader.stats().quarantined == 1
+        assert reader.lookup(namespace, keys, remote=False) == 2  # the bad block and its descendants are out
