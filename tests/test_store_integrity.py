@@ -408,3 +408,37 @@ def test_a_failed_close_still_releases_the_store(tmp_path, monkeypatch):
     from ucm_db.storelock import holders
 
     assert os.getpid() not in holders(path)
+
+
+def test_a_block_whose_frames_do_not_decode_is_a_miss_and_quarantined(tmp_path):
+    """Its checksum holds, so only a decode finds it: a read returns a miss
+    and quarantines it (the quarantine's re-check decodes too), and
+    ``verify --fix`` quarantines such a block as well."""
+    from ucm_db import maintenance
+    from undecodable import undecodable_head
+
+    keys = chain(4)
+    payloads = [bytes(range(256)) * (BLOCK_BYTES // 256) for _ in range(4)]
+
+    def plant(store, key):
+        def run(txn):
+            head, stored = bytes(txn.get("heads", key)), bytes(txn.get("blocks", key))
+            txn.put("heads", key, undecodable_head(head, stored))  # format 3: the blocks value is the body
+        store.tier.engine.write(run)
+
+    with open_store(tmp_path / "read", codec="zstd") as store:
+        store.put(NS, keys, payloads)
+        plant(store, keys[2])
+        assert store.get(NS, keys) == payloads[:2] + [None, payloads[3]]  # each key read alone
+        assert store.stats().quarantined == 1
+        assert store.lookup(NS, keys) == 2  # quarantined with its descendant (prefix invariant)
+        assert store.get(NS, keys) == payloads[:2] + [None, None]
+
+    with open_store(tmp_path / "verify", codec="zstd") as store:
+        store.put(NS, keys, payloads)
+        plant(store, keys[1])
+    report = maintenance.verify(tmp_path / "verify", fix=True)
+    assert list(report.corrupt) == [keys[1]] and "frame mode" in report.corrupt[keys[1]]
+    assert report.quarantined_blocks == 3  # the block and its two descendants
+    with open_store(tmp_path / "verify", codec="zstd") as store:
+        assert store.get(NS, keys) == payloads[:1] + [None] * 3

@@ -491,6 +491,19 @@ def decode_parts(head: Buffer, body: Buffer, key: bytes) -> bytearray:
     return out
 
 
+def readable(head: Buffer, body: Buffer, key: bytes) -> bool:
+    """Whether a block passes every check a read makes: header bounds,
+    owning key, checksum and the decode of each frame. A block whose
+    checksum holds but whose frames do not decode is as unreadable as a
+    damaged one (a quarantine re-checks with this, not with
+    :func:`verify_parts`)."""
+    try:
+        decode_parts(head, body, key)
+    except CorruptBlockError:
+        return False
+    return True
+
+
 def codec_of_head(head: Buffer) -> str | None:
     """The codec named by a head (unverified), or None if unreadable."""
     if len(head) <= _CODEC_ID_OFFSET:

@@ -551,15 +551,7 @@ class Store:
         if self.config.read_only:
             return  # the block reads as a miss all the same; a writer quarantines it
 
-        def still_corrupt(head: memoryview, body: memoryview) -> bool:
-            # Decoded, not only checksummed: a block whose checksum holds
-            # but whose frames do not decode is as unreadable.
-            try:
-                codec.decode_parts(head, body, key)
-                return False
-            except CorruptBlockError:
-                return True
-        self._tier.quarantine(key, reason, still_corrupt)
+        self._tier.quarantine(key, reason, lambda head, body: not codec.readable(head, body, key))
 
     # -- durability --------------------------------------------------------------------
     def flush(self, *, upload_timeout_s: float | None = FLUSH_UPLOAD_TIMEOUT_S) -> None:

@@ -27,6 +27,7 @@ import pytest
 
 import ucm_db
 from reliability.harness import run_child, tail
+from undecodable import undecodable_blob
 from ucm_db.tiers.remote import ENVELOPE_BYTES, FIRST_READ_BYTES, RemoteRoot
 
 from .conftest import Remote, chain, make_remote
@@ -212,27 +213,6 @@ def test_remote_gc_never_opens_what_is_not_an_object(tmp_path: Path, namespace: 
     assert os.path.exists("/dev/zero")  # the link went, not its target
 
 
-def _resealed_with_bad_frame_mode(real: bytes) -> bytes:
-    """The real object with its first frame's mode set to one no codec
-    knows, and the codec checksum recomputed: it passes every check a fetch
-    makes and fails only when decoded (what a writer with a bug, or a
-    hostile one, could upload)."""
-    import xxhash
-
-    from ucm_db import codec
-
-    out = bytearray(real)
-    blob = memoryview(out)[ENVELOPE_BYTES:]
-    blob[codec.HEADER_BYTES + 16] = 9  # frame entry: raw_len Q, stored_len Q, then the mode byte
-    head_bytes = codec.head_bytes(blob)
-    checksum_at = codec.HEADER_BYTES - 8
-    hasher = xxhash.xxh3_64(bytes(blob[:checksum_at]) + bytes(8))
-    hasher.update(blob[codec.HEADER_BYTES:head_bytes])
-    hasher.update(blob[head_bytes:])
-    struct.pack_into("<Q", blob, checksum_at, hasher.intdigest())
-    return bytes(out)
-
-
 @pytest.mark.parametrize("method", ["get", "get_into"])
 def test_fetched_block_that_fails_to_decode_is_a_miss_and_quarantined(tmp_path: Path, namespace: Any, method: str) -> None:
     """A remote object whose checksum holds but whose frames cannot be
@@ -244,7 +224,8 @@ def test_fetched_block_that_fails_to_decode_is_a_miss_and_quarantined(tmp_path: 
     url = f"file://{tmp_path / 'remote'}"
     keys, payloads = _seed(tmp_path, url, namespace)
     bad = Path(RemoteRoot.from_url(url).tier(namespace.digest[:16]).path(keys[2]))
-    bad.write_bytes(_resealed_with_bad_frame_mode(bad.read_bytes()))
+    real = bad.read_bytes()
+    bad.write_bytes(real[:ENVELOPE_BYTES] + undecodable_blob(real[ENVELOPE_BYTES:]))  # the envelope does not cover the blob
     obj = RemoteRoot.from_url(url).tier(namespace.digest[:16]).fetch(keys[2])
     assert obj is not None, "the planted object must pass the fetch's checks"
     with pytest.raises(codec.CorruptBlockError, match="frame mode"):
