@@ -60,8 +60,10 @@ class StoreConfig:
             finds little left to wait for.
         engine: local engine: ``"lmdb"`` (multi-process), ``"rocksdb"``
             (single process) or ``"memory"`` (reference, not persistent).
-        encode_threads: threads compressing a batch before its commit
-            (0 compresses in the caller's thread).
+        encode_threads: the store's codec threads: they compress a batch
+            before its commit and decode zstd blocks of 512 KiB frames or
+            more (a read's batch, a read-through's fetched blocks); 0 does
+            all of it in the caller's thread.
         max_readers: LMDB reader slots (processes x threads reading at once).
         map_size_bytes: initial LMDB map size; None derives it from capacity.
         remote: fsspec URL of the remote tier (``s3://b/p``, ``file:///d``,
