@@ -467,7 +467,9 @@ class Store:
         blocks included: the remote copy is verified on its own) from the
         remote, promotes what keeps the prefix invariant, and hands each
         verified blob to ``use(index, blob)`` as it arrives, so the caller
-        decodes it while later ones are still being fetched."""
+        decodes it while later ones are still being fetched. ``use`` runs
+        on a codec thread for a zstd block with large frames, on the
+        caller's thread otherwise; every call has returned when this does."""
         if self._remote is None:
             return
         missing = [i for i, r in enumerate(results) if r is None]
