@@ -8,6 +8,10 @@
   plane is compressed without a probe, the mantissa plane stays raw when it
   does not shrink.
 * codec pool: only blocks of large frames go to its threads.
+* codec ``none``: a block of raw frames is decoded with one copy of its
+  body; any table the one copy would not honour (a frame not raw, a stored
+  length other than the raw one) goes through the frame-by-frame decode,
+  which refuses it.
 """
 
 from __future__ import annotations
@@ -125,3 +129,37 @@ def test_codec_pool_takes_only_blocks_of_large_frames(frame_bytes: int, on_pool:
         assert all(name.startswith("ucm-db-codec") == on_pool for name in threads), threads
     finally:
         pool.shutdown()
+
+
+def _resealed(blob: bytes, table: list[tuple[int, int, int, int, int]]) -> bytes:
+    """``blob`` with its frame table replaced (same frame count) and the
+    checksum recomputed: a table only a buggy or hostile writer makes."""
+    import xxhash
+
+    head_bytes = codec.head_bytes(blob)
+    head = bytearray(blob[:head_bytes])
+    for i, entry in enumerate(table):
+        codec._FRAME.pack_into(head, codec.HEADER_BYTES + i * codec._FRAME.size, *entry)
+    checksum_at = codec.HEADER_BYTES - 8
+    hasher = xxhash.xxh3_64(bytes(head[:checksum_at]) + bytes(8))
+    hasher.update(bytes(head[codec.HEADER_BYTES:]))
+    hasher.update(blob[head_bytes:])
+    struct.pack_into("<Q", head, checksum_at, hasher.intdigest())
+    return bytes(head) + blob[head_bytes:]
+
+
+def test_codec_none_frames_decode_with_one_copy_and_odd_tables_are_refused() -> None:
+    frames = [bytes([i]) * 8192 for i in range(8)]
+    blob = codec.encode(KEY, frames, codec="none")
+    out = bytearray(8 * 8192)
+    assert codec.decode_into(blob, KEY, out) == len(out) and bytes(out) == b"".join(frames)
+    # Other frame boundaries over the same raw bytes: still the same bytes.
+    regrouped = _resealed(blob, [(4096, 4096, codec.MODE_RAW, 0, 0), (12288, 12288, codec.MODE_RAW, 0, 0)] + [(8192, 8192, codec.MODE_RAW, 0, 0)] * 6)
+    assert codec.decode(regrouped, KEY) == b"".join(frames)
+    # A frame that claims zstd, or a raw frame longer than it is stored: refused, not copied.
+    zstd_claim = _resealed(blob, [(8192, 8192, codec.MODE_ZSTD, 0, 0)] + [(8192, 8192, codec.MODE_RAW, 0, 0)] * 7)
+    with pytest.raises(codec.CorruptBlockError):
+        codec.decode(zstd_claim, KEY)
+    uneven = _resealed(blob, [(12288, 4096, codec.MODE_RAW, 0, 0), (4096, 12288, codec.MODE_RAW, 0, 0)] + [(8192, 8192, codec.MODE_RAW, 0, 0)] * 6)
+    with pytest.raises(codec.CorruptBlockError):
+        codec.decode_into(uneven, KEY, bytearray(8 * 8192))
