@@ -90,3 +90,27 @@ def test_an_unknown_per_put_codec_is_refused_and_stores_nothing(tmp_path):
         with pytest.raises(ConfigError, match="unknown codec 'lz4'"):
             store.put(NS, chain(2, 11), [payload(11, 0), payload(11, 1)], codec_name="lz4")
         assert store.stats().blocks == 0
+
+
+@pytest.mark.parametrize("codec_name", ["none", "zstd"])
+def test_get_into_fills_a_scatter_list_in_order(tmp_path, codec_name):
+    """A list of buffers per key is filled one after another with the
+    block's raw bytes (frames of any size, pieces of any size)."""
+    import numpy as np
+
+    ns = ucm_db.Namespace(model="scatter", kv_dtype="bfloat16", block_size=4)
+    keys = ns.block_keys(list(range(12)))
+    rng = np.random.default_rng(5)
+    payloads = [[rng.integers(0, 3, 4096, dtype=np.uint8).tobytes() for _ in range(8)] for _ in keys]  # 8 frames of 4 KiB
+    with ucm_db.open(tmp_path / "s", codec=codec_name, capacity_bytes=16 << 20) as store:
+        store.put(ns, keys, payloads)
+        slabs = [[bytearray(4096) for _ in range(8)] for _ in keys]
+        assert store.get_into(ns, keys, slabs) == [True] * 3
+        assert [[bytes(s) for s in block] for block in slabs] == payloads
+        uneven = [(bytearray(10000), bytearray(22768)) for _ in keys]  # pieces that cut across frames
+        assert store.get_into(ns, keys, uneven) == [True] * 3
+        assert [bytes(a) + bytes(b) for a, b in uneven] == [b"".join(p) for p in payloads]
+        with pytest.raises(ucm_db.ConfigError, match="smaller than the block"):
+            store.get_into(ns, keys[:1], [[bytearray(4096)] * 7])
+        with pytest.raises(ucm_db.ConfigError, match="writable"):
+            store.get_into(ns, keys[:1], [[bytearray(4096)] * 7 + [b"x" * 4096]])

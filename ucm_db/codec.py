@@ -430,8 +430,10 @@ def verify_parts(head: Buffer, body: Buffer, key: bytes) -> Header:
     return header
 
 
-def decode_into(blob: Buffer, key: bytes, out: Buffer) -> int:
-    """Verifies ``blob`` and writes its raw bytes into ``out``.
+def decode_into(blob: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
+    """Verifies ``blob`` and writes its raw bytes into ``out``: one buffer,
+    or a list or tuple of buffers filled one after another (a scatter list:
+    the raw bytes need not lie in one place, e.g. one KV slab per layer).
 
     Returns:
         The number of raw bytes written.
@@ -444,10 +446,54 @@ def decode_into(blob: Buffer, key: bytes, out: Buffer) -> int:
     return decode_parts_into(head, body, key, out)
 
 
-def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer) -> int:
+def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
     """:func:`decode_into` for a head and body kept apart."""
     header = verify_parts(head, body, key)
+    if isinstance(out, (list, tuple)):
+        return _decode_scattered(head, body, header, out)
     return _decode_verified(head, body, header, out)
+
+
+def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence[Buffer]) -> int:
+    """Decodes a verified block across ``outs`` in order: codec ``none``
+    straight from the body, anything else through this thread's scratch
+    buffer (hot in cache when the pieces are copied out)."""
+    views = [memoryview(o).cast("B") for o in outs]
+    if sum(len(v) for v in views) < header.raw_len:
+        raise ConfigError(
+            f"output buffers of {sum(len(v) for v in views)} bytes in all are smaller than the block's {header.raw_len}",
+            hint="pass get_into buffers at least as large as the stored blocks",
+        )
+    body_view = memoryview(body)
+    if header.codec == "none" and _all_raw(head, header, len(body_view)):
+        source = body_view
+    else:
+        source = _scratch(header.raw_len)
+        _decode_verified(head, body, header, source)
+    at = 0
+    for view in views:
+        if at >= header.raw_len:
+            break
+        n = min(len(view), header.raw_len - at)
+        view[:n] = source[at : at + n]
+        at += n
+    return header.raw_len
+
+
+_scratch_local = threading.local()
+#: Largest scratch buffer a thread keeps between calls (a larger block gets one of its own).
+_SCRATCH_KEEP_BYTES = 16 << 20
+
+
+def _scratch(size: int) -> memoryview:
+    """A view of ``size`` bytes of this thread's reusable scratch buffer
+    (valid until this thread's next call)."""
+    if size > _SCRATCH_KEEP_BYTES:
+        return memoryview(bytearray(size))
+    buffer = getattr(_scratch_local, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _scratch_local.buffer = bytearray(size)
+    return memoryview(buffer)[:size]
 
 
 def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) -> int:

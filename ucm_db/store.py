@@ -505,8 +505,16 @@ class Store:
         finally:
             decodes.join()
 
-    def get_into(self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer]) -> list[bool]:
+    def get_into(
+        self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer | list[Buffer] | tuple[Buffer, ...]],
+    ) -> list[bool]:
         """Decodes blocks straight into caller-provided buffers.
+
+        ``buffers[i]`` is one buffer, or a list or tuple of buffers that the
+        block's raw bytes fill one after another (a scatter list: for
+        example a KV cache's slab of each layer, so nothing is staged and
+        copied again). A block that fails may have written part of its
+        buffers; its flag is False.
 
         Returns:
             For each key, True if ``buffers[i]`` now holds the block.
@@ -516,7 +524,8 @@ class Store:
         if not isinstance(buffers, Sequence) or len(keys) != len(buffers):
             raise ConfigError("get_into needs a sequence of one buffer per key", hint="pass a list of len(keys) buffers")
         for buffer in buffers:
-            require_writable(buffer)
+            for piece in buffer if isinstance(buffer, (list, tuple)) else (buffer,):
+                require_writable(piece)
         corrupt: list[tuple[bytes, str]] = []
 
         def decode(i: int, head: memoryview, body: memoryview) -> bool:
