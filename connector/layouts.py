@@ -25,6 +25,10 @@ the cache; ``flash``/``kv_tuple``: the head's K ``[block, head]`` then its V,
 strided in the cache). MLA has one unit (its latent). Unit staging is
 ``uint8 [blocks, local heads, unit bytes]``, so the store decodes each unit
 straight into its row and the copies into the KV caches are strided views.
+Where a head's share of a block is one contiguous slab per layer (``cpu``,
+contiguous host tensors, no kernel blocks inside a vLLM block), a load skips
+staging: :meth:`KVLayout.unit_slabs` hands the store those slabs as each
+unit's scatter list (BENCHMARKS.md, Serving, has what it saves).
 A *whole* block (every local head per frame, the segments' bytes back to
 back) is what ucm-db stored before units; :meth:`KVLayout.scatter_whole`
 reads such a block of all the model's heads into a rank holding some. The
@@ -99,6 +103,7 @@ class KVLayout:
         self.unit_layer_bytes = tuple(size // self.heads for size in self.layer_bytes)
         self.unit_layer_offsets = tuple(int(x) for x in np.cumsum((0,) + self.unit_layer_bytes[:-1]))
         self.unit_bytes = sum(self.unit_layer_bytes)
+        self._layer_bytes_views = _layer_byte_views(self)
 
     def describe(self) -> str:
         """Shapes and dtypes, for logs and error messages."""
@@ -150,6 +155,31 @@ class KVLayout:
         for i in range(len(self.layers)) if layer is None else (layer,):
             for seg, axis, src in self._unit_views(i, staging[: len(block_ids)]):
                 seg.index_copy_(0, ids, (src[:, 0] if axis is None else src.movedim(1, 1 + axis)).to(seg.device))
+
+    @property
+    def writes_units_in_place(self) -> bool:
+        """Whether a unit can be decoded straight into the KV caches
+        (:meth:`unit_slabs`): a ``cpu`` layout of contiguous host tensors,
+        one vLLM block per kernel block, where a head's share of a block is
+        one contiguous slab per layer."""
+        return self._layer_bytes_views is not None
+
+    def unit_slabs(self, block_ids: Sequence[int]) -> list[list[memoryview]]:
+        """For each block of ``block_ids`` and each local head (block-major,
+        the order of unit staging rows), the KV caches' slabs of that unit,
+        one per layer in unit order: a scatter list for
+        ``Store.get_into``. Only where :attr:`writes_units_in_place`."""
+        views = self._layer_bytes_views
+        if views is None:
+            raise ConfigError(f"the {self.kind} layout cannot take units in place", hint="stage units and scatter them instead")
+        heads = self.heads
+        pairs = list(zip(views, self.unit_layer_bytes))
+        out = []
+        for block_id in block_ids:
+            for head in range(heads):
+                at = block_id * heads + head
+                out.append([view[at * size : (at + 1) * size] for view, size in pairs])
+        return out
 
     def unit_frames(self, unit_row: np.ndarray) -> ucm_db.Framed:
         """One staged unit as its per-layer frames, which lie back to back
@@ -211,6 +241,25 @@ class KVLayout:
             out.append((seg, typed.unflatten(1, tuple(seg.shape[1:]))))
             offset += size
         return out
+
+
+def _layer_byte_views(layout: KVLayout) -> list[memoryview] | None:
+    """Each layer's KV cache as one flat byte view, where units can be
+    written in place (see :attr:`KVLayout.writes_units_in_place`); None
+    elsewhere. A ``cpu`` cache ``[blocks, heads, block, 2*head]`` is
+    block-major then head-major, so head ``h`` of block ``b`` is the slab at
+    ``(b * heads + h) * slab`` bytes."""
+    if layout.kind != "cpu":
+        return None
+    views = []
+    for spec, slab in zip(layout.layers, layout.unit_layer_bytes):
+        if len(spec.segments) != 1 or spec.head_axis != 0:
+            return None  # kernel blocks inside a vLLM block: a head's share is not one slab
+        seg = spec.segments[0]
+        if seg.device.type != "cpu" or not seg.is_contiguous() or seg[0, 0].numel() * seg.element_size() != slab:
+            return None
+        views.append(memoryview(seg.view(torch.uint8).reshape(-1).numpy()))
+    return views
 
 
 def detect_layout(kv_caches: Mapping[str, KVCacheEntry], num_blocks: int | None = None) -> KVLayout:

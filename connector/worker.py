@@ -38,6 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from vllm.logger import init_logger
@@ -177,15 +178,19 @@ class UcmDbWorker:
     def _load_blocks(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, background: bool) -> set[int]:
         assert self._store is not None
         started = time.perf_counter()
-        parts = [self._read_units([t for t in loads if t.source == "units"]), self._read_whole([t for t in loads if t.source == "whole"]),
-                 self._read_rank([t for t in loads if t.source == "ranks"])]
+        # Units go straight into the KV caches where the layout allows,
+        # except for a layer-by-layer load, which hands each layer over as
+        # it is scattered.
+        in_place = job is None and self.layout.writes_units_in_place
+        parts = [self._read_units([t for t in loads if t.source == "units"], in_place=in_place),
+                 self._read_whole([t for t in loads if t.source == "whole"]), self._read_rank([t for t in loads if t.source == "ranks"])]
         failed = {b for _, _, bad in parts for b in bad}
         if failed:
             total = sum(len(t.block_ids) for t in loads)
             logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them", len(failed), total)
         (unit_ids, units, _), (whole_ids, whole, _), (rank_ids, rank, _) = parts
         for layer in range(len(self.layout.layers)) if job is not None else (None,):
-            if unit_ids:
+            if unit_ids and units is not None:
                 self.layout.scatter_units(unit_ids, units, layer=layer)
             if whole_ids:
                 self.layout.scatter_whole(whole_ids, whole, self._grid.heads, self._spans[0].head_start, layer=layer)
@@ -234,24 +239,31 @@ class UcmDbWorker:
         meta, self._step = UcmDbWorkerMetadata(self._step, loads, background), -1
         return meta
 
-    def _read_units(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
-        """Decodes this rank's units of ``loads`` into unit staging:
-        (block ids with every unit loaded, their staging rows, block ids failed)."""
+    def _read_units(self, loads: Sequence[BlockTransfer], *, in_place: bool = False) -> tuple[list[int], torch.Tensor | None, set[int]]:
+        """Decodes this rank's units of ``loads``: (block ids with every
+        unit loaded, their unit staging rows, block ids failed). With
+        ``in_place`` the units are decoded straight into the KV caches'
+        slabs and no staging comes back (None): nothing is left to scatter.
+        A failed block may then hold part of its units; vLLM recomputes it
+        (and every block after it) over them."""
         assert self._store is not None
         block_keys = [k for t in loads for k in t.keys]
         block_ids = [b for t in loads for b in t.block_ids]
-        staging = self.layout.new_unit_staging(len(block_keys))
         if not block_keys:
-            return [], staging, set()
-        rows = staging.numpy()
+            return [], None, set()
         spans = self._spans
         keys = [unit_key(k, span, self._grid) for k in block_keys for span in spans]
-        buffers = [rows[i, j] for i in range(len(block_keys)) for j in range(len(spans))]
+        staging = None if in_place else self.layout.new_unit_staging(len(block_keys))
+        if staging is None:
+            buffers: list[Any] = self.layout.unit_slabs(block_ids)
+        else:
+            rows = staging.numpy()
+            buffers = [rows[i, j] for i in range(len(block_keys)) for j in range(len(spans))]
         ok = self._store.get_into(self._namespace, keys, buffers)
         per_block = len(spans)
         good = [i for i in range(len(block_keys)) if all(ok[i * per_block : (i + 1) * per_block])]
         failed = set(block_ids) - {block_ids[i] for i in good}
-        if len(good) != len(block_keys):
+        if staging is not None and len(good) != len(block_keys):
             staging = staging.index_select(0, torch.as_tensor(good, dtype=torch.long))
         return [block_ids[i] for i in good], staging, failed
 

@@ -135,3 +135,50 @@ def test_unknown_layout_is_a_clear_error(bad: object) -> None:
 def test_no_layers_is_an_error() -> None:
     with pytest.raises(ConfigError, match="no KV cache layers"):
         KVLayout("cpu", [])
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_units_decoded_in_place_equal_units_staged_and_scattered(tmp_path: Path, codec: str) -> None:
+    """A ``cpu`` cache takes each unit straight into its slabs (one per
+    layer): the same bits as staging the unit and scattering it, and no
+    other block is touched."""
+    torch.manual_seed(1)
+    source = {f"l{i}": _cpu() for i in range(LAYERS)}
+    layout = detect_layout(source, NUM_BLOCKS)
+    assert layout.writes_units_in_place
+    staging = layout.new_unit_staging(2)
+    layout.gather_units([4, 1], staging)
+    ns = Namespace(model="m", kv_dtype="bfloat16", block_size=BLOCK, layout="cpu")
+    chains = [ns.block_keys([h * 1000 + t for t in range(2 * BLOCK)]) for h in range(HEADS)]
+    keys = [chains[h][b] for b in range(2) for h in range(HEADS)]  # block-major, as unit staging rows
+    rows = staging.numpy()
+    with ucm_db.open(tmp_path / "store", codec=codec) as store:
+        for h in range(HEADS):
+            store.put(ns, chains[h], [layout.unit_frames(rows[b, h]) for b in range(2)])
+        staged = {name: torch.zeros_like(t) for name, t in source.items()}
+        staged_layout = detect_layout(staged, NUM_BLOCKS)
+        loaded = staged_layout.new_unit_staging(2)
+        assert store.get_into(ns, keys, [loaded.numpy()[b, h] for b in range(2) for h in range(HEADS)]) == [True] * 4
+        staged_layout.scatter_units([0, 5], loaded)
+        in_place = {name: torch.zeros_like(t) for name, t in source.items()}
+        assert store.get_into(ns, keys, detect_layout(in_place, NUM_BLOCKS).unit_slabs([0, 5])) == [True] * 4
+    for name in source:
+        assert torch.equal(in_place[name].view(torch.int16), staged[name].view(torch.int16))
+        assert torch.equal(in_place[name][0].view(torch.int16), source[name][4].view(torch.int16))
+        assert torch.equal(in_place[name][5].view(torch.int16), source[name][1].view(torch.int16))
+        assert not in_place[name][1:5].any()
+
+
+def test_units_go_in_place_only_where_a_heads_share_is_one_slab() -> None:
+    def layout_of(make: Callable[[], object], num_blocks: int = NUM_BLOCKS) -> KVLayout:
+        return detect_layout({f"l{i}": make() for i in range(LAYERS)}, num_blocks)  # type: ignore[misc]
+
+    assert layout_of(_cpu).writes_units_in_place
+    for make in (_flash, _mla, _ascend):
+        assert not layout_of(make).writes_units_in_place
+    # Kernel blocks of 16 tokens inside vLLM blocks of 32: a head's share is two slabs.
+    assert not layout_of(lambda: torch.randn(2 * NUM_BLOCKS, HEADS, 16, 2 * HEAD).to(torch.bfloat16)).writes_units_in_place
+    # Block-major but not contiguous (every other block of a larger cache).
+    assert not layout_of(lambda: torch.randn(2 * NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD).to(torch.bfloat16)[::2]).writes_units_in_place
+    with pytest.raises(ConfigError, match="in place"):
+        layout_of(_flash).unit_slabs([0])

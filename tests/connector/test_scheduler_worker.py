@@ -110,6 +110,7 @@ def restarted(settings: ConnectorSettings, tokens: list[int]) -> tuple[dict[str,
 def test_round_trip_restart_loads_at_allocated_blocks(settings: ConnectorSettings) -> None:
     tokens = list(range(1, 5 * BS + 10))  # 5 full blocks + 9 tokens
     kv, sched, worker, fresh = restarted(settings, tokens)
+    assert worker.layout.writes_units_in_place  # the load below decodes into the caches' slabs, no staging
     req = _request("b", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
     assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)  # no side effects
