@@ -78,6 +78,13 @@ def settings(tmp_path: Path) -> ConnectorSettings:
     return ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
 
 
+@pytest.fixture(params=["zstd", "none"])
+def each_codec(tmp_path: Path, request: pytest.FixtureRequest) -> ConnectorSettings:
+    """Settings of a store in each codec: a ``none`` store's units are
+    loaded straight into the caches' slabs, a zstd one's staged."""
+    return ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "codec": request.param})
+
+
 def _save_prompt(settings: ConnectorSettings, tokens: list[int], kv: dict[str, torch.Tensor], **req_kwargs: object) -> None:
     """A first engine: computes nothing, but saves `kv` blocks 0.. for `tokens`."""
     sched = UcmDbScheduler(settings, _shape())
@@ -107,10 +114,14 @@ def restarted(settings: ConnectorSettings, tokens: list[int]) -> tuple[dict[str,
     return kv, sched, worker, fresh
 
 
-def test_round_trip_restart_loads_at_allocated_blocks(settings: ConnectorSettings) -> None:
+def test_round_trip_restart_loads_at_allocated_blocks(each_codec: ConnectorSettings) -> None:
+    settings = each_codec
     tokens = list(range(1, 5 * BS + 10))  # 5 full blocks + 9 tokens
     kv, sched, worker, fresh = restarted(settings, tokens)
-    assert worker.layout.writes_units_in_place  # the load below decodes into the caches' slabs, no staging
+    assert worker.layout.writes_units_in_place
+    in_place: list[object] = []
+    real_slabs = worker.layout.unit_slabs
+    worker.layout.unit_slabs = lambda ids: in_place.append(ids) or real_slabs(ids)  # type: ignore[method-assign]
     req = _request("b", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
     assert sched.get_num_new_matched_tokens(req, 0) == (5 * BS, False)  # no side effects
@@ -121,6 +132,7 @@ def test_round_trip_restart_loads_at_allocated_blocks(settings: ConnectorSetting
     assert load.block_ids == (10, 11, 12, 13, 14)
     worker.start_load(meta)
     assert worker.take_load_errors() == set()
+    assert bool(in_place) == (settings.store_options["codec"] == "none")  # codec none: decoded into the caches' slabs
     for name in kv:
         assert torch.equal(fresh[name][10:15].view(torch.int16), kv[name][0:5].view(torch.int16))
     assert not fresh[name][15].any()
@@ -187,7 +199,8 @@ def test_saves_are_incremental_across_steps(settings: ConnectorSettings) -> None
     sched.shutdown()
 
 
-def test_missing_block_is_reported_as_load_error(settings: ConnectorSettings) -> None:
+def test_missing_block_is_reported_as_load_error(each_codec: ConnectorSettings) -> None:
+    settings = each_codec
     tokens = list(range(1, 4 * BS + 3))
     _save_prompt(settings, tokens, _kv())
     sched = UcmDbScheduler(settings, _shape())
