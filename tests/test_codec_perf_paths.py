@@ -134,18 +134,13 @@ def test_codec_pool_takes_only_blocks_of_large_frames(frame_bytes: int, on_pool:
 def _resealed(blob: bytes, table: list[tuple[int, int, int, int, int]]) -> bytes:
     """``blob`` with its frame table replaced (same frame count) and the
     checksum recomputed: a table only a buggy or hostile writer makes."""
-    import xxhash
+    from undecodable import resealed_head
 
     head_bytes = codec.head_bytes(blob)
     head = bytearray(blob[:head_bytes])
     for i, entry in enumerate(table):
         codec._FRAME.pack_into(head, codec.HEADER_BYTES + i * codec._FRAME.size, *entry)
-    checksum_at = codec.HEADER_BYTES - 8
-    hasher = xxhash.xxh3_64(bytes(head[:checksum_at]) + bytes(8))
-    hasher.update(bytes(head[codec.HEADER_BYTES:]))
-    hasher.update(blob[head_bytes:])
-    struct.pack_into("<Q", head, checksum_at, hasher.intdigest())
-    return bytes(head) + blob[head_bytes:]
+    return resealed_head(head, blob[head_bytes:]) + blob[head_bytes:]
 
 
 def test_codec_none_frames_decode_with_one_copy_and_odd_tables_are_refused() -> None:

@@ -15,17 +15,24 @@ _MODE_OFFSET = 16
 _UNKNOWN_MODE = 9
 
 
-def undecodable_head(head: bytes, body: bytes) -> bytes:
-    """``head`` with its first frame's mode set to one no codec knows and
-    the checksum recomputed over the new head and ``body``."""
+def resealed_head(head: bytes | bytearray, body: bytes) -> bytes:
+    """``head`` (edited by the caller) with its checksum recomputed over it
+    and ``body``, as the encoder seals a block."""
     out = bytearray(head)
-    out[codec.HEADER_BYTES + _MODE_OFFSET] = _UNKNOWN_MODE
     checksum_at = codec.HEADER_BYTES - 8
     hasher = xxhash.xxh3_64(bytes(out[:checksum_at]) + bytes(8))
     hasher.update(bytes(out[codec.HEADER_BYTES:]))
     hasher.update(body)
     struct.pack_into("<Q", out, checksum_at, hasher.intdigest())
     return bytes(out)
+
+
+def undecodable_head(head: bytes, body: bytes) -> bytes:
+    """``head`` with its first frame's mode set to one no codec knows and
+    the checksum recomputed over the new head and ``body``."""
+    out = bytearray(head)
+    out[codec.HEADER_BYTES + _MODE_OFFSET] = _UNKNOWN_MODE
+    return resealed_head(out, body)
 
 
 def undecodable_blob(blob: bytes) -> bytes:
