@@ -39,7 +39,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Union, cast
 
 import xxhash
 import zstandard
@@ -451,7 +451,7 @@ def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequ
     header = verify_parts(head, body, key)
     if isinstance(out, (list, tuple)):
         return _decode_scattered(head, body, header, out)
-    return _decode_verified(head, body, header, out)
+    return _decode_verified(head, body, header, cast(Buffer, out))  # not a list or tuple: one buffer
 
 
 def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence[Buffer]) -> int:
