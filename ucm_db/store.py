@@ -452,16 +452,14 @@ class Store:
         )
 
         def decode_fetched(i: int, blob: Buffer) -> None:
-            try:
-                results[i] = codec.decode(blob, keys[i])
-            except CorruptBlockError as exc:  # checksum held, frames did not: a miss like a local one
-                corrupt.append((keys[i], str(exc)))
+            results[i] = codec.decode(blob, keys[i])
 
-        self._read_through(namespace, keys, results, decode_fetched)
+        self._read_through(namespace, keys, results, decode_fetched, corrupt)
         return self._finish_read(keys, results, corrupt)
 
     def _read_through(
         self, namespace: Namespace, keys: Sequence[bytes], results: list[Any], use: Callable[[int, Buffer], None],
+        corrupt: list[tuple[bytes, str]],
     ) -> None:
         """Fetches local misses (``None`` in ``results``; corrupt local
         blocks included: the remote copy is verified on its own) from the
@@ -469,9 +467,19 @@ class Store:
         verified blob to ``use(index, blob)`` as it arrives, so the caller
         decodes it while later ones are still being fetched. ``use`` runs
         on a codec thread for a zstd block with large frames, on the
-        caller's thread otherwise; every call has returned when this does."""
+        caller's thread otherwise; every call has returned when this does.
+        A blob whose checksum held but whose frames do not decode
+        (``CorruptBlockError`` from ``use``) stays a miss and joins
+        ``corrupt``, as a local one does."""
         if self._remote is None:
             return
+
+        def use_or_miss(i: int, blob: Buffer) -> None:
+            try:
+                use(i, blob)
+            except CorruptBlockError as exc:
+                corrupt.append((keys[i], str(exc)))
+
         missing = [i for i, r in enumerate(results) if r is None]
         if not missing:
             return
@@ -496,7 +504,7 @@ class Store:
             for obj, i in zip(fetched, missing):  # fetched first: the generator runs to its end (breaker.success)
                 batch.append(obj)
                 if obj is not None:
-                    decodes.add(obj.blob, functools.partial(use, i, obj.blob))
+                    decodes.add(obj.blob, functools.partial(use_or_miss, i, obj.blob))
                     batch_bytes += len(obj.blob)
                 if batch_bytes >= PROMOTE_BATCH_BYTES:
                     promote_batch()
@@ -542,13 +550,10 @@ class Store:
         flags: list[Any] = [True if r else None for r in results]
 
         def decode_fetched(i: int, blob: Buffer) -> None:
-            try:
-                codec.decode_into(blob, keys[i], buffers[i])
-                flags[i] = True
-            except CorruptBlockError as exc:  # checksum held, frames did not: a miss like a local one
-                corrupt.append((keys[i], str(exc)))
+            codec.decode_into(blob, keys[i], buffers[i])
+            flags[i] = True
 
-        self._read_through(namespace, keys, flags, decode_fetched)
+        self._read_through(namespace, keys, flags, decode_fetched, corrupt)
         done = self._finish_read(keys, flags, corrupt)
         return [r is not None for r in done]
 
