@@ -201,9 +201,12 @@ class UcmDbConnector(KVConnectorBase_V1):
         return self._scheduler.request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        # Workers' load timings and the step's round trip -> cost model.
+        # Failed loads -> void the saves computed over them; workers' load
+        # timings and the step's round trip -> cost model.
         if self._scheduler is not None:
-            self._scheduler.observe_output(getattr(connector_output, "kv_connector_worker_meta", None))
+            self._scheduler.observe_output(
+                getattr(connector_output, "kv_connector_worker_meta", None), set(getattr(connector_output, "invalid_block_ids", None) or ()),
+            )
 
     # -- start-up checks ---------------------------------------------------------------
     @classmethod

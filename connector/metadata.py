@@ -18,6 +18,15 @@ Invariants:
       reports the request finished; saves are copied out of the KV caches
       within their step. ``idle``: the step schedules no tokens (a worker
       may wait a little for async loads instead of letting the engine spin).
+    * A save's ``after_loads`` names the blocks this step loads (synchronously)
+      that its blocks' KV is computed over: vLLM runs the step's forward pass
+      before it learns that a load failed, so the KV computed after a failed
+      block is wrong. A worker whose load of any of them failed drops the
+      save; a save that another rank's failure made wrong comes back in a
+      later step's ``void_saves``, and every worker deletes its units of
+      those blocks (queued behind its earlier saves, so the delete follows
+      the commit). Wrong KV is never completed into a loadable block by
+      this engine, and no rank keeps units of it past that later step.
     * Only plain values: vLLM ships this object to worker processes.
     * Every step's metadata carries the scheduler's ``step`` number; a
       worker echoes it in its :class:`UcmDbWorkerMetadata` with the step's
@@ -49,6 +58,7 @@ class BlockTransfer:
     parent: bytes | None = None
     source: str = "units"
     rank_keys: tuple[tuple[bytes, ...], ...] = ()
+    after_loads: tuple[int, ...] = ()  # a save: this step's loaded blocks its KV was computed over
 
     def __post_init__(self) -> None:
         if any(len(keys) != len(self.block_ids) for keys in (self.keys, *self.rank_keys)):
@@ -66,10 +76,11 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     step: int = -1  # the scheduler's step number (-1: not numbered)
     async_loads: list[BlockTransfer] = field(default_factory=list)
     idle: bool = False  # no tokens scheduled this step
+    void_saves: list[BlockTransfer] = field(default_factory=list)  # earlier saves computed over a failed load
 
     @property
     def empty(self) -> bool:
-        return not self.loads and not self.saves and not self.async_loads
+        return not self.loads and not self.saves and not self.async_loads and not self.void_saves
 
 
 @dataclass

@@ -24,6 +24,9 @@ COUNTERS = (
     "lookups", "lookup_s", "query_tokens", "hit_tokens",
     "loaded_blocks", "loaded_bytes", "load_s", "load_errors",
     "saved_blocks", "saved_bytes", "save_copy_s", "save_commit_s", "save_errors", "saves_dropped",
+    # saves computed over a block that failed to load: dropped by the worker
+    # that saw the failure, deleted by the others a step later
+    "saves_voided",
     # prefill/decode (roles.py): producer's in-step commit wait, blocks it
     # announced; consumer's wait for them and announced blocks still missing
     # at its deadline (read-after-write misses)
@@ -69,6 +72,7 @@ class UcmDbConnectorStats(KVConnectorStats):
             "save_commit_s": round(d["save_commit_s"], 4),
             "save_errors": int(d["save_errors"]),
             "saves_dropped": int(d["saves_dropped"]),
+            "saves_voided": int(d["saves_voided"]),
             "compression_ratio": round(d["compression_ratio"], 3),
             "cost_skips": int(d["cost_skips"]),
         }
@@ -117,6 +121,7 @@ _PROM = {
     "save_copy_s": ("ucm_db_save_copy_seconds", "Seconds the forward pass spent copying blocks out for saving"),
     "save_errors": ("ucm_db_save_errors", "Blocks whose save failed (logged; a future miss, never wrong KV)"),
     "saves_dropped": ("ucm_db_saves_dropped", "Blocks not saved because the writer queue was full"),
+    "saves_voided": ("ucm_db_saves_voided", "Blocks not saved (or deleted a step later) because their KV was computed over a block that failed to load"),
     "publish_wait_s": ("ucm_db_publish_wait_seconds", "Seconds a kv_producer's steps waited for their blocks to commit (and upload)"),
     "published_blocks": ("ucm_db_published_blocks", "Blocks a kv_producer announced to consumers"),
     "publication_wait_s": ("ucm_db_publication_wait_seconds", "Seconds consumers' requests waited for announced blocks"),

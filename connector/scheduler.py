@@ -27,7 +27,13 @@ Invariants:
     * A save plan covers each block whose KV becomes complete during the
       step, once per request (``saved_blocks`` only grows), and starts after
       the blocks whose units are known stored, so every unit chain's parent
-      is stored or saved before it (the writer is FIFO). Blocks loaded from
+      is stored or saved before it (the writer is FIFO). A save planned in a
+      step that also loads blocks it depends on (its request's, or shared
+      from another request through vLLM's prefix cache) names them
+      (``after_loads``); when the step's output reports any of them invalid,
+      the save is voided (workers delete its units next step, metadata.py)
+      and the requests affected are rewound to the block vLLM recomputes
+      from, so what they compute again is saved again. Blocks loaded from
       pre-unit blocks (whole TP=1 blocks, or per-rank blocks of this TP/PP
       size) are saved again as units: the store converts itself on use.
     * Load or recompute (cost_model.py, ``load_policy``): the remote tier is
@@ -91,6 +97,15 @@ _PROBE_BLOCKS = _FIRST_SEGMENT_BLOCKS
 #: Steps awaiting their workers' output at most (older ones are dropped:
 #: an output that carried no metadata never comes).
 _MAX_PENDING_STEPS = 64
+
+
+@dataclass
+class _StepLoads:
+    """A step's synchronous loads, and its saves computed over them, until
+    the step's output says whether every load held."""
+
+    loads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (request id, block ids)
+    saves: list[tuple[BlockTransfer, int]] = field(default_factory=list)  # (save, its first block's index)
 #: Shortest interval between two compression-ratio reports of the scheduler.
 _RATIO_INTERVAL_S = 2.0
 
@@ -198,6 +213,8 @@ class UcmDbScheduler:
         self._remote_lookup_s = 0.0  # total seconds of timed remote lookups
         self._async = settings.load_mode == "async"
         self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
+        self._step_loads: dict[int, _StepLoads] = {}  # steps with sync loads whose output has not come back
+        self._voids: list[BlockTransfer] = []  # saves to void, for the next step's metadata
         # remote_lookup="background": remote fetches off the scheduler's thread (remote_lookups.py)
         self._lookups = RemoteLookups() if settings.remote_lookup == "background" and self._store.remote is not None else None
         self._last_step_idle = False
@@ -396,11 +413,14 @@ class UcmDbScheduler:
         if len(self._pending_steps) > _MAX_PENDING_STEPS:
             del self._pending_steps[min(self._pending_steps)]
 
-    def observe_output(self, worker_meta: object) -> None:
-        """Feeds one step's worker output to the cost model: the local
-        tier's load timings, and the step's prefill sample (its round trip
+    def observe_output(self, worker_meta: object, invalid_block_ids: set[int] | None = None) -> None:
+        """Takes one step's output: voids the saves computed over blocks it
+        reports invalid (failed loads), then feeds the cost model the local
+        tier's load timings and the step's prefill sample (its round trip
         less those loads and the remote lookups made meanwhile, which are
         the connector's time, not the model's)."""
+        step = worker_meta.step if isinstance(worker_meta, UcmDbWorkerMetadata) else None
+        self._settle_loads(step, invalid_block_ids or set())
         if not isinstance(worker_meta, UcmDbWorkerMetadata):
             return
         now = time.perf_counter()
@@ -416,6 +436,38 @@ class UcmDbScheduler:
         if planned is not None:
             planned_at_s, tokens, lookup_s, mean_position = planned
             self.cost.observe_prefill(tokens, now - planned_at_s - load_s - (self._remote_lookup_s - lookup_s), mean_position)
+
+    def _settle_loads(self, step: int | None, invalid: set[int]) -> None:
+        """Settles the sync loads of steps up to ``step`` (every step's, if
+        the output named none but reports invalid blocks): a save computed
+        over an invalid block is voided, and each request that loaded or
+        saved over one is rewound to where vLLM recomputes it (vLLM has
+        already moved its computed tokens back to the first invalid block)."""
+        if step is None and not invalid:
+            return
+        for settled in sorted(s for s in self._step_loads if step is None or s <= step):
+            record = self._step_loads.pop(settled)
+            if not invalid:
+                continue
+            for req_id, block_ids in record.loads:
+                if invalid.intersection(block_ids):
+                    self._rewind(req_id, None)
+            for transfer, start in record.saves:
+                if invalid.intersection(transfer.after_loads):
+                    self._voids.append(transfer)
+                    self._rewind(transfer.req_id, start)
+                    logger.warning("ucm-db: request %s: %d blocks saved over a block that failed to load are voided",
+                                   transfer.req_id, len(transfer.block_ids))
+
+    def _rewind(self, req_id: str, save_start: int | None) -> None:
+        """Moves a request's stored and saved marks back to the blocks vLLM
+        still counts as computed (and before a voided save)."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        computed = state.request.num_computed_tokens // self._block_size
+        state.stored_blocks = min(state.stored_blocks, computed)
+        state.saved_blocks = min(state.saved_blocks, computed, computed if save_start is None else save_start)
 
     def _report_ratio(self) -> None:
         """The stored namespace's compression ratio, at most every
@@ -488,8 +540,14 @@ class UcmDbScheduler:
             block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and block_ids is not None:
                 self._plan_load(meta, req_id, block_ids[0])
+        loaded = {b for t in meta.loads for b in t.block_ids}
+        if loaded:
+            self._step_loads[meta.step] = _StepLoads([(t.req_id, t.block_ids) for t in meta.loads])
+            if len(self._step_loads) > _MAX_PENDING_STEPS:
+                del self._step_loads[min(self._step_loads)]
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items() if self._role.saves else ():
-            self._plan_save(meta, scheduler_output, req_id, num_tokens)
+            self._plan_save(meta, scheduler_output, req_id, num_tokens, loaded)
+        meta.void_saves, self._voids = self._voids, []
         return meta
 
     def _plan_load(self, meta: UcmDbConnectorMetadata, req_id: str, block_ids: Sequence[int]) -> None:
@@ -509,7 +567,9 @@ class UcmDbScheduler:
         rank_keys = tuple(tuple(c[start:end]) for c in self._rank_keys(state, end)) if source == "ranks" else ()
         return BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), source=source, rank_keys=rank_keys)
 
-    def _plan_save(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput, req_id: str, num_tokens: int) -> None:
+    def _plan_save(
+        self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput, req_id: str, num_tokens: int, loaded: set[int],
+    ) -> None:
         state = self._requests.get(req_id)
         if state is None:
             return
@@ -525,7 +585,13 @@ class UcmDbScheduler:
         if block_ids is None or len(block_ids) < end:
             return
         keys = self._keys(state, end)
-        meta.saves.append(BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None))
+        after_loads = tuple(b for b in block_ids[:end] if b in loaded) if loaded else ()
+        transfer = BlockTransfer(
+            req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None, after_loads=after_loads,
+        )
+        meta.saves.append(transfer)
+        if after_loads:
+            self._step_loads[meta.step].saves.append((transfer, start))
         state.saved_blocks = end
 
     def _block_ids(self, scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:

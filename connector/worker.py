@@ -53,7 +53,7 @@ from ucm_db.connector.metrics import Counters
 from ucm_db.connector.roles import RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
-from ucm_db.connector.writer import BackgroundWriter, SaveJob
+from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
 from ucm_db.errors import ConfigError
 from ucm_db.units import UnitKeys, unit_key
 
@@ -84,6 +84,7 @@ class UcmDbWorker:
         self._store: ucm_db.Store | None = None
         self._writer: BackgroundWriter | None = None
         self._load_errors: set[int] = set()
+        self._step_failed: set[int] = set()  # blocks the bound step's own loads failed (under _errors_lock)
         self._errors_lock = threading.Lock()
         self._layer_load: _LayerLoad | None = None
         self._step = -1  # the step whose metadata was bound last
@@ -124,6 +125,10 @@ class UcmDbWorker:
     # -- loads ---------------------------------------------------------------
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
         self._step = meta.step
+        with self._errors_lock:
+            self._step_failed = set()
+        if meta.void_saves:
+            self._void(meta.void_saves)
         if meta.async_loads:
             if self._async is None:
                 self._async = AsyncLoader(lambda load: self._load_checked([load], None, background=True))
@@ -160,6 +165,7 @@ class UcmDbWorker:
         if failed:
             with self._errors_lock:
                 self._load_errors.update(failed)
+                self._step_failed.update(failed)
 
     def _load_checked(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, *, background: bool = False) -> set[int]:
         """Loads ``loads``; returns the block ids that failed (all of them
@@ -310,7 +316,13 @@ class UcmDbWorker:
         if not meta.saves or not self._writes or self._writer is None or not self._role.saves:
             return
         started = time.perf_counter()
+        with self._errors_lock:
+            failed = set(self._step_failed)
         for transfer in meta.saves:
+            if failed.intersection(transfer.after_loads):
+                # Computed over a block this step failed to load: wrong KV.
+                self.counters.add(saves_voided=len(transfer.block_ids))
+                continue
             staging = self.layout.new_unit_staging(len(transfer.block_ids))
             self.layout.gather_units(transfer.block_ids, staging)
             block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
@@ -323,6 +335,16 @@ class UcmDbWorker:
             # uploaded, publish="remote") before this step's output leaves.
             self._writer.drain()
             self.counters.add(publish_wait_s=time.perf_counter() - started)
+
+    def _void(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Deletes this rank's units of saves that another rank's failed
+        load made wrong (metadata.py), behind every save queued before."""
+        if not self._writes or self._writer is None or not self._role.saves:
+            return
+        for transfer in transfers:
+            keys = list(transfer.keys)
+            chains = tuple(UnitKeys(keys, self._grid, span) for span in self._spans)
+            self._writer.void(VoidJob(self._namespace, chains, len(keys)))
 
     def drain(self) -> None:
         """Waits until every queued save is committed (tests, benchmarks)."""

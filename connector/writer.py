@@ -19,6 +19,9 @@ Invariants:
       forward pass never waits for the disk).
     * A failed put (missing parent after an eviction, full store, I/O error)
       loses only that job: it is counted and logged, the thread goes on.
+    * A :class:`VoidJob` (units of blocks whose KV was computed over a
+      failed load, metadata.py) deletes them in queue order: after every
+      save submitted before it, so a void never misses a commit still queued.
     * :meth:`close` commits every queued job before returning.
 """
 
@@ -63,6 +66,17 @@ class SaveJob:
         return int(self.staging.shape[0])
 
 
+@dataclass(frozen=True)
+class VoidJob:
+    """Units to delete (with their descendants): ``chains[j]`` are one KV
+    head's units of the voided blocks."""
+
+    namespace: Namespace
+    chains: tuple[UnitKeys, ...]
+    blocks: int
+    nbytes: int = 0
+
+
 class BackgroundWriter:
     """One thread committing :class:`SaveJob` s (see module invariants)."""
 
@@ -78,7 +92,7 @@ class BackgroundWriter:
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._queue: queue.Queue[SaveJob | VoidJob | None] = queue.Queue()
         self._last_ratio_s = 0.0
         self._thread = threading.Thread(target=self._run, name="ucm-db-writer", daemon=True)
         self._thread.start()
@@ -92,6 +106,10 @@ class BackgroundWriter:
             self._pending_bytes += job.nbytes
         self._queue.put(job)
         return True
+
+    def void(self, job: VoidJob) -> None:
+        """Queues a delete behind every save submitted so far (never dropped)."""
+        self._queue.put(job)
 
     def drain(self) -> None:
         """Blocks until every queued job is committed (or failed)."""
@@ -109,7 +127,10 @@ class BackgroundWriter:
             try:
                 if job is None:
                     return
-                self._commit(job)
+                if isinstance(job, VoidJob):
+                    self._delete(job)
+                else:
+                    self._commit(job)
             finally:
                 if job is not None:
                     with self._lock:
@@ -136,6 +157,13 @@ class BackgroundWriter:
             return
         self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started)
         self._update_ratio(job.namespace)
+
+    def _delete(self, job: VoidJob) -> None:
+        keys = [key for chain in job.chains for key in chain]
+        try:
+            self._store.delete(job.namespace, keys)
+        except (UcmDbError, OSError) as exc:
+            logger.warning("ucm-db: deleting %d blocks saved over a failed load failed: %s", job.blocks, exc)
 
     def _put_one_by_one(self, job: SaveJob, segments: list[tuple[BlockKeys, list[ucm_db.Framed]]]) -> int:
         """Puts each chain on its own; returns how many failed."""

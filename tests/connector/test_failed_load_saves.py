@@ -1,0 +1,174 @@
+"""A sync load that fails mid-step never leaves wrong KV in the store.
+
+vLLM runs a step's forward pass before it learns that a block failed to
+load, so the KV computed in that step after the failed block is wrong
+(it attended to a stale slot). The connector must not store it under the
+keys of the right tokens: the worker that saw the failure drops the save,
+the other ranks delete theirs when the scheduler voids it a step later,
+and the scheduler re-plans the save of what vLLM recomputes.
+
+Real vLLM request objects, a real store, CPU KV tensors; no engine (the
+failure is produced for real: a unit is deleted between lookup and load,
+as an eviction by another engine would).
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _shape  # noqa: E402
+
+from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
+from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
+from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.units import unit_key  # noqa: E402
+
+PROMPT = [7 + i for i in range(5 * BS + 3)]  # 5 full blocks
+
+
+def _random_kv() -> dict[str, torch.Tensor]:
+    return {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}
+
+
+def _worker(settings: ConnectorSettings, kv: dict[str, torch.Tensor], tp_size: int = 1, rank: int = 0) -> UcmDbWorker:
+    worker = UcmDbWorker(settings, _shape(tp_size), NUM_BLOCKS)
+    worker.register_kv_caches(kv, rank, 0)
+    return worker
+
+
+def _seed(settings: ConnectorSettings, kv: dict[str, torch.Tensor], blocks: int) -> None:
+    """A first engine computed and saved the prompt's first ``blocks`` blocks (ids 0..)."""
+    sched = UcmDbScheduler(settings, _shape())
+    worker = _worker(settings, kv)
+    req = _request("seed", PROMPT[: blocks * BS + 1])
+    assert _admit(sched, req) == 0
+    ids = list(range(blocks + 1))
+    worker.save(sched.build_connector_meta(_new_step(req, ids, blocks * BS + 1)))
+    worker.drain()
+    sched.request_finished(req, ids)
+    worker.shutdown()
+    sched.shutdown()
+
+
+def _output(step: int, invalid: set[int]) -> types.SimpleNamespace:
+    from ucm_db.connector.metadata import UcmDbWorkerMetadata
+
+    return types.SimpleNamespace(kv_connector_worker_meta=UcmDbWorkerMetadata(step), invalid_block_ids=invalid)
+
+
+@pytest.fixture()
+def settings(tmp_path: Path) -> ConnectorSettings:
+    return ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "codec": "none"})
+
+
+def test_failed_load_drops_the_step_s_saves_and_the_recompute_is_saved(settings: ConnectorSettings) -> None:
+    good = _random_kv()
+    _seed(settings, good, blocks=2)
+    sched = UcmDbScheduler(settings, _shape())
+    kv = _random_kv()
+    worker = _worker(settings, kv)
+    ns, g, spans = namespace(_shape()), grid(_shape()), reader_spans(_shape())
+    req = _request("b", PROMPT)
+    assert _admit(sched, req) == 2 * BS
+    ids = [10, 11, 12, 13, 14, 15]
+    meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
+    assert [t.block_ids for t in meta.loads] == [(10, 11)] and [t.block_ids for t in meta.saves] == [(12, 13, 14)]
+    assert meta.saves[0].after_loads == (10, 11)
+    # Another engine evicts one head's unit of block 1 between lookup and load.
+    assert sched.store.delete(ns, [unit_key(meta.loads[0].keys[1], spans[1], g)]) == 1
+    worker.start_load(meta)
+    for t in kv.values():
+        t[12:15] = 99.0  # the forward pass: blocks 2-4 computed over the stale block 11
+    worker.save(meta)
+    worker.drain()
+    assert worker.take_load_errors() == {11}
+    assert worker.counters.take().data["saves_voided"] == 3
+    keys = sched.keys_for(req, 5)
+    assert sched.store.lookup(ns, [unit_key(k, spans[0], g) for k in keys], remote=False) == 2  # blocks 2-4 not stored
+
+    # vLLM: recompute from block 1 (its output reports the failure after moving the request back).
+    req.num_computed_tokens = 1 * BS
+    sched.observe_output(_output(meta.step, {11}).kv_connector_worker_meta, {11})
+    req.num_computed_tokens = len(PROMPT)  # the next step recomputes blocks 1-4 (and the tail)
+    again = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - BS))
+    assert [t.block_ids for t in again.saves] == [(11, 12, 13, 14)]
+    assert [t.block_ids for t in again.void_saves] == [(12, 13, 14)]
+    for t in kv.values():
+        t[11:15] = good[next(iter(good))][0:1]  # stand-in for the right KV, now computed
+    worker.start_load(again)
+    worker.save(again)
+    worker.drain()
+    assert sched.store.lookup(ns, [unit_key(k, spans[1], g) for k in keys], remote=False) == 5
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_another_rank_s_failure_voids_this_rank_s_save(settings: ConnectorSettings) -> None:
+    """TP=2: rank 0 loads its heads, rank 1 fails; rank 0 saved what the
+    step computed (its heads' KV depends on rank 1's through the layers),
+    and deletes it when the next step's metadata voids it."""
+    _seed(settings, _random_kv(), blocks=2)
+    shape = _shape(2)
+    sched = UcmDbScheduler(settings, shape)
+    workers = [_worker(settings, _random_kv_rank(), 2, rank) for rank in range(2)]
+    ns, g, spans = namespace(shape), grid(shape), reader_spans(shape)
+    req = _request("b", PROMPT)
+    assert _admit(sched, req) == 2 * BS
+    ids = [10, 11, 12, 13, 14, 15]
+    meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
+    assert sched.store.delete(ns, [unit_key(meta.loads[0].keys[1], spans[1], g)]) == 1  # rank 1's head
+    for worker in workers:
+        worker.start_load(meta)
+        worker.save(meta)
+        worker.drain()
+    assert [w.take_load_errors() for w in workers] == [set(), {11}]
+    keys = sched.keys_for(req, 5)
+    head0 = [unit_key(k, spans[0], g) for k in keys]
+    assert sched.store.lookup(ns, head0, remote=False) == 5  # rank 0 committed the wrong blocks 2-4
+    assert sched.store.lookup(ns, [unit_key(k, spans[1], g) for k in keys], remote=False) == 1  # never loadable
+
+    req.num_computed_tokens = 1 * BS
+    sched.observe_output(_output(meta.step, {11}).kv_connector_worker_meta, {11})
+    nxt = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - BS))
+    assert [t.block_ids for t in nxt.void_saves] == [(12, 13, 14)]
+    for worker in workers:
+        worker.start_load(nxt)
+        worker.drain()
+    assert sched.store.lookup(ns, head0, remote=False) == 2  # rank 0's units of blocks 2-4 are gone
+    for worker in workers:
+        worker.shutdown()
+    sched.shutdown()
+
+
+def test_a_step_whose_loads_hold_voids_nothing(settings: ConnectorSettings) -> None:
+    _seed(settings, _random_kv(), blocks=2)
+    sched = UcmDbScheduler(settings, _shape())
+    worker = _worker(settings, _random_kv())
+    req = _request("b", PROMPT)
+    assert _admit(sched, req) == 2 * BS
+    ids = [10, 11, 12, 13, 14, 15]
+    meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
+    worker.start_load(meta)
+    worker.save(meta)
+    worker.drain()
+    assert worker.take_load_errors() == set()
+    sched.observe_output(_output(meta.step, set()).kv_connector_worker_meta, set())
+    req.num_computed_tokens = len(PROMPT)
+    nxt = sched.build_connector_meta(_new_step(req, ids, 1))
+    assert nxt.void_saves == [] and nxt.saves == []
+    ns, g, spans = namespace(_shape()), grid(_shape()), reader_spans(_shape())
+    assert sched.store.lookup(ns, [unit_key(k, spans[1], g) for k in sched.keys_for(req, 5)], remote=False) == 5
+    worker.shutdown()
+    sched.shutdown()
+
+
+def _random_kv_rank() -> dict[str, torch.Tensor]:
+    """A TP=2 rank's caches: one of the two KV heads."""
+    return {name: torch.randn(NUM_BLOCKS, 1, BS, 128).to(torch.bfloat16) for name in _kv()}
