@@ -28,6 +28,7 @@ BENCHMARKS = {
     "overhead": "ucm_db.tools.bench.overhead:command",
     "tp": "ucm_db.tools.bench.tp:command",
     "scale": "ucm_db.tools.bench.scale:command",
+    "index-layouts": "ucm_db.tools.bench.index_layouts:command",
     "serve": "ucm_db.tools.bench.serve:command",
     "cost": "ucm_db.tools.bench.cost:command",
     "remote-lookup": "ucm_db.tools.bench.remote_lookup:command",

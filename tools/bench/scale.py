@@ -100,6 +100,7 @@ class ScaleOptions:
         chain_blocks: blocks per stored chain (and per measured lookup).
         real_put_bytes: bytes per block of the second put figure
             (``put_real_ms``); 0 leaves it out.
+        engine: the stores' local engine (``"lmdb"``, ``"rocksdb"``).
     """
 
     large_blocks: int = 1_000_000
@@ -111,6 +112,7 @@ class ScaleOptions:
     compact: bool = True
     chain_blocks: int = CHAIN_BLOCKS
     real_put_bytes: int = REAL_BLOCK_BYTES
+    engine: str = "lmdb"
 
 
 def chain_keys(seed: int, count: int = CHAIN_BLOCKS) -> list[bytes]:
@@ -120,13 +122,14 @@ def chain_keys(seed: int, count: int = CHAIN_BLOCKS) -> list[bytes]:
 
 
 def build_store(path: Path, n_blocks: int, payload_bytes: int, *, chain_blocks: int = CHAIN_BLOCKS,
-                progress: bool = False) -> dict[str, float]:
+                progress: bool = False, engine: str = "lmdb") -> dict[str, float]:
     """Fills a new store at ``path`` with ``n_blocks`` blocks in chains of
-    ``chain_blocks`` (seeds 0, 1, ...; one commit per chain); returns build figures."""
+    ``chain_blocks`` (seeds 0, 1, ...; one commit per chain); returns build
+    figures. The store keeps ``engine``: later opens find it there."""
     payloads = [bytes([i % 251]) * payload_bytes for i in range(16)]
     started = time.perf_counter()
     put_s = 0.0
-    with ucm_db.open(path, codec="none", capacity_bytes=64 * _GIB) as store:
+    with ucm_db.open(path, codec="none", capacity_bytes=64 * _GIB, engine=engine) as store:
         done, seed = 0, 0
         while done < n_blocks:
             keys = chain_keys(seed, min(chain_blocks, n_blocks - done))
@@ -255,7 +258,7 @@ def run(options: ScaleOptions, *, progress: bool = False) -> dict[str, Any]:
             if progress:
                 print(f"building the {name} store: {n} blocks of {options.payload_bytes} bytes", file=sys.stderr, flush=True)
             builds[name] = build_store(paths[name], n, options.payload_bytes, chain_blocks=options.chain_blocks,
-                                       progress=progress)
+                                       progress=progress, engine=options.engine)
         cli_start = [_cli("--help") for _ in range(options.runs)]
         for rep in range(options.runs):
             for name, n in sizes.items():
@@ -302,7 +305,7 @@ def _report(options: ScaleOptions, runs: dict[str, dict[str, list[float]]], buil
         "options": {"large_blocks": options.large_blocks, "small_blocks": options.small_blocks,
                     "payload_bytes": options.payload_bytes, "runs": options.runs, "verify_sample": options.verify_sample,
                     "chain_blocks": options.chain_blocks, "put_blocks": PUT_BLOCKS,
-                    "real_put_bytes": options.real_put_bytes, "block_tokens": NAMESPACE.block_size},
+                    "real_put_bytes": options.real_put_bytes, "block_tokens": NAMESPACE.block_size, "engine": options.engine},
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
@@ -346,7 +349,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{t['target']:<44} {t['measured']:>9.4g}  {t['bound']:<8} {'met' if t['met'] else 'MISSED'}")
     load = ", ".join(f"{x:.2f}" for x in report["machine"]["load_avg_at_end"])
     lines.append(f"\n{report['machine']['cpus']} CPUs, load average at end {load}; {report['elapsed_s']} s; "
-                 f"{opts['payload_bytes']}-byte payloads ({opts['real_put_bytes']} in 'real size'), chains of {opts['chain_blocks']} x {opts['block_tokens']}-token blocks")
+                 f"{opts.get('engine', 'lmdb')} engine, {opts['payload_bytes']}-byte payloads ({opts['real_put_bytes']} in 'real size'), chains of {opts['chain_blocks']} x {opts['block_tokens']}-token blocks")
     return "\n".join(lines)
 
 
@@ -364,11 +367,13 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--verify-sample", type=click.IntRange(min=1), default=1000, show_default=True,
               help="N of `ucm-db verify --sample N`")
 @click.option("--no-compact", is_flag=True, help="skip `ucm-db compact` (it rewrites each store file)")
+@click.option("--engine", type=click.Choice(["lmdb", "rocksdb"]), default="lmdb", show_default=True,
+              help="local engine of both stores")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
               help="scratch directory for the two stores (default: system temp)")
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(large_blocks: int, small_blocks: int, chain_blocks: int, payload_bytes: int, real_put_bytes: int, runs: int, verify_sample: int, no_compact: bool,
-            scratch_dir: str | None, as_json: bool) -> None:
+            engine: str, scratch_dir: str | None, as_json: bool) -> None:
     """A large store against a small one: open, first hit, lookup, put, verify --sample, compact.
 
     Targets (issue 13) are reported, not enforced (exit status 0): first hit
@@ -385,6 +390,6 @@ def command(large_blocks: int, small_blocks: int, chain_blocks: int, payload_byt
                                  param_hint="--blocks/--small-blocks")
     options = ScaleOptions(large_blocks=large_blocks, small_blocks=small_blocks, payload_bytes=payload_bytes, runs=runs,
                            verify_sample=verify_sample, scratch_dir=scratch_dir, compact=not no_compact,
-                           chain_blocks=chain_blocks, real_put_bytes=real_put_bytes)
+                           chain_blocks=chain_blocks, real_put_bytes=real_put_bytes, engine=engine)
     report = run(options, progress=True)  # progress goes to stderr
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
