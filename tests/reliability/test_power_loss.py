@@ -228,3 +228,48 @@ def test_legacy_marker_damaged_store_is_set_aside_not_crashed_on(
     assert any("moved it to" in r.getMessage() for r in caplog.records)
     with ucm_db.open(store_path) as store:
         assert store.tier.engine.recovery is None and store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]
+
+
+def _churn_then_wait(store_path: Path, boot: str, ready: Path) -> None:
+    """Child: like :func:`_write_then_wait`, then deletes and puts the unsynced
+    blocks again, so pages of the synced snapshot are freed after it."""
+    os.environ[BOOT_ID_ENV] = boot
+    store = ucm_db.open(store_path, **GROUP)
+    keys = _keys()
+    store.put(NS, keys[:SYNCED], _payloads(keys[:SYNCED]))
+    store.flush()
+    store.put(NS, keys[SYNCED:], _payloads(keys[SYNCED:]), parent=keys[SYNCED - 1])
+    store.delete(NS, keys[SYNCED:])
+    store.put(NS, keys[SYNCED:], _payloads(keys[SYNCED:]), parent=keys[SYNCED - 1])
+    write_counter(ready, 1)
+    while True:
+        os.pause()
+
+
+def test_maintenance_after_a_crash_then_an_os_crash_serves_what_it_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync writer (here ``maintenance.evict_to_bytes``, which opens the
+    engine with sync=True) clears the dead group writer's pin on the
+    recorded snapshot. It must record its own commits before it reuses that
+    snapshot's pages: otherwise the rollback after the next OS crash lands
+    on overwritten pages (the store came back empty)."""
+    from ucm_db import maintenance
+
+    store_path = tmp_path / "store"
+    ready = tmp_path / "ready"
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
+    pid = fork_call(_churn_then_wait, store_path, "boot-a", ready, log_path=tmp_path / "writer.log")
+    try:
+        assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "writer.log")
+    finally:
+        kill_and_reap(pid)
+    evicted = maintenance.evict_to_bytes(store_path, 8 * BLOCK_BYTES)  # same boot: the process died, not the machine
+    assert 0 < evicted < BLOCKS
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-b")  # then the machine loses power
+    keys = _keys()
+    with ucm_db.open(store_path, **GROUP) as store:
+        got = store.get(NS, keys)
+        kept = [k for k, value in zip(keys, got) if value is not None]
+        assert len(kept) == BLOCKS - evicted, "the evictions were synced: they stay done, and nothing else is lost"
+        assert [v for v in got if v is not None] == _payloads(kept)
+        assert store.lookup(NS, keys) == len(kept) and store.stats().blocks == len(kept)
+        assert store.tier.check() == []

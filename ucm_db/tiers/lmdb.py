@@ -61,7 +61,7 @@ from ucm_db.errors import TierError
 from ucm_db.tiers.base import TABLES, Buffer, Engine, T
 from ucm_db.storelock import ensure_store_dir
 from ucm_db.tiers.lmdb_checks import check_data_file, ensure_env_dir, lmdb_error
-from ucm_db.tiers.lmdb_groupsync import RollbackReport, SnapshotPin, roll_back_after_os_crash
+from ucm_db.tiers.lmdb_groupsync import RECORD_FILE, RollbackReport, SnapshotPin, roll_back_after_os_crash
 from ucm_db.tiers.lmdb_meta import FileCheck, check_file
 from ucm_db.tiers.lmdb_prefault import Prefault
 from ucm_db.tiers.lmdb_recovery import (
@@ -211,6 +211,7 @@ class LmdbEngine(Engine):
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
         self._pin: SnapshotPin | None = None
+        self._pinned = not sync  # keeps a sync record (set again at each open, see _open)
         self.prefault: Prefault | None = None
         self._page_bytes: int | None = None
         #: What the last open found of an older version's markers after an OS crash (None: nothing to check).
@@ -245,9 +246,17 @@ class LmdbEngine(Engine):
             return
         ensure_store_dir(self.path.parent)
         ensure_env_dir(self.path)
+        # A store a group-durability process has used keeps a sync record,
+        # which an open after an OS crash rolls back to: a sync writer
+        # (maintenance, or a server opened with durability="sync") must keep
+        # it true too, or it would reuse the recorded snapshot's pages once
+        # it has cleared a dead group process's pin, and a later rollback
+        # would land on overwritten pages. So it rolls back, records and pins
+        # as group opens do, and records each of its (synced) commits.
+        self._pinned = not self._sync or (self.path / RECORD_FILE).exists()
         try:
             self.recovery = recover_after_os_crash(self.path)
-            if not self._sync:
+            if self._pinned:
                 with recovery_lock(self.path):
                     self.rollback = roll_back_after_os_crash(self.path)
                     if self.rollback is not None:
@@ -280,7 +289,7 @@ class LmdbEngine(Engine):
             if current < self._map_size_bytes:
                 env.set_mapsize(self._map_size_bytes)
             self._dbs = self._open_tables(env)
-            if not self._sync:
+            if self._pinned:
                 # Record (and pin) a synced snapshot before clearing dead readers,
                 # whose slots may pin the snapshot of the current record.
                 self._pin = SnapshotPin(self.path)
@@ -380,7 +389,10 @@ class LmdbEngine(Engine):
         while True:
             try:
                 with self._write_lock, self._txn_gate.shared(), env.begin(write=True, buffers=True) as txn:
-                    return fn(_LmdbTxn(txn, self._dbs))
+                    result = fn(_LmdbTxn(txn, self._dbs))
+                if self._sync and self._pin is not None:
+                    self._sync_env(env)  # the commit is on disk: record it, so no rollback undoes it
+                return result
             except lmdb.MapFullError:
                 self._grow(env)
             except lmdb.MapResizedError:
