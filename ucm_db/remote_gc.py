@@ -8,6 +8,13 @@ chain reaches a removed object is removed too; the parent links come from
 each survivor's verified envelope (one small ranged read per object).
 Temp files of crashed uploads older than an hour are removed as well.
 
+A parent that is simply absent from the listing is not a removal: the
+write-back uploader sends a queue in key order, so a chain's deeper
+blocks often land before their ancestors, which are on their way. Only
+an object whose parent has been missing for longer than
+:data:`ORPHAN_GRACE_S` (its own age) is taken for an orphan and removed
+with its descendants.
+
 Invariants:
     * Safe beside live servers: objects are immutable, and a deleted object
       is a miss for a reader, never wrong bytes.
@@ -27,6 +34,8 @@ from ucm_db.errors import CorruptBlockError
 from ucm_db.tiers.remote import MANIFEST_NAME, PROBE_BYTES, TEMP_PREFIX, RemoteRoot, parse_envelope
 
 TEMP_MAX_AGE_S = 3600.0
+#: An object whose parent is absent this long (by its own age) is an orphan.
+ORPHAN_GRACE_S = 3600.0
 
 
 @dataclass
@@ -89,8 +98,12 @@ def choose_victims(objects: list[RemoteObjectInfo], *, older_than_s: float | Non
     return victims
 
 
-def orphaned_descendants(root: RemoteRoot, objects: list[RemoteObjectInfo], victims: set[str]) -> set[str]:
-    """Survivors whose parent chain reaches a victim (or a missing/bad object)."""
+def orphaned_descendants(
+    root: RemoteRoot, objects: list[RemoteObjectInfo], victims: set[str], *, now_s: float | None = None,
+) -> set[str]:
+    """Survivors whose parent chain reaches a victim, an unreadable object,
+    a parent cycle, or a parent absent for longer than :data:`ORPHAN_GRACE_S`."""
+    now_s = time.time() if now_s is None else now_s
     by_key = {o.key: o for o in objects}
     parent_of: dict[bytes, bytes | None] = {}
     for o in objects:
@@ -110,23 +123,30 @@ def orphaned_descendants(root: RemoteRoot, objects: list[RemoteObjectInfo], vict
         chain: list[bytes] = []
         on_chain: set[bytes] = set()
         key = start
-        while key not in status:
-            if key in on_chain:  # a parent cycle: no root to hold it up
-                status[key] = True
+        while True:
+            if key in status:
+                result = status[key]
                 break
-            if key in doomed or key not in parent_of or parent_of[key] == key:
-                status[key] = True
+            if key in on_chain:  # a parent cycle: no root to hold it up
+                result = True
+                break
+            if key not in parent_of and key not in doomed:
+                # Absent: on its way (a young child) or gone for good (an old one).
+                result = now_s - by_key[chain[-1]].mtime_s > ORPHAN_GRACE_S
+                break
+            if key in doomed or parent_of[key] == key:
+                result = True
                 break
             parent = parent_of[key]
-            if parent is None:
-                status[key] = False
-                break
             chain.append(key)
             on_chain.add(key)
+            if parent is None:
+                result = False
+                break
             key = parent
         for k in chain:
-            status.setdefault(k, status[key])
-        return status[start]
+            status[k] = result
+        return result
 
     return {by_key[k].path for k in parent_of if broken(k)}
 
@@ -136,7 +156,7 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     now_s = time.time() if now_s is None else now_s
     objects, temps = list_objects(root)
     victims = choose_victims(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
-    cascade = orphaned_descendants(root, objects, victims) if victims else set()
+    cascade = orphaned_descendants(root, objects, victims, now_s=now_s) if victims else set()
     stale_temps = [p for p, m in temps if now_s - m > TEMP_MAX_AGE_S]
     doomed = sorted(victims | cascade)
     sizes = {o.path: o.size_bytes for o in objects}

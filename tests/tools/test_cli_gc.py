@@ -63,6 +63,35 @@ def test_gc_to_a_size_removes_oldest_first(tmp_path: Path) -> None:
     assert not any(present(url, chains["z"]))
 
 
+def test_gc_keeps_new_objects_whose_ancestors_are_still_uploading(tmp_path: Path) -> None:
+    """The write-back uploader sends its queue in key order, so a chain's
+    deeper blocks may land before their ancestors: their parent is absent,
+    not removed. gc (here with one unrelated old victim, which starts the
+    cascade) must leave them; an object whose parent has been missing past
+    the grace age is an orphan and goes."""
+    from ucm_db.remote_gc import ORPHAN_GRACE_S
+
+    url = f"file://{tmp_path / 'remote'}"
+    tier = RemoteRoot.from_url(url).tier(NS_A.digest[:16])
+    old_s = time.time() - 10 * DAY_S
+    victim = chain_keys(NS_A, "old", 1)[0]
+    tier.store(victim, None, codec.encode(victim, payload("old", 0), codec="none"))
+    os.utime(tier.path(victim), (old_s, old_s))
+    uploading = chain_keys(NS_A, "up", 6)  # blocks 3-5 arrived, 0-2 still queued
+    for i in range(3, 6):
+        tier.store(uploading[i], uploading[i - 1], codec.encode(uploading[i], payload("up", i), codec="none"))
+    orphan = chain_keys(NS_A, "orphan", 3)  # block 0 long gone, 1-2 left behind
+    stale_s = time.time() - 2 * ORPHAN_GRACE_S
+    for i in (1, 2):
+        tier.store(orphan[i], orphan[i - 1], codec.encode(orphan[i], payload("orphan", i), codec="none"))
+        os.utime(tier.path(orphan[i]), (stale_s, stale_s))
+
+    r = invoke_json("gc", url, "--older-than", "7d")
+    assert r["removed_by_rule"] == 1 and r["removed_descendants"] == 2
+    assert present(url, uploading[3:]) == [True] * 3
+    assert present(url, [victim, *orphan[1:]]) == [False] * 3
+
+
 def test_gc_needs_a_rule(tmp_path: Path) -> None:
     result = invoke("gc", f"file://{tmp_path}", expect=2)
     assert "--older-than" in result.stderr
