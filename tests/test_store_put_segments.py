@@ -114,3 +114,26 @@ def test_get_into_fills_a_scatter_list_in_order(tmp_path, codec_name):
             store.get_into(ns, keys[:1], [[bytearray(4096)] * 7])
         with pytest.raises(ucm_db.ConfigError, match="writable"):
             store.get_into(ns, keys[:1], [[bytearray(4096)] * 7 + [b"x" * 4096]])
+
+
+def test_eviction_never_takes_a_segment_of_the_call_that_was_stored_already(tmp_path):
+    """A segment of the call stored earlier, now the oldest block in a full
+    store, is the LRU victim the call's own eviction would pick: it is
+    protected like the new blocks and their ancestors, so after the call
+    every segment is stored, as promised."""
+    import time
+
+    earlier, new = chain(2, 1), chain(2, 2)
+    block_bytes = 128 << 10
+    block = [bytes([i]) * block_bytes for i in range(16)]
+    with open_store(tmp_path, codec="none", capacity_bytes=8 * block_bytes + 4000) as store:
+        store.put(NS, earlier, block[:2])
+        time.sleep(0.01)
+        fillers = [chain(1, 10 + j) for j in range(6)]
+        for j, keys in enumerate(fillers):
+            store.put(NS, keys, [block[4 + j]])
+            time.sleep(0.01)
+        result = store.put_segments(NS, [(earlier, block[:2]), (new, block[2:4])])
+        assert result.stored == 2 and result.already_present == 2 and result.evicted == 2
+        assert store.lookup(NS, earlier) == 2 and store.lookup(NS, new) == 2
+        assert sum(store.lookup(NS, keys) for keys in fillers) == 4  # the two oldest others went instead

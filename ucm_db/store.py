@@ -365,8 +365,10 @@ class Store:
         activity = self._activity.take()
         desc = _namespace_description(namespace)
         try:
+            skipped = set(range(len(keys))) - set(todo)
             result = self._tier.put_blocks(
                 entries, namespace_desc=desc, enqueue_upload=self._remote is not None, activity=activity,
+                protect=[keys[i] for i in sorted(skipped)],
             )
         except BaseException:
             self._activity.give_back(activity)

@@ -190,8 +190,11 @@ class LocalTier(Tier):
         namespace_desc: tuple[bytes, bytes] | None = None,
         enqueue_upload: bool = False,
         activity: PendingActivity | None = None,
+        protect: Sequence[bytes] = (),
     ) -> PutResult:
-        """Atomically stores a batch, then evicts LRU blocks over capacity.
+        """Atomically stores a batch, then evicts LRU blocks over capacity,
+        never a block of the batch, one of ``protect`` (blocks of the same
+        call that were stored already), or an ancestor of either.
 
         Raises:
             MissingAncestorError: a block's parent is neither stored nor
@@ -229,7 +232,7 @@ class LocalTier(Tier):
                 result.stored += 1
             if activity is not None:
                 self._apply_activity(txn, changes, activity)
-            result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch))
+            result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch, protect))
             changes.commit()
             crashpoint("local.before_commit")
             return result
@@ -510,15 +513,17 @@ class LocalTier(Tier):
 
 
 class _LazyAncestors:
-    """``key in protected`` for a put's eviction: the batch's keys, or an
-    ancestor of the batch. The ancestor walk (one metadata read per level)
-    runs only if eviction asks, i.e. only in a full store."""
+    """``key in protected`` for a put's eviction: the batch's keys, the
+    call's blocks that were stored already (``present``), or an ancestor
+    of either. The ancestor walk (one metadata read per level) runs only if
+    eviction asks, i.e. only in a full store."""
 
-    def __init__(self, txn: Txn, entries: Sequence[BlockEntry], in_batch: set[bytes]) -> None:
+    def __init__(self, txn: Txn, entries: Sequence[BlockEntry], in_batch: set[bytes], present: Sequence[bytes] = ()) -> None:
         self._txn = txn
         self._entries = entries
         self._keys: set[bytes] | None = None
         self._in_batch = in_batch
+        self._present = present
 
     def __contains__(self, key: object) -> bool:
         if key in self._in_batch:
@@ -529,8 +534,7 @@ class _LazyAncestors:
 
     def _walk(self) -> set[bytes]:
         ancestors: set[bytes] = set()
-        for entry in self._entries:
-            current = entry.parent
+        for current in [entry.parent for entry in self._entries] + list(self._present):
             while current is not None and current not in self._in_batch and current not in ancestors:
                 ancestors.add(current)
                 data = self._txn.get("meta", current)
