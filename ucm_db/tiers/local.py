@@ -23,9 +23,13 @@ Invariants:
       chain is therefore monotone and lookup is a binary search.
     * Accounting: ``info/totals`` equals the sum over ``meta`` at every
       commit (checked by :meth:`LocalTier.check`).
-    * Eviction order: least recently used first; on equal access time the
-      deeper block first, so chain tails go before their ancestors.
-    * Touching a block touches its ancestors.
+    * Eviction takes chain tails only (blocks without children), least
+      recently used first; on equal access time the deeper block first. A
+      block with children stays until they are gone, so the newest block of
+      a chain never goes with an old ancestor.
+    * Touching a block (a read, or a put continuing its chain) touches its
+      ancestors, up to one touched within ``TOUCH_SLACK_NS`` (an ancestor is
+      at most that much older than its descendants).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ T = TypeVar("T")
 #: Entries a maintenance write transaction scans at most: a compact beside
 #: live writers holds their lock for milliseconds at a time, not for the walk.
 MAINTENANCE_CHUNK_KEYS = 4096
+#: A touch's walk up a chain stops at an ancestor touched this recently.
+TOUCH_SLACK_NS = 1_000_000_000
 logger = logging.getLogger("ucm_db")
 
 
@@ -232,6 +238,11 @@ class LocalTier(Tier):
                 result.stored += 1
             if activity is not None:
                 self._apply_activity(txn, changes, activity)
+            # A put uses the chain it continues: its ancestors become as new
+            # as its blocks (and the call's blocks stored already with theirs).
+            touched: set[bytes] = set()
+            for key in [e.parent for e in entries if e.parent is not None and e.parent not in in_batch] + list(protect):
+                self._touch_chain(txn, changes, key, now, touched, hit=False)
             result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch, protect))
             changes.commit()
             crashpoint("local.before_commit")
@@ -261,12 +272,8 @@ class LocalTier(Tier):
         """
         evicted = 0
         while changes.totals.stored_bytes > self.capacity_bytes:
-            victim = None
-            for lru, _ in txn.scan("lru"):
-                key = lru[LRU_PREFIX.size:]
-                if key not in protected:
-                    victim = key
-                    break
+            found = self._oldest_tail(txn, protected)
+            victim = found[1] if found is not None else None
             if victim is None:
                 raise StoreFullError(
                     f"the batch and its ancestors need {changes.totals.stored_bytes} bytes but capacity_bytes is "
@@ -276,6 +283,17 @@ class LocalTier(Tier):
             evicted += count
             changes.totals.evictions += count
         return evicted
+
+    @staticmethod
+    def _oldest_tail(txn: Txn, protected: Container[bytes]) -> tuple[bytes, bytes] | None:
+        """(LRU entry, key) of the least recently used unprotected block
+        without children, or None. An unprotected block has such a tail
+        below it: a protected block's ancestors are protected too."""
+        for lru, _ in txn.scan("lru"):
+            key = bytes(lru[LRU_PREFIX.size:])
+            if key not in protected and next(iter(txn.scan("children", key)), None) is None:
+                return bytes(lru), key
+        return None
 
     def _remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
         """Removes ``key`` and all its descendants; returns blocks removed."""
@@ -318,25 +336,42 @@ class LocalTier(Tier):
         changes.totals.hits += activity.hits
         changes.totals.misses += activity.misses
         visited: set[bytes] = set()
-        for key, access_ns in activity.touched.items():
-            hit = True
-            current: bytes | None = key
-            while current is not None and current not in visited:
-                visited.add(current)
-                data = txn.get("meta", current)
-                if data is None:
-                    break
-                meta = BlockMeta.unpack(data)
-                if meta.access_ns < access_ns:
-                    txn.delete("lru", lru_key(meta.access_ns, meta.depth, current))
-                    txn.put("lru", lru_key(access_ns, meta.depth, current), b"")
-                    meta.access_ns = access_ns
-                meta.hits += int(hit)
-                hit = False
-                txn.put("meta", current, meta.pack())
-                counts = changes.ns(meta.namespace_id)
-                counts[3] = max(counts[3], access_ns)
-                current = meta.parent
+        # Newest first: a chain's walk stops at a block already touched as
+        # recently, so an older touch never hides a newer one's ancestors.
+        for key, access_ns in sorted(activity.touched.items(), key=lambda item: item[1], reverse=True):
+            self._touch_chain(txn, changes, key, access_ns, visited, hit=True)
+
+    def _touch_chain(
+        self, txn: Txn, changes: Changes, key: bytes, access_ns: int, visited: set[bytes], *, hit: bool,
+    ) -> None:
+        """Moves ``key`` and its ancestors to ``access_ns`` in the LRU
+        order (counting a hit on ``key`` with ``hit``). The walk stops at an
+        ancestor touched within :data:`TOUCH_SLACK_NS` of ``access_ns``:
+        its own ancestors were touched with it (every touch walks up), so an
+        ancestor is never more than the slack older than its descendants,
+        and a chain used again and again is walked about once a second, not
+        once per use. Eviction takes tails only (:meth:`_evict_over_capacity`),
+        which keeps it exact within the slack."""
+        current: bytes | None = key
+        while current is not None and current not in visited:
+            visited.add(current)
+            data = txn.get("meta", current)
+            if data is None:
+                break
+            meta = BlockMeta.unpack(data)
+            newer = meta.access_ns < access_ns
+            if not hit and meta.access_ns >= access_ns - TOUCH_SLACK_NS:
+                break
+            if newer:
+                txn.delete("lru", lru_key(meta.access_ns, meta.depth, current))
+                txn.put("lru", lru_key(access_ns, meta.depth, current), b"")
+                meta.access_ns = access_ns
+            meta.hits += int(hit)
+            hit = False
+            txn.put("meta", current, meta.pack())
+            counts = changes.ns(meta.namespace_id)
+            counts[3] = max(counts[3], access_ns)
+            current = meta.parent
 
     def quarantine(self, key: bytes, reason: str, still_corrupt: Callable[[memoryview, memoryview], bool]) -> bool:
         """Moves a corrupt block (and its descendants) out of the store.
@@ -447,10 +482,10 @@ class LocalTier(Tier):
             changes = Changes(txn)
             evicted = 0
             while changes.totals.stored_bytes > target_bytes and evicted < max_blocks:
-                oldest = next((bytes(lru) for lru, _ in txn.scan("lru")), None)
-                if oldest is None:
+                found = self._oldest_tail(txn, ())
+                if found is None:
                     break
-                victim = oldest[LRU_PREFIX.size:]
+                oldest, victim = found
                 if txn.get("meta", victim) is None:  # a stale LRU entry: drop it
                     txn.delete("lru", oldest)
                     continue
