@@ -241,3 +241,21 @@ def test_fetched_block_that_fails_to_decode_is_a_miss_and_quarantined(tmp_path: 
             assert buffers[:2] == payloads[:2]
         assert reader.stats().quarantined == 1
         assert reader.lookup(namespace, keys, remote=False) == 2  # the bad block and its descendants are out
+
+
+@pytest.mark.parametrize("kind", ["file-for-fanout-dir", "symlink-loop-for-fanout-dir"])
+def test_a_path_through_a_non_directory_is_a_quarantined_miss(tmp_path: Path, namespace: Any, kind: str) -> None:
+    """ENOTDIR and ELOOP on the way to an object are a hostile layout, not
+    a remote failure: the read is a miss and nothing raises (a raise would
+    trip the breaker and abandon the rest of the read)."""
+    root = RemoteRoot.from_url(f"file://{tmp_path / 'remote'}")
+    tier = root.tier(namespace.digest[:16])
+    key = chain(namespace, 1, seed=77)[0][0]
+    fanout = Path(tier.path(key)).parent
+    fanout.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "file-for-fanout-dir":
+        fanout.write_bytes(b"not a directory")
+    else:
+        fanout.symlink_to(fanout.name)  # points at itself
+    assert tier.get_batch([key]) == [None]
+    assert str(tier.path(key)) in root.quarantined and root.stats.errors == 0

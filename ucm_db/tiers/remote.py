@@ -177,7 +177,7 @@ class RemoteRoot:
         except FileNotFoundError:
             self.count(misses=1)
             return None
-        except (NotRegularFileError, IsADirectoryError) as exc:
+        except (NotRegularFileError, IsADirectoryError, NotADirectoryError) as exc:
             self.quarantine(path, str(exc))
             return None
         except BaseException:

@@ -77,9 +77,17 @@ def read_local_range(path: str, start: int, end: int) -> bytes:
 
     Raises:
         FileNotFoundError: no such path (a miss).
-        NotRegularFileError: a symlink, FIFO, device, socket or directory.
+        NotRegularFileError: a symlink, FIFO, device, socket or directory,
+            or a path through something that is not a directory (a file
+            where a fan-out directory belongs, a symlink loop).
     """
-    require_regular_file(path, os.lstat(path).st_mode)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ENOTDIR, ELOOP: the path's directories are not what they should be
+        raise NotRegularFileError(f"{path} cannot be reached as a regular file: {exc}") from exc
+    require_regular_file(path, mode)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
