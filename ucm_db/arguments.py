@@ -15,7 +15,7 @@ from typing import Any
 
 from ucm_db.codec import Framed
 from ucm_db.errors import ConfigError, TierError
-from ucm_db.keys import KEY_BYTES, BlockKeys
+from ucm_db.keys import KEY_BYTES, BlockKeys, Namespace
 from ucm_db.tiers.base import Buffer
 
 
@@ -41,9 +41,32 @@ class ProbedKeys(Sequence[bytes]):
 
     def __getitem__(self, index: Any) -> Any:
         key = self._keys[index]
-        if isinstance(index, int) and len(key) != KEY_BYTES:
-            raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {len(key)}", hint="use Namespace.block_keys")
+        if isinstance(index, int) and (not isinstance(key, (bytes, bytearray, memoryview)) or len(key) != KEY_BYTES):
+            got = f"one of {len(key)}" if isinstance(key, (bytes, bytearray, memoryview)) else f"a {type(key).__name__}"
+            raise ConfigError(f"block keys are {KEY_BYTES}-byte bytes objects, got {got}", hint="use Namespace.block_keys")
         return key
+
+
+def require_namespace(namespace: Any, operation: str) -> None:
+    """Refuses anything but a :class:`~ucm_db.keys.Namespace`."""
+    if not isinstance(namespace, Namespace):
+        raise ConfigError(
+            f"{operation} takes a Namespace first, got {type(namespace).__name__}",
+            hint="pass ucm_db.Namespace(model=..., kv_dtype=..., block_size=...), the namespace the keys were made in",
+        )
+
+
+def require_parent(parent: Any) -> bytes | None:
+    """A parent key as ``bytes`` (or None), or a :class:`ConfigError`."""
+    if parent is None:
+        return None
+    if not isinstance(parent, (bytes, bytearray, memoryview)) or len(parent) != KEY_BYTES:
+        raise ConfigError(
+            f"parent must be a {KEY_BYTES}-byte block key or None, got {type(parent).__name__}"
+            + (f" of {len(parent)} bytes" if isinstance(parent, (bytes, bytearray, memoryview)) else ""),
+            hint="pass the key of the block before keys[0], as returned by Namespace.block_keys",
+        )
+    return bytes(parent)
 
 
 def parse_settings(raw: Buffer | None, path: Path) -> dict[str, Any]:
@@ -82,7 +105,29 @@ def key_list(keys: Any, operation: str) -> Sequence[bytes]:
         converted = [bytes(key) for key in keys]
         keys = BlockKeys(converted, parent=keys.parent) if isinstance(keys, BlockKeys) else converted
     require_keys(keys)
+    if isinstance(keys, BlockKeys) and keys.parent is not None:
+        parent = require_parent(keys.parent)
+        if type(keys.parent) is not bytes:
+            keys = BlockKeys(keys, parent=parent)
     return keys
+
+
+def segment_list(segments: Any) -> list[tuple[Any, Any]]:
+    """``put_segments``' argument as a list of ``(keys, payloads)`` pairs."""
+    if isinstance(segments, (bytes, bytearray, memoryview, str)) or not isinstance(segments, Iterable):
+        raise ConfigError(
+            f"put_segments takes a sequence of (keys, payloads) pairs, got {type(segments).__name__}",
+            hint="pass e.g. [(keys_a, payloads_a), (keys_b, payloads_b)]",
+        )
+    pairs = list(segments)
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ConfigError(
+                f"each put_segments segment is a (keys, payloads) pair, got {type(pair).__name__}"
+                + (f" of {len(pair)}" if isinstance(pair, (tuple, list)) else ""),
+                hint="pass e.g. [(keys_a, payloads_a), (keys_b, payloads_b)]",
+            )
+    return [(keys, payloads) for keys, payloads in pairs]
 
 
 def segment_parent(keys: Sequence[bytes], parent: bytes | None | Unset) -> bytes | None:
@@ -98,13 +143,7 @@ def segment_parent(keys: Sequence[bytes], parent: bytes | None | Unset) -> bytes
             "is its chain's first block",
             hint="pass keys from Namespace.block_keys (its slices know their parent), or parent= explicitly",
         )
-    if parent is not None:
-        if not isinstance(parent, (bytes, bytearray, memoryview)) or len(parent) != KEY_BYTES:
-            raise ConfigError(
-                f"parent must be a {KEY_BYTES}-byte block key or None, got {type(parent).__name__}",
-                hint="pass the key of the block before keys[0], as returned by Namespace.block_keys",
-            )
-        parent = bytes(parent)
+    parent = require_parent(parent)
     if isinstance(keys, BlockKeys) and keys and keys.parent != parent:
         raise ConfigError(
             "parent= disagrees with the keys' own parent (the key before keys[0] in Namespace.block_keys)",

@@ -45,7 +45,8 @@ from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORM
 )
 from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, MissingAncestorError, TierError
 from ucm_db.arguments import (
-    UNSET, ProbedKeys, Unset, key_list, parse_settings, require_keys, require_payload, require_writable, segment_parent,
+    UNSET, ProbedKeys, Unset, key_list, parse_settings, require_keys, require_namespace, require_payload, require_writable,
+    segment_list, segment_parent,
 )
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
@@ -277,6 +278,7 @@ class Store:
                 list without ``parent=``.
         """
         self._check_writable()
+        require_namespace(namespace, "put")
         keys = key_list(keys, "put")
         return self._put_checked(namespace, [(keys, payloads, segment_parent(keys, parent))], codec_name)
 
@@ -302,8 +304,9 @@ class Store:
             segment's parent is neither stored nor in the call.
         """
         self._check_writable()
+        require_namespace(namespace, "put_segments")
         checked: list[tuple[Sequence[bytes], Sequence[Payload], bytes | None]] = []
-        for keys, payloads in segments:
+        for keys, payloads in segment_list(segments):
             keys = key_list(keys, "put_segments")
             if not isinstance(keys, BlockKeys):
                 raise ConfigError(
@@ -399,6 +402,7 @@ class Store:
         descendants; returns blocks removed. A key stored under another
         namespace is left alone."""
         self._check_open()
+        require_namespace(namespace, "delete")
         self._refuse_read_only("delete")
         keys = key_list(keys, "delete")
         removed = self._tier.delete(keys, namespace_id=namespace.digest[:16])
@@ -420,6 +424,7 @@ class Store:
                 path can wait longer).
         """
         self._check_open()
+        require_namespace(namespace, "lookup")
         # Checked: the first and last key and the O(log n) keys the binary
         # search reads. A full scan of 8192 keys costs more than the lookup
         # itself, and a malformed key reads as absent (none is ever stored).
@@ -439,6 +444,7 @@ class Store:
         """Raw payloads of ``keys``; ``None`` for a miss, a corrupt block or
         a block of another namespace."""
         self._check_open()
+        require_namespace(namespace, "get")
         keys = key_list(keys, "get")
         corrupt: list[tuple[bytes, str]] = []
 
@@ -530,6 +536,7 @@ class Store:
             For each key, True if ``buffers[i]`` now holds the block.
         """
         self._check_open()
+        require_namespace(namespace, "get_into")
         keys = key_list(keys, "get_into")
         if not isinstance(buffers, Sequence) or len(keys) != len(buffers):
             raise ConfigError("get_into needs a sequence of one buffer per key", hint="pass a list of len(keys) buffers")
@@ -602,6 +609,7 @@ class Store:
         ahead of traffic; see :func:`ucm_db.warming.warm`."""
         from ucm_db.warming import warm
 
+        require_namespace(namespace, "warm")
         return warm(self, namespace, token_sequences=token_sequences, keys=keys, progress=progress)
 
     @property

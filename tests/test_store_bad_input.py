@@ -1,0 +1,48 @@
+"""Malformed arguments to the public store API raise ConfigError (the
+package's own hierarchy) naming the problem, and lose nothing stored: a
+wrong namespace object, a BlockKeys with a malformed parent, a segment that
+is not a (keys, payloads) pair, a non-bytes key amid a lookup's keys."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+import ucm_db
+from ucm_db import BlockKeys, ConfigError, Namespace
+
+NS = Namespace(model="bad-input", kv_dtype="bfloat16", block_size=4)
+KEYS = NS.block_keys(list(range(16)))  # 4 blocks
+PAYLOADS = [bytes([i]) * 256 for i in range(4)]
+
+CALLS: dict[str, Callable[[Any], Any]] = {
+    "put, namespace None": lambda s: s.put(None, KEYS, PAYLOADS),
+    "put_segments, namespace str": lambda s: s.put_segments("model", [(KEYS, PAYLOADS)]),
+    "get, namespace None": lambda s: s.get(None, KEYS),
+    "get, namespace str": lambda s: s.get("model", KEYS),
+    "get_into, namespace None": lambda s: s.get_into(None, KEYS, [bytearray(256)] * 4),
+    "lookup, namespace None": lambda s: s.lookup(None, KEYS),
+    "delete, namespace None": lambda s: s.delete(None, KEYS),
+    "warm, namespace None": lambda s: s.warm(None, keys=[KEYS]),
+    "put, BlockKeys parent int": lambda s: s.put(NS, BlockKeys(list(KEYS), parent=5), PAYLOADS),  # type: ignore[arg-type]
+    "put, BlockKeys parent short": lambda s: s.put(NS, BlockKeys(list(KEYS), parent=b"short"), PAYLOADS),
+    "put_segments, BlockKeys parent str": lambda s: s.put_segments(NS, [(BlockKeys(list(KEYS), parent="p"), PAYLOADS)]),  # type: ignore[arg-type]
+    "put_segments, not pairs": lambda s: s.put_segments(NS, [b"abc"]),
+    "put_segments, a triple": lambda s: s.put_segments(NS, [(KEYS, PAYLOADS, None)]),
+    "put_segments, None": lambda s: s.put_segments(NS, None),
+    # The binary search must read a middle key: the last one is not stored.
+    "lookup, ints amid the keys": lambda s: s.lookup(NS, [KEYS[0], 5, 6, bytes(32)]),
+}
+
+
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_malformed_argument_is_a_config_error_and_loses_nothing(tmp_path, engine: str, call: str) -> None:
+    with ucm_db.open(tmp_path / "s", engine=engine) as store:
+        store.put(NS, KEYS, PAYLOADS)
+        with pytest.raises(ConfigError) as raised:
+            CALLS[call](store)
+        assert raised.value.hint, "the error says how to fix it"
+        assert store.get(NS, KEYS) == PAYLOADS
+        assert store.lookup(NS, KEYS) == 4 and store.tier.check() == []
