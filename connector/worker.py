@@ -15,7 +15,10 @@ Invariants:
       recomputes it; no unverified byte reaches the KV cache.
     * Saves copy blocks out of the KV cache in ``wait_for_save`` (the
       blocks may be reused by the next step) and leave encoding and commit
-      to the :class:`~ucm_db.connector.writer.BackgroundWriter`.
+      to the :class:`~ucm_db.connector.writer.BackgroundWriter`. A save whose
+      ``after_loads`` include a block this step failed to load is dropped
+      (its KV attended to a stale slot); the saves a step's metadata voids
+      (another rank's failure) are deleted behind every queued save.
     * A worker reads and writes the units of its own KV heads and pipeline
       stage (:func:`~ucm_db.connector.identity.rank_spans`), whatever TP size
       wrote them; a block loads only if all its units do. Each head has one
