@@ -24,10 +24,13 @@ import xxhash
 
 from ucm_db.errors import ConfigError, FormatVersionError, MigrationError
 from ucm_db.format import INFO_TABLE, SETTINGS_KEY, open_engine
+from ucm_db.tiers import records
 from ucm_db.store_view import ProgressFn, check_store_path, open_view
 from ucm_db.tiers.base import TABLES, Engine, Txn
 from ucm_db.verification import verify_view
 
+#: The settings record's checksum sidecar (renewed with the record).
+SETTINGS_SUM_KEY = records.SUM_PREFIX + SETTINGS_KEY
 #: Items per destination write transaction.
 COPY_BATCH_ITEMS = 512
 #: Initial LMDB map of a new destination (it grows on demand).
@@ -42,7 +45,7 @@ def table_digests(engine: Engine, *, ignore_settings: bool = True) -> dict[str, 
             h = xxhash.xxh3_128()
             n = 0
             for key, value in txn.scan(table):
-                if ignore_settings and table == INFO_TABLE and key == SETTINGS_KEY:
+                if ignore_settings and table == INFO_TABLE and key in (SETTINGS_KEY, SETTINGS_SUM_KEY):
                     continue
                 h.update(len(key).to_bytes(4, "little") + key + len(value).to_bytes(8, "little"))
                 h.update(value)
@@ -63,6 +66,9 @@ def copy_tables(source: Engine, dest: Engine, engine_name: str, total_items: int
                     settings = json.loads(bytes(value))
                     settings["engine"] = engine_name
                     value = json.dumps(settings, sort_keys=True).encode()
+                    batch.append((table, SETTINGS_SUM_KEY, records.record_sum(SETTINGS_KEY, value)))  # its checksum, renewed
+                elif table == INFO_TABLE and key == SETTINGS_SUM_KEY:
+                    continue
                 batch.append((table, bytes(key), bytes(value)))
                 if len(batch) >= COPY_BATCH_ITEMS:
                     done += _write(dest, batch)

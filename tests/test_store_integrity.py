@@ -338,6 +338,27 @@ def test_a_garbage_settings_or_version_record_is_a_clear_error(tmp_path, record,
         open_store(path)
 
 
+def test_a_settings_record_altered_into_other_valid_settings_is_refused(tmp_path):
+    """A flipped digit in capacity_bytes is still valid JSON; adopted, it
+    would evict most of the store. Its checksum catches it: the store does
+    not open, the index check names the record, nothing is evicted."""
+    import json
+
+    path = tmp_path / "s"
+    with open_store(path, capacity_bytes=8 << 30) as store:
+        store.put(NS, chain(2), [b"x", b"y"])
+
+        def alter(txn):
+            settings = json.loads(bytes(txn.get("info", b"settings")))
+            settings["capacity_bytes"] = 8 << 20
+            txn.put("info", b"settings", json.dumps(settings, sort_keys=True).encode())
+
+        store.tier.engine.write(alter)
+        assert ("settings", "checksum mismatch") in store.tier.damaged_records()
+    with pytest.raises(TierError, match="settings record .* is damaged"):
+        open_store(path)
+
+
 def test_records_of_format3_code_are_sealed_on_open(tmp_path):
     """A store whose records have no checksums (as format-3 code wrote
     them) gets them at open, after which a flip is caught."""
@@ -346,7 +367,8 @@ def test_records_of_format3_code_are_sealed_on_open(tmp_path):
         store.put(NS, chain(2), [b"x", b"y"])
         store.tier.engine.write(lambda txn: [txn.delete("info", k) for k, _ in list(txn.scan("info", b"sum:"))])
     with open_store(path) as store:
-        assert store.tier.engine.read(lambda txn: len(list(txn.scan("info", b"sum:")))) >= 3
+        assert store.tier.engine.read(lambda txn: len(list(txn.scan("info", b"sum:")))) >= 4
+        assert store.tier.engine.read(lambda txn: txn.get("info", b"sum:settings")) is not None
         _flip_record(store, b"totals", bit=1)
         assert store.tier.damaged_records()
 

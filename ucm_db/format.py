@@ -136,7 +136,19 @@ def read_format_version(engine: Engine) -> int:
 
 def read_settings(engine: Engine) -> dict[str, Any]:
     """The persisted settings recorded in ``engine``'s store ({} if none)."""
-    raw = engine.read(lambda txn: _copy(txn.get(INFO_TABLE, SETTINGS_KEY)))
+    from ucm_db.tiers import records
+
+    def run(txn: Any) -> bytes | None:
+        value = txn.get(INFO_TABLE, SETTINGS_KEY)
+        if value is None:
+            return None
+        try:
+            records.check(txn, SETTINGS_KEY, value)
+        except records.DamagedRecord:
+            return b"damaged: checksum mismatch"
+        return bytes(value)
+
+    raw = engine.read(run)
     if raw is None:
         return {}
     try:

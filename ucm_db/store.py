@@ -44,6 +44,7 @@ from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORM
     engine_for_config, parse_format_version,
 )
 from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, MissingAncestorError, TierError
+from ucm_db.tiers import records
 from ucm_db.arguments import (
     UNSET, ProbedKeys, Unset, key_list, parse_settings, require_keys, require_namespace, require_payload, require_writable,
     segment_list, segment_parent,
@@ -153,9 +154,14 @@ class Store:
                     raise TierError(f"the store at {self.path} was never initialised: it records no format version",
                                     hint="open it writable once, or check the path")
                 txn.put("info", FORMAT_VERSION_KEY, str(STORE_FORMAT_VERSION).encode())
-                txn.put("info", SETTINGS_KEY, json.dumps(wanted, sort_keys=True).encode())
+                records.put_checked(txn, SETTINGS_KEY, json.dumps(wanted, sort_keys=True).encode())
                 txn.put("info", CREATED_KEY, creation_record())
                 return STORE_FORMAT_VERSION, wanted
+            if settings is not None:
+                try:
+                    records.check(txn, SETTINGS_KEY, settings)
+                except records.DamagedRecord:
+                    settings = b"damaged"  # parse_settings names it
             return parse_format_version(bytes(version)), parse_settings(settings, self.path)
 
         version, stored = (self._engine.read if self.config.read_only else self._engine.write)(run)

@@ -179,4 +179,9 @@ def damaged_records(txn: Txn) -> list[tuple[str, str]]:
         value = txn.get("info", name)
         if value is not None and "damaged" in parse_description(value):
             found.append((name.decode(), parse_description(value)["damaged"]))
+        elif value is not None and name == SETTINGS_KEY:
+            try:
+                records.check(txn, name, value)
+            except records.DamagedRecord as exc:
+                found.append((name.decode(), exc.reason))
     return found

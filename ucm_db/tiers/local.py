@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.tiers import chunked, index_audit, records
+from ucm_db.format import SETTINGS_KEY
 from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
     NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
 )
@@ -452,10 +453,11 @@ class LocalTier(Tier):
         return self.engine.write(run)
 
     def seal_records(self) -> int:
-        """Adds checksums to counter and description records written by
-        format-3 code (see :mod:`ucm_db.tiers.records`); returns how many."""
+        """Adds checksums to the settings, counter and description records
+        written by older code (see :mod:`ucm_db.tiers.records`); returns how
+        many."""
         def run(txn: Txn) -> int:
-            return records.seal(txn, (TOTALS_KEY, NS_COUNTS_PREFIX, NS_DESC_PREFIX))
+            return records.seal(txn, (SETTINGS_KEY, TOTALS_KEY, NS_COUNTS_PREFIX, NS_DESC_PREFIX))
         return self.engine.write(run)
 
     # -- maintenance primitives (for ucm_db.maintenance; each one transaction) --
