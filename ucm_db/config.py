@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.errors import ConfigError
+from ucm_db.tiers.remote_object import MAX_OBJECT_BYTES
 
 CODECS = ("zstd", "none")
 DURABILITIES = ("sync", "group")
@@ -81,6 +82,11 @@ class StoreConfig:
             for an object store with long round trips (64 against 20 ms:
             BENCHMARKS.md); on a fast shared directory more threads only
             contend for the CPU.
+        remote_max_object_bytes: the largest remote object this store
+            reads (a larger one is a miss, never read into memory): it
+            bounds what one hostile object can cost a reader, about twice
+            this per concurrent read. Raise it only for KV blocks over
+            256 MiB.
         remote_codec: codec of remote objects: ``"same"`` as ``codec``,
             ``"none"``, ``"zstd"``, or ``"auto"`` (zstd when the measured
             link is slower than the measured compression; see
@@ -111,6 +117,7 @@ class StoreConfig:
     remote_deadline_s: float = 0.2
     upload_concurrency: int = 4
     remote_read_concurrency: int = 16
+    remote_max_object_bytes: int = 256 << 20
     remote_codec: str = "same"
     read_only: bool = False
 
@@ -139,6 +146,7 @@ class StoreConfig:
         _require_positive_float("remote_deadline_s", self.remote_deadline_s, maximum=MAX_REMOTE_DEADLINE_S)
         _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
         _require_int("remote_read_concurrency", self.remote_read_concurrency, minimum=1)
+        _require_int("remote_max_object_bytes", self.remote_max_object_bytes, minimum=1 << 20, maximum=MAX_OBJECT_BYTES)
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")
@@ -208,11 +216,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _require_int(name: str, value: Any, *, minimum: int) -> None:
+def _require_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an integer, got {value!r}", hint=f"pass {name}=<int>")
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}", hint=f"raise {name}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum}, got {value}", hint=f"lower {name}")
 
 
 def _require_positive_float(name: str, value: Any, *, maximum: float) -> None:

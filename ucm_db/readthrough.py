@@ -166,9 +166,13 @@ def search_prefix(
 class RemoteLink:
     """The store's connection to its remote tier (see module invariants)."""
 
-    def __init__(self, url: str, options: dict[str, Any], read_threads: int | None = None) -> None:
+    def __init__(
+        self, url: str, options: dict[str, Any], read_threads: int | None = None, *, max_object_bytes: int | None = None,
+    ) -> None:
         self.url = url
         self.root = RemoteRoot.from_url(url, options)
+        if max_object_bytes is not None:
+            self.root.max_object_bytes = max_object_bytes
         self.breaker = Breaker()
         self.read_threads = read_threads or READ_THREADS
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")

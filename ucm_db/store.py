@@ -138,7 +138,10 @@ class Store:
         if self.config.remote is not None:
             from ucm_db.readthrough import RemoteLink
 
-            self._remote = RemoteLink(self.config.remote, dict(self.config.remote_options), self.config.remote_read_concurrency)
+            self._remote = RemoteLink(
+                self.config.remote, dict(self.config.remote_options), self.config.remote_read_concurrency,
+                max_object_bytes=self.config.remote_max_object_bytes,
+            )
         self._ensure_process()
 
     # -- setup -----------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 import ucm_db
+from ucm_db import codec
 from reliability.harness import run_child, tail
 from undecodable import undecodable_blob
 from ucm_db.tiers.remote import ENVELOPE_BYTES, FIRST_READ_BYTES, RemoteRoot
@@ -76,6 +77,13 @@ def plant(path: Path, kind: str) -> None:
     elif kind == "states-more-than-the-cap":
         path.write_bytes(_claim_too_much(real))
         os.truncate(path, 16 << 30)
+    elif kind == "honestly-huge":  # states 2 GiB and is that long: only the store's own bound stops it
+        out = bytearray(real)
+        claim = 2 << 30
+        struct.pack_into("<QQ", out, ENVELOPE_BYTES + 12, claim, claim)
+        head = codec.head_bytes(memoryview(out)[ENVELOPE_BYTES:])
+        path.write_bytes(bytes(out[: ENVELOPE_BYTES + head]))
+        os.truncate(path, ENVELOPE_BYTES + head + claim)
     else:
         raise AssertionError(kind)
 
@@ -113,7 +121,9 @@ def reader_child(store_dir: Path, url: str, namespace_dict: dict[str, Any], keys
     out.write_text(json.dumps(report))
 
 
-@pytest.mark.parametrize("kind", ["symlink-to-dev-zero", "fifo", "directory", "longer-than-stated", "states-more-than-the-cap"])
+@pytest.mark.parametrize(
+    "kind", ["symlink-to-dev-zero", "fifo", "directory", "longer-than-stated", "states-more-than-the-cap", "honestly-huge"],
+)
 def test_hostile_object_in_a_file_remote_is_a_bounded_miss(tmp_path: Path, namespace: Any, kind: str) -> None:
     remote_dir = tmp_path / "remote"
     url = f"file://{remote_dir}"

@@ -262,6 +262,24 @@ def test_remote_read_concurrency_bounds_the_read_threads(remote: Remote, tmp_pat
         ucm_db.open(tmp_path / "c", remote_read_concurrency=0, **remote.store_options())
 
 
+def test_remote_max_object_bytes_bounds_what_is_read(remote: Remote, tmp_path: Path, namespace) -> None:
+    """Objects larger than remote_max_object_bytes are misses (and are never
+    read past their first request); the bound is checked at open."""
+    keys, _ = chain(namespace, 4)
+    big = [bytes([i]) * (2 << 20) for i in range(4)]  # 2 MiB blocks, stored raw
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, codec="none", **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, big)
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0, remote_max_object_bytes=1 << 20)) as node_b:
+        assert node_b.get(namespace, keys) == [None] * 4
+        assert node_b.stats().remote["corrupt"] >= 1
+    with ucm_db.open(tmp_path / "c", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_c:
+        assert node_c.get(namespace, keys) == big  # the default (256 MiB) reads them
+    for bad in (0, 1 << 40, "1"):
+        with pytest.raises(ConfigError, match="remote_max_object_bytes"):
+            ucm_db.open(tmp_path / "d", remote_max_object_bytes=bad, **remote.store_options())
+
+
 def test_lookup_deadline_override(remote: Remote, tmp_path: Path, namespace) -> None:
     """A lookup off the serving path may wait longer than the store's
     remote_deadline_s; a deadline that is not a positive number is refused."""

@@ -28,8 +28,10 @@ Invariants:
     * Every read is bounded by what the object's header allows: the first
       request reads at most :data:`FIRST_READ_BYTES`; the envelope and codec
       header then state the object's exact length, which must be within
-      :data:`MAX_OBJECT_BYTES`, and at most that many bytes (plus one, to
-      see an object longer than stated) are read. An object shorter or
+      :attr:`RemoteRoot.max_object_bytes` (the store's
+      ``remote_max_object_bytes``, at most :data:`MAX_OBJECT_BYTES`), and at
+      most that many bytes (plus one, to see an object longer than stated)
+      are read. An object shorter or
       longer than its header states is corrupt (a miss).
     * On a local or NFS directory only regular files are read: a symlink,
       FIFO, device or directory in an object's place is never opened for
@@ -125,6 +127,8 @@ class RemoteRoot:
     def __init__(self, fs: Any, root: str) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
+        #: The largest object read (a larger one is a miss, never read).
+        self.max_object_bytes = MAX_OBJECT_BYTES
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self.manifests_written: set[bytes] = set()
@@ -346,6 +350,8 @@ class RemoteTier(Tier):
         if first is None:
             return None
         stated = stated_object_bytes(first, key)
+        if stated > self.remote.max_object_bytes:
+            raise CorruptBlockError(f"remote object states {stated} bytes, more than the {self.remote.max_object_bytes} this store reads")
         if len(first) < FIRST_READ_BYTES:  # the whole object
             if len(first) != stated:
                 raise CorruptBlockError(f"remote object of {len(first)} bytes states {stated}")
