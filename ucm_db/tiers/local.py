@@ -25,11 +25,10 @@ Invariants:
       commit (checked by :meth:`LocalTier.check`).
     * Eviction takes chain tails only (blocks without children), least
       recently used first; on equal access time the deeper block first. A
-      block with children stays until they are gone, so the newest block of
-      a chain never goes with an old ancestor.
-    * Touching a block (a read, or a put continuing its chain) touches its
-      ancestors, up to one touched within ``TOUCH_SLACK_NS`` (an ancestor is
-      at most that much older than its descendants).
+      block with children met at the front of the LRU order is filed again
+      as used now, so the newest block of a chain never goes with an old
+      ancestor, and each eviction passes over such a block once.
+    * Touching a block (a read) touches its ancestors.
 """
 
 from __future__ import annotations
@@ -56,8 +55,6 @@ T = TypeVar("T")
 #: Entries a maintenance write transaction scans at most: a compact beside
 #: live writers holds their lock for milliseconds at a time, not for the walk.
 MAINTENANCE_CHUNK_KEYS = 4096
-#: A touch's walk up a chain stops at an ancestor touched this recently.
-TOUCH_SLACK_NS = 1_000_000_000
 logger = logging.getLogger("ucm_db")
 
 
@@ -67,6 +64,9 @@ class LocalTier(Tier):
     def __init__(self, engine: Engine, *, capacity_bytes: int) -> None:
         self.engine = engine
         self.capacity_bytes = capacity_bytes
+        #: LRU entries eviction has read in this process (it reads a block
+        #: with children once, then files it as used: tests check that).
+        self.eviction_entries_scanned = 0
 
     @property
     def capabilities(self) -> TierCapabilities:
@@ -239,11 +239,6 @@ class LocalTier(Tier):
                 result.stored += 1
             if activity is not None:
                 self._apply_activity(txn, changes, activity)
-            # A put uses the chain it continues: its ancestors become as new
-            # as its blocks (and the call's blocks stored already with theirs).
-            touched: set[bytes] = set()
-            for key in [e.parent for e in entries if e.parent is not None and e.parent not in in_batch] + list(protect):
-                self._touch_chain(txn, changes, key, now, touched, hit=False)
             result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch, protect))
             changes.commit()
             crashpoint("local.before_commit")
@@ -273,8 +268,7 @@ class LocalTier(Tier):
         """
         evicted = 0
         while changes.totals.stored_bytes > self.capacity_bytes:
-            found = self._oldest_tail(txn, protected)
-            victim = found[1] if found is not None else None
+            victim = self._oldest_tail(txn, changes, protected)
             if victim is None:
                 raise StoreFullError(
                     f"the batch and its ancestors need {changes.totals.stored_bytes} bytes but capacity_bytes is "
@@ -285,16 +279,44 @@ class LocalTier(Tier):
             changes.totals.evictions += count
         return evicted
 
-    @staticmethod
-    def _oldest_tail(txn: Txn, protected: Container[bytes]) -> tuple[bytes, bytes] | None:
-        """(LRU entry, key) of the least recently used unprotected block
-        without children, or None. An unprotected block has such a tail
-        below it: a protected block's ancestors are protected too."""
+    def _oldest_tail(self, txn: Txn, changes: Changes, protected: Container[bytes]) -> bytes | None:
+        """The least recently used unprotected block without children, or
+        None. Blocks with children met on the way are filed again as used
+        now (their chains are in use: a block gains children only when a
+        put continues it), so each is passed over once, not at every
+        eviction, and goes only once it is a tail. Stale LRU entries (no
+        block) are dropped. An unprotected block has a tail below it: a
+        protected block's ancestors are protected too."""
+        refile: list[tuple[bytes, bytes]] = []
+        stale: list[bytes] = []
+        victim = None
         for lru, _ in txn.scan("lru"):
+            self.eviction_entries_scanned += 1
             key = bytes(lru[LRU_PREFIX.size:])
-            if key not in protected and next(iter(txn.scan("children", key)), None) is None:
-                return bytes(lru), key
-        return None
+            if key in protected:
+                continue
+            if next(iter(txn.scan("children", key)), None) is None:
+                if txn.get("meta", key) is None:
+                    stale.append(bytes(lru))
+                    continue
+                victim = key
+                break
+            refile.append((bytes(lru), key))
+        for lru in stale:
+            txn.delete("lru", lru)
+        now = time.time_ns()
+        for lru, key in refile:
+            data = txn.get("meta", key)
+            txn.delete("lru", lru)
+            if data is None:
+                continue
+            meta = BlockMeta.unpack(data)
+            meta.access_ns = max(meta.access_ns, now)
+            txn.put("lru", lru_key(meta.access_ns, meta.depth, key), b"")
+            txn.put("meta", key, meta.pack())
+            counts = changes.ns(meta.namespace_id)
+            counts[3] = max(counts[3], meta.access_ns)
+        return victim
 
     def _remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
         """Removes ``key`` and all its descendants; returns blocks removed."""
@@ -337,42 +359,29 @@ class LocalTier(Tier):
         changes.totals.hits += activity.hits
         changes.totals.misses += activity.misses
         visited: set[bytes] = set()
-        # Newest first: a chain's walk stops at a block already touched as
-        # recently, so an older touch never hides a newer one's ancestors.
+        # Newest first: a walk stops at a block an earlier (newer) walk
+        # visited, so an older touch never hides a newer one's ancestors.
         for key, access_ns in sorted(activity.touched.items(), key=lambda item: item[1], reverse=True):
-            self._touch_chain(txn, changes, key, access_ns, visited, hit=True)
-
-    def _touch_chain(
-        self, txn: Txn, changes: Changes, key: bytes, access_ns: int, visited: set[bytes], *, hit: bool,
-    ) -> None:
-        """Moves ``key`` and its ancestors to ``access_ns`` in the LRU
-        order (counting a hit on ``key`` with ``hit``). The walk stops at an
-        ancestor touched within :data:`TOUCH_SLACK_NS` of ``access_ns``:
-        its own ancestors were touched with it (every touch walks up), so an
-        ancestor is never more than the slack older than its descendants,
-        and a chain used again and again is walked about once a second, not
-        once per use. Eviction takes tails only (:meth:`_evict_over_capacity`),
-        which keeps it exact within the slack."""
-        current: bytes | None = key
-        while current is not None and current not in visited:
-            visited.add(current)
-            data = txn.get("meta", current)
-            if data is None:
-                break
-            meta = BlockMeta.unpack(data)
-            newer = meta.access_ns < access_ns
-            if not hit and meta.access_ns >= access_ns - TOUCH_SLACK_NS:
-                break
-            if newer:
-                txn.delete("lru", lru_key(meta.access_ns, meta.depth, current))
-                txn.put("lru", lru_key(access_ns, meta.depth, current), b"")
-                meta.access_ns = access_ns
-            meta.hits += int(hit)
-            hit = False
-            txn.put("meta", current, meta.pack())
-            counts = changes.ns(meta.namespace_id)
-            counts[3] = max(counts[3], access_ns)
-            current = meta.parent
+            hit = True
+            current: bytes | None = key
+            while current is not None and (current not in visited or hit):
+                data = txn.get("meta", current)
+                if data is None:
+                    break
+                meta = BlockMeta.unpack(data)
+                if meta.access_ns < access_ns:
+                    txn.delete("lru", lru_key(meta.access_ns, meta.depth, current))
+                    txn.put("lru", lru_key(access_ns, meta.depth, current), b"")
+                    meta.access_ns = access_ns
+                meta.hits += int(hit)
+                hit = False
+                txn.put("meta", current, meta.pack())
+                counts = changes.ns(meta.namespace_id)
+                counts[3] = max(counts[3], access_ns)
+                if current in visited:
+                    break  # its own hit counted; its ancestors were walked already
+                visited.add(current)
+                current = meta.parent
 
     def quarantine(self, key: bytes, reason: str, still_corrupt: Callable[[memoryview, memoryview], bool]) -> bool:
         """Moves a corrupt block (and its descendants) out of the store.
@@ -484,13 +493,9 @@ class LocalTier(Tier):
             changes = Changes(txn)
             evicted = 0
             while changes.totals.stored_bytes > target_bytes and evicted < max_blocks:
-                found = self._oldest_tail(txn, ())
-                if found is None:
+                victim = self._oldest_tail(txn, changes, ())
+                if victim is None:
                     break
-                oldest, victim = found
-                if txn.get("meta", victim) is None:  # a stale LRU entry: drop it
-                    txn.delete("lru", oldest)
-                    continue
                 count = self._remove_tree(txn, changes, victim)
                 evicted += count
                 changes.totals.evictions += count
