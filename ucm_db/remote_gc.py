@@ -131,8 +131,10 @@ def orphaned_descendants(
                 result = True
                 break
             if key not in parent_of and key not in doomed:
-                # Absent: on its way (a young child) or gone for good (an old one).
-                result = now_s - by_key[chain[-1]].mtime_s > ORPHAN_GRACE_S
+                # Absent: on its way (a young child) or gone for good (an old
+                # one); a child of unknown age (no mtime listed) counts as young.
+                child_mtime_s = by_key[chain[-1]].mtime_s
+                result = child_mtime_s > 0 and now_s - child_mtime_s > ORPHAN_GRACE_S
                 break
             if key in doomed or parent_of[key] == key:
                 result = True

@@ -269,3 +269,25 @@ def test_a_path_through_a_non_directory_is_a_quarantined_miss(tmp_path: Path, na
         fanout.symlink_to(fanout.name)  # points at itself
     assert tier.get_batch([key]) == [None]
     assert str(tier.path(key)) in root.quarantined and root.stats.errors == 0
+
+
+def test_an_io_error_on_the_way_is_a_remote_failure_not_a_quarantined_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only ENOTDIR and ELOOP mean "not an object here". An EIO (or ESTALE,
+    EACCES) is the remote failing: it is raised and counted, so gc never
+    takes it for a broken object (which it would delete with its
+    descendants). EIO cannot be produced on a healthy disk: os.lstat is
+    patched to raise it (a mock, for that fault alone)."""
+    import errno
+
+    from ucm_db.tiers import remote_files
+
+    target = tmp_path / "obj"
+    target.write_bytes(b"x")
+
+    def failing_lstat(path: str) -> os.stat_result:
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    monkeypatch.setattr(remote_files.os, "lstat", failing_lstat)
+    with pytest.raises(OSError) as raised:
+        remote_files.read_local_range(str(target), 0, 1)
+    assert not isinstance(raised.value, remote_files.NotRegularFileError) and raised.value.errno == errno.EIO

@@ -92,6 +92,29 @@ def test_gc_keeps_new_objects_whose_ancestors_are_still_uploading(tmp_path: Path
     assert present(url, [victim, *orphan[1:]]) == [False] * 3
 
 
+def test_an_object_of_unknown_age_with_an_absent_parent_is_kept() -> None:
+    """A listing without modification times (mtime 0) cannot tell an
+    orphan from an upload in flight: it is kept."""
+    from ucm_db.remote_gc import RemoteObjectInfo, orphaned_descendants
+
+    class Listing:  # read_range of each object's envelope, from a real remote laid out below
+        def __init__(self, root: RemoteRoot) -> None:
+            self.root = root
+
+        def read_range(self, path: str, start: int, end: int) -> bytes | None:
+            return self.root.read_range(path, start, end)
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = RemoteRoot.from_url(f"file://{tmp}/remote")
+        tier = root.tier(NS_A.digest[:16])
+        keys = chain_keys(NS_A, "unknown-age", 3)
+        tier.store(keys[2], keys[1], codec.encode(keys[2], payload("u", 2), codec="none"))
+        objects = [RemoteObjectInfo(tier.path(keys[2]), keys[2], 100, 0.0)]
+        assert orphaned_descendants(Listing(root), objects, {"some-victim"}, now_s=time.time()) == set()  # type: ignore[arg-type]
+
+
 def test_gc_needs_a_rule(tmp_path: Path) -> None:
     result = invoke("gc", f"file://{tmp_path}", expect=2)
     assert "--older-than" in result.stderr

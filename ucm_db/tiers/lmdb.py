@@ -390,8 +390,8 @@ class LmdbEngine(Engine):
             try:
                 with self._write_lock, self._txn_gate.shared(), env.begin(write=True, buffers=True) as txn:
                     result = fn(_LmdbTxn(txn, self._dbs))
-                if self._sync and self._pin is not None:
-                    self._sync_env(env)  # the commit is on disk: record it, so no rollback undoes it
+                if self._sync:
+                    self._record_sync_commit(env)
                 return result
             except lmdb.MapFullError:
                 self._grow(env)
@@ -432,6 +432,22 @@ class LmdbEngine(Engine):
         if self.read_only:
             return  # nothing written, nothing to make durable
         self._sync_env(self._environment())
+
+    def _record_sync_commit(self, env: lmdb.Environment) -> None:
+        """Records a sync writer's commit (on disk already) as the synced
+        snapshot. A failure is logged, not raised: the commit stands, and
+        the previous record stays pinned, so a rollback after an OS crash
+        lands on intact pages (it undoes this commit, which is all). A
+        store that had no record when this process opened it gains one
+        once a group process opens it: from then on this writer records too."""
+        if self._pin is None:
+            if not (self.path / RECORD_FILE).exists():
+                return
+            self._pin = SnapshotPin(self.path)
+        try:
+            self._sync_env(env)
+        except TierError as exc:
+            logger.warning("ucm-db: committed, but recording the synced snapshot of %s failed: %s", self.path, exc)
 
     def _sync_env(self, env: lmdb.Environment) -> None:
         for _ in range(16):

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import uuid
@@ -66,6 +67,10 @@ def write_whole(fs: Any, path: str, data: bytes) -> None:
         raise
 
 
+#: What opening a path through a file or a symlink loop fails with.
+_NOT_A_PATH_ERRNOS = (errno.ENOTDIR, errno.ELOOP)
+
+
 def read_local_range(path: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of a regular local file (fewer at its end).
 
@@ -83,17 +88,17 @@ def read_local_range(path: str, start: int, end: int) -> bytes:
     """
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # ENOTDIR, ELOOP: the path's directories are not what they should be
-        raise NotRegularFileError(f"{path} cannot be reached as a regular file: {exc}") from exc
+    except OSError as exc:
+        if exc.errno in _NOT_A_PATH_ERRNOS:  # the path's directories are not what they should be
+            raise NotRegularFileError(f"{path} cannot be reached as a regular file: {exc}") from exc
+        raise  # a miss (ENOENT) or a failure of the remote (EIO, ESTALE, EACCES...): not the object's fault
     require_regular_file(path, mode)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except OSError as exc:
+        if exc.errno in _NOT_A_PATH_ERRNOS:  # ELOOP: replaced by a symlink after the lstat
+            raise NotRegularFileError(f"{path} cannot be opened as a regular file: {exc}") from exc
         raise
-    except OSError as exc:  # ELOOP: replaced by a symlink after the lstat
-        raise NotRegularFileError(f"{path} cannot be opened as a regular file: {exc}") from exc
     try:
         info = os.fstat(fd)
         require_regular_file(path, info.st_mode)
