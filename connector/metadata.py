@@ -18,15 +18,20 @@ Invariants:
       reports the request finished; saves are copied out of the KV caches
       within their step. ``idle``: the step schedules no tokens (a worker
       may wait a little for async loads instead of letting the engine spin).
-    * A save's ``after_loads`` names the blocks this step loads (synchronously)
-      that its blocks' KV is computed over: vLLM runs the step's forward pass
-      before it learns that a load failed, so the KV computed after a failed
-      block is wrong. A worker whose load of any of them failed drops the
-      save; a save that another rank's failure made wrong comes back in a
-      later step's ``void_saves``, and every worker deletes its units of
-      those blocks (queued behind its earlier saves, so the delete follows
-      the commit). Wrong KV is never completed into a loadable block by
-      this engine, and no rank keeps units of it past that later step.
+    * A save's ``after_loads`` names the blocks loaded (synchronously) by
+      this step or by earlier steps whose output is not back yet that its
+      blocks' KV is computed over: vLLM runs a step's forward pass before it
+      learns that a load failed, so the KV computed after a failed block is
+      wrong. A worker drops a save over a block it failed to load in its
+      last few steps. With several ranks (each sees only its own failures)
+      such a save is held (``hold_id``): the worker keeps the copied-out
+      units and commits them only when a later step's ``held_commits``
+      names it, or discards them (``held_drops``), once every rank's output
+      for the steps it depends on is back. So no rank commits KV computed
+      over a failed load. A ``kv_producer`` commits within the step: its
+      saves are not held, and one another rank's failure made wrong comes
+      back in ``void_saves``, whose units every worker deletes (behind its
+      earlier saves, so the delete follows the commit).
     * Only plain values: vLLM ships this object to worker processes.
     * Every step's metadata carries the scheduler's ``step`` number; a
       worker echoes it in its :class:`UcmDbWorkerMetadata` with the step's
@@ -58,7 +63,8 @@ class BlockTransfer:
     parent: bytes | None = None
     source: str = "units"
     rank_keys: tuple[tuple[bytes, ...], ...] = ()
-    after_loads: tuple[int, ...] = ()  # a save: this step's loaded blocks its KV was computed over
+    after_loads: tuple[int, ...] = ()  # a save: loaded blocks (of unsettled steps) its KV was computed over
+    hold_id: int = -1  # a save: >= 0 if workers keep it until the scheduler's verdict
 
     def __post_init__(self) -> None:
         if any(len(keys) != len(self.block_ids) for keys in (self.keys, *self.rank_keys)):
@@ -76,11 +82,13 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     step: int = -1  # the scheduler's step number (-1: not numbered)
     async_loads: list[BlockTransfer] = field(default_factory=list)
     idle: bool = False  # no tokens scheduled this step
-    void_saves: list[BlockTransfer] = field(default_factory=list)  # earlier saves computed over a failed load
+    void_saves: list[BlockTransfer] = field(default_factory=list)  # committed saves computed over a failed load
+    held_commits: list[int] = field(default_factory=list)  # hold ids to commit now
+    held_drops: list[int] = field(default_factory=list)  # hold ids to discard
 
     @property
     def empty(self) -> bool:
-        return not self.loads and not self.saves and not self.async_loads and not self.void_saves
+        return not (self.loads or self.saves or self.async_loads or self.void_saves or self.held_commits or self.held_drops)
 
 
 @dataclass

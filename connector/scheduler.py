@@ -101,11 +101,21 @@ _MAX_PENDING_STEPS = 64
 
 @dataclass
 class _StepLoads:
-    """A step's synchronous loads, and its saves computed over them, until
-    the step's output says whether every load held."""
+    """A step's synchronous loads, and the saves it commits at once over
+    unsettled loads (a ``kv_producer``'s), until the step's output says
+    whether every load held."""
 
     loads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (request id, block ids)
     saves: list[tuple[BlockTransfer, int]] = field(default_factory=list)  # (save, its first block's index)
+
+
+@dataclass(frozen=True)
+class _HeldSave:
+    """A save the workers keep until the outputs of the steps it depends on are back."""
+
+    step: int
+    transfer: BlockTransfer
+    start: int  # its first block's index in the request
 #: Shortest interval between two compression-ratio reports of the scheduler.
 _RATIO_INTERVAL_S = 2.0
 
@@ -214,7 +224,15 @@ class UcmDbScheduler:
         self._async = settings.load_mode == "async"
         self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
         self._step_loads: dict[int, _StepLoads] = {}  # steps with sync loads whose output has not come back
-        self._voids: list[BlockTransfer] = []  # saves to void, for the next step's metadata
+        self._voids: list[BlockTransfer] = []  # committed saves to delete, for the next step's metadata
+        # With several ranks a save over a load waits for the verdict of every
+        # rank (a rank sees only its own failures); one rank sees all of its own.
+        self._hold_saves = shape.tp_size * shape.pp_size > 1 and not role.publishes
+        self._held: dict[int, _HeldSave] = {}  # by hold id (ascending = planning order)
+        self._next_hold_id = 0
+        self._held_verdicts: tuple[list[int], list[int]] = ([], [])  # (commit, drop), for the next metadata
+        # Failed block ids by settled step, while saves planned at or after that step may depend on them.
+        self._recent_bad: dict[int, set[int]] = {}
         # remote_lookup="background": remote fetches off the scheduler's thread (remote_lookups.py)
         self._lookups = RemoteLookups() if settings.remote_lookup == "background" and self._store.remote is not None else None
         self._last_step_idle = False
@@ -439,25 +457,50 @@ class UcmDbScheduler:
 
     def _settle_loads(self, step: int | None, invalid: set[int]) -> None:
         """Settles the sync loads of steps up to ``step`` (every step's, if
-        the output named none but reports invalid blocks): a save computed
-        over an invalid block is voided, and each request that loaded or
-        saved over one is rewound to where vLLM recomputes it (vLLM has
-        already moved its computed tokens back to the first invalid block)."""
+        the output named none but reports invalid blocks): each request
+        that loaded an invalid block is rewound to where vLLM recomputes it
+        (vLLM has already moved its computed tokens back to that block); a
+        save computed over one is voided (deleted if committed, dropped if
+        held) and its request rewound too. Held saves planned up to
+        ``step`` get their verdict, in planning order, for the next step's
+        metadata: after a dropped one, a request's later ones drop too."""
         if step is None and not invalid:
             return
         for settled in sorted(s for s in self._step_loads if step is None or s <= step):
             record = self._step_loads.pop(settled)
-            if not invalid:
-                continue
+            bad = invalid.intersection(b for _, ids in record.loads for b in ids)
+            if bad:
+                self._recent_bad[settled] = bad
             for req_id, block_ids in record.loads:
-                if invalid.intersection(block_ids):
+                if bad.intersection(block_ids):
                     self._rewind(req_id, None)
+            recent_bad = set().union(*self._recent_bad.values())
             for transfer, start in record.saves:
-                if invalid.intersection(transfer.after_loads):
+                if recent_bad.intersection(transfer.after_loads):
                     self._voids.append(transfer)
                     self._rewind(transfer.req_id, start)
                     logger.warning("ucm-db: request %s: %d blocks saved over a block that failed to load are voided",
                                    transfer.req_id, len(transfer.block_ids))
+        if step is not None:
+            recent_bad = set().union(*self._recent_bad.values())
+            dropped: set[str] = set()
+            commits, drops = self._held_verdicts
+            for hold_id in sorted(self._held):
+                held = self._held[hold_id]
+                if held.step > step:
+                    break
+                del self._held[hold_id]
+                req_id = held.transfer.req_id
+                if req_id in dropped or recent_bad.intersection(held.transfer.after_loads):
+                    dropped.add(req_id)
+                    drops.append(hold_id)
+                    self._rewind(req_id, held.start)
+                else:
+                    commits.append(hold_id)
+        # A pending save depends only on loads of steps up to its own.
+        oldest = min([h.step for h in self._held.values()] + list(self._step_loads), default=None)
+        for settled in [s for s in self._recent_bad if oldest is None or s < oldest - _MAX_PENDING_STEPS]:
+            del self._recent_bad[settled]
 
     def _rewind(self, req_id: str, save_start: int | None) -> None:
         """Moves a request's stored and saved marks back to the blocks vLLM
@@ -540,14 +583,18 @@ class UcmDbScheduler:
             block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and block_ids is not None:
                 self._plan_load(meta, req_id, block_ids[0])
-        loaded = {b for t in meta.loads for b in t.block_ids}
-        if loaded:
+        if meta.loads:
             self._step_loads[meta.step] = _StepLoads([(t.req_id, t.block_ids) for t in meta.loads])
             if len(self._step_loads) > _MAX_PENDING_STEPS:
                 del self._step_loads[min(self._step_loads)]
+        # This step's KV may attend to blocks loaded by this step or by an
+        # earlier one whose output is not back (async scheduling plans a
+        # step before the last one's output has come back).
+        loaded = {b for record in self._step_loads.values() for _, ids in record.loads for b in ids}
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items() if self._role.saves else ():
             self._plan_save(meta, scheduler_output, req_id, num_tokens, loaded)
         meta.void_saves, self._voids = self._voids, []
+        (meta.held_commits, meta.held_drops), self._held_verdicts = self._held_verdicts, ([], [])
         return meta
 
     def _plan_load(self, meta: UcmDbConnectorMetadata, req_id: str, block_ids: Sequence[int]) -> None:
@@ -586,12 +633,19 @@ class UcmDbScheduler:
             return
         keys = self._keys(state, end)
         after_loads = tuple(b for b in block_ids[:end] if b in loaded) if loaded else ()
+        # A save after a held one of the same request is held too: it must commit after it, or not at all.
+        hold = self._hold_saves and (bool(after_loads) or any(h.transfer.req_id == req_id for h in self._held.values()))
+        hold_id = self._next_hold_id if hold else -1
         transfer = BlockTransfer(
-            req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None, after_loads=after_loads,
+            req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None,
+            after_loads=after_loads, hold_id=hold_id,
         )
         meta.saves.append(transfer)
-        if after_loads:
-            self._step_loads[meta.step].saves.append((transfer, start))
+        if hold:
+            self._next_hold_id += 1
+            self._held[hold_id] = _HeldSave(meta.step, transfer, start)
+        elif after_loads:
+            self._step_loads.setdefault(meta.step, _StepLoads()).saves.append((transfer, start))
         state.saved_blocks = end
 
     def _block_ids(self, scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:

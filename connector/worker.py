@@ -16,9 +16,11 @@ Invariants:
     * Saves copy blocks out of the KV cache in ``wait_for_save`` (the
       blocks may be reused by the next step) and leave encoding and commit
       to the :class:`~ucm_db.connector.writer.BackgroundWriter`. A save whose
-      ``after_loads`` include a block this step failed to load is dropped
-      (its KV attended to a stale slot); the saves a step's metadata voids
-      (another rank's failure) are deleted behind every queued save.
+      ``after_loads`` include a block this worker failed to load in its
+      last few steps is dropped (its KV attended to a stale slot); a held
+      save waits for the scheduler's verdict (metadata.py), and the saves a
+      step's metadata voids (a producer's, after another rank's failure)
+      are deleted behind every queued save.
     * A worker reads and writes the units of its own KV heads and pipeline
       stage (:func:`~ucm_db.connector.identity.rank_spans`), whatever TP size
       wrote them; a block loads only if all its units do. Each head has one
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,6 +64,9 @@ from ucm_db.errors import ConfigError
 from ucm_db.units import UnitKeys, unit_key
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+#: Steps whose failed loads a worker keeps: saves of a step planned before
+#: the previous steps' outputs were back may be computed over them.
+_FAILED_STEPS_KEPT = 4
 
 
 class _LayerLoad:
@@ -87,7 +93,10 @@ class UcmDbWorker:
         self._store: ucm_db.Store | None = None
         self._writer: BackgroundWriter | None = None
         self._load_errors: set[int] = set()
-        self._step_failed: set[int] = set()  # blocks the bound step's own loads failed (under _errors_lock)
+        # Blocks the last few steps' own loads failed (under _errors_lock): a
+        # step may be planned before the last one's output is back.
+        self._recent_failed: deque[set[int]] = deque(maxlen=_FAILED_STEPS_KEPT)
+        self._held: dict[int, SaveJob] = {}  # saves kept until the scheduler's verdict (metadata.py)
         self._errors_lock = threading.Lock()
         self._layer_load: _LayerLoad | None = None
         self._step = -1  # the step whose metadata was bound last
@@ -129,7 +138,8 @@ class UcmDbWorker:
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
         self._step = meta.step
         with self._errors_lock:
-            self._step_failed = set()
+            self._recent_failed.append(set())
+        self._settle_held(meta.held_commits, meta.held_drops)
         if meta.void_saves:
             self._void(meta.void_saves)
         if meta.async_loads:
@@ -168,7 +178,8 @@ class UcmDbWorker:
         if failed:
             with self._errors_lock:
                 self._load_errors.update(failed)
-                self._step_failed.update(failed)
+                if self._recent_failed:
+                    self._recent_failed[-1].update(failed)
 
     def _load_checked(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, *, background: bool = False) -> set[int]:
         """Loads ``loads``; returns the block ids that failed (all of them
@@ -320,10 +331,10 @@ class UcmDbWorker:
             return
         started = time.perf_counter()
         with self._errors_lock:
-            failed = set(self._step_failed)
+            failed = set().union(*self._recent_failed)
         for transfer in meta.saves:
             if failed.intersection(transfer.after_loads):
-                # Computed over a block this step failed to load: wrong KV.
+                # Computed over a block this worker failed to load: wrong KV.
                 self.counters.add(saves_voided=len(transfer.block_ids))
                 continue
             staging = self.layout.new_unit_staging(len(transfer.block_ids))
@@ -331,13 +342,29 @@ class UcmDbWorker:
             block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
             start = 1 if transfer.parent is not None else 0
             chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
-            self._writer.submit(SaveJob(self._namespace, chains, staging))
+            job = SaveJob(self._namespace, chains, staging)
+            if transfer.hold_id >= 0:
+                self._held[transfer.hold_id] = job
+            else:
+                self._writer.submit(job)
         self.counters.add(save_copy_s=time.perf_counter() - started)
         if self._role.publishes:
             # Read-after-write: a producer's blocks are committed (and
             # uploaded, publish="remote") before this step's output leaves.
             self._writer.drain()
             self.counters.add(publish_wait_s=time.perf_counter() - started)
+
+    def _settle_held(self, commits: Sequence[int], drops: Sequence[int]) -> None:
+        """Commits or discards held saves, as the scheduler decided (in
+        planning order: a request's earlier save goes first)."""
+        for hold_id in drops:
+            job = self._held.pop(hold_id, None)
+            if job is not None:
+                self.counters.add(saves_voided=job.blocks)
+        for hold_id in sorted(commits):
+            job = self._held.pop(hold_id, None)
+            if job is not None and self._writer is not None:
+                self._writer.submit(job)
 
     def _void(self, transfers: Sequence[BlockTransfer]) -> None:
         """Deletes this rank's units of saves that another rank's failed
@@ -356,6 +383,9 @@ class UcmDbWorker:
 
     def shutdown(self) -> None:
         self.finish_loads()
+        if self._held:  # their verdict never came: nothing unconfirmed is committed
+            logger.info("ucm-db: %d held saves dropped at shutdown (no verdict from the scheduler)", len(self._held))
+            self._held.clear()
         if self._async is not None:
             self._async.close()
             self._async = None

@@ -110,10 +110,10 @@ def test_failed_load_drops_the_step_s_saves_and_the_recompute_is_saved(settings:
     sched.shutdown()
 
 
-def test_another_rank_s_failure_voids_this_rank_s_save(settings: ConnectorSettings) -> None:
-    """TP=2: rank 0 loads its heads, rank 1 fails; rank 0 saved what the
-    step computed (its heads' KV depends on rank 1's through the layers),
-    and deletes it when the next step's metadata voids it."""
+def test_with_several_ranks_a_save_over_a_load_waits_for_every_rank_s_verdict(settings: ConnectorSettings) -> None:
+    """TP=2: rank 0 loads its heads, rank 1 fails. Rank 0 cannot know, and
+    its heads' KV depends on rank 1's through the layers: it holds the
+    step's save and discards it when the scheduler's verdict comes."""
     _seed(settings, _random_kv(), blocks=2)
     shape = _shape(2)
     sched = UcmDbScheduler(settings, shape)
@@ -123,6 +123,7 @@ def test_another_rank_s_failure_voids_this_rank_s_save(settings: ConnectorSettin
     assert _admit(sched, req) == 2 * BS
     ids = [10, 11, 12, 13, 14, 15]
     meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
+    assert [t.hold_id for t in meta.saves] == [0]
     assert sched.store.delete(ns, [unit_key(meta.loads[0].keys[1], spans[1], g)]) == 1  # rank 1's head
     for worker in workers:
         worker.start_load(meta)
@@ -131,19 +132,78 @@ def test_another_rank_s_failure_voids_this_rank_s_save(settings: ConnectorSettin
     assert [w.take_load_errors() for w in workers] == [set(), {11}]
     keys = sched.keys_for(req, 5)
     head0 = [unit_key(k, spans[0], g) for k in keys]
-    assert sched.store.lookup(ns, head0, remote=False) == 5  # rank 0 committed the wrong blocks 2-4
-    assert sched.store.lookup(ns, [unit_key(k, spans[1], g) for k in keys], remote=False) == 1  # never loadable
+    assert sched.store.lookup(ns, head0, remote=False) == 2  # nothing committed yet
 
     req.num_computed_tokens = 1 * BS
     sched.observe_output(_output(meta.step, {11}).kv_connector_worker_meta, {11})
     nxt = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - BS))
-    assert [t.block_ids for t in nxt.void_saves] == [(12, 13, 14)]
+    assert (nxt.held_commits, nxt.held_drops) == ([], [0])
     for worker in workers:
         worker.start_load(nxt)
         worker.drain()
-    assert sched.store.lookup(ns, head0, remote=False) == 2  # rank 0's units of blocks 2-4 are gone
+    assert sched.store.lookup(ns, head0, remote=False) == 2  # rank 0's wrong blocks 2-4 were never stored
+    assert workers[0].counters.take().data["saves_voided"] == 3
     for worker in workers:
         worker.shutdown()
+    sched.shutdown()
+
+
+def test_with_several_ranks_a_held_save_commits_when_every_load_held(settings: ConnectorSettings) -> None:
+    _seed(settings, _random_kv(), blocks=2)
+    shape = _shape(2)
+    sched = UcmDbScheduler(settings, shape)
+    workers = [_worker(settings, _random_kv_rank(), 2, rank) for rank in range(2)]
+    ns, g, spans = namespace(shape), grid(shape), reader_spans(shape)
+    req = _request("b", PROMPT)
+    assert _admit(sched, req) == 2 * BS
+    ids = [10, 11, 12, 13, 14, 15]
+    meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
+    for worker in workers:
+        worker.start_load(meta)
+        worker.save(meta)
+    sched.observe_output(_output(meta.step, set()).kv_connector_worker_meta, set())
+    req.num_computed_tokens = len(PROMPT)
+    nxt = sched.build_connector_meta(_new_step(req, ids, 1))
+    assert (nxt.held_commits, nxt.held_drops) == ([0], [])
+    for worker in workers:
+        worker.start_load(nxt)
+        worker.drain()
+    keys = sched.keys_for(req, 5)
+    assert all(sched.store.lookup(ns, [unit_key(k, span, g) for k in keys], remote=False) == 5 for span in spans)
+    for worker in workers:
+        worker.shutdown()
+    sched.shutdown()
+
+
+def test_a_step_planned_before_the_last_output_does_not_save_over_its_failed_load(settings: ConnectorSettings) -> None:
+    """Async scheduling: step N+1 is planned before step N's output is back.
+    Its save is computed over N's load, which failed: the worker, which saw
+    the failure in step N, drops it (TP=1: nothing is held)."""
+    _seed(settings, _random_kv(), blocks=2)
+    sched = UcmDbScheduler(settings, _shape())
+    kv = _random_kv()
+    worker = _worker(settings, kv)
+    ns, g, spans = namespace(_shape()), grid(_shape()), reader_spans(_shape())
+    req = _request("b", PROMPT)
+    assert _admit(sched, req) == 2 * BS
+    ids = [10, 11, 12, 13, 14, 15]
+    step_n = sched.build_connector_meta(_new_step(req, ids, 10))  # loads blocks 0-1, computes 10 tokens: no full block
+    assert step_n.saves == []
+    assert sched.store.delete(ns, [unit_key(step_n.loads[0].keys[0], spans[1], g)]) == 2  # head 1 of blocks 0 and 1
+    worker.start_load(step_n)
+    worker.save(step_n)
+    assert worker.take_load_errors() == {10, 11}
+    req.num_computed_tokens = 2 * BS + 10
+    step_n1 = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS - 10))  # planned before N's output
+    assert [t.block_ids for t in step_n1.saves] == [(12, 13, 14)] and step_n1.saves[0].after_loads == (10, 11)
+    for t in kv.values():
+        t[12:15] = 99.0
+    worker.start_load(step_n1)
+    worker.save(step_n1)
+    worker.drain()
+    keys = sched.keys_for(req, 5)
+    assert sched.store.lookup(ns, [unit_key(k, spans[0], g) for k in keys], remote=False) == 2  # blocks 2-4 not stored
+    worker.shutdown()
     sched.shutdown()
 
 

@@ -20,6 +20,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, reader_spans  # noqa: E402
 from ucm_db.connector.layouts import detect_layout  # noqa: E402
+from ucm_db.connector.metadata import UcmDbWorkerMetadata
 from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
@@ -98,6 +99,15 @@ def test_whole_blocks_from_before_units_load_at_tp2_and_are_converted(tmp_path: 
         worker.drain()
         workers.append(worker)
         caches.append(kv)
+    # With two ranks the conversion is held until the step's output shows every load held.
+    assert save.hold_id == 0
+    sched.observe_output(UcmDbWorkerMetadata(meta.step), set())
+    req.num_computed_tokens = len(tokens)
+    nxt = sched.build_connector_meta(_step(req, [0, 1, 2, 3], 1))
+    assert nxt.held_commits == [0]
+    for worker in workers:
+        worker.start_load(nxt)
+        worker.drain()
     sched.request_finished(req, [0, 1, 2, 3])
     # Now every head's units are stored: a TP=1 engine hits them as units.
     tp1 = UcmDbScheduler(settings, _shape(tp=1))
@@ -251,9 +261,15 @@ def test_per_rank_blocks_from_before_units_serve_their_tp_only_and_are_converted
         assert worker.take_load_errors() == set()
         for name, full in model_kv.items():
             assert torch.equal(_bits(kv[name][0:2]), _bits(full[[3, 8], 2 * rank : 2 * rank + 2]))
-        worker.save(meta)  # converted: saved as units
+        worker.save(meta)  # converted: saved as units, held until the step's output is back
         worker.drain()
         workers.append(worker)
+    tp2.observe_output(UcmDbWorkerMetadata(meta.step), set())
+    req.num_computed_tokens = len(tokens)
+    nxt = tp2.build_connector_meta(_step(req, [0, 1, 2], 1))
+    for worker in workers:
+        worker.start_load(nxt)
+        worker.drain()
     tp1 = UcmDbScheduler(settings, shape(1))
     assert tp1.get_num_new_matched_tokens(_request("b", tokens), 0) == (2 * BS, False)
     for part in (*workers, tp2, tp1):
