@@ -101,6 +101,10 @@ def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, pr
                                      hint=f"run `ucm-db migrate {source_path}` first")
         if view.engine_name == engine_name:
             raise ConfigError(f"store at {source_path} already uses {engine_name}", hint="pick the other engine")
+        if any("settings" in problem for problem in view.damaged):
+            # The copy renews the record's checksum: it must not launder an altered record.
+            raise MigrationError(f"the settings record of the store at {source_path} is damaged; it is not converted",
+                                 hint=f"run `ucm-db verify {source_path}` for a report; the store is a cache: start a new one")
         source_digests = table_digests(view.engine)
         total = sum(n for n, _ in source_digests.values())
         dest_path.mkdir(mode=0o700, parents=True, exist_ok=True)

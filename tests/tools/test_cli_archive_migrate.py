@@ -121,3 +121,18 @@ def test_engine_conversion_round_trip_preserves_everything(tmp_path: Path) -> No
     assert "not empty" in refused.stderr
     usage = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "lmdb", expect=2)
     assert "destination" in usage.stderr
+
+
+def test_engine_conversion_refuses_an_altered_settings_record(tmp_path: Path) -> None:
+    """The copy renews the settings record's checksum: converting a store
+    whose record no longer matches its checksum would launder the change."""
+    make_store(tmp_path / "lmdb")
+    with ucm_db.open(tmp_path / "lmdb") as store:
+        def alter(txn) -> None:
+            settings = json.loads(bytes(txn.get("info", b"settings")))
+            settings["codec"] = "none" if settings["codec"] == "zstd" else "zstd"
+            txn.put("info", b"settings", json.dumps(settings, sort_keys=True).encode())
+
+        store.tier.engine.write(alter)
+    refused = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "lmdb", tmp_path / "rocks", expect=1)  # a failed migration
+    assert "settings record" in refused.stderr and not (tmp_path / "rocks").exists()
