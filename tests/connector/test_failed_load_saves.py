@@ -15,6 +15,7 @@ as an eviction by another engine would).
 from __future__ import annotations
 
 import types
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
 from ucm_db.units import unit_key  # noqa: E402
 
 PROMPT = [7 + i for i in range(5 * BS + 3)]  # 5 full blocks
+IDS = [10, 11, 12, 13, 14, 15]  # the blocks vLLM allocates for it
 
 
 def _random_kv() -> dict[str, torch.Tensor]:
@@ -70,14 +72,9 @@ def settings(tmp_path: Path) -> ConnectorSettings:
 
 def test_failed_load_drops_the_step_s_saves_and_the_recompute_is_saved(settings: ConnectorSettings) -> None:
     good = _random_kv()
-    _seed(settings, good, blocks=2)
-    sched = UcmDbScheduler(settings, _shape())
-    kv = _random_kv()
-    worker = _worker(settings, kv)
+    sched, (worker,), (kv,), req = _admitted(settings, seed_kv=good)
     ns, g, spans = namespace(_shape()), grid(_shape()), reader_spans(_shape())
-    req = _request("b", PROMPT)
-    assert _admit(sched, req) == 2 * BS
-    ids = [10, 11, 12, 13, 14, 15]
+    ids = IDS
     meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
     assert [t.block_ids for t in meta.loads] == [(10, 11)] and [t.block_ids for t in meta.saves] == [(12, 13, 14)]
     assert meta.saves[0].after_loads == (10, 11)
@@ -114,15 +111,10 @@ def test_with_several_ranks_a_save_over_a_load_waits_for_every_rank_s_verdict(se
     """TP=2: rank 0 loads its heads, rank 1 fails. Rank 0 cannot know, and
     its heads' KV depends on rank 1's through the layers: it holds the
     step's save and discards it when the scheduler's verdict comes."""
-    _seed(settings, _random_kv(), blocks=2)
-    shape = _shape(2)
-    sched = UcmDbScheduler(settings, shape)
-    workers = [_worker(settings, _random_kv_rank(), 2, rank) for rank in range(2)]
-    ns, g, spans = namespace(shape), grid(shape), reader_spans(shape)
-    req = _request("b", PROMPT)
-    assert _admit(sched, req) == 2 * BS
-    ids = [10, 11, 12, 13, 14, 15]
+    sched, workers, _, req = _admitted(settings, tp=2)
+    ids = IDS
     meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
+    ns, g, spans = namespace(_shape(2)), grid(_shape(2)), reader_spans(_shape(2))
     assert [t.hold_id for t in meta.saves] == [0]
     assert sched.store.delete(ns, [unit_key(meta.loads[0].keys[1], spans[1], g)]) == 1  # rank 1's head
     for worker in workers:
@@ -149,15 +141,10 @@ def test_with_several_ranks_a_save_over_a_load_waits_for_every_rank_s_verdict(se
 
 
 def test_with_several_ranks_a_held_save_commits_when_every_load_held(settings: ConnectorSettings) -> None:
-    _seed(settings, _random_kv(), blocks=2)
-    shape = _shape(2)
-    sched = UcmDbScheduler(settings, shape)
-    workers = [_worker(settings, _random_kv_rank(), 2, rank) for rank in range(2)]
-    ns, g, spans = namespace(shape), grid(shape), reader_spans(shape)
-    req = _request("b", PROMPT)
-    assert _admit(sched, req) == 2 * BS
-    ids = [10, 11, 12, 13, 14, 15]
+    sched, workers, _, req = _admitted(settings, tp=2)
+    ids = IDS
     meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
+    ns, g, spans = namespace(_shape(2)), grid(_shape(2)), reader_spans(_shape(2))
     for worker in workers:
         worker.start_load(meta)
         worker.save(meta)
@@ -179,14 +166,9 @@ def test_a_step_planned_before_the_last_output_does_not_save_over_its_failed_loa
     """Async scheduling: step N+1 is planned before step N's output is back.
     Its save is computed over N's load, which failed: the worker, which saw
     the failure in step N, drops it (TP=1: nothing is held)."""
-    _seed(settings, _random_kv(), blocks=2)
-    sched = UcmDbScheduler(settings, _shape())
-    kv = _random_kv()
-    worker = _worker(settings, kv)
+    sched, (worker,), (kv,), req = _admitted(settings)
     ns, g, spans = namespace(_shape()), grid(_shape()), reader_spans(_shape())
-    req = _request("b", PROMPT)
-    assert _admit(sched, req) == 2 * BS
-    ids = [10, 11, 12, 13, 14, 15]
+    ids = IDS
     step_n = sched.build_connector_meta(_new_step(req, ids, 10))  # loads blocks 0-1, computes 10 tokens: no full block
     assert step_n.saves == []
     assert sched.store.delete(ns, [unit_key(step_n.loads[0].keys[0], spans[1], g)]) == 2  # head 1 of blocks 0 and 1
@@ -208,12 +190,8 @@ def test_a_step_planned_before_the_last_output_does_not_save_over_its_failed_loa
 
 
 def test_a_step_whose_loads_hold_voids_nothing(settings: ConnectorSettings) -> None:
-    _seed(settings, _random_kv(), blocks=2)
-    sched = UcmDbScheduler(settings, _shape())
-    worker = _worker(settings, _random_kv())
-    req = _request("b", PROMPT)
-    assert _admit(sched, req) == 2 * BS
-    ids = [10, 11, 12, 13, 14, 15]
+    sched, (worker,), _, req = _admitted(settings)
+    ids = IDS
     meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
     worker.start_load(meta)
     worker.save(meta)
@@ -227,6 +205,21 @@ def test_a_step_whose_loads_hold_voids_nothing(settings: ConnectorSettings) -> N
     assert sched.store.lookup(ns, [unit_key(k, spans[1], g) for k in sched.keys_for(req, 5)], remote=False) == 5
     worker.shutdown()
     sched.shutdown()
+
+
+def _admitted(settings: ConnectorSettings, tp: int = 1, seed_kv: dict[str, torch.Tensor] | None = None) -> tuple[
+    UcmDbScheduler, list[UcmDbWorker], list[dict[str, torch.Tensor]], Any,
+]:
+    """Blocks 0-1 of PROMPT stored by a first engine; then a TP=``tp``
+    engine's scheduler and workers (with their caches) that admitted
+    request "b" (a 2-block hit, to be loaded into blocks 10-11 of IDS)."""
+    _seed(settings, seed_kv if seed_kv is not None else _random_kv(), blocks=2)
+    sched = UcmDbScheduler(settings, _shape(tp))
+    caches = [_random_kv() if tp == 1 else _random_kv_rank() for _ in range(tp)]
+    workers = [_worker(settings, kv, tp, rank) for rank, kv in enumerate(caches)]
+    req = _request("b", PROMPT)
+    assert _admit(sched, req) == 2 * BS
+    return sched, workers, caches, req
 
 
 def _random_kv_rank() -> dict[str, torch.Tensor]:

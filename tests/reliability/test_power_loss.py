@@ -41,14 +41,19 @@ def _payloads(keys: list[bytes]) -> list[bytes]:
     return [payload_for(k, BLOCK_BYTES) for k in keys]
 
 
-def _write_then_wait(store_path: Path, boot: str, ready: Path) -> None:
-    """Child: puts SYNCED blocks and flushes, puts the rest unsynced, says so, waits for SIGKILL."""
+def _write_then_wait(store_path: Path, boot: str, ready: Path, churn: bool = False) -> None:
+    """Child: puts SYNCED blocks and flushes, puts the rest unsynced, says so, waits for SIGKILL.
+    With ``churn`` it then deletes and puts the unsynced blocks again, so
+    pages of the synced snapshot are freed after it."""
     os.environ[BOOT_ID_ENV] = boot
     store = ucm_db.open(store_path, **GROUP)
     keys = _keys()
     store.put(NS, keys[:SYNCED], _payloads(keys[:SYNCED]))
     store.flush()
     store.put(NS, keys[SYNCED:], _payloads(keys[SYNCED:]), parent=keys[SYNCED - 1])
+    if churn:
+        store.delete(NS, keys[SYNCED:])
+        store.put(NS, keys[SYNCED:], _payloads(keys[SYNCED:]), parent=keys[SYNCED - 1])
     write_counter(ready, 1)
     while True:
         os.pause()
@@ -230,22 +235,6 @@ def test_legacy_marker_damaged_store_is_set_aside_not_crashed_on(
         assert store.tier.engine.recovery is None and store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]
 
 
-def _churn_then_wait(store_path: Path, boot: str, ready: Path) -> None:
-    """Child: like :func:`_write_then_wait`, then deletes and puts the unsynced
-    blocks again, so pages of the synced snapshot are freed after it."""
-    os.environ[BOOT_ID_ENV] = boot
-    store = ucm_db.open(store_path, **GROUP)
-    keys = _keys()
-    store.put(NS, keys[:SYNCED], _payloads(keys[:SYNCED]))
-    store.flush()
-    store.put(NS, keys[SYNCED:], _payloads(keys[SYNCED:]), parent=keys[SYNCED - 1])
-    store.delete(NS, keys[SYNCED:])
-    store.put(NS, keys[SYNCED:], _payloads(keys[SYNCED:]), parent=keys[SYNCED - 1])
-    write_counter(ready, 1)
-    while True:
-        os.pause()
-
-
 def test_maintenance_after_a_crash_then_an_os_crash_serves_what_it_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sync writer (here ``maintenance.evict_to_bytes``, which opens the
     engine with sync=True) clears the dead group writer's pin on the
@@ -257,7 +246,7 @@ def test_maintenance_after_a_crash_then_an_os_crash_serves_what_it_left(tmp_path
     store_path = tmp_path / "store"
     ready = tmp_path / "ready"
     monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
-    pid = fork_call(_churn_then_wait, store_path, "boot-a", ready, log_path=tmp_path / "writer.log")
+    pid = fork_call(_write_then_wait, store_path, "boot-a", ready, True, log_path=tmp_path / "writer.log")
     try:
         assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "writer.log")
     finally:
