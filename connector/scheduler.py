@@ -149,6 +149,7 @@ class _RequestState:
     pending_source: str = "units"
     lookup: LookupRecord | None = None
     async_tried: bool = False  # an async load was planned: later lookups claim synchronously
+    async_block_ids: tuple[int, ...] = ()  # the blocks of its async load, until vLLM schedules it
     vllm_computed_tokens: int = 0  # what vLLM's own prefix cache held at the last lookup: no claim prices it
     remote_asked: set[str] = field(default_factory=set)  # sources whose background remote lookup finished
     remote_probing: set[str] = field(default_factory=set)  # sources whose background job is a probe
@@ -466,6 +467,11 @@ class UcmDbScheduler:
         metadata: after a dropped one, a request's later ones drop too."""
         if step is None and not invalid:
             return
+        if invalid:  # an async load that failed: vLLM recomputes from its first invalid block
+            for req_id, state in self._requests.items():
+                if invalid.intersection(state.async_block_ids):
+                    state.async_block_ids = ()
+                    self._rewind(req_id, None)
         for settled in sorted(s for s in self._step_loads if step is None or s <= step):
             record = self._step_loads.pop(settled)
             bad = invalid.intersection(b for _, ids in record.loads for b in ids)
@@ -554,6 +560,7 @@ class UcmDbScheduler:
             # No lookup before this allocation: a request back from an async
             # load (its hit is in place) or resumed with its KV. Nothing to load.
             state.pending_load_tokens = 0
+            state.async_block_ids = ()
             return
         state.pending_load_tokens = num_external_tokens
         state.pending_source = record.source
@@ -561,7 +568,9 @@ class UcmDbScheduler:
             # vLLM computes nothing for it until the load is reported done.
             state.async_tried = True
             end = (record.local_tokens + num_external_tokens) // self._block_size
-            self._async_plans.append(self._load_transfer(state, request.request_id, blocks.get_block_ids()[0], end))
+            plan = self._load_transfer(state, request.request_id, blocks.get_block_ids()[0], end)
+            state.async_block_ids = plan.block_ids
+            self._async_plans.append(plan)
         state.stored_blocks = max(state.stored_blocks, record.unit_blocks)
         state.saved_blocks = max(state.saved_blocks, state.stored_blocks)
         query = max(0, request.num_prompt_tokens - record.local_tokens)

@@ -116,6 +116,35 @@ def test_missing_block_is_reported_with_its_request(settings: ConnectorSettings)
     sched.shutdown()
 
 
+def test_a_failed_async_load_rewinds_the_save_marks(settings: ConnectorSettings) -> None:
+    """vLLM recomputes a failed async load from its first invalid block;
+    the scheduler moves the request's save marks back with it, so the
+    recomputed blocks are saved (they were counted as stored before)."""
+    tokens = list(range(1, 4 * BS + 3))
+    _save_prompt(settings, tokens, _kv())
+    sched = UcmDbScheduler(settings, _shape())
+    req = _request("b", tokens)
+    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    ids = [20, 21, 22, 23, 24]
+    sched.update_state_after_alloc(req, _blocks(ids), 4 * BS)
+    meta = sched.build_connector_meta(_idle_step())
+    shape = _shape()
+    assert sched.store.delete(namespace(shape), [unit_key(meta.async_loads[0].keys[2], reader_spans(shape)[1], grid(shape))]) == 2
+    worker = UcmDbWorker(settings, shape, NUM_BLOCKS)
+    worker.register_kv_caches(_kv(), 0, 0)
+    worker.start_load(meta)
+    assert _wait_finished(worker) == {"b"}
+    invalid = worker.take_load_errors()
+    assert invalid == {22, 23}
+    req.num_computed_tokens = 2 * BS  # vLLM: recompute from block 2
+    sched.observe_output(worker.take_worker_meta(), invalid)
+    sched.update_state_after_alloc(req, _blocks(ids), 0)  # scheduled again, no lookup
+    step = sched.build_connector_meta(_new_step(req, ids, len(tokens) - 2 * BS))
+    assert [t.block_ids for t in step.saves] == [(22, 23)]
+    worker.shutdown()
+    sched.shutdown()
+
+
 def test_block_mode_claims_synchronously(tmp_path: Path) -> None:
     settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")})
     tokens = list(range(1, 3 * BS + 3))
