@@ -228,7 +228,8 @@ class UcmDbScheduler:
         self._voids: list[BlockTransfer] = []  # committed saves to delete, for the next step's metadata
         # With several ranks a save over a load waits for the verdict of every
         # rank (a rank sees only its own failures); one rank sees all of its own.
-        self._hold_saves = shape.tp_size * shape.pp_size > 1 and not role.publishes
+        self._several_ranks = shape.tp_size * shape.pp_size > 1
+        self._hold_saves = self._several_ranks and not role.publishes
         self._held: dict[int, _HeldSave] = {}  # by hold id (ascending = planning order)
         self._next_hold_id = 0
         self._held_verdicts: tuple[list[int], list[int]] = ([], [])  # (commit, drop), for the next metadata
@@ -653,7 +654,7 @@ class UcmDbScheduler:
         if hold:
             self._next_hold_id += 1
             self._held[hold_id] = _HeldSave(meta.step, transfer, start)
-        elif after_loads:
+        elif after_loads and self._several_ranks:  # a producer's: committed at once, deleted if another rank failed
             self._step_loads.setdefault(meta.step, _StepLoads()).saves.append((transfer, start))
         state.saved_blocks = end
 

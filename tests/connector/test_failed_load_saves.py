@@ -26,6 +26,7 @@ pytest.importorskip("vllm")
 from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _shape  # noqa: E402
 
 from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
+from ucm_db.connector.roles import RolePolicy  # noqa: E402
 from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
@@ -39,8 +40,8 @@ def _random_kv() -> dict[str, torch.Tensor]:
     return {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}
 
 
-def _worker(settings: ConnectorSettings, kv: dict[str, torch.Tensor], tp_size: int = 1, rank: int = 0) -> UcmDbWorker:
-    worker = UcmDbWorker(settings, _shape(tp_size), NUM_BLOCKS)
+def _worker(settings: ConnectorSettings, kv: dict[str, torch.Tensor], tp_size: int = 1, rank: int = 0, role: str = "kv_both") -> UcmDbWorker:
+    worker = UcmDbWorker(settings, _shape(tp_size), NUM_BLOCKS, RolePolicy(role))
     worker.register_kv_caches(kv, rank, 0)
     return worker
 
@@ -96,7 +97,7 @@ def test_failed_load_drops_the_step_s_saves_and_the_recompute_is_saved(settings:
     req.num_computed_tokens = len(PROMPT)  # the next step recomputes blocks 1-4 (and the tail)
     again = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - BS))
     assert [t.block_ids for t in again.saves] == [(11, 12, 13, 14)]
-    assert [t.block_ids for t in again.void_saves] == [(12, 13, 14)]
+    assert again.void_saves == []  # one rank: its own drop was enough
     for t in kv.values():
         t[11:15] = good[next(iter(good))][0:1]  # stand-in for the right KV, now computed
     worker.start_load(again)
@@ -162,6 +163,36 @@ def test_with_several_ranks_a_held_save_commits_when_every_load_held(settings: C
     sched.shutdown()
 
 
+def test_a_producer_s_save_over_another_rank_s_failed_load_is_deleted_a_step_later(settings: ConnectorSettings) -> None:
+    """A kv_producer commits within the step (its consumers read what it
+    announces), so it cannot hold: rank 0 commits, and deletes its units
+    when the next step's metadata voids them. Rank 1's units of those
+    blocks were never stored, so no reader could load them meanwhile."""
+    sched, workers, _, req = _admitted(settings, tp=2, role="kv_producer")
+    meta = sched.build_connector_meta(_new_step(req, IDS, len(PROMPT) - 2 * BS))
+    assert [t.hold_id for t in meta.saves] == [-1]
+    ns, g, spans = namespace(_shape(2)), grid(_shape(2)), reader_spans(_shape(2))
+    assert sched.store.delete(ns, [unit_key(meta.loads[0].keys[1], spans[1], g)]) == 1  # rank 1's head
+    for worker in workers:
+        worker.start_load(meta)
+        worker.save(meta)
+    keys = sched.keys_for(req, 5)
+    head0 = [unit_key(k, spans[0], g) for k in keys]
+    assert sched.store.lookup(ns, head0, remote=False) == 5
+    assert sched.store.lookup(ns, [unit_key(k, spans[1], g) for k in keys], remote=False) == 1
+    req.num_computed_tokens = 1 * BS
+    sched.observe_output(_output(meta.step, {11}).kv_connector_worker_meta, {11})
+    nxt = sched.build_connector_meta(_new_step(req, IDS, len(PROMPT) - BS))
+    assert [t.block_ids for t in nxt.void_saves] == [(12, 13, 14)]
+    for worker in workers:
+        worker.start_load(nxt)
+        worker.drain()
+    assert sched.store.lookup(ns, head0, remote=False) == 2
+    for worker in workers:
+        worker.shutdown()
+    sched.shutdown()
+
+
 def test_a_step_planned_before_the_last_output_does_not_save_over_its_failed_load(settings: ConnectorSettings) -> None:
     """Async scheduling: step N+1 is planned before step N's output is back.
     Its save is computed over N's load, which failed: the worker, which saw
@@ -207,16 +238,16 @@ def test_a_step_whose_loads_hold_voids_nothing(settings: ConnectorSettings) -> N
     sched.shutdown()
 
 
-def _admitted(settings: ConnectorSettings, tp: int = 1, seed_kv: dict[str, torch.Tensor] | None = None) -> tuple[
-    UcmDbScheduler, list[UcmDbWorker], list[dict[str, torch.Tensor]], Any,
-]:
+def _admitted(
+    settings: ConnectorSettings, tp: int = 1, seed_kv: dict[str, torch.Tensor] | None = None, role: str = "kv_both",
+) -> tuple[UcmDbScheduler, list[UcmDbWorker], list[dict[str, torch.Tensor]], Any]:
     """Blocks 0-1 of PROMPT stored by a first engine; then a TP=``tp``
     engine's scheduler and workers (with their caches) that admitted
     request "b" (a 2-block hit, to be loaded into blocks 10-11 of IDS)."""
     _seed(settings, seed_kv if seed_kv is not None else _random_kv(), blocks=2)
-    sched = UcmDbScheduler(settings, _shape(tp))
+    sched = UcmDbScheduler(settings, _shape(tp), RolePolicy(role))
     caches = [_random_kv() if tp == 1 else _random_kv_rank() for _ in range(tp)]
-    workers = [_worker(settings, kv, tp, rank) for rank, kv in enumerate(caches)]
+    workers = [_worker(settings, kv, tp, rank, role) for rank, kv in enumerate(caches)]
     req = _request("b", PROMPT)
     assert _admit(sched, req) == 2 * BS
     return sched, workers, caches, req
