@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,13 +91,19 @@ def test_hit_loads_asynchronously_into_the_allocated_blocks(settings: ConnectorS
     sched.shutdown()
 
 
-def test_missing_block_is_reported_with_its_request(settings: ConnectorSettings) -> None:
+ASYNC_IDS = [20, 21, 22, 23, 24]
+
+
+def _failed_async_load(settings: ConnectorSettings) -> tuple[UcmDbScheduler, UcmDbWorker, Any, list[int]]:
+    """A 4-block prompt stored, then claimed asynchronously by a new engine
+    (blocks 20-23) whose load finds head 1 of blocks 2-3 gone: (its
+    scheduler, its worker, the request, its tokens); the load has finished."""
     tokens = list(range(1, 4 * BS + 3))
     _save_prompt(settings, tokens, _kv())
     sched = UcmDbScheduler(settings, _shape())
     req = _request("b", tokens)
     assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
-    sched.update_state_after_alloc(req, _blocks([20, 21, 22, 23, 24]), 4 * BS)
+    sched.update_state_after_alloc(req, _blocks(ASYNC_IDS), 4 * BS)
     meta = sched.build_connector_meta(_idle_step())
     shape = _shape()
     assert sched.store.delete(namespace(shape), [unit_key(meta.async_loads[0].keys[2], reader_spans(shape)[1], grid(shape))]) == 2
@@ -106,6 +113,11 @@ def test_missing_block_is_reported_with_its_request(settings: ConnectorSettings)
     # vLLM asks get_finished, then the load errors, in the same step: a
     # request reported finished has its failed blocks in that same answer.
     assert _wait_finished(worker) == {"b"}
+    return sched, worker, req, tokens
+
+
+def test_missing_block_is_reported_with_its_request(settings: ConnectorSettings) -> None:
+    sched, worker, req, _ = _failed_async_load(settings)
     assert worker.take_load_errors() == {22, 23}
     # vLLM keeps the good blocks and recomputes the rest. Had it freed them
     # all (nothing valid), it would ask again: that claim is synchronous,
@@ -120,26 +132,13 @@ def test_a_failed_async_load_rewinds_the_save_marks(settings: ConnectorSettings)
     """vLLM recomputes a failed async load from its first invalid block;
     the scheduler moves the request's save marks back with it, so the
     recomputed blocks are saved (they were counted as stored before)."""
-    tokens = list(range(1, 4 * BS + 3))
-    _save_prompt(settings, tokens, _kv())
-    sched = UcmDbScheduler(settings, _shape())
-    req = _request("b", tokens)
-    assert sched.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
-    ids = [20, 21, 22, 23, 24]
-    sched.update_state_after_alloc(req, _blocks(ids), 4 * BS)
-    meta = sched.build_connector_meta(_idle_step())
-    shape = _shape()
-    assert sched.store.delete(namespace(shape), [unit_key(meta.async_loads[0].keys[2], reader_spans(shape)[1], grid(shape))]) == 2
-    worker = UcmDbWorker(settings, shape, NUM_BLOCKS)
-    worker.register_kv_caches(_kv(), 0, 0)
-    worker.start_load(meta)
-    assert _wait_finished(worker) == {"b"}
+    sched, worker, req, tokens = _failed_async_load(settings)
     invalid = worker.take_load_errors()
     assert invalid == {22, 23}
     req.num_computed_tokens = 2 * BS  # vLLM: recompute from block 2
     sched.observe_output(worker.take_worker_meta(), invalid)
-    sched.update_state_after_alloc(req, _blocks(ids), 0)  # scheduled again, no lookup
-    step = sched.build_connector_meta(_new_step(req, ids, len(tokens) - 2 * BS))
+    sched.update_state_after_alloc(req, _blocks(ASYNC_IDS), 0)  # scheduled again, no lookup
+    step = sched.build_connector_meta(_new_step(req, ASYNC_IDS, len(tokens) - 2 * BS))
     assert [t.block_ids for t in step.saves] == [(22, 23)]
     worker.shutdown()
     sched.shutdown()
