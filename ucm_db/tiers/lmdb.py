@@ -455,7 +455,11 @@ class LmdbEngine(Engine):
                 if self._pin is None:
                     env.sync(True)
                 else:
-                    self._pin.sync(env)
+                    # Inside the shared gate, as a transaction: a map growth in
+                    # another thread (which ends every transaction) waits for
+                    # the new pin to be recorded instead of ending it midway.
+                    with self._txn_gate.shared():
+                        self._pin.sync(env)
                 return
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
