@@ -30,10 +30,12 @@ Invariants:
       is stored or saved before it (the writer is FIFO). A save planned in a
       step that also loads blocks it depends on (its request's, or shared
       from another request through vLLM's prefix cache) names them
-      (``after_loads``); when the step's output reports any of them invalid,
-      the save is voided (workers delete its units next step, metadata.py)
-      and the requests affected are rewound to the block vLLM recomputes
-      from, so what they compute again is saved again. Blocks loaded from
+      (``after_loads``, also loads of earlier steps whose output is not
+      back). A worker drops such a save over its own failed load; with
+      several ranks it holds the save until the scheduler's verdict, given
+      once every rank's output is back (metadata.py). The requests affected
+      are rewound to the block vLLM recomputes from, so what they compute
+      again is saved again. Blocks loaded from
       pre-unit blocks (whole TP=1 blocks, or per-rank blocks of this TP/PP
       size) are saved again as units: the store converts itself on use.
     * Load or recompute (cost_model.py, ``load_policy``): the remote tier is
@@ -116,6 +118,8 @@ class _HeldSave:
     step: int
     transfer: BlockTransfer
     start: int  # its first block's index in the request
+
+
 #: Shortest interval between two compression-ratio reports of the scheduler.
 _RATIO_INTERVAL_S = 2.0
 
@@ -473,15 +477,16 @@ class UcmDbScheduler:
                 if invalid.intersection(state.async_block_ids):
                     state.async_block_ids = ()
                     self._rewind(req_id, None)
-        for settled in sorted(s for s in self._step_loads if step is None or s <= step):
-            record = self._step_loads.pop(settled)
+        settled = [(s, self._step_loads.pop(s)) for s in sorted(self._step_loads) if step is None or s <= step]
+        for number, record in settled:
             bad = invalid.intersection(b for _, ids in record.loads for b in ids)
             if bad:
-                self._recent_bad[settled] = bad
+                self._recent_bad[number] = bad
             for req_id, block_ids in record.loads:
                 if bad.intersection(block_ids):
                     self._rewind(req_id, None)
-            recent_bad = set().union(*self._recent_bad.values())
+        recent_bad = set().union(*self._recent_bad.values())
+        for _, record in settled:
             for transfer, start in record.saves:
                 if recent_bad.intersection(transfer.after_loads):
                     self._voids.append(transfer)
@@ -489,7 +494,6 @@ class UcmDbScheduler:
                     logger.warning("ucm-db: request %s: %d blocks saved over a block that failed to load are voided",
                                    transfer.req_id, len(transfer.block_ids))
         if step is not None:
-            recent_bad = set().union(*self._recent_bad.values())
             dropped: set[str] = set()
             commits, drops = self._held_verdicts
             for hold_id in sorted(self._held):

@@ -74,7 +74,7 @@ class VoidJob:
     namespace: Namespace
     chains: tuple[UnitKeys, ...]
     blocks: int
-    nbytes: int = 0
+    nbytes: int = 0  # no staging: the queue's byte count (see _run) is unchanged
 
 
 class BackgroundWriter:
@@ -159,7 +159,7 @@ class BackgroundWriter:
         self._update_ratio(job.namespace)
 
     def _delete(self, job: VoidJob) -> None:
-        keys = [key for chain in job.chains for key in chain]
+        keys = [chain[0] for chain in job.chains if len(chain)]  # a chain's first unit takes the rest with it
         try:
             self._store.delete(job.namespace, keys)
         except (UcmDbError, OSError) as exc:
