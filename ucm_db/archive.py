@@ -234,8 +234,8 @@ def _refuse_eviction(tier: Any, manifest: dict[str, Any], members: dict[str, tar
         raise StoreFullError(
             f"importing would evict stored blocks: the archive's new blocks need {needed_bytes} bytes and the store "
             f"at {path} has {free_bytes} of {tier.capacity_bytes} bytes free; nothing was imported",
-            hint=f"raise capacity_bytes (open the store with a larger one), free {needed_bytes - free_bytes} bytes "
-            f"(ucm-db compact {path} --target-bytes N), or pass --allow-evict to evict least recently used blocks")
+            hint=f"free {needed_bytes - free_bytes} bytes (ucm-db compact {path} --target-bytes N), import into a new store "
+            "created with a larger capacity_bytes, or pass --allow-evict (allow_evict=True) to evict least recently used blocks")
 
 
 def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: dict[str, Any], store: Any,
