@@ -203,3 +203,21 @@ def test_import_that_fits_evicts_nothing_and_blocks_already_stored_need_no_room(
     fill(tmp_path / "dst", "new", 8, capacity_bytes=1 << 20)  # the same blocks: 512 KiB of 1 MiB used
     r = invoke_json("import", tmp_path / "a.tar", tmp_path / "dst")
     assert r["already_present"] == 8 and r["evicted"] == 0 and r["skipped"] == []
+
+
+def test_brackets_and_escapes_inside_manifest_strings_do_not_count_as_nesting(tmp_path: Path) -> None:
+    odd = ucm_db.Namespace(model='odd/"[[[[[[[[[[[[[[[[[[[[\\', kv_dtype="bfloat16", block_size=16)
+    keys = chain_keys(odd, "odd", 2)
+    with ucm_db.open(tmp_path / "src") as s:
+        s.put(odd, keys, [b"x" * 4096, b"y" * 4096])
+    invoke_json("export", tmp_path / "src", tmp_path / "a.tar")
+    assert invoke_json("import", tmp_path / "a.tar", tmp_path / "dst")["stored"] == 2
+
+
+def test_import_refuses_a_manifest_just_over_the_depth_bound(tmp_path: Path) -> None:
+    archive = tmp_path / "a.tar"
+    deep: object = 1
+    for _ in range(17):
+        deep = [deep]
+    write_tar(archive, [(member("manifest.json"), json.dumps({"format": "ucm-db-export", "x": deep}).encode())])
+    assert "nested more than 16 levels deep" in invoke("import", archive, tmp_path / "dst", expect=2).stderr
