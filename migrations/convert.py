@@ -8,22 +8,34 @@ of the source into a new store directory, changing only the recorded
 under its key.
 
 Invariants:
-    * The source is never written; a failed conversion removes the
-      half-made destination.
-    * The destination must be new or an empty directory.
+    * The source is never written, and no other process has it open during
+      the conversion: its lock is held exclusively throughout (a store open
+      elsewhere is refused with LockedError naming the processes; one
+      opening it meanwhile waits).
+    * The destination must be new or an empty directory, outside the source
+      store (a destination inside it is refused).
+    * The copy is built in a hidden temp directory beside the destination
+      (``.DEST.converting-<random>``) and renamed to DEST only once verified,
+      so a conversion that fails or is killed never leaves a DEST that opens
+      as a store. A failure removes the temp directory; a killed process
+      leaves it behind (remove it; it is never opened as DEST).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from ucm_db.errors import ConfigError, FormatVersionError, MigrationError
-from ucm_db.format import INFO_TABLE, SETTINGS_KEY, open_engine
+from ucm_db.errors import ConfigError, FormatVersionError, MigrationError, UcmDbError
+from ucm_db.format import INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings
+from ucm_db.migrations.access import refuse_if_held
+from ucm_db.storelock import LOCK_FILE, StoreLock
 from ucm_db.tiers import records
 from ucm_db.store_view import ProgressFn, check_store_path, open_view
 from ucm_db.tiers.base import TABLES, Engine, Txn
@@ -88,42 +100,99 @@ def _write(dest: Engine, batch: list[tuple[str, bytes, bytes]]) -> int:
     return len(batch)
 
 
-def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, progress: ProgressFn | None = None) -> dict[str, Any]:
-    """Converts the store at ``source_path`` into a new ``engine_name`` store
-    at ``dest_path`` (module invariants); returns the report."""
-    source_path, dest_path = Path(source_path), Path(dest_path)
-    check_store_path(source_path)
+def _check_dest(source_path: Path, dest_path: Path) -> None:
     if dest_path.exists() and (not dest_path.is_dir() or any(dest_path.iterdir())):
         raise ConfigError(f"destination {dest_path} is not empty (or is a file)", hint="pass a new directory as DEST")
-    with open_view(source_path) as view:
-        if not view.current_format:
-            raise FormatVersionError(f"store at {source_path} has format {view.format_version}",
-                                     hint=f"run `ucm-db migrate {source_path}` first")
-        if view.engine_name == engine_name:
-            raise ConfigError(f"store at {source_path} already uses {engine_name}", hint="pick the other engine")
-        if any("settings" in problem for problem in view.damaged):
-            # The copy renews the record's checksum: it must not launder an altered record.
-            raise MigrationError(f"the settings record of the store at {source_path} is damaged; it is not converted",
-                                 hint=f"run `ucm-db verify {source_path}` for a report; the store is a cache: start a new one")
-        source_digests = table_digests(view.engine)
-        total = sum(n for n, _ in source_digests.values())
-        dest_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    source, dest = source_path.resolve(), dest_path.resolve()
+    if dest == source or source in dest.parents:
+        raise ConfigError(f"destination {dest_path} is inside the source store {source_path}",
+                          hint="pass a DEST outside the source store, e.g. a sibling directory")
+
+
+def _hold_source(source_path: Path) -> StoreLock:
+    """The source's lock, held exclusively (LockedError naming the holders
+    otherwise). A store this user cannot write and that has no lock file was
+    never opened writable by this version: there is nothing to hold."""
+    writable = os.access(source_path, os.W_OK)
+    lock = StoreLock(source_path, read_only=not writable)
+    if writable or (source_path / LOCK_FILE).exists():
+        refuse_if_held(source_path, lock, "convert")
+    return lock
+
+
+def _check_source(source_path: Path, engine: Engine, engine_name: str, source_engine: str) -> None:
+    version = read_format_version(engine)
+    if version != STORE_FORMAT_VERSION:
+        raise FormatVersionError(f"store at {source_path} has format {version}",
+                                 hint=f"run `ucm-db migrate {source_path}` first")
+    if source_engine == engine_name:
+        raise ConfigError(f"store at {source_path} already uses {engine_name}", hint="pick the other engine")
+    try:
+        read_settings(engine)
+    except (UcmDbError, ValueError, TypeError) as exc:
+        # The copy renews the record's checksum: it must not launder an altered record.
+        raise MigrationError(f"the settings record of the store at {source_path} is damaged; it is not converted",
+                             hint=f"run `ucm-db verify {source_path}` for a report; the store is a cache: start a new one") from exc
+
+
+def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Converts the store at ``source_path`` into a new ``engine_name`` store
+    at ``dest_path`` (module invariants); returns the report.
+
+    Raises:
+        LockedError: another process has the source store open.
+        ConfigError: DEST is not empty, is inside the source, or the store
+            already uses ``engine_name``.
+        MigrationError: the copy differs from the source or fails to verify.
+    """
+    source_path, dest_path = Path(source_path), Path(dest_path)
+    source_engine = check_store_path(source_path)
+    _check_dest(source_path, dest_path)
+    lock = _hold_source(source_path)
+    try:
+        source = open_engine(source_path, source_engine, read_only=True, sync=True)
         try:
-            dest = open_engine(dest_path, engine_name, sync=False, map_size_bytes=DEST_MAP_BYTES)
+            _check_source(source_path, source, engine_name, source_engine)
+            source_digests = table_digests(source)
+            total = sum(n for n, _ in source_digests.values())
+            dest_path.parent.mkdir(parents=True, exist_ok=True)
+            temp = dest_path.parent / f".{dest_path.name}.converting-{secrets.token_hex(6)}"
+            temp.mkdir(mode=0o700)
             try:
-                copy_tables(view.engine, dest, engine_name, total, progress)
-                dest_digests = table_digests(dest)
-            finally:
-                dest.close()
-            if dest_digests != source_digests:
-                bad = [t for t in TABLES if dest_digests[t] != source_digests[t]]
-                raise MigrationError(f"converted copy differs from the source in tables {', '.join(bad)}")
-            blocks = verify_converted(dest_path)
-        except BaseException:
-            shutil.rmtree(dest_path, ignore_errors=True)
-            raise
+                blocks = _copy_and_verify(source, temp, engine_name, source_digests, total, progress)
+                os.rename(temp, dest_path)  # replaces only an empty directory
+                _fsync_dir(dest_path.parent)
+            except BaseException:
+                shutil.rmtree(temp, ignore_errors=True)
+                raise
+        finally:
+            source.close()
+    finally:
+        lock.release()
     return {"source": str(source_path), "dest": str(dest_path), "engine": engine_name, "items": total,
             "blocks_verified": blocks, "tables": {t: n for t, (n, _) in source_digests.items()}}
+
+
+def _copy_and_verify(source: Engine, temp: Path, engine_name: str, source_digests: dict[str, tuple[int, str]],
+                     total: int, progress: ProgressFn | None) -> int:
+    dest = open_engine(temp, engine_name, sync=False, map_size_bytes=DEST_MAP_BYTES)
+    try:
+        copy_tables(source, dest, engine_name, total, progress)
+        dest_digests = table_digests(dest)
+    finally:
+        dest.close()
+    if dest_digests != source_digests:
+        bad = [t for t in TABLES if dest_digests[t] != source_digests[t]]
+        raise MigrationError(f"converted copy differs from the source in tables {', '.join(bad)}")
+    return verify_converted(temp)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def verify_converted(dest_path: Path) -> int:

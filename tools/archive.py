@@ -23,7 +23,10 @@ from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, ProgressBar, emit, j
 @json_option
 def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], as_json: bool) -> None:
     """Write the blocks of chosen namespaces to a portable tar ARCHIVE
-    (JSON manifest + encoded blocks). Read-only on the store.
+    (JSON manifest + encoded blocks). Read-only on the store. ARCHIVE is
+    written beside itself under a temp name with the store's permissions
+    and renamed into place; an existing ARCHIVE that is not a regular file
+    (symlink, directory, FIFO, device, `-`) is refused (exit 2).
 
     \b
     Example:
@@ -37,21 +40,25 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], as_js
 @click.command("import")
 @click.argument("archive", type=click.Path(path_type=Path))
 @click.argument("path", type=click.Path(path_type=Path))
+@click.option("--allow-evict", is_flag=True, help="Let the import evict least recently used blocks when the archive does not fit.")
 @json_option
-def import_command(archive: Path, path: Path, as_json: bool) -> None:
+def import_command(archive: Path, path: Path, allow_evict: bool, as_json: bool) -> None:
     """Load an ARCHIVE written by `ucm-db export` into the store at PATH
     (created if missing). Every block is verified; bad ones and their
-    descendants are skipped and reported (exit status 1).
+    descendants are skipped and reported (exit status 1). If the new blocks
+    do not fit in the store's free capacity, nothing is imported (exit 1)
+    unless --allow-evict lets it evict least recently used blocks.
 
     \b
     Example:
         ucm-db import qwen.tar /var/cache/ucm-db
     """
     with ProgressBar(not as_json, "importing") as bar:
-        report = maintenance.import_archive(archive, path, progress=bar)
+        report = maintenance.import_archive(archive, path, progress=bar, allow_evict=allow_evict)
 
     def human(r: dict[str, Any]) -> str:
-        lines = [f"imported {r['stored']} blocks ({r['already_present']} already present), skipped {len(r['skipped'])}"]
+        lines = [f"imported {r['stored']} blocks ({r['already_present']} already present), skipped {len(r['skipped'])}"
+                 + (f", evicted {r['evicted']} stored blocks" if r["evicted"] else "")]
         return "\n".join(lines + [f"  skipped {s['key'][:16]}: {s['reason']}" for s in r["skipped"]])
 
     emit(as_json, report, human)

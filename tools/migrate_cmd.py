@@ -50,8 +50,10 @@ def render(r: dict[str, Any]) -> str:
 @json_option
 def migrate_command(path: Path, dest: Path | None, to_engine: str | None, dry_run: bool, as_json: bool) -> None:
     """Apply pending format migrations to the store at PATH, or with
-    --to-engine convert it into a new store DEST (verified). Needs the
-    store to itself: refuses while other processes have it open.
+    --to-engine convert it into a new store DEST (verified), outside PATH:
+    the copy is built beside DEST under a hidden temp name and renamed to
+    DEST only when verified. Needs the store to itself: refuses while other
+    processes have it open.
 
     \b
     Example:

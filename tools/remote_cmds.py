@@ -4,6 +4,7 @@ modules (:func:`ucm_db.maintenance.gc_remote`, the store's warming API).
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from pathlib import Path
@@ -81,13 +82,37 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
     emit(as_json, report, human)
 
 
+#: Byte-order marks a --tokens/--keys file may start with, longest first
+#: (a UTF-32 LE mark begins with the UTF-16 LE one).
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def read_text(source: Path) -> str:
+    """The text of a --tokens/--keys file: UTF-8, or UTF-8/16/32 with a
+    byte-order mark (as Windows tools write); anything else is a ConfigError
+    naming the file, the bad byte and the fix."""
+    try:
+        data = source.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {source}: {exc}", hint="check the path and its permissions") from exc
+    encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read {source}: it is not valid {encoding.upper().replace('-SIG', '')} text "
+                          f"(byte {exc.start}: {exc.reason})",
+                          hint=f"save it as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8 {source} > fixed.txt); "
+                          "UTF-16/32 is read only with a byte-order mark") from exc
+
+
 def read_chains(tokens_file: Path | None, keys_file: Path | None) -> tuple[list[list[int]] | None, list[list[bytes]] | None]:
     """Token sequences (JSON list per line) or key chains (hex keys per line)."""
     if (tokens_file is None) == (keys_file is None):
         raise ConfigError("warm needs exactly one of --tokens FILE or --keys FILE", hint="e.g. --tokens prompts.jsonl")
     source = tokens_file or keys_file
     assert source is not None
-    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in read_text(source).splitlines() if line.strip()]
     try:
         if tokens_file is not None:
             tokens = [json.loads(line) for line in lines]

@@ -15,23 +15,36 @@ Invariants:
       its id, each blob must pass :func:`ucm_db.codec.verify` under its key,
       and a block whose parent is missing or bad is skipped (prefix
       invariant). Only JSON and codec blobs are read; nothing is unpickled.
-    * Import only adds blocks: nothing already stored is lost.
-    * Export writes ``ARCHIVE.partial`` and renames it into place when
-      complete, so a failed export leaves no truncated archive behind.
+    * Import only adds blocks, and by default evicts nothing: when the
+      archive's new blocks (those not already stored, counted at their
+      stored size) do not fit in the store's free capacity, it refuses with
+      StoreFullError before writing anything. With ``allow_evict=True`` it
+      goes on and LRU-evicts what it must (``report["evicted"]`` counts
+      them). A concurrent writer's puts may still evict, as they always can.
+    * Import reads bounded bytes: the manifest at most
+      :data:`MAX_MANIFEST_BYTES` and :data:`~ucm_db.archive_io.MAX_MANIFEST_DEPTH`
+      deep, each block member at most :data:`MAX_MEMBER_BYTES` (read in
+      chunks; a larger one is skipped), each put batch at most
+      :data:`BATCH_BYTES` (plus one member); only regular members are read.
+    * Export never replaces anything but a regular file, writes a temp file
+      beside the archive (``O_EXCL | O_NOFOLLOW``, the store's permissions),
+      and renames it into place when complete (:mod:`ucm_db.archive_io`), so
+      a failed export leaves no truncated archive behind. It refuses a store
+      whose manifest or blocks would exceed the bounds import applies.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
 from ucm_db import codec
-from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, TierError
+from ucm_db.archive_io import atomic_output, check_target, parse_bounded_json, read_member, store_file_mode
+from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, StoreFullError
 from ucm_db.keys import KEY_BYTES, Namespace
 from ucm_db.store_view import ProgressFn, open_view, select_namespaces
 from ucm_db.tiers.local import BlockEntry
@@ -40,27 +53,43 @@ ARCHIVE_FORMAT = "ucm-db-export"
 ARCHIVE_VERSION = 1
 #: Blocks per read transaction on export and per put on import.
 CHUNK_BLOCKS = 256
-MAX_MANIFEST_BYTES = 1 << 30
+#: Largest manifest import reads (about 1.5 million blocks; export refuses more).
+MAX_MANIFEST_BYTES = 256 << 20
+#: Largest block member import reads (export refuses a store with a larger block).
+MAX_MEMBER_BYTES = 512 << 20
+#: Bytes of blobs gathered before one put on import (one member may overshoot).
+BATCH_BYTES = 256 << 20
 _NS_ID_BYTES = 16
 _DAMAGED = "the archive is damaged or not written by ucm-db export; export it again"
 
 
-def _check_destination(archive: Path) -> None:
-    if archive.is_dir():
-        raise ConfigError(f"{archive} is a directory", hint="name the archive file to write, e.g. DIR/store.tar")
-    if not archive.parent.is_dir():
-        raise ConfigError(f"cannot write {archive}: directory {archive.parent} does not exist",
-                          hint=f"create it first (mkdir -p {archive.parent}) or pick another path")
+def _check_manifest_size(path: str | Path, manifest_bytes: int) -> None:
+    if manifest_bytes > MAX_MANIFEST_BYTES:
+        raise ConfigError(f"the manifest of this export would be {manifest_bytes} bytes, over the {MAX_MANIFEST_BYTES} "
+                          "bytes import reads", hint=f"export fewer namespaces per archive (--namespace) from {path}")
+
+
+def _check_block_size(key: bytes, blob_bytes: int) -> None:
+    if blob_bytes > MAX_MEMBER_BYTES:
+        raise ConfigError(f"block {key.hex()[:16]} is {blob_bytes} bytes, over the {MAX_MEMBER_BYTES} bytes import reads "
+                          "per block", hint="export the other namespaces (--namespace); such a block cannot be imported")
 
 
 def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str, ...] = (),
                    progress: ProgressFn | None = None) -> dict[str, Any]:
     """Writes the blocks of ``namespaces`` (all by default) of the store at
-    ``path`` to the tar ``archive``; read-only on the store."""
+    ``path`` to the tar ``archive``; read-only on the store.
+
+    Raises:
+        ConfigError: ``archive`` exists and is not a regular file (a
+            symlink, directory, FIFO or device: never replaced), its
+            directory is missing, or the export would exceed import's bounds.
+        TierError: writing the archive failed (it is left as it was).
+    """
     from ucm_db.version import __version__
 
     archive = Path(archive)
-    _check_destination(archive)
+    check_target(archive)
     with open_view(path) as view:
         selected = select_namespaces(view, namespaces)
         descriptions = view.tier.namespace_descriptions()
@@ -71,25 +100,19 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
             "namespaces": {ns.hex(): descriptions.get(ns, {}) for ns in used},
             "blocks": [[k.hex(), m.parent.hex() if m.parent else None, m.namespace_id.hex()] for k, m in blocks],
         }
+        manifest_bytes = json.dumps(manifest).encode()
+        _check_manifest_size(path, len(manifest_bytes))
         stored = 0
-        partial = archive.with_name(archive.name + ".partial")
-        try:
-            with tarfile.open(partial, "w") as tar:
-                _add(tar, "manifest.json", json.dumps(manifest).encode())
-                for start in range(0, len(blocks), CHUNK_BLOCKS):
-                    keys = [k for k, _ in blocks[start : start + CHUNK_BLOCKS]]
-                    for key, blob in zip(keys, view.tier.read_blobs(keys)):
-                        _add(tar, f"blocks/{key.hex()}", blob or b"")
-                        stored += len(blob or b"")
-                    if progress is not None:
-                        progress(start + len(keys), len(blocks))
-            os.replace(partial, archive)
-        except OSError as exc:
-            partial.unlink(missing_ok=True)
-            raise TierError(f"cannot write {archive}: {exc}", hint=f"check the free space and permissions of {archive.parent}") from exc
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+        with atomic_output(archive, store_file_mode(Path(path))) as out, tarfile.open(fileobj=out, mode="w") as tar:
+            _add(tar, "manifest.json", manifest_bytes)
+            for start in range(0, len(blocks), CHUNK_BLOCKS):
+                keys = [k for k, _ in blocks[start : start + CHUNK_BLOCKS]]
+                for key, blob in zip(keys, view.tier.read_blobs(keys)):
+                    _check_block_size(key, len(blob or b""))
+                    _add(tar, f"blocks/{key.hex()}", blob or b"")
+                    stored += len(blob or b"")
+                if progress is not None:
+                    progress(start + len(keys), len(blocks))
     return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"]}
 
 
@@ -137,24 +160,20 @@ def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
 
 
 def read_manifest(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
+    """The archive's checked manifest: one regular ``manifest.json`` member,
+    at most :data:`MAX_MANIFEST_BYTES` of JSON nested at most
+    :data:`~ucm_db.archive_io.MAX_MANIFEST_DEPTH` deep (ConfigError otherwise)."""
+    found = [m for m in tar.getmembers() if m.name == "manifest.json"]
+    if not found:
+        raise ConfigError(f"{archive} has no manifest.json", hint="pass an archive written by ucm-db export")
+    if len(found) > 1:
+        raise ConfigError(f"{archive} holds {len(found)} manifest.json members", hint=_DAMAGED)
+    data = read_member(tar, found[0], MAX_MANIFEST_BYTES, _DAMAGED)
     try:
-        member = tar.getmember("manifest.json")
-    except KeyError as exc:
-        raise ConfigError(f"{archive} has no manifest.json", hint="pass an archive written by ucm-db export") from exc
-    if member.size > MAX_MANIFEST_BYTES:
-        raise ConfigError(f"{archive}: manifest of {member.size} bytes is implausible", hint=_DAMAGED)
-    try:
-        manifest = json.loads(_member_bytes(tar, member))
+        manifest = parse_bounded_json(bytes(data))
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{archive}: manifest.json is not valid JSON: {exc}", hint=_DAMAGED) from exc
     return check_manifest(manifest, archive)
-
-
-def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    handle = tar.extractfile(member)
-    if handle is None:
-        raise ConfigError(f"archive member {member.name} is not a file", hint=_DAMAGED)
-    return handle.read()
 
 
 def _open_archive(archive: Path) -> tarfile.TarFile:
@@ -168,41 +187,79 @@ def _open_archive(archive: Path) -> tarfile.TarFile:
         raise ConfigError(f"{archive} is not a tar archive ({exc})", hint="pass an archive written by ucm-db export") from exc
 
 
-def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn | None = None) -> dict[str, Any]:
+def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn | None = None, *,
+                   allow_evict: bool = False) -> dict[str, Any]:
     """Loads ``archive`` into the store at ``path`` (created if missing);
-    returns counts and the skipped blocks with reasons (module invariants)."""
+    returns counts (``stored``, ``already_present``, ``evicted``) and the
+    skipped blocks with reasons (module invariants).
+
+    Raises:
+        ConfigError: the archive is not one ucm-db export wrote, or is damaged
+            in its manifest or tar structure (nothing is written).
+        StoreFullError: the archive's new blocks do not fit in the store's
+            free capacity and ``allow_evict`` is False (nothing is written).
+    """
     import ucm_db
 
     archive, path = Path(archive), Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
-    report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "skipped": []}
+    report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "evicted": 0, "skipped": []}
     with _open_archive(archive) as tar:
         try:
             manifest = read_manifest(tar, archive)
-            members = {m.name: m for m in tar.getmembers() if m.isfile()}
+            members = {m.name: m for m in tar.getmembers() if m.isreg()}
         except tarfile.TarError as exc:
             raise ConfigError(f"{archive} is a damaged tar archive ({exc})", hint=_DAMAGED) from exc
-        total = len(manifest["blocks"])
         with ucm_db.open(path) as store:
-            good: set[bytes] = set()
-            batch: list[BlockEntry] = []
-            for done, (key_hex, parent_hex, ns_hex) in enumerate(manifest["blocks"], 1):
-                key, ns_id = bytes.fromhex(key_hex), bytes.fromhex(ns_hex)
-                parent = bytes.fromhex(parent_hex) if parent_hex else None
-                entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest)
-                if entry is None:
-                    report["skipped"].append({"key": key_hex, "reason": reason})
-                else:
-                    if batch and (ns_id != batch[0].namespace_id or len(batch) >= CHUNK_BLOCKS):
-                        _put(store, batch, manifest, report)
-                        batch = []
-                    batch.append(entry)
-                    good.add(key)
-                if progress is not None and (done % CHUNK_BLOCKS == 0 or done == total):
-                    progress(done, total)
-            _put(store, batch, manifest, report)
+            if not allow_evict:
+                _refuse_eviction(store.tier, manifest, members, path)
+            _load(tar, members, manifest, store, report, progress)
     return report
+
+
+def _refuse_eviction(tier: Any, manifest: dict[str, Any], members: dict[str, tarfile.TarInfo], path: Path) -> None:
+    """StoreFullError when the archive's blocks not yet stored (at their
+    member size, which is their stored size) exceed the free capacity."""
+    rows = manifest["blocks"]
+    needed_bytes = 0
+    for start in range(0, len(rows), CHUNK_BLOCKS):
+        keys = [bytes.fromhex(row[0]) for row in rows[start : start + CHUNK_BLOCKS]]
+        for key, meta in zip(keys, tier.metas(keys)):
+            member = members.get(f"blocks/{key.hex()}")
+            if meta is None and member is not None and member.size <= MAX_MEMBER_BYTES:
+                needed_bytes += member.size
+    free_bytes = max(0, tier.capacity_bytes - tier.totals().stored_bytes)
+    if needed_bytes > free_bytes:
+        raise StoreFullError(
+            f"importing would evict stored blocks: the archive's new blocks need {needed_bytes} bytes and the store "
+            f"at {path} has {free_bytes} of {tier.capacity_bytes} bytes free; nothing was imported",
+            hint=f"free {needed_bytes - free_bytes} bytes (ucm-db compact {path} --target-bytes N), import into a new store "
+            "created with a larger capacity_bytes, or pass --allow-evict (allow_evict=True) to evict least recently used blocks")
+
+
+def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: dict[str, Any], store: Any,
+          report: dict[str, Any], progress: ProgressFn | None) -> None:
+    total = len(manifest["blocks"])
+    good: set[bytes] = set()
+    batch: list[BlockEntry] = []
+    batch_bytes = 0
+    for done, (key_hex, parent_hex, ns_hex) in enumerate(manifest["blocks"], 1):
+        key, ns_id = bytes.fromhex(key_hex), bytes.fromhex(ns_hex)
+        parent = bytes.fromhex(parent_hex) if parent_hex else None
+        entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest)
+        if entry is None:
+            report["skipped"].append({"key": key_hex, "reason": reason})
+        else:
+            if batch and (ns_id != batch[0].namespace_id or len(batch) >= CHUNK_BLOCKS or batch_bytes >= BATCH_BYTES):
+                _put(store, batch, manifest, report)
+                batch, batch_bytes = [], 0
+            batch.append(entry)
+            batch_bytes += entry.stored_bytes
+            good.add(key)
+        if progress is not None and (done % CHUNK_BLOCKS == 0 or done == total):
+            progress(done, total)
+    _put(store, batch, manifest, report)
 
 
 def _checked_entry(
@@ -215,10 +272,13 @@ def _checked_entry(
         return None, "parent block missing or bad"
     member = members.get(f"blocks/{key.hex()}")
     if member is None:
-        return None, "payload missing from the archive"
-    if member.size > codec.MAX_RAW_BYTES:
-        return None, "payload implausibly large"
-    blob = _member_bytes(tar, member)
+        return None, "payload missing from the archive (or not a regular member)"
+    if member.size > MAX_MEMBER_BYTES:
+        return None, f"payload of {member.size} bytes is over the {MAX_MEMBER_BYTES} bytes import reads per block"
+    try:
+        blob = read_member(tar, member, MAX_MEMBER_BYTES, _DAMAGED)
+    except ConfigError as exc:
+        return None, "unreadable: " + str(exc).split(" (hint: ")[0]
     try:
         header = codec.verify(blob, key)
         return BlockEntry.of_blob(key, parent, blob, header.raw_len, ns_id), ""
@@ -239,3 +299,4 @@ def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: 
         return
     report["stored"] += result.stored
     report["already_present"] += result.already_present
+    report["evicted"] += result.evicted

@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,9 +111,21 @@ def gc_remote(url: str, options: dict[str, Any] | None = None, *, older_than_s: 
 
     if older_than_s is None and max_bytes is None:
         raise ConfigError("remote gc needs an age and/or a size limit", hint="pass older_than_s and/or max_bytes (--older-than / --max-bytes)")
-    report = gc(RemoteRoot.from_url(url, dict(options or {})), older_than_s=older_than_s, max_bytes=max_bytes, dry_run=dry_run)
+    root = RemoteRoot.from_url(url, dict(options or {}))
+    _require_local_root(root, url)
+    report = gc(root, older_than_s=older_than_s, max_bytes=max_bytes, dry_run=dry_run)
     report["remote"] = url
     return report
+
+
+def _require_local_root(root: Any, url: str) -> None:
+    """A local (``file://``) remote root must be an existing directory: a
+    mistyped path is a usage error, not an empty remote. Object stores
+    (s3://, memory://) have no directories to check and are left as they are."""
+    if root.is_local and not os.path.isdir(root.root):
+        what = "is not a directory" if os.path.exists(root.root) else "does not exist"
+        raise ConfigError(f"remote {url}: {root.root} {what}",
+                          hint="check the URL (file:// then an absolute path, e.g. file:///mnt/kv-remote)")
 
 
 def remote_namespace(url: str, options: dict[str, Any] | None, wanted: str) -> Namespace:

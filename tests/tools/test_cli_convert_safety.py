@@ -1,0 +1,106 @@
+"""`ucm-db migrate --to-engine` refuses a store open elsewhere and a
+destination inside the source, and a killed conversion leaves no DEST that
+opens as a store (issue 26, item 20)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+from ucm_db import maintenance
+
+from cli_stores import NS_A, invoke, invoke_json, make_store, payload
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A real conversion in a child process that stops (sleeps) at its first
+# progress report, after the copy has written every table: the parent
+# SIGKILLs it there, mid-conversion, before verification and the rename.
+PAUSED_CONVERSION = """
+import sys, time
+from pathlib import Path
+from ucm_db.migrations.convert import convert
+
+def pause(done, total):
+    Path(sys.argv[3]).write_text(f"{done}/{total}")
+    time.sleep(120)
+
+convert(sys.argv[1], sys.argv[2], "rocksdb", progress=pause)
+"""
+
+
+# A process that keeps the store open until its stdin closes.
+HOLDER = """
+import sys, ucm_db
+store = ucm_db.open(sys.argv[1])
+print("open", flush=True)
+sys.stdin.read()
+store.close()
+"""
+
+
+def child_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_conversion_refuses_a_store_open_in_another_process(tmp_path: Path) -> None:
+    make_store(tmp_path / "s")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "s")], env=child_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        result = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "s", tmp_path / "rocks", expect=2)
+    finally:
+        holder.communicate("")
+    assert "cannot convert" in result.stderr and f"is open in pid {holder.pid}" in result.stderr
+    assert not (tmp_path / "rocks").exists()
+    assert invoke_json("migrate", "--to-engine", "rocksdb", tmp_path / "s", tmp_path / "rocks")["blocks_verified"] == 23
+
+
+@pytest.mark.parametrize("inside", ["sub", "lmdb/sub", "."])
+def test_conversion_refuses_a_destination_inside_the_source(tmp_path: Path, inside: str) -> None:
+    make_store(tmp_path / "s")
+    before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "s").rglob("*"))
+    result = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "s", tmp_path / "s" / inside, expect=2)
+    assert "inside the source store" in result.stderr or "is not empty" in result.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "s").rglob("*")) == before
+
+
+def test_conversion_into_an_empty_directory_and_through_a_symlink_inside(tmp_path: Path) -> None:
+    make_store(tmp_path / "s")
+    (tmp_path / "link").symlink_to(tmp_path / "s")
+    result = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "s", tmp_path / "link" / "sub", expect=2)
+    assert "inside the source store" in result.stderr
+    (tmp_path / "empty").mkdir()
+    assert invoke_json("migrate", "--to-engine", "rocksdb", tmp_path / "s", tmp_path / "empty")["blocks_verified"] == 23
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link", "s"]  # no temp directory left
+
+
+def test_a_killed_conversion_leaves_no_destination_store(tmp_path: Path) -> None:
+    chains = make_store(tmp_path / "s")
+    dest, marker = tmp_path / "rocks", tmp_path / "paused"
+    child = subprocess.Popen([sys.executable, "-c", PAUSED_CONVERSION, str(tmp_path / "s"), str(dest), str(marker)],
+                             env=child_env())
+    try:
+        while not marker.exists():  # the child reports progress once its copy is written
+            assert child.poll() is None, "the conversion ended before pausing"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+
+    assert not dest.exists()
+    with pytest.raises(ucm_db.ConfigError, match="no ucm-db store"):
+        maintenance.inspect(dest)
+    # The source is whole and free again; a new conversion succeeds beside the leftover temp directory.
+    assert invoke_json("migrate", "--to-engine", "rocksdb", tmp_path / "s", dest)["blocks_verified"] == 23
+    with ucm_db.open(dest) as store:
+        assert store.get(NS_A, chains["a1"]) == [bytearray(payload("a1", i)) for i in range(5)]

@@ -1,0 +1,186 @@
+"""File plumbing of archives: the safe write of an export, and bounded reads
+of an import's tar members and manifest.
+
+:mod:`ucm_db.archive` owns the archive's format and checks; this module owns
+how its bytes reach and leave the disk. A keyed MAC over the manifest and
+members belongs to the format (``archive``), not here: the writer hands out a
+plain binary file object and the readers return plain bytes.
+
+Invariants:
+    * An export replaces only a regular file or nothing: a target that is a
+      symlink, directory, FIFO, device or socket is refused (ConfigError)
+      before anything is written, and checked again just before the rename.
+    * The temp file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a
+      random name in the target's directory (never through a planted
+      symlink, never over an existing file), with the permissions of the
+      store's files (:func:`store_file_mode`), fsynced, then renamed over the
+      target; the directory is fsynced after the rename. A failure removes
+      the temp file and leaves the target as it was.
+    * A member is read into one buffer of its declared size, chunk by chunk,
+      only if it is a regular member no larger than the caller's bound;
+      a short read (a truncated archive) is an error, never a short blob.
+    * The manifest is parsed only after a bound on its size and on the
+      nesting depth of its JSON (:func:`parse_bounded_json`), so neither a
+      huge nor a deeply nested manifest can exhaust memory or the stack
+      (RecursionError never escapes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from ucm_db.errors import ConfigError, TierError
+
+#: Bytes per read of a member (a member is never read in one call).
+READ_CHUNK_BYTES = 1 << 20
+#: Deepest JSON nesting a manifest may have (a valid one has 4).
+MAX_MANIFEST_DEPTH = 16
+_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte that is not a bracket
+_AS_SQUARE = bytes.maketrans(b"{}", b"[]")  # objects nest as arrays do
+
+
+def store_file_mode(store_path: Path) -> int:
+    """Permission bits for a file holding the store's data: the store
+    directory's bits without execute (a 0700 store gives 0600 files, a 0750
+    one 0640), so an archive is readable by exactly whoever can read the store."""
+    return stat.S_IMODE(os.stat(store_path).st_mode) & 0o666
+
+
+def check_target(target: Path) -> None:
+    """Refuses a target an export must not replace (module invariants)."""
+    if str(target) == "-":
+        raise ConfigError("exporting to standard output (-) is not supported",
+                          hint="name a regular file to write, e.g. DIR/store.tar")
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise ConfigError(f"cannot write {target}: {exc}", hint="check the path and its permissions") from exc
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = _kind(st.st_mode)
+        raise ConfigError(f"refusing to write {target}: it is {kind}, not a regular file",
+                          hint="name a new or regular file for the archive, e.g. DIR/store.tar "
+                          "(an export never replaces a symlink, directory, FIFO or device)")
+    if not target.parent.is_dir():
+        raise ConfigError(f"cannot write {target}: directory {target.parent} does not exist",
+                          hint=f"create it first (mkdir -p {target.parent}) or pick another path")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+@contextmanager
+def atomic_output(target: Path, mode: int) -> Iterator[IO[bytes]]:
+    """A binary file that becomes ``target`` when the block exits normally
+    (module invariants); OSError becomes TierError with the fix."""
+    check_target(target)
+    temp = target.parent / f".{target.name}.{secrets.token_hex(8)}.partial"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(temp, flags, mode)
+    except OSError as exc:
+        raise TierError(f"cannot create a temp file in {target.parent}: {exc}",
+                        hint=f"check the permissions and free space of {target.parent}") from exc
+    try:
+        os.fchmod(fd, mode)  # exactly the store's bits, whatever the umask
+        with os.fdopen(fd, "wb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        check_target(target)  # something may have been planted meanwhile
+        os.replace(temp, target)
+        _fsync_dir(target.parent)
+    except OSError as exc:
+        temp.unlink(missing_ok=True)
+        raise TierError(f"cannot write {target}: {exc}", hint=f"check the free space and permissions of {target.parent}") from exc
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit_bytes: int, damaged_hint: str) -> bytearray:
+    """The bytes of regular ``member``, read in chunks into one buffer.
+
+    Raises:
+        ConfigError: the member is not a regular file (symlink, hardlink,
+            device...), is larger than ``limit_bytes``, or is cut short.
+    """
+    if not member.isreg():
+        kind = "a symlink" if member.issym() else "a hard link" if member.islnk() else "not a regular file"
+        raise ConfigError(f"archive member {member.name} is {kind}", hint=damaged_hint)
+    if member.size > limit_bytes:
+        raise ConfigError(f"archive member {member.name} is {member.size} bytes, over the bound of {limit_bytes}",
+                          hint=damaged_hint)
+    handle = tar.extractfile(member)
+    if handle is None:  # pragma: no cover - a regular member always has a handle
+        raise ConfigError(f"archive member {member.name} is not a file", hint=damaged_hint)
+    buf = bytearray(member.size)
+    view = memoryview(buf)
+    done = 0
+    with handle:
+        while done < member.size:
+            try:
+                n = handle.readinto(view[done : done + READ_CHUNK_BYTES])  # type: ignore[attr-defined]
+            except (tarfile.TarError, OSError) as exc:  # tarfile's "unexpected end of data"
+                raise ConfigError(f"archive member {member.name} cannot be read: {exc}", hint=damaged_hint) from exc
+            if not n:
+                raise ConfigError(f"archive member {member.name} is cut short ({done} of {member.size} bytes)",
+                                  hint=damaged_hint)
+            done += n
+    return buf
+
+
+def json_depth_within(data: bytes, max_depth: int) -> bool:
+    """Whether the JSON text ``data`` nests arrays and objects at most
+    ``max_depth`` deep with balanced brackets, in C-speed bytes operations
+    and no recursion: escapes are dropped, the text between quotes (the
+    strings) is dropped, then each pass removes the innermost bracket
+    pairs, so a text of depth d empties in d passes. (For text that is not
+    JSON the answer may be wrong; json.loads rejects such text anyway, and
+    a RecursionError from it is still caught.)"""
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[::2]).translate(_AS_SQUARE, _BRACKETS)
+    if b"[" * (max_depth + 1) in brackets:  # a run of openers deeper than allowed: no need to peel
+        return False
+    for _ in range(max_depth):
+        if not brackets:
+            return True
+        brackets = brackets.replace(b"[]", b"")
+    return not brackets
+
+
+def parse_bounded_json(data: bytes, max_depth: int = MAX_MANIFEST_DEPTH) -> Any:
+    """``json.loads(data)`` after checking its nesting depth.
+
+    Raises:
+        ValueError: nested deeper than ``max_depth`` (or unbalanced), or not
+            valid JSON.
+    """
+    if not json_depth_within(data, max_depth):
+        raise ValueError(f"nested more than {max_depth} levels deep, or its brackets do not balance")
+    try:
+        return json.loads(data)
+    except RecursionError as exc:  # pragma: no cover - the depth check comes first
+        raise ValueError("nested too deeply") from exc
