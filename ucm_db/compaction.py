@@ -10,7 +10,8 @@ Steps, in order:
        any, and only those are walked, in write transactions of at most
        about ``MAINTENANCE_CHUNK_KEYS`` entries each
        (:meth:`LocalTier.drop_orphans`). Memory and transaction size stay
-       bounded on a store of millions of blocks.
+       bounded on a store of millions of blocks. Missing LRU entries and
+       child links are re-added (:func:`~ucm_db.tiers.damage.restore_links`).
     3. Reclaim file space. LMDB: a compacting copy (``Environment.copy(...,
        compact=True)``) into a new file, fsynced, then renamed over
        ``data.mdb`` (atomic: a crash leaves the old or the new file, never a
@@ -35,7 +36,9 @@ from ucm_db.errors import FormatVersionError, LockedError
 from ucm_db.format import STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings
 from ucm_db.store_view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
 from ucm_db.storelock import StoreLock, describe, holders
+from ucm_db.tiers.damage import restore_links
 from ucm_db.tiers.local import LocalTier
+from ucm_db.verification import links_missing
 
 #: Eviction proceeds in about this many transactions...
 EVICTION_STEPS = 16
@@ -182,8 +185,13 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         evicted = evict_to(tier, target_bytes, progress) if target_bytes is not None else 0
         quarantine_dropped = tier.drop_quarantine_records()
         orphans_dropped, index_problems = tier.drop_orphans_and_check()  # one audit of the index when nothing is dropped
+        links_restored = {"lru": 0, "children": 0}
+        if links_missing(index_problems):
+            links_restored = restore_links(tier)
+            index_problems = tier.check()
         out = {"blocks_before": before.blocks, "stored_bytes_before": before.stored_bytes, "evicted_blocks": evicted,
-               "quarantine_records_dropped": quarantine_dropped, "orphans_dropped": orphans_dropped}
+               "quarantine_records_dropped": quarantine_dropped, "orphans_dropped": orphans_dropped,
+               "links_restored": links_restored}
         if engine_name == "rocksdb" and exclusive:
             engine.compact()  # type: ignore[attr-defined]
         after = tier.totals()
