@@ -30,9 +30,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from ucm_db import codec
 from ucm_db.errors import TierError
 from ucm_db.tiers import records
 from ucm_db.tiers.accounting import Changes
@@ -214,3 +215,40 @@ def restore_links(tier: LocalTier) -> dict[str, int]:
                 added["children"] += 1
         return added
     return tier.engine.write(run)
+
+
+def delete_around_damage(tier: LocalTier, keys: Sequence[bytes], namespace_id: bytes | None, delete: Callable[[], int]) -> int:
+    """Runs ``delete()`` (a delete of ``keys`` and their descendants); where
+    it fails on a payload the engine cannot free, quarantines the
+    unreadable blocks of those trees first (leaving their payloads stuck)
+    and deletes again. Returns blocks removed (on that path counted from
+    the totals, so a concurrent writer's blocks may blur the count)."""
+    try:
+        return delete()
+    except TierError:
+        before = tier.totals().blocks
+        bad = tier.engine.read(lambda txn: _unreadable_in_trees(txn, keys, namespace_id))
+        if not bad:
+            raise
+        for key in bad:
+            quarantine(tier, key, "its payload could not be deleted (a damaged page)", lambda _head, _body: True)
+        delete()
+        return before - tier.totals().blocks
+
+
+def _unreadable_in_trees(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:
+    """Blocks under ``keys`` (of ``namespace_id``) whose payload does not decode."""
+    stack = [k for k in keys if (meta := stored_meta(txn, k)) is not None and namespace_id in (None, meta.namespace_id)]
+    seen: set[bytes] = set()
+    bad = []
+    while stack:
+        key = stack.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        stack.extend(bytes(link[32:]) for link, _ in txn.scan("children", key))
+        stored = txn.get("blocks", key)
+        head = memoryview(txn.get("heads", key) or b"")
+        if stored is not None and not codec.readable(head, body_of(head, memoryview(stored)), key):
+            bad.append(key)
+    return bad

@@ -92,7 +92,7 @@ class LocalTier(Tier):
             )
             changes.commit()
             return removed
-        return self.engine.write(run)
+        return damage.delete_around_damage(self, keys, namespace_id, lambda: self.engine.write(run))
 
     def iterate(self) -> Iterator[bytes]:
         return iter(self.engine.read(lambda txn: [k for k, _ in txn.scan("meta")]))
@@ -493,9 +493,10 @@ class LocalTier(Tier):
         return chunked.sample_keys(self.engine, "meta", count, total_keys=self.totals().blocks, seed=seed)
 
     def drop_quarantine_records(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> int:
-        """Deletes every quarantine record, at most about ``chunk_keys`` per
-        write transaction; returns how many there were."""
-        return self._drop_where("quarantine", lambda _txn, _key: True, chunk_keys)
+        """Deletes every quarantine record but those of stuck payloads
+        (:mod:`ucm_db.tiers.damage`: the rewrite drops them), at most about
+        ``chunk_keys`` per write transaction; returns how many went."""
+        return self._drop_where("quarantine", lambda txn, key: not damage.is_stuck(txn, key), chunk_keys)
 
     def drop_orphans(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> dict[str, int]:
         """Deletes index entries whose block has no metadata; returns counts
