@@ -129,7 +129,7 @@ def is_stuck(txn: Txn, key: bytes) -> bool:
 
 def refuse_stuck(txn: Txn, key: bytes) -> None:
     """Raises TierError if a put of ``key`` would have to write over a stuck payload."""
-    if txn.get("meta", key) is None and txn.get("blocks", key) is not None and is_stuck(txn, key):
+    if is_stuck(txn, key) and txn.get("meta", key) is None and txn.get("blocks", key) is not None:  # quarantine: usually empty
         raise TierError(
             f"block {key.hex()[:16]} cannot be stored again: its old payload sits on a damaged page the engine cannot free",
             hint="run `ucm-db compact` on the store while no process has it open: the rewrite leaves the damaged page behind",

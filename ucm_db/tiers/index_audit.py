@@ -39,7 +39,8 @@ from ucm_db.tiers import records
 from ucm_db.tiers.accounting import NS_COUNTS, NS_COUNTS_PREFIX
 from ucm_db.tiers.base import Buffer, Txn
 from ucm_db.tiers.damage import is_stuck, meta_or_none
-from ucm_db.tiers.index_types import NO_PARENT, BlockMeta, DamagedMeta, lru_key
+from ucm_db.codec import MAX_RAW_BYTES
+from ucm_db.tiers.index_types import MAX_STORED_BYTES, META, NO_PARENT, BlockMeta, DamagedMeta, lru_key
 
 _MASK = (1 << 64) - 1
 _hash = xxhash.xxh3_64_intdigest
@@ -82,16 +83,17 @@ def audit(txn: Txn) -> Audit:
                     found.suspect.add(table)
             continue
         links.up_to(key)
-        try:
-            meta = BlockMeta.unpack(data)
-        except DamagedMeta as exc:
-            found.problems.append(f"block {key.hex()[:16]}: {exc}")
+        if len(data) != META.size:
+            found.problems.append(f"block {key.hex()[:16]}: {_damage(data)}")
             continue
-        parent, depth, raw, size, access_ns = meta.parent or NO_PARENT, meta.depth, meta.raw_bytes, meta.stored_bytes, meta.access_ns
+        namespace_id, parent, depth, raw, size, _created, access_ns, _hits = META.unpack(data)  # a tuple: 1M blocks
+        if raw > MAX_RAW_BYTES or size > MAX_STORED_BYTES:
+            found.problems.append(f"block {key.hex()[:16]}: {_damage(data)}")
+            continue
         found.blocks += 1
         found.raw_bytes += raw
         found.stored_bytes += size
-        counts = per_namespace.setdefault(meta.namespace_id, [0, 0, 0])
+        counts = per_namespace.setdefault(namespace_id, [0, 0, 0])
         counts[0] += 1
         counts[1] += raw
         counts[2] += size
@@ -137,6 +139,15 @@ def namespace_problems(txn: Txn, found: Audit) -> list[str]:
             problems.append(f"namespace counters of {namespace_id.hex()[:16]} disagree with metadata "
                             f"({recorded.get(namespace_id, [0, 0, 0])} recorded, {sums} found)")
     return problems
+
+
+def _damage(data: Buffer) -> DamagedMeta:
+    """Why ``data`` is a damaged record (it is one)."""
+    try:
+        BlockMeta.unpack(data)
+    except DamagedMeta as exc:
+        return exc
+    raise AssertionError("not a damaged record")
 
 
 def _fingerprint(keys: Iterator[bytes]) -> Fingerprint:
