@@ -390,7 +390,10 @@ class LocalTier(Tier):
 
         ``still_corrupt(head, body)`` re-checks the block inside the write
         transaction, so a block another process has meanwhile replaced is
-        left alone.
+        left alone. A block whose record is damaged, or whose stored bytes
+        disagree with its record, goes whatever ``still_corrupt`` says; one
+        whose payload cannot be deleted (a damaged page) goes leaving that
+        payload stuck (:mod:`ucm_db.tiers.damage`).
         """
         return damage.quarantine(self, key, reason, still_corrupt)
 
