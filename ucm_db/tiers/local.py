@@ -41,14 +41,14 @@ from typing import Any, TypeVar
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.tiers import chunked, index_audit, records
+from ucm_db.tiers import chunked, damage, index_audit, records
 from ucm_db.format import SETTINGS_KEY
 from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
     NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
 )
 from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
 from ucm_db.tiers.index_types import (  # noqa: F401 - re-exported: the index's value types
-    LRU_PREFIX, MAX_DEPTH, NO_PARENT, BlockEntry, BlockMeta, PendingActivity, PutResult, lru_key,
+    LRU_PREFIX, MAX_DEPTH, NO_PARENT, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, body_of, lru_key,
 )
 
 T = TypeVar("T")
@@ -92,7 +92,7 @@ class LocalTier(Tier):
             )
             changes.commit()
             return removed
-        return self.engine.write(run)
+        return damage.delete_around_damage(self, keys, namespace_id, lambda: self.engine.write(run))
 
     def iterate(self) -> Iterator[bytes]:
         return iter(self.engine.read(lambda txn: [k for k, _ in txn.scan("meta")]))
@@ -218,11 +218,12 @@ class LocalTier(Tier):
                 records.put_checked(txn, NS_DESC_PREFIX + namespace_desc[0], namespace_desc[1])
             for entry in entries:
                 in_batch.add(entry.key)
-                existing = txn.get("meta", entry.key)
+                existing = damage.meta_or_clear(self, txn, changes, entry.key)
                 if existing is not None:
                     result.already_present += 1
-                    depths[entry.key] = BlockMeta.unpack(existing).depth
+                    depths[entry.key] = existing.depth
                     continue
+                damage.refuse_stuck(txn, entry.key)
                 depth = self._depth_of_parent(txn, entry, depths) + 1
                 depths[entry.key] = depth
                 meta = BlockMeta(entry.namespace_id, entry.parent, depth, entry.raw_bytes, entry.stored_bytes, now, now, 0)
@@ -250,12 +251,12 @@ class LocalTier(Tier):
             return -1
         if entry.parent in depths:
             return depths[entry.parent]
-        parent_meta = txn.get("meta", entry.parent)
+        parent_meta = damage.stored_meta(txn, entry.parent)
         if parent_meta is None:
             raise MissingAncestorError(
                 f"block {entry.key.hex()[:16]} has parent {entry.parent.hex()[:16]}, which is not stored"
             )
-        return BlockMeta.unpack(parent_meta).depth
+        return parent_meta.depth
 
     def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: Container[bytes]) -> int:
         """Evicts LRU chain tails until the totals fit the capacity, never a
@@ -295,7 +296,7 @@ class LocalTier(Tier):
             key = bytes(lru[LRU_PREFIX.size:])
             if key in protected:
                 continue
-            if next(iter(txn.scan("children", key)), None) is None:
+            if not damage.has_live_children(txn, key):
                 if txn.get("meta", key) is None:
                     stale.append(bytes(lru))
                     continue
@@ -306,11 +307,10 @@ class LocalTier(Tier):
             txn.delete("lru", lru)
         now = time.time_ns()
         for lru, key in refile:
-            data = txn.get("meta", key)
             txn.delete("lru", lru)
-            if data is None:
+            meta = damage.meta_or_clear(self, txn, changes, key)
+            if meta is None:
                 continue
-            meta = BlockMeta.unpack(data)
             meta.access_ns = max(meta.access_ns, now)
             txn.put("lru", lru_key(meta.access_ns, meta.depth, key), b"")
             txn.put("meta", key, meta.pack())
@@ -332,7 +332,10 @@ class LocalTier(Tier):
         data = txn.get("meta", key)
         if data is None:
             return 0
-        meta = BlockMeta.unpack(data)
+        try:
+            meta = BlockMeta.unpack(data)
+        except DamagedMeta as exc:
+            return damage.detach(txn, changes, key, exc.fields, exc)
         txn.delete("meta", key)
         txn.delete("blocks", key)
         txn.delete("heads", key)
@@ -365,10 +368,9 @@ class LocalTier(Tier):
             hit = True
             current: bytes | None = key
             while current is not None and (current not in visited or hit):
-                data = txn.get("meta", current)
-                if data is None:
+                meta = damage.meta_or_clear(self, txn, changes, current)
+                if meta is None:
                     break
-                meta = BlockMeta.unpack(data)
                 if meta.access_ns < access_ns:
                     txn.delete("lru", lru_key(meta.access_ns, meta.depth, current))
                     txn.put("lru", lru_key(access_ns, meta.depth, current), b"")
@@ -388,28 +390,12 @@ class LocalTier(Tier):
 
         ``still_corrupt(head, body)`` re-checks the block inside the write
         transaction, so a block another process has meanwhile replaced is
-        left alone.
+        left alone. A block whose record is damaged, or whose stored bytes
+        disagree with its record, goes whatever ``still_corrupt`` says; one
+        whose payload cannot be deleted (a damaged page) goes leaving that
+        payload stuck (:mod:`ucm_db.tiers.damage`).
         """
-        def run(txn: Txn) -> bool:
-            stored = txn.get("blocks", key)
-            data = txn.get("meta", key)
-            if data is not None and stored is not None:
-                head = memoryview(txn.get("heads", key) or b"")
-                if not still_corrupt(head, body_of(head, memoryview(stored))):
-                    return False
-            meta = _meta_or_none(data)
-            record = {
-                "reason": reason, "time_ns": time.time_ns(),
-                "namespace": meta.namespace_id.hex() if meta else None,
-                "stored_bytes": meta.stored_bytes if meta else None,
-            }
-            changes = Changes(txn)
-            self._remove_tree(txn, changes, key)
-            txn.put("quarantine", key, json.dumps(record).encode())
-            changes.totals.quarantined += 1
-            changes.commit()
-            return True
-        return self.engine.write(run)
+        return damage.quarantine(self, key, reason, still_corrupt)
 
     def quarantine_records(self) -> dict[bytes, dict[str, Any]]:
         return self.engine.read(lambda txn: {k: json.loads(bytes(v)) for k, v in txn.scan("quarantine")})
@@ -473,8 +459,8 @@ class LocalTier(Tier):
     def scan_metas(self, namespaces: set[bytes] | None = None) -> dict[bytes, BlockMeta]:
         """Metadata of every block (of ``namespaces``, None = all), from one snapshot."""
         def run(txn: Txn) -> dict[bytes, BlockMeta]:
-            metas = ((bytes(k), BlockMeta.unpack(v)) for k, v in txn.scan("meta"))
-            return {k: m for k, m in metas if namespaces is None or m.namespace_id in namespaces}
+            metas = ((bytes(k), damage.meta_or_none(v)) for k, v in txn.scan("meta"))  # damaged records left out
+            return {k: m for k, m in metas if m is not None and (namespaces is None or m.namespace_id in namespaces)}
         return self.engine.read(run)
 
     def visit_stored(
@@ -510,9 +496,10 @@ class LocalTier(Tier):
         return chunked.sample_keys(self.engine, "meta", count, total_keys=self.totals().blocks, seed=seed)
 
     def drop_quarantine_records(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> int:
-        """Deletes every quarantine record, at most about ``chunk_keys`` per
-        write transaction; returns how many there were."""
-        return self._drop_where("quarantine", lambda _txn, _key: True, chunk_keys)
+        """Deletes every quarantine record but those of stuck payloads
+        (:mod:`ucm_db.tiers.damage`: the rewrite drops them), at most about
+        ``chunk_keys`` per write transaction; returns how many went."""
+        return self._drop_where("quarantine", lambda txn, key: not damage.is_stuck(txn, key), chunk_keys)
 
     def drop_orphans(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> dict[str, int]:
         """Deletes index entries whose block has no metadata; returns counts
@@ -579,8 +566,8 @@ class _LazyAncestors:
         for current in [entry.parent for entry in self._entries] + list(self._present):
             while current is not None and current not in self._in_batch and current not in ancestors:
                 ancestors.add(current)
-                data = self._txn.get("meta", current)
-                current = BlockMeta.unpack(data).parent if data is not None else None
+                meta = damage.stored_meta(self._txn, current)
+                current = meta.parent if meta is not None else None
         return ancestors
 
 
@@ -591,7 +578,7 @@ def _problems(txn: Txn, found: index_audit.Audit) -> list[str]:
         totals = Totals.read(txn)
     except records.DamagedRecord:
         totals = Totals(-1, -1, -1)
-    problems += found.problems
+    problems += found.problems + index_audit.namespace_problems(txn, found)
     if (found.blocks, found.raw_bytes, found.stored_bytes) != (totals.blocks, totals.raw_bytes, totals.stored_bytes):
         problems.append(f"totals {totals} disagree with metadata ({found.blocks}, {found.raw_bytes}, {found.stored_bytes})")
     return problems
@@ -602,16 +589,15 @@ def _stored(txn: Txn, key: bytes) -> bool:
 
 
 def _lru_dead(txn: Txn, lru: bytes) -> bool:
-    data = txn.get("meta", lru[-32:])
-    if data is None:
+    meta = damage.stored_meta(txn, lru[-32:])
+    if meta is None:
         return True
-    meta = BlockMeta.unpack(data)
     return lru_key(meta.access_ns, meta.depth, lru[-32:]) != lru
 
 
 #: Per index table, whether an entry is orphaned (its block has no metadata).
 _ORPHAN: dict[str, Callable[[Txn, bytes], bool]] = {
-    "blocks": lambda txn, k: not _stored(txn, k),
+    "blocks": lambda txn, k: not _stored(txn, k) and not damage.is_stuck(txn, k),
     "heads": lambda txn, k: not _stored(txn, k),
     "uploads": lambda txn, k: not _stored(txn, k),
     "children": lambda txn, k: not (_stored(txn, k[:32]) and _stored(txn, k[32:])),
@@ -627,17 +613,8 @@ def _in_namespace(meta: Buffer | None, namespace_id: bytes | None) -> bool:
     return namespace_id is None or bytes(meta[:16]) == namespace_id
 
 
-def body_of(head: memoryview, stored: memoryview) -> memoryview:
-    """The body within a ``blocks`` value: the value itself, or (a block
-    written before format 3) what follows the head in it."""
-    n = len(head)
-    if n and len(stored) > n and stored[:n] == head:
-        return stored[n:]
-    return stored
-
-
 def _meta_or_none(data: Buffer | None) -> BlockMeta | None:
-    return None if data is None else BlockMeta.unpack(data)
+    return damage.meta_or_none(data)
 
 
 def _bytes_or_none(data: Buffer | None) -> bytes | None:
