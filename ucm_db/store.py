@@ -283,8 +283,10 @@ class Store:
             MissingAncestorError: ``parent`` is not stored (nothing written).
             StoreFullError: the batch does not fit even after evicting every
                 block that is neither in it nor its ancestor (nothing written).
-            ConfigError: malformed keys, parent or payloads, or a plain key
-                list without ``parent=``.
+            ConfigError: malformed keys, parent or payloads, a plain key
+                list without ``parent=``, or a key or parent stored under
+                another namespace (keys built for another namespace; nothing
+                written).
         """
         self._check_writable()
         require_namespace(namespace, "put")
@@ -352,7 +354,9 @@ class Store:
                 payloads.extend(segment_payloads)
         if not keys:
             return PutResult()
-        present = self._tier.exists(keys)
+        # Presence within the namespace: a key stored under another one is a
+        # ForeignNamespaceError (ConfigError) here, before anything is encoded.
+        present = self._tier.present_for_put(keys, _namespace_description(namespace))
         todo = [i for i, p in enumerate(present) if not p]
         try:
             return self._put_indices(namespace, keys, payloads, parents, todo, codec_name)

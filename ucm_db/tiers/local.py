@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.tiers import chunked, index_audit, records
+from ucm_db.tiers import chunked, index_audit, namespace_guard, records
 from ucm_db.format import SETTINGS_KEY
 from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
     NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
@@ -81,6 +81,24 @@ class LocalTier(Tier):
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.engine.read(lambda txn: [txn.get("meta", k) is not None for k in keys])
+
+    def present_for_put(self, keys: Sequence[bytes], namespace_desc: tuple[bytes, bytes]) -> list[bool]:
+        """Whether each key is stored, for a put into the namespace
+        ``namespace_desc`` (its id and JSON description).
+
+        Raises:
+            ForeignNamespaceError: a key is stored under another namespace
+                (:mod:`ucm_db.tiers.namespace_guard`).
+        """
+        def run(txn: Txn) -> list[bool]:
+            present = []
+            for key in keys:
+                meta = txn.get("meta", key)
+                if meta is not None:
+                    namespace_guard.require_same(txn, meta, namespace_desc[0], key, "block", description=namespace_desc[1])
+                present.append(meta is not None)
+            return present
+        return self.engine.read(run)
 
     def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Removes ``keys`` and their descendants; with ``namespace_id``,
@@ -206,6 +224,8 @@ class LocalTier(Tier):
         Raises:
             MissingAncestorError: a block's parent is neither stored nor
                 earlier in the batch (nothing is written).
+            ForeignNamespaceError: a block or its parent is stored under
+                another namespace than the entry's (nothing is written).
             StoreFullError: the batch alone exceeds the capacity.
         """
         def run(txn: Txn) -> PutResult:
@@ -220,6 +240,7 @@ class LocalTier(Tier):
                 in_batch.add(entry.key)
                 existing = txn.get("meta", entry.key)
                 if existing is not None:
+                    namespace_guard.require_same(txn, existing, entry.namespace_id, entry.key, "block")
                     result.already_present += 1
                     depths[entry.key] = BlockMeta.unpack(existing).depth
                     continue
@@ -255,6 +276,7 @@ class LocalTier(Tier):
             raise MissingAncestorError(
                 f"block {entry.key.hex()[:16]} has parent {entry.parent.hex()[:16]}, which is not stored"
             )
+        namespace_guard.require_same(txn, parent_meta, entry.namespace_id, entry.parent, "parent")
         return BlockMeta.unpack(parent_meta).depth
 
     def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: Container[bytes]) -> int:

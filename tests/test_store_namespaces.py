@@ -1,0 +1,82 @@
+"""Namespaces never mix through the block index (issue 26, item 3).
+
+The index is keyed by the block key alone, so keys built for namespace NS
+but passed with NS2 used to slip through the parent and presence checks:
+``put(NS2, keys[2:4])`` was accepted on NS's ``keys[1]``, after which
+``lookup(NS2)`` claimed 4 blocks, ``get(NS2)`` returned two misses then two
+hits, and ``delete(NS, keys[1:2])`` removed NS2's blocks. A put whose key or
+parent is stored under another namespace is now refused, naming both; the
+scenarios below are the issue's, each step commented.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import ucm_db
+from ucm_db import ConfigError, Namespace
+
+NS = Namespace(model="ns-guard", kv_dtype="bfloat16", block_size=4)
+NS2 = Namespace(model="ns-guard", kv_dtype="bfloat16", block_size=4, tp_rank=1, tp_size=2)
+KEYS = NS.block_keys(list(range(16)))  # 4 blocks built for NS
+PAYLOADS = [bytes([i + 1]) * 512 for i in range(4)]
+
+
+@pytest.fixture(params=["lmdb", "rocksdb"])
+def store(request, tmp_path):
+    with ucm_db.open(tmp_path / "s", engine=request.param) as opened:
+        yield opened
+
+
+def assert_names_both(error: ConfigError) -> None:
+    text = str(error)
+    assert NS.digest[:16].hex() in text and NS2.digest[:16].hex() in text, text
+    assert "tp_rank" in text, "the message says how the namespaces differ"
+    assert "another namespace" in error.hint
+
+
+def test_continuing_another_namespaces_chain_is_refused(store) -> None:
+    # NS stores the first two blocks of its chain.
+    store.put(NS, KEYS[:2], PAYLOADS[:2])
+    # NS2 tries to continue that chain: its parent keys[1] is NS's block.
+    with pytest.raises(ConfigError) as raised:
+        store.put(NS2, KEYS[2:4], PAYLOADS[2:4])
+    assert_names_both(raised.value)
+    # Nothing of it was stored: NS2 sees no block, NS exactly its two.
+    assert store.lookup(NS2, KEYS) == 0
+    assert store.get(NS2, KEYS) == [None] * 4
+    assert store.lookup(NS, KEYS) == 2
+    assert store.stats().blocks == 2 and store.tier.check() == []
+
+
+def test_put_of_a_key_stored_under_another_namespace_is_refused(store) -> None:
+    store.put(NS, KEYS[:1], PAYLOADS[:1])
+    # Before: already_present=1 while lookup(NS2) said 0.
+    with pytest.raises(ConfigError) as raised:
+        store.put(NS2, KEYS[:1], PAYLOADS[:1])
+    assert_names_both(raised.value)
+    assert store.lookup(NS2, KEYS[:1]) == 0
+    # Mixed with new keys in one batch: refused as a whole.
+    with pytest.raises(ConfigError):
+        store.put(NS2, KEYS[:3], PAYLOADS[:3])
+    with pytest.raises(ConfigError):
+        store.put_segments(NS2, [(KEYS[:1], PAYLOADS[:1]), (KEYS[1:3], PAYLOADS[1:3])])
+    assert store.lookup(NS, KEYS) == 1 and store.lookup(NS2, KEYS) == 0 and store.stats().blocks == 1
+
+
+def test_a_delete_never_crosses_namespaces(store) -> None:
+    keys2 = NS2.block_keys(list(range(16)))  # NS2's own chain of the same tokens
+    store.put(NS, KEYS, PAYLOADS)
+    store.put(NS2, keys2, PAYLOADS)
+    with pytest.raises(ConfigError):
+        store.put(NS2, KEYS[2:4], PAYLOADS[2:4])
+    # A delete under NS removes NS's block and its (NS) descendants only.
+    assert store.delete(NS, KEYS[1:2]) == 3
+    assert store.lookup(NS, KEYS) == 1 and store.lookup(NS2, keys2) == 4
+    assert store.get(NS2, keys2) == PAYLOADS
+    # NS2 deleting NS's keys removes nothing of them (reported as 0 removed).
+    assert store.delete(NS2, KEYS) == 0
+    assert store.get(NS, KEYS[:1]) == PAYLOADS[:1]
+    # ... and NS deleting NS2's keys neither.
+    assert store.delete(NS, keys2) == 0
+    assert store.lookup(NS2, keys2) == 4 and store.tier.check() == []
