@@ -52,6 +52,7 @@ from ucm_db.arguments import (
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
 from ucm_db.storelock import ensure_store_dir, hold_shared
+from ucm_db.store_path import detect_engine_checked, permission_error, store_path
 from ucm_db.tiers.base import Buffer
 from ucm_db.tiers.local import BlockEntry, LocalTier, PutResult
 
@@ -91,10 +92,10 @@ class Store:
     """A KV block store (see module invariants). Use :func:`ucm_db.open`."""
 
     def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
-        self.path = Path(path)
+        self.path = store_path(path)  # bytes, "", too long, inside another store: ConfigError, nothing created
         explicit = dict(options)
         StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
-        existing = detect_engine(self.path)
+        existing = detect_engine_checked(self.path)
         if "engine" not in explicit:
             if existing is not None:
                 explicit["engine"] = existing
@@ -120,12 +121,14 @@ class Store:
             self._engine = engine_for_config(self.path, self.config)
             self._tier = LocalTier(self._engine, capacity_bytes=self.config.capacity_bytes)
             self.config = self._adopt_settings(explicit)
-        except BaseException:
+        except BaseException as exc:
             # A refused store (format, settings, lock) is let go at once, so
             # e.g. `migrate` in this same process can take it.
             if hasattr(self, "_engine"):
                 self._engine.close()
             self._dir_lock.release()
+            if isinstance(exc, PermissionError):  # e.g. an unreadable data file, read-only open included
+                raise permission_error(self.path, exc) from exc
             raise
         self._tier.capacity_bytes = self.config.capacity_bytes
         self._closed = False
