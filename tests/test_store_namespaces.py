@@ -80,3 +80,30 @@ def test_a_delete_never_crosses_namespaces(store) -> None:
     # ... and NS deleting NS2's keys neither.
     assert store.delete(NS, keys2) == 0
     assert store.lookup(NS2, keys2) == 4 and store.tier.check() == []
+
+
+def test_a_delete_refuses_a_chain_that_spans_namespaces_from_older_code(store) -> None:
+    """A store written before puts were guarded can hold NS2 blocks chained
+    under NS's: planted here by rewriting the namespace id in the block
+    metadata of keys[2:4] (the state the old put left), counters recounted.
+    Deleting NS's keys[1] would cascade into NS2's blocks: it is refused
+    and nothing is deleted."""
+    from ucm_db.tiers.index_types import BlockMeta
+
+    store.put(NS, KEYS, PAYLOADS)
+
+    def plant(txn) -> None:
+        for key in KEYS[2:4]:
+            meta = BlockMeta.unpack(txn.get("meta", key))
+            meta.namespace_id = NS2.digest[:16]
+            txn.put("meta", key, meta.pack())
+    store.tier.engine.write(plant)
+    store.tier.recompute_totals()
+    with pytest.raises(ConfigError) as raised:
+        store.delete(NS, KEYS[1:2])
+    assert NS2.digest[:16].hex() in str(raised.value) and "nothing was deleted" in str(raised.value)
+    assert store.get(NS, KEYS[:2]) == PAYLOADS[:2] and store.get(NS2, KEYS[2:4]) == PAYLOADS[2:4]
+    # NS2's own blocks (the tail) can go, and then NS's delete proceeds.
+    assert store.delete(NS2, KEYS[2:3]) == 2
+    assert store.delete(NS, KEYS[1:2]) == 1
+    assert store.stats().blocks == 1 and store.tier.check() == []

@@ -416,7 +416,12 @@ class Store:
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Deletes ``namespace``'s blocks among ``keys`` and their
         descendants; returns blocks removed. A key stored under another
-        namespace is left alone."""
+        namespace is left alone (it counts as not removed).
+
+        Raises:
+            ConfigError: a descendant is stored under another namespace (a
+                chain written before puts refused that); nothing is deleted.
+        """
         self._check_open()
         require_namespace(namespace, "delete")
         self._refuse_read_only("delete")

@@ -102,12 +102,16 @@ class LocalTier(Tier):
 
     def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Removes ``keys`` and their descendants; with ``namespace_id``,
-        only keys stored under that namespace."""
+        only keys stored under that namespace, and never a descendant
+        stored under another one (:class:`ForeignNamespaceError`, nothing
+        removed)."""
         def run(txn: Txn) -> int:
             changes = Changes(txn)
-            removed = sum(
-                self._remove_tree(txn, changes, k) for k in keys if _in_namespace(txn.get("meta", k), namespace_id)
-            )
+            mine = [k for k in keys if _in_namespace(txn.get("meta", k), namespace_id)]
+            if namespace_id is not None:
+                for key in mine:
+                    namespace_guard.require_tree_in_namespace(txn, key, namespace_id)
+            removed = sum(self._remove_tree(txn, changes, k) for k in mine)
             changes.commit()
             return removed
         return self.engine.write(run)

@@ -68,6 +68,30 @@ def require_same(
     )
 
 
+def require_tree_in_namespace(txn: Txn, key: bytes, namespace_id: bytes) -> None:
+    """Raises :class:`ForeignNamespaceError` if a descendant of ``key`` is
+    stored under another namespace than ``namespace_id``: a delete's
+    cascade then would cross namespaces. Only a store written before puts
+    were guarded can hold such a chain; the delete is refused whole."""
+    stack = [key]
+    while stack:
+        current = stack.pop()
+        for child, _ in txn.scan("children", current):
+            child_key = bytes(child[len(current):])
+            meta = txn.get("meta", child_key)
+            if meta is not None and not in_namespace(meta, namespace_id):
+                stored_id = bytes(meta[:NAMESPACE_ID_BYTES])
+                raise ForeignNamespaceError(
+                    f"delete of block {key.hex()[:16]} from namespace {namespace_id.hex()} refused: its descendant "
+                    f"{child_key.hex()[:16]} is stored under namespace {stored_id.hex()} "
+                    f"{_summary(describe(txn, stored_id))} (a chain written before ucm-db refused such puts); "
+                    "nothing was deleted",
+                    hint="delete the other namespace's blocks first (store.delete(Namespace.from_dict(<its description "
+                    "in `ucm-db inspect`>), keys)), or `ucm-db evict-to` / move the store aside",
+                )
+            stack.append(child_key)
+
+
 def describe(txn: Txn, namespace_id: bytes) -> dict[str, Any]:
     """The recorded description of ``namespace_id`` ({} if none is recorded)."""
     try:
