@@ -86,8 +86,9 @@ def test_a_delete_refuses_a_chain_that_spans_namespaces_from_older_code(store) -
     """A store written before puts were guarded can hold NS2 blocks chained
     under NS's: planted here by rewriting the namespace id in the block
     metadata of keys[2:4] (the state the old put left), counters recounted.
-    Deleting NS's keys[1] would cascade into NS2's blocks: it is refused
-    and nothing is deleted."""
+    NS2's lookup claims none of the chain (keys[0] is NS's); deleting NS's
+    keys[1] would cascade into NS2's blocks: it is refused and nothing is
+    deleted."""
     from ucm_db.tiers.index_types import BlockMeta
 
     store.put(NS, KEYS, PAYLOADS)
@@ -99,6 +100,9 @@ def test_a_delete_refuses_a_chain_that_spans_namespaces_from_older_code(store) -
             txn.put("meta", key, meta.pack())
     store.tier.engine.write(plant)
     store.tier.recompute_totals()
+    # Reads never count another namespace's block, even in such a store.
+    assert store.lookup(NS2, KEYS) == 0 and store.lookup(NS, KEYS) == 2
+    assert store.get(NS2, KEYS) == [None, None, *PAYLOADS[2:4]]
     with pytest.raises(ConfigError) as raised:
         store.delete(NS, KEYS[1:2])
     assert NS2.digest[:16].hex() in str(raised.value) and "nothing was deleted" in str(raised.value)

@@ -162,7 +162,10 @@ class LocalTier(Tier):
 
     def count_prefix(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Number of leading keys present (given ``namespace_id``: present
-        under that namespace): a binary search (prefix invariant)."""
+        under that namespace): a binary search (prefix invariant). Given
+        ``namespace_id``, the first key is read too (one more read): a
+        chain that older code let continue under another namespace is then
+        0 for that namespace, not over-claimed."""
         def run(txn: Txn) -> int:
             lo, hi = 0, len(keys)
             while lo < hi:
@@ -171,6 +174,8 @@ class LocalTier(Tier):
                     lo = mid + 1
                 else:
                     hi = mid
+            if lo > 1 and namespace_id is not None and not _in_namespace(txn.get("meta", keys[0]), namespace_id):
+                return 0  # lo == 1: keys[0] was the search's last hit
             return lo
         return self.engine.read(run)
 
