@@ -140,7 +140,7 @@ def shared_store_dir() -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("read_only", [False, True], ids=["writable", "read_only"])
-@pytest.mark.parametrize("unreadable", [".", "lmdb", "lmdb/data.mdb"])
+@pytest.mark.parametrize("unreadable", [".", "lmdb", "lmdb/data.mdb", "ucm-db.lock"])
 def test_an_unreadable_store_is_a_tier_error_with_a_hint(shared_store_dir: Path, unreadable: str, read_only: bool) -> None:
     store_dir = shared_store_dir
     target = store_dir / unreadable
