@@ -51,6 +51,7 @@ from typing import Any
 from ucm_db.errors import MissingAncestorError
 from ucm_db.inline_reads import InlineReads, is_local_disk
 from ucm_db.tiers.local import BlockEntry, LocalTier
+from ucm_db.tiers.namespace_guard import ForeignNamespaceError
 from ucm_db.tiers.remote import RemoteObject, RemoteRoot, RemoteTier
 
 #: Parallel probes per round of the prefix search (rounds ~ log_{F+1} n).
@@ -525,7 +526,7 @@ def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
     entries = [BlockEntry.of_blob(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
     try:
         local.put_blocks(entries, enqueue_upload=False)
-    except MissingAncestorError:
+    except (MissingAncestorError, ForeignNamespaceError):  # a read never fails on what it cannot promote
         return 0
     return len(entries)
 

@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ucm_db import codec
@@ -52,6 +51,7 @@ from ucm_db.arguments import (
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
 from ucm_db.storelock import ensure_store_dir, hold_shared
+from ucm_db.store_path import detect_engine_checked, permission_error, store_path
 from ucm_db.tiers.base import Buffer
 from ucm_db.tiers.local import BlockEntry, LocalTier, PutResult
 
@@ -91,10 +91,10 @@ class Store:
     """A KV block store (see module invariants). Use :func:`ucm_db.open`."""
 
     def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
-        self.path = Path(path)
+        self.path = store_path(path)  # bytes, "", too long, inside another store: ConfigError, nothing created
         explicit = dict(options)
         StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
-        existing = detect_engine(self.path)
+        existing = detect_engine_checked(self.path)
         if "engine" not in explicit:
             if existing is not None:
                 explicit["engine"] = existing
@@ -120,12 +120,14 @@ class Store:
             self._engine = engine_for_config(self.path, self.config)
             self._tier = LocalTier(self._engine, capacity_bytes=self.config.capacity_bytes)
             self.config = self._adopt_settings(explicit)
-        except BaseException:
+        except BaseException as exc:
             # A refused store (format, settings, lock) is let go at once, so
             # e.g. `migrate` in this same process can take it.
             if hasattr(self, "_engine"):
                 self._engine.close()
             self._dir_lock.release()
+            if isinstance(exc, PermissionError):  # e.g. an unreadable data file, read-only open included
+                raise permission_error(self.path, exc) from exc
             raise
         self._tier.capacity_bytes = self.config.capacity_bytes
         self._closed = False
@@ -283,8 +285,10 @@ class Store:
             MissingAncestorError: ``parent`` is not stored (nothing written).
             StoreFullError: the batch does not fit even after evicting every
                 block that is neither in it nor its ancestor (nothing written).
-            ConfigError: malformed keys, parent or payloads, or a plain key
-                list without ``parent=``.
+            ConfigError: malformed keys, parent or payloads, a plain key
+                list without ``parent=``, or a key or parent stored under
+                another namespace (keys built for another namespace; nothing
+                written).
         """
         self._check_writable()
         require_namespace(namespace, "put")
@@ -352,7 +356,9 @@ class Store:
                 payloads.extend(segment_payloads)
         if not keys:
             return PutResult()
-        present = self._tier.exists(keys)
+        # Presence within the namespace: a key stored under another one is a
+        # ForeignNamespaceError (ConfigError) here, before anything is encoded.
+        present = self._tier.present_for_put(keys, _namespace_description(namespace))
         todo = [i for i, p in enumerate(present) if not p]
         try:
             return self._put_indices(namespace, keys, payloads, parents, todo, codec_name)
@@ -409,7 +415,12 @@ class Store:
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Deletes ``namespace``'s blocks among ``keys`` and their
         descendants; returns blocks removed. A key stored under another
-        namespace is left alone."""
+        namespace is left alone (it counts as not removed).
+
+        Raises:
+            ConfigError: a descendant is stored under another namespace (a
+                chain written before puts refused that); nothing is deleted.
+        """
         self._check_open()
         require_namespace(namespace, "delete")
         self._refuse_read_only("delete")

@@ -41,14 +41,14 @@ from typing import Any, TypeVar
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.tiers import chunked, damage, index_audit, records
+from ucm_db.tiers import chunked, damage, index_audit, namespace_guard, records
 from ucm_db.format import SETTINGS_KEY
 from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
     NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
 )
 from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
 from ucm_db.tiers.index_types import (  # noqa: F401 - re-exported: the index's value types
-    LRU_PREFIX, MAX_DEPTH, NO_PARENT, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, body_of, lru_key,
+    LRU_PREFIX, MAX_DEPTH, META, NO_PARENT, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, body_of, lru_key,
 )
 
 T = TypeVar("T")
@@ -82,14 +82,38 @@ class LocalTier(Tier):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.engine.read(lambda txn: [txn.get("meta", k) is not None for k in keys])
 
+    def present_for_put(self, keys: Sequence[bytes], namespace_desc: tuple[bytes, bytes]) -> list[bool]:
+        """Whether each key is stored, for a put into the namespace
+        ``namespace_desc`` (its id and JSON description).
+
+        Raises:
+            ForeignNamespaceError: a key is stored under another namespace
+                (:mod:`ucm_db.tiers.namespace_guard`).
+        """
+        namespace_id = namespace_desc[0]
+
+        def run(txn: Txn) -> list[bool]:
+            metas = [txn.get("meta", key) for key in keys]
+            for key, meta in zip(keys, metas):
+                # 16 bytes compared on the put's hot path; a damaged record (wrong
+                # length) is left to the put, which quarantines it.
+                if meta is not None and meta[:16] != namespace_id and len(meta) == META.size:
+                    namespace_guard.require_same(txn, meta, namespace_id, key, "block", description=namespace_desc[1])
+            return [meta is not None for meta in metas]
+        return self.engine.read(run)
+
     def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Removes ``keys`` and their descendants; with ``namespace_id``,
-        only keys stored under that namespace."""
+        only keys stored under that namespace, and never a descendant
+        stored under another one (:class:`ForeignNamespaceError`, nothing
+        removed)."""
         def run(txn: Txn) -> int:
             changes = Changes(txn)
-            removed = sum(
-                self._remove_tree(txn, changes, k) for k in keys if _in_namespace(txn.get("meta", k), namespace_id)
-            )
+            mine = [k for k in keys if _in_namespace(txn.get("meta", k), namespace_id)]
+            if namespace_id is not None:
+                for key in mine:
+                    namespace_guard.require_tree_in_namespace(txn, key, namespace_id)
+            removed = sum(self._remove_tree(txn, changes, k) for k in mine)
             changes.commit()
             return removed
         return damage.delete_around_damage(self, keys, namespace_id, lambda: self.engine.write(run))
@@ -140,7 +164,10 @@ class LocalTier(Tier):
 
     def count_prefix(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Number of leading keys present (given ``namespace_id``: present
-        under that namespace): a binary search (prefix invariant)."""
+        under that namespace): a binary search (prefix invariant). Given
+        ``namespace_id``, the first key is read too (one more read): a
+        chain that older code let continue under another namespace is then
+        0 for that namespace, not over-claimed."""
         def run(txn: Txn) -> int:
             lo, hi = 0, len(keys)
             while lo < hi:
@@ -149,6 +176,8 @@ class LocalTier(Tier):
                     lo = mid + 1
                 else:
                     hi = mid
+            if lo > 1 and namespace_id is not None and not _in_namespace(txn.get("meta", keys[0]), namespace_id):
+                return 0  # lo == 1: keys[0] was the search's last hit
             return lo
         return self.engine.read(run)
 
@@ -206,6 +235,8 @@ class LocalTier(Tier):
         Raises:
             MissingAncestorError: a block's parent is neither stored nor
                 earlier in the batch (nothing is written).
+            ForeignNamespaceError: a block or its parent is stored under
+                another namespace than the entry's (nothing is written).
             StoreFullError: the batch alone exceeds the capacity.
         """
         def run(txn: Txn) -> PutResult:
@@ -220,6 +251,8 @@ class LocalTier(Tier):
                 in_batch.add(entry.key)
                 existing = damage.meta_or_clear(self, txn, changes, entry.key)
                 if existing is not None:
+                    if existing.namespace_id != entry.namespace_id:
+                        namespace_guard.require_same(txn, existing.pack(), entry.namespace_id, entry.key, "block")
                     result.already_present += 1
                     depths[entry.key] = existing.depth
                     continue
@@ -256,6 +289,8 @@ class LocalTier(Tier):
             raise MissingAncestorError(
                 f"block {entry.key.hex()[:16]} has parent {entry.parent.hex()[:16]}, which is not stored"
             )
+        if parent_meta.namespace_id != entry.namespace_id:
+            namespace_guard.require_same(txn, parent_meta.pack(), entry.namespace_id, entry.parent, "parent")
         return parent_meta.depth
 
     def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: Container[bytes]) -> int:
