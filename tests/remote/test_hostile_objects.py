@@ -115,7 +115,7 @@ def reader_child(store_dir: Path, url: str, namespace_dict: dict[str, Any], keys
         report = {
             "warm": warm.to_dict(), "lookup": found, "values": [None if v is None else bytes(v).hex() for v in values],
             "timings": timings, "quarantined": dict(getattr(root, "quarantined", {})), "not_regular": stats.get("not_regular", 0),
-            "corrupt": stats["corrupt"], "bytes_read": stats["bytes_read"], "breaker_trips": stats["breaker_trips"],
+            "corrupt": stats["corrupt"], "too_large": stats["too_large"], "bytes_read": stats["bytes_read"], "breaker_trips": stats["breaker_trips"],
             "rss_growth_bytes": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kib) * 1024,
         }
     out.write_text(json.dumps(report))
@@ -152,9 +152,12 @@ def test_hostile_object_in_a_file_remote_is_a_bounded_miss(tmp_path: Path, names
         assert report["not_regular"] >= 1 and str(hostile) in report["quarantined"], report
         assert "not a regular file" in report["quarantined"][str(hostile)]
         assert "not a regular file" in tail(log), "the quarantine is logged"
+    elif kind == "honestly-huge":  # within the format, over remote_max_object_bytes: refused, not corrupt (issue 26 item 21)
+        assert report["too_large"] >= 1 and report["corrupt"] == 0, report
     else:
         assert report["corrupt"] >= 1, report
-        # Each read of the 16 GiB file stopped at the first read's bound
+    if kind in ("longer-than-stated", "states-more-than-the-cap", "honestly-huge"):
+        # Each read of the huge file stopped at the first read's bound
         # (warm, lookup and get read it a few times; the good objects are tiny).
         assert report["bytes_read"] <= 6 * FIRST_READ_BYTES, report
     # What the reader did not read is still there for an operator to see.
