@@ -89,7 +89,7 @@ class StoreConfig:
             256 MiB.
         remote_lookup_max_bytes: the most bytes of remote objects one
             lookup holds (and one read-through ``get``, warm or background
-            promotion holds fetched and not yet committed); objects past it
+            promotion holds fetched ahead of what it has taken in); objects past it
             are left to the background promotion (a lookup) or fetched as
             room frees (a stream). At least ``remote_max_object_bytes``. A
             request in flight also holds its first read (at most 8 MiB).
