@@ -129,3 +129,18 @@ def test_remote_lookup_max_bytes_is_checked_at_open(tmp_path: Path) -> None:
             ucm_db.open(tmp_path / "s", remote=url, remote_lookup_max_bytes=bad)
     with ucm_db.open(tmp_path / "s", remote=url, remote_lookup_max_bytes=64 << 20, remote_max_object_bytes=64 << 20) as store:
         assert store.config.remote_lookup_max_bytes == 64 << 20
+
+
+def test_objects_read_in_chunks_arrive_whole(remote: Any, tmp_path: Path, namespace: Any) -> None:
+    """Objects past the first read come in chunks (growing ones on an
+    object store): each arrives byte for byte, within a lookup's budget."""
+    keys, _ = chain(namespace, 3)
+    big = [bytes([i + 1]) * ((17 << 20) + 12345 * i) for i in range(3)]  # 17 MiB and up (3 requests or more), stored raw
+    with ucm_db.open(tmp_path / "a", capacity_bytes=256 << 20, codec="none", **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, big)
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=256 << 20, **remote.store_options(
+            remote_deadline_s=30.0, remote_max_object_bytes=32 << 20, remote_lookup_max_bytes=64 << 20)) as node_b:
+        assert node_b.lookup(namespace, keys) >= 1  # the rest past SYNC_PROMOTE_BYTES comes in the background
+        assert node_b.get(namespace, keys) == big
+        assert node_b.stats().remote["corrupt"] == 0
