@@ -104,8 +104,9 @@ class RemoteLink:
             self.root.max_object_bytes = max_object_bytes
         self.breaker = Breaker()
         self.read_threads = read_threads or READ_THREADS
-        #: Bytes of fetched objects one lookup (or one stream) holds at most.
-        self.lookup_max_bytes = lookup_max_bytes or LOOKUP_MAX_BYTES
+        #: Bytes of fetched objects one lookup (or one stream) holds at most:
+        #: never below the largest object read, which must fit one lookup.
+        self.lookup_max_bytes = lookup_max_bytes or max(LOOKUP_MAX_BYTES, self.root.max_object_bytes)
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")
         self._tiers: dict[bytes, RemoteTier] = {}
         self.last_search: SearchResult | None = None

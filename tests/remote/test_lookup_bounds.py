@@ -103,11 +103,12 @@ def test_lookup_of_large_objects_keeps_its_deadline_and_memory_bound(
 
 
 def test_a_read_that_cannot_finish_by_the_deadline_stops_at_it(tmp_path: Path, namespace: Any) -> None:
-    """One 64 MiB object, every request 50 ms late: reading it whole takes
-    at least 15 requests (0.75 s), so a 0.2 s lookup must stop inside it."""
-    object_bytes = 64 << 20
+    """One 128 MiB object, every request 100 ms late: reading it whole
+    takes 6 requests (0.6 s; chunks of 4 MiB doubling after the first 8 MiB),
+    so a 0.2 s lookup must stop inside it, by about the third request."""
+    object_bytes = 128 << 20
     remote_dir, keys = _plant_large_chain(tmp_path, namespace, object_bytes, n=1)
-    plan = FaultPlan(latency_s=0.05)
+    plan = FaultPlan(latency_s=0.1)
     with ucm_db.open(tmp_path / "reader", capacity_bytes=CAP, remote=f"ucmfault://{remote_dir}",
                      remote_options={"target_protocol": "file", "plan": plan}, remote_deadline_s=DEADLINE_S) as store:
         started = time.monotonic()
@@ -128,7 +129,9 @@ def test_remote_lookup_max_bytes_is_checked_at_open(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="remote_lookup_max_bytes"):
             ucm_db.open(tmp_path / "s", remote=url, remote_lookup_max_bytes=bad)
     with ucm_db.open(tmp_path / "s", remote=url, remote_lookup_max_bytes=64 << 20, remote_max_object_bytes=64 << 20) as store:
-        assert store.config.remote_lookup_max_bytes == 64 << 20
+        assert store.remote.lookup_max_bytes == 64 << 20  # type: ignore[union-attr]
+    with ucm_db.open(tmp_path / "t", remote=url, remote_max_object_bytes=1 << 30) as store:  # unset: follows the largest object
+        assert store.remote.lookup_max_bytes == 1 << 30  # type: ignore[union-attr]
 
 
 def test_objects_read_in_chunks_arrive_whole(remote: Any, tmp_path: Path, namespace: Any) -> None:
