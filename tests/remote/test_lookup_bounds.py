@@ -147,3 +147,37 @@ def test_objects_read_in_chunks_arrive_whole(remote: Any, tmp_path: Path, namesp
         assert node_b.lookup(namespace, keys) >= 1  # the rest past SYNC_PROMOTE_BYTES comes in the background
         assert node_b.get(namespace, keys) == big
         assert node_b.stats().remote["corrupt"] == 0
+
+
+def test_byte_budget_goes_to_the_leading_objects_in_order() -> None:
+    """A later object that asks first waits for the earlier ones; once one
+    does not fit, later ones are refused (a lookup). A stream's budget waits
+    for room that the consumer gives back."""
+    import threading
+
+    from ucm_db.tiers.remote_reads import ByteBudget
+
+    budget = ByteBudget(100)
+    later: list[bool] = []
+    asker = threading.Thread(target=lambda: later.append(budget.take(1, 30, time.monotonic() + 30)))
+    asker.start()
+    time.sleep(0.05)
+    assert later == []  # waits for index 0 to settle
+    assert budget.take(0, 60, time.monotonic() + 30)
+    asker.join(10)
+    assert later == [True] and budget.held_bytes == 90
+    assert not budget.take(2, 20, time.monotonic() + 30)  # does not fit
+    assert not budget.take(3, 1, time.monotonic() + 30)  # after a refusal: cannot extend the run
+
+    stream = ByteBudget(100, wait_for_room=True)
+    assert stream.take(0, 80, time.monotonic() + 30)
+    room: list[bool] = []
+    waiter = threading.Thread(target=lambda: room.append(stream.take(1, 80, time.monotonic() + 30)))
+    waiter.start()
+    time.sleep(0.05)
+    assert room == []  # waits for room
+    stream.give_back(0)
+    waiter.join(10)
+    assert room == [True]
+    stream.close()
+    assert not stream.take(2, 1, time.monotonic() + 30)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ucm_db.errors import CorruptBlockError
@@ -78,28 +77,35 @@ class ByteBudget:
         self._next = 0  # every index below it has settled
         self._refused_from: float = math.inf
         self._closed = False
-        self._cond = threading.Condition()
+        self._waiting = 0
+        self._cond = threading.Condition(threading.Lock())
 
     def take(self, index: int, n_bytes: int, deadline: float) -> bool:
         """Takes ``n_bytes`` for the object at ``index`` once every earlier
         index has settled; False (refused) past ``deadline``, when it does
         not fit, after an earlier refusal, or once closed. Settles ``index``."""
         with self._cond:
-            while not self._closed and index < self._refused_from and (
-                self._next < index or (self.wait_for_room and self.held_bytes + n_bytes > self.limit_bytes)
-            ):
-                left_s = deadline - time.monotonic()
-                if left_s <= 0:
-                    break
-                self._cond.wait(min(left_s, 1.0))
+            if self._next != index or self.held_bytes + n_bytes > self.limit_bytes:
+                self._waiting += 1
+                try:
+                    while not self._closed and index < self._refused_from and (
+                        self._next < index or (self.wait_for_room and self.held_bytes + n_bytes > self.limit_bytes)
+                    ):
+                        left_s = deadline - time.monotonic()
+                        if left_s <= 0:
+                            break
+                        self._cond.wait(min(left_s, 1.0))
+                finally:
+                    self._waiting -= 1
             granted = (not self._closed and self._next >= index and index < self._refused_from
                        and self.held_bytes + n_bytes <= self.limit_bytes)
             if granted:
                 self.held_bytes += n_bytes
-                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+                if self.held_bytes > self.peak_bytes:
+                    self.peak_bytes = self.held_bytes
                 self._taken[index] = n_bytes
-            else:
-                self._refused_from = min(self._refused_from, index)
+            elif index < self._refused_from:
+                self._refused_from = index
             self._settle(index)
             return granted
 
@@ -109,17 +115,22 @@ class ByteBudget:
             self._settle(index)
 
     def _settle(self, index: int) -> None:
-        self._settled.add(index)
-        while self._next in self._settled:
-            self._settled.discard(self._next)
+        if index != self._next:
+            self._settled.add(index)
+        else:
             self._next += 1
-        self._cond.notify_all()
+            while self._settled and self._next in self._settled:
+                self._settled.discard(self._next)
+                self._next += 1
+        if self._waiting:
+            self._cond.notify_all()
 
     def give_back(self, index: int) -> None:
         """Returns what ``index`` took (nothing if it took nothing)."""
         with self._cond:
             self.held_bytes -= self._taken.pop(index, 0)
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
 
     def refused(self, index: int) -> bool:
         """True when ``index`` would be refused whatever it asks."""
@@ -133,14 +144,17 @@ class ByteBudget:
             self._cond.notify_all()
 
 
-@dataclass(frozen=True, slots=True)
 class ReadLimits:
     """What bounds one object read: a monotonic deadline, and the call's
-    budget with this object's index in it (None: unbounded memory)."""
+    budget with this object's index in it (None: unbounded memory).
+    Read-only by convention (a plain slotted class: one is made per fetch)."""
 
-    deadline: float = math.inf
-    budget: ByteBudget | None = None
-    index: int = 0
+    __slots__ = ("deadline", "budget", "index")
+
+    def __init__(self, deadline: float = math.inf, budget: ByteBudget | None = None, index: int = 0) -> None:
+        self.deadline = deadline
+        self.budget = budget
+        self.index = index
 
     def check(self) -> None:
         """Raises :class:`ReadAbandoned` when the read must stop."""
