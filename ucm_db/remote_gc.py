@@ -37,7 +37,6 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
