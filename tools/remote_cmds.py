@@ -62,6 +62,8 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
     """Garbage-collect the remote tier at REMOTE (an fsspec URL): remove old
     objects by age and/or down to a size, oldest first, together with their
     descendants so the remote keeps whole prefixes. Safe beside live servers.
+    Only ucm-db's own objects are touched: files of its layout, in namespace
+    directories with its manifest, that start like a ucm-db object.
 
     \b
     Example:
@@ -77,7 +79,7 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
         verb = "would remove" if r["dry_run"] else "removed"
         return (f"{r['remote']}: {r['objects_before']} objects, {human_bytes(r['bytes_before'])}; {verb} {r['removed_objects']} "
                 f"({r['removed_by_rule']} by rule + {r['removed_descendants']} descendants), {human_bytes(r['removed_bytes'])}; "
-                f"{r['temp_files_removed']} stale temp files")
+                f"{r['temp_files_removed']} stale temp files; {r['skipped_entries']} entries not ucm-db's left alone")
 
     emit(as_json, report, human)
 

@@ -87,6 +87,14 @@ class StoreConfig:
             bounds what one hostile object can cost a reader, about twice
             this per concurrent read. Raise it only for KV blocks over
             256 MiB.
+        remote_lookup_max_bytes: the most bytes of remote objects one
+            lookup holds (and one read-through ``get``, warm or background
+            promotion holds fetched ahead of what it has taken in); objects past it
+            are left to the background promotion (a lookup) or fetched as
+            room frees (a stream). At least ``remote_max_object_bytes``. A
+            request in flight also holds its first read (at most 8 MiB).
+            None (the default): 512 MiB, or ``remote_max_object_bytes``
+            when that is larger.
         remote_codec: codec of remote objects: ``"same"`` as ``codec``,
             ``"none"``, ``"zstd"``, or ``"auto"`` (zstd when the measured
             link is slower than the measured compression; see
@@ -118,6 +126,7 @@ class StoreConfig:
     upload_concurrency: int = 4
     remote_read_concurrency: int = 16
     remote_max_object_bytes: int = 256 << 20
+    remote_lookup_max_bytes: int | None = None
     remote_codec: str = "same"
     read_only: bool = False
 
@@ -147,6 +156,8 @@ class StoreConfig:
         _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
         _require_int("remote_read_concurrency", self.remote_read_concurrency, minimum=1)
         _require_int("remote_max_object_bytes", self.remote_max_object_bytes, minimum=1 << 20, maximum=MAX_OBJECT_BYTES)
+        if self.remote_lookup_max_bytes is not None:
+            self._check_lookup_max_bytes()
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")
@@ -156,6 +167,17 @@ class StoreConfig:
             raise ConfigError(
                 "read_only and remote do not mix: blocks read through from the remote are kept in the local tier",
                 hint="open the local store writable to use a remote tier, or drop remote to serve the read-only store alone",
+            )
+
+    def _check_lookup_max_bytes(self) -> None:
+        """A set ``remote_lookup_max_bytes`` fits the largest object read."""
+        assert self.remote_lookup_max_bytes is not None
+        _require_int("remote_lookup_max_bytes", self.remote_lookup_max_bytes, minimum=1 << 20)
+        if self.remote_lookup_max_bytes < self.remote_max_object_bytes:
+            raise ConfigError(
+                f"remote_lookup_max_bytes ({self.remote_lookup_max_bytes}) is below remote_max_object_bytes "
+                f"({self.remote_max_object_bytes}): the largest object read would never fit a lookup",
+                hint="raise remote_lookup_max_bytes to at least remote_max_object_bytes, or lower remote_max_object_bytes",
             )
 
     @classmethod

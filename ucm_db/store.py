@@ -142,7 +142,7 @@ class Store:
 
             self._remote = RemoteLink(
                 self.config.remote, dict(self.config.remote_options), self.config.remote_read_concurrency,
-                max_object_bytes=self.config.remote_max_object_bytes,
+                max_object_bytes=self.config.remote_max_object_bytes, lookup_max_bytes=self.config.remote_lookup_max_bytes,
             )
         self._ensure_process()
 

@@ -29,10 +29,12 @@ Invariants:
       request reads at most :data:`FIRST_READ_BYTES`; the envelope and codec
       header then state the object's exact length, which must be within
       :attr:`RemoteRoot.max_object_bytes` (the store's
-      ``remote_max_object_bytes``, at most :data:`MAX_OBJECT_BYTES`), and at
-      most that many bytes (plus one, to see an object longer than stated)
-      are read. An object shorter or
-      longer than its header states is corrupt (a miss).
+      ``remote_max_object_bytes``, at most :data:`MAX_OBJECT_BYTES`; a
+      larger one is refused unread, a miss counted in
+      :attr:`RemoteStats.too_large`), and at most that many bytes (plus one,
+      to see an object longer than stated) are read, in chunks within the
+      caller's deadline and byte budget (:mod:`ucm_db.tiers.remote_reads`).
+      An object shorter or longer than its header states is corrupt (a miss).
     * On a local or NFS directory only regular files are read: a symlink,
       FIFO, device or directory in an object's place is never opened for
       reading (so never hangs or streams), it is a miss, counted in
@@ -62,6 +64,7 @@ from ucm_db.tiers.base import Buffer, Tier, TierCapabilities
 from ucm_db.tiers.remote_files import (  # noqa: F401 - re-exported: the remote tier's public names
     TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, write_whole,
 )
+from ucm_db.tiers.remote_reads import ObjectTooLargeError, ReadLimits, read_object
 from ucm_db.tiers.remote_object import (  # noqa: F401 - re-exported
     ENVELOPE_BYTES, MAX_OBJECT_BYTES, OBJECT_FORMAT_VERSION, OBJECT_MAGIC, PROBE_BYTES, RemoteObject, pack_object,
     parse_envelope, stated_object_bytes, unpack_object,
@@ -92,6 +95,8 @@ class RemoteStats:
     bytes_read: int = 0
     bytes_written: int = 0
     not_regular: int = 0
+    #: Objects refused unread: stating more than ``max_object_bytes``.
+    too_large: int = 0
 
 
 class ManifestError(UcmDbError):
@@ -335,47 +340,28 @@ class RemoteTier(Tier):
         return self.remote.object_path(self.namespace_id, key)
 
     # -- single-object operations (what the thread pools run) -----------------
-    def read_object(self, key: bytes) -> bytes | None:
+    def read_object(self, key: bytes, limits: ReadLimits = ReadLimits()) -> bytes | bytearray | None:
         """The whole object of ``key``, read within the bound its header
-        states (see the module invariants); None if absent or not a regular
-        file.
+        states and within ``limits`` (:func:`~ucm_db.tiers.remote_reads.read_object`);
+        None if absent or not a regular file."""
+        return read_object(self.remote, self.path(key), key, FIRST_READ_BYTES, limits)
+
+    def fetch(self, key: bytes, limits: ReadLimits = ReadLimits()) -> RemoteObject | None:
+        """The verified object of ``key``; None if absent, corrupt or too
+        large (counted apart, as ``too_large``).
 
         Raises:
-            CorruptBlockError: bad envelope or codec header, a stated length
-                above :data:`MAX_OBJECT_BYTES`, or an object shorter or
-                longer than stated.
+            ReadAbandoned: ``limits`` stopped the read (nothing counted).
         """
-        path = self.path(key)
-        first = self.remote.read_range(path, 0, FIRST_READ_BYTES)
-        if first is None:
-            return None
-        stated = stated_object_bytes(first, key)
-        if stated > self.remote.max_object_bytes:
-            raise CorruptBlockError(f"remote object states {stated} bytes, more than the {self.remote.max_object_bytes} this store reads")
-        if len(first) < FIRST_READ_BYTES:  # the whole object
-            if len(first) != stated:
-                raise CorruptBlockError(f"remote object of {len(first)} bytes states {stated}")
-            return first
-        if stated < FIRST_READ_BYTES:
-            raise CorruptBlockError(f"remote object is longer than the {stated} bytes it states")
-        # From one byte before the end of the first read (a range starting at
-        # an object's end is an error on S3) to one byte past the stated end
-        # (to see an object longer than stated).
-        rest = self.remote.read_range(path, FIRST_READ_BYTES - 1, stated + 1)
-        if rest is None:
-            return None  # removed between the two reads
-        if len(rest) != stated - FIRST_READ_BYTES + 1:
-            raise CorruptBlockError(f"remote object's length does not match the {stated} bytes it states")
-        return b"".join((first, memoryview(rest)[1:]))
-
-    def fetch(self, key: bytes) -> RemoteObject | None:
-        """The verified object of ``key``; None if absent or corrupt."""
         self.remote.count(gets=1)
         try:
-            data = self.read_object(key)
+            data = self.read_object(key, limits)
             if data is None:
                 return None
             obj = unpack_object(data, key)
+        except ObjectTooLargeError:
+            self.remote.count(too_large=1)
+            return None
         except CorruptBlockError:
             self.remote.count(corrupt=1)
             return None
