@@ -16,39 +16,55 @@ from ucm_db import maintenance
 from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, ProgressBar, emit, json_option
 
 
+def auth_options(verb: str) -> Any:
+    """``--auth-key-file`` / ``--auth-key-env``: the archive's MAC keys."""
+    def decorate(fn: Any) -> Any:
+        fn = click.option("--auth-key-env", metavar="NAME", default=None,
+                          help=f"Environment variable holding the hex auth key(s) to {verb} with (not the key itself).")(fn)
+        return click.option("--auth-key-file", type=click.Path(path_type=Path), default=None,
+                            help=f"Key file (hex keys, one per line, first signs; mode 600) to {verb} the archive's MACs with.")(fn)
+    return decorate
+
+
 @click.command("export")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.argument("archive", type=click.Path(path_type=Path))
 @click.option("--namespace", "namespaces", multiple=True, help="Only this namespace (id prefix or model name); repeatable. Default: all.")
+@auth_options("sign")
 @json_option
-def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], as_json: bool) -> None:
+def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None,
+                   as_json: bool) -> None:
     """Write the blocks of chosen namespaces to a portable tar ARCHIVE
-    (JSON manifest + encoded blocks). Read-only on the store.
+    (JSON manifest + encoded blocks). Read-only on the store. With an auth
+    key the archive carries MACs (keyed BLAKE2b) that `import` checks.
 
     \b
     Example:
-        ucm-db export /var/cache/ucm-db qwen.tar --namespace Qwen/Qwen2.5-0.5B
+        ucm-db export /var/cache/ucm-db qwen.tar --namespace Qwen/Qwen2.5-0.5B --auth-key-file /etc/ucm-db/auth.key
     """
     with ProgressBar(not as_json, "exporting") as bar:
-        report = maintenance.export_archive(path, archive, namespaces, progress=bar)
+        report = maintenance.export_archive(path, archive, namespaces, progress=bar, auth_key_file=auth_key_file, auth_key_env=auth_key_env)
     emit(as_json, report, lambda r: f"exported {r['blocks']} blocks ({r['stored_bytes']} bytes) of {len(r['namespaces'])} namespace(s) to {r['archive']}")
 
 
 @click.command("import")
 @click.argument("archive", type=click.Path(path_type=Path))
 @click.argument("path", type=click.Path(path_type=Path))
+@auth_options("verify")
 @json_option
-def import_command(archive: Path, path: Path, as_json: bool) -> None:
+def import_command(archive: Path, path: Path, auth_key_file: Path | None, auth_key_env: str | None, as_json: bool) -> None:
     """Load an ARCHIVE written by `ucm-db export` into the store at PATH
     (created if missing). Every block is verified; bad ones and their
-    descendants are skipped and reported (exit status 1).
+    descendants are skipped and reported (exit status 1). With an auth key,
+    an archive without a valid MAC is refused and a block whose MAC fails
+    is skipped.
 
     \b
     Example:
-        ucm-db import qwen.tar /var/cache/ucm-db
+        ucm-db import qwen.tar /var/cache/ucm-db --auth-key-file /etc/ucm-db/auth.key
     """
     with ProgressBar(not as_json, "importing") as bar:
-        report = maintenance.import_archive(archive, path, progress=bar)
+        report = maintenance.import_archive(archive, path, progress=bar, auth_key_file=auth_key_file, auth_key_env=auth_key_env)
 
     def human(r: dict[str, Any]) -> str:
         lines = [f"imported {r['stored']} blocks ({r['already_present']} already present), skipped {len(r['skipped'])}"]

@@ -7,7 +7,9 @@ Archive format: an uncompressed tar (payloads are already compressed) of
   "blocks": [[key hex, parent hex | null, namespace id hex], ...]}``, with
   each namespace's blocks parent-first;
 * ``blocks/<key hex>``: each block's encoded blob exactly as stored (codec
-  header, owning key, checksum).
+  header, owning key, checksum);
+* with an auth key, ``manifest.auth`` last: MACs of the manifest and of
+  each block (:mod:`ucm_db.archive_auth`).
 
 Invariants:
     * Import trusts nothing in the archive: the manifest's shape is checked
@@ -16,6 +18,8 @@ Invariants:
       and a block whose parent is missing or bad is skipped (prefix
       invariant). Only JSON and codec blobs are read; nothing is unpickled.
     * Import only adds blocks: nothing already stored is lost.
+    * Import with an auth key accepts only what that key (or another of the
+      keys given) signed (:mod:`ucm_db.archive_auth`).
     * Export writes ``ARCHIVE.partial`` and renames it into place when
       complete, so a failed export leaves no truncated archive behind.
 """
@@ -31,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db import codec
+from ucm_db.archive_auth import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
+from ucm_db.auth import load_keys
 from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, TierError
 from ucm_db.keys import KEY_BYTES, Namespace
 from ucm_db.store_view import ProgressFn, open_view, select_namespaces
@@ -54,12 +60,17 @@ def _check_destination(archive: Path) -> None:
 
 
 def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str, ...] = (),
-                   progress: ProgressFn | None = None) -> dict[str, Any]:
+                   progress: ProgressFn | None = None, *, auth_key_file: str | Path | None = None,
+                   auth_key_env: str | None = None) -> dict[str, Any]:
     """Writes the blocks of ``namespaces`` (all by default) of the store at
-    ``path`` to the tar ``archive``; read-only on the store."""
+    ``path`` to the tar ``archive``; read-only on the store. With an auth
+    key (a key file and/or an environment variable, :mod:`ucm_db.auth`)
+    the archive carries MACs made with the first key."""
     from ucm_db.version import __version__
 
     archive = Path(archive)
+    auth_keys = load_keys(auth_key_file, auth_key_env)
+    signer = ArchiveSigner(auth_keys) if auth_keys is not None else None
     _check_destination(archive)
     with open_view(path) as view:
         selected = select_namespaces(view, namespaces)
@@ -75,14 +86,21 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
         partial = archive.with_name(archive.name + ".partial")
         try:
             with tarfile.open(partial, "w") as tar:
-                _add(tar, "manifest.json", json.dumps(manifest).encode())
+                manifest_bytes = json.dumps(manifest).encode()
+                _add(tar, "manifest.json", manifest_bytes)
+                if signer is not None:
+                    signer.manifest(manifest_bytes)
                 for start in range(0, len(blocks), CHUNK_BLOCKS):
                     keys = [k for k, _ in blocks[start : start + CHUNK_BLOCKS]]
                     for key, blob in zip(keys, view.tier.read_blobs(keys)):
                         _add(tar, f"blocks/{key.hex()}", blob or b"")
+                        if signer is not None:
+                            signer.block(key, blob or b"")
                         stored += len(blob or b"")
                     if progress is not None:
                         progress(start + len(keys), len(blocks))
+                if signer is not None:
+                    _add(tar, AUTH_MEMBER, signer.member())
             os.replace(partial, archive)
         except OSError as exc:
             partial.unlink(missing_ok=True)
@@ -90,7 +108,8 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
-    return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"]}
+    return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"],
+            "authenticated": signer is not None}
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -136,15 +155,18 @@ def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
+def read_manifest(tar: tarfile.TarFile, archive: Path, verifier: ArchiveVerifier | None = None) -> dict[str, Any]:
     try:
         member = tar.getmember("manifest.json")
     except KeyError as exc:
         raise ConfigError(f"{archive} has no manifest.json", hint="pass an archive written by ucm-db export") from exc
     if member.size > MAX_MANIFEST_BYTES:
         raise ConfigError(f"{archive}: manifest of {member.size} bytes is implausible", hint=_DAMAGED)
+    data = _member_bytes(tar, member)
+    if verifier is not None:
+        verifier.check_manifest(data)  # the exact bytes parsed next
     try:
-        manifest = json.loads(_member_bytes(tar, member))
+        manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{archive}: manifest.json is not valid JSON: {exc}", hint=_DAMAGED) from exc
     return check_manifest(manifest, archive)
@@ -168,18 +190,23 @@ def _open_archive(archive: Path) -> tarfile.TarFile:
         raise ConfigError(f"{archive} is not a tar archive ({exc})", hint="pass an archive written by ucm-db export") from exc
 
 
-def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn | None = None) -> dict[str, Any]:
+def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn | None = None, *,
+                   auth_key_file: str | Path | None = None, auth_key_env: str | None = None) -> dict[str, Any]:
     """Loads ``archive`` into the store at ``path`` (created if missing);
-    returns counts and the skipped blocks with reasons (module invariants)."""
+    returns counts and the skipped blocks with reasons (module invariants).
+    With an auth key, an archive it did not sign is refused and a block
+    it did not sign is skipped."""
     import ucm_db
 
     archive, path = Path(archive), Path(path)
+    auth_keys = load_keys(auth_key_file, auth_key_env)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
     report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "skipped": []}
     with _open_archive(archive) as tar:
         try:
-            manifest = read_manifest(tar, archive)
+            verifier = ArchiveVerifier(tar, archive, auth_keys) if auth_keys is not None else None
+            manifest = read_manifest(tar, archive, verifier)
             members = {m.name: m for m in tar.getmembers() if m.isfile()}
         except tarfile.TarError as exc:
             raise ConfigError(f"{archive} is a damaged tar archive ({exc})", hint=_DAMAGED) from exc
@@ -190,7 +217,7 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
             for done, (key_hex, parent_hex, ns_hex) in enumerate(manifest["blocks"], 1):
                 key, ns_id = bytes.fromhex(key_hex), bytes.fromhex(ns_hex)
                 parent = bytes.fromhex(parent_hex) if parent_hex else None
-                entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest)
+                entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest, verifier)
                 if entry is None:
                     report["skipped"].append({"key": key_hex, "reason": reason})
                 else:
@@ -207,7 +234,7 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
 
 def _checked_entry(
     tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], key: bytes, parent: bytes | None,
-    ns_id: bytes, good: set[bytes], manifest: dict[str, Any],
+    ns_id: bytes, good: set[bytes], manifest: dict[str, Any], verifier: ArchiveVerifier | None = None,
 ) -> tuple[BlockEntry | None, str]:
     if ns_id.hex() not in manifest["namespaces"]:
         return None, "namespace not described in the manifest"
@@ -219,6 +246,8 @@ def _checked_entry(
     if member.size > codec.MAX_RAW_BYTES:
         return None, "payload implausibly large"
     blob = _member_bytes(tar, member)
+    if verifier is not None and not verifier.block_ok(key, blob):
+        return None, "unauthenticated: its MAC does not match (altered, or not signed with the given key)"
     try:
         header = codec.verify(blob, key)
         return BlockEntry.of_blob(key, parent, blob, header.raw_len, ns_id), ""
