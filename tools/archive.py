@@ -13,24 +13,14 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, ProgressBar, emit, json_option
-
-
-def auth_options(verb: str) -> Any:
-    """``--auth-key-file`` / ``--auth-key-env``: the archive's MAC keys."""
-    def decorate(fn: Any) -> Any:
-        fn = click.option("--auth-key-env", metavar="NAME", default=None,
-                          help=f"Environment variable holding the hex auth key(s) to {verb} with (not the key itself).")(fn)
-        return click.option("--auth-key-file", type=click.Path(path_type=Path), default=None,
-                            help=f"Key file (hex keys, one per line, first signs; mode 600) to {verb} the archive's MACs with.")(fn)
-    return decorate
+from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, ProgressBar, auth_options, emit, json_option
 
 
 @click.command("export")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.argument("archive", type=click.Path(path_type=Path))
 @click.option("--namespace", "namespaces", multiple=True, help="Only this namespace (id prefix or model name); repeatable. Default: all.")
-@auth_options("sign")
+@auth_options("sign the archive (MACs)")
 @json_option
 def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None,
                    as_json: bool) -> None:
@@ -50,7 +40,7 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
 @click.command("import")
 @click.argument("archive", type=click.Path(path_type=Path))
 @click.argument("path", type=click.Path(path_type=Path))
-@auth_options("verify")
+@auth_options("check the archive's MACs (refuse what they did not sign)")
 @json_option
 def import_command(archive: Path, path: Path, auth_key_file: Path | None, auth_key_env: str | None, as_json: bool) -> None:
     """Load an ARCHIVE written by `ucm-db export` into the store at PATH

@@ -1,7 +1,8 @@
-"""export/import with an auth key (issue 26 item 6): archives carry MACs,
-and import with a key refuses what the key did not sign. Through the real
-CLI; tampering by rewriting the tar members as anyone with write access to
-the archive could (valid codec checksums recomputed)."""
+"""The CLI with an auth key (issue 26 item 6): export/import archives carry
+MACs, and import with a key refuses what the key did not sign; warm with a
+key pulls only signed remote objects. Through the real CLI; tampering as
+anyone with write access to the archive or the remote could (valid codec
+checksums recomputed)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,21 @@ def test_world_readable_key_file_is_refused(tmp_path: Path) -> None:
     r = invoke("export", tmp_path / "src", tmp_path / "x.tar", "--auth-key-file", key, expect=2)
     assert "readable by everyone" in r.stderr and "chmod 600" in r.stderr
     assert not (tmp_path / "x.tar").exists()
+
+
+def test_warm_with_a_key_pulls_only_signed_objects(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'remote'}"
+    key = key_file(tmp_path, KEY)
+    tokens = [[(11 * p + i) % 30000 for i in range(NS_A.block_size * 3)] for p in range(2)]
+    chains = [NS_A.block_keys(t) for t in tokens]
+    with ucm_db.open(tmp_path / "signer", remote=url, remote_mode="write_through", capacity_bytes=1 << 26,
+                     remote_auth_key_file=str(key)) as source:
+        source.put(NS_A, chains[0], [payload("s", i) for i in range(3)])
+    with ucm_db.open(tmp_path / "intruder", remote=url, remote_mode="write_through", capacity_bytes=1 << 26) as intruder:
+        intruder.put(NS_A, chains[1], [payload("x", i) for i in range(3)])  # unsigned, checksums all valid
+    tokens_file = tmp_path / "prompts.jsonl"
+    tokens_file.write_text("\n".join(json.dumps(t) for t in tokens))
+
+    invoke_json("warm", tmp_path / "b", "--remote", url, "--namespace", "test/alpha", "--tokens", tokens_file, "--auth-key-file", key)
+    with ucm_db.open(tmp_path / "b") as store:
+        assert store.tier.count_prefix(chains[0]) == 3 and store.tier.count_prefix(chains[1]) == 0
