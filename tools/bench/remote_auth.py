@@ -11,7 +11,9 @@ MAC's), and with and without ``remote_auth_key_file``:
 * warm: another empty local tier pulls the chain with ``Store.warm``
   (fetch, MAC, verify, promote); raw bytes / seconds;
 * upload: write-back puts of the chain until the uploader drained it
-  (signing happens here); raw bytes / seconds.
+  (signing happens here); raw bytes / seconds;
+* the MAC alone: keyed BLAKE2b-256 (hashlib, as the product computes it)
+  over 64 MiB on one core, best of 5: what one core can authenticate.
 
 Figures are medians of ``--runs`` runs, auth on and off alternating first;
 the ratio of interest is read-through with auth over without (issue 26
@@ -20,6 +22,7 @@ target >= 0.95x at 400 MB/s).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import statistics
@@ -73,6 +76,17 @@ def _one_run(scratch: Path, link: float | str, mode: str, payloads: list[memoryv
             "warm_raw_mb_s": raw_bytes / warm_s / 1e6}
 
 
+def mac_mb_s_per_core() -> float:
+    """Keyed BLAKE2b-256 throughput of one core (best of 5 over 64 MiB)."""
+    data = os.urandom(64 << 20)
+    best_s = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        hashlib.blake2b(data, key=secrets.token_bytes(32), digest_size=32, person=b"bench").digest()
+        best_s = min(best_s, time.perf_counter() - started)
+    return round(len(data) / best_s / 1e6, 1)
+
+
 def run(bandwidths_mb_s: list[float], blocks: int, runs: int) -> dict[str, Any]:
     """Auth on vs off per link; medians and ratios (module docstring)."""
     register()
@@ -96,4 +110,5 @@ def run(bandwidths_mb_s: list[float], blocks: int, runs: int) -> dict[str, Any]:
                              "read_through_samples": [round(s["read_through_raw_mb_s"], 1) for s in samples[mode]]})
             ratios[rows[-1]["link"]] = {f"{k.removesuffix('_raw_mb_s')}_auth_over_none": round(medians["on"][k] / medians["off"][k], 3)
                                         for k in medians["on"]}
-    return {"blocks": blocks, "block_bytes": len(payloads[0]), "runs": runs, "rows": rows, "ratios": ratios}
+    return {"blocks": blocks, "block_bytes": len(payloads[0]), "runs": runs, "rows": rows, "ratios": ratios,
+            "mac_mb_s_per_core": mac_mb_s_per_core(), "cpus": os.cpu_count(), "load_average": os.getloadavg()}
