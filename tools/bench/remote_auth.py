@@ -32,11 +32,21 @@ from pathlib import Path
 from typing import Any
 
 import ucm_db
-from ucm_db.tools.bench.remote_codec import NAMESPACE, _payloads
+from ucm_db import Namespace
 from ucm_db.tools.bench.throttle import register
+
+NAMESPACE = Namespace(model="bench/remote-auth", kv_dtype="bfloat16", block_size=16)
+BLOCK_BYTES = 2 << 20
 
 LOCAL = "local file://"
 MODES = ("off", "on")
+
+
+def _payloads(count: int) -> list[memoryview]:
+    from ucm_db.tools.bench.kv_sample import capture_kv_in_subprocess, kv_blocks
+
+    stream = capture_kv_in_subprocess()
+    return [memoryview(block) for block in kv_blocks(stream, BLOCK_BYTES, count)]
 
 
 def _remote(scratch: Path, link: float | str, name: str) -> dict[str, Any]:
