@@ -33,7 +33,7 @@ import os
 import re
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucm_db.errors import ConfigError
@@ -57,11 +57,12 @@ class AuthKeys:
     """The keys of one store or archive: ``keys[0]`` signs, all verify.
 
     Attributes:
-        keys: the keys, in the order they are tried.
+        keys: the keys, in the order they are tried (left out of ``repr``:
+            a config dump or a traceback never shows them).
         source: where they came from (for messages; never the keys).
     """
 
-    keys: tuple[bytes, ...]
+    keys: tuple[bytes, ...] = field(repr=False)
     source: str
 
     def __post_init__(self) -> None:

@@ -172,3 +172,17 @@ def test_missing_key_settings_are_clear_config_errors(tmp_path: Path) -> None:
         ucm_db.open(tmp_path / "s", capacity_bytes=CAP, **remote.store_options(remote_auth_key_env="11" * 32 + "="))
     with pytest.raises(ConfigError, match="no remote is set"):
         ucm_db.open(tmp_path / "s", capacity_bytes=CAP, remote_auth_key_file=key_file(tmp_path, NEW_KEY))
+
+
+def test_key_text_format(tmp_path: Path) -> None:
+    """Hex keys, one per line (or comma/space separated in a variable),
+    ``#`` comments, first signs; a group-readable file (0640) is accepted."""
+    from ucm_db.auth import parse_keys, read_key_file
+
+    parsed = parse_keys(f"# rotation 2026-11\n{NEW_KEY.hex()}  # current\n\n{OLD_KEY.hex().upper()}\n", "test")
+    assert parsed.keys == (NEW_KEY, OLD_KEY) and parsed.signing_id == key_id(NEW_KEY)
+    assert parse_keys(f"{NEW_KEY.hex()},{OLD_KEY.hex()}", "env").keys == (NEW_KEY, OLD_KEY)
+    path = Path(key_file(tmp_path, OLD_KEY))
+    path.chmod(0o640)
+    assert read_key_file(path).keys == (OLD_KEY,)
+    assert "auth.key" in repr(read_key_file(path)) and str(OLD_KEY)[2:12] not in repr(read_key_file(path))
