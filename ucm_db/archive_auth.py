@@ -33,8 +33,8 @@ import tarfile
 from pathlib import Path
 
 from ucm_db import auth
+from ucm_db.auth import Buffer
 from ucm_db.errors import ConfigError
-from ucm_db.tiers.base import Buffer
 
 AUTH_MEMBER = "manifest.auth"
 _MAGIC = b"UCMA"

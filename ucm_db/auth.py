@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucm_db.errors import ConfigError
-from ucm_db.tiers.base import Buffer
+
+Buffer = bytes | bytearray | memoryview
 
 MIN_KEY_BYTES = 32
 #: BLAKE2b's longest key.
