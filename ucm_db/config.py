@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,13 @@ class StoreConfig:
             ``"none"``, ``"zstd"``, or ``"auto"`` (zstd when the measured
             link is slower than the measured compression; see
             :mod:`ucm_db.remote_codec`). Read-through keeps what it fetched.
+        remote_auth_key_file: path of a key file (:mod:`ucm_db.auth`: hex
+            keys, one per line, the first signs, all verify, in order):
+            uploads are signed and a remote object is served only if one
+            of the keys signed it (others are misses). Never the key
+            itself. A file everyone may read is refused.
+        remote_auth_key_env: name of an environment variable holding the
+            keys in the same form (after the file's, if both are set).
         read_only: open an existing store without writing anything: no
             lock file is created (an existing one is locked shared through
             a read-only descriptor), LMDB runs without its lock file where
@@ -128,6 +136,8 @@ class StoreConfig:
     remote_max_object_bytes: int = 256 << 20
     remote_lookup_max_bytes: int | None = None
     remote_codec: str = "same"
+    remote_auth_key_file: str | None = None
+    remote_auth_key_env: str | None = None
     read_only: bool = False
 
     def __post_init__(self) -> None:
@@ -159,6 +169,7 @@ class StoreConfig:
         if self.remote_lookup_max_bytes is not None:
             self._check_lookup_max_bytes()
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
+        _check_auth_settings(self)
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")
         if self.read_only and self.engine == "memory":
@@ -236,6 +247,20 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             hint="option names are words such as capacity_bytes; quote them if YAML reads them as numbers",
         )
     return data
+
+
+def _check_auth_settings(config: StoreConfig) -> None:
+    """The auth key settings name a file and a variable (the keys are read at
+    open, :func:`ucm_db.auth.load_keys`), and only with a remote."""
+    file, env = config.remote_auth_key_file, config.remote_auth_key_env
+    if file is not None and (not isinstance(file, (str, Path)) or not str(file)):
+        raise ConfigError(f"remote_auth_key_file must be a path, got {file!r}", hint="name the key file, never the key itself")
+    if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", env)):
+        raise ConfigError(f"remote_auth_key_env must name an environment variable, got {'a value' if isinstance(env, str) else repr(env)}",
+                          hint="pass the variable's name (e.g. UCM_DB_AUTH_KEY), never the key itself")
+    if (file is not None or env is not None) and config.remote is None:
+        raise ConfigError("remote_auth_key_file/remote_auth_key_env authenticate remote objects, and no remote is set",
+                          hint="set remote, or drop the auth key setting (archives take --auth-key-file)")
 
 
 def _require_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:

@@ -54,6 +54,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from ucm_db.auth import AuthKeys
 from ucm_db.errors import MissingAncestorError
 from ucm_db.inline_reads import InlineReads, is_local_disk
 from ucm_db.remote_search import (  # noqa: F401 - re-exported: read-through's public names
@@ -98,9 +99,11 @@ class RemoteLink:
     def __init__(
         self, url: str, options: dict[str, Any], read_threads: int | None = None, *, max_object_bytes: int | None = None,
         lookup_max_bytes: int | None = None,
+        auth: AuthKeys | None = None,
     ) -> None:
         self.url = url
         self.root = RemoteRoot.from_url(url, options)
+        self.root.auth = auth
         if max_object_bytes is not None:
             self.root.max_object_bytes = max_object_bytes
         self.breaker = Breaker()

@@ -35,6 +35,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ucm_db import codec
+from ucm_db.auth import load_keys
 from ucm_db.background import Background
 from ucm_db.codec_pool import CodecPool, Payload
 from ucm_db.config import CODECS, PERSISTED_FIELDS, StoreConfig
@@ -93,7 +94,8 @@ class Store:
     def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
         self.path = store_path(path)  # bytes, "", too long, inside another store: ConfigError, nothing created
         explicit = dict(options)
-        StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
+        checked = StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
+        auth_keys = load_keys(checked.remote_auth_key_file, checked.remote_auth_key_env)  # a bad key: before anything opens
         existing = detect_engine_checked(self.path)
         if "engine" not in explicit:
             if existing is not None:
@@ -143,6 +145,7 @@ class Store:
             self._remote = RemoteLink(
                 self.config.remote, dict(self.config.remote_options), self.config.remote_read_concurrency,
                 max_object_bytes=self.config.remote_max_object_bytes, lookup_max_bytes=self.config.remote_lookup_max_bytes,
+                auth=auth_keys,
             )
         self._ensure_process()
 

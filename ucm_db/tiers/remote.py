@@ -43,8 +43,11 @@ Invariants:
     * A miss is ``None``; errors other than "not found" propagate to the
       caller (the store's read-through layer turns them into misses with a
       deadline and backoff).
-    * Trust: checksums catch corruption, not a malicious remote. Whoever can
-      write the remote can serve any KV to every node that reads it.
+    * Trust: checksums catch corruption, not a malicious remote. With auth
+      keys (:attr:`RemoteRoot.auth`) a fetch serves only objects one key
+      signed (:mod:`ucm_db.tiers.remote_object`); others are misses counted
+      as ``unauthenticated``/``mac_mismatch``. A probe cannot check a MAC:
+      a forged object can lengthen a prefix search, never make a hit.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db import codec
+from ucm_db.auth import AuthKeys
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError, UcmDbError
 from ucm_db.tiers.base import Buffer, Tier, TierCapabilities
 from ucm_db.tiers.remote_files import (  # noqa: F401 - re-exported: the remote tier's public names
@@ -67,7 +71,7 @@ from ucm_db.tiers.remote_files import (  # noqa: F401 - re-exported: the remote 
 from ucm_db.tiers.remote_reads import ObjectTooLargeError, ReadLimits, read_object
 from ucm_db.tiers.remote_object import (  # noqa: F401 - re-exported
     ENVELOPE_BYTES, MAX_OBJECT_BYTES, OBJECT_FORMAT_VERSION, OBJECT_MAGIC, PROBE_BYTES, RemoteObject, pack_object,
-    parse_envelope, stated_object_bytes, unpack_object,
+    UnauthenticatedObject, is_signed, parse_envelope, stated_object_bytes, unpack_object,
 )
 
 MANIFEST_NAME = "manifest.json"
@@ -97,6 +101,8 @@ class RemoteStats:
     not_regular: int = 0
     #: Objects refused unread: stating more than ``max_object_bytes``.
     too_large: int = 0
+    unauthenticated: int = 0
+    mac_mismatch: int = 0
 
 
 class ManifestError(UcmDbError):
@@ -134,6 +140,8 @@ class RemoteRoot:
         self.root = root.rstrip("/")
         #: The largest object read (a larger one is a miss, never read).
         self.max_object_bytes = MAX_OBJECT_BYTES
+        #: Keys that sign uploads and authenticate fetches; None: neither.
+        self.auth: AuthKeys | None = None
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self.manifests_written: set[bytes] = set()
@@ -358,12 +366,15 @@ class RemoteTier(Tier):
             data = self.read_object(key, limits)
             if data is None:
                 return None
-            obj = unpack_object(data, key)
+            obj = unpack_object(data, key, self.remote.auth)
         except ObjectTooLargeError:
             self.remote.count(too_large=1)
             return None
         except CorruptBlockError:
             self.remote.count(corrupt=1)
+            return None
+        except UnauthenticatedObject as exc:
+            self.remote.count(**{exc.reason: 1})
             return None
         if obj.namespace_id != self.namespace_id:
             self.remote.count(corrupt=1)
@@ -381,6 +392,9 @@ class RemoteTier(Tier):
         except CorruptBlockError:
             self.remote.count(corrupt=1)
             return None
+        if self.remote.auth is not None and not is_signed(data):
+            self.remote.count(unauthenticated=1)
+            return None
         # The blob itself is verified when fetched; a probe only needs the
         # envelope (parent) to be intact and the blob to start like one.
         if namespace_id != self.namespace_id or bytes(data[ENVELOPE_BYTES : ENVELOPE_BYTES + 4]) != codec.MAGIC:
@@ -390,7 +404,7 @@ class RemoteTier(Tier):
 
     def store(self, key: bytes, parent: bytes | None, blob: Buffer) -> int:
         """Uploads one block as a whole object; returns bytes written."""
-        data = pack_object(key, parent, self.namespace_id, blob)
+        data = pack_object(key, parent, self.namespace_id, blob, self.remote.auth)
         self.remote.count(requests=1, puts=1)
         try:
             write_whole(self.remote.fs, self.path(key), data)
