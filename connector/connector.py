@@ -200,6 +200,11 @@ class UcmDbConnector(KVConnectorBase_V1):
             return False, None
         return self._scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        # reset_prefix_cache(reset_connector=True): the model's namespace
+        # epoch moves on for every engine on the store (epochs.py).
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # Failed loads -> void the saves computed over them; workers' load
         # timings and the step's round trip -> cost model.

@@ -97,6 +97,7 @@ class UcmDbWorker:
         # step may be planned before the last one's output is back.
         self._recent_failed: deque[set[int]] = deque(maxlen=_FAILED_STEPS_KEPT)
         self._held: dict[int, SaveJob] = {}  # saves kept until the scheduler's verdict (metadata.py)
+        self._epoch: int | None = None  # the namespace epoch of the last bound step (connector/epochs.py)
         self._errors_lock = threading.Lock()
         self._layer_load: _LayerLoad | None = None
         self._step = -1  # the step whose metadata was bound last
@@ -139,6 +140,8 @@ class UcmDbWorker:
         self._step = meta.step
         with self._errors_lock:
             self._recent_failed.append(set())
+        if meta.epoch != self._epoch:
+            self._new_epoch(meta.epoch)
         self._settle_held(meta.held_commits, meta.held_drops)
         if meta.void_saves:
             self._void(meta.void_saves)
@@ -365,6 +368,16 @@ class UcmDbWorker:
             job = self._held.pop(hold_id, None)
             if job is not None and self._writer is not None:
                 self._writer.submit(job)
+
+    def _new_epoch(self, epoch: int) -> None:
+        """The namespace's epoch moved (a reset, or ``ucm-db invalidate``):
+        held saves are keyed at the older epoch, which is never served
+        again, so they are dropped rather than committed."""
+        if self._epoch is not None and self._held:
+            self.counters.add(saves_voided=sum(job.blocks for job in self._held.values()))
+            logger.info("ucm-db: namespace epoch %d: %d held saves of the older epoch dropped", epoch, len(self._held))
+            self._held.clear()
+        self._epoch = epoch
 
     def _void(self, transfers: Sequence[BlockTransfer]) -> None:
         """Deletes this rank's units of saves that another rank's failed
