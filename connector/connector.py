@@ -140,6 +140,12 @@ class UcmDbConnector(KVConnectorBase_V1):
         if self._worker is not None and self.has_connector_metadata():
             self._worker.save(self._metadata())
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM calls it at the start of each step, before loads and forward:
+        # no save of a preempted request reads its freed blocks (preemptions.py).
+        if self._worker is not None and isinstance(kv_connector_metadata, UcmDbConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Saves are copied out within their step: no request waits to free
         # its blocks. Requests wait on us only for async loads.

@@ -523,6 +523,19 @@ class UcmDbScheduler:
         for settled in [s for s in self._recent_bad if oldest is None or s < oldest - _MAX_PENDING_STEPS]:
             del self._recent_bad[settled]
 
+    def _preempted(self, req_ids: Sequence[str] | set[str]) -> tuple[str, ...]:
+        """Requests vLLM preempted (their blocks freed): workers drop their
+        saves not yet copied (preemptions.py), so their saved marks go back
+        to the blocks known stored; a resumed request's lookup moves them on."""
+        for req_id in req_ids:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.saved_blocks = state.stored_blocks
+        if req_ids:
+            self.counters.add(preempted_requests=len(req_ids))
+            logger.info("ucm-db: %d request(s) preempted (their blocks freed); their saves restart at their stored prefix", len(req_ids))
+        return tuple(sorted(req_ids))
+
     def _rewind(self, req_id: str, save_start: int | None) -> None:
         """Moves a request's stored and saved marks back to the blocks vLLM
         still counts as computed (and before a voided save)."""
@@ -620,6 +633,7 @@ class UcmDbScheduler:
         meta.void_saves, self._voids = self._voids, []
         (meta.held_commits, meta.held_drops), self._held_verdicts = self._held_verdicts, ([], [])
         meta.epoch = -1 if self._epochs.epoch is None else self._epochs.epoch
+        meta.preempted = self._preempted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._epochs.step_done()
         return meta
 
