@@ -17,6 +17,10 @@ Invariants:
       ``key[i-1]``: the blocks before it keep the keys of a plain prompt with
       the same tokens, so prefixes are shared up to the first block whose
       extras differ, and every key after it differs.
+    * ``epoch`` (a namespace's invalidation count, :mod:`ucm_db.epochs`)
+      is mixed into the root key when it is not 0, so every key of a chain
+      rooted at another epoch differs: bumping the epoch makes every block
+      stored before it a miss. Epoch 0 gives the keys ucm-db always gave.
     * Keys are 32-byte BLAKE2b digests (unkeyed, no salt or person) over
       the parent key and the block's token ids as little-endian uint32.
       :func:`ucm_db.key_chain.chain_keys` computes the chain with hashlib's
@@ -103,13 +107,20 @@ class Namespace:
             raise ConfigError(f"unknown Namespace field(s) {', '.join(unknown)}", hint=f"valid fields: {', '.join(sorted(valid))}")
         return cls(**dict(data))
 
-    def root_key(self, extras: Mapping[str, ExtraValue] | None = None) -> bytes:
-        """The virtual parent of a chain's first block, for these extras."""
+    def root_key(self, extras: Mapping[str, ExtraValue] | None = None, *, epoch: int = 0) -> bytes:
+        """The virtual parent of a chain's first block, for these extras, at
+        the namespace's ``epoch`` (see module invariants)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 1 << 64:
+            raise ConfigError(f"epoch must be an integer in [0, 2**64), got {epoch!r}", hint="pass Store.epoch(namespace)")
         h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"ucm-db/root")
         h.update(self.digest)
         canonical = _canonical_extras(extras) if extras else b""
         if canonical:
             h.update(canonical)
+        if epoch:
+            # After the fixed-size digest and the JSON extras (never a NUL
+            # byte): no extras can spell an epoch's bytes.
+            h.update(b"\0epoch" + epoch.to_bytes(8, "little"))
         return h.digest()
 
     def block_keys(
@@ -121,6 +132,7 @@ class Namespace:
         start: int = 0,
         stop: int | None = None,
         block_extras: Mapping[int, bytes] | None = None,
+        epoch: int = 0,
     ) -> BlockKeys:
         """Keys of the full blocks of ``token_ids[start:stop]``.
 
@@ -143,6 +155,9 @@ class Namespace:
                 holds), keyed by block index in ``token_ids`` (block ``k``
                 holds ``token_ids[k * block_size : (k + 1) * block_size]``);
                 ``start`` must then be a multiple of ``block_size``.
+            epoch: the namespace's epoch (:meth:`ucm_db.Store.epoch`), mixed
+                into the root key; ignored with ``parent`` (which already
+                carries it).
 
         Returns:
             One 32-byte key per full block, in order, as a :class:`BlockKeys`
@@ -157,7 +172,7 @@ class Namespace:
                 raise ConfigError(f"parent must be a {KEY_BYTES}-byte key", hint="pass a key returned by block_keys")
             prev = bytes(parent)
         else:
-            prev = self.root_key(extras)
+            prev = self.root_key(extras, epoch=epoch)
         block_size = self.block_size
         end = len(token_ids) if stop is None else min(stop, len(token_ids))
         if start < 0 or end < 0:

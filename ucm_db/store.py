@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from ucm_db import codec
+from ucm_db import codec, epochs
 from ucm_db.auth import load_keys
 from ucm_db.background import Background
 from ucm_db.codec_pool import CodecPool, Payload
@@ -431,6 +431,25 @@ class Store:
         removed = self._tier.delete(keys, namespace_id=namespace.digest[:16])
         self._activity.committed(0)  # a delete writes index pages only: its file growth counts
         return removed
+
+    def epoch(self, namespace: Namespace) -> int:
+        """``namespace``'s epoch (0 until it is first bumped): root key
+        chains at it (``namespace.block_keys(..., epoch=store.epoch(ns))``)
+        to find only blocks stored since the last invalidation. One read
+        (:mod:`ucm_db.epochs`); a damaged record is a TierError."""
+        self._check_open()
+        require_namespace(namespace, "epoch")
+        return epochs.read(self._engine, namespace.digest[:16])
+
+    def bump_epoch(self, namespace: Namespace) -> int:
+        """Invalidates ``namespace``'s blocks: moves its epoch on, durably
+        and for every process on the store, and returns the new epoch.
+        Nothing is deleted: blocks keyed at older epochs are never found
+        again and leave through LRU eviction (:mod:`ucm_db.epochs`)."""
+        self._check_open()
+        require_namespace(namespace, "bump_epoch")
+        self._refuse_read_only("bump_epoch")
+        return epochs.bump(self._engine, namespace.digest[:16])
 
     # -- reads -------------------------------------------------------------------
     def lookup(
