@@ -97,6 +97,8 @@ def test_a_sealed_settings_record_with_an_invalid_value_is_damage(tmp_path: Path
     assert f"raise {field}" not in info.value.hint and "move the store aside" in info.value.hint
     code, output = _verify(path)
     assert code == 1 and "settings" in output and field in output, output
+    shown = CliRunner().invoke(cli, ["inspect", str(path), "--json"])
+    assert any("'settings'" in line and field in line for line in json.loads(shown.output)["damaged_records"]), shown.output
 
 
 # -- item 19: format_version ----------------------------------------------------------
@@ -137,6 +139,14 @@ def test_out_of_range_options_name_the_range(tmp_path: Path, option: str, value:
         ucm_db.open(tmp_path / "s", **{option: value})
     assert words in str(info.value)
     assert not (tmp_path / "s" / "lmdb").exists() or option == "capacity_bytes"
+
+
+def test_check_on_open_none_skips_the_page_check(tmp_path: Path) -> None:
+    _store(tmp_path / "s")
+    with ucm_db.open(tmp_path / "s", check_on_open="none") as store:
+        assert store.tier.engine._check_pages is False  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="check_on_open must be one of pages, none"):
+        ucm_db.open(tmp_path / "s", check_on_open="full")
 
 
 def test_a_huge_capacity_within_range_fits_the_address_space() -> None:
