@@ -129,14 +129,32 @@ _KEY_WALK_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
 import lmdb
-env = lmdb.open(sys.argv[1], readonly=True, lock=sys.argv[2] == "lock", subdir=True, max_dbs=64, mode=0o600)
-with env.begin(buffers=True) as txn:
-    names = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
-    for name in names:
-        db = env.open_db(name, txn=txn, create=False)
-        for _ in txn.cursor(db=db).iternext(keys=True, values=False):
-            pass
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadValsizeError)
+for attempt in range(16):  # another process may grow the map meanwhile (MDB_MAP_RESIZED)
+    try:
+        env = lmdb.open(sys.argv[1], readonly=True, lock=sys.argv[2] == "lock", subdir=True, max_dbs=64, mode=0o600)
+        try:
+            with env.begin(buffers=True) as txn:
+                names = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+                for name in names:
+                    db = env.open_db(name, txn=txn, create=False)
+                    for _ in txn.cursor(db=db).iternext(keys=True, values=False):
+                        pass
+        finally:
+            env.close()
+        sys.exit(0)
+    except lmdb.MapResizedError:
+        continue
+    except DAMAGE as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(3)
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(4)
+sys.exit(4)
 """
+#: The walk's exit status for an LMDB error that means damage (others are not the check's to judge).
+_DAMAGE_STATUS = 3
 _FREE_TREE_TRIES = 3
 _LMDB_PATH = str(Path(lmdb.__file__).resolve().parent.parent)
 
@@ -168,7 +186,12 @@ def page_damage(env_dir: Path, *, lock: bool, timeout_s: float = OPEN_CHECK_TIME
     if done.returncode < 0:
         return f"reading its pages killed the checking process with signal {-done.returncode} ({_SIGNAL_NAMES.get(-done.returncode, 'a crash')})"
     lines = done.stderr.strip().splitlines()
-    return lines[-1] if lines else f"the page check failed with exit status {done.returncode}"
+    if done.returncode == _DAMAGE_STATUS:
+        return lines[-1] if lines else "LMDB reported damage"
+    # Not damage (no reader slot, no memory for the map, a lock...): the open itself reports it with its own fix.
+    logger.warning("ucm-db: the page check of %s could not run (%s); opening it unchecked", env_dir,
+                   lines[-1] if lines else f"exit status {done.returncode}")
+    return None
 
 
 def _free_tree_damage(data: Path) -> str | None:
