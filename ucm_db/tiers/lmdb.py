@@ -60,7 +60,7 @@ import lmdb
 from ucm_db.errors import TierError
 from ucm_db.tiers.base import TABLES, Buffer, Engine, T
 from ucm_db.storelock import ensure_store_dir
-from ucm_db.tiers.lmdb_checks import check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error
+from ucm_db.tiers.lmdb_checks import check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable
 from ucm_db.tiers.lmdb_groupsync import RECORD_FILE, RollbackReport, SnapshotPin, roll_back_after_os_crash
 from ucm_db.tiers.lmdb_meta import FileCheck, check_file
 from ucm_db.tiers.lmdb_prefault import Prefault
@@ -316,23 +316,23 @@ class LmdbEngine(Engine):
         """The environment opened ``MDB_RDONLY`` (module invariants): with
         LMDB's lock file if this process may open it, else without."""
         check_data_file(self.path)
-        self._check_pages_once(lock=_lock_file_writable(self.path))
+        self._check_pages_once(lock=lock_file_writable(self.path))
         options: dict[str, Any] = dict(
             subdir=True, readonly=True, max_dbs=len(TABLES) + 4, max_readers=self._max_readers, readahead=True, create=False,
         )
         try:
             return _lmdb_open(str(self.path), lock=True, **options)
         except (lmdb.ReadonlyError, lmdb.Error, OSError) as exc:
-            if _lock_file_writable(self.path):
+            if lock_file_writable(self.path):
                 raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
         try:
             return _lmdb_open(str(self.path), lock=False, **options)
         except (lmdb.Error, OSError) as exc:
             raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
 
-    def _check_pages_once(self, *, lock: bool) -> None:
+    def _check_pages_once(self, *, lock: bool) -> None:  # a damaged page: a TierError now, not a crash later
         if self._check_pages:
-            check_pages_at_open(self.path, lock=lock)  # a damaged page is a TierError here, not a crash later
+            check_pages_at_open(self.path, lock=lock)
             self._check_pages = False
 
     def _set_aside_if_still_damaged(self) -> None:
@@ -520,10 +520,3 @@ class LmdbEngine(Engine):
         if self._page_bytes is None:
             self._page_bytes = int(env.stat()["psize"])
         return self._page_bytes
-
-
-def _lock_file_writable(env_dir: Path) -> bool:
-    """True if this process could open (or create) LMDB's lock file for
-    writing: a read-only open that failed then failed for another reason."""
-    lock = env_dir / "lock.mdb"
-    return os.access(lock, os.W_OK) if lock.exists() else os.access(env_dir, os.W_OK)

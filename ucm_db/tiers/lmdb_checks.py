@@ -75,6 +75,13 @@ def check_data_file(env_dir: Path) -> None:
     raise TierError(f"LMDB store {env_dir} cannot be opened: {check.problem}", hint=damaged_hint(env_dir.parent))
 
 
+def lock_file_writable(env_dir: Path) -> bool:
+    """True if this process could open (or create) LMDB's lock file for
+    writing: a read-only open that failed then failed for another reason."""
+    lock = env_dir / "lock.mdb"
+    return os.access(lock, os.W_OK) if lock.exists() else os.access(env_dir, os.W_OK)
+
+
 def lmdb_error(action: str, env_dir: Path, exc: BaseException) -> TierError:
     """The TierError for an LMDB failure, with the hint for its cause."""
     message = f"{action} {env_dir} failed: {exc}"

@@ -47,21 +47,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import rocksdict
 
 from ucm_db.errors import LockedError, TierError
-from ucm_db.tiers.base import TABLES, Buffer, Engine, T
+from ucm_db.tiers.base import TABLES, Engine, T
+from ucm_db.tiers.rocksdb_txn import Gate, RocksTxn
 
 logger = logging.getLogger("ucm_db")
 _DISK_HINT = "free space on that disk (the store resumes writing once there is room), or lower capacity_bytes"
 #: Values at least this large go to blob files instead of the LSM tree.
 MIN_BLOB_BYTES = 4096
-_DELETED = object()
 
 
 def _options(table: str | None) -> rocksdict.Options:
@@ -79,128 +78,6 @@ def _options(table: str | None) -> rocksdict.Options:
     return opts
 
 
-class _Gate:
-    """Many readers at once, or one commit alone."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._committing = False
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        with self._cond:
-            while self._committing:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def committing(self) -> Iterator[None]:
-        with self._cond:
-            self._committing = True
-            while self._readers:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._committing = False
-                self._cond.notify_all()
-
-
-class _RocksTxn:
-    """A transaction: committed tables, plus an overlay when writable."""
-
-    def __init__(self, families: dict[str, rocksdict.Rdict], writable: bool, floors: dict[str, bytes]) -> None:
-        self._families = families
-        self._writable = writable
-        self.overlay: dict[str, dict[bytes, object]] = {name: {} for name in families}
-        #: Per table, a key below which nothing is live (see RocksDbEngine).
-        self.floors = floors
-
-    def get(self, table: str, key: bytes) -> Buffer | None:
-        key = bytes(key)
-        pending = self.overlay[table].get(key)
-        if pending is _DELETED:
-            return None
-        if pending is not None:
-            return pending  # type: ignore[return-value]
-        return self._families[table].get(key)  # type: ignore[no-any-return]
-
-    def put(self, table: str, key: bytes, value: Buffer) -> None:
-        if not self._writable:
-            raise TierError("put in a read transaction", hint="use Engine.write")
-        key = bytes(key)
-        self.overlay[table][key] = bytes(value)
-        if key < self.floors.get(table, b""):
-            self.floors[table] = key
-
-    def delete(self, table: str, key: bytes) -> bool:
-        if not self._writable:
-            raise TierError("delete in a read transaction", hint="use Engine.write")
-        present = self.get(table, key) is not None
-        self.overlay[table][bytes(key)] = _DELETED
-        return present
-
-    def scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
-        # The overlay is snapshotted at the start so callers may change the
-        # table while they iterate (they see the state as of the call).
-        start = max(prefix, self.floors.get(table, b""))
-        pending = sorted((k, v) for k, v in self.overlay[table].items() if k.startswith(prefix) and k >= start)
-        first = True
-        for item in _merge(self._base_scan(table, prefix, start), pending):
-            if first and not prefix:
-                # Nothing is live before the first key of a whole-table scan.
-                self.floors[table] = item[0]
-            first = False
-            yield item
-
-    def _base_scan(self, table: str, prefix: bytes, start: bytes) -> Iterator[tuple[bytes, bytes]]:
-        it = self._families[table].iter()
-        it.seek(start)
-        while it.valid():
-            key = it.key()
-            if not key.startswith(prefix):
-                return
-            yield key, it.value()
-            it.next()
-
-    def batch(self, handles: Mapping[str, Any]) -> rocksdict.WriteBatch | None:
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        for table, changes in self.overlay.items():
-            for key, value in changes.items():
-                if value is _DELETED:
-                    batch.delete(key, handles[table])
-                else:
-                    batch.put(key, value, handles[table])
-        return None if batch.is_empty() else batch
-
-
-def _merge(base: Iterator[tuple[bytes, bytes]], pending: list[tuple[bytes, object]]) -> Iterator[tuple[bytes, Buffer]]:
-    """Merges sorted committed items with sorted overlay items (overlay wins)."""
-    i = 0
-    for key, value in base:
-        while i < len(pending) and pending[i][0] < key:
-            if pending[i][1] is not _DELETED:
-                yield pending[i]  # type: ignore[misc]
-            i += 1
-        if i < len(pending) and pending[i][0] == key:
-            if pending[i][1] is not _DELETED:
-                yield pending[i]  # type: ignore[misc]
-            i += 1
-            continue
-        yield key, value
-    for key, change in pending[i:]:
-        if change is not _DELETED:
-            yield key, change  # type: ignore[misc]
-
-
 class RocksDbEngine(Engine):
     """Tables as RocksDB column families (single process; see module docs)."""
 
@@ -213,7 +90,7 @@ class RocksDbEngine(Engine):
         self._sync = sync
         self._read_only = read_only
         self._write_lock = threading.Lock()
-        self._gate = _Gate()
+        self._gate = Gate()
         self._floors: dict[str, bytes] = {}
         self._pid = os.getpid()
         self._families: dict[str, rocksdict.Rdict] = {}
@@ -327,13 +204,13 @@ class RocksDbEngine(Engine):
         if self._closed:
             raise TierError(f"RocksDB store at {self.path} is closed", hint="open the store again")
 
-    def read(self, fn: Callable[[_RocksTxn], T]) -> T:  # type: ignore[override]
+    def read(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
         self._recover_if_failed(unreadable_only=True)  # a reopen after a failed write left no handle
         with self._gate.reading():
-            return fn(_RocksTxn(self._families, writable=False, floors=self._floors))
+            return fn(RocksTxn(self._families, writable=False, floors=self._floors))
 
-    def write(self, fn: Callable[[_RocksTxn], T]) -> T:  # type: ignore[override]
+    def write(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
         if self._read_only:
             raise TierError(f"RocksDB store at {self.path} is open read-only", hint="open it without read_only")
@@ -341,7 +218,7 @@ class RocksDbEngine(Engine):
             if self._failed or self._db is None:
                 self._recover()
             assert self._db is not None
-            txn = _RocksTxn(self._families, writable=True, floors=dict(self._floors))
+            txn = RocksTxn(self._families, writable=True, floors=dict(self._floors))
             result = fn(txn)
             batch = txn.batch(self._handles)
             try:
