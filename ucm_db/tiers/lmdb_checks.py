@@ -171,14 +171,26 @@ def page_damage(env_dir: Path, *, lock: bool, timeout_s: float = OPEN_CHECK_TIME
     reads back, else one sentence naming the damage. Never crashes the
     caller and maps nothing here: the free-page tree is walked with
     ``pread`` (:mod:`ucm_db.tiers.lmdb_pages`), every other tree by LMDB
-    itself in a child process (keys only). ``lock=False`` reads without
-    LMDB's lock file (a read-only volume)."""
+    itself in a child process (keys only).
+
+    The child first reads without LMDB's lock file, so an intact store's
+    lock file is left to the real open; a reader without a lock slot may
+    meet pages another process is rewriting, so damage found that way is
+    confirmed by a second walk holding a slot (``lock=True``; ``False``
+    where the lock file cannot be written: a read-only volume)."""
     data = env_dir / DATA_FILE
     if not data.is_file() or data.stat().st_size == 0:
         return None
     problem = _free_tree_damage(data)
     if problem is not None:
         return problem
+    if _walk(env_dir, lock=False, timeout_s=timeout_s) is None:
+        return None
+    return _walk(env_dir, lock=lock, timeout_s=timeout_s)
+
+
+def _walk(env_dir: Path, *, lock: bool, timeout_s: float) -> str | None:
+    """One key walk in a child process (see :func:`page_damage`)."""
     try:
         done = subprocess.run(
             # -S: no site initialisation (half the start-up time); lmdb's own directory is passed instead.
