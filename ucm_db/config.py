@@ -120,7 +120,7 @@ class StoreConfig:
             it, and refuses a damaged store with a
             :class:`~ucm_db.errors.TierError` (LMDB would crash the process
             on such a page: SIGSEGV/SIGABRT); ``"none"`` skips it. Costs
-            about 0.2-0.9 s (page cache warm) or 2-2.4 s (cold) per 100k
+            about 0.2-0.9 s (page cache warm) or 1.6-2.4 s (cold) per 100k
             blocks (RELIABILITY.md). Never persisted.
     """
 
