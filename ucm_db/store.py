@@ -40,11 +40,12 @@ from ucm_db.background import Background
 from ucm_db.codec_pool import CodecPool, Payload
 from ucm_db.config import CODECS, PERSISTED_FIELDS, StoreConfig
 from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORMAT_VERSION and friends
-    CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION, check_format_version, creation_record, detect_engine,
-    engine_for_config, parse_format_version,
+    CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION, check_format_version, check_persisted_settings, checked_format_version,
+    creation_record, detect_engine, engine_for_config, parse_format_version, write_format_version,
 )
 from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, MissingAncestorError, TierError
 from ucm_db.tiers import records
+from ucm_db.tiers.accounting import seal_records
 from ucm_db.arguments import (
     UNSET, ProbedKeys, Unset, key_list, parse_settings, require_keys, require_namespace, require_payload, require_writable,
     segment_list, segment_parent,
@@ -155,13 +156,13 @@ class Store:
         wanted = self.config.persisted()
 
         def run(txn: Any) -> tuple[int, dict[str, Any]]:
-            version = txn.get("info", FORMAT_VERSION_KEY)
+            version = checked_format_version(txn)
             settings = txn.get("info", SETTINGS_KEY)
             if version is None:
                 if self.config.read_only:
                     raise TierError(f"the store at {self.path} was never initialised: it records no format version",
                                     hint="open it writable once, or check the path")
-                txn.put("info", FORMAT_VERSION_KEY, str(STORE_FORMAT_VERSION).encode())
+                write_format_version(txn)
                 records.put_checked(txn, SETTINGS_KEY, json.dumps(wanted, sort_keys=True).encode())
                 txn.put("info", CREATED_KEY, creation_record())
                 return STORE_FORMAT_VERSION, wanted
@@ -170,12 +171,14 @@ class Store:
                     records.check(txn, SETTINGS_KEY, settings)
                 except records.DamagedRecord:
                     settings = b"damaged"  # parse_settings names it
-            return parse_format_version(bytes(version)), parse_settings(settings, self.path)
+            return parse_format_version(version), parse_settings(settings, self.path)
 
         version, stored = (self._engine.read if self.config.read_only else self._engine.write)(run)
         check_format_version(version, self.path)
+        check_persisted_settings(stored, self.path)
         if not self.config.read_only:
-            self._tier.seal_records()
+            # Records of older code get checksums; their counters are recounted first (issue 26 item 18).
+            self._engine.write(seal_records)
         for name in PERSISTED_FIELDS:
             if name in explicit and name in stored and explicit[name] != stored[name]:
                 raise ConfigError(
