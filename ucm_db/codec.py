@@ -44,7 +44,7 @@ from typing import Union, cast
 import xxhash
 import zstandard
 
-from ucm_db import native
+from ucm_db import checked_copy, native
 from ucm_db.errors import ConfigError, CorruptBlockError
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -420,14 +420,21 @@ def verify_parts(head: Buffer, body: Buffer, key: bytes) -> Header:
     header = read_head(head, len(body))
     if header.key != key:
         raise CorruptBlockError("block belongs to another key")
-    head_view = memoryview(head)
-    hasher = xxhash.xxh3_64(head_view[:_CHECKSUM_OFFSET])
-    hasher.update(_ZERO_CHECKSUM)
-    hasher.update(head_view[HEADER_BYTES:])
+    hasher = head_hasher(head)
     hasher.update(body)
     if hasher.intdigest() != header.checksum:
         raise CorruptBlockError("checksum mismatch")
     return header
+
+
+def head_hasher(head: Buffer) -> xxhash.xxh3_64:
+    """The block checksum's state after the head (checksum field zeroed):
+    updated with the body, its digest is the header's checksum."""
+    head_view = memoryview(head)
+    hasher = xxhash.xxh3_64(head_view[:_CHECKSUM_OFFSET])
+    hasher.update(_ZERO_CHECKSUM)
+    hasher.update(head_view[HEADER_BYTES:])
+    return hasher
 
 
 def decode_into(blob: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
@@ -447,7 +454,11 @@ def decode_into(blob: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int
 
 
 def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
-    """:func:`decode_into` for a head and body kept apart."""
+    """:func:`decode_into` for a head and body kept apart (a body stored
+    raw is verified while it is copied: :mod:`ucm_db.checked_copy`)."""
+    header = read_head(head, len(body))
+    if header.codec == "none" and header.key == key and all_raw(head, header, len(body)):
+        return checked_copy.copy_verified(head_hasher(head), body, out, header.checksum)
     header = verify_parts(head, body, key)
     if isinstance(out, (list, tuple)):
         return _decode_scattered(head, body, header, out)
@@ -455,29 +466,11 @@ def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequ
 
 
 def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence[Buffer]) -> int:
-    """Decodes a verified block across ``outs`` in order: codec ``none``
-    straight from the body, anything else through this thread's scratch
-    buffer (hot in cache when the pieces are copied out)."""
-    views = [memoryview(o).cast("B") for o in outs]
-    if sum(len(v) for v in views) < header.raw_len:
-        raise ConfigError(
-            f"output buffers of {sum(len(v) for v in views)} bytes in all are smaller than the block's {header.raw_len}",
-            hint="pass get_into buffers at least as large as the stored blocks",
-        )
-    body_view = memoryview(body)
-    if header.codec == "none" and _all_raw(head, header, len(body_view)):
-        source = body_view
-    else:
-        source = _scratch(header.raw_len)
-        _decode_verified(head, body, header, source)
-    at = 0
-    for view in views:
-        if at >= header.raw_len:
-            break
-        n = min(len(view), header.raw_len - at)
-        view[:n] = source[at : at + n]
-        at += n
-    return header.raw_len
+    """Decodes a verified block across ``outs`` in order, through this
+    thread's scratch buffer (hot in cache when the pieces are copied out)."""
+    source = _scratch(header.raw_len)
+    _decode_verified(head, body, header, source)
+    return checked_copy.copy_out(source, list(outs))  # one C call however many pieces
 
 
 _scratch_local = threading.local()
@@ -505,7 +498,7 @@ def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) ->
             hint="pass get_into buffers at least as large as the stored blocks",
         )
     body_view = memoryview(body)
-    if header.codec == "none" and _all_raw(head, header, len(body_view)):
+    if header.codec == "none" and all_raw(head, header, len(body_view)):
         out_view[: header.raw_len] = body_view  # the frames back to back: one copy, not one per frame
         return header.raw_len
     table_at = HEADER_BYTES
@@ -524,7 +517,7 @@ def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) ->
     return raw_at
 
 
-def _all_raw(head: Buffer, header: Header, body_bytes: int) -> bool:
+def all_raw(head: Buffer, header: Header, body_bytes: int) -> bool:
     """Whether every frame of a checked head is stored raw, as long as it
     is raw, and the frames fill the block exactly: then the body is the raw
     bytes themselves (what codec ``none`` writes)."""
