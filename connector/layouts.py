@@ -28,8 +28,8 @@ straight into its row and the copies into the KV caches are strided views.
 Where a head's share of a block is one contiguous slab per layer (``cpu``,
 contiguous host tensors, no kernel blocks inside a vLLM block), a load skips
 staging: :meth:`KVLayout.unit_slabs` hands the store those slabs as each
-unit's scatter list. The worker does so for a store of codec ``none``
-(BENCHMARKS.md, Serving, has what it saves).
+unit's scatter list. The worker does so for either codec in ``block``
+and ``async`` load modes (``ucm-db bench load`` measures it).
 A *whole* block (every local head per frame, the segments' bytes back to
 back) is what ucm-db stored before units; :meth:`KVLayout.scatter_whole`
 reads such a block of all the model's heads into a rank holding some. The

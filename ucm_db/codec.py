@@ -347,6 +347,8 @@ def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) 
                 stored.append(packed)
                 continue
         stored.append(plane)
+    if not mask:  # no plane shrank: the frame as it is reads back with one copy, no plane merge
+        return MODE_RAW, 1, 0, [view]
     lengths = struct.pack(f"<{element_bytes}I", *(len(p) for p in stored))
     return MODE_SHUFFLE, element_bytes, mask, [lengths, *stored]
 
@@ -520,15 +522,24 @@ def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) ->
 def all_raw(head: Buffer, header: Header, body_bytes: int) -> bool:
     """Whether every frame of a checked head is stored raw, as long as it
     is raw, and the frames fill the block exactly: then the body is the raw
-    bytes themselves (what codec ``none`` writes)."""
+    bytes themselves (what codec ``none`` writes). Tables found raw are
+    remembered with their total (a store's units share a few tables)."""
     if header.raw_len != body_bytes:
         return False
-    total = 0
-    for raw_len, stored_len, mode, _elem, _mask in _FRAME.iter_unpack(memoryview(head)[HEADER_BYTES:]):
-        if mode != MODE_RAW or raw_len != stored_len:
+    table = bytes(memoryview(head)[HEADER_BYTES:])
+    total = _RAW_TABLES.get(table)
+    if total is None:
+        frames = list(_FRAME.iter_unpack(table))
+        if any(mode != MODE_RAW or raw_len != stored_len for raw_len, stored_len, mode, _e, _m in frames):
             return False
-        total += raw_len
+        total = sum(f[0] for f in frames)
+        if len(_RAW_TABLES) < 1024:
+            _RAW_TABLES[table] = total
     return total == body_bytes
+
+
+#: Frame tables (bytes) every frame of which is raw -> their raw total.
+_RAW_TABLES: dict[bytes, int] = {}
 
 
 def decode(blob: Buffer, key: bytes) -> bytearray:
