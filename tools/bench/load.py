@@ -16,8 +16,9 @@ Per codec (``none``, ``zstd``) and unit size the figures are:
   ``zstd``, as the worker does), warm page cache and, with ``--cold``, cold
   (the store closed, ``posix_fadvise(DONTNEED)`` on its data file, opened
   again before each timed load);
-* ``save``: ``save`` + ``drain`` of fresh blocks (gathered out of the KV
-  cache, encoded and committed by the writer thread);
+* ``save``: ``save`` of fresh blocks, ``--save-blocks`` per call as an
+  engine's steps save them, then ``drain`` (gathered out of the KV cache,
+  encoded and committed by the writer thread);
 * ``memcpy``: ``numpy.copyto`` of the same number of bytes between two
   resident buffers, timed in the same rounds;
 
@@ -118,7 +119,7 @@ class _Timer:
         return {"s": wall, "GBps": nbytes / wall / 1e9, "cpu_GBps": nbytes / max(cpu, 1e-9) / 1e9}
 
 
-def measure(codec: str, unit_kib: int, total_mib: int, repeats: int, cold: bool, scratch: Path) -> dict[str, Any]:
+def measure(codec: str, unit_kib: int, total_mib: int, repeats: int, cold: bool, scratch: Path, save_blocks: int = 16) -> dict[str, Any]:
     """Load (warm, and cold if asked), save and memcpy figures of one codec and unit size."""
     import torch
 
@@ -136,7 +137,7 @@ def measure(codec: str, unit_kib: int, total_mib: int, repeats: int, cold: bool,
     save_t = _Timer()
     for r in range(repeats):  # fresh keys each time: a save of stored blocks is skipped
         fresh = namespace(_shape(layers)).block_keys([r + 1 + t for t in range(blocks * BLOCK)])
-        save_t.time(lambda: (saver.save(_transfer(fresh, load=False)), saver.drain()))
+        save_t.time(lambda: _save_in_steps(saver, fresh, save_blocks))
     saver.save(_transfer(keys, load=False))
     saver.drain()
     saver.shutdown()
@@ -176,6 +177,21 @@ def measure(codec: str, unit_kib: int, total_mib: int, repeats: int, cold: bool,
     return out
 
 
+def _save_in_steps(worker: Any, keys: list[bytes], step_blocks: int) -> None:
+    """Saves ``keys`` (blocks 0..n of the cache) ``step_blocks`` at a time,
+    as an engine's steps do (each a chain segment continuing the last), then
+    waits until the writer committed them all."""
+    from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
+
+    for start in range(0, len(keys), step_blocks):
+        stop = min(len(keys), start + step_blocks)
+        meta = UcmDbConnectorMetadata()
+        parent = keys[start - 1] if start else None
+        meta.saves.append(BlockTransfer("bench", tuple(keys[start:stop]), tuple(range(start, stop)), parent=parent))
+        worker.save(meta)
+    worker.drain()
+
+
 def _check(target: dict[str, Any], expected: dict[str, Any]) -> None:
     import torch
 
@@ -186,10 +202,10 @@ def _check(target: dict[str, Any], expected: dict[str, Any]) -> None:
 
 
 def run(codecs: tuple[str, ...], unit_kibs: tuple[int, ...], total_mib: int, repeats: int, cold: bool,
-        scratch_dir: str | None = None) -> list[dict[str, Any]]:
+        scratch_dir: str | None = None, save_blocks: int = 16) -> list[dict[str, Any]]:
     """Every (codec, unit size) figure set (see :func:`measure`)."""
     with tempfile.TemporaryDirectory(prefix="ucm-db-bench-load-", dir=scratch_dir) as tmp:
-        return [measure(c, u, total_mib, repeats, cold, Path(tmp)) for c in codecs for u in unit_kibs]
+        return [measure(c, u, total_mib, repeats, cold, Path(tmp), save_blocks) for c in codecs for u in unit_kibs]
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -211,17 +227,19 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 @click.option("--total-mib", type=click.IntRange(min=1), default=64, show_default=True, help="KV bytes loaded per timed load")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="timed repetitions (median)")
 @click.option("--cold/--no-cold", default=True, show_default=True, help="also time loads with the store's page cache dropped")
+@click.option("--save-blocks", type=click.IntRange(min=1), default=16, show_default=True,
+              help="blocks per save call (an engine step's new blocks)")
 @click.option("--scratch-dir", type=click.Path(file_okay=False), default=None, help="parent of the scratch stores")
 @click.option("--json", "as_json", is_flag=True, help="print the figures as JSON")
 def command(codecs: tuple[str, ...], unit_kibs: tuple[int, ...], total_mib: int, repeats: int, cold: bool,
-            scratch_dir: str | None, as_json: bool) -> None:
+            save_blocks: int, scratch_dir: str | None, as_json: bool) -> None:
     """A connector worker's load and save paths (no engine) against memcpy of the same bytes, same run.
 
     \b
     Example:
         ucm-db bench load --unit-kib 64 --codec none --repeats 5
     """
-    rows = run(codecs, unit_kibs, total_mib, repeats, cold, scratch_dir)
+    rows = run(codecs, unit_kibs, total_mib, repeats, cold, scratch_dir, save_blocks)
     if as_json:
         print(json.dumps(rows, indent=2))
         return
