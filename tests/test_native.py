@@ -161,3 +161,23 @@ def test_copy_into_argument_errors(kind: str) -> None:
         shared = bytearray(16)
         with pytest.raises(ValueError):
             copy(memoryview(shared)[:8], memoryview(shared)[4:12], None, 0)
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+@pytest.mark.parametrize("offset", [0, 1, 15, 16, 63])
+def test_copy_into_large_pieces_at_any_alignment(kind: str, offset: int) -> None:
+    # Pieces of 4 KiB and more take the streamed-store path in C: every
+    # alignment of the destination and every tail length copies exactly.
+    import xxhash
+
+    copy = _impl(COPY, kind)
+    src = np.random.default_rng(offset).integers(0, 256, 3 * 8192 + 77, dtype=np.uint8).tobytes()
+    backing = bytearray(len(src) + 200)
+    outs = [memoryview(backing)[offset : offset + 8192 + 5], memoryview(backing)[offset + 8192 + 5 : offset + len(src) + 9]]
+    hasher = xxhash.xxh3_64()
+    assert copy(src, outs, hasher, 4096 + 3) == len(src)
+    assert bytes(backing[offset : offset + len(src)]) == src
+    assert not any(backing[:offset]) and not any(backing[offset + len(src) :])
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(src)
+    single = bytearray(len(src) + offset)
+    assert copy(src, memoryview(single)[offset:], None, 0) == len(src) and bytes(single[offset:]) == src
