@@ -72,6 +72,8 @@ _CHECKSUM_OFFSET = HEADER_BYTES - 8
 _CODEC_ID_OFFSET = 6
 _N_FRAMES_OFFSET = 8
 _CODEC_NAMES = {cid: name for name, cid in CODEC_IDS.items()}
+#: Frame tables (bytes) all of whose frames are raw -> their raw total (all_raw).
+_RAW_TABLES: dict[bytes, int] = {}
 _ZERO_CHECKSUM = bytes(8)
 #: A plane is kept compressed only if it shrinks below this fraction.
 _KEEP_COMPRESSED_RATIO = 0.92
@@ -456,8 +458,7 @@ def decode_into(blob: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int
 
 
 def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
-    """:func:`decode_into` for a head and body kept apart (a body stored
-    raw is verified while it is copied: :mod:`ucm_db.checked_copy`)."""
+    """:func:`decode_into` for a head and body kept apart (a raw body is verified as copied: :mod:`ucm_db.checked_copy`)."""
     header = read_head(head, len(body))
     if header.codec == "none" and header.key == key and all_raw(head, header, len(body)):
         return checked_copy.copy_verified(head_hasher(head), body, out, header.checksum)
@@ -468,8 +469,7 @@ def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequ
 
 
 def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence[Buffer]) -> int:
-    """Decodes a verified block across ``outs`` in order, through this
-    thread's scratch buffer (hot in cache when the pieces are copied out)."""
+    """Decodes a verified block across ``outs`` in order, via this thread's (hot) scratch buffer."""
     source = _scratch(header.raw_len)
     _decode_verified(head, body, header, source)
     return checked_copy.copy_out(source, list(outs))  # one C call however many pieces
@@ -530,16 +530,12 @@ def all_raw(head: Buffer, header: Header, body_bytes: int) -> bool:
     total = _RAW_TABLES.get(table)
     if total is None:
         frames = list(_FRAME.iter_unpack(table))
-        if any(mode != MODE_RAW or raw_len != stored_len for raw_len, stored_len, mode, _e, _m in frames):
+        if any(f[2] != MODE_RAW or f[0] != f[1] for f in frames):  # (raw_len, stored_len, mode, ...)
             return False
-        total = sum(f[0] for f in frames)
-        if len(_RAW_TABLES) < 1024:
-            _RAW_TABLES[table] = total
+        if len(_RAW_TABLES) >= 1024:
+            _RAW_TABLES.clear()  # bounded whatever the input
+        total = _RAW_TABLES[table] = sum(f[0] for f in frames)
     return total == body_bytes
-
-
-#: Frame tables (bytes) every frame of which is raw -> their raw total.
-_RAW_TABLES: dict[bytes, int] = {}
 
 
 def decode(blob: Buffer, key: bytes) -> bytearray:
