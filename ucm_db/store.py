@@ -5,13 +5,13 @@ A :class:`Store` turns ``(namespace, keys, payloads)`` into encoded blocks in a
 
 Invariants:
     * A block is visible only after the transaction that put it commits.
-    * Every payload read is verified (header, owning key, checksum) before a
-      byte reaches the caller; a corrupt block reads as ``None`` and is
-      quarantined, together with its descendants (prefix invariant).
+    * Every payload read is verified (header, owning key, checksum) before
+      it is reported read (``get_into`` verifies a raw body as it copies it:
+      a failed block's flag is False, its buffers may hold its bytes); a
+      corrupt block reads as a miss and is quarantined with its descendants.
     * Reader activity (LRU touches, hit and miss counts) is kept in memory
       and folded into the next write, or written by the maintenance thread
-      every ``sync_interval_s`` (:mod:`ucm_db.background`): reads never
-      take the writer lock.
+      (:mod:`ucm_db.background`): reads never open a write transaction.
     * The store is safe for threads, and for several processes on one node
       with the LMDB engine; it re-opens itself in a forked child.
     * With a ``remote``: every block put is queued for upload in its own
