@@ -10,8 +10,12 @@
   store only through the public API (``ucm_db.__all__``, the public modules
   ``ucm_db.maintenance``, ``errors``, ``keys``, ``units``, ``config``,
   ``cpu_placement``) and
-  ``ucm_db.migrations``; no import cycle among the shipped modules (deferred
-  imports inside functions count; ``if TYPE_CHECKING:`` imports do not).
+  ``ucm_db.migrations``; no import cycle among the shipped modules (every
+  import counts: deferred imports inside functions and ``if TYPE_CHECKING:``
+  imports alike).
+* No arrow runs up the core's layers (docs/architecture.md): the leaves
+  import only leaves; the tiers only tiers and leaves; the migrations only
+  migrations, the tiers, the leaves and ``ucm_db.format``.
 """
 
 from __future__ import annotations
@@ -208,21 +212,13 @@ def test_the_public_api_rule_catches_private_imports(tmp_path: Path) -> None:
 
 
 def _shipped_imports(path: Path, modules: set[str]) -> set[str]:
-    """Shipped modules that ``path`` imports anywhere (function bodies too:
-    a deferred import still makes a cycle), except in ``if TYPE_CHECKING:``
-    blocks. ``from P import name`` counts as importing ``P.name`` when that
-    is a module, else ``P``."""
+    """Shipped modules that ``path`` imports anywhere (function bodies and
+    ``if TYPE_CHECKING:`` blocks too: a deferred or typing-only import still
+    ties the two modules together). ``from P import name`` counts as
+    importing ``P.name`` when that is a module, else ``P``."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    typing_only: set[int] = set()
-    for node in ast.walk(tree):
-        test = getattr(node, "test", None)
-        if isinstance(node, ast.If) and (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
-                                         or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
-            typing_only.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -268,8 +264,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles_among_shipped_modules() -> None:
-    paths = {_module_name(p): p for folder in SHIPPED for p in _modules(folder)}
-    graph = {name: _shipped_imports(path, set(paths)) - {name} for name, path in paths.items()}
+    graph = _import_graph()
     assert sum(len(v) for v in graph.values()) > 50  # the walk found the imports
     assert import_cycles(graph) == []
 
@@ -278,3 +273,54 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"a"}, "b": set()}) == [["a"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+#: The core's lowest layer: modules that import no other layer of ucm_db
+#: (docs/architecture.md, "leaves").
+LEAVES = {
+    "ucm_db.auth", "ucm_db.checked_copy", "ucm_db.codec", "ucm_db.config", "ucm_db.cpu_placement", "ucm_db.crashpoints",
+    "ucm_db.errors", "ucm_db.key_chain", "ucm_db.keys", "ucm_db.native", "ucm_db.store_format", "ucm_db.storelock",
+    "ucm_db.units", "ucm_db.version",
+}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for folder in SHIPPED for p in _modules(folder)}
+    return {name: _shipped_imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run up the core's layers: ``"importer -> imported"``."""
+    def allowed(src: str, dst: str) -> bool:
+        if src in LEAVES:
+            return dst in LEAVES
+        if src.startswith("ucm_db.tiers"):
+            return dst in LEAVES or dst.startswith("ucm_db.tiers")
+        if src.startswith("ucm_db.migrations"):
+            return dst in LEAVES or dst.startswith(("ucm_db.tiers", "ucm_db.migrations")) or dst == "ucm_db.format"
+        return True
+    return sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts if not allowed(src, dst))
+
+
+def test_no_import_runs_up_the_core_layers() -> None:
+    graph = _import_graph()
+    assert LEAVES <= set(graph), "a leaf named here no longer exists: update LEAVES and docs/architecture.md"
+    assert upward_arrows(graph) == []
+
+
+def test_the_layer_rule_finds_upward_arrows() -> None:
+    graph = {
+        "ucm_db.config": {"ucm_db.tiers.remote_object"}, "ucm_db.tiers.accounting": {"ucm_db.format"},
+        "ucm_db.migrations.convert": {"ucm_db.store_view"}, "ucm_db.store": {"ucm_db.tiers.local", "ucm_db.format"},
+        "ucm_db.migrations": {"ucm_db.format", "ucm_db.tiers.base"},
+    }
+    assert upward_arrows(graph) == [
+        "ucm_db.config -> ucm_db.tiers.remote_object", "ucm_db.migrations.convert -> ucm_db.store_view",
+        "ucm_db.tiers.accounting -> ucm_db.format",
+    ]
+
+
+def test_typing_only_imports_count_for_cycles(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ucm_db.store import Store\n")
+    assert _shipped_imports(module, {"ucm_db.store"}) == {"ucm_db.store"}

@@ -2,7 +2,7 @@
 
 Migrations are :mod:`ucm_db.migrations`'; conversion (``--to-engine``, a
 verified table-by-table copy into a new store) is
-:mod:`ucm_db.migrations.convert`'s. This module parses and renders.
+:mod:`ucm_db.conversion`'s (:func:`ucm_db.maintenance.convert_engine`). This module parses and renders.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ucm_db import STORE_FORMAT_VERSION, ConfigError, migrations
-from ucm_db.migrations.convert import convert
+from ucm_db.maintenance import convert_engine as convert
 
 from ucm_db.tools.cli_common import ProgressBar, emit, json_option
 

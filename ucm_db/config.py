@@ -19,8 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ucm_db.codec import MAX_RAW_BYTES
 from ucm_db.errors import ConfigError
-from ucm_db.tiers.remote_object import MAX_OBJECT_BYTES
+
+#: The largest ``remote_max_object_bytes``: the codec's largest raw block
+#: plus room for its heads (an object over the remote format's own bound is
+#: refused as corrupt whatever this setting says).
+MAX_REMOTE_OBJECT_BYTES = MAX_RAW_BYTES + (1 << 20)
 
 CODECS = ("zstd", "none")
 DURABILITIES = ("sync", "group")
@@ -196,7 +201,7 @@ class StoreConfig:
         _require_positive_float("remote_deadline_s", self.remote_deadline_s, maximum=MAX_REMOTE_DEADLINE_S)
         _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
         _require_int("remote_read_concurrency", self.remote_read_concurrency, minimum=1)
-        _require_int("remote_max_object_bytes", self.remote_max_object_bytes, minimum=1 << 20, maximum=MAX_OBJECT_BYTES)
+        _require_int("remote_max_object_bytes", self.remote_max_object_bytes, minimum=1 << 20, maximum=MAX_REMOTE_OBJECT_BYTES)
         if self.remote_lookup_max_bytes is not None:
             self._check_lookup_max_bytes()
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
@@ -317,3 +322,13 @@ def _require_positive_float(name: str, value: Any, *, maximum: float, minimum: f
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}", hint=f"pass {name}={choices[0]!r}")
+
+
+def persisted_settings_problem(settings: dict[str, Any]) -> str | None:
+    """Why the persisted values of a settings record cannot be used (the
+    field and the value, as the config check words it), or None."""
+    try:
+        StoreConfig.from_dict({name: settings[name] for name in PERSISTED_FIELDS if name in settings})
+    except ConfigError as exc:
+        return str(exc).removesuffix(f" (hint: {exc.hint})")
+    return None

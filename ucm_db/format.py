@@ -1,6 +1,8 @@
 """The store's on-disk format: version, info records, and the one engine opener.
 
-Everything that says how a store directory is laid out lives here, so the
+Everything that says how a store directory is laid out lives here (its
+constants in the leaf :mod:`ucm_db.store_format`, which the tiers import:
+this module sits above the tiers, since it builds their engines), so the
 store, migrations and tools agree on it by importing one module.
 
 Invariants:
@@ -26,27 +28,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ucm_db.config import persisted_settings_problem
 from ucm_db.errors import ConfigError, FormatVersionError
+from ucm_db.store_format import (  # noqa: F401 - re-exported: the format's constants
+    CREATED_KEY, FORMAT_VERSION_KEY, INFO_TABLE, MIN_MAP_BYTES, ON_DISK_ENGINES, SETTINGS_KEY, STORE_FORMAT_VERSION,
+)
 
 if TYPE_CHECKING:
     from ucm_db.config import StoreConfig
     from ucm_db.tiers.base import Engine
-
-#: On-disk format of the store's tables; migrations move stores between them.
-STORE_FORMAT_VERSION = 3
-#: Table holding the store's records about itself.
-INFO_TABLE = "info"
-FORMAT_VERSION_KEY = b"format_version"
-#: JSON record of the code that created the store (format 2 on; see migrations).
-CREATED_KEY = b"created"
-#: JSON of the persisted settings (capacity, codec, durability, engine).
-SETTINGS_KEY = b"settings"
-#: Engines whose files live in a directory of their own name under the store.
-ON_DISK_ENGINES = ("lmdb", "rocksdb")
-#: Smallest LMDB map to ask for when opening an existing store (LMDB keeps a
-#: store's larger recorded size).
-MIN_MAP_BYTES = 1 << 20
-
 
 def detect_engine(path: Path) -> str | None:
     """The engine of an existing store directory, or None if there is none."""
@@ -157,22 +147,10 @@ def checked_format_version(txn: Any) -> bytes | None:
     return bytes(value)
 
 
-def settings_problem(settings: dict[str, Any]) -> str | None:
-    """Why the persisted values of a settings record cannot be used (the
-    field and the value, as the config check words it), or None."""
-    from ucm_db.config import PERSISTED_FIELDS, StoreConfig
-
-    try:
-        StoreConfig.from_dict({name: settings[name] for name in PERSISTED_FIELDS if name in settings})
-    except ConfigError as exc:
-        return str(exc).removesuffix(f" (hint: {exc.hint})")
-    return None
-
-
 def check_persisted_settings(settings: dict[str, Any], path: Path) -> None:
     """Refuses a settings record whose persisted values no config accepts
     (a damaged or hand-edited record), naming the field and the value."""
-    problem = settings_problem(settings)
+    problem = persisted_settings_problem(settings)
     if problem is not None:
         raise ConfigError(f"the settings record of the store at {path} is damaged: it holds an invalid value ({problem})",
                           hint=f"run `ucm-db verify {path}`; the store cannot be opened with it: move the store aside "

@@ -13,6 +13,8 @@ where it must (old formats, damaged records, no reader activity written):
 * :func:`compact` -- evict to a size, drop dead records, shrink the file;
   :func:`evict_to_bytes` alone.
 * :func:`export_archive` / :func:`import_archive` -- portable tar archives.
+* :func:`convert_engine` -- a verified copy of a store on the other engine
+  (``ucm-db migrate --to-engine``, :mod:`ucm_db.conversion`).
 * :func:`invalidate` -- move namespaces' epochs on (after a weight update):
   their blocks are never served again and age out through LRU eviction.
 * :func:`gc_remote` -- garbage-collect a remote tier; :func:`remote_namespace`
@@ -40,6 +42,7 @@ from typing import Any
 
 from ucm_db.archive import export_archive, import_archive
 from ucm_db.compaction import compact, evict_to
+from ucm_db.conversion import convert as convert_engine
 from ucm_db.errors import ConfigError, FormatVersionError
 from ucm_db.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
 from ucm_db.isolation import run_isolated
@@ -48,7 +51,7 @@ from ucm_db.store_view import ProgressFn, StoreView, open_view, select_namespace
 from ucm_db.verification import VerifyReport, repair, verify_view
 
 __all__ = [
-    "BlockInfo", "ProgressFn", "StoreView", "VerifyReport", "compact", "evict_to_bytes", "export_archive", "gc_remote",
+    "BlockInfo", "ProgressFn", "StoreView", "VerifyReport", "compact", "convert_engine", "evict_to_bytes", "export_archive", "gc_remote",
     "import_archive", "inspect", "invalidate", "iter_blocks", "namespaces", "open_view", "remote_namespace", "repair", "verify",
 ]
 

@@ -655,7 +655,7 @@ class Store:
         from ucm_db.warming import warm
 
         require_namespace(namespace, "warm")
-        return warm(self, namespace, token_sequences=token_sequences, keys=keys, progress=progress)
+        return warm(self._tier, self._remote, namespace, token_sequences=token_sequences, keys=keys, progress=progress)
 
     @property
     def remote(self) -> RemoteLink | None:

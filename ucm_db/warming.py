@@ -26,14 +26,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.keys import Namespace
+from ucm_db.readthrough import RemoteLink, promote
+from ucm_db.tiers.local import LocalTier
 from ucm_db.tiers.remote import RemoteRoot, remote_failure
 
-if TYPE_CHECKING:
-    from ucm_db.store import Store
 
 _log = logging.getLogger("ucm_db")
 
@@ -164,18 +164,21 @@ def chains_of(
 
 
 def warm(
-    store: Store,
+    tier: LocalTier,
+    link: RemoteLink | None,
     namespace: Namespace,
     *,
     token_sequences: Sequence[Sequence[int]] | None = None,
     keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None = None,
     progress: WarmProgress | None = None,
 ) -> WarmReport:
-    """Promotes remote blocks of the given chains into ``store``'s local tier.
+    """Promotes remote blocks of the given chains into the local ``tier``.
 
     Args:
-        store: an open store; without a ``remote`` only ``already_local`` and
-            ``missing`` are counted.
+        tier: the store's local tier (blocks enter it through
+            :func:`ucm_db.readthrough.promote` only).
+        link: the store's remote link; None (no ``remote``) counts only
+            ``already_local`` and ``missing``.
         namespace: the chains' namespace.
         token_sequences: prompts' token ids (full blocks only count).
         keys: block keys: one chain, or a list of chains. A chain that does
@@ -192,10 +195,10 @@ def warm(
     counts = {"already_local": 0, "fetched": 0, "missing": 0, "bytes": 0}
     done = 0
     for chain in chains:
-        local_n = store.tier.count_prefix(chain)
+        local_n = tier.count_prefix(chain)
         counts["already_local"] += local_n
         done += local_n
-        fetched, nbytes = _warm_chain(store, namespace, chain, local_n, lambda n: _tick(progress, done + n, total))
+        fetched, nbytes = _warm_chain(tier, link, namespace, chain, local_n, lambda n: _tick(progress, done + n, total))
         counts["fetched"] += fetched
         counts["bytes"] += nbytes
         counts["missing"] += len(chain) - local_n - fetched
@@ -205,24 +208,23 @@ def warm(
 
 
 def _warm_chain(
-    store: Store, namespace: Namespace, chain: list[bytes], local_n: int, on_batch: Callable[[int], None],
+    tier: LocalTier, link: RemoteLink | None, namespace: Namespace, chain: list[bytes], local_n: int,
+    on_batch: Callable[[int], None],
 ) -> tuple[int, int]:
     """Fetches ``chain[local_n:]`` batch by batch; stops at the first gap."""
-    link = store.remote
     if link is None or local_n == len(chain):
         return 0, 0
-    from ucm_db.readthrough import promote
 
     namespace_id = namespace.digest[:16]
     fetched = nbytes = 0
     at = local_n
     parent = chain[at - 1] if at else None
     if at == 0:
-        ok, parent = _first_parent(store, link, namespace_id, chain[0])
+        ok, parent = _first_parent(tier, link, namespace_id, chain[0])
         if not ok:
             return 0, 0
     for run in link.stream_chain(namespace_id, chain[at:], parent, chunk_blocks=BATCH_BLOCKS, timeout_s=BATCH_DEADLINE_S):
-        promoted = promote(store.tier, run)
+        promoted = promote(tier, run)
         fetched += promoted
         nbytes += sum(len(o.blob) for o in run[:promoted])
         on_batch(fetched)
@@ -231,7 +233,7 @@ def _warm_chain(
     return fetched, nbytes
 
 
-def _first_parent(store: Store, link: Any, namespace_id: bytes, first_key: bytes) -> tuple[bool, bytes | None]:
+def _first_parent(tier: LocalTier, link: RemoteLink, namespace_id: bytes, first_key: bytes) -> tuple[bool, bytes | None]:
     """A chain given by keys may start mid-chain: its first block can be
     promoted only if it is a chain root or its parent is local. Returns
     ``(promotable, parent)``."""
@@ -241,7 +243,7 @@ def _first_parent(store: Store, link: Any, namespace_id: bytes, first_key: bytes
         raise remote_failure(exc, link.url) from exc
     if probe is None:
         return False, None
-    return probe.parent is None or store.tier.exists([probe.parent])[0], probe.parent
+    return probe.parent is None or tier.exists([probe.parent])[0], probe.parent
 
 
 def _tick(progress: WarmProgress | None, done: int, total: int) -> None:

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 PAUSED_CONVERSION = """
 import sys, time
 from pathlib import Path
-from ucm_db.migrations.convert import convert
+from ucm_db.maintenance import convert_engine as convert
 
 def pause(done, total):
     Path(sys.argv[3]).write_text(f"{done}/{total}")

@@ -21,7 +21,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.format import CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, settings_problem
+from ucm_db.config import persisted_settings_problem
+from ucm_db.store_format import CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY
 from ucm_db.tiers import records
 from ucm_db.tiers.base import Buffer, Txn
 from ucm_db.tiers.index_types import BlockMeta, DamagedMeta
@@ -212,7 +213,7 @@ def parse_description(value: Buffer | None) -> dict[str, Any]:
 
 def damaged_records(txn: Txn) -> list[tuple[str, str]]:
     """(record name, reason) of every damaged info record this module or
-    :mod:`ucm_db.format` defines."""
+    :mod:`ucm_db.store_format` names."""
     found: list[tuple[str, str]] = []
     try:
         Totals.read(txn)
@@ -243,7 +244,7 @@ def damaged_records(txn: Txn) -> list[tuple[str, str]]:
             except records.DamagedRecord as exc:
                 found.append((name.decode(), exc.reason))
             else:
-                problem = settings_problem(parse_description(value))
+                problem = persisted_settings_problem(parse_description(value))
                 if problem:
                     found.append((name.decode(), f"invalid value: {problem}"))
     return found

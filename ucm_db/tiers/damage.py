@@ -31,17 +31,26 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ucm_db import codec
 from ucm_db.errors import TierError
 from ucm_db.tiers import records
-from ucm_db.tiers.accounting import Changes
-from ucm_db.tiers.base import Buffer, Txn
+from ucm_db.tiers.accounting import Changes, Totals
+from ucm_db.tiers.base import Buffer, Engine, Txn
 from ucm_db.tiers.index_types import BlockMeta, DamagedMeta, body_of, lru_key
 
-if TYPE_CHECKING:
-    from ucm_db.tiers.local import LocalTier
+
+
+class LocalTier(Protocol):
+    """What damage handling needs of :class:`ucm_db.tiers.local.LocalTier`
+    (a protocol: the index calls this module, never the reverse)."""
+
+    engine: Engine
+
+    def totals(self) -> Totals: ...
+
+    def _remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int: ...
 
 logger = logging.getLogger("ucm_db")
 #: ``still_corrupt(head, body)``: re-checks a block inside the write transaction.

@@ -30,13 +30,23 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ucm_db.errors import CorruptBlockError
 from ucm_db.tiers.remote_object import stated_object_bytes
 
-if TYPE_CHECKING:
-    from ucm_db.tiers.remote import RemoteRoot
+
+
+class RemoteRoot(Protocol):
+    """What a read needs of :class:`ucm_db.tiers.remote.RemoteRoot` (a
+    protocol, so this module, below the remote tier, never imports it)."""
+
+    max_object_bytes: int
+
+    @property
+    def is_local(self) -> bool: ...
+
+    def read_range(self, path: str, start: int, end: int) -> bytes | None: ...
 
 #: Bytes read per request after the first from a local or NFS directory
 #: (the deadline is checked between).

@@ -95,8 +95,12 @@ def copy_tables(source: Engine, dest: Engine, engine_name: str, total_items: int
 
 
 def _write(dest: Engine, batch: list[tuple[str, bytes, bytes]]) -> int:
+    def run(txn: Txn) -> None:
+        for table, key, value in batch:
+            txn.put(table, key, value)
+
     if batch:
-        dest.write(lambda txn: [txn.put(t, k, v) for t, k, v in batch])
+        dest.write(run)
     return len(batch)
 
 
