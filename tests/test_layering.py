@@ -108,7 +108,7 @@ def test_core_is_mypy_clean() -> None:
 #: Where each shipped folder lives in the ``ucm_db`` package.
 PACKAGE_OF = {"ucm_db": "ucm_db", "connector": "ucm_db.connector", "migrations": "ucm_db.migrations", "tools": "ucm_db.tools"}
 #: Core modules that are public API besides the names in ``ucm_db.__all__``.
-PUBLIC_MODULES = {"ucm_db", "ucm_db.errors", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance",
+PUBLIC_MODULES = {"ucm_db", "ucm_db.errors", "ucm_db.events", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance",
                   "ucm_db.components", "ucm_db.cpu_placement"}
 #: Packages public as a whole (every submodule).
 PUBLIC_PACKAGES = ("ucm_db.migrations",)
