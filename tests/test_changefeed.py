@@ -191,3 +191,22 @@ def test_two_processes_feed_view_equals_store(tmp_path: Path) -> None:
         assert view.hashes == stored_hashes(store)
         assert {r.key: r.fields.block_hash for r in store.event_inventory().records} == view.hashes
         assert store.tier.check() == []
+
+
+def test_json_lines_equal_the_records_json(tmp_path: Path) -> None:
+    """The CLI's fast formatter prints what ChangeRecord.to_json gives."""
+    import json
+
+    from ucm_db.events import json_line
+
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30) as store:
+        keys = NS.block_keys(list(range(12)))
+        fields = fields_for(keys, list(range(12)), lora='quote"d')
+        fields[keys[2]] = BlockEventFields(-(2**70), 2**63, (0, 2**32 - 1, 5, 6), 4, -1, None, 3)
+        store.put(NS, keys, [b"x"] * 3, event_fields=fields)
+        store.delete(NS, keys[1:2])
+        records = store.changes_since(0).records + store.event_inventory().records
+        assert len(records) == 6
+        for record in records:
+            line = json_line(record.seq, record.kind, record.namespace_id, record.key, record.fields.pack())
+            assert json.loads(line) == record.to_json()

@@ -440,7 +440,7 @@ class Store:
         if namespace is not None:
             require_namespace(namespace, "changes_since")
             ns_id = namespace.digest[:16]
-        return self._engine.read(lambda txn: changefeed.since(txn, seq, limit, ns_id))
+        return self._engine.read(lambda txn: changefeed.since(txn, seq, limit, None if ns_id is None else {ns_id}))
 
     def event_inventory(self, *, namespace: Namespace | None = None, namespace_id: bytes | None = None) -> EventInventory:
         """Every evented block stored now (of a namespace, if given) as
@@ -450,7 +450,8 @@ class Store:
         if namespace is not None:
             require_namespace(namespace, "event_inventory")
             namespace_id = namespace.digest[:16]
-        found, next_seq = self._engine.read(lambda txn: changefeed.inventory(txn, namespace_id))
+        wanted = None if namespace_id is None else {namespace_id}
+        found, next_seq = self._engine.read(lambda txn: changefeed.inventory(txn, wanted))
         return EventInventory(tuple(found), next_seq)
 
     def feed_position(self) -> int:
