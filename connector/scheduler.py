@@ -72,6 +72,7 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db.connector.cost_model import MIN_PREFILL_TOKENS, CostModel, Decision
+from ucm_db.connector.events import save_fields
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
 from ucm_db.connector.metadata import IDLE_WAIT_S, BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -652,7 +653,7 @@ class UcmDbScheduler:
         hold_id = self._next_hold_id if hold else -1
         transfer = BlockTransfer(
             req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None,
-            after_loads=after_loads, hold_id=hold_id,
+            after_loads=after_loads, hold_id=hold_id, event_fields=save_fields(request, start, end, self._block_size),
         )
         meta.saves.append(transfer)
         if hold:
