@@ -210,3 +210,31 @@ def test_json_lines_equal_the_records_json(tmp_path: Path) -> None:
         for record in records:
             line = json_line(record.seq, record.kind, record.namespace_id, record.key, record.fields.pack())
             assert json.loads(line) == record.to_json()
+
+
+def test_compact_and_engine_conversion_keep_the_feed_true(tmp_path: Path) -> None:
+    """`compact`'s evictions are logged; converting the engine copies the
+    evented blocks' fields and the feed with the blocks."""
+    from ucm_db import maintenance
+    from ucm_db.migrations.convert import convert
+
+    pytest.importorskip("rocksdict")
+
+    path = tmp_path / "s"
+    with ucm_db.open(path, capacity_bytes=1 << 30, codec="none") as store:
+        for chain in range(4):
+            tokens = [chain] * 8
+            keys = NS.block_keys(tokens)
+            store.put(NS, keys, [b"c" * 50_000] * 2, event_fields=fields_for(keys, tokens))
+        seq = store.feed_position()
+    maintenance.compact(path, target_bytes=200_000)
+    with ucm_db.open(path) as store:
+        removed = store.changes_since(seq).records
+        assert removed and {r.kind for r in removed} == {"removed"}
+        held = {r.key for r in store.event_inventory().records}
+        assert held == set(store.tier.scan_metas()) and len(held) < 8
+        position = store.feed_position()
+    convert(path, tmp_path / "r", "rocksdb")
+    with ucm_db.open(tmp_path / "r") as converted:
+        assert {r.key for r in converted.event_inventory().records} == held
+        assert converted.feed_position() == position
