@@ -146,6 +146,12 @@ class UcmDbConnector(KVConnectorBase_V1):
         if self._worker is not None and self.has_connector_metadata():
             self._worker.save(self._metadata())
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM calls it at the start of each step, before loads and forward:
+        # no save of a preempted request reads its freed blocks (preemptions.py).
+        if self._worker is not None and isinstance(kv_connector_metadata, UcmDbConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Saves are copied out within their step: no request waits to free
         # its blocks. Requests wait on us only for async loads.
@@ -211,6 +217,11 @@ class UcmDbConnector(KVConnectorBase_V1):
         stored or removed since the last step by any process on the store
         (events.py); nothing unless vLLM's KV cache events are on."""
         return self._events.take() if self._events is not None else []
+
+    def reset_cache(self) -> bool | None:
+        # reset_prefix_cache(reset_connector=True): the model's namespace
+        # epoch moves on for every engine on the store (epochs.py).
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # Failed loads -> void the saves computed over them; workers' load

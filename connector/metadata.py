@@ -32,6 +32,13 @@ Invariants:
       saves are not held, and one another rank's failure made wrong comes
       back in ``void_saves``, whose units every worker deletes (behind its
       earlier saves, so the delete follows the commit).
+    * ``preempted`` names the requests vLLM preempted since the last step
+      (its blocks freed): a worker's ``handle_preemptions`` drops their saves
+      not yet copied out (connector/preemptions.py); the scheduler rewinds
+      them to the blocks known stored, so what they compute again is saved.
+    * ``epoch``: the namespace epoch (connector/epochs.py) the scheduler's
+      keys are rooted at when it built the step; a worker that sees it move
+      drops the saves it holds (keyed at the older epoch: never served).
     * Only plain values: vLLM ships this object to worker processes.
     * Every step's metadata carries the scheduler's ``step`` number; a
       worker echoes it in its :class:`UcmDbWorkerMetadata` with the step's
@@ -90,6 +97,8 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     void_saves: list[BlockTransfer] = field(default_factory=list)  # committed saves computed over a failed load
     held_commits: list[int] = field(default_factory=list)  # hold ids to commit now
     held_drops: list[int] = field(default_factory=list)  # hold ids to discard
+    epoch: int = 0  # the namespace epoch the step's keys are rooted at (-1: unreadable; connector/epochs.py)
+    preempted: tuple[str, ...] = ()  # requests preempted since the last step: their blocks are freed (preemptions.py)
 
     @property
     def empty(self) -> bool:

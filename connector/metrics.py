@@ -27,6 +27,9 @@ COUNTERS = (
     # saves computed over a block that failed to load: dropped by the worker
     # that saw the failure, deleted by the others a step later
     "saves_voided",
+    # preemptions (preemptions.py): requests vLLM preempted (scheduler), blocks
+    # of their saves dropped before the copy because their blocks were freed (workers)
+    "preempted_requests", "saves_preempted",
     # prefill/decode (roles.py): producer's in-step commit wait, blocks it
     # announced; consumer's wait for them and announced blocks still missing
     # at its deadline (read-after-write misses)
@@ -73,6 +76,8 @@ class UcmDbConnectorStats(KVConnectorStats):
             "save_errors": int(d["save_errors"]),
             "saves_dropped": int(d["saves_dropped"]),
             "saves_voided": int(d["saves_voided"]),
+            "preempted_requests": int(d["preempted_requests"]),
+            "saves_preempted": int(d["saves_preempted"]),
             "compression_ratio": round(d["compression_ratio"], 3),
             "cost_skips": int(d["cost_skips"]),
         }
@@ -122,6 +127,8 @@ _PROM = {
     "save_errors": ("ucm_db_save_errors", "Blocks whose save failed (logged; a future miss, never wrong KV)"),
     "saves_dropped": ("ucm_db_saves_dropped", "Blocks not saved because the writer queue was full"),
     "saves_voided": ("ucm_db_saves_voided", "Blocks not saved (or deleted a step later) because their KV was computed over a block that failed to load"),
+    "preempted_requests": ("ucm_db_preempted_requests", "Requests vLLM preempted (their KV blocks freed)"),
+    "saves_preempted": ("ucm_db_saves_preempted", "Blocks not saved because their request was preempted before the copy"),
     "publish_wait_s": ("ucm_db_publish_wait_seconds", "Seconds a kv_producer's steps waited for their blocks to commit (and upload)"),
     "published_blocks": ("ucm_db_published_blocks", "Blocks a kv_producer announced to consumers"),
     "publication_wait_s": ("ucm_db_publication_wait_seconds", "Seconds consumers' requests waited for announced blocks"),

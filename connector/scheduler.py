@@ -47,6 +47,10 @@ Invariants:
       workers' load timings, the prefill rate from each step's round trip
       (metadata built -> worker output back, less its loads and the remote
       lookups meanwhile), the last two fed back through ``update_connector_output``.
+    * Key chains are rooted at the namespace's epoch (epochs.py), read once
+      per step before its first lookup; ``reset_cache`` moves it on. A
+      waiting request whose chain is of an older epoch gets a new state; a
+      running one saves nothing more. The metadata carries the epoch.
     * ``remote_lookup: "background"`` (remote_lookups.py): a priced remote
       lookup (of the units or whole blocks; per-rank pre-unit blocks are
       still looked up inline) submits one background job per request and
@@ -72,6 +76,7 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db.connector.cost_model import MIN_PREFILL_TOKENS, CostModel, Decision
+from ucm_db.connector.epochs import EpochWatch
 from ucm_db.connector.events import save_fields
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
 from ucm_db.connector.metadata import IDLE_WAIT_S, BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
@@ -146,6 +151,7 @@ class _RequestState:
     request: Request
     extras: dict[str, Any]        # root extras of the key chain
     block_extras: dict[int, bytes]  # per-block extras, by block index
+    epoch: int | None = 0         # the namespace epoch the key chain is rooted at (epochs.py)
     keys: BlockKeys = field(default_factory=BlockKeys)  # the request's block keys, grown on demand
     rank_keys: list[list[bytes]] = field(default_factory=list)  # per pre-unit rank namespace, only if stored
     stored_blocks: int = 0  # leading blocks whose units are known stored
@@ -206,6 +212,7 @@ class UcmDbScheduler:
     def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy = RolePolicy()) -> None:
         self._store = acquire(settings)
         self._namespace = namespace(shape)
+        self._epochs = EpochWatch(self._store, self._namespace)  # reset and invalidation (epochs.py)
         self._role = role  # prefill/decode role (roles.py)
         self._waits = PublicationWaits(settings.load_deadline_s)
         self._publish_target = settings.publish
@@ -251,8 +258,8 @@ class UcmDbScheduler:
     # -- keys --------------------------------------------------------------------
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
-        if state is None or state.request is not request:
-            state = _RequestState(request, request_extras(request), request_block_extras(request, self._block_size))
+        if state is None or state.request is not request or state.epoch != self._epochs.epoch:
+            state = _RequestState(request, request_extras(request), request_block_extras(request, self._block_size), self._epochs.epoch)
             self._requests[request.request_id] = state
         return state
 
@@ -272,7 +279,8 @@ class UcmDbScheduler:
             if have:
                 more = self._namespace.block_keys(tokens, parent=state.keys[-1], start=start, stop=end, block_extras=state.block_extras)
             else:
-                more = self._namespace.block_keys(tokens, state.extras, start=start, stop=end, block_extras=state.block_extras)
+                more = self._namespace.block_keys(tokens, state.extras, start=start, stop=end, block_extras=state.block_extras,
+                                                  epoch=state.epoch or 0)
             state.keys.extend(more)
         return state.keys  # callers slice: copying 1000s of keys per call showed in profiles
 
@@ -281,7 +289,8 @@ class UcmDbScheduler:
         if not state.rank_keys or len(state.rank_keys[0]) < num_blocks:
             request = state.request
             tokens = request.all_token_ids[: num_blocks * self._block_size]
-            state.rank_keys = [ns.block_keys(tokens, state.extras, block_extras=state.block_extras) for ns in self._rank_namespaces]
+            state.rank_keys = [ns.block_keys(tokens, state.extras, block_extras=state.block_extras, epoch=state.epoch or 0)
+                               for ns in self._rank_namespaces]
         return state.rank_keys
 
     def keys_for(self, request: Request, num_blocks: int) -> list[bytes]:
@@ -295,9 +304,10 @@ class UcmDbScheduler:
         if self._waits.too_soon(request.request_id):
             return None, False
         started = time.perf_counter()
+        epoch = self._epochs.current()  # this step's epoch: an older request state is made anew
         state = self._state(request)
         max_blocks = (request.num_tokens - 1) // self._block_size
-        if max_blocks * self._block_size <= num_computed_tokens:
+        if max_blocks * self._block_size <= num_computed_tokens or epoch is None:
             state.lookup = LookupRecord(num_computed_tokens, 0, 0, "units", 0.0)
             return 0, False
         skips_before = sum(self.cost.skipped.values())
@@ -514,6 +524,19 @@ class UcmDbScheduler:
         for settled in [s for s in self._recent_bad if oldest is None or s < oldest - _MAX_PENDING_STEPS]:
             del self._recent_bad[settled]
 
+    def _preempted(self, req_ids: Sequence[str] | set[str]) -> tuple[str, ...]:
+        """Requests vLLM preempted (their blocks freed): workers drop their
+        saves not yet copied (preemptions.py), so their saved marks go back
+        to the blocks known stored; a resumed request's lookup moves them on."""
+        for req_id in req_ids:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.saved_blocks = state.stored_blocks
+        if req_ids:
+            self.counters.add(preempted_requests=len(req_ids))
+            logger.info("ucm-db: %d request(s) preempted (their blocks freed); their saves restart at their stored prefix", len(req_ids))
+        return tuple(sorted(req_ids))
+
     def _rewind(self, req_id: str, save_start: int | None) -> None:
         """Moves a request's stored and saved marks back to the blocks vLLM
         still counts as computed (and before a voided save)."""
@@ -610,6 +633,9 @@ class UcmDbScheduler:
             self._plan_save(meta, scheduler_output, req_id, num_tokens, loaded)
         meta.void_saves, self._voids = self._voids, []
         (meta.held_commits, meta.held_drops), self._held_verdicts = self._held_verdicts, ([], [])
+        meta.epoch = -1 if self._epochs.epoch is None else self._epochs.epoch
+        meta.preempted = self._preempted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self._epochs.step_done()
         return meta
 
     def _plan_load(self, meta: UcmDbConnectorMetadata, req_id: str, block_ids: Sequence[int]) -> None:
@@ -633,8 +659,8 @@ class UcmDbScheduler:
         self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput, req_id: str, num_tokens: int, loaded: set[int],
     ) -> None:
         state = self._requests.get(req_id)
-        if state is None:
-            return
+        if state is None or state.epoch is None or state.epoch != self._epochs.epoch:
+            return  # a request running across a reset: its KV predates the new epoch
         request = state.request
         # KV of tokens [num_computed, num_computed + num_tokens) is written
         # this step; only tokens whose ids are known can be keyed.
@@ -691,6 +717,12 @@ class UcmDbScheduler:
         self.counters.add(published_blocks=blocks)
         publication = Publication(self._namespace.digest[:16].hex(), blocks, self._block_size, last_key, self._publish_target)
         return False, publication.to_params()
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: moves the
+        namespace's epoch on in the store, for every engine of the model
+        (epochs.py); False where the store refuses (read-only)."""
+        return self._epochs.bump()
 
     def shutdown(self) -> None:
         self._requests.clear()

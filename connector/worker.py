@@ -21,6 +21,11 @@ Invariants:
       save waits for the scheduler's verdict (metadata.py), and the saves a
       step's metadata voids (a producer's, after another rank's failure)
       are deleted behind every queued save.
+    * A save's blocks are read only while its request holds them: saves go
+      through :class:`~ucm_db.connector.preemptions.PendingSaves`, and
+      :meth:`UcmDbWorker.handle_preemptions` (vLLM's hook at the start of
+      each step) drops those of preempted requests not yet copied and waits
+      for their copies in flight (counted as ``saves_preempted``).
     * A worker reads and writes the units of its own KV heads and pipeline
       stage (:func:`~ucm_db.connector.identity.rank_spans`), whatever TP size
       wrote them; a block loads only if all its units do. Each head has one
@@ -57,6 +62,7 @@ from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, nam
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
+from ucm_db.connector.preemptions import PendingSaves
 from ucm_db.connector.roles import RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
@@ -98,6 +104,8 @@ class UcmDbWorker:
         # step may be planned before the last one's output is back.
         self._recent_failed: deque[set[int]] = deque(maxlen=_FAILED_STEPS_KEPT)
         self._held: dict[int, SaveJob] = {}  # saves kept until the scheduler's verdict (metadata.py)
+        self._epoch: int | None = None  # the namespace epoch of the last bound step (connector/epochs.py)
+        self._pending = PendingSaves()  # saves whose blocks are not copied out yet (preemptions.py)
         self._errors_lock = threading.Lock()
         self._layer_load: _LayerLoad | None = None
         self._step = -1  # the step whose metadata was bound last
@@ -141,6 +149,8 @@ class UcmDbWorker:
         self._step = meta.step
         with self._errors_lock:
             self._recent_failed.append(set())
+        if meta.epoch != self._epoch:
+            self._new_epoch(meta.epoch)
         self._settle_held(meta.held_commits, meta.held_drops)
         if meta.void_saves:
             self._void(meta.void_saves)
@@ -334,27 +344,45 @@ class UcmDbWorker:
         started = time.perf_counter()
         with self._errors_lock:
             failed = set().union(*self._recent_failed)
-        for transfer in meta.saves:
-            if failed.intersection(transfer.after_loads):
-                # Computed over a block this worker failed to load: wrong KV.
-                self.counters.add(saves_voided=len(transfer.block_ids))
-                continue
-            staging = self.layout.new_unit_staging(len(transfer.block_ids))
-            self.layout.gather_units(transfer.block_ids, staging)
-            block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
-            start = 1 if transfer.parent is not None else 0
-            chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
-            job = SaveJob(self._namespace, chains, staging, transfer.event_fields, self._evented_chain)
-            if transfer.hold_id >= 0:
-                self._held[transfer.hold_id] = job
-            else:
-                self._writer.submit(job)
+        self._pending.add(meta.saves)
+        while (transfer := self._pending.take()) is not None:
+            try:
+                self._copy_out(transfer, failed)
+            finally:
+                self._pending.done(transfer)
         self.counters.add(save_copy_s=time.perf_counter() - started)
         if self._role.publishes:
             # Read-after-write: a producer's blocks are committed (and
             # uploaded, publish="remote") before this step's output leaves.
             self._writer.drain()
             self.counters.add(publish_wait_s=time.perf_counter() - started)
+
+    def _copy_out(self, transfer: BlockTransfer, failed: set[int]) -> None:
+        """Copies one save's units out of the KV cache and queues (or holds) them."""
+        assert self._writer is not None
+        if failed.intersection(transfer.after_loads):
+            # Computed over a block this worker failed to load: wrong KV.
+            self.counters.add(saves_voided=len(transfer.block_ids))
+            return
+        staging = self.layout.new_unit_staging(len(transfer.block_ids))
+        self.layout.gather_units(transfer.block_ids, staging)
+        block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
+        start = 1 if transfer.parent is not None else 0
+        chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
+        job = SaveJob(self._namespace, chains, staging, transfer.event_fields, self._evented_chain)
+        if transfer.hold_id >= 0:
+            self._held[transfer.hold_id] = job
+        else:
+            self._writer.submit(job)
+
+    def handle_preemptions(self, meta: UcmDbConnectorMetadata) -> None:
+        """vLLM's hook at the start of each step, before it loads or computes
+        anything: no save of a request preempted since reads its freed blocks
+        (preemptions.py). Held saves are copies already: they stay."""
+        dropped = self._pending.drop(set(meta.preempted))
+        if dropped:
+            self.counters.add(saves_preempted=dropped)
+            logger.info("ucm-db: %d blocks of preempted requests not saved (their blocks were freed)", dropped)
 
     def _settle_held(self, commits: Sequence[int], drops: Sequence[int]) -> None:
         """Commits or discards held saves, as the scheduler decided (in
@@ -367,6 +395,16 @@ class UcmDbWorker:
             job = self._held.pop(hold_id, None)
             if job is not None and self._writer is not None:
                 self._writer.submit(job)
+
+    def _new_epoch(self, epoch: int) -> None:
+        """The namespace's epoch moved (a reset, or ``ucm-db invalidate``):
+        held saves are keyed at the older epoch, which is never served
+        again, so they are dropped rather than committed."""
+        if self._epoch is not None and self._held:
+            self.counters.add(saves_voided=sum(job.blocks for job in self._held.values()))
+            logger.info("ucm-db: namespace epoch %d: %d held saves of the older epoch dropped", epoch, len(self._held))
+            self._held.clear()
+        self._epoch = epoch
 
     def _void(self, transfers: Sequence[BlockTransfer]) -> None:
         """Deletes this rank's units of saves that another rank's failed

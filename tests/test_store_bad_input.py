@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 
 import ucm_db
-from ucm_db import BlockKeys, ConfigError, Namespace
+from ucm_db import BlockKeys, ConfigError, Framed, Namespace
 
 NS = Namespace(model="bad-input", kv_dtype="bfloat16", block_size=4)
 KEYS = NS.block_keys(list(range(16)))  # 4 blocks
@@ -33,6 +34,12 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "put_segments, None": lambda s: s.put_segments(NS, None),
     # The binary search must read a middle key: the last one is not stored.
     "lookup, ints amid the keys": lambda s: s.lookup(NS, [KEYS[0], 5, 6, bytes(32)]),
+    # Issue 26 item 14: raw ValueError / TypeError before.
+    "put, datetime64 payload": lambda s: s.put(NS, KEYS, [np.zeros(32, dtype="datetime64[s]")] * 4),
+    "put, timedelta64 frame in a list": lambda s: s.put(NS, KEYS, [[np.zeros(32, dtype="timedelta64[ns]")]] * 4),
+    "get_into, datetime64 buffer": lambda s: s.get_into(NS, KEYS, [np.zeros(32, dtype="datetime64[s]")] * 4),
+    "put, Framed with an int for frame_bytes": lambda s: s.put(NS, KEYS, [Framed(b"x" * 256, 2)] * 4),  # type: ignore[arg-type]
+    "put, Framed over a datetime64 array": lambda s: s.put(NS, KEYS, [Framed(np.zeros(32, dtype="datetime64[s]"), (256,))] * 4),
 }
 
 

@@ -13,27 +13,30 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, ProgressBar, emit, json_option
+from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, ProgressBar, auth_options, emit, json_option
 
 
 @click.command("export")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.argument("archive", type=click.Path(path_type=Path))
 @click.option("--namespace", "namespaces", multiple=True, help="Only this namespace (id prefix or model name); repeatable. Default: all.")
+@auth_options("sign the archive (MACs)")
 @json_option
-def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], as_json: bool) -> None:
+def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None,
+                   as_json: bool) -> None:
     """Write the blocks of chosen namespaces to a portable tar ARCHIVE
     (JSON manifest + encoded blocks). Read-only on the store. ARCHIVE is
     written beside itself under a temp name with the store's permissions
     and renamed into place; an existing ARCHIVE that is not a regular file
-    (symlink, directory, FIFO, device, `-`) is refused (exit 2).
+    (symlink, directory, FIFO, device, `-`) is refused (exit 2). With an
+    auth key the archive carries MACs (keyed BLAKE2b) that `import` checks.
 
     \b
     Example:
-        ucm-db export /var/cache/ucm-db qwen.tar --namespace Qwen/Qwen2.5-0.5B
+        ucm-db export /var/cache/ucm-db qwen.tar --namespace Qwen/Qwen2.5-0.5B --auth-key-file /etc/ucm-db/auth.key
     """
     with ProgressBar(not as_json, "exporting") as bar:
-        report = maintenance.export_archive(path, archive, namespaces, progress=bar)
+        report = maintenance.export_archive(path, archive, namespaces, progress=bar, auth_key_file=auth_key_file, auth_key_env=auth_key_env)
     emit(as_json, report, lambda r: f"exported {r['blocks']} blocks ({r['stored_bytes']} bytes) of {len(r['namespaces'])} namespace(s) to {r['archive']}")
 
 
@@ -41,20 +44,25 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], as_js
 @click.argument("archive", type=click.Path(path_type=Path))
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--allow-evict", is_flag=True, help="Let the import evict least recently used blocks when the archive does not fit.")
+@auth_options("check the archive's MACs (refuse what they did not sign)")
 @json_option
-def import_command(archive: Path, path: Path, allow_evict: bool, as_json: bool) -> None:
+def import_command(archive: Path, path: Path, allow_evict: bool, auth_key_file: Path | None, auth_key_env: str | None,
+                   as_json: bool) -> None:
     """Load an ARCHIVE written by `ucm-db export` into the store at PATH
     (created if missing). Every block is verified; bad ones and their
     descendants are skipped and reported (exit status 1). If the new blocks
     do not fit in the store's free capacity, nothing is imported (exit 1)
-    unless --allow-evict lets it evict least recently used blocks.
+    unless --allow-evict lets it evict least recently used blocks. With an
+    auth key, an archive without a valid MAC is refused and a block whose
+    MAC fails is skipped.
 
     \b
     Example:
-        ucm-db import qwen.tar /var/cache/ucm-db
+        ucm-db import qwen.tar /var/cache/ucm-db --auth-key-file /etc/ucm-db/auth.key
     """
     with ProgressBar(not as_json, "importing") as bar:
-        report = maintenance.import_archive(archive, path, progress=bar, allow_evict=allow_evict)
+        report = maintenance.import_archive(archive, path, progress=bar, allow_evict=allow_evict,
+                                            auth_key_file=auth_key_file, auth_key_env=auth_key_env)
 
     def human(r: dict[str, Any]) -> str:
         lines = [f"imported {r['stored']} blocks ({r['already_present']} already present), skipped {len(r['skipped'])}"

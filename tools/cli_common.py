@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -107,3 +108,15 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [headers] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+
+def auth_options(purpose: str) -> Callable[[Any], Any]:
+    """``--auth-key-file`` / ``--auth-key-env`` (:mod:`ucm_db.auth`'s key
+    format), for a command that uses the keys to ``purpose``."""
+    def decorate(fn: Any) -> Any:
+        fn = click.option("--auth-key-env", metavar="NAME", default=None,
+                          help=f"Environment variable holding hex auth key(s) (its name, not the key) to {purpose}.")(fn)
+        return click.option("--auth-key-file", type=click.Path(path_type=Path), default=None,
+                            help=f"Key file: hex auth keys, one per line, the first signs; mode 600. To {purpose}.")(fn)
+    return decorate

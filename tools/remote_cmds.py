@@ -14,7 +14,7 @@ import click
 
 from ucm_db import ConfigError, maintenance
 
-from ucm_db.tools.cli_common import ProgressBar, emit, human_bytes, json_option
+from ucm_db.tools.cli_common import ProgressBar, auth_options, emit, human_bytes, json_option
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
@@ -62,6 +62,8 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
     """Garbage-collect the remote tier at REMOTE (an fsspec URL): remove old
     objects by age and/or down to a size, oldest first, together with their
     descendants so the remote keeps whole prefixes. Safe beside live servers.
+    Only ucm-db's own objects are touched: files of its layout, in namespace
+    directories with its manifest, that start like a ucm-db object.
 
     \b
     Example:
@@ -77,7 +79,7 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
         verb = "would remove" if r["dry_run"] else "removed"
         return (f"{r['remote']}: {r['objects_before']} objects, {human_bytes(r['bytes_before'])}; {verb} {r['removed_objects']} "
                 f"({r['removed_by_rule']} by rule + {r['removed_descendants']} descendants), {human_bytes(r['removed_bytes'])}; "
-                f"{r['temp_files_removed']} stale temp files")
+                f"{r['temp_files_removed']} stale temp files; {r['skipped_entries']} entries not ucm-db's left alone")
 
     emit(as_json, report, human)
 
@@ -131,9 +133,10 @@ def read_chains(tokens_file: Path | None, keys_file: Path | None) -> tuple[list[
 @click.option("--tokens", "tokens_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="File of prompts: one JSON list of token ids per line.")
 @click.option("--keys", "keys_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="File of chains: hex block keys of one chain per line.")
 @click.option("--option", "options", multiple=True, help="fsspec option NAME=VALUE for the remote; repeatable.")
+@auth_options("serve only remote objects they signed")
 @json_option
 def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | None, keys_file: Path | None,
-                 options: tuple[str, ...], as_json: bool) -> None:
+                 options: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None, as_json: bool) -> None:
     """Pull the blocks of the given prompts (or key chains) from the remote
     tier into the local store at PATH ahead of traffic (ucm_db.warming).
 
@@ -149,7 +152,8 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
     tokens, keys = read_chains(tokens_file, keys_file)
     remote_options = parse_options(options)
     ns = maintenance.remote_namespace(remote, remote_options, namespace)
-    with ProgressBar(not as_json, "warming") as bar, ucm_db.open(path, remote=remote, remote_options=remote_options) as store:
+    auth = {"remote_auth_key_file": None if auth_key_file is None else str(auth_key_file), "remote_auth_key_env": auth_key_env}
+    with ProgressBar(not as_json, "warming") as bar, ucm_db.open(path, remote=remote, remote_options=remote_options, **auth) as store:
         report = store.warm(ns, token_sequences=tokens, keys=keys, progress=bar)
     data = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
     emit(as_json, data, lambda d: "warmed: " + ", ".join(f"{k}={v}" for k, v in d.items()))

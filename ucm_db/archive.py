@@ -7,7 +7,9 @@ Archive format: an uncompressed tar (payloads are already compressed) of
   "blocks": [[key hex, parent hex | null, namespace id hex], ...]}``, with
   each namespace's blocks parent-first;
 * ``blocks/<key hex>``: each block's encoded blob exactly as stored (codec
-  header, owning key, checksum).
+  header, owning key, checksum);
+* with an auth key, ``manifest.auth`` last: MACs of the manifest and of
+  each block (:mod:`ucm_db.archive_auth`).
 
 Invariants:
     * Import trusts nothing in the archive: the manifest's shape is checked
@@ -31,6 +33,9 @@ Invariants:
       and renames it into place when complete (:mod:`ucm_db.archive_io`), so
       a failed export leaves no truncated archive behind. It refuses a store
       whose manifest or blocks would exceed the bounds import applies.
+    * Import with an auth key accepts only what that key (or another of the
+      keys given) signed (:mod:`ucm_db.archive_auth`); export with a key
+      adds ``manifest.auth``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db import codec
+from ucm_db.archive_auth import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
 from ucm_db.archive_io import atomic_output, check_target, parse_bounded_json, read_member, store_file_mode
+from ucm_db.auth import load_keys
 from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, StoreFullError
 from ucm_db.keys import KEY_BYTES, Namespace
 from ucm_db.store_view import ProgressFn, open_view, select_namespaces
@@ -76,9 +83,12 @@ def _check_block_size(key: bytes, blob_bytes: int) -> None:
 
 
 def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str, ...] = (),
-                   progress: ProgressFn | None = None) -> dict[str, Any]:
+                   progress: ProgressFn | None = None, *, auth_key_file: str | Path | None = None,
+                   auth_key_env: str | None = None) -> dict[str, Any]:
     """Writes the blocks of ``namespaces`` (all by default) of the store at
-    ``path`` to the tar ``archive``; read-only on the store.
+    ``path`` to the tar ``archive``; read-only on the store. With an auth
+    key (a key file and/or an environment variable, :mod:`ucm_db.auth`)
+    the archive carries MACs made with the first key.
 
     Raises:
         ConfigError: ``archive`` exists and is not a regular file (a
@@ -89,6 +99,8 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
     from ucm_db.version import __version__
 
     archive = Path(archive)
+    auth_keys = load_keys(auth_key_file, auth_key_env)
+    signer = ArchiveSigner(auth_keys) if auth_keys is not None else None
     check_target(archive)
     with open_view(path) as view:
         selected = select_namespaces(view, namespaces)
@@ -105,15 +117,22 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
         stored = 0
         with atomic_output(archive, store_file_mode(Path(path))) as out, tarfile.open(fileobj=out, mode="w") as tar:
             _add(tar, "manifest.json", manifest_bytes)
+            if signer is not None:
+                signer.manifest(manifest_bytes)
             for start in range(0, len(blocks), CHUNK_BLOCKS):
                 keys = [k for k, _ in blocks[start : start + CHUNK_BLOCKS]]
                 for key, blob in zip(keys, view.tier.read_blobs(keys)):
                     _check_block_size(key, len(blob or b""))
                     _add(tar, f"blocks/{key.hex()}", blob or b"")
+                    if signer is not None:
+                        signer.block(key, blob or b"")
                     stored += len(blob or b"")
                 if progress is not None:
                     progress(start + len(keys), len(blocks))
-    return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"]}
+            if signer is not None:
+                _add(tar, AUTH_MEMBER, signer.member())
+    return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"],
+            "authenticated": signer is not None}
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -159,7 +178,7 @@ def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
+def read_manifest(tar: tarfile.TarFile, archive: Path, verifier: ArchiveVerifier | None = None) -> dict[str, Any]:
     """The archive's checked manifest: one regular ``manifest.json`` member,
     at most :data:`MAX_MANIFEST_BYTES` of JSON nested at most
     :data:`~ucm_db.archive_io.MAX_MANIFEST_DEPTH` deep (ConfigError otherwise)."""
@@ -169,6 +188,8 @@ def read_manifest(tar: tarfile.TarFile, archive: Path) -> dict[str, Any]:
     if len(found) > 1:
         raise ConfigError(f"{archive} holds {len(found)} manifest.json members", hint=_DAMAGED)
     data = read_member(tar, found[0], MAX_MANIFEST_BYTES, _DAMAGED)
+    if verifier is not None:
+        verifier.check_manifest(bytes(data))  # the exact bytes parsed next
     try:
         manifest = parse_bounded_json(bytes(data))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -188,33 +209,38 @@ def _open_archive(archive: Path) -> tarfile.TarFile:
 
 
 def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn | None = None, *,
-                   allow_evict: bool = False) -> dict[str, Any]:
+                   allow_evict: bool = False, auth_key_file: str | Path | None = None,
+                   auth_key_env: str | None = None) -> dict[str, Any]:
     """Loads ``archive`` into the store at ``path`` (created if missing);
     returns counts (``stored``, ``already_present``, ``evicted``) and the
-    skipped blocks with reasons (module invariants).
+    skipped blocks with reasons (module invariants). With an auth key, an
+    archive it did not sign is refused and a block it did not sign is skipped.
 
     Raises:
-        ConfigError: the archive is not one ucm-db export wrote, or is damaged
-            in its manifest or tar structure (nothing is written).
+        ConfigError: the archive is not one ucm-db export wrote, is damaged
+            in its manifest or tar structure, or (with an auth key) is not
+            signed by a given key (nothing is written).
         StoreFullError: the archive's new blocks do not fit in the store's
             free capacity and ``allow_evict`` is False (nothing is written).
     """
     import ucm_db
 
     archive, path = Path(archive), Path(path)
+    auth_keys = load_keys(auth_key_file, auth_key_env)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
     report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "evicted": 0, "skipped": []}
     with _open_archive(archive) as tar:
         try:
-            manifest = read_manifest(tar, archive)
+            verifier = ArchiveVerifier(tar, archive, auth_keys) if auth_keys is not None else None
+            manifest = read_manifest(tar, archive, verifier)
             members = {m.name: m for m in tar.getmembers() if m.isreg()}
         except tarfile.TarError as exc:
             raise ConfigError(f"{archive} is a damaged tar archive ({exc})", hint=_DAMAGED) from exc
         with ucm_db.open(path) as store:
             if not allow_evict:
                 _refuse_eviction(store.tier, manifest, members, path)
-            _load(tar, members, manifest, store, report, progress)
+            _load(tar, members, manifest, store, report, progress, verifier)
     return report
 
 
@@ -239,7 +265,7 @@ def _refuse_eviction(tier: Any, manifest: dict[str, Any], members: dict[str, tar
 
 
 def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: dict[str, Any], store: Any,
-          report: dict[str, Any], progress: ProgressFn | None) -> None:
+          report: dict[str, Any], progress: ProgressFn | None, verifier: ArchiveVerifier | None) -> None:
     total = len(manifest["blocks"])
     good: set[bytes] = set()
     batch: list[BlockEntry] = []
@@ -247,7 +273,7 @@ def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: d
     for done, (key_hex, parent_hex, ns_hex) in enumerate(manifest["blocks"], 1):
         key, ns_id = bytes.fromhex(key_hex), bytes.fromhex(ns_hex)
         parent = bytes.fromhex(parent_hex) if parent_hex else None
-        entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest)
+        entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest, verifier)
         if entry is None:
             report["skipped"].append({"key": key_hex, "reason": reason})
         else:
@@ -264,7 +290,7 @@ def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: d
 
 def _checked_entry(
     tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], key: bytes, parent: bytes | None,
-    ns_id: bytes, good: set[bytes], manifest: dict[str, Any],
+    ns_id: bytes, good: set[bytes], manifest: dict[str, Any], verifier: ArchiveVerifier | None = None,
 ) -> tuple[BlockEntry | None, str]:
     if ns_id.hex() not in manifest["namespaces"]:
         return None, "namespace not described in the manifest"
@@ -279,6 +305,8 @@ def _checked_entry(
         blob = read_member(tar, member, MAX_MEMBER_BYTES, _DAMAGED)
     except ConfigError as exc:
         return None, "unreadable: " + str(exc).split(" (hint: ")[0]
+    if verifier is not None and not verifier.block_ok(key, blob):
+        return None, "unauthenticated: its MAC does not match (altered, or not signed with the given key)"
     try:
         header = codec.verify(blob, key)
         return BlockEntry.of_blob(key, parent, blob, header.raw_len, ns_id), ""

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ucm_db.codec import Framed
+from ucm_db.codec import Framed, buffer_view
 from ucm_db.errors import ConfigError, TierError
 from ucm_db.keys import KEY_BYTES, BlockKeys, Namespace
 from ucm_db.tiers.base import Buffer
@@ -160,13 +160,7 @@ def require_payload(payload: Any) -> None:
     if isinstance(payload, Framed):
         payload = payload.buffer  # its own constructor checked the frames
     for frame in payload if isinstance(payload, (list, tuple)) else (payload,):
-        try:
-            view = memoryview(frame)
-        except TypeError:
-            raise ConfigError(
-                f"a payload must be bytes-like (bytes, bytearray, memoryview, numpy array), got {type(frame).__name__}",
-                hint="pass the block's bytes, or a list of per-layer byte buffers",
-            ) from None
+        view = buffer_view(frame, "a payload")
         if "O" in view.format:
             raise ConfigError("a payload holds Python objects (numpy dtype=object)", hint="pass numeric arrays, e.g. arr.astype(np.float16)")
         if not view.c_contiguous:
@@ -176,9 +170,10 @@ def require_payload(payload: Any) -> None:
 def require_writable(buffer: Any) -> None:
     try:
         view = memoryview(buffer)
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: a dtype with no buffer (datetime64)
         raise ConfigError(
-            f"get_into writes into buffers (bytearray, numpy array), got {type(buffer).__name__}",
+            f"get_into writes into buffers (bytearray, numpy array), got {type(buffer).__name__}"
+            + (f" of dtype {buffer.dtype}" if hasattr(buffer, "dtype") else ""),
             hint="pass writable buffers such as bytearray(size)",
         ) from None
     if view.readonly or not view.c_contiguous:

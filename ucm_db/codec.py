@@ -161,6 +161,25 @@ class EncodedBlock:
         return b"".join([self.head, *self.body])
 
 
+def buffer_view(obj: object, what: str) -> memoryview:
+    """``memoryview(obj)``, or a :class:`ConfigError` naming what ``obj``
+    is: not a buffer at all, or a numpy dtype that exports none
+    (datetime64, timedelta64)."""
+    try:
+        return memoryview(obj)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        dtype = getattr(obj, "dtype", None)
+        if dtype is not None:
+            raise ConfigError(
+                f"{what} of dtype {dtype} exposes no buffer to store",
+                hint="store its bytes as integers, e.g. arr.view(numpy.int64) for datetime64/timedelta64",
+            ) from None
+        raise ConfigError(
+            f"{what} must be bytes-like (bytes, bytearray, memoryview, numpy array), got {type(obj).__name__}",
+            hint="pass the block's bytes, or a list of per-layer byte buffers",
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class Framed:
     """A block held in one contiguous buffer and cut into frames (e.g. a
@@ -178,7 +197,14 @@ class Framed:
     frame_bytes: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        view = memoryview(self.buffer)
+        view = buffer_view(self.buffer, "a Framed buffer")
+        if isinstance(self.frame_bytes, list):
+            object.__setattr__(self, "frame_bytes", tuple(self.frame_bytes))
+        if not isinstance(self.frame_bytes, tuple):
+            raise ConfigError(
+                f"Framed.frame_bytes is a tuple of frame lengths, got {type(self.frame_bytes).__name__}",
+                hint="pass each frame's length in bytes, e.g. Framed(buf, (len(buf),)) for one frame",
+            )
         if not view.c_contiguous:
             raise ConfigError("a Framed buffer is not C-contiguous (a strided view)", hint="pass numpy.ascontiguousarray(buffer)")
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.frame_bytes):

@@ -10,7 +10,8 @@ Steps, in order:
        any, and only those are walked, in write transactions of at most
        about ``MAINTENANCE_CHUNK_KEYS`` entries each
        (:meth:`LocalTier.drop_orphans`). Memory and transaction size stay
-       bounded on a store of millions of blocks.
+       bounded on a store of millions of blocks. Missing LRU entries and
+       child links are re-added (:func:`~ucm_db.tiers.damage.restore_links`).
     3. Reclaim file space. LMDB: a compacting copy (``Environment.copy(...,
        compact=True)``) into a new file, fsynced, then renamed over
        ``data.mdb`` (atomic: a crash leaves the old or the new file, never a
@@ -25,18 +26,23 @@ slot; otherwise it is skipped and the processes are named in the report.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from ucm_db.crashpoints import crashpoint
-from ucm_db.errors import FormatVersionError, LockedError
+from ucm_db.errors import FormatVersionError, LockedError, TierError
 from ucm_db.format import STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings
 from ucm_db.store_view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
 from ucm_db.storelock import StoreLock, describe, holders
+from ucm_db.tiers.damage import restore_links
 from ucm_db.tiers.local import LocalTier
+from ucm_db.verification import links_missing
 
+logger = logging.getLogger("ucm_db")
 #: Eviction proceeds in about this many transactions...
 EVICTION_STEPS = 16
 #: ...each evicting about this many blocks at most.
@@ -101,24 +107,52 @@ def _alive(pid: int) -> bool:
 def rewrite_lmdb(path: Path) -> None:
     """Compacting copy of ``path/lmdb/data.mdb``, renamed over it atomically.
 
+    Where a quarantine left stuck payloads (:mod:`ucm_db.tiers.damage`), the
+    copy is made table by table without them (:mod:`ucm_db.tiers.lmdb_copy`).
     The caller holds the store's lock exclusively and no engine is open.
+
+    Raises:
+        TierError: the copy could not be written (a full disk, a damaged
+            page); the store's files are as they were (the copy is removed,
+            the switch never happened).
     """
     import lmdb
+
+    from ucm_db.tiers.lmdb_copy import copy_leaving, stuck_keys
 
     lmdb_dir = path / "lmdb"
     for stale in path.glob("lmdb.compact-*"):  # left by a crashed compact
         shutil.rmtree(stale, ignore_errors=True)
     tmp = path / f"lmdb.compact-{os.getpid()}"
-    tmp.mkdir(mode=0o700)
     try:
-        env = lmdb.open(str(lmdb_dir), readonly=True, max_dbs=16, subdir=True)
         try:
-            env.copy(str(tmp), compact=True)
-        finally:
-            env.close()
-        new = tmp / "data.mdb"
-        os.chmod(new, 0o600)
-        _fsync(new)
+            tmp.mkdir(mode=0o700)
+            env = lmdb.open(str(lmdb_dir), readonly=True, max_dbs=16, subdir=True)
+            try:
+                stuck = stuck_keys(env)
+                if not stuck:
+                    try:
+                        env.copy(str(tmp), compact=True)
+                    except lmdb.Error as exc:
+                        if _disk_full(exc):
+                            raise
+                        # A damaged page LMDB's page walk refuses (a zeroed
+                        # overflow page): copy entry by entry instead, which
+                        # reads values as a get does (verify then finds a
+                        # damaged value as an ordinary corrupt block).
+                        logger.warning("ucm-db: compacting copy of %s failed (%s); copying table by table", path, exc)
+                        shutil.rmtree(tmp)
+                        tmp.mkdir(mode=0o700)
+                        stuck = {b""}  # none: the empty key is never a block key
+                if stuck:
+                    copy_leaving(env, tmp, stuck)
+            finally:
+                env.close()
+            new = tmp / "data.mdb"
+            os.chmod(new, 0o600)
+            _fsync(new)
+        except (lmdb.Error, OSError) as exc:
+            raise _rewrite_error(path, exc) from exc
         crashpoint("compact.during_switch")  # 1st: before the switch
         os.replace(new, lmdb_dir / "data.mdb")
         crashpoint("compact.during_switch")  # 2nd: switched, stale lock.mdb still there
@@ -127,6 +161,28 @@ def rewrite_lmdb(path: Path) -> None:
         _fsync(lmdb_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rewrite_error(path: Path, exc: BaseException) -> TierError:
+    """The TierError for a rewrite that failed before the switch."""
+    data_bytes = (path / "lmdb" / "data.mdb").stat().st_size
+    if _disk_full(exc):
+        return TierError(
+            f"compact could not rewrite {path}: the disk is full ({exc}); the store is unchanged by the rewrite "
+            f"(blocks evicted before it stay evicted)",
+            hint=f"free up to {data_bytes} bytes on the disk holding {path} (the rewrite writes a compacted copy of the "
+                 f"data file beside it) and run ucm-db compact again, or skip the rewrite: the store works as it is",
+        )
+    return TierError(
+        f"compact could not rewrite {path}: {exc}; the store is unchanged by the rewrite",
+        hint=f"run `ucm-db verify {path}` to see the damage (`--fix` quarantines what it finds), then compact again",
+    )
+
+
+def _disk_full(exc: BaseException) -> bool:
+    import lmdb
+
+    return getattr(exc, "errno", None) == errno.ENOSPC or isinstance(exc, lmdb.DiskError) or "No space left" in str(exc)
 
 
 def _fsync(path: Path) -> None:
@@ -182,8 +238,13 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         evicted = evict_to(tier, target_bytes, progress) if target_bytes is not None else 0
         quarantine_dropped = tier.drop_quarantine_records()
         orphans_dropped, index_problems = tier.drop_orphans_and_check()  # one audit of the index when nothing is dropped
+        links_restored = {"lru": 0, "children": 0}
+        if links_missing(index_problems):
+            links_restored = restore_links(tier)
+            index_problems = tier.check()
         out = {"blocks_before": before.blocks, "stored_bytes_before": before.stored_bytes, "evicted_blocks": evicted,
-               "quarantine_records_dropped": quarantine_dropped, "orphans_dropped": orphans_dropped}
+               "quarantine_records_dropped": quarantine_dropped, "orphans_dropped": orphans_dropped,
+               "links_restored": links_restored}
         if engine_name == "rocksdb" and exclusive:
             engine.compact()  # type: ignore[attr-defined]
         after = tier.totals()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,10 +88,25 @@ class StoreConfig:
             bounds what one hostile object can cost a reader, about twice
             this per concurrent read. Raise it only for KV blocks over
             256 MiB.
+        remote_lookup_max_bytes: the most bytes of remote objects one
+            lookup holds (and one read-through ``get``, warm or background
+            promotion holds fetched ahead of what it has taken in); objects past it
+            are left to the background promotion (a lookup) or fetched as
+            room frees (a stream). At least ``remote_max_object_bytes``. A
+            request in flight also holds its first read (at most 8 MiB).
+            None (the default): 512 MiB, or ``remote_max_object_bytes``
+            when that is larger.
         remote_codec: codec of remote objects: ``"same"`` as ``codec``,
             ``"none"``, ``"zstd"``, or ``"auto"`` (zstd when the measured
             link is slower than the measured compression; see
             :mod:`ucm_db.remote_codec`). Read-through keeps what it fetched.
+        remote_auth_key_file: path of a key file (:mod:`ucm_db.auth`: hex
+            keys, one per line, the first signs, all verify, in order):
+            uploads are signed and a remote object is served only if one
+            of the keys signed it (others are misses). Never the key
+            itself. A file everyone may read is refused.
+        remote_auth_key_env: name of an environment variable holding the
+            keys in the same form (after the file's, if both are set).
         read_only: open an existing store without writing anything: no
             lock file is created (an existing one is locked shared through
             a read-only descriptor), LMDB runs without its lock file where
@@ -118,7 +134,10 @@ class StoreConfig:
     upload_concurrency: int = 4
     remote_read_concurrency: int = 16
     remote_max_object_bytes: int = 256 << 20
+    remote_lookup_max_bytes: int | None = None
     remote_codec: str = "same"
+    remote_auth_key_file: str | None = None
+    remote_auth_key_env: str | None = None
     read_only: bool = False
 
     def __post_init__(self) -> None:
@@ -147,7 +166,10 @@ class StoreConfig:
         _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
         _require_int("remote_read_concurrency", self.remote_read_concurrency, minimum=1)
         _require_int("remote_max_object_bytes", self.remote_max_object_bytes, minimum=1 << 20, maximum=MAX_OBJECT_BYTES)
+        if self.remote_lookup_max_bytes is not None:
+            self._check_lookup_max_bytes()
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
+        _check_auth_settings(self)
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")
         if self.read_only and self.engine == "memory":
@@ -156,6 +178,17 @@ class StoreConfig:
             raise ConfigError(
                 "read_only and remote do not mix: blocks read through from the remote are kept in the local tier",
                 hint="open the local store writable to use a remote tier, or drop remote to serve the read-only store alone",
+            )
+
+    def _check_lookup_max_bytes(self) -> None:
+        """A set ``remote_lookup_max_bytes`` fits the largest object read."""
+        assert self.remote_lookup_max_bytes is not None
+        _require_int("remote_lookup_max_bytes", self.remote_lookup_max_bytes, minimum=1 << 20)
+        if self.remote_lookup_max_bytes < self.remote_max_object_bytes:
+            raise ConfigError(
+                f"remote_lookup_max_bytes ({self.remote_lookup_max_bytes}) is below remote_max_object_bytes "
+                f"({self.remote_max_object_bytes}): the largest object read would never fit a lookup",
+                hint="raise remote_lookup_max_bytes to at least remote_max_object_bytes, or lower remote_max_object_bytes",
             )
 
     @classmethod
@@ -214,6 +247,20 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             hint="option names are words such as capacity_bytes; quote them if YAML reads them as numbers",
         )
     return data
+
+
+def _check_auth_settings(config: StoreConfig) -> None:
+    """The auth key settings name a file and a variable (the keys are read at
+    open, :func:`ucm_db.auth.load_keys`), and only with a remote."""
+    file, env = config.remote_auth_key_file, config.remote_auth_key_env
+    if file is not None and (not isinstance(file, (str, Path)) or not str(file)):
+        raise ConfigError(f"remote_auth_key_file must be a path, got {file!r}", hint="name the key file, never the key itself")
+    if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", env)):
+        raise ConfigError(f"remote_auth_key_env must name an environment variable, got {'a value' if isinstance(env, str) else repr(env)}",
+                          hint="pass the variable's name (e.g. UCM_DB_AUTH_KEY), never the key itself")
+    if (file is not None or env is not None) and config.remote is None:
+        raise ConfigError("remote_auth_key_file/remote_auth_key_env authenticate remote objects, and no remote is set",
+                          hint="set remote, or drop the auth key setting (archives take --auth-key-file)")
 
 
 def _require_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:

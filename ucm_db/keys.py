@@ -17,6 +17,10 @@ Invariants:
       ``key[i-1]``: the blocks before it keep the keys of a plain prompt with
       the same tokens, so prefixes are shared up to the first block whose
       extras differ, and every key after it differs.
+    * ``epoch`` (a namespace's invalidation count, :mod:`ucm_db.epochs`)
+      is mixed into the root key when it is not 0, so every key of a chain
+      rooted at another epoch differs: bumping the epoch makes every block
+      stored before it a miss. Epoch 0 gives the keys ucm-db always gave.
     * Keys are 32-byte BLAKE2b digests (unkeyed, no salt or person) over
       the parent key and the block's token ids as little-endian uint32.
       :func:`ucm_db.key_chain.chain_keys` computes the chain with hashlib's
@@ -103,29 +107,40 @@ class Namespace:
             raise ConfigError(f"unknown Namespace field(s) {', '.join(unknown)}", hint=f"valid fields: {', '.join(sorted(valid))}")
         return cls(**dict(data))
 
-    def root_key(self, extras: Mapping[str, ExtraValue] | None = None) -> bytes:
-        """The virtual parent of a chain's first block, for these extras."""
+    def root_key(self, extras: Mapping[str, ExtraValue] | None = None, *, epoch: int = 0) -> bytes:
+        """The virtual parent of a chain's first block, for these extras, at
+        the namespace's ``epoch`` (see module invariants)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 1 << 64:
+            raise ConfigError(f"epoch must be an integer in [0, 2**64), got {epoch!r}", hint="pass Store.epoch(namespace)")
         h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"ucm-db/root")
         h.update(self.digest)
         canonical = _canonical_extras(extras) if extras else b""
         if canonical:
             h.update(canonical)
+        if epoch:
+            # After the fixed-size digest and the JSON extras (never a NUL
+            # byte): no extras can spell an epoch's bytes.
+            h.update(b"\0epoch" + epoch.to_bytes(8, "little"))
         return h.digest()
 
     def block_keys(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | Iterable[int],
         extras: Mapping[str, ExtraValue] | None = None,
         *,
         parent: bytes | None = None,
         start: int = 0,
         stop: int | None = None,
         block_extras: Mapping[int, bytes] | None = None,
+        epoch: int = 0,
     ) -> BlockKeys:
         """Keys of the full blocks of ``token_ids[start:stop]``.
 
         Args:
-            token_ids: token ids; a trailing partial block gets no key.
+            token_ids: token ids (a list, tuple or 1-D integer array; an
+                iterator is read into a list); a trailing partial block gets
+                no key. Text, bytes, bools, arrays of another shape or dtype
+                are a :class:`ConfigError`.
             extras: per-request identity mixed into the chain's root: LoRA
                 name, ``cache_salt``, multimodal hashes, prompt-embedding
                 digest. Values are str, int, bytes or None.
@@ -140,12 +155,16 @@ class Namespace:
                 holds), keyed by block index in ``token_ids`` (block ``k``
                 holds ``token_ids[k * block_size : (k + 1) * block_size]``);
                 ``start`` must then be a multiple of ``block_size``.
+            epoch: the namespace's epoch (:meth:`ucm_db.Store.epoch`), mixed
+                into the root key; ignored with ``parent`` (which already
+                carries it).
 
         Returns:
             One 32-byte key per full block, in order, as a :class:`BlockKeys`
             that knows the key before its first one (``parent``), so
             ``store.put(ns, keys[i:j], ...)`` needs no ``parent=``.
         """
+        token_ids = _token_sequence(token_ids)
         if parent is not None:
             if extras:
                 raise ConfigError("block_keys: pass either parent= or extras=, not both", hint="the parent key already includes the extras")
@@ -153,7 +172,7 @@ class Namespace:
                 raise ConfigError(f"parent must be a {KEY_BYTES}-byte key", hint="pass a key returned by block_keys")
             prev = bytes(parent)
         else:
-            prev = self.root_key(extras)
+            prev = self.root_key(extras, epoch=epoch)
         block_size = self.block_size
         end = len(token_ids) if stop is None else min(stop, len(token_ids))
         if start < 0 or end < 0:
@@ -251,6 +270,45 @@ def _mix_block_extra(parent: bytes, extra: bytes) -> bytes:
 
 
 _BAD_TOKENS = "token ids must be non-negative integers < 2**32"
+_TOKENS_HINT = "pass one prompt's token ids: a list of ints or a 1-D integer numpy array"
+
+
+def _token_sequence(token_ids: Any) -> Sequence[int]:
+    """``token_ids`` as a sequence of ids, or a :class:`ConfigError` naming
+    what it is instead.
+
+    Refused: text and byte strings (their characters or bytes would be
+    taken as ids), arrays that are not 1-D (a 2-D batch gave 0 keys) or not
+    of an integer dtype, unordered collections, and a list or tuple whose
+    first or last id is a bool (a mask passed by mistake; the ends only: a
+    scan of every id would cost half of what building the keys costs). An
+    iterator or generator is read into a list.
+    """
+    if isinstance(token_ids, (list, tuple)):
+        if token_ids and (type(token_ids[0]) is bool or type(token_ids[-1]) is bool):
+            raise ConfigError("token ids must be integers, got bools (True/False would be taken as ids 1/0)", hint=_TOKENS_HINT)
+        return token_ids
+    if isinstance(token_ids, (str, bytes, bytearray)) or (isinstance(token_ids, memoryview) and token_ids.itemsize == 1):
+        raise ConfigError(
+            f"token ids must be integers, got {type(token_ids).__name__} (its characters or bytes would be taken as ids)",
+            hint=_TOKENS_HINT + " (tokenize text first; packed little-endian uint32 ids: numpy.frombuffer(data, '<u4'))",
+        )
+    ndim = getattr(token_ids, "ndim", None)
+    if isinstance(ndim, int) and ndim != 1:
+        raise ConfigError(
+            f"token ids must be 1-D, got an array of shape {tuple(getattr(token_ids, 'shape', ()))}",
+            hint="pass one prompt's ids (e.g. batch[i]); key each prompt of a batch with its own block_keys call",
+        )
+    kind = getattr(getattr(token_ids, "dtype", None), "kind", None)
+    if isinstance(kind, str) and kind not in ("i", "u"):
+        raise ConfigError(f"token ids must be integers, got an array of dtype {token_ids.dtype}", hint=_TOKENS_HINT)
+    if isinstance(token_ids, (set, frozenset, Mapping)):
+        raise ConfigError(f"token ids must be in prompt order, got a {type(token_ids).__name__}", hint=_TOKENS_HINT)
+    if hasattr(token_ids, "__len__") and hasattr(token_ids, "__getitem__"):
+        return token_ids  # type: ignore[no-any-return]
+    if isinstance(token_ids, Iterable):
+        return list(token_ids)
+    raise ConfigError(f"block_keys takes a sequence of token ids, got {type(token_ids).__name__}", hint=_TOKENS_HINT)
 
 
 def _as_chain_tokens(token_ids: Sequence[int], count: int) -> key_chain.TokenSource:

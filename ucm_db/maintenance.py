@@ -13,6 +13,8 @@ where it must (old formats, damaged records, no reader activity written):
 * :func:`compact` -- evict to a size, drop dead records, shrink the file;
   :func:`evict_to_bytes` alone.
 * :func:`export_archive` / :func:`import_archive` -- portable tar archives.
+* :func:`invalidate` -- move namespaces' epochs on (after a weight update):
+  their blocks are never served again and age out through LRU eviction.
 * :func:`iter_events` / :func:`iter_event_lines` -- KV cache events: the inventory replay of evented
   blocks, then the change feed, optionally followed (``ucm-db events``).
 * :func:`gc_remote` -- garbage-collect a remote tier; :func:`remote_namespace`
@@ -25,7 +27,8 @@ a damaged file that makes LMDB abort or the kernel send SIGBUS is then a
 
 Invariants:
     * Nothing here creates a store except :func:`import_archive` (whose
-      destination may be new); read-only operations write nothing.
+      destination may be new); read-only operations write nothing;
+      :func:`invalidate` writes only epoch records (through the Store).
     * Bad input is a :class:`~ucm_db.errors.UcmDbError` with a hint, raised
       before anything stored is changed.
 """
@@ -49,7 +52,8 @@ from ucm_db.verification import VerifyReport, repair, verify_view
 
 __all__ = [
     "BlockInfo", "ProgressFn", "StoreView", "VerifyReport", "compact", "evict_to_bytes", "export_archive", "gc_remote",
-    "import_archive", "inspect", "iter_blocks", "iter_event_lines", "iter_events", "namespaces", "open_view", "remote_namespace", "repair", "verify",
+    "import_archive", "inspect", "invalidate", "iter_blocks", "iter_event_lines", "iter_events", "namespaces", "open_view",
+    "remote_namespace", "repair", "verify",
 ]
 
 
@@ -139,3 +143,31 @@ def remote_namespace(url: str, options: dict[str, Any] | None, wanted: str) -> N
     from ucm_db.warming import remote_namespaces
 
     return remote_namespaces(url, dict(options or {})).find(wanted)
+
+
+def invalidate(path: str | Path, namespaces: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Invalidates the namespaces of the store at ``path`` matching
+    ``namespaces`` (id hex prefixes or model names; at least one): each
+    one's epoch moves on (:meth:`ucm_db.Store.bump_epoch`), so no engine
+    finds its old blocks again. Returns ``{"namespace", "model", "epoch"}``
+    per namespace, the new epoch in each."""
+    from ucm_db.store import Store
+
+    if not namespaces:
+        raise ConfigError("invalidate needs the namespaces to invalidate", hint="pass an id prefix or a model name (--namespace)")
+    with open_view(path) as view:
+        chosen = select_namespaces(view, namespaces) or set()
+        descriptions = view.tier.namespace_descriptions()
+    targets: list[Namespace] = []
+    for ns_id in sorted(chosen):
+        try:
+            namespace = Namespace.from_dict(descriptions[ns_id])
+        except (ConfigError, TypeError) as exc:
+            raise ConfigError(f"namespace {ns_id.hex()} has a damaged description: {exc}",
+                              hint="run `ucm-db verify PATH --fix`, then invalidate it again") from exc
+        if namespace.digest[:16] != ns_id:
+            raise ConfigError(f"namespace {ns_id.hex()}'s description names another namespace",
+                              hint="run `ucm-db verify PATH --fix`, then invalidate it again")
+        targets.append(namespace)
+    with Store(path) as store:
+        return [{"namespace": ns.digest[:16].hex(), "model": ns.model, "epoch": store.bump_epoch(ns)} for ns in targets]

@@ -8,7 +8,14 @@ into the local tier.
 Invariants:
     * A remote call made on behalf of a lookup returns within its deadline:
       requests run on a pool and are waited on with a timeout; requests
-      still running at the deadline are abandoned (their results ignored).
+      still running at the deadline are abandoned, and stop reading at their
+      next chunk (:mod:`ucm_db.tiers.remote_reads`).
+    * Memory: the objects one lookup fetches take at most
+      :attr:`RemoteLink.lookup_max_bytes` (``remote_lookup_max_bytes``)
+      from its :class:`~ucm_db.tiers.remote_reads.ByteBudget`, in chain
+      order; an object that does not fit is left as if the deadline had cut
+      it. A stream (:meth:`RemoteLink.fetch_in_order`) holds at most as much
+      fetched and not yet consumed.
       The exception is a remote directory on a local disk while its reads
       stay fast (:mod:`ucm_db.inline_reads`): requests then run in order
       on the caller's thread, none started past the deadline.
@@ -45,16 +52,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
+from ucm_db.auth import AuthKeys
 from ucm_db.errors import MissingAncestorError
 from ucm_db.inline_reads import InlineReads, is_local_disk
+from ucm_db.remote_search import (  # noqa: F401 - re-exported: read-through's public names
+    MAX_BACKOFF_S, MIN_BACKOFF_S, SEARCH_FANOUT, Breaker, SearchResult, search_points, search_prefix,
+)
 from ucm_db.tiers.local import BlockEntry, LocalTier
+from ucm_db.tiers.namespace_guard import ForeignNamespaceError
 from ucm_db.tiers.remote import RemoteObject, RemoteRoot, RemoteTier
+from ucm_db.tiers.remote_reads import ByteBudget, ReadAbandoned, ReadLimits
 
-#: Parallel probes per round of the prefix search (rounds ~ log_{F+1} n).
-SEARCH_FANOUT = 8
 #: A remote continuation of at most this many keys is fetched at once, with
 #: no presence search first: one round of requests instead of two or more
 #: (a single round trip where ``remote_read_concurrency`` is at least this;
@@ -64,8 +74,6 @@ DIRECT_FETCH_KEYS = 2 * SEARCH_FANOUT
 #: Threads for remote reads (probes and fetches) unless the store's
 #: ``remote_read_concurrency`` says otherwise.
 READ_THREADS = 16
-MIN_BACKOFF_S = 0.05
-MAX_BACKOFF_S = 5.0
 #: Background promotions of chain tails queued at once (more are dropped).
 MAX_CONTINUATIONS = 8
 #: Bytes a lookup commits locally before returning; the rest of what it
@@ -80,87 +88,9 @@ CLOSE_WAIT_S = 5.0
 UNFINISHED: Any = object()
 #: Deadline of bulk fetches (get of local misses, warming), which move data.
 FETCH_DEADLINE_S = 30.0
-
-
-class Breaker:
-    """Circuit breaker: open after a failure, for a doubling backoff."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open_until = 0.0
-        self._backoff_s = MIN_BACKOFF_S
-        self.trips = 0
-
-    def allow(self) -> bool:
-        return time.monotonic() >= self._open_until
-
-    def failure(self) -> None:
-        with self._lock:
-            self._open_until = time.monotonic() + self._backoff_s
-            self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
-            self.trips += 1
-
-    def success(self) -> None:
-        with self._lock:
-            self._backoff_s = MIN_BACKOFF_S
-            self._open_until = 0.0
-
-
-@dataclass(slots=True)
-class SearchResult:
-    """Outcome of a remote prefix search.
-
-    Attributes:
-        count: leading keys found present (a lower bound when ``complete``
-            is False: the deadline or an error cut the search short).
-        rounds: sequential round trips made.
-        requests: probe requests issued.
-        complete: the search ran to its end.
-    """
-
-    count: int
-    rounds: int
-    requests: int
-    complete: bool
-
-
-def search_points(lo: int, hi: int, fanout: int, first_round: bool) -> list[int]:
-    """Indices to probe in ``[lo, hi)``: ``fanout`` evenly spaced points,
-    plus the last index in the first round (a full hit then costs 1 round)."""
-    span = hi - lo
-    k = min(fanout, span)
-    points = {lo + (j * span) // (k + 1) for j in range(1, k + 1)}
-    if first_round:
-        points.add(hi - 1)
-    return sorted(p for p in points if lo <= p < hi)
-
-
-def search_prefix(
-    probe_many: Callable[[list[int]], list[bool] | None], n: int, *, fanout: int = SEARCH_FANOUT,
-) -> SearchResult:
-    """Finds how many leading items are present with parallel probes.
-
-    ``probe_many(indices)`` returns presence per index, or None when it could
-    not answer (deadline, error): the search stops with what it knows.
-    Each round narrows ``[lo, hi]`` by a factor of ``fanout + 1``.
-    """
-    lo, hi = 0, n
-    rounds = requests = 0
-    while lo < hi:
-        points = search_points(lo, hi, fanout, rounds == 0)
-        present = probe_many(points)
-        rounds += 1
-        requests += len(points)
-        if present is None:
-            return SearchResult(lo, rounds, requests, False)
-        for point, here in zip(points, present):
-            if here:
-                lo = max(lo, point + 1)
-            else:
-                hi = min(hi, point)
-                break
-        lo = min(lo, hi)
-    return SearchResult(lo, rounds, requests, True)
+#: Bytes of fetched objects one lookup holds at most, unless the store's
+#: ``remote_lookup_max_bytes`` says otherwise.
+LOOKUP_MAX_BYTES = 512 << 20
 
 
 class RemoteLink:
@@ -168,13 +98,19 @@ class RemoteLink:
 
     def __init__(
         self, url: str, options: dict[str, Any], read_threads: int | None = None, *, max_object_bytes: int | None = None,
+        lookup_max_bytes: int | None = None,
+        auth: AuthKeys | None = None,
     ) -> None:
         self.url = url
         self.root = RemoteRoot.from_url(url, options)
+        self.root.auth = auth
         if max_object_bytes is not None:
             self.root.max_object_bytes = max_object_bytes
         self.breaker = Breaker()
         self.read_threads = read_threads or READ_THREADS
+        #: Bytes of fetched objects one lookup (or one stream) holds at most:
+        #: never below the largest object read, which must fit one lookup.
+        self.lookup_max_bytes = lookup_max_bytes or max(LOOKUP_MAX_BYTES, self.root.max_object_bytes)
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")
         self._tiers: dict[bytes, RemoteTier] = {}
         self.last_search: SearchResult | None = None
@@ -232,11 +168,12 @@ class RemoteLink:
         if any(f.exception() is not None for f in done):
             self.breaker.failure()
             return None
-        if pending and not done:
+        results = [f.result() if f in done else UNFINISHED for f in futures]
+        if calls and all(r is UNFINISHED for r in results):
             self.breaker.failure()  # nothing answered in time: looks down
-        elif not pending:
+        elif not any(r is UNFINISHED for r in results):
             self.breaker.success()
-        return [f.result() if f in done else UNFINISHED for f in futures]
+        return results
 
     def _run_inline(self, calls: list[Callable[[], Any]], deadline: float) -> list[Any] | None:
         """:meth:`run_all` on the caller's thread, in order: a call is not
@@ -288,11 +225,22 @@ class RemoteLink:
         the deadline cut the fetch, so a short run says nothing of what the
         remote holds past it); None when the remote did not answer at all
         (breaker open, an error, no request done in time)."""
-        tier = self.tier(namespace_id)
-        results = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
+        results = self._fetch_all(namespace_id, keys, deadline)
         if results is None or (keys and all(r is UNFINISHED for r in results)):
             return None
         return _leading_run(results, parent)
+
+    def _fetch_all(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> list[Any] | None:
+        """:meth:`run_all` of one fetch per key within ``deadline`` and one
+        :class:`ByteBudget` of :attr:`lookup_max_bytes` (a fetch stopped by
+        either is :data:`UNFINISHED`); reads still running when it returns
+        stop at their next chunk."""
+        tier = self.tier(namespace_id)
+        budget = ByteBudget(self.lookup_max_bytes)
+        try:
+            return self.run_all([_limited_fetch(tier, key, ReadLimits(deadline, budget, i)) for i, key in enumerate(keys)], deadline)
+        finally:
+            budget.close()
 
     def stream_chain(
         self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, *,
@@ -339,70 +287,95 @@ class RemoteLink:
         The breaker opens (and every later key yields None) on an error
         other than "not found", on a result slower than
         ``result_timeout_s``, or when the deadline passes before any
-        request answered; it closes when every key answered."""
+        request answered; it closes when every key answered.
+
+        Memory: objects fetched and not yet consumed (the caller asking for
+        the next one gives the previous one back) hold at most
+        :attr:`lookup_max_bytes`; a fetch waits for room in order (see
+        :class:`~ucm_db.tiers.remote_reads.ByteBudget`)."""
         if not self.breaker.allow():
             yield from itertools.repeat(None, len(keys))
             return
         tier = self.tier(namespace_id)
-        if self.inline.use():
-            yield from self._fetch_inline(tier, keys, deadline, result_timeout_s)
-            return
-        window = window or 2 * self.read_threads
-        pending: deque[Future[RemoteObject | None]] = deque()
+        budget = ByteBudget(self.lookup_max_bytes, wait_for_room=True)
+        calls = (_limited_fetch(tier, key, ReadLimits(deadline, budget, i)) for i, key in enumerate(keys))
+        try:
+            if self.inline.use():
+                yield from self._fetch_inline(calls, len(keys), deadline, result_timeout_s, budget)
+                return
+            yield from self._fetch_pooled(calls, len(keys), deadline, window or 2 * self.read_threads, result_timeout_s, budget)
+        finally:
+            budget.close()  # reads still running stop at their next chunk
+
+    def _fetch_pooled(
+        self, calls: Iterator[Callable[[], Any]], n: int, deadline: float, window: int, result_timeout_s: float | None,
+        budget: ByteBudget,
+    ) -> Generator[RemoteObject | None, None, None]:
+        """:meth:`fetch_in_order` on the pool."""
+        pending: deque[Future[Any]] = deque()
         next_at = answered = 0
         try:
-            while answered < len(keys):
-                while next_at < len(keys) and len(pending) < window:
-                    pending.append(self._pool.submit(self.inline.timed(_bind(tier.fetch, keys[next_at]))))
+            while answered < n:
+                while next_at < n and len(pending) < window:
+                    pending.append(self._pool.submit(self.inline.timed(next(calls))))
                     next_at += 1
                 wait_s = max(0.0, deadline - time.monotonic())
                 stalled = result_timeout_s is not None and result_timeout_s <= wait_s
                 try:
                     obj = pending.popleft().result(timeout=result_timeout_s if stalled else wait_s)
+                    if obj is UNFINISHED:  # the deadline or the budget stopped it
+                        raise TimeoutError
                 except Exception as exc:  # noqa: BLE001 - a timeout or a remote error ends the fetch
                     if answered == 0 or stalled or not isinstance(exc, TimeoutError):
                         self.breaker.failure()
-                    yield from itertools.repeat(None, len(keys) - answered)
+                    yield from itertools.repeat(None, n - answered)
                     return
-                answered += 1
                 yield obj
+                budget.give_back(answered)
+                answered += 1
             self.breaker.success()
         finally:
             for future in pending:
                 future.cancel()  # queued ones never run; running ones finish unread
 
     def _fetch_inline(
-        self, tier: RemoteTier, keys: Sequence[bytes], deadline: float, result_timeout_s: float | None,
+        self, calls: Iterator[Callable[[], Any]], n: int, deadline: float, result_timeout_s: float | None,
+        budget: ByteBudget,
     ) -> Generator[RemoteObject | None, None, None]:
         """:meth:`fetch_in_order` on the caller's thread (a fast local disk):
         no fetch starts past ``deadline``; an error opens the breaker and
         ends it, as does a fetch slower than ``result_timeout_s`` (after
         yielding what it fetched)."""
-        for answered, key in enumerate(keys):
+        for answered, call in enumerate(calls):
             if time.monotonic() >= deadline:
                 if answered == 0:
                     self.breaker.failure()
-                yield from itertools.repeat(None, len(keys) - answered)
+                yield from itertools.repeat(None, n - answered)
                 return
             started = time.perf_counter()
             try:
-                obj = self.inline.run(_bind(tier.fetch, key))
+                obj = self.inline.run(call)
             except Exception:  # noqa: BLE001 - a remote error ends the fetch
                 self.breaker.failure()
-                yield from itertools.repeat(None, len(keys) - answered)
+                yield from itertools.repeat(None, n - answered)
+                return
+            if obj is UNFINISHED:  # the deadline or the budget stopped it mid-read
+                if answered == 0:
+                    self.breaker.failure()
+                yield from itertools.repeat(None, n - answered)
                 return
             elapsed_s = time.perf_counter() - started
             yield obj
+            budget.give_back(answered)
             if result_timeout_s is not None and elapsed_s > result_timeout_s:
                 self.breaker.failure()  # as a pooled result this slow: the rest is not asked for
-                yield from itertools.repeat(None, len(keys) - answered - 1)
+                yield from itertools.repeat(None, n - answered - 1)
                 return
         self.breaker.success()
 
     def fetch_many(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> list[RemoteObject | None]:
         """Fetches unrelated keys; None for each one not available in time."""
-        tier = self.tier(namespace_id)
-        results = self.run_all([_bind(tier.fetch, key) for key in keys], deadline)
+        results = self._fetch_all(namespace_id, keys, deadline)
         if results is None:
             return [None] * len(keys)
         return [None if r is UNFINISHED else r for r in results]
@@ -525,7 +498,7 @@ def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
     entries = [BlockEntry.of_blob(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
     try:
         local.put_blocks(entries, enqueue_upload=False)
-    except MissingAncestorError:
+    except (MissingAncestorError, ForeignNamespaceError):  # a read never fails on what it cannot promote
         return 0
     return len(entries)
 
@@ -559,6 +532,18 @@ def promotable_runs(
 
 def _bind(fn: Callable[[bytes], Any], key: bytes) -> Callable[[], Any]:
     return lambda: fn(key)
+
+
+def _limited_fetch(tier: RemoteTier, key: bytes, limits: ReadLimits) -> Callable[[], Any]:
+    """A fetch of ``key`` within ``limits``: :data:`UNFINISHED` when they stop it."""
+
+    def call() -> Any:
+        try:
+            return tier.fetch(key, limits)
+        except ReadAbandoned:
+            return UNFINISHED
+
+    return call
 
 
 def _probe_ok(obj: RemoteObject | None, keys: Sequence[bytes], index: int) -> bool:

@@ -8,6 +8,15 @@ chain reaches a removed object is removed too; the parent links come from
 each survivor's verified envelope (one small ranged read per object).
 Temp files of crashed uploads older than an hour are removed as well.
 
+Only what ucm-db wrote is ever touched (:func:`list_objects`): paths of its
+own layout, ``ROOT/<namespace id: 16 hex>/<key[0]: 2 hex>/<key: 64 hex>``
+(temp files: ``ROOT/<namespace id>/[<key[0]>/].tmp-*``), under a namespace
+directory whose ``manifest.json`` is ucm-db's (names that namespace id),
+and, for an object, whose first bytes are a ucm-db object's (the envelope's
+magic; one ranged read of the head per object). Anything else under the
+root (another application's files, even named by 64 hex digits; a FIFO or
+link in an object's place) is left alone and counted in ``skipped_entries``.
+
 A parent that is simply absent from the listing is not a removal: the
 write-back uploader sends a queue in key order, so a chain's deeper
 blocks often land before their ancestors, which are on their way. Only
@@ -20,30 +29,52 @@ Invariants:
       is a miss for a reader, never wrong bytes.
     * Terminates on any remote: objects whose parent links form a cycle (no
       chain root) are treated as broken and removed with the victims.
+    * A file of the layout that starts like a ucm-db object but whose
+      envelope fails its checksum is a broken object of ucm-db's: removed
+      with the victims when there are any.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.errors import CorruptBlockError
-from ucm_db.tiers.remote import MANIFEST_NAME, PROBE_BYTES, TEMP_PREFIX, RemoteRoot, parse_envelope
+from ucm_db.tiers.remote import (
+    MANIFEST_NAME, OBJECT_MAGIC, PROBE_BYTES, TEMP_PREFIX, ManifestError, RemoteRoot, is_namespace_id, parse_envelope,
+)
 
 TEMP_MAX_AGE_S = 3600.0
 #: An object whose parent is absent this long (by its own age) is an orphan.
 ORPHAN_GRACE_S = 3600.0
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 @dataclass
 class RemoteObjectInfo:
+    """An object of ucm-db's layout: where, how big, how old, and its parent
+    from its envelope (``broken``: the envelope fails its checksum)."""
+
     path: str
     key: bytes
     size_bytes: int
     mtime_s: float
+    parent: bytes | None = None
+    broken: bool = False
+
+
+@dataclass
+class RemoteListing:
+    """What :func:`list_objects` found: ucm-db's objects and temp files
+    (path, mtime), and how many entries it left alone as not ucm-db's."""
+
+    objects: list[RemoteObjectInfo]
+    temps: list[tuple[str, float]]
+    skipped_entries: int
 
 
 def _mtime_s(info: dict[str, Any]) -> float:
@@ -61,24 +92,76 @@ def _mtime_s(info: dict[str, Any]) -> float:
     return 0.0
 
 
-def list_objects(root: RemoteRoot) -> tuple[list[RemoteObjectInfo], list[tuple[str, float]]]:
-    """Block objects and temp files under the root."""
-    try:
-        found = root.fs.find(root.root, detail=True)
-    except FileNotFoundError:
-        return [], []
-    objects, temps = [], []
-    for path, info in found.items():
-        name = os.path.basename(str(path))
-        if name.startswith(TEMP_PREFIX):
-            temps.append((str(path), _mtime_s(info)))
-        elif len(name) == 64 and name != MANIFEST_NAME:
-            try:
-                key = bytes.fromhex(name)
-            except ValueError:
+def list_objects(root: RemoteRoot) -> RemoteListing:
+    """ucm-db's objects and temp files under the root (see the module
+    docstring); reads each object's head (:data:`PROBE_BYTES`)."""
+    listing = root.list_namespaces()
+    skipped = sum(1 for name in listing.stray if name != MANIFEST_NAME)
+    objects: list[RemoteObjectInfo] = []
+    temps: list[tuple[str, float]] = []
+    for short_id in listing.entries:
+        namespace_id = bytes.fromhex(short_id)
+        if not _is_own_namespace(root, namespace_id, short_id):
+            skipped += 1
+            continue
+        base = root.namespace_dir(namespace_id)
+        try:
+            found = root.fs.find(base, detail=True)
+        except FileNotFoundError:
+            continue
+        for path, info in found.items():
+            path = str(path)
+            parts = path[len(base) + 1 :].split("/") if path.startswith(base + "/") else []
+            name = parts[-1] if parts else ""
+            if parts == [MANIFEST_NAME]:
                 continue
-            objects.append(RemoteObjectInfo(str(path), key, int(info.get("size", 0)), _mtime_s(info)))
-    return objects, temps
+            if name.startswith(TEMP_PREFIX) and (len(parts) == 1 or (len(parts) == 2 and _is_hex(parts[0], 2))):
+                temps.append((path, _mtime_s(info)))
+            elif len(parts) == 2 and _is_hex(parts[0], 2) and _is_hex(name, 64) and name[:2] == parts[0]:
+                obj = _read_head(root, RemoteObjectInfo(path, bytes.fromhex(name), int(info.get("size", 0)), _mtime_s(info)))
+                if obj is None:
+                    skipped += 1
+                else:
+                    objects.append(obj)
+            else:
+                skipped += 1
+    return RemoteListing(objects, temps, skipped)
+
+
+def _is_hex(name: str, length: int) -> bool:
+    """True for ``length`` lowercase hex digits (how the uploader names things)."""
+    return len(name) == length and set(name) <= _HEX
+
+
+def _is_own_namespace(root: RemoteRoot, namespace_id: bytes, short_id: str) -> bool:
+    """True when the directory's manifest is ucm-db's for this namespace id."""
+    if not is_namespace_id(short_id):
+        return False
+    try:
+        manifest = root.read_manifest(namespace_id)
+    except ManifestError:
+        return False
+    if manifest is None or "ucm_db_remote_format" not in manifest:
+        return False
+    named = manifest.get("namespace_id")
+    return isinstance(named, str) and named.startswith(short_id)
+
+
+def _read_head(root: RemoteRoot, obj: RemoteObjectInfo) -> RemoteObjectInfo | None:
+    """``obj`` with its parent from its envelope (or marked broken); None when
+    the file is not a ucm-db object (gone, not a regular file, or not
+    starting with the object magic)."""
+    try:
+        head = root.read_range(obj.path, 0, PROBE_BYTES)  # None: gone, or not a regular file (never opened)
+    except OSError:
+        return None
+    if head is None or bytes(head[: len(OBJECT_MAGIC)]) != OBJECT_MAGIC:
+        return None
+    try:
+        obj.parent, _namespace_id = parse_envelope(head, obj.key)
+    except CorruptBlockError:
+        obj.broken = True
+    return obj
 
 
 def choose_victims(objects: list[RemoteObjectInfo], *, older_than_s: float | None, max_bytes: int | None, now_s: float) -> set[str]:
@@ -98,24 +181,16 @@ def choose_victims(objects: list[RemoteObjectInfo], *, older_than_s: float | Non
     return victims
 
 
-def orphaned_descendants(
-    root: RemoteRoot, objects: list[RemoteObjectInfo], victims: set[str], *, now_s: float | None = None,
-) -> set[str]:
-    """Survivors whose parent chain reaches a victim, an unreadable object,
-    a parent cycle, or a parent absent for longer than :data:`ORPHAN_GRACE_S`."""
+def orphaned_descendants(objects: list[RemoteObjectInfo], victims: set[str], *, now_s: float | None = None) -> set[str]:
+    """Survivors whose parent chain reaches a victim, a broken object, a
+    parent cycle, or a parent absent for longer than :data:`ORPHAN_GRACE_S`
+    (parents as :func:`list_objects` read them)."""
     now_s = time.time() if now_s is None else now_s
     by_key = {o.key: o for o in objects}
     parent_of: dict[bytes, bytes | None] = {}
     for o in objects:
-        if o.path in victims:
-            continue
-        try:
-            data = root.read_range(o.path, 0, PROBE_BYTES)  # None: gone, or not a regular file (never opened)
-            if data is None:
-                raise FileNotFoundError(o.path)
-            parent_of[o.key], _ns = parse_envelope(data, o.key)
-        except (FileNotFoundError, CorruptBlockError):
-            parent_of[o.key] = o.key  # unreadable: treated as broken, removed
+        if o.path not in victims:
+            parent_of[o.key] = o.key if o.broken else o.parent  # broken: its own parent, so removed
     doomed = {o.key for o in objects if o.path in victims}
     status: dict[bytes, bool] = {}
 
@@ -156,10 +231,11 @@ def orphaned_descendants(
 def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, dry_run: bool, now_s: float | None = None) -> dict[str, Any]:
     """Runs the collection (see module docstring); returns the report."""
     now_s = time.time() if now_s is None else now_s
-    objects, temps = list_objects(root)
+    listing = list_objects(root)
+    objects = listing.objects
     victims = choose_victims(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
-    cascade = orphaned_descendants(root, objects, victims, now_s=now_s) if victims else set()
-    stale_temps = [p for p, m in temps if now_s - m > TEMP_MAX_AGE_S]
+    cascade = orphaned_descendants(objects, victims, now_s=now_s) if victims else set()
+    stale_temps = [p for p, m in listing.temps if now_s - m > TEMP_MAX_AGE_S]
     doomed = sorted(victims | cascade)
     sizes = {o.path: o.size_bytes for o in objects}
     if not dry_run:
@@ -173,5 +249,6 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     return {
         "objects_before": len(objects), "bytes_before": total, "removed_objects": len(doomed),
         "removed_by_rule": len(victims), "removed_descendants": len(cascade), "removed_bytes": freed,
-        "bytes_after": total - freed, "temp_files_removed": len(stale_temps), "dry_run": dry_run,
+        "bytes_after": total - freed, "temp_files_removed": len(stale_temps), "skipped_entries": listing.skipped_entries,
+        "dry_run": dry_run,
     }

@@ -32,10 +32,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ucm_db import codec
+from ucm_db import codec, epochs
+from ucm_db.auth import load_keys
 from ucm_db.background import Background
 from ucm_db.codec_pool import CodecPool, Payload
 from ucm_db.config import CODECS, PERSISTED_FIELDS, StoreConfig
@@ -52,6 +52,7 @@ from ucm_db.arguments import (
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
 from ucm_db.storelock import ensure_store_dir, hold_shared
+from ucm_db.store_path import detect_engine_checked, permission_error, store_path
 from ucm_db.events import BlockEventFields, ChangeBatch, EventInventory, pack_event_fields
 from ucm_db.tiers import changefeed
 from ucm_db.tiers.base import Buffer
@@ -93,10 +94,11 @@ class Store:
     """A KV block store (see module invariants). Use :func:`ucm_db.open`."""
 
     def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
-        self.path = Path(path)
+        self.path = store_path(path)  # bytes, "", too long, inside another store: ConfigError, nothing created
         explicit = dict(options)
-        StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
-        existing = detect_engine(self.path)
+        checked = StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
+        auth_keys = load_keys(checked.remote_auth_key_file, checked.remote_auth_key_env)  # a bad key: before anything opens
+        existing = detect_engine_checked(self.path)
         if "engine" not in explicit:
             if existing is not None:
                 explicit["engine"] = existing
@@ -122,12 +124,14 @@ class Store:
             self._engine = engine_for_config(self.path, self.config)
             self._tier = LocalTier(self._engine, capacity_bytes=self.config.capacity_bytes)
             self.config = self._adopt_settings(explicit)
-        except BaseException:
+        except BaseException as exc:
             # A refused store (format, settings, lock) is let go at once, so
             # e.g. `migrate` in this same process can take it.
             if hasattr(self, "_engine"):
                 self._engine.close()
             self._dir_lock.release()
+            if isinstance(exc, PermissionError):  # e.g. an unreadable data file, read-only open included
+                raise permission_error(self.path, exc) from exc
             raise
         self._tier.capacity_bytes = self.config.capacity_bytes
         self._closed = False
@@ -142,7 +146,8 @@ class Store:
 
             self._remote = RemoteLink(
                 self.config.remote, dict(self.config.remote_options), self.config.remote_read_concurrency,
-                max_object_bytes=self.config.remote_max_object_bytes,
+                max_object_bytes=self.config.remote_max_object_bytes, lookup_max_bytes=self.config.remote_lookup_max_bytes,
+                auth=auth_keys,
             )
         self._ensure_process()
 
@@ -291,8 +296,10 @@ class Store:
             MissingAncestorError: ``parent`` is not stored (nothing written).
             StoreFullError: the batch does not fit even after evicting every
                 block that is neither in it nor its ancestor (nothing written).
-            ConfigError: malformed keys, parent or payloads, or a plain key
-                list without ``parent=``.
+            ConfigError: malformed keys, parent or payloads, a plain key
+                list without ``parent=``, or a key or parent stored under
+                another namespace (keys built for another namespace; nothing
+                written).
         """
         self._check_writable()
         require_namespace(namespace, "put")
@@ -362,7 +369,9 @@ class Store:
                 payloads.extend(segment_payloads)
         if not keys:
             return PutResult()
-        present = self._tier.exists(keys)
+        # Presence within the namespace: a key stored under another one is a
+        # ForeignNamespaceError (ConfigError) here, before anything is encoded.
+        present = self._tier.present_for_put(keys, _namespace_description(namespace))
         todo = [i for i, p in enumerate(present) if not p]
         try:
             return self._put_indices(namespace, keys, payloads, parents, todo, codec_name, packed)
@@ -420,7 +429,12 @@ class Store:
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Deletes ``namespace``'s blocks among ``keys`` and their
         descendants; returns blocks removed. A key stored under another
-        namespace is left alone."""
+        namespace is left alone (it counts as not removed).
+
+        Raises:
+            ConfigError: a descendant is stored under another namespace (a
+                chain written before puts refused that); nothing is deleted.
+        """
         self._check_open()
         require_namespace(namespace, "delete")
         self._refuse_read_only("delete")
@@ -458,6 +472,25 @@ class Store:
         """The seq the next change feed record gets (start following here)."""
         self._check_open()
         return self._engine.read(changefeed.position)[0]
+
+    def epoch(self, namespace: Namespace) -> int:
+        """``namespace``'s epoch (0 until it is first bumped): root key
+        chains at it (``namespace.block_keys(..., epoch=store.epoch(ns))``)
+        to find only blocks stored since the last invalidation. One read
+        (:mod:`ucm_db.epochs`); a damaged record is a TierError."""
+        self._check_open()
+        require_namespace(namespace, "epoch")
+        return epochs.read(self._engine, namespace.digest[:16])
+
+    def bump_epoch(self, namespace: Namespace) -> int:
+        """Invalidates ``namespace``'s blocks: moves its epoch on, durably
+        and for every process on the store, and returns the new epoch.
+        Nothing is deleted: blocks keyed at older epochs are never found
+        again and leave through LRU eviction (:mod:`ucm_db.epochs`)."""
+        self._check_open()
+        require_namespace(namespace, "bump_epoch")
+        self._refuse_read_only("bump_epoch")
+        return epochs.bump(self._engine, namespace.digest[:16])
 
     # -- reads -------------------------------------------------------------------
     def lookup(

@@ -10,6 +10,9 @@ Invariants:
     * A queue row is deleted only after its object is fully written, so a
       crash at any point loses nothing: the next process re-uploads (objects
       are immutable and named by key, so a repeat is harmless).
+    * :attr:`Uploader.uploaded` counts an upload before its row leaves the
+      queue, so when :meth:`Uploader.wait_drained` (``flush``) sees the queue
+      empty, the counter already holds every upload of this process.
     * A block evicted or deleted locally leaves the queue in the same
       transaction (the local tier does that); nothing else removes rows.
     * Within a batch, shallower blocks are uploaded first, so the remote
@@ -154,10 +157,14 @@ class Uploader:
         errors = [error for error in results if error is not None]
         if errors:
             self.last_error = errors[0]
+        # Counted before their rows leave the queue: whoever sees the queue
+        # empty (wait_drained, so flush) sees them counted. The objects are
+        # on the remote already; a failed queue delete re-uploads them later
+        # (and counts them again: ``uploaded`` counts uploads, not blocks).
+        self.uploaded += len(done)
         # Rows of blocks that vanished (raced with eviction) are dropped too.
         crashpoint("remote.before_mark_uploaded")
         self.local.mark_uploaded(done + gone)
-        self.uploaded += len(done)
         self._record_codec_choice()
         return len(done), len(errors)
 
@@ -298,7 +305,9 @@ class Uploader:
             return [f"{type(exc).__name__}: {exc}"] * len(items)
         work = [(key, parent, ns, 0, blob) for key, parent, ns, blob in items]
         results = list(self._pool.map(self._upload_one, work))
-        self.local.mark_uploaded([item[0] for item, error in zip(work, results) if error is None])
+        done = [item[0] for item, error in zip(work, results) if error is None]
+        self.uploaded += len(done)  # before the rows leave the queue (see drain_batch)
+        self.local.mark_uploaded(done)
         return [error for error in results if error is not None]
 
     def forget_lock_after_fork(self) -> None:

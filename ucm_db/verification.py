@@ -6,8 +6,12 @@ metadata, then (for a full check) runs the index's consistency check.
 Repair quarantines the corrupt blocks through the store's own mechanism
 (:meth:`LocalTier.quarantine`, which re-checks each block inside its write
 transaction and takes its descendants with it), quarantines blocks on parent
-cycles (damaged metadata), and recomputes the totals when they disagree with
-the metadata.
+cycles, blocks whose parent is missing and blocks whose namespace id differs
+from their parent's (damaged metadata: lookup would claim them), re-adds
+missing LRU entries and child links, and recomputes the totals when they
+disagree with the metadata (a damaged record's sizes are never summed:
+:meth:`~ucm_db.tiers.index_types.BlockMeta.unpack` refuses sizes no block can
+have).
 
 Invariants:
     * :func:`verify_view` only reads; :func:`repair` writes through a
@@ -26,13 +30,22 @@ from ucm_db import codec
 from ucm_db.errors import CorruptBlockError
 from ucm_db.inspection import chain_roots
 from ucm_db.store_view import ProgressFn, StoreView
-from ucm_db.tiers.local import BlockMeta, body_of
+from ucm_db.tiers import damage
+from ucm_db.tiers.index_types import BlockMeta, body_of
 
 #: Blocks checked per read transaction (keeps LMDB read snapshots short).
 CHUNK_BLOCKS = 256
 _VANISHED = "metadata vanished"
 #: Reason given for a block whose metadata names itself or a descendant as parent.
 PARENT_CYCLE = "parent cycle: the metadata names the block itself or a descendant as its parent"
+#: Reason given for a block whose parent is not stored (the prefix invariant is broken).
+PARENT_MISSING = "parent missing: the block's parent is not stored (prefix invariant broken)"
+#: Reason given for a block whose namespace id is not its parent's (an altered record).
+NAMESPACE_ALTERED = "namespace id differs from its parent's (altered metadata)"
+#: Reasons a repair quarantines without re-checking the payload (the metadata is at fault).
+_METADATA_REASONS = (PARENT_CYCLE, PARENT_MISSING, NAMESPACE_ALTERED)
+#: Index problems :func:`~ucm_db.tiers.damage.restore_links` repairs.
+_LINK_PROBLEMS = (": no LRU entry", ": child link from its parent missing")
 
 
 @dataclass
@@ -105,16 +118,43 @@ def verify_view(view: StoreView, *, sample: int | None = None, seed: int = 0, pr
             progress(start + len(chunk), len(keys))
     if sample is None:
         report.index_problems += view.tier.check()
-        _, cyclic = chain_roots(view.tier.scan_metas())
+        metas = view.tier.scan_metas()
+        _, cyclic = chain_roots(metas)
         for key in sorted(cyclic):
             report.corrupt[key] = PARENT_CYCLE
+        for key, reason in sorted(lineage_problems(metas, set(keys)).items()):
+            report.corrupt.setdefault(key, reason)
     return report
+
+
+def lineage_problems(metas: dict[bytes, BlockMeta], stored: set[bytes]) -> dict[bytes, str]:
+    """Blocks whose parent is not stored, or whose namespace id is not their
+    parent's: lookup would claim them, or a chain of another namespace.
+    ``metas`` holds the whole records, ``stored`` every key with a record (a
+    child of a damaged record is not named: it goes with its parent)."""
+    found: dict[bytes, str] = {}
+    for key, meta in metas.items():
+        if meta.parent is None:
+            continue
+        parent = metas.get(meta.parent)
+        if parent is None:
+            if meta.parent not in stored:
+                found[key] = PARENT_MISSING
+        elif parent.namespace_id != meta.namespace_id:
+            found[key] = NAMESPACE_ALTERED
+    return found
 
 
 def counters_damaged(problems: list[str]) -> bool:
     """Whether the index check found totals that disagree with the metadata,
     or damaged counter records (both fixed by recounting)."""
-    return any(p.startswith(("totals ", "info record ")) for p in problems)
+    return any(p.startswith(("totals ", "info record ", "namespace counters ")) or "metadata record damaged" in p
+               for p in problems)
+
+
+def links_missing(problems: list[str]) -> bool:
+    """Whether the index check found blocks without their LRU entry or child link."""
+    return any(p.endswith(_LINK_PROBLEMS) for p in problems)
 
 
 def repair(path: Path, report: VerifyReport) -> VerifyReport:
@@ -129,9 +169,11 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
         # by both reads alike), not by listing the store twice.
         before = tier.totals().blocks
         for key, reason in report.corrupt.items():
-            recheck = _always if reason == PARENT_CYCLE else _still_corrupt_for(key)
+            recheck = _always if reason in _METADATA_REASONS else _still_corrupt_for(key)
             tier.quarantine(key, f"ucm-db verify: {reason}", recheck)
         report.quarantined_blocks = before - tier.totals().blocks
+        if links_missing(report.index_problems):
+            damage.restore_links(tier)
         if counters_damaged(report.index_problems):
             tier.recompute_totals()
             report.totals_recomputed = True

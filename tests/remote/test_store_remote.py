@@ -3,6 +3,7 @@ lookup/get with promotion, warming, on memory://, a shared directory and S3."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -272,7 +273,8 @@ def test_remote_max_object_bytes_bounds_what_is_read(remote: Remote, tmp_path: P
         node_a.flush()
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0, remote_max_object_bytes=1 << 20)) as node_b:
         assert node_b.get(namespace, keys) == [None] * 4
-        assert node_b.stats().remote["corrupt"] >= 1
+        # Refused as too large, not counted as corrupt (issue 26 item 21).
+        assert node_b.stats().remote["too_large"] >= 1 and node_b.stats().remote["corrupt"] == 0
     with ucm_db.open(tmp_path / "c", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_c:
         assert node_c.get(namespace, keys) == big  # the default (256 MiB) reads them
     for bad in (0, 1 << 40, "1"):
@@ -293,3 +295,36 @@ def test_lookup_deadline_override(remote: Remote, tmp_path: Path, namespace) -> 
                 node_b.lookup(namespace, keys, remote_deadline_s=bad)
         assert node_b.tier.count_prefix(keys) == 0  # a refused call asked nothing
         assert node_b.lookup(namespace, keys, remote_deadline_s=10.0) == 20
+
+
+def test_uploaded_counter_agrees_with_the_queue_when_flush_returns(tmp_path: Path, namespace, monkeypatch) -> None:
+    """Issue 26 item 22: ``flush`` returns once the queue is empty, and the
+    ``uploaded`` counter must already count what left it. The race window
+    (the uploader deleting the rows before counting them) is made wide and
+    deterministic by a delay injected after the queue delete: the only
+    stand-in of this test, for a thread schedule that cannot be produced
+    otherwise."""
+    keys, payloads = chain(namespace, 3)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=f"file://{tmp_path / 'remote'}") as store:
+        real_mark_uploaded = store.tier.mark_uploaded
+
+        def mark_uploaded_then_pause(done: list[bytes]) -> None:
+            real_mark_uploaded(done)
+            time.sleep(0.5)
+
+        monkeypatch.setattr(store.tier, "mark_uploaded", mark_uploaded_then_pause)
+        store.put(namespace, keys, payloads)
+        store.flush(upload_timeout_s=30)
+        assert store.stats().pending_uploads == 0
+        assert store.stats().remote["uploaded"] == 3
+
+
+def test_write_through_uploads_are_counted(tmp_path: Path, namespace) -> None:
+    """Issue 26 item 22: a write-through put dequeues what it uploaded and
+    counts it in ``uploaded`` like the background uploader does."""
+    keys, payloads = chain(namespace, 3)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=f"file://{tmp_path / 'remote'}",
+                     remote_mode="write_through") as store:
+        store.put(namespace, keys, payloads)
+        assert store.stats().pending_uploads == 0
+        assert store.stats().remote["uploaded"] == 3

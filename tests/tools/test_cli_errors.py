@@ -70,7 +70,9 @@ def test_inspect_top_reports_a_parent_cycle_and_verify_fix_removes_it(tmp_path: 
 
 def test_gc_ends_when_remote_objects_name_each_other_as_parent(tmp_path: Path) -> None:
     url = f"file://{tmp_path / 'remote'}"
-    tier = RemoteRoot.from_url(url).tier(NS_A.digest[:16])
+    root = RemoteRoot.from_url(url)
+    root.ensure_manifest(NS_A.digest[:16], NS_A.to_dict())  # as an uploader does first: gc touches only ucm-db's namespaces
+    tier = root.tier(NS_A.digest[:16])
     x, y, old = chain_keys(NS_A, "cycle", 3)
     tier.store(x, y, codec.encode(x, payload("c", 0), codec="none"))
     tier.store(y, x, codec.encode(y, payload("c", 1), codec="none"))

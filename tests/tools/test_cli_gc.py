@@ -10,17 +10,24 @@ from pathlib import Path
 import pytest
 
 from ucm_db import codec
-from ucm_db.tiers.remote import RemoteRoot
+from ucm_db.tiers.remote import RemoteRoot, RemoteTier
 
 from cli_stores import NS_A, chain_keys, invoke, invoke_json, payload
 
 DAY_S = 86400
 
 
+def own_tier(url: str, options: dict[str, str] | None = None) -> RemoteTier:
+    """NS_A's tier on the remote, with the namespace manifest an uploader
+    writes first (gc touches only namespaces that have ucm-db's manifest)."""
+    root = RemoteRoot.from_url(url, options)
+    root.ensure_manifest(NS_A.digest[:16], NS_A.to_dict())
+    return root.tier(NS_A.digest[:16])
+
+
 def fill_remote(url: str) -> dict[str, list[bytes]]:
     """Chains x (first 2 blocks 10 days old, rest new), y (new), z (all old)."""
-    root = RemoteRoot.from_url(url)
-    tier = root.tier(NS_A.digest[:16])
+    tier = own_tier(url)
     chains = {tag: chain_keys(NS_A, tag, 5) for tag in ("x", "y", "z")}
     old = time.time() - 10 * DAY_S
     for tag, keys in chains.items():
@@ -72,7 +79,7 @@ def test_gc_keeps_new_objects_whose_ancestors_are_still_uploading(tmp_path: Path
     from ucm_db.remote_gc import ORPHAN_GRACE_S
 
     url = f"file://{tmp_path / 'remote'}"
-    tier = RemoteRoot.from_url(url).tier(NS_A.digest[:16])
+    tier = own_tier(url)
     old_s = time.time() - 10 * DAY_S
     victim = chain_keys(NS_A, "old", 1)[0]
     tier.store(victim, None, codec.encode(victim, payload("old", 0), codec="none"))
@@ -97,22 +104,9 @@ def test_an_object_of_unknown_age_with_an_absent_parent_is_kept() -> None:
     orphan from an upload in flight: it is kept."""
     from ucm_db.remote_gc import RemoteObjectInfo, orphaned_descendants
 
-    class Listing:  # read_range of each object's envelope, from a real remote laid out below
-        def __init__(self, root: RemoteRoot) -> None:
-            self.root = root
-
-        def read_range(self, path: str, start: int, end: int) -> bytes | None:
-            return self.root.read_range(path, start, end)
-
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        root = RemoteRoot.from_url(f"file://{tmp}/remote")
-        tier = root.tier(NS_A.digest[:16])
-        keys = chain_keys(NS_A, "unknown-age", 3)
-        tier.store(keys[2], keys[1], codec.encode(keys[2], payload("u", 2), codec="none"))
-        objects = [RemoteObjectInfo(tier.path(keys[2]), keys[2], 100, 0.0)]
-        assert orphaned_descendants(Listing(root), objects, {"some-victim"}, now_s=time.time()) == set()  # type: ignore[arg-type]
+    keys = chain_keys(NS_A, "unknown-age", 3)
+    objects = [RemoteObjectInfo("ns/ab/" + keys[2].hex(), keys[2], 100, 0.0, parent=keys[1])]
+    assert orphaned_descendants(objects, {"some-victim"}, now_s=time.time()) == set()
 
 
 def test_gc_needs_a_rule(tmp_path: Path) -> None:
@@ -147,8 +141,8 @@ def s3_url() -> Iterator[tuple[str, list[str]]]:
 def test_gc_on_s3_keeps_whole_prefixes(s3_url: tuple[str, list[str]]) -> None:
     url, flags = s3_url
     options = dict(flag.split("=", 1) for flag in flags)
-    root = RemoteRoot.from_url(url, options)
-    tier = root.tier(NS_A.digest[:16])
+    tier = own_tier(url, options)
+    root = tier.remote
     chains = {tag: chain_keys(NS_A, tag, 5) for tag in ("p", "q", "r")}
     for tag, keys in chains.items():
         for i, key in enumerate(keys):
@@ -162,3 +156,44 @@ def test_gc_on_s3_keeps_whole_prefixes(s3_url: tuple[str, list[str]]) -> None:
     for keys in chains.values():
         have = tier.exists(keys)
         assert have == sorted(have, reverse=True), have  # present blocks form a prefix
+
+
+def test_gc_touches_nothing_but_ucm_db_objects(tmp_path: Path) -> None:
+    """Issue 26 item 2: files named by 64 hex digits that are not ucm-db's
+    objects (another application's content-addressed files at the root or
+    in its own directory, files of a namespace directory that are off the
+    layout or do not start like an object, and a namespace-like directory
+    without ucm-db's manifest) all survive gc, however old; real old
+    objects go."""
+    remote_dir = tmp_path / "remote"
+    url = f"file://{remote_dir}"
+    chains = fill_remote(url)  # chain z: 5 objects 10 days old
+    ns_dir = remote_dir / NS_A.digest[:8].hex()
+    real = next(iter(ns_dir.glob("*/" + "?" * 64))).read_bytes()  # a real object's bytes
+    name = "ab" * 32
+    foreign = {
+        remote_dir / name: b"git-lfs object at the root",
+        remote_dir / "otherapp" / name: b"another app's file",
+        remote_dir / "otherapp" / "ab" / name: real,  # the layout's shape, outside any namespace
+        remote_dir / "0123456789abcdef" / "ab" / name: real,  # a namespace-like directory with no manifest
+        ns_dir / "cd" / name: real,  # wrong fan-out directory for its name
+        ns_dir / name: real,  # no fan-out directory
+        ns_dir / "ab" / "x" / name: real,  # one level too deep
+        ns_dir / "AB" / name.upper(): real,  # not how the uploader spells names
+        ns_dir / "ab" / name: b"not an object, under an object's name" * 4,
+        ns_dir / "ab" / ".tmp-not-ours" / name: b"inside a temp-named directory",
+    }
+    old_s = time.time() - 30 * DAY_S
+    for path, data in foreign.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        os.utime(path, (old_s, old_s))
+    other_temp = remote_dir / "otherapp" / ".tmp-their-upload"
+    other_temp.write_bytes(b"x")
+    os.utime(other_temp, (old_s, old_s))
+
+    r = invoke_json("gc", url, "--older-than", "7d")
+    assert present(url, chains["z"]) == [False] * 5 and present(url, chains["y"]) == [True] * 5
+    assert r["objects_before"] == 15 and r["skipped_entries"] >= 5
+    survivors = {path: path.read_bytes() for path in foreign if path.exists()}
+    assert survivors == foreign and other_temp.exists()

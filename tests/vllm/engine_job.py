@@ -5,7 +5,7 @@
 SPEC: {"model": dir, "connector": {extra config} | null, "prefix_caching": bool,
        "prompts": [{"ids": [...], "cache_salt": str | null}], "max_tokens": int,
        "dtype": str, "block_size": int, "tp": int, "env": {name: value},
-       "enforce_eager": bool}
+       "enforce_eager": bool, "engine_kwargs": {more LLM(...) arguments}}
 ("env" is set before vLLM is imported: e.g. the TP=2 CPU thread binding.
 "enforce_eager" skips torch.compile: about 20 s less per engine start here;
 the connector's own e2e module keeps vLLM's default, compiled.)
@@ -31,6 +31,7 @@ def make_engine(spec: dict):
         max_num_seqs=8, enable_prefix_caching=spec.get("prefix_caching", False), seed=0,
         tensor_parallel_size=spec.get("tp", 1), enforce_eager=spec.get("enforce_eager", False),
     )
+    kwargs.update(spec.get("engine_kwargs", {}))
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "UcmDbConnector", "kv_connector_module_path": "ucm_db.connector",

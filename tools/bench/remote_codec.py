@@ -167,15 +167,20 @@ def run(bandwidths_mb_s: list[float], blocks: int, runs: int) -> dict[str, Any]:
 @click.option("--bandwidth-mb-s", default="100,400", show_default=True, help="comma list of link bandwidths (MB/s)")
 @click.option("--blocks", type=click.IntRange(min=4), default=48, show_default=True, help="2 MiB blocks per run")
 @click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True, help="runs per row; medians reported")
+@click.option("--auth", is_flag=True, help="instead: read-through with vs without remote_auth_key_file (tools/bench/remote_auth.py)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
-def command(bandwidth_mb_s: str, blocks: int, runs: int, as_json: bool) -> None:
+def command(bandwidth_mb_s: str, blocks: int, runs: int, auth: bool, as_json: bool) -> None:
     """Remote codec none vs zstd vs auto on a bandwidth-limited remote (local tier: codec none).
 
     \b
     Example:
         ucm-db bench remote-codec --bandwidth-mb-s 100,400 --runs 3
+        ucm-db bench remote-codec --auth --bandwidth-mb-s 400 --runs 5
     """
     bandwidths = [float(x) for x in bandwidth_mb_s.split(",") if x.strip()]
+    if auth:
+        _auth_command(bandwidths, blocks, runs, as_json)
+        return
     result = run(bandwidths, blocks, runs)
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -189,3 +194,23 @@ def command(bandwidth_mb_s: str, blocks: int, runs: int, as_json: bool) -> None:
                    f"{','.join(row['auto_choice']) if row['remote_codec'] == 'auto' else ''}")
     for bandwidth, ratio in result["ratios"].items():
         click.echo(f"{bandwidth} MB/s: " + ", ".join(f"{k} {v}x" for k, v in ratio.items()))
+
+
+def _auth_command(bandwidths: list[float], blocks: int, runs: int, as_json: bool) -> None:
+    from ucm_db.tools.bench import remote_auth
+
+    result = remote_auth.run(bandwidths, blocks, runs)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"{blocks} blocks of {BLOCK_BYTES >> 20} MiB real bf16 K/V, codec none, median of {runs} runs")
+    click.echo(f"{'link':>14} {'auth':>4} {'upload raw MB/s':>16} {'read-through raw MB/s':>22} {'warm raw MB/s':>14}  read-through samples")
+    for row in result["rows"]:
+        click.echo(f"{row['link']:>14} {row['auth']:>4} {row['upload_raw_mb_s']:>16.1f} {row['read_through_raw_mb_s']:>22.1f} "
+                   f"{row['warm_raw_mb_s']:>14.1f}  {row['read_through_samples']}")
+    for link, ratio in result["ratios"].items():
+        click.echo(f"{link}: " + ", ".join(f"{k} {v}x" for k, v in ratio.items()))
+    click.echo("one verified fetch of a 2 MiB object from the page cache (ms, min/median): " + ", ".join(
+        f"auth {mode} {v['min_ms']}/{v['median_ms']}" for mode, v in result["fetch_2mib_ms"].items()))
+    click.echo(f"keyed BLAKE2b-256 on one core: {result['mac_mb_s_per_core']} MB/s; {result['cpus']} CPUs, "
+               f"load average {', '.join(f'{x:.1f}' for x in result['load_average'])} at the end")

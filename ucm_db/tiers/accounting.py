@@ -20,7 +20,7 @@ from typing import Any
 from ucm_db.format import CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY
 from ucm_db.tiers import records
 from ucm_db.tiers.base import Buffer, Txn
-from ucm_db.tiers.index_types import BlockMeta
+from ucm_db.tiers.index_types import BlockMeta, DamagedMeta
 
 logger = logging.getLogger("ucm_db")
 TOTALS = struct.Struct("<7Q")
@@ -124,6 +124,12 @@ class Changes:
             counts[3] = max(counts[3], meta.access_ns)
 
     def commit(self) -> None:
+        """Writes the counters. A counter driven below zero (a block removed
+        whose record was altered after it was counted, e.g. its namespace id)
+        is recounted from the metadata instead of written."""
+        totals = self.totals
+        if min(totals.blocks, totals.raw_bytes, totals.stored_bytes, *(min(c) for c in self.ns_counts.values())) < 0:
+            self.recount(records.DamagedRecord(TOTALS_KEY, "a counter went below zero"))
         self.totals.write(self.txn)
         for namespace_id, counts in self.ns_counts.items():
             records.put_checked(self.txn, NS_COUNTS_PREFIX + namespace_id, NS_COUNTS.pack(*counts))
@@ -131,11 +137,16 @@ class Changes:
 
 def recount(txn: Txn) -> tuple[Totals, dict[bytes, list[int]]]:
     """Totals and per-namespace counters recomputed from ``meta`` (event
-    counters zero): what the records must say at every commit."""
+    counters zero): what the records must say at every commit. A damaged
+    record (wrong length, impossible sizes) is left out: its sizes are
+    never summed (verify names it, a repair quarantines it)."""
     totals = Totals()
     per_namespace: dict[bytes, list[int]] = {}
     for _key, data in txn.scan("meta"):
-        meta = BlockMeta.unpack(data)
+        try:
+            meta = BlockMeta.unpack(data)
+        except DamagedMeta:
+            continue
         totals.blocks += 1
         totals.raw_bytes += meta.raw_bytes
         totals.stored_bytes += meta.stored_bytes

@@ -18,7 +18,11 @@ transaction of sorted scans instead:
 Invariants:
     * ``audit(txn).problems`` names the same problems, in the same words, as
       checking every block by key would: payload or head missing, wrong
-      size, parent missing, no LRU entry, ``blocks``/``heads`` orphans.
+      size, parent missing, child link missing, no LRU entry,
+      ``blocks``/``heads`` orphans, a damaged metadata record (whose sizes
+      are then not summed). :func:`namespace_problems` compares the
+      per-namespace sums with the counter records. A ``blocks`` entry left stuck by a quarantine
+      (:mod:`ucm_db.tiers.damage`) is not an orphan.
     * ``audit(txn).suspect`` holds every table that may have entries whose
       block has no metadata (``uploads`` always: it is not walked here).
     * Memory is O(1) in the store's size beyond the problems found.
@@ -31,12 +35,15 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from ucm_db.tiers import records
+from ucm_db.tiers.accounting import NS_COUNTS, NS_COUNTS_PREFIX
 from ucm_db.tiers.base import Buffer, Txn
-from ucm_db.tiers.index_types import META, NO_PARENT, BlockMeta, lru_key
+from ucm_db.tiers.damage import is_stuck, meta_or_none
+from ucm_db.codec import MAX_RAW_BYTES
+from ucm_db.tiers.index_types import MAX_STORED_BYTES, META, NO_PARENT, BlockMeta, DamagedMeta, lru_key
 
 _MASK = (1 << 64) - 1
 _hash = xxhash.xxh3_64_intdigest
-_PARENT = slice(16, 48)  # the parent key's bytes within a packed BlockMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,8 @@ class Audit:
     blocks: int = 0
     raw_bytes: int = 0
     stored_bytes: int = 0
+    #: (blocks, raw bytes, stored bytes) per namespace id, from the whole records.
+    per_namespace: dict[bytes, list[int]] = field(default_factory=dict)
 
 
 def audit(txn: Txn) -> Audit:
@@ -65,18 +74,29 @@ def audit(txn: Txn) -> Audit:
     found = Audit()
     lru_expected = children_expected = children_count = 0
     links = _LinkWalk(txn.scan("children"))
+    per_namespace = found.per_namespace
     for key, data, stored, head in _three_way(txn.scan("meta"), txn.scan("blocks"), txn.scan("heads")):
         if data is None:
             for table, value in (("blocks", stored), ("heads", head)):
-                if value is not None:
+                if value is not None and not (table == "blocks" and is_stuck(txn, key)):
                     found.problems.append(f"{table} entry {key.hex()[:16]} has no metadata (orphan)")
                     found.suspect.add(table)
             continue
         links.up_to(key)
-        _ns, parent, depth, raw, size, _created, access_ns, _hits = META.unpack(data)
+        if len(data) != META.size:
+            found.problems.append(f"block {key.hex()[:16]}: {_damage(data)}")
+            continue
+        namespace_id, parent, depth, raw, size, _created, access_ns, _hits = META.unpack(data)  # a tuple: 1M blocks
+        if raw > MAX_RAW_BYTES or size > MAX_STORED_BYTES:
+            found.problems.append(f"block {key.hex()[:16]}: {_damage(data)}")
+            continue
         found.blocks += 1
         found.raw_bytes += raw
         found.stored_bytes += size
+        counts = per_namespace.setdefault(namespace_id, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += raw
+        counts[2] += size
         if stored is None or head is None:
             found.problems.append(f"block {key.hex()[:16]}: payload or head missing")
         elif size not in (len(stored), len(stored) + len(head)):
@@ -99,6 +119,35 @@ def audit(txn: Txn) -> Audit:
     if not children_ok:
         found.suspect.add("children")
     return found
+
+
+def namespace_problems(txn: Txn, found: Audit) -> list[str]:
+    """Namespaces whose (whole) counter record disagrees with the sums
+    ``found`` in the metadata: a block whose namespace id was altered shows
+    here."""
+    per_namespace = found.per_namespace
+    problems = []
+    recorded: dict[bytes, list[int]] = {}
+    for name, value in records.scan_checked(txn, NS_COUNTS_PREFIX, size=NS_COUNTS.size):
+        if value is not None:  # a damaged record is reported on its own
+            recorded[name[len(NS_COUNTS_PREFIX):]] = list(NS_COUNTS.unpack(value)[:3])
+        else:
+            recorded[name[len(NS_COUNTS_PREFIX):]] = per_namespace.get(name[len(NS_COUNTS_PREFIX):], [0, 0, 0])
+    for namespace_id in sorted(set(recorded) | set(per_namespace)):
+        sums = per_namespace.get(namespace_id, [0, 0, 0])
+        if recorded.get(namespace_id, [0, 0, 0]) != sums:
+            problems.append(f"namespace counters of {namespace_id.hex()[:16]} disagree with metadata "
+                            f"({recorded.get(namespace_id, [0, 0, 0])} recorded, {sums} found)")
+    return problems
+
+
+def _damage(data: Buffer) -> DamagedMeta:
+    """Why ``data`` is a damaged record (it is one)."""
+    try:
+        BlockMeta.unpack(data)
+    except DamagedMeta as exc:
+        return exc
+    raise AssertionError("not a damaged record")
 
 
 def _fingerprint(keys: Iterator[bytes]) -> Fingerprint:
@@ -135,12 +184,17 @@ class _LinkWalk:
 
 
 def _parent_problems(txn: Txn) -> list[str]:
-    """Blocks whose parent is not stored, looked up one by one."""
+    """Blocks whose parent is not stored, or whose child link is missing,
+    looked up one by one."""
     problems = []
     for key, data in txn.scan("meta"):
-        parent = bytes(data[_PARENT])
-        if parent != NO_PARENT and txn.get("meta", parent) is None:
+        meta = meta_or_none(data)
+        if meta is None or meta.parent is None:
+            continue
+        if txn.get("meta", meta.parent) is None:
             problems.append(f"block {key.hex()[:16]}: parent missing (prefix invariant broken)")
+        elif txn.get("children", meta.parent + key) is None:
+            problems.append(f"block {key.hex()[:16]}: child link from its parent missing")
     return problems
 
 
@@ -148,8 +202,8 @@ def lru_problems(txn: Txn) -> list[str]:
     """Blocks without their LRU entry, looked up one by one."""
     problems = []
     for key, data in txn.scan("meta"):
-        meta = BlockMeta.unpack(data)
-        if txn.get("lru", lru_key(meta.access_ns, meta.depth, key)) is None:
+        meta = meta_or_none(data)
+        if meta is not None and txn.get("lru", lru_key(meta.access_ns, meta.depth, key)) is None:
             problems.append(f"block {key.hex()[:16]}: no LRU entry")
     return problems
 

@@ -4,6 +4,11 @@ to put, put results, buffered reader activity, and LRU index keys.
 Invariants:
     * :class:`BlockMeta` packs to a fixed 88-byte record; its first 16 bytes
       are the namespace id (readers check a block's namespace from them).
+    * :meth:`BlockMeta.unpack` never returns a record of another length or
+      with sizes no block can have (raw bytes over the codec's limit, stored
+      bytes over that plus the largest head and frame overhead): it raises
+      :class:`DamagedMeta`, so damaged sizes are never summed into totals
+      nor fed to eviction (see :mod:`ucm_db.tiers.damage`).
     * :func:`lru_key` orders by access time, then deeper blocks first, so
       equal-time chain tails sort before their ancestors.
 """
@@ -20,6 +25,24 @@ NO_PARENT = bytes(32)
 META = struct.Struct("<16s32sIQQQQI")
 LRU_PREFIX = struct.Struct(">QI")
 MAX_DEPTH = 0xFFFFFFFF
+#: Largest stored size (head + body) any block can have: the codec's raw
+#: limit, plus its largest head, plus a frame's worth of slack per frame.
+MAX_STORED_BYTES = codec.MAX_RAW_BYTES + 2 * (codec.HEADER_BYTES + codec.MAX_FRAMES * 32)
+
+
+class DamagedMeta(ValueError):
+    """A ``meta`` record that is not a whole, plausible :class:`BlockMeta`.
+
+    Attributes:
+        reason: what is wrong, in words.
+        fields: the record's fields where its length is right (the sizes are
+            then the implausible ones), else None.
+    """
+
+    def __init__(self, reason: str, fields: BlockMeta | None) -> None:
+        super().__init__(f"block metadata record damaged: {reason}")
+        self.reason = reason
+        self.fields = fields
 
 
 @dataclass(slots=True)
@@ -43,8 +66,19 @@ class BlockMeta:
 
     @classmethod
     def unpack(cls, data: Buffer) -> BlockMeta:
+        """The record's fields.
+
+        Raises:
+            DamagedMeta: the record has the wrong length, or sizes no block
+                can have.
+        """
+        if len(data) != META.size:
+            raise DamagedMeta(f"{len(data)} bytes, expected {META.size}", None)
         ns, parent, depth, raw, stored, created, access, hits = META.unpack(data)
-        return cls(ns, None if parent == NO_PARENT else parent, depth, raw, stored, created, access, hits)
+        meta = cls(ns, None if parent == NO_PARENT else parent, depth, raw, stored, created, access, hits)
+        if raw > codec.MAX_RAW_BYTES or stored > MAX_STORED_BYTES:
+            raise DamagedMeta(f"impossible sizes: {raw} raw bytes, {stored} stored bytes", meta)
+        return meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +131,12 @@ class PendingActivity:
 
 def lru_key(access_ns: int, depth: int, key: bytes) -> bytes:
     return LRU_PREFIX.pack(access_ns, MAX_DEPTH - depth) + key
+
+
+def body_of(head: memoryview, stored: memoryview) -> memoryview:
+    """The body within a ``blocks`` value: the value itself, or (a block
+    written before format 3) what follows the head in it."""
+    n = len(head)
+    if n and len(stored) > n and stored[:n] == head:
+        return stored[n:]
+    return stored

@@ -264,7 +264,9 @@ class LmdbEngine(Engine):
         except OSError as exc:
             raise TierError(
                 f"cannot check LMDB store {self.path} after an OS crash: {exc}",
-                hint=f"make {self.path.parent} writable by this user, or delete the store (it is a cache)",
+                hint=f"give this user (uid {os.getuid()}) read and write access to {self.path.parent} and everything "
+                "under it, e.g. run as the store's owner" if isinstance(exc, PermissionError) else
+                f"make {self.path.parent} writable by this user, or delete the store (it is a cache)",
             ) from exc
         check_data_file(self.path)
         try:

@@ -54,6 +54,10 @@ def check_data_file(env_dir: Path) -> None:
     check = check_file(data)
     if check.ok:
         return
+    if data.is_file() and not os.access(data, os.R_OK):  # not damage: never suggest moving the store aside
+        raise TierError(f"LMDB store {env_dir} cannot be opened: permission denied on {data}",
+                        hint=f"give this user (uid {os.getuid()}) read access to {env_dir.parent} and everything under it "
+                        "(write access too, to open it writable), e.g. run as the store's owner")
     if data.exists() and not data.is_file():
         raise TierError(f"{data} is not a regular file",
                         hint=f"move {data} away: LMDB keeps the store's data in a file of that name")

@@ -45,14 +45,14 @@ from typing import Any, TypeVar
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.events import FEED_MAX_RECORDS
-from ucm_db.tiers import changefeed, chunked, index_audit, records
+from ucm_db.tiers import changefeed, chunked, damage, index_audit, namespace_guard, records
 from ucm_db.format import SETTINGS_KEY
 from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
     NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
 )
 from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
 from ucm_db.tiers.index_types import (  # noqa: F401 - re-exported: the index's value types
-    LRU_PREFIX, MAX_DEPTH, NO_PARENT, BlockEntry, BlockMeta, PendingActivity, PutResult, lru_key,
+    LRU_PREFIX, MAX_DEPTH, META, NO_PARENT, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, body_of, lru_key,
 )
 
 T = TypeVar("T")
@@ -88,17 +88,41 @@ class LocalTier(Tier):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.engine.read(lambda txn: [txn.get("meta", k) is not None for k in keys])
 
+    def present_for_put(self, keys: Sequence[bytes], namespace_desc: tuple[bytes, bytes]) -> list[bool]:
+        """Whether each key is stored, for a put into the namespace
+        ``namespace_desc`` (its id and JSON description).
+
+        Raises:
+            ForeignNamespaceError: a key is stored under another namespace
+                (:mod:`ucm_db.tiers.namespace_guard`).
+        """
+        namespace_id = namespace_desc[0]
+
+        def run(txn: Txn) -> list[bool]:
+            metas = [txn.get("meta", key) for key in keys]
+            for key, meta in zip(keys, metas):
+                # 16 bytes compared on the put's hot path; a damaged record (wrong
+                # length) is left to the put, which quarantines it.
+                if meta is not None and meta[:16] != namespace_id and len(meta) == META.size:
+                    namespace_guard.require_same(txn, meta, namespace_id, key, "block", description=namespace_desc[1])
+            return [meta is not None for meta in metas]
+        return self.engine.read(run)
+
     def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Removes ``keys`` and their descendants; with ``namespace_id``,
-        only keys stored under that namespace."""
+        only keys stored under that namespace, and never a descendant
+        stored under another one (:class:`ForeignNamespaceError`, nothing
+        removed)."""
         def run(txn: Txn) -> int:
             changes = Changes(txn)
-            removed = sum(
-                self._remove_tree(txn, changes, k) for k in keys if _in_namespace(txn.get("meta", k), namespace_id)
-            )
+            mine = [k for k in keys if _in_namespace(txn.get("meta", k), namespace_id)]
+            if namespace_id is not None:
+                for key in mine:
+                    namespace_guard.require_tree_in_namespace(txn, key, namespace_id)
+            removed = sum(self._remove_tree(txn, changes, k) for k in mine)
             changes.commit()
             return removed
-        return self.engine.write(run)
+        return damage.delete_around_damage(self, keys, namespace_id, lambda: self.engine.write(run))
 
     def iterate(self) -> Iterator[bytes]:
         return iter(self.engine.read(lambda txn: [k for k, _ in txn.scan("meta")]))
@@ -146,7 +170,10 @@ class LocalTier(Tier):
 
     def count_prefix(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Number of leading keys present (given ``namespace_id``: present
-        under that namespace): a binary search (prefix invariant)."""
+        under that namespace): a binary search (prefix invariant). Given
+        ``namespace_id``, the first key is read too (one more read): a
+        chain that older code let continue under another namespace is then
+        0 for that namespace, not over-claimed."""
         def run(txn: Txn) -> int:
             lo, hi = 0, len(keys)
             while lo < hi:
@@ -155,6 +182,8 @@ class LocalTier(Tier):
                     lo = mid + 1
                 else:
                     hi = mid
+            if lo > 1 and namespace_id is not None and not _in_namespace(txn.get("meta", keys[0]), namespace_id):
+                return 0  # lo == 1: keys[0] was the search's last hit
             return lo
         return self.engine.read(run)
 
@@ -212,6 +241,8 @@ class LocalTier(Tier):
         Raises:
             MissingAncestorError: a block's parent is neither stored nor
                 earlier in the batch (nothing is written).
+            ForeignNamespaceError: a block or its parent is stored under
+                another namespace than the entry's (nothing is written).
             StoreFullError: the batch alone exceeds the capacity.
         """
         def run(txn: Txn) -> PutResult:
@@ -224,11 +255,14 @@ class LocalTier(Tier):
                 records.put_checked(txn, NS_DESC_PREFIX + namespace_desc[0], namespace_desc[1])
             for entry in entries:
                 in_batch.add(entry.key)
-                existing = txn.get("meta", entry.key)
+                existing = damage.meta_or_clear(self, txn, changes, entry.key)
                 if existing is not None:
+                    if existing.namespace_id != entry.namespace_id:
+                        namespace_guard.require_same(txn, existing.pack(), entry.namespace_id, entry.key, "block")
                     result.already_present += 1
-                    depths[entry.key] = BlockMeta.unpack(existing).depth
+                    depths[entry.key] = existing.depth
                     continue
+                damage.refuse_stuck(txn, entry.key)
                 depth = self._depth_of_parent(txn, entry, depths) + 1
                 depths[entry.key] = depth
                 meta = BlockMeta(entry.namespace_id, entry.parent, depth, entry.raw_bytes, entry.stored_bytes, now, now, 0)
@@ -258,12 +292,14 @@ class LocalTier(Tier):
             return -1
         if entry.parent in depths:
             return depths[entry.parent]
-        parent_meta = txn.get("meta", entry.parent)
+        parent_meta = damage.stored_meta(txn, entry.parent)
         if parent_meta is None:
             raise MissingAncestorError(
                 f"block {entry.key.hex()[:16]} has parent {entry.parent.hex()[:16]}, which is not stored"
             )
-        return BlockMeta.unpack(parent_meta).depth
+        if parent_meta.namespace_id != entry.namespace_id:
+            namespace_guard.require_same(txn, parent_meta.pack(), entry.namespace_id, entry.parent, "parent")
+        return parent_meta.depth
 
     def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: Container[bytes]) -> int:
         """Evicts LRU chain tails until the totals fit the capacity, never a
@@ -303,7 +339,7 @@ class LocalTier(Tier):
             key = bytes(lru[LRU_PREFIX.size:])
             if key in protected:
                 continue
-            if next(iter(txn.scan("children", key)), None) is None:
+            if not damage.has_live_children(txn, key):
                 if txn.get("meta", key) is None:
                     stale.append(bytes(lru))
                     continue
@@ -314,11 +350,10 @@ class LocalTier(Tier):
             txn.delete("lru", lru)
         now = time.time_ns()
         for lru, key in refile:
-            data = txn.get("meta", key)
             txn.delete("lru", lru)
-            if data is None:
+            meta = damage.meta_or_clear(self, txn, changes, key)
+            if meta is None:
                 continue
-            meta = BlockMeta.unpack(data)
             meta.access_ns = max(meta.access_ns, now)
             txn.put("lru", lru_key(meta.access_ns, meta.depth, key), b"")
             txn.put("meta", key, meta.pack())
@@ -340,7 +375,10 @@ class LocalTier(Tier):
         data = txn.get("meta", key)
         if data is None:
             return 0
-        meta = BlockMeta.unpack(data)
+        try:
+            meta = BlockMeta.unpack(data)
+        except DamagedMeta as exc:
+            return damage.detach(txn, changes, key, exc.fields, exc, feed_max_records=self.feed_max_records)
         txn.delete("meta", key)
         txn.delete("blocks", key)
         txn.delete("heads", key)
@@ -374,10 +412,9 @@ class LocalTier(Tier):
             hit = True
             current: bytes | None = key
             while current is not None and (current not in visited or hit):
-                data = txn.get("meta", current)
-                if data is None:
+                meta = damage.meta_or_clear(self, txn, changes, current)
+                if meta is None:
                     break
-                meta = BlockMeta.unpack(data)
                 if meta.access_ns < access_ns:
                     txn.delete("lru", lru_key(meta.access_ns, meta.depth, current))
                     txn.put("lru", lru_key(access_ns, meta.depth, current), b"")
@@ -397,28 +434,12 @@ class LocalTier(Tier):
 
         ``still_corrupt(head, body)`` re-checks the block inside the write
         transaction, so a block another process has meanwhile replaced is
-        left alone.
+        left alone. A block whose record is damaged, or whose stored bytes
+        disagree with its record, goes whatever ``still_corrupt`` says; one
+        whose payload cannot be deleted (a damaged page) goes leaving that
+        payload stuck (:mod:`ucm_db.tiers.damage`).
         """
-        def run(txn: Txn) -> bool:
-            stored = txn.get("blocks", key)
-            data = txn.get("meta", key)
-            if data is not None and stored is not None:
-                head = memoryview(txn.get("heads", key) or b"")
-                if not still_corrupt(head, body_of(head, memoryview(stored))):
-                    return False
-            meta = _meta_or_none(data)
-            record = {
-                "reason": reason, "time_ns": time.time_ns(),
-                "namespace": meta.namespace_id.hex() if meta else None,
-                "stored_bytes": meta.stored_bytes if meta else None,
-            }
-            changes = Changes(txn)
-            self._remove_tree(txn, changes, key)
-            txn.put("quarantine", key, json.dumps(record).encode())
-            changes.totals.quarantined += 1
-            changes.commit()
-            return True
-        return self.engine.write(run)
+        return damage.quarantine(self, key, reason, still_corrupt)
 
     def quarantine_records(self) -> dict[bytes, dict[str, Any]]:
         return self.engine.read(lambda txn: {k: json.loads(bytes(v)) for k, v in txn.scan("quarantine")})
@@ -482,8 +503,8 @@ class LocalTier(Tier):
     def scan_metas(self, namespaces: set[bytes] | None = None) -> dict[bytes, BlockMeta]:
         """Metadata of every block (of ``namespaces``, None = all), from one snapshot."""
         def run(txn: Txn) -> dict[bytes, BlockMeta]:
-            metas = ((bytes(k), BlockMeta.unpack(v)) for k, v in txn.scan("meta"))
-            return {k: m for k, m in metas if namespaces is None or m.namespace_id in namespaces}
+            metas = ((bytes(k), damage.meta_or_none(v)) for k, v in txn.scan("meta"))  # damaged records left out
+            return {k: m for k, m in metas if m is not None and (namespaces is None or m.namespace_id in namespaces)}
         return self.engine.read(run)
 
     def visit_stored(
@@ -519,9 +540,10 @@ class LocalTier(Tier):
         return chunked.sample_keys(self.engine, "meta", count, total_keys=self.totals().blocks, seed=seed)
 
     def drop_quarantine_records(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> int:
-        """Deletes every quarantine record, at most about ``chunk_keys`` per
-        write transaction; returns how many there were."""
-        return self._drop_where("quarantine", lambda _txn, _key: True, chunk_keys)
+        """Deletes every quarantine record but those of stuck payloads
+        (:mod:`ucm_db.tiers.damage`: the rewrite drops them), at most about
+        ``chunk_keys`` per write transaction; returns how many went."""
+        return self._drop_where("quarantine", lambda txn, key: not damage.is_stuck(txn, key), chunk_keys)
 
     def drop_orphans(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> dict[str, int]:
         """Deletes index entries whose block has no metadata; returns counts
@@ -588,8 +610,8 @@ class _LazyAncestors:
         for current in [entry.parent for entry in self._entries] + list(self._present):
             while current is not None and current not in self._in_batch and current not in ancestors:
                 ancestors.add(current)
-                data = self._txn.get("meta", current)
-                current = BlockMeta.unpack(data).parent if data is not None else None
+                meta = damage.stored_meta(self._txn, current)
+                current = meta.parent if meta is not None else None
         return ancestors
 
 
@@ -600,7 +622,7 @@ def _problems(txn: Txn, found: index_audit.Audit) -> list[str]:
         totals = Totals.read(txn)
     except records.DamagedRecord:
         totals = Totals(-1, -1, -1)
-    problems += found.problems
+    problems += found.problems + index_audit.namespace_problems(txn, found)
     if (found.blocks, found.raw_bytes, found.stored_bytes) != (totals.blocks, totals.raw_bytes, totals.stored_bytes):
         problems.append(f"totals {totals} disagree with metadata ({found.blocks}, {found.raw_bytes}, {found.stored_bytes})")
     return problems
@@ -611,16 +633,15 @@ def _stored(txn: Txn, key: bytes) -> bool:
 
 
 def _lru_dead(txn: Txn, lru: bytes) -> bool:
-    data = txn.get("meta", lru[-32:])
-    if data is None:
+    meta = damage.stored_meta(txn, lru[-32:])
+    if meta is None:
         return True
-    meta = BlockMeta.unpack(data)
     return lru_key(meta.access_ns, meta.depth, lru[-32:]) != lru
 
 
 #: Per index table, whether an entry is orphaned (its block has no metadata).
 _ORPHAN: dict[str, Callable[[Txn, bytes], bool]] = {
-    "blocks": lambda txn, k: not _stored(txn, k),
+    "blocks": lambda txn, k: not _stored(txn, k) and not damage.is_stuck(txn, k),
     "heads": lambda txn, k: not _stored(txn, k),
     "uploads": lambda txn, k: not _stored(txn, k),
     "children": lambda txn, k: not (_stored(txn, k[:32]) and _stored(txn, k[32:])),
@@ -636,17 +657,8 @@ def _in_namespace(meta: Buffer | None, namespace_id: bytes | None) -> bool:
     return namespace_id is None or bytes(meta[:16]) == namespace_id
 
 
-def body_of(head: memoryview, stored: memoryview) -> memoryview:
-    """The body within a ``blocks`` value: the value itself, or (a block
-    written before format 3) what follows the head in it."""
-    n = len(head)
-    if n and len(stored) > n and stored[:n] == head:
-        return stored[n:]
-    return stored
-
-
 def _meta_or_none(data: Buffer | None) -> BlockMeta | None:
-    return None if data is None else BlockMeta.unpack(data)
+    return damage.meta_or_none(data)
 
 
 def _bytes_or_none(data: Buffer | None) -> bytes | None:

@@ -29,10 +29,12 @@ Invariants:
       request reads at most :data:`FIRST_READ_BYTES`; the envelope and codec
       header then state the object's exact length, which must be within
       :attr:`RemoteRoot.max_object_bytes` (the store's
-      ``remote_max_object_bytes``, at most :data:`MAX_OBJECT_BYTES`), and at
-      most that many bytes (plus one, to see an object longer than stated)
-      are read. An object shorter or
-      longer than its header states is corrupt (a miss).
+      ``remote_max_object_bytes``, at most :data:`MAX_OBJECT_BYTES`; a
+      larger one is refused unread, a miss counted in
+      :attr:`RemoteStats.too_large`), and at most that many bytes (plus one,
+      to see an object longer than stated) are read, in chunks within the
+      caller's deadline and byte budget (:mod:`ucm_db.tiers.remote_reads`).
+      An object shorter or longer than its header states is corrupt (a miss).
     * On a local or NFS directory only regular files are read: a symlink,
       FIFO, device or directory in an object's place is never opened for
       reading (so never hangs or streams), it is a miss, counted in
@@ -41,8 +43,11 @@ Invariants:
     * A miss is ``None``; errors other than "not found" propagate to the
       caller (the store's read-through layer turns them into misses with a
       deadline and backoff).
-    * Trust: checksums catch corruption, not a malicious remote. Whoever can
-      write the remote can serve any KV to every node that reads it.
+    * Trust: checksums catch corruption, not a malicious remote. With auth
+      keys (:attr:`RemoteRoot.auth`) a fetch serves only objects one key
+      signed (:mod:`ucm_db.tiers.remote_object`); others are misses counted
+      as ``unauthenticated``/``mac_mismatch``. A probe cannot check a MAC:
+      a forged object can lengthen a prefix search, never make a hit.
 """
 
 from __future__ import annotations
@@ -57,14 +62,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db import codec
+from ucm_db.auth import AuthKeys
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError, UcmDbError
 from ucm_db.tiers.base import Buffer, Tier, TierCapabilities
 from ucm_db.tiers.remote_files import (  # noqa: F401 - re-exported: the remote tier's public names
     TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, write_whole,
 )
+from ucm_db.tiers.remote_reads import ObjectTooLargeError, ReadLimits, read_object
 from ucm_db.tiers.remote_object import (  # noqa: F401 - re-exported
     ENVELOPE_BYTES, MAX_OBJECT_BYTES, OBJECT_FORMAT_VERSION, OBJECT_MAGIC, PROBE_BYTES, RemoteObject, pack_object,
-    parse_envelope, stated_object_bytes, unpack_object,
+    UnauthenticatedObject, is_signed, parse_envelope, stated_object_bytes, unpack_object,
 )
 
 MANIFEST_NAME = "manifest.json"
@@ -92,6 +99,10 @@ class RemoteStats:
     bytes_read: int = 0
     bytes_written: int = 0
     not_regular: int = 0
+    #: Objects refused unread: stating more than ``max_object_bytes``.
+    too_large: int = 0
+    unauthenticated: int = 0
+    mac_mismatch: int = 0
 
 
 class ManifestError(UcmDbError):
@@ -129,6 +140,8 @@ class RemoteRoot:
         self.root = root.rstrip("/")
         #: The largest object read (a larger one is a miss, never read).
         self.max_object_bytes = MAX_OBJECT_BYTES
+        #: Keys that sign uploads and authenticate fetches; None: neither.
+        self.auth: AuthKeys | None = None
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self.manifests_written: set[bytes] = set()
@@ -335,49 +348,33 @@ class RemoteTier(Tier):
         return self.remote.object_path(self.namespace_id, key)
 
     # -- single-object operations (what the thread pools run) -----------------
-    def read_object(self, key: bytes) -> bytes | None:
+    def read_object(self, key: bytes, limits: ReadLimits = ReadLimits()) -> bytes | bytearray | None:
         """The whole object of ``key``, read within the bound its header
-        states (see the module invariants); None if absent or not a regular
-        file.
+        states and within ``limits`` (:func:`~ucm_db.tiers.remote_reads.read_object`);
+        None if absent or not a regular file."""
+        return read_object(self.remote, self.path(key), key, FIRST_READ_BYTES, limits)
+
+    def fetch(self, key: bytes, limits: ReadLimits = ReadLimits()) -> RemoteObject | None:
+        """The verified object of ``key``; None if absent, corrupt or too
+        large (counted apart, as ``too_large``).
 
         Raises:
-            CorruptBlockError: bad envelope or codec header, a stated length
-                above :data:`MAX_OBJECT_BYTES`, or an object shorter or
-                longer than stated.
+            ReadAbandoned: ``limits`` stopped the read (nothing counted).
         """
-        path = self.path(key)
-        first = self.remote.read_range(path, 0, FIRST_READ_BYTES)
-        if first is None:
-            return None
-        stated = stated_object_bytes(first, key)
-        if stated > self.remote.max_object_bytes:
-            raise CorruptBlockError(f"remote object states {stated} bytes, more than the {self.remote.max_object_bytes} this store reads")
-        if len(first) < FIRST_READ_BYTES:  # the whole object
-            if len(first) != stated:
-                raise CorruptBlockError(f"remote object of {len(first)} bytes states {stated}")
-            return first
-        if stated < FIRST_READ_BYTES:
-            raise CorruptBlockError(f"remote object is longer than the {stated} bytes it states")
-        # From one byte before the end of the first read (a range starting at
-        # an object's end is an error on S3) to one byte past the stated end
-        # (to see an object longer than stated).
-        rest = self.remote.read_range(path, FIRST_READ_BYTES - 1, stated + 1)
-        if rest is None:
-            return None  # removed between the two reads
-        if len(rest) != stated - FIRST_READ_BYTES + 1:
-            raise CorruptBlockError(f"remote object's length does not match the {stated} bytes it states")
-        return b"".join((first, memoryview(rest)[1:]))
-
-    def fetch(self, key: bytes) -> RemoteObject | None:
-        """The verified object of ``key``; None if absent or corrupt."""
         self.remote.count(gets=1)
         try:
-            data = self.read_object(key)
+            data = self.read_object(key, limits)
             if data is None:
                 return None
-            obj = unpack_object(data, key)
+            obj = unpack_object(data, key, self.remote.auth)
+        except ObjectTooLargeError:
+            self.remote.count(too_large=1)
+            return None
         except CorruptBlockError:
             self.remote.count(corrupt=1)
+            return None
+        except UnauthenticatedObject as exc:
+            self.remote.count(**{exc.reason: 1})
             return None
         if obj.namespace_id != self.namespace_id:
             self.remote.count(corrupt=1)
@@ -395,6 +392,9 @@ class RemoteTier(Tier):
         except CorruptBlockError:
             self.remote.count(corrupt=1)
             return None
+        if self.remote.auth is not None and not is_signed(data):
+            self.remote.count(unauthenticated=1)
+            return None
         # The blob itself is verified when fetched; a probe only needs the
         # envelope (parent) to be intact and the blob to start like one.
         if namespace_id != self.namespace_id or bytes(data[ENVELOPE_BYTES : ENVELOPE_BYTES + 4]) != codec.MAGIC:
@@ -404,7 +404,7 @@ class RemoteTier(Tier):
 
     def store(self, key: bytes, parent: bytes | None, blob: Buffer) -> int:
         """Uploads one block as a whole object; returns bytes written."""
-        data = pack_object(key, parent, self.namespace_id, blob)
+        data = pack_object(key, parent, self.namespace_id, blob, self.remote.auth)
         self.remote.count(requests=1, puts=1)
         try:
             write_whole(self.remote.fs, self.path(key), data)

@@ -6,6 +6,7 @@ Object format (little-endian): a 64-byte envelope followed by the codec blob
     envelope  magic "UCMR" | version u16 | flags u16 | namespace id 16B |
               parent key 32B | checksum u64
     blob      codec header (owning key, raw length, ...) | frame table | body
+    trailer   (version 2 only) key id 8B | MAC 32B
 
 The envelope carries what the codec blob lacks to promote the block into a
 local tier: its parent key (flag bit 0 set; a chain's first block has none)
@@ -13,11 +14,24 @@ and the 16-byte namespace id. Its checksum is xxh3-64 over the envelope with
 the checksum field zeroed, followed by the object's own key, so an envelope
 that is bit-flipped or served under another key's path fails.
 
+Version 1 objects carry no MAC (a store with no auth key writes them).
+Version 2 objects, written by a store with ``remote_auth_key_file`` or
+``remote_auth_key_env``, end with a trailer: the id of the signing key and
+a keyed BLAKE2b-256 (:mod:`ucm_db.auth`) over the object's key, the whole
+envelope, the whole codec blob and the key id. A reader with keys accepts
+only a version 2 object whose MAC one of its keys made
+(:class:`UnauthenticatedObject` otherwise); a reader without keys reads
+both versions and ignores the MAC (its checksums still hold). A reader
+older than version 2 takes a signed object for a corrupt one: a miss.
+
 Invariants:
     * An object states its own exact length in its first
       :data:`PROBE_BYTES` (:func:`stated_object_bytes`), never more than
       :data:`MAX_OBJECT_BYTES`: a reader needs to read no further.
-    * Every parse failure is a :class:`~ucm_db.errors.CorruptBlockError`.
+    * Every parse failure is a :class:`~ucm_db.errors.CorruptBlockError`;
+      an object that the reader's keys do not authenticate is an
+      :class:`UnauthenticatedObject` (not damage: nothing to quarantine).
+    * With keys, the MAC is checked before the codec parses the blob.
 """
 
 from __future__ import annotations
@@ -27,12 +41,15 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ucm_db import codec
+from ucm_db import auth, codec
 from ucm_db.errors import ConfigError, CorruptBlockError
 from ucm_db.tiers.base import Buffer
 
 OBJECT_MAGIC = b"UCMR"
 OBJECT_FORMAT_VERSION = 1
+#: The format of an object signed with a key (a MAC trailer).
+SIGNED_FORMAT_VERSION = 2
+TRAILER_BYTES = auth.KEY_ID_BYTES + auth.MAC_BYTES
 _ENVELOPE = struct.Struct("<4sHH16s32sQ")
 ENVELOPE_BYTES = _ENVELOPE.size
 _ENV_CHECKSUM_OFFSET = ENVELOPE_BYTES - 8
@@ -52,7 +69,20 @@ _FRAME_OVERHEAD_BYTES = 16
 #: and a body of the largest raw block the codec decodes (plus the shuffle
 #: mode's per-frame plane lengths). Anything the local tier can decode fits.
 MAX_OBJECT_BYTES = (ENVELOPE_BYTES + codec.HEADER_BYTES + codec.MAX_FRAMES * (_FRAME_ENTRY_BYTES + _FRAME_OVERHEAD_BYTES)
-                    + codec.MAX_RAW_BYTES)
+                    + codec.MAX_RAW_BYTES + TRAILER_BYTES)
+
+
+class UnauthenticatedObject(Exception):
+    """An object the reader's keys do not authenticate.
+
+    Attributes:
+        reason: ``"unauthenticated"`` (it carries no MAC) or
+            ``"mac_mismatch"`` (no configured key made its MAC).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +106,21 @@ class RemoteObject:
     raw_bytes: int
 
 
-def pack_object(key: bytes, parent: bytes | None, namespace_id: bytes, blob: Buffer) -> bytes:
-    """Builds the object bytes for ``blob`` (envelope + blob)."""
+def pack_object(key: bytes, parent: bytes | None, namespace_id: bytes, blob: Buffer, keys: auth.AuthKeys | None = None) -> bytes:
+    """Builds the object bytes for ``blob`` (envelope + blob, and with
+    ``keys`` a trailer signed with the first key)."""
     if len(namespace_id) != 16:
         raise ConfigError("namespace id must be 16 bytes", hint="pass namespace.digest[:16]")
     flags = _FLAG_HAS_PARENT if parent is not None else 0
-    head = _ENVELOPE.pack(OBJECT_MAGIC, OBJECT_FORMAT_VERSION, flags, namespace_id, parent or _NO_PARENT, 0)
+    version = OBJECT_FORMAT_VERSION if keys is None else SIGNED_FORMAT_VERSION
+    head = _ENVELOPE.pack(OBJECT_MAGIC, version, flags, namespace_id, parent or _NO_PARENT, 0)
     checksum = xxhash.xxh3_64(head + key).intdigest()
-    return head[:_ENV_CHECKSUM_OFFSET] + struct.pack("<Q", checksum) + bytes(blob)
+    head = head[:_ENV_CHECKSUM_OFFSET] + struct.pack("<Q", checksum)
+    if keys is None:
+        return head + bytes(blob)
+    signer = keys.signing_id
+    _signer, tag = keys.sign([key, head, blob, signer], auth.REMOTE_OBJECT)
+    return b"".join((head, blob, signer, tag))
 
 
 def parse_envelope(data: Buffer, key: bytes) -> tuple[bytes | None, bytes]:
@@ -97,8 +134,8 @@ def parse_envelope(data: Buffer, key: bytes) -> tuple[bytes | None, bytes]:
     magic, version, flags, namespace_id, parent, checksum = _ENVELOPE.unpack_from(data, 0)
     if magic != OBJECT_MAGIC:
         raise CorruptBlockError("bad magic: not a ucm-db remote object")
-    if version != OBJECT_FORMAT_VERSION:
-        raise CorruptBlockError(f"remote object format {version} is not {OBJECT_FORMAT_VERSION}")
+    if version not in (OBJECT_FORMAT_VERSION, SIGNED_FORMAT_VERSION):
+        raise CorruptBlockError(f"remote object format {version} is not {OBJECT_FORMAT_VERSION} or {SIGNED_FORMAT_VERSION}")
     view = memoryview(data)
     hasher = xxhash.xxh3_64(view[:_ENV_CHECKSUM_OFFSET])
     hasher.update(bytes(8))
@@ -128,15 +165,45 @@ def stated_object_bytes(data: Buffer, key: bytes) -> int:
     raw_len, body_len = _CODEC_LENGTHS.unpack_from(blob, _CODEC_LENGTHS_OFFSET)
     if raw_len > codec.MAX_RAW_BYTES or body_len > raw_len + n_frames * _FRAME_OVERHEAD_BYTES:
         raise CorruptBlockError(f"implausible remote object: {raw_len} raw bytes stored in {body_len}")
-    total = ENVELOPE_BYTES + head + body_len
+    total = ENVELOPE_BYTES + head + body_len + (TRAILER_BYTES if is_signed(data) else 0)
     if total > MAX_OBJECT_BYTES:
         raise CorruptBlockError(f"remote object states {total} bytes, more than the {MAX_OBJECT_BYTES} allowed")
     return total
 
 
-def unpack_object(data: Buffer, key: bytes) -> RemoteObject:
-    """Verifies a whole object (envelope and codec blob) for ``key``."""
+def is_signed(data: Buffer) -> bool:
+    """True if the object (its envelope already parsed) carries a MAC trailer."""
+    return bool(struct.unpack_from("<H", data, 4)[0] == SIGNED_FORMAT_VERSION)
+
+
+def unpack_object(data: Buffer, key: bytes, keys: auth.AuthKeys | None = None) -> RemoteObject:
+    """Verifies a whole object (envelope, MAC when ``keys`` are given, codec
+    blob) for ``key``.
+
+    Raises:
+        CorruptBlockError: damaged or malformed.
+        UnauthenticatedObject: ``keys`` given, and no MAC or a MAC that no
+            key of theirs made.
+    """
     parent, namespace_id = parse_envelope(data, key)
-    blob = memoryview(data).toreadonly()[ENVELOPE_BYTES:]  # a view: no copy of the payload
-    header = codec.verify(blob, key)
-    return RemoteObject(key, parent, namespace_id, blob, header.raw_len)
+    view = memoryview(data).toreadonly()  # views: no copy of the payload
+    end = len(view)
+    if is_signed(view):
+        end -= TRAILER_BYTES
+        if end < ENVELOPE_BYTES:
+            raise CorruptBlockError("signed remote object is shorter than its envelope and trailer")
+    if keys is not None:
+        check_mac(view, key, keys)
+    header = codec.verify(view[ENVELOPE_BYTES:end], key)
+    return RemoteObject(key, parent, namespace_id, view[ENVELOPE_BYTES:end], header.raw_len)
+
+
+def check_mac(data: memoryview, key: bytes, keys: auth.AuthKeys) -> None:
+    """Raises :class:`UnauthenticatedObject` unless one of ``keys`` signed
+    the object ``data`` of ``key`` (envelope already parsed)."""
+    if not is_signed(data):
+        raise UnauthenticatedObject("unauthenticated", "remote object carries no MAC and an auth key is set")
+    body_end = len(data) - TRAILER_BYTES
+    signer, tag = data[body_end : body_end + auth.KEY_ID_BYTES], data[body_end + auth.KEY_ID_BYTES :]
+    if not keys.verify([key, data[:body_end], signer], auth.REMOTE_OBJECT, bytes(signer), bytes(tag)):
+        raise UnauthenticatedObject("mac_mismatch", "remote object's MAC was not made by any configured auth key")

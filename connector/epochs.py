@@ -1,0 +1,78 @@
+"""The namespace epoch as one engine's scheduler knows it (reset and invalidation).
+
+The store records each namespace's epoch (:meth:`ucm_db.Store.epoch`); key
+chains are rooted at it, so blocks stored before a bump are never found
+(:mod:`ucm_db.epochs`). vLLM's ``reset_prefix_cache(reset_connector=True)``
+(``/reset_prefix_cache?reset_external=true`` on a dev-mode server) reaches
+``reset_cache``, which bumps it; ``ucm-db invalidate`` bumps it from outside.
+
+Invariants:
+    * The epoch is read from the store once per scheduler step, before the
+      step's first lookup (one LMDB read; steps without lookups read
+      nothing), so a lookup never uses an epoch older than the last bump
+      committed before its step began, whichever process made it.
+    * A request's key chain is rooted at the epoch known when its state was
+      made; the scheduler makes a new state for a waiting request whose
+      chain is older, and never saves for a running one (its KV predates
+      the reset).
+    * An epoch that cannot be read (a damaged record) is ``None``: nothing
+      is claimed and nothing saved until a bump records a new one.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+import ucm_db
+from ucm_db.errors import UcmDbError
+from ucm_db.keys import Namespace
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+
+class EpochWatch:
+    """One namespace's epoch, read at most once per step (module invariants)."""
+
+    def __init__(self, store: ucm_db.Store, namespace: Namespace) -> None:
+        self._store = store
+        self._namespace = namespace
+        self.epoch: int | None = None
+        self._fresh = False
+        self.current()
+
+    def current(self) -> int | None:
+        """The epoch for this step's lookups (read once per step)."""
+        if not self._fresh:
+            self._fresh = True
+            self._set(self._read())
+        return self.epoch
+
+    def step_done(self) -> None:
+        """The step's metadata is built: the next step reads the epoch again."""
+        self._fresh = False
+
+    def bump(self) -> bool:
+        """Moves the namespace's epoch on in the store (``reset_cache``);
+        False where the store refuses (read-only, I/O error), logged."""
+        try:
+            epoch = self._store.bump_epoch(self._namespace)
+        except UcmDbError as exc:
+            logger.error("ucm-db: reset_cache could not invalidate namespace %s: %s", self._namespace.short_id, exc)
+            return False
+        self._fresh = True
+        self._set(epoch)
+        return True
+
+    def _read(self) -> int | None:
+        try:
+            return self._store.epoch(self._namespace)
+        except UcmDbError as exc:
+            if self.epoch is not None:
+                logger.error("ucm-db: %s; nothing is loaded or saved until it is fixed", exc)
+            return None
+
+    def _set(self, epoch: int | None) -> None:
+        if epoch is not None and epoch != self.epoch and (epoch or self.epoch is not None):
+            logger.info("ucm-db: namespace %s is at epoch %d: blocks stored before it are never served",
+                        self._namespace.short_id, epoch)
+        self.epoch = epoch

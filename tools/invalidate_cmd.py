@@ -1,0 +1,43 @@
+"""``ucm-db invalidate``: stop serving a model's stored KV (after a weight update).
+
+Moves each chosen namespace's epoch on through
+:func:`ucm_db.maintenance.invalidate`: engines find none of its old blocks
+from their next lookup on, and the blocks age out through LRU eviction.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ucm_db import maintenance
+
+from ucm_db.tools.cli_common import emit, json_option
+
+
+def render(report: dict[str, Any]) -> str:
+    return "\n".join(
+        f"namespace {row['namespace']} ({row['model']}): epoch {row['epoch']}; its older blocks are no longer served"
+        for row in report["invalidated"]
+    )
+
+
+@click.command("invalidate")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--namespace", "namespaces", multiple=True, required=True,
+              help="Namespace id prefix or model name (repeatable); `ucm-db inspect` lists them.")
+@json_option
+def invalidate_command(path: Path, namespaces: tuple[str, ...], as_json: bool) -> None:
+    """Invalidate a model's stored KV blocks (e.g. after its weights
+    changed): its namespace's epoch moves on, so running and future engines
+    of that model never serve a block stored before. Nothing is deleted:
+    the old blocks leave through LRU eviction (or `ucm-db compact
+    --target-bytes`).
+
+    \b
+    Example:
+        ucm-db invalidate /var/cache/ucm-db --namespace 3f2a9c
+    """
+    emit(as_json, {"invalidated": maintenance.invalidate(path, namespaces)}, render)

@@ -1,0 +1,113 @@
+"""The store path given to :func:`ucm_db.open`: checked before anything is
+created, and the permission failures of an open named with their fix.
+
+Invariants:
+    * A refused path creates nothing: every check here runs before the
+      store directory, its lock file or its engine is touched.
+    * Refused: a path that is not ``str`` or ``os.PathLike[str]`` (bytes,
+      None), the empty string (it would be the current directory), a name
+      over the file system's length limit, and a path inside another store
+      (an ancestor directory holds a store's lock file and engine
+      directory), e.g. ``STORE/lmdb``, which would nest a second store in
+      the first one's files.
+    * A ``PermissionError`` while opening the store is a
+      :class:`~ucm_db.errors.TierError` naming the path and the access it
+      needs (:func:`permission_error`), read-only opens included.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ucm_db.errors import ConfigError, TierError
+from ucm_db.format import detect_engine
+from ucm_db.storelock import LOCK_FILE
+
+#: Used where the file system does not say (``pathconf``); Linux's value.
+DEFAULT_NAME_MAX_BYTES = 255
+DEFAULT_PATH_MAX_BYTES = 4096
+
+
+def store_path(path: Any) -> Path:
+    """``path`` as a :class:`~pathlib.Path`, or a :class:`ConfigError`
+    naming why it cannot be a store (see the module invariants)."""
+    raw = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+    if not isinstance(raw, str):
+        raise ConfigError(
+            f"a store path is a str or os.PathLike, got {type(path).__name__}",
+            hint="pass e.g. '/var/cache/ucm-db' (decode a bytes path with os.fsdecode)",
+        )
+    if not raw:
+        raise ConfigError("the store path is empty", hint="pass the store's directory; '.' for the current directory")
+    result = Path(raw)
+    _check_name_lengths(result)
+    _refuse_nested(result)
+    return result
+
+
+def _check_name_lengths(path: Path) -> None:
+    absolute = os.fsencode(os.path.abspath(path))
+    name_max, path_max = _limits(path)
+    long_names = [part for part in path.parts if len(os.fsencode(part)) > name_max]
+    if long_names:
+        raise ConfigError(
+            f"the store path has a name of {len(os.fsencode(long_names[0]))} bytes ({long_names[0][:24]}...); "
+            f"this file system allows {name_max}",
+            hint=f"use directory names of at most {name_max} bytes",
+        )
+    if len(absolute) > path_max:
+        raise ConfigError(
+            f"the store path is {len(absolute)} bytes long; this file system allows {path_max} for a whole path",
+            hint="choose a shorter store path",
+        )
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the nearest existing directory of ``path``."""
+    for directory in (path, *path.absolute().parents):
+        try:
+            return os.pathconf(directory, "PC_NAME_MAX"), os.pathconf(directory, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            continue
+    return DEFAULT_NAME_MAX_BYTES, DEFAULT_PATH_MAX_BYTES
+
+
+def _refuse_nested(path: Path) -> None:
+    real = Path(os.path.realpath(path))
+    for ancestor in real.parents:
+        if _is_store(ancestor):
+            raise ConfigError(
+                f"the store path {path} lies inside the ucm-db store at {ancestor}; a store there would be written "
+                "among that store's own files",
+                hint=f"open {ancestor} itself, or choose a path outside it",
+            )
+
+
+def _is_store(directory: Path) -> bool:
+    """Whether ``directory`` holds a ucm-db store (its lock file and an
+    engine directory); an unreadable directory does not count."""
+    try:
+        return (directory / LOCK_FILE).is_file() and detect_engine(directory) is not None
+    except OSError:
+        return False
+
+
+def detect_engine_checked(path: Path) -> str | None:
+    """:func:`ucm_db.format.detect_engine`, with a permission failure as a
+    :class:`TierError` (see :func:`permission_error`)."""
+    try:
+        return detect_engine(path)
+    except PermissionError as exc:
+        raise permission_error(path, exc) from exc
+
+
+def permission_error(path: Path, exc: OSError) -> TierError:
+    """A TierError for ``exc`` (EACCES/EPERM) met while opening the store at ``path``."""
+    where = exc.filename or path
+    return TierError(
+        f"cannot open the store at {path}: permission denied on {where}",
+        hint=f"give this user (uid {os.getuid()}) read access to {path} and everything under it (and write access "
+        "to open it writable), e.g. run as the store's owner; read_only=True needs read access too",
+    )

@@ -1,0 +1,257 @@
+"""Damaged blocks in the local index: what a reader, a writer and a
+repair do with a block whose records cannot be trusted.
+
+A block is *damaged* when its ``meta`` record fails
+:meth:`~ucm_db.tiers.index_types.BlockMeta.unpack` (wrong length, sizes no
+block can have), when its stored bytes disagree with its metadata, or when
+its payload does not decode. Damage is a miss and a quarantine, never an
+exception out of a read, a put, a flush or a close.
+
+Invariants:
+    * Quarantining removes the block and its descendants (prefix invariant)
+      and files a ``quarantine`` record, in one transaction. Entries that
+      only the damaged record could name (its LRU entry, its parent's child
+      link, when the record is too short to read) are left for eviction and
+      ``compact`` to drop as stale; they never make a block count as stored.
+    * A block whose sizes cannot be trusted is never subtracted from the
+      counters: the transaction that removes it recounts them from the
+      records that are whole (:meth:`Changes.recount`).
+    * A payload whose page LMDB cannot free (a zeroed overflow page: the
+      delete fails with ``MDB_CORRUPTED``) stays behind as a *stuck* entry,
+      named by its quarantine record (``"payload_stuck": true``). It has no
+      metadata, so it is never read; the audit does not call it an orphan;
+      ``compact``'s rewrite copies the store without it. Until then a put of
+      that very key is refused with a :class:`TierError` naming ``compact``
+      (writing over the value would have to free the page too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from ucm_db import codec
+from ucm_db.errors import TierError
+from ucm_db.events import FEED_MAX_RECORDS
+from ucm_db.tiers import changefeed, records
+from ucm_db.tiers.accounting import Changes
+from ucm_db.tiers.base import Buffer, Txn
+from ucm_db.tiers.index_types import BlockMeta, DamagedMeta, body_of, lru_key
+
+if TYPE_CHECKING:
+    from ucm_db.tiers.local import LocalTier
+
+logger = logging.getLogger("ucm_db")
+#: ``still_corrupt(head, body)``: re-checks a block inside the write transaction.
+Recheck = Callable[[memoryview, memoryview], bool]
+
+
+def meta_or_none(data: Buffer | None) -> BlockMeta | None:
+    """The record's fields; None where absent or damaged."""
+    if data is None:
+        return None
+    try:
+        return BlockMeta.unpack(data)
+    except DamagedMeta:
+        return None
+
+
+def stored_meta(txn: Txn, key: bytes) -> BlockMeta | None:
+    """``key``'s metadata, None where absent or damaged."""
+    return meta_or_none(txn.get("meta", key))
+
+
+def detach(txn: Txn, changes: Changes, key: bytes, fields: BlockMeta | None, damaged: DamagedMeta | None,
+           *, delete_payload: bool = True, feed_max_records: int = FEED_MAX_RECORDS) -> int:
+    """Removes the entries of ``key`` (its children's links too, not the
+    children) given its record's ``fields`` (None: unreadable). A
+    ``damaged`` record's sizes are not subtracted: the counters are
+    recounted. An evented block's removal is logged in the change feed
+    (:mod:`ucm_db.tiers.changefeed`). Returns 1."""
+    txn.delete("meta", key)
+    changefeed.removed(txn, key, feed_max_records)
+    if delete_payload:
+        txn.delete("blocks", key)
+    txn.delete("heads", key)
+    txn.delete("uploads", key)
+    if fields is not None:
+        txn.delete("lru", lru_key(fields.access_ns, fields.depth, key))
+        if fields.parent is not None:
+            txn.delete("children", fields.parent + key)
+    for link, _ in list(txn.scan("children", key)):
+        txn.delete("children", link)
+    if damaged is not None:
+        changes.recount(records.DamagedRecord(b"meta/" + key.hex()[:16].encode(), damaged.reason))
+    elif fields is not None:
+        changes.add(fields, -1)
+    return 1
+
+
+def meta_or_clear(tier: LocalTier, txn: Txn, changes: Changes, key: bytes) -> BlockMeta | None:
+    """``key``'s metadata; a damaged record is quarantined (with the
+    block's descendants) inside ``txn`` and reads as None."""
+    data = txn.get("meta", key)
+    if data is None:
+        return None
+    try:
+        return BlockMeta.unpack(data)
+    except DamagedMeta as exc:
+        logger.warning("ucm-db: block %s: %s; quarantined", key.hex()[:16], exc)
+        file_quarantine(tier, txn, changes, key, str(exc), None, exc, keep_payload=False)
+        return None
+
+
+def has_live_children(txn: Txn, key: bytes) -> bool:
+    """Whether ``key`` has a stored child; links to a child without metadata
+    (left by a damaged record) are deleted on the way."""
+    stale = []
+    for link, _ in txn.scan("children", key):
+        if txn.get("meta", link[32:]) is not None:
+            break
+        stale.append(bytes(link))
+    else:
+        link = None
+    for dead in stale:
+        txn.delete("children", dead)
+    return link is not None
+
+
+def is_stuck(txn: Txn, key: bytes) -> bool:
+    """Whether ``key``'s payload is a stuck entry (module docstring)."""
+    record = txn.get("quarantine", key)
+    if record is None:
+        return False
+    try:
+        return bool(json.loads(bytes(record)).get("payload_stuck"))
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+def refuse_stuck(txn: Txn, key: bytes) -> None:
+    """Raises TierError if a put of ``key`` would have to write over a stuck payload."""
+    if is_stuck(txn, key) and txn.get("meta", key) is None and txn.get("blocks", key) is not None:  # quarantine: usually empty
+        raise TierError(
+            f"block {key.hex()[:16]} cannot be stored again: its old payload sits on a damaged page the engine cannot free",
+            hint="run `ucm-db compact` on the store while no process has it open: the rewrite leaves the damaged page behind",
+        )
+
+
+def quarantine_in(tier: LocalTier, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool) -> bool:
+    """One quarantine transaction (see :meth:`LocalTier.quarantine`); with
+    ``keep_payload`` the block's own ``blocks`` value is left as a stuck entry."""
+    data = txn.get("meta", key)
+    damaged: DamagedMeta | None = None
+    meta: BlockMeta | None = None
+    if data is not None:
+        try:
+            meta = BlockMeta.unpack(data)
+        except DamagedMeta as exc:
+            damaged = exc
+    stored = txn.get("blocks", key)
+    if meta is not None and stored is not None:
+        head = memoryview(txn.get("heads", key) or b"")
+        body = body_of(head, memoryview(stored))
+        if len(head) + len(body) == meta.stored_bytes and not still_corrupt(head, body):
+            return False
+    changes = Changes(txn)
+    file_quarantine(tier, txn, changes, key, reason, meta, damaged, keep_payload=keep_payload)
+    changes.commit()
+    return True
+
+
+def file_quarantine(tier: LocalTier, txn: Txn, changes: Changes, key: bytes, reason: str, meta: BlockMeta | None,
+                    damaged: DamagedMeta | None, *, keep_payload: bool) -> None:
+    """Removes ``key`` (whole record ``meta``, or a ``damaged`` one, or
+    none) and its descendants, and files its quarantine record."""
+    fields = meta if meta is not None else damaged.fields if damaged is not None else None
+    record: dict[str, object] = {
+        "reason": reason, "time_ns": time.time_ns(),
+        "namespace": fields.namespace_id.hex() if fields else None,
+        "stored_bytes": meta.stored_bytes if meta else None,
+    }
+    children = [bytes(link[32:]) for link, _ in txn.scan("children", key)]
+    if txn.get("meta", key) is not None:
+        detach(txn, changes, key, fields, damaged, delete_payload=not keep_payload, feed_max_records=tier.feed_max_records)
+    elif not keep_payload:
+        txn.delete("blocks", key)
+        txn.delete("heads", key)
+    for child in children:
+        tier._remove_tree(txn, changes, child)
+    if keep_payload:
+        record["payload_stuck"] = True
+    txn.put("quarantine", key, json.dumps(record).encode())
+    changes.totals.quarantined += 1
+
+
+def quarantine(tier: LocalTier, key: bytes, reason: str, still_corrupt: Recheck) -> bool:
+    """Quarantines ``key`` with its descendants; where deleting its payload
+    fails (a damaged page), quarantines it again leaving the payload as a
+    stuck entry. Returns whether the block was quarantined."""
+    try:
+        return tier.engine.write(lambda txn: quarantine_in(tier, txn, key, reason, still_corrupt, keep_payload=False))
+    except TierError as exc:
+        logger.warning("ucm-db: quarantining block %s failed (%s); leaving its payload behind", key.hex()[:16], exc)
+        return tier.engine.write(lambda txn: quarantine_in(tier, txn, key, reason, still_corrupt, keep_payload=True))
+
+
+def restore_links(tier: LocalTier) -> dict[str, int]:
+    """Re-adds the LRU entry of every block that lacks one and the child
+    link of every block whose parent is stored but does not name it (one
+    write transaction); returns how many of each were added."""
+    def run(txn: Txn) -> dict[str, int]:
+        added = {"lru": 0, "children": 0}
+        for key, data in list(txn.scan("meta")):
+            meta = meta_or_none(data)
+            if meta is None:
+                continue
+            key = bytes(key)
+            lru = lru_key(meta.access_ns, meta.depth, key)
+            if txn.get("lru", lru) is None:
+                txn.put("lru", lru, b"")
+                added["lru"] += 1
+            if meta.parent is not None and txn.get("meta", meta.parent) is not None \
+                    and txn.get("children", meta.parent + key) is None:
+                txn.put("children", meta.parent + key, b"")
+                added["children"] += 1
+        return added
+    return tier.engine.write(run)
+
+
+def delete_around_damage(tier: LocalTier, keys: Sequence[bytes], namespace_id: bytes | None, delete: Callable[[], int]) -> int:
+    """Runs ``delete()`` (a delete of ``keys`` and their descendants); where
+    it fails on a payload the engine cannot free, quarantines the
+    unreadable blocks of those trees first (leaving their payloads stuck)
+    and deletes again. Returns blocks removed (on that path counted from
+    the totals, so a concurrent writer's blocks may blur the count)."""
+    try:
+        return delete()
+    except TierError:
+        before = tier.totals().blocks
+        bad = tier.engine.read(lambda txn: _unreadable_in_trees(txn, keys, namespace_id))
+        if not bad:
+            raise
+        for key in bad:
+            quarantine(tier, key, "its payload could not be deleted (a damaged page)", lambda _head, _body: True)
+        delete()
+        return before - tier.totals().blocks
+
+
+def _unreadable_in_trees(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:
+    """Blocks under ``keys`` (of ``namespace_id``) whose payload does not decode."""
+    stack = [k for k in keys if (meta := stored_meta(txn, k)) is not None and namespace_id in (None, meta.namespace_id)]
+    seen: set[bytes] = set()
+    bad = []
+    while stack:
+        key = stack.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        stack.extend(bytes(link[32:]) for link, _ in txn.scan("children", key))
+        stored = txn.get("blocks", key)
+        head = memoryview(txn.get("heads", key) or b"")
+        if stored is not None and not codec.readable(head, body_of(head, memoryview(stored)), key):
+            bad.append(key)
+    return bad
