@@ -111,7 +111,8 @@ class UcmDbConnector(KVConnectorBase_V1):
             self._scheduler = UcmDbScheduler(self.settings, self.shape, self.pd_role)
             events_config = vllm_config.kv_events_config
             if events_config is not None and events_config.enable_kv_cache_events:
-                self._events = FeedEvents(self._scheduler.store, namespace(self.shape))
+                scheduler = self._scheduler
+                self._events = FeedEvents(scheduler.store, namespace(self.shape), lambda: scheduler.epoch)
         else:
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._worker = UcmDbWorker(self.settings, self.shape, num_blocks, self.pd_role)

@@ -28,11 +28,15 @@ Invariants:
       block a miss that the events do not show.
     * With nothing new, :meth:`FeedEvents.take` costs one read transaction
       reading one record.
+    * Only blocks of the namespace epoch the engine serves are reported
+      (:mod:`ucm_db.epochs`): after ``reset_cache`` or ``ucm-db
+      invalidate`` the next step says ``AllBlocksCleared`` and reports only
+      blocks stored at the new epoch; the old ones leave silently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -50,10 +54,12 @@ if TYPE_CHECKING:
 _FEED_BATCH = 4096
 
 
-def save_fields(request: Request, start: int, end: int, block_size: int, group_idx: int = 0) -> tuple[BlockEventFields, ...]:
-    """vLLM's event fields of the request's blocks ``[start, end)``; ()
-    where vLLM has no hash for them at this block size (prefix caching
-    off, or hashes of another block size)."""
+def save_fields(
+    request: Request, start: int, end: int, block_size: int, epoch: int, group_idx: int = 0,
+) -> tuple[BlockEventFields, ...]:
+    """vLLM's event fields of the request's blocks ``[start, end)``, saved
+    at namespace ``epoch``; () where vLLM has no hash for them at this block
+    size (prefix caching off, or hashes of another block size)."""
     hashes = request.block_hashes
     if len(hashes) < end or len(hashes) != request.num_tokens // block_size:
         return ()
@@ -62,7 +68,7 @@ def save_fields(request: Request, start: int, end: int, block_size: int, group_i
     lora_id, lora_name = (lora.adapter_id, lora.name) if lora is not None else (None, None)
     return tuple(
         BlockEventFields(bytes(hashes[i]), bytes(hashes[i - 1]) if i else None, tuple(tokens[i * block_size:(i + 1) * block_size]),
-                         block_size, lora_id, lora_name, group_idx)
+                         block_size, lora_id, lora_name, group_idx, epoch)
         for i in range(start, end)
     )
 
@@ -76,16 +82,27 @@ def evented_chain(spans: Sequence[UnitSpan]) -> int:
 class FeedEvents:
     """vLLM events from the store's change feed (see module docstring)."""
 
-    def __init__(self, store: ucm_db.Store, namespace: Namespace) -> None:
+    def __init__(self, store: ucm_db.Store, namespace: Namespace, epoch: Callable[[], int | None] = lambda: 0) -> None:
+        """``epoch()``: the namespace epoch the engine serves now (None:
+        unreadable, nothing is served)."""
         self._store = store
         self._namespace = namespace
+        self._epoch_now = epoch
+        self._epoch: int | None = None  # the epoch of the blocks reported so far
         self._seq: int | None = None  # None: replay the inventory first
 
     def take(self) -> list[KVCacheEvent]:
         """Events since the last call: the inventory on the first call (and
-        after a resync), then the feed's records of this namespace."""
+        after a resync or an epoch change, after ``AllBlocksCleared``), then
+        the feed's records of this namespace at the current epoch."""
         events: list[KVCacheEvent] = []
-        if self._seq is None:
+        epoch = self._epoch_now()
+        if epoch is None:
+            return events  # a damaged epoch record: nothing is served, nothing said until it is fixed
+        if self._seq is None or epoch != self._epoch:
+            if self._seq is not None:
+                events.append(AllBlocksCleared())  # reset_cache or `ucm-db invalidate`: the old blocks are never served
+            self._epoch = epoch
             self._replay(events)
         assert self._seq is not None
         while True:
@@ -94,14 +111,14 @@ class FeedEvents:
                 events.append(AllBlocksCleared())
                 self._replay(events)
                 continue
-            events.extend(_event(r) for r in batch.records)
+            events.extend(_event(r) for r in batch.records if r.fields.epoch == epoch)
             if batch.next_seq == self._seq:
                 return events
             self._seq = batch.next_seq
 
     def _replay(self, events: list[KVCacheEvent]) -> None:
         inventory = self._store.event_inventory(namespace=self._namespace)
-        events.extend(_event(r) for r in inventory.records)
+        events.extend(_event(r) for r in inventory.records if r.fields.epoch == self._epoch)
         self._seq = inventory.next_seq
 
 

@@ -44,7 +44,9 @@ FEED_MAX_RECORDS = 100_000
 #: vLLM's medium name for external storage (``vllm.distributed.kv_events.MEDIUM_STORAGE``).
 MEDIUM_STORAGE = "STORAGE"
 
-_FIELDS = struct.Struct("<BBIIIqIHHH")
+_FIELDS = struct.Struct("<BBIIQqIHHH")
+#: Where the epoch sits in packed fields (:func:`packed_epoch`).
+_EPOCH_AT = 10
 _VERSION = 1
 _HASH_INT, _HAS_PARENT, _PARENT_INT, _HAS_LORA_ID, _HAS_LORA_NAME = 1, 2, 4, 8, 16
 _INT_BYTES = 16
@@ -66,6 +68,9 @@ class BlockEventFields:
         lora_id: the LoRA adapter id, or None.
         lora_name: the LoRA adapter name, or None.
         group_idx: the KV cache group index.
+        epoch: the namespace epoch the block's key chain is rooted at
+            (:mod:`ucm_db.epochs`): a block of an older epoch is never
+            served, so readers leave it out.
     """
 
     block_hash: BlockHash
@@ -75,6 +80,7 @@ class BlockEventFields:
     lora_id: int | None = None
     lora_name: str | None = None
     group_idx: int = 0
+    epoch: int = 0
 
     def pack(self) -> bytes:
         """The fields as bytes (see module invariants).
@@ -99,7 +105,7 @@ class BlockEventFields:
             flags |= _HAS_LORA_NAME
         try:
             tokens = array("I", self.token_ids)
-            head = _FIELDS.pack(_VERSION, flags, self.group_idx, self.block_size, 0, self.lora_id or 0, len(tokens),
+            head = _FIELDS.pack(_VERSION, flags, self.group_idx, self.block_size, self.epoch, self.lora_id or 0, len(tokens),
                                 len(block_hash), len(parent), len(name))
         except (TypeError, OverflowError, struct.error) as exc:
             raise ConfigError(f"event fields out of range: {exc}",
@@ -118,7 +124,7 @@ class BlockEventFields:
             CorruptBlockError: the bytes are not a whole record.
         """
         try:
-            version, flags, group_idx, block_size, _, lora_id, n_tokens, n_hash, n_parent, n_name = _FIELDS.unpack_from(data)
+            version, flags, group_idx, block_size, epoch, lora_id, n_tokens, n_hash, n_parent, n_name = _FIELDS.unpack_from(data)
             if version != _VERSION or len(data) != _FIELDS.size + n_hash + n_parent + n_name + 4 * n_tokens:
                 raise ValueError(f"version {version}, {len(data)} bytes")
             at = _FIELDS.size
@@ -134,7 +140,7 @@ class BlockEventFields:
             raise CorruptBlockError(f"event fields record is malformed: {exc}") from exc
         if sys.byteorder == "big":
             tokens.byteswap()
-        return cls(block_hash, parent, tuple(tokens), block_size, lora_id if flags & _HAS_LORA_ID else None, name, group_idx)
+        return cls(block_hash, parent, tuple(tokens), block_size, lora_id if flags & _HAS_LORA_ID else None, name, group_idx, epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +173,8 @@ class ChangeRecord:
         if self.kind == "stored":
             out.update(parent_block_hash=None if f.parent_block_hash is None else _json_hash(f.parent_block_hash),
                        token_ids=list(f.token_ids), block_size=f.block_size, lora_id=f.lora_id, lora_name=f.lora_name)
-        out.update(medium=MEDIUM_STORAGE, group_idx=f.group_idx, seq=self.seq, namespace=self.namespace_id.hex(), key=self.key.hex())
+        out.update(medium=MEDIUM_STORAGE, group_idx=f.group_idx, seq=self.seq, namespace=self.namespace_id.hex(), key=self.key.hex(),
+                   epoch=f.epoch)
         return out
 
 
@@ -180,12 +187,12 @@ def json_line(seq: int, kind: str, namespace_id: bytes, key: bytes, packed_field
         CorruptBlockError: the fields are malformed.
     """
     try:
-        _, flags, group_idx, block_size, _, lora_id, n_tokens, n_hash, n_parent, n_name = _FIELDS.unpack_from(packed_fields)
+        _, flags, group_idx, block_size, epoch, lora_id, n_tokens, n_hash, n_parent, n_name = _FIELDS.unpack_from(packed_fields)
         if len(packed_fields) != _FIELDS.size + n_hash + n_parent + n_name + 4 * n_tokens:
             raise ValueError(f"{len(packed_fields)} bytes")
         at = _FIELDS.size
         block_hash = _json_text(packed_fields[at:at + n_hash], flags & _HASH_INT)
-        tail = f',"medium":"STORAGE","group_idx":{group_idx},"seq":{seq},"namespace":"{_hex(namespace_id)}","key":"{key.hex()}"}}'
+        tail = f',"medium":"STORAGE","group_idx":{group_idx},"seq":{seq},"namespace":"{_hex(namespace_id)}","key":"{key.hex()}","epoch":{epoch}}}'
         if kind != "stored":
             return f'{{"type":"BlockRemoved","block_hashes":[{block_hash}]{tail}'
         at += n_hash
@@ -203,6 +210,11 @@ def json_line(seq: int, kind: str, namespace_id: bytes, key: bytes, packed_field
     lora = str(lora_id) if flags & _HAS_LORA_ID else "null"
     return (f'{{"type":"BlockStored","block_hashes":[{block_hash}],"parent_block_hash":{parent},"token_ids":[{token_text}],'
             f'"block_size":{block_size},"lora_id":{lora},"lora_name":{name}{tail}')
+
+
+def packed_epoch(packed_fields: bytes) -> int:
+    """The ``epoch`` of packed fields, without decoding the rest."""
+    return int.from_bytes(packed_fields[_EPOCH_AT:_EPOCH_AT + 8], "little")
 
 
 @functools.lru_cache(maxsize=64)

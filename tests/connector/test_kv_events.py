@@ -143,3 +143,28 @@ def test_no_block_hashes_no_events(tmp_path: Path) -> None:
     worker.shutdown()
     sched.shutdown()
     assert torch is not None
+
+
+def test_reset_cache_clears_and_reports_only_the_new_epoch(tmp_path: Path) -> None:
+    """After reset_cache the old blocks are never served: AllBlocksCleared,
+    then only blocks saved at the new epoch (the old ones leave silently)."""
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    sched, worker, _ = _engine(settings)
+    events = FeedEvents(sched.store, namespace(_shape()), lambda: sched.epoch)
+    view = Subscriber()
+    tokens = list(range(1, 2 * BS + 2))
+    req = _hashed_request("a", tokens)
+    _save(sched, worker, req, [1, 2, 3])
+    view.apply(events.take())
+    assert len(view.blocks) == 2
+    assert sched.reset_cache()
+    taken = events.take()
+    assert isinstance(taken[0], AllBlocksCleared) and len(taken) == 1
+    view.apply(taken)
+    again = _hashed_request("b", tokens)  # the same prompt, saved again at the new epoch
+    _save(sched, worker, again, [4, 5, 6])
+    view.apply(events.take())
+    assert set(view.blocks) == {maybe_convert_block_hash(h) for h in again.block_hashes[:2]}
+    assert len(sched.store.event_inventory().records) == 4  # old-epoch blocks still stored, not reported
+    worker.shutdown()
+    sched.shutdown()

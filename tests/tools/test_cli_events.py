@@ -50,7 +50,7 @@ def test_inventory_then_feed_with_vllm_field_names(tmp_path: Path) -> None:
     assert first == {
         "type": "BlockStored", "block_hashes": [keys[0][:8].hex()], "parent_block_hash": None,
         "token_ids": list(range(100, 116)), "block_size": 16, "lora_id": None, "lora_name": None, "medium": "STORAGE",
-        "group_idx": 0, "seq": 6, "namespace": NS_A.digest[:16].hex(), "key": keys[0].hex(),
+        "group_idx": 0, "seq": 6, "namespace": NS_A.digest[:16].hex(), "key": keys[0].hex(), "epoch": 0,
     }
     # The whole feed: 5 puts, then the delete's removal, with the vLLM hash.
     feed = lines(invoke("events", str(path), "--since", 0).stdout)
@@ -91,3 +91,23 @@ def test_follow_through_the_real_entry_point(tmp_path: Path) -> None:
     finally:
         follower.terminate()
         follower.wait(timeout=30)
+
+
+def test_invalidate_hides_old_epochs_and_a_damaged_record_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with ucm_db.open(path, capacity_bytes=1 << 30) as store:
+        old = put_evented(store, NS_A, 0, 2)
+        put_evented(store, NS_B, 0, 1)
+        # A flipped length in one block's fields record (a damaged page): skipped and logged, never fatal.
+        name = b"evf/" + old[1]
+        value = store.tier.info_get(name)
+        assert value is not None
+        store.tier.info_put(name, value[:-1])
+    assert len(lines(invoke("events", str(path)).stdout)) == 2
+    follower = maintenance.iter_events(path, since_seq=0, follow=True, poll_interval_s=0.01, max_polls=3)
+    assert [e["type"] for e in [next(follower) for _ in range(3)]] == ["BlockStored"] * 3
+    maintenance.invalidate(path, ("test/alpha",))
+    # The follower sees the epoch move on: cleared, then the inventory without the old epoch's blocks.
+    rest = list(follower)
+    assert rest[0]["type"] == "AllBlocksCleared" and [e["namespace"] for e in rest[1:]] == [NS_B.digest[:16].hex()]
+    assert [e["namespace"] for e in lines(invoke("events", str(path)).stdout)] == [NS_B.digest[:16].hex()]

@@ -26,9 +26,11 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Container, Iterator
 
+from ucm_db.errors import CorruptBlockError
 from ucm_db.events import BlockEventFields, ChangeBatch, ChangeRecord
 from ucm_db.tiers.base import Buffer, Txn
 
@@ -41,6 +43,7 @@ _SEQ = struct.Struct(">Q")
 _DEPTH = struct.Struct("<I")
 _KINDS = {1: "stored", 2: "removed"}
 _NS_BYTES, _KEY_BYTES = 16, 32
+logger = logging.getLogger("ucm_db")
 
 
 def stored(txn: Txn, key: bytes, namespace_id: bytes, depth: int, packed_fields: bytes, max_records: int) -> None:
@@ -86,7 +89,7 @@ def since(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | None) -
     """Records ``[seq, seq + limit)`` (those of ``namespaces`` only, if
     given); ``resync`` if ``seq`` was trimmed or is ahead of the feed."""
     raw, next_seq, resync = since_raw(txn, seq, limit, namespaces)
-    return ChangeBatch(tuple(to_record(r) for r in raw), next_seq, resync)
+    return ChangeBatch(tuple(decoded(raw)), next_seq, resync)
 
 
 def since_raw(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | None) -> tuple[list[RawRecord], int, bool]:
@@ -118,12 +121,23 @@ def to_record(raw: RawRecord) -> ChangeRecord:
     return ChangeRecord(seq, kind, ns, key, BlockEventFields.unpack(packed), depth)  # type: ignore[arg-type]
 
 
+def decoded(raw: list[RawRecord]) -> Iterator[ChangeRecord]:
+    """The records with their fields decoded; a malformed one (a damaged
+    page, a flipped bit) is skipped and logged, never raised: an engine's
+    scheduler step reads these."""
+    for record in raw:
+        try:
+            yield to_record(record)
+        except CorruptBlockError as exc:
+            logger.warning("ucm-db: change feed record of block %s skipped: %s", record[3].hex()[:16], exc)
+
+
 def inventory(txn: Txn, namespaces: Container[bytes] | None) -> tuple[list[ChangeRecord], int]:
     """Every stored evented block (of ``namespaces``, if given) as a
     ``stored`` record, parents before children (by depth), and the
     ``next_seq`` of the same snapshot: a reader follows the feed from there."""
     raw, next_seq = inventory_raw(txn, namespaces)
-    return [to_record(r) for r in raw], next_seq
+    return list(decoded(raw)), next_seq
 
 
 def inventory_raw(txn: Txn, namespaces: Container[bytes] | None) -> tuple[list[RawRecord], int]:
