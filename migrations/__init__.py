@@ -33,7 +33,7 @@ from typing import Any
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MigrationError
-from ucm_db.format import FORMAT_VERSION_KEY, STORE_FORMAT_VERSION
+from ucm_db.format import FORMAT_VERSION_KEY, STORE_FORMAT_VERSION, write_format_version
 from ucm_db.tiers.base import Txn
 
 from ucm_db.migrations.access import exclusive_engine, open_engine, read_format_version
@@ -174,7 +174,7 @@ def _apply(engine: Any, migration: Migration, path: Path) -> None:
         crashpoint("migrate.during_migration")
         record = {"version": migration.version, "name": migration.name, "applied_ns": time.time_ns(), "ucm_db_version": __version__}
         txn.put(MIGRATIONS_TABLE, b"%08d" % migration.version, json.dumps(record, sort_keys=True).encode())
-        txn.put("info", FORMAT_VERSION_KEY, str(migration.version).encode())
+        write_format_version(txn, migration.version)  # checksummed, as the store writes it
 
     try:
         engine.write(run)

@@ -121,6 +121,28 @@ def test_every_bit_flip_of_a_small_block_is_detected(name: str) -> None:
             codec.decode(bytes(damaged), KEY)
 
 
+@pytest.mark.parametrize("name", ["none", "zstd"])
+@pytest.mark.parametrize("scattered", [False, True])
+def test_every_bit_flip_is_detected_by_decode_into(name: str, scattered: bool) -> None:
+    # A raw body is verified while it is copied (ucm_db.checked_copy): the
+    # flip is still found, and the block still reads whole when undamaged.
+    raw = _bf16_like(64)  # 128 bytes
+    blob = codec.encode(KEY, [raw[:96], raw[96:]], codec=name, element_bytes=2)
+    for bit in range(len(blob) * 8):
+        damaged = bytearray(blob)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        out: list[bytearray] | bytearray = [bytearray(100), bytearray(28)] if scattered else bytearray(128)
+        with pytest.raises(CorruptBlockError):
+            codec.decode_into(bytes(damaged), KEY, out)
+    out = [bytearray(100), bytearray(40)] if scattered else bytearray(130)
+    assert codec.decode_into(blob, KEY, out) == 128
+    assert (b"".join(out) if scattered else bytes(out))[:128] == raw
+    with pytest.raises(CorruptBlockError):
+        codec.decode_into(blob, bytes(32), out)  # another key's block
+    with pytest.raises(ConfigError, match="smaller than the block"):
+        codec.decode_into(blob, KEY, [bytearray(100)] if scattered else bytearray(127))
+
+
 @pytest.mark.parametrize("cut", [0, 1, 10, codec.HEADER_BYTES, codec.HEADER_BYTES + 5, -1])
 def test_truncation_is_detected(cut: int) -> None:
     blob = codec.encode(KEY, os.urandom(500), codec="zstd")

@@ -90,12 +90,19 @@ def test_plane_frames_are_plain_zstd_and_only_the_top_plane_shrinks() -> None:
     assert bytes(codec.decode(blob, KEY)) == raw
 
 
-def test_incompressible_planes_are_stored_raw_and_round_trip() -> None:
+def test_a_frame_no_plane_of_which_compresses_is_stored_raw_and_round_trips() -> None:
+    # Stored raw, not as raw planes: a read is one copy, no plane merge.
     raw = np.random.default_rng(3).integers(0, 256, 1 << 17, dtype=np.uint8).tobytes()
     blob = codec.encode(KEY, raw, codec="zstd", element_bytes=2)
     _raw_len, _stored, mode, _elem, mask = struct.unpack_from("<QQBBB5x", blob, codec.HEADER_BYTES)
-    assert mode == codec.MODE_SHUFFLE and mask == 0
+    assert mode == codec.MODE_RAW and mask == 0
     assert bytes(codec.decode(blob, KEY)) == raw
+    # Blocks written before that hold the frame as raw planes: still read.
+    planes = [bytes(p) for p in codec._shuffle(memoryview(raw), 2)]
+    table = [struct.pack("<QQBBB5x", len(raw), 8 + len(raw), codec.MODE_SHUFFLE, 2, 0)]
+    parts = [struct.pack("<2I", *(len(p) for p in planes)), *planes]
+    older = codec._sealed(KEY, "zstd", table, parts, len(raw), 8 + len(raw)).blob()
+    assert bytes(codec.decode(older, KEY)) == raw
 
 
 @pytest.mark.parametrize("level", [1, 3, -1])

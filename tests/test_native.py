@@ -121,3 +121,63 @@ def test_plane_argument_errors(kind: str) -> None:
     shared = bytearray(16)
     with pytest.raises(ValueError):
         merge([memoryview(shared)[:4], memoryview(shared)[4:8]], memoryview(shared)[4:12], 2)
+
+
+# --- checked copy -------------------------------------------------------------
+
+COPY: dict[str, Callable[[], Any]] = {"native": lambda: native.copy_into, "python": lambda: native.copy_into_py}
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["native", "python"]), data=st.data())
+def test_copy_into_scatters_in_order_and_hashes_what_it_copies(kind: str, data: st.DataObject) -> None:
+    import xxhash
+
+    copy = _impl(COPY, kind)
+    src = data.draw(st.binary(max_size=3000))
+    sizes = data.draw(st.lists(st.integers(0, 700), max_size=8))
+    sizes.append(max(0, len(src) - sum(sizes)) + data.draw(st.integers(0, 5)))  # room for all, maybe more
+    outs = [bytearray(b"\xee" * n) for n in sizes]
+    chunk = data.draw(st.sampled_from([0, 1, 7, 64, 4096]))
+    hasher = xxhash.xxh3_64(b"head")
+    assert copy(src, outs, hasher, chunk) == len(src)
+    joined = b"".join(outs)
+    assert joined[: len(src)] == src and set(joined[len(src):]) <= {0xEE}  # the rest left as it was
+    assert hasher.intdigest() == xxhash.xxh3_64(b"head" + src).intdigest()  # pieces hash like the whole
+    single = bytearray(len(src) + 3)
+    assert copy(src, single, None, chunk) == len(src) and single[: len(src)] == src
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_copy_into_argument_errors(kind: str) -> None:
+    copy = _impl(COPY, kind)
+    with pytest.raises(ValueError):
+        copy(bytes(10), [bytearray(4), bytearray(5)], None, 0)  # too small: nothing copied
+    with pytest.raises(TypeError):
+        copy(bytes(4), [bytes(4)], None, 0)  # read-only
+    with pytest.raises(TypeError):
+        copy(bytes(4), memoryview(bytearray(16))[::2], None, 0)  # strided
+    if kind == "native":
+        shared = bytearray(16)
+        with pytest.raises(ValueError):
+            copy(memoryview(shared)[:8], memoryview(shared)[4:12], None, 0)
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+@pytest.mark.parametrize("offset", [0, 1, 15, 16, 63])
+def test_copy_into_large_pieces_at_any_alignment(kind: str, offset: int) -> None:
+    # Pieces of 4 KiB and more take the streamed-store path in C: every
+    # alignment of the destination and every tail length copies exactly.
+    import xxhash
+
+    copy = _impl(COPY, kind)
+    src = np.random.default_rng(offset).integers(0, 256, 3 * 8192 + 77, dtype=np.uint8).tobytes()
+    backing = bytearray(len(src) + 200)
+    outs = [memoryview(backing)[offset : offset + 8192 + 5], memoryview(backing)[offset + 8192 + 5 : offset + len(src) + 9]]
+    hasher = xxhash.xxh3_64()
+    assert copy(src, outs, hasher, 4096 + 3) == len(src)
+    assert bytes(backing[offset : offset + len(src)]) == src
+    assert not any(backing[:offset]) and not any(backing[offset + len(src) :])
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(src)
+    single = bytearray(len(src) + offset)
+    assert copy(src, memoryview(single)[offset:], None, 0) == len(src) and bytes(single[offset:]) == src

@@ -29,7 +29,7 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
     written beside itself under a temp name with the store's permissions
     and renamed into place; an existing ARCHIVE that is not a regular file
     (symlink, directory, FIFO, device, `-`) is refused (exit 2). With an
-    auth key the archive carries MACs (keyed BLAKE2b) that `import` checks.
+    auth key the archive carries MACs (HMAC-SHA256) that `import` checks.
 
     \b
     Example:

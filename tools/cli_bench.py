@@ -33,6 +33,7 @@ BENCHMARKS = {
     "cost": "ucm_db.tools.bench.cost:command",
     "remote-lookup": "ucm_db.tools.bench.remote_lookup:command",
     "pd": "ucm_db.tools.bench.pd:command",
+    "load": "ucm_db.tools.bench.load:command",
 }
 
 
@@ -65,6 +66,7 @@ def bench_group() -> None:
     \b
     Example:
         ucm-db bench core --quick
+        ucm-db bench load --unit-kib 64
         ucm-db bench engines --blocks 2000
         ucm-db bench ttft --prompts 4 --tokens 2048
     """

@@ -6,7 +6,7 @@ An archive exported with a key ends with one more member, ``manifest.auth``
     magic "UCMA" | version u16 | signing key id 8B | manifest MAC 32B |
     per block: key 32B | MAC 32B
 
-The manifest MAC is keyed BLAKE2b-256 (:mod:`ucm_db.auth`) over the exact
+The manifest MAC is HMAC-SHA256 (:mod:`ucm_db.auth`) over the exact
 bytes of ``manifest.json`` (which lists every block's key, parent and
 namespace); a block's MAC covers its key and its whole member (the codec
 blob). Separate personalisation strings keep either from passing as the

@@ -1,9 +1,11 @@
 """One process's background work for an open store: reader activity and
 the maintenance thread.
 
-Reads never take the writer lock: their LRU touches and hit/miss counts
-are buffered here and folded into the next write transaction (a put), or
-written by the maintenance thread every ``sync_interval_s``. With group
+Reads never take the writer lock nor open a write transaction: their LRU
+touches and hit/miss counts are buffered here and folded into the next write
+transaction (a put), or written by the maintenance thread every
+``sync_interval_s``, or sooner once ``ACTIVITY_FLUSH_KEYS`` touches are
+buffered (the read that crosses it wakes the thread and returns). With group
 durability the same thread syncs the engine every interval, and as soon as
 ``sync_bytes`` were committed since the last sync, or the engine's data file
 grew by ``sync_bytes`` since then.
@@ -24,8 +26,8 @@ completes and moves the pin (waiting only from 4x ``sync_bytes`` left a
 200k-block burst's file at 765 MB, against 561 MB):
 the file's growth beyond its live pages stays bounded whatever the mix of
 commits, at the price of index-heavy bursts running at the disk's sync pace.
-The check runs after puts and deletes; growth from other writes (a reader's
-large touch flush, the uploader's queue marks) is part of the extent the
+The check runs after puts and deletes; growth from other writes (a large flush
+of reader touches, the uploader's queue marks) is part of the extent the
 next put measures, and a reader never waits: lookups stay off this path.
 Where several processes write one store, each sees the others' payload as
 growth of its own: it may wait for a sync of its own a little more often
@@ -62,7 +64,8 @@ from ucm_db.tiers.local import LocalTier, PendingActivity
 
 logger = logging.getLogger("ucm_db")
 
-#: Buffered touches that make a read flush the activity at once.
+#: Buffered touches that make a read wake the maintenance thread to write
+#: them (before this interval ends); the read itself never writes.
 ACTIVITY_FLUSH_KEYS = 4096
 #: Longest wait of a commit for a sync after ``sync_bytes`` of excess growth
 #: (module doc): a sync slower than this (a stalled disk) lets the
@@ -86,6 +89,8 @@ class Background:
         self._extent_at_sync: int | None = None  # engine.used_extent_bytes() when the last sync started
         self._synced = threading.Condition(self._lock)  # notified when a sync completes
         self._syncs_done = 0
+        self._flush_due = False  # a read buffered ACTIVITY_FLUSH_KEYS touches (under _lock)
+        self._sync_due = False  # a commit asked for a sync (under _lock)
         self.errors = 0
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ucm-db-maintenance", daemon=True)
@@ -106,7 +111,10 @@ class Background:
     # -- reader activity -----------------------------------------------------------
     def record_reads(self, keys: Sequence[bytes], results: Sequence[Any]) -> None:
         """Counts a read's hits (``results[i]`` not None, touching the key)
-        and misses; flushes at once when many touches are buffered."""
+        and misses; when many touches are buffered, wakes the maintenance
+        thread to write them. A read never writes (no write transaction, no
+        writer lock): its recency reaches the index through the next put or
+        that thread."""
         now = time.time_ns()
         with self._lock:
             activity = self._activity
@@ -117,9 +125,9 @@ class Background:
                     activity.hits += 1
                     if not self._config.read_only:
                         activity.touched[key] = now
-            big = len(activity.touched) >= ACTIVITY_FLUSH_KEYS
-        if big:
-            self.flush_activity()
+            if len(activity.touched) >= ACTIVITY_FLUSH_KEYS and not self._flush_due:
+                self._flush_due = True
+                self._wake.set()  # the maintenance thread writes them: never the reader
 
     def take(self) -> PendingActivity:
         """The buffered activity, for a write to fold in (the buffer starts
@@ -168,6 +176,7 @@ class Background:
             grown = 0 if extent is None or self._extent_at_sync is None else extent - self._extent_at_sync
             excess = grown - self._unsynced_bytes
             if max(self._unsynced_bytes, excess) >= limit:
+                self._sync_due = True
                 self._wake.set()
             if excess >= limit and self._thread.is_alive():
                 target = self._syncs_done + 1
@@ -187,10 +196,13 @@ class Background:
                 self._wake.clear()
                 if self._stop.is_set():
                     return
+                with self._lock:
+                    flush, sync = not woken or self._flush_due, not woken or self._sync_due
+                    self._flush_due = self._sync_due = False
                 try:
-                    if not woken:
+                    if flush:
                         self.flush_activity()
-                    if self._config.durability == "group":
+                    if sync and self._config.durability == "group":
                         extent = self._engine.used_extent_bytes()
                         with self._lock:
                             self._unsynced_bytes = 0

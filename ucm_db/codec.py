@@ -44,7 +44,7 @@ from typing import Union, cast
 import xxhash
 import zstandard
 
-from ucm_db import native
+from ucm_db import checked_copy, native
 from ucm_db.errors import ConfigError, CorruptBlockError
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -72,6 +72,8 @@ _CHECKSUM_OFFSET = HEADER_BYTES - 8
 _CODEC_ID_OFFSET = 6
 _N_FRAMES_OFFSET = 8
 _CODEC_NAMES = {cid: name for name, cid in CODEC_IDS.items()}
+#: Frame tables (bytes) all of whose frames are raw -> their raw total (all_raw).
+_RAW_TABLES: dict[bytes, int] = {}
 _ZERO_CHECKSUM = bytes(8)
 #: A plane is kept compressed only if it shrinks below this fraction.
 _KEEP_COMPRESSED_RATIO = 0.92
@@ -373,6 +375,8 @@ def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) 
                 stored.append(packed)
                 continue
         stored.append(plane)
+    if not mask:  # no plane shrank: the frame as it is reads back with one copy, no plane merge
+        return MODE_RAW, 1, 0, [view]
     lengths = struct.pack(f"<{element_bytes}I", *(len(p) for p in stored))
     return MODE_SHUFFLE, element_bytes, mask, [lengths, *stored]
 
@@ -446,14 +450,21 @@ def verify_parts(head: Buffer, body: Buffer, key: bytes) -> Header:
     header = read_head(head, len(body))
     if header.key != key:
         raise CorruptBlockError("block belongs to another key")
-    head_view = memoryview(head)
-    hasher = xxhash.xxh3_64(head_view[:_CHECKSUM_OFFSET])
-    hasher.update(_ZERO_CHECKSUM)
-    hasher.update(head_view[HEADER_BYTES:])
+    hasher = head_hasher(head)
     hasher.update(body)
     if hasher.intdigest() != header.checksum:
         raise CorruptBlockError("checksum mismatch")
     return header
+
+
+def head_hasher(head: Buffer) -> xxhash.xxh3_64:
+    """The block checksum's state after the head (checksum field zeroed):
+    updated with the body, its digest is the header's checksum."""
+    head_view = memoryview(head)
+    hasher = xxhash.xxh3_64(head_view[:_CHECKSUM_OFFSET])
+    hasher.update(_ZERO_CHECKSUM)
+    hasher.update(head_view[HEADER_BYTES:])
+    return hasher
 
 
 def decode_into(blob: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
@@ -473,7 +484,10 @@ def decode_into(blob: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int
 
 
 def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
-    """:func:`decode_into` for a head and body kept apart."""
+    """:func:`decode_into` for a head and body kept apart (a raw body is verified as copied: :mod:`ucm_db.checked_copy`)."""
+    header = read_head(head, len(body))
+    if header.codec == "none" and header.key == key and all_raw(head, header, len(body)):
+        return checked_copy.copy_verified(head_hasher(head), body, out, header.checksum)
     header = verify_parts(head, body, key)
     if isinstance(out, (list, tuple)):
         return _decode_scattered(head, body, header, out)
@@ -481,29 +495,10 @@ def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequ
 
 
 def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence[Buffer]) -> int:
-    """Decodes a verified block across ``outs`` in order: codec ``none``
-    straight from the body, anything else through this thread's scratch
-    buffer (hot in cache when the pieces are copied out)."""
-    views = [memoryview(o).cast("B") for o in outs]
-    if sum(len(v) for v in views) < header.raw_len:
-        raise ConfigError(
-            f"output buffers of {sum(len(v) for v in views)} bytes in all are smaller than the block's {header.raw_len}",
-            hint="pass get_into buffers at least as large as the stored blocks",
-        )
-    body_view = memoryview(body)
-    if header.codec == "none" and _all_raw(head, header, len(body_view)):
-        source = body_view
-    else:
-        source = _scratch(header.raw_len)
-        _decode_verified(head, body, header, source)
-    at = 0
-    for view in views:
-        if at >= header.raw_len:
-            break
-        n = min(len(view), header.raw_len - at)
-        view[:n] = source[at : at + n]
-        at += n
-    return header.raw_len
+    """Decodes a verified block across ``outs`` in order, via this thread's (hot) scratch buffer."""
+    source = _scratch(header.raw_len)
+    _decode_verified(head, body, header, source)
+    return checked_copy.copy_out(source, list(outs))  # one C call however many pieces
 
 
 _scratch_local = threading.local()
@@ -531,7 +526,7 @@ def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) ->
             hint="pass get_into buffers at least as large as the stored blocks",
         )
     body_view = memoryview(body)
-    if header.codec == "none" and _all_raw(head, header, len(body_view)):
+    if header.codec == "none" and all_raw(head, header, len(body_view)):
         out_view[: header.raw_len] = body_view  # the frames back to back: one copy, not one per frame
         return header.raw_len
     table_at = HEADER_BYTES
@@ -550,17 +545,22 @@ def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) ->
     return raw_at
 
 
-def _all_raw(head: Buffer, header: Header, body_bytes: int) -> bool:
+def all_raw(head: Buffer, header: Header, body_bytes: int) -> bool:
     """Whether every frame of a checked head is stored raw, as long as it
     is raw, and the frames fill the block exactly: then the body is the raw
-    bytes themselves (what codec ``none`` writes)."""
+    bytes themselves (what codec ``none`` writes). Tables found raw are
+    remembered with their total (a store's units share a few tables)."""
     if header.raw_len != body_bytes:
         return False
-    total = 0
-    for raw_len, stored_len, mode, _elem, _mask in _FRAME.iter_unpack(memoryview(head)[HEADER_BYTES:]):
-        if mode != MODE_RAW or raw_len != stored_len:
+    table = bytes(memoryview(head)[HEADER_BYTES:])
+    total = _RAW_TABLES.get(table)
+    if total is None:
+        frames = list(_FRAME.iter_unpack(table))
+        if any(f[2] != MODE_RAW or f[0] != f[1] for f in frames):  # (raw_len, stored_len, mode, ...)
             return False
-        total += raw_len
+        if len(_RAW_TABLES) >= 1024:
+            _RAW_TABLES.clear()  # bounded whatever the input
+        total = _RAW_TABLES[table] = sum(f[0] for f in frames)
     return total == body_bytes
 
 

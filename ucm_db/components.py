@@ -11,11 +11,11 @@ re-exports; their behaviour is documented where they are defined.
 from __future__ import annotations
 
 from ucm_db import codec, codec_pool
-from ucm_db.auth import AuthKeys
+from ucm_db.auth import AuthKeys, mac as auth_mac
 from ucm_db.readthrough import READ_THREADS, RemoteLink
 from ucm_db.tiers.index_types import BlockEntry
 from ucm_db.tiers.remote import RemoteRoot, is_local_fs, pack_object, write_whole
 from ucm_db.uploader import LOCK_NAME as UPLOADER_LOCK_NAME, Uploader
 
-__all__ = ["READ_THREADS", "UPLOADER_LOCK_NAME", "AuthKeys", "BlockEntry", "RemoteLink", "RemoteRoot", "Uploader", "codec", "codec_pool", "is_local_fs",
+__all__ = ["READ_THREADS", "UPLOADER_LOCK_NAME", "AuthKeys", "auth_mac", "BlockEntry", "RemoteLink", "RemoteRoot", "Uploader", "codec", "codec_pool", "is_local_fs",
            "pack_object", "write_whole"]

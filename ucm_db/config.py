@@ -28,6 +28,8 @@ ENGINES = ("lmdb", "rocksdb", "memory")
 REMOTE_MODES = ("write_back", "write_through")
 #: Codec of remote objects: as the local tier, fixed, or chosen from measured speeds.
 REMOTE_CODECS = ("same", "none", "zstd", "auto")
+#: What an open checks before LMDB maps the store: every branch and leaf page (in a child process), or nothing.
+OPEN_CHECKS = ("pages", "none")
 
 #: Settings recorded in the store at creation and enforced on reopen.
 PERSISTED_FIELDS = ("capacity_bytes", "codec", "zstd_level", "durability", "engine")
@@ -37,8 +39,22 @@ MIB = 1 << 20
 #: Longest background sync / activity-flush interval: group durability's
 #: promise ("a power loss may lose the last interval") needs a real bound.
 MAX_SYNC_INTERVAL_S = 3600.0
+#: Shortest background interval: below it the maintenance thread would spin
+#: a core on syncs and activity flushes (issue 26: 1e-9 did).
+MIN_SYNC_INTERVAL_S = 0.001
 #: Longest wait on the remote tier per lookup.
 MAX_REMOTE_DEADLINE_S = 3600.0
+#: Largest capacity of any engine (sizes are 64-bit counters; 2**63 overflowed them).
+MAX_CAPACITY_BYTES = 1 << 62
+#: Largest LMDB map: LMDB maps its whole file into the process, and a 64-bit
+#: Linux process addresses 128 TiB (47 bits); ucm-db keeps to half of it
+#: (the map also grows to at most this, see ``ucm_db.tiers.lmdb``).
+MAX_LMDB_MAP_BYTES = 1 << 46
+#: Largest LMDB capacity: a new store's map is 2 x capacity + 256 MiB.
+MAX_LMDB_CAPACITY_BYTES = (MAX_LMDB_MAP_BYTES - (256 << 20)) // 2
+#: Most LMDB reader slots: each takes 64 bytes of the lock file (65536: 4 MiB;
+#: 10**9 made a 64 GB sparse lock file).
+MAX_READERS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +131,13 @@ class StoreConfig:
             a quarantine record, and ``put``/``delete`` raise
             :class:`~ucm_db.errors.TierError`. For a store on a read-only
             volume (a ``kv_consumer``). Never persisted.
+        check_on_open: ``"pages"`` reads every branch and leaf page of an
+            existing LMDB store in a child process before this process maps
+            it, and refuses a damaged store with a
+            :class:`~ucm_db.errors.TierError` (LMDB would crash the process
+            on such a page: SIGSEGV/SIGABRT); ``"none"`` skips it. Costs
+            about 0.2-0.9 s (page cache warm) or 1.6-2.4 s (cold) per 100k
+            blocks (RELIABILITY.md). Never persisted.
     """
 
     capacity_bytes: int = 8 * GIB
@@ -139,21 +162,29 @@ class StoreConfig:
     remote_auth_key_file: str | None = None
     remote_auth_key_env: str | None = None
     read_only: bool = False
+    check_on_open: str = "pages"
 
     def __post_init__(self) -> None:
-        _require_int("capacity_bytes", self.capacity_bytes, minimum=1 << 20)
+        _require_int("capacity_bytes", self.capacity_bytes, minimum=1 << 20, maximum=MAX_CAPACITY_BYTES)
         _require_choice("codec", self.codec, CODECS)
         _require_int("zstd_level", self.zstd_level, minimum=-7)
         if self.zstd_level > 22:
             raise ConfigError("zstd_level must be <= 22", hint="use 1 (fast) to 19 (small)")
         _require_choice("durability", self.durability, DURABILITIES)
-        _require_positive_float("sync_interval_s", self.sync_interval_s, maximum=MAX_SYNC_INTERVAL_S)
+        _require_positive_float("sync_interval_s", self.sync_interval_s, maximum=MAX_SYNC_INTERVAL_S, minimum=MIN_SYNC_INTERVAL_S)
         _require_int("sync_bytes", self.sync_bytes, minimum=1)
         _require_choice("engine", self.engine, ENGINES)
+        if self.engine == "lmdb" and self.capacity_bytes > MAX_LMDB_CAPACITY_BYTES:
+            raise ConfigError(
+                f"capacity_bytes must be in [{1 << 20}, {MAX_LMDB_CAPACITY_BYTES}] for the lmdb engine, got {self.capacity_bytes}: "
+                "LMDB maps the whole store (2 x capacity + 256 MiB) into the process, and ucm-db keeps maps within "
+                f"{MAX_LMDB_MAP_BYTES >> 40} TiB of the 128 TiB a 64-bit Linux process can address",
+                hint=f"lower capacity_bytes to at most {MAX_LMDB_CAPACITY_BYTES >> 40} TiB, or use engine='rocksdb' for a larger store",
+            )
         _require_int("encode_threads", self.encode_threads, minimum=0)
-        _require_int("max_readers", self.max_readers, minimum=8)
+        _require_int("max_readers", self.max_readers, minimum=8, maximum=MAX_READERS)
         if self.map_size_bytes is not None:
-            _require_int("map_size_bytes", self.map_size_bytes, minimum=1 << 20)
+            _require_int("map_size_bytes", self.map_size_bytes, minimum=1 << 20, maximum=MAX_LMDB_MAP_BYTES)
         if self.remote is not None and (not isinstance(self.remote, str) or "://" not in self.remote):
             raise ConfigError(
                 f"remote must be an fsspec URL such as s3://bucket/prefix, got {self.remote!r}",
@@ -170,6 +201,7 @@ class StoreConfig:
             self._check_lookup_max_bytes()
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
         _check_auth_settings(self)
+        _require_choice("check_on_open", self.check_on_open, OPEN_CHECKS)
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")
         if self.read_only and self.engine == "memory":
@@ -266,19 +298,20 @@ def _check_auth_settings(config: StoreConfig) -> None:
 def _require_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an integer, got {value!r}", hint=f"pass {name}=<int>")
+    span = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
     if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}", hint=f"raise {name}")
+        raise ConfigError(f"{name} must be {'in ' if maximum is not None else ''}{span}, got {value}", hint=f"raise {name}")
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{name} must be <= {maximum}, got {value}", hint=f"lower {name}")
+        raise ConfigError(f"{name} must be in {span}, got {value}", hint=f"lower {name}")
 
 
-def _require_positive_float(name: str, value: Any, *, maximum: float) -> None:
+def _require_positive_float(name: str, value: Any, *, maximum: float, minimum: float | None = None) -> None:
     # `not 0 < value <= maximum` also refuses NaN and infinity: a timer
     # given either would overflow (or never fire) in threading.Event.wait.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= maximum:
-        raise ConfigError(
-            f"{name} must be a number of seconds in (0, {maximum:g}], got {value!r}", hint=f"pass e.g. {name}=0.5",
-        )
+    low_ok = isinstance(value, (int, float)) and (value > 0 if minimum is None else value >= minimum)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok and value <= maximum):
+        span = f"(0, {maximum:g}]" if minimum is None else f"[{minimum:g}, {maximum:g}]"
+        raise ConfigError(f"{name} must be a number of seconds in {span}, got {value!r}", hint=f"pass e.g. {name}=0.5")
 
 
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -8,6 +8,13 @@ Invariants:
       engine (``lmdb/`` or ``rocksdb/``); :func:`detect_engine` reads that.
     * ``info/format_version`` holds the decimal format version; a store of
       another version is refused by :func:`check_format_version` with the fix.
+      Like the settings record it is checksummed (a ``sum:`` sidecar, see
+      :mod:`ucm_db.tiers.records`): written so by this code and by
+      migrations, sealed at a writable open in stores of older code (which
+      wrote it bare: a bare record is trusted as it is until then).
+    * A settings record whose persisted values are invalid (a negative
+      capacity, an unknown codec) is damage: :func:`check_persisted_settings`
+      names the field and the value, never "raise capacity_bytes".
     * :func:`open_engine` is the only place an engine object is built (the
       store, migrations, conversion and the tools all come through it).
 """
@@ -62,11 +69,15 @@ def open_engine(
     read_only: bool = False,
     map_size_bytes: int = MIN_MAP_BYTES,
     max_readers: int = 1024,
+    check_pages: bool = True,
 ) -> Engine:
     """Builds the ``engine`` engine of the store directory ``path`` (created
     if missing; callers that must not create one check :func:`detect_engine`
     first). ``read_only`` is honoured where the engine supports it (RocksDB);
-    :func:`engine_for_config` also opens LMDB read-only."""
+    :func:`engine_for_config` also opens LMDB read-only. ``check_pages``:
+    LMDB's page check before the first map (see
+    :func:`ucm_db.tiers.lmdb_checks.check_pages_at_open`); maintenance that
+    runs its own check in a child process passes False."""
     if engine == "memory":
         from ucm_db.tiers.memory import MemoryEngine
 
@@ -79,24 +90,29 @@ def open_engine(
         raise ConfigError(f"unknown engine {engine!r}", hint="use one of lmdb, rocksdb, memory")
     from ucm_db.tiers.lmdb import LmdbEngine
 
-    return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=sync, max_readers=max_readers)
+    return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=sync, max_readers=max_readers,
+                      check_pages=check_pages)
 
 
-def open_lmdb_read_only(path: Path, *, map_size_bytes: int = MIN_MAP_BYTES, max_readers: int = 1024) -> Engine:
+def open_lmdb_read_only(path: Path, *, map_size_bytes: int = MIN_MAP_BYTES, max_readers: int = 1024,
+                        check_pages: bool = True) -> Engine:
     """The LMDB engine of the store directory ``path`` opened ``MDB_RDONLY``,
     writing nothing there (see :class:`~ucm_db.tiers.lmdb.LmdbEngine`)."""
     from ucm_db.tiers.lmdb import LmdbEngine
 
-    return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=True, max_readers=max_readers, read_only=True)
+    return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=True, max_readers=max_readers, read_only=True,
+                      check_pages=check_pages)
 
 
 def engine_for_config(path: Path, config: StoreConfig) -> Engine:
     """The engine :class:`~ucm_db.Store` opens for ``config`` at ``path``
     (``read_only``: writing nothing, see :class:`~ucm_db.tiers.lmdb.LmdbEngine`)."""
+    check_pages = config.check_on_open == "pages"
     if config.read_only and config.engine == "lmdb":
-        return open_lmdb_read_only(path, map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers)
+        return open_lmdb_read_only(path, map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers,
+                                   check_pages=check_pages)
     return open_engine(path, config.engine, sync=config.durability == "sync", read_only=config.read_only,
-                       map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers)
+                       map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers, check_pages=check_pages)
 
 
 def creation_record() -> bytes:
@@ -118,6 +134,54 @@ def check_format_version(version: int, path: Path) -> None:
         )
 
 
+def write_format_version(txn: Any, version: int = STORE_FORMAT_VERSION) -> None:
+    """Writes ``info/format_version`` with its checksum sidecar."""
+    from ucm_db.tiers import records
+
+    records.put_checked(txn, FORMAT_VERSION_KEY, str(version).encode())
+
+
+def checked_format_version(txn: Any) -> bytes | None:
+    """The raw ``info/format_version`` record, or None if absent; a record
+    that fails its checksum is a :class:`ConfigError` naming the damage."""
+    from ucm_db.tiers import records
+
+    value = txn.get(INFO_TABLE, FORMAT_VERSION_KEY)
+    if value is None:
+        return None
+    try:
+        records.check(txn, FORMAT_VERSION_KEY, value)
+    except records.DamagedRecord:
+        raise ConfigError(f"the store's format version record is damaged (checksum mismatch, holds {bytes(value)[:16]!r})",
+                          hint=_DAMAGED_HINT) from None
+    return bytes(value)
+
+
+def settings_problem(settings: dict[str, Any]) -> str | None:
+    """Why the persisted values of a settings record cannot be used (the
+    field and the value, as the config check words it), or None."""
+    from ucm_db.config import PERSISTED_FIELDS, StoreConfig
+
+    try:
+        StoreConfig.from_dict({name: settings[name] for name in PERSISTED_FIELDS if name in settings})
+    except ConfigError as exc:
+        return str(exc).removesuffix(f" (hint: {exc.hint})")
+    return None
+
+
+def check_persisted_settings(settings: dict[str, Any], path: Path) -> None:
+    """Refuses a settings record whose persisted values no config accepts
+    (a damaged or hand-edited record), naming the field and the value."""
+    problem = settings_problem(settings)
+    if problem is not None:
+        raise ConfigError(f"the settings record of the store at {path} is damaged: it holds an invalid value ({problem})",
+                          hint=f"run `ucm-db verify {path}`; the store cannot be opened with it: move the store aside "
+                               "(it is a cache and starts empty) or restore it from a copy")
+
+
+_DAMAGED_HINT = "run `ucm-db verify` on the store; if it cannot repair it, move the store aside"
+
+
 def parse_format_version(raw: bytes | None) -> int:
     """The format version in an ``info/format_version`` record."""
     if raw is None:
@@ -125,13 +189,12 @@ def parse_format_version(raw: bytes | None) -> int:
     try:
         return int(bytes(raw))
     except ValueError:
-        raise ConfigError(f"the store's format version record is damaged ({bytes(raw)[:16]!r})",
-                          hint="run `ucm-db verify` on the store; if it cannot repair it, move the store aside") from None
+        raise ConfigError(f"the store's format version record is damaged ({bytes(raw)[:16]!r})", hint=_DAMAGED_HINT) from None
 
 
 def read_format_version(engine: Engine) -> int:
     """The format version recorded in ``engine``'s store."""
-    return parse_format_version(engine.read(lambda txn: _copy(txn.get(INFO_TABLE, FORMAT_VERSION_KEY))))
+    return parse_format_version(engine.read(checked_format_version))
 
 
 def read_settings(engine: Engine) -> dict[str, Any]:
@@ -158,7 +221,3 @@ def read_settings(engine: Engine) -> dict[str, Any]:
     if not isinstance(settings, dict):
         raise ConfigError("the store's settings record is damaged", hint="run `ucm-db verify` on the store")
     return settings
-
-
-def _copy(value: Any) -> bytes | None:
-    return None if value is None else bytes(value)

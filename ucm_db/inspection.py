@@ -150,7 +150,7 @@ def inspect_view(view: StoreView, *, namespaces: tuple[str, ...] = (), top: int 
     metas = view.tier.scan_metas(selected)
     totals = view.tier.totals()
     quarantine = sorted(view.tier.quarantine_records())
-    capacity = view.capacity_bytes
+    capacity = _recorded_capacity(view)
     report: dict[str, Any] = {
         "path": str(view.path), "engine": view.engine_name, "format_version": view.format_version,
         "code_format_version": STORE_FORMAT_VERSION, "pending_migrations": pending_migration_names(view),
@@ -164,7 +164,7 @@ def inspect_view(view: StoreView, *, namespaces: tuple[str, ...] = (), top: int 
         "quarantined_blocks": [k.hex() for k in quarantine[:LISTED_QUARANTINE]],
         "pending_uploads": len(view.tier.pending_uploads()),
         "remote": view.settings.get("remote"),
-        "damaged_records": view.damaged,
+        "damaged_records": _damaged_records(view),
         "remote_codec": _remote_codec_record(view),
         "namespaces": namespace_rows(view, selected, now_ns),
         "histograms": histograms(metas, now_ns),
@@ -175,6 +175,24 @@ def inspect_view(view: StoreView, *, namespaces: tuple[str, ...] = (), top: int 
         report["hottest_chains"], cyclic = hottest_chains(metas, top)
         report["parent_cycles"] = sorted(k.hex() for k in cyclic)
     return report
+
+
+def _recorded_capacity(view: StoreView) -> int:
+    """The recorded capacity; 0 (shown as unknown) when the record holds
+    none or a value that is not a whole number (listed as damage)."""
+    value = view.settings.get("capacity_bytes", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _damaged_records(view: StoreView) -> list[str]:
+    """What the view found on opening, and every damaged info record
+    ``verify`` reports (a checksum-valid settings record holding an invalid
+    value included), once each."""
+    found = list(view.damaged)
+    for name, reason in view.tier.damaged_records():
+        if not any(f"'{name}'" in line and reason in line for line in found):
+            found.append(f"info record {name!r} is damaged: {reason}")
+    return found
 
 
 def _remote_codec_record(view: StoreView) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""The codec's byte-plane shuffle: compiled (``ucm_db._native``) or numpy.
+"""The codec's byte-plane shuffle and checked copy: compiled (``ucm_db._native``) or numpy.
 
 The extension is optional: built from ``ucm_db/_native.c`` at install time
 when a C compiler and the Python headers are there, otherwise the numpy
@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Union
+from typing import Protocol, Union
 
 import numpy as np
 
@@ -75,6 +75,37 @@ def merge_planes_py(planes: Sequence[Buffer], out: Buffer, element_bytes: int) -
     np.bitwise_or(words, np.frombuffer(views[0], dtype=np.uint8), out=words, casting="unsafe")
 
 
+class Hasher(Protocol):
+    """A streaming checksum (``xxhash.xxh3_64`` and the like)."""
+
+    def update(self, data: Buffer, /) -> object: ...
+
+
+def copy_into_py(src: Buffer, outs: Buffer | Sequence[Buffer], hasher: Hasher | None, chunk_bytes: int) -> int:
+    """Python :func:`copy_into`: ``src`` into ``outs`` (a buffer, or a list
+    or tuple filled one after another, up to the end of ``src``), each piece
+    hashed just before its copy when ``hasher`` is given; returns ``len(src)``."""
+    source = memoryview(src).cast("B")
+    targets = [memoryview(o) for o in (outs if isinstance(outs, (list, tuple)) else (outs,))]
+    for target in targets:
+        if target.readonly or not target.c_contiguous:
+            raise TypeError(f"out must be a writable contiguous buffer, not a read-only or strided {type(target.obj).__name__}")
+    if sum(t.nbytes for t in targets) < len(source):
+        raise ValueError(f"outs hold {sum(t.nbytes for t in targets)} bytes, fewer than the {len(source)} of src")
+    step = chunk_bytes if chunk_bytes > 0 else max(len(source), 1)
+    at = 0
+    for target in targets:
+        flat = target.cast("B")
+        start, end = at, min(len(source), at + len(flat))
+        while at < end:
+            n = min(step, end - at)
+            if hasher is not None:
+                hasher.update(source[at : at + n])
+            flat[at - start : at - start + n] = source[at : at + n]
+            at += n
+    return len(source)
+
+
 def _check_element_bytes(element_bytes: int) -> None:
     if element_bytes not in (2, 4):
         raise ValueError(f"element_bytes must be 2 or 4, got {element_bytes}")
@@ -85,10 +116,17 @@ def _check_element_bytes(element_bytes: int) -> None:
 split_planes: Callable[[Buffer, int], list[bytearray]]
 #: ``merge_planes(planes, out, element_bytes)``: the inverse, written into ``out``.
 merge_planes: Callable[[Sequence[Buffer], Buffer, int], None]
+#: ``copy_into(src, outs, hasher, chunk_bytes)``: ``src`` copied into a buffer
+#: or a scatter list; with a hasher, each piece of at most ``chunk_bytes``
+#: (0: all) is hashed right before its copy, while it is in cache (a checksum
+#: verified as the bytes are copied reads them from memory once).
+copy_into: Callable[[Buffer, Union[Buffer, Sequence[Buffer]], Union[Hasher, None], int], int]
 
 if _native is not None:
     split_planes = _native.split_planes
     merge_planes = _native.merge_planes
+    copy_into = _native.copy_into
 else:
     split_planes = split_planes_py
     merge_planes = merge_planes_py
+    copy_into = copy_into_py

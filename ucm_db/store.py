@@ -5,13 +5,13 @@ A :class:`Store` turns ``(namespace, keys, payloads)`` into encoded blocks in a
 
 Invariants:
     * A block is visible only after the transaction that put it commits.
-    * Every payload read is verified (header, owning key, checksum) before a
-      byte reaches the caller; a corrupt block reads as ``None`` and is
-      quarantined, together with its descendants (prefix invariant).
+    * Every payload read is verified (header, owning key, checksum) before
+      it is reported read (``get_into`` verifies a raw body as it copies it:
+      a failed block's flag is False, its buffers may hold its bytes); a
+      corrupt block reads as a miss and is quarantined with its descendants.
     * Reader activity (LRU touches, hit and miss counts) is kept in memory
       and folded into the next write, or written by the maintenance thread
-      every ``sync_interval_s`` (:mod:`ucm_db.background`): reads never
-      take the writer lock.
+      (:mod:`ucm_db.background`): reads never open a write transaction.
     * The store is safe for threads, and for several processes on one node
       with the LMDB engine; it re-opens itself in a forked child.
     * With a ``remote``: every block put is queued for upload in its own
@@ -40,11 +40,12 @@ from ucm_db.background import Background
 from ucm_db.codec_pool import CodecPool, Payload
 from ucm_db.config import CODECS, PERSISTED_FIELDS, StoreConfig
 from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORMAT_VERSION and friends
-    CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION, check_format_version, creation_record, detect_engine,
-    engine_for_config, parse_format_version,
+    CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION, check_format_version, check_persisted_settings, checked_format_version,
+    creation_record, detect_engine, engine_for_config, parse_format_version, write_format_version,
 )
 from ucm_db.errors import ClosedError, ConfigError, CorruptBlockError, MissingAncestorError, TierError
 from ucm_db.tiers import records
+from ucm_db.tiers.accounting import seal_records
 from ucm_db.arguments import (
     UNSET, ProbedKeys, Unset, key_list, parse_settings, require_keys, require_namespace, require_payload, require_writable,
     segment_list, segment_parent,
@@ -157,13 +158,13 @@ class Store:
         wanted = self.config.persisted()
 
         def run(txn: Any) -> tuple[int, dict[str, Any]]:
-            version = txn.get("info", FORMAT_VERSION_KEY)
+            version = checked_format_version(txn)
             settings = txn.get("info", SETTINGS_KEY)
             if version is None:
                 if self.config.read_only:
                     raise TierError(f"the store at {self.path} was never initialised: it records no format version",
                                     hint="open it writable once, or check the path")
-                txn.put("info", FORMAT_VERSION_KEY, str(STORE_FORMAT_VERSION).encode())
+                write_format_version(txn)
                 records.put_checked(txn, SETTINGS_KEY, json.dumps(wanted, sort_keys=True).encode())
                 txn.put("info", CREATED_KEY, creation_record())
                 return STORE_FORMAT_VERSION, wanted
@@ -172,12 +173,14 @@ class Store:
                     records.check(txn, SETTINGS_KEY, settings)
                 except records.DamagedRecord:
                     settings = b"damaged"  # parse_settings names it
-            return parse_format_version(bytes(version)), parse_settings(settings, self.path)
+            return parse_format_version(version), parse_settings(settings, self.path)
 
         version, stored = (self._engine.read if self.config.read_only else self._engine.write)(run)
         check_format_version(version, self.path)
+        check_persisted_settings(stored, self.path)
         if not self.config.read_only:
-            self._tier.seal_records()
+            # Records of older code get checksums; their counters are recounted first (issue 26 item 18).
+            self._engine.write(seal_records)
         for name in PERSISTED_FIELDS:
             if name in explicit and name in stored and explicit[name] != stored[name]:
                 raise ConfigError(

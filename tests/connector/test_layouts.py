@@ -182,3 +182,26 @@ def test_units_go_in_place_only_where_a_heads_share_is_one_slab() -> None:
     assert not layout_of(lambda: torch.randn(2 * NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD).to(torch.bfloat16)[::2]).writes_units_in_place
     with pytest.raises(ConfigError, match="in place"):
         layout_of(_flash).unit_slabs([0])
+
+
+def test_cpu_units_are_gathered_slab_by_slab_like_the_generic_path() -> None:
+    # A cpu cache's units are copied straight from its slabs (one numpy take
+    # per layer); the bytes equal each head's slab of each layer in order,
+    # and so what the generic torch path (a strided copy of the same cache) gives.
+    caches = {f"l{i}": _cpu() for i in range(3)}
+    layout = detect_layout(caches, NUM_BLOCKS)
+    assert layout.writes_units_in_place
+    staging = layout.new_unit_staging(3)
+    layout.gather_units([4, 0, 5], staging)
+    for row, block in enumerate([4, 0, 5]):
+        for head in range(HEADS):
+            want = torch.cat([caches[f"l{i}"][block, head].reshape(-1).view(torch.uint8) for i in range(3)])
+            assert torch.equal(staging[row, head], want)
+    strided = {name: torch.cat([t, t], dim=2)[:, :, :BLOCK] for name, t in caches.items()}  # same values, not contiguous
+    generic = detect_layout(strided, NUM_BLOCKS)
+    assert not generic.writes_units_in_place
+    other = generic.new_unit_staging(3)
+    generic.gather_units([4, 0, 5], other)
+    assert torch.equal(staging, other)
+    with pytest.raises(IndexError):
+        layout.gather_units([NUM_BLOCKS], layout.new_unit_staging(1))

@@ -13,6 +13,7 @@ import ucm_db
 from ucm_db import codec, migrations
 from ucm_db.errors import FormatVersionError, LockedError, MigrationError
 from ucm_db.migrations import Migration
+from ucm_db.format import write_format_version
 from ucm_db.store import CREATED_KEY, STORE_FORMAT_VERSION
 
 from fixture_stores import NAMESPACES, expected_blocks
@@ -129,7 +130,8 @@ def test_migration_refuses_while_store_is_open(tmp_path: Path) -> None:
 def test_newer_store_is_refused_by_migrate_and_open(tmp_path: Path) -> None:
     path = tmp_path / "s"
     with ucm_db.open(path, capacity_bytes=1 << 20) as store:
-        store.tier.info_put(b"format_version", str(STORE_FORMAT_VERSION + 5).encode())
+        # as newer code writes it: checksummed (a bare changed record would be damage)
+        store.tier.engine.write(lambda txn: write_format_version(txn, STORE_FORMAT_VERSION + 5))
     with pytest.raises(FormatVersionError, match="newer"):
         ucm_db.open(path)
     with pytest.raises(MigrationError, match="newer"):

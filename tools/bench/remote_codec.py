@@ -212,5 +212,5 @@ def _auth_command(bandwidths: list[float], blocks: int, runs: int, as_json: bool
         click.echo(f"{link}: " + ", ".join(f"{k} {v}x" for k, v in ratio.items()))
     click.echo("one verified fetch of a 2 MiB object from the page cache (ms, min/median): " + ", ".join(
         f"auth {mode} {v['min_ms']}/{v['median_ms']}" for mode, v in result["fetch_2mib_ms"].items()))
-    click.echo(f"keyed BLAKE2b-256 on one core: {result['mac_mb_s_per_core']} MB/s; {result['cpus']} CPUs, "
+    click.echo(f"HMAC-SHA256 (the MAC) on one core: {result['mac_mb_s_per_core']} MB/s; {result['cpus']} CPUs, "
                f"load average {', '.join(f'{x:.1f}' for x in result['load_average'])} at the end")

@@ -7,6 +7,10 @@ Invariants:
     * The records are checksummed (:mod:`ucm_db.tiers.records`); a damaged
       one is recounted from the metadata inside the transaction that finds
       it, so one flipped bit never wedges later puts.
+    * Counter records written before checksums existed are never sealed as
+      they are: :func:`seal_records` recounts them from the metadata first
+      (a garbage pre-checksum total would otherwise be sealed as truth and
+      make every put a ``StoreFullError``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.format import CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY
+from ucm_db.format import CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, settings_problem
 from ucm_db.tiers import records
 from ucm_db.tiers.base import Buffer, Txn
 from ucm_db.tiers.index_types import BlockMeta, DamagedMeta
@@ -158,6 +162,44 @@ def recount(txn: Txn) -> tuple[Totals, dict[bytes, list[int]]]:
     return totals, per_namespace
 
 
+#: Records sealed at a writable open when older code wrote them without a checksum.
+SEALED_RECORDS = (FORMAT_VERSION_KEY, SETTINGS_KEY, TOTALS_KEY, NS_COUNTS_PREFIX, NS_DESC_PREFIX)
+
+
+def seal_records(txn: Txn) -> int:
+    """Adds checksums to the records older code wrote bare; counter records
+    among them are recounted from the metadata before they are sealed
+    (module invariants). Returns how many records were sealed."""
+    unsealed_counters = [name for name, _ in _unsealed(txn, (TOTALS_KEY, NS_COUNTS_PREFIX))]
+    if unsealed_counters:
+        logger.info("ucm-db: recounting %d counter records of older code before sealing them", len(unsealed_counters))
+        _rewrite_counters(txn)
+    return records.seal(txn, SEALED_RECORDS)
+
+
+def _unsealed(txn: Txn, prefixes: tuple[bytes, ...]) -> list[tuple[bytes, Buffer]]:
+    return [(bytes(name), value) for prefix in prefixes for name, value in txn.scan("info", prefix)
+            if txn.get("info", records.SUM_PREFIX + bytes(name)) is None]
+
+
+def _rewrite_counters(txn: Txn) -> None:
+    """Every counter record rewritten (checksummed) from a recount; the
+    totals' event counters are kept where the old record has the right
+    shape and its block counts agreed with the recount (else zeroed: a
+    record that is wrong about the blocks is trusted for nothing)."""
+    totals, per_namespace = recount(txn)
+    old = txn.get("info", TOTALS_KEY)
+    if old is not None and len(old) == TOTALS.size:
+        blocks, raw, stored, *events = TOTALS.unpack(bytes(old))
+        if (blocks, raw, stored) == (totals.blocks, totals.raw_bytes, totals.stored_bytes):
+            totals.evictions, totals.quarantined, totals.hits, totals.misses = events
+    totals.write(txn)
+    for name, _ in list(txn.scan("info", NS_COUNTS_PREFIX)):
+        per_namespace.setdefault(bytes(name)[len(NS_COUNTS_PREFIX):], [0, 0, 0, 0])
+    for namespace_id, counts in per_namespace.items():
+        records.put_checked(txn, NS_COUNTS_PREFIX + namespace_id, NS_COUNTS.pack(*counts))
+
+
 def parse_description(value: Buffer | None) -> dict[str, Any]:
     if value is None:
         return {"damaged": "checksum mismatch"}
@@ -186,6 +228,11 @@ def damaged_records(txn: Txn) -> list[tuple[str, str]]:
     version = txn.get("info", FORMAT_VERSION_KEY)
     if version is not None and not bytes(version).isdigit():
         found.append((FORMAT_VERSION_KEY.decode(), "not a decimal number"))
+    elif version is not None:
+        try:
+            records.check(txn, FORMAT_VERSION_KEY, version)
+        except records.DamagedRecord as exc:
+            found.append((FORMAT_VERSION_KEY.decode(), exc.reason))
     for name in (SETTINGS_KEY, CREATED_KEY):
         value = txn.get("info", name)
         if value is not None and "damaged" in parse_description(value):
@@ -195,4 +242,8 @@ def damaged_records(txn: Txn) -> list[tuple[str, str]]:
                 records.check(txn, name, value)
             except records.DamagedRecord as exc:
                 found.append((name.decode(), exc.reason))
+            else:
+                problem = settings_problem(parse_description(value))
+                if problem:
+                    found.append((name.decode(), f"invalid value: {problem}"))
     return found

@@ -60,7 +60,7 @@ import lmdb
 from ucm_db.errors import TierError
 from ucm_db.tiers.base import TABLES, Buffer, Engine, T
 from ucm_db.storelock import ensure_store_dir
-from ucm_db.tiers.lmdb_checks import check_data_file, ensure_env_dir, lmdb_error
+from ucm_db.tiers.lmdb_checks import check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable
 from ucm_db.tiers.lmdb_groupsync import RECORD_FILE, RollbackReport, SnapshotPin, roll_back_after_os_crash
 from ucm_db.tiers.lmdb_meta import FileCheck, check_file
 from ucm_db.tiers.lmdb_prefault import Prefault
@@ -198,9 +198,11 @@ class LmdbEngine(Engine):
     multi_process = True
     persistent = True
 
-    def __init__(self, path: str | Path, *, map_size_bytes: int, sync: bool, max_readers: int = 1024, read_only: bool = False) -> None:
+    def __init__(self, path: str | Path, *, map_size_bytes: int, sync: bool, max_readers: int = 1024, read_only: bool = False,
+                 check_pages: bool = True) -> None:
         self.path = Path(path)
         self.read_only = read_only
+        self._check_pages = check_pages  # once per engine, before the first map (a forked child's parent checked)
         self._map_size_bytes = map_size_bytes
         self._sync = sync
         self._max_readers = max_readers
@@ -269,6 +271,7 @@ class LmdbEngine(Engine):
                 f"make {self.path.parent} writable by this user, or delete the store (it is a cache)",
             ) from exc
         check_data_file(self.path)
+        self._check_pages_once(lock=True)
         try:
             env = _lmdb_open(
                 str(self.path),
@@ -315,18 +318,24 @@ class LmdbEngine(Engine):
         """The environment opened ``MDB_RDONLY`` (module invariants): with
         LMDB's lock file if this process may open it, else without."""
         check_data_file(self.path)
+        self._check_pages_once(lock=lock_file_writable(self.path))
         options: dict[str, Any] = dict(
             subdir=True, readonly=True, max_dbs=len(TABLES) + 4, max_readers=self._max_readers, readahead=True, create=False,
         )
         try:
             return _lmdb_open(str(self.path), lock=True, **options)
         except (lmdb.ReadonlyError, lmdb.Error, OSError) as exc:
-            if _lock_file_writable(self.path):
+            if lock_file_writable(self.path):
                 raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
         try:
             return _lmdb_open(str(self.path), lock=False, **options)
         except (lmdb.Error, OSError) as exc:
             raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
+
+    def _check_pages_once(self, *, lock: bool) -> None:  # a damaged page: a TierError now, not a crash later
+        if self._check_pages:
+            check_pages_at_open(self.path, lock=lock)
+            self._check_pages = False
 
     def _set_aside_if_still_damaged(self) -> None:
         """The last resort after a rollback: a synced snapshot that still
@@ -513,10 +522,3 @@ class LmdbEngine(Engine):
         if self._page_bytes is None:
             self._page_bytes = int(env.stat()["psize"])
         return self._page_bytes
-
-
-def _lock_file_writable(env_dir: Path) -> bool:
-    """True if this process could open (or create) LMDB's lock file for
-    writing: a read-only open that failed then failed for another reason."""
-    lock = env_dir / "lock.mdb"
-    return os.access(lock, os.W_OK) if lock.exists() else os.access(env_dir, os.W_OK)

@@ -13,11 +13,20 @@ Invariants:
       create missing directories, nothing else.
     * :func:`diagnose` never crashes the caller: page walks run in a child
       process (:func:`ucm_db.tiers.lmdb_recovery.walk_in_child`).
+    * :func:`check_pages_at_open` runs before a store's environment is
+      mapped: a branch or leaf page that would crash this process (an LMDB
+      assertion, a wild pointer: SIGABRT/SIGSEGV) is a
+      :class:`~ucm_db.errors.TierError` naming it, found by a child process.
+      Damage that appears after the open, under a running process that
+      maps the file, is out of its reach (RELIABILITY.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
@@ -25,7 +34,10 @@ import lmdb
 from ucm_db.errors import TierError
 from ucm_db.storelock import ensure_store_dir, os_error
 from ucm_db.tiers.lmdb_meta import check_file
-from ucm_db.tiers.lmdb_recovery import CHECK_TIMEOUT_S, walk_in_child
+from ucm_db.tiers.lmdb_pages import NO_PAGE, DamagedTree, first_reachable_page_past_end
+from ucm_db.tiers.lmdb_recovery import _SIGNAL_NAMES, CHECK_TIMEOUT_S, walk_in_child
+
+logger = logging.getLogger("ucm_db")
 
 ENV_DIR = "lmdb"
 DATA_FILE = "data.mdb"
@@ -67,6 +79,13 @@ def check_data_file(env_dir: Path) -> None:
     raise TierError(f"LMDB store {env_dir} cannot be opened: {check.problem}", hint=damaged_hint(env_dir.parent))
 
 
+def lock_file_writable(env_dir: Path) -> bool:
+    """True if this process could open (or create) LMDB's lock file for
+    writing: a read-only open that failed then failed for another reason."""
+    lock = env_dir / "lock.mdb"
+    return os.access(lock, os.W_OK) if lock.exists() else os.access(env_dir, os.W_OK)
+
+
 def lmdb_error(action: str, env_dir: Path, exc: BaseException) -> TierError:
     """The TierError for an LMDB failure, with the hint for its cause."""
     message = f"{action} {env_dir} failed: {exc}"
@@ -79,6 +98,11 @@ def lmdb_error(action: str, env_dir: Path, exc: BaseException) -> TierError:
         return TierError(message, hint="raise max_readers, or open fewer stores and threads on this path at once")
     if "already open in this process" in str(exc):
         return TierError(message, hint="open each store once per process and share that Store object between threads")
+    if isinstance(exc, lmdb.MemoryError) or "Cannot allocate memory" in str(exc):
+        # ENOMEM from mmap: the map does not fit the address space left to this process; no disk is involved.
+        return TierError(message, hint="LMDB maps the whole store (2 x capacity_bytes + 256 MiB, or map_size_bytes) "
+                         "into the process's address space and it did not fit: lower capacity_bytes or map_size_bytes, "
+                         "or lift the address-space limit (`ulimit -v`); free disk space does not help")
     if isinstance(exc, OSError) and exc.errno is not None:
         return os_error("use", env_dir, exc)
     if isinstance(exc, lmdb.Error) and "No space left" in str(exc):
@@ -104,3 +128,121 @@ def diagnose(store_path: str | os.PathLike[str], timeout_s: float = CHECK_TIMEOU
         return None
     # Without a lock file no process has the store open: read without one (and create none).
     return walk_in_child(env_dir, lock=(env_dir / "lock.mdb").exists(), timeout_s=timeout_s)
+
+
+# -- the page check at open -------------------------------------------------------
+#: Longest the open-time page check may take; past it the store opens unchecked (a warning says so).
+OPEN_CHECK_TIMEOUT_S = 600.0
+#: Walks every tree page of every table by its keys; a value's bytes are never
+#: touched (LMDB dies on damaged branch/leaf pages, not on a value's bytes, and
+#: touching every value would read the whole file).
+_KEY_WALK_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[3])
+import lmdb
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadValsizeError)
+for attempt in range(16):  # another process may grow the map meanwhile (MDB_MAP_RESIZED)
+    try:
+        env = lmdb.open(sys.argv[1], readonly=True, lock=sys.argv[2] == "lock", subdir=True, max_dbs=64, mode=0o600)
+        try:
+            with env.begin(buffers=True) as txn:
+                names = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+                for name in names:
+                    db = env.open_db(name, txn=txn, create=False)
+                    for _ in txn.cursor(db=db).iternext(keys=True, values=False):
+                        pass
+        finally:
+            env.close()
+        sys.exit(0)
+    except lmdb.MapResizedError:
+        continue
+    except DAMAGE as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(3)
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(4)
+sys.exit(4)
+"""
+#: The walk's exit status for an LMDB error that means damage (others are not the check's to judge).
+_DAMAGE_STATUS = 3
+_FREE_TREE_TRIES = 3
+_LMDB_PATH = str(Path(lmdb.__file__).resolve().parent.parent)
+
+
+def page_damage(env_dir: Path, *, lock: bool, timeout_s: float = OPEN_CHECK_TIMEOUT_S) -> str | None:
+    """None if every branch and leaf page of the store's current snapshot
+    reads back, else one sentence naming the damage. Never crashes the
+    caller and maps nothing here: the free-page tree is walked with
+    ``pread`` (:mod:`ucm_db.tiers.lmdb_pages`), every other tree by LMDB
+    itself in a child process (keys only).
+
+    The child first reads without LMDB's lock file, so an intact store's
+    lock file is left to the real open; a reader without a lock slot may
+    meet pages another process is rewriting, so damage found that way is
+    confirmed by a second walk holding a slot (``lock=True``; ``False``
+    where the lock file cannot be written: a read-only volume)."""
+    data = env_dir / DATA_FILE
+    if not data.is_file() or data.stat().st_size == 0:
+        return None
+    problem = _free_tree_damage(data)
+    if problem is not None:
+        return problem
+    if _walk(env_dir, lock=False, timeout_s=timeout_s) is None:
+        return None
+    return _walk(env_dir, lock=lock, timeout_s=timeout_s)
+
+
+def _walk(env_dir: Path, *, lock: bool, timeout_s: float) -> str | None:
+    """One key walk in a child process (see :func:`page_damage`)."""
+    try:
+        done = subprocess.run(
+            # -S: no site initialisation (half the start-up time); lmdb's own directory is passed instead.
+            [sys.executable, "-S", "-c", _KEY_WALK_SCRIPT, str(env_dir), "lock" if lock else "nolock", _LMDB_PATH],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
+        )
+    except subprocess.TimeoutExpired:
+        logger.warning("ucm-db: the page check of %s did not finish in %.0f s; opened it unchecked", env_dir, timeout_s)
+        return None
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        return f"reading its pages killed the checking process with signal {-done.returncode} ({_SIGNAL_NAMES.get(-done.returncode, 'a crash')})"
+    lines = done.stderr.strip().splitlines()
+    if done.returncode == _DAMAGE_STATUS:
+        return lines[-1] if lines else "LMDB reported damage"
+    # Not damage (no reader slot, no memory for the map, a lock...): the open itself reports it with its own fix.
+    logger.warning("ucm-db: the page check of %s could not run (%s); opening it unchecked", env_dir,
+                   lines[-1] if lines else f"exit status {done.returncode}")
+    return None
+
+
+def _free_tree_damage(data: Path) -> str | None:
+    """A damaged page of the free-page tree (which only a writer reads), by
+    ``pread``. The tree is read without a snapshot held, so a walk during
+    which other processes committed twice (they may reuse its pages) is
+    tried again, and after a few such tries taken as intact."""
+    for _ in range(_FREE_TREE_TRIES):
+        before = check_file(data)
+        if not before.ok or before.current is None or before.current.free_root == NO_PAGE:
+            return None  # a file the meta check refuses is refused there, with its own message
+        meta = before.current
+        try:
+            first_reachable_page_past_end(data, page_bytes=meta.page_bytes, last_page=meta.last_page,
+                                          roots=(meta.free_root,), file_bytes=before.file_bytes)
+            return None
+        except DamagedTree as exc:
+            after = check_file(data).current
+            if after is None or after.txnid <= meta.txnid + 1:
+                return f"its free-page tree is damaged: {exc}"
+        except OSError:
+            return None
+    return None
+
+
+def check_pages_at_open(env_dir: Path, *, lock: bool) -> None:
+    """Refuses to open a store with a damaged branch or leaf page (see
+    :func:`page_damage`): LMDB would crash this process on reaching it."""
+    problem = page_damage(env_dir, lock=lock)
+    if problem is not None:
+        raise TierError(f"LMDB store {env_dir} has damaged pages: {problem}", hint=damaged_hint(env_dir.parent))

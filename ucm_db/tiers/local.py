@@ -45,8 +45,7 @@ from typing import Any, TypeVar
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.events import FEED_MAX_RECORDS
-from ucm_db.tiers import changefeed, chunked, damage, index_audit, namespace_guard, records
-from ucm_db.format import SETTINGS_KEY
+from ucm_db.tiers import accounting, changefeed, chunked, damage, index_audit, namespace_guard, records
 from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
     NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
 )
@@ -495,9 +494,7 @@ class LocalTier(Tier):
         """Adds checksums to the settings, counter and description records
         written by older code (see :mod:`ucm_db.tiers.records`); returns how
         many."""
-        def run(txn: Txn) -> int:
-            return records.seal(txn, (SETTINGS_KEY, TOTALS_KEY, NS_COUNTS_PREFIX, NS_DESC_PREFIX))
-        return self.engine.write(run)
+        return self.engine.write(accounting.seal_records)  # counters recounted before sealing (issue 26 item 18)
 
     # -- maintenance primitives (for ucm_db.maintenance; each one transaction) --
     def scan_metas(self, namespaces: set[bytes] | None = None) -> dict[bytes, BlockMeta]:

@@ -17,7 +17,7 @@ that is bit-flipped or served under another key's path fails.
 Version 1 objects carry no MAC (a store with no auth key writes them).
 Version 2 objects, written by a store with ``remote_auth_key_file`` or
 ``remote_auth_key_env``, end with a trailer: the id of the signing key and
-a keyed BLAKE2b-256 (:mod:`ucm_db.auth`) over the object's key, the whole
+an HMAC-SHA256 (:mod:`ucm_db.auth`) over the object's key, the whole
 envelope, the whole codec blob and the key id. A reader with keys accepts
 only a version 2 object whose MAC one of its keys made
 (:class:`UnauthenticatedObject` otherwise); a reader without keys reads

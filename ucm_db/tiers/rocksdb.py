@@ -28,25 +28,39 @@ Invariants and choices:
       over its own buffered deletes).
     * ``sync=True`` fsyncs the WAL on every commit; otherwise
       :meth:`RocksDbEngine.sync` flushes and fsyncs the WAL (group commit).
+    * A failed write or sync (a full disk) leaves RocksDB refusing every
+      later write ("Writer has previous error"): the engine then reopens
+      the database before its next write, read or sync, so puts resume once
+      space is freed (the failed batch was never applied; reopening replays
+      the log up to the last whole record). Until a reopen succeeds, every
+      call is a :class:`~ucm_db.errors.TierError` naming the disk.
+    * :meth:`RocksDbEngine.close` always releases the database and its
+      ``LOCK`` file, even when its final sync fails; that failure is raised
+      afterwards as a :class:`~ucm_db.errors.TierError`.
+    * ``read_only`` on a volume RocksDB cannot open (a read-only file system:
+      it must create files even to read) is a :class:`TierError` at open
+      that says so.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import rocksdict
 
 from ucm_db.errors import LockedError, TierError
-from ucm_db.tiers.base import TABLES, Buffer, Engine, T
+from ucm_db.tiers.base import TABLES, Engine, T
+from ucm_db.tiers.rocksdb_txn import Gate, RocksTxn
 
+logger = logging.getLogger("ucm_db")
+_DISK_HINT = "free space on that disk (the store resumes writing once there is room), or lower capacity_bytes"
 #: Values at least this large go to blob files instead of the LSM tree.
 MIN_BLOB_BYTES = 4096
-_DELETED = object()
 
 
 def _options(table: str | None) -> rocksdict.Options:
@@ -64,128 +78,6 @@ def _options(table: str | None) -> rocksdict.Options:
     return opts
 
 
-class _Gate:
-    """Many readers at once, or one commit alone."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._committing = False
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        with self._cond:
-            while self._committing:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def committing(self) -> Iterator[None]:
-        with self._cond:
-            self._committing = True
-            while self._readers:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._committing = False
-                self._cond.notify_all()
-
-
-class _RocksTxn:
-    """A transaction: committed tables, plus an overlay when writable."""
-
-    def __init__(self, families: dict[str, rocksdict.Rdict], writable: bool, floors: dict[str, bytes]) -> None:
-        self._families = families
-        self._writable = writable
-        self.overlay: dict[str, dict[bytes, object]] = {name: {} for name in families}
-        #: Per table, a key below which nothing is live (see RocksDbEngine).
-        self.floors = floors
-
-    def get(self, table: str, key: bytes) -> Buffer | None:
-        key = bytes(key)
-        pending = self.overlay[table].get(key)
-        if pending is _DELETED:
-            return None
-        if pending is not None:
-            return pending  # type: ignore[return-value]
-        return self._families[table].get(key)  # type: ignore[no-any-return]
-
-    def put(self, table: str, key: bytes, value: Buffer) -> None:
-        if not self._writable:
-            raise TierError("put in a read transaction", hint="use Engine.write")
-        key = bytes(key)
-        self.overlay[table][key] = bytes(value)
-        if key < self.floors.get(table, b""):
-            self.floors[table] = key
-
-    def delete(self, table: str, key: bytes) -> bool:
-        if not self._writable:
-            raise TierError("delete in a read transaction", hint="use Engine.write")
-        present = self.get(table, key) is not None
-        self.overlay[table][bytes(key)] = _DELETED
-        return present
-
-    def scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
-        # The overlay is snapshotted at the start so callers may change the
-        # table while they iterate (they see the state as of the call).
-        start = max(prefix, self.floors.get(table, b""))
-        pending = sorted((k, v) for k, v in self.overlay[table].items() if k.startswith(prefix) and k >= start)
-        first = True
-        for item in _merge(self._base_scan(table, prefix, start), pending):
-            if first and not prefix:
-                # Nothing is live before the first key of a whole-table scan.
-                self.floors[table] = item[0]
-            first = False
-            yield item
-
-    def _base_scan(self, table: str, prefix: bytes, start: bytes) -> Iterator[tuple[bytes, bytes]]:
-        it = self._families[table].iter()
-        it.seek(start)
-        while it.valid():
-            key = it.key()
-            if not key.startswith(prefix):
-                return
-            yield key, it.value()
-            it.next()
-
-    def batch(self, handles: Mapping[str, Any]) -> rocksdict.WriteBatch | None:
-        batch = rocksdict.WriteBatch(raw_mode=True)
-        for table, changes in self.overlay.items():
-            for key, value in changes.items():
-                if value is _DELETED:
-                    batch.delete(key, handles[table])
-                else:
-                    batch.put(key, value, handles[table])
-        return None if batch.is_empty() else batch
-
-
-def _merge(base: Iterator[tuple[bytes, bytes]], pending: list[tuple[bytes, object]]) -> Iterator[tuple[bytes, Buffer]]:
-    """Merges sorted committed items with sorted overlay items (overlay wins)."""
-    i = 0
-    for key, value in base:
-        while i < len(pending) and pending[i][0] < key:
-            if pending[i][1] is not _DELETED:
-                yield pending[i]  # type: ignore[misc]
-            i += 1
-        if i < len(pending) and pending[i][0] == key:
-            if pending[i][1] is not _DELETED:
-                yield pending[i]  # type: ignore[misc]
-            i += 1
-            continue
-        yield key, value
-    for key, change in pending[i:]:
-        if change is not _DELETED:
-            yield key, change  # type: ignore[misc]
-
-
 class RocksDbEngine(Engine):
     """Tables as RocksDB column families (single process; see module docs)."""
 
@@ -198,15 +90,77 @@ class RocksDbEngine(Engine):
         self._sync = sync
         self._read_only = read_only
         self._write_lock = threading.Lock()
-        self._gate = _Gate()
+        self._gate = Gate()
         self._floors: dict[str, bytes] = {}
         self._pid = os.getpid()
-        self._db = self._open()
-        self._families = {name: self._db.get_column_family(name) for name in TABLES}
-        self._handles = {name: self._db.get_column_family_handle(name) for name in TABLES}
+        self._families: dict[str, rocksdict.Rdict] = {}
+        self._handles: dict[str, Any] = {}
+        self._db: rocksdict.Rdict | None = None
+        self._bind(self._open())
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync
         self._closed = False
+        #: A write or sync failed: RocksDB refuses writes until the database is reopened.
+        self._failed = False
+
+    def _bind(self, db: rocksdict.Rdict) -> None:
+        self._db = db
+        self._families = {name: db.get_column_family(name) for name in TABLES}
+        self._handles = {name: db.get_column_family_handle(name) for name in TABLES}
+
+    def _release(self) -> None:
+        """Closes the families and the database (which frees its ``LOCK``
+        file); every step runs even when one fails."""
+        # Column family handles and views keep the database (and its LOCK file) alive until they are released.
+        self._handles.clear()
+        families, self._families = self._families, {}
+        db, self._db = self._db, None
+        for family in families.values():
+            try:
+                family.close()
+            except Exception as exc:  # noqa: BLE001 - closing the rest matters more
+                logger.debug("ucm-db: closing a RocksDB column family of %s failed: %s", self.path, exc)
+        if db is not None:
+            db.close()
+
+    def _recover(self) -> None:
+        """Reopens the database after a failed write (see module
+        invariants). Call with the write lock held."""
+        with self._gate.committing():
+            try:
+                self._release()
+            except Exception as exc:  # noqa: BLE001 - the reopen below says whether the store is usable
+                logger.warning("ucm-db: closing RocksDB store %s after a failed write: %s", self.path, exc)
+            try:
+                self._bind(self._open())
+            except TierError as exc:
+                self._bind_for_reading()
+                raise TierError(f"RocksDB store at {self.path} cannot be reopened after a failed write: {exc}",
+                                hint=_DISK_HINT) from exc
+            self._failed = False
+            logger.info("ucm-db: reopened RocksDB store %s after a failed write", self.path)
+
+    def _bind_for_reading(self) -> None:
+        """Keeps the store readable while a reopen for writing fails (a disk
+        still full): the database opened read-only, which creates no file.
+        ``_failed`` stays set, so the next write tries again."""
+        try:
+            self._bind(rocksdict.Rdict(
+                str(self.path), options=_options(None), column_families={name: _options(name) for name in TABLES},
+                access_type=rocksdict.AccessType.read_only(),
+            ))
+        except Exception as exc:  # noqa: BLE001 - reads then fail with the reopen's error until a reopen works
+            logger.warning("ucm-db: RocksDB store %s cannot be read either until it reopens: %s", self.path, exc)
+
+    def _recover_if_failed(self, *, unreadable_only: bool = False) -> None:
+        """Reopens a failed database (``unreadable_only``: only one that has
+        no handle at all; a failed one still reads)."""
+        def needed() -> bool:
+            return self._db is None or (self._failed and not unreadable_only)
+        if needed():
+            with self._write_lock:
+                if needed():
+                    self._recover()
 
     def _open(self) -> rocksdict.Rdict:
         try:
@@ -228,6 +182,12 @@ class RocksDbEngine(Engine):
         except TierError:
             raise
         except Exception as exc:  # rocksdict raises plain Exception for IO errors
+            if self._read_only and ("Read-only file system" in str(exc) or not os.access(self.path, os.W_OK)):
+                raise TierError(
+                    f"RocksDB store at {self.path} cannot be opened read-only here: RocksDB creates files in its "
+                    f"directory even to read (its log and lock), and this directory is not writable ({exc})",
+                    hint="copy the store to a writable disk, or use the lmdb engine for stores on read-only volumes",
+                ) from exc
             if "lock" in str(exc).lower():
                 raise LockedError(
                     f"RocksDB store at {self.path} is already open in another process or handle "
@@ -244,17 +204,21 @@ class RocksDbEngine(Engine):
         if self._closed:
             raise TierError(f"RocksDB store at {self.path} is closed", hint="open the store again")
 
-    def read(self, fn: Callable[[_RocksTxn], T]) -> T:  # type: ignore[override]
+    def read(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
+        self._recover_if_failed(unreadable_only=True)  # a reopen after a failed write left no handle
         with self._gate.reading():
-            return fn(_RocksTxn(self._families, writable=False, floors=self._floors))
+            return fn(RocksTxn(self._families, writable=False, floors=self._floors))
 
-    def write(self, fn: Callable[[_RocksTxn], T]) -> T:  # type: ignore[override]
+    def write(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
         if self._read_only:
             raise TierError(f"RocksDB store at {self.path} is open read-only", hint="open it without read_only")
         with self._write_lock:
-            txn = _RocksTxn(self._families, writable=True, floors=dict(self._floors))
+            if self._failed or self._db is None:
+                self._recover()
+            assert self._db is not None
+            txn = RocksTxn(self._families, writable=True, floors=dict(self._floors))
             result = fn(txn)
             batch = txn.batch(self._handles)
             try:
@@ -263,17 +227,21 @@ class RocksDbEngine(Engine):
                         self._db.write(batch, self._write_options)
                     self._floors = txn.floors
             except Exception as exc:
-                raise TierError(f"RocksDB write to {self.path} failed: {exc}") from exc
+                self._failed = True
+                raise TierError(f"RocksDB write to {self.path} failed: {exc}", hint=_DISK_HINT) from exc
             return result
 
     def sync(self) -> None:
         self._check()
         if self._read_only:
             return
+        self._recover_if_failed()
         try:
+            assert self._db is not None
             self._db.flush_wal(True)
         except Exception as exc:
-            raise TierError(f"RocksDB sync of {self.path} failed: {exc}") from exc
+            self._failed = True
+            raise TierError(f"RocksDB sync of {self.path} failed: {exc}", hint=_DISK_HINT) from exc
 
     def compact(self) -> None:
         """Compacts every column family, rewriting all blob files, so the
@@ -295,16 +263,20 @@ class RocksDbEngine(Engine):
             self._closed = True
             return
         self._closed = True
+        failure: BaseException | None = None
         with self._write_lock:
-            if not self._read_only:
-                self._db.flush_wal(True)
-            # Column family handles and views keep the database (and its
-            # LOCK file) alive until they are released.
-            self._handles.clear()
-            for family in self._families.values():
-                family.close()
-            self._families.clear()
-            self._db.close()
+            try:
+                if not self._read_only and self._db is not None and not self._failed:
+                    self._db.flush_wal(True)
+            except Exception as exc:  # noqa: BLE001 - raised after the release below
+                failure = exc
+            try:
+                self._release()
+            except Exception as exc:  # noqa: BLE001 - raised below
+                failure = failure or exc
+        if failure is not None:
+            raise TierError(f"closing RocksDB store at {self.path}: {failure} (the store was released)",
+                            hint=_DISK_HINT) from failure
 
     def file_bytes(self) -> int:
         total = 0
