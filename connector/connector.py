@@ -52,7 +52,8 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db import cpu_placement
-from ucm_db.connector.identity import kv_shape
+from ucm_db.connector.events import FeedEvents
+from ucm_db.connector.identity import kv_shape, namespace
 from ucm_db.connector.metadata import IDLE_WAIT_S, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
 from ucm_db.connector.scheduler import UcmDbScheduler
@@ -63,6 +64,7 @@ from ucm_db.errors import UcmDbError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
@@ -97,6 +99,7 @@ class UcmDbConnector(KVConnectorBase_V1):
             raise
         self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
         self._scheduler: UcmDbScheduler | None = None
+        self._events: FeedEvents | None = None  # KV cache events from the store's change feed (events.py)
         self._worker: UcmDbWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -106,6 +109,10 @@ class UcmDbConnector(KVConnectorBase_V1):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
             self._scheduler = UcmDbScheduler(self.settings, self.shape, self.pd_role)
+            events_config = vllm_config.kv_events_config
+            if events_config is not None and events_config.enable_kv_cache_events:
+                scheduler = self._scheduler
+                self._events = FeedEvents(scheduler.store, namespace(self.shape), lambda: scheduler.epoch)
         else:
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._worker = UcmDbWorker(self.settings, self.shape, num_blocks, self.pd_role)
@@ -205,6 +212,12 @@ class UcmDbConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return False, None
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """``BlockStored``/``BlockRemoved`` (medium ``STORAGE``) of every block
+        stored or removed since the last step by any process on the store
+        (events.py); nothing unless vLLM's KV cache events are on."""
+        return self._events.take() if self._events is not None else []
 
     def reset_cache(self) -> bool | None:
         # reset_prefix_cache(reset_connector=True): the model's namespace

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from ucm_db import BlockEventFields
+
 #: Longest a step that schedules no tokens waits for background work (an
 #: async load in ``get_finished``, a background remote lookup in the
 #: scheduler's lookup): the engine would otherwise spin through empty
@@ -72,10 +74,13 @@ class BlockTransfer:
     rank_keys: tuple[tuple[bytes, ...], ...] = ()
     after_loads: tuple[int, ...] = ()  # a save: loaded blocks (of unsettled steps) its KV was computed over
     hold_id: int = -1  # a save: >= 0 if workers keep it until the scheduler's verdict
+    event_fields: tuple[BlockEventFields, ...] = ()  # a save: vLLM's KV event fields per block, or () (events.py)
 
     def __post_init__(self) -> None:
         if any(len(keys) != len(self.block_ids) for keys in (self.keys, *self.rank_keys)):
             raise ValueError(f"key chains do not match {len(self.block_ids)} block ids")
+        if self.event_fields and len(self.event_fields) != len(self.block_ids):
+            raise ValueError(f"{len(self.event_fields)} event fields for {len(self.block_ids)} blocks")
         if self.source not in ("units", "whole", "ranks") or (self.source == "ranks") != bool(self.rank_keys):
             raise ValueError(f"bad load source {self.source!r}")
 

@@ -77,6 +77,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db.connector.cost_model import MIN_PREFILL_TOKENS, CostModel, Decision
 from ucm_db.connector.epochs import EpochWatch
+from ucm_db.connector.events import save_fields
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
 from ucm_db.connector.metadata import IDLE_WAIT_S, BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -678,7 +679,7 @@ class UcmDbScheduler:
         hold_id = self._next_hold_id if hold else -1
         transfer = BlockTransfer(
             req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None,
-            after_loads=after_loads, hold_id=hold_id,
+            after_loads=after_loads, hold_id=hold_id, event_fields=save_fields(request, start, end, self._block_size, state.epoch or 0),
         )
         meta.saves.append(transfer)
         if hold:
@@ -716,6 +717,13 @@ class UcmDbScheduler:
         self.counters.add(published_blocks=blocks)
         publication = Publication(self._namespace.digest[:16].hex(), blocks, self._block_size, last_key, self._publish_target)
         return False, publication.to_params()
+
+    @property
+    def epoch(self) -> int | None:
+        """The namespace epoch this engine serves (None: unreadable), as
+        last read for a step's lookups or moved on by ``reset_cache``
+        (reads nothing: the once-per-step read stays before the lookups)."""
+        return self._epochs.epoch
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: moves the

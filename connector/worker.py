@@ -57,6 +57,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.async_loads import AsyncLoader
+from ucm_db.connector.events import evented_chain
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, rank_spans, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
@@ -119,6 +120,7 @@ class UcmDbWorker:
         self._namespace = namespace(self._shape)
         self._grid = grid(self._shape)
         self._spans = rank_spans(self._shape, tp_rank, pp_rank)
+        self._evented_chain = evented_chain(self._spans)  # whose units carry KV event fields (events.py)
         _check_layout(self._layout, self._spans, tp_rank, pp_rank)
         self._writes = writes_units(self._shape, tp_rank)
         self._legacy = legacy_rank_namespaces(self._shape)
@@ -368,7 +370,7 @@ class UcmDbWorker:
         block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
         start = 1 if transfer.parent is not None else 0
         chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
-        job = SaveJob(self._namespace, chains, staging)
+        job = SaveJob(self._namespace, chains, staging, transfer.event_fields, self._evented_chain)
         if transfer.hold_id >= 0:
             self._held[transfer.hold_id] = job
         else:

@@ -56,6 +56,14 @@ class SaveJob:
     namespace: Namespace
     chains: tuple[UnitKeys, ...]
     staging: torch.Tensor  # uint8 [blocks, units, unit_bytes], CPU
+    event_fields: tuple[ucm_db.BlockEventFields, ...] = ()  # per block: vLLM's KV event fields (events.py)
+    evented_chain: int = -1  # the chain whose units carry them (-1: none on this rank)
+
+    def evented(self) -> dict[bytes, ucm_db.BlockEventFields] | None:
+        """``put``'s ``event_fields``: the evented chain's unit keys to fields."""
+        if not self.event_fields or self.evented_chain < 0:
+            return None
+        return dict(zip(self.chains[self.evented_chain], self.event_fields))
 
     @property
     def nbytes(self) -> int:
@@ -145,7 +153,7 @@ class BackgroundWriter:
             for j, keys in enumerate(job.chains)
         ]
         try:
-            self._store.put_segments(job.namespace, segments, codec_name=self._codec_name)
+            self._store.put_segments(job.namespace, segments, codec_name=self._codec_name, event_fields=job.evented())
             failed = 0
         except (MissingAncestorError, StoreFullError):
             failed = self._put_one_by_one(job, segments)
@@ -168,9 +176,10 @@ class BackgroundWriter:
     def _put_one_by_one(self, job: SaveJob, segments: list[tuple[BlockKeys, list[ucm_db.Framed]]]) -> int:
         """Puts each chain on its own; returns how many failed."""
         failed = 0
+        evented = job.evented()
         for keys, payloads in segments:
             try:
-                self._store.put(job.namespace, keys, payloads, codec_name=self._codec_name)
+                self._store.put(job.namespace, keys, payloads, codec_name=self._codec_name, event_fields=evented)
             except MissingAncestorError:
                 # The parent was evicted (or its save dropped) meanwhile: the
                 # prefix invariant forbids storing an orphan; skip the chain.

@@ -112,7 +112,7 @@ def test_core_is_mypy_clean() -> None:
 #: Where each shipped folder lives in the ``ucm_db`` package.
 PACKAGE_OF = {"ucm_db": "ucm_db", "connector": "ucm_db.connector", "migrations": "ucm_db.migrations", "tools": "ucm_db.tools"}
 #: Core modules that are public API besides the names in ``ucm_db.__all__``.
-PUBLIC_MODULES = {"ucm_db", "ucm_db.errors", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance",
+PUBLIC_MODULES = {"ucm_db", "ucm_db.errors", "ucm_db.events", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance",
                   "ucm_db.components", "ucm_db.cpu_placement"}
 #: Packages public as a whole (every submodule).
 PUBLIC_PACKAGES = ("ucm_db.migrations",)
@@ -279,7 +279,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 #: (docs/architecture.md, "leaves").
 LEAVES = {
     "ucm_db.auth", "ucm_db.checked_copy", "ucm_db.codec", "ucm_db.config", "ucm_db.cpu_placement", "ucm_db.crashpoints",
-    "ucm_db.errors", "ucm_db.key_chain", "ucm_db.keys", "ucm_db.native", "ucm_db.store_format", "ucm_db.storelock",
+    "ucm_db.errors", "ucm_db.events", "ucm_db.key_chain", "ucm_db.keys", "ucm_db.native", "ucm_db.store_format", "ucm_db.storelock",
     "ucm_db.units", "ucm_db.version",
 }
 

@@ -19,6 +19,7 @@ from ucm_db import ConfigError, FormatVersionError, LockedError, UcmDbError
 
 from ucm_db.tools.archive import export_command, import_command
 from ucm_db.tools.compact_cmd import compact_command
+from ucm_db.tools.events_cmd import events_command
 from ucm_db.tools.inspect_cmd import inspect_command
 from ucm_db.tools.invalidate_cmd import invalidate_command
 from ucm_db.tools.migrate_cmd import migrate_command
@@ -89,7 +90,7 @@ def cli() -> None:
 
 
 for command in (inspect_command, verify_command, compact_command, gc_command, export_command, import_command,
-                warm_command, bench_group, migrate_command, invalidate_command):
+                warm_command, bench_group, migrate_command, invalidate_command, events_command):
     cli.add_command(command)
 
 

@@ -18,6 +18,7 @@ from ucm_db.errors import (
     UcmDbError,
 )
 from ucm_db.codec import Framed
+from ucm_db.events import BlockEventFields, ChangeBatch, ChangeRecord, EventInventory
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.store import STORE_FORMAT_VERSION, NamespaceStats, Store, StoreStats, open
 from ucm_db.tiers.local import PutResult
@@ -25,7 +26,7 @@ from ucm_db.tiers.local import PutResult
 from ucm_db.version import __version__
 
 __all__ = [
-    "STORE_FORMAT_VERSION", "BlockKeys", "ClosedError", "ConfigError", "CorruptBlockError", "FormatVersionError", "Framed",
+    "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "ConfigError", "CorruptBlockError", "EventInventory", "FormatVersionError", "Framed",
     "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "PutResult",
     "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
 ]

@@ -17,6 +17,8 @@ where it must (old formats, damaged records, no reader activity written):
   (``ucm-db migrate --to-engine``, :mod:`ucm_db.conversion`).
 * :func:`invalidate` -- move namespaces' epochs on (after a weight update):
   their blocks are never served again and age out through LRU eviction.
+* :func:`iter_events` / :func:`iter_event_lines` -- KV cache events: the inventory replay of evented
+  blocks, then the change feed, optionally followed (``ucm-db events``).
 * :func:`gc_remote` -- garbage-collect a remote tier; :func:`remote_namespace`
   finds a namespace recorded on one.
 
@@ -44,6 +46,7 @@ from ucm_db.archive import export_archive, import_archive
 from ucm_db.compaction import compact, evict_to
 from ucm_db.conversion import convert as convert_engine
 from ucm_db.errors import ConfigError, FormatVersionError
+from ucm_db.event_replay import iter_event_lines, iter_events
 from ucm_db.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
 from ucm_db.isolation import run_isolated
 from ucm_db.keys import Namespace
@@ -51,8 +54,9 @@ from ucm_db.store_view import ProgressFn, StoreView, open_view, select_namespace
 from ucm_db.verification import VerifyReport, repair, verify_view
 
 __all__ = [
-    "BlockInfo", "ProgressFn", "StoreView", "VerifyReport", "compact", "convert_engine", "evict_to_bytes", "export_archive", "gc_remote",
-    "import_archive", "inspect", "invalidate", "iter_blocks", "namespaces", "open_view", "remote_namespace", "repair", "verify",
+    "BlockInfo", "ProgressFn", "StoreView", "VerifyReport", "compact", "convert_engine", "evict_to_bytes", "export_archive",
+    "gc_remote", "import_archive", "inspect", "invalidate", "iter_blocks", "iter_event_lines", "iter_events", "namespaces",
+    "open_view", "remote_namespace", "repair", "verify",
 ]
 
 

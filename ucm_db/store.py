@@ -54,6 +54,8 @@ from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
 from ucm_db.storelock import ensure_store_dir, hold_shared
 from ucm_db.store_path import detect_engine_checked, permission_error, store_path
+from ucm_db.events import BlockEventFields, ChangeBatch, EventInventory, pack_event_fields
+from ucm_db.tiers import changefeed
 from ucm_db.tiers.base import Buffer
 from ucm_db.tiers.local import BlockEntry, LocalTier, PutResult
 
@@ -262,6 +264,7 @@ class Store:
         *,
         parent: bytes | None | Unset = UNSET,
         codec_name: str | None = None,
+        event_fields: Mapping[bytes, BlockEventFields] | None = None,
     ) -> PutResult:
         """Atomically stores a chain segment.
 
@@ -286,6 +289,11 @@ class Store:
             codec_name: codec of these blocks (``"none"`` or ``"zstd"``);
                 None: the store's ``codec``. Each block names its codec in
                 its own header, so readers never need to know.
+            event_fields: vLLM's event fields of some of these blocks, by
+                key: those blocks are *evented* (:mod:`ucm_db.events`):
+                their put and their later removal appear in
+                :meth:`changes_since` and :meth:`event_inventory`. A block
+                already stored keeps what it was put with.
 
         Raises:
             MissingAncestorError: ``parent`` is not stored (nothing written).
@@ -299,7 +307,7 @@ class Store:
         self._check_writable()
         require_namespace(namespace, "put")
         keys = key_list(keys, "put")
-        return self._put_checked(namespace, [(keys, payloads, segment_parent(keys, parent))], codec_name)
+        return self._put_checked(namespace, [(keys, payloads, segment_parent(keys, parent))], codec_name, event_fields)
 
     def put_segments(
         self,
@@ -307,6 +315,7 @@ class Store:
         segments: Sequence[tuple[Sequence[bytes], Sequence[Payload]]],
         *,
         codec_name: str | None = None,
+        event_fields: Mapping[bytes, BlockEventFields] | None = None,
     ) -> PutResult:
         """Atomically stores several chain segments in one transaction
         (e.g. the KV-head unit chains of one engine step): every block of
@@ -316,7 +325,7 @@ class Store:
             segments: ``(keys, payloads)`` pairs; each ``keys`` is a
                 :class:`~ucm_db.keys.BlockKeys` (it knows its parent). A
                 segment may continue another one of the same call.
-            codec_name: as for :meth:`put`.
+            codec_name, event_fields: as for :meth:`put`.
 
         Raises:
             The errors of :meth:`put`; MissingAncestorError if any
@@ -333,12 +342,13 @@ class Store:
                     hint="pass slices of Namespace.block_keys, or BlockKeys(keys, parent=...)",
                 )
             checked.append((keys, payloads, keys.parent))
-        return self._put_checked(namespace, checked, codec_name)
+        return self._put_checked(namespace, checked, codec_name, event_fields)
 
     def _put_checked(
         self, namespace: Namespace, segments: list[tuple[Sequence[bytes], Sequence[Payload], bytes | None]],
-        codec_name: str | None,
+        codec_name: str | None, event_fields: Mapping[bytes, BlockEventFields] | None = None,
     ) -> PutResult:
+        packed = pack_event_fields(event_fields)
         if codec_name is None:
             codec_name = self.config.codec
         elif codec_name not in CODECS:
@@ -367,23 +377,24 @@ class Store:
         present = self._tier.present_for_put(keys, _namespace_description(namespace))
         todo = [i for i, p in enumerate(present) if not p]
         try:
-            return self._put_indices(namespace, keys, payloads, parents, todo, codec_name)
+            return self._put_indices(namespace, keys, payloads, parents, todo, codec_name, packed)
         except MissingAncestorError:
             if len(todo) == len(keys):
                 raise
             # A block seen present was evicted meanwhile: put the whole chain.
-            return self._put_indices(namespace, keys, payloads, parents, list(range(len(keys))), codec_name)
+            return self._put_indices(namespace, keys, payloads, parents, list(range(len(keys))), codec_name, packed)
 
     def _put_indices(
         self, namespace: Namespace, keys: Sequence[bytes], payloads: Sequence[Payload],
-        parents: Sequence[bytes | None], todo: list[int], codec_name: str,
+        parents: Sequence[bytes | None], todo: list[int], codec_name: str, packed: Mapping[bytes, bytes] | None = None,
     ) -> PutResult:
         encoded = self._codecs.encode_many(
             [(keys[i], payloads[i]) for i in todo], codec_name=codec_name,
             element_bytes=codec.element_bytes_for(namespace.kv_dtype), level=self.config.zstd_level,
         )
         entries = [
-            BlockEntry(keys[i], parents[i], block.head, block.body_buffer(), block.raw_len, namespace.digest[:16])
+            BlockEntry(keys[i], parents[i], block.head, block.body_buffer(), block.raw_len, namespace.digest[:16],
+                       None if packed is None else packed.get(keys[i]))
             for i, block in zip(todo, encoded)
         ]
         activity = self._activity.take()
@@ -434,6 +445,36 @@ class Store:
         removed = self._tier.delete(keys, namespace_id=namespace.digest[:16])
         self._activity.committed(0)  # a delete writes index pages only: its file growth counts
         return removed
+
+    # -- KV cache events (ucm_db.events) -------------------------------------------
+    def changes_since(self, seq: int, limit: int = 1024, *, namespace: Namespace | None = None) -> ChangeBatch:
+        """Change feed records from ``seq`` on (at most ``limit`` seqs;
+        of ``namespace`` only, if given), written by any process. One read
+        transaction; with nothing new, one record read. ``resync`` set: the
+        reader fell behind the feed's bound: clear, then :meth:`event_inventory`."""
+        self._check_open()
+        ns_id = None
+        if namespace is not None:
+            require_namespace(namespace, "changes_since")
+            ns_id = namespace.digest[:16]
+        return self._engine.read(lambda txn: changefeed.since(txn, seq, limit, None if ns_id is None else {ns_id}))
+
+    def event_inventory(self, *, namespace: Namespace | None = None, namespace_id: bytes | None = None) -> EventInventory:
+        """Every evented block stored now (of a namespace, if given) as
+        ``stored`` records, parents first, with the feed's ``next_seq`` of
+        the same snapshot (follow :meth:`changes_since` from there)."""
+        self._check_open()
+        if namespace is not None:
+            require_namespace(namespace, "event_inventory")
+            namespace_id = namespace.digest[:16]
+        wanted = None if namespace_id is None else {namespace_id}
+        found, next_seq = self._engine.read(lambda txn: changefeed.inventory(txn, wanted))
+        return EventInventory(tuple(found), next_seq)
+
+    def feed_position(self) -> int:
+        """The seq the next change feed record gets (start following here)."""
+        self._check_open()
+        return self._engine.read(changefeed.position)[0]
 
     def epoch(self, namespace: Namespace) -> int:
         """``namespace``'s epoch (0 until it is first bumped): root key

@@ -35,7 +35,8 @@ from typing import Protocol
 
 from ucm_db import codec
 from ucm_db.errors import TierError
-from ucm_db.tiers import records
+from ucm_db.events import FEED_MAX_RECORDS
+from ucm_db.tiers import changefeed, records
 from ucm_db.tiers.accounting import Changes, Totals
 from ucm_db.tiers.base import Buffer, Engine, Txn
 from ucm_db.tiers.index_types import BlockMeta, DamagedMeta, body_of, lru_key
@@ -47,6 +48,7 @@ class LocalTier(Protocol):
     (a protocol: the index calls this module, never the reverse)."""
 
     engine: Engine
+    feed_max_records: int
 
     def totals(self) -> Totals: ...
 
@@ -73,12 +75,14 @@ def stored_meta(txn: Txn, key: bytes) -> BlockMeta | None:
 
 
 def detach(txn: Txn, changes: Changes, key: bytes, fields: BlockMeta | None, damaged: DamagedMeta | None,
-           *, delete_payload: bool = True) -> int:
+           *, delete_payload: bool = True, feed_max_records: int = FEED_MAX_RECORDS) -> int:
     """Removes the entries of ``key`` (its children's links too, not the
     children) given its record's ``fields`` (None: unreadable). A
     ``damaged`` record's sizes are not subtracted: the counters are
-    recounted. Returns 1."""
+    recounted. An evented block's removal is logged in the change feed
+    (:mod:`ucm_db.tiers.changefeed`). Returns 1."""
     txn.delete("meta", key)
+    changefeed.removed(txn, key, feed_max_records)
     if delete_payload:
         txn.delete("blocks", key)
     txn.delete("heads", key)
@@ -180,7 +184,7 @@ def file_quarantine(tier: LocalTier, txn: Txn, changes: Changes, key: bytes, rea
     }
     children = [bytes(link[32:]) for link, _ in txn.scan("children", key)]
     if txn.get("meta", key) is not None:
-        detach(txn, changes, key, fields, damaged, delete_payload=not keep_payload)
+        detach(txn, changes, key, fields, damaged, delete_payload=not keep_payload, feed_max_records=tier.feed_max_records)
     elif not keep_payload:
         txn.delete("blocks", key)
         txn.delete("heads", key)

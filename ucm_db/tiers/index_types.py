@@ -83,7 +83,9 @@ class BlockMeta:
 
 @dataclass(frozen=True, slots=True)
 class BlockEntry:
-    """One block to put: key, parent (None for a chain root), head and body."""
+    """One block to put: key, parent (None for a chain root), head and body;
+    ``event_fields``: packed :class:`~ucm_db.events.BlockEventFields` of an
+    evented block (None: left out of events)."""
 
     key: bytes
     parent: bytes | None
@@ -91,6 +93,7 @@ class BlockEntry:
     body: Buffer
     raw_bytes: int
     namespace_id: bytes
+    event_fields: bytes | None = None
 
     @classmethod
     def of_blob(cls, key: bytes, parent: bytes | None, blob: Buffer, raw_bytes: int, namespace_id: bytes) -> BlockEntry:

@@ -15,6 +15,9 @@ transaction as the payload:
 * ``info``:     totals, per-namespace counters and descriptions, settings
 * ``quarantine``: key -> JSON record of a block found corrupt
 * ``uploads``:  key -> b"" (durable remote upload queue)
+* ``info/evf/``, ``info/feed/``: evented blocks' fields and the change feed
+  of their puts and removals (:mod:`ucm_db.tiers.changefeed`), written by
+  the same transactions as the blocks
 
 Invariants:
     * Prefix invariant: a stored block's parent is stored. Puts refuse a
@@ -41,7 +44,8 @@ from typing import Any, TypeVar
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.tiers import accounting, chunked, damage, index_audit, namespace_guard, records
+from ucm_db.events import FEED_MAX_RECORDS
+from ucm_db.tiers import accounting, changefeed, chunked, damage, index_audit, namespace_guard, records
 from ucm_db.tiers.accounting import (  # noqa: F401 - NS_*/TOTALS_KEY re-exported for tools and tests
     NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, TOTALS_KEY, Changes, Totals, damaged_records, parse_description, recount,
 )
@@ -66,6 +70,8 @@ class LocalTier(Tier):
         #: LRU entries eviction has read in this process (it reads a block
         #: with children once, then files it as used: tests check that).
         self.eviction_entries_scanned = 0
+        #: Change feed records kept (:mod:`ucm_db.tiers.changefeed`).
+        self.feed_max_records = FEED_MAX_RECORDS
 
     @property
     def capabilities(self) -> TierCapabilities:
@@ -268,6 +274,8 @@ class LocalTier(Tier):
                     txn.put("children", entry.parent + entry.key, b"")
                 if enqueue_upload:
                     txn.put("uploads", entry.key, entry.namespace_id)
+                if entry.event_fields is not None:
+                    changefeed.stored(txn, entry.key, entry.namespace_id, depth, entry.event_fields, self.feed_max_records)
                 changes.add(meta, +1)
                 result.stored += 1
             if activity is not None:
@@ -369,7 +377,7 @@ class LocalTier(Tier):
         try:
             meta = BlockMeta.unpack(data)
         except DamagedMeta as exc:
-            return damage.detach(txn, changes, key, exc.fields, exc)
+            return damage.detach(txn, changes, key, exc.fields, exc, feed_max_records=self.feed_max_records)
         txn.delete("meta", key)
         txn.delete("blocks", key)
         txn.delete("heads", key)
@@ -379,6 +387,7 @@ class LocalTier(Tier):
             txn.delete("children", child)
         if meta.parent is not None:
             txn.delete("children", meta.parent + key)
+        changefeed.removed(txn, key, self.feed_max_records)
         changes.add(meta, -1)
         return 1
 

@@ -1,0 +1,138 @@
+"""KV cache events of the store, for vLLM's publisher (scheduler side).
+
+vLLM publishes a connector's events only from the scheduler, inside a step
+(``take_events``; ``MultiConnector`` does not forward the worker-side
+``get_kv_connector_kv_cache_events``). The scheduler cannot see the saves
+land (workers commit them) nor what other engines store and evict, so the
+events come from the store's change feed (:mod:`ucm_db.events`), which every
+process's commits write:
+
+* Saves: the scheduler puts vLLM's fields of each saved block (block hash,
+  parent hash, token ids, block size, LoRA, group) in the step's
+  :class:`~ucm_db.connector.metadata.BlockTransfer` (:func:`save_fields`);
+  the worker's writer gives them to ``put_segments`` for the one unit chain
+  of a block whose span starts at KV head 0 and layer 0 (exactly one rank
+  writes it), so the block is *evented* once whatever the TP/PP size.
+* :class:`FeedEvents` turns the feed's records of this engine's namespace
+  into ``BlockStored``/``BlockRemoved`` with ``medium=STORAGE``. Its first
+  call replays what the store holds (the inventory), so a subscriber of a
+  newly started engine learns the external blocks; a reader that fell
+  behind the feed's bound gets ``AllBlocksCleared`` and the inventory again.
+
+Invariants:
+    * A block is evented only if vLLM computed its hash (prefix caching on)
+      at the connector's block size; blocks stored otherwise (``ucm-db
+      warm``, ``import``, remote promotion, a pre-events ucm-db) never appear.
+    * A block counts as in the store while its head-0/layer-0 unit is: the
+      other units of a block leave with it or, evicted apart, make the
+      block a miss that the events do not show.
+    * With nothing new, :meth:`FeedEvents.take` costs one read transaction
+      reading one record.
+    * Only blocks of the namespace epoch the engine serves are reported
+      (:mod:`ucm_db.epochs`): after ``reset_cache`` or ``ucm-db
+      invalidate`` the next step says ``AllBlocksCleared`` and reports only
+      blocks stored at the new epoch; the old ones leave silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+import ucm_db
+from ucm_db import BlockEventFields, ChangeRecord
+from ucm_db.keys import Namespace
+from ucm_db.units import UnitSpan
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+#: Feed records read per store transaction.
+_FEED_BATCH = 4096
+
+
+def save_fields(
+    request: Request, start: int, end: int, block_size: int, epoch: int, group_idx: int = 0,
+) -> tuple[BlockEventFields, ...]:
+    """vLLM's event fields of the request's blocks ``[start, end)``, saved
+    at namespace ``epoch``; () where vLLM has no hash for them at this block
+    size (prefix caching off, or hashes of another block size)."""
+    hashes = request.block_hashes
+    if len(hashes) < end or len(hashes) != request.num_tokens // block_size:
+        return ()
+    tokens = request.all_token_ids
+    lora = request.lora_request
+    lora_id, lora_name = (lora.adapter_id, lora.name) if lora is not None else (None, None)
+    return tuple(
+        BlockEventFields(bytes(hashes[i]), bytes(hashes[i - 1]) if i else None, tuple(tokens[i * block_size:(i + 1) * block_size]),
+                         block_size, lora_id, lora_name, group_idx, epoch)
+        for i in range(start, end)
+    )
+
+
+def evented_chain(spans: Sequence[UnitSpan]) -> int:
+    """Index of the span whose units carry a block's event fields (head 0,
+    layer 0), or -1 if this rank writes no such span."""
+    return next((j for j, s in enumerate(spans) if s.head_start == 0 and s.layer_start == 0), -1)
+
+
+class FeedEvents:
+    """vLLM events from the store's change feed (see module docstring)."""
+
+    def __init__(self, store: ucm_db.Store, namespace: Namespace, epoch: Callable[[], int | None] = lambda: 0) -> None:
+        """``epoch()``: the namespace epoch the engine serves now (None:
+        unreadable, nothing is served)."""
+        self._store = store
+        self._namespace = namespace
+        self._epoch_now = epoch
+        self._epoch: int | None = None  # the epoch of the blocks reported so far
+        self._seq: int | None = None  # None: replay the inventory first
+
+    def take(self) -> list[KVCacheEvent]:
+        """Events since the last call: the inventory on the first call (and
+        after a resync or an epoch change, after ``AllBlocksCleared``), then
+        the feed's records of this namespace at the current epoch."""
+        events: list[KVCacheEvent] = []
+        epoch = self._epoch_now()
+        if epoch is None:
+            return events  # a damaged epoch record: nothing is served, nothing said until it is fixed
+        if self._seq is None or epoch != self._epoch:
+            if self._seq is not None:
+                events.append(AllBlocksCleared())  # reset_cache or `ucm-db invalidate`: the old blocks are never served
+            self._epoch = epoch
+            self._replay(events)
+        assert self._seq is not None
+        while True:
+            batch = self._store.changes_since(self._seq, _FEED_BATCH, namespace=self._namespace)
+            if batch.resync:
+                events.append(AllBlocksCleared())
+                self._replay(events)
+                continue
+            events.extend(_event(r) for r in batch.records if r.fields.epoch == epoch)
+            if batch.next_seq == self._seq:
+                return events
+            self._seq = batch.next_seq
+
+    def _replay(self, events: list[KVCacheEvent]) -> None:
+        inventory = self._store.event_inventory(namespace=self._namespace)
+        events.extend(_event(r) for r in inventory.records if r.fields.epoch == self._epoch)
+        self._seq = inventory.next_seq
+
+
+def _hash(value: bytes | int) -> bytes | int:
+    return maybe_convert_block_hash(BlockHash(value)) if isinstance(value, bytes) else value
+
+
+def _event(record: ChangeRecord) -> KVCacheEvent:
+    f = record.fields
+    if record.kind == "removed":
+        return BlockRemoved(block_hashes=[_hash(f.block_hash)], medium=MEDIUM_STORAGE, group_idx=f.group_idx)
+    return BlockStored(
+        block_hashes=[_hash(f.block_hash)],
+        parent_block_hash=None if f.parent_block_hash is None else _hash(f.parent_block_hash),
+        token_ids=list(f.token_ids), block_size=f.block_size, lora_id=f.lora_id, medium=MEDIUM_STORAGE,
+        lora_name=f.lora_name, group_idx=f.group_idx,
+    )

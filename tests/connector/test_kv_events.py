@@ -1,0 +1,170 @@
+"""KV cache events (connector/events.py): the scheduler half's take_events
+with vLLM's own event classes and block hashes, saves written by a real
+worker half, and removals by another process's store handle. No engine
+(tests/vllm has the publisher test)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.utils.hashing import sha256_cbor  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash  # noqa: E402
+
+from ucm_db.connector.events import FeedEvents  # noqa: E402
+from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
+from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
+from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.units import UnitKeys  # noqa: E402
+
+from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _shape  # noqa: E402
+
+init_none_hash(sha256_cbor)
+HASHER = get_request_block_hasher(BS, sha256_cbor)
+
+
+def _hashed_request(req_id: str, tokens: list[int], **kwargs: object):  # type: ignore[no-untyped-def]
+    return _request(req_id, tokens, block_hasher=HASHER, **kwargs)
+
+
+class Subscriber:
+    """A router's view of STORAGE blocks, from vLLM events alone."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[object, BlockStored] = {}
+
+    def apply(self, events: list[object]) -> None:
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self.blocks.clear()
+            elif isinstance(event, BlockStored):
+                assert event.medium == MEDIUM_STORAGE
+                for h in event.block_hashes:
+                    self.blocks[h] = event
+            elif isinstance(event, BlockRemoved):
+                assert event.medium == MEDIUM_STORAGE
+                for h in event.block_hashes:
+                    del self.blocks[h]
+
+
+def _engine(settings: ConnectorSettings) -> tuple[UcmDbScheduler, UcmDbWorker, FeedEvents]:
+    sched = UcmDbScheduler(settings, _shape())
+    worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+    worker.register_kv_caches(_kv(), 0, 0)
+    return sched, worker, FeedEvents(sched.store, namespace(_shape()))
+
+
+def _save(sched: UcmDbScheduler, worker: UcmDbWorker, req, block_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
+    _admit(sched, req)
+    meta = sched.build_connector_meta(_new_step(req, block_ids, req.num_tokens - req.num_computed_tokens))
+    pickle.loads(pickle.dumps(meta))  # vLLM ships it to worker processes
+    worker.save(meta)
+    worker.drain()
+
+
+def test_take_events_reports_saves_and_removals_by_anyone(tmp_path: Path) -> None:
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    sched, worker, events = _engine(settings)
+    view = Subscriber()
+    view.apply(list(events.take()))
+    assert view.blocks == {} and events.take() == []  # nothing stored, nothing new
+
+    tokens = list(range(1, 3 * BS + 5))  # 3 full blocks
+    lora = LoRARequest("adapter", 7, "/nonexistent")
+    req = _hashed_request("a", tokens, lora_request=lora)
+    _save(sched, worker, req, [1, 2, 3, 4])
+    stored = events.take()
+    view.apply(stored)
+    # vLLM's own hashes (as vLLM publishes them: ints by default), chained, with the request's tokens and LoRA.
+    hashes = [maybe_convert_block_hash(h) for h in req.block_hashes]
+    assert [e.block_hashes for e in stored] == [[h] for h in hashes[:3]]
+    assert stored[0].parent_block_hash is None and stored[1].parent_block_hash == hashes[0]
+    assert stored[2].token_ids == tokens[2 * BS:3 * BS] and stored[2].block_size == BS
+    assert (stored[0].lora_id, stored[0].lora_name, stored[0].group_idx) == (7, "adapter", 0)
+
+    # Another process (a second engine, `ucm-db compact`...) deletes the chain's tail.
+    ns = namespace(_shape())
+    head0 = reader_spans(_shape())[0]  # the unit that carries the block's event fields
+    unit_keys = UnitKeys(sched.keys_for(req, 3), grid(_shape()), head0)
+    script = (
+        "import sys, ucm_db\n"
+        "with ucm_db.open(sys.argv[1]) as store:\n"
+        "    assert store.delete(ucm_db.Namespace.from_dict(__import__('json').loads(sys.argv[2])), [bytes.fromhex(sys.argv[3])])\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "store"), json.dumps(ns.to_dict()), unit_keys[1].hex()],
+                   check=True, timeout=120)
+    removed = events.take()
+    assert {type(e) for e in removed} == {BlockRemoved}
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes[1:3])
+    view.apply(removed)
+    assert set(view.blocks) == {hashes[0]}
+
+    # A late subscriber (a restarted engine's first take) replays the inventory.
+    late = Subscriber()
+    late.apply(FeedEvents(sched.store, namespace(_shape())).take())
+    assert set(late.blocks) == set(view.blocks)
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_a_reader_behind_the_bound_resyncs(tmp_path: Path) -> None:
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    sched, worker, events = _engine(settings)
+    view = Subscriber()
+    view.apply(events.take())
+    sched.store.tier.feed_max_records = 2  # this process's writes trim the feed to 2 records
+    for n in range(3):
+        _save(sched, worker, _hashed_request(f"r{n}", [n + 100] * (2 * BS + 1)), [1, 2, 3])
+    taken = events.take()
+    assert isinstance(taken[0], AllBlocksCleared)
+    view.apply(taken)
+    assert len(view.blocks) == 6 == len(sched.store.event_inventory().records)
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_no_block_hashes_no_events(tmp_path: Path) -> None:
+    """Prefix caching off (no vLLM hashes): blocks are stored, not evented."""
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    sched, worker, events = _engine(settings)
+    _save(sched, worker, _request("a", list(range(2 * BS + 1))), [1, 2, 3])
+    assert sched.store.stats().blocks > 0 and events.take() == []
+    worker.shutdown()
+    sched.shutdown()
+    assert torch is not None
+
+
+def test_reset_cache_clears_and_reports_only_the_new_epoch(tmp_path: Path) -> None:
+    """After reset_cache the old blocks are never served: AllBlocksCleared,
+    then only blocks saved at the new epoch (the old ones leave silently)."""
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    sched, worker, _ = _engine(settings)
+    events = FeedEvents(sched.store, namespace(_shape()), lambda: sched.epoch)
+    view = Subscriber()
+    tokens = list(range(1, 2 * BS + 2))
+    req = _hashed_request("a", tokens)
+    _save(sched, worker, req, [1, 2, 3])
+    view.apply(events.take())
+    assert len(view.blocks) == 2
+    assert sched.reset_cache()
+    taken = events.take()
+    assert isinstance(taken[0], AllBlocksCleared) and len(taken) == 1
+    view.apply(taken)
+    again = _hashed_request("b", tokens)  # the same prompt, saved again at the new epoch
+    _save(sched, worker, again, [4, 5, 6])
+    view.apply(events.take())
+    assert set(view.blocks) == {maybe_convert_block_hash(h) for h in again.block_hashes[:2]}
+    assert len(sched.store.event_inventory().records) == 4  # old-epoch blocks still stored, not reported
+    worker.shutdown()
+    sched.shutdown()

@@ -1,0 +1,240 @@
+"""The change feed (ucm_db.events, ucm_db.tiers.changefeed): evented puts and
+removals logged in the change's own transaction, read from any process,
+bounded, with a resync signal and an inventory replay."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+from ucm_db import BlockEventFields, ChangeRecord, ConfigError, Namespace
+
+NS = Namespace(model="feed", kv_dtype="bfloat16", block_size=4)
+OTHER = Namespace(model="feed-other", kv_dtype="bfloat16", block_size=4)
+
+
+def fields_for(keys: Sequence[bytes], tokens: list[int], *, lora: str | None = None) -> dict[bytes, BlockEventFields]:
+    """Event fields a connector would give: a made-up vLLM hash per block."""
+    out = {}
+    parent = None
+    for i, key in enumerate(keys):
+        block_hash = b"v" + key[:15]
+        out[key] = BlockEventFields(block_hash, parent, tuple(tokens[4 * i:4 * i + 4]), 4, 7 if lora else None, lora, 0)
+        parent = block_hash
+    return out
+
+
+class FeedView:
+    """What a subscriber knows: vLLM hashes of stored blocks, built from
+    the feed alone (resync: clear and replay the inventory)."""
+
+    def __init__(self, store: ucm_db.Store, namespace: Namespace | None = None) -> None:
+        self.store, self.namespace = store, namespace
+        self.hashes: dict[bytes, object] = {}
+        self.resyncs = 0
+        self.seq = self._replay()
+
+    def _replay(self) -> int:
+        inventory = self.store.event_inventory(namespace=self.namespace)
+        self.hashes = {r.key: r.fields.block_hash for r in inventory.records}
+        return inventory.next_seq
+
+    def catch_up(self) -> None:
+        while True:
+            batch = self.store.changes_since(self.seq, 256, namespace=self.namespace)
+            if batch.resync:
+                self.resyncs += 1
+                self.seq = self._replay()
+                continue
+            for record in batch.records:
+                self.apply(record)
+            if batch.next_seq == self.seq:
+                return
+            self.seq = batch.next_seq
+
+    def apply(self, record: ChangeRecord) -> None:
+        if record.kind == "stored":
+            assert record.key not in self.hashes, "stored twice without a removal"
+            self.hashes[record.key] = record.fields.block_hash
+        else:
+            assert self.hashes.pop(record.key) == record.fields.block_hash
+
+
+def stored_hashes(store: ucm_db.Store) -> dict[bytes, object]:
+    """The store's content, from its block metadata: every block of these
+    tests is evented, so its vLLM hash is the one the test gave."""
+    return {key: b"v" + key[:15] for key in store.tier.scan_metas()}
+
+
+def test_fields_round_trip_and_bad_input() -> None:
+    for fields in (
+        BlockEventFields(b"\x01" * 32, None, (1, 2, 3, 4), 4),
+        BlockEventFields(-5, 2**63, tuple(range(16)), 16, 3, "adapter", 2),
+    ):
+        assert BlockEventFields.unpack(fields.pack()) == fields
+    with pytest.raises(ConfigError, match="block_hash"):
+        BlockEventFields("abc", None, (1,), 4).pack()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="out of range"):
+        BlockEventFields(b"h", None, (-1,), 4).pack()
+    with pytest.raises(ucm_db.CorruptBlockError):
+        BlockEventFields.unpack(BlockEventFields(b"h", None, (1,), 4).pack()[:-1])
+
+
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
+def test_every_removal_is_logged_with_the_vllm_hash(tmp_path: Path, engine: str) -> None:
+    if engine == "rocksdb":
+        pytest.importorskip("rocksdict")
+    with ucm_db.open(tmp_path / "s", engine=engine, capacity_bytes=1 << 20, codec="none") as store:
+        view = FeedView(store)
+        tokens = list(range(40))
+        keys = NS.block_keys(tokens)
+        store.put(NS, keys[:5], [b"a" * 100_000] * 5, event_fields=fields_for(keys[:5], tokens))
+        view.catch_up()
+        assert view.hashes == stored_hashes(store) and len(view.hashes) == 5
+        # A plain put (no fields: warm, import) is stored but not evented.
+        plain = OTHER.block_keys(tokens)
+        store.put(OTHER, plain[:2], [b"p" * 100_000] * 2)
+        view.catch_up()
+        assert len(view.hashes) == 5
+        # Deleting a block removes its descendants: each removal is logged.
+        assert store.delete(NS, [keys[3]]) == 2
+        view.catch_up()
+        assert view.hashes == {k: h for k, h in stored_hashes(store).items() if k in set(keys)}
+        # Eviction by capacity, then quarantine of a corrupt block.
+        more: list[bytes] = []
+        for chain in range(8):  # 8 chains of 2 blocks: older chains are evicted
+            chain_tokens = [1000 + chain] * 8
+            chain_keys = NS.block_keys(chain_tokens)
+            store.put(NS, chain_keys, [b"b" * 100_000] * 2, event_fields=fields_for(chain_keys, chain_tokens))
+            more += chain_keys
+        store.tier.quarantine(more[-1], "test", lambda head, body: True)
+        view.catch_up()
+        evented = {k: h for k, h in stored_hashes(store).items() if k in set(keys) | set(more)}
+        assert store.stats().evictions > 0
+        assert view.hashes == evented
+        assert {r.key for r in store.event_inventory(namespace=NS).records} == set(evented)
+
+
+def test_a_reader_behind_the_bound_is_told_to_resync(tmp_path: Path) -> None:
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30, codec="none") as store:
+        store.tier.feed_max_records = 8
+        view = FeedView(store)
+        for n in range(6):
+            tokens = [n] * 16
+            keys = NS.block_keys(tokens)
+            store.put(NS, keys, [b"x"] * 4, event_fields=fields_for(keys, tokens))
+        batch = store.changes_since(view.seq)
+        assert batch.resync and not batch.records
+        assert store.changes_since(store.feed_position() + 5).resync  # ahead: another store at this path
+        view.catch_up()
+        assert view.resyncs == 1 and view.hashes == stored_hashes(store)
+        assert store.feed_position() == 24
+        assert len(store.changes_since(16).records) == 8  # the last 8 kept
+
+
+def test_namespace_filter(tmp_path: Path) -> None:
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30) as store:
+        for ns in (NS, OTHER):
+            keys = ns.block_keys(list(range(8)))
+            store.put(ns, keys, [b"x"] * 2, event_fields=fields_for(keys, list(range(8))))
+        assert {r.namespace_id for r in store.changes_since(0, namespace=OTHER).records} == {OTHER.digest[:16]}
+        assert len(store.changes_since(0).records) == 4
+        assert len(store.event_inventory(namespace=NS).records) == 2
+
+
+_WORKER = textwrap.dedent("""
+    import random, sys, ucm_db
+    from ucm_db import BlockEventFields, Namespace
+    ns = Namespace(model="feed", kv_dtype="bfloat16", block_size=4)
+    path, seed, ops = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rng = random.Random(seed)
+    store = ucm_db.open(path)
+    done = 0
+    while done < ops:
+        tokens = [rng.randrange(6) for _ in range(4 * rng.randrange(1, 6))]
+        keys = ns.block_keys(tokens)
+        if rng.random() < 0.15:
+            store.delete(ns, [keys[rng.randrange(len(keys))]])
+        else:
+            fields, parent = {}, None
+            for i, key in enumerate(keys):
+                h = b"v" + key[:15]
+                fields[key] = BlockEventFields(h, parent, tuple(tokens[4 * i:4 * i + 4]), 4)
+                parent = h
+            try:
+                store.put(ns, keys, [bytes([seed]) * 40_000] * len(keys), event_fields=fields)
+            except ucm_db.MissingAncestorError:
+                pass
+        done += 1
+    store.close()
+""")
+
+
+def test_two_processes_feed_view_equals_store(tmp_path: Path) -> None:
+    """Two writer processes (>= 1000 operations with evictions and deletes)
+    while this process follows the feed: its view equals the store's content."""
+    path = tmp_path / "s"
+    with ucm_db.open(path, capacity_bytes=1 << 20, codec="none") as store:
+        view = FeedView(store)
+        procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(path), str(seed), "600"]) for seed in (1, 2)]
+        while any(p.poll() is None for p in procs):
+            view.catch_up()
+        assert [p.wait() for p in procs] == [0, 0]
+        view.catch_up()
+        assert store.stats().evictions > 100
+        assert view.hashes == stored_hashes(store)
+        assert {r.key: r.fields.block_hash for r in store.event_inventory().records} == view.hashes
+        assert store.tier.check() == []
+
+
+def test_json_lines_equal_the_records_json(tmp_path: Path) -> None:
+    """The CLI's fast formatter prints what ChangeRecord.to_json gives."""
+    import json
+
+    from ucm_db.events import json_line
+
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30) as store:
+        keys = NS.block_keys(list(range(12)))
+        fields = fields_for(keys, list(range(12)), lora='quote"d')
+        fields[keys[2]] = BlockEventFields(-(2**70), 2**63, (0, 2**32 - 1, 5, 6), 4, -1, None, 3)
+        store.put(NS, keys, [b"x"] * 3, event_fields=fields)
+        store.delete(NS, keys[1:2])
+        records = store.changes_since(0).records + store.event_inventory().records
+        assert len(records) == 6
+        for record in records:
+            line = json_line(record.seq, record.kind, record.namespace_id, record.key, record.fields.pack())
+            assert json.loads(line) == record.to_json()
+
+
+def test_compact_and_engine_conversion_keep_the_feed_true(tmp_path: Path) -> None:
+    """`compact`'s evictions are logged; converting the engine copies the
+    evented blocks' fields and the feed with the blocks."""
+    from ucm_db import maintenance
+    from ucm_db.migrations.convert import convert
+
+    pytest.importorskip("rocksdict")
+
+    path = tmp_path / "s"
+    with ucm_db.open(path, capacity_bytes=1 << 30, codec="none") as store:
+        for chain in range(4):
+            tokens = [chain] * 8
+            keys = NS.block_keys(tokens)
+            store.put(NS, keys, [b"c" * 50_000] * 2, event_fields=fields_for(keys, tokens))
+        seq = store.feed_position()
+    maintenance.compact(path, target_bytes=200_000)
+    with ucm_db.open(path) as store:
+        removed = store.changes_since(seq).records
+        assert removed and {r.kind for r in removed} == {"removed"}
+        held = {r.key for r in store.event_inventory().records}
+        assert held == set(store.tier.scan_metas()) and len(held) < 8
+        position = store.feed_position()
+    convert(path, tmp_path / "r", "rocksdb")
+    with ucm_db.open(tmp_path / "r") as converted:
+        assert {r.key for r in converted.event_inventory().records} == held
+        assert converted.feed_position() == position

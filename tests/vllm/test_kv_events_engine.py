@@ -1,0 +1,201 @@
+"""KV cache events through vLLM's own ZMQ publisher (one CPU engine).
+
+A subscriber in this process (a SUB socket, then vLLM's replay endpoint for
+anything it missed) builds a router's view of STORAGE blocks (vLLM's own
+GPU/CPU-medium events are ignored) while the engine serves prompts into a
+store too small for them (evictions), and a second process writes evented
+blocks into the same store and namespace (evicting the engine's) and
+deletes one. vLLM publishes only inside a step, so one more request is
+driven after the other process's writes. The view must equal what the
+store holds (``ucm-db events``): 0 divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+
+import ucm_db  # noqa: E402
+from e2e_helpers import BLOCK_SIZE, in_process_engine, wait_for_new_blocks  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Subscriber:
+    """Collects (seq, batch) from vLLM's PUB socket on a thread."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(endpoint)
+        self.batches: dict[int, bytes] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sub.poll(100):
+                _topic, seq, payload = self._sub.recv_multipart()
+                self.batches[int.from_bytes(seq, "big")] = payload
+
+    def replay_missing(self, replay_endpoint: str) -> int:
+        """Asks vLLM's replay endpoint for every batch from seq 0; keeps the
+        ones the SUB socket missed (slow joiner); returns how many."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        missed = 0
+        while True:
+            assert dealer.poll(30_000), "no reply from vLLM's replay endpoint"
+            _, _topic, seq_bytes, payload = dealer.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq < 0:
+                break
+            if seq not in self.batches:
+                self.batches[seq] = payload
+                missed += 1
+        dealer.close(linger=0)
+        return missed
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sub.close(linger=0)
+
+    def storage_view(self) -> tuple[set[object], dict[str, int]]:
+        """vLLM hashes of STORAGE blocks after every batch, in seq order,
+        and the count of each STORAGE event type."""
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        view: set[object] = set()
+        counts: dict[str, int] = {}
+        assert sorted(self.batches) == list(range(len(self.batches))), "a gap in the publisher's sequence"
+        for seq in sorted(self.batches):
+            for event in decoder.decode(self.batches[seq]).events:
+                if isinstance(event, AllBlocksCleared):
+                    view.clear()  # vLLM's own resets clear its own media too; ours are followed by the inventory
+                elif getattr(event, "medium", None) != MEDIUM_STORAGE:
+                    continue  # vLLM's own-medium events
+                counts[type(event).__name__] = counts.get(type(event).__name__, 0) + 1
+                if isinstance(event, BlockStored):
+                    view.update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    view.difference_update(event.block_hashes)
+        return view, counts
+
+
+_OTHER_WRITER = textwrap.dedent("""
+    import os, sys, ucm_db
+    from ucm_db import BlockEventFields, Namespace
+    path = sys.argv[1]
+    with ucm_db.open(path) as store:
+        (ns_stats,) = store.stats().namespaces.values()
+        ns = Namespace.from_dict(ns_stats.description)
+        deleted = None
+        for chain in range(6):
+            tokens = [900 + chain] * (2 * ns.block_size)
+            keys = ns.block_keys(tokens)
+            fields, parent = {}, None
+            for i, key in enumerate(keys):
+                fields[key] = BlockEventFields(os.urandom(32), parent, tuple(tokens[:ns.block_size]), ns.block_size)
+                parent = fields[key].block_hash
+            store.put(ns, keys, [os.urandom(100_000)] * 2, event_fields=fields)
+            deleted = keys
+        assert store.delete(ns, deleted[1:]) == 1
+        print(store.stats().evictions)
+""")
+
+
+def _store_view(path: Path) -> set[object]:
+    """vLLM hashes (as vLLM publishes them: 64-bit ints) of what the store holds."""
+    exe = Path(sys.executable).parent / "ucm-db"
+    done = subprocess.run([str(exe), "events", str(path)], capture_output=True, text=True, timeout=120, check=True)
+    out: set[object] = set()
+    for line in done.stdout.splitlines():
+        event = json.loads(line)
+        (h,) = event["block_hashes"]
+        out.add(h if isinstance(h, int) else int.from_bytes(bytes.fromhex(h), "big") & ((1 << 64) - 1))
+    return out
+
+
+def test_subscriber_view_equals_the_store(tiny_models: tuple[Path, Path], tmp_path: Path) -> None:
+    model, _ = tiny_models
+    store_path = tmp_path / "store"
+    pub, replay = _free_port(), _free_port()
+    spec = {
+        "model": str(model), "connector": {"path": str(store_path), "capacity_bytes": 1 << 20},
+        "prefix_caching": True, "block_size": BLOCK_SIZE, "enforce_eager": True, "max_tokens": 2,
+    }
+    subscriber = Subscriber(f"tcp://127.0.0.1:{pub}")
+    import engine_job  # tests/vllm is on sys.path
+
+    real_make = engine_job.make_engine
+
+    def make_with_events(spec: dict) -> object:
+        from vllm import LLM
+
+        original = LLM.__init__
+
+        def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            kwargs["kv_events_config"] = {
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                "replay_endpoint": f"tcp://*:{replay}", "topic": "",
+            }
+            original(self, *args, **kwargs)
+
+        LLM.__init__ = init  # type: ignore[method-assign]
+        try:
+            return real_make(spec)
+        finally:
+            LLM.__init__ = original  # type: ignore[method-assign]
+
+    engine_job.make_engine = make_with_events
+    try:
+        with in_process_engine(spec) as llm:
+            # 10 prompts of 5 blocks (32 KB each) into 1 MiB: the oldest are evicted.
+            prompts = [{"ids": [(p * 37 + i) % 997 + 3 for i in range(5 * BLOCK_SIZE + 1)]} for p in range(10)]
+            before = 0
+            for prompt in prompts:
+                engine_job.run_prompts(llm, [prompt], max_tokens=2)
+            before = wait_for_new_blocks(store_path, before)
+            other = subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(store_path)], capture_output=True, text=True, timeout=120)
+            assert other.returncode == 0, other.stderr
+            assert int(other.stdout) > 0  # the store evicted
+            # vLLM publishes inside steps: drive requests so the last saves' and the other process's changes are published.
+            engine_job.run_prompts(llm, [{"ids": [5, 6, 7]}], max_tokens=2)
+            time.sleep(1.0)
+            engine_job.run_prompts(llm, [{"ids": [5, 6, 8]}], max_tokens=2)
+            time.sleep(1.0)
+            subscriber.replay_missing(f"tcp://127.0.0.1:{replay}")
+    finally:
+        engine_job.make_engine = real_make
+        subscriber.close()
+    view, counts = subscriber.storage_view()
+    held = _store_view(store_path)
+    print(f"STORAGE events {counts}; store holds {len(held)} evented blocks")
+    assert counts["BlockStored"] >= 50 + 12 and counts["BlockRemoved"] > 0  # the engine's 50 blocks, the other's 12
+    with ucm_db.open(store_path) as store:
+        assert store.stats().evictions > 0
+    assert len(held) >= 5
+    assert view == held, f"divergence: {len(view - held)} published but gone, {len(held - view)} held but unpublished"

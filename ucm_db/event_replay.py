@@ -1,0 +1,149 @@
+"""KV cache events of a store for tools: the inventory replay and the change
+feed followed from a path, as JSON-ready dicts or JSON lines with vLLM's
+field names (what ``ucm-db events`` prints; re-exported by
+:mod:`ucm_db.maintenance`).
+
+Invariants:
+    * Read-only: each read opens the store for maintenance
+      (:func:`ucm_db.store_view.open_view`), reads one snapshot and lets it
+      go, so a follower never holds the store's lock between polls
+      (``compact`` and ``migrate`` can run beside it).
+    * The inventory and the seq the feed is followed from come from the same
+      snapshot: nothing is missed or told twice between them.
+    * A follower that falls behind the feed's bound gets an
+      ``AllBlocksCleared`` event, then the inventory again.
+    * Only blocks of each namespace's current epoch are told (older ones are
+      never served, :mod:`ucm_db.epochs`); when an epoch moves on (``ucm-db
+      invalidate``, an engine's ``reset_cache``) a follower gets
+      ``AllBlocksCleared`` and the inventory again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ucm_db import epochs
+from ucm_db.errors import CorruptBlockError, TierError
+from ucm_db.events import MEDIUM_STORAGE, json_line, packed_epoch
+from ucm_db.store_view import open_view, select_namespaces
+from ucm_db.tiers import changefeed
+
+T = TypeVar("T")
+logger = logging.getLogger("ucm_db")
+#: Feed records read per snapshot while following.
+FOLLOW_BATCH_RECORDS = 4096
+CLEARED: dict[str, Any] = {"type": "AllBlocksCleared", "medium": MEDIUM_STORAGE}
+
+
+def iter_events(
+    path: str | Path, namespaces: tuple[str, ...] = (), *, since_seq: int | None = None, follow: bool = False,
+    poll_interval_s: float = 0.5, max_polls: int | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The store's events as dicts (:meth:`ucm_db.ChangeRecord.to_json`).
+
+    Without ``since_seq``: the inventory first (parents before children);
+    then the feed from the inventory's snapshot (``since_seq``: from there,
+    no inventory). Without ``follow`` it ends when the feed is read; with
+    it, it polls every ``poll_interval_s`` (at most ``max_polls`` times).
+    Blocks put without event fields are left out.
+
+    Raises:
+        ConfigError: a namespace matches nothing in the store.
+    """
+    def render(raw: changefeed.RawRecord) -> dict[str, Any] | None:
+        return next((r.to_json() for r in changefeed.decoded([raw])), None)
+    return _iterate(path, namespaces, since_seq, follow, poll_interval_s, max_polls, render, dict(CLEARED))
+
+
+def iter_event_lines(
+    path: str | Path, namespaces: tuple[str, ...] = (), *, since_seq: int | None = None, follow: bool = False,
+    poll_interval_s: float = 0.5, max_polls: int | None = None,
+) -> Iterator[str]:
+    """:func:`iter_events` as compact JSON lines, formatted straight from
+    the stored fields (a 100k-block replay in about a second)."""
+    def render(raw: changefeed.RawRecord) -> str | None:
+        seq, kind, ns, key, _, packed = raw
+        try:
+            return json_line(seq, kind, ns, key, packed)
+        except CorruptBlockError as exc:
+            logger.warning("ucm-db: change feed record of block %s skipped: %s", key.hex()[:16], exc)
+            return None
+    cleared = json.dumps(CLEARED, separators=(",", ":"))
+    return _iterate(path, namespaces, since_seq, follow, poll_interval_s, max_polls, render, cleared)
+
+
+def _iterate(
+    path: str | Path, namespaces: tuple[str, ...], since_seq: int | None, follow: bool, poll_interval_s: float,
+    max_polls: int | None, render: Callable[[changefeed.RawRecord], T | None], cleared: T,
+) -> Iterator[T]:
+    def told(records: list[changefeed.RawRecord]) -> Iterator[T]:
+        for record in current.keep(records):
+            event = render(record)
+            if event is not None:  # a malformed record is skipped (logged)
+                yield event
+
+    current = _Epochs(path)
+    if since_seq is None:
+        records, seq = _read(path, namespaces, lambda txn, wanted: changefeed.inventory_raw(txn, wanted))
+        yield from told(records)
+    else:
+        seq = since_seq
+    polls = 0
+    while True:
+        records, next_seq, resync = _read(
+            path, namespaces, lambda txn, wanted: changefeed.since_raw(txn, seq, FOLLOW_BATCH_RECORDS, wanted))
+        if resync or current.moved():
+            yield cleared
+            current = _Epochs(path)
+            records, seq = _read(path, namespaces, lambda txn, wanted: changefeed.inventory_raw(txn, wanted))
+            yield from told(records)
+            continue
+        yield from told(records)
+        if next_seq != seq:
+            seq = next_seq
+            continue
+        polls += 1
+        if not follow or (max_polls is not None and polls >= max_polls):
+            return
+        time.sleep(poll_interval_s)
+
+
+class _Epochs:
+    """Each namespace's current epoch, read once per namespace met (a
+    damaged epoch record: nothing of that namespace is told)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._path = path
+        self._known: dict[bytes, int | None] = {}
+
+    def _of(self, namespace_id: bytes) -> int | None:
+        if namespace_id not in self._known:
+            self._known[namespace_id] = self._read(namespace_id)
+        return self._known[namespace_id]
+
+    def _read(self, namespace_id: bytes) -> int | None:
+        with open_view(self._path) as view:
+            try:
+                return epochs.read(view.engine, namespace_id)
+            except TierError:
+                return None
+
+    def keep(self, records: list[changefeed.RawRecord]) -> list[changefeed.RawRecord]:
+        """The records at their namespace's current epoch."""
+        return [r for r in records if packed_epoch(r[5]) == self._of(r[2])]
+
+    def moved(self) -> bool:
+        """Whether a namespace met so far has another epoch now."""
+        return any(self._read(ns) != epoch for ns, epoch in self._known.items())
+
+
+def _read(path: str | Path, namespaces: tuple[str, ...], fn: Callable[[Any, set[bytes] | None], T]) -> T:
+    """``fn(txn, wanted namespace ids)`` in one read snapshot of the store."""
+    with open_view(path) as view:
+        wanted = select_namespaces(view, namespaces)
+        return view.engine.read(lambda txn: fn(txn, wanted))
