@@ -23,6 +23,8 @@ cold-bound beside them, with no target.
 Invariants: as :mod:`.serve`'s (fresh servers per row except second
 passes; new stores per run; medians over runs; verdicts from this run's
 figures); every pass of a run sends the same conversations (same seed).
+The ucm-db rows' store is a local tier alone (no remote row here, so no
+write-back uploads competing for the cores the rows are measured on).
 """
 
 from __future__ import annotations
@@ -98,7 +100,11 @@ def run_once(options: ChatOptions, model: Path, work: Path, progress: Progress) 
     want = set(options.serve.rows)
     capped = ServerSpec(model, options.serve.capped_blocks, options.max_model_len,
                         enforce_eager=options.serve.enforce_eager)
-    ucm = replace(capped, connector=connector_options(work / "store", (work / "remote").as_uri(), options.serve))
+    # Local tier only: no row here reads a remote, and write-back uploads
+    # would take CPU from the two cores the rows are measured on.
+    local_only = {key: value for key, value in connector_options(work / "store", "", options.serve).items()
+                  if key not in ("remote", "remote_codec")}
+    ucm = replace(capped, connector=local_only)
 
     def serve(spec: ServerSpec, label: str, passes: tuple[str, ...]) -> None:
         if not want & set(passes):
