@@ -1,5 +1,9 @@
 """The serving benchmark: ``ucm-db bench serve`` (issue 13, item 1).
 
+Two workloads: ``prefix_repetition`` (this module, below) and
+``conversation``, multi-turn chats whose prompts grow a turn at a time
+(``--workload conversation``: :mod:`.serve_chat`, issue 29 item 5).
+
 vLLM's OpenAI server on CPU (a random-weight Llama with a local tokenizer,
 :mod:`.serve_model`) driven by vLLM's own load generator, ``vllm bench
 serve --dataset-name prefix_repetition`` (:mod:`.serve_server`), in these
@@ -36,28 +40,19 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 
+from ucm_db.tools.bench.serve_options import ROWS, Progress, ServeOptions, pass_counters
+from ucm_db.tools.bench.serve_options import connector_options as _connector
+from ucm_db.tools.bench.serve_options import medians as _medians
 from ucm_db.tools.bench.serve_server import BLOCK_SIZE, LoadSpec, Server, ServerSpec, run_load
 
-ROWS = {
-    "no-conn-capped": "no connector, capped, first pass",
-    "cold-bound": "cold bound: no connector, bound, first pass",
-    "warm-bound": "warm bound: no connector, bound, second pass",
-    "ucm-first": "ucm-db, capped, first pass (store empty)",
-    "ucm-second": "ucm-db, capped, second pass (store warm)",
-    "ucm-restart": "ucm-db, capped, new engine on the warm store",
-    "ucm-remote": "ucm-db, capped, empty local tier over warm file:// remote",
-    "ucm-remote-s3": "ucm-db, capped, empty local tier over warm S3 (moto)",
-}
 #: row -> (baseline row, bound on row / baseline request throughput).
 TARGETS = {
     "ucm-first": ("cold-bound", 0.97),
@@ -68,44 +63,6 @@ TARGETS = {
 }
 #: What each row's result keeps from ``vllm bench serve``'s saved result.
 KEPT = ("request_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_e2el_ms", "duration")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """Sizes of one benchmark run (defaults: the issue's setup)."""
-
-    load: LoadSpec = LoadSpec()
-    layers: int = 8
-    capped_blocks: int = 256
-    bound_blocks: int = 1200
-    runs: int = 1
-    rows: tuple[str, ...] = tuple(ROWS)
-    scratch_dir: str | None = None
-    enforce_eager: bool = False
-    start_timeout_s: float = 1200.0
-    codec: str = "zstd"  # the ucm-db stores' (local tier) codec
-    load_mode: str = "block"  # the ucm-db rows' connector load_mode
-    remote_lookup: str = "inline"  # the ucm-db rows' connector remote_lookup
-
-    @property
-    def max_model_len(self) -> int:
-        return -(-(self.load.request_tokens + BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE
-
-    @property
-    def working_set_blocks(self) -> int:
-        """Blocks of every prefix and every request's own tail (what 'bound' must hold)."""
-        per_prompt_tail = -(-(self.load.suffix_len + self.load.output_len) // BLOCK_SIZE)
-        return self.load.num_prefixes * (self.load.prefix_len // BLOCK_SIZE) + self.load.num_prompts * per_prompt_tail
-
-
-Progress = Callable[[str], None]
-
-
-def _connector(store: Path, remote_url: str, options: ServeOptions, **extra: Any) -> dict[str, Any]:
-    """Connector options of a ucm-db row: local tier in the options' codec,
-    remote objects zstd, the options' load mode and remote lookup."""
-    return {"path": str(store), "remote": remote_url, "capacity_bytes": 16 << 30, "codec": options.codec,
-            "remote_codec": "zstd", "load_mode": options.load_mode, "remote_lookup": options.remote_lookup, **extra}
 
 
 def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: str, progress: Progress) -> dict[str, Any]:
@@ -123,17 +80,6 @@ def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: 
     progress(f"  {name}: {kept.get('request_throughput', 0):.2f} req/s, TTFT p50 {kept.get('median_ttft_ms', 0):.0f} ms, "
              f"p99 {kept.get('p99_ttft_ms', 0):.0f} ms ({time.perf_counter() - started:.0f} s){note}")
     return kept
-
-
-def pass_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What the connector did during one pass (the difference of its
-    ``/metrics`` counters): tokens looked up and loaded, bytes and seconds
-    of loads, lookups that recomputed by the cost model's choice."""
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-    return {"query_tokens": delta("query_tokens"), "hit_tokens": delta("hit_tokens"),
-            "loaded_MB": round(delta("loaded_bytes") / 1e6, 3), "load_s": round(delta("load_seconds"), 3),
-            "cost_skips": delta("cost_skips"), "load_errors": delta("load_errors")}
 
 
 def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress) -> dict[str, dict[str, Any]]:
@@ -270,16 +216,6 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
     }
 
 
-def _medians(per_run: list[dict[str, Any]]) -> dict[str, Any]:
-    """Key by key median of one row's runs; nested dicts (the connector's
-    counters) key by key too."""
-    out: dict[str, Any] = {}
-    for key, first in per_run[0].items():
-        values = [r[key] for r in per_run if key in r]
-        out[key] = _medians(values) if isinstance(first, dict) else statistics.median(values)
-    return out
-
-
 def format_table(report: dict[str, Any]) -> str:
     """The issue's table: one line per row (medians), then the targets."""
     o = report["options"]
@@ -328,11 +264,19 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
 @click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True,
               help="longest wait for a server to become healthy")
+@click.option("--workload", type=click.Choice(["prefix_repetition", "conversation"]), default="prefix_repetition",
+              show_default=True, help="conversation: multi-turn chats (--conversations, --turns, --turn-tokens; "
+              "--output-len is each answer, --concurrency the requests in flight)")
+@click.option("--conversations", type=click.IntRange(min=1), default=16, show_default=True, help="conversation workload")
+@click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True, help="conversation workload: turns each")
+@click.option("--turn-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="conversation workload: tokens of each user message")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (stores, logs)")
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
             seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str, codec: str,
-            load_mode: str, remote_lookup: str, enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
+            load_mode: str, remote_lookup: str, enforce_eager: bool, start_timeout_s: float, workload: str, conversations: int,
+            turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
     Rows: no connector capped, cold and warm bounds, ucm-db first and second
@@ -342,11 +286,26 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     targets are reported, not enforced.
 
     \b
+    --workload conversation replays many multi-turn chats instead (each
+    turn's prompt is the conversation so far, sent once the previous turn
+    answered) in rows no-conn-capped, cold/warm bound, ucm-first/second and
+    ucm-restart, and reports prefix hits recovered against the bound.
+
+    \b
     Example:
+        ucm-db bench serve --workload conversation --conversations 16 --turns 4 --capped-blocks 160 --bound-blocks 700
         ucm-db bench serve --num-prompts 32 --num-prefixes 8 --prefix-len 1024 --capped-blocks 144 --bound-blocks 600
         ucm-db bench serve --runs 3 --json
     """
     wanted = tuple(r.strip() for r in rows.split(",") if r.strip())
+    if workload == "conversation":
+        from ucm_db.tools.bench.serve_chat import conversation_command
+
+        conversation_command(wanted if rows != ",".join(ROWS) else None, conversations, turns, turn_tokens, output_len,
+                             concurrency, seed, ServeOptions(layers=layers, capped_blocks=capped_blocks,
+                             bound_blocks=bound_blocks, runs=runs, scratch_dir=scratch_dir, enforce_eager=enforce_eager,
+                             codec=codec, load_mode=load_mode, remote_lookup=remote_lookup, start_timeout_s=start_timeout_s), as_json)
+        return
     unknown = sorted(set(wanted) - set(ROWS))
     if unknown:
         raise click.BadParameter(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}", param_hint="--rows")

@@ -1,0 +1,90 @@
+"""The serving benchmark's shared parts (:mod:`.serve`'s prefix_repetition
+rows and :mod:`.serve_chat`'s conversation rows): the rows, the sizes of a
+run, the ucm-db connector's options, a pass's connector counters, medians.
+
+Invariants:
+    * A pass's counters are differences of the server's counters read
+      before and after it; medians are taken key by key over runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ucm_db.tools.bench.serve_server import BLOCK_SIZE, LoadSpec
+
+ROWS = {
+    "no-conn-capped": "no connector, capped, first pass",
+    "cold-bound": "cold bound: no connector, bound, first pass",
+    "warm-bound": "warm bound: no connector, bound, second pass",
+    "ucm-first": "ucm-db, capped, first pass (store empty)",
+    "ucm-second": "ucm-db, capped, second pass (store warm)",
+    "ucm-restart": "ucm-db, capped, new engine on the warm store",
+    "ucm-remote": "ucm-db, capped, empty local tier over warm file:// remote",
+    "ucm-remote-s3": "ucm-db, capped, empty local tier over warm S3 (moto)",
+}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Sizes of one benchmark run (defaults: the issue's setup)."""
+
+    load: LoadSpec = LoadSpec()
+    layers: int = 8
+    capped_blocks: int = 256
+    bound_blocks: int = 1200
+    runs: int = 1
+    rows: tuple[str, ...] = tuple(ROWS)
+    scratch_dir: str | None = None
+    enforce_eager: bool = False
+    start_timeout_s: float = 1200.0
+    codec: str = "zstd"  # the ucm-db stores' (local tier) codec
+    load_mode: str = "block"  # the ucm-db rows' connector load_mode
+    remote_lookup: str = "inline"  # the ucm-db rows' connector remote_lookup
+
+    @property
+    def max_model_len(self) -> int:
+        return -(-(self.load.request_tokens + BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE
+
+    @property
+    def working_set_blocks(self) -> int:
+        """Blocks of every prefix and every request's own tail (what 'bound' must hold)."""
+        per_prompt_tail = -(-(self.load.suffix_len + self.load.output_len) // BLOCK_SIZE)
+        return self.load.num_prefixes * (self.load.prefix_len // BLOCK_SIZE) + self.load.num_prompts * per_prompt_tail
+
+
+Progress = Callable[[str], None]
+
+
+
+
+def connector_options(store: Path, remote_url: str, options: ServeOptions, **extra: Any) -> dict[str, Any]:
+    """Connector options of a ucm-db row: local tier in the options' codec,
+    remote objects zstd, the options' load mode and remote lookup."""
+    return {"path": str(store), "remote": remote_url, "capacity_bytes": 16 << 30, "codec": options.codec,
+            "remote_codec": "zstd", "load_mode": options.load_mode, "remote_lookup": options.remote_lookup, **extra}
+
+
+def pass_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the connector did during one pass (the difference of its
+    ``/metrics`` counters): tokens looked up and loaded, bytes and seconds
+    of loads, lookups that recomputed by the cost model's choice."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    return {"query_tokens": delta("query_tokens"), "hit_tokens": delta("hit_tokens"),
+            "loaded_MB": round(delta("loaded_bytes") / 1e6, 3), "load_s": round(delta("load_seconds"), 3),
+            "cost_skips": delta("cost_skips"), "load_errors": delta("load_errors")}
+
+
+def medians(per_run: list[dict[str, Any]]) -> dict[str, Any]:
+    """Key by key median of one row's runs; nested dicts (the connector's
+    counters) key by key too."""
+    out: dict[str, Any] = {}
+    for key, first in per_run[0].items():
+        values = [r[key] for r in per_run if key in r]
+        out[key] = medians(values) if isinstance(first, dict) else statistics.median(values)
+    return out
