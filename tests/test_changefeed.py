@@ -216,7 +216,7 @@ def test_compact_and_engine_conversion_keep_the_feed_true(tmp_path: Path) -> Non
     """`compact`'s evictions are logged; converting the engine copies the
     evented blocks' fields and the feed with the blocks."""
     from ucm_db import maintenance
-    from ucm_db.migrations.convert import convert
+    from ucm_db.maintenance import convert_engine as convert
 
     pytest.importorskip("rocksdict")
 
