@@ -324,3 +324,14 @@ def test_typing_only_imports_count_for_cycles(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ucm_db.store import Store\n")
     assert _shipped_imports(module, {"ucm_db.store"}) == {"ucm_db.store"}
+
+
+def test_lmdb_page_code_is_reached_only_through_its_package() -> None:
+    """The LMDB engine and its page-level code (ucm_db/tiers/lmdb/) are one
+    fenced package: shipped modules outside it import ``ucm_db.tiers.lmdb``'s
+    own names, never its submodules (tests may)."""
+    graph = _import_graph()
+    inside = "ucm_db.tiers.lmdb"
+    bad = sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
+                 if dst.startswith(inside + ".") and not (src == inside or src.startswith(inside + ".")))
+    assert bad == [], "import these through ucm_db.tiers.lmdb's __init__"
