@@ -252,3 +252,17 @@ def test_a_put_over_a_chain_tail_with_a_short_record_stores_it_again(tmp_path: P
         assert store.put(NS_A, keys, [payload("a3", i) for i in range(5)]).stored == 1
         assert store.get(NS_A, keys) == [payload("a3", i) for i in range(5)]
         assert store.stats().stored_bytes == stored_sum(store)
+
+
+def test_a_put_over_a_chain_with_a_short_record_in_the_middle_stores_the_whole_chain(tmp_path: Path) -> None:
+    """The put quarantines the damaged block with its descendants: the
+    descendants it was given are stored again too, not reported present
+    and lost."""
+    path = tmp_path / "s"
+    chains = make_store(path)
+    keys = chains["a0"]
+    set_meta(path, keys[2], lambda m: bytes(m[:10]))
+    with ucm_db.open(path) as store:
+        store.put(NS_A, keys, [payload("a0", i) for i in range(5)])
+        assert store.get(NS_A, keys) == [payload("a0", i) for i in range(5)]
+        assert store.stats().stored_bytes == stored_sum(store)

@@ -100,16 +100,20 @@ class LocalTier(Tier):
 
         def run(txn: Txn) -> list[bool]:
             present = []
+            damaged = False
             for key in keys:
                 meta = txn.get("meta", key)
                 # A length and 16 bytes compared on the put's hot path. A damaged
                 # record (wrong length; impossible sizes under other namespace
-                # bytes) reads as absent: the put quarantines it and stores the block.
-                whole = meta is not None and len(meta) == META.size
+                # bytes) reads as absent, and so does every key after it (its
+                # descendants): the put quarantines it with its descendants and
+                # stores them all again.
+                whole = meta is not None and len(meta) == META.size and not damaged
                 if meta is not None and whole and meta[:16] != namespace_id:
                     if namespace_guard.is_foreign(meta, namespace_id):
                         namespace_guard.require_same(txn, meta, namespace_id, key, "block", description=namespace_desc[1])
                     whole = False
+                damaged = damaged or (meta is not None and not whole)
                 present.append(whole)
             return present
         return self.engine.read(run)
