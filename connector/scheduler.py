@@ -256,9 +256,12 @@ class UcmDbScheduler:
         )
 
     # -- keys --------------------------------------------------------------------
-    def _state(self, request: Request) -> _RequestState:
+    def _state(self, request: Request, *, renew_epoch: bool = True) -> _RequestState:
+        """The request's state; a new one at the current epoch where there is
+        none, or (``renew_epoch``: a lookup, whose KV is computed anew) where
+        its key chain is of an older epoch."""
         state = self._requests.get(request.request_id)
-        if state is None or state.request is not request or state.epoch != self._epochs.epoch:
+        if state is None or state.request is not request or (renew_epoch and state.epoch != self._epochs.epoch):
             state = _RequestState(request, request_extras(request), request_block_extras(request, self._block_size), self._epochs.epoch)
             self._requests[request.request_id] = state
         return state
@@ -582,7 +585,9 @@ class UcmDbScheduler:
         return False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        state = self._state(request)
+        # Without a lookup this step (back from an async load) the request holds
+        # KV of the epoch its state was made at: kept, so a reset since saves none of it.
+        state = self._state(request, renew_epoch=False)
         record = state.lookup
         state.lookup = None
         if record is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ucm_db
-from ucm_db import BlockEventFields, ChangeRecord, ConfigError, Namespace
+from ucm_db import BlockEventFields, ChangeRecord, ConfigError, Namespace, maintenance
 
 NS = Namespace(model="feed", kv_dtype="bfloat16", block_size=4)
 OTHER = Namespace(model="feed-other", kv_dtype="bfloat16", block_size=4)
@@ -238,3 +238,20 @@ def test_compact_and_engine_conversion_keep_the_feed_true(tmp_path: Path) -> Non
     with ucm_db.open(tmp_path / "r") as converted:
         assert {r.key for r in converted.event_inventory().records} == held
         assert converted.feed_position() == position
+
+
+def test_malformed_feed_and_fields_records_are_skipped_not_raised(tmp_path: Path) -> None:
+    """A damaged page under the feed (a short record, a flipped kind byte, a
+    short fields record) is skipped by every reader: never a raw struct.error
+    or KeyError into a scheduler step or the CLI."""
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30, codec="none") as store:
+        tokens = list(range(12))
+        keys = NS.block_keys(tokens)
+        store.put(NS, keys, [b"x" * 10] * 3, event_fields=fields_for(keys, tokens))
+        store.tier.info_put(b"evf/" + keys[1], b"short")
+        first = bytes(store.tier.info_get(b"feed/" + (0).to_bytes(8, "big")) or b"")
+        store.tier.info_put(b"feed/" + (0).to_bytes(8, "big"), b"\x07" + first[1:])
+        store.tier.info_put(b"feed/" + (1).to_bytes(8, "big"), first[:30])
+        assert {r.key for r in store.event_inventory().records} == {keys[0], keys[2]}
+        assert [r.seq for r in store.changes_since(0).records] == [2]
+    assert len(list(maintenance.iter_events(tmp_path / "s", since_seq=0))) == 1  # the CLI's reader too

@@ -52,3 +52,25 @@ def test_a_read_crossing_the_flush_threshold_writes_nothing(tmp_path, read: str)
             time.sleep(0.05)
         assert store._tier.metas([keys[-1]])[0].hits == 1
         assert writes.calls == 0
+
+
+def test_reads_waking_the_thread_never_postpone_the_interval_sync(tmp_path) -> None:
+    """With group durability the maintenance thread syncs every interval even
+    while reads keep waking it (each read crossing the touch threshold) more
+    often than that: a wake must not restart the interval, or a read-heavy
+    server never syncs its small puts and a power cut loses more than the
+    last interval. (The engine's ``sync`` is wrapped only to count calls.)"""
+    keys = NS.block_keys(list(range(4 * 64)))
+    with ucm_db.open(tmp_path / "s", codec="none", durability="group", sync_interval_s=0.2,
+                     sync_bytes=1 << 30) as store:
+        store.put(NS, keys, [b"x" * 64] * 64)
+        syncs = []
+        real_sync = store._engine.sync
+        store._engine.sync = lambda: (syncs.append(1), real_sync())[1]
+        touch_keys = [i.to_bytes(32, "little") for i in range(ACTIVITY_FLUSH_KEYS)]
+        background = store._activity
+        deadline = time.monotonic() + 20
+        while not syncs and time.monotonic() < deadline:
+            background.record_reads(touch_keys, [b""] * len(touch_keys))  # wakes the thread: a flush is due
+            time.sleep(0.01)
+        assert syncs, "no interval sync while reads kept waking the maintenance thread"

@@ -55,6 +55,7 @@ from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, 
 from ucm_db.keys import KEY_BYTES, Namespace
 from ucm_db.store_view import ProgressFn, open_view, select_namespaces
 from ucm_db.tiers.local import BlockEntry
+from ucm_db.tiers.namespace_guard import ForeignNamespaceError
 
 ARCHIVE_FORMAT = "ucm-db-export"
 ARCHIVE_VERSION = 1
@@ -267,7 +268,7 @@ def _refuse_eviction(tier: Any, manifest: dict[str, Any], members: dict[str, tar
 def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: dict[str, Any], store: Any,
           report: dict[str, Any], progress: ProgressFn | None, verifier: ArchiveVerifier | None) -> None:
     total = len(manifest["blocks"])
-    good: set[bytes] = set()
+    good: dict[bytes, bytes] = {}  # key -> namespace id of the blocks taken so far
     batch: list[BlockEntry] = []
     batch_bytes = 0
     for done, (key_hex, parent_hex, ns_hex) in enumerate(manifest["blocks"], 1):
@@ -278,24 +279,26 @@ def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: d
             report["skipped"].append({"key": key_hex, "reason": reason})
         else:
             if batch and (ns_id != batch[0].namespace_id or len(batch) >= CHUNK_BLOCKS or batch_bytes >= BATCH_BYTES):
-                _put(store, batch, manifest, report)
+                _put(store, batch, manifest, report, good)
                 batch, batch_bytes = [], 0
             batch.append(entry)
             batch_bytes += entry.stored_bytes
-            good.add(key)
+            good[key] = ns_id
         if progress is not None and (done % CHUNK_BLOCKS == 0 or done == total):
             progress(done, total)
-    _put(store, batch, manifest, report)
+    _put(store, batch, manifest, report, good)
 
 
 def _checked_entry(
     tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], key: bytes, parent: bytes | None,
-    ns_id: bytes, good: set[bytes], manifest: dict[str, Any], verifier: ArchiveVerifier | None = None,
+    ns_id: bytes, good: dict[bytes, bytes], manifest: dict[str, Any], verifier: ArchiveVerifier | None = None,
 ) -> tuple[BlockEntry | None, str]:
     if ns_id.hex() not in manifest["namespaces"]:
         return None, "namespace not described in the manifest"
     if parent is not None and parent not in good:
         return None, "parent block missing or bad"
+    if parent is not None and good[parent] != ns_id:
+        return None, "its parent is listed under another namespace (a chain never spans namespaces)"
     member = members.get(f"blocks/{key.hex()}")
     if member is None:
         return None, "payload missing from the archive (or not a regular member)"
@@ -314,7 +317,12 @@ def _checked_entry(
         return None, f"corrupt: {exc}"
 
 
-def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: dict[str, Any]) -> None:
+def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: dict[str, Any],
+         good: dict[bytes, bytes]) -> None:
+    """Puts one batch (one namespace). A batch the store refuses as
+    crossing namespaces (a key stored here under another one) is put block
+    by block, skipping the refused blocks and their descendants (dropped
+    from ``good``, so later batches skip theirs too)."""
     if not batch:
         return
     ns_hex = batch[0].namespace_id.hex()
@@ -324,6 +332,24 @@ def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: 
     except MissingAncestorError:
         # A parent put earlier was evicted meanwhile: the store is too small.
         report["skipped"] += [{"key": e.key.hex(), "reason": "parent evicted during import (capacity too small)"} for e in batch]
+        return
+    except ForeignNamespaceError:
+        for entry in batch:
+            if entry.parent is not None and entry.parent not in good:
+                reason = "parent block missing or bad"
+            else:
+                try:
+                    one = store.tier.put_blocks([entry], namespace_desc=desc)
+                    report["stored"] += one.stored
+                    report["already_present"] += one.already_present
+                    report["evicted"] += one.evicted
+                    continue
+                except ForeignNamespaceError:
+                    reason = "stored in this store under another namespace"
+                except MissingAncestorError:
+                    reason = "parent evicted during import (capacity too small)"
+            good.pop(entry.key, None)
+            report["skipped"].append({"key": entry.key.hex(), "reason": reason})
         return
     report["stored"] += result.stored
     report["already_present"] += result.already_present

@@ -191,13 +191,19 @@ class Background:
     def _run(self) -> None:
         place_current_thread()
         try:
+            # A wake (a read's touches, a commit's bytes) never restarts the
+            # interval: the periodic flush and sync keep their own clock.
+            next_round_s = time.monotonic() + self._config.sync_interval_s
             while True:
-                woken = self._wake.wait(self._config.sync_interval_s)
+                self._wake.wait(max(0.0, next_round_s - time.monotonic()))
                 self._wake.clear()
                 if self._stop.is_set():
                     return
+                periodic = time.monotonic() >= next_round_s
+                if periodic:
+                    next_round_s = time.monotonic() + self._config.sync_interval_s
                 with self._lock:
-                    flush, sync = not woken or self._flush_due, not woken or self._sync_due
+                    flush, sync = periodic or self._flush_due, periodic or self._sync_due
                     self._flush_due = self._sync_due = False
                 try:
                     if flush:

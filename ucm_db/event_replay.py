@@ -89,14 +89,16 @@ def _iterate(
 
     current = _Epochs(path)
     if since_seq is None:
-        records, seq = _read(path, namespaces, lambda txn, wanted: changefeed.inventory_raw(txn, wanted))
+        records, seq = _read(path, namespaces, lambda txn, wanted: changefeed.inventory_raw(txn, wanted), check_pages=True)
         yield from told(records)
     else:
         seq = since_seq
     polls = 0
+    unchecked = since_seq is not None  # the reader's first read checks the pages, once
     while True:
         records, next_seq, resync = _read(
-            path, namespaces, lambda txn, wanted: changefeed.since_raw(txn, seq, FOLLOW_BATCH_RECORDS, wanted))
+            path, namespaces, lambda txn, wanted: changefeed.since_raw(txn, seq, FOLLOW_BATCH_RECORDS, wanted), check_pages=unchecked)
+        unchecked = False
         if resync or current.moved():
             yield cleared
             current = _Epochs(path)
@@ -127,7 +129,7 @@ class _Epochs:
         return self._known[namespace_id]
 
     def _read(self, namespace_id: bytes) -> int | None:
-        with open_view(self._path) as view:
+        with open_view(self._path, check_pages=False) as view:  # checked by the reader's first read
             try:
                 return epochs.read(view.engine, namespace_id)
             except TierError:
@@ -142,8 +144,12 @@ class _Epochs:
         return any(self._read(ns) != epoch for ns, epoch in self._known.items())
 
 
-def _read(path: str | Path, namespaces: tuple[str, ...], fn: Callable[[Any, set[bytes] | None], T]) -> T:
-    """``fn(txn, wanted namespace ids)`` in one read snapshot of the store."""
-    with open_view(path) as view:
+def _read(path: str | Path, namespaces: tuple[str, ...], fn: Callable[[Any, set[bytes] | None], T], *,
+          check_pages: bool = False) -> T:
+    """``fn(txn, wanted namespace ids)`` in one read snapshot of the store.
+    The store is opened anew each time (no lock held between polls), with
+    LMDB's page check only where ``check_pages`` (the first read: a check
+    per poll would walk the whole store every poll)."""
+    with open_view(path, check_pages=check_pages) as view:
         wanted = select_namespaces(view, namespaces)
         return view.engine.read(lambda txn: fn(txn, wanted))

@@ -86,8 +86,10 @@ def check_store_path(path: Path) -> str:
 
 
 @contextmanager
-def open_view(path: str | Path, *, writable: bool = False) -> Iterator[StoreView]:
-    """Opens the existing store at ``path`` for maintenance (module invariants)."""
+def open_view(path: str | Path, *, writable: bool = False, check_pages: bool = True) -> Iterator[StoreView]:
+    """Opens the existing store at ``path`` for maintenance (module
+    invariants); ``check_pages=False``: without LMDB's page check at open (a
+    caller reopening a store it has checked, e.g. a poll loop)."""
     path = Path(path)
     name = check_store_path(path)
     # A store the user cannot write (a read-only volume, a shared snapshot)
@@ -96,9 +98,9 @@ def open_view(path: str | Path, *, writable: bool = False) -> Iterator[StoreView
     lock = hold_shared(path, VIEW_LOCK_WAIT_S, read_only=untouchable)
     try:
         if untouchable and name == "lmdb":
-            engine = open_lmdb_read_only(path)
+            engine = open_lmdb_read_only(path, check_pages=check_pages)
         else:
-            engine = open_engine(path, name, read_only=not writable, sync=True)
+            engine = open_engine(path, name, read_only=not writable, sync=True, check_pages=check_pages)
         try:
             damaged: list[str] = []
             no_settings: dict[str, Any] = {}

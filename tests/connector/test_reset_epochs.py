@@ -99,3 +99,22 @@ def test_reset_on_a_read_only_store_reports_failure(tmp_path: Path) -> None:
     sched = UcmDbScheduler(settings, _shape())
     assert sched.reset_cache() is False
     sched.shutdown()
+
+
+def test_a_request_back_with_its_kv_across_a_reset_saves_nothing_more(settings: ConnectorSettings) -> None:
+    """A request that comes back to the allocator holding KV computed (or
+    loaded) before a reset (back from an async load: vLLM asks for no lookup,
+    only ``update_state_after_alloc``) keeps its old-epoch state: its blocks
+    are never saved under the new epoch's keys."""
+    sched = UcmDbScheduler(settings, _shape())
+    req = _request("back", TOKENS)
+    _admit(sched, req)
+    sched.build_connector_meta(_new_step(req, [4, 5, 6, 7, 8], 2 * BS))
+    req.num_computed_tokens = 2 * BS
+    assert sched.reset_cache() is True
+    sched.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+    step = _new_step(req, [4, 5, 6, 7, 8], len(TOKENS) - 2 * BS)
+    step.scheduled_new_reqs = []
+    meta = sched.build_connector_meta(step)
+    assert meta.saves == [] and meta.epoch == 1
+    sched.shutdown()

@@ -208,3 +208,61 @@ def test_parent_missing_and_no_lru_entry_are_repaired(tmp_path: Path) -> None:
     edit(path, lambda txn: txn.delete("lru", lru_key(meta.access_ns, meta.depth, chains["a0"][4])))
     assert compact(path)["index_problems"] == []
     assert not verify(path).problems
+
+
+def test_a_delete_over_a_damaged_descendant_removes_the_tree(tmp_path: Path) -> None:
+    """A descendant whose record is cut short is damage, not another
+    namespace's block: a namespaced delete of its chain goes through (it was
+    refused as crossing into a namespace named by the record's first bytes)."""
+    path = tmp_path / "s"
+    chains = make_store(path)
+    keys = chains["a2"]
+    set_meta(path, keys[3], lambda m: bytes(m[:10]))
+    with ucm_db.open(path) as store:
+        assert store.delete(NS_A, keys[1:2]) >= 1
+        assert store.lookup(NS_A, keys) == 1 and store.get(NS_A, keys)[1:] == [None] * 4
+        assert store.stats().stored_bytes == stored_sum(store)
+    assert not verify(path).problems
+
+
+def test_a_put_over_a_record_with_impossible_sizes_and_another_namespace_quarantines_it(tmp_path: Path) -> None:
+    """A record whose sizes no block can have is damage whatever its namespace
+    bytes say: a put of that key quarantines it and stores the block, never a
+    ConfigError naming a foreign namespace."""
+    path = tmp_path / "s"
+    chains = make_store(path)
+    keys = chains["a1"]
+    set_meta(path, keys[4], lambda m: bytes(16 * [0x5A]) + bytes(m[16:STORED_AT]) + struct.pack("<Q", 2**63)
+             + bytes(m[STORED_AT + 8:]))
+    with ucm_db.open(path) as store:
+        store.put(NS_A, keys, [payload("a1", i) for i in range(5)])
+        assert store.get(NS_A, keys) == [payload("a1", i) for i in range(5)]
+        assert keys[4] in store.tier.quarantine_records()
+
+
+def test_a_put_over_a_chain_tail_with_a_short_record_stores_it_again(tmp_path: Path) -> None:
+    """A chain's last block whose record is cut short: a put of the chain
+    stores that block again (it was seen as present and skipped, so the put
+    reported success while the block stayed unreadable)."""
+    path = tmp_path / "s"
+    chains = make_store(path)
+    keys = chains["a3"]
+    set_meta(path, keys[4], lambda m: bytes(m[:10]))
+    with ucm_db.open(path) as store:
+        assert store.put(NS_A, keys, [payload("a3", i) for i in range(5)]).stored == 1
+        assert store.get(NS_A, keys) == [payload("a3", i) for i in range(5)]
+        assert store.stats().stored_bytes == stored_sum(store)
+
+
+def test_a_put_over_a_chain_with_a_short_record_in_the_middle_stores_the_whole_chain(tmp_path: Path) -> None:
+    """The put quarantines the damaged block with its descendants: the
+    descendants it was given are stored again too, not reported present
+    and lost."""
+    path = tmp_path / "s"
+    chains = make_store(path)
+    keys = chains["a0"]
+    set_meta(path, keys[2], lambda m: bytes(m[:10]))
+    with ucm_db.open(path) as store:
+        store.put(NS_A, keys, [payload("a0", i) for i in range(5)])
+        assert store.get(NS_A, keys) == [payload("a0", i) for i in range(5)]
+        assert store.stats().stored_bytes == stored_sum(store)

@@ -111,3 +111,23 @@ def test_invalidate_hides_old_epochs_and_a_damaged_record_is_skipped(tmp_path: P
     rest = list(follower)
     assert rest[0]["type"] == "AllBlocksCleared" and [e["namespace"] for e in rest[1:]] == [NS_B.digest[:16].hex()]
     assert [e["namespace"] for e in lines(invoke("events", str(path)).stdout)] == [NS_B.digest[:16].hex()]
+
+
+def test_a_follower_checks_the_pages_once_not_every_poll(tmp_path: Path, monkeypatch) -> None:
+    """Each poll reopens the store (no lock held between polls), but LMDB's
+    page check at open walks the whole store in a child process (seconds per
+    100k blocks): a follower runs it once, on its first read, not once per
+    poll and per namespace. (The check is wrapped only to count its calls.)"""
+    from ucm_db.tiers import lmdb as lmdb_engine
+
+    path = tmp_path / "s"
+    with ucm_db.open(path) as store:
+        put_evented(store, NS_A, 0, 2)
+        put_evented(store, NS_B, 0, 1)
+    checks = []
+    real = lmdb_engine.check_pages_at_open
+    monkeypatch.setattr(lmdb_engine, "check_pages_at_open", lambda *a, **k: (checks.append(1), real(*a, **k))[1])
+    for since in (None, 0):
+        checks.clear()
+        seen = list(maintenance.iter_events(path, since_seq=since, follow=True, poll_interval_s=0.001, max_polls=5))
+        assert len(seen) == 3 and len(checks) == 1, (since, len(checks))

@@ -221,3 +221,34 @@ def test_import_refuses_a_manifest_just_over_the_depth_bound(tmp_path: Path) -> 
         deep = [deep]
     write_tar(archive, [(member("manifest.json"), json.dumps({"format": "ucm-db-export", "x": deep}).encode())])
     assert "nested more than 16 levels deep" in invoke("import", archive, tmp_path / "dst", expect=2).stderr
+
+
+def test_import_skips_blocks_across_namespaces_and_stores_the_rest(tmp_path: Path) -> None:
+    """A block the store would refuse as crossing namespaces (its parent, per
+    an altered manifest, is another namespace's block; or its key is stored
+    here under another namespace) is skipped with its descendants: never a
+    ConfigError after earlier batches were written."""
+    x = ucm_db.Namespace(model="x", kv_dtype="bfloat16", block_size=4)
+    y = ucm_db.Namespace(model="y", kv_dtype="bfloat16", block_size=4)
+    keys_x, keys_y = x.block_keys(list(range(8))), y.block_keys(list(range(100, 108)))
+    with ucm_db.open(tmp_path / "src", codec="none") as src:
+        src.put(x, keys_x, [b"x" * 64] * 2)
+        src.put(y, keys_y, [b"y" * 64] * 2)
+    plain = tmp_path / "plain.tar"
+    maintenance.export_archive(tmp_path / "src", plain)
+    manifest = json.loads(tar_bytes(plain, "manifest.json"))
+    rows = {bytes.fromhex(r[0]): r for r in manifest["blocks"]}
+    rows[keys_x[0]][1] = keys_y[-1].hex()  # x's root now claims y's last block as its parent
+    manifest["blocks"] = [rows[k] for k in keys_y + keys_x]
+    altered = tmp_path / "altered.tar"
+    write_tar(altered, [(member("manifest.json"), json.dumps(manifest).encode())]
+              + [(member(f"blocks/{k.hex()}"), tar_bytes(plain, f"blocks/{k.hex()}")) for k in keys_y + keys_x])
+    report = maintenance.import_archive(altered, tmp_path / "dst")
+    assert report["stored"] == 2 and {s["key"] for s in report["skipped"]} == {k.hex() for k in keys_x}
+    # The second case: x's root is already stored here, under y (keys built for another namespace).
+    with ucm_db.open(tmp_path / "dst2", codec="none") as dst:
+        dst.put(y, keys_x[:1], [b"z" * 64], parent=None)
+    report = maintenance.import_archive(plain, tmp_path / "dst2")
+    assert report["stored"] == 2 and {s["key"] for s in report["skipped"]} == {k.hex() for k in keys_x}
+    with ucm_db.open(tmp_path / "dst2") as dst:
+        assert dst.get(y, keys_x[:1]) == [b"z" * 64]

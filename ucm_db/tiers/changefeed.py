@@ -21,7 +21,8 @@ Invariants:
     * Each append trims the oldest records beyond ``max_records`` in the
       same transaction, so the feed is bounded whatever the readers do.
     * Reads take one read transaction: :func:`since` with nothing new reads
-      one record (the head).
+      one record (the head). A malformed record (too short, an unknown
+      kind, undecodable fields) is skipped and logged, never raised.
 """
 
 from __future__ import annotations
@@ -106,9 +107,17 @@ def since_raw(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | Non
         ns = bytes(value[1:1 + _NS_BYTES])
         if namespaces is None or ns in namespaces:
             key_end = 1 + _NS_BYTES + _KEY_BYTES
+            if len(value) < key_end + _DEPTH.size or value[0] not in _KINDS:
+                _skip(f"feed record {at}", f"{len(value)} bytes, kind {value[0] if len(value) else None}")
+                continue
             depth = _DEPTH.unpack_from(value, key_end)[0]
             out.append((at, _KINDS[value[0]], ns, bytes(value[1 + _NS_BYTES:key_end]), depth, bytes(value[key_end + _DEPTH.size:])))
     return out, stop, False
+
+
+def _skip(what: str, reason: str) -> None:
+    """Logs a malformed record (a damaged page, a flipped bit) the readers skip."""
+    logger.warning("ucm-db: change feed: %s skipped: malformed (%s)", what, reason)
 
 
 def to_record(raw: RawRecord) -> ChangeRecord:
@@ -148,6 +157,9 @@ def inventory_raw(txn: Txn, namespaces: Container[bytes] | None) -> tuple[list[R
     out: list[RawRecord] = []
     for name, value in txn.scan(INFO, FIELDS_PREFIX):
         ns = bytes(value[:_NS_BYTES])
+        if len(value) < fields_at:
+            _skip(f"fields of block {bytes(name[skip:]).hex()[:16]}", f"{len(value)} bytes")
+            continue
         if namespaces is None or ns in namespaces:
             out.append((next_seq, "stored", ns, name[skip:], _DEPTH.unpack_from(value, _NS_BYTES)[0], bytes(value[fields_at:])))
     out.sort(key=lambda r: r[4])

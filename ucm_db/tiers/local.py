@@ -89,7 +89,8 @@ class LocalTier(Tier):
 
     def present_for_put(self, keys: Sequence[bytes], namespace_desc: tuple[bytes, bytes]) -> list[bool]:
         """Whether each key is stored, for a put into the namespace
-        ``namespace_desc`` (its id and JSON description).
+        ``namespace_desc`` (its id and JSON description); a damaged record
+        is not (the put replaces it).
 
         Raises:
             ForeignNamespaceError: a key is stored under another namespace
@@ -98,13 +99,23 @@ class LocalTier(Tier):
         namespace_id = namespace_desc[0]
 
         def run(txn: Txn) -> list[bool]:
-            metas = [txn.get("meta", key) for key in keys]
-            for key, meta in zip(keys, metas):
-                # 16 bytes compared on the put's hot path; a damaged record (wrong
-                # length) is left to the put, which quarantines it.
-                if meta is not None and meta[:16] != namespace_id and len(meta) == META.size:
-                    namespace_guard.require_same(txn, meta, namespace_id, key, "block", description=namespace_desc[1])
-            return [meta is not None for meta in metas]
+            present = []
+            damaged = False
+            for key in keys:
+                meta = txn.get("meta", key)
+                # A length and 16 bytes compared on the put's hot path. A damaged
+                # record (wrong length; impossible sizes under other namespace
+                # bytes) reads as absent, and so does every key after it (its
+                # descendants): the put quarantines it with its descendants and
+                # stores them all again.
+                whole = meta is not None and len(meta) == META.size and not damaged
+                if meta is not None and whole and meta[:16] != namespace_id:
+                    if namespace_guard.is_foreign(meta, namespace_id):
+                        namespace_guard.require_same(txn, meta, namespace_id, key, "block", description=namespace_desc[1])
+                    whole = False
+                damaged = damaged or (meta is not None and not whole)
+                present.append(whole)
+            return present
         return self.engine.read(run)
 
     def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:

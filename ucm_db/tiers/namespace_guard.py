@@ -25,6 +25,7 @@ from ucm_db.errors import ConfigError
 from ucm_db.tiers import records
 from ucm_db.tiers.accounting import NS_DESC_PREFIX, parse_description
 from ucm_db.tiers.base import Buffer, Txn
+from ucm_db.tiers.index_types import BlockMeta, DamagedMeta
 
 NAMESPACE_ID_BYTES = 16
 
@@ -41,6 +42,20 @@ class ForeignNamespaceError(ConfigError):
 def in_namespace(meta: Buffer, namespace_id: bytes) -> bool:
     """Whether a block's ``meta`` record names ``namespace_id``."""
     return bytes(meta[:NAMESPACE_ID_BYTES]) == namespace_id
+
+
+def is_foreign(meta: Buffer, namespace_id: bytes) -> bool:
+    """Whether ``meta`` is a whole record of another namespace's block: a
+    damaged one (wrong length, impossible sizes) is damage, left to the
+    quarantine (:mod:`ucm_db.tiers.damage`), never read as a namespace.
+    Unpacks only a record whose first 16 bytes differ (the rare path)."""
+    if in_namespace(meta, namespace_id):
+        return False
+    try:
+        BlockMeta.unpack(meta)
+    except DamagedMeta:
+        return False
+    return True
 
 
 def require_same(
@@ -79,7 +94,7 @@ def require_tree_in_namespace(txn: Txn, key: bytes, namespace_id: bytes) -> None
         for child, _ in txn.scan("children", current):
             child_key = bytes(child[len(current):])
             meta = txn.get("meta", child_key)
-            if meta is not None and not in_namespace(meta, namespace_id):
+            if meta is not None and is_foreign(meta, namespace_id):
                 stored_id = bytes(meta[:NAMESPACE_ID_BYTES])
                 raise ForeignNamespaceError(
                     f"delete of block {key.hex()[:16]} from namespace {namespace_id.hex()} refused: its descendant "
