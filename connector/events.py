@@ -27,7 +27,8 @@ Invariants:
       other units of a block leave with it or, evicted apart, make the
       block a miss that the events do not show.
     * With nothing new, :meth:`FeedEvents.take` costs one read transaction
-      reading one record.
+      reading one record; an inventory replay never holds a step longer than
+      :data:`_REPLAY_WAIT_S` (it is read in a thread; the feed after it).
     * Only blocks of the namespace epoch the engine serves are reported
       (:mod:`ucm_db.epochs`): after ``reset_cache`` or ``ucm-db
       invalidate`` the next step says ``AllBlocksCleared`` and reports only
@@ -36,14 +37,16 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 import ucm_db
-from ucm_db import BlockEventFields, ChangeRecord
+from ucm_db import BlockEventFields, ChangeRecord, EventInventory
 from ucm_db.keys import Namespace
 from ucm_db.units import UnitSpan
 
@@ -52,6 +55,10 @@ if TYPE_CHECKING:
 
 #: Feed records read per store transaction.
 _FEED_BATCH = 4096
+#: The longest a scheduler step waits for an inventory replay (about 1 s per
+#: 100k evented blocks): a small store's arrives in the same step, a large
+#: one's in a later step instead of stalling this one.
+_REPLAY_WAIT_S = 0.05
 
 
 def save_fields(
@@ -90,36 +97,68 @@ class FeedEvents:
         self._epoch_now = epoch
         self._epoch: int | None = None  # the epoch of the blocks reported so far
         self._seq: int | None = None  # None: replay the inventory first
+        self._replaying: tuple[Future[EventInventory], int] | None = None  # an inventory being read, for an epoch
 
     def take(self) -> list[KVCacheEvent]:
         """Events since the last call: the inventory on the first call (and
         after a resync or an epoch change, after ``AllBlocksCleared``), then
-        the feed's records of this namespace at the current epoch."""
+        the feed's records of this namespace at the current epoch. The
+        inventory is read in a thread: a step waits for it at most
+        :data:`_REPLAY_WAIT_S` (a large store's replay arrives a few steps
+        later, never stalling one); the feed is read only after it."""
         events: list[KVCacheEvent] = []
         epoch = self._epoch_now()
         if epoch is None:
             return events  # a damaged epoch record: nothing is served, nothing said until it is fixed
-        if self._seq is None or epoch != self._epoch:
+        if self._replaying is None and (self._seq is None or epoch != self._epoch):
             if self._seq is not None:
                 events.append(AllBlocksCleared())  # reset_cache or `ucm-db invalidate`: the old blocks are never served
-            self._epoch = epoch
-            self._replay(events)
+            self._epoch, self._seq = epoch, None
+            self._start_replay(epoch)
+        if self._replaying is not None and not self._finish_replay(events):
+            return events
         assert self._seq is not None
         while True:
             batch = self._store.changes_since(self._seq, _FEED_BATCH, namespace=self._namespace)
             if batch.resync:
                 events.append(AllBlocksCleared())
-                self._replay(events)
+                self._start_replay(epoch)
+                if not self._finish_replay(events):
+                    return events
                 continue
             events.extend(_event(r) for r in batch.records if r.fields.epoch == epoch)
             if batch.next_seq == self._seq:
                 return events
             self._seq = batch.next_seq
 
-    def _replay(self, events: list[KVCacheEvent]) -> None:
-        inventory = self._store.event_inventory(namespace=self._namespace)
-        events.extend(_event(r) for r in inventory.records if r.fields.epoch == self._epoch)
+    def _start_replay(self, epoch: int) -> None:
+        """Reads the inventory of blocks at ``epoch`` in a thread of its own."""
+        future: Future[EventInventory] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._store.event_inventory(namespace=self._namespace))
+            except BaseException as exc:  # noqa: BLE001 - handed to the step that collects it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="ucm-db-events-replay", daemon=True).start()
+        self._replaying = (future, epoch)
+
+    def _finish_replay(self, events: list[KVCacheEvent]) -> bool:
+        """Adds the inventory's events once it has been read (waiting at
+        most :data:`_REPLAY_WAIT_S`); False while it is still being read."""
+        assert self._replaying is not None
+        future, epoch = self._replaying
+        try:
+            inventory = future.result(timeout=_REPLAY_WAIT_S)
+        except TimeoutError:
+            return False
+        finally:
+            if future.done():
+                self._replaying = None
+        events.extend(_event(r) for r in inventory.records if r.fields.epoch == epoch)
         self._seq = inventory.next_seq
+        return True
 
 
 def _hash(value: bytes | int) -> bytes | int:

@@ -168,3 +168,35 @@ def test_reset_cache_clears_and_reports_only_the_new_epoch(tmp_path: Path) -> No
     assert len(sched.store.event_inventory().records) == 4  # old-epoch blocks still stored, not reported
     worker.shutdown()
     sched.shutdown()
+
+
+def test_a_large_inventory_replay_never_holds_a_step(tmp_path: Path) -> None:
+    """The replay of 30k evented blocks (about 0.3 s of reading) is read in a
+    thread: the first step gets none of it (it waits at most 50 ms), a later
+    step gets all of it, once, and then the feed."""
+    import time
+
+    import ucm_db
+    from ucm_db import BlockEventFields
+
+    ns = ucm_db.Namespace(model="replay", kv_dtype="bfloat16", block_size=4)
+    total, per_put = 30_000, 1000
+    with ucm_db.open(tmp_path / "store", codec="none", capacity_bytes=1 << 30) as store:
+        keys = ns.block_keys(list(range(4 * total)))
+        for start in range(0, total, per_put):
+            chunk = keys[start:start + per_put]
+            fields = {k: BlockEventFields(k, keys[start + i - 1] if start + i else None, (1, 2, 3, 4), 4)
+                      for i, k in enumerate(chunk)}
+            store.put(ns, chunk, [b"kv"] * len(chunk), parent=keys[start - 1] if start else None, event_fields=fields)
+        events = FeedEvents(store, ns)
+        view = Subscriber()
+        first = events.take()
+        assert not any(isinstance(e, BlockStored) for e in first)  # the step did not wait for the whole replay
+        deadline = time.monotonic() + 60
+        while len(view.blocks) < total and time.monotonic() < deadline:
+            view.apply(events.take())
+            time.sleep(0.01)
+        assert len(view.blocks) == total
+        store.put(ns, ns.block_keys([7] * 4), [b"kv"], event_fields={ns.block_keys([7] * 4)[0]: BlockEventFields(b"h" * 32, None, (7,) * 4, 4)})
+        later = events.take()
+        assert [type(e) for e in later] == [BlockStored]  # then the feed, and no replayed block twice
