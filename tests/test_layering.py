@@ -335,30 +335,3 @@ def test_lmdb_page_code_is_reached_only_through_its_package() -> None:
     bad = sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
                  if dst.startswith(inside + ".") and not (src == inside or src.startswith(inside + ".")))
     assert bad == [], "import these through ucm_db.tiers.lmdb's __init__"
-
-
-def _put_blocks_calls(path: Path) -> list[tuple[str, bool]]:
-    """``(enclosing function, enqueues upload)`` of each ``.put_blocks(...)`` call in ``path``."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    calls = []
-    for function in ast.walk(tree):
-        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for node in ast.walk(function):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "put_blocks":
-                enqueue = next((k.value for k in node.keywords if k.arg == "enqueue_upload"), None)
-                calls.append((function.name, not (isinstance(enqueue, ast.Constant) and enqueue.value is False)))
-    return calls
-
-
-def test_fetched_blocks_enter_the_local_tier_through_one_function() -> None:
-    """Remote promotion is one function (``ucm_db.remote.promotion.promote``):
-    no other module of the wing puts blocks, and nowhere else in the core is
-    a block put without queueing it for upload (what a fetched block is)."""
-    found = {}
-    for path in _modules("ucm_db"):
-        name = _module_name(path)
-        for function, enqueues in _put_blocks_calls(path):
-            if name.startswith("ucm_db.remote.") or not enqueues:
-                found.setdefault(name, set()).add(function)
-    assert found == {"ucm_db.remote.promotion": {"promote"}}

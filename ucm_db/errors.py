@@ -36,6 +36,14 @@ class TierError(UcmDbError, OSError):
     default_hint = "check that the store path is on a local, writable disk with free space"
 
 
+class DamagedPageError(TierError):
+    """The engine met a damaged page of its file (LMDB's MDB_CORRUPTED,
+    MDB_PAGE_NOTFOUND, MDB_INCOMPATIBLE ...): the store's file, not the
+    machine, is at fault."""
+
+    default_hint = "run `ucm-db verify --fix PATH`; if it cannot repair it, move the store aside (it is a cache)"
+
+
 class StoreFullError(TierError):
     """The batch cannot fit even after evicting everything evictable."""
 

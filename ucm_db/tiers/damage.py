@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ucm_db import codec
-from ucm_db.errors import TierError
+from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.events import FEED_MAX_RECORDS
 from ucm_db.tiers import changefeed, records
 from ucm_db.tiers.accounting import Changes, Totals
@@ -198,11 +198,13 @@ def file_quarantine(tier: LocalTier, txn: Txn, changes: Changes, key: bytes, rea
 
 def quarantine(tier: LocalTier, key: bytes, reason: str, still_corrupt: Recheck) -> bool:
     """Quarantines ``key`` with its descendants; where deleting its payload
-    fails (a damaged page), quarantines it again leaving the payload as a
-    stuck entry. Returns whether the block was quarantined."""
+    fails on a damaged page, quarantines it again leaving the payload as a
+    stuck entry (any other failure, a full disk say, is raised: a stuck
+    entry refuses puts of its key until a compact). Returns whether the
+    block was quarantined."""
     try:
         return tier.engine.write(lambda txn: quarantine_in(tier, txn, key, reason, still_corrupt, keep_payload=False))
-    except TierError as exc:
+    except DamagedPageError as exc:
         logger.warning("ucm-db: quarantining block %s failed (%s); leaving its payload behind", key.hex()[:16], exc)
         return tier.engine.write(lambda txn: quarantine_in(tier, txn, key, reason, still_corrupt, keep_payload=True))
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import lmdb
 
-from ucm_db.errors import TierError
+from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.storelock import ensure_store_dir, os_error
 from ucm_db.tiers.lmdb.meta import check_file
 from ucm_db.tiers.lmdb.pages import NO_PAGE, DamagedTree, first_reachable_page_past_end
@@ -90,9 +90,9 @@ def lmdb_error(action: str, env_dir: Path, exc: BaseException) -> TierError:
     """The TierError for an LMDB failure, with the hint for its cause."""
     message = f"{action} {env_dir} failed: {exc}"
     if isinstance(exc, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.CursorFullError, lmdb.PanicError)):
-        return TierError(message, hint=damaged_hint(env_dir.parent))
+        return DamagedPageError(message, hint=damaged_hint(env_dir.parent))
     if isinstance(exc, (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.IncompatibleError)):
-        return TierError(message, hint=f"{env_dir / DATA_FILE} is not a data file of this LMDB version: "
+        return DamagedPageError(message, hint=f"{env_dir / DATA_FILE} is not a data file of this LMDB version: "
                          f"move {env_dir} aside (the store then starts empty), or use the ucm-db that wrote it")
     if isinstance(exc, lmdb.ReadersFullError):
         return TierError(message, hint="raise max_readers, or open fewer stores and threads on this path at once")
