@@ -14,8 +14,10 @@
   import counts: deferred imports inside functions and ``if TYPE_CHECKING:``
   imports alike).
 * No arrow runs up the core's layers (docs/architecture.md): the leaves
-  import only leaves; the tiers only tiers and leaves; the migrations only
-  migrations, the tiers, the leaves and ``ucm_db.format``.
+  import only leaves; the tiers only tiers and leaves; the remote wing
+  (``ucm_db.remote``) only itself, the tiers and the leaves (never the
+  store that holds it); the migrations only migrations, the tiers, the
+  leaves and ``ucm_db.format``.
 """
 
 from __future__ import annotations
@@ -202,12 +204,12 @@ def test_the_public_api_rule_catches_private_imports(tmp_path: Path) -> None:
     sample.write_text(
         "import ucm_db\nfrom ucm_db import Namespace, maintenance, migrations\nfrom ucm_db.errors import ConfigError\n"
         "from ucm_db.migrations.convert import convert\nfrom ucm_db.tools.cli_common import emit\n"
-        "from ucm_db.tiers.local import LocalTier\nfrom ucm_db import codec\nimport ucm_db.readthrough\n"
+        "from ucm_db.tiers.local import LocalTier\nfrom ucm_db import codec\nimport ucm_db.remote.link\n"
         "x = ucm_db.open\ny = ucm_db.store\n"
     )
     assert private_uses(sample, "ucm_db.tools") == [
         "line 6: from ucm_db.tiers.local import ...", "line 7: from ucm_db import codec",
-        "line 8: import ucm_db.readthrough", "line 10: ucm_db.store",
+        "line 8: import ucm_db.remote.link", "line 10: ucm_db.store",
     ]
 
 
@@ -296,6 +298,8 @@ def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
             return dst in LEAVES
         if src.startswith("ucm_db.tiers"):
             return dst in LEAVES or dst.startswith("ucm_db.tiers")
+        if src == "ucm_db.remote" or src.startswith("ucm_db.remote."):
+            return dst in LEAVES or dst.startswith(("ucm_db.tiers", "ucm_db.remote"))
         if src.startswith("ucm_db.migrations"):
             return dst in LEAVES or dst.startswith(("ucm_db.tiers", "ucm_db.migrations")) or dst == "ucm_db.format"
         return True
@@ -313,10 +317,12 @@ def test_the_layer_rule_finds_upward_arrows() -> None:
         "ucm_db.config": {"ucm_db.tiers.remote_object"}, "ucm_db.tiers.accounting": {"ucm_db.format"},
         "ucm_db.migrations.convert": {"ucm_db.store_view"}, "ucm_db.store": {"ucm_db.tiers.local", "ucm_db.format"},
         "ucm_db.migrations": {"ucm_db.format", "ucm_db.tiers.base"},
+        "ucm_db.remote.warming": {"ucm_db.store", "ucm_db.remote.promotion", "ucm_db.tiers.local", "ucm_db.keys"},
+        "ucm_db.remote.promotion": {"ucm_db.remote.link", "ucm_db.tiers.remote"},
     }
     assert upward_arrows(graph) == [
         "ucm_db.config -> ucm_db.tiers.remote_object", "ucm_db.migrations.convert -> ucm_db.store_view",
-        "ucm_db.tiers.accounting -> ucm_db.format",
+        "ucm_db.remote.warming -> ucm_db.store", "ucm_db.tiers.accounting -> ucm_db.format",
     ]
 
 
