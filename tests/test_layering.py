@@ -330,3 +330,30 @@ def test_typing_only_imports_count_for_cycles(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ucm_db.store import Store\n")
     assert _shipped_imports(module, {"ucm_db.store"}) == {"ucm_db.store"}
+
+
+def _put_blocks_calls(path: Path) -> list[tuple[str, bool]]:
+    """``(enclosing function, enqueues upload)`` of each ``.put_blocks(...)`` call in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    calls = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "put_blocks":
+                enqueue = next((k.value for k in node.keywords if k.arg == "enqueue_upload"), None)
+                calls.append((function.name, not (isinstance(enqueue, ast.Constant) and enqueue.value is False)))
+    return calls
+
+
+def test_fetched_blocks_enter_the_local_tier_through_one_function() -> None:
+    """Remote promotion is one function (``ucm_db.remote.promotion.promote``):
+    no other module of the wing puts blocks, and nowhere else in the core is
+    a block put without queueing it for upload (what a fetched block is)."""
+    found: dict[str, set[str]] = {}
+    for path in _modules("ucm_db"):
+        name = _module_name(path)
+        for function, enqueues in _put_blocks_calls(path):
+            if name.startswith("ucm_db.remote.") or not enqueues:
+                found.setdefault(name, set()).add(function)
+    assert found == {"ucm_db.remote.promotion": {"promote"}}
