@@ -172,15 +172,16 @@ def extend_prefix(
     return local_n + promoted, sum(len(o.blob) for o in now[:promoted])
 
 
-class PendingDecodes(Protocol):
-    """What :func:`read_through` needs of the codec pool's pending decodes."""
+class DecodeQueue(Protocol):
+    """What :func:`read_through` needs of the codec pool's pending decodes
+    (:class:`ucm_db.codec_pool.PendingDecodes`)."""
 
     def add(self, blob: Buffer, call: Callable[[], None]) -> None: ...
 
 
 def read_through(
     link: RemoteLink, local: LocalTier, namespace_id: bytes, keys: Sequence[bytes], missing: list[int], deadline: float,
-    use: Callable[[int, Buffer], None], decodes: PendingDecodes,
+    use: Callable[[int, Buffer], None], decodes: DecodeQueue,
 ) -> None:
     """Fetches ``keys[i]`` for each ``i`` in ``missing`` (in order),
     promotes what keeps the prefix invariant, and hands each verified blob

@@ -28,7 +28,7 @@ from ucm_db.auth import AuthKeys
 from ucm_db.config import StoreConfig
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.link import RemoteLink
-from ucm_db.remote.promotion import Continuations, PendingDecodes, extend_prefix, read_through
+from ucm_db.remote.promotion import Continuations, DecodeQueue, extend_prefix, read_through
 from ucm_db.remote.uploader import Uploader, describe
 from ucm_db.tiers.base import Buffer
 from ucm_db.errors import TierError
@@ -79,7 +79,7 @@ class RemoteWing:
 
     def read_through(
         self, namespace_id: bytes, keys: Sequence[bytes], missing: list[int], use: Callable[[int, Buffer], None],
-        decodes: PendingDecodes,
+        decodes: DecodeQueue,
     ) -> None:
         """Fetches and promotes local misses (:func:`ucm_db.remote.promotion.read_through`)
         within :data:`FETCH_DEADLINE_FACTOR` lookup deadlines."""
