@@ -357,3 +357,14 @@ def test_fetched_blocks_enter_the_local_tier_through_one_function() -> None:
             if name.startswith("ucm_db.remote.") or not enqueues:
                 found.setdefault(name, set()).add(function)
     assert found == {"ucm_db.remote.promotion": {"promote"}}
+
+
+def test_lmdb_page_code_is_reached_only_through_its_package() -> None:
+    """The LMDB engine and its page-level code (ucm_db/tiers/lmdb/) are one
+    fenced package: shipped modules outside it import ``ucm_db.tiers.lmdb``'s
+    own names, never its submodules (tests may)."""
+    graph = _import_graph()
+    inside = "ucm_db.tiers.lmdb"
+    bad = sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
+                 if dst.startswith(inside + ".") and not (src == inside or src.startswith(inside + ".")))
+    assert bad == [], "import these through ucm_db.tiers.lmdb's __init__"

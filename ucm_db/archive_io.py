@@ -103,7 +103,7 @@ def atomic_output(target: Path, mode: int) -> Iterator[IO[bytes]]:
             os.fsync(out.fileno())
         check_target(target)  # something may have been planted meanwhile
         os.replace(temp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except OSError as exc:
         temp.unlink(missing_ok=True)
         raise TierError(f"cannot write {target}: {exc}", hint=f"check the free space and permissions of {target.parent}") from exc
@@ -112,7 +112,8 @@ def atomic_output(target: Path, mode: int) -> Iterator[IO[bytes]]:
         raise
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes a rename or a new file in directory ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

@@ -11,7 +11,7 @@ durability the same thread syncs the engine every interval, and as soon as
 grew by ``sync_bytes`` since then.
 
 Why growth counts: a group-durable LMDB store pins its last synced snapshot
-(``tiers/lmdb_groupsync.py``), so no page freed after that snapshot is
+(``tiers/lmdb/groupsync.py``), so no page freed after that snapshot is
 reused before the next sync, and every page a commit copies on write goes
 to the end of the file. Small-payload commits (index-heavy puts, deletes,
 evictions) write few payload bytes but copy many B-tree pages: counted by

@@ -108,7 +108,7 @@ def rewrite_lmdb(path: Path) -> None:
     """Compacting copy of ``path/lmdb/data.mdb``, renamed over it atomically.
 
     Where a quarantine left stuck payloads (:mod:`ucm_db.tiers.damage`), the
-    copy is made table by table without them (:mod:`ucm_db.tiers.lmdb_copy`).
+    copy is made table by table without them (:mod:`ucm_db.tiers.lmdb.copy`).
     The caller holds the store's lock exclusively and no engine is open.
 
     Raises:
@@ -118,7 +118,7 @@ def rewrite_lmdb(path: Path) -> None:
     """
     import lmdb
 
-    from ucm_db.tiers.lmdb_copy import copy_leaving, stuck_keys
+    from ucm_db.tiers.lmdb import copy_leaving, stuck_keys
 
     lmdb_dir = path / "lmdb"
     for stale in path.glob("lmdb.compact-*"):  # left by a crashed compact

@@ -32,6 +32,7 @@ from typing import Any
 
 import xxhash
 
+from ucm_db.archive_io import fsync_dir
 from ucm_db.errors import ConfigError, FormatVersionError, MigrationError, UcmDbError
 from ucm_db.format import INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings
 from ucm_db.migrations.access import refuse_if_held
@@ -165,7 +166,7 @@ def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, pr
             try:
                 blocks = _copy_and_verify(source, temp, engine_name, source_digests, total, progress)
                 os.rename(temp, dest_path)  # replaces only an empty directory
-                _fsync_dir(dest_path.parent)
+                fsync_dir(dest_path.parent)
             except BaseException:
                 shutil.rmtree(temp, ignore_errors=True)
                 raise
@@ -189,14 +190,6 @@ def _copy_and_verify(source: Engine, temp: Path, engine_name: str, source_digest
         bad = [t for t in TABLES if dest_digests[t] != source_digests[t]]
         raise MigrationError(f"converted copy differs from the source in tables {', '.join(bad)}")
     return verify_converted(temp)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def verify_converted(dest_path: Path) -> int:

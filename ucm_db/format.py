@@ -66,7 +66,7 @@ def open_engine(
     first). ``read_only`` is honoured where the engine supports it (RocksDB);
     :func:`engine_for_config` also opens LMDB read-only. ``check_pages``:
     LMDB's page check before the first map (see
-    :func:`ucm_db.tiers.lmdb_checks.check_pages_at_open`); maintenance that
+    :func:`ucm_db.tiers.lmdb.checks.check_pages_at_open`); maintenance that
     runs its own check in a child process passes False."""
     if engine == "memory":
         from ucm_db.tiers.memory import MemoryEngine

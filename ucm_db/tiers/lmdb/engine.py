@@ -14,10 +14,10 @@ Invariants and choices:
       own writer lock serialises processes).
     * The directory is created 0700 and the files 0600.
     * Once per process, glibc's malloc is asked to keep freed memory (see
-      :func:`_keep_dirty_page_memory`); ``UCM_DB_MALLOC_TUNING=0`` opts out.
+      :func:`~ucm_db.tiers.lmdb.malloc.keep_dirty_page_memory`); ``UCM_DB_MALLOC_TUNING=0`` opts out.
     * After every open, the pages of the data file already in the page
       cache are mapped into this process in the background
-      (:mod:`ucm_db.tiers.lmdb_prefault`), so a large store's commits do not
+      (:mod:`ucm_db.tiers.lmdb.prefault`), so a large store's commits do not
       pay a page fault per page moved; ``UCM_DB_PREFAULT=0`` opts out.
     * Durability never risks the file. ``sync=True``: every commit
       fdatasyncs its pages, then its meta page (LMDB's default).
@@ -25,15 +25,18 @@ Invariants and choices:
       reach only the OS page cache; :meth:`LmdbEngine.sync` (run by the
       store every ``sync_interval_s``) makes them durable and pins the
       synced snapshot, and an open after an OS crash reopens the last
-      synced snapshot (:mod:`ucm_db.tiers.lmdb_groupsync`). A power loss
+      synced snapshot (:mod:`ucm_db.tiers.lmdb.groupsync`). A power loss
       thus undoes the commits since the last completed sync and damages
       nothing; a process crash loses nothing.
+    * Nothing is rolled back, rewritten or mapped before the library and the
+      data file's meta pages are found to be a proven LMDB
+      (:mod:`ucm_db.tiers.lmdb.fence`).
     * A data file is checked against its meta pages before it is mapped
-      (:func:`ucm_db.tiers.lmdb_meta.check_file`): a truncated or foreign
+      (:func:`ucm_db.tiers.lmdb.meta.check_file`): a truncated or foreign
       file is a :class:`TierError` naming the damage, never a SIGBUS.
     * Stores written by older versions with unsynced-commit markers are
       still checked in a child process after an OS crash
-      (:mod:`ucm_db.tiers.lmdb_recovery`); no marker is written any more.
+      (:mod:`ucm_db.tiers.lmdb.recovery`); no marker is written any more.
     * ``read_only`` (a store on a read-only volume) writes nothing: the
       environment is opened ``MDB_RDONLY``, with LMDB's lock file where it
       can be opened and without it (``MDB_NOLOCK``) where the volume is
@@ -46,9 +49,7 @@ Invariants and choices:
 
 from __future__ import annotations
 
-import ctypes
 import os
-import platform
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,11 +61,13 @@ import lmdb
 from ucm_db.errors import TierError
 from ucm_db.tiers.base import TABLES, Buffer, Engine, T
 from ucm_db.storelock import ensure_store_dir
-from ucm_db.tiers.lmdb_checks import check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable
-from ucm_db.tiers.lmdb_groupsync import RECORD_FILE, RollbackReport, SnapshotPin, roll_back_after_os_crash
-from ucm_db.tiers.lmdb_meta import FileCheck, check_file
-from ucm_db.tiers.lmdb_prefault import Prefault
-from ucm_db.tiers.lmdb_recovery import (
+from ucm_db.tiers.lmdb.checks import check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable
+from ucm_db.tiers.lmdb.fence import check_proven
+from ucm_db.tiers.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin, roll_back_after_os_crash
+from ucm_db.tiers.lmdb.malloc import keep_dirty_page_memory
+from ucm_db.tiers.lmdb.meta import FileCheck, check_file
+from ucm_db.tiers.lmdb.prefault import Prefault
+from ucm_db.tiers.lmdb.recovery import (
     CHECK_TIMEOUT_S,
     RecoveryReport,
     logger,
@@ -75,40 +78,6 @@ from ucm_db.tiers.lmdb_recovery import (
 )
 
 _MAX_MAP_BYTES = 1 << 46
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20
-_MALLOC_TRIM_THRESHOLD_BYTES = 128 << 20
-_malloc_tuned = False
-
-
-def _keep_dirty_page_memory() -> None:
-    """Lets glibc reuse the memory of LMDB's dirty pages across commits.
-
-    Without ``writemap``, LMDB mallocs every value's overflow pages (a 2 MiB
-    block is one 2 MiB+4 KiB allocation) and frees them at commit. glibc then
-    trims the freed heap top (or unmaps the chunk), so the next commit
-    page-faults all of it in again (with the encoded blobs, 1024 faults per
-    2 MiB block: up to half of a large put's time, see ``ucm-db bench``).
-    Fixed thresholds of 32 MiB (mmap, glibc's own ceiling for its dynamic
-    threshold) and 128 MiB (trim: a 16 x 2 MiB commit peaks at 64 MiB of
-    blobs plus dirty pages) keep that memory for reuse; the process keeps
-    at most that much freed memory mapped.
-    """
-    global _malloc_tuned
-    if _malloc_tuned or os.environ.get("UCM_DB_MALLOC_TUNING", "1") == "0":
-        return
-    _malloc_tuned = True
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt(_M_MMAP_THRESHOLD, _MALLOC_MMAP_THRESHOLD_BYTES)
-    mallopt(_M_TRIM_THRESHOLD, _MALLOC_TRIM_THRESHOLD_BYTES)
-
-
 def _lmdb_open(path: str, **options: Any) -> lmdb.Environment:
     """``lmdb.open``, retried while other processes grow the map: opening
     runs a transaction, which fails with MDB_MAP_RESIZED when a writer grew
@@ -240,6 +209,7 @@ class LmdbEngine(Engine):
         self._write_lock = threading.Lock()
         self._txn_gate = _SharedExclusiveLock()
         self.prefault = None  # a forked child: the parent's thread is not here
+        check_proven(self.path)  # before any rollback, rewrite or map (fence.py)
         if self.read_only:
             self._env = self._open_read_only()
             self._dbs = self._open_tables(self._env)
@@ -289,7 +259,7 @@ class LmdbEngine(Engine):
         except (lmdb.Error, OSError) as exc:
             raise lmdb_error("Opening LMDB store", self.path, exc) from exc
         try:
-            _keep_dirty_page_memory()
+            keep_dirty_page_memory()
             current = env.info()["map_size"]
             if current < self._map_size_bytes:
                 env.set_mapsize(self._map_size_bytes)
@@ -353,7 +323,7 @@ class LmdbEngine(Engine):
 
     def check_file(self) -> FileCheck:
         """The data file checked against its meta pages, without mapping it
-        (:func:`ucm_db.tiers.lmdb_meta.check_file`)."""
+        (:func:`ucm_db.tiers.lmdb.meta.check_file`)."""
         return check_file(self.path / "data.mdb")
 
     def walk_in_child(self, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:

@@ -1,0 +1,27 @@
+"""The LMDB engine and the code that reads and writes LMDB's own pages.
+
+Everything here that touches LMDB's on-disk layout by hand (meta pages,
+page walks, the rollback after an OS crash) lives in this package, and is
+fenced to the LMDB versions it was proven on (:mod:`.fence`):
+
+    engine      LmdbEngine: the default local tier's engine
+    fence       the proven LMDB library and data versions, checked at open
+    meta        the two meta pages, read and written with pread/pwrite
+    pages       page walks over the free-page and main trees with pread
+    checks      a data file's checks at open and ``diagnose`` (ucm-db verify)
+    groupsync   group durability: pinned synced snapshots, the rollback
+    recovery    older versions' unsynced-commit markers, child-process walks
+    prefault    mapping the page-cached pages after open
+    copy        a table-by-table copy for compaction
+    malloc      glibc tuning for LMDB's dirty pages
+
+Invariant: modules outside this package import only the names below.
+"""
+
+from __future__ import annotations
+
+from ucm_db.tiers.lmdb.copy import copy_leaving, stuck_keys
+from ucm_db.tiers.lmdb.engine import LmdbEngine
+from ucm_db.tiers.lmdb.fence import LMDB_REQUIREMENT, PROVEN_DATA_VERSIONS, PROVEN_LIBRARY_VERSIONS
+
+__all__ = ["LMDB_REQUIREMENT", "PROVEN_DATA_VERSIONS", "PROVEN_LIBRARY_VERSIONS", "LmdbEngine", "copy_leaving", "stuck_keys"]
