@@ -248,7 +248,7 @@ class UcmDbScheduler:
         # Failed block ids by settled step, while saves planned at or after that step may depend on them.
         self._recent_bad: dict[int, set[int]] = {}
         # remote_lookup="background": remote fetches off the scheduler's thread (remote_lookups.py)
-        self._lookups = RemoteLookups() if settings.remote_lookup == "background" and self._store.remote is not None else None
+        self._lookups = RemoteLookups() if settings.remote_lookup == "background" and self._store.config.remote is not None else None
         self._last_step_idle = False
         logger.info(
             "ucm-db connector (scheduler): store %s, namespace %s, %d unit(s) per block, model %s",
@@ -382,7 +382,7 @@ class UcmDbScheduler:
         if self._lookups is not None:
             self._harvest(state, source)
         local = stored_prefix(_LocalTier(self._store), self._namespace, self._grid, spans, keys, start, stop)
-        if self._store.remote is None or start + local >= stop or source in state.remote_asked:
+        if self._store.config.remote is None or start + local >= stop or source in state.remote_asked:
             return local
         # The claim: the rest of the prompt past what vLLM and the local tier hold.
         first_token = max((start + local) * self._block_size, state.vllm_computed_tokens)

@@ -69,7 +69,7 @@ class FeedView:
 def stored_hashes(store: ucm_db.Store) -> dict[bytes, object]:
     """The store's content, from its block metadata: every block of these
     tests is evented, so its vLLM hash is the one the test gave."""
-    return {key: b"v" + key[:15] for key in store.tier.scan_metas()}
+    return {key: b"v" + key[:15] for key in store._tier.scan_metas()}
 
 
 def test_fields_round_trip_and_bad_input() -> None:
@@ -113,7 +113,7 @@ def test_every_removal_is_logged_with_the_vllm_hash(tmp_path: Path, engine: str)
             chain_keys = NS.block_keys(chain_tokens)
             store.put(NS, chain_keys, [b"b" * 100_000] * 2, event_fields=fields_for(chain_keys, chain_tokens))
             more += chain_keys
-        store.tier.quarantine(more[-1], "test", lambda head, body: True)
+        store._tier.quarantine(more[-1], "test", lambda head, body: True)
         view.catch_up()
         evented = {k: h for k, h in stored_hashes(store).items() if k in set(keys) | set(more)}
         assert store.stats().evictions > 0
@@ -123,7 +123,7 @@ def test_every_removal_is_logged_with_the_vllm_hash(tmp_path: Path, engine: str)
 
 def test_a_reader_behind_the_bound_is_told_to_resync(tmp_path: Path) -> None:
     with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30, codec="none") as store:
-        store.tier.feed_max_records = 8
+        store._tier.feed_max_records = 8
         view = FeedView(store)
         for n in range(6):
             tokens = [n] * 16
@@ -190,7 +190,7 @@ def test_two_processes_feed_view_equals_store(tmp_path: Path) -> None:
         assert store.stats().evictions > 100
         assert view.hashes == stored_hashes(store)
         assert {r.key: r.fields.block_hash for r in store.event_inventory().records} == view.hashes
-        assert store.tier.check() == []
+        assert store._tier.check() == []
 
 
 def test_json_lines_equal_the_records_json(tmp_path: Path) -> None:
@@ -232,7 +232,7 @@ def test_compact_and_engine_conversion_keep_the_feed_true(tmp_path: Path) -> Non
         removed = store.changes_since(seq).records
         assert removed and {r.kind for r in removed} == {"removed"}
         held = {r.key for r in store.event_inventory().records}
-        assert held == set(store.tier.scan_metas()) and len(held) < 8
+        assert held == set(store._tier.scan_metas()) and len(held) < 8
         position = store.feed_position()
     convert(path, tmp_path / "r", "rocksdb")
     with ucm_db.open(tmp_path / "r") as converted:

@@ -69,7 +69,7 @@ def test_a_damaged_epoch_record_is_never_read_and_a_bump_replaces_it(tmp_path: P
     with ucm_db.open(tmp_path / "s") as store:
         store.bump_epoch(NS)
         name = b"epoch:" + NS.digest[:16]
-        store.tier.engine.write(lambda txn: txn.put("info", name, (7).to_bytes(8, "little")))  # a flipped value
+        store._tier.engine.write(lambda txn: txn.put("info", name, (7).to_bytes(8, "little")))  # a flipped value
         with pytest.raises(TierError, match="damaged") as caught:
             store.epoch(NS)
         assert "ucm-db invalidate" in caught.value.hint

@@ -92,4 +92,4 @@ def test_eviction_passes_over_a_long_chain_s_inner_blocks_once(tmp_path) -> None
         assert 1024 - 32 <= s.lookup(NS, long_chain) < 1024  # it lost tail blocks only
         # Every inner block of the long chain was passed over once: about
         # 1000 entries read in all, where rescanning per victim reads ~200k.
-        assert s.tier.eviction_entries_scanned <= 1024 + 4 * evictions
+        assert s._tier.eviction_entries_scanned <= 1024 + 4 * evictions

@@ -14,8 +14,10 @@
   import counts: deferred imports inside functions and ``if TYPE_CHECKING:``
   imports alike).
 * No arrow runs up the core's layers (docs/architecture.md): the leaves
-  import only leaves; the tiers only tiers and leaves; the migrations only
-  migrations, the tiers, the leaves and ``ucm_db.format``.
+  import only leaves; the tiers only tiers and leaves; the remote wing
+  (``ucm_db.remote``) only itself, the tiers and the leaves (never the
+  store that holds it); the migrations only migrations, the tiers, the
+  leaves and ``ucm_db.format``.
 """
 
 from __future__ import annotations
@@ -202,12 +204,12 @@ def test_the_public_api_rule_catches_private_imports(tmp_path: Path) -> None:
     sample.write_text(
         "import ucm_db\nfrom ucm_db import Namespace, maintenance, migrations\nfrom ucm_db.errors import ConfigError\n"
         "from ucm_db.migrations.convert import convert\nfrom ucm_db.tools.cli_common import emit\n"
-        "from ucm_db.tiers.local import LocalTier\nfrom ucm_db import codec\nimport ucm_db.readthrough\n"
+        "from ucm_db.tiers.local import LocalTier\nfrom ucm_db import codec\nimport ucm_db.remote.link\n"
         "x = ucm_db.open\ny = ucm_db.store\n"
     )
     assert private_uses(sample, "ucm_db.tools") == [
         "line 6: from ucm_db.tiers.local import ...", "line 7: from ucm_db import codec",
-        "line 8: import ucm_db.readthrough", "line 10: ucm_db.store",
+        "line 8: import ucm_db.remote.link", "line 10: ucm_db.store",
     ]
 
 
@@ -296,6 +298,8 @@ def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
             return dst in LEAVES
         if src.startswith("ucm_db.tiers"):
             return dst in LEAVES or dst.startswith("ucm_db.tiers")
+        if src == "ucm_db.remote" or src.startswith("ucm_db.remote."):
+            return dst in LEAVES or dst.startswith(("ucm_db.tiers", "ucm_db.remote"))
         if src.startswith("ucm_db.migrations"):
             return dst in LEAVES or dst.startswith(("ucm_db.tiers", "ucm_db.migrations")) or dst == "ucm_db.format"
         return True
@@ -313,10 +317,12 @@ def test_the_layer_rule_finds_upward_arrows() -> None:
         "ucm_db.config": {"ucm_db.tiers.remote_object"}, "ucm_db.tiers.accounting": {"ucm_db.format"},
         "ucm_db.migrations.convert": {"ucm_db.store_view"}, "ucm_db.store": {"ucm_db.tiers.local", "ucm_db.format"},
         "ucm_db.migrations": {"ucm_db.format", "ucm_db.tiers.base"},
+        "ucm_db.remote.warming": {"ucm_db.store", "ucm_db.remote.promotion", "ucm_db.tiers.local", "ucm_db.keys"},
+        "ucm_db.remote.promotion": {"ucm_db.remote.link", "ucm_db.tiers.remote"},
     }
     assert upward_arrows(graph) == [
         "ucm_db.config -> ucm_db.tiers.remote_object", "ucm_db.migrations.convert -> ucm_db.store_view",
-        "ucm_db.tiers.accounting -> ucm_db.format",
+        "ucm_db.remote.warming -> ucm_db.store", "ucm_db.tiers.accounting -> ucm_db.format",
     ]
 
 
@@ -324,6 +330,33 @@ def test_typing_only_imports_count_for_cycles(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ucm_db.store import Store\n")
     assert _shipped_imports(module, {"ucm_db.store"}) == {"ucm_db.store"}
+
+
+def _put_blocks_calls(path: Path) -> list[tuple[str, bool]]:
+    """``(enclosing function, enqueues upload)`` of each ``.put_blocks(...)`` call in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    calls = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "put_blocks":
+                enqueue = next((k.value for k in node.keywords if k.arg == "enqueue_upload"), None)
+                calls.append((function.name, not (isinstance(enqueue, ast.Constant) and enqueue.value is False)))
+    return calls
+
+
+def test_fetched_blocks_enter_the_local_tier_through_one_function() -> None:
+    """Remote promotion is one function (``ucm_db.remote.promotion.promote``):
+    no other module of the wing puts blocks, and nowhere else in the core is
+    a block put without queueing it for upload (what a fetched block is)."""
+    found: dict[str, set[str]] = {}
+    for path in _modules("ucm_db"):
+        name = _module_name(path)
+        for function, enqueues in _put_blocks_calls(path):
+            if name.startswith("ucm_db.remote.") or not enqueues:
+                found.setdefault(name, set()).add(function)
+    assert found == {"ucm_db.remote.promotion": {"promote"}}
 
 
 def test_lmdb_page_code_is_reached_only_through_its_package() -> None:

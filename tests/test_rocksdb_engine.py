@@ -116,6 +116,6 @@ def test_eviction_heavy_store_stays_consistent(tmp_path: Path) -> None:
             keys = NS.block_keys([c * 1000 + t for t in range(4 * 16)])
             store.put(NS, keys, [payload] * 4)
             assert store.lookup(NS, keys) == 4
-        assert store.stats().evictions > 600 and store.tier.check() == []
+        assert store.stats().evictions > 600 and store._tier.check() == []
         newest = NS.block_keys([299 * 1000 + t for t in range(4 * 16)])
         assert store.get(NS, newest) == [bytearray(payload)] * 4

@@ -76,7 +76,7 @@ def test_numpy_payload_is_one_buffer_not_frames(store: ucm_db.Store) -> None:
 def test_get_into_reports_corrupt_block_in_a_batch(store: ucm_db.Store) -> None:
     keys = NS.block_keys(list(range(16)))
     store.put(NS, keys, payloads(4))
-    store.tier.engine.write(lambda txn: txn.put("blocks", keys[2], b"garbage"))
+    store._tier.engine.write(lambda txn: txn.put("blocks", keys[2], b"garbage"))
     buffers = [bytearray(4096) for _ in keys]
     # Block 3 was verified in the same read; the quarantine then takes it too.
     assert store.get_into(NS, keys, buffers) == [True, True, False, True]
@@ -127,12 +127,12 @@ def test_corrupt_block_reads_as_none_and_is_quarantined(store: ucm_db.Store) -> 
         blob[-1] ^= 0x40
         txn.put("blocks", keys[1], bytes(blob))  # type: ignore[attr-defined]
 
-    store.tier.engine.write(damage)
+    store._tier.engine.write(damage)
     got = store.get(NS, keys)
     assert got[0] is not None and got[1] is None
     assert store.lookup(NS, keys) == 1  # quarantined with its descendants
     assert store.stats().quarantined == 1
-    assert store.tier.check() == []
+    assert store._tier.check() == []
 
 
 def test_reopen_uses_creation_settings_and_rejects_conflicts(tmp_path: Path) -> None:
@@ -177,7 +177,7 @@ def test_eviction_keeps_store_under_capacity(tmp_path: Path) -> None:
         stats = s.stats()
         assert stats.stored_bytes <= 1 << 20
         assert stats.evictions > 0
-        assert s.tier.check() == []
+        assert s._tier.check() == []
         assert s.lookup(NS, keys) == 4  # the newest chain survives
 
 
@@ -200,7 +200,7 @@ def test_threads_share_one_store(store: ucm_db.Store) -> None:
     for th in threads:
         th.join()
     assert errors == []
-    assert store.tier.check() == []
+    assert store._tier.check() == []
 
 
 def test_memory_engine_behaves_like_lmdb(tmp_path: Path) -> None:
@@ -250,6 +250,6 @@ def test_encoded_body_of_an_uncompressed_put_is_the_callers_buffer(tmp_path: Pat
         keys = NS.block_keys(list(range(4)))
         payload = np.arange(512, dtype=np.uint16).tobytes()
         store.put(NS, keys, [payload])
-        body = store.tier.engine.read(lambda txn: bytes(txn.get("blocks", keys[0])))
-        head = store.tier.engine.read(lambda txn: bytes(txn.get("heads", keys[0])))
+        body = store._tier.engine.read(lambda txn: bytes(txn.get("blocks", keys[0])))
+        head = store._tier.engine.read(lambda txn: bytes(txn.get("heads", keys[0])))
         assert body == payload and head[:4] == b"UCMB"

@@ -52,4 +52,4 @@ def test_malformed_argument_is_a_config_error_and_loses_nothing(tmp_path, engine
             CALLS[call](store)
         assert raised.value.hint, "the error says how to fix it"
         assert store.get(NS, KEYS) == PAYLOADS
-        assert store.lookup(NS, KEYS) == 4 and store.tier.check() == []
+        assert store.lookup(NS, KEYS) == 4 and store._tier.check() == []

@@ -53,7 +53,7 @@ def test_extending_a_chain_in_a_full_store_keeps_its_ancestors(tmp_path):
         assert result.stored == 3
         assert store.lookup(NS, keys) == 11
         assert all(b is not None for b in store.get(NS, keys[:11]))
-        assert store.tier.check() == []
+        assert store._tier.check() == []
 
 
 def test_a_batch_that_cannot_fit_beside_its_ancestors_stores_nothing(tmp_path):
@@ -66,7 +66,7 @@ def test_a_batch_that_cannot_fit_beside_its_ancestors_stores_nothing(tmp_path):
         assert store.lookup(NS, keys) == 8
         after = store.stats()
         assert (after.blocks, after.stored_bytes, after.evictions) == (before.blocks, before.stored_bytes, before.evictions)
-        assert store.tier.check() == []
+        assert store._tier.check() == []
 
 
 # -- item 2: the prefix invariant can't be broken through the API ---------------
@@ -284,7 +284,7 @@ def _flip_record(store, name: bytes, bit: int = 40) -> None:
         value = bytearray(txn.get("info", name))
         value[bit // 8] ^= 1 << (bit % 8)
         txn.put("info", name, bytes(value))
-    store.tier.engine.write(run)
+    store._tier.engine.write(run)
 
 
 def test_a_flipped_bit_in_the_totals_does_not_wedge_puts(tmp_path):
@@ -292,12 +292,12 @@ def test_a_flipped_bit_in_the_totals_does_not_wedge_puts(tmp_path):
     with open_store(tmp_path / "s") as store:
         store.put(NS, keys[:4], [payload(i) for i in range(4)])
         _flip_record(store, b"totals", bit=8 * 16 + 46)  # stored_bytes += 2**46
-        assert [name for name, _ in store.tier.damaged_records()] == ["totals"]
+        assert [name for name, _ in store._tier.damaged_records()] == ["totals"]
         assert store.stats().stored_bytes < 1 << 20  # recounted from the metadata, not the flipped 2**46
         result = store.put(NS, keys[4:8], [payload(i) for i in range(4, 8)])  # no StoreFullError for 2**46 bytes
         assert result.stored == 4
-        assert store.tier.damaged_records() == []  # the put's recount rewrote it
-        assert store.tier.check() == []
+        assert store._tier.damaged_records() == []  # the put's recount rewrote it
+        assert store._tier.check() == []
         stats = store.stats()
         assert stats.blocks == 8 and stats.stored_bytes < 1 << 20
 
@@ -308,19 +308,19 @@ def test_damaged_namespace_counters_are_recounted_and_repaired(tmp_path):
         store.put(NS, keys, [payload(i) for i in range(4)])
         ns_id = NS.digest[:16]
         _flip_record(store, b"nscount:" + ns_id, bit=3)
-        assert store.tier.damaged_records() and store.tier.check()
+        assert store._tier.damaged_records() and store._tier.check()
         assert store.stats().namespaces[ns_id.hex()].blocks == 4
-        store.tier.recompute_totals()
-        assert store.tier.damaged_records() == [] and store.tier.check() == []
+        store._tier.recompute_totals()
+        assert store._tier.damaged_records() == [] and store._tier.check() == []
 
 
 def test_a_garbage_namespace_description_reads_as_damaged(tmp_path):
     with open_store(tmp_path / "s") as store:
         store.put(NS, chain(1), [b"x"])
-        store.tier.engine.write(lambda txn: txn.put("info", b"nsdesc:" + NS.digest[:16], b"{not json"))
+        store._tier.engine.write(lambda txn: txn.put("info", b"nsdesc:" + NS.digest[:16], b"{not json"))
         description = store.stats().namespaces[NS.digest[:16].hex()].description
         assert "damaged" in description
-        assert any(name.startswith("nsdesc:") for name, _ in store.tier.damaged_records())
+        assert any(name.startswith("nsdesc:") for name, _ in store._tier.damaged_records())
 
 
 @pytest.mark.parametrize("record, garbage, error", [
@@ -332,8 +332,8 @@ def test_a_garbage_settings_or_version_record_is_a_clear_error(tmp_path, record,
     path = tmp_path / "s"
     with open_store(path) as store:
         store.put(NS, chain(1), [b"x"])
-        store.tier.engine.write(lambda txn: txn.put("info", record, garbage))
-        assert any(name == record.decode() for name, _ in store.tier.damaged_records())
+        store._tier.engine.write(lambda txn: txn.put("info", record, garbage))
+        assert any(name == record.decode() for name, _ in store._tier.damaged_records())
     with pytest.raises(error, match="damaged"):
         open_store(path)
 
@@ -353,8 +353,8 @@ def test_a_settings_record_altered_into_other_valid_settings_is_refused(tmp_path
             settings["capacity_bytes"] = 8 << 20
             txn.put("info", b"settings", json.dumps(settings, sort_keys=True).encode())
 
-        store.tier.engine.write(alter)
-        assert ("settings", "checksum mismatch") in store.tier.damaged_records()
+        store._tier.engine.write(alter)
+        assert ("settings", "checksum mismatch") in store._tier.damaged_records()
     with pytest.raises(TierError, match="settings record .* is damaged"):
         open_store(path)
 
@@ -365,12 +365,12 @@ def test_records_of_format3_code_are_sealed_on_open(tmp_path):
     path = tmp_path / "s"
     with open_store(path) as store:
         store.put(NS, chain(2), [b"x", b"y"])
-        store.tier.engine.write(lambda txn: [txn.delete("info", k) for k, _ in list(txn.scan("info", b"sum:"))])
+        store._tier.engine.write(lambda txn: [txn.delete("info", k) for k, _ in list(txn.scan("info", b"sum:"))])
     with open_store(path) as store:
-        assert store.tier.engine.read(lambda txn: len(list(txn.scan("info", b"sum:")))) >= 4
-        assert store.tier.engine.read(lambda txn: txn.get("info", b"sum:settings")) is not None
+        assert store._tier.engine.read(lambda txn: len(list(txn.scan("info", b"sum:")))) >= 4
+        assert store._tier.engine.read(lambda txn: txn.get("info", b"sum:settings")) is not None
         _flip_record(store, b"totals", bit=1)
-        assert store.tier.damaged_records()
+        assert store._tier.damaged_records()
 
 
 # -- items 13/14: the store path and close -------------------------------------
@@ -446,7 +446,7 @@ def test_a_block_whose_frames_do_not_decode_is_a_miss_and_quarantined(tmp_path):
         def run(txn):
             head, stored = bytes(txn.get("heads", key)), bytes(txn.get("blocks", key))
             txn.put("heads", key, undecodable_head(head, stored))  # format 3: the blocks value is the body
-        store.tier.engine.write(run)
+        store._tier.engine.write(run)
 
     with open_store(tmp_path / "read", codec="zstd") as store:
         store.put(NS, keys, payloads)

@@ -46,7 +46,7 @@ def test_continuing_another_namespaces_chain_is_refused(store) -> None:
     assert store.lookup(NS2, KEYS) == 0
     assert store.get(NS2, KEYS) == [None] * 4
     assert store.lookup(NS, KEYS) == 2
-    assert store.stats().blocks == 2 and store.tier.check() == []
+    assert store.stats().blocks == 2 and store._tier.check() == []
 
 
 def test_put_of_a_key_stored_under_another_namespace_is_refused(store) -> None:
@@ -79,7 +79,7 @@ def test_a_delete_never_crosses_namespaces(store) -> None:
     assert store.get(NS, KEYS[:1]) == PAYLOADS[:1]
     # ... and NS deleting NS2's keys neither.
     assert store.delete(NS, keys2) == 0
-    assert store.lookup(NS2, keys2) == 4 and store.tier.check() == []
+    assert store.lookup(NS2, keys2) == 4 and store._tier.check() == []
 
 
 def test_a_delete_refuses_a_chain_that_spans_namespaces_from_older_code(store) -> None:
@@ -98,8 +98,8 @@ def test_a_delete_refuses_a_chain_that_spans_namespaces_from_older_code(store) -
             meta = BlockMeta.unpack(txn.get("meta", key))
             meta.namespace_id = NS2.digest[:16]
             txn.put("meta", key, meta.pack())
-    store.tier.engine.write(plant)
-    store.tier.recompute_totals()
+    store._tier.engine.write(plant)
+    store._tier.recompute_totals()
     # Reads never count another namespace's block, even in such a store.
     assert store.lookup(NS2, KEYS) == 0 and store.lookup(NS, KEYS) == 2
     assert store.get(NS2, KEYS) == [None, None, *PAYLOADS[2:4]]
@@ -110,4 +110,4 @@ def test_a_delete_refuses_a_chain_that_spans_namespaces_from_older_code(store) -
     # NS2's own blocks (the tail) can go, and then NS's delete proceeds.
     assert store.delete(NS2, KEYS[2:3]) == 2
     assert store.delete(NS, KEYS[1:2]) == 1
-    assert store.stats().blocks == 1 and store.tier.check() == []
+    assert store.stats().blocks == 1 and store._tier.check() == []

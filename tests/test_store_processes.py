@@ -61,7 +61,7 @@ def test_sigkill_loses_no_acknowledged_put(tmp_path: Path, durability: str) -> N
                 keys = NS.block_keys([tag, i] * 8)
                 got = store.get(NS, keys)
                 assert [bytes(x) if x is not None else None for x in got] == [bytes([tag, i % 256]) * 20000] * 4
-        assert store.tier.check() == []
+        assert store._tier.check() == []
 
 
 _READER = textwrap.dedent("""

@@ -76,7 +76,7 @@ def test_a_corrupt_block_reads_as_a_miss_without_a_quarantine_write(tmp_path: Pa
             body = bytearray(txn.get("blocks", keys[2]))  # type: ignore[attr-defined]
             body[-1] ^= 0xFF
             txn.put("blocks", keys[2], bytes(body))  # type: ignore[attr-defined]
-        store.tier.engine.write(flip)
+        store._tier.engine.write(flip)
     before = tree(tmp_path / "src")
     with read_only_view(tmp_path / "src", tmp_path / "ro") as ro:
         with ucm_db.open(ro / "store", read_only=True) as store:

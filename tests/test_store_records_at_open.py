@@ -46,7 +46,7 @@ def _as_format3_code_left_it(path: Path, change) -> None:  # type: ignore[no-unt
             for name, _ in list(txn.scan("info", records.SUM_PREFIX)):
                 txn.delete("info", bytes(name))
             change(txn)
-        store.tier.engine.write(run)
+        store._tier.engine.write(run)
 
 
 def _verify(path: Path) -> tuple[int, str]:
@@ -61,11 +61,11 @@ def test_garbage_totals_of_pre_checksum_code_are_recounted_before_sealing(tmp_pa
     garbage = TOTALS.pack(3, 3000, (1 << 64) - 1_000_000, 0, 0, 0, 0)  # stored bytes near 2**64
     _as_format3_code_left_it(path, lambda txn: txn.put("info", b"totals", garbage))
     with ucm_db.open(path) as store:
-        truth, _ = store.tier.engine.read(recount)
-        assert 3000 < store.tier.totals().stored_bytes == truth.stored_bytes < 4000
+        truth, _ = store._tier.engine.read(recount)
+        assert 3000 < store._tier.totals().stored_bytes == truth.stored_bytes < 4000
         store.put(NS, NS.block_keys(list(range(100, 108))), [b"z" * 1000] * 2)  # no StoreFullError
-        truth, _ = store.tier.engine.read(recount)
-        assert store.tier.totals().stored_bytes == truth.stored_bytes and truth.blocks == 5
+        truth, _ = store._tier.engine.read(recount)
+        assert store._tier.totals().stored_bytes == truth.stored_bytes and truth.blocks == 5
     assert _verify(path)[0] == 0
 
 
@@ -73,11 +73,11 @@ def test_intact_totals_of_pre_checksum_code_keep_their_event_counters(tmp_path: 
     path = tmp_path / "s"
     _store(path)
     with ucm_db.open(path) as store:
-        truth, _ = store.tier.engine.read(recount)
+        truth, _ = store._tier.engine.read(recount)
     intact = TOTALS.pack(3, truth.raw_bytes, truth.stored_bytes, 7, 0, 11, 13)
     _as_format3_code_left_it(path, lambda txn: txn.put("info", b"totals", intact))
     with ucm_db.open(path) as store:
-        totals = store.tier.totals()
+        totals = store._tier.totals()
         assert (totals.blocks, totals.stored_bytes, totals.evictions) == (3, truth.stored_bytes, 7)
         assert (totals.hits, totals.misses) >= (11, 13)
 
@@ -88,9 +88,9 @@ def test_a_sealed_settings_record_with_an_invalid_value_is_damage(tmp_path: Path
     path = tmp_path / "s"
     _store(path)
     with ucm_db.open(path) as store:
-        settings = json.loads(store.tier.info_get(b"settings"))
+        settings = json.loads(store._tier.info_get(b"settings"))
         settings[field] = value
-        store.tier.engine.write(lambda txn: records.put_checked(txn, b"settings", json.dumps(settings).encode()))
+        store._tier.engine.write(lambda txn: records.put_checked(txn, b"settings", json.dumps(settings).encode()))
     with pytest.raises(ConfigError, match="settings record .* is damaged") as info:
         ucm_db.open(path)
     assert field in str(info.value) and repr(value) in str(info.value)
@@ -106,8 +106,8 @@ def test_format_version_is_checksummed_and_a_changed_one_is_damage(tmp_path: Pat
     path = tmp_path / "s"
     _store(path)
     with ucm_db.open(path) as store:
-        assert store.tier.engine.read(lambda txn: txn.get("info", b"sum:format_version")) is not None
-        store.tier.engine.write(lambda txn: txn.put("info", b"format_version", b"2"))  # a stray write, checksum not updated
+        assert store._tier.engine.read(lambda txn: txn.get("info", b"sum:format_version")) is not None
+        store._tier.engine.write(lambda txn: txn.put("info", b"format_version", b"2"))  # a stray write, checksum not updated
     with pytest.raises(ConfigError, match="format version record is damaged") as info:
         ucm_db.open(path)
     assert "migrate" not in str(info.value), "damage must not be taken for an old format"
@@ -120,9 +120,9 @@ def test_a_bare_format_version_of_older_code_opens_and_is_sealed(tmp_path: Path)
     _store(path)
     _as_format3_code_left_it(path, lambda txn: None)
     with ucm_db.open(path, read_only=True) as store:  # read-only: trusted as it is, nothing written
-        assert store.tier.engine.read(lambda txn: txn.get("info", b"sum:format_version")) is None
+        assert store._tier.engine.read(lambda txn: txn.get("info", b"sum:format_version")) is None
     with ucm_db.open(path) as store:
-        assert store.tier.engine.read(lambda txn: txn.get("info", b"sum:format_version")) is not None
+        assert store._tier.engine.read(lambda txn: txn.get("info", b"sum:format_version")) is not None
     assert _verify(path)[0] == 0
 
 
@@ -144,7 +144,7 @@ def test_out_of_range_options_name_the_range(tmp_path: Path, option: str, value:
 def test_check_on_open_none_skips_the_page_check(tmp_path: Path) -> None:
     _store(tmp_path / "s")
     with ucm_db.open(tmp_path / "s", check_on_open="none") as store:
-        assert store.tier.engine._check_pages is False  # type: ignore[attr-defined]
+        assert store._tier.engine._check_pages is False  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="check_on_open must be one of pages, none"):
         ucm_db.open(tmp_path / "s", check_on_open="full")
 

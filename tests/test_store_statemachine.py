@@ -69,7 +69,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.stats().blocks == sum(self.stored)
 
     def teardown(self) -> None:
-        assert self.store.tier.check() == []
+        assert self.store._tier.check() == []
         self.store.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -138,7 +138,7 @@ def read_chains(tokens_file: Path | None, keys_file: Path | None) -> tuple[list[
 def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | None, keys_file: Path | None,
                  options: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None, as_json: bool) -> None:
     """Pull the blocks of the given prompts (or key chains) from the remote
-    tier into the local store at PATH ahead of traffic (ucm_db.warming).
+    tier into the local store at PATH ahead of traffic (ucm_db.remote.warming).
 
     \b
     Example:

@@ -240,7 +240,7 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
             raise ConfigError(f"{archive} is a damaged tar archive ({exc})", hint=_DAMAGED) from exc
         with ucm_db.open(path) as store:
             if not allow_evict:
-                _refuse_eviction(store.tier, manifest, members, path)
+                _refuse_eviction(store._tier, manifest, members, path)
             _load(tar, members, manifest, store, report, progress, verifier)
     return report
 
@@ -328,7 +328,7 @@ def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: 
     ns_hex = batch[0].namespace_id.hex()
     desc = (batch[0].namespace_id, json.dumps(manifest["namespaces"][ns_hex], sort_keys=True).encode())
     try:
-        result = store.tier.put_blocks(batch, namespace_desc=desc)
+        result = store._tier.put_blocks(batch, namespace_desc=desc)
     except MissingAncestorError:
         # A parent put earlier was evicted meanwhile: the store is too small.
         report["skipped"] += [{"key": e.key.hex(), "reason": "parent evicted during import (capacity too small)"} for e in batch]

@@ -120,7 +120,7 @@ class StoreConfig:
         remote_codec: codec of remote objects: ``"same"`` as ``codec``,
             ``"none"``, ``"zstd"``, or ``"auto"`` (zstd when the measured
             link is slower than the measured compression; see
-            :mod:`ucm_db.remote_codec`). Read-through keeps what it fetched.
+            :mod:`ucm_db.remote.codec_choice`). Read-through keeps what it fetched.
         remote_auth_key_file: path of a key file (:mod:`ucm_db.auth`: hex
             keys, one per line, the first signs, all verify, in order):
             uploads are signed and a remote object is served only if one

@@ -115,8 +115,8 @@ def evict_to_bytes(path: str | Path, target_bytes: int, progress: ProgressFn | N
 
 def gc_remote(url: str, options: dict[str, Any] | None = None, *, older_than_s: float | None = None,
               max_bytes: int | None = None, dry_run: bool = False) -> dict[str, Any]:
-    """Garbage-collects the remote tier at ``url`` (see :mod:`ucm_db.remote_gc`)."""
-    from ucm_db.remote_gc import gc
+    """Garbage-collects the remote tier at ``url`` (see :mod:`ucm_db.remote.gc`)."""
+    from ucm_db.remote.gc import gc
     from ucm_db.tiers.remote import RemoteRoot
 
     if older_than_s is None and max_bytes is None:
@@ -142,8 +142,8 @@ def remote_namespace(url: str, options: dict[str, Any] | None, wanted: str) -> N
     """The one namespace recorded on the remote at ``url`` whose short id
     starts with ``wanted`` or whose model is ``wanted``; a stray entry or
     another namespace's broken manifest is skipped with a warning (see
-    :func:`ucm_db.warming.remote_namespaces`)."""
-    from ucm_db.warming import remote_namespaces
+    :func:`ucm_db.remote.warming.remote_namespaces`)."""
+    from ucm_db.remote.warming import remote_namespaces
 
     return remote_namespaces(url, dict(options or {})).find(wanted)
 

@@ -17,8 +17,8 @@ Invariants:
     * With a ``remote``: every block put is queued for upload in its own
       commit (write-back drains the queue in the background; write-through
       uploads before ``put`` returns); local misses in lookup/get read
-      through to the remote and promote into the local tier (see
-      :mod:`ucm_db.readthrough`); a lookup waits at most
+      through to the remote and promote into the local tier (the remote
+      wing, :mod:`ucm_db.remote`); a lookup waits at most
       ``remote_deadline_s`` on the remote.
 """
 
@@ -31,7 +31,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ucm_db import codec, epochs
@@ -60,15 +59,11 @@ from ucm_db.tiers.base import Buffer
 from ucm_db.tiers.local import BlockEntry, LocalTier, PutResult
 
 if TYPE_CHECKING:
-    from ucm_db.readthrough import RemoteLink
-    from ucm_db.tiers.remote import RemoteObject
-    from ucm_db.uploader import Uploader
-    from ucm_db.warming import WarmProgress, WarmReport
+    from ucm_db.remote.warming import WarmProgress, WarmReport
+    from ucm_db.remote.wing import RemoteWing
 
 logger = logging.getLogger("ucm_db")
 
-#: A bulk remote fetch (get of local misses) waits this many lookup deadlines.
-FETCH_DEADLINE_FACTOR = 10
 #: Default seconds flush() waits for the upload queue to drain.
 FLUSH_UPLOAD_TIMEOUT_S = 60.0
 
@@ -140,16 +135,12 @@ class Store:
         self._pid = -1
         self._pool: CodecPool | None = None
         self._background: Background | None = None
-        self._remote: RemoteLink | None = None
-        self._uploader: Uploader | None = None
+        #: The remote wing (link, promotion, uploader); None without a ``remote``.
+        self._wing: RemoteWing | None = None
         if self.config.remote is not None:
-            from ucm_db.readthrough import RemoteLink
+            from ucm_db.remote.wing import RemoteWing  # loaded only by a store with a remote
 
-            self._remote = RemoteLink(
-                self.config.remote, dict(self.config.remote_options), self.config.remote_read_concurrency,
-                max_object_bytes=self.config.remote_max_object_bytes, lookup_max_bytes=self.config.remote_lookup_max_bytes,
-                auth=auth_keys,
-            )
+            self._wing = RemoteWing(self.config, auth_keys, self._tier, self.path)
         self._ensure_process()
 
     # -- setup -----------------------------------------------------------------
@@ -200,28 +191,10 @@ class Store:
                 return
             self._pool = CodecPool(self.config.encode_threads)
             self._background = Background(self.path, self._engine, self._tier, self.config)
-            self._start_uploader()
+            if self._wing is not None:
+                self._wing.start_process(forked=self._pid != -1)  # a forked child: the parent's threads are gone
             self._pid = os.getpid()
             self._background.start()
-
-    def _start_uploader(self) -> None:
-        if self._remote is None:
-            return
-        from ucm_db.remote_codec import RemoteCodec
-        from ucm_db.uploader import Uploader
-
-        if self._pid != -1:  # a forked child: the parent's threads are gone
-            self._remote.after_fork()
-            if self._uploader is not None:
-                self._uploader.forget_lock_after_fork()
-        remote_codec = RemoteCodec(
-            self.config.remote_codec, local_codec=self.config.codec, level=self.config.zstd_level,
-            threads=self.config.upload_concurrency,
-        )
-        self._uploader = Uploader(
-            self._tier, self._remote.root, self.path, concurrency=self.config.upload_concurrency, remote_codec=remote_codec,
-        )
-        self._uploader.start()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -402,7 +375,7 @@ class Store:
         try:
             skipped = set(range(len(keys))) - set(todo)
             result = self._tier.put_blocks(
-                entries, namespace_desc=desc, enqueue_upload=self._remote is not None, activity=activity,
+                entries, namespace_desc=desc, enqueue_upload=self._wing is not None, activity=activity,
                 protect=[keys[i] for i in sorted(skipped)],
             )
         except BaseException:
@@ -410,24 +383,9 @@ class Store:
             raise
         result.already_present += len(keys) - len(todo)
         self._activity.committed(sum(e.stored_bytes for e in entries))
-        if self._uploader is not None and entries:
-            if self.config.remote_mode == "write_through":
-                self._upload_through(entries)
-            else:
-                self._uploader.notify()
+        if self._wing is not None and entries:
+            self._wing.upload(entries)
         return result
-
-    def _upload_through(self, entries: list[BlockEntry]) -> None:
-        """Write-through: uploads the batch before put returns. The blocks
-        are committed and queued already, so a failure loses nothing."""
-        assert self._uploader is not None
-        errors = self._uploader.upload_now([(e.key, e.parent, e.namespace_id, b"".join([e.head, e.body])) for e in entries])
-        if errors:
-            self._uploader.notify()
-            raise TierError(
-                f"write-through upload of {len(errors)} of {len(entries)} block(s) failed: {errors[0]}",
-                hint="the blocks are stored locally and queued; the background uploader retries them",
-            )
 
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         """Deletes ``namespace``'s blocks among ``keys`` and their
@@ -522,8 +480,8 @@ class Store:
         if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
             raise ConfigError(f"remote_deadline_s must be a positive number of seconds, got {remote_deadline_s!r}", hint="pass e.g. 5.0")
         count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.digest[:16])
-        if remote and self._remote is not None and count < len(keys):
-            count, _ = self._remote.extend_prefix(self._tier, namespace.digest[:16], keys, count, deadline_s)
+        if remote and self._wing is not None and count < len(keys):
+            count = self._wing.extend_prefix(namespace.digest[:16], keys, count, deadline_s)
         return count
 
     def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
@@ -565,7 +523,7 @@ class Store:
         A blob whose checksum held but whose frames do not decode
         (``CorruptBlockError`` from ``use``) stays a miss and joins
         ``corrupt``, as a local one does."""
-        if self._remote is None:
+        if self._wing is None:
             return
 
         def use_or_miss(i: int, blob: Buffer) -> None:
@@ -577,33 +535,11 @@ class Store:
         missing = [i for i, r in enumerate(results) if r is None]
         if not missing:
             return
-        from ucm_db.readthrough import PROMOTE_BATCH_BYTES, promotable_runs, promote
-
-        deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self.config.remote_deadline_s
-        batch: list[RemoteObject | None] = []
-        batch_bytes = 0
-
-        def promote_batch() -> None:
-            for run in promotable_runs(self._tier, batch):
-                promote(self._tier, run)
-
-        # Objects arrive in order while later ones are fetched: each batch
-        # of PROMOTE_BATCH_BYTES is promoted then, overlapping the commit
-        # with the transfer (a batch's first parent is the previous batch's
-        # last block, promoted already), and large zstd blocks are decoded
-        # on the codec threads meanwhile, joined before this returns.
+        # Large zstd blocks are decoded on the codec threads while later
+        # ones are fetched, joined before this returns.
         decodes = self._codecs.pending()
         try:
-            fetched = self._remote.fetch_in_order(namespace.digest[:16], [keys[i] for i in missing], deadline)
-            for obj, i in zip(fetched, missing):  # fetched first: the generator runs to its end (breaker.success)
-                batch.append(obj)
-                if obj is not None:
-                    decodes.add(obj.blob, functools.partial(use_or_miss, i, obj.blob))
-                    batch_bytes += len(obj.blob)
-                if batch_bytes >= PROMOTE_BATCH_BYTES:
-                    promote_batch()
-                    batch, batch_bytes = [], 0
-            promote_batch()
+            self._wing.read_through(namespace.digest[:16], keys, missing, use_or_miss, decodes)
         finally:
             decodes.join()
 
@@ -680,8 +616,8 @@ class Store:
         self._check_open()
         self._activity.flush_activity()
         self._engine.sync()
-        if self._uploader is not None:
-            self._uploader.wait_drained(upload_timeout_s)
+        if self._wing is not None:
+            self._wing.wait_drained(upload_timeout_s)
 
     def warm(
         self,
@@ -692,16 +628,12 @@ class Store:
         progress: WarmProgress | None = None,
     ) -> WarmReport:
         """Pulls what the remote has of these chains into the local tier
-        ahead of traffic; see :func:`ucm_db.warming.warm`."""
-        from ucm_db.warming import warm
+        ahead of traffic; see :func:`ucm_db.remote.warming.warm`."""
+        from ucm_db.remote.warming import warm
 
         require_namespace(namespace, "warm")
-        return warm(self._tier, self._remote, namespace, token_sequences=token_sequences, keys=keys, progress=progress)
-
-    @property
-    def remote(self) -> RemoteLink | None:
-        """The remote tier link, or None without a ``remote``."""
-        return self._remote
+        link = None if self._wing is None else self._wing.link
+        return warm(self._tier, link, namespace, token_sequences=token_sequences, keys=keys, progress=progress)
 
     def close(self) -> None:
         """Flushes and closes; further calls raise ClosedError.
@@ -725,10 +657,8 @@ class Store:
         step runs even when an earlier one fails; the first failure is
         raised at the end."""
         steps: list[Callable[[], object]] = [self._activity.stop]
-        if self._uploader is not None:
-            steps.append(self._uploader.stop)
-        if self._remote is not None:
-            steps.append(self._remote.close)
+        if self._wing is not None:
+            steps += self._wing.close_steps()
         steps += [self._activity.flush_activity, self._engine.sync]
         if self._pool is not None:
             steps.append(self._pool.shutdown)
@@ -748,11 +678,6 @@ class Store:
         self.close()
 
     # -- introspection -------------------------------------------------------------
-    @property
-    def tier(self) -> LocalTier:
-        """The local tier (for tools and tests)."""
-        return self._tier
-
     def stats(self) -> StoreStats:
         """Counters of the whole store (all processes), plus this process's
         unflushed hits and misses."""
@@ -777,12 +702,7 @@ class Store:
         )
 
     def _remote_stats(self) -> dict[str, Any]:
-        if self._remote is None:
-            return {}
-        from ucm_db.uploader import describe
-
-        return {"url": self.config.remote, **asdict(self._remote.root.stats), **describe(self._uploader),
-                "breaker_trips": self._remote.breaker.trips}
+        return {} if self._wing is None else self._wing.stats()
 
 
 @functools.lru_cache(maxsize=256)

@@ -164,7 +164,7 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
     import ucm_db
 
     with ucm_db.open(path) as store:
-        tier = store.tier
+        tier = store._tier
         # Counted from the totals (exact deltas; a damaged record is recounted
         # by both reads alike), not by listing the store twice.
         before = tier.totals().blocks

@@ -123,7 +123,7 @@ def test_a_reader_behind_the_bound_resyncs(tmp_path: Path) -> None:
     sched, worker, events = _engine(settings)
     view = Subscriber()
     view.apply(events.take())
-    sched.store.tier.feed_max_records = 2  # this process's writes trim the feed to 2 records
+    sched.store._tier.feed_max_records = 2  # this process's writes trim the feed to 2 records
     for n in range(3):
         _save(sched, worker, _hashed_request(f"r{n}", [n + 100] * (2 * BS + 1)), [1, 2, 3])
     taken = events.take()

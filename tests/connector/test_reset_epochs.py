@@ -80,7 +80,7 @@ def test_a_damaged_epoch_record_claims_and_saves_nothing(settings: ConnectorSett
     with ucm_db.open(settings.path) as store:
         ns = namespace(_shape())
         store.bump_epoch(ns)
-        store.tier.engine.write(lambda txn: txn.put("info", b"epoch:" + ns.digest[:16], bytes(8)))  # fails its checksum
+        store._tier.engine.write(lambda txn: txn.put("info", b"epoch:" + ns.digest[:16], bytes(8)))  # fails its checksum
     sched = UcmDbScheduler(settings, _shape())
     req = _request("d", TOKENS)
     assert _admit(sched, req) == 0

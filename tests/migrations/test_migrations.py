@@ -32,7 +32,7 @@ def assert_fixture_contents(store: ucm_db.Store) -> None:
     assert store.stats().blocks == len(expected)
     for key, (ns_name, payload) in expected.items():
         assert store.get(NAMESPACES[ns_name], [key]) == [bytearray(payload)]
-    assert store.tier.check() == []
+    assert store._tier.check() == []
 
 
 @pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
@@ -54,7 +54,7 @@ def test_old_fixture_is_refused_then_migrated(tmp_path: Path, engine: str, old_f
     with ucm_db.open(path) as store:
         assert store.config.engine == engine
         assert_fixture_contents(store)
-        created = json.loads(store.tier.info_get(CREATED_KEY) or b"{}")
+        created = json.loads(store._tier.info_get(CREATED_KEY) or b"{}")
         assert created["format_version"] == old_format
         assert (created["ucm_db_version"] is None) == (old_format == 1)
 
@@ -69,7 +69,7 @@ def test_migrated_blocks_keep_their_joined_values_and_new_puts_split(tmp_path: P
     expected = expected_blocks()
     old_key = next(iter(expected))
     with ucm_db.open(path) as store:
-        engine_ = store.tier.engine
+        engine_ = store._tier.engine
         head = bytes(engine_.read(lambda txn: txn.get("heads", old_key)))
         stored = bytes(engine_.read(lambda txn: txn.get("blocks", old_key)))
         assert stored.startswith(head) and len(head) >= codec.HEADER_BYTES
@@ -80,7 +80,7 @@ def test_migrated_blocks_keep_their_joined_values_and_new_puts_split(tmp_path: P
         store.put(ns, keys, payloads)
         new_head = bytes(engine_.read(lambda txn: txn.get("heads", keys[0])))
         new_stored = bytes(engine_.read(lambda txn: txn.get("blocks", keys[0])))
-        assert not new_stored.startswith(new_head) and len(new_head) + len(new_stored) == store.tier.metas(keys[:1])[0].stored_bytes
+        assert not new_stored.startswith(new_head) and len(new_head) + len(new_stored) == store._tier.metas(keys[:1])[0].stored_bytes
         assert store.get(ns, keys) == [bytearray(p) for p in payloads]
         # Flip one payload byte of an old (joined) block: a miss, quarantined.
         damaged = bytearray(stored)
@@ -88,12 +88,12 @@ def test_migrated_blocks_keep_their_joined_values_and_new_puts_split(tmp_path: P
         engine_.write(lambda txn: txn.put("blocks", old_key, bytes(damaged)))
         ns_name, _payload = expected[old_key]
         assert store.get(NAMESPACES[ns_name], [old_key]) == [None]
-        assert store.stats().quarantined >= 1 and store.tier.check() == []
+        assert store.stats().quarantined >= 1 and store._tier.check() == []
 
 
 def test_new_store_records_its_creator_and_needs_no_migration(tmp_path: Path) -> None:
     with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 20) as store:
-        created = json.loads(store.tier.info_get(CREATED_KEY) or b"{}")
+        created = json.loads(store._tier.info_get(CREATED_KEY) or b"{}")
     assert created["ucm_db_version"] == ucm_db.__version__
     assert created["format_version"] == STORE_FORMAT_VERSION
     assert migrations.pending(tmp_path / "s") == []
@@ -116,7 +116,7 @@ def test_failing_migration_leaves_store_untouched(tmp_path: Path) -> None:
     finally:
         migrations.unregister(target)
     with ucm_db.open(path) as store:  # still the current format
-        assert store.tier.info_get(b"half-done") is None
+        assert store._tier.info_get(b"half-done") is None
     assert migrations.applied(path) == []
 
 
@@ -131,7 +131,7 @@ def test_newer_store_is_refused_by_migrate_and_open(tmp_path: Path) -> None:
     path = tmp_path / "s"
     with ucm_db.open(path, capacity_bytes=1 << 20) as store:
         # as newer code writes it: checksummed (a bare changed record would be damage)
-        store.tier.engine.write(lambda txn: write_format_version(txn, STORE_FORMAT_VERSION + 5))
+        store._tier.engine.write(lambda txn: write_format_version(txn, STORE_FORMAT_VERSION + 5))
     with pytest.raises(FormatVersionError, match="newer"):
         ucm_db.open(path)
     with pytest.raises(MigrationError, match="newer"):

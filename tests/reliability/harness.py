@@ -277,7 +277,7 @@ def check_store_against_oracle(
     The store is listed before the oracle is read: writers may still run,
     and an intent is always logged before its put.
     """
-    stored = set(store.tier.iterate())
+    stored = set(store._tier.iterate())
     state = read_oracle(run_dir)
     acked = sorted(state.acked)
     if sample is not None and len(acked) > sample:
@@ -300,7 +300,7 @@ def check_store_against_oracle(
         "acked_checked": len(acked), "lost": lost[:10], "n_lost": len(lost), "wrong": wrong[:10],
         "n_wrong": len(wrong), "unknown": unknown[:10], "n_unknown": len(unknown),
         "in_flight_present": len(in_flight), "in_flight_wrong": in_flight_wrong,
-        "index_problems": store.tier.check()[:10], "stored_blocks": len(stored),
+        "index_problems": store._tier.check()[:10], "stored_blocks": len(stored),
         "quarantined": store.stats().quarantined, "evictions": store.stats().evictions,
     }
 
@@ -505,7 +505,7 @@ def read_untouched(store: ucm_db.Store, keys: list[bytes]) -> list[bytes | None 
             except ucm_db.CorruptBlockError as exc:
                 return f"corrupt: {exc}"
 
-        out.extend(store.tier.read_blocks(batch, visit))
+        out.extend(store._tier.read_blocks(batch, visit))
     return out
 
 
@@ -524,7 +524,7 @@ def check_store_under_pressure(
     # Writers may still run: list first (an intent is logged before its put),
     # read the acknowledged blocks, then read the logs again, so every
     # operation that could have evicted a block before it was read is known.
-    stored = list(store.tier.iterate())
+    stored = list(store._tier.iterate())
     acked = sorted(read_eviction_oracle(run_dir).acked)
     values = read_untouched(store, acked)
     oracle = read_eviction_oracle(run_dir)
@@ -546,7 +546,7 @@ def check_store_under_pressure(
     orphans: list[str] = []
     if final:
         present = set(stored)
-        metas = store.tier.metas(stored)
+        metas = store._tier.metas(stored)
         orphans = [k.hex() for k, m in zip(stored, metas) if m is not None and m.parent is not None and m.parent not in present]
     stats = store.stats()
     evicted_logged = sum(p.evicted or 0 for p in oracle.puts)
@@ -554,7 +554,7 @@ def check_store_under_pressure(
         "acked": len(acked), "strictly_checked": strict, "lost": lost[:10], "n_lost": len(lost), "wrong": wrong[:10],
         "n_wrong": len(wrong), "unknown": unknown[:10], "n_unknown": len(unknown), "refused_present": refused_present[:10],
         "refused": len(oracle.refused), "missing_after_ack": len(oracle.missing_after_ack), "unexplained_missing_after_ack": unexplained[:10],
-        "orphans": orphans[:10], "index_problems": store.tier.check()[:10], "stored_blocks": len(stored),
+        "orphans": orphans[:10], "index_problems": store._tier.check()[:10], "stored_blocks": len(stored),
         "quarantined": stats.quarantined, "evictions": stats.evictions, "evictions_logged_by_puts": evicted_logged,
         "compactions": len(oracle.compactions), "compactions_killed": oracle.compactions_killed, "touch_windows": len(oracle.touches), "torn_lines": oracle.torn_lines,
         "in_flight": len(oracle.intended - oracle.acked - oracle.refused),

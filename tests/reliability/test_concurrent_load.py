@@ -112,7 +112,7 @@ def inspector(run_dir: Path, store_path: Path) -> None:
             stats = store.stats()
             if stats.stored_bytes > CAPACITY_BYTES:
                 record_failure(run_dir, "inspector: over capacity", stored=stats.stored_bytes)
-            for problem in store.tier.check():
+            for problem in store._tier.check():
                 record_failure(run_dir, "inspector: index problem", problem=problem)
             rounds += 1
             write_counter(run_dir / "inspector.rounds", rounds)
@@ -169,7 +169,7 @@ def concurrent_load(run_dir: Path, *, workers: int, n_ops: int, watchdog_s: floa
     results = [json.loads((run_dir / f"worker-{wid}.json").read_text()) for wid in range(workers)]
     with ucm_db.open(store_path, **OPTIONS) as store:
         stats = store.stats()
-        assert store.tier.check() == []
+        assert store._tier.check() == []
     report: dict[str, Any] = {
         "workers": workers, "ops_per_worker": n_ops, "seconds": round(seconds, 1),
         "errors": sum(r["errors"] for r in results), "wrong": sum(r["wrong"] for r in results),

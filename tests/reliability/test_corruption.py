@@ -52,7 +52,7 @@ class Injector:
         return key, payload
 
     def stored_blob(self, key: bytes) -> bytes:
-        blob = self.store.tier.get_batch([key])[0]
+        blob = self.store._tier.get_batch([key])[0]
         assert blob is not None
         return blob
 
@@ -66,7 +66,7 @@ class Injector:
             txn.put("heads", key, damaged[:head_len])
             txn.put("blocks", key, damaged[head_len:])
 
-        self.store.tier.engine.write(write)
+        self.store._tier.engine.write(write)
         self.injected += 1
         if via_get_into:
             out = bytearray(len(payload))
@@ -85,7 +85,7 @@ class Injector:
         assert self.wrong == 0, f"{self.wrong} damaged blocks served wrong bytes"
         assert self.detected == self.injected, f"only {self.detected} of {self.injected} detected"
         assert self.store.stats().quarantined == self.injected
-        assert self.store.tier.check() == []
+        assert self.store._tier.check() == []
 
 
 @pytest.fixture(params=["zstd", "none"])
@@ -233,7 +233,7 @@ def reader_child(store_path: Path, expected: dict[str, int], out: Path) -> None:
     report: dict[str, Any] = {"outcome": "ok", "wrong": 0, "detected": 0, "served": 0}
     try:
         with ucm_db.open(store_path) as store:
-            listed = list(store.tier.iterate())
+            listed = list(store._tier.iterate())
             keys = sorted({bytes.fromhex(k) for k in expected} | set(listed))
             for start in range(0, len(keys), 64):
                 batch = keys[start : start + 64]
@@ -244,7 +244,7 @@ def reader_child(store_path: Path, expected: dict[str, int], out: Path) -> None:
                         report["wrong"] += 1
                     else:
                         report["served"] += 1
-            report["index_problems"] = len(store.tier.check())
+            report["index_problems"] = len(store._tier.check())
     except UcmDbError as exc:
         report["outcome"] = f"clean error: {type(exc).__name__}"
     except Exception as exc:  # noqa: BLE001 - an escaping foreign exception is what we look for

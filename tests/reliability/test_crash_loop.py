@@ -107,7 +107,7 @@ def writer_main(run_dir: Path, store_path: Path, durability: str, wid: int) -> N
             oracle.ack(segment, evicted=result.evicted)
             # A put that returned stored its segment and every ancestor.
             chain = list(keys[:end])
-            missing = [k for k, here in zip(chain, store.tier.exists(chain)) if not here]
+            missing = [k for k, here in zip(chain, store._tier.exists(chain)) if not here]
             if missing:
                 oracle.missing_after_ack(missing)
         if random.random() < 0.2:
@@ -134,7 +134,7 @@ def reader_main(run_dir: Path, store_path: Path, durability: str) -> None:
     store = open_store(store_path, durability)
     oracle = OracleWriter(run_dir / f"oracle-r-{os.getpid()}.log")
     while True:
-        listed = list(store.tier.iterate())
+        listed = list(store._tier.iterate())
         sample = random.sample(listed, min(32, len(listed)))
         # A few keys through the Store API (LRU touches: each touch makes a
         # block and its ancestors newer, which the oracle must then allow to
@@ -156,9 +156,9 @@ def verifier_main(run_dir: Path, store_path: Path, durability: str) -> None:
     """Index check plus codec verification of every payload, in a loop."""
     store = open_store(store_path, durability)
     while True:
-        for problem in store.tier.check():
+        for problem in store._tier.check():
             record_failure(run_dir, "verifier: index problem", problem=problem)
-        keys = list(store.tier.iterate())
+        keys = list(store._tier.iterate())
         for start in range(0, len(keys), 512):
             batch = keys[start : start + 512]
 
@@ -169,7 +169,7 @@ def verifier_main(run_dir: Path, store_path: Path, durability: str) -> None:
                 except ucm_db.CorruptBlockError as exc:
                     return str(exc)
 
-            for key, error in zip(batch, store.tier.read_blocks(batch, visit)):
+            for key, error in zip(batch, store._tier.read_blocks(batch, visit)):
                 if error is not None:
                     record_failure(run_dir, "verifier: corrupt payload", key=key.hex(), error=error)
         time.sleep(0.01)
@@ -361,4 +361,4 @@ def test_eviction_oracle_flags_what_no_eviction_explains(tmp_path: Path) -> None
 
 def store_has(tmp_path: Path, keys: list[bytes]) -> bool:
     with ucm_db.open(tmp_path / "store", durability="sync", **STORE_OPTIONS) as store:
-        return all(store.tier.exists(list(keys)))
+        return all(store._tier.exists(list(keys)))

@@ -68,8 +68,8 @@ def armed_writer(run_dir: Path, store_path: Path, spec: str, options: dict[str, 
     # With a remote, every chain is drained before the next: "remote.during_upload"
     # is reached once per block and "remote.before_mark_uploaded" at least once
     # per chain, so any nth up to 200 is reached whatever the timing.
-    put_chains(store, OracleWriter(run_dir / f"oracle-{os.getpid()}.log"), 200, "armed", drain_each=store.remote is not None)
-    store.flush(upload_timeout_s=30) if store.remote is not None else store.flush()
+    put_chains(store, OracleWriter(run_dir / f"oracle-{os.getpid()}.log"), 200, "armed", drain_each=store.config.remote is not None)
+    store.flush(upload_timeout_s=30) if store.config.remote is not None else store.flush()
     raise AssertionError(f"crash point {spec} was never reached")
 
 
@@ -78,19 +78,19 @@ def checker(run_dir: Path, store_path: Path, options: dict[str, Any], out: Path)
         _, report = check_store_against_oracle(store, run_dir, size_range=SIZE_RANGE)
         # The next writer after the kill: must not be blocked by the dead one.
         put_chains(store, OracleWriter(run_dir / f"oracle-{os.getpid()}.log"), 3, "after")
-        if store.remote is not None:
+        if store.config.remote is not None:
             store.flush(upload_timeout_s=60)
             report.update(remote_report(store))
-        report["index_problems"] = store.tier.check()
+        report["index_problems"] = store._tier.check()
     out.write_text(json.dumps(report))
 
 
 def remote_report(store: ucm_db.Store) -> dict[str, Any]:
     """Every local block is on the remote, whole, once the queue drained."""
-    tier = store.remote.root.tier(NS.digest[:16])  # type: ignore[union-attr]
-    keys = list(store.tier.iterate())
+    tier = store._wing.link.root.tier(NS.digest[:16])  # type: ignore[union-attr]
+    keys = list(store._tier.iterate())
     missing = [k.hex() for k in keys if tier.fetch(k) is None]
-    return {"remote_checked": len(keys), "remote_missing_or_torn": missing[:10], "pending_uploads": len(store.tier.pending_uploads())}
+    return {"remote_checked": len(keys), "remote_missing_or_torn": missing[:10], "pending_uploads": len(store._tier.pending_uploads())}
 
 
 def crash_and_check(run_dir: Path, spec: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +157,7 @@ def test_env_var_arms_a_fresh_interpreter(tmp_path: Path) -> None:
     assert proc.returncode == -9, proc.stderr
     assert proc.stdout.split("\n")[-2] == "acked 2"
     with ucm_db.open(tmp_path / "s") as store:
-        assert store.stats().blocks == 3 and store.tier.check() == []
+        assert store.stats().blocks == 3 and store._tier.check() == []
 
 
 def test_malformed_spec_is_a_config_error() -> None:
@@ -199,16 +199,16 @@ def test_compaction_switch_crash(tmp_path: Path, nth: int) -> None:
     store_path = tmp_path / "store"
     with ucm_db.open(store_path, **OPTIONS) as store:
         put_chains(store, OracleWriter(tmp_path / "oracle-0.log"), 40, "compact")
-        store.delete(NS, list(store.tier.iterate())[:30])  # free pages for the compacting copy to drop
-        expected = set(store.tier.iterate())
+        store.delete(NS, list(store._tier.iterate())[:30])  # free pages for the compacting copy to drop
+        expected = set(store._tier.iterate())
     status = run_child(compact_child, store_path, f"compact.during_switch:{nth}", log_path=tmp_path / "compact.log", timeout_s=120)
     assert status == -9, tail(tmp_path / "compact.log")
     for attempt in range(2):  # check; compact again (must finish); check again
         with ucm_db.open(store_path, **OPTIONS) as store:
-            assert set(store.tier.iterate()) == expected
+            assert set(store._tier.iterate()) == expected
             values = store.get(NS, sorted(expected))
             assert all(v is not None and bytes(v) == payload_for(k, size_for(k, *SIZE_RANGE)) for k, v in zip(sorted(expected), values))
-            assert store.tier.check() == []
+            assert store._tier.check() == []
         if attempt == 0:
             status = run_child(compact_child, store_path, "none:1", log_path=tmp_path / "compact2.log", timeout_s=120)
             assert status == 0, tail(tmp_path / "compact2.log")

@@ -64,7 +64,7 @@ def test_an_unreadable_body_is_a_miss_and_the_read_quarantines_it(damaged: Path)
         assert store.lookup(NS, keys) == DAMAGED, "the read quarantined the block and its descendants"
         got = store.get(NS, keys)
         assert got[:DAMAGED] == [_payload(i) for i in range(DAMAGED)] and got[DAMAGED:] == [None] * (BLOCKS - DAMAGED)
-        assert keys[DAMAGED] in store.tier.quarantine_records()
+        assert keys[DAMAGED] in store._tier.quarantine_records()
         # Writes go on; storing that very key again needs the rewrite (its old page cannot be freed).
         other = NS.block_keys(list(range(1000, 1000 + 2 * NS.block_size)))
         assert store.put(NS, other, [b"a" * 100, b"b" * 100]).stored == 2

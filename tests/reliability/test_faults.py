@@ -55,7 +55,7 @@ def assert_readable(store: ucm_db.Store, keys: list[bytes]) -> None:
         batch = keys[start : start + 64]
         for key, value in zip(batch, store.get(NS, batch)):
             assert value is not None and bytes(value) == payload_for(key, size_for(key, *SIZE_RANGE)), key.hex()
-    assert store.tier.check() == []
+    assert store._tier.check() == []
 
 
 # -- disk full ---------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_file_size_limit_gives_a_tier_error(tmp_path: Path) -> None:
         assert report["is_ucm"], report
         outcomes.append(report["acked"])
         with ucm_db.open(store_path) as store:
-            assert store.stats().blocks == report["acked"] and store.tier.check() == []
+            assert store.stats().blocks == report["acked"] and store._tier.check() == []
     assert outcomes == sorted(outcomes) and outcomes[0] < outcomes[-1], outcomes
 
 
@@ -156,7 +156,7 @@ def test_map_full_grows_the_map(tmp_path: Path) -> None:
     with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30, map_size_bytes=1 << 20) as store:
         acked, error = put_until_error(store, "grow", limit=80)
         assert error is None and len(acked) == 80
-        assert store.tier.engine._environment().info()["map_size"] > 1 << 20  # type: ignore[attr-defined]
+        assert store._tier.engine._environment().info()["map_size"] > 1 << 20  # type: ignore[attr-defined]
         assert_readable(store, acked)
 
 
@@ -180,7 +180,7 @@ def test_every_read_adopts_a_map_another_process_grew(tmp_path: Path) -> None:
         mine, _ = put_until_error(store, "mine", limit=1)
         # Its own interpreter: LMDB refuses a second open of one file in a process.
         subprocess.run([sys.executable, "-c", GROW_THE_MAP, str(path)], check=True, timeout=120, cwd=Path(__file__).parents[2])
-        engine = store.tier.engine
+        engine = store._tier.engine
         assert engine.free_page_bytes() is not None  # type: ignore[attr-defined]
         assert engine._environment().info()["map_size"] > 1 << 20  # type: ignore[attr-defined]
         assert_readable(store, mine)
@@ -275,7 +275,7 @@ def test_remote_faults_give_misses_and_retries_never_wrong_bytes(tmp_path: Path,
                     else:
                         assert bytes(value) == payload_for(key, size_for(key, 1024, 8192)), "wrong bytes from a faulty remote"
                         served += 1
-            if store.lookup(NS, chains[-1]) == 3 and all(store.tier.exists(k) == [True] * 3 for k in chains):
+            if store.lookup(NS, chains[-1]) == 3 and all(store._tier.exists(k) == [True] * 3 for k in chains):
                 break
             time.sleep(0.1)
         plan.take_down()

@@ -108,4 +108,4 @@ def test_intact_store_opens_after_the_check_and_forks_do_not_check_again(tmp_pat
     _store(tmp_path / "store")
     with ucm_db.open(tmp_path / "store") as store:
         assert store.lookup(NS, NS.block_keys(chain_tokens("chain-3", BLOCKS))) == BLOCKS
-        assert store.tier.engine._check_pages is False  # type: ignore[attr-defined]
+        assert store._tier.engine._check_pages is False  # type: ignore[attr-defined]

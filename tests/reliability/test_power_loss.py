@@ -88,7 +88,7 @@ def test_group_sync_records_a_durable_snapshot_and_writes_no_marker(tmp_path: Pa
 
 def _parent_pin(store: ucm_db.Store) -> int | None:
     """The snapshot this process's reader slot pins, from LMDB's reader table."""
-    env = store.tier.engine._environment()
+    env = store._tier.engine._environment()
     for line in env.readers().splitlines()[1:]:
         pid, _thread, txnid = line.split()
         if int(pid) == os.getpid() and txnid != "-":
@@ -123,10 +123,10 @@ def test_map_growth_re_pins_the_synced_snapshot(tmp_path: Path, monkeypatch: pyt
     with ucm_db.open(tmp_path / "s", map_size_bytes=1 << 20, **GROUP) as store:
         store.put(NS, keys[:1], _payloads(keys[:1]))
         store.flush()
-        before = store.tier.engine._environment().info()["map_size"]
+        before = store._tier.engine._environment().info()["map_size"]
         for i in range(1, BLOCKS):  # 23 x 48 KiB: the 1 MiB map doubles at least once
             store.put(NS, keys[i:i + 1], _payloads(keys[i:i + 1]), parent=keys[i - 1])
-        assert store.tier.engine._environment().info()["map_size"] > before
+        assert store._tier.engine._environment().info()["map_size"] > before
         record = read_record(tmp_path / "s" / "lmdb")
         assert record is not None and _parent_pin(store) == record.txnid, "a map resize ended the pin and nothing re-pinned"
 
@@ -135,7 +135,7 @@ def test_process_crash_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     store_path = _killed_writer(tmp_path, "boot-a")
     monkeypatch.setenv(BOOT_ID_ENV, "boot-a")  # same boot: only the process died
     with ucm_db.open(store_path, **GROUP) as store:
-        assert store.tier.engine.rollback is None
+        assert store._tier.engine.rollback is None
         keys = _keys()
         assert store.get(NS, keys) == _payloads(keys)
 
@@ -157,17 +157,17 @@ def test_os_crash_reopens_the_last_synced_snapshot(
     caplog.set_level(logging.WARNING, logger="ucm_db")
     keys = _keys()
     with ucm_db.open(store_path, **GROUP) as store:
-        rollback = store.tier.engine.rollback
+        rollback = store._tier.engine.rollback
         assert rollback is not None and rollback.to_txnid == record.txnid < rollback.from_txnid
         assert store.get(NS, keys[:SYNCED]) == _payloads(keys[:SYNCED]), "everything synced survives"
         assert store.get(NS, keys[SYNCED:]) == [None] * (BLOCKS - SYNCED), "commits after the last sync are undone whole"
         assert store.lookup(NS, keys) == SYNCED
-        assert store.tier.check() == []
+        assert store._tier.check() == []
         store.put(NS, keys[SYNCED:], [b"again"] * (BLOCKS - SYNCED), parent=keys[SYNCED - 1])
     assert not (store_path / "damaged").exists(), "nothing is set aside"
     assert any("last synced snapshot" in r.getMessage() for r in caplog.records)
     with ucm_db.open(store_path, **GROUP) as store:
-        assert store.tier.engine.rollback is None
+        assert store._tier.engine.rollback is None
         assert store.get(NS, keys[SYNCED:]) == [b"again"] * (BLOCKS - SYNCED)
 
 
@@ -181,7 +181,7 @@ def test_synced_snapshot_lost_by_a_lying_disk_is_set_aside(
     caplog.set_level(logging.WARNING, logger="ucm_db")
     keys = _keys()
     with ucm_db.open(store_path, **GROUP) as store:
-        assert store.tier.engine.rollback is not None
+        assert store._tier.engine.rollback is not None
         assert store.stats().blocks == 0, "the last resort: an empty store, not a crash"
         store.put(NS, keys[:2], [b"fresh-0", b"fresh-1"])
         assert store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]
@@ -206,7 +206,7 @@ def test_legacy_marker_intact_store_is_checked_and_kept(tmp_path: Path, monkeypa
     store_path = _legacy_store(tmp_path)
     monkeypatch.setenv(BOOT_ID_ENV, "boot-b")
     with ucm_db.open(store_path) as store:
-        report = store.tier.engine.recovery
+        report = store._tier.engine.recovery
         assert report is not None and not report.damaged and report.foreign_markers == 1
         keys = _keys()
         assert store.get(NS, keys) == _payloads(keys)
@@ -224,7 +224,7 @@ def test_legacy_marker_damaged_store_is_set_aside_not_crashed_on(
     caplog.set_level(logging.WARNING, logger="ucm_db")
     keys = _keys()
     with ucm_db.open(store_path) as store:
-        report = store.tier.engine.recovery
+        report = store._tier.engine.recovery
         assert report is not None and report.damaged and report.moved_to is not None
         assert (report.moved_to / "data.mdb").exists(), "the damaged file is kept for inspection"
         assert store.stats().blocks == 0
@@ -232,7 +232,7 @@ def test_legacy_marker_damaged_store_is_set_aside_not_crashed_on(
         assert store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]
     assert any("moved it to" in r.getMessage() for r in caplog.records)
     with ucm_db.open(store_path) as store:
-        assert store.tier.engine.recovery is None and store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]
+        assert store._tier.engine.recovery is None and store.get(NS, keys[:2]) == [b"fresh-0", b"fresh-1"]
 
 
 def test_maintenance_after_a_crash_then_an_os_crash_serves_what_it_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -261,4 +261,4 @@ def test_maintenance_after_a_crash_then_an_os_crash_serves_what_it_left(tmp_path
         assert len(kept) == BLOCKS - evicted, "the evictions were synced: they stay done, and nothing else is lost"
         assert [v for v in got if v is not None] == _payloads(kept)
         assert store.lookup(NS, keys) == len(kept) and store.stats().blocks == len(kept)
-        assert store.tier.check() == []
+        assert store._tier.check() == []

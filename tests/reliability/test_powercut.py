@@ -112,7 +112,7 @@ def _check(store_path: str, durability: str, log_path: Path, boot: str, result_p
                               "acked_not_durable": 0}
     lost_by_contract: list[tuple[str, int, int, int]] = []
     with ucm_db.open(store_path, durability=durability, **OPTIONS) as store:
-        engine = store.tier.engine
+        engine = store._tier.engine
         result["rolled_back"] = engine.rollback is not None
         result["set_aside"] = (Path(store_path) / "damaged").exists() or (
             engine.recovery is not None and engine.recovery.damaged)
@@ -136,7 +136,7 @@ def _check(store_path: str, durability: str, log_path: Path, boot: str, result_p
                     result["acked_not_durable"] += 1
                     result["acked_not_durable_missing"] += have is None
         result["quarantined"] = store.stats().quarantined
-        result["index_problems"] = store.tier.check()
+        result["index_problems"] = store._tier.check()
     for label, n, start, end in lost_by_contract:
         _log(log_path, f"X {label} {n} {start} {end}")
     _log(log_path, "S")  # closing synced: what this check saw is durable

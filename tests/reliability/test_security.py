@@ -116,7 +116,7 @@ def test_planted_pickles_are_never_executed(tmp_path: Path) -> None:
     options = {"remote": f"file://{remote_dir}", "capacity_bytes": 1 << 26}
     keys = NS.block_keys(chain_tokens("pickle", 3))
     with ucm_db.open(tmp_path / "store", **options) as store:
-        root = store.remote.root  # type: ignore[union-attr]
+        root = store._wing.link.root  # type: ignore[union-attr]
         ns_id = NS.digest[:16]
         for key in keys:  # pickles where the remote objects should be
             path = Path(root.object_path(ns_id, key))
@@ -128,7 +128,7 @@ def test_planted_pickles_are_never_executed(tmp_path: Path) -> None:
         assert store.lookup(NS, keys) == 0
         # ...and one in the local tier's block table.
         store.put(NS, keys[:1], [b"x" * 64])
-        store.tier.engine.write(lambda txn: txn.put("blocks", keys[0], exploit))
+        store._tier.engine.write(lambda txn: txn.put("blocks", keys[0], exploit))
         assert store.get(NS, keys[:1]) == [None]
     from click.testing import CliRunner
 
@@ -232,7 +232,7 @@ def test_hostile_remote_listing_never_touches_outside_files(tmp_path: Path) -> N
     remote_dir.mkdir()
     keys = NS.block_keys(chain_tokens("hostile", 2))
     with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 26, remote=f"file://{remote_dir}", remote_mode="write_through") as store:
-        root = store.remote.root  # type: ignore[union-attr]
+        root = store._wing.link.root  # type: ignore[union-attr]
         ns_dir = Path(root.namespace_dir(NS.digest[:16]))
         link = Path(root.object_path(NS.digest[:16], keys[0]))
         link.parent.mkdir(parents=True)
@@ -242,10 +242,10 @@ def test_hostile_remote_listing_never_touches_outside_files(tmp_path: Path) -> N
         (ns_dir / "ab" / ("f" * 64)).symlink_to(secret)
         assert store.get(NS, keys) == [None, None]  # the link's target is not a block
         store.put(NS, keys, [payload_for(k, 512) for k in keys])  # write-through replaces the link itself
-        listed = set(store.remote.root.tier(NS.digest[:16]).iterate())  # type: ignore[union-attr]
+        listed = set(store._wing.link.root.tier(NS.digest[:16]).iterate())  # type: ignore[union-attr]
         assert set(keys) <= listed
     assert secret.read_bytes() == b"do not touch"
-    from ucm_db.remote_gc import gc
+    from ucm_db.remote.gc import gc
     from ucm_db.tiers.remote import RemoteRoot
 
     gc(RemoteRoot.from_url(f"file://{remote_dir}"), older_than_s=0.0, max_bytes=None, dry_run=False, now_s=time.time() + 10)

@@ -93,7 +93,7 @@ def test_flaky_reads_give_misses_never_wrong_bytes(tmp_path: Path, root: str, pl
         while node_b.lookup(namespace, keys) < len(keys) and time.monotonic() < end:
             time.sleep(0.05)
         assert node_b.get(namespace, keys) == payloads
-        assert node_b.tier.check() == []
+        assert node_b._tier.check() == []
 
 
 def test_failing_uploads_retry_until_the_remote_has_everything(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
@@ -150,32 +150,32 @@ def test_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root:
         assert time.monotonic() - started < DEADLINE_S + 2 * SLACK_S < n_blocks / 16 * plan.latency_s
         assert first < n_blocks
         end = time.monotonic() + 20
-        while node_b.tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
+        while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
             time.sleep(0.05)  # no further lookups: the background promotion fills it
-        assert node_b.tier.count_prefix(keys) == n_blocks
-        assert node_b.remote.promoted_in_background == n_blocks - first
+        assert node_b._tier.count_prefix(keys) == n_blocks
+        assert node_b._wing.continuations.promoted_in_background == n_blocks - first
         assert node_b.get(namespace, keys) == payloads
-        assert node_b.tier.check() == []
+        assert node_b._tier.check() == []
 
 
 def test_short_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
     """The direct fetch of a short continuation (no search first) cut by the
     deadline: the lookup returns what arrived, the rest is promoted later."""
-    from ucm_db import readthrough
+    from ucm_db.remote import promotion
 
-    n_blocks = readthrough.DIRECT_FETCH_KEYS
+    n_blocks = promotion.DIRECT_FETCH_KEYS
     keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
     plan.latency_s = DEADLINE_S / 2.5  # the deadline passes in the third wave
     with _faulty(tmp_path, root, plan, remote_read_concurrency=4) as node_b:  # 4 waves of requests
         first = node_b.lookup(namespace, keys)
         assert 0 < first < n_blocks
         end = time.monotonic() + 20
-        while node_b.tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
+        while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
             time.sleep(0.05)
-        assert node_b.tier.count_prefix(keys) == n_blocks
-        assert node_b.remote.promoted_in_background == n_blocks - first
+        assert node_b._tier.count_prefix(keys) == n_blocks
+        assert node_b._wing.continuations.promoted_in_background == n_blocks - first
         assert node_b.get(namespace, keys) == payloads
-        assert node_b.tier.check() == []
+        assert node_b._tier.check() == []
 
 
 def test_short_lookup_of_a_down_remote_leaves_nothing_to_continue(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
@@ -191,25 +191,25 @@ def test_short_lookup_of_a_down_remote_leaves_nothing_to_continue(tmp_path: Path
             assert time.monotonic() - started < DEADLINE_S + SLACK_S
         plan.heal()  # hung requests return now: a queued continuation would promote them
         time.sleep(0.5)
-        assert node_b.remote.promoted_in_background == 0
-        assert node_b.tier.count_prefix(keys) == 0
+        assert node_b._wing.continuations.promoted_in_background == 0
+        assert node_b._tier.count_prefix(keys) == 0
 
 
 def test_lookup_commits_a_bounded_amount_and_promotes_the_rest_in_background(
     tmp_path: Path, root: str, plan: FaultPlan, namespace, monkeypatch,
 ) -> None:
-    from ucm_db import readthrough
+    from ucm_db.remote import promotion
 
     keys, payloads = _seed_remote(tmp_path, root, namespace, 30)
-    monkeypatch.setattr(readthrough, "SYNC_PROMOTE_BYTES", 1)  # one block per lookup commit
+    monkeypatch.setattr(promotion, "SYNC_PROMOTE_BYTES", 1)  # one block per lookup commit
     with _faulty(tmp_path, root, plan, remote_deadline_s=5.0) as node_b:
         assert node_b.lookup(namespace, keys) == 1
         end = time.monotonic() + 20
-        while node_b.tier.count_prefix(keys) < 30 and time.monotonic() < end:
+        while node_b._tier.count_prefix(keys) < 30 and time.monotonic() < end:
             time.sleep(0.05)
-        assert node_b.tier.count_prefix(keys) == 30
+        assert node_b._tier.count_prefix(keys) == 30
         assert node_b.get(namespace, keys) == payloads
-        assert node_b.tier.check() == []
+        assert node_b._tier.check() == []
 
 
 def test_the_product_does_not_know_the_fault_protocol() -> None:

@@ -110,7 +110,7 @@ def reader_child(store_dir: Path, url: str, namespace_dict: dict[str, Any], keys
         started = time.monotonic()
         values = store.get(namespace, keys)
         timings["get_s"] = time.monotonic() - started
-        root = store.remote.root  # type: ignore[union-attr]
+        root = store._wing.link.root  # type: ignore[union-attr]
         stats = store.stats().remote
         report = {
             "warm": warm.to_dict(), "lookup": found, "values": [None if v is None else bytes(v).hex() for v in values],

@@ -1,4 +1,4 @@
-"""Inline remote reads (ucm_db/inline_reads.py): which remotes read on the
+"""Inline remote reads (ucm_db/remote/inline_reads.py): which remotes read on the
 caller's thread, the move to the pool when reads turn slow, and the deadline
 and breaker rules of inline requests."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import ucm_db
-from ucm_db.inline_reads import INLINE_REQUEST_S, InlineReads, file_system_type, is_local_disk
-from ucm_db.readthrough import UNFINISHED, RemoteLink
+from ucm_db.remote.inline_reads import INLINE_REQUEST_S, InlineReads, file_system_type, is_local_disk
+from ucm_db.remote.link import UNFINISHED, RemoteLink
 
 from .conftest import Remote, chain
 
@@ -119,18 +119,18 @@ def test_a_local_directory_remote_reads_through_inline(tmp_path: Path, namespace
         pytest.skip(f"{tmp_path} is not on a local-disk file system here ({file_system_type(str(tmp_path))})")
     remote, keys, payloads = _warm_remote(tmp_path, namespace, 40)
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
-        link = node_b.remote
+        link = node_b._wing.link
         assert link is not None and link.inline.allowed
         assert node_b.lookup(namespace, keys) == 40
         assert node_b.get(namespace, keys) == payloads
         assert link.inline.inline_requests >= 40
-        assert node_b.tier.check() == []
+        assert node_b._tier.check() == []
     with ucm_db.open(tmp_path / "c", capacity_bytes=CAP, **remote.store_options()) as node_c:
-        link = node_c.remote
+        link = node_c._wing.link
         assert link is not None
         assert node_c.get(namespace, keys) == payloads  # read-through of get: fetched in order, inline
         assert link.inline.inline_requests == 40
-        assert node_c.tier.count_prefix(keys) == 40
+        assert node_c._tier.count_prefix(keys) == 40
         past = time.monotonic() - 1
         assert list(link.fetch_in_order(namespace.digest[:16], keys, past)) == [None] * 40
         assert link.breaker.trips == 1 and link.inline.inline_requests == 40  # nothing started past the deadline
@@ -139,7 +139,7 @@ def test_a_local_directory_remote_reads_through_inline(tmp_path: Path, namespace
 def test_a_slow_local_directory_reads_through_the_pool(tmp_path: Path, namespace) -> None:
     remote, keys, payloads = _warm_remote(tmp_path, namespace, 20)
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
-        link = node_b.remote
+        link = node_b._wing.link
         assert link is not None
         link.inline.allowed = True
         for _ in range(60):

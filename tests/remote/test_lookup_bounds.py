@@ -129,9 +129,9 @@ def test_remote_lookup_max_bytes_is_checked_at_open(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="remote_lookup_max_bytes"):
             ucm_db.open(tmp_path / "s", remote=url, remote_lookup_max_bytes=bad)
     with ucm_db.open(tmp_path / "s", remote=url, remote_lookup_max_bytes=64 << 20, remote_max_object_bytes=64 << 20) as store:
-        assert store.remote.lookup_max_bytes == 64 << 20  # type: ignore[union-attr]
+        assert store._wing.link.lookup_max_bytes == 64 << 20  # type: ignore[union-attr]
     with ucm_db.open(tmp_path / "t", remote=url, remote_max_object_bytes=1 << 30) as store:  # unset: follows the largest object
-        assert store.remote.lookup_max_bytes == 1 << 30  # type: ignore[union-attr]
+        assert store._wing.link.lookup_max_bytes == 1 << 30  # type: ignore[union-attr]
 
 
 def test_objects_read_in_chunks_arrive_whole(remote: Any, tmp_path: Path, namespace: Any) -> None:

@@ -30,4 +30,4 @@ def test_read_through_skips_blocks_stored_locally_under_another_namespace(remote
         # The remote has all 4 under `other`, but keys[0] is local under `namespace`: nothing promotable.
         assert node_a.lookup(other, keys) == 0
         assert node_a.lookup(namespace, keys, remote=False) == 2
-        assert node_a.tier.check() == []
+        assert node_a._tier.check() == []

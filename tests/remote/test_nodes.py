@@ -51,7 +51,7 @@ def test_node_b_hits_what_gone_node_a_wrote(kind: str, tmp_path: Path, namespace
     assert node_a.wait(30) == 0  # node A is gone
     keys, payloads = chain(namespace, 24, seed=7)
     with ucm_db.open(tmp_path / "node-b", capacity_bytes=64 << 20, **remote.store_options(remote_deadline_s=5.0)) as node_b:
-        assert node_b.tier.count_prefix(keys) == 0
+        assert node_b._tier.count_prefix(keys) == 0
         assert node_b.lookup(namespace, keys) == 24
         assert node_b.get(namespace, keys) == payloads
 

@@ -15,7 +15,7 @@ import pytest
 
 import ucm_db
 from ucm_db import codec
-from ucm_db.remote_codec import PROBE_EVERY, RemoteCodec
+from ucm_db.remote.codec_choice import PROBE_EVERY, RemoteCodec
 from ucm_db.tiers.remote import unpack_object
 from ucm_db.tools.bench.throttle import register
 
@@ -56,7 +56,7 @@ def test_remote_objects_use_the_remote_codec_and_read_back_whole(tmp_path: Path,
     assert set(objects) == set(keys)
     assert {codec.codec_of_head(blob) for blob in objects.values()} == {expected}
     with ucm_db.open(tmp_path / "a") as store:  # the local copies keep the local codec
-        heads = store.tier.engine.read(lambda txn: [bytes(txn.get("heads", k)) for k in keys])
+        heads = store._tier.engine.read(lambda txn: [bytes(txn.get("heads", k)) for k in keys])
         assert {codec.codec_of_head(h) for h in heads} == {"none"}
     with ucm_db.open(tmp_path / "b", codec="none", capacity_bytes=1 << 30, remote=remote) as fresh:
         assert fresh.lookup(NS, keys) == 4

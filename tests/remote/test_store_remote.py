@@ -48,9 +48,9 @@ def test_second_node_reads_through_and_promotes(remote: Remote, tmp_path: Path, 
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
         node_b.put(namespace, keys[:3], payloads[:3])  # B has a short local prefix of its own
         assert node_b.lookup(namespace, keys) == 20
-        assert node_b.tier.count_prefix(keys) == 20  # promoted, local from now on
+        assert node_b._tier.count_prefix(keys) == 20  # promoted, local from now on
         assert node_b.get(namespace, keys) == [*payloads[:20], *[None] * 10]
-        assert node_b.tier.check() == []
+        assert node_b._tier.check() == []
         node_b.flush(upload_timeout_s=30)
         assert node_b.stats().remote["uploaded"] == 3  # its own puts; promoted blocks are not re-uploaded
 
@@ -64,11 +64,11 @@ def test_get_reads_through_without_lookup(remote: Remote, tmp_path: Path, namesp
         buffers = [bytearray(len(p)) for p in payloads[:6]]
         assert node_b.get_into(namespace, keys[:6], buffers) == [True] * 6
         assert buffers == payloads[:6]
-        assert node_b.tier.count_prefix(keys) == 6
+        assert node_b._tier.count_prefix(keys) == 6
         # A suffix whose parent is not local is served but cannot be promoted.
         assert node_b.get(namespace, keys[8:]) == payloads[8:]
-        assert node_b.tier.count_prefix(keys) == 6
-        assert node_b.tier.check() == []
+        assert node_b._tier.count_prefix(keys) == 6
+        assert node_b._tier.check() == []
 
 
 @pytest.mark.parametrize("batch_bytes", [1, 64 << 20])
@@ -76,9 +76,9 @@ def test_get_promotes_in_batches_as_objects_arrive(remote: Remote, tmp_path: Pat
     # One object per local commit (batch_bytes=1) or all in one: the same
     # blocks end up local; a hole on the remote stops promotion there, and
     # what follows it is served but not promoted (its parent is not local).
-    import ucm_db.readthrough
+    import ucm_db.remote.link
 
-    monkeypatch.setattr(ucm_db.readthrough, "PROMOTE_BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(ucm_db.remote.link, "PROMOTE_BATCH_BYTES", batch_bytes)
     keys, payloads = chain(namespace, 10)
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
         node_a.put(namespace, keys, payloads)
@@ -87,8 +87,8 @@ def test_get_promotes_in_batches_as_objects_arrive(remote: Remote, tmp_path: Pat
     root.fs.rm_file(root.tier(namespace.digest[:16]).path(keys[6]))
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=2.0)) as node_b:
         assert node_b.get(namespace, keys) == [*payloads[:6], None, *payloads[7:]]
-        assert node_b.tier.count_prefix(keys) == 6
-        assert node_b.tier.check() == []
+        assert node_b._tier.count_prefix(keys) == 6
+        assert node_b._tier.check() == []
 
 
 def test_write_through_uploads_before_put_returns(remote: Remote, tmp_path: Path, namespace) -> None:
@@ -112,7 +112,7 @@ def test_warm_reports_local_fetched_missing(remote: Remote, tmp_path: Path, name
         assert (report.already_local, report.fetched, report.missing) == (2, 8, 6)
         assert report.bytes > 0 and report.seconds >= 0
         assert ticks[-1] == (16, 16)
-        assert node_b.tier.count_prefix(keys) == 10
+        assert node_b._tier.count_prefix(keys) == 10
         again = node_b.warm(namespace, keys=[keys])
         assert (again.already_local, again.fetched, again.missing) == (10, 0, 6)
 
@@ -179,22 +179,22 @@ def test_locally_corrupt_block_is_served_from_the_remote(tmp_path: Path, namespa
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=remote, remote_deadline_s=5.0) as store:
         store.put(namespace, keys, payloads)
         store.flush()
-        (blob,) = store.tier.get_batch([keys[1]])
+        (blob,) = store._tier.get_batch([keys[1]])
         damaged = bytearray(blob)
         damaged[-3] ^= 0x40
-        store.tier.engine.write(lambda txn: txn.put("blocks", keys[1], bytes(damaged)))
+        store._tier.engine.write(lambda txn: txn.put("blocks", keys[1], bytes(damaged)))
         assert store.get(namespace, keys) == payloads  # the remote's verified copy, never the damaged bytes
-        assert keys[1] in store.tier.quarantine_records()
+        assert keys[1] in store._tier.quarantine_records()
         assert store.lookup(namespace, keys) == 4  # re-promoted from the remote
         assert store.get(namespace, keys) == payloads
-        assert store.tier.check() == []
+        assert store._tier.check() == []
 
 
 def test_uploader_batches_are_bounded_by_bytes_shallowest_first(tmp_path: Path, namespace, monkeypatch) -> None:
     import json as _json
 
     from ucm_db import codec as _codec
-    from ucm_db import uploader as uploader_module
+    from ucm_db.remote import uploader as uploader_module
     from ucm_db.tiers.local import BlockEntry
 
     keys, payloads = chain(namespace, 6)
@@ -202,10 +202,10 @@ def test_uploader_batches_are_bounded_by_bytes_shallowest_first(tmp_path: Path, 
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP) as store:  # no remote: nothing drains behind our back
         entries = [BlockEntry.of_blob(k, keys[i - 1] if i else None, _codec.encode(k, p), len(p), ns_id)
                    for i, (k, p) in enumerate(zip(keys, payloads))]
-        store.tier.put_blocks(entries, namespace_desc=(ns_id, _json.dumps(namespace.to_dict()).encode()), enqueue_upload=True)
+        store._tier.put_blocks(entries, namespace_desc=(ns_id, _json.dumps(namespace.to_dict()).encode()), enqueue_upload=True)
         root = RemoteRoot.from_url(f"memory://ucm-batch-{tmp_path.name}")
         monkeypatch.setattr(uploader_module, "BATCH_BYTES", 1)
-        uploader = uploader_module.Uploader(store.tier, root, store.path, concurrency=2)
+        uploader = uploader_module.Uploader(store._tier, root, store.path, concurrency=2)
         tier = root.tier(ns_id)
         for depth in range(6):
             assert uploader.drain_batch() == (1, 0)
@@ -217,7 +217,7 @@ def test_uploader_batches_are_bounded_by_bytes_shallowest_first(tmp_path: Path, 
 def test_short_lookup_fetches_each_block_once_without_a_search(remote: Remote, tmp_path: Path, namespace) -> None:
     """A continuation of at most DIRECT_FETCH_KEYS blocks is one request per
     block (the fetch finds the count; no probes first), hit or miss."""
-    from ucm_db.readthrough import DIRECT_FETCH_KEYS
+    from ucm_db.remote.promotion import DIRECT_FETCH_KEYS
 
     keys, payloads = chain(namespace, DIRECT_FETCH_KEYS)
     held = DIRECT_FETCH_KEYS - 5
@@ -225,10 +225,10 @@ def test_short_lookup_fetches_each_block_once_without_a_search(remote: Remote, t
         node_a.put(namespace, keys[:held], payloads[:held])
         node_a.flush()
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
-        stats = node_b.remote.root.stats
+        stats = node_b._wing.link.root.stats
         assert node_b.lookup(namespace, keys) == held
         assert (stats.requests, stats.gets, stats.misses) == (DIRECT_FETCH_KEYS, DIRECT_FETCH_KEYS, 5)
-        assert node_b.tier.count_prefix(keys) == held
+        assert node_b._tier.count_prefix(keys) == held
         assert node_b.get(namespace, keys[:held]) == payloads[:held]
 
 
@@ -240,7 +240,7 @@ def test_lookup_past_a_missing_local_parent_makes_no_request(remote: Remote, tmp
         node_a.put(namespace, keys, payloads)
         node_a.flush()
     with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0)) as node_b:
-        stats = node_b.remote.root.stats
+        stats = node_b._wing.link.root.stats
         assert node_b.lookup(namespace, keys[10:11]) == 0
         assert stats.requests == 0
         node_b.put(namespace, keys[:10], payloads[:10])  # the parent is local now
@@ -254,10 +254,10 @@ def test_remote_read_concurrency_bounds_the_read_threads(remote: Remote, tmp_pat
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
         node_a.put(namespace, keys, payloads)
         node_a.flush()
-        assert node_a.remote.read_threads == 16  # the default
+        assert node_a._wing.link.read_threads == 16  # the default
     opened = ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=5.0, remote_read_concurrency=3))
     with opened as node_b:
-        assert node_b.remote.read_threads == 3
+        assert node_b._wing.link.read_threads == 3
         assert node_b.lookup(namespace, keys) == 20
     with pytest.raises(ConfigError, match="remote_read_concurrency"):
         ucm_db.open(tmp_path / "c", remote_read_concurrency=0, **remote.store_options())
@@ -293,7 +293,7 @@ def test_lookup_deadline_override(remote: Remote, tmp_path: Path, namespace) -> 
         for bad in (0, -1.0, "5", True):
             with pytest.raises(ConfigError, match="remote_deadline_s"):
                 node_b.lookup(namespace, keys, remote_deadline_s=bad)
-        assert node_b.tier.count_prefix(keys) == 0  # a refused call asked nothing
+        assert node_b._tier.count_prefix(keys) == 0  # a refused call asked nothing
         assert node_b.lookup(namespace, keys, remote_deadline_s=10.0) == 20
 
 
@@ -306,13 +306,13 @@ def test_uploaded_counter_agrees_with_the_queue_when_flush_returns(tmp_path: Pat
     otherwise."""
     keys, payloads = chain(namespace, 3)
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=f"file://{tmp_path / 'remote'}") as store:
-        real_mark_uploaded = store.tier.mark_uploaded
+        real_mark_uploaded = store._tier.mark_uploaded
 
         def mark_uploaded_then_pause(done: list[bytes]) -> None:
             real_mark_uploaded(done)
             time.sleep(0.5)
 
-        monkeypatch.setattr(store.tier, "mark_uploaded", mark_uploaded_then_pause)
+        monkeypatch.setattr(store._tier, "mark_uploaded", mark_uploaded_then_pause)
         store.put(namespace, keys, payloads)
         store.flush(upload_timeout_s=30)
         assert store.stats().pending_uploads == 0

@@ -26,7 +26,7 @@ import pytest
 import ucm_db
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
-from ucm_db.warming import remote_namespaces
+from ucm_db.remote.warming import remote_namespaces
 
 from .conftest import chain
 
@@ -115,4 +115,4 @@ def test_cli_warm_skips_bad_entries_with_a_warning(tmp_path: Path) -> None:
     for name in (*STRAY, f"{NS_B.short_id}/manifest.json", f"{NS_C.short_id}/manifest.json"):
         assert name in proc.stderr, proc.stderr
     with ucm_db.open(tmp_path / "node") as store:
-        assert store.tier.count_prefix(NS_A.block_keys(seeded["tokens"][2])) == 5
+        assert store._tier.count_prefix(NS_A.block_keys(seeded["tokens"][2])) == 5

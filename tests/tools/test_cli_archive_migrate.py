@@ -41,7 +41,7 @@ def test_export_import_round_trip_of_chosen_namespace(tmp_path: Path) -> None:
     with ucm_db.open(tmp_path / "dst") as store:
         assert store.get(NS_B, chains["b0"]) == [bytearray(payload("b0", i)) for i in range(3)]
         assert store.lookup(NS_A, chains["a0"]) == 0
-        assert store.tier.check() == []
+        assert store._tier.check() == []
     assert invoke_json("import", archive, tmp_path / "dst")["already_present"] == 3  # idempotent
 
 
@@ -58,7 +58,7 @@ def test_import_skips_a_corrupt_block_and_its_descendants(tmp_path: Path, engine
     assert sorted(s["key"] for s in r["skipped"]) == sorted(k.hex() for k in chains["a2"][2:])
     assert r["stored"] == 23 - 3
     with ucm_db.open(tmp_path / "dst") as store:
-        assert store.lookup(NS_A, chains["a2"]) == 2 and store.tier.check() == []
+        assert store.lookup(NS_A, chains["a2"]) == 2 and store._tier.check() == []
 
 
 def test_import_refuses_a_namespace_that_does_not_match_its_id(tmp_path: Path) -> None:
@@ -99,9 +99,9 @@ def test_migrate_refuses_while_the_store_is_open(tmp_path: Path) -> None:
 def test_engine_conversion_round_trip_preserves_everything(tmp_path: Path) -> None:
     chains = make_store(tmp_path / "lmdb")
     with ucm_db.open(tmp_path / "lmdb") as store:
-        store.tier.quarantine(b"q" * 32, "kept across conversion", lambda head, body: True)
+        store._tier.quarantine(b"q" * 32, "kept across conversion", lambda head, body: True)
         all_keys = [k for keys in chains.values() for k in keys]
-        metas_before = store.tier.metas(all_keys)
+        metas_before = store._tier.metas(all_keys)
 
     r = invoke_json("migrate", "--to-engine", "rocksdb", tmp_path / "lmdb", tmp_path / "rocks")
     assert r["blocks_verified"] == 23 and r["tables"]["blocks"] == 23
@@ -111,8 +111,8 @@ def test_engine_conversion_round_trip_preserves_everything(tmp_path: Path) -> No
     for name, engine in (("rocks", "rocksdb"), ("back", "lmdb")):
         with ucm_db.open(tmp_path / name) as store:
             assert store.config.engine == engine
-            assert store.tier.metas(all_keys) == metas_before  # LRU times, hits, sizes, parents
-            assert b"q" * 32 in store.tier.quarantine_records()
+            assert store._tier.metas(all_keys) == metas_before  # LRU times, hits, sizes, parents
+            assert b"q" * 32 in store._tier.quarantine_records()
             assert store.stats().hits == 6
             assert store.get(NS_A, chains["a3"]) == [bytearray(payload("a3", i)) for i in range(5)]
     assert migrations.pending(tmp_path / "rocks") == []
@@ -133,6 +133,6 @@ def test_engine_conversion_refuses_an_altered_settings_record(tmp_path: Path) ->
             settings["codec"] = "none" if settings["codec"] == "zstd" else "zstd"
             txn.put("info", b"settings", json.dumps(settings, sort_keys=True).encode())
 
-        store.tier.engine.write(alter)
+        store._tier.engine.write(alter)
     refused = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "lmdb", tmp_path / "rocks", expect=1)  # a failed migration
     assert "settings record" in refused.stderr and not (tmp_path / "rocks").exists()

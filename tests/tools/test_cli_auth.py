@@ -123,4 +123,4 @@ def test_warm_with_a_key_pulls_only_signed_objects(tmp_path: Path) -> None:
 
     invoke_json("warm", tmp_path / "b", "--remote", url, "--namespace", "test/alpha", "--tokens", tokens_file, "--auth-key-file", key)
     with ucm_db.open(tmp_path / "b") as store:
-        assert store.tier.count_prefix(chains[0]) == 3 and store.tier.count_prefix(chains[1]) == 0
+        assert store._tier.count_prefix(chains[0]) == 3 and store._tier.count_prefix(chains[1]) == 0

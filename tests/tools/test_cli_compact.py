@@ -39,7 +39,7 @@ def test_compact_shrinks_by_the_deleted_bytes_and_keeps_live_blocks(tmp_path: Pa
             if i % 4:
                 store.delete(NS, [chain_keys(i)[0]])
         live_stored = store.stats().stored_bytes
-        block_stored = store.tier.metas([chain_keys(0)[0]])[0].stored_bytes  # type: ignore[union-attr]
+        block_stored = store._tier.metas([chain_keys(0)[0]])[0].stored_bytes  # type: ignore[union-attr]
     deleted = deleted_before - live_stored
     # LMDB keeps each large value in whole 4 KiB overflow pages (plus a page header).
     live_pages_bytes = 16 * 8 * -(-(block_stored + 16) // 4096) * 4096
@@ -58,7 +58,7 @@ def test_compact_shrinks_by_the_deleted_bytes_and_keeps_live_blocks(tmp_path: Pa
     assert not list(path.glob("lmdb.compact-*"))
 
     with ucm_db.open(path) as store:
-        assert store.tier.check() == []
+        assert store._tier.check() == []
         for i in range(0, 64, 4):
             assert store.get(NS, chain_keys(i)) == [bytearray(noise(i, j)) for j in range(8)]
         store.put(NS, chain_keys(99), [noise(99, j) for j in range(8)])  # still writable after the switch
@@ -68,7 +68,7 @@ def test_compact_evicts_to_target_and_drops_quarantine_records(tmp_path: Path) -
     make_store(tmp_path / "s")
     with ucm_db.open(tmp_path / "s") as store:
         target = store.stats().stored_bytes // 2
-        store.tier.quarantine(b"q" * 32, "test record", lambda head, body: True)
+        store._tier.quarantine(b"q" * 32, "test record", lambda head, body: True)
     r = invoke_json("compact", tmp_path / "s", "--target-bytes", target)
     assert r["stored_bytes_after"] <= target and r["evicted_blocks"] > 0
     assert r["blocks_after"] == r["blocks_before"] - r["evicted_blocks"]
@@ -118,7 +118,7 @@ def test_compact_beside_a_running_writer_is_safe(tmp_path: Path) -> None:
     assert writer.returncode == 0, err
     last = int(out.split()[-1])
     with ucm_db.open(path) as store:
-        assert store.tier.check() == []
+        assert store._tier.check() == []
         present = [store.lookup(writer_proc.NS, writer_proc.chain(i)[0]) for i in range(last + 1)]
         assert all(n in (0, writer_proc.BLOCKS) for n in present)  # whole chains or evicted tails first
         survivors = [i for i, n in enumerate(present) if n]

@@ -50,7 +50,7 @@ def meta_of(path: Path, key: bytes) -> BlockMeta:
 
 
 def stored_sum(store: ucm_db.Store) -> int:
-    return sum(m.stored_bytes for m in store.tier.scan_metas().values())
+    return sum(m.stored_bytes for m in store._tier.scan_metas().values())
 
 
 def big_payload(tag: str, index: int) -> bytes:
@@ -85,7 +85,7 @@ def test_impossible_size_is_named_quarantined_and_never_summed(tmp_path: Path) -
     assert not verify(path).problems
     with ucm_db.open(path) as store:
         assert store.stats().stored_bytes == stored_sum(store) < 1 << 20
-        assert bad in store.tier.quarantine_records()
+        assert bad in store._tier.quarantine_records()
         new = chain_keys(NS_A, "new", 2)
         assert store.put(NS_A, new, [big_payload("new", i) for i in range(2)]).evicted == 0
         assert [store.lookup(NS_A, chains[c]) for c in ("c0", "c1", "c2", "c3")] == [3, 1, 3, 3]
@@ -123,7 +123,7 @@ def test_a_short_record_is_damage_and_never_wedges_writes(tmp_path: Path) -> Non
         store.put(NS_A, chain_keys(NS_A, "more2", 2), [payload("more2", i) for i in range(2)])
         assert store.lookup(NS_A, chain_keys(NS_A, "more2", 2)) == 2
     with ucm_db.open(path) as store:
-        assert bad in store.tier.quarantine_records()
+        assert bad in store._tier.quarantine_records()
         assert store.lookup(NS_A, chains["a1"]) == 2
         assert store.stats().stored_bytes == stored_sum(store)
     assert invoke_json("verify", path)["corrupt"] == []
@@ -201,7 +201,7 @@ def test_parent_missing_and_no_lru_entry_are_repaired(tmp_path: Path) -> None:
     assert invoke_json("verify", path)["index_problems"] == []
     with ucm_db.open(path) as store:
         assert store.lookup(NS_A, orphaned) == 2
-        assert orphaned[3] in store.tier.quarantine_records()
+        assert orphaned[3] in store._tier.quarantine_records()
         assert store.stats().stored_bytes == stored_sum(store)
     # compact re-adds a missing LRU entry too (the block can then be evicted).
     meta = meta_of(path, chains["a0"][4])

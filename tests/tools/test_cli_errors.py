@@ -43,7 +43,7 @@ def set_parent(path: Path, key: bytes, parent: bytes) -> None:
             meta = BlockMeta.unpack(txn.get("meta", key))
             meta.parent = parent
             txn.put("meta", key, meta.pack())
-        store.tier.engine.write(run)
+        store._tier.engine.write(run)
 
 
 @pytest.mark.parametrize("cycle", ["self", "descendant"])
@@ -197,7 +197,7 @@ def test_verify_and_inspect_report_a_damaged_store_record(tmp_path: Path, record
     verify must then report it (exit 1), and inspect show it, not fail."""
     make_store(tmp_path / "s")
     with ucm_db.open(tmp_path / "s") as store:
-        store.tier.engine.write(lambda txn: txn.put("info", record, b"\x00\xffgarbage"))
+        store._tier.engine.write(lambda txn: txn.put("info", record, b"\x00\xffgarbage"))
     report = invoke_json("verify", tmp_path / "s", expect=1)
     assert report["checked"] == 23 and report["corrupt"] == []
     assert any(f"'{record.decode()}' is damaged" in p for p in report["index_problems"]), report["index_problems"]

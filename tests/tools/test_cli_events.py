@@ -64,7 +64,7 @@ def test_inventory_then_feed_with_vllm_field_names(tmp_path: Path) -> None:
 def test_follower_falls_behind_and_resyncs(tmp_path: Path) -> None:
     path = tmp_path / "s"
     with ucm_db.open(path, capacity_bytes=1 << 30) as store:
-        store.tier.feed_max_records = 4
+        store._tier.feed_max_records = 4
         for n in range(4):
             put_evented(store, NS_A, 1000 * n, 2)
     events = list(maintenance.iter_events(path, since_seq=0))
@@ -100,9 +100,9 @@ def test_invalidate_hides_old_epochs_and_a_damaged_record_is_skipped(tmp_path: P
         put_evented(store, NS_B, 0, 1)
         # A flipped length in one block's fields record (a damaged page): skipped and logged, never fatal.
         name = b"evf/" + old[1]
-        value = store.tier.info_get(name)
+        value = store._tier.info_get(name)
         assert value is not None
-        store.tier.info_put(name, value[:-1])
+        store._tier.info_put(name, value[:-1])
     assert len(lines(invoke("events", str(path)).stdout)) == 2
     follower = maintenance.iter_events(path, since_seq=0, follow=True, poll_interval_s=0.01, max_polls=3)
     assert [e["type"] for e in [next(follower) for _ in range(3)]] == ["BlockStored"] * 3

@@ -76,7 +76,7 @@ def test_gc_keeps_new_objects_whose_ancestors_are_still_uploading(tmp_path: Path
     not removed. gc (here with one unrelated old victim, which starts the
     cascade) must leave them; an object whose parent has been missing past
     the grace age is an orphan and goes."""
-    from ucm_db.remote_gc import ORPHAN_GRACE_S
+    from ucm_db.remote.gc import ORPHAN_GRACE_S
 
     url = f"file://{tmp_path / 'remote'}"
     tier = own_tier(url)
@@ -102,7 +102,7 @@ def test_gc_keeps_new_objects_whose_ancestors_are_still_uploading(tmp_path: Path
 def test_an_object_of_unknown_age_with_an_absent_parent_is_kept() -> None:
     """A listing without modification times (mtime 0) cannot tell an
     orphan from an upload in flight: it is kept."""
-    from ucm_db.remote_gc import RemoteObjectInfo, orphaned_descendants
+    from ucm_db.remote.gc import RemoteObjectInfo, orphaned_descendants
 
     keys = chain_keys(NS_A, "unknown-age", 3)
     objects = [RemoteObjectInfo("ns/ab/" + keys[2].hex(), keys[2], 100, 0.0, parent=keys[1])]

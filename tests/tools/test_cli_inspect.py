@@ -18,7 +18,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "stores"
 def test_inspect_reports_known_contents(tmp_path: Path, engine: str) -> None:
     chains = make_store(tmp_path / "s", engine=engine)
     with ucm_db.open(tmp_path / "s") as store:
-        metas = store.tier.metas([k for keys in chains.values() for k in keys])
+        metas = store._tier.metas([k for keys in chains.values() for k in keys])
     stored = sum(m.stored_bytes for m in metas if m)
 
     r = invoke_json("inspect", tmp_path / "s", "--top", 2)

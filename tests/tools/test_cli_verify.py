@@ -54,7 +54,7 @@ def test_verify_fix_quarantines_corrupt_blocks_and_descendants(tmp_path: Path) -
     assert r["quarantined_blocks"] == 2  # the block and its one descendant
     with ucm_db.open(tmp_path / "s") as store:
         assert store.lookup(NS_A, chains["a1"]) == 3
-        assert chains["a1"][3] in store.tier.quarantine_records()
+        assert chains["a1"][3] in store._tier.quarantine_records()
     assert invoke_json("verify", tmp_path / "s")["checked"] == 21
 
 

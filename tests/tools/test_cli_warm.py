@@ -13,7 +13,7 @@ from cli_stores import NS_A, payload, invoke, invoke_json
 
 
 def test_warm_from_remote_by_tokens(tmp_path: Path) -> None:
-    pytest.importorskip("ucm_db.warming", reason="the warming API (ucm_db/warming.py) has not landed")
+    pytest.importorskip("ucm_db.remote.warming", reason="the warming API (ucm_db/remote/warming.py) has not landed")
     url = f"file://{tmp_path / 'remote'}"
     prompts = [[(7 * p + i) % 30000 for i in range(NS_A.block_size * 4)] for p in range(3)]
     with ucm_db.open(tmp_path / "a", remote=url, remote_mode="write_through", capacity_bytes=1 << 26) as source:
@@ -28,7 +28,7 @@ def test_warm_from_remote_by_tokens(tmp_path: Path) -> None:
     with ucm_db.open(tmp_path / "b") as store:
         for p, tokens in enumerate(prompts):
             keys = NS_A.block_keys(tokens)
-            assert store.tier.count_prefix(keys) == 4  # local now, no remote configured here
+            assert store._tier.count_prefix(keys) == 4  # local now, no remote configured here
             assert store.get(NS_A, keys) == [bytearray(payload(f"w{p}", i)) for i in range(4)]
 
 

@@ -41,8 +41,8 @@ def test_evict_to_bytes_keeps_whole_prefixes_and_the_capacity(tmp_path: Path) ->
         assert store.lookup(NS_A, chains["a3"]) == 5
         for tag, keys in chains.items():
             n = store.lookup(NS_B if tag == "b0" else NS_A, keys)
-            assert store.tier.exists(keys) == [True] * n + [False] * (len(keys) - n)  # whole prefixes only
-        assert store.tier.check() == []
+            assert store._tier.exists(keys) == [True] * n + [False] * (len(keys) - n)  # whole prefixes only
+        assert store._tier.check() == []
     assert maintenance.evict_to_bytes(tmp_path / "s", 0) == after.blocks
     with pytest.raises(ucm_db.ConfigError):
         maintenance.evict_to_bytes(tmp_path / "s", -1)
@@ -52,7 +52,7 @@ def test_verify_fix_recounts_damaged_totals(tmp_path: Path) -> None:
     make_store(tmp_path / "s")
     with ucm_db.open(tmp_path / "s") as store:
         good = store.stats()
-        store.tier.engine.write(lambda txn: txn.put("info", b"totals", bytes(56)))  # one damaged counter record
+        store._tier.engine.write(lambda txn: txn.put("info", b"totals", bytes(56)))  # one damaged counter record
     report = maintenance.verify(tmp_path / "s")
     assert report.problems and not report.corrupt and report.checked == 23
     fixed = maintenance.verify(tmp_path / "s", fix=True)

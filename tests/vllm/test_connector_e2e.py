@@ -68,16 +68,16 @@ def _corrupt_one_block(store_path: Path, token_ids: list[int]) -> bytes:
     """Flips one byte inside the payload of KV head 0's unit of block
     CORRUPT_BLOCK of a chain (the whole block must then be recomputed)."""
     with ucm_db.open(store_path) as store:
-        (description,) = store.tier.namespace_descriptions().values()
+        (description,) = store._tier.namespace_descriptions().values()
         layout = json.loads(description["layout"])
         grid = KVGrid(layout["kv_heads"], layout["layers"])
         block_key = Namespace.from_dict(description).block_keys(token_ids)[CORRUPT_BLOCK]
         key = unit_key(block_key, grid.head_spans()[0], grid)
-        (blob,) = store.tier.get_batch([key])
+        (blob,) = store._tier.get_batch([key])
         assert blob is not None, "the block to corrupt was never stored"
         damaged = bytearray(blob)
         damaged[-100] ^= 0xFF
-        store.tier.engine.write(lambda txn: txn.put("blocks", key, bytes(damaged)))
+        store._tier.engine.write(lambda txn: txn.put("blocks", key, bytes(damaged)))
     return key
 
 
@@ -110,7 +110,7 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     results = {"second": second.wait(), "other": other.wait(), "async": async_mode.wait()}
     with ucm_db.open(store) as opened:
         stats = opened.stats()
-        quarantine = opened.tier.quarantine_records()
+        quarantine = opened._tier.quarantine_records()
     return {
         "names": names, "reference": dict(zip(names, ref["outputs"])), "first": first,
         "second": results["second"], "other": results["other"], "async": results["async"], "stats": stats,

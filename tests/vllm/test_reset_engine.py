@@ -69,7 +69,7 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
         second = start_engine_process(_spec(model, store, ["q2"]), work, "second").wait()
     restarted = start_engine_process(_spec(model, store, ["q3", "q1", "q2"]), work, "restarted").wait()
     with ucm_db.open(store) as opened:
-        (description,) = opened.tier.namespace_descriptions().values()
+        (description,) = opened._tier.namespace_descriptions().values()
         epoch = opened.epoch(ucm_db.Namespace.from_dict(description))
         blocks_after = opened.stats().blocks
     return {"first": first, "second": second, "restarted": restarted, "epoch": epoch, "blocks": blocks_after}

@@ -80,7 +80,7 @@ def runs(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactor
         out[name]["by_prompt"] = dict(zip(both, out[name]["outputs"]))
     with ucm_db.open(store) as opened:
         out["stats"] = opened.stats()
-        (description,) = opened.tier.namespace_descriptions().values()
+        (description,) = opened._tier.namespace_descriptions().values()
         namespace = Namespace.from_dict(description)
         layout = json.loads(description["layout"])
         grid = KVGrid(layout["kv_heads"], layout["layers"])

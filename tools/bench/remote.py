@@ -52,7 +52,9 @@ from ucm_db.components import (
     Uploader,
     codec,
     is_local_fs,
+    local_tier,
     pack_object,
+    remote_link,
     write_whole,
 )
 
@@ -117,7 +119,7 @@ def _queued_store(path: Path, keys: list[bytes], payloads: list[bytes]) -> tuple
     ns_id = NAMESPACE.digest[:16]
     entries = [BlockEntry.of_blob(k, keys[i - 1] if i else None, b, len(p), ns_id) for i, (k, b, p) in enumerate(zip(keys, blobs, payloads))]
     desc = (ns_id, json.dumps(NAMESPACE.to_dict(), sort_keys=True).encode())
-    store.tier.put_blocks(entries, namespace_desc=desc, enqueue_upload=True)
+    local_tier(store).put_blocks(entries, namespace_desc=desc, enqueue_upload=True)
     return store, blobs
 
 
@@ -135,12 +137,12 @@ def bench_transfer(url_of: Callable[[], str], options: dict[str, Any], scratch: 
         objects = [pack_object(k, keys[i - 1] if i else None, ns_id, b) for i, (k, b) in enumerate(zip(keys, blobs))]
         total_bytes = sum(len(o) for o in objects)
         root = RemoteRoot.from_url(url, options)
-        uploader = Uploader(store.tier, root, store.path, concurrency=cfg["concurrency"])
+        uploader = Uploader(local_tier(store), root, store.path, concurrency=cfg["concurrency"])
         started = time.perf_counter()
         while uploader.drain_batch()[0]:
             pass
         runs["upload"].append(time.perf_counter() - started)
-        assert not store.tier.pending_uploads(limit=1), "upload queue not drained"
+        assert not local_tier(store).pending_uploads(limit=1), "upload queue not drained"
         store.close()
         raw_root = RemoteRoot.from_url(url_of(), options)
         raw_paths = [raw_root.object_path(ns_id, k) for k in keys]
@@ -195,7 +197,7 @@ def bench_lookup(url: str, options: dict[str, Any], scratch: Path, cfg: Mapping[
     out: dict[str, Any] = {"blocks": n}
     with ucm_db.open(scratch / "lookup", capacity_bytes=1 << 30, remote=url, remote_options=options,
                      remote_deadline_s=30.0) as store:
-        link = store.remote
+        link = remote_link(store)
         assert link is not None
         written = 0
         for label, present in (("empty", 0), ("half", n // 2), ("full", n)):

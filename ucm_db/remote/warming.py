@@ -30,7 +30,8 @@ from typing import Any
 
 from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.keys import Namespace
-from ucm_db.readthrough import RemoteLink, promote
+from ucm_db.remote.link import RemoteLink
+from ucm_db.remote.promotion import promote
 from ucm_db.tiers.local import LocalTier
 from ucm_db.tiers.remote import RemoteRoot, remote_failure
 
@@ -176,7 +177,7 @@ def warm(
 
     Args:
         tier: the store's local tier (blocks enter it through
-            :func:`ucm_db.readthrough.promote` only).
+            :func:`ucm_db.remote.promotion.promote` only).
         link: the store's remote link; None (no ``remote``) counts only
             ``already_local`` and ``missing``.
         namespace: the chains' namespace.

@@ -1,9 +1,9 @@
-"""Read-through from the remote tier, with deadlines and backoff.
+"""The link to the remote tier: pool, breaker, deadlines, fetches and streams.
 
-:class:`RemoteLink` is what a :class:`~ucm_db.store.Store` with a ``remote``
+:class:`RemoteLink` is what the remote wing (:mod:`ucm_db.remote.wing`)
 holds: the :class:`~ucm_db.tiers.remote.RemoteRoot`, a thread pool for
-concurrent requests, a circuit breaker, and the promotion of fetched blocks
-into the local tier.
+concurrent requests and a circuit breaker. It fetches; it never writes the
+local tier (fetched blocks enter it through :mod:`ucm_db.remote.promotion`).
 
 Invariants:
     * A remote call made on behalf of a lookup returns within its deadline:
@@ -17,37 +17,21 @@ Invariants:
       it. A stream (:meth:`RemoteLink.fetch_in_order`) holds at most as much
       fetched and not yet consumed.
       The exception is a remote directory on a local disk while its reads
-      stay fast (:mod:`ucm_db.inline_reads`): requests then run in order
-      on the caller's thread, none started past the deadline.
+      stay fast (:mod:`ucm_db.remote.inline_reads`): requests then run in
+      order on the caller's thread, none started past the deadline.
     * When the remote fails (an error other than "not found", or a deadline
       passing with no request answered) the breaker opens for a backoff that
-      doubles up to :data:`MAX_BACKOFF_S`; while open, reads skip the remote
+      doubles up to :data:`~ucm_db.remote.search.MAX_BACKOFF_S`; while open, reads skip the remote
       at once and the store serves what is local.
-    * Promotion keeps the local prefix invariant: blocks are put in chain
-      order, each with the parent its object names, and the first one only
-      if its parent is local (or it is a chain's first block). An object
-      whose parent disagrees with the caller's chain is a miss.
-    * Promoted blocks are not queued for upload (they came from the remote).
-    * A lookup whose deadline cut its fetch short, or that fetched more than
-      :data:`SYNC_PROMOTE_BYTES`, hands the rest of the found prefix to one
-      background thread (bounded queue), so remote-only hits arrive
-      asynchronously and the next lookup finds them local. A lookup thus
-      waits at most its deadline on the remote plus one local commit of at
-      most that many bytes.
     * Remote presence along a chain is treated as monotone for the search
       (uploads go ancestors first); where it is not, the search can only
       over-estimate, and the fetch stops at the first block it cannot get.
-    * A lookup asks the remote only for what it could promote: nothing when
-      the first key's parent is not local; a continuation of at most
-      :data:`DIRECT_FETCH_KEYS` keys is fetched outright (one request per
-      key, no search), a longer one searched first.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -55,35 +39,17 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ucm_db.auth import AuthKeys
-from ucm_db.errors import MissingAncestorError
-from ucm_db.inline_reads import InlineReads, is_local_disk
-from ucm_db.remote_search import (  # noqa: F401 - re-exported: read-through's public names
-    MAX_BACKOFF_S, MIN_BACKOFF_S, SEARCH_FANOUT, Breaker, SearchResult, search_points, search_prefix,
-)
-from ucm_db.tiers.local import BlockEntry, LocalTier
-from ucm_db.tiers.namespace_guard import ForeignNamespaceError
+from ucm_db.remote.inline_reads import InlineReads, is_local_disk
+from ucm_db.remote.search import Breaker, SearchResult, search_prefix
 from ucm_db.tiers.remote import RemoteObject, RemoteRoot, RemoteTier
 from ucm_db.tiers.remote_reads import ByteBudget, ReadAbandoned, ReadLimits
 
-#: A remote continuation of at most this many keys is fetched at once, with
-#: no presence search first: one round of requests instead of two or more
-#: (a single round trip where ``remote_read_concurrency`` is at least this;
-#: a hit's bytes are wanted anyway; a miss costs one request per key, about
-#: what the search's probes would). The connector's first lookup segment fits.
-DIRECT_FETCH_KEYS = 2 * SEARCH_FANOUT
 #: Threads for remote reads (probes and fetches) unless the store's
 #: ``remote_read_concurrency`` says otherwise.
 READ_THREADS = 16
-#: Background promotions of chain tails queued at once (more are dropped).
-MAX_CONTINUATIONS = 8
-#: Bytes a lookup commits locally before returning; the rest of what it
-#: fetched is promoted in the background (bounds a lookup's local commit).
-SYNC_PROMOTE_BYTES = 32 << 20
 #: Bytes of fetched objects promoted per local commit while later ones are
 #: still being fetched (read-through of ``get``, warming, continuations).
 PROMOTE_BATCH_BYTES = 16 << 20
-#: Longest close() waits for a background promotion's commit.
-CLOSE_WAIT_S = 5.0
 #: Marks a call that did not finish before its deadline.
 UNFINISHED: Any = object()
 #: Deadline of bulk fetches (get of local misses, warming), which move data.
@@ -115,15 +81,6 @@ class RemoteLink:
         self._tiers: dict[bytes, RemoteTier] = {}
         self.last_search: SearchResult | None = None
         self.inline = InlineReads(self.root.is_local and is_local_disk(self.root.root))
-        self._start_background()
-
-    def _start_background(self) -> None:
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="ucm-db-promote")
-        self._continuing_lock = threading.Lock()
-        self._promote_lock = threading.Lock()
-        self._continuing = 0
-        self._closed = False
-        self.promoted_in_background = 0
 
     def tier(self, namespace_id: bytes) -> RemoteTier:
         tier = self._tiers.get(namespace_id)
@@ -136,15 +93,9 @@ class RemoteLink:
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")
         self.breaker = Breaker()
         self.root.after_fork()
-        self._start_background()
 
     def close(self) -> None:
-        # Never wait on a hung remote: abandon running requests. A running
-        # continuation stops at its next run (it checks _closed).
-        self._closed = True
-        self._background.shutdown(wait=False, cancel_futures=True)
-        if self._promote_lock.acquire(timeout=CLOSE_WAIT_S):
-            self._promote_lock.release()
+        # Never wait on a hung remote: abandon running requests.
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- concurrency with a deadline ----------------------------------------------
@@ -215,10 +166,10 @@ class RemoteLink:
         """Fetches ``keys`` (a chain whose first block's parent is
         ``parent``) and returns the leading run that arrived verified and
         chained before the deadline."""
-        run = self._fetch_run(namespace_id, keys, parent, deadline)
+        run = self.fetch_run(namespace_id, keys, parent, deadline)
         return [] if run is None else run[0]
 
-    def _fetch_run(
+    def fetch_run(
         self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float,
     ) -> tuple[list[RemoteObject], bool] | None:
         """:meth:`fetch_chain`, and whether every request answered (False:
@@ -380,76 +331,6 @@ class RemoteLink:
             return [None] * len(keys)
         return [None if r is UNFINISHED else r for r in results]
 
-    def extend_prefix(
-        self, local: LocalTier, namespace_id: bytes, keys: Sequence[bytes], local_n: int, deadline_s: float,
-    ) -> tuple[int, int]:
-        """Promotes remote blocks continuing the local prefix ``keys[:local_n]``.
-
-        Returns:
-            ``(blocks now local, bytes fetched)``.
-        """
-        deadline = time.monotonic() + deadline_s
-        rest = keys[local_n:]
-        parent = keys[local_n - 1] if local_n else first_parent(keys)
-        if local_n == 0 and parent is not None and not local.exists([parent])[0]:
-            # Nothing fetched could be promoted: a unit looked up alone past
-            # its chain's local prefix (the connector's probe of a block's
-            # last unit), or a parent evicted meanwhile. No request at all.
-            return 0, 0
-        if len(rest) <= DIRECT_FETCH_KEYS:
-            run = self._fetch_run(namespace_id, rest, parent, deadline)
-            if run is None:
-                return local_n, 0  # the remote is down or silent: nothing to continue later
-            objects, complete = run
-            present = len(objects) if complete else len(rest)  # cut short: the rest may be there
-        else:
-            found = self.search(namespace_id, rest, deadline)
-            if found.count == 0:
-                return local_n, 0
-            present = found.count
-            objects = self.fetch_chain(namespace_id, rest[:present], parent, deadline)
-        now, later = _split_by_bytes(objects, SYNC_PROMOTE_BYTES)
-        promoted = promote(local, now)
-        if promoted == len(now) and promoted < present:
-            # The deadline (or the commit budget) cut the promotion short:
-            # finish in the background so the next lookup finds it local.
-            tail_parent = now[-1].key if now else parent
-            self.continue_later(local, namespace_id, list(rest[promoted:present]), tail_parent, later)
-        return local_n + promoted, sum(len(o.blob) for o in now[:promoted])
-
-    def continue_later(
-        self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None,
-        fetched: Sequence[RemoteObject] = (),
-    ) -> bool:
-        """Queues a background promotion of a chain tail whose first
-        ``len(fetched)`` objects are already here (at most
-        :data:`MAX_CONTINUATIONS` queued; more are dropped, not blocked on)."""
-        with self._continuing_lock:
-            if self._closed or self._continuing >= MAX_CONTINUATIONS:
-                return False
-            self._continuing += 1
-        self._background.submit(self._continue, local, namespace_id, keys, parent, list(fetched))
-        return True
-
-    def _continue(
-        self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None, fetched: list[RemoteObject],
-    ) -> None:
-        try:
-            runs = [fetched[i : i + 64] for i in range(0, len(fetched), 64)]
-            if fetched:
-                parent = fetched[-1].key
-            for run in itertools.chain(runs, self.stream_chain(namespace_id, keys[len(fetched):], parent)):
-                with self._promote_lock:  # close() waits for a promotion in progress
-                    if self._closed or promote(local, run) < len(run):
-                        break
-                self.promoted_in_background += len(run)
-        except Exception:  # noqa: BLE001 - best effort: a later lookup retries
-            pass
-        finally:
-            with self._continuing_lock:
-                self._continuing -= 1
-
-
 def _leading_run(results: Sequence[Any], parent: bytes | None) -> tuple[list[RemoteObject], bool]:
     """The leading verified run of fetch results chained from ``parent``,
     and whether every request answered (False: a result is
@@ -464,70 +345,6 @@ def _leading_run(results: Sequence[Any], parent: bytes | None) -> tuple[list[Rem
         out.append(obj)
         expected = obj.key
     return out, True
-
-
-def _split_by_bytes(objects: list[RemoteObject], budget_bytes: int) -> tuple[list[RemoteObject], list[RemoteObject]]:
-    """The leading objects within ``budget_bytes`` (at least one), and the rest."""
-    total = 0
-    for i, obj in enumerate(objects):
-        total += len(obj.blob)
-        if total > budget_bytes and i > 0:
-            return objects[:i], objects[i:]
-    return objects, []
-
-
-def first_parent(keys: Sequence[bytes]) -> bytes | None:
-    """The key before ``keys[0]``: a ``BlockKeys`` slice's ``parent``, a
-    ``UnitKeys`` slice's ``parent()``, None for a plain list (a chain's
-    start). A lookup of a segment that starts mid-chain (the connector looks
-    a long prompt up in segments) must check the remote objects against
-    that parent, not None, or it finds none of them."""
-    parent = getattr(keys, "parent", None)
-    found = parent() if callable(parent) else parent
-    return bytes(found) if isinstance(found, (bytes, bytearray, memoryview)) else None
-
-
-def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
-    """Puts a verified chain run into the local tier; returns blocks put.
-
-    Nothing is put when the run's first parent has meanwhile been evicted
-    locally (the caller sees a shorter prefix, never a broken invariant).
-    """
-    if not objects:
-        return 0
-    entries = [BlockEntry.of_blob(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
-    try:
-        local.put_blocks(entries, enqueue_upload=False)
-    except (MissingAncestorError, ForeignNamespaceError):  # a read never fails on what it cannot promote
-        return 0
-    return len(entries)
-
-
-def promotable_runs(
-    local: LocalTier, objects: Sequence[RemoteObject | None],
-) -> list[list[RemoteObject]]:
-    """Splits fetched objects (in the caller's order) into runs that can be
-    promoted: each run's first parent is local or absent, and each next
-    object's parent is the previous object."""
-    present = [o for o in objects if o is not None]
-    parents_local = local.exists([o.parent for o in present if o.parent is not None]) if present else []
-    local_parent = iter(parents_local)
-    runs: list[list[RemoteObject]] = []
-    previous: RemoteObject | None = None
-    for obj in objects:
-        if obj is None:
-            previous = None
-            continue
-        ok_local = obj.parent is None or next(local_parent)
-        if previous is not None and obj.parent == previous.key:
-            runs[-1].append(obj)
-        elif ok_local:
-            runs.append([obj])
-        else:
-            previous = None
-            continue
-        previous = obj
-    return runs
 
 
 def _bind(fn: Callable[[bytes], Any], key: bytes) -> Callable[[], Any]:

@@ -43,7 +43,7 @@ from ucm_db.crashpoints import crashpoint
 from ucm_db import codec
 from ucm_db.cpu_placement import place_current_thread
 from ucm_db.errors import CorruptBlockError, TierError
-from ucm_db.remote_codec import RemoteCodec
+from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.tiers.local import LocalTier
 from ucm_db.tiers.remote import RemoteRoot
 

@@ -1,0 +1,263 @@
+"""Promotion: the one way fetched remote blocks enter the local tier.
+
+Every block read from the remote and kept locally (a lookup continuing its
+local prefix, a ``get`` of local misses, warming, a background
+continuation) goes through :func:`promote`; nothing else in ucm_db puts a
+fetched block into the local tier.
+
+Invariants:
+    * Promotion keeps the local prefix invariant: blocks are put in chain
+      order, each with the parent its object names, and the first one only
+      if its parent is local (or it is a chain's first block). An object
+      whose parent disagrees with the caller's chain is a miss.
+    * Promoted blocks are not queued for upload (they came from the remote).
+    * A lookup whose deadline cut its fetch short, or that fetched more than
+      :data:`SYNC_PROMOTE_BYTES`, hands the rest of the found prefix to one
+      background thread (:class:`Continuations`, bounded queue), so
+      remote-only hits arrive asynchronously and the next lookup finds them
+      local. A lookup thus waits at most its deadline on the remote plus one
+      local commit of at most that many bytes.
+    * A lookup asks the remote only for what it could promote: nothing when
+      the first key's parent is not local; a continuation of at most
+      :data:`DIRECT_FETCH_KEYS` keys is fetched outright (one request per
+      key, no search), a longer one searched first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from ucm_db.errors import MissingAncestorError
+from ucm_db.remote import link as link_module
+from ucm_db.remote.link import RemoteLink
+from ucm_db.remote.search import SEARCH_FANOUT
+from ucm_db.tiers.base import Buffer
+from ucm_db.tiers.local import BlockEntry, LocalTier
+from ucm_db.tiers.namespace_guard import ForeignNamespaceError
+from ucm_db.tiers.remote import RemoteObject
+
+#: A remote continuation of at most this many keys is fetched at once, with
+#: no presence search first: one round of requests instead of two or more
+#: (a single round trip where ``remote_read_concurrency`` is at least this;
+#: a hit's bytes are wanted anyway; a miss costs one request per key, about
+#: what the search's probes would). The connector's first lookup segment fits.
+DIRECT_FETCH_KEYS = 2 * SEARCH_FANOUT
+#: Background promotions of chain tails queued at once (more are dropped).
+MAX_CONTINUATIONS = 8
+#: Bytes a lookup commits locally before returning; the rest of what it
+#: fetched is promoted in the background (bounds a lookup's local commit).
+SYNC_PROMOTE_BYTES = 32 << 20
+#: Longest close() waits for a background promotion's commit.
+CLOSE_WAIT_S = 5.0
+
+
+def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
+    """Puts a verified chain run into the local tier; returns blocks put.
+
+    Nothing is put when the run's first parent has meanwhile been evicted
+    locally (the caller sees a shorter prefix, never a broken invariant).
+    """
+    if not objects:
+        return 0
+    entries = [BlockEntry.of_blob(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
+    try:
+        local.put_blocks(entries, enqueue_upload=False)
+    except (MissingAncestorError, ForeignNamespaceError):  # a read never fails on what it cannot promote
+        return 0
+    return len(entries)
+
+
+class Continuations:
+    """One background thread promoting chain tails that a lookup could not
+    wait for (at most :data:`MAX_CONTINUATIONS` queued)."""
+
+    def __init__(self, link: RemoteLink) -> None:
+        self._link = link
+        self._start()
+
+    def _start(self) -> None:
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="ucm-db-promote")
+        self._continuing_lock = threading.Lock()
+        self._promote_lock = threading.Lock()
+        self._continuing = 0
+        self._closed = False
+        self.promoted_in_background = 0
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's thread does not exist here."""
+        self._start()
+
+    def close(self) -> None:
+        """Stops taking work and waits (at most :data:`CLOSE_WAIT_S`) for a
+        commit in progress; a running continuation stops at its next run."""
+        self._closed = True
+        self._background.shutdown(wait=False, cancel_futures=True)
+        if self._promote_lock.acquire(timeout=CLOSE_WAIT_S):
+            self._promote_lock.release()
+
+    def continue_later(
+        self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None,
+        fetched: Sequence[RemoteObject] = (),
+    ) -> bool:
+        """Queues a background promotion of a chain tail whose first
+        ``len(fetched)`` objects are already here (at most
+        :data:`MAX_CONTINUATIONS` queued; more are dropped, not blocked on)."""
+        with self._continuing_lock:
+            if self._closed or self._continuing >= MAX_CONTINUATIONS:
+                return False
+            self._continuing += 1
+        self._background.submit(self._continue, local, namespace_id, keys, parent, list(fetched))
+        return True
+
+    def _continue(
+        self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None, fetched: list[RemoteObject],
+    ) -> None:
+        try:
+            runs = [fetched[i : i + 64] for i in range(0, len(fetched), 64)]
+            if fetched:
+                parent = fetched[-1].key
+            for run in itertools.chain(runs, self._link.stream_chain(namespace_id, keys[len(fetched):], parent)):
+                with self._promote_lock:  # close() waits for a promotion in progress
+                    if self._closed or promote(local, run) < len(run):
+                        break
+                self.promoted_in_background += len(run)
+        except Exception:  # noqa: BLE001 - best effort: a later lookup retries
+            pass
+        finally:
+            with self._continuing_lock:
+                self._continuing -= 1
+
+
+def extend_prefix(
+    link: RemoteLink, later: Continuations, local: LocalTier, namespace_id: bytes, keys: Sequence[bytes], local_n: int,
+    deadline_s: float,
+) -> tuple[int, int]:
+    """Promotes remote blocks continuing the local prefix ``keys[:local_n]``.
+
+    Returns:
+        ``(blocks now local, bytes fetched)``.
+    """
+    deadline = time.monotonic() + deadline_s
+    rest = keys[local_n:]
+    parent = keys[local_n - 1] if local_n else first_parent(keys)
+    if local_n == 0 and parent is not None and not local.exists([parent])[0]:
+        # Nothing fetched could be promoted: a unit looked up alone past
+        # its chain's local prefix (the connector's probe of a block's
+        # last unit), or a parent evicted meanwhile. No request at all.
+        return 0, 0
+    if len(rest) <= DIRECT_FETCH_KEYS:
+        run = link.fetch_run(namespace_id, rest, parent, deadline)
+        if run is None:
+            return local_n, 0  # the remote is down or silent: nothing to continue later
+        objects, complete = run
+        present = len(objects) if complete else len(rest)  # cut short: the rest may be there
+    else:
+        found = link.search(namespace_id, rest, deadline)
+        if found.count == 0:
+            return local_n, 0
+        present = found.count
+        objects = link.fetch_chain(namespace_id, rest[:present], parent, deadline)
+    now, rest_fetched = _split_by_bytes(objects, SYNC_PROMOTE_BYTES)
+    promoted = promote(local, now)
+    if promoted == len(now) and promoted < present:
+        # The deadline (or the commit budget) cut the promotion short:
+        # finish in the background so the next lookup finds it local.
+        tail_parent = now[-1].key if now else parent
+        later.continue_later(local, namespace_id, list(rest[promoted:present]), tail_parent, rest_fetched)
+    return local_n + promoted, sum(len(o.blob) for o in now[:promoted])
+
+
+class DecodeQueue(Protocol):
+    """What :func:`read_through` needs of the codec pool's pending decodes
+    (:class:`ucm_db.codec_pool.PendingDecodes`)."""
+
+    def add(self, blob: Buffer, call: Callable[[], None]) -> None: ...
+
+
+def read_through(
+    link: RemoteLink, local: LocalTier, namespace_id: bytes, keys: Sequence[bytes], missing: list[int], deadline: float,
+    use: Callable[[int, Buffer], None], decodes: DecodeQueue,
+) -> None:
+    """Fetches ``keys[i]`` for each ``i`` in ``missing`` (in order),
+    promotes what keeps the prefix invariant, and hands each verified blob
+    to ``decodes.add(blob, call)``, ``call()`` running ``use(i, blob)``; the
+    caller joins ``decodes``.
+
+    Objects arrive in order while later ones are fetched: each batch of
+    :data:`~ucm_db.remote.link.PROMOTE_BATCH_BYTES` is promoted then,
+    overlapping the commit with the transfer (a batch's first parent is the
+    previous batch's last block, promoted already)."""
+    batch: list[RemoteObject | None] = []
+    batch_bytes = 0
+
+    def promote_batch() -> None:
+        for run in promotable_runs(local, batch):
+            promote(local, run)
+
+    fetched = link.fetch_in_order(namespace_id, [keys[i] for i in missing], deadline)
+    for obj, i in zip(fetched, missing):  # fetched first: the generator runs to its end (breaker.success)
+        batch.append(obj)
+        if obj is not None:
+            decodes.add(obj.blob, _bind_use(use, i, obj.blob))
+            batch_bytes += len(obj.blob)
+        if batch_bytes >= link_module.PROMOTE_BATCH_BYTES:
+            promote_batch()
+            batch, batch_bytes = [], 0
+    promote_batch()
+
+
+def _bind_use(use: Callable[[int, Buffer], None], i: int, blob: Buffer) -> Callable[[], None]:
+    return lambda: use(i, blob)
+
+
+def _split_by_bytes(objects: list[RemoteObject], budget_bytes: int) -> tuple[list[RemoteObject], list[RemoteObject]]:
+    """The leading objects within ``budget_bytes`` (at least one), and the rest."""
+    total = 0
+    for i, obj in enumerate(objects):
+        total += len(obj.blob)
+        if total > budget_bytes and i > 0:
+            return objects[:i], objects[i:]
+    return objects, []
+
+
+def first_parent(keys: Sequence[bytes]) -> bytes | None:
+    """The key before ``keys[0]``: a ``BlockKeys`` slice's ``parent``, a
+    ``UnitKeys`` slice's ``parent()``, None for a plain list (a chain's
+    start). A lookup of a segment that starts mid-chain (the connector looks
+    a long prompt up in segments) must check the remote objects against
+    that parent, not None, or it finds none of them."""
+    parent = getattr(keys, "parent", None)
+    found = parent() if callable(parent) else parent
+    return bytes(found) if isinstance(found, (bytes, bytearray, memoryview)) else None
+
+
+def promotable_runs(
+    local: LocalTier, objects: Sequence[RemoteObject | None],
+) -> list[list[RemoteObject]]:
+    """Splits fetched objects (in the caller's order) into runs that can be
+    promoted: each run's first parent is local or absent, and each next
+    object's parent is the previous object."""
+    present = [o for o in objects if o is not None]
+    parents_local = local.exists([o.parent for o in present if o.parent is not None]) if present else []
+    local_parent = iter(parents_local)
+    runs: list[list[RemoteObject]] = []
+    previous: RemoteObject | None = None
+    for obj in objects:
+        if obj is None:
+            previous = None
+            continue
+        ok_local = obj.parent is None or next(local_parent)
+        if previous is not None and obj.parent == previous.key:
+            runs[-1].append(obj)
+        elif ok_local:
+            runs.append([obj])
+        else:
+            previous = None
+            continue
+        previous = obj
+    return runs

@@ -1,0 +1,124 @@
+"""The remote wing: what a store with a ``remote`` holds and calls.
+
+A :class:`RemoteWing` owns the link (:mod:`ucm_db.remote.link`), the
+background promotions (:mod:`ucm_db.remote.promotion`) and the uploader
+(:mod:`ucm_db.remote.uploader`, with its codec choice,
+:mod:`ucm_db.remote.codec_choice`). The :class:`~ucm_db.store.Store` calls
+it for every remote step and never reaches into its parts.
+
+Invariants:
+    * Fetched blocks enter the local tier only through
+      :func:`ucm_db.remote.promotion.promote`.
+    * Threads are this process's: :meth:`start_process` makes the uploader
+      (again after a fork, when the parent's threads are gone).
+    * :meth:`close_steps` lists the shutdown steps in order (uploader,
+      background promotions, link); the store runs each even when an
+      earlier one fails.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ucm_db.auth import AuthKeys
+from ucm_db.config import StoreConfig
+from ucm_db.remote.codec_choice import RemoteCodec
+from ucm_db.remote.link import RemoteLink
+from ucm_db.remote.promotion import Continuations, DecodeQueue, extend_prefix, read_through
+from ucm_db.remote.uploader import Uploader, describe
+from ucm_db.tiers.base import Buffer
+from ucm_db.errors import TierError
+from ucm_db.tiers.local import BlockEntry, LocalTier
+
+#: A bulk remote fetch (get of local misses) waits this many lookup deadlines.
+FETCH_DEADLINE_FACTOR = 10
+
+
+class RemoteWing:
+    """A store's remote side (see module invariants)."""
+
+    def __init__(self, config: StoreConfig, auth: AuthKeys | None, local: LocalTier, store_dir: Path) -> None:
+        assert config.remote is not None
+        self._config = config
+        self._local = local
+        self._store_dir = store_dir
+        self.link = RemoteLink(
+            config.remote, dict(config.remote_options), config.remote_read_concurrency,
+            max_object_bytes=config.remote_max_object_bytes, lookup_max_bytes=config.remote_lookup_max_bytes, auth=auth,
+        )
+        self.continuations = Continuations(self.link)
+        self.uploader: Uploader | None = None
+
+    def start_process(self, *, forked: bool) -> None:
+        """Starts this process's uploader; in a forked child, first makes
+        the link's and the promotions' threads again."""
+        if forked:
+            self.link.after_fork()
+            self.continuations.after_fork()
+            if self.uploader is not None:
+                self.uploader.forget_lock_after_fork()
+        remote_codec = RemoteCodec(
+            self._config.remote_codec, local_codec=self._config.codec, level=self._config.zstd_level,
+            threads=self._config.upload_concurrency,
+        )
+        self.uploader = Uploader(
+            self._local, self.link.root, self._store_dir, concurrency=self._config.upload_concurrency,
+            remote_codec=remote_codec,
+        )
+        self.uploader.start()
+
+    def extend_prefix(self, namespace_id: bytes, keys: Sequence[bytes], local_n: int, deadline_s: float) -> int:
+        """Blocks of ``keys`` local after promoting what continues the local
+        prefix ``keys[:local_n]`` (:func:`ucm_db.remote.promotion.extend_prefix`)."""
+        count, _ = extend_prefix(self.link, self.continuations, self._local, namespace_id, keys, local_n, deadline_s)
+        return count
+
+    def read_through(
+        self, namespace_id: bytes, keys: Sequence[bytes], missing: list[int], use: Callable[[int, Buffer], None],
+        decodes: DecodeQueue,
+    ) -> None:
+        """Fetches and promotes local misses (:func:`ucm_db.remote.promotion.read_through`)
+        within :data:`FETCH_DEADLINE_FACTOR` lookup deadlines."""
+        deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self._config.remote_deadline_s
+        read_through(self.link, self._local, namespace_id, keys, missing, deadline, use, decodes)
+
+    def upload(self, entries: Sequence[BlockEntry]) -> None:
+        """After a put committed and queued ``entries``: write-through
+        uploads them before returning, write-back wakes the uploader.
+
+        Raises:
+            TierError: a write-through upload failed (the blocks stay
+                stored locally and queued; the uploader retries them).
+        """
+        assert self.uploader is not None  # started with the process
+        if self._config.remote_mode != "write_through":
+            self.uploader.notify()
+            return
+        errors = self.uploader.upload_now([(e.key, e.parent, e.namespace_id, b"".join([e.head, e.body])) for e in entries])
+        if errors:
+            self.uploader.notify()
+            raise TierError(
+                f"write-through upload of {len(errors)} of {len(entries)} block(s) failed: {errors[0]}",
+                hint="the blocks are stored locally and queued; the background uploader retries them",
+            )
+
+    def wait_drained(self, timeout_s: float | None) -> None:
+        """Blocks until the upload queue is empty (see :meth:`Uploader.wait_drained`)."""
+        if self.uploader is not None:
+            self.uploader.wait_drained(timeout_s)
+
+    def close_steps(self) -> list[Callable[[], object]]:
+        """This process's shutdown steps, in order."""
+        steps: list[Callable[[], object]] = []
+        if self.uploader is not None:
+            steps.append(self.uploader.stop)
+        return [*steps, self.continuations.close, self.link.close]
+
+    def stats(self) -> dict[str, Any]:
+        """The remote's counters for :meth:`ucm_db.Store.stats`."""
+        return {"url": self._config.remote, **asdict(self.link.root.stats), **describe(self.uploader),
+                "breaker_trips": self.link.breaker.trips}
