@@ -248,10 +248,10 @@ def test_malformed_feed_and_fields_records_are_skipped_not_raised(tmp_path: Path
         tokens = list(range(12))
         keys = NS.block_keys(tokens)
         store.put(NS, keys, [b"x" * 10] * 3, event_fields=fields_for(keys, tokens))
-        store.tier.info_put(b"evf/" + keys[1], b"short")
-        first = bytes(store.tier.info_get(b"feed/" + (0).to_bytes(8, "big")) or b"")
-        store.tier.info_put(b"feed/" + (0).to_bytes(8, "big"), b"\x07" + first[1:])
-        store.tier.info_put(b"feed/" + (1).to_bytes(8, "big"), first[:30])
+        store._tier.info_put(b"evf/" + keys[1], b"short")
+        first = bytes(store._tier.info_get(b"feed/" + (0).to_bytes(8, "big")) or b"")
+        store._tier.info_put(b"feed/" + (0).to_bytes(8, "big"), b"\x07" + first[1:])
+        store._tier.info_put(b"feed/" + (1).to_bytes(8, "big"), first[:30])
         assert {r.key for r in store.event_inventory().records} == {keys[0], keys[2]}
         assert [r.seq for r in store.changes_since(0).records] == [2]
     assert len(list(maintenance.iter_events(tmp_path / "s", since_seq=0))) == 1  # the CLI's reader too

@@ -339,7 +339,7 @@ def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: 
                 reason = "parent block missing or bad"
             else:
                 try:
-                    one = store.tier.put_blocks([entry], namespace_desc=desc)
+                    one = store._tier.put_blocks([entry], namespace_desc=desc)
                     report["stored"] += one.stored
                     report["already_present"] += one.already_present
                     report["evicted"] += one.evicted

@@ -237,7 +237,7 @@ def test_a_put_over_a_record_with_impossible_sizes_and_another_namespace_quarant
     with ucm_db.open(path) as store:
         store.put(NS_A, keys, [payload("a1", i) for i in range(5)])
         assert store.get(NS_A, keys) == [payload("a1", i) for i in range(5)]
-        assert keys[4] in store.tier.quarantine_records()
+        assert keys[4] in store._tier.quarantine_records()
 
 
 def test_a_put_over_a_chain_tail_with_a_short_record_stores_it_again(tmp_path: Path) -> None:
