@@ -1,27 +1,20 @@
-"""KV cache groups of a hybrid model (vLLM's hybrid KV cache manager): WORK IN PROGRESS.
+"""KV cache groups of a hybrid model (vLLM's hybrid KV cache manager).
 
-Not wired into the connector yet (branch h-hybrid-wip): the connector still
-refuses a model with more than one group (identity.py). This module is the
-first piece of SupportsHMA (issue 27 items 1/2): what each group is, and the
-namespace its blocks are stored under.
+What each group is, and the namespace its blocks are stored under; the
+connector serves each group apart (hybrid.py).
 
 Invariants:
     * Each group's namespace names its layer set and its spec (full
       attention; sliding window with its window), so a group never reads
       another group's blocks, nor another model's group of the same shape.
     * A model with one group keeps the namespace ucm-db gave it before
-      (:func:`group_namespace` returns the deployment's namespace): stores
-      stay valid.
-    * Specs ucm-db cannot store (SSM/Mamba state, chunked local attention,
-      cross attention, encoder-only ...) are refused with a ConfigError
-      naming the spec and the fix, when the groups are first known (before
-      the KV cache is allocated).
-    * Planned (not built): every group's blocks are stored (a sliding-window
-      group too: each block is still inside the window in the step it is
-      completed, when the worker copies it), so each group's chains keep the
-      prefix invariant; a hit is the shortest stored prefix over the groups;
-      loads skip the null blocks vLLM gives a sliding-window group outside
-      its window.
+      (:func:`group_namespace` returns the deployment's namespace), and any
+      attention spec it was served with before (MLA ...): stores stay valid.
+    * Specs ucm-db cannot store in a model of several groups (SSM/Mamba
+      state, chunked local attention, cross attention ...), and a lone
+      group that is not attention, are refused with a ConfigError naming
+      the spec and the fix, when the groups are first known: the worker's
+      connector is made before vLLM allocates the KV cache.
 """
 
 from __future__ import annotations
@@ -53,9 +46,12 @@ class KVGroup:
 def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
     """The groups of vLLM's ``KVCacheConfig``; refuses specs ucm-db cannot store."""
     groups = []
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+    specs = kv_cache_config.kv_cache_groups
+    for index, group in enumerate(specs):
         spec_name = type(group.kv_cache_spec).__name__
         kind = _STORABLE.get(spec_name)
+        if kind is None and len(specs) == 1 and _is_attention(group.kv_cache_spec):
+            kind = spec_name  # one group: any attention spec, as ucm-db stored it before groups (MLA ...)
         if kind is None:
             raise ConfigError(
                 f"KV cache group {index} ({len(group.layer_names)} layers) has a {spec_name}, which ucm-db cannot store yet",
@@ -72,3 +68,9 @@ def group_namespace(base: Namespace, groups: list[KVGroup], group: KVGroup) -> N
         return base
     extra = json.dumps(group.describe(), sort_keys=True, separators=(",", ":"))
     return Namespace.from_dict({**base.to_dict(), "extra": (base.extra + "|" if base.extra else "") + extra})
+
+
+def _is_attention(spec: Any) -> bool:
+    """Whether ``spec`` is one of vLLM's attention specs (paged KV of
+    tokens, not an SSM's state)."""
+    return any(cls.__name__ == "AttentionSpec" for cls in type(spec).__mro__)

@@ -1,4 +1,4 @@
-"""KV cache groups (connector/groups.py, work in progress) with vLLM's real
+"""KV cache groups (connector/groups.py) with vLLM's real
 KVCacheConfig objects: one namespace per group naming its layers and spec;
 a single-group model keeps its namespace; unstorable specs are refused."""
 
@@ -54,3 +54,12 @@ def test_a_state_space_group_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="MambaSpec") as caught:
         kv_groups(_config(_full(["l.1"]), mamba))
     assert "without ucm-db" in caught.value.hint
+
+
+def test_a_single_group_keeps_any_attention_spec_it_had() -> None:
+    """MLA (one group) was served before groups were known: still is."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    groups = kv_groups(_config(KVCacheGroupSpec(["l.0"], spec)))
+    assert [g.kind for g in groups] == ["MLAAttentionSpec"] and group_namespace(BASE, groups, groups[0]) == BASE
