@@ -606,10 +606,11 @@ class UcmDbScheduler:
         query = max(0, request.num_prompt_tokens - record.local_tokens)
         self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens)
         self._report_ratio()  # every lookup, hit or not: the gauge describes the store, not this request
-        logger.info(
-            "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
-            request.request_id, request.num_prompt_tokens, record.local_tokens, num_external_tokens,
-        )
+        if self._group == 0:  # a hybrid model's groups claim the same hit (hybrid.py): one line
+            logger.info(
+                "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
+                request.request_id, request.num_prompt_tokens, record.local_tokens, num_external_tokens,
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         meta = UcmDbConnectorMetadata()

@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
-from ucm_db.connector.hybrid import GroupedScheduler  # noqa: E402
+from ucm_db.connector.hybrid import GroupedScheduler, group_shape  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 
 BS = 32
@@ -195,3 +195,54 @@ def test_async_loads_are_refused_for_a_hybrid_model(model_dir: Path, tmp_path: P
     with pytest.raises(ConfigError, match="async") as refused:
         UcmDbConnector(_vllm_config(model_dir, {"path": str(tmp_path / "s"), "load_mode": "async"}), KVConnectorRole.WORKER, _groups())
     assert '"load_mode": "block"' in refused.value.hint
+
+
+def test_a_failed_load_in_one_group_voids_every_groups_saves_over_it(model_dir: Path, tmp_path: Path) -> None:
+    """KV computed after a block the sliding-window group failed to load is
+    wrong in every layer: the full-attention group's save of the same step is
+    dropped too, and both groups rewind to the block vLLM recomputes from."""
+    from ucm_db.connector.identity import grid, reader_spans
+    from ucm_db.units import UnitKeys
+
+    first = _Engine(model_dir, tmp_path / "store", _kv(3))
+    first.run(_request("a", TOKENS), (list(range(1, 8)), list(range(11, 18))))
+    first.close()
+    longer = TOKENS[: 6 * BS] + list(range(500, 500 + 3 * BS + 5))  # 6 stored blocks, then 3 new whole blocks
+    second = _Engine(model_dir, tmp_path / "store", _kv(None))
+    sched = second.scheduler._scheduler
+    assert isinstance(sched, GroupedScheduler)
+    req = _request("b", longer)
+    hit, _ = second.scheduler.get_num_new_matched_tokens(req, 0)
+    assert hit == 6 * BS
+    second.scheduler.update_state_after_alloc(req, None, hit)  # type: ignore[arg-type]
+    req.num_computed_tokens = hit
+    ids = ([0, 0, *range(23, 31)], list(range(31, 41)))  # 192 computed tokens: the window group's blocks 0-1 are null
+    meta = second.scheduler.build_connector_meta(_step(req, ids, len(longer) - hit))
+    window_load, full_save = meta.groups[0].loads[0], meta.groups[1].saves[0]
+    assert window_load.block_ids == (23, 24, 25, 26) and full_save.block_ids == (37, 38, 39)
+    assert {24, 33}.issubset(full_save.after_loads)  # every group's loads of the request
+    window = sched.parts[0]
+    shape = group_shape(second.scheduler.shape, sched.groups[0])
+    with_units = [list(UnitKeys([window_load.keys[1]], grid(shape), span)) for span in reader_spans(shape)]
+    # Block 3 of the window group is lost (and, by the prefix invariant, the blocks after it).
+    window.store.delete(window._namespace, [k for keys in with_units for k in keys])
+    second.worker.bind_connector_metadata(meta)
+    second.worker.start_load_kv(None)  # type: ignore[arg-type]
+    assert second.worker.get_block_ids_with_load_errors() == {24, 25, 26}
+    second.worker.wait_for_save()
+    second.worker._worker.drain()  # type: ignore[union-attr]
+    blocks = sorted(ns.blocks for ns in window.store.stats().namespaces.values())
+    assert blocks == [3 * 2, 6 * 2]  # nothing saved over the failed blocks, in either group
+    req.num_computed_tokens = 3 * BS  # vLLM recomputes from the failed block
+    second.scheduler.update_connector_output(_Output(second.worker.build_connector_worker_meta(), {24, 25, 26}))  # type: ignore[arg-type]
+    assert [part._requests["b"].saved_blocks for part in sched.parts] == [3, 3]
+    second.close()
+
+
+class _Output:
+    """The fields of vLLM's KVConnectorOutput the connector reads."""
+
+    def __init__(self, worker_meta: object, invalid: set[int]) -> None:
+        self.kv_connector_worker_meta = worker_meta
+        self.invalid_block_ids = invalid
+
