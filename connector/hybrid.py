@@ -162,7 +162,8 @@ class GroupedScheduler:
     def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         """Every group forgets the request; a ``kv_producer`` returns the
         first group's publication."""
-        results = [part.request_finished(request, list(ids)) for part, ids in zip(self.parts, block_ids)]
+        results = [part.request_finished(request, list(block_ids[i]) if i < len(block_ids) else [])
+                   for i, part in enumerate(self.parts)]  # every group forgets it, whatever vLLM passed
         self._broken = {(g, r) for g, r in self._broken if r != request.request_id}
         return False, results[0][1] if results else None
 
