@@ -36,6 +36,13 @@ Invariants:
       producer's announced blocks gets ``None`` from
       ``get_num_new_matched_tokens`` (vLLM asks again next step) until they
       are visible or its ``load_deadline_s`` passed.
+    * ``SupportsHMA``: vLLM keeps its hybrid KV cache manager with ucm-db
+      on and calls ``request_finished_all_groups`` (one block list per KV
+      cache group) instead of ``request_finished`` for every model. A model
+      with one group is served as before; one with several, group by group
+      (:mod:`ucm_db.connector.hybrid`); groups ucm-db cannot store (SSM
+      state) stop the engine in the constructor, before the worker
+      allocates the KV cache.
     * ``kv_role`` picks the prefill/decode role (:mod:`ucm_db.connector.roles`):
       ``kv_producer`` commits within the step and returns what it published
       as ``kv_transfer_params``; ``kv_consumer`` never saves.
