@@ -36,6 +36,13 @@ Invariants:
       producer's announced blocks gets ``None`` from
       ``get_num_new_matched_tokens`` (vLLM asks again next step) until they
       are visible or its ``load_deadline_s`` passed.
+    * ``SupportsHMA``: vLLM keeps its hybrid KV cache manager with ucm-db
+      on and calls ``request_finished_all_groups`` (one block list per KV
+      cache group) instead of ``request_finished`` for every model. A model
+      with one group is served as before; one with several, group by group
+      (:mod:`ucm_db.connector.hybrid`); groups ucm-db cannot store (SSM
+      state) stop the engine in the constructor, before the worker
+      allocates the KV cache.
     * ``kv_role`` picks the prefill/decode role (:mod:`ucm_db.connector.roles`):
       ``kv_producer`` commits within the step and returns what it published
       as ``kv_transfer_params``; ``kv_consumer`` never saves.
@@ -47,13 +54,15 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db import cpu_placement
-from ucm_db.connector.events import FeedEvents
-from ucm_db.connector.identity import kv_shape, namespace
+from ucm_db.connector.events import FeedEvents, GroupEvents
+from ucm_db.connector.groups import kv_groups
+from ucm_db.connector.hybrid import GroupedScheduler, GroupedWorker, check_hybrid
+from ucm_db.connector.identity import kv_shape
 from ucm_db.connector.metadata import IDLE_WAIT_S, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
 from ucm_db.connector.scheduler import UcmDbScheduler
@@ -79,8 +88,9 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler p
 
 
 
-class UcmDbConnector(KVConnectorBase_V1):
-    """KV connector storing full KV blocks in a ucm-db store."""
+class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
+    """KV connector storing full KV blocks in a ucm-db store; every KV cache
+    group of a hybrid model apart (hybrid.py)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -97,10 +107,19 @@ class UcmDbConnector(KVConnectorBase_V1):
         except UcmDbError as exc:
             _log_start_failure(exc)
             raise
-        self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
-        self._scheduler: UcmDbScheduler | None = None
-        self._events: FeedEvents | None = None  # KV cache events from the store's change feed (events.py)
-        self._worker: UcmDbWorker | None = None
+        try:
+            # The worker's connector is made before vLLM allocates the KV
+            # cache: a model whose groups ucm-db cannot store stops here.
+            self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
+            self.groups = kv_groups(kv_cache_config)
+            check_hybrid(self.groups, self.shape, self.settings)
+        except UcmDbError as exc:
+            _log_start_failure(exc)
+            raise
+        hybrid = len(self.groups) > 1
+        self._scheduler: UcmDbScheduler | GroupedScheduler | None = None
+        self._events: GroupEvents | None = None  # KV cache events from the store's change feed (events.py)
+        self._worker: UcmDbWorker | GroupedWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
@@ -108,14 +127,16 @@ class UcmDbConnector(KVConnectorBase_V1):
                     "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
-            self._scheduler = UcmDbScheduler(self.settings, self.shape, self.pd_role)
+            self._scheduler = (GroupedScheduler(self.settings, self.shape, self.pd_role, self.groups) if hybrid
+                               else UcmDbScheduler(self.settings, self.shape, self.pd_role))
             events_config = vllm_config.kv_events_config
             if events_config is not None and events_config.enable_kv_cache_events:
-                scheduler = self._scheduler
-                self._events = FeedEvents(scheduler.store, namespace(self.shape), lambda: scheduler.epoch)
+                parts = self._scheduler.parts if isinstance(self._scheduler, GroupedScheduler) else [self._scheduler]
+                self._events = GroupEvents([FeedEvents(part.store, part.namespace, lambda part=part: part.epoch) for part in parts])
         else:
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
-            self._worker = UcmDbWorker(self.settings, self.shape, num_blocks, self.pd_role)
+            self._worker = (GroupedWorker(self.settings, self.shape, num_blocks, self.pd_role, self.groups) if hybrid
+                            else UcmDbWorker(self.settings, self.shape, num_blocks, self.pd_role))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -209,9 +230,16 @@ class UcmDbConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # SupportsHMA: vLLM calls this instead of request_finished for every
+        # model, one block list per KV cache group.
         if self._scheduler is None:
             return False, None
-        return self._scheduler.request_finished(request, block_ids)
+        if isinstance(self._scheduler, GroupedScheduler):
+            return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler.request_finished(request, block_ids[0])
 
     def take_events(self) -> list[KVCacheEvent]:
         """``BlockStored``/``BlockRemoved`` (medium ``STORAGE``) of every block

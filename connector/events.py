@@ -175,3 +175,15 @@ def _event(record: ChangeRecord) -> KVCacheEvent:
         token_ids=list(f.token_ids), block_size=f.block_size, lora_id=f.lora_id, medium=MEDIUM_STORAGE,
         lora_name=f.lora_name, group_idx=f.group_idx,
     )
+
+
+class GroupEvents:
+    """The events of every KV cache group of a model: one :class:`FeedEvents`
+    per group's namespace (a single-group model has one), taken in group
+    order. Each group's blocks carry their group index (``group_idx``)."""
+
+    def __init__(self, sources: Sequence[FeedEvents]) -> None:
+        self._sources = list(sources)
+
+    def take(self) -> list[KVCacheEvent]:
+        return [event for source in self._sources for event in source.take()]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ucm_db.connector.groups import kv_groups
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
 from ucm_db.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -68,12 +69,8 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     """Reads :class:`KVShape` from vLLM's configs (see module invariants)."""
     if kv_cache_config is None:
         raise ConfigError("vLLM passed no KVCacheConfig to the connector", hint="use vLLM >= 0.11 (this ucm-db targets 0.32)")
+    kv_groups(kv_cache_config)  # refuses groups ucm-db cannot store (groups.py), before vLLM allocates the KV cache
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise ConfigError(
-            f"the model has {len(groups)} KV cache groups; ucm-db stores models with one attention KV cache group",
-            hint="use a model with full attention in every layer, or run without ucm-db",
-        )
     spec = groups[0].kv_cache_spec
     use_mla = type(spec).__name__.startswith("MLA")
     dtype = str(spec.dtype).removeprefix("torch.")

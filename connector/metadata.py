@@ -39,6 +39,9 @@ Invariants:
     * ``epoch``: the namespace epoch (connector/epochs.py) the scheduler's
       keys are rooted at when it built the step; a worker that sees it move
       drops the saves it holds (keyed at the older epoch: never served).
+    * ``groups``: for a model with several KV cache groups (hybrid.py), each
+      group's own metadata, in vLLM's group order; the top level then holds
+      only the step's number, ``idle``, ``epoch`` and ``preempted``.
     * Only plain values: vLLM ships this object to worker processes.
     * Every step's metadata carries the scheduler's ``step`` number; a
       worker echoes it in its :class:`UcmDbWorkerMetadata` with the step's
@@ -99,10 +102,12 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     held_drops: list[int] = field(default_factory=list)  # hold ids to discard
     epoch: int = 0  # the namespace epoch the step's keys are rooted at (-1: unreadable; connector/epochs.py)
     preempted: tuple[str, ...] = ()  # requests preempted since the last step: their blocks are freed (preemptions.py)
+    groups: list[UcmDbConnectorMetadata] = field(default_factory=list)  # a hybrid model's, one per KV cache group (hybrid.py)
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.saves or self.async_loads or self.void_saves or self.held_commits or self.held_drops)
+        return not (self.loads or self.saves or self.async_loads or self.void_saves or self.held_commits or self.held_drops
+                    or any(not group.empty for group in self.groups))
 
 
 @dataclass

@@ -209,9 +209,11 @@ def _tensor_digest(tensor: Any) -> bytes:
 class UcmDbScheduler:
     """Scheduler-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
-    def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy = RolePolicy()) -> None:
+    def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy = RolePolicy(), group: int = 0,
+                 group_namespace: Namespace | None = None) -> None:
         self._store = acquire(settings)
-        self._namespace = namespace(shape)
+        self._group = group  # the KV cache group whose block ids it reads (hybrid.py: one scheduler per group)
+        self._namespace = group_namespace or namespace(shape)
         self._epochs = EpochWatch(self._store, self._namespace)  # reset and invalidation (epochs.py)
         self._role = role  # prefill/decode role (roles.py)
         self._waits = PublicationWaits(settings.load_deadline_s)
@@ -221,10 +223,10 @@ class UcmDbScheduler:
         self._spans = reader_spans(shape)
         # Whole blocks (pre-unit stores; PP=1 only) are a second source
         # wherever a unit is not the whole block.
-        self._whole_spans = [self._grid.whole] if shape.pp_size == 1 and self._spans != [self._grid.whole] else []
+        self._whole_spans = [self._grid.whole] if shape.pp_size == 1 and self._spans != [self._grid.whole] and group_namespace is None else []
         # Per-rank pre-unit blocks of this TP/PP size: looked up only if the
         # store holds every rank's namespace (each costs a key chain).
-        self._rank_namespaces = _stored(self._store, legacy_rank_namespaces(shape))
+        self._rank_namespaces = [] if group_namespace is not None else _stored(self._store, legacy_rank_namespaces(shape))
         self._block_size = shape.block_size
         self._requests: dict[str, _RequestState] = {}
         self.counters = Counters()
@@ -490,7 +492,7 @@ class UcmDbScheduler:
             for req_id, state in self._requests.items():
                 if invalid.intersection(state.async_block_ids):
                     state.async_block_ids = ()
-                    self._rewind(req_id, None)
+                    self.rewind(req_id, None)
         settled = [(s, self._step_loads.pop(s)) for s in sorted(self._step_loads) if step is None or s <= step]
         for number, record in settled:
             bad = invalid.intersection(b for _, ids in record.loads for b in ids)
@@ -498,13 +500,13 @@ class UcmDbScheduler:
                 self._recent_bad[number] = bad
             for req_id, block_ids in record.loads:
                 if bad.intersection(block_ids):
-                    self._rewind(req_id, None)
+                    self.rewind(req_id, None)
         recent_bad = set().union(*self._recent_bad.values())
         for _, record in settled:
             for transfer, start in record.saves:
                 if recent_bad.intersection(transfer.after_loads):
                     self._voids.append(transfer)
-                    self._rewind(transfer.req_id, start)
+                    self.rewind(transfer.req_id, start)
                     logger.warning("ucm-db: request %s: %d blocks saved over a block that failed to load are voided",
                                    transfer.req_id, len(transfer.block_ids))
         if step is not None:
@@ -519,7 +521,7 @@ class UcmDbScheduler:
                 if req_id in dropped or recent_bad.intersection(held.transfer.after_loads):
                     dropped.add(req_id)
                     drops.append(hold_id)
-                    self._rewind(req_id, held.start)
+                    self.rewind(req_id, held.start)
                 else:
                     commits.append(hold_id)
         # A pending save depends only on loads of steps up to its own.
@@ -540,7 +542,7 @@ class UcmDbScheduler:
             logger.info("ucm-db: %d request(s) preempted (their blocks freed); their saves restart at their stored prefix", len(req_ids))
         return tuple(sorted(req_ids))
 
-    def _rewind(self, req_id: str, save_start: int | None) -> None:
+    def rewind(self, req_id: str, save_start: int | None) -> None:
         """Moves a request's stored and saved marks back to the blocks vLLM
         still counts as computed (and before a voided save)."""
         state = self._requests.get(req_id)
@@ -602,7 +604,7 @@ class UcmDbScheduler:
             # vLLM computes nothing for it until the load is reported done.
             state.async_tried = True
             end = (record.local_tokens + num_external_tokens) // self._block_size
-            plan = self._load_transfer(state, request.request_id, blocks.get_block_ids()[0], end)
+            plan = self._load_transfer(state, request.request_id, blocks.get_block_ids()[self._group], end)
             state.async_block_ids = plan.block_ids
             self._async_plans.append(plan)
         state.stored_blocks = max(state.stored_blocks, record.unit_blocks)
@@ -610,22 +612,23 @@ class UcmDbScheduler:
         query = max(0, request.num_prompt_tokens - record.local_tokens)
         self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens)
         self._report_ratio()  # every lookup, hit or not: the gauge describes the store, not this request
-        logger.info(
-            "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
-            request.request_id, request.num_prompt_tokens, record.local_tokens, num_external_tokens,
-        )
+        if self._group == 0:  # a hybrid model's groups claim the same hit (hybrid.py): one line
+            logger.info(
+                "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
+                request.request_id, request.num_prompt_tokens, record.local_tokens, num_external_tokens,
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         meta = UcmDbConnectorMetadata()
         self._number_step(meta, scheduler_output)
         meta.async_loads, self._async_plans = self._async_plans, []
         for new_req in scheduler_output.scheduled_new_reqs:
-            self._plan_load(meta, new_req.req_id, new_req.block_ids[0])
+            self._plan_load(meta, new_req.req_id, new_req.block_ids[self._group])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and block_ids is not None:
-                self._plan_load(meta, req_id, block_ids[0])
+                self._plan_load(meta, req_id, block_ids[self._group])
         if meta.loads:
             self._step_loads[meta.step] = _StepLoads([(t.req_id, t.block_ids) for t in meta.loads])
             if len(self._step_loads) > _MAX_PENDING_STEPS:
@@ -684,7 +687,7 @@ class UcmDbScheduler:
         hold_id = self._next_hold_id if hold else -1
         transfer = BlockTransfer(
             req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None,
-            after_loads=after_loads, hold_id=hold_id, event_fields=save_fields(request, start, end, self._block_size, state.epoch or 0),
+            after_loads=after_loads, hold_id=hold_id, event_fields=save_fields(request, start, end, self._block_size, state.epoch or 0, self._group),
         )
         meta.saves.append(transfer)
         if hold:
@@ -698,9 +701,9 @@ class UcmDbScheduler:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         if block_state is not None:
             groups = block_state.get_block_ids(req_id)
-            return list(groups[0]) if groups else None
+            return list(groups[self._group]) if groups else None
         if self.kv_cache_manager is not None:
-            return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+            return list(self.kv_cache_manager.get_block_ids(req_id)[self._group])
         return None
 
     kv_cache_manager: Any = None
@@ -745,6 +748,12 @@ class UcmDbScheduler:
     @property
     def store(self) -> ucm_db.Store:
         return self._store
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace this scheduler's blocks are stored under (a hybrid
+        model's group has its own, groups.py)."""
+        return self._namespace
 
 
 def _mean_position(scheduler_output: SchedulerOutput) -> float | None:

@@ -91,8 +91,10 @@ class _LayerLoad:
 class UcmDbWorker:
     """Worker-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
-    def __init__(self, settings: ConnectorSettings, shape: KVShape, num_blocks: int | None, role: RolePolicy = RolePolicy()) -> None:
+    def __init__(self, settings: ConnectorSettings, shape: KVShape, num_blocks: int | None, role: RolePolicy = RolePolicy(),
+                 group_namespace: ucm_db.Namespace | None = None) -> None:
         self._settings = settings
+        self._group_namespace = group_namespace  # a hybrid model's KV cache group's (hybrid.py)
         self._role = role  # a kv_consumer never saves; a kv_producer commits within the step
         self._shape = shape
         self._num_blocks = num_blocks
@@ -117,13 +119,13 @@ class UcmDbWorker:
     # -- setup ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, KVCacheEntry], tp_rank: int, pp_rank: int) -> None:
         self._layout = detect_layout(kv_caches, self._num_blocks)
-        self._namespace = namespace(self._shape)
+        self._namespace = self._group_namespace or namespace(self._shape)
         self._grid = grid(self._shape)
         self._spans = rank_spans(self._shape, tp_rank, pp_rank)
         self._evented_chain = evented_chain(self._spans)  # whose units carry KV event fields (events.py)
         _check_layout(self._layout, self._spans, tp_rank, pp_rank)
         self._writes = writes_units(self._shape, tp_rank)
-        self._legacy = legacy_rank_namespaces(self._shape)
+        self._legacy = legacy_rank_namespaces(self._shape) if self._group_namespace is None else []
         self._legacy_index = pp_rank * self._shape.tp_size + tp_rank
         self._store = acquire(self._settings)
         publish_codec = self._settings.publish_codec
@@ -336,6 +338,14 @@ class UcmDbWorker:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def recent_failures(self, also: set[int] | None = None) -> set[int]:
+        """Blocks this worker failed to load in its last few steps; ``also``
+        (another KV cache group's failures, hybrid.py) joins them first."""
+        with self._errors_lock:
+            if also and self._recent_failed:
+                self._recent_failed[-1].update(also)
+            return set().union(*self._recent_failed)
+
     # -- saves ---------------------------------------------------------------
     def save(self, meta: UcmDbConnectorMetadata) -> None:
         """Copies this step's newly computed blocks out and queues them."""
@@ -343,8 +353,7 @@ class UcmDbWorker:
         if not meta.saves or not self._writes or self._writer is None or not self._role.saves:
             return
         started = time.perf_counter()
-        with self._errors_lock:
-            failed = set().union(*self._recent_failed)
+        failed = self.recent_failures()
         self._pending.add(meta.saves)
         while (transfer := self._pending.take()) is not None:
             try:

@@ -9,7 +9,9 @@ SPEC: {"model": dir, "connector": {extra config} | null, "prefix_caching": bool,
 ("env" is set before vLLM is imported: e.g. the TP=2 CPU thread binding.
 "enforce_eager" skips torch.compile: about 20 s less per engine start here;
 the connector's own e2e module keeps vLLM's default, compiled.)
-RESULT: {"outputs": [[token ids]], "cached": [num_cached_tokens], "engine_start_s": float}
+("logprobs": N adds each output token's top-N log-probabilities.)
+RESULT: {"outputs": [[token ids]], "cached": [num_cached_tokens], "engine_start_s": float,
+         "num_kv_blocks": vLLM's KV cache blocks, "logprobs": [[{token id: logprob}]] (with "logprobs")}
 Each prompt is sent alone (one generate call each) so that a prompt's saves
 can serve the next one.
 """
@@ -50,18 +52,18 @@ def _tokens_prompt(prompt: dict):
     return tp
 
 
-def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None, batch: bool = False) -> dict:
+def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None, batch: bool = False, logprobs: int | None = None) -> dict:
     """Runs ``prompts`` one by one, or with ``batch`` all in one generate call
     (its one latency is the batch's)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     if batch:
         started = time.perf_counter()
         outs = llm.generate([_tokens_prompt(p) for p in prompts], params, use_tqdm=False)
         return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "cached": [int(o.num_cached_tokens or 0) for o in outs],
                 "latency_s": [time.perf_counter() - started]}
-    outputs, cached, latency = [], [], []
+    outputs, cached, latency, tops = [], [], [], []
     for i, prompt in enumerate(prompts):
         if between is not None:
             between(i)
@@ -70,7 +72,9 @@ def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None, batch: 
         latency.append(time.perf_counter() - started)
         outputs.append(list(out.outputs[0].token_ids))
         cached.append(int(out.num_cached_tokens or 0))
-    return {"outputs": outputs, "cached": cached, "latency_s": latency}
+        tops.append([{str(t): float(lp.logprob) for t, lp in step.items()} for step in out.outputs[0].logprobs or []])
+    result = {"outputs": outputs, "cached": cached, "latency_s": latency}
+    return {**result, "logprobs": tops} if logprobs else result
 
 
 def main() -> int:
@@ -83,7 +87,9 @@ def main() -> int:
     llm = make_engine(spec)
     start_s = time.perf_counter() - started
     try:
-        result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8), batch=spec.get("batch", False))
+        result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8), batch=spec.get("batch", False),
+                             logprobs=spec.get("logprobs"))
+        result["num_kv_blocks"] = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0)
     finally:
         llm.llm_engine.engine_core.shutdown()
     result["engine_start_s"] = start_s

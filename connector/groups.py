@@ -1,0 +1,76 @@
+"""KV cache groups of a hybrid model (vLLM's hybrid KV cache manager).
+
+What each group is, and the namespace its blocks are stored under; the
+connector serves each group apart (hybrid.py).
+
+Invariants:
+    * Each group's namespace names its layer set and its spec (full
+      attention; sliding window with its window), so a group never reads
+      another group's blocks, nor another model's group of the same shape.
+    * A model with one group keeps the namespace ucm-db gave it before
+      (:func:`group_namespace` returns the deployment's namespace), and any
+      attention spec it was served with before (MLA ...): stores stay valid.
+    * Specs ucm-db cannot store in a model of several groups (SSM/Mamba
+      state, chunked local attention, cross attention ...), and a lone
+      group that is not attention, are refused with a ConfigError naming
+      the spec and the fix, when the groups are first known: the worker's
+      connector is made before vLLM allocates the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ucm_db.errors import ConfigError
+from ucm_db.keys import Namespace
+
+#: vLLM spec class name -> the kind stored in the namespace.
+_STORABLE = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_window"}
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group: its index, kind, window and layers (vLLM's order)."""
+
+    index: int
+    kind: str
+    sliding_window: int | None
+    layer_names: tuple[str, ...]
+
+    def describe(self) -> dict[str, Any]:
+        return {"group": self.kind, "window": self.sliding_window, "layers": list(self.layer_names)}
+
+
+def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
+    """The groups of vLLM's ``KVCacheConfig``; refuses specs ucm-db cannot store."""
+    groups = []
+    specs = kv_cache_config.kv_cache_groups
+    for index, group in enumerate(specs):
+        spec_name = type(group.kv_cache_spec).__name__
+        kind = _STORABLE.get(spec_name)
+        if kind is None and len(specs) == 1 and _is_attention(group.kv_cache_spec):
+            kind = spec_name  # one group: any attention spec, as ucm-db stored it before groups (MLA ...)
+        if kind is None:
+            raise ConfigError(
+                f"KV cache group {index} ({len(group.layer_names)} layers) has a {spec_name}, which ucm-db cannot store yet",
+                hint="serve this model without ucm-db, or with full or sliding-window attention only",
+            )
+        window = getattr(group.kv_cache_spec, "sliding_window", None)
+        groups.append(KVGroup(index, kind, int(window) if window is not None else None, tuple(group.layer_names)))
+    return groups
+
+
+def group_namespace(base: Namespace, groups: list[KVGroup], group: KVGroup) -> Namespace:
+    """The namespace ``group``'s blocks are stored under (module invariants)."""
+    if len(groups) == 1:
+        return base
+    extra = json.dumps(group.describe(), sort_keys=True, separators=(",", ":"))
+    return Namespace.from_dict({**base.to_dict(), "extra": (base.extra + "|" if base.extra else "") + extra})
+
+
+def _is_attention(spec: Any) -> bool:
+    """Whether ``spec`` is one of vLLM's attention specs (paged KV of
+    tokens, not an SSM's state)."""
+    return any(cls.__name__ == "AttentionSpec" for cls in type(spec).__mro__)

