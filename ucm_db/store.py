@@ -628,7 +628,8 @@ class Store:
             raise ConfigError("get_into needs a sequence of one buffer per key", hint="pass a list of len(keys) buffers")
         for buffer in buffers:
             for piece in buffer if isinstance(buffer, (list, tuple)) else (buffer,):
-                require_writable(piece)
+                if type(piece) is not memoryview or piece.readonly or not piece.c_contiguous:  # a view: checked inline
+                    require_writable(piece)
         corrupt: list[tuple[bytes, str]] = []
 
         def decode(i: int, head: memoryview, body: memoryview) -> bool:
