@@ -52,6 +52,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import getitem
 from typing import Union
 
 import numpy as np
@@ -180,14 +182,13 @@ class KVLayout:
         views = self._layer_bytes_views
         if views is None:
             raise ConfigError(f"the {self.kind} layout cannot take units in place", hint="stage units and scatter them instead")
-        heads = self.heads
-        pairs = list(zip(views, self.unit_layer_bytes))
-        out = []
-        for block_id in block_ids:
-            for head in range(heads):
-                at = block_id * heads + head
-                out.append([view[at * size : (at + 1) * size] for view, size in pairs])
-        return out
+        heads, sizes = self.heads, self.unit_layer_bytes
+        if len(set(sizes)) == 1:  # one slab size: one slice object per unit, sliced out of every layer in C (map)
+            size, n = sizes[0], len(views)
+            return [list(map(getitem, views, repeat(slice(at * size, (at + 1) * size), n)))
+                    for at in [block_id * heads + head for block_id in block_ids for head in range(heads)]]
+        return [[view[at * size : (at + 1) * size] for view, size in zip(views, sizes)]
+                for at in [block_id * heads + head for block_id in block_ids for head in range(heads)]]
 
     def unit_frames(self, unit_row: np.ndarray) -> ucm_db.Framed:
         """One staged unit as its per-layer frames, which lie back to back

@@ -68,7 +68,7 @@ from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
 from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
 from ucm_db.errors import ConfigError
-from ucm_db.units import UnitKeys, unit_key
+from ucm_db.units import UnitKeys, unit_keys_of
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 #: Steps whose failed loads a worker keeps: saves of a step planned before
@@ -289,7 +289,7 @@ class UcmDbWorker:
         if not block_keys:
             return [], None, set()
         spans = self._spans
-        keys = [unit_key(k, span, self._grid) for k in block_keys for span in spans]
+        keys = unit_keys_of(block_keys, spans, self._grid)
         staging = None if in_place else self.layout.new_unit_staging(len(block_keys))
         if staging is None:
             buffers: list[Any] = self.layout.unit_slabs(block_ids)

@@ -149,6 +149,27 @@ def test_copy_into_scatters_in_order_and_hashes_what_it_copies(kind: str, data: 
 
 
 @pytest.mark.parametrize("kind", ["native", "python"])
+def test_copy_into_hashes_a_chunk_in_one_update_across_outs(kind: str) -> None:
+    # A raw unit's slabs (8 KiB each) are hashed a chunk at a time, not a
+    # slab at a time: one update call per chunk, the same digest.
+    import xxhash
+
+    class Counting:
+        def __init__(self) -> None:
+            self.hasher, self.calls = xxhash.xxh3_64(), 0
+
+        def update(self, piece: memoryview) -> None:
+            self.calls += 1
+            self.hasher.update(piece)
+
+    src = bytes(range(256)) * 256  # 64 KiB
+    outs = [bytearray(8192) for _ in range(8)]
+    counting = Counting()
+    assert _impl(COPY, kind)(src, outs, counting, 32768) == len(src) and b"".join(outs) == src
+    assert counting.calls == 2 and counting.hasher.intdigest() == xxhash.xxh3_64_intdigest(src)
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
 def test_copy_into_argument_errors(kind: str) -> None:
     copy = _impl(COPY, kind)
     with pytest.raises(ValueError):

@@ -265,6 +265,9 @@ def test_get_into_a_too_small_buffer_is_a_clear_miss_or_error(tmp_path):
             store.get_into(NS, keys, [bytearray(4)])
         with pytest.raises(ConfigError, match="writable"):
             store.get_into(NS, keys, [b"0" * 10])
+        for view in (memoryview(b"0" * 10), memoryview(bytearray(20))[::2]):  # a slab view: read-only, strided
+            with pytest.raises(ConfigError, match="writable"):
+                store.get_into(NS, keys, [[memoryview(bytearray(5)), view]])
         buffer = bytearray(10)
         assert store.get_into(NS, keys, [buffer]) == [True] and buffer == b"0123456789"
 

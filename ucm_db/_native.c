@@ -13,8 +13,9 @@
  *   copy_into(src, outs, hasher, chunk_bytes) -> int
  *       src copied into a buffer or a scatter list of buffers; with a
  *       hasher (an xxhash streaming object, or anything with update()),
- *       each piece of at most chunk_bytes (0: all of src) is hashed right
- *       before it is copied, so the copy reads it from cache, not memory:
+ *       each chunk of at most chunk_bytes (0: all of src) is hashed in one
+ *       update() call (however many outs it spans) right before it is
+ *       copied, so the copy reads it from cache, not memory:
  *       a checksum verified while copying reads each byte from memory once.
  *
  * Why C: on 2 MiB of 2-byte elements these loops run about 4x faster than
@@ -403,19 +404,24 @@ static PyObject *native_copy_into(PyObject *module, PyObject *args)
         if (update == NULL) {
             goto done;
         }
-        /* Each piece is hashed, then copied while it is still in cache. */
+        /* Each chunk of src is hashed (one update call, however many outs
+         * it spans: src is contiguous), then copied into the outs it spans
+         * while it is still in cache. room >= src.len keeps i in range. */
         const char *from = src.buf;
-        Py_ssize_t at = 0;
-        for (Py_ssize_t i = 0; i < n_outs && at < src.len; i++) {
-            char *to = outs[i].buf;
-            Py_ssize_t end = outs[i].len < src.len - at ? at + outs[i].len : src.len;
-            while (at < end) {
-                Py_ssize_t n = end - at < chunk_bytes ? end - at : chunk_bytes;
-                if (hash_piece(update, from + at, n) < 0) {
-                    goto done;
+        Py_ssize_t at = 0, i = 0, filled = 0; /* filled: bytes of outs[i] written */
+        while (at < src.len) {
+            Py_ssize_t stop = src.len - at < chunk_bytes ? src.len : at + chunk_bytes;
+            if (hash_piece(update, from + at, stop - at) < 0) {
+                goto done;
+            }
+            while (at < stop) {
+                while (filled == outs[i].len) {
+                    i++;
+                    filled = 0;
                 }
-                copy_piece(to, from + at, n);
-                to += n;
+                Py_ssize_t n = outs[i].len - filled < stop - at ? outs[i].len - filled : stop - at;
+                copy_piece((char *)outs[i].buf + filled, from + at, n);
+                filled += n;
                 at += n;
             }
         }

@@ -83,7 +83,7 @@ class Hasher(Protocol):
 
 def copy_into_py(src: Buffer, outs: Buffer | Sequence[Buffer], hasher: Hasher | None, chunk_bytes: int) -> int:
     """Python :func:`copy_into`: ``src`` into ``outs`` (a buffer, or a list
-    or tuple filled one after another, up to the end of ``src``), each piece
+    or tuple filled one after another, up to the end of ``src``), each chunk
     hashed just before its copy when ``hasher`` is given; returns ``len(src)``."""
     source = memoryview(src).cast("B")
     targets = [memoryview(o) for o in (outs if isinstance(outs, (list, tuple)) else (outs,))]
@@ -93,16 +93,18 @@ def copy_into_py(src: Buffer, outs: Buffer | Sequence[Buffer], hasher: Hasher | 
     if sum(t.nbytes for t in targets) < len(source):
         raise ValueError(f"outs hold {sum(t.nbytes for t in targets)} bytes, fewer than the {len(source)} of src")
     step = chunk_bytes if chunk_bytes > 0 else max(len(source), 1)
-    at = 0
-    for target in targets:
-        flat = target.cast("B")
-        start, end = at, min(len(source), at + len(flat))
-        while at < end:
-            n = min(step, end - at)
-            if hasher is not None:
-                hasher.update(source[at : at + n])
-            flat[at - start : at - start + n] = source[at : at + n]
-            at += n
+    flats = [target.cast("B") for target in targets]
+    at, i, filled = 0, 0, 0  # filled: bytes of flats[i] written
+    while at < len(source):
+        stop = min(len(source), at + step)
+        if hasher is not None:
+            hasher.update(source[at:stop])  # one chunk, however many outs it spans
+        while at < stop:
+            while filled == len(flats[i]):
+                i, filled = i + 1, 0
+            n = min(len(flats[i]) - filled, stop - at)
+            flats[i][filled : filled + n] = source[at : at + n]
+            filled, at = filled + n, at + n
     return len(source)
 
 

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ucm_db import codec, epochs
+from ucm_db import codec, epochs, raw_loads
 from ucm_db.auth import load_keys
 from ucm_db.background import Background
 from ucm_db.codec_pool import CodecPool, Payload
@@ -564,7 +564,8 @@ class Store:
             raise ConfigError("get_into needs a sequence of one buffer per key", hint="pass a list of len(keys) buffers")
         for buffer in buffers:
             for piece in buffer if isinstance(buffer, (list, tuple)) else (buffer,):
-                require_writable(piece)
+                if type(piece) is not memoryview or piece.readonly or not piece.c_contiguous:  # a view: checked inline
+                    require_writable(piece)
         corrupt: list[tuple[bytes, str]] = []
 
         def decode(i: int, head: memoryview, body: memoryview) -> bool:
@@ -575,9 +576,11 @@ class Store:
                 corrupt.append((keys[i], str(exc)))
                 return False
 
-        results = self._tier.with_blocks(
-            keys, lambda blocks: self._codecs.decode_blocks(blocks, decode), namespace_id=namespace.digest[:16],
-        )
+        def decode_all(blocks: list[tuple[memoryview, memoryview] | None]) -> list[Any]:
+            raw = raw_loads.copy_raw_blocks(blocks, keys, buffers, corrupt)  # the rest on the codec's path
+            return [r if r is not None else d for r, d in zip(raw, self._codecs.decode_blocks(blocks, decode))]
+
+        results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace.digest[:16])
         flags: list[Any] = [True if r else None for r in results]
 
         def decode_fetched(i: int, blob: Buffer) -> None:

@@ -104,6 +104,17 @@ def unit_key(block_key: bytes, span: UnitSpan, grid: KVGrid) -> bytes:
     return h.digest()
 
 
+def unit_keys_of(block_keys: Sequence[bytes], spans: Sequence[UnitSpan], grid: KVGrid) -> list[bytes]:
+    """Every unit key of ``block_keys`` x ``spans``, block-major (the keys
+    of block 0's spans, then block 1's): ``unit_key`` of each, derived in
+    one pass (each span's tag and wholeness found once, one hash call per
+    key: hashing ``key || tag`` in one update is the same digest)."""
+    blake2b = hashlib.blake2b
+    tags = [None if span == grid.whole else grid.check(span).tag() for span in spans]
+    return [k if tag is None else blake2b(k + tag, digest_size=KEY_BYTES, person=_UNIT_PERSON).digest()
+            for k in block_keys for tag in tags]
+
+
 class UnitKeys(Sequence[bytes]):
     """The unit keys of one span along ``block_keys[start:stop]``, derived
     when read (a lookup's binary search reads O(log n) of them)."""

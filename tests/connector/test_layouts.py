@@ -184,6 +184,17 @@ def test_units_go_in_place_only_where_a_heads_share_is_one_slab() -> None:
         layout_of(_flash).unit_slabs([0])
 
 
+@pytest.mark.parametrize("head_sizes", [(HEAD, HEAD, HEAD), (HEAD, HEAD // 2, HEAD)])
+def test_unit_slabs_are_each_heads_slab_of_each_layer(head_sizes: tuple[int, ...]) -> None:
+    # One slab size (sliced with one slice object) or several: the same views.
+    caches = {f"l{i}": torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * h).to(torch.bfloat16) for i, h in enumerate(head_sizes)}
+    slabs = detect_layout(caches, NUM_BLOCKS).unit_slabs([4, 1])
+    assert len(slabs) == 2 * HEADS
+    for row, (block, head) in enumerate((b, h) for b in (4, 1) for h in range(HEADS)):
+        want = [t[block, head].contiguous().view(torch.uint8).numpy().tobytes() for t in caches.values()]
+        assert [bytes(view) for view in slabs[row]] == want
+
+
 def test_cpu_units_are_gathered_slab_by_slab_like_the_generic_path() -> None:
     # A cpu cache's units are copied straight from its slabs (one numpy take
     # per layer); the bytes equal each head's slab of each layer in order,

@@ -200,7 +200,7 @@ def test_plan_read_assembles_any_partition() -> None:
 
 
 def test_unit_keys_and_readability() -> None:
-    from ucm_db.units import UnitKeys, readable_at, unit_key
+    from ucm_db.units import UnitKeys, readable_at, unit_key, unit_keys_of
 
     g = KVGrid(heads=2, layers=2)
     keys = Namespace(model="m", kv_dtype="bfloat16", block_size=4).block_keys(list(range(16)))
@@ -209,6 +209,8 @@ def test_unit_keys_and_readability() -> None:
     assert list(UnitKeys(keys, g, g.whole)) == list(keys)  # a whole-grid unit is the block itself
     tail = head1[2:]
     assert list(tail) == list(head1)[2:] and tail.parent() == head1[1] and head1.parent() is None
+    spans = [*g.head_spans(), g.whole]  # the batch derivation gives the same keys, block-major
+    assert unit_keys_of(keys, spans, g) == [unit_key(k, s, g) for k in keys for s in spans]
     assert readable_at({"tp_size": 1, "pp_size": 1}) == "any TP size"
     assert readable_at({"tp_rank": 1, "tp_size": 2}).startswith("only TP=2 PP=1")
 
