@@ -23,11 +23,14 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import ucm_db
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ["ucm_db", "connector", "migrations", "tools"]
@@ -114,8 +117,7 @@ def test_core_is_mypy_clean() -> None:
 #: Where each shipped folder lives in the ``ucm_db`` package.
 PACKAGE_OF = {"ucm_db": "ucm_db", "connector": "ucm_db.connector", "migrations": "ucm_db.migrations", "tools": "ucm_db.tools"}
 #: Core modules that are public API besides the names in ``ucm_db.__all__``.
-PUBLIC_MODULES = {"ucm_db", "ucm_db.errors", "ucm_db.events", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance",
-                  "ucm_db.components", "ucm_db.cpu_placement"}
+PUBLIC_MODULES = {"ucm_db", *(m for m in ucm_db.PUBLIC_MODULES if m != "ucm_db.migrations")}
 #: Packages public as a whole (every submodule).
 PUBLIC_PACKAGES = ("ucm_db.migrations",)
 #: Measuring and demo code: it times and drives the internals it measures, so
@@ -368,3 +370,14 @@ def test_lmdb_page_code_is_reached_only_through_its_package() -> None:
     bad = sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
                  if dst.startswith(inside + ".") and not (src == inside or src.startswith(inside + ".")))
     assert bad == [], "import these through ucm_db.tiers.lmdb's __init__"
+
+
+def test_one_list_of_public_modules() -> None:
+    """``ucm_db.PUBLIC_MODULES``, this test's rule and docs/architecture.md's
+    "Public API is exactly" paragraph name the same modules."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    paragraph = text[text.index('"Public API" is exactly'):]
+    paragraph = paragraph[:paragraph.index("PUBLIC_MODULES` holds.")]
+    documented = set(re.findall(r"`(ucm_db\.[a-z_.]+)`", paragraph)) - {"ucm_db.__all__", "ucm_db.__version__"}
+    assert documented == set(ucm_db.PUBLIC_MODULES)
+    assert set(PUBLIC_PACKAGES) | PUBLIC_MODULES == {"ucm_db", *ucm_db.PUBLIC_MODULES}

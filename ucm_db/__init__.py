@@ -1,7 +1,10 @@
 """ucm-db: an embedded, crash-safe KV-cache block store for LLM inference.
 
-Public API: :func:`open`, :class:`Store`, :class:`Namespace`, the config and
-error types. Everything else is internal.
+Public API: the names in ``__all__`` (:func:`open`, :class:`Store`,
+:class:`Namespace`, the config, event and error types) and the modules in
+:data:`PUBLIC_MODULES`. Everything else is internal: the connector and the
+CLI use nothing else (``tests/test_layering.py`` checks it, and
+``docs/architecture.md`` lists the same modules).
 """
 
 from ucm_db.config import StoreConfig, load_config_file
@@ -24,6 +27,13 @@ from ucm_db.store import STORE_FORMAT_VERSION, NamespaceStats, Store, StoreStats
 from ucm_db.tiers.local import PutResult
 
 from ucm_db.version import __version__
+
+#: The public modules besides this one (``ucm_db.migrations`` with every
+#: submodule; ``ucm_db.components`` is the door for measuring code).
+PUBLIC_MODULES = (
+    "ucm_db.errors", "ucm_db.events", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance",
+    "ucm_db.cpu_placement", "ucm_db.components", "ucm_db.migrations",
+)
 
 __all__ = [
     "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "ConfigError", "CorruptBlockError", "EventInventory", "FormatVersionError", "Framed",
