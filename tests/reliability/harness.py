@@ -25,20 +25,23 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import faulthandler
 import hashlib
 import json
 import os
 import random
 import signal
+import subprocess
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 import ucm_db
 from ucm_db import Namespace
@@ -559,3 +562,19 @@ def check_store_under_pressure(
         "compactions": len(oracle.compactions), "compactions_killed": oracle.compactions_killed, "touch_windows": len(oracle.touches), "torn_lines": oracle.torn_lines,
         "in_flight": len(oracle.intended - oracle.acked - oracle.refused),
     }
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, size_mib: int) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` mounted at ``mount_point`` (created) for a
+    real full disk; the test is skipped where mounting needs a privilege it
+    lacks. Unmounted (lazily) on exit."""
+    mount_point.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -24,7 +24,7 @@ from ucm_db.errors import TierError
 from ucm_db.maintenance import compact
 from ucm_db.tools.cli import cli
 
-from .harness import NS
+from .harness import NS, mounted_tmpfs
 
 BLOCKS = 48
 BLOCK_BYTES = 64 << 10
@@ -32,15 +32,8 @@ BLOCK_BYTES = 64 << 10
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", 16) as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def _payload(i: int) -> bytes:

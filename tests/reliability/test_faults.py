@@ -32,7 +32,7 @@ import pytest
 import ucm_db
 from ucm_db.errors import TierError, UcmDbError
 
-from .harness import NS, chain_tokens, payload_for, run_child, size_for, tail
+from .harness import NS, chain_tokens, mounted_tmpfs, payload_for, run_child, size_for, tail
 
 SIZE_RANGE = (16 << 10, 256 << 10)
 
@@ -61,15 +61,8 @@ def assert_readable(store: ucm_db.Store, keys: list[bytes]) -> None:
 # -- disk full ---------------------------------------------------------------------
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount_point)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", 40) as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def fill_leaving(mount_point: Path, free_bytes: int) -> Path:
