@@ -180,14 +180,11 @@ def read_settings(engine: Engine) -> dict[str, Any]:
     from ucm_db.tiers import records
 
     def run(txn: Any) -> bytes | None:
-        value = txn.get(INFO_TABLE, SETTINGS_KEY)
-        if value is None:
-            return None
         try:
-            records.check(txn, SETTINGS_KEY, value)
+            value = records.get_checked(txn, SETTINGS_KEY)
         except records.DamagedRecord:
             return b"damaged: checksum mismatch"
-        return bytes(value)
+        return None if value is None else bytes(value)
 
     raw = engine.read(run)
     if raw is None:
