@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 CAP = 64 << 20
 DEADLINE_S = 0.2
 #: Scheduling slack on a loaded 2-core machine.
-SLACK_S = 0.25
+SLACK_S = 0.5
 
 
 @pytest.fixture
@@ -142,14 +142,14 @@ def test_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root:
     n_blocks = 480
     keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
     # 480 fetches, 16 at a time: 30 waves of 60 ms, 1.8 s in all, so a lookup
-    # that waited for them would overrun the bound below (0.95 s); the bound
-    # leaves 0.75 s of scheduling slack for a loaded CI machine. (A longer
+    # that waited for them would overrun the bound below (1.2 s); the bound
+    # leaves 1 s of scheduling slack for a loaded CI machine. (A longer
     # latency would let the deadline cut the search itself: nothing to continue.)
     plan.latency_s = 0.06
     with _faulty(tmp_path, root, plan) as node_b:
         started = time.monotonic()
         first = node_b.lookup(namespace, keys)
-        assert time.monotonic() - started < DEADLINE_S + 3 * SLACK_S < n_blocks / 16 * plan.latency_s
+        assert time.monotonic() - started < DEADLINE_S + 2 * SLACK_S < n_blocks / 16 * plan.latency_s
         assert first < n_blocks
         end = time.monotonic() + 20
         while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
