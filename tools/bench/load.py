@@ -19,6 +19,11 @@ Per codec (``none``, ``zstd``) and unit size the figures are:
 * ``save``: ``save`` of fresh blocks, ``--save-blocks`` per call as an
   engine's steps save them, then ``drain`` (gathered out of the KV cache,
   encoded and committed by the writer thread);
+* ``put``: the store's own durable put of the same units (the same bytes,
+  the same codec and durability, as many units per transaction as one save
+  call, each call a chain segment continuing the last) into a second store
+  of the same settings, the saves' baseline: both grow their file by the
+  same bytes, so both pay the kernel's cost of new page-cache pages;
 * ``memcpy``: ``numpy.copyto`` of the same number of bytes between two
   resident buffers, timed in the same rounds;
 
@@ -48,6 +53,8 @@ from typing import Any
 
 import click
 import numpy as np
+
+import ucm_db
 
 HEAD_SIZE, BLOCK, KV_HEADS = 64, 32, 4
 #: Bytes of one layer of one unit (the slab placed per layer).
@@ -134,10 +141,16 @@ def measure(codec: str, unit_kib: int, total_mib: int, repeats: int, cold: bool,
     keys = namespace(_shape(layers)).block_keys(list(range(blocks * BLOCK)))
     path = scratch / f"{codec}-{unit_kib}"
     saver = _worker(path, codec, layers, source)
-    save_t = _Timer()
+    units = _unit_payloads(source, unit_bytes)
+    put_store = ucm_db.open(scratch / f"{codec}-{unit_kib}-put", codec=codec, capacity_bytes=64 << 30)
+    put_ns = ucm_db.Namespace(model=f"bench-load-put-{layers}", kv_dtype="uint8", block_size=1, layout="units")
+    save_t, put_t = _Timer(), _Timer()
     for r in range(repeats):  # fresh keys each time: a save of stored blocks is skipped
         fresh = namespace(_shape(layers)).block_keys([r + 1 + t for t in range(blocks * BLOCK)])
         save_t.time(lambda: _save_in_steps(saver, fresh, save_blocks))
+        put_keys = put_ns.block_keys([r * len(units) + t for t in range(len(units))])
+        put_t.time(lambda: _put_in_steps(put_store, put_ns, put_keys, units, save_blocks * KV_HEADS))
+    put_store.close()
     saver.save(_transfer(keys, load=False))
     saver.drain()
     saver.shutdown()
@@ -168,10 +181,12 @@ def measure(codec: str, unit_kib: int, total_mib: int, repeats: int, cold: bool,
         _check(target, expected)
     memcpy = copy_t.figures(nbytes, skip=1)
     out: dict[str, Any] = {"codec": codec, "unit_bytes": unit_bytes, "layers": layers, "blocks": blocks, "bytes": nbytes,
-                           "memcpy": memcpy, "save": save_t.figures(nbytes), "load_warm": warm_t.figures(nbytes, skip=1)}
+                           "memcpy": memcpy, "save": save_t.figures(nbytes), "put": put_t.figures(nbytes),
+                           "load_warm": warm_t.figures(nbytes, skip=1)}
+    out["save"]["x_put"] = out["save"]["GBps"] / out["put"]["GBps"]
     if cold:
         out["load_cold"] = cold_t.figures(nbytes)
-    for name in ("save", "load_warm", "load_cold"):
+    for name in ("save", "put", "load_warm", "load_cold"):
         if name in out:
             out[name]["x_memcpy"] = out[name]["GBps"] / memcpy["GBps"]
     return out
@@ -190,6 +205,23 @@ def _save_in_steps(worker: Any, keys: list[bytes], step_blocks: int) -> None:
         meta.saves.append(BlockTransfer("bench", tuple(keys[start:stop]), tuple(range(start, stop)), parent=parent))
         worker.save(meta)
     worker.drain()
+
+
+def _unit_payloads(source: dict[str, Any], unit_bytes: int) -> list[bytes]:
+    """Every unit's bytes of the KV in ``source`` (the put baseline's
+    payloads: the bytes the saves store, so the codec sees the same data)."""
+    import torch
+
+    flat = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in source.values()]).numpy()
+    return [flat[i:i + unit_bytes].tobytes() for i in range(0, len(flat) - unit_bytes + 1, unit_bytes)]
+
+
+def _put_in_steps(store: Any, namespace: Any, keys: Any, payloads: list[bytes], step_units: int) -> None:
+    """``Store.put`` of ``payloads`` under ``keys``, ``step_units`` per call
+    (one transaction each, as one save call's units are)."""
+    for start in range(0, len(keys), step_units):
+        stop = min(len(keys), start + step_units)
+        store.put(namespace, keys[start:stop], payloads[start:stop])
 
 
 def _check(target: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -211,11 +243,12 @@ def run(codecs: tuple[str, ...], unit_kibs: tuple[int, ...], total_mib: int, rep
 def format_rows(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'codec':<5} {'unit':>8} {'path':<10} {'GB/s':>7} {'GB/s/CPU':>9} {'x memcpy':>9}  memcpy GB/s"]
     for row in rows:
-        for name in ("load_warm", "load_cold", "save"):
+        for name in ("load_warm", "load_cold", "save", "put"):
             if name in row:
                 f = row[name]
+                extra = f"  save/put {f['x_put']:.3f}" if "x_put" in f else ""
                 lines.append(f"{row['codec']:<5} {row['unit_bytes'] >> 10:>5} KiB {name:<10} {f['GBps']:7.2f} {f['cpu_GBps']:9.2f}"
-                             f" {f['x_memcpy']:9.3f}  {row['memcpy']['GBps']:.2f}")
+                             f" {f['x_memcpy']:9.3f}  {row['memcpy']['GBps']:.2f}{extra}")
     return "\n".join(lines)
 
 
