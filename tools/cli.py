@@ -17,7 +17,7 @@ import click
 
 from ucm_db import ConfigError, FormatVersionError, LockedError, UcmDbError
 
-from ucm_db.tools.archive import export_command, import_command
+from ucm_db.tools.archive_cmds import export_command, import_command
 from ucm_db.tools.compact_cmd import compact_command
 from ucm_db.tools.events_cmd import events_command
 from ucm_db.tools.inspect_cmd import inspect_command
