@@ -35,12 +35,27 @@ from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.storelock import ensure_store_dir, os_error
 from ucm_db.tiers.lmdb.meta import check_file
 from ucm_db.tiers.lmdb.pages import NO_PAGE, DamagedTree, first_reachable_page_past_end
-from ucm_db.tiers.lmdb.recovery import _SIGNAL_NAMES, CHECK_TIMEOUT_S, walk_in_child
+from ucm_db.tiers.lmdb.recovery import _SIGNAL_NAMES, CHECK_TIMEOUT_S, set_aside, walk_in_child
 
 logger = logging.getLogger("ucm_db")
 
 ENV_DIR = "lmdb"
 DATA_FILE = "data.mdb"
+
+
+def set_aside_if_still_damaged(env_dir: Path) -> None:
+    """The last resort after a rollback: a synced snapshot that still does
+    not fit in the file means the disk lost synced writes (it lied about
+    fsync). The store is a cache: move it aside and start empty."""
+    check = check_file(env_dir / "data.mdb")
+    if check.ok:
+        return
+    moved_to = set_aside(env_dir)
+    ensure_env_dir(env_dir)
+    logger.warning(
+        "ucm-db: %s lost synced writes in an OS crash (%s): the disk or its cache does not honour fsync. "
+        "Moved it to %s and started an empty store.", env_dir, check.problem, moved_to,
+    )
 
 
 def ensure_env_dir(env_dir: Path) -> None:
