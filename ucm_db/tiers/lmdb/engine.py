@@ -62,23 +62,16 @@ from ucm_db.tiers.base import TABLES, Engine, T
 from ucm_db.tiers.gate import SharedExclusiveGate
 from ucm_db.storelock import ensure_store_dir
 from ucm_db.tiers.lmdb.checks import (
-    check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable, set_aside_if_still_damaged,
+    check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable, recover_at_open,
 )
 from ucm_db.tiers.lmdb.fence import check_proven
-from ucm_db.tiers.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin, roll_back_after_os_crash
+from ucm_db.tiers.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin
 from ucm_db.tiers.lmdb.malloc import keep_dirty_page_memory
 from ucm_db.tiers.lmdb.meta import FileCheck, check_file
 from ucm_db.tiers.lmdb.prefault import Prefault
 from ucm_db.tiers.lmdb.txn import LmdbTxn, lmdb_open
 from ucm_db.tiers.lmdb import space
-from ucm_db.tiers.lmdb.recovery import (
-    CHECK_TIMEOUT_S,
-    RecoveryReport,
-    logger,
-    recover_after_os_crash,
-    recovery_lock,
-    walk_in_child,
-)
+from ucm_db.tiers.lmdb.recovery import CHECK_TIMEOUT_S, RecoveryReport, logger, walk_in_child
 
 _MAX_MAP_BYTES = 1 << 46
 
@@ -149,20 +142,7 @@ class LmdbEngine(Engine):
         # would land on overwritten pages. So it rolls back, records and pins
         # as group opens do, and records each of its (synced) commits.
         self._pinned = not self._sync or (self.path / RECORD_FILE).exists()
-        try:
-            self.recovery = recover_after_os_crash(self.path)
-            if self._pinned:
-                with recovery_lock(self.path):
-                    self.rollback = roll_back_after_os_crash(self.path)
-                    if self.rollback is not None:
-                        set_aside_if_still_damaged(self.path)
-        except OSError as exc:
-            raise TierError(
-                f"cannot check LMDB store {self.path} after an OS crash: {exc}",
-                hint=f"give this user (uid {os.getuid()}) read and write access to {self.path.parent} and everything "
-                "under it, e.g. run as the store's owner" if isinstance(exc, PermissionError) else
-                f"make {self.path.parent} writable by this user, or delete the store (it is a cache)",
-            ) from exc
+        self.recovery, self.rollback = recover_at_open(self.path, pinned=self._pinned)
         check_data_file(self.path)
         self._check_pages_once(lock=True)
         try:
