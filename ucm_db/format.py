@@ -19,6 +19,14 @@ Invariants:
       names the field and the value, never "raise capacity_bytes".
     * :func:`open_engine` is the only place an engine object is built (the
       store, migrations, conversion and the tools all come through it).
+    * This module is the one parser and writer of the settings, version and
+      creation records (:func:`parse_settings`, :func:`open_records`,
+      :func:`write_new_store_records`, :func:`write_format_version`). A
+      damaged record is found as one internal type,
+      :class:`~ucm_db.tiers.records.DamagedRecord`; each door names it with
+      the error it has always raised: a store's open a :class:`TierError`
+      (the CLI exits 1), maintenance readers (:func:`read_settings`,
+      :func:`checked_format_version`) a :class:`ConfigError`.
 """
 
 from __future__ import annotations
