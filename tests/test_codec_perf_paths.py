@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from ucm_db import codec, codec_pool
+from ucm_db import codec, codec_decode, codec_encode, codec_format, codec_pool
 from ucm_db.codec_pool import CodecPool
 from ucm_db.keys import Namespace
 
@@ -66,13 +66,13 @@ def test_shuffle_then_unshuffle_is_identity_even_unaligned(element_bytes: int, o
     data = np.random.default_rng(element_bytes + offset).integers(0, 256, 4096 * element_bytes, dtype=np.uint8)
     backing = bytearray(offset) + bytearray(data.tobytes())
     view = memoryview(backing)[offset:]
-    planes = codec._shuffle(view, element_bytes)
+    planes = codec_encode._shuffle(view, element_bytes)
     assert len(planes) == element_bytes
     words = data.view("<u2" if element_bytes == 2 else "<u4")
     for i, plane in enumerate(planes):  # plane i holds byte i of every element
         assert bytes(plane) == ((words >> (8 * i)) & 0xFF).astype(np.uint8).tobytes()
     out = bytearray(len(data) + offset)
-    codec._unshuffle(planes, memoryview(out)[offset:], element_bytes)
+    codec_decode._unshuffle(planes, memoryview(out)[offset:], element_bytes)
     assert bytes(out[offset:]) == data.tobytes()
 
 
@@ -98,10 +98,10 @@ def test_a_frame_no_plane_of_which_compresses_is_stored_raw_and_round_trips() ->
     assert mode == codec.MODE_RAW and mask == 0
     assert bytes(codec.decode(blob, KEY)) == raw
     # Blocks written before that hold the frame as raw planes: still read.
-    planes = [bytes(p) for p in codec._shuffle(memoryview(raw), 2)]
+    planes = [bytes(p) for p in codec_encode._shuffle(memoryview(raw), 2)]
     table = [struct.pack("<QQBBB5x", len(raw), 8 + len(raw), codec.MODE_SHUFFLE, 2, 0)]
     parts = [struct.pack("<2I", *(len(p) for p in planes)), *planes]
-    older = codec._sealed(KEY, "zstd", table, parts, len(raw), 8 + len(raw)).blob()
+    older = codec_encode._sealed(KEY, "zstd", table, parts, len(raw), 8 + len(raw)).blob()
     assert bytes(codec.decode(older, KEY)) == raw
 
 
@@ -110,8 +110,8 @@ def test_other_levels_round_trip_with_their_own_compressor(level: int) -> None:
     raw = _bf16_like(1 << 14, seed=level + 10).tobytes()
     blob = codec.encode(KEY, raw, codec="zstd", element_bytes=2, level=level)
     assert bytes(codec.decode(blob, KEY)) == raw
-    tuned = codec._compressor(level, planes=True)
-    assert (tuned is codec._compressor(1, planes=True)) == (level == 1)
+    tuned = codec_encode._compressor(level, planes=True)
+    assert (tuned is codec_encode._compressor(1, planes=True)) == (level == 1)
 
 
 @pytest.mark.parametrize(("frame_bytes", "on_pool"), [(8 << 10, False), (codec_pool.POOL_MIN_FRAME_BYTES, True)])
@@ -146,7 +146,7 @@ def _resealed(blob: bytes, table: list[tuple[int, int, int, int, int]]) -> bytes
     head_bytes = codec.head_bytes(blob)
     head = bytearray(blob[:head_bytes])
     for i, entry in enumerate(table):
-        codec._FRAME.pack_into(head, codec.HEADER_BYTES + i * codec._FRAME.size, *entry)
+        codec_format.FRAME_STRUCT.pack_into(head, codec.HEADER_BYTES + i * codec_format.FRAME_STRUCT.size, *entry)
     return resealed_head(head, blob[head_bytes:]) + blob[head_bytes:]
 
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucm_db import codec, native
+from ucm_db import codec, codec_decode, codec_encode, native
 
 _REBUILD_HINT = (
     "ucm_db._native is not built: install a C compiler and the Python headers "
@@ -67,7 +67,7 @@ def _elements(element_bytes: int) -> st.SearchStrategy[bytes]:
 @given(element_bytes=st.sampled_from([2, 4]), data=st.data())
 def test_planes_equal_codec_shuffle_and_round_trip(element_bytes: int, data: st.DataObject) -> None:
     src = data.draw(_elements(element_bytes))
-    expected = [bytes(p) for p in codec._shuffle(memoryview(src), element_bytes)]
+    expected = [bytes(p) for p in codec_encode._shuffle(memoryview(src), element_bytes)]
     for kind in ("native", "python") if native.NATIVE_AVAILABLE else ("python",):
         planes = SPLIT[kind]()(src, element_bytes)
         assert [bytes(p) for p in planes] == expected
@@ -75,7 +75,7 @@ def test_planes_equal_codec_shuffle_and_round_trip(element_bytes: int, data: st.
         MERGE[kind]()(planes, out, element_bytes)
         assert out == src
         via_codec = bytearray(len(src))
-        codec._unshuffle(list(planes), memoryview(via_codec), element_bytes)
+        codec_decode._unshuffle(list(planes), memoryview(via_codec), element_bytes)
         assert via_codec == src
 
 
@@ -86,7 +86,7 @@ def test_merge_writes_only_its_slice_of_a_bigger_buffer(kind: str, element_bytes
     src = np.random.default_rng(element_bytes).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()  # 1 MiB: GIL released
     unaligned = memoryview(bytearray(1) + src)[1:]
     planes = split(unaligned, element_bytes)
-    assert [bytes(p) for p in planes] == [bytes(p) for p in codec._shuffle(memoryview(src), element_bytes)]
+    assert [bytes(p) for p in planes] == [bytes(p) for p in codec_encode._shuffle(memoryview(src), element_bytes)]
     backing = bytearray(b"\xaa" * (len(src) + 7))
     merge(planes, memoryview(backing)[3 : 3 + len(src)], element_bytes)
     assert backing[3 : 3 + len(src)] == src

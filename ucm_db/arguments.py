@@ -8,15 +8,12 @@ written nothing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from ucm_db.codec import Framed, buffer_view
-from ucm_db.errors import ConfigError, TierError
+from ucm_db.errors import ConfigError
 from ucm_db.keys import KEY_BYTES, BlockKeys, Namespace
-from ucm_db.tiers.base import Buffer
 
 
 class Unset:
@@ -67,22 +64,6 @@ def require_parent(parent: Any) -> bytes | None:
             hint="pass the key of the block before keys[0], as returned by Namespace.block_keys",
         )
     return bytes(parent)
-
-
-def parse_settings(raw: Buffer | None, path: Path) -> dict[str, Any]:
-    """The persisted settings record, or a :class:`TierError` naming it."""
-    if raw is None:
-        return {}
-    try:
-        settings = json.loads(bytes(raw))
-    except (ValueError, UnicodeDecodeError):
-        settings = None
-    if not isinstance(settings, dict):
-        raise TierError(
-            f"the settings record of the store at {path} is damaged",
-            hint=f"run `ucm-db verify {path}` for a full report; move the store aside to start a new one",
-        )
-    return settings
 
 
 def key_list(keys: Any, operation: str) -> Sequence[bytes]:

@@ -19,6 +19,14 @@ Invariants:
       names the field and the value, never "raise capacity_bytes".
     * :func:`open_engine` is the only place an engine object is built (the
       store, migrations, conversion and the tools all come through it).
+    * This module is the one parser and writer of the settings, version and
+      creation records (:func:`parse_settings`, :func:`open_records`,
+      :func:`write_new_store_records`, :func:`write_format_version`). A
+      damaged record is found as one internal type,
+      :class:`~ucm_db.tiers.records.DamagedRecord`; each door names it with
+      the error it has always raised: a store's open a :class:`TierError`
+      (the CLI exits 1), maintenance readers (:func:`read_settings`,
+      :func:`checked_format_version`) a :class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -29,14 +37,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ucm_db.config import persisted_settings_problem
-from ucm_db.errors import ConfigError, FormatVersionError
+from ucm_db.errors import ConfigError, FormatVersionError, TierError
 from ucm_db.store_format import (  # noqa: F401 - re-exported: the format's constants
     CREATED_KEY, FORMAT_VERSION_KEY, INFO_TABLE, MIN_MAP_BYTES, ON_DISK_ENGINES, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
 
+from ucm_db.tiers.records import DamagedRecord, check, get_checked, put_checked
+
 if TYPE_CHECKING:
     from ucm_db.config import StoreConfig
-    from ucm_db.tiers.base import Engine
+    from ucm_db.tiers.base import Buffer, Engine
+
 
 def detect_engine(path: Path) -> str | None:
     """The engine of an existing store directory, or None if there is none."""
@@ -126,22 +137,18 @@ def check_format_version(version: int, path: Path) -> None:
 
 def write_format_version(txn: Any, version: int = STORE_FORMAT_VERSION) -> None:
     """Writes ``info/format_version`` with its checksum sidecar."""
-    from ucm_db.tiers import records
-
-    records.put_checked(txn, FORMAT_VERSION_KEY, str(version).encode())
+    put_checked(txn, FORMAT_VERSION_KEY, str(version).encode())
 
 
 def checked_format_version(txn: Any) -> bytes | None:
     """The raw ``info/format_version`` record, or None if absent; a record
     that fails its checksum is a :class:`ConfigError` naming the damage."""
-    from ucm_db.tiers import records
-
     value = txn.get(INFO_TABLE, FORMAT_VERSION_KEY)
     if value is None:
         return None
     try:
-        records.check(txn, FORMAT_VERSION_KEY, value)
-    except records.DamagedRecord:
+        check(txn, FORMAT_VERSION_KEY, value)
+    except DamagedRecord:
         raise ConfigError(f"the store's format version record is damaged (checksum mismatch, holds {bytes(value)[:16]!r})",
                           hint=_DAMAGED_HINT) from None
     return bytes(value)
@@ -175,24 +182,64 @@ def read_format_version(engine: Engine) -> int:
     return parse_format_version(engine.read(checked_format_version))
 
 
-def read_settings(engine: Engine) -> dict[str, Any]:
-    """The persisted settings recorded in ``engine``'s store ({} if none)."""
-    from ucm_db.tiers import records
+def parse_settings(raw: Buffer | None) -> dict[str, Any]:
+    """The one parser of the settings record: its JSON object ({} if the
+    record is absent).
 
-    def run(txn: Any) -> bytes | None:
-        try:
-            value = records.get_checked(txn, SETTINGS_KEY)
-        except records.DamagedRecord:
-            return b"damaged: checksum mismatch"
-        return None if value is None else bytes(value)
-
-    raw = engine.read(run)
+    Raises:
+        DamagedRecord: the record is not a JSON object (each caller names
+            the damage with its own error: see :func:`read_settings` and
+            :func:`open_records`).
+    """
     if raw is None:
         return {}
     try:
-        settings = json.loads(raw)
+        settings = json.loads(bytes(raw))
     except (ValueError, UnicodeDecodeError):
         settings = None
     if not isinstance(settings, dict):
-        raise ConfigError("the store's settings record is damaged", hint="run `ucm-db verify` on the store")
+        raise DamagedRecord(SETTINGS_KEY, "not a JSON object")
     return settings
+
+
+def read_settings(engine: Engine) -> dict[str, Any]:
+    """The persisted settings recorded in ``engine``'s store ({} if none);
+    a damaged record is a :class:`ConfigError`."""
+    def run(txn: Any) -> dict[str, Any]:
+        try:
+            return parse_settings(get_checked(txn, SETTINGS_KEY))
+        except DamagedRecord:
+            raise ConfigError("the store's settings record is damaged", hint="run `ucm-db verify` on the store") from None
+
+    return engine.read(run)
+
+
+def write_new_store_records(txn: Any, settings: dict[str, Any]) -> None:
+    """The info records of a store this code creates: the format version,
+    the persisted ``settings`` and the creation record."""
+    write_format_version(txn)
+    put_checked(txn, SETTINGS_KEY, json.dumps(settings, sort_keys=True).encode())
+    txn.put(INFO_TABLE, CREATED_KEY, creation_record())
+
+
+def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: bool) -> tuple[int, dict[str, Any]]:
+    """What :class:`~ucm_db.Store` reads of its info records when it opens
+    (in its one transaction): ``(format version, persisted settings)``. A
+    store without a format version is initialised with ``wanted``
+    (:func:`write_new_store_records`); read-only, that is a
+    :class:`TierError`, and so is a damaged settings record."""
+    version = checked_format_version(txn)
+    if version is None:
+        if read_only:
+            raise TierError(f"the store at {path} was never initialised: it records no format version",
+                            hint="open it writable once, or check the path")
+        write_new_store_records(txn, wanted)
+        return STORE_FORMAT_VERSION, wanted
+    try:
+        settings = parse_settings(get_checked(txn, SETTINGS_KEY))
+    except DamagedRecord:
+        raise TierError(
+            f"the settings record of the store at {path} is damaged",
+            hint=f"run `ucm-db verify {path}` for a full report; move the store aside to start a new one",
+        ) from None
+    return parse_format_version(version), settings

@@ -39,7 +39,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 
 def split_planes_py(src: Buffer, element_bytes: int) -> list[bytearray]:
-    """numpy :func:`split_planes` (the same passes as ``codec._shuffle``)."""
+    """numpy :func:`split_planes` (the same passes as ``codec_encode._shuffle``)."""
     _check_element_bytes(element_bytes)
     nbytes = memoryview(src).nbytes
     if nbytes % element_bytes:
@@ -52,7 +52,7 @@ def split_planes_py(src: Buffer, element_bytes: int) -> list[bytearray]:
 
 
 def merge_planes_py(planes: Sequence[Buffer], out: Buffer, element_bytes: int) -> None:
-    """numpy :func:`merge_planes` (the same passes as ``codec._unshuffle``)."""
+    """numpy :func:`merge_planes` (the same passes as ``codec_decode._unshuffle``)."""
     _check_element_bytes(element_bytes)
     if len(planes) != element_bytes:
         raise ValueError(f"got {len(planes)} planes for element_bytes {element_bytes}")

@@ -24,13 +24,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ucm_db import checked_copy, codec
+from ucm_db.codec_format import FRAME_STRUCT, HEADER_STRUCT, RAW_TABLES
 from ucm_db.errors import CorruptBlockError
 
 # The codec's own header layout and its cache of all-raw frame tables
 # (this module is the codec's raw read path, kept apart for size).
-_HEADER = codec._HEADER  # noqa: SLF001
-_FRAME_BYTES = codec._FRAME.size  # noqa: SLF001
-_RAW_TABLES = codec._RAW_TABLES  # noqa: SLF001
+_HEADER = HEADER_STRUCT
+_FRAME_BYTES = FRAME_STRUCT.size
+_RAW_TABLES = RAW_TABLES
 _NONE_ID = codec.CODEC_IDS["none"]
 
 

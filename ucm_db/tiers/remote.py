@@ -52,21 +52,23 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ucm_db import codec
 from ucm_db.auth import AuthKeys
-from ucm_db.errors import ConfigError, CorruptBlockError, TierError, UcmDbError
+from ucm_db.errors import ConfigError, CorruptBlockError, TierError
 from ucm_db.tiers.base import Buffer, Tier, TierCapabilities
 from ucm_db.tiers.remote_files import (  # noqa: F401 - re-exported: the remote tier's public names
     TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, write_whole,
+)
+from ucm_db.tiers import remote_manifests
+from ucm_db.tiers.remote_manifests import (  # noqa: F401 - re-exported
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestError, NamespaceListing, is_namespace_id,
 )
 from ucm_db.tiers.remote_reads import ObjectTooLargeError, ReadLimits, read_object
 from ucm_db.tiers.remote_object import (  # noqa: F401 - re-exported
@@ -74,12 +76,9 @@ from ucm_db.tiers.remote_object import (  # noqa: F401 - re-exported
     UnauthenticatedObject, is_signed, parse_envelope, stated_object_bytes, unpack_object,
 )
 
-MANIFEST_NAME = "manifest.json"
 #: The first request of a fetch reads this much: a whole object when it is
 #: smaller (one request for typical KV blocks), its header otherwise.
 FIRST_READ_BYTES = 8 << 20
-#: A manifest is a small JSON document; a bigger one is not read.
-MAX_MANIFEST_BYTES = 1 << 20
 #: Paths kept in :attr:`RemoteRoot.quarantined` (later ones are counted only).
 MAX_QUARANTINED = 1024
 
@@ -103,13 +102,6 @@ class RemoteStats:
     too_large: int = 0
     unauthenticated: int = 0
     mac_mismatch: int = 0
-
-
-class ManifestError(UcmDbError):
-    """A namespace manifest on the remote cannot be read as one."""
-
-    default_hint = ("a store writing to this namespace rewrites it; or delete the file so the next upload recreates it, "
-                    "or pass the namespace by a longer id prefix")
 
 
 def open_filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -214,117 +206,34 @@ class RemoteRoot:
         if new:
             _log.warning("remote %s: %s; it reads as a miss (hint: remove it from the remote)", self.root, why)
 
-    # -- manifests -------------------------------------------------------------
+    # -- manifests (ucm_db.tiers.remote_manifests) ------------------------------
     def ensure_manifest(self, namespace_id: bytes, description: dict[str, Any]) -> None:
         """Writes the namespace manifest once (idempotent, whole-object); an
         unreadable manifest is replaced."""
-        if namespace_id in self.manifests_written:
-            return
-        path = f"{self.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
-        try:
-            present = self.read_manifest(namespace_id) is not None  # one GET (exists() costs two on S3)
-        except ManifestError as exc:
-            _log.warning("%s; rewriting it", exc)
-            present = False
-        if not present:
-            body = {
-                "ucm_db_remote_format": OBJECT_FORMAT_VERSION,
-                "namespace_id": namespace_id.hex(),
-                "namespace": description,
-                "layout": "<namespace id[:8] hex>/<key[0] hex>/<key hex>; object = 64-byte envelope + codec blob",
-                "created_unix_s": round(time.time(), 3),
-            }
-            self.count(requests=1, puts=1)
-            write_whole(self.fs, path, json.dumps(body, indent=2, sort_keys=True).encode())
+        remote_manifests.ensure_manifest(self, namespace_id, description)
+
+    def manifest_written(self, namespace_id: bytes) -> None:
         with self._lock:
             self.manifests_written.add(namespace_id)
 
     def read_manifest(self, namespace_id: bytes) -> dict[str, Any] | None:
-        """The namespace's manifest; None if it has none.
-
-        Raises:
-            ManifestError: the manifest is not a regular file, larger than
-                :data:`MAX_MANIFEST_BYTES`, or not a JSON object.
-        """
-        path = f"{self.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
-        if self._local and os.path.lexists(path):
-            try:
-                require_regular_file(path, os.lstat(path).st_mode)
-            except (NotRegularFileError, FileNotFoundError) as exc:
-                raise ManifestError(f"namespace manifest {path} is unreadable: {exc}") from exc
-        data = self.read_range(path, 0, MAX_MANIFEST_BYTES + 1)
-        if data is None:
-            return None
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"namespace manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes")
-        try:
-            manifest = json.loads(bytes(data))
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-            raise ManifestError(f"namespace manifest {path} is not JSON: {exc}") from exc
-        if not isinstance(manifest, dict):
-            raise ManifestError(f"namespace manifest {path} is not a JSON object")
-        return manifest
+        """The namespace's manifest; None if it has none (a
+        :class:`ManifestError` if it cannot be read as one)."""
+        return remote_manifests.read_manifest(self, namespace_id)
 
     def namespaces(self) -> list[str]:
-        """Short ids of the namespaces present under the root: entries named
-        by 16 lowercase hex digits (anything else is not a namespace)."""
-        return sorted(self.list_namespaces().entries)
+        """Short ids of the namespaces present under the root."""
+        return remote_manifests.namespaces(self)
 
     def list_namespaces(self) -> NamespaceListing:
-        """Namespace directories under the root and the entries that are not
-        one (listing only; manifests are read by :meth:`manifests`)."""
-        self.count(requests=1)
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return NamespaceListing([], [])
-        found: list[str] = []
-        stray: list[str] = []
-        for entry in entries:
-            name = os.path.basename(str(entry).rstrip("/"))
-            (found if is_namespace_id(name) else stray).append(name)
-        return NamespaceListing(sorted(found), sorted(stray))
+        """Namespace directories under the root and the entries that are not one."""
+        return remote_manifests.list_namespaces(self)
 
     def manifests(self) -> tuple[dict[str, dict[str, Any]], list[str]]:
         """Every readable namespace manifest, by short id, and one problem
         line per entry that is not a namespace or whose manifest is missing
-        or unreadable (each also logged as a warning): one bad entry never
-        hides the others."""
-        listing = self.list_namespaces()
-        problems = [f"{self.root}/{name}: not a namespace (its name is not 16 hex digits); skipped"
-                    for name in listing.stray if name != MANIFEST_NAME and not name.startswith(TEMP_PREFIX)]
-        found: dict[str, dict[str, Any]] = {}
-        for short_id in listing.entries:
-            try:
-                manifest = self.read_manifest(bytes.fromhex(short_id))
-            except ManifestError as exc:
-                problems.append(str(exc))
-                continue
-            if manifest is None:
-                problems.append(f"{self.namespace_dir(bytes.fromhex(short_id))}: no {MANIFEST_NAME}; skipped")
-            else:
-                found[short_id] = manifest
-        for problem in problems:
-            _log.warning("remote %s: %s", self.root, problem)
-        return found, problems
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceListing:
-    """Entries directly under a remote root.
-
-    Attributes:
-        entries: namespace short ids (16 lowercase hex digits).
-        stray: names of every other entry.
-    """
-
-    entries: list[str]
-    stray: list[str]
-
-
-def is_namespace_id(name: str) -> bool:
-    """True for a namespace short id: 16 lowercase hex digits."""
-    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
+        or unreadable."""
+        return remote_manifests.manifests(self)
 
 
 class RemoteTier(Tier):

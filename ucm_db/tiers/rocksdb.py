@@ -55,7 +55,8 @@ import rocksdict
 
 from ucm_db.errors import LockedError, TierError
 from ucm_db.tiers.base import TABLES, Engine, T
-from ucm_db.tiers.rocksdb_txn import Gate, RocksTxn
+from ucm_db.tiers.gate import SharedExclusiveGate
+from ucm_db.tiers.rocksdb_txn import RocksTxn
 
 logger = logging.getLogger("ucm_db")
 _DISK_HINT = "free space on that disk (the store resumes writing once there is room), or lower capacity_bytes"
@@ -90,7 +91,7 @@ class RocksDbEngine(Engine):
         self._sync = sync
         self._read_only = read_only
         self._write_lock = threading.Lock()
-        self._gate = Gate()
+        self._gate = SharedExclusiveGate()
         self._floors: dict[str, bytes] = {}
         self._pid = os.getpid()
         self._families: dict[str, rocksdict.Rdict] = {}
@@ -126,7 +127,7 @@ class RocksDbEngine(Engine):
     def _recover(self) -> None:
         """Reopens the database after a failed write (see module
         invariants). Call with the write lock held."""
-        with self._gate.committing():
+        with self._gate.exclusive():
             try:
                 self._release()
             except Exception as exc:  # noqa: BLE001 - the reopen below says whether the store is usable
@@ -207,7 +208,7 @@ class RocksDbEngine(Engine):
     def read(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
         self._recover_if_failed(unreadable_only=True)  # a reopen after a failed write left no handle
-        with self._gate.reading():
+        with self._gate.shared():
             return fn(RocksTxn(self._families, writable=False, floors=self._floors))
 
     def write(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
@@ -222,7 +223,7 @@ class RocksDbEngine(Engine):
             result = fn(txn)
             batch = txn.batch(self._handles)
             try:
-                with self._gate.committing():
+                with self._gate.exclusive():
                     if batch is not None:
                         self._db.write(batch, self._write_options)
                     self._floors = txn.floors

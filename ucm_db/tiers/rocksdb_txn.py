@@ -1,6 +1,7 @@
 """The RocksDB engine's transactions: an overlay of pending changes over
-the committed column families, and the gate that keeps readers off a
-commit in progress (see :mod:`ucm_db.tiers.rocksdb` for the invariants).
+the committed column families (see :mod:`ucm_db.tiers.rocksdb` for the
+invariants; the gate that keeps readers off a commit in progress is
+:class:`ucm_db.tiers.gate.SharedExclusiveGate`).
 
 Invariants:
     * A write transaction reads its own writes (``get`` and sorted merged
@@ -11,9 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 import rocksdict
@@ -22,41 +21,6 @@ from ucm_db.errors import TierError
 from ucm_db.tiers.base import Buffer
 
 _DELETED = object()
-
-
-class Gate:
-    """Many readers at once, or one commit alone."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._committing = False
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        with self._cond:
-            while self._committing:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def committing(self) -> Iterator[None]:
-        with self._cond:
-            self._committing = True
-            while self._readers:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._committing = False
-                self._cond.notify_all()
 
 
 class RocksTxn:

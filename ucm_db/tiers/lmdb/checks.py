@@ -35,12 +35,54 @@ from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.storelock import ensure_store_dir, os_error
 from ucm_db.tiers.lmdb.meta import check_file
 from ucm_db.tiers.lmdb.pages import NO_PAGE, DamagedTree, first_reachable_page_past_end
-from ucm_db.tiers.lmdb.recovery import _SIGNAL_NAMES, CHECK_TIMEOUT_S, walk_in_child
+from ucm_db.tiers.lmdb.groupsync import RollbackReport, roll_back_after_os_crash
+from ucm_db.tiers.lmdb.recovery import (
+    _SIGNAL_NAMES, CHECK_TIMEOUT_S, RecoveryReport, recover_after_os_crash, recovery_lock, set_aside, walk_in_child,
+)
 
 logger = logging.getLogger("ucm_db")
 
 ENV_DIR = "lmdb"
 DATA_FILE = "data.mdb"
+
+
+def recover_at_open(env_dir: Path, *, pinned: bool) -> tuple[RecoveryReport | None, RollbackReport | None]:
+    """What a writable open does first after an OS crash: the check of an
+    older version's markers and, for a store that keeps a sync record
+    (``pinned``), the rollback to the last synced snapshot, set aside if
+    even that does not fit the file. Returns both reports (None: nothing to
+    do); a file this user cannot read or write is a TierError with the fix."""
+    try:
+        recovery = recover_after_os_crash(env_dir)
+        rollback = None
+        if pinned:
+            with recovery_lock(env_dir):
+                rollback = roll_back_after_os_crash(env_dir)
+                if rollback is not None:
+                    set_aside_if_still_damaged(env_dir)
+    except OSError as exc:
+        raise TierError(
+            f"cannot check LMDB store {env_dir} after an OS crash: {exc}",
+            hint=f"give this user (uid {os.getuid()}) read and write access to {env_dir.parent} and everything "
+            "under it, e.g. run as the store's owner" if isinstance(exc, PermissionError) else
+            f"make {env_dir.parent} writable by this user, or delete the store (it is a cache)",
+        ) from exc
+    return recovery, rollback
+
+
+def set_aside_if_still_damaged(env_dir: Path) -> None:
+    """The last resort after a rollback: a synced snapshot that still does
+    not fit in the file means the disk lost synced writes (it lied about
+    fsync). The store is a cache: move it aside and start empty."""
+    check = check_file(env_dir / "data.mdb")
+    if check.ok:
+        return
+    moved_to = set_aside(env_dir)
+    ensure_env_dir(env_dir)
+    logger.warning(
+        "ucm-db: %s lost synced writes in an OS crash (%s): the disk or its cache does not honour fsync. "
+        "Moved it to %s and started an empty store.", env_dir, check.problem, moved_to,
+    )
 
 
 def ensure_env_dir(env_dir: Path) -> None:

@@ -51,113 +51,29 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
 from ucm_db.errors import TierError
-from ucm_db.tiers.base import TABLES, Buffer, Engine, T
+from ucm_db.tiers.base import TABLES, Engine, T
+from ucm_db.tiers.gate import SharedExclusiveGate
 from ucm_db.storelock import ensure_store_dir
-from ucm_db.tiers.lmdb.checks import check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable
+from ucm_db.tiers.lmdb.checks import (
+    check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable, recover_at_open,
+)
 from ucm_db.tiers.lmdb.fence import check_proven
-from ucm_db.tiers.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin, roll_back_after_os_crash
+from ucm_db.tiers.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin
 from ucm_db.tiers.lmdb.malloc import keep_dirty_page_memory
 from ucm_db.tiers.lmdb.meta import FileCheck, check_file
 from ucm_db.tiers.lmdb.prefault import Prefault
-from ucm_db.tiers.lmdb.recovery import (
-    CHECK_TIMEOUT_S,
-    RecoveryReport,
-    logger,
-    recover_after_os_crash,
-    recovery_lock,
-    set_aside,
-    walk_in_child,
-)
+from ucm_db.tiers.lmdb.txn import LmdbTxn, lmdb_open
+from ucm_db.tiers.lmdb import space
+from ucm_db.tiers.lmdb.recovery import CHECK_TIMEOUT_S, RecoveryReport, logger, walk_in_child
 
 _MAX_MAP_BYTES = 1 << 46
-def _lmdb_open(path: str, **options: Any) -> lmdb.Environment:
-    """``lmdb.open``, retried while other processes grow the map: opening
-    runs a transaction, which fails with MDB_MAP_RESIZED when a writer grew
-    the map after the meta page was read (seen in the crash loop)."""
-    for _ in range(15):
-        try:
-            return lmdb.open(path, **options)
-        except lmdb.MapResizedError:
-            continue
-    return lmdb.open(path, **options)
-
-
-class _LmdbTxn:
-    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any]) -> None:
-        self._txn = txn
-        self._dbs = dbs
-
-    def get(self, table: str, key: bytes) -> Buffer | None:
-        return self._txn.get(key, db=self._dbs[table])  # type: ignore[no-any-return]
-
-    def stat(self, table: str) -> Any:
-        """LMDB's page counts of ``table`` in this snapshot (``txn.stat``)."""
-        return self._txn.stat(self._dbs[table])
-
-    def put(self, table: str, key: bytes, value: Buffer) -> None:
-        self._txn.put(key, value, db=self._dbs[table])
-
-    def delete(self, table: str, key: bytes) -> bool:
-        return self._txn.delete(key, db=self._dbs[table])  # type: ignore[no-any-return]
-
-    def scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
-        cursor = self._txn.cursor(db=self._dbs[table])
-        if not cursor.set_range(prefix):
-            return
-        if not prefix:  # a whole table: no bound to test per key (maintenance walks millions)
-            for key, value in cursor:
-                yield bytes(key), value
-            return
-        for key, value in cursor:
-            key = bytes(key)
-            if not key.startswith(prefix):
-                return
-            yield key, value
-
-
-class _SharedExclusiveLock:
-    """Many transactions at once, or one map resize alone."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self._resizing = False
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._resizing = True
-            while self._active:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
 
 
 class LmdbEngine(Engine):
@@ -180,7 +96,7 @@ class LmdbEngine(Engine):
         self._pid = -1
         self._open_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._txn_gate = _SharedExclusiveLock()
+        self._txn_gate = SharedExclusiveGate()
         self._pin: SnapshotPin | None = None
         self._pinned = not sync  # keeps a sync record (set again at each open, see _open)
         self.prefault: Prefault | None = None
@@ -207,7 +123,7 @@ class LmdbEngine(Engine):
         # (py-lmdb's objects do nothing when freed in a forked child).
         self._pin = None
         self._write_lock = threading.Lock()
-        self._txn_gate = _SharedExclusiveLock()
+        self._txn_gate = SharedExclusiveGate()
         self.prefault = None  # a forked child: the parent's thread is not here
         check_proven(self.path)  # before any rollback, rewrite or map (fence.py)
         if self.read_only:
@@ -226,24 +142,11 @@ class LmdbEngine(Engine):
         # would land on overwritten pages. So it rolls back, records and pins
         # as group opens do, and records each of its (synced) commits.
         self._pinned = not self._sync or (self.path / RECORD_FILE).exists()
-        try:
-            self.recovery = recover_after_os_crash(self.path)
-            if self._pinned:
-                with recovery_lock(self.path):
-                    self.rollback = roll_back_after_os_crash(self.path)
-                    if self.rollback is not None:
-                        self._set_aside_if_still_damaged()
-        except OSError as exc:
-            raise TierError(
-                f"cannot check LMDB store {self.path} after an OS crash: {exc}",
-                hint=f"give this user (uid {os.getuid()}) read and write access to {self.path.parent} and everything "
-                "under it, e.g. run as the store's owner" if isinstance(exc, PermissionError) else
-                f"make {self.path.parent} writable by this user, or delete the store (it is a cache)",
-            ) from exc
+        self.recovery, self.rollback = recover_at_open(self.path, pinned=self._pinned)
         check_data_file(self.path)
         self._check_pages_once(lock=True)
         try:
-            env = _lmdb_open(
+            env = lmdb_open(
                 str(self.path),
                 map_size=self._map_size_bytes,
                 subdir=True,
@@ -293,12 +196,12 @@ class LmdbEngine(Engine):
             subdir=True, readonly=True, max_dbs=len(TABLES) + 4, max_readers=self._max_readers, readahead=True, create=False,
         )
         try:
-            return _lmdb_open(str(self.path), lock=True, **options)
+            return lmdb_open(str(self.path), lock=True, **options)
         except (lmdb.ReadonlyError, lmdb.Error, OSError) as exc:
             if lock_file_writable(self.path):
                 raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
         try:
-            return _lmdb_open(str(self.path), lock=False, **options)
+            return lmdb_open(str(self.path), lock=False, **options)
         except (lmdb.Error, OSError) as exc:
             raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
 
@@ -306,20 +209,6 @@ class LmdbEngine(Engine):
         if self._check_pages:
             check_pages_at_open(self.path, lock=lock)
             self._check_pages = False
-
-    def _set_aside_if_still_damaged(self) -> None:
-        """The last resort after a rollback: a synced snapshot that still
-        does not fit in the file means the disk lost synced writes (it lied
-        about fsync). The store is a cache: move it aside and start empty."""
-        check = self.check_file()
-        if check.ok:
-            return
-        moved_to = set_aside(self.path)
-        ensure_env_dir(self.path)
-        logger.warning(
-            "ucm-db: %s lost synced writes in an OS crash (%s): the disk or its cache does not honour fsync. "
-            "Moved it to %s and started an empty store.", self.path, check.problem, moved_to,
-        )
 
     def check_file(self) -> FileCheck:
         """The data file checked against its meta pages, without mapping it
@@ -348,7 +237,7 @@ class LmdbEngine(Engine):
                 raise lmdb_error("Opening the tables of LMDB store", self.path, exc) from exc
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
-    def read(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
+    def read(self, fn: Callable[[LmdbTxn], T]) -> T:  # type: ignore[override]
         """``fn`` in a read transaction, adopting a map another process grew
         meanwhile (every read goes through here: a bare ``env.begin`` fails
         with MDB_MAP_RESIZED beside a growing writer)."""
@@ -356,21 +245,21 @@ class LmdbEngine(Engine):
         for _ in range(3):
             try:
                 with self._txn_gate.shared(), env.begin(buffers=True) as txn:
-                    return fn(_LmdbTxn(txn, self._dbs))
+                    return fn(LmdbTxn(txn, self._dbs))
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
             except lmdb.Error as exc:  # e.g. MDB_CORRUPTED from a damaged page
                 raise lmdb_error("LMDB read of", self.path, exc) from exc
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
-    def write(self, fn: Callable[[_LmdbTxn], T]) -> T:  # type: ignore[override]
+    def write(self, fn: Callable[[LmdbTxn], T]) -> T:  # type: ignore[override]
         if self.read_only:
             raise TierError(f"LMDB store {self.path} is open read-only", hint="open it without read_only=True to write")
         env = self._environment()
         while True:
             try:
                 with self._write_lock, self._txn_gate.shared(), env.begin(write=True, buffers=True) as txn:
-                    result = fn(_LmdbTxn(txn, self._dbs))
+                    result = fn(LmdbTxn(txn, self._dbs))
                 if self._sync:
                     self._record_sync_commit(env)
                 return result
@@ -466,29 +355,19 @@ class LmdbEngine(Engine):
 
     def free_page_bytes(self) -> int | None:
         """The pages below the used extent that no table holds: LMDB's free
-        list. A long one slows every put of a large block (it is searched
-        for a contiguous run); ``ucm-db compact`` returns it to the disk."""
+        list (:func:`ucm_db.tiers.lmdb.space.free_page_bytes`). A long one
+        slows every put of a large block (it is searched for a contiguous
+        run); ``ucm-db compact`` returns it to the disk."""
         env = self._environment()
-
-        def measure(txn: _LmdbTxn) -> tuple[list[Any], int]:
-            return [txn.stat(table) for table in self._dbs] + [env.stat()], self._extent_pages(env)
-
-        stats, extent_pages = self.read(measure)
-        in_tables = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats)
-        meta_pages = 2
-        return max(0, extent_pages - meta_pages - in_tables) * self._page_size(env)
+        return space.free_page_bytes(self.read(lambda txn: space.table_stats(txn, self._dbs, env)), self._page_size(env))
 
     def used_extent_bytes(self) -> int | None:
         """Pages up to the newest snapshot's last page: grows only when a
         commit found no reusable free page (see ``Background.committed``)."""
         env = self._environment()
-        return self._extent_pages(env) * self._page_size(env)
-
-    @staticmethod
-    def _extent_pages(env: lmdb.Environment) -> int:
-        return int(env.info()["last_pgno"]) + 1
+        return space.used_extent_bytes(env, self._page_size(env))
 
     def _page_size(self, env: lmdb.Environment) -> int:
         if self._page_bytes is None:
-            self._page_bytes = int(env.stat()["psize"])
+            self._page_bytes = space.page_bytes(env)
         return self._page_bytes

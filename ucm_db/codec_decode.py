@@ -1,0 +1,218 @@
+"""Decoding a block (:mod:`ucm_db.codec`): verify, then write its raw bytes
+into a new buffer, a caller's buffer or a scatter list; and transcoding.
+
+Invariants:
+    * A block is verified (header bounds, owning key, checksum) before its
+      bytes are reported decoded; a raw body is verified as it is copied
+      (:mod:`ucm_db.checked_copy`).
+    * A zstd frame never decompresses to more than the frame table says
+      (no decompression bombs); any mismatch is a
+      :class:`~ucm_db.errors.CorruptBlockError`.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Sequence
+from typing import cast
+
+import zstandard
+
+from ucm_db import checked_copy, native
+from ucm_db.codec_encode import encode_parts
+from ucm_db.codec_format import (
+    FRAME_STRUCT, HEADER_BYTES, MODE_RAW, MODE_SHUFFLE, MODE_ZSTD, Buffer, Header, all_raw, codec_of_head, frame_sizes,
+    head_hasher, read_head, split, verify_parts,
+)
+from ucm_db.errors import ConfigError, CorruptBlockError
+
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def _unshuffle(planes: list[Buffer], out: memoryview, element_bytes: int) -> None:
+    """Interleaves byte planes back into elements, straight into ``out``."""
+    try:
+        native.merge_planes(planes, out, element_bytes)
+    except ValueError as exc:
+        raise CorruptBlockError(f"byte planes do not fit the frame: {exc}") from exc
+
+
+def decode_into(blob: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
+    """Verifies ``blob`` and writes its raw bytes into ``out``: one buffer,
+    or a list or tuple of buffers filled one after another (a scatter list:
+    the raw bytes need not lie in one place, e.g. one KV slab per layer).
+
+    Returns:
+        The number of raw bytes written.
+
+    Raises:
+        CorruptBlockError: on any mismatch (``out`` may be partly written).
+        ValueError: ``out`` is too small.
+    """
+    head, body = split(blob)
+    return decode_parts_into(head, body, key, out)
+
+
+def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
+    """:func:`decode_into` for a head and body kept apart (a raw body is verified as copied: :mod:`ucm_db.checked_copy`)."""
+    header = read_head(head, len(body))
+    if header.codec == "none" and header.key == key and all_raw(head, header, len(body)):
+        return checked_copy.copy_verified(head_hasher(head), body, out, header.checksum)
+    header = verify_parts(head, body, key)
+    if isinstance(out, (list, tuple)):
+        return _decode_scattered(head, body, header, out)
+    return _decode_verified(head, body, header, cast(Buffer, out))  # not a list or tuple: one buffer
+
+
+def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence[Buffer]) -> int:
+    """Decodes a verified block across ``outs`` in order, via this thread's (hot) scratch buffer."""
+    source = _scratch(header.raw_len)
+    _decode_verified(head, body, header, source)
+    return checked_copy.copy_out(source, list(outs))  # one C call however many pieces
+
+
+_scratch_local = threading.local()
+#: Largest scratch buffer a thread keeps between calls (a larger block gets one of its own).
+_SCRATCH_KEEP_BYTES = 16 << 20
+
+
+def _scratch(size: int) -> memoryview:
+    """A view of ``size`` bytes of this thread's reusable scratch buffer
+    (valid until this thread's next call)."""
+    if size > _SCRATCH_KEEP_BYTES:
+        return memoryview(bytearray(size))
+    buffer = getattr(_scratch_local, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _scratch_local.buffer = bytearray(size)
+    return memoryview(buffer)[:size]
+
+
+def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) -> int:
+    """Decodes a block whose header and checksum :func:`verify_parts` accepted."""
+    out_view = memoryview(out).cast("B")
+    if len(out_view) < header.raw_len:
+        raise ConfigError(
+            f"output buffer of {len(out_view)} bytes is smaller than the block's {header.raw_len}",
+            hint="pass get_into buffers at least as large as the stored blocks",
+        )
+    body_view = memoryview(body)
+    if header.codec == "none" and all_raw(head, header, len(body_view)):
+        out_view[: header.raw_len] = body_view  # the frames back to back: one copy, not one per frame
+        return header.raw_len
+    table_at = HEADER_BYTES
+    body_at = 0
+    raw_at = 0
+    for _ in range(header.n_frames):
+        raw_len, stored_len, mode, elem, mask = FRAME_STRUCT.unpack_from(head, table_at)
+        table_at += FRAME_STRUCT.size
+        if raw_at + raw_len > header.raw_len or body_at + stored_len > len(body_view):
+            raise CorruptBlockError("frame table exceeds the block")
+        _decode_frame(body_view[body_at : body_at + stored_len], out_view[raw_at : raw_at + raw_len], mode, elem, mask)
+        raw_at += raw_len
+        body_at += stored_len
+    if raw_at != header.raw_len:
+        raise CorruptBlockError("frames do not add up to the raw length")
+    return raw_at
+
+
+def decode(blob: Buffer, key: bytes) -> bytearray:
+    """Verifies ``blob`` and returns its raw bytes."""
+    head, body = split(blob)
+    return decode_parts(head, body, key)
+
+
+def decode_parts(head: Buffer, body: Buffer, key: bytes) -> bytearray:
+    """:func:`decode` for a head and body kept apart."""
+    # Checksum first: a corrupt raw_len must not size an allocation (a
+    # flipped high bit would otherwise allocate up to MAX_RAW_BYTES).
+    header = verify_parts(head, body, key)
+    out = bytearray(header.raw_len)
+    _decode_verified(head, body, header, out)
+    return out
+
+
+def readable(head: Buffer, body: Buffer, key: bytes) -> bool:
+    """Whether a block passes every check a read makes: header bounds,
+    owning key, checksum and the decode of each frame. A block whose
+    checksum holds but whose frames do not decode is as unreadable as a
+    damaged one (a quarantine re-checks with this, not with
+    :func:`verify_parts`)."""
+    try:
+        decode_parts(head, body, key)
+    except CorruptBlockError:
+        return False
+    return True
+
+
+def _decode_frame(stored: memoryview, out: memoryview, mode: int, elem: int, mask: int) -> None:
+    if mode == MODE_RAW:
+        if len(stored) != len(out):
+            raise CorruptBlockError("raw frame length mismatch")
+        out[:] = stored
+    elif mode == MODE_ZSTD:
+        out[:] = _zstd_exact(stored, len(out))
+    elif mode == MODE_SHUFFLE:
+        if elem not in (2, 4) or len(out) % elem or len(stored) < 4 * elem:
+            raise CorruptBlockError("bad shuffle frame")
+        lengths = struct.unpack_from(f"<{elem}I", stored, 0)
+        plane_len = len(out) // elem
+        at = 4 * elem
+        planes: list[Buffer] = []
+        for i, length in enumerate(lengths):
+            part = stored[at : at + length]
+            if len(part) != length:
+                raise CorruptBlockError("shuffle plane exceeds the frame")
+            at += length
+            if mask >> i & 1:
+                planes.append(_zstd_exact(part, plane_len))
+            elif length == plane_len:
+                planes.append(part)
+            else:
+                raise CorruptBlockError("raw plane length mismatch")
+        if at != len(stored):
+            raise CorruptBlockError("shuffle frame has trailing bytes")
+        _unshuffle(planes, out, elem)
+    else:
+        raise CorruptBlockError(f"unknown frame mode {mode}")
+
+
+def _zstd_exact(data: memoryview, size: int) -> bytes:
+    try:
+        # zstandard allocates a frame's own content size and then ignores
+        # max_output_size: refuse any claim other than the table's first.
+        claimed = zstandard.frame_content_size(data)
+        if claimed not in (-1, size):
+            raise CorruptBlockError(f"zstd frame claims {claimed} bytes where the block table says {size}")
+        result = _decompressor().decompress(data, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise CorruptBlockError(f"zstd: {exc}") from exc
+    if len(result) != size:
+        raise CorruptBlockError("decompressed size mismatch")
+    return result
+
+
+def transcode(blob: Buffer, key: bytes, *, codec: str, element_bytes: int, level: int = 1) -> Buffer:
+    """``blob`` re-encoded with ``codec`` (frames kept apart), or ``blob``
+    itself when it already uses it. The block is verified first: a corrupt
+    one raises :class:`CorruptBlockError` and is never re-sealed as whole.
+
+    Raises:
+        CorruptBlockError: ``blob`` fails verification against ``key``.
+    """
+    if codec_of_head(blob) == codec:
+        return blob
+    raw = memoryview(decode(blob, key))
+    frames: list[memoryview] = []
+    offset = 0
+    for size in frame_sizes(blob):
+        frames.append(raw[offset : offset + size])
+        offset += size
+    return encode_parts(key, frames, codec=codec, element_bytes=element_bytes, level=level).blob()

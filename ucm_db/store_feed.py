@@ -1,0 +1,69 @@
+"""The store's per-namespace bookkeeping: the KV cache events' change
+feed (:mod:`ucm_db.events`) and the namespaces' epochs
+(:mod:`ucm_db.epochs`).
+
+Invariants:
+    * Every read here is one read transaction; ``bump_epoch`` is one
+      durable write and is refused by a read-only store.
+"""
+
+from __future__ import annotations
+
+from ucm_db import epochs
+from ucm_db.arguments import require_namespace
+from ucm_db.events import ChangeBatch, EventInventory
+from ucm_db.keys import Namespace
+from ucm_db.store_base import StoreBase
+from ucm_db.tiers import changefeed
+
+
+class StoreFeed(StoreBase):
+    """The change feed and epochs of :class:`~ucm_db.store.Store`."""
+
+    def changes_since(self, seq: int, limit: int = 1024, *, namespace: Namespace | None = None) -> ChangeBatch:
+        """Change feed records from ``seq`` on (at most ``limit`` seqs;
+        of ``namespace`` only, if given), written by any process. One read
+        transaction; with nothing new, one record read. ``resync`` set: the
+        reader fell behind the feed's bound: clear, then :meth:`event_inventory`."""
+        self._check_open()
+        ns_id = None
+        if namespace is not None:
+            require_namespace(namespace, "changes_since")
+            ns_id = namespace.digest[:16]
+        return self._engine.read(lambda txn: changefeed.since(txn, seq, limit, None if ns_id is None else {ns_id}))
+
+    def event_inventory(self, *, namespace: Namespace | None = None, namespace_id: bytes | None = None) -> EventInventory:
+        """Every evented block stored now (of a namespace, if given) as
+        ``stored`` records, parents first, with the feed's ``next_seq`` of
+        the same snapshot (follow :meth:`changes_since` from there)."""
+        self._check_open()
+        if namespace is not None:
+            require_namespace(namespace, "event_inventory")
+            namespace_id = namespace.digest[:16]
+        wanted = None if namespace_id is None else {namespace_id}
+        found, next_seq = self._engine.read(lambda txn: changefeed.inventory(txn, wanted))
+        return EventInventory(tuple(found), next_seq)
+
+    def feed_position(self) -> int:
+        """The seq the next change feed record gets (start following here)."""
+        self._check_open()
+        return self._engine.read(changefeed.position)[0]
+
+    def epoch(self, namespace: Namespace) -> int:
+        """``namespace``'s epoch (0 until it is first bumped): root key
+        chains at it (``namespace.block_keys(..., epoch=store.epoch(ns))``)
+        to find only blocks stored since the last invalidation. One read
+        (:mod:`ucm_db.epochs`); a damaged record is a TierError."""
+        self._check_open()
+        require_namespace(namespace, "epoch")
+        return epochs.read(self._engine, namespace.digest[:16])
+
+    def bump_epoch(self, namespace: Namespace) -> int:
+        """Invalidates ``namespace``'s blocks: moves its epoch on, durably
+        and for every process on the store, and returns the new epoch.
+        Nothing is deleted: blocks keyed at older epochs are never found
+        again and leave through LRU eviction (:mod:`ucm_db.epochs`)."""
+        self._check_open()
+        require_namespace(namespace, "bump_epoch")
+        self._refuse_read_only("bump_epoch")
+        return epochs.bump(self._engine, namespace.digest[:16])

@@ -1,0 +1,118 @@
+"""Opening a store: the checks and steps :class:`~ucm_db.store.Store` runs
+before it holds anything.
+
+Invariants:
+    * Nothing is created before the arguments are checked: a bad path, an
+      unknown option, a bad remote key or an engine that conflicts with the
+      store on disk is refused first.
+    * A read-only open never creates a store (an absent one is a TierError).
+    * A refused store (format, settings, lock) is let go at once: the
+      engine is closed and the directory lock released before the error
+      leaves, so e.g. ``migrate`` in this same process can take it.
+    * The info records are read (or, for a new store, written) through
+      :mod:`ucm_db.format`, in one transaction.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ucm_db.auth import AuthKeys, load_keys
+from ucm_db.config import PERSISTED_FIELDS, StoreConfig
+from ucm_db.errors import ConfigError, TierError
+from ucm_db.format import check_format_version, check_persisted_settings, engine_for_config, open_records
+from ucm_db.storelock import StoreLock, ensure_store_dir, hold_shared
+from ucm_db.store_path import detect_engine_checked, permission_error, store_path
+from ucm_db.tiers.accounting import seal_records
+from ucm_db.tiers.base import Engine
+from ucm_db.tiers.local import LocalTier
+
+
+@dataclass(frozen=True)
+class OpenedStore:
+    """What an open hands the store: its checked path and adopted config,
+    the engine and local tier over it, the shared directory lock it holds
+    and the remote's authentication keys (None without)."""
+
+    path: Path
+    config: StoreConfig
+    engine: Engine
+    tier: LocalTier
+    dir_lock: StoreLock
+    auth_keys: AuthKeys | None
+
+
+def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> OpenedStore:
+    """Checks ``options`` against the store at ``path`` (creating it unless
+    read-only) and opens its engine and local tier (module invariants)."""
+    path = store_path(path)  # bytes, "", too long, inside another store: ConfigError, nothing created
+    explicit = dict(options)
+    checked = StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
+    auth_keys = load_keys(checked.remote_auth_key_file, checked.remote_auth_key_env)  # a bad key: before anything opens
+    existing = detect_engine_checked(path)
+    if "engine" not in explicit:
+        if existing is not None:
+            explicit["engine"] = existing
+    elif existing is not None and explicit["engine"] != existing:
+        # Opening with another engine would start a second, empty store
+        # beside this one and miss everything stored.
+        raise ConfigError(
+            f"engine={explicit['engine']!r} conflicts with the store at {path}, which is a {existing} store",
+            hint=f"omit engine (or pass engine={existing!r}) to open it, or use a new store path for another engine",
+        )
+    read_only = explicit.get("read_only") is True
+    if read_only and existing is None:
+        raise TierError(
+            f"no ucm-db store at {path} to open read-only",
+            hint="check the path (a read-only open never creates a store), or open it writable once to create it",
+        )
+    if not read_only:
+        ensure_store_dir(path)  # a file or a read-only volume is a TierError with the fix
+    # Keeps compact/migrate from rewriting files under us (read-only: creating nothing).
+    dir_lock = hold_shared(path, read_only=read_only)
+    config = StoreConfig.from_dict(explicit)
+    engine: Engine | None = None
+    try:
+        engine = engine_for_config(path, config)
+        tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
+        config = adopt_settings(engine, config, explicit, path)
+    except BaseException as exc:
+        # A refused store (format, settings, lock) is let go at once, so
+        # e.g. `migrate` in this same process can take it.
+        if engine is not None:
+            engine.close()
+        dir_lock.release()
+        if isinstance(exc, PermissionError):  # e.g. an unreadable data file, read-only open included
+            raise permission_error(path, exc) from exc
+        raise
+    tier.capacity_bytes = config.capacity_bytes
+    return OpenedStore(path, config, engine, tier, dir_lock, auth_keys)
+
+
+def adopt_settings(engine: Engine, config: StoreConfig, explicit: Mapping[str, Any], path: Path) -> StoreConfig:
+    """Records settings in a new store, or checks them against an old one;
+    returns the config the store runs with (stored persisted settings win
+    over omitted ones; a conflicting explicit one is a ConfigError)."""
+    wanted = config.persisted()
+
+    def run(txn: Any) -> tuple[int, dict[str, Any]]:
+        return open_records(txn, wanted, path, read_only=config.read_only)
+
+    version, stored = (engine.read if config.read_only else engine.write)(run)
+    check_format_version(version, path)
+    check_persisted_settings(stored, path)
+    if not config.read_only:
+        # Records of older code get checksums; their counters are recounted first (issue 26 item 18).
+        engine.write(seal_records)
+    for name in PERSISTED_FIELDS:
+        if name in explicit and name in stored and explicit[name] != stored[name]:
+            raise ConfigError(
+                f"{name}={explicit[name]!r} conflicts with the store at {path}, created with {name}={stored[name]!r}",
+                hint=f"omit {name} to use the stored setting, or use a new store path",
+            )
+    merged = {**{k: v for k, v in explicit.items()}, **{k: v for k, v in stored.items() if k in PERSISTED_FIELDS}}
+    return StoreConfig.from_dict(merged)

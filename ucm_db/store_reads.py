@@ -1,0 +1,177 @@
+"""The store's read path: ``lookup``, ``get`` and ``get_into``.
+
+Invariants:
+    * Every payload read is verified (header, owning key, checksum) before
+      it is reported read; a corrupt block reads as a miss and is
+      quarantined with its descendants (by a writable store).
+    * Reads never open a write transaction: their activity (LRU touches,
+      hit and miss counts) goes to the maintenance thread.
+    * With a remote, local misses read through to it (the remote wing,
+      :mod:`ucm_db.remote`), which promotes what it fetches; a lookup waits
+      at most its deadline on the remote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ucm_db import codec, raw_loads
+from ucm_db.arguments import ProbedKeys, key_list, require_keys, require_namespace, require_writable
+from ucm_db.errors import ConfigError, CorruptBlockError
+from ucm_db.keys import Namespace
+from ucm_db.store_base import StoreBase
+from ucm_db.tiers.base import Buffer
+
+
+class StoreReads(StoreBase):
+    """``lookup``, ``get`` and ``get_into`` of :class:`~ucm_db.store.Store`."""
+
+    def lookup(
+        self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = True, remote_deadline_s: float | None = None,
+    ) -> int:
+        """Number of leading ``keys`` stored: O(log n) reads.
+
+        Args:
+            remote: also continue the local prefix from the remote tier
+                (promoting what it finds, within ``remote_deadline_s``);
+                False looks at the local tier only.
+            remote_deadline_s: this call's deadline on the remote instead of
+                the store's ``remote_deadline_s`` (a lookup off the serving
+                path can wait longer).
+        """
+        self._check_open()
+        require_namespace(namespace, "lookup")
+        # Checked: the first and last key and the O(log n) keys the binary
+        # search reads. A full scan of 8192 keys costs more than the lookup
+        # itself, and a malformed key reads as absent (none is ever stored).
+        if not isinstance(keys, Sequence) or isinstance(keys, (bytes, bytearray, memoryview, str)):
+            keys = key_list(keys, "lookup")
+        if keys:
+            require_keys((keys[0], keys[-1]))
+        deadline_s = self.config.remote_deadline_s if remote_deadline_s is None else remote_deadline_s
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+            raise ConfigError(f"remote_deadline_s must be a positive number of seconds, got {remote_deadline_s!r}", hint="pass e.g. 5.0")
+        count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.digest[:16])
+        if remote and self._wing is not None and count < len(keys):
+            count = self._wing.extend_prefix(namespace.digest[:16], keys, count, deadline_s)
+        return count
+
+    def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """Raw payloads of ``keys``; ``None`` for a miss, a corrupt block or
+        a block of another namespace."""
+        self._check_open()
+        require_namespace(namespace, "get")
+        keys = key_list(keys, "get")
+        corrupt: list[tuple[bytes, str]] = []
+
+        def decode(i: int, head: memoryview, body: memoryview) -> bytearray | None:
+            try:
+                return codec.decode_parts(head, body, keys[i])
+            except CorruptBlockError as exc:
+                corrupt.append((keys[i], str(exc)))
+                return None
+
+        results = self._tier.with_blocks(
+            keys, lambda blocks: self._codecs.decode_blocks(blocks, decode), namespace_id=namespace.digest[:16],
+        )
+
+        def decode_fetched(i: int, blob: Buffer) -> None:
+            results[i] = codec.decode(blob, keys[i])
+
+        self._read_through(namespace, keys, results, decode_fetched, corrupt)
+        return self._finish_read(keys, results, corrupt)
+
+    def _read_through(
+        self, namespace: Namespace, keys: Sequence[bytes], results: list[Any], use: Callable[[int, Buffer], None],
+        corrupt: list[tuple[bytes, str]],
+    ) -> None:
+        """Fetches local misses (``None`` in ``results``; corrupt local
+        blocks included: the remote copy is verified on its own) from the
+        remote, promotes what keeps the prefix invariant, and hands each
+        verified blob to ``use(index, blob)`` as it arrives, so the caller
+        decodes it while later ones are still being fetched. ``use`` runs
+        on a codec thread for a zstd block with large frames, on the
+        caller's thread otherwise; every call has returned when this does.
+        A blob whose checksum held but whose frames do not decode
+        (``CorruptBlockError`` from ``use``) stays a miss and joins
+        ``corrupt``, as a local one does."""
+        if self._wing is None:
+            return
+
+        def use_or_miss(i: int, blob: Buffer) -> None:
+            try:
+                use(i, blob)
+            except CorruptBlockError as exc:
+                corrupt.append((keys[i], str(exc)))
+
+        missing = [i for i, r in enumerate(results) if r is None]
+        if not missing:
+            return
+        # Large zstd blocks are decoded on the codec threads while later
+        # ones are fetched, joined before this returns.
+        decodes = self._codecs.pending()
+        try:
+            self._wing.read_through(namespace.digest[:16], keys, missing, use_or_miss, decodes)
+        finally:
+            decodes.join()
+
+    def get_into(
+        self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer | list[Buffer] | tuple[Buffer, ...]],
+    ) -> list[bool]:
+        """Decodes blocks straight into caller-provided buffers.
+
+        ``buffers[i]`` is one buffer, or a list or tuple of buffers that the
+        block's raw bytes fill one after another (a scatter list: for
+        example a KV cache's slab of each layer, so nothing is staged and
+        copied again). A block that fails may have written part of its
+        buffers; its flag is False.
+
+        Returns:
+            For each key, True if ``buffers[i]`` now holds the block.
+        """
+        self._check_open()
+        require_namespace(namespace, "get_into")
+        keys = key_list(keys, "get_into")
+        if not isinstance(buffers, Sequence) or len(keys) != len(buffers):
+            raise ConfigError("get_into needs a sequence of one buffer per key", hint="pass a list of len(keys) buffers")
+        for buffer in buffers:
+            for piece in buffer if isinstance(buffer, (list, tuple)) else (buffer,):
+                if type(piece) is not memoryview or piece.readonly or not piece.c_contiguous:  # a view: checked inline
+                    require_writable(piece)
+        corrupt: list[tuple[bytes, str]] = []
+
+        def decode(i: int, head: memoryview, body: memoryview) -> bool:
+            try:
+                codec.decode_parts_into(head, body, keys[i], buffers[i])
+                return True
+            except CorruptBlockError as exc:
+                corrupt.append((keys[i], str(exc)))
+                return False
+
+        def decode_all(blocks: list[tuple[memoryview, memoryview] | None]) -> list[Any]:
+            raw = raw_loads.copy_raw_blocks(blocks, keys, buffers, corrupt)  # the rest on the codec's path
+            return [r if r is not None else d for r, d in zip(raw, self._codecs.decode_blocks(blocks, decode))]
+
+        results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace.digest[:16])
+        flags: list[Any] = [True if r else None for r in results]
+
+        def decode_fetched(i: int, blob: Buffer) -> None:
+            codec.decode_into(blob, keys[i], buffers[i])
+            flags[i] = True
+
+        self._read_through(namespace, keys, flags, decode_fetched, corrupt)
+        done = self._finish_read(keys, flags, corrupt)
+        return [r is not None for r in done]
+
+    def _finish_read(self, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]]) -> list[Any]:
+        for key, reason in corrupt:
+            self._quarantine(key, reason)
+        self._activity.record_reads(keys, results)
+        return results
+
+    def _quarantine(self, key: bytes, reason: str) -> None:
+        if self.config.read_only:
+            return  # the block reads as a miss all the same; a writer quarantines it
+
+        self._tier.quarantine(key, reason, lambda head, body: not codec.readable(head, body, key))

@@ -1,0 +1,63 @@
+"""The engines' shared/exclusive gate: many transactions at once, or one
+exclusive step alone.
+
+The LMDB engine holds its transactions ``shared`` and changes the map size
+``exclusive``; the RocksDB engine holds its read transactions ``shared`` and
+writes a commit's batch (or reopens the database) ``exclusive``.
+
+Wait rules (one set for both engines):
+    * ``shared`` waits while an exclusive step runs or waits for the gate.
+    * ``exclusive`` waits for an earlier exclusive step to end, then marks
+      the gate taken at once (so no new ``shared`` holder comes in: an
+      exclusive step never starves behind a stream of readers), then waits
+      for the shared holders to leave.
+    * Neither is re-entrant: a thread holding the gate must not take it again.
+
+The RocksDB engine takes ``exclusive`` only under its own write lock, so for
+it the first wait of ``exclusive`` never waits; the LMDB engine grows or
+adopts the map from any thread, where that wait keeps two resizes apart.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class SharedExclusiveGate:
+    """Many ``shared`` holders at once, or one ``exclusive`` holder alone
+    (see the module's wait rules)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._shared:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()

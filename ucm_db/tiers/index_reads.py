@@ -1,0 +1,195 @@
+"""The serving index's reads: presence, prefix counts, blocks, metadata and
+counters of :class:`~ucm_db.tiers.local.LocalTier` (the table layout and
+invariants are in :mod:`ucm_db.tiers.local`).
+
+Invariants:
+    * Every method is one read transaction of the engine: it sees one
+      snapshot and writes nothing.
+    * A block stored under another namespace than the one asked for reads
+      as absent; a damaged record reads as absent (presence) or is
+      recounted from the metadata (counters).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from ucm_db.tiers import damage, namespace_guard, records
+from ucm_db.tiers.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, Totals, parse_description, recount
+from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
+from ucm_db.tiers.index_types import META, BlockMeta, body_of
+
+T = TypeVar("T")
+logger = logging.getLogger("ucm_db")
+
+
+class IndexReads(Tier):
+    """The reads of the local block index over ``engine``."""
+
+    engine: Engine
+    capacity_bytes: int
+    #: LRU entries eviction has read in this process.
+    eviction_entries_scanned: int
+    #: Change feed records kept (:mod:`ucm_db.tiers.changefeed`).
+    feed_max_records: int
+
+    @property
+    def capabilities(self) -> TierCapabilities:
+        return TierCapabilities(
+            persistent=self.engine.persistent, transactional=True,
+            multi_process=self.engine.multi_process, sorted_iteration=True,
+        )
+
+    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self.read_blobs(keys)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.engine.read(lambda txn: [txn.get("meta", k) is not None for k in keys])
+
+    def present_for_put(self, keys: Sequence[bytes], namespace_desc: tuple[bytes, bytes]) -> list[bool]:
+        """Whether each key is stored, for a put into the namespace
+        ``namespace_desc`` (its id and JSON description); a damaged record
+        is not (the put replaces it).
+
+        Raises:
+            ForeignNamespaceError: a key is stored under another namespace
+                (:mod:`ucm_db.tiers.namespace_guard`).
+        """
+        namespace_id = namespace_desc[0]
+
+        def run(txn: Txn) -> list[bool]:
+            present = []
+            damaged = False
+            for key in keys:
+                meta = txn.get("meta", key)
+                # A length and 16 bytes compared on the put's hot path. A damaged
+                # record (wrong length; impossible sizes under other namespace
+                # bytes) reads as absent, and so does every key after it (its
+                # descendants): the put quarantines it with its descendants and
+                # stores them all again.
+                whole = meta is not None and len(meta) == META.size and not damaged
+                if meta is not None and whole and meta[:16] != namespace_id:
+                    if namespace_guard.is_foreign(meta, namespace_id):
+                        namespace_guard.require_same(txn, meta, namespace_id, key, "block", description=namespace_desc[1])
+                    whole = False
+                damaged = damaged or (meta is not None and not whole)
+                present.append(whole)
+            return present
+        return self.engine.read(run)
+
+    def iterate(self) -> Iterator[bytes]:
+        return iter(self.engine.read(lambda txn: [k for k, _ in txn.scan("meta")]))
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def read_blocks(self, keys: Sequence[bytes], visit: Callable[[int, memoryview, memoryview], T]) -> list[T | None]:
+        """Runs ``visit(i, head, body)`` inside one read transaction for each
+        key present; ``None`` where absent. The views are valid only during
+        visit. A block whose head is missing is visited with an empty head
+        (the codec then finds it corrupt)."""
+        def run(blocks: list[tuple[memoryview, memoryview] | None]) -> list[T | None]:
+            return [None if b is None else visit(i, b[0], b[1]) for i, b in enumerate(blocks)]
+        return self.with_blocks(keys, run)
+
+    def with_blocks(
+        self, keys: Sequence[bytes], fn: Callable[[list[tuple[memoryview, memoryview] | None]], T],
+        *, namespace_id: bytes | None = None,
+    ) -> T:
+        """Calls ``fn`` with every key's ``(head, body)`` (None where absent,
+        or, given ``namespace_id``, stored under another namespace) inside
+        one read transaction, and returns its result.
+
+        The views stay valid until ``fn`` returns, from any thread: ``fn`` may
+        hand them to worker threads (parallel decode without copying the
+        stored bytes out first) as long as it waits for them.
+        """
+        def run(txn: Txn) -> T:
+            blocks: list[tuple[memoryview, memoryview] | None] = []
+            for key in keys:
+                stored = txn.get("blocks", key)
+                if stored is None or (namespace_id is not None and not in_namespace(txn.get("meta", key), namespace_id)):
+                    blocks.append(None)
+                    continue
+                head = memoryview(txn.get("heads", key) or b"")
+                blocks.append((head, body_of(head, memoryview(stored))))
+            return fn(blocks)
+        return self.engine.read(run)
+
+    def read_blobs(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Blocks as joined blobs (head + body), for remote objects and archives."""
+        return self.read_blocks(keys, lambda _i, head, body: b"".join([head, body]))
+
+    def count_prefix(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
+        """Number of leading keys present (given ``namespace_id``: present
+        under that namespace): a binary search (prefix invariant). Given
+        ``namespace_id``, the first key is read too (one more read): a
+        chain that older code let continue under another namespace is then
+        0 for that namespace, not over-claimed."""
+        def run(txn: Txn) -> int:
+            lo, hi = 0, len(keys)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if in_namespace(txn.get("meta", keys[mid]), namespace_id):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo > 1 and namespace_id is not None and not in_namespace(txn.get("meta", keys[0]), namespace_id):
+                return 0  # lo == 1: keys[0] was the search's last hit
+            return lo
+        return self.engine.read(run)
+
+    def metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
+        return self.engine.read(lambda txn: [_meta_or_none(txn.get("meta", k)) for k in keys])
+
+    def totals(self) -> Totals:
+        """The store's totals (recounted from the metadata if the record
+        is damaged; ``verify --fix`` rewrites it)."""
+        return self.engine.read(Totals.read_or_recompute)
+
+    def namespace_counts(self) -> dict[bytes, tuple[int, int, int, int]]:
+        """(blocks, raw bytes, stored bytes, last use ns) per namespace id;
+        recounted from the metadata if any record is damaged."""
+        def run(txn: Txn) -> dict[bytes, tuple[int, int, int, int]]:
+            out: dict[bytes, tuple[int, int, int, int]] = {}
+            for name, value in records.scan_checked(txn, NS_COUNTS_PREFIX, size=NS_COUNTS.size):
+                if value is None:
+                    logger.warning("ucm-db: info record %r is damaged; recounting namespaces from the metadata", name)
+                    return {ns: tuple(c) for ns, c in recount(txn)[1].items()}  # type: ignore[misc]
+                out[name[len(NS_COUNTS_PREFIX):]] = NS_COUNTS.unpack(value)
+            return out
+        return self.engine.read(run)
+
+    def namespace_descriptions(self) -> dict[bytes, dict[str, Any]]:
+        """The recorded description of each namespace id; a damaged one
+        reads as ``{"damaged": reason}``."""
+        def run(txn: Txn) -> dict[bytes, dict[str, Any]]:
+            out: dict[bytes, dict[str, Any]] = {}
+            for name, value in records.scan_checked(txn, NS_DESC_PREFIX):
+                out[name[len(NS_DESC_PREFIX):]] = parse_description(value)
+            return out
+        return self.engine.read(run)
+
+    def info_get(self, name: bytes) -> bytes | None:
+        return self.engine.read(lambda txn: _bytes_or_none(txn.get("info", name)))
+
+    def info_put(self, name: bytes, value: bytes) -> None:
+        self.engine.write(lambda txn: txn.put("info", name, value))
+
+
+def in_namespace(meta: Buffer | None, namespace_id: bytes | None) -> bool:
+    """Whether a ``meta`` record exists and, given ``namespace_id``, names
+    that namespace (its first 16 bytes)."""
+    if meta is None:
+        return False
+    return namespace_id is None or bytes(meta[:16]) == namespace_id
+
+
+def _meta_or_none(data: Buffer | None) -> BlockMeta | None:
+    return damage.meta_or_none(data)
+
+
+def _bytes_or_none(data: Buffer | None) -> bytes | None:
+    return None if data is None else bytes(data)

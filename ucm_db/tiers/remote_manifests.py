@@ -1,0 +1,170 @@
+"""Namespace manifests and the listing of a remote root: the readable
+description of each namespace (``ROOT/<namespace short id>/manifest.json``,
+see :mod:`ucm_db.tiers.remote`) and which entries under the root are
+namespaces.
+
+Invariants:
+    * A manifest is written once per namespace and process, whole-object
+      (idempotent); an unreadable one is replaced.
+    * A manifest is read only as a regular file of at most
+      :data:`MAX_MANIFEST_BYTES` holding a JSON object; anything else is a
+      :class:`ManifestError`, and one bad entry never hides the others.
+    * Takes the root as a :class:`RemoteRoot` protocol: this module never
+      imports :mod:`ucm_db.tiers.remote`, which calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ucm_db.errors import UcmDbError
+from ucm_db.tiers.remote_files import TEMP_PREFIX, NotRegularFileError, require_regular_file, write_whole
+from ucm_db.tiers.remote_object import OBJECT_FORMAT_VERSION
+
+MANIFEST_NAME = "manifest.json"
+#: A manifest is a small JSON document; a bigger one is not read.
+MAX_MANIFEST_BYTES = 1 << 20
+
+_log = logging.getLogger("ucm_db")
+
+
+class RemoteRoot(Protocol):
+    """What this module needs of :class:`ucm_db.tiers.remote.RemoteRoot`."""
+
+    fs: Any
+    root: str
+    manifests_written: set[bytes]
+
+    @property
+    def is_local(self) -> bool: ...
+
+    def namespace_dir(self, namespace_id: bytes) -> str: ...
+
+    def count(self, **deltas: int) -> None: ...
+
+    def read_range(self, path: str, start: int, end: int) -> bytes | None: ...
+
+    def manifest_written(self, namespace_id: bytes) -> None: ...
+
+
+class ManifestError(UcmDbError):
+    """A namespace manifest on the remote cannot be read as one."""
+
+    default_hint = ("a store writing to this namespace rewrites it; or delete the file so the next upload recreates it, "
+                    "or pass the namespace by a longer id prefix")
+
+
+def ensure_manifest(root: RemoteRoot, namespace_id: bytes, description: dict[str, Any]) -> None:
+    """Writes the namespace manifest once (idempotent, whole-object); an
+    unreadable manifest is replaced."""
+    if namespace_id in root.manifests_written:
+        return
+    path = f"{root.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
+    try:
+        present = read_manifest(root, namespace_id) is not None  # one GET (exists() costs two on S3)
+    except ManifestError as exc:
+        _log.warning("%s; rewriting it", exc)
+        present = False
+    if not present:
+        body = {
+            "ucm_db_remote_format": OBJECT_FORMAT_VERSION,
+            "namespace_id": namespace_id.hex(),
+            "namespace": description,
+            "layout": "<namespace id[:8] hex>/<key[0] hex>/<key hex>; object = 64-byte envelope + codec blob",
+            "created_unix_s": round(time.time(), 3),
+        }
+        root.count(requests=1, puts=1)
+        write_whole(root.fs, path, json.dumps(body, indent=2, sort_keys=True).encode())
+    root.manifest_written(namespace_id)
+
+def read_manifest(root: RemoteRoot, namespace_id: bytes) -> dict[str, Any] | None:
+    """The namespace's manifest; None if it has none.
+
+    Raises:
+        ManifestError: the manifest is not a regular file, larger than
+            :data:`MAX_MANIFEST_BYTES`, or not a JSON object.
+    """
+    path = f"{root.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
+    if root.is_local and os.path.lexists(path):
+        try:
+            require_regular_file(path, os.lstat(path).st_mode)
+        except (NotRegularFileError, FileNotFoundError) as exc:
+            raise ManifestError(f"namespace manifest {path} is unreadable: {exc}") from exc
+    data = root.read_range(path, 0, MAX_MANIFEST_BYTES + 1)
+    if data is None:
+        return None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"namespace manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        manifest = json.loads(bytes(data))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ManifestError(f"namespace manifest {path} is not JSON: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"namespace manifest {path} is not a JSON object")
+    return manifest
+
+def namespaces(root: RemoteRoot) -> list[str]:
+    """Short ids of the namespaces present under the root: entries named
+    by 16 lowercase hex digits (anything else is not a namespace)."""
+    return sorted(list_namespaces(root).entries)
+
+def list_namespaces(root: RemoteRoot) -> NamespaceListing:
+    """Namespace directories under the root and the entries that are not
+    one (listing only; manifests are read by :func:`manifests`)."""
+    root.count(requests=1)
+    try:
+        entries = root.fs.ls(root.root, detail=False)
+    except FileNotFoundError:
+        return NamespaceListing([], [])
+    found: list[str] = []
+    stray: list[str] = []
+    for entry in entries:
+        name = os.path.basename(str(entry).rstrip("/"))
+        (found if is_namespace_id(name) else stray).append(name)
+    return NamespaceListing(sorted(found), sorted(stray))
+
+def manifests(root: RemoteRoot) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Every readable namespace manifest, by short id, and one problem
+    line per entry that is not a namespace or whose manifest is missing
+    or unreadable (each also logged as a warning): one bad entry never
+    hides the others."""
+    listing = list_namespaces(root)
+    problems = [f"{root.root}/{name}: not a namespace (its name is not 16 hex digits); skipped"
+                for name in listing.stray if name != MANIFEST_NAME and not name.startswith(TEMP_PREFIX)]
+    found: dict[str, dict[str, Any]] = {}
+    for short_id in listing.entries:
+        try:
+            manifest = read_manifest(root, bytes.fromhex(short_id))
+        except ManifestError as exc:
+            problems.append(str(exc))
+            continue
+        if manifest is None:
+            problems.append(f"{root.namespace_dir(bytes.fromhex(short_id))}: no {MANIFEST_NAME}; skipped")
+        else:
+            found[short_id] = manifest
+    for problem in problems:
+        _log.warning("remote %s: %s", root.root, problem)
+    return found, problems
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceListing:
+    """Entries directly under a remote root.
+
+    Attributes:
+        entries: namespace short ids (16 lowercase hex digits).
+        stray: names of every other entry.
+    """
+
+    entries: list[str]
+    stray: list[str]
+
+
+def is_namespace_id(name: str) -> bool:
+    """True for a namespace short id: 16 lowercase hex digits."""
+    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
