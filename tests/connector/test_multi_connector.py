@@ -120,8 +120,12 @@ def test_two_ucm_db_children_keep_the_hybrid_manager_load_from_the_one_with_hits
     assert multi.worker.get_block_ids_with_load_errors() == set()
     multi.worker.wait_for_save()
     multi.worker.clear_connector_metadata()
-    for child in multi.worker.sub_connectors:
-        child._worker.drain()  # type: ignore[attr-defined]
+    # The empty child's save is over blocks the other loaded: held until the step's outcome is back.
+    _drain(multi)
+    assert empty._held_store.stats().blocks == 0  # type: ignore[union-attr]
+    multi.scheduler.update_connector_output(_Output(multi.worker.build_connector_worker_meta(), set()))  # type: ignore[arg-type]
+    worker_stats = multi.worker.get_kv_connector_stats()  # the first step's loads and copies
+    _run_next_step(multi, req, ids)  # its metadata commits the held save
     assert multi.scheduler.request_finished_all_groups(req, ids) == (False, None)
 
     for layer, new_ids in [(n, ids[0]) for n in WINDOW_LAYERS] + [(n, ids[1]) for n in FULL_LAYERS]:
@@ -136,7 +140,7 @@ def test_two_ucm_db_children_keep_the_hybrid_manager_load_from_the_one_with_hits
     assert _stored(list(multi.scheduler.take_events())) == sorted(((1, h) for h in hashes), key=repr)
 
     # Stats: both children's, merged under the class name by MultiConnector.
-    worker_stats = multi.worker.get_kv_connector_stats()
+    worker_stats = worker_stats.aggregate(multi.worker.get_kv_connector_stats())
     sched_stats = multi.scheduler.get_kv_connector_stats()
     assert isinstance(worker_stats, MultiKVConnectorStats) and isinstance(sched_stats, MultiKVConnectorStats)
     merged = worker_stats.aggregate(sched_stats)
@@ -146,6 +150,24 @@ def test_two_ucm_db_children_keep_the_hybrid_manager_load_from_the_one_with_hits
     assert ucm.data["loaded_blocks"] > 0 and ucm.data["saved_blocks"] > 0
     multi.close()
     _front_end_rebuilds(merged.to_dict())
+
+
+def _drain(multi: _Multi) -> None:
+    for child in multi.worker.sub_connectors:
+        child._worker.drain()  # type: ignore[attr-defined]
+
+
+def _run_next_step(multi: _Multi, req: Request, ids: tuple[list[int], list[int]]) -> Any:
+    """One more step of ``req`` (vLLM's next step: the request is cached, not new); its metadata."""
+    after = _step(req, ids, req.num_tokens - req.num_computed_tokens)
+    after.scheduled_new_reqs = []
+    meta = multi.scheduler.build_connector_meta(after)
+    multi.worker.bind_connector_metadata(meta)
+    multi.worker.start_load_kv(None)  # type: ignore[arg-type]
+    multi.worker.wait_for_save()
+    multi.worker.clear_connector_metadata()
+    _drain(multi)
+    return meta
 
 
 def _front_end_rebuilds(payload: dict[str, Any]) -> None:
@@ -165,3 +187,58 @@ def _front_end_rebuilds(payload: dict[str, Any]) -> None:
     reduced = json.loads(done.stdout.strip().splitlines()[-1])
     assert reduced["UcmDbConnector"]["lookups"] == payload["UcmDbConnector"]["lookups"]
     assert reduced["UcmDbConnector"]["hit_tokens"] == payload["UcmDbConnector"]["hit_tokens"]
+
+
+class _Output:
+    """The fields of vLLM's KVConnectorOutput the connectors read."""
+
+    def __init__(self, worker_meta: object, invalid: set[int]) -> None:
+        self.kv_connector_worker_meta = worker_meta
+        self.invalid_block_ids = invalid
+
+
+def test_a_save_over_blocks_another_child_failed_to_load_is_never_committed(model_dir: Path, tmp_path: Path) -> None:
+    """The filled child loads the prompt's blocks, one of which it finds lost;
+    the empty child's save of the same step copies them out of the KV cache
+    (stale memory where the load failed). It is held until the step's outcome
+    is back, then dropped, and the empty child saves again from its stored
+    prefix: no block of it is ever committed with KV vLLM recomputes."""
+    from ucm_db.connector.identity import grid, reader_spans
+    from ucm_db.connector.hybrid import group_shape
+    from ucm_db.units import UnitKeys
+
+    _filled_store(model_dir, tmp_path / "filled", _kv(4))
+    multi = _Multi(_multi_config(model_dir, [tmp_path / "empty", tmp_path / "filled"]), _kv(None))
+    empty, filled = multi.scheduler.sub_connectors
+    req = _request("r", TOKENS)
+    assert multi.scheduler.get_num_new_matched_tokens(req, 0) == (6 * BS, False)
+    multi.scheduler.update_state_after_alloc(req, None, 6 * BS)  # type: ignore[arg-type]
+    req.num_computed_tokens = 6 * BS
+    ids = ([0, 0, 23, 24, 25, 26, 27], list(range(31, 38)))
+    meta = multi.scheduler.build_connector_meta(_step(req, ids, req.num_tokens - req.num_computed_tokens))
+    # The filled store lost the full-attention group's block 3 (and, by the prefix invariant, what follows).
+    full = filled._scheduler.parts[1]  # type: ignore[union-attr]
+    full_load = meta.metadata[1].groups[1].loads[0]
+    shape = group_shape(filled.shape, filled._scheduler.groups[1])  # type: ignore[union-attr]
+    lost = [k for span in reader_spans(shape) for k in UnitKeys([full_load.keys[3]], grid(shape), span)]
+    full.store.delete(full._namespace, lost)
+    multi.worker.bind_connector_metadata(meta)
+    multi.worker.start_load_kv(None)  # type: ignore[arg-type]
+    invalid = multi.worker.get_block_ids_with_load_errors()
+    assert invalid == {34, 35, 36}
+    multi.worker.wait_for_save()
+    multi.worker.clear_connector_metadata()
+    empty_worker = multi.worker.sub_connectors[0]
+    empty_worker._worker.drain()  # type: ignore[attr-defined]
+    assert empty._held_store.stats().blocks == 0  # type: ignore[union-attr]  # nothing committed before the outcome
+    # vLLM recomputes from the failed block; the outcome reaches every child.
+    req.num_computed_tokens = 3 * BS
+    multi.scheduler.update_connector_output(_Output(multi.worker.build_connector_worker_meta(), invalid))  # type: ignore[arg-type]
+    assert [part._requests["r"].saved_blocks for part in empty._scheduler.parts] == [0, 0]  # type: ignore[union-attr]
+    # The next step (vLLM's recompute from block 3, in place before its saves are copied) tells the
+    # empty child's worker to drop what it holds, and saves the request again from block 0.
+    nxt = _run_next_step(multi, req, ids)
+    assert [len(g.held_drops) for g in nxt.metadata[0].groups] == [1, 1] and not any(g.held_commits for g in nxt.metadata[0].groups)
+    assert [(t.keys[0], len(t.block_ids)) for t in nxt.metadata[0].groups[1].saves] == [(full_load.keys[0], 6)]
+    assert empty._held_store.stats().blocks == 6 * 2  # type: ignore[union-attr]
+    multi.close()

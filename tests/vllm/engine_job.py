@@ -12,8 +12,8 @@ the connector's own e2e module keeps vLLM's default, compiled.)
 ("logprobs": N adds each output token's top-N log-probabilities.)
 ("kv_events": {"pub_port": int, "replay_port": int, "settle_store": dir} turns on vLLM's ZMQ
  KV events publisher; a subscriber in this process collects every batch (the replay endpoint
- fills what it missed) after the store at "settle_store" stopped growing and one more request
- was driven (vLLM publishes inside steps): RESULT gets "kv_events", each
+ fills what it missed) after the store at "settle_store" stopped growing and a few more requests
+ were driven (vLLM publishes inside steps): RESULT gets "kv_events", each
  {"type", "medium", "group_idx", "block_hashes"}.)
 RESULT: {"outputs": [[token ids]], "cached": [num_cached_tokens], "engine_start_s": float,
          "num_kv_blocks": vLLM's KV cache blocks, "logprobs": [[{token id: logprob}]] (with "logprobs")}

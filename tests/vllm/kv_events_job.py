@@ -3,8 +3,8 @@
 A SUB socket on vLLM's ZMQ publisher, connected before the engine starts
 (ZMQ reconnects until the publisher binds), collects every batch on a
 thread; :meth:`EventSubscriber.collect` waits for the connector's saves to
-commit, drives one more request (vLLM publishes a connector's events only
-inside a scheduler step), asks the replay endpoint for anything the SUB
+commit, drives a few more requests (vLLM publishes a connector's events only
+inside a scheduler step; a held save commits a step later), asks the replay endpoint for anything the SUB
 socket missed, and returns the events in publishing order as plain dicts.
 """
 
@@ -45,7 +45,8 @@ class EventSubscriber:
         from e2e_helpers import wait_for_new_blocks
 
         wait_for_new_blocks(Path(events["settle_store"]), 0)
-        for ids in ([5, 6, 7], [5, 6, 8]):  # published by the steps of these requests
+        # Held saves commit at the next step, their events are published a step later: three requests.
+        for ids in ([5, 6, 7], [5, 6, 8], [5, 6, 9]):
             drive(ids)
             time.sleep(0.5)
         dealer = self._ctx.socket(zmq.DEALER)
