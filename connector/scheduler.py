@@ -77,6 +77,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db.connector.cost_model import MIN_PREFILL_TOKENS, CostModel, Decision
 from ucm_db.connector.epochs import EpochWatch
+from ucm_db.connector.composition import sibling_block_ids, sibling_loads
 from ucm_db.connector.events import save_fields
 from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
 from ucm_db.connector.metadata import IDLE_WAIT_S, BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
@@ -115,6 +116,7 @@ class _StepLoads:
 
     loads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (request id, block ids)
     saves: list[tuple[BlockTransfer, int]] = field(default_factory=list)  # (save, its first block's index)
+    sibling: set[str] = field(default_factory=set)  # requests whose loads another connector made (composition.py)
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ class _RequestState:
     async_tried: bool = False  # an async load was planned: later lookups claim synchronously
     async_block_ids: tuple[int, ...] = ()  # the blocks of its async load, until vLLM schedules it
     vllm_computed_tokens: int = 0  # what vLLM's own prefix cache held at the last lookup: no claim prices it
+    lookup_computed_tokens: int | None = None  # the same, until the step after the lookup (composition.py)
     remote_asked: set[str] = field(default_factory=set)  # sources whose background remote lookup finished
     remote_probing: set[str] = field(default_factory=set)  # sources whose background job is a probe
     remote_probed: set[str] = field(default_factory=set)  # sources whose background probe finished
@@ -312,6 +315,7 @@ class UcmDbScheduler:
         epoch = self._epochs.current()  # this step's epoch: an older request state is made anew
         state = self._state(request)
         max_blocks = (request.num_tokens - 1) // self._block_size
+        state.lookup_computed_tokens = num_computed_tokens
         if max_blocks * self._block_size <= num_computed_tokens or epoch is None:
             state.lookup = LookupRecord(num_computed_tokens, 0, 0, "units", 0.0)
             return 0, False
@@ -629,8 +633,10 @@ class UcmDbScheduler:
             block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and block_ids is not None:
                 self._plan_load(meta, req_id, block_ids[self._group])
-        if meta.loads:
-            self._step_loads[meta.step] = _StepLoads([(t.req_id, t.block_ids) for t in meta.loads])
+        # Blocks another connector loaded (MultiConnector): saves over them are held like over our own (composition.py).
+        others = sibling_loads(scheduler_output, self._requests, self._block_size, {t.req_id for t in meta.loads})
+        if meta.loads or others:
+            self._step_loads[meta.step] = _StepLoads([(t.req_id, t.block_ids) for t in meta.loads] + others, sibling={r for r, _ in others})
             if len(self._step_loads) > _MAX_PENDING_STEPS:
                 del self._step_loads[min(self._step_loads)]
         # This step's KV may attend to blocks loaded by this step or by an
@@ -682,8 +688,10 @@ class UcmDbScheduler:
             return
         keys = self._keys(state, end)
         after_loads = tuple(b for b in block_ids[:end] if b in loaded) if loaded else ()
+        sibling = sibling_block_ids(self._step_loads.values(), req_id)  # every group's: composition.py
+        after_loads = tuple(sorted(sibling.union(after_loads))) if sibling else after_loads
         # A save after a held one of the same request is held too: it must commit after it, or not at all.
-        hold = self._hold_saves and (bool(after_loads) or any(h.transfer.req_id == req_id for h in self._held.values()))
+        hold = (self._hold_saves or (bool(sibling) and not self._role.publishes)) and (bool(after_loads) or any(h.transfer.req_id == req_id for h in self._held.values()))
         hold_id = self._next_hold_id if hold else -1
         transfer = BlockTransfer(
             req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None,
@@ -693,7 +701,7 @@ class UcmDbScheduler:
         if hold:
             self._next_hold_id += 1
             self._held[hold_id] = _HeldSave(meta.step, transfer, start)
-        elif after_loads and self._several_ranks:  # a producer's: committed at once, deleted if another rank failed
+        elif after_loads and (self._several_ranks or bool(sibling)):  # a producer's: committed at once, deleted if another rank failed
             self._step_loads.setdefault(meta.step, _StepLoads()).saves.append((transfer, start))
         state.saved_blocks = end
 

@@ -10,6 +10,11 @@ SPEC: {"model": dir, "connector": {extra config} | null, "prefix_caching": bool,
 "enforce_eager" skips torch.compile: about 20 s less per engine start here;
 the connector's own e2e module keeps vLLM's default, compiled.)
 ("logprobs": N adds each output token's top-N log-probabilities.)
+("kv_events": {"pub_port": int, "replay_port": int, "settle_store": dir} turns on vLLM's ZMQ
+ KV events publisher; a subscriber in this process collects every batch (the replay endpoint
+ fills what it missed) after the store at "settle_store" stopped growing and a few more requests
+ were driven (vLLM publishes inside steps): RESULT gets "kv_events", each
+ {"type", "medium", "group_idx", "block_hashes"}.)
 RESULT: {"outputs": [[token ids]], "cached": [num_cached_tokens], "engine_start_s": float,
          "num_kv_blocks": vLLM's KV cache blocks, "logprobs": [[{token id: logprob}]] (with "logprobs")}
 Each prompt is sent alone (one generate call each) so that a prompt's saves
@@ -83,6 +88,16 @@ def main() -> int:
     with open(sys.argv[1]) as handle:
         spec = json.load(handle)
     os.environ.update(spec.get("env", {}))
+    events = spec.get("kv_events")
+    subscriber = None
+    if events is not None:
+        from kv_events_job import EventSubscriber  # tests/vllm, beside this script
+
+        subscriber = EventSubscriber(events["pub_port"])
+        spec.setdefault("engine_kwargs", {})["kv_events_config"] = {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events['pub_port']}",
+            "replay_endpoint": f"tcp://*:{events['replay_port']}", "topic": "",
+        }
     started = time.perf_counter()
     llm = make_engine(spec)
     start_s = time.perf_counter() - started
@@ -90,6 +105,8 @@ def main() -> int:
         result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8), batch=spec.get("batch", False),
                              logprobs=spec.get("logprobs"))
         result["num_kv_blocks"] = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        if subscriber is not None:
+            result["kv_events"] = subscriber.collect(lambda ids: run_prompts(llm, [{"ids": ids}], 2), events)
     finally:
         llm.llm_engine.engine_core.shutdown()
     result["engine_start_s"] = start_s

@@ -20,11 +20,21 @@ in its own process:
 4. ``restarted``: same store: hits every whole block of each prompt but
    the last; greedy outputs equal the reference's (a flip only at a
    near-tie, as ``ucm-db demo`` defines it).
+5. ``composed`` (item 6): vLLM's ``MultiConnector`` with two ucm-db
+   children, on a new empty store and on the store ``writer`` filled, hybrid
+   manager on, vLLM's ZMQ KV events publisher on (a subscriber in the job):
+   the second child serves the hits of ``restarted``; the published STORAGE
+   events are both children's, each store's blocks once.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import socket
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +75,24 @@ def _spec(model: Path, store: Path | None) -> dict[str, Any]:
             "max_model_len": 1024, "connector": None if store is None else {"path": str(store)}, "prompts": _prompts()}
 
 
+def _ucm_db_child(store: Path) -> dict[str, Any]:
+    return {"kv_connector": "UcmDbConnector", "kv_connector_module_path": "ucm_db.connector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"path": str(store)}}
+
+
+def _composed_spec(model: Path, empty: Path, filled: Path) -> dict[str, Any]:
+    """MultiConnector over two ucm-db stores (the README's snippet), KV events on."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+             "kv_connector_extra_config": {"connectors": [_ucm_db_child(empty), _ucm_db_child(filled)]}}
+    return {**_spec(model, None), "engine_kwargs": {"kv_transfer_config": multi},
+            "kv_events": {"pub_port": ports[0], "replay_port": ports[1], "settle_store": str(empty)}}
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("hybrid")
@@ -72,24 +100,29 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     runs = {}
     for name, store in (("plain", None), ("reference", work / "empty"), ("writer", work / "store"), ("restarted", work / "store")):
         runs[name] = start_engine_process(_spec(model, store), work, name).wait(timeout_s=900)
+    composed = _composed_spec(model, work / "second", work / "store")
+    runs["composed"] = start_engine_process(composed, work, "composed").wait(timeout_s=900)
+    runs["composed"]["stores"] = {"empty": work / "second", "filled": work / "store"}
     return runs
 
 
 def test_the_hybrid_manager_stays_on_with_ucm_db(scenario: dict[str, Any]) -> None:
-    for name in ("reference", "writer", "restarted"):
+    for name in ("reference", "writer", "restarted", "composed"):
         log = scenario[name]["log"]
         assert HMA_OFF not in log, name
-        assert log.count("ucm-db connector (worker") == 2, name  # one worker half per KV cache group
+        children = 2 if name == "composed" else 1
+        assert log.count("ucm-db connector (worker") == 2 * children, name  # one worker half per KV cache group
 
 
 def test_kv_block_count_with_ucm_db_equals_without(scenario: dict[str, Any]) -> None:
-    blocks = {name: run["num_kv_blocks"] for name, run in scenario.items()}
+    blocks = {name: run["num_kv_blocks"] for name, run in scenario.items() if name != "composed"}
     assert blocks["plain"] > 0 and set(blocks.values()) == {blocks["plain"]}, blocks
 
 
 def test_a_restarted_engine_hits_every_whole_block_but_the_last(scenario: dict[str, Any]) -> None:
     assert scenario["reference"]["cached"] == [0, 0] and scenario["writer"]["cached"] == [0, 0]
     assert scenario["restarted"]["cached"] == [HIT_TOKENS, HIT_TOKENS]
+    assert scenario["composed"]["cached"] == scenario["restarted"]["cached"]  # the second child's hits
 
 
 def _same_or_near_tie(ref: dict[str, Any], other: dict[str, Any], prompt: int) -> str:
@@ -114,6 +147,38 @@ def test_the_comparison_can_see_the_blocks_outside_the_window(scenario: dict[str
 
 def test_outputs_equal_the_reference_engines(scenario: dict[str, Any]) -> None:
     reference = scenario["reference"]
-    for name in ("writer", "restarted"):
+    for name in ("writer", "restarted", "composed"):
         verdicts = [_same_or_near_tie(reference, scenario[name], i) for i in range(len(_prompts()))]
         assert "DIFFERENT" not in verdicts, (name, verdicts, reference["outputs"], scenario[name]["outputs"])
+
+
+def _store_events(path: Path) -> Counter[tuple[int, object]]:
+    """(group, vLLM hash as vLLM publishes it: a 64-bit int) of each block
+    the store holds with event fields (``ucm-db events``)."""
+    exe = Path(sys.executable).parent / "ucm-db"
+    done = subprocess.run([str(exe), "events", str(path)], capture_output=True, text=True, timeout=120, check=True)
+    out: Counter[tuple[int, object]] = Counter()
+    for line in done.stdout.splitlines():
+        event = json.loads(line)
+        assert event["type"] == "BlockStored", event
+        (h,) = event["block_hashes"]
+        out[event["group_idx"], h if isinstance(h, int) else int.from_bytes(bytes.fromhex(h), "big") & ((1 << 64) - 1)] += 1
+    return out
+
+
+def test_composed_events_are_both_childrens_each_store_once(scenario: dict[str, Any]) -> None:
+    """MultiConnector chains its children's ``take_events``: the filled store's
+    inventory (both groups) and the empty store's new blocks (its sliding-window
+    group's saves meet vLLM's null blocks behind the window, so only
+    full-attention blocks). Both publish medium STORAGE, nothing is removed."""
+    run = scenario["composed"]
+    published: Counter[tuple[int, object]] = Counter()
+    for event in run["kv_events"]:
+        if event["medium"] != "STORAGE" and event["type"] != "AllBlocksCleared":
+            continue  # vLLM's own-medium events
+        assert event["type"] == "BlockStored", event
+        published.update((event["group_idx"], h) for h in event["block_hashes"])
+    empty, filled = (_store_events(run["stores"][name]) for name in ("empty", "filled"))
+    assert {g for g, _ in filled} == {0, 1} and {g for g, _ in empty} == {1}
+    assert len(filled) == 2 * 2 * (HIT_TOKENS // BLOCK_SIZE) and len(empty) == 2 * (HIT_TOKENS // BLOCK_SIZE)
+    assert published == empty + filled

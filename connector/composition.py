@@ -1,0 +1,75 @@
+"""ucm-db beside other connectors under vLLM's ``MultiConnector``.
+
+MultiConnector loads a request from the first child that reports a hit and
+lets every child save it. A child that did not load it saves, in the same
+step, blocks another child loaded: if that load failed (a block lost or
+corrupt in the other store), vLLM recomputes from the failed block, but the
+blocks were already copied out of the KV cache holding stale memory. The
+loading child voids its own saves over its failed loads; a sibling cannot
+know the other's outcome before the step's output comes back.
+
+So the scheduler side treats the blocks another connector loaded into a
+request as loads of its own for the saves that follow (their ``after_loads``)
+and holds those saves until the step's output names the blocks that failed
+(``invalid_block_ids``, the union of every child's load errors): a held save
+over a failed block is dropped and the request saves again from its stored
+prefix (scheduler.py's held-save verdicts).
+
+Invariants:
+    * A request's blocks in ``[vLLM's own prefix-cache hit, num_computed_tokens)``
+      at its first scheduled step after a lookup (new, or resumed after a
+      preemption), when this connector planned no load for
+      it (sync or async), were loaded by another connector; without one
+      there are none, and nothing changes for a lone ucm-db.
+    * The ids are every KV cache group's (one block pool): a failure in any
+      group reaches every group's saves of the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+
+def _admitted(scheduler_output: Any) -> Iterator[tuple[str, Sequence[Sequence[int]]]]:
+    """(request id, block ids per group) of the step's requests that may have
+    had a lookup: new ones and ones resumed after a preemption."""
+    for new_req in scheduler_output.scheduled_new_reqs:
+        yield new_req.req_id, new_req.block_ids
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        if req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+            yield req_id, cached.new_block_ids[i]
+
+
+def sibling_loads(
+    scheduler_output: Any, requests: Mapping[str, Any], block_size: int, own_loads: Collection[str],
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(request id, block ids of every group) that another connector loaded
+    this step, for the step's new and resumed requests (vLLM's
+    ``SchedulerOutput``); ``requests``: the scheduler's request states (with
+    ``request``, ``lookup_computed_tokens``: vLLM's computed tokens at the
+    lookup, and ``async_tried``); ``own_loads``: requests this connector
+    loads this step. ``lookup_computed_tokens`` is consumed (None): only the
+    first step after a lookup can name sibling loads."""
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for req_id, block_ids in _admitted(scheduler_output):
+        state = requests.get(req_id)
+        if state is None or state.lookup_computed_tokens is None:
+            continue  # no lookup since its last scheduled step: nothing was loaded for it
+        start = state.lookup_computed_tokens // block_size
+        end = state.request.num_computed_tokens // block_size
+        state.lookup_computed_tokens = None
+        if req_id in own_loads or state.async_tried:
+            continue  # our own load (an async one put its blocks in place before this step)
+        if end > start:
+            ids = tuple(b for group in block_ids for b in group[start:end])
+            out.append((req_id, ids))
+    return out
+
+
+def sibling_block_ids(step_loads: Iterable[Any], req_id: str) -> set[int]:
+    """The block ids (every group's) another connector loaded into ``req_id``
+    in the steps whose outcome is not back yet (the scheduler's ``_StepLoads``
+    records, with ``loads`` and ``sibling``): what its saves must wait for."""
+    return {b for record in step_loads if req_id in record.sibling for r, ids in record.loads if r == req_id for b in ids}
