@@ -55,7 +55,7 @@ from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats
 from ucm_db.connector.roles import RolePolicy
-from ucm_db.connector.scheduler import UcmDbScheduler
+from ucm_db.connector.scheduler import UcmDbScheduler, logger
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.ssm_state import SsmStateScheduler, ssm_claim
 from ucm_db.connector.worker import UcmDbWorker
@@ -147,8 +147,17 @@ class GroupedScheduler:
         return tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        lead = self._attention[0]
+        state = lead._requests.get(request.request_id)
+        local_tokens = state.lookup.local_tokens if state is not None and state.lookup is not None else None
         for part in self.parts:
             part.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.groups[self.parts.index(lead)].index != 0 and local_tokens is not None:
+            # The ordinary scheduler logs this line for group 0 only; here group 0 holds SSM state.
+            logger.info(
+                "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
+                request.request_id, request.num_prompt_tokens, local_tokens, num_external_tokens,
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         metas = [part.build_connector_meta(scheduler_output) for part in self.parts]
@@ -181,11 +190,11 @@ class GroupedScheduler:
 
     def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         """Every group forgets the request; a ``kv_producer`` returns the
-        first group's publication."""
+        first attention group's publication."""
         results = [part.request_finished(request, list(block_ids[i]) if i < len(block_ids) else [])
                    for i, part in enumerate(self.parts)]  # every group forgets it, whatever vLLM passed
         self._broken = {(g, r) for g, r in self._broken if r != request.request_id}
-        return False, results[0][1] if results else None
+        return False, results[self.parts.index(self._attention[0])][1]
 
     def reset_cache(self) -> bool:
         return all([part.reset_cache() for part in self.parts])

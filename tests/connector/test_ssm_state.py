@@ -15,6 +15,7 @@ roles and a real store; no engine (tests/vllm/test_hybrid_ssm_engine.py runs one
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,8 @@ def _groups(mamba: MambaSpec) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def _vllm_config(model_dir: Path, store: Path) -> VllmConfig:
-    transfer = KVTransferConfig(kv_connector="UcmDbConnector", kv_connector_module_path="ucm_db.connector", kv_role="kv_both",
+def _vllm_config(model_dir: Path, store: Path, role: str = "kv_both") -> VllmConfig:
+    transfer = KVTransferConfig(kv_connector="UcmDbConnector", kv_connector_module_path="ucm_db.connector", kv_role=role,
                                 kv_load_failure_policy="recompute", kv_connector_extra_config={"path": str(store)})
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024),
@@ -99,8 +100,8 @@ def _step(req: Request, block_ids: tuple[list[int], list[int]], num_tokens: int,
 class _Engine:
     """Both halves of the connector, as vLLM makes them for one engine."""
 
-    def __init__(self, model_dir: Path, store: Path, kv: dict[str, torch.Tensor], mamba: MambaSpec) -> None:
-        config = _vllm_config(model_dir, store)
+    def __init__(self, model_dir: Path, store: Path, kv: dict[str, torch.Tensor], mamba: MambaSpec, role: str = "kv_both") -> None:
+        config = _vllm_config(model_dir, store, role)
         self.scheduler = UcmDbConnector(config, KVConnectorRole.SCHEDULER, _groups(mamba))
         self.worker = UcmDbConnector(config, KVConnectorRole.WORKER, _groups(mamba))
         self.worker.register_kv_caches(kv)
@@ -129,6 +130,15 @@ class _Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.scheduler.shutdown()
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def _request(req_id: str, tokens: list[int]) -> Request:
@@ -161,7 +171,19 @@ def test_the_state_is_stored_at_its_boundary_and_loaded_where_align_mode_reads_i
     second = _Engine(model_dir, tmp_path / "store", fresh, mamba)
     assert isinstance(second.scheduler._scheduler, GroupedScheduler)
     req = _request("b", TOKENS)
-    assert second.lookup(req) == 6 * BS
+    lines = _Lines()
+    log = logging.getLogger("vllm.ucm_db.connector.scheduler")
+    log.addHandler(lines)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        assert second.lookup(req) == 6 * BS
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+    # One line per request, though group 0 (which logs it for attention models) holds state here.
+    assert [line for line in lines.lines if "hit tokens loaded" in line] == [
+        "ucm-db: request b: 197 prompt tokens, 0 from vLLM's prefix cache, 192 hit tokens loaded from ucm-db"]
     # vLLM's allocation for an external hit of 6 blocks in align mode: blocks
     # 0-4 null, block 5 for the state after 192 tokens, block 6 the one the
     # request runs in (the 5 tokens left).
@@ -204,6 +226,20 @@ def test_a_group_of_another_state_spec_reads_nothing(model_dir: Path, tmp_path: 
     second = _Engine(model_dir, tmp_path / "store", _kv(None, wider), wider)
     assert second.lookup(_request("b", TOKENS)) == 0
     second.close()
+
+
+def test_a_producer_announces_its_attention_blocks(model_dir: Path, tmp_path: Path) -> None:
+    """A ``kv_producer`` announces the prefix of its first attention group,
+    not the state group's (group 0 here, which stores no prefix)."""
+    mamba = _mamba()
+    producer = _Engine(model_dir, tmp_path / "store", _kv(4, mamba), mamba, role="kv_producer")
+    req = _request("a", TOKENS)
+    assert producer.lookup(req) == 0
+    ids = ([0] * 5 + [7], list(range(11, 17)))
+    producer.step(_step(req, ids, 6 * BS, [(0, 7, 6 * BS)]))
+    _, params = producer.scheduler.request_finished_all_groups(req, ids)
+    assert params is not None and params["ucm_db"]["blocks"] == 6
+    producer.close()
 
 
 @pytest.mark.parametrize("role", [KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER], ids=lambda r: r.name)
