@@ -244,8 +244,7 @@ class GroupedWorker:
         for group, part, group_meta in zip(self.groups, self.parts, meta.groups):
             part.start_load(group_meta)
             if group.kind == "ssm_state":  # vLLM waits on attention layers only (module invariants)
-                for name in group.layer_names:
-                    part.wait_for_layer(name)
+                part.finish_loads()
 
     def wait_for_layer(self, layer_name: str) -> None:
         part = self._owner.get(layer_name)

@@ -65,9 +65,10 @@ def _groups(mamba: MambaSpec) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def _vllm_config(model_dir: Path, store: Path, role: str = "kv_both") -> VllmConfig:
+def _vllm_config(model_dir: Path, store: Path, role: str = "kv_both", load_mode: str = "block") -> VllmConfig:
     transfer = KVTransferConfig(kv_connector="UcmDbConnector", kv_connector_module_path="ucm_db.connector", kv_role=role,
-                                kv_load_failure_policy="recompute", kv_connector_extra_config={"path": str(store)})
+                                kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"path": str(store), "load_mode": load_mode})
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024),
         cache_config=CacheConfig(block_size=BS), kv_transfer_config=transfer,
@@ -100,8 +101,9 @@ def _step(req: Request, block_ids: tuple[list[int], list[int]], num_tokens: int,
 class _Engine:
     """Both halves of the connector, as vLLM makes them for one engine."""
 
-    def __init__(self, model_dir: Path, store: Path, kv: dict[str, torch.Tensor], mamba: MambaSpec, role: str = "kv_both") -> None:
-        config = _vllm_config(model_dir, store, role)
+    def __init__(self, model_dir: Path, store: Path, kv: dict[str, torch.Tensor], mamba: MambaSpec, role: str = "kv_both",
+                 load_mode: str = "block") -> None:
+        config = _vllm_config(model_dir, store, role, load_mode)
         self.scheduler = UcmDbConnector(config, KVConnectorRole.SCHEDULER, _groups(mamba))
         self.worker = UcmDbConnector(config, KVConnectorRole.WORKER, _groups(mamba))
         self.worker.register_kv_caches(kv)
@@ -113,10 +115,12 @@ class _Engine:
         req.num_computed_tokens = hit
         return hit
 
-    def step(self, out: SchedulerOutput) -> Any:
+    def step(self, out: SchedulerOutput, after_load: Any = None) -> Any:
         meta = self.scheduler.build_connector_meta(out)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        if after_load is not None:
+            after_load()  # what the forward pass would read (it waits on attention layers only)
         assert self.worker.get_block_ids_with_load_errors() == set()
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
@@ -156,7 +160,11 @@ def _prefill(engine: _Engine, req_id: str, state_block: int, offered_at: int) ->
     assert engine.scheduler.request_finished_all_groups(req, ids) == (False, None)
 
 
-def test_the_state_is_stored_at_its_boundary_and_loaded_where_align_mode_reads_it(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("load_mode", ["block", "layer"])
+def test_the_state_is_stored_at_its_boundary_and_loaded_where_align_mode_reads_it(model_dir: Path, tmp_path: Path,
+                                                                                  load_mode: str) -> None:
+    """In ``layer`` mode too the state is in place when ``start_load_kv``
+    returns: vLLM waits on attention layers only."""
     mamba = _mamba()
     saved = _kv(1, mamba)
     first = _Engine(model_dir, tmp_path / "store", saved, mamba)
@@ -168,7 +176,7 @@ def test_the_state_is_stored_at_its_boundary_and_loaded_where_align_mode_reads_i
     assert sorted(blocks.values()) == [1, 6 * 2]  # one state (one unit), six attention blocks of two head units
 
     fresh = _kv(None, mamba)
-    second = _Engine(model_dir, tmp_path / "store", fresh, mamba)
+    second = _Engine(model_dir, tmp_path / "store", fresh, mamba, load_mode=load_mode)
     assert isinstance(second.scheduler._scheduler, GroupedScheduler)
     req = _request("b", TOKENS)
     lines = _Lines()
@@ -187,10 +195,11 @@ def test_the_state_is_stored_at_its_boundary_and_loaded_where_align_mode_reads_i
     # vLLM's allocation for an external hit of 6 blocks in align mode: blocks
     # 0-4 null, block 5 for the state after 192 tokens, block 6 the one the
     # request runs in (the 5 tokens left).
-    meta = second.step(_step(req, ([0] * 5 + [23, 24], list(range(31, 38))), 5))
+    in_place: list[bool] = []
+    meta = second.step(_step(req, ([0] * 5 + [23, 24], list(range(31, 38))), 5),
+                       after_load=lambda: in_place.extend(torch.equal(fresh[STATE_LAYER][b], saved[STATE_LAYER][7]) for b in (23, 24)))
     assert [t.block_ids for t in meta.groups[0].loads] == [(23,), (24,)]
-    for block in (23, 24):
-        assert torch.equal(fresh[STATE_LAYER][block], saved[STATE_LAYER][7])
+    assert in_place == [True, True]
     for old, new in zip(range(11, 17), range(31, 37)):
         assert torch.equal(fresh[ATTN_LAYER][new], saved[ATTN_LAYER][old])
     assert not fresh[STATE_LAYER][0].any()  # the null block is never written
