@@ -25,7 +25,11 @@ Invariants:
     * A hit ends at a block boundary where every state group holds a state
       and every attention group holds the prefix (:func:`ssm_claim`): the
       longest such boundary at or below the attention groups' claim, looked
-      for at most :data:`MAX_PROBES` boundaries back.
+      for in the local tier at most :data:`MAX_PROBES` boundaries back,
+      then (none found) in the remote tier at the claim's end only, one
+      probe per group, and never where remote lookups run in the
+      background (``remote_lookup: "background"``: the scheduler's thread
+      does not wait on the remote).
     * A load of the state at boundary ``k`` writes it into the group's
       block ``k - 1`` (the block vLLM's cache then holds as that state) and
       into the block the request runs in this step (``cdiv(k * block_size +
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 from ucm_db.connector.scheduler import UcmDbScheduler
+from ucm_db.units import unit_keys_of
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -71,12 +76,20 @@ class SsmStateScheduler(UcmDbScheduler):
         super().__init__(*args, **kwargs)
         self._plans: dict[str, _StatePlan] = {}
 
-    def has_state(self, request: Request, boundary_blocks: int) -> bool:
-        """Whether the state after ``boundary_blocks`` blocks of ``request`` is stored."""
+    def has_state(self, request: Request, boundary_blocks: int, *, remote: bool = False) -> bool:
+        """Whether the state after ``boundary_blocks`` blocks of ``request``
+        is stored (in the local tier; ``remote``: or in the remote tier,
+        which then promotes it)."""
         if boundary_blocks <= 0 or self._epochs.current() is None:
             return False
         key = self._keys(self._state(request), boundary_blocks)[boundary_blocks - 1]
-        return self.store.lookup(self.namespace, [key]) == 1
+        return all(self.store.lookup(self.namespace, [unit], remote=remote) == 1
+                   for unit in unit_keys_of([key], self._spans, self._grid))
+
+    @property
+    def probes_remote(self) -> bool:
+        """Whether a lookup may wait on the remote tier (module invariants)."""
+        return self._lookups is None and self.store.config.remote is not None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         raise TypeError("a state group's hit is claimed with the attention groups' (ssm_claim)")
@@ -167,4 +180,7 @@ def ssm_claim(state_parts: Sequence[SsmStateScheduler], request: Request, num_co
     for k in range(end_blocks, max(first_blocks, end_blocks - MAX_PROBES), -1):
         if all(part.has_state(request, k) for part in state_parts):
             return k * block_size - num_computed_tokens
+    if end_blocks > first_blocks and all(part.probes_remote for part in state_parts):
+        if all(part.has_state(request, end_blocks, remote=True) for part in state_parts):
+            return end_blocks * block_size - num_computed_tokens
     return 0

@@ -65,10 +65,10 @@ def _groups(mamba: MambaSpec) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def _vllm_config(model_dir: Path, store: Path, role: str = "kv_both", load_mode: str = "block") -> VllmConfig:
+def _vllm_config(model_dir: Path, store: Path, role: str = "kv_both", load_mode: str = "block", **extra: Any) -> VllmConfig:
     transfer = KVTransferConfig(kv_connector="UcmDbConnector", kv_connector_module_path="ucm_db.connector", kv_role=role,
                                 kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"path": str(store), "load_mode": load_mode})
+                                kv_connector_extra_config={"path": str(store), "load_mode": load_mode, **extra})
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024),
         cache_config=CacheConfig(block_size=BS), kv_transfer_config=transfer,
@@ -102,8 +102,8 @@ class _Engine:
     """Both halves of the connector, as vLLM makes them for one engine."""
 
     def __init__(self, model_dir: Path, store: Path, kv: dict[str, torch.Tensor], mamba: MambaSpec, role: str = "kv_both",
-                 load_mode: str = "block") -> None:
-        config = _vllm_config(model_dir, store, role, load_mode)
+                 load_mode: str = "block", **extra: Any) -> None:
+        config = _vllm_config(model_dir, store, role, load_mode, **extra)
         self.scheduler = UcmDbConnector(config, KVConnectorRole.SCHEDULER, _groups(mamba))
         self.worker = UcmDbConnector(config, KVConnectorRole.WORKER, _groups(mamba))
         self.worker.register_kv_caches(kv)
@@ -225,6 +225,19 @@ def test_a_hit_ends_where_every_group_holds_a_state(model_dir: Path, tmp_path: P
     assert sorted(other.blocks().values()) == [6 * 2]  # no state: not this group's, not at a block boundary
     assert other.lookup(_request("d", TOKENS)) == 0
     other.close()
+
+
+def test_a_state_only_in_the_remote_tier_is_found_there(model_dir: Path, tmp_path: Path) -> None:
+    """Another node wrote it: the local tier is empty, the remote holds the
+    attention blocks and the state (one remote probe at the claim's end)."""
+    mamba = _mamba()
+    remote = {"remote": f"file://{tmp_path / 'remote'}", "remote_mode": "write_through"}
+    first = _Engine(model_dir, tmp_path / "node1", _kv(5, mamba), mamba, **remote)
+    _prefill(first, "a", 7, 6 * BS)
+    first.close()
+    second = _Engine(model_dir, tmp_path / "node2", _kv(None, mamba), mamba, **remote)
+    assert second.lookup(_request("b", TOKENS)) == 6 * BS
+    second.close()
 
 
 def test_a_group_of_another_state_spec_reads_nothing(model_dir: Path, tmp_path: Path) -> None:
