@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
-from ucm_db.connector.scheduler import UcmDbScheduler
+from ucm_db.connector.scheduler import UcmDbScheduler, logger
 from ucm_db.units import unit_keys_of
 
 if TYPE_CHECKING:
@@ -134,7 +134,13 @@ class SsmStateScheduler(UcmDbScheduler):
         k = end_tokens // self._block_size
         running = -(-(end_tokens + max(num_scheduled, 1)) // self._block_size) - 1
         if end_tokens % self._block_size or k <= 0 or len(block_ids) <= running:
-            return  # not a boundary this group can serve: vLLM's allocation differs from align mode's
+            # Not what align mode allocates for a hit ucm-db claimed (ssm_claim): a vLLM change to report.
+            logger.warning(
+                "ucm-db: request %s: KV cache group %d: no state block at the hit's end (%d tokens, %d block ids); "
+                "its SSM state is not loaded",
+                req_id, self._group, end_tokens, len(block_ids),
+            )
+            return
         key = self._keys(state, k)[k - 1]
         for index in (k - 1, running):
             meta.loads.append(BlockTransfer(req_id, (key,), (block_ids[index],)))
