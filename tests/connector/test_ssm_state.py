@@ -240,6 +240,29 @@ def test_a_state_only_in_the_remote_tier_is_found_there(model_dir: Path, tmp_pat
     second.close()
 
 
+def test_a_hit_without_a_state_block_is_logged_not_loaded(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM allocated no block where align mode keeps the hit's state (a
+    vLLM change): nothing is written into a wrong block, and the log says so."""
+    mamba = _mamba()
+    first = _Engine(model_dir, tmp_path / "store", _kv(6, mamba), mamba)
+    _prefill(first, "a", 7, 6 * BS)
+    first.close()
+    fresh = _kv(None, mamba)
+    second = _Engine(model_dir, tmp_path / "store", fresh, mamba)
+    req = _request("b", TOKENS)
+    assert second.lookup(req) == 6 * BS
+    lines = _Lines()
+    log = logging.getLogger("vllm.ucm_db.connector.scheduler")
+    log.addHandler(lines)
+    try:
+        meta = second.step(_step(req, ([0] * 5 + [23], list(range(31, 38))), 5))  # no running block
+    finally:
+        log.removeHandler(lines)
+    assert meta.groups[0].loads == [] and not fresh[STATE_LAYER].any()
+    assert any("no state block at the hit's end (192 tokens, 6 block ids)" in line for line in lines.lines), lines.lines
+    second.close()
+
+
 def test_a_group_of_another_state_spec_reads_nothing(model_dir: Path, tmp_path: Path) -> None:
     first = _Engine(model_dir, tmp_path / "store", _kv(3, _mamba()), _mamba())
     _prefill(first, "a", 7, 6 * BS)
