@@ -5,13 +5,18 @@ connector serves each group apart (hybrid.py).
 
 Invariants:
     * Each group's namespace names its layer set and its spec (full
-      attention; sliding window with its window), so a group never reads
-      another group's blocks, nor another model's group of the same shape.
+      attention; sliding window with its window; SSM state with its state
+      shapes, dtypes and kind), so a group never reads another group's
+      blocks, nor another model's group of the same shape.
+    * An SSM/Mamba group (``MambaSpec``) is stored (ssm_state.py) only in
+      vLLM's ``mamba_cache_mode="align"`` (prefix caching on), the one mode
+      that keeps its state at block boundaries; otherwise it is refused
+      with the fix, and so is a model with no attention group.
     * A model with one group keeps the namespace ucm-db gave it before
       (:func:`group_namespace` returns the deployment's namespace), and any
       attention spec it was served with before (MLA ...): stores stay valid.
-    * Specs ucm-db cannot store in a model of several groups (SSM/Mamba
-      state, chunked local attention, cross attention ...), and a lone
+    * Specs ucm-db cannot store in a model of several groups (chunked
+      local attention, cross attention ...), and a lone
       group that is not attention, are refused with a ConfigError naming
       the spec and the fix, when the groups are first known: the worker's
       connector is made before vLLM allocates the KV cache.
@@ -38,9 +43,13 @@ class KVGroup:
     kind: str
     sliding_window: int | None
     layer_names: tuple[str, ...]
+    state: str | None = None  # an SSM group's state spec (shapes, dtypes, kind); None for attention
 
     def describe(self) -> dict[str, Any]:
-        return {"group": self.kind, "window": self.sliding_window, "layers": list(self.layer_names)}
+        out: dict[str, Any] = {"group": self.kind, "window": self.sliding_window, "layers": list(self.layer_names)}
+        if self.state is not None:
+            out["state"] = self.state
+        return out
 
 
 def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
@@ -52,13 +61,21 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
         kind = _STORABLE.get(spec_name)
         if kind is None and len(specs) == 1 and _is_attention(group.kv_cache_spec):
             kind = spec_name  # one group: any attention spec, as ucm-db stored it before groups (MLA ...)
+        state = None
+        if kind is None and spec_name == "MambaSpec" and len(specs) > 1:
+            kind, state = "ssm_state", _state_spec(index, group)
         if kind is None:
             raise ConfigError(
                 f"KV cache group {index} ({len(group.layer_names)} layers) has a {spec_name}, which ucm-db cannot store yet",
                 hint="serve this model without ucm-db, or with full or sliding-window attention only",
             )
         window = getattr(group.kv_cache_spec, "sliding_window", None)
-        groups.append(KVGroup(index, kind, int(window) if window is not None else None, tuple(group.layer_names)))
+        groups.append(KVGroup(index, kind, int(window) if window is not None else None, tuple(group.layer_names), state))
+    if all(g.kind == "ssm_state" for g in groups):
+        raise ConfigError(
+            f"ucm-db stores SSM state beside attention only; this model has {len(groups)} SSM state groups and no attention group",
+            hint="serve this model without ucm-db",
+        )
     return groups
 
 
@@ -68,6 +85,23 @@ def group_namespace(base: Namespace, groups: list[KVGroup], group: KVGroup) -> N
         return base
     extra = json.dumps(group.describe(), sort_keys=True, separators=(",", ":"))
     return Namespace.from_dict({**base.to_dict(), "extra": (base.extra + "|" if base.extra else "") + extra})
+
+
+def _state_spec(index: int, group: Any) -> str:
+    """An SSM group's state spec, for its namespace; refuses a mode whose
+    state is not kept at block boundaries (module invariants)."""
+    spec = group.kv_cache_spec
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise ConfigError(
+            f"KV cache group {index} ({len(group.layer_names)} layers) has a MambaSpec in mamba_cache_mode {mode!r}: "
+            "ucm-db stores SSM state only where vLLM keeps it at block boundaries (mode \"align\")",
+            hint="turn prefix caching on (--enable-prefix-caching; vLLM then picks mamba_cache_mode \"align\"), "
+                 "or serve this model without ucm-db",
+        )
+    dtypes = [str(d).removeprefix("torch.") for d in spec.dtypes]
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    return f"{kind}:{[list(s) for s in spec.shapes]}:{dtypes}"
 
 
 def _is_attention(spec: Any) -> bool:

@@ -32,7 +32,16 @@ Invariants:
       group's failures before it saves, and a request whose load failed in
       any group is rewound in every group.
     * Only TP=1, PP=1 and ``load_mode`` ``block`` or ``layer`` (refused at
-      start otherwise, :func:`check_hybrid`).
+      start otherwise, :func:`check_hybrid`), with at least one attention
+      group (groups.py).
+    * An SSM state group (ssm_state.py) stores one state per block
+      boundary, not a prefix: its halves are a
+      :class:`~ucm_db.connector.ssm_state.SsmStateScheduler` and an
+      ordinary worker over its layers' state pages (one unit per block), and
+      a hit is cut back to a boundary where every state group holds a state
+      (:func:`~ucm_db.connector.ssm_state.ssm_claim`). Its loads complete in
+      ``start_load_kv`` whatever the load mode (vLLM waits on attention
+      layers only).
 """
 
 from __future__ import annotations
@@ -46,8 +55,9 @@ from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats
 from ucm_db.connector.roles import RolePolicy
-from ucm_db.connector.scheduler import UcmDbScheduler
+from ucm_db.connector.scheduler import UcmDbScheduler, logger
 from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.connector.ssm_state import SsmStateScheduler, ssm_claim
 from ucm_db.connector.worker import UcmDbWorker
 from ucm_db.errors import ConfigError
 
@@ -78,7 +88,10 @@ def check_hybrid(groups: Sequence[KVGroup], shape: KVShape, settings: ConnectorS
 
 
 def group_shape(shape: KVShape, group: KVGroup) -> KVShape:
-    """The shape of one group's KV: the model's, over the group's layers."""
+    """The shape of one group's KV: the model's, over the group's layers
+    (an SSM state group's block is one unit per layer: its state page)."""
+    if group.kind == "ssm_state":
+        return replace(shape, layers=len(group.layer_names), kv_heads=1)
     return replace(shape, layers=len(group.layer_names))
 
 
@@ -103,11 +116,15 @@ class GroupedScheduler:
     def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy, groups: Sequence[KVGroup]) -> None:
         base = namespace(shape)
         self.groups = list(groups)
-        self.parts = [UcmDbScheduler(settings, group_shape(shape, g), role, g.index, group_namespace(base, self.groups, g))
+        self.parts = [(SsmStateScheduler if g.kind == "ssm_state" else UcmDbScheduler)(
+                          settings, group_shape(shape, g), role, g.index, group_namespace(base, self.groups, g))
                       for g in self.groups]
+        self._attention = [p for p in self.parts if not isinstance(p, SsmStateScheduler)]
+        self._states = [p for p in self.parts if isinstance(p, SsmStateScheduler)]
+        self._block_size = shape.block_size
         # Lookups and hits are the same for every group (the shortest claim):
-        # the first group's counters report them once.
-        self.counters = self.parts[0].counters
+        # the first attention group's counters report them once.
+        self.counters = self._attention[0].counters
         self._broken: set[tuple[int, str]] = set()  # (group, request) whose chain met a null block
         self._step_loads: dict[int, list[tuple[str, set[int]]]] = {}  # step -> (request, every group's loaded blocks)
 
@@ -121,14 +138,26 @@ class GroupedScheduler:
             part.kv_cache_manager = manager
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        answers = [part.get_num_new_matched_tokens(request, num_computed_tokens)[0] for part in self.parts]
+        answers = [part.get_num_new_matched_tokens(request, num_computed_tokens)[0] for part in self._attention]
         if any(tokens is None for tokens in answers):
             return None, False
-        return min(tokens for tokens in answers if tokens is not None), False
+        tokens = min(tokens for tokens in answers if tokens is not None)
+        if self._states and tokens > 0:
+            tokens = ssm_claim(self._states, request, num_computed_tokens, tokens, self._block_size)
+        return tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        lead = self._attention[0]
+        state = lead._requests.get(request.request_id)
+        local_tokens = state.lookup.local_tokens if state is not None and state.lookup is not None else None
         for part in self.parts:
             part.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.groups[self.parts.index(lead)].index != 0 and local_tokens is not None:
+            # The ordinary scheduler logs this line for group 0 only; here group 0 holds SSM state.
+            logger.info(
+                "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
+                request.request_id, request.num_prompt_tokens, local_tokens, num_external_tokens,
+            )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         metas = [part.build_connector_meta(scheduler_output) for part in self.parts]
@@ -148,7 +177,7 @@ class GroupedScheduler:
         for index, meta in enumerate(metas):
             meta.saves = [replace(t, after_loads=tuple(sorted(after[t.req_id]))) if after[t.req_id] else t
                           for t in meta.saves if self._keeps(index, t)]
-        first = metas[0]
+        first = metas[self.parts.index(self._attention[0])]
         return UcmDbConnectorMetadata(step=first.step, idle=first.idle, epoch=first.epoch, preempted=first.preempted, groups=metas)
 
     def _keeps(self, group: int, save: BlockTransfer) -> bool:
@@ -161,11 +190,11 @@ class GroupedScheduler:
 
     def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         """Every group forgets the request; a ``kv_producer`` returns the
-        first group's publication."""
+        first attention group's publication."""
         results = [part.request_finished(request, list(block_ids[i]) if i < len(block_ids) else [])
                    for i, part in enumerate(self.parts)]  # every group forgets it, whatever vLLM passed
         self._broken = {(g, r) for g, r in self._broken if r != request.request_id}
-        return False, results[0][1] if results else None
+        return False, results[self.parts.index(self._attention[0])][1]
 
     def reset_cache(self) -> bool:
         return all([part.reset_cache() for part in self.parts])
@@ -212,8 +241,10 @@ class GroupedWorker:
             self._owner.update((name, part) for name in group.layer_names)
 
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
-        for part, group_meta in zip(self.parts, meta.groups):
+        for group, part, group_meta in zip(self.groups, self.parts, meta.groups):
             part.start_load(group_meta)
+            if group.kind == "ssm_state":  # vLLM waits on attention layers only (module invariants)
+                part.finish_loads()
 
     def wait_for_layer(self, layer_name: str) -> None:
         part = self._owner.get(layer_name)

