@@ -25,7 +25,7 @@ import pytest
 from click.testing import CliRunner
 
 import ucm_db
-from ucm_db import ConfigError, Namespace
+from ucm_db import ConfigError, DamagedRecordError, Namespace
 from ucm_db.tiers import records
 from ucm_db.tiers.accounting import TOTALS, recount
 from ucm_db.tools.cli import cli
@@ -91,7 +91,7 @@ def test_a_sealed_settings_record_with_an_invalid_value_is_damage(tmp_path: Path
         settings = json.loads(store._tier.info_get(b"settings"))
         settings[field] = value
         store._tier.engine.write(lambda txn: records.put_checked(txn, b"settings", json.dumps(settings).encode()))
-    with pytest.raises(ConfigError, match="settings record .* is damaged") as info:
+    with pytest.raises(DamagedRecordError, match="settings record .* is damaged") as info:
         ucm_db.open(path)
     assert field in str(info.value) and repr(value) in str(info.value)
     assert f"raise {field}" not in info.value.hint and "move the store aside" in info.value.hint
@@ -108,7 +108,7 @@ def test_format_version_is_checksummed_and_a_changed_one_is_damage(tmp_path: Pat
     with ucm_db.open(path) as store:
         assert store._tier.engine.read(lambda txn: txn.get("info", b"sum:format_version")) is not None
         store._tier.engine.write(lambda txn: txn.put("info", b"format_version", b"2"))  # a stray write, checksum not updated
-    with pytest.raises(ConfigError, match="format version record is damaged") as info:
+    with pytest.raises(DamagedRecordError, match="format version record is damaged") as info:
         ucm_db.open(path)
     assert "migrate" not in str(info.value), "damage must not be taken for an old format"
     code, output = _verify(path)

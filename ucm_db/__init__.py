@@ -12,6 +12,7 @@ from ucm_db.errors import (
     ClosedError,
     ConfigError,
     CorruptBlockError,
+    DamagedRecordError,
     FormatVersionError,
     LockedError,
     MigrationError,
@@ -36,7 +37,7 @@ PUBLIC_MODULES = (
 )
 
 __all__ = [
-    "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "ConfigError", "CorruptBlockError", "EventInventory", "FormatVersionError", "Framed",
+    "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "ConfigError", "CorruptBlockError", "DamagedRecordError", "EventInventory", "FormatVersionError", "Framed",
     "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "PutResult",
     "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
 ]

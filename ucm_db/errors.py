@@ -44,6 +44,16 @@ class DamagedPageError(TierError):
     default_hint = "run `ucm-db verify --fix PATH`; if it cannot repair it, move the store aside (it is a cache)"
 
 
+class DamagedRecordError(TierError):
+    """One of the store's info records (format version, settings, creation
+    record) fails its checksum or holds what no ucm-db writes: the store's
+    file, not the caller's arguments, is at fault. Every door raises this
+    one type for it (opening the store, the maintenance readers, the CLI:
+    exit status 1)."""
+
+    default_hint = "run `ucm-db verify PATH`; if it cannot repair it, move the store aside (it is a cache and starts empty)"
+
+
 class StoreFullError(TierError):
     """The batch cannot fit even after evicting everything evictable."""
 

@@ -22,11 +22,11 @@ Invariants:
     * This module is the one parser and writer of the settings, version and
       creation records (:func:`parse_settings`, :func:`open_records`,
       :func:`write_new_store_records`, :func:`write_format_version`). A
-      damaged record is found as one internal type,
-      :class:`~ucm_db.tiers.records.DamagedRecord`; each door names it with
-      the error it has always raised: a store's open a :class:`TierError`
-      (the CLI exits 1), maintenance readers (:func:`read_settings`,
-      :func:`checked_format_version`) a :class:`ConfigError`.
+      damaged record (checksum mismatch, not parseable, a persisted value no
+      config accepts) is found as the internal
+      :class:`~ucm_db.tiers.records.DamagedRecord` and raised to every door
+      as the one public :class:`~ucm_db.errors.DamagedRecordError` (a
+      :class:`TierError`: the CLI exits 1).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ucm_db.config import persisted_settings_problem
-from ucm_db.errors import ConfigError, FormatVersionError, TierError
+from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError, TierError
 from ucm_db.store_format import (  # noqa: F401 - re-exported: the format's constants
     CREATED_KEY, FORMAT_VERSION_KEY, INFO_TABLE, MIN_MAP_BYTES, ON_DISK_ENGINES, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
@@ -142,14 +142,14 @@ def write_format_version(txn: Any, version: int = STORE_FORMAT_VERSION) -> None:
 
 def checked_format_version(txn: Any) -> bytes | None:
     """The raw ``info/format_version`` record, or None if absent; a record
-    that fails its checksum is a :class:`ConfigError` naming the damage."""
+    that fails its checksum is a :class:`DamagedRecordError` naming the damage."""
     value = txn.get(INFO_TABLE, FORMAT_VERSION_KEY)
     if value is None:
         return None
     try:
         check(txn, FORMAT_VERSION_KEY, value)
     except DamagedRecord:
-        raise ConfigError(f"the store's format version record is damaged (checksum mismatch, holds {bytes(value)[:16]!r})",
+        raise DamagedRecordError(f"the store's format version record is damaged (checksum mismatch, holds {bytes(value)[:16]!r})",
                           hint=_DAMAGED_HINT) from None
     return bytes(value)
 
@@ -159,7 +159,7 @@ def check_persisted_settings(settings: dict[str, Any], path: Path) -> None:
     (a damaged or hand-edited record), naming the field and the value."""
     problem = persisted_settings_problem(settings)
     if problem is not None:
-        raise ConfigError(f"the settings record of the store at {path} is damaged: it holds an invalid value ({problem})",
+        raise DamagedRecordError(f"the settings record of the store at {path} is damaged: it holds an invalid value ({problem})",
                           hint=f"run `ucm-db verify {path}`; the store cannot be opened with it: move the store aside "
                                "(it is a cache and starts empty) or restore it from a copy")
 
@@ -174,7 +174,7 @@ def parse_format_version(raw: bytes | None) -> int:
     try:
         return int(bytes(raw))
     except ValueError:
-        raise ConfigError(f"the store's format version record is damaged ({bytes(raw)[:16]!r})", hint=_DAMAGED_HINT) from None
+        raise DamagedRecordError(f"the store's format version record is damaged ({bytes(raw)[:16]!r})", hint=_DAMAGED_HINT) from None
 
 
 def read_format_version(engine: Engine) -> int:
@@ -204,12 +204,12 @@ def parse_settings(raw: Buffer | None) -> dict[str, Any]:
 
 def read_settings(engine: Engine) -> dict[str, Any]:
     """The persisted settings recorded in ``engine``'s store ({} if none);
-    a damaged record is a :class:`ConfigError`."""
+    a damaged record is a :class:`DamagedRecordError`."""
     def run(txn: Any) -> dict[str, Any]:
         try:
             return parse_settings(get_checked(txn, SETTINGS_KEY))
         except DamagedRecord:
-            raise ConfigError("the store's settings record is damaged", hint="run `ucm-db verify` on the store") from None
+            raise DamagedRecordError("the store's settings record is damaged", hint="run `ucm-db verify` on the store") from None
 
     return engine.read(run)
 
@@ -227,7 +227,7 @@ def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: boo
     (in its one transaction): ``(format version, persisted settings)``. A
     store without a format version is initialised with ``wanted``
     (:func:`write_new_store_records`); read-only, that is a
-    :class:`TierError`, and so is a damaged settings record."""
+    :class:`TierError`, and a damaged settings record a :class:`DamagedRecordError`."""
     version = checked_format_version(txn)
     if version is None:
         if read_only:
@@ -238,7 +238,7 @@ def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: boo
     try:
         settings = parse_settings(get_checked(txn, SETTINGS_KEY))
     except DamagedRecord:
-        raise TierError(
+        raise DamagedRecordError(
             f"the settings record of the store at {path} is damaged",
             hint=f"run `ucm-db verify {path}` for a full report; move the store aside to start a new one",
         ) from None
