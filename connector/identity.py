@@ -16,17 +16,17 @@ Invariants:
       nothing here looks at live tensors or process-local state except the
       ranks a worker passes.
     * At TP=1 and PP=1 the namespace is the one ucm-db used before units
-      (same fields, same layout string), so whole blocks stored then are
-      units covering the whole grid, readable at any TP.
+      (same fields, same layout string): ``ucm-db migrate`` splits the
+      whole blocks stored then into this namespace's units
+      (:mod:`ucm_db.pre_units`).
     * Each KV head has exactly one writer rank (the first of the ranks
       holding a replicated head); MLA's latent (one "head", identical on
       every rank) is written by TP rank 0 and read by every rank.
     * A hit counts only if every unit of :func:`reader_spans` (every head of
       every pipeline stage) is loadable.
-    * Blocks stored per rank before units (TP>1 or PP>1) stay readable at
-      the TP/PP size that wrote them, under :func:`legacy_rank_namespaces`;
-      their keys are rooted in the rank's namespace, so no other size can
-      find them (``docs/tp.md``).
+    * Blocks stored per rank before units (TP>1 or PP>1, under namespaces
+      carrying the rank) are not read: their keys are rooted in the rank's
+      namespace and cannot be re-keyed (``docs/tp.md``).
 """
 
 from __future__ import annotations
@@ -143,28 +143,6 @@ def reader_spans(shape: KVShape) -> list[UnitSpan]:
     """Every unit of a block a hit needs: every head of every stage."""
     g = grid(shape)
     return [span for pp in range(shape.pp_size) for span in g.head_spans(stage_layers(shape, pp))]
-
-
-def legacy_rank_namespaces(shape: KVShape) -> list[Namespace]:
-    """The per-rank namespaces ucm-db used before units at this
-    deployment's TP/PP size, at index ``pp_rank * tp_size + tp_rank`` (a
-    rank's share of the heads in the layout string), or [] where there were
-    none (TP=1 and PP=1 used today's namespace; MLA used TP rank 0's)."""
-    if shape.use_mla or (shape.tp_size == 1 and shape.pp_size == 1):
-        return []
-    try:
-        parts = json.loads(shape.layout)
-    except ValueError:
-        return []
-    if not isinstance(parts, dict) or "kv_heads" not in parts:
-        return []
-    parts["kv_heads"] = max(1, shape.kv_heads // shape.tp_size)
-    layout = json.dumps(parts, sort_keys=True, separators=(",", ":"))
-    return [
-        Namespace(model=shape.model, kv_dtype=shape.kv_dtype, block_size=shape.block_size, tp_rank=tp, tp_size=shape.tp_size,
-                  pp_rank=pp, pp_size=shape.pp_size, layout=layout)
-        for pp in range(shape.pp_size) for tp in range(shape.tp_size)
-    ]
 
 
 def model_fingerprint(model_config: Any) -> str:

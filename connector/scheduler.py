@@ -35,9 +35,11 @@ Invariants:
       several ranks it holds the save until the scheduler's verdict, given
       once every rank's output is back (metadata.py). The requests affected
       are rewound to the block vLLM recomputes from, so what they compute
-      again is saved again. Blocks loaded from
-      pre-unit blocks (whole TP=1 blocks, or per-rank blocks of this TP/PP
-      size) are saved again as units: the store converts itself on use.
+      again is saved again.
+    * Only units are read and written (one storage generation): a store
+      holding this model's blocks of an older generation (whole or per-rank
+      blocks, :mod:`ucm_db.pre_units`) is refused when the scheduler starts,
+      with the ``ucm-db migrate`` command that converts it.
     * Load or recompute (cost_model.py, ``load_policy``): the remote tier is
       asked only as the cost model decides (all of the prefix, a probe of
       :data:`_PROBE_BLOCKS` blocks, or nothing), and a local hit is not
@@ -52,9 +54,8 @@ Invariants:
       waiting request whose chain is of an older epoch gets a new state; a
       running one saves nothing more. The metadata carries the epoch.
     * ``remote_lookup: "background"`` (remote_lookups.py): a priced remote
-      lookup (of the units or whole blocks; per-rank pre-unit blocks are
-      still looked up inline) submits one background job per request and
-      source instead, for the whole claim, and answers None (vLLM asks
+      lookup submits one background job per request instead, for the whole
+      claim, and answers None (vLLM asks
       again next step) until it has finished; the remote is then not asked
       again for that request, whose hit is found in the local tier. A
       probe job is followed by one more decision for the rest of the
@@ -78,7 +79,7 @@ import ucm_db
 from ucm_db.connector.cost_model import MIN_PREFILL_TOKENS, CostModel, Decision
 from ucm_db.connector.epochs import EpochWatch
 from ucm_db.connector.events import save_fields
-from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, reader_spans
+from ucm_db.connector.identity import KVShape, grid, namespace, reader_spans
 from ucm_db.connector.metadata import IDLE_WAIT_S, BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.remote_lookups import BACKGROUND_DEADLINE_S, RemoteLookups
@@ -86,6 +87,7 @@ from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
 from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.maintenance import pre_unit_namespaces, pre_unit_refusal
 from ucm_db.units import stored_prefix
 
 if TYPE_CHECKING:
@@ -95,8 +97,6 @@ if TYPE_CHECKING:
 
 #: Blocks hashed and looked up first; later segments grow 4x.
 _FIRST_SEGMENT_BLOCKS = 16
-#: Sources whose lookups are priced (and may run in the background).
-_SOURCES_LOOKED_UP = ("units", "whole")
 #: Blocks a probe of a tier the cost model cannot judge asks for: one first
 #: lookup segment. A probe's time is mostly the lookup's fixed cost (fetch
 #: round trips, promotion commit); 4 blocks measured a 2 GB/s link below a
@@ -139,8 +139,7 @@ class LookupRecord:
 
     local_tokens: int   # vLLM's own prefix-cache hit the lookup was given
     hit_blocks: int     # leading blocks loadable
-    unit_blocks: int    # leading blocks stored as units (<= hit_blocks)
-    source: str         # where the hit is read: units, whole or ranks (see metadata)
+    unit_blocks: int    # leading blocks stored (>= hit_blocks: a hit the cost model skips is not claimed)
     seconds: float
 
 
@@ -153,18 +152,16 @@ class _RequestState:
     block_extras: dict[int, bytes]  # per-block extras, by block index
     epoch: int | None = 0         # the namespace epoch the key chain is rooted at (epochs.py)
     keys: BlockKeys = field(default_factory=BlockKeys)  # the request's block keys, grown on demand
-    rank_keys: list[list[bytes]] = field(default_factory=list)  # per pre-unit rank namespace, only if stored
     stored_blocks: int = 0  # leading blocks whose units are known stored
     saved_blocks: int = 0   # leading blocks stored or planned for saving
     pending_load_tokens: int = 0
-    pending_source: str = "units"
     lookup: LookupRecord | None = None
     async_tried: bool = False  # an async load was planned: later lookups claim synchronously
     async_block_ids: tuple[int, ...] = ()  # the blocks of its async load, until vLLM schedules it
     vllm_computed_tokens: int = 0  # what vLLM's own prefix cache held at the last lookup: no claim prices it
-    remote_asked: set[str] = field(default_factory=set)  # sources whose background remote lookup finished
-    remote_probing: set[str] = field(default_factory=set)  # sources whose background job is a probe
-    remote_probed: set[str] = field(default_factory=set)  # sources whose background probe finished
+    remote_asked: bool = False    # its background remote lookup finished
+    remote_probing: bool = False  # its background job is a probe
+    remote_probed: bool = False   # its background probe finished
 
 
 def request_extras(request: Request) -> dict[str, Any]:
@@ -221,12 +218,10 @@ class UcmDbScheduler:
         self._ratio_at_s = float("-inf")
         self._grid = grid(shape)
         self._spans = reader_spans(shape)
-        # Whole blocks (pre-unit stores; PP=1 only) are a second source
-        # wherever a unit is not the whole block.
-        self._whole_spans = [self._grid.whole] if shape.pp_size == 1 and self._spans != [self._grid.whole] and group_namespace is None else []
-        # Per-rank pre-unit blocks of this TP/PP size: looked up only if the
-        # store holds every rank's namespace (each costs a key chain).
-        self._rank_namespaces = [] if group_namespace is not None else _stored(self._store, legacy_rank_namespaces(shape))
+        older = pre_unit_namespaces(self._store.stats().namespaces, model=shape.model)
+        if older:  # blocks of an older storage generation: converted by `ucm-db migrate`, never read here
+            release(self._store)
+            raise pre_unit_refusal(settings.path, older)
         self._block_size = shape.block_size
         self._requests: dict[str, _RequestState] = {}
         self.counters = Counters()
@@ -289,15 +284,6 @@ class UcmDbScheduler:
             state.keys.extend(more)
         return state.keys  # callers slice: copying 1000s of keys per call showed in profiles
 
-    def _rank_keys(self, state: _RequestState, num_blocks: int) -> list[list[bytes]]:
-        """Each pre-unit rank namespace's chain (stores holding them only)."""
-        if not state.rank_keys or len(state.rank_keys[0]) < num_blocks:
-            request = state.request
-            tokens = request.all_token_ids[: num_blocks * self._block_size]
-            state.rank_keys = [ns.block_keys(tokens, state.extras, block_extras=state.block_extras, epoch=state.epoch or 0)
-                               for ns in self._rank_namespaces]
-        return state.rank_keys
-
     def keys_for(self, request: Request, num_blocks: int) -> list[bytes]:
         """Block keys of a request's first blocks (tests, tools)."""
         return list(self._keys(self._state(request), num_blocks)[:num_blocks])
@@ -313,16 +299,15 @@ class UcmDbScheduler:
         state = self._state(request)
         max_blocks = (request.num_tokens - 1) // self._block_size
         if max_blocks * self._block_size <= num_computed_tokens or epoch is None:
-            state.lookup = LookupRecord(num_computed_tokens, 0, 0, "units", 0.0)
+            state.lookup = LookupRecord(num_computed_tokens, 0, 0, 0.0)
             return 0, False
         skips_before = sum(self.cost.skipped.values())
         state.vllm_computed_tokens = num_computed_tokens
         try:
-            found = self._stored_blocks(state, max_blocks)
+            found = self._longest_stored_prefix(state, max_blocks)
         except _LookupPending:
             return None, False  # a background remote lookup is running: vLLM asks again next step
-        source = max(found, key=lambda name: found[name])  # units first on a tie
-        hit = found[source]
+        hit = found
         if self._await_publication(state, max_blocks, hit):
             return None, False
         if hit and self.cost.decide(
@@ -332,7 +317,7 @@ class UcmDbScheduler:
             hit = 0  # the local tier is judged slower than recomputing (cost_model.py)
         if sum(self.cost.skipped.values()) > skips_before:
             self.counters.add(cost_skips=1)  # once per lookup, however many segments or sources it priced
-        state.lookup = LookupRecord(num_computed_tokens, hit, found["units"], source, time.perf_counter() - started)
+        state.lookup = LookupRecord(num_computed_tokens, hit, found, time.perf_counter() - started)
         tokens = max(0, hit * self._block_size - num_computed_tokens)
         # Once per request: a failed async load sends the request back with
         # nothing computed, and vLLM asks again; an async claim of the same
@@ -340,20 +325,8 @@ class UcmDbScheduler:
         # recomputed.
         return tokens, self._async and tokens > 0 and not state.async_tried
 
-    def _stored_blocks(self, state: _RequestState, max_blocks: int) -> dict[str, int]:
-        """Leading blocks loadable from each source: the units, and where
-        those stop short, whole pre-unit blocks and per-rank pre-unit blocks
-        (each only where the store can hold them)."""
-        found = {"units": self._longest_stored_prefix(state, max_blocks, self._spans, "units")}
-        if found["units"] < max_blocks and self._whole_spans:
-            found["whole"] = self._longest_stored_prefix(state, max_blocks, self._whole_spans, "whole")
-        if found["units"] < max_blocks and self._rank_namespaces:
-            chains = self._rank_keys(state, max_blocks)
-            found["ranks"] = min(self._store.lookup(ns, keys[:max_blocks]) for ns, keys in zip(self._rank_namespaces, chains))
-        return found
-
-    def _longest_stored_prefix(self, state: _RequestState, max_blocks: int, spans: Sequence[Any], source: str) -> int:
-        """Leading blocks with every unit of ``spans`` stored, hashing no
+    def _longest_stored_prefix(self, state: _RequestState, max_blocks: int) -> int:
+        """Leading blocks with every unit stored, hashing no
         further than needed: the first segment is hashed and looked up
         alone, the rest of the prompt only if all of it is stored. A miss
         costs one small segment, not the prompt; a hit costs two lookups
@@ -362,14 +335,13 @@ class UcmDbScheduler:
         found, want = 0, min(max_blocks, _FIRST_SEGMENT_BLOCKS)
         while True:
             keys = self._keys(state, want)
-            found += self._priced_prefix(state, source, spans, keys, found, want, max_blocks)
+            found += self._priced_prefix(state, keys, found, want, max_blocks)
             if found < want or want == max_blocks:
                 return found
             want = max_blocks
 
     def _priced_prefix(
-        self, state: _RequestState, source: str, spans: Sequence[Any], keys: Sequence[bytes], start: int, stop: int,
-        max_blocks: int,
+        self, state: _RequestState, keys: Sequence[bytes], start: int, stop: int, max_blocks: int,
     ) -> int:
         """:func:`stored_prefix` from the local tier, continued from the
         remote as far as the cost model decides (all, a probe of
@@ -379,12 +351,13 @@ class UcmDbScheduler:
         ``max_blocks``: the rest of the prompt past what vLLM's own prefix
         cache and the local tier hold, in this lookup and, for a first
         segment, the next one. With background lookups the remote is
-        asked once per request and source, for the whole claim, and
+        asked once per request, for the whole claim, and
         :class:`_LookupPending` is raised until it has finished."""
         if self._lookups is not None:
-            self._harvest(state, source)
+            self._harvest(state)
+        spans = self._spans
         local = stored_prefix(_LocalTier(self._store), self._namespace, self._grid, spans, keys, start, stop)
-        if self._store.config.remote is None or start + local >= stop or source in state.remote_asked:
+        if self._store.config.remote is None or start + local >= stop or state.remote_asked:
             return local
         # The claim: the rest of the prompt past what vLLM and the local tier hold.
         first_token = max((start + local) * self._block_size, state.vllm_computed_tokens)
@@ -399,16 +372,16 @@ class UcmDbScheduler:
             stop = min(stop, start + local + _PROBE_BLOCKS)
         if self._lookups is not None:
             if decision is Decision.PROBE:
-                if source in state.remote_probed:  # one probe per request: then decided, or left alone
-                    state.remote_asked.add(source)
+                if state.remote_probed:  # one probe per request: then decided, or left alone
+                    state.remote_asked = True
                     return local
-                state.remote_probing.add(source)
+                state.remote_probing = True
             job_stop = stop if decision is Decision.PROBE else max_blocks
             chain = self._keys(state, job_stop)[:job_stop]  # a snapshot: the scheduler grows state.keys meanwhile
             first = start + local
             store = _BackgroundStore(self._store)
             self._lookups.submit(
-                _job_key(state.request.request_id, source), lambda: stored_prefix(store, self._namespace, self._grid, spans, chain, first, job_stop),
+                state.request.request_id, lambda: stored_prefix(store, self._namespace, self._grid, spans, chain, first, job_stop),
             )
             raise _LookupPending
         started = time.perf_counter()
@@ -418,14 +391,14 @@ class UcmDbScheduler:
         self.cost.observe_load(self._ns_id, "remote", found * self._block_size, elapsed_s)
         return local + found
 
-    def _harvest(self, state: _RequestState, source: str) -> None:
+    def _harvest(self, state: _RequestState) -> None:
         """Takes a finished background lookup's result into the cost model
         (its time is the request's wait, not a step's); raises
         :class:`_LookupPending` while it runs, after waiting up to
         :data:`~ucm_db.connector.metadata.IDLE_WAIT_S` for it when the last
         step had nothing to run (the engine would only spin meanwhile)."""
         assert self._lookups is not None
-        job_key = _job_key(state.request.request_id, source)
+        job_key = state.request.request_id
         if self._lookups.pending(job_key):
             if self._last_step_idle:
                 self._last_step_idle = False  # one wait per idle step, not one per waiting request
@@ -435,11 +408,11 @@ class UcmDbScheduler:
         result = self._lookups.take(job_key)
         if result is not None:
             self.cost.observe_load(self._ns_id, "remote", result.found_blocks * self._block_size, result.elapsed_s)
-            if source in state.remote_probing:  # a probe measured the link: the rest is decided again
-                state.remote_probing.discard(source)
-                state.remote_probed.add(source)
+            if state.remote_probing:  # a probe measured the link: the rest is decided again
+                state.remote_probing = False
+                state.remote_probed = True
             else:
-                state.remote_asked.add(source)
+                state.remote_asked = True
 
     def _number_step(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
         """Numbers the step and remembers when it was planned, for the
@@ -599,7 +572,6 @@ class UcmDbScheduler:
             state.async_block_ids = ()
             return
         state.pending_load_tokens = num_external_tokens
-        state.pending_source = record.source
         if self._async and num_external_tokens and not state.async_tried:
             # vLLM computes nothing for it until the load is reported done.
             state.async_tried = True
@@ -659,9 +631,7 @@ class UcmDbScheduler:
         start = end - state.pending_load_tokens // self._block_size
         state.pending_load_tokens = 0
         keys = self._keys(state, end)
-        source, state.pending_source = state.pending_source, "units"
-        rank_keys = tuple(tuple(c[start:end]) for c in self._rank_keys(state, end)) if source == "ranks" else ()
-        return BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), source=source, rank_keys=rank_keys)
+        return BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]))
 
     def _plan_save(
         self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput, req_id: str, num_tokens: int, loaded: set[int],
@@ -716,8 +686,7 @@ class UcmDbScheduler:
         state = self._requests.pop(request.request_id, None)
         self._waits.forget(request.request_id)
         if self._lookups is not None:
-            for source in _SOURCES_LOOKED_UP:
-                self._lookups.forget(_job_key(request.request_id, source))
+            self._lookups.forget(request.request_id)
         if not self._role.publishes or state is None:
             return False, None
         blocks = min(state.saved_blocks, request.num_prompt_tokens // self._block_size)
@@ -780,11 +749,6 @@ class _LookupPending(Exception):
     """A background remote lookup of the request is still running."""
 
 
-def _job_key(request_id: str, source: str) -> str:
-    """A background lookup's key: one per request and priced source."""
-    return f"{request_id}/{source}"
-
-
 class _BackgroundStore:
     """A store whose ``lookup`` waits up to
     :data:`~ucm_db.connector.remote_lookups.BACKGROUND_DEADLINE_S` on the
@@ -808,10 +772,3 @@ class _LocalTier:
     def lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         return self._store.lookup(namespace, keys, remote=False)
 
-
-def _stored(store: ucm_db.Store, namespaces: list[Namespace]) -> list[Namespace]:
-    """``namespaces`` if the store holds blocks of every one, else []."""
-    if not namespaces:
-        return []
-    held = store.stats().namespaces
-    return namespaces if all(ns.digest[:16].hex() in held for ns in namespaces) else []

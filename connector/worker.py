@@ -31,10 +31,8 @@ Invariants:
       wrote them; a block loads only if all its units do. Each head has one
       writer rank (replicated GQA heads: the first rank holding it; MLA: TP
       rank 0); every rank loads.
-    * A whole pre-unit block (``source="whole"``) is decoded whole and only
-      this rank's heads are copied into the KV caches; a per-rank pre-unit
-      block (``source="ranks"``) is this rank's own, read from its rank
-      namespace.
+    * Only units are read (one storage generation; the scheduler refuses a
+      store holding older ones, :mod:`ucm_db.pre_units`).
     * Each step's loads are timed (wall time of the read and the copy into
       the KV caches) and handed back once, with the step's number, by
       :meth:`UcmDbWorker.take_worker_meta`: the scheduler's cost model
@@ -58,7 +56,7 @@ import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.async_loads import AsyncLoader
 from ucm_db.connector.events import evented_chain
-from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, rank_spans, writes_units
+from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -125,8 +123,6 @@ class UcmDbWorker:
         self._evented_chain = evented_chain(self._spans)  # whose units carry KV event fields (events.py)
         _check_layout(self._layout, self._spans, tp_rank, pp_rank)
         self._writes = writes_units(self._shape, tp_rank)
-        self._legacy = legacy_rank_namespaces(self._shape) if self._group_namespace is None else []
-        self._legacy_index = pp_rank * self._shape.tp_size + tp_rank
         self._store = acquire(self._settings)
         publish_codec = self._settings.publish_codec
         self._writer = BackgroundWriter(
@@ -219,23 +215,16 @@ class UcmDbWorker:
         # except for a layer-by-layer load, which hands each layer over as
         # it is scattered.
         in_place = job is None and self.layout.writes_units_in_place
-        parts = [self._read_units([t for t in loads if t.source == "units"], in_place=in_place),
-                 self._read_whole([t for t in loads if t.source == "whole"]), self._read_rank([t for t in loads if t.source == "ranks"])]
-        failed = {b for _, _, bad in parts for b in bad}
+        unit_ids, units, failed = self._read_units(loads, in_place=in_place)
         if failed:
             total = sum(len(t.block_ids) for t in loads)
             logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them", len(failed), total)
-        (unit_ids, units, _), (whole_ids, whole, _), (rank_ids, rank, _) = parts
         for layer in range(len(self.layout.layers)) if job is not None else (None,):
             if unit_ids and units is not None:
                 self.layout.scatter_units(unit_ids, units, layer=layer)
-            if whole_ids:
-                self.layout.scatter_whole(whole_ids, whole, self._grid.heads, self._spans[0].head_start, layer=layer)
-            if rank_ids:
-                self.layout.scatter(rank_ids, rank, layer=layer)
             if job is not None and layer is not None:
                 job.ready[layer].set()
-        good = len(unit_ids) + len(whole_ids) + len(rank_ids)
+        good = len(unit_ids)
         load_s = time.perf_counter() - started
         self.counters.add(loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes, load_s=load_s, load_errors=len(failed))
         self._time_load(good * self._shape.block_size, load_s, background)
@@ -303,34 +292,6 @@ class UcmDbWorker:
         if staging is not None and len(good) != len(block_keys):
             staging = staging.index_select(0, torch.as_tensor(good, dtype=torch.long))
         return [block_ids[i] for i in good], staging, failed
-
-    def _read_whole(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
-        """Decodes whole pre-unit blocks (every KV head) of ``loads``."""
-        keys = [k for t in loads for k in t.keys]
-        staging = torch.empty((len(keys), self.layout.whole_block_bytes(self._grid.heads)), dtype=torch.uint8)
-        return self._read_rows(self._namespace, keys, [b for t in loads for b in t.block_ids], staging)
-
-    def _read_rank(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
-        """Decodes this rank's pre-unit blocks (its heads, its namespace)."""
-        if not loads:
-            return [], self.layout.new_staging(0), set()
-        index = self._legacy_index
-        keys = [k for t in loads for k in t.rank_keys[index]]
-        return self._read_rows(self._legacy[index], keys, [b for t in loads for b in t.block_ids], self.layout.new_staging(len(keys)))
-
-    def _read_rows(
-        self, namespace: ucm_db.Namespace, keys: list[bytes], block_ids: list[int], staging: torch.Tensor,
-    ) -> tuple[list[int], torch.Tensor, set[int]]:
-        """Decodes one payload per key into the rows of ``staging``."""
-        assert self._store is not None
-        if not keys:
-            return [], staging, set()
-        rows = staging.numpy()
-        ok = self._store.get_into(namespace, keys, [rows[i] for i in range(len(keys))])
-        good = [i for i, flag in enumerate(ok) if flag]
-        if len(good) != len(keys):
-            staging = staging.index_select(0, torch.as_tensor(good, dtype=torch.long))
-        return [block_ids[i] for i in good], staging, {block_ids[i] for i, flag in enumerate(ok) if not flag}
 
     def take_load_errors(self) -> set[int]:
         self.finish_loads()
