@@ -27,9 +27,10 @@ Invariants:
       and publication-wait state; and beyond the request: the namespace's
       epoch as read for the step, the cost model (remote samples from the
       timed lookups, its decisions' skip counts), the store (an inline
-      remote lookup promotes the blocks it finds into the local tier), the
-      remote lookup seconds and the counters (``cost_skips``, publication
-      waits).
+      remote lookup promotes the blocks it finds into the local tier; every
+      lookup counts its hits and misses), the background lookup jobs
+      (submitted, or taken once finished), the remote lookup seconds and
+      the counters (``cost_skips``, publication waits).
     * ``update_state_after_alloc`` turns that record into the request's
       pending load (or, ``load_mode: "async"``, a request's first hit, an
       async load planned at once: vLLM holds the request until a worker
