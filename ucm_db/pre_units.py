@@ -31,6 +31,8 @@ Invariants:
       blocks and complete unit chains, and running it again finishes it.
     * Only the store's public API writes (put, delete): the index, LRU and
       totals stay consistent; a unit already stored is not written twice.
+    * It refuses (LockedError, naming them) while other processes have the
+      store open, as ``ucm-db migrate`` does.
     * Nothing here knows tensors; the layout rules above are stated on the
       bytes, and tested against the connector's own layouts.
 """
@@ -47,8 +49,10 @@ from typing import Any
 from ucm_db.errors import FormatVersionError, MissingAncestorError
 from ucm_db.inspection import iter_blocks, namespace_rows
 from ucm_db.keys import Namespace
+from ucm_db.migrations.access import refuse_if_held
 from ucm_db.store import open as open_store
 from ucm_db.store_view import open_view
+from ucm_db.storelock import StoreLock
 from ucm_db.units import KVGrid, unit_key
 
 #: Bytes per element of the KV dtypes a namespace may name.
@@ -183,6 +187,9 @@ def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
     if dry_run or not (whole or ranks):
         report.whole_blocks, report.per_rank_blocks = len(whole), len(ranks)
         return report
+    lock = StoreLock(path)  # as `ucm-db migrate` promises: no one else has the store
+    refuse_if_held(Path(path), lock, "convert the blocks from before units of")
+    lock.release()
     with open_store(path) as store:
         converted = _write_units(store, whole, wanted, report)
         for ns_id, keys in _by_namespace(converted).items():

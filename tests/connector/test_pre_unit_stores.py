@@ -175,3 +175,26 @@ def test_split_whole_matches_the_units_the_connector_writes(kind: str) -> None:
         expected = units.numpy()[0, head]
         assert b"".join(frames) == expected.tobytes()
         assert [len(f) for f in frames] == list(layout.unit_layer_bytes)
+
+
+def test_conversion_refuses_while_the_store_is_open_elsewhere(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from ucm_db.errors import LockedError
+    from ucm_db.pre_units import convert
+
+    path = tmp_path / "s"
+    ns = namespace(_shape(1))
+    tokens = list(range(1, BS + 1))
+    with ucm_db.open(path) as store:
+        store.put(ns, ns.block_keys(tokens), [b"\0" * (HEADS * LAYERS * BS * 2 * HEAD * 2)])
+    holder = subprocess.Popen([sys.executable, "-c", f"import ucm_db, sys; s = ucm_db.open({str(path)!r}); print('open', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        with pytest.raises(LockedError):
+            convert(path)
+    finally:
+        holder.communicate("", timeout=30)
+    assert convert(path, dry_run=True).whole_blocks == 1  # nothing was converted
