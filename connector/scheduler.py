@@ -66,9 +66,9 @@ from ucm_db.connector.request_state import LookupRecord, RequestState
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.settlement import SaveSettlement
-from ucm_db.connector.stores import acquire, release
+from ucm_db.connector.stores import acquire, refuse_older_generations, release
+from ucm_db.errors import UcmDbError
 from ucm_db.keys import BlockKeys, Namespace
-from ucm_db.maintenance import pre_unit_namespaces, pre_unit_refusal
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -87,10 +87,11 @@ class UcmDbScheduler:
     def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy = RolePolicy(), group: int = 0,
                  group_namespace: Namespace | None = None) -> None:
         self._store = acquire(settings)
-        older = pre_unit_namespaces(self._store.stats().namespaces, model=shape.model)
-        if older:  # blocks of an older storage generation: converted by `ucm-db migrate`, never read here
+        try:  # blocks of an older storage generation: converted by `ucm-db migrate`, never read here
+            refuse_older_generations(self._store, settings, shape.model)
+        except UcmDbError:
             release(self._store)
-            raise pre_unit_refusal(settings.path, older)
+            raise
         self._group = group  # the KV cache group whose block ids it reads (hybrid.py: one scheduler per group)
         self._namespace = group_namespace or namespace(shape)
         self._epochs = EpochWatch(self._store, self._namespace)  # reset and invalidation (epochs.py)

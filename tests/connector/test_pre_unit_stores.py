@@ -198,3 +198,37 @@ def test_conversion_refuses_while_the_store_is_open_elsewhere(tmp_path: Path) ->
     finally:
         holder.communicate("", timeout=30)
     assert convert(path, dry_run=True).whole_blocks == 1  # nothing was converted
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_either_role_of_the_connector_refuses_an_older_generation_in_its_constructor(tmp_path: Path, role: str,
+                                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import LlamaConfig
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from ucm_db.connector.connector import UcmDbConnector
+    from ucm_db.connector.identity import kv_shape
+
+    model_dir = tmp_path / "model"
+    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                head_dim=64, vocab_size=1000, max_position_embeddings=512).save_pretrained(model_dir)
+    path = tmp_path / "store"
+    transfer = KVTransferConfig(kv_connector="UcmDbConnector", kv_connector_module_path="ucm_db.connector", kv_role="kv_both",
+                                kv_load_failure_policy="recompute", kv_connector_extra_config={"path": str(path)})
+    vllm_config = VllmConfig(model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
+                             cache_config=CacheConfig(block_size=BS), kv_transfer_config=transfer)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    shape = kv_shape(vllm_config, kv_cache_config, None)
+    rank_layout = json.dumps({**json.loads(shape.layout), "kv_heads": 1}, sort_keys=True, separators=(",", ":"))
+    ns = Namespace(model=shape.model, kv_dtype=shape.kv_dtype, block_size=BS, tp_rank=1, tp_size=2, layout=rank_layout)
+    with ucm_db.open(path) as store:  # what this model's TP=2 deployment stored before units
+        store.put(ns, ns.block_keys(list(range(BS))), [b"\0" * 64])
+
+    with caplog.at_level("ERROR", logger="vllm.ucm_db.connector.connector"), pytest.raises(FormatVersionError) as info:
+        UcmDbConnector(vllm_config, getattr(KVConnectorRole, role), kv_cache_config)
+    assert f"ucm-db migrate {path}" in info.value.hint and "per-rank blocks" in str(info.value)
+    assert f"ucm-db connector cannot start: {info.value}" in caplog.messages
