@@ -49,7 +49,7 @@ def render(r: dict[str, Any]) -> str:
         verb = "would convert" if r["dry_run"] else "converted"
         lines.append(f"{verb} blocks from before units: {pre['whole_blocks']} whole blocks split into "
                      f"{pre['units_written']} head units, {pre['per_rank_blocks']} per-rank blocks dropped (they cannot be re-keyed)"
-                     + (f", {pre['skipped_blocks']} whole blocks left (their parent was not converted)" if pre["skipped_blocks"] else ""))
+                     + (f", {pre['skipped_blocks']} unreadable whole blocks dropped" if pre["skipped_blocks"] else ""))
     elif not r["pending"]:
         return f"{r['path']} is at format {r['target_format']}: nothing to migrate"
     return "\n".join(lines if r["pending"] else lines[1:])

@@ -29,6 +29,8 @@ Invariants:
       unit's parent is the same head's unit of the block's parent) before
       it deletes any whole block, so a conversion cut short leaves whole
       blocks and complete unit chains, and running it again finishes it.
+      A whole block it cannot split (corrupt, or below one that is) is
+      deleted with the others: no connector reads it either way.
     * Only the store's public API writes (put, delete): the index, LRU and
       totals stay consistent; a unit already stored is not written twice.
     * It refuses (LockedError, naming them) while other processes have the
@@ -158,7 +160,7 @@ class ConversionReport:
     whole_blocks: int = 0      # whole blocks converted (deleted once their units were stored)
     units_written: int = 0
     per_rank_blocks: int = 0   # per-rank blocks deleted
-    skipped_blocks: int = 0    # whole blocks whose parent's units were missing (left as they were)
+    skipped_blocks: int = 0    # whole blocks that could not be split (unreadable, or their parent was not): deleted too
     namespaces: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,8 +194,9 @@ def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
     lock.release()
     with open_store(path) as store:
         converted = _write_units(store, whole, wanted, report)
-        for ns_id, keys in _by_namespace(converted).items():
-            report.whole_blocks += store.delete(Namespace.from_dict(wanted[ns_id][1]), keys)
+        report.whole_blocks = len(converted)
+        for ns_id, keys in _by_namespace(whole).items():  # none is read any more: the unsplittable ones go too
+            store.delete(Namespace.from_dict(wanted[ns_id][1]), keys)
         for ns_id, keys in _by_namespace(ranks).items():
             report.per_rank_blocks += store.delete(Namespace.from_dict(wanted[ns_id][1]), keys)
     return report

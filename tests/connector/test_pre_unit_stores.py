@@ -232,3 +232,25 @@ def test_either_role_of_the_connector_refuses_an_older_generation_in_its_constru
         UcmDbConnector(vllm_config, getattr(KVConnectorRole, role), kv_cache_config)
     assert f"ucm-db migrate {path}" in info.value.hint and "per-rank blocks" in str(info.value)
     assert f"ucm-db connector cannot start: {info.value}" in caplog.messages
+
+
+def test_a_whole_block_that_cannot_be_split_is_dropped_with_its_descendants(tmp_path: Path) -> None:
+    from ucm_db.pre_units import convert
+
+    path = tmp_path / "s"
+    ns = namespace(_shape(1))
+    keys = ns.block_keys(list(range(3 * BS)))
+    whole_bytes = HEADS * LAYERS * BS * 2 * HEAD * 2
+    with ucm_db.open(path) as store:
+        store.put(ns, keys, [bytes([i + 1]) * whole_bytes for i in range(3)])
+        engine = store._tier.engine  # test-only damage: flip the last byte of block 1's stored body
+        body = bytearray(bytes(engine.read(lambda txn: txn.get("blocks", keys[1]))))
+        body[-1] ^= 1
+        engine.write(lambda txn: txn.put("blocks", keys[1], bytes(body)))
+    report = convert(path)
+    assert (report.whole_blocks, report.skipped_blocks, report.units_written) == (1, 2, HEADS)
+    with ucm_db.open(path) as store:
+        assert store.stats().blocks == HEADS  # block 0's units; no whole block is left
+    sched = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(path)}), _shape(1))  # starts: nothing older is left
+    assert sched.get_num_new_matched_tokens(_request("a", list(range(3 * BS + 1))), 0) == (BS, False)
+    sched.shutdown()
