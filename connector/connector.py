@@ -114,7 +114,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
             self.groups = kv_groups(kv_cache_config)
             check_hybrid(self.groups, self.shape, self.settings)
             # Blocks of an older storage generation: `ucm-db migrate` converts them (pre_units).
-            refuse_older_generations(self._held_store, self.settings, self.shape.model)
+            refuse_older_generations(self._held_store, self.settings, self.shape)
         except UcmDbError as exc:
             _log_start_failure(exc)
             raise

@@ -75,6 +75,7 @@ class KVShape:
     pp_size: int
     kv_heads: int = 1  # the model's total KV heads (1 for MLA)
     layers: int = 1    # the model's total attention layers
+    unit_bytes: int = 0  # raw bytes of one KV head's unit over every layer, from vLLM's spec (0: unknown, MLA)
 
 
 def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KVShape:
@@ -110,7 +111,19 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         pp_size=int(parallel.pipeline_parallel_size),
         kv_heads=kv_heads,
         layers=int(layers),
+        unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers)),
     )
+
+
+def _unit_bytes(spec: Any, block_size: int, layers: int) -> int:
+    """One KV head's K and V of one block over ``layers`` layers, in bytes
+    (0 where the spec does not say)."""
+    try:
+        head_size = int(spec.head_size)
+        head_size_v = int(getattr(spec, "head_size_v", None) or head_size)
+        return layers * block_size * (head_size + head_size_v) * int(spec.dtype.itemsize)
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def namespace(shape: KVShape) -> Namespace:

@@ -88,7 +88,7 @@ class UcmDbScheduler:
                  group_namespace: Namespace | None = None) -> None:
         self._store = acquire(settings)
         try:  # blocks of an older storage generation: converted by `ucm-db migrate`, never read here
-            refuse_older_generations(self._store, settings, shape.model)
+            refuse_older_generations(self._store, settings, shape)
         except UcmDbError:
             release(self._store)
             raise

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import ucm_db
+from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.errors import TierError
@@ -97,12 +98,16 @@ def check_openable(settings: ConnectorSettings) -> None:
     release(store)
 
 
-def refuse_older_generations(store: ucm_db.Store, settings: ConnectorSettings, model: str) -> None:
+def refuse_older_generations(store: ucm_db.Store, settings: ConnectorSettings, shape: KVShape) -> None:
     """Raises :class:`~ucm_db.errors.FormatVersionError` (hint: the exact
-    ``ucm-db migrate`` command) where the store holds ``model``'s blocks of
+    ``ucm-db migrate`` command) where the store holds the model's blocks of
     a storage generation before units, which the connector does not read
-    (:mod:`ucm_db.pre_units`): at start, never as a silent miss later."""
-    older = pre_unit_namespaces(store.stats().namespaces, model=model)
+    (:mod:`ucm_db.pre_units`): per-rank blocks of any TP/PP size, or whole
+    blocks in the deployment's namespace (the one pre-unit TP=1 engines
+    wrote), told by the exact unit size of vLLM's KV cache spec. At start,
+    never as a silent miss later."""
+    unit_bytes = {namespace(shape).digest[:16].hex(): shape.unit_bytes} if shape.unit_bytes else {}
+    older = pre_unit_namespaces(store.stats().namespaces, model=shape.model, unit_bytes=unit_bytes)
     if older:
         raise pre_unit_refusal(settings.path, older)
 

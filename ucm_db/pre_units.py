@@ -105,10 +105,18 @@ def holds_whole_blocks(description: Mapping[str, Any], blocks: int, raw_bytes: i
     return raw_bytes > blocks * (whole // heads)
 
 
-def pre_unit_namespaces(namespaces: Mapping[str, Any], model: str | None = None) -> dict[str, str]:
+def pre_unit_namespaces(namespaces: Mapping[str, Any], model: str | None = None,
+                        unit_bytes: Mapping[str, int] | None = None) -> dict[str, str]:
     """Namespace id -> what it holds of an older generation (``"per-rank
     blocks"``, ``"whole blocks"``), among ``namespaces`` (``StoreStats.namespaces``)
-    of ``model`` (all models if None)."""
+    of ``model`` (all models if None).
+
+    ``unit_bytes`` (namespace id -> one head's unit over every layer, in raw
+    bytes, as the caller's KV cache spec gives it): whole blocks are then
+    looked for in those namespaces only, and only where the namespace record
+    gives the same unit size (what :func:`convert` can split; a model whose
+    V heads differ from its K heads, or whose pages are padded, is not
+    judged by a size its record cannot give)."""
     found: dict[str, str] = {}
     for ns_id, stats in namespaces.items():
         description = stats.description
@@ -116,7 +124,13 @@ def pre_unit_namespaces(namespaces: Mapping[str, Any], model: str | None = None)
             continue
         if is_per_rank(description):
             found[ns_id] = "per-rank blocks"
-        elif holds_whole_blocks(description, stats.blocks, stats.raw_bytes):
+            continue
+        if unit_bytes is not None:
+            whole = whole_block_raw_bytes(description)
+            heads = int(_layout(description).get("kv_heads", 1) or 1)
+            if ns_id not in unit_bytes or whole is None or whole != heads * unit_bytes[ns_id]:
+                continue
+        if holds_whole_blocks(description, stats.blocks, stats.raw_bytes):
             found[ns_id] = "whole blocks"
     return found
 

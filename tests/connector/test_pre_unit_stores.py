@@ -39,9 +39,9 @@ def _layout_json(platform: str = "cpu-test", heads: int = HEADS) -> str:
                       sort_keys=True, separators=(",", ":"))
 
 
-def _shape(tp: int) -> KVShape:
+def _shape(tp: int, unit_bytes: int = LAYERS * BS * 2 * HEAD * 2) -> KVShape:
     return KVShape(model="pre-units", kv_dtype="bfloat16", block_size=BS, use_mla=False, layout=_layout_json(),
-                   tp_size=tp, pp_size=1, kv_heads=HEADS, layers=LAYERS)
+                   tp_size=tp, pp_size=1, kv_heads=HEADS, layers=LAYERS, unit_bytes=unit_bytes)
 
 
 def _model_kv() -> dict[str, torch.Tensor]:  # vLLM CPU's layout: [blocks, heads, block, 2*head]
@@ -223,6 +223,7 @@ def test_either_role_of_the_connector_refuses_an_older_generation_in_its_constru
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
     shape = kv_shape(vllm_config, kv_cache_config, None)
+    assert shape.unit_bytes == 2 * BS * (64 + 64) * 2  # layers x block x (K + V head size) x bf16, from the spec
     rank_layout = json.dumps({**json.loads(shape.layout), "kv_heads": 1}, sort_keys=True, separators=(",", ":"))
     ns = Namespace(model=shape.model, kv_dtype=shape.kv_dtype, block_size=BS, tp_rank=1, tp_size=2, layout=rank_layout)
     with ucm_db.open(path) as store:  # what this model's TP=2 deployment stored before units
@@ -253,4 +254,25 @@ def test_a_whole_block_that_cannot_be_split_is_dropped_with_its_descendants(tmp_
         assert store.stats().blocks == HEADS  # block 0's units; no whole block is left
     sched = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(path)}), _shape(1))  # starts: nothing older is left
     assert sched.get_num_new_matched_tokens(_request("a", list(range(3 * BS + 1))), 0) == (BS, False)
+    sched.shutdown()
+
+
+def test_units_larger_than_the_namespace_record_says_are_not_taken_for_whole_blocks(tmp_path: Path) -> None:
+    """A model whose V heads are larger than its K heads (vLLM's head_size_v)
+    stores units larger than ``2 x head_size`` per token: the exact unit
+    size from the spec keeps them from being judged whole blocks."""
+    path = tmp_path / "s"
+    unit_bytes = LAYERS * BS * (HEAD + 2 * HEAD) * 2  # head_size_v = 2 x head_size
+    shape = _shape(1, unit_bytes=unit_bytes)
+    ns = namespace(shape)
+    keys = ns.block_keys(list(range(2 * BS)))
+    with ucm_db.open(path) as store:
+        for span in range(HEADS):  # units (not whole blocks), each a chain of its own
+            from ucm_db.units import KVGrid, UnitKeys
+
+            grid = KVGrid(HEADS, LAYERS)
+            store.put(ns, list(UnitKeys(keys, grid, grid.head_spans()[span])), [b"\1" * unit_bytes] * 2, parent=None)
+        stats = store.stats().namespaces[ns.digest[:16].hex()]
+        assert stats.raw_bytes > stats.blocks * LAYERS * BS * 2 * HEAD * 2  # beyond what the record's head_size gives
+    sched = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(path)}), shape)  # not refused
     sched.shutdown()
