@@ -18,8 +18,10 @@ Invariants:
     * Every request a failed load or a voided save touches is rewound to
       where vLLM recomputes (the ``rewind`` callback), so what it computes
       again is saved again.
-    * Failed block ids stay known while a pending save may depend on them
-      (:data:`MAX_PENDING_STEPS` steps past the oldest pending one).
+    * Failed block ids of a settled step stay known while a pending save
+      may depend on them: until the step is more than
+      :data:`MAX_PENDING_STEPS` steps older than the oldest held save or
+      unsettled load (all of them are forgotten once nothing is pending).
 """
 
 from __future__ import annotations
