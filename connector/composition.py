@@ -13,7 +13,7 @@ request as loads of its own for the saves that follow (their ``after_loads``)
 and holds those saves until the step's output names the blocks that failed
 (``invalid_block_ids``, the union of every child's load errors): a held save
 over a failed block is dropped and the request saves again from its stored
-prefix (scheduler.py's held-save verdicts).
+prefix (settlement.py's held-save verdicts).
 
 Invariants:
     * A request's blocks in ``[vLLM's own prefix-cache hit, num_computed_tokens)``
@@ -70,6 +70,6 @@ def sibling_loads(
 
 def sibling_block_ids(step_loads: Iterable[Any], req_id: str) -> set[int]:
     """The block ids (every group's) another connector loaded into ``req_id``
-    in the steps whose outcome is not back yet (the scheduler's ``_StepLoads``
+    in the steps whose outcome is not back yet (settlement.py's ``StepLoads``
     records, with ``loads`` and ``sibling``): what its saves must wait for."""
     return {b for record in step_loads if req_id in record.sibling for r, ids in record.loads if r == req_id for b in ids}

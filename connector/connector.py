@@ -67,7 +67,7 @@ from ucm_db.connector.metadata import IDLE_WAIT_S, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
 from ucm_db.connector.scheduler import UcmDbScheduler
 from ucm_db.connector.settings import ConnectorSettings
-from ucm_db.connector.stores import acquire, check_openable, release, role_settings
+from ucm_db.connector.stores import acquire, check_openable, refuse_older_generations, release, role_settings
 from ucm_db.connector.worker import UcmDbWorker
 from ucm_db.errors import UcmDbError
 
@@ -113,6 +113,8 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
             self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
             self.groups = kv_groups(kv_cache_config)
             check_hybrid(self.groups, self.shape, self.settings)
+            # Blocks of an older storage generation: `ucm-db migrate` converts them (pre_units).
+            refuse_older_generations(self._held_store, self.settings, self.shape)
         except UcmDbError as exc:
             _log_start_failure(exc)
             raise

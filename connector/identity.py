@@ -1,4 +1,5 @@
-"""Namespaces and storage units of a vLLM deployment.
+"""Identity: the namespaces and storage units of a vLLM deployment, and of
+each request its key chain and the extras hashed into it.
 
 A namespace fingerprints the model (``model_id`` if configured, else the
 model name and revision for hub models, or a digest of the config and
@@ -16,17 +17,23 @@ Invariants:
       nothing here looks at live tensors or process-local state except the
       ranks a worker passes.
     * At TP=1 and PP=1 the namespace is the one ucm-db used before units
-      (same fields, same layout string), so whole blocks stored then are
-      units covering the whole grid, readable at any TP.
+      (same fields, same layout string): ``ucm-db migrate`` splits the
+      whole blocks stored then into this namespace's units
+      (:mod:`ucm_db.pre_units`).
     * Each KV head has exactly one writer rank (the first of the ranks
       holding a replicated head); MLA's latent (one "head", identical on
       every rank) is written by TP rank 0 and read by every rank.
     * A hit counts only if every unit of :func:`reader_spans` (every head of
       every pipeline stage) is loadable.
-    * Blocks stored per rank before units (TP>1 or PP>1) stay readable at
-      the TP/PP size that wrote them, under :func:`legacy_rank_namespaces`;
-      their keys are rooted in the rank's namespace, so no other size can
-      find them (``docs/tp.md``).
+    * Blocks stored per rank before units (TP>1 or PP>1, under namespaces
+      carrying the rank) are not read: their keys are rooted in the rank's
+      namespace and cannot be re-keyed (``docs/tp.md``).
+    * A request's key chain is hashed once, by ucm-db, from its token ids
+      and its extras (:func:`request_extras`: LoRA name, ``cache_salt``;
+      :func:`request_block_extras`: multimodal item hashes and offsets, a
+      prompt-embedding digest), so keys are stable across restarts and vLLM
+      versions; :func:`chain_keys` extends it incrementally as the request
+      grows (``Namespace.block_keys(..., parent=last_key)``).
 """
 
 from __future__ import annotations
@@ -36,12 +43,17 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.groups import kv_groups
 from ucm_db.errors import ConfigError
-from ucm_db.keys import Namespace
+from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.units import KVGrid, UnitSpan, head_range, writes_heads
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from ucm_db.connector.request_state import RequestState
 
 #: Weight files up to this size are hashed whole; larger ones are sampled.
 _FULL_HASH_BYTES = 256 << 20
@@ -63,6 +75,7 @@ class KVShape:
     pp_size: int
     kv_heads: int = 1  # the model's total KV heads (1 for MLA)
     layers: int = 1    # the model's total attention layers
+    unit_bytes: int = 0  # raw bytes of one KV head's unit over every layer, from vLLM's spec (0: unknown, MLA)
 
 
 def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KVShape:
@@ -99,7 +112,19 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         pp_size=int(parallel.pipeline_parallel_size),
         kv_heads=kv_heads,
         layers=int(layers),
+        unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers)),
     )
+
+
+def _unit_bytes(spec: Any, block_size: int, layers: int) -> int:
+    """One KV head's K and V of one block over ``layers`` layers, in bytes
+    (0 where the spec does not say)."""
+    try:
+        head_size = int(spec.head_size)
+        head_size_v = int(getattr(spec, "head_size_v", None) or head_size)
+        return layers * block_size * (head_size + head_size_v) * int(spec.dtype.itemsize)
+    except (AttributeError, TypeError, ValueError):
+        return 0
 
 
 def namespace(shape: KVShape) -> Namespace:
@@ -146,26 +171,68 @@ def reader_spans(shape: KVShape) -> list[UnitSpan]:
     return [span for pp in range(shape.pp_size) for span in g.head_spans(stage_layers(shape, pp))]
 
 
-def legacy_rank_namespaces(shape: KVShape) -> list[Namespace]:
-    """The per-rank namespaces ucm-db used before units at this
-    deployment's TP/PP size, at index ``pp_rank * tp_size + tp_rank`` (a
-    rank's share of the heads in the layout string), or [] where there were
-    none (TP=1 and PP=1 used today's namespace; MLA used TP rank 0's)."""
-    if shape.use_mla or (shape.tp_size == 1 and shape.pp_size == 1):
-        return []
-    try:
-        parts = json.loads(shape.layout)
-    except ValueError:
-        return []
-    if not isinstance(parts, dict) or "kv_heads" not in parts:
-        return []
-    parts["kv_heads"] = max(1, shape.kv_heads // shape.tp_size)
-    layout = json.dumps(parts, sort_keys=True, separators=(",", ":"))
-    return [
-        Namespace(model=shape.model, kv_dtype=shape.kv_dtype, block_size=shape.block_size, tp_rank=tp, tp_size=shape.tp_size,
-                  pp_rank=pp, pp_size=shape.pp_size, layout=layout)
-        for pp in range(shape.pp_size) for tp in range(shape.tp_size)
-    ]
+def request_extras(request: Request) -> dict[str, Any]:
+    """What changes all of a request's KV besides its token ids: the root
+    extras of its key chain (LoRA adapter, ``cache_salt``)."""
+    extras: dict[str, Any] = {}
+    if request.lora_request is not None:
+        extras["lora"] = str(request.lora_request.lora_name)
+    if request.cache_salt:
+        extras["cache_salt"] = str(request.cache_salt)
+    return extras
+
+
+def request_block_extras(request: Request, block_size: int) -> dict[int, bytes]:
+    """What changes single blocks' KV besides their token ids, by block index:
+    the multimodal items whose placeholder tokens a block holds (identifier,
+    offset, length of each), and a digest of the block's rows of
+    ``prompt_embeds``. Blocks before the first such block keep the keys of a
+    plain prompt, so a shared text prefix still hits."""
+    items: dict[int, list[list[Any]]] = {}
+    for feature in request.mm_features or []:
+        offset, length = int(feature.mm_position.offset), int(feature.mm_position.length)
+        for block in range(offset // block_size, (offset + max(length, 1) - 1) // block_size + 1):
+            items.setdefault(block, []).append([str(feature.identifier), offset, length])
+    extras = {block: b"mm" + json.dumps(listed, separators=(",", ":")).encode() for block, listed in items.items()}
+    if request.prompt_embeds is not None:
+        embeds = request.prompt_embeds.detach().to("cpu")  # one device copy, not one per block
+        for block in range(int(embeds.shape[0]) // block_size):
+            digest = _tensor_digest(embeds[block * block_size : (block + 1) * block_size])
+            extras[block] = extras.get(block, b"") + b"pe" + digest
+    return extras
+
+
+def _tensor_digest(tensor: Any) -> bytes:
+    import torch
+
+    cpu = tensor.detach().to("cpu").contiguous()
+    digest = hashlib.blake2b(digest_size=32, person=b"ucm-db/embeds")
+    digest.update(repr((tuple(cpu.shape), str(cpu.dtype))).encode())
+    digest.update(cpu.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()
+
+
+def chain_keys(namespace: Namespace, block_size: int, state: RequestState, num_blocks: int) -> BlockKeys:
+    """The request's block keys, at least ``num_blocks`` long (maybe
+    longer: callers slice), hashing only blocks not hashed before (they are
+    appended to ``state.keys``, rooted at ``state.epoch``)."""
+    have = len(state.keys)
+    if have < num_blocks:
+        end = num_blocks * block_size
+        request = state.request
+        prompt = request.prompt_token_ids
+        # The prompt list itself when it is long enough, cut by block_keys:
+        # slicing 32K ids cost 0.25 ms (a reference to every int) on a 1 ms
+        # budget. Past the prompt, all_token_ids (block_keys slices it).
+        tokens = prompt if isinstance(prompt, list) and len(prompt) >= end else request.all_token_ids
+        start = have * block_size
+        if have:
+            more = namespace.block_keys(tokens, parent=state.keys[-1], start=start, stop=end, block_extras=state.block_extras)
+        else:
+            more = namespace.block_keys(tokens, state.extras, start=start, stop=end, block_extras=state.block_extras,
+                                        epoch=state.epoch or 0)
+        state.keys.extend(more)
+    return state.keys  # callers slice: copying 1000s of keys per call showed in profiles
 
 
 def model_fingerprint(model_config: Any) -> str:

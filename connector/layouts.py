@@ -31,9 +31,9 @@ staging: :meth:`KVLayout.unit_slabs` hands the store those slabs as each
 unit's scatter list. The worker does so for either codec in ``block``
 and ``async`` load modes (``ucm-db bench load`` measures it).
 A *whole* block (every local head per frame, the segments' bytes back to
-back) is what ucm-db stored before units; :meth:`KVLayout.scatter_whole`
-reads such a block of all the model's heads into a rank holding some. The
-store only ever sees bytes.
+back: :meth:`KVLayout.gather`) is what ucm-db stored before units; the
+connector no longer reads one from a store (``ucm-db migrate`` splits them
+into units, :mod:`ucm_db.pre_units`). The store only ever sees bytes.
 
 Invariants:
     * Copies use plain torch ops (``index_select``, ``index_copy_``,
@@ -194,32 +194,6 @@ class KVLayout:
         """One staged unit as its per-layer frames, which lie back to back
         in the row (no copy; stored uncompressed, the row is the body)."""
         return ucm_db.Framed(memoryview(unit_row), self.unit_layer_bytes)  # type: ignore[arg-type]
-
-    def whole_block_bytes(self, total_heads: int) -> int:
-        """Bytes of a whole block holding ``total_heads`` heads per layer."""
-        return self.unit_bytes * total_heads
-
-    def scatter_whole(
-        self, block_ids: Sequence[int], staging: torch.Tensor, total_heads: int, head_start: int, layer: int | None = None,
-    ) -> None:
-        """Copies heads ``[head_start, head_start + self.heads)`` of whole
-        blocks of ``total_heads`` heads (``uint8 [blocks, whole bytes]``)
-        into the KV caches at ``block_ids``."""
-        ids = self._ids(block_ids)
-        rows = staging[: len(block_ids)]
-        for i in range(len(self.layers)) if layer is None else (layer,):
-            spec = self.layers[i]
-            offset = self.unit_layer_offsets[i] * total_heads
-            for seg, size in zip(spec.segments, spec.segment_bytes):
-                whole = size // self.heads * total_heads
-                shape = list(seg.shape[1:])
-                if spec.head_axis is not None:
-                    shape[spec.head_axis] = total_heads
-                typed = rows[:, offset : offset + whole].view(seg.dtype).unflatten(1, tuple(shape))
-                if spec.head_axis is not None:
-                    typed = typed.narrow(1 + spec.head_axis, head_start, self.heads)
-                seg.index_copy_(0, ids, typed.to(seg.device))
-                offset += whole
 
     def _unit_views(self, layer: int, staging: torch.Tensor) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
         """(segment, head axis, typed ``[blocks, heads, *slab]`` view of the

@@ -7,11 +7,9 @@ Invariants:
       ``keys[i]`` belongs in vLLM block ``block_ids[i]``, and ``parent`` is
       the block key just before ``keys[0]`` (None at the chain's start), so
       each unit chain of a save is a valid ``Store.put`` segment.
-    * ``source`` says where a load reads: ``units`` (the blocks' units),
-      ``whole`` (whole blocks stored at TP=1 before units, keyed by the block
-      key) or ``ranks`` (per-rank blocks stored before units at this
-      deployment's TP/PP size: ``rank_keys[n]`` are the keys of rank
-      namespace ``n``, see :func:`~ucm_db.connector.identity.legacy_rank_namespaces`).
+    * A load reads the blocks' units: the one storage generation the
+      connector reads (older ones are converted by ``ucm-db migrate``,
+      :mod:`ucm_db.pre_units`).
     * ``loads`` complete (or are reported failed) within their step;
       ``async_loads`` (``load_mode: "async"``, one transfer per request,
       whose blocks vLLM holds for it) complete in a later step, which
@@ -73,19 +71,15 @@ class BlockTransfer:
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     parent: bytes | None = None
-    source: str = "units"
-    rank_keys: tuple[tuple[bytes, ...], ...] = ()
     after_loads: tuple[int, ...] = ()  # a save: loaded blocks (of unsettled steps) its KV was computed over
     hold_id: int = -1  # a save: >= 0 if workers keep it until the scheduler's verdict
     event_fields: tuple[BlockEventFields, ...] = ()  # a save: vLLM's KV event fields per block, or () (events.py)
 
     def __post_init__(self) -> None:
-        if any(len(keys) != len(self.block_ids) for keys in (self.keys, *self.rank_keys)):
-            raise ValueError(f"key chains do not match {len(self.block_ids)} block ids")
+        if len(self.keys) != len(self.block_ids):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.block_ids)} block ids")
         if self.event_fields and len(self.event_fields) != len(self.block_ids):
             raise ValueError(f"{len(self.event_fields)} event fields for {len(self.block_ids)} blocks")
-        if self.source not in ("units", "whole", "ranks") or (self.source == "ranks") != bool(self.rank_keys):
-            raise ValueError(f"bad load source {self.source!r}")
 
 
 @dataclass

@@ -9,7 +9,7 @@ schedules the others, and asks again at its next step. Once the lookup has
 finished, its blocks are local and the request is claimed like a local hit.
 
 Invariants:
-    * Jobs are keyed by request and source (``"<request id>/units"``); at
+    * Jobs are keyed by request (its request id); at
       most one per key is queued or running; its result is
       handed out once (:meth:`RemoteLookups.take`), on the scheduler's
       thread, which alone feeds the cost model.

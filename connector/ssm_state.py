@@ -103,7 +103,7 @@ class SsmStateScheduler(UcmDbScheduler):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         meta = UcmDbConnectorMetadata()
-        self._number_step(meta, scheduler_output)
+        self._planner.number_step(meta, scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
             self._plan_state_load(meta, new_req.req_id, new_req.block_ids[self._group], scheduled.get(new_req.req_id, 0))

@@ -9,6 +9,8 @@ Invariants:
       release, after every holder's writes were handed to it.
     * Handles are keyed by resolved path and process id, so a forked child
       never reuses its parent's handle.
+    * :func:`refuse_older_generations` refuses a store holding the model's
+      blocks of an older storage generation, when a role starts.
     * :func:`role_store_options` decides how a role opens the store before
       anything is opened: a ``kv_consumer`` whose store is on a read-only
       volume (or not writable by this user) opens it ``read_only``; a role
@@ -25,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import ucm_db
+from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.errors import TierError
+from ucm_db.maintenance import pre_unit_namespaces, pre_unit_refusal
 
 _lock = threading.Lock()
 _handles: dict[tuple[int, Path], list] = {}  # key -> [store, refcount]
@@ -92,6 +96,20 @@ def check_openable(settings: ConnectorSettings) -> None:
     already): raises its TierError/ConfigError now, not at first use."""
     store = acquire(settings)
     release(store)
+
+
+def refuse_older_generations(store: ucm_db.Store, settings: ConnectorSettings, shape: KVShape) -> None:
+    """Raises :class:`~ucm_db.errors.FormatVersionError` (hint: the exact
+    ``ucm-db migrate`` command) where the store holds the model's blocks of
+    a storage generation before units, which the connector does not read
+    (:mod:`ucm_db.pre_units`): per-rank blocks of any TP/PP size, or whole
+    blocks in the deployment's namespace (the one pre-unit TP=1 engines
+    wrote), told by the exact unit size of vLLM's KV cache spec. At start,
+    never as a silent miss later."""
+    unit_bytes = {namespace(shape).digest[:16].hex(): shape.unit_bytes} if shape.unit_bytes else {}
+    older = pre_unit_namespaces(store.stats().namespaces, model=shape.model, unit_bytes=unit_bytes)
+    if older:
+        raise pre_unit_refusal(settings.path, older)
 
 
 def role_settings(extra: Mapping[str, Any] | None, kv_role: str | None) -> tuple[ConnectorSettings, RolePolicy]:

@@ -7,9 +7,9 @@
   the store, and through its upload queue to the remote tier if one is set.
 * :func:`import_kv` puts blocks computed elsewhere into a store: token ids
   give the chain keys, the KV tensors (in any layout
-  :mod:`ucm_db.connector.layouts` knows) give the payloads, gathered
-  exactly as the connector's worker gathers them, so an engine loading the
-  blocks later sees the same bytes it would have saved itself.
+  :mod:`ucm_db.connector.layouts` knows) give the payloads, gathered into
+  units exactly as the connector's worker gathers them, so an engine
+  loading the blocks later sees the same bytes it would have saved itself.
 
 Invariants:
     * Keys are derived as the scheduler derives them
@@ -18,10 +18,10 @@ Invariants:
     * Only full blocks are imported; a trailing partial block is ignored.
     * Imports keep the store's prefix invariant: the chain is put from its
       first block (or after ``parent``) in one atomic batch.
-    * Imports store whole blocks (every KV head the layout holds, keyed by
-      the block key), not per-head units (``docs/tp.md``): given the
-      deployment's namespace and all the model's heads, an engine at any TP
-      size reads them and converts them to units on first use.
+    * Imports store units (one per KV head of every layer the layout holds,
+      :mod:`ucm_db.units`), the one storage generation the connector reads:
+      given the deployment's namespace and all the model's heads and layers
+      (a TP=1, PP=1 cache), an engine at any TP size reads them.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 import ucm_db
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
+from ucm_db.units import KVGrid, UnitKeys
 
 from ucm_db.connector.layouts import KVLayout
 
@@ -100,8 +101,9 @@ def import_kv(
 
     Args:
         store: the destination store.
-        namespace: the engine's namespace (model, dtype, layout, rank ...).
-        layout: the KV caches holding the computed blocks
+        namespace: the engine's namespace (model, dtype, layout ...).
+        layout: the KV caches holding the computed blocks, every KV head
+            of every layer
             (:func:`~ucm_db.connector.layouts.detect_layout` over tensors
             shaped like the engine's).
         token_ids: the prompt's token ids.
@@ -109,6 +111,9 @@ def import_kv(
             block in ``layout``'s tensors.
         extras: request extras (``cache_salt``, ``lora`` ...), as the
             connector's scheduler derives them.
+
+    Returns:
+        The puts' totals, counted in units (``layout.heads`` per block).
 
     Raises:
         ConfigError: ``block_ids`` does not match the number of full blocks.
@@ -121,8 +126,15 @@ def import_kv(
         )
     if not keys:
         return ucm_db.PutResult()
-    staging = layout.new_staging(len(keys))
-    layout.gather(block_ids, staging)
+    staging = layout.new_unit_staging(len(keys))
+    layout.gather_units(block_ids, staging)
     rows = staging.numpy()
-    payloads = [layout.frames(rows[i]) for i in range(len(keys))]
-    return store.put(namespace, keys, payloads)
+    grid = KVGrid(layout.heads, len(layout.layers))
+    total = ucm_db.PutResult()
+    for head, span in enumerate(grid.head_spans()):  # each head's units form their own chain
+        payloads = [layout.unit_frames(rows[i, head]) for i in range(len(keys))]
+        result = store.put(namespace, list(UnitKeys(keys, grid, span)), payloads, parent=None)
+        total.stored += result.stored
+        total.already_present += result.already_present
+        total.evicted += result.evicted
+    return total

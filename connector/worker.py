@@ -1,18 +1,11 @@
-"""Worker side of the connector: loads into and saves out of the paged KV cache.
+"""Worker side of the connector: saves out of the paged KV cache, and the
+step's loads into it (delegated to :mod:`ucm_db.connector.worker_loads`).
 
 Invariants:
-    * Loads of a step finish within the step: in ``block`` mode before the
-      forward (``start_load_kv``); in ``layer`` mode a background thread
-      decodes every block, then fills layer after layer, and each attention
-      layer waits only for its own layer (``wait_for_layer_load``). Either
-      way the loader is joined before the step's load errors are reported.
-      In ``async`` mode a request's hit loads beside later steps
-      (:mod:`ucm_db.connector.async_loads`) and the request is reported by
-      :meth:`UcmDbWorker.finished_loads` once its blocks are filled, with
-      its failed blocks in the same step's load errors.
-    * A block that fails to load (missing, corrupt: the store verifies every
-      payload) is reported by :meth:`UcmDbWorker.take_load_errors` so vLLM
-      recomputes it; no unverified byte reaches the KV cache.
+    * Loads (:mod:`ucm_db.connector.worker_loads`) finish within their step
+      (``block`` and ``layer`` modes) or beside later steps (``async``); a
+      block that fails to load is reported so vLLM recomputes it, and no
+      unverified byte reaches the KV cache.
     * Saves copy blocks out of the KV cache in ``wait_for_save`` (the
       blocks may be reused by the next step) and leave encoding and commit
       to the :class:`~ucm_db.connector.writer.BackgroundWriter`. A save whose
@@ -31,34 +24,20 @@ Invariants:
       wrote them; a block loads only if all its units do. Each head has one
       writer rank (replicated GQA heads: the first rank holding it; MLA: TP
       rank 0); every rank loads.
-    * A whole pre-unit block (``source="whole"``) is decoded whole and only
-      this rank's heads are copied into the KV caches; a per-rank pre-unit
-      block (``source="ranks"``) is this rank's own, read from its rank
-      namespace.
-    * Each step's loads are timed (wall time of the read and the copy into
-      the KV caches) and handed back once, with the step's number, by
-      :meth:`UcmDbWorker.take_worker_meta`: the scheduler's cost model
-      learns the local tier's load rate from them (cost_model.py). Async
-      loads are handed back apart (``background_loads``): they ran beside
-      the steps, not inside them.
+    * Only units are read and written (one storage generation; the
+      scheduler refuses a store holding older ones, :mod:`ucm_db.pre_units`).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-import torch
 from vllm.logger import init_logger
 
 import ucm_db
-from ucm_db import cpu_placement
-from ucm_db.connector.async_loads import AsyncLoader
 from ucm_db.connector.events import evented_chain
-from ucm_db.connector.identity import KVShape, grid, legacy_rank_namespaces, namespace, rank_spans, writes_units
+from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -66,26 +45,12 @@ from ucm_db.connector.preemptions import PendingSaves
 from ucm_db.connector.roles import RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, release
+from ucm_db.connector.worker_loads import WorkerLoads
 from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
 from ucm_db.errors import ConfigError
-from ucm_db.units import UnitKeys, unit_keys_of
+from ucm_db.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
-#: Steps whose failed loads a worker keeps: saves of a step planned before
-#: the previous steps' outputs were back may be computed over them.
-_FAILED_STEPS_KEPT = 4
-
-
-class _LayerLoad:
-    """A load running in a background thread, layer by layer."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.ready = [threading.Event() for _ in range(num_layers)]
-        self.thread: threading.Thread | None = None
-
-    def finish(self) -> None:
-        for event in self.ready:
-            event.set()
 
 
 class UcmDbWorker:
@@ -101,20 +66,11 @@ class UcmDbWorker:
         self._layout: KVLayout | None = None
         self._store: ucm_db.Store | None = None
         self._writer: BackgroundWriter | None = None
-        self._load_errors: set[int] = set()
-        # Blocks the last few steps' own loads failed (under _errors_lock): a
-        # step may be planned before the last one's output is back.
-        self._recent_failed: deque[set[int]] = deque(maxlen=_FAILED_STEPS_KEPT)
         self._held: dict[int, SaveJob] = {}  # saves kept until the scheduler's verdict (metadata.py)
         self._epoch: int | None = None  # the namespace epoch of the last bound step (connector/epochs.py)
         self._pending = PendingSaves()  # saves whose blocks are not copied out yet (preemptions.py)
-        self._errors_lock = threading.Lock()
-        self._layer_load: _LayerLoad | None = None
-        self._step = -1  # the step whose metadata was bound last
-        self._step_loads: dict[tuple[str, str], tuple[int, float]] = {}  # its load timings (under _errors_lock)
-        self._background_loads: dict[tuple[str, str], tuple[int, float]] = {}  # async loads ended since (same lock)
-        self._async: AsyncLoader | None = None  # started by the first async load
         self.counters = Counters()
+        self._loads = WorkerLoads(settings.load_mode, shape.block_size, self.counters)  # worker_loads.py
 
     # -- setup ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, KVCacheEntry], tp_rank: int, pp_rank: int) -> None:
@@ -125,9 +81,8 @@ class UcmDbWorker:
         self._evented_chain = evented_chain(self._spans)  # whose units carry KV event fields (events.py)
         _check_layout(self._layout, self._spans, tp_rank, pp_rank)
         self._writes = writes_units(self._shape, tp_rank)
-        self._legacy = legacy_rank_namespaces(self._shape) if self._group_namespace is None else []
-        self._legacy_index = pp_rank * self._shape.tp_size + tp_rank
         self._store = acquire(self._settings)
+        self._loads.bind(self._store, self._layout, self._namespace, self._grid, self._spans)
         publish_codec = self._settings.publish_codec
         self._writer = BackgroundWriter(
             self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes,
@@ -146,205 +101,38 @@ class UcmDbWorker:
             raise RuntimeError("register_kv_caches was not called")
         return self._layout
 
-    # -- loads ---------------------------------------------------------------
+    # -- loads (worker_loads.py) -----------------------------------------------
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
-        self._step = meta.step
-        with self._errors_lock:
-            self._recent_failed.append(set())
+        """Binds the step: its epoch, the held saves' verdicts and voided
+        saves it carries, then its loads."""
         if meta.epoch != self._epoch:
             self._new_epoch(meta.epoch)
         self._settle_held(meta.held_commits, meta.held_drops)
         if meta.void_saves:
             self._void(meta.void_saves)
-        if meta.async_loads:
-            if self._async is None:
-                self._async = AsyncLoader(lambda load: self._load_checked([load], None, background=True))
-            self._async.submit(meta.async_loads)
-        if not meta.loads or self._store is None:
-            return
-        if self._settings.load_mode == "layer":
-            job = _LayerLoad(len(self.layout.layers))
-            job.thread = threading.Thread(target=self._load, args=(meta.loads, job), name="ucm-db-loader", daemon=True)
-            self._layer_load = job
-            job.thread.start()
-        else:
-            self._load(meta.loads, None)
+        self._loads.start(meta)
 
     def wait_for_layer(self, layer_name: str) -> None:
-        job = self._layer_load
-        if job is None:
-            return
-        index = self.layout.layer_index.get(layer_name)
-        if index is None:
-            self.finish_loads()
-        else:
-            job.ready[index].wait()
+        self._loads.wait_for_layer(layer_name)
 
     def finish_loads(self) -> None:
-        job, self._layer_load = self._layer_load, None
-        if job is not None and job.thread is not None:
-            job.thread.join()
-
-    def _load(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None) -> None:
-        if job is not None:  # layer mode's thread: beside the model, off its cores where it is bound
-            cpu_placement.place_current_thread()
-        failed = self._load_checked(loads, job)
-        if failed:
-            with self._errors_lock:
-                self._load_errors.update(failed)
-                if self._recent_failed:
-                    self._recent_failed[-1].update(failed)
-
-    def _load_checked(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, *, background: bool = False) -> set[int]:
-        """Loads ``loads``; returns the block ids that failed (all of them
-        if the load raised: a failed load becomes recompute, not a crash)."""
-        try:
-            if self._store is None:
-                return {b for t in loads for b in t.block_ids}
-            return self._load_blocks(loads, job, background)
-        except Exception:  # noqa: BLE001 - see the docstring
-            logger.exception("ucm-db: loading KV blocks failed; they will be recomputed")
-            return {b for t in loads for b in t.block_ids}
-        finally:
-            if job is not None:
-                job.finish()
-
-    def _load_blocks(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, background: bool) -> set[int]:
-        assert self._store is not None
-        started = time.perf_counter()
-        # Units go straight into the KV caches where the layout allows
-        # (a zstd unit is decompressed into a reused scratch buffer, hot in
-        # cache, and copied out to its slabs in one C call: faster than a
-        # fresh staging tensor and torch's scatter, `ucm-db bench load`),
-        # except for a layer-by-layer load, which hands each layer over as
-        # it is scattered.
-        in_place = job is None and self.layout.writes_units_in_place
-        parts = [self._read_units([t for t in loads if t.source == "units"], in_place=in_place),
-                 self._read_whole([t for t in loads if t.source == "whole"]), self._read_rank([t for t in loads if t.source == "ranks"])]
-        failed = {b for _, _, bad in parts for b in bad}
-        if failed:
-            total = sum(len(t.block_ids) for t in loads)
-            logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them", len(failed), total)
-        (unit_ids, units, _), (whole_ids, whole, _), (rank_ids, rank, _) = parts
-        for layer in range(len(self.layout.layers)) if job is not None else (None,):
-            if unit_ids and units is not None:
-                self.layout.scatter_units(unit_ids, units, layer=layer)
-            if whole_ids:
-                self.layout.scatter_whole(whole_ids, whole, self._grid.heads, self._spans[0].head_start, layer=layer)
-            if rank_ids:
-                self.layout.scatter(rank_ids, rank, layer=layer)
-            if job is not None and layer is not None:
-                job.ready[layer].set()
-        good = len(unit_ids) + len(whole_ids) + len(rank_ids)
-        load_s = time.perf_counter() - started
-        self.counters.add(loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes, load_s=load_s, load_errors=len(failed))
-        self._time_load(good * self._shape.block_size, load_s, background)
-        return failed
-
-    def _time_load(self, tokens: int, seconds: float, background: bool = False) -> None:
-        """Adds a load to the timings the scheduler gets back (the local
-        tier's: a remote block was promoted by the scheduler's lookup before
-        it was planned): this step's, or with ``background`` an async one."""
-        key = (self._namespace.digest[:16].hex(), "local")
-        with self._errors_lock:
-            timings = self._background_loads if background else self._step_loads
-            have_tokens, have_s = timings.get(key, (0, 0.0))
-            timings[key] = (have_tokens + tokens, have_s + seconds)
+        self._loads.finish_loads()
 
     def finished_loads(self, wait_s: float = 0.0) -> set[str]:
-        """Requests whose async loads ended since the last call; their
-        failed blocks join the load errors :meth:`take_load_errors` reports
-        next (vLLM asks for both in the same step, in this order). With
-        ``wait_s``, waits that long at most for one (see AsyncLoader)."""
-        if self._async is None:
-            return set()
-        finished, failed = self._async.take_finished(wait_s)
-        if failed:
-            with self._errors_lock:
-                self._load_errors.update(failed)
-        return finished
+        """Requests whose async loads ended since the last call (WorkerLoads.finished_loads)."""
+        return self._loads.finished_loads(wait_s)
 
     def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
-        """The bound step's number and load timings, once (None if no step
-        was bound since the last call); joins a running layer load first."""
-        self.finish_loads()
-        if self._step < 0:
-            return None
-        with self._errors_lock:
-            loads, self._step_loads = self._step_loads, {}
-            background, self._background_loads = self._background_loads, {}
-        meta, self._step = UcmDbWorkerMetadata(self._step, loads, background), -1
-        return meta
-
-    def _read_units(self, loads: Sequence[BlockTransfer], *, in_place: bool = False) -> tuple[list[int], torch.Tensor | None, set[int]]:
-        """Decodes this rank's units of ``loads``: (block ids with every
-        unit loaded, their unit staging rows, block ids failed). With
-        ``in_place`` the units are decoded straight into the KV caches'
-        slabs and no staging comes back (None): nothing is left to scatter.
-        A failed block may then hold part of its units; vLLM recomputes it
-        (and every block after it) over them."""
-        assert self._store is not None
-        block_keys = [k for t in loads for k in t.keys]
-        block_ids = [b for t in loads for b in t.block_ids]
-        if not block_keys:
-            return [], None, set()
-        spans = self._spans
-        keys = unit_keys_of(block_keys, spans, self._grid)
-        staging = None if in_place else self.layout.new_unit_staging(len(block_keys))
-        if staging is None:
-            buffers: list[Any] = self.layout.unit_slabs(block_ids)
-        else:
-            rows = staging.numpy()
-            buffers = [rows[i, j] for i in range(len(block_keys)) for j in range(len(spans))]
-        ok = self._store.get_into(self._namespace, keys, buffers)
-        per_block = len(spans)
-        good = [i for i in range(len(block_keys)) if all(ok[i * per_block : (i + 1) * per_block])]
-        failed = set(block_ids) - {block_ids[i] for i in good}
-        if staging is not None and len(good) != len(block_keys):
-            staging = staging.index_select(0, torch.as_tensor(good, dtype=torch.long))
-        return [block_ids[i] for i in good], staging, failed
-
-    def _read_whole(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
-        """Decodes whole pre-unit blocks (every KV head) of ``loads``."""
-        keys = [k for t in loads for k in t.keys]
-        staging = torch.empty((len(keys), self.layout.whole_block_bytes(self._grid.heads)), dtype=torch.uint8)
-        return self._read_rows(self._namespace, keys, [b for t in loads for b in t.block_ids], staging)
-
-    def _read_rank(self, loads: Sequence[BlockTransfer]) -> tuple[list[int], torch.Tensor, set[int]]:
-        """Decodes this rank's pre-unit blocks (its heads, its namespace)."""
-        if not loads:
-            return [], self.layout.new_staging(0), set()
-        index = self._legacy_index
-        keys = [k for t in loads for k in t.rank_keys[index]]
-        return self._read_rows(self._legacy[index], keys, [b for t in loads for b in t.block_ids], self.layout.new_staging(len(keys)))
-
-    def _read_rows(
-        self, namespace: ucm_db.Namespace, keys: list[bytes], block_ids: list[int], staging: torch.Tensor,
-    ) -> tuple[list[int], torch.Tensor, set[int]]:
-        """Decodes one payload per key into the rows of ``staging``."""
-        assert self._store is not None
-        if not keys:
-            return [], staging, set()
-        rows = staging.numpy()
-        ok = self._store.get_into(namespace, keys, [rows[i] for i in range(len(keys))])
-        good = [i for i, flag in enumerate(ok) if flag]
-        if len(good) != len(keys):
-            staging = staging.index_select(0, torch.as_tensor(good, dtype=torch.long))
-        return [block_ids[i] for i in good], staging, {block_ids[i] for i, flag in enumerate(ok) if not flag}
+        """The bound step's number and load timings, once (WorkerLoads.take_worker_meta)."""
+        return self._loads.take_worker_meta()
 
     def take_load_errors(self) -> set[int]:
-        self.finish_loads()
-        with self._errors_lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._loads.take_load_errors()
 
     def recent_failures(self, also: set[int] | None = None) -> set[int]:
         """Blocks this worker failed to load in its last few steps; ``also``
         (another KV cache group's failures, hybrid.py) joins them first."""
-        with self._errors_lock:
-            if also and self._recent_failed:
-                self._recent_failed[-1].update(also)
-            return set().union(*self._recent_failed)
+        return self._loads.recent_failures(also)
 
     # -- saves ---------------------------------------------------------------
     def save(self, meta: UcmDbConnectorMetadata) -> None:
@@ -436,9 +224,7 @@ class UcmDbWorker:
         if self._held:  # their verdict never came: nothing unconfirmed is committed
             logger.info("ucm-db: %d held saves dropped at shutdown (no verdict from the scheduler)", len(self._held))
             self._held.clear()
-        if self._async is not None:
-            self._async.close()
-            self._async = None
+        self._loads.close()
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -14,6 +14,7 @@ import click
 
 from ucm_db import STORE_FORMAT_VERSION, ConfigError, migrations
 from ucm_db.maintenance import convert_engine as convert
+from ucm_db.maintenance import convert_pre_unit_blocks
 
 from ucm_db.tools.cli_common import ProgressBar, emit, json_option
 
@@ -23,10 +24,15 @@ def migrate_in_place(path: Path, *, dry_run: bool) -> dict[str, Any]:
     # migrate() checks that no one else has the store before opening it.
     todo = migrations.pending(path) if dry_run else migrations.migrate(path)
     done = [] if dry_run else todo
+    # Then the blocks of the storage generations before units (ucm_db.pre_units):
+    # the connector refuses a store holding them. A dry run of an older format
+    # cannot look (the store must be at the current format to be read).
+    pre_units = None if dry_run and todo else convert_pre_unit_blocks(path, dry_run=dry_run).to_dict()
     return {
         "path": str(path), "target_format": STORE_FORMAT_VERSION, "dry_run": dry_run,
         "pending": [{"version": m.version, "name": m.name, "description": m.description} for m in todo],
         "applied_now": [m.version for m in done],
+        "pre_unit_blocks": pre_units,
         "applied": [{"version": a.version, "name": a.name, "applied_ns": a.applied_ns, "ucm_db_version": a.ucm_db_version}
                     for a in migrations.applied(path)],
     }
@@ -35,11 +41,18 @@ def migrate_in_place(path: Path, *, dry_run: bool) -> dict[str, Any]:
 def render(r: dict[str, Any]) -> str:
     if "dest" in r:
         return f"converted {r['source']} -> {r['dest']} ({r['engine']}): {r['items']} items copied, {r['blocks_verified']} blocks verified"
-    if not r["pending"]:
-        return f"{r['path']} is at format {r['target_format']}: nothing to migrate"
     verb = "would apply" if r["dry_run"] else "applied"
-    return "\n".join([f"{verb} {len(r['pending'])} migration(s) to {r['path']}:"]
-                     + [f"  {m['version']:>4}  {m['name']}: {m['description']}" for m in r["pending"]])
+    lines = [f"{verb} {len(r['pending'])} migration(s) to {r['path']}:"] + [
+        f"  {m['version']:>4}  {m['name']}: {m['description']}" for m in r["pending"]]
+    pre = r.get("pre_unit_blocks")
+    if pre and (pre["whole_blocks"] or pre["per_rank_blocks"] or pre["skipped_blocks"]):
+        verb = "would convert" if r["dry_run"] else "converted"
+        lines.append(f"{verb} blocks from before units: {pre['whole_blocks']} whole blocks split into "
+                     f"{pre['units_written']} head units, {pre['per_rank_blocks']} per-rank blocks dropped (they cannot be re-keyed)"
+                     + (f", {pre['skipped_blocks']} unreadable whole blocks dropped" if pre["skipped_blocks"] else ""))
+    elif not r["pending"]:
+        return f"{r['path']} is at format {r['target_format']}: nothing to migrate"
+    return "\n".join(lines if r["pending"] else lines[1:])
 
 
 @click.command("migrate")
@@ -49,7 +62,9 @@ def render(r: dict[str, Any]) -> str:
 @click.option("--dry-run", is_flag=True, help="List pending migrations without applying them.")
 @json_option
 def migrate_command(path: Path, dest: Path | None, to_engine: str | None, dry_run: bool, as_json: bool) -> None:
-    """Apply pending format migrations to the store at PATH, or with
+    """Apply pending format migrations to the store at PATH (then convert
+    blocks of the storage generations before units: whole blocks split into
+    head units, per-rank blocks dropped), or with
     --to-engine convert it into a new store DEST (verified), outside PATH:
     the copy is built beside DEST under a hidden temp name and renamed to
     DEST only when verified. Needs the store to itself: refuses while other

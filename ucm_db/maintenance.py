@@ -13,6 +13,9 @@ where it must (old formats, damaged records, no reader activity written):
 * :func:`compact` -- evict to a size, drop dead records, shrink the file;
   :func:`evict_to_bytes` alone.
 * :func:`export_archive` / :func:`import_archive` -- portable tar archives.
+* :func:`convert_pre_unit_blocks` -- whole and per-rank blocks of the storage
+  generations before units converted (``ucm-db migrate``, :mod:`ucm_db.pre_units`);
+  :func:`pre_unit_namespaces` and :func:`pre_unit_refusal` for the connector's check.
 * :func:`convert_engine` -- a verified copy of a store on the other engine
   (``ucm-db migrate --to-engine``, :mod:`ucm_db.conversion`).
 * :func:`invalidate` -- move namespaces' epochs on (after a weight update):
@@ -50,13 +53,16 @@ from ucm_db.event_replay import iter_event_lines, iter_events
 from ucm_db.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
 from ucm_db.isolation import run_isolated
 from ucm_db.keys import Namespace
+from ucm_db.pre_units import ConversionReport, pre_unit_namespaces
+from ucm_db.pre_units import convert as convert_pre_unit_blocks
+from ucm_db.pre_units import refusal as pre_unit_refusal
 from ucm_db.store_view import ProgressFn, StoreView, open_view, select_namespaces
 from ucm_db.verification import VerifyReport, repair, verify_view
 
 __all__ = [
-    "BlockInfo", "ProgressFn", "StoreView", "VerifyReport", "compact", "convert_engine", "evict_to_bytes", "export_archive",
+    "BlockInfo", "ConversionReport", "ProgressFn", "StoreView", "VerifyReport", "compact", "convert_engine", "convert_pre_unit_blocks", "evict_to_bytes", "export_archive",
     "gc_remote", "import_archive", "inspect", "invalidate", "iter_blocks", "iter_event_lines", "iter_events", "namespaces",
-    "open_view", "remote_namespace", "repair", "verify",
+    "open_view", "pre_unit_namespaces", "pre_unit_refusal", "remote_namespace", "repair", "verify",
 ]
 
 

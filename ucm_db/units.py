@@ -14,7 +14,8 @@ Invariants:
       same keys and readers at any TP size find them. No byte is stored
       twice: a second writer of a key finds it present and skips it.
     * A unit covering the whole grid is keyed by the block key itself (MLA,
-      single-KV-head models, and whole blocks written before units existed);
+      single-KV-head models; whole blocks written before units existed were
+      keyed so too, and ``ucm-db migrate`` splits them, :mod:`ucm_db.pre_units`);
       any other unit by ``BLAKE2b(block key || span tag)``, so a key still
       names its whole token prefix, its namespace and its rectangle.
     * Each span forms its own chain (``unit_key(k[i], s)``'s parent is
@@ -243,9 +244,9 @@ def plan_read(want: UnitSpan, stored: Sequence[UnitSpan]) -> list[ReadPiece]:
 def readable_at(description: Mapping[str, Any]) -> str:
     """Which deployments read a namespace's blocks, from the description the
     store recorded for it (for ``ucm-db inspect``): a namespace with a TP or
-    PP rank holds per-rank blocks written before units, which only a
-    deployment of that TP and PP size reads (and converts to units on use)."""
+    PP rank holds per-rank blocks written before units, which the connector
+    no longer reads (``ucm-db migrate`` drops them: :mod:`ucm_db.pre_units`)."""
     tp, pp = int(description.get("tp_size", 1)), int(description.get("pp_size", 1))
     if tp == 1 and pp == 1:
         return "any TP size"
-    return f"only TP={tp} PP={pp} (per-rank blocks from before units)"
+    return f"no TP size (per-rank blocks of TP={tp} PP={pp} from before units: `ucm-db migrate` drops them)"

@@ -278,7 +278,7 @@ def test_scheduler_claims_a_remote_hit_only_where_it_beats_recompute(
         sched.cost.observe_prefill(int(PREFILL_TOKENS_PER_S), 1.0)  # calibration
         # Unmeasured remote: probed (a few blocks, timed) whatever its speed;
         # "always" loads everything at once.
-        from ucm_db.connector.scheduler import _PROBE_BLOCKS
+        from ucm_db.connector.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
 
         # A probe that measures the link fast goes on to load the rest of its prompt.
         assert _claim(sched, probe, "probe") == (BLOCKS if policy == "always" or loads else _PROBE_BLOCKS) * BS
@@ -326,7 +326,7 @@ def test_a_step_s_mean_position_counts_every_token_it_computes() -> None:
     pytest.importorskip("vllm")
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
 
-    from ucm_db.connector.scheduler import _mean_position
+    from ucm_db.connector.planner import mean_position_of as _mean_position
 
     request = _request_for(list(range(1, 1600)))
     request.num_computed_tokens = 1024

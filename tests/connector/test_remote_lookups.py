@@ -135,7 +135,8 @@ def test_background_probe_of_an_unmeasured_link_goes_on_to_the_whole_claim(tmp_p
     pytest.importorskip("vllm")
     from test_cost_model import PREFILL_TOKENS_PER_S  # noqa: E402
 
-    from ucm_db.connector.scheduler import _PROBE_BLOCKS, UcmDbScheduler
+    from ucm_db.connector.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
+    from ucm_db.connector.scheduler import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
 
     prompt = list(range(1, BS * BLOCKS + 5))

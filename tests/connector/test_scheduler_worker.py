@@ -304,7 +304,7 @@ def test_metadata_is_plain() -> None:
 def test_request_extras_cover_salt_and_lora() -> None:
     from vllm.lora.request import LoRARequest
 
-    from ucm_db.connector.scheduler import request_extras
+    from ucm_db.connector.identity import request_extras
 
     assert request_extras(_request("a", [1, 2, 3])) == {}
     assert request_extras(_request("b", [1, 2, 3], cache_salt="s")) == {"cache_salt": "s"}

@@ -1,7 +1,7 @@
 """Scheduler-side rules of TP-independent blocks, with real vLLM request
-objects, real workers and a real store (no engine): whole blocks stored
-before units serve every TP size and are converted on use; a hit needs every
-unit of every pipeline stage; keys are hashed once per request; the lookup's
+objects, real workers and a real store (no engine): a hit needs every
+unit of every pipeline stage (stores of the generations before units:
+test_pre_unit_stores.py); keys are hashed once per request; the lookup's
 only state is its memo and its record."""
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, 
 from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, reader_spans  # noqa: E402
-from ucm_db.connector.layouts import detect_layout  # noqa: E402
-from ucm_db.connector.metadata import UcmDbWorkerMetadata
 from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
@@ -64,61 +62,6 @@ def _model_kv(heads: int, layers: int = 2, first_layer: int = 0) -> dict[str, to
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
-
-
-def test_whole_blocks_from_before_units_load_at_tp2_and_are_converted(tmp_path: Path) -> None:
-    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")})
-    tokens = list(range(1, 3 * BS + 6))
-    model_kv = _model_kv(4)
-    # What ucm-db stored at TP=1 before units: whole blocks under the block keys.
-    layout = detect_layout(model_kv, NUM_BLOCKS)
-    staging = layout.new_staging(3)
-    layout.gather([4, 9, 2], staging)
-    ns = namespace(_shape())
-    keys = ns.block_keys(tokens)
-    sched = UcmDbScheduler(settings, _shape(tp=2))
-    sched.store.put(ns, keys, [layout.frames(row) for row in staging.numpy()])
-
-    req = _request("a", tokens)
-    assert _admit(sched, req) == 3 * BS
-    meta = sched.build_connector_meta(_step(req, [0, 1, 2, 3], len(tokens) - 3 * BS))
-    (load,) = meta.loads
-    assert load.source == "whole" and load.block_ids == (0, 1, 2)
-    (save,) = meta.saves  # the loaded blocks are saved again, as units
-    assert save.block_ids == (0, 1, 2) and save.parent is None
-    workers, caches = [], []
-    for rank in range(2):
-        kv = {name: torch.zeros(NUM_BLOCKS, 2, BS, 2 * HEAD, dtype=torch.bfloat16) for name in model_kv}
-        worker = UcmDbWorker(settings, _shape(tp=2), NUM_BLOCKS)
-        worker.register_kv_caches(kv, rank, 0)
-        worker.start_load(meta)
-        assert worker.take_load_errors() == set()
-        for name, full in model_kv.items():
-            assert torch.equal(_bits(kv[name][0:3]), _bits(full[[4, 9, 2], 2 * rank : 2 * rank + 2]))
-        worker.save(meta)
-        worker.drain()
-        workers.append(worker)
-        caches.append(kv)
-    # With two ranks the conversion is held until the step's output shows every load held.
-    assert save.hold_id == 0
-    sched.observe_output(UcmDbWorkerMetadata(meta.step), set())
-    req.num_computed_tokens = len(tokens)
-    nxt = sched.build_connector_meta(_step(req, [0, 1, 2, 3], 1))
-    assert nxt.held_commits == [0]
-    for worker in workers:
-        worker.start_load(nxt)
-        worker.drain()
-    sched.request_finished(req, [0, 1, 2, 3])
-    # Now every head's units are stored: a TP=1 engine hits them as units.
-    tp1 = UcmDbScheduler(settings, _shape(tp=1))
-    again = _request("b", tokens)
-    assert tp1.get_num_new_matched_tokens(again, 0) == (3 * BS, False)
-    tp1.update_state_after_alloc(again, None, 3 * BS)  # type: ignore[arg-type]
-    again.num_computed_tokens = 3 * BS
-    (load,) = tp1.build_connector_meta(_step(again, [5, 6, 7, 8], len(tokens) - 3 * BS)).loads
-    assert load.source == "units"
-    for part in (*workers, sched, tp1):
-        part.shutdown()
 
 
 def test_keys_are_hashed_once_per_request_across_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -212,7 +155,7 @@ def test_unit_keys_and_readability() -> None:
     spans = [*g.head_spans(), g.whole]  # the batch derivation gives the same keys, block-major
     assert unit_keys_of(keys, spans, g) == [unit_key(k, s, g) for k in keys for s in spans]
     assert readable_at({"tp_size": 1, "pp_size": 1}) == "any TP size"
-    assert readable_at({"tp_rank": 1, "tp_size": 2}).startswith("only TP=2 PP=1")
+    assert readable_at({"tp_rank": 1, "tp_size": 2}).startswith("no TP size (per-rank blocks of TP=2 PP=1")
 
 
 def test_grid_and_span_checks() -> None:
@@ -221,58 +164,3 @@ def test_grid_and_span_checks() -> None:
         UnitSpan(1, 1, 0, 2)
     with pytest.raises(ValueError, match="outside"):
         KVGrid(2, 2).check(UnitSpan(0, 3, 0, 2))
-
-
-def test_per_rank_blocks_from_before_units_serve_their_tp_only_and_are_converted(tmp_path: Path) -> None:
-    import json
-
-    from ucm_db.connector.identity import legacy_rank_namespaces
-
-    layout = json.dumps({"kv_heads": 4, "layers": 2, "platform": "cpu-test"}, sort_keys=True, separators=(",", ":"))
-
-    def shape(tp: int) -> KVShape:
-        return KVShape(model="tp-legacy", kv_dtype="bfloat16", block_size=BS, use_mla=False, layout=layout,
-                       tp_size=tp, pp_size=1, kv_heads=4, layers=2)
-
-    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")})
-    tokens = list(range(1, 2 * BS + 6))
-    model_kv = _model_kv(4)
-    legacy = legacy_rank_namespaces(shape(2))
-    assert [json.loads(ns.layout)["kv_heads"] for ns in legacy] == [2, 2]  # a rank's share, as then
-    sched = UcmDbScheduler(settings, shape(1))  # opens the store; TP=1 never reads rank namespaces
-    for rank, ns in enumerate(legacy):  # what a pre-unit TP=2 deployment stored
-        layout_r = detect_layout({n: t[:, 2 * rank : 2 * rank + 2].contiguous() for n, t in model_kv.items()}, NUM_BLOCKS)
-        staging = layout_r.new_staging(2)
-        layout_r.gather([3, 8], staging)
-        sched.store.put(ns, ns.block_keys(tokens), [layout_r.frames(row) for row in staging.numpy()], parent=None)
-    assert sched.get_num_new_matched_tokens(_request("tp1", tokens), 0) == (0, False)
-    sched.shutdown()
-
-    tp2 = UcmDbScheduler(settings, shape(2))
-    req = _request("a", tokens)
-    assert _admit(tp2, req) == 2 * BS
-    meta = tp2.build_connector_meta(_step(req, [0, 1, 2], len(tokens) - 2 * BS))
-    (load,) = meta.loads
-    assert load.source == "ranks" and len(load.rank_keys) == 2
-    workers = []
-    for rank in range(2):
-        kv = {name: torch.zeros(NUM_BLOCKS, 2, BS, 2 * HEAD, dtype=torch.bfloat16) for name in model_kv}
-        worker = UcmDbWorker(settings, shape(2), NUM_BLOCKS)
-        worker.register_kv_caches(kv, rank, 0)
-        worker.start_load(meta)
-        assert worker.take_load_errors() == set()
-        for name, full in model_kv.items():
-            assert torch.equal(_bits(kv[name][0:2]), _bits(full[[3, 8], 2 * rank : 2 * rank + 2]))
-        worker.save(meta)  # converted: saved as units, held until the step's output is back
-        worker.drain()
-        workers.append(worker)
-    tp2.observe_output(UcmDbWorkerMetadata(meta.step), set())
-    req.num_computed_tokens = len(tokens)
-    nxt = tp2.build_connector_meta(_step(req, [0, 1, 2], 1))
-    for worker in workers:
-        worker.start_load(nxt)
-        worker.drain()
-    tp1 = UcmDbScheduler(settings, shape(1))
-    assert tp1.get_num_new_matched_tokens(_request("b", tokens), 0) == (2 * BS, False)
-    for part in (*workers, tp2, tp1):
-        part.shutdown()

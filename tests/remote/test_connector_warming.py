@@ -14,6 +14,7 @@ from ucm_db.connector.layouts import detect_layout  # noqa: E402
 from ucm_db.connector.warming import import_kv  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
+from ucm_db.units import KVGrid, UnitKeys  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 BLOCK = 32
@@ -36,7 +37,7 @@ def test_imported_kv_loads_back_into_another_cache_through_the_remote(tmp_path: 
     remote = f"file://{tmp_path}/shared"
     with ucm_db.open(tmp_path / "importer", capacity_bytes=64 << 20, remote=remote) as importer:
         result = import_kv(importer, namespace, layout, tokens, [5, 2, 7], extras={"cache_salt": "t1"})
-        assert result.stored == 3
+        assert result.stored == 3 * 2  # units: one per KV head of each block
         with pytest.raises(ConfigError, match="block ids"):
             import_kv(importer, namespace, layout, tokens, [1, 2])
         importer.flush(upload_timeout_s=30)
@@ -44,16 +45,21 @@ def test_imported_kv_loads_back_into_another_cache_through_the_remote(tmp_path: 
     with ucm_db.open(tmp_path / "node-b", capacity_bytes=64 << 20, remote=remote) as node_b:
         assert node_b.warm(namespace, token_sequences=[tokens]).missing == 3  # other extras: other keys
         keys = namespace.block_keys(tokens, {"cache_salt": "t1"})
-        report = node_b.warm(namespace, keys=keys)
-        assert (report.fetched, report.missing) == (3, 0)
-        payloads = node_b.get(namespace, keys)
+        grid = KVGrid(2, 2)
+        payloads = []
+        for span in grid.head_spans():  # each head's units: a chain of their own
+            unit_keys = list(UnitKeys(keys, grid, span))
+            report = node_b.warm(namespace, keys=unit_keys)
+            assert (report.fetched, report.missing) == (3, 0)
+            payloads.append(node_b.get(namespace, unit_keys))
     target = _cpu_caches(seed=0, fill=False)
     target_layout = detect_layout(target, NUM_BLOCKS)
-    staging = target_layout.new_staging(3)
-    for i, payload in enumerate(payloads):
-        assert payload is not None
-        staging[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
-    target_layout.scatter([0, 1, 4], staging)
+    staging = target_layout.new_unit_staging(3)
+    for head, units in enumerate(payloads):
+        for i, payload in enumerate(units):
+            assert payload is not None
+            staging[i, head].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+    target_layout.scatter_units([0, 1, 4], staging)
     for name in source:
         for src_block, dst_block in ((5, 0), (2, 1), (7, 4)):
             assert torch.equal(source[name][src_block], target[name][dst_block])

@@ -42,8 +42,8 @@ def test_inspect_reports_known_contents(tmp_path: Path, engine: str) -> None:
     assert rows["test/alpha"]["blocks"] == 20 and rows["test/alpha"]["raw_bytes"] == 20 * BLOCK_BYTES
     assert rows["test/beta"]["blocks"] == 3 and rows["test/beta"]["kv_dtype"] == "float16"
     assert rows["test/beta"]["block_size"] == 8 and rows["test/beta"]["rank"] == "tp 1/2 pp 0/1"
-    # Per-rank blocks from before TP-independent units: only their TP reads them (docs/tp.md).
-    assert rows["test/beta"]["read_at"].startswith("only TP=2 PP=1")
+    # Per-rank blocks from before TP-independent units: no connector reads them (docs/tp.md).
+    assert rows["test/beta"]["read_at"].startswith("no TP size (per-rank blocks of TP=2 PP=1")
     assert rows["test/alpha"]["read_at"] == "any TP size"
     assert rows["test/beta"]["id"] == NS_B.digest[:16].hex()
 
@@ -69,7 +69,7 @@ def test_inspect_namespace_filter_and_human_output(tmp_path: Path) -> None:
 
     text = invoke("inspect", tmp_path / "s").stdout
     assert "test/alpha" in text and "test/beta" in text and "blocks         23" in text and "ratio" in text
-    assert "read at" in text and "any TP size" in text and "only TP=2 PP=1" in text
+    assert "read at" in text and "any TP size" in text and "per-rank blocks of TP=2 PP=1" in text
 
     bad = invoke("inspect", tmp_path / "s", "--namespace", "nope", expect=2)
     assert "no namespace matches 'nope'" in bad.stderr and "test/alpha" in bad.stderr

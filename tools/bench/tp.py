@@ -7,10 +7,9 @@ one at TP=2 with the same KV; the figures:
 * stored blocks and bytes of each store (the units are the same: equal);
 * load throughput (KV bytes placed into the reader's caches per second,
   warm page cache) of every (writer TP, reader TP) pair, so a cross-TP read
-  compares with a same-TP read;
-* the same load from a store of whole blocks (what ucm-db stored before
-  units: one entry per block, read by a TP=1 rank), the baseline that units
-  cost against.
+  compares with a same-TP read. (The whole-block baseline of the storage
+  generation before units is gone with its reader: ``ucm-db migrate``
+  converts such stores, :mod:`ucm_db.pre_units`.)
 
 A TP=2 "reader" is its two ranks loading one after the other in this process:
 their seconds add up, as the bytes do.
@@ -81,30 +80,16 @@ def _write(path: Path, codec: str, tp: int, model_kv: dict[str, Any], keys: list
     return {"blocks": stats.blocks, "raw_bytes": stats.raw_bytes, "stored_bytes": stats.stored_bytes}
 
 
-def _write_whole(path: Path, codec: str, model_kv: dict[str, Any], keys: list[bytes]) -> None:
-    """Whole blocks under the block keys: the pre-unit format (TP=1)."""
-    import ucm_db
-    from ucm_db.connector.identity import namespace
-    from ucm_db.connector.layouts import detect_layout
-
-    layout = detect_layout(model_kv, len(keys))
-    staging = layout.new_staging(len(keys))
-    layout.gather(list(range(len(keys))), staging)
-    with ucm_db.open(path, codec=codec, capacity_bytes=8 << 30) as store:
-        store.put(namespace(_shape(1)), keys, [layout.frames(row) for row in staging.numpy()], parent=None)
-
-
 class _Reader:
     """Every rank of a TP=``tp`` reader of one store, ready to load."""
 
-    def __init__(self, path: Path, tp: int, keys: list[bytes], whole: bool) -> None:
+    def __init__(self, path: Path, tp: int, keys: list[bytes]) -> None:
         from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
         from ucm_db.connector.settings import ConnectorSettings
         from ucm_db.connector.worker import UcmDbWorker
 
         settings = ConnectorSettings.from_extra_config({"path": str(path)})
-        source = "whole" if whole else "units"
-        self.meta = UcmDbConnectorMetadata(loads=[BlockTransfer("bench", tuple(keys), tuple(range(len(keys))), source=source)])
+        self.meta = UcmDbConnectorMetadata(loads=[BlockTransfer("bench", tuple(keys), tuple(range(len(keys))))])
         self.workers = []
         for rank in range(tp):
             worker = UcmDbWorker(settings, _shape(tp), len(keys))
@@ -145,10 +130,7 @@ def run(blocks: int, codec: str, repeats: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ucm-db-bench-tp-") as tmp:
         stores = {tp: Path(tmp) / f"written-tp{tp}" for tp in (1, 2)}
         out["stored"] = {tp: _write(path, codec, tp, model_kv, keys) for tp, path in stores.items()}
-        whole = Path(tmp) / "whole"
-        _write_whole(whole, codec, model_kv, keys)
-        readers = {f"written tp{w}, read tp{r}": _Reader(path, r, keys, False) for w, path in stores.items() for r in (1, 2)}
-        readers.update({f"whole blocks (pre-unit), read tp{r}": _Reader(whole, r, keys, True) for r in (1, 2)})
+        readers = {f"written tp{w}, read tp{r}": _Reader(path, r, keys) for w, path in stores.items() for r in (1, 2)}
         del model_kv
         for round_ in range(repeats + 1):  # round 0 warms the page cache
             for reader in readers.values():

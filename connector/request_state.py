@@ -1,0 +1,60 @@
+"""What the scheduler side remembers about each request.
+
+One :class:`RequestState` per request the scheduler has looked up, shared by
+the facade (:mod:`ucm_db.connector.scheduler`), the lookups
+(:mod:`ucm_db.connector.lookups`), the step planner
+(:mod:`ucm_db.connector.planner`) and, through rewinds, the settlement of
+held saves (:mod:`ucm_db.connector.settlement`).
+
+Invariants:
+    * ``keys`` is the request's block key chain rooted at ``epoch``, grown
+      on demand and never rehashed (:func:`~ucm_db.connector.identity.chain_keys`).
+    * ``stored_blocks <= saved_blocks``: the blocks known stored come
+      first, then the ones planned for saving; both move back only through
+      a rewind (a failed load, a voided save, a preemption).
+    * ``lookup`` is read (and cleared) only by the
+      ``update_state_after_alloc`` that follows the lookup that set it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ucm_db.keys import BlockKeys
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRecord:
+    """The result of the last lookup of a request, for the
+    ``update_state_after_alloc`` that follows it."""
+
+    local_tokens: int   # vLLM's own prefix-cache hit the lookup was given
+    hit_blocks: int     # leading blocks claimed (0 where the cost model judged loading slower)
+    unit_blocks: int    # leading blocks stored (>= hit_blocks)
+    seconds: float
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side remembers about one request."""
+
+    request: Request
+    extras: dict[str, Any]        # root extras of the key chain
+    block_extras: dict[int, bytes]  # per-block extras, by block index
+    epoch: int | None = 0         # the namespace epoch the key chain is rooted at (epochs.py)
+    keys: BlockKeys = field(default_factory=BlockKeys)  # the request's block keys, grown on demand
+    stored_blocks: int = 0  # leading blocks whose units are known stored
+    saved_blocks: int = 0   # leading blocks stored or planned for saving
+    pending_load_tokens: int = 0
+    lookup: LookupRecord | None = None
+    async_tried: bool = False  # an async load was planned: later lookups claim synchronously
+    async_block_ids: tuple[int, ...] = ()  # the blocks of its async load, until vLLM schedules it
+    vllm_computed_tokens: int = 0  # what vLLM's own prefix cache held at the last lookup: no claim prices it
+    lookup_computed_tokens: int | None = None  # the same, until the step after the lookup (composition.py)
+    remote_asked: bool = False    # its background remote lookup finished
+    remote_probing: bool = False  # its background job is a probe
+    remote_probed: bool = False   # its background probe finished

@@ -1,0 +1,187 @@
+"""Settlement of the saves planned over loads whose outcome is not known yet.
+
+vLLM runs a step's forward pass before it learns that a load of that step
+failed, so KV computed after a failed block is wrong. A save planned in a
+step that also loads blocks it depends on names them (``after_loads``,
+metadata.py); this module keeps what the scheduler must remember until the
+outputs of those steps are back, and turns them into verdicts.
+
+Invariants:
+    * With several ranks (each sees only its own failures) a save over a
+      load is held by the workers (``hold_id``): it gets one verdict,
+      commit or drop, once the output of every step up to its own is back,
+      in planning order; after a dropped save, the same request's later
+      held saves drop too (each must commit after the one before it, or not
+      at all). A ``kv_producer`` commits inside the step instead (roles.py),
+      so its save over a load is deleted afterwards (``void_saves``) if a
+      load it depends on failed.
+    * Blocks another connector loaded (MultiConnector, composition.py) count
+      as loads of the request for its saves, with one rank too: such a save
+      is held (or, a producer's, voided) like one over a load of our own.
+    * Every request a failed load or a voided save touches is rewound to
+      where vLLM recomputes (the ``rewind`` callback), so what it computes
+      again is saved again.
+    * Failed block ids of a settled step stay known while a pending save
+      may depend on them: until the step is more than
+      :data:`MAX_PENDING_STEPS` steps older than the oldest held save or
+      unsettled load (all of them are forgotten once nothing is pending).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ucm_db.connector.composition import sibling_block_ids
+from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+#: Steps awaiting their workers' output at most (older ones are dropped:
+#: an output that carried no metadata never comes).
+MAX_PENDING_STEPS = 64
+
+#: ``rewind(request id, save start or None)``: moves a request's stored and
+#: saved marks back to the blocks vLLM still counts as computed.
+Rewind = Callable[[str, "int | None"], None]
+
+
+@dataclass
+class StepLoads:
+    """A step's synchronous loads, and the saves it commits at once over
+    unsettled loads (a ``kv_producer``'s), until the step's output says
+    whether every load held."""
+
+    loads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (request id, block ids)
+    saves: list[tuple[BlockTransfer, int]] = field(default_factory=list)  # (save, its first block's index)
+    sibling: set[str] = field(default_factory=set)  # requests whose loads another connector made (composition.py)
+
+
+@dataclass(frozen=True)
+class HeldSave:
+    """A save the workers keep until the outputs of the steps it depends on are back."""
+
+    step: int
+    transfer: BlockTransfer
+    start: int  # its first block's index in the request
+
+
+class SaveSettlement:
+    """The loads and saves of steps whose output is not back, and their verdicts."""
+
+    def __init__(self, several_ranks: bool, publishes: bool) -> None:
+        # With several ranks a save over a load waits for the verdict of every
+        # rank (a rank sees only its own failures); one rank sees all of its own,
+        # but not another connector's. A producer commits at once (roles.py).
+        self._several_ranks = several_ranks
+        self._publishes = publishes
+        self._step_loads: dict[int, StepLoads] = {}  # steps with sync loads whose output has not come back
+        self._voids: list[BlockTransfer] = []  # committed saves to delete, for the next step's metadata
+        self._held: dict[int, HeldSave] = {}  # by hold id (ascending = planning order)
+        self._next_hold_id = 0
+        self._held_verdicts: tuple[list[int], list[int]] = ([], [])  # (commit, drop), for the next metadata
+        # Failed block ids by settled step, while saves planned at or after that step may depend on them.
+        self._recent_bad: dict[int, set[int]] = {}
+
+    def record_loads(self, meta: UcmDbConnectorMetadata, others: list[tuple[str, tuple[int, ...]]] = ()) -> set[int]:
+        """Remembers the step's synchronous loads, and ``others``: (request,
+        block ids) another connector loaded this step (composition.py);
+        returns every block loaded in this step or in an earlier one whose
+        output is not back (async scheduling plans a step
+        before the last one's output has come back): this step's KV may
+        attend to any of them."""
+        if meta.loads or others:
+            own = [(t.req_id, t.block_ids) for t in meta.loads]
+            self._step_loads[meta.step] = StepLoads(own + list(others), sibling={r for r, _ in others})
+            if len(self._step_loads) > MAX_PENDING_STEPS:
+                del self._step_loads[min(self._step_loads)]
+        return {b for record in self._step_loads.values() for _, ids in record.loads for b in ids}
+
+    def after_loads(self, req_id: str, block_ids: Sequence[int], loaded: set[int]) -> tuple[tuple[int, ...], bool]:
+        """(the loaded blocks a save of ``req_id`` over ``block_ids`` depends
+        on, whether any of them another connector loaded): its own blocks
+        among ``loaded``, and every group's blocks another connector loaded
+        into the request in steps whose outcome is not back."""
+        own = tuple(b for b in block_ids if b in loaded) if loaded else ()
+        sibling = sibling_block_ids(self._step_loads.values(), req_id)
+        return (tuple(sorted(sibling.union(own))), True) if sibling else (own, False)
+
+    def hold_id(self, req_id: str, after_loads: tuple[int, ...], sibling: bool = False) -> int:
+        """The hold id of a save about to be planned (-1: not held). Saves
+        over loads are held with several ranks, or over another connector's
+        loads, unless this role commits at once (a producer's). A save
+        after a held one of the same request is held too: it must commit
+        after it, or not at all."""
+        holds = not self._publishes and (self._several_ranks or sibling)
+        hold = holds and (bool(after_loads) or any(h.transfer.req_id == req_id for h in self._held.values()))
+        if not hold:
+            return -1
+        self._next_hold_id += 1
+        return self._next_hold_id - 1
+
+    def track(self, step: int, transfer: BlockTransfer, start: int, sibling: bool = False) -> None:
+        """Remembers a planned save that waits on loads: held, or (a
+        producer's) committed at once and deleted if another rank or
+        another connector failed."""
+        if transfer.hold_id >= 0:
+            self._held[transfer.hold_id] = HeldSave(step, transfer, start)
+        elif transfer.after_loads and (self._several_ranks or sibling):
+            self._step_loads.setdefault(step, StepLoads()).saves.append((transfer, start))
+
+    def take_verdicts(self, meta: UcmDbConnectorMetadata) -> None:
+        """Puts the voided saves and the held saves' verdicts reached since
+        the last step into ``meta``, once."""
+        meta.void_saves, self._voids = self._voids, []
+        (meta.held_commits, meta.held_drops), self._held_verdicts = self._held_verdicts, ([], [])
+
+    def settle(self, step: int | None, invalid: set[int], rewind: Rewind) -> None:
+        """Settles the sync loads of steps up to ``step`` (every step's, if
+        the output named none but reports invalid blocks): each request
+        that loaded an invalid block is rewound to where vLLM recomputes it
+        (vLLM has already moved its computed tokens back to that block); a
+        save computed over one is voided (deleted if committed, dropped if
+        held) and its request rewound too. Held saves planned up to
+        ``step`` get their verdict, in planning order, for the next step's
+        metadata: after a dropped one, a request's later ones drop too."""
+        if step is None and not invalid:
+            return
+        settled = [(s, self._step_loads.pop(s)) for s in sorted(self._step_loads) if step is None or s <= step]
+        for number, record in settled:
+            bad = invalid.intersection(b for _, ids in record.loads for b in ids)
+            if bad:
+                self._recent_bad[number] = bad
+            for req_id, block_ids in record.loads:
+                if bad.intersection(block_ids):
+                    rewind(req_id, None)
+        recent_bad = set().union(*self._recent_bad.values())
+        for _, record in settled:
+            for transfer, start in record.saves:
+                if recent_bad.intersection(transfer.after_loads):
+                    self._voids.append(transfer)
+                    rewind(transfer.req_id, start)
+                    logger.warning("ucm-db: request %s: %d blocks saved over a block that failed to load are voided",
+                                   transfer.req_id, len(transfer.block_ids))
+        if step is not None:
+            self._give_verdicts(step, recent_bad, rewind)
+        # A pending save depends only on loads of steps up to its own.
+        oldest = min([h.step for h in self._held.values()] + list(self._step_loads), default=None)
+        for number in [s for s in self._recent_bad if oldest is None or s < oldest - MAX_PENDING_STEPS]:
+            del self._recent_bad[number]
+
+    def _give_verdicts(self, step: int, recent_bad: set[int], rewind: Rewind) -> None:
+        """Commit or drop, in planning order, for every held save planned up to ``step``."""
+        dropped: set[str] = set()
+        commits, drops = self._held_verdicts
+        for hold_id in sorted(self._held):
+            held = self._held[hold_id]
+            if held.step > step:
+                break
+            del self._held[hold_id]
+            req_id = held.transfer.req_id
+            if req_id in dropped or recent_bad.intersection(held.transfer.after_loads):
+                dropped.add(req_id)
+                drops.append(hold_id)
+                rewind(req_id, held.start)
+            else:
+                commits.append(hold_id)

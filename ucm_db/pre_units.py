@@ -1,0 +1,252 @@
+"""Blocks of the storage generations before units, and their conversion.
+
+The connector stores a block as units of one KV head (:mod:`ucm_db.units`).
+Two older generations may still sit in a store, and the connector no
+longer reads either (``ucm-db migrate`` converts them; the connector
+refuses a store holding them, pointing here):
+
+* **whole blocks**: every KV head of a block in one entry under the block
+  key, written at TP=1 and PP=1 into the namespace units use today. They
+  are recognised by size: a namespace of ``H > 1`` KV heads whose
+  description gives its layers and head size holds units of at most
+  ``layers x block_size x 2 x head_size x dtype bytes`` raw bytes, and a
+  whole block is ``H`` times that (:func:`whole_block_raw_bytes`).
+  :func:`split_whole` cuts one into its ``H`` head units, byte for byte
+  what the connector's layouts write: each layer's frame is the head's
+  slice of the whole frame, head-major on the ``cpu`` platform (the vLLM
+  CPU cache ``[heads, block, 2*head]``), head-minor elsewhere (K then V,
+  each ``[block, heads, head]``).
+* **per-rank blocks**: written at TP>1 or PP>1 under a namespace carrying
+  the rank (``tp_size``/``pp_size`` in its description) and the connector's
+  layout record (a JSON object naming ``kv_heads``). Their keys are
+  rooted in the rank's namespace and the token ids needed for the
+  TP-independent keys are not stored, so they cannot be re-keyed: no
+  connector reads them, and the conversion deletes them (their KV is
+  recomputed and saved as units on the next use of each prefix).
+
+Invariants:
+    * :func:`convert` writes each whole block's units (parents first: a
+      unit's parent is the same head's unit of the block's parent) before
+      it deletes any whole block, so a conversion cut short leaves whole
+      blocks and complete unit chains, and running it again finishes it.
+      A whole block it cannot split (corrupt, or below one that is) is
+      deleted with the others: no connector reads it either way.
+    * Only the store's public API writes (put, delete): the index, LRU and
+      totals stay consistent; a unit already stored is not written twice.
+    * It refuses (LockedError, naming them) while other processes have the
+      store open, as ``ucm-db migrate`` does.
+    * Nothing here knows tensors; the layout rules above are stated on the
+      bytes, and tested against the connector's own layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ucm_db.errors import FormatVersionError, MissingAncestorError
+from ucm_db.inspection import iter_blocks, namespace_rows
+from ucm_db.keys import Namespace
+from ucm_db.migrations.access import refuse_if_held
+from ucm_db.store import open as open_store
+from ucm_db.store_view import open_view
+from ucm_db.storelock import StoreLock
+from ucm_db.units import KVGrid, unit_key
+
+#: Bytes per element of the KV dtypes a namespace may name.
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1}
+
+
+def is_per_rank(description: Mapping[str, Any]) -> bool:
+    """Whether a namespace's recorded description is a per-rank one of the
+    connector (module docstring): a TP or PP size, and the connector's
+    layout record (``kv_heads``). A namespace the Python API made with a
+    rank and a layout of its own is not the connector's and is left alone."""
+    ranked = int(description.get("tp_size", 1)) * int(description.get("pp_size", 1)) > 1
+    return ranked and "kv_heads" in _layout(description)
+
+
+def _layout(description: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        parts = json.loads(str(description.get("layout", "")))
+    except ValueError:
+        return {}
+    return parts if isinstance(parts, dict) else {}
+
+
+def whole_block_raw_bytes(description: Mapping[str, Any]) -> int | None:
+    """Raw bytes of a whole block of the namespace, or None where it can
+    hold none (one KV head, per-rank, or a description that does not say)."""
+    parts = _layout(description)
+    try:
+        heads, layers, head_size = int(parts["kv_heads"]), int(parts["layers"]), int(parts["head_size"])
+        elem = _DTYPE_BYTES[str(description["kv_dtype"])]
+        block_size = int(description["block_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    ranked = int(description.get("tp_size", 1)) * int(description.get("pp_size", 1)) > 1
+    if heads <= 1 or ranked or head_size <= 0:
+        return None
+    return heads * layers * block_size * 2 * head_size * elem
+
+
+def holds_whole_blocks(description: Mapping[str, Any], blocks: int, raw_bytes: int) -> bool:
+    """Whether a namespace with these totals holds at least one whole block:
+    every unit is at most a whole block's ``1/heads``, so totals above
+    ``blocks`` such units need one."""
+    whole = whole_block_raw_bytes(description)
+    if whole is None or blocks <= 0:
+        return False
+    heads = int(_layout(description)["kv_heads"])
+    return raw_bytes > blocks * (whole // heads)
+
+
+def pre_unit_namespaces(namespaces: Mapping[str, Any], model: str | None = None,
+                        unit_bytes: Mapping[str, int] | None = None) -> dict[str, str]:
+    """Namespace id -> what it holds of an older generation (``"per-rank
+    blocks"``, ``"whole blocks"``), among ``namespaces`` (``StoreStats.namespaces``)
+    of ``model`` (all models if None).
+
+    ``unit_bytes`` (namespace id -> one head's unit over every layer, in raw
+    bytes, as the caller's KV cache spec gives it): whole blocks are then
+    looked for in those namespaces only, and only where the namespace record
+    gives the same unit size (what :func:`convert` can split; a model whose
+    V heads differ from its K heads, or whose pages are padded, is not
+    judged by a size its record cannot give)."""
+    found: dict[str, str] = {}
+    for ns_id, stats in namespaces.items():
+        description = stats.description
+        if model is not None and description.get("model") != model:
+            continue
+        if is_per_rank(description):
+            found[ns_id] = "per-rank blocks"
+            continue
+        if unit_bytes is not None:
+            whole = whole_block_raw_bytes(description)
+            heads = int(_layout(description).get("kv_heads", 1) or 1)
+            if ns_id not in unit_bytes or whole is None or whole != heads * unit_bytes[ns_id]:
+                continue
+        if holds_whole_blocks(description, stats.blocks, stats.raw_bytes):
+            found[ns_id] = "whole blocks"
+    return found
+
+
+def refusal(path: str | Path, found: Mapping[str, str]) -> FormatVersionError:
+    """The error a connector raises on a store holding older generations."""
+    listed = ", ".join(f"{ns_id[:12]} ({kind})" for ns_id, kind in sorted(found.items()))
+    return FormatVersionError(
+        f"the store {path} holds blocks of a storage generation before units, which the connector no longer reads: {listed}",
+        hint=f"stop the engines using it and run `ucm-db migrate {path}` (it splits whole blocks into units and drops "
+             "per-rank blocks, which cannot be re-keyed), then start again",
+    )
+
+
+def split_whole(payload: bytes | bytearray | memoryview, description: Mapping[str, Any]) -> list[list[bytes]]:
+    """A whole block's ``heads`` units, each a list of per-layer frames (module docstring)."""
+    parts = _layout(description)
+    heads, layers = int(parts["kv_heads"]), int(parts["layers"])
+    head_bytes = int(parts["head_size"]) * _DTYPE_BYTES[str(description["kv_dtype"])]
+    data = memoryview(payload).cast("B")
+    frame_bytes = len(data) // layers
+    head_major = str(parts.get("platform", "")).startswith("cpu")
+    units: list[list[bytes]] = [[] for _ in range(heads)]
+    for layer in range(layers):
+        frame = data[layer * frame_bytes : (layer + 1) * frame_bytes]
+        if head_major:
+            share = frame_bytes // heads
+            for h in range(heads):
+                units[h].append(bytes(frame[h * share : (h + 1) * share]))
+        else:
+            row = heads * head_bytes
+            for h in range(heads):
+                units[h].append(b"".join(frame[at + h * head_bytes : at + (h + 1) * head_bytes] for at in range(0, frame_bytes, row)))
+    return units
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert` did (or, dry, would do)."""
+
+    whole_blocks: int = 0      # whole blocks converted (deleted once their units were stored)
+    units_written: int = 0
+    per_rank_blocks: int = 0   # per-rank blocks deleted
+    skipped_blocks: int = 0    # whole blocks that could not be split (unreadable, or their parent was not): deleted too
+    namespaces: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"whole_blocks": self.whole_blocks, "units_written": self.units_written, "per_rank_blocks": self.per_rank_blocks,
+                "skipped_blocks": self.skipped_blocks, "namespaces": dict(self.namespaces)}
+
+
+def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
+    """Converts the older generations in the store at ``path`` (module docstring)."""
+    report = ConversionReport()
+    with open_view(path) as view:
+        rows = {row["id"]: row for row in namespace_rows(view, None, time.time_ns())}
+    wanted: dict[bytes, tuple[str, Mapping[str, Any]]] = {}
+    for ns_id, row in rows.items():
+        description = row.get("description") or {}
+        if is_per_rank(description):
+            wanted[bytes.fromhex(ns_id)] = ("per-rank blocks", description)
+        elif whole_block_raw_bytes(description) is not None:
+            wanted[bytes.fromhex(ns_id)] = ("whole blocks", description)
+    with open_view(path) as view:
+        blocks = list(iter_blocks(view, set(wanted)))
+    whole = [b for b in blocks if wanted[b.namespace_id][0] == "whole blocks" and b.raw_bytes == whole_block_raw_bytes(wanted[b.namespace_id][1])]
+    ranks = [b for b in blocks if wanted[b.namespace_id][0] == "per-rank blocks"]
+    for b in (*whole, *ranks):
+        report.namespaces[b.namespace_id.hex()] = wanted[b.namespace_id][0]
+    if dry_run or not (whole or ranks):
+        report.whole_blocks, report.per_rank_blocks = len(whole), len(ranks)
+        return report
+    lock = StoreLock(path)  # as `ucm-db migrate` promises: no one else has the store
+    refuse_if_held(Path(path), lock, "convert the blocks from before units of")
+    lock.release()
+    with open_store(path) as store:
+        converted = _write_units(store, whole, wanted, report)
+        report.whole_blocks = len(converted)
+        for ns_id, keys in _by_namespace(whole).items():  # none is read any more: the unsplittable ones go too
+            store.delete(Namespace.from_dict(wanted[ns_id][1]), keys)
+        for ns_id, keys in _by_namespace(ranks).items():
+            report.per_rank_blocks += store.delete(Namespace.from_dict(wanted[ns_id][1]), keys)
+    return report
+
+
+def _by_namespace(blocks: Iterable[Any]) -> dict[bytes, list[bytes]]:
+    out: dict[bytes, list[bytes]] = {}
+    for b in blocks:
+        out.setdefault(b.namespace_id, []).append(b.key)
+    return out
+
+
+def _write_units(store: Any, whole: list[Any], wanted: Mapping[bytes, tuple[str, Mapping[str, Any]]], report: ConversionReport) -> list[Any]:
+    """Stores every whole block's units, parents first; returns the blocks converted."""
+    converted: list[Any] = []
+    done: set[bytes] = set()
+    for b in sorted(whole, key=lambda b: b.depth):
+        description = wanted[b.namespace_id][1]
+        namespace = Namespace.from_dict(description)
+        parts = _layout(description)
+        grid = KVGrid(int(parts["kv_heads"]), int(parts["layers"]))
+        if b.parent is not None and b.parent not in done:
+            report.skipped_blocks += 1  # its parent was not converted: its units would have no parent
+            continue
+        (payload,) = store.get(namespace, [b.key])
+        if payload is None:
+            report.skipped_blocks += 1  # corrupt (now quarantined) or gone
+            continue
+        try:
+            for span, frames in zip(grid.head_spans(), split_whole(payload, description)):
+                parent = None if b.parent is None else unit_key(b.parent, span, grid)
+                result = store.put(namespace, [unit_key(b.key, span, grid)], [frames], parent=parent)
+                report.units_written += result.stored
+        except MissingAncestorError:
+            report.skipped_blocks += 1
+            continue
+        done.add(b.key)
+        converted.append(b)
+    return converted
