@@ -24,6 +24,8 @@ def render(r: dict[str, Any]) -> str:
         f"dropped       {r['quarantine_records_dropped']} quarantine records, orphans "
         + ", ".join(f"{t} {n}" for t, n in r["orphans_dropped"].items()),
     ]
+    if r.get("parentless_quarantined"):
+        lines.append(f"quarantined   {r['parentless_quarantined']} blocks whose parent is missing (with descendants)")
     lines += [f"index problem: {p}" for p in r["index_problems"]]
     return "\n".join(lines)
 

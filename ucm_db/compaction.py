@@ -10,8 +10,10 @@ Steps, in order:
        any, and only those are walked, in write transactions of at most
        about ``MAINTENANCE_CHUNK_KEYS`` entries each
        (:meth:`LocalTier.drop_orphans`). Memory and transaction size stay
-       bounded on a store of millions of blocks. Missing LRU entries and
-       child links are re-added (:func:`~ucm_db.tiers.damage.restore_links`).
+       bounded on a store of millions of blocks. A block whose parent is
+       not stored is quarantined with its descendants, missing LRU entries
+       and child links are re-added (:func:`~ucm_db.tiers.damage.restore_links`),
+       and counters that disagree with the metadata are recounted.
     3. Reclaim file space. LMDB: a compacting copy (``Environment.copy(...,
        compact=True)``) into a new file, fsynced, then renamed over
        ``data.mdb`` (atomic: a crash leaves the old or the new file, never a
@@ -40,7 +42,7 @@ from ucm_db.store_view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, che
 from ucm_db.storelock import StoreLock, describe, holders
 from ucm_db.tiers.damage import restore_links
 from ucm_db.tiers.local import LocalTier
-from ucm_db.verification import links_missing
+from ucm_db.verification import PARENT_MISSING, counters_damaged, lineage_problems, links_missing
 
 logger = logging.getLogger("ucm_db")
 #: Eviction proceeds in about this many transactions...
@@ -238,13 +240,18 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         evicted = evict_to(tier, target_bytes, progress) if target_bytes is not None else 0
         quarantine_dropped = tier.drop_quarantine_records()
         orphans_dropped, index_problems = tier.drop_orphans_and_check()  # one audit of the index when nothing is dropped
+        parentless = _quarantine_parentless(tier, index_problems)
         links_restored = {"lru": 0, "children": 0}
         if links_missing(index_problems):
             links_restored = restore_links(tier)
+        if parentless or links_missing(index_problems):
+            index_problems = tier.check()
+        if counters_damaged(index_problems):
+            tier.recompute_totals()
             index_problems = tier.check()
         out = {"blocks_before": before.blocks, "stored_bytes_before": before.stored_bytes, "evicted_blocks": evicted,
                "quarantine_records_dropped": quarantine_dropped, "orphans_dropped": orphans_dropped,
-               "links_restored": links_restored}
+               "parentless_quarantined": parentless, "links_restored": links_restored}
         if engine_name == "rocksdb" and exclusive:
             engine.compact()  # type: ignore[attr-defined]
         after = tier.totals()
@@ -252,6 +259,20 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         return out
     finally:
         engine.close()
+
+
+def _quarantine_parentless(tier: LocalTier, index_problems: list[str]) -> int:
+    """Quarantines every block whose parent is not stored, with its
+    descendants, as ``verify --fix`` does (lookup stops before such a block,
+    so it is dead weight); returns how many blocks went. The metadata is
+    scanned only when the audit named such a block."""
+    if not any("parent missing" in p for p in index_problems):
+        return 0
+    before = tier.totals().blocks
+    for key, reason in sorted(lineage_problems(tier.scan_metas(), set(tier.iterate())).items()):
+        if reason == PARENT_MISSING:
+            tier.quarantine(key, f"ucm-db compact: {reason}", lambda _head, _body: True)
+    return before - tier.totals().blocks
 
 
 def _rewrite_step(path: Path, engine_name: str, exclusive: bool, held_by: list[int]) -> tuple[str, str | None]:

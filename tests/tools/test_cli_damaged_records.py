@@ -210,6 +210,27 @@ def test_parent_missing_and_no_lru_entry_are_repaired(tmp_path: Path) -> None:
     assert not verify(path).problems
 
 
+def test_compact_quarantines_a_parentless_block(tmp_path: Path) -> None:
+    """Item 17, compact's half: a block whose parent record is gone was
+    listed as "parent missing" in compact's report and left in place
+    (lookup stopped before it, verify kept failing). compact now quarantines
+    it with its descendants, as `verify --fix` does, and recounts the
+    counters the lost record leaves disagreeing."""
+    path = tmp_path / "s"
+    chains = make_store(path)
+    orphaned = chains["a1"]
+    edit(path, lambda txn: (txn.delete("meta", orphaned[2]), txn.delete("blocks", orphaned[2]), txn.delete("heads", orphaned[2])))
+    assert orphaned[3].hex() in [c["key"] for c in invoke_json("verify", path, expect=1)["corrupt"]]
+    report = compact(path)
+    assert report["parentless_quarantined"] == 2, report  # orphaned[3] and its descendant orphaned[4]
+    assert report["index_problems"] == [], report["index_problems"]
+    assert not verify(path).problems
+    with ucm_db.open(path) as store:
+        assert store.lookup(NS_A, orphaned) == 2
+        assert orphaned[3] in store._tier.quarantine_records()
+        assert store.stats().stored_bytes == stored_sum(store)
+
+
 def test_a_delete_over_a_damaged_descendant_removes_the_tree(tmp_path: Path) -> None:
     """A descendant whose record is cut short is damage, not another
     namespace's block: a namespaced delete of its chain goes through (it was
