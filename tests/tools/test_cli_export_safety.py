@@ -43,6 +43,17 @@ def test_export_refuses_a_fifo_target_without_replacing_it(store: Path, tmp_path
     assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)
 
 
+def test_export_refuses_a_device_and_dev_stdout_without_touching_them(store: Path) -> None:
+    """The issue's device cases: a character device, and /dev/stdout (a
+    symlink) that an export as root would have replaced for the machine."""
+    before = os.lstat("/dev/null")
+    assert "is a character device" in invoke("export", store, "/dev/null", expect=2).stderr
+    after = os.lstat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+    assert "not a regular file" in invoke("export", store, "/dev/stdout", expect=2).stderr
+    assert os.path.lexists("/dev/stdout")
+
+
 def test_export_refuses_standard_output_and_a_directory(store: Path, tmp_path: Path) -> None:
     assert "standard output" in invoke("export", store, "-", expect=2).stderr
     (tmp_path / "d").mkdir()
