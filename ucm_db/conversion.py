@@ -12,8 +12,8 @@ Invariants:
       the conversion: its lock is held exclusively throughout (a store open
       elsewhere is refused with LockedError naming the processes; one
       opening it meanwhile waits).
-    * The destination must be new or an empty directory, outside the source
-      store (a destination inside it is refused).
+    * The destination must be new or an empty directory (not a symlink),
+      outside the source store (a destination inside it is refused).
     * The copy is built in a hidden temp directory beside the destination
       (``.DEST.converting-<random>``) and renamed to DEST only once verified,
       so a conversion that fails or is killed never leaves a DEST that opens
@@ -106,6 +106,9 @@ def _write(dest: Engine, batch: list[tuple[str, bytes, bytes]]) -> int:
 
 
 def _check_dest(source_path: Path, dest_path: Path) -> None:
+    if dest_path.is_symlink():  # the final rename cannot replace a link, and must not follow one
+        raise ConfigError(f"destination {dest_path} is a symlink (to {os.readlink(dest_path)})",
+                          hint="pass a new directory as DEST, or the directory the link points to if it is empty")
     if dest_path.exists() and (not dest_path.is_dir() or any(dest_path.iterdir())):
         raise ConfigError(f"destination {dest_path} is not empty (or is a file)", hint="pass a new directory as DEST")
     source, dest = source_path.resolve(), dest_path.resolve()
@@ -146,7 +149,7 @@ def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, pr
 
     Raises:
         LockedError: another process has the source store open.
-        ConfigError: DEST is not empty, is inside the source, or the store
+        ConfigError: DEST is not empty, is a symlink, is inside the source, or the store
             already uses ``engine_name``.
         MigrationError: the copy differs from the source or fails to verify.
     """

@@ -83,6 +83,23 @@ def test_conversion_into_an_empty_directory_and_through_a_symlink_inside(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link", "s"]  # no temp directory left
 
 
+@pytest.mark.parametrize("points_to", ["empty-dir", "nowhere"])
+def test_conversion_refuses_a_destination_that_is_a_symlink(tmp_path: Path, points_to: str) -> None:
+    """A DEST symlink (to an empty directory, or dangling) ended in a raw
+    NotADirectoryError from the final rename; it is refused up front, the
+    link and what it points to left as they were."""
+    make_store(tmp_path / "s")
+    if points_to == "empty-dir":
+        (tmp_path / points_to).mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / points_to)
+    result = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "s", tmp_path / "link", expect=2)
+    assert "is a symlink" in result.stderr and str(tmp_path / points_to) in result.stderr, result.stderr
+    assert os.readlink(tmp_path / "link") == str(tmp_path / points_to)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["s", "link"] + (["empty-dir"] if points_to == "empty-dir" else []))
+    if points_to == "empty-dir":
+        assert not any((tmp_path / points_to).iterdir())
+
+
 def test_a_killed_conversion_leaves_no_destination_store(tmp_path: Path) -> None:
     chains = make_store(tmp_path / "s")
     dest, marker = tmp_path / "rocks", tmp_path / "paused"
