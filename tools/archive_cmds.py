@@ -13,12 +13,12 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, ProgressBar, auth_options, emit, json_option
+from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, CliPath, ProgressBar, auth_options, emit, json_option
 
 
 @click.command("export")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.argument("archive", type=click.Path(path_type=Path))
+@click.argument("path", type=CliPath())
+@click.argument("archive", type=CliPath())
 @click.option("--namespace", "namespaces", multiple=True, help="Only this namespace (id prefix or model name); repeatable. Default: all.")
 @auth_options("sign the archive (MACs)")
 @json_option
@@ -41,8 +41,8 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
 
 
 @click.command("import")
-@click.argument("archive", type=click.Path(path_type=Path))
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("archive", type=CliPath())
+@click.argument("path", type=CliPath())
 @click.option("--allow-evict", is_flag=True, help="Let the import evict least recently used blocks when the archive does not fit.")
 @auth_options("check the archive's MACs (refuse what they did not sign)")
 @json_option

@@ -26,6 +26,20 @@ JSON_META_KEY = "ucm_db.json"
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 
+class CliPath(click.Path):
+    """A path argument of the commands (a :class:`pathlib.Path`). An empty
+    string is a usage error: pathlib reads it as ".", so `ucm-db import A ""`
+    wrote a store into the current directory (``ucm_db.open("")`` refuses)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(path_type=Path, **kwargs)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value:
+            self.fail("an empty path names nothing (it would be read as '.'); pass '.' for the current directory", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def _remember_json(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
     if value:
         ctx.meta[JSON_META_KEY] = True
@@ -117,6 +131,6 @@ def auth_options(purpose: str) -> Callable[[Any], Any]:
     def decorate(fn: Any) -> Any:
         fn = click.option("--auth-key-env", metavar="NAME", default=None,
                           help=f"Environment variable holding hex auth key(s) (its name, not the key) to {purpose}.")(fn)
-        return click.option("--auth-key-file", type=click.Path(path_type=Path), default=None,
+        return click.option("--auth-key-file", type=CliPath(), default=None,
                             help=f"Key file: hex auth keys, one per line, the first signs; mode 600. To {purpose}.")(fn)
     return decorate

@@ -13,7 +13,7 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import ProgressBar, emit, human_bytes, json_option, warn
+from ucm_db.tools.cli_common import CliPath, ProgressBar, emit, human_bytes, json_option, warn
 
 
 def render(r: dict[str, Any]) -> str:
@@ -31,7 +31,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 @click.command("compact")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=CliPath())
 @click.option("--target-bytes", type=click.IntRange(min=0), default=None, help="Evict LRU blocks until at most this many stored bytes remain.")
 @click.option("--require-exclusive", is_flag=True, help="Refuse (exit 2) instead of working beside processes that have the store open.")
 @json_option

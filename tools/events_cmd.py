@@ -14,13 +14,14 @@ from pathlib import Path
 import click
 
 from ucm_db import maintenance
+from ucm_db.tools.cli_common import CliPath
 
 #: Lines written at once (one write per line costs a replay of 100k blocks ~0.5 s).
 _LINES_PER_WRITE = 4096
 
 
 @click.command("events")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=CliPath())
 @click.option("--namespace", "namespaces", multiple=True, help="Only this namespace (id prefix or model name); repeatable.")
 @click.option("--since", "since_seq", type=click.IntRange(min=0), default=None,
               help="Print the change feed from this seq on, without the inventory first.")

@@ -13,7 +13,7 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import emit, human_bytes, json_option, table
+from ucm_db.tools.cli_common import CliPath, emit, human_bytes, json_option, table
 
 
 #: Free fraction of the data file above which inspect suggests ``compact``.
@@ -70,7 +70,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 @click.command("inspect")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=CliPath())
 @click.option("--namespace", "namespaces", multiple=True, help="Only this namespace (id prefix or model name); repeatable.")
 @click.option("--top", type=click.IntRange(min=0), default=0, help="Also list the N hottest chains.")
 @json_option

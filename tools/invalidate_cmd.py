@@ -14,7 +14,7 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import emit, json_option
+from ucm_db.tools.cli_common import CliPath, emit, json_option
 
 
 def render(report: dict[str, Any]) -> str:
@@ -25,7 +25,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 @click.command("invalidate")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=CliPath())
 @click.option("--namespace", "namespaces", multiple=True, required=True,
               help="Namespace id prefix or model name (repeatable); `ucm-db inspect` lists them.")
 @json_option

@@ -16,7 +16,7 @@ from ucm_db import STORE_FORMAT_VERSION, ConfigError, migrations
 from ucm_db.maintenance import convert_engine as convert
 from ucm_db.maintenance import convert_pre_unit_blocks
 
-from ucm_db.tools.cli_common import ProgressBar, emit, json_option
+from ucm_db.tools.cli_common import CliPath, ProgressBar, emit, json_option
 
 
 def migrate_in_place(path: Path, *, dry_run: bool) -> dict[str, Any]:
@@ -56,8 +56,8 @@ def render(r: dict[str, Any]) -> str:
 
 
 @click.command("migrate")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.argument("dest", required=False, type=click.Path(path_type=Path))
+@click.argument("path", type=CliPath())
+@click.argument("dest", required=False, type=CliPath())
 @click.option("--to-engine", type=click.Choice(["lmdb", "rocksdb"]), default=None, help="Convert PATH into a new store DEST using this engine.")
 @click.option("--dry-run", is_flag=True, help="List pending migrations without applying them.")
 @json_option

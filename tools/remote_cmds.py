@@ -14,7 +14,7 @@ import click
 
 from ucm_db import ConfigError, maintenance
 
-from ucm_db.tools.cli_common import ProgressBar, auth_options, emit, human_bytes, json_option
+from ucm_db.tools.cli_common import CliPath, ProgressBar, auth_options, emit, human_bytes, json_option
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
@@ -127,11 +127,11 @@ def read_chains(tokens_file: Path | None, keys_file: Path | None) -> tuple[list[
 
 
 @click.command("warm")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=CliPath())
 @click.option("--remote", required=True, help="fsspec URL of the remote tier to warm from.")
 @click.option("--namespace", "namespace", required=True, help="Namespace on the remote: id prefix or model name.")
-@click.option("--tokens", "tokens_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="File of prompts: one JSON list of token ids per line.")
-@click.option("--keys", "keys_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="File of chains: hex block keys of one chain per line.")
+@click.option("--tokens", "tokens_file", type=CliPath(exists=True, dir_okay=False), help="File of prompts: one JSON list of token ids per line.")
+@click.option("--keys", "keys_file", type=CliPath(exists=True, dir_okay=False), help="File of chains: hex block keys of one chain per line.")
 @click.option("--option", "options", multiple=True, help="fsspec option NAME=VALUE for the remote; repeatable.")
 @auth_options("serve only remote objects they signed")
 @json_option

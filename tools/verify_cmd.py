@@ -13,7 +13,7 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, ProgressBar, emit, json_option
+from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, CliPath, ProgressBar, emit, json_option
 
 
 def render(r: dict[str, Any]) -> str:
@@ -30,7 +30,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 @click.command("verify")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=CliPath())
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="Check N blocks chosen at random instead of all.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed of --sample.")
 @click.option("--fix", is_flag=True, help="Quarantine the corrupt blocks found and recompute wrong totals (writes to the store).")

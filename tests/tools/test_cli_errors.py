@@ -216,3 +216,25 @@ def test_a_command_exiting_with_a_message_prints_it(monkeypatch, capsys) -> None
     monkeypatch.setattr(cli_module.cli, "main", failing_main)
     assert cli_module.main(["inspect", "x"]) == cli_module.EXIT_PROBLEMS
     assert "engine job failed: see its log" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["import", "warm", "export-to", "to-engine-dest", "compact", "verify", "inspect", "invalidate",
+                                     "events", "migrate"])
+def test_an_empty_path_argument_is_a_usage_error_and_creates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     command: str) -> None:
+    """Issue 26 item 15 through the CLI: pathlib reads "" as ".", so
+    `ucm-db import ARCHIVE ""` created a store in the current directory
+    (``ucm_db.open("")`` is refused, but the CLI passed it ``Path(".")``)."""
+    make_store(tmp_path / "s")
+    invoke("export", tmp_path / "s", tmp_path / "a.tar")
+    (tmp_path / "keys.txt").write_text("00" * 32 + "\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    args = {"import": ["import", tmp_path / "a.tar", ""],
+            "warm": ["warm", "", "--remote", f"file://{tmp_path / 'r'}", "--namespace", "m", "--keys", tmp_path / "keys.txt"],
+            "export-to": ["export", tmp_path / "s", ""],
+            "to-engine-dest": ["migrate", "--to-engine", "rocksdb", tmp_path / "s", ""]}.get(command, [command, ""])
+    result = invoke(*args, expect=2)
+    assert "empty path" in result.stderr, result.stderr
+    assert list(cwd.iterdir()) == []
