@@ -40,9 +40,9 @@ Invariants:
       on and calls ``request_finished_all_groups`` (one block list per KV
       cache group) instead of ``request_finished`` for every model. A model
       with one group is served as before; one with several, group by group
-      (:mod:`ucm_db.connector.hybrid`); groups ucm-db cannot store (SSM
-      state) stop the engine in the constructor, before the worker
-      allocates the KV cache.
+      (:mod:`ucm_db.connector.hybrid`); groups ucm-db cannot store (an SSM
+      state without block boundaries, chunked local attention ...) stop the
+      engine in the constructor, before the worker allocates the KV cache.
     * ``kv_role`` picks the prefill/decode role (:mod:`ucm_db.connector.roles`):
       ``kv_producer`` commits within the step and returns what it published
       as ``kv_transfer_params``; ``kv_consumer`` never saves.
@@ -134,7 +134,9 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
             events_config = vllm_config.kv_events_config
             if events_config is not None and events_config.enable_kv_cache_events:
                 parts = self._scheduler.parts if isinstance(self._scheduler, GroupedScheduler) else [self._scheduler]
-                self._events = GroupEvents([FeedEvents(part.store, part.namespace, lambda part=part: part.epoch) for part in parts])
+                specs = [_event_spec(kv_cache_config, group.index) for group in self.groups]  # parts are in group order
+                self._events = GroupEvents([FeedEvents(part.store, part.namespace, lambda part=part: part.epoch, spec)
+                                            for part, spec in zip(parts, specs)])
         else:
             num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._worker = (GroupedWorker(self.settings, self.shape, num_blocks, self.pd_role, self.groups) if hybrid
@@ -328,6 +330,17 @@ def _use_spare_cpus(vllm_config: VllmConfig) -> None:
         cpu_placement.set_background_cpus(spare)
         logger.info("ucm-db: background threads on CPUs %s (the model thread is bound to %s)",
                     sorted(spare), sorted(os.sched_getaffinity(0)))
+
+
+def _event_spec(kv_cache_config: KVCacheConfig | None, group_index: int) -> tuple[str | None, int | None]:
+    """vLLM's event metadata of a KV cache group (spec kind, sliding window),
+    as vLLM's KV cache manager and OffloadingConnector publish it."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+    if kv_cache_config is None:
+        return None, None
+    spec = kv_cache_config.kv_cache_groups[group_index].kv_cache_spec
+    return get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
 
 
 def _log_start_failure(exc: UcmDbError) -> None:

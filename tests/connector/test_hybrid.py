@@ -248,3 +248,23 @@ class _Output:
         self.kv_connector_worker_meta = worker_meta
         self.invalid_block_ids = invalid
 
+
+
+def test_reset_moves_every_groups_epoch_on_for_this_and_another_engine(model_dir: Path, tmp_path: Path) -> None:
+    """``reset_cache`` of a hybrid model: no group serves its old blocks, in
+    this engine or another on the store; stored again, they hit again."""
+    ids = (list(range(1, 8)), list(range(11, 18)))
+    first = _Engine(model_dir, tmp_path / "store", _kv(1))
+    assert first.run(_request("a", TOKENS), ids) == 0
+    other = _Engine(model_dir, tmp_path / "store", _kv(None))
+    assert other.scheduler.get_num_new_matched_tokens(_request("probe", TOKENS), 0) == (6 * BS, False)
+    other.scheduler.build_connector_meta(SchedulerOutput.make_empty())  # its step ends: the next one reads the epoch
+    assert first.scheduler.reset_cache() is True
+    sched = first.scheduler._scheduler
+    assert isinstance(sched, GroupedScheduler) and [part.epoch for part in sched.parts] == [1, 1]
+    for engine in (first, other):
+        assert engine.scheduler.get_num_new_matched_tokens(_request("old", TOKENS), 0) == (0, False)
+    assert first.run(_request("again", TOKENS), ids) == 0  # computed and stored again, at the new epoch
+    assert other.scheduler.get_num_new_matched_tokens(_request("new", TOKENS), 0) == (6 * BS, False)
+    first.close()
+    other.close()

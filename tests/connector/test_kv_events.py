@@ -200,3 +200,31 @@ def test_a_large_inventory_replay_never_holds_a_step(tmp_path: Path) -> None:
         store.put(ns, ns.block_keys([7] * 4), [b"kv"], event_fields={ns.block_keys([7] * 4)[0]: BlockEventFields(b"h" * 32, None, (7,) * 4, 4)})
         later = events.take()
         assert [type(e) for e in later] == [BlockStored]  # then the feed, and no replayed block twice
+
+
+def test_two_writer_processes_over_1000_operations_no_divergence(tmp_path: Path) -> None:
+    """The issue's target, through this module's translation to vLLM events:
+    two other processes make 1200 evented puts and deletes (evictions
+    included) while take_events runs; the subscriber's view of STORAGE
+    blocks equals the store's content."""
+    import time
+
+    import ucm_db
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    from test_changefeed import _WORKER, NS, stored_hashes  # tests/ is on sys.path (its conftest)
+
+    path = tmp_path / "s"
+    with ucm_db.open(path, capacity_bytes=1 << 20, codec="none") as store:
+        events, view = FeedEvents(store, NS), Subscriber()
+        procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(path), str(seed), "600"]) for seed in (1, 2)]
+        while any(p.poll() is None for p in procs):
+            view.apply(events.take())
+            time.sleep(0.01)
+        assert [p.wait() for p in procs] == [0, 0]
+        for _ in range(3):  # the last records, and a replay still being read
+            view.apply(events.take())
+            time.sleep(0.1)
+        assert store.stats().evictions > 100
+        held = {maybe_convert_block_hash(BlockHash(h)) for h in stored_hashes(store).values()}
+    assert len(held) > 10 and set(view.blocks) == held

@@ -35,7 +35,7 @@ from vllm.v1.request import Request  # noqa: E402
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
 from ucm_db.connector.metrics import UcmDbConnectorStats  # noqa: E402
 
-from test_hybrid import BS, FULL_LAYERS, TOKENS, WINDOW_LAYERS, _Engine, _groups, _kv, _step, model_dir  # noqa: E402,F401
+from test_hybrid import BS, FULL_LAYERS, TOKENS, WINDOW, WINDOW_LAYERS, _Engine, _groups, _kv, _step, model_dir  # noqa: E402,F401
 
 init_none_hash(sha256_cbor)
 HASHER = get_request_block_hasher(BS, sha256_cbor)
@@ -106,7 +106,11 @@ def test_two_ucm_db_children_keep_the_hybrid_manager_load_from_the_one_with_hits
     req = _request("r", TOKENS)
     hashes = [maybe_convert_block_hash(h) for h in req.block_hashes[:6]]
     # The first take replays each child's store: the filled one's 6 blocks of both groups, in child order.
-    assert _stored(list(multi.scheduler.take_events())) == sorted(((g, h) for g in (0, 1) for h in hashes), key=repr)
+    replayed = list(multi.scheduler.take_events())
+    assert _stored(replayed) == sorted(((g, h) for g in (0, 1) for h in hashes), key=repr)
+    # Each group's spec, as vLLM's own caches and OffloadingConnector publish it (a router classifies groups by it).
+    assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in replayed} == {
+        (0, "sliding_window", WINDOW), (1, "full_attention", None)}
 
     assert multi.scheduler.get_num_new_matched_tokens(req, 0) == (6 * BS, False)
     assert multi.scheduler._requests_to_connector["r"] == 1  # the empty store is asked first and has none

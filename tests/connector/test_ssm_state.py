@@ -302,3 +302,27 @@ def test_a_model_of_state_groups_only_is_refused(model_dir: Path, tmp_path: Path
         KVCacheGroupSpec([STATE_LAYER], _mamba()), KVCacheGroupSpec(["model.layers.1.linear_attn"], _mamba())])
     with pytest.raises(ConfigError, match="no attention group"):
         UcmDbConnector(_vllm_config(model_dir, tmp_path / "store"), KVConnectorRole.WORKER, only)
+
+
+def test_a_preemption_reaches_every_group_state_group_included(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's ``handle_preemptions`` gets the top-level metadata: every
+    group's worker (the state group's too) drops the saves of a preempted
+    request not yet copied out, and keeps the others'."""
+    from ucm_db.connector.metadata import BlockTransfer
+
+    mamba = _mamba()
+    engine = _Engine(model_dir, tmp_path / "store", _kv(4, mamba), mamba)
+    grouped = engine.worker._worker
+    for part in grouped.parts:  # type: ignore[union-attr]
+        part._pending.add([BlockTransfer("gone", (b"\1" * 32,), (3,)), BlockTransfer("kept", (b"\2" * 32,), (8,))])
+    out = _step(_request("other", TOKENS), ([0] * 5 + [7], list(range(11, 17))), 1)
+    out.preempted_req_ids = {"gone"}
+    meta = engine.scheduler.build_connector_meta(out)
+    assert meta.preempted == ("gone",) and [m.preempted for m in meta.groups] == [("gone",), ("gone",)]
+    engine.worker.handle_preemptions(meta)
+    for part in grouped.parts:  # type: ignore[union-attr]
+        assert part.counters.totals.data["saves_preempted"] == 1
+        kept = part._pending.take()
+        assert kept is not None and kept.req_id == "kept"
+        part._pending.done(kept)
+    engine.close()
