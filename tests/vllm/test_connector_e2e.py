@@ -2,7 +2,8 @@
 
 One scenario, run once for the module (engine starts dominate the cost):
 
-1. ``reference`` (new process): model A, no connector, prefix caching off.
+1. ``reference`` (new process): model A, prefix caching off, ucm-db as a
+   consumer of an empty store (it loads and saves nothing, e2e_helpers).
 2. ``first`` (this process): model A + ucm-db (block loads), prefix caching
    off, so every reuse inside it goes through the store. Prompts one by one:
    P0, then P1 sharing P0's first 8 blocks, an unrelated P2, P0 again with a
@@ -32,7 +33,9 @@ import ucm_db
 from ucm_db.keys import Namespace
 from ucm_db.units import KVGrid, unit_key
 
-from e2e_helpers import BLOCK_SIZE, in_process_engine, start_engine_process, store_blocks, wait_for_new_blocks
+from e2e_helpers import (
+    BLOCK_SIZE, in_process_engine, reference_engine_kwargs, start_engine_process, store_blocks, wait_for_new_blocks,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -87,7 +90,8 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     work = tmp_path_factory.mktemp("e2e")
     store = work / "store"
     names = list(_prompts())
-    reference = start_engine_process(_spec(model_a, None, names), work, "reference")
+    reference_spec = {**_spec(model_a, None, names), "engine_kwargs": reference_engine_kwargs(work / "empty")}
+    reference = start_engine_process(reference_spec, work, "reference")
     first: dict[str, Any] = {"cached": {}, "outputs": {}, "blocks_after": {}}
     spec = _spec(model_a, store, names)
     with in_process_engine(spec) as llm:

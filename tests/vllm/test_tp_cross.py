@@ -6,7 +6,8 @@ TP=2 runs on this 2-core machine with one core per rank
 float32, so that TP=1 and TP=2 compute the same greedy tokens. Five
 engines, two at a time where they do not depend on each other:
 
-1. ``ref1`` / ``ref2``: no connector, TP=1 and TP=2, every prompt.
+1. ``ref1`` / ``ref2``: TP=1 and TP=2, every prompt, ucm-db as a consumer of
+   an empty store (it loads and saves nothing, e2e_helpers).
 2. ``write2``: TP=2 + ucm-db, prompt A (stores its units).
 3. ``read1``: TP=1 + ucm-db on the same store: A (written at TP=2), then
    B (stored here, at TP=1).
@@ -28,7 +29,7 @@ import ucm_db
 from ucm_db.keys import Namespace
 from ucm_db.units import KVGrid, unit_key
 
-from e2e_helpers import BLOCK_SIZE, start_engine_process
+from e2e_helpers import BLOCK_SIZE, reference_engine_kwargs, start_engine_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -58,6 +59,10 @@ def _spec(model: Path, tp: int, store: Path | None, names: list[str]) -> dict[st
     }
 
 
+def _reference(model: Path, tp: int, empty_store: Path, names: list[str]) -> dict[str, Any]:
+    return {**_spec(model, tp, None, names), "engine_kwargs": reference_engine_kwargs(empty_store)}
+
+
 def _hit(name: str) -> int:
     """Every full block but the one holding the prompt's last token."""
     return (len(_prompts()[name]["ids"]) - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -69,10 +74,10 @@ def runs(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactor
     work = tmp_path_factory.mktemp("tp")
     store = work / "store"
     both = ["a", "b"]
-    ref1 = start_engine_process(_spec(model, 1, None, both), work, "ref1")
+    ref1 = start_engine_process(_reference(model, 1, work / "empty1", both), work, "ref1")
     write2 = start_engine_process(_spec(model, 2, store, ["a"]), work, "write2")
     out: dict[str, Any] = {"write2": write2.wait(WAIT_S), "ref1": ref1.wait(WAIT_S)}
-    ref2 = start_engine_process(_spec(model, 2, None, both), work, "ref2")
+    ref2 = start_engine_process(_reference(model, 2, work / "empty2", both), work, "ref2")
     read1 = start_engine_process(_spec(model, 1, store, both), work, "read1")
     out.update(read1=read1.wait(WAIT_S), ref2=ref2.wait(WAIT_S))
     out["read2"] = start_engine_process(_spec(model, 2, store, ["b", "a"]), work, "read2").wait(WAIT_S)
