@@ -19,6 +19,7 @@ import pytest
 
 import ucm_db
 from ucm_db import BlockKeys, ConfigError, MissingAncestorError, Namespace, StoreFullError, TierError
+from ucm_db.format import damaged_format_records
 
 NS = Namespace(model="integrity-test", kv_dtype="bfloat16", block_size=4)
 OTHER_NS = Namespace(model="integrity-test-other", kv_dtype="bfloat16", block_size=4)
@@ -333,7 +334,7 @@ def test_a_garbage_settings_or_version_record_is_a_clear_error(tmp_path, record,
     with open_store(path) as store:
         store.put(NS, chain(1), [b"x"])
         store._tier.engine.write(lambda txn: txn.put("info", record, garbage))
-        assert any(name == record.decode() for name, _ in store._tier.damaged_records())
+        assert any(name == record.decode() for name, _ in store._tier.engine.read(damaged_format_records))
     with pytest.raises(ucm_db.DamagedRecordError, match="damaged") as info:
         open_store(path)
     assert isinstance(info.value, TierError) and info.value.hint
@@ -355,7 +356,7 @@ def test_a_settings_record_altered_into_other_valid_settings_is_refused(tmp_path
             txn.put("info", b"settings", json.dumps(settings, sort_keys=True).encode())
 
         store._tier.engine.write(alter)
-        assert ("settings", "checksum mismatch") in store._tier.damaged_records()
+        assert ("settings", "checksum mismatch") in store._tier.engine.read(damaged_format_records)
     with pytest.raises(TierError, match="settings record .* is damaged"):
         open_store(path)
 

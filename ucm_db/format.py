@@ -42,7 +42,7 @@ from ucm_db.store_format import (  # noqa: F401 - re-exported: the format's cons
     CREATED_KEY, FORMAT_VERSION_KEY, INFO_TABLE, MIN_MAP_BYTES, ON_DISK_ENGINES, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
 
-from ucm_db.tiers.records import DamagedRecord, check, get_checked, put_checked
+from ucm_db.tiers.records import DamagedRecord, check, get_checked, put_checked, seal
 
 if TYPE_CHECKING:
     from ucm_db.config import StoreConfig
@@ -152,6 +152,51 @@ def checked_format_version(txn: Any) -> bytes | None:
         raise DamagedRecordError(f"the store's format version record is damaged (checksum mismatch, holds {bytes(value)[:16]!r})",
                           hint=_DAMAGED_HINT) from None
     return bytes(value)
+
+
+def seal_format_records(txn: Any) -> int:
+    """Adds checksums to the version and settings records older code wrote
+    bare (at a writable open); returns how many were sealed."""
+    return seal(txn, (FORMAT_VERSION_KEY, SETTINGS_KEY))
+
+
+def damaged_format_records(txn: Any) -> list[tuple[str, str]]:
+    """(record name, reason) of each damaged store-format record: the
+    format version (not a decimal number, checksum mismatch), the settings
+    (not a JSON object, checksum mismatch, a persisted value no config
+    accepts) and the creation record (not a JSON object). Empty when whole."""
+    found: list[tuple[str, str]] = []
+    version = txn.get(INFO_TABLE, FORMAT_VERSION_KEY)
+    if version is not None and not bytes(version).isdigit():
+        found.append((FORMAT_VERSION_KEY.decode(), "not a decimal number"))
+    elif version is not None:
+        try:
+            check(txn, FORMAT_VERSION_KEY, version)
+        except DamagedRecord as exc:
+            found.append((FORMAT_VERSION_KEY.decode(), exc.reason))
+    created = txn.get(INFO_TABLE, CREATED_KEY)
+    if created is not None:
+        try:
+            if not isinstance(json.loads(bytes(created)), dict):
+                found.append((CREATED_KEY.decode(), "not a JSON object"))
+        except (ValueError, UnicodeDecodeError):
+            found.append((CREATED_KEY.decode(), "not JSON"))
+    raw = txn.get(INFO_TABLE, SETTINGS_KEY)
+    if raw is None:
+        return found
+    try:
+        settings = parse_settings(raw)
+        check(txn, SETTINGS_KEY, raw)
+    except DamagedRecord as exc:
+        return found + [(SETTINGS_KEY.decode(), exc.reason)]
+    problem = persisted_settings_problem(settings)
+    return found + [(SETTINGS_KEY.decode(), f"invalid value: {problem}")] if problem else found
+
+
+def format_record_problems(engine: Engine) -> list[str]:
+    """:func:`damaged_format_records` as the problem lines ``verify`` and
+    ``inspect`` print (the same words as the tier's for its records)."""
+    return [f"info record {name!r} is damaged: {reason}" for name, reason in engine.read(damaged_format_records)]
 
 
 def check_persisted_settings(settings: dict[str, Any], path: Path) -> None:

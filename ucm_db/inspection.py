@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.format import STORE_FORMAT_VERSION
+from ucm_db.format import STORE_FORMAT_VERSION, damaged_format_records
 from ucm_db.store_view import StoreView, select_namespaces
 from ucm_db.units import readable_at
 from ucm_db.tiers.local import BlockMeta
@@ -189,7 +189,7 @@ def _damaged_records(view: StoreView) -> list[str]:
     ``verify`` reports (a checksum-valid settings record holding an invalid
     value included), once each."""
     found = list(view.damaged)
-    for name, reason in view.tier.damaged_records():
+    for name, reason in view.tier.engine.read(damaged_format_records) + view.tier.damaged_records():
         if not any(f"'{name}'" in line and reason in line for line in found):
             found.append(f"info record {name!r} is damaged: {reason}")
     return found

@@ -24,7 +24,7 @@ from typing import Any
 from ucm_db.auth import AuthKeys, load_keys
 from ucm_db.config import PERSISTED_FIELDS, StoreConfig
 from ucm_db.errors import ConfigError, TierError
-from ucm_db.format import check_format_version, check_persisted_settings, engine_for_config, open_records
+from ucm_db.format import check_format_version, check_persisted_settings, engine_for_config, open_records, seal_format_records
 from ucm_db.storelock import StoreLock, ensure_store_dir, hold_shared
 from ucm_db.store_path import detect_engine_checked, permission_error, store_path
 from ucm_db.tiers.accounting import seal_records
@@ -107,7 +107,7 @@ def adopt_settings(engine: Engine, config: StoreConfig, explicit: Mapping[str, A
     check_persisted_settings(stored, path)
     if not config.read_only:
         # Records of older code get checksums; their counters are recounted first (issue 26 item 18).
-        engine.write(seal_records)
+        engine.write(lambda txn: seal_format_records(txn) + seal_records(txn))
     for name in PERSISTED_FIELDS:
         if name in explicit and name in stored and explicit[name] != stored[name]:
             raise ConfigError(

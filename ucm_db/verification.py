@@ -28,6 +28,7 @@ from typing import Any
 
 from ucm_db import codec
 from ucm_db.errors import CorruptBlockError
+from ucm_db.format import format_record_problems
 from ucm_db.inspection import chain_roots
 from ucm_db.store_view import ProgressFn, StoreView
 from ucm_db.tiers import damage
@@ -117,7 +118,7 @@ def verify_view(view: StoreView, *, sample: int | None = None, seed: int = 0, pr
         if progress is not None:
             progress(start + len(chunk), len(keys))
     if sample is None:
-        report.index_problems += view.tier.check()
+        report.index_problems += format_record_problems(view.tier.engine) + view.tier.check()
         metas = view.tier.scan_metas()
         _, cyclic = chain_roots(metas)
         for key in sorted(cyclic):

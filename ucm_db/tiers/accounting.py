@@ -21,8 +21,6 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.config import persisted_settings_problem
-from ucm_db.store_format import CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY
 from ucm_db.tiers import records
 from ucm_db.tiers.base import Buffer, Txn
 from ucm_db.tiers.index_types import BlockMeta, DamagedMeta
@@ -163,8 +161,9 @@ def recount(txn: Txn) -> tuple[Totals, dict[bytes, list[int]]]:
     return totals, per_namespace
 
 
-#: Records sealed at a writable open when older code wrote them without a checksum.
-SEALED_RECORDS = (FORMAT_VERSION_KEY, SETTINGS_KEY, TOTALS_KEY, NS_COUNTS_PREFIX, NS_DESC_PREFIX)
+#: This module's records sealed at a writable open when older code wrote them
+#: without a checksum (the store-format records are sealed by ucm_db.format).
+SEALED_RECORDS = (TOTALS_KEY, NS_COUNTS_PREFIX, NS_DESC_PREFIX)
 
 
 def seal_records(txn: Txn) -> int:
@@ -212,8 +211,9 @@ def parse_description(value: Buffer | None) -> dict[str, Any]:
 
 
 def damaged_records(txn: Txn) -> list[tuple[str, str]]:
-    """(record name, reason) of every damaged info record this module or
-    :mod:`ucm_db.store_format` names."""
+    """(record name, reason) of every damaged counter or namespace record
+    (the store-format records, version, settings and creation, are
+    :func:`ucm_db.format.damaged_format_records`'s)."""
     found: list[tuple[str, str]] = []
     try:
         Totals.read(txn)
@@ -226,25 +226,4 @@ def damaged_records(txn: Txn) -> list[tuple[str, str]]:
                 reason = parse_description(value).get("damaged")
             if reason:
                 found.append((name.decode(errors="replace"), reason))
-    version = txn.get("info", FORMAT_VERSION_KEY)
-    if version is not None and not bytes(version).isdigit():
-        found.append((FORMAT_VERSION_KEY.decode(), "not a decimal number"))
-    elif version is not None:
-        try:
-            records.check(txn, FORMAT_VERSION_KEY, version)
-        except records.DamagedRecord as exc:
-            found.append((FORMAT_VERSION_KEY.decode(), exc.reason))
-    for name in (SETTINGS_KEY, CREATED_KEY):
-        value = txn.get("info", name)
-        if value is not None and "damaged" in parse_description(value):
-            found.append((name.decode(), parse_description(value)["damaged"]))
-        elif value is not None and name == SETTINGS_KEY:
-            try:
-                records.check(txn, name, value)
-            except records.DamagedRecord as exc:
-                found.append((name.decode(), exc.reason))
-            else:
-                problem = persisted_settings_problem(parse_description(value))
-                if problem:
-                    found.append((name.decode(), f"invalid value: {problem}"))
     return found
