@@ -33,7 +33,7 @@ from typing import Any
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MigrationError
-from ucm_db.format import FORMAT_VERSION_KEY, STORE_FORMAT_VERSION, write_format_version
+from ucm_db.format import STORE_FORMAT_VERSION, checked_format_version, parse_format_version, write_format_version
 from ucm_db.tiers.base import Txn
 
 from ucm_db.migrations.access import exclusive_engine, open_engine, read_format_version
@@ -167,7 +167,8 @@ def _apply(engine: Any, migration: Migration, path: Path) -> None:
     from ucm_db.version import __version__
 
     def run(txn: Txn) -> None:
-        found = int(bytes(txn.get("info", FORMAT_VERSION_KEY) or b"0"))
+        raw = checked_format_version(txn)
+        found = 0 if raw is None else parse_format_version(raw)
         if found != migration.version - 1:
             raise MigrationError(f"store at {path} is at format {found}, expected {migration.version - 1}")
         migration.upgrade(txn)

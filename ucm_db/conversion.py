@@ -23,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -34,7 +33,9 @@ import xxhash
 
 from ucm_db.archive_io import fsync_dir
 from ucm_db.errors import ConfigError, FormatVersionError, MigrationError, UcmDbError
-from ucm_db.format import INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings
+from ucm_db.format import (
+    INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings, settings_records_for_engine,
+)
 from ucm_db.migrations.access import refuse_if_held
 from ucm_db.storelock import LOCK_FILE, StoreLock
 from ucm_db.tiers import records
@@ -75,14 +76,10 @@ def copy_tables(source: Engine, dest: Engine, engine_name: str, total_items: int
         done = 0
         for table in TABLES:
             for key, value in txn.scan(table):
-                if table == INFO_TABLE and key == SETTINGS_KEY:
-                    settings = json.loads(bytes(value))
-                    settings["engine"] = engine_name
-                    value = json.dumps(settings, sort_keys=True).encode()
-                    batch.append((table, SETTINGS_SUM_KEY, records.record_sum(SETTINGS_KEY, value)))  # its checksum, renewed
-                elif table == INFO_TABLE and key == SETTINGS_SUM_KEY:
-                    continue
-                batch.append((table, bytes(key), bytes(value)))
+                if table == INFO_TABLE and key == SETTINGS_KEY:  # names the new engine; its checksum renewed
+                    batch += [(table, name, record) for name, record in settings_records_for_engine(value, engine_name)]
+                elif table != INFO_TABLE or key != SETTINGS_SUM_KEY:
+                    batch.append((table, bytes(key), bytes(value)))
                 if len(batch) >= COPY_BATCH_ITEMS:
                     done += _write(dest, batch)
                     batch = []

@@ -42,7 +42,7 @@ from ucm_db.store_format import (  # noqa: F401 - re-exported: the format's cons
     CREATED_KEY, FORMAT_VERSION_KEY, INFO_TABLE, MIN_MAP_BYTES, ON_DISK_ENGINES, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
 
-from ucm_db.tiers.records import DamagedRecord, check, get_checked, put_checked, seal
+from ucm_db.tiers.records import SUM_PREFIX, DamagedRecord, check, get_checked, put_checked, record_sum, seal
 
 if TYPE_CHECKING:
     from ucm_db.config import StoreConfig
@@ -265,6 +265,16 @@ def write_new_store_records(txn: Any, settings: dict[str, Any]) -> None:
     write_format_version(txn)
     put_checked(txn, SETTINGS_KEY, json.dumps(settings, sort_keys=True).encode())
     txn.put(INFO_TABLE, CREATED_KEY, creation_record())
+
+
+def settings_records_for_engine(raw: Buffer, engine_name: str) -> list[tuple[bytes, bytes]]:
+    """The settings record ``raw`` rewritten for a store converted to
+    ``engine_name``, with its renewed checksum sidecar, as (info key, value)
+    pairs; a damaged record is a :class:`DamagedRecord`."""
+    settings = parse_settings(raw)
+    settings["engine"] = engine_name
+    value = json.dumps(settings, sort_keys=True).encode()
+    return [(SETTINGS_KEY, value), (SUM_PREFIX + SETTINGS_KEY, record_sum(SETTINGS_KEY, value))]
 
 
 def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: bool) -> tuple[int, dict[str, Any]]:
