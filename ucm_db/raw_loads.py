@@ -20,12 +20,13 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ucm_db import checked_copy, codec
 from ucm_db.codec_format import FRAME_STRUCT, HEADER_STRUCT, RAW_TABLES
 from ucm_db.errors import CorruptBlockError
+from ucm_db.slabs import ScatterSlabs
 
 # The codec's own header layout and its cache of all-raw frame tables
 # (this module is the codec's raw read path, kept apart for size).
@@ -50,28 +51,48 @@ def raw_checksum(head: Any, body_bytes: int, key: bytes) -> int | None:
     return checksum if total == body_bytes else None
 
 
-def copy_raw_blocks(
-    blocks: list[tuple[memoryview, memoryview] | None], keys: Sequence[bytes], buffers: Sequence[Any],
-    corrupt: list[tuple[bytes, str]],
-) -> list[bool | None]:
-    """Copies each block the fast path takes into ``buffers[i]``, verified;
-    returns per block True (loaded), False (corrupt: its key and reason
-    appended to ``corrupt``) or None (not taken: ``blocks[i]`` is left for
-    the codec, taken ones are set to None in ``blocks``)."""
-    results: list[bool | None] = [None] * len(blocks)
-    head_hasher, copy_verified = codec.head_hasher, checked_copy.copy_verified
-    for i, block in enumerate(blocks):
-        if block is None:
-            continue
-        head, body = block
+def raw_taker(
+    keys: Sequence[bytes], buffers: Sequence[Any], corrupt: list[tuple[bytes, str]],
+) -> tuple[Callable[[int, memoryview, memoryview], bool], list[bool | None]]:
+    """``(take, results)``: ``take(i, head, body)`` copies block ``i`` into
+    ``buffers[i]``, verified, if the fast path takes it, and returns whether
+    it did; ``results[i]`` is then True (loaded) or False (corrupt: its key
+    and reason appended to ``corrupt``), None for a block not taken. Called
+    inside the read transaction as each block is read, so a batch keeps no
+    views of the blocks it took (``Store.get_into``). ``buffers`` may be a
+    :class:`~ucm_db.slabs.ScatterSlabs`: one native call per block."""
+    results: list[bool | None] = [None] * len(keys)
+    head_hasher = codec.head_hasher
+    slabs = buffers if isinstance(buffers, ScatterSlabs) else None
+    copy_verified, to_slabs = checked_copy.copy_verified, checked_copy.copy_verified_to_slabs
+
+    def take(i: int, head: memoryview, body: memoryview) -> bool:
         checksum = raw_checksum(head, len(body), keys[i])
         if checksum is None:
-            continue
-        blocks[i] = None
+            return False
         try:
-            copy_verified(head_hasher(head), body, buffers[i], checksum)
+            if slabs is not None:
+                to_slabs(head_hasher(head), body, slabs, i, checksum)
+            else:
+                copy_verified(head_hasher(head), body, buffers[i], checksum)
             results[i] = True
         except CorruptBlockError as exc:
             corrupt.append((keys[i], str(exc)))
             results[i] = False
+        return True
+
+    return take, results
+
+
+def copy_raw_blocks(
+    blocks: list[tuple[memoryview, memoryview] | None], keys: Sequence[bytes], buffers: Sequence[Any],
+    corrupt: list[tuple[bytes, str]],
+) -> list[bool | None]:
+    """:func:`raw_taker` over a list of blocks read already: returns the
+    results; taken blocks are set to None in ``blocks``, the others are
+    left for the codec."""
+    take, results = raw_taker(keys, buffers, corrupt)
+    for i, block in enumerate(blocks):
+        if block is not None and take(i, block[0], block[1]):
+            blocks[i] = None
     return results
