@@ -27,7 +27,6 @@ from typing import Union
 
 from ucm_db import native
 from ucm_db.errors import ConfigError, CorruptBlockError
-from ucm_db.slabs import ScatterSlabs
 
 Buffer = Union[bytes, bytearray, memoryview]
 #: Bytes hashed, then copied, at a time: small enough to stay in L2 between
@@ -52,19 +51,12 @@ def copy_verified(hasher: native.Hasher, body: Buffer, out: Buffer | Sequence[Bu
     return copied
 
 
-def copy_verified_to_slabs(hasher: native.Hasher, body: Buffer, slabs: ScatterSlabs, i: int, checksum: int) -> int:
-    """:func:`copy_verified` into ``slabs[i]`` (one native call, no view
-    per slab); raises as it does."""
-    try:
-        copied = native.copy_into_slabs(body, slabs.views, slabs.slab_bytes, slabs.indices[i], hasher, VERIFY_CHUNK_BYTES)
-    except ValueError as exc:
-        raise ConfigError(
-            f"slabs smaller than the block's {memoryview(body).nbytes} bytes, or overlapping it: {exc}",
-            hint="pass get_into slabs at least as large as the stored blocks",
-        ) from exc
-    if hasher.intdigest() != checksum:  # type: ignore[attr-defined]
-        raise CorruptBlockError("checksum mismatch")
-    return copied
+def slabs_error(body: Buffer, exc: ValueError) -> ConfigError:
+    """The error of slabs that cannot take ``body`` (``copy_into_slabs``'s ValueError)."""
+    return ConfigError(
+        f"slabs smaller than the block's {memoryview(body).nbytes} bytes, or overlapping it: {exc}",
+        hint="pass get_into slabs at least as large as the stored blocks",
+    )
 
 
 def copy_out(source: Buffer, out: Buffer | Sequence[Buffer], hasher: native.Hasher | None = None) -> int:
