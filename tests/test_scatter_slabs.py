@@ -109,7 +109,7 @@ def test_a_store_with_too_small_slabs_raises_config_error_and_keeps_its_blocks(t
 
 
 def test_raw_blocks_are_taken_as_they_are_read_and_leave_no_collector_work(tmp_path: Path) -> None:
-    blocks = 3000
+    blocks = 4000
     keys = NS.block_keys(list(range(4 * blocks)))
     with ucm_db.open(tmp_path / "s", codec="none", capacity_bytes=64 << 20) as store:
         for start in range(0, blocks, 500):
@@ -132,6 +132,7 @@ def test_raw_blocks_are_taken_as_they_are_read_and_leave_no_collector_work(tmp_p
             assert store.get_into(NS, keys, slabs) == [True] * blocks
         finally:
             gc.callbacks.remove(count)
-        # Kept views of 3000 blocks (a tuple and two memoryviews each) ran
-        # the collector about a dozen times here; taken blocks keep none.
-        assert len(collections) <= 2, collections
+        # Kept views of 4000 blocks (a tuple and two memoryviews each) ran
+        # the collector about 28 times here; taken blocks keep none (the
+        # margin is for other threads of the test process allocating).
+        assert len(collections) <= 6, collections
