@@ -52,8 +52,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import getitem
 from typing import Union
 
 import numpy as np
@@ -174,21 +172,19 @@ class KVLayout:
         one contiguous slab per layer."""
         return self._layer_bytes_views is not None
 
-    def unit_slabs(self, block_ids: Sequence[int]) -> list[list[memoryview]]:
+    def unit_slabs(self, block_ids: Sequence[int]) -> ucm_db.ScatterSlabs:
         """For each block of ``block_ids`` and each local head (block-major,
         the order of unit staging rows), the KV caches' slabs of that unit,
-        one per layer in unit order: a scatter list for
-        ``Store.get_into``. Only where :attr:`writes_units_in_place`."""
+        one per layer in unit order: ``Store.get_into``'s buffers, as
+        :class:`ucm_db.ScatterSlabs` (no Python object per slab). Only where
+        :attr:`writes_units_in_place`."""
         views = self._layer_bytes_views
         if views is None:
             raise ConfigError(f"the {self.kind} layout cannot take units in place", hint="stage units and scatter them instead")
-        heads, sizes = self.heads, self.unit_layer_bytes
-        if len(set(sizes)) == 1:  # one slab size: one slice object per unit, sliced out of every layer in C (map)
-            size, n = sizes[0], len(views)
-            return [list(map(getitem, views, repeat(slice(at * size, (at + 1) * size), n)))
-                    for at in [block_id * heads + head for block_id in block_ids for head in range(heads)]]
-        return [[view[at * size : (at + 1) * size] for view, size in zip(views, sizes)]
-                for at in [block_id * heads + head for block_id in block_ids for head in range(heads)]]
+        heads = self.heads
+        if heads == 1:
+            return ucm_db.ScatterSlabs(views, self.unit_layer_bytes, block_ids)
+        return ucm_db.ScatterSlabs(views, self.unit_layer_bytes, [block_id * heads + head for block_id in block_ids for head in range(heads)])
 
     def unit_frames(self, unit_row: np.ndarray) -> ucm_db.Framed:
         """One staged unit as its per-layer frames, which lie back to back

@@ -231,6 +231,8 @@ class WorkerLoads:
             rows = staging.numpy()
             buffers = [rows[i, j] for i in range(len(block_keys)) for j in range(len(spans))]
         ok = self._store.get_into(self._namespace, keys, buffers)
+        if all(ok):  # the common case, without a pass per block
+            return block_ids, staging, set()
         per_block = len(spans)
         good = [i for i in range(len(block_keys)) if all(ok[i * per_block : (i + 1) * per_block])]
         failed = set(block_ids) - {block_ids[i] for i in good}

@@ -284,7 +284,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 LEAVES = {
     "ucm_db.auth", "ucm_db.checked_copy", "ucm_db.codec", "ucm_db.codec_decode", "ucm_db.codec_encode", "ucm_db.codec_format",
     "ucm_db.config", "ucm_db.cpu_placement", "ucm_db.crashpoints",
-    "ucm_db.errors", "ucm_db.events", "ucm_db.key_chain", "ucm_db.keys", "ucm_db.native", "ucm_db.store_format", "ucm_db.storelock",
+    "ucm_db.errors", "ucm_db.events", "ucm_db.key_chain", "ucm_db.keys", "ucm_db.native", "ucm_db.slabs", "ucm_db.store_format", "ucm_db.storelock",
     "ucm_db.units", "ucm_db.version",
 }
 

@@ -4,6 +4,7 @@
   time otherwise goes unnoticed: the fallbacks are slower, not wrong).
 * split/merge planes: native == fallback == codec's numpy shuffle, and a
   round trip is the identity, also into a slice of a bigger buffer.
+* copy_into_slabs is copy_into over slab `index` of each view, on both paths.
 * Bad input raises the same exception class on both paths.
 * The extension holds no hash: keys rest on hashlib alone
   (tests/test_key_chain.py pins them).
@@ -202,3 +203,49 @@ def test_copy_into_large_pieces_at_any_alignment(kind: str, offset: int) -> None
     assert hasher.intdigest() == xxhash.xxh3_64_intdigest(src)
     single = bytearray(len(src) + offset)
     assert copy(src, memoryview(single)[offset:], None, 0) == len(src) and bytes(single[offset:]) == src
+
+
+SLABS: dict[str, Callable[[], Any]] = {"native": lambda: native.copy_into_slabs, "python": lambda: native.copy_into_slabs_py}
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["native", "python"]), data=st.data())
+def test_copy_into_slabs_is_copy_into_over_each_views_slab(kind: str, data: st.DataObject) -> None:
+    import xxhash
+
+    copy = _impl(SLABS, kind)
+    sizes = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+    count = data.draw(st.integers(1, 5))
+    index = data.draw(st.integers(0, count - 1))
+    src = data.draw(st.binary(max_size=sum(sizes)))
+    chunk = data.draw(st.sampled_from([0, 1, 7, 64, 4096]))
+    views = tuple(memoryview(bytearray(b"\xee" * (size * count))) for size in sizes)
+    expected = [bytearray(b"\xee" * (size * count)) for size in sizes]
+    hasher = xxhash.xxh3_64(b"head")
+    assert copy(src, views, tuple(sizes), index, hasher, chunk) == len(src)
+    native.copy_into_py(src, [memoryview(e)[index * s : (index + 1) * s] for e, s in zip(expected, sizes)], None, 0)
+    assert [bytes(v) for v in views] == [bytes(e) for e in expected]  # only slab `index`, only len(src) bytes
+    assert hasher.intdigest() == xxhash.xxh3_64(b"head" + src).intdigest()
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_copy_into_slabs_argument_errors(kind: str) -> None:
+    copy = _impl(SLABS, kind)
+    views = (memoryview(bytearray(16)), memoryview(bytearray(16)))
+    with pytest.raises(ValueError):
+        copy(bytes(8), views, (8, 8), 2, None, 0)  # past the end of the views
+    with pytest.raises(ValueError):
+        copy(bytes(8), views, (8, 8), -1, None, 0)
+    with pytest.raises(ValueError):
+        copy(bytes(17), views, (8, 8), 1, None, 0)  # slabs too small: nothing copied
+    with pytest.raises(ValueError):
+        copy(bytes(8), views, (8,), 0, None, 0)  # a size per view
+    with pytest.raises(ValueError):
+        copy(bytes(8), views, (8, 0), 0, None, 0)
+    with pytest.raises(TypeError):
+        copy(bytes(8), (memoryview(bytes(16)), views[1]), (8, 8), 0, None, 0)  # read-only
+    assert not any(views[0]) and not any(views[1])
+    if kind == "native":
+        shared = bytearray(32)
+        with pytest.raises(ValueError):
+            copy(memoryview(shared)[:8], (memoryview(shared),), (8,), 0, None, 0)

@@ -24,6 +24,7 @@ from ucm_db.errors import (
 from ucm_db.codec import Framed
 from ucm_db.events import BlockEventFields, ChangeBatch, ChangeRecord, EventInventory
 from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.slabs import ScatterSlabs
 from ucm_db.store import STORE_FORMAT_VERSION, NamespaceStats, Store, StoreStats, open
 from ucm_db.tiers.local import PutResult
 
@@ -39,5 +40,5 @@ PUBLIC_MODULES = (
 __all__ = [
     "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "ConfigError", "CorruptBlockError", "DamagedRecordError", "EventInventory", "FormatVersionError", "Framed",
     "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "PutResult",
-    "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
+    "ScatterSlabs", "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
 ]

@@ -51,6 +51,14 @@ def copy_verified(hasher: native.Hasher, body: Buffer, out: Buffer | Sequence[Bu
     return copied
 
 
+def slabs_error(body: Buffer, exc: ValueError) -> ConfigError:
+    """The error of slabs that cannot take ``body`` (``copy_into_slabs``'s ValueError)."""
+    return ConfigError(
+        f"slabs smaller than the block's {memoryview(body).nbytes} bytes, or overlapping it: {exc}",
+        hint="pass get_into slabs at least as large as the stored blocks",
+    )
+
+
 def copy_out(source: Buffer, out: Buffer | Sequence[Buffer], hasher: native.Hasher | None = None) -> int:
     """``source`` into ``out`` (one buffer, or a list or tuple filled one
     after another), hashed on the way if ``hasher`` is given."""

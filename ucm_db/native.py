@@ -108,6 +108,22 @@ def copy_into_py(src: Buffer, outs: Buffer | Sequence[Buffer], hasher: Hasher | 
     return len(source)
 
 
+def copy_into_slabs_py(
+    src: Buffer, views: tuple[Buffer, ...], slab_bytes: tuple[int, ...], index: int, hasher: Hasher | None, chunk_bytes: int,
+) -> int:
+    """Python :func:`copy_into_slabs`: :func:`copy_into_py` with the outs
+    ``views[j][index * slab_bytes[j] : (index + 1) * slab_bytes[j]]``."""
+    if not views or len(views) != len(slab_bytes) or index < 0:
+        raise ValueError(f"got {len(views)} views, {len(slab_bytes)} slab sizes and slab index {index}")
+    outs = []
+    for j, (view, size) in enumerate(zip(views, slab_bytes)):
+        flat = memoryview(view)
+        if size <= 0 or (index + 1) * size > flat.nbytes:
+            raise ValueError(f"slab {index} of {size} bytes lies outside view {j} of {flat.nbytes} bytes")
+        outs.append(flat[index * size : (index + 1) * size])
+    return copy_into_py(src, outs, hasher, chunk_bytes)
+
+
 def _check_element_bytes(element_bytes: int) -> None:
     if element_bytes not in (2, 4):
         raise ValueError(f"element_bytes must be 2 or 4, got {element_bytes}")
@@ -123,12 +139,18 @@ merge_planes: Callable[[Sequence[Buffer], Buffer, int], None]
 #: (0: all) is hashed right before its copy, while it is in cache (a checksum
 #: verified as the bytes are copied reads them from memory once).
 copy_into: Callable[[Buffer, Union[Buffer, Sequence[Buffer]], Union[Hasher, None], int], int]
+#: ``copy_into_slabs(src, views, slab_bytes, index, hasher, chunk_bytes)``:
+#: :func:`copy_into` whose outs are slab ``index`` of each view (tuples), so a
+#: scatter list over many large buffers needs no Python object per slab.
+copy_into_slabs: Callable[[Buffer, tuple[Buffer, ...], tuple[int, ...], int, Union[Hasher, None], int], int]
 
 if _native is not None:
     split_planes = _native.split_planes
     merge_planes = _native.merge_planes
     copy_into = _native.copy_into
+    copy_into_slabs = _native.copy_into_slabs
 else:
     split_planes = split_planes_py
     merge_planes = merge_planes_py
     copy_into = copy_into_py
+    copy_into_slabs = copy_into_slabs_py

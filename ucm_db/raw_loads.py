@@ -20,58 +20,108 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ucm_db import checked_copy, codec
-from ucm_db.codec_format import FRAME_STRUCT, HEADER_STRUCT, RAW_TABLES
+import xxhash
+
+from ucm_db import checked_copy, codec, native
+from ucm_db.codec_format import CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_STRUCT, RAW_TABLES, ZERO_CHECKSUM
 from ucm_db.errors import CorruptBlockError
+from ucm_db.slabs import ScatterSlabs
 
 # The codec's own header layout and its cache of all-raw frame tables
-# (this module is the codec's raw read path, kept apart for size).
+# (this module is the codec's raw read path, kept apart for size), bound
+# once: the fast path runs once per block of every load.
 _HEADER = HEADER_STRUCT
+_HEADER_BYTES = codec.HEADER_BYTES
+_CHECKSUM_OFFSET = CHECKSUM_OFFSET
+_ZERO_CHECKSUM = ZERO_CHECKSUM
 _FRAME_BYTES = FRAME_STRUCT.size
 _RAW_TABLES = RAW_TABLES
 _NONE_ID = codec.CODEC_IDS["none"]
+_MAGIC, _VERSION = codec.MAGIC, codec.CODEC_FORMAT_VERSION
+_MAX_FRAMES, _MAX_RAW_BYTES = codec.MAX_FRAMES, codec.MAX_RAW_BYTES
+
+
+def _checked(head: Any, body_bytes: int, key: bytes) -> tuple[int, bytes] | None:
+    """(stored checksum, frame table) of a head the fast path takes (see
+    the module invariants), else None."""
+    head_bytes = len(head)
+    if head_bytes <= _HEADER_BYTES:
+        return None
+    magic, version, codec_id, _flags, n_frames, raw_len, body_len, owner, checksum = _HEADER.unpack_from(head, 0)
+    if (magic != _MAGIC or version != _VERSION or codec_id != _NONE_ID or owner != key
+            or raw_len != body_bytes or body_len != body_bytes or n_frames > _MAX_FRAMES or raw_len > _MAX_RAW_BYTES
+            or _HEADER_BYTES + n_frames * _FRAME_BYTES != head_bytes):
+        return None
+    table = bytes(head[_HEADER_BYTES:])
+    return (checksum, table) if _RAW_TABLES.get(table) == body_bytes else None
 
 
 def raw_checksum(head: Any, body_bytes: int, key: bytes) -> int | None:
     """The stored checksum of a head the fast path takes (see the module
     invariants), else None."""
-    head_bytes = len(head)
-    if head_bytes <= codec.HEADER_BYTES:
-        return None
-    magic, version, codec_id, _flags, n_frames, raw_len, body_len, owner, checksum = _HEADER.unpack_from(head, 0)
-    if (magic != codec.MAGIC or version != codec.CODEC_FORMAT_VERSION or codec_id != _NONE_ID or owner != key
-            or raw_len != body_bytes or body_len != body_bytes or n_frames > codec.MAX_FRAMES or raw_len > codec.MAX_RAW_BYTES
-            or codec.HEADER_BYTES + n_frames * _FRAME_BYTES != head_bytes):
-        return None
-    total = _RAW_TABLES.get(bytes(head[codec.HEADER_BYTES:]))
-    return checksum if total == body_bytes else None
+    checked = _checked(head, body_bytes, key)
+    return None if checked is None else checked[0]
+
+
+def raw_taker(
+    keys: Sequence[bytes], buffers: Sequence[Any], corrupt: list[tuple[bytes, str]],
+) -> tuple[Callable[[int, memoryview, memoryview], bool], list[bool | None]]:
+    """``(take, results)``: ``take(i, head, body)`` copies block ``i`` into
+    ``buffers[i]``, verified, if the fast path takes it, and returns whether
+    it did; ``results[i]`` is then True (loaded) or False (corrupt: its key
+    and reason appended to ``corrupt``), None for a block not taken. Called
+    inside the read transaction as each block is read, so a batch keeps no
+    views of the blocks it took (``Store.get_into``). ``buffers`` may be a
+    :class:`~ucm_db.slabs.ScatterSlabs`: one native call per block.
+
+    The checksum is ``codec.head_hasher``'s (xxh3-64 over the head up to its
+    checksum field, eight zero bytes, the frame table, then the body),
+    computed here in line: this runs once per block of every load."""
+    results: list[bool | None] = [None] * len(keys)
+    slabs = buffers if isinstance(buffers, ScatterSlabs) else None
+    views, sizes, indices = (slabs.views, slabs.slab_bytes, slabs.indices) if slabs is not None else ((), (), [])
+    copy_verified, copy_into_slabs, xxh3_64 = checked_copy.copy_verified, native.copy_into_slabs, xxhash.xxh3_64
+    chunk_bytes = checked_copy.VERIFY_CHUNK_BYTES
+
+    def take(i: int, head: memoryview, body: memoryview) -> bool:
+        checked = _checked(head, len(body), keys[i])
+        if checked is None:
+            return False
+        checksum, table = checked
+        hasher = xxh3_64(head[:_CHECKSUM_OFFSET])
+        hasher.update(_ZERO_CHECKSUM)
+        hasher.update(table)
+        try:
+            if slabs is None:
+                copy_verified(hasher, body, buffers[i], checksum)
+            else:
+                try:
+                    copy_into_slabs(body, views, sizes, indices[i], hasher, chunk_bytes)
+                except ValueError as exc:
+                    raise checked_copy.slabs_error(body, exc) from exc
+                if hasher.intdigest() != checksum:
+                    raise CorruptBlockError("checksum mismatch")
+            results[i] = True
+        except CorruptBlockError as exc:
+            corrupt.append((keys[i], str(exc)))
+            results[i] = False
+        return True
+
+    return take, results
 
 
 def copy_raw_blocks(
     blocks: list[tuple[memoryview, memoryview] | None], keys: Sequence[bytes], buffers: Sequence[Any],
     corrupt: list[tuple[bytes, str]],
 ) -> list[bool | None]:
-    """Copies each block the fast path takes into ``buffers[i]``, verified;
-    returns per block True (loaded), False (corrupt: its key and reason
-    appended to ``corrupt``) or None (not taken: ``blocks[i]`` is left for
-    the codec, taken ones are set to None in ``blocks``)."""
-    results: list[bool | None] = [None] * len(blocks)
-    head_hasher, copy_verified = codec.head_hasher, checked_copy.copy_verified
+    """:func:`raw_taker` over a list of blocks read already: returns the
+    results; taken blocks are set to None in ``blocks``, the others are
+    left for the codec."""
+    take, results = raw_taker(keys, buffers, corrupt)
     for i, block in enumerate(blocks):
-        if block is None:
-            continue
-        head, body = block
-        checksum = raw_checksum(head, len(body), keys[i])
-        if checksum is None:
-            continue
-        blocks[i] = None
-        try:
-            copy_verified(head_hasher(head), body, buffers[i], checksum)
-            results[i] = True
-        except CorruptBlockError as exc:
-            corrupt.append((keys[i], str(exc)))
-            results[i] = False
+        if block is not None and take(i, block[0], block[1]):
+            blocks[i] = None
     return results

@@ -20,6 +20,7 @@ from ucm_db import codec, raw_loads
 from ucm_db.arguments import ProbedKeys, key_list, require_keys, require_namespace, require_writable
 from ucm_db.errors import ConfigError, CorruptBlockError
 from ucm_db.keys import Namespace
+from ucm_db.slabs import ScatterSlabs
 from ucm_db.store_base import StoreBase
 from ucm_db.tiers.base import Buffer
 
@@ -124,8 +125,10 @@ class StoreReads(StoreBase):
         ``buffers[i]`` is one buffer, or a list or tuple of buffers that the
         block's raw bytes fill one after another (a scatter list: for
         example a KV cache's slab of each layer, so nothing is staged and
-        copied again). A block that fails may have written part of its
-        buffers; its flag is False.
+        copied again). ``buffers`` may be a :class:`~ucm_db.ScatterSlabs`
+        (every block's scatter list a slab of each of a few large buffers:
+        no Python object per slab). A block that fails may have written
+        part of its buffers; its flag is False.
 
         Returns:
             For each key, True if ``buffers[i]`` now holds the block.
@@ -135,7 +138,7 @@ class StoreReads(StoreBase):
         keys = key_list(keys, "get_into")
         if not isinstance(buffers, Sequence) or len(keys) != len(buffers):
             raise ConfigError("get_into needs a sequence of one buffer per key", hint="pass a list of len(keys) buffers")
-        for buffer in buffers:
+        for buffer in () if isinstance(buffers, ScatterSlabs) else buffers:  # slabs: checked when made
             for piece in buffer if isinstance(buffer, (list, tuple)) else (buffer,):
                 if type(piece) is not memoryview or piece.readonly or not piece.c_contiguous:  # a view: checked inline
                     require_writable(piece)
@@ -149,11 +152,14 @@ class StoreReads(StoreBase):
                 corrupt.append((keys[i], str(exc)))
                 return False
 
+        # Raw blocks are copied as they are read (raw_loads), the rest on
+        # the codec's path once the batch is read.
+        take, raw = raw_loads.raw_taker(keys, buffers, corrupt)
+
         def decode_all(blocks: list[tuple[memoryview, memoryview] | None]) -> list[Any]:
-            raw = raw_loads.copy_raw_blocks(blocks, keys, buffers, corrupt)  # the rest on the codec's path
             return [r if r is not None else d for r, d in zip(raw, self._codecs.decode_blocks(blocks, decode))]
 
-        results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace.digest[:16])
+        results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace.digest[:16], take=take)
         flags: list[Any] = [True if r else None for r in results]
 
         def decode_fetched(i: int, blob: Buffer) -> None:

@@ -96,7 +96,7 @@ class IndexReads(Tier):
 
     def with_blocks(
         self, keys: Sequence[bytes], fn: Callable[[list[tuple[memoryview, memoryview] | None]], T],
-        *, namespace_id: bytes | None = None,
+        *, namespace_id: bytes | None = None, take: Callable[[int, memoryview, memoryview], bool] | None = None,
     ) -> T:
         """Calls ``fn`` with every key's ``(head, body)`` (None where absent,
         or, given ``namespace_id``, stored under another namespace) inside
@@ -105,16 +105,21 @@ class IndexReads(Tier):
         The views stay valid until ``fn`` returns, from any thread: ``fn`` may
         hand them to worker threads (parallel decode without copying the
         stored bytes out first) as long as it waits for them.
+
+        With ``take``, each block present is first offered to
+        ``take(i, head, body)`` as it is read; one it returns True for was
+        used up there (its views are not kept) and is None in ``fn``'s list.
         """
         def run(txn: Txn) -> T:
             blocks: list[tuple[memoryview, memoryview] | None] = []
-            for key in keys:
+            for i, key in enumerate(keys):
                 stored = txn.get("blocks", key)
                 if stored is None or (namespace_id is not None and not in_namespace(txn.get("meta", key), namespace_id)):
                     blocks.append(None)
                     continue
                 head = memoryview(txn.get("heads", key) or b"")
-                blocks.append((head, body_of(head, memoryview(stored))))
+                body = body_of(head, memoryview(stored))
+                blocks.append(None if take is not None and take(i, head, body) else (head, body))
             return fn(blocks)
         return self.engine.read(run)
 

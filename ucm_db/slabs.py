@@ -1,0 +1,72 @@
+"""Scatter lists of many blocks over a few large buffers, without an object per slab.
+
+:class:`ScatterSlabs` stands in for ``get_into``'s list of scatter lists
+where every block's list is "slab ``indices[i]`` of each of a few large
+buffers" (a KV cache's layers: a connector unit is one slab per layer).
+``Store.get_into`` copies a raw block into such slabs in one native call
+(:func:`ucm_db.native.copy_into_slabs`) instead of building one memoryview
+per slab and a list per block: about ten Python objects per block fewer,
+each of which also kept the garbage collector busy while a load ran.
+
+Invariants:
+    * ``slabs[i]`` is the scatter list ``[views[j][indices[i] * slab_bytes[j]
+      : (indices[i] + 1) * slab_bytes[j]] for j ...]``: a block read into
+      ``slabs`` gets the bytes it would get read into ``list(slabs)``.
+    * Everything ``get_into`` checks of a scatter list is checked here, once,
+      at construction: writable C-contiguous views, positive slab sizes,
+      every index inside every view. A bad one raises
+      :class:`~ucm_db.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, overload
+
+from ucm_db.errors import ConfigError
+
+
+class ScatterSlabs(Sequence[list[memoryview]]):
+    """Block ``i``'s scatter list is slab ``indices[i]`` of each of ``views``
+    (module invariants); pass it to ``Store.get_into`` as ``buffers``."""
+
+    __slots__ = ("views", "slab_bytes", "indices")
+
+    def __init__(self, views: Sequence[Any], slab_bytes: Sequence[int], indices: Sequence[int]) -> None:
+        if not views or len(views) != len(slab_bytes):
+            raise ConfigError(f"got {len(views)} views and {len(slab_bytes)} slab sizes", hint="pass one positive slab size per view")
+        flats = []
+        for view in views:
+            try:
+                flat = memoryview(view)
+            except TypeError as exc:
+                raise ConfigError(f"a slab view must be a buffer, got {type(view).__name__}", hint="pass memoryviews of the caches") from exc
+            if flat.readonly or not flat.c_contiguous:
+                raise ConfigError("slab views must be writable and C-contiguous", hint="pass writable contiguous buffers")
+            flats.append(flat.cast("B") if flat.format != "B" or flat.ndim != 1 else flat)
+        sizes = tuple(int(size) for size in slab_bytes)
+        if min(sizes) <= 0:
+            raise ConfigError(f"slab sizes must be positive, got {sizes}", hint="pass each view's slab size in bytes")
+        slabs = tuple(f.nbytes // size for f, size in zip(flats, sizes))
+        at = list(indices)
+        if at and (min(at) < 0 or max(at) >= min(slabs)):
+            raise ConfigError(f"slab indices {min(at)}..{max(at)} outside the views' {min(slabs)} slabs",
+                              hint="index slabs from 0 below the smallest view's slab count")
+        self.views: tuple[memoryview, ...] = tuple(flats)
+        self.slab_bytes: tuple[int, ...] = sizes
+        self.indices: list[int] = [int(i) for i in at]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @overload
+    def __getitem__(self, i: int) -> list[memoryview]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[list[memoryview]]: ...
+
+    def __getitem__(self, i: int | slice) -> list[memoryview] | list[list[memoryview]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        at = self.indices[i]
+        return [view[at * size : (at + 1) * size] for view, size in zip(self.views, self.slab_bytes)]
