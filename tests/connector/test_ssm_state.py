@@ -324,3 +324,40 @@ def test_a_preemption_reaches_every_group_state_group_included(model_dir: Path, 
         assert kept is not None and kept.req_id == "kept"
         part._pending.done(kept)
     engine.close()
+
+
+def test_a_state_that_fails_to_load_fails_the_request_and_is_saved_again(model_dir: Path, tmp_path: Path) -> None:
+    """The state is lost between the lookup and the load: the request is
+    reported failed (vLLM recomputes it from its first token), its retry
+    claims nothing, and the state vLLM offers again is saved again."""
+    from ucm_db.connector.hybrid import group_shape
+    from ucm_db.connector.identity import grid, reader_spans
+    from ucm_db.units import UnitKeys
+
+    from test_hybrid import admit, blocks_of
+
+    mamba = _mamba()
+    first = _Engine(model_dir, tmp_path / "store", _kv(8, mamba), mamba)
+    _prefill(first, "a", 7, 6 * BS)
+    first.close()
+    second = _Engine(model_dir, tmp_path / "store", _kv(None, mamba), mamba)
+    sched = second.scheduler._scheduler
+    assert isinstance(sched, GroupedScheduler)
+    state_part = sched.parts[0]
+
+    def lose_the_state(meta: Any) -> None:
+        (load,) = meta.groups[0].async_loads
+        assert load.block_ids == (23,)
+        shape = group_shape(second.scheduler.shape, sched.groups[0])
+        state_part.store.delete(state_part._namespace, [k for span in reader_spans(shape) for k in UnitKeys(list(load.keys), grid(shape), span)])
+
+    req = _request("b", TOKENS)
+    ids = ([0] * 5 + [23], list(range(31, 37)))
+    assert admit(second.scheduler, second.worker, req, ids, expect_failed=True, before_load=lose_the_state) == 6 * BS
+    assert second.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    ids = ([0] * 5 + [9], list(range(11, 17)))  # the recompute's prefill to the last whole block
+    second.scheduler.update_state_after_alloc(req, blocks_of(ids), 0)
+    meta = second.step(_step(req, ids, 6 * BS, [(0, 9, 6 * BS)]))
+    assert [t.block_ids for t in meta.groups[0].saves] == [(9,)] and [len(t.block_ids) for t in meta.groups[1].saves] == [6]
+    assert sorted(second.blocks().values()) == [1, 6 * 2]  # the state is stored again
+    second.close()
