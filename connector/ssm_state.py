@@ -34,12 +34,15 @@ Invariants:
       the state at boundary ``k`` writes it into the group's block ``k - 1``
       only, planned at allocation (:meth:`SsmStateScheduler.plan_async_load`).
       What vLLM 0.32 does (read there):
-      - at allocation of an async hit (``load_kv_async``: no new tokens,
-        ``num_tokens = k * block_size``), align mode allocates ``cdiv(k *
-        block_size, block_size) = k`` blocks, ``0 .. k - 2`` null and block
-        ``k - 1`` real (vllm/v1/core/single_type_kv_cache_manager.py,
-        ``MambaManager.allocate_new_blocks``, ~1780-1850): it is in the
-        block ids ``update_state_after_alloc`` gets;
+      - at allocation of an async hit (``load_kv_async``: no new tokens),
+        the group's skipped tokens are all but the hit's last
+        (``MambaManager.get_num_skipped_tokens``), so blocks ``0 .. k - 2``
+        are null and block ``k - 1`` is allocated for the external tokens
+        (vllm/v1/core/single_type_kv_cache_manager.py
+        ``allocate_external_computed_blocks`` ~326-367; not zeroed later:
+        the scheduler passes the prefix-cacheable groups, this one
+        included, as ``skip_zeroing_group_ids``): it is in the block ids
+        ``update_state_after_alloc`` gets;
       - once the load is reported, the request is scheduled as a new one
         with ``num_computed_tokens = k * block_size`` (the claim never
         covers the prompt's last token), allocation records block ``k - 1``

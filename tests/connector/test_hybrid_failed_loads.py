@@ -121,3 +121,38 @@ def test_a_block_damaged_between_lookup_and_load_is_recomputed_not_an_engine_sto
     assert _run(sched, worker) == {"c": 6 * BS}  # the recomputed blocks hit
     worker.shutdown()
     sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_request_is_finished_once_every_groups_load_ended_and_failed_if_any_failed() -> None:
+    """GroupLoads over two groups' real async loaders (the loads are the
+    test's: group 1's waits for a release and fails one block)."""
+    import threading
+    from types import SimpleNamespace
+
+    from ucm_db.connector.async_loads import AsyncLoader
+    from ucm_db.connector.hybrid_loads import GroupLoads
+    from ucm_db.connector.metadata import BlockTransfer
+
+    release = threading.Event()
+
+    def slow_failing(load: BlockTransfer) -> set[int]:
+        release.wait(10)
+        return {load.block_ids[0]} if load.req_id == "r" else set()
+
+    loaders = [AsyncLoader(lambda load: set()), AsyncLoader(slow_failing)]
+    merged = GroupLoads([SimpleNamespace(finished_requests=loader.take_finished_requests) for loader in loaders])
+    loaders[0].submit([BlockTransfer("r", (b"k",), (3,))])
+    merged.submitted(0, ["r"])
+    loaders[1].submit([BlockTransfer("r", (b"k",), (13,)), BlockTransfer("only-1", (b"k",), (14,))])
+    merged.submitted(1, ["r", "only-1"])  # group 0 loads nothing of it (its blocks were null)
+    deadline = time.monotonic() + 10
+    while loaders[0].in_flight and time.monotonic() < deadline:
+        assert merged.finished(0.01) == set()  # group 1 is still loading both
+    assert merged.take_failed() == set()
+    release.set()
+    done: set[str] = set()
+    while done != {"r", "only-1"} and time.monotonic() < deadline:
+        done |= merged.finished(0.05)
+    assert done == {"r", "only-1"} and merged.take_failed() == {"r"} and merged.take_failed() == set()
+    for loader in loaders:
+        loader.close()
