@@ -13,7 +13,10 @@ Invariants:
     * Every submitted request is reported finished exactly once, after the
       last copy into its blocks, and the block ids that failed to load are
       handed out by the same :meth:`AsyncLoader.take_finished` call, as vLLM
-      requires (a failed block is reported no later than its request).
+      requires (a failed block is reported no later than its request); so
+      are the requests any of whose blocks failed
+      (:meth:`AsyncLoader.take_finished_requests`: a hybrid model's
+      failures are reported per request, hybrid.py).
     * A load that raises fails all of its blocks (they are recomputed); it
       never stops the thread.
     * :meth:`AsyncLoader.close` waits for the running load only; requests
@@ -46,6 +49,7 @@ class AsyncLoader:
         self._queue: deque[BlockTransfer] = deque()
         self._finished: list[str] = []
         self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()  # finished, with a failed block
         self._in_flight = 0  # submitted and not yet taken as finished
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ucm-db-async-loader", daemon=True)
@@ -70,13 +74,24 @@ class AsyncLoader:
         of theirs that failed. With ``wait_s`` > 0 and loads in flight but
         none finished, waits up to that long for one (an engine with nothing
         else to run polls here instead of spinning)."""
+        finished, _, failed = self._take(wait_s)
+        return finished, failed
+
+    def take_finished_requests(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        """Requests whose loads ended since the last call, and those of them
+        with a block that failed (``wait_s`` as :meth:`take_finished`)."""
+        finished, failed, _ = self._take(wait_s)
+        return finished, failed
+
+    def _take(self, wait_s: float) -> tuple[set[str], set[str], set[int]]:
         with self._cond:
             if wait_s > 0 and not self._finished and self._in_flight:
                 self._cond.wait_for(lambda: bool(self._finished) or self._closed, timeout=wait_s)
             finished, self._finished = self._finished, []
+            failed_requests, self._failed_requests = self._failed_requests, set()
             failed, self._failed_blocks = self._failed_blocks, set()
             self._in_flight -= len(finished)
-            return set(finished), failed
+            return set(finished), failed_requests, failed
 
     def close(self) -> None:
         with self._cond:
@@ -100,5 +115,7 @@ class AsyncLoader:
                 failed = set(transfer.block_ids)
             with self._cond:
                 self._failed_blocks.update(failed)
+                if failed:
+                    self._failed_requests.add(transfer.req_id)
                 self._finished.append(transfer.req_id)
                 self._cond.notify_all()

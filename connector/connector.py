@@ -28,6 +28,10 @@ Invariants:
     * With ``load_mode`` ``block`` or ``layer`` loads are synchronous from
       vLLM's point of view (``load_kv_async`` False): a hit is fully in the
       KV cache, or reported failed, by the end of the step that uses it.
+      A model with several KV cache groups loads asynchronously whatever
+      the mode, and reports a failed load per request in
+      ``failed_recving`` (``get_transfer_results``), never as block ids
+      (hybrid.py).
       With ``async`` a hit loads beside later steps (``load_kv_async``
       True) and ``get_finished`` names the request once it is in place;
       a step with nothing else to run waits up to
@@ -54,7 +58,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA,
+)
 from vllm.logger import init_logger
 
 import ucm_db
@@ -187,6 +193,14 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         done = self._worker.finished_loads(IDLE_WAIT_S if idle else 0.0)
         return None, done or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A hybrid model's failed loads: per request (in finished_recving too),
+        # never as block ids, which stop vLLM 0.32's engine (hybrid.py).
+        results = super().get_transfer_results(finished_req_ids)
+        if isinstance(self._worker, GroupedWorker):
+            results.failed_recving = self._worker.take_failed_loads()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -259,10 +273,14 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         # Failed loads -> void the saves computed over them; workers' load
         # timings and the step's round trip -> cost model.
-        if self._scheduler is not None:
-            self._scheduler.observe_output(
-                getattr(connector_output, "kv_connector_worker_meta", None), set(getattr(connector_output, "invalid_block_ids", None) or ()),
-            )
+        if self._scheduler is None:
+            return
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if isinstance(self._scheduler, GroupedScheduler):  # its failed loads come per request (hybrid.py)
+            self._scheduler.observe_output(worker_meta, invalid, set(getattr(connector_output, "failed_recving", None) or ()))
+        else:
+            self._scheduler.observe_output(worker_meta, invalid)
 
     # -- start-up checks ---------------------------------------------------------------
     @classmethod

@@ -26,22 +26,32 @@ Invariants:
       it (no attention reads it); a save that would read one is dropped,
       with the rest of its request's saves in that group (no chain has a
       gap), so that group's stored prefix ends there.
-    * A block any group fails to load makes every group's KV computed
-      after it wrong: each group's saves of a request name every group's
-      blocks loaded by that step (``after_loads``), each worker learns every
-      group's failures before it saves, and a request whose load failed in
-      any group is rewound in every group.
-    * Only TP=1, PP=1 and ``load_mode`` ``block`` or ``layer`` (refused at
-      start otherwise, :func:`check_hybrid`), with at least one attention
-      group (groups.py).
+    * Every load is asynchronous, whatever ``load_mode`` says (logged once
+      at start): vLLM 0.32 stops the engine on a block-level load failure
+      of a model with several groups (``Scheduler._handle_invalid_blocks``)
+      and hears of a failed load of one only per request, through an async
+      load's ``failed_recving``. So every claim is async
+      (``load_kv_async``); each group plans its part of the load at
+      allocation (its scheduler's ``update_state_after_alloc``); vLLM
+      schedules the request once every group's part has ended
+      (hybrid_loads.py), and a request any group failed is reported in
+      ``failed_recving`` (and ``finished_recving``), never as block ids:
+      vLLM recomputes it from its first token (``kv_load_failure_policy:
+      "recompute"``), every group is rewound to nothing stored or saved,
+      and a later lookup of it claims nothing (a sync claim has no failure
+      route; an async one could fail the same way again), so its KV is
+      computed and saved again. Nothing is computed over an async load
+      before it ends (vLLM holds the request, and caches its blocks only
+      after a load that held), so no save depends on one.
+    * Only TP=1 and PP=1 (refused at start otherwise, :func:`check_hybrid`),
+      with at least one attention group (groups.py).
     * An SSM state group (ssm_state.py) stores one state per block
       boundary, not a prefix: its halves are a
       :class:`~ucm_db.connector.ssm_state.SsmStateScheduler` and an
       ordinary worker over its layers' state pages (one unit per block), and
       a hit is cut back to a boundary where every state group holds a state
-      (:func:`~ucm_db.connector.ssm_state.ssm_claim`). Its loads complete in
-      ``start_load_kv`` whatever the load mode (vLLM waits on attention
-      layers only).
+      (:func:`~ucm_db.connector.ssm_state.ssm_claim`). Its async load is
+      planned with the attention groups' (ssm_state.py says which block).
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.groups import KVGroup, group_namespace
+from ucm_db.connector.hybrid_loads import GroupLoads
 from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats
@@ -79,11 +90,6 @@ def check_hybrid(groups: Sequence[KVGroup], shape: KVShape, settings: ConnectorS
             f"ucm-db stores a model with {len(groups)} KV cache groups at tensor and pipeline parallel size 1 only "
             f"(this engine: TP={shape.tp_size}, PP={shape.pp_size})",
             hint="serve the model at TP=1 and PP=1, or without ucm-db",
-        )
-    if len(groups) > 1 and settings.load_mode == "async":
-        raise ConfigError(
-            f"load_mode \"async\" does not serve a model with {len(groups)} KV cache groups yet",
-            hint="set \"load_mode\": \"block\" (or \"layer\") in kv_connector_extra_config",
         )
 
 
@@ -116,6 +122,11 @@ class GroupedScheduler:
     def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy, groups: Sequence[KVGroup]) -> None:
         base = namespace(shape)
         self.groups = list(groups)
+        if settings.load_mode != "async":
+            logger.info("ucm-db: a model with %d KV cache groups loads asynchronously (load_mode %r is for models with one): "
+                        "vLLM recovers from a failed load of such a model only per request, after an async load",
+                        len(self.groups), settings.load_mode)
+        settings = replace(settings, load_mode="async")  # module invariants
         self.parts = [(SsmStateScheduler if g.kind == "ssm_state" else UcmDbScheduler)(
                           settings, group_shape(shape, g), role, g.index, group_namespace(base, self.groups, g))
                       for g in self.groups]
@@ -127,6 +138,7 @@ class GroupedScheduler:
         self.counters = self._attention[0].counters
         self._broken: set[tuple[int, str]] = set()  # (group, request) whose chain met a null block
         self._step_loads: dict[int, list[tuple[str, set[int]]]] = {}  # step -> (request, every group's loaded blocks)
+        self._load_failed: set[str] = set()  # requests whose async load failed: claimed nothing more
 
     @property
     def kv_cache_manager(self) -> Any:
@@ -138,20 +150,32 @@ class GroupedScheduler:
             part.kv_cache_manager = manager
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The hit every group can serve, always loaded asynchronously; 0
+        after a failed load of the request (module invariants)."""
+        if request.request_id in self._load_failed:
+            return 0, False
         answers = [part.get_num_new_matched_tokens(request, num_computed_tokens)[0] for part in self._attention]
         if any(tokens is None for tokens in answers):
             return None, False
         tokens = min(tokens for tokens in answers if tokens is not None)
         if self._states and tokens > 0:
             tokens = ssm_claim(self._states, request, num_computed_tokens, tokens, self._block_size)
-        return tokens, False
+        return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        """Every group plans its part of the request's async load."""
         lead = self._attention[0]
         state = lead._requests.get(request.request_id)
         local_tokens = state.lookup.local_tokens if state is not None and state.lookup is not None else None
+        for part in self._attention if num_external_tokens else ():
+            part_state = part._requests.get(request.request_id)
+            if part_state is not None:
+                part_state.async_tried = False  # a resumed request's claim is async again: no sync claim here
         for part in self.parts:
             part.update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens and local_tokens is not None:
+            for state_part in self._states:
+                state_part.plan_async_load(request, blocks, local_tokens + num_external_tokens)
         if self.groups[self.parts.index(lead)].index != 0 and local_tokens is not None:
             # The ordinary scheduler logs this line for group 0 only; here group 0 holds SSM state.
             logger.info(
@@ -164,6 +188,7 @@ class GroupedScheduler:
         loaded: dict[str, set[int]] = {}
         for meta in metas:
             meta.loads = [t for t in map(_without_null, meta.loads) if t.block_ids]
+            meta.async_loads = [t for t in map(_without_null, meta.async_loads) if t.block_ids]
             for transfer in meta.loads:
                 loaded.setdefault(transfer.req_id, set()).update(transfer.block_ids)
         if loaded:
@@ -194,12 +219,24 @@ class GroupedScheduler:
         results = [part.request_finished(request, list(block_ids[i]) if i < len(block_ids) else [])
                    for i, part in enumerate(self.parts)]  # every group forgets it, whatever vLLM passed
         self._broken = {(g, r) for g, r in self._broken if r != request.request_id}
+        self._load_failed.discard(request.request_id)
         return False, results[self.parts.index(self._attention[0])][1]
 
     def reset_cache(self) -> bool:
         return all([part.reset_cache() for part in self.parts])
 
-    def observe_output(self, worker_meta: object, invalid_block_ids: set[int] | None = None) -> None:
+    def observe_output(self, worker_meta: object, invalid_block_ids: set[int] | None = None,
+                       failed_requests: set[str] | None = None) -> None:
+        """One step's output; ``failed_requests`` (vLLM's ``failed_recving``):
+        async loads that failed, recomputed from the first token by vLLM."""
+        for req_id in failed_requests or ():
+            self._load_failed.add(req_id)
+            for part in self.parts:
+                part_state = part._requests.get(req_id)
+                if part_state is not None:
+                    part_state.async_block_ids = ()
+                    part_state.stored_blocks = part_state.saved_blocks = 0
+                part.rewind(req_id, 0)  # nothing stored or saved: its KV is computed and saved again
         invalid = invalid_block_ids or set()
         step = worker_meta.step if isinstance(worker_meta, UcmDbWorkerMetadata) else None
         rewound: set[str] = set()
@@ -224,10 +261,12 @@ class GroupedWorker:
                  groups: Sequence[KVGroup]) -> None:
         base = namespace(shape)
         self.groups = list(groups)
+        settings = replace(settings, load_mode="async")  # every load is async (module invariants)
         self.parts = [UcmDbWorker(settings, group_shape(shape, g), num_blocks, role, group_namespace(base, self.groups, g))
                       for g in self.groups]
         self.counters = _MergedCounters(self.parts)
         self._owner: dict[str, UcmDbWorker] = {}
+        self._loads = GroupLoads(self.parts)  # every load is async (module invariants, hybrid_loads.py)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any], tp_rank: int, pp_rank: int) -> None:
         for group, part in zip(self.groups, self.parts):
@@ -241,10 +280,9 @@ class GroupedWorker:
             self._owner.update((name, part) for name in group.layer_names)
 
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
-        for group, part, group_meta in zip(self.groups, self.parts, meta.groups):
+        for index, (part, group_meta) in enumerate(zip(self.parts, meta.groups)):
+            self._loads.submitted(index, [t.req_id for t in group_meta.async_loads])
             part.start_load(group_meta)
-            if group.kind == "ssm_state":  # vLLM waits on attention layers only (module invariants)
-                part.finish_loads()
 
     def wait_for_layer(self, layer_name: str) -> None:
         part = self._owner.get(layer_name)
@@ -262,10 +300,20 @@ class GroupedWorker:
             part.handle_preemptions(group_meta)
 
     def finished_loads(self, wait_s: float = 0.0) -> set[str]:
-        return set()  # load_mode "async" is refused for hybrid models (check_hybrid)
+        """Requests every group's async load of which has ended (hybrid_loads.py)."""
+        return self._loads.finished(wait_s)
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests :meth:`finished_loads` reported whose load failed in some group, once."""
+        return self._loads.take_failed()
 
     def take_load_errors(self) -> set[int]:
-        return set().union(*(part.take_load_errors() for part in self.parts))
+        """Always empty: every load is async and its failures are reported
+        per request (:meth:`take_failed_loads`); block ids would stop vLLM's
+        engine (module invariants)."""
+        for part in self.parts:
+            part.take_load_errors()
+        return set()
 
     def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
         out: UcmDbWorkerMetadata | None = None

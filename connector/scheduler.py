@@ -35,7 +35,9 @@ Invariants:
       pending load (or, ``load_mode: "async"``, a request's first hit, an
       async load planned at once: vLLM holds the request until a worker
       reports it finished; any later claim for the same request is
-      synchronous, so a load that keeps failing is recomputed, not retried).
+      synchronous, so a load that keeps failing is recomputed, not retried;
+      a hybrid model's groups are always async and claim nothing after a
+      failure instead, hybrid.py).
     * Only units are read and written (one storage generation): a store
       holding this model's blocks of an older generation (whole or per-rank
       blocks, :mod:`ucm_db.pre_units`) is refused when the scheduler starts,

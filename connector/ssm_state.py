@@ -30,13 +30,35 @@ Invariants:
       probe per group, and never where remote lookups run in the
       background (``remote_lookup: "background"``: the scheduler's thread
       does not wait on the remote).
-    * A load of the state at boundary ``k`` writes it into the group's
-      block ``k - 1`` (the block vLLM's cache then holds as that state) and
-      into the block the request runs in this step (``cdiv(k * block_size +
-      scheduled, block_size) - 1``): vLLM copies the state from the first to
-      the second before the forward pass and before ``start_load_kv``
-      (vllm/v1/worker/mamba_utils.py ``preprocess_mamba``), so only a copy
-      loaded into both reaches the forward pass.
+    * A hybrid model's loads are asynchronous (hybrid.py), and a load of
+      the state at boundary ``k`` writes it into the group's block ``k - 1``
+      only, planned at allocation (:meth:`SsmStateScheduler.plan_async_load`).
+      What vLLM 0.32 does (read there):
+      - at allocation of an async hit (``load_kv_async``: no new tokens),
+        the group's skipped tokens are all but the hit's last
+        (``MambaManager.get_num_skipped_tokens``), so blocks ``0 .. k - 2``
+        are null and block ``k - 1`` is allocated for the external tokens
+        (vllm/v1/core/single_type_kv_cache_manager.py
+        ``allocate_external_computed_blocks`` ~326-367; not zeroed later:
+        the scheduler passes the prefix-cacheable groups, this one
+        included, as ``skip_zeroing_group_ids``): it is in the block ids
+        ``update_state_after_alloc`` gets;
+      - once the load is reported, the request is scheduled as a new one
+        with ``num_computed_tokens = k * block_size`` (the claim never
+        covers the prompt's last token), allocation records block ``k - 1``
+        as its last state block (``last_state_block_idx = prev_block_len -
+        1``, ~1830) and adds the running block;
+      - in that first step the worker's ``preprocess_mamba``
+        (vllm/v1/worker/mamba_utils.py ~1446-1530, called before the
+        forward by gpu_model_runner.py ~4091, which vLLM-CPU inherits) has
+        no state index for the request, takes ``prev_state_idx =
+        (num_computed_tokens - 1) // block_size = k - 1`` (~1495) and copies
+        block ``k - 1`` to the running block ``curr_state_idx`` (~1512-1530).
+      So the state loaded into block ``k - 1`` before the request is
+      scheduled is what the forward pass starts from; the running block is
+      not loaded (the copy overwrites it). A hit whose block ``k - 1`` is
+      missing or null (not what align mode allocates: a vLLM change) loads
+      no state, with a warning.
 """
 
 from __future__ import annotations
@@ -75,6 +97,7 @@ class SsmStateScheduler(UcmDbScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._plans: dict[str, _StatePlan] = {}
+        self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
 
     def has_state(self, request: Request, boundary_blocks: int, *, remote: bool = False) -> bool:
         """Whether the state after ``boundary_blocks`` blocks of ``request``
@@ -95,23 +118,13 @@ class SsmStateScheduler(UcmDbScheduler):
         raise TypeError("a state group's hit is claimed with the attention groups' (ssm_claim)")
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        state = self._state(request, renew_epoch=False)
-        self._plans.setdefault(request.request_id, _StatePlan())
-        # The load is planned with the step (build_connector_meta), when
-        # vLLM has set num_computed_tokens to the hit's end.
-        state.pending_load_tokens = num_external_tokens
+        self._state(request, renew_epoch=False)
+        self._plans.setdefault(request.request_id, _StatePlan())  # the load: plan_async_load
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         meta = UcmDbConnectorMetadata()
         self._planner.number_step(meta, scheduler_output)
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new_req in scheduler_output.scheduled_new_reqs:
-            self._plan_state_load(meta, new_req.req_id, new_req.block_ids[self._group], scheduled.get(new_req.req_id, 0))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            block_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids and block_ids is not None:
-                self._plan_state_load(meta, req_id, block_ids[self._group], scheduled.get(req_id, 0))
+        meta.async_loads, self._async_plans = self._async_plans, []
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
         if self._role.saves:
@@ -124,26 +137,26 @@ class SsmStateScheduler(UcmDbScheduler):
         self._epochs.step_done()
         return meta
 
-    def _plan_state_load(self, meta: UcmDbConnectorMetadata, req_id: str, block_ids: Sequence[int], num_scheduled: int) -> None:
-        state = self._requests.get(req_id)
-        plan = self._plans.get(req_id)
-        if state is None or plan is None or not state.pending_load_tokens:
+    def plan_async_load(self, request: Request, blocks: Any, end_tokens: int) -> None:
+        """Plans the async load of the state at the hit's end ``end_tokens``
+        (a block boundary, ssm_claim) into block ``k - 1`` of this group's
+        ``blocks`` (vLLM's KVCacheBlocks), for the next step's metadata."""
+        state = self._requests.get(request.request_id)
+        plan = self._plans.setdefault(request.request_id, _StatePlan())
+        if state is None:
             return
-        state.pending_load_tokens = 0
-        end_tokens = state.request.num_computed_tokens  # the hit's end: a block boundary (ssm_claim)
         k = end_tokens // self._block_size
-        running = -(-(end_tokens + max(num_scheduled, 1)) // self._block_size) - 1
-        if end_tokens % self._block_size or k <= 0 or len(block_ids) <= running:
-            # Not what align mode allocates for a hit ucm-db claimed (ssm_claim): a vLLM change to report.
+        block_ids = blocks.get_block_ids()[self._group]
+        if end_tokens % self._block_size or k <= 0 or len(block_ids) < k or block_ids[k - 1] == 0:  # 0: vLLM's null block
+            # Not what align mode allocates for a hit ucm-db claimed (module invariants): a vLLM change to report.
             logger.warning(
                 "ucm-db: request %s: KV cache group %d: no state block at the hit's end (%d tokens, %d block ids); "
                 "its SSM state is not loaded",
-                req_id, self._group, end_tokens, len(block_ids),
+                request.request_id, self._group, end_tokens, len(block_ids),
             )
             return
         key = self._keys(state, k)[k - 1]
-        for index in (k - 1, running):
-            meta.loads.append(BlockTransfer(req_id, (key,), (block_ids[index],)))
+        self._async_plans.append(BlockTransfer(request.request_id, (key,), (block_ids[k - 1],)))
         plan.done_blocks.add(k)
 
     def _plan_state_saves(

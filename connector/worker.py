@@ -122,6 +122,10 @@ class UcmDbWorker:
         """Requests whose async loads ended since the last call (WorkerLoads.finished_loads)."""
         return self._loads.finished_loads(wait_s)
 
+    def finished_requests(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        """Requests whose async loads ended, and the failed ones among them (WorkerLoads.finished_requests)."""
+        return self._loads.finished_requests(wait_s)
+
     def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
         """The bound step's number and load timings, once (WorkerLoads.take_worker_meta)."""
         return self._loads.take_worker_meta()

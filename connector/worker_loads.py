@@ -9,7 +9,9 @@ Invariants:
       In ``async`` mode a request's hit loads beside later steps
       (:mod:`ucm_db.connector.async_loads`) and the request is reported by
       :meth:`WorkerLoads.finished_loads` once its blocks are filled, with
-      its failed blocks in the same step's load errors.
+      its failed blocks in the same step's load errors (or, through
+      :meth:`WorkerLoads.finished_requests`, with the requests that failed
+      instead: a hybrid model's, hybrid.py).
     * A block that fails to load (missing, corrupt: the store verifies every
       payload) is reported by :meth:`WorkerLoads.take_load_errors` so vLLM
       recomputes it; no unverified byte reaches the KV cache. A block loads
@@ -197,6 +199,15 @@ class WorkerLoads:
             with self._errors_lock:
                 self._load_errors.update(failed)
         return finished
+
+    def finished_requests(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
+        """Requests whose async loads ended since the last call, and those
+        of them with a failed block, reported per request: their block ids
+        are not load errors (a hybrid model's, hybrid.py). ``wait_s`` as
+        :meth:`finished_loads`."""
+        if self._async is None:
+            return set(), set()
+        return self._async.take_finished_requests(wait_s)
 
     def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
         """The bound step's number and load timings, once (None if no step

@@ -25,6 +25,8 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
@@ -87,6 +89,60 @@ def _step(req: Request, block_ids: tuple[list[int], list[int]], num_tokens: int)
     return out
 
 
+def blocks_of(block_ids: tuple[list[int], ...]) -> KVCacheBlocks:
+    """vLLM's KVCacheBlocks of a request, one block list per group."""
+    return KVCacheBlocks(tuple([KVCacheBlock(i) for i in ids] for ids in block_ids))
+
+
+def idle_step() -> SchedulerOutput:
+    """A step that schedules no tokens (async loads in flight)."""
+    return SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={},
+        total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )
+
+
+def admit(scheduler: UcmDbConnector, worker: UcmDbConnector, req: Request, block_ids: tuple[list[int], ...],
+          local_tokens: int = 0, expect_failed: bool = False, before_load: Any = None) -> int:
+    """Lookup and allocation of ``req`` as vLLM makes them; a hit of a
+    hybrid model loads asynchronously (idle steps until every group's part
+    ended, vLLM's outputs fed back), then the request is back with its hit
+    in place (``expect_failed``: its load failed, and it is back with
+    nothing computed). ``before_load(meta)`` runs between the lookup and
+    the load. Returns the hit tokens."""
+    import time
+
+    hit, is_async = scheduler.get_num_new_matched_tokens(req, local_tokens)
+    assert hit is not None and is_async is (hit > 0)
+    scheduler.update_state_after_alloc(req, blocks_of(block_ids), hit)
+    req.num_computed_tokens = local_tokens + hit
+    if not hit:
+        return 0
+    deadline = time.monotonic() + 10.0
+    while True:
+        meta = scheduler.build_connector_meta(idle_step())
+        if before_load is not None:
+            before_load(meta)
+            before_load = None
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        results = worker.get_transfer_results(set())
+        assert worker.get_block_ids_with_load_errors() == set()  # never block ids: they stop vLLM's engine
+        worker.clear_connector_metadata()
+        if results.failed_recving:
+            req.num_computed_tokens = 0  # vLLM's _handle_failed_recving (recompute policy)
+        scheduler.update_connector_output(_Output(worker.build_connector_worker_meta(), set(), results.failed_recving))  # type: ignore[arg-type]
+        if results.finished_recving:
+            assert results.finished_recving == {req.request_id}
+            assert results.failed_recving == ({req.request_id} if expect_failed else set())
+            break
+        assert time.monotonic() < deadline, "the async load never finished"
+    if not expect_failed:
+        scheduler.update_state_after_alloc(req, blocks_of(block_ids), 0)  # back from the load: no lookup
+    return hit
+
+
 class _Engine:
     """Both halves of the connector, as vLLM makes them for one engine."""
 
@@ -97,11 +153,8 @@ class _Engine:
         self.worker.register_kv_caches(kv)
 
     def run(self, req: Request, block_ids: tuple[list[int], list[int]], local_tokens: int = 0) -> int:
-        """Admits ``req`` (lookup, allocation) and runs its prefill step; the hit tokens."""
-        hit, is_async = self.scheduler.get_num_new_matched_tokens(req, local_tokens)
-        assert is_async is False and hit is not None
-        self.scheduler.update_state_after_alloc(req, None, hit)  # type: ignore[arg-type]
-        req.num_computed_tokens = local_tokens + hit
+        """Admits ``req`` (lookup, allocation, async load) and runs its prefill step; the hit tokens."""
+        hit = admit(self.scheduler, self.worker, req, block_ids, local_tokens)
         meta = self.scheduler.build_connector_meta(_step(req, block_ids, req.num_tokens - req.num_computed_tokens))
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)  # type: ignore[arg-type]
@@ -193,60 +246,76 @@ def test_a_state_space_group_is_refused_before_the_kv_cache_exists(model_dir: Pa
     assert handler.lines == [f"ucm-db connector cannot start: {refused.value}"]
 
 
-def test_async_loads_are_refused_for_a_hybrid_model(model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="async") as refused:
-        UcmDbConnector(_vllm_config(model_dir, {"path": str(tmp_path / "s"), "load_mode": "async"}), KVConnectorRole.WORKER, _groups())
-    assert '"load_mode": "block"' in refused.value.hint
+@pytest.mark.parametrize("load_mode", ["block", "layer", "async"])
+def test_every_load_mode_loads_a_hybrid_model_asynchronously(model_dir: Path, tmp_path: Path, load_mode: str,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Any ``load_mode`` is accepted; ``block`` and ``layer`` say once, at
+    start, that a hybrid model loads asynchronously, and why."""
+    first = _Engine(model_dir, tmp_path / "store", _kv(4))
+    first.run(_request("a", TOKENS), (list(range(1, 8)), list(range(11, 18))))
+    first.close()
+    config = _vllm_config(model_dir, {"path": str(tmp_path / "store"), "load_mode": load_mode})
+    with caplog.at_level(logging.INFO, logger="vllm.ucm_db.connector.scheduler"):
+        sched = UcmDbConnector(config, KVConnectorRole.SCHEDULER, _groups())
+    said = [r.getMessage() for r in caplog.records if "loads asynchronously" in r.getMessage()]
+    assert len(said) == (0 if load_mode == "async" else 1) and all("failed load" in line for line in said)
+    assert sched.get_num_new_matched_tokens(_request("b", TOKENS), 0) == (6 * BS, True)
+    sched.shutdown()
 
 
-def test_a_failed_load_in_one_group_voids_every_groups_saves_over_it(model_dir: Path, tmp_path: Path) -> None:
-    """KV computed after a block the sliding-window group failed to load is
-    wrong in every layer: the full-attention group's save of the same step is
-    dropped too, and both groups rewind to the block vLLM recomputes from."""
+def test_a_failed_load_in_one_group_fails_the_request_not_the_engine(model_dir: Path, tmp_path: Path) -> None:
+    """A block the sliding-window group fails to load (lost between the
+    lookup and the load): the request is reported in ``failed_recving`` and
+    ``finished_recving``, no block id is reported (vLLM 0.32 stops the
+    engine on those with several groups), every group is rewound to nothing
+    stored, its retry claims nothing, and its recomputed KV is saved again
+    in every group, over no load."""
     from ucm_db.connector.identity import grid, reader_spans
     from ucm_db.units import UnitKeys
 
     first = _Engine(model_dir, tmp_path / "store", _kv(3))
     first.run(_request("a", TOKENS), (list(range(1, 8)), list(range(11, 18))))
     first.close()
-    longer = TOKENS[: 6 * BS] + list(range(500, 500 + 3 * BS + 5))  # 6 stored blocks, then 3 new whole blocks
     second = _Engine(model_dir, tmp_path / "store", _kv(None))
     sched = second.scheduler._scheduler
     assert isinstance(sched, GroupedScheduler)
-    req = _request("b", longer)
-    hit, _ = second.scheduler.get_num_new_matched_tokens(req, 0)
-    assert hit == 6 * BS
-    second.scheduler.update_state_after_alloc(req, None, hit)  # type: ignore[arg-type]
-    req.num_computed_tokens = hit
-    ids = ([0, 0, *range(23, 31)], list(range(31, 41)))  # 192 computed tokens: the window group's blocks 0-1 are null
-    meta = second.scheduler.build_connector_meta(_step(req, ids, len(longer) - hit))
-    window_load, full_save = meta.groups[0].loads[0], meta.groups[1].saves[0]
-    assert window_load.block_ids == (23, 24, 25, 26) and full_save.block_ids == (37, 38, 39)
-    assert {24, 33}.issubset(full_save.after_loads)  # every group's loads of the request
     window = sched.parts[0]
     shape = group_shape(second.scheduler.shape, sched.groups[0])
-    with_units = [list(UnitKeys([window_load.keys[1]], grid(shape), span)) for span in reader_spans(shape)]
-    # Block 3 of the window group is lost (and, by the prefix invariant, the blocks after it).
-    window.store.delete(window._namespace, [k for keys in with_units for k in keys])
+    planned: list[Any] = []
+
+    def lose_window_block_3(meta: Any) -> None:
+        planned.extend([meta.groups[0].async_loads, meta.groups[1].async_loads])
+        key = meta.groups[0].async_loads[0].keys[1]  # block 3 (blocks 0-1 are outside the window: null)
+        units = [k for span in reader_spans(shape) for k in UnitKeys([key], grid(shape), span)]
+        window.store.delete(window._namespace, units)  # with its descendants (prefix invariant)
+
+    req = _request("b", TOKENS)
+    ids = ([0, 0, 23, 24, 25, 26], list(range(31, 37)))  # vLLM's allocation for a 192-token async hit
+    assert admit(second.scheduler, second.worker, req, ids, expect_failed=True, before_load=lose_window_block_3) == 6 * BS
+    assert [[t.block_ids for t in loads] for loads in planned] == [[(23, 24, 25, 26)], [tuple(range(31, 37))]]
+    assert [(part._requests["b"].stored_blocks, part._requests["b"].saved_blocks) for part in sched.parts] == [(0, 0)] * 2
+    assert second.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)  # the retry: recomputed, not claimed again
+    ids = (list(range(1, 8)), list(range(11, 18)))  # a prefill of the whole prompt: every block real
+    second.scheduler.update_state_after_alloc(req, blocks_of(ids), 0)
+    meta = second.scheduler.build_connector_meta(_step(req, ids, len(TOKENS)))
+    assert [[(t.block_ids, t.after_loads) for t in g.saves] for g in meta.groups] == [
+        [(tuple(range(1, 7)), ())], [(tuple(range(11, 17)), ())]]
     second.worker.bind_connector_metadata(meta)
     second.worker.start_load_kv(None)  # type: ignore[arg-type]
-    assert second.worker.get_block_ids_with_load_errors() == {24, 25, 26}
     second.worker.wait_for_save()
+    second.worker.clear_connector_metadata()
     second.worker._worker.drain()  # type: ignore[union-attr]
-    blocks = sorted(ns.blocks for ns in window.store.stats().namespaces.values())
-    assert blocks == [3 * 2, 6 * 2]  # nothing saved over the failed blocks, in either group
-    req.num_computed_tokens = 3 * BS  # vLLM recomputes from the failed block
-    second.scheduler.update_connector_output(_Output(second.worker.build_connector_worker_meta(), {24, 25, 26}))  # type: ignore[arg-type]
-    assert [part._requests["b"].saved_blocks for part in sched.parts] == [3, 3]
+    assert sorted(ns.blocks for ns in window.store.stats().namespaces.values()) == [6 * 2, 6 * 2]  # stored again
     second.close()
 
 
 class _Output:
     """The fields of vLLM's KVConnectorOutput the connector reads."""
 
-    def __init__(self, worker_meta: object, invalid: set[int]) -> None:
+    def __init__(self, worker_meta: object, invalid: set[int], failed: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         self.kv_connector_worker_meta = worker_meta
         self.invalid_block_ids = invalid
+        self.failed_recving = set(failed)
 
 
 
@@ -257,7 +326,7 @@ def test_reset_moves_every_groups_epoch_on_for_this_and_another_engine(model_dir
     first = _Engine(model_dir, tmp_path / "store", _kv(1))
     assert first.run(_request("a", TOKENS), ids) == 0
     other = _Engine(model_dir, tmp_path / "store", _kv(None))
-    assert other.scheduler.get_num_new_matched_tokens(_request("probe", TOKENS), 0) == (6 * BS, False)
+    assert other.scheduler.get_num_new_matched_tokens(_request("probe", TOKENS), 0) == (6 * BS, True)
     other.scheduler.build_connector_meta(SchedulerOutput.make_empty())  # its step ends: the next one reads the epoch
     assert first.scheduler.reset_cache() is True
     sched = first.scheduler._scheduler
@@ -265,6 +334,6 @@ def test_reset_moves_every_groups_epoch_on_for_this_and_another_engine(model_dir
     for engine in (first, other):
         assert engine.scheduler.get_num_new_matched_tokens(_request("old", TOKENS), 0) == (0, False)
     assert first.run(_request("again", TOKENS), ids) == 0  # computed and stored again, at the new epoch
-    assert other.scheduler.get_num_new_matched_tokens(_request("new", TOKENS), 0) == (6 * BS, False)
+    assert other.scheduler.get_num_new_matched_tokens(_request("new", TOKENS), 0) == (6 * BS, True)
     first.close()
     other.close()

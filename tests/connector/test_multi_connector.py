@@ -35,7 +35,9 @@ from vllm.v1.request import Request  # noqa: E402
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
 from ucm_db.connector.metrics import UcmDbConnectorStats  # noqa: E402
 
-from test_hybrid import BS, FULL_LAYERS, TOKENS, WINDOW, WINDOW_LAYERS, _Engine, _groups, _kv, _step, model_dir  # noqa: E402,F401
+from test_hybrid import (  # noqa: E402,F401
+    BS, FULL_LAYERS, TOKENS, WINDOW, WINDOW_LAYERS, _Engine, _groups, _kv, _step, admit, model_dir,
+)
 
 init_none_hash(sha256_cbor)
 HASHER = get_request_block_hasher(BS, sha256_cbor)
@@ -112,12 +114,10 @@ def test_two_ucm_db_children_keep_the_hybrid_manager_load_from_the_one_with_hits
     assert {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in replayed} == {
         (0, "sliding_window", WINDOW), (1, "full_attention", None)}
 
-    assert multi.scheduler.get_num_new_matched_tokens(req, 0) == (6 * BS, False)
-    assert multi.scheduler._requests_to_connector["r"] == 1  # the empty store is asked first and has none
-    multi.scheduler.update_state_after_alloc(req, None, 6 * BS)  # type: ignore[arg-type]
-    req.num_computed_tokens = 6 * BS
     # vLLM leaves the sliding-window group's blocks outside the window null (block 0).
     ids = ([0, 0, 23, 24, 25, 26, 27], list(range(31, 38)))
+    assert admit(multi.scheduler, multi.worker, req, ids) == 6 * BS  # a hybrid model's hit loads asynchronously
+    assert multi.scheduler._requests_to_connector["r"] == 1  # the empty store is asked first and has none
     meta = multi.scheduler.build_connector_meta(_step(req, ids, req.num_tokens - req.num_computed_tokens))
     multi.worker.bind_connector_metadata(meta)
     multi.worker.start_load_kv(None)  # type: ignore[arg-type]
@@ -201,48 +201,44 @@ class _Output:
         self.invalid_block_ids = invalid
 
 
-def test_a_save_over_blocks_another_child_failed_to_load_is_never_committed(model_dir: Path, tmp_path: Path) -> None:
-    """The filled child loads the prompt's blocks, one of which it finds lost;
-    the empty child's save of the same step copies them out of the KV cache
-    (stale memory where the load failed). It is held until the step's outcome
-    is back, then dropped, and the empty child saves again from its stored
-    prefix: no block of it is ever committed with KV vLLM recomputes."""
+def test_a_failed_load_of_another_child_is_recomputed_before_any_child_saves(model_dir: Path, tmp_path: Path) -> None:
+    """The filled child loads the prompt's blocks (asynchronously: a hybrid
+    model's loads all are) and finds one lost between the lookup and the
+    load: MultiConnector reports the request failed, vLLM recomputes it
+    from its first token before computing anything over the failed blocks,
+    so no child saves over them; both children rewind, neither claims it
+    again, and the empty child saves it whole, over no load."""
     from ucm_db.connector.identity import grid, reader_spans
     from ucm_db.connector.hybrid import group_shape
     from ucm_db.units import UnitKeys
 
+    from test_hybrid import blocks_of
+
     _filled_store(model_dir, tmp_path / "filled", _kv(4))
     multi = _Multi(_multi_config(model_dir, [tmp_path / "empty", tmp_path / "filled"]), _kv(None))
     empty, filled = multi.scheduler.sub_connectors
+
+    def lose_full_block_3(meta: Any) -> None:  # and, by the prefix invariant, what follows
+        full = filled._scheduler.parts[1]  # type: ignore[union-attr]
+        full_load = meta.metadata[1].groups[1].async_loads[0]
+        shape = group_shape(filled.shape, filled._scheduler.groups[1])  # type: ignore[union-attr]
+        full.store.delete(full._namespace, [k for span in reader_spans(shape) for k in UnitKeys([full_load.keys[3]], grid(shape), span)])
+
     req = _request("r", TOKENS)
-    assert multi.scheduler.get_num_new_matched_tokens(req, 0) == (6 * BS, False)
-    multi.scheduler.update_state_after_alloc(req, None, 6 * BS)  # type: ignore[arg-type]
-    req.num_computed_tokens = 6 * BS
-    ids = ([0, 0, 23, 24, 25, 26, 27], list(range(31, 38)))
-    meta = multi.scheduler.build_connector_meta(_step(req, ids, req.num_tokens - req.num_computed_tokens))
-    # The filled store lost the full-attention group's block 3 (and, by the prefix invariant, what follows).
-    full = filled._scheduler.parts[1]  # type: ignore[union-attr]
-    full_load = meta.metadata[1].groups[1].loads[0]
-    shape = group_shape(filled.shape, filled._scheduler.groups[1])  # type: ignore[union-attr]
-    lost = [k for span in reader_spans(shape) for k in UnitKeys([full_load.keys[3]], grid(shape), span)]
-    full.store.delete(full._namespace, lost)
+    assert admit(multi.scheduler, multi.worker, req, ([0, 0, 23, 24, 25, 26], list(range(31, 37))), expect_failed=True,
+                 before_load=lose_full_block_3) == 6 * BS
+    assert empty._held_store.stats().blocks == 0  # type: ignore[union-attr]
+    for child in (empty, filled):
+        assert [part._requests["r"].saved_blocks for part in child._scheduler.parts] == [0, 0]  # type: ignore[union-attr]
+    assert multi.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)  # vLLM's retry: recomputed
+    ids = (list(range(1, 8)), list(range(11, 18)))  # a prefill of the whole prompt: every block real
+    multi.scheduler.update_state_after_alloc(req, blocks_of(ids), 0)
+    meta = multi.scheduler.build_connector_meta(_step(req, ids, req.num_tokens))
+    assert [[(len(t.block_ids), t.after_loads, t.hold_id) for t in g.saves] for g in meta.metadata[0].groups] == [[(6, (), -1)]] * 2
     multi.worker.bind_connector_metadata(meta)
     multi.worker.start_load_kv(None)  # type: ignore[arg-type]
-    invalid = multi.worker.get_block_ids_with_load_errors()
-    assert invalid == {34, 35, 36}
     multi.worker.wait_for_save()
     multi.worker.clear_connector_metadata()
-    empty_worker = multi.worker.sub_connectors[0]
-    empty_worker._worker.drain()  # type: ignore[attr-defined]
-    assert empty._held_store.stats().blocks == 0  # type: ignore[union-attr]  # nothing committed before the outcome
-    # vLLM recomputes from the failed block; the outcome reaches every child.
-    req.num_computed_tokens = 3 * BS
-    multi.scheduler.update_connector_output(_Output(multi.worker.build_connector_worker_meta(), invalid))  # type: ignore[arg-type]
-    assert [part._requests["r"].saved_blocks for part in empty._scheduler.parts] == [0, 0]  # type: ignore[union-attr]
-    # The next step (vLLM's recompute from block 3, in place before its saves are copied) tells the
-    # empty child's worker to drop what it holds, and saves the request again from block 0.
-    nxt = _run_next_step(multi, req, ids)
-    assert [len(g.held_drops) for g in nxt.metadata[0].groups] == [1, 1] and not any(g.held_commits for g in nxt.metadata[0].groups)
-    assert [(t.keys[0], len(t.block_ids)) for t in nxt.metadata[0].groups[1].saves] == [(full_load.keys[0], 6)]
-    assert empty._held_store.stats().blocks == 6 * 2  # type: ignore[union-attr]
+    _drain(multi)
+    assert empty._held_store.stats().blocks == 2 * 6 * 2  # type: ignore[union-attr]
     multi.close()

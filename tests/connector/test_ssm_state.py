@@ -35,6 +35,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
 from ucm_db.connector.hybrid import GroupedScheduler  # noqa: E402
+from test_hybrid import admit  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 
 BS = 32
@@ -108,12 +109,11 @@ class _Engine:
         self.worker = UcmDbConnector(config, KVConnectorRole.WORKER, _groups(mamba))
         self.worker.register_kv_caches(kv)
 
-    def lookup(self, req: Request) -> int:
-        hit, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
-        assert is_async is False and hit is not None
-        self.scheduler.update_state_after_alloc(req, None, hit)  # type: ignore[arg-type]
-        req.num_computed_tokens = hit
-        return hit
+    def lookup(self, req: Request, ids: tuple[list[int], list[int]] = ([0] * 5 + [23], list(range(31, 37)))) -> int:
+        """Lookup, allocation (``ids``: vLLM's align-mode allocation of a
+        6-block async hit: the state group's blocks 0-4 null, block 5 for
+        the state) and the async load (test_hybrid.admit); the hit tokens."""
+        return admit(self.scheduler, self.worker, req, ids)
 
     def step(self, out: SchedulerOutput, after_load: Any = None) -> Any:
         meta = self.scheduler.build_connector_meta(out)
@@ -163,8 +163,7 @@ def _prefill(engine: _Engine, req_id: str, state_block: int, offered_at: int) ->
 @pytest.mark.parametrize("load_mode", ["block", "layer"])
 def test_the_state_is_stored_at_its_boundary_and_loaded_where_align_mode_reads_it(model_dir: Path, tmp_path: Path,
                                                                                   load_mode: str) -> None:
-    """In ``layer`` mode too the state is in place when ``start_load_kv``
-    returns: vLLM waits on attention layers only."""
+    """Any load mode: a hybrid model's loads are async (hybrid.py)."""
     mamba = _mamba()
     saved = _kv(1, mamba)
     first = _Engine(model_dir, tmp_path / "store", saved, mamba)
@@ -192,17 +191,17 @@ def test_the_state_is_stored_at_its_boundary_and_loaded_where_align_mode_reads_i
     # One line per request, though group 0 (which logs it for attention models) holds state here.
     assert [line for line in lines.lines if "hit tokens loaded" in line] == [
         "ucm-db: request b: 197 prompt tokens, 0 from vLLM's prefix cache, 192 hit tokens loaded from ucm-db"]
-    # vLLM's allocation for an external hit of 6 blocks in align mode: blocks
-    # 0-4 null, block 5 for the state after 192 tokens, block 6 the one the
-    # request runs in (the 5 tokens left).
-    in_place: list[bool] = []
-    meta = second.step(_step(req, ([0] * 5 + [23, 24], list(range(31, 38))), 5),
-                       after_load=lambda: in_place.extend(torch.equal(fresh[STATE_LAYER][b], saved[STATE_LAYER][7]) for b in (23, 24)))
-    assert [t.block_ids for t in meta.groups[0].loads] == [(23,), (24,)]
-    assert in_place == [True, True]
+    # The async load (at vLLM's allocation for the hit: blocks 0-4 null,
+    # block 5 for the state after 192 tokens) wrote the state into block 5
+    # only: in the request's first step vLLM's preprocess_mamba copies it
+    # to the block the request runs in (ssm_state.py).
+    assert torch.equal(fresh[STATE_LAYER][23], saved[STATE_LAYER][7]) and not fresh[STATE_LAYER][24].any()
     for old, new in zip(range(11, 17), range(31, 37)):
         assert torch.equal(fresh[ATTN_LAYER][new], saved[ATTN_LAYER][old])
     assert not fresh[STATE_LAYER][0].any()  # the null block is never written
+    # Its first step (block 6 added, the 5 tokens left): nothing loads, nothing is saved again.
+    meta = second.step(_step(req, ([0] * 5 + [23, 24], list(range(31, 38))), 5))
+    assert [g.loads for g in meta.groups] == [[], []] and [g.async_loads for g in meta.groups] == [[], []]
     assert meta.groups[0].saves == []  # the state it loaded is not saved again
     second.close()
 
@@ -250,15 +249,14 @@ def test_a_hit_without_a_state_block_is_logged_not_loaded(model_dir: Path, tmp_p
     fresh = _kv(None, mamba)
     second = _Engine(model_dir, tmp_path / "store", fresh, mamba)
     req = _request("b", TOKENS)
-    assert second.lookup(req) == 6 * BS
     lines = _Lines()
     log = logging.getLogger("vllm.ucm_db.connector.scheduler")
     log.addHandler(lines)
     try:
-        meta = second.step(_step(req, ([0] * 5 + [23], list(range(31, 38))), 5))  # no running block
+        assert second.lookup(req, ([0] * 6, list(range(31, 37)))) == 6 * BS  # block 5 null
     finally:
         log.removeHandler(lines)
-    assert meta.groups[0].loads == [] and not fresh[STATE_LAYER].any()
+    assert not fresh[STATE_LAYER].any()
     assert any("no state block at the hit's end (192 tokens, 6 block ids)" in line for line in lines.lines), lines.lines
     second.close()
 
@@ -326,3 +324,40 @@ def test_a_preemption_reaches_every_group_state_group_included(model_dir: Path, 
         assert kept is not None and kept.req_id == "kept"
         part._pending.done(kept)
     engine.close()
+
+
+def test_a_state_that_fails_to_load_fails_the_request_and_is_saved_again(model_dir: Path, tmp_path: Path) -> None:
+    """The state is lost between the lookup and the load: the request is
+    reported failed (vLLM recomputes it from its first token), its retry
+    claims nothing, and the state vLLM offers again is saved again."""
+    from ucm_db.connector.hybrid import group_shape
+    from ucm_db.connector.identity import grid, reader_spans
+    from ucm_db.units import UnitKeys
+
+    from test_hybrid import admit, blocks_of
+
+    mamba = _mamba()
+    first = _Engine(model_dir, tmp_path / "store", _kv(8, mamba), mamba)
+    _prefill(first, "a", 7, 6 * BS)
+    first.close()
+    second = _Engine(model_dir, tmp_path / "store", _kv(None, mamba), mamba)
+    sched = second.scheduler._scheduler
+    assert isinstance(sched, GroupedScheduler)
+    state_part = sched.parts[0]
+
+    def lose_the_state(meta: Any) -> None:
+        (load,) = meta.groups[0].async_loads
+        assert load.block_ids == (23,)
+        shape = group_shape(second.scheduler.shape, sched.groups[0])
+        state_part.store.delete(state_part._namespace, [k for span in reader_spans(shape) for k in UnitKeys(list(load.keys), grid(shape), span)])
+
+    req = _request("b", TOKENS)
+    ids = ([0] * 5 + [23], list(range(31, 37)))
+    assert admit(second.scheduler, second.worker, req, ids, expect_failed=True, before_load=lose_the_state) == 6 * BS
+    assert second.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    ids = ([0] * 5 + [9], list(range(11, 17)))  # the recompute's prefill to the last whole block
+    second.scheduler.update_state_after_alloc(req, blocks_of(ids), 0)
+    meta = second.step(_step(req, ids, 6 * BS, [(0, 9, 6 * BS)]))
+    assert [t.block_ids for t in meta.groups[0].saves] == [(9,)] and [len(t.block_ids) for t in meta.groups[1].saves] == [6]
+    assert sorted(second.blocks().values()) == [1, 6 * 2]  # the state is stored again
+    second.close()
