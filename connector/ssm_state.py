@@ -17,6 +17,13 @@ Invariants:
       state spec, groups.py) as a chain of one block (no parent): states are
       sparse (vLLM keeps only some boundaries), so no chain runs through
       them, and a state is loadable alone.
+    * A stored state is evented (events.py) as vLLM's prefix cache events
+      an align-mode state block (vllm/v1/core/block_pool.py
+      ``cache_full_blocks`` ~273-345: null blocks skipped, the cached one's
+      hash, its parent the previous block's hash even where that block is
+      null): the hash of block ``k - 1``, parent the hash of block ``k - 2``
+      (None for ``k = 1``), the block's tokens, this group's index; its
+      spec kind (``"mamba"``) is the group's, as for every group.
     * Saved: exactly the boundary states vLLM offers for this group, at
       whole blocks of known tokens, in the step that offers them (the
       worker copies them out in that step's ``wait_for_save``, after the
@@ -67,6 +74,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ucm_db.connector.events import save_fields
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 from ucm_db.connector.scheduler import UcmDbScheduler, logger
 from ucm_db.units import unit_keys_of
@@ -175,7 +183,8 @@ class SsmStateScheduler(UcmDbScheduler):
             if boundary_tokens > state.request.num_tokens:
                 continue  # keys need the tokens
             key = self._keys(state, k)[k - 1]
-            meta.saves.append(BlockTransfer(req_id, (key,), (block_id,), None))
+            fields = save_fields(state.request, k - 1, k, self._block_size, state.epoch, self._group)
+            meta.saves.append(BlockTransfer(req_id, (key,), (block_id,), None, event_fields=fields))
             plan.done_blocks.add(k)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, NewRequestData, SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -66,13 +66,15 @@ def _groups(mamba: MambaSpec) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def _vllm_config(model_dir: Path, store: Path, role: str = "kv_both", load_mode: str = "block", **extra: Any) -> VllmConfig:
+def _vllm_config(model_dir: Path, store: Path, role: str = "kv_both", load_mode: str = "block", kv_events: bool = False,
+                 **extra: Any) -> VllmConfig:
     transfer = KVTransferConfig(kv_connector="UcmDbConnector", kv_connector_module_path="ucm_db.connector", kv_role=role,
                                 kv_load_failure_policy="recompute",
                                 kv_connector_extra_config={"path": str(store), "load_mode": load_mode, **extra})
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024),
         cache_config=CacheConfig(block_size=BS), kv_transfer_config=transfer,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )
 
 
@@ -103,8 +105,8 @@ class _Engine:
     """Both halves of the connector, as vLLM makes them for one engine."""
 
     def __init__(self, model_dir: Path, store: Path, kv: dict[str, torch.Tensor], mamba: MambaSpec, role: str = "kv_both",
-                 load_mode: str = "block", **extra: Any) -> None:
-        config = _vllm_config(model_dir, store, role, load_mode, **extra)
+                 load_mode: str = "block", kv_events: bool = False, **extra: Any) -> None:
+        config = _vllm_config(model_dir, store, role, load_mode, kv_events, **extra)
         self.scheduler = UcmDbConnector(config, KVConnectorRole.SCHEDULER, _groups(mamba))
         self.worker = UcmDbConnector(config, KVConnectorRole.WORKER, _groups(mamba))
         self.worker.register_kv_caches(kv)
@@ -145,19 +147,20 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _request(req_id: str, tokens: list[int]) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=1), None)  # type: ignore[arg-type]
+def _request(req_id: str, tokens: list[int], block_hasher: Any = None) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=block_hasher)  # type: ignore[arg-type]
 
 
-def _prefill(engine: _Engine, req_id: str, state_block: int, offered_at: int) -> None:
+def _prefill(engine: _Engine, req_id: str, state_block: int, offered_at: int, block_hasher: Any = None) -> Request:
     """A prefill of TOKENS to the last whole block (vLLM's align-mode chunk):
     the state group runs in one block (the others null), the attention
     group fills six; vLLM offers the state at ``offered_at`` tokens."""
-    req = _request(req_id, TOKENS)
+    req = _request(req_id, TOKENS, block_hasher)
     assert engine.lookup(req) == 0
     ids = ([0] * 5 + [state_block], list(range(11, 17)))
     engine.step(_step(req, ids, 6 * BS, [(0, state_block, offered_at), (1, 99, offered_at)]))
     assert engine.scheduler.request_finished_all_groups(req, ids) == (False, None)
+    return req
 
 
 @pytest.mark.parametrize("load_mode", ["block", "layer"])
@@ -361,3 +364,48 @@ def test_a_state_that_fails_to_load_fails_the_request_and_is_saved_again(model_d
     assert [t.block_ids for t in meta.groups[0].saves] == [(9,)] and [len(t.block_ids) for t in meta.groups[1].saves] == [6]
     assert sorted(second.blocks().values()) == [1, 6 * 2]  # the state is stored again
     second.close()
+
+
+def test_a_stored_state_is_evented_as_vllm_events_a_mamba_block(model_dir: Path, tmp_path: Path) -> None:
+    """The state after six blocks is a BlockStored of the state group
+    (group_idx 0, spec kind "mamba") with block 5's hash, parent and tokens,
+    as vLLM's own prefix cache events an align-mode state block
+    (block_pool.py cache_full_blocks); its deletion by another process is a
+    BlockRemoved of that group."""
+    import json
+    import subprocess
+    import sys
+
+    from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
+
+    init_none_hash(sha256_cbor)
+    mamba = _mamba()
+    engine = _Engine(model_dir, tmp_path / "store", _kv(1, mamba), mamba, kv_events=True)
+    req = _prefill(engine, "a", 7, 6 * BS, get_request_block_hasher(BS, sha256_cbor))
+    hashes = [maybe_convert_block_hash(h) for h in req.block_hashes]
+    stored = engine.scheduler.take_events()
+    assert {type(e) for e in stored} == {BlockStored} and all(e.medium == MEDIUM_STORAGE for e in stored)
+    assert sorted(h for e in stored if e.group_idx == 1 for h in e.block_hashes) == sorted(hashes[:6])
+    states = [e for e in stored if e.group_idx == 0]
+    assert len(states) == 1
+    state = states[0]
+    assert state.block_hashes == [hashes[5]] and state.parent_block_hash == hashes[4]
+    assert state.token_ids == TOKENS[5 * BS:6 * BS] and state.block_size == BS
+    assert (state.kv_cache_spec_kind, state.kv_cache_spec_sliding_window, state.lora_id) == ("mamba", None, None)
+
+    # Another process deletes the state (an eviction by another engine reads the same in the feed).
+    part = engine.scheduler._scheduler.parts[0]  # type: ignore[union-attr]
+    key = next(r.key for r in engine.scheduler._held_store.event_inventory(namespace=part.namespace).records)  # type: ignore[union-attr]
+    script = (
+        "import json, sys, ucm_db\n"
+        "with ucm_db.open(sys.argv[1]) as store:\n"
+        "    assert store.delete(ucm_db.Namespace.from_dict(json.loads(sys.argv[2])), [bytes.fromhex(sys.argv[3])])\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "store"), json.dumps(part.namespace.to_dict()), key.hex()],
+                   check=True, timeout=120)
+    removed = engine.scheduler.take_events()
+    assert [(type(e), e.block_hashes, e.group_idx, e.medium) for e in removed] == [
+        (BlockRemoved, [hashes[5]], 0, MEDIUM_STORAGE)]
+    engine.close()
