@@ -10,7 +10,7 @@ full-attention layers see the different blocks, and the reference's
 outputs differ, so a wrong load of those blocks would show.
 
 One scenario for the module (engine starts dominate the cost), each engine
-in its own process:
+in its own process; 1-3 run side by side, then 4 and 5, then 6:
 
 1. ``plain``: no connector: vLLM's KV block count without ucm-db.
 2. ``reference``: ucm-db on an EMPTY store (it loads nothing): the outputs
@@ -125,11 +125,17 @@ def _damage_a_block_of_the_first_prompt(store: Path) -> None:
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("hybrid")
     model = _build_gemma2(work / "gemma2")
-    runs = {}
-    for name, store in (("plain", None), ("reference", work / "empty"), ("writer", work / "store"), ("restarted", work / "store")):
-        runs[name] = start_engine_process(_spec(model, store), work, name).wait(timeout_s=900)
+    # Three phases of engines that do not depend on each other, each phase's
+    # engines side by side: (plain, reference, writer); then (restarted,
+    # damaged), each on its own copy of what the writer left; then composed,
+    # alone, since its KV events must see only its own writes.
+    first = {name: start_engine_process(_spec(model, store), work, name)
+             for name, store in (("plain", None), ("reference", work / "empty"), ("writer", work / "store"))}
+    runs = {name: job.wait(timeout_s=900) for name, job in first.items()}
     _damage_a_block_of_the_first_prompt(shutil.copytree(work / "store", work / "damaged"))
-    runs["damaged"] = start_engine_process(_spec(model, work / "damaged"), work, "damaged").wait(timeout_s=900)
+    second = {name: start_engine_process(_spec(model, work / store), work, name)
+              for name, store in (("restarted", "store"), ("damaged", "damaged"))}
+    runs.update({name: job.wait(timeout_s=900) for name, job in second.items()})
     composed = _composed_spec(model, work / "second", work / "store")
     runs["composed"] = start_engine_process(composed, work, "composed").wait(timeout_s=900)
     runs["composed"]["stores"] = {"empty": work / "second", "filled": work / "store"}
