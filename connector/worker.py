@@ -8,7 +8,8 @@ Invariants:
       unverified byte reaches the KV cache.
     * Saves copy blocks out of the KV cache in ``wait_for_save`` (the
       blocks may be reused by the next step) and leave encoding and commit
-      to the :class:`~ucm_db.connector.writer.BackgroundWriter`. A save whose
+      to the :class:`~ucm_db.connector.writer.BackgroundWriter`, in staging
+      reused across saves (:mod:`~ucm_db.connector.staging`). A save whose
       ``after_loads`` include a block this worker failed to load in its
       last few steps is dropped (its KV attended to a stale slot); a held
       save waits for the scheduler's verdict (metadata.py), and the saves a
@@ -44,6 +45,7 @@ from ucm_db.connector.metrics import Counters
 from ucm_db.connector.preemptions import PendingSaves
 from ucm_db.connector.roles import RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.connector.staging import StagingPool
 from ucm_db.connector.stores import acquire, release
 from ucm_db.connector.worker_loads import WorkerLoads
 from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
@@ -51,6 +53,7 @@ from ucm_db.errors import ConfigError
 from ucm_db.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+_MAX_FREE_STAGING_BYTES = 256 << 20  # idle save staging kept for reuse (staging.py)
 
 
 class UcmDbWorker:
@@ -84,6 +87,7 @@ class UcmDbWorker:
         self._store = acquire(self._settings)
         self._loads.bind(self._store, self._layout, self._namespace, self._grid, self._spans)
         publish_codec = self._settings.publish_codec
+        self._staging = StagingPool(self._layout.heads, self._layout.unit_bytes, min(self._settings.max_pending_save_bytes, _MAX_FREE_STAGING_BYTES))
         self._writer = BackgroundWriter(
             self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes,
             codec_name=publish_codec if self._role.publishes and publish_codec != "store" else None,
@@ -166,12 +170,12 @@ class UcmDbWorker:
             # Computed over a block this worker failed to load: wrong KV.
             self.counters.add(saves_voided=len(transfer.block_ids))
             return
-        staging = self.layout.new_unit_staging(len(transfer.block_ids))
-        self.layout.gather_units(transfer.block_ids, staging)
+        lease = self._staging.take(len(transfer.block_ids))
+        self.layout.gather_units(transfer.block_ids, lease.staging)
         block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
         start = 1 if transfer.parent is not None else 0
         chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
-        job = SaveJob(self._namespace, chains, staging, transfer.event_fields, self._evented_chain)
+        job = SaveJob(self._namespace, chains, lease.staging, transfer.event_fields, self._evented_chain, lease.release)
         if transfer.hold_id >= 0:
             self._held[transfer.hold_id] = job
         else:
@@ -193,6 +197,7 @@ class UcmDbWorker:
             job = self._held.pop(hold_id, None)
             if job is not None:
                 self.counters.add(saves_voided=job.blocks)
+                job.done()
         for hold_id in sorted(commits):
             job = self._held.pop(hold_id, None)
             if job is not None and self._writer is not None:
@@ -205,8 +210,13 @@ class UcmDbWorker:
         if self._epoch is not None and self._held:
             self.counters.add(saves_voided=sum(job.blocks for job in self._held.values()))
             logger.info("ucm-db: namespace epoch %d: %d held saves of the older epoch dropped", epoch, len(self._held))
-            self._held.clear()
+            self._drop_held()
         self._epoch = epoch
+
+    def _drop_held(self) -> None:
+        for job in self._held.values():
+            job.done()
+        self._held.clear()
 
     def _void(self, transfers: Sequence[BlockTransfer]) -> None:
         """Deletes this rank's units of saves that another rank's failed
@@ -227,7 +237,7 @@ class UcmDbWorker:
         self.finish_loads()
         if self._held:  # their verdict never came: nothing unconfirmed is committed
             logger.info("ucm-db: %d held saves dropped at shutdown (no verdict from the scheduler)", len(self._held))
-            self._held.clear()
+            self._drop_held()
         self._loads.close()
         if self._writer is not None:
             self._writer.close()

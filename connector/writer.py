@@ -23,6 +23,8 @@ Invariants:
       failed load, metadata.py) deletes them in queue order: after every
       save submitted before it, so a void never misses a commit still queued.
     * :meth:`close` commits every queued job before returning.
+    * A save job's staging goes back to its pool (:mod:`ucm_db.connector.staging`)
+      only once the job is committed, failed or dropped (:meth:`SaveJob.done`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class SaveJob:
     staging: torch.Tensor  # uint8 [blocks, units, unit_bytes], CPU
     event_fields: tuple[ucm_db.BlockEventFields, ...] = ()  # per block: vLLM's KV event fields (events.py)
     evented_chain: int = -1  # the chain whose units carry them (-1: none on this rank)
+    release: Callable[[], None] | None = None  # gives ``staging`` back to its pool (staging.py)
+
+    def done(self) -> None:
+        """Ends this job's hold on ``staging`` (committed, failed or dropped)."""
+        if self.release is not None:
+            self.release()
 
     def evented(self) -> dict[bytes, ucm_db.BlockEventFields] | None:
         """``put``'s ``event_fields``: the evented chain's unit keys to fields."""
@@ -110,6 +118,7 @@ class BackgroundWriter:
         with self._lock:
             if self._pending_bytes + job.nbytes > self._max_pending_bytes:
                 self._counters.add(saves_dropped=job.blocks)
+                job.done()
                 return False
             self._pending_bytes += job.nbytes
         self._queue.put(job)
@@ -143,6 +152,8 @@ class BackgroundWriter:
                 if job is not None:
                     with self._lock:
                         self._pending_bytes -= job.nbytes
+                    if isinstance(job, SaveJob):
+                        job.done()
                 self._queue.task_done()
 
     def _commit(self, job: SaveJob) -> None:

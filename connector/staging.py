@@ -1,0 +1,79 @@
+"""Reusable staging buffers for saves.
+
+A save copies its units out of the KV cache into a staging buffer on the
+model's thread (``wait_for_save``); the background writer commits it.
+A fresh buffer per save costs a page fault and a zeroed page per 4 KiB on
+the model's thread (about as much as the copy itself on a 2-core host) and
+the kernel's page allocation competes with the writer's commit; a pooled
+buffer was touched before, so the copy runs at memory speed.
+
+Invariants:
+    * A buffer belongs to one :class:`Lease` at a time; it returns to the
+      pool only through :meth:`Lease.release`, which the owner calls once
+      nothing reads it any more (the writer after its commit or failure: the
+      store copies payloads inside ``put``, so no view outlives it).
+    * Buffers hold a power-of-two number of blocks' rows, so saves of
+      different sizes reuse them; a lease is a view of its first rows.
+    * At most ``max_free_bytes`` of buffers wait in the pool; a buffer
+      released beyond that is freed.
+    * Thread-safe: leases are taken on the model's thread and released on
+      the writer's.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class Lease:
+    """One save's staging rows ``[blocks, heads, unit_bytes]`` (a view of
+    a pooled buffer) until :meth:`release`."""
+
+    staging: torch.Tensor
+    _buffer: torch.Tensor = field(repr=False)
+    _pool: StagingPool | None = field(repr=False)
+
+    def release(self) -> None:
+        """Gives the buffer back (idempotent); the rows must not be read after."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._give(self._buffer)
+
+
+class StagingPool:
+    """Unit staging buffers of one KV layout, reused across saves."""
+
+    def __init__(self, heads: int, unit_bytes: int, max_free_bytes: int) -> None:
+        self._row_shape = (heads, unit_bytes)
+        self._max_free_bytes = max_free_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of buffers waiting in the pool."""
+        return self._free_bytes
+
+    def take(self, num_blocks: int) -> Lease:
+        """Staging rows for ``num_blocks`` blocks (contents undefined)."""
+        rows = 1 << max(0, num_blocks - 1).bit_length()
+        with self._lock:
+            free = self._free.get(rows)
+            buffer = free.pop() if free else None
+            if buffer is not None:
+                self._free_bytes -= buffer.numel()
+        if buffer is None:
+            buffer = torch.empty((rows, *self._row_shape), dtype=torch.uint8)
+        return Lease(buffer[:num_blocks], buffer, self)
+
+    def _give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if self._free_bytes + buffer.numel() > self._max_free_bytes:
+                return
+            self._free.setdefault(int(buffer.shape[0]), []).append(buffer)
+            self._free_bytes += buffer.numel()
