@@ -116,7 +116,7 @@ class Counters:
 
 _PROM = {
     "lookups": ("ucm_db_lookups", "Scheduler-side prefix lookups"),
-    "hit_tokens": ("ucm_db_hit_tokens", "Prompt tokens loaded from ucm-db instead of computed"),
+    "hit_tokens": ("ucm_db_hit_tokens", "Prompt tokens claimed from ucm-db at lookup (a claim whose load fails is recomputed: see load_errors)"),
     "query_tokens": ("ucm_db_query_tokens", "Prompt tokens looked up in ucm-db"),
     "loaded_bytes": ("ucm_db_loaded_bytes", "KV bytes loaded into the paged cache"),
     "load_s": ("ucm_db_load_seconds", "Seconds spent loading KV blocks"),
