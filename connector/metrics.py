@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 COUNTERS = (
     "lookups", "lookup_s", "query_tokens", "hit_tokens",
     "loaded_blocks", "loaded_bytes", "load_s", "load_errors",
-    "saved_blocks", "saved_bytes", "save_copy_s", "save_commit_s", "save_errors", "saves_dropped",
+    "saved_blocks", "saved_bytes", "save_copy_s", "save_commit_s", "save_commit_cpu_s", "save_errors", "saves_dropped",
     # saves computed over a block that failed to load: dropped by the worker
     # that saw the failure, deleted by the others a step later
     "saves_voided",
@@ -73,6 +73,7 @@ class UcmDbConnectorStats(KVConnectorStats):
             "load_errors": int(d["load_errors"]),
             "saved_MB": round(d["saved_bytes"] / 1e6, 3),
             "save_commit_s": round(d["save_commit_s"], 4),
+            "save_commit_cpu_s": round(d["save_commit_cpu_s"], 4),
             "save_errors": int(d["save_errors"]),
             "saves_dropped": int(d["saves_dropped"]),
             "saves_voided": int(d["saves_voided"]),
@@ -123,6 +124,8 @@ _PROM = {
     "load_errors": ("ucm_db_load_errors", "Blocks that failed to load (missing or corrupt) and were recomputed"),
     "saved_bytes": ("ucm_db_saved_bytes", "Raw KV bytes handed to the background writer"),
     "save_commit_s": ("ucm_db_save_commit_seconds", "Seconds the background writer spent encoding and committing"),
+    "save_commit_cpu_s": ("ucm_db_save_commit_cpu_seconds",
+                          "CPU seconds of the background writer's thread in those commits (the rest waited for the disk, a core or the GIL)"),
     "save_copy_s": ("ucm_db_save_copy_seconds", "Seconds the forward pass spent copying blocks out for saving"),
     "save_errors": ("ucm_db_save_errors", "Blocks whose save failed (logged; a future miss, never wrong KV)"),
     "saves_dropped": ("ucm_db_saves_dropped", "Blocks not saved because the writer queue was full"),

@@ -157,7 +157,7 @@ class BackgroundWriter:
                 self._queue.task_done()
 
     def _commit(self, job: SaveJob) -> None:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         rows = job.staging.numpy()
         segments = [
             (BlockKeys(list(keys), parent=keys.parent()), [self._frames(rows[i, j]) for i in range(len(keys))])
@@ -174,7 +174,8 @@ class BackgroundWriter:
         if failed:
             self._counters.add(save_errors=job.blocks)
             return
-        self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started)
+        self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started,
+                           save_commit_cpu_s=time.thread_time() - started_cpu)
         self._update_ratio(job.namespace)
 
     def _delete(self, job: VoidJob) -> None:

@@ -88,10 +88,11 @@ def test_connector_counters_are_read_from_prometheus_text_and_differenced_per_pa
     assert parse_connector_counters("vllm:prompt_tokens_total 5.0") == {}  # a server without ucm-db
     delta = serve.pass_counters({"hit_tokens": 1000.0, "cost_skips": 2.0},
                                 {**counters, "query_tokens": 8192.0, "load_seconds": 0.5, "saved_bytes": 4e7,
-                                 "save_commit_seconds": 0.25, "save_copy_seconds": 0.125})
+                                 "save_commit_seconds": 0.25, "save_commit_cpu_seconds": 0.125, "save_copy_seconds": 0.125})
     assert delta["hit_tokens"] == 3096.0 and delta["query_tokens"] == 8192.0 and delta["cost_skips"] == 0.0
     assert delta["loaded_MB"] == 25.0 and delta["load_s"] == 0.5
     assert delta["saved_MB"] == 40.0 and delta["save_commit_s"] == 0.25 and delta["save_copy_s"] == 0.125
+    assert delta["save_commit_cpu_s"] == 0.125
 
 
 def test_medians_of_runs_take_the_connector_counters_key_by_key() -> None:

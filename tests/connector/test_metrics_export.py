@@ -76,6 +76,8 @@ def test_save_errors_and_save_seconds_are_prometheus_counters(tmp_path: Path) ->
     commit_s = registry.get_sample_value("vllm:ucm_db_save_commit_seconds_total", LABELS)
     copy_s = registry.get_sample_value("vllm:ucm_db_save_copy_seconds_total", LABELS)
     assert commit_s is not None and copy_s is not None and commit_s > 0 and copy_s > 0
+    cpu_s = registry.get_sample_value("vllm:ucm_db_save_commit_cpu_seconds_total", LABELS)
+    assert cpu_s is not None and 0 < cpu_s <= commit_s  # the thread's CPU within the commits' wall time
 
 
 def test_a_load_only_server_shows_the_stores_ratio_from_its_first_lookup(tmp_path: Path) -> None:

@@ -77,7 +77,8 @@ def _pass(options: ServeOptions, server: Server, model: Path, work: Path, name: 
         ucm = kept["ucm_db"]
         note = (f"; ucm-db: {ucm['hit_tokens']:.0f} of {ucm['query_tokens']:.0f} looked-up tokens loaded, "
                 f"{ucm['loaded_MB']:.0f} MB in {ucm['load_s']:.1f} s, {ucm['cost_skips']:.0f} cost skips, "
-                f"{ucm['saved_MB']:.0f} MB saved (commit {ucm['save_commit_s']:.2f} s, copy {ucm['save_copy_s']:.2f} s)")
+                f"{ucm['saved_MB']:.0f} MB saved (commit {ucm['save_commit_s']:.2f} s, {ucm['save_commit_cpu_s']:.2f} s of CPU; "
+                f"copy {ucm['save_copy_s']:.2f} s)")
     progress(f"  {name}: {kept.get('request_throughput', 0):.2f} req/s, TTFT p50 {kept.get('median_ttft_ms', 0):.0f} ms, "
              f"p99 {kept.get('p99_ttft_ms', 0):.0f} ms ({time.perf_counter() - started:.0f} s){note}")
     return kept

@@ -73,7 +73,7 @@ def pass_counters(before: dict[str, float], after: dict[str, float]) -> dict[str
     """What the connector did during one pass (the difference of its
     ``/metrics`` counters): tokens looked up and loaded, bytes and seconds
     of loads, lookups that recomputed by the cost model's choice, bytes the
-    writer committed with its commit seconds and the forward pass's copy-out
+    writer committed with its commit seconds (wall and the writer thread's CPU) and the forward pass's copy-out
     seconds (commits still queued when the pass ends count in the next)."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -81,6 +81,7 @@ def pass_counters(before: dict[str, float], after: dict[str, float]) -> dict[str
             "loaded_MB": round(delta("loaded_bytes") / 1e6, 3), "load_s": round(delta("load_seconds"), 3),
             "cost_skips": delta("cost_skips"), "load_errors": delta("load_errors"),
             "saved_MB": round(delta("saved_bytes") / 1e6, 3), "save_commit_s": round(delta("save_commit_seconds"), 3),
+            "save_commit_cpu_s": round(delta("save_commit_cpu_seconds"), 3),
             "save_copy_s": round(delta("save_copy_seconds"), 3)}
 
 
