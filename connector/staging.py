@@ -13,7 +13,9 @@ Invariants:
       nothing reads it any more (the writer after its commit or failure: the
       store copies payloads inside ``put``, so no view outlives it).
     * Buffers hold a power-of-two number of blocks' rows, so saves of
-      different sizes reuse them; a lease is a view of its first rows.
+      different sizes reuse them; a lease is a view of its first rows (so
+      leased buffers hold at most twice the bytes of their saves, which is
+      what the writer's queue bound counts).
     * At most ``max_free_bytes`` of buffers wait in the pool; a buffer
       released beyond that is freed.
     * Thread-safe: leases are taken on the model's thread and released on
