@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,10 +48,12 @@ class Lease:
 
 
 class StagingPool:
-    """Unit staging buffers of one KV layout, reused across saves."""
+    """Unit staging buffers of one KV layout, reused across saves;
+    ``new_staging(num_blocks)`` allocates one (the layout's
+    ``new_unit_staging``)."""
 
-    def __init__(self, heads: int, unit_bytes: int, max_free_bytes: int) -> None:
-        self._row_shape = (heads, unit_bytes)
+    def __init__(self, new_staging: Callable[[int], torch.Tensor], max_free_bytes: int) -> None:
+        self._new_staging = new_staging
         self._max_free_bytes = max_free_bytes
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_bytes = 0
@@ -70,7 +73,7 @@ class StagingPool:
             if buffer is not None:
                 self._free_bytes -= buffer.numel()
         if buffer is None:
-            buffer = torch.empty((rows, *self._row_shape), dtype=torch.uint8)
+            buffer = self._new_staging(rows)
         return Lease(buffer[:num_blocks], buffer, self)
 
     def _give(self, buffer: torch.Tensor) -> None:

@@ -87,7 +87,7 @@ class UcmDbWorker:
         self._store = acquire(self._settings)
         self._loads.bind(self._store, self._layout, self._namespace, self._grid, self._spans)
         publish_codec = self._settings.publish_codec
-        self._staging = StagingPool(self._layout.heads, self._layout.unit_bytes, min(self._settings.max_pending_save_bytes, _MAX_FREE_STAGING_BYTES))
+        self._staging = StagingPool(self._layout.new_unit_staging, min(self._settings.max_pending_save_bytes, _MAX_FREE_STAGING_BYTES))
         self._writer = BackgroundWriter(
             self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes,
             codec_name=publish_codec if self._role.publishes and publish_codec != "store" else None,

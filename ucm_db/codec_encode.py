@@ -263,10 +263,12 @@ def _zstd_groups_of_framed(framed: Framed, element_bytes: int) -> list[memoryvie
 def _sealed(key: bytes, codec: str, table: list[bytes], parts: list[Buffer], raw_len: int, body_len: int) -> EncodedBlock:
     """The block with its header, whose checksum covers header, table and body."""
     header = HEADER_STRUCT.pack(MAGIC, CODEC_FORMAT_VERSION, CODEC_IDS[codec], 0, len(table), raw_len, body_len, bytes(key), 0)
-    hasher = xxhash.xxh3_64(b"".join([header, *table]))  # one call: a streamed hash does not depend on the cuts
+    table_bytes = b"".join(table)  # joined once: hashed in one call (a streamed hash does not depend on the cuts) and kept
+    hasher = xxhash.xxh3_64(header)
+    hasher.update(table_bytes)
     for piece in parts:
         hasher.update(piece)
-    head = b"".join([header[:CHECKSUM_OFFSET], struct.pack("<Q", hasher.intdigest()), *table])
+    head = b"".join([header[:CHECKSUM_OFFSET], struct.pack("<Q", hasher.intdigest()), table_bytes])
     return EncodedBlock(head, parts, raw_len, body_len)
 
 

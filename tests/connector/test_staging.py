@@ -22,7 +22,7 @@ BS, HEADS, LAYERS, NUM_BLOCKS = 16, 2, 2, 48
 
 
 def test_released_buffer_is_reused_in_its_power_of_two_bucket() -> None:
-    pool = StagingPool(heads=2, unit_bytes=64, max_free_bytes=1 << 20)
+    pool = StagingPool(lambda rows: torch.empty((rows, 2, 64), dtype=torch.uint8), max_free_bytes=1 << 20)
     first = pool.take(5)
     assert tuple(first.staging.shape) == (5, 2, 64)
     other = pool.take(5)  # first is still leased: never handed out twice
@@ -38,7 +38,7 @@ def test_released_buffer_is_reused_in_its_power_of_two_bucket() -> None:
 
 
 def test_free_buffers_are_bounded() -> None:
-    pool = StagingPool(heads=1, unit_bytes=1024, max_free_bytes=4096)
+    pool = StagingPool(lambda rows: torch.empty((rows, 1, 1024), dtype=torch.uint8), max_free_bytes=4096)
     leases = [pool.take(4) for _ in range(3)]  # 4 KiB each
     for lease in leases:
         lease.release()

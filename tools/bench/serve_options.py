@@ -73,8 +73,9 @@ def pass_counters(before: dict[str, float], after: dict[str, float]) -> dict[str
     """What the connector did during one pass (the difference of its
     ``/metrics`` counters): tokens looked up and loaded, bytes and seconds
     of loads, lookups that recomputed by the cost model's choice, bytes the
-    writer committed with its commit seconds (wall and the writer thread's CPU) and the forward pass's copy-out
-    seconds (commits still queued when the pass ends count in the next)."""
+    writer committed with its commit seconds (wall, and the writer thread's
+    CPU) and the forward pass's copy-out seconds (commits still queued when
+    the pass ends count in the next)."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
     return {"query_tokens": delta("query_tokens"), "hit_tokens": delta("hit_tokens"),
