@@ -90,7 +90,9 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     want = set(options.rows)
     capped = ServerSpec(model, options.capped_blocks, options.max_model_len, enforce_eager=options.enforce_eager)
     store, remote = work / "store", work / "remote"
-    ucm = replace(capped, connector=_connector(store, remote.as_uri(), options))
+    # The write-back remote only where a row reads it (or --write-back asks):
+    # its uploads take CPU from the two cores every row is measured on.
+    ucm = replace(capped, connector=_connector(store, remote.as_uri() if options.uses_remote else None, options))
 
     def serve(spec: ServerSpec, label: str, passes: tuple[str, ...]) -> None:
         if not want & set(passes):
@@ -209,7 +211,8 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
                     "seed": load.seed, "layers": options.layers, "capped_blocks": options.capped_blocks,
                     "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
                     "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager,
-                    "codec": options.codec, "load_mode": options.load_mode, "remote_lookup": options.remote_lookup},
+                    "codec": options.codec, "load_mode": options.load_mode, "remote_lookup": options.remote_lookup,
+                    "write_back": options.uses_remote},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": medians,
@@ -226,7 +229,9 @@ def format_table(report: dict[str, Any]) -> str:
              f"{o['layers']}-layer Llama bf16, block {o['block_size']}; capped {o['capped_blocks']} blocks "
              f"(working set {o['working_set_blocks']}: {o['working_set_blocks'] / o['capped_blocks']:.1f}x), "
              f"bound {o['bound_blocks']}; median of {o['runs']} run(s); ucm-db codec {o.get('codec', 'zstd')}, "
-             f"load_mode {o.get('load_mode', 'block')}, remote_lookup {o.get('remote_lookup', 'inline')}" + ("; --enforce-eager" if o["enforce_eager"] else ""),
+             f"load_mode {o.get('load_mode', 'block')}, remote_lookup {o.get('remote_lookup', 'inline')}"
+             + ("; write-back to a file:// remote" if o.get("write_back", True) else "; local tier only")
+             + ("; --enforce-eager" if o["enforce_eager"] else ""),
              "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  ucm-db loaded / looked up, skips"]
     for row, label in ROWS.items():
         if row in report["rows"]:
@@ -263,6 +268,8 @@ def format_table(report: dict[str, Any]) -> str:
               help="the ucm-db rows' connector load_mode")
 @click.option("--remote-lookup", type=click.Choice(["inline", "background"]), default="inline", show_default=True,
               help="the ucm-db rows' connector remote_lookup")
+@click.option("--write-back", is_flag=True,
+              help="the ucm-db rows upload to a file:// remote even when no remote row reads it (on whenever one does)")
 @click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
 @click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True,
               help="longest wait for a server to become healthy")
@@ -277,13 +284,15 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
             seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str, codec: str,
-            load_mode: str, remote_lookup: str, enforce_eager: bool, start_timeout_s: float, workload: str, conversations: int,
-            turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
+            load_mode: str, remote_lookup: str, write_back: bool, enforce_eager: bool, start_timeout_s: float, workload: str,
+            conversations: int, turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
     Rows: no connector capped, cold and warm bounds, ucm-db first and second
     pass, after an engine restart, and an empty local tier over a warm
-    file:// remote. Each server start takes about a minute; the default size
+    file:// remote. The ucm-db rows write back to that remote only when a
+    remote row is run (or --write-back): otherwise they measure the local
+    tier alone, the embedded default. Each server start takes about a minute; the default size
     (the issue's) takes about an hour on 2 cores. Progress goes to stderr;
     targets are reported, not enforced.
 
@@ -301,6 +310,8 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     """
     wanted = tuple(r.strip() for r in rows.split(",") if r.strip())
     if workload == "conversation":
+        if write_back:
+            raise click.BadParameter("the conversation workload measures the local tier alone", param_hint="--write-back")
         from ucm_db.tools.bench.serve_chat import conversation_command
 
         conversation_command(wanted if rows != ",".join(ROWS) else None, conversations, turns, turn_tokens, output_len,
@@ -323,7 +334,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
                     output_len=output_len, concurrency=concurrency, seed=seed)
     options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
                            rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec, load_mode=load_mode,
-                           remote_lookup=remote_lookup, start_timeout_s=start_timeout_s)
+                           remote_lookup=remote_lookup, start_timeout_s=start_timeout_s, write_back=write_back)
     if capped_blocks * BLOCK_SIZE < options.max_model_len:
         raise click.BadParameter(f"{capped_blocks} blocks cannot hold one request ({options.max_model_len} tokens)",
                                  param_hint="--capped-blocks")

@@ -102,9 +102,7 @@ def run_once(options: ChatOptions, model: Path, work: Path, progress: Progress) 
                         enforce_eager=options.serve.enforce_eager)
     # Local tier only: no row here reads a remote, and write-back uploads
     # would take CPU from the two cores the rows are measured on.
-    local_only = {key: value for key, value in connector_options(work / "store", "", options.serve).items()
-                  if key not in ("remote", "remote_codec")}
-    ucm = replace(capped, connector=local_only)
+    ucm = replace(capped, connector=connector_options(work / "store", None, options.serve))
 
     def serve(spec: ServerSpec, label: str, passes: tuple[str, ...]) -> None:
         if not want & set(passes):

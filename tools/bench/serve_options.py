@@ -45,6 +45,13 @@ class ServeOptions:
     codec: str = "zstd"  # the ucm-db stores' (local tier) codec
     load_mode: str = "block"  # the ucm-db rows' connector load_mode
     remote_lookup: str = "inline"  # the ucm-db rows' connector remote_lookup
+    write_back: bool = False  # the ucm-db rows upload to a file:// remote even when no remote row reads it
+
+    @property
+    def uses_remote(self) -> bool:
+        """Whether the ucm-db rows write back to a ``file://`` remote: a
+        remote row reads what they wrote, or ``write_back`` asks for it."""
+        return self.write_back or bool({"ucm-remote", "ucm-remote-s3"} & set(self.rows))
 
     @property
     def max_model_len(self) -> int:
@@ -62,11 +69,13 @@ Progress = Callable[[str], None]
 
 
 
-def connector_options(store: Path, remote_url: str, options: ServeOptions, **extra: Any) -> dict[str, Any]:
+def connector_options(store: Path, remote_url: str | None, options: ServeOptions, **extra: Any) -> dict[str, Any]:
     """Connector options of a ucm-db row: local tier in the options' codec,
-    remote objects zstd, the options' load mode and remote lookup."""
-    return {"path": str(store), "remote": remote_url, "capacity_bytes": 16 << 30, "codec": options.codec,
-            "remote_codec": "zstd", "load_mode": options.load_mode, "remote_lookup": options.remote_lookup, **extra}
+    the options' load mode and remote lookup; with ``remote_url``, that
+    remote behind it, its objects zstd (None: the local tier alone)."""
+    local = {"path": str(store), "capacity_bytes": 16 << 30, "codec": options.codec, "load_mode": options.load_mode,
+             "remote_lookup": options.remote_lookup, **extra}
+    return local if remote_url is None else {**local, "remote": remote_url, "remote_codec": "zstd"}
 
 
 def pass_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
