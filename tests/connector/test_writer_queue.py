@@ -1,0 +1,124 @@
+"""The background writer's queue (connector/writer.py): a job that fails
+loses only itself, a void lands after the saves queued before it, and close
+commits what is queued.
+
+A real store throughout; the only stand-in is a wrapper around the real
+``put_segments`` that counts calls and can hold the first one, so jobs
+queue up behind it as they do behind a slow commit in an engine.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import ucm_db
+from ucm_db.connector.metrics import Counters
+from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
+from ucm_db.units import KVGrid, UnitKeys
+
+UNIT_BYTES = 4096
+GRID = KVGrid(heads=2, layers=1)
+NS = ucm_db.Namespace(model="writer-groups", kv_dtype="uint8", block_size=4, layout="units")
+
+
+class HeldPuts:
+    """The store's real ``put_segments``, counted; the first call waits for :meth:`release`."""
+
+    def __init__(self, store: ucm_db.Store) -> None:
+        self.calls = 0
+        self.entered = threading.Event()
+        self._gate = threading.Event()
+        self._put = store.put_segments
+        store.put_segments = self  # type: ignore[method-assign]
+
+    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            assert self._gate.wait(30), "the test never released the first commit"
+        return self._put(*args, **kwargs)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
+@pytest.fixture
+def store(tmp_path):
+    with ucm_db.open(tmp_path / "s", codec="none", capacity_bytes=1 << 30) as opened:
+        yield opened
+
+
+def _chains(block_keys: list[bytes], start: int, stop: int) -> tuple[UnitKeys, ...]:
+    return tuple(UnitKeys(block_keys, GRID, span, start, stop) for span in GRID.head_spans())
+
+
+def _job(block_keys: list[bytes], start: int, stop: int, released: list[int]) -> SaveJob:
+    staging = torch.from_numpy(np.full((stop - start, GRID.heads, UNIT_BYTES), start % 251, np.uint8))
+    return SaveJob(NS, _chains(block_keys, start, stop), staging, release=lambda: released.append(start))
+
+
+def _present(store: ucm_db.Store, block_keys: list[bytes], start: int, stop: int) -> list[bool]:
+    """Per unit of blocks ``[start, stop)``, every head: stored or not."""
+    return [got is not None for chain in _chains(block_keys, start, stop) for got in store.get(NS, list(chain))]
+
+
+def _stored(store: ucm_db.Store, block_keys: list[bytes], start: int, stop: int) -> bool:
+    return all(_present(store, block_keys, start, stop))
+
+
+def _writer(store: ucm_db.Store, counters: Counters) -> BackgroundWriter:
+    return BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), counters, max_pending_bytes=1 << 30)
+
+
+def test_queued_jobs_behind_a_commit_lose_only_the_orphan(store) -> None:
+    keys = NS.block_keys(list(range(4 * 12)))
+    puts, counters, released = HeldPuts(store), Counters(), []
+    writer = _writer(store, counters)
+    writer.submit(_job(keys, 0, 2, released))
+    assert puts.entered.wait(30)
+    writer.submit(_job(keys, 2, 4, released))
+    writer.submit(_job(keys, 6, 8, released))  # its parent (block 5) is never saved
+    writer.submit(_job(keys, 4, 5, released))
+    puts.release()
+    writer.drain()
+    writer.close()
+    assert _stored(store, keys, 0, 5)
+    assert not any(_present(store, keys, 6, 8))
+    assert counters.totals.data["saved_blocks"] == 5 and counters.totals.data["save_errors"] == 2
+    assert sorted(released) == [0, 2, 4, 6]
+
+
+def test_a_void_between_saves_keeps_queue_order(store) -> None:
+    keys = NS.block_keys(list(range(4 * 8)))
+    puts, counters, released = HeldPuts(store), Counters(), []
+    writer = _writer(store, counters)
+    writer.submit(_job(keys, 0, 2, released))
+    assert puts.entered.wait(30)
+    writer.submit(_job(keys, 2, 4, released))
+    writer.void(VoidJob(NS, _chains(keys, 2, 4), blocks=2))  # after the save queued before it
+    writer.submit(_job(keys, 4, 6, released))  # after the void: its parent is gone, so it is skipped
+    writer.submit(_job(keys, 2, 3, released))
+    puts.release()
+    writer.drain()
+    writer.close()
+    assert _stored(store, keys, 0, 3)
+    assert not any(_present(store, keys, 3, 6))
+
+
+def test_close_behind_queued_jobs_commits_them_and_stops(store) -> None:
+    keys = NS.block_keys(list(range(4 * 6)))
+    puts, counters, released = HeldPuts(store), Counters(), []
+    writer = _writer(store, counters)
+    writer.submit(_job(keys, 0, 2, released))
+    assert puts.entered.wait(30)
+    writer.submit(_job(keys, 2, 4, released))
+    closer = threading.Thread(target=writer.close)
+    closer.start()
+    puts.release()
+    closer.join(30)
+    assert not closer.is_alive(), "close must return once the queue is committed"
+    assert _stored(store, keys, 0, 4)
