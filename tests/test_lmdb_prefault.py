@@ -92,25 +92,3 @@ def test_reading_a_prefaulted_store_takes_almost_no_page_faults(tmp_path) -> Non
     assert warm["gave_up"] == ""
     assert cold["found"] == warm["found"] == CHAINS * CHAIN_BLOCKS
     assert cold["faults"] >= 100 and warm["faults"] * 4 < cold["faults"], (cold, warm)
-
-
-def test_the_prefault_thread_runs_at_a_deferrable_priority(tmp_path, monkeypatch) -> None:
-    """README: the page mapping is background work no request waits for.
-    The thread's own placement call is recorded (it ends before the test
-    could read its priority), then the real one runs."""
-    _fill(tmp_path)
-    placed: list[str] = []
-    real = lmdb_prefault.place_deferrable_thread
-
-    def recording() -> None:
-        import threading
-
-        placed.append(threading.current_thread().name)
-        real()
-
-    monkeypatch.setattr(lmdb_prefault, "place_deferrable_thread", recording)
-    with ucm_db.open(tmp_path) as store:
-        store.lookup(NS, NS.block_keys(list(range(8))))
-        prefault = store._tier.engine.prefault
-        assert prefault is not None and prefault.wait(30)
-    assert placed == ["ucm-db-prefault"]

@@ -19,27 +19,13 @@ Invariants:
       thread where it was.
     * Threads already running stay where they are; only threads that start
       (or call :func:`place_current_thread`) afterwards move.
-    * Deferrable threads (:func:`place_deferrable_thread`: uploads to the
-      remote, page prefaulting; work no request waits for) also lower
-      their own CPU priority to ``UCM_DB_DEFERRABLE_NICE`` nice steps
-      below the process's main thread (default :data:`DEFERRABLE_NICE`, 0
-      keeps it), where Linux gives each thread its own: on a busy host they take the CPU the engine leaves.
-      A priority is only ever lowered, never raised; a refusal leaves it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import threading
 from collections.abc import Iterable
-
-logger = logging.getLogger(__name__)
-
-#: Nice steps a deferrable thread lowers its priority by (module invariants).
-DEFERRABLE_NICE = 10
-_MAX_NICE = 19
 
 _lock = threading.Lock()
 _background_cpus: frozenset[int] = frozenset()
@@ -66,43 +52,6 @@ def place_current_thread() -> None:
             os.sched_setaffinity(0, cpus)
         except OSError:
             pass  # see the invariants: the thread stays where it was
-
-
-def place_deferrable_thread() -> None:
-    """:func:`place_current_thread`, then lowers the calling thread's CPU
-    priority to :func:`deferrable_nice` steps below the process's main
-    thread (Linux; elsewhere, or already that low, it keeps its priority):
-    for work no request waits for."""
-    place_current_thread()
-    steps = deferrable_nice()
-    if steps <= 0 or not sys.platform.startswith("linux"):
-        return
-    thread_id = threading.get_native_id()
-    try:
-        # Steps above the process's main thread: a thread started by a
-        # deferred thread inherits its priority and must not step twice.
-        target = min(_MAX_NICE, os.getpriority(os.PRIO_PROCESS, os.getpid()) + steps)
-        if os.getpriority(os.PRIO_PROCESS, thread_id) < target:
-            os.setpriority(os.PRIO_PROCESS, thread_id, target)
-    except OSError:
-        pass  # see the invariants: the thread keeps its priority
-
-
-def deferrable_nice() -> int:
-    """``UCM_DB_DEFERRABLE_NICE`` (0-19), else :data:`DEFERRABLE_NICE`; a
-    value that is not such a number is logged and the default used."""
-    raw = os.environ.get("UCM_DB_DEFERRABLE_NICE")
-    if raw is None:
-        return DEFERRABLE_NICE
-    try:
-        steps = int(raw)
-    except ValueError:
-        steps = -1
-    if 0 <= steps <= _MAX_NICE:
-        return steps
-    logger.warning("ucm-db: UCM_DB_DEFERRABLE_NICE=%r is not a whole number from 0 to 19; using %d (0 keeps the "
-                   "priority)", raw, DEFERRABLE_NICE)
-    return DEFERRABLE_NICE
 
 
 def spare_cpus(allowed: Iterable[int]) -> frozenset[int]:

@@ -41,7 +41,7 @@ from typing import Any
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db import codec
-from ucm_db.cpu_placement import place_current_thread, place_deferrable_thread
+from ucm_db.cpu_placement import place_current_thread
 from ucm_db.errors import CorruptBlockError, TierError
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.tiers.local import LocalTier
@@ -67,15 +67,11 @@ class Uploader:
         remote: where objects go.
         store_dir: directory holding the election lock file.
         concurrency: uploads in flight at once.
-        deferrable: no caller waits for the uploads (write-back): its
-            threads run at a lower CPU priority
-            (:func:`~ucm_db.cpu_placement.place_deferrable_thread`).
-            False for write-through, whose puts wait for them.
     """
 
     def __init__(
         self, local: LocalTier, remote: RemoteRoot, store_dir: Path, *, concurrency: int,
-        remote_codec: RemoteCodec | None = None, deferrable: bool = False,
+        remote_codec: RemoteCodec | None = None,
     ) -> None:
         self.local = local
         self.remote = remote
@@ -88,8 +84,7 @@ class Uploader:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle = threading.Condition()
-        self._place = place_deferrable_thread if deferrable else place_current_thread
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload", initializer=self._place)
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload", initializer=place_current_thread)
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
         self.uploaded = 0
         self.failures = 0
@@ -113,7 +108,7 @@ class Uploader:
 
     # -- the loop ----------------------------------------------------------------
     def _run(self) -> None:
-        self._place()
+        place_current_thread()
         backoff_s = MIN_BACKOFF_S
         while not self._stop.is_set():
             if not self._take_lock():

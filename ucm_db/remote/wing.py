@@ -67,7 +67,7 @@ class RemoteWing:
         )
         self.uploader = Uploader(
             self._local, self.link.root, self._store_dir, concurrency=self._config.upload_concurrency,
-            remote_codec=remote_codec, deferrable=self._config.remote_mode != "write_through",
+            remote_codec=remote_codec,
         )
         self.uploader.start()
 

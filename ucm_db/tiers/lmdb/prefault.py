@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ContextManager
 
-from ucm_db.cpu_placement import place_deferrable_thread
+from ucm_db.cpu_placement import place_current_thread
 
 #: Bytes examined and populated per step (the guard is held for one step).
 CHUNK_BYTES = 64 << 20
@@ -125,7 +125,7 @@ class Prefault:
         return True
 
     def _run(self) -> None:
-        place_deferrable_thread()
+        place_current_thread()
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         except OSError:
