@@ -66,7 +66,6 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.events import FeedEvents, GroupEvents
-from ucm_db.connector.gil_handoff import shorten_switch_interval
 from ucm_db.connector.groups import kv_groups
 from ucm_db.connector.hybrid import GroupedScheduler, GroupedWorker, check_hybrid
 from ucm_db.connector.identity import kv_shape
@@ -114,11 +113,6 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         except UcmDbError as exc:
             _log_start_failure(exc)
             raise
-        replaced = shorten_switch_interval(self.settings.switch_interval_s)
-        if replaced is not None:
-            logger.info("ucm-db: Python's thread switch interval shortened from %g to %g s, so the store's threads hand "
-                        "the GIL back to the engine's fast (switch_interval_s: 0 leaves it)", replaced,
-                        self.settings.switch_interval_s)
         try:
             # The worker's connector is made before vLLM allocates the KV
             # cache: a model whose groups ucm-db cannot store stops here.

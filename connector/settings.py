@@ -29,10 +29,7 @@ The extra config accepts, by name:
   the scheduler's lookup fetches a remote hit into the local tier before it
   answers vLLM; ``"background"``: the fetch runs on a connector thread while
   vLLM schedules other requests, and the request is claimed once its blocks
-  are local), see :mod:`ucm_db.connector.remote_lookups`;
-  ``switch_interval_s`` (Python's thread switch interval in the engine's
-  processes, shortened to this when the connector starts, default 0.0005;
-  0 leaves it alone), see :mod:`ucm_db.connector.gil_handoff`.
+  are local), see :mod:`ucm_db.connector.remote_lookups`.
 
 Invariants:
     * An unknown key anywhere (extra config or file) raises
@@ -51,7 +48,6 @@ from typing import Any
 
 from ucm_db.config import StoreConfig, load_config_file
 from ucm_db.connector.cost_model import check_load_policy
-from ucm_db.connector.gil_handoff import DEFAULT_SWITCH_INTERVAL_S, MAX_SWITCH_INTERVAL_S
 from ucm_db.connector.roles import check_publish_options
 from ucm_db.errors import ConfigError
 
@@ -60,7 +56,7 @@ REMOTE_LOOKUPS = ("inline", "background")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
 _CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s",
-                   "load_policy", "remote_lookup", "switch_interval_s")
+                   "load_policy", "remote_lookup")
 
 
 def default_store_path() -> Path:
@@ -94,9 +90,6 @@ class ConnectorSettings:
         load_policy: ``"auto"`` (claim a hit only where loading is expected
             faster than recomputing, see cost_model.py) or ``"always"``.
         remote_lookup: ``"inline"`` or ``"background"`` (remote_lookups.py).
-        switch_interval_s: Python's thread switch interval in the engine's
-            processes, shortened to this at start (0: left alone), so the
-            store's threads hand the GIL back fast (gil_handoff.py).
     """
 
     path: Path
@@ -109,7 +102,6 @@ class ConnectorSettings:
     load_deadline_s: float = 5.0
     load_policy: str = "auto"
     remote_lookup: str = "inline"
-    switch_interval_s: float = DEFAULT_SWITCH_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
@@ -122,12 +114,6 @@ class ConnectorSettings:
         StoreConfig.from_dict(self.store_options)
         check_publish_options(self.publish, self.load_deadline_s, self.publish_codec)
         check_load_policy(self.load_policy)
-        interval = self.switch_interval_s
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= MAX_SWITCH_INTERVAL_S:
-            raise ConfigError(
-                f"switch_interval_s must be a number of seconds from 0 to {MAX_SWITCH_INTERVAL_S}, got {interval!r}",
-                hint=f"use {DEFAULT_SWITCH_INTERVAL_S} (the default), or 0 to leave Python's interval alone",
-            )
         if self.remote_lookup not in REMOTE_LOOKUPS:
             raise ConfigError(
                 f"remote_lookup must be one of {', '.join(REMOTE_LOOKUPS)}, got {self.remote_lookup!r}",

@@ -214,23 +214,3 @@ def test_read_only_is_a_setting_too_and_a_saving_role_refuses_it(tmp_path: Path)
         role_settings(extra, "kv_both")
     assert "kv_consumer" in info.value.hint
     assert RolePolicy("kv_consumer").saves is False
-
-
-@pytest.mark.parametrize("role", ROLES, ids=lambda r: r.name)
-def test_a_connector_shortens_the_switch_interval_of_its_process(model_dir: Path, tmp_path: Path, role: KVConnectorRole) -> None:
-    """README: the connector's threads hand the GIL back to the engine's
-    within its switch_interval_s (gil_handoff.py), in either process."""
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.005)
-        vllm_config, kv_cache_config = _configs(model_dir, {"path": str(tmp_path / "store")})
-        UcmDbConnector(vllm_config, role, kv_cache_config).shutdown()
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        sys.setswitchinterval(0.005)
-        vllm_config, kv_cache_config = _configs(model_dir, {"path": str(tmp_path / "store"), "switch_interval_s": 0})
-        UcmDbConnector(vllm_config, role, kv_cache_config).shutdown()
-        assert sys.getswitchinterval() == pytest.approx(0.005)
-    finally:
-        sys.setswitchinterval(before)

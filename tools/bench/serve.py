@@ -212,7 +212,7 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
                     "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
                     "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager,
                     "codec": options.codec, "load_mode": options.load_mode, "remote_lookup": options.remote_lookup,
-                    "write_back": options.uses_remote, "switch_interval_s": options.switch_interval_s},
+                    "write_back": options.uses_remote},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": medians,
@@ -270,8 +270,6 @@ def format_table(report: dict[str, Any]) -> str:
               help="the ucm-db rows' connector remote_lookup")
 @click.option("--write-back", is_flag=True,
               help="the ucm-db rows upload to a file:// remote even when no remote row reads it (on whenever one does)")
-@click.option("--switch-interval-s", type=click.FloatRange(min=0, max=0.1), default=None,
-              help="the ucm-db rows' connector switch_interval_s (default: the connector's; 0 leaves Python's alone)")
 @click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
 @click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True,
               help="longest wait for a server to become healthy")
@@ -286,8 +284,8 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
             seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str, codec: str,
-            load_mode: str, remote_lookup: str, write_back: bool, switch_interval_s: float | None, enforce_eager: bool,
-            start_timeout_s: float, workload: str, conversations: int, turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
+            load_mode: str, remote_lookup: str, write_back: bool, enforce_eager: bool, start_timeout_s: float, workload: str,
+            conversations: int, turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
     Rows: no connector capped, cold and warm bounds, ucm-db first and second
@@ -319,8 +317,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
         conversation_command(wanted if rows != ",".join(ROWS) else None, conversations, turns, turn_tokens, output_len,
                              concurrency, seed, ServeOptions(layers=layers, capped_blocks=capped_blocks,
                              bound_blocks=bound_blocks, runs=runs, scratch_dir=scratch_dir, enforce_eager=enforce_eager,
-                             codec=codec, load_mode=load_mode, remote_lookup=remote_lookup, start_timeout_s=start_timeout_s,
-                             switch_interval_s=switch_interval_s), as_json)
+                             codec=codec, load_mode=load_mode, remote_lookup=remote_lookup, start_timeout_s=start_timeout_s), as_json)
         return
     unknown = sorted(set(wanted) - set(ROWS))
     if unknown:
@@ -337,8 +334,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
                     output_len=output_len, concurrency=concurrency, seed=seed)
     options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
                            rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec, load_mode=load_mode,
-                           remote_lookup=remote_lookup, start_timeout_s=start_timeout_s, write_back=write_back,
-                           switch_interval_s=switch_interval_s)
+                           remote_lookup=remote_lookup, start_timeout_s=start_timeout_s, write_back=write_back)
     if capped_blocks * BLOCK_SIZE < options.max_model_len:
         raise click.BadParameter(f"{capped_blocks} blocks cannot hold one request ({options.max_model_len} tokens)",
                                  param_hint="--capped-blocks")

@@ -46,7 +46,6 @@ class ServeOptions:
     load_mode: str = "block"  # the ucm-db rows' connector load_mode
     remote_lookup: str = "inline"  # the ucm-db rows' connector remote_lookup
     write_back: bool = False  # the ucm-db rows upload to a file:// remote even when no remote row reads it
-    switch_interval_s: float | None = None  # the ucm-db rows' connector switch_interval_s (None: its default)
 
     @property
     def uses_remote(self) -> bool:
@@ -76,8 +75,6 @@ def connector_options(store: Path, remote_url: str | None, options: ServeOptions
     remote behind it, its objects zstd (None: the local tier alone)."""
     local = {"path": str(store), "capacity_bytes": 16 << 30, "codec": options.codec, "load_mode": options.load_mode,
              "remote_lookup": options.remote_lookup, **extra}
-    if options.switch_interval_s is not None:
-        local["switch_interval_s"] = options.switch_interval_s
     return local if remote_url is None else {**local, "remote": remote_url, "remote_codec": "zstd"}
 
 
