@@ -103,10 +103,23 @@ class PrefixLookup:
         segment, not the prompt; a hit costs two lookups (each a binary
         search plus a probe per further unit: the prefix invariant makes a
         segment's count exact). Raises :class:`LookupPending`."""
+        return self._segments(state, max_blocks, lambda keys, start, stop: self._priced_prefix(state, keys, start, stop, max_blocks))
+
+    def locally_stored_prefix(self, state: RequestState, max_blocks: int) -> int:
+        """Leading blocks with every unit in the local tier, asked of the
+        local tier alone (no remote, no pricing, nothing timed): for a
+        request vLLM's own cache serves whole, whose stored blocks need no
+        second save."""
+        return self._segments(state, max_blocks, lambda keys, start, stop: stored_prefix(
+            self._local, self._namespace, self._grid, self._spans, keys, start, stop))
+
+    def _segments(self, state: RequestState, max_blocks: int, segment: Callable[[Sequence[bytes], int, int], int]) -> int:
+        """``segment(keys, start, stop)`` (blocks stored from ``start``) over
+        the first segment, then the rest of the prompt if all of it is stored."""
         found, want = 0, min(max_blocks, FIRST_SEGMENT_BLOCKS)
         while True:
             keys = self._keys(state, want)
-            found += self._priced_prefix(state, keys, found, want, max_blocks)
+            found += segment(keys, found, want)
             if found < want or want == max_blocks:
                 return found
             want = max_blocks

@@ -30,7 +30,10 @@ Invariants:
       remote lookup promotes the blocks it finds into the local tier; every
       lookup counts its hits and misses), the background lookup jobs
       (submitted, or taken once finished), the remote lookup seconds and
-      the counters (``cost_skips``, publication waits).
+      the counters (``cost_skips``, publication waits). Where vLLM's own
+      cache holds every loadable block, it claims nothing and asks the
+      local tier alone which of them are stored, so those are not saved
+      again.
     * ``update_state_after_alloc`` turns that record into the request's
       pending load (or, ``load_mode: "async"``, a request's first hit, an
       async load planned at once: vLLM holds the request until a worker
@@ -162,7 +165,10 @@ class UcmDbScheduler:
         max_blocks = (request.num_tokens - 1) // self._block_size
         state.lookup_computed_tokens = num_computed_tokens
         if max_blocks * self._block_size <= num_computed_tokens or epoch is None:
-            state.lookup = LookupRecord(num_computed_tokens, 0, 0, 0.0)
+            # Nothing to load. Where vLLM's own cache holds every loadable
+            # block, the local tier says which are stored: saved once, never again.
+            stored = 0 if epoch is None or not max_blocks else self._lookup.locally_stored_prefix(state, max_blocks)
+            state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0)
             return 0, False
         skips_before = sum(self.cost.skipped.values())
         state.vllm_computed_tokens = num_computed_tokens

@@ -358,3 +358,24 @@ def test_prompt_embeds_key_each_block_by_its_own_rows(settings: ConnectorSetting
     assert other[:2] == same[:2] and all(a != b for a, b in zip(other[2:], same[2:]))
     assert keys("e4", embeds + 1)[0] != same[0]
     sched.shutdown()
+
+
+def test_blocks_vllm_serves_whole_are_not_saved_again_when_stored(settings: ConnectorSettings) -> None:
+    """A request whose every full block vLLM's own prefix cache holds (a
+    second pass on a cache big enough) claims nothing; its stored blocks
+    are not planned for saving again, while a prompt the store lacks is
+    still saved."""
+    tokens = list(range(1, 3 * BS + 20))
+    kv = {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}
+    _save_prompt(settings, tokens, kv)
+    sched = UcmDbScheduler(settings, _shape())
+    block_ids = [5, 6, 7, 8]
+    served = _request("served", tokens)
+    assert _admit(sched, served, local_tokens=3 * BS) == 0
+    meta = sched.build_connector_meta(_new_step(served, block_ids, len(tokens) - 3 * BS))
+    assert meta.saves == [] and meta.loads == []
+    fresh = _request("fresh", [t + 10_000 for t in tokens])
+    assert _admit(sched, fresh, local_tokens=3 * BS) == 0
+    meta = sched.build_connector_meta(_new_step(fresh, block_ids, len(tokens) - 3 * BS))
+    assert [s.block_ids for s in meta.saves] == [(5, 6, 7)], "blocks the store lacks are saved"
+    sched.shutdown()
