@@ -70,55 +70,56 @@ def _stored(store: ucm_db.Store, block_keys: list[bytes], start: int, stop: int)
     return all(_present(store, block_keys, start, stop))
 
 
-def _writer(store: ucm_db.Store, counters: Counters) -> BackgroundWriter:
-    return BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), counters, max_pending_bytes=1 << 30)
+class Held:
+    """A writer over ``store`` whose first job (blocks 0-1 of ``keys``) is
+    committing and held there, so the jobs the test submits next queue up."""
+
+    def __init__(self, store: ucm_db.Store, blocks: int) -> None:
+        self.keys = NS.block_keys(list(range(4 * blocks)))
+        self.puts, self.counters, self.released = HeldPuts(store), Counters(), []
+        self.writer = BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), self.counters,
+                                       max_pending_bytes=1 << 30)
+        self.save(0, 2)
+        assert self.puts.entered.wait(30)
+
+    def save(self, start: int, stop: int) -> None:
+        self.writer.submit(_job(self.keys, start, stop, self.released))
+
+    def release_and_drain(self) -> None:
+        self.puts.release()
+        self.writer.drain()
+        self.writer.close()
 
 
 def test_queued_jobs_behind_a_commit_lose_only_the_orphan(store) -> None:
-    keys = NS.block_keys(list(range(4 * 12)))
-    puts, counters, released = HeldPuts(store), Counters(), []
-    writer = _writer(store, counters)
-    writer.submit(_job(keys, 0, 2, released))
-    assert puts.entered.wait(30)
-    writer.submit(_job(keys, 2, 4, released))
-    writer.submit(_job(keys, 6, 8, released))  # its parent (block 5) is never saved
-    writer.submit(_job(keys, 4, 5, released))
-    puts.release()
-    writer.drain()
-    writer.close()
-    assert _stored(store, keys, 0, 5)
-    assert not any(_present(store, keys, 6, 8))
-    assert counters.totals.data["saved_blocks"] == 5 and counters.totals.data["save_errors"] == 2
-    assert sorted(released) == [0, 2, 4, 6]
+    held = Held(store, 12)
+    held.save(2, 4)
+    held.save(6, 8)  # its parent (block 5) is never saved
+    held.save(4, 5)
+    held.release_and_drain()
+    assert _stored(store, held.keys, 0, 5)
+    assert not any(_present(store, held.keys, 6, 8))
+    assert held.counters.totals.data["saved_blocks"] == 5 and held.counters.totals.data["save_errors"] == 2
+    assert sorted(held.released) == [0, 2, 4, 6]
 
 
 def test_a_void_between_saves_keeps_queue_order(store) -> None:
-    keys = NS.block_keys(list(range(4 * 8)))
-    puts, counters, released = HeldPuts(store), Counters(), []
-    writer = _writer(store, counters)
-    writer.submit(_job(keys, 0, 2, released))
-    assert puts.entered.wait(30)
-    writer.submit(_job(keys, 2, 4, released))
-    writer.void(VoidJob(NS, _chains(keys, 2, 4), blocks=2))  # after the save queued before it
-    writer.submit(_job(keys, 4, 6, released))  # after the void: its parent is gone, so it is skipped
-    writer.submit(_job(keys, 2, 3, released))
-    puts.release()
-    writer.drain()
-    writer.close()
-    assert _stored(store, keys, 0, 3)
-    assert not any(_present(store, keys, 3, 6))
+    held = Held(store, 8)
+    held.save(2, 4)
+    held.writer.void(VoidJob(NS, _chains(held.keys, 2, 4), blocks=2))  # after the save queued before it
+    held.save(4, 6)  # after the void: its parent is gone, so it is skipped
+    held.save(2, 3)
+    held.release_and_drain()
+    assert _stored(store, held.keys, 0, 3)
+    assert not any(_present(store, held.keys, 3, 6))
 
 
 def test_close_behind_queued_jobs_commits_them_and_stops(store) -> None:
-    keys = NS.block_keys(list(range(4 * 6)))
-    puts, counters, released = HeldPuts(store), Counters(), []
-    writer = _writer(store, counters)
-    writer.submit(_job(keys, 0, 2, released))
-    assert puts.entered.wait(30)
-    writer.submit(_job(keys, 2, 4, released))
-    closer = threading.Thread(target=writer.close)
+    held = Held(store, 6)
+    held.save(2, 4)
+    closer = threading.Thread(target=held.writer.close)
     closer.start()
-    puts.release()
+    held.puts.release()
     closer.join(30)
     assert not closer.is_alive(), "close must return once the queue is committed"
-    assert _stored(store, keys, 0, 4)
+    assert _stored(store, held.keys, 0, 4)
