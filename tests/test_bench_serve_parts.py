@@ -136,15 +136,13 @@ def test_the_ucm_rows_write_back_only_where_a_remote_row_reads_it(tmp_path) -> N
     """Uploads take CPU from the cores every row is measured on: the ucm-db
     rows run over the local tier alone unless a remote row needs what they
     wrote, or --write-back asks; the report says which."""
-    from ucm_db.tools.bench.serve_options import ServeOptions, connector_options
-
-    local = ServeOptions(rows=("cold-bound", "ucm-first", "ucm-second"))
+    local = serve.ServeOptions(rows=("cold-bound", "ucm-first", "ucm-second"))
     assert not local.uses_remote
-    assert ServeOptions(rows=("ucm-first", "ucm-remote")).uses_remote
-    assert ServeOptions(rows=("ucm-first",), write_back=True).uses_remote
-    alone = connector_options(tmp_path / "s", None, local)
+    assert serve.ServeOptions(rows=("ucm-first", "ucm-remote")).uses_remote
+    assert serve.ServeOptions(rows=("ucm-first",), write_back=True).uses_remote
+    alone = serve._connector(tmp_path / "s", None, local)
     assert "remote" not in alone and "remote_codec" not in alone and alone["path"] == str(tmp_path / "s")
-    over = connector_options(tmp_path / "s", "file:///r", local)
+    over = serve._connector(tmp_path / "s", "file:///r", local)
     assert over["remote"] == "file:///r" and over["remote_codec"] == "zstd"
     report = serve._report(local, [], 1.0)
     assert report["options"]["write_back"] is False

@@ -48,7 +48,7 @@ from typing import Any
 
 import click
 
-from ucm_db.tools.bench.serve_options import ROWS, Progress, ServeOptions, pass_counters
+from ucm_db.tools.bench.serve_options import REMOTE_ROWS, ROWS, Progress, ServeOptions, pass_counters
 from ucm_db.tools.bench.serve_options import connector_options as _connector
 from ucm_db.tools.bench.serve_options import medians as _medians
 from ucm_db.tools.bench.serve_server import BLOCK_SIZE, LoadSpec, Server, ServerSpec, run_load
@@ -108,7 +108,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     serve(replace(capped, num_blocks=options.bound_blocks), "bound", ("cold-bound", "warm-bound"))
     serve(ucm, "ucm", ("ucm-first", "ucm-second"))
     serve(ucm, "ucm-restart", ("ucm-restart",))
-    if want & {"ucm-remote", "ucm-remote-s3"}:
+    if want & REMOTE_ROWS:
         _drain_uploads(store, remote, progress)
         serve(replace(capped, connector=_connector(work / "empty-local", remote.as_uri(), options)), "ucm-remote", ("ucm-remote",))
     if "ucm-remote-s3" in want:
@@ -230,6 +230,7 @@ def format_table(report: dict[str, Any]) -> str:
              f"(working set {o['working_set_blocks']}: {o['working_set_blocks'] / o['capped_blocks']:.1f}x), "
              f"bound {o['bound_blocks']}; median of {o['runs']} run(s); ucm-db codec {o.get('codec', 'zstd')}, "
              f"load_mode {o.get('load_mode', 'block')}, remote_lookup {o.get('remote_lookup', 'inline')}"
+             # Reports from before the option always wrote back.
              + ("; write-back to a file:// remote" if o.get("write_back", True) else "; local tier only")
              + ("; --enforce-eager" if o["enforce_eager"] else ""),
              "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  ucm-db loaded / looked up, skips"]
@@ -292,9 +293,9 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     pass, after an engine restart, and an empty local tier over a warm
     file:// remote. The ucm-db rows write back to that remote only when a
     remote row is run (or --write-back): otherwise they measure the local
-    tier alone, the embedded default. Each server start takes about a minute; the default size
-    (the issue's) takes about an hour on 2 cores. Progress goes to stderr;
-    targets are reported, not enforced.
+    tier alone, the embedded default. Each server start takes about a
+    minute; the default size (the issue's) takes about an hour on 2 cores.
+    Progress goes to stderr; targets are reported, not enforced.
 
     \b
     --workload conversation replays many multi-turn chats instead (each

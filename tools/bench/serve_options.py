@@ -27,6 +27,8 @@ ROWS = {
     "ucm-remote": "ucm-db, capped, empty local tier over warm file:// remote",
     "ucm-remote-s3": "ucm-db, capped, empty local tier over warm S3 (moto)",
 }
+#: The rows that read the remote the other ucm-db rows wrote.
+REMOTE_ROWS = frozenset({"ucm-remote", "ucm-remote-s3"})
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class ServeOptions:
     def uses_remote(self) -> bool:
         """Whether the ucm-db rows write back to a ``file://`` remote: a
         remote row reads what they wrote, or ``write_back`` asks for it."""
-        return self.write_back or bool({"ucm-remote", "ucm-remote-s3"} & set(self.rows))
+        return self.write_back or bool(REMOTE_ROWS & set(self.rows))
 
     @property
     def max_model_len(self) -> int:
