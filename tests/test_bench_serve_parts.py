@@ -46,6 +46,7 @@ def test_vllm_version_seen_by_the_cli_selects_the_cpu_platform() -> None:
     (["--capped-blocks", "10", "--prefix-len", "1024"], "cannot hold one request"),
     (["--num-prompts", "4", "--num-prefixes", "8"], "at least --num-prefixes"),
     (["--num-prompts", "128", "--num-prefixes", "52"], "so 128 would send 104"),
+    (["--workload", "conversation", "--warm-passes", "3"], "replays each pass once"),
 ])
 def test_bad_sizes_are_usage_errors_before_any_server_starts(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve.command, args)
@@ -93,6 +94,19 @@ def test_connector_counters_are_read_from_prometheus_text_and_differenced_per_pa
     assert delta["loaded_MB"] == 25.0 and delta["load_s"] == 0.5
     assert delta["saved_MB"] == 40.0 and delta["save_commit_s"] == 0.25 and delta["save_copy_s"] == 0.125
     assert delta["save_commit_cpu_s"] == 0.125
+
+
+def test_warm_passes_make_one_row_of_medians_that_lists_every_pass_and_survive_the_runs_medians() -> None:
+    from ucm_db.tools.bench.serve_options import WARM_ROWS, repeated_row
+
+    assert WARM_ROWS == {"warm-bound", "ucm-second"}  # first passes cannot repeat on a warm server
+    passes = [{"request_throughput": rps, "ucm_db": {"loaded_MB": mb}} for rps, mb in ((6.0, 2000.0), (7.0, 2100.0), (6.5, 1900.0))]
+    row = repeated_row(passes)
+    assert row == {"request_throughput": 6.5, "ucm_db": {"loaded_MB": 2000.0}, "pass_throughputs": [6.0, 7.0, 6.5]}
+    assert repeated_row(passes[:1]) == passes[0]  # one pass: the row as before, no list
+    other = repeated_row([{"request_throughput": 5.0, "ucm_db": {"loaded_MB": 1.0}}] * 2)
+    assert serve._medians([row, other])["pass_throughputs"] == [6.0, 7.0, 6.5, 5.0, 5.0]
+    assert serve._medians([row, other])["request_throughput"] == 5.75
 
 
 def test_medians_of_runs_take_the_connector_counters_key_by_key() -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 import click
 
-from ucm_db.tools.bench.serve_options import REMOTE_ROWS, ROWS, Progress, ServeOptions, pass_counters
+from ucm_db.tools.bench.serve_options import REMOTE_ROWS, ROWS, WARM_ROWS, Progress, ServeOptions, pass_counters, repeated_row
 from ucm_db.tools.bench.serve_options import connector_options as _connector
 from ucm_db.tools.bench.serve_options import medians as _medians
 from ucm_db.tools.bench.serve_server import BLOCK_SIZE, LoadSpec, Server, ServerSpec, run_load
@@ -101,7 +101,8 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
         with Server(spec, work / f"{label}.server.log", start_timeout_s=options.start_timeout_s) as server:
             progress(f"  healthy after {server.start_s:.0f} s")
             for row in passes:
-                rows[row] = _pass(options, server, model, work, row, progress)
+                repeats = options.warm_passes if row in WARM_ROWS else 1
+                rows[row] = repeated_row([_pass(options, server, model, work, row, progress) for _ in range(repeats)])
                 rows[row]["server_start_s"] = server.start_s
 
     serve(capped, "no-conn-capped", ("no-conn-capped",))
@@ -212,7 +213,7 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
                     "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
                     "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager,
                     "codec": options.codec, "load_mode": options.load_mode, "remote_lookup": options.remote_lookup,
-                    "write_back": options.uses_remote},
+                    "write_back": options.uses_remote, "warm_passes": options.warm_passes},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": medians,
@@ -232,13 +233,16 @@ def format_table(report: dict[str, Any]) -> str:
              f"load_mode {o.get('load_mode', 'block')}, remote_lookup {o.get('remote_lookup', 'inline')}"
              # Reports from before the option always wrote back.
              + ("; write-back to a file:// remote" if o.get("write_back", True) else "; local tier only")
-             + ("; --enforce-eager" if o["enforce_eager"] else ""),
+             + ("; --enforce-eager" if o["enforce_eager"] else "")
+             + (f"; {o['warm_passes']} passes of each warm row" if o.get("warm_passes", 1) > 1 else ""),
              "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  ucm-db loaded / looked up, skips"]
     for row, label in ROWS.items():
         if row in report["rows"]:
             r = report["rows"][row]
             ucm = r.get("ucm_db")
             did = f"  {ucm['hit_tokens']:.0f} / {ucm['query_tokens']:.0f} tokens, {ucm['cost_skips']:.0f}" if ucm else ""
+            if "pass_throughputs" in r:
+                did += "  passes: " + ", ".join(f"{x:.2f}" for x in r["pass_throughputs"])
             lines.append(f"{label:<58} {r['request_throughput']:>7.2f} {r['median_ttft_ms']:>12.0f} {r['p99_ttft_ms']:>12.0f}{did}")
     if "link_raw_read_mb_s" in report["rows"].get("ucm-remote-s3", {}):
         lines.append(f"S3 (moto) raw read of the bucket: {report['rows']['ucm-remote-s3']['link_raw_read_mb_s']:.1f} MB/s")
@@ -262,6 +266,8 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--capped-blocks", type=click.IntRange(min=1), default=256, show_default=True, help="KV blocks of the capped engines")
 @click.option("--bound-blocks", type=click.IntRange(min=1), default=1200, show_default=True, help="KV blocks of the bound engine")
 @click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True, help="repetitions (medians reported)")
+@click.option("--warm-passes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="passes of warm-bound and ucm-second on their warm server (medians kept, every pass's req/s listed)")
 @click.option("--rows", default=",".join(ROWS), show_default=True, help="comma-separated rows to run")
 @click.option("--codec", type=click.Choice(["zstd", "none"]), default="zstd", show_default=True,
               help="codec of the ucm-db rows' local tier (the store's `codec`; the remote keeps its own, `remote_codec`)")
@@ -284,7 +290,7 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (stores, logs)")
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
-            seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, rows: str, codec: str,
+            seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, warm_passes: int, rows: str, codec: str,
             load_mode: str, remote_lookup: str, write_back: bool, enforce_eager: bool, start_timeout_s: float, workload: str,
             conversations: int, turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
@@ -308,11 +314,14 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
         ucm-db bench serve --workload conversation --conversations 16 --turns 4 --capped-blocks 160 --bound-blocks 700
         ucm-db bench serve --num-prompts 32 --num-prefixes 8 --prefix-len 1024 --capped-blocks 144 --bound-blocks 600
         ucm-db bench serve --runs 3 --json
+        ucm-db bench serve --rows cold-bound,warm-bound,ucm-first,ucm-second --warm-passes 3
     """
     wanted = tuple(r.strip() for r in rows.split(",") if r.strip())
     if workload == "conversation":
         if write_back:
             raise click.BadParameter("the conversation workload measures the local tier alone", param_hint="--write-back")
+        if warm_passes > 1:
+            raise click.BadParameter("the conversation workload replays each pass once", param_hint="--warm-passes")
         from ucm_db.tools.bench.serve_chat import conversation_command
 
         conversation_command(wanted if rows != ",".join(ROWS) else None, conversations, turns, turn_tokens, output_len,
@@ -335,7 +344,8 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
                     output_len=output_len, concurrency=concurrency, seed=seed)
     options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
                            rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec, load_mode=load_mode,
-                           remote_lookup=remote_lookup, start_timeout_s=start_timeout_s, write_back=write_back)
+                           remote_lookup=remote_lookup, start_timeout_s=start_timeout_s, write_back=write_back,
+                           warm_passes=warm_passes)
     if capped_blocks * BLOCK_SIZE < options.max_model_len:
         raise click.BadParameter(f"{capped_blocks} blocks cannot hold one request ({options.max_model_len} tokens)",
                                  param_hint="--capped-blocks")

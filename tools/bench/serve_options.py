@@ -48,6 +48,7 @@ class ServeOptions:
     load_mode: str = "block"  # the ucm-db rows' connector load_mode
     remote_lookup: str = "inline"  # the ucm-db rows' connector remote_lookup
     write_back: bool = False  # the ucm-db rows upload to a file:// remote even when no remote row reads it
+    warm_passes: int = 1  # passes of each warm row (warm-bound, ucm-second) on its server; medians kept
 
     @property
     def uses_remote(self) -> bool:
@@ -97,11 +98,30 @@ def pass_counters(before: dict[str, float], after: dict[str, float]) -> dict[str
             "save_copy_s": round(delta("save_copy_seconds"), 3)}
 
 
+#: Rows measured on a server that is already warm: ``--warm-passes`` repeats
+#: them there (a pass of one server varies by up to 14% on this host).
+WARM_ROWS = frozenset({"warm-bound", "ucm-second"})
+
+
+def repeated_row(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from several passes on the same server: the key by key
+    medians, plus every pass's request throughput (``pass_throughputs``)."""
+    row = medians(passes)
+    if len(passes) > 1:
+        row["pass_throughputs"] = [p.get("request_throughput", 0.0) for p in passes]
+    return row
+
+
 def medians(per_run: list[dict[str, Any]]) -> dict[str, Any]:
     """Key by key median of one row's runs; nested dicts (the connector's
-    counters) key by key too."""
+    counters) key by key too; lists (every pass's figure) joined."""
     out: dict[str, Any] = {}
     for key, first in per_run[0].items():
         values = [r[key] for r in per_run if key in r]
-        out[key] = medians(values) if isinstance(first, dict) else statistics.median(values)
+        if isinstance(first, dict):
+            out[key] = medians(values)
+        elif isinstance(first, list):
+            out[key] = [x for v in values for x in v]
+        else:
+            out[key] = statistics.median(values)
     return out
