@@ -4,7 +4,9 @@ run, the ucm-db connector's options, a pass's connector counters, medians.
 
 Invariants:
     * A pass's counters are differences of the server's counters read
-      before and after it; medians are taken key by key over runs.
+      before and after it; medians are taken key by key over runs, and
+      over the passes of a warm row repeated on its server
+      (``warm_passes``), whose every request throughput is kept too.
 """
 
 from __future__ import annotations
