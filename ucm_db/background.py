@@ -2,10 +2,11 @@
 the maintenance thread.
 
 Reads never take the writer lock nor open a write transaction: their LRU
-touches and hit/miss counts are buffered here and folded into the next write
-transaction (a put), or written by the maintenance thread every
-``sync_interval_s``, or sooner once ``ACTIVITY_FLUSH_KEYS`` touches are
-buffered (the read that crosses it wakes the thread and returns). With group
+touches and hit/miss counts are buffered here and written by the maintenance
+thread every ``sync_interval_s``, or sooner once ``ACTIVITY_FLUSH_KEYS``
+touches are buffered (the read that crosses it wakes the thread and
+returns), or folded into the transaction of a put that evicts, which must
+see them (:class:`ReadsForEviction`). With group
 durability the same thread syncs the engine every interval, and as soon as
 ``sync_bytes`` were committed since the last sync, or the engine's data file
 grew by ``sync_bytes`` since then.
@@ -73,6 +74,40 @@ ACTIVITY_FLUSH_KEYS = 4096
 GROWTH_WAIT_S = 30.0
 
 
+class ReadsForEviction:
+    """The reads a put must apply before it evicts, and only then.
+
+    A put that evicts must see every read buffered so far, or it could evict
+    a block just read. A put that does not evict leaves the reads buffered:
+    the maintenance thread writes them in its rounds, where repeated reads of
+    the same block between rounds cost one write, not one per put (a hot
+    prefix read by every request, its blocks' recency rewritten by every
+    save that followed). The tier calls it once per attempt of the put's
+    transaction (an attempt may be retried), with whether that attempt
+    evicts; :meth:`settle` then hands back whatever the committed attempt
+    did not apply."""
+
+    def __init__(self, background: Background) -> None:
+        self._background = background
+        self._taken: PendingActivity | None = None
+        self._applied = False
+
+    def __call__(self, evicting: bool) -> PendingActivity | None:
+        self._applied = evicting
+        if not evicting:
+            return None
+        if self._taken is None:
+            self._taken = self._background.take()
+        return self._taken
+
+    def settle(self, committed: bool) -> None:
+        """After the put: the reads taken go back to the buffer unless a
+        committed attempt applied them."""
+        if self._taken is not None and not (committed and self._applied):
+            self._background.give_back(self._taken)
+        self._taken = None
+
+
 class Background:
     """Activity buffer and maintenance thread of one store in one process."""
 
@@ -113,8 +148,8 @@ class Background:
         """Counts a read's hits (``results[i]`` not None, touching the key)
         and misses; when many touches are buffered, wakes the maintenance
         thread to write them. A read never writes (no write transaction, no
-        writer lock): its recency reaches the index through the next put or
-        that thread."""
+        writer lock): its recency reaches the index through that thread, or
+        a put that evicts."""
         now = time.time_ns()
         with self._lock:
             activity = self._activity
@@ -135,6 +170,11 @@ class Background:
         with self._lock:
             activity, self._activity = self._activity, PendingActivity()
         return activity
+
+    def for_eviction(self) -> ReadsForEviction:
+        """The buffered activity as one put's transaction asks for it: only
+        if that put evicts (module doc)."""
+        return ReadsForEviction(self)
 
     def give_back(self, activity: PendingActivity) -> None:
         with self._lock:

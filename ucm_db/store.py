@@ -10,8 +10,9 @@ Invariants:
       a failed block's flag is False, its buffers may hold its bytes); a
       corrupt block reads as a miss and is quarantined with its descendants.
     * Reader activity (LRU touches, hit and miss counts) is kept in memory
-      and folded into the next write, or written by the maintenance thread
-      (:mod:`ucm_db.background`): reads never open a write transaction.
+      and written by the maintenance thread, or folded into a put that
+      evicts (:mod:`ucm_db.background`): reads never open a write
+      transaction, and an eviction always sees them.
     * The store is safe for threads, and for several processes on one node
       with the LMDB engine; it re-opens itself in a forked child.
     * With a ``remote``: every block put is queued for upload in its own

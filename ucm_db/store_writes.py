@@ -6,8 +6,9 @@ Invariants:
     * A put is one transaction of the local tier: every block of every
       segment, or none; with a remote, every block put is queued for upload
       in that same commit.
-    * Pending reader activity rides on the put's transaction; it is given
-      back to the maintenance thread if the put fails.
+    * Pending reader activity rides on the transaction of a put that
+      evicts (the eviction must see it); otherwise, or if the put fails,
+      it stays with the maintenance thread (background.ReadsForEviction).
 """
 
 from __future__ import annotations
@@ -171,17 +172,18 @@ class StoreWrites(StoreBase):
                        None if packed is None else packed.get(keys[i]))
             for i, block in zip(todo, encoded)
         ]
-        activity = self._activity.take()
+        reads = self._activity.for_eviction()
         desc = _namespace_description(namespace)
+        committed = False
         try:
             skipped = set(range(len(keys))) - set(todo)
             result = self._tier.put_blocks(
-                entries, namespace_desc=desc, enqueue_upload=self._wing is not None, activity=activity,
+                entries, namespace_desc=desc, enqueue_upload=self._wing is not None, activity=reads,
                 protect=[keys[i] for i in sorted(skipped)],
             )
-        except BaseException:
-            self._activity.give_back(activity)
-            raise
+            committed = True
+        finally:
+            reads.settle(committed)
         result.already_present += len(keys) - len(todo)
         self._activity.committed(sum(e.stored_bytes for e in entries))
         if self._wing is not None and entries:

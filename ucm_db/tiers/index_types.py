@@ -119,7 +119,7 @@ class PutResult:
 
 @dataclass(slots=True)
 class PendingActivity:
-    """Reader activity folded into the next write (touches, hits, misses)."""
+    """Reader activity not yet in the index (touches, hits, misses)."""
 
     touched: dict[bytes, int] = field(default_factory=dict)
     hits: int = 0

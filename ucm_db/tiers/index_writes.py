@@ -15,7 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
@@ -51,7 +51,7 @@ class IndexWrites(IndexReads):
         *,
         namespace_desc: tuple[bytes, bytes] | None = None,
         enqueue_upload: bool = False,
-        activity: PendingActivity | None = None,
+        activity: Callable[[bool], PendingActivity | None] | None = None,
         protect: Sequence[bytes] = (),
     ) -> PutResult:
         """Atomically stores a batch, then evicts LRU blocks over capacity,
@@ -99,8 +99,11 @@ class IndexWrites(IndexReads):
                     changefeed.stored(txn, entry.key, entry.namespace_id, depth, entry.event_fields, self.feed_max_records)
                 changes.add(meta, +1)
                 result.stored += 1
-            if activity is not None:
-                self._apply_activity(txn, changes, activity)
+            # Reads buffered so far: applied where this attempt evicts, which must
+            # see them (``activity`` is told either way: background.ReadsForEviction).
+            pending = activity(changes.totals.stored_bytes > self.capacity_bytes) if activity is not None else None
+            if pending is not None:
+                self._apply_activity(txn, changes, pending)
             result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch, protect))
             changes.commit()
             crashpoint("local.before_commit")
