@@ -171,11 +171,6 @@ class Background:
             activity, self._activity = self._activity, PendingActivity()
         return activity
 
-    def for_eviction(self) -> ReadsForEviction:
-        """The buffered activity as one put's transaction asks for it: only
-        if that put evicts (module doc)."""
-        return ReadsForEviction(self)
-
     def give_back(self, activity: PendingActivity) -> None:
         with self._lock:
             for key, access_ns in activity.touched.items():

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 from ucm_db import codec
 from ucm_db.arguments import UNSET, Unset, key_list, require_namespace, require_payload, segment_list, segment_parent
+from ucm_db.background import ReadsForEviction
 from ucm_db.codec_pool import Payload
 from ucm_db.config import CODECS
 from ucm_db.errors import ConfigError, MissingAncestorError
@@ -172,7 +173,7 @@ class StoreWrites(StoreBase):
                        None if packed is None else packed.get(keys[i]))
             for i, block in zip(todo, encoded)
         ]
-        reads = self._activity.for_eviction()
+        reads = ReadsForEviction(self._activity)
         desc = _namespace_description(namespace)
         committed = False
         try:
