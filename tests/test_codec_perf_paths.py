@@ -12,6 +12,9 @@
   body; any table the one copy would not honour (a frame not raw, a stored
   length other than the raw one) goes through the frame-by-frame decode,
   which refuses it.
+* codec ``zstd``: a block of shuffled frames decodes straight into a
+  scatter list cut at elements (no scratch buffer), and into one cut inside
+  an element through the scratch buffer: the same bytes either way.
 """
 
 from __future__ import annotations
@@ -165,3 +168,28 @@ def test_codec_none_frames_decode_with_one_copy_and_odd_tables_are_refused() -> 
     uneven = _resealed(blob, [(12288, 4096, codec.MODE_RAW, 0, 0), (4096, 12288, codec.MODE_RAW, 0, 0)] + [(8192, 8192, codec.MODE_RAW, 0, 0)] * 6)
     with pytest.raises(codec.CorruptBlockError):
         codec.decode_into(uneven, KEY, bytearray(8 * 8192))
+
+
+@pytest.mark.parametrize("frame_kib", [8, 200])  # one frame of eight grouped 8 KiB layers; three frames of their own
+def test_zstd_shuffled_frames_merge_straight_into_a_scatter_list(frame_kib: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    frame_bytes = frame_kib << 10
+    n_frames = 8 if frame_kib == 8 else 3
+    raw = _bf16_like(n_frames * frame_bytes // 2, seed=frame_kib).tobytes()
+    blob = codec.encode(KEY, [raw[i * frame_bytes : (i + 1) * frame_bytes] for i in range(n_frames)], codec="zstd", element_bytes=2)
+    head, _ = codec_format.split(blob)
+    modes = {mode for _, _, mode, _, _ in codec_format.FRAME_STRUCT.iter_unpack(bytes(head[codec_format.HEADER_BYTES :]))}
+    assert modes == {codec_format.MODE_SHUFFLE}
+    scratch_calls: list[int] = []
+    scratch = codec_decode._scratch
+    monkeypatch.setattr(codec_decode, "_scratch", lambda size: scratch_calls.append(size) or scratch(size))
+
+    slabs = [bytearray(frame_bytes) for _ in range(n_frames)]  # cut at elements: straight in
+    assert codec.decode_into(blob, KEY, slabs) == len(raw)
+    assert b"".join(slabs) == raw and scratch_calls == []
+
+    odd = [bytearray(3), bytearray(len(raw) - 3)]  # cut inside an element: through the scratch buffer
+    assert codec.decode_into(blob, KEY, odd) == len(raw)
+    assert b"".join(odd) == raw and scratch_calls == [len(raw)]
+
+    with pytest.raises(codec.ConfigError, match="smaller than the block"):
+        codec.decode_into(blob, KEY, [bytearray(len(raw) - 2)])

@@ -124,6 +124,62 @@ def test_plane_argument_errors(kind: str) -> None:
         merge([memoryview(shared)[:4], memoryview(shared)[4:8]], memoryview(shared)[4:12], 2)
 
 
+MERGE_INTO: dict[str, Callable[[], Any]] = {"native": lambda: native.merge_planes_into, "python": lambda: native.merge_planes_into_py}
+
+
+@settings(max_examples=100, deadline=None)
+@given(element_bytes=st.sampled_from([2, 4]), data=st.data())
+def test_merge_planes_into_writes_the_merged_bytes_at_skip_across_outs(element_bytes: int, data: st.DataObject) -> None:
+    src = data.draw(_elements(element_bytes))
+    sizes = data.draw(st.lists(st.integers(0, 80).map(lambda n: n * element_bytes), min_size=1, max_size=6))
+    skip = data.draw(st.integers(0, 40)) * element_bytes
+    sizes[-1] += max(0, skip + len(src) - sum(sizes))  # room for all of it
+    expected = bytearray(b"\xaa" * sum(sizes))
+    expected[skip : skip + len(src)] = src
+    planes = native.split_planes_py(src, element_bytes)
+    for kind in ("native", "python") if native.NATIVE_AVAILABLE else ("python",):
+        outs = [bytearray(b"\xaa" * n) for n in sizes]
+        assert MERGE_INTO[kind]()(planes, outs, element_bytes, skip) == len(src)
+        assert b"".join(outs) == expected
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+@pytest.mark.parametrize("offset", [0, 1, 2, 6, 8, 14])
+def test_merge_planes_into_large_slabs_at_any_alignment(kind: str, offset: int) -> None:
+    # 8 KiB slabs of a bigger buffer, as a KV cache's layers: the native
+    # path streams its stores from the first 16-byte boundary on.
+    merge_into = _impl(MERGE_INTO, kind)
+    src = np.random.default_rng(offset).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes()
+    planes = native.split_planes_py(src, 2)
+    backing = bytearray(b"\xaa" * (offset + (72 << 10)))
+    slabs = [memoryview(backing)[offset + i * (9 << 10) :][: 8 << 10] for i in range(8)]  # 1 KiB gaps between them
+    assert merge_into(planes, slabs, 2, 0) == len(src)
+    assert b"".join(bytes(slab) for slab in slabs) == src
+    gaps = [bytes(memoryview(backing)[offset + i * (9 << 10) + (8 << 10) :][: 1 << 10]) for i in range(7)]
+    assert backing[:offset] == b"\xaa" * offset and gaps == [b"\xaa" * 1024] * 7
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_merge_planes_into_argument_errors(kind: str) -> None:
+    merge_into = _impl(MERGE_INTO, kind)
+    planes = native.split_planes_py(bytes(range(16)), 2)
+    with pytest.raises(ValueError, match="inside an element"):
+        merge_into(planes, [bytearray(3), bytearray(13)], 2, 0)
+    with pytest.raises(ValueError, match="fewer than"):
+        merge_into(planes, [bytearray(8), bytearray(8)], 2, 2)
+    with pytest.raises(ValueError, match="whole number"):
+        merge_into(planes, bytearray(32), 2, 1)
+    with pytest.raises(ValueError):
+        merge_into(planes, bytearray(32), 4, 0)  # two planes for four-byte elements
+    with pytest.raises(TypeError):
+        merge_into(planes, [bytearray(8), bytes(8)], 2, 0)  # read-only
+    assert merge_into(planes, [bytearray(3), bytearray(17)], 2, 4) == 16  # elements cut by the stream, not by the outs
+    if kind == "native":  # the fallback copies through a staging buffer: overlap cannot hurt it
+        shared = bytearray(32)
+        with pytest.raises(ValueError, match="overlaps"):
+            native.merge_planes_into([memoryview(shared)[:8], memoryview(shared)[8:16]], memoryview(shared)[12:28], 2, 0)
+
+
 # --- checked copy -------------------------------------------------------------
 
 COPY: dict[str, Callable[[], Any]] = {"native": lambda: native.copy_into, "python": lambda: native.copy_into_py}

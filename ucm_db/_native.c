@@ -10,6 +10,12 @@
  *       little-endian element; element_bytes is 2 or 4.
  *   merge_planes(planes, out, element_bytes) -> None
  *       the inverse, written straight into the caller's buffer.
+ *   merge_planes_into(planes, outs, element_bytes, skip_bytes) -> int
+ *       merge_planes into a buffer or a scatter list (a list or tuple of
+ *       buffers filled one after another), starting skip_bytes into it: a
+ *       decoded frame goes straight to its place in a block's scatter list
+ *       (e.g. a KV cache's layer slabs), with no staging copy. Every out it
+ *       crosses ends between two elements.
  *   copy_into(src, outs, hasher, chunk_bytes) -> int
  *       src copied into a buffer or a scatter list of buffers; with a
  *       hasher (an xxhash streaming object, or anything with update()),
@@ -420,6 +426,66 @@ static PyObject *copy_pieces(Py_buffer *src, piece_t *pieces, PyObject *hasher, 
     return failed ? NULL : PyLong_FromSsize_t(src->len);
 }
 
+/* A scatter list pinned: a buffer, or a list or tuple of buffers filled
+ * one after another. */
+typedef struct {
+    PyObject *seq;     /* the list or tuple (NULL for one buffer) */
+    Py_buffer *views;  /* pinned[0, pinned) are held */
+    piece_t *pieces;
+    Py_ssize_t n, pinned, room;
+} scatter_t;
+
+static void scatter_release(scatter_t *s)
+{
+    PyMem_Free(s->pieces);
+    if (s->views != NULL) {
+        release_all(s->views, s->pinned);
+        PyMem_Free(s->views);
+    }
+    Py_XDECREF(s->seq);
+}
+
+/* Pins outs_obj's buffers (writable, contiguous) into s, refusing any that
+ * overlaps one of the n_inputs inputs; 0 on success, -1 with an exception
+ * set (s is released by the caller either way). */
+static int scatter_pin(scatter_t *s, PyObject *outs_obj, const Py_buffer *inputs, int n_inputs)
+{
+    memset(s, 0, sizeof(*s));
+    if (PyList_Check(outs_obj) || PyTuple_Check(outs_obj)) {
+        s->seq = PySequence_Fast(outs_obj, "outs must be a buffer or a list of buffers");
+        if (s->seq == NULL) {
+            return -1;
+        }
+        s->n = PySequence_Fast_GET_SIZE(s->seq);
+    } else {
+        s->n = 1;
+    }
+    s->views = PyMem_Calloc(s->n ? (size_t)s->n : 1, sizeof(Py_buffer));
+    s->pieces = PyMem_Calloc(s->n ? (size_t)s->n : 1, sizeof(piece_t));
+    if (s->views == NULL || s->pieces == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (; s->pinned < s->n; s->pinned++) {
+        PyObject *item = s->seq ? PySequence_Fast_GET_ITEM(s->seq, s->pinned) : outs_obj;
+        Py_buffer *view = &s->views[s->pinned];
+        if (pin_writable(item, view) < 0) {
+            return -1;
+        }
+        for (int j = 0; j < n_inputs; j++) {
+            if (overlaps(view, &inputs[j])) {
+                s->pinned++;
+                PyErr_SetString(PyExc_ValueError, "an out buffer overlaps an input");
+                return -1;
+            }
+        }
+        s->pieces[s->pinned].buf = view->buf;
+        s->pieces[s->pinned].len = view->len;
+        s->room += view->len;
+    }
+    return 0;
+}
+
 static PyObject *native_copy_into(PyObject *module, PyObject *args)
 {
     Py_buffer src;
@@ -429,52 +495,165 @@ static PyObject *native_copy_into(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*OOn:copy_into", &src, &outs_obj, &hasher, &chunk_bytes)) {
         return NULL;
     }
-    PyObject *result = NULL, *seq = NULL;
-    Py_buffer *outs = NULL;
-    piece_t *pieces = NULL;
-    Py_ssize_t n_outs = 0, pinned = 0, room = 0;
-    if (PyList_Check(outs_obj) || PyTuple_Check(outs_obj)) {
-        seq = PySequence_Fast(outs_obj, "outs must be a buffer or a list of buffers");
-        if (seq == NULL) {
-            goto done;
-        }
-        n_outs = PySequence_Fast_GET_SIZE(seq);
-    } else {
-        n_outs = 1;
-    }
-    outs = PyMem_Calloc(n_outs ? (size_t)n_outs : 1, sizeof(Py_buffer));
-    pieces = PyMem_Calloc(n_outs ? (size_t)n_outs : 1, sizeof(piece_t));
-    if (outs == NULL || pieces == NULL) {
-        PyErr_NoMemory();
+    PyObject *result = NULL;
+    scatter_t outs;
+    if (scatter_pin(&outs, outs_obj, &src, 1) < 0) {
         goto done;
     }
-    for (; pinned < n_outs; pinned++) {
-        PyObject *item = seq ? PySequence_Fast_GET_ITEM(seq, pinned) : outs_obj;
-        if (pin_writable(item, &outs[pinned]) < 0) {
-            goto done;
-        }
-        if (overlaps(&outs[pinned], &src)) {
-            pinned++;
-            PyErr_SetString(PyExc_ValueError, "an out buffer overlaps src");
-            goto done;
-        }
-        pieces[pinned].buf = outs[pinned].buf;
-        pieces[pinned].len = outs[pinned].len;
-        room += outs[pinned].len;
-    }
-    if (room < src.len) {
-        PyErr_Format(PyExc_ValueError, "outs hold %zd bytes, fewer than the %zd of src", room, src.len);
+    if (outs.room < src.len) {
+        PyErr_Format(PyExc_ValueError, "outs hold %zd bytes, fewer than the %zd of src", outs.room, src.len);
         goto done;
     }
-    result = copy_pieces(&src, pieces, hasher, chunk_bytes);
+    result = copy_pieces(&src, outs.pieces, hasher, chunk_bytes);
 done:
-    PyMem_Free(pieces);
-    if (outs != NULL) {
-        release_all(outs, pinned);
-        PyMem_Free(outs);
-    }
-    Py_XDECREF(seq);
+    scatter_release(&outs);
     PyBuffer_Release(&src);
+    return result;
+}
+
+/* merge2 into memory not read again soon (a KV cache's slabs): from the
+ * first 16-byte boundary on, with non-temporal stores where SSE2 has them
+ * (see copy_piece: plain stores first read each destination line). */
+static void merge2_streamed(uint8_t *out, size_t n, const uint8_t *p0, const uint8_t *p1)
+{
+#if defined(__SSE2__) && PY_LITTLE_ENDIAN
+    size_t head = (size_t)(-(uintptr_t)out & 15);
+    if (2 * n >= (size_t)STREAM_MIN_BYTES && head % 2 == 0) {
+        head /= 2; /* elements before the boundary */
+        merge2(out, head, p0, p1);
+        size_t i = head, blocks = (n - head) / 16;
+        for (size_t b = 0; b < blocks; b++, i += 16) {
+            __m128i lo = _mm_loadu_si128((const __m128i *)(p0 + i));
+            __m128i hi = _mm_loadu_si128((const __m128i *)(p1 + i));
+            _mm_stream_si128((__m128i *)(out + 2 * i), _mm_unpacklo_epi8(lo, hi));
+            _mm_stream_si128((__m128i *)(out + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
+        }
+        merge2(out + 2 * i, n - i, p0 + i, p1 + i);
+        _mm_sfence(); /* the streamed stores are ordered before anything that follows */
+        return;
+    }
+#endif
+    merge2(out, n, p0, p1);
+}
+
+/* Merges n elements of element_bytes from planes into pieces, starting
+ * skip bytes into them; every piece boundary crossed falls between two
+ * elements (checked by the caller). */
+static void merge_pieces(const piece_t *pieces, Py_ssize_t skip, size_t n, int element_bytes, const Py_buffer planes[4])
+{
+    Py_ssize_t i = 0;
+    while (skip >= pieces[i].len) {
+        skip -= pieces[i].len;
+        i++;
+    }
+    size_t done = 0;
+    while (done < n) {
+        size_t room = (size_t)((pieces[i].len - skip) / element_bytes);
+        size_t take = room < n - done ? room : n - done;
+        uint8_t *out = (uint8_t *)pieces[i].buf + skip;
+        const uint8_t *p[4] = {NULL, NULL, NULL, NULL};
+        for (int j = 0; j < element_bytes; j++) {
+            p[j] = (const uint8_t *)planes[j].buf + done;
+        }
+        if (element_bytes == 2) {
+            merge2_streamed(out, take, p[0], p[1]);
+        } else {
+            merge4(out, take, p[0], p[1], p[2], p[3]);
+        }
+        done += take;
+        skip = 0;
+        i++;
+    }
+}
+
+/* Whether n elements written skip bytes into pieces find room, each piece
+ * they cross holding whole elements; -1 with a ValueError set if not. */
+static int check_merge_room(const piece_t *pieces, Py_ssize_t n_pieces, Py_ssize_t skip, Py_ssize_t nbytes, int element_bytes)
+{
+    if (skip < 0 || skip % element_bytes) {
+        PyErr_Format(PyExc_ValueError, "skip_bytes %zd is not a whole number of %d-byte elements", skip, element_bytes);
+        return -1;
+    }
+    Py_ssize_t at = 0, end = skip + nbytes; /* at: where piece i starts */
+    for (Py_ssize_t i = 0; i < n_pieces && at < end; i++) {
+        Py_ssize_t stop = at + pieces[i].len;
+        if (stop > skip && stop < end && stop % element_bytes) {
+            PyErr_Format(PyExc_ValueError, "out %zd ends inside an element (%zd bytes, element_bytes %d)", i,
+                         pieces[i].len, element_bytes);
+            return -1;
+        }
+        at = stop;
+    }
+    if (at < end) {
+        PyErr_Format(PyExc_ValueError, "outs hold %zd bytes, fewer than skip_bytes %zd plus the %zd merged", at, skip,
+                     nbytes);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *native_merge_planes_into(PyObject *module, PyObject *args)
+{
+    PyObject *planes_obj, *outs_obj;
+    int element_bytes;
+    Py_ssize_t skip;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OOin:merge_planes_into", &planes_obj, &outs_obj, &element_bytes, &skip)) {
+        return NULL;
+    }
+    if (check_element_bytes(element_bytes) < 0) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
+    if (seq == NULL) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_buffer planes[4];
+    int n_views = 0, have_outs = 0;
+    scatter_t outs;
+    if (PySequence_Fast_GET_SIZE(seq) != element_bytes) {
+        PyErr_Format(PyExc_ValueError, "got %zd planes for element_bytes %d", PySequence_Fast_GET_SIZE(seq), element_bytes);
+        goto done;
+    }
+    for (; n_views < element_bytes; n_views++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, n_views), &planes[n_views], PyBUF_SIMPLE) < 0) {
+            goto done;
+        }
+        if (planes[n_views].len != planes[0].len) {
+            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, plane 0 %zd", n_views, planes[n_views].len,
+                         planes[0].len);
+            n_views++;
+            goto done;
+        }
+    }
+    have_outs = 1;
+    if (scatter_pin(&outs, outs_obj, planes, element_bytes) < 0) {
+        goto done;
+    }
+    Py_ssize_t n = planes[0].len, nbytes = n * element_bytes;
+    if (check_merge_room(outs.pieces, outs.n, skip, nbytes, element_bytes) < 0) {
+        goto done;
+    }
+    if (n > 0) {
+        if (nbytes >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            merge_pieces(outs.pieces, skip, (size_t)n, element_bytes, planes);
+            Py_END_ALLOW_THREADS
+        } else {
+            merge_pieces(outs.pieces, skip, (size_t)n, element_bytes, planes);
+        }
+    }
+    result = PyLong_FromSsize_t(nbytes);
+
+done:
+    if (have_outs) {
+        scatter_release(&outs);
+    }
+    for (int i = 0; i < n_views; i++) {
+        PyBuffer_Release(&planes[i]);
+    }
+    Py_DECREF(seq);
     return result;
 }
 
@@ -561,6 +740,9 @@ static PyMethodDef native_methods[] = {
     {"merge_planes", native_merge_planes, METH_VARARGS,
      "merge_planes(planes, out, element_bytes, /) -> None\n\n"
      "Interleaves byte planes back into elements, written into out."},
+    {"merge_planes_into", native_merge_planes_into, METH_VARARGS,
+     "merge_planes_into(planes, outs, element_bytes, skip_bytes, /) -> int\n\n"
+     "merge_planes into a buffer or a scatter list, skip_bytes into it; returns the bytes written."},
     {"copy_into", native_copy_into, METH_VARARGS,
      "copy_into(src, outs, hasher, chunk_bytes, /) -> int\n\n"
      "Copies src into outs (a buffer, or a list or tuple filled one after another);\n"

@@ -23,7 +23,7 @@ from ucm_db import checked_copy, native
 from ucm_db.codec_encode import encode_parts
 from ucm_db.codec_format import (
     FRAME_STRUCT, HEADER_BYTES, MODE_RAW, MODE_SHUFFLE, MODE_ZSTD, Buffer, Header, all_raw, codec_of_head, frame_sizes,
-    head_hasher, read_head, split, verify_parts,
+    head_hasher, read_head, split, verify_parts, verify_read_head,
 )
 from ucm_db.errors import ConfigError, CorruptBlockError
 
@@ -66,17 +66,50 @@ def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequ
     header = read_head(head, len(body))
     if header.codec == "none" and header.key == key and all_raw(head, header, len(body)):
         return checked_copy.copy_verified(head_hasher(head), body, out, header.checksum)
-    header = verify_parts(head, body, key)
+    verify_read_head(head, body, key, header)
     if isinstance(out, (list, tuple)):
         return _decode_scattered(head, body, header, out)
     return _decode_verified(head, body, header, cast(Buffer, out))  # not a list or tuple: one buffer
 
 
 def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence[Buffer]) -> int:
-    """Decodes a verified block across ``outs`` in order, via this thread's (hot) scratch buffer."""
+    """Decodes a verified block across ``outs`` in order: a block of
+    shuffled frames merges each frame straight into its place among
+    ``outs`` (no staging copy); any other block, or outs whose pieces end
+    inside an element, goes through this thread's (hot) scratch buffer."""
+    frames = _frame_table(head, header, len(body))
+    if all(frame[4] == MODE_SHUFFLE for frame in frames):
+        body_view = memoryview(body)
+        try:
+            for raw_at, raw_len, body_at, stored_len, _mode, elem, mask in frames:
+                planes = _shuffled_planes(body_view[body_at : body_at + stored_len], raw_len, elem, mask)
+                native.merge_planes_into(planes, outs, elem, raw_at)
+            return header.raw_len
+        except ValueError:
+            pass  # outs too small (the scratch path names it) or not cut at elements
     source = _scratch(header.raw_len)
     _decode_verified(head, body, header, source)
     return checked_copy.copy_out(source, list(outs))  # one C call however many pieces
+
+
+#: A frame of a block's table: (raw_at, raw_len, body_at, stored_len, mode, element_bytes, mask).
+Frame = tuple[int, int, int, int, int, int, int]
+
+
+def _frame_table(head: Buffer, header: Header, body_bytes: int) -> list[Frame]:
+    """The frames of a checked head, each inside the block; raises
+    :class:`CorruptBlockError` if they overrun it or do not fill it."""
+    frames: list[Frame] = []
+    body_at = raw_at = 0
+    for raw_len, stored_len, mode, elem, mask in FRAME_STRUCT.iter_unpack(memoryview(head)[HEADER_BYTES:]):
+        if raw_at + raw_len > header.raw_len or body_at + stored_len > body_bytes:
+            raise CorruptBlockError("frame table exceeds the block")
+        frames.append((raw_at, raw_len, body_at, stored_len, mode, elem, mask))
+        raw_at += raw_len
+        body_at += stored_len
+    if raw_at != header.raw_len:
+        raise CorruptBlockError("frames do not add up to the raw length")
+    return frames
 
 
 _scratch_local = threading.local()
@@ -107,20 +140,9 @@ def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) ->
     if header.codec == "none" and all_raw(head, header, len(body_view)):
         out_view[: header.raw_len] = body_view  # the frames back to back: one copy, not one per frame
         return header.raw_len
-    table_at = HEADER_BYTES
-    body_at = 0
-    raw_at = 0
-    for _ in range(header.n_frames):
-        raw_len, stored_len, mode, elem, mask = FRAME_STRUCT.unpack_from(head, table_at)
-        table_at += FRAME_STRUCT.size
-        if raw_at + raw_len > header.raw_len or body_at + stored_len > len(body_view):
-            raise CorruptBlockError("frame table exceeds the block")
+    for raw_at, raw_len, body_at, stored_len, mode, elem, mask in _frame_table(head, header, len(body_view)):
         _decode_frame(body_view[body_at : body_at + stored_len], out_view[raw_at : raw_at + raw_len], mode, elem, mask)
-        raw_at += raw_len
-        body_at += stored_len
-    if raw_at != header.raw_len:
-        raise CorruptBlockError("frames do not add up to the raw length")
-    return raw_at
+    return header.raw_len
 
 
 def decode(blob: Buffer, key: bytes) -> bytearray:
@@ -160,28 +182,34 @@ def _decode_frame(stored: memoryview, out: memoryview, mode: int, elem: int, mas
     elif mode == MODE_ZSTD:
         out[:] = _zstd_exact(stored, len(out))
     elif mode == MODE_SHUFFLE:
-        if elem not in (2, 4) or len(out) % elem or len(stored) < 4 * elem:
-            raise CorruptBlockError("bad shuffle frame")
-        lengths = struct.unpack_from(f"<{elem}I", stored, 0)
-        plane_len = len(out) // elem
-        at = 4 * elem
-        planes: list[Buffer] = []
-        for i, length in enumerate(lengths):
-            part = stored[at : at + length]
-            if len(part) != length:
-                raise CorruptBlockError("shuffle plane exceeds the frame")
-            at += length
-            if mask >> i & 1:
-                planes.append(_zstd_exact(part, plane_len))
-            elif length == plane_len:
-                planes.append(part)
-            else:
-                raise CorruptBlockError("raw plane length mismatch")
-        if at != len(stored):
-            raise CorruptBlockError("shuffle frame has trailing bytes")
-        _unshuffle(planes, out, elem)
+        _unshuffle(_shuffled_planes(stored, len(out), elem, mask), out, elem)
     else:
         raise CorruptBlockError(f"unknown frame mode {mode}")
+
+
+def _shuffled_planes(stored: memoryview, raw_len: int, elem: int, mask: int) -> list[Buffer]:
+    """The byte planes of a shuffled frame of ``raw_len`` raw bytes (those
+    whose ``mask`` bit is set decompressed, the others views of ``stored``)."""
+    if elem not in (2, 4) or raw_len % elem or len(stored) < 4 * elem:
+        raise CorruptBlockError("bad shuffle frame")
+    lengths = struct.unpack_from(f"<{elem}I", stored, 0)
+    plane_len = raw_len // elem
+    at = 4 * elem
+    planes: list[Buffer] = []
+    for i, length in enumerate(lengths):
+        part = stored[at : at + length]
+        if len(part) != length:
+            raise CorruptBlockError("shuffle plane exceeds the frame")
+        at += length
+        if mask >> i & 1:
+            planes.append(_zstd_exact(part, plane_len))
+        elif length == plane_len:
+            planes.append(part)
+        else:
+            raise CorruptBlockError("raw plane length mismatch")
+    if at != len(stored):
+        raise CorruptBlockError("shuffle frame has trailing bytes")
+    return planes
 
 
 def _zstd_exact(data: memoryview, size: int) -> bytes:

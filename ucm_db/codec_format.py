@@ -120,7 +120,11 @@ def verify(blob: Buffer, key: bytes) -> Header:
 
 def verify_parts(head: Buffer, body: Buffer, key: bytes) -> Header:
     """:func:`verify` for a head and body kept apart."""
-    header = read_head(head, len(body))
+    return verify_read_head(head, body, key, read_head(head, len(body)))
+
+
+def verify_read_head(head: Buffer, body: Buffer, key: bytes, header: Header) -> Header:
+    """:func:`verify_parts` for a head :func:`read_head` already parsed into ``header``."""
     if header.key != key:
         raise CorruptBlockError("block belongs to another key")
     hasher = head_hasher(head)

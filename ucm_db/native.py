@@ -75,6 +75,39 @@ def merge_planes_py(planes: Sequence[Buffer], out: Buffer, element_bytes: int) -
     np.bitwise_or(words, np.frombuffer(views[0], dtype=np.uint8), out=words, casting="unsafe")
 
 
+def merge_planes_into_py(planes: Sequence[Buffer], outs: Buffer | Sequence[Buffer], element_bytes: int, skip_bytes: int) -> int:
+    """numpy :func:`merge_planes_into`: the merged elements into ``outs`` (a
+    buffer, or a list or tuple filled one after another) from ``skip_bytes``
+    on; every out they cross ends between two elements. Returns the bytes written."""
+    _check_element_bytes(element_bytes)
+    if len(planes) != element_bytes:
+        raise ValueError(f"got {len(planes)} planes for element_bytes {element_bytes}")
+    nbytes = memoryview(planes[0]).nbytes * element_bytes
+    merged = bytearray(nbytes)
+    merge_planes_py(planes, merged, element_bytes)
+    targets = [memoryview(o) for o in (outs if isinstance(outs, (list, tuple)) else (outs,))]
+    for target in targets:
+        if target.readonly or not target.c_contiguous:
+            raise TypeError(f"out must be a writable contiguous buffer, not a read-only or strided {type(target.obj).__name__}")
+    if skip_bytes < 0 or skip_bytes % element_bytes:
+        raise ValueError(f"skip_bytes {skip_bytes} is not a whole number of {element_bytes}-byte elements")
+    flats = [target.cast("B") for target in targets]
+    at, end, pieces = 0, skip_bytes + nbytes, []  # at: where flats[i] starts
+    for i, flat in enumerate(flats):
+        if at >= end:
+            break
+        stop = at + len(flat)
+        if skip_bytes < stop < end and stop % element_bytes:
+            raise ValueError(f"out {i} ends inside an element ({len(flat)} bytes, element_bytes {element_bytes})")
+        if stop > skip_bytes:
+            pieces.append(flat[max(skip_bytes - at, 0) :])
+        at = stop
+    if at < end:
+        raise ValueError(f"outs hold {at} bytes, fewer than skip_bytes {skip_bytes} plus the {nbytes} merged")
+    copy_into_py(merged, pieces, None, 0)
+    return nbytes
+
+
 class Hasher(Protocol):
     """A streaming checksum (``xxhash.xxh3_64`` and the like)."""
 
@@ -134,6 +167,11 @@ def _check_element_bytes(element_bytes: int) -> None:
 split_planes: Callable[[Buffer, int], list[bytearray]]
 #: ``merge_planes(planes, out, element_bytes)``: the inverse, written into ``out``.
 merge_planes: Callable[[Sequence[Buffer], Buffer, int], None]
+#: ``merge_planes_into(planes, outs, element_bytes, skip_bytes)``: the
+#: inverse of :func:`split_planes` written into a buffer or a scatter list,
+#: ``skip_bytes`` into it (a decoded frame straight to its place among a
+#: block's slabs); every out it crosses ends between two elements.
+merge_planes_into: Callable[[Sequence[Buffer], Union[Buffer, Sequence[Buffer]], int, int], int]
 #: ``copy_into(src, outs, hasher, chunk_bytes)``: ``src`` copied into a buffer
 #: or a scatter list; with a hasher, each piece of at most ``chunk_bytes``
 #: (0: all) is hashed right before its copy, while it is in cache (a checksum
@@ -147,10 +185,12 @@ copy_into_slabs: Callable[[Buffer, tuple[Buffer, ...], tuple[int, ...], int, Uni
 if _native is not None:
     split_planes = _native.split_planes
     merge_planes = _native.merge_planes
+    merge_planes_into = _native.merge_planes_into
     copy_into = _native.copy_into
     copy_into_slabs = _native.copy_into_slabs
 else:
     split_planes = split_planes_py
     merge_planes = merge_planes_py
+    merge_planes_into = merge_planes_into_py
     copy_into = copy_into_py
     copy_into_slabs = copy_into_slabs_py
