@@ -129,17 +129,12 @@ class IndexReads(Tier):
 
     def count_prefix(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Number of leading keys present (given ``namespace_id``: present
-        under that namespace): the last key first, which answers a chain
-        stored whole in one read, else a binary search over the rest
-        (prefix invariant). Given ``namespace_id``, the first key is read
-        too (one more read): a chain that older code let continue under
-        another namespace is then 0 for that namespace, not over-claimed."""
+        under that namespace): a binary search (prefix invariant). Given
+        ``namespace_id``, the first key is read too (one more read): a
+        chain that older code let continue under another namespace is then
+        0 for that namespace, not over-claimed."""
         def run(txn: Txn) -> int:
             lo, hi = 0, len(keys)
-            if hi and in_namespace(txn.get("meta", keys[hi - 1]), namespace_id):
-                lo = hi  # every key before it is stored too
-            else:
-                hi -= 1
             while lo < hi:
                 mid = (lo + hi) // 2
                 if in_namespace(txn.get("meta", keys[mid]), namespace_id):
