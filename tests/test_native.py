@@ -180,6 +180,44 @@ def test_merge_planes_into_argument_errors(kind: str) -> None:
             native.merge_planes_into([memoryview(shared)[:8], memoryview(shared)[8:16]], memoryview(shared)[12:28], 2, 0)
 
 
+MERGE_SLABS: dict[str, Callable[[], Any]] = {"native": lambda: native.merge_planes_into_slabs, "python": lambda: native.merge_planes_into_slabs_py}
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["native", "python"]), data=st.data())
+def test_merge_planes_into_slabs_is_merge_planes_into_over_each_views_slab(kind: str, data: st.DataObject) -> None:
+    merge = _impl(MERGE_SLABS, kind)
+    sizes = data.draw(st.lists(st.integers(1, 150).map(lambda n: 2 * n), min_size=1, max_size=6))
+    count = data.draw(st.integers(1, 5))
+    index = data.draw(st.integers(0, count - 1))
+    skip = 2 * data.draw(st.integers(0, sizes[0] // 2))
+    src = data.draw(_elements(2).filter(lambda b: len(b) <= sum(sizes) - skip))
+    planes = native.split_planes_py(src, 2)
+    views = tuple(memoryview(bytearray(b"\xee" * (size * count))) for size in sizes)
+    expected = [bytearray(b"\xee" * (size * count)) for size in sizes]
+    assert merge(planes, views, tuple(sizes), index, 2, skip) == len(src)
+    native.merge_planes_into_py(planes, [memoryview(e)[index * n : (index + 1) * n] for e, n in zip(expected, sizes)], 2, skip)
+    assert [bytes(v) for v in views] == [bytes(e) for e in expected]  # only slab `index`, only its bytes
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_merge_planes_into_slabs_argument_errors(kind: str) -> None:
+    merge = _impl(MERGE_SLABS, kind)
+    planes = native.split_planes_py(bytes(range(16)), 2)
+    views = (memoryview(bytearray(32)), memoryview(bytearray(32)))
+    with pytest.raises(ValueError):
+        merge(planes, views, (8, 8), 4, 2, 0)  # past the end of the views
+    with pytest.raises(ValueError):
+        merge(planes, views, (8, 8), -1, 2, 0)
+    with pytest.raises(ValueError, match="fewer than"):
+        merge(planes, views, (4, 4), 0, 2, 0)  # slabs too small
+    with pytest.raises(ValueError, match="inside an element"):
+        merge(planes, views, (3, 16), 0, 2, 0)
+    with pytest.raises(TypeError):
+        merge(planes, (memoryview(bytes(32)), views[1]), (8, 8), 0, 2, 0)  # read-only
+    assert not any(views[0]) and not any(views[1])
+
+
 # --- checked copy -------------------------------------------------------------
 
 COPY: dict[str, Callable[[], Any]] = {"native": lambda: native.copy_into, "python": lambda: native.copy_into_py}

@@ -16,6 +16,9 @@
  *       decoded frame goes straight to its place in a block's scatter list
  *       (e.g. a KV cache's layer slabs), with no staging copy. Every out it
  *       crosses ends between two elements.
+ *   merge_planes_into_slabs(planes, views, slab_bytes, index, element_bytes, skip_bytes) -> int
+ *       merge_planes_into whose outs are slab `index` of each of views (as
+ *       copy_into_slabs below).
  *   copy_into(src, outs, hasher, chunk_bytes) -> int
  *       src copied into a buffer or a scatter list of buffers; with a
  *       hasher (an xxhash streaming object, or anything with update()),
@@ -592,6 +595,76 @@ static int check_merge_room(const piece_t *pieces, Py_ssize_t n_pieces, Py_ssize
     return 0;
 }
 
+/* A block's byte planes pinned (element_bytes of them, of equal length). */
+typedef struct {
+    PyObject *seq;
+    Py_buffer views[4];
+    int element_bytes, pinned;
+} planes_t;
+
+static void planes_release(planes_t *p)
+{
+    for (int i = 0; i < p->pinned; i++) {
+        PyBuffer_Release(&p->views[i]);
+    }
+    Py_XDECREF(p->seq);
+}
+
+/* Pins planes_obj (a sequence of element_bytes equal buffers) into p; 0 on
+ * success, -1 with an exception set and nothing held. */
+static int planes_pin(planes_t *p, PyObject *planes_obj, int element_bytes)
+{
+    memset(p, 0, sizeof(*p));
+    p->element_bytes = element_bytes;
+    if (check_element_bytes(element_bytes) < 0) {
+        return -1;
+    }
+    p->seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
+    if (p->seq == NULL) {
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(p->seq) != element_bytes) {
+        PyErr_Format(PyExc_ValueError, "got %zd planes for element_bytes %d", PySequence_Fast_GET_SIZE(p->seq), element_bytes);
+        planes_release(p);
+        return -1;
+    }
+    for (; p->pinned < element_bytes; p->pinned++) {
+        Py_buffer *view = &p->views[p->pinned];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(p->seq, p->pinned), view, PyBUF_SIMPLE) < 0) {
+            planes_release(p);
+            return -1;
+        }
+        if (view->len != p->views[0].len) {
+            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, plane 0 %zd", p->pinned, view->len, p->views[0].len);
+            p->pinned++;
+            planes_release(p);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The planes merged into outs' pieces from skip on; the bytes written, or
+ * NULL with a ValueError if the pieces cannot take them (nothing written). */
+static PyObject *merge_into(const planes_t *planes, const scatter_t *outs, Py_ssize_t skip)
+{
+    int element_bytes = planes->element_bytes;
+    Py_ssize_t n = planes->views[0].len, nbytes = n * element_bytes;
+    if (check_merge_room(outs->pieces, outs->n, skip, nbytes, element_bytes) < 0) {
+        return NULL;
+    }
+    if (n > 0) {
+        if (nbytes >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            merge_pieces(outs->pieces, skip, (size_t)n, element_bytes, planes->views);
+            Py_END_ALLOW_THREADS
+        } else {
+            merge_pieces(outs->pieces, skip, (size_t)n, element_bytes, planes->views);
+        }
+    }
+    return PyLong_FromSsize_t(nbytes);
+}
+
 static PyObject *native_merge_planes_into(PyObject *module, PyObject *args)
 {
     PyObject *planes_obj, *outs_obj;
@@ -601,64 +674,77 @@ static PyObject *native_merge_planes_into(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOin:merge_planes_into", &planes_obj, &outs_obj, &element_bytes, &skip)) {
         return NULL;
     }
-    if (check_element_bytes(element_bytes) < 0) {
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
-    if (seq == NULL) {
+    planes_t planes;
+    if (planes_pin(&planes, planes_obj, element_bytes) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    Py_buffer planes[4];
-    int n_views = 0, have_outs = 0;
     scatter_t outs;
-    if (PySequence_Fast_GET_SIZE(seq) != element_bytes) {
-        PyErr_Format(PyExc_ValueError, "got %zd planes for element_bytes %d", PySequence_Fast_GET_SIZE(seq), element_bytes);
-        goto done;
+    if (scatter_pin(&outs, outs_obj, planes.views, element_bytes) == 0) {
+        result = merge_into(&planes, &outs, skip);
     }
-    for (; n_views < element_bytes; n_views++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, n_views), &planes[n_views], PyBUF_SIMPLE) < 0) {
-            goto done;
-        }
-        if (planes[n_views].len != planes[0].len) {
-            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, plane 0 %zd", n_views, planes[n_views].len,
-                         planes[0].len);
-            n_views++;
-            goto done;
-        }
-    }
-    have_outs = 1;
-    if (scatter_pin(&outs, outs_obj, planes, element_bytes) < 0) {
-        goto done;
-    }
-    Py_ssize_t n = planes[0].len, nbytes = n * element_bytes;
-    if (check_merge_room(outs.pieces, outs.n, skip, nbytes, element_bytes) < 0) {
-        goto done;
-    }
-    if (n > 0) {
-        if (nbytes >= RELEASE_GIL_BYTES) {
-            Py_BEGIN_ALLOW_THREADS
-            merge_pieces(outs.pieces, skip, (size_t)n, element_bytes, planes);
-            Py_END_ALLOW_THREADS
-        } else {
-            merge_pieces(outs.pieces, skip, (size_t)n, element_bytes, planes);
-        }
-    }
-    result = PyLong_FromSsize_t(nbytes);
-
-done:
-    if (have_outs) {
-        scatter_release(&outs);
-    }
-    for (int i = 0; i < n_views; i++) {
-        PyBuffer_Release(&planes[i]);
-    }
-    Py_DECREF(seq);
+    scatter_release(&outs);
+    planes_release(&planes);
     return result;
 }
 
 /* Most slab views one copy_into_slabs call takes (layers of a unit). */
 #define MAX_SLAB_VIEWS 1024
+
+/* Pins slab `index` of each of views_obj (a tuple of large buffers, their
+ * slab sizes in the tuple sizes_obj) into s as its pieces, refusing a slab
+ * that overlaps one of the n_inputs inputs; 0 on success, -1 with an
+ * exception set (s is released by the caller either way). */
+static int slabs_pin(scatter_t *s, PyObject *views_obj, PyObject *sizes_obj, Py_ssize_t index, const Py_buffer *inputs,
+                     int n_inputs)
+{
+    memset(s, 0, sizeof(*s));
+    Py_ssize_t n = PyTuple_GET_SIZE(views_obj);
+    if (n == 0 || n > MAX_SLAB_VIEWS || PyTuple_GET_SIZE(sizes_obj) != n) {
+        PyErr_Format(PyExc_ValueError, "got %zd views and %zd slab sizes (1 to %d of each, as many sizes as views)", n,
+                     PyTuple_GET_SIZE(sizes_obj), MAX_SLAB_VIEWS);
+        return -1;
+    }
+    if (index < 0) {
+        PyErr_Format(PyExc_ValueError, "slab index %zd is negative", index);
+        return -1;
+    }
+    s->n = n;
+    s->views = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
+    s->pieces = PyMem_Calloc((size_t)n, sizeof(piece_t));
+    if (s->views == NULL || s->pieces == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (; s->pinned < n; s->pinned++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes_obj, s->pinned));
+        if (size == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        Py_buffer *view = &s->views[s->pinned];
+        if (pin_writable(PyTuple_GET_ITEM(views_obj, s->pinned), view) < 0) {
+            return -1;
+        }
+        if (size <= 0 || index > view->len / size - 1) {
+            PyErr_Format(PyExc_ValueError, "slab %zd of %zd bytes lies outside view %zd of %zd bytes", index, size,
+                         s->pinned, view->len);
+            s->pinned++;
+            return -1;
+        }
+        Py_buffer slab = {.buf = (char *)view->buf + index * size, .len = size};
+        for (int j = 0; j < n_inputs; j++) {
+            if (overlaps(&slab, &inputs[j])) {
+                PyErr_SetString(PyExc_ValueError, "a slab overlaps an input");
+                s->pinned++;
+                return -1;
+            }
+        }
+        s->pieces[s->pinned].buf = slab.buf;
+        s->pieces[s->pinned].len = size;
+        s->room += size;
+    }
+    return 0;
+}
 
 static PyObject *native_copy_into_slabs(PyObject *module, PyObject *args)
 {
@@ -671,61 +757,42 @@ static PyObject *native_copy_into_slabs(PyObject *module, PyObject *args)
         return NULL;
     }
     PyObject *result = NULL;
-    Py_buffer *views = NULL;
-    piece_t *pieces = NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(views_obj), pinned = 0, room = 0;
-    if (n == 0 || n > MAX_SLAB_VIEWS || PyTuple_GET_SIZE(sizes_obj) != n) {
-        PyErr_Format(PyExc_ValueError, "got %zd views and %zd slab sizes (1 to %d of each, as many sizes as views)", n,
-                     PyTuple_GET_SIZE(sizes_obj), MAX_SLAB_VIEWS);
+    scatter_t slabs;
+    if (slabs_pin(&slabs, views_obj, sizes_obj, index, &src, 1) < 0) {
         goto done;
     }
-    if (index < 0) {
-        PyErr_Format(PyExc_ValueError, "slab index %zd is negative", index);
+    if (slabs.room < src.len) {
+        PyErr_Format(PyExc_ValueError, "slabs hold %zd bytes, fewer than the %zd of src", slabs.room, src.len);
         goto done;
     }
-    views = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
-    pieces = PyMem_Calloc((size_t)n, sizeof(piece_t));
-    if (views == NULL || pieces == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; pinned < n; pinned++) {
-        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes_obj, pinned));
-        if (size == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (pin_writable(PyTuple_GET_ITEM(views_obj, pinned), &views[pinned]) < 0) {
-            goto done;
-        }
-        Py_buffer *view = &views[pinned];
-        if (size <= 0 || index > view->len / size - 1) {
-            PyErr_Format(PyExc_ValueError, "slab %zd of %zd bytes lies outside view %zd of %zd bytes", index, size, pinned,
-                         view->len);
-            pinned++;
-            goto done;
-        }
-        Py_buffer slab = {.buf = (char *)view->buf + index * size, .len = size};
-        if (overlaps(&slab, &src)) {
-            PyErr_SetString(PyExc_ValueError, "a slab overlaps src");
-            pinned++;
-            goto done;
-        }
-        pieces[pinned].buf = slab.buf;
-        pieces[pinned].len = size;
-        room += size;
-    }
-    if (room < src.len) {
-        PyErr_Format(PyExc_ValueError, "slabs hold %zd bytes, fewer than the %zd of src", room, src.len);
-        goto done;
-    }
-    result = copy_pieces(&src, pieces, hasher, chunk_bytes);
+    result = copy_pieces(&src, slabs.pieces, hasher, chunk_bytes);
 done:
-    PyMem_Free(pieces);
-    if (views != NULL) {
-        release_all(views, pinned);
-        PyMem_Free(views);
-    }
+    scatter_release(&slabs);
     PyBuffer_Release(&src);
+    return result;
+}
+
+static PyObject *native_merge_planes_into_slabs(PyObject *module, PyObject *args)
+{
+    PyObject *planes_obj, *views_obj, *sizes_obj;
+    Py_ssize_t index, skip;
+    int element_bytes;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "OO!O!nin:merge_planes_into_slabs", &planes_obj, &PyTuple_Type, &views_obj, &PyTuple_Type,
+                          &sizes_obj, &index, &element_bytes, &skip)) {
+        return NULL;
+    }
+    planes_t planes;
+    if (planes_pin(&planes, planes_obj, element_bytes) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    scatter_t slabs;
+    if (slabs_pin(&slabs, views_obj, sizes_obj, index, planes.views, element_bytes) == 0) {
+        result = merge_into(&planes, &slabs, skip);
+    }
+    scatter_release(&slabs);
+    planes_release(&planes);
     return result;
 }
 
@@ -743,6 +810,9 @@ static PyMethodDef native_methods[] = {
     {"merge_planes_into", native_merge_planes_into, METH_VARARGS,
      "merge_planes_into(planes, outs, element_bytes, skip_bytes, /) -> int\n\n"
      "merge_planes into a buffer or a scatter list, skip_bytes into it; returns the bytes written."},
+    {"merge_planes_into_slabs", native_merge_planes_into_slabs, METH_VARARGS,
+     "merge_planes_into_slabs(planes, views, slab_bytes, index, element_bytes, skip_bytes, /) -> int\n\n"
+     "merge_planes_into whose outs are slab index of each of views (tuples)."},
     {"copy_into", native_copy_into, METH_VARARGS,
      "copy_into(src, outs, hasher, chunk_bytes, /) -> int\n\n"
      "Copies src into outs (a buffer, or a list or tuple filled one after another);\n"

@@ -77,12 +77,12 @@ def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence
     shuffled frames merges each frame straight into its place among
     ``outs`` (no staging copy); any other block, or outs whose pieces end
     inside an element, goes through this thread's (hot) scratch buffer."""
-    frames = _frame_table(head, header, len(body))
+    frames = frame_table(head, header.raw_len, len(body))
     if all(frame[4] == MODE_SHUFFLE for frame in frames):
         body_view = memoryview(body)
         try:
             for raw_at, raw_len, body_at, stored_len, _mode, elem, mask in frames:
-                planes = _shuffled_planes(body_view[body_at : body_at + stored_len], raw_len, elem, mask)
+                planes = shuffled_planes(body_view[body_at : body_at + stored_len], raw_len, elem, mask)
                 native.merge_planes_into(planes, outs, elem, raw_at)
             return header.raw_len
         except ValueError:
@@ -96,18 +96,19 @@ def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence
 Frame = tuple[int, int, int, int, int, int, int]
 
 
-def _frame_table(head: Buffer, header: Header, body_bytes: int) -> list[Frame]:
-    """The frames of a checked head, each inside the block; raises
+def frame_table(head: Buffer, raw_len: int, body_bytes: int) -> list[Frame]:
+    """The frames of a checked head (its block ``raw_len`` raw bytes, its
+    body ``body_bytes``), each inside the block; raises
     :class:`CorruptBlockError` if they overrun it or do not fill it."""
     frames: list[Frame] = []
     body_at = raw_at = 0
-    for raw_len, stored_len, mode, elem, mask in FRAME_STRUCT.iter_unpack(memoryview(head)[HEADER_BYTES:]):
-        if raw_at + raw_len > header.raw_len or body_at + stored_len > body_bytes:
+    for frame_raw, stored_len, mode, elem, mask in FRAME_STRUCT.iter_unpack(memoryview(head)[HEADER_BYTES:]):
+        if raw_at + frame_raw > raw_len or body_at + stored_len > body_bytes:
             raise CorruptBlockError("frame table exceeds the block")
-        frames.append((raw_at, raw_len, body_at, stored_len, mode, elem, mask))
-        raw_at += raw_len
+        frames.append((raw_at, frame_raw, body_at, stored_len, mode, elem, mask))
+        raw_at += frame_raw
         body_at += stored_len
-    if raw_at != header.raw_len:
+    if raw_at != raw_len:
         raise CorruptBlockError("frames do not add up to the raw length")
     return frames
 
@@ -140,7 +141,7 @@ def _decode_verified(head: Buffer, body: Buffer, header: Header, out: Buffer) ->
     if header.codec == "none" and all_raw(head, header, len(body_view)):
         out_view[: header.raw_len] = body_view  # the frames back to back: one copy, not one per frame
         return header.raw_len
-    for raw_at, raw_len, body_at, stored_len, mode, elem, mask in _frame_table(head, header, len(body_view)):
+    for raw_at, raw_len, body_at, stored_len, mode, elem, mask in frame_table(head, header.raw_len, len(body_view)):
         _decode_frame(body_view[body_at : body_at + stored_len], out_view[raw_at : raw_at + raw_len], mode, elem, mask)
     return header.raw_len
 
@@ -182,12 +183,12 @@ def _decode_frame(stored: memoryview, out: memoryview, mode: int, elem: int, mas
     elif mode == MODE_ZSTD:
         out[:] = _zstd_exact(stored, len(out))
     elif mode == MODE_SHUFFLE:
-        _unshuffle(_shuffled_planes(stored, len(out), elem, mask), out, elem)
+        _unshuffle(shuffled_planes(stored, len(out), elem, mask), out, elem)
     else:
         raise CorruptBlockError(f"unknown frame mode {mode}")
 
 
-def _shuffled_planes(stored: memoryview, raw_len: int, elem: int, mask: int) -> list[Buffer]:
+def shuffled_planes(stored: memoryview, raw_len: int, elem: int, mask: int) -> list[Buffer]:
     """The byte planes of a shuffled frame of ``raw_len`` raw bytes (those
     whose ``mask`` bit is set decompressed, the others views of ``stored``)."""
     if elem not in (2, 4) or raw_len % elem or len(stored) < 4 * elem:

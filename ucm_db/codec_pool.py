@@ -46,6 +46,12 @@ class CodecPool:
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, "ucm-db-codec", initializer=place_current_thread) if threads else None
 
+    @property
+    def inline_frame_bytes(self) -> int | None:
+        """Mean raw frame size below which a zstd block is decoded on the
+        caller's thread (None: every block is, there is no pool)."""
+        return POOL_MIN_FRAME_BYTES if self._pool is not None else None
+
     def encode_many(
         self, items: Sequence[tuple[bytes, Payload]], *, codec_name: str, element_bytes: int, level: int,
     ) -> list[codec.EncodedBlock]:

@@ -108,6 +108,27 @@ def merge_planes_into_py(planes: Sequence[Buffer], outs: Buffer | Sequence[Buffe
     return nbytes
 
 
+def merge_planes_into_slabs_py(
+    planes: Sequence[Buffer], views: tuple[Buffer, ...], slab_bytes: tuple[int, ...], index: int, element_bytes: int, skip_bytes: int,
+) -> int:
+    """numpy :func:`merge_planes_into_slabs`: :func:`merge_planes_into_py`
+    with the outs ``views[j][index * slab_bytes[j] : (index + 1) * slab_bytes[j]]``."""
+    return merge_planes_into_py(planes, _slabs_of(views, slab_bytes, index), element_bytes, skip_bytes)
+
+
+def _slabs_of(views: tuple[Buffer, ...], slab_bytes: tuple[int, ...], index: int) -> list[memoryview]:
+    """Slab ``index`` of each view (a ValueError for any outside its view)."""
+    if not views or len(views) != len(slab_bytes) or index < 0:
+        raise ValueError(f"got {len(views)} views, {len(slab_bytes)} slab sizes and slab index {index}")
+    outs = []
+    for j, (view, size) in enumerate(zip(views, slab_bytes)):
+        flat = memoryview(view)
+        if size <= 0 or (index + 1) * size > flat.nbytes:
+            raise ValueError(f"slab {index} of {size} bytes lies outside view {j} of {flat.nbytes} bytes")
+        outs.append(flat[index * size : (index + 1) * size])
+    return outs
+
+
 class Hasher(Protocol):
     """A streaming checksum (``xxhash.xxh3_64`` and the like)."""
 
@@ -146,15 +167,7 @@ def copy_into_slabs_py(
 ) -> int:
     """Python :func:`copy_into_slabs`: :func:`copy_into_py` with the outs
     ``views[j][index * slab_bytes[j] : (index + 1) * slab_bytes[j]]``."""
-    if not views or len(views) != len(slab_bytes) or index < 0:
-        raise ValueError(f"got {len(views)} views, {len(slab_bytes)} slab sizes and slab index {index}")
-    outs = []
-    for j, (view, size) in enumerate(zip(views, slab_bytes)):
-        flat = memoryview(view)
-        if size <= 0 or (index + 1) * size > flat.nbytes:
-            raise ValueError(f"slab {index} of {size} bytes lies outside view {j} of {flat.nbytes} bytes")
-        outs.append(flat[index * size : (index + 1) * size])
-    return copy_into_py(src, outs, hasher, chunk_bytes)
+    return copy_into_py(src, _slabs_of(views, slab_bytes, index), hasher, chunk_bytes)
 
 
 def _check_element_bytes(element_bytes: int) -> None:
@@ -172,6 +185,9 @@ merge_planes: Callable[[Sequence[Buffer], Buffer, int], None]
 #: ``skip_bytes`` into it (a decoded frame straight to its place among a
 #: block's slabs); every out it crosses ends between two elements.
 merge_planes_into: Callable[[Sequence[Buffer], Union[Buffer, Sequence[Buffer]], int, int], int]
+#: ``merge_planes_into_slabs(planes, views, slab_bytes, index, element_bytes, skip_bytes)``:
+#: :func:`merge_planes_into` whose outs are slab ``index`` of each view.
+merge_planes_into_slabs: Callable[[Sequence[Buffer], tuple[Buffer, ...], tuple[int, ...], int, int, int], int]
 #: ``copy_into(src, outs, hasher, chunk_bytes)``: ``src`` copied into a buffer
 #: or a scatter list; with a hasher, each piece of at most ``chunk_bytes``
 #: (0: all) is hashed right before its copy, while it is in cache (a checksum
@@ -186,11 +202,13 @@ if _native is not None:
     split_planes = _native.split_planes
     merge_planes = _native.merge_planes
     merge_planes_into = _native.merge_planes_into
+    merge_planes_into_slabs = _native.merge_planes_into_slabs
     copy_into = _native.copy_into
     copy_into_slabs = _native.copy_into_slabs
 else:
     split_planes = split_planes_py
     merge_planes = merge_planes_py
     merge_planes_into = merge_planes_into_py
+    merge_planes_into_slabs = merge_planes_into_slabs_py
     copy_into = copy_into_py
     copy_into_slabs = copy_into_slabs_py

@@ -1,21 +1,27 @@
-"""A batch's raw blocks copied into the caller's buffers with little Python per block.
+"""A batch's raw and shuffled blocks put into the caller's buffers with little Python per block.
 
 ``Store.get_into`` hands a read transaction's blocks here first. A block
 whose head says codec ``none``, owned by the key asked for, with a frame
 table already known to be all raw (:func:`ucm_db.codec.all_raw` remembers
 them) is verified while it is copied (:func:`ucm_db.checked_copy.copy_verified`)
 straight from one ``struct`` unpack of its header: no :class:`~ucm_db.codec.Header`,
-no per-block function chain. Anything else (a compressed block, a table
-not seen yet, a head that fails any check) is left to
+no per-block function chain. A zstd block whose frames are all byte-shuffled
+and small enough to decode on the caller's thread (a connector unit: one
+frame of grouped layers) is verified, then each frame's planes are merged
+straight into the buffers, the same way. Anything else (a frame of another
+mode, a block for the codec threads, a table not seen yet, a head that fails
+any check, buffers not cut at elements) is left to
 :func:`ucm_db.codec.decode_parts_into`, which decides it as before.
 
 Invariants:
     * The fast path takes only heads that ``decode_parts_into`` would take
-      on its raw branch (the same checks as ``codec.read_head`` plus codec
-      ``none``, the owning key and an all-raw table filling the body), and
-      computes the same XXH3-64 over the same bytes: a block reads alike on
-      either path, and a corrupt one is a miss on both.
-    * A block the fast path does not take is handed back untouched.
+      on its raw branch or its shuffled scatter branch (the same checks as
+      ``codec.read_head`` plus the codec, the owning key and a table that
+      fills the body), and computes the same XXH3-64 over the same bytes: a
+      block reads alike on either path, and a corrupt one is a miss on both.
+    * A block the fast path does not take is handed back untouched, or, if
+      its buffers refused the merge part way, with those buffers to be
+      written again whole by the codec's path.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from typing import Any
 import xxhash
 
 from ucm_db import checked_copy, codec, native
-from ucm_db.codec_format import CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_STRUCT, RAW_TABLES, ZERO_CHECKSUM
+from ucm_db.codec_decode import Frame, frame_table, shuffled_planes
+from ucm_db.codec_format import CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_STRUCT, MODE_SHUFFLE, RAW_TABLES, ZERO_CHECKSUM
 from ucm_db.errors import CorruptBlockError
 from ucm_db.slabs import ScatterSlabs
 
@@ -39,7 +46,7 @@ _CHECKSUM_OFFSET = CHECKSUM_OFFSET
 _ZERO_CHECKSUM = ZERO_CHECKSUM
 _FRAME_BYTES = FRAME_STRUCT.size
 _RAW_TABLES = RAW_TABLES
-_NONE_ID = codec.CODEC_IDS["none"]
+_NONE_ID, _ZSTD_ID = codec.CODEC_IDS["none"], codec.CODEC_IDS["zstd"]
 _MAGIC, _VERSION = codec.MAGIC, codec.CODEC_FORMAT_VERSION
 _MAX_FRAMES, _MAX_RAW_BYTES = codec.MAX_FRAMES, codec.MAX_RAW_BYTES
 
@@ -59,6 +66,25 @@ def _checked(head: Any, body_bytes: int, key: bytes) -> tuple[int, bytes] | None
     return (checksum, table) if _RAW_TABLES.get(table) == body_bytes else None
 
 
+def _checked_shuffled(head: Any, body_bytes: int, key: bytes, below_frame_bytes: int | None) -> tuple[int, list[Frame]] | None:
+    """(stored checksum, frames) of a zstd head the fast path takes (see the
+    module invariants; frames of fewer than ``below_frame_bytes`` raw bytes
+    on average, if given), else None."""
+    head_bytes = len(head)
+    if head_bytes <= _HEADER_BYTES:
+        return None
+    magic, version, codec_id, _flags, n_frames, raw_len, body_len, owner, checksum = _HEADER.unpack_from(head, 0)
+    if (magic != _MAGIC or version != _VERSION or codec_id != _ZSTD_ID or owner != key or body_len != body_bytes
+            or not 0 < n_frames <= _MAX_FRAMES or raw_len > _MAX_RAW_BYTES or _HEADER_BYTES + n_frames * _FRAME_BYTES != head_bytes
+            or (below_frame_bytes is not None and raw_len // n_frames >= below_frame_bytes)):
+        return None
+    try:
+        frames = frame_table(head, raw_len, body_bytes)
+    except CorruptBlockError:
+        return None  # the codec's path reports it
+    return (checksum, frames) if all(frame[4] == MODE_SHUFFLE for frame in frames) else None
+
+
 def raw_checksum(head: Any, body_bytes: int, key: bytes) -> int | None:
     """The stored checksum of a head the fast path takes (see the module
     invariants), else None."""
@@ -67,7 +93,8 @@ def raw_checksum(head: Any, body_bytes: int, key: bytes) -> int | None:
 
 
 def raw_taker(
-    keys: Sequence[bytes], buffers: Sequence[Any], corrupt: list[tuple[bytes, str]],
+    keys: Sequence[bytes], buffers: Sequence[Any], corrupt: list[tuple[bytes, str]], *, shuffled: bool = False,
+    below_frame_bytes: int | None = None,
 ) -> tuple[Callable[[int, memoryview, memoryview], bool], list[bool | None]]:
     """``(take, results)``: ``take(i, head, body)`` copies block ``i`` into
     ``buffers[i]``, verified, if the fast path takes it, and returns whether
@@ -79,17 +106,49 @@ def raw_taker(
 
     The checksum is ``codec.head_hasher``'s (xxh3-64 over the head up to its
     checksum field, eight zero bytes, the frame table, then the body),
-    computed here in line: this runs once per block of every load."""
+    computed here in line: this runs once per block of every load. With
+    ``shuffled``, zstd blocks of shuffled frames are taken too (those whose
+    frames average fewer than ``below_frame_bytes`` raw bytes, if given:
+    larger ones go to the codec threads)."""
     results: list[bool | None] = [None] * len(keys)
     slabs = buffers if isinstance(buffers, ScatterSlabs) else None
     views, sizes, indices = (slabs.views, slabs.slab_bytes, slabs.indices) if slabs is not None else ((), (), [])
     copy_verified, copy_into_slabs, xxh3_64 = checked_copy.copy_verified, native.copy_into_slabs, xxhash.xxh3_64
     chunk_bytes = checked_copy.VERIFY_CHUNK_BYTES
 
+    merge_planes_into, merge_planes_into_slabs = native.merge_planes_into, native.merge_planes_into_slabs
+
+    def take_shuffled(i: int, head: memoryview, body: memoryview) -> bool:
+        checked = _checked_shuffled(head, len(body), keys[i], below_frame_bytes)
+        if checked is None:
+            return False
+        checksum, frames = checked
+        hasher = xxh3_64(head[:_CHECKSUM_OFFSET])
+        hasher.update(_ZERO_CHECKSUM)
+        hasher.update(head[_HEADER_BYTES:])
+        hasher.update(body)
+        try:
+            if hasher.intdigest() != checksum:
+                raise CorruptBlockError("checksum mismatch")
+            outs = buffers[i] if slabs is None else None
+            for raw_at, raw_len, body_at, stored_len, _mode, elem, mask in frames:
+                planes = shuffled_planes(body[body_at : body_at + stored_len], raw_len, elem, mask)
+                if outs is None:
+                    merge_planes_into_slabs(planes, views, sizes, indices[i], elem, raw_at)
+                else:
+                    merge_planes_into(planes, outs, elem, raw_at)
+            results[i] = True
+        except CorruptBlockError as exc:
+            corrupt.append((keys[i], str(exc)))
+            results[i] = False
+        except ValueError:
+            return False  # buffers too small or not cut at elements: the codec's path decides
+        return True
+
     def take(i: int, head: memoryview, body: memoryview) -> bool:
         checked = _checked(head, len(body), keys[i])
         if checked is None:
-            return False
+            return shuffled and take_shuffled(i, head, body)
         checksum, table = checked
         hasher = xxh3_64(head[:_CHECKSUM_OFFSET])
         hasher.update(_ZERO_CHECKSUM)

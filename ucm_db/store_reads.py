@@ -154,7 +154,7 @@ class StoreReads(StoreBase):
 
         # Raw blocks are copied as they are read (raw_loads), the rest on
         # the codec's path once the batch is read.
-        take, raw = raw_loads.raw_taker(keys, buffers, corrupt)
+        take, raw = raw_loads.raw_taker(keys, buffers, corrupt, shuffled=True, below_frame_bytes=self._codecs.inline_frame_bytes)
 
         def decode_all(blocks: list[tuple[memoryview, memoryview] | None]) -> list[Any]:
             return [r if r is not None else d for r, d in zip(raw, self._codecs.decode_blocks(blocks, decode))]
