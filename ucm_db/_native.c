@@ -206,6 +206,55 @@ static int overlaps(const Py_buffer *a, const Py_buffer *b)
     return a->len > 0 && b->len > 0 && a0 < b0 + b->len && b0 < a0 + a->len;
 }
 
+/* A block's byte planes pinned (element_bytes of them, of equal length). */
+typedef struct {
+    PyObject *seq;
+    Py_buffer views[4];
+    int element_bytes, pinned;
+} planes_t;
+
+static void planes_release(planes_t *p)
+{
+    for (int i = 0; i < p->pinned; i++) {
+        PyBuffer_Release(&p->views[i]);
+    }
+    Py_XDECREF(p->seq);
+}
+
+/* Pins planes_obj (a sequence of element_bytes equal buffers) into p; 0 on
+ * success, -1 with an exception set and nothing held. */
+static int planes_pin(planes_t *p, PyObject *planes_obj, int element_bytes)
+{
+    memset(p, 0, sizeof(*p));
+    p->element_bytes = element_bytes;
+    if (check_element_bytes(element_bytes) < 0) {
+        return -1;
+    }
+    p->seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
+    if (p->seq == NULL) {
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(p->seq) != element_bytes) {
+        PyErr_Format(PyExc_ValueError, "got %zd planes for element_bytes %d", PySequence_Fast_GET_SIZE(p->seq), element_bytes);
+        planes_release(p);
+        return -1;
+    }
+    for (; p->pinned < element_bytes; p->pinned++) {
+        Py_buffer *view = &p->views[p->pinned];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(p->seq, p->pinned), view, PyBUF_SIMPLE) < 0) {
+            planes_release(p);
+            return -1;
+        }
+        if (view->len != p->views[0].len) {
+            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, plane 0 %zd", p->pinned, view->len, p->views[0].len);
+            p->pinned++;
+            planes_release(p);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *native_merge_planes(PyObject *module, PyObject *args)
 {
     PyObject *planes_obj, *out_obj;
@@ -214,31 +263,13 @@ static PyObject *native_merge_planes(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOi:merge_planes", &planes_obj, &out_obj, &element_bytes)) {
         return NULL;
     }
-    if (check_element_bytes(element_bytes) < 0) {
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
-    if (seq == NULL) {
+    planes_t planes;
+    if (planes_pin(&planes, planes_obj, element_bytes) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    Py_buffer planes[4], out;
-    int n_views = 0, have_out = 0;
-    if (PySequence_Fast_GET_SIZE(seq) != element_bytes) {
-        PyErr_Format(PyExc_ValueError, "got %zd planes for element_bytes %d", PySequence_Fast_GET_SIZE(seq), element_bytes);
-        goto done;
-    }
-    for (; n_views < element_bytes; n_views++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, n_views), &planes[n_views], PyBUF_SIMPLE) < 0) {
-            goto done;
-        }
-        if (planes[n_views].len != planes[0].len) {
-            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, plane 0 %zd", n_views, planes[n_views].len,
-                         planes[0].len);
-            n_views++;
-            goto done;
-        }
-    }
+    Py_buffer out;
+    int have_out = 0;
     if (PyObject_GetBuffer(out_obj, &out, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
         if (PyErr_ExceptionMatches(PyExc_BufferError)) {
             PyErr_Clear();
@@ -248,24 +279,26 @@ static PyObject *native_merge_planes(PyObject *module, PyObject *args)
         goto done;
     }
     have_out = 1;
-    Py_ssize_t n = planes[0].len;
+    Py_ssize_t n = planes.views[0].len;
     if (out.len != n * element_bytes) {
         PyErr_Format(PyExc_ValueError, "out holds %zd bytes where %d planes of %zd need %zd", out.len, element_bytes, n,
                      n * element_bytes);
         goto done;
     }
     for (int i = 0; i < element_bytes; i++) {
-        if (overlaps(&out, &planes[i])) {
+        if (overlaps(&out, &planes.views[i])) {
             PyErr_SetString(PyExc_ValueError, "out overlaps a plane");
             goto done;
         }
     }
+    /* Plain stores: the out of a single-buffer decode (often this thread's
+     * scratch) is read again right away. */
     if (out.len >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        merge_any(out.buf, (size_t)n, element_bytes, planes);
+        merge_any(out.buf, (size_t)n, element_bytes, planes.views);
         Py_END_ALLOW_THREADS
     } else {
-        merge_any(out.buf, (size_t)n, element_bytes, planes);
+        merge_any(out.buf, (size_t)n, element_bytes, planes.views);
     }
     result = Py_NewRef(Py_None);
 
@@ -273,10 +306,7 @@ done:
     if (have_out) {
         PyBuffer_Release(&out);
     }
-    for (int i = 0; i < n_views; i++) {
-        PyBuffer_Release(&planes[i]);
-    }
-    Py_DECREF(seq);
+    planes_release(&planes);
     return result;
 }
 
@@ -514,6 +544,10 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------
+ * Byte planes merged into a scatter list
+ * ------------------------------------------------------------------------ */
+
 /* merge2 into memory not read again soon (a KV cache's slabs): from the
  * first 16-byte boundary on, with non-temporal stores where SSE2 has them
  * (see copy_piece: plain stores first read each destination line). */
@@ -591,55 +625,6 @@ static int check_merge_room(const piece_t *pieces, Py_ssize_t n_pieces, Py_ssize
         PyErr_Format(PyExc_ValueError, "outs hold %zd bytes, fewer than skip_bytes %zd plus the %zd merged", at, skip,
                      nbytes);
         return -1;
-    }
-    return 0;
-}
-
-/* A block's byte planes pinned (element_bytes of them, of equal length). */
-typedef struct {
-    PyObject *seq;
-    Py_buffer views[4];
-    int element_bytes, pinned;
-} planes_t;
-
-static void planes_release(planes_t *p)
-{
-    for (int i = 0; i < p->pinned; i++) {
-        PyBuffer_Release(&p->views[i]);
-    }
-    Py_XDECREF(p->seq);
-}
-
-/* Pins planes_obj (a sequence of element_bytes equal buffers) into p; 0 on
- * success, -1 with an exception set and nothing held. */
-static int planes_pin(planes_t *p, PyObject *planes_obj, int element_bytes)
-{
-    memset(p, 0, sizeof(*p));
-    p->element_bytes = element_bytes;
-    if (check_element_bytes(element_bytes) < 0) {
-        return -1;
-    }
-    p->seq = PySequence_Fast(planes_obj, "planes must be a sequence of buffers");
-    if (p->seq == NULL) {
-        return -1;
-    }
-    if (PySequence_Fast_GET_SIZE(p->seq) != element_bytes) {
-        PyErr_Format(PyExc_ValueError, "got %zd planes for element_bytes %d", PySequence_Fast_GET_SIZE(p->seq), element_bytes);
-        planes_release(p);
-        return -1;
-    }
-    for (; p->pinned < element_bytes; p->pinned++) {
-        Py_buffer *view = &p->views[p->pinned];
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(p->seq, p->pinned), view, PyBUF_SIMPLE) < 0) {
-            planes_release(p);
-            return -1;
-        }
-        if (view->len != p->views[0].len) {
-            PyErr_Format(PyExc_ValueError, "plane %d holds %zd bytes, plane 0 %zd", p->pinned, view->len, p->views[0].len);
-            p->pinned++;
-            planes_release(p);
-            return -1;
-        }
     }
     return 0;
 }
