@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import zstandard
@@ -79,11 +79,8 @@ def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence
     inside an element, goes through this thread's (hot) scratch buffer."""
     frames = frame_table(head, header.raw_len, len(body))
     if all(frame[4] == MODE_SHUFFLE for frame in frames):
-        body_view = memoryview(body)
         try:
-            for raw_at, raw_len, body_at, stored_len, _mode, elem, mask in frames:
-                planes = shuffled_planes(body_view[body_at : body_at + stored_len], raw_len, elem, mask)
-                native.merge_planes_into(planes, outs, elem, raw_at)
+            merge_shuffled(memoryview(body), frames, lambda planes, elem, raw_at: native.merge_planes_into(planes, outs, elem, raw_at))
             return header.raw_len
         except ValueError:
             pass  # outs too small (the scratch path names it) or not cut at elements
@@ -211,6 +208,13 @@ def shuffled_planes(stored: memoryview, raw_len: int, elem: int, mask: int) -> l
     if at != len(stored):
         raise CorruptBlockError("shuffle frame has trailing bytes")
     return planes
+
+
+def merge_shuffled(body: memoryview, frames: Sequence[Frame], merge: Callable[[list[Buffer], int, int], object]) -> None:
+    """Hands each shuffled frame's planes to ``merge(planes, element_bytes,
+    raw_at)``, which writes them ``raw_at`` bytes into the block's outs."""
+    for raw_at, raw_len, body_at, stored_len, _mode, elem, mask in frames:
+        merge(shuffled_planes(body[body_at : body_at + stored_len], raw_len, elem, mask), elem, raw_at)
 
 
 def _zstd_exact(data: memoryview, size: int) -> bytes:

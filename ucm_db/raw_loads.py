@@ -32,8 +32,10 @@ from typing import Any
 import xxhash
 
 from ucm_db import checked_copy, codec, native
-from ucm_db.codec_decode import Frame, frame_table, shuffled_planes
-from ucm_db.codec_format import CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_STRUCT, MODE_SHUFFLE, RAW_TABLES, ZERO_CHECKSUM
+from ucm_db.codec_decode import Frame, frame_table, merge_shuffled
+from ucm_db.codec_format import (
+    CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_STRUCT, MODE_SHUFFLE, RAW_TABLES, ZERO_CHECKSUM, head_hasher,
+)
 from ucm_db.errors import CorruptBlockError
 from ucm_db.slabs import ScatterSlabs
 
@@ -51,32 +53,39 @@ _MAGIC, _VERSION = codec.MAGIC, codec.CODEC_FORMAT_VERSION
 _MAX_FRAMES, _MAX_RAW_BYTES = codec.MAX_FRAMES, codec.MAX_RAW_BYTES
 
 
-def _checked(head: Any, body_bytes: int, key: bytes) -> tuple[int, bytes] | None:
-    """(stored checksum, frame table) of a head the fast path takes (see
-    the module invariants), else None."""
+def _owned_head(head: Any, body_bytes: int, key: bytes, codec_id: int) -> tuple[int, int, int] | None:
+    """(frames, raw bytes, stored checksum) of a head of codec ``codec_id``
+    that ``codec.read_head`` accepts for a body of ``body_bytes`` and that
+    ``key`` owns, else None."""
     head_bytes = len(head)
     if head_bytes <= _HEADER_BYTES:
         return None
-    magic, version, codec_id, _flags, n_frames, raw_len, body_len, owner, checksum = _HEADER.unpack_from(head, 0)
-    if (magic != _MAGIC or version != _VERSION or codec_id != _NONE_ID or owner != key
-            or raw_len != body_bytes or body_len != body_bytes or n_frames > _MAX_FRAMES or raw_len > _MAX_RAW_BYTES
-            or _HEADER_BYTES + n_frames * _FRAME_BYTES != head_bytes):
+    magic, version, stored_codec, _flags, n_frames, raw_len, body_len, owner, checksum = _HEADER.unpack_from(head, 0)
+    if (magic != _MAGIC or version != _VERSION or stored_codec != codec_id or owner != key or body_len != body_bytes
+            or n_frames > _MAX_FRAMES or raw_len > _MAX_RAW_BYTES or _HEADER_BYTES + n_frames * _FRAME_BYTES != head_bytes):
+        return None
+    return n_frames, raw_len, checksum
+
+
+def _checked(head: Any, body_bytes: int, key: bytes) -> tuple[int, bytes] | None:
+    """(stored checksum, frame table) of a head the fast path takes (see
+    the module invariants), else None."""
+    owned = _owned_head(head, body_bytes, key, _NONE_ID)
+    if owned is None or owned[1] != body_bytes:
         return None
     table = bytes(head[_HEADER_BYTES:])
-    return (checksum, table) if _RAW_TABLES.get(table) == body_bytes else None
+    return (owned[2], table) if _RAW_TABLES.get(table) == body_bytes else None
 
 
 def _checked_shuffled(head: Any, body_bytes: int, key: bytes, below_frame_bytes: int | None) -> tuple[int, list[Frame]] | None:
     """(stored checksum, frames) of a zstd head the fast path takes (see the
     module invariants; frames of fewer than ``below_frame_bytes`` raw bytes
     on average, if given), else None."""
-    head_bytes = len(head)
-    if head_bytes <= _HEADER_BYTES:
+    owned = _owned_head(head, body_bytes, key, _ZSTD_ID)
+    if owned is None:
         return None
-    magic, version, codec_id, _flags, n_frames, raw_len, body_len, owner, checksum = _HEADER.unpack_from(head, 0)
-    if (magic != _MAGIC or version != _VERSION or codec_id != _ZSTD_ID or owner != key or body_len != body_bytes
-            or not 0 < n_frames <= _MAX_FRAMES or raw_len > _MAX_RAW_BYTES or _HEADER_BYTES + n_frames * _FRAME_BYTES != head_bytes
-            or (below_frame_bytes is not None and raw_len // n_frames >= below_frame_bytes)):
+    n_frames, raw_len, checksum = owned
+    if n_frames == 0 or (below_frame_bytes is not None and raw_len // n_frames >= below_frame_bytes):
         return None
     try:
         frames = frame_table(head, raw_len, body_bytes)
@@ -123,20 +132,17 @@ def raw_taker(
         if checked is None:
             return False
         checksum, frames = checked
-        hasher = xxh3_64(head[:_CHECKSUM_OFFSET])
-        hasher.update(_ZERO_CHECKSUM)
-        hasher.update(head[_HEADER_BYTES:])
+        hasher = head_hasher(head)
         hasher.update(body)
         try:
             if hasher.intdigest() != checksum:
                 raise CorruptBlockError("checksum mismatch")
-            outs = buffers[i] if slabs is None else None
-            for raw_at, raw_len, body_at, stored_len, _mode, elem, mask in frames:
-                planes = shuffled_planes(body[body_at : body_at + stored_len], raw_len, elem, mask)
-                if outs is None:
-                    merge_planes_into_slabs(planes, views, sizes, indices[i], elem, raw_at)
-                else:
-                    merge_planes_into(planes, outs, elem, raw_at)
+            if slabs is None:
+                outs = buffers[i]
+                merge_shuffled(body, frames, lambda planes, elem, raw_at: merge_planes_into(planes, outs, elem, raw_at))
+            else:
+                at = indices[i]
+                merge_shuffled(body, frames, lambda planes, elem, raw_at: merge_planes_into_slabs(planes, views, sizes, at, elem, raw_at))
             results[i] = True
         except CorruptBlockError as exc:
             corrupt.append((keys[i], str(exc)))
