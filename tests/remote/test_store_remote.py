@@ -319,6 +319,21 @@ def test_uploaded_counter_agrees_with_the_queue_when_flush_returns(tmp_path: Pat
         assert store.stats().remote["uploaded"] == 3
 
 
+def test_a_write_through_upload_skips_what_the_uploader_already_took(tmp_path: Path, namespace) -> None:
+    """The race behind a double count: the uploader thread drains a put's
+    rows between its commit and its write-through upload. That upload then
+    finds them dequeued and neither uploads nor counts them again."""
+    keys, payloads = chain(namespace, 3)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=f"file://{tmp_path / 'remote'}") as store:
+        store.put(namespace, keys, payloads)  # write-back: queued, the thread drains it
+        store.flush()
+        uploader = store._wing.uploader
+        assert uploader.uploaded == 3 and store.stats().pending_uploads == 0
+        items = [(k, None, namespace.digest[:16], b"not uploaded again") for k in keys]
+        assert uploader.upload_now(items) == []
+        assert uploader.uploaded == 3
+
+
 def test_write_through_uploads_are_counted(tmp_path: Path, namespace) -> None:
     """Issue 26 item 22: a write-through put dequeues what it uploaded and
     counts it in ``uploaded`` like the background uploader does."""

@@ -18,6 +18,10 @@ Invariants:
     * Within a batch, shallower blocks are uploaded first, so the remote
       mostly holds ancestors before descendants (the remote prefix search
       relies on it for precision, never for correctness).
+    * In one process, one upload batch runs at a time: the thread's or a
+      write-through put's (``upload_now``), which then uploads only what is
+      still queued. A block the thread uploaded between the put's commit and
+      its ``upload_now`` is uploaded and counted once.
     * Failures back off exponentially (50 ms doubling to 5 s) and retry
       forever; rows stay queued.
     * One uploader per store directory across processes: an exclusive
@@ -84,6 +88,7 @@ class Uploader:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle = threading.Condition()
+        self._batch = threading.Lock()  # one batch at a time: the thread's or upload_now's
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload", initializer=place_current_thread)
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
         self.uploaded = 0
@@ -136,6 +141,10 @@ class Uploader:
 
     def drain_batch(self) -> tuple[int, int]:
         """Uploads one batch of queued blocks; returns ``(uploaded, failed)``."""
+        with self._batch:
+            return self._drain_batch()
+
+    def _drain_batch(self) -> tuple[int, int]:
         keys = self.local.pending_uploads(limit=BATCH_KEYS)
         if not keys:
             return 0, 0
@@ -298,7 +307,15 @@ class Uploader:
 
     def upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]]) -> list[str]:
         """Uploads ``(key, parent, namespace id, blob)`` items at once
-        (write-through) and dequeues those that succeeded; returns errors."""
+        (write-through) and dequeues those that succeeded; returns errors.
+        Items no longer queued (the thread's batch took them) are skipped."""
+        with self._batch:
+            queued = self.local.queued(item[0] for item in items)
+            return self._upload_now([item for item in items if item[0] in queued])
+
+    def _upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]]) -> list[str]:
+        if not items:
+            return []
         try:
             self._ensure_manifests({item[2] for item in items})
         except Exception as exc:  # noqa: BLE001 - reported like an upload failure

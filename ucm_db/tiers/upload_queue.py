@@ -30,6 +30,11 @@ class UploadQueue:
             return out
         return self.engine.read(run)
 
+    def queued(self, keys: Iterable[bytes]) -> set[bytes]:
+        """Which of ``keys`` are still queued."""
+        keys = list(keys)
+        return set(self.engine.read(lambda txn: [k for k in keys if txn.get("uploads", k) is not None]))
+
     def mark_uploaded(self, keys: Iterable[bytes]) -> None:
         keys = list(keys)
         self.engine.write(lambda txn: [txn.delete("uploads", k) for k in keys])
