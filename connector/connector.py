@@ -101,6 +101,9 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._held_store: ucm_db.Store | None = None
+        self._scheduler: UcmDbScheduler | GroupedScheduler | None = None
+        self._events: GroupEvents | None = None  # KV cache events from the store's change feed (events.py)
+        self._worker: UcmDbWorker | GroupedWorker | None = None
         if role != KVConnectorRole.SCHEDULER:
             _use_spare_cpus(vllm_config)  # before the store opens: its threads start off the model's cores
         try:
@@ -114,20 +117,26 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
             _log_start_failure(exc)
             raise
         try:
-            # The worker's connector is made before vLLM allocates the KV
-            # cache: a model whose groups ucm-db cannot store stops here.
-            self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
-            self.groups = kv_groups(kv_cache_config)
-            check_hybrid(self.groups, self.shape, self.settings)
-            # Blocks of an older storage generation: `ucm-db migrate` converts them (pre_units).
-            refuse_older_generations(self._held_store, self.settings, self.shape)
-        except UcmDbError as exc:
-            _log_start_failure(exc)
+            self._start(vllm_config, role, kv_cache_config)
+        except BaseException as exc:
+            # A refused start closes the store it opened: its threads would
+            # otherwise run on in a process that goes on without ucm-db.
+            self.shutdown()
+            if isinstance(exc, UcmDbError):
+                _log_start_failure(exc)
             raise
+
+    def _start(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None) -> None:
+        """The role's half, on the store opened in ``__init__``."""
+        assert self._held_store is not None
+        # The worker's connector is made before vLLM allocates the KV
+        # cache: a model whose groups ucm-db cannot store stops here.
+        self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
+        self.groups = kv_groups(kv_cache_config)
+        check_hybrid(self.groups, self.shape, self.settings)
+        # Blocks of an older storage generation: `ucm-db migrate` converts them (pre_units).
+        refuse_older_generations(self._held_store, self.settings, self.shape)
         hybrid = len(self.groups) > 1
-        self._scheduler: UcmDbScheduler | GroupedScheduler | None = None
-        self._events: GroupEvents | None = None  # KV cache events from the store's change feed (events.py)
-        self._worker: UcmDbWorker | GroupedWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(

@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
+from ucm_db.connector import stores  # noqa: E402
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
 from ucm_db.connector.hybrid import GroupedScheduler, group_shape  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
@@ -244,6 +245,8 @@ def test_a_state_space_group_is_refused_before_the_kv_cache_exists(model_dir: Pa
         log.removeHandler(handler)
     assert "without ucm-db" in refused.value.hint
     assert handler.lines == [f"ucm-db connector cannot start: {refused.value}"]
+    # The refused start closed the store it had opened (its threads would run on otherwise).
+    assert not [key for key in stores._handles if key[1] == (tmp_path / "store").resolve()]
 
 
 @pytest.mark.parametrize("load_mode", ["block", "layer", "async"])
