@@ -23,11 +23,12 @@ def test_tiny_run_reports_every_path_of_both_codecs(tmp_path) -> None:
     assert [(r["codec"], r["unit_bytes"]) for r in rows] == [("none", 16 << 10), ("zstd", 16 << 10)]
     for row in rows:
         assert row["layers"] == 2 and row["bytes"] == row["blocks"] * bench.KV_HEADS * row["unit_bytes"]
-        for path in ("memcpy", "save", "put", "load_warm", "load_cold"):
+        for path in ("memcpy", "save", "save_calls", "put", "load_warm", "load_cold"):
             assert row[path]["GBps"] > 0 and row[path]["cpu_GBps"] > 0
-        for path in ("save", "put", "load_warm", "load_cold"):
+        for path in ("save", "save_calls", "put", "load_warm", "load_cold"):
             assert row[path]["x_memcpy"] == row[path]["GBps"] / row["memcpy"]["GBps"]
         assert row["save"]["x_put"] == row["save"]["GBps"] / row["put"]["GBps"]  # the saves' same-run baseline
+        assert row["save_calls"]["s"] <= row["save"]["s"]  # the caller's share of the same saves
     assert list(tmp_path.iterdir()) == []  # scratch stores removed
 
 
@@ -36,6 +37,6 @@ def test_table_output_through_the_bench_group_names_each_path(tmp_path) -> None:
             "--scratch-dir", str(tmp_path)]
     result = CliRunner().invoke(bench_group, args)
     assert result.exit_code == 0, result.output
-    for field in ("GB/s", "GB/s/CPU", "x memcpy", "load_warm", "save", "put", "save/put"):
+    for field in ("GB/s", "GB/s/CPU", "x memcpy", "load_warm", "save", "save_calls", "put", "save/put"):
         assert field in result.output
     assert "load_cold" not in result.output

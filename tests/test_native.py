@@ -4,7 +4,8 @@
   time otherwise goes unnoticed: the fallbacks are slower, not wrong).
 * split/merge planes: native == fallback == codec's numpy shuffle, and a
   round trip is the identity, also into a slice of a bigger buffer.
-* copy_into_slabs is copy_into over slab `index` of each view, on both paths.
+* copy_into_slabs is copy_into over slab `index` of each view, on both paths;
+  gather_slabs reads slabs back into rows, its inverse.
 * Bad input raises the same exception class on both paths.
 * The extension holds no hash: keys rest on hashlib alone
   (tests/test_key_chain.py pins them).
@@ -343,3 +344,53 @@ def test_copy_into_slabs_argument_errors(kind: str) -> None:
         shared = bytearray(32)
         with pytest.raises(ValueError):
             copy(memoryview(shared)[:8], (memoryview(shared),), (8,), 0, None, 0)
+
+
+GATHER: dict[str, Callable[[], Any]] = {"native": lambda: native.gather_slabs, "python": lambda: native.gather_slabs_py}
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(["native", "python"]), data=st.data())
+def test_gather_slabs_reads_back_what_copy_into_slabs_wrote(kind: str, data: st.DataObject) -> None:
+    gather = _impl(GATHER, kind)
+    sizes = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=6))
+    count = data.draw(st.integers(1, 5))
+    indices = data.draw(st.lists(st.integers(0, count - 1), max_size=8))
+    views = tuple(memoryview(bytearray(data.draw(st.binary(min_size=size * count, max_size=size * count)))) for size in sizes)
+    out = bytearray(b"\xee" * (len(indices) * sum(sizes) + 5))
+    assert gather(views, tuple(sizes), indices, out) == len(indices) * sum(sizes)
+    rows = [b"".join(bytes(v[i * s : (i + 1) * s]) for v, s in zip(views, sizes)) for i in indices]
+    assert bytes(out) == b"".join(rows) + b"\xee" * 5  # in order, nothing past the rows
+    for row, i in zip(rows, indices):  # the inverse of copy_into_slabs
+        scratch = tuple(memoryview(bytearray(len(v))) for v in views)
+        native.copy_into_slabs_py(row, scratch, tuple(sizes), i, None, 0)
+        assert all(bytes(s[i * n : (i + 1) * n]) == bytes(v[i * n : (i + 1) * n]) for s, v, n in zip(scratch, views, sizes))
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_gather_slabs_argument_errors_write_nothing(kind: str) -> None:
+    gather = _impl(GATHER, kind)
+    views = (memoryview(bytes(range(16))), memoryview(bytes(range(16, 32))))  # read-only views are fine to read
+    out = bytearray(32)
+    with pytest.raises(ValueError):
+        gather(views, (8, 8), [0, 2], out)  # past the end of the views
+    with pytest.raises(ValueError):
+        gather(views, (8, 8), [-1], out)
+    with pytest.raises(ValueError):
+        gather(views, (8, 8), [0, 1, 0], out)  # out too small for three rows
+    with pytest.raises(ValueError):
+        gather(views, (8,), [0], out)  # a size per view
+    with pytest.raises(ValueError):
+        gather(views, (8, 0), [0], out)
+    with pytest.raises(TypeError):
+        gather(views, (8, 8), [0], bytes(32))  # read-only out
+    assert not any(out)
+    shared = bytearray(64)
+    with pytest.raises(ValueError):
+        gather((memoryview(shared)[:32],), (8,), [0], memoryview(shared)[16:])  # out overlaps a view
+    assert not any(shared)
+    if kind == "native":  # past GATHER_KEEP_GIL_BYTES the copy releases the GIL: same bytes
+        big = bytearray(np.random.default_rng(0).integers(0, 256, 40 << 20, dtype=np.uint8).tobytes())
+        rows = bytearray(40 << 20)
+        assert gather((memoryview(big),), (1 << 20,), list(range(39, -1, -1)), rows) == 40 << 20
+        assert rows[: 1 << 20] == big[39 << 20 :] and rows[39 << 20 :] == big[: 1 << 20]

@@ -6,6 +6,7 @@
 * A corrupt block is still a miss (flag False, quarantined with its
   descendants), and a block of another namespace is not read.
 * Bad slabs are a ``ConfigError`` when made, before any read.
+* ``gather_into`` copies the slabs back out as rows: the blocks read into them.
 * Raw blocks are copied as the read transaction reads them (the tier's
   ``take``): a batch keeps no views of them, so a large load allocates no
   garbage-collected object per block that lives to the end of the call (the
@@ -94,6 +95,25 @@ def test_bad_slabs_are_a_config_error_when_made() -> None:
         ScatterSlabs([object()] * LAYERS, [SLAB] * LAYERS, [0])
     slabs = ScatterSlabs(views, [SLAB] * LAYERS, [2, 1])
     assert len(slabs) == 2 and [len(piece) for piece in slabs[0]] == [SLAB] * LAYERS and len(slabs[0:2]) == 2
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_gather_into_gives_back_the_blocks_read_into_the_slabs(tmp_path: Path, codec: str) -> None:
+    keys, units = NS.block_keys(list(range(4 * 3))), _units(3, seed=2)
+    layers = _layers(6)
+    slabs = ScatterSlabs([memoryview(a) for a in layers], [SLAB] * LAYERS, [5, 0, 3])
+    with ucm_db.open(tmp_path, codec=codec) as store:
+        store.put(NS, keys, units)
+        assert store.get_into(NS, keys, slabs) == [True] * 3
+    out = bytearray(3 * LAYERS * SLAB + 1)
+    assert slabs.row_bytes == LAYERS * SLAB and slabs.gather_into(out) == 3 * LAYERS * SLAB
+    assert bytes(out) == b"".join(units) + b"\x00"  # what a save of these slabs would store: the same units
+    with pytest.raises(ConfigError, match="at least 4608 bytes"):
+        slabs.gather_into(bytearray(2 * LAYERS * SLAB))  # too small: nothing written
+    with pytest.raises(ConfigError, match="writable"):
+        slabs.gather_into(bytes(len(out)))
+    with pytest.raises(ConfigError, match="overlaps"):
+        slabs.gather_into(memoryview(layers[0]))
 
 
 def test_a_store_with_too_small_slabs_raises_config_error_and_keeps_its_blocks(tmp_path: Path) -> None:

@@ -19,6 +19,10 @@ Per codec (``none``, ``zstd``) and unit size the figures are:
 * ``save``: ``save`` of fresh blocks, ``--save-blocks`` per call as an
   engine's steps save them, then ``drain`` (gathered out of the KV cache,
   encoded and committed by the writer thread);
+* ``save_calls``: the caller's share of ``save`` alone, the time spent
+  inside the ``save`` calls (the gather out of the KV cache into staging and
+  the hand-off to the writer), which in an engine is the model's thread's
+  cost of saving; its CPU figure is that thread's CPU time (``thread_time``);
 * ``put``: the store's own durable put of the same units (the same bytes,
   the same codec and durability, as many units per transaction as one save
   call, each call a chain segment continuing the last) into a second store
@@ -144,10 +148,10 @@ def measure(codec: str, unit_kib: int, total_mib: int, repeats: int, cold: bool,
     units = _unit_payloads(source, unit_bytes)
     put_store = ucm_db.open(scratch / f"{codec}-{unit_kib}-put", codec=codec, capacity_bytes=64 << 30)
     put_ns = ucm_db.Namespace(model=f"bench-load-put-{layers}", kv_dtype="uint8", block_size=1, layout="units")
-    save_t, put_t = _Timer(), _Timer()
+    save_t, put_t, calls_t = _Timer(), _Timer(), _Timer()
     for r in range(repeats):  # fresh keys each time: a save of stored blocks is skipped
         fresh = namespace(_shape(layers)).block_keys([r + 1 + t for t in range(blocks * BLOCK)])
-        save_t.time(lambda: _save_in_steps(saver, fresh, save_blocks))
+        save_t.time(lambda: _save_in_steps(saver, fresh, save_blocks, calls_t))
         put_keys = put_ns.block_keys([r * len(units) + t for t in range(len(units))])
         put_t.time(lambda: _put_in_steps(put_store, put_ns, put_keys, units, save_blocks * KV_HEADS))
     put_store.close()
@@ -181,30 +185,38 @@ def measure(codec: str, unit_kib: int, total_mib: int, repeats: int, cold: bool,
         _check(target, expected)
     memcpy = copy_t.figures(nbytes, skip=1)
     out: dict[str, Any] = {"codec": codec, "unit_bytes": unit_bytes, "layers": layers, "blocks": blocks, "bytes": nbytes,
-                           "memcpy": memcpy, "save": save_t.figures(nbytes), "put": put_t.figures(nbytes),
+                           "memcpy": memcpy, "save": save_t.figures(nbytes), "save_calls": calls_t.figures(nbytes),
+                           "put": put_t.figures(nbytes),
                            "load_warm": warm_t.figures(nbytes, skip=1)}
     out["save"]["x_put"] = out["save"]["GBps"] / out["put"]["GBps"]
     if cold:
         out["load_cold"] = cold_t.figures(nbytes)
-    for name in ("save", "put", "load_warm", "load_cold"):
+    for name in ("save", "save_calls", "put", "load_warm", "load_cold"):
         if name in out:
             out[name]["x_memcpy"] = out[name]["GBps"] / memcpy["GBps"]
     return out
 
 
-def _save_in_steps(worker: Any, keys: list[bytes], step_blocks: int) -> None:
+def _save_in_steps(worker: Any, keys: list[bytes], step_blocks: int, calls: _Timer | None = None) -> None:
     """Saves ``keys`` (blocks 0..n of the cache) ``step_blocks`` at a time,
     as an engine's steps do (each a chain segment continuing the last), then
-    waits until the writer committed them all."""
+    waits until the writer committed them all. ``calls`` gets the summed
+    wall and thread CPU seconds spent inside the ``save`` calls."""
     from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 
+    wall_s = cpu_s = 0.0
     for start in range(0, len(keys), step_blocks):
         stop = min(len(keys), start + step_blocks)
         meta = UcmDbConnectorMetadata()
         parent = keys[start - 1] if start else None
         meta.saves.append(BlockTransfer("bench", tuple(keys[start:stop]), tuple(range(start, stop)), parent=parent))
+        started, cpu = time.perf_counter(), time.thread_time()
         worker.save(meta)
+        wall_s, cpu_s = wall_s + time.perf_counter() - started, cpu_s + time.thread_time() - cpu
     worker.drain()
+    if calls is not None:
+        calls.wall_s.append(wall_s)
+        calls.cpu_s.append(cpu_s)
 
 
 def _unit_payloads(source: dict[str, Any], unit_bytes: int) -> list[bytes]:
@@ -243,7 +255,7 @@ def run(codecs: tuple[str, ...], unit_kibs: tuple[int, ...], total_mib: int, rep
 def format_rows(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'codec':<5} {'unit':>8} {'path':<10} {'GB/s':>7} {'GB/s/CPU':>9} {'x memcpy':>9}  memcpy GB/s"]
     for row in rows:
-        for name in ("load_warm", "load_cold", "save", "put"):
+        for name in ("load_warm", "load_cold", "save", "save_calls", "put"):
             if name in row:
                 f = row[name]
                 extra = f"  save/put {f['x_put']:.3f}" if "x_put" in f else ""
