@@ -16,6 +16,8 @@ Invariants:
       at construction: writable C-contiguous views, positive slab sizes,
       every index inside every view. A bad one raises
       :class:`~ucm_db.errors.ConfigError`.
+    * :meth:`ScatterSlabs.gather_into` is the inverse: row ``i`` of its out is
+      ``b"".join(slabs[i])``, checked whole before a byte moves.
 """
 
 from __future__ import annotations
