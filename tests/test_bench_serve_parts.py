@@ -47,6 +47,8 @@ def test_vllm_version_seen_by_the_cli_selects_the_cpu_platform() -> None:
     (["--num-prompts", "4", "--num-prefixes", "8"], "at least --num-prefixes"),
     (["--num-prompts", "128", "--num-prefixes", "52"], "so 128 would send 104"),
     (["--workload", "conversation", "--warm-passes", "3"], "replays each pass once"),
+    (["--workload", "conversation", "--paired"], "replays each pass once"),
+    (["--paired", "--rows", "cold-bound,warm-bound,ucm-first"], "--rows must name both"),
 ])
 def test_bad_sizes_are_usage_errors_before_any_server_starts(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve.command, args)
@@ -166,3 +168,66 @@ def test_the_ucm_rows_write_back_only_where_a_remote_row_reads_it(tmp_path) -> N
 def test_write_back_is_refused_for_the_conversation_workload() -> None:
     result = CliRunner().invoke(serve.command, ["--workload", "conversation", "--write-back"])
     assert result.exit_code == 2 and "local tier alone" in result.output
+
+
+def test_paired_warm_passes_alternate_abba_and_record_the_idle_servers_cpu() -> None:
+    from ucm_db.tools.bench import serve_paired
+
+    ran: list[str] = []
+    cpu_s = {"warm-bound": 0.0, "ucm-second": 100.0}
+
+    def run_pass(row: str) -> dict[str, float]:
+        ran.append(row)
+        cpu_s[row] += 5.0  # the measured server works
+        cpu_s["ucm-second" if row == "warm-bound" else "warm-bound"] += 0.25  # the idle one a little
+        return {"request_throughput": {"warm-bound": 6.0, "ucm-second": 5.7}[row] + len(ran) / 100}
+
+    passes = serve_paired.paired_passes(3, run_pass, lambda row: cpu_s[row])
+    assert ran == ["warm-bound", "ucm-second", "ucm-second", "warm-bound", "warm-bound", "ucm-second"]
+    assert [p["other_server_cpu_s"] for p in passes["warm-bound"] + passes["ucm-second"]] == [0.25] * 6
+    ratios = serve_paired.paired_ratios(passes["warm-bound"], passes["ucm-second"])
+    assert ratios == [round(5.72 / 6.01, 4), round(5.73 / 6.04, 4), round(5.76 / 6.05, 4)]
+    assert serve_paired.median_ratio(ratios) == ratios[0]  # 0.9487 < 0.9517 < 0.9521
+    with pytest.raises(ValueError, match="pairs need one of each"):
+        serve_paired.paired_ratios(passes["warm-bound"], passes["ucm-second"][:2])
+
+
+def test_a_paired_verdict_is_the_median_of_the_pairs_ratios() -> None:
+    """Not the ratio of the two rows' medians: 5.0/6.0, 7.2/8.0, 6.0/6.2 give
+    0.9 as the median pair, while the medians' ratio would be 6.0/6.2."""
+    def row(rps: float, **extra: object) -> dict[str, object]:
+        return {"request_throughput": rps, "median_ttft_ms": 100.0, "p99_ttft_ms": 200.0, **extra}
+
+    ucm = serve.repeated_row([row(5.0), row(7.2), row(6.0)])
+    ucm["paired_ratios"] = [round(5.0 / 6.0, 4), 0.9, round(6.0 / 6.2, 4)]
+    report = serve._report(serve.ServeOptions(warm_passes=3, paired=True), [{"warm-bound": serve.repeated_row(
+        [row(6.0), row(8.0), row(6.2)]), "ucm-second": ucm}], elapsed_s=1.0)
+    verdict = {t["target"]: t for t in report["targets"]}["ucm-second / warm-bound req/s, paired"]
+    assert verdict["measured"] == 0.9 and verdict["met"] is False
+    table = serve.format_table(report)
+    assert "paired ratios: 0.833, 0.900, 0.968" in table and "warm passes paired" in table
+
+
+def test_the_cpu_of_a_process_group_is_read_from_proc() -> None:
+    """A real child in its own session: its group's CPU grows while it
+    spins and stays put while it sleeps; a group with no process is 0."""
+    import subprocess
+    import sys
+    import time
+
+    from ucm_db.tools.bench.serve_paired import process_group_cpu_s
+
+    spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while process_group_cpu_s(child.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        spent = process_group_cpu_s(child.pid)
+        assert spent >= 0.5
+        time.sleep(0.5)  # asleep now: no more CPU
+        assert process_group_cpu_s(child.pid) - spent < 0.1
+    finally:
+        child.kill()
+        child.wait()
+    assert process_group_cpu_s(child.pid) == 0.0

@@ -28,6 +28,9 @@ Invariants:
     * Each row's servers start fresh (a new process: vLLM's prefix cache
       and the connector's state are empty) except the second passes, which
       replay the same requests (same ``--seed``) on the same server.
+    * With ``--paired`` the bound's and ucm-db's servers stay up together
+      and their warm passes run in turns; ucm-second / warm-bound is the
+      median of the pairs' ratios (:mod:`.serve_paired`).
     * Each of ``--runs`` repetitions uses new, empty stores; a row's figure
       is the median over runs, and every run is kept (``--json``).
     * A pass that does not complete every request stops the benchmark.
@@ -36,6 +39,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -48,6 +52,7 @@ from typing import Any
 
 import click
 
+from ucm_db.tools.bench import serve_paired
 from ucm_db.tools.bench.serve_options import REMOTE_ROWS, ROWS, WARM_ROWS, Progress, ServeOptions, pass_counters, repeated_row
 from ucm_db.tools.bench.serve_options import connector_options as _connector
 from ucm_db.tools.bench.serve_options import medians as _medians
@@ -106,8 +111,12 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
                 rows[row]["server_start_s"] = server.start_s
 
     serve(capped, "no-conn-capped", ("no-conn-capped",))
-    serve(replace(capped, num_blocks=options.bound_blocks), "bound", ("cold-bound", "warm-bound"))
-    serve(ucm, "ucm", ("ucm-first", "ucm-second"))
+    bound = replace(capped, num_blocks=options.bound_blocks)
+    if options.paired and {"warm-bound", "ucm-second"} <= want:
+        rows.update(_paired_rows(options, bound, ucm, model, work, progress))
+    else:
+        serve(bound, "bound", ("cold-bound", "warm-bound"))
+        serve(ucm, "ucm", ("ucm-first", "ucm-second"))
     serve(ucm, "ucm-restart", ("ucm-restart",))
     if want & REMOTE_ROWS:
         _drain_uploads(store, remote, progress)
@@ -124,6 +133,34 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
             s3_connector = _connector(work / "empty-local-s3", url, options, remote_options=s3.options)
             serve(replace(capped, connector=s3_connector), "ucm-remote-s3", ("ucm-remote-s3",))
             rows["ucm-remote-s3"]["link_raw_read_mb_s"] = link_mb_s
+    return rows
+
+
+def _paired_rows(options: ServeOptions, bound: ServerSpec, ucm: ServerSpec, model: Path, work: Path,
+                 progress: Progress) -> dict[str, dict[str, Any]]:
+    """cold-bound, ucm-first (if wanted), then ``warm_passes`` pairs of
+    warm-bound and ucm-second with both servers up (:mod:`.serve_paired`)."""
+    rows: dict[str, dict[str, Any]] = {}
+    want = set(options.rows)
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, Server] = {}
+        for label, spec, first_row, warm_row in (("bound", bound, "cold-bound", "warm-bound"), ("ucm", ucm, "ucm-first", "ucm-second")):
+            progress(f"starting the server for {label} (kept up for paired warm passes)")
+            server = stack.enter_context(Server(spec, work / f"{label}.server.log", start_timeout_s=options.start_timeout_s))
+            progress(f"  healthy after {server.start_s:.0f} s")
+            servers[warm_row] = server
+            # The first pass always runs: the warm row's server must be warm.
+            first = _pass(options, server, model, work, first_row, progress)
+            if first_row in want:
+                rows[first_row] = {**first, "server_start_s": server.start_s}
+        passes = serve_paired.paired_passes(
+            options.warm_passes, lambda row: _pass(options, servers[row], model, work, row, progress),
+            lambda row: serve_paired.process_group_cpu_s(servers[row].pgid),
+        )
+    for row, row_passes in passes.items():
+        rows[row] = {**repeated_row(row_passes), "server_start_s": servers[row].start_s}
+    rows["ucm-second"]["paired_ratios"] = serve_paired.paired_ratios(passes["warm-bound"], passes["ucm-second"])
+    progress("  paired ratios ucm-second / warm-bound: " + ", ".join(f"{r:.3f}" for r in rows["ucm-second"]["paired_ratios"]))
     return rows
 
 
@@ -203,8 +240,10 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
     for row, (base, bound) in TARGETS.items():
         if row in medians and base in medians:
             ratio = medians[row]["request_throughput"] / medians[base]["request_throughput"]
-            targets.append({"target": f"{row} / {base} req/s", "measured": round(ratio, 3), "bound": f">= {bound}",
-                            "met": ratio >= bound})
+            label = f"{row} / {base} req/s"
+            if "paired_ratios" in medians[row]:  # pass against pass, both servers up (--paired)
+                ratio, label = serve_paired.median_ratio(medians[row]["paired_ratios"]), label + ", paired"
+            targets.append({"target": label, "measured": round(ratio, 3), "bound": f">= {bound}", "met": ratio >= bound})
     load = options.load
     return {
         "options": {"num_prompts": load.num_prompts, "num_prefixes": load.num_prefixes, "prefix_len": load.prefix_len,
@@ -213,7 +252,7 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
                     "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
                     "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager,
                     "codec": options.codec, "load_mode": options.load_mode, "remote_lookup": options.remote_lookup,
-                    "write_back": options.uses_remote, "warm_passes": options.warm_passes},
+                    "write_back": options.uses_remote, "warm_passes": options.warm_passes, "paired": options.paired},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": medians,
@@ -234,7 +273,8 @@ def format_table(report: dict[str, Any]) -> str:
              # Reports from before the option always wrote back.
              + ("; write-back to a file:// remote" if o.get("write_back", True) else "; local tier only")
              + ("; --enforce-eager" if o["enforce_eager"] else "")
-             + (f"; {o['warm_passes']} passes of each warm row" if o.get("warm_passes", 1) > 1 else ""),
+             + (f"; {o['warm_passes']} passes of each warm row" if o.get("warm_passes", 1) > 1 else "")
+             + ("; warm passes paired (both servers up, in turns)" if o.get("paired") else ""),
              "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  ucm-db loaded / looked up, skips"]
     for row, label in ROWS.items():
         if row in report["rows"]:
@@ -243,6 +283,8 @@ def format_table(report: dict[str, Any]) -> str:
             did = f"  {ucm['hit_tokens']:.0f} / {ucm['query_tokens']:.0f} tokens, {ucm['cost_skips']:.0f}" if ucm else ""
             if "pass_throughputs" in r:
                 did += "  passes: " + ", ".join(f"{x:.2f}" for x in r["pass_throughputs"])
+            if "paired_ratios" in r:
+                did += "  paired ratios: " + ", ".join(f"{x:.3f}" for x in r["paired_ratios"])
             lines.append(f"{label:<58} {r['request_throughput']:>7.2f} {r['median_ttft_ms']:>12.0f} {r['p99_ttft_ms']:>12.0f}{did}")
     if "link_raw_read_mb_s" in report["rows"].get("ucm-remote-s3", {}):
         lines.append(f"S3 (moto) raw read of the bucket: {report['rows']['ucm-remote-s3']['link_raw_read_mb_s']:.1f} MB/s")
@@ -268,6 +310,9 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True, help="repetitions (medians reported)")
 @click.option("--warm-passes", type=click.IntRange(min=1), default=1, show_default=True,
               help="passes of warm-bound and ucm-second on their warm server (medians kept, every pass's req/s listed)")
+@click.option("--paired", is_flag=True,
+              help="keep the bound's and ucm-db's servers up together and run their --warm-passes in turns (ABBA); "
+              "ucm-second / warm-bound is then the median of each pair's ratio (needs both rows)")
 @click.option("--rows", default=",".join(ROWS), show_default=True, help="comma-separated rows to run")
 @click.option("--codec", type=click.Choice(["zstd", "none"]), default="zstd", show_default=True,
               help="codec of the ucm-db rows' local tier (the store's `codec`; the remote keeps its own, `remote_codec`)")
@@ -290,7 +335,8 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (stores, logs)")
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
-            seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, warm_passes: int, rows: str, codec: str,
+            seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, warm_passes: int, paired: bool, rows: str,
+            codec: str,
             load_mode: str, remote_lookup: str, write_back: bool, enforce_eager: bool, start_timeout_s: float, workload: str,
             conversations: int, turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
@@ -315,6 +361,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
         ucm-db bench serve --num-prompts 32 --num-prefixes 8 --prefix-len 1024 --capped-blocks 144 --bound-blocks 600
         ucm-db bench serve --runs 3 --json
         ucm-db bench serve --rows cold-bound,warm-bound,ucm-first,ucm-second --warm-passes 3
+        ucm-db bench serve --rows cold-bound,warm-bound,ucm-first,ucm-second --warm-passes 5 --paired
     """
     wanted = tuple(r.strip() for r in rows.split(",") if r.strip())
     if workload == "conversation":
@@ -322,6 +369,8 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
             raise click.BadParameter("the conversation workload measures the local tier alone", param_hint="--write-back")
         if warm_passes > 1:
             raise click.BadParameter("the conversation workload replays each pass once", param_hint="--warm-passes")
+        if paired:
+            raise click.BadParameter("the conversation workload replays each pass once", param_hint="--paired")
         from ucm_db.tools.bench.serve_chat import conversation_command
 
         conversation_command(wanted if rows != ",".join(ROWS) else None, conversations, turns, turn_tokens, output_len,
@@ -332,6 +381,8 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     unknown = sorted(set(wanted) - set(ROWS))
     if unknown:
         raise click.BadParameter(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}", param_hint="--rows")
+    if paired and not {"warm-bound", "ucm-second"} <= set(wanted):
+        raise click.BadParameter("pairs a warm-bound pass with a ucm-second pass: --rows must name both", param_hint="--paired")
     if num_prompts < num_prefixes:
         raise click.BadParameter("must be at least --num-prefixes (vLLM's prefix_repetition needs a prompt per prefix)",
                                  param_hint="--num-prompts")
@@ -345,7 +396,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     options = ServeOptions(load=load, layers=layers, capped_blocks=capped_blocks, bound_blocks=bound_blocks, runs=runs,
                            rows=wanted, scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec, load_mode=load_mode,
                            remote_lookup=remote_lookup, start_timeout_s=start_timeout_s, write_back=write_back,
-                           warm_passes=warm_passes)
+                           warm_passes=warm_passes, paired=paired)
     if capped_blocks * BLOCK_SIZE < options.max_model_len:
         raise click.BadParameter(f"{capped_blocks} blocks cannot hold one request ({options.max_model_len} tokens)",
                                  param_hint="--capped-blocks")

@@ -51,6 +51,7 @@ class ServeOptions:
     remote_lookup: str = "inline"  # the ucm-db rows' connector remote_lookup
     write_back: bool = False  # the ucm-db rows upload to a file:// remote even when no remote row reads it
     warm_passes: int = 1  # passes of each warm row (warm-bound, ucm-second) on its server; medians kept
+    paired: bool = False  # warm-bound and ucm-second passes in turns, both servers up (serve_paired.py)
 
     @property
     def uses_remote(self) -> bool:

@@ -105,6 +105,12 @@ class Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pgid(self) -> int:
+        """The server's process group (it leads its own session), or -1
+        before it starts."""
+        return -1 if self._proc is None else self._proc.pid
+
     def __enter__(self) -> Server:
         env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_NUM_OF_RESERVED_CPU=str(RESERVED_CPUS),
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), PYTHONUNBUFFERED="1",

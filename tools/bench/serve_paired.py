@@ -1,0 +1,86 @@
+"""Paired warm passes for ``ucm-db bench serve --paired``: the warm bound
+and ucm-db's second pass measured in turns, both servers up.
+
+On this 2-core host one server's passes spread by up to 14% (the host's
+other work comes and goes), so two rows measured minutes apart compare the
+host's moods as much as the servers. With ``--paired`` the bound's server
+and ucm-db's server stay up together after their first passes, and their
+warm passes alternate in the order ABBA BAAB...: each ratio is one pass of
+ucm-db over the bound's pass next to it, and the row's figure is the median
+of those ratios.
+
+Invariants:
+    * Pair ``k`` runs the bound first when ``k`` is even and ucm-db first
+      when it is odd, so a steady drift in the host's load favours neither.
+    * Each paired pass records the CPU seconds the other, idle server's
+      process group used meanwhile (``other_server_cpu_s``): a figure that
+      says whether the waiting server took anything from the measured one.
+    * :func:`paired_ratios` divides pass ``k`` of ucm-db by pass ``k`` of
+      the bound, the two passes of one pair.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: Clock ticks per second of ``/proc/PID/stat``'s CPU times.
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def process_group_cpu_s(pgid: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user + system) used so far by the live processes of
+    process group ``pgid``; 0.0 where ``/proc`` cannot say (another OS)."""
+    total_ticks = 0
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # the process ended meanwhile
+        # "pid (comm) state ppid pgrp ... utime stime": comm may hold spaces
+        # and parentheses, so the fields are counted from its last ')'.
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) > 12 and int(fields[2]) == pgid:
+            total_ticks += int(fields[11]) + int(fields[12])
+    return total_ticks / _TICKS_PER_S
+
+
+def pair_order(pair: int) -> tuple[str, str]:
+    """Which row of pair ``pair`` runs first: ABBA (see the module invariants)."""
+    return ("warm-bound", "ucm-second") if pair % 2 == 0 else ("ucm-second", "warm-bound")
+
+
+def paired_passes(
+    passes: int, run_pass: Callable[[str], dict[str, Any]], group_cpu_s: Callable[[str], float],
+) -> dict[str, list[dict[str, Any]]]:
+    """``passes`` pairs of warm passes: ``run_pass(row)`` runs one pass of
+    ``row`` (``warm-bound`` or ``ucm-second``) and returns its figures;
+    ``group_cpu_s(row)`` reads the CPU seconds of ``row``'s server so far.
+    Returns each row's passes in pair order, each with the other server's
+    CPU seconds during it (``other_server_cpu_s``)."""
+    out: dict[str, list[dict[str, Any]]] = {"warm-bound": [], "ucm-second": []}
+    for pair in range(passes):
+        for row in pair_order(pair):
+            other = "ucm-second" if row == "warm-bound" else "warm-bound"
+            before_s = group_cpu_s(other)
+            result = run_pass(row)
+            result["other_server_cpu_s"] = round(group_cpu_s(other) - before_s, 3)
+            out[row].append(result)
+    return out
+
+
+def paired_ratios(bound: list[dict[str, Any]], ucm: list[dict[str, Any]]) -> list[float]:
+    """ucm-db's request throughput over the bound's, pair by pair."""
+    if len(bound) != len(ucm):
+        raise ValueError(f"{len(ucm)} ucm-db passes against {len(bound)} bound passes: pairs need one of each")
+    return [round(u["request_throughput"] / b["request_throughput"], 4) for b, u in zip(bound, ucm)]
+
+
+def median_ratio(ratios: list[float]) -> float:
+    """The row's paired figure: the median of its pairs' ratios."""
+    return statistics.median(ratios)
