@@ -8,6 +8,8 @@ conversation`` (a script that prints figures; its runs are in the reports).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from click.testing import CliRunner
 
@@ -83,6 +85,12 @@ def test_recovered_hits_and_verdicts_come_from_the_rows_figures() -> None:
     assert "ucm-restart" not in verdicts  # no figure, no verdict
     table = serve_chat.format_table(report)
     assert "vLLM alone, capped, first pass" in table and "MISSED" in table
+    # Paired warm passes (--paired): the req/s verdict is the median of the
+    # pairs' ratios, not 3.9 / 4.0.
+    runs[0]["ucm-second"]["paired_ratios"] = [0.93, 0.96, 0.97]
+    paired = serve_chat.report(replace(options, serve=serve.ServeOptions(warm_passes=3, paired=True)), runs, elapsed_s=1.0)
+    assert {t["row"]: t for t in paired["targets"]}["ucm-second"]["rps_ratio"] == 0.96
+    assert "3 paired warm passes" in serve_chat.format_table(paired)
 
 
 def test_pass_figures_are_percentiles_of_the_requests() -> None:

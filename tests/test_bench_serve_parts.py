@@ -46,8 +46,8 @@ def test_vllm_version_seen_by_the_cli_selects_the_cpu_platform() -> None:
     (["--capped-blocks", "10", "--prefix-len", "1024"], "cannot hold one request"),
     (["--num-prompts", "4", "--num-prefixes", "8"], "at least --num-prefixes"),
     (["--num-prompts", "128", "--num-prefixes", "52"], "so 128 would send 104"),
-    (["--workload", "conversation", "--warm-passes", "3"], "replays each pass once"),
-    (["--workload", "conversation", "--paired"], "replays each pass once"),
+    (["--workload", "conversation", "--warm-passes", "3"], "only in pairs: add --paired"),
+    (["--workload", "conversation", "--paired", "--rows", "cold-bound,warm-bound"], "--rows must name both"),
     (["--paired", "--rows", "cold-bound,warm-bound,ucm-first"], "--rows must name both"),
 ])
 def test_bad_sizes_are_usage_errors_before_any_server_starts(args: list[str], message: str) -> None:

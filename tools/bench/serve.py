@@ -39,7 +39,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -113,7 +112,10 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
     serve(capped, "no-conn-capped", ("no-conn-capped",))
     bound = replace(capped, num_blocks=options.bound_blocks)
     if options.paired and {"warm-bound", "ucm-second"} <= want:
-        rows.update(_paired_rows(options, bound, ucm, model, work, progress))
+        rows.update(serve_paired.paired_rows(
+            bound, ucm, options.warm_passes, want,
+            lambda spec, label: Server(spec, work / f"{label}.server.log", start_timeout_s=options.start_timeout_s),
+            lambda server, row: _pass(options, server, model, work, row, progress), repeated_row, progress))
     else:
         serve(bound, "bound", ("cold-bound", "warm-bound"))
         serve(ucm, "ucm", ("ucm-first", "ucm-second"))
@@ -133,34 +135,6 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
             s3_connector = _connector(work / "empty-local-s3", url, options, remote_options=s3.options)
             serve(replace(capped, connector=s3_connector), "ucm-remote-s3", ("ucm-remote-s3",))
             rows["ucm-remote-s3"]["link_raw_read_mb_s"] = link_mb_s
-    return rows
-
-
-def _paired_rows(options: ServeOptions, bound: ServerSpec, ucm: ServerSpec, model: Path, work: Path,
-                 progress: Progress) -> dict[str, dict[str, Any]]:
-    """cold-bound, ucm-first (if wanted), then ``warm_passes`` pairs of
-    warm-bound and ucm-second with both servers up (:mod:`.serve_paired`)."""
-    rows: dict[str, dict[str, Any]] = {}
-    want = set(options.rows)
-    with contextlib.ExitStack() as stack:
-        servers: dict[str, Server] = {}
-        for label, spec, first_row, warm_row in (("bound", bound, "cold-bound", "warm-bound"), ("ucm", ucm, "ucm-first", "ucm-second")):
-            progress(f"starting the server for {label} (kept up for paired warm passes)")
-            server = stack.enter_context(Server(spec, work / f"{label}.server.log", start_timeout_s=options.start_timeout_s))
-            progress(f"  healthy after {server.start_s:.0f} s")
-            servers[warm_row] = server
-            # The first pass always runs: the warm row's server must be warm.
-            first = _pass(options, server, model, work, first_row, progress)
-            if first_row in want:
-                rows[first_row] = {**first, "server_start_s": server.start_s}
-        passes = serve_paired.paired_passes(
-            options.warm_passes, lambda row: _pass(options, servers[row], model, work, row, progress),
-            lambda row: serve_paired.process_group_cpu_s(servers[row].pgid),
-        )
-    for row, row_passes in passes.items():
-        rows[row] = {**repeated_row(row_passes), "server_start_s": servers[row].start_s}
-    rows["ucm-second"]["paired_ratios"] = serve_paired.paired_ratios(passes["warm-bound"], passes["ucm-second"])
-    progress("  paired ratios ucm-second / warm-bound: " + ", ".join(f"{r:.3f}" for r in rows["ucm-second"]["paired_ratios"]))
     return rows
 
 
@@ -367,16 +341,16 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     if workload == "conversation":
         if write_back:
             raise click.BadParameter("the conversation workload measures the local tier alone", param_hint="--write-back")
-        if warm_passes > 1:
-            raise click.BadParameter("the conversation workload replays each pass once", param_hint="--warm-passes")
-        if paired:
-            raise click.BadParameter("the conversation workload replays each pass once", param_hint="--paired")
+        if warm_passes > 1 and not paired:
+            raise click.BadParameter("the conversation workload repeats warm passes only in pairs: add --paired",
+                                     param_hint="--warm-passes")
         from ucm_db.tools.bench.serve_chat import conversation_command
 
         conversation_command(wanted if rows != ",".join(ROWS) else None, conversations, turns, turn_tokens, output_len,
                              concurrency, seed, ServeOptions(layers=layers, capped_blocks=capped_blocks,
                              bound_blocks=bound_blocks, runs=runs, scratch_dir=scratch_dir, enforce_eager=enforce_eager,
-                             codec=codec, load_mode=load_mode, remote_lookup=remote_lookup, start_timeout_s=start_timeout_s), as_json)
+                             codec=codec, load_mode=load_mode, remote_lookup=remote_lookup, start_timeout_s=start_timeout_s,
+                             warm_passes=warm_passes, paired=paired), as_json)
         return
     unknown = sorted(set(wanted) - set(ROWS))
     if unknown:

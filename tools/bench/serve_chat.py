@@ -39,7 +39,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_options, medians, pass_counters
+from ucm_db.tools.bench import serve_paired
+from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_options, medians, pass_counters, repeated_row
 from ucm_db.tools.bench.serve_chat_client import run_conversations
 from ucm_db.tools.bench.serve_conversation import (ConversationSpec, ideal_hits, parse_vllm_counters, pass_hits,
                                                    recovered_hits)
@@ -115,8 +116,15 @@ def run_once(options: ChatOptions, model: Path, work: Path, progress: Progress) 
                 rows[row]["server_start_s"] = server.start_s
 
     serve(capped, "no-conn-capped", ("no-conn-capped",))
-    serve(replace(capped, num_blocks=options.serve.bound_blocks), "bound", ("cold-bound", "warm-bound"))
-    serve(ucm, "ucm", ("ucm-first", "ucm-second"))
+    bound = replace(capped, num_blocks=options.serve.bound_blocks)
+    if options.serve.paired:  # the command checked that both warm rows are wanted
+        rows.update(serve_paired.paired_rows(
+            bound, ucm, options.serve.warm_passes, want,
+            lambda spec, label: Server(spec, work / f"{label}.server.log", start_timeout_s=options.serve.start_timeout_s),
+            lambda server, row: _pass(options, server, row, progress), repeated_row, progress))
+    else:
+        serve(bound, "bound", ("cold-bound", "warm-bound"))
+        serve(ucm, "ucm", ("ucm-first", "ucm-second"))
     serve(ucm, "ucm-restart", ("ucm-restart",))
     return rows
 
@@ -149,6 +157,8 @@ def targets(medians: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         hits = recovered_hits(medians[row]["hits"], medians[base]["hits"])
         rps = medians[row]["request_throughput"] / medians[base]["request_throughput"]
+        if "paired_ratios" in medians[row]:  # pass against pass, both servers up (--paired)
+            rps = serve_paired.median_ratio(medians[row]["paired_ratios"])
         graded = row.startswith("ucm")
         out.append({"row": row, "bound": base, "recovered_hits": round(hits, 4), "rps_ratio": round(rps, 3),
                     "met": (hits >= HITS_TARGET and rps >= RPS_TARGET) if graded else None})
@@ -166,7 +176,8 @@ def report(options: ChatOptions, all_runs: list[dict[str, dict[str, Any]]], elap
                     "working_set_blocks": spec.working_set_blocks(BLOCK_SIZE), "block_size": BLOCK_SIZE,
                     "ideal_cold_hits": ideal_hits(spec, BLOCK_SIZE, warm=False),
                     "ideal_warm_hits": ideal_hits(spec, BLOCK_SIZE, warm=True), "runs": serve.runs,
-                    "enforce_eager": serve.enforce_eager, "codec": serve.codec, "load_mode": serve.load_mode},
+                    "enforce_eager": serve.enforce_eager, "codec": serve.codec, "load_mode": serve.load_mode,
+                    "warm_passes": serve.warm_passes, "paired": serve.paired},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": by_row,
@@ -184,7 +195,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"{o['layers']}-layer Llama bf16, block {o['block_size']}; capped {o['capped_blocks']} blocks "
              f"(working set {ws}: {ws / o['capped_blocks']:.1f}x), bound {o['bound_blocks']}; median of "
              f"{o['runs']} run(s); ucm-db codec {o['codec']}, load_mode {o['load_mode']}"
-             + ("; --enforce-eager" if o["enforce_eager"] else ""),
+             + ("; --enforce-eager" if o["enforce_eager"] else "")
+             + (f"; {o['warm_passes']} paired warm passes (both servers up, in turns)" if o.get("paired") else ""),
              f"prefix hits a cache that forgets nothing gets: {o['ideal_cold_hits']} tokens first pass, "
              f"{o['ideal_warm_hits']} second pass", "",
              f"{'setup':<46} {'req/s':>6} {'TTFT p50':>9} {'p99 ms':>7} {'vLLM hits':>10} {'ucm-db hits':>12}"]
@@ -218,6 +230,8 @@ def conversation_command(rows: tuple[str, ...] | None, conversations: int, turns
     if unknown:
         raise click.BadParameter(f"unknown row(s) {', '.join(unknown)} for --workload conversation; choose from "
                                  f"{', '.join(ROWS)}", param_hint="--rows")
+    if serve.paired and not {"warm-bound", "ucm-second"} <= set(wanted):
+        raise click.BadParameter("pairs a warm-bound pass with a ucm-second pass: --rows must name both", param_hint="--paired")
     spec = ConversationSpec(conversations=conversations, turns=turns, turn_tokens=turn_tokens,
                             output_tokens=output_tokens, concurrency=concurrency, seed=seed)
     options = ChatOptions(spec=spec, serve=replace(serve, rows=wanted))

@@ -21,11 +21,14 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ucm_db.tools.bench.serve_server import Server, ServerSpec
 
 #: Clock ticks per second of ``/proc/PID/stat``'s CPU times.
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -84,3 +87,36 @@ def paired_ratios(bound: list[dict[str, Any]], ucm: list[dict[str, Any]]) -> lis
 def median_ratio(ratios: list[float]) -> float:
     """The row's paired figure: the median of its pairs' ratios."""
     return statistics.median(ratios)
+
+
+def paired_rows(
+    bound: ServerSpec, ucm: ServerSpec, passes: int, want: set[str], open_server: Callable[[ServerSpec, str], Server],
+    run_pass: Callable[[Server, str], dict[str, Any]], repeated_row: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    progress: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
+    """The bound's server (``cold-bound``, its first pass) and ucm-db's
+    (``ucm-first``) started in turn and kept up, then ``passes`` pairs of
+    ``warm-bound`` and ``ucm-second``. ``open_server(spec, label)`` makes a
+    server (entered here), ``run_pass(server, row)`` runs one pass,
+    ``repeated_row`` folds a row's passes. First rows not in ``want`` run
+    all the same (a warm row needs a warm server) and are left out.
+    ``ucm-second`` carries ``paired_ratios``."""
+    rows: dict[str, dict[str, Any]] = {}
+    servers: dict[str, Server] = {}
+    with contextlib.ExitStack() as stack:
+        for label, spec, first_row, warm_row in (("bound", bound, "cold-bound", "warm-bound"),
+                                                 ("ucm", ucm, "ucm-first", "ucm-second")):
+            progress(f"starting the server for {label} (kept up for paired warm passes)")
+            server = stack.enter_context(open_server(spec, label))
+            progress(f"  healthy after {server.start_s:.0f} s")
+            servers[warm_row] = server
+            first = run_pass(server, first_row)
+            if first_row in want:
+                rows[first_row] = {**first, "server_start_s": server.start_s}
+        by_row = paired_passes(passes, lambda row: run_pass(servers[row], row),
+                               lambda row: process_group_cpu_s(servers[row].pgid))
+    for row, row_passes in by_row.items():
+        rows[row] = {**repeated_row(row_passes), "server_start_s": servers[row].start_s}
+    rows["ucm-second"]["paired_ratios"] = paired_ratios(by_row["warm-bound"], by_row["ucm-second"])
+    progress("  paired ratios ucm-second / warm-bound: " + ", ".join(f"{r:.3f}" for r in rows["ucm-second"]["paired_ratios"]))
+    return rows
