@@ -231,3 +231,27 @@ def test_the_cpu_of_a_process_group_is_read_from_proc() -> None:
         child.kill()
         child.wait()
     assert process_group_cpu_s(child.pid) == 0.0
+
+
+def test_paired_passes_wait_until_a_server_stops_working() -> None:
+    """A server still committing its first pass's saves (CPU growing by a
+    core per window) is waited for; a quiet one is not; one that never
+    quiets is left at the timeout."""
+    from ucm_db.tools.bench.serve_paired import wait_idle
+
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    busy_until = 7.0  # a core's worth of CPU per second until then
+    def cpu_s() -> float:
+        return min(now[0], busy_until) + 0.01 * now[0]
+
+    assert wait_idle(cpu_s, sleep=sleep, clock=lambda: now[0]) == 10.0  # windows ending 2..8 busy, 8..10 quiet
+    now[0] = 0.0
+    busy_until = 0.0
+    assert wait_idle(cpu_s, sleep=sleep, clock=lambda: now[0]) == 2.0
+    now[0] = 0.0
+    busy_until = 1e9
+    assert wait_idle(cpu_s, sleep=sleep, clock=lambda: now[0], timeout_s=30.0) == 30.0

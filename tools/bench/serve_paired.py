@@ -10,6 +10,9 @@ ucm-db over the bound's pass next to it, and the row's figure is the median
 of those ratios.
 
 Invariants:
+    * The paired passes start once both servers are idle (:func:`wait_idle`:
+      ucm-db's first pass leaves saves to commit), so neither server's
+      leftover work lands in the other's pass.
     * Pair ``k`` runs the bound first when ``k`` is even and ucm-db first
       when it is odd, so a steady drift in the host's load favours neither.
     * Each paired pass records the CPU seconds the other, idle server's
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,24 @@ def process_group_cpu_s(pgid: int, proc: Path = Path("/proc")) -> float:
         if len(fields) > 12 and int(fields[2]) == pgid:
             total_ticks += int(fields[11]) + int(fields[12])
     return total_ticks / _TICKS_PER_S
+
+
+def wait_idle(cpu_s: Callable[[], float], *, window_s: float = 2.0, idle_share: float = 0.05, timeout_s: float = 180.0,
+              sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> float:
+    """Waits until ``cpu_s()`` (a server's CPU seconds so far) grows by less
+    than ``idle_share`` of a core over a ``window_s`` window, or
+    ``timeout_s`` has passed; returns the seconds waited. A server that has
+    just run a first pass may still be committing its saves: a pass of the
+    other server measured meanwhile would pay for them."""
+    started = clock()
+    before = cpu_s()
+    while clock() - started < timeout_s:
+        sleep(window_s)
+        now = cpu_s()
+        if now - before < idle_share * window_s:
+            break
+        before = now
+    return round(clock() - started, 1)
 
 
 def pair_order(pair: int) -> tuple[str, str]:
@@ -113,6 +135,9 @@ def paired_rows(
             first = run_pass(server, first_row)
             if first_row in want:
                 rows[first_row] = {**first, "server_start_s": server.start_s}
+        for row, server in servers.items():  # the first passes' saves committed, the servers quiet
+            waited_s = wait_idle(lambda: process_group_cpu_s(server.pgid))
+            progress(f"  {row}'s server idle after {waited_s:.0f} s")
         by_row = paired_passes(passes, lambda row: run_pass(servers[row], row),
                                lambda row: process_group_cpu_s(servers[row].pgid))
     for row, row_passes in by_row.items():
