@@ -217,16 +217,15 @@ def test_the_cpu_of_a_process_group_is_read_from_proc() -> None:
 
     from ucm_db.tools.bench.serve_paired import process_group_cpu_s
 
-    spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
+    spin = ("import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\n"
+            "print('spun', flush=True)\ntime.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while process_group_cpu_s(child.pid) < 0.5 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert child.stdout is not None and child.stdout.readline() == "spun\n"  # done spinning, asleep from here
         spent = process_group_cpu_s(child.pid)
-        assert spent >= 0.5
-        time.sleep(0.5)  # asleep now: no more CPU
-        assert process_group_cpu_s(child.pid) - spent < 0.1
+        assert spent >= 0.5  # /proc counts whole clock ticks
+        time.sleep(0.5)
+        assert process_group_cpu_s(child.pid) - spent < 0.05
     finally:
         child.kill()
         child.wait()

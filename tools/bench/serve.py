@@ -111,7 +111,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
 
     serve(capped, "no-conn-capped", ("no-conn-capped",))
     bound = replace(capped, num_blocks=options.bound_blocks)
-    if options.paired and {"warm-bound", "ucm-second"} <= want:
+    if options.paired and serve_paired.PAIR_ROWS <= want:
         rows.update(serve_paired.paired_rows(
             bound, ucm, options.warm_passes, want,
             lambda spec, label: Server(spec, work / f"{label}.server.log", start_timeout_s=options.start_timeout_s),
@@ -310,8 +310,7 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
             seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, warm_passes: int, paired: bool, rows: str,
-            codec: str,
-            load_mode: str, remote_lookup: str, write_back: bool, enforce_eager: bool, start_timeout_s: float, workload: str,
+            codec: str, load_mode: str, remote_lookup: str, write_back: bool, enforce_eager: bool, start_timeout_s: float, workload: str,
             conversations: int, turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
@@ -355,8 +354,8 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
     unknown = sorted(set(wanted) - set(ROWS))
     if unknown:
         raise click.BadParameter(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}", param_hint="--rows")
-    if paired and not {"warm-bound", "ucm-second"} <= set(wanted):
-        raise click.BadParameter("pairs a warm-bound pass with a ucm-second pass: --rows must name both", param_hint="--paired")
+    if paired and not serve_paired.PAIR_ROWS <= set(wanted):
+        raise click.BadParameter(serve_paired.MISSING_PAIR, param_hint="--paired")
     if num_prompts < num_prefixes:
         raise click.BadParameter("must be at least --num-prefixes (vLLM's prefix_repetition needs a prompt per prefix)",
                                  param_hint="--num-prompts")

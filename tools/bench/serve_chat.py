@@ -230,8 +230,8 @@ def conversation_command(rows: tuple[str, ...] | None, conversations: int, turns
     if unknown:
         raise click.BadParameter(f"unknown row(s) {', '.join(unknown)} for --workload conversation; choose from "
                                  f"{', '.join(ROWS)}", param_hint="--rows")
-    if serve.paired and not {"warm-bound", "ucm-second"} <= set(wanted):
-        raise click.BadParameter("pairs a warm-bound pass with a ucm-second pass: --rows must name both", param_hint="--paired")
+    if serve.paired and not serve_paired.PAIR_ROWS <= set(wanted):
+        raise click.BadParameter(serve_paired.MISSING_PAIR, param_hint="--paired")
     spec = ConversationSpec(conversations=conversations, turns=turns, turn_tokens=turn_tokens,
                             output_tokens=output_tokens, concurrency=concurrency, seed=seed)
     options = ChatOptions(spec=spec, serve=replace(serve, rows=wanted))

@@ -34,6 +34,9 @@ from typing import Any
 
 from ucm_db.tools.bench.serve_server import Server, ServerSpec
 
+#: The two rows a pair holds, and what a run without one of them is told.
+PAIR_ROWS = frozenset({"warm-bound", "ucm-second"})
+MISSING_PAIR = "pairs a warm-bound pass with a ucm-second pass: --rows must name both"
 #: Clock ticks per second of ``/proc/PID/stat``'s CPU times.
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
