@@ -187,7 +187,9 @@ def test_paired_warm_passes_alternate_abba_and_record_the_idle_servers_cpu() -> 
     assert [p["other_server_cpu_s"] for p in passes["warm-bound"] + passes["ucm-second"]] == [0.25] * 6
     ratios = serve_paired.paired_ratios(passes["warm-bound"], passes["ucm-second"])
     assert ratios == [round(5.72 / 6.01, 4), round(5.73 / 6.04, 4), round(5.76 / 6.05, 4)]
-    assert serve_paired.median_ratio(ratios) == ratios[0]  # 0.9487 < 0.9517 < 0.9521
+    paired = {"request_throughput": 5.73, "paired_ratios": ratios}
+    assert serve_paired.throughput_ratio(paired, {"request_throughput": 6.04}) == (ratios[0], True)  # 0.9487 < 0.9517 < 0.9521
+    assert serve_paired.throughput_ratio({"request_throughput": 5.73}, {"request_throughput": 6.04}) == (5.73 / 6.04, False)
     with pytest.raises(ValueError, match="pairs need one of each"):
         serve_paired.paired_ratios(passes["warm-bound"], passes["ucm-second"][:2])
 

@@ -156,9 +156,7 @@ def targets(medians: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if row not in medians or base not in medians:
             continue
         hits = recovered_hits(medians[row]["hits"], medians[base]["hits"])
-        rps = medians[row]["request_throughput"] / medians[base]["request_throughput"]
-        if "paired_ratios" in medians[row]:  # pass against pass, both servers up (--paired)
-            rps = serve_paired.median_ratio(medians[row]["paired_ratios"])
+        rps, _ = serve_paired.throughput_ratio(medians[row], medians[base])
         graded = row.startswith("ucm")
         out.append({"row": row, "bound": base, "recovered_hits": round(hits, 4), "rps_ratio": round(rps, 3),
                     "met": (hits >= HITS_TARGET and rps >= RPS_TARGET) if graded else None})

@@ -109,9 +109,13 @@ def paired_ratios(bound: list[dict[str, Any]], ucm: list[dict[str, Any]]) -> lis
     return [round(u["request_throughput"] / b["request_throughput"], 4) for b, u in zip(bound, ucm)]
 
 
-def median_ratio(ratios: list[float]) -> float:
-    """The row's paired figure: the median of its pairs' ratios."""
-    return statistics.median(ratios)
+def throughput_ratio(row: dict[str, Any], base: dict[str, Any]) -> tuple[float, bool]:
+    """A row's request throughput against its bound's, and whether it was
+    paired: the median of the pairs' ratios where the row has them
+    (``--paired``), else the ratio of the two rows' figures."""
+    if "paired_ratios" in row:
+        return statistics.median(row["paired_ratios"]), True
+    return row["request_throughput"] / base["request_throughput"], False
 
 
 def paired_rows(
