@@ -91,6 +91,23 @@ class CodecPool:
                 results[i] = value
         return results
 
+    def beside(self, fn: Callable[[], object]) -> Callable[[], None] | None:
+        """Starts ``fn()`` on one codec thread beside the caller (None if
+        there is no pool); returns ``join()``, which cancels ``fn`` if it
+        has not started yet, else waits for it and re-raises its error. A
+        caller sharing work with ``fn`` (:mod:`ucm_db.batch_loads`) joins
+        once its own share is done, so it never waits for a thread that is
+        busy elsewhere."""
+        if self._pool is None:
+            return None
+        future = self._pool.submit(fn)
+
+        def join() -> None:
+            if not future.cancel():
+                future.result()
+
+        return join
+
     def pending(self) -> PendingDecodes:
         """A set of decodes of blocks that arrive one by one (see
         :class:`PendingDecodes`)."""

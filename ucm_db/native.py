@@ -35,6 +35,12 @@ _native = _load_extension()
 #: True when the compiled extension is in use.
 NATIVE_AVAILABLE: bool = _native is not None
 
+
+def extension() -> ModuleType | None:
+    """The compiled extension itself (None if it is not built), for the
+    native-only paths that have no numpy fallback (:mod:`ucm_db.batch_loads`)."""
+    return _native
+
 Buffer = Union[bytes, bytearray, memoryview]
 
 

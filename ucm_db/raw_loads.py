@@ -101,6 +101,14 @@ def raw_checksum(head: Any, body_bytes: int, key: bytes) -> int | None:
     return None if checked is None else checked[0]
 
 
+def shuffled_checksum(head: Any, body_bytes: int, key: bytes, below_frame_bytes: int | None) -> int | None:
+    """The stored checksum of a zstd head of shuffled frames that the fast
+    path takes (frames averaging fewer than ``below_frame_bytes`` raw bytes,
+    if given), else None."""
+    checked = _checked_shuffled(head, body_bytes, key, below_frame_bytes)
+    return None if checked is None else checked[0]
+
+
 def raw_taker(
     keys: Sequence[bytes], buffers: Sequence[Any], corrupt: list[tuple[bytes, str]], *, shuffled: bool = False,
     below_frame_bytes: int | None = None,

@@ -1,0 +1,195 @@
+"""Reads into a KV cache's slabs through one native call per thread (ucm_db.batch_loads).
+
+* The C functions it binds agree with xxhash and zstandard, and the C side's
+  copy of the block layout is the codec's.
+* ``Store.get_into`` into ``ScatterSlabs`` loads through it exactly the
+  bytes the Python path loads, for codec ``none`` and for zstd of shuffled
+  frames, with the caller and a codec thread sharing the units.
+* A corrupt unit is still a miss and quarantined (with its descendants),
+  and a unit the native path declines (a table not seen yet, zstd frames
+  that are not shuffled) still loads by the Python path.
+* ``CodecPool.beside`` cancels a helper that has not started, so a caller
+  never waits for a busy pool.
+* ``UCM_DB_BATCH_LOADS=0`` turns the native path off.
+* ``load_units`` rejects batches of the wrong shape, and the claimed-units
+  counter makes every unit one thread's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+import ucm_db
+from ucm_db import batch_loads, codec, native
+from ucm_db.codec_format import CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_BYTES, MODE_SHUFFLE
+from ucm_db.codec_pool import CodecPool
+from ucm_db.slabs import ScatterSlabs
+
+LAYERS, SLAB_BYTES, UNITS = 8, 4096, 40
+
+
+def _units(seed: int) -> list[bytes]:
+    """bf16-like units (their top byte plane compresses, the other does not)."""
+    values = np.random.default_rng(seed).standard_normal(UNITS * LAYERS * SLAB_BYTES // 2).astype(np.float32)
+    raw = (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    unit_bytes = LAYERS * SLAB_BYTES
+    return [raw[i * unit_bytes : (i + 1) * unit_bytes] for i in range(UNITS)]
+
+
+def _namespace() -> ucm_db.Namespace:
+    return ucm_db.Namespace(model="batch-loads", kv_dtype="bfloat16", block_size=1, layout="units")
+
+
+def _store(path: Path, codec_name: str) -> tuple[ucm_db.Store, list[bytes], list[bytes]]:
+    store = ucm_db.open(path, codec=codec_name, capacity_bytes=1 << 30)
+    keys = _namespace().block_keys(list(range(UNITS)))
+    payloads = _units(len(codec_name))
+    store.put(_namespace(), keys, [ucm_db.Framed(p, (SLAB_BYTES,) * LAYERS) for p in payloads])
+    return store, keys, payloads
+
+
+def _slabs() -> tuple[list[np.ndarray], ScatterSlabs]:
+    layers = [np.zeros((UNITS + 3, SLAB_BYTES), np.uint8) for _ in range(LAYERS)]
+    order = list(range(UNITS + 2, 2, -1))  # units land in reverse, off the first slabs
+    return layers, ScatterSlabs(layers, [SLAB_BYTES] * LAYERS, order)
+
+
+def _unit(layers: list[np.ndarray], slabs: ScatterSlabs, i: int) -> bytes:
+    return b"".join(layer[slabs.indices[i]].tobytes() for layer in layers)
+
+
+def test_the_bound_functions_agree_with_xxhash_and_zstandard_and_the_layout_matches() -> None:
+    assert batch_loads.AVAILABLE, "the native load path should bind on this platform (the xxhash wheel exports XXH3)"
+    ext = native.extension()
+    data = os.urandom(200_000)
+    for cut in (0, 1, 67, 4096, 199_999):
+        assert ext.xxh3_parts((data[:cut], data[cut:])) == xxhash.xxh3_64(data).intdigest()
+    import zstandard
+    frame = zstandard.ZstdCompressor(level=1).compress(data[:5000] * 7)
+    assert ext.zstd_decompress(frame, 35_000) == data[:5000] * 7
+    assert ext.zstd_decompress(frame, 34_999) is None and ext.zstd_decompress(b"not zstd", 10) is None
+    # _native_loads.c's constants
+    assert (HEADER_BYTES, CHECKSUM_OFFSET, FRAME_STRUCT.size, MODE_SHUFFLE) == (68, 60, 24, 2)
+
+
+@pytest.mark.parametrize("codec_name", ["none", "zstd"])
+def test_get_into_slabs_loads_what_the_python_path_loads(tmp_path: Path, codec_name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    store, keys, payloads = _store(tmp_path / "s", codec_name)
+    with store:
+        layers, slabs = _slabs()
+        store.get_into(_namespace(), keys, slabs)  # first read: the codec path learns the raw tables
+        calls: list[int] = []
+        load_units = native.extension().load_units
+        monkeypatch.setattr(batch_loads.native, "extension", lambda: _Counting(load_units, calls))
+        for layer in layers:
+            layer[:] = 0
+        assert store.get_into(_namespace(), keys, slabs) == [True] * UNITS
+        assert [_unit(layers, slabs, i) for i in range(UNITS)] == payloads
+        assert not any(layer[:3].any() for layer in layers)  # nothing outside the units' slabs
+        assert len(calls) == 2 and sum(calls) == UNITS  # the caller and a codec thread shared the units
+        monkeypatch.setattr(batch_loads, "AVAILABLE", False)  # the Python path, for comparison
+        python_layers, python_slabs = _slabs()
+        assert store.get_into(_namespace(), keys, python_slabs) == [True] * UNITS
+        assert all(np.array_equal(a, b) for a, b in zip(layers, python_layers))
+
+
+class _Counting:
+    """The extension with ``load_units`` counting the units each call claimed."""
+
+    def __init__(self, load_units, calls: list[int]) -> None:
+        self._load_units, self._calls = load_units, calls
+
+    def load_units(self, *args):
+        claimed = self._load_units(*args)
+        self._calls.append(claimed)
+        return claimed
+
+
+@pytest.mark.parametrize("codec_name", ["none", "zstd"])
+def test_a_corrupt_unit_is_a_quarantined_miss_and_the_others_load(tmp_path: Path, codec_name: str) -> None:
+    store, keys, payloads = _store(tmp_path / "s", codec_name)
+    with store:
+        layers, slabs = _slabs()
+        store.get_into(_namespace(), keys, slabs)
+
+        def flip(txn) -> None:
+            body = bytearray(txn.get("blocks", keys[7]))
+            body[len(body) // 2] ^= 0x20
+            txn.put("blocks", keys[7], bytes(body))
+
+        store._tier.engine.write(flip)
+        got = store.get_into(_namespace(), keys, slabs)
+        assert got == [i != 7 for i in range(UNITS)]
+        assert [_unit(layers, slabs, i) for i in range(UNITS) if i != 7] == payloads[:7] + payloads[8:]
+        assert store.stats().quarantined >= 1 and store.lookup(_namespace(), keys) == 7  # with its descendants
+        assert store.get(_namespace(), [keys[7]]) == [None]
+
+
+def test_units_the_native_path_declines_load_by_the_python_path(tmp_path: Path) -> None:
+    ns = ucm_db.Namespace(model="batch-loads", kv_dtype="uint8", block_size=1, layout="units")  # zstd, unshuffled
+    with ucm_db.open(tmp_path / "s", codec="zstd", capacity_bytes=1 << 30) as store:
+        keys = ns.block_keys(list(range(UNITS)))
+        payloads = _units(3)
+        store.put(ns, keys, [ucm_db.Framed(p, (SLAB_BYTES,) * LAYERS) for p in payloads])
+        layers, slabs = _slabs()
+        assert store.get_into(ns, keys, slabs) == [True] * UNITS
+        assert [_unit(layers, slabs, i) for i in range(UNITS)] == payloads
+
+
+def test_the_environment_switch_turns_the_native_path_off() -> None:
+    code = "from ucm_db import batch_loads; print(batch_loads.AVAILABLE)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = {**os.environ, "UCM_DB_BATCH_LOADS": value}
+        assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip() == expected
+
+
+def test_beside_cancels_a_helper_that_has_not_started() -> None:
+    pool = CodecPool(1)
+    try:
+        release = threading.Event()
+        busy = pool.beside(release.wait)  # the pool's one thread is now taken
+        ran: list[int] = []
+        join = pool.beside(lambda: ran.append(1))
+        assert join is not None and busy is not None
+        join()  # returns at once: cancelled, never waits for the busy thread
+        release.set()
+        busy()
+        assert ran == []
+    finally:
+        pool.shutdown()
+    assert CodecPool(0).beside(lambda: None) is None
+
+
+def test_load_units_rejects_bad_batches_and_claims_each_unit_once() -> None:
+    ext = native.extension()
+    key = bytes(range(32))
+    payload = os.urandom(2 * SLAB_BYTES)
+    head, body = codec.split(codec.encode(key, [payload[:SLAB_BYTES], payload[SLAB_BYTES:]], codec="none"))
+    checksum = int.from_bytes(bytes(head)[CHECKSUM_OFFSET:HEADER_BYTES], "little")
+    layers = [bytearray(3 * SLAB_BYTES) for _ in range(2)]
+    args = [[memoryview(head)] * 3, [memoryview(body)] * 3, bytes([1, 1, 0]), checksum.to_bytes(8, "little") * 3,
+            tuple(memoryview(layer) for layer in layers), (SLAB_BYTES, SLAB_BYTES), [0, 1, 2], bytearray(11), 2, 1 << 16]
+    assert ext.load_units(*args) == 3
+    assert list(args[7][8:]) == [1, 1, 3]  # kind 0 is declined, never loaded
+    assert ext.load_units(*args) == 0  # every unit claimed already
+    assert bytes(layers[0][:SLAB_BYTES]) + bytes(layers[1][:SLAB_BYTES]) == payload
+    bad = list(args)
+    bad[3] = bad[3][:8]
+    with pytest.raises(ValueError, match="checksums 8n"):
+        ext.load_units(*bad)
+    bad = list(args)
+    bad[6] = [0, 1]
+    with pytest.raises(ValueError, match="one entry per unit"):
+        ext.load_units(*bad)
+    args[7], args[3] = bytearray(11), (checksum ^ 1).to_bytes(8, "little") * 3  # a wrong checksum: declined
+    ext.load_units(*args)
+    assert list(args[7][8:]) == [3, 3, 3]

@@ -1,0 +1,180 @@
+"""A read's units verified and written into a KV cache's slabs by one native call per thread, the GIL released.
+
+``Store.get_into`` into :class:`~ucm_db.slabs.ScatterSlabs` (a connector's
+load straight into the KV cache) plans here, inside its read transaction,
+every unit whose head the fast path of :mod:`ucm_db.raw_loads` takes (raw,
+or zstd of shuffled frames small enough for the caller's thread), then hands
+the whole plan to ``_native.load_units``: one call that hashes and copies
+(or verifies, decompresses and merges) unit after unit without the GIL. A
+codec thread (:meth:`ucm_db.codec_pool.CodecPool.beside`) makes the same
+call beside the caller; both claim units from one shared counter, so a busy
+helper costs the caller nothing but the units it took. Per unit this leaves
+the Python of the head checks and the LMDB reads; before, the copy, the
+hashing and each frame's decode were Python calls too, and two threads
+taking turns at the GIL for each of them ran slower than one.
+
+The native path needs XXH3-64 and zstd's decompressor as C functions:
+``bind()`` takes them from the xxhash wheel's own shared object (it exports
+its C API), a system ``libxxhash``, a system ``libzstd`` or the zstandard
+wheel's cffi backend, and checks them against the Python modules on sample
+data before :data:`AVAILABLE` turns True. ``UCM_DB_BATCH_LOADS=0`` in the
+environment turns the path off (for comparisons).
+
+Invariants:
+    * An accelerator only: a unit the native call loads has passed the same
+      checks as on the Python path (raw_loads' head checks here, the
+      checksum over the same bytes and each frame's exact size there);
+      every other unit, corrupt ones included, is handed back untouched to
+      the Python path, which decides it as before and names the reason.
+    * No view outlives the transaction: :meth:`Batch.finish` returns only
+      after the helper's call has ended, or was cancelled before it began,
+      and ``get_into`` calls it before its read transaction ends.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import xxhash
+import zstandard
+
+from ucm_db import native
+from ucm_db.raw_loads import raw_checksum, shuffled_checksum
+from ucm_db.slabs import ScatterSlabs
+
+_KIND_RAW, _KIND_SHUFFLED = 1, 2
+_LOADED = 1
+#: Units each thread claims at a time (a 64 KiB unit takes 10-30 us): a
+#: helper that starts late or stalls leaves the caller at most this many.
+CHUNK_UNITS = 4
+#: Bytes hashed, then copied while still in cache (checked_copy's figure).
+CHUNK_BYTES = 64 << 10
+#: Fewest units worth waking a helper for (its start costs about a unit).
+HELPER_MIN_UNITS = 16
+#: Units planned before they are loaded: a plan keeps two views per unit
+#: alive, and thousands of them would run the garbage collector during a
+#: load (tests/test_scatter_slabs.py); 128 units of 64 KiB are about 2 ms of work.
+FLUSH_UNITS = 128
+
+
+def _library_candidates() -> tuple[list[str], list[str]]:
+    """Where XXH3 and zstd's decompressor may be found, in order of preference."""
+    xxh = [xxhash._xxhash.__file__, "libxxhash.so.0"]  # type: ignore[attr-defined]
+    zstd = ["libzstd.so.1", *sorted(glob.glob(os.path.join(os.path.dirname(zstandard.__file__), "_cffi*.so")))]
+    return xxh, zstd
+
+
+def _checked_binding() -> bool:
+    """Binds the C functions and checks them against xxhash and zstandard."""
+    ext = native.extension()
+    if ext is None or os.environ.get("UCM_DB_BATCH_LOADS", "1") == "0" or not hasattr(ext, "bind_loads"):
+        return False
+    ext.bind_loads(*_library_candidates())
+    has_xxh3, has_zstd = ext.loads_bound()
+    if not (has_xxh3 and has_zstd):
+        return False
+    sample = bytes(range(256)) * 300 + b"ucm-db"
+    if ext.xxh3_parts((sample[:77], sample[77:])) != xxhash.xxh3_64(sample).intdigest():
+        return False
+    frame = zstandard.ZstdCompressor(level=3).compress(sample)
+    return ext.zstd_decompress(frame, len(sample)) == sample and ext.zstd_decompress(frame, len(sample) + 1) is None
+
+
+#: Whether the native path is in use (see the module docstring).
+AVAILABLE: bool = _checked_binding()
+
+Take = Callable[[int, memoryview, memoryview], bool]
+Beside = Callable[[Callable[[], object]], Optional[Callable[[], None]]]
+
+
+class Batch:
+    """The units of one ``get_into`` the native path is offered, loaded
+    :data:`FLUSH_UNITS` at a time as they are read."""
+
+    def __init__(self, keys: Sequence[bytes], slabs: ScatterSlabs, below_frame_bytes: int | None, beside: Beside,
+                 declined: Take, results: list[bool | None]) -> None:
+        self._keys = keys
+        self._slabs = slabs
+        self._below_frame_bytes = below_frame_bytes
+        self._beside = beside
+        self._declined = declined
+        self._results = results
+        self._clear()
+
+    def _clear(self) -> None:
+        self._ids: list[int] = []
+        self._heads: list[memoryview] = []
+        self._bodies: list[memoryview] = []
+        self._kinds = bytearray()
+        self._checksums = bytearray()
+        self._indices: list[int] = []
+
+    def taker(self, fallback: Take) -> Take:
+        """``take(i, head, body)`` for ``with_blocks``: plans a unit the
+        native path can take (loading the plan once it is
+        :data:`FLUSH_UNITS` long), else offers it to ``fallback``."""
+        keys, indices, below = self._keys, self._slabs.indices, self._below_frame_bytes
+        pack = struct.Struct("<Q").pack
+
+        def take(i: int, head: memoryview, body: memoryview) -> bool:
+            checksum = raw_checksum(head, len(body), keys[i])
+            kind = _KIND_RAW
+            if checksum is None:
+                checksum = shuffled_checksum(head, len(body), keys[i], below)
+                kind = _KIND_SHUFFLED
+                if checksum is None:
+                    return fallback(i, head, body)
+            self._ids.append(i)
+            self._heads.append(head)
+            self._bodies.append(body)
+            self._kinds.append(kind)
+            self._checksums.extend(pack(checksum))
+            self._indices.append(indices[i])
+            if len(self._ids) >= FLUSH_UNITS:
+                self.finish()
+            return True
+
+        return take
+
+    def finish(self) -> None:
+        """Loads the units planned so far (the caller, and a codec thread
+        through ``beside`` for a large plan): ``results[i]`` becomes True
+        for each loaded, and every other goes to ``declined``."""
+        n = len(self._ids)
+        if not n:
+            return
+        state = bytearray(8 + n)
+        slabs = self._slabs
+        args = (self._heads, self._bodies, bytes(self._kinds), bytes(self._checksums), slabs.views, slabs.slab_bytes,
+                self._indices, state, CHUNK_UNITS, CHUNK_BYTES)
+        ext = native.extension()
+        assert ext is not None  # AVAILABLE
+        join = self._beside(lambda: ext.load_units(*args)) if n >= HELPER_MIN_UNITS else None
+        try:
+            ext.load_units(*args)
+        finally:
+            if join is not None:
+                join()
+        ids, heads, bodies = self._ids, self._heads, self._bodies
+        self._clear()
+        for k, i in enumerate(ids):
+            if state[8 + k] == _LOADED:
+                self._results[i] = True
+            else:
+                self._declined(i, heads[k], bodies[k])
+
+
+def batch_for(keys: Sequence[bytes], buffers: Any, below_frame_bytes: int | None, beside: Beside, declined: Take,
+              results: list[bool | None]) -> Batch | None:
+    """A :class:`Batch` for a read into ``buffers`` (``beside`` starts a
+    helper, ``declined(i, head, body)`` takes a unit back to the Python
+    path, ``results`` gets True for each unit loaded), or None where the
+    native path does not apply (not slabs, fewer than two units, not
+    :data:`AVAILABLE`)."""
+    if not AVAILABLE or not isinstance(buffers, ScatterSlabs) or len(keys) < 2:
+        return None
+    return Batch(keys, buffers, below_frame_bytes, beside, declined, results)
