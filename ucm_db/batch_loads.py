@@ -14,7 +14,7 @@ hashing and each frame's decode were Python calls too, and two threads
 taking turns at the GIL for each of them ran slower than one.
 
 The native path needs XXH3-64 and zstd's decompressor as C functions:
-``bind()`` takes them from the xxhash wheel's own shared object (it exports
+the import binds them from the xxhash wheel's own shared object (it exports
 its C API), a system ``libxxhash``, a system ``libzstd`` or the zstandard
 wheel's cffi backend, and checks them against the Python modules on sample
 data before :data:`AVAILABLE` turns True. ``UCM_DB_BATCH_LOADS=0`` in the
