@@ -152,6 +152,22 @@ def test_the_environment_switch_turns_the_native_path_off() -> None:
         assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip() == expected
 
 
+def test_batch_checksum_reads_the_head_once_and_refuses_what_the_fast_path_refuses() -> None:
+    from ucm_db import raw_loads
+    key, other = bytes(range(32)), bytes(32)
+    raw = os.urandom(2 * SLAB_BYTES)
+    head, body = (bytes(p) for p in codec.split(codec.encode(key, [raw[:SLAB_BYTES], raw[SLAB_BYTES:]], codec="none")))
+    codec.decode(head + body, key)  # the codec's path learns the table
+    stored = int.from_bytes(head[CHECKSUM_OFFSET:HEADER_BYTES], "little")
+    assert raw_loads.batch_checksum(head, len(body), key, None) == (False, stored)
+    assert raw_loads.batch_checksum(head, len(body), other, None) is None  # another key's block
+    assert raw_loads.batch_checksum(head, len(body) - 1, key, None) is None  # body cut short
+    zhead, zbody = (bytes(p) for p in codec.split(codec.encode(key, [raw], codec="zstd", element_bytes=2)))
+    zstored = int.from_bytes(zhead[CHECKSUM_OFFSET:HEADER_BYTES], "little")
+    assert raw_loads.batch_checksum(zhead, len(zbody), key, len(raw) + 1) == (True, zstored)
+    assert raw_loads.batch_checksum(zhead, len(zbody), key, len(raw)) is None  # frames for the codec threads
+
+
 def test_beside_cancels_a_helper_that_has_not_started() -> None:
     pool = CodecPool(1)
     try:

@@ -315,6 +315,12 @@ static int hash_piece(PyObject *update, const char *at, Py_ssize_t n)
     return 0;
 }
 
+/* hash_piece as a chunk_hash_t (hasher: a bound update method). */
+static int python_hash(void *hasher, const char *at, Py_ssize_t n)
+{
+    return hash_piece((PyObject *)hasher, at, n);
+}
+
 
 /* src[0, len) into pieces filled one after another; with update (a hasher's
  * bound update method) each chunk of at most chunk_bytes is hashed right
@@ -331,30 +337,7 @@ static int hashed_copy(const char *src, Py_ssize_t len, const piece_t *pieces, P
         }
         return 0;
     }
-    if (chunk_bytes <= 0) {
-        chunk_bytes = len > 0 ? len : 1;
-    }
-    /* Each chunk of src is hashed (one update call, however many pieces it
-     * spans: src is contiguous), then copied into the pieces it spans while
-     * it is still in cache. */
-    Py_ssize_t at = 0, i = 0, filled = 0; /* filled: bytes of pieces[i] written */
-    while (at < len) {
-        Py_ssize_t stop = len - at < chunk_bytes ? len : at + chunk_bytes;
-        if (hash_piece(update, src + at, stop - at) < 0) {
-            return -1;
-        }
-        while (at < stop) {
-            while (filled == pieces[i].len) {
-                i++;
-                filled = 0;
-            }
-            Py_ssize_t n = pieces[i].len - filled < stop - at ? pieces[i].len - filled : stop - at;
-            copy_piece(pieces[i].buf + filled, src + at, n);
-            filled += n;
-            at += n;
-        }
-    }
-    return 0;
+    return hash_then_copy(src, len, pieces, python_hash, update, chunk_bytes);
 }
 
 /* Pins item as a writable contiguous buffer (a clear TypeError if it is not). */

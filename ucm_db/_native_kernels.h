@@ -148,4 +148,38 @@ static inline void merge_pieces(const piece_t *pieces, Py_ssize_t skip, size_t n
     }
 }
 
+/* Hashes a chunk of a copy: 0, or -1 to stop it (the hasher failed). */
+typedef int (*chunk_hash_t)(void *hasher, const char *at, Py_ssize_t n);
+
+/* src[0, len) into pieces filled one after another (they hold at least len
+ * bytes), each chunk of at most chunk_bytes hashed (one call, however many
+ * pieces it spans: src is contiguous), then copied into the pieces it spans
+ * while it is still in cache: a byte is read from memory once. 0, or -1 if
+ * hash stopped it. */
+static inline int hash_then_copy(const char *src, Py_ssize_t len, const piece_t *pieces, chunk_hash_t hash, void *hasher,
+                                 Py_ssize_t chunk_bytes)
+{
+    if (chunk_bytes <= 0) {
+        chunk_bytes = len > 0 ? len : 1;
+    }
+    Py_ssize_t at = 0, i = 0, filled = 0; /* filled: bytes of pieces[i] written */
+    while (at < len) {
+        Py_ssize_t stop = len - at < chunk_bytes ? len : at + chunk_bytes;
+        if (hash(hasher, src + at, stop - at) < 0) {
+            return -1;
+        }
+        while (at < stop) {
+            while (filled == pieces[i].len) {
+                i++;
+                filled = 0;
+            }
+            Py_ssize_t n = pieces[i].len - filled < stop - at ? pieces[i].len - filled : stop - at;
+            copy_piece(pieces[i].buf + filled, src + at, n);
+            filled += n;
+            at += n;
+        }
+    }
+    return 0;
+}
+
 #endif /* UCM_DB_NATIVE_KERNELS_H */

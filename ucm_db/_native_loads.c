@@ -269,27 +269,19 @@ static void hash_head(xxh3_state *state, const uint8_t *head, size_t head_bytes)
     xxh.update(state, head + HEADER_BYTES, head_bytes - HEADER_BYTES);
 }
 
+static int xxh3_chunk(void *state, const char *at, Py_ssize_t n)
+{
+    xxh.update((xxh3_state *)state, at, (size_t)n);
+    return 0;
+}
+
 /* A raw unit: hashed chunk by chunk, each chunk copied into the pieces right
- * after it is hashed; whether the digest matches. */
+ * after it is hashed (hash_then_copy); whether the digest matches. */
 static int load_raw(tools_t *t, const uint8_t *head, size_t head_bytes, const uint8_t *body, size_t body_bytes,
                     uint64_t checksum, const piece_t *pieces, size_t chunk_bytes)
 {
     hash_head(t->hash, head, head_bytes);
-    size_t at = 0, i = 0, filled = 0;
-    while (at < body_bytes) {
-        size_t stop = body_bytes - at < chunk_bytes ? body_bytes : at + chunk_bytes;
-        xxh.update(t->hash, body + at, stop - at);
-        while (at < stop) {
-            while (filled == (size_t)pieces[i].len) {
-                i++;
-                filled = 0;
-            }
-            size_t room = (size_t)pieces[i].len - filled, n = room < stop - at ? room : stop - at;
-            copy_piece(pieces[i].buf + filled, (const char *)body + at, (Py_ssize_t)n);
-            filled += n;
-            at += n;
-        }
-    }
+    hash_then_copy((const char *)body, (Py_ssize_t)body_bytes, pieces, xxh3_chunk, t->hash, (Py_ssize_t)chunk_bytes);
     return xxh.digest(t->hash) == checksum;
 }
 

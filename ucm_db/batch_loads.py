@@ -22,8 +22,9 @@ environment turns the path off (for comparisons).
 
 Invariants:
     * An accelerator only: a unit the native call loads has passed the same
-      checks as on the Python path (raw_loads' head checks here, the
-      checksum over the same bytes and each frame's exact size there);
+      checks as on the Python path (the owning head here,
+      ``raw_loads.batch_checksum``; the checksum over the same bytes, each
+      frame's mode, bounds and exact decoded size there);
       every other unit, corrupt ones included, is handed back untouched to
       the Python path, which decides it as before and names the reason.
     * No view outlives the transaction: :meth:`Batch.finish` returns only
@@ -43,7 +44,7 @@ import xxhash
 import zstandard
 
 from ucm_db import native
-from ucm_db.raw_loads import raw_checksum, shuffled_checksum
+from ucm_db.raw_loads import batch_checksum
 from ucm_db.slabs import ScatterSlabs
 
 _KIND_RAW, _KIND_SHUFFLED = 1, 2
@@ -121,17 +122,14 @@ class Batch:
         pack = struct.Struct("<Q").pack
 
         def take(i: int, head: memoryview, body: memoryview) -> bool:
-            checksum = raw_checksum(head, len(body), keys[i])
-            kind = _KIND_RAW
-            if checksum is None:
-                checksum = shuffled_checksum(head, len(body), keys[i], below)
-                kind = _KIND_SHUFFLED
-                if checksum is None:
-                    return fallback(i, head, body)
+            checked = batch_checksum(head, len(body), keys[i], below)
+            if checked is None:
+                return fallback(i, head, body)
+            shuffled, checksum = checked
             self._ids.append(i)
             self._heads.append(head)
             self._bodies.append(body)
-            self._kinds.append(kind)
+            self._kinds.append(_KIND_SHUFFLED if shuffled else _KIND_RAW)
             self._checksums.extend(pack(checksum))
             self._indices.append(indices[i])
             if len(self._ids) >= FLUSH_UNITS:

@@ -53,18 +53,32 @@ _MAGIC, _VERSION = codec.MAGIC, codec.CODEC_FORMAT_VERSION
 _MAX_FRAMES, _MAX_RAW_BYTES = codec.MAX_FRAMES, codec.MAX_RAW_BYTES
 
 
-def _owned_head(head: Any, body_bytes: int, key: bytes, codec_id: int) -> tuple[int, int, int] | None:
-    """(frames, raw bytes, stored checksum) of a head of codec ``codec_id``
-    that ``codec.read_head`` accepts for a body of ``body_bytes`` and that
-    ``key`` owns, else None."""
+def _owned(head: Any, body_bytes: int, key: bytes) -> tuple[int, int, int, int] | None:
+    """(codec id, frames, raw bytes, stored checksum) of a head that
+    ``codec.read_head`` accepts for a body of ``body_bytes`` and that ``key``
+    owns, else None."""
     head_bytes = len(head)
     if head_bytes <= _HEADER_BYTES:
         return None
     magic, version, stored_codec, _flags, n_frames, raw_len, body_len, owner, checksum = _HEADER.unpack_from(head, 0)
-    if (magic != _MAGIC or version != _VERSION or stored_codec != codec_id or owner != key or body_len != body_bytes
+    if (magic != _MAGIC or version != _VERSION or owner != key or body_len != body_bytes
             or n_frames > _MAX_FRAMES or raw_len > _MAX_RAW_BYTES or _HEADER_BYTES + n_frames * _FRAME_BYTES != head_bytes):
         return None
-    return n_frames, raw_len, checksum
+    return stored_codec, n_frames, raw_len, checksum
+
+
+def _owned_head(head: Any, body_bytes: int, key: bytes, codec_id: int) -> tuple[int, int, int] | None:
+    """(frames, raw bytes, stored checksum) of an owned head (:func:`_owned`)
+    of codec ``codec_id``, else None."""
+    owned = _owned(head, body_bytes, key)
+    return owned[1:] if owned is not None and owned[0] == codec_id else None
+
+
+def _raw_table_known(head: Any, body_bytes: int) -> bytes | None:
+    """The frame table of an owned codec-``none`` head if it is one known to
+    be all raw over ``body_bytes`` (the body is then the raw bytes), else None."""
+    table = bytes(head[_HEADER_BYTES:])
+    return table if _RAW_TABLES.get(table) == body_bytes else None
 
 
 def _checked(head: Any, body_bytes: int, key: bytes) -> tuple[int, bytes] | None:
@@ -73,8 +87,8 @@ def _checked(head: Any, body_bytes: int, key: bytes) -> tuple[int, bytes] | None
     owned = _owned_head(head, body_bytes, key, _NONE_ID)
     if owned is None or owned[1] != body_bytes:
         return None
-    table = bytes(head[_HEADER_BYTES:])
-    return (owned[2], table) if _RAW_TABLES.get(table) == body_bytes else None
+    table = _raw_table_known(head, body_bytes)
+    return None if table is None else (owned[2], table)
 
 
 def _checked_shuffled(head: Any, body_bytes: int, key: bytes, below_frame_bytes: int | None) -> tuple[int, list[Frame]] | None:
@@ -101,12 +115,22 @@ def raw_checksum(head: Any, body_bytes: int, key: bytes) -> int | None:
     return None if checked is None else checked[0]
 
 
-def shuffled_checksum(head: Any, body_bytes: int, key: bytes, below_frame_bytes: int | None) -> int | None:
-    """The stored checksum of a zstd head of shuffled frames that the fast
-    path takes (frames averaging fewer than ``below_frame_bytes`` raw bytes,
-    if given), else None."""
-    checked = _checked_shuffled(head, body_bytes, key, below_frame_bytes)
-    return None if checked is None else checked[0]
+def batch_checksum(head: Any, body_bytes: int, key: bytes, below_frame_bytes: int | None) -> tuple[bool, int] | None:
+    """``(shuffled, stored checksum)`` of a head whose block a native batch
+    may load (:mod:`ucm_db.batch_loads`), from one header unpack: a raw head
+    the fast path takes (False), or an owned zstd head of frames averaging
+    fewer than ``below_frame_bytes`` raw bytes, if given (True; its frame
+    table and modes are checked where it is decoded, and a block that fails
+    them goes back to this module's path); else None."""
+    owned = _owned(head, body_bytes, key)
+    if owned is None:
+        return None
+    codec_id, n_frames, raw_len, checksum = owned
+    if codec_id == _NONE_ID:
+        return (False, checksum) if raw_len == body_bytes and _raw_table_known(head, body_bytes) is not None else None
+    if codec_id != _ZSTD_ID or n_frames == 0 or (below_frame_bytes is not None and raw_len // n_frames >= below_frame_bytes):
+        return None
+    return True, checksum
 
 
 def raw_taker(
