@@ -21,6 +21,9 @@ Invariants:
       hit is found in the local tier. A probe job is followed by one more
       decision for the rest of the prompt, now measured. A job's time is a
       remote sample but not part of any step's time.
+    * The blocks a step plans to load are touched here, in the scheduler's
+      process (:meth:`PrefixLookup.touch`), never by the workers that read
+      them.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ucm_db.connector.metadata import IDLE_WAIT_S
 from ucm_db.connector.remote_lookups import BACKGROUND_DEADLINE_S, RemoteLookups
 from ucm_db.connector.request_state import RequestState
 from ucm_db.keys import Namespace
-from ucm_db.units import KVGrid, UnitSpan, stored_prefix
+from ucm_db.units import KVGrid, UnitSpan, stored_prefix, unit_keys_of
 
 #: Blocks hashed and looked up first; the rest of the prompt follows only if all are stored.
 FIRST_SEGMENT_BLOCKS = 16
@@ -198,6 +201,18 @@ class PrefixLookup:
                 state.remote_probed = True
             else:
                 state.remote_asked = True
+
+    def touch(self, block_keys: Sequence[bytes]) -> None:
+        """Marks every unit of ``block_keys`` the deployment's readers load
+        as just read (``Store.touch``), in this process: the scheduler's
+        maintenance thread writes their recency, not the workers', whose
+        Python would take the GIL from the model's thread (each torch op
+        gives it up and must win it back). A worker's maintenance thread
+        then writes nothing for loads; written within ``sync_interval_s``
+        here, a touch may be too late for a put that evicts meanwhile in
+        a worker, which then treats the block as read when it was planned."""
+        if block_keys:
+            self._store.touch(self._namespace, unit_keys_of(block_keys, self._spans, self._grid))
 
     def forget(self, request_id: str) -> None:
         """Drops the request's background lookup, if any."""

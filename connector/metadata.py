@@ -74,6 +74,7 @@ class BlockTransfer:
     after_loads: tuple[int, ...] = ()  # a save: loaded blocks (of unsettled steps) its KV was computed over
     hold_id: int = -1  # a save: >= 0 if workers keep it until the scheduler's verdict
     event_fields: tuple[BlockEventFields, ...] = ()  # a save: vLLM's KV event fields per block, or () (events.py)
+    touched: bool = False  # a load: the scheduler touched its units (Store.touch), so workers read with touch=False
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.block_ids):

@@ -3,7 +3,10 @@ the cost model learns from.
 
 Invariants:
     * A load plan covers blocks ``[local, local + external)`` of the request,
-      exactly what vLLM allocated for the external tokens. With
+      exactly what vLLM allocated for the external tokens, and touches
+      their units for eviction as it is made (:meth:`PrefixLookup.touch`):
+      the workers read them with ``touch=False``, so their processes, whose
+      spare moments are the model's, write no recency. With
       ``load_mode: "async"`` a request's first hit is claimed asynchronously
       and its plan is made at allocation (:meth:`StepPlanner.plan_async_load`:
       vLLM holds the request until a worker reports its load finished, and
@@ -103,8 +106,9 @@ class StepPlanner:
         block ``end``; clears the pending load."""
         start = end - state.pending_load_tokens // self._block_size
         state.pending_load_tokens = 0
-        keys = self._keys(state, end)
-        return BlockTransfer(req_id, tuple(keys[start:end]), tuple(block_ids[start:end]))
+        keys = tuple(self._keys(state, end)[start:end])
+        self._lookup.touch(keys)
+        return BlockTransfer(req_id, keys, tuple(block_ids[start:end]), touched=True)
 
     def _plan_save(
         self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput, req_id: str, num_tokens: int, loaded: set[int],

@@ -241,7 +241,9 @@ class WorkerLoads:
         else:
             rows = staging.numpy()
             buffers = [rows[i, j] for i in range(len(block_keys)) for j in range(len(spans))]
-        ok = self._store.get_into(self._namespace, keys, buffers)
+        # Units the scheduler touched when it planned them are read without
+        # touching: this process writes no recency (PrefixLookup.touch).
+        ok = self._store.get_into(self._namespace, keys, buffers, touch=not all(t.touched for t in loads))
         if all(ok):  # the common case, without a pass per block
             return block_ids, staging, set()
         per_block = len(spans)

@@ -2,7 +2,9 @@
 it evicts (the eviction must see them); otherwise, or when it fails, they
 stay buffered for the maintenance thread, so repeated reads of a block
 between its rounds cost one recency write (real LMDB and RocksDB stores;
-the maintenance thread's interval is an hour, so nothing else writes them)."""
+the maintenance thread's interval is an hour, so nothing else writes them).
+A read with ``touch=False`` counts its hit but leaves recency alone, and
+``Store.touch`` sets recency as a read would, without reading."""
 
 from __future__ import annotations
 
@@ -74,3 +76,48 @@ def test_a_put_that_fails_while_evicting_gives_the_reads_back(store) -> None:
     assert store.stats().hits == 1  # still buffered, not lost
     store._activity.flush_activity()
     assert hits_in_index(store, a) == [1]
+
+
+def _oldest_then_others(store) -> tuple[ucm_db.BlockKeys, list[ucm_db.BlockKeys]]:
+    old = chain(1, 1)
+    store.put(NS, old, [block(0)])
+    others = [chain(10 + j, 1) for j in range(5)]
+    for j, keys in enumerate(others):
+        time.sleep(0.002)
+        store.put(NS, keys, [block(10 + j)])
+    time.sleep(0.002)
+    return old, others
+
+
+def test_a_read_without_touch_counts_the_hit_but_leaves_the_block_oldest(store) -> None:
+    old, others = _oldest_then_others(store)
+    into = bytearray(BLOCK_BYTES)
+    assert store.get_into(NS, old, [into], touch=False) == [True] and into == block(0)
+    assert store.stats().hits == 1
+    store.put(NS, chain(99, 1), [block(99)])  # full: one block must go
+    assert store.lookup(NS, old) == 0  # still the least recently used: the read did not touch it
+    assert [store.lookup(NS, keys) for keys in others] == [1] * 5
+
+
+def test_a_touch_without_a_read_keeps_a_block_as_a_read_would(store) -> None:
+    old, others = _oldest_then_others(store)
+    store.touch(NS, old)  # another process read it (the connector's workers)
+    store.touch(NS, chain(77, 1))  # never stored: skipped when written
+    assert store.stats().hits == 0  # a touch is no read
+    store.put(NS, chain(99, 1), [block(99)])
+    assert store.lookup(NS, old) == 1
+    assert [store.lookup(NS, keys) for keys in others] == [0, 1, 1, 1, 1]
+    assert hits_in_index(store, old) == [1]
+
+
+def test_touch_checks_its_arguments_and_a_read_only_store_keeps_no_touch(store, tmp_path) -> None:
+    with pytest.raises(ucm_db.ConfigError, match="touch takes a sequence of block keys"):
+        store.touch(NS, b"\0" * 32)
+    with pytest.raises(ucm_db.ConfigError):
+        store.touch("not a namespace", chain(1, 1))  # type: ignore[arg-type]
+    old = chain(1, 1)
+    store.put(NS, old, [block(0)])
+    store.close()
+    with ucm_db.open(tmp_path / "s", read_only=True, engine=store.config.engine) as reader:
+        reader.touch(NS, old)
+        assert reader._activity.take().touched == {}

@@ -144,23 +144,31 @@ class Background:
             self._thread.join()
 
     # -- reader activity -----------------------------------------------------------
-    def record_reads(self, keys: Sequence[bytes], results: Sequence[Any]) -> None:
-        """Counts a read's hits (``results[i]`` not None, touching the key)
-        and misses; when many touches are buffered, wakes the maintenance
-        thread to write them. A read never writes (no write transaction, no
-        writer lock): its recency reaches the index through that thread, or
-        a put that evicts."""
-        now = time.time_ns()
+    def record_reads(self, keys: Sequence[bytes], results: Sequence[Any], *, touch: bool = True) -> None:
+        """Counts a read's hits (``results[i]`` not None, touching the key
+        unless ``touch`` is False) and misses; see :meth:`record_touches`."""
         with self._lock:
             activity = self._activity
-            for key, value in zip(keys, results):
-                if value is None:
-                    activity.misses += 1
-                else:
-                    activity.hits += 1
-                    if not self._config.read_only:
-                        activity.touched[key] = now
-            if len(activity.touched) >= ACTIVITY_FLUSH_KEYS and not self._flush_due:
+            hits = sum(value is not None for value in results)
+            activity.hits += hits
+            activity.misses += len(results) - hits
+        if touch:
+            self.record_touches([key for key, value in zip(keys, results) if value is not None])
+
+    def record_touches(self, keys: Sequence[bytes]) -> None:
+        """Marks ``keys`` as read now (recency, per-block hits); when many
+        touches are buffered, wakes the maintenance thread to write them. A
+        read never writes (no write transaction, no writer lock): its
+        recency reaches the index through that thread, or a put that
+        evicts. A read-only store keeps none."""
+        if self._config.read_only or not keys:
+            return
+        now = time.time_ns()
+        with self._lock:
+            touched = self._activity.touched
+            for key in keys:
+                touched[key] = now
+            if len(touched) >= ACTIVITY_FLUSH_KEYS and not self._flush_due:
                 self._flush_due = True
                 self._wake.set()  # the maintenance thread writes them: never the reader
 

@@ -1,11 +1,14 @@
-"""The store's read path: ``lookup``, ``get`` and ``get_into``.
+"""The store's read path: ``lookup``, ``get``, ``get_into`` and ``touch``.
 
 Invariants:
     * Every payload read is verified (header, owning key, checksum) before
       it is reported read; a corrupt block reads as a miss and is
       quarantined with its descendants (by a writable store).
     * Reads never open a write transaction: their activity (LRU touches,
-      hit and miss counts) goes to the maintenance thread.
+      hit and miss counts) goes to the maintenance thread. A caller may
+      read with ``get_into(..., touch=False)`` and touch the blocks from
+      another process (``touch``): that process's maintenance thread then
+      writes their recency, and the reading process buffers counts only.
     * With a remote, local misses read through to it (the remote wing,
       :mod:`ucm_db.remote`), which promotes what it fetches; a lookup waits
       at most its deadline on the remote.
@@ -26,7 +29,7 @@ from ucm_db.tiers.base import Buffer
 
 
 class StoreReads(StoreBase):
-    """``lookup``, ``get`` and ``get_into`` of :class:`~ucm_db.store.Store`."""
+    """``lookup``, ``get``, ``get_into`` and ``touch`` of :class:`~ucm_db.store.Store`."""
 
     def lookup(
         self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = True, remote_deadline_s: float | None = None,
@@ -119,6 +122,7 @@ class StoreReads(StoreBase):
 
     def get_into(
         self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer | list[Buffer] | tuple[Buffer, ...]],
+        *, touch: bool = True,
     ) -> list[bool]:
         """Decodes blocks straight into caller-provided buffers.
 
@@ -129,6 +133,12 @@ class StoreReads(StoreBase):
         (every block's scatter list a slab of each of a few large buffers:
         no Python object per slab). A block that fails may have written
         part of its buffers; its flag is False.
+
+        ``touch=False`` counts the read's hits and misses but leaves the
+        blocks' recency to a :meth:`touch` made elsewhere (the vLLM
+        connector's scheduler touches what it plans its workers to load, so
+        a worker process, whose spare moments are the model's, never writes
+        recency).
 
         Returns:
             For each key, True if ``buffers[i]`` now holds the block.
@@ -180,13 +190,28 @@ class StoreReads(StoreBase):
             flags[i] = True
 
         self._read_through(namespace, keys, flags, decode_fetched, corrupt)
-        done = self._finish_read(keys, flags, corrupt)
+        done = self._finish_read(keys, flags, corrupt, touch=touch)
         return [r is not None for r in done]
 
-    def _finish_read(self, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]]) -> list[Any]:
+    def touch(self, namespace: Namespace, keys: Sequence[bytes]) -> None:
+        """Marks ``keys`` as just read, for eviction (recency, per-block hit
+        counts), as a read of them would, without reading them: a block
+        touched, and its ancestors (prefix invariant), is evicted after
+        blocks read or touched before it. Like a read's, the touch is
+        written by the maintenance thread (or folded into a put that
+        evicts), never in this call, and a key not stored when it is
+        written is skipped. A read-only store keeps no recency. Keys are
+        not checked against ``namespace``: touch only keys it issued."""
+        self._check_open()
+        require_namespace(namespace, "touch")
+        self._activity.record_touches(key_list(keys, "touch"))
+
+    def _finish_read(
+        self, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]], *, touch: bool = True,
+    ) -> list[Any]:
         for key, reason in corrupt:
             self._quarantine(key, reason)
-        self._activity.record_reads(keys, results)
+        self._activity.record_reads(keys, results, touch=touch)
         return results
 
     def _quarantine(self, key: bytes, reason: str) -> None:

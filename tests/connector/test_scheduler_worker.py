@@ -9,6 +9,7 @@ engine.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from ucm_db.connector.metadata import UcmDbConnectorMetadata  # noqa: E402
 from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
-from ucm_db.units import UnitKeys, unit_key  # noqa: E402
+from ucm_db.units import UnitKeys, unit_key, unit_keys_of  # noqa: E402
 
 BS = 32
 NUM_BLOCKS = 64
@@ -378,4 +379,31 @@ def test_blocks_vllm_serves_whole_are_not_saved_again_when_stored(settings: Conn
     assert _admit(sched, fresh, local_tokens=3 * BS) == 0
     meta = sched.build_connector_meta(_new_step(fresh, block_ids, len(tokens) - 3 * BS))
     assert [s.block_ids for s in meta.saves] == [(5, 6, 7)], "blocks the store lacks are saved"
+    sched.shutdown()
+
+
+def test_the_scheduler_touches_what_it_plans_to_load_and_the_worker_reads_without_touching(settings: ConnectorSettings) -> None:
+    """A load's recency is written from the scheduler's process: the
+    worker's store buffers the read's hits but no touches (so its
+    maintenance thread never takes the GIL from the model's thread), and
+    touches a transfer no scheduler touched."""
+    tokens = list(range(1, 5 * BS + 10))
+    _kv_saved, sched, worker, _fresh = restarted(settings, tokens)
+    store = sched._store  # one handle per process: the worker's too
+    store._activity.take()  # the first engine's activity: not this test's
+    req = _request("b", tokens)
+    assert _admit(sched, req) == 5 * BS
+    meta = sched.build_connector_meta(_new_step(req, [10, 11, 12, 13, 14, 15], len(tokens) - 5 * BS))
+    (load,) = meta.loads
+    units = set(unit_keys_of(load.keys, reader_spans(_shape()), grid(_shape())))
+    assert load.touched and len(units) == 5 * len(reader_spans(_shape()))
+    assert set(store._activity.take().touched) == units  # touched when planned, before any worker read
+    worker.start_load(meta)
+    assert worker.take_load_errors() == set()
+    read = store._activity.take()
+    assert (read.hits, read.misses, read.touched) == (len(units), 0, {})
+    worker.start_load(UcmDbConnectorMetadata(loads=[dataclasses.replace(load, touched=False)], step=meta.step + 1))
+    assert worker.take_load_errors() == set()
+    assert set(store._activity.take().touched) == units
+    worker.shutdown()
     sched.shutdown()
