@@ -75,3 +75,13 @@ def test_codec_frames_reports_each_configuration_and_restores_the_group_size() -
 def test_codec_frames_refuses_frames_that_do_not_divide_the_block() -> None:
     result = CliRunner().invoke(codec_frames.command, ["--frame-kib", "24", "--block-kib", "64"])
     assert result.exit_code == 2 and "do not divide" in result.output
+
+
+def test_gil_reports_every_mode_against_the_model_alone() -> None:
+    from ucm_db.tools.bench import gil
+
+    result = CliRunner().invoke(gil.command, ["--units", "64", "--steps", "3", "--repeats", "2", "--hidden", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert set(report["step_s"]) == set(gil.MODES) and report["ratio_to_alone"]["alone"] == 1.0
+    assert all(len(runs) == 2 and min(runs) > 0 for runs in report["runs_s"].values())

@@ -51,7 +51,8 @@ def test_a_put_that_evicts_nothing_leaves_the_reads_buffered_and_repeats_cost_on
     assert store.stats().hits == 6
 
 
-def test_a_put_that_evicts_applies_the_reads_first_so_a_block_just_read_stays(store) -> None:
+def _oldest_then_others(store) -> tuple[ucm_db.BlockKeys, list[ucm_db.BlockKeys]]:
+    """Six one-block chains put 2 ms apart, ``old`` first: the store is full."""
     old = chain(1, 1)
     store.put(NS, old, [block(0)])
     others = [chain(10 + j, 1) for j in range(5)]
@@ -59,6 +60,11 @@ def test_a_put_that_evicts_applies_the_reads_first_so_a_block_just_read_stays(st
         time.sleep(0.002)
         store.put(NS, keys, [block(10 + j)])
     time.sleep(0.002)
+    return old, others
+
+
+def test_a_put_that_evicts_applies_the_reads_first_so_a_block_just_read_stays(store) -> None:
+    old, others = _oldest_then_others(store)
     assert store.get(NS, old)[0] is not None  # the oldest block, read now
     store.put(NS, chain(99, 1), [block(99)])  # full: one block must go
     assert store.lookup(NS, old) == 1  # the read reached the index before the eviction
@@ -76,17 +82,6 @@ def test_a_put_that_fails_while_evicting_gives_the_reads_back(store) -> None:
     assert store.stats().hits == 1  # still buffered, not lost
     store._activity.flush_activity()
     assert hits_in_index(store, a) == [1]
-
-
-def _oldest_then_others(store) -> tuple[ucm_db.BlockKeys, list[ucm_db.BlockKeys]]:
-    old = chain(1, 1)
-    store.put(NS, old, [block(0)])
-    others = [chain(10 + j, 1) for j in range(5)]
-    for j, keys in enumerate(others):
-        time.sleep(0.002)
-        store.put(NS, keys, [block(10 + j)])
-    time.sleep(0.002)
-    return old, others
 
 
 def test_a_read_without_touch_counts_the_hit_but_leaves_the_block_oldest(store) -> None:

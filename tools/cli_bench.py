@@ -34,6 +34,7 @@ BENCHMARKS = {
     "remote-lookup": "ucm_db.tools.bench.remote_lookup:command",
     "pd": "ucm_db.tools.bench.pd:command",
     "load": "ucm_db.tools.bench.load:command",
+    "gil": "ucm_db.tools.bench.gil:command",
 }
 
 

@@ -1,0 +1,122 @@
+"""What a thread beside the model's costs it, in one process.
+
+A vLLM-CPU worker runs the model's forward on one thread: eager PyTorch, a
+Python call per op, and each op gives up the GIL while it computes and must
+win it back. This benchmark times a loop of such small ops (a decode step
+of a 768-wide, 8-layer model at batch 4) alone, and beside one other thread
+of the same process doing, in turn:
+
+* ``recency``: the store's recency writes (``Store.touch`` of a load's
+  units, then ``Store.flush``): Python between LMDB calls, what a worker's
+  maintenance thread ran for every load before the scheduler took the
+  touches over (connector/lookups.py);
+* ``gil-free``: SHA-256 of 1 MiB buffers, C code that releases the GIL for
+  its whole run (as ``batch_loads``' native call and zstd do).
+
+Figures: median seconds per step in each mode (modes take turns within
+each repeat) and the ratio to ``alone`` (1.0: the thread beside cost the
+model nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+import torch
+
+import ucm_db
+from ucm_db.keys import Namespace
+
+_NS = Namespace(model="bench-gil", kv_dtype="bfloat16", block_size=32)
+MODES = ("alone", "recency", "gil-free")
+
+
+def model_step(hidden: int, layers: int) -> Callable[[], None]:
+    """One decode step's worth of small bf16 ops (4 rows x ``hidden``)."""
+    x = torch.randn(4, hidden, dtype=torch.bfloat16)
+    w_in = torch.randn(hidden, 2 * hidden, dtype=torch.bfloat16) / hidden**0.5
+    w_out = torch.randn(2 * hidden, hidden, dtype=torch.bfloat16) / hidden**0.5
+
+    def step() -> None:
+        y = x
+        for _ in range(layers):
+            h = torch.nn.functional.silu(y @ w_in)
+            y = torch.nn.functional.layer_norm(y + h @ w_out, (hidden,))
+    return step
+
+
+def _recency_work(store: ucm_db.Store, keys: list[bytes], stop: threading.Event) -> None:
+    while not stop.is_set():
+        store.touch(_NS, keys)
+        store.flush()
+
+
+def _gil_free_work(stop: threading.Event) -> None:
+    data = bytes(1 << 20)
+    while not stop.is_set():
+        hashlib.sha256(data).digest()
+
+
+def measure(units: int, steps: int, repeats: int, hidden: int, layers: int) -> dict[str, Any]:
+    """Median seconds per step in each mode, and each ratio to ``alone``."""
+    torch.set_num_threads(1)
+    step = model_step(hidden, layers)
+    for _ in range(steps):
+        step()  # warm-up
+    per_mode: dict[str, list[float]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="ucm-bench-gil-") as tmp:
+        with ucm_db.open(tmp, codec="none", capacity_bytes=1 << 30, sync_interval_s=3600.0) as store:
+            keys = list(_NS.block_keys(list(range(32 * units))))
+            store.put(_NS, keys, [b"\0" * 64] * units, parent=None)
+            for _ in range(repeats):
+                for mode in MODES:
+                    stop = threading.Event()
+                    work = {"recency": lambda: _recency_work(store, keys, stop), "gil-free": lambda: _gil_free_work(stop)}
+                    thread = threading.Thread(target=work[mode], daemon=True) if mode in work else None
+                    if thread is not None:
+                        thread.start()
+                        time.sleep(0.05)
+                    started = time.perf_counter()
+                    for _ in range(steps):
+                        step()
+                    per_mode[mode].append((time.perf_counter() - started) / steps)
+                    stop.set()
+                    if thread is not None:
+                        thread.join()
+    medians = {mode: statistics.median(values) for mode, values in per_mode.items()}
+    return {
+        "step_s": medians,
+        "ratio_to_alone": {mode: medians[mode] / medians["alone"] for mode in MODES},
+        "runs_s": per_mode,
+        "units": units, "steps": steps, "repeats": repeats, "hidden": hidden, "layers": layers,
+    }
+
+
+@click.command("gil")
+@click.option("--units", type=click.IntRange(min=1), default=4096, show_default=True, help="keys touched per recency round")
+@click.option("--steps", type=click.IntRange(min=1), default=300, show_default=True, help="model steps per measurement")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="rounds of every mode (medians)")
+@click.option("--hidden", type=click.IntRange(min=8), default=768, show_default=True, help="model width")
+@click.option("--layers", type=click.IntRange(min=1), default=8, show_default=True, help="model layers")
+@click.option("--json", "as_json", is_flag=True, help="print every run as JSON")
+def command(units: int, steps: int, repeats: int, hidden: int, layers: int, as_json: bool) -> None:
+    """A model thread's step time alone and beside store work in one process.
+
+    \b
+    Example:
+        ucm-db bench gil --repeats 5
+    """
+    report = measure(units, steps, repeats, hidden, layers)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for mode in MODES:
+        click.echo(f"{mode:10s} {report['step_s'][mode] * 1e3:8.3f} ms per step  {report['ratio_to_alone'][mode]:.2f}x alone")
