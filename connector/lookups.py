@@ -207,10 +207,10 @@ class PrefixLookup:
         as just read (``Store.touch``), in this process: the scheduler's
         maintenance thread writes their recency, not the workers', whose
         Python would take the GIL from the model's thread (each torch op
-        gives it up and must win it back). A worker's maintenance thread
-        then writes nothing for loads; written within ``sync_interval_s``
-        here, a touch may be too late for a put that evicts meanwhile in
-        a worker, which then treats the block as read when it was planned."""
+        gives it up and must win it back). The touch is written within
+        ``sync_interval_s``; a put in a worker that evicts before then
+        does not see it, and may take a block just loaded (a later
+        request recomputes it: never wrong data)."""
         if block_keys:
             self._store.touch(self._namespace, unit_keys_of(block_keys, self._spans, self._grid))
 
