@@ -16,7 +16,7 @@ COMPILE_ARGS = [] if sys.platform == "win32" else ["-O3"]
 setup(
     ext_modules=[
         Extension(
-            "ucm_db._native", sources=["ucm_db/_native.c", "ucm_db/_native_loads.c"],
+            "ucm_db._native", sources=["ucm_db/_native.c", "ucm_db/_native_loads.c", "ucm_db/_native_plan.c"],
             depends=["ucm_db/_native_kernels.h", "ucm_db/_native_loads.h"], extra_compile_args=COMPILE_ARGS, optional=True,
         ),
     ],

@@ -102,11 +102,15 @@ def test_get_into_slabs_loads_what_the_python_path_loads(tmp_path: Path, codec_n
         assert all(np.array_equal(a, b) for a, b in zip(layers, python_layers))
 
 
+_PLAN_UNITS = native.extension().plan_units if native.extension() is not None else None
+
+
 class _Counting:
     """The extension with ``load_units`` counting the units each call claimed."""
 
     def __init__(self, load_units, calls: list[int]) -> None:
         self._load_units, self._calls = load_units, calls
+        self.plan_units = _PLAN_UNITS
 
     def load_units(self, *args):
         claimed = self._load_units(*args)

@@ -795,6 +795,9 @@ static PyMethodDef native_methods[] = {
     {"load_units", native_load_units, METH_VARARGS,
      "load_units(heads, bodies, kinds, checksums, views, slab_bytes, indices, state, chunk_units, chunk_bytes, /) -> int\n\n"
      "Verifies and writes a batch's units into slabs without the GIL (see _native_loads.c)."},
+    {"plan_units", native_plan_units, METH_VARARGS,
+     "plan_units(keys, stored, heads, metas, namespace_id, raw_tables, below_frame_bytes, format, /) -> tuple[bytes, bytes]\n\n"
+     "The kinds and stored checksums load_units needs for a chunk of a read's units (see _native_plan.c)."},
     {NULL, NULL, 0, NULL},
 };
 

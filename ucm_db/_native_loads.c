@@ -12,7 +12,8 @@
  *   load_units(heads, bodies, kinds, checksums, views, slab_bytes, indices,
  *              state, chunk_units, chunk_bytes) -> int
  *       unit i (head and body: views of the stored block; kinds[i] 1 for a
- *       raw block, 2 for a zstd block of shuffled frames, 0 to skip;
+ *       raw block, 2 for a zstd block of shuffled frames, 0 to skip: its
+ *       head and body are not read and may be None, and it is DECLINED;
  *       checksums[8i:8i+8] its stored XXH3-64, little-endian) is verified
  *       and written into slab indices[i] of each of views (as
  *       copy_into_slabs). state is a bytearray of 8 + n bytes that every
@@ -473,6 +474,9 @@ static int batch_pin(batch_t *b, PyObject *heads, PyObject *bodies, PyObject *ki
         b->index[i] = PyLong_AsSsize_t(PyList_GET_ITEM(indices, i));
         if (b->index[i] == -1 && PyErr_Occurred()) {
             return -1;
+        }
+        if (((const uint8_t *)b->kinds.buf)[i] == KIND_SKIP) {
+            continue;  /* never read: its head and body may be None (plan_units) */
         }
         if (PyObject_GetBuffer(PyList_GET_ITEM(heads, i), &b->heads[i], PyBUF_SIMPLE) < 0) {
             return -1;

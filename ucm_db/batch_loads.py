@@ -1,17 +1,19 @@
 """A read's units verified and written into a KV cache's slabs by one native call per thread, the GIL released.
 
 ``Store.get_into`` into :class:`~ucm_db.slabs.ScatterSlabs` (a connector's
-load straight into the KV cache) plans here, inside its read transaction,
-every unit whose head the fast path of :mod:`ucm_db.raw_loads` takes (raw,
-or zstd of shuffled frames small enough for the caller's thread), then hands
-the whole plan to ``_native.load_units``: one call that hashes and copies
-(or verifies, decompresses and merges) unit after unit without the GIL. A
-codec thread (:meth:`ucm_db.codec_pool.CodecPool.beside`) makes the same
-call beside the caller; both claim units from one shared counter, so a busy
-helper costs the caller nothing but the units it took. Per unit this leaves
-the Python of the head checks and the LMDB reads; before, the copy, the
-hashing and each frame's decode were Python calls too, and two threads
-taking turns at the GIL for each of them ran slower than one.
+load straight into the KV cache) reads its units :data:`FLUSH_UNITS` at a
+time inside its read transaction (``with_blocks``'s ``take_chunk``: three
+list reads of the chunk's values), plans each chunk in one call
+(``_native.plan_units``: every unit whose head the fast path of
+:mod:`ucm_db.raw_loads` takes, raw or zstd of shuffled frames small enough
+for the caller's thread), then hands the plan to ``_native.load_units``: one
+call that hashes and copies (or verifies, decompresses and merges) unit
+after unit without the GIL. A codec thread
+(:meth:`ucm_db.codec_pool.CodecPool.beside`) makes the same call beside the
+caller; both claim units from one shared counter, so a busy helper costs the
+caller nothing but the units it took. Per unit this leaves the LMDB lookups
+and no Python call; a unit the plan declines goes through the per-unit
+path (:meth:`Batch.taker`), and one the load declines to the Python path.
 
 The native path needs XXH3-64 and zstd's decompressor as C functions:
 the import binds them from the xxhash wheel's own shared object (it exports
@@ -43,11 +45,15 @@ from typing import Any, Optional
 import xxhash
 import zstandard
 
-from ucm_db import native
+from ucm_db import codec_format, native
+from ucm_db.codec_format import RAW_TABLES
 from ucm_db.raw_loads import batch_checksum
 from ucm_db.slabs import ScatterSlabs
 
 _KIND_RAW, _KIND_SHUFFLED = 1, 2
+#: The codec's constants ``_native.plan_units`` checks a head against.
+_FORMAT = (codec_format.MAGIC, codec_format.CODEC_FORMAT_VERSION, codec_format.CODEC_IDS["none"],
+           codec_format.CODEC_IDS["zstd"], codec_format.MAX_FRAMES, codec_format.MAX_RAW_BYTES)
 _LOADED = 1
 #: Units each thread claims at a time (a 64 KiB unit takes 10-30 us): a
 #: helper that starts late or stalls leaves the caller at most this many.
@@ -56,10 +62,12 @@ CHUNK_UNITS = 4
 CHUNK_BYTES = 64 << 10
 #: Fewest units worth waking a helper for (its start costs about a unit).
 HELPER_MIN_UNITS = 16
-#: Units planned before they are loaded: a plan keeps two views per unit
-#: alive, and thousands of them would run the garbage collector during a
-#: load (tests/test_scatter_slabs.py); 128 units of 64 KiB are about 2 ms of work.
-FLUSH_UNITS = 128
+#: Units read, planned and loaded at a time: a chunk keeps up to three
+#: LMDB views per unit alive (each a memoryview and its managed buffer, both
+#: tracked by the garbage collector), and past about 700 of them alive the
+#: collector runs during a load (tests/test_scatter_slabs.py); 64 units of
+#: 64 KiB are about 0.6 ms of work.
+FLUSH_UNITS = 64
 
 
 def _library_candidates() -> tuple[list[str], list[str]]:
@@ -72,7 +80,7 @@ def _library_candidates() -> tuple[list[str], list[str]]:
 def _checked_binding() -> bool:
     """Binds the C functions and checks them against xxhash and zstandard."""
     ext = native.extension()
-    if ext is None or os.environ.get("UCM_DB_BATCH_LOADS", "1") == "0" or not hasattr(ext, "bind_loads"):
+    if ext is None or os.environ.get("UCM_DB_BATCH_LOADS", "1") == "0" or not hasattr(ext, "plan_units"):
         return False
     ext.bind_loads(*_library_candidates())
     has_xxh3, has_zstd = ext.loads_bound()
@@ -97,8 +105,9 @@ class Batch:
     :data:`FLUSH_UNITS` at a time as they are read."""
 
     def __init__(self, keys: Sequence[bytes], slabs: ScatterSlabs, below_frame_bytes: int | None, beside: Beside,
-                 declined: Take, results: list[bool | None]) -> None:
-        self._keys = keys
+                 declined: Take, results: list[bool | None], namespace_id: bytes = b"") -> None:
+        self._keys = keys if isinstance(keys, list) else list(keys)
+        self._namespace_id = namespace_id
         self._slabs = slabs
         self._below_frame_bytes = below_frame_bytes
         self._beside = beside
@@ -138,6 +147,45 @@ class Batch:
 
         return take
 
+    def take_chunk(self, start: int, stored: list[Any], heads: list[Any], metas: list[Any] | None) -> Sequence[int]:
+        """``take_chunk`` for ``with_blocks``: plans a chunk of the read's
+        units in one native call (``_native.plan_units``: the checks of
+        ``with_blocks`` and :func:`~ucm_db.raw_loads.batch_checksum`), loads
+        those it takes (a codec thread beside the caller for a large chunk),
+        hands any the load declines to the Python path, and returns the
+        positions it did not plan, for the per-unit path."""
+        n = len(stored)
+        ext = native.extension()
+        assert ext is not None  # AVAILABLE
+        below = -1 if self._below_frame_bytes is None else self._below_frame_bytes
+        kinds, checksums = ext.plan_units(self._keys[start : start + n], stored, heads, metas, self._namespace_id, RAW_TABLES,
+                                          below, _FORMAT)
+        skipped = kinds.count(0)
+        if skipped == n:
+            return range(n)
+        state = bytearray(8 + n)
+        slabs = self._slabs
+        args = (heads, stored, kinds, checksums, slabs.views, slabs.slab_bytes, slabs.indices[start : start + n], state,
+                CHUNK_UNITS, CHUNK_BYTES)
+        join = self._beside(lambda: ext.load_units(*args)) if n - skipped >= HELPER_MIN_UNITS else None
+        try:
+            ext.load_units(*args)
+        finally:
+            if join is not None:
+                join()
+        results = self._results
+        if not skipped and state.count(_LOADED, 8) == n:  # the common case, without a pass per unit
+            results[start : start + n] = [True] * n
+            return ()
+        for k in range(n):
+            if not kinds[k]:
+                continue
+            if state[8 + k] == _LOADED:
+                results[start + k] = True
+            else:
+                self._declined(start + k, memoryview(heads[k]), memoryview(stored[k]))
+        return [k for k in range(n) if not kinds[k]]
+
     def finish(self) -> None:
         """Loads the units planned so far (the caller, and a codec thread
         through ``beside`` for a large plan): ``results[i]`` becomes True
@@ -167,7 +215,7 @@ class Batch:
 
 
 def batch_for(keys: Sequence[bytes], buffers: Any, below_frame_bytes: int | None, beside: Beside, declined: Take,
-              results: list[bool | None]) -> Batch | None:
+              results: list[bool | None], namespace_id: bytes = b"") -> Batch | None:
     """A :class:`Batch` for a read into ``buffers`` (``beside`` starts a
     helper, ``declined(i, head, body)`` takes a unit back to the Python
     path, ``results`` gets True for each unit loaded), or None where the
@@ -175,4 +223,4 @@ def batch_for(keys: Sequence[bytes], buffers: Any, below_frame_bytes: int | None
     :data:`AVAILABLE`)."""
     if not AVAILABLE or not isinstance(buffers, ScatterSlabs) or len(keys) < 2:
         return None
-    return Batch(keys, buffers, below_frame_bytes, beside, declined, results)
+    return Batch(keys, buffers, below_frame_bytes, beside, declined, results, namespace_id)

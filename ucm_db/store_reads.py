@@ -165,24 +165,31 @@ class StoreReads(StoreBase):
         # Raw blocks are copied as they are read (raw_loads), the rest on
         # the codec's path once the batch is read.
         take, raw = raw_loads.raw_taker(keys, buffers, corrupt, shuffled=True, below_frame_bytes=self._codecs.inline_frame_bytes)
-        # Into a KV cache's slabs, the units the fast path takes are loaded
-        # by one native call per thread, batch_loads.FLUSH_UNITS at a time as
-        # they are read; any it declines go the way they went before.
+        # Into a KV cache's slabs, the read's units are planned and loaded
+        # batch_loads.FLUSH_UNITS at a time by native calls (one to plan, one
+        # per thread to load); any they decline go the way they went before.
 
         def declined(i: int, head: memoryview, body: memoryview) -> bool:
             if not take(i, head, body):
                 raw[i] = decode(i, head, body)
             return True
 
-        batch = batch_loads.batch_for(keys, buffers, self._codecs.inline_frame_bytes, self._codecs.beside, declined, raw)
+        namespace_id = namespace.digest[:16]
+        batch = batch_loads.batch_for(keys, buffers, self._codecs.inline_frame_bytes, self._codecs.beside, declined, raw,
+                                      namespace_id)
 
         def decode_all(blocks: list[tuple[memoryview, memoryview] | None]) -> list[Any]:
             if batch is not None:
                 batch.finish()
+            if not any(blocks):  # every block taken or absent: nothing left to decode
+                return raw
             return [r if r is not None else d for r, d in zip(raw, self._codecs.decode_blocks(blocks, decode))]
 
-        results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace.digest[:16],
-                                         take=take if batch is None else batch.taker(take))
+        if batch is None:
+            results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=take)
+        else:
+            results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=batch.taker(take),
+                                             take_chunk=batch.take_chunk, chunk_keys=batch_loads.FLUSH_UNITS)
         flags: list[Any] = [True if r else None for r in results]
 
         def decode_fetched(i: int, blob: Buffer) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 from ucm_db.tiers import damage, namespace_guard, records
 from ucm_db.tiers.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, Totals, parse_description, recount
@@ -22,6 +22,8 @@ from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
 from ucm_db.tiers.index_types import META, BlockMeta, body_of
 
 T = TypeVar("T")
+#: ``take_chunk(start, stored, heads, metas) -> positions not used`` (:meth:`IndexReads.with_blocks`).
+TakeChunk = Callable[[int, list[Any], list[Any], Optional[list[Any]]], Sequence[int]]
 logger = logging.getLogger("ucm_db")
 
 
@@ -97,6 +99,7 @@ class IndexReads(Tier):
     def with_blocks(
         self, keys: Sequence[bytes], fn: Callable[[list[tuple[memoryview, memoryview] | None]], T],
         *, namespace_id: bytes | None = None, take: Callable[[int, memoryview, memoryview], bool] | None = None,
+        take_chunk: TakeChunk | None = None, chunk_keys: int = 128,
     ) -> T:
         """Calls ``fn`` with every key's ``(head, body)`` (None where absent,
         or, given ``namespace_id``, stored under another namespace) inside
@@ -109,17 +112,43 @@ class IndexReads(Tier):
         With ``take``, each block present is first offered to
         ``take(i, head, body)`` as it is read; one it returns True for was
         used up there (its views are not kept) and is None in ``fn``'s list.
+
+        With ``take_chunk`` (a batch's load path: no Python call per block),
+        the keys are read ``chunk_keys`` at a time and each chunk's raw
+        values are offered first: ``take_chunk(start, stored, heads, metas)``
+        gets the chunk's ``blocks``, ``heads`` and (given ``namespace_id``,
+        else None) ``meta`` values, None where absent, and returns the
+        positions in the chunk it did not use up; only those go on as above
+        (namespace check, ``take``, ``fn``'s list), and the chunk's views
+        are dropped before the next chunk is read.
         """
+        def offer(txn: Txn, i: int, key: bytes, stored: Buffer | None, blocks: list[tuple[memoryview, memoryview] | None]) -> None:
+            if stored is None or (namespace_id is not None and not in_namespace(txn.get("meta", key), namespace_id)):
+                return
+            head = memoryview(txn.get("heads", key) or b"")
+            body = body_of(head, memoryview(stored))
+            if take is None or not take(i, head, body):
+                blocks[i] = (head, body)
+
+        def offer_chunk(txn: Txn, start: int, blocks: list[tuple[memoryview, memoryview] | None]) -> None:
+            # The chunk's views are this call's locals: gone before the next
+            # chunk is read, so a large read leaves the collector no work.
+            assert take_chunk is not None
+            chunk = keys[start : start + chunk_keys]
+            stored = txn.get_many("blocks", chunk)
+            left = take_chunk(start, stored, txn.get_many("heads", chunk),
+                              None if namespace_id is None else txn.get_many("meta", chunk))
+            for j in left:
+                offer(txn, start + j, chunk[j], stored[j], blocks)
+
         def run(txn: Txn) -> T:
-            blocks: list[tuple[memoryview, memoryview] | None] = []
-            for i, key in enumerate(keys):
-                stored = txn.get("blocks", key)
-                if stored is None or (namespace_id is not None and not in_namespace(txn.get("meta", key), namespace_id)):
-                    blocks.append(None)
-                    continue
-                head = memoryview(txn.get("heads", key) or b"")
-                body = body_of(head, memoryview(stored))
-                blocks.append(None if take is not None and take(i, head, body) else (head, body))
+            blocks: list[tuple[memoryview, memoryview] | None] = [None] * len(keys)
+            if take_chunk is None:
+                for i, key in enumerate(keys):
+                    offer(txn, i, key, txn.get("blocks", key), blocks)
+                return fn(blocks)
+            for start in range(0, len(keys), chunk_keys):
+                offer_chunk(txn, start, blocks)
             return fn(blocks)
         return self.engine.read(run)
 

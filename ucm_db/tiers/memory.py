@@ -8,7 +8,7 @@ serialises all transactions: simple and obviously correct, not fast.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from ucm_db.tiers.base import TABLES, Buffer, Engine, T
 
@@ -28,6 +28,9 @@ class _MemoryTxn:
         if value is not None:
             return value  # type: ignore[return-value]
         return self._tables[table].get(bytes(key))
+
+    def get_many(self, table: str, keys: Sequence[bytes]) -> list[Buffer | None]:
+        return [self.get(table, key) for key in keys]
 
     def put(self, table: str, key: bytes, value: Buffer) -> None:
         if not self._writable:

@@ -12,7 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import rocksdict
@@ -41,6 +41,9 @@ class RocksTxn:
         if pending is not None:
             return pending  # type: ignore[return-value]
         return self._families[table].get(key)  # type: ignore[no-any-return]
+
+    def get_many(self, table: str, keys: Sequence[bytes]) -> list[Buffer | None]:
+        return [self.get(table, key) for key in keys]
 
     def put(self, table: str, key: bytes, value: Buffer) -> None:
         if not self._writable:

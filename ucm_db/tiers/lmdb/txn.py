@@ -9,7 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lmdb
@@ -40,6 +40,10 @@ class LmdbTxn:
 
     def get(self, table: str, key: bytes) -> Buffer | None:
         return self._txn.get(key, db=self._dbs[table])  # type: ignore[no-any-return]
+
+    def get_many(self, table: str, keys: Sequence[bytes]) -> list[Buffer | None]:
+        get, db = self._txn.get, self._dbs[table]
+        return [get(key, None, db) for key in keys]
 
     def stat(self, table: str) -> Any:
         """LMDB's page counts of ``table`` in this snapshot (``txn.stat``)."""
