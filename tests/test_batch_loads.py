@@ -1,7 +1,8 @@
 """Reads into a KV cache's slabs through one native call per thread (ucm_db.batch_loads).
 
 * The C functions it binds agree with xxhash and zstandard, and the C side's
-  copy of the block layout is the codec's.
+  copy of the block layout is the codec's; XXH3's update is the library's
+  runtime-dispatched one (AVX2 here) where it exports it.
 * ``Store.get_into`` into ``ScatterSlabs`` loads through it exactly the
   bytes the Python path loads, for codec ``none`` and for zstd of shuffled
   frames, with the caller and a codec thread sharing the units.
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -80,6 +82,25 @@ def test_the_bound_functions_agree_with_xxhash_and_zstandard_and_the_layout_matc
     assert (HEADER_BYTES, CHECKSUM_OFFSET, FRAME_STRUCT.size, MODE_SHUFFLE) == (68, 60, 24, 2)
 
 
+def test_xxh3_is_bound_to_the_dispatched_update_which_digests_alike() -> None:
+    """The baseline update is SSE2 only; the dispatched one picks AVX2 where
+    the CPU has it (twice the hash rate): bound whenever the library exports
+    it, and bit-identical across stripe and block boundaries."""
+    import ctypes
+
+    assert batch_loads.AVAILABLE
+    ext = native.extension()
+    library = ctypes.CDLL(batch_loads._library_candidates()[0][0])
+    exported = hasattr(library, "XXH3_64bits_update_dispatch")
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert exported, "the xxhash wheel exports its dispatched functions on x86-64 (xxh_x86dispatch.c)"
+    assert ext.xxh3_update_name() == ("XXH3_64bits_update_dispatch" if exported else "XXH3_64bits_update")
+    data = os.urandom(3 << 20)
+    for size in (0, 1, 16, 63, 64, 65, 239, 240, 241, 1023, 1024, 1025, 65_536, 65_537, 3 << 20):
+        for cut in {0, size // 3, size}:
+            assert ext.xxh3_parts((data[:cut], data[cut:size])) == xxhash.xxh3_64(data[:size]).intdigest(), (size, cut)
+
+
 @pytest.mark.parametrize("codec_name", ["none", "zstd"])
 def test_get_into_slabs_loads_what_the_python_path_loads(tmp_path: Path, codec_name: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +110,8 @@ def test_get_into_slabs_loads_what_the_python_path_loads(tmp_path: Path, codec_n
         store.get_into(_namespace(), keys, slabs)  # first read: the codec path learns the raw tables
         calls: list[int] = []
         load_units = native.extension().load_units
-        monkeypatch.setattr(batch_loads.native, "extension", lambda: _Counting(load_units, calls))
+        counting = _Counting(load_units, calls, meet=True)
+        monkeypatch.setattr(batch_loads.native, "extension", lambda: counting)
         for layer in layers:
             layer[:] = 0
         assert store.get_into(_namespace(), keys, slabs) == [True] * UNITS
@@ -106,13 +128,29 @@ _PLAN_UNITS = native.extension().plan_units if native.extension() is not None el
 
 
 class _Counting:
-    """The extension with ``load_units`` counting the units each call claimed."""
+    """The extension with ``load_units`` counting the units each call claimed.
 
-    def __init__(self, load_units, calls: list[int]) -> None:
+    With ``meet``, the first call waits (up to 10 s) until a second one has
+    begun: on a busy host the caller could otherwise claim every unit before
+    the codec thread starts, and the helper, cancelled unstarted, would
+    never call (the sharing is then untested, not wrong)."""
+
+    def __init__(self, load_units, calls: list[int], meet: bool = False) -> None:
         self._load_units, self._calls = load_units, calls
         self.plan_units = _PLAN_UNITS
+        self._entered = threading.Semaphore(0) if meet else None
+        self._lock = threading.Lock()
+        self._calls_begun = 0
 
     def load_units(self, *args):
+        if self._entered is not None:
+            with self._lock:
+                self._calls_begun += 1
+                first = self._calls_begun == 1
+            if first:
+                assert self._entered.acquire(timeout=10), "no second load_units call began: no helper ran beside the caller"
+            else:
+                self._entered.release()
         claimed = self._load_units(*args)
         self._calls.append(claimed)
         return claimed

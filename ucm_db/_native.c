@@ -786,6 +786,8 @@ static PyMethodDef native_methods[] = {
     {"bind_loads", native_bind_loads, METH_VARARGS,
      "bind_loads(xxh3_paths, zstd_paths, /) -> tuple[str | None, str | None]\n\n"
      "Binds XXH3-64 and the zstd decompressor from the first library of each list that has them."},
+    {"xxh3_update_name", native_xxh3_update_name, METH_NOARGS,
+     "xxh3_update_name() -> str | None\n\nThe XXH3-64 update symbol bind_loads bound (None: unbound)."},
     {"loads_bound", native_loads_bound, METH_NOARGS,
      "loads_bound() -> tuple[bool, bool]\n\nWhether XXH3-64 and zstd are bound."},
     {"xxh3_parts", native_xxh3_parts, METH_VARARGS,

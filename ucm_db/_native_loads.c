@@ -9,6 +9,8 @@
  *       returns the paths bound (None: not bound, load_units declines).
  *       The caller checks the bound functions against the Python modules
  *       before it uses them (ucm_db.batch_loads).
+ *       XXH3's update is the library's runtime-dispatched one where it
+ *       exports it (xxh3_update_name() -> str | None says which is bound).
  *   load_units(heads, bodies, kinds, checksums, views, slab_bytes, indices,
  *              state, chunk_units, chunk_bytes) -> int
  *       unit i (head and body: views of the stored block; kinds[i] 1 for a
@@ -82,6 +84,11 @@ static struct {
     unsigned long long (*content_size)(const void *, size_t);
 } zstd;
 static int xxh_bound, zstd_bound;
+/* The XXH3 update symbol bound: the library's runtime-dispatched one (AVX2
+ * or AVX-512 where the CPU has it) when it exports one, else the baseline
+ * (SSE2 on x86-64), which is half as fast on this project's hosts. */
+static const char *xxh_update_name;
+static const char XXH_UPDATE_DISPATCH[] = "XXH3_64bits_update_dispatch";
 #define ZSTD_SIZE_UNKNOWN (0ULL - 1)
 
 static int bind_symbols(void *lib, const char *const names[], void **slots, int n)
@@ -97,7 +104,8 @@ static int bind_symbols(void *lib, const char *const names[], void **slots, int 
 
 /* The first of paths (a list of str) that opens and exports names; its
  * path as a str, or None. Slots are filled only from that library. */
-static PyObject *bind_first(PyObject *paths, const char *const names[], void **slots, int n, int *bound)
+static PyObject *bind_first(PyObject *paths, const char *const names[], void **slots, int n, int *bound,
+                            const char *preferred, int preferred_at, const char **bound_name)
 {
     PyObject *seq = PySequence_Fast(paths, "paths must be a list of str");
     if (seq == NULL) {
@@ -115,6 +123,15 @@ static PyObject *bind_first(PyObject *paths, const char *const names[], void **s
         }
         void *found[8];
         if (bind_symbols(lib, names, found, n)) {
+            if (preferred != NULL) {
+                /* found[preferred_at] has a variant of the same signature
+                 * and result (the caller checks the digests it gives). */
+                void *variant = dlsym(lib, preferred);
+                *bound_name = variant != NULL ? preferred : names[preferred_at];
+                if (variant != NULL) {
+                    found[preferred_at] = variant;
+                }
+            }
             memcpy(slots, found, (size_t)n * sizeof(void *));
             *bound = 1;
             PyObject *name = PySequence_Fast_GET_ITEM(seq, i);
@@ -142,11 +159,13 @@ PyObject *native_bind_loads(PyObject *module, PyObject *args)
     if (!PY_LITTLE_ENDIAN) { /* the stored format is little-endian: read_u64 below assumes the host is */
         return Py_BuildValue("(OO)", Py_None, Py_None);
     }
-    PyObject *xxh_path = xxh_bound ? Py_NewRef(Py_None) : bind_first(xxh_paths, xxh_names, (void **)&xxh, 5, &xxh_bound);
+    PyObject *xxh_path = xxh_bound ? Py_NewRef(Py_None) : bind_first(xxh_paths, xxh_names, (void **)&xxh, 5, &xxh_bound,
+                                                                           XXH_UPDATE_DISPATCH, 3, &xxh_update_name);
     if (xxh_path == NULL) {
         return NULL;
     }
-    PyObject *zstd_path = zstd_bound ? Py_NewRef(Py_None) : bind_first(zstd_paths, zstd_names, (void **)&zstd, 5, &zstd_bound);
+    PyObject *zstd_path = zstd_bound ? Py_NewRef(Py_None) : bind_first(zstd_paths, zstd_names, (void **)&zstd, 5, &zstd_bound,
+                                                                              NULL, 0, NULL);
     if (zstd_path == NULL) {
         Py_DECREF(xxh_path);
         return NULL;
@@ -159,6 +178,16 @@ PyObject *native_loads_bound(PyObject *module, PyObject *unused)
     (void)module;
     (void)unused;
     return Py_BuildValue("(OO)", xxh_bound ? Py_True : Py_False, zstd_bound ? Py_True : Py_False);
+}
+
+PyObject *native_xxh3_update_name(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    if (!xxh_bound || xxh_update_name == NULL) {
+        Py_RETURN_NONE;
+    }
+    return PyUnicode_FromString(xxh_update_name);
 }
 
 PyObject *native_xxh3_parts(PyObject *module, PyObject *args)

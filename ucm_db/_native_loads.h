@@ -6,6 +6,7 @@
 
 PyObject *native_bind_loads(PyObject *module, PyObject *args);
 PyObject *native_loads_bound(PyObject *module, PyObject *unused);
+PyObject *native_xxh3_update_name(PyObject *module, PyObject *unused);
 PyObject *native_xxh3_parts(PyObject *module, PyObject *args);
 PyObject *native_zstd_decompress(PyObject *module, PyObject *args);
 PyObject *native_load_units(PyObject *module, PyObject *args);
