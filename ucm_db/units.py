@@ -38,6 +38,10 @@ from ucm_db.errors import ConfigError
 from ucm_db.keys import KEY_BYTES, Namespace
 
 _UNIT_PERSON = b"ucm-db/unit"
+#: The unit-key hasher (person set, nothing hashed), copied per key: copying a
+#: ready hasher skips the constructor's keyword parsing and parameter block
+#: (0.6 against 1.1 us a key), as key_chain's block keys do.
+_UNIT_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=_UNIT_PERSON)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +104,8 @@ def unit_key(block_key: bytes, span: UnitSpan, grid: KVGrid) -> bytes:
     """The store key of ``span`` of the block ``block_key`` (see invariants)."""
     if span == grid.whole:
         return block_key
-    h = hashlib.blake2b(block_key, digest_size=KEY_BYTES, person=_UNIT_PERSON)
+    h = _UNIT_HASHER.copy()
+    h.update(block_key)
     h.update(span.tag())
     return h.digest()
 
@@ -108,12 +113,21 @@ def unit_key(block_key: bytes, span: UnitSpan, grid: KVGrid) -> bytes:
 def unit_keys_of(block_keys: Sequence[bytes], spans: Sequence[UnitSpan], grid: KVGrid) -> list[bytes]:
     """Every unit key of ``block_keys`` x ``spans``, block-major (the keys
     of block 0's spans, then block 1's): ``unit_key`` of each, derived in
-    one pass (each span's tag and wholeness found once, one hash call per
-    key: hashing ``key || tag`` in one update is the same digest)."""
-    blake2b = hashlib.blake2b
+    one pass (each span's tag and wholeness found once, one copied hasher
+    per key: hashing ``key || tag`` in one update is the same digest)."""
     tags = [None if span == grid.whole else grid.check(span).tag() for span in spans]
-    return [k if tag is None else blake2b(k + tag, digest_size=KEY_BYTES, person=_UNIT_PERSON).digest()
-            for k in block_keys for tag in tags]
+    new_hasher = _UNIT_HASHER.copy
+    out: list[bytes] = []
+    append = out.append
+    for k in block_keys:
+        for tag in tags:
+            if tag is None:
+                append(k)
+                continue
+            h = new_hasher()
+            h.update(k + tag)
+            append(h.digest())
+    return out
 
 
 class UnitKeys(Sequence[bytes]):
