@@ -102,11 +102,19 @@ class KVGrid:
 
 def unit_key(block_key: bytes, span: UnitSpan, grid: KVGrid) -> bytes:
     """The store key of ``span`` of the block ``block_key`` (see invariants)."""
-    if span == grid.whole:
+    return _keyed(block_key, _tag_in(span, grid))
+
+
+def _tag_in(span: UnitSpan, grid: KVGrid) -> bytes | None:
+    """``span``'s tag, or None for the whole grid (keyed by the block key)."""
+    return None if span == grid.whole else grid.check(span).tag()
+
+
+def _keyed(block_key: bytes, tag: bytes | None) -> bytes:
+    if tag is None:
         return block_key
     h = _UNIT_HASHER.copy()
-    h.update(block_key)
-    h.update(span.tag())
+    h.update(block_key + tag)
     return h.digest()
 
 
@@ -115,7 +123,7 @@ def unit_keys_of(block_keys: Sequence[bytes], spans: Sequence[UnitSpan], grid: K
     of block 0's spans, then block 1's): ``unit_key`` of each, derived in
     one pass (each span's tag and wholeness found once, one copied hasher
     per key: hashing ``key || tag`` in one update is the same digest)."""
-    tags = [None if span == grid.whole else grid.check(span).tag() for span in spans]
+    tags = [_tag_in(span, grid) for span in spans]
     new_hasher = _UNIT_HASHER.copy
     out: list[bytes] = []
     append = out.append
@@ -134,12 +142,13 @@ class UnitKeys(Sequence[bytes]):
     """The unit keys of one span along ``block_keys[start:stop]``, derived
     when read (a lookup's binary search reads O(log n) of them)."""
 
-    __slots__ = ("_block_keys", "_grid", "_span", "_start", "_stop")
+    __slots__ = ("_block_keys", "_grid", "_span", "_tag", "_start", "_stop")
 
     def __init__(self, block_keys: Sequence[bytes], grid: KVGrid, span: UnitSpan, start: int = 0, stop: int | None = None) -> None:
         self._block_keys = block_keys
         self._grid = grid
         self._span = grid.check(span)
+        self._tag = _tag_in(span, grid)  # found once: a lookup's search reads many keys
         self._start = start
         self._stop = len(block_keys) if stop is None else min(stop, len(block_keys))
 
@@ -160,13 +169,13 @@ class UnitKeys(Sequence[bytes]):
             return UnitKeys(self._block_keys, self._grid, self._span, self._start + start, self._start + max(start, stop))
         if index < 0:
             index += len(self)
-        if not 0 <= index < len(self):
+        if not 0 <= index < self._stop - self._start:
             raise IndexError(index)
-        return unit_key(self._block_keys[self._start + index], self._span, self._grid)
+        return _keyed(self._block_keys[self._start + index], self._tag)
 
     def parent(self) -> bytes | None:
         """The unit key before the first one (None at the chain's start)."""
-        return unit_key(self._block_keys[self._start - 1], self._span, self._grid) if self._start else None
+        return _keyed(self._block_keys[self._start - 1], self._tag) if self._start else None
 
 
 def head_range(total_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
