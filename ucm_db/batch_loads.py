@@ -19,7 +19,9 @@ The native path needs XXH3-64 and zstd's decompressor as C functions:
 the import binds them from the xxhash wheel's own shared object (it exports
 its C API), a system ``libxxhash``, a system ``libzstd`` or the zstandard
 wheel's cffi backend, and checks them against the Python modules on sample
-data before :data:`AVAILABLE` turns True. ``UCM_DB_BATCH_LOADS=0`` in the
+data before :data:`AVAILABLE` turns True. XXH3's update is the library's
+runtime-dispatched one (AVX2 or AVX-512 where the CPU has them) wherever it
+is exported, not its SSE2 baseline. ``UCM_DB_BATCH_LOADS=0`` in the
 environment turns the path off (for comparisons).
 
 Invariants:
