@@ -111,6 +111,8 @@ def _tag_in(span: UnitSpan, grid: KVGrid) -> bytes | None:
 
 
 def _keyed(block_key: bytes, tag: bytes | None) -> bytes:
+    """The unit key of ``tag``'s span of ``block_key`` (hashing ``key ||
+    tag`` in one update gives the digest of two updates)."""
     if tag is None:
         return block_key
     h = _UNIT_HASHER.copy()
@@ -121,21 +123,9 @@ def _keyed(block_key: bytes, tag: bytes | None) -> bytes:
 def unit_keys_of(block_keys: Sequence[bytes], spans: Sequence[UnitSpan], grid: KVGrid) -> list[bytes]:
     """Every unit key of ``block_keys`` x ``spans``, block-major (the keys
     of block 0's spans, then block 1's): ``unit_key`` of each, derived in
-    one pass (each span's tag and wholeness found once, one copied hasher
-    per key: hashing ``key || tag`` in one update is the same digest)."""
+    one pass (each span's tag and wholeness found once)."""
     tags = [_tag_in(span, grid) for span in spans]
-    new_hasher = _UNIT_HASHER.copy
-    out: list[bytes] = []
-    append = out.append
-    for k in block_keys:
-        for tag in tags:
-            if tag is None:
-                append(k)
-                continue
-            h = new_hasher()
-            h.update(k + tag)
-            append(h.digest())
-    return out
+    return [_keyed(k, tag) for k in block_keys for tag in tags]
 
 
 class UnitKeys(Sequence[bytes]):
@@ -147,8 +137,8 @@ class UnitKeys(Sequence[bytes]):
     def __init__(self, block_keys: Sequence[bytes], grid: KVGrid, span: UnitSpan, start: int = 0, stop: int | None = None) -> None:
         self._block_keys = block_keys
         self._grid = grid
-        self._span = grid.check(span)
-        self._tag = _tag_in(span, grid)  # found once: a lookup's search reads many keys
+        self._tag = _tag_in(span, grid)  # checks the span; found once: a lookup's search reads many keys
+        self._span = span
         self._start = start
         self._stop = len(block_keys) if stop is None else min(stop, len(block_keys))
 
