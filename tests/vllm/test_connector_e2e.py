@@ -17,6 +17,12 @@ One scenario, run once for the module (engine starts dominate the cost):
    same prompts submitted together (so loads run beside other requests),
    the model bound to one core and one reserved (ucm-db's threads move there).
 
+Every engine here runs in vLLM's own process layout (engine core and worker
+each in a process of their own, ``"processes": "vllm"`` in ``engine_job.py``)
+and compiled: the other engine modules run theirs in one process each, for
+time, so this is the module that checks the connector across vLLM's real
+process boundaries.
+
 Every test below asserts on one part of the results.
 """
 
@@ -61,7 +67,7 @@ def _prompts() -> dict[str, dict[str, Any]]:
 def _spec(model: Path, store: Path | None, names: list[str], **connector: Any) -> dict[str, Any]:
     prompts = _prompts()
     return {
-        "model": str(model), "prefix_caching": False, "max_tokens": MAX_TOKENS,
+        "model": str(model), "prefix_caching": False, "max_tokens": MAX_TOKENS, "processes": "vllm",
         "connector": None if store is None else {"path": str(store), **connector},
         "prompts": [prompts[n] for n in names],
     }
@@ -189,3 +195,9 @@ def test_saves_were_committed_in_the_first_engine(scenario: dict[str, Any]) -> N
     # p1 adds only its blocks past the shared prefix.
     assert after["p1"] - after["p0"] < after["p0"]
     assert store_blocks(scenario["store"]) >= after["pc"]
+
+
+def test_the_engines_ran_in_vllms_own_process_layout(scenario: dict[str, Any]) -> None:
+    for name in ("second", "other", "async"):
+        log = scenario[name]["log"]
+        assert "(EngineCore" in log and "(Worker" in log, name  # vLLM's prefixes of its engine-core and worker processes
