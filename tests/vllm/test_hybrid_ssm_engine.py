@@ -13,7 +13,8 @@ and share the rest: a restarted engine loads the whole blocks of the first
 and a state of the wrong prompt would change its outputs.
 
 One scenario for the module (engine starts dominate the cost), each engine
-in its own process:
+in its own process (vLLM's engine core and worker inside it); 1 and 2 run
+side by side, then 3:
 
 1. ``plain``: no connector: vLLM's KV block count without ucm-db.
 2. ``writer``: ucm-db on an empty store (it loads nothing: the reference,
@@ -86,8 +87,10 @@ def _spec(model: Path, store: Path | None) -> dict[str, Any]:
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("hybrid_ssm")
     model = _build_qwen3_next(work / "qwen3_next")
-    return {name: start_engine_process(_spec(model, store), work, name).wait(timeout_s=600)
-            for name, store in (("plain", None), ("writer", work / "store"), ("restarted", work / "store"))}
+    first = {name: start_engine_process(_spec(model, store), work, name) for name, store in (("plain", None), ("writer", work / "store"))}
+    runs = {name: job.wait(timeout_s=600) for name, job in first.items()}
+    runs["restarted"] = start_engine_process(_spec(model, work / "store"), work, "restarted").wait(timeout_s=600)
+    return runs
 
 
 def test_the_hybrid_manager_stays_on_and_keeps_states_at_block_boundaries(scenario: dict[str, Any]) -> None:
