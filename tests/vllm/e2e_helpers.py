@@ -18,13 +18,6 @@ would shadow the real one).
 * :func:`wait_for_new_blocks`: the connector commits saves from a background
   thread in the worker process; tests wait for the commit before relying on
   a hit.
-* :func:`one_process_engine` / :class:`StoreCounter`: an engine whose core
-  and worker run in this process (no vLLM import in new processes, so it
-  starts in seconds once vLLM is imported here); it holds its store open in
-  this process, where LMDB allows one open, so its store is counted from a
-  child process. :func:`run_in_this_process`: ``engine_job.py``'s result
-  of a spec so run, for an engine whose log no test reads, beside engines
-  in processes of their own.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,80 +121,18 @@ def in_process_engine(spec: dict[str, Any]) -> Iterator[Any]:
         llm.llm_engine.engine_core.shutdown()
 
 
-@contextmanager
-def one_process_engine(spec: dict[str, Any]) -> Iterator[Any]:
-    """:func:`in_process_engine` with vLLM's engine core and worker in this
-    process too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``engine_job.py``'s
-    ``"processes": "one"``). Count its store with a :class:`StoreCounter`."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        with in_process_engine(spec) as llm:
-            yield llm
-
-
-def run_in_this_process(spec: dict[str, Any]) -> dict[str, Any]:
-    """``engine_job.py``'s RESULT for ``spec`` (no "log", "engine_start_s" or
-    "kv_events"), its engine in this process (:func:`one_process_engine`),
-    ``spec["env"]`` set for the engine's life."""
-    import engine_job  # tests/vllm is on sys.path (see the module docstring)
-
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in spec.get("env", {}).items():
-            patch.setenv(name, value)
-        with one_process_engine(spec) as llm:
-            return engine_job.run_spec(llm, spec)
-
-
-_COUNT_LOOP = """
-import sys
-import ucm_db
-for line in sys.stdin:
-    with ucm_db.open(line.strip()) as store:
-        print(store.stats().blocks, flush=True)
-"""
-
-
-class StoreCounter:
-    """Counts a store's blocks in a child process, one store open at a time
-    there: for a store that an engine in this process holds open."""
-
-    def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _COUNT_LOOP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True)
-
-    def __call__(self, path: Path) -> int:
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._proc.stdin.write(f"{path}\n")
-        self._proc.stdin.flush()
-        line = self._proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the store counter stopped (rc={self._proc.wait(10)}) counting {path}")
-        return int(line)
-
-    def __enter__(self) -> StoreCounter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._proc.stdin is not None
-        self._proc.stdin.close()
-        self._proc.wait(30)
-
-
 def store_blocks(path: Path) -> int:
     with ucm_db.open(path) as store:
         return store.stats().blocks
 
 
-def wait_for_new_blocks(path: Path, before: int, timeout_s: float = 60, settle_s: float = 0.5,
-                        count_blocks: Callable[[Path], int] = store_blocks) -> int:
+def wait_for_new_blocks(path: Path, before: int, timeout_s: float = 60, settle_s: float = 0.5) -> int:
     """Waits until the store holds more than ``before`` blocks and the count
-    has not changed for ``settle_s``; returns the count. ``count_blocks``
-    counts them (a :class:`StoreCounter` where this process has the store
-    open)."""
+    has not changed for ``settle_s``; returns the count."""
     deadline = time.monotonic() + timeout_s
     last, since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        count = count_blocks(path)
+        count = store_blocks(path)
         if count != last:
             last, since = count, time.monotonic()
         elif count > before and time.monotonic() - since >= settle_s:

@@ -89,14 +89,6 @@ def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None, batch: 
     return {**result, "logprobs": tops} if logprobs else result
 
 
-def run_spec(llm, spec: dict) -> dict:
-    """RESULT of ``spec``'s prompts on ``llm`` (less "engine_start_s" and "kv_events")."""
-    result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8), batch=spec.get("batch", False),
-                         logprobs=spec.get("logprobs"))
-    result["num_kv_blocks"] = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0)
-    return result
-
-
 def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -125,7 +117,9 @@ def main() -> int:
     llm = make_engine(spec)
     start_s = time.perf_counter() - started
     try:
-        result = run_spec(llm, spec)
+        result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8), batch=spec.get("batch", False),
+                             logprobs=spec.get("logprobs"))
+        result["num_kv_blocks"] = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0)
         if subscriber is not None:
             result["kv_events"] = subscriber.collect(lambda ids: run_prompts(llm, [{"ids": ids}], 2), events)
     finally:

@@ -11,8 +11,8 @@ outputs differ, so a wrong load of those blocks would show.
 
 One scenario for the module (engine starts dominate the cost), each engine
 in its own process (vLLM's engine core and worker inside it, except for 6,
-which keeps vLLM's own process layout; 1 runs in this one); 1-3 run side by
-side, then 4 and 5, then 6:
+which keeps vLLM's own process layout); 1-3 run side by side, then 4 and 5,
+then 6:
 
 1. ``plain``: no connector: vLLM's KV block count without ucm-db.
 2. ``reference``: ucm-db on an EMPTY store (it loads nothing): the outputs
@@ -51,7 +51,7 @@ from typing import Any
 
 import pytest
 
-from e2e_helpers import BLOCK_SIZE, run_in_this_process, start_engine_process
+from e2e_helpers import BLOCK_SIZE, start_engine_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -133,9 +133,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # damaged), each on its own copy of what the writer left; then composed,
     # alone, since its KV events must see only its own writes.
     first = {name: start_engine_process(_spec(model, store), work, name)
-             for name, store in (("reference", work / "empty"), ("writer", work / "store"))}
-    runs = {"plain": run_in_this_process(_spec(model, None))}  # beside them; no test reads its log
-    runs.update({name: job.wait(timeout_s=900) for name, job in first.items()})
+             for name, store in (("plain", None), ("reference", work / "empty"), ("writer", work / "store"))}
+    runs = {name: job.wait(timeout_s=900) for name, job in first.items()}
     _damage_a_block_of_the_first_prompt(shutil.copytree(work / "store", work / "damaged"))
     second = {name: start_engine_process(_spec(model, work / store), work, name)
               for name, store in (("restarted", "store"), ("damaged", "damaged"))}

@@ -5,12 +5,10 @@ are planned and copied; ``handle_preemptions`` keeps saves off freed blocks.
 Then a restarted engine loads what was stored: every loaded block must give
 the outputs of recompute.
 
-Engines, each with vLLM's engine core and worker in its process:
-``reference`` (in this process; ucm-db on an empty store of its own, a
-roomy KV cache: nothing preempted, nothing loaded; a connector is
-configured so the numerics are the same code path, README), ``tight`` (a
-new process; the small KV cache, store S) at the same time, then
-``restarted`` (a new process) on store S.
+Engines (new processes): ``reference`` (ucm-db on an empty store of its
+own, a roomy KV cache: nothing preempted, nothing loaded; a connector is
+configured so the numerics are the same code path, README), ``tight`` (the
+small KV cache, store S) at the same time, then ``restarted`` on store S.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import pytest
 
 from ucm_db import maintenance
 
-from e2e_helpers import BLOCK_SIZE, run_in_this_process, start_engine_process
+from e2e_helpers import BLOCK_SIZE, start_engine_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -46,9 +44,9 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     model, _ = tiny_models
     work = tmp_path_factory.mktemp("preempt")
     store = work / "store"
+    reference = start_engine_process(_spec(model, work / "reference-store"), work, "reference")
     tight = start_engine_process(_spec(model, store, num_gpu_blocks_override=KV_BLOCKS), work, "tight")
-    results = {"reference": run_in_this_process(_spec(model, work / "reference-store"))}  # beside tight
-    results["tight"] = tight.wait()
+    results = {"reference": reference.wait(), "tight": tight.wait()}
     results["restarted"] = start_engine_process(_spec(model, store), work, "restarted").wait()
     results["verify"] = maintenance.verify(store)
     return results

@@ -4,9 +4,7 @@ engines, each in its own process (issue 10).
 TP=2 runs on this 2-core machine with one core per rank
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``).
 float32, so that TP=1 and TP=2 compute the same greedy tokens. Five
-engines, two at a time where they do not depend on each other (the TP=1
-ones in this process, vLLM's engine core and worker too, beside a TP=2 one
-in processes of its own):
+engines, two at a time where they do not depend on each other:
 
 1. ``ref1`` / ``ref2``: TP=1 and TP=2, every prompt, ucm-db as a consumer of
    an empty store (it loads and saves nothing, e2e_helpers).
@@ -31,7 +29,7 @@ import ucm_db
 from ucm_db.keys import Namespace
 from ucm_db.units import KVGrid, unit_key
 
-from e2e_helpers import BLOCK_SIZE, reference_engine_kwargs, run_in_this_process, start_engine_process
+from e2e_helpers import BLOCK_SIZE, reference_engine_kwargs, start_engine_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -76,12 +74,12 @@ def runs(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactor
     work = tmp_path_factory.mktemp("tp")
     store = work / "store"
     both = ["a", "b"]
+    ref1 = start_engine_process(_reference(model, 1, work / "empty1", both), work, "ref1")
     write2 = start_engine_process(_spec(model, 2, store, ["a"]), work, "write2")
-    out: dict[str, Any] = {"ref1": run_in_this_process(_reference(model, 1, work / "empty1", both))}
-    out["write2"] = write2.wait(WAIT_S)
+    out: dict[str, Any] = {"write2": write2.wait(WAIT_S), "ref1": ref1.wait(WAIT_S)}
     ref2 = start_engine_process(_reference(model, 2, work / "empty2", both), work, "ref2")
-    out["read1"] = run_in_this_process(_spec(model, 1, store, both))
-    out["ref2"] = ref2.wait(WAIT_S)
+    read1 = start_engine_process(_spec(model, 1, store, both), work, "read1")
+    out.update(read1=read1.wait(WAIT_S), ref2=ref2.wait(WAIT_S))
     out["read2"] = start_engine_process(_spec(model, 2, store, ["b", "a"]), work, "read2").wait(WAIT_S)
     for name in ("ref1", "ref2"):
         out[name]["by_prompt"] = dict(zip(both, out[name]["outputs"]))
