@@ -8,7 +8,10 @@ would shadow the real one).
   ``save_pretrained`` (no hub access); different seeds give different models.
 * :func:`start_engine_process` / :meth:`EngineProcess.wait`: one engine in a
   NEW process (``engine_job.py``), output to a log file (an engine writing to
-  a pipe nobody reads can hang).
+  a pipe nobody reads can hang). The process is a fork of one server that
+  imported vLLM once for the session (``engine_forkserver.py``: about 20 s
+  of CPU less per engine on a 2-core host); ``UCM_DB_TEST_ENGINE_FORKS=0``
+  starts each job as ``python engine_job.py`` instead.
 * :func:`in_process_engine`: one engine in the pytest process; always shut
   down with ``llm.llm_engine.engine_core.shutdown()``.
 * :func:`reference_engine_kwargs`: what makes an engine a reference: ucm-db
@@ -36,6 +39,7 @@ from typing import Any
 import pytest
 
 import ucm_db
+from engine_forkserver import ForkedJob, forks_wanted, session_server
 
 HERE = Path(__file__).resolve().parent
 ENGINE_JOB = HERE / "engine_job.py"
@@ -73,7 +77,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 class EngineProcess:
     """A running ``engine_job.py``."""
 
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedJob
     result_path: Path
     log_path: Path
 
@@ -98,10 +102,15 @@ def reference_engine_kwargs(empty_store: Path) -> dict[str, Any]:
 
 
 def start_engine_process(spec: dict[str, Any], work_dir: Path, name: str) -> EngineProcess:
-    """Starts one engine in a new process (see ``engine_job.py`` for ``spec``)."""
+    """Starts one engine in a new process (see ``engine_job.py`` for ``spec``):
+    a fork of the session's fork server unless ``UCM_DB_TEST_ENGINE_FORKS=0``
+    or the spec's ``env`` names a variable read at import time."""
     spec_path = work_dir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     result_path, log_path = work_dir / f"{name}.result.json", work_dir / f"{name}.log"
+    if forks_wanted(spec.get("env", {})):
+        job = session_server().start([str(ENGINE_JOB), str(spec_path), str(result_path)], log_path)
+        return EngineProcess(job, result_path, log_path)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, str(ENGINE_JOB), str(spec_path), str(result_path)],

@@ -7,7 +7,9 @@ SPEC: {"model": dir, "connector": {extra config} | null, "prefix_caching": bool,
        "dtype": str, "block_size": int, "tp": int, "env": {name: value},
        "enforce_eager": bool, "engine_kwargs": {more LLM(...) arguments},
        "processes": "one" (default) | "vllm"}
-("env" is set before vLLM is imported: e.g. the TP=2 CPU thread binding.
+("env" is set before the engine starts, e.g. the TP=2 CPU thread binding; the
+ tests run this script as a fork of a server that imported vLLM already
+ (engine_forkserver.py) unless "env" names a variable other than VLLM_*.
 "enforce_eager" skips torch.compile: about 20 s less per engine start here;
 the connector's own e2e module keeps vLLM's default, compiled.)
 ("processes": "one" runs vLLM's engine core, and at TP=1 its worker, inside

@@ -1,14 +1,15 @@
 """Helpers of the prefill/decode tests (issue 11).
 
-The offline engine job (a producer or consumer engine in its own process,
-:func:`start_job`) lives with the PD benchmark in
-:mod:`ucm_db.tools.bench.pd_engine` and is re-exported here; its figures are
-``ucm-db bench pd``.
+The offline engine job (a producer or consumer engine in its own process)
+lives with the PD benchmark in :mod:`ucm_db.tools.bench.pd_engine`; its
+figures are ``ucm-db bench pd``. :func:`start_job` here starts it as a fork
+of the session's preloaded server (``engine_forkserver.py``).
 
-Here, the HTTP side: :func:`build_text_model` (a tiny model with a locally
+Here too, the HTTP side: :func:`build_text_model` (a tiny model with a locally
 trained tokenizer and chat template), :class:`ServerProcess` (one
 ``python -m vllm.entrypoints.openai.api_server`` or proxy, output to a file,
-stopped with SIGINT to its process group).
+stopped with SIGINT to its process group; a fork of the session's preloaded
+server, ``engine_forkserver.py``, as the engine jobs are).
 """
 
 from __future__ import annotations
@@ -23,9 +24,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine_forkserver import ForkedJob, forks_wanted, session_server
+from ucm_db.tools.bench import pd_engine
 from ucm_db.tools.bench.pd_engine import (  # noqa: F401 - re-exported for the tests
-    BLOCK_SIZE, CONNECTOR, TP2_ENV, JobProcess, remote_files, run_job, start_job, transfer_config,
+    BLOCK_SIZE, CONNECTOR, TP2_ENV, JobProcess, remote_files, run_job, transfer_config,
 )
+
+
+def start_job(spec: dict[str, Any], work_dir: Path, name: str) -> JobProcess:
+    """``pd_engine.start_job`` (``python -m ucm_db.tools.bench.pd_engine SPEC RESULT``
+    in a new process group), as a fork of the session's preloaded server
+    where ``spec["env"]`` allows (``engine_forkserver.forks_wanted``)."""
+    added = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **spec.get("env", {})}
+    if not forks_wanted(added):
+        return pd_engine.start_job(spec, work_dir, name)
+    spec_path = work_dir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path, log_path = work_dir / f"{name}.result.json", work_dir / f"{name}.log"
+    job = session_server().start(["-m", pd_engine.__name__, str(spec_path), str(result_path)], log_path,
+                                 env={**os.environ, **added}, new_session=True)
+    return JobProcess(job, result_path, log_path)  # type: ignore[arg-type] - ForkedJob has the Popen calls JobProcess makes
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -33,13 +51,17 @@ from ucm_db.tools.bench.pd_engine import (  # noqa: F401 - re-exported for the t
 class ServerProcess:
     """An HTTP server in its own process group, output to ``log_path``."""
 
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedJob
     url: str
     log_path: Path
 
     @classmethod
     def start(cls, args: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> ServerProcess:
-        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **(env or {})}
+        added = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **(env or {})}
+        full_env = {**os.environ, **added}
+        if forks_wanted(added):
+            job = session_server().start(args, log_path, env=full_env, new_session=True)
+            return cls(job, f"http://127.0.0.1:{port}", log_path)
         with log_path.open("wb") as log:
             proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=full_env, start_new_session=True)
