@@ -1,6 +1,7 @@
 """``dev.py``'s set-up does what its docstrings and the README say: torch with
-pip first (no bytecode compiled), the rest with uv, and pip instead where uv
-fails; the unwanted CUDA packages removed; the stamp written last.
+pip first (its bytecode compiled afterwards on every core), the rest with uv
+(bytecode compiled), and pip instead where uv fails; the unwanted CUDA
+packages removed; the stamp written last.
 
 The commands are recorded, not run (``dev.run`` replaced): a failing uv is a
 fault these machines cannot produce on demand (PyPI answers here), and a real
@@ -27,7 +28,7 @@ def _dev(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, uv_fails: bool) -> tup
     spec.loader.exec_module(dev)
     calls: list[list[str]] = []
 
-    def run(*args: str) -> None:
+    def run(*args: str, check: bool = True, quiet: bool = False) -> None:
         calls.append(list(args))
         if uv_fails and args[1:3] == ("-m", "uv"):
             raise subprocess.CalledProcessError(2, list(args))
@@ -48,7 +49,9 @@ def test_setup_installs_torch_with_pip_then_the_rest_with_uv(monkeypatch: pytest
     steps = _installs(calls)
     assert calls[0][1:4] == ["-m", "pip", "install"] and steps[0].endswith("--no-compile torch==2.13.0")
     assert calls[2][1:5] == ["-m", "uv", "pip", "install"] and steps[2].endswith(f"-e {ROOT}[vllm,dev]")
-    assert calls[-1][1:4] == ["-m", "pip", "uninstall"] and set(dev.UNWANTED) <= set(calls[-1])
+    assert "--compile-bytecode" in calls[2]
+    assert calls[-2][1:4] == ["-m", "pip", "uninstall"] and set(dev.UNWANTED) <= set(calls[-2])
+    assert calls[-1][1:3] == ["-m", "compileall"] and Path(calls[-1][-1]).name == "torch"
     assert not any(c[1:3] == ["-m", "pip"] and c[-1].endswith("[vllm,dev]") for c in calls)
     assert (tmp_path / "stamp").read_text() == dev.install_stamp()
 
@@ -60,7 +63,8 @@ def test_setup_falls_back_to_pip_where_uv_fails(monkeypatch: pytest.MonkeyPatch,
     assert "installing with uv failed" in capsys.readouterr().out
     pip_project = [c for c in calls if c[1:4] == ["-m", "pip", "install"] and c[-1] == f"{ROOT}[vllm,dev]"]
     assert len(pip_project) == 1
-    assert calls.index(pip_project[0]) < len(calls) - 1 and calls[-1][1:4] == ["-m", "pip", "uninstall"]
+    assert calls.index(pip_project[0]) < len(calls) - 2 and calls[-2][1:4] == ["-m", "pip", "uninstall"]
+    assert calls[-1][1:3] == ["-m", "compileall"]
     assert (tmp_path / "stamp").read_text() == dev.install_stamp()
 
 
