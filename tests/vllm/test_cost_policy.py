@@ -27,11 +27,7 @@ The story, one prompt at a time:
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +35,8 @@ import numpy as np
 import pytest
 
 import ucm_db
+
+from e2e_helpers import without_request_proxies
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -61,30 +59,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 
-@contextlib.contextmanager
-def _without_request_proxies() -> Iterator[None]:
-    """Hides, while an in-process engine starts, the modules that hold a
-    werkzeug ``LocalProxy`` (flask's ``request``, ``current_app``: imported
-    here by moto's S3 server in earlier tests of the same process). vLLM's
-    CPU platform scans every module's globals with ``hasattr`` when it starts
-    a worker, and such a proxy raises outside a request. Nothing of ucm-db
-    is involved; a separate engine process would not see those modules."""
-    try:
-        from werkzeug.local import LocalProxy
-    except ImportError:
-        yield
-        return
-    hidden = {}
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) or {}
-        if any(type(value) is LocalProxy for value in list(namespace.values())):
-            hidden[name] = sys.modules.pop(name)
-    try:
-        yield
-    finally:
-        sys.modules.update(hidden)
-
-
 def test_remote_hit_slower_than_recompute_is_recomputed_faster_one_loaded(
     tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -105,7 +79,7 @@ def test_remote_hit_slower_than_recompute_is_recomputed_faster_one_loaded(
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    with _without_request_proxies():
+    with without_request_proxies():
         llm = LLM(
             model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=2048,
             max_num_seqs=2, enable_prefix_caching=True, seed=0, enforce_eager=True,

@@ -1,4 +1,5 @@
-"""KV cache events through vLLM's own ZMQ publisher (one CPU engine).
+"""KV cache events through vLLM's own ZMQ publisher (one CPU engine, its
+core and worker in this process).
 
 A subscriber in this process (a SUB socket, then vLLM's replay endpoint for
 anything it missed) builds a router's view of STORAGE blocks (vLLM's own
@@ -30,7 +31,7 @@ import zmq  # noqa: E402
 from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 import ucm_db  # noqa: E402
-from e2e_helpers import BLOCK_SIZE, in_process_engine, wait_for_new_blocks  # noqa: E402
+from e2e_helpers import BLOCK_SIZE, StoreCounter, one_process_engine, wait_for_new_blocks  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -172,13 +173,13 @@ def test_subscriber_view_equals_the_store(tiny_models: tuple[Path, Path], tmp_pa
 
     engine_job.make_engine = make_with_events
     try:
-        with in_process_engine(spec) as llm:
+        with StoreCounter() as count_blocks, one_process_engine(spec) as llm:
             # 10 prompts of 5 blocks (32 KB each) into 1 MiB: the oldest are evicted.
             prompts = [{"ids": [(p * 37 + i) % 997 + 3 for i in range(5 * BLOCK_SIZE + 1)]} for p in range(10)]
             before = 0
             for prompt in prompts:
                 engine_job.run_prompts(llm, [prompt], max_tokens=2)
-            before = wait_for_new_blocks(store_path, before)
+            before = wait_for_new_blocks(store_path, before, count_blocks=count_blocks)
             other = subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(store_path)], capture_output=True, text=True, timeout=120)
             assert other.returncode == 0, other.stderr
             assert int(other.stdout) > 0  # the store evicted

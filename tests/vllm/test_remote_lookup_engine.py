@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_cost_policy import _without_request_proxies  # noqa: E402
+from e2e_helpers import without_request_proxies  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -42,7 +42,7 @@ def test_background_lookups_let_misses_run_and_load_hits_whole(tmp_path: Path, m
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    with _without_request_proxies():
+    with without_request_proxies():
         llm = LLM(
             model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=2048,
             max_num_seqs=4, enable_prefix_caching=True, seed=0, enforce_eager=True,

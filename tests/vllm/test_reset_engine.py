@@ -5,8 +5,9 @@ one), and what is computed again is stored again and served.
 
 One scenario for the module (engine starts dominate the cost):
 
-1. ``first`` (this process): prompts Q1, Q2, Q3 stored; Q1 hits; reset;
-   Q1 again: 0 hit tokens, stored again; Q1 once more: hits.
+1. ``first`` (this process, vLLM's engine core and worker too): prompts
+   Q1, Q2, Q3 stored; Q1 hits; reset; Q1 again: 0 hit tokens, stored again;
+   Q1 once more: hits.
 2. ``second`` (new process, ``first`` still up, same store): Q2: 0 hit
    tokens (stored before the reset), stored again.
 3. ``restarted`` (new process after ``first`` shut down): Q3 (never stored
@@ -23,7 +24,7 @@ import pytest
 
 import ucm_db
 
-from e2e_helpers import BLOCK_SIZE, in_process_engine, start_engine_process, wait_for_new_blocks
+from e2e_helpers import BLOCK_SIZE, StoreCounter, one_process_engine, start_engine_process, wait_for_new_blocks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -50,7 +51,7 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     store = work / "store"
     prompts = _prompts()
     first: dict[str, Any] = {}
-    with in_process_engine(_spec(model, store, [])) as llm:
+    with StoreCounter() as count_blocks, one_process_engine(_spec(model, store, [])) as llm:
         import engine_job  # imported by in_process_engine
 
         def run(name: str) -> tuple[int, list[int]]:
@@ -60,11 +61,11 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
         blocks = 0
         for name in ("q1", "q2", "q3"):
             first[f"{name}_stored"] = run(name)
-            blocks = wait_for_new_blocks(store, blocks)
+            blocks = wait_for_new_blocks(store, blocks, count_blocks=count_blocks)
         first["q1_before_reset"] = run("q1")
         first["reset"] = llm.reset_prefix_cache(reset_connector=True)
         first["q1_after_reset"] = run("q1")
-        blocks = wait_for_new_blocks(store, blocks)
+        blocks = wait_for_new_blocks(store, blocks, count_blocks=count_blocks)
         first["q1_stored_again"] = run("q1")
         second = start_engine_process(_spec(model, store, ["q2"]), work, "second").wait()
     restarted = start_engine_process(_spec(model, store, ["q3", "q1", "q2"]), work, "restarted").wait()
