@@ -86,10 +86,6 @@ def _preload() -> None:
         importlib.import_module(name)
 
 
-def _exit_code(status: int) -> int:
-    return os.waitstatus_to_exitcode(status)
-
-
 def _run_job(request: dict, listener: socket.socket, conn: socket.socket) -> None:
     """In the forked child: becomes ``python ARGV`` (``request["argv"]``: a
     script and its arguments, or ``-m MODULE`` and its) and never returns."""
@@ -169,7 +165,7 @@ def serve(socket_path: str, preload: bool = True) -> None:
                 break
             conn = jobs.pop(pid)
             try:
-                conn.sendall(f"{_exit_code(status)}\n".encode())
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
             except OSError:
                 pass  # the client stopped waiting
             conn.close()
