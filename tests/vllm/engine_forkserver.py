@@ -183,6 +183,12 @@ def forks_wanted(env_added: dict[str, str]) -> bool:
     return os.environ.get("UCM_DB_TEST_ENGINE_FORKS", "1") != "0" and forkable_env(env_added)
 
 
+def fork_launch(args: list[str], log_path: Path, env: dict[str, str]) -> ForkedJob:
+    """``pd_engine.Launch`` through :func:`session_server`: ``python *args``
+    forked with that environment, leading a new process group."""
+    return session_server().start(args, log_path, env=env, new_session=True)
+
+
 def session_server() -> EngineForkServer:
     """The test session's preloaded server, started on first use and stopped at exit."""
     global _SESSION_SERVER

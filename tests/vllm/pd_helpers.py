@@ -18,32 +18,29 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_forkserver import ForkedJob, forks_wanted, session_server
+from engine_forkserver import fork_launch, forks_wanted
 from ucm_db.tools.bench import pd_engine
 from ucm_db.tools.bench.pd_engine import (  # noqa: F401 - re-exported for the tests
     BLOCK_SIZE, CONNECTOR, TP2_ENV, JobProcess, remote_files, run_job, transfer_config,
 )
 
 
+def launcher(env_added: dict[str, str]) -> pd_engine.Launch:
+    """How a job whose caller adds ``env_added`` (over ``pd_engine.JOB_ENV``)
+    starts: a fork of the session's preloaded server where
+    ``engine_forkserver.forks_wanted`` allows, else a new interpreter."""
+    return fork_launch if forks_wanted({**pd_engine.JOB_ENV, **env_added}) else pd_engine.popen_launch
+
+
 def start_job(spec: dict[str, Any], work_dir: Path, name: str) -> JobProcess:
-    """``pd_engine.start_job`` (``python -m ucm_db.tools.bench.pd_engine SPEC RESULT``
-    in a new process group), as a fork of the session's preloaded server
-    where ``spec["env"]`` allows (``engine_forkserver.forks_wanted``)."""
-    added = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **spec.get("env", {})}
-    if not forks_wanted(added):
-        return pd_engine.start_job(spec, work_dir, name)
-    spec_path = work_dir / f"{name}.spec.json"
-    spec_path.write_text(json.dumps(spec))
-    result_path, log_path = work_dir / f"{name}.result.json", work_dir / f"{name}.log"
-    job = session_server().start(["-m", pd_engine.__name__, str(spec_path), str(result_path)], log_path,
-                                 env={**os.environ, **added}, new_session=True)
-    return JobProcess(job, result_path, log_path)  # type: ignore[arg-type] - ForkedJob has the Popen calls JobProcess makes
+    """``pd_engine.start_job`` (``python -m ucm_db.tools.bench.pd_engine SPEC
+    RESULT`` in a new process group) through :func:`launcher`."""
+    return pd_engine.start_job(spec, work_dir, name, launcher(spec.get("env", {})))
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -51,29 +48,23 @@ def start_job(spec: dict[str, Any], work_dir: Path, name: str) -> JobProcess:
 class ServerProcess:
     """An HTTP server in its own process group, output to ``log_path``."""
 
-    proc: subprocess.Popen[bytes] | ForkedJob
+    proc: pd_engine.StartedJob
     url: str
     log_path: Path
 
     @classmethod
     def start(cls, args: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> ServerProcess:
-        added = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **(env or {})}
-        full_env = {**os.environ, **added}
-        if forks_wanted(added):
-            job = session_server().start(args, log_path, env=full_env, new_session=True)
-            return cls(job, f"http://127.0.0.1:{port}", log_path)
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=full_env, start_new_session=True)
-        return cls(proc, f"http://127.0.0.1:{port}", log_path)
+        """``python *args`` through :func:`launcher`, with ``pd_engine.JOB_ENV`` and ``env`` added."""
+        full_env = {**os.environ, **pd_engine.JOB_ENV, **(env or {})}
+        return cls(launcher(env or {})(args, log_path, full_env), f"http://127.0.0.1:{port}", log_path)
 
     def wait_healthy(self, timeout_s: float) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.log_path.name} exited rc={self.proc.returncode}:\n{self.log()[-4000:]}")
+            if (rc := self.proc.poll()) is not None:
+                raise AssertionError(f"{self.log_path.name} exited rc={rc}:\n{self.log()[-4000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return

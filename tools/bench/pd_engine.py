@@ -48,7 +48,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import click
 
@@ -186,11 +186,38 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the parent's side ----------------------------------------------------------------
+#: What every job's environment adds to the parent's (before ``spec["env"]``).
+JOB_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+class StartedJob(Protocol):
+    """What :class:`JobProcess` uses of a started job (``subprocess.Popen`` has it)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+#: Starts ``python *args`` with output to the log path and that whole
+#: environment, leading a new process group (:meth:`JobProcess.kill` takes
+#: the group down).
+Launch = Callable[[list[str], Path, dict[str, str]], StartedJob]
+
+
+def popen_launch(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The default :data:`Launch`: a new interpreter."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+
 @dataclass
 class JobProcess:
     """A running engine job; :meth:`wait` returns its result with its log."""
 
-    proc: subprocess.Popen[bytes]
+    proc: StartedJob
     result_path: Path
     log_path: Path
 
@@ -214,15 +241,14 @@ class JobProcess:
             self.proc.wait(30)
 
 
-def start_job(spec: dict[str, Any], work_dir: Path, name: str) -> JobProcess:
-    """Starts :func:`run_job` on ``spec`` in a new process group; ``spec["env"]`` adds to its environment."""
+def start_job(spec: dict[str, Any], work_dir: Path, name: str, launch: Launch = popen_launch) -> JobProcess:
+    """Starts :func:`run_job` on ``spec`` through ``launch`` (``python -m`` this
+    module); :data:`JOB_ENV`, then ``spec["env"]``, add to its environment."""
     spec_path = work_dir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     result_path, log_path = work_dir / f"{name}.result.json", work_dir / f"{name}.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **spec.get("env", {})}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", __name__, str(spec_path), str(result_path)], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    env = {**os.environ, **JOB_ENV, **spec.get("env", {})}
+    proc = launch(["-m", __name__, str(spec_path), str(result_path)], log_path, env)
     return JobProcess(proc, result_path, log_path)
 
 
