@@ -42,9 +42,10 @@ class EventSubscriber:
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
 
-        from e2e_helpers import wait_for_new_blocks
+        from e2e_helpers import StoreCounter, wait_for_new_blocks
 
-        wait_for_new_blocks(Path(events["settle_store"]), 0)
+        with StoreCounter() as count_blocks:  # the engine may hold the store open in this process
+            wait_for_new_blocks(Path(events["settle_store"]), 0, count_blocks=count_blocks)
         # Held saves commit at the next step, their events are published a step later: three requests.
         for ids in ([5, 6, 7], [5, 6, 8], [5, 6, 9]):
             drive(ids)

@@ -10,9 +10,8 @@ full-attention layers see the different blocks, and the reference's
 outputs differ, so a wrong load of those blocks would show.
 
 One scenario for the module (engine starts dominate the cost), each engine
-in its own process (vLLM's engine core and worker inside it, except for 6,
-which keeps vLLM's own process layout); 1-3 run side by side, then 4 and 5,
-then 6:
+in its own process (vLLM's engine core and worker inside it); 1-3 run side
+by side, then 4 and 5, then 6:
 
 1. ``plain``: no connector: vLLM's KV block count without ucm-db.
 2. ``reference``: ucm-db on an EMPTY store (it loads nothing): the outputs
@@ -100,8 +99,7 @@ def _composed_spec(model: Path, empty: Path, filled: Path) -> dict[str, Any]:
             ports.append(int(s.getsockname()[1]))
     multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
              "kv_connector_extra_config": {"connectors": [_ucm_db_child(empty), _ucm_db_child(filled)]}}
-    # vLLM's own process layout: the job's subscriber reads the store while the engine holds it open.
-    return {**_spec(model, None), "engine_kwargs": {"kv_transfer_config": multi}, "processes": "vllm",
+    return {**_spec(model, None), "engine_kwargs": {"kv_transfer_config": multi},
             "kv_events": {"pub_port": ports[0], "replay_port": ports[1], "settle_store": str(empty)}}
 
 

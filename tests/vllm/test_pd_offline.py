@@ -8,9 +8,11 @@ case (one store directory) is tests/vllm/test_pd_http.py.
   returns. Before that, each prompt under a salt of its own: the reference
   (one engine, no disaggregation, nothing loaded).
 * ``consumer``: ``kv_consumer`` on its own store S2 with remote R: it sees
-  the producer's blocks only through R. vLLM's engine core and worker run
-  inside its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: two imports of
-  vLLM fewer); the producer keeps vLLM's own process layout.
+  the producer's blocks only through R.
+
+vLLM's engine core and worker run inside each job's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: two imports of vLLM fewer each);
+tests/vllm/test_pd_http.py runs both roles in vLLM's own process layout.
 
 The consumer runs a prompt as soon as its params appear, so a
 read-after-write gap (an upload not finished when the producer answered)
@@ -49,13 +51,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     remote = f"file://{root / 'remote'}"
     params = root / "params.jsonl"
     common = {"model": str(model), "dtype": "float32", "prompts": _prompts(), "max_tokens": MAX_TOKENS,
-              "enforce_eager": True, "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+              "enforce_eager": True, "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
     s2 = str(root / "s2")
     jobs = {
         "producer": start_job({**common, "role": "kv_producer", "params_out": str(params),
                                "connector": {"path": str(root / "s1"), "remote": remote, "publish": "remote"}}, root, "producer"),
         "consumer": start_job({**common, "role": "kv_consumer", "params_in": str(params),
-                               "env": {**common["env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                                "connector": {"path": s2, "remote": remote, "load_deadline_s": 60}}, root, "consumer"),
     }
     try:

@@ -9,8 +9,8 @@ runs :func:`run_job` on the spec (``spec["role"]``):
 * ``kv_producer``: each prompt with ``max_tokens=1`` (what the PD proxy
   sends prefill), appending ``{"i": i, "params": kv_transfer_params}`` to
   ``spec["params_out"]`` (JSON lines) as soon as its ``generate`` returns,
-  then records the store's block count (``blocks_after_publish``). Before
-  that, unless ``spec["reference"]`` is false, it runs every prompt with
+  then counts the files of its remote (``remote_files``). Before that,
+  unless ``spec["reference"]`` is false, it runs every prompt with
   ``max_tokens`` under a salt of its own (keys no hit can match: a
   recomputation, the reference outputs).
 * ``kv_consumer``: starts its engine at once, then for each prompt waits for
@@ -23,7 +23,7 @@ runs :func:`run_job` on the spec (``spec["role"]``):
 torch.compile: a faster start, for the tests.
 
 RESULT: {"outputs": [[ids]], "cached": [num_cached_tokens], "params": [...],
-"latency_s": [...], "blocks_after_publish": int | None, "reference": [[ids]],
+"latency_s": [...], "remote_files": int (producers), "reference": [[ids]],
 "publish_wait_s", "save_copy_s", "save_commit_s": [...] (producers with ``spec["stats"]``)}.
 
 Invariants:
@@ -108,14 +108,6 @@ def _save_counters_s() -> dict[str, float]:
     return {key: publish_wait_total_s(metric=name) for key, name in SAVE_METRICS.items()}
 
 
-def store_blocks(path: str) -> int:
-    """Blocks the store at ``path`` holds."""
-    import ucm_db
-
-    with ucm_db.open(path) as store:
-        return int(store.stats().blocks)
-
-
 def remote_files(url: str | None) -> int:
     """Files under a ``file://`` remote tier (0 without one)."""
     if not url:
@@ -165,12 +157,12 @@ def _consume(llm: Any, spec: dict[str, Any], i: int, ids: list[int], result: dic
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine in ``spec["role"]`` over ``spec["prompts"]`` (see the module docstring)."""
     llm = _engine(spec)
-    result: dict[str, Any] = {"outputs": [], "cached": [], "params": [], "latency_s": [], "blocks_after_publish": None,
-                              "reference": [], "publish_wait_s": []}
+    result: dict[str, Any] = {"outputs": [], "cached": [], "params": [], "latency_s": [], "reference": [],
+                              "publish_wait_s": []}
     producer = spec["role"] == "kv_producer"
     try:
         if producer and spec.get("reference", True):
-            # First, so that every write of the producer precedes blocks_after_publish.
+            # First, so that every write of the producer precedes remote_files.
             for ids in spec["prompts"]:
                 result["reference"].append(list(_generate(llm, ids, spec["max_tokens"], salt="reference").outputs[0].token_ids))
         for i, ids in enumerate(spec["prompts"]):
@@ -178,7 +170,6 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
             result["outputs"].append(list(out.outputs[0].token_ids))
             result["cached"].append(int(out.num_cached_tokens or 0))
         if producer:
-            result["blocks_after_publish"] = store_blocks(spec["connector"]["path"])
             result["remote_files"] = remote_files(spec["connector"].get("remote"))
     finally:
         llm.llm_engine.engine_core.shutdown()
