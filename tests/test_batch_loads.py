@@ -10,7 +10,7 @@
   and a unit the native path declines (a table not seen yet, zstd frames
   that are not shuffled) still loads by the Python path.
 * ``CodecPool.beside`` cancels a helper that has not started, so a caller
-  never waits for a busy pool.
+  never waits for a busy pool, and drops what the helper held at once.
 * ``UCM_DB_BATCH_LOADS=0`` turns the native path off.
 * ``load_units`` rejects batches of the wrong shape, and the claimed-units
   counter makes every unit one thread's.
@@ -18,11 +18,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -210,19 +212,35 @@ def test_batch_checksum_reads_the_head_once_and_refuses_what_the_fast_path_refus
     assert raw_loads.batch_checksum(zhead, len(zbody), key, len(raw)) is None  # frames for the codec threads
 
 
+class _Held:
+    """An object a weak reference can watch."""
+
+
 def test_beside_cancels_a_helper_that_has_not_started() -> None:
     pool = CodecPool(1)
+    release = threading.Event()
     try:
-        release = threading.Event()
         busy = pool.beside(release.wait)  # the pool's one thread is now taken
         ran: list[int] = []
-        join = pool.beside(lambda: ran.append(1))
+        chunk = _Held()  # stands for a chunk's views of a read transaction
+
+        def helper(held: _Held = chunk) -> None:
+            ran.append(1)
+
+        join = pool.beside(helper)
         assert join is not None and busy is not None
+        alive = weakref.ref(chunk)
+        del chunk, helper
         join()  # returns at once: cancelled, never waits for the busy thread
+        gc.collect()
+        # The cancelled job still waits in the pool's queue, but holds nothing
+        # (under load, views held that way ran the collector during loads).
+        assert alive() is None
         release.set()
         busy()
         assert ran == []
     finally:
+        release.set()
         pool.shutdown()
     assert CodecPool(0).beside(lambda: None) is None
 

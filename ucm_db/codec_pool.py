@@ -97,13 +97,19 @@ class CodecPool:
         has not started yet, else waits for it and re-raises its error. A
         caller sharing work with ``fn`` (:mod:`ucm_db.batch_loads`) joins
         once its own share is done, so it never waits for a thread that is
-        busy elsewhere."""
+        busy elsewhere. A cancelled ``fn`` is dropped at once: the queue
+        keeps only an empty shell until a thread reaches it, so nothing
+        ``fn`` holds (a chunk's views of a read transaction) outlives the
+        join."""
         if self._pool is None:
             return None
-        future = self._pool.submit(fn)
+        held = [fn]
+        future = self._pool.submit(lambda: held[0]())
 
         def join() -> None:
-            if not future.cancel():
+            if future.cancel():
+                held.clear()  # never runs now
+            else:
                 future.result()
 
         return join
