@@ -2,9 +2,15 @@
 
 ``--long`` enables the long soak / crash modes (marker ``long``); without it
 those tests are deselected, and the README's test command runs the rest.
+
+Where the collected modules imported vLLM, vLLM inspects model classes in
+this process (tests/vllm_inspection.py): a new interpreter per architecture
+otherwise.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -22,3 +28,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if "vllm" in sys.modules:
+        from vllm_inspection import inspect_in_process
+
+        inspect_in_process()

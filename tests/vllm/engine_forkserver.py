@@ -25,7 +25,9 @@ what it does not:
   time would be read too early. The tests add ``VLLM_*`` variables only,
   which vLLM reads when it uses them (``vllm.envs``), and
   :func:`forkable_env` is the rule the clients apply before they fork: any
-  other name added starts a new process instead.
+  other name added starts a new process instead;
+* vLLM inspects a new model class in place, not in a new interpreter
+  (tests/vllm_inspection.py: the same answer, in the same cache).
 
 The clients: ``e2e_helpers.start_engine_process`` (``engine_job.py``),
 ``pd_helpers.start_job`` (``python -m ucm_db.tools.bench.pd_engine``) and
@@ -81,9 +83,12 @@ def forkable_env(env: dict[str, str]) -> bool:
 def _preload() -> None:
     import importlib
 
-    sys.path.insert(0, str(HERE))
+    sys.path[:0] = [str(HERE), str(HERE.parent)]
     for name in PRELOAD:
         importlib.import_module(name)
+    from vllm_inspection import inspect_in_process  # tests/, beside tests/vllm
+
+    inspect_in_process()  # forks inspect new model classes in place
 
 
 def _run_job(request: dict, listener: socket.socket, conn: socket.socket) -> None:
