@@ -105,13 +105,10 @@ def main() -> int:
     events = spec.get("kv_events")
     subscriber = None
     if events is not None:
-        from kv_events_job import EventSubscriber  # tests/vllm, beside this script
+        from kv_events_job import EventSubscriber, events_config  # tests/vllm, beside this script
 
         subscriber = EventSubscriber(events["pub_port"])
-        spec.setdefault("engine_kwargs", {})["kv_events_config"] = {
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events['pub_port']}",
-            "replay_endpoint": f"tcp://*:{events['replay_port']}", "topic": "",
-        }
+        spec.setdefault("engine_kwargs", {})["kv_events_config"] = events_config(events["pub_port"], events["replay_port"])
     started = time.perf_counter()
     llm = make_engine(spec)
     start_s = time.perf_counter() - started

@@ -1,8 +1,8 @@
 """KV cache events through vLLM's own ZMQ publisher (one CPU engine, its
 core and worker in this process).
 
-A subscriber in this process (a SUB socket, then vLLM's replay endpoint for
-anything it missed) builds a router's view of STORAGE blocks (vLLM's own
+A subscriber in this process (kv_events_job.EventSubscriber: a SUB socket,
+then vLLM's replay endpoint for anything it missed) builds a router's view of STORAGE blocks (vLLM's own
 GPU/CPU-medium events are ignored) while the engine serves prompts into a
 store too small for them (evictions), and a second process writes evented
 blocks into the same store and namespace (evicting the engine's) and
@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -26,12 +25,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
-from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 
 import ucm_db  # noqa: E402
 from e2e_helpers import BLOCK_SIZE, StoreCounter, one_process_engine, wait_for_new_blocks  # noqa: E402
+from kv_events_job import EventSubscriber, events_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -42,68 +40,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Subscriber:
-    """Collects (seq, batch) from vLLM's PUB socket on a thread."""
-
-    def __init__(self, endpoint: str) -> None:
-        self._ctx = zmq.Context.instance()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(endpoint)
-        self.batches: dict[int, bytes] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._sub.poll(100):
-                _topic, seq, payload = self._sub.recv_multipart()
-                self.batches[int.from_bytes(seq, "big")] = payload
-
-    def replay_missing(self, replay_endpoint: str) -> int:
-        """Asks vLLM's replay endpoint for every batch from seq 0; keeps the
-        ones the SUB socket missed (slow joiner); returns how many."""
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.connect(replay_endpoint)
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        missed = 0
-        while True:
-            assert dealer.poll(30_000), "no reply from vLLM's replay endpoint"
-            _, _topic, seq_bytes, payload = dealer.recv_multipart()
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if seq < 0:
-                break
-            if seq not in self.batches:
-                self.batches[seq] = payload
-                missed += 1
-        dealer.close(linger=0)
-        return missed
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sub.close(linger=0)
-
-    def storage_view(self) -> tuple[set[object], dict[str, int]]:
-        """vLLM hashes of STORAGE blocks after every batch, in seq order,
-        and the count of each STORAGE event type."""
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        view: set[object] = set()
-        counts: dict[str, int] = {}
-        assert sorted(self.batches) == list(range(len(self.batches))), "a gap in the publisher's sequence"
-        for seq in sorted(self.batches):
-            for event in decoder.decode(self.batches[seq]).events:
-                if isinstance(event, AllBlocksCleared):
-                    view.clear()  # vLLM's own resets clear its own media too; ours are followed by the inventory
-                elif getattr(event, "medium", None) != MEDIUM_STORAGE:
-                    continue  # vLLM's own-medium events
-                counts[type(event).__name__] = counts.get(type(event).__name__, 0) + 1
-                if isinstance(event, BlockStored):
-                    view.update(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    view.difference_update(event.block_hashes)
-        return view, counts
+def _storage_view(events: list[object]) -> tuple[set[object], dict[str, int]]:
+    """vLLM hashes of STORAGE blocks after every event, in publishing order,
+    and the count of each STORAGE event type."""
+    view: set[object] = set()
+    counts: dict[str, int] = {}
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            view.clear()  # vLLM's own resets clear its own media too; ours are followed by the inventory
+        elif getattr(event, "medium", None) != MEDIUM_STORAGE:
+            continue  # vLLM's own-medium events
+        counts[type(event).__name__] = counts.get(type(event).__name__, 0) + 1
+        if isinstance(event, BlockStored):
+            view.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            view.difference_update(event.block_hashes)
+    return view, counts
 
 
 _OTHER_WRITER = textwrap.dedent("""
@@ -147,31 +99,11 @@ def test_subscriber_view_equals_the_store(tiny_models: tuple[Path, Path], tmp_pa
     spec = {
         "model": str(model), "connector": {"path": str(store_path), "capacity_bytes": 1 << 20},
         "prefix_caching": True, "block_size": BLOCK_SIZE, "enforce_eager": True, "max_tokens": 2,
+        "engine_kwargs": {"kv_events_config": events_config(pub, replay)},
     }
-    subscriber = Subscriber(f"tcp://127.0.0.1:{pub}")
     import engine_job  # tests/vllm is on sys.path
 
-    real_make = engine_job.make_engine
-
-    def make_with_events(spec: dict) -> object:
-        from vllm import LLM
-
-        original = LLM.__init__
-
-        def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            kwargs["kv_events_config"] = {
-                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                "replay_endpoint": f"tcp://*:{replay}", "topic": "",
-            }
-            original(self, *args, **kwargs)
-
-        LLM.__init__ = init  # type: ignore[method-assign]
-        try:
-            return real_make(spec)
-        finally:
-            LLM.__init__ = original  # type: ignore[method-assign]
-
-    engine_job.make_engine = make_with_events
+    subscriber = EventSubscriber(pub)
     try:
         with StoreCounter() as count_blocks, one_process_engine(spec) as llm:
             # 10 prompts of 5 blocks (32 KB each) into 1 MiB: the oldest are evicted.
@@ -188,11 +120,10 @@ def test_subscriber_view_equals_the_store(tiny_models: tuple[Path, Path], tmp_pa
             time.sleep(1.0)
             engine_job.run_prompts(llm, [{"ids": [5, 6, 8]}], max_tokens=2)
             time.sleep(1.0)
-            subscriber.replay_missing(f"tcp://127.0.0.1:{replay}")
+            subscriber.replay_missing(replay)
     finally:
-        engine_job.make_engine = real_make
         subscriber.close()
-    view, counts = subscriber.storage_view()
+    view, counts = _storage_view(subscriber.events())
     held = _store_view(store_path)
     print(f"STORAGE events {counts}; store holds {len(held)} evented blocks")
     assert counts["BlockStored"] >= 50 + 12 and counts["BlockRemoved"] > 0  # the engine's 50 blocks, the other's 12
