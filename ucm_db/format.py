@@ -105,10 +105,21 @@ def open_lmdb_read_only(path: Path, *, map_size_bytes: int = MIN_MAP_BYTES, max_
                       check_pages=check_pages)
 
 
-def engine_for_config(path: Path, config: StoreConfig) -> Engine:
+def engine_shape(config: StoreConfig) -> tuple[str, bool, int]:
+    """What of ``config`` the engine is built with: ``(engine, sync,
+    initial map bytes)``. A store whose adopted settings give another shape
+    than the engine it opened is opened again (see
+    :func:`ucm_db.store_opening.open_store`)."""
+    return config.engine, config.durability == "sync", configured_map_bytes(config)
+
+
+def engine_for_config(path: Path, config: StoreConfig, *, check_pages: bool | None = None) -> Engine:
     """The engine :class:`~ucm_db.Store` opens for ``config`` at ``path``
-    (``read_only``: writing nothing, see :class:`~ucm_db.tiers.lmdb.LmdbEngine`)."""
-    check_pages = config.check_on_open == "pages"
+    (``read_only``: writing nothing, see :class:`~ucm_db.tiers.lmdb.LmdbEngine`).
+    ``check_pages``: LMDB's page check before the first map (default: as
+    ``config.check_on_open`` says; False where this process just checked)."""
+    if check_pages is None:
+        check_pages = config.check_on_open == "pages"
     if config.read_only and config.engine == "lmdb":
         return open_lmdb_read_only(path, map_size_bytes=configured_map_bytes(config), max_readers=config.max_readers,
                                    check_pages=check_pages)

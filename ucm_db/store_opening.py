@@ -11,20 +11,29 @@ Invariants:
       leaves, so e.g. ``migrate`` in this same process can take it.
     * The info records are read (or, for a new store, written) through
       :mod:`ucm_db.format`, in one transaction.
+    * The engine runs with the settings the store runs with: an existing
+      store opened without ``durability`` is opened ``sync`` first (always
+      safe: a sync open of a group store rolls back, records and pins as a
+      group open does) and, where its recorded settings give the engine
+      another shape (group durability, another map size), opened again
+      with them before anything is written (issue 46: a recorded ``sync``
+      store reopened without options ran MDB_NOSYNC and lost acked puts).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ucm_db.auth import AuthKeys, load_keys
 from ucm_db.config import PERSISTED_FIELDS, StoreConfig
 from ucm_db.errors import ConfigError, TierError
-from ucm_db.format import check_format_version, check_persisted_settings, engine_for_config, open_records, seal_format_records
+from ucm_db.format import (
+    check_format_version, check_persisted_settings, engine_for_config, engine_shape, open_records, seal_format_records,
+)
 from ucm_db.storelock import StoreLock, ensure_store_dir, hold_shared
 from ucm_db.store_path import detect_engine_checked, permission_error, store_path
 from ucm_db.tiers.accounting import seal_records
@@ -75,11 +84,18 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
     # Keeps compact/migrate from rewriting files under us (read-only: creating nothing).
     dir_lock = hold_shared(path, read_only=read_only)
     config = StoreConfig.from_dict(explicit)
+    # The durability is not known before the records are read: the first
+    # engine of an existing store is a sync one (module invariants).
+    opened_as_recorded = read_only or existing is None or "durability" in explicit
+    first = config if opened_as_recorded else replace(config, durability="sync")
     engine: Engine | None = None
     try:
-        engine = engine_for_config(path, config)
+        engine = engine_for_config(path, first)
         tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
         config = adopt_settings(engine, config, explicit, path)
+        if not read_only and engine_shape(config) != engine_shape(first):
+            engine = reopened(engine, path, config)
+            tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
     except BaseException as exc:
         # A refused store (format, settings, lock) is let go at once, so
         # e.g. `migrate` in this same process can take it.
@@ -91,6 +107,20 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
         raise
     tier.capacity_bytes = config.capacity_bytes
     return OpenedStore(path, config, engine, tier, dir_lock, auth_keys)
+
+
+def reopened(engine: Engine, path: Path, config: StoreConfig) -> Engine:
+    """``engine`` closed and opened again as ``config`` says. The first open
+    checked the pages and made any recovery: the new engine skips the page
+    check and reports what the first open found (``recovery``, ``rollback``)."""
+    reports = {name: getattr(engine, name) for name in ("recovery", "rollback") if hasattr(engine, name)}
+    engine.close()
+    engine = engine_for_config(path, config, check_pages=False)
+    if reports:
+        engine.read(lambda txn: None)  # opens it now, so its own (empty) reports are in place first
+        for name, report in reports.items():
+            setattr(engine, name, report)
+    return engine
 
 
 def adopt_settings(engine: Engine, config: StoreConfig, explicit: Mapping[str, Any], path: Path) -> StoreConfig:

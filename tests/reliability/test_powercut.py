@@ -11,6 +11,14 @@ system drops every unsynced page, or a random subset of them at random
 versions), and reopens the store in a fresh process under a new boot id (what
 a reboot looks like to ucm-db) to check it against the log:
 
+Each durability mode is reached by every opening path (``OPENINGS``): the
+option passed to :func:`ucm_db.open`; the store created with it and every
+later writer opening it without options, as the CLI does (the recorded
+setting); and the connector's ``kv_connector_extra_config`` without
+``durability``, parsed by the connector's own settings code. Issue 46: a
+``sync`` store reopened without options ran unsynced and lost every acked
+block at the cut.
+
 * ``sync``: every acknowledged block is there and whole;
 * ``group``: every block acknowledged before the last completed sync is there
   and whole;
@@ -42,8 +50,9 @@ from .powercut import PowerCutMount
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.crash, pytest.mark.slow]
 
-CUTS = 100          # per durability: 200 per normal run
-LONG_CUTS = 1000     # per durability with --long: 2000
+OPENINGS = ("explicit", "recorded", "connector")
+CUTS = 34           # per durability and opening path: 204 per normal run
+LONG_CUTS = 334     # per durability and opening path with --long: 2004
 CYCLES_PER_STORE = 8
 MAX_WRITE_S = 0.1
 OPTIONS = {"capacity_bytes": 1 << 30, "sync_interval_s": 0.05, "encode_threads": 0, "map_size_bytes": 1 << 20}  # the map grows under the cuts
@@ -66,10 +75,25 @@ def _payloads(keys: list[bytes]) -> list[bytes]:
     return [payload_for(k, size_for(k, 512, 24 << 10)) for k in keys]
 
 
-def _writer(store_path: str, durability: str, log_path: Path, boot: str, cycle: int) -> None:
+def _open_for_writing(store_path: str, durability: str, opening: str) -> ucm_db.Store:
+    """The store opened as ``opening`` says (module docstring). A new store
+    is always created with ``durability``: that is what it records."""
+    if opening == "explicit" or not Path(store_path).exists():
+        return ucm_db.open(store_path, durability=durability, **OPTIONS)
+    unrecorded = {k: v for k, v in OPTIONS.items() if k != "capacity_bytes"}
+    if opening == "recorded":
+        return ucm_db.open(store_path, **unrecorded)
+    from ucm_db.connector.settings import ConnectorSettings
+
+    settings = ConnectorSettings.from_extra_config({"path": store_path, **unrecorded})
+    assert "durability" not in settings.store_options
+    return ucm_db.open(settings.path, **settings.store_options)
+
+
+def _writer(store_path: str, durability: str, opening: str, log_path: Path, boot: str, cycle: int) -> None:
     os.environ[BOOT_ID_ENV] = boot
     rng = random.Random()
-    store = ucm_db.open(store_path, durability=durability, **OPTIONS)
+    store = _open_for_writing(store_path, durability, opening)
     _log(log_path, "O")  # opened (the parent times most cuts from here)
     for i in range(10_000):
         label = f"c{cycle}-{i}"
@@ -143,7 +167,7 @@ def _check(store_path: str, durability: str, log_path: Path, boot: str, result_p
     result_path.write_text(json.dumps(result))
 
 
-def _run_cuts(tmp_path: Path, durability: str, cuts: int) -> dict[str, Any]:
+def _run_cuts(tmp_path: Path, durability: str, cuts: int, opening: str = "explicit") -> dict[str, Any]:
     mount_dir = tmp_path / "mnt"
     totals: dict[str, Any] = {"cuts": 0, "durable_blocks_checked": 0, "acked_after_last_sync": 0,
                               "acked_after_last_sync_missing": 0, "rollbacks": 0, "unsynced_pages_dropped": 0,
@@ -159,7 +183,7 @@ def _run_cuts(tmp_path: Path, durability: str, cuts: int) -> dict[str, Any]:
             assert store_path is not None and log_path is not None
             writer_log = tmp_path / "writer.log"
             log_bytes = log_path.stat().st_size if log_path.exists() else 0
-            pid = fork_call(_writer, store_path, durability, log_path, f"boot-{cycle}", cycle, log_path=writer_log)
+            pid = fork_call(_writer, store_path, durability, opening, log_path, f"boot-{cycle}", cycle, log_path=writer_log)
             if cycle % 2:  # every other cut while writing (however slow the machine), the others from the start
                 deadline = time.monotonic() + 30
                 while (not log_path.exists() or log_path.stat().st_size == log_bytes) and time.monotonic() < deadline:
@@ -178,7 +202,7 @@ def _run_cuts(tmp_path: Path, durability: str, cuts: int) -> dict[str, Any]:
                              log_path=check_log, timeout_s=120)
             assert code == 0, f"cut {cycle} ({mode}): reopening the store failed:\n{tail(check_log)}"
             result = json.loads(result_path.read_text())
-            where = f"cut {cycle} ({durability}, {mode} cut)"
+            where = f"cut {cycle} ({durability} opened {opening}, {mode} cut)"
             assert result["wrong"] == [], f"{where}: wrong bytes served: {result['wrong'][:5]}"
             assert result["torn"] == [], f"{where}: puts half there: {result['torn'][:5]}"
             assert result["lost"] == [], f"{where}: acknowledged durable blocks lost: {result['lost'][:5]}"
@@ -191,13 +215,14 @@ def _run_cuts(tmp_path: Path, durability: str, cuts: int) -> dict[str, Any]:
             totals["acked_after_last_sync_missing"] += result["acked_not_durable_missing"]
             totals["rollbacks"] += result["rolled_back"]
     totals["wall_s"] = round(time.monotonic() - started, 1)
-    print(f"\npower cuts ({durability}): {json.dumps(totals)}")
+    print(f"\npower cuts ({durability}, opened {opening}): {json.dumps(totals)}")
     return totals
 
 
+@pytest.mark.parametrize("opening", OPENINGS)
 @pytest.mark.parametrize("durability", ["sync", "group"])
-def test_power_cuts_lose_nothing_beyond_the_durability_contract(tmp_path: Path, durability: str) -> None:
-    totals = _run_cuts(tmp_path, durability, CUTS)
+def test_power_cuts_lose_nothing_beyond_the_durability_contract(tmp_path: Path, durability: str, opening: str) -> None:
+    totals = _run_cuts(tmp_path, durability, CUTS, opening)
     assert totals["cuts"] == CUTS
     assert totals["durable_blocks_checked"] > 0, "no cut found durable blocks to check: the writer never got going"
     if durability == "group":
@@ -205,7 +230,8 @@ def test_power_cuts_lose_nothing_beyond_the_durability_contract(tmp_path: Path, 
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("opening", OPENINGS)
 @pytest.mark.parametrize("durability", ["sync", "group"])
-def test_power_cuts_long(tmp_path: Path, durability: str) -> None:
-    totals = _run_cuts(tmp_path, durability, LONG_CUTS)
+def test_power_cuts_long(tmp_path: Path, durability: str, opening: str) -> None:
+    totals = _run_cuts(tmp_path, durability, LONG_CUTS, opening)
     assert totals["cuts"] == LONG_CUTS and totals["durable_blocks_checked"] > 0
