@@ -1,7 +1,7 @@
 """Declares the optional C extension ``ucm_db._native``; everything else is in pyproject.toml.
 
 The extension is optional: if it cannot be compiled (no C compiler, no
-Python headers) the package still installs and ``ucm_db.native`` falls back
+Python headers) the package still installs and ``ucm_db.codec.native`` falls back
 to pure Python and numpy. ``tests/test_native.py`` fails in such an
 environment, with the fix in its message.
 """

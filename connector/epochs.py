@@ -2,7 +2,7 @@
 
 The store records each namespace's epoch (:meth:`ucm_db.Store.epoch`); key
 chains are rooted at it, so blocks stored before a bump are never found
-(:mod:`ucm_db.epochs`). vLLM's ``reset_prefix_cache(reset_connector=True)``
+(:mod:`ucm_db.store.epochs`). vLLM's ``reset_prefix_cache(reset_connector=True)``
 (``/reset_prefix_cache?reset_external=true`` on a dev-mode server) reaches
 ``reset_cache``, which bumps it; ``ucm-db invalidate`` bumps it from outside.
 

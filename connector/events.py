@@ -31,7 +31,7 @@ Invariants:
       reading one record; an inventory replay never holds a step longer than
       :data:`_REPLAY_WAIT_S` (it is read in a thread; the feed after it).
     * Only blocks of the namespace epoch the engine serves are reported
-      (:mod:`ucm_db.epochs`): after ``reset_cache`` or ``ucm-db
+      (:mod:`ucm_db.store.epochs`): after ``reset_cache`` or ``ucm-db
       invalidate`` the next step says ``AllBlocksCleared`` and reports only
       blocks stored at the new epoch; the old ones leave silently.
 """
@@ -49,7 +49,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 import ucm_db
 from ucm_db import BlockEventFields, ChangeRecord, EventInventory
 from ucm_db.keys import Namespace
-from ucm_db.units import UnitSpan
+from ucm_db.keys.units import UnitSpan
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -8,7 +8,7 @@ model keeps its cache and two different models in one path never share),
 the KV dtype, the block size, and a layout descriptor (platform, attention
 ISA, spec kind, layers, *total* KV heads, head size). It does not depend on
 the tensor- or pipeline-parallel size or rank: blocks are stored as units of
-one KV head and one pipeline stage's layers (:mod:`ucm_db.units`,
+one KV head and one pipeline stage's layers (:mod:`ucm_db.keys.units`,
 ``docs/tp.md``), so a store written at one TP size serves every other.
 
 Invariants:
@@ -19,7 +19,7 @@ Invariants:
     * At TP=1 and PP=1 the namespace is the one ucm-db used before units
       (same fields, same layout string): ``ucm-db migrate`` splits the
       whole blocks stored then into this namespace's units
-      (:mod:`ucm_db.pre_units`).
+      (:mod:`ucm_db.maintenance.pre_units`).
     * Each KV head has exactly one writer rank (the first of the ranks
       holding a replicated head); MLA's latent (one "head", identical on
       every rank) is written by TP rank 0 and read by every rank.
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from ucm_db.connector.groups import kv_groups
 from ucm_db.errors import ConfigError
 from ucm_db.keys import BlockKeys, Namespace
-from ucm_db.units import KVGrid, UnitSpan, head_range, writes_heads
+from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -17,7 +17,7 @@ layout             per-layer tensor(s)                          segments of one 
                    (vllm-ascend)
 =================  ===========================================  ==========================
 
-The connector stores a block as *units* of one KV head (:mod:`ucm_db.units`,
+The connector stores a block as *units* of one KV head (:mod:`ucm_db.keys.units`,
 ``docs/tp.md``): a unit is one frame per layer (layers in registration
 order), a layer's frame is that head's slice of each segment for the block,
 back to back (``cpu``: the head's ``[block, 2*head]`` slab, contiguous in
@@ -33,7 +33,7 @@ and ``async`` load modes (``ucm-db bench load`` measures it).
 A *whole* block (every local head per frame, the segments' bytes back to
 back: :meth:`KVLayout.gather`) is what ucm-db stored before units; the
 connector no longer reads one from a store (``ucm-db migrate`` splits them
-into units, :mod:`ucm_db.pre_units`). The store only ever sees bytes.
+into units, :mod:`ucm_db.maintenance.pre_units`). The store only ever sees bytes.
 
 Invariants:
     * Copies use plain torch ops (``index_select``, ``index_copy_``,
@@ -236,7 +236,7 @@ def _take_slabs(layout: KVLayout, block_ids: Sequence[int], rows: np.ndarray) ->
     flat = rows.view()
     flat.shape = (len(block_ids) * heads, layout.unit_bytes)  # raises rather than copy: writes must reach rows
     # One native call for every layer, keeping the GIL: a call per layer handed the
-    # GIL to a busy writer thread up to 8 times per step (ucm_db.native.gather_slabs).
+    # GIL to a busy writer thread up to 8 times per step (ucm_db.codec.native.gather_slabs).
     ucm_db.ScatterSlabs(layout._layer_bytes_views, layout.unit_layer_bytes, at).gather_into(flat)
 
 

@@ -3,7 +3,7 @@ stored, from the local tier and, as the cost model prices it, the remote.
 
 Invariants:
     * A block counts only if every unit of the deployment's reader spans is
-      stored (:func:`ucm_db.units.stored_prefix`); keys are hashed no
+      stored (:func:`ucm_db.keys.units.stored_prefix`); keys are hashed no
       further than needed: a first segment of :data:`FIRST_SEGMENT_BLOCKS`
       is hashed and looked up alone, the rest of the prompt only if all of
       it is stored.
@@ -37,7 +37,7 @@ from ucm_db.connector.metadata import IDLE_WAIT_S
 from ucm_db.connector.remote_lookups import BACKGROUND_DEADLINE_S, RemoteLookups
 from ucm_db.connector.request_state import RequestState
 from ucm_db.keys import Namespace
-from ucm_db.units import KVGrid, UnitSpan, stored_prefix, unit_keys_of
+from ucm_db.keys.units import KVGrid, UnitSpan, stored_prefix, unit_keys_of
 
 #: Blocks hashed and looked up first; the rest of the prompt follows only if all are stored.
 FIRST_SEGMENT_BLOCKS = 16

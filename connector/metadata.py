@@ -3,13 +3,13 @@
 Invariants:
     * A :class:`BlockTransfer` names consecutive blocks of one request's key
       chain (block keys, the same for every rank: each worker derives the
-      keys of its own units from them, see :mod:`ucm_db.units`):
+      keys of its own units from them, see :mod:`ucm_db.keys.units`):
       ``keys[i]`` belongs in vLLM block ``block_ids[i]``, and ``parent`` is
       the block key just before ``keys[0]`` (None at the chain's start), so
       each unit chain of a save is a valid ``Store.put`` segment.
     * A load reads the blocks' units: the one storage generation the
       connector reads (older ones are converted by ``ucm-db migrate``,
-      :mod:`ucm_db.pre_units`).
+      :mod:`ucm_db.maintenance.pre_units`).
     * ``loads`` complete (or are reported failed) within their step;
       ``async_loads`` (``load_mode: "async"``, one transfer per request,
       whose blocks vLLM holds for it) complete in a later step, which

@@ -43,7 +43,7 @@ Invariants:
       failure instead, hybrid.py).
     * Only units are read and written (one storage generation): a store
       holding this model's blocks of an older generation (whole or per-rank
-      blocks, :mod:`ucm_db.pre_units`) is refused when the scheduler starts,
+      blocks, :mod:`ucm_db.maintenance.pre_units`) is refused when the scheduler starts,
       with the ``ucm-db migrate`` command that converts it.
     * Key chains are rooted at the namespace's epoch (epochs.py), read once
       per step before its first lookup; ``reset_cache`` moves it on. A

@@ -102,7 +102,7 @@ def refuse_older_generations(store: ucm_db.Store, settings: ConnectorSettings, s
     """Raises :class:`~ucm_db.errors.FormatVersionError` (hint: the exact
     ``ucm-db migrate`` command) where the store holds the model's blocks of
     a storage generation before units, which the connector does not read
-    (:mod:`ucm_db.pre_units`): per-rank blocks of any TP/PP size, or whole
+    (:mod:`ucm_db.maintenance.pre_units`): per-rank blocks of any TP/PP size, or whole
     blocks in the deployment's namespace (the one pre-unit TP=1 engines
     wrote), told by the exact unit size of vLLM's KV cache spec. At start,
     never as a silent miss later."""

@@ -19,7 +19,7 @@ Invariants:
     * Imports keep the store's prefix invariant: the chain is put from its
       first block (or after ``parent``) in one atomic batch.
     * Imports store units (one per KV head of every layer the layout holds,
-      :mod:`ucm_db.units`), the one storage generation the connector reads:
+      :mod:`ucm_db.keys.units`), the one storage generation the connector reads:
       given the deployment's namespace and all the model's heads and layers
       (a TP=1, PP=1 cache), an engine at any TP size reads them.
 """
@@ -35,7 +35,7 @@ from typing import Any
 import ucm_db
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
-from ucm_db.units import KVGrid, UnitKeys
+from ucm_db.keys.units import KVGrid, UnitKeys
 
 from ucm_db.connector.layouts import KVLayout
 

@@ -26,7 +26,7 @@ Invariants:
       writer rank (replicated GQA heads: the first rank holding it; MLA: TP
       rank 0); every rank loads.
     * Only units are read and written (one storage generation; the
-      scheduler refuses a store holding older ones, :mod:`ucm_db.pre_units`).
+      scheduler refuses a store holding older ones, :mod:`ucm_db.maintenance.pre_units`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from ucm_db.connector.stores import acquire, release
 from ucm_db.connector.worker_loads import WorkerLoads
 from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
 from ucm_db.errors import ConfigError
-from ucm_db.units import UnitKeys
+from ucm_db.keys.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 _MAX_FREE_STAGING_BYTES = 256 << 20  # idle save staging kept for reuse (staging.py)

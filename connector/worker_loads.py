@@ -44,7 +44,7 @@ from ucm_db.connector.async_loads import AsyncLoader
 from ucm_db.connector.layouts import KVLayout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
-from ucm_db.units import KVGrid, UnitSpan, unit_keys_of
+from ucm_db.keys.units import KVGrid, UnitSpan, unit_keys_of
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 #: Steps whose failed loads a worker keeps: saves of a step planned before

@@ -10,7 +10,7 @@ Invariants:
     * Jobs commit in submission order (one thread, FIFO), so a request's
       chain segment is committed before the segment that names it as parent.
     * Each unit chain keeps the prefix invariant on its own, which is what
-      lookups rely on (:func:`ucm_db.units.stored_prefix`): if the job's
+      lookups rely on (:func:`ucm_db.keys.units.stored_prefix`): if the job's
       one transaction fails on a missing parent (one head's parent evicted
       meanwhile) or on capacity (all heads together do not fit), its chains
       are put one by one, so the others still land.
@@ -44,7 +44,7 @@ from ucm_db import cpu_placement
 from ucm_db.connector.metrics import Counters
 from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
 from ucm_db.keys import BlockKeys, Namespace
-from ucm_db.units import UnitKeys
+from ucm_db.keys.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 _RATIO_INTERVAL_S = 2.0

@@ -34,7 +34,7 @@ from typing import Any
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MigrationError
 from ucm_db.format import STORE_FORMAT_VERSION, checked_format_version, parse_format_version, write_format_version
-from ucm_db.tiers.base import Txn
+from ucm_db.engines.base import Txn
 
 from ucm_db.migrations.access import exclusive_engine, open_engine, read_format_version
 

@@ -22,7 +22,7 @@ from ucm_db.format import detect_engine
 from ucm_db.format import open_engine as _open_engine
 from ucm_db.format import read_format_version  # noqa: F401 - re-exported for migrations and tools
 from ucm_db.storelock import StoreLock, describe, holders
-from ucm_db.tiers.base import Engine
+from ucm_db.engines.base import Engine
 
 
 def require_store(path: Path) -> str:

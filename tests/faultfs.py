@@ -17,7 +17,7 @@ survives JSON, e.g. for a subprocess.)
 Invariants:
     * Paths pass to the target unchanged; "not found" passes through as is
       (a fault is never disguised as a miss, nor a miss as a fault).
-    * Writes go through :func:`~ucm_db.tiers.remote.write_whole` on the
+    * Writes go through :func:`~ucm_db.remote.tier.write_whole` on the
       target, so a wrapped local directory keeps its atomic rename.
     * Faults are drawn from a seeded RNG: a run is reproducible for a given
       sequence of calls (threads can reorder the draws).
@@ -38,7 +38,7 @@ import fsspec
 from fsspec.spec import AbstractFileSystem
 
 from ucm_db.errors import ConfigError
-from ucm_db.tiers.remote import write_whole
+from ucm_db.remote.tier import write_whole
 
 PROTOCOL = "ucmfault"
 

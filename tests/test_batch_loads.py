@@ -1,4 +1,4 @@
-"""Reads into a KV cache's slabs through one native call per thread (ucm_db.batch_loads).
+"""Reads into a KV cache's slabs through one native call per thread (ucm_db.codec.batch_loads).
 
 * The C functions it binds agree with xxhash and zstandard, and the C side's
   copy of the block layout is the codec's; XXH3's update is the library's
@@ -32,10 +32,11 @@ import pytest
 import xxhash
 
 import ucm_db
-from ucm_db import batch_loads, codec, native
-from ucm_db.codec_format import CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_BYTES, MODE_SHUFFLE
-from ucm_db.codec_pool import CodecPool
-from ucm_db.slabs import ScatterSlabs
+from ucm_db.codec import batch_loads, native
+from ucm_db import codec
+from ucm_db.codec.header import CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_BYTES, MODE_SHUFFLE
+from ucm_db.codec.pool import CodecPool
+from ucm_db.codec.slabs import ScatterSlabs
 
 LAYERS, SLAB_BYTES, UNITS = 8, 4096, 40
 
@@ -190,14 +191,14 @@ def test_units_the_native_path_declines_load_by_the_python_path(tmp_path: Path) 
 
 
 def test_the_environment_switch_turns_the_native_path_off() -> None:
-    code = "from ucm_db import batch_loads; print(batch_loads.AVAILABLE)"
+    code = "from ucm_db.codec import batch_loads; print(batch_loads.AVAILABLE)"
     for value, expected in (("0", "False"), ("1", "True")):
         env = {**os.environ, "UCM_DB_BATCH_LOADS": value}
         assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip() == expected
 
 
 def test_batch_checksum_reads_the_head_once_and_refuses_what_the_fast_path_refuses() -> None:
-    from ucm_db import raw_loads
+    from ucm_db.codec import raw_loads
     key, other = bytes(range(32)), bytes(32)
     raw = os.urandom(2 * SLAB_BYTES)
     head, body = (bytes(p) for p in codec.split(codec.encode(key, [raw[:SLAB_BYTES], raw[SLAB_BYTES:]], codec="none")))

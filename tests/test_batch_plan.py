@@ -1,4 +1,4 @@
-"""``_native.plan_units``: a chunk of a read's units planned in one call (ucm_db.batch_loads).
+"""``_native.plan_units``: a chunk of a read's units planned in one call (ucm_db.codec.batch_loads).
 
 * Over valid and damaged heads (another owner, a body cut short, a wrong
   magic, version, frame count or head length, a frame table not known raw,
@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 
 import ucm_db
-from ucm_db import batch_loads, codec, native, raw_loads
-from ucm_db.codec_format import CHECKSUM_OFFSET, HEADER_BYTES, RAW_TABLES
-from ucm_db.slabs import ScatterSlabs
-from ucm_db.tiers.index_types import body_of
+from ucm_db.codec import batch_loads, native, raw_loads
+from ucm_db import codec
+from ucm_db.codec.header import CHECKSUM_OFFSET, HEADER_BYTES, RAW_TABLES
+from ucm_db.codec.slabs import ScatterSlabs
+from ucm_db.index.entries import body_of
 
 pytestmark = pytest.mark.skipif(not batch_loads.AVAILABLE, reason="the native batch path is not built (see test_native.py)")
 

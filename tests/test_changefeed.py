@@ -1,4 +1,4 @@
-"""The change feed (ucm_db.events, ucm_db.tiers.changefeed): evented puts and
+"""The change feed (ucm_db.events, ucm_db.index.changefeed): evented puts and
 removals logged in the change's own transaction, read from any process,
 bounded, with a resync signal and an inventory replay."""
 

@@ -124,7 +124,7 @@ def test_every_bit_flip_of_a_small_block_is_detected(name: str) -> None:
 @pytest.mark.parametrize("name", ["none", "zstd"])
 @pytest.mark.parametrize("scattered", [False, True])
 def test_every_bit_flip_is_detected_by_decode_into(name: str, scattered: bool) -> None:
-    # A raw body is verified while it is copied (ucm_db.checked_copy): the
+    # A raw body is verified while it is copied (ucm_db.codec.checked_copy): the
     # flip is still found, and the block still reads whole when undamaged.
     raw = _bf16_like(64)  # 128 bytes
     blob = codec.encode(KEY, [raw[:96], raw[96:]], codec=name, element_bytes=2)

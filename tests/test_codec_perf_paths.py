@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from ucm_db import codec, codec_decode, codec_encode, codec_format, codec_pool
-from ucm_db.codec_pool import CodecPool
+from ucm_db import codec
+from ucm_db.codec import decoding as codec_decode, encoding as codec_encode, header as codec_format, pool as codec_pool
+from ucm_db.codec.pool import CodecPool
 from ucm_db.keys import Namespace
 
 KEY = bytes(range(32))

@@ -1,4 +1,4 @@
-"""Namespace epochs (ucm_db/epochs.py) through the public Store API: a bump
+"""Namespace epochs (ucm_db/store/epochs.py) through the public Store API: a bump
 makes every block stored before a miss for every process, durably; nothing
 is deleted; damage is never read as an epoch."""
 

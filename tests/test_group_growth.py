@@ -1,5 +1,5 @@
 """Group durability keeps an LMDB store's file near its live pages under
-index-heavy commits (ucm_db/background.py, "Why growth counts").
+index-heavy commits (ucm_db/store/background.py, "Why growth counts").
 
 The synced-snapshot pin keeps pages freed after it from being reused until
 the next sync; counted by payload bytes alone, a burst of small-payload puts
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ucm_db
 from ucm_db import Namespace
-from ucm_db.background import Background
+from ucm_db.store.background import Background
 
 NS = Namespace(model="group-growth", kv_dtype="bfloat16", block_size=4)
 BURSTS, BLOCKS_PER_BURST = 60, 1024

@@ -1,4 +1,4 @@
-"""The index check in sorted scans (``ucm_db.tiers.index_audit``) finds what
+"""The index check in sorted scans (``ucm_db.index.audit``) finds what
 checking every block by key finds, on every engine, for each kind of damage;
 and ``drop_orphans`` walks only the tables the audit suspects."""
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from ucm_db.tiers.base import Engine, Txn
-from ucm_db.tiers.index_audit import audit
-from ucm_db.tiers.index_types import BlockMeta, lru_key
-from ucm_db.tiers.local import BlockEntry, LocalTier
+from ucm_db.engines.base import Engine, Txn
+from ucm_db.index.audit import audit
+from ucm_db.index.entries import BlockMeta, lru_key
+from ucm_db.index.local import BlockEntry, LocalTier
 from tests.test_tier_conformance import ENGINE_FACTORIES
 
 NS_ID = b"n" * 16
@@ -117,7 +117,7 @@ def test_a_healthy_store_suspects_no_table_but_the_upload_queue(tier: LocalTier)
 
 
 def test_drop_orphans_and_check_audits_once_when_nothing_is_dropped(tier: LocalTier, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucm_db.tiers import index_audit
+    from ucm_db.index import audit as index_audit
 
     calls: list[int] = []
     real = index_audit.audit

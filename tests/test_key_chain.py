@@ -20,7 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucm_db import ConfigError, Namespace, key_chain
+from ucm_db import ConfigError, Namespace
+from ucm_db.keys import chain as key_chain
 
 PREV = bytes(range(32))
 #: block_size 4, ids 1000..1022 (5 full blocks), chained from PREV; computed

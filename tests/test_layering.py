@@ -13,11 +13,11 @@
   ``ucm_db.migrations``; no import cycle among the shipped modules (every
   import counts: deferred imports inside functions and ``if TYPE_CHECKING:``
   imports alike).
-* No arrow runs up the core's layers (docs/architecture.md): the leaves
-  import only leaves; the tiers only tiers and leaves; the remote wing
-  (``ucm_db.remote``) only itself, the tiers and the leaves (never the
-  store that holds it); the migrations only migrations, the tiers, the
-  leaves and ``ucm_db.format``.
+* The core's layer table (``LAYERS``, docs/architecture.md): every core
+  part (a package such as ``ucm_db.index``, or a top-level module) has a
+  layer, and imports only itself and parts of lower layers: no arrow runs
+  up or sideways (the remote wing never imports the store that holds it,
+  the store never imports maintenance).
 """
 
 from __future__ import annotations
@@ -206,11 +206,11 @@ def test_the_public_api_rule_catches_private_imports(tmp_path: Path) -> None:
     sample.write_text(
         "import ucm_db\nfrom ucm_db import Namespace, maintenance, migrations\nfrom ucm_db.errors import ConfigError\n"
         "from ucm_db.migrations.convert import convert\nfrom ucm_db.tools.cli_common import emit\n"
-        "from ucm_db.tiers.local import LocalTier\nfrom ucm_db import codec\nimport ucm_db.remote.link\n"
+        "from ucm_db.index.local import LocalTier\nfrom ucm_db import codec\nimport ucm_db.remote.link\n"
         "x = ucm_db.open\ny = ucm_db.store\n"
     )
     assert private_uses(sample, "ucm_db.tools") == [
-        "line 6: from ucm_db.tiers.local import ...", "line 7: from ucm_db import codec",
+        "line 6: from ucm_db.index.local import ...", "line 7: from ucm_db import codec",
         "line 8: import ucm_db.remote.link", "line 10: ucm_db.store",
     ]
 
@@ -279,14 +279,32 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
-#: The core's lowest layer: modules that import no other layer of ucm_db
-#: (docs/architecture.md, "leaves").
-LEAVES = {
-    "ucm_db.auth", "ucm_db.checked_copy", "ucm_db.codec", "ucm_db.codec_decode", "ucm_db.codec_encode", "ucm_db.codec_format",
-    "ucm_db.config", "ucm_db.cpu_placement", "ucm_db.crashpoints",
-    "ucm_db.errors", "ucm_db.events", "ucm_db.key_chain", "ucm_db.keys", "ucm_db.native", "ucm_db.slabs", "ucm_db.store_format", "ucm_db.storelock",
-    "ucm_db.units", "ucm_db.version",
-}
+#: The core's layers, lowest first (docs/architecture.md, "The layers"): a
+#: core module imports its own part (package or top-level module) and parts
+#: of lower layers only, never a part of its own layer or of a higher one.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundations", {"ucm_db.errors", "ucm_db.version", "ucm_db.stats", "ucm_db.cpu_placement"}),
+    ("basics", {"ucm_db.crashpoints", "ucm_db.storelock", "ucm_db.events", "ucm_db.auth", "ucm_db.keys"}),
+    ("engines", {"ucm_db.engines"}),
+    ("codec", {"ucm_db.codec"}),
+    ("settings", {"ucm_db.config", "ucm_db.arguments"}),
+    ("block index", {"ucm_db.index"}),
+    ("format", {"ucm_db.format"}),
+    ("migrations, remote wing", {"ucm_db.migrations", "ucm_db.remote"}),
+    ("store", {"ucm_db.store"}),
+    ("maintenance", {"ucm_db.maintenance"}),
+    ("core doors", {"ucm_db", "ucm_db.components"}),
+]
+LAYER_OF = {part: rank for rank, (_name, parts) in enumerate(LAYERS) for part in parts}
+
+
+def core_part(module: str) -> str | None:
+    """The layer-table part a core module belongs to (``ucm_db.index.local``
+    -> ``ucm_db.index``); None outside the core (connector, tools)."""
+    pieces = module.split(".")
+    if pieces[0] != "ucm_db" or (len(pieces) > 1 and pieces[1] in ("connector", "tools")):
+        return None
+    return ".".join(pieces[:2])
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -295,37 +313,38 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
-    """Imports that run up the core's layers: ``"importer -> imported"``."""
+    """Core imports that do not run down the layers: ``"importer -> imported"``."""
     def allowed(src: str, dst: str) -> bool:
-        if src in LEAVES:
-            return dst in LEAVES
-        if src.startswith("ucm_db.tiers"):
-            return dst in LEAVES or dst.startswith("ucm_db.tiers")
-        if src == "ucm_db.remote" or src.startswith("ucm_db.remote."):
-            return dst in LEAVES or dst.startswith(("ucm_db.tiers", "ucm_db.remote"))
-        if src.startswith("ucm_db.migrations"):
-            return dst in LEAVES or dst.startswith(("ucm_db.tiers", "ucm_db.migrations")) or dst == "ucm_db.format"
-        return True
+        src_part, dst_part = core_part(src), core_part(dst)
+        if src_part is None or dst_part is None or src_part == dst_part:
+            return True
+        return LAYER_OF[dst_part] < LAYER_OF[src_part]
     return sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts if not allowed(src, dst))
 
 
+def test_every_core_part_has_a_layer() -> None:
+    parts = {core_part(name) for name in _import_graph()} - {None}
+    assert parts - set(LAYER_OF) == set(), "a core part is in no layer: add it to LAYERS and docs/architecture.md"
+    assert set(LAYER_OF) - parts == set(), "a layer names a part that no longer exists"
+
+
 def test_no_import_runs_up_the_core_layers() -> None:
-    graph = _import_graph()
-    assert LEAVES <= set(graph), "a leaf named here no longer exists: update LEAVES and docs/architecture.md"
-    assert upward_arrows(graph) == []
+    assert upward_arrows(_import_graph()) == []
 
 
-def test_the_layer_rule_finds_upward_arrows() -> None:
+def test_the_layer_rule_finds_upward_and_sideways_arrows() -> None:
     graph = {
-        "ucm_db.config": {"ucm_db.tiers.remote_object"}, "ucm_db.tiers.accounting": {"ucm_db.format"},
-        "ucm_db.migrations.convert": {"ucm_db.store_view"}, "ucm_db.store": {"ucm_db.tiers.local", "ucm_db.format"},
-        "ucm_db.migrations": {"ucm_db.format", "ucm_db.tiers.base"},
-        "ucm_db.remote.warming": {"ucm_db.store", "ucm_db.remote.promotion", "ucm_db.tiers.local", "ucm_db.keys"},
-        "ucm_db.remote.promotion": {"ucm_db.remote.link", "ucm_db.tiers.remote"},
+        "ucm_db.config": {"ucm_db.remote.envelope"}, "ucm_db.index.accounting": {"ucm_db.format"},
+        "ucm_db.migrations.convert": {"ucm_db.store.view"}, "ucm_db.store": {"ucm_db.index.local", "ucm_db.format"},
+        "ucm_db.migrations": {"ucm_db.format", "ucm_db.engines.base", "ucm_db.remote.tier"},
+        "ucm_db.remote.warming": {"ucm_db.store", "ucm_db.remote.promotion", "ucm_db.index.local", "ucm_db.keys"},
+        "ucm_db.remote.promotion": {"ucm_db.remote.link", "ucm_db.remote.tier"},
+        "ucm_db.connector.worker": {"ucm_db.store"},
     }
     assert upward_arrows(graph) == [
-        "ucm_db.config -> ucm_db.tiers.remote_object", "ucm_db.migrations.convert -> ucm_db.store_view",
-        "ucm_db.remote.warming -> ucm_db.store", "ucm_db.tiers.accounting -> ucm_db.format",
+        "ucm_db.config -> ucm_db.remote.envelope", "ucm_db.index.accounting -> ucm_db.format",
+        "ucm_db.migrations -> ucm_db.remote.tier", "ucm_db.migrations.convert -> ucm_db.store.view",
+        "ucm_db.remote.warming -> ucm_db.store",
     ]
 
 
@@ -363,14 +382,14 @@ def test_fetched_blocks_enter_the_local_tier_through_one_function() -> None:
 
 
 def test_lmdb_page_code_is_reached_only_through_its_package() -> None:
-    """The LMDB engine and its page-level code (ucm_db/tiers/lmdb/) are one
-    fenced package: shipped modules outside it import ``ucm_db.tiers.lmdb``'s
+    """The LMDB engine and its page-level code (ucm_db/engines/lmdb/) are one
+    fenced package: shipped modules outside it import ``ucm_db.engines.lmdb``'s
     own names, never its submodules (tests may)."""
     graph = _import_graph()
-    inside = "ucm_db.tiers.lmdb"
+    inside = "ucm_db.engines.lmdb"
     bad = sorted(f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts
                  if dst.startswith(inside + ".") and not (src == inside or src.startswith(inside + ".")))
-    assert bad == [], "import these through ucm_db.tiers.lmdb's __init__"
+    assert bad == [], "import these through ucm_db.engines.lmdb's __init__"
 
 
 def test_one_list_of_public_modules() -> None:

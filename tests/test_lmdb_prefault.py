@@ -1,5 +1,5 @@
 """The LMDB engine maps the data file's cached pages into the process in
-the background after open (ucm_db/tiers/lmdb/prefault.py), so reads and
+the background after open (ucm_db/engines/lmdb/prefault.py), so reads and
 commits on a large store stop paying first-touch page faults."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 import ucm_db
-from ucm_db.tiers.lmdb import prefault as lmdb_prefault
-from ucm_db.tiers.lmdb.prefault import resident_runs
+from ucm_db.engines.lmdb import prefault as lmdb_prefault
+from ucm_db.engines.lmdb.prefault import resident_runs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prefaulting is Linux-only")
 NS = ucm_db.Namespace(model="prefault-test", kv_dtype="bfloat16", block_size=4)

@@ -1,4 +1,4 @@
-"""The batch raw read path (ucm_db.raw_loads) takes only what the codec's raw branch takes.
+"""The batch raw read path (ucm_db.codec.raw_loads) takes only what the codec's raw branch takes.
 
 * A codec-``none`` block of a known all-raw table is copied and verified
   without the codec's chain, into one buffer or a scatter list, with the
@@ -23,8 +23,9 @@ import pytest
 
 import numpy as np
 
-from ucm_db import codec, raw_loads
-from ucm_db.slabs import ScatterSlabs
+from ucm_db import codec
+from ucm_db.codec import raw_loads
+from ucm_db.codec.slabs import ScatterSlabs
 from ucm_db.errors import CorruptBlockError
 
 KEY, OTHER = bytes(range(32)), bytes(32)

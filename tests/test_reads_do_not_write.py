@@ -12,7 +12,7 @@ import pytest
 
 import ucm_db
 from ucm_db import Namespace
-from ucm_db.background import ACTIVITY_FLUSH_KEYS
+from ucm_db.store.background import ACTIVITY_FLUSH_KEYS
 
 NS = Namespace(model="reads-do-not-write", kv_dtype="bfloat16", block_size=4)
 BLOCKS = ACTIVITY_FLUSH_KEYS + 100

@@ -14,7 +14,7 @@ import pytest
 import ucm_db
 from ucm_db import Namespace
 from ucm_db.errors import LockedError
-from ucm_db.tiers.rocksdb import RocksDbEngine
+from ucm_db.engines.rocksdb import RocksDbEngine
 
 NS = Namespace(model="test/rocks", kv_dtype="bfloat16", block_size=16)
 

@@ -89,7 +89,7 @@ def test_a_delete_refuses_a_chain_that_spans_namespaces_from_older_code(store) -
     NS2's lookup claims none of the chain (keys[0] is NS's); deleting NS's
     keys[1] would cascade into NS2's blocks: it is refused and nothing is
     deleted."""
-    from ucm_db.tiers.index_types import BlockMeta
+    from ucm_db.index.entries import BlockMeta
 
     store.put(NS, KEYS, PAYLOADS)
 

@@ -26,8 +26,8 @@ from click.testing import CliRunner
 
 import ucm_db
 from ucm_db import ConfigError, DamagedRecordError, Namespace
-from ucm_db.tiers import records
-from ucm_db.tiers.accounting import TOTALS, recount
+from ucm_db.index import records
+from ucm_db.index.accounting import TOTALS, recount
 from ucm_db.tools.cli import cli
 
 NS = Namespace(model="records-at-open", kv_dtype="bfloat16", block_size=4)

@@ -18,12 +18,12 @@ import pytest
 
 import ucm_db
 from ucm_db.keys import Namespace
-from ucm_db.store_view import open_view
-from ucm_db.tiers import chunked
-from ucm_db.tiers.base import Engine
-from ucm_db.tiers.index_types import lru_key
-from ucm_db.tiers.local import BlockEntry, LocalTier
-from ucm_db.verification import verify_view
+from ucm_db.store.view import open_view
+from ucm_db.index import partitions as chunked
+from ucm_db.engines.base import Engine
+from ucm_db.index.entries import lru_key
+from ucm_db.index.local import BlockEntry, LocalTier
+from ucm_db.maintenance.verification import verify_view
 from tests.test_tier_conformance import ENGINE_FACTORIES
 
 NS_ID = b"n" * 16

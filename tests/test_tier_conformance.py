@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.tiers.base import Engine
-from ucm_db.tiers.local import BlockEntry, LocalTier, PendingActivity
-from ucm_db.tiers.lmdb import LmdbEngine
-from ucm_db.tiers.memory import MemoryEngine
+from ucm_db.engines.base import Engine
+from ucm_db.index.local import BlockEntry, LocalTier, PendingActivity
+from ucm_db.engines.lmdb import LmdbEngine
+from ucm_db.engines.memory import MemoryEngine
 
 
 def _memory(_: Path) -> Engine:
@@ -27,7 +27,7 @@ def _lmdb(path: Path) -> Engine:
 
 
 def _rocksdb(path: Path) -> Engine:
-    from ucm_db.tiers.rocksdb import RocksDbEngine
+    from ucm_db.engines.rocksdb import RocksDbEngine
 
     return RocksDbEngine(path / "rocksdb", sync=False)
 

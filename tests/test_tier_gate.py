@@ -1,4 +1,4 @@
-"""The engines' one shared/exclusive gate (ucm_db/tiers/gate.py), with real
+"""The engines' one shared/exclusive gate (ucm_db/engines/gate.py), with real
 threads and no timing: each step waits on an event or on the gate's own
 state, never on a clock.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from ucm_db.tiers.gate import SharedExclusiveGate
+from ucm_db.engines.gate import SharedExclusiveGate
 
 
 def _wait_until(condition) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ucm_db.units import KVGrid, UnitKeys, UnitSpan, unit_key, unit_keys_of
+from ucm_db.keys.units import KVGrid, UnitKeys, UnitSpan, unit_key, unit_keys_of
 
 GRID = KVGrid(heads=4, layers=8)
 SPANS = [UnitSpan(1, 2, 0, 8), UnitSpan(0, 4, 0, 4), GRID.whole]

@@ -1,6 +1,6 @@
 """``ucm-db export`` / ``ucm-db import``: a portable archive of namespaces.
 
-The archive format and the checks on import are :mod:`ucm_db.archive`'s
+The archive format and the checks on import are :mod:`ucm_db.maintenance.archive`'s
 (through :mod:`ucm_db.maintenance`); this module parses and renders.
 """
 

@@ -2,7 +2,7 @@
 
 Migrations are :mod:`ucm_db.migrations`'; conversion (``--to-engine``, a
 verified table-by-table copy into a new store) is
-:mod:`ucm_db.conversion`'s (:func:`ucm_db.maintenance.convert_engine`). This module parses and renders.
+:mod:`ucm_db.maintenance.conversion`'s (:func:`ucm_db.maintenance.convert_engine`). This module parses and renders.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def migrate_in_place(path: Path, *, dry_run: bool) -> dict[str, Any]:
     # migrate() checks that no one else has the store before opening it.
     todo = migrations.pending(path) if dry_run else migrations.migrate(path)
     done = [] if dry_run else todo
-    # Then the blocks of the storage generations before units (ucm_db.pre_units):
+    # Then the blocks of the storage generations before units (ucm_db.maintenance.pre_units):
     # the connector refuses a store holding them. A dry run of an older format
     # cannot look (the store must be at the current format to be read).
     pre_units = None if dry_run and todo else convert_pre_unit_blocks(path, dry_run=dry_run).to_dict()

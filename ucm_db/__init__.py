@@ -24,16 +24,16 @@ from ucm_db.errors import (
 from ucm_db.codec import Framed
 from ucm_db.events import BlockEventFields, ChangeBatch, ChangeRecord, EventInventory
 from ucm_db.keys import BlockKeys, Namespace
-from ucm_db.slabs import ScatterSlabs
+from ucm_db.codec.slabs import ScatterSlabs
 from ucm_db.store import STORE_FORMAT_VERSION, NamespaceStats, Store, StoreStats, open
-from ucm_db.tiers.local import PutResult
+from ucm_db.index.local import PutResult
 
 from ucm_db.version import __version__
 
 #: The public modules besides this one (``ucm_db.migrations`` with every
 #: submodule; ``ucm_db.components`` is the door for measuring code).
 PUBLIC_MODULES = (
-    "ucm_db.errors", "ucm_db.events", "ucm_db.keys", "ucm_db.units", "ucm_db.config", "ucm_db.maintenance",
+    "ucm_db.errors", "ucm_db.events", "ucm_db.keys", "ucm_db.keys.units", "ucm_db.config", "ucm_db.maintenance",
     "ucm_db.cpu_placement", "ucm_db.components", "ucm_db.migrations",
 )
 

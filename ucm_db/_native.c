@@ -1,9 +1,9 @@
 /* ucm_db._native: the codec's byte-plane shuffle, in C.
  *
- * Optional: ucm_db/native.py falls back to numpy when this module is not
+ * Optional: ucm_db/codec/native.py falls back to numpy when this module is not
  * built, and tests/test_native.py checks that both give the same bytes.
  * Key derivation is not here: block keys use hashlib's BLAKE2b
- * (ucm_db/key_chain.py), one maintained implementation for every key.
+ * (ucm_db/keys/chain.py), one maintained implementation for every key.
  *
  *   split_planes(src, element_bytes) -> list[bytearray]
  *       plane i holds byte i (least significant first) of each
@@ -30,7 +30,7 @@
  *       copy_into whose outs are slab `index` of each of views (a tuple of
  *       large buffers, slab_bytes a tuple of their slab sizes): a block's
  *       scatter list over a KV cache's layers without a Python object per
- *       slab (ucm_db.slabs.ScatterSlabs).
+ *       slab (ucm_db.codec.slabs.ScatterSlabs).
  *   gather_slabs(views, slab_bytes, indices, out) -> int
  *       the inverse of copy_into_slabs for many blocks at once: row r of out
  *       (rows of sum(slab_bytes) bytes) becomes slab indices[r] of each of
@@ -810,7 +810,7 @@ static PyModuleDef_Slot native_slots[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "ucm_db._native",
-    .m_doc = "Compiled byte-plane shuffles for ucm_db's codec (see ucm_db.native).",
+    .m_doc = "Compiled byte-plane shuffles for ucm_db's codec (see ucm_db.codec.native).",
     .m_size = 0,
     .m_methods = native_methods,
     .m_slots = native_slots,

@@ -8,7 +8,7 @@
  *       of the xxhash and zstandard wheels, which export their C API);
  *       returns the paths bound (None: not bound, load_units declines).
  *       The caller checks the bound functions against the Python modules
- *       before it uses them (ucm_db.batch_loads).
+ *       before it uses them (ucm_db.codec.batch_loads).
  *       XXH3's update is the library's runtime-dispatched one where it
  *       exports it (xxh3_update_name() -> str | None says which is bound).
  *   load_units(heads, bodies, kinds, checksums, views, slab_bytes, indices,
@@ -54,7 +54,7 @@
 #include "_native_kernels.h"
 #include "_native_loads.h"
 
-/* The codec's layout (ucm_db/codec_format.py: HEADER_STRUCT "<4sHBBIQQ32sQ",
+/* The codec's layout (ucm_db/codec/header.py: HEADER_STRUCT "<4sHBBIQQ32sQ",
  * FRAME_STRUCT "<QQBBB5x"); tests/test_batch_loads.py checks them. */
 #define HEADER_BYTES 68
 #define CHECKSUM_AT 60

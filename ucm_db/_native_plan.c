@@ -7,9 +7,9 @@
  *       and metas[i] its ``blocks``, ``heads`` and ``meta`` values as the
  *       read transaction returned them, None where absent; metas None when
  *       no namespace is checked), kinds[i] becomes
- *         1 (raw): the head is one ucm_db.raw_loads.batch_checksum takes as
+ *         1 (raw): the head is one ucm_db.codec.raw_loads.batch_checksum takes as
  *           raw: codec none, owned by keys[i], its frame table one that
- *           raw_tables (ucm_db.codec_format.RAW_TABLES) maps to the body's
+ *           raw_tables (ucm_db.codec.header.RAW_TABLES) maps to the body's
  *           size;
  *         2 (shuffled): a zstd head batch_checksum takes (frames averaging
  *           fewer than below_frame_bytes raw bytes, if it is not negative);
@@ -39,7 +39,7 @@
 
 #include "_native_loads.h"
 
-/* ucm_db/codec_format.py: HEADER_STRUCT "<4sHBBIQQ32sQ", FRAME_STRUCT 24 bytes. */
+/* ucm_db/codec/header.py: HEADER_STRUCT "<4sHBBIQQ32sQ", FRAME_STRUCT 24 bytes. */
 #define HEADER_BYTES 68
 #define VERSION_AT 4
 #define CODEC_AT 6

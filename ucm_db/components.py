@@ -12,14 +12,15 @@ behaviour is documented where they are defined.
 
 from __future__ import annotations
 
-from ucm_db import codec, codec_pool
+from ucm_db import codec
+from ucm_db.codec import pool as codec_pool
 from ucm_db.auth import AuthKeys, mac as auth_mac
 from ucm_db.remote.link import READ_THREADS, RemoteLink
 from ucm_db.remote.uploader import LOCK_NAME as UPLOADER_LOCK_NAME, Uploader
 from ucm_db.store import Store
-from ucm_db.tiers.index_types import BlockEntry
-from ucm_db.tiers.local import LocalTier
-from ucm_db.tiers.remote import RemoteRoot, is_local_fs, pack_object, write_whole
+from ucm_db.index.entries import BlockEntry
+from ucm_db.index.local import LocalTier
+from ucm_db.remote.tier import RemoteRoot, is_local_fs, pack_object, write_whole
 
 __all__ = ["READ_THREADS", "UPLOADER_LOCK_NAME", "AuthKeys", "auth_mac", "BlockEntry", "LocalTier", "RemoteLink", "RemoteRoot",
            "Uploader", "codec", "codec_pool", "is_local_fs", "local_tier", "pack_object", "remote_link", "write_whole"]

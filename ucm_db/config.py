@@ -53,7 +53,7 @@ MAX_REMOTE_DEADLINE_S = 3600.0
 MAX_CAPACITY_BYTES = 1 << 62
 #: Largest LMDB map: LMDB maps its whole file into the process, and a 64-bit
 #: Linux process addresses 128 TiB (47 bits); ucm-db keeps to half of it
-#: (the map also grows to at most this, see ``ucm_db.tiers.lmdb``).
+#: (the map also grows to at most this, see ``ucm_db.engines.lmdb``).
 MAX_LMDB_MAP_BYTES = 1 << 46
 #: Largest LMDB capacity: a new store's map is 2 x capacity + 256 MiB.
 MAX_LMDB_CAPACITY_BYTES = (MAX_LMDB_MAP_BYTES - (256 << 20)) // 2

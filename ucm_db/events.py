@@ -69,7 +69,7 @@ class BlockEventFields:
         lora_name: the LoRA adapter name, or None.
         group_idx: the KV cache group index.
         epoch: the namespace epoch the block's key chain is rooted at
-            (:mod:`ucm_db.epochs`): a block of an older epoch is never
+            (:mod:`ucm_db.store.epochs`): a block of an older epoch is never
             served, so readers leave it out.
     """
 

@@ -13,7 +13,7 @@ import json
 
 from ucm_db.migrations import Migration
 from ucm_db.format import CREATED_KEY
-from ucm_db.tiers.base import Txn
+from ucm_db.engines.base import Txn
 
 
 def upgrade(txn: Txn) -> None:

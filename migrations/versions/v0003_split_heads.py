@@ -6,7 +6,7 @@ engine as the caller's buffer instead of first copying it behind a header.
 This migration gives every block of an older store its ``heads`` entry, a
 copy of the head at the front of its ``blocks`` value. The ``blocks`` values
 stay as they are (head and body joined); readers find the body after the
-head (:func:`ucm_db.tiers.local.body_of`), so no payload is rewritten and the
+head (:func:`ucm_db.index.local.body_of`), so no payload is rewritten and the
 migration writes about 100 bytes per block, in one transaction.
 
 A block whose head cannot be parsed gets no ``heads`` entry; reads then find
@@ -18,7 +18,7 @@ from __future__ import annotations
 from ucm_db import codec
 from ucm_db.errors import CorruptBlockError
 from ucm_db.migrations import Migration
-from ucm_db.tiers.base import Txn
+from ucm_db.engines.base import Txn
 
 
 def upgrade(txn: Txn) -> None:

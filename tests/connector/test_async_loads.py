@@ -25,7 +25,7 @@ from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
 from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
-from ucm_db.units import unit_key  # noqa: E402
+from ucm_db.keys.units import unit_key  # noqa: E402
 
 from test_scheduler_worker import BS, NUM_BLOCKS, _kv, _new_step, _request, _save_prompt, _shape, restarted  # noqa: E402
 

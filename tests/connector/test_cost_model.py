@@ -218,7 +218,7 @@ def _remote_with(tmp_path: Path, prompts: list[list[int]]) -> Path:
     import ucm_db
     from ucm_db.connector.identity import grid, namespace, reader_spans
     from ucm_db.tools.bench.throttle import register
-    from ucm_db.units import UnitKeys
+    from ucm_db.keys.units import UnitKeys
 
     register()
     remote_dir = tmp_path / "remote"
@@ -292,7 +292,7 @@ def test_scheduler_claims_a_remote_hit_only_where_it_beats_recompute(
         assert sched.counters.totals.data["cost_skips"] - skips_after_probe == (0 if loads else 1)
         assert sched.counters.totals.data["cost_skips"] == 0 or not loads
         from ucm_db.connector.identity import grid, reader_spans
-        from ucm_db.units import UnitKeys
+        from ucm_db.keys.units import UnitKeys
 
         units = UnitKeys(sched.keys_for(_request_for(second), BLOCKS), grid(_shape()), reader_spans(_shape())[0])
         local = sched.store.lookup(sched._namespace, units, remote=False)
@@ -400,7 +400,7 @@ def test_local_hit_judged_slower_than_recompute_is_not_claimed(tmp_path: Path) -
     from ucm_db.connector.metadata import UcmDbWorkerMetadata
     from ucm_db.connector.scheduler import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
-    from ucm_db.units import UnitKeys
+    from ucm_db.keys.units import UnitKeys
 
     tokens = list(range(1, BS * BLOCKS + 5))
     shape = _shape()

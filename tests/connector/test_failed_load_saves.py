@@ -30,7 +30,7 @@ from ucm_db.connector.roles import RolePolicy  # noqa: E402
 from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
-from ucm_db.units import unit_key  # noqa: E402
+from ucm_db.keys.units import unit_key  # noqa: E402
 
 PROMPT = [7 + i for i in range(5 * BS + 3)]  # 5 full blocks
 IDS = [10, 11, 12, 13, 14, 15]  # the blocks vLLM allocates for it

@@ -274,7 +274,7 @@ def test_a_failed_load_in_one_group_fails_the_request_not_the_engine(model_dir: 
     stored, its retry claims nothing, and its recomputed KV is saved again
     in every group, over no load."""
     from ucm_db.connector.identity import grid, reader_spans
-    from ucm_db.units import UnitKeys
+    from ucm_db.keys.units import UnitKeys
 
     first = _Engine(model_dir, tmp_path / "store", _kv(3))
     first.run(_request("a", TOKENS), (list(range(1, 8)), list(range(11, 18))))

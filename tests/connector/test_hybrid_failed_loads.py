@@ -34,7 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
 from ucm_db.connector.hybrid import group_shape  # noqa: E402
 from ucm_db.connector.identity import grid, reader_spans  # noqa: E402
-from ucm_db.units import UnitKeys  # noqa: E402
+from ucm_db.keys.units import UnitKeys  # noqa: E402
 
 from test_hybrid import BS, NUM_BLOCKS, TOKENS, _Engine, _groups, _kv, _request, _vllm_config, model_dir  # noqa: E402,F401
 

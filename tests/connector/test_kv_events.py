@@ -26,7 +26,7 @@ from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E40
 from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
-from ucm_db.units import UnitKeys  # noqa: E402
+from ucm_db.keys.units import UnitKeys  # noqa: E402
 
 from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _shape  # noqa: E402
 

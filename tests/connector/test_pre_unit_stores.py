@@ -28,7 +28,7 @@ from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
 from ucm_db.errors import FormatVersionError  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
-from ucm_db.pre_units import split_whole  # noqa: E402
+from ucm_db.maintenance.pre_units import split_whole  # noqa: E402
 from ucm_db.tools.cli import cli  # noqa: E402
 
 BS, NUM_BLOCKS, HEAD, HEADS, LAYERS = 16, 12, 32, 4, 2
@@ -182,7 +182,7 @@ def test_conversion_refuses_while_the_store_is_open_elsewhere(tmp_path: Path) ->
     import sys
 
     from ucm_db.errors import LockedError
-    from ucm_db.pre_units import convert
+    from ucm_db.maintenance.pre_units import convert
 
     path = tmp_path / "s"
     ns = namespace(_shape(1))
@@ -236,7 +236,7 @@ def test_either_role_of_the_connector_refuses_an_older_generation_in_its_constru
 
 
 def test_a_whole_block_that_cannot_be_split_is_dropped_with_its_descendants(tmp_path: Path) -> None:
-    from ucm_db.pre_units import convert
+    from ucm_db.maintenance.pre_units import convert
 
     path = tmp_path / "s"
     ns = namespace(_shape(1))
@@ -268,7 +268,7 @@ def test_units_larger_than_the_namespace_record_says_are_not_taken_for_whole_blo
     keys = ns.block_keys(list(range(2 * BS)))
     with ucm_db.open(path) as store:
         for span in range(HEADS):  # units (not whole blocks), each a chain of its own
-            from ucm_db.units import KVGrid, UnitKeys
+            from ucm_db.keys.units import KVGrid, UnitKeys
 
             grid = KVGrid(HEADS, LAYERS)
             store.put(ns, list(UnitKeys(keys, grid, grid.head_spans()[span])), [b"\1" * unit_bytes] * 2, parent=None)

@@ -311,7 +311,7 @@ def test_a_head_whose_parent_unit_is_gone_loses_only_its_own_chain(tmp_path: Pat
     # The writer commits a job's head chains in one transaction; when one
     # head's parent unit was evicted meanwhile, that transaction fails and
     # the chains are put one by one: the other head's units still land.
-    from ucm_db.units import KVGrid, UnitKeys
+    from ucm_db.keys.units import KVGrid, UnitKeys
 
     settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
     worker = UcmDbWorker(settings, SHAPE, NUM_BLOCKS, RolePolicy("kv_both"))

@@ -27,7 +27,7 @@ from ucm_db.connector.metadata import UcmDbConnectorMetadata  # noqa: E402
 from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
-from ucm_db.units import UnitKeys, unit_key, unit_keys_of  # noqa: E402
+from ucm_db.keys.units import UnitKeys, unit_key, unit_keys_of  # noqa: E402
 
 BS = 32
 NUM_BLOCKS = 64

@@ -335,7 +335,7 @@ def test_a_state_that_fails_to_load_fails_the_request_and_is_saved_again(model_d
     claims nothing, and the state vLLM offers again is saved again."""
     from ucm_db.connector.hybrid import group_shape
     from ucm_db.connector.identity import grid, reader_spans
-    from ucm_db.units import UnitKeys
+    from ucm_db.keys.units import UnitKeys
 
     from test_hybrid import admit, blocks_of
 

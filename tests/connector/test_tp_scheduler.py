@@ -23,7 +23,7 @@ from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
-from ucm_db.units import KVGrid, UnitSpan, plan_read  # noqa: E402
+from ucm_db.keys.units import KVGrid, UnitSpan, plan_read  # noqa: E402
 
 BS, NUM_BLOCKS, HEAD = 32, 16, 64
 
@@ -143,7 +143,7 @@ def test_plan_read_assembles_any_partition() -> None:
 
 
 def test_unit_keys_and_readability() -> None:
-    from ucm_db.units import UnitKeys, readable_at, unit_key, unit_keys_of
+    from ucm_db.keys.units import UnitKeys, readable_at, unit_key, unit_keys_of
 
     g = KVGrid(heads=2, layers=2)
     keys = Namespace(model="m", kv_dtype="bfloat16", block_size=4).block_keys(list(range(16)))

@@ -18,7 +18,7 @@ import torch
 import ucm_db
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
-from ucm_db.units import KVGrid, UnitKeys
+from ucm_db.keys.units import KVGrid, UnitKeys
 
 UNIT_BYTES = 4096
 GRID = KVGrid(heads=2, layers=1)

@@ -64,7 +64,7 @@ OVERSIZE_SHARE = 0.01
 TOUCHED_PER_READ = 4
 #: Writers alone at the end of a loop (see CrashLoop.quiet_ending). With
 #: group durability a put may wait for a sync once the shared file grew by
-#: ``sync_bytes`` beyond its own payload (ucm_db/background.py; about a dozen
+#: ``sync_bytes`` beyond its own payload (ucm_db/store/background.py; about a dozen
 #: waits per loop here), and a restarted writer must open the store first:
 #: 0.5 s once left no acknowledged block after the last compaction in a full
 #: suite run, so the oracle had nothing to check strictly.

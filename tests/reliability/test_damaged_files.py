@@ -23,9 +23,9 @@ import pytest
 import ucm_db
 from ucm_db.errors import TierError
 from ucm_db.storelock import StoreLock, ensure_store_dir
-from ucm_db.tiers.lmdb import LmdbEngine
-from ucm_db.tiers.lmdb.checks import diagnose
-from ucm_db.tiers.lmdb.meta import check_file
+from ucm_db.engines.lmdb import LmdbEngine
+from ucm_db.engines.lmdb.checks import diagnose
+from ucm_db.engines.lmdb.meta import check_file
 
 from .harness import NS, chain_tokens, payload_for, run_child, tail
 

@@ -20,7 +20,7 @@ import pytest
 
 import ucm_db
 from ucm_db import maintenance
-from ucm_db.tiers.remote import RemoteRoot, unpack_object
+from ucm_db.remote.tier import RemoteRoot, unpack_object
 
 from .harness import NS, chain_tokens, payload_for, run_child, size_for, tail
 

@@ -1,4 +1,4 @@
-"""The LMDB fence (ucm_db/tiers/lmdb/fence.py): an LMDB library or data file
+"""The LMDB fence (ucm_db/engines/lmdb/fence.py): an LMDB library or data file
 that the page-level code was not proven on is refused at open, and nothing
 is rolled back, rewritten or mapped first.
 
@@ -19,10 +19,10 @@ import pytest
 import ucm_db
 from ucm_db.errors import FormatVersionError, TierError
 from ucm_db.storelock import StoreLock
-from ucm_db.tiers.lmdb import LMDB_REQUIREMENT, PROVEN_DATA_VERSIONS, PROVEN_LIBRARY_VERSIONS
-from ucm_db.tiers.lmdb.fence import UNPROVEN_LIBRARY_ENV
-from ucm_db.tiers.lmdb.groupsync import read_record
-from ucm_db.tiers.lmdb.recovery import BOOT_ID_ENV
+from ucm_db.engines.lmdb import LMDB_REQUIREMENT, PROVEN_DATA_VERSIONS, PROVEN_LIBRARY_VERSIONS
+from ucm_db.engines.lmdb.fence import UNPROVEN_LIBRARY_ENV
+from ucm_db.engines.lmdb.groupsync import read_record
+from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV
 
 from .harness import NS, chain_tokens, payload_for
 

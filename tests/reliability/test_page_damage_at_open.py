@@ -19,8 +19,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 import ucm_db
-from ucm_db.tiers.lmdb.meta import check_file
-from ucm_db.tiers.lmdb.pages import _Walker
+from ucm_db.engines.lmdb.meta import check_file
+from ucm_db.engines.lmdb.pages import _Walker
 from ucm_db.tools.cli import cli
 
 from .harness import NS, chain_tokens, payload_for

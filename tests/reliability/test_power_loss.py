@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 import ucm_db
-from ucm_db.tiers.lmdb.groupsync import read_record
-from ucm_db.tiers.lmdb.meta import check_file, read_meta_pages
-from ucm_db.tiers.lmdb.recovery import BOOT_ID_ENV, MARKER_DIR
+from ucm_db.engines.lmdb.groupsync import read_record
+from ucm_db.engines.lmdb.meta import check_file, read_meta_pages
+from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV, MARKER_DIR
 
 from .harness import NS, chain_tokens, fork_call, kill_and_reap, payload_for, tail, wait_counter, write_counter
 

@@ -43,7 +43,7 @@ from typing import Any
 import pytest
 
 import ucm_db
-from ucm_db.tiers.lmdb.recovery import BOOT_ID_ENV
+from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV
 
 from .harness import NS, chain_tokens, fork_call, kill_and_reap, payload_for, run_child, size_for, tail
 from .powercut import PowerCutMount

@@ -246,7 +246,7 @@ def test_hostile_remote_listing_never_touches_outside_files(tmp_path: Path) -> N
         assert set(keys) <= listed
     assert secret.read_bytes() == b"do not touch"
     from ucm_db.remote.gc import gc
-    from ucm_db.tiers.remote import RemoteRoot
+    from ucm_db.remote.tier import RemoteRoot
 
     gc(RemoteRoot.from_url(f"file://{remote_dir}"), older_than_s=0.0, max_bytes=None, dry_run=False, now_s=time.time() + 10)
     assert secret.read_bytes() == b"do not touch" and sorted(os.listdir(outside)) == ["secret"]
@@ -255,7 +255,7 @@ def test_hostile_remote_listing_never_touches_outside_files(tmp_path: Path) -> N
 def test_memory_remote_listing_with_traversal_names_is_ignored(tmp_path: Path) -> None:
     """An object store can list any string: names with ../, absolute paths
     or NUL are not keys and are skipped."""
-    from ucm_db.tiers.remote import RemoteRoot
+    from ucm_db.remote.tier import RemoteRoot
 
     root = RemoteRoot.from_url(f"memory://hostile-{os.getpid()}")
     ns_dir = root.namespace_dir(NS.digest[:16])

@@ -18,8 +18,8 @@ from pathlib import Path
 import lmdb
 
 import ucm_db
-from ucm_db.tiers.lmdb.meta import check_file, read_meta_pages
-from ucm_db.tiers.lmdb.pages import first_reachable_page_past_end
+from ucm_db.engines.lmdb.meta import check_file, read_meta_pages
+from ucm_db.engines.lmdb.pages import first_reachable_page_past_end
 
 from .harness import NS, chain_tokens, payload_for
 

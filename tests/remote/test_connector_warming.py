@@ -14,7 +14,7 @@ from ucm_db.connector.layouts import detect_layout  # noqa: E402
 from ucm_db.connector.warming import import_kv  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
-from ucm_db.units import KVGrid, UnitKeys  # noqa: E402
+from ucm_db.keys.units import KVGrid, UnitKeys  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 BLOCK = 32

@@ -3,13 +3,13 @@ exhaust a reader (issue 14 item 6).
 
 Real files on a ``file://`` remote: a symlink to ``/dev/zero``, a FIFO, a
 directory, a sparse 16 GiB file longer than its header states, and one whose
-header states more than :data:`~ucm_db.tiers.remote.MAX_OBJECT_BYTES`. Each
+header states more than :data:`~ucm_db.remote.tier.MAX_OBJECT_BYTES`. Each
 replaces the second block of a chain a writer uploaded; a fresh node then
 warms, looks up and gets the chain in a forked child with an address-space
 limit (a regression reads ``/dev/zero`` into memory or blocks on the FIFO;
 the limit and the parent's timeout keep that from harming the machine).
 The same bound is checked on S3 (moto): an object longer than its header
-states is a miss after at most :data:`~ucm_db.tiers.remote.FIRST_READ_BYTES`.
+states is a miss after at most :data:`~ucm_db.remote.tier.FIRST_READ_BYTES`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import ucm_db
 from ucm_db import codec
 from reliability.harness import run_child, tail
 from undecodable import undecodable_blob
-from ucm_db.tiers.remote import ENVELOPE_BYTES, FIRST_READ_BYTES, RemoteRoot
+from ucm_db.remote.tier import ENVELOPE_BYTES, FIRST_READ_BYTES, RemoteRoot
 
 from .conftest import Remote, chain, make_remote
 
@@ -195,7 +195,7 @@ def test_stated_length_is_the_real_length_of_every_object(codec_name: str, frame
     """The bound a reader derives from an object's first bytes is exactly its
     length (so no good object is ever cut or refused), for both codecs."""
     from ucm_db import codec
-    from ucm_db.tiers.remote import PROBE_BYTES, pack_object, stated_object_bytes
+    from ucm_db.remote.tier import PROBE_BYTES, pack_object, stated_object_bytes
 
     key = os.urandom(32)
     layers = [os.urandom(700) + bytes(1300 + 10 * i) for i in range(frames)]
@@ -284,7 +284,7 @@ def test_an_io_error_on_the_way_is_a_remote_failure_not_a_quarantined_object(tmp
     patched to raise it (a mock, for that fault alone)."""
     import errno
 
-    from ucm_db.tiers import remote_files
+    from ucm_db.remote import files as remote_files
 
     target = tmp_path / "obj"
     target.write_bytes(b"x")

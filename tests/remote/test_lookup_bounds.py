@@ -26,8 +26,8 @@ import pytest
 import ucm_db
 from faultfs import FaultPlan
 from ucm_db import codec
-from ucm_db.tiers.remote import ENVELOPE_BYTES, FIRST_READ_BYTES, RemoteRoot
-from ucm_db.tiers.remote_reads import CHUNK_BYTES
+from ucm_db.remote.tier import ENVELOPE_BYTES, FIRST_READ_BYTES, RemoteRoot
+from ucm_db.remote.object_reads import CHUNK_BYTES
 
 from .conftest import chain
 
@@ -155,7 +155,7 @@ def test_byte_budget_goes_to_the_leading_objects_in_order() -> None:
     for room that the consumer gives back."""
     import threading
 
-    from ucm_db.tiers.remote_reads import ByteBudget
+    from ucm_db.remote.object_reads import ByteBudget
 
     budget = ByteBudget(100)
     later: list[bool] = []

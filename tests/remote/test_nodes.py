@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import ucm_db
-from ucm_db.tiers.remote import TEMP_PREFIX, RemoteRoot, unpack_object
+from ucm_db.remote.tier import TEMP_PREFIX, RemoteRoot, unpack_object
 
 from .conftest import Remote, chain, make_remote
 

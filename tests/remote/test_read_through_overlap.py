@@ -74,7 +74,7 @@ def test_large_zstd_blocks_are_decoded_on_the_codec_threads(tmp_path: Path, name
     every result is in place when ``get`` returns."""
     import threading
 
-    from ucm_db.codec_pool import POOL_MIN_FRAME_BYTES
+    from ucm_db.codec.pool import POOL_MIN_FRAME_BYTES
 
     block_bytes = 2 * POOL_MIN_FRAME_BYTES
     remote = {"remote": f"file://{tmp_path / 'remote'}"}
@@ -103,7 +103,7 @@ def test_large_zstd_blocks_are_decoded_on_the_codec_threads(tmp_path: Path, name
 def test_pending_decodes_join_waits_for_all_then_raises_the_first_error() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from ucm_db.codec_pool import POOL_MIN_FRAME_BYTES, PendingDecodes
+    from ucm_db.codec.pool import POOL_MIN_FRAME_BYTES, PendingDecodes
 
     large = codec.encode(b"k" * 32, bytes(2 * POOL_MIN_FRAME_BYTES), codec="zstd", element_bytes=2)
     finished: list[int] = []

@@ -20,8 +20,8 @@ import pytest
 import ucm_db
 from ucm_db import codec
 from ucm_db.errors import ConfigError
-from ucm_db.tiers.remote import RemoteRoot, write_whole
-from ucm_db.tiers.remote_object import SIGNED_FORMAT_VERSION, pack_object
+from ucm_db.remote.tier import RemoteRoot, write_whole
+from ucm_db.remote.envelope import SIGNED_FORMAT_VERSION, pack_object
 from ucm_db.auth import AuthKeys, key_id
 
 from .conftest import Remote, chain
@@ -135,7 +135,7 @@ def test_flipped_byte_in_a_signed_body_is_a_miss(tmp_path: Path, namespace: Any)
     tampered[0] ^= 1
     forged_body = pack_object(keys[0], None, ns_id, codec.encode(keys[0], bytes(tampered), codec="none"), signer)
     forged = forged_body[: -32] + honest[-32:]  # the honest MAC on forged bytes
-    from ucm_db.tiers.remote_object import UnauthenticatedObject, unpack_object
+    from ucm_db.remote.envelope import UnauthenticatedObject, unpack_object
 
     assert bytes(unpack_object(honest, keys[0], signer).blob) == bytes(codec.encode(keys[0], payloads[0], codec="none"))
     with pytest.raises(UnauthenticatedObject) as caught:

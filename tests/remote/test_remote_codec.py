@@ -16,7 +16,7 @@ import pytest
 import ucm_db
 from ucm_db import codec
 from ucm_db.remote.codec_choice import PROBE_EVERY, RemoteCodec
-from ucm_db.tiers.remote import unpack_object
+from ucm_db.remote.tier import unpack_object
 from ucm_db.tools.bench.throttle import register
 
 NS = ucm_db.Namespace(model="remote-codec-test", kv_dtype="bfloat16", block_size=4)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ucm_db import codec
 from ucm_db.errors import CorruptBlockError
 from ucm_db.remote.search import search_prefix
-from ucm_db.tiers.remote import (
+from ucm_db.remote.tier import (
     ENVELOPE_BYTES, TEMP_PREFIX, RemoteRoot, pack_object, parse_envelope, unpack_object, write_whole,
 )
 

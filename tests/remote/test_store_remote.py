@@ -10,7 +10,7 @@ import pytest
 
 import ucm_db
 from ucm_db.errors import ConfigError
-from ucm_db.tiers.remote import RemoteRoot, unpack_object
+from ucm_db.remote.tier import RemoteRoot, unpack_object
 
 from .conftest import Remote, chain
 
@@ -195,7 +195,7 @@ def test_uploader_batches_are_bounded_by_bytes_shallowest_first(tmp_path: Path, 
 
     from ucm_db import codec as _codec
     from ucm_db.remote import uploader as uploader_module
-    from ucm_db.tiers.local import BlockEntry
+    from ucm_db.index.local import BlockEntry
 
     keys, payloads = chain(namespace, 6)
     ns_id = namespace.digest[:16]

@@ -18,7 +18,7 @@ from typing import Any
 import ucm_db
 from ucm_db.maintenance import compact, verify
 from ucm_db.migrations.access import open_engine
-from ucm_db.tiers.index_types import BlockMeta, lru_key
+from ucm_db.index.entries import BlockMeta, lru_key
 
 from cli_stores import NS_A, NS_B, chain_keys, invoke, invoke_json, make_store, payload
 

@@ -21,8 +21,8 @@ import pytest
 
 import ucm_db
 from ucm_db import codec
-from ucm_db.tiers.local import BlockMeta
-from ucm_db.tiers.remote import RemoteRoot
+from ucm_db.index.local import BlockMeta
+from ucm_db.remote.tier import RemoteRoot
 
 from cli_stores import NS_A, chain_keys, invoke, invoke_json, make_store, payload
 

@@ -118,7 +118,7 @@ def test_a_follower_checks_the_pages_once_not_every_poll(tmp_path: Path, monkeyp
     page check at open walks the whole store in a child process (seconds per
     100k blocks): a follower runs it once, on its first read, not once per
     poll and per namespace. (The check is wrapped only to count its calls.)"""
-    from ucm_db.tiers.lmdb import engine as lmdb_engine
+    from ucm_db.engines.lmdb import engine as lmdb_engine
 
     path = tmp_path / "s"
     with ucm_db.open(path) as store:

@@ -16,7 +16,7 @@ import pytest
 
 import ucm_db
 from ucm_db import maintenance
-from ucm_db.archive import MAX_MANIFEST_BYTES, MAX_MEMBER_BYTES
+from ucm_db.maintenance.archive import MAX_MANIFEST_BYTES, MAX_MEMBER_BYTES
 
 from cli_stores import NS_A, chain_keys, invoke, invoke_json, make_store
 

@@ -1,4 +1,4 @@
-"""`ucm-db gc` on a real file:// remote laid out by ucm_db.tiers.remote."""
+"""`ucm-db gc` on a real file:// remote laid out by ucm_db.remote.tier."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ucm_db import codec
-from ucm_db.tiers.remote import RemoteRoot, RemoteTier
+from ucm_db.remote.tier import RemoteRoot, RemoteTier
 
 from cli_stores import NS_A, chain_keys, invoke, invoke_json, payload
 

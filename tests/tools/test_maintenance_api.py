@@ -77,7 +77,7 @@ def test_an_isolated_read_survives_a_reader_killed_by_a_signal(tmp_path: Path) -
     import os
     import signal
 
-    from ucm_db.isolation import run_isolated
+    from ucm_db.maintenance.isolation import run_isolated
 
     for sig in (signal.SIGABRT, signal.SIGBUS):
         with pytest.raises(ucm_db.TierError) as info:
@@ -96,7 +96,7 @@ def test_an_isolated_read_survives_a_reader_killed_by_a_signal(tmp_path: Path) -
 def test_an_unexpected_error_in_the_isolated_read_is_named_to_the_caller(tmp_path: Path) -> None:
     """Found by the concurrent-load suite: the CLI's captured stderr lost
     the child's traceback, and the caller said only "exit status 70"."""
-    from ucm_db.isolation import run_isolated
+    from ucm_db.maintenance.isolation import run_isolated
 
     def crash() -> dict[str, object]:
         raise KeyError("lost-entry")

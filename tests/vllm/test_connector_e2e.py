@@ -44,7 +44,7 @@ import pytest
 
 import ucm_db
 from ucm_db.keys import Namespace
-from ucm_db.units import KVGrid, unit_key
+from ucm_db.keys.units import KVGrid, unit_key
 
 from e2e_helpers import (
     BLOCK_SIZE, in_process_engine, reference_engine_kwargs, start_engine_process, store_blocks, wait_for_new_blocks,

@@ -135,7 +135,7 @@ def test_remote_hit_slower_than_recompute_is_recomputed_faster_one_loaded(
         recomputed, recompute_s = run(hits[3])  # 5. slow: recomputed, remote not asked
         assert recomputed == 0 and cost.skipped["remote"] > skipped_before
         keys = sched.keys_for(_request(hits[3]), 1)
-        from ucm_db.units import UnitKeys
+        from ucm_db.keys.units import UnitKeys
         from ucm_db.connector.identity import reader_spans
 
         first_unit = list(UnitKeys(keys, sched._grid, reader_spans(worker._shape)[0]))

@@ -108,7 +108,7 @@ def _damage_a_block_of_the_first_prompt(store: Path) -> None:
     in the full-attention group (group 1), found by the token ids the store
     keeps for KV events; its index entry stays, so a lookup claims it."""
     import ucm_db
-    from ucm_db.event_replay import iter_events
+    from ucm_db.maintenance.event_replay import iter_events
 
     block = _prompts()[0]["ids"][BLOCK_SIZE : 2 * BLOCK_SIZE]
     (key,) = [bytes.fromhex(e["key"]) for e in iter_events(store) if e["group_idx"] == 1 and e["token_ids"] == block]

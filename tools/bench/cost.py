@@ -92,7 +92,7 @@ def fill_remote(llm: Any, remote: dict[str, Any], path: Path, prompts: list[list
 
     import ucm_db
     from ucm_db.connector.identity import reader_spans
-    from ucm_db.units import UnitKeys
+    from ucm_db.keys.units import UnitKeys
 
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
     worker = get_kv_transfer_group()._worker

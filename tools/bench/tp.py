@@ -9,7 +9,7 @@ one at TP=2 with the same KV; the figures:
   warm page cache) of every (writer TP, reader TP) pair, so a cross-TP read
   compares with a same-TP read. (The whole-block baseline of the storage
   generation before units is gone with its reader: ``ucm-db migrate``
-  converts such stores, :mod:`ucm_db.pre_units`.)
+  converts such stores, :mod:`ucm_db.maintenance.pre_units`.)
 
 A TP=2 "reader" is its two ranks loading one after the other in this process:
 their seconds add up, as the bytes do.
@@ -52,7 +52,7 @@ def _meta(keys: list[bytes], block_ids: list[int], load: bool) -> Any:
 
 
 def _shards(model_kv: dict[str, Any], tp: int) -> list[dict[str, Any]]:
-    from ucm_db.units import head_range
+    from ucm_db.keys.units import head_range
 
     out = []
     for rank in range(tp):

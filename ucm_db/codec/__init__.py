@@ -33,20 +33,20 @@ Invariants:
       else escapes for malformed input.
 
 This module is the codec's one door: the wire format and its checks live in
-:mod:`ucm_db.codec_format`, encoding in :mod:`ucm_db.codec_encode`,
-decoding and transcoding in :mod:`ucm_db.codec_decode`; callers import
+:mod:`ucm_db.codec.header`, encoding in :mod:`ucm_db.codec.encoding`,
+decoding and transcoding in :mod:`ucm_db.codec.decoding`; callers import
 ``ucm_db.codec``.
 """
 
 from __future__ import annotations
 
-from ucm_db.codec_decode import (  # noqa: F401 - the codec's API
+from ucm_db.codec.decoding import (  # noqa: F401 - the codec's API
     decode, decode_into, decode_parts, decode_parts_into, readable, transcode,
 )
-from ucm_db.codec_encode import (  # noqa: F401 - the codec's API
+from ucm_db.codec.encoding import (  # noqa: F401 - the codec's API
     ZSTD_GROUP_BYTES, EncodedBlock, Framed, buffer_view, encode, encode_parts,
 )
-from ucm_db.codec_format import (  # noqa: F401 - the codec's API
+from ucm_db.codec.header import (  # noqa: F401 - the codec's API
     CODEC_FORMAT_VERSION, CODEC_IDS, HEADER_BYTES, MAGIC, MAX_FRAMES, MAX_RAW_BYTES, MODE_RAW, MODE_SHUFFLE, MODE_ZSTD, Buffer,
     Header, all_raw, codec_of_head, element_bytes_for, frame_sizes, head_bytes, head_hasher, mean_frame_bytes_of_head,
     read_head, read_header, split, verify, verify_parts,

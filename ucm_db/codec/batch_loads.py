@@ -1,15 +1,15 @@
 """A read's units verified and written into a KV cache's slabs by one native call per thread, the GIL released.
 
-``Store.get_into`` into :class:`~ucm_db.slabs.ScatterSlabs` (a connector's
+``Store.get_into`` into :class:`~ucm_db.codec.slabs.ScatterSlabs` (a connector's
 load straight into the KV cache) reads its units :data:`FLUSH_UNITS` at a
 time inside its read transaction (``with_blocks``'s ``take_chunk``: three
 list reads of the chunk's values), plans each chunk in one call
 (``_native.plan_units``: every unit whose head the fast path of
-:mod:`ucm_db.raw_loads` takes, raw or zstd of shuffled frames small enough
+:mod:`ucm_db.codec.raw_loads` takes, raw or zstd of shuffled frames small enough
 for the caller's thread), then hands the plan to ``_native.load_units``: one
 call that hashes and copies (or verifies, decompresses and merges) unit
 after unit without the GIL. A codec thread
-(:meth:`ucm_db.codec_pool.CodecPool.beside`) makes the same call beside the
+(:meth:`ucm_db.codec.pool.CodecPool.beside`) makes the same call beside the
 caller; both claim units from one shared counter, so a busy helper costs the
 caller nothing but the units it took. Per unit this leaves the LMDB lookups
 and no Python call; a unit the plan declines goes through the per-unit
@@ -47,10 +47,10 @@ from typing import Any, Optional
 import xxhash
 import zstandard
 
-from ucm_db import codec_format, native
-from ucm_db.codec_format import RAW_TABLES
-from ucm_db.raw_loads import batch_checksum
-from ucm_db.slabs import ScatterSlabs
+from ucm_db.codec import header as codec_format, native
+from ucm_db.codec.header import RAW_TABLES
+from ucm_db.codec.raw_loads import batch_checksum
+from ucm_db.codec.slabs import ScatterSlabs
 
 _KIND_RAW, _KIND_SHUFFLED = 1, 2
 #: The codec's constants ``_native.plan_units`` checks a head against.
@@ -152,7 +152,7 @@ class Batch:
     def take_chunk(self, start: int, stored: list[Any], heads: list[Any], metas: list[Any] | None) -> Sequence[int]:
         """``take_chunk`` for ``with_blocks``: plans a chunk of the read's
         units in one native call (``_native.plan_units``: the checks of
-        ``with_blocks`` and :func:`~ucm_db.raw_loads.batch_checksum`), loads
+        ``with_blocks`` and :func:`~ucm_db.codec.raw_loads.batch_checksum`), loads
         those it takes (a codec thread beside the caller for a large chunk),
         hands any the load declines to the Python path, and returns the
         positions it did not plan, for the per-unit path."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Union
 
-from ucm_db import native
+from ucm_db.codec import native
 from ucm_db.errors import ConfigError, CorruptBlockError
 
 Buffer = Union[bytes, bytearray, memoryview]

@@ -4,7 +4,7 @@ into a new buffer, a caller's buffer or a scatter list; and transcoding.
 Invariants:
     * A block is verified (header bounds, owning key, checksum) before its
       bytes are reported decoded; a raw body is verified as it is copied
-      (:mod:`ucm_db.checked_copy`).
+      (:mod:`ucm_db.codec.checked_copy`).
     * A zstd frame never decompresses to more than the frame table says
       (no decompression bombs); any mismatch is a
       :class:`~ucm_db.errors.CorruptBlockError`.
@@ -19,9 +19,9 @@ from typing import cast
 
 import zstandard
 
-from ucm_db import checked_copy, native
-from ucm_db.codec_encode import encode_parts
-from ucm_db.codec_format import (
+from ucm_db.codec import checked_copy, native
+from ucm_db.codec.encoding import encode_parts
+from ucm_db.codec.header import (
     FRAME_STRUCT, HEADER_BYTES, MODE_RAW, MODE_SHUFFLE, MODE_ZSTD, Buffer, Header, all_raw, codec_of_head, frame_sizes,
     head_hasher, read_head, split, verify_parts, verify_read_head,
 )
@@ -62,7 +62,7 @@ def decode_into(blob: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int
 
 
 def decode_parts_into(head: Buffer, body: Buffer, key: bytes, out: Buffer | Sequence[Buffer]) -> int:
-    """:func:`decode_into` for a head and body kept apart (a raw body is verified as copied: :mod:`ucm_db.checked_copy`)."""
+    """:func:`decode_into` for a head and body kept apart (a raw body is verified as copied: :mod:`ucm_db.codec.checked_copy`)."""
     header = read_head(head, len(body))
     if header.codec == "none" and header.key == key and all_raw(head, header, len(body)):
         return checked_copy.copy_verified(head_hasher(head), body, out, header.checksum)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import xxhash
 import zstandard
 
-from ucm_db import native
-from ucm_db.codec_format import (
+from ucm_db.codec import native
+from ucm_db.codec.header import (
     CHECKSUM_OFFSET, CODEC_FORMAT_VERSION, CODEC_IDS, FRAME_STRUCT, HEADER_STRUCT, MAGIC, MAX_FRAMES, MODE_RAW, MODE_SHUFFLE,
     MODE_ZSTD, Buffer,
 )
@@ -314,5 +314,5 @@ def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) 
 
 def _shuffle(view: memoryview, element_bytes: int) -> list[memoryview]:
     """Splits elements into byte planes, least significant byte first
-    (one pass in C when :mod:`ucm_db.native` is built)."""
+    (one pass in C when :mod:`ucm_db.codec.native` is built)."""
     return [memoryview(p) for p in native.split_planes(view, element_bytes)]

@@ -4,7 +4,7 @@ The extension is optional: built from ``ucm_db/_native.c`` at install time
 when a C compiler and the Python headers are there, otherwise the numpy
 fallbacks below are used. :data:`NATIVE_AVAILABLE` says which. The C pays
 for itself: about 4x the fallback's GB/s on 2-byte elements (see
-``_native.c``). Key derivation is not here: see :mod:`ucm_db.key_chain`.
+``_native.c``). Key derivation is not here: see :mod:`ucm_db.keys.chain`.
 
 Invariants:
     * Each public function gives byte-identical results either way
@@ -38,7 +38,7 @@ NATIVE_AVAILABLE: bool = _native is not None
 
 def extension() -> ModuleType | None:
     """The compiled extension itself (None if it is not built), for the
-    native-only paths that have no numpy fallback (:mod:`ucm_db.batch_loads`)."""
+    native-only paths that have no numpy fallback (:mod:`ucm_db.codec.batch_loads`)."""
     return _native
 
 Buffer = Union[bytes, bytearray, memoryview]

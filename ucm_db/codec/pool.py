@@ -26,7 +26,7 @@ from typing import Any, TypeVar, Union, cast
 
 from ucm_db import codec
 from ucm_db.cpu_placement import place_current_thread
-from ucm_db.tiers.base import Buffer
+from ucm_db.engines.base import Buffer
 
 T = TypeVar("T")
 
@@ -95,7 +95,7 @@ class CodecPool:
         """Starts ``fn()`` on one codec thread beside the caller (None if
         there is no pool); returns ``join()``, which cancels ``fn`` if it
         has not started yet, else waits for it and re-raises its error. A
-        caller sharing work with ``fn`` (:mod:`ucm_db.batch_loads`) joins
+        caller sharing work with ``fn`` (:mod:`ucm_db.codec.batch_loads`) joins
         once its own share is done, so it never waits for a thread that is
         busy elsewhere. A cancelled ``fn`` is dropped at once: the queue
         keeps only an empty shell until a thread reaches it, so nothing

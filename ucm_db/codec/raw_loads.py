@@ -3,7 +3,7 @@
 ``Store.get_into`` hands a read transaction's blocks here first. A block
 whose head says codec ``none``, owned by the key asked for, with a frame
 table already known to be all raw (:func:`ucm_db.codec.all_raw` remembers
-them) is verified while it is copied (:func:`ucm_db.checked_copy.copy_verified`)
+them) is verified while it is copied (:func:`ucm_db.codec.checked_copy.copy_verified`)
 straight from one ``struct`` unpack of its header: no :class:`~ucm_db.codec.Header`,
 no per-block function chain. A zstd block whose frames are all byte-shuffled
 and small enough to decode on the caller's thread (a connector unit: one
@@ -31,13 +31,14 @@ from typing import Any
 
 import xxhash
 
-from ucm_db import checked_copy, codec, native
-from ucm_db.codec_decode import Frame, frame_table, merge_shuffled
-from ucm_db.codec_format import (
+from ucm_db.codec import checked_copy, native
+from ucm_db import codec
+from ucm_db.codec.decoding import Frame, frame_table, merge_shuffled
+from ucm_db.codec.header import (
     CHECKSUM_OFFSET, FRAME_STRUCT, HEADER_STRUCT, MODE_SHUFFLE, RAW_TABLES, ZERO_CHECKSUM, head_hasher,
 )
 from ucm_db.errors import CorruptBlockError
-from ucm_db.slabs import ScatterSlabs
+from ucm_db.codec.slabs import ScatterSlabs
 
 # The codec's own header layout and its cache of all-raw frame tables
 # (this module is the codec's raw read path, kept apart for size), bound
@@ -117,7 +118,7 @@ def raw_checksum(head: Any, body_bytes: int, key: bytes) -> int | None:
 
 def batch_checksum(head: Any, body_bytes: int, key: bytes, below_frame_bytes: int | None) -> tuple[bool, int] | None:
     """``(shuffled, stored checksum)`` of a head whose block a native batch
-    may load (:mod:`ucm_db.batch_loads`), from one header unpack: a raw head
+    may load (:mod:`ucm_db.codec.batch_loads`), from one header unpack: a raw head
     the fast path takes (False), or an owned zstd head of frames averaging
     fewer than ``below_frame_bytes`` raw bytes, if given (True; its frame
     table and modes are checked where it is decoded, and a block that fails
@@ -143,7 +144,7 @@ def raw_taker(
     and reason appended to ``corrupt``), None for a block not taken. Called
     inside the read transaction as each block is read, so a batch keeps no
     views of the blocks it took (``Store.get_into``). ``buffers`` may be a
-    :class:`~ucm_db.slabs.ScatterSlabs`: one native call per block.
+    :class:`~ucm_db.codec.slabs.ScatterSlabs`: one native call per block.
 
     The checksum is ``codec.head_hasher``'s (xxh3-64 over the head up to its
     checksum field, eight zero bytes, the frame table, then the body),

@@ -4,7 +4,7 @@
 where every block's list is "slab ``indices[i]`` of each of a few large
 buffers" (a KV cache's layers: a connector unit is one slab per layer).
 ``Store.get_into`` copies a raw block into such slabs in one native call
-(:func:`ucm_db.native.copy_into_slabs`) instead of building one memoryview
+(:func:`ucm_db.codec.native.copy_into_slabs`) instead of building one memoryview
 per slab and a list per block: about ten Python objects per block fewer,
 each of which also kept the garbage collector busy while a load ran.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, overload
 
-from ucm_db import native
+from ucm_db.codec import native
 from ucm_db.errors import ConfigError
 
 
@@ -84,7 +84,7 @@ class ScatterSlabs(Sequence[list[memoryview]]):
         (``row_bytes`` long) is ``b"".join(self[i])``. The inverse of
         reading into these slabs, for saving what they hold; one native
         call that keeps the GIL for a save step's few MiB
-        (:func:`ucm_db.native.gather_slabs`). Returns the bytes written.
+        (:func:`ucm_db.codec.native.gather_slabs`). Returns the bytes written.
 
         Raises:
             ConfigError: ``out`` is read-only, not contiguous, smaller than

@@ -1,13 +1,13 @@
-"""Tiers: where encoded blocks live.
+"""Engines: transactional tables on a medium, below the block index.
 
-* :mod:`ucm_db.tiers.base` -- the block-level :class:`Tier` and the
-  transactional :class:`Engine` interfaces.
-* :mod:`ucm_db.tiers.local` -- :class:`LocalTier`, the local block index
-  (prefix invariant, LRU, accounting) over an engine: LMDB
-  (:mod:`ucm_db.tiers.lmdb`), RocksDB (:mod:`ucm_db.tiers.rocksdb`) or
-  memory (:mod:`ucm_db.tiers.memory`, for tests).
-* :mod:`ucm_db.tiers.remote` -- the fsspec remote tier.
+* :mod:`ucm_db.engines.base` -- the block-level :class:`Tier` and the
+  transactional :class:`Engine` interfaces, and the ``Buffer`` alias.
+* :mod:`ucm_db.engines.lmdb` (the default), :mod:`ucm_db.engines.rocksdb`
+  and :mod:`ucm_db.engines.memory` (the reference and test oracle);
+  :mod:`ucm_db.engines.gate`, the shared/exclusive gate they share.
 
 Engines are built in one place, :func:`ucm_db.format.open_engine`. The
-package imports nothing itself, so loading one tier loads no other.
+package imports nothing itself, so loading one engine loads no other. The
+block index over an engine is :mod:`ucm_db.index`; the remote tier is
+:mod:`ucm_db.remote`.
 """

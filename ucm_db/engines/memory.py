@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from ucm_db.tiers.base import TABLES, Buffer, Engine, T
+from ucm_db.engines.base import TABLES, Buffer, Engine, T
 
 _DELETED = object()
 

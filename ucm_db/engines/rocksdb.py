@@ -1,7 +1,7 @@
 """RocksDB engine: an alternative single-process local tier (via rocksdict).
 
 Layout: one RocksDB database per store directory, one column family per
-table of :data:`~ucm_db.tiers.base.TABLES`. The ``blocks`` family keeps
+table of :data:`~ucm_db.engines.base.TABLES`. The ``blocks`` family keeps
 values of 4 KiB and more in blob files (integrated BlobDB), so compaction
 moves small index entries instead of whole KV payloads; blobs are stored
 uncompressed because the codec already compressed them.
@@ -54,9 +54,9 @@ from typing import Any
 import rocksdict
 
 from ucm_db.errors import LockedError, TierError
-from ucm_db.tiers.base import TABLES, Engine, T
-from ucm_db.tiers.gate import SharedExclusiveGate
-from ucm_db.tiers.rocksdb_txn import RocksTxn
+from ucm_db.engines.base import TABLES, Engine, T
+from ucm_db.engines.gate import SharedExclusiveGate
+from ucm_db.engines.rocksdb_txn import RocksTxn
 
 logger = logging.getLogger("ucm_db")
 _DISK_HINT = "free space on that disk (the store resumes writing once there is room), or lower capacity_bytes"

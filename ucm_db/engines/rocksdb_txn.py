@@ -1,7 +1,7 @@
 """The RocksDB engine's transactions: an overlay of pending changes over
-the committed column families (see :mod:`ucm_db.tiers.rocksdb` for the
+the committed column families (see :mod:`ucm_db.engines.rocksdb` for the
 invariants; the gate that keeps readers off a commit in progress is
-:class:`ucm_db.tiers.gate.SharedExclusiveGate`).
+:class:`ucm_db.engines.gate.SharedExclusiveGate`).
 
 Invariants:
     * A write transaction reads its own writes (``get`` and sorted merged
@@ -18,7 +18,7 @@ from typing import Any
 import rocksdict
 
 from ucm_db.errors import TierError
-from ucm_db.tiers.base import Buffer
+from ucm_db.engines.base import Buffer
 
 _DELETED = object()
 

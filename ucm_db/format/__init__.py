@@ -1,7 +1,7 @@
 """The store's on-disk format: version, info records, and the one engine opener.
 
 Everything that says how a store directory is laid out lives here (its
-constants in the leaf :mod:`ucm_db.store_format`, which the tiers import:
+constants in the leaf :mod:`ucm_db.format.names`, which the tiers import:
 this module sits above the tiers, since it builds their engines), so the
 store, migrations and tools agree on it by importing one module.
 
@@ -11,7 +11,7 @@ Invariants:
     * ``info/format_version`` holds the decimal format version; a store of
       another version is refused by :func:`check_format_version` with the fix.
       Like the settings record it is checksummed (a ``sum:`` sidecar, see
-      :mod:`ucm_db.tiers.records`): written so by this code and by
+      :mod:`ucm_db.index.records`): written so by this code and by
       migrations, sealed at a writable open in stores of older code (which
       wrote it bare: a bare record is trusted as it is until then).
     * A settings record whose persisted values are invalid (a negative
@@ -24,7 +24,7 @@ Invariants:
       :func:`write_new_store_records`, :func:`write_format_version`). A
       damaged record (checksum mismatch, not parseable, a persisted value no
       config accepts) is found as the internal
-      :class:`~ucm_db.tiers.records.DamagedRecord` and raised to every door
+      :class:`~ucm_db.index.records.DamagedRecord` and raised to every door
       as the one public :class:`~ucm_db.errors.DamagedRecordError` (a
       :class:`TierError`: the CLI exits 1).
 """
@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 from ucm_db.config import persisted_settings_problem
 from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError, TierError
-from ucm_db.store_format import (  # noqa: F401 - re-exported: the format's constants
+from ucm_db.format.names import (  # noqa: F401 - re-exported: the format's constants
     CREATED_KEY, FORMAT_VERSION_KEY, INFO_TABLE, MIN_MAP_BYTES, ON_DISK_ENGINES, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
 
-from ucm_db.tiers.records import SUM_PREFIX, DamagedRecord, check, get_checked, put_checked, record_sum, seal
+from ucm_db.index.records import SUM_PREFIX, DamagedRecord, check, get_checked, put_checked, record_sum, seal
 
 if TYPE_CHECKING:
     from ucm_db.config import StoreConfig
-    from ucm_db.tiers.base import Buffer, Engine
+    from ucm_db.engines.base import Buffer, Engine
 
 
 def detect_engine(path: Path) -> str | None:
@@ -77,19 +77,19 @@ def open_engine(
     first). ``read_only`` is honoured where the engine supports it (RocksDB);
     :func:`engine_for_config` also opens LMDB read-only. ``check_pages``:
     LMDB's page check before the first map (see
-    :func:`ucm_db.tiers.lmdb.checks.check_pages_at_open`); maintenance that
+    :func:`ucm_db.engines.lmdb.checks.check_pages_at_open`); maintenance that
     runs its own check in a child process passes False."""
     if engine == "memory":
-        from ucm_db.tiers.memory import MemoryEngine
+        from ucm_db.engines.memory import MemoryEngine
 
         return MemoryEngine()
     if engine == "rocksdb":
-        from ucm_db.tiers.rocksdb import RocksDbEngine
+        from ucm_db.engines.rocksdb import RocksDbEngine
 
         return RocksDbEngine(Path(path) / "rocksdb", sync=sync, read_only=read_only)
     if engine != "lmdb":
         raise ConfigError(f"unknown engine {engine!r}", hint="use one of lmdb, rocksdb, memory")
-    from ucm_db.tiers.lmdb import LmdbEngine
+    from ucm_db.engines.lmdb import LmdbEngine
 
     return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=sync, max_readers=max_readers,
                       check_pages=check_pages)
@@ -98,8 +98,8 @@ def open_engine(
 def open_lmdb_read_only(path: Path, *, map_size_bytes: int = MIN_MAP_BYTES, max_readers: int = 1024,
                         check_pages: bool = True) -> Engine:
     """The LMDB engine of the store directory ``path`` opened ``MDB_RDONLY``,
-    writing nothing there (see :class:`~ucm_db.tiers.lmdb.LmdbEngine`)."""
-    from ucm_db.tiers.lmdb import LmdbEngine
+    writing nothing there (see :class:`~ucm_db.engines.lmdb.LmdbEngine`)."""
+    from ucm_db.engines.lmdb import LmdbEngine
 
     return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=True, max_readers=max_readers, read_only=True,
                       check_pages=check_pages)
@@ -109,13 +109,13 @@ def engine_shape(config: StoreConfig) -> tuple[str, bool, int]:
     """What of ``config`` the engine is built with: ``(engine, sync,
     initial map bytes)``. A store whose adopted settings give another shape
     than the engine it opened is opened again (see
-    :func:`ucm_db.store_opening.open_store`)."""
+    :func:`ucm_db.store.opening.open_store`)."""
     return config.engine, config.durability == "sync", configured_map_bytes(config)
 
 
 def engine_for_config(path: Path, config: StoreConfig, *, check_pages: bool | None = None) -> Engine:
     """The engine :class:`~ucm_db.Store` opens for ``config`` at ``path``
-    (``read_only``: writing nothing, see :class:`~ucm_db.tiers.lmdb.LmdbEngine`).
+    (``read_only``: writing nothing, see :class:`~ucm_db.engines.lmdb.LmdbEngine`).
     ``check_pages``: LMDB's page check before the first map (default: as
     ``config.check_on_open`` says; False where this process just checked)."""
     if check_pages is None:

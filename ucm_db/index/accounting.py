@@ -4,7 +4,7 @@ transaction.
 Invariants:
     * At every commit ``info/totals`` and each ``info/nscount:<ns>`` equal
       the sums over the ``meta`` records (:func:`recount` computes them).
-    * The records are checksummed (:mod:`ucm_db.tiers.records`); a damaged
+    * The records are checksummed (:mod:`ucm_db.index.records`); a damaged
       one is recounted from the metadata inside the transaction that finds
       it, so one flipped bit never wedges later puts.
     * Counter records written before checksums existed are never sealed as
@@ -21,9 +21,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.tiers import records
-from ucm_db.tiers.base import Buffer, Txn
-from ucm_db.tiers.index_types import BlockMeta, DamagedMeta
+from ucm_db.index import records
+from ucm_db.engines.base import Buffer, Txn
+from ucm_db.index.entries import BlockMeta, DamagedMeta
 
 logger = logging.getLogger("ucm_db")
 TOTALS = struct.Struct("<7Q")

@@ -22,7 +22,7 @@ Invariants:
       ``blocks``/``heads`` orphans, a damaged metadata record (whose sizes
       are then not summed). :func:`namespace_problems` compares the
       per-namespace sums with the counter records. A ``blocks`` entry left stuck by a quarantine
-      (:mod:`ucm_db.tiers.damage`) is not an orphan.
+      (:mod:`ucm_db.index.damage`) is not an orphan.
     * ``audit(txn).suspect`` holds every table that may have entries whose
       block has no metadata (``uploads`` always: it is not walked here).
     * Memory is O(1) in the store's size beyond the problems found.
@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from ucm_db.tiers import records
-from ucm_db.tiers.accounting import NS_COUNTS, NS_COUNTS_PREFIX
-from ucm_db.tiers.base import Buffer, Txn
-from ucm_db.tiers.damage import is_stuck, meta_or_none
+from ucm_db.index import records
+from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX
+from ucm_db.engines.base import Buffer, Txn
+from ucm_db.index.damage import is_stuck, meta_or_none
 from ucm_db.codec import MAX_RAW_BYTES
-from ucm_db.tiers.index_types import MAX_STORED_BYTES, META, NO_PARENT, BlockMeta, DamagedMeta, lru_key
+from ucm_db.index.entries import MAX_STORED_BYTES, META, NO_PARENT, BlockMeta, DamagedMeta, lru_key
 
 _MASK = (1 << 64) - 1
 _hash = xxhash.xxh3_64_intdigest

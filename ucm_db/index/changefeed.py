@@ -33,7 +33,7 @@ from collections.abc import Container, Iterator
 
 from ucm_db.errors import CorruptBlockError
 from ucm_db.events import BlockEventFields, ChangeBatch, ChangeRecord
-from ucm_db.tiers.base import Buffer, Txn
+from ucm_db.engines.base import Buffer, Txn
 
 INFO = "info"
 FIELDS_PREFIX = b"evf/"

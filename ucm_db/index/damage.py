@@ -2,7 +2,7 @@
 repair do with a block whose records cannot be trusted.
 
 A block is *damaged* when its ``meta`` record fails
-:meth:`~ucm_db.tiers.index_types.BlockMeta.unpack` (wrong length, sizes no
+:meth:`~ucm_db.index.entries.BlockMeta.unpack` (wrong length, sizes no
 block can have), when its stored bytes disagree with its metadata, or when
 its payload does not decode. Damage is a miss and a quarantine, never an
 exception out of a read, a put, a flush or a close.
@@ -36,15 +36,15 @@ from typing import Protocol
 from ucm_db import codec
 from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.events import FEED_MAX_RECORDS
-from ucm_db.tiers import changefeed, records
-from ucm_db.tiers.accounting import Changes, Totals
-from ucm_db.tiers.base import Buffer, Engine, Txn
-from ucm_db.tiers.index_types import BlockMeta, DamagedMeta, body_of, lru_key
+from ucm_db.index import changefeed, records
+from ucm_db.index.accounting import Changes, Totals
+from ucm_db.engines.base import Buffer, Engine, Txn
+from ucm_db.index.entries import BlockMeta, DamagedMeta, body_of, lru_key
 
 
 
 class LocalTier(Protocol):
-    """What damage handling needs of :class:`ucm_db.tiers.local.LocalTier`
+    """What damage handling needs of :class:`ucm_db.index.local.LocalTier`
     (a protocol: the index calls this module, never the reverse)."""
 
     engine: Engine
@@ -80,7 +80,7 @@ def detach(txn: Txn, changes: Changes, key: bytes, fields: BlockMeta | None, dam
     children) given its record's ``fields`` (None: unreadable). A
     ``damaged`` record's sizes are not subtracted: the counters are
     recounted. An evented block's removal is logged in the change feed
-    (:mod:`ucm_db.tiers.changefeed`). Returns 1."""
+    (:mod:`ucm_db.index.changefeed`). Returns 1."""
     txn.delete("meta", key)
     changefeed.removed(txn, key, feed_max_records)
     if delete_payload:

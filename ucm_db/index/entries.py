@@ -8,7 +8,7 @@ Invariants:
       with sizes no block can have (raw bytes over the codec's limit, stored
       bytes over that plus the largest head and frame overhead): it raises
       :class:`DamagedMeta`, so damaged sizes are never summed into totals
-      nor fed to eviction (see :mod:`ucm_db.tiers.damage`).
+      nor fed to eviction (see :mod:`ucm_db.index.damage`).
     * :func:`lru_key` orders by access time, then deeper blocks first, so
       equal-time chain tails sort before their ancestors.
 """
@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ucm_db import codec
-from ucm_db.tiers.base import Buffer
+from ucm_db.engines.base import Buffer
 
 NO_PARENT = bytes(32)
 META = struct.Struct("<16s32sIQQQQI")

@@ -1,6 +1,6 @@
 """The local block index: blocks, metadata, LRU order and accounting.
 
-:class:`LocalTier` keeps encoded blocks in an :class:`~ucm_db.tiers.base.Engine`
+:class:`LocalTier` keeps encoded blocks in an :class:`~ucm_db.engines.base.Engine`
 together with everything needed to manage them, all updated in the same
 transaction as the payload:
 
@@ -16,7 +16,7 @@ transaction as the payload:
 * ``quarantine``: key -> JSON record of a block found corrupt
 * ``uploads``:  key -> b"" (durable remote upload queue)
 * ``info/evf/``, ``info/feed/``: evented blocks' fields and the change feed
-  of their puts and removals (:mod:`ucm_db.tiers.changefeed`), written by
+  of their puts and removals (:mod:`ucm_db.index.changefeed`), written by
   the same transactions as the blocks
 
 Invariants:
@@ -34,11 +34,11 @@ Invariants:
     * Touching a block (a read) touches its ancestors.
 
 The class is assembled from one module per job: the serving index's reads
-(:mod:`ucm_db.tiers.index_reads`) and writes
-(:mod:`ucm_db.tiers.index_writes`), the maintenance primitives
-(:mod:`ucm_db.tiers.index_maintenance`), the upload queue
-(:mod:`ucm_db.tiers.upload_queue`); quarantine is
-:mod:`ucm_db.tiers.damage`'s.
+(:mod:`ucm_db.index.reads`) and writes
+(:mod:`ucm_db.index.writes`), the maintenance primitives
+(:mod:`ucm_db.index.upkeep`), the upload queue
+(:mod:`ucm_db.index.upload_queue`); quarantine is
+:mod:`ucm_db.index.damage`'s.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ucm_db.events import FEED_MAX_RECORDS
-from ucm_db.tiers import damage
-from ucm_db.tiers.base import Engine
-from ucm_db.tiers.index_maintenance import IndexMaintenance
-from ucm_db.tiers.index_types import (  # noqa: F401 - re-exported: the index's value types its callers use
+from ucm_db.index import damage
+from ucm_db.engines.base import Engine
+from ucm_db.index.upkeep import IndexMaintenance
+from ucm_db.index.entries import (  # noqa: F401 - re-exported: the index's value types its callers use
     BlockEntry, BlockMeta, PendingActivity, PutResult, body_of,
 )
-from ucm_db.tiers.upload_queue import UploadQueue
+from ucm_db.index.upload_queue import UploadQueue
 
 
 class LocalTier(IndexMaintenance, UploadQueue):
@@ -66,7 +66,7 @@ class LocalTier(IndexMaintenance, UploadQueue):
         #: LRU entries eviction has read in this process (it reads a block
         #: with children once, then files it as used: tests check that).
         self.eviction_entries_scanned = 0
-        #: Change feed records kept (:mod:`ucm_db.tiers.changefeed`).
+        #: Change feed records kept (:mod:`ucm_db.index.changefeed`).
         self.feed_max_records = FEED_MAX_RECORDS
 
     def quarantine(self, key: bytes, reason: str, still_corrupt: Callable[[memoryview, memoryview], bool]) -> bool:
@@ -77,7 +77,7 @@ class LocalTier(IndexMaintenance, UploadQueue):
         left alone. A block whose record is damaged, or whose stored bytes
         disagree with its record, goes whatever ``still_corrupt`` says; one
         whose payload cannot be deleted (a damaged page) goes leaving that
-        payload stuck (:mod:`ucm_db.tiers.damage`).
+        payload stuck (:mod:`ucm_db.index.damage`).
         """
         return damage.quarantine(self, key, reason, still_corrupt)
 

@@ -1,7 +1,7 @@
 """The namespace guard of the block index: a chain never spans namespaces.
 
 The block index is keyed by the block key alone; a block's metadata records
-its namespace id (:class:`~ucm_db.tiers.index_types.BlockMeta`, first 16
+its namespace id (:class:`~ucm_db.index.entries.BlockMeta`, first 16
 bytes). Keys are seeded by their namespace's digest, so two namespaces
 meet on one key only when a caller passes keys built for another namespace.
 Such a put is refused (:class:`ForeignNamespaceError`), whether the key
@@ -22,10 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 from ucm_db.errors import ConfigError
-from ucm_db.tiers import records
-from ucm_db.tiers.accounting import NS_DESC_PREFIX, parse_description
-from ucm_db.tiers.base import Buffer, Txn
-from ucm_db.tiers.index_types import BlockMeta, DamagedMeta
+from ucm_db.index import records
+from ucm_db.index.accounting import NS_DESC_PREFIX, parse_description
+from ucm_db.engines.base import Buffer, Txn
+from ucm_db.index.entries import BlockMeta, DamagedMeta
 
 NAMESPACE_ID_BYTES = 16
 
@@ -47,7 +47,7 @@ def in_namespace(meta: Buffer, namespace_id: bytes) -> bool:
 def is_foreign(meta: Buffer, namespace_id: bytes) -> bool:
     """Whether ``meta`` is a whole record of another namespace's block: a
     damaged one (wrong length, impossible sizes) is damage, left to the
-    quarantine (:mod:`ucm_db.tiers.damage`), never read as a namespace.
+    quarantine (:mod:`ucm_db.index.damage`), never read as a namespace.
     Unpacks only a record whose first 16 bytes differ (the rare path)."""
     if in_namespace(meta, namespace_id):
         return False

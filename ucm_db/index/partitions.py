@@ -1,6 +1,6 @@
 """Bounded work over a large engine table: prefix partitions and random probes.
 
-:class:`~ucm_db.tiers.base.Txn` scans by key prefix only, which is enough to
+:class:`~ucm_db.engines.base.Txn` scans by key prefix only, which is enough to
 cut a table of a million keys into pieces that one short transaction each
 can handle, and to pick random keys without listing the table:
 
@@ -29,7 +29,7 @@ import random
 from collections.abc import Iterator
 from itertools import islice
 
-from ucm_db.tiers.base import Engine, Txn
+from ucm_db.engines.base import Engine, Txn
 
 #: Probes per read transaction of :func:`sample_keys`.
 PROBES_PER_TXN = 256

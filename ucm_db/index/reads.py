@@ -1,6 +1,6 @@
 """The serving index's reads: presence, prefix counts, blocks, metadata and
-counters of :class:`~ucm_db.tiers.local.LocalTier` (the table layout and
-invariants are in :mod:`ucm_db.tiers.local`).
+counters of :class:`~ucm_db.index.local.LocalTier` (the table layout and
+invariants are in :mod:`ucm_db.index.local`).
 
 Invariants:
     * Every method is one read transaction of the engine: it sees one
@@ -16,10 +16,10 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, TypeVar
 
-from ucm_db.tiers import damage, namespace_guard, records
-from ucm_db.tiers.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, Totals, parse_description, recount
-from ucm_db.tiers.base import Buffer, Engine, Tier, TierCapabilities, Txn
-from ucm_db.tiers.index_types import META, BlockMeta, body_of
+from ucm_db.index import damage, namespace_guard, records
+from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, Totals, parse_description, recount
+from ucm_db.engines.base import Buffer, Engine, Tier, TierCapabilities, Txn
+from ucm_db.index.entries import META, BlockMeta, body_of
 
 T = TypeVar("T")
 #: ``take_chunk(start, stored, heads, metas) -> positions not used`` (:meth:`IndexReads.with_blocks`).
@@ -34,7 +34,7 @@ class IndexReads(Tier):
     capacity_bytes: int
     #: LRU entries eviction has read in this process.
     eviction_entries_scanned: int
-    #: Change feed records kept (:mod:`ucm_db.tiers.changefeed`).
+    #: Change feed records kept (:mod:`ucm_db.index.changefeed`).
     feed_max_records: int
 
     @property
@@ -57,7 +57,7 @@ class IndexReads(Tier):
 
         Raises:
             ForeignNamespaceError: a key is stored under another namespace
-                (:mod:`ucm_db.tiers.namespace_guard`).
+                (:mod:`ucm_db.index.namespace_guard`).
         """
         namespace_id = namespace_desc[0]
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import xxhash
 
-from ucm_db.tiers.base import Buffer, Txn
+from ucm_db.engines.base import Buffer, Txn
 
 INFO = "info"
 SUM_PREFIX = b"sum:"

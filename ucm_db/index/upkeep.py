@@ -1,9 +1,9 @@
 """The local block index's maintenance primitives: checks, recounts and the
 bulk walks :mod:`ucm_db.maintenance` runs (each one transaction, or one per
-bounded chunk), for :class:`~ucm_db.tiers.local.LocalTier`.
+bounded chunk), for :class:`~ucm_db.index.local.LocalTier`.
 
 Invariants:
-    * Nothing else outside :mod:`ucm_db.tiers` edits the index's tables:
+    * Nothing else outside :mod:`ucm_db.index` edits the index's tables:
       maintenance goes through these methods.
     * A bulk deletion scans at most about ``chunk_keys`` entries per write
       transaction, and judges and deletes an entry in the same one.
@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ucm_db.tiers import accounting, chunked, damage, index_audit, records
-from ucm_db.tiers.accounting import NS_COUNTS, NS_COUNTS_PREFIX, Changes, Totals, damaged_records, recount
-from ucm_db.tiers.base import Buffer, Txn
-from ucm_db.tiers.index_types import BlockMeta, lru_key
-from ucm_db.tiers.index_writes import IndexWrites
+from ucm_db.index import accounting, partitions as chunked, damage, audit as index_audit, records
+from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, Changes, Totals, damaged_records, recount
+from ucm_db.engines.base import Buffer, Txn
+from ucm_db.index.entries import BlockMeta, lru_key
+from ucm_db.index.writes import IndexWrites
 
 T = TypeVar("T")
 #: Entries a maintenance write transaction scans at most: a compact beside
@@ -31,7 +31,7 @@ class IndexMaintenance(IndexWrites):
 
     def check(self) -> list[str]:
         """Consistency problems of the index (empty list when healthy), from
-        one snapshot in sorted scans (:mod:`ucm_db.tiers.index_audit`)."""
+        one snapshot in sorted scans (:mod:`ucm_db.index.audit`)."""
         return self.engine.read(lambda txn: _problems(txn, index_audit.audit(txn)))
 
     def damaged_records(self) -> list[tuple[str, str]]:
@@ -61,7 +61,7 @@ class IndexMaintenance(IndexWrites):
 
     def seal_records(self) -> int:
         """Adds checksums to the settings, counter and description records
-        written by older code (see :mod:`ucm_db.tiers.records`); returns how
+        written by older code (see :mod:`ucm_db.index.records`); returns how
         many."""
         return self.engine.write(accounting.seal_records)  # counters recounted before sealing (issue 26 item 18)
 
@@ -101,12 +101,12 @@ class IndexMaintenance(IndexWrites):
     def sample_keys(self, count: int, *, seed: int = 0) -> list[bytes]:
         """About ``count`` distinct stored keys chosen at random by ``seed``,
         sorted, in O(count) reads whatever the store's size (random prefix
-        probes, :func:`ucm_db.tiers.chunked.sample_keys`)."""
+        probes, :func:`ucm_db.index.partitions.sample_keys`)."""
         return chunked.sample_keys(self.engine, "meta", count, total_keys=self.totals().blocks, seed=seed)
 
     def drop_quarantine_records(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> int:
         """Deletes every quarantine record but those of stuck payloads
-        (:mod:`ucm_db.tiers.damage`: the rewrite drops them), at most about
+        (:mod:`ucm_db.index.damage`: the rewrite drops them), at most about
         ``chunk_keys`` per write transaction; returns how many went."""
         return self._drop_where("quarantine", lambda txn, key: not damage.is_stuck(txn, key), chunk_keys)
 
@@ -114,11 +114,11 @@ class IndexMaintenance(IndexWrites):
         """Deletes index entries whose block has no metadata; returns counts
         per table.
 
-        A read-only audit in sorted scans (:func:`ucm_db.tiers.index_audit.audit`)
+        A read-only audit in sorted scans (:func:`ucm_db.index.audit.audit`)
         first tells which tables may hold such entries; only those are
         walked again entry by entry, each write transaction scanning at most
         about ``chunk_keys`` entries of one table
-        (:func:`ucm_db.tiers.chunked.partitions`). So a large store neither
+        (:func:`ucm_db.index.partitions.partitions`). So a large store neither
         holds the writer lock for long nor builds a big transaction, and an
         entry is judged and deleted in the same transaction."""
         return self._drop_suspect(self.engine.read(lambda txn: index_audit.audit(txn).suspect), chunk_keys)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ucm_db.tiers.base import Engine, Txn
+from ucm_db.engines.base import Engine, Txn
 
 
 class UploadQueue:

@@ -1,6 +1,6 @@
 """The serving index's writes: puts, eviction, removal and reader activity
-of :class:`~ucm_db.tiers.local.LocalTier` (the table layout and
-invariants are in :mod:`ucm_db.tiers.local`).
+of :class:`~ucm_db.index.local.LocalTier` (the table layout and
+invariants are in :mod:`ucm_db.index.local`).
 
 Invariants:
     * Each public method is one write transaction; the totals and
@@ -19,11 +19,11 @@ from collections.abc import Callable, Container, Sequence
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.tiers import changefeed, damage, namespace_guard, records
-from ucm_db.tiers.accounting import NS_DESC_PREFIX, Changes
-from ucm_db.tiers.base import Txn
-from ucm_db.tiers.index_reads import IndexReads, in_namespace
-from ucm_db.tiers.index_types import LRU_PREFIX, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, lru_key
+from ucm_db.index import changefeed, damage, namespace_guard, records
+from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
+from ucm_db.engines.base import Txn
+from ucm_db.index.reads import IndexReads, in_namespace
+from ucm_db.index.entries import LRU_PREFIX, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, lru_key
 
 
 class IndexWrites(IndexReads):

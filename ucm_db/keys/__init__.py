@@ -17,13 +17,13 @@ Invariants:
       ``key[i-1]``: the blocks before it keep the keys of a plain prompt with
       the same tokens, so prefixes are shared up to the first block whose
       extras differ, and every key after it differs.
-    * ``epoch`` (a namespace's invalidation count, :mod:`ucm_db.epochs`)
+    * ``epoch`` (a namespace's invalidation count, :mod:`ucm_db.store.epochs`)
       is mixed into the root key when it is not 0, so every key of a chain
       rooted at another epoch differs: bumping the epoch makes every block
       stored before it a miss. Epoch 0 gives the keys ucm-db always gave.
     * Keys are 32-byte BLAKE2b digests (unkeyed, no salt or person) over
       the parent key and the block's token ids as little-endian uint32.
-      :func:`ucm_db.key_chain.chain_keys` computes the chain with hashlib's
+      :func:`ucm_db.keys.chain.chain_keys` computes the chain with hashlib's
       BLAKE2b, the one implementation behind every key.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, SupportsIndex, Union, overload
 
-from ucm_db import key_chain
+from ucm_db.keys import chain as key_chain
 from ucm_db.errors import ConfigError
 
 KEY_BYTES = 32
@@ -312,7 +312,7 @@ def _token_sequence(token_ids: Any) -> Sequence[int]:
 
 
 def _as_chain_tokens(token_ids: Sequence[int], count: int) -> key_chain.TokenSource:
-    """The first ``count`` ids in a form :func:`ucm_db.key_chain.chain_keys`
+    """The first ``count`` ids in a form :func:`ucm_db.keys.chain.chain_keys`
     takes: a numpy integer array as little-endian uint32 bytes (no Python
     loop), any other sequence as a list (converted and checked there)."""
     dtype = getattr(token_ids, "dtype", None)

@@ -15,7 +15,7 @@ Invariants:
       twice: a second writer of a key finds it present and skips it.
     * A unit covering the whole grid is keyed by the block key itself (MLA,
       single-KV-head models; whole blocks written before units existed were
-      keyed so too, and ``ucm-db migrate`` splits them, :mod:`ucm_db.pre_units`);
+      keyed so too, and ``ucm-db migrate`` splits them, :mod:`ucm_db.maintenance.pre_units`);
       any other unit by ``BLAKE2b(block key || span tag)``, so a key still
       names its whole token prefix, its namespace and its rectangle.
     * Each span forms its own chain (``unit_key(k[i], s)``'s parent is
@@ -258,7 +258,7 @@ def readable_at(description: Mapping[str, Any]) -> str:
     """Which deployments read a namespace's blocks, from the description the
     store recorded for it (for ``ucm-db inspect``): a namespace with a TP or
     PP rank holds per-rank blocks written before units, which the connector
-    no longer reads (``ucm-db migrate`` drops them: :mod:`ucm_db.pre_units`)."""
+    no longer reads (``ucm-db migrate`` drops them: :mod:`ucm_db.maintenance.pre_units`)."""
     tp, pp = int(description.get("tp_size", 1)), int(description.get("pp_size", 1))
     if tp == 1 and pp == 1:
         return "any TP size"

@@ -14,10 +14,10 @@ where it must (old formats, damaged records, no reader activity written):
   :func:`evict_to_bytes` alone.
 * :func:`export_archive` / :func:`import_archive` -- portable tar archives.
 * :func:`convert_pre_unit_blocks` -- whole and per-rank blocks of the storage
-  generations before units converted (``ucm-db migrate``, :mod:`ucm_db.pre_units`);
+  generations before units converted (``ucm-db migrate``, :mod:`ucm_db.maintenance.pre_units`);
   :func:`pre_unit_namespaces` and :func:`pre_unit_refusal` for the connector's check.
 * :func:`convert_engine` -- a verified copy of a store on the other engine
-  (``ucm-db migrate --to-engine``, :mod:`ucm_db.conversion`).
+  (``ucm-db migrate --to-engine``, :mod:`ucm_db.maintenance.conversion`).
 * :func:`invalidate` -- move namespaces' epochs on (after a weight update):
   their blocks are never served again and age out through LRU eviction.
 * :func:`iter_events` / :func:`iter_event_lines` -- KV cache events: the inventory replay of evented
@@ -26,7 +26,7 @@ where it must (old formats, damaged records, no reader activity written):
   finds a namespace recorded on one.
 
 ``isolated=True`` (what the CLI passes) runs the reading part of
-:func:`inspect` and :func:`verify` in a child process (:mod:`ucm_db.isolation`):
+:func:`inspect` and :func:`verify` in a child process (:mod:`ucm_db.maintenance.isolation`):
 a damaged file that makes LMDB abort or the kernel send SIGBUS is then a
 :class:`~ucm_db.errors.TierError` naming the damage, not a dead caller.
 
@@ -45,19 +45,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ucm_db.archive import export_archive, import_archive
-from ucm_db.compaction import compact, evict_to
-from ucm_db.conversion import convert as convert_engine
+from ucm_db.maintenance.archive import export_archive, import_archive
+from ucm_db.maintenance.compaction import compact, evict_to
+from ucm_db.maintenance.conversion import convert as convert_engine
 from ucm_db.errors import ConfigError, FormatVersionError
-from ucm_db.event_replay import iter_event_lines, iter_events
-from ucm_db.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
-from ucm_db.isolation import run_isolated
+from ucm_db.maintenance.event_replay import iter_event_lines, iter_events
+from ucm_db.maintenance.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
+from ucm_db.maintenance.isolation import run_isolated
 from ucm_db.keys import Namespace
-from ucm_db.pre_units import ConversionReport, pre_unit_namespaces
-from ucm_db.pre_units import convert as convert_pre_unit_blocks
-from ucm_db.pre_units import refusal as pre_unit_refusal
-from ucm_db.store_view import ProgressFn, StoreView, open_view, select_namespaces
-from ucm_db.verification import VerifyReport, repair, verify_view
+from ucm_db.maintenance.pre_units import ConversionReport, pre_unit_namespaces
+from ucm_db.maintenance.pre_units import convert as convert_pre_unit_blocks
+from ucm_db.maintenance.pre_units import refusal as pre_unit_refusal
+from ucm_db.store.view import ProgressFn, StoreView, open_view, select_namespaces
+from ucm_db.maintenance.verification import VerifyReport, repair, verify_view
 
 __all__ = [
     "BlockInfo", "ConversionReport", "ProgressFn", "StoreView", "VerifyReport", "compact", "convert_engine", "convert_pre_unit_blocks", "evict_to_bytes", "export_archive",
@@ -93,7 +93,7 @@ def iter_blocks(path: str | Path, namespaces: tuple[str, ...] = ()) -> Iterator[
 def verify(path: str | Path, *, sample: int | None = None, seed: int = 0, fix: bool = False,
            progress: ProgressFn | None = None, isolated: bool = False) -> VerifyReport:
     """Checks every block (or ``sample`` at random, chosen by ``seed``) and
-    the index; with ``fix`` repairs what was found (see :mod:`ucm_db.verification`)."""
+    the index; with ``fix`` repairs what was found (see :mod:`ucm_db.maintenance.verification`)."""
     path = Path(path)
 
     def check() -> dict[str, Any]:
@@ -123,7 +123,7 @@ def gc_remote(url: str, options: dict[str, Any] | None = None, *, older_than_s: 
               max_bytes: int | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Garbage-collects the remote tier at ``url`` (see :mod:`ucm_db.remote.gc`)."""
     from ucm_db.remote.gc import gc
-    from ucm_db.tiers.remote import RemoteRoot
+    from ucm_db.remote.tier import RemoteRoot
 
     if older_than_s is None and max_bytes is None:
         raise ConfigError("remote gc needs an age and/or a size limit", hint="pass older_than_s and/or max_bytes (--older-than / --max-bytes)")

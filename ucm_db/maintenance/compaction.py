@@ -12,7 +12,7 @@ Steps, in order:
        (:meth:`LocalTier.drop_orphans`). Memory and transaction size stay
        bounded on a store of millions of blocks. A block whose parent is
        not stored is quarantined with its descendants, missing LRU entries
-       and child links are re-added (:func:`~ucm_db.tiers.damage.restore_links`),
+       and child links are re-added (:func:`~ucm_db.index.damage.restore_links`),
        and counters that disagree with the metadata are recounted.
     3. Reclaim file space. LMDB: a compacting copy (``Environment.copy(...,
        compact=True)``) into a new file, fsynced, then renamed over
@@ -38,11 +38,11 @@ from typing import Any
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import FormatVersionError, LockedError, TierError
 from ucm_db.format import STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings
-from ucm_db.store_view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
+from ucm_db.store.view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
 from ucm_db.storelock import StoreLock, describe, holders
-from ucm_db.tiers.damage import restore_links
-from ucm_db.tiers.local import LocalTier
-from ucm_db.verification import PARENT_MISSING, counters_damaged, lineage_problems, links_missing
+from ucm_db.index.damage import restore_links
+from ucm_db.index.local import LocalTier
+from ucm_db.maintenance.verification import PARENT_MISSING, counters_damaged, lineage_problems, links_missing
 
 logger = logging.getLogger("ucm_db")
 #: Eviction proceeds in about this many transactions...
@@ -109,8 +109,8 @@ def _alive(pid: int) -> bool:
 def rewrite_lmdb(path: Path) -> None:
     """Compacting copy of ``path/lmdb/data.mdb``, renamed over it atomically.
 
-    Where a quarantine left stuck payloads (:mod:`ucm_db.tiers.damage`), the
-    copy is made table by table without them (:mod:`ucm_db.tiers.lmdb.copy`).
+    Where a quarantine left stuck payloads (:mod:`ucm_db.index.damage`), the
+    copy is made table by table without them (:mod:`ucm_db.engines.lmdb.copy`).
     The caller holds the store's lock exclusively and no engine is open.
 
     Raises:
@@ -120,7 +120,7 @@ def rewrite_lmdb(path: Path) -> None:
     """
     import lmdb
 
-    from ucm_db.tiers.lmdb import copy_leaving, stuck_keys
+    from ucm_db.engines.lmdb import copy_leaving, stuck_keys
 
     lmdb_dir = path / "lmdb"
     for stale in path.glob("lmdb.compact-*"):  # left by a crashed compact

@@ -31,17 +31,17 @@ from typing import Any
 
 import xxhash
 
-from ucm_db.archive_io import fsync_dir
+from ucm_db.maintenance.archive.files import fsync_dir
 from ucm_db.errors import ConfigError, FormatVersionError, MigrationError, UcmDbError
 from ucm_db.format import (
     INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings, settings_records_for_engine,
 )
 from ucm_db.migrations.access import refuse_if_held
 from ucm_db.storelock import LOCK_FILE, StoreLock
-from ucm_db.tiers import records
-from ucm_db.store_view import ProgressFn, check_store_path, open_view
-from ucm_db.tiers.base import TABLES, Engine, Txn
-from ucm_db.verification import verify_view
+from ucm_db.index import records
+from ucm_db.store.view import ProgressFn, check_store_path, open_view
+from ucm_db.engines.base import TABLES, Engine, Txn
+from ucm_db.maintenance.verification import verify_view
 
 #: The settings record's checksum sidecar (renewed with the record).
 SETTINGS_SUM_KEY = records.SUM_PREFIX + SETTINGS_KEY
@@ -194,9 +194,9 @@ def _copy_and_verify(source: Engine, temp: Path, engine_name: str, source_digest
 
 def verify_converted(dest_path: Path) -> int:
     """Opens the new store as users will and decodes every block."""
-    import ucm_db
+    from ucm_db.store import open as open_store
 
-    ucm_db.open(dest_path).close()  # format and settings accepted by the Store
+    open_store(dest_path).close()  # format and settings accepted by the Store
     with open_view(dest_path) as view:
         report = verify_view(view)
     if report.problems:

@@ -5,7 +5,7 @@ field names (what ``ucm-db events`` prints; re-exported by
 
 Invariants:
     * Read-only: each read opens the store for maintenance
-      (:func:`ucm_db.store_view.open_view`), reads one snapshot and lets it
+      (:func:`ucm_db.store.view.open_view`), reads one snapshot and lets it
       go, so a follower never holds the store's lock between polls
       (``compact`` and ``migrate`` can run beside it).
     * The inventory and the seq the feed is followed from come from the same
@@ -13,7 +13,7 @@ Invariants:
     * A follower that falls behind the feed's bound gets an
       ``AllBlocksCleared`` event, then the inventory again.
     * Only blocks of each namespace's current epoch are told (older ones are
-      never served, :mod:`ucm_db.epochs`); when an epoch moves on (``ucm-db
+      never served, :mod:`ucm_db.store.epochs`); when an epoch moves on (``ucm-db
       invalidate``, an engine's ``reset_cache``) a follower gets
       ``AllBlocksCleared`` and the inventory again.
 """
@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ucm_db import epochs
+from ucm_db.store import epochs
 from ucm_db.errors import CorruptBlockError, TierError
 from ucm_db.events import MEDIUM_STORAGE, json_line, packed_epoch
-from ucm_db.store_view import open_view, select_namespaces
-from ucm_db.tiers import changefeed
+from ucm_db.store.view import open_view, select_namespaces
+from ucm_db.index import changefeed
 
 T = TypeVar("T")
 logger = logging.getLogger("ucm_db")

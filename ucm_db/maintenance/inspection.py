@@ -1,7 +1,7 @@
 """What a store holds: totals, namespaces, blocks, histograms, hottest chains.
 
 Invariants:
-    * Everything is read from a :class:`~ucm_db.store_view.StoreView`: the
+    * Everything is read from a :class:`~ucm_db.store.view.StoreView`: the
       store is never written.
     * Walking parent links terminates on any metadata: a record naming itself
       or a descendant as parent is reported as a cycle, never followed twice.
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.format import STORE_FORMAT_VERSION, damaged_format_records
-from ucm_db.store_view import StoreView, select_namespaces
-from ucm_db.units import readable_at
-from ucm_db.tiers.local import BlockMeta
+from ucm_db.store.view import StoreView, select_namespaces
+from ucm_db.keys.units import readable_at
+from ucm_db.index.local import BlockMeta
 
 AGE_BUCKETS_S: list[tuple[float, str]] = [
     (60, "< 1 min"), (3600, "< 1 h"), (86400, "< 1 day"), (7 * 86400, "< 7 days"), (float("inf"), ">= 7 days"),

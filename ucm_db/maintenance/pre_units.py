@@ -1,6 +1,6 @@
 """Blocks of the storage generations before units, and their conversion.
 
-The connector stores a block as units of one KV head (:mod:`ucm_db.units`).
+The connector stores a block as units of one KV head (:mod:`ucm_db.keys.units`).
 Two older generations may still sit in a store, and the connector no
 longer reads either (``ucm-db migrate`` converts them; the connector
 refuses a store holding them, pointing here):
@@ -49,13 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.errors import FormatVersionError, MissingAncestorError
-from ucm_db.inspection import iter_blocks, namespace_rows
+from ucm_db.maintenance.inspection import iter_blocks, namespace_rows
 from ucm_db.keys import Namespace
 from ucm_db.migrations.access import refuse_if_held
 from ucm_db.store import open as open_store
-from ucm_db.store_view import open_view
+from ucm_db.store.view import open_view
 from ucm_db.storelock import StoreLock
-from ucm_db.units import KVGrid, unit_key
+from ucm_db.keys.units import KVGrid, unit_key
 
 #: Bytes per element of the KV dtypes a namespace may name.
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1}

@@ -10,7 +10,7 @@ cycles, blocks whose parent is missing and blocks whose namespace id differs
 from their parent's (damaged metadata: lookup would claim them), re-adds
 missing LRU entries and child links, and recomputes the totals when they
 disagree with the metadata (a damaged record's sizes are never summed:
-:meth:`~ucm_db.tiers.index_types.BlockMeta.unpack` refuses sizes no block can
+:meth:`~ucm_db.index.entries.BlockMeta.unpack` refuses sizes no block can
 have).
 
 Invariants:
@@ -29,10 +29,10 @@ from typing import Any
 from ucm_db import codec
 from ucm_db.errors import CorruptBlockError
 from ucm_db.format import format_record_problems
-from ucm_db.inspection import chain_roots
-from ucm_db.store_view import ProgressFn, StoreView
-from ucm_db.tiers import damage
-from ucm_db.tiers.index_types import BlockMeta, body_of
+from ucm_db.maintenance.inspection import chain_roots
+from ucm_db.store.view import ProgressFn, StoreView
+from ucm_db.index import damage
+from ucm_db.index.entries import BlockMeta, body_of
 
 #: Blocks checked per read transaction (keeps LMDB read snapshots short).
 CHUNK_BLOCKS = 256
@@ -45,7 +45,7 @@ PARENT_MISSING = "parent missing: the block's parent is not stored (prefix invar
 NAMESPACE_ALTERED = "namespace id differs from its parent's (altered metadata)"
 #: Reasons a repair quarantines without re-checking the payload (the metadata is at fault).
 _METADATA_REASONS = (PARENT_CYCLE, PARENT_MISSING, NAMESPACE_ALTERED)
-#: Index problems :func:`~ucm_db.tiers.damage.restore_links` repairs.
+#: Index problems :func:`~ucm_db.index.damage.restore_links` repairs.
 _LINK_PROBLEMS = (": no LRU entry", ": child link from its parent missing")
 
 
@@ -162,9 +162,9 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
     """Quarantines the corrupt blocks of ``report`` and recounts damaged or
     disagreeing totals, through a Store opened on ``path``; fills in what
     was done."""
-    import ucm_db
+    from ucm_db.store import open as open_store
 
-    with ucm_db.open(path) as store:
+    with open_store(path) as store:
         tier = store._tier
         # Counted from the totals (exact deltas; a damaged record is recounted
         # by both reads alike), not by listing the store twice.

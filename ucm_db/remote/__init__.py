@@ -1,7 +1,7 @@
 """The remote wing: everything a store does with its remote tier.
 
 Between the :class:`~ucm_db.store.Store` and the tiers (the fsspec tier and
-its object format stay in :mod:`ucm_db.tiers.remote`):
+its object format stay in :mod:`ucm_db.remote.tier`):
 
 * :mod:`.wing` -- :class:`~ucm_db.remote.wing.RemoteWing`, what the store
   holds and calls.

@@ -43,7 +43,7 @@ import xxhash
 
 from ucm_db import auth, codec
 from ucm_db.errors import ConfigError, CorruptBlockError
-from ucm_db.tiers.base import Buffer
+from ucm_db.engines.base import Buffer
 
 OBJECT_MAGIC = b"UCMR"
 OBJECT_FORMAT_VERSION = 1

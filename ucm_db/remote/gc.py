@@ -1,4 +1,4 @@
-"""Garbage collection of a remote tier (layout of :mod:`ucm_db.tiers.remote`).
+"""Garbage collection of a remote tier (layout of :mod:`ucm_db.remote.tier`).
 
 Objects are chosen oldest first (by the remote's modification time): all
 older than ``--older-than``, and/or as many as needed to bring the total
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.errors import CorruptBlockError
-from ucm_db.tiers.remote import (
+from ucm_db.remote.tier import (
     MANIFEST_NAME, OBJECT_MAGIC, PROBE_BYTES, TEMP_PREFIX, ManifestError, RemoteRoot, is_namespace_id, parse_envelope,
 )
 

@@ -19,7 +19,7 @@ Invariants:
       spinning disk) moves reads to the pool and a warm one moves them back.
     * Inline requests keep the deadline between requests: a request is not
       started past it, and a large object is read in chunks that check it
-      (:mod:`ucm_db.tiers.remote_reads`), so a lookup overruns its deadline
+      (:mod:`ucm_db.remote.object_reads`), so a lookup overruns its deadline
       by at most one chunk's read.
     * ``UCM_DB_INLINE_READS=0`` in the environment sends every request to
       the pool (to compare the two, or to rule inline reads out).

@@ -1,7 +1,7 @@
 """The link to the remote tier: pool, breaker, deadlines, fetches and streams.
 
 :class:`RemoteLink` is what the remote wing (:mod:`ucm_db.remote.wing`)
-holds: the :class:`~ucm_db.tiers.remote.RemoteRoot`, a thread pool for
+holds: the :class:`~ucm_db.remote.tier.RemoteRoot`, a thread pool for
 concurrent requests and a circuit breaker. It fetches; it never writes the
 local tier (fetched blocks enter it through :mod:`ucm_db.remote.promotion`).
 
@@ -9,10 +9,10 @@ Invariants:
     * A remote call made on behalf of a lookup returns within its deadline:
       requests run on a pool and are waited on with a timeout; requests
       still running at the deadline are abandoned, and stop reading at their
-      next chunk (:mod:`ucm_db.tiers.remote_reads`).
+      next chunk (:mod:`ucm_db.remote.object_reads`).
     * Memory: the objects one lookup fetches take at most
       :attr:`RemoteLink.lookup_max_bytes` (``remote_lookup_max_bytes``)
-      from its :class:`~ucm_db.tiers.remote_reads.ByteBudget`, in chain
+      from its :class:`~ucm_db.remote.object_reads.ByteBudget`, in chain
       order; an object that does not fit is left as if the deadline had cut
       it. A stream (:meth:`RemoteLink.fetch_in_order`) holds at most as much
       fetched and not yet consumed.
@@ -41,8 +41,8 @@ from typing import Any
 from ucm_db.auth import AuthKeys
 from ucm_db.remote.inline_reads import InlineReads, is_local_disk
 from ucm_db.remote.search import Breaker, SearchResult, search_prefix
-from ucm_db.tiers.remote import RemoteObject, RemoteRoot, RemoteTier
-from ucm_db.tiers.remote_reads import ByteBudget, ReadAbandoned, ReadLimits
+from ucm_db.remote.tier import RemoteObject, RemoteRoot, RemoteTier
+from ucm_db.remote.object_reads import ByteBudget, ReadAbandoned, ReadLimits
 
 #: Threads for remote reads (probes and fetches) unless the store's
 #: ``remote_read_concurrency`` says otherwise.
@@ -243,7 +243,7 @@ class RemoteLink:
         Memory: objects fetched and not yet consumed (the caller asking for
         the next one gives the previous one back) hold at most
         :attr:`lookup_max_bytes`; a fetch waits for room in order (see
-        :class:`~ucm_db.tiers.remote_reads.ByteBudget`)."""
+        :class:`~ucm_db.remote.object_reads.ByteBudget`)."""
         if not self.breaker.allow():
             yield from itertools.repeat(None, len(keys))
             return

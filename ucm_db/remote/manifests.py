@@ -1,6 +1,6 @@
 """Namespace manifests and the listing of a remote root: the readable
 description of each namespace (``ROOT/<namespace short id>/manifest.json``,
-see :mod:`ucm_db.tiers.remote`) and which entries under the root are
+see :mod:`ucm_db.remote.tier`) and which entries under the root are
 namespaces.
 
 Invariants:
@@ -10,7 +10,7 @@ Invariants:
       :data:`MAX_MANIFEST_BYTES` holding a JSON object; anything else is a
       :class:`ManifestError`, and one bad entry never hides the others.
     * Takes the root as a :class:`RemoteRoot` protocol: this module never
-      imports :mod:`ucm_db.tiers.remote`, which calls it.
+      imports :mod:`ucm_db.remote.tier`, which calls it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ucm_db.errors import UcmDbError
-from ucm_db.tiers.remote_files import TEMP_PREFIX, NotRegularFileError, require_regular_file, write_whole
-from ucm_db.tiers.remote_object import OBJECT_FORMAT_VERSION
+from ucm_db.remote.files import TEMP_PREFIX, NotRegularFileError, require_regular_file, write_whole
+from ucm_db.remote.envelope import OBJECT_FORMAT_VERSION
 
 MANIFEST_NAME = "manifest.json"
 #: A manifest is a small JSON document; a bigger one is not read.
@@ -34,7 +34,7 @@ _log = logging.getLogger("ucm_db")
 
 
 class RemoteRoot(Protocol):
-    """What this module needs of :class:`ucm_db.tiers.remote.RemoteRoot`."""
+    """What this module needs of :class:`ucm_db.remote.tier.RemoteRoot`."""
 
     fs: Any
     root: str

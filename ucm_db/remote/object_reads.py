@@ -33,12 +33,12 @@ import time
 from typing import Protocol
 
 from ucm_db.errors import CorruptBlockError
-from ucm_db.tiers.remote_object import stated_object_bytes
+from ucm_db.remote.envelope import stated_object_bytes
 
 
 
 class RemoteRoot(Protocol):
-    """What a read needs of :class:`ucm_db.tiers.remote.RemoteRoot` (a
+    """What a read needs of :class:`ucm_db.remote.tier.RemoteRoot` (a
     protocol, so this module, below the remote tier, never imports it)."""
 
     max_object_bytes: int

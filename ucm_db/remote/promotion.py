@@ -36,10 +36,10 @@ from ucm_db.errors import MissingAncestorError
 from ucm_db.remote import link as link_module
 from ucm_db.remote.link import RemoteLink
 from ucm_db.remote.search import SEARCH_FANOUT
-from ucm_db.tiers.base import Buffer
-from ucm_db.tiers.local import BlockEntry, LocalTier
-from ucm_db.tiers.namespace_guard import ForeignNamespaceError
-from ucm_db.tiers.remote import RemoteObject
+from ucm_db.engines.base import Buffer
+from ucm_db.index.local import BlockEntry, LocalTier
+from ucm_db.index.namespace_guard import ForeignNamespaceError
+from ucm_db.remote.tier import RemoteObject
 
 #: A remote continuation of at most this many keys is fetched at once, with
 #: no presence search first: one round of requests instead of two or more
@@ -174,7 +174,7 @@ def extend_prefix(
 
 class DecodeQueue(Protocol):
     """What :func:`read_through` needs of the codec pool's pending decodes
-    (:class:`ucm_db.codec_pool.PendingDecodes`)."""
+    (:class:`ucm_db.codec.pool.PendingDecodes`)."""
 
     def add(self, blob: Buffer, call: Callable[[], None]) -> None: ...
 

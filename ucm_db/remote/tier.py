@@ -12,8 +12,8 @@ directories keep listings small on filesystems that dislike large ones.
 
 An object is a 64-byte envelope (parent key, namespace id, checksum bound to
 the key) followed by the codec blob exactly as the local tier stores it; see
-:mod:`ucm_db.tiers.remote_object`. Local and NFS directories are read and
-written through :mod:`ucm_db.tiers.remote_files`.
+:mod:`ucm_db.remote.envelope`. Local and NFS directories are read and
+written through :mod:`ucm_db.remote.files`.
 
 Invariants:
     * Objects are immutable and named by their key: writing one twice writes
@@ -33,7 +33,7 @@ Invariants:
       larger one is refused unread, a miss counted in
       :attr:`RemoteStats.too_large`), and at most that many bytes (plus one,
       to see an object longer than stated) are read, in chunks within the
-      caller's deadline and byte budget (:mod:`ucm_db.tiers.remote_reads`).
+      caller's deadline and byte budget (:mod:`ucm_db.remote.object_reads`).
       An object shorter or longer than its header states is corrupt (a miss).
     * On a local or NFS directory only regular files are read: a symlink,
       FIFO, device or directory in an object's place is never opened for
@@ -45,7 +45,7 @@ Invariants:
       deadline and backoff).
     * Trust: checksums catch corruption, not a malicious remote. With auth
       keys (:attr:`RemoteRoot.auth`) a fetch serves only objects one key
-      signed (:mod:`ucm_db.tiers.remote_object`); others are misses counted
+      signed (:mod:`ucm_db.remote.envelope`); others are misses counted
       as ``unauthenticated``/``mac_mismatch``. A probe cannot check a MAC:
       a forged object can lengthen a prefix search, never make a hit.
 """
@@ -62,16 +62,16 @@ from typing import Any
 from ucm_db import codec
 from ucm_db.auth import AuthKeys
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError
-from ucm_db.tiers.base import Buffer, Tier, TierCapabilities
-from ucm_db.tiers.remote_files import (  # noqa: F401 - re-exported: the remote tier's public names
+from ucm_db.engines.base import Buffer, Tier, TierCapabilities
+from ucm_db.remote.files import (  # noqa: F401 - re-exported: the remote tier's public names
     TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, write_whole,
 )
-from ucm_db.tiers import remote_manifests
-from ucm_db.tiers.remote_manifests import (  # noqa: F401 - re-exported
+from ucm_db.remote import manifests as remote_manifests
+from ucm_db.remote.manifests import (  # noqa: F401 - re-exported
     MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestError, NamespaceListing, is_namespace_id,
 )
-from ucm_db.tiers.remote_reads import ObjectTooLargeError, ReadLimits, read_object
-from ucm_db.tiers.remote_object import (  # noqa: F401 - re-exported
+from ucm_db.remote.object_reads import ObjectTooLargeError, ReadLimits, read_object
+from ucm_db.remote.envelope import (  # noqa: F401 - re-exported
     ENVELOPE_BYTES, MAX_OBJECT_BYTES, OBJECT_FORMAT_VERSION, OBJECT_MAGIC, PROBE_BYTES, RemoteObject, pack_object,
     UnauthenticatedObject, is_signed, parse_envelope, stated_object_bytes, unpack_object,
 )
@@ -206,7 +206,7 @@ class RemoteRoot:
         if new:
             _log.warning("remote %s: %s; it reads as a miss (hint: remove it from the remote)", self.root, why)
 
-    # -- manifests (ucm_db.tiers.remote_manifests) ------------------------------
+    # -- manifests (ucm_db.remote.manifests) ------------------------------
     def ensure_manifest(self, namespace_id: bytes, description: dict[str, Any]) -> None:
         """Writes the namespace manifest once (idempotent, whole-object); an
         unreadable manifest is replaced."""
@@ -259,7 +259,7 @@ class RemoteTier(Tier):
     # -- single-object operations (what the thread pools run) -----------------
     def read_object(self, key: bytes, limits: ReadLimits = ReadLimits()) -> bytes | bytearray | None:
         """The whole object of ``key``, read within the bound its header
-        states and within ``limits`` (:func:`~ucm_db.tiers.remote_reads.read_object`);
+        states and within ``limits`` (:func:`~ucm_db.remote.object_reads.read_object`);
         None if absent or not a regular file."""
         return read_object(self.remote, self.path(key), key, FIRST_READ_BYTES, limits)
 

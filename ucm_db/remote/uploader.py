@@ -48,8 +48,8 @@ from ucm_db import codec
 from ucm_db.cpu_placement import place_current_thread
 from ucm_db.errors import CorruptBlockError, TierError
 from ucm_db.remote.codec_choice import RemoteCodec
-from ucm_db.tiers.local import LocalTier
-from ucm_db.tiers.remote import RemoteRoot
+from ucm_db.index.local import LocalTier
+from ucm_db.remote.tier import RemoteRoot
 
 BATCH_KEYS = 256
 #: Stored bytes read from the local tier per batch (bounds the uploader's memory).

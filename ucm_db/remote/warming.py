@@ -32,8 +32,8 @@ from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.remote.link import RemoteLink
 from ucm_db.remote.promotion import promote
-from ucm_db.tiers.local import LocalTier
-from ucm_db.tiers.remote import RemoteRoot, remote_failure
+from ucm_db.index.local import LocalTier
+from ucm_db.remote.tier import RemoteRoot, remote_failure
 
 
 _log = logging.getLogger("ucm_db")

@@ -30,9 +30,9 @@ from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.link import RemoteLink
 from ucm_db.remote.promotion import Continuations, DecodeQueue, extend_prefix, read_through
 from ucm_db.remote.uploader import Uploader, describe
-from ucm_db.tiers.base import Buffer
+from ucm_db.engines.base import Buffer
 from ucm_db.errors import TierError
-from ucm_db.tiers.local import BlockEntry, LocalTier
+from ucm_db.index.local import BlockEntry, LocalTier
 
 #: A bulk remote fetch (get of local misses) waits this many lookup deadlines.
 FETCH_DEADLINE_FACTOR = 10

@@ -1,7 +1,7 @@
 """The tiered block store: the public object behind :func:`ucm_db.open`.
 
 A :class:`Store` turns ``(namespace, keys, payloads)`` into encoded blocks in a
-:class:`~ucm_db.tiers.local.LocalTier`, and back.
+:class:`~ucm_db.index.local.LocalTier`, and back.
 
 Invariants:
     * A block is visible only after the transaction that put it commits.
@@ -11,7 +11,7 @@ Invariants:
       corrupt block reads as a miss and is quarantined with its descendants.
     * Reader activity (LRU touches, hit and miss counts) is kept in memory
       and written by the maintenance thread, or folded into a put that
-      evicts (:mod:`ucm_db.background`): reads never open a write
+      evicts (:mod:`ucm_db.store.background`): reads never open a write
       transaction, and an eviction always sees them.
     * The store is safe for threads, and for several processes on one node
       with the LMDB engine; it re-opens itself in a forked child.
@@ -36,10 +36,10 @@ from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORM
 from ucm_db.arguments import require_namespace
 from ucm_db.keys import Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
-from ucm_db.store_feed import StoreFeed
-from ucm_db.store_opening import open_store
-from ucm_db.store_reads import StoreReads
-from ucm_db.store_writes import StoreWrites
+from ucm_db.store.feed import StoreFeed
+from ucm_db.store.opening import open_store
+from ucm_db.store.reads import StoreReads
+from ucm_db.store.writes import StoreWrites
 
 if TYPE_CHECKING:
     from ucm_db.remote.warming import WarmProgress, WarmReport
@@ -68,9 +68,9 @@ class Store(StoreWrites, StoreReads, StoreFeed):
     """A KV block store (see module invariants). Use :func:`ucm_db.open`.
 
     Its operations live in one module per job: writes
-    (:mod:`ucm_db.store_writes`), reads (:mod:`ucm_db.store_reads`), the
-    change feed and epochs (:mod:`ucm_db.store_feed`); opening in
-    :mod:`ucm_db.store_opening`, the guards in :mod:`ucm_db.store_base`.
+    (:mod:`ucm_db.store.writes`), reads (:mod:`ucm_db.store.reads`), the
+    change feed and epochs (:mod:`ucm_db.store.feed`); opening in
+    :mod:`ucm_db.store.opening`, the guards in :mod:`ucm_db.store.base`.
     This class holds what ties them: ``__init__``, flush, warm, close and
     stats."""
 

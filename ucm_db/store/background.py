@@ -60,8 +60,8 @@ from typing import Any
 
 from ucm_db.cpu_placement import place_current_thread
 from ucm_db.config import StoreConfig
-from ucm_db.tiers.base import Engine
-from ucm_db.tiers.local import LocalTier, PendingActivity
+from ucm_db.engines.base import Engine
+from ucm_db.index.local import LocalTier, PendingActivity
 
 logger = logging.getLogger("ucm_db")
 

@@ -1,7 +1,7 @@
 """The store's handles and the guards every operation passes: the base of
 :class:`~ucm_db.store.Store` and of the operation mixins
-(:mod:`ucm_db.store_writes`, :mod:`ucm_db.store_reads`,
-:mod:`ucm_db.store_feed`).
+(:mod:`ucm_db.store.writes`, :mod:`ucm_db.store.reads`,
+:mod:`ucm_db.store.feed`).
 
 Invariants:
     * Every public operation first calls :meth:`StoreBase._check_open` (or
@@ -20,13 +20,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ucm_db.background import Background
-from ucm_db.codec_pool import CodecPool
+from ucm_db.store.background import Background
+from ucm_db.codec.pool import CodecPool
 from ucm_db.config import StoreConfig
 from ucm_db.errors import ClosedError, TierError
 from ucm_db.storelock import StoreLock
-from ucm_db.tiers.base import Engine
-from ucm_db.tiers.local import LocalTier
+from ucm_db.engines.base import Engine
+from ucm_db.index.local import LocalTier
 
 if TYPE_CHECKING:
     from ucm_db.remote.wing import RemoteWing

@@ -2,7 +2,7 @@
 
 A namespace's *epoch* is a number recorded in the store (the checked info
 record ``epoch:<namespace id>``, 8 bytes little-endian, with its checksum
-sidecar, :mod:`ucm_db.tiers.records`). Key chains are rooted at it
+sidecar, :mod:`ucm_db.index.records`). Key chains are rooted at it
 (:meth:`ucm_db.Namespace.block_keys` ``epoch=``), so moving it on
 (:func:`bump`) makes every block stored before a miss for every process
 that reads the epoch again: after a weight update, an engine's
@@ -30,8 +30,8 @@ from __future__ import annotations
 import secrets
 
 from ucm_db.errors import TierError
-from ucm_db.tiers import records
-from ucm_db.tiers.base import Engine, Txn
+from ucm_db.index import records
+from ucm_db.engines.base import Engine, Txn
 
 #: Info record name prefix; the 16-byte namespace id follows.
 EPOCH_PREFIX = b"epoch:"

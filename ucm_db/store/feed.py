@@ -1,6 +1,6 @@
 """The store's per-namespace bookkeeping: the KV cache events' change
 feed (:mod:`ucm_db.events`) and the namespaces' epochs
-(:mod:`ucm_db.epochs`).
+(:mod:`ucm_db.store.epochs`).
 
 Invariants:
     * Every read here is one read transaction; ``bump_epoch`` is one
@@ -9,12 +9,12 @@ Invariants:
 
 from __future__ import annotations
 
-from ucm_db import epochs
+from ucm_db.store import epochs
 from ucm_db.arguments import require_namespace
 from ucm_db.events import ChangeBatch, EventInventory
 from ucm_db.keys import Namespace
-from ucm_db.store_base import StoreBase
-from ucm_db.tiers import changefeed
+from ucm_db.store.base import StoreBase
+from ucm_db.index import changefeed
 
 
 class StoreFeed(StoreBase):
@@ -53,7 +53,7 @@ class StoreFeed(StoreBase):
         """``namespace``'s epoch (0 until it is first bumped): root key
         chains at it (``namespace.block_keys(..., epoch=store.epoch(ns))``)
         to find only blocks stored since the last invalidation. One read
-        (:mod:`ucm_db.epochs`); a damaged record is a TierError."""
+        (:mod:`ucm_db.store.epochs`); a damaged record is a TierError."""
         self._check_open()
         require_namespace(namespace, "epoch")
         return epochs.read(self._engine, namespace.digest[:16])
@@ -62,7 +62,7 @@ class StoreFeed(StoreBase):
         """Invalidates ``namespace``'s blocks: moves its epoch on, durably
         and for every process on the store, and returns the new epoch.
         Nothing is deleted: blocks keyed at older epochs are never found
-        again and leave through LRU eviction (:mod:`ucm_db.epochs`)."""
+        again and leave through LRU eviction (:mod:`ucm_db.store.epochs`)."""
         self._check_open()
         require_namespace(namespace, "bump_epoch")
         self._refuse_read_only("bump_epoch")

@@ -35,10 +35,10 @@ from ucm_db.format import (
     check_format_version, check_persisted_settings, engine_for_config, engine_shape, open_records, seal_format_records,
 )
 from ucm_db.storelock import StoreLock, ensure_store_dir, hold_shared
-from ucm_db.store_path import detect_engine_checked, permission_error, store_path
-from ucm_db.tiers.accounting import seal_records
-from ucm_db.tiers.base import Engine
-from ucm_db.tiers.local import LocalTier
+from ucm_db.store.path import detect_engine_checked, permission_error, store_path
+from ucm_db.index.accounting import seal_records
+from ucm_db.engines.base import Engine
+from ucm_db.index.local import LocalTier
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ucm_db import batch_loads, codec, raw_loads
+from ucm_db.codec import batch_loads, raw_loads
+from ucm_db import codec
 from ucm_db.arguments import ProbedKeys, key_list, require_keys, require_namespace, require_writable
 from ucm_db.errors import ConfigError, CorruptBlockError
 from ucm_db.keys import Namespace
-from ucm_db.slabs import ScatterSlabs
-from ucm_db.store_base import StoreBase
-from ucm_db.tiers.base import Buffer
+from ucm_db.codec.slabs import ScatterSlabs
+from ucm_db.store.base import StoreBase
+from ucm_db.engines.base import Buffer
 
 
 class StoreReads(StoreBase):

@@ -34,8 +34,8 @@ from ucm_db.format import (
     read_settings,
 )
 from ucm_db.storelock import hold_shared
-from ucm_db.tiers.base import Engine
-from ucm_db.tiers.local import LocalTier
+from ucm_db.engines.base import Engine
+from ucm_db.index.local import LocalTier
 
 T = TypeVar("T")
 #: Progress callback of long maintenance operations: ``(done, total)``.

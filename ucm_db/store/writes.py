@@ -19,14 +19,14 @@ from collections.abc import Mapping, Sequence
 
 from ucm_db import codec
 from ucm_db.arguments import UNSET, Unset, key_list, require_namespace, require_payload, segment_list, segment_parent
-from ucm_db.background import ReadsForEviction
-from ucm_db.codec_pool import Payload
+from ucm_db.store.background import ReadsForEviction
+from ucm_db.codec.pool import Payload
 from ucm_db.config import CODECS
 from ucm_db.errors import ConfigError, MissingAncestorError
 from ucm_db.events import BlockEventFields, pack_event_fields
 from ucm_db.keys import BlockKeys, Namespace
-from ucm_db.store_base import StoreBase
-from ucm_db.tiers.local import BlockEntry, PutResult
+from ucm_db.store.base import StoreBase
+from ucm_db.index.local import BlockEntry, PutResult
 
 
 class StoreWrites(StoreBase):

@@ -20,8 +20,8 @@ Invariant: modules outside this package import only the names below.
 
 from __future__ import annotations
 
-from ucm_db.tiers.lmdb.copy import copy_leaving, stuck_keys
-from ucm_db.tiers.lmdb.engine import LmdbEngine
-from ucm_db.tiers.lmdb.fence import LMDB_REQUIREMENT, PROVEN_DATA_VERSIONS, PROVEN_LIBRARY_VERSIONS
+from ucm_db.engines.lmdb.copy import copy_leaving, stuck_keys
+from ucm_db.engines.lmdb.engine import LmdbEngine
+from ucm_db.engines.lmdb.fence import LMDB_REQUIREMENT, PROVEN_DATA_VERSIONS, PROVEN_LIBRARY_VERSIONS
 
 __all__ = ["LMDB_REQUIREMENT", "PROVEN_DATA_VERSIONS", "PROVEN_LIBRARY_VERSIONS", "LmdbEngine", "copy_leaving", "stuck_keys"]

@@ -9,10 +9,10 @@ space" hint is left for errors that really are about the disk.
 
 Invariants:
     * Nothing here writes to an existing store: the checks read metadata
-      (``stat``, the meta pages through :mod:`ucm_db.tiers.lmdb.meta`) or
+      (``stat``, the meta pages through :mod:`ucm_db.engines.lmdb.meta`) or
       create missing directories, nothing else.
     * :func:`diagnose` never crashes the caller: page walks run in a child
-      process (:func:`ucm_db.tiers.lmdb.recovery.walk_in_child`).
+      process (:func:`ucm_db.engines.lmdb.recovery.walk_in_child`).
     * :func:`check_pages_at_open` runs before a store's environment is
       mapped: a branch or leaf page that would crash this process (an LMDB
       assertion, a wild pointer: SIGABRT/SIGSEGV) is a
@@ -33,10 +33,10 @@ import lmdb
 
 from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.storelock import ensure_store_dir, os_error
-from ucm_db.tiers.lmdb.meta import check_file
-from ucm_db.tiers.lmdb.pages import NO_PAGE, DamagedTree, first_reachable_page_past_end
-from ucm_db.tiers.lmdb.groupsync import RollbackReport, roll_back_after_os_crash
-from ucm_db.tiers.lmdb.recovery import (
+from ucm_db.engines.lmdb.meta import check_file
+from ucm_db.engines.lmdb.pages import NO_PAGE, DamagedTree, first_reachable_page_past_end
+from ucm_db.engines.lmdb.groupsync import RollbackReport, roll_back_after_os_crash
+from ucm_db.engines.lmdb.recovery import (
     _SIGNAL_NAMES, CHECK_TIMEOUT_S, RecoveryReport, recover_after_os_crash, recovery_lock, set_aside, walk_in_child,
 )
 
@@ -216,7 +216,7 @@ def page_damage(env_dir: Path, *, lock: bool, timeout_s: float = OPEN_CHECK_TIME
     """None if every branch and leaf page of the store's current snapshot
     reads back, else one sentence naming the damage. Never crashes the
     caller and maps nothing here: the free-page tree is walked with
-    ``pread`` (:mod:`ucm_db.tiers.lmdb.pages`), every other tree by LMDB
+    ``pread`` (:mod:`ucm_db.engines.lmdb.pages`), every other tree by LMDB
     itself in a child process (keys only).
 
     The child first reads without LMDB's lock file, so an intact store's

@@ -1,6 +1,6 @@
 """A copy of an LMDB environment, table by table, that leaves stuck
 payloads behind: what ``compact``'s rewrite does when a quarantine left a
-payload the engine could not free (:mod:`ucm_db.tiers.damage`).
+payload the engine could not free (:mod:`ucm_db.index.damage`).
 
 LMDB's own compacting copy walks every page, so it would carry (or fail on)
 the damaged page. This copy reads each table in key order and writes it into

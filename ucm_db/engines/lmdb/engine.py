@@ -14,10 +14,10 @@ Invariants and choices:
       own writer lock serialises processes).
     * The directory is created 0700 and the files 0600.
     * Once per process, glibc's malloc is asked to keep freed memory (see
-      :func:`~ucm_db.tiers.lmdb.malloc.keep_dirty_page_memory`); ``UCM_DB_MALLOC_TUNING=0`` opts out.
+      :func:`~ucm_db.engines.lmdb.malloc.keep_dirty_page_memory`); ``UCM_DB_MALLOC_TUNING=0`` opts out.
     * After every open, the pages of the data file already in the page
       cache are mapped into this process in the background
-      (:mod:`ucm_db.tiers.lmdb.prefault`), so a large store's commits do not
+      (:mod:`ucm_db.engines.lmdb.prefault`), so a large store's commits do not
       pay a page fault per page moved; ``UCM_DB_PREFAULT=0`` opts out.
     * Durability never risks the file. ``sync=True``: every commit
       fdatasyncs its pages, then its meta page (LMDB's default).
@@ -25,18 +25,18 @@ Invariants and choices:
       reach only the OS page cache; :meth:`LmdbEngine.sync` (run by the
       store every ``sync_interval_s``) makes them durable and pins the
       synced snapshot, and an open after an OS crash reopens the last
-      synced snapshot (:mod:`ucm_db.tiers.lmdb.groupsync`). A power loss
+      synced snapshot (:mod:`ucm_db.engines.lmdb.groupsync`). A power loss
       thus undoes the commits since the last completed sync and damages
       nothing; a process crash loses nothing.
     * Nothing is rolled back, rewritten or mapped before the library and the
       data file's meta pages are found to be a proven LMDB
-      (:mod:`ucm_db.tiers.lmdb.fence`).
+      (:mod:`ucm_db.engines.lmdb.fence`).
     * A data file is checked against its meta pages before it is mapped
-      (:func:`ucm_db.tiers.lmdb.meta.check_file`): a truncated or foreign
+      (:func:`ucm_db.engines.lmdb.meta.check_file`): a truncated or foreign
       file is a :class:`TierError` naming the damage, never a SIGBUS.
     * Stores written by older versions with unsynced-commit markers are
       still checked in a child process after an OS crash
-      (:mod:`ucm_db.tiers.lmdb.recovery`); no marker is written any more.
+      (:mod:`ucm_db.engines.lmdb.recovery`); no marker is written any more.
     * ``read_only`` (a store on a read-only volume) writes nothing: the
       environment is opened ``MDB_RDONLY``, with LMDB's lock file where it
       can be opened and without it (``MDB_NOLOCK``) where the volume is
@@ -58,20 +58,20 @@ from typing import Any
 import lmdb
 
 from ucm_db.errors import TierError
-from ucm_db.tiers.base import TABLES, Engine, T
-from ucm_db.tiers.gate import SharedExclusiveGate
+from ucm_db.engines.base import TABLES, Engine, T
+from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.storelock import ensure_store_dir
-from ucm_db.tiers.lmdb.checks import (
+from ucm_db.engines.lmdb.checks import (
     check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable, recover_at_open,
 )
-from ucm_db.tiers.lmdb.fence import check_proven
-from ucm_db.tiers.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin
-from ucm_db.tiers.lmdb.malloc import keep_dirty_page_memory
-from ucm_db.tiers.lmdb.meta import FileCheck, check_file
-from ucm_db.tiers.lmdb.prefault import Prefault
-from ucm_db.tiers.lmdb.txn import LmdbTxn, lmdb_open
-from ucm_db.tiers.lmdb import space
-from ucm_db.tiers.lmdb.recovery import CHECK_TIMEOUT_S, RecoveryReport, logger, walk_in_child
+from ucm_db.engines.lmdb.fence import check_proven
+from ucm_db.engines.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin
+from ucm_db.engines.lmdb.malloc import keep_dirty_page_memory
+from ucm_db.engines.lmdb.meta import FileCheck, check_file
+from ucm_db.engines.lmdb.prefault import Prefault
+from ucm_db.engines.lmdb.txn import LmdbTxn, lmdb_open
+from ucm_db.engines.lmdb import space
+from ucm_db.engines.lmdb.recovery import CHECK_TIMEOUT_S, RecoveryReport, logger, walk_in_child
 
 _MAX_MAP_BYTES = 1 << 46
 
@@ -212,7 +212,7 @@ class LmdbEngine(Engine):
 
     def check_file(self) -> FileCheck:
         """The data file checked against its meta pages, without mapping it
-        (:func:`ucm_db.tiers.lmdb.meta.check_file`)."""
+        (:func:`ucm_db.engines.lmdb.meta.check_file`)."""
         return check_file(self.path / "data.mdb")
 
     def walk_in_child(self, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
@@ -355,7 +355,7 @@ class LmdbEngine(Engine):
 
     def free_page_bytes(self) -> int | None:
         """The pages below the used extent that no table holds: LMDB's free
-        list (:func:`ucm_db.tiers.lmdb.space.free_page_bytes`). A long one
+        list (:func:`ucm_db.engines.lmdb.space.free_page_bytes`). A long one
         slows every put of a large block (it is searched for a contiguous
         run); ``ucm-db compact`` returns it to the disk."""
         env = self._environment()

@@ -1,7 +1,7 @@
 """The LMDB versions this package's page-level code was proven on, checked at open.
 
-:mod:`~ucm_db.tiers.lmdb.meta`, :mod:`~ucm_db.tiers.lmdb.pages` and
-:mod:`~ucm_db.tiers.lmdb.groupsync` read and rewrite LMDB's own meta and
+:mod:`~ucm_db.engines.lmdb.meta`, :mod:`~ucm_db.engines.lmdb.pages` and
+:mod:`~ucm_db.engines.lmdb.groupsync` read and rewrite LMDB's own meta and
 data pages by hand (the rollback after an OS crash writes a recorded meta
 page over both of the file's). That code is correct for one on-disk layout,
 and its crash tests (the power-cut simulator, tests/reliability) ran on one
@@ -20,7 +20,7 @@ Invariants:
       roll back a page layout it was not written for.
     * Reading the meta pages' magic and version costs two ``pread`` calls
       and maps nothing. A file too short or without LMDB's magic is left to
-      :func:`~ucm_db.tiers.lmdb.checks.check_data_file`, which names damage.
+      :func:`~ucm_db.engines.lmdb.checks.check_data_file`, which names damage.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import lmdb
 
 from ucm_db.errors import FormatVersionError, TierError
-from ucm_db.tiers.lmdb.meta import MAGIC, PAGE_HEADER_BYTES
+from ucm_db.engines.lmdb.meta import MAGIC, PAGE_HEADER_BYTES
 
 #: (major, minor, patch) of the LMDB libraries the page-level code was proven on.
 PROVEN_LIBRARY_VERSIONS: frozenset[tuple[int, int, int]] = frozenset({(0, 9, 36)})

@@ -51,8 +51,8 @@ from typing import Any
 
 import lmdb
 
-from ucm_db.tiers.lmdb.meta import META_BODY_BYTES, read_meta_pages, write_meta_body
-from ucm_db.tiers.lmdb.recovery import boot_id
+from ucm_db.engines.lmdb.meta import META_BODY_BYTES, read_meta_pages, write_meta_body
+from ucm_db.engines.lmdb.recovery import boot_id
 
 RECORD_FILE = "synced-snapshot"
 _SLOT_BYTES = 512

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucm_db.tiers.lmdb.pages import DamagedTree, first_reachable_page_past_end
+from ucm_db.engines.lmdb.pages import DamagedTree, first_reachable_page_past_end
 
 MAGIC = 0xBEEFC0DE
 DATA_VERSION = 1
@@ -136,7 +136,7 @@ def _check_once(data_path: Path) -> FileCheck:
     Intact means: a regular file holding two valid meta pages (magic,
     version, page size) whose current snapshot's reachable pages all lie
     inside the file (checked page by page with
-    :mod:`ucm_db.tiers.lmdb.pages` only when the file is shorter than
+    :mod:`ucm_db.engines.lmdb.pages` only when the file is shorter than
     ``(last_page + 1) * page_bytes``) and whose tree
     roots lie at or below that last page. A missing file is intact (LMDB
     creates it); anything else gets ``problem`` set to one sentence.

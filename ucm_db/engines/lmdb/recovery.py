@@ -1,6 +1,6 @@
 """Post-crash checks of LMDB stores: legacy markers, the child read, set-aside.
 
-Group durability no longer risks the file (:mod:`ucm_db.tiers.lmdb.groupsync`
+Group durability no longer risks the file (:mod:`ucm_db.engines.lmdb.groupsync`
 reopens the last synced snapshot after an OS crash). Versions before it ran
 group durability on a bare MDB_NOSYNC and announced unsynced commits with a
 durable marker file, ``unsynced/<boot id>.<pid>``, in the environment

@@ -12,7 +12,7 @@ from typing import Any
 
 import lmdb
 
-from ucm_db.tiers.lmdb.txn import LmdbTxn
+from ucm_db.engines.lmdb.txn import LmdbTxn
 
 #: LMDB's two meta pages, at the start of every data file.
 META_PAGES = 2

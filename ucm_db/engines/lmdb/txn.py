@@ -2,7 +2,7 @@
 
 Invariants:
     * A :class:`LmdbTxn` only forwards to one py-lmdb transaction: the engine
-      (:mod:`ucm_db.tiers.lmdb.engine`) begins, commits and retries it.
+      (:mod:`ucm_db.engines.lmdb.engine`) begins, commits and retries it.
     * A whole-table ``scan`` tests no bound per key; a prefix scan stops at
       the first key outside the prefix.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import lmdb
 
-from ucm_db.tiers.base import Buffer
+from ucm_db.engines.base import Buffer
 
 
 def lmdb_open(path: str, **options: Any) -> lmdb.Environment:
@@ -30,7 +30,7 @@ def lmdb_open(path: str, **options: Any) -> lmdb.Environment:
 
 
 class LmdbTxn:
-    """The :class:`~ucm_db.tiers.base.Txn` of the LMDB engine: one py-lmdb
+    """The :class:`~ucm_db.engines.base.Txn` of the LMDB engine: one py-lmdb
     transaction over the named tables (``buffers=True``: values are views
     valid until the transaction ends)."""
 

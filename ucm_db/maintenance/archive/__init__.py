@@ -9,7 +9,7 @@ Archive format: an uncompressed tar (payloads are already compressed) of
 * ``blocks/<key hex>``: each block's encoded blob exactly as stored (codec
   header, owning key, checksum);
 * with an auth key, ``manifest.auth`` last: MACs of the manifest and of
-  each block (:mod:`ucm_db.archive_auth`).
+  each block (:mod:`ucm_db.maintenance.archive.macs`).
 
 Invariants:
     * Import trusts nothing in the archive: the manifest's shape is checked
@@ -24,17 +24,17 @@ Invariants:
       goes on and LRU-evicts what it must (``report["evicted"]`` counts
       them). A concurrent writer's puts may still evict, as they always can.
     * Import reads bounded bytes: the manifest at most
-      :data:`MAX_MANIFEST_BYTES` and :data:`~ucm_db.archive_io.MAX_MANIFEST_DEPTH`
+      :data:`MAX_MANIFEST_BYTES` and :data:`~ucm_db.maintenance.archive.files.MAX_MANIFEST_DEPTH`
       deep, each block member at most :data:`MAX_MEMBER_BYTES` (read in
       chunks; a larger one is skipped), each put batch at most
       :data:`BATCH_BYTES` (plus one member); only regular members are read.
     * Export never replaces anything but a regular file, writes a temp file
       beside the archive (``O_EXCL | O_NOFOLLOW``, the store's permissions),
-      and renames it into place when complete (:mod:`ucm_db.archive_io`), so
+      and renames it into place when complete (:mod:`ucm_db.maintenance.archive.files`), so
       a failed export leaves no truncated archive behind. It refuses a store
       whose manifest or blocks would exceed the bounds import applies.
     * Import with an auth key accepts only what that key (or another of the
-      keys given) signed (:mod:`ucm_db.archive_auth`); export with a key
+      keys given) signed (:mod:`ucm_db.maintenance.archive.macs`); export with a key
       adds ``manifest.auth``.
 """
 
@@ -48,14 +48,14 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db import codec
-from ucm_db.archive_auth import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
-from ucm_db.archive_io import atomic_output, check_target, parse_bounded_json, read_member, store_file_mode
+from ucm_db.maintenance.archive.macs import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
+from ucm_db.maintenance.archive.files import atomic_output, check_target, parse_bounded_json, read_member, store_file_mode
 from ucm_db.auth import load_keys
 from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, StoreFullError
 from ucm_db.keys import KEY_BYTES, Namespace
-from ucm_db.store_view import ProgressFn, open_view, select_namespaces
-from ucm_db.tiers.local import BlockEntry
-from ucm_db.tiers.namespace_guard import ForeignNamespaceError
+from ucm_db.store.view import ProgressFn, open_view, select_namespaces
+from ucm_db.index.local import BlockEntry
+from ucm_db.index.namespace_guard import ForeignNamespaceError
 
 ARCHIVE_FORMAT = "ucm-db-export"
 ARCHIVE_VERSION = 1
@@ -182,7 +182,7 @@ def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
 def read_manifest(tar: tarfile.TarFile, archive: Path, verifier: ArchiveVerifier | None = None) -> dict[str, Any]:
     """The archive's checked manifest: one regular ``manifest.json`` member,
     at most :data:`MAX_MANIFEST_BYTES` of JSON nested at most
-    :data:`~ucm_db.archive_io.MAX_MANIFEST_DEPTH` deep (ConfigError otherwise)."""
+    :data:`~ucm_db.maintenance.archive.files.MAX_MANIFEST_DEPTH` deep (ConfigError otherwise)."""
     found = [m for m in tar.getmembers() if m.name == "manifest.json"]
     if not found:
         raise ConfigError(f"{archive} has no manifest.json", hint="pass an archive written by ucm-db export")
@@ -224,7 +224,7 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
         StoreFullError: the archive's new blocks do not fit in the store's
             free capacity and ``allow_evict`` is False (nothing is written).
     """
-    import ucm_db
+    from ucm_db.store import open as open_store
 
     archive, path = Path(archive), Path(path)
     auth_keys = load_keys(auth_key_file, auth_key_env)
@@ -238,7 +238,7 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
             members = {m.name: m for m in tar.getmembers() if m.isreg()}
         except tarfile.TarError as exc:
             raise ConfigError(f"{archive} is a damaged tar archive ({exc})", hint=_DAMAGED) from exc
-        with ucm_db.open(path) as store:
+        with open_store(path) as store:
             if not allow_evict:
                 _refuse_eviction(store._tier, manifest, members, path)
             _load(tar, members, manifest, store, report, progress, verifier)

@@ -1,7 +1,7 @@
 """File plumbing of archives: the safe write of an export, and bounded reads
 of an import's tar members and manifest.
 
-:mod:`ucm_db.archive` owns the archive's format and checks; this module owns
+:mod:`ucm_db.maintenance.archive` owns the archive's format and checks; this module owns
 how its bytes reach and leave the disk. A keyed MAC over the manifest and
 members belongs to the format (``archive``), not here: the writer hands out a
 plain binary file object and the readers return plain bytes.
