@@ -125,8 +125,24 @@ def parse_keys(text: str, source: str) -> AuthKeys:
     return AuthKeys(tuple(keys), source)
 
 
+def looks_like_a_key(text: str) -> bool:
+    """True when ``text`` (given where a path or a variable name belongs)
+    is hex of at least a key's length: a key pasted in the wrong place,
+    which no error message may echo into a log."""
+    stripped = text.strip()
+    return len(stripped) >= 2 * MIN_KEY_BYTES and re.fullmatch(r"[0-9a-fA-F]+", stripped) is not None
+
+
+def _refuse_pasted_key(text: str, where: str, fix: str) -> None:
+    if looks_like_a_key(text):
+        raise ConfigError(f"{where} holds {len(text.strip())} hex characters: a key itself, not a {fix.split()[0]} (not shown here)",
+                          hint=f"put the key in {fix} and pass that instead; treat the key as exposed if it reached a shared config")
+
+
 def read_key_file(path: str | Path) -> AuthKeys:
-    """Keys from a key file; refuses one that others may read or change."""
+    """Keys from a key file; refuses one that others may read or change. A
+    key given in place of the path is refused without being echoed."""
+    _refuse_pasted_key(str(path), "the auth key file setting", "file (chmod 600)")
     path = Path(path)
     try:
         info = os.stat(path)
@@ -137,14 +153,17 @@ def read_key_file(path: str | Path) -> AuthKeys:
                               hint=f"chmod 600 {path} (or 640 for a group of services; a Kubernetes secret: defaultMode 0440)")
         text = path.read_text(encoding="ascii")
     except OSError as exc:
-        raise ConfigError(f"cannot read auth key file {path}: {exc}", hint="check the path and its permissions") from exc
+        raise ConfigError(f"cannot read auth key file {path}: {exc.strerror or type(exc).__name__}",
+                          hint="check the path and its permissions") from exc
     except UnicodeDecodeError:
         raise ConfigError(f"auth key file {path} is not hex text", hint=_FORMAT_HINT) from None
     return parse_keys(text, f"auth key file {path}")
 
 
 def read_key_env(name: str) -> AuthKeys:
-    """Keys from the environment variable ``name``."""
+    """Keys from the environment variable ``name`` (a key given in place of
+    the name is refused without being echoed)."""
+    _refuse_pasted_key(name, "the auth key variable setting", "variable name (export NAME=<hex key>)")
     value = os.environ.get(name)
     if value is None:
         raise ConfigError(f"environment variable {name} (the auth key) is not set", hint=f"export {name}=<hex key>, or drop the setting")

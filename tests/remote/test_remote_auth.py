@@ -186,3 +186,16 @@ def test_key_text_format(tmp_path: Path) -> None:
     path.chmod(0o640)
     assert read_key_file(path).keys == (OLD_KEY,)
     assert "auth.key" in repr(read_key_file(path)) and str(OLD_KEY)[2:12] not in repr(read_key_file(path))
+
+
+@pytest.mark.parametrize("setting", ["remote_auth_key_file", "remote_auth_key_env"])
+def test_a_key_given_in_place_of_a_path_or_name_is_never_echoed(tmp_path: Path, setting: str) -> None:
+    """Issue 46 finding 10: ``remote_auth_key_file=<hex key>`` said "cannot
+    read auth key file <key>", so the key landed in server logs."""
+    key_hex = "ab" * 32
+    with pytest.raises(ConfigError) as caught:
+        ucm_db.open(tmp_path / "s", remote=f"file://{tmp_path}/remote", **{setting: key_hex})
+    text = f"{caught.value} {caught.value.hint}"
+    assert key_hex not in text and key_hex[:16] not in text, text
+    assert "a key itself" in text
+    assert not (tmp_path / "s").exists(), "nothing is created before the key is checked"
