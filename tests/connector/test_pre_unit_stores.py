@@ -7,6 +7,7 @@ request objects, real workers, real LMDB stores; no engine)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,26 @@ def test_units_larger_than_the_namespace_record_says_are_not_taken_for_whole_blo
         assert stats.raw_bytes > stats.blocks * LAYERS * BS * 2 * HEAD * 2  # beyond what the record's head_size gives
     sched = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(path)}), shape)  # not refused
     sched.shutdown()
+
+
+def test_conversion_near_capacity_is_refused_before_anything_is_lost(tmp_path: Path) -> None:
+    """Issue 46 finding 5: on a store near capacity, the unit puts evicted
+    unconverted whole blocks (a 2 MiB store lost 82 of 162). Now the
+    conversion is refused up front, with the fix, and loses nothing."""
+    from ucm_db.errors import StoreFullError
+    from ucm_db.maintenance.pre_units import convert
+
+    path = tmp_path / "s"
+    ns = namespace(_shape(1))
+    block_bytes = HEADS * LAYERS * BS * 2 * HEAD * 2
+    capacity_bytes = 1 << 20
+    blocks = capacity_bytes // block_bytes - 2  # a little room, far less than the units need
+    with ucm_db.open(path, codec="none", capacity_bytes=capacity_bytes) as store:
+        store.put(ns, ns.block_keys(list(range(1, blocks * BS + 1))), [os.urandom(block_bytes) for _ in range(blocks)])
+        assert store.stats().blocks == blocks
+    with pytest.raises(StoreFullError, match="nothing was converted") as caught:
+        convert(path)
+    assert "compact" in (caught.value.hint or "")
+    with ucm_db.open(path) as store:
+        assert store.stats().blocks == blocks  # every whole block is still there
+    assert convert(path, dry_run=True).whole_blocks == blocks

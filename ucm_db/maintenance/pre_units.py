@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucm_db.errors import FormatVersionError, MissingAncestorError
+from ucm_db.errors import FormatVersionError, MissingAncestorError, StoreFullError
 from ucm_db.maintenance.inspection import iter_blocks, namespace_rows
 from ucm_db.keys import Namespace
 from ucm_db.migrations.access import refuse_if_held
@@ -207,6 +207,7 @@ def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
     refuse_if_held(Path(path), lock, "convert the blocks from before units of")
     lock.release()
     with open_store(path) as store:
+        _refuse_eviction(store, whole, wanted, Path(path))
         converted = _write_units(store, whole, wanted, report)
         report.whole_blocks = len(converted)
         for ns_id, keys in _by_namespace(whole).items():  # none is read any more: the unsplittable ones go too
@@ -214,6 +215,31 @@ def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
         for ns_id, keys in _by_namespace(ranks).items():
             report.per_rank_blocks += store.delete(Namespace.from_dict(wanted[ns_id][1]), keys)
     return report
+
+
+#: Room a unit takes beyond its share of the whole block's stored bytes
+#: (its header, frame table and index records), counted generously.
+_UNIT_OVERHEAD_BYTES = 512
+
+
+def _refuse_eviction(store: Any, whole: list[Any], wanted: Mapping[bytes, tuple[str, Mapping[str, Any]]], path: Path) -> None:
+    """StoreFullError, before anything is converted, when the units of the
+    whole blocks would not fit beside them: the whole blocks are deleted
+    only once all their units are stored, so a put that evicts would take
+    unconverted blocks (issue 46: a 2 MiB store near capacity lost 82 of
+    162 blocks). Units take about their whole block's stored bytes."""
+    units_per_block = {ns_id: int(_layout(description)["kv_heads"]) for ns_id, (_kind, description) in wanted.items()
+                       if whole_block_raw_bytes(description) is not None}
+    needed_bytes = sum(b.stored_bytes + _UNIT_OVERHEAD_BYTES * units_per_block[b.namespace_id] for b in whole)
+    stats = store.stats()
+    free_bytes = max(0, stats.capacity_bytes - stats.stored_bytes)
+    if needed_bytes > free_bytes:
+        raise StoreFullError(
+            f"converting {len(whole)} whole blocks needs about {needed_bytes} bytes beside them and the store at {path} "
+            f"has {free_bytes} of {stats.capacity_bytes} bytes free; nothing was converted",
+            hint=f"free about {needed_bytes - free_bytes} bytes first (ucm-db compact {path} --target-bytes N), "
+            "or export the namespaces and import them into a new store created with a larger capacity_bytes",
+        )
 
 
 def _by_namespace(blocks: Iterable[Any]) -> dict[bytes, list[bytes]]:
