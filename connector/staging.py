@@ -14,8 +14,8 @@ Invariants:
       store copies payloads inside ``put``, so no view outlives it).
     * Buffers hold a power-of-two number of blocks' rows, so saves of
       different sizes reuse them; a lease is a view of its first rows (so
-      leased buffers hold at most twice the bytes of their saves, which is
-      what the writer's queue bound counts).
+      leased buffers hold at most twice the bytes of their saves); the
+      writer's queue bound counts the whole buffers (:attr:`Lease.held_bytes`).
     * At most ``max_free_bytes`` of buffers wait in the pool; a buffer
       released beyond that is freed.
     * Thread-safe: leases are taken on the model's thread and released on
@@ -39,6 +39,12 @@ class Lease:
     staging: torch.Tensor
     _buffer: torch.Tensor = field(repr=False)
     _pool: StagingPool | None = field(repr=False)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the whole pooled buffer this lease holds (a power of
+        two of blocks' rows: up to twice its rows' bytes)."""
+        return int(self._buffer.numel() * self._buffer.element_size())
 
     def release(self) -> None:
         """Gives the buffer back (idempotent); the rows must not be read after."""

@@ -175,7 +175,8 @@ class UcmDbWorker:
         block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
         start = 1 if transfer.parent is not None else 0
         chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
-        job = SaveJob(self._namespace, chains, lease.staging, transfer.event_fields, self._evented_chain, lease.release)
+        job = SaveJob(self._namespace, chains, lease.staging, transfer.event_fields, self._evented_chain, lease.release,
+                      lease.held_bytes)
         if transfer.hold_id >= 0:
             self._held[transfer.hold_id] = job
         else:

@@ -14,9 +14,13 @@ Invariants:
       one transaction fails on a missing parent (one head's parent evicted
       meanwhile) or on capacity (all heads together do not fit), its chains
       are put one by one, so the others still land.
-    * At most ``max_pending_bytes`` of staging wait in the queue; a job that
-      would exceed it is dropped and counted (the cache is best effort; the
-      forward pass never waits for the disk).
+    * At most ``max_pending_bytes`` of staging wait in the queue, counted
+      as the buffers the jobs hold (:attr:`SaveJob.queued_bytes`: a pooled
+      buffer holds up to twice its save's rows); a job that would exceed it
+      is dropped and counted (the cache is best effort; the forward pass
+      never waits for the disk). A job larger than the whole bound can never
+      be stored: the first one is logged with the fix; queue-full drops are
+      logged at most once a minute.
     * A failed put (missing parent after an eviction, full store, I/O error)
       loses only that job: it is counted and logged, the thread goes on.
     * A :class:`VoidJob` (units of blocks whose KV was computed over a
@@ -48,6 +52,8 @@ from ucm_db.keys.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 _RATIO_INTERVAL_S = 2.0
+#: Queue-full drops are logged at most this often.
+_DROP_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class SaveJob:
     event_fields: tuple[ucm_db.BlockEventFields, ...] = ()  # per block: vLLM's KV event fields (events.py)
     evented_chain: int = -1  # the chain whose units carry them (-1: none on this rank)
     release: Callable[[], None] | None = None  # gives ``staging`` back to its pool (staging.py)
+    held_bytes: int = 0  # bytes of the pooled buffer ``staging`` is a view of (0: staging alone)
 
     def done(self) -> None:
         """Ends this job's hold on ``staging`` (committed, failed or dropped)."""
@@ -75,7 +82,13 @@ class SaveJob:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the staged units (what is saved)."""
         return int(self.staging.numel())
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes this job holds while queued: its whole staging buffer."""
+        return max(self.held_bytes, self.nbytes)
 
     @property
     def blocks(self) -> int:
@@ -90,7 +103,8 @@ class VoidJob:
     namespace: Namespace
     chains: tuple[UnitKeys, ...]
     blocks: int
-    nbytes: int = 0  # no staging: the queue's byte count (see _run) is unchanged
+    nbytes: int = 0
+    queued_bytes: int = 0  # no staging: the queue's byte count (see _run) is unchanged
 
 
 class BackgroundWriter:
@@ -107,6 +121,8 @@ class BackgroundWriter:
         self._counters = counters
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
+        self._logged_oversize = False
+        self._last_drop_log_s = -_DROP_LOG_INTERVAL_S
         self._lock = threading.Lock()
         self._queue: queue.Queue[SaveJob | VoidJob | None] = queue.Queue()
         self._last_ratio_s = 0.0
@@ -116,13 +132,32 @@ class BackgroundWriter:
     def submit(self, job: SaveJob) -> bool:
         """Queues a job; False (and counted) if the queue is full."""
         with self._lock:
-            if self._pending_bytes + job.nbytes > self._max_pending_bytes:
+            if self._pending_bytes + job.queued_bytes > self._max_pending_bytes:
                 self._counters.add(saves_dropped=job.blocks)
                 job.done()
+                self._log_drop(job)
                 return False
-            self._pending_bytes += job.nbytes
+            self._pending_bytes += job.queued_bytes
         self._queue.put(job)
         return True
+
+    def _log_drop(self, job: SaveJob) -> None:
+        """Says why a save was dropped (called under the lock)."""
+        if job.queued_bytes > self._max_pending_bytes:
+            if not self._logged_oversize:
+                self._logged_oversize = True
+                logger.warning(
+                    "ucm-db: a save of %d blocks holds %d bytes of staging, more than max_pending_save_bytes=%d: "
+                    "saves this large are never stored; raise max_pending_save_bytes above %d",
+                    job.blocks, job.queued_bytes, self._max_pending_bytes, job.queued_bytes)
+            return
+        now = time.monotonic()
+        if now - self._last_drop_log_s >= _DROP_LOG_INTERVAL_S:
+            self._last_drop_log_s = now
+            logger.warning(
+                "ucm-db: the save queue is full (%d of max_pending_save_bytes=%d bytes): a save of %d blocks was dropped "
+                "(counted in saves_dropped; the disk is slower than the saves: raise the bound or lower the load)",
+                self._pending_bytes, self._max_pending_bytes, job.blocks)
 
     def void(self, job: VoidJob) -> None:
         """Queues a delete behind every save submitted so far (never dropped)."""
@@ -151,7 +186,7 @@ class BackgroundWriter:
             finally:
                 if job is not None:
                     with self._lock:
-                        self._pending_bytes -= job.nbytes
+                        self._pending_bytes -= job.queued_bytes
                     if isinstance(job, SaveJob):
                         job.done()
                 self._queue.task_done()

@@ -123,3 +123,53 @@ def test_close_behind_queued_jobs_commits_them_and_stops(store) -> None:
     closer.join(30)
     assert not closer.is_alive(), "close must return once the queue is committed"
     assert _stored(store, held.keys, 0, 4)
+
+
+def _leased_job(pool: object, block_keys: list[bytes], start: int, stop: int) -> SaveJob:
+    from ucm_db.connector.staging import StagingPool
+
+    assert isinstance(pool, StagingPool)
+    lease = pool.take(stop - start)
+    lease.staging.fill_(start % 251)
+    return SaveJob(NS, _chains(block_keys, start, stop), lease.staging, release=lease.release, held_bytes=lease.held_bytes)
+
+
+def test_the_queue_bound_counts_the_staging_buffers_the_jobs_hold(store) -> None:
+    """Issue 46 finding 9: the bound counted lease views, not their
+    power-of-two buffers (a 16 MiB bound held 28 MiB). Jobs of 3 blocks
+    hold 4 blocks' buffers: a bound of 10 blocks' rows takes two of them."""
+    from ucm_db.connector.staging import StagingPool
+
+    block_bytes = GRID.heads * UNIT_BYTES
+    pool = StagingPool(lambda rows: torch.empty((rows, GRID.heads, UNIT_BYTES), dtype=torch.uint8), 1 << 30)
+    keys = NS.block_keys(list(range(4 * 12)))
+    puts, counters = HeldPuts(store), Counters()
+    writer = BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), counters,
+                              max_pending_bytes=10 * block_bytes)
+    accepted = [writer.submit(_leased_job(pool, keys, start, start + 3)) for start in (0, 3, 6)]
+    assert puts.entered.wait(30)
+    assert accepted == [True, True, False]  # 3 x 4 blocks' buffers would exceed 10 blocks' rows
+    assert counters.totals.data["saves_dropped"] == 3
+    puts.release()
+    writer.drain()
+    writer.close()
+    assert _stored(store, keys, 0, 6) and not any(_present(store, keys, 6, 9))
+
+
+def test_a_save_larger_than_the_bound_is_logged_once_with_the_fix(store, caplog: pytest.LogCaptureFixture) -> None:
+    """A save larger than the whole bound is dropped on every try: the first
+    one says so, with the setting to raise; later ones only count."""
+    import logging
+
+    keys = NS.block_keys(list(range(4 * 8)))
+    counters = Counters()
+    writer = BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), counters,
+                              max_pending_bytes=GRID.heads * UNIT_BYTES)
+    released: list[int] = []
+    with caplog.at_level(logging.WARNING):
+        assert not writer.submit(_job(keys, 0, 4, released))
+        assert not writer.submit(_job(keys, 4, 8, released))
+    writer.close()
+    said = [r.getMessage() for r in caplog.records if "max_pending_save_bytes" in r.getMessage()]
+    assert len(said) == 1 and "raise max_pending_save_bytes above" in said[0], said
+    assert counters.totals.data["saves_dropped"] == 8 and released == [0, 4]
