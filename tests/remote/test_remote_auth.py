@@ -20,6 +20,7 @@ import pytest
 import ucm_db
 from ucm_db import codec
 from ucm_db.errors import ConfigError
+from ucm_db.remote.keying import MARKER_NAME
 from ucm_db.remote.tier import RemoteRoot, write_whole
 from ucm_db.remote.envelope import SIGNED_FORMAT_VERSION, pack_object
 from ucm_db.auth import AuthKeys, key_id
@@ -73,9 +74,9 @@ def test_planted_object_with_recomputed_checksums_is_a_miss_when_a_key_is_set(tm
     with ucm_db.open(tmp_path / "looker", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10, **auth)) as store:
         assert store.lookup(namespace, keys) == 1  # a lookup promotes only the authentic prefix
 
-    # Without a key the same plant is served: what the key protects against.
-    got, _ = _read(tmp_path, "open-reader", remote, namespace, keys)
-    assert got[1] == forged
+    # Without a key a node is refused: the remote is keyed (issue 46 findings 3 and 4).
+    with pytest.raises(ConfigError, match="is keyed"):
+        _read(tmp_path, "open-reader", remote, namespace, keys)
 
     # A plant signed with a key the reader does not hold is a miss too.
     _plant(remote, namespace, keys[1], keys[0], forged, AuthKeys((OTHER_KEY,), "test"))
@@ -110,9 +111,9 @@ def test_signed_objects_verify_across_a_key_rotation(tmp_path: Path, remote: Rem
     got, _ = _read(tmp_path, "new-only-reader2", remote, namespace, new_keys, remote_auth_key_env="UCM_TEST_AUTH_KEY")
     assert got == new_payloads
 
-    # A reader with no key reads signed objects (the MAC is ignored).
-    got, stats = _read(tmp_path, "keyless-reader", remote, namespace, new_keys)
-    assert got == new_payloads and stats["corrupt"] == 0
+    # A node with no key is refused: the remote is keyed.
+    with pytest.raises(ConfigError, match="is keyed"):
+        _read(tmp_path, "keyless-reader", remote, namespace, new_keys)
 
 
 def test_wrong_key_is_a_miss_and_the_object_stays(tmp_path: Path, remote: Remote, namespace: Any) -> None:
@@ -199,3 +200,38 @@ def test_a_key_given_in_place_of_a_path_or_name_is_never_echoed(tmp_path: Path, 
     assert key_hex not in text and key_hex[:16] not in text, text
     assert "a key itself" in text
     assert not (tmp_path / "s").exists(), "nothing is created before the key is checked"
+
+
+def test_a_store_that_used_a_keyed_remote_refuses_a_keyless_open(tmp_path: Path, remote: Remote, namespace: Any) -> None:
+    """Issue 46 finding 3: a keyless open (``ucm-db warm`` without the key)
+    of a keyed node's store took an unsigned plant into the local tier, which
+    the keyed node then served. The store records that its remote is keyed
+    (key ids only): the keyless open is refused even where the remote's own
+    marker is gone, and nothing is fetched."""
+    keys, payloads = chain(namespace, 3, seed=8)
+    auth = {"remote_auth_key_file": key_file(tmp_path, NEW_KEY)}
+    _write(tmp_path, "node", remote, namespace, keys[:1], payloads[:1], **auth)
+    _plant(remote, namespace, keys[1], keys[0], b"forged KV " * 100)
+    root = RemoteRoot.from_url(remote.url, remote.options)
+    root.fs.rm(f"{root.root}/{MARKER_NAME}")  # the marker deleted (or the remote unreachable at open)
+    with pytest.raises(ConfigError, match="used the remote .* with an auth key") as caught:
+        ucm_db.open(tmp_path / "node", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10))
+    assert "remote_auth_key_file" in (caught.value.hint or "")
+    got, stats = _read(tmp_path, "node", remote, namespace, keys[:2], **auth)  # still keyed: the plant is a miss
+    assert got == [payloads[0], None] and stats["unauthenticated"] >= 1
+    with ucm_db.open(tmp_path / "node", capacity_bytes=CAP) as store:  # without the remote: fine
+        assert store.stats().blocks == 1
+
+
+def test_a_keyless_node_cannot_rewrite_a_keyed_fleets_objects(tmp_path: Path, remote: Remote, namespace: Any) -> None:
+    """Issue 46 finding 4: a keyless node's put of a chain the keyed nodes
+    had signed rewrote the objects unsigned, and keyed readers missed them
+    for good. The remote's marker refuses the keyless node at open."""
+    keys, payloads = chain(namespace, 3, seed=9)
+    auth = {"remote_auth_key_file": key_file(tmp_path, NEW_KEY)}
+    _write(tmp_path, "keyed", remote, namespace, keys, payloads, **auth)
+    with pytest.raises(ConfigError, match="is keyed"):
+        _write(tmp_path, "keyless", remote, namespace, keys, payloads)
+    assert not (tmp_path / "keyless" / "lmdb").exists() or ucm_db.open(tmp_path / "keyless").stats().blocks == 0
+    got, stats = _read(tmp_path, "reader", remote, namespace, keys, **auth)
+    assert got == payloads and stats["unauthenticated"] == 0 and stats["mac_mismatch"] == 0

@@ -113,14 +113,31 @@ def test_warm_with_a_key_pulls_only_signed_objects(tmp_path: Path) -> None:
     key = key_file(tmp_path, KEY)
     tokens = [[(11 * p + i) % 30000 for i in range(NS_A.block_size * 3)] for p in range(2)]
     chains = [NS_A.block_keys(t) for t in tokens]
+    # The intruder wrote first: once a keyed node has used the remote, a keyless one is refused at open.
+    with ucm_db.open(tmp_path / "intruder", remote=url, remote_mode="write_through", capacity_bytes=1 << 26) as intruder:
+        intruder.put(NS_A, chains[1], [payload("x", i) for i in range(3)])  # unsigned, checksums all valid
     with ucm_db.open(tmp_path / "signer", remote=url, remote_mode="write_through", capacity_bytes=1 << 26,
                      remote_auth_key_file=str(key)) as source:
         source.put(NS_A, chains[0], [payload("s", i) for i in range(3)])
-    with ucm_db.open(tmp_path / "intruder", remote=url, remote_mode="write_through", capacity_bytes=1 << 26) as intruder:
-        intruder.put(NS_A, chains[1], [payload("x", i) for i in range(3)])  # unsigned, checksums all valid
     tokens_file = tmp_path / "prompts.jsonl"
     tokens_file.write_text("\n".join(json.dumps(t) for t in tokens))
 
     invoke_json("warm", tmp_path / "b", "--remote", url, "--namespace", "test/alpha", "--tokens", tokens_file, "--auth-key-file", key)
     with ucm_db.open(tmp_path / "b") as store:
         assert store._tier.count_prefix(chains[0]) == 3 and store._tier.count_prefix(chains[1]) == 0
+
+
+def test_keyless_warm_of_a_keyed_store_is_refused(tmp_path: Path) -> None:
+    """Issue 46 finding 3 through the CLI: a keyless `ucm-db warm` of a
+    keyed node's store is a usage error naming the fix, and pulls nothing."""
+    url = f"file://{tmp_path / 'remote'}"
+    key = key_file(tmp_path, KEY)
+    tokens = [(5 * i) % 30000 for i in range(NS_A.block_size * 2)]
+    with ucm_db.open(tmp_path / "node", remote=url, remote_mode="write_through", capacity_bytes=1 << 26,
+                     remote_auth_key_file=str(key)) as store:
+        store.put(NS_A, NS_A.block_keys(tokens), [payload("k", i) for i in range(2)])
+    (tmp_path / "remote" / "auth.json").unlink()  # even without the remote's marker: the store remembers
+    tokens_file = tmp_path / "prompts.jsonl"
+    tokens_file.write_text(json.dumps(tokens))
+    result = invoke("warm", tmp_path / "node", "--remote", url, "--namespace", "test/alpha", "--tokens", tokens_file, expect=2)
+    assert "auth key" in result.stderr and "--auth-key-file" in result.stderr

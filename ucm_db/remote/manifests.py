@@ -27,6 +27,8 @@ from ucm_db.remote.files import TEMP_PREFIX, NotRegularFileError, require_regula
 from ucm_db.remote.envelope import OBJECT_FORMAT_VERSION
 
 MANIFEST_NAME = "manifest.json"
+#: The root's marker of a keyed remote (:mod:`ucm_db.remote.keying`): not a namespace, not a stray.
+KEYED_MARKER_NAME = "auth.json"
 #: A manifest is a small JSON document; a bigger one is not read.
 MAX_MANIFEST_BYTES = 1 << 20
 
@@ -135,7 +137,7 @@ def manifests(root: RemoteRoot) -> tuple[dict[str, dict[str, Any]], list[str]]:
     hides the others."""
     listing = list_namespaces(root)
     problems = [f"{root.root}/{name}: not a namespace (its name is not 16 hex digits); skipped"
-                for name in listing.stray if name != MANIFEST_NAME and not name.startswith(TEMP_PREFIX)]
+                for name in listing.stray if name not in (MANIFEST_NAME, KEYED_MARKER_NAME) and not name.startswith(TEMP_PREFIX)]
     found: dict[str, dict[str, Any]] = {}
     for short_id in listing.entries:
         try:

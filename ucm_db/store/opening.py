@@ -11,6 +11,9 @@ Invariants:
       leaves, so e.g. ``migrate`` in this same process can take it.
     * The info records are read (or, for a new store, written) through
       :mod:`ucm_db.format`, in one transaction.
+    * A keyless open of a remote this store (or the remote's root) records
+      as keyed is refused before anything is fetched
+      (:mod:`ucm_db.remote.keying`).
     * The engine runs with the settings the store runs with: an existing
       store opened without ``durability`` is opened ``sync`` first (always
       safe: a sync open of a group store rolls back, records and pins as a
@@ -96,6 +99,10 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
         if not read_only and engine_shape(config) != engine_shape(first):
             engine = reopened(engine, path, config)
             tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
+        if config.remote is not None:
+            from ucm_db.remote.keying import check_keying  # loaded only by a store with a remote
+
+            check_keying(engine, config.remote, dict(config.remote_options), auth_keys, store_path=str(path))
     except BaseException as exc:
         # A refused store (format, settings, lock) is let go at once, so
         # e.g. `migrate` in this same process can take it.

@@ -1,0 +1,146 @@
+"""Whether a remote is keyed, recorded where a keyless node would meet it.
+
+A remote used with auth keys (:mod:`ucm_db.auth`) is recorded as *keyed*
+in two places: in every local store that opened it with keys (the
+checksummed info record ``remote-keyed:<remote id>``, :func:`remote_id`)
+and at the remote root (the object ``ROOT/auth.json``, :data:`MARKER_NAME`:
+``{"keyed": true, "key_ids": [...]}``, key ids only, never keys). A keyless
+open of a store whose record says keyed, or of a remote whose root holds
+the marker, is refused with a :class:`~ucm_db.errors.ConfigError` naming
+the fix. Without a key such a node would take unsigned (possibly planted)
+objects into its local tier, which every reader trusts, so the keyed node
+sharing the store would serve a forgery (issue 46 finding 3); and its puts
+would rewrite the fleet's signed objects unsigned, which keyed readers then
+miss for good (finding 4).
+
+Invariants:
+    * A keyed open records the store first (before anything is fetched),
+      then writes the marker where it is missing (a whole-object write).
+      A keyless open writes neither.
+    * A damaged local record reads as keyed: the safe side.
+    * The marker guards against mistakes, not an attacker: whoever can
+      write the bucket can delete it. What protects a keyed node's reads is
+      the MAC; what keeps a keyless node from undermining it is this check.
+    * Reaching the remote at open is bounded by :data:`MARKER_WAIT_S`: a
+      remote that does not answer in time (or fails) is logged once and the
+      open goes on; the local record still refuses a keyless open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from typing import Any
+
+from ucm_db.auth import AuthKeys, key_id
+from ucm_db.engines.base import Engine, Txn
+from ucm_db.errors import ConfigError
+from ucm_db.index import records
+from ucm_db.remote.manifests import KEYED_MARKER_NAME as MARKER_NAME
+
+logger = logging.getLogger("ucm_db.remote")
+
+#: Info record name prefix; the remote's 16-byte id follows.
+RECORD_PREFIX = b"remote-keyed:"
+#: Longest wait at open for the marker's read (and write).
+MARKER_WAIT_S = 10.0
+_MAX_MARKER_BYTES = 1 << 16
+
+
+def remote_id(url: str) -> bytes:
+    """16 bytes naming a remote URL (trailing slashes ignored)."""
+    return hashlib.blake2b(url.rstrip("/").encode(), digest_size=16).digest()
+
+
+def recorded_keyed(txn: Txn, url: str) -> bool:
+    """Whether this store recorded ``url`` as keyed (a damaged record counts)."""
+    try:
+        return records.get_checked(txn, RECORD_PREFIX + remote_id(url)) is not None
+    except records.DamagedRecord:
+        return True
+
+
+def record_keyed(txn: Txn, url: str, auth: AuthKeys) -> None:
+    """Records ``url`` as keyed in this store (key ids only)."""
+    value = json.dumps({"remote": url.rstrip("/"), "key_ids": [key_id(k).hex() for k in auth.keys]}, sort_keys=True)
+    records.put_checked(txn, RECORD_PREFIX + remote_id(url), value.encode())
+
+
+def check_keying(engine: Engine, url: str, options: dict[str, Any], auth: AuthKeys | None, *, store_path: str) -> None:
+    """Refuses a keyless open of a keyed remote, or records a keyed one
+    (module invariants). Called at open, before the remote wing exists."""
+    if auth is not None:
+        engine.write(lambda txn: None if recorded_keyed(txn, url) else record_keyed(txn, url, auth))
+        _bounded(lambda: _ensure_marker(url, options, auth), url)
+        return
+    if engine.read(lambda txn: recorded_keyed(txn, url)):
+        raise ConfigError(
+            f"the store at {store_path} used the remote {url.rstrip('/')} with an auth key; opening it without one "
+            "would take unsigned objects into the local tier, which every reader of this store trusts",
+            hint="pass the same remote_auth_key_file / remote_auth_key_env (ucm-db: --auth-key-file / --auth-key-env), "
+            "or open the store without the remote",
+        )
+    if _bounded(lambda: _marker(url, options), url):
+        raise ConfigError(
+            f"the remote {url.rstrip('/')} is keyed (its {MARKER_NAME} says so): a node without the key would take "
+            "unsigned objects into its local tier and rewrite the fleet's signed objects unsigned",
+            hint="pass the fleet's key (remote_auth_key_file / remote_auth_key_env; ucm-db: --auth-key-file / "
+            "--auth-key-env), or use another remote",
+        )
+
+
+def _root(url: str, options: dict[str, Any]) -> Any:
+    from ucm_db.remote.tier import RemoteRoot  # fsspec only where a remote is used
+
+    return RemoteRoot.from_url(url, dict(options))
+
+
+def _marker(url: str, options: dict[str, Any]) -> bool:
+    root = _root(url, options)
+    path = f"{root.root}/{MARKER_NAME}"
+    try:
+        info = root.fs.info(path)
+    except FileNotFoundError:
+        return False
+    if int(info.get("size") or 0) > _MAX_MARKER_BYTES:
+        return True  # not ours to parse; whoever put it meant "keyed"
+    try:
+        return bool(json.loads(root.fs.cat_file(path)).get("keyed", True))
+    except (ValueError, AttributeError):
+        return True  # damaged: the safe side
+
+
+def _ensure_marker(url: str, options: dict[str, Any], auth: AuthKeys) -> bool:
+    from ucm_db.remote.files import write_whole
+
+    if _marker(url, options):
+        return True
+    root = _root(url, options)
+    body = json.dumps({"keyed": True, "key_ids": [key_id(k).hex() for k in auth.keys]}, sort_keys=True).encode()
+    write_whole(root.fs, f"{root.root}/{MARKER_NAME}", body)
+    return True
+
+
+def _bounded(step: Any, url: str) -> bool:
+    """``step()`` on a daemon thread, waited for at most
+    :data:`MARKER_WAIT_S`; False (logged) when it fails or does not finish."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(bool(step()))
+        except Exception as exc:  # noqa: BLE001 - any remote failure: logged, the open goes on
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="ucm-db-remote-keying", daemon=True)
+    thread.start()
+    thread.join(MARKER_WAIT_S)
+    if not outcome:
+        logger.warning("remote %s: no answer about its %s within %.0f s; going on", url, MARKER_NAME, MARKER_WAIT_S)
+        return False
+    if isinstance(outcome[0], Exception):
+        logger.warning("remote %s: cannot read or write its %s (%s); going on", url, MARKER_NAME, outcome[0])
+        return False
+    return bool(outcome[0])
