@@ -238,3 +238,15 @@ def test_an_empty_path_argument_is_a_usage_error_and_creates_nothing(tmp_path: P
     result = invoke(*args, expect=2)
     assert "empty path" in result.stderr, result.stderr
     assert list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_path_with_a_name_too_long_is_a_usage_error_without_a_traceback(tmp_path: Path, command: str) -> None:
+    """Issue 46 finding 11: the checking child printed its traceback (and
+    the 5000-byte name twice) before the error."""
+    path = tmp_path / ("a" * 5000)
+    result = subprocess.run([sys.executable, "-m", "ucm_db.tools.cli", command, str(path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "name of 5000 bytes" in result.stderr
+    assert len(result.stderr) < 1000, "the name is not echoed in full"

@@ -42,8 +42,13 @@ def run_isolated(fn: Callable[[], dict[str, Any]], path: str | Path) -> dict[str
 
     ``path`` names the store in the error of a child killed by a signal.
     Call from a process with no other threads doing work (the CLI): only the
-    calling thread exists in the child.
+    calling thread exists in the child. A path that cannot be a store (a
+    name too long for the file system, ...) is a ConfigError before any
+    child runs.
     """
+    from ucm_db.store.path import store_path
+
+    store_path(path)
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
