@@ -35,6 +35,7 @@ from typing import Any
 
 import click
 
+from ucm_db.tools.bench.cpu_dtype import DTYPES, DtypeChoice, fast_dtype
 from ucm_db.tools.bench.engine_pass import BLOCK_SIZE, build_model, demo_dir, run_pass_in_new_process
 
 #: The gap in log-probability under which two first tokens are a near-tie
@@ -135,11 +136,13 @@ def store_problem(path: Path) -> str | None:
     return None
 
 
-def run_demo(store: Path, explicit_store: bool, prompts: list[list[int]]) -> int:
+def run_demo(store: Path, explicit_store: bool, prompts: list[list[int]], dtype: DtypeChoice | None = None) -> int:
     """The three passes and the report; returns the exit status."""
+    dtype = dtype or fast_dtype()
+    click.echo(f"model dtype {dtype.reason}")
     model = build_model(demo_dir() / "model")
     connector = {"path": str(store)} if explicit_store else {}
-    spec = {"model": str(model), "prompts": prompts, "reserved_cpus": RESERVED_CPUS}
+    spec = {"model": str(model), "prompts": prompts, "reserved_cpus": RESERVED_CPUS, "dtype": dtype.dtype}
     with tempfile.TemporaryDirectory(prefix="ucm-db-demo-") as tmp:
         work = Path(tmp)
         click.echo("pass 1: starting a vLLM engine (CPU) with ucm-db (40-60 s on 2 cores) ...")
@@ -165,7 +168,9 @@ def run_demo(store: Path, explicit_store: bool, prompts: list[list[int]]) -> int
 @click.option("--prefix-tokens", type=click.IntRange(min=BLOCK_SIZE), default=1536, show_default=True, help="shared prefix per group")
 @click.option("--suffix-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="distinct tail per prompt")
 @click.option("--seed", type=int, default=None, help="prompt seed (default: new each run)")
-def main(store: Path | None, count: int, prefix_tokens: int, suffix_tokens: int, seed: int | None) -> None:
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="model dtype (default: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32)")
+def main(store: Path | None, count: int, prefix_tokens: int, suffix_tokens: int, seed: int | None, dtype: str | None) -> None:
     """A vLLM engine on CPU restarted with ucm-db, against one restarted without it.
 
     \b
@@ -183,7 +188,7 @@ def main(store: Path | None, count: int, prefix_tokens: int, suffix_tokens: int,
     if problem:
         click.echo(f"ucm-db demo: cannot use the store at {path}: {problem}", err=True)
         sys.exit(2)
-    sys.exit(run_demo(path, store is not None, make_prompts(seed, count, prefix_tokens, suffix_tokens)))
+    sys.exit(run_demo(path, store is not None, make_prompts(seed, count, prefix_tokens, suffix_tokens), fast_dtype(dtype)))
 
 
 if __name__ == "__main__":

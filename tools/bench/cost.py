@@ -57,6 +57,7 @@ from typing import Any
 
 import click
 
+from ucm_db.tools.bench.cpu_dtype import fast_dtype
 from ucm_db.tools.bench.engine_pass import build_model, demo_dir
 from ucm_db.tools.bench.engine_process import run_in_new_process
 
@@ -123,7 +124,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
 
     register()
     kwargs: dict[str, Any] = dict(
-        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK_SIZE,
+        model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype") or fast_dtype().dtype, block_size=BLOCK_SIZE,
         max_model_len=spec["max_model_len"], max_num_seqs=2, seed=0, enable_prefix_caching=True,
     )
     link = None

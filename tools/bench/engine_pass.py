@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ucm_db.tools.bench.cpu_dtype import fast_dtype
 from ucm_db.tools.bench.engine_process import run_in_new_process
 
 BLOCK_SIZE = 32
@@ -58,7 +59,8 @@ def build_model(out_dir: Path, *, layers: int = 6, hidden: int = 768, seed: int 
 
 
 def run_pass(spec: dict[str, Any]) -> dict[str, Any]:
-    """Starts one engine, sends ``spec['prompts']`` one by one (max_tokens=1). Runs in the child."""
+    """Starts one engine, sends ``spec['prompts']`` one by one (max_tokens=1). Runs in the child.
+    ``spec['dtype']``: the model dtype (default: the one this CPU runs fast, :mod:`cpu_dtype`)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if spec.get("reserved_cpus") is not None:
@@ -67,7 +69,7 @@ def run_pass(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = dict(
-        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK_SIZE,
+        model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype") or fast_dtype().dtype, block_size=BLOCK_SIZE,
         max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, seed=0,
         enable_prefix_caching=spec.get("prefix_caching", True),
     )

@@ -47,6 +47,7 @@ from typing import Any
 
 import click
 
+from ucm_db.tools.bench.cpu_dtype import fast_dtype
 from ucm_db.tools.bench.pd_engine import BLOCK_SIZE, start_job
 from ucm_db.tools.bench.serve_model import VOCAB_SIZE, build_serve_model
 
@@ -115,7 +116,7 @@ def _run_jobs(specs: list[tuple[str, dict[str, Any]]], work: Path, progress: Any
 def run_offline(options: PdOptions, model: Path, prompts: list[list[int]], work: Path, progress: Any) -> dict[str, Any]:
     """Producer then consumer on one store; then a producer publishing to a ``file://`` remote."""
     common = {"model": str(model), "prompts": prompts, "max_tokens": 1, "max_model_len": options.max_model_len,
-              "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(RESERVED_CPUS)}}
+              "dtype": fast_dtype().dtype, "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(RESERVED_CPUS)}}
     codec = {"codec": options.codec} if options.codec else {}
     local = {"path": str(work / "store"), **codec}
     jobs = [
@@ -145,7 +146,8 @@ def summarise(options: PdOptions, offline: dict[str, Any], serving: dict[str, An
     expected = expected_hit_tokens(options.tokens)
     report: dict[str, Any] = {
         "prompts": options.prompts, "prompt_tokens": options.tokens, "block_size": BLOCK_SIZE,
-        "model": f"llama {options.layers} layers x 768 hidden, bf16, random weights",
+        "model": f"llama {options.layers} layers x 768 hidden, {fast_dtype().dtype}, random weights",
+        "dtype": fast_dtype().reason,
         "codec": options.codec or "store default", "load_avg_offline": offline["load_avg"],
         "consumer": {
             "ttft_ms": _ms(used["latency_s"]), "recompute_ttft_ms": _ms(used["recompute_latency_s"]),

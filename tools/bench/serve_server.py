@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ucm_db.tools.bench.cpu_dtype import fast_dtype
+
 BLOCK_SIZE = 32
 #: 1 is vLLM's own layout here without a connector: one core for the model,
 #: one for the engine core (see the module invariants).
@@ -67,11 +69,12 @@ class ServerSpec:
     enforce_eager: bool = False
     env: dict[str, str] = field(default_factory=dict)
     role: str = "kv_both"
+    dtype: str = field(default_factory=lambda: fast_dtype().dtype)  # the dtype this CPU serves fast (cpu_dtype.py)
 
     def argv(self, port: int) -> list[str]:
         args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-            "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--block-size", str(BLOCK_SIZE),
+            "--served-model-name", SERVED_NAME, "--dtype", self.dtype, "--block-size", str(BLOCK_SIZE),
             "--max-model-len", str(self.max_model_len), "--max-num-seqs", "8", "--seed", "0",
             "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         ]
