@@ -28,8 +28,10 @@ Invariants:
       other units of a block leave with it or, evicted apart, make the
       block a miss that the events do not show.
     * With nothing new, :meth:`FeedEvents.take` costs one read transaction
-      reading one record; an inventory replay never holds a step longer than
-      :data:`_REPLAY_WAIT_S` (it is read in a thread; the feed after it).
+      reading the feed's head; an inventory replay never holds a step longer
+      than :data:`_REPLAY_WAIT_S` (it is read in a thread; the feed after it).
+    * A step resyncs at most once: a feed that says resync again right
+      after the inventory (a damaged head, issue 46) is read again next step.
     * Only blocks of the namespace epoch the engine serves are reported
       (:mod:`ucm_db.store.epochs`): after ``reset_cache`` or ``ucm-db
       invalidate`` the next step says ``AllBlocksCleared`` and reports only
@@ -123,9 +125,15 @@ class FeedEvents:
         if self._replaying is not None and not self._finish_replay(events):
             return events
         assert self._seq is not None
+        resynced = False
         while True:
             batch = self._store.changes_since(self._seq, _FEED_BATCH, namespace=self._namespace)
             if batch.resync:
+                if resynced:
+                    # The feed refused the inventory's own seq (issue 46: a damaged head
+                    # made this loop for ever): one resync per step, the next step tries again.
+                    return events
+                resynced = True
                 events.append(AllBlocksCleared())
                 self._start_replay(epoch)
                 if not self._finish_replay(events):

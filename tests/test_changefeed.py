@@ -4,9 +4,11 @@ bounded, with a resync signal and an inventory replay."""
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 
 import ucm_db
 from ucm_db import BlockEventFields, ChangeRecord, ConfigError, Namespace, maintenance
+from ucm_db.index import changefeed
 
 NS = Namespace(model="feed", kv_dtype="bfloat16", block_size=4)
 OTHER = Namespace(model="feed-other", kv_dtype="bfloat16", block_size=4)
@@ -255,3 +258,122 @@ def test_malformed_feed_and_fields_records_are_skipped_not_raised(tmp_path: Path
         assert {r.key for r in store.event_inventory().records} == {keys[0], keys[2]}
         assert [r.seq for r in store.changes_since(0).records] == [2]
     assert len(list(maintenance.iter_events(tmp_path / "s", since_seq=0))) == 1  # the CLI's reader too
+
+
+# -- issue 46, finding 2: a damaged feed head ----------------------------------
+_HEAD = b"feed-head"
+_HEAD_SUM = b"sum:feed-head"
+
+
+def _evented_put(store: ucm_db.Store, first_token: int, blocks: int) -> list[bytes]:
+    tokens = list(range(first_token, first_token + 4 * blocks))
+    keys = NS.block_keys(tokens)
+    store.put(NS, keys, [b"e" * 64] * blocks, event_fields=fields_for(keys, tokens))
+    return keys
+
+
+def _damage_head(store: ucm_db.Store, *, next_seq: int | None = None, first_seq: int | None = None,
+                 legacy: bool = False) -> None:
+    """Rewrites the head's fields below the Store, through the engine's own
+    transaction (a flipped bit: its checksum sidecar, if any, is left as it
+    was); ``legacy``: without a sidecar, as code before checksums left it."""
+    def run(txn) -> None:  # type: ignore[no-untyped-def]
+        old_next, old_first = struct.unpack("<QQ", bytes(txn.get("info", _HEAD)))
+        txn.put("info", _HEAD, struct.pack("<QQ", old_next if next_seq is None else next_seq,
+                                           old_first if first_seq is None else first_seq))
+        if legacy:
+            txn.delete("info", _HEAD_SUM)
+    store._tier.engine.write(run)
+
+
+_PUT_IN_ANOTHER_PROCESS = textwrap.dedent("""
+    import sys, ucm_db
+    from ucm_db import BlockEventFields, Namespace
+    ns = Namespace(model="feed", kv_dtype="bfloat16", block_size=4)
+    tokens = [9000 + i for i in range(8)]
+    keys = ns.block_keys(tokens)
+    fields = {k: BlockEventFields(b"v" + k[:15], None, tuple(tokens[4 * i:4 * i + 4]), 4) for i, k in enumerate(keys)}
+    with ucm_db.open(sys.argv[1]) as store:
+        store.put(ns, keys, [b"o" * 64] * 2, event_fields=fields)
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("legacy", [False, True], ids=["checksummed", "legacy"])
+def test_a_high_bit_in_next_seq_never_wedges_a_writer(tmp_path: Path, legacy: bool) -> None:
+    """next_seq with its high bit set made the trim loop run 2**63 times
+    inside the put's write transaction: the put never returned and held
+    the write lock (another process's put timed out too). Now a damaged
+    head is rebuilt from the records the feed holds, in the put itself."""
+    path = tmp_path / "s"
+    with ucm_db.open(path, capacity_bytes=1 << 30, codec="none") as store:
+        _evented_put(store, 0, 3)
+        view = FeedView(store)
+        assert view.seq == 3
+        _damage_head(store, next_seq=3 | (1 << 63), legacy=legacy)
+    # Another process's put returns within seconds (the lock is not held).
+    subprocess.run([sys.executable, "-c", _PUT_IN_ANOTHER_PROCESS, str(path)], check=True, timeout=60)
+    with ucm_db.open(path, capacity_bytes=1 << 30, codec="none") as store:
+        started = time.monotonic()
+        _evented_put(store, 500, 2)
+        assert time.monotonic() - started < 5
+        # The head continues after the last record the feed held: nothing handed out is reused.
+        assert store.feed_position() == 7
+        view.store = store
+        view.catch_up()  # the reader was caught up: it reads on without a resync
+        assert view.resyncs == 0 and view.hashes == stored_hashes(store)
+    assert not maintenance.verify(path).problems
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("legacy", [False, True], ids=["checksummed", "legacy"])
+def test_first_seq_above_next_seq_resyncs_a_reader_once(tmp_path: Path, legacy: bool) -> None:
+    """first_seq > next_seq made every read a resync, and the inventory's
+    own seq another: FeedEvents.take() (each scheduler step) looped for
+    ever. Now a reader behind resyncs once; one at the end reads on."""
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30, codec="none") as store:
+        _evented_put(store, 0, 3)
+        behind, caught_up = FeedView(store), FeedView(store)
+        behind.seq = 1
+        _damage_head(store, first_seq=3 + 5, legacy=legacy)
+        behind.catch_up()
+        caught_up.catch_up()
+        assert (behind.resyncs, caught_up.resyncs) == (1, 0)
+        assert behind.hashes == caught_up.hashes == stored_hashes(store)
+    assert len(list(maintenance.iter_events(tmp_path / "s", since_seq=0))) == 4  # cleared + 3 blocks, then it ends
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30, codec="none") as store:
+        behind.store = caught_up.store = store
+        _evented_put(store, 100, 2)  # the next evented write re-establishes a sound head
+        assert store._tier.engine.read(lambda txn: changefeed.head_problem(txn)) is None
+        for view in (behind, caught_up):
+            view.catch_up()
+            assert view.hashes == stored_hashes(store) and len(view.hashes) == 5
+        assert (behind.resyncs, caught_up.resyncs) == (1, 0)
+
+
+def test_a_legacy_head_is_used_as_it_is_and_sealed_by_the_next_write(tmp_path: Path) -> None:
+    """Stores of older code have a head without checksum: it is trusted
+    while it is sound, and the next evented write seals it."""
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30, codec="none") as store:
+        _evented_put(store, 0, 3)
+        view = FeedView(store)
+        _damage_head(store, legacy=True)  # the same head, no sidecar
+        assert store._tier.info_get(_HEAD_SUM) is None
+        _evented_put(store, 100, 1)
+        view.catch_up()
+        assert view.resyncs == 0 and len(view.hashes) == 4 and store.feed_position() == 4
+        assert store._tier.info_get(_HEAD_SUM) is not None
+        assert store._tier.engine.read(lambda txn: changefeed.head_problem(txn)) is None
+    assert not maintenance.verify(tmp_path / "s").problems
+
+
+def test_the_inventory_never_announces_a_block_that_is_not_stored(tmp_path: Path) -> None:
+    """Finding 8: an event fields record left for a block that is not
+    stored (a damaged page, a torn removal) made the inventory announce a
+    phantom BlockStored."""
+    with ucm_db.open(tmp_path / "s", capacity_bytes=1 << 30, codec="none") as store:
+        keys = _evented_put(store, 0, 2)
+        phantom = bytes(32 - len(b"ghost")) + b"ghost"
+        store._tier.info_put(b"evf/" + phantom, store._tier.info_get(b"evf/" + keys[1]) or b"")
+        assert {r.key for r in store.event_inventory().records} == set(keys)
+    assert {e["key"] for e in maintenance.iter_events(tmp_path / "s")} == {k.hex() for k in keys}

@@ -26,6 +26,8 @@ def render(r: dict[str, Any]) -> str:
         lines.append("run again with --fix to quarantine them (they are served as misses meanwhile)")
     if r["totals_recomputed"]:
         lines.append("recomputed the store's totals from the block metadata")
+    if r["feed_repaired"]:
+        lines.append("repaired the change feed (event followers resync once)")
     return "\n".join(lines)
 
 
@@ -33,7 +35,8 @@ def render(r: dict[str, Any]) -> str:
 @click.argument("path", type=CliPath())
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="Check N blocks chosen at random instead of all.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed of --sample.")
-@click.option("--fix", is_flag=True, help="Quarantine the corrupt blocks found and recompute wrong totals (writes to the store).")
+@click.option("--fix", is_flag=True,
+              help="Quarantine the corrupt blocks found, recompute wrong totals and repair the change feed (writes to the store).")
 @json_option
 def verify_command(path: Path, sample: int | None, seed: int, fix: bool, as_json: bool) -> None:
     """Decode and checksum every block (or a --sample) and report corrupt

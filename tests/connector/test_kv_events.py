@@ -228,3 +228,42 @@ def test_two_writer_processes_over_1000_operations_no_divergence(tmp_path: Path)
         assert store.stats().evictions > 100
         held = {maybe_convert_block_hash(BlockHash(h)) for h in stored_hashes(store).values()}
     assert len(held) > 10 and set(view.blocks) == held
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_feed_head_resyncs_take_once(tmp_path: Path) -> None:
+    """Issue 46 finding 2: with first_seq > next_seq in the feed's head every
+    read said resync and take() (each scheduler step) looped resync ->
+    inventory -> resync, growing its list. Now a reader behind resyncs once,
+    the next step has nothing new, and the next save re-establishes the head."""
+    import struct
+
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    sched, worker, events = _engine(settings)
+    view = Subscriber()
+    _save(sched, worker, _hashed_request("a", list(range(1, 2 * BS + 2))), [1, 2, 3])
+    late = FeedEvents(sched.store, namespace(_shape()))
+    view.apply(events.take())
+    late._seq = 0  # a reader that fell behind: its next read starts at the first record
+    late._epoch = 0
+
+    def damage(txn) -> None:  # type: ignore[no-untyped-def]
+        next_seq, _ = struct.unpack("<QQ", bytes(txn.get("info", b"feed-head")))
+        txn.put("info", b"feed-head", struct.pack("<QQ", next_seq, next_seq + 5))
+    sched.store._tier.engine.write(damage)
+
+    assert events.take() == []  # caught up: nothing new, no resync
+    taken = late.take()
+    for _ in range(100):  # the inventory is read in a thread: a step waits for it 50 ms at most
+        if len(taken) >= 3:
+            break
+        taken += late.take()
+    assert isinstance(taken[0], AllBlocksCleared) and [type(e) for e in taken[1:]] == [BlockStored] * 2
+    assert late.take() == []
+    _save(sched, worker, _hashed_request("b", [7] * (BS + 1)), [4, 5])
+    for reader in (events, late):
+        new = reader.take()
+        assert [type(e) for e in new] == [BlockStored]
+    view.apply(new)
+    worker.shutdown()
+    sched.shutdown()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import ucm_db
 from ucm_db import BlockEventFields, maintenance
 
@@ -131,3 +133,33 @@ def test_a_follower_checks_the_pages_once_not_every_poll(tmp_path: Path, monkeyp
         checks.clear()
         seen = list(maintenance.iter_events(path, since_seq=since, follow=True, poll_interval_s=0.001, max_polls=5))
         assert len(seen) == 3 and len(checks) == 1, (since, len(checks))
+
+
+def _damage_head(path: Path, next_seq: int | None, first_seq: int | None) -> None:
+    """Rewrites the change feed head's fields through the engine's own
+    transaction (its checksum sidecar, if any, left as it was)."""
+    import struct
+
+    with ucm_db.open(path) as store:
+        def run(txn) -> None:  # type: ignore[no-untyped-def]
+            old_next, old_first = struct.unpack("<QQ", bytes(txn.get("info", b"feed-head")))
+            txn.put("info", b"feed-head", struct.pack("<QQ", old_next if next_seq is None else next_seq,
+                                                      old_first if first_seq is None else first_seq))
+        store._tier.engine.write(run)
+
+
+@pytest.mark.parametrize("damage", [(1 << 63 | 5, None), (None, 9)], ids=["high-bit-next", "first-above-next"])
+def test_events_since_0_ends_on_a_damaged_feed_head(tmp_path: Path, damage: tuple[int | None, int | None]) -> None:
+    """Issue 46 finding 2: `ucm-db events --since 0` ran for ever on a head
+    with a high bit in next_seq (2**63 empty reads) or first_seq > next_seq
+    (resync, inventory, resync ...). It says AllBlocksCleared once, the
+    inventory, and ends."""
+    path = tmp_path / "s"
+    with ucm_db.open(path, capacity_bytes=1 << 30) as store:
+        put_evented(store, NS_A, 0, 3)
+        put_evented(store, NS_A, 0, 2)  # already stored: no records
+    _damage_head(path, *damage)
+    exe = Path(sys.executable).parent / "ucm-db"
+    done = subprocess.run([str(exe), "events", str(path), "--since", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [e["type"] for e in lines(done.stdout)] == ["AllBlocksCleared"] + ["BlockStored"] * 3

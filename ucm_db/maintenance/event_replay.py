@@ -11,7 +11,10 @@ Invariants:
     * The inventory and the seq the feed is followed from come from the same
       snapshot: nothing is missed or told twice between them.
     * A follower that falls behind the feed's bound gets an
-      ``AllBlocksCleared`` event, then the inventory again.
+      ``AllBlocksCleared`` event, then the inventory again: at most once
+      between two polls (a feed that says resync again right after the
+      inventory, a damaged head, is read again at the next poll; without
+      ``follow`` the replay ends there).
     * Only blocks of each namespace's current epoch are told (older ones are
       never served, :mod:`ucm_db.store.epochs`); when an epoch moves on (``ucm-db
       invalidate``, an engine's ``reset_cache``) a follower gets
@@ -95,21 +98,28 @@ def _iterate(
         seq = since_seq
     polls = 0
     unchecked = since_seq is not None  # the reader's first read checks the pages, once
+    resynced = False  # a resync since the last poll or record read
     while True:
         records, next_seq, resync = _read(
             path, namespaces, lambda txn, wanted: changefeed.since_raw(txn, seq, FOLLOW_BATCH_RECORDS, wanted), check_pages=unchecked)
         unchecked = False
         if resync or current.moved():
-            yield cleared
-            current = _Epochs(path)
-            records, seq = _read(path, namespaces, lambda txn, wanted: changefeed.inventory_raw(txn, wanted))
+            if not resynced:
+                resynced = True
+                yield cleared
+                current = _Epochs(path)
+                records, seq = _read(path, namespaces, lambda txn, wanted: changefeed.inventory_raw(txn, wanted))
+                yield from told(records)
+                continue
+            # else the feed refused the inventory's own seq (issue 46: a damaged head
+            # made this loop for ever): counted as a poll, resynced after it.
+        else:
             yield from told(records)
-            continue
-        yield from told(records)
-        if next_seq != seq:
-            seq = next_seq
-            continue
+            if next_seq != seq:
+                seq, resynced = next_seq, False
+                continue
         polls += 1
+        resynced = False
         if not follow or (max_polls is not None and polls >= max_polls):
             return
         time.sleep(poll_interval_s)

@@ -11,7 +11,10 @@ from their parent's (damaged metadata: lookup would claim them), re-adds
 missing LRU entries and child links, and recomputes the totals when they
 disagree with the metadata (a damaged record's sizes are never summed:
 :meth:`~ucm_db.index.entries.BlockMeta.unpack` refuses sizes no block can
-have).
+have). The full check also checks the change feed (issue 46: a damaged
+head, malformed records, records and event fields of blocks not stored,
+:func:`~ucm_db.index.feed_audit.problems`); repair rebuilds its head and
+drops those records (:func:`~ucm_db.index.feed_audit.repair`).
 
 Invariants:
     * :func:`verify_view` only reads; :func:`repair` writes through a
@@ -31,7 +34,7 @@ from ucm_db.errors import CorruptBlockError
 from ucm_db.format import format_record_problems
 from ucm_db.maintenance.inspection import chain_roots
 from ucm_db.store.view import ProgressFn, StoreView
-from ucm_db.index import damage
+from ucm_db.index import damage, feed_audit
 from ucm_db.index.entries import BlockMeta, body_of
 
 #: Blocks checked per read transaction (keeps LMDB read snapshots short).
@@ -47,6 +50,8 @@ NAMESPACE_ALTERED = "namespace id differs from its parent's (altered metadata)"
 _METADATA_REASONS = (PARENT_CYCLE, PARENT_MISSING, NAMESPACE_ALTERED)
 #: Index problems :func:`~ucm_db.index.damage.restore_links` repairs.
 _LINK_PROBLEMS = (": no LRU entry", ": child link from its parent missing")
+#: How the change feed's problems start (:func:`~ucm_db.index.feed_audit.problems`).
+_FEED_PROBLEM = "change feed: "
 
 
 @dataclass
@@ -59,6 +64,7 @@ class VerifyReport:
     index_problems: list[str] = field(default_factory=list)
     quarantined_blocks: int = 0
     totals_recomputed: bool = False
+    feed_repaired: bool = False
 
     @property
     def problems(self) -> bool:
@@ -68,14 +74,15 @@ class VerifyReport:
     def from_dict(cls, data: dict[str, Any]) -> VerifyReport:
         """The inverse of :meth:`to_dict`."""
         return cls(int(data["checked"]), int(data["raw_bytes"]), {bytes.fromhex(c["key"]): c["reason"] for c in data["corrupt"]},
-                   list(data["index_problems"]), int(data["quarantined_blocks"]), bool(data["totals_recomputed"]))
+                   list(data["index_problems"]), int(data["quarantined_blocks"]), bool(data["totals_recomputed"]),
+                   bool(data["feed_repaired"]))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "checked": self.checked, "raw_bytes": self.raw_bytes,
             "corrupt": [{"key": k.hex(), "reason": r} for k, r in sorted(self.corrupt.items())],
             "index_problems": self.index_problems, "quarantined_blocks": self.quarantined_blocks,
-            "totals_recomputed": self.totals_recomputed,
+            "totals_recomputed": self.totals_recomputed, "feed_repaired": self.feed_repaired,
         }
 
 
@@ -119,6 +126,7 @@ def verify_view(view: StoreView, *, sample: int | None = None, seed: int = 0, pr
             progress(start + len(chunk), len(keys))
     if sample is None:
         report.index_problems += format_record_problems(view.tier.engine) + view.tier.check()
+        report.index_problems += view.tier.engine.read(feed_audit.problems)
         metas = view.tier.scan_metas()
         _, cyclic = chain_roots(metas)
         for key in sorted(cyclic):
@@ -153,15 +161,20 @@ def counters_damaged(problems: list[str]) -> bool:
                for p in problems)
 
 
+def feed_damaged(problems: list[str]) -> bool:
+    """Whether the check found problems of the change feed."""
+    return any(p.startswith(_FEED_PROBLEM) for p in problems)
+
+
 def links_missing(problems: list[str]) -> bool:
     """Whether the index check found blocks without their LRU entry or child link."""
     return any(p.endswith(_LINK_PROBLEMS) for p in problems)
 
 
 def repair(path: Path, report: VerifyReport) -> VerifyReport:
-    """Quarantines the corrupt blocks of ``report`` and recounts damaged or
-    disagreeing totals, through a Store opened on ``path``; fills in what
-    was done."""
+    """Quarantines the corrupt blocks of ``report``, recounts damaged or
+    disagreeing totals and repairs the change feed, through a Store opened
+    on ``path``; fills in what was done."""
     from ucm_db.store import open as open_store
 
     with open_store(path) as store:
@@ -178,6 +191,9 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
         if counters_damaged(report.index_problems):
             tier.recompute_totals()
             report.totals_recomputed = True
+        if feed_damaged(report.index_problems):
+            # After the quarantines: their removals are logged before the feed is judged again.
+            report.feed_repaired = tier.engine.write(lambda txn: feed_audit.repair(txn, tier.feed_max_records)) > 0
     return report
 
 
