@@ -11,6 +11,8 @@ Invariants:
 
 from __future__ import annotations
 
+import math
+
 import json
 import sys
 from collections.abc import Callable
@@ -38,6 +40,19 @@ class CliPath(click.Path):
         if isinstance(value, str) and not value:
             self.fail("an empty path names nothing (it would be read as '.'); pass '.' for the current directory", param, ctx)
         return super().convert(value, param, ctx)
+
+
+class SecondsRange(click.FloatRange):
+    """A finite number of seconds in a range: nan and inf are refused (a
+    FloatRange lets nan through, and ``time.sleep(inf)`` raises)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return seconds
 
 
 def _remember_json(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:

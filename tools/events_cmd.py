@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ucm_db import maintenance
-from ucm_db.tools.cli_common import CliPath
+from ucm_db.tools.cli_common import CliPath, SecondsRange
 
 #: Lines written at once (one write per line costs a replay of 100k blocks ~0.5 s).
 _LINES_PER_WRITE = 4096
@@ -26,7 +26,7 @@ _LINES_PER_WRITE = 4096
 @click.option("--since", "since_seq", type=click.IntRange(min=0), default=None,
               help="Print the change feed from this seq on, without the inventory first.")
 @click.option("--follow", is_flag=True, help="Keep printing new events as they are committed (Ctrl-C stops).")
-@click.option("--poll-interval", "poll_interval_s", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
+@click.option("--poll-interval", "poll_interval_s", type=SecondsRange(min=0.01, max=3600), default=0.5, show_default=True,
               help="Seconds between feed reads under --follow.")
 def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | None, follow: bool, poll_interval_s: float) -> None:
     """Print the store's KV cache events as JSON lines: a BlockStored line

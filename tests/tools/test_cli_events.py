@@ -163,3 +163,15 @@ def test_events_since_0_ends_on_a_damaged_feed_head(tmp_path: Path, damage: tupl
     done = subprocess.run([str(exe), "events", str(path), "--since", "0"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert [e["type"] for e in lines(done.stdout)] == ["AllBlocksCleared"] + ["BlockStored"] * 3
+
+
+@pytest.mark.parametrize("interval", ["nan", "inf", "-1", "1e9"])
+def test_a_poll_interval_that_is_no_finite_number_of_seconds_is_a_usage_error(tmp_path: Path, interval: str) -> None:
+    """Issue 46 finding 11: ``--poll-interval nan|inf`` ended in a traceback."""
+    from click.testing import CliRunner
+
+    from ucm_db.tools.cli import cli
+
+    result = CliRunner().invoke(cli, ["events", str(tmp_path / "s"), "--follow", "--poll-interval", interval])
+    assert result.exit_code == 2 and result.exception is None or isinstance(result.exception, SystemExit), result.output
+    assert "poll-interval" in result.output and "Traceback" not in result.output
