@@ -11,9 +11,8 @@ Invariants:
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
