@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucm_db.errors import ConfigError
+from ucm_db.buffers import Buffer
 
-Buffer = bytes | bytearray | memoryview
 
 MIN_KEY_BYTES = 32
 #: The longest key accepted (HMAC-SHA256 hashes longer keys first: no gain).

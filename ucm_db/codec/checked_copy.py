@@ -23,12 +23,12 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
+
+from ucm_db.buffers import Buffer
 from ucm_db.codec import native
 from ucm_db.errors import ConfigError, CorruptBlockError
 
-Buffer = Union[bytes, bytearray, memoryview]
 #: Bytes hashed, then copied, at a time: small enough to stay in L2 between
 #: the two (on a loaded 2-core host fused and two-pass copies of 64 KiB
 #: units measured alike, about 7 GB/s per CPU second; larger pieces than

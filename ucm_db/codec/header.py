@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Union
 
 import xxhash
 
+from ucm_db.buffers import Buffer
 from ucm_db.errors import CorruptBlockError
-
-Buffer = Union[bytes, bytearray, memoryview]
 
 MAGIC = b"UCMB"
 CODEC_FORMAT_VERSION = 1

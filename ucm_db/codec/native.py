@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Protocol, Union
 
 import numpy as np
+from ucm_db.buffers import Buffer
 
 
 def _load_extension() -> ModuleType | None:
@@ -40,8 +41,6 @@ def extension() -> ModuleType | None:
     """The compiled extension itself (None if it is not built), for the
     native-only paths that have no numpy fallback (:mod:`ucm_db.codec.batch_loads`)."""
     return _native
-
-Buffer = Union[bytes, bytearray, memoryview]
 
 
 def split_planes_py(src: Buffer, element_bytes: int) -> list[bytearray]:

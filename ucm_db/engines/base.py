@@ -24,9 +24,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, Union
+from typing import Protocol, TypeVar
 
-Buffer = Union[bytes, bytearray, memoryview]
+from ucm_db.buffers import Buffer
+
 T = TypeVar("T")
 
 #: Tables every local engine provides.

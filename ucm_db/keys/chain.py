@@ -23,9 +23,9 @@ import hashlib
 import sys
 from array import array
 from typing import Union
+from ucm_db.buffers import Buffer
 
 KEY_BYTES = 32
-Buffer = Union[bytes, bytearray, memoryview]
 #: Token ids: a list or tuple of ints, or a buffer of little-endian uint32.
 TokenSource = Union[list[int], tuple[int, ...], Buffer]
 
