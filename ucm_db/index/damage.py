@@ -42,17 +42,17 @@ from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index.entries import BlockMeta, DamagedMeta, body_of, lru_key
 
 
-
-class LocalTier(Protocol):
-    """What damage handling needs of :class:`ucm_db.index.local.LocalTier`
-    (a protocol: the index calls this module, never the reverse)."""
+class IndexForDamage(Protocol):
+    """What damage handling needs of :class:`ucm_db.index.local.LocalTier`,
+    public members only (a protocol: the index calls this module, never the
+    reverse)."""
 
     engine: Engine
     feed_max_records: int
 
     def totals(self) -> Totals: ...
 
-    def _remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int: ...
+    def remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int: ...
 
 logger = logging.getLogger("ucm_db")
 #: ``still_corrupt(head, body)``: re-checks a block inside the write transaction.
@@ -100,7 +100,7 @@ def detach(txn: Txn, changes: Changes, key: bytes, fields: BlockMeta | None, dam
     return 1
 
 
-def meta_or_clear(tier: LocalTier, txn: Txn, changes: Changes, key: bytes) -> BlockMeta | None:
+def meta_or_clear(tier: IndexForDamage, txn: Txn, changes: Changes, key: bytes) -> BlockMeta | None:
     """``key``'s metadata; a damaged record is quarantined (with the
     block's descendants) inside ``txn`` and reads as None."""
     data = txn.get("meta", key)
@@ -149,7 +149,7 @@ def refuse_stuck(txn: Txn, key: bytes) -> None:
         )
 
 
-def quarantine_in(tier: LocalTier, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool) -> bool:
+def quarantine_in(tier: IndexForDamage, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool) -> bool:
     """One quarantine transaction (see :meth:`LocalTier.quarantine`); with
     ``keep_payload`` the block's own ``blocks`` value is left as a stuck entry."""
     data = txn.get("meta", key)
@@ -172,7 +172,7 @@ def quarantine_in(tier: LocalTier, txn: Txn, key: bytes, reason: str, still_corr
     return True
 
 
-def file_quarantine(tier: LocalTier, txn: Txn, changes: Changes, key: bytes, reason: str, meta: BlockMeta | None,
+def file_quarantine(tier: IndexForDamage, txn: Txn, changes: Changes, key: bytes, reason: str, meta: BlockMeta | None,
                     damaged: DamagedMeta | None, *, keep_payload: bool) -> None:
     """Removes ``key`` (whole record ``meta``, or a ``damaged`` one, or
     none) and its descendants, and files its quarantine record."""
@@ -189,14 +189,14 @@ def file_quarantine(tier: LocalTier, txn: Txn, changes: Changes, key: bytes, rea
         txn.delete("blocks", key)
         txn.delete("heads", key)
     for child in children:
-        tier._remove_tree(txn, changes, child)
+        tier.remove_tree(txn, changes, child)
     if keep_payload:
         record["payload_stuck"] = True
     txn.put("quarantine", key, json.dumps(record).encode())
     changes.totals.quarantined += 1
 
 
-def quarantine(tier: LocalTier, key: bytes, reason: str, still_corrupt: Recheck) -> bool:
+def quarantine(tier: IndexForDamage, key: bytes, reason: str, still_corrupt: Recheck) -> bool:
     """Quarantines ``key`` with its descendants; where deleting its payload
     fails on a damaged page, quarantines it again leaving the payload as a
     stuck entry (any other failure, a full disk say, is raised: a stuck
@@ -209,7 +209,7 @@ def quarantine(tier: LocalTier, key: bytes, reason: str, still_corrupt: Recheck)
         return tier.engine.write(lambda txn: quarantine_in(tier, txn, key, reason, still_corrupt, keep_payload=True))
 
 
-def restore_links(tier: LocalTier) -> dict[str, int]:
+def restore_links(tier: IndexForDamage) -> dict[str, int]:
     """Re-adds the LRU entry of every block that lacks one and the child
     link of every block whose parent is stored but does not name it (one
     write transaction); returns how many of each were added."""
@@ -232,7 +232,7 @@ def restore_links(tier: LocalTier) -> dict[str, int]:
     return tier.engine.write(run)
 
 
-def delete_around_damage(tier: LocalTier, keys: Sequence[bytes], namespace_id: bytes | None, delete: Callable[[], int]) -> int:
+def delete_around_damage(tier: IndexForDamage, keys: Sequence[bytes], namespace_id: bytes | None, delete: Callable[[], int]) -> int:
     """Runs ``delete()`` (a delete of ``keys`` and their descendants); where
     it fails on a payload the engine cannot free, quarantines the
     unreadable blocks of those trees first (leaving their payloads stuck)

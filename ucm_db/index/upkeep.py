@@ -91,7 +91,7 @@ class IndexMaintenance(IndexWrites):
                 victim = self._oldest_tail(txn, changes, ())
                 if victim is None:
                     break
-                count = self._remove_tree(txn, changes, victim)
+                count = self.remove_tree(txn, changes, victim)
                 evicted += count
                 changes.totals.evictions += count
             changes.commit()

@@ -40,7 +40,7 @@ class IndexWrites(IndexReads):
             if namespace_id is not None:
                 for key in mine:
                     namespace_guard.require_tree_in_namespace(txn, key, namespace_id)
-            removed = sum(self._remove_tree(txn, changes, k) for k in mine)
+            removed = sum(self.remove_tree(txn, changes, k) for k in mine)
             changes.commit()
             return removed
         return damage.delete_around_damage(self, keys, namespace_id, lambda: self.engine.write(run))
@@ -141,7 +141,7 @@ class IndexWrites(IndexReads):
                     f"the batch and its ancestors need {changes.totals.stored_bytes} bytes but capacity_bytes is "
                     f"{self.capacity_bytes}; nothing was stored"
                 )
-            count = self._remove_tree(txn, changes, victim)
+            count = self.remove_tree(txn, changes, victim)
             evicted += count
             changes.totals.evictions += count
         return evicted
@@ -184,7 +184,7 @@ class IndexWrites(IndexReads):
             counts[3] = max(counts[3], meta.access_ns)
         return victim
 
-    def _remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
+    def remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
         """Removes ``key`` and all its descendants; returns blocks removed."""
         stack = [key]
         removed = 0

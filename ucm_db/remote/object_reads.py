@@ -36,8 +36,7 @@ from ucm_db.errors import CorruptBlockError
 from ucm_db.remote.envelope import stated_object_bytes
 
 
-
-class RemoteRoot(Protocol):
+class ObjectSource(Protocol):
     """What a read needs of :class:`ucm_db.remote.tier.RemoteRoot` (a
     protocol, so this module, below the remote tier, never imports it)."""
 
@@ -174,7 +173,7 @@ class ReadLimits:
             raise ReadAbandoned("call abandoned or over its byte budget")
 
 
-def read_object(root: RemoteRoot, path: str, key: bytes, first_read_bytes: int, limits: ReadLimits) -> bytearray | bytes | None:
+def read_object(root: ObjectSource, path: str, key: bytes, first_read_bytes: int, limits: ReadLimits) -> bytearray | bytes | None:
     """The whole object at ``path`` (see the module invariants); None if
     absent or not a regular file. When ``limits.budget`` is set, the
     object's stated size stays taken from it (the caller gives it back).
@@ -218,7 +217,7 @@ def read_object(root: RemoteRoot, path: str, key: bytes, first_read_bytes: int, 
             budget.settle(limits.index)
 
 
-def _read_rest(root: RemoteRoot, path: str, first: bytes, stated: int, limits: ReadLimits) -> bytearray | None:
+def _read_rest(root: ObjectSource, path: str, first: bytes, stated: int, limits: ReadLimits) -> bytearray | None:
     """Reads ``[len(first), stated]`` in chunks after ``first``, appended to
     one buffer as they come (a buffer allocated whole up front is touched
     whole before the first chunk: 2 s for 200 MiB on a loaded machine, all
