@@ -145,7 +145,7 @@ def run_demo(store: Path, explicit_store: bool, prompts: list[list[int]], dtype:
     spec = {"model": str(model), "prompts": prompts, "reserved_cpus": RESERVED_CPUS, "dtype": dtype.dtype}
     with tempfile.TemporaryDirectory(prefix="ucm-db-demo-") as tmp:
         work = Path(tmp)
-        click.echo("pass 1: starting a vLLM engine (CPU) with ucm-db (40-60 s on 2 cores) ...")
+        click.echo("pass 1: starting a vLLM engine (CPU) with ucm-db (1-2 minutes on 2 cores) ...")
         first = run_pass_in_new_process({**spec, "connector": connector}, work, "pass1", progress=_progress)
         print_pass("pass 1: fresh engine with ucm-db, prompts never seen (KV stored)", prompts, first)
         print_store(store)
