@@ -30,6 +30,9 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
     and renamed into place; an existing ARCHIVE that is not a regular file
     (symlink, directory, FIFO, device, `-`) is refused (exit 2). With an
     auth key the archive carries MACs (HMAC-SHA256) that `import` checks.
+    The archive carries each namespace's invalidation epoch (covered by the
+    MAC); a namespace whose epoch the store cannot establish is refused
+    (exit 1: `ucm-db invalidate` it first).
 
     \b
     Example:
@@ -37,7 +40,8 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
     """
     with ProgressBar(not as_json, "exporting") as bar:
         report = maintenance.export_archive(path, archive, namespaces, progress=bar, auth_key_file=auth_key_file, auth_key_env=auth_key_env)
-    emit(as_json, report, lambda r: f"exported {r['blocks']} blocks ({r['stored_bytes']} bytes) of {len(r['namespaces'])} namespace(s) to {r['archive']}")
+    emit(as_json, report, lambda r: f"exported {r['blocks']} blocks ({r['stored_bytes']} bytes) of {len(r['namespaces'])} namespace(s) "
+         f"to {r['archive']}, with their epochs ({', '.join(f'{ns[:16]}: {e}' for ns, e in sorted(r['epochs'].items())) or 'none'})")
 
 
 @click.command("import")
@@ -54,7 +58,12 @@ def import_command(archive: Path, path: Path, allow_evict: bool, auth_key_file: 
     do not fit in the store's free capacity, nothing is imported (exit 1)
     unless --allow-evict lets it evict least recently used blocks. With an
     auth key, an archive without a valid MAC is refused and a block whose
-    MAC fails is skipped.
+    MAC fails is skipped. The archive carries each namespace's epoch
+    (issue 48): the store takes the higher of its own and the archive's
+    before any block is written, so blocks invalidated at the source stay
+    unserved; a namespace whose epoch the store cannot establish is
+    reported (exit 1). An archive of an older ucm-db carries no epoch:
+    the store's epochs are kept.
 
     \b
     Example:
@@ -67,7 +76,11 @@ def import_command(archive: Path, path: Path, allow_evict: bool, auth_key_file: 
     def human(r: dict[str, Any]) -> str:
         lines = [f"imported {r['stored']} blocks ({r['already_present']} already present), skipped {len(r['skipped'])}"
                  + (f", evicted {r['evicted']} stored blocks" if r["evicted"] else "")]
-        return "\n".join(lines + [f"  skipped {s['key'][:16]}: {s['reason']}" for s in r["skipped"]])
+        lines += [f"  skipped {s['key'][:16]}: {s['reason']}" for s in r["skipped"]]
+        lines += [f"namespace {ns[:16]}: epoch {'unknown' if e['epoch'] is None else e['epoch']}"
+                  + (f" (the archive's: {e['carried']})" if e["carried"] is not None else "")
+                  + (f"; {e['note']}" if e["note"] else "") for ns, e in sorted(r["epochs"].items())]
+        return "\n".join(lines + [f"  not served: {p}" for p in r["epoch_problems"]])
 
     emit(as_json, report, human)
-    raise SystemExit(EXIT_PROBLEMS if report["skipped"] else EXIT_OK)
+    raise SystemExit(EXIT_PROBLEMS if report["skipped"] or report["epoch_problems"] else EXIT_OK)

@@ -13,7 +13,7 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import CliPath, emit, human_bytes, json_option, table
+from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, CliPath, emit, human_bytes, json_option, table
 
 
 #: Free fraction of the data file above which inspect suggests ``compact``.
@@ -28,6 +28,11 @@ def _free_pages(r: dict[str, Any]) -> str:
     if free / total >= COMPACT_HINT_FREE_FRACTION:
         text += f": `ucm-db compact {r['path']}` returns them (a long free list slows puts of large blocks)"
     return text
+
+
+def _epoch(row: dict[str, Any]) -> str:
+    epoch = row.get("epoch", 0)
+    return "unknown" if epoch is None else str(epoch)
 
 
 def render(r: dict[str, Any]) -> str:
@@ -48,9 +53,10 @@ def render(r: dict[str, Any]) -> str:
         + (f"   remote codec {r['remote_codec'].get('codec')} ({r['remote_codec'].get('setting')})" if r.get("remote_codec") else ""),
         "",
     ]
-    rows = [[n["id"][:16], n["model"], n["kv_dtype"], n["block_size"], n["rank"], n["read_at"], n["blocks"], human_bytes(n["stored_bytes"]),
-             f"{n['last_use_age_s']:.0f} s ago" if n["last_use_age_s"] is not None else "-"] for n in r["namespaces"]]
-    lines.append(table(["namespace", "model", "dtype", "block", "rank", "read at", "blocks", "stored", "last use"], rows))
+    rows = [[n["id"][:16], n["model"], n["kv_dtype"], n["block_size"], n["rank"], n["read_at"], _epoch(n), n["blocks"],
+             human_bytes(n["stored_bytes"]), f"{n['last_use_age_s']:.0f} s ago" if n["last_use_age_s"] is not None else "-"]
+            for n in r["namespaces"]]
+    lines.append(table(["namespace", "model", "dtype", "block", "rank", "read at", "epoch", "blocks", "stored", "last use"], rows))
     for name, hist in r["histograms"].items():
         lines.append(f"\n{name.replace('_', ' ')}:")
         lines.extend(f"  {label:<10} {count}" for label, count in hist.items())
@@ -62,6 +68,9 @@ def render(r: dict[str, Any]) -> str:
     if r.get("damaged_records"):
         lines.append("\ndamaged records (run `ucm-db verify` for a full report):")
         lines.extend(f"  {d}" for d in r["damaged_records"])
+    if r.get("epoch_problems"):
+        lines.append("\nnamespaces not served (their epoch cannot be established; never read as 0):")
+        lines.extend(f"  {p}" for p in r["epoch_problems"])
     if r.get("parent_cycles"):
         lines.append(f"\nparent cycles: {len(r['parent_cycles'])} blocks name themselves or a descendant as parent "
                      "(damaged metadata; `ucm-db verify --fix` quarantines them): "
@@ -77,7 +86,9 @@ def render(r: dict[str, Any]) -> str:
 def inspect_command(path: Path, namespaces: tuple[str, ...], top: int, as_json: bool) -> None:
     """Show what a store holds: format, engine, settings, capacity and use,
     blocks and compression, namespaces, age and hit histograms, quarantine,
-    pending uploads. Read-only: safe beside a running server.
+    pending uploads. Read-only: safe beside a running server. Exit status
+    1 when a namespace's epoch cannot be established (a damaged or lost
+    epoch record: the namespace is not served until `ucm-db invalidate`).
 
     \b
     Example:
@@ -86,3 +97,4 @@ def inspect_command(path: Path, namespaces: tuple[str, ...], top: int, as_json: 
     """
     report = maintenance.inspect(path, namespaces=namespaces, top=top, isolated=True)
     emit(as_json, report, render)
+    raise SystemExit(EXIT_PROBLEMS if report.get("epoch_problems") else EXIT_OK)

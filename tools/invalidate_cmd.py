@@ -27,14 +27,16 @@ def render(report: dict[str, Any]) -> str:
 @click.command("invalidate")
 @click.argument("path", type=CliPath())
 @click.option("--namespace", "namespaces", multiple=True, required=True,
-              help="Namespace id prefix or model name (repeatable); `ucm-db inspect` lists them.")
+              help="Namespace id prefix or model name (repeatable); `ucm-db inspect` lists them. An empty one is refused (exit 2).")
 @json_option
 def invalidate_command(path: Path, namespaces: tuple[str, ...], as_json: bool) -> None:
     """Invalidate a model's stored KV blocks (e.g. after its weights
     changed): its namespace's epoch moves on, so running and future engines
     of that model never serve a block stored before. Nothing is deleted:
     the old blocks leave through LRU eviction (or `ucm-db compact
-    --target-bytes`).
+    --target-bytes`). A namespace whose epoch record was damaged or lost
+    gets a fresh epoch, never a reused one. An empty --namespace (e.g. an
+    unset "$MODEL") is a usage error (exit 2), never "every namespace".
 
     \b
     Example:

@@ -139,6 +139,9 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
                  options: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None, as_json: bool) -> None:
     """Pull the blocks of the given prompts (or key chains) from the remote
     tier into the local store at PATH ahead of traffic (ucm_db.remote.warming).
+    Prompts are keyed at the namespace's epoch, the higher of the store's
+    and the remote's (a store whose epoch of it cannot be established is
+    refused, exit 1), so an invalidated model's old blocks are never pulled.
 
     \b
     Example:

@@ -28,6 +28,9 @@ def render(r: dict[str, Any]) -> str:
         lines.append("recomputed the store's totals from the block metadata")
     if r["feed_repaired"]:
         lines.append("repaired the change feed (event followers resync once)")
+    if r.get("epochs_renewed"):
+        lines.append(f"recorded a fresh epoch for {r['epochs_renewed']} namespaces whose epoch was lost "
+                     "(their older blocks are never served again)")
     return "\n".join(lines)
 
 

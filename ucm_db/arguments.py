@@ -168,3 +168,22 @@ def require_keys(keys: Sequence[bytes]) -> None:
     if lengths - {KEY_BYTES}:
         bad = sorted(lengths - {KEY_BYTES})[0]
         raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {bad}", hint="use Namespace.block_keys")
+
+
+def require_namespace_selectors(selectors: Any, operation: str) -> tuple[str, ...]:
+    """Namespace selectors (id hex prefixes or model names, ``--namespace``)
+    as a tuple of strings. An empty or whitespace-only one is refused: as a
+    prefix it matches every namespace (``--namespace "$MODEL"`` with MODEL
+    unset invalidated every model, issue 48); so is a bare string, whose
+    characters would each be read as a selector."""
+    if isinstance(selectors, (str, bytes)) or not isinstance(selectors, Iterable):
+        raise ConfigError(f"{operation} takes a tuple of namespace selectors, got {type(selectors).__name__}",
+                          hint="pass e.g. namespaces=('Qwen/Qwen2.5-0.5B',) or an id prefix such as ('3f2a9c',)")
+    checked = tuple(selectors)
+    for selector in checked:
+        if not isinstance(selector, str) or not selector.strip():
+            raise ConfigError(
+                f"{operation}: namespace selector {selector!r} is empty; an empty id prefix would match every namespace",
+                hint="pass --namespace with a namespace id prefix or a model name (`ucm-db inspect PATH` lists them); "
+                "an unset shell variable (--namespace \"$MODEL\") expands to an empty one")
+    return checked

@@ -48,7 +48,9 @@ from typing import Any
 from ucm_db.maintenance.archive import export_archive, import_archive
 from ucm_db.maintenance.compaction import compact, evict_to
 from ucm_db.maintenance.conversion import convert as convert_engine
+from ucm_db.arguments import require_namespace_selectors
 from ucm_db.errors import ConfigError, FormatVersionError
+from ucm_db.store import epochs
 from ucm_db.maintenance.event_replay import iter_event_lines, iter_events
 from ucm_db.maintenance.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
 from ucm_db.maintenance.isolation import run_isolated
@@ -69,11 +71,27 @@ __all__ = [
 def inspect(path: str | Path, *, namespaces: tuple[str, ...] = (), top: int = 0, now_ns: int | None = None,
             isolated: bool = False) -> dict[str, Any]:
     """The inspect report of the store at ``path`` (JSON-ready dict); with
-    ``top`` also the N hottest chains and any parent cycles found."""
+    ``top`` also the N hottest chains and any parent cycles found. Each
+    namespace row has its ``epoch`` (None: unknown, so not served), and
+    ``epoch_problems`` lists the namespaces whose epoch cannot be established
+    (:func:`ucm_db.store.epochs.problems`)."""
+    namespaces = require_namespace_selectors(namespaces, "inspect")
+
     def run() -> dict[str, Any]:
         with open_view(path) as view:
-            return inspect_view(view, namespaces=namespaces, top=top, now_ns=now_ns)
+            report = inspect_view(view, namespaces=namespaces, top=top, now_ns=now_ns)
+            _add_epochs(view, report)
+            return report
     return run_isolated(run, path) if isolated else run()
+
+
+def _add_epochs(view: StoreView, report: dict[str, Any]) -> None:
+    states = epochs.all_states(view.engine)
+    for row in report.get("namespaces", []):
+        found = states.get(bytes.fromhex(row["id"]))
+        row["epoch"] = 0 if found is None else found.epoch
+    report["epoch_problems"] = [str(epochs.unknown_error(ns_id, found.problem, str(view.path)))
+                                for ns_id, found in states.items() if found.epoch is None]
 
 
 def namespaces(path: str | Path) -> list[dict[str, Any]]:
@@ -86,6 +104,7 @@ def namespaces(path: str | Path) -> list[dict[str, Any]]:
 
 def iter_blocks(path: str | Path, namespaces: tuple[str, ...] = ()) -> Iterator[BlockInfo]:
     """Every block (of the namespaces named by id prefix or model), in key order."""
+    namespaces = require_namespace_selectors(namespaces, "iter_blocks")
     with open_view(path) as view:
         yield from _iter_view_blocks(view, select_namespaces(view, namespaces))
 
@@ -148,8 +167,11 @@ def remote_namespace(url: str, options: dict[str, Any] | None, wanted: str) -> N
     """The one namespace recorded on the remote at ``url`` whose short id
     starts with ``wanted`` or whose model is ``wanted``; a stray entry or
     another namespace's broken manifest is skipped with a warning (see
-    :func:`ucm_db.remote.warming.remote_namespaces`)."""
+    :func:`ucm_db.remote.warming.remote_namespaces`). An empty ``wanted``
+    is a ConfigError (it would match every namespace)."""
     from ucm_db.remote.warming import remote_namespaces
+
+    require_namespace_selectors((wanted,), "warm")
 
     return remote_namespaces(url, dict(options or {})).find(wanted)
 
@@ -159,9 +181,14 @@ def invalidate(path: str | Path, namespaces: tuple[str, ...]) -> list[dict[str, 
     ``namespaces`` (id hex prefixes or model names; at least one): each
     one's epoch moves on (:meth:`ucm_db.Store.bump_epoch`), so no engine
     finds its old blocks again. Returns ``{"namespace", "model", "epoch"}``
-    per namespace, the new epoch in each."""
+    per namespace, the new epoch in each. A namespace whose epoch was
+    unknown (damaged or lost record) gets a fresh epoch, never a reused one
+    (:func:`ucm_db.store.epochs.bump`). An empty or whitespace selector is a
+    ConfigError, raised before the store is opened: as an id prefix it
+    would match, and invalidate, every namespace."""
     from ucm_db.store import Store
 
+    namespaces = require_namespace_selectors(namespaces, "invalidate")
     if not namespaces:
         raise ConfigError("invalidate needs the namespaces to invalidate", hint="pass an id prefix or a model name (--namespace)")
     with open_view(path) as view:

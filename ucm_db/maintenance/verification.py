@@ -33,6 +33,7 @@ from ucm_db import codec
 from ucm_db.errors import CorruptBlockError
 from ucm_db.format import format_record_problems
 from ucm_db.maintenance.inspection import chain_roots
+from ucm_db.store import epochs
 from ucm_db.store.view import ProgressFn, StoreView
 from ucm_db.index import damage, feed_audit
 from ucm_db.index.entries import BlockMeta, body_of
@@ -50,6 +51,8 @@ NAMESPACE_ALTERED = "namespace id differs from its parent's (altered metadata)"
 _METADATA_REASONS = (PARENT_CYCLE, PARENT_MISSING, NAMESPACE_ALTERED)
 #: Index problems :func:`~ucm_db.index.damage.restore_links` repairs.
 _LINK_PROBLEMS = (": no LRU entry", ": child link from its parent missing")
+#: How the namespace epoch problems start (:func:`ucm_db.store.epochs.problems`).
+EPOCH_PROBLEM = "namespace epoch: "
 #: How the change feed's problems start (:func:`~ucm_db.index.feed_audit.problems`).
 _FEED_PROBLEM = "change feed: "
 
@@ -65,6 +68,7 @@ class VerifyReport:
     quarantined_blocks: int = 0
     totals_recomputed: bool = False
     feed_repaired: bool = False
+    epochs_renewed: int = 0
 
     @property
     def problems(self) -> bool:
@@ -75,7 +79,7 @@ class VerifyReport:
         """The inverse of :meth:`to_dict`."""
         return cls(int(data["checked"]), int(data["raw_bytes"]), {bytes.fromhex(c["key"]): c["reason"] for c in data["corrupt"]},
                    list(data["index_problems"]), int(data["quarantined_blocks"]), bool(data["totals_recomputed"]),
-                   bool(data["feed_repaired"]))
+                   bool(data["feed_repaired"]), int(data.get("epochs_renewed", 0)))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +87,7 @@ class VerifyReport:
             "corrupt": [{"key": k.hex(), "reason": r} for k, r in sorted(self.corrupt.items())],
             "index_problems": self.index_problems, "quarantined_blocks": self.quarantined_blocks,
             "totals_recomputed": self.totals_recomputed, "feed_repaired": self.feed_repaired,
+            "epochs_renewed": self.epochs_renewed,
         }
 
 
@@ -127,6 +132,7 @@ def verify_view(view: StoreView, *, sample: int | None = None, seed: int = 0, pr
     if sample is None:
         report.index_problems += format_record_problems(view.tier.engine) + view.tier.check()
         report.index_problems += view.tier.engine.read(feed_audit.problems)
+        report.index_problems += [EPOCH_PROBLEM + line for line in epochs.problems(view.tier.engine)]
         metas = view.tier.scan_metas()
         _, cyclic = chain_roots(metas)
         for key in sorted(cyclic):
@@ -191,6 +197,9 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
         if counters_damaged(report.index_problems):
             tier.recompute_totals()
             report.totals_recomputed = True
+        if any(line.startswith(EPOCH_PROBLEM) for line in report.index_problems):
+            # A fresh epoch, above every one used: the lost epoch's blocks are never served again.
+            report.epochs_renewed = len(epochs.repair(tier.engine))
         if feed_damaged(report.index_problems):
             # After the quarantines: their removals are logged before the feed is judged again.
             report.feed_repaired = tier.engine.write(lambda txn: feed_audit.repair(txn, tier.feed_max_records)) > 0

@@ -5,12 +5,28 @@ namespaces.
 
 Invariants:
     * A manifest is written once per namespace and process, whole-object
-      (idempotent); an unreadable one is replaced.
+      (idempotent); an unreadable one is replaced; it is written again when
+      its namespace's epoch moves on (:func:`record_epoch`).
     * A manifest is read only as a regular file of at most
       :data:`MAX_MANIFEST_BYTES` holding a JSON object; anything else is a
       :class:`ManifestError`, and one bad entry never hides the others.
     * Takes the root as a :class:`RemoteRoot` protocol: this module never
       imports :mod:`ucm_db.remote.tier`, which calls it.
+    * The epoch travels with the blocks (issue 48): a manifest carries its
+      namespace's invalidation epoch (``"epoch"``; with auth keys also
+      ``"epoch_auth"``, the key id and HMAC-SHA256 of the namespace id and
+      the epoch under :data:`EPOCH_LABEL`). :func:`record_epoch` never
+      lowers it (it reads the manifest just before writing; two nodes
+      bumping at the same instant may still race: the lower write can win
+      until either bumps again or restarts). :func:`manifest_epoch` reads it
+      as None (unknown: a store adopts nothing) when the manifest is
+      missing, unreadable or older (no ``"epoch"``), and refuses (ManifestError)
+      one whose epoch is malformed or, with keys, not signed by one of
+      them: a planted epoch is never adopted, and the store reads nothing
+      of that namespace through from the remote meanwhile
+      (:mod:`ucm_db.store.epoch_gate`). A MAC cannot stop a replayed older
+      manifest, nor one stripped of its epoch: either can make only a *new*
+      store start at that older epoch (a store never moves back).
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ucm_db.auth import AuthKeys
 from ucm_db.errors import UcmDbError
 from ucm_db.remote.files import TEMP_PREFIX, NotRegularFileError, require_regular_file, write_whole
 from ucm_db.remote.envelope import OBJECT_FORMAT_VERSION
@@ -31,6 +48,9 @@ MANIFEST_NAME = "manifest.json"
 KEYED_MARKER_NAME = "auth.json"
 #: A manifest is a small JSON document; a bigger one is not read.
 MAX_MANIFEST_BYTES = 1 << 20
+#: The MAC label of a manifest's epoch (:mod:`ucm_db.auth`: one label per use).
+EPOCH_LABEL = b"ucm-db remote ep"
+_EPOCH_LIMIT = 1 << 64
 
 _log = logging.getLogger("ucm_db")
 
@@ -41,6 +61,10 @@ class RemoteRoot(Protocol):
     fs: Any
     root: str
     manifests_written: set[bytes]
+    auth: AuthKeys | None
+    #: The highest epoch of each namespace written or read here (a
+    #: replaced manifest keeps it).
+    epochs: dict[bytes, int]
 
     @property
     def is_local(self) -> bool: ...
@@ -73,16 +97,107 @@ def ensure_manifest(root: RemoteRoot, namespace_id: bytes, description: dict[str
         _log.warning("%s; rewriting it", exc)
         present = False
     if not present:
-        body = {
-            "ucm_db_remote_format": OBJECT_FORMAT_VERSION,
-            "namespace_id": namespace_id.hex(),
-            "namespace": description,
-            "layout": "<namespace id[:8] hex>/<key[0] hex>/<key hex>; object = 64-byte envelope + codec blob",
-            "created_unix_s": round(time.time(), 3),
-        }
+        body = _fresh_body(namespace_id, description)
+        if namespace_id in root.epochs:
+            body.update(epoch_fields(root, namespace_id, root.epochs[namespace_id]))
         root.count(requests=1, puts=1)
         write_whole(root.fs, path, json.dumps(body, indent=2, sort_keys=True).encode())
     root.manifest_written(namespace_id)
+
+def _fresh_body(namespace_id: bytes, description: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "ucm_db_remote_format": OBJECT_FORMAT_VERSION,
+        "namespace_id": namespace_id.hex(),
+        "namespace": description,
+        "layout": "<namespace id[:8] hex>/<key[0] hex>/<key hex>; object = 64-byte envelope + codec blob",
+        "created_unix_s": round(time.time(), 3),
+    }
+
+
+def _epoch_parts(namespace_id: bytes, epoch: int) -> list[bytes]:
+    return [bytes(namespace_id), epoch.to_bytes(8, "little")]
+
+
+def epoch_fields(root: RemoteRoot, namespace_id: bytes, epoch: int) -> dict[str, Any]:
+    """The manifest fields carrying ``epoch`` (signed with the root's first key)."""
+    fields: dict[str, Any] = {"epoch": epoch}
+    if root.auth is not None:
+        key_id, tag = root.auth.sign(_epoch_parts(namespace_id, epoch), EPOCH_LABEL)
+        fields["epoch_auth"] = {"key_id": key_id.hex(), "mac": tag.hex()}
+    return fields
+
+
+def epoch_of(root: RemoteRoot, namespace_id: bytes, manifest: dict[str, Any]) -> tuple[int | None, str | None]:
+    """``(epoch, problem)`` of a manifest: the epoch it carries, or None
+    with why it is not used (None, None: an older manifest without one)."""
+    epoch = manifest.get("epoch")
+    if epoch is None:
+        return None, None
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < _EPOCH_LIMIT:
+        return None, f"its epoch {str(epoch)[:40]!r} is not an epoch"
+    if root.auth is None:
+        return epoch, None
+    signed = manifest.get("epoch_auth")
+    try:
+        key_id, tag = bytes.fromhex(signed["key_id"]), bytes.fromhex(signed["mac"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return None, "its epoch is not signed and an auth key is configured"
+    if not root.auth.verify(_epoch_parts(namespace_id, epoch), EPOCH_LABEL, key_id, tag):
+        return None, "its epoch's MAC was not made by a configured auth key (altered or planted)"
+    return epoch, None
+
+
+def manifest_epoch(root: RemoteRoot, namespace_id: bytes) -> int | None:
+    """The epoch the namespace's manifest carries; None where none is
+    known: no manifest, an unreadable one (logged; the next upload rewrites
+    it), or an older one without an epoch.
+
+    Raises:
+        ManifestError: the manifest carries an epoch that is malformed or,
+            with auth keys, not signed by one of them (planted or altered):
+            the namespace's remote epoch cannot be established.
+        Exception: remote failures other than "not found" propagate.
+    """
+    path = f"{root.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
+    try:
+        manifest = read_manifest(root, namespace_id)
+    except ManifestError as exc:
+        _log.warning("%s; its epoch is unknown", exc)
+        return None
+    if manifest is None:
+        return None
+    epoch, problem = epoch_of(root, namespace_id, manifest)
+    if problem is not None:
+        raise ManifestError(f"namespace manifest {path}: {problem}; its epoch is not adopted",
+                            hint="a store holding the auth key rewrites it when it moves the namespace's epoch on "
+                            "(Store.bump_epoch, an engine's reset_cache); or remove the manifest")
+    if epoch is not None:
+        root.epochs[namespace_id] = max(epoch, root.epochs.get(namespace_id, 0))
+    return epoch
+
+
+def record_epoch(root: RemoteRoot, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None:
+    """Makes the namespace's manifest carry ``epoch`` unless it carries a
+    higher one already (one read, at most one whole-object write; a missing
+    or unreadable manifest is written anew from ``description``)."""
+    root.epochs[namespace_id] = max(epoch, root.epochs.get(namespace_id, 0))
+    try:
+        manifest = read_manifest(root, namespace_id)
+    except ManifestError:
+        manifest = None
+    if manifest is not None:
+        present, _ = epoch_of(root, namespace_id, manifest)
+        if present is not None and present >= epoch:
+            return
+        body = dict(manifest)
+    else:
+        body = _fresh_body(namespace_id, description)
+    body.pop("epoch_auth", None)
+    body.update(epoch_fields(root, namespace_id, root.epochs[namespace_id]))
+    root.count(requests=1, puts=1)
+    write_whole(root.fs, f"{root.namespace_dir(namespace_id)}/{MANIFEST_NAME}", json.dumps(body, indent=2, sort_keys=True).encode())
+    root.manifest_written(namespace_id)
+
 
 def read_manifest(root: RemoteRoot, namespace_id: bytes) -> dict[str, Any] | None:
     """The namespace's manifest; None if it has none.

@@ -137,6 +137,8 @@ class RemoteRoot:
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self.manifests_written: set[bytes] = set()
+        #: Each namespace's highest epoch met here (its manifest's, :mod:`ucm_db.remote.manifests`).
+        self.epochs: dict[bytes, int] = {}
         self._local = is_local_fs(fs)
         #: Paths found unreadable as objects (not a regular file), with why;
         #: at most :data:`MAX_QUARANTINED`. Nothing is moved on the remote:

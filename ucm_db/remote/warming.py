@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ucm_db.arguments import require_namespace_selectors
 from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.remote.link import RemoteLink
@@ -95,6 +96,7 @@ class RemoteNamespaces:
             ConfigError: none or several match (the problems are named, since
                 the one wanted may be among the skipped entries).
         """
+        require_namespace_selectors((wanted,), "warm")
         found = [ns for short_id, ns in sorted(self.namespaces.items())
                  if short_id.startswith(wanted.lower()) or ns.model == wanted]
         if len(found) == 1:
@@ -146,12 +148,14 @@ def chains_of(
     namespace: Namespace,
     token_sequences: Sequence[Sequence[int]] | None,
     keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None,
+    epoch: int = 0,
 ) -> list[list[bytes]]:
-    """Key chains to warm: one per token sequence, plus ``keys`` (one chain
-    given as a flat list of keys, or a list of chains)."""
+    """Key chains to warm: one per token sequence, rooted at the namespace's
+    ``epoch``, plus ``keys`` (one chain given as a flat list of keys, or a
+    list of chains; keyed by the caller)."""
     if token_sequences is None and keys is None:
         raise ConfigError("warm needs token_sequences= or keys=", hint="pass the prompts' token ids, or block keys")
-    chains: list[list[bytes]] = [namespace.block_keys(tokens) for tokens in token_sequences or []]
+    chains: list[list[bytes]] = [namespace.block_keys(tokens, epoch=epoch) for tokens in token_sequences or []]
     if keys:
         if isinstance(keys[0], (bytes, bytearray)):
             chains.append([bytes(k) for k in keys])  # type: ignore[arg-type]
@@ -172,6 +176,7 @@ def warm(
     token_sequences: Sequence[Sequence[int]] | None = None,
     keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None = None,
     progress: WarmProgress | None = None,
+    epoch: int = 0,
 ) -> WarmReport:
     """Promotes remote blocks of the given chains into the local ``tier``.
 
@@ -186,12 +191,15 @@ def warm(
             not start at a chain root warms only if its first block's parent
             is local.
         progress: called as ``progress(done, total)`` in blocks.
+        epoch: the namespace's epoch (:meth:`ucm_db.Store.epoch`), at which
+            ``token_sequences`` are keyed: :meth:`ucm_db.Store.warm` passes
+            it; 0 keys them as a store never invalidated would.
 
     Returns:
         A :class:`WarmReport`.
     """
     started = time.monotonic()
-    chains = chains_of(namespace, token_sequences, keys)
+    chains = chains_of(namespace, token_sequences, keys, epoch)
     total = sum(len(chain) for chain in chains)
     counts = {"already_local": 0, "fetched": 0, "missing": 0, "bytes": 0}
     done = 0

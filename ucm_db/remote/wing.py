@@ -27,7 +27,8 @@ from typing import Any
 from ucm_db.auth import AuthKeys
 from ucm_db.config import StoreConfig
 from ucm_db.remote.codec_choice import RemoteCodec
-from ucm_db.remote.link import RemoteLink
+from ucm_db.remote.link import UNFINISHED, RemoteLink
+from ucm_db.remote.manifests import ManifestError, manifest_epoch, record_epoch
 from ucm_db.remote.promotion import Continuations, DecodeQueue, extend_prefix, read_through
 from ucm_db.remote.uploader import Uploader, describe
 from ucm_db.engines.base import Buffer
@@ -85,6 +86,41 @@ class RemoteWing:
         within :data:`FETCH_DEADLINE_FACTOR` lookup deadlines."""
         deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self._config.remote_deadline_s
         read_through(self.link, self._local, namespace_id, keys, missing, deadline, use, decodes)
+
+    def namespace_epoch(self, namespace_id: bytes) -> int | None:
+        """The epoch the remote's manifest of the namespace carries; None if
+        unknown (:func:`ucm_db.remote.manifests.manifest_epoch`), read within
+        the lookup deadline on the link's pool.
+
+        Raises:
+            ManifestError: the manifest's epoch cannot be established.
+            TierError: the remote failed or did not answer in time.
+        """
+        def read() -> int | None | ManifestError:
+            try:
+                return manifest_epoch(self.link.root, namespace_id)
+            except ManifestError as exc:  # an answer, not a failure of the link
+                return exc
+
+        found = self._within(read, self._config.remote_deadline_s, "read the namespace manifest")
+        if isinstance(found, ManifestError):
+            raise found
+        return found  # type: ignore[no-any-return]
+
+    def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None:
+        """Makes the remote's manifest of the namespace carry ``epoch``
+        unless it carries a higher one (:func:`ucm_db.remote.manifests.record_epoch`),
+        within a bulk fetch's deadline; TierError otherwise (an abandoned
+        write may still land: it is whole-object and never lowers)."""
+        self._within(lambda: record_epoch(self.link.root, namespace_id, epoch, description),
+                     FETCH_DEADLINE_FACTOR * self._config.remote_deadline_s, "write the namespace manifest")
+
+    def _within(self, call: Callable[[], Any], seconds: float, what: str) -> Any:
+        results = self.link.run_all([call], time.monotonic() + seconds)
+        if results is None or results[0] is UNFINISHED:
+            raise TierError(f"could not {what} on remote {self._config.remote} within {seconds:g} s (failed, slow, or its breaker is open)",
+                            hint="check remote/remote_options; it is retried")
+        return results[0]
 
     def upload(self, entries: Sequence[BlockEntry]) -> None:
         """After a put committed and queued ``entries``: write-through

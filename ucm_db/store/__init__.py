@@ -21,6 +21,9 @@ Invariants:
       through to the remote and promote into the local tier (the remote
       wing, :mod:`ucm_db.remote`); a lookup waits at most
       ``remote_deadline_s`` on the remote.
+    * Every namespace's epoch is known or the namespace is not served
+      (lookups miss, puts are refused, never epoch 0 by default); it is the
+      higher of the store's and the remote's (:mod:`ucm_db.store.epoch_gate`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORM
 from ucm_db.arguments import require_namespace
 from ucm_db.keys import Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
+from ucm_db.store.epoch_gate import EpochGate
 from ucm_db.store.feed import StoreFeed
 from ucm_db.store.opening import open_store
 from ucm_db.store.reads import StoreReads
@@ -91,6 +95,7 @@ class Store(StoreWrites, StoreReads, StoreFeed):
             from ucm_db.remote.wing import RemoteWing  # loaded only by a store with a remote
 
             self._wing = RemoteWing(self.config, opened.auth_keys, self._tier, self.path)
+        self._epochs = EpochGate(self._engine, self.path, read_only=self.config.read_only, remote=self._wing)
         self._ensure_process()
 
     # -- durability --------------------------------------------------------------------
@@ -121,12 +126,16 @@ class Store(StoreWrites, StoreReads, StoreFeed):
         progress: WarmProgress | None = None,
     ) -> WarmReport:
         """Pulls what the remote has of these chains into the local tier
-        ahead of traffic; see :func:`ucm_db.remote.warming.warm`."""
+        ahead of traffic; see :func:`ucm_db.remote.warming.warm`. Token
+        sequences are keyed at the namespace's epoch (:meth:`epoch`: a
+        namespace whose epoch is unknown is refused)."""
         from ucm_db.remote.warming import warm
 
+        self._check_open()
         require_namespace(namespace, "warm")
+        epoch = self._epochs.epoch(namespace)
         link = None if self._wing is None else self._wing.link
-        return warm(self._tier, link, namespace, token_sequences=token_sequences, keys=keys, progress=progress)
+        return warm(self._tier, link, namespace, token_sequences=token_sequences, keys=keys, progress=progress, epoch=epoch)
 
     def close(self) -> None:
         """Flushes and closes; further calls raise ClosedError.

@@ -30,6 +30,7 @@ from ucm_db.index.local import LocalTier
 
 if TYPE_CHECKING:
     from ucm_db.remote.wing import RemoteWing
+    from ucm_db.store.epoch_gate import EpochGate
 
 
 class StoreBase:
@@ -48,6 +49,8 @@ class StoreBase:
     _background: Background | None
     #: The remote wing (link, promotion, uploader); None without a ``remote``.
     _wing: RemoteWing | None
+    #: The namespaces' epochs as this store serves them (lookups, reads, puts).
+    _epochs: EpochGate
 
     def _ensure_process(self) -> None:
         """Starts this process's thread pool and maintenance thread (again

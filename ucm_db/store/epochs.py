@@ -1,4 +1,5 @@
-"""Namespace epochs: invalidating a model's blocks without deleting them.
+"""Namespace epochs: invalidating a model's blocks without deleting them, and
+knowing each namespace's epoch or refusing it.
 
 A namespace's *epoch* is a number recorded in the store (the checked info
 record ``epoch:<namespace id>``, 8 bytes little-endian, with its checksum
@@ -10,33 +11,102 @@ that reads the epoch again: after a weight update, an engine's
 blocks are never found again and leave the store through normal LRU
 eviction (or ``compact``).
 
+The epoch travels with the blocks (issue 48): archives carry it in their
+manifest (:mod:`ucm_db.maintenance.archive.epochs`), a remote in each
+namespace manifest (:mod:`ucm_db.remote.manifests`); a store meeting a
+higher one adopts it (:func:`adopt`), never a lower one.
+
+States (:func:`state`):
+    * a readable record: its value;
+    * a damaged record (checksum or length): **unknown**;
+    * no record, and no block of the namespace was ever put or imported
+      here (no ``nsdesc:`` record of it): 0;
+    * no record although blocks of it were put or imported here: **unknown**
+      (the record was lost) once the store is *sealed* (``epochs:sealed``:
+      every namespace described in it has a record, written by :func:`seal`
+      the first time this code writes to the store, and :func:`adopt`
+      registers each namespace before its first put or import); in a store
+      not yet sealed, written only by ucm-db before epoch records were kept
+      for every namespace, 0 (what that code meant by no record).
+
+Blocks promoted from a remote describe no namespace (no ``nsdesc:``): a
+namespace held only through promotions reads a lost record as 0, and
+takes the remote manifest's epoch at first contact
+(:mod:`ucm_db.store.epoch_gate`), which is where those blocks came from.
+A namespace an older ucm-db first put into a sealed store reads as lost
+(refused until ``ucm-db invalidate``): the safe side.
+
+An unknown epoch is never read as 0: :func:`read` raises
+:class:`EpochUnknownError`, and the store refuses to serve the namespace
+(:mod:`ucm_db.store.epoch_gate`) until ``ucm-db invalidate`` records a new
+one.
+
 Invariants:
-    * A namespace without a record is at epoch 0 (the keys ucm-db gave
-      before epochs existed).
-    * :func:`bump` reads and writes the record in one write transaction, so
-      two bumps at once (two engines, an engine and the CLI) give two
-      different epochs, and then makes it durable (``Engine.sync``) whatever
-      the store's durability: a power cut after a bump returned never
-      brings old KV back.
-    * A damaged record (checksum or length) is never used as an epoch:
-      :func:`read` raises :class:`~ucm_db.errors.TierError`, and :func:`bump`
-      replaces it with a random epoch in ``[2**32, 2**63)``, far above any
-      count a store reaches, so it differs from every epoch used before with
-      overwhelming probability.
+    * Epochs only move forward: :func:`bump` and :func:`adopt` read and
+      write the record in one write transaction, never write a lower value,
+      and make a raise durable (``Engine.sync``) whatever the store's
+      durability: a power cut after a bump returned never brings old KV back.
+      Two bumps at once (two engines, an engine and the CLI) give two
+      different epochs.
+    * A bump of an unknown epoch records :func:`fresh_epoch`: ``2**40`` plus
+      the wall clock in milliseconds, above any count a store reaches by
+      bumps and above every fresh epoch recorded before it (while the clock
+      does not step back), so the lost value is never reused.
 """
 
 from __future__ import annotations
 
-import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
-from ucm_db.errors import TierError
-from ucm_db.index import records
 from ucm_db.engines.base import Engine, Txn
+from ucm_db.errors import DamagedRecordError
+from ucm_db.index import records
+from ucm_db.index.accounting import NS_COUNTS_PREFIX, NS_DESC_PREFIX
 
 #: Info record name prefix; the 16-byte namespace id follows.
 EPOCH_PREFIX = b"epoch:"
+#: Info record present once every namespace the store holds has an epoch record.
+SEALED_KEY = b"epochs:sealed"
+#: The base of fresh epochs (a bump of an unknown epoch).
+FRESH_EPOCH_BASE = 1 << 40
+#: Epochs are unsigned 64-bit numbers (:meth:`ucm_db.Namespace.root_key`).
+EPOCH_LIMIT = 1 << 64
 _EPOCH_BYTES = 8
 _NAMESPACE_ID_BYTES = 16
+_INFO = "info"
+
+
+class EpochUnknownError(DamagedRecordError):
+    """A namespace's epoch cannot be established (its record is damaged, or
+    lost while the store holds its blocks): the namespace is not served."""
+
+    default_hint = "run `ucm-db invalidate PATH --namespace ID` to record a new epoch"
+
+
+@dataclass(frozen=True, slots=True)
+class EpochState:
+    """A namespace's epoch as the store knows it.
+
+    Attributes:
+        epoch: the epoch; None when unknown.
+        problem: why it is unknown (None when known).
+        recorded: whether the store has a readable record of it.
+    """
+
+    epoch: int | None
+    problem: str | None = None
+    recorded: bool = False
+
+    @property
+    def known(self) -> bool:
+        return self.epoch is not None
+
+
+def is_epoch(value: object) -> bool:
+    """Whether ``value`` is a valid epoch (an int in ``[0, 2**64)``, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < EPOCH_LIMIT
 
 
 def _name(namespace_id: bytes) -> bytes:
@@ -45,33 +115,153 @@ def _name(namespace_id: bytes) -> bytes:
     return EPOCH_PREFIX + bytes(namespace_id)
 
 
-def _get(txn: Txn, namespace_id: bytes) -> int:
-    """The recorded epoch (0 if none); raises DamagedRecord."""
-    value = records.get_checked(txn, _name(namespace_id), size=_EPOCH_BYTES)
-    return 0 if value is None else int.from_bytes(bytes(value), "little")
+def _put(txn: Txn, namespace_id: bytes, epoch: int) -> None:
+    records.put_checked(txn, _name(namespace_id), epoch.to_bytes(_EPOCH_BYTES, "little"))
+
+
+def held(txn: Txn, namespace_id: bytes) -> bool:
+    """Whether blocks of the namespace were put or imported here (it has a
+    description, written with its first put and never deleted)."""
+    return txn.get(_INFO, NS_DESC_PREFIX + namespace_id) is not None
+
+
+def sealed(txn: Txn) -> bool:
+    """Whether every namespace the store holds has an epoch record (a
+    damaged marker counts as present: the safe side)."""
+    return txn.get(_INFO, SEALED_KEY) is not None
+
+
+def state(txn: Txn, namespace_id: bytes) -> EpochState:
+    """The namespace's epoch state (module docstring)."""
+    try:
+        value = records.get_checked(txn, _name(namespace_id), size=_EPOCH_BYTES)
+    except records.DamagedRecord as exc:
+        return EpochState(None, f"its epoch record is damaged ({exc.reason})")
+    if value is not None:
+        return EpochState(int.from_bytes(bytes(value), "little"), recorded=True)
+    if held(txn, namespace_id) and sealed(txn):
+        return EpochState(None, "its epoch record is missing although the store holds its blocks (lost)")
+    return EpochState(0)
+
+
+def unknown_error(namespace_id: bytes, problem: str | None, where: str = "PATH") -> EpochUnknownError:
+    """The error of a namespace whose epoch is unknown."""
+    return EpochUnknownError(
+        f"the epoch of namespace {namespace_id.hex()} cannot be established: {problem}; it is not served "
+        "(lookups miss, puts are refused) and never read as epoch 0",
+        hint=f"run `ucm-db invalidate {where} --namespace {namespace_id.hex()}` to record a new epoch",
+    )
 
 
 def read(engine: Engine, namespace_id: bytes) -> int:
-    """The namespace's epoch: one read transaction (one LMDB lookup)."""
-    try:
-        return engine.read(lambda txn: _get(txn, namespace_id))
-    except records.DamagedRecord as exc:
-        raise TierError(
-            f"the epoch record of namespace {namespace_id.hex()} is damaged ({exc.reason})",
-            hint=f"run `ucm-db invalidate PATH --namespace {namespace_id.hex()}` to record a new epoch",
-        ) from exc
+    """The namespace's epoch: one read transaction.
+
+    Raises:
+        EpochUnknownError: the epoch is unknown (damaged or lost record).
+    """
+    found = engine.read(lambda txn: state(txn, namespace_id))
+    if found.epoch is None:
+        raise unknown_error(namespace_id, found.problem)
+    return found.epoch
 
 
-def bump(engine: Engine, namespace_id: bytes) -> int:
-    """Moves the namespace's epoch on; returns the new epoch (durable)."""
+def fresh_epoch() -> int:
+    """An epoch above every count and every earlier fresh epoch (module invariants)."""
+    return FRESH_EPOCH_BASE + time.time_ns() // 1_000_000
+
+
+def _namespaces_held(txn: Txn, prefixes: tuple[bytes, ...] = (NS_DESC_PREFIX,)) -> Iterator[bytes]:
+    for prefix in prefixes:
+        for name, _ in txn.scan(_INFO, prefix):
+            namespace_id = bytes(name)[len(prefix):]
+            if len(namespace_id) == _NAMESPACE_ID_BYTES:
+                yield namespace_id
+
+
+def seal(txn: Txn) -> int:
+    """Seals the store (once in its life): every namespace it holds without
+    an epoch record gets epoch 0 (what ucm-db before sealed stores meant by
+    no record), then the marker. Returns records written."""
+    if sealed(txn):
+        return 0
+    written = 0
+    for namespace_id in sorted(set(_namespaces_held(txn))):
+        if txn.get(_INFO, _name(namespace_id)) is None:
+            _put(txn, namespace_id, 0)
+            written += 1
+    records.put_checked(txn, SEALED_KEY, b"1")
+    return written
+
+
+def adopt(engine: Engine, namespace_id: bytes, carried: int | None = None) -> EpochState:
+    """Seals the store, registers the namespace (a record of its epoch, 0
+    for a namespace new here) and raises its epoch to ``carried`` where that
+    is higher (an epoch met on a remote or in an archive; None: not known,
+    nothing raised). Never lowers. An unknown epoch stays unknown (the
+    carried one may be older than the lost one): the state says so."""
+    if carried is not None and not is_epoch(carried):
+        raise ValueError(f"an epoch is an integer in [0, 2**64), got {carried!r}")
+
+    def run(txn: Txn) -> tuple[EpochState, bool]:
+        seal(txn)
+        found = state(txn, namespace_id)
+        if found.epoch is None:
+            return found, False
+        epoch = max(found.epoch, carried or 0)
+        if epoch != found.epoch or not found.recorded:
+            _put(txn, namespace_id, epoch)
+        return EpochState(epoch, recorded=True), epoch > found.epoch
+
+    found, raised = engine.write(run)
+    if raised:
+        engine.sync()
+    return found
+
+
+def bump(engine: Engine, namespace_id: bytes, floor: int = 0) -> int:
+    """Moves the namespace's epoch on, above ``floor`` too (an epoch met on
+    a remote); an unknown epoch becomes :func:`fresh_epoch`. Returns the new
+    epoch (durable)."""
     def run(txn: Txn) -> int:
-        try:
-            epoch = _get(txn, namespace_id) + 1
-        except records.DamagedRecord:
-            epoch = (1 << 32) + secrets.randbelow((1 << 63) - (1 << 32))
-        records.put_checked(txn, _name(namespace_id), epoch.to_bytes(_EPOCH_BYTES, "little"))
+        seal(txn)
+        found = state(txn, namespace_id)
+        if found.epoch is None:
+            epoch = max(fresh_epoch(), floor + 1)
+        else:
+            epoch = max(found.epoch, floor) + 1
+        if epoch >= EPOCH_LIMIT:
+            raise unknown_error(namespace_id, "its epoch would pass 2**64")
+        _put(txn, namespace_id, epoch)
         return epoch
 
     epoch = engine.write(run)
     engine.sync()
     return epoch
+
+
+def all_states(engine: Engine) -> dict[bytes, EpochState]:
+    """Every namespace the store describes, counts or has an epoch record
+    of, with its state (one read transaction)."""
+    def run(txn: Txn) -> dict[bytes, EpochState]:
+        ids = set(_namespaces_held(txn, (NS_DESC_PREFIX, NS_COUNTS_PREFIX)))
+        for name, _ in txn.scan(_INFO, EPOCH_PREFIX):
+            namespace_id = bytes(name)[len(EPOCH_PREFIX):]
+            if len(namespace_id) == _NAMESPACE_ID_BYTES:
+                ids.add(namespace_id)
+        return {namespace_id: state(txn, namespace_id) for namespace_id in sorted(ids)}
+    return engine.read(run)
+
+
+def problems(engine: Engine) -> list[str]:
+    """One line per namespace whose epoch cannot be established (what
+    ``ucm-db verify`` and ``inspect`` report; read-only). Each names the fix."""
+    return [f"{unknown_error(namespace_id, found.problem)}" for namespace_id, found in all_states(engine).items()
+            if found.epoch is None]
+
+
+def repair(engine: Engine) -> dict[bytes, int]:
+    """Records a fresh epoch (:func:`bump`) for every namespace whose epoch
+    is unknown (``verify --fix``); returns the new epoch of each. Blocks of
+    the lost epoch are never served again."""
+    return {namespace_id: bump(engine, namespace_id)
+            for namespace_id, found in all_states(engine).items() if found.epoch is None}

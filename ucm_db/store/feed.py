@@ -1,15 +1,19 @@
 """The store's per-namespace bookkeeping: the KV cache events' change
 feed (:mod:`ucm_db.events`) and the namespaces' epochs
-(:mod:`ucm_db.store.epochs`).
+(:mod:`ucm_db.store.epochs`, served through :mod:`ucm_db.store.epoch_gate`).
 
 Invariants:
-    * Every read here is one read transaction; ``bump_epoch`` is one
-      durable write and is refused by a read-only store.
+    * Every change feed read here is one read transaction.
+    * ``epoch`` is one read transaction, plus at first contact with a
+      remote one manifest read and, where the remote's epoch is higher, one
+      durable write recording it (never a lower epoch); an unknown epoch
+      raises, never reads as 0.
+    * ``bump_epoch`` is one durable write (and, with a remote, a manifest
+      write) and is refused by a read-only store.
 """
 
 from __future__ import annotations
 
-from ucm_db.store import epochs
 from ucm_db.arguments import require_namespace
 from ucm_db.events import ChangeBatch, EventInventory
 from ucm_db.keys import Namespace
@@ -50,20 +54,29 @@ class StoreFeed(StoreBase):
         return self._engine.read(changefeed.position)[0]
 
     def epoch(self, namespace: Namespace) -> int:
-        """``namespace``'s epoch (0 until it is first bumped): root key
-        chains at it (``namespace.block_keys(..., epoch=store.epoch(ns))``)
-        to find only blocks stored since the last invalidation. One read
-        (:mod:`ucm_db.store.epochs`); a damaged record is a TierError."""
+        """``namespace``'s epoch (0 until it is first bumped, here or on the
+        remote): root key chains at it (``namespace.block_keys(...,
+        epoch=store.epoch(ns))``) to find only blocks stored since the last
+        invalidation (:mod:`ucm_db.store.epochs`).
+
+        Raises:
+            EpochUnknownError: (a TierError) the epoch cannot be established
+                (a damaged record, or one lost while the store holds the
+                namespace's blocks): the namespace is not served until
+                ``ucm-db invalidate`` records a new epoch; logged once.
+        """
         self._check_open()
         require_namespace(namespace, "epoch")
-        return epochs.read(self._engine, namespace.digest[:16])
+        return self._epochs.epoch(namespace)
 
     def bump_epoch(self, namespace: Namespace) -> int:
         """Invalidates ``namespace``'s blocks: moves its epoch on, durably
         and for every process on the store, and returns the new epoch.
         Nothing is deleted: blocks keyed at older epochs are never found
-        again and leave through LRU eviction (:mod:`ucm_db.store.epochs`)."""
+        again and leave through LRU eviction (:mod:`ucm_db.store.epochs`).
+        The new epoch is above the remote's too, and the remote's manifest
+        is told it. An unknown epoch becomes a fresh one, never a reused one."""
         self._check_open()
         require_namespace(namespace, "bump_epoch")
         self._refuse_read_only("bump_epoch")
-        return epochs.bump(self._engine, namespace.digest[:16])
+        return self._epochs.bump(namespace)

@@ -12,6 +12,10 @@ Invariants:
     * With a remote, local misses read through to it (the remote wing,
       :mod:`ucm_db.remote`), which promotes what it fetches; a lookup waits
       at most its deadline on the remote.
+    * A namespace whose epoch cannot be established is not served (every
+      read of it misses), and nothing of a namespace is read through from
+      the remote before its epoch there was read (first contact):
+      :mod:`ucm_db.store.epoch_gate`.
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ class StoreReads(StoreBase):
         deadline_s = self.config.remote_deadline_s if remote_deadline_s is None else remote_deadline_s
         if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
             raise ConfigError(f"remote_deadline_s must be a positive number of seconds, got {remote_deadline_s!r}", hint="pass e.g. 5.0")
+        if not self._epochs.serves(namespace):
+            return 0  # its epoch is unknown: nothing of it is served (store/epoch_gate.py)
         count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.digest[:16])
-        if remote and self._wing is not None and count < len(keys):
+        if remote and self._wing is not None and count < len(keys) and self._epochs.remote_ok(namespace):
             count = self._wing.extend_prefix(namespace.digest[:16], keys, count, deadline_s)
         return count
 
@@ -68,6 +74,8 @@ class StoreReads(StoreBase):
         self._check_open()
         require_namespace(namespace, "get")
         keys = key_list(keys, "get")
+        if not self._epochs.serves(namespace):
+            return [None] * len(keys)  # its epoch is unknown (store/epoch_gate.py)
         corrupt: list[tuple[bytes, str]] = []
 
         def decode(i: int, head: memoryview, body: memoryview) -> bytearray | None:
@@ -101,7 +109,7 @@ class StoreReads(StoreBase):
         A blob whose checksum held but whose frames do not decode
         (``CorruptBlockError`` from ``use``) stays a miss and joins
         ``corrupt``, as a local one does."""
-        if self._wing is None:
+        if self._wing is None or not self._epochs.remote_ok(namespace):
             return
 
         def use_or_miss(i: int, blob: Buffer) -> None:
@@ -153,6 +161,8 @@ class StoreReads(StoreBase):
             for piece in buffer if isinstance(buffer, (list, tuple)) else (buffer,):
                 if type(piece) is not memoryview or piece.readonly or not piece.c_contiguous:  # a view: checked inline
                     require_writable(piece)
+        if not self._epochs.serves(namespace):
+            return [False] * len(keys)  # its epoch is unknown (store/epoch_gate.py)
         corrupt: list[tuple[bytes, str]] = []
 
         def decode(i: int, head: memoryview, body: memoryview) -> bool:

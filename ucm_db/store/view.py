@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ucm_db.arguments import require_namespace_selectors
 from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.format import (
     CREATED_KEY, INFO_TABLE, STORE_FORMAT_VERSION, detect_engine, open_engine, open_lmdb_read_only, read_format_version,
@@ -120,7 +121,9 @@ def open_view(path: str | Path, *, writable: bool = False, check_pages: bool = T
 
 def select_namespaces(view: StoreView, wanted: tuple[str, ...]) -> set[bytes] | None:
     """Namespace ids matching ``wanted`` (id hex prefixes or model names);
-    None means all."""
+    None means all (an empty ``wanted``). An empty or whitespace selector is
+    a ConfigError, never "all" (:func:`ucm_db.arguments.require_namespace_selectors`)."""
+    wanted = require_namespace_selectors(wanted, "namespace selection")
     if not wanted:
         return None
     descriptions = view.tier.namespace_descriptions()

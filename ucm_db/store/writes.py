@@ -79,6 +79,8 @@ class StoreWrites(StoreBase):
                 list without ``parent=``, or a key or parent stored under
                 another namespace (keys built for another namespace; nothing
                 written).
+            EpochUnknownError: (a TierError) the namespace's epoch cannot be
+                established (:mod:`ucm_db.store.epoch_gate`; nothing written).
         """
         self._check_writable()
         require_namespace(namespace, "put")
@@ -148,6 +150,7 @@ class StoreWrites(StoreBase):
                 payloads.extend(segment_payloads)
         if not keys:
             return PutResult()
+        self._epochs.before_put(namespace)  # an unknown epoch: refused (store/epoch_gate.py)
         # Presence within the namespace: a key stored under another one is a
         # ForeignNamespaceError (ConfigError) here, before anything is encoded.
         present = self._tier.present_for_put(keys, _namespace_description(namespace))

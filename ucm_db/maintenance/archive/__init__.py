@@ -2,10 +2,15 @@
 
 Archive format: an uncompressed tar (payloads are already compressed) of
 
-* ``manifest.json`` first: ``{"format": "ucm-db-export", "version": 1,
+* ``manifest.json`` first: ``{"format": "ucm-db-export", "version": 2,
   "created_ns", "ucm_db_version", "namespaces": {id hex: description},
+  "epochs": {id hex: epoch},
   "blocks": [[key hex, parent hex | null, namespace id hex], ...]}``, with
-  each namespace's blocks parent-first;
+  each namespace's blocks parent-first; ``epochs`` is each namespace's
+  invalidation epoch (:mod:`ucm_db.maintenance.archive.epochs`: import
+  records the higher of it and the store's before writing a block; an
+  archive of version 1, without epochs, is still imported, lowering and
+  raising nothing);
 * ``blocks/<key hex>``: each block's encoded blob exactly as stored (codec
   header, owning key, checksum);
 * with an auth key, ``manifest.auth`` last: MACs of the manifest and of
@@ -48,8 +53,10 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db import codec
+from ucm_db.maintenance.archive.epochs import adopt_epochs, carried_epochs, export_epochs
 from ucm_db.maintenance.archive.macs import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
 from ucm_db.maintenance.archive.files import atomic_output, check_target, parse_bounded_json, read_member, store_file_mode
+from ucm_db.arguments import require_namespace_selectors
 from ucm_db.auth import load_keys
 from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, StoreFullError
 from ucm_db.keys import KEY_BYTES, Namespace
@@ -58,7 +65,9 @@ from ucm_db.index.local import BlockEntry
 from ucm_db.index.namespace_guard import ForeignNamespaceError
 
 ARCHIVE_FORMAT = "ucm-db-export"
-ARCHIVE_VERSION = 1
+ARCHIVE_VERSION = 2
+#: Versions import reads (1: before archives carried epochs).
+READABLE_VERSIONS = (1, 2)
 #: Blocks per read transaction on export and per put on import.
 CHUNK_BLOCKS = 256
 #: Largest manifest import reads (about 1.5 million blocks; export refuses more).
@@ -94,11 +103,15 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
     Raises:
         ConfigError: ``archive`` exists and is not a regular file (a
             symlink, directory, FIFO or device: never replaced), its
-            directory is missing, or the export would exceed import's bounds.
+            directory is missing, the export would exceed import's bounds,
+            or a namespace selector is empty.
         TierError: writing the archive failed (it is left as it was).
+        EpochUnknownError: (a TierError) an exported namespace's epoch
+            cannot be established (nothing written).
     """
     from ucm_db.version import __version__
 
+    namespaces = require_namespace_selectors(namespaces, "export")
     archive = Path(archive)
     auth_keys = load_keys(auth_key_file, auth_key_env)
     signer = ArchiveSigner(auth_keys) if auth_keys is not None else None
@@ -110,7 +123,7 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
         used = sorted({m.namespace_id for _, m in blocks} | (selected or set()))
         manifest = {
             "format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION, "created_ns": time.time_ns(), "ucm_db_version": __version__,
-            "namespaces": {ns.hex(): descriptions.get(ns, {}) for ns in used},
+            "namespaces": {ns.hex(): descriptions.get(ns, {}) for ns in used}, "epochs": export_epochs(view, used),
             "blocks": [[k.hex(), m.parent.hex() if m.parent else None, m.namespace_id.hex()] for k, m in blocks],
         }
         manifest_bytes = json.dumps(manifest).encode()
@@ -133,7 +146,7 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
             if signer is not None:
                 _add(tar, AUTH_MEMBER, signer.member())
     return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"],
-            "authenticated": signer is not None}
+            "epochs": manifest["epochs"], "authenticated": signer is not None}
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -156,8 +169,9 @@ def _is_hex(value: Any, n_bytes: int) -> bool:
 
 def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
     """The manifest, after checking its whole shape (ConfigError otherwise)."""
-    if not isinstance(manifest, dict) or manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") != ARCHIVE_VERSION:
-        raise ConfigError(f"{archive} is not a ucm-db export of version {ARCHIVE_VERSION}", hint="export it again with this ucm-db")
+    if not isinstance(manifest, dict) or manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") not in READABLE_VERSIONS:
+        raise ConfigError(f"{archive} is not a ucm-db export of version {' or '.join(map(str, READABLE_VERSIONS))}",
+                          hint="export it again with this ucm-db")
     for name, kind in (("namespaces", dict), ("blocks", list)):
         if not isinstance(manifest.get(name), kind):
             raise ConfigError(f"{archive}: the manifest has no {name} {kind.__name__}", hint=_DAMAGED)
@@ -176,6 +190,7 @@ def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
               and (row[1] is None or _is_hex(row[1], KEY_BYTES)) and _is_hex(row[2], _NS_ID_BYTES))
         if not ok:
             raise ConfigError(f"{archive}: block entry {str(row)[:80]} is malformed", hint=_DAMAGED)
+    carried_epochs(manifest, archive)  # malformed epochs: refused before anything is written
     return manifest
 
 
@@ -214,7 +229,11 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
                    auth_key_env: str | None = None) -> dict[str, Any]:
     """Loads ``archive`` into the store at ``path`` (created if missing);
     returns counts (``stored``, ``already_present``, ``evicted``) and the
-    skipped blocks with reasons (module invariants). With an auth key, an
+    skipped blocks with reasons (module invariants), and ``epochs`` (per
+    namespace: the epoch ``carried``, the store's ``epoch`` now, a ``note``)
+    with ``epoch_problems`` (namespaces whose epoch this store cannot
+    establish). The carried epochs are recorded before any block
+    (:mod:`ucm_db.maintenance.archive.epochs`). With an auth key, an
     archive it did not sign is refused and a block it did not sign is skipped.
 
     Raises:
@@ -230,7 +249,8 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
     auth_keys = load_keys(auth_key_file, auth_key_env)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
-    report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "evicted": 0, "skipped": []}
+    report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "evicted": 0, "skipped": [],
+                              "epochs": {}, "epoch_problems": []}
     with _open_archive(archive) as tar:
         try:
             verifier = ArchiveVerifier(tar, archive, auth_keys) if auth_keys is not None else None
@@ -241,6 +261,7 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
         with open_store(path) as store:
             if not allow_evict:
                 _refuse_eviction(store._tier, manifest, members, path)
+            report["epochs"], report["epoch_problems"] = adopt_epochs(store, carried_epochs(manifest, archive))
             _load(tar, members, manifest, store, report, progress, verifier)
     return report
 

@@ -1,0 +1,166 @@
+"""The invalidation epoch travels with the blocks to a shared remote (issue
+48, item 6): a store meeting the remote for the first time (a new node, or
+``lmdb/`` moved aside) adopts the epoch the namespace manifest carries, so
+it never serves an invalidated chain from the remote; with an auth key the
+manifest's epoch is authenticated, and a planted one is never adopted.
+
+Each case: node A stores chain v1, invalidates, stores v2 of the same
+tokens; the assertion is 0 stale (v1) blocks served by a reader keyed at
+``store.epoch(ns)``, as the connector is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+from ucm_db import Namespace, TierError, maintenance
+from ucm_db.remote.tier import RemoteRoot
+
+from .conftest import Remote, make_remote
+
+pytestmark = pytest.mark.timeout(120)
+NS = Namespace(model="test/epoch-remote", kv_dtype="bfloat16", block_size=4)
+TOKENS = list(range(5, 5 + 4 * 6))
+BLOCKS = len(TOKENS) // 4
+V1 = [f"v1-{i}".encode().ljust(256, b".") for i in range(BLOCKS)]
+V2 = [f"v2-{i}".encode().ljust(256, b".") for i in range(BLOCKS)]
+KEY = bytes(range(32))
+
+
+@pytest.fixture(params=["file", "memory"])
+def shared(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
+    return make_remote(request.param, tmp_path, request)
+
+
+def opened(path: Path, remote: Remote, **extra: object) -> ucm_db.Store:
+    return ucm_db.open(path, capacity_bytes=64 << 20, remote_mode="write_through", **remote.store_options(remote_deadline_s=10, **extra))
+
+
+def served(store: ucm_db.Store) -> list[bytes]:
+    try:
+        epoch = store.epoch(NS)
+    except TierError:
+        return []
+    keys = NS.block_keys(TOKENS, epoch=epoch)
+    found = store.lookup(NS, keys)
+    return [bytes(b) for b in store.get(NS, keys[:found]) if b is not None]
+
+
+def stale(blocks: list[bytes]) -> int:
+    return sum(1 for b in blocks if b in V1)
+
+
+def invalidated_node(path: Path, remote: Remote, **extra: object) -> None:
+    with opened(path, remote, **extra) as store:
+        store.put(NS, NS.block_keys(TOKENS, epoch=store.epoch(NS)), V1)
+        assert store.bump_epoch(NS) == 1
+        store.put(NS, NS.block_keys(TOKENS, epoch=store.epoch(NS)), V2)
+        assert served(store) == V2
+
+
+def manifest(remote: Remote) -> dict:
+    found = RemoteRoot.from_url(remote.url, remote.options).read_manifest(NS.digest[:16])
+    assert found is not None
+    return found
+
+
+def test_a_new_store_on_the_shared_remote_adopts_its_epoch(tmp_path: Path, shared: Remote) -> None:
+    invalidated_node(tmp_path / "a", shared)
+    with opened(tmp_path / "b", shared) as node_b:
+        got = served(node_b)
+        assert stale(got) == 0 and got == V2  # read through from the remote, at epoch 1
+        assert node_b.epoch(NS) == 1
+    assert manifest(shared)["epoch"] == 1
+    with ucm_db.open(tmp_path / "b") as node_b:  # recorded: the local store keeps it without the remote
+        assert node_b.epoch(NS) == 1 and stale(served(node_b)) == 0
+
+
+def test_a_store_whose_lmdb_was_moved_aside_adopts_the_remote_epoch(tmp_path: Path, shared: Remote) -> None:
+    invalidated_node(tmp_path / "a", shared)
+    (tmp_path / "a" / "lmdb").rename(tmp_path / "lmdb.moved")
+    with opened(tmp_path / "a", shared) as node_a:
+        got = served(node_a)
+        assert stale(got) == 0 and got == V2
+
+
+def test_reads_before_any_epoch_call_never_take_the_old_chain(tmp_path: Path, shared: Remote) -> None:
+    """A lookup is first contact too: the remote's epoch is read before
+    anything of the namespace is read through (and the reads write nothing)."""
+    invalidated_node(tmp_path / "a", shared)
+    with opened(tmp_path / "b", shared) as node_b:
+        keys_v2 = NS.block_keys(TOKENS, epoch=1)
+        assert node_b.lookup(NS, keys_v2) == BLOCKS
+        assert node_b.epoch(NS) == 1
+
+
+def test_an_invalidation_made_without_the_remote_reaches_it(tmp_path: Path, shared: Remote) -> None:
+    """`ucm-db invalidate` opens the store without its remote: the store
+    tells the remote at its next contact (its epoch is the higher)."""
+    with opened(tmp_path / "a", shared) as node_a:
+        node_a.put(NS, NS.block_keys(TOKENS), V1)
+    maintenance.invalidate(tmp_path / "a", (NS.model,))
+    with opened(tmp_path / "a", shared) as node_a:
+        assert node_a.epoch(NS) == 1
+        node_a.put(NS, NS.block_keys(TOKENS, epoch=1), V2)
+    assert manifest(shared)["epoch"] == 1
+    with opened(tmp_path / "b", shared) as node_b:
+        got = served(node_b)
+        assert stale(got) == 0 and got == V2
+
+
+def test_a_store_never_moves_back_and_moves_past_the_remote(tmp_path: Path, shared: Remote) -> None:
+    invalidated_node(tmp_path / "a", shared)
+    with ucm_db.open(tmp_path / "b", capacity_bytes=64 << 20) as node_b:
+        for _ in range(3):
+            node_b.bump_epoch(NS)
+    with opened(tmp_path / "b", shared) as node_b:
+        assert node_b.epoch(NS) == 3  # not lowered to the remote's 1
+        assert node_b.bump_epoch(NS) == 4
+    assert manifest(shared)["epoch"] == 4
+    with opened(tmp_path / "c", shared) as node_c:
+        assert node_c.epoch(NS) == 4 and served(node_c) == []
+
+
+def test_warm_by_tokens_pulls_the_current_chain(tmp_path: Path, shared: Remote) -> None:
+    invalidated_node(tmp_path / "a", shared)
+    with opened(tmp_path / "b", shared) as node_b:
+        report = node_b.warm(NS, token_sequences=[TOKENS])
+        assert report.fetched == BLOCKS
+    with ucm_db.open(tmp_path / "b") as node_b:
+        assert node_b.epoch(NS) == 1
+        assert [bytes(b) for b in node_b.get(NS, NS.block_keys(TOKENS, epoch=1))] == V2
+        assert node_b.lookup(NS, NS.block_keys(TOKENS)) == 0  # v1 was never pulled
+
+
+def test_with_a_key_the_manifest_epoch_is_authenticated(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
+    key_file = tmp_path / "auth.key"
+    key_file.write_text(KEY.hex() + "\n")
+    key_file.chmod(0o600)
+    auth = {"remote_auth_key_file": str(key_file)}
+    invalidated_node(tmp_path / "a", remote, **auth)
+    assert set(manifest(remote)["epoch_auth"]) == {"key_id", "mac"}
+    with opened(tmp_path / "b", remote, **auth) as node_b:
+        assert node_b.epoch(NS) == 1 and served(node_b) == V2
+    # A bucket writer without the key raises the epoch (to make every node
+    # drop its cache) or lowers it: neither is adopted, and nothing of the
+    # namespace is read through from the remote while it cannot be established.
+    for forged in (7, 0):
+        body = manifest(remote)
+        body["epoch"] = forged
+        Path(remote.url.removeprefix("file://"), NS.short_id, "manifest.json").write_text(json.dumps(body))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ucm_db"), opened(tmp_path / f"c{forged}", remote, **auth) as node_c:
+            assert node_c.epoch(NS) == 0  # its own: the remote's cannot be established
+            assert served(node_c) == [] and node_c.lookup(NS, NS.block_keys(TOKENS)) == 0  # v1 not read through
+        assert any("not made by a configured auth key" in r.getMessage() for r in caplog.records)
+    # A keyed store moving the epoch on rewrites the manifest, signed.
+    with opened(tmp_path / "a", remote, **auth) as node_a:
+        assert node_a.bump_epoch(NS) == 2
+    with opened(tmp_path / "d", remote, **auth) as node_d:
+        assert node_d.epoch(NS) == 2 and served(node_d) == []

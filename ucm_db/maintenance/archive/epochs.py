@@ -1,0 +1,81 @@
+"""The epochs an archive carries (issue 48): the invalidation epoch travels
+with the blocks.
+
+An archive of version 2 (:data:`~ucm_db.maintenance.archive.ARCHIVE_VERSION`)
+holds ``"epochs": {namespace id hex: epoch}`` in its ``manifest.json``, one
+entry per namespace it describes: inside the bytes the archive MAC covers
+(:mod:`ucm_db.maintenance.archive.macs`), so a signed archive's epochs are
+authenticated with its blocks.
+
+Invariants:
+    * Export refuses (:class:`~ucm_db.store.epochs.EpochUnknownError`, before
+      writing anything) a namespace whose epoch the store cannot establish:
+      an archive never carries a guessed epoch.
+    * Import records, before any block is written, ``max(store's epoch,
+      carried epoch)`` for each namespace (:func:`ucm_db.store.epochs.adopt`):
+      epochs only move forward. A namespace whose epoch the store cannot
+      establish stays unknown (the archive's may be older than the lost
+      one) and is reported.
+    * An archive of version 1 (ucm-db before epochs travelled) carries no
+      epoch: each of its namespaces is read as "epoch unknown", and import
+      lowers nothing and raises nothing: the store keeps its epochs and the
+      archive's blocks keep their keys (a note in the report says so).
+      Archives of version 2 are refused by ucm-db before it ("export it
+      again with this ucm-db"), rather than imported without their epochs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ucm_db.errors import ConfigError
+from ucm_db.store import epochs
+from ucm_db.store.view import StoreView
+
+_DAMAGED = "the archive is damaged or not written by ucm-db export; export it again"
+NO_EPOCH_NOTE = ("the archive carries no epoch (exported by a ucm-db before epochs travelled with archives): this store's "
+                 "epoch is kept; if the source store was ever invalidated, run `ucm-db invalidate` on this one too")
+
+
+def export_epochs(view: StoreView, namespace_ids: list[bytes]) -> dict[str, int]:
+    """The epoch of each exported namespace, by id hex; raises
+    EpochUnknownError for one the store cannot establish."""
+    states = view.engine.read(lambda txn: {ns_id: epochs.state(txn, ns_id) for ns_id in namespace_ids})
+    for ns_id, found in states.items():
+        if found.epoch is None:
+            error = epochs.unknown_error(ns_id, found.problem, str(view.path))
+            raise epochs.EpochUnknownError(
+                f"cannot export: {str(error).split(' (hint: ')[0]}",
+                hint=f"run `ucm-db invalidate {view.path} --namespace {ns_id.hex()}` first, or export the other namespaces (--namespace)")
+    return {ns_id.hex(): found.epoch for ns_id, found in states.items() if found.epoch is not None}
+
+
+def carried_epochs(manifest: dict[str, Any], archive: Path) -> dict[str, int | None]:
+    """The epoch each namespace of a checked manifest carries (None:
+    unknown, a version-1 archive); ConfigError if version 2's are malformed."""
+    if manifest.get("version") == 1:
+        return {ns_hex: None for ns_hex in manifest["namespaces"]}
+    carried = manifest.get("epochs")
+    if not isinstance(carried, dict) or set(carried) != set(manifest["namespaces"]):
+        raise ConfigError(f"{archive}: the manifest's epochs do not name exactly its namespaces", hint=_DAMAGED)
+    for ns_hex, epoch in carried.items():
+        if not epochs.is_epoch(epoch):
+            raise ConfigError(f"{archive}: namespace {ns_hex} carries epoch {str(epoch)[:40]!r}, not an epoch", hint=_DAMAGED)
+    return dict(carried)
+
+
+def adopt_epochs(store: Any, carried: dict[str, int | None]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Records the carried epochs in ``store`` (an open Store) before any
+    block is written; returns ``({id hex: {"carried", "epoch", "note"}},
+    problems)``: one problem line per namespace whose epoch the store
+    cannot establish."""
+    rows: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for ns_hex, epoch in sorted(carried.items()):
+        found = store._epochs.adopt(bytes.fromhex(ns_hex), epoch)
+        note = NO_EPOCH_NOTE if epoch is None else None
+        if found.epoch is None:
+            problems.append(str(epochs.unknown_error(bytes.fromhex(ns_hex), found.problem, str(store.path))))
+        rows[ns_hex] = {"carried": epoch, "epoch": found.epoch, "note": note}
+    return rows, problems

@@ -1,0 +1,193 @@
+"""The namespaces' epochs as one process of a store serves them: the gate
+every lookup, read, put, warm and bump passes, and first contact with the
+store's remote (:mod:`ucm_db.store.epochs` holds the records).
+
+Invariants:
+    * A namespace whose epoch is unknown (a damaged record, or one lost
+      while the store holds its blocks) is not served: lookups count 0,
+      reads miss, puts and ``epoch()`` raise
+      :class:`~ucm_db.store.epochs.EpochUnknownError`. It is logged once
+      per namespace and store object (an error line naming the fix), again
+      only after a bump established it and it was lost anew.
+    * Reads never write: lookups and reads only read the state (one read
+      transaction) and, at first contact, the remote's manifest; what they
+      learn there is held in memory until ``epoch()`` or a put records it.
+    * First contact with a remote (per namespace and process, before
+      anything of it is read through from the remote): the manifest's epoch
+      is read and the namespace's epoch becomes ``max(local, remote)``
+      (recorded by ``epoch()`` or the first put of a writable store, held
+      in memory by a read-only one). While that read fails (remote down)
+      nothing of the namespace is read through from the remote; it is
+      retried at most every :data:`RETRY_S`.
+    * A writable store tells the remote its epoch when it is higher than
+      the manifest's (after a bump, ``ucm-db invalidate`` run beside it, or
+      at first contact) from ``epoch()``, puts and bumps, once per new epoch
+      and process; a failure is logged and retried after :data:`RETRY_S`.
+      A running store learns another node's bump of the same remote at its
+      next start (first contact), or from ``ucm-db invalidate`` on its own
+      store. A manifest whose epoch cannot be established (malformed, or not
+      signed by a configured key) counts as a failed first contact; a bump
+      here rewrites it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from ucm_db.engines.base import Engine
+from ucm_db.keys import Namespace
+from ucm_db.store import epochs
+from ucm_db.store.epochs import EpochState
+
+#: Seconds between attempts to read (or write) a remote's epoch after a failure.
+RETRY_S = 5.0
+
+_log = logging.getLogger("ucm_db")
+
+
+class RemoteEpochs(Protocol):
+    """What the gate needs of :class:`ucm_db.remote.wing.RemoteWing`."""
+
+    def namespace_epoch(self, namespace_id: bytes) -> int | None: ...
+
+    def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None: ...
+
+
+class EpochGate:
+    """One store object's view of its namespaces' epochs (module invariants)."""
+
+    def __init__(self, engine: Engine, path: Path, *, read_only: bool, remote: RemoteEpochs | None) -> None:
+        self._engine = engine
+        self._path = path
+        self._read_only = read_only
+        self._remote = remote
+        self._floors: dict[bytes, int] = {}  # epochs met on the remote
+        self._settled: set[bytes] = set()  # first contact with the remote made
+        self._told: dict[bytes, int] = {}  # the epoch the remote was seen with or told
+        self._retry_at: dict[bytes, float] = {}
+        self._registered: dict[bytes, int] = {}  # namespaces recorded by this process, with the floor they took
+        self._reported: set[bytes] = set()
+        self._remote_warned: set[bytes] = set()
+
+    # -- the doors ----------------------------------------------------------------
+    def epoch(self, namespace: Namespace) -> int:
+        """The namespace's epoch (first contact with the remote made, a
+        higher remote epoch recorded); raises EpochUnknownError."""
+        ns_id = namespace.digest[:16]
+        self._settle(ns_id)
+        epoch = self._known(ns_id, self._state(ns_id))
+        floor = self._floors.get(ns_id, 0)
+        if floor > epoch and not self._read_only:
+            epoch = self._record(ns_id, floor)
+        epoch = max(epoch, floor)
+        self._tell(namespace, epoch)
+        return epoch
+
+    def serves(self, namespace: Namespace) -> bool:
+        """Whether lookups and reads of the namespace may be answered (its
+        epoch is known); one read transaction, never a write."""
+        ns_id = namespace.digest[:16]
+        found = self._state(ns_id)
+        if found.epoch is None:
+            self._report(ns_id, found.problem)
+            return False
+        return True
+
+    def remote_ok(self, namespace: Namespace) -> bool:
+        """Whether the namespace may be read through from the remote (first
+        contact made; module invariants)."""
+        ns_id = namespace.digest[:16]
+        self._settle(ns_id)
+        return ns_id in self._settled
+
+    def before_put(self, namespace: Namespace) -> None:
+        """Registers the namespace before its first block here (its record,
+        at a remote's higher epoch); raises EpochUnknownError."""
+        ns_id = namespace.digest[:16]
+        self._settle(ns_id)
+        floor = self._floors.get(ns_id, 0)
+        if self._registered.get(ns_id, -1) >= floor:
+            self._known(ns_id, self._state(ns_id))
+            return
+        self._tell(namespace, self._record(ns_id, floor))
+
+    def adopt(self, namespace_id: bytes, carried: int | None) -> EpochState:
+        """Records an epoch met elsewhere (an archive's) where higher
+        (:func:`ucm_db.store.epochs.adopt`); an unknown epoch is logged."""
+        found = epochs.adopt(self._engine, namespace_id, carried)
+        if found.epoch is None:
+            self._report(namespace_id, found.problem)
+        else:
+            self._registered[namespace_id] = max(self._registered.get(namespace_id, 0), carried or 0)
+        return found
+
+    def bump(self, namespace: Namespace) -> int:
+        """Moves the namespace's epoch on, above the remote's too, and tells
+        the remote; returns the new epoch (durable)."""
+        ns_id = namespace.digest[:16]
+        self._settle(ns_id)
+        epoch = epochs.bump(self._engine, ns_id, self._floors.get(ns_id, 0))
+        self._reported.discard(ns_id)
+        self._registered[ns_id] = max(self._registered.get(ns_id, 0), self._floors.get(ns_id, 0))
+        self._tell(namespace, epoch, force=True)  # also over a manifest whose epoch could not be established
+        return epoch
+
+    # -- parts --------------------------------------------------------------------
+    def _state(self, ns_id: bytes) -> EpochState:
+        return self._engine.read(lambda txn: epochs.state(txn, ns_id))
+
+    def _known(self, ns_id: bytes, found: EpochState) -> int:
+        if found.epoch is None:
+            self._report(ns_id, found.problem)
+            raise epochs.unknown_error(ns_id, found.problem, str(self._path))
+        return found.epoch
+
+    def _record(self, ns_id: bytes, floor: int) -> int:
+        found = epochs.adopt(self._engine, ns_id, floor or None)
+        epoch = self._known(ns_id, found)
+        self._registered[ns_id] = floor
+        return epoch
+
+    def _report(self, ns_id: bytes, problem: str | None) -> None:
+        if ns_id in self._reported:
+            return
+        self._reported.add(ns_id)
+        _log.error("ucm-db: store %s: %s", self._path, epochs.unknown_error(ns_id, problem, str(self._path)))
+
+    def _settle(self, ns_id: bytes) -> None:
+        """First contact with the remote: reads its epoch of the namespace."""
+        if self._remote is None or ns_id in self._settled or time.monotonic() < self._retry_at.get(ns_id, 0.0):
+            return
+        try:
+            carried = self._remote.namespace_epoch(ns_id)
+        except Exception as exc:  # noqa: BLE001 - any remote failure: retried later, nothing read through meanwhile
+            self._retry_at[ns_id] = time.monotonic() + RETRY_S
+            if ns_id not in self._remote_warned:
+                self._remote_warned.add(ns_id)
+                _log.warning("ucm-db: cannot read the remote's epoch of namespace %s (%s: %s); nothing of it is read "
+                             "through from the remote until it can (retried every %.0f s)", ns_id.hex(), type(exc).__name__,
+                             exc, RETRY_S)
+            return
+        if carried is not None:
+            self._floors[ns_id] = max(self._floors.get(ns_id, 0), carried)
+        self._told[ns_id] = max(self._told.get(ns_id, 0), carried or 0)
+        self._settled.add(ns_id)
+
+    def _tell(self, namespace: Namespace, epoch: int, *, force: bool = False) -> None:
+        """Tells the remote a higher epoch than it has (module invariants);
+        ``force``: a bump's, before first contact succeeded too."""
+        ns_id = namespace.digest[:16]
+        if (self._remote is None or self._read_only or (ns_id not in self._settled and not force)
+                or self._told.get(ns_id, 0) >= epoch or (time.monotonic() < self._retry_at.get(ns_id, 0.0) and not force)):
+            return
+        try:
+            self._remote.publish_epoch(ns_id, epoch, namespace.to_dict())
+        except Exception as exc:  # noqa: BLE001 - any remote failure: retried later
+            self._retry_at[ns_id] = time.monotonic() + RETRY_S
+            _log.warning("ucm-db: cannot record epoch %d of namespace %s on the remote (%s: %s); retried in %.0f s",
+                         epoch, ns_id.hex(), type(exc).__name__, exc, RETRY_S)
+            return
+        self._told[ns_id] = epoch
