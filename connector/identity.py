@@ -1,25 +1,67 @@
 """Identity: the namespaces and storage units of a vLLM deployment, and of
 each request its key chain and the extras hashed into it.
 
-A namespace fingerprints the model (``model_id`` if configured, else the
-model name and revision for hub models, or a digest of the config and
-weight files for a local directory: never the directory's path, so a copied
-model keeps its cache and two different models in one path never share),
-the KV dtype, the block size, and a layout descriptor (platform, attention
-ISA, spec kind, layers, *total* KV heads, head size). It does not depend on
-the tensor- or pipeline-parallel size or rank: blocks are stored as units of
-one KV head and one pipeline stage's layers (:mod:`ucm_db.keys.units`,
-``docs/tp.md``), so a store written at one TP size serves every other.
+A namespace fingerprints the model (``model_id`` if configured, else a
+BLAKE3 digest of the files vLLM loads it from, a hub model's being those of
+the snapshot its revision resolves to: :mod:`ucm_db.connector.fingerprints`;
+never a path or a branch name), the KV dtype, the block size, a layout
+descriptor (platform, attention ISA, spec kind, layers, *total* KV heads,
+head size, KV cache dtype) and the inputs below (:func:`namespace_inputs`,
+``Namespace.extra``). It does not depend on the tensor- or pipeline-parallel
+size or rank: blocks are stored as units of one KV head and one pipeline
+stage's layers (:mod:`ucm_db.keys.units`, ``docs/tp.md``), so a store
+written at one TP size serves every other.
+
+Namespace inputs (issue 48), each where it changes K/V for the same tokens
+and left out at its default, so a deployment keys only what it changed:
+    * ``dtype``: weights and activations are computed in it (a float16 and a
+      bfloat16 model differ even into one fp8 KV cache).
+    * ``quantization`` (the method vLLM resolved), ``quantization_config``
+      (an online quantization's spec), the checkpoint's
+      ``quantization_config``: the weights the KV is computed from.
+    * ``kv_cache_dtype_skip_layers``: layers a quantized KV cache keeps in
+      the model dtype. (The KV cache dtype itself is ``cache_dtype`` in the
+      layout and ``Namespace.kv_dtype``.)
+    * ``hf_overrides``: a changed config (a dict as given; a function by its
+      qualified name, all of it that prints the same in every process).
+    * ``rope``: the effective RoPE parameters (``rope_parameters``, else
+      ``rope_scaling``; ``rope_theta`` and ``partial_rotary_factor`` where
+      kept apart): K is stored rotated.
+    * ``max_model_len``, only where vLLM 0.32's K/V read it: ``long_rope``
+      (LongRoPE picks its long factors for every position once
+      ``max_model_len`` exceeds ``original_max_position_embeddings``: the
+      flag, not the length, is keyed), ``max_model_len`` with dynamic NTK
+      (its base reads ``max_position``, which some models take from
+      ``max_model_len``), ``attn_temperature_tuning`` for Llama 4 (on by
+      default above 32K; it scales the NoPE layers' queries, so every later
+      layer's KV). YaRN, llama3 and DeepSeek scaling read
+      ``original_max_position_embeddings`` (config, in ``rope``), linear and
+      default RoPE only size their cos/sin cache: not keyed.
+    * ``disable_sliding_window`` (with a model that has a window): attention
+      over the whole context changes every later layer's KV.
+    * ``model_class_overrides``, ``code_revision``: another model class or
+      remote code computes the KV.
+    * ``model_weights``: weights streamed from an object store (vLLM's
+      ``model`` is then a directory of configs): the URI, the only handle.
+Not keyed: the tokenizer and generation config (token ids are keyed, not
+text; sampling never changes KV), ``seed``, ``enforce_eager``, the
+attention backend and ``model_impl`` (numerics within kernel tolerance; the
+platform and CPU attention ISA are in the layout), served names, pooling and
+runner options, multimodal processor options (vLLM's item identifiers carry
+them), the LoRA config (adapters are keyed per request). The tripwire tests
+(``tests/connector/test_identity_inputs.py``) list every ``ModelConfig``
+field with its decision and fail on one vLLM adds.
 
 Invariants:
     * The scheduler process and every worker derive identical namespaces,
       grids and spans from the same ``VllmConfig`` and ``KVCacheConfig``:
       nothing here looks at live tensors or process-local state except the
       ranks a worker passes.
-    * At TP=1 and PP=1 the namespace is the one ucm-db used before units
-      (same fields, same layout string): ``ucm-db migrate`` splits the
-      whole blocks stored then into this namespace's units
-      (:mod:`ucm_db.maintenance.pre_units`).
+    * At TP=1 and PP=1 the layout string is the one ucm-db used before
+      units: ``ucm-db migrate`` splits the whole blocks stored then into
+      this namespace's units (:mod:`ucm_db.maintenance.pre_units`). Blocks
+      stored before issue 48 (a model keyed by ``name@revision`` or sampled
+      bytes, no namespace inputs) are under other namespaces: misses.
     * Each KV head has exactly one writer rank (the first of the ranks
       holding a replicated head); MLA's latent (one "head", identical on
       every rank) is written by TP rank 0 and read by every rank.
@@ -29,7 +71,8 @@ Invariants:
       carrying the rank) are not read: their keys are rooted in the rank's
       namespace and cannot be re-keyed (``docs/tp.md``).
     * A request's key chain is hashed once, by ucm-db, from its token ids
-      and its extras (:func:`request_extras`: LoRA name, ``cache_salt``;
+      and its extras (:func:`request_extras`: the LoRA adapter's content
+      digest, ``cache_salt``;
       :func:`request_block_extras`: multimodal item hashes and offsets, a
       prompt-embedding digest), so keys are stable across restarts and vLLM
       versions; :func:`chain_keys` extends it incrementally as the request
@@ -38,13 +81,15 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ucm_db.connector.fingerprints import adapter_key, model_fingerprint
 from ucm_db.connector.groups import kv_groups
 from ucm_db.errors import ConfigError
 from ucm_db.keys import BlockKeys, Namespace
@@ -55,11 +100,6 @@ if TYPE_CHECKING:
 
     from ucm_db.connector.request_state import RequestState
 
-#: Weight files up to this size are hashed whole; larger ones are sampled.
-_FULL_HASH_BYTES = 256 << 20
-_SAMPLE_BYTES = 1 << 20
-_SAMPLES = 64
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 @dataclass(frozen=True)
@@ -76,6 +116,7 @@ class KVShape:
     kv_heads: int = 1  # the model's total KV heads (1 for MLA)
     layers: int = 1    # the model's total attention layers
     unit_bytes: int = 0  # raw bytes of one KV head's unit over every layer, from vLLM's spec (0: unknown, MLA)
+    extra: str = ""  # namespace inputs beside model, layout and block size (namespace_inputs)
 
 
 def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KVShape:
@@ -103,7 +144,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     }
     parallel = vllm_config.parallel_config
     return KVShape(
-        model=model_id or model_fingerprint(model_config),
+        model=model_id or model_fingerprint(model_config, getattr(getattr(vllm_config, "load_config", None), "download_dir", None)),
         kv_dtype=dtype,
         block_size=int(vllm_config.cache_config.block_size),
         use_mla=use_mla,
@@ -113,6 +154,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         kv_heads=kv_heads,
         layers=int(layers),
         unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers)),
+        extra=namespace_inputs(vllm_config),
     )
 
 
@@ -129,7 +171,8 @@ def _unit_bytes(spec: Any, block_size: int, layers: int) -> int:
 
 def namespace(shape: KVShape) -> Namespace:
     """The deployment's namespace: the same at every TP/PP size and rank."""
-    return Namespace(model=shape.model, kv_dtype=shape.kv_dtype, block_size=shape.block_size, layout=shape.layout)
+    return Namespace(model=shape.model, kv_dtype=shape.kv_dtype, block_size=shape.block_size, layout=shape.layout,
+                     extra=shape.extra)
 
 
 def grid(shape: KVShape) -> KVGrid:
@@ -173,10 +216,10 @@ def reader_spans(shape: KVShape) -> list[UnitSpan]:
 
 def request_extras(request: Request) -> dict[str, Any]:
     """What changes all of a request's KV besides its token ids: the root
-    extras of its key chain (LoRA adapter, ``cache_salt``)."""
+    extras of its key chain (LoRA adapter by content, ``cache_salt``)."""
     extras: dict[str, Any] = {}
     if request.lora_request is not None:
-        extras["lora"] = str(request.lora_request.lora_name)
+        extras["lora"] = adapter_key(request.lora_request)
     if request.cache_salt:
         extras["cache_salt"] = str(request.cache_salt)
     return extras
@@ -235,37 +278,96 @@ def chain_keys(namespace: Namespace, block_size: int, state: RequestState, num_b
     return state.keys  # callers slice: copying 1000s of keys per call showed in profiles
 
 
-def model_fingerprint(model_config: Any) -> str:
-    """Model identity: name@revision for hub models, a content digest for a
-    local directory (config files plus sampled weight bytes)."""
-    model = str(model_config.model)
-    revision = getattr(model_config, "revision", None)
-    path = Path(model)
-    if not path.is_dir():
-        return f"{model}@{revision or 'main'}"
-    digest = hashlib.sha256(b"ucm-db/model\0")
-    for file in sorted(p for p in path.iterdir() if p.is_file()):
-        name = file.name
-        if name.endswith(".json") or name.endswith(_WEIGHT_SUFFIXES):
-            digest.update(name.encode() + b"\0")
-            _hash_file(file, digest)
-    return f"local:{path.name}:{digest.hexdigest()[:32]}"
+def namespace_inputs(vllm_config: Any) -> str:
+    """What besides the model's files, the KV layout and the block size
+    changes K/V (the module docstring's list, with reasons), as canonical
+    JSON for :attr:`Namespace.extra`; inputs at their defaults are left out."""
+    config = vllm_config.model_config
+    text = config.hf_text_config
+    rope = _rope(text)
+    inputs: dict[str, Any] = {
+        "dtype": config.dtype,
+        "quantization": config.quantization,
+        "quantization_config": config.quantization_config,
+        "checkpoint_quantization_config": getattr(config.hf_config, "quantization_config", None),
+        "kv_cache_dtype_skip_layers": getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None),
+        "hf_overrides": config.hf_overrides,
+        "rope": rope,
+        "disable_sliding_window": config.disable_sliding_window and _has_sliding_window(text),
+        "model_class_overrides": config.model_class_overrides,
+        "code_revision": config.code_revision,
+        "model_weights": config.model_weights if config.model_weights not in ("", config.model) else None,
+    }
+    inputs.update(_max_len_inputs(config, text, rope.get("parameters")))
+    plain = {name: _plain(value) for name, value in inputs.items() if value not in (None, False, "", {}, [], ())}
+    return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def _hash_file(file: Path, digest: Any) -> None:
-    size = file.stat().st_size
-    digest.update(size.to_bytes(8, "little"))
-    with file.open("rb") as handle:
-        if size <= _FULL_HASH_BYTES:
-            for chunk in iter(lambda: handle.read(8 << 20), b""):
-                digest.update(chunk)
-            return
-        # Sampling keeps start-up fast on multi-GB checkpoints; the header
-        # (tensor names, shapes) and 64 spread samples tell models apart.
-        step = max(1, (size - _SAMPLE_BYTES) // (_SAMPLES - 1))
-        for at in range(0, size, step):
-            handle.seek(at)
-            digest.update(handle.read(_SAMPLE_BYTES))
+def _rope(text: Any) -> dict[str, Any]:
+    """The effective RoPE parameters (vLLM patches them into
+    ``rope_parameters``; older configs keep ``rope_scaling`` and
+    ``rope_theta`` apart)."""
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    rope: dict[str, Any] = {"parameters": params} if params else {}
+    for name in ("rope_theta", "partial_rotary_factor"):
+        value = getattr(text, name, None)
+        if value is not None and not (isinstance(params, dict) and params.get(name) == value):
+            rope[name] = value
+    return rope
+
+
+def _max_len_inputs(config: Any, text: Any, params: Any) -> dict[str, Any]:
+    """Where ``max_model_len`` changes K/V, what of it does."""
+    layers: list[dict[str, Any]] = []
+    if isinstance(params, dict):  # one dict, or one per layer type
+        layers = [p for p in params.values() if isinstance(p, dict)] or [params]
+    types = {str(p.get("rope_type", p.get("type", ""))) for p in layers}
+    out: dict[str, Any] = {}
+    if types & {"longrope", "su"}:
+        original = next((p["original_max_position_embeddings"] for p in layers if "original_max_position_embeddings" in p),
+                        getattr(text, "original_max_position_embeddings", None))
+        out["long_rope"] = original is not None and int(config.max_model_len) > int(original)
+    if "dynamic" in types:
+        out["max_model_len"] = int(config.max_model_len)
+    if getattr(text, "model_type", "") in ("llama4", "llama4_text"):
+        out["attn_temperature_tuning"] = _llama4_temperature_tuning(config)
+    return out
+
+
+def _llama4_temperature_tuning(config: Any) -> bool:
+    """As vLLM's Llama4ForCausalLM decides it: the generation config's
+    value, else on above 32K tokens."""
+    try:
+        generation = dict(config.try_get_generation_config())
+    except Exception:  # noqa: BLE001 - no generation config: vLLM's default below
+        generation = {}
+    generation.update(config.override_generation_config or {})
+    return bool(generation.get("attn_temperature_tuning", int(config.max_model_len) > 32768))
+
+
+def _has_sliding_window(text: Any) -> bool:
+    return bool(getattr(text, "sliding_window", None)) or "sliding_attention" in (getattr(text, "layer_types", None) or ())
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON-able data that prints the same in every process."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted((_plain(v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if hasattr(value, "to_dict"):
+        return _plain(value.to_dict())
+    if callable(value):  # e.g. an hf_overrides function: its name is all that prints the same
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    return str(value).removeprefix("torch.")  # a torch.dtype and the like
 
 
 def _platform_tag(spec: Any, vllm_config: Any) -> str:

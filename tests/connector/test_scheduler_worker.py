@@ -302,14 +302,21 @@ def test_metadata_is_plain() -> None:
     assert UcmDbConnectorMetadata().empty
 
 
-def test_request_extras_cover_salt_and_lora() -> None:
+def test_request_extras_cover_salt_and_lora(tmp_path: Path) -> None:
     from vllm.lora.request import LoRARequest
 
     from ucm_db.connector.identity import request_extras
 
     assert request_extras(_request("a", [1, 2, 3])) == {}
     assert request_extras(_request("b", [1, 2, 3], cache_salt="s")) == {"cache_salt": "s"}
-    assert request_extras(_request("c", [1, 2, 3], lora_request=LoRARequest("ad", 1, "/x"))) == {"lora": "ad"}
+    # A LoRA adapter by its files, not its name (issue 48; tests/connector/test_identity_inputs.py) ...
+    (tmp_path / "adapter_config.json").write_text('{"r": 8}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"lora")
+    lora = request_extras(_request("c", [1, 2, 3], lora_request=LoRARequest("ad", 1, str(tmp_path))))["lora"]
+    assert lora.startswith("blake3:")
+    assert request_extras(_request("d", [1, 2, 3], lora_request=LoRARequest("alias", 2, str(tmp_path)))) == {"lora": lora}
+    # ... by name and path only where the path is no local directory (a hub id).
+    assert request_extras(_request("e", [1, 2, 3], lora_request=LoRARequest("ad", 1, "/x"))) == {"lora": 'unhashed:["ad", "/x"]'}
 
 
 def _mm(identifier: str, offset: int, length: int) -> object:
