@@ -20,7 +20,11 @@ Invariants:
       (``after_loads``, also loads of earlier steps whose output is not
       back) and is settled by :mod:`ucm_db.connector.settlement`.
     * A request whose key chain is of an older epoch than the namespace's
-      (a reset since its lookup) saves nothing more.
+      (a reset since its lookup) saves nothing more; nor does one whose
+      controls say ``save: false``. Admission
+      (:class:`~ucm_db.connector.request_controls.Admission`: ``save_decode``,
+      ``admit_after``) only cuts a request's saves short, to a prefix of
+      its chain, so the parent invariant above holds.
     * The cost model learns from real work only: the local tier's load
       rate from the workers' load timings, the prefill rate from each
       step's round trip (metadata built -> worker output back, less its
@@ -39,6 +43,7 @@ from ucm_db.connector.cost_model import MIN_PREFILL_TOKENS, CostModel
 from ucm_db.connector.events import save_fields
 from ucm_db.connector.lookups import PrefixLookup
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
+from ucm_db.connector.request_controls import Admission
 from ucm_db.connector.request_state import RequestState
 from ucm_db.connector.settlement import MAX_PENDING_STEPS, SaveSettlement
 
@@ -52,6 +57,7 @@ class StepPlanner:
     def __init__(
         self, requests: dict[str, RequestState], keys: Callable[[RequestState, int], Sequence[bytes]], block_size: int,
         group: int, cost: CostModel, lookup: PrefixLookup, settlement: SaveSettlement, current_epoch: Callable[[], int | None],
+        admission: Admission | None = None,
     ) -> None:
         self._requests = requests  # the facade's, shared
         self._keys = keys
@@ -61,6 +67,7 @@ class StepPlanner:
         self._lookup = lookup
         self._settlement = settlement
         self._current_epoch = current_epoch
+        self._admission = admission or Admission()  # save_decode, admit_after (request_controls.py)
         self._step = 0  # number of the next step's metadata
         # step -> (planned at, tokens scheduled, remote lookup seconds so far, mean position of those tokens)
         self._pending_steps: dict[int, tuple[float, int, float, float | None]] = {}
@@ -117,11 +124,13 @@ class StepPlanner:
         epoch = self._current_epoch()
         if state is None or state.epoch is None or state.epoch != epoch:
             return  # a request running across a reset: its KV predates the new epoch
+        if not state.controls.save:
+            return  # the request's own `save: false` (request_controls.py)
         request = state.request
         # KV of tokens [num_computed, num_computed + num_tokens) is written
         # this step; only tokens whose ids are known can be keyed.
         done_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens)
-        end = done_tokens // self._block_size
+        end = self._admission.savable_end(done_tokens // self._block_size, request.num_prompt_tokens // self._block_size)
         start = state.saved_blocks
         if end <= start:
             return
@@ -129,6 +138,9 @@ class StepPlanner:
         if block_ids is None or len(block_ids) < end:
             return
         keys = self._keys(state, end)
+        end = self._admission.admit(state, keys, end)  # admit_after: the prefix seen often enough
+        if end <= start:
+            return
         after_loads, sibling = self._settlement.after_loads(req_id, block_ids[:end], loaded)
         transfer = BlockTransfer(
             req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None,

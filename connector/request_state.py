@@ -14,6 +14,9 @@ Invariants:
       a rewind (a failed load, a voided save, a preemption).
     * ``lookup`` is read (and cleared) only by the
       ``update_state_after_alloc`` that follows the lookup that set it.
+    * ``controls`` are parsed once, when the state is made
+      (:mod:`ucm_db.connector.request_controls`); ``sighted_blocks`` and
+      ``admitted_blocks`` (admission, ``admit_after``) only grow.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ucm_db.connector.request_controls import RequestControls
 from ucm_db.keys import BlockKeys
 
 if TYPE_CHECKING:
@@ -36,6 +40,7 @@ class LookupRecord:
     hit_blocks: int     # leading blocks claimed (0 where the cost model judged loading slower)
     unit_blocks: int    # leading blocks stored (>= hit_blocks)
     seconds: float
+    looked_up: bool = True  # False: the request's controls skipped the lookup (load off)
 
 
 @dataclass
@@ -58,3 +63,6 @@ class RequestState:
     remote_asked: bool = False    # its background remote lookup finished
     remote_probing: bool = False  # its background job is a probe
     remote_probed: bool = False   # its background probe finished
+    controls: RequestControls = field(default_factory=RequestControls)  # the request's own (kv_transfer_params)
+    sighted_blocks: int = 0   # leading blocks whose sighting the admission sketch counted
+    admitted_blocks: int = 0  # leading blocks admitted for storing (admit_after)

@@ -12,6 +12,10 @@ states); the work is done by:
   cost model's samples of them;
 * :mod:`ucm_db.connector.settlement` -- saves planned over loads whose
   outcome is not known yet, and their verdicts;
+* :mod:`ucm_db.connector.request_controls` -- a request's own controls
+  (``save``, ``load``, ``max_load_tokens`` in its ``kv_transfer_params``,
+  vLLM's ``skip_reading_prefix_cache``) and the admission of computed
+  blocks (``save_decode``, ``admit_after``);
 * :mod:`ucm_db.connector.roles` -- a ``kv_consumer``'s waits for blocks a
   producer announced; :mod:`ucm_db.connector.epochs` -- resets.
 
@@ -33,7 +37,11 @@ Invariants:
       the counters (``cost_skips``, publication waits). Where vLLM's own
       cache holds every loadable block, it claims nothing and asks the
       local tier alone which of them are stored, so those are not saved
-      again.
+      again. A request whose controls turn loading off (``load: false``,
+      or vLLM's ``skip_reading_prefix_cache``) is answered 0 before any
+      lookup, local or remote, and before any publication wait; one with
+      ``max_load_tokens`` is looked up no further than that many tokens
+      past vLLM's own hit (whole blocks).
     * ``update_state_after_alloc`` turns that record into the request's
       pending load (or, ``load_mode: "async"``, a request's first hit, an
       async load planned at once: vLLM holds the request until a worker
@@ -67,6 +75,7 @@ from ucm_db.connector.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.planner import StepPlanner
+from ucm_db.connector.request_controls import Admission, RequestControls, describe_problems, first_report
 from ucm_db.connector.request_state import LookupRecord, RequestState
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
@@ -118,7 +127,8 @@ class UcmDbScheduler:
         several_ranks = shape.tp_size * shape.pp_size > 1
         self._settlement = SaveSettlement(several_ranks, publishes=role.publishes)
         self._planner = StepPlanner(self._requests, self._keys, self._block_size, group, self.cost, self._lookup,
-                                    self._settlement, lambda: self._epochs.epoch)
+                                    self._settlement, lambda: self._epochs.epoch,
+                                    Admission(settings.save_decode, settings.admit_after))
         logger.info(
             "ucm-db connector (scheduler): store %s, namespace %s, %d unit(s) per block, model %s",
             settings.path, self._namespace.short_id, len(self._spans), shape.model,
@@ -131,9 +141,19 @@ class UcmDbScheduler:
         its key chain is of an older epoch."""
         state = self._requests.get(request.request_id)
         if state is None or state.request is not request or (renew_epoch and state.epoch != self._epochs.epoch):
-            state = RequestState(request, request_extras(request), request_block_extras(request, self._block_size), self._epochs.epoch)
+            state = RequestState(request, request_extras(request), request_block_extras(request, self._block_size), self._epochs.epoch,
+                                 controls=self._controls(request))
             self._requests[request.request_id] = state
         return state
+
+    @staticmethod
+    def _controls(request: Request) -> RequestControls:
+        """The request's controls (request_controls.py); what is wrong with
+        them is warned about once per request, and served as if absent."""
+        controls, problems = RequestControls.of_request(request)
+        if problems and first_report(request.request_id):
+            logger.warning("ucm-db: request %s: %s", request.request_id, describe_problems(problems))
+        return controls
 
     def _keys(self, state: RequestState, num_blocks: int) -> BlockKeys:
         """The request's block keys, at least ``num_blocks`` long (identity.chain_keys)."""
@@ -162,22 +182,28 @@ class UcmDbScheduler:
         started = time.perf_counter()
         epoch = self._epochs.current()  # this step's epoch: an older request state is made anew
         state = self._state(request)
-        max_blocks = (request.num_tokens - 1) // self._block_size
         state.lookup_computed_tokens = num_computed_tokens
-        if max_blocks * self._block_size <= num_computed_tokens or epoch is None:
+        if not state.controls.load:
+            # The request's `load: false` (or vLLM's skip_reading_prefix_cache,
+            # which would throw a claim away): no lookup, no remote fetch, no wait.
+            state.lookup = LookupRecord(num_computed_tokens, 0, 0, 0.0, looked_up=False)
+            return 0, False
+        max_blocks = (request.num_tokens - 1) // self._block_size
+        claimable = self._claimable_blocks(state.controls, max_blocks, num_computed_tokens)
+        if claimable * self._block_size <= num_computed_tokens or epoch is None:
             # Nothing to load. Where vLLM's own cache holds every loadable
             # block, the local tier says which are stored: saved once, never again.
-            stored = 0 if epoch is None or not max_blocks else self._lookup.locally_stored_prefix(state, max_blocks)
+            stored = 0 if epoch is None or not claimable else self._lookup.locally_stored_prefix(state, claimable)
             state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0)
             return 0, False
         skips_before = sum(self.cost.skipped.values())
         state.vllm_computed_tokens = num_computed_tokens
         try:
-            found = self._lookup.longest_stored_prefix(state, max_blocks)
+            found = self._lookup.longest_stored_prefix(state, claimable)
         except LookupPending:
             return None, False
         hit = found
-        if self._await_publication(state, max_blocks, hit):
+        if self._await_publication(state, max_blocks, hit, claimable):
             return None, False
         if hit and self.cost.decide(
             self._ns_id, "local", probe_unmeasured=False, tokens=max(0, hit * self._block_size - num_computed_tokens),
@@ -194,14 +220,22 @@ class UcmDbScheduler:
         # recomputed.
         return tokens, self._async and tokens > 0 and not state.async_tried
 
-    def _await_publication(self, state: RequestState, max_blocks: int, hit: int) -> bool:
+    def _claimable_blocks(self, controls: RequestControls, max_blocks: int, num_computed_tokens: int) -> int:
+        """The most leading blocks a lookup may claim: the prompt's loadable
+        ones, and no more than ``max_load_tokens`` past vLLM's own hit."""
+        cap = controls.max_load_blocks(self._block_size)
+        return max_blocks if cap is None else min(max_blocks, num_computed_tokens // self._block_size + cap)
+
+    def _await_publication(self, state: RequestState, max_blocks: int, hit: int, claimable: int) -> bool:
         """True: defer the request, a producer announced blocks that are not
-        visible yet and its deadline is ahead (:mod:`ucm_db.connector.roles`)."""
+        visible yet (of the ``claimable`` first ones) and its deadline is
+        ahead (:mod:`ucm_db.connector.roles`)."""
         request = state.request
         publication = Publication.from_params(getattr(request, "kv_transfer_params", None))
         if publication is None:
             return False
         expected = publication.expected_blocks(self._ns_id, self._block_size, lambda n: self._keys(state, n), max_blocks)
+        expected = min(expected, claimable)
         if self._waits.decide(request.request_id, expected, hit):
             return True
         waited_s = self._waits.waited_s(request.request_id)
@@ -237,6 +271,11 @@ class UcmDbScheduler:
             state.async_block_ids = self._planner.plan_async_load(state, request.request_id, blocks.get_block_ids()[self._group], end)
         state.stored_blocks = max(state.stored_blocks, record.unit_blocks)
         state.saved_blocks = max(state.saved_blocks, state.stored_blocks)
+        if not record.looked_up:  # load off by the request: nothing asked, nothing counted as a lookup
+            if self._group == 0:
+                logger.info("ucm-db: request %s: %d prompt tokens, not looked up (load off: the request's %r control "
+                            "or vLLM's skip_reading_prefix_cache)", request.request_id, request.num_prompt_tokens, "load")
+            return
         query = max(0, request.num_prompt_tokens - record.local_tokens)
         self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens)
         self._report_ratio()  # every lookup, hit or not: the gauge describes the store, not this request

@@ -29,7 +29,12 @@ The extra config accepts, by name:
   the scheduler's lookup fetches a remote hit into the local tier before it
   answers vLLM; ``"background"``: the fetch runs on a connector thread while
   vLLM schedules other requests, and the request is claimed once its blocks
-  are local), see :mod:`ucm_db.connector.remote_lookups`.
+  are local), see :mod:`ucm_db.connector.remote_lookups`; admission of
+  computed blocks: ``save_decode`` (``true``, the default: every full block
+  is stored, generated tokens' too; ``false``: only blocks made wholly of
+  prompt tokens) and ``admit_after`` (``N``, default 1: a chain's blocks are
+  stored from its Nth sighting, so one-shot prompts are never written), see
+  :mod:`ucm_db.connector.request_controls`.
 
 Invariants:
     * An unknown key anywhere (extra config or file) raises
@@ -48,6 +53,7 @@ from typing import Any
 
 from ucm_db.config import StoreConfig, load_config_file
 from ucm_db.connector.cost_model import check_load_policy
+from ucm_db.connector.request_controls import check_admission
 from ucm_db.connector.roles import check_publish_options
 from ucm_db.errors import ConfigError
 
@@ -56,7 +62,7 @@ REMOTE_LOOKUPS = ("inline", "background")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
 _CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s",
-                   "load_policy", "remote_lookup")
+                   "load_policy", "remote_lookup", "save_decode", "admit_after")
 
 
 def default_store_path() -> Path:
@@ -90,6 +96,9 @@ class ConnectorSettings:
         load_policy: ``"auto"`` (claim a hit only where loading is expected
             faster than recomputing, see cost_model.py) or ``"always"``.
         remote_lookup: ``"inline"`` or ``"background"`` (remote_lookups.py).
+        save_decode: store the blocks completed during decode (holding
+            generated tokens) too (request_controls.py).
+        admit_after: store a chain's blocks from its Nth sighting (1: always).
     """
 
     path: Path
@@ -102,6 +111,8 @@ class ConnectorSettings:
     load_deadline_s: float = 5.0
     load_policy: str = "auto"
     remote_lookup: str = "inline"
+    save_decode: bool = True
+    admit_after: int = 1
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
@@ -119,6 +130,7 @@ class ConnectorSettings:
                 f"remote_lookup must be one of {', '.join(REMOTE_LOOKUPS)}, got {self.remote_lookup!r}",
                 hint="use remote_lookup='inline' (fetch while the scheduler waits) or 'background'",
             )
+        check_admission(self.save_decode, self.admit_after)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

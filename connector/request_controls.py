@@ -1,0 +1,269 @@
+"""What the connector stores and loads for a request: the request's own
+controls, and the deployment's admission of computed blocks.
+
+Request controls ride in the request's ``kv_transfer_params`` under the
+connector's one key (:data:`~ucm_db.connector.roles.PARAMS_KEY`, the key a
+producer's publication uses too)::
+
+    {"ucm_db": {"save": false, "load": false, "max_load_tokens": 256}}
+
+* ``save`` (bool, default true): false stores nothing of the request.
+* ``load`` (bool, default true): false looks nothing up and loads nothing;
+  vLLM's ``skip_reading_prefix_cache`` (a request's sampling or pooling
+  parameter, set by vLLM itself for ``prompt_logprobs``) counts as
+  ``load: false``.
+* ``max_load_tokens`` (int >= 0, default none): at most this many tokens
+  are loaded from ucm-db, rounded down to whole blocks (vLLM's own prefix
+  cache hit does not count against it); the lookup asks no further.
+
+Admission (``kv_connector_extra_config``): ``save_decode`` (false: only
+blocks made wholly of prompt tokens are stored) and ``admit_after`` (N: a
+block is stored from the Nth sighting of its chain, counted in a
+:class:`SightingSketch`).
+
+Invariants:
+    * A request's controls are parsed in one place
+      (:meth:`RequestControls.from_params`), once per request state; the
+      result is a frozen value. A field that is unknown or ill-typed is
+      reported (all of a request's problems in one message, once per
+      request in this process: :func:`first_report`) and the request is
+      served as if the field were absent, never refused. ``null`` is
+      absent. Keys of ``kv_transfer_params`` other than ``ucm_db`` belong
+      to other connectors and are never read.
+    * The publication fields (:data:`PUBLICATION_FIELDS`,
+      :meth:`~ucm_db.connector.roles.Publication.to_params`) share the key
+      and are not controls: never reported.
+    * Admission only ever shortens a request's saves to a prefix: a block
+      is admitted only after every block before it, so a stored chain
+      keeps the parent-before-child invariant.
+    * The sketch's memory is fixed (:data:`SKETCH_DEPTH` rows of
+      :data:`SKETCH_WIDTH` one-byte counters, 16 MiB; allocated only where
+      ``admit_after > 1``) and it never undercounts a key's sightings
+      within its window; it may overcount (a block admitted early, with
+      the odds in :class:`SightingSketch`). It lives in the scheduler's
+      memory only: a restart counts every chain from zero.
+    * This module imports no vLLM (the settings parse it in any process).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ucm_db.connector.roles import PARAMS_KEY
+from ucm_db.errors import ConfigError
+
+#: The fields a producer's publication writes under the same key
+#: (roles.Publication.to_params); tests/connector/test_request_controls.py keeps the two in step.
+PUBLICATION_FIELDS = frozenset({"version", "namespace", "blocks", "block_size", "tokens", "last_key", "published_to"})
+#: Requests whose problems were reported, remembered so each is reported once
+#: though several schedulers (a hybrid model's groups, MultiConnector's
+#: children) parse the same request, and again after a reset renews its state.
+REPORTED_REQUESTS = 4096
+#: Count-min sketch rows (one 4-byte slice of the block key each: keys are blake2b digests).
+SKETCH_DEPTH = 4
+#: One-byte counters per row (a power of two).
+SKETCH_WIDTH = 1 << 22
+#: Sightings between two halvings of every counter (the sketch's window).
+SKETCH_HALVE_EVERY = SKETCH_WIDTH // 4
+#: The largest ``admit_after`` (counters saturate at 255).
+MAX_ADMIT_AFTER = 255
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_token_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+#: Every control: its check and what it wants (the one table both parsing and construction use).
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "save": (_is_bool, "true or false"),
+    "load": (_is_bool, "true or false"),
+    "max_load_tokens": (_is_token_count, "an integer >= 0"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestControls:
+    """One request's controls (module docstring); the defaults are a
+    request that sent none."""
+
+    save: bool = True
+    load: bool = True
+    max_load_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, (valid, wanted) in _FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and not valid(value):
+                raise ConfigError(f"request control {name!r} must be {wanted}, got {value!r}",
+                                  hint=f'send e.g. {{"{PARAMS_KEY}": {{"{name}": ...}}}} with {wanted}')
+
+    def max_load_blocks(self, block_size: int) -> int | None:
+        """The most blocks a lookup may claim (None: no cap)."""
+        return None if self.max_load_tokens is None else self.max_load_tokens // block_size
+
+    @classmethod
+    def from_params(cls, params: Any) -> tuple[RequestControls, tuple[str, ...]]:
+        """The controls in a request's ``kv_transfer_params`` and the
+        problems found (each ignored: module invariants)."""
+        if not isinstance(params, Mapping) or params.get(PARAMS_KEY) is None:
+            return cls(), ()
+        body = params[PARAMS_KEY]
+        if not isinstance(body, Mapping):
+            return cls(), (f"{PARAMS_KEY!r} is {type(body).__name__}, not an object of controls",)
+        given: dict[str, Any] = {}
+        problems: list[str] = []
+        for name, value in body.items():
+            if name in _FIELDS:
+                valid, wanted = _FIELDS[name]
+                if value is None:
+                    continue
+                if valid(value):
+                    given[name] = value
+                else:
+                    problems.append(f"{name}={value!r} (wants {wanted})")
+            elif name not in PUBLICATION_FIELDS:
+                problems.append(f"unknown field {name!r}")
+        return cls(**given), tuple(problems)
+
+    @classmethod
+    def of_request(cls, request: Any) -> tuple[RequestControls, tuple[str, ...]]:
+        """:meth:`from_params` of the request's ``kv_transfer_params``,
+        with vLLM's ``skip_reading_prefix_cache`` taken as ``load: false``."""
+        controls, problems = cls.from_params(getattr(request, "kv_transfer_params", None))
+        # getattr: a request object of another vLLM (or a test's) may lack the field.
+        if controls.load and getattr(request, "skip_reading_prefix_cache", False) is True:
+            controls = cls(controls.save, False, controls.max_load_tokens)
+        return controls, problems
+
+
+def describe_problems(problems: Sequence[str]) -> str:
+    """The one warning's text for a request's problems."""
+    return (f"ignored in kv_transfer_params[{PARAMS_KEY!r}]: {'; '.join(problems)}; served as if absent "
+            f"(controls: {', '.join(f'{name} ({wanted})' for name, (_, wanted) in _FIELDS.items())})")
+
+
+_reported: OrderedDict[str, None] = OrderedDict()
+
+
+def first_report(request_id: str) -> bool:
+    """True the first time it is asked for ``request_id`` (of the last
+    :data:`REPORTED_REQUESTS` asked), so a request's problems are reported once."""
+    if request_id in _reported:
+        return False
+    _reported[request_id] = None
+    if len(_reported) > REPORTED_REQUESTS:
+        _reported.popitem(last=False)
+    return True
+
+
+def check_admission(save_decode: Any, admit_after: Any) -> None:
+    """Validates the admission settings (raises ConfigError)."""
+    if not isinstance(save_decode, bool):
+        raise ConfigError(f"save_decode must be true or false, got {save_decode!r}",
+                          hint="use save_decode=true (store generated tokens' blocks too: a chat's next turn holds the reply)")
+    if isinstance(admit_after, bool) or not isinstance(admit_after, int) or not 1 <= admit_after <= MAX_ADMIT_AFTER:
+        raise ConfigError(f"admit_after must be an integer in [1, {MAX_ADMIT_AFTER}], got {admit_after!r}",
+                          hint="use admit_after=1 (store every chain) or 2 (store a chain from its second sighting)")
+
+
+class SightingSketch:
+    """How often each block key was seen: a count-min sketch of
+    :data:`SKETCH_DEPTH` x :data:`SKETCH_WIDTH` saturating one-byte counters
+    (16 MiB), every counter halved each :data:`SKETCH_HALVE_EVERY`
+    sightings, so a key seen once is forgotten within one window and old
+    counts fade. A count is never below the key's sightings in the window;
+    it is above when each row's counter was hit by other keys too: with
+    ``n`` keys sighted since the last halving, a never-seen key reads at
+    least 1 with odds about ``(1 - exp(-n / SKETCH_WIDTH)) ** SKETCH_DEPTH``:
+    0.24% just before a halving (``n`` a quarter of the width), less after."""
+
+    def __init__(self, width: int = SKETCH_WIDTH, depth: int = SKETCH_DEPTH, halve_every: int = SKETCH_HALVE_EVERY) -> None:
+        if width & (width - 1) or not 1 <= depth <= 4:
+            raise ValueError("width must be a power of two and depth in [1, 4]")
+        self._mask = width - 1
+        self._depth = depth
+        self._rows = np.arange(depth)[None, :]
+        self._table = np.zeros((depth, width), dtype=np.uint8)  # zero pages: memory is touched as counters are
+        self._halve_every = halve_every
+        self._since_halving = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._table.nbytes)
+
+    def _cells(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Each key's counter index in each row, shape ``(len(keys), depth)``."""
+        raw = np.frombuffer(b"".join(bytes(key[:16]).ljust(16, b"\0") for key in keys), dtype="<u4").reshape(-1, 4)
+        return raw[:, : self._depth] & self._mask
+
+    def sight(self, keys: Sequence[bytes]) -> None:
+        """Counts one sighting of each of ``keys`` (distinct keys: a chain's).
+        Two of them sharing a counter raise it once, which keeps it at or
+        above each one's own count (the only promise a count-min makes)."""
+        if not keys:
+            return
+        cells = self._cells(keys)
+        self._table[self._rows, cells] = np.minimum(self._table[self._rows, cells], 254) + 1
+        self._since_halving += len(keys)
+        if self._since_halving >= self._halve_every:
+            self._table >>= 1
+            self._since_halving = 0
+
+    def counts(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Each key's sightings (the least of its counters)."""
+        if not keys:
+            return np.zeros(0, dtype=np.uint8)
+        return self._table[self._rows, self._cells(keys)].min(axis=1)
+
+
+class AdmissionMarks(Protocol):
+    """What admission reads and moves of a request's state
+    (:class:`~ucm_db.connector.request_state.RequestState`, which imports this module)."""
+
+    stored_blocks: int
+    sighted_blocks: int
+    admitted_blocks: int
+
+
+class Admission:
+    """Which computed blocks of a request may be stored (``save_decode``,
+    ``admit_after``; module invariants)."""
+
+    def __init__(self, save_decode: bool = True, admit_after: int = 1) -> None:
+        check_admission(save_decode, admit_after)
+        self.save_decode = save_decode
+        self.admit_after = admit_after
+        self.sketch = SightingSketch() if admit_after > 1 else None
+
+    def savable_end(self, end: int, prompt_blocks: int) -> int:
+        """Where a request's storable blocks end, ``[0, end)`` being
+        complete: without ``save_decode``, no further than its
+        ``prompt_blocks`` (the blocks made wholly of prompt tokens)."""
+        return end if self.save_decode else min(end, prompt_blocks)
+
+    def admit(self, state: AdmissionMarks, keys: Sequence[bytes], end: int) -> int:
+        """Counts the sightings of the request's blocks before ``end`` not
+        counted yet (those known stored excepted) and returns where its
+        admitted prefix ends (at most ``end``)."""
+        if self.sketch is None:
+            return end
+        first = max(state.sighted_blocks, state.stored_blocks)
+        if end > first:
+            self.sketch.sight(keys[first:end])
+            state.sighted_blocks = end
+        admitted = max(state.admitted_blocks, state.stored_blocks)
+        if admitted < end:
+            refused = np.flatnonzero(self.sketch.counts(keys[admitted:end]) < self.admit_after)
+            admitted = end if not len(refused) else admitted + int(refused[0])
+        state.admitted_blocks = admitted
+        return min(admitted, end)
+
