@@ -8,8 +8,8 @@ Enable it with::
         "kv_connector_extra_config": {"path": "/var/cache/ucm-db"}}'
 
 The facade only dispatches: scheduler-role calls go to
-:class:`~ucm_db.connector.scheduler.UcmDbScheduler`, worker-role calls to
-:class:`~ucm_db.connector.worker.UcmDbWorker`.
+:class:`~ucm_db.connector.scheduler.hooks.UcmDbScheduler`, worker-role calls to
+:class:`~ucm_db.connector.worker.hooks.UcmDbWorker`.
 
 Start-up: a bad setting or an unusable store stops the engine with one log
 line ``ucm-db connector cannot start: <error> (hint: <fix>)`` ahead of vLLM's
@@ -44,7 +44,7 @@ Invariants:
       on and calls ``request_finished_all_groups`` (one block list per KV
       cache group) instead of ``request_finished`` for every model. A model
       with one group is served as before; one with several, group by group
-      (:mod:`ucm_db.connector.hybrid`); groups ucm-db cannot store (an SSM
+      (:mod:`ucm_db.connector.hybrid.hooks`); groups ucm-db cannot store (an SSM
       state without block boundaries, chunked local attention ...) stop the
       engine in the constructor, before the worker allocates the KV cache.
     * ``kv_role`` picks the prefill/decode role (:mod:`ucm_db.connector.roles`):
@@ -66,15 +66,15 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.events import FeedEvents, GroupEvents
-from ucm_db.connector.groups import kv_groups
-from ucm_db.connector.hybrid import GroupedScheduler, GroupedWorker, check_hybrid
+from ucm_db.connector.hybrid.groups import kv_groups
+from ucm_db.connector.hybrid.hooks import GroupedScheduler, GroupedWorker, check_hybrid
 from ucm_db.connector.identity import kv_shape
 from ucm_db.connector.metadata import IDLE_WAIT_S, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
-from ucm_db.connector.scheduler import UcmDbScheduler
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.stores import acquire, check_openable, refuse_older_generations, release, role_settings
-from ucm_db.connector.worker import UcmDbWorker
+from ucm_db.connector.worker.hooks import UcmDbWorker
 from ucm_db.errors import UcmDbError
 
 if TYPE_CHECKING:

@@ -90,7 +90,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.fingerprints import adapter_key, model_fingerprint
-from ucm_db.connector.groups import kv_groups
+from ucm_db.connector.hybrid.groups import kv_groups
 from ucm_db.errors import ConfigError
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -98,7 +98,7 @@ from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from ucm_db.connector.request_state import RequestState
+    from ucm_db.connector.scheduler.request_state import RequestState
 
 
 

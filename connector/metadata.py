@@ -32,7 +32,7 @@ Invariants:
       earlier saves, so the delete follows the commit).
     * ``preempted`` names the requests vLLM preempted since the last step
       (its blocks freed): a worker's ``handle_preemptions`` drops their saves
-      not yet copied out (connector/preemptions.py); the scheduler rewinds
+      not yet copied out (connector/worker/preemptions.py); the scheduler rewinds
       them to the blocks known stored, so what they compute again is saved.
     * ``epoch``: the namespace epoch (connector/epochs.py) the scheduler's
       keys are rooted at when it built the step; a worker that sees it move

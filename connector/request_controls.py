@@ -227,7 +227,7 @@ class SightingSketch:
 
 class AdmissionMarks(Protocol):
     """What admission reads and moves of a request's state
-    (:class:`~ucm_db.connector.request_state.RequestState`, which imports this module)."""
+    (:class:`~ucm_db.connector.scheduler.request_state.RequestState`, which imports this module)."""
 
     stored_blocks: int
     sighted_blocks: int

@@ -25,11 +25,11 @@ The extra config accepts, by name:
   published blocks), see :mod:`ucm_db.connector.roles`;
   ``load_policy`` (``"auto"``: claim a hit only where loading it is expected
   faster than recomputing it; ``"always"``: load every hit, for debugging),
-  see :mod:`ucm_db.connector.cost_model`; ``remote_lookup`` (``"inline"``:
+  see :mod:`ucm_db.connector.scheduler.cost_model`; ``remote_lookup`` (``"inline"``:
   the scheduler's lookup fetches a remote hit into the local tier before it
   answers vLLM; ``"background"``: the fetch runs on a connector thread while
   vLLM schedules other requests, and the request is claimed once its blocks
-  are local), see :mod:`ucm_db.connector.remote_lookups`; admission of
+  are local), see :mod:`ucm_db.connector.scheduler.remote_lookups`; admission of
   computed blocks: ``save_decode`` (``true``, the default: every full block
   is stored, generated tokens' too; ``false``: only blocks made wholly of
   prompt tokens) and ``admit_after`` (``N``, default 1: a chain's blocks are
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.config import StoreConfig, load_config_file
-from ucm_db.connector.cost_model import check_load_policy
+from ucm_db.connector.scheduler.cost_model import check_load_policy
 from ucm_db.connector.request_controls import check_admission
 from ucm_db.connector.roles import check_publish_options
 from ucm_db.errors import ConfigError

@@ -97,4 +97,4 @@ def test_server_command_lines() -> None:
     assert "--kv-transfer-config" not in pd_serve.ServerSpec(Path("/m"), None, 2112).argv(8100)
     assert "--num-gpu-blocks-override" not in argv
     proxy = pd_serve.ProxySpec("http://a:1", "http://b:2").argv(8000)
-    assert proxy[1:3] == ["-m", "ucm_db.connector.proxy"] and "--port" in proxy
+    assert proxy[1:3] == ["-m", "ucm_db.tools.proxy"] and "--port" in proxy

@@ -339,7 +339,7 @@ def test_the_layer_rule_finds_upward_and_sideways_arrows() -> None:
         "ucm_db.migrations": {"ucm_db.format", "ucm_db.engines.base", "ucm_db.remote.tier"},
         "ucm_db.remote.warming": {"ucm_db.store", "ucm_db.remote.promotion", "ucm_db.index.local", "ucm_db.keys"},
         "ucm_db.remote.promotion": {"ucm_db.remote.link", "ucm_db.remote.tier"},
-        "ucm_db.connector.worker": {"ucm_db.store"},
+        "ucm_db.connector.worker.hooks": {"ucm_db.store"},
     }
     assert upward_arrows(graph) == [
         "ucm_db.config -> ucm_db.remote.envelope", "ucm_db.index.accounting -> ucm_db.format",

@@ -19,11 +19,11 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput  # noqa: E402
 
-from ucm_db.connector.async_loads import AsyncLoader  # noqa: E402
+from ucm_db.connector.worker.async_loads import AsyncLoader  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbWorkerMetadata  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
 from ucm_db.keys.units import unit_key  # noqa: E402
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ucm_db.connector.cost_model import CostModel, Decision, check_load_policy
+from ucm_db.connector.scheduler.cost_model import CostModel, Decision, check_load_policy
 from ucm_db.errors import ConfigError
 
 
@@ -99,7 +99,7 @@ def test_one_slow_sample_weighs_its_time_not_its_rate() -> None:
 
 
 def test_load_fit_separates_fixed_and_per_token_costs() -> None:
-    from ucm_db.connector.cost_model import LoadFit
+    from ucm_db.connector.scheduler.cost_model import LoadFit
 
     fit = LoadFit(weight=0.2)
     fit.add(512, 0.010 + 512 * 1e-5)
@@ -139,7 +139,7 @@ def test_recompute_is_priced_by_the_positions_it_computes() -> None:
     With the per-token average of long and short prefills, a short
     recompute looks dearer than it is and a borderline load wins it; priced
     by its positions, it is recomputed, and a long one is still loaded."""
-    from ucm_db.connector.cost_model import PrefillFit
+    from ucm_db.connector.scheduler.cost_model import PrefillFit
 
     def per_token_s(position: float) -> float:
         return 15e-6 + position * 5e-9  # 15 us per token at 0, +5 us per 1000 positions
@@ -263,7 +263,7 @@ def test_scheduler_claims_a_remote_hit_only_where_it_beats_recompute(
     tmp_path: Path, bandwidth_bytes_per_s: float, policy: str, loads: bool,
 ) -> None:
     pytest.importorskip("vllm")
-    from ucm_db.connector.scheduler import UcmDbScheduler
+    from ucm_db.connector.scheduler.hooks import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
 
     probe, second = (list(range(1 + s, BS * BLOCKS + 5 + s)) for s in (0, 10_000))
@@ -278,7 +278,7 @@ def test_scheduler_claims_a_remote_hit_only_where_it_beats_recompute(
         sched.cost.observe_prefill(int(PREFILL_TOKENS_PER_S), 1.0)  # calibration
         # Unmeasured remote: probed (a few blocks, timed) whatever its speed;
         # "always" loads everything at once.
-        from ucm_db.connector.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
+        from ucm_db.connector.scheduler.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
 
         # A probe that measures the link fast goes on to load the rest of its prompt.
         assert _claim(sched, probe, "probe") == (BLOCKS if policy == "always" or loads else _PROBE_BLOCKS) * BS
@@ -326,7 +326,7 @@ def test_a_step_s_mean_position_counts_every_token_it_computes() -> None:
     pytest.importorskip("vllm")
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
 
-    from ucm_db.connector.planner import mean_position_of as _mean_position
+    from ucm_db.connector.scheduler.planner import mean_position_of as _mean_position
 
     request = _request_for(list(range(1, 1600)))
     request.num_computed_tokens = 1024
@@ -352,7 +352,7 @@ def test_scheduler_learns_prefill_and_local_rates_from_worker_output(tmp_path: P
     import time
 
     from ucm_db.connector.metadata import UcmDbWorkerMetadata
-    from ucm_db.connector.scheduler import UcmDbScheduler
+    from ucm_db.connector.scheduler.hooks import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
 
     sched = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")}), _shape())
@@ -398,7 +398,7 @@ def test_local_hit_judged_slower_than_recompute_is_not_claimed(tmp_path: Path) -
     import ucm_db
     from ucm_db.connector.identity import grid, namespace, reader_spans
     from ucm_db.connector.metadata import UcmDbWorkerMetadata
-    from ucm_db.connector.scheduler import UcmDbScheduler
+    from ucm_db.connector.scheduler.hooks import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
     from ucm_db.keys.units import UnitKeys
 
@@ -423,7 +423,7 @@ def test_local_hit_judged_slower_than_recompute_is_not_claimed(tmp_path: Path) -
 
 
 def test_load_fit_needs_recent_hits_and_clamps_a_negative_fixed_cost() -> None:
-    from ucm_db.connector.cost_model import LoadFit
+    from ucm_db.connector.scheduler.cost_model import LoadFit
 
     fit = LoadFit(weight=0.15)
     for tokens in (512, 4096, 1024, 8192):

@@ -27,9 +27,9 @@ from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _reque
 
 from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
 from ucm_db.connector.roles import RolePolicy  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.keys.units import unit_key  # noqa: E402
 
 PROMPT = [7 + i for i in range(5 * BS + 3)]  # 5 full blocks

@@ -1,4 +1,4 @@
-"""KV cache groups (connector/groups.py) with vLLM's real
+"""KV cache groups (connector/hybrid/groups.py) with vLLM's real
 KVCacheConfig objects: one namespace per group naming its layers and spec;
 a single-group model keeps its namespace; unstorable specs are refused."""
 
@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
 )
 
-from ucm_db.connector.groups import group_namespace, kv_groups  # noqa: E402
+from ucm_db.connector.hybrid.groups import group_namespace, kv_groups  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
 

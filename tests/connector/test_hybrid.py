@@ -1,4 +1,4 @@
-"""Hybrid models (issue 27 item 1, connector/hybrid.py): the connector
+"""Hybrid models (issue 27 item 1, connector/hybrid/hooks.py): the connector
 declares SupportsHMA and serves each KV cache group of a sliding-window
 model apart; a state-space group vLLM runs without block-boundary states
 (``mamba_cache_mode`` "none", prefix caching off) is refused before the KV
@@ -35,7 +35,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector import stores  # noqa: E402
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
-from ucm_db.connector.hybrid import GroupedScheduler, group_shape  # noqa: E402
+from ucm_db.connector.hybrid.hooks import GroupedScheduler, group_shape  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 
 BS = 32

@@ -32,7 +32,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
-from ucm_db.connector.hybrid import group_shape  # noqa: E402
+from ucm_db.connector.hybrid.hooks import group_shape  # noqa: E402
 from ucm_db.connector.identity import grid, reader_spans  # noqa: E402
 from ucm_db.keys.units import UnitKeys  # noqa: E402
 
@@ -129,8 +129,8 @@ def test_a_request_is_finished_once_every_groups_load_ended_and_failed_if_any_fa
     import threading
     from types import SimpleNamespace
 
-    from ucm_db.connector.async_loads import AsyncLoader
-    from ucm_db.connector.hybrid_loads import GroupLoads
+    from ucm_db.connector.worker.async_loads import AsyncLoader
+    from ucm_db.connector.hybrid.loads import GroupLoads
     from ucm_db.connector.metadata import BlockTransfer
 
     release = threading.Event()

@@ -23,9 +23,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
 from ucm_db.connector.events import FeedEvents  # noqa: E402
 from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.keys.units import UnitKeys  # noqa: E402
 
 from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _shape  # noqa: E402

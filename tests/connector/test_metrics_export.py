@@ -26,9 +26,9 @@ from ucm_db.connector.identity import KVShape, namespace  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata  # noqa: E402
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics  # noqa: E402
 from ucm_db.connector.roles import RolePolicy  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 
 BS = 32
 SHAPE = KVShape(model="tiny", kv_dtype="bfloat16", block_size=BS, use_mla=False, layout="cpu-test", tp_size=1, pp_size=1,

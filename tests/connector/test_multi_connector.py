@@ -209,7 +209,7 @@ def test_a_failed_load_of_another_child_is_recomputed_before_any_child_saves(mod
     so no child saves over them; both children rewind, neither claims it
     again, and the empty child saves it whole, over no load."""
     from ucm_db.connector.identity import grid, reader_spans
-    from ucm_db.connector.hybrid import group_shape
+    from ucm_db.connector.hybrid.hooks import group_shape
     from ucm_db.keys.units import UnitKeys
 
     from test_hybrid import blocks_of

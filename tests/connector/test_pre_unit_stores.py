@@ -24,9 +24,9 @@ import ucm_db  # noqa: E402
 from ucm_db.connector.identity import KVShape, namespace  # noqa: E402
 from ucm_db.connector.layouts import detect_layout  # noqa: E402
 from ucm_db.connector.metadata import UcmDbWorkerMetadata  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.errors import FormatVersionError  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
 from ucm_db.maintenance.pre_units import split_whole  # noqa: E402

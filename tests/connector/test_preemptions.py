@@ -1,4 +1,4 @@
-"""Preemption (connector/preemptions.py) with the real scheduler and worker
+"""Preemption (connector/worker/preemptions.py) with the real scheduler and worker
 halves, a real store and CPU KV tensors: vLLM's ``handle_preemptions`` hook
 is the guard that keeps every save off the blocks a preemption freed."""
 
@@ -13,10 +13,10 @@ import torch
 pytest.importorskip("vllm")
 
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata  # noqa: E402
-from ucm_db.connector.preemptions import PendingSaves  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.worker.preemptions import PendingSaves  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 
 from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _shape  # noqa: E402
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ucm_db.connector.remote_lookups import RemoteLookups
+from ucm_db.connector.scheduler.remote_lookups import RemoteLookups
 
 from test_cost_model import BLOCKS, BS, _remote_with, _shape  # noqa: E402
 
@@ -69,7 +69,7 @@ def _request(tokens: list[int], req_id: str):  # type: ignore[no-untyped-def]
 @pytest.mark.vllm
 def test_background_lookup_answers_none_until_the_hit_is_local(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    from ucm_db.connector.scheduler import UcmDbScheduler
+    from ucm_db.connector.scheduler.hooks import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
 
     prompt, other = (list(range(1 + s, BS * BLOCKS + 5 + s)) for s in (0, 10_000))
@@ -135,8 +135,8 @@ def test_background_probe_of_an_unmeasured_link_goes_on_to_the_whole_claim(tmp_p
     pytest.importorskip("vllm")
     from test_cost_model import PREFILL_TOKENS_PER_S  # noqa: E402
 
-    from ucm_db.connector.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
-    from ucm_db.connector.scheduler import UcmDbScheduler
+    from ucm_db.connector.scheduler.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
+    from ucm_db.connector.scheduler.hooks import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
 
     prompt = list(range(1, BS * BLOCKS + 5))

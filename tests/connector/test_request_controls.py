@@ -31,9 +31,9 @@ from ucm_db.connector.request_controls import (  # noqa: E402
     PUBLICATION_FIELDS, SKETCH_DEPTH, SKETCH_WIDTH, RequestControls, SightingSketch,
 )
 from ucm_db.connector.roles import PARAMS_KEY, Publication  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings, valid_keys  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 
 BS = 32

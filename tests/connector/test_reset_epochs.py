@@ -14,9 +14,9 @@ pytest.importorskip("vllm")
 
 import ucm_db  # noqa: E402
 from ucm_db.connector.identity import namespace  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 
 from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _save_prompt, _shape  # noqa: E402
 

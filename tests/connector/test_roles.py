@@ -27,9 +27,9 @@ from vllm.v1.request import Request  # noqa: E402
 from ucm_db.connector.identity import KVShape, namespace  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata  # noqa: E402
 from ucm_db.connector.roles import PARAMS_KEY, Publication, PublicationWaits, RolePolicy, producer_store_options  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 
 BS = 32

@@ -24,9 +24,9 @@ from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector.identity import KVShape, grid, namespace, reader_spans  # noqa: E402
 from ucm_db.connector.metadata import UcmDbConnectorMetadata  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.keys.units import UnitKeys, unit_key, unit_keys_of  # noqa: E402
 
 BS = 32

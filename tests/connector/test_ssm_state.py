@@ -1,4 +1,4 @@
-"""SSM state of a hybrid model (issue 27 item 1, connector/ssm_state.py):
+"""SSM state of a hybrid model (issue 27 item 1, connector/hybrid/ssm_state.py):
 a state-space group's state is stored at the block boundaries vLLM offers,
 under its own namespace, and loaded where vLLM's align mode reads it; a hit
 ends at a boundary every group can serve; a mode without boundary states
@@ -34,7 +34,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
-from ucm_db.connector.hybrid import GroupedScheduler  # noqa: E402
+from ucm_db.connector.hybrid.hooks import GroupedScheduler  # noqa: E402
 from test_hybrid import admit  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 
@@ -333,7 +333,7 @@ def test_a_state_that_fails_to_load_fails_the_request_and_is_saved_again(model_d
     """The state is lost between the lookup and the load: the request is
     reported failed (vLLM recomputes it from its first token), its retry
     claims nothing, and the state vLLM offers again is saved again."""
-    from ucm_db.connector.hybrid import group_shape
+    from ucm_db.connector.hybrid.hooks import group_shape
     from ucm_db.connector.identity import grid, reader_spans
     from ucm_db.keys.units import UnitKeys
 

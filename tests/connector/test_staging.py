@@ -1,4 +1,4 @@
-"""Save staging reuse (connector/staging.py): a pooled buffer goes back to
+"""Save staging reuse (connector/worker/staging.py): a pooled buffer goes back to
 the pool only after the writer is done with it, so reuse never mixes one
 save's KV into another's."""
 
@@ -15,8 +15,8 @@ pytest.importorskip("vllm")
 from ucm_db.connector.identity import KVShape, namespace  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.staging import StagingPool  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.staging import StagingPool  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 
 BS, HEADS, LAYERS, NUM_BLOCKS = 16, 2, 2, 48
 

@@ -29,9 +29,9 @@ from vllm.v1.request import Request  # noqa: E402
 from ucm_db.connector.connector import UcmDbConnector  # noqa: E402
 from ucm_db.connector.identity import KVShape  # noqa: E402
 from ucm_db.connector.roles import RolePolicy  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.stores import role_settings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.errors import ConfigError, TierError, UcmDbError  # noqa: E402
 
 BLOCK = 32

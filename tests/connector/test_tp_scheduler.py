@@ -19,9 +19,9 @@ from vllm.v1.core.sched.output import CachedRequestData, KVConnectorBlockState, 
 from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, reader_spans  # noqa: E402
-from ucm_db.connector.scheduler import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
 from ucm_db.keys.units import KVGrid, UnitSpan, plan_read  # noqa: E402
 

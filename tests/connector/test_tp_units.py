@@ -24,7 +24,7 @@ import ucm_db  # noqa: E402
 from ucm_db.connector.identity import KVShape, namespace  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
-from ucm_db.connector.worker import UcmDbWorker  # noqa: E402
+from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.keys.units import head_range  # noqa: E402
 
 TP_SIZES = (1, 2, 4, 8)

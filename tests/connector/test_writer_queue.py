@@ -1,4 +1,4 @@
-"""The background writer's queue (connector/writer.py): a job that fails
+"""The background writer's queue (connector/worker/writer.py): a job that fails
 loses only itself, a void lands after the saves queued before it, and close
 commits what is queued.
 
@@ -17,7 +17,7 @@ import torch
 
 import ucm_db
 from ucm_db.connector.metrics import Counters
-from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
+from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob, VoidJob
 from ucm_db.keys.units import KVGrid, UnitKeys
 
 UNIT_BYTES = 4096
@@ -126,7 +126,7 @@ def test_close_behind_queued_jobs_commits_them_and_stops(store) -> None:
 
 
 def _leased_job(pool: object, block_keys: list[bytes], start: int, stop: int) -> SaveJob:
-    from ucm_db.connector.staging import StagingPool
+    from ucm_db.connector.worker.staging import StagingPool
 
     assert isinstance(pool, StagingPool)
     lease = pool.take(stop - start)
@@ -138,7 +138,7 @@ def test_the_queue_bound_counts_the_staging_buffers_the_jobs_hold(store) -> None
     """Issue 46 finding 9: the bound counted lease views, not their
     power-of-two buffers (a 16 MiB bound held 28 MiB). Jobs of 3 blocks
     hold 4 blocks' buffers: a bound of 10 blocks' rows takes two of them."""
-    from ucm_db.connector.staging import StagingPool
+    from ucm_db.connector.worker.staging import StagingPool
 
     block_bytes = GRID.heads * UNIT_BYTES
     pool = StagingPool(lambda rows: torch.empty((rows, GRID.heads, UNIT_BYTES), dtype=torch.uint8), 1 << 30)

@@ -115,7 +115,7 @@ def test_remote_hit_slower_than_recompute_is_recomputed_faster_one_loaded(
         assert cost.prefill.rate is not None and cost.load_rate(ns_id, "remote") is None
 
         probed, _ = run(hits[0])  # 2. probe of the unmeasured remote
-        from ucm_db.connector.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
+        from ucm_db.connector.scheduler.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
 
         # The probe's first segment, and the rest of the prompt if the probe measured the link faster than prefill.
         assert probed in (_PROBE_BLOCKS * BLOCK_SIZE, stored_tokens(hits[0])), (probed, cost.describe(ns_id))

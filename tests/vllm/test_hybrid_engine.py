@@ -28,7 +28,7 @@ by side, then 4 and 5, then 6:
    loads hybrid models asynchronously and reports the request failed
    (``failed_recving``); vLLM recomputes it. Every prompt finishes, the
    outputs equal the reference's, the first prompt hits nothing, the
-   second everything (connector/hybrid.py).
+   second everything (connector/hybrid/hooks.py).
 6. ``composed`` (item 6): vLLM's ``MultiConnector`` with two ucm-db
    children, on a new empty store and on the store ``writer`` filled, hybrid
    manager on, vLLM's ZMQ KV events publisher on (a subscriber in the job):

@@ -2,7 +2,7 @@
 items 1, 2 and 7): a tiny random Qwen3-Next (3 ``linear_attention`` layers,
 then one full attention layer) with prefix caching on, so that vLLM keeps
 the linear-attention state at block boundaries (``mamba_cache_mode``
-"align") and hands those states to the connector (connector/ssm_state.py).
+"align") and hands those states to the connector (connector/hybrid/ssm_state.py).
 
 vLLM-CPU raises this model's block size from the configured 32 so that the
 attention page holds the state page: to 160 tokens on some hosts, 96 on

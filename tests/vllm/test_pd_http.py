@@ -1,7 +1,7 @@
 """Prefill/decode over HTTP, as users run it (issue 11): two
 ``python -m vllm.entrypoints.openai.api_server`` processes sharing one store
 (prefill ``kv_producer`` at TP=1, decode ``kv_consumer`` at TP=2, one core
-per rank) and ``python -m ucm_db.connector.proxy`` in front, driven by the
+per rank) and ``python -m ucm_db.tools.proxy`` in front, driven by the
 ``openai`` client with text prompts (a word-level tokenizer trained here:
 one word, one token).
 
@@ -62,7 +62,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for server in servers.values():
             server.wait_healthy(START_TIMEOUT_S)
         servers["proxy"] = ServerProcess.start(
-            ["-m", "ucm_db.connector.proxy", "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
+            ["-m", "ucm_db.tools.proxy", "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
              "--port", str(ports["proxy"])], ports["proxy"], root / "proxy.log",
         )
         servers["proxy"].wait_healthy(60)

@@ -9,7 +9,7 @@ of the same process doing, in turn:
 * ``recency``: the store's recency writes (``Store.touch`` of a load's
   units, then ``Store.flush``): Python between LMDB calls, what a worker's
   maintenance thread ran for every load before the scheduler took the
-  touches over (connector/lookups.py);
+  touches over (connector/scheduler/lookups.py);
 * ``gil-free``: SHA-256 of 1 MiB buffers, C code that releases the GIL for
   its whole run (as ``batch_loads``' native call and zstd do).
 

@@ -1,6 +1,6 @@
 """The hot path alone: a connector worker's loads and saves against memcpy.
 
-A real :class:`~ucm_db.connector.worker.UcmDbWorker` (no engine) over a real
+A real :class:`~ucm_db.connector.worker.hooks.UcmDbWorker` (no engine) over a real
 LMDB store and a CPU KV cache in vLLM CPU's layout (one bf16 tensor per
 layer, ``[blocks, kv_heads, block_size, 2*head_size]``). The connector's
 unit (one block's KV of one head, every layer) is what the store reads and
@@ -90,7 +90,7 @@ def _transfer(keys: list[bytes], load: bool) -> Any:
 
 def _worker(path: Path, codec: str, layers: int, caches: dict[str, Any]) -> Any:
     from ucm_db.connector.settings import ConnectorSettings
-    from ucm_db.connector.worker import UcmDbWorker
+    from ucm_db.connector.worker.hooks import UcmDbWorker
 
     settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": codec, "capacity_bytes": 64 << 30,
                                                     "load_policy": "always"})

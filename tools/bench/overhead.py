@@ -41,7 +41,7 @@ def bench_lookup(block_size: int = BLOCK_SIZE, repeats: int = 30) -> dict[str, f
     from vllm.v1.request import Request
 
     from ucm_db.connector.identity import KVShape, namespace
-    from ucm_db.connector.scheduler import UcmDbScheduler
+    from ucm_db.connector.scheduler.hooks import UcmDbScheduler
     from ucm_db.connector.settings import ConnectorSettings
 
     shape = KVShape(model="bench", kv_dtype="bfloat16", block_size=block_size, use_mla=False, layout="bench", tp_size=1, pp_size=1)

@@ -1,6 +1,6 @@
 """The PD benchmark's serving part: end-to-end TTFT through the PD proxy
 (prefill ``kv_producer`` + decode ``kv_consumer`` OpenAI servers on one
-store, ``python -m ucm_db.connector.proxy`` in front) against one OpenAI
+store, ``python -m ucm_db.tools.proxy`` in front) against one OpenAI
 server without a connector, same prompts, streamed.
 
 Invariants:
@@ -39,7 +39,7 @@ class ProxySpec:
     env: dict[str, str] = field(default_factory=dict)
 
     def argv(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "ucm_db.connector.proxy", "--prefill", self.prefill_url,
+        return [sys.executable, "-m", "ucm_db.tools.proxy", "--prefill", self.prefill_url,
                 "--decode", self.decode_url, "--port", str(port), "--log-level", "warning"]
 
 

@@ -65,7 +65,7 @@ def _write(path: Path, codec: str, tp: int, model_kv: dict[str, Any], keys: list
     """Every rank of a TP=``tp`` deployment saves the blocks; returns the store's counts."""
     import ucm_db
     from ucm_db.connector.settings import ConnectorSettings
-    from ucm_db.connector.worker import UcmDbWorker
+    from ucm_db.connector.worker.hooks import UcmDbWorker
 
     settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": codec, "capacity_bytes": 8 << 30})
     meta = _meta(keys, list(range(len(keys))), load=False)
@@ -86,7 +86,7 @@ class _Reader:
     def __init__(self, path: Path, tp: int, keys: list[bytes]) -> None:
         from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
         from ucm_db.connector.settings import ConnectorSettings
-        from ucm_db.connector.worker import UcmDbWorker
+        from ucm_db.connector.worker.hooks import UcmDbWorker
 
         settings = ConnectorSettings.from_extra_config({"path": str(path)})
         self.meta = UcmDbConnectorMetadata(loads=[BlockTransfer("bench", tuple(keys), tuple(range(len(keys))))])

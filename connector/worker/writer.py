@@ -27,7 +27,7 @@ Invariants:
       failed load, metadata.py) deletes them in queue order: after every
       save submitted before it, so a void never misses a commit still queued.
     * :meth:`close` commits every queued job before returning.
-    * A save job's staging goes back to its pool (:mod:`ucm_db.connector.staging`)
+    * A save job's staging goes back to its pool (:mod:`ucm_db.connector.worker.staging`)
       only once the job is committed, failed or dropped (:meth:`SaveJob.done`).
 """
 

@@ -18,7 +18,7 @@ Invariants:
       step that also loads blocks it depends on (its request's, or shared
       from another request through vLLM's prefix cache) names them
       (``after_loads``, also loads of earlier steps whose output is not
-      back) and is settled by :mod:`ucm_db.connector.settlement`.
+      back) and is settled by :mod:`ucm_db.connector.scheduler.settlement`.
     * A request whose key chain is of an older epoch than the namespace's
       (a reset since its lookup) saves nothing more; nor does one whose
       controls say ``save: false``. Admission
@@ -39,13 +39,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.composition import sibling_loads
-from ucm_db.connector.cost_model import MIN_PREFILL_TOKENS, CostModel
+from ucm_db.connector.scheduler.cost_model import MIN_PREFILL_TOKENS, CostModel
 from ucm_db.connector.events import save_fields
-from ucm_db.connector.lookups import PrefixLookup
+from ucm_db.connector.scheduler.lookups import PrefixLookup
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.request_controls import Admission
-from ucm_db.connector.request_state import RequestState
-from ucm_db.connector.settlement import MAX_PENDING_STEPS, SaveSettlement
+from ucm_db.connector.scheduler.request_state import RequestState
+from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS, SaveSettlement
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ucm_db import ConfigError
-from ucm_db.connector.proxy import build_app, main, parse_urls, prefill_body
+from ucm_db.tools.proxy import build_app, main, parse_urls, prefill_body
 
 PARAMS = {"ucm_db": {"version": 1, "blocks": 3}}
 
@@ -211,10 +211,24 @@ def test_command_line() -> None:
 
 def test_module_entry_point_and_no_engine_imports() -> None:
     code = (
-        "import sys, ucm_db.connector; assert 'ucm_db.connector.proxy' not in sys.modules;"
-        "import ucm_db.connector.proxy; assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'heavy import'"
+        "import sys, ucm_db.connector; assert 'ucm_db.tools.proxy' not in sys.modules;"
+        "import ucm_db.tools.proxy; assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'heavy import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    done = subprocess.run([sys.executable, "-m", "ucm_db.connector.proxy", "--prefill", "http://a:1", "--decode", "x", "--port", "1"],
+    done = subprocess.run([sys.executable, "-m", "ucm_db.tools.proxy", "--prefill", "http://a:1", "--decode", "x", "--port", "1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--decode" in done.stderr
+
+
+def test_ucm_db_proxy_is_the_same_command_and_loads_nothing_for_the_others() -> None:
+    """The proxy is ``ucm-db proxy`` (issue 47: out of the connector, the
+    package vLLM loads); FastAPI, httpx and uvicorn load only when it runs."""
+    code = "import sys, ucm_db.tools.cli; print(sorted(m for m in ('fastapi', 'httpx', 'uvicorn') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert loaded.stdout.strip() == "[]"
+    done = subprocess.run([sys.executable, "-m", "ucm_db.tools.cli", "proxy", "--prefill", "http://a:1", "--decode", "x",
+                           "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--decode" in done.stderr, done.stderr
+    helped = subprocess.run([sys.executable, "-m", "ucm_db.tools.cli", "proxy", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert helped.returncode == 0 and "--prefill" in helped.stdout

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.events import save_fields
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
-from ucm_db.connector.scheduler import UcmDbScheduler, logger
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler, logger
 from ucm_db.keys.units import unit_keys_of
 
 if TYPE_CHECKING:

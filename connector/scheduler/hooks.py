@@ -6,11 +6,11 @@ states); the work is done by:
 
 * :mod:`ucm_db.connector.identity` -- each request's key chain (hashed once,
   grown incrementally) and the extras hashed into it;
-* :mod:`ucm_db.connector.lookups` -- the priced prefix lookups (local tier,
+* :mod:`ucm_db.connector.scheduler.lookups` -- the priced prefix lookups (local tier,
   then the remote as the cost model decides, inline or in the background);
-* :mod:`ucm_db.connector.planner` -- each step's loads and saves, and the
+* :mod:`ucm_db.connector.scheduler.planner` -- each step's loads and saves, and the
   cost model's samples of them;
-* :mod:`ucm_db.connector.settlement` -- saves planned over loads whose
+* :mod:`ucm_db.connector.scheduler.settlement` -- saves planned over loads whose
   outcome is not known yet, and their verdicts;
 * :mod:`ucm_db.connector.request_controls` -- a request's own controls
   (``save``, ``load``, ``max_load_tokens`` in its ``kv_transfer_params``,
@@ -25,7 +25,7 @@ Invariants:
       prompt's last token, and only beyond what vLLM already computed. It
       changes, for the request: its state (made anew where there is none or
       its key chain is of an older epoch), its key chain (grown as far as
-      the lookup hashed), the :class:`~ucm_db.connector.request_state.LookupRecord`
+      the lookup hashed), the :class:`~ucm_db.connector.scheduler.request_state.LookupRecord`
       only the next ``update_state_after_alloc`` for it reads (a second
       lookup replaces it), what vLLM had computed, its background-lookup
       and publication-wait state; and beyond the request: the namespace's
@@ -68,18 +68,18 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 import ucm_db
-from ucm_db.connector.cost_model import CostModel, Decision
+from ucm_db.connector.scheduler.cost_model import CostModel, Decision
 from ucm_db.connector.epochs import EpochWatch
 from ucm_db.connector.identity import KVShape, chain_keys, grid, namespace, reader_spans, request_block_extras, request_extras
-from ucm_db.connector.lookups import LookupPending, PrefixLookup
+from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
-from ucm_db.connector.planner import StepPlanner
+from ucm_db.connector.scheduler.planner import StepPlanner
 from ucm_db.connector.request_controls import Admission, RequestControls, describe_problems, first_report
-from ucm_db.connector.request_state import LookupRecord, RequestState
+from ucm_db.connector.scheduler.request_state import LookupRecord, RequestState
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
-from ucm_db.connector.settlement import SaveSettlement
+from ucm_db.connector.scheduler.settlement import SaveSettlement
 from ucm_db.connector.stores import acquire, refuse_older_generations, release
 from ucm_db.errors import UcmDbError
 from ucm_db.keys import BlockKeys, Namespace

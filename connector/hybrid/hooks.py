@@ -8,12 +8,12 @@ is block ``b`` of that group's layers only.
 
 Invariants:
     * A model with one KV cache group never comes here: the connector uses
-      :class:`~ucm_db.connector.scheduler.UcmDbScheduler` and
-      :class:`~ucm_db.connector.worker.UcmDbWorker` directly (same keys, same
+      :class:`~ucm_db.connector.scheduler.hooks.UcmDbScheduler` and
+      :class:`~ucm_db.connector.worker.hooks.UcmDbWorker` directly (same keys, same
       namespace as before ``SupportsHMA``).
     * Group ``g``'s halves are an ordinary scheduler and worker over that
       group's layers (:func:`group_shape`), reading group ``g``'s block ids
-      and storing under the group's namespace (:func:`~ucm_db.connector.groups.group_namespace`,
+      and storing under the group's namespace (:func:`~ucm_db.connector.hybrid.groups.group_namespace`,
       naming its layers and spec): every group keeps its own key chain of the
       same tokens, with the prefix invariant of any chain.
     * Every group stores every block of a request: a sliding-window block is
@@ -47,10 +47,10 @@ Invariants:
       with at least one attention group (groups.py).
     * An SSM state group (ssm_state.py) stores one state per block
       boundary, not a prefix: its halves are a
-      :class:`~ucm_db.connector.ssm_state.SsmStateScheduler` and an
+      :class:`~ucm_db.connector.hybrid.ssm_state.SsmStateScheduler` and an
       ordinary worker over its layers' state pages (one unit per block), and
       a hit is cut back to a boundary where every state group holds a state
-      (:func:`~ucm_db.connector.ssm_state.ssm_claim`). Its async load is
+      (:func:`~ucm_db.connector.hybrid.ssm_state.ssm_claim`). Its async load is
       planned with the attention groups' (ssm_state.py says which block).
 """
 
@@ -60,16 +60,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ucm_db.connector.groups import KVGroup, group_namespace
-from ucm_db.connector.hybrid_loads import GroupLoads
+from ucm_db.connector.hybrid.groups import KVGroup, group_namespace
+from ucm_db.connector.hybrid.loads import GroupLoads
 from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats
 from ucm_db.connector.roles import RolePolicy
-from ucm_db.connector.scheduler import UcmDbScheduler, logger
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler, logger
 from ucm_db.connector.settings import ConnectorSettings
-from ucm_db.connector.ssm_state import SsmStateScheduler, ssm_claim
-from ucm_db.connector.worker import UcmDbWorker
+from ucm_db.connector.hybrid.ssm_state import SsmStateScheduler, ssm_claim
+from ucm_db.connector.worker.hooks import UcmDbWorker
 from ucm_db.errors import ConfigError
 
 if TYPE_CHECKING:

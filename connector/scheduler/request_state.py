@@ -1,10 +1,10 @@
 """What the scheduler side remembers about each request.
 
 One :class:`RequestState` per request the scheduler has looked up, shared by
-the facade (:mod:`ucm_db.connector.scheduler`), the lookups
-(:mod:`ucm_db.connector.lookups`), the step planner
-(:mod:`ucm_db.connector.planner`) and, through rewinds, the settlement of
-held saves (:mod:`ucm_db.connector.settlement`).
+the facade (:mod:`ucm_db.connector.scheduler.hooks`), the lookups
+(:mod:`ucm_db.connector.scheduler.lookups`), the step planner
+(:mod:`ucm_db.connector.scheduler.planner`) and, through rewinds, the settlement of
+held saves (:mod:`ucm_db.connector.scheduler.settlement`).
 
 Invariants:
     * ``keys`` is the request's block key chain rooted at ``epoch``, grown

@@ -2,7 +2,7 @@
 prefill (``kv_producer``) and decode (``kv_consumer``) vLLM servers that
 share a ucm-db store.
 
-    python -m ucm_db.connector.proxy --prefill http://p1:8100,http://p2:8100 \\
+    ucm-db proxy --prefill http://p1:8100,http://p2:8100 \\
         --decode http://d1:8200 --port 8000
 
 For each ``/v1/completions`` or ``/v1/chat/completions`` request it sends the
@@ -273,7 +273,7 @@ def main(prefill: str, decode: str, host: str, port: int, timeout_s: float, log_
     """Serve an OpenAI-compatible endpoint that prefills on --prefill servers
     and decodes on --decode servers sharing a ucm-db store.
 
-    Example: python -m ucm_db.connector.proxy --prefill http://127.0.0.1:8100
+    Example: ucm-db proxy --prefill http://127.0.0.1:8100
     --decode http://127.0.0.1:8200 --port 8000
     """
     import uvicorn

@@ -1,22 +1,22 @@
 """Worker side of the connector: saves out of the paged KV cache, and the
-step's loads into it (delegated to :mod:`ucm_db.connector.worker_loads`).
+step's loads into it (delegated to :mod:`ucm_db.connector.worker.loads`).
 
 Invariants:
-    * Loads (:mod:`ucm_db.connector.worker_loads`) finish within their step
+    * Loads (:mod:`ucm_db.connector.worker.loads`) finish within their step
       (``block`` and ``layer`` modes) or beside later steps (``async``); a
       block that fails to load is reported so vLLM recomputes it, and no
       unverified byte reaches the KV cache.
     * Saves copy blocks out of the KV cache in ``wait_for_save`` (the
       blocks may be reused by the next step) and leave encoding and commit
-      to the :class:`~ucm_db.connector.writer.BackgroundWriter`, in staging
-      reused across saves (:mod:`~ucm_db.connector.staging`). A save whose
+      to the :class:`~ucm_db.connector.worker.writer.BackgroundWriter`, in staging
+      reused across saves (:mod:`~ucm_db.connector.worker.staging`). A save whose
       ``after_loads`` include a block this worker failed to load in its
       last few steps is dropped (its KV attended to a stale slot); a held
       save waits for the scheduler's verdict (metadata.py), and the saves a
       step's metadata voids (a producer's, after another rank's failure)
       are deleted behind every queued save.
     * A save's blocks are read only while its request holds them: saves go
-      through :class:`~ucm_db.connector.preemptions.PendingSaves`, and
+      through :class:`~ucm_db.connector.worker.preemptions.PendingSaves`, and
       :meth:`UcmDbWorker.handle_preemptions` (vLLM's hook at the start of
       each step) drops those of preempted requests not yet copied and waits
       for their copies in flight (counted as ``saves_preempted``).
@@ -42,13 +42,13 @@ from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, writ
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
-from ucm_db.connector.preemptions import PendingSaves
+from ucm_db.connector.worker.preemptions import PendingSaves
 from ucm_db.connector.roles import RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
-from ucm_db.connector.staging import StagingPool
+from ucm_db.connector.worker.staging import StagingPool
 from ucm_db.connector.stores import acquire, release
-from ucm_db.connector.worker_loads import WorkerLoads
-from ucm_db.connector.writer import BackgroundWriter, SaveJob, VoidJob
+from ucm_db.connector.worker.loads import WorkerLoads
+from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob, VoidJob
 from ucm_db.errors import ConfigError
 from ucm_db.keys.units import UnitKeys
 

@@ -32,10 +32,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import ucm_db
-from ucm_db.connector.cost_model import CostModel, Decision
+from ucm_db.connector.scheduler.cost_model import CostModel, Decision
 from ucm_db.connector.metadata import IDLE_WAIT_S
-from ucm_db.connector.remote_lookups import BACKGROUND_DEADLINE_S, RemoteLookups
-from ucm_db.connector.request_state import RequestState
+from ucm_db.connector.scheduler.remote_lookups import BACKGROUND_DEADLINE_S, RemoteLookups
+from ucm_db.connector.scheduler.request_state import RequestState
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, stored_prefix, unit_keys_of
 
@@ -54,7 +54,7 @@ class LookupPending(Exception):
 
 class BackgroundDeadlineStore:
     """A store adapter whose ``lookup`` waits up to
-    :data:`~ucm_db.connector.remote_lookups.BACKGROUND_DEADLINE_S` on the
+    :data:`~ucm_db.connector.scheduler.remote_lookups.BACKGROUND_DEADLINE_S` on the
     remote: off the serving path, a lookup need not be cut at the store's
     ``remote_deadline_s`` (made short so an inline lookup never holds the
     engine up)."""

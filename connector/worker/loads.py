@@ -7,7 +7,7 @@ Invariants:
       layer waits only for its own layer (``wait_for_layer_load``). Either
       way the loader is joined before the step's load errors are reported.
       In ``async`` mode a request's hit loads beside later steps
-      (:mod:`ucm_db.connector.async_loads`) and the request is reported by
+      (:mod:`ucm_db.connector.worker.async_loads`) and the request is reported by
       :meth:`WorkerLoads.finished_loads` once its blocks are filled, with
       its failed blocks in the same step's load errors (or, through
       :meth:`WorkerLoads.finished_requests`, with the requests that failed
@@ -40,7 +40,7 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db import cpu_placement
-from ucm_db.connector.async_loads import AsyncLoader
+from ucm_db.connector.worker.async_loads import AsyncLoader
 from ucm_db.connector.layouts import KVLayout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
