@@ -144,8 +144,9 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
                     "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
-            self._scheduler = (GroupedScheduler(self.settings, self.shape, self.pd_role, self.groups) if hybrid
-                               else UcmDbScheduler(self.settings, self.shape, self.pd_role))
+            # refuse_older_generations ran above, once for every role and group.
+            self._scheduler = (GroupedScheduler(self.settings, self.shape, self.pd_role, self.groups, generations_checked=True)
+                               if hybrid else UcmDbScheduler(self.settings, self.shape, self.pd_role, generations_checked=True))
             events_config = vllm_config.kv_events_config
             if events_config is not None and events_config.enable_kv_cache_events:
                 parts = self._scheduler.parts if isinstance(self._scheduler, GroupedScheduler) else [self._scheduler]

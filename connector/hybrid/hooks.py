@@ -119,7 +119,8 @@ class _MergedCounters:
 class GroupedScheduler:
     """The scheduler half of a hybrid model: one :class:`UcmDbScheduler` per group."""
 
-    def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy, groups: Sequence[KVGroup]) -> None:
+    def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy, groups: Sequence[KVGroup], *,
+                 generations_checked: bool = False) -> None:
         base = namespace(shape)
         self.groups = list(groups)
         if settings.load_mode != "async":
@@ -128,7 +129,8 @@ class GroupedScheduler:
                         len(self.groups), settings.load_mode)
         settings = replace(settings, load_mode="async")  # module invariants
         self.parts = [(SsmStateScheduler if g.kind == "ssm_state" else UcmDbScheduler)(
-                          settings, group_shape(shape, g), role, g.index, group_namespace(base, self.groups, g))
+                          settings, group_shape(shape, g), role, g.index, group_namespace(base, self.groups, g),
+                          generations_checked=generations_checked)
                       for g in self.groups]
         self._attention = [p for p in self.parts if not isinstance(p, SsmStateScheduler)]
         self._states = [p for p in self.parts if isinstance(p, SsmStateScheduler)]

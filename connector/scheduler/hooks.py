@@ -99,10 +99,13 @@ class UcmDbScheduler:
     """Scheduler-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
     def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy = RolePolicy(), group: int = 0,
-                 group_namespace: Namespace | None = None) -> None:
+                 group_namespace: Namespace | None = None, *, generations_checked: bool = False) -> None:
+        """``generations_checked``: the caller (the connector's facade) has
+        refused a store of an older storage generation already."""
         self._store = acquire(settings)
         try:  # blocks of an older storage generation: converted by `ucm-db migrate`, never read here
-            refuse_older_generations(self._store, settings, shape)
+            if not generations_checked:
+                refuse_older_generations(self._store, settings, shape)
         except UcmDbError:
             release(self._store)
             raise

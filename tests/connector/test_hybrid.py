@@ -340,3 +340,27 @@ def test_reset_moves_every_groups_epoch_on_for_this_and_another_engine(model_dir
     assert other.scheduler.get_num_new_matched_tokens(_request("new", TOKENS), 0) == (6 * BS, True)
     first.close()
     other.close()
+
+
+def test_the_older_generation_check_runs_once_at_a_hybrid_schedulers_start(model_dir: Path, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 47: ``refuse_older_generations`` ran in the facade and again in
+    every group's scheduler."""
+    from ucm_db.connector import connector as facade
+    from ucm_db.connector import stores as store_module
+    from ucm_db.connector.scheduler import hooks
+
+    calls: list[int] = []
+    real = store_module.refuse_older_generations
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(facade, "refuse_older_generations", counted)
+    monkeypatch.setattr(hooks, "refuse_older_generations", counted)
+    sched = UcmDbConnector(_vllm_config(model_dir, {"path": str(tmp_path / "store")}), KVConnectorRole.SCHEDULER, _groups())
+    try:
+        assert len(calls) == 1
+    finally:
+        sched.shutdown()
