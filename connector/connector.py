@@ -62,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults, SupportsHMA,
 )
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import ucm_db
 from ucm_db import cpu_placement
@@ -251,6 +252,17 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._scheduler is not None:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """ucm-db's hits by tier for ``vllm:prompt_tokens_cached_by_source``:
+        the local tier as ``disk`` (an LMDB file read through the page
+        cache), blocks its lookups fetched from the remote tier as
+        ``external_unspecified`` (vLLM has no label for a remote store)."""
+        if num_external_tokens <= 0:
+            return {}
+        split = {"disk": num_external_tokens} if self._scheduler is None else self._scheduler.hit_sources(request, num_external_tokens)
+        labels = {"disk": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
+        return {labels[name]: count for name, count in split.items() if count}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         if self._scheduler is None:

@@ -164,6 +164,11 @@ class GroupedScheduler:
             tokens = ssm_claim(self._states, request, num_computed_tokens, tokens, self._block_size)
         return tokens, tokens > 0
 
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """The claim's split by tier, as the first attention group saw it
+        (every group claims the same blocks)."""
+        return self._attention[0].hit_sources(request, num_external_tokens)
+
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         """Every group plans its part of the request's async load."""
         lead = self._attention[0]

@@ -223,6 +223,20 @@ class UcmDbScheduler:
         # recomputed.
         return tokens, self._async and tokens > 0 and not state.async_tried
 
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """``num_external_tokens`` of the request's last claim split by the
+        tier that supplied them: ``"disk"`` (the local tier: LMDB's file, read
+        through the page cache) and ``"remote"`` (fetched from the remote
+        tier by this request's lookups); only non-zero counts."""
+        state = self._requests.get(request.request_id)
+        if state is None or state.lookup is None or num_external_tokens <= 0:
+            return {"disk": num_external_tokens} if num_external_tokens > 0 else {}
+        first = state.lookup.local_tokens
+        remote_from = (first + num_external_tokens if state.first_remote_block is None
+                       else max(first, state.first_remote_block * self._block_size))
+        disk = max(0, min(first + num_external_tokens, remote_from) - first)
+        return {name: count for name, count in (("disk", disk), ("remote", num_external_tokens - disk)) if count}
+
     def _claimable_blocks(self, controls: RequestControls, max_blocks: int, num_computed_tokens: int) -> int:
         """The most leading blocks a lookup may claim: the prompt's loadable
         ones, and no more than ``max_load_tokens`` past vLLM's own hit."""

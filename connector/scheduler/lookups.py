@@ -160,6 +160,8 @@ class PrefixLookup:
         started = time.perf_counter()
         found = stored_prefix(self._store, self._namespace, self._grid, spans, keys, start + local, stop)
         elapsed_s = time.perf_counter() - started
+        if found:
+            state.first_remote_block = min(start + local, state.first_remote_block or start + local)
         self.remote_lookup_s += elapsed_s
         self._cost.observe_load(self._ns_id, "remote", found * self._block_size, elapsed_s)
         return local + found
@@ -176,6 +178,7 @@ class PrefixLookup:
         job_stop = stop if decision is Decision.PROBE else max_blocks
         chain = self._keys(state, job_stop)[:job_stop]  # a snapshot: the scheduler grows state.keys meanwhile
         store, namespace, grid, spans = BackgroundDeadlineStore(self._store), self._namespace, self._grid, self._spans
+        state.remote_job_first = first
         self.lookups.submit(state.request.request_id, lambda: stored_prefix(store, namespace, grid, spans, chain, first, job_stop))
         raise LookupPending
 
@@ -196,6 +199,8 @@ class PrefixLookup:
         result = self.lookups.take(job_key)
         if result is not None:
             self._cost.observe_load(self._ns_id, "remote", result.found_blocks * self._block_size, result.elapsed_s)
+            if result.found_blocks:  # promoted into the local tier by now: remembered as the remote's
+                state.first_remote_block = min(state.remote_job_first, state.first_remote_block or state.remote_job_first)
             if state.remote_probing:  # a probe measured the link: the rest is decided again
                 state.remote_probing = False
                 state.remote_probed = True

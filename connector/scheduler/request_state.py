@@ -63,6 +63,8 @@ class RequestState:
     remote_asked: bool = False    # its background remote lookup finished
     remote_probing: bool = False  # its background job is a probe
     remote_probed: bool = False   # its background probe finished
+    remote_job_first: int = 0     # first block its background remote lookup asked for
+    first_remote_block: int | None = None  # blocks from here on were fetched from the remote tier (hit sources)
     controls: RequestControls = field(default_factory=RequestControls)  # the request's own (kv_transfer_params)
     sighted_blocks: int = 0   # leading blocks whose sighting the admission sketch counted
     admitted_blocks: int = 0  # leading blocks admitted for storing (admit_after)

@@ -197,7 +197,12 @@ def test_each_group_is_stored_apart_and_loads_after_a_restart(model_dir: Path, t
     # vLLM leaves the sliding-window group's blocks outside the window null
     # (block 0): 192 computed tokens, a 128-token window: blocks 0 and 1.
     new_window, new_full = [0, 0, 23, 24, 25, 26, 27], list(range(31, 38))
-    assert second.run(_request("b", TOKENS), (new_window, new_full)) == 6 * BS  # every whole block but the last
+    b = _request("b", TOKENS)
+    assert second.run(b, (new_window, new_full)) == 6 * BS  # every whole block but the last
+    # vLLM's hit sources: ucm-db's local tier is reported as disk (issue 49).
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert second.scheduler.get_external_cache_hit_sources(b, 6 * BS) == {CacheHitSource.DISK: 6 * BS}
     for layer, old_ids, new_ids in [(n, window_ids, new_window) for n in WINDOW_LAYERS] + [(n, full_ids, new_full) for n in FULL_LAYERS]:
         for old, new in zip(old_ids[:6], new_ids[:6]):
             if new:

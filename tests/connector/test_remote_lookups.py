@@ -91,8 +91,12 @@ def test_background_lookup_answers_none_until_the_hit_is_local(tmp_path: Path) -
             assert time.monotonic() - started < 30
             time.sleep(0.02)
         assert answer == (BLOCKS * BS, False) and polls > 2
-        # The blocks are local now: the same prompt again is claimed at once.
-        assert sched.get_num_new_matched_tokens(_request(prompt, "r2"), 0) == (BLOCKS * BS, False)
+        # vLLM's hit sources (issue 49): these came from the remote tier.
+        assert sched.hit_sources(request, BLOCKS * BS) == {"remote": BLOCKS * BS}
+        # The blocks are local now: the same prompt again is claimed at once, from the local tier.
+        again = _request(prompt, "r2")
+        assert sched.get_num_new_matched_tokens(again, 0) == (BLOCKS * BS, False)
+        assert sched.hit_sources(again, BLOCKS * BS) == {"disk": BLOCKS * BS}
         ns_id = sched._namespace.digest[:16].hex()
         assert sched.cost.load_rate(ns_id, "remote") is not None  # the lookup's time was a sample
         # A prompt the remote lacks: one background round, then a miss.
