@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,26 @@ COUNTERS = (
     # recompute because loading it was expected to be slower
     "cost_skips",
 )
-GAUGES = ("compression_ratio",)
+#: Gauges: the latest non-zero value wins. The capacity gauges describe the
+#: store the scheduler reads (every scheduler of a store reports the same).
+GAUGES = ("compression_ratio", "store_stored_bytes", "store_capacity_bytes", "namespace_stored_bytes")
+#: Latency histograms, by name: bucket upper bounds in seconds. Each ships
+#: as per-bucket counts (``<name>_hist_<i>``, the last bucket +Inf), summed
+#: over the interval like the counters; Prometheus gets them as histograms
+#: (each observation placed at its bucket's upper bound, so ``_sum`` is an
+#: upper bound and the bucket counts are exact).
+HISTOGRAMS: dict[str, tuple[float, ...]] = {
+    "lookup": (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+    "load": (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0),
+    "save_commit": (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0),
+}
+BUCKETS = tuple(f"{name}_hist_{i}" for name, bounds in HISTOGRAMS.items() for i in range(len(bounds) + 1))
+COUNTERS = COUNTERS + BUCKETS
+
+
+def bucket_of(name: str, seconds: float) -> str:
+    """The stats key of the bucket ``seconds`` falls in for histogram ``name``."""
+    return f"{name}_hist_{bisect.bisect_left(HISTOGRAMS[name], seconds)}"
 
 
 @dataclass
@@ -106,6 +126,10 @@ class Counters:
                     self._stats.data[name] += value
                     self.totals.data[name] += value
 
+    def observe(self, name: str, seconds: float) -> None:
+        """One latency observation of histogram ``name`` (:data:`HISTOGRAMS`)."""
+        self.add(**{bucket_of(name, seconds): 1})
+
     def take(self) -> UcmDbConnectorStats | None:
         """The interval's stats (None if nothing happened), reset to zero."""
         with self._lock:
@@ -140,8 +164,22 @@ _PROM = {
 }
 
 
+_PROM_GAUGES = {
+    "compression_ratio": ("ucm_db_compression_ratio", "Raw / stored bytes of this model's stored KV blocks"),
+    "store_stored_bytes": ("ucm_db_store_stored_bytes", "Bytes the store's local tier holds (all namespaces)"),
+    "store_capacity_bytes": ("ucm_db_store_capacity_bytes", "The store's capacity_bytes"),
+    "namespace_stored_bytes": ("ucm_db_namespace_stored_bytes", "Bytes the store holds of this engine's namespace"),
+}
+_PROM_HISTOGRAMS = {
+    "lookup": ("ucm_db_lookup_latency_seconds", "Seconds of one scheduler-side prefix lookup (local and remote)"),
+    "load": ("ucm_db_load_latency_seconds", "Seconds of one step's loads into the paged KV cache"),
+    "save_commit": ("ucm_db_save_commit_latency_seconds", "Seconds of one background save commit (encode and commit)"),
+}
+
+
 class UcmDbPromMetrics(KVConnectorPromMetrics):
-    """Prometheus counters per engine, plus a compression-ratio gauge."""
+    """Prometheus counters per engine, the gauges of :data:`GAUGES` and the
+    latency histograms of :data:`HISTOGRAMS`."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -149,17 +187,29 @@ class UcmDbPromMetrics(KVConnectorPromMetrics):
         for name, (metric, doc) in _PROM.items():
             counter = self._counter_cls(name=f"vllm:{metric}", documentation=doc, labelnames=labelnames)
             self._counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
-        gauge = self._gauge_cls(
-            name="vllm:ucm_db_compression_ratio", documentation="Raw / stored bytes of this model's stored KV blocks",
-            labelnames=labelnames,
-        )
-        self._ratio = {idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name, (metric, doc) in _PROM_GAUGES.items():
+            gauge = self._gauge_cls(name=f"vllm:{metric}", documentation=doc, labelnames=labelnames)
+            self._gauges[name] = {idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        self._histograms: dict[str, dict[int, Any]] = {}
+        for name, (metric, doc) in _PROM_HISTOGRAMS.items():
+            histogram = self._histogram_cls(name=f"vllm:{metric}", documentation=doc, labelnames=labelnames,
+                                            buckets=list(HISTOGRAMS[name]))
+            self._histograms[name] = {idx: histogram.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, per_engine in self._counters.items():
             value = float(transfer_stats_data.get(name, 0) or 0)
             if value > 0 and engine_idx in per_engine:
                 per_engine[engine_idx].inc(value)
-        ratio = float(transfer_stats_data.get("compression_ratio", 0) or 0)
-        if ratio and engine_idx in self._ratio:
-            self._ratio[engine_idx].set(ratio)
+        for name, per_engine in self._gauges.items():
+            value = float(transfer_stats_data.get(name, 0) or 0)
+            if value and engine_idx in per_engine:
+                per_engine[engine_idx].set(value)
+        for name, per_engine in self._histograms.items():
+            if engine_idx not in per_engine:
+                continue
+            bounds = HISTOGRAMS[name]
+            for i, at in enumerate((*bounds, 2 * bounds[-1])):  # +Inf: placed past the last bound
+                for _ in range(int(transfer_stats_data.get(f"{name}_hist_{i}", 0) or 0)):
+                    per_engine[engine_idx].observe(at)

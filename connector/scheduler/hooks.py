@@ -295,6 +295,7 @@ class UcmDbScheduler:
             return
         query = max(0, request.num_prompt_tokens - record.local_tokens)
         self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens)
+        self.counters.observe("lookup", record.seconds)
         self._report_ratio()  # every lookup, hit or not: the gauge describes the store, not this request
         if self._group == 0:  # a hybrid model's groups claim the same hit (hybrid.py): one line
             logger.info(
@@ -310,9 +311,11 @@ class UcmDbScheduler:
         if now - self._ratio_at_s < _RATIO_INTERVAL_S:
             return
         self._ratio_at_s = now
-        stats = self._store.stats().namespaces.get(self._ns_id)
+        store = self._store.stats()
+        self.counters.add(store_stored_bytes=store.stored_bytes, store_capacity_bytes=store.capacity_bytes)
+        stats = store.namespaces.get(self._ns_id)
         if stats is not None and stats.stored_bytes:
-            self.counters.add(compression_ratio=stats.raw_bytes / stats.stored_bytes)
+            self.counters.add(compression_ratio=stats.raw_bytes / stats.stored_bytes, namespace_stored_bytes=stats.stored_bytes)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         """The step's metadata: its loads and saves (planner.py), the saves'

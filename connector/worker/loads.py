@@ -174,6 +174,7 @@ class WorkerLoads:
         good = len(unit_ids)
         load_s = time.perf_counter() - started
         self.counters.add(loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes, load_s=load_s, load_errors=len(failed))
+        self.counters.observe("load", load_s)
         self._time_load(good * self._block_size, load_s, background)
         return failed
 

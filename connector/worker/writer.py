@@ -211,8 +211,9 @@ class BackgroundWriter:
             return
         # CPU read before the wall clock (and after it at the start): the CPU interval lies inside the wall one.
         commit_cpu_s = time.thread_time() - started_cpu
-        self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=time.perf_counter() - started,
-                           save_commit_cpu_s=commit_cpu_s)
+        commit_s = time.perf_counter() - started
+        self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=commit_s, save_commit_cpu_s=commit_cpu_s)
+        self._counters.observe("save_commit", commit_s)
         self._update_ratio(job.namespace)
 
     def _delete(self, job: VoidJob) -> None:

@@ -99,3 +99,38 @@ def test_a_load_only_server_shows_the_stores_ratio_from_its_first_lookup(tmp_pat
     prom.observe(stats.data)
     ratio = registry.get_sample_value("vllm:ucm_db_compression_ratio", LABELS)
     assert ratio == pytest.approx(stored.raw_bytes / stored.stored_bytes) and ratio > 1.5
+
+
+def test_latency_histograms_and_capacity_gauges_reach_prometheus(tmp_path: Path) -> None:
+    """Issue 49: lookup, load and save-commit latency as Prometheus
+    histograms; the store's stored bytes, capacity and this namespace's
+    bytes as gauges (what a fleet sizes capacity by)."""
+    settings = ConnectorSettings(tmp_path / "store", {"codec": "none", "capacity_bytes": 64 << 20})
+    worker = UcmDbWorker(settings, SHAPE, 8, RolePolicy("kv_both"))
+    worker.register_kv_caches(_kv(), 0, 0)
+    _save(worker, 3)
+    keys = tuple(namespace(SHAPE).block_keys(list(range(3, 3 + 3 * BS))))
+    worker.start_load(UcmDbConnectorMetadata(loads=[BlockTransfer("r", keys, (5, 6, 7))]))
+    assert worker.take_load_errors() == set()
+    scheduler = UcmDbScheduler(settings, SHAPE, RolePolicy("kv_both"))
+    request = Request("q", list(range(3, 3 + 3 * BS + 1)), SamplingParams(max_tokens=1), None)  # type: ignore[arg-type]
+    tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, None, 0)  # type: ignore[arg-type]
+    stored = scheduler.store.stats()
+    stats = UcmDbConnectorStats()
+    for part in (worker, scheduler):
+        taken = part.counters.take()
+        assert taken is not None
+        stats.aggregate(taken)
+    worker.shutdown()
+    scheduler.shutdown()
+    prom, registry = _prom()
+    prom.observe(stats.data)
+    for metric, count in (("lookup", 1), ("load", 1), ("save_commit", 1)):
+        assert registry.get_sample_value(f"vllm:ucm_db_{metric}_latency_seconds_count", LABELS) == count, metric
+        assert registry.get_sample_value(f"vllm:ucm_db_{metric}_latency_seconds_bucket", {**LABELS, "le": "+Inf"}) == count
+    assert registry.get_sample_value("vllm:ucm_db_store_capacity_bytes", LABELS) == 64 << 20
+    assert registry.get_sample_value("vllm:ucm_db_store_stored_bytes", LABELS) == stored.stored_bytes > 0
+    ns_bytes = registry.get_sample_value("vllm:ucm_db_namespace_stored_bytes", LABELS)
+    assert ns_bytes == stored.namespaces[namespace(SHAPE).digest[:16].hex()].stored_bytes
+    assert tokens == 3 * BS
