@@ -17,7 +17,8 @@ process's commits write:
   into ``BlockStored``/``BlockRemoved`` with ``medium=STORAGE``. Its first
   call replays what the store holds (the inventory), so a subscriber of a
   newly started engine learns the external blocks; a reader that fell
-  behind the feed's bound gets ``AllBlocksCleared`` and the inventory again.
+  behind the feed's bound withdraws what it announced (``BlockRemoved``,
+  ``medium=STORAGE``) and replays the inventory again.
 
 Invariants:
     * A block is evented only if vLLM computed its hash at the connector's
@@ -34,8 +35,14 @@ Invariants:
       after the inventory (a damaged head, issue 46) is read again next step.
     * Only blocks of the namespace epoch the engine serves are reported
       (:mod:`ucm_db.store.epochs`): after ``reset_cache`` or ``ucm-db
-      invalidate`` the next step says ``AllBlocksCleared`` and reports only
-      blocks stored at the new epoch; the old ones leave silently.
+      invalidate`` the next step removes every block it announced and
+      reports only blocks stored at the new epoch.
+    * ``AllBlocksCleared`` is never sent: it names no medium, and a router
+      applies it to the engine's own (GPU-tier) blocks too, which a feed
+      resync or another process's ``invalidate`` does not clear (vLLM sends
+      its own for ``reset_cache``). A withdrawal instead removes exactly the
+      storage-tier blocks announced so far, which :class:`FeedEvents`
+      tracks (one entry per announced block; bounded by the store).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 import ucm_db
@@ -105,10 +112,34 @@ class FeedEvents:
         self._epoch: int | None = None  # the epoch of the blocks reported so far
         self._seq: int | None = None  # None: replay the inventory first
         self._replaying: tuple[Future[EventInventory], int] | None = None  # an inventory being read, for an epoch
+        self._announced: dict[int | None, set[bytes | int]] = {}  # storage-tier blocks announced, by group
 
     def take(self) -> list[KVCacheEvent]:
+        """See :meth:`_take`; keeps the record of what was announced."""
+        events = self._take()
+        self._track(events)
+        return events
+
+    def _track(self, events: Sequence[KVCacheEvent]) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._announced.setdefault(event.group_idx, set()).update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self._announced.get(event.group_idx, set()).difference_update(event.block_hashes)
+
+    def _withdraw(self, events: list[KVCacheEvent]) -> None:
+        """Appends the removal of every block announced so far (those in
+        ``events`` included) and forgets them."""
+        self._track(events)
+        for group, hashes in sorted(self._announced.items(), key=lambda item: -1 if item[0] is None else item[0]):
+            if hashes:
+                events.append(BlockRemoved(block_hashes=sorted(hashes, key=repr), medium=MEDIUM_STORAGE, group_idx=group))
+        self._announced = {}
+
+    def _take(self) -> list[KVCacheEvent]:
         """Events since the last call: the inventory on the first call (and
-        after a resync or an epoch change, after ``AllBlocksCleared``), then
+        after a resync or an epoch change, after the withdrawal of what was
+        announced), then
         the feed's records of this namespace at the current epoch. The
         inventory is read in a thread: a step waits for it at most
         :data:`_REPLAY_WAIT_S` (a large store's replay arrives a few steps
@@ -119,7 +150,7 @@ class FeedEvents:
             return events  # a damaged epoch record: nothing is served, nothing said until it is fixed
         if self._replaying is None and (self._seq is None or epoch != self._epoch):
             if self._seq is not None:
-                events.append(AllBlocksCleared())  # reset_cache or `ucm-db invalidate`: the old blocks are never served
+                self._withdraw(events)  # reset_cache or `ucm-db invalidate`: the old blocks are never served
             self._epoch, self._seq = epoch, None
             self._start_replay(epoch)
         if self._replaying is not None and not self._finish_replay(events):
@@ -134,7 +165,7 @@ class FeedEvents:
                     # made this loop for ever): one resync per step, the next step tries again.
                     return events
                 resynced = True
-                events.append(AllBlocksCleared())
+                self._withdraw(events)
                 self._start_replay(epoch)
                 if not self._finish_replay(events):
                     return events

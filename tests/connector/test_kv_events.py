@@ -46,9 +46,9 @@ class Subscriber:
 
     def apply(self, events: list[object]) -> None:
         for event in events:
-            if isinstance(event, AllBlocksCleared):
-                self.blocks.clear()
-            elif isinstance(event, BlockStored):
+            # Never from ucm-db: it names no medium, so a router would drop the engine's own blocks too (issue 49).
+            assert not isinstance(event, AllBlocksCleared)
+            if isinstance(event, BlockStored):
                 assert event.medium == MEDIUM_STORAGE
                 for h in event.block_hashes:
                     self.blocks[h] = event
@@ -123,13 +123,19 @@ def test_a_reader_behind_the_bound_resyncs(tmp_path: Path) -> None:
     sched, worker, events = _engine(settings)
     view = Subscriber()
     view.apply(events.take())
+    _save(sched, worker, _hashed_request("first", [99] * (2 * BS + 1)), [1, 2, 3])
+    view.apply(events.take())
+    announced = set(view.blocks)
+    assert len(announced) == 2
     sched.store._tier.feed_max_records = 2  # this process's writes trim the feed to 2 records
     for n in range(3):
         _save(sched, worker, _hashed_request(f"r{n}", [n + 100] * (2 * BS + 1)), [1, 2, 3])
     taken = events.take()
-    assert isinstance(taken[0], AllBlocksCleared)
+    # The resync withdraws exactly what was announced (storage tier only), then replays the inventory.
+    assert isinstance(taken[0], BlockRemoved) and set(taken[0].block_hashes) == announced
+    assert taken[0].medium == MEDIUM_STORAGE
     view.apply(taken)
-    assert len(view.blocks) == 6 == len(sched.store.event_inventory().records)
+    assert len(view.blocks) == 8 == len(sched.store.event_inventory().records)
     worker.shutdown()
     sched.shutdown()
 
@@ -146,8 +152,8 @@ def test_no_block_hashes_no_events(tmp_path: Path) -> None:
 
 
 def test_reset_cache_clears_and_reports_only_the_new_epoch(tmp_path: Path) -> None:
-    """After reset_cache the old blocks are never served: AllBlocksCleared,
-    then only blocks saved at the new epoch (the old ones leave silently)."""
+    """After reset_cache the old blocks are never served: they are removed
+    (storage tier only), then only blocks saved at the new epoch appear."""
     settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
     sched, worker, _ = _engine(settings)
     events = FeedEvents(sched.store, namespace(_shape()), lambda: sched.epoch)
@@ -159,8 +165,9 @@ def test_reset_cache_clears_and_reports_only_the_new_epoch(tmp_path: Path) -> No
     assert len(view.blocks) == 2
     assert sched.reset_cache()
     taken = events.take()
-    assert isinstance(taken[0], AllBlocksCleared) and len(taken) == 1
+    assert [type(e) for e in taken] == [BlockRemoved] and taken[0].medium == MEDIUM_STORAGE
     view.apply(taken)
+    assert view.blocks == {}
     again = _hashed_request("b", tokens)  # the same prompt, saved again at the new epoch
     _save(sched, worker, again, [4, 5, 6])
     view.apply(events.take())
@@ -255,10 +262,10 @@ def test_a_damaged_feed_head_resyncs_take_once(tmp_path: Path) -> None:
     assert events.take() == []  # caught up: nothing new, no resync
     taken = late.take()
     for _ in range(100):  # the inventory is read in a thread: a step waits for it 50 ms at most
-        if len(taken) >= 3:
+        if len(taken) >= 2:
             break
         taken += late.take()
-    assert isinstance(taken[0], AllBlocksCleared) and [type(e) for e in taken[1:]] == [BlockStored] * 2
+    assert [type(e) for e in taken] == [BlockStored] * 2  # it had announced nothing: nothing to withdraw
     assert late.take() == []
     _save(sched, worker, _hashed_request("b", [7] * (BS + 1)), [4, 5])
     for reader in (events, late):
