@@ -50,10 +50,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import BlockHash, generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
 import ucm_db
 from ucm_db import BlockEventFields, ChangeRecord, EventInventory
@@ -83,11 +83,26 @@ def save_fields(
     tokens = request.all_token_ids
     lora = request.lora_request
     lora_id, lora_name = (lora.adapter_id, lora.name) if lora is not None else (None, None)
+    extra_keys = block_extra_keys(request, start, end, block_size)
     return tuple(
         BlockEventFields(bytes(hashes[i]), bytes(hashes[i - 1]) if i else None, tuple(tokens[i * block_size:(i + 1) * block_size]),
-                         block_size, lora_id, lora_name, group_idx, epoch)
+                         block_size, lora_id, lora_name, group_idx, epoch, extra_keys[i - start])
         for i in range(start, end)
     )
+
+
+def block_extra_keys(request: Request, start: int, end: int, block_size: int) -> list[tuple[Any, ...] | None]:
+    """vLLM's ``BlockStored.extra_keys`` entry of each block ``[start, end)``
+    (LoRA name, multimodal identifiers and offsets, cache salt,
+    prompt-embeds digests, untagged as vLLM publishes them), computed by
+    vLLM's own functions, so a router re-hashing a salted, LoRA or
+    multimodal request matches the blocks (issue 48)."""
+    mm_index = 0
+    tagged: list[tuple[Any, ...] | None] = []
+    for i in range(start, end):
+        keys, mm_index = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_index)
+        tagged.append(keys)
+    return to_event_extra_keys(tagged) or [None] * (end - start)
 
 
 def evented_chain(spans: Sequence[UnitSpan]) -> int:
@@ -218,6 +233,7 @@ def _event(record: ChangeRecord, spec: tuple[str | None, int | None] = (None, No
         parent_block_hash=None if f.parent_block_hash is None else _hash(f.parent_block_hash),
         token_ids=list(f.token_ids), block_size=f.block_size, lora_id=f.lora_id, medium=MEDIUM_STORAGE,
         lora_name=f.lora_name, group_idx=f.group_idx, kv_cache_spec_kind=spec[0], kv_cache_spec_sliding_window=spec[1],
+        extra_keys=None if f.extra_keys is None else [f.extra_keys],
     )
 
 

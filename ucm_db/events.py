@@ -31,7 +31,7 @@ import sys
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from ucm_db.errors import ConfigError, CorruptBlockError
 
@@ -48,6 +48,10 @@ _FIELDS = struct.Struct("<BBIIQqIHHH")
 #: Where the epoch sits in packed fields (:func:`packed_epoch`).
 _EPOCH_AT = 10
 _VERSION = 1
+#: Records with vLLM's extra keys: version 1's fields, then a u32 length and their JSON.
+_VERSION_EXTRA_KEYS = 2
+_EXTRA_LEN = struct.Struct("<I")
+_MAX_EXTRA_BYTES = 1 << 16
 _HASH_INT, _HAS_PARENT, _PARENT_INT, _HAS_LORA_ID, _HAS_LORA_NAME = 1, 2, 4, 8, 16
 _INT_BYTES = 16
 _MAX_HASH_BYTES = 1024
@@ -71,6 +75,12 @@ class BlockEventFields:
         epoch: the namespace epoch the block's key chain is rooted at
             (:mod:`ucm_db.store.epochs`): a block of an older epoch is never
             served, so readers leave it out.
+        extra_keys: the block's entry of vLLM's ``BlockStored.extra_keys``
+            (LoRA name, ``(mm identifier, offset)`` pairs, cache salt,
+            prompt-embeds digests, untagged as vLLM publishes them), or None.
+            Packed as record version 2 (JSON of str, int, float, bytes and
+            tuples); a record without them stays version 1, as older code
+            wrote and reads it.
     """
 
     block_hash: BlockHash
@@ -81,6 +91,7 @@ class BlockEventFields:
     lora_name: str | None = None
     group_idx: int = 0
     epoch: int = 0
+    extra_keys: tuple[Any, ...] | None = None
 
     def pack(self) -> bytes:
         """The fields as bytes (see module invariants).
@@ -103,9 +114,12 @@ class BlockEventFields:
                 raise ConfigError(f"lora_name must be a str or None, got {type(self.lora_name).__name__}", hint="pass the adapter's name")
             name = self.lora_name.encode()
             flags |= _HAS_LORA_NAME
+        extra = b""
+        if self.extra_keys is not None:
+            extra = _pack_extra_keys(self.extra_keys)
         try:
             tokens = array("I", self.token_ids)
-            head = _FIELDS.pack(_VERSION, flags, self.group_idx, self.block_size, self.epoch, self.lora_id or 0, len(tokens),
+            head = _FIELDS.pack(_VERSION if self.extra_keys is None else _VERSION_EXTRA_KEYS, flags, self.group_idx, self.block_size, self.epoch, self.lora_id or 0, len(tokens),
                                 len(block_hash), len(parent), len(name))
         except (TypeError, OverflowError, struct.error) as exc:
             raise ConfigError(f"event fields out of range: {exc}",
@@ -114,7 +128,8 @@ class BlockEventFields:
             raise ConfigError(f"lora_name is {len(name)} bytes", hint=f"use a name under {_MAX_NAME_BYTES} bytes")
         if sys.byteorder == "big":
             tokens.byteswap()
-        return b"".join((head, block_hash, parent, name, tokens.tobytes()))
+        trailer = b"" if self.extra_keys is None else _EXTRA_LEN.pack(len(extra)) + extra
+        return b"".join((head, block_hash, parent, name, tokens.tobytes(), trailer))
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> BlockEventFields:
@@ -125,7 +140,15 @@ class BlockEventFields:
         """
         try:
             version, flags, group_idx, block_size, epoch, lora_id, n_tokens, n_hash, n_parent, n_name = _FIELDS.unpack_from(data)
-            if version != _VERSION or len(data) != _FIELDS.size + n_hash + n_parent + n_name + 4 * n_tokens:
+            body = _FIELDS.size + n_hash + n_parent + n_name + 4 * n_tokens
+            extra_keys = None
+            if version == _VERSION_EXTRA_KEYS and len(data) >= body + _EXTRA_LEN.size:
+                (n_extra,) = _EXTRA_LEN.unpack_from(data, body)
+                if len(data) != body + _EXTRA_LEN.size + n_extra:
+                    raise ValueError(f"version {version}, {len(data)} bytes")
+                extra_keys = _unpack_extra_keys(bytes(data[body + _EXTRA_LEN.size:]))
+                data = memoryview(data)[:body]
+            elif version != _VERSION or len(data) != body:
                 raise ValueError(f"version {version}, {len(data)} bytes")
             at = _FIELDS.size
             block_hash = _hash_value(bytes(data[at:at + n_hash]), flags & _HASH_INT)
@@ -136,11 +159,52 @@ class BlockEventFields:
             at += n_name
             tokens = array("I")
             tokens.frombytes(data[at:])
-        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        except (struct.error, ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise CorruptBlockError(f"event fields record is malformed: {exc}") from exc
         if sys.byteorder == "big":
             tokens.byteswap()
-        return cls(block_hash, parent, tuple(tokens), block_size, lora_id if flags & _HAS_LORA_ID else None, name, group_idx, epoch)
+        return cls(block_hash, parent, tuple(tokens), block_size, lora_id if flags & _HAS_LORA_ID else None, name, group_idx, epoch,
+                   extra_keys)
+
+
+def _pack_extra_keys(extra_keys: Any) -> bytes:
+    """JSON of a tuple of str, int, float, bytes (``{"x": hex}``) and tuples."""
+    def encode(value: Any) -> Any:
+        if isinstance(value, (tuple, list)):
+            return [encode(v) for v in value]
+        if isinstance(value, (bytes, bytearray)):
+            return {"x": bytes(value).hex()}
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigError(f"extra_keys hold str, int, float, bytes and tuples, got {type(value).__name__}",
+                              hint="pass vLLM's BlockStored extra_keys entry of the block")
+        return value
+
+    if not isinstance(extra_keys, tuple):
+        raise ConfigError(f"extra_keys must be a tuple or None, got {type(extra_keys).__name__}", hint="pass a tuple")
+    packed = json.dumps(encode(extra_keys), separators=(",", ":")).encode()
+    if len(packed) > _MAX_EXTRA_BYTES:
+        raise ConfigError(f"extra_keys take {len(packed)} bytes packed", hint=f"keep them under {_MAX_EXTRA_BYTES} bytes")
+    return packed
+
+
+def _unpack_extra_keys(data: bytes) -> tuple[Any, ...]:
+    def decode(value: Any) -> Any:
+        if isinstance(value, list):
+            return tuple(decode(v) for v in value)
+        if isinstance(value, dict):
+            if set(value) != {"x"} or not isinstance(value["x"], str):
+                raise ValueError("an extra key object is not bytes")
+            return bytes.fromhex(value["x"])
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(f"an extra key of type {type(value).__name__}")
+        return value
+
+    if len(data) > _MAX_EXTRA_BYTES:
+        raise ValueError(f"extra keys of {len(data)} bytes")
+    decoded = decode(json.loads(data))
+    if not isinstance(decoded, tuple):
+        raise ValueError("extra keys are not a list")
+    return decoded
 
 
 @dataclass(frozen=True, slots=True)

@@ -274,3 +274,25 @@ def test_a_damaged_feed_head_resyncs_take_once(tmp_path: Path) -> None:
     view.apply(new)
     worker.shutdown()
     sched.shutdown()
+
+
+def test_block_stored_carries_vllms_extra_keys(tmp_path: Path) -> None:
+    """Issue 48: a router re-hashing a salted or LoRA request needs each
+    block's extra keys, as vLLM's own BlockStored publishes them (LoRA name
+    on every block, the cache salt on the first); the feed keeps them
+    (record version 2), so the inventory replay carries them too."""
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    sched, worker, events = _engine(settings)
+    events.take()
+    req = _hashed_request("s", list(range(1, 2 * BS + 5)), lora_request=LoRARequest("adapter", 7, "/nonexistent"),
+                          cache_salt="tenant-a")
+    _save(sched, worker, req, [1, 2, 3])
+    stored = events.take()
+    assert [e.extra_keys for e in stored] == [[("adapter", "tenant-a")], [("adapter",)]]
+    replayed = [e for e in FeedEvents(sched.store, namespace(_shape())).take() if isinstance(e, BlockStored)]
+    assert [e.extra_keys for e in replayed] == [[("adapter", "tenant-a")], [("adapter",)]]
+    plain = _hashed_request("p", list(range(500, 500 + BS + 1)))
+    _save(sched, worker, plain, [4, 5])
+    assert [e.extra_keys for e in events.take()] == [None]  # nothing to key: version 1, as before
+    worker.shutdown()
+    sched.shutdown()
