@@ -143,9 +143,11 @@ class UcmDbScheduler:
         none, or (``renew_epoch``: a lookup, whose KV is computed anew) where
         its key chain is of an older epoch."""
         state = self._requests.get(request.request_id)
-        if state is None or state.request is not request or (renew_epoch and state.epoch != self._epochs.epoch):
+        if (state is None or state.request is not request or state.stale_for(request)
+                or (renew_epoch and state.epoch != self._epochs.epoch)):
             state = RequestState(request, request_extras(request), request_block_extras(request, self._block_size), self._epochs.epoch,
-                                 controls=self._controls(request))
+                                 controls=self._controls(request), prompt_tokens=request.num_prompt_tokens,
+                                 mm_items=len(request.mm_features or ()))
             self._requests[request.request_id] = state
         return state
 

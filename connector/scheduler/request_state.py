@@ -65,6 +65,16 @@ class RequestState:
     remote_probed: bool = False   # its background probe finished
     remote_job_first: int = 0     # first block its background remote lookup asked for
     first_remote_block: int | None = None  # blocks from here on were fetched from the remote tier (hit sources)
+    prompt_tokens: int = -1       # the request's prompt length and multimodal items when this state was made:
+    mm_items: int = -1            # a streaming-session update changes them (and the tokens after the computed ones)
+
+    def stale_for(self, request: Request) -> bool:
+        """True when a streaming-session update changed the request since
+        this state was made (vLLM 0.32 resumable requests: new prompt tokens,
+        new multimodal items, the last sampled token dropped): its key chain
+        and block extras must be made anew, or a block would be saved under
+        the key of tokens or items it no longer holds."""
+        return self.prompt_tokens != request.num_prompt_tokens or self.mm_items != len(request.mm_features or ())
     controls: RequestControls = field(default_factory=RequestControls)  # the request's own (kv_transfer_params)
     sighted_blocks: int = 0   # leading blocks whose sighting the admission sketch counted
     admitted_blocks: int = 0  # leading blocks admitted for storing (admit_after)
