@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +138,33 @@ class Counters:
                 return None
             out, self._stats = self._stats, UcmDbConnectorStats()
         return out
+
+
+class StoreGauges:
+    """The store's gauges (compression ratio, stored bytes, capacity, the
+    namespace's bytes), read from ``Store.stats()`` at most every
+    :data:`GAUGE_INTERVAL_S`: a server that only loads (a kv_consumer) has
+    no writer to report them."""
+
+    def __init__(self, counters: Counters, namespace_id: str) -> None:
+        self._counters = counters
+        self._namespace_id = namespace_id
+        self._at_s = float("-inf")
+
+    def report(self, store: Any) -> None:
+        now = time.monotonic()
+        if now - self._at_s < GAUGE_INTERVAL_S:
+            return
+        self._at_s = now
+        stats = store.stats()
+        self._counters.add(store_stored_bytes=stats.stored_bytes, store_capacity_bytes=stats.capacity_bytes)
+        ns = stats.namespaces.get(self._namespace_id)
+        if ns is not None and ns.stored_bytes:
+            self._counters.add(compression_ratio=ns.raw_bytes / ns.stored_bytes, namespace_stored_bytes=ns.stored_bytes)
+
+
+#: Shortest interval between two reads of the store's gauges.
+GAUGE_INTERVAL_S = 2.0
 
 
 _PROM = {

@@ -73,10 +73,10 @@ from ucm_db.connector.epochs import EpochWatch
 from ucm_db.connector.identity import KVShape, chain_keys, grid, namespace, reader_spans, request_block_extras, request_extras
 from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
-from ucm_db.connector.metrics import Counters
+from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
 from ucm_db.connector.request_controls import Admission, RequestControls, describe_problems, first_report
-from ucm_db.connector.scheduler.request_state import LookupRecord, RequestState
+from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.scheduler.settlement import SaveSettlement
@@ -90,7 +90,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 #: Shortest interval between two compression-ratio reports of the scheduler.
-_RATIO_INTERVAL_S = 2.0
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
@@ -115,13 +114,13 @@ class UcmDbScheduler:
         self._role = role  # prefill/decode role (roles.py)
         self._waits = PublicationWaits(settings.load_deadline_s)
         self._publish_target = settings.publish
-        self._ratio_at_s = float("-inf")
         self._grid = grid(shape)
         self._block_size = shape.block_size
         self._requests: dict[str, RequestState] = {}
         self.counters = Counters()
         self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
         self._ns_id = self._namespace.digest[:16].hex()
+        self._store_gauges = StoreGauges(self.counters, self._ns_id)
         self._async = settings.load_mode == "async"
         self._spans = reader_spans(shape)  # every unit a hit needs (identity.py)
         self._lookup = PrefixLookup(self._store, self._namespace, self._grid, self._spans, self._block_size, self.cost,
@@ -226,18 +225,8 @@ class UcmDbScheduler:
         return tokens, self._async and tokens > 0 and not state.async_tried
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
-        """``num_external_tokens`` of the request's last claim split by the
-        tier that supplied them: ``"disk"`` (the local tier: LMDB's file, read
-        through the page cache) and ``"remote"`` (fetched from the remote
-        tier by this request's lookups); only non-zero counts."""
-        state = self._requests.get(request.request_id)
-        if state is None or state.lookup is None or num_external_tokens <= 0:
-            return {"disk": num_external_tokens} if num_external_tokens > 0 else {}
-        first = state.lookup.local_tokens
-        remote_from = (first + num_external_tokens if state.first_remote_block is None
-                       else max(first, state.first_remote_block * self._block_size))
-        disk = max(0, min(first + num_external_tokens, remote_from) - first)
-        return {name: count for name, count in (("disk", disk), ("remote", num_external_tokens - disk)) if count}
+        """The last claim's tokens by tier (:func:`.request_state.hit_sources`)."""
+        return hit_sources(self._requests.get(request.request_id), num_external_tokens, self._block_size)
 
     def _claimable_blocks(self, controls: RequestControls, max_blocks: int, num_computed_tokens: int) -> int:
         """The most leading blocks a lookup may claim: the prompt's loadable
@@ -298,26 +287,12 @@ class UcmDbScheduler:
         query = max(0, request.num_prompt_tokens - record.local_tokens)
         self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens)
         self.counters.observe("lookup", record.seconds)
-        self._report_ratio()  # every lookup, hit or not: the gauge describes the store, not this request
+        self._store_gauges.report(self._store)  # every lookup, hit or not: the gauges describe the store
         if self._group == 0:  # a hybrid model's groups claim the same hit (hybrid.py): one line
             logger.info(
                 "ucm-db: request %s: %d prompt tokens, %d from vLLM's prefix cache, %d hit tokens loaded from ucm-db",
                 request.request_id, request.num_prompt_tokens, record.local_tokens, num_external_tokens,
             )
-
-    def _report_ratio(self) -> None:
-        """The stored namespace's compression ratio, at most every
-        :data:`_RATIO_INTERVAL_S`: a server that only loads (a kv_consumer)
-        has no writer to report it."""
-        now = time.monotonic()
-        if now - self._ratio_at_s < _RATIO_INTERVAL_S:
-            return
-        self._ratio_at_s = now
-        store = self._store.stats()
-        self.counters.add(store_stored_bytes=store.stored_bytes, store_capacity_bytes=store.capacity_bytes)
-        stats = store.namespaces.get(self._ns_id)
-        if stats is not None and stats.stored_bytes:
-            self.counters.add(compression_ratio=stats.raw_bytes / stats.stored_bytes, namespace_stored_bytes=stats.stored_bytes)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         """The step's metadata: its loads and saves (planner.py), the saves'

@@ -78,3 +78,19 @@ class RequestState:
     controls: RequestControls = field(default_factory=RequestControls)  # the request's own (kv_transfer_params)
     sighted_blocks: int = 0   # leading blocks whose sighting the admission sketch counted
     admitted_blocks: int = 0  # leading blocks admitted for storing (admit_after)
+
+
+def hit_sources(state: RequestState | None, num_external_tokens: int, block_size: int) -> dict[str, int]:
+    """``num_external_tokens`` of the request's last claim split by the tier
+    that supplied them: ``"disk"`` (the local tier: LMDB's file, read
+    through the page cache) and ``"remote"`` (fetched from the remote tier
+    by the request's lookups); only non-zero counts."""
+    if num_external_tokens <= 0:
+        return {}
+    if state is None or state.lookup is None:
+        return {"disk": num_external_tokens}
+    first = state.lookup.local_tokens
+    remote_from = (first + num_external_tokens if state.first_remote_block is None
+                   else max(first, state.first_remote_block * block_size))
+    disk = max(0, min(first + num_external_tokens, remote_from) - first)
+    return {name: count for name, count in (("disk", disk), ("remote", num_external_tokens - disk)) if count}
