@@ -54,3 +54,38 @@ def test_rocksdb_close_on_a_full_disk_releases_the_store(small_tmpfs: Path) -> N
         assert_readable(again, acked)
         more, error = put_until_error(again, "reopened", limit=2)
         assert error is None and len(more) == 2, repr(error)
+
+
+def test_a_reopen_after_a_full_disk_needs_little_room(tmp_path: Path) -> None:
+    """Issue 46 finding 12: after freeing 20 MiB the reopen still failed with
+    ENOSPC: it replayed a 29 MiB write-ahead log into blob files. The WAL is
+    bounded (memtables flush every few MiB), so the replay needs little room."""
+    import os
+    import subprocess
+    import sys
+
+    from .harness import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "tmpfs", 96) as mount:
+        path = mount / "store"
+        store = ucm_db.open(path, engine="rocksdb", capacity_bytes=1 << 30, durability="group")
+        ns = ucm_db.Namespace(model="wal", kv_dtype="bfloat16", block_size=4)
+        for i in range(30):  # 30 MiB in 1 MiB blocks, acknowledged
+            store.put(ns, ns.block_keys(list(range(i * 100, i * 100 + 4))), [os.urandom(1 << 20)], parent=None)
+        store.flush()
+        filler = fill_leaving(mount, 1 << 20)
+        put_until_error(store, "full", limit=3)  # the disk is full: the close cannot flush the memtable
+        try:
+            store.close()
+        except UcmDbError:
+            pass
+        filler.unlink()
+        fill_leaving(mount, 20 << 20)  # 20 MiB free: less than the 30 MiB written
+        script = (
+            "import sys, ucm_db\n"
+            "with ucm_db.open(sys.argv[1]) as s:\n"
+            "    print(s.stats().blocks)\n"
+        )
+        done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert int(done.stdout.strip()) >= 30

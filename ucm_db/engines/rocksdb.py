@@ -64,11 +64,23 @@ _DISK_HINT = "free space on that disk (the store resumes writing once there is r
 MIN_BLOB_BYTES = 4096
 
 
+#: Memtable size of the blocks table and the bound on the write-ahead log:
+#: payloads wait in the WAL until their memtable flushes to blob files, and a
+#: reopen replays the WAL into blob files, so it needs about this much free
+#: disk (issue 46: with RocksDB's 64 MiB default a reopen after a full disk
+#: failed with 20 MiB freed, replaying 29 MiB).
+WRITE_BUFFER_BYTES = 16 << 20
+MAX_WAL_BYTES = 32 << 20
+
+
 def _options(table: str | None) -> rocksdict.Options:
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.create_missing_column_families(True)
+    if table is None:
+        opts.set_max_total_wal_size(MAX_WAL_BYTES)
     if table == "blocks":
+        opts.set_write_buffer_size(WRITE_BUFFER_BYTES)
         # Payloads are already compressed and large: keep them out of the
         # LSM tree so compaction rewrites only the small index entries.
         opts.set_enable_blob_files(True)
