@@ -106,7 +106,7 @@ def refuse_older_generations(store: ucm_db.Store, settings: ConnectorSettings, s
     blocks in the deployment's namespace (the one pre-unit TP=1 engines
     wrote), told by the exact unit size of vLLM's KV cache spec. At start,
     never as a silent miss later."""
-    unit_bytes = {namespace(shape).digest[:16].hex(): shape.unit_bytes} if shape.unit_bytes else {}
+    unit_bytes = {namespace(shape).id.hex(): shape.unit_bytes} if shape.unit_bytes else {}
     older = pre_unit_namespaces(store.stats().namespaces, model=shape.model, unit_bytes=unit_bytes)
     if older:
         raise pre_unit_refusal(settings.path, older)

@@ -215,7 +215,7 @@ class ChangeRecord:
         seq: the record's sequence number (in an inventory: the snapshot's
             ``next_seq``, the same for every record).
         kind: ``"stored"`` or ``"removed"``.
-        namespace_id: the block's namespace id (16 bytes, ``Namespace.digest[:16]``).
+        namespace_id: the block's namespace id (16 bytes, ``Namespace.id``).
         key: the block's ucm-db key (32 bytes).
         fields: the event fields given when the block was put.
         depth: the block's depth in its chain (0 for a first block).

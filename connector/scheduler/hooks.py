@@ -119,7 +119,7 @@ class UcmDbScheduler:
         self._requests: dict[str, RequestState] = {}
         self.counters = Counters()
         self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
-        self._ns_id = self._namespace.digest[:16].hex()
+        self._ns_id = self._namespace.id.hex()
         self._store_gauges = StoreGauges(self.counters, self._ns_id)
         self._async = settings.load_mode == "async"
         self._spans = reader_spans(shape)  # every unit a hit needs (identity.py)

@@ -85,7 +85,7 @@ class PrefixLookup:
     ) -> None:
         self._store = store
         self._namespace = namespace
-        self._ns_id = namespace.digest[:16].hex()
+        self._ns_id = namespace.id.hex()
         self._grid = grid
         self._spans = list(spans)
         self._block_size = block_size

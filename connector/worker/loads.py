@@ -182,7 +182,7 @@ class WorkerLoads:
         """Adds a load to the timings the scheduler gets back (the local
         tier's: a remote block was promoted by the scheduler's lookup before
         it was planned): this step's, or with ``background`` an async one."""
-        key = (self._namespace.digest[:16].hex(), "local")
+        key = (self._namespace.id.hex(), "local")
         with self._errors_lock:
             timings = self._background_loads if background else self._step_loads
             have_tokens, have_s = timings.get(key, (0, 0.0))

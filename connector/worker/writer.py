@@ -245,6 +245,6 @@ class BackgroundWriter:
         if now - self._last_ratio_s < _RATIO_INTERVAL_S:
             return
         self._last_ratio_s = now
-        stats = self._store.stats().namespaces.get(namespace.digest[:16].hex())
+        stats = self._store.stats().namespaces.get(namespace.id.hex())
         if stats is not None and stats.stored_bytes:
             self._counters.add(compression_ratio=stats.raw_bytes / stats.stored_bytes)

@@ -116,7 +116,7 @@ def _queued_store(path: Path, keys: list[bytes], payloads: list[bytes]) -> tuple
     write-back put leaves them; returns it and the encoded blobs."""
     store = ucm_db.open(path, capacity_bytes=4 << 30)
     blobs = [codec.encode(k, p, codec="zstd") for k, p in zip(keys, payloads)]
-    ns_id = NAMESPACE.digest[:16]
+    ns_id = NAMESPACE.id
     entries = [BlockEntry.of_blob(k, keys[i - 1] if i else None, b, len(p), ns_id) for i, (k, b, p) in enumerate(zip(keys, blobs, payloads))]
     desc = (ns_id, json.dumps(NAMESPACE.to_dict(), sort_keys=True).encode())
     local_tier(store).put_blocks(entries, namespace_desc=desc, enqueue_upload=True)
@@ -126,7 +126,7 @@ def _queued_store(path: Path, keys: list[bytes], payloads: list[bytes]) -> tuple
 def bench_transfer(url_of: Callable[[], str], options: dict[str, Any], scratch: Path, cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Upload and download throughput: ucm-db vs raw fsspec, interleaved."""
     keys, payloads = _payloads(cfg["blocks"], cfg["block_kib"] * 1024)
-    ns_id = NAMESPACE.digest[:16]
+    ns_id = NAMESPACE.id
     runs: dict[str, list[float]] = {"upload": [], "raw_pipe": [], "download": [], "fetch": [], "raw_cat": []}
     total_bytes = 0
     raw_pool = ThreadPoolExecutor(READ_THREADS)  # both readers use warm pools of READ_THREADS threads
@@ -188,7 +188,7 @@ def bench_lookup(url: str, options: dict[str, Any], scratch: Path, cfg: Mapping[
     """Round trips of the remote prefix search over a long chain."""
     n = cfg["lookup_blocks"]
     keys, payloads = _payloads(n, 64)
-    ns_id = NAMESPACE.digest[:16]
+    ns_id = NAMESPACE.id
     root = RemoteRoot.from_url(url, options)
     tier = root.tier(ns_id)
     objects = {tier.path(k): pack_object(k, keys[i - 1] if i else None, ns_id, codec.encode(k, p, codec="none"))

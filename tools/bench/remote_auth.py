@@ -92,7 +92,7 @@ def _one_run(scratch: Path, link: float | str, mode: str, payloads: list[memoryv
 def fetch_ms(scratch: Path, payload: memoryview, passes: int = 15, objects: int = 16) -> dict[str, dict[str, float]]:
     """Milliseconds of one verified fetch of a ``payload``-sized object, MAC off and on."""
     keys = AuthKeys((secrets.token_bytes(32),), "bench")
-    namespace_id = NAMESPACE.digest[:16]
+    namespace_id = NAMESPACE.id
     block_keys = [secrets.token_bytes(32) for _ in range(objects)]
     tiers = {}
     for mode in MODES:

@@ -92,6 +92,13 @@ class Namespace:
         return self._digest  # type: ignore[attr-defined,no-any-return]
 
     @property
+    def id(self) -> bytes:  # noqa: A003 - the namespace's id is what the store and the remote name it by
+        """The 16-byte namespace id the store, its records, the remote tier
+        and archives name the namespace by: the digest's first 16 bytes
+        (the one place this is spelled)."""
+        return self.digest[:16]
+
+    @property
     def short_id(self) -> str:
         """16 hex characters identifying the namespace in paths and reports."""
         return self.digest[:8].hex()

@@ -224,7 +224,7 @@ def _warm_chain(
     if link is None or local_n == len(chain):
         return 0, 0
 
-    namespace_id = namespace.digest[:16]
+    namespace_id = namespace.id
     fetched = nbytes = 0
     at = local_n
     parent = chain[at - 1] if at else None
