@@ -256,3 +256,106 @@ def test_paired_passes_wait_until_a_server_stops_working() -> None:
     now[0] = 0.0
     busy_until = 1e9
     assert wait_idle(cpu_s, sleep=sleep, clock=lambda: now[0], timeout_s=30.0) == 30.0
+
+
+# --- --workload no-reuse (issue 50, item 2): the parts that start no engine.
+
+
+def test_no_reuse_prompts_are_unique_across_passes_and_reproducible() -> None:
+    """Every pass draws fresh prompts (no block in common with any other
+    pass, or within one), the same pass index draws the same ones again,
+    and no id is a special token."""
+    from ucm_db.tools.bench.serve_noreuse import FIRST_ID, NoReuseSpec, prompts
+
+    spec = NoReuseSpec(num_prompts=8, prompt_len=256, seed=7)
+    first_blocks: set[tuple[int, ...]] = set()
+    for pass_index in range(6):
+        batch = prompts(spec, pass_index)
+        assert len(batch) == 8 and all(len(p) == 256 for p in batch)
+        assert all(FIRST_ID <= i < spec.vocab_size for p in batch for i in p)
+        for p in batch:
+            block = tuple(p[:32])  # one KV block: a shared first block would be a prefix hit
+            assert block not in first_blocks
+            first_blocks.add(block)
+    assert prompts(spec, 3) == prompts(spec, 3)
+    assert prompts(NoReuseSpec(num_prompts=8, prompt_len=256, seed=8), 3) != prompts(spec, 3)
+
+
+def test_no_reuse_rounds_alternate_the_order_abba() -> None:
+    from ucm_db.tools.bench.serve_noreuse import round_order
+
+    setups = ["off", "ucm-none", "ucm-zstd"]
+    assert [round_order(r, setups) for r in range(4)] == [setups, setups[::-1], setups, setups[::-1]]
+    assert [round_order(r, ["off", "ucm-zstd"]) for r in range(4)] == [
+        ["off", "ucm-zstd"], ["ucm-zstd", "off"], ["off", "ucm-zstd"], ["ucm-zstd", "off"]]
+    assert setups == ["off", "ucm-none", "ucm-zstd"], "the caller's list is left alone"
+
+
+def test_no_reuse_ratios_are_per_round_and_their_geometric_mean() -> None:
+    from ucm_db.tools.bench.serve_noreuse import geomean, round_ratios
+
+    def passes(*rps: float) -> list[dict[str, float]]:
+        return [{"request_throughput": x} for x in rps]
+
+    ratios = round_ratios({"off": passes(2.0, 1.0), "ucm-none": passes(1.0, 2.0), "ucm-zstd": passes(1.9, 0.95)})
+    assert ratios == {"ucm-none": [0.5, 2.0], "ucm-zstd": [0.95, 0.95]}
+    assert geomean(ratios["ucm-none"]) == pytest.approx(1.0)  # a slow and a fast round cancel
+    assert geomean(ratios["ucm-zstd"]) == pytest.approx(0.95)
+    assert geomean([0.9, 1.0, 1.1]) == pytest.approx((0.9 * 1.1) ** (1 / 3))
+    with pytest.raises(ValueError, match="rounds need one of each"):
+        round_ratios({"off": passes(1.0, 1.0), "ucm-none": passes(1.0)})
+    with pytest.raises(ValueError):
+        geomean([])
+
+
+def test_no_reuse_save_time_per_token_from_the_counters(tmp_path) -> None:
+    """Saved tokens come from saved bytes over the model's KV bytes per
+    token; the copy's share is against 50 us a token (20k tokens/s)."""
+    import json
+
+    from ucm_db.tools.bench.serve_noreuse import H100_PREFILL_TOKENS_S, kv_bytes_per_token, save_per_token
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "num_key_value_heads": 4, "head_dim": 64, "hidden_size": 256}))
+    assert kv_bytes_per_token(tmp_path, "bfloat16") == 2 * 2 * 4 * 64 * 2
+    assert kv_bytes_per_token(tmp_path, "float32") == 2 * 2 * 4 * 64 * 4
+    per_token = 2048
+    ucm = {"saved_MB": 10_000 * per_token / 1e6, "save_copy_s": 0.05, "save_commit_cpu_s": 0.2}
+    out = save_per_token(ucm, per_token)
+    assert out["saved_tokens"] == 10_000
+    assert out["save_copy_us_per_token"] == pytest.approx(5.0)
+    assert out["save_commit_cpu_us_per_token"] == pytest.approx(20.0)
+    assert out["save_copy_share_of_h100_prefill"] == pytest.approx(5.0 / (1e6 / H100_PREFILL_TOKENS_S))
+    assert save_per_token({"saved_MB": 0.0, "save_copy_s": 0.0, "save_commit_cpu_s": 0.0}, per_token) == {"saved_tokens": 0.0}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--workload", "no-reuse", "--codecs", "none,lz4"], "distinct codecs from none, zstd"),
+    (["--workload", "no-reuse", "--codecs", "zstd,zstd"], "distinct codecs"),
+    (["--workload", "no-reuse", "--capped-blocks", "64"], "cannot hold one request"),
+    (["--workload", "no-reuse", "--hidden", "384"], "multiple of 256"),
+    (["--hidden", "512"], "only the no-reuse workload"),
+])
+def test_no_reuse_bad_options_are_usage_errors_before_any_server_starts(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(serve.command, args)
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_no_reuse_report_and_table_from_passes() -> None:
+    from ucm_db.tools.bench.serve_noreuse import NoReuseOptions, NoReuseSpec, _report, format_table
+    from ucm_db.tools.bench.serve_options import ServeOptions
+
+    def one(rps: float, ucm: bool) -> dict:
+        row = {"request_throughput": rps, "median_ttft_ms": 100.0}
+        if ucm:
+            row["ucm_db"] = {"saved_MB": 2.048, "save_copy_s": 0.01, "save_commit_cpu_s": 0.02, "hit_tokens": 0.0}
+        return row
+
+    passes = {"off": [one(1.0, False), one(1.0, False)], "ucm-none": [one(0.99, True), one(0.97, True)]}
+    options = NoReuseOptions(spec=NoReuseSpec(), serve=ServeOptions(layers=2), codecs=("none",), rounds=2, hidden=256)
+    report = _report(options, NoReuseSpec(), passes, 2048, "bfloat16", 1.0)
+    row = report["setups"]["ucm-none"]
+    assert row["ratios"] == [0.99, 0.97] and row["geomean_ratio"] == pytest.approx((0.99 * 0.97) ** 0.5, abs=1e-4)
+    assert row["save"]["saved_tokens"] == 2000 and row["save"]["save_copy_us_per_token"] == pytest.approx(10.0)
+    assert report["targets"][0]["met"] is False  # 0.98 geomean: just under 0.98
+    assert "MISSED" in format_table(report) and "ucm-none" in format_table(report)

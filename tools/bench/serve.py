@@ -1,8 +1,11 @@
 """The serving benchmark: ``ucm-db bench serve`` (issue 13, item 1).
 
-Two workloads: ``prefix_repetition`` (this module, below) and
+Three workloads: ``prefix_repetition`` (this module, below),
 ``conversation``, multi-turn chats whose prompts grow a turn at a time
-(``--workload conversation``: :mod:`.serve_chat`, issue 29 item 5).
+(``--workload conversation``: :mod:`.serve_chat`, issue 29 item 5), and
+``no-reuse``, unique random prompts with ucm-db on against off, the tax
+where it cannot help (``--workload no-reuse``: :mod:`.serve_noreuse`,
+issue 50 item 2).
 
 vLLM's OpenAI server on CPU (a random-weight Llama with a local tokenizer,
 :mod:`.serve_model`) driven by vLLM's own load generator, ``vllm bench
@@ -297,9 +300,18 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
 @click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True,
               help="longest wait for a server to become healthy")
-@click.option("--workload", type=click.Choice(["prefix_repetition", "conversation"]), default="prefix_repetition",
+@click.option("--workload", type=click.Choice(["prefix_repetition", "conversation", "no-reuse"]), default="prefix_repetition",
               show_default=True, help="conversation: multi-turn chats (--conversations, --turns, --turn-tokens; "
-              "--output-len is each answer, --concurrency the requests in flight)")
+              "--output-len is each answer, --concurrency the requests in flight); no-reuse: unique random prompts, "
+              "ucm-db on (--codecs) against off, --pairs rounds (--num-prompts a pass, --prompt-len, --capped-blocks every server's cap)")
+@click.option("--prompt-len", type=click.IntRange(min=BLOCK_SIZE), default=2048, show_default=True,
+              help="no-reuse workload: tokens of each prompt")
+@click.option("--codecs", default="none,zstd", show_default=True,
+              help="no-reuse workload: comma-separated codecs, one ucm-db server each")
+@click.option("--pairs", type=click.IntRange(min=1), default=2, show_default=True,
+              help="no-reuse workload: rounds of one pass per server, order alternated (ABBA)")
+@click.option("--hidden", type=click.IntRange(min=256), default=768, show_default=True,
+              help="width of the random Llama (a multiple of 256)")
 @click.option("--conversations", type=click.IntRange(min=1), default=16, show_default=True, help="conversation workload")
 @click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True, help="conversation workload: turns each")
 @click.option("--turn-tokens", type=click.IntRange(min=1), default=256, show_default=True,
@@ -309,6 +321,7 @@ def format_table(report: dict[str, Any]) -> str:
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
             seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, warm_passes: int, paired: bool, rows: str,
             codec: str, load_mode: str, remote_lookup: str, write_back: bool, enforce_eager: bool, start_timeout_s: float, workload: str,
+            prompt_len: int, codecs: str, pairs: int, hidden: int,
             conversations: int, turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
@@ -333,8 +346,21 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
         ucm-db bench serve --runs 3 --json
         ucm-db bench serve --rows cold-bound,warm-bound,ucm-first,ucm-second --warm-passes 3
         ucm-db bench serve --rows cold-bound,warm-bound,ucm-first,ucm-second --warm-passes 5 --paired
+        ucm-db bench serve --workload no-reuse --layers 2 --hidden 256 --num-prompts 16 --capped-blocks 320 --enforce-eager
     """
     wanted = tuple(r.strip() for r in rows.split(",") if r.strip())
+    if hidden % 256:
+        raise click.BadParameter("must be a multiple of 256 (heads of 64, 4 KV heads)", param_hint="--hidden")
+    if workload == "no-reuse":
+        from ucm_db.tools.bench.serve_noreuse import no_reuse_command
+
+        no_reuse_command(num_prompts, prompt_len, output_len, concurrency, seed, codecs, pairs, hidden,
+                         ServeOptions(layers=layers, capped_blocks=capped_blocks, scratch_dir=scratch_dir,
+                                      enforce_eager=enforce_eager, load_mode=load_mode, remote_lookup=remote_lookup,
+                                      start_timeout_s=start_timeout_s), as_json)
+        return
+    if hidden != 768:
+        raise click.BadParameter("only the no-reuse workload builds other widths", param_hint="--hidden")
     if workload == "conversation":
         if write_back:
             raise click.BadParameter("the conversation workload measures the local tier alone", param_hint="--write-back")
@@ -373,3 +399,4 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
                                  param_hint="--capped-blocks")
     report = run(options, progress=lambda line: click.echo(line, err=True))
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
+

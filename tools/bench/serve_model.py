@@ -30,19 +30,26 @@ VOCAB_SIZE = 8000  # build_model's vocabulary
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3; build_model's bos=1, eos=2
 
 
-def serve_model_dir(layers: int) -> Path:
-    """Where the ``layers``-layer serving model is cached (beside the demo's)."""
-    return demo_dir() / f"serve-llama-{layers}l-tok2"
+#: The serving model's default width (build_model's).
+DEFAULT_HIDDEN = 768
 
 
-def build_serve_model(layers: int = 8, out_dir: Path | None = None) -> Path:
-    """A random-weight bf16 Llama (hidden 768) with a tokenizer; reused if present."""
-    out_dir = out_dir or serve_model_dir(layers)
+def serve_model_dir(layers: int, hidden: int = DEFAULT_HIDDEN) -> Path:
+    """Where the ``layers``-layer serving model of width ``hidden`` is
+    cached (beside the demo's; the default width keeps its old name)."""
+    width = "" if hidden == DEFAULT_HIDDEN else f"-h{hidden}"
+    return demo_dir() / f"serve-llama-{layers}l{width}-tok2"
+
+
+def build_serve_model(layers: int = 8, out_dir: Path | None = None, hidden: int = DEFAULT_HIDDEN) -> Path:
+    """A random-weight bf16 Llama (width ``hidden``, 768 by default; a
+    multiple of 64) with a tokenizer; reused if present."""
+    out_dir = out_dir or serve_model_dir(layers, hidden)
     if (out_dir / "tokenizer.json").exists() and (out_dir / "config.json").exists():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent))
-    model = build_model(tmp / "model", layers=layers)
+    model = build_model(tmp / "model", layers=layers, hidden=hidden)
     write_tokenizer(model, VOCAB_SIZE)
     model.rename(out_dir)  # atomic: weights and tokenizer together or not at all
     tmp.rmdir()
