@@ -1,11 +1,8 @@
 """The serving benchmark: ``ucm-db bench serve`` (issue 13, item 1).
 
-Three workloads: ``prefix_repetition`` (this module, below),
-``conversation``, multi-turn chats whose prompts grow a turn at a time
-(``--workload conversation``: :mod:`.serve_chat`, issue 29 item 5), and
-``no-reuse``, unique random prompts with ucm-db on against off, the tax
-where it cannot help (``--workload no-reuse``: :mod:`.serve_noreuse`,
-issue 50 item 2).
+Three workloads: ``prefix_repetition`` (this module, below), ``conversation``
+(multi-turn chats whose prompts grow a turn at a time: :mod:`.serve_chat`) and
+``no-reuse`` (unique random prompts, ucm-db on against off: :mod:`.serve_noreuse`).
 
 vLLM's OpenAI server on CPU (a random-weight Llama with a local tokenizer,
 :mod:`.serve_model`) driven by vLLM's own load generator, ``vllm bench
