@@ -13,7 +13,7 @@ import click
 
 from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, CliPath, ProgressBar, auth_options, emit, json_option
+from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, CliPath, ProgressBar, auth_options, emit, encryption_options, json_option
 
 
 @click.command("export")
@@ -21,9 +21,10 @@ from ucm_db.tools.cli_common import EXIT_OK, EXIT_PROBLEMS, CliPath, ProgressBar
 @click.argument("archive", type=CliPath())
 @click.option("--namespace", "namespaces", multiple=True, help="Only this namespace (id prefix or model name); repeatable. Default: all.")
 @auth_options("sign the archive (MACs)")
+@encryption_options("encrypt the archive's blocks (AES-256-GCM)")
 @json_option
 def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None,
-                   as_json: bool) -> None:
+                   encryption_key_file: Path | None, encryption_key_env: str | None, as_json: bool) -> None:
     """Write the blocks of chosen namespaces to a portable tar ARCHIVE
     (JSON manifest + encoded blocks). Read-only on the store. ARCHIVE is
     written beside itself under a temp name with the store's permissions
@@ -32,15 +33,21 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
     auth key the archive carries MACs (HMAC-SHA256) that `import` checks.
     The archive carries each namespace's invalidation epoch (covered by the
     MAC); a namespace whose epoch the store cannot establish is refused
-    (exit 1: `ucm-db invalidate` it first).
+    (exit 1: `ucm-db invalidate` it first). With an encryption key every
+    block is encrypted (AES-256-GCM, bound to its key, parent, namespace and
+    epoch); the manifest (model, keys, epochs) stays readable. `import`
+    then needs the key.
 
     \b
     Example:
         ucm-db export /var/cache/ucm-db qwen.tar --namespace Qwen/Qwen2.5-0.5B --auth-key-file /etc/ucm-db/auth.key
+        ucm-db export /var/cache/ucm-db qwen.tar --encryption-key-file /etc/ucm-db/encryption.key
     """
     with ProgressBar(not as_json, "exporting") as bar:
-        report = maintenance.export_archive(path, archive, namespaces, progress=bar, auth_key_file=auth_key_file, auth_key_env=auth_key_env)
-    emit(as_json, report, lambda r: f"exported {r['blocks']} blocks ({r['stored_bytes']} bytes) of {len(r['namespaces'])} namespace(s) "
+        report = maintenance.export_archive(path, archive, namespaces, progress=bar, auth_key_file=auth_key_file, auth_key_env=auth_key_env,
+                                            encryption_key_file=encryption_key_file, encryption_key_env=encryption_key_env)
+    emit(as_json, report, lambda r: f"exported {r['blocks']} {'encrypted ' if r['encrypted'] else ''}blocks ({r['stored_bytes']} bytes) "
+         f"of {len(r['namespaces'])} namespace(s) "
          f"to {r['archive']}, with their epochs ({', '.join(f'{ns[:16]}: {e}' for ns, e in sorted(r['epochs'].items())) or 'none'})")
 
 
@@ -49,9 +56,10 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
 @click.argument("path", type=CliPath())
 @click.option("--allow-evict", is_flag=True, help="Let the import evict least recently used blocks when the archive does not fit.")
 @auth_options("check the archive's MACs (refuse what they did not sign)")
+@encryption_options("decrypt an encrypted archive (required for one)")
 @json_option
 def import_command(archive: Path, path: Path, allow_evict: bool, auth_key_file: Path | None, auth_key_env: str | None,
-                   as_json: bool) -> None:
+                   encryption_key_file: Path | None, encryption_key_env: str | None, as_json: bool) -> None:
     """Load an ARCHIVE written by `ucm-db export` into the store at PATH
     (created if missing). Every block is verified; bad ones and their
     descendants are skipped and reported (exit status 1). If the new blocks
@@ -63,15 +71,20 @@ def import_command(archive: Path, path: Path, allow_evict: bool, auth_key_file: 
     before any block is written, so blocks invalidated at the source stay
     unserved; a namespace whose epoch the store cannot establish is
     reported (exit 1). An archive of an older ucm-db carries no epoch:
-    the store's epochs are kept.
+    the store's epochs are kept. An encrypted archive needs
+    --encryption-key-file (or --encryption-key-env), and a key needs an
+    encrypted archive (exit 2 otherwise, nothing written); a block no key
+    opens is skipped.
 
     \b
     Example:
         ucm-db import qwen.tar /var/cache/ucm-db --auth-key-file /etc/ucm-db/auth.key
+        ucm-db import qwen.tar /var/cache/ucm-db --encryption-key-file /etc/ucm-db/encryption.key
     """
     with ProgressBar(not as_json, "importing") as bar:
         report = maintenance.import_archive(archive, path, progress=bar, allow_evict=allow_evict,
-                                            auth_key_file=auth_key_file, auth_key_env=auth_key_env)
+                                            auth_key_file=auth_key_file, auth_key_env=auth_key_env,
+                                            encryption_key_file=encryption_key_file, encryption_key_env=encryption_key_env)
 
     def human(r: dict[str, Any]) -> str:
         lines = [f"imported {r['stored']} blocks ({r['already_present']} already present), skipped {len(r['skipped'])}"

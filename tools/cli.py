@@ -22,7 +22,9 @@ from ucm_db.tools.compact_cmd import compact_command
 from ucm_db.tools.events_cmd import events_command
 from ucm_db.tools.inspect_cmd import inspect_command
 from ucm_db.tools.invalidate_cmd import invalidate_command
+from ucm_db.tools.lookup_cmd import lookup_command
 from ucm_db.tools.migrate_cmd import migrate_command
+from ucm_db.tools.pin_cmds import pin_command, unpin_command
 from ucm_db.tools.proxy_cmd import proxy_command
 from ucm_db.tools.remote_cmds import gc_command, warm_command
 # `ucm-db bench`: a lazy group; the benchmarks are imported only when one runs.
@@ -91,7 +93,8 @@ def cli() -> None:
 
 
 for command in (inspect_command, verify_command, compact_command, gc_command, export_command, import_command,
-                warm_command, bench_group, migrate_command, invalidate_command, events_command, proxy_command):
+                warm_command, bench_group, migrate_command, invalidate_command, events_command, proxy_command,
+                pin_command, unpin_command, lookup_command):
     cli.add_command(command)
 
 

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "engines": "ucm_db.tools.bench.engines:command",
     "remote": "ucm_db.tools.bench.remote:command",
     "remote-codec": "ucm_db.tools.bench.remote_codec:command",
+    "remote-crypto": "ucm_db.tools.bench.remote_crypto:command",
     "codec-pool": "ucm_db.tools.bench.codec_pool:command",
     "codec-frames": "ucm_db.tools.bench.codec_frames:command",
     "ttft": "ucm_db.tools.bench.ttft:command",
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "pd": "ucm_db.tools.bench.pd:command",
     "load": "ucm_db.tools.bench.load:command",
     "gil": "ucm_db.tools.bench.gil:command",
+    "presence": "ucm_db.tools.bench.presence:command",
 }
 
 

@@ -148,3 +148,15 @@ def auth_options(purpose: str) -> Callable[[Any], Any]:
         return click.option("--auth-key-file", type=CliPath(), default=None,
                             help=f"Key file: hex auth keys, one per line, the first signs; mode 600. To {purpose}.")(fn)
     return decorate
+
+
+def encryption_options(purpose: str) -> Callable[[Any], Any]:
+    """``--encryption-key-file`` / ``--encryption-key-env`` (the same key
+    format, keys of their own: AES-256-GCM, needs ``cryptography``), for a
+    command that uses the keys to ``purpose``."""
+    def decorate(fn: Any) -> Any:
+        fn = click.option("--encryption-key-env", metavar="NAME", default=None,
+                          help=f"Environment variable holding hex encryption key(s) (its name, not the key) to {purpose}.")(fn)
+        return click.option("--encryption-key-file", type=CliPath(), default=None,
+                            help=f"Key file: hex encryption keys, one per line, the first encrypts; mode 600. To {purpose}.")(fn)
+    return decorate

@@ -48,15 +48,17 @@ def render(r: dict[str, Any]) -> str:
         + _free_pages(r),
         f"blocks         {r['blocks']}   raw {human_bytes(r['raw_bytes'])} -> stored {human_bytes(r['stored_bytes'])} (ratio {r['compression_ratio']:.2f}x)",
         f"activity       hits {r['hits']}, misses {r['misses']}, evictions {r['evictions']}",
+        f"pinned         {human_bytes(r.get('pinned_bytes', 0))} (never evicted; `ucm-db unpin` releases)",
         f"quarantine     {r['quarantine_records']} records ({r['quarantined_total']} blocks quarantined ever)",
         f"uploads        {r['pending_uploads']} pending   remote {r['remote'] or 'not recorded in the store'}"
         + (f"   remote codec {r['remote_codec'].get('codec')} ({r['remote_codec'].get('setting')})" if r.get("remote_codec") else ""),
         "",
     ]
     rows = [[n["id"][:16], n["model"], n["kv_dtype"], n["block_size"], n["rank"], n["read_at"], _epoch(n), n["blocks"],
-             human_bytes(n["stored_bytes"]), f"{n['last_use_age_s']:.0f} s ago" if n["last_use_age_s"] is not None else "-"]
+             human_bytes(n["stored_bytes"]), human_bytes(n.get("pinned_bytes", 0)),
+             f"{n['last_use_age_s']:.0f} s ago" if n["last_use_age_s"] is not None else "-"]
             for n in r["namespaces"]]
-    lines.append(table(["namespace", "model", "dtype", "block", "rank", "read at", "epoch", "blocks", "stored", "last use"], rows))
+    lines.append(table(["namespace", "model", "dtype", "block", "rank", "read at", "epoch", "blocks", "stored", "pinned", "last use"], rows))
     for name, hist in r["histograms"].items():
         lines.append(f"\n{name.replace('_', ' ')}:")
         lines.extend(f"  {label:<10} {count}" for label, count in hist.items())
@@ -85,8 +87,8 @@ def render(r: dict[str, Any]) -> str:
 @json_option
 def inspect_command(path: Path, namespaces: tuple[str, ...], top: int, as_json: bool) -> None:
     """Show what a store holds: format, engine, settings, capacity and use,
-    blocks and compression, namespaces, age and hit histograms, quarantine,
-    pending uploads. Read-only: safe beside a running server. Exit status
+    blocks and compression, pinned bytes (per namespace too), namespaces,
+    age and hit histograms, quarantine, pending uploads. Read-only: safe beside a running server. Exit status
     1 when a namespace's epoch cannot be established (a damaged or lost
     epoch record: the namespace is not served until `ucm-db invalidate`).
 

@@ -139,41 +139,45 @@ def _refuse_pasted_key(text: str, where: str, fix: str) -> None:
                           hint=f"put the key in {fix} and pass that instead; treat the key as exposed if it reached a shared config")
 
 
-def read_key_file(path: str | Path) -> AuthKeys:
+def read_key_file(path: str | Path, *, kind: str = "auth") -> AuthKeys:
     """Keys from a key file; refuses one that others may read or change. A
-    key given in place of the path is refused without being echoed."""
-    _refuse_pasted_key(str(path), "the auth key file setting", "file (chmod 600)")
+    key given in place of the path is refused without being echoed.
+    ``kind`` names the keys' use in messages (``"auth"``, ``"encryption"``)."""
+    _refuse_pasted_key(str(path), f"the {kind} key file setting", "file (chmod 600)")
     path = Path(path)
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"auth key file {path} is not a regular file", hint="point it at the key file")
+            raise ConfigError(f"{kind} key file {path} is not a regular file", hint="point it at the key file")
         if info.st_mode & (stat.S_IROTH | stat.S_IWOTH | stat.S_IWGRP):
-            raise ConfigError(f"auth key file {path} is readable by everyone or writable by others (mode {stat.S_IMODE(info.st_mode):o})",
+            raise ConfigError(f"{kind} key file {path} is readable by everyone or writable by others (mode {stat.S_IMODE(info.st_mode):o})",
                               hint=f"chmod 600 {path} (or 640 for a group of services; a Kubernetes secret: defaultMode 0440)")
         text = path.read_text(encoding="ascii")
     except OSError as exc:
-        raise ConfigError(f"cannot read auth key file {path}: {exc.strerror or type(exc).__name__}",
+        raise ConfigError(f"cannot read {kind} key file {path}: {exc.strerror or type(exc).__name__}",
                           hint="check the path and its permissions") from exc
     except UnicodeDecodeError:
-        raise ConfigError(f"auth key file {path} is not hex text", hint=_FORMAT_HINT) from None
-    return parse_keys(text, f"auth key file {path}")
+        raise ConfigError(f"{kind} key file {path} is not hex text", hint=_FORMAT_HINT) from None
+    return parse_keys(text, f"{kind} key file {path}")
 
 
-def read_key_env(name: str) -> AuthKeys:
+def read_key_env(name: str, *, kind: str = "auth") -> AuthKeys:
     """Keys from the environment variable ``name`` (a key given in place of
     the name is refused without being echoed)."""
-    _refuse_pasted_key(name, "the auth key variable setting", "variable name (export NAME=<hex key>)")
+    _refuse_pasted_key(name, f"the {kind} key variable setting", "variable name (export NAME=<hex key>)")
     value = os.environ.get(name)
     if value is None:
-        raise ConfigError(f"environment variable {name} (the auth key) is not set", hint=f"export {name}=<hex key>, or drop the setting")
+        raise ConfigError(f"environment variable {name} (the {kind} key) is not set", hint=f"export {name}=<hex key>, or drop the setting")
     return parse_keys(value, f"environment variable {name}")
 
 
-def load_keys(key_file: str | Path | None, key_env: str | None) -> AuthKeys | None:
+def load_keys(key_file: str | Path | None, key_env: str | None, *, kind: str = "auth") -> AuthKeys | None:
     """The keys named by a file and/or an environment variable (None when
-    neither is given; the file's keys first when both are)."""
-    found = ([read_key_file(key_file)] if key_file is not None else []) + ([read_key_env(key_env)] if key_env is not None else [])
+    neither is given; the file's keys first when both are). ``kind`` names
+    their use in messages: the same format serves the MAC and encryption
+    (:mod:`ucm_db.remote.sealing`), each from its own setting."""
+    found = (([read_key_file(key_file, kind=kind)] if key_file is not None else [])
+             + ([read_key_env(key_env, kind=kind)] if key_env is not None else []))
     if not found:
         return None
     if len(found) == 1:

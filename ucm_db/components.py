@@ -1,7 +1,7 @@
 """The store's parts, for code that measures them one by one.
 
 The benchmarks time the codec, its thread pool, the remote link, the uploader and
-the remote object format (and its MAC keys) apart from the :class:`~ucm_db.Store` that
+the remote object format (and its MAC and encryption keys) apart from the :class:`~ucm_db.Store` that
 normally drives them. This module is the one public door to those parts:
 ``ucm_db.tools`` imports them from here, never from the modules that
 implement them (``tests/test_layering.py`` enforces it), and reaches a
@@ -21,9 +21,10 @@ from ucm_db.store import Store
 from ucm_db.index.entries import BlockEntry
 from ucm_db.index.local import LocalTier
 from ucm_db.remote.tier import RemoteRoot, is_local_fs, pack_object, write_whole
+from ucm_db.remote.sealing import SealingKeys
 
 __all__ = ["READ_THREADS", "UPLOADER_LOCK_NAME", "AuthKeys", "auth_mac", "BlockEntry", "LocalTier", "RemoteLink", "RemoteRoot",
-           "Uploader", "codec", "codec_pool", "is_local_fs", "local_tier", "pack_object", "remote_link", "write_whole"]
+           "SealingKeys", "Uploader", "codec", "codec_pool", "is_local_fs", "local_tier", "pack_object", "remote_link", "write_whole"]
 
 
 def local_tier(store: Store) -> LocalTier:

@@ -128,6 +128,15 @@ class StoreConfig:
             itself. A file everyone may read is refused.
         remote_auth_key_env: name of an environment variable holding the
             keys in the same form (after the file's, if both are set).
+        remote_encryption_key_file: path of a key file in the same format
+            (its own keys: never the auth key file's bytes, which would
+            still give independent keys): uploads are encrypted
+            (AES-256-GCM, :mod:`ucm_db.remote.sealing`) with the first key
+            and a remote object is served only if one of the keys opens it
+            (a plaintext or undecryptable object is a miss). Needs the
+            ``cryptography`` package. Never the key itself.
+        remote_encryption_key_env: name of an environment variable holding
+            encryption keys (after the file's, if both are set).
         read_only: open an existing store without writing anything: no
             lock file is created (an existing one is locked shared through
             a read-only descriptor), LMDB runs without its lock file where
@@ -136,6 +145,15 @@ class StoreConfig:
             a quarantine record, and ``put``/``delete`` raise
             :class:`~ucm_db.errors.TierError`. For a store on a read-only
             volume (a ``kv_consumer``). Never persisted.
+        max_pinned_bytes: the most stored bytes pins may hold in the store
+            (:meth:`ucm_db.Store.pin`; a pinned block and its ancestors are
+            never evicted); a pin beyond it is refused with a
+            :class:`~ucm_db.errors.StoreFullError` naming this setting. None
+            (the default): half of ``capacity_bytes``; 0 refuses every pin;
+            a value above ``capacity_bytes`` means ``capacity_bytes``.
+            Checked when a pin is made (pins already made stay). Never
+            persisted: each process pinning passes its own (the default
+            follows the store's recorded capacity).
         check_on_open: ``"pages"`` reads every branch and leaf page of an
             existing LMDB store in a child process before this process maps
             it, and refuses a damaged store with a
@@ -166,8 +184,11 @@ class StoreConfig:
     remote_codec: str = "same"
     remote_auth_key_file: str | None = None
     remote_auth_key_env: str | None = None
+    remote_encryption_key_file: str | None = None
+    remote_encryption_key_env: str | None = None
     read_only: bool = False
     check_on_open: str = "pages"
+    max_pinned_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _require_int("capacity_bytes", self.capacity_bytes, minimum=1 << 20, maximum=MAX_CAPACITY_BYTES)
@@ -206,7 +227,10 @@ class StoreConfig:
             self._check_lookup_max_bytes()
         _require_choice("remote_codec", self.remote_codec, REMOTE_CODECS)
         _check_auth_settings(self)
+        _check_key_settings(self, "remote_encryption_key", "encrypt remote objects", "--encryption-key-file")
         _require_choice("check_on_open", self.check_on_open, OPEN_CHECKS)
+        if self.max_pinned_bytes is not None:
+            _require_int("max_pinned_bytes", self.max_pinned_bytes, minimum=0, maximum=MAX_CAPACITY_BYTES)
         if not isinstance(self.read_only, bool):
             raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")
         if self.read_only and self.engine == "memory":
@@ -227,6 +251,13 @@ class StoreConfig:
                 f"({self.remote_max_object_bytes}): the largest object read would never fit a lookup",
                 hint="raise remote_lookup_max_bytes to at least remote_max_object_bytes, or lower remote_max_object_bytes",
             )
+
+    @property
+    def pinned_limit_bytes(self) -> int:
+        """The cap on pinned bytes this config gives (``max_pinned_bytes``,
+        by default half of ``capacity_bytes``; never above the capacity)."""
+        limit = self.capacity_bytes // 2 if self.max_pinned_bytes is None else self.max_pinned_bytes
+        return min(limit, self.capacity_bytes)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -298,6 +329,20 @@ def _check_auth_settings(config: StoreConfig) -> None:
     if (file is not None or env is not None) and config.remote is None:
         raise ConfigError("remote_auth_key_file/remote_auth_key_env authenticate remote objects, and no remote is set",
                           hint="set remote, or drop the auth key setting (archives take --auth-key-file)")
+
+
+def _check_key_settings(config: StoreConfig, prefix: str, purpose: str, archive_flag: str) -> None:
+    """``<prefix>_file`` names a file and ``<prefix>_env`` a variable (the
+    keys are read at open), and only with a remote."""
+    file, env = getattr(config, prefix + "_file"), getattr(config, prefix + "_env")
+    if file is not None and (not isinstance(file, (str, Path)) or not str(file)):
+        raise ConfigError(f"{prefix}_file must be a path, got a {type(file).__name__}", hint="name the key file, never the key itself")
+    if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", env)):
+        raise ConfigError(f"{prefix}_env must name an environment variable, got {'a value' if isinstance(env, str) else repr(env)}",
+                          hint="pass the variable's name (e.g. UCM_DB_ENCRYPTION_KEY), never the key itself")
+    if (file is not None or env is not None) and config.remote is None:
+        raise ConfigError(f"{prefix}_file/{prefix}_env {purpose}, and no remote is set",
+                          hint=f"set remote, or drop the setting (archives take {archive_flag})")
 
 
 def _require_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:

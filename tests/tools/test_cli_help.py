@@ -13,7 +13,8 @@ from ucm_db.tools.cli import cli
 
 from cli_stores import invoke, make_store
 
-COMMANDS = ["inspect", "verify", "compact", "gc", "export", "import", "warm", "bench", "migrate", "invalidate", "events", "proxy"]
+COMMANDS = ["inspect", "verify", "compact", "gc", "export", "import", "warm", "bench", "migrate", "invalidate", "events", "proxy",
+            "pin", "unpin", "lookup"]
 
 
 def test_group_lists_every_command() -> None:

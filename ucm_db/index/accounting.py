@@ -7,6 +7,11 @@ Invariants:
     * The records are checksummed (:mod:`ucm_db.index.records`); a damaged
       one is recounted from the metadata inside the transaction that finds
       it, so one flipped bit never wedges later puts.
+    * Each ``info/pincount:<ns>`` (pinned blocks and their stored bytes)
+      equals the sums over the namespace's ``info/pin/`` records at every
+      commit (:func:`recount_pins`), changed by the same transactions that
+      pin, unpin or remove blocks (:mod:`ucm_db.index.pins`); a damaged one is
+      recounted from the pin records.
     * Counter records written before checksums existed are never sealed as
       they are: :func:`seal_records` recounts them from the metadata first
       (a garbage pre-checksum total would otherwise be sealed as truth and
@@ -23,7 +28,7 @@ from typing import Any
 
 from ucm_db.index import records
 from ucm_db.engines.base import Buffer, Txn
-from ucm_db.index.entries import BlockMeta, DamagedMeta
+from ucm_db.index.entries import PIN_PREFIX, BlockMeta, DamagedMeta, DamagedPin, PinRecord
 
 logger = logging.getLogger("ucm_db")
 TOTALS = struct.Struct("<7Q")
@@ -31,6 +36,9 @@ NS_COUNTS = struct.Struct("<4Q")
 TOTALS_KEY = b"totals"
 NS_COUNTS_PREFIX = b"nscount:"
 NS_DESC_PREFIX = b"nsdesc:"
+#: Per-namespace pinned blocks and stored bytes (:mod:`ucm_db.index.pins`).
+PIN_COUNTS = struct.Struct("<2Q")
+PIN_COUNTS_PREFIX = b"pincount:"
 
 
 @dataclass(slots=True)
@@ -77,6 +85,8 @@ class Changes:
     def __init__(self, txn: Txn) -> None:
         self.txn = txn
         self.ns_counts: dict[bytes, list[int]] = {}
+        #: Pinned (blocks, stored bytes) per namespace, read when first changed.
+        self.pin_counts: dict[bytes, list[int]] = {}
         self._recounts = 0
         try:
             self.totals = Totals.read(txn)
@@ -111,6 +121,29 @@ class Changes:
             self.ns_counts[namespace_id] = counts
         return counts
 
+    def pins(self, namespace_id: bytes) -> list[int]:
+        """The namespace's pinned [blocks, stored bytes] as this transaction
+        has them (a damaged record: every pin counter recounted)."""
+        counts = self.pin_counts.get(namespace_id)
+        if counts is None:
+            try:
+                data = records.get_checked(self.txn, PIN_COUNTS_PREFIX + namespace_id, size=PIN_COUNTS.size)
+            except records.DamagedRecord as exc:
+                logger.warning("ucm-db: %s; recomputing the pinned counters from the pin records", exc)
+                self.pin_counts = recount_pins(self.txn)
+                for name, _ in list(self.txn.scan("info", PIN_COUNTS_PREFIX)):  # rewritten, or deleted when 0
+                    self.pin_counts.setdefault(bytes(name)[len(PIN_COUNTS_PREFIX):], [0, 0])
+                return self.pin_counts.setdefault(namespace_id, [0, 0])
+            counts = list(PIN_COUNTS.unpack(data)) if data is not None else [0, 0]
+            self.pin_counts[namespace_id] = counts
+        return counts
+
+    def add_pinned(self, record: PinRecord, sign: int) -> None:
+        """Counts a block that became pinned (+1) or stopped being (-1)."""
+        counts = self.pins(record.namespace_id)
+        counts[0] += sign
+        counts[1] += sign * record.stored_bytes
+
     def add(self, meta: BlockMeta, sign: int) -> None:
         """Counts a block just written (+1) or deleted (-1) in ``meta``."""
         recounts = self._recounts
@@ -136,6 +169,39 @@ class Changes:
         self.totals.write(self.txn)
         for namespace_id, counts in self.ns_counts.items():
             records.put_checked(self.txn, NS_COUNTS_PREFIX + namespace_id, NS_COUNTS.pack(*counts))
+        if self.pin_counts:
+            write_pin_counts(self.txn, self.pin_counts)
+
+
+def write_pin_counts(txn: Txn, pin_counts: dict[bytes, list[int]]) -> None:
+    """Writes pinned counters (a namespace at zero loses its record); a
+    counter driven below zero is recounted from the pin records instead."""
+    if any(min(c) < 0 for c in pin_counts.values()):
+        logger.warning("ucm-db: a pinned counter went below zero; recounting them from the pin records")
+        recounted = recount_pins(txn)
+        for namespace_id in pin_counts:
+            pin_counts[namespace_id] = recounted.get(namespace_id, [0, 0])
+        pin_counts.update(recounted)
+    for namespace_id, counts in pin_counts.items():
+        if counts[0] or counts[1]:
+            records.put_checked(txn, PIN_COUNTS_PREFIX + namespace_id, PIN_COUNTS.pack(*counts))
+        else:
+            records.delete_checked(txn, PIN_COUNTS_PREFIX + namespace_id)
+
+
+def recount_pins(txn: Txn) -> dict[bytes, list[int]]:
+    """Pinned [blocks, stored bytes] per namespace summed over the pin
+    records (a damaged record is left out: verify names it)."""
+    out: dict[bytes, list[int]] = {}
+    for _name, value in txn.scan("info", PIN_PREFIX):
+        try:
+            record = PinRecord.unpack(value)
+        except DamagedPin:
+            continue
+        counts = out.setdefault(record.namespace_id, [0, 0])
+        counts[0] += 1
+        counts[1] += record.stored_bytes
+    return out
 
 
 def recount(txn: Txn) -> tuple[Totals, dict[bytes, list[int]]]:
@@ -219,7 +285,7 @@ def damaged_records(txn: Txn) -> list[tuple[str, str]]:
         Totals.read(txn)
     except records.DamagedRecord as exc:
         found.append((TOTALS_KEY.decode(), exc.reason))
-    for prefix, size in ((NS_COUNTS_PREFIX, NS_COUNTS.size), (NS_DESC_PREFIX, None)):
+    for prefix, size in ((NS_COUNTS_PREFIX, NS_COUNTS.size), (NS_DESC_PREFIX, None), (PIN_COUNTS_PREFIX, PIN_COUNTS.size)):
         for name, value in records.scan_checked(txn, prefix, size=size):
             reason = "checksum mismatch or wrong size" if value is None else None
             if reason is None and prefix == NS_DESC_PREFIX:

@@ -9,7 +9,8 @@ exception out of a read, a put, a flush or a close.
 
 Invariants:
     * Quarantining removes the block and its descendants (prefix invariant)
-      and files a ``quarantine`` record, in one transaction. Entries that
+      and files a ``quarantine`` record, in one transaction; their pins go
+      with them (:mod:`ucm_db.index.pins`). Entries that
       only the damaged record could name (its LRU entry, its parent's child
       link, when the record is too short to read) are left for eviction and
       ``compact`` to drop as stale; they never make a block count as stored.
@@ -36,7 +37,7 @@ from typing import Protocol
 from ucm_db import codec
 from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.events import FEED_MAX_RECORDS
-from ucm_db.index import changefeed, records
+from ucm_db.index import changefeed, pins, records
 from ucm_db.index.accounting import Changes, Totals
 from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index.entries import BlockMeta, DamagedMeta, body_of, lru_key
@@ -83,6 +84,7 @@ def detach(txn: Txn, changes: Changes, key: bytes, fields: BlockMeta | None, dam
     (:mod:`ucm_db.index.changefeed`). Returns 1."""
     txn.delete("meta", key)
     changefeed.removed(txn, key, feed_max_records)
+    pins.drop(txn, changes, key)
     if delete_payload:
         txn.delete("blocks", key)
     txn.delete("heads", key)
@@ -183,6 +185,7 @@ def file_quarantine(tier: IndexForDamage, txn: Txn, changes: Changes, key: bytes
         "stored_bytes": meta.stored_bytes if meta else None,
     }
     children = [bytes(link[32:]) for link, _ in txn.scan("children", key)]
+    pins.release_above(txn, changes, key)  # the subtree's pins leave its ancestors (pins.py)
     if txn.get("meta", key) is not None:
         detach(txn, changes, key, fields, damaged, delete_payload=not keep_payload, feed_max_records=tier.feed_max_records)
     elif not keep_payload:

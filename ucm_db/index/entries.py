@@ -11,6 +11,9 @@ Invariants:
       nor fed to eviction (see :mod:`ucm_db.index.damage`).
     * :func:`lru_key` orders by access time, then deeper blocks first, so
       equal-time chain tails sort before their ancestors.
+    * :class:`PinRecord` packs to a fixed 29-byte record (``info/pin/<key>``,
+      :mod:`ucm_db.index.pins`); :meth:`PinRecord.unpack` refuses any other
+      length with :class:`DamagedPin`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ MAX_DEPTH = 0xFFFFFFFF
 #: Largest stored size (head + body) any block can have: the codec's raw
 #: limit, plus its largest head, plus a frame's worth of slack per frame.
 MAX_STORED_BYTES = codec.MAX_RAW_BYTES + 2 * (codec.HEADER_BYTES + codec.MAX_FRAMES * 32)
+#: ``info`` name prefix of a pinned block's record; the 32-byte key follows.
+PIN_PREFIX = b"pin/"
+PIN = struct.Struct("<16sQIB")
 
 
 class DamagedMeta(ValueError):
@@ -79,6 +85,41 @@ class BlockMeta:
         if raw > codec.MAX_RAW_BYTES or stored > MAX_STORED_BYTES:
             raise DamagedMeta(f"impossible sizes: {raw} raw bytes, {stored} stored bytes", meta)
         return meta
+
+
+class DamagedPin(ValueError):
+    """An ``info/pin/<key>`` record that is not a whole :class:`PinRecord`."""
+
+
+@dataclass(slots=True)
+class PinRecord:
+    """What the index keeps of a pinned block (:mod:`ucm_db.index.pins`):
+    its namespace and stored size (the pinned-bytes counters are sums of
+    these), how many pins lie at or below it (``below``: a block is
+    pinned while it is above 0), and whether a pin was made at it
+    (``own``)."""
+
+    namespace_id: bytes
+    stored_bytes: int
+    below: int
+    own: bool
+
+    def pack(self) -> bytes:
+        return PIN.pack(self.namespace_id, self.stored_bytes, self.below, int(self.own))
+
+    @classmethod
+    def unpack(cls, data: Buffer) -> PinRecord:
+        """The record's fields.
+
+        Raises:
+            DamagedPin: the record has the wrong length or an impossible size.
+        """
+        if len(data) != PIN.size:
+            raise DamagedPin(f"pin record of {len(data)} bytes, expected {PIN.size}")
+        ns, stored, below, own = PIN.unpack(data)
+        if stored > MAX_STORED_BYTES or own > 1 or below < own:
+            raise DamagedPin(f"impossible pin record: {stored} bytes, {below} pins at or below, own {own}")
+        return cls(ns, stored, below, bool(own))
 
 
 @dataclass(frozen=True, slots=True)

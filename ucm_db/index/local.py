@@ -18,6 +18,8 @@ transaction as the payload:
 * ``info/evf/``, ``info/feed/``: evented blocks' fields and the change feed
   of their puts and removals (:mod:`ucm_db.index.changefeed`), written by
   the same transactions as the blocks
+* ``info/pin/``, ``info/pincount:``: pinned blocks and their counters
+  (:mod:`ucm_db.index.pins`), written by the same transactions as the blocks
 
 Invariants:
     * Prefix invariant: a stored block's parent is stored. Puts refuse a
@@ -32,12 +34,15 @@ Invariants:
       as used now, so the newest block of a chain never goes with an old
       ancestor, and each eviction passes over such a block once.
     * Touching a block (a read) touches its ancestors.
+    * Pins: a pinned block and its ancestors are never evicted; a pinned
+      tail met at the front of the LRU order is filed again as used now,
+      like a block with children (:mod:`ucm_db.index.pins`).
 
 The class is assembled from one module per job: the serving index's reads
 (:mod:`ucm_db.index.reads`) and writes
 (:mod:`ucm_db.index.writes`), the maintenance primitives
-(:mod:`ucm_db.index.upkeep`), the upload queue
-(:mod:`ucm_db.index.upload_queue`); quarantine is
+(:mod:`ucm_db.index.upkeep`), pinning (:mod:`ucm_db.index.pinning`), the
+upload queue (:mod:`ucm_db.index.upload_queue`); quarantine is
 :mod:`ucm_db.index.damage`'s.
 """
 
@@ -50,6 +55,7 @@ from typing import Any
 from ucm_db.events import FEED_MAX_RECORDS
 from ucm_db.index import damage
 from ucm_db.engines.base import Engine
+from ucm_db.index.pinning import IndexPinning
 from ucm_db.index.upkeep import IndexMaintenance
 from ucm_db.index.entries import (  # noqa: F401 - re-exported: the index's value types its callers use
     BlockEntry, BlockMeta, PendingActivity, PutResult, body_of,
@@ -57,7 +63,7 @@ from ucm_db.index.entries import (  # noqa: F401 - re-exported: the index's valu
 from ucm_db.index.upload_queue import UploadQueue
 
 
-class LocalTier(IndexMaintenance, UploadQueue):
+class LocalTier(IndexMaintenance, IndexPinning, UploadQueue):
     """Block index over a transactional engine (see module invariants)."""
 
     def __init__(self, engine: Engine, *, capacity_bytes: int) -> None:

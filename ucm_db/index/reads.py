@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, Optional, TypeVar
 
-from ucm_db.index import damage, namespace_guard, records
+from ucm_db.errors import ConfigError
+from ucm_db.index import damage, namespace_guard, pins, records
 from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, Totals, parse_description, recount
 from ucm_db.engines.base import Buffer, Engine, Tier, TierCapabilities, Txn
 from ucm_db.index.entries import META, BlockMeta, body_of
@@ -175,6 +177,16 @@ class IndexReads(Tier):
             return lo
         return self.engine.read(run)
 
+    def with_snapshot(self, fn: Callable[[SnapshotPresence], T], *, namespace_id: bytes | None = None) -> T:
+        """Calls ``fn(presence)`` inside one read transaction and returns its
+        result: many chains answered from one snapshot
+        (:class:`SnapshotPresence`, valid only during the call)."""
+        return self.engine.read(lambda txn: fn(SnapshotPresence(txn, namespace_id)))
+
+    def pin_counts(self) -> dict[bytes, tuple[int, int]]:
+        """Pinned (blocks, stored bytes) per namespace id (:mod:`ucm_db.index.pins`)."""
+        return self.engine.read(pins.pin_counts)
+
     def metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
         return self.engine.read(lambda txn: [_meta_or_none(txn.get("meta", k)) for k in keys])
 
@@ -211,6 +223,75 @@ class IndexReads(Tier):
 
     def info_put(self, name: bytes, value: bytes) -> None:
         self.engine.write(lambda txn: txn.put("info", name, value))
+
+
+class SnapshotPresence:
+    """Presence in one read transaction, under ``namespace_id`` if given
+    (:meth:`IndexReads.with_snapshot`)."""
+
+    __slots__ = ("_txn", "_namespace_id")
+
+    def __init__(self, txn: Txn, namespace_id: bytes | None) -> None:
+        self._txn = txn
+        self._namespace_id = namespace_id
+
+    def count(self, keys: Sequence[bytes]) -> int:
+        """:meth:`IndexReads.count_prefix` in this snapshot (:func:`count_in`)."""
+        return count_in(self._txn, keys, self._namespace_id)
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (one batch of reads)."""
+        for key in keys:
+            if type(key) is not bytes or len(key) != 32:
+                require_key(key)
+        namespace_id = self._namespace_id
+        return [meta is not None and (namespace_id is None or meta[:16] == namespace_id)
+                for meta in self._txn.get_many("meta", keys)]
+
+    def lookup(self, _namespace: object, keys: Sequence[bytes]) -> int:
+        """:meth:`count`, as :func:`ucm_db.keys.units.stored_prefix` asks a store."""
+        return count_in(self._txn, keys, self._namespace_id)
+
+
+def count_in(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> int:
+    """Leading ``keys`` present (under ``namespace_id``, if given) in
+    ``txn``: :meth:`IndexReads.count_prefix`'s answer, the last key and the
+    first read before the binary search (a chain stored whole, or not at
+    all, costs two reads). Only the keys read are checked: a malformed one
+    is a ConfigError."""
+    get = txn.get
+    n = len(keys)
+    # A list's own item read: BlockKeys' __getitem__ (slices that keep their
+    # parent) is Python code, a third of a probe's cost.
+    key_at: Callable[[int], bytes] = partial(list.__getitem__, keys) if isinstance(keys, list) else keys.__getitem__
+
+    def present(i: int) -> bool:
+        key = key_at(i)
+        if type(key) is not bytes or len(key) != 32:
+            require_key(key)
+        meta = get("meta", key)
+        return meta is not None and (namespace_id is None or meta[:16] == namespace_id)
+
+    if n == 0 or not present(0):
+        return 0
+    if n == 1 or present(n - 1):
+        return n
+    lo, hi = 1, n - 1  # keys[0] present, keys[n - 1] not: the count is in [1, n - 1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if present(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def require_key(key: object) -> None:
+    """Refuses anything but a 32-byte bytes-like key (a ConfigError)."""
+    if isinstance(key, (bytearray, memoryview)) and len(key) == 32:
+        return
+    got = f"one of {len(key)} bytes" if isinstance(key, (bytes, bytearray, memoryview)) else f"a {type(key).__name__}"
+    raise ConfigError(f"block keys are 32-byte bytes objects, got {got}", hint="use Namespace.block_keys")
 
 
 def in_namespace(meta: Buffer | None, namespace_id: bytes | None) -> bool:

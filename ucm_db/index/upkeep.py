@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ucm_db.index import accounting, partitions as chunked, damage, audit as index_audit, records
+from ucm_db.index import accounting, partitions as chunked, damage, audit as index_audit, pins, records
 from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, Changes, Totals, damaged_records, recount
 from ucm_db.engines.base import Buffer, Txn
 from ucm_db.index.entries import BlockMeta, lru_key
@@ -40,8 +40,9 @@ class IndexMaintenance(IndexWrites):
 
     def recompute_totals(self) -> Totals:
         """Rewrites the totals and per-namespace counters from the block
-        metadata (keeping the event counters if their record is whole);
-        returns the new totals."""
+        metadata (keeping the event counters if their record is whole), and
+        the pin records and pinned counters from the pins made at stored
+        blocks (:func:`ucm_db.index.pins.rebuild`); returns the new totals."""
         def run(txn: Txn) -> Totals:
             totals, per_namespace = recount(txn)
             try:
@@ -56,6 +57,8 @@ class IndexMaintenance(IndexWrites):
             totals.write(txn)
             for namespace_id, counts in per_namespace.items():
                 records.put_checked(txn, NS_COUNTS_PREFIX + namespace_id, NS_COUNTS.pack(*counts))
+            if pins.problems(txn):
+                pins.rebuild(txn)
             return totals
         return self.engine.write(run)
 
@@ -158,6 +161,7 @@ def _problems(txn: Txn, found: index_audit.Audit) -> list[str]:
     except records.DamagedRecord:
         totals = Totals(-1, -1, -1)
     problems += found.problems + index_audit.namespace_problems(txn, found)
+    problems += [p for p in pins.problems(txn) if p not in problems]
     if (found.blocks, found.raw_bytes, found.stored_bytes) != (totals.blocks, totals.raw_bytes, totals.stored_bytes):
         problems.append(f"totals {totals} disagree with metadata ({found.blocks}, {found.raw_bytes}, {found.stored_bytes})")
     return problems

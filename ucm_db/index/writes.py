@@ -9,7 +9,12 @@ Invariants:
       removing a block removes its descendants in the same transaction.
     * Eviction takes unprotected chain tails, least recently used first;
       a put never evicts its own batch, the blocks of its call that were
-      stored already, or an ancestor of either.
+      stored already, or an ancestor of either; nothing evicts a pinned
+      block (:mod:`ucm_db.index.pins`: a pinned tail is passed over like a
+      block with children, so only pinned and protected blocks left means
+      ``StoreFullError``).
+    * Removing a block (delete, eviction, quarantine) takes its pins with
+      it in the same transaction (:func:`ucm_db.index.pins.release_above`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Callable, Container, Sequence
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.index import changefeed, damage, namespace_guard, records
+from ucm_db.index import changefeed, damage, namespace_guard, pins, records
 from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
 from ucm_db.engines.base import Txn
 from ucm_db.index.reads import IndexReads, in_namespace
@@ -137,9 +142,12 @@ class IndexWrites(IndexReads):
         while changes.totals.stored_bytes > self.capacity_bytes:
             victim = self._oldest_tail(txn, changes, protected)
             if victim is None:
+                pinned = pins.pinned_bytes(txn, changes)
                 raise StoreFullError(
                     f"the batch and its ancestors need {changes.totals.stored_bytes} bytes but capacity_bytes is "
-                    f"{self.capacity_bytes}; nothing was stored"
+                    f"{self.capacity_bytes}" + (f" and {pinned} bytes are pinned" if pinned else "") + "; nothing was stored",
+                    hint="raise capacity_bytes or put smaller batches" + (
+                        ", or unpin chains (Store.unpin, `ucm-db unpin`): pinned blocks are never evicted" if pinned else ""),
                 )
             count = self.remove_tree(txn, changes, victim)
             evicted += count
@@ -153,7 +161,8 @@ class IndexWrites(IndexReads):
         put continues it), so each is passed over once, not at every
         eviction, and goes only once it is a tail. Stale LRU entries (no
         block) are dropped. An unprotected block has a tail below it: a
-        protected block's ancestors are protected too."""
+        protected block's ancestors are protected too. A pinned tail is
+        filed again too (its ancestors are pinned: pins.py)."""
         refile: list[tuple[bytes, bytes]] = []
         stale: list[bytes] = []
         victim = None
@@ -166,8 +175,9 @@ class IndexWrites(IndexReads):
                 if txn.get("meta", key) is None:
                     stale.append(bytes(lru))
                     continue
-                victim = key
-                break
+                if not pins.is_pinned(txn, key):
+                    victim = key
+                    break
             refile.append((bytes(lru), key))
         for lru in stale:
             txn.delete("lru", lru)
@@ -186,6 +196,7 @@ class IndexWrites(IndexReads):
 
     def remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
         """Removes ``key`` and all its descendants; returns blocks removed."""
+        pins.release_above(txn, changes, key)
         stack = [key]
         removed = 0
         while stack:
@@ -212,6 +223,7 @@ class IndexWrites(IndexReads):
         if meta.parent is not None:
             txn.delete("children", meta.parent + key)
         changefeed.removed(txn, key, self.feed_max_records)
+        pins.drop(txn, changes, key)
         changes.add(meta, -1)
         return 1
 

@@ -24,6 +24,13 @@ where it must (old formats, damaged records, no reader activity written):
   blocks, then the change feed, optionally followed (``ucm-db events``).
 * :func:`gc_remote` -- garbage-collect a remote tier; :func:`remote_namespace`
   finds a namespace recorded on one.
+* :func:`pin` / :func:`unpin` -- keep prompts' stored blocks out of eviction
+  (:meth:`ucm_db.Store.pin`); :func:`lookup` -- each prompt's stored prefix,
+  as a router asks it (:meth:`ucm_db.Store.lookup_many`). Prompts are token
+  ids keyed at the namespace's epoch (no LoRA, ``cache_salt`` or
+  multimodal extras); in a namespace of units (the vLLM connector's) they
+  answer for the whole model's units (every KV head): :func:`whole_model_units`
+  gives them (for ``Store.lookup_many``'s ``grid`` and ``spans``).
 
 ``isolated=True`` (what the CLI passes) runs the reading part of
 :func:`inspect` and :func:`verify` in a child process (:mod:`ucm_db.maintenance.isolation`):
@@ -33,7 +40,8 @@ a damaged file that makes LMDB abort or the kernel send SIGBUS is then a
 Invariants:
     * Nothing here creates a store except :func:`import_archive` (whose
       destination may be new); read-only operations write nothing;
-      :func:`invalidate` writes only epoch records (through the Store).
+      :func:`invalidate` writes only epoch records and releases the
+      namespaces' pins (through the Store); :func:`lookup` writes nothing.
     * Bad input is a :class:`~ucm_db.errors.UcmDbError` with a hint, raised
       before anything stored is changed.
 """
@@ -58,13 +66,15 @@ from ucm_db.keys import Namespace
 from ucm_db.maintenance.pre_units import ConversionReport, pre_unit_namespaces
 from ucm_db.maintenance.pre_units import convert as convert_pre_unit_blocks
 from ucm_db.maintenance.pre_units import refusal as pre_unit_refusal
+from ucm_db.store.presence import whole_model_units
 from ucm_db.store.view import ProgressFn, StoreView, open_view, select_namespaces
 from ucm_db.maintenance.verification import VerifyReport, repair, verify_view
 
 __all__ = [
     "BlockInfo", "ConversionReport", "ProgressFn", "StoreView", "VerifyReport", "compact", "convert_engine", "convert_pre_unit_blocks", "evict_to_bytes", "export_archive",
-    "gc_remote", "import_archive", "inspect", "invalidate", "iter_blocks", "iter_event_lines", "iter_events", "namespaces",
-    "open_view", "pre_unit_namespaces", "pre_unit_refusal", "remote_namespace", "repair", "verify",
+    "gc_remote", "import_archive", "inspect", "invalidate", "iter_blocks", "iter_event_lines", "iter_events", "lookup", "namespaces",
+    "open_view", "pin", "pre_unit_namespaces", "pre_unit_refusal", "remote_namespace", "repair", "unpin", "verify",
+    "whole_model_units",
 ]
 
 
@@ -188,11 +198,19 @@ def invalidate(path: str | Path, namespaces: tuple[str, ...]) -> list[dict[str, 
     would match, and invalidate, every namespace."""
     from ucm_db.store import Store
 
-    namespaces = require_namespace_selectors(namespaces, "invalidate")
-    if not namespaces:
-        raise ConfigError("invalidate needs the namespaces to invalidate", hint="pass an id prefix or a model name (--namespace)")
+    targets = _described_namespaces(path, namespaces, "invalidate")
+    with Store(path) as store:
+        return [{"namespace": ns.digest[:16].hex(), "model": ns.model, "epoch": store.bump_epoch(ns)} for ns in targets]
+
+
+def _described_namespaces(path: str | Path, selectors: tuple[str, ...], operation: str) -> list[Namespace]:
+    """The namespaces of the store at ``path`` that ``selectors`` match, from
+    their recorded descriptions (read below the Store, creating nothing)."""
+    selectors = require_namespace_selectors(selectors, operation)
+    if not selectors:
+        raise ConfigError(f"{operation} needs a namespace", hint="pass an id prefix or a model name (--namespace)")
     with open_view(path) as view:
-        chosen = select_namespaces(view, namespaces) or set()
+        chosen = select_namespaces(view, selectors) or set()
         descriptions = view.tier.namespace_descriptions()
     targets: list[Namespace] = []
     for ns_id in sorted(chosen):
@@ -200,10 +218,94 @@ def invalidate(path: str | Path, namespaces: tuple[str, ...]) -> list[dict[str, 
             namespace = Namespace.from_dict(descriptions[ns_id])
         except (ConfigError, TypeError) as exc:
             raise ConfigError(f"namespace {ns_id.hex()} has a damaged description: {exc}",
-                              hint="run `ucm-db verify PATH --fix`, then invalidate it again") from exc
+                              hint=f"run `ucm-db verify PATH --fix`, then {operation} again") from exc
         if namespace.digest[:16] != ns_id:
             raise ConfigError(f"namespace {ns_id.hex()}'s description names another namespace",
-                              hint="run `ucm-db verify PATH --fix`, then invalidate it again")
+                              hint=f"run `ucm-db verify PATH --fix`, then {operation} again")
         targets.append(namespace)
-    with Store(path) as store:
-        return [{"namespace": ns.digest[:16].hex(), "model": ns.model, "epoch": store.bump_epoch(ns)} for ns in targets]
+    return targets
+
+
+def _one_namespace(path: str | Path, selector: str, operation: str) -> Namespace:
+    found = _described_namespaces(path, (selector,), operation)
+    if len(found) != 1:
+        raise ConfigError(f"{selector!r} matches {len(found)} namespaces: " + ", ".join(f"{ns.digest[:16].hex()} ({ns.model})" for ns in found),
+                          hint="pass a longer namespace id prefix (`ucm-db inspect` lists them)")
+    return found[0]
+
+
+def _prompt_rows(namespace: Namespace, token_sequences: list[list[int]], stored: list[int]) -> list[dict[str, Any]]:
+    size = namespace.block_size
+    return [{"tokens": len(tokens), "blocks": len(tokens) // size, "stored_blocks": n, "stored_tokens": n * size}
+            for tokens, n in zip(token_sequences, stored)]
+
+
+def _units_row(units: Any) -> dict[str, Any] | None:
+    if units is None:
+        return None
+    grid, spans = units
+    return {"kv_heads": grid.heads, "layers": grid.layers, "units_per_block": len(spans),
+            "stages": sorted({(s.layer_start, s.layer_stop) for s in spans})}
+
+
+def lookup(path: str | Path, namespace: str, token_sequences: list[list[int]], *,
+           layer_partition: list[int] | None = None) -> dict[str, Any]:
+    """Each prompt's stored prefix in the store at ``path`` (local tier; one
+    read transaction; nothing written), keyed at the namespace's epoch. In a
+    namespace of units a block counts when the unit of every KV head (of
+    every stage of ``layer_partition``) is stored: the prefix a vLLM engine
+    on that store, at any TP size, would load.
+
+    Raises:
+        EpochUnknownError: the namespace's epoch cannot be established.
+    """
+    import time
+
+    from ucm_db.store import Store
+
+    ns = _one_namespace(path, namespace, "lookup")
+    units = whole_model_units(ns, layer_partition)
+    with Store(path, read_only=True) as store:
+        epoch = store.epoch(ns)
+        chains = [ns.block_keys(tokens, epoch=epoch) for tokens in token_sequences]
+        started = time.perf_counter()
+        stored = store.lookup_many(ns, chains, grid=None if units is None else units[0], spans=None if units is None else units[1])
+        seconds = time.perf_counter() - started
+    return {"namespace": ns.digest[:16].hex(), "model": ns.model, "epoch": epoch, "block_size": ns.block_size,
+            "units": _units_row(units), "lookup_s": round(seconds, 6), "prompts": _prompt_rows(ns, token_sequences, stored)}
+
+
+def pin(path: str | Path, namespace: str, token_sequences: list[list[int]], *, max_pinned_bytes: int | None = None,
+        release: bool = False) -> dict[str, Any]:
+    """Pins (``release``: unpins) the stored blocks of each prompt in the
+    store at ``path`` (:meth:`ucm_db.Store.pin`), keyed at the namespace's
+    epoch; in a namespace of units, every KV head's unit chain. Returns
+    the :class:`~ucm_db.stats.PinReport` fields, plus per prompt its blocks
+    (whole-model blocks) pinned after the call.
+
+    Raises:
+        StoreFullError: the pins would pass ``max_pinned_bytes`` (None: the
+            store's default, half its capacity); nothing is pinned.
+    """
+    from ucm_db.store import Store
+
+    ns = _one_namespace(path, namespace, "unpin" if release else "pin")
+    units = whole_model_units(ns)
+    options = {} if max_pinned_bytes is None else {"max_pinned_bytes": max_pinned_bytes}
+    with Store(path, **options) as store:
+        epoch = store.epoch(ns)
+        chains = [ns.block_keys(tokens, epoch=epoch) for tokens in token_sequences]
+        report = (store.unpin if release else store.pin)(
+            ns, chains, grid=None if units is None else units[0], spans=None if units is None else units[1])
+    out = report.to_dict()
+    out.update(namespace=ns.digest[:16].hex(), model=ns.model, epoch=epoch, block_size=ns.block_size, units=_units_row(units),
+               prompts=[{**row, "pinned_blocks": row.pop("stored_blocks"), "pinned_tokens": row.pop("stored_tokens")}
+                        for row in _prompt_rows(ns, token_sequences, list(report.chains))])
+    return out
+
+
+def unpin(path: str | Path, namespace: str, token_sequences: list[list[int]]) -> dict[str, Any]:
+    """Takes back the pins of each prompt's stored blocks (:func:`pin` with
+    ``release``): the report's ``pinned_blocks`` per prompt is what pins on
+    other prompts still hold."""
+    return pin(path, namespace, token_sequences, release=True)

@@ -3,7 +3,9 @@
 Steps, in order:
     1. Evict LRU blocks until stored bytes <= ``target_bytes``, in several
        short write transactions (:meth:`LocalTier.evict_lru`), so live
-       writers are held up only briefly.
+       writers are held up only briefly. Pinned blocks are never evicted
+       (:mod:`ucm_db.index.pins`): a target below the pinned bytes stops
+       there.
     2. Drop quarantine records and orphaned index entries (payloads, LRU,
        child links or upload-queue entries whose block has no metadata):
        a read-only audit in sorted scans names the tables that may hold
@@ -13,7 +15,9 @@ Steps, in order:
        bounded on a store of millions of blocks. A block whose parent is
        not stored is quarantined with its descendants, missing LRU entries
        and child links are re-added (:func:`~ucm_db.index.damage.restore_links`),
-       and counters that disagree with the metadata are recounted.
+       and counters that disagree with the metadata are recounted (pin
+       records that disagree with the blocks are rebuilt from the pins made
+       at stored blocks).
     3. Reclaim file space. LMDB: a compacting copy (``Environment.copy(...,
        compact=True)``) into a new file, fsynced, then renamed over
        ``data.mdb`` (atomic: a crash leaves the old or the new file, never a
@@ -24,6 +28,7 @@ beside other LMDB processes. Step 3 replaces the file other processes map,
 so it runs only while this process holds the store's lock exclusively (no
 process has the store open) and no other live process holds an LMDB reader
 slot; otherwise it is skipped and the processes are named in the report.
+The rewrite copies every table, so pins survive it.
 """
 
 from __future__ import annotations
@@ -255,7 +260,8 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         if engine_name == "rocksdb" and exclusive:
             engine.compact()  # type: ignore[attr-defined]
         after = tier.totals()
-        out.update(blocks_after=after.blocks, stored_bytes_after=after.stored_bytes, index_problems=index_problems)
+        out.update(blocks_after=after.blocks, stored_bytes_after=after.stored_bytes, index_problems=index_problems,
+                   pinned_bytes_after=sum(stored for _blocks, stored in tier.pin_counts().values()))
         return out
     finally:
         engine.close()

@@ -55,8 +55,10 @@ def iter_blocks(view: StoreView, namespaces: set[bytes] | None = None) -> Iterat
 
 
 def namespace_rows(view: StoreView, selected: set[bytes] | None, now_ns: int) -> list[dict[str, Any]]:
-    """Per namespace: its description and counters (those holding blocks)."""
+    """Per namespace: its description and counters (those holding blocks),
+    pinned blocks and bytes among them."""
     descriptions = view.tier.namespace_descriptions()
+    pinned = view.tier.pin_counts()
     rows = []
     for ns_id, (blocks, raw, stored, last_ns) in sorted(view.tier.namespace_counts().items()):
         if not blocks or (selected is not None and ns_id not in selected):
@@ -67,6 +69,7 @@ def namespace_rows(view: StoreView, selected: set[bytes] | None, now_ns: int) ->
             "rank": f"tp {d.get('tp_rank', 0)}/{d.get('tp_size', 1)} pp {d.get('pp_rank', 0)}/{d.get('pp_size', 1)}",
             "read_at": readable_at(d),  # TP-independent units or pre-unit per-rank blocks (docs/tp.md)
             "blocks": blocks, "raw_bytes": raw, "stored_bytes": stored,
+            "pinned_blocks": pinned.get(ns_id, (0, 0))[0], "pinned_bytes": pinned.get(ns_id, (0, 0))[1],
             "last_use_ns": last_ns, "last_use_age_s": round(max(0, now_ns - last_ns) / 1e9, 1) if last_ns else None,
             "description": d,
         })
@@ -160,6 +163,7 @@ def inspect_view(view: StoreView, *, namespaces: tuple[str, ...] = (), top: int 
         "use_fraction": round(totals.stored_bytes / capacity, 4) if capacity else None,
         "file_bytes": view.engine.file_bytes(), "file_free_bytes": view.engine.free_page_bytes(), "hits": totals.hits, "misses": totals.misses,
         "evictions": totals.evictions, "quarantined_total": totals.quarantined,
+        "pinned_bytes": sum(stored for _blocks, stored in view.tier.pin_counts().values()),
         "quarantine_records": len(quarantine),
         "quarantined_blocks": [k.hex() for k in quarantine[:LISTED_QUARANTINE]],
         "pending_uploads": len(view.tier.pending_uploads()),

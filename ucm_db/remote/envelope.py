@@ -6,7 +6,15 @@ Object format (little-endian): a 64-byte envelope followed by the codec blob
     envelope  magic "UCMR" | version u16 | flags u16 | namespace id 16B |
               parent key 32B | checksum u64
     blob      codec header (owning key, raw length, ...) | frame table | body
-    trailer   (version 2 only) key id 8B | MAC 32B
+    trailer   (version 2, and version 3 with flag bit 1) key id 8B | MAC 32B
+
+A version 3 (sealed) object carries, in place of the codec blob, its sealed
+body (:mod:`ucm_db.remote.sealing`: key id, nonce, plain length, AES-256-GCM
+ciphertext of the codec blob and tag)::
+
+    envelope  as above, version 3; flags bit 0 parent, bit 1 MAC trailer
+    sealed    key id 8B | nonce 12B | plain length u64 | ciphertext | tag 16B
+    trailer   (flag bit 1 only) key id 8B | MAC 32B
 
 The envelope carries what the codec blob lacks to promote the block into a
 local tier: its parent key (flag bit 0 set; a chain's first block has none)
@@ -24,6 +32,24 @@ only a version 2 object whose MAC one of its keys made
 both versions and ignores the MAC (its checksums still hold). A reader
 older than version 2 takes a signed object for a corrupt one: a miss.
 
+Version 3 objects are written by a store with ``remote_encryption_key_file``
+or ``remote_encryption_key_env`` (with an auth key too, they also carry the
+MAC trailer, computed over the ciphertext: both keys are then checked). The
+associated data of the encryption binds the object's key, its whole
+envelope (format version, flags, namespace id, parent key, checksum) and
+the sealed head: a valid ciphertext copied to another key's path, namespace
+or parent fails to open. The namespace's epoch is bound through the key:
+key chains are rooted at the epoch (:meth:`ucm_db.Namespace.root_key`),
+and the uploader, which packs objects from the upload queue, does not know
+the epoch a block was written at; an object of another epoch is one of
+another key. Encryption is *required* where configured: a reader with
+encryption keys serves only version 3 objects that one of them opens (a
+plaintext object is a miss counted ``unencrypted``, one it cannot open a
+miss counted ``undecryptable``); a reader without encryption keys never
+serves a version 3 object (``undecryptable``): it sees misses, never
+ciphertext. Readers older than version 3 take a sealed object for a corrupt
+one: a miss.
+
 Invariants:
     * An object states its own exact length in its first
       :data:`PROBE_BYTES` (:func:`stated_object_bytes`), never more than
@@ -31,7 +57,9 @@ Invariants:
     * Every parse failure is a :class:`~ucm_db.errors.CorruptBlockError`;
       an object that the reader's keys do not authenticate is an
       :class:`UnauthenticatedObject` (not damage: nothing to quarantine).
-    * With keys, the MAC is checked before the codec parses the blob.
+    * With keys, the MAC is checked before the codec parses the blob, and
+      the ciphertext is opened (its tag checked) before the codec parses
+      the plaintext.
 """
 
 from __future__ import annotations
@@ -44,16 +72,24 @@ import xxhash
 from ucm_db import auth, codec
 from ucm_db.errors import ConfigError, CorruptBlockError
 from ucm_db.engines.base import Buffer
+from ucm_db.remote import sealing
+from ucm_db.remote.sealing import SealingKeys, UnsealError
 
 OBJECT_MAGIC = b"UCMR"
 OBJECT_FORMAT_VERSION = 1
 #: The format of an object signed with a key (a MAC trailer).
 SIGNED_FORMAT_VERSION = 2
+#: The format of an encrypted object (a sealed body; flag bit 1: a MAC trailer).
+SEALED_FORMAT_VERSION = 3
+_VERSIONS = (OBJECT_FORMAT_VERSION, SIGNED_FORMAT_VERSION, SEALED_FORMAT_VERSION)
+#: The label of the sealing context of remote objects (:func:`ucm_db.remote.sealing.context`).
+SEAL_LABEL = b"ucm-db remote v3"
 TRAILER_BYTES = auth.KEY_ID_BYTES + auth.MAC_BYTES
 _ENVELOPE = struct.Struct("<4sHH16s32sQ")
 ENVELOPE_BYTES = _ENVELOPE.size
 _ENV_CHECKSUM_OFFSET = ENVELOPE_BYTES - 8
 _FLAG_HAS_PARENT = 1
+_FLAG_SIGNED = 2
 _NO_PARENT = bytes(32)
 #: Bytes a presence probe reads: the envelope plus the codec header.
 PROBE_BYTES = ENVELOPE_BYTES + codec.HEADER_BYTES
@@ -68,16 +104,19 @@ _FRAME_OVERHEAD_BYTES = 16
 #: The largest object a header may state: envelope, the biggest codec head
 #: and a body of the largest raw block the codec decodes (plus the shuffle
 #: mode's per-frame plane lengths). Anything the local tier can decode fits.
-MAX_OBJECT_BYTES = (ENVELOPE_BYTES + codec.HEADER_BYTES + codec.MAX_FRAMES * (_FRAME_ENTRY_BYTES + _FRAME_OVERHEAD_BYTES)
-                    + codec.MAX_RAW_BYTES + TRAILER_BYTES)
+_MAX_BLOB_BYTES = codec.HEADER_BYTES + codec.MAX_FRAMES * (_FRAME_ENTRY_BYTES + _FRAME_OVERHEAD_BYTES) + codec.MAX_RAW_BYTES
+MAX_OBJECT_BYTES = ENVELOPE_BYTES + sealing.sealed_bytes(_MAX_BLOB_BYTES) + TRAILER_BYTES
 
 
 class UnauthenticatedObject(Exception):
-    """An object the reader's keys do not authenticate.
+    """An object the reader's keys do not authenticate, or cannot open.
 
     Attributes:
-        reason: ``"unauthenticated"`` (it carries no MAC) or
-            ``"mac_mismatch"`` (no configured key made its MAC).
+        reason: the counter it is counted in: ``"unauthenticated"`` (it
+            carries no MAC), ``"mac_mismatch"`` (no configured key made its
+            MAC), ``"undecryptable"`` (encrypted, and no configured
+            encryption key opens it) or ``"unencrypted"`` (not encrypted,
+            and an encryption key is set).
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -106,21 +145,37 @@ class RemoteObject:
     raw_bytes: int
 
 
-def pack_object(key: bytes, parent: bytes | None, namespace_id: bytes, blob: Buffer, keys: auth.AuthKeys | None = None) -> bytes:
-    """Builds the object bytes for ``blob`` (envelope + blob, and with
-    ``keys`` a trailer signed with the first key)."""
-    if len(namespace_id) != 16:
-        raise ConfigError("namespace id must be 16 bytes", hint="pass namespace.digest[:16]")
-    flags = _FLAG_HAS_PARENT if parent is not None else 0
-    version = OBJECT_FORMAT_VERSION if keys is None else SIGNED_FORMAT_VERSION
+def _envelope(key: bytes, version: int, flags: int, namespace_id: bytes, parent: bytes | None) -> bytes:
     head = _ENVELOPE.pack(OBJECT_MAGIC, version, flags, namespace_id, parent or _NO_PARENT, 0)
     checksum = xxhash.xxh3_64(head + key).intdigest()
-    head = head[:_ENV_CHECKSUM_OFFSET] + struct.pack("<Q", checksum)
+    return head[:_ENV_CHECKSUM_OFFSET] + struct.pack("<Q", checksum)
+
+
+def seal_context(key: bytes, envelope: Buffer) -> bytes:
+    """The sealing context of an object (:func:`ucm_db.remote.sealing.context`):
+    its key and whole envelope (format version, flags, namespace id, parent)."""
+    return sealing.context(SEAL_LABEL, key, memoryview(envelope)[:ENVELOPE_BYTES])
+
+
+def pack_object(key: bytes, parent: bytes | None, namespace_id: bytes, blob: Buffer, keys: auth.AuthKeys | None = None,
+                seal: SealingKeys | None = None) -> bytes:
+    """Builds the object bytes for ``blob``: envelope + blob; with ``seal``
+    the blob encrypted with its first key (version 3); with ``keys`` a
+    trailer signed with the first key (over the ciphertext when sealed)."""
+    if len(namespace_id) != 16:
+        raise ConfigError("namespace id must be 16 bytes", hint="pass namespace.id")
+    flags = _FLAG_HAS_PARENT if parent is not None else 0
+    if seal is not None:
+        head = _envelope(key, SEALED_FORMAT_VERSION, flags | (_FLAG_SIGNED if keys is not None else 0), namespace_id, parent)
+        parts = [head, *seal.seal_parts(blob, seal_context(key, head))]
+    else:
+        head = _envelope(key, OBJECT_FORMAT_VERSION if keys is None else SIGNED_FORMAT_VERSION, flags, namespace_id, parent)
+        parts = [head, blob]  # type: ignore[list-item]
     if keys is None:
-        return head + bytes(blob)
+        return b"".join(parts)
     signer = keys.signing_id
-    _signer, tag = keys.sign([key, head, blob, signer], auth.REMOTE_OBJECT)
-    return b"".join((head, blob, signer, tag))
+    _signer, tag = keys.sign([key, *parts, signer], auth.REMOTE_OBJECT)
+    return b"".join((*parts, signer, tag))
 
 
 def parse_envelope(data: Buffer, key: bytes) -> tuple[bytes | None, bytes]:
@@ -134,8 +189,8 @@ def parse_envelope(data: Buffer, key: bytes) -> tuple[bytes | None, bytes]:
     magic, version, flags, namespace_id, parent, checksum = _ENVELOPE.unpack_from(data, 0)
     if magic != OBJECT_MAGIC:
         raise CorruptBlockError("bad magic: not a ucm-db remote object")
-    if version not in (OBJECT_FORMAT_VERSION, SIGNED_FORMAT_VERSION):
-        raise CorruptBlockError(f"remote object format {version} is not {OBJECT_FORMAT_VERSION} or {SIGNED_FORMAT_VERSION}")
+    if version not in _VERSIONS:
+        raise CorruptBlockError(f"remote object format {version} is not one of {', '.join(map(str, _VERSIONS))}")
     view = memoryview(data)
     hasher = xxhash.xxh3_64(view[:_ENV_CHECKSUM_OFFSET])
     hasher.update(bytes(8))
@@ -149,7 +204,8 @@ def stated_object_bytes(data: Buffer, key: bytes) -> int:
     """The exact length an object states for itself, from its first bytes.
 
     ``data`` must hold the envelope and the codec head (header and frame
-    table); the envelope is verified for ``key``.
+    table), or for a sealed object the sealed head; the envelope is
+    verified for ``key``.
 
     Raises:
         CorruptBlockError: bad envelope, implausible codec header, a body
@@ -157,6 +213,14 @@ def stated_object_bytes(data: Buffer, key: bytes) -> int:
             or a total above :data:`MAX_OBJECT_BYTES`.
     """
     parse_envelope(data, key)
+    trailer = TRAILER_BYTES if is_signed(data) else 0
+    if is_sealed(data):
+        if len(data) < ENVELOPE_BYTES + sealing.HEAD_BYTES:
+            raise CorruptBlockError("sealed remote object has no sealed head after its envelope")
+        plain_bytes = sealing.stated_plain_bytes(memoryview(data)[ENVELOPE_BYTES:])
+        if plain_bytes > _MAX_BLOB_BYTES:
+            raise CorruptBlockError(f"sealed remote object states {plain_bytes} bytes of plaintext, more than a block can be")
+        return ENVELOPE_BYTES + sealing.sealed_bytes(plain_bytes) + trailer
     blob = memoryview(data)[ENVELOPE_BYTES:]
     if len(blob) < codec.HEADER_BYTES or bytes(blob[:4]) != codec.MAGIC:
         raise CorruptBlockError("remote object has no codec header after its envelope")
@@ -165,25 +229,52 @@ def stated_object_bytes(data: Buffer, key: bytes) -> int:
     raw_len, body_len = _CODEC_LENGTHS.unpack_from(blob, _CODEC_LENGTHS_OFFSET)
     if raw_len > codec.MAX_RAW_BYTES or body_len > raw_len + n_frames * _FRAME_OVERHEAD_BYTES:
         raise CorruptBlockError(f"implausible remote object: {raw_len} raw bytes stored in {body_len}")
-    total = ENVELOPE_BYTES + head + body_len + (TRAILER_BYTES if is_signed(data) else 0)
+    total = ENVELOPE_BYTES + head + body_len + trailer
     if total > MAX_OBJECT_BYTES:
         raise CorruptBlockError(f"remote object states {total} bytes, more than the {MAX_OBJECT_BYTES} allowed")
     return total
 
 
+def _version_flags(data: Buffer) -> tuple[int, int]:
+    return struct.unpack_from("<HH", data, 4)  # type: ignore[return-value]
+
+
 def is_signed(data: Buffer) -> bool:
     """True if the object (its envelope already parsed) carries a MAC trailer."""
-    return bool(struct.unpack_from("<H", data, 4)[0] == SIGNED_FORMAT_VERSION)
+    version, flags = _version_flags(data)
+    return version == SIGNED_FORMAT_VERSION or (version == SEALED_FORMAT_VERSION and bool(flags & _FLAG_SIGNED))
 
 
-def unpack_object(data: Buffer, key: bytes, keys: auth.AuthKeys | None = None) -> RemoteObject:
-    """Verifies a whole object (envelope, MAC when ``keys`` are given, codec
-    blob) for ``key``.
+def is_sealed(data: Buffer) -> bool:
+    """True if the object (its envelope already parsed) is encrypted."""
+    return _version_flags(data)[0] == SEALED_FORMAT_VERSION
+
+
+def probe_problem(data: Buffer, keys: auth.AuthKeys | None = None, seal: SealingKeys | None = None) -> str | None:
+    """Why an object whose first bytes (envelope parsed, at least
+    :data:`PROBE_BYTES`) were probed cannot be served to a reader with
+    ``keys`` and ``seal``: the counter to count it in, or None when it may
+    be (a probe checks no MAC nor tag: a forged object can lengthen a
+    prefix search, never make a hit)."""
+    if keys is not None and not is_signed(data):
+        return "unauthenticated"
+    if is_sealed(data) != (seal is not None):
+        return "unencrypted" if seal is not None else "undecryptable"
+    if seal is not None:
+        return None if seal.knows(sealing.sealing_key_id(memoryview(data)[ENVELOPE_BYTES:])) else "undecryptable"
+    return None if bytes(memoryview(data)[ENVELOPE_BYTES : ENVELOPE_BYTES + 4]) == codec.MAGIC else "corrupt"
+
+
+def unpack_object(data: Buffer, key: bytes, keys: auth.AuthKeys | None = None, seal: SealingKeys | None = None) -> RemoteObject:
+    """Verifies a whole object (envelope, MAC when ``keys`` are given, its
+    encryption when sealed, codec blob) for ``key``.
 
     Raises:
         CorruptBlockError: damaged or malformed.
         UnauthenticatedObject: ``keys`` given, and no MAC or a MAC that no
-            key of theirs made.
+            key of theirs made; ``seal`` given and the object not sealed,
+            or sealed and not opened by a key of ``seal`` (or ``seal`` not
+            given): see :class:`UnauthenticatedObject`'s reasons.
     """
     parent, namespace_id = parse_envelope(data, key)
     view = memoryview(data).toreadonly()  # views: no copy of the payload
@@ -194,8 +285,24 @@ def unpack_object(data: Buffer, key: bytes, keys: auth.AuthKeys | None = None) -
             raise CorruptBlockError("signed remote object is shorter than its envelope and trailer")
     if keys is not None:
         check_mac(view, key, keys)
-    header = codec.verify(view[ENVELOPE_BYTES:end], key)
-    return RemoteObject(key, parent, namespace_id, view[ENVELOPE_BYTES:end], header.raw_len)
+    blob = view[ENVELOPE_BYTES:end]
+    if is_sealed(view) or seal is not None:
+        blob = open_blob(view, blob, key, seal)
+    header = codec.verify(blob, key)
+    return RemoteObject(key, parent, namespace_id, blob, header.raw_len)
+
+
+def open_blob(data: memoryview, sealed: memoryview, key: bytes, seal: SealingKeys | None) -> memoryview:
+    """The codec blob of an object ``data`` whose body is ``sealed``, as
+    ``seal`` requires (:class:`UnauthenticatedObject` otherwise)."""
+    if seal is None:
+        raise UnauthenticatedObject("undecryptable", "remote object is encrypted and no encryption key is set")
+    if not is_sealed(data):
+        raise UnauthenticatedObject("unencrypted", "remote object is not encrypted and an encryption key is set")
+    try:
+        return memoryview(seal.open(sealed, seal_context(key, data))).toreadonly()
+    except UnsealError as exc:
+        raise UnauthenticatedObject("undecryptable", f"remote object cannot be opened: {exc}") from None
 
 
 def check_mac(data: memoryview, key: bytes, keys: auth.AuthKeys) -> None:

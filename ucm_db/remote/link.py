@@ -43,6 +43,7 @@ from ucm_db.remote.inline_reads import InlineReads, is_local_disk
 from ucm_db.remote.search import Breaker, SearchResult, search_prefix
 from ucm_db.remote.tier import RemoteObject, RemoteRoot, RemoteTier
 from ucm_db.remote.object_reads import ByteBudget, ReadAbandoned, ReadLimits
+from ucm_db.remote.sealing import SealingKeys
 
 #: Threads for remote reads (probes and fetches) unless the store's
 #: ``remote_read_concurrency`` says otherwise.
@@ -65,11 +66,12 @@ class RemoteLink:
     def __init__(
         self, url: str, options: dict[str, Any], read_threads: int | None = None, *, max_object_bytes: int | None = None,
         lookup_max_bytes: int | None = None,
-        auth: AuthKeys | None = None,
+        auth: AuthKeys | None = None, sealing: SealingKeys | None = None,
     ) -> None:
         self.url = url
         self.root = RemoteRoot.from_url(url, options)
         self.root.auth = auth
+        self.root.sealing = sealing
         if max_object_bytes is not None:
             self.root.max_object_bytes = max_object_bytes
         self.breaker = Breaker()

@@ -48,6 +48,11 @@ Invariants:
       signed (:mod:`ucm_db.remote.envelope`); others are misses counted
       as ``unauthenticated``/``mac_mismatch``. A probe cannot check a MAC:
       a forged object can lengthen a prefix search, never make a hit.
+    * Confidentiality: with encryption keys (:attr:`RemoteRoot.sealing`)
+      uploads are encrypted (AES-256-GCM, :mod:`ucm_db.remote.sealing`) and
+      a fetch serves only objects one key opens; a plaintext object is a
+      miss counted ``unencrypted``, one no key opens (or any encrypted one,
+      without keys) a miss counted ``undecryptable``.
 """
 
 from __future__ import annotations
@@ -59,7 +64,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db import codec
 from ucm_db.auth import AuthKeys
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError
 from ucm_db.engines.base import Buffer, Tier, TierCapabilities
@@ -71,9 +75,10 @@ from ucm_db.remote.manifests import (  # noqa: F401 - re-exported
     MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestError, NamespaceListing, is_namespace_id,
 )
 from ucm_db.remote.object_reads import ObjectTooLargeError, ReadLimits, read_object
+from ucm_db.remote.sealing import SealingKeys
 from ucm_db.remote.envelope import (  # noqa: F401 - re-exported
     ENVELOPE_BYTES, MAX_OBJECT_BYTES, OBJECT_FORMAT_VERSION, OBJECT_MAGIC, PROBE_BYTES, RemoteObject, pack_object,
-    UnauthenticatedObject, is_signed, parse_envelope, stated_object_bytes, unpack_object,
+    UnauthenticatedObject, is_signed, parse_envelope, probe_problem, stated_object_bytes, unpack_object,
 )
 
 #: The first request of a fetch reads this much: a whole object when it is
@@ -102,6 +107,10 @@ class RemoteStats:
     too_large: int = 0
     unauthenticated: int = 0
     mac_mismatch: int = 0
+    #: Encrypted objects no configured encryption key opens (or any, without one).
+    undecryptable: int = 0
+    #: Plaintext objects met while an encryption key is set.
+    unencrypted: int = 0
 
 
 def open_filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -134,6 +143,8 @@ class RemoteRoot:
         self.max_object_bytes = MAX_OBJECT_BYTES
         #: Keys that sign uploads and authenticate fetches; None: neither.
         self.auth: AuthKeys | None = None
+        #: Keys that encrypt uploads and open fetches; None: neither.
+        self.sealing: SealingKeys | None = None
         self.stats = RemoteStats()
         self._lock = threading.Lock()
         self.manifests_written: set[bytes] = set()
@@ -247,7 +258,7 @@ class RemoteTier(Tier):
 
     def __init__(self, root: RemoteRoot, namespace_id: bytes) -> None:
         if len(namespace_id) != 16:
-            raise ConfigError("namespace id must be 16 bytes", hint="pass namespace.digest[:16]")
+            raise ConfigError("namespace id must be 16 bytes", hint="pass namespace.id")
         self.remote = root
         self.namespace_id = bytes(namespace_id)
 
@@ -277,7 +288,7 @@ class RemoteTier(Tier):
             data = self.read_object(key, limits)
             if data is None:
                 return None
-            obj = unpack_object(data, key, self.remote.auth)
+            obj = unpack_object(data, key, self.remote.auth, self.remote.sealing)
         except ObjectTooLargeError:
             self.remote.count(too_large=1)
             return None
@@ -303,19 +314,20 @@ class RemoteTier(Tier):
         except CorruptBlockError:
             self.remote.count(corrupt=1)
             return None
-        if self.remote.auth is not None and not is_signed(data):
-            self.remote.count(unauthenticated=1)
-            return None
         # The blob itself is verified when fetched; a probe only needs the
         # envelope (parent) to be intact and the blob to start like one.
-        if namespace_id != self.namespace_id or bytes(data[ENVELOPE_BYTES : ENVELOPE_BYTES + 4]) != codec.MAGIC:
+        problem = probe_problem(data, self.remote.auth, self.remote.sealing)
+        if problem is not None:
+            self.remote.count(**{problem: 1})
+            return None
+        if namespace_id != self.namespace_id:
             self.remote.count(corrupt=1)
             return None
         return RemoteObject(key, parent, namespace_id, b"", -1)
 
     def store(self, key: bytes, parent: bytes | None, blob: Buffer) -> int:
         """Uploads one block as a whole object; returns bytes written."""
-        data = pack_object(key, parent, self.namespace_id, blob, self.remote.auth)
+        data = pack_object(key, parent, self.namespace_id, blob, self.remote.auth, self.remote.sealing)
         self.remote.count(requests=1, puts=1)
         try:
             write_whole(self.remote.fs, self.path(key), data)

@@ -29,6 +29,7 @@ from ucm_db.config import StoreConfig
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.link import UNFINISHED, RemoteLink
 from ucm_db.remote.manifests import ManifestError, manifest_epoch, record_epoch
+from ucm_db.remote.sealing import SealingKeys
 from ucm_db.remote.promotion import Continuations, DecodeQueue, extend_prefix, read_through
 from ucm_db.remote.uploader import Uploader, describe
 from ucm_db.engines.base import Buffer
@@ -42,7 +43,8 @@ FETCH_DEADLINE_FACTOR = 10
 class RemoteWing:
     """A store's remote side (see module invariants)."""
 
-    def __init__(self, config: StoreConfig, auth: AuthKeys | None, local: LocalTier, store_dir: Path) -> None:
+    def __init__(self, config: StoreConfig, auth: AuthKeys | None, local: LocalTier, store_dir: Path,
+                 sealing: SealingKeys | None = None) -> None:
         assert config.remote is not None
         self._config = config
         self._local = local
@@ -50,6 +52,7 @@ class RemoteWing:
         self.link = RemoteLink(
             config.remote, dict(config.remote_options), config.remote_read_concurrency,
             max_object_bytes=config.remote_max_object_bytes, lookup_max_bytes=config.remote_lookup_max_bytes, auth=auth,
+            sealing=sealing,
         )
         self.continuations = Continuations(self.link)
         self.uploader: Uploader | None = None

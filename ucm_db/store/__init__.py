@@ -24,6 +24,9 @@ Invariants:
     * Every namespace's epoch is known or the namespace is not served
       (lookups miss, puts are refused, never epoch 0 by default); it is the
       higher of the store's and the remote's (:mod:`ucm_db.store.epoch_gate`).
+    * A pinned block and its ancestors are never evicted
+      (:mod:`ucm_db.store.pinning`); ``lookup_many`` answers many chains from
+      one snapshot of the local tier (:mod:`ucm_db.store.presence`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from ucm_db.stats import NamespaceStats, StoreStats
 from ucm_db.store.epoch_gate import EpochGate
 from ucm_db.store.feed import StoreFeed
 from ucm_db.store.opening import open_store
+from ucm_db.store.pinning import StorePins
+from ucm_db.store.presence import StorePresence
 from ucm_db.store.reads import StoreReads
 from ucm_db.store.writes import StoreWrites
 
@@ -68,12 +73,14 @@ def open(path: str | os.PathLike[str], **options: Any) -> Store:  # noqa: A001 -
     return Store(path, **options)
 
 
-class Store(StoreWrites, StoreReads, StoreFeed):
+class Store(StoreWrites, StoreReads, StoreFeed, StorePins, StorePresence):
     """A KV block store (see module invariants). Use :func:`ucm_db.open`.
 
     Its operations live in one module per job: writes
     (:mod:`ucm_db.store.writes`), reads (:mod:`ucm_db.store.reads`), the
-    change feed and epochs (:mod:`ucm_db.store.feed`); opening in
+    change feed and epochs (:mod:`ucm_db.store.feed`), pins
+    (:mod:`ucm_db.store.pinning`), presence queries
+    (:mod:`ucm_db.store.presence`); opening in
     :mod:`ucm_db.store.opening`, the guards in :mod:`ucm_db.store.base`.
     This class holds what ties them: ``__init__``, flush, warm, close and
     stats."""
@@ -94,7 +101,7 @@ class Store(StoreWrites, StoreReads, StoreFeed):
         if self.config.remote is not None:
             from ucm_db.remote.wing import RemoteWing  # loaded only by a store with a remote
 
-            self._wing = RemoteWing(self.config, opened.auth_keys, self._tier, self.path)
+            self._wing = RemoteWing(self.config, opened.auth_keys, self._tier, self.path, opened.sealing_keys)
         self._epochs = EpochGate(self._engine, self.path, read_only=self.config.read_only, remote=self._wing)
         self._ensure_process()
 
@@ -187,8 +194,9 @@ class Store(StoreWrites, StoreReads, StoreFeed):
         totals = self._tier.totals()
         hits, misses = self._activity.pending_counts()
         descriptions = self._tier.namespace_descriptions()
+        pinned = self._tier.pin_counts()
         namespaces = {
-            ns_id.hex(): NamespaceStats(descriptions.get(ns_id, {}), *counts)
+            ns_id.hex(): NamespaceStats(descriptions.get(ns_id, {}), *counts, *pinned.get(ns_id, (0, 0)))
             for ns_id, counts in self._tier.namespace_counts().items()
             if counts[0]
         }
@@ -200,6 +208,7 @@ class Store(StoreWrites, StoreReads, StoreFeed):
             evictions=totals.evictions, quarantined=totals.quarantined,
             pending_uploads=len(self._tier.pending_uploads()), namespaces=namespaces,
             maintenance_errors=self._activity.errors + (self._activity.failure is not None),
+            pinned_bytes=sum(stored for _blocks, stored in pinned.values()), max_pinned_bytes=self.config.pinned_limit_bytes,
             remote=self._remote_stats(),
         )
 

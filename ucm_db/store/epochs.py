@@ -48,6 +48,10 @@ Invariants:
       durability: a power cut after a bump returned never brings old KV back.
       Two bumps at once (two engines, an engine and the CLI) give two
       different epochs.
+    * Moving an epoch on (:func:`bump`, or :func:`adopt` raising it) releases
+      the namespace's pins in the same transaction
+      (:func:`ucm_db.index.pins.release_namespace`): its blocks are stale,
+      never served again, and must be free to leave through eviction.
     * A bump of an unknown epoch records :func:`fresh_epoch`: ``2**40`` plus
       the wall clock in milliseconds, above any count a store reaches by
       bumps and above every fresh epoch recorded before it (while the clock
@@ -62,7 +66,7 @@ from dataclasses import dataclass
 
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.errors import DamagedRecordError
-from ucm_db.index import records
+from ucm_db.index import pins, records
 from ucm_db.index.accounting import NS_COUNTS_PREFIX, NS_DESC_PREFIX
 
 #: Info record name prefix; the 16-byte namespace id follows.
@@ -210,6 +214,8 @@ def adopt(engine: Engine, namespace_id: bytes, carried: int | None = None) -> Ep
         epoch = max(found.epoch, carried or 0)
         if epoch != found.epoch or not found.recorded:
             _put(txn, namespace_id, epoch)
+        if epoch > found.epoch:
+            pins.release_namespace(txn, namespace_id)  # stale is stale (module invariants)
         return EpochState(epoch, recorded=True), epoch > found.epoch
 
     found, raised = engine.write(run)
@@ -232,6 +238,7 @@ def bump(engine: Engine, namespace_id: bytes, floor: int = 0) -> int:
         if epoch >= EPOCH_LIMIT:
             raise unknown_error(namespace_id, "its epoch would pass 2**64")
         _put(txn, namespace_id, epoch)
+        pins.release_namespace(txn, namespace_id)  # stale is stale (module invariants)
         return epoch
 
     epoch = engine.write(run)

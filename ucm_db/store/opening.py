@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.auth import AuthKeys, load_keys
+from ucm_db.remote.sealing import SealingKeys, load_sealing_keys
 from ucm_db.config import PERSISTED_FIELDS, StoreConfig
 from ucm_db.errors import ConfigError, TierError
 from ucm_db.format import (
@@ -56,6 +57,8 @@ class OpenedStore:
     tier: LocalTier
     dir_lock: StoreLock
     auth_keys: AuthKeys | None
+    #: The remote's encryption keys (None without).
+    sealing_keys: SealingKeys | None = None
 
 
 def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> OpenedStore:
@@ -65,6 +68,7 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
     explicit = dict(options)
     checked = StoreConfig.from_dict(explicit)  # reject unknown or invalid options early
     auth_keys = load_keys(checked.remote_auth_key_file, checked.remote_auth_key_env)  # a bad key: before anything opens
+    sealing_keys = load_sealing_keys(checked.remote_encryption_key_file, checked.remote_encryption_key_env)
     existing = detect_engine_checked(path)
     if "engine" not in explicit:
         if existing is not None:
@@ -113,7 +117,7 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
             raise permission_error(path, exc) from exc
         raise
     tier.capacity_bytes = config.capacity_bytes
-    return OpenedStore(path, config, engine, tier, dir_lock, auth_keys)
+    return OpenedStore(path, config, engine, tier, dir_lock, auth_keys, sealing_keys)
 
 
 def reopened(engine: Engine, path: Path, config: StoreConfig) -> Engine:

@@ -14,7 +14,9 @@ Archive format: an uncompressed tar (payloads are already compressed) of
 * ``blocks/<key hex>``: each block's encoded blob exactly as stored (codec
   header, owning key, checksum);
 * with an auth key, ``manifest.auth`` last: MACs of the manifest and of
-  each block (:mod:`ucm_db.maintenance.archive.macs`).
+  each block (:mod:`ucm_db.maintenance.archive.macs`);
+* with an encryption key, version 3: each block member sealed (AES-256-GCM)
+  and the manifest's ``encryption`` field (:mod:`ucm_db.maintenance.archive.sealed`).
 
 Invariants:
     * Import trusts nothing in the archive: the manifest's shape is checked
@@ -55,19 +57,23 @@ from typing import Any
 from ucm_db import codec
 from ucm_db.maintenance.archive.epochs import adopt_epochs, carried_epochs, export_epochs
 from ucm_db.maintenance.archive.macs import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
-from ucm_db.maintenance.archive.files import atomic_output, check_target, parse_bounded_json, read_member, store_file_mode
+from ucm_db.maintenance.archive.sealed import SEALED_ARCHIVE_VERSION, ArchiveOpener, ArchiveSealer, archive_opener
+from ucm_db.maintenance.archive.files import (
+    atomic_output, check_target, is_hex as _is_hex, parse_bounded_json, read_member, store_file_mode,
+)
 from ucm_db.arguments import require_namespace_selectors
 from ucm_db.auth import load_keys
 from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, StoreFullError
 from ucm_db.keys import KEY_BYTES, Namespace
+from ucm_db.remote.sealing import load_sealing_keys
 from ucm_db.store.view import ProgressFn, open_view, select_namespaces
 from ucm_db.index.local import BlockEntry
 from ucm_db.index.namespace_guard import ForeignNamespaceError
 
 ARCHIVE_FORMAT = "ucm-db-export"
 ARCHIVE_VERSION = 2
-#: Versions import reads (1: before archives carried epochs).
-READABLE_VERSIONS = (1, 2)
+#: Versions import reads (1: before archives carried epochs; 3: encrypted).
+READABLE_VERSIONS = (1, 2, SEALED_ARCHIVE_VERSION)
 #: Blocks per read transaction on export and per put on import.
 CHUNK_BLOCKS = 256
 #: Largest manifest import reads (about 1.5 million blocks; export refuses more).
@@ -94,11 +100,13 @@ def _check_block_size(key: bytes, blob_bytes: int) -> None:
 
 def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str, ...] = (),
                    progress: ProgressFn | None = None, *, auth_key_file: str | Path | None = None,
-                   auth_key_env: str | None = None) -> dict[str, Any]:
+                   auth_key_env: str | None = None, encryption_key_file: str | Path | None = None,
+                   encryption_key_env: str | None = None) -> dict[str, Any]:
     """Writes the blocks of ``namespaces`` (all by default) of the store at
     ``path`` to the tar ``archive``; read-only on the store. With an auth
     key (a key file and/or an environment variable, :mod:`ucm_db.auth`)
-    the archive carries MACs made with the first key.
+    the archive carries MACs made with the first key; with an encryption
+    key its blocks are encrypted with the first (version 3).
 
     Raises:
         ConfigError: ``archive`` exists and is not a regular file (a
@@ -115,6 +123,8 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
     archive = Path(archive)
     auth_keys = load_keys(auth_key_file, auth_key_env)
     signer = ArchiveSigner(auth_keys) if auth_keys is not None else None
+    sealing_keys = load_sealing_keys(encryption_key_file, encryption_key_env)
+    sealer = ArchiveSealer(sealing_keys) if sealing_keys is not None else None
     check_target(archive)
     with open_view(path) as view:
         selected = select_namespaces(view, namespaces)
@@ -122,8 +132,10 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
         blocks = sorted(view.tier.scan_metas(selected).items(), key=lambda km: (km[1].namespace_id, km[1].depth, km[0]))
         used = sorted({m.namespace_id for _, m in blocks} | (selected or set()))
         manifest = {
-            "format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION, "created_ns": time.time_ns(), "ucm_db_version": __version__,
-            "namespaces": {ns.hex(): descriptions.get(ns, {}) for ns in used}, "epochs": export_epochs(view, used),
+            "format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION if sealer is None else SEALED_ARCHIVE_VERSION,
+            "created_ns": time.time_ns(), "ucm_db_version": __version__,
+            **({} if sealer is None else {"encryption": sealer.manifest_field()}),
+            "namespaces": {ns.hex(): descriptions.get(ns, {}) for ns in used}, "epochs": (epochs := export_epochs(view, used)),
             "blocks": [[k.hex(), m.parent.hex() if m.parent else None, m.namespace_id.hex()] for k, m in blocks],
         }
         manifest_bytes = json.dumps(manifest).encode()
@@ -134,19 +146,22 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
             if signer is not None:
                 signer.manifest(manifest_bytes)
             for start in range(0, len(blocks), CHUNK_BLOCKS):
-                keys = [k for k, _ in blocks[start : start + CHUNK_BLOCKS]]
-                for key, blob in zip(keys, view.tier.read_blobs(keys)):
-                    _check_block_size(key, len(blob or b""))
-                    _add(tar, f"blocks/{key.hex()}", blob or b"")
+                chunk = blocks[start : start + CHUNK_BLOCKS]
+                keys = [k for k, _ in chunk]
+                for (key, meta), blob in zip(chunk, view.tier.read_blobs(keys)):
+                    member = blob or b"" if sealer is None else sealer.seal(
+                        key, meta.parent, meta.namespace_id, epochs[meta.namespace_id.hex()], blob or b"")
+                    _check_block_size(key, len(member))
+                    _add(tar, f"blocks/{key.hex()}", member)
                     if signer is not None:
-                        signer.block(key, blob or b"")
+                        signer.block(key, member)  # over the member as written: encrypt, then MAC
                     stored += len(blob or b"")
                 if progress is not None:
                     progress(start + len(keys), len(blocks))
             if signer is not None:
                 _add(tar, AUTH_MEMBER, signer.member())
     return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"],
-            "epochs": manifest["epochs"], "authenticated": signer is not None}
+            "epochs": manifest["epochs"], "authenticated": signer is not None, "encrypted": sealer is not None}
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -155,16 +170,6 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info.mtime = int(time.time())
     info.mode = 0o600
     tar.addfile(info, io.BytesIO(data))
-
-
-def _is_hex(value: Any, n_bytes: int) -> bool:
-    if not isinstance(value, str) or len(value) != 2 * n_bytes:
-        return False
-    try:
-        bytes.fromhex(value)
-    except ValueError:
-        return False
-    return True
 
 
 def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
@@ -226,7 +231,8 @@ def _open_archive(archive: Path) -> tarfile.TarFile:
 
 def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn | None = None, *,
                    allow_evict: bool = False, auth_key_file: str | Path | None = None,
-                   auth_key_env: str | None = None) -> dict[str, Any]:
+                   auth_key_env: str | None = None, encryption_key_file: str | Path | None = None,
+                   encryption_key_env: str | None = None) -> dict[str, Any]:
     """Loads ``archive`` into the store at ``path`` (created if missing);
     returns counts (``stored``, ``already_present``, ``evicted``) and the
     skipped blocks with reasons (module invariants), and ``epochs`` (per
@@ -235,11 +241,14 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
     establish). The carried epochs are recorded before any block
     (:mod:`ucm_db.maintenance.archive.epochs`). With an auth key, an
     archive it did not sign is refused and a block it did not sign is skipped.
+    An encrypted archive needs its encryption key (refused without), a key
+    needs an encrypted archive, and a block no key opens is skipped.
 
     Raises:
         ConfigError: the archive is not one ucm-db export wrote, is damaged
             in its manifest or tar structure, or (with an auth key) is not
-            signed by a given key (nothing is written).
+            signed by a given key, or its encryption and the keys given
+            disagree (nothing is written).
         StoreFullError: the archive's new blocks do not fit in the store's
             free capacity and ``allow_evict`` is False (nothing is written).
     """
@@ -247,10 +256,11 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
 
     archive, path = Path(archive), Path(path)
     auth_keys = load_keys(auth_key_file, auth_key_env)
+    sealing_keys = load_sealing_keys(encryption_key_file, encryption_key_env)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
     report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "evicted": 0, "skipped": [],
-                              "epochs": {}, "epoch_problems": []}
+                              "epochs": {}, "epoch_problems": [], "encrypted": False}
     with _open_archive(archive) as tar:
         try:
             verifier = ArchiveVerifier(tar, archive, auth_keys) if auth_keys is not None else None
@@ -258,11 +268,13 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
             members = {m.name: m for m in tar.getmembers() if m.isreg()}
         except tarfile.TarError as exc:
             raise ConfigError(f"{archive} is a damaged tar archive ({exc})", hint=_DAMAGED) from exc
+        opener = archive_opener(manifest, carried_epochs(manifest, archive), archive, sealing_keys)
+        report["encrypted"] = opener is not None
         with open_store(path) as store:
-            if not allow_evict:
+            if not allow_evict:  # a sealed member's size overstates its blob's by 44 bytes: the safe side
                 _refuse_eviction(store._tier, manifest, members, path)
             report["epochs"], report["epoch_problems"] = adopt_epochs(store, carried_epochs(manifest, archive))
-            _load(tar, members, manifest, store, report, progress, verifier)
+            _load(tar, members, manifest, store, report, progress, verifier, opener)
     return report
 
 
@@ -287,7 +299,8 @@ def _refuse_eviction(tier: Any, manifest: dict[str, Any], members: dict[str, tar
 
 
 def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: dict[str, Any], store: Any,
-          report: dict[str, Any], progress: ProgressFn | None, verifier: ArchiveVerifier | None) -> None:
+          report: dict[str, Any], progress: ProgressFn | None, verifier: ArchiveVerifier | None,
+          opener: ArchiveOpener | None = None) -> None:
     total = len(manifest["blocks"])
     good: dict[bytes, bytes] = {}  # key -> namespace id of the blocks taken so far
     batch: list[BlockEntry] = []
@@ -295,7 +308,7 @@ def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: d
     for done, (key_hex, parent_hex, ns_hex) in enumerate(manifest["blocks"], 1):
         key, ns_id = bytes.fromhex(key_hex), bytes.fromhex(ns_hex)
         parent = bytes.fromhex(parent_hex) if parent_hex else None
-        entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest, verifier)
+        entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest, verifier, opener)
         if entry is None:
             report["skipped"].append({"key": key_hex, "reason": reason})
         else:
@@ -313,6 +326,7 @@ def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: d
 def _checked_entry(
     tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], key: bytes, parent: bytes | None,
     ns_id: bytes, good: dict[bytes, bytes], manifest: dict[str, Any], verifier: ArchiveVerifier | None = None,
+    opener: ArchiveOpener | None = None,
 ) -> tuple[BlockEntry | None, str]:
     if ns_id.hex() not in manifest["namespaces"]:
         return None, "namespace not described in the manifest"
@@ -326,11 +340,16 @@ def _checked_entry(
     if member.size > MAX_MEMBER_BYTES:
         return None, f"payload of {member.size} bytes is over the {MAX_MEMBER_BYTES} bytes import reads per block"
     try:
-        blob = read_member(tar, member, MAX_MEMBER_BYTES, _DAMAGED)
+        blob: bytes | bytearray = read_member(tar, member, MAX_MEMBER_BYTES, _DAMAGED)
     except ConfigError as exc:
         return None, "unreadable: " + str(exc).split(" (hint: ")[0]
     if verifier is not None and not verifier.block_ok(key, blob):
         return None, "unauthenticated: its MAC does not match (altered, or not signed with the given key)"
+    if opener is not None:
+        opened, why = opener.open(key, parent, ns_id, blob)
+        if opened is None:
+            return None, why
+        blob = opened
     try:
         header = codec.verify(blob, key)
         return BlockEntry.of_blob(key, parent, blob, header.raw_len, ns_id), ""

@@ -185,3 +185,14 @@ def parse_bounded_json(data: bytes, max_depth: int = MAX_MANIFEST_DEPTH) -> Any:
         return json.loads(data)
     except RecursionError as exc:  # pragma: no cover - the depth check comes first
         raise ValueError("nested too deeply") from exc
+
+
+def is_hex(value: Any, n_bytes: int) -> bool:
+    """True if ``value`` is the hex of exactly ``n_bytes`` bytes."""
+    if not isinstance(value, str) or len(value) != 2 * n_bytes:
+        return False
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,102 @@
+"""``ucm-db pin`` and ``ucm-db unpin``: keep prompts' stored KV out of
+eviction (a system prompt, a few-shot preamble), and let it go again.
+
+The work is :func:`ucm_db.maintenance.pin` / :func:`~ucm_db.maintenance.unpin`
+(:meth:`ucm_db.Store.pin`); this module reads the prompts and renders the
+report. The prompt file is read as ``ucm-db warm --tokens`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ucm_db import ConfigError, maintenance
+
+from ucm_db.tools.cli_common import CliPath, emit, human_bytes, json_option
+from ucm_db.tools.remote_cmds import parse_size_bytes, read_text
+
+
+def read_prompts(source: Path) -> list[list[int]]:
+    """Token sequences of a ``--tokens`` file: one JSON list of token ids per
+    (non-empty) line."""
+    lines = [line for line in read_text(source).splitlines() if line.strip()]
+    try:
+        prompts = [json.loads(line) for line in lines]
+    except ValueError as exc:
+        raise ConfigError(f"cannot read {source}: {exc}", hint="--tokens: one JSON list of token ids per line") from exc
+    for number, tokens in enumerate(prompts, 1):
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ConfigError(f"cannot read {source}: line {number} is not a JSON list of integers",
+                              hint="--tokens: one JSON list of token ids per line, e.g. [151644, 8948, 198]")
+    return prompts
+
+
+def units_text(r: dict[str, Any]) -> str:
+    u = r.get("units")
+    if not u:
+        return "whole blocks"
+    return f"units: {u['kv_heads']} KV heads x {len(u['stages'])} stage(s) of {u['layers']} layers, {u['units_per_block']} per block"
+
+
+def render(r: dict[str, Any], verb: str) -> str:
+    lines = [f"namespace {r['namespace']} ({r['model']}), epoch {r['epoch']}, block size {r['block_size']}, {units_text(r)}"]
+    for i, p in enumerate(r["prompts"], 1):
+        lines.append(f"  prompt {i}: {p['tokens']} tokens, {p['blocks']} blocks; {p['pinned_blocks']} blocks "
+                     f"({p['pinned_tokens']} tokens) pinned")
+    lines.append(f"{verb} {r['changed_blocks']} stored blocks ({human_bytes(r['changed_bytes'])}); the namespace has "
+                 f"{r['namespace_blocks']} pinned ({human_bytes(r['namespace_bytes'])}), the store "
+                 f"{human_bytes(r['store_bytes'])} of max_pinned_bytes {human_bytes(r['max_pinned_bytes'])}")
+    return "\n".join(lines)
+
+
+NAMESPACE_HELP = "Namespace: id prefix or model name (`ucm-db inspect` lists them); exactly one must match."
+TOKENS_HELP = "File of prompts: one JSON list of token ids per line (no LoRA, cache_salt or multimodal extras)."
+
+
+@click.command("pin")
+@click.argument("path", type=CliPath())
+@click.option("--namespace", required=True, help=NAMESPACE_HELP)
+@click.option("--tokens", "tokens_file", required=True, type=CliPath(exists=True, dir_okay=False), help=TOKENS_HELP)
+@click.option("--max-pinned-bytes", default=None,
+              help="Cap on the store's pinned bytes for this pin (e.g. 4GiB); default: the max_pinned_bytes default, half the capacity.")
+@json_option
+def pin_command(path: Path, namespace: str, tokens_file: Path, max_pinned_bytes: str | None, as_json: bool) -> None:
+    """Pin the stored KV of the given prompts: their blocks (and every
+    block before them) are never evicted until `ucm-db unpin`. Prompts are
+    keyed at the namespace's epoch, as `ucm-db warm --tokens` keys them; in
+    a store written by the vLLM connector every KV head's unit is pinned.
+    What is stored now is pinned (store it first by serving the prompt).
+    Pins survive restarts and `compact`; `ucm-db invalidate` releases them.
+    A pin that would pass max_pinned_bytes is refused (exit 1), pinning
+    nothing.
+
+    \b
+    Example:
+        ucm-db pin /var/cache/ucm-db --namespace Qwen/Qwen2.5-0.5B --tokens system_prompts.jsonl
+    """
+    cap = None if max_pinned_bytes is None else parse_size_bytes(max_pinned_bytes)
+    report = maintenance.pin(path, namespace, read_prompts(tokens_file), max_pinned_bytes=cap)
+    emit(as_json, report, lambda r: render(r, "pinned"))
+
+
+@click.command("unpin")
+@click.argument("path", type=CliPath())
+@click.option("--namespace", required=True, help=NAMESPACE_HELP)
+@click.option("--tokens", "tokens_file", required=True, type=CliPath(exists=True, dir_okay=False), help=TOKENS_HELP)
+@json_option
+def unpin_command(path: Path, namespace: str, tokens_file: Path, as_json: bool) -> None:
+    """Take back the pins on the given prompts' stored KV: their blocks are
+    evicted as any others again (least recently used first), except where
+    a pin on another prompt continuing them still holds them (the report
+    shows what stays pinned).
+
+    \b
+    Example:
+        ucm-db unpin /var/cache/ucm-db --namespace Qwen/Qwen2.5-0.5B --tokens system_prompts.jsonl
+    """
+    report = maintenance.unpin(path, namespace, read_prompts(tokens_file))
+    emit(as_json, report, lambda r: render(r, "unpinned"))

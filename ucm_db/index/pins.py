@@ -1,0 +1,257 @@
+"""Pinned blocks: the records that keep a block and its ancestors out of
+eviction, kept by the local index's own write transactions.
+
+A *pin* is made at one block (a chain's last stored block,
+:meth:`ucm_db.Store.pin`); it pins that block and every ancestor. The
+index keeps, in ``info`` (nothing else scans these prefixes):
+
+* ``pin/<key>``: a :class:`~ucm_db.index.entries.PinRecord` of every pinned
+  block: namespace id, stored bytes, ``below`` (the pins made at it or at
+  a descendant) and ``own`` (a pin was made at it).
+* ``pincount:<ns>``: the namespace's pinned blocks and stored bytes,
+  checksummed like the other counters (:mod:`ucm_db.index.accounting`).
+
+Invariants:
+    * A block has a pin record exactly while ``below > 0``; ``below`` equals
+      ``own`` plus the ``below`` of its pinned children. So a pinned block's
+      ancestors are pinned, the pinned blocks of a chain are a prefix of
+      it, and a chain *tail* (no children) is pinned only by its own pin:
+      eviction, which takes tails only, skips a tail with a pin record and
+      never needs to look below it (:mod:`ucm_db.index.writes`).
+    * Every change runs inside the write transaction that pins, unpins or
+      removes blocks, together with the counters (``Changes.add_pinned``,
+      called before the record it counts is written or deleted, so a
+      damaged counter recounted at that moment is not counted twice):
+      the pinned counters equal the sums over the pin records at every
+      commit, and a pin survives restarts, ``compact`` (its rewrite copies
+      the ``info`` table) and engine conversion as the blocks do.
+    * Removing a block removes its pin record; removing a subtree first
+      takes its pins out of its ancestors' ``below`` (:func:`release_above`),
+      so a delete, a quarantine or an invalidation never leaves an ancestor
+      pinned for a pin that is gone.
+    * Pinning and unpinning are idempotent: a second pin at a block, or an
+      unpin where none was made, changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ucm_db.engines.base import Txn
+from ucm_db.index import records
+from ucm_db.index.accounting import PIN_COUNTS, PIN_COUNTS_PREFIX, Changes, recount_pins
+from ucm_db.index.entries import PIN_PREFIX, BlockMeta, DamagedMeta, DamagedPin, PinRecord
+
+INFO = "info"
+#: Problems :func:`problems` lists one by one before it only counts them.
+LISTED_PROBLEMS = 20
+
+
+def is_pinned(txn: Txn, key: bytes) -> bool:
+    """Whether ``key`` has a pin record (a damaged one counts: kept, not evicted)."""
+    return txn.get(INFO, PIN_PREFIX + key) is not None
+
+
+def read(txn: Txn, key: bytes) -> PinRecord | None:
+    """``key``'s pin record; None where absent or damaged."""
+    data = txn.get(INFO, PIN_PREFIX + key)
+    if data is None:
+        return None
+    try:
+        return PinRecord.unpack(data)
+    except DamagedPin:
+        return None
+
+
+def _parent_of(txn: Txn, key: bytes) -> tuple[BlockMeta | None, bytes | None]:
+    """``key``'s metadata (None where absent or unreadable) and its parent
+    (from a damaged record's fields where its length is right)."""
+    data = txn.get("meta", key)
+    if data is None:
+        return None, None
+    try:
+        meta = BlockMeta.unpack(data)
+    except DamagedMeta as exc:
+        return None, exc.fields.parent if exc.fields is not None else None
+    return meta, meta.parent
+
+
+def pin_at(txn: Txn, changes: Changes, key: bytes) -> int:
+    """Makes a pin at the stored block ``key``, pinning it and its
+    ancestors; returns how many blocks became pinned (0: a pin was made
+    there already)."""
+    record = read(txn, key)
+    if record is not None and record.own:
+        return 0
+    newly = 0
+    current: bytes | None = key
+    while current is not None:
+        meta, parent = _parent_of(txn, current)
+        if meta is None:
+            break  # the prefix invariant says stored; a damaged record is quarantined by whoever reads it
+        record = read(txn, current)
+        if record is None:
+            record = PinRecord(meta.namespace_id, meta.stored_bytes, 0, False)
+            changes.add_pinned(record, +1)  # before the record is written (see _decrement)
+            newly += 1
+        record.below += 1
+        record.own = record.own or current == key
+        txn.put(INFO, PIN_PREFIX + current, record.pack())
+        current = parent
+    return newly
+
+
+def unpin_at(txn: Txn, changes: Changes, key: bytes) -> int:
+    """Takes back the pin made at ``key`` (if any); returns how many blocks
+    stopped being pinned."""
+    record = read(txn, key)
+    if record is None or not record.own:
+        return 0
+    record.own = False
+    txn.put(INFO, PIN_PREFIX + key, record.pack())
+    return _decrement(txn, changes, key, 1)
+
+
+def _decrement(txn: Txn, changes: Changes, start: bytes | None, count: int) -> int:
+    """Takes ``count`` pins out of ``start`` and its ancestors; a block left
+    with none loses its record. Returns blocks unpinned."""
+    unpinned = 0
+    current = start
+    while current is not None:
+        record = read(txn, current)
+        if record is None:
+            break  # above a block without a record nothing counts these pins
+        _meta, parent = _parent_of(txn, current)
+        record.below -= count
+        if record.below <= 0:
+            changes.add_pinned(record, -1)  # before the record changes: a recount it sets off must still see it
+            txn.delete(INFO, PIN_PREFIX + current)
+            unpinned += 1
+        else:
+            txn.put(INFO, PIN_PREFIX + current, record.pack())
+        current = parent
+    return unpinned
+
+
+def release_above(txn: Txn, changes: Changes, key: bytes) -> None:
+    """Before ``key``'s subtree is removed: takes the pins in it out of
+    ``key``'s ancestors (one read where ``key`` is not pinned)."""
+    record = read(txn, key)
+    if record is None:
+        return
+    _meta, parent = _parent_of(txn, key)
+    _decrement(txn, changes, parent, record.below)
+
+
+def drop(txn: Txn, changes: Changes, key: bytes) -> None:
+    """As ``key`` itself is removed: its pin record goes (one read where it has none)."""
+    data = txn.get(INFO, PIN_PREFIX + key)
+    if data is None:
+        return
+    try:
+        # Counted before the delete: the view dies with the value, and a
+        # recount the counter sets off must still see the record.
+        changes.add_pinned(PinRecord.unpack(data), -1)
+    except DamagedPin:
+        pass  # never counted as whole: nothing to take back
+    txn.delete(INFO, PIN_PREFIX + key)
+
+
+def release_namespace(txn: Txn, namespace_id: bytes) -> int:
+    """Deletes every pin record of a namespace and its counter (an
+    invalidation: blocks keyed at an older epoch are never served, so
+    nothing holds them out of eviction); returns pinned blocks released."""
+    doomed = [bytes(name) for name, value in txn.scan(INFO, PIN_PREFIX) if bytes(value[:16]) == namespace_id]
+    for name in doomed:
+        txn.delete(INFO, name)
+    records.delete_checked(txn, PIN_COUNTS_PREFIX + namespace_id)
+    return len(doomed)
+
+
+def pin_counts(txn: Txn) -> dict[bytes, tuple[int, int]]:
+    """Pinned (blocks, stored bytes) per namespace; recounted from the pin
+    records if a counter record is damaged."""
+    out: dict[bytes, tuple[int, int]] = {}
+    for name, value in records.scan_checked(txn, PIN_COUNTS_PREFIX, size=PIN_COUNTS.size):
+        if value is None:
+            return {ns: (c[0], c[1]) for ns, c in recount_pins(txn).items()}
+        blocks, stored = PIN_COUNTS.unpack(value)
+        out[name[len(PIN_COUNTS_PREFIX):]] = (blocks, stored)
+    return out
+
+
+def pinned_bytes(txn: Txn, changes: Changes | None = None) -> int:
+    """Stored bytes pinned in all namespaces, as ``txn`` (and ``changes``,
+    its counters not yet written) has them."""
+    counts = {ns: stored for ns, (_blocks, stored) in pin_counts(txn).items()}
+    if changes is not None:
+        counts.update({ns: c[1] for ns, c in changes.pin_counts.items()})
+    return sum(counts.values())
+
+
+def own_pins(txn: Txn) -> Iterator[tuple[bytes, PinRecord]]:
+    """(key, record) of every whole pin record with a pin made at it."""
+    for name, value in txn.scan(INFO, PIN_PREFIX):
+        try:
+            record = PinRecord.unpack(value)
+        except DamagedPin:
+            continue
+        if record.own:
+            yield bytes(name)[len(PIN_PREFIX):], record
+
+
+def rebuild(txn: Txn) -> int:
+    """Rewrites every pin record and pinned counter from the pins made at
+    stored blocks of their own namespace (``verify --fix``, ``compact``,
+    after :func:`problems` found any); returns the pins kept."""
+    tips = [key for key, record in own_pins(txn)
+            if (meta := _parent_of(txn, key)[0]) is not None and meta.namespace_id == record.namespace_id]
+    for name, _ in list(txn.scan(INFO, PIN_PREFIX)):
+        txn.delete(INFO, bytes(name))
+    for name, _ in list(txn.scan(INFO, PIN_COUNTS_PREFIX)):
+        records.delete_checked(txn, bytes(name))
+    changes = Changes(txn)
+    for key in tips:
+        pin_at(txn, changes, key)
+    changes.commit()
+    return len(tips)
+
+
+def problems(txn: Txn) -> list[str]:
+    """Where the pin records disagree with the blocks or with each other
+    (empty when sound). Each line starts ``info record``: ``verify --fix``
+    and ``compact`` then rebuild them (:func:`rebuild`)."""
+    found: list[str] = []
+    pinned: dict[bytes, PinRecord] = {}
+    for name, data in txn.scan(INFO, PIN_PREFIX):
+        key = bytes(name)[len(PIN_PREFIX):]
+        try:
+            pinned[key] = PinRecord.unpack(data)
+        except DamagedPin as exc:
+            found.append(f"info record 'pin/{key.hex()[:16]}' is damaged: {exc}")
+    expected: dict[bytes, int] = {}
+    for key, record in pinned.items():
+        meta = _parent_of(txn, key)[0]
+        if meta is None:
+            found.append(f"info record 'pin/{key.hex()[:16]}' names a block that is not stored")
+        elif (meta.namespace_id, meta.stored_bytes) != (record.namespace_id, record.stored_bytes):
+            found.append(f"info record 'pin/{key.hex()[:16]}' disagrees with the block's metadata")
+        current: bytes | None = key if record.own else None
+        while current is not None:
+            expected[current] = expected.get(current, 0) + 1
+            current = _parent_of(txn, current)[1]
+    for key in sorted(set(pinned) | set(expected)):
+        below = pinned[key].below if key in pinned else 0
+        if below != expected.get(key, 0):
+            found.append(f"info record 'pin/{key.hex()[:16]}' counts {below} pins at or below it, "
+                         f"the pins made say {expected.get(key, 0)}")
+    recounted = recount_pins(txn)
+    for name, value in records.scan_checked(txn, PIN_COUNTS_PREFIX, size=PIN_COUNTS.size):
+        namespace_id = name[len(PIN_COUNTS_PREFIX):]
+        counted = recounted.pop(namespace_id, [0, 0])
+        if value is not None and list(PIN_COUNTS.unpack(value)) != counted:
+            found.append(f"info record 'pincount:{namespace_id.hex()}' disagrees with the pin records")
+    found += [f"info record 'pincount:{ns.hex()}' is missing for {c[0]} pinned blocks" for ns, c in recounted.items()]
+    if len(found) > LISTED_PROBLEMS:
+        found = found[:LISTED_PROBLEMS] + [f"info record 'pin/...': {len(found) - LISTED_PROBLEMS} more pin problems"]
+    return found

@@ -1,0 +1,114 @@
+"""Pinning: :meth:`~ucm_db.Store.pin` and :meth:`~ucm_db.Store.unpin` keep
+chains (a system prompt, a few-shot preamble) out of eviction.
+
+Invariants:
+    * A pinned block and all its ancestors are never evicted; a put that
+      needs room when only pinned (or its own) blocks are left raises
+      :class:`~ucm_db.errors.StoreFullError` as with nothing evictable.
+    * A pin covers the chain's blocks stored when it is made; pins live in
+      the local index (:mod:`ucm_db.index.pins`), so they survive restarts
+      and ``compact``, and are seen by every process at once. They are not
+      uploaded, exported or warmed: a pin belongs to one store.
+    * Pins never outlive what they pin: a delete or a quarantine takes the
+      blocks' pins, and invalidating the namespace (:meth:`bump_epoch`,
+      ``ucm-db invalidate``, an engine's ``reset_cache``) releases all its
+      pins in the same transaction (its blocks are never served again).
+    * The store's pinned bytes stay within ``max_pinned_bytes`` when a pin
+      is made (:attr:`~ucm_db.config.StoreConfig.pinned_limit_bytes`); a pin
+      beyond it writes nothing and raises StoreFullError naming the setting.
+    * Each call is one write transaction, synced before it returns (a pin
+      survives a power cut once made, whatever the durability).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ucm_db.arguments import key_list, require_namespace
+from ucm_db.errors import ConfigError
+from ucm_db.keys import Namespace
+from ucm_db.keys.units import KVGrid, UnitKeys, UnitSpan
+from ucm_db.stats import PinReport
+from ucm_db.store.base import StoreBase
+from ucm_db.store.presence import chain_list
+
+
+class StorePins(StoreBase):
+    """``pin`` and ``unpin`` of :class:`~ucm_db.store.Store`."""
+
+    def pin(
+        self, namespace: Namespace, keys: Sequence[bytes] | Sequence[Sequence[bytes]], *,
+        grid: KVGrid | None = None, spans: Sequence[UnitSpan] | None = None,
+    ) -> PinReport:
+        """Pins the stored blocks of a chain (or of each of several): they
+        and their ancestors are never evicted until unpinned (module
+        invariants). Pinning what is pinned already changes nothing.
+
+        Args:
+            keys: one chain of keys (e.g. ``ns.block_keys(tokens,
+                epoch=store.epoch(ns))``) or a list of chains. What is
+                stored of each chain now (its stored prefix) is pinned.
+            grid, spans: given both, the chains are *block* keys of a store
+                of units (:mod:`ucm_db.keys.units`, as
+                :meth:`lookup_many` takes them): each span's unit chain is
+                pinned, and the report counts whole-model blocks (the
+                fewest any span has pinned).
+
+        Raises:
+            StoreFullError: the store would hold more than
+                ``max_pinned_bytes`` pinned (nothing is pinned).
+            EpochUnknownError: (a TierError) the namespace is not served.
+            TierError: the store is open read-only.
+        """
+        self._check_open()
+        require_namespace(namespace, "pin")
+        self._refuse_read_only("pin")
+        chains, width = _unit_chains(keys, "pin", grid, spans)
+        self._epochs.epoch(namespace)  # a namespace whose epoch is unknown is not served: nothing of it is pinned
+        report = self._tier.pin_chains(chains, namespace.digest[:16], limit_bytes=self.config.pinned_limit_bytes)
+        self._engine.sync()
+        return _per_block(report, width)
+
+    def unpin(
+        self, namespace: Namespace, keys: Sequence[bytes] | Sequence[Sequence[bytes]], *,
+        grid: KVGrid | None = None, spans: Sequence[UnitSpan] | None = None,
+    ) -> PinReport:
+        """Takes back the pins made at the stored blocks of a chain (or of
+        each of several; ``grid`` and ``spans`` as for :meth:`pin`): they
+        are evicted as any block again, unless a pin on another chain
+        continuing them still holds them (the report's ``chains`` says how
+        many leading blocks stay pinned).
+
+        Raises:
+            TierError: the store is open read-only.
+        """
+        self._check_open()
+        require_namespace(namespace, "unpin")
+        self._refuse_read_only("unpin")
+        chains, width = _unit_chains(keys, "unpin", grid, spans)
+        report = self._tier.unpin_chains(chains, namespace.digest[:16], limit_bytes=self.config.pinned_limit_bytes)
+        self._engine.sync()
+        return _per_block(report, width)
+
+
+def _unit_chains(keys: object, operation: str, grid: KVGrid | None, spans: Sequence[UnitSpan] | None) -> tuple[list[Sequence[bytes]], int]:
+    """The key chains to pin: the chains given, or with ``grid`` and
+    ``spans`` each one's unit chain of every span (chain-major); and how
+    many chains each given one became."""
+    chains = [key_list(chain, operation) for chain in chain_list(keys, operation, flat_ok=True)]
+    if (grid is None) != (spans is None) or (spans is not None and not spans):
+        raise ConfigError(f"{operation} takes grid and spans together (or neither)",
+                          hint="pass maintenance.whole_model_units(namespace), or neither for whole-block keys")
+    if grid is None or spans is None:
+        return chains, 1
+    units = [grid.check(span) for span in spans]
+    return [list(UnitKeys(chain, grid, span)) for chain in chains for span in units], len(units)
+
+
+def _per_block(report: PinReport, width: int) -> PinReport:
+    """``report`` with one count per chain given: the fewest of its ``width`` unit chains."""
+    if width == 1:
+        return report
+    counts = report.chains
+    return replace(report, chains=tuple(min(counts[i : i + width]) for i in range(0, len(counts), width)))
