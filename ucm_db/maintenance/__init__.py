@@ -200,7 +200,7 @@ def invalidate(path: str | Path, namespaces: tuple[str, ...]) -> list[dict[str, 
 
     targets = _described_namespaces(path, namespaces, "invalidate")
     with Store(path) as store:
-        return [{"namespace": ns.digest[:16].hex(), "model": ns.model, "epoch": store.bump_epoch(ns)} for ns in targets]
+        return [{"namespace": ns.id.hex(), "model": ns.model, "epoch": store.bump_epoch(ns)} for ns in targets]
 
 
 def _described_namespaces(path: str | Path, selectors: tuple[str, ...], operation: str) -> list[Namespace]:
@@ -219,7 +219,7 @@ def _described_namespaces(path: str | Path, selectors: tuple[str, ...], operatio
         except (ConfigError, TypeError) as exc:
             raise ConfigError(f"namespace {ns_id.hex()} has a damaged description: {exc}",
                               hint=f"run `ucm-db verify PATH --fix`, then {operation} again") from exc
-        if namespace.digest[:16] != ns_id:
+        if namespace.id != ns_id:
             raise ConfigError(f"namespace {ns_id.hex()}'s description names another namespace",
                               hint=f"run `ucm-db verify PATH --fix`, then {operation} again")
         targets.append(namespace)
@@ -229,7 +229,7 @@ def _described_namespaces(path: str | Path, selectors: tuple[str, ...], operatio
 def _one_namespace(path: str | Path, selector: str, operation: str) -> Namespace:
     found = _described_namespaces(path, (selector,), operation)
     if len(found) != 1:
-        raise ConfigError(f"{selector!r} matches {len(found)} namespaces: " + ", ".join(f"{ns.digest[:16].hex()} ({ns.model})" for ns in found),
+        raise ConfigError(f"{selector!r} matches {len(found)} namespaces: " + ", ".join(f"{ns.id.hex()} ({ns.model})" for ns in found),
                           hint="pass a longer namespace id prefix (`ucm-db inspect` lists them)")
     return found[0]
 
@@ -271,7 +271,7 @@ def lookup(path: str | Path, namespace: str, token_sequences: list[list[int]], *
         started = time.perf_counter()
         stored = store.lookup_many(ns, chains, grid=None if units is None else units[0], spans=None if units is None else units[1])
         seconds = time.perf_counter() - started
-    return {"namespace": ns.digest[:16].hex(), "model": ns.model, "epoch": epoch, "block_size": ns.block_size,
+    return {"namespace": ns.id.hex(), "model": ns.model, "epoch": epoch, "block_size": ns.block_size,
             "units": _units_row(units), "lookup_s": round(seconds, 6), "prompts": _prompt_rows(ns, token_sequences, stored)}
 
 
@@ -298,7 +298,7 @@ def pin(path: str | Path, namespace: str, token_sequences: list[list[int]], *, m
         report = (store.unpin if release else store.pin)(
             ns, chains, grid=None if units is None else units[0], spans=None if units is None else units[1])
     out = report.to_dict()
-    out.update(namespace=ns.digest[:16].hex(), model=ns.model, epoch=epoch, block_size=ns.block_size, units=_units_row(units),
+    out.update(namespace=ns.id.hex(), model=ns.model, epoch=epoch, block_size=ns.block_size, units=_units_row(units),
                prompts=[{**row, "pinned_blocks": row.pop("stored_blocks"), "pinned_tokens": row.pop("stored_tokens")}
                         for row in _prompt_rows(ns, token_sequences, list(report.chains))])
     return out

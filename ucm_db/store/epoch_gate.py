@@ -76,7 +76,7 @@ class EpochGate:
     def epoch(self, namespace: Namespace) -> int:
         """The namespace's epoch (first contact with the remote made, a
         higher remote epoch recorded); raises EpochUnknownError."""
-        ns_id = namespace.digest[:16]
+        ns_id = namespace.id
         self._settle(ns_id)
         epoch = self._known(ns_id, self._state(ns_id))
         floor = self._floors.get(ns_id, 0)
@@ -89,7 +89,7 @@ class EpochGate:
     def serves(self, namespace: Namespace) -> bool:
         """Whether lookups and reads of the namespace may be answered (its
         epoch is known); one read transaction, never a write."""
-        ns_id = namespace.digest[:16]
+        ns_id = namespace.id
         found = self._state(ns_id)
         if found.epoch is None:
             self._report(ns_id, found.problem)
@@ -99,14 +99,14 @@ class EpochGate:
     def remote_ok(self, namespace: Namespace) -> bool:
         """Whether the namespace may be read through from the remote (first
         contact made; module invariants)."""
-        ns_id = namespace.digest[:16]
+        ns_id = namespace.id
         self._settle(ns_id)
         return ns_id in self._settled
 
     def before_put(self, namespace: Namespace) -> None:
         """Registers the namespace before its first block here (its record,
         at a remote's higher epoch); raises EpochUnknownError."""
-        ns_id = namespace.digest[:16]
+        ns_id = namespace.id
         self._settle(ns_id)
         floor = self._floors.get(ns_id, 0)
         if self._registered.get(ns_id, -1) >= floor:
@@ -127,7 +127,7 @@ class EpochGate:
     def bump(self, namespace: Namespace) -> int:
         """Moves the namespace's epoch on, above the remote's too, and tells
         the remote; returns the new epoch (durable)."""
-        ns_id = namespace.digest[:16]
+        ns_id = namespace.id
         self._settle(ns_id)
         epoch = epochs.bump(self._engine, ns_id, self._floors.get(ns_id, 0))
         self._reported.discard(ns_id)
@@ -179,7 +179,7 @@ class EpochGate:
     def _tell(self, namespace: Namespace, epoch: int, *, force: bool = False) -> None:
         """Tells the remote a higher epoch than it has (module invariants);
         ``force``: a bump's, before first contact succeeded too."""
-        ns_id = namespace.digest[:16]
+        ns_id = namespace.id
         if (self._remote is None or self._read_only or (ns_id not in self._settled and not force)
                 or self._told.get(ns_id, 0) >= epoch or (time.monotonic() < self._retry_at.get(ns_id, 0.0) and not force)):
             return

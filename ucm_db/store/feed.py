@@ -33,7 +33,7 @@ class StoreFeed(StoreBase):
         ns_id = None
         if namespace is not None:
             require_namespace(namespace, "changes_since")
-            ns_id = namespace.digest[:16]
+            ns_id = namespace.id
         return self._engine.read(lambda txn: changefeed.since(txn, seq, limit, None if ns_id is None else {ns_id}))
 
     def event_inventory(self, *, namespace: Namespace | None = None, namespace_id: bytes | None = None) -> EventInventory:
@@ -43,7 +43,7 @@ class StoreFeed(StoreBase):
         self._check_open()
         if namespace is not None:
             require_namespace(namespace, "event_inventory")
-            namespace_id = namespace.digest[:16]
+            namespace_id = namespace.id
         wanted = None if namespace_id is None else {namespace_id}
         found, next_seq = self._engine.read(lambda txn: changefeed.inventory(txn, wanted))
         return EventInventory(tuple(found), next_seq)

@@ -66,7 +66,7 @@ class StorePins(StoreBase):
         self._refuse_read_only("pin")
         chains, width = _unit_chains(keys, "pin", grid, spans)
         self._epochs.epoch(namespace)  # a namespace whose epoch is unknown is not served: nothing of it is pinned
-        report = self._tier.pin_chains(chains, namespace.digest[:16], limit_bytes=self.config.pinned_limit_bytes)
+        report = self._tier.pin_chains(chains, namespace.id, limit_bytes=self.config.pinned_limit_bytes)
         self._engine.sync()
         return _per_block(report, width)
 
@@ -87,7 +87,7 @@ class StorePins(StoreBase):
         require_namespace(namespace, "unpin")
         self._refuse_read_only("unpin")
         chains, width = _unit_chains(keys, "unpin", grid, spans)
-        report = self._tier.unpin_chains(chains, namespace.digest[:16], limit_bytes=self.config.pinned_limit_bytes)
+        report = self._tier.unpin_chains(chains, namespace.id, limit_bytes=self.config.pinned_limit_bytes)
         self._engine.sync()
         return _per_block(report, width)
 

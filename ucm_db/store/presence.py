@@ -66,10 +66,10 @@ class StorePresence(StoreBase):
             return [0] * len(checked)  # its epoch is unknown (store/epoch_gate.py)
         if grid is None or spans is None:
             return self._tier.with_snapshot(lambda presence: [presence.count(c) for c in checked],
-                                            namespace_id=namespace.digest[:16])
+                                            namespace_id=namespace.id)
         units = [grid.check(span) for span in spans]
         return self._tier.with_snapshot(lambda presence: _unit_prefixes(presence, namespace, grid, units, checked),
-                                        namespace_id=namespace.digest[:16])
+                                        namespace_id=namespace.id)
 
 
 def _unit_prefixes(presence: SnapshotPresence, namespace: Namespace, grid: KVGrid, spans: list[UnitSpan],

@@ -63,9 +63,9 @@ class StoreReads(StoreBase):
             raise ConfigError(f"remote_deadline_s must be a positive number of seconds, got {remote_deadline_s!r}", hint="pass e.g. 5.0")
         if not self._epochs.serves(namespace):
             return 0  # its epoch is unknown: nothing of it is served (store/epoch_gate.py)
-        count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.digest[:16])
+        count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.id)
         if remote and self._wing is not None and count < len(keys) and self._epochs.remote_ok(namespace):
-            count = self._wing.extend_prefix(namespace.digest[:16], keys, count, deadline_s)
+            count = self._wing.extend_prefix(namespace.id, keys, count, deadline_s)
         return count
 
     def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
@@ -86,7 +86,7 @@ class StoreReads(StoreBase):
                 return None
 
         results = self._tier.with_blocks(
-            keys, lambda blocks: self._codecs.decode_blocks(blocks, decode), namespace_id=namespace.digest[:16],
+            keys, lambda blocks: self._codecs.decode_blocks(blocks, decode), namespace_id=namespace.id,
         )
 
         def decode_fetched(i: int, blob: Buffer) -> None:
@@ -125,7 +125,7 @@ class StoreReads(StoreBase):
         # ones are fetched, joined before this returns.
         decodes = self._codecs.pending()
         try:
-            self._wing.read_through(namespace.digest[:16], keys, missing, use_or_miss, decodes)
+            self._wing.read_through(namespace.id, keys, missing, use_or_miss, decodes)
         finally:
             decodes.join()
 
@@ -185,7 +185,7 @@ class StoreReads(StoreBase):
                 raw[i] = decode(i, head, body)
             return True
 
-        namespace_id = namespace.digest[:16]
+        namespace_id = namespace.id
         batch = batch_loads.batch_for(keys, buffers, self._codecs.inline_frame_bytes, self._codecs.beside, declined, raw,
                                       namespace_id)
 

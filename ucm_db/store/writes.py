@@ -172,7 +172,7 @@ class StoreWrites(StoreBase):
             element_bytes=codec.element_bytes_for(namespace.kv_dtype), level=self.config.zstd_level,
         )
         entries = [
-            BlockEntry(keys[i], parents[i], block.head, block.body_buffer(), block.raw_len, namespace.digest[:16],
+            BlockEntry(keys[i], parents[i], block.head, block.body_buffer(), block.raw_len, namespace.id,
                        None if packed is None else packed.get(keys[i]))
             for i, block in zip(todo, encoded)
         ]
@@ -207,7 +207,7 @@ class StoreWrites(StoreBase):
         require_namespace(namespace, "delete")
         self._refuse_read_only("delete")
         keys = key_list(keys, "delete")
-        removed = self._tier.delete(keys, namespace_id=namespace.digest[:16])
+        removed = self._tier.delete(keys, namespace_id=namespace.id)
         self._activity.committed(0)  # a delete writes index pages only: its file growth counts
         return removed
 
@@ -216,4 +216,4 @@ class StoreWrites(StoreBase):
 def _namespace_description(namespace: Namespace) -> tuple[bytes, bytes]:
     """(namespace id, JSON description) recorded with a namespace's blocks;
     cached: building it cost 0.15 ms, most of a small commit."""
-    return namespace.digest[:16], json.dumps(namespace.to_dict(), sort_keys=True).encode()
+    return namespace.id, json.dumps(namespace.to_dict(), sort_keys=True).encode()
