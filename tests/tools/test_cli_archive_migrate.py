@@ -136,3 +136,30 @@ def test_engine_conversion_refuses_an_altered_settings_record(tmp_path: Path) ->
         store._tier.engine.write(alter)
     refused = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "lmdb", tmp_path / "rocks", expect=1)  # a failed migration
     assert "settings record" in refused.stderr and not (tmp_path / "rocks").exists()
+
+
+def test_import_of_a_member_larger_than_the_memory_limit_skips_it_without_a_traceback(tmp_path: Path) -> None:
+    """Issue 46 finding 11: importing a 500 MiB member under a 400 MB data
+    limit ended in a MemoryError traceback. The block is skipped and named;
+    the others import. A child process runs under the limit (RLIMIT_DATA)."""
+    import subprocess
+    import sys
+
+    make_store(tmp_path / "src")
+    archive = tmp_path / "beta.tar"
+    invoke_json("export", tmp_path / "src", archive, "--namespace", "test/beta")
+    with tarfile.open(archive) as tar:
+        victim = next(m.name for m in tar.getmembers() if m.name.startswith("blocks/"))
+    rewrite_member(archive, victim, lambda data: data + bytes((160 << 20) - len(data)))  # 160 MiB
+    script = (
+        "import resource, sys\n"
+        "from ucm_db.tools.cli import main\n"
+        "used = int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmData'))) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (used + (96 << 20), resource.RLIM_INFINITY))\n"
+        "sys.exit(main(['import', sys.argv[1], sys.argv[2], '--json']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(archive), str(tmp_path / "dst")], capture_output=True, text=True,
+                          timeout=300)
+    assert "Traceback" not in done.stderr and "MemoryError" not in done.stderr, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert any("does not fit in this process's memory" in str(s) for s in report["skipped"]), report

@@ -137,7 +137,14 @@ def read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit_bytes: int,
     handle = tar.extractfile(member)
     if handle is None:  # pragma: no cover - a regular member always has a handle
         raise ConfigError(f"archive member {member.name} is not a file", hint=damaged_hint)
-    buf = bytearray(member.size)
+    try:
+        buf = bytearray(member.size)
+    except MemoryError:
+        # A process under a memory limit (RLIMIT_DATA, a container's) cannot
+        # hold the member: that block is skipped, named, the rest imported.
+        raise ConfigError(f"archive member {member.name} of {member.size} bytes does not fit in this process's memory",
+                          hint="raise the process's memory limit (ulimit -d / -v, the container's), or import on a host "
+                          "with more memory") from None
     view = memoryview(buf)
     done = 0
     with handle:
