@@ -90,7 +90,9 @@ def inspect_command(path: Path, namespaces: tuple[str, ...], top: int, as_json: 
     blocks and compression, pinned bytes (per namespace too), namespaces,
     age and hit histograms, quarantine, pending uploads. Read-only: safe beside a running server. Exit status
     1 when a namespace's epoch cannot be established (a damaged or lost
-    epoch record: the namespace is not served until `ucm-db invalidate`).
+    epoch record: the namespace is not served until `ucm-db invalidate`) or
+    a format record (version, settings, creation) is damaged (`ucm-db verify
+    --fix` repairs what it can tell).
 
     \b
     Example:
@@ -99,4 +101,4 @@ def inspect_command(path: Path, namespaces: tuple[str, ...], top: int, as_json: 
     """
     report = maintenance.inspect(path, namespaces=namespaces, top=top, isolated=True)
     emit(as_json, report, render)
-    raise SystemExit(EXIT_PROBLEMS if report.get("epoch_problems") else EXIT_OK)
+    raise SystemExit(EXIT_PROBLEMS if report.get("epoch_problems") or report.get("damaged_records") else EXIT_OK)

@@ -287,3 +287,57 @@ def test_a_put_over_a_chain_with_a_short_record_in_the_middle_stores_the_whole_c
         store.put(NS_A, keys, [payload("a0", i) for i in range(5)])
         assert store.get(NS_A, keys) == [payload("a0", i) for i in range(5)]
         assert store.stats().stored_bytes == stored_sum(store)
+
+
+def test_a_damaged_format_version_is_named_by_inspect_and_repaired_by_verify_fix(tmp_path: Path) -> None:
+    """Issue 46 finding 7: inspect exited 0 on a damaged format-version
+    record, verify --fix said "run migrate" and migrate "run verify". Now
+    inspect exits 1, verify --fix rewrites the record where the creation
+    record tells the format, and the store opens with its blocks."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ucm_db.tools.cli import cli
+
+    path = tmp_path / "s"
+    ns = ucm_db.Namespace(model="fmt", kv_dtype="bfloat16", block_size=4)
+    with ucm_db.open(path) as store:
+        store.put(ns, ns.block_keys(list(range(8))), [b"a" * 64, b"b" * 64])
+        store._tier.engine.write(lambda txn: txn.put("info", b"format_version", b"zz"))
+    runner = CliRunner()
+    assert runner.invoke(cli, ["inspect", str(path)]).exit_code == 1
+    assert runner.invoke(cli, ["compact", str(path)]).exit_code != 0  # never rewritten while damaged
+    fixed = runner.invoke(cli, ["verify", "--fix", str(path), "--json"])
+    assert "format" in " ".join(json.loads(fixed.stdout)["index_problems"]), fixed.output
+    again = runner.invoke(cli, ["verify", str(path)])
+    assert again.exit_code == 0, again.output
+    with ucm_db.open(path) as store:
+        assert store.get(ns, ns.block_keys(list(range(8)))) == [bytearray(b"a" * 64), bytearray(b"b" * 64)]
+
+
+def test_a_damaged_settings_record_is_never_compacted(tmp_path: Path) -> None:
+    """Issue 46 finding 7: compact rewrote a store whose sealed settings held
+    capacity_bytes=-5 (which open refuses) and evicted by them."""
+    import json
+
+    from ucm_db.index import records
+
+    path = tmp_path / "s"
+    ns = ucm_db.Namespace(model="fmt", kv_dtype="bfloat16", block_size=4)
+    with ucm_db.open(path) as store:
+        store.put(ns, ns.block_keys(list(range(8))), [b"a" * 64, b"b" * 64])
+        settings = json.loads(bytes(store._tier.engine.read(lambda txn: txn.get("info", b"settings"))))
+        settings["capacity_bytes"] = -5
+        store._tier.engine.write(lambda txn: records.put_checked(txn, b"settings", json.dumps(settings).encode()))
+    try:
+        compact(path, target_bytes=64)
+    except ucm_db.DamagedRecordError as exc:
+        assert "verify --fix" in (exc.hint or "")
+    else:
+        raise AssertionError("compact rewrote a store open refuses")
+    engine = open_engine(path)
+    try:
+        assert engine.read(lambda txn: txn.get("meta", ns.block_keys(list(range(8)))[1])) is not None  # nothing evicted
+    finally:
+        engine.close()

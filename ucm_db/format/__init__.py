@@ -204,6 +204,23 @@ def damaged_format_records(txn: Any) -> list[tuple[str, str]]:
     return found + [(SETTINGS_KEY.decode(), f"invalid value: {problem}")] if problem else found
 
 
+def restorable_format_version(txn: Any) -> int | None:
+    """The format version a store whose ``info/format_version`` record is
+    damaged can be given back: the current one where its creation record
+    (whole JSON) says this format created it; None where that cannot be told
+    (an older store, whose later migrations no record names: never guessed).
+    ``verify --fix`` rewrites the record with it; ``migrate`` refuses a
+    damaged record, so this is the one repair."""
+    created = txn.get(INFO_TABLE, CREATED_KEY)
+    try:
+        record = json.loads(bytes(created)) if created is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(record, dict) and record.get("format_version") == STORE_FORMAT_VERSION:
+        return STORE_FORMAT_VERSION
+    return None
+
+
 def format_record_problems(engine: Engine) -> list[str]:
     """:func:`damaged_format_records` as the problem lines ``verify`` and
     ``inspect`` print (the same words as the tier's for its records)."""

@@ -57,7 +57,8 @@ from ucm_db.maintenance.archive import export_archive, import_archive
 from ucm_db.maintenance.compaction import compact, evict_to
 from ucm_db.maintenance.conversion import convert as convert_engine
 from ucm_db.arguments import require_namespace_selectors
-from ucm_db.errors import ConfigError, FormatVersionError
+from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError
+from ucm_db.format import restorable_format_version, write_format_version
 from ucm_db.store import epochs
 from ucm_db.maintenance.event_replay import iter_event_lines, iter_events
 from ucm_db.maintenance.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
@@ -127,14 +128,31 @@ def verify(path: str | Path, *, sample: int | None = None, seed: int = 0, fix: b
 
     def check() -> dict[str, Any]:
         with open_view(path) as view:
-            if fix and not view.current_format:
+            if fix and not view.current_format and view.format_version >= 0:
                 raise FormatVersionError(f"store at {path} has format {view.format_version}", hint=f"run `ucm-db migrate {path}` before --fix")
+            if fix and view.format_version < 0 and view.engine.read(restorable_format_version) is None:
+                raise DamagedRecordError(
+                    f"the format version record of the store at {path} is damaged and nothing in the store tells which "
+                    "format wrote it", hint=f"move {path} aside (it is a cache and starts empty) or restore it from a copy")
             return verify_view(view, sample=sample, seed=seed, progress=progress).to_dict()
 
     report = VerifyReport.from_dict(run_isolated(check, path) if isolated else check())
     if fix and report.problems:
+        _restore_format_version(path)
         repair(path, report)
     return report
+
+
+def _restore_format_version(path: Path) -> None:
+    """Rewrites a damaged ``info/format_version`` record where the store's
+    creation record tells its format (:func:`ucm_db.format.restorable_format_version`),
+    so the repair's Store can open it."""
+    with open_view(path, writable=True) as view:
+        if view.format_version >= 0:
+            return
+        version = view.engine.read(restorable_format_version)
+        if version is not None:
+            view.engine.write(lambda txn: write_format_version(txn, version))
 
 
 def evict_to_bytes(path: str | Path, target_bytes: int, progress: ProgressFn | None = None) -> int:

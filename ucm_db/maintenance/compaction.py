@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.crashpoints import crashpoint
-from ucm_db.errors import FormatVersionError, LockedError, TierError
-from ucm_db.format import STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings
+from ucm_db.errors import DamagedRecordError, FormatVersionError, LockedError, TierError
+from ucm_db.format import STORE_FORMAT_VERSION, damaged_format_records, open_engine, read_format_version, read_settings
 from ucm_db.store.view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
 from ucm_db.storelock import StoreLock, describe, holders
 from ucm_db.index.damage import restore_links
@@ -239,6 +239,13 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         if version != STORE_FORMAT_VERSION:
             raise FormatVersionError(f"store at {path} has format {version}, this ucm-db compacts {STORE_FORMAT_VERSION}",
                                      hint=f"run `ucm-db migrate {path}` first" if version < STORE_FORMAT_VERSION else "upgrade ucm-db")
+        damaged = engine.read(damaged_format_records)
+        if damaged:
+            # A store that open refuses is not rewritten (issue 46: compact kept
+            # sealed settings with capacity_bytes=-5 and evicted by them).
+            name, reason = damaged[0]
+            raise DamagedRecordError(f"the {name} record of the store at {path} is damaged ({reason}): not compacted",
+                                     hint=f"run `ucm-db verify --fix {path}`; if it cannot repair it, move the store aside")
         capacity = int(read_settings(engine).get("capacity_bytes", UNLIMITED_BYTES))
         tier = LocalTier(engine, capacity_bytes=capacity)
         before = tier.totals()
