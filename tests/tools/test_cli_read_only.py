@@ -20,3 +20,17 @@ def test_inspect_and_verify_read_a_store_on_a_read_only_volume(tmp_path: Path) -
         assert report["blocks"] == sum(len(keys) for keys in chains.values())
         invoke_json("verify", view)  # exit 0: no problem found
     assert tree(source) == before
+
+
+def test_migrate_to_engine_converts_a_source_on_a_read_only_volume(tmp_path: Path) -> None:
+    """Issue 46 finding 12: `migrate --to-engine` refused a source on a
+    read-only mount, though a conversion never writes its source."""
+    source = tmp_path / "store"
+    chains = make_store(source, "lmdb")
+    before = tree(source)
+    with read_only_view(source, tmp_path / "ro") as view:
+        report = invoke_json("migrate", "--to-engine", "rocksdb", view, tmp_path / "converted")
+        assert report
+    assert tree(source) == before
+    blocks = sum(len(keys) for keys in chains.values())
+    assert invoke_json("inspect", tmp_path / "converted")["blocks"] == blocks

@@ -34,7 +34,8 @@ import xxhash
 from ucm_db.maintenance.archive.files import fsync_dir
 from ucm_db.errors import ConfigError, FormatVersionError, MigrationError, UcmDbError
 from ucm_db.format import (
-    INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, read_format_version, read_settings, settings_records_for_engine,
+    INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, open_lmdb_read_only, read_format_version, read_settings,
+    settings_records_for_engine,
 )
 from ucm_db.migrations.access import refuse_if_held
 from ucm_db.storelock import LOCK_FILE, StoreLock
@@ -155,7 +156,10 @@ def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, pr
     _check_dest(source_path, dest_path)
     lock = _hold_source(source_path)
     try:
-        source = open_engine(source_path, source_engine, read_only=True, sync=True)
+        # Opened MDB_RDONLY: a conversion never writes its source, which may
+        # be on a read-only volume (issue 46; open_engine opens LMDB writable).
+        source = (open_lmdb_read_only(source_path) if source_engine == "lmdb"
+                  else open_engine(source_path, source_engine, read_only=True, sync=True))
         try:
             _check_source(source_path, source, engine_name, source_engine)
             source_digests = table_digests(source)
