@@ -37,6 +37,7 @@ BENCHMARKS = {
     "load": "ucm_db.tools.bench.load:command",
     "gil": "ucm_db.tools.bench.gil:command",
     "presence": "ucm_db.tools.bench.presence:command",
+    "admission": "ucm_db.tools.bench.admission:command",
 }
 
 
