@@ -6,6 +6,8 @@ store without writing to it; this module renders them.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,29 @@ def _epoch(row: dict[str, Any]) -> str:
     return "unknown" if epoch is None else str(epoch)
 
 
+#: Description fields shown as the namespace's identity, in this order.
+_IDENTITY_FIELDS = ("model", "kv_dtype", "block_size", "layout", "kv_heads", "head_size", "layers", "use_mla")
+
+
+def identity_words(description: dict[str, Any]) -> str:
+    """A namespace's identity in plain words: the model (a content digest
+    for the connector's namespaces), KV dtype, block size, layout, and the
+    inputs that change the KV which the connector records in ``extra``
+    (dtype, quantization, hf_overrides, RoPE, max_model_len ...)."""
+    parts = [f"{name}={description[name]}" for name in _IDENTITY_FIELDS if description.get(name) not in (None, "", 0)]
+    extra = description.get("extra")
+    if extra:
+        try:
+            decoded = json.loads(extra) if isinstance(extra, str) else extra
+        except ValueError:
+            decoded = extra
+        if isinstance(decoded, dict):
+            parts += [f"{key}={json.dumps(value, sort_keys=True, separators=(',', ':'))}" for key, value in sorted(decoded.items())]
+        else:
+            parts.append(f"extra={extra}")
+    return "; ".join(parts)
+
+
 def render(r: dict[str, Any]) -> str:
     """The human report."""
     fmt = f"{r['format_version']}" + ("" if not r["pending_migrations"] else f" (pending: {', '.join(r['pending_migrations'])}; run `ucm-db migrate {r['path']}`)")
@@ -59,6 +84,10 @@ def render(r: dict[str, Any]) -> str:
              f"{n['last_use_age_s']:.0f} s ago" if n["last_use_age_s"] is not None else "-"]
             for n in r["namespaces"]]
     lines.append(table(["namespace", "model", "dtype", "block", "rank", "read at", "epoch", "blocks", "stored", "pinned", "last use"], rows))
+    identities = [(n["id"][:16], identity_words(n.get("description") or {})) for n in r["namespaces"]]
+    if any(words for _, words in identities):
+        lines.append("\nwhat each namespace's keys name (besides the tokens and the epoch):")
+        lines.extend(f"  {ns_id}  {words}" for ns_id, words in identities if words)
     for name, hist in r["histograms"].items():
         lines.append(f"\n{name.replace('_', ' ')}:")
         lines.extend(f"  {label:<10} {count}" for label, count in hist.items())

@@ -111,3 +111,21 @@ def test_inspect_shows_free_pages_and_suggests_compact_when_most_of_the_file_is_
     after = invoke_json("inspect", tmp_path / "s")
     assert after["file_free_bytes"] < (1 << 20) and after["file_bytes"] < before["file_bytes"]
     assert "`ucm-db compact" not in invoke("inspect", tmp_path / "s").output
+
+
+def test_inspect_prints_what_each_namespace_names(tmp_path: Path) -> None:
+    """Issue 48: `ucm-db inspect` shows each namespace's identity in plain
+    words: the model (a content digest for the connector's), KV dtype, block
+    size and the inputs that change the KV (the connector's ``extra``)."""
+    import json as json_module
+
+    import ucm_db
+
+    ns = ucm_db.Namespace(model="blake3:" + "ab" * 32, kv_dtype="bfloat16", block_size=16,
+                          extra=json_module.dumps({"dtype": "float32", "rope": {"rope_type": "linear", "factor": 2.0}}))
+    with ucm_db.open(tmp_path / "s") as store:
+        store.put(ns, ns.block_keys(list(range(32))), [b"x" * 64, b"y" * 64])
+    out = invoke("inspect", tmp_path / "s").stdout
+    line = next(l for l in out.splitlines() if l.strip().startswith(ns.id.hex()[:16]) and "model=" in l)
+    assert "model=blake3:" in line and "kv_dtype=bfloat16" in line and "block_size=16" in line
+    assert 'dtype="float32"' in line and '"rope_type":"linear"' in line
