@@ -77,6 +77,8 @@ class UcmDbWorker:
 
     # -- setup ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, KVCacheEntry], tp_rank: int, pp_rank: int) -> None:
+        if self._group_namespace is None:  # a hybrid model's groups are checked by their facade (hybrid/hooks.py)
+            kv_caches = _without_draft_layers(kv_caches, self._shape.layers)
         self._layout = detect_layout(kv_caches, self._num_blocks)
         self._namespace = self._group_namespace or namespace(self._shape)
         self._grid = grid(self._shape)
@@ -246,6 +248,29 @@ class UcmDbWorker:
         if self._store is not None:
             release(self._store)
             self._store = None
+
+
+def _without_draft_layers(kv_caches: Mapping[str, KVCacheEntry], model_layers: int) -> Mapping[str, KVCacheEntry]:
+    """The KV caches of the model's own layers. A speculative-decoding draft
+    model (EAGLE, MTP) registers its attention layers beside the target's,
+    numbered from the target's layer count on (vLLM's ``start_layer_id``):
+    those are not stored or loaded (one log line), so the target model's KV
+    keeps its namespace and hits; the drafter recomputes its own KV."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    draft = []
+    for name in kv_caches:
+        try:
+            if extract_layer_index(name) >= model_layers:
+                draft.append(name)
+        except (ValueError, AssertionError):
+            continue  # a name without one layer index: left to the layout check
+    if not draft:
+        return kv_caches
+    logger.info("ucm-db: %d KV cache layers beyond the model's %d (a speculative-decoding draft model's: %s) are not "
+                "stored or loaded; the target model's KV is, and the drafter recomputes its own",
+                len(draft), model_layers, ", ".join(draft[:4]) + (" ..." if len(draft) > 4 else ""))
+    return {name: entry for name, entry in kv_caches.items() if name not in set(draft)}
 
 
 def _check_layout(layout: KVLayout, spans: Sequence[object], tp_rank: int, pp_rank: int) -> None:
