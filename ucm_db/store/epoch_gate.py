@@ -56,6 +56,10 @@ class RemoteEpochs(Protocol):
     def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None: ...
 
 
+#: How long a namespace found with a known epoch is served without reading its record again.
+SERVES_RECHECK_S = 1.0
+
+
 class EpochGate:
     """One store object's view of its namespaces' epochs (module invariants)."""
 
@@ -71,6 +75,7 @@ class EpochGate:
         self._registered: dict[bytes, int] = {}  # namespaces recorded by this process, with the floor they took
         self._reported: set[bytes] = set()
         self._remote_warned: set[bytes] = set()
+        self._serves_until: dict[bytes, float] = {}  # known epochs, until when (serves)
 
     # -- the doors ----------------------------------------------------------------
     def epoch(self, namespace: Namespace) -> int:
@@ -88,12 +93,21 @@ class EpochGate:
 
     def serves(self, namespace: Namespace) -> bool:
         """Whether lookups and reads of the namespace may be answered (its
-        epoch is known); one read transaction, never a write."""
+        epoch is known); one read transaction, never a write. A known epoch
+        is taken as known for :data:`SERVES_RECHECK_S` (a lookup is about
+        25 us: a read transaction each would add half); the answer says only
+        that the record is readable, not which epoch the caller's keys are
+        rooted at, so a record damaged meanwhile is found by the next check."""
         ns_id = namespace.id
+        now = time.monotonic()
+        if self._serves_until.get(ns_id, 0.0) > now:
+            return True
         found = self._state(ns_id)
         if found.epoch is None:
+            self._serves_until.pop(ns_id, None)
             self._report(ns_id, found.problem)
             return False
+        self._serves_until[ns_id] = now + SERVES_RECHECK_S
         return True
 
     def remote_ok(self, namespace: Namespace) -> bool:
