@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -28,6 +30,18 @@ from ucm_db.tools.bench import pd_engine
 from ucm_db.tools.bench.pd_engine import (  # noqa: F401 - re-exported for the tests
     BLOCK_SIZE, CONNECTOR, TP2_ENV, JobProcess, remote_files, run_job, transfer_config,
 )
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def random_text(rng: random.Random, words: int) -> str:
+    """``words`` tokens of the test tokenizer (one word, one token)."""
+    return " ".join(f"w{rng.randrange(900)}" for _ in range(words))
 
 
 def launcher(env_added: dict[str, str]) -> pd_engine.Launch:

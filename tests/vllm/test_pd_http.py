@@ -14,7 +14,6 @@ prefill server (SIGKILL of its process group) and must stay last.
 from __future__ import annotations
 
 import random
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import pytest
 import ucm_db
 from ucm_db import maintenance
 
-from pd_helpers import BLOCK_SIZE, TP2_ENV, ServerProcess, build_text_model, vllm_server_args
+from pd_helpers import BLOCK_SIZE, TP2_ENV, ServerProcess, build_text_model, free_port, random_text, vllm_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -35,14 +34,6 @@ START_TIMEOUT_S = 1200
 UNITS_PER_BLOCK = 2  # the test model's KV heads
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(f"w{rng.randrange(900)}" for _ in range(words))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +41,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("pd_http")
     model = build_text_model(root / "model")
     store = root / "store"
-    ports = {"prefill": _port(), "decode": _port(), "proxy": _port()}
+    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
     servers = {
         "prefill": ServerProcess.start(vllm_server_args(model, ports["prefill"], "kv_producer", {"path": str(store)}, enforce_eager=True),
                                        ports["prefill"], root / "prefill.log", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
@@ -84,7 +75,7 @@ def test_streamed_requests_hit_every_published_block(pd: dict[str, Any]) -> None
     results = []
     lengths = (4 * BLOCK_SIZE + 28, 4 * BLOCK_SIZE, 3 * BLOCK_SIZE + 17, 6 * BLOCK_SIZE + 1)
     for words in lengths:
-        prompt = _text(pd["rng"], words)
+        prompt = random_text(pd["rng"], words)
         stream = pd["client"].completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
                                                  stream=True, stream_options={"include_usage": True})
         text, usage = "", None
@@ -105,7 +96,7 @@ def test_streamed_requests_hit_every_published_block(pd: dict[str, Any]) -> None
 
 
 def test_decode_text_equals_one_engine(pd: dict[str, Any]) -> None:
-    prompt = _text(pd["rng"], 4 * BLOCK_SIZE + 9)
+    prompt = random_text(pd["rng"], 4 * BLOCK_SIZE + 9)
     through = pd["client"].completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
     assert through.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK_SIZE
     # The same prompt computed whole on the prefill server (a salt of its own: no hit).
@@ -116,7 +107,7 @@ def test_decode_text_equals_one_engine(pd: dict[str, Any]) -> None:
 
 
 def test_chat_completions_through_the_proxy(pd: dict[str, Any]) -> None:
-    messages = [{"role": "user", "content": _text(pd["rng"], 3 * BLOCK_SIZE + 20)}]
+    messages = [{"role": "user", "content": random_text(pd["rng"], 3 * BLOCK_SIZE + 20)}]
     reply = pd["client"].chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0)
     assert reply.usage.completion_tokens == MAX_TOKENS
     assert reply.usage.prompt_tokens_details.cached_tokens == _expected_hit(reply.usage.prompt_tokens)
@@ -134,7 +125,7 @@ def test_prefill_killed_mid_request_the_client_still_gets_a_whole_answer(pd: dic
     def ask(i: int) -> None:
         try:
             answers.append(pd["client"].completions.create(
-                model="tiny", prompt=_text(random.Random(100 + i), 7 * BLOCK_SIZE), max_tokens=MAX_TOKENS, temperature=0.0))
+                model="tiny", prompt=random_text(random.Random(100 + i), 7 * BLOCK_SIZE), max_tokens=MAX_TOKENS, temperature=0.0))
         except Exception as exc:  # noqa: BLE001 - recorded and asserted on below
             answers.append(exc)
 
@@ -149,7 +140,7 @@ def test_prefill_killed_mid_request_the_client_still_gets_a_whole_answer(pd: dic
     for answer in answers:
         assert not isinstance(answer, Exception), answer
         assert answer.usage.completion_tokens == MAX_TOKENS and answer.choices[0].finish_reason == "length"
-    after = pd["client"].completions.create(model="tiny", prompt=_text(pd["rng"], 2 * BLOCK_SIZE + 5), max_tokens=MAX_TOKENS, temperature=0.0)
+    after = pd["client"].completions.create(model="tiny", prompt=random_text(pd["rng"], 2 * BLOCK_SIZE + 5), max_tokens=MAX_TOKENS, temperature=0.0)
     assert after.usage.completion_tokens == MAX_TOKENS and after.usage.prompt_tokens_details.cached_tokens == 0
     report = maintenance.verify(pd["store"], isolated=True)
     assert not report.problems, report

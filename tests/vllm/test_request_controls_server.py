@@ -11,14 +11,13 @@ later request's blocks are in the store, an earlier request's would be too.
 from __future__ import annotations
 
 import random
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from e2e_helpers import store_blocks, wait_for_new_blocks
-from pd_helpers import BLOCK_SIZE, ServerProcess, build_text_model, vllm_server_args
+from pd_helpers import BLOCK_SIZE, ServerProcess, build_text_model, free_port, random_text, vllm_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -27,21 +26,12 @@ START_TIMEOUT_S = 1200
 UNITS_PER_BLOCK = 2  # the test model's KV heads
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _text(rng: random.Random, words: int) -> str:
-    """``words`` tokens (the test tokenizer: one word, one token)."""
-    return " ".join(f"w{rng.randrange(900)}" for _ in range(words))
 
 
 def test_save_load_and_max_load_tokens_through_the_openai_server(tmp_path: Path) -> None:
     model = build_text_model(tmp_path / "model")
     store = tmp_path / "store"
-    port = _port()
+    port = free_port()
     server = ServerProcess.start(vllm_server_args(model, port, "kv_both", {"path": str(store)}, enforce_eager=True),
                                  port, tmp_path / "server.log", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     try:
@@ -57,7 +47,7 @@ def test_save_load_and_max_load_tokens_through_the_openai_server(tmp_path: Path)
             return answer.choices[0].text, answer.usage.prompt_tokens_details.cached_tokens
 
         rng = random.Random(49)
-        prompt_a, prompt_b = _text(rng, 4 * BLOCK_SIZE + 9), _text(rng, 3 * BLOCK_SIZE + 5)  # 4 and 3 whole blocks
+        prompt_a, prompt_b = random_text(rng, 4 * BLOCK_SIZE + 9), random_text(rng, 3 * BLOCK_SIZE + 5)  # 4 and 3 whole blocks
 
         # save: false -- nothing of prompt a is written: b's blocks alone land, and a misses afterwards.
         text_unsaved, cached = complete(prompt_a, {"save": False})
