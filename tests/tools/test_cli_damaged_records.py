@@ -341,3 +341,16 @@ def test_a_damaged_settings_record_is_never_compacted(tmp_path: Path) -> None:
         assert engine.read(lambda txn: txn.get("meta", ns.block_keys(list(range(8)))[1])) is not None  # nothing evicted
     finally:
         engine.close()
+
+
+def test_events_of_a_store_with_a_damaged_format_version_is_an_error(tmp_path: Path) -> None:
+    """Issue 46 finding 7: `ucm-db events` printed nothing and exited 0."""
+    from click.testing import CliRunner
+
+    from ucm_db.tools.cli import cli
+
+    path = tmp_path / "s"
+    ucm_db.open(path).close()
+    edit(path, lambda txn: txn.put("info", b"format_version", b"zz"))
+    result = CliRunner().invoke(cli, ["events", str(path)])
+    assert result.exit_code == 1 and "verify --fix" in result.output + (result.stderr or "")

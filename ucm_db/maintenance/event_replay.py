@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ucm_db.store import epochs
-from ucm_db.errors import CorruptBlockError, TierError
+from ucm_db.errors import CorruptBlockError, DamagedRecordError, TierError
 from ucm_db.events import MEDIUM_STORAGE, json_line, packed_epoch
 from ucm_db.store.view import open_view, select_namespaces
 from ucm_db.index import changefeed
@@ -161,5 +161,8 @@ def _read(path: str | Path, namespaces: tuple[str, ...], fn: Callable[[Any, set[
     LMDB's page check only where ``check_pages`` (the first read: a check
     per poll would walk the whole store every poll)."""
     with open_view(path, check_pages=check_pages) as view:
+        if view.format_version < 0:  # a damaged format record: what the feed means cannot be told
+            raise DamagedRecordError(f"the format version record of the store at {path} is damaged: no events are read",
+                                     hint=f"run `ucm-db verify --fix {path}`; if it cannot repair it, move the store aside")
         wanted = select_namespaces(view, namespaces)
         return view.engine.read(lambda txn: fn(txn, wanted))
