@@ -67,7 +67,8 @@ def test_lookup_many_takes_one_read_transaction_whatever_the_chains(store) -> No
         store.lookup_many(NS, [chain(NS, i % 20, 8) for i in range(500)])
     finally:
         del engine.read
-    assert len(reads) == few <= 2  # the epoch check's read and the chains' one
+    # The chains' one read, and the epoch check's where the gate has not seen the namespace within a second.
+    assert len(reads) <= 2 and few <= 2
 
 
 def test_lookup_many_writes_and_touches_nothing(tmp_path) -> None:

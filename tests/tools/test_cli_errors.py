@@ -194,14 +194,15 @@ def test_export_into_a_directory_that_refuses_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize("record", [b"settings", b"format_version", b"created"])
 def test_verify_and_inspect_report_a_damaged_store_record(tmp_path: Path, record: bytes) -> None:
     """The store refuses to open with such a record and points at verify:
-    verify must then report it (exit 1), and inspect show it, not fail."""
+    verify must then report it (exit 1), and inspect show it (exit 1: a
+    problem found, issue 46 finding 7), not fail."""
     make_store(tmp_path / "s")
     with ucm_db.open(tmp_path / "s") as store:
         store._tier.engine.write(lambda txn: txn.put("info", record, b"\x00\xffgarbage"))
     report = invoke_json("verify", tmp_path / "s", expect=1)
     assert report["checked"] == 23 and report["corrupt"] == []
     assert any(f"'{record.decode()}' is damaged" in p for p in report["index_problems"]), report["index_problems"]
-    shown = invoke_json("inspect", tmp_path / "s")
+    shown = invoke_json("inspect", tmp_path / "s", expect=1)
     assert shown["blocks"] == 23 and any(record.decode() in d for d in shown["damaged_records"])
 
 
