@@ -14,8 +14,9 @@ import click
 
 from ucm_db import ConfigError, maintenance
 
-from ucm_db.tools.cli_common import CliPath, emit, json_option
-from ucm_db.tools.pin_cmds import NAMESPACE_HELP, TOKENS_HELP, read_prompts, units_text
+from ucm_db.tools.cli_common import emit, json_option
+from ucm_db.tools.pin_cmds import units_text
+from ucm_db.tools.prompt_files import read_prompts, store_prompts_arguments
 
 
 def parse_partition(text: str | None) -> list[int] | None:
@@ -39,9 +40,7 @@ def render(r: dict[str, Any]) -> str:
 
 
 @click.command("lookup")
-@click.argument("path", type=CliPath())
-@click.option("--namespace", required=True, help=NAMESPACE_HELP)
-@click.option("--tokens", "tokens_file", required=True, type=CliPath(exists=True, dir_okay=False), help=TOKENS_HELP)
+@store_prompts_arguments
 @click.option("--layer-partition", default=None,
               help="Layers per pipeline stage of the deployment that wrote a store of units (e.g. 14,14); default one stage.")
 @json_option

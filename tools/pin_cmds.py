@@ -8,31 +8,16 @@ report. The prompt file is read as ``ucm-db warm --tokens`` reads it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ucm_db import ConfigError, maintenance
+from ucm_db import maintenance
 
-from ucm_db.tools.cli_common import CliPath, emit, human_bytes, json_option
-from ucm_db.tools.remote_cmds import parse_size_bytes, read_text
-
-
-def read_prompts(source: Path) -> list[list[int]]:
-    """Token sequences of a ``--tokens`` file: one JSON list of token ids per
-    (non-empty) line."""
-    lines = [line for line in read_text(source).splitlines() if line.strip()]
-    try:
-        prompts = [json.loads(line) for line in lines]
-    except ValueError as exc:
-        raise ConfigError(f"cannot read {source}: {exc}", hint="--tokens: one JSON list of token ids per line") from exc
-    for number, tokens in enumerate(prompts, 1):
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise ConfigError(f"cannot read {source}: line {number} is not a JSON list of integers",
-                              hint="--tokens: one JSON list of token ids per line, e.g. [151644, 8948, 198]")
-    return prompts
+from ucm_db.tools.cli_common import emit, human_bytes, json_option
+from ucm_db.tools.prompt_files import read_prompts, store_prompts_arguments
+from ucm_db.tools.remote_cmds import parse_size_bytes
 
 
 def units_text(r: dict[str, Any]) -> str:
@@ -53,14 +38,10 @@ def render(r: dict[str, Any], verb: str) -> str:
     return "\n".join(lines)
 
 
-NAMESPACE_HELP = "Namespace: id prefix or model name (`ucm-db inspect` lists them); exactly one must match."
-TOKENS_HELP = "File of prompts: one JSON list of token ids per line (no LoRA, cache_salt or multimodal extras)."
 
 
 @click.command("pin")
-@click.argument("path", type=CliPath())
-@click.option("--namespace", required=True, help=NAMESPACE_HELP)
-@click.option("--tokens", "tokens_file", required=True, type=CliPath(exists=True, dir_okay=False), help=TOKENS_HELP)
+@store_prompts_arguments
 @click.option("--max-pinned-bytes", default=None,
               help="Cap on the store's pinned bytes for this pin (e.g. 4GiB); default: the max_pinned_bytes default, half the capacity.")
 @json_option
@@ -84,9 +65,7 @@ def pin_command(path: Path, namespace: str, tokens_file: Path, max_pinned_bytes:
 
 
 @click.command("unpin")
-@click.argument("path", type=CliPath())
-@click.option("--namespace", required=True, help=NAMESPACE_HELP)
-@click.option("--tokens", "tokens_file", required=True, type=CliPath(exists=True, dir_okay=False), help=TOKENS_HELP)
+@store_prompts_arguments
 @json_option
 def unpin_command(path: Path, namespace: str, tokens_file: Path, as_json: bool) -> None:
     """Take back the pins on the given prompts' stored KV: their blocks are

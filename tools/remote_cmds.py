@@ -4,8 +4,6 @@ modules (:func:`ucm_db.maintenance.gc_remote`, the store's warming API).
 
 from __future__ import annotations
 
-import codecs
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import click
 from ucm_db import ConfigError, maintenance
 
 from ucm_db.tools.cli_common import CliPath, ProgressBar, auth_options, emit, human_bytes, json_option
+from ucm_db.tools.prompt_files import read_prompts, read_text
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
@@ -86,44 +85,18 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
 
 #: Byte-order marks a --tokens/--keys file may start with, longest first
 #: (a UTF-32 LE mark begins with the UTF-16 LE one).
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
-         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
-
-
-def read_text(source: Path) -> str:
-    """The text of a --tokens/--keys file: UTF-8, or UTF-8/16/32 with a
-    byte-order mark (as Windows tools write); anything else is a ConfigError
-    naming the file, the bad byte and the fix."""
-    try:
-        data = source.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {source}: {exc}", hint="check the path and its permissions") from exc
-    encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
-    try:
-        return data.decode(encoding)
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"cannot read {source}: it is not valid {encoding.upper().replace('-SIG', '')} text "
-                          f"(byte {exc.start}: {exc.reason})",
-                          hint=f"save it as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8 {source} > fixed.txt); "
-                          "UTF-16/32 is read only with a byte-order mark") from exc
-
-
 def read_chains(tokens_file: Path | None, keys_file: Path | None) -> tuple[list[list[int]] | None, list[list[bytes]] | None]:
     """Token sequences (JSON list per line) or key chains (hex keys per line)."""
     if (tokens_file is None) == (keys_file is None):
         raise ConfigError("warm needs exactly one of --tokens FILE or --keys FILE", hint="e.g. --tokens prompts.jsonl")
-    source = tokens_file or keys_file
-    assert source is not None
-    lines = [line for line in read_text(source).splitlines() if line.strip()]
+    if tokens_file is not None:
+        return read_prompts(tokens_file), None
+    assert keys_file is not None
+    lines = [line for line in read_text(keys_file).splitlines() if line.strip()]
     try:
-        if tokens_file is not None:
-            tokens = [json.loads(line) for line in lines]
-            if not all(isinstance(t, list) and all(isinstance(i, int) for i in t) for t in tokens):
-                raise ValueError("each line must be a JSON list of integers")
-            return tokens, None
         return None, [[bytes.fromhex(k) for k in line.split()] for line in lines]
     except ValueError as exc:
-        raise ConfigError(f"cannot read {source}: {exc}", hint="--tokens: one JSON list of token ids per line; --keys: hex keys of one chain per line") from exc
+        raise ConfigError(f"cannot read {keys_file}: {exc}", hint="--keys: hex keys of one chain per line") from exc
 
 
 @click.command("warm")
