@@ -52,7 +52,9 @@ def _payloads(count: int) -> list[memoryview]:
     return [memoryview(block) for block in kv_blocks(stream, BLOCK_BYTES, count)]
 
 
-def _remote(scratch: Path, link: float | str, name: str) -> dict[str, Any]:
+def remote_link(scratch: Path, link: float | str, name: str) -> dict[str, Any]:
+    """Store options of a fresh remote under ``scratch``: a ``file://``
+    directory for :data:`LOCAL`, else a ``throttled://`` one at ``link`` MB/s."""
     directory = scratch / name
     directory.mkdir()
     if link == LOCAL:
@@ -62,7 +64,7 @@ def _remote(scratch: Path, link: float | str, name: str) -> dict[str, Any]:
 
 def _one_run(scratch: Path, link: float | str, mode: str, payloads: list[memoryview], key_file: Path, run: int) -> dict[str, float]:
     tag = f"{mode}-{str(link).split()[0]}-{run}"
-    remote = _remote(scratch, link, f"remote-{tag}")
+    remote = remote_link(scratch, link, f"remote-{tag}")
     auth = {"remote_auth_key_file": str(key_file)} if mode == "on" else {}
     keys = NAMESPACE.block_keys(list(range(len(payloads) * NAMESPACE.block_size)), extras={"run": tag})
     raw_bytes = sum(len(p) for p in payloads)

@@ -32,12 +32,12 @@ import click
 import ucm_db
 from ucm_db import Namespace
 from ucm_db.components import SealingKeys, auth_mac
+from ucm_db.tools.bench.remote_auth import LOCAL, remote_link
 from ucm_db.tools.bench.throttle import register
 
 NAMESPACE = Namespace(model="bench/remote-crypto", kv_dtype="bfloat16", block_size=16)
 BLOCK_BYTES = 2 << 20
 SIZES = (64 << 10, 256 << 10, 1 << 20, 2 << 20)
-LOCAL = "local file://"
 MODES = ("off", "on")
 #: What a remote object's sealing context holds (label, key, envelope): its size, not its bytes, matters here.
 _CONTEXT = bytes(17) + bytes(32) + bytes(64)
@@ -70,20 +70,12 @@ def per_core(total_mib: int, passes: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _remote(scratch: Path, link: float | str, name: str) -> dict[str, Any]:
-    directory = scratch / name
-    directory.mkdir()
-    if link == LOCAL:
-        return {"remote": f"file://{directory}"}
-    return {"remote": "throttled://kv", "remote_options": {"path": str(directory), "bandwidth_bytes_per_s": float(link) * 1e6}}
-
-
 def _one_run(scratch: Path, link: float | str, mode: str, payloads: list[bytes], key_file: Path, run: int) -> float:
     """Read-through raw MB/s of one run."""
     tag = f"{mode}-{str(link).split()[0]}-{run}"
     keyed = {"remote_encryption_key_file": str(key_file)} if mode == "on" else {}
     keys = NAMESPACE.block_keys(list(range(len(payloads) * NAMESPACE.block_size)), extras={"run": tag})
-    common = {"codec": "none", "capacity_bytes": 4 << 30, **_remote(scratch, link, f"remote-{tag}"), **keyed}
+    common = {"codec": "none", "capacity_bytes": 4 << 30, **remote_link(scratch, link, f"remote-{tag}"), **keyed}
     with ucm_db.open(scratch / f"w-{tag}", remote_codec="none", **common) as writer:
         for i in range(0, len(keys), 8):
             writer.put(NAMESPACE, keys[i : i + 8], payloads[i : i + 8])
