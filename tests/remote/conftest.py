@@ -89,3 +89,36 @@ def make_remote(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Re
 @pytest.fixture
 def namespace() -> Namespace:
     return Namespace(model="test/remote", kv_dtype="bfloat16", block_size=4, layout="test")
+
+
+#: Local tier capacity of the stores the keyed-remote tests open.
+KEYED_CAP_BYTES = 64 << 20
+
+
+def key_file(tmp_path: Path, *keys: bytes, name: str = "auth.key") -> str:
+    """A key file (mode 600) holding ``keys``, the first one signing or sealing."""
+    path = tmp_path / name
+    path.write_text("# ucm-db keys: the first signs or seals\n" + "".join(k.hex() + "\n" for k in keys))
+    path.chmod(0o600)
+    return str(path)
+
+
+def write_through(tmp_path: Path, name: str, remote: "Remote", namespace: Any, keys: list[bytes], payloads: list[bytes],
+                  **options: Any) -> None:
+    """Puts a chain through a store named ``name`` writing through to ``remote``."""
+    import ucm_db
+
+    with ucm_db.open(tmp_path / name, capacity_bytes=KEYED_CAP_BYTES, remote_mode="write_through",
+                     **remote.store_options(**options)) as store:
+        store.put(namespace, keys, payloads)
+
+
+def read_through(tmp_path: Path, name: str, remote: "Remote", namespace: Any, keys: list[bytes],
+                 **options: Any) -> tuple[list[Any], dict[str, Any]]:
+    """The chain as a store named ``name`` reads it through from ``remote``, and its remote stats."""
+    import ucm_db
+
+    with ucm_db.open(tmp_path / name, capacity_bytes=KEYED_CAP_BYTES, **remote.store_options(remote_deadline_s=10, **options)) as store:
+        got = store.get(namespace, keys)
+        return [None if g is None else bytes(g) for g in got], store.stats().remote
+

@@ -25,7 +25,7 @@ from ucm_db.remote.tier import RemoteRoot, write_whole
 from ucm_db.remote.envelope import SIGNED_FORMAT_VERSION, pack_object
 from ucm_db.auth import AuthKeys, key_id
 
-from .conftest import Remote, chain
+from .conftest import Remote, chain, key_file, read_through, write_through
 
 pytestmark = pytest.mark.timeout(120)
 CAP = 64 << 20
@@ -34,22 +34,10 @@ NEW_KEY = bytes(range(100, 164))
 OTHER_KEY = b"\x07" * 32
 
 
-def key_file(tmp_path: Path, *keys: bytes, name: str = "auth.key") -> str:
-    path = tmp_path / name
-    path.write_text("# ucm-db auth keys: first signs\n" + "".join(k.hex() + "\n" for k in keys))
-    path.chmod(0o600)
-    return str(path)
 
 
-def _write(tmp_path: Path, name: str, remote: Remote, namespace: Any, keys: list[bytes], payloads: list[bytes], **auth: Any) -> None:
-    with ucm_db.open(tmp_path / name, capacity_bytes=CAP, remote_mode="write_through", **remote.store_options(**auth)) as store:
-        store.put(namespace, keys, payloads)
 
 
-def _read(tmp_path: Path, name: str, remote: Remote, namespace: Any, keys: list[bytes], **auth: Any) -> tuple[list[Any], dict[str, Any]]:
-    with ucm_db.open(tmp_path / name, capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10, **auth)) as store:
-        got = store.get(namespace, keys)
-        return [None if g is None else bytes(g) for g in got], store.stats().remote
 
 
 def _plant(remote: Remote, namespace: Any, key: bytes, parent: bytes | None, payload: bytes, keys: AuthKeys | None = None) -> None:
@@ -64,11 +52,11 @@ def _plant(remote: Remote, namespace: Any, key: bytes, parent: bytes | None, pay
 def test_planted_object_with_recomputed_checksums_is_a_miss_when_a_key_is_set(tmp_path: Path, remote: Remote, namespace: Any) -> None:
     keys, payloads = chain(namespace, 4, seed=3)
     auth = {"remote_auth_key_file": key_file(tmp_path, NEW_KEY)}
-    _write(tmp_path, "writer", remote, namespace, keys, payloads, **auth)
+    write_through(tmp_path, "writer", remote, namespace, keys, payloads, **auth)
     forged = b"forged KV " * 100
     _plant(remote, namespace, keys[1], keys[0], forged)
 
-    got, stats = _read(tmp_path, "reader", remote, namespace, keys, **auth)
+    got, stats = read_through(tmp_path, "reader", remote, namespace, keys, **auth)
     assert got == [payloads[0], None, payloads[2], payloads[3]]  # only the plant is refused
     assert stats["unauthenticated"] >= 1 and stats["corrupt"] == 0
     with ucm_db.open(tmp_path / "looker", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10, **auth)) as store:
@@ -76,11 +64,11 @@ def test_planted_object_with_recomputed_checksums_is_a_miss_when_a_key_is_set(tm
 
     # Without a key a node is refused: the remote is keyed (issue 46 findings 3 and 4).
     with pytest.raises(ConfigError, match="is keyed"):
-        _read(tmp_path, "open-reader", remote, namespace, keys)
+        read_through(tmp_path, "open-reader", remote, namespace, keys)
 
     # A plant signed with a key the reader does not hold is a miss too.
     _plant(remote, namespace, keys[1], keys[0], forged, AuthKeys((OTHER_KEY,), "test"))
-    got, stats = _read(tmp_path, "reader2", remote, namespace, keys, **auth)
+    got, stats = read_through(tmp_path, "reader2", remote, namespace, keys, **auth)
     assert got == [payloads[0], None, payloads[2], payloads[3]]
     assert stats["mac_mismatch"] >= 1 and stats["corrupt"] == 0
 
@@ -88,9 +76,9 @@ def test_planted_object_with_recomputed_checksums_is_a_miss_when_a_key_is_set(tm
 def test_signed_objects_verify_across_a_key_rotation(tmp_path: Path, remote: Remote, namespace: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     old_keys, old_payloads = chain(namespace, 3, seed=4)
     new_keys, new_payloads = chain(namespace, 3, seed=40)
-    _write(tmp_path, "old-writer", remote, namespace, old_keys, old_payloads, remote_auth_key_file=key_file(tmp_path, OLD_KEY, name="old.key"))
+    write_through(tmp_path, "old-writer", remote, namespace, old_keys, old_payloads, remote_auth_key_file=key_file(tmp_path, OLD_KEY, name="old.key"))
     rotated = key_file(tmp_path, NEW_KEY, OLD_KEY, name="rotated.key")
-    _write(tmp_path, "new-writer", remote, namespace, new_keys, new_payloads, remote_auth_key_file=rotated)
+    write_through(tmp_path, "new-writer", remote, namespace, new_keys, new_payloads, remote_auth_key_file=rotated)
 
     root = RemoteRoot.from_url(remote.url, remote.options)
     ns_id = namespace.digest[:16]
@@ -101,27 +89,27 @@ def test_signed_objects_verify_across_a_key_rotation(tmp_path: Path, remote: Rem
             assert data[-40:-32] == key_id(signer)
 
     # During the rotation a reader with [new, old] serves both chains.
-    got, stats = _read(tmp_path, "rotated-reader", remote, namespace, old_keys, remote_auth_key_file=rotated)
+    got, stats = read_through(tmp_path, "rotated-reader", remote, namespace, old_keys, remote_auth_key_file=rotated)
     assert got == old_payloads and stats["mac_mismatch"] == 0
     # After it (old key dropped; keys from an environment variable this
     # time), what only the old key signed is a miss.
     monkeypatch.setenv("UCM_TEST_AUTH_KEY", NEW_KEY.hex())
-    got, stats = _read(tmp_path, "new-only-reader", remote, namespace, old_keys, remote_auth_key_env="UCM_TEST_AUTH_KEY")
+    got, stats = read_through(tmp_path, "new-only-reader", remote, namespace, old_keys, remote_auth_key_env="UCM_TEST_AUTH_KEY")
     assert got == [None] * 3 and stats["mac_mismatch"] >= 1
-    got, _ = _read(tmp_path, "new-only-reader2", remote, namespace, new_keys, remote_auth_key_env="UCM_TEST_AUTH_KEY")
+    got, _ = read_through(tmp_path, "new-only-reader2", remote, namespace, new_keys, remote_auth_key_env="UCM_TEST_AUTH_KEY")
     assert got == new_payloads
 
     # A node with no key is refused: the remote is keyed.
     with pytest.raises(ConfigError, match="is keyed"):
-        _read(tmp_path, "keyless-reader", remote, namespace, new_keys)
+        read_through(tmp_path, "keyless-reader", remote, namespace, new_keys)
 
 
 def test_wrong_key_is_a_miss_and_the_object_stays(tmp_path: Path, remote: Remote, namespace: Any) -> None:
     keys, payloads = chain(namespace, 2, seed=5)
-    _write(tmp_path, "writer", remote, namespace, keys, payloads, remote_auth_key_file=key_file(tmp_path, NEW_KEY))
-    got, stats = _read(tmp_path, "reader", remote, namespace, keys, remote_auth_key_file=key_file(tmp_path, OTHER_KEY, name="o.key"))
+    write_through(tmp_path, "writer", remote, namespace, keys, payloads, remote_auth_key_file=key_file(tmp_path, NEW_KEY))
+    got, stats = read_through(tmp_path, "reader", remote, namespace, keys, remote_auth_key_file=key_file(tmp_path, OTHER_KEY, name="o.key"))
     assert got == [None, None] and stats["mac_mismatch"] >= 1 and stats["corrupt"] == 0
-    got, _ = _read(tmp_path, "right", remote, namespace, keys, remote_auth_key_file=key_file(tmp_path, NEW_KEY, name="n.key"))
+    got, _ = read_through(tmp_path, "right", remote, namespace, keys, remote_auth_key_file=key_file(tmp_path, NEW_KEY, name="n.key"))
     assert got == payloads
 
 
@@ -210,14 +198,14 @@ def test_a_store_that_used_a_keyed_remote_refuses_a_keyless_open(tmp_path: Path,
     marker is gone, and nothing is fetched."""
     keys, payloads = chain(namespace, 3, seed=8)
     auth = {"remote_auth_key_file": key_file(tmp_path, NEW_KEY)}
-    _write(tmp_path, "node", remote, namespace, keys[:1], payloads[:1], **auth)
+    write_through(tmp_path, "node", remote, namespace, keys[:1], payloads[:1], **auth)
     _plant(remote, namespace, keys[1], keys[0], b"forged KV " * 100)
     root = RemoteRoot.from_url(remote.url, remote.options)
     root.fs.rm(f"{root.root}/{MARKER_NAME}")  # the marker deleted (or the remote unreachable at open)
     with pytest.raises(ConfigError, match="used the remote .* with an auth key") as caught:
         ucm_db.open(tmp_path / "node", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10))
     assert "remote_auth_key_file" in (caught.value.hint or "")
-    got, stats = _read(tmp_path, "node", remote, namespace, keys[:2], **auth)  # still keyed: the plant is a miss
+    got, stats = read_through(tmp_path, "node", remote, namespace, keys[:2], **auth)  # still keyed: the plant is a miss
     assert got == [payloads[0], None] and stats["unauthenticated"] >= 1
     with ucm_db.open(tmp_path / "node", capacity_bytes=CAP) as store:  # without the remote: fine
         assert store.stats().blocks == 1
@@ -229,9 +217,9 @@ def test_a_keyless_node_cannot_rewrite_a_keyed_fleets_objects(tmp_path: Path, re
     for good. The remote's marker refuses the keyless node at open."""
     keys, payloads = chain(namespace, 3, seed=9)
     auth = {"remote_auth_key_file": key_file(tmp_path, NEW_KEY)}
-    _write(tmp_path, "keyed", remote, namespace, keys, payloads, **auth)
+    write_through(tmp_path, "keyed", remote, namespace, keys, payloads, **auth)
     with pytest.raises(ConfigError, match="is keyed"):
-        _write(tmp_path, "keyless", remote, namespace, keys, payloads)
+        write_through(tmp_path, "keyless", remote, namespace, keys, payloads)
     assert not (tmp_path / "keyless" / "lmdb").exists() or ucm_db.open(tmp_path / "keyless").stats().blocks == 0
-    got, stats = _read(tmp_path, "reader", remote, namespace, keys, **auth)
+    got, stats = read_through(tmp_path, "reader", remote, namespace, keys, **auth)
     assert got == payloads and stats["unauthenticated"] == 0 and stats["mac_mismatch"] == 0

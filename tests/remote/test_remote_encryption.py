@@ -31,7 +31,7 @@ from ucm_db.remote.envelope import (
 from ucm_db.remote.sealing import SealingKeys, UnsealError, derive_aes_key, load_sealing_keys, seal_key_id
 from ucm_db.remote.tier import RemoteRoot, write_whole
 
-from .conftest import Remote, chain
+from .conftest import Remote, chain, key_file, read_through, write_through
 
 pytestmark = pytest.mark.timeout(120)
 CAP = 64 << 20
@@ -41,22 +41,10 @@ OTHER_KEY = b"\x07" * 32
 MAC_KEY = b"\x2a" * 32
 
 
-def key_file(tmp_path: Path, *keys: bytes, name: str = "encryption.key") -> str:
-    path = tmp_path / name
-    path.write_text("# ucm-db encryption keys: first seals\n" + "".join(k.hex() + "\n" for k in keys))
-    path.chmod(0o600)
-    return str(path)
 
 
-def _write(tmp_path: Path, name: str, remote: Remote, namespace: Any, keys: list[bytes], payloads: list[bytes], **opts: Any) -> None:
-    with ucm_db.open(tmp_path / name, capacity_bytes=CAP, remote_mode="write_through", **remote.store_options(**opts)) as store:
-        store.put(namespace, keys, payloads)
 
 
-def _read(tmp_path: Path, name: str, remote: Remote, namespace: Any, keys: list[bytes], **opts: Any) -> tuple[list[Any], dict[str, Any]]:
-    with ucm_db.open(tmp_path / name, capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10, **opts)) as store:
-        got = store.get(namespace, keys)
-        return [None if g is None else bytes(g) for g in got], store.stats().remote
 
 
 def _objects(remote: Remote, namespace: Any, keys: list[bytes]) -> list[bytes]:
@@ -79,16 +67,16 @@ def _reforge(obj: bytes, key: bytes, *, parent: bytes | None = None, namespace_i
 
 @pytest.fixture
 def enc(tmp_path: Path) -> dict[str, str]:
-    return {"remote_encryption_key_file": key_file(tmp_path, NEW_KEY)}
+    return {"remote_encryption_key_file": key_file(tmp_path, NEW_KEY, name="encryption.key")}
 
 
 def test_round_trip_and_nothing_readable_on_the_remote(tmp_path: Path, remote: Remote, namespace: Any, enc: dict[str, str]) -> None:
     keys, payloads = chain(namespace, 4, seed=1)
-    _write(tmp_path, "writer", remote, namespace, keys, payloads, **enc)
+    write_through(tmp_path, "writer", remote, namespace, keys, payloads, **enc)
     for obj, payload in zip(_objects(remote, namespace, keys), payloads):
         assert struct.unpack_from("<H", obj, 4)[0] == SEALED_FORMAT_VERSION
         assert payload[:512] not in obj and payload[-32:] not in obj  # neither the noise nor the key-tail of the payload
-    got, stats = _read(tmp_path, "reader", remote, namespace, keys, **enc)
+    got, stats = read_through(tmp_path, "reader", remote, namespace, keys, **enc)
     assert got == payloads
     assert stats["undecryptable"] == stats["unencrypted"] == stats["corrupt"] == 0
     with ucm_db.open(tmp_path / "looker", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10, **enc)) as store:
@@ -102,11 +90,11 @@ def test_keyless_and_wrongly_keyed_readers_miss(tmp_path: Path, remote_kind: str
 
     remote = make_remote(remote_kind, tmp_path, request)
     keys, payloads = chain(namespace, 3, seed=2)
-    _write(tmp_path, "writer", remote, namespace, keys, payloads, **enc)
-    got, stats = _read(tmp_path, "keyless", remote, namespace, keys)
+    write_through(tmp_path, "writer", remote, namespace, keys, payloads, **enc)
+    got, stats = read_through(tmp_path, "keyless", remote, namespace, keys)
     assert got == [None] * 3 and stats["undecryptable"] >= 1 and stats["corrupt"] == 0
     other = {"remote_encryption_key_file": key_file(tmp_path, OTHER_KEY, name="other.key")}
-    got, stats = _read(tmp_path, "other", remote, namespace, keys, **other)
+    got, stats = read_through(tmp_path, "other", remote, namespace, keys, **other)
     assert got == [None] * 3 and stats["undecryptable"] >= 1
     with ucm_db.open(tmp_path / "looker", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10)) as store:
         assert store.lookup(namespace, keys) == 0  # a probe already refuses what it cannot open
@@ -117,8 +105,8 @@ def test_keyed_reader_misses_plaintext_objects(tmp_path: Path, namespace: Any, e
 
     remote = make_remote("file", tmp_path, request)
     keys, payloads = chain(namespace, 3, seed=3)
-    _write(tmp_path, "plain-writer", remote, namespace, keys, payloads)  # encryption required where configured
-    got, stats = _read(tmp_path, "reader", remote, namespace, keys, **enc)
+    write_through(tmp_path, "plain-writer", remote, namespace, keys, payloads)  # encryption required where configured
+    got, stats = read_through(tmp_path, "reader", remote, namespace, keys, **enc)
     assert got == [None] * 3 and stats["unencrypted"] >= 1 and stats["corrupt"] == 0
 
 
@@ -130,7 +118,7 @@ def test_ciphertext_moved_to_another_key_parent_or_namespace_is_a_miss(tmp_path:
     remote = make_remote(remote_kind, tmp_path, request)
     keys_a, payloads_a = chain(namespace, 2, seed=4)
     keys_b, _payloads_b = chain(namespace, 2, seed=5)
-    seal = load_sealing_keys(key_file(tmp_path, NEW_KEY), None)
+    seal = load_sealing_keys(key_file(tmp_path, NEW_KEY, name="encryption.key"), None)
     root = RemoteRoot.from_url(remote.url, remote.options)
     root.sealing = seal
     ns_id = namespace.digest[:16]
@@ -157,7 +145,7 @@ def test_ciphertext_moved_to_another_key_parent_or_namespace_is_a_miss(tmp_path:
 
 
 def test_a_flipped_byte_anywhere_is_a_miss(tmp_path: Path, namespace: Any) -> None:
-    seal = load_sealing_keys(key_file(tmp_path, NEW_KEY), None)
+    seal = load_sealing_keys(key_file(tmp_path, NEW_KEY, name="encryption.key"), None)
     root = RemoteRoot.from_url(f"file://{tmp_path / 'remote'}", {})
     root.sealing = seal
     tier = root.tier(namespace.digest[:16])
@@ -184,16 +172,16 @@ def test_rotation_new_key_first_old_kept(tmp_path: Path, namespace: Any, request
     only_new = {"remote_encryption_key_file": key_file(tmp_path, NEW_KEY, name="new.key")}
     old_keys, old_payloads = chain(namespace, 2, seed=7)
     new_keys, new_payloads = chain(namespace, 2, seed=8)
-    _write(tmp_path, "old-writer", remote, namespace, old_keys, old_payloads, **old)
-    _write(tmp_path, "new-writer", remote, namespace, new_keys, new_payloads, **rotated)
+    write_through(tmp_path, "old-writer", remote, namespace, old_keys, old_payloads, **old)
+    write_through(tmp_path, "new-writer", remote, namespace, new_keys, new_payloads, **rotated)
     new_ids = {bytes(o[ENVELOPE_BYTES : ENVELOPE_BYTES + 8]) for o in _objects(remote, namespace, new_keys)}
     assert new_ids == {seal_key_id(NEW_KEY)}  # the first key seals
 
-    got, _ = _read(tmp_path, "r1", remote, namespace, old_keys + new_keys, **rotated)
+    got, _ = read_through(tmp_path, "r1", remote, namespace, old_keys + new_keys, **rotated)
     assert got == old_payloads + new_payloads  # the new key seals, the old one still opens
-    got, stats = _read(tmp_path, "r2", remote, namespace, old_keys, **only_new)
+    got, stats = read_through(tmp_path, "r2", remote, namespace, old_keys, **only_new)
     assert got == [None, None] and stats["undecryptable"] >= 1  # the old key dropped: its objects are misses
-    got, _ = _read(tmp_path, "r3", remote, namespace, new_keys, **only_new)
+    got, _ = read_through(tmp_path, "r3", remote, namespace, new_keys, **only_new)
     assert got == new_payloads
 
 
@@ -203,10 +191,10 @@ def test_with_a_mac_key_too_both_are_checked(tmp_path: Path, namespace: Any, enc
     remote = make_remote("file", tmp_path, request)
     mac = {"remote_auth_key_file": key_file(tmp_path, MAC_KEY, name="auth.key")}
     keys, payloads = chain(namespace, 3, seed=9)
-    _write(tmp_path, "writer", remote, namespace, keys, payloads, **enc, **mac)
-    got, stats = _read(tmp_path, "both", remote, namespace, keys, **enc, **mac)
+    write_through(tmp_path, "writer", remote, namespace, keys, payloads, **enc, **mac)
+    got, stats = read_through(tmp_path, "both", remote, namespace, keys, **enc, **mac)
     assert got == payloads and stats["mac_mismatch"] == stats["undecryptable"] == 0
-    got, stats = _read(tmp_path, "mac-only", remote, namespace, keys, **mac)
+    got, stats = read_through(tmp_path, "mac-only", remote, namespace, keys, **mac)
     assert got == [None] * 3 and stats["undecryptable"] >= 1 and stats["mac_mismatch"] == 0  # authentic, yet unreadable
     # The MAC covers the ciphertext: a ciphertext altered in place fails the MAC before any decryption.
     root = RemoteRoot.from_url(remote.url, remote.options)
@@ -214,7 +202,7 @@ def test_with_a_mac_key_too_both_are_checked(tmp_path: Path, namespace: Any, enc
     data = bytearray(root.fs.cat_file(path))
     data[ENVELOPE_BYTES + sealing.HEAD_BYTES] ^= 1
     write_whole(root.fs, path, bytes(data))
-    got, stats = _read(tmp_path, "both-again", remote, namespace, keys, **enc, **mac)
+    got, stats = read_through(tmp_path, "both-again", remote, namespace, keys, **enc, **mac)
     assert got == [None, *payloads[1:]] and stats["mac_mismatch"] == 1 and stats["undecryptable"] == 0
 
 
@@ -255,7 +243,7 @@ def test_derived_keys_and_ids_are_not_the_mac_keys() -> None:
 
 def test_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no remote is set"):
-        ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote_encryption_key_file=key_file(tmp_path, NEW_KEY))
+        ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote_encryption_key_file=key_file(tmp_path, NEW_KEY, name="encryption.key"))
     pasted = NEW_KEY.hex()
     with pytest.raises(ConfigError) as caught:
         ucm_db.open(tmp_path / "b", capacity_bytes=CAP, remote=f"file://{tmp_path}/r", remote_encryption_key_env=pasted)
@@ -270,7 +258,7 @@ def test_settings_are_checked(tmp_path: Path) -> None:
 def test_missing_cryptography_is_a_config_error_naming_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
     with pytest.raises(ConfigError, match="cryptography") as caught:
-        load_sealing_keys(key_file(tmp_path, NEW_KEY), None)
+        load_sealing_keys(key_file(tmp_path, NEW_KEY, name="encryption.key"), None)
     assert "pip install cryptography" in str(caught.value)
 
 
