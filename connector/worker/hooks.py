@@ -270,7 +270,8 @@ def _without_draft_layers(kv_caches: Mapping[str, KVCacheEntry], model_layers: i
     logger.info("ucm-db: %d KV cache layers beyond the model's %d (a speculative-decoding draft model's: %s) are not "
                 "stored or loaded; the target model's KV is, and the drafter recomputes its own",
                 len(draft), model_layers, ", ".join(draft[:4]) + (" ..." if len(draft) > 4 else ""))
-    return {name: entry for name, entry in kv_caches.items() if name not in set(draft)}
+    left_out = set(draft)
+    return {name: entry for name, entry in kv_caches.items() if name not in left_out}
 
 
 def _check_layout(layout: KVLayout, spans: Sequence[object], tp_rank: int, pp_rank: int) -> None:
