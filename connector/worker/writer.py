@@ -2,18 +2,23 @@
 
 The worker copies the units of newly computed blocks out of the paged KV
 cache into a staging buffer during ``wait_for_save`` and hands the buffer
-here; one thread encodes and commits each job: all its unit chains (a KV
-head's units of consecutive blocks) in one transaction
-(``Store.put_segments``).
+here; one thread encodes and commits the jobs: all the unit chains (a KV
+head's units of consecutive blocks) of the jobs queued when it takes one, up
+to :data:`COALESCE_MAX_BYTES`, in one transaction (``Store.put_segments``):
+a backlog costs one commit per writer round, not one per engine step.
 
 Invariants:
     * Jobs commit in submission order (one thread, FIFO), so a request's
       chain segment is committed before the segment that names it as parent.
+    * Jobs taken together are consecutive in the queue and of one
+      namespace; a void, a job of another namespace or ``close`` ends the
+      round (it runs after the round commits).
     * Each unit chain keeps the prefix invariant on its own, which is what
-      lookups rely on (:func:`ucm_db.keys.units.stored_prefix`): if the job's
+      lookups rely on (:func:`ucm_db.keys.units.stored_prefix`): if a round's
       one transaction fails on a missing parent (one head's parent evicted
-      meanwhile) or on capacity (all heads together do not fit), its chains
-      are put one by one, so the others still land.
+      meanwhile) or on capacity (all heads together do not fit), its jobs
+      are committed one by one, and such a job's chains one by one, so the
+      others still land.
     * At most ``max_pending_bytes`` of staging wait in the queue, counted
       as the buffers the jobs hold (:attr:`SaveJob.queued_bytes`: a pooled
       buffer holds up to twice its save's rows); a job that would exceed it
@@ -22,7 +27,8 @@ Invariants:
       be stored: the first one is logged with the fix; queue-full drops are
       logged at most once a minute.
     * A failed put (missing parent after an eviction, full store, I/O error)
-      loses only that job: it is counted and logged, the thread goes on.
+      loses only that job (an I/O error: that round): it is counted and
+      logged, the thread goes on.
     * A :class:`VoidJob` (units of blocks whose KV was computed over a
       failed load, metadata.py) deletes them in queue order: after every
       save submitted before it, so a void never misses a commit still queued.
@@ -36,8 +42,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +61,8 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler p
 _RATIO_INTERVAL_S = 2.0
 #: Queue-full drops are logged at most this often.
 _DROP_LOG_INTERVAL_S = 60.0
+#: Most staged bytes one writer round commits in one transaction.
+COALESCE_MAX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -174,30 +183,81 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         cpu_placement.place_current_thread()  # encode off the model's cores where it is bound
+        carried: list[SaveJob | VoidJob | None] = []  # the item that ended the last round
         while True:
-            job = self._queue.get()
+            job = carried.pop() if carried else self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
+            if isinstance(job, VoidJob):
+                self._finish([job], lambda voids: self._delete(voids[0]))
+                continue
+            jobs = self._round(job, carried)
+            self._finish(jobs, self._commit_round)
+
+    def _round(self, first: SaveJob, carried: list[SaveJob | VoidJob | None]) -> list[SaveJob]:
+        """``first`` and the save jobs queued behind it that join its
+        transaction; a queue item taken that cannot join goes to ``carried``."""
+        jobs, nbytes = [first], first.nbytes
+        while nbytes < COALESCE_MAX_BYTES:
             try:
-                if job is None:
-                    return
-                if isinstance(job, VoidJob):
-                    self._delete(job)
-                else:
-                    self._commit(job)
-            finally:
-                if job is not None:
-                    with self._lock:
-                        self._pending_bytes -= job.queued_bytes
-                    if isinstance(job, SaveJob):
-                        job.done()
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(job, SaveJob) or job.namespace != first.namespace or nbytes + job.nbytes > COALESCE_MAX_BYTES:
+                carried.append(job)
+                break
+            jobs.append(job)
+            nbytes += job.nbytes
+        return jobs
+
+    def _finish(self, jobs: Sequence[SaveJob | VoidJob], work: Callable[[Any], None]) -> None:
+        """Runs ``work`` over ``jobs`` (one round, or one void), then releases
+        their staging and queue places, whatever ``work`` raised."""
+        try:
+            work(jobs)
+        finally:
+            with self._lock:
+                self._pending_bytes -= sum(job.queued_bytes for job in jobs)
+            for job in jobs:
+                if isinstance(job, SaveJob):
+                    job.done()
                 self._queue.task_done()
 
-    def _commit(self, job: SaveJob) -> None:
+    def _commit_round(self, jobs: list[SaveJob]) -> None:
+        """Commits a round's jobs in one transaction; one by one where that
+        fails on a missing parent or on capacity (module invariants)."""
+        if len(jobs) == 1:
+            self._commit(jobs[0])
+            return
         started, started_cpu = time.perf_counter(), time.thread_time()
+        segments = [segment for job in jobs for segment in self._segments(job)]
+        evented: dict[bytes, ucm_db.BlockEventFields] = {}
+        for job in jobs:
+            evented.update(job.evented() or {})
+        try:
+            self._store.put_segments(jobs[0].namespace, segments, codec_name=self._codec_name, event_fields=evented or None)
+        except (MissingAncestorError, StoreFullError):
+            for job in jobs:
+                self._commit(job)
+            return
+        except (UcmDbError, OSError) as exc:
+            blocks = sum(job.blocks for job in jobs)
+            logger.warning("ucm-db: saving %d blocks failed: %s", blocks, exc)
+            self._counters.add(save_errors=blocks)
+            return
+        self._count_saved(jobs, started, started_cpu)
+
+    def _segments(self, job: SaveJob) -> list[tuple[BlockKeys, list[ucm_db.Framed]]]:
         rows = job.staging.numpy()
-        segments = [
+        return [
             (BlockKeys(list(keys), parent=keys.parent()), [self._frames(rows[i, j]) for i in range(len(keys))])
             for j, keys in enumerate(job.chains)
         ]
+
+    def _commit(self, job: SaveJob) -> None:
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        segments = self._segments(job)
         try:
             self._store.put_segments(job.namespace, segments, codec_name=self._codec_name, event_fields=job.evented())
             failed = 0
@@ -209,12 +269,16 @@ class BackgroundWriter:
         if failed:
             self._counters.add(save_errors=job.blocks)
             return
+        self._count_saved([job], started, started_cpu)
+
+    def _count_saved(self, jobs: list[SaveJob], started: float, started_cpu: float) -> None:
         # CPU read before the wall clock (and after it at the start): the CPU interval lies inside the wall one.
         commit_cpu_s = time.thread_time() - started_cpu
         commit_s = time.perf_counter() - started
-        self._counters.add(saved_blocks=job.blocks, saved_bytes=job.nbytes, save_commit_s=commit_s, save_commit_cpu_s=commit_cpu_s)
+        self._counters.add(saved_blocks=sum(job.blocks for job in jobs), saved_bytes=sum(job.nbytes for job in jobs),
+                           save_commit_s=commit_s, save_commit_cpu_s=commit_cpu_s)
         self._counters.observe("save_commit", commit_s)
-        self._update_ratio(job.namespace)
+        self._update_ratio(jobs[0].namespace)
 
     def _delete(self, job: VoidJob) -> None:
         keys = [chain[0] for chain in job.chains if len(chain)]  # a chain's first unit takes the rest with it

@@ -103,6 +103,19 @@ def test_queued_jobs_behind_a_commit_lose_only_the_orphan(store) -> None:
     assert sorted(held.released) == [0, 2, 4, 6]
 
 
+def test_jobs_queued_behind_a_commit_take_one_transaction(store) -> None:
+    """Issue 50 item 3: a backlog costs one commit per writer round, not
+    one per engine step; every job's blocks land and each staging goes back."""
+    held = Held(store, 8)
+    for start in (2, 4, 6):
+        held.save(start, start + 2)
+    held.release_and_drain()
+    assert held.puts.calls == 2  # the held job's, then one for the three queued behind it
+    assert _stored(store, held.keys, 0, 8)
+    assert held.counters.totals.data["saved_blocks"] == 8 and held.counters.totals.data["save_errors"] == 0
+    assert sorted(held.released) == [0, 2, 4, 6]
+
+
 def test_a_void_between_saves_keeps_queue_order(store) -> None:
     held = Held(store, 8)
     held.save(2, 4)
