@@ -38,6 +38,7 @@ BENCHMARKS = {
     "gil": "ucm_db.tools.bench.gil:command",
     "presence": "ucm_db.tools.bench.presence:command",
     "admission": "ucm_db.tools.bench.admission:command",
+    "save-decode": "ucm_db.tools.bench.save_decode:command",
     "public-api": "ucm_db.tools.bench.public_api:command",
 }
 

@@ -34,6 +34,7 @@ JOBS = {
     "ttft_engine": "ucm_db.tools.bench.ttft:run_engine",
     "cost_engine": "ucm_db.tools.bench.cost:run_engine",
     "remote_lookup_engine": "ucm_db.tools.bench.remote_lookup:run_engine",
+    "save_decode_engine": "ucm_db.tools.bench.save_decode:run_engine",
 }
 
 
