@@ -7,6 +7,14 @@ block can have), when its stored bytes disagree with its metadata, or when
 its payload does not decode. Damage is a miss and a quarantine, never an
 exception out of a read, a put, a flush or a close.
 
+:class:`Damage` is the one owner of reading records that may be damaged
+inside a write transaction and of quarantine: the index's writer reads
+through it (:meth:`Damage.meta_or_clear`) and the tier quarantines through
+it. It removes a quarantined block's subtree itself
+(:func:`ucm_db.index.removal.remove_tree`), so it calls back into no other
+part of the index. The module's functions work inside a caller's
+transaction.
+
 Invariants:
     * Quarantining removes the block and its descendants (prefix invariant)
       and files a ``quarantine`` record, in one transaction; their pins go
@@ -32,32 +40,126 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from ucm_db import codec
 from ucm_db.errors import DamagedPageError, TierError
-from ucm_db.events import FEED_MAX_RECORDS
-from ucm_db.index import changefeed, pins, records
+from ucm_db.index import pins
 from ucm_db.index.accounting import Changes, Totals
 from ucm_db.engines.base import Buffer, Engine, Txn
-from ucm_db.index.entries import BlockMeta, DamagedMeta, body_of, lru_key
-
-
-class IndexForDamage(Protocol):
-    """What damage handling needs of :class:`ucm_db.index.local.LocalTier`,
-    public members only (a protocol: the index calls this module, never the
-    reverse)."""
-
-    engine: Engine
-    feed_max_records: int
-
-    def totals(self) -> Totals: ...
-
-    def remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int: ...
+from ucm_db.index.entries import BlockMeta, DamagedMeta, TierLimits, body_of, lru_key
+from ucm_db.index.removal import detach, remove_tree
 
 logger = logging.getLogger("ucm_db")
 #: ``still_corrupt(head, body)``: re-checks a block inside the write transaction.
 Recheck = Callable[[memoryview, memoryview], bool]
+
+
+class Damage:
+    """The owner of damaged records: reads a block's record inside a write
+    transaction, quarantining it where it is damaged, and quarantines
+    blocks (see module invariants). Built over ``engine`` and the tier's
+    shared ``limits`` (the change feed's length)."""
+
+    def __init__(self, engine: Engine, limits: TierLimits) -> None:
+        self.engine = engine
+        self.limits = limits
+
+    def meta_or_clear(self, txn: Txn, changes: Changes, key: bytes) -> BlockMeta | None:
+        """``key``'s metadata; a damaged record is quarantined (with the
+        block's descendants) inside ``txn`` and reads as None."""
+        data = txn.get("meta", key)
+        if data is None:
+            return None
+        try:
+            return BlockMeta.unpack(data)
+        except DamagedMeta as exc:
+            logger.warning("ucm-db: block %s: %s; quarantined", key.hex()[:16], exc)
+            self._file(txn, changes, key, str(exc), None, exc, keep_payload=False)
+            return None
+
+    def quarantine(self, key: bytes, reason: str, still_corrupt: Recheck) -> bool:
+        """Quarantines ``key`` with its descendants unless ``still_corrupt(head,
+        body)``, asked inside the write transaction, clears a block whose
+        record and stored bytes agree (another process may have replaced
+        it); where deleting its payload fails on a damaged page, quarantines
+        it again leaving the payload as a stuck entry (any other failure, a
+        full disk say, is raised: a stuck entry refuses puts of its key
+        until a compact). Returns whether the block was quarantined."""
+        try:
+            return self.engine.write(lambda txn: self._quarantine_in(txn, key, reason, still_corrupt, keep_payload=False))
+        except DamagedPageError as exc:
+            logger.warning("ucm-db: quarantining block %s failed (%s); leaving its payload behind", key.hex()[:16], exc)
+            return self.engine.write(lambda txn: self._quarantine_in(txn, key, reason, still_corrupt, keep_payload=True))
+
+    def records(self) -> dict[bytes, dict[str, Any]]:
+        """Every quarantine record, by key (one snapshot)."""
+        return self.engine.read(lambda txn: {k: json.loads(bytes(v)) for k, v in txn.scan("quarantine")})
+
+    def delete_around(self, keys: Sequence[bytes], namespace_id: bytes | None, delete: Callable[[], int]) -> int:
+        """Runs ``delete()`` (a delete of ``keys`` and their descendants); where
+        it fails on a payload the engine cannot free, quarantines the
+        unreadable blocks of those trees first (leaving their payloads stuck)
+        and deletes again. Returns blocks removed (on that path counted from
+        the totals, so a concurrent writer's blocks may blur the count)."""
+        try:
+            return delete()
+        except TierError:
+            before = self.engine.read(Totals.read_or_recompute).blocks
+            bad = self.engine.read(lambda txn: _unreadable_in_trees(txn, keys, namespace_id))
+            if not bad:
+                raise
+            for key in bad:
+                self.quarantine(key, "its payload could not be deleted (a damaged page)", lambda _head, _body: True)
+            delete()
+            return before - self.engine.read(Totals.read_or_recompute).blocks
+
+    def _quarantine_in(self, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool) -> bool:
+        """One quarantine transaction (:meth:`quarantine`); with
+        ``keep_payload`` the block's own ``blocks`` value is left as a stuck entry."""
+        data = txn.get("meta", key)
+        damaged: DamagedMeta | None = None
+        meta: BlockMeta | None = None
+        if data is not None:
+            try:
+                meta = BlockMeta.unpack(data)
+            except DamagedMeta as exc:
+                damaged = exc
+        stored = txn.get("blocks", key)
+        if meta is not None and stored is not None:
+            head = memoryview(txn.get("heads", key) or b"")
+            body = body_of(head, memoryview(stored))
+            if len(head) + len(body) == meta.stored_bytes and not still_corrupt(head, body):
+                return False
+        changes = Changes(txn)
+        self._file(txn, changes, key, reason, meta, damaged, keep_payload=keep_payload)
+        changes.commit()
+        return True
+
+    def _file(self, txn: Txn, changes: Changes, key: bytes, reason: str, meta: BlockMeta | None,
+              damaged: DamagedMeta | None, *, keep_payload: bool) -> None:
+        """Removes ``key`` (whole record ``meta``, or a ``damaged`` one, or
+        none) and its descendants, and files its quarantine record."""
+        fields = meta if meta is not None else damaged.fields if damaged is not None else None
+        record: dict[str, object] = {
+            "reason": reason, "time_ns": time.time_ns(),
+            "namespace": fields.namespace_id.hex() if fields else None,
+            "stored_bytes": meta.stored_bytes if meta else None,
+        }
+        feed_max_records = self.limits.feed_max_records
+        children = [bytes(link[32:]) for link, _ in txn.scan("children", key)]
+        pins.release_above(txn, changes, key)  # the subtree's pins leave its ancestors (pins.py)
+        if txn.get("meta", key) is not None:
+            detach(txn, changes, key, fields, damaged, delete_payload=not keep_payload, feed_max_records=feed_max_records)
+        elif not keep_payload:
+            txn.delete("blocks", key)
+            txn.delete("heads", key)
+        for child in children:
+            remove_tree(txn, changes, child, feed_max_records=feed_max_records)
+        if keep_payload:
+            record["payload_stuck"] = True
+        txn.put("quarantine", key, json.dumps(record).encode())
+        changes.totals.quarantined += 1
 
 
 def meta_or_none(data: Buffer | None) -> BlockMeta | None:
@@ -73,47 +175,6 @@ def meta_or_none(data: Buffer | None) -> BlockMeta | None:
 def stored_meta(txn: Txn, key: bytes) -> BlockMeta | None:
     """``key``'s metadata, None where absent or damaged."""
     return meta_or_none(txn.get("meta", key))
-
-
-def detach(txn: Txn, changes: Changes, key: bytes, fields: BlockMeta | None, damaged: DamagedMeta | None,
-           *, delete_payload: bool = True, feed_max_records: int = FEED_MAX_RECORDS) -> int:
-    """Removes the entries of ``key`` (its children's links too, not the
-    children) given its record's ``fields`` (None: unreadable). A
-    ``damaged`` record's sizes are not subtracted: the counters are
-    recounted. An evented block's removal is logged in the change feed
-    (:mod:`ucm_db.index.changefeed`). Returns 1."""
-    txn.delete("meta", key)
-    changefeed.removed(txn, key, feed_max_records)
-    pins.drop(txn, changes, key)
-    if delete_payload:
-        txn.delete("blocks", key)
-    txn.delete("heads", key)
-    txn.delete("uploads", key)
-    if fields is not None:
-        txn.delete("lru", lru_key(fields.access_ns, fields.depth, key))
-        if fields.parent is not None:
-            txn.delete("children", fields.parent + key)
-    for link, _ in list(txn.scan("children", key)):
-        txn.delete("children", link)
-    if damaged is not None:
-        changes.recount(records.DamagedRecord(b"meta/" + key.hex()[:16].encode(), damaged.reason))
-    elif fields is not None:
-        changes.add(fields, -1)
-    return 1
-
-
-def meta_or_clear(tier: IndexForDamage, txn: Txn, changes: Changes, key: bytes) -> BlockMeta | None:
-    """``key``'s metadata; a damaged record is quarantined (with the
-    block's descendants) inside ``txn`` and reads as None."""
-    data = txn.get("meta", key)
-    if data is None:
-        return None
-    try:
-        return BlockMeta.unpack(data)
-    except DamagedMeta as exc:
-        logger.warning("ucm-db: block %s: %s; quarantined", key.hex()[:16], exc)
-        file_quarantine(tier, txn, changes, key, str(exc), None, exc, keep_payload=False)
-        return None
 
 
 def has_live_children(txn: Txn, key: bytes) -> bool:
@@ -151,107 +212,38 @@ def refuse_stuck(txn: Txn, key: bytes) -> None:
         )
 
 
-def quarantine_in(tier: IndexForDamage, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool) -> bool:
-    """One quarantine transaction (see :meth:`LocalTier.quarantine`); with
-    ``keep_payload`` the block's own ``blocks`` value is left as a stuck entry."""
-    data = txn.get("meta", key)
-    damaged: DamagedMeta | None = None
-    meta: BlockMeta | None = None
-    if data is not None:
-        try:
-            meta = BlockMeta.unpack(data)
-        except DamagedMeta as exc:
-            damaged = exc
-    stored = txn.get("blocks", key)
-    if meta is not None and stored is not None:
-        head = memoryview(txn.get("heads", key) or b"")
-        body = body_of(head, memoryview(stored))
-        if len(head) + len(body) == meta.stored_bytes and not still_corrupt(head, body):
-            return False
-    changes = Changes(txn)
-    file_quarantine(tier, txn, changes, key, reason, meta, damaged, keep_payload=keep_payload)
-    changes.commit()
-    return True
-
-
-def file_quarantine(tier: IndexForDamage, txn: Txn, changes: Changes, key: bytes, reason: str, meta: BlockMeta | None,
-                    damaged: DamagedMeta | None, *, keep_payload: bool) -> None:
-    """Removes ``key`` (whole record ``meta``, or a ``damaged`` one, or
-    none) and its descendants, and files its quarantine record."""
-    fields = meta if meta is not None else damaged.fields if damaged is not None else None
-    record: dict[str, object] = {
-        "reason": reason, "time_ns": time.time_ns(),
-        "namespace": fields.namespace_id.hex() if fields else None,
-        "stored_bytes": meta.stored_bytes if meta else None,
-    }
-    children = [bytes(link[32:]) for link, _ in txn.scan("children", key)]
-    pins.release_above(txn, changes, key)  # the subtree's pins leave its ancestors (pins.py)
-    if txn.get("meta", key) is not None:
-        detach(txn, changes, key, fields, damaged, delete_payload=not keep_payload, feed_max_records=tier.feed_max_records)
-    elif not keep_payload:
-        txn.delete("blocks", key)
-        txn.delete("heads", key)
-    for child in children:
-        tier.remove_tree(txn, changes, child)
-    if keep_payload:
-        record["payload_stuck"] = True
-    txn.put("quarantine", key, json.dumps(record).encode())
-    changes.totals.quarantined += 1
-
-
-def quarantine(tier: IndexForDamage, key: bytes, reason: str, still_corrupt: Recheck) -> bool:
-    """Quarantines ``key`` with its descendants; where deleting its payload
-    fails on a damaged page, quarantines it again leaving the payload as a
-    stuck entry (any other failure, a full disk say, is raised: a stuck
-    entry refuses puts of its key until a compact). Returns whether the
-    block was quarantined."""
-    try:
-        return tier.engine.write(lambda txn: quarantine_in(tier, txn, key, reason, still_corrupt, keep_payload=False))
-    except DamagedPageError as exc:
-        logger.warning("ucm-db: quarantining block %s failed (%s); leaving its payload behind", key.hex()[:16], exc)
-        return tier.engine.write(lambda txn: quarantine_in(tier, txn, key, reason, still_corrupt, keep_payload=True))
-
-
-def restore_links(tier: IndexForDamage) -> dict[str, int]:
+def restore_links_in(txn: Txn) -> dict[str, int]:
     """Re-adds the LRU entry of every block that lacks one and the child
-    link of every block whose parent is stored but does not name it (one
-    write transaction); returns how many of each were added."""
-    def run(txn: Txn) -> dict[str, int]:
-        added = {"lru": 0, "children": 0}
-        for key, data in list(txn.scan("meta")):
-            meta = meta_or_none(data)
-            if meta is None:
-                continue
-            key = bytes(key)
-            lru = lru_key(meta.access_ns, meta.depth, key)
-            if txn.get("lru", lru) is None:
-                txn.put("lru", lru, b"")
-                added["lru"] += 1
-            if meta.parent is not None and txn.get("meta", meta.parent) is not None \
-                    and txn.get("children", meta.parent + key) is None:
-                txn.put("children", meta.parent + key, b"")
-                added["children"] += 1
-        return added
-    return tier.engine.write(run)
+    link of every block whose parent is stored but does not name it;
+    returns how many of each were added."""
+    added = {"lru": 0, "children": 0}
+    for key, data in list(txn.scan("meta")):
+        meta = meta_or_none(data)
+        if meta is None:
+            continue
+        key = bytes(key)
+        lru = lru_key(meta.access_ns, meta.depth, key)
+        if txn.get("lru", lru) is None:
+            txn.put("lru", lru, b"")
+            added["lru"] += 1
+        if meta.parent is not None and txn.get("meta", meta.parent) is not None \
+                and txn.get("children", meta.parent + key) is None:
+            txn.put("children", meta.parent + key, b"")
+            added["children"] += 1
+    return added
 
 
-def delete_around_damage(tier: IndexForDamage, keys: Sequence[bytes], namespace_id: bytes | None, delete: Callable[[], int]) -> int:
-    """Runs ``delete()`` (a delete of ``keys`` and their descendants); where
-    it fails on a payload the engine cannot free, quarantines the
-    unreadable blocks of those trees first (leaving their payloads stuck)
-    and deletes again. Returns blocks removed (on that path counted from
-    the totals, so a concurrent writer's blocks may blur the count)."""
-    try:
-        return delete()
-    except TierError:
-        before = tier.totals().blocks
-        bad = tier.engine.read(lambda txn: _unreadable_in_trees(txn, keys, namespace_id))
-        if not bad:
-            raise
-        for key in bad:
-            quarantine(tier, key, "its payload could not be deleted (a damaged page)", lambda _head, _body: True)
-        delete()
-        return before - tier.totals().blocks
+class HoldsEngine(Protocol):
+    """Anything with an ``engine`` (a :class:`~ucm_db.index.local.LocalTier`)."""
+
+    engine: Engine
+
+
+def restore_links(tier: HoldsEngine) -> dict[str, int]:
+    """:func:`restore_links_in` in one write transaction of ``tier.engine``
+    (:meth:`ucm_db.index.upkeep.IndexUpkeep.restore_links`, for callers
+    that hold a tier)."""
+    return tier.engine.write(restore_links_in)
 
 
 def _unreadable_in_trees(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:

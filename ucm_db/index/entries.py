@@ -1,5 +1,6 @@
 """The value types of the local block index: per-block metadata, entries
-to put, put results, buffered reader activity, and LRU index keys.
+to put, put results, buffered reader activity, LRU index keys, and the
+limits the index's parts share (:class:`TierLimits`).
 
 Invariants:
     * :class:`BlockMeta` packs to a fixed 88-byte record; its first 16 bytes
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ucm_db import codec
 from ucm_db.engines.base import Buffer
+from ucm_db.events import FEED_MAX_RECORDS
 
 NO_PARENT = bytes(32)
 META = struct.Struct("<16s32sIQQQQI")
@@ -149,6 +151,21 @@ class BlockEntry:
     @property
     def stored_bytes(self) -> int:
         return len(self.head) + len(self.body)
+
+
+@dataclass(slots=True)
+class TierLimits:
+    """The local tier's limits, one object its parts share and read at each
+    use (so a store that changes them after opening changes them for every
+    part at once).
+
+    Attributes:
+        capacity_bytes: stored bytes a put evicts down to.
+        feed_max_records: change feed records kept (:mod:`ucm_db.index.changefeed`).
+    """
+
+    capacity_bytes: int
+    feed_max_records: int = FEED_MAX_RECORDS
 
 
 @dataclass(slots=True)

@@ -38,54 +38,142 @@ Invariants:
       tail met at the front of the LRU order is filed again as used now,
       like a block with children (:mod:`ucm_db.index.pins`).
 
-The class is assembled from one module per job: the serving index's reads
-(:mod:`ucm_db.index.reads`) and writes
-(:mod:`ucm_db.index.writes`), the maintenance primitives
-(:mod:`ucm_db.index.upkeep`), pinning (:mod:`ucm_db.index.pinning`), the
-upload queue (:mod:`ucm_db.index.upload_queue`); quarantine is
-:mod:`ucm_db.index.damage`'s.
+:class:`LocalTier` is a facade over parts it builds and holds, one module
+per job, each a plain class with its dependencies given to its constructor
+(no part reaches into another's private members):
+
+* ``reads``:   :class:`~ucm_db.index.reads.IndexReader` (engine): the serving reads
+* ``damage``:  :class:`~ucm_db.index.damage.Damage` (engine, limits): damaged
+  records read in a write transaction, and quarantine
+* ``writes``:  :class:`~ucm_db.index.writes.IndexWriter` (engine, limits, damage):
+  puts, deletes, eviction, reader activity
+* ``upkeep``:  :class:`~ucm_db.index.upkeep.IndexUpkeep` (engine): checks and
+  maintenance primitives
+* ``pinning``: :class:`~ucm_db.index.pinning.IndexPins` (engine): pin, unpin
+* ``uploads``: :class:`~ucm_db.index.upload_queue.UploadQueue` (engine)
+
+The state they share is the engine and one :class:`~ucm_db.index.entries.TierLimits`
+(``limits``: capacity and change feed length, read at each use, so setting
+``capacity_bytes`` or ``feed_max_records`` on the tier changes every part).
+Removing a block with its descendants is :mod:`ucm_db.index.removal`'s, a
+function the writer and the damage owner both call inside their own
+transactions. The tier's public members are the parts' methods, bound once
+when it is built; the :class:`~ucm_db.engines.base.Tier` interface's are
+methods of the class that delegate to them.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterator, Sequence
 
-from ucm_db.events import FEED_MAX_RECORDS
-from ucm_db.index import damage
-from ucm_db.engines.base import Engine
-from ucm_db.index.pinning import IndexPinning
-from ucm_db.index.upkeep import IndexMaintenance
+from ucm_db.engines.base import Engine, Tier, TierCapabilities
+from ucm_db.index.damage import Damage
 from ucm_db.index.entries import (  # noqa: F401 - re-exported: the index's value types its callers use
-    BlockEntry, BlockMeta, PendingActivity, PutResult, body_of,
+    BlockEntry, BlockMeta, PendingActivity, PutResult, TierLimits, body_of,
 )
+from ucm_db.index.pinning import IndexPins
+from ucm_db.index.reads import IndexReader
+from ucm_db.index.upkeep import IndexUpkeep
 from ucm_db.index.upload_queue import UploadQueue
+from ucm_db.index.writes import IndexWriter
 
 
-class LocalTier(IndexMaintenance, IndexPinning, UploadQueue):
-    """Block index over a transactional engine (see module invariants)."""
+class LocalTier(Tier):
+    """Block index over a transactional engine (see module invariants): the
+    facade of its parts."""
 
     def __init__(self, engine: Engine, *, capacity_bytes: int) -> None:
         self.engine = engine
-        self.capacity_bytes = capacity_bytes
-        #: LRU entries eviction has read in this process (it reads a block
-        #: with children once, then files it as used: tests check that).
-        self.eviction_entries_scanned = 0
-        #: Change feed records kept (:mod:`ucm_db.index.changefeed`).
-        self.feed_max_records = FEED_MAX_RECORDS
+        self.limits = TierLimits(capacity_bytes)
+        self.reads = reads = IndexReader(engine)
+        self.damage = damage = Damage(engine, self.limits)
+        self.writes = writes = IndexWriter(engine, self.limits, damage)
+        self.upkeep = upkeep = IndexUpkeep(engine)
+        self.pinning = pinning = IndexPins(engine)
+        self.uploads = uploads = UploadQueue(engine)
+        # The serving reads (one read transaction each).
+        self.present_for_put = reads.present_for_put
+        self.read_blocks = reads.read_blocks
+        self.with_blocks = reads.with_blocks
+        self.read_blobs = reads.read_blobs
+        self.count_prefix = reads.count_prefix
+        self.with_snapshot = reads.with_snapshot
+        self.metas = reads.metas
+        self.totals = reads.totals
+        self.namespace_counts = reads.namespace_counts
+        self.namespace_descriptions = reads.namespace_descriptions
+        self.info_get = reads.info_get
+        # The writes (one write transaction each).
+        self.put_blocks = writes.put_blocks
+        self.apply_activity = writes.apply_activity
+        self.evict_lru = writes.evict_lru
+        self.info_put = writes.info_put
+        # Quarantine and the maintenance primitives (docs/architecture.md).
+        self.quarantine = damage.quarantine
+        self.quarantine_records = damage.records
+        self.check = upkeep.check
+        self.damaged_records = upkeep.damaged_records
+        self.recompute_totals = upkeep.recompute_totals
+        self.restore_links = upkeep.restore_links
+        self.seal_records = upkeep.seal_records
+        self.scan_metas = upkeep.scan_metas
+        self.visit_stored = upkeep.visit_stored
+        self.sample_keys = upkeep.sample_keys
+        self.drop_quarantine_records = upkeep.drop_quarantine_records
+        self.drop_orphans = upkeep.drop_orphans
+        self.drop_orphans_and_check = upkeep.drop_orphans_and_check
+        # Pins and the upload queue.
+        self.pin_chains = pinning.pin_chains
+        self.unpin_chains = pinning.unpin_chains
+        self.pin_counts = pinning.pin_counts
+        self.pending_uploads = uploads.pending_uploads
+        self.queued = uploads.queued
+        self.mark_uploaded = uploads.mark_uploaded
 
-    def quarantine(self, key: bytes, reason: str, still_corrupt: Callable[[memoryview, memoryview], bool]) -> bool:
-        """Moves a corrupt block (and its descendants) out of the store.
+    @property
+    def capacity_bytes(self) -> int:
+        """Stored bytes a put evicts down to (``limits``; a store sets it
+        from its checked settings after opening)."""
+        return self.limits.capacity_bytes
 
-        ``still_corrupt(head, body)`` re-checks the block inside the write
-        transaction, so a block another process has meanwhile replaced is
-        left alone. A block whose record is damaged, or whose stored bytes
-        disagree with its record, goes whatever ``still_corrupt`` says; one
-        whose payload cannot be deleted (a damaged page) goes leaving that
-        payload stuck (:mod:`ucm_db.index.damage`).
-        """
-        return damage.quarantine(self, key, reason, still_corrupt)
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int) -> None:
+        self.limits.capacity_bytes = value
 
-    def quarantine_records(self) -> dict[bytes, dict[str, Any]]:
-        return self.engine.read(lambda txn: {k: json.loads(bytes(v)) for k, v in txn.scan("quarantine")})
+    @property
+    def feed_max_records(self) -> int:
+        """Change feed records kept (``limits``; :mod:`ucm_db.index.changefeed`)."""
+        return self.limits.feed_max_records
+
+    @feed_max_records.setter
+    def feed_max_records(self, value: int) -> None:
+        self.limits.feed_max_records = value
+
+    @property
+    def eviction_entries_scanned(self) -> int:
+        """LRU entries eviction has read in this process (the writer's count)."""
+        return self.writes.eviction_entries_scanned
+
+    # The Tier interface (engines.base), methods of the class.
+    @property
+    def capabilities(self) -> TierCapabilities:
+        return TierCapabilities(
+            persistent=self.engine.persistent, transactional=True,
+            multi_process=self.engine.multi_process, sorted_iteration=True,
+        )
+
+    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self.reads.read_blobs(keys)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.reads.exists(keys)
+
+    def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
+        """:meth:`IndexWriter.delete <ucm_db.index.writes.IndexWriter.delete>`."""
+        return self.writes.delete(keys, namespace_id=namespace_id)
+
+    def iterate(self) -> Iterator[bytes]:
+        return self.reads.iterate()
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,9 +1,10 @@
-"""Pinning chains in the local block index: :class:`~ucm_db.index.local.LocalTier`'s
-pin and unpin (the records and their invariants are :mod:`ucm_db.index.pins`).
+"""Pinning chains in the local block index: pin, unpin and the pinned
+counters (the records and their invariants are :mod:`ucm_db.index.pins`).
+:class:`IndexPins` needs only the engine.
 
 Invariants:
-    * Each call is one write transaction: every chain's pin (or unpin) and
-      the pinned counters, or nothing.
+    * Each pin or unpin call is one write transaction: every chain's pin
+      (or unpin) and the pinned counters, or nothing.
     * A pin covers what is stored *now* of each chain (its stored prefix
       under the namespace): a pin is made at the prefix's last block.
     * A call that would leave more than ``limit_bytes`` pinned in the whole
@@ -20,16 +21,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ucm_db.engines.base import Txn
+from ucm_db.engines.base import Engine, Txn
 from ucm_db.errors import StoreFullError
 from ucm_db.index import pins
 from ucm_db.index.accounting import Changes
-from ucm_db.index.reads import IndexReads, count_in
+from ucm_db.index.reads import count_in
 from ucm_db.stats import PinReport
 
 
-class IndexPinning(IndexReads):
-    """Pin and unpin of the local block index (see module invariants)."""
+class IndexPins:
+    """Pin and unpin of the local block index over ``engine`` (see module invariants)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def pin_counts(self) -> dict[bytes, tuple[int, int]]:
+        """Pinned (blocks, stored bytes) per namespace id (one read transaction)."""
+        return self.engine.read(pins.pin_counts)
 
     def pin_chains(self, chains: Sequence[Sequence[bytes]], namespace_id: bytes, *, limit_bytes: int) -> PinReport:
         """Pins the stored prefix of each chain (and its ancestors).

@@ -1,6 +1,9 @@
 """The serving index's reads: presence, prefix counts, blocks, metadata and
-counters of :class:`~ucm_db.index.local.LocalTier` (the table layout and
-invariants are in :mod:`ucm_db.index.local`).
+counters of the local block index (the table layout and invariants are in
+:mod:`ucm_db.index.local`).
+
+:class:`IndexReader` needs only the engine: it is built alone over any
+engine holding the index's tables.
 
 Invariants:
     * Every method is one read transaction of the engine: it sees one
@@ -18,36 +21,22 @@ from functools import partial
 from typing import Any, Optional, TypeVar
 
 from ucm_db.errors import ConfigError
-from ucm_db.index import damage, namespace_guard, pins, records
+from ucm_db.index import damage, namespace_guard, records
 from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, Totals, parse_description, recount
-from ucm_db.engines.base import Buffer, Engine, Tier, TierCapabilities, Txn
+from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index.entries import META, BlockMeta, body_of
 
 T = TypeVar("T")
-#: ``take_chunk(start, stored, heads, metas) -> positions not used`` (:meth:`IndexReads.with_blocks`).
+#: ``take_chunk(start, stored, heads, metas) -> positions not used`` (:meth:`IndexReader.with_blocks`).
 TakeChunk = Callable[[int, list[Any], list[Any], Optional[list[Any]]], Sequence[int]]
 logger = logging.getLogger("ucm_db")
 
 
-class IndexReads(Tier):
+class IndexReader:
     """The reads of the local block index over ``engine``."""
 
-    engine: Engine
-    capacity_bytes: int
-    #: LRU entries eviction has read in this process.
-    eviction_entries_scanned: int
-    #: Change feed records kept (:mod:`ucm_db.index.changefeed`).
-    feed_max_records: int
-
-    @property
-    def capabilities(self) -> TierCapabilities:
-        return TierCapabilities(
-            persistent=self.engine.persistent, transactional=True,
-            multi_process=self.engine.multi_process, sorted_iteration=True,
-        )
-
-    def get_batch(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self.read_blobs(keys)
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.engine.read(lambda txn: [txn.get("meta", k) is not None for k in keys])
@@ -85,9 +74,6 @@ class IndexReads(Tier):
 
     def iterate(self) -> Iterator[bytes]:
         return iter(self.engine.read(lambda txn: [k for k, _ in txn.scan("meta")]))
-
-    def close(self) -> None:
-        self.engine.close()
 
     def read_blocks(self, keys: Sequence[bytes], visit: Callable[[int, memoryview, memoryview], T]) -> list[T | None]:
         """Runs ``visit(i, head, body)`` inside one read transaction for each
@@ -183,10 +169,6 @@ class IndexReads(Tier):
         (:class:`SnapshotPresence`, valid only during the call)."""
         return self.engine.read(lambda txn: fn(SnapshotPresence(txn, namespace_id)))
 
-    def pin_counts(self) -> dict[bytes, tuple[int, int]]:
-        """Pinned (blocks, stored bytes) per namespace id (:mod:`ucm_db.index.pins`)."""
-        return self.engine.read(pins.pin_counts)
-
     def metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
         return self.engine.read(lambda txn: [_meta_or_none(txn.get("meta", k)) for k in keys])
 
@@ -221,13 +203,10 @@ class IndexReads(Tier):
     def info_get(self, name: bytes) -> bytes | None:
         return self.engine.read(lambda txn: _bytes_or_none(txn.get("info", name)))
 
-    def info_put(self, name: bytes, value: bytes) -> None:
-        self.engine.write(lambda txn: txn.put("info", name, value))
-
 
 class SnapshotPresence:
     """Presence in one read transaction, under ``namespace_id`` if given
-    (:meth:`IndexReads.with_snapshot`)."""
+    (:meth:`IndexReader.with_snapshot`)."""
 
     __slots__ = ("_txn", "_namespace_id")
 
@@ -236,7 +215,7 @@ class SnapshotPresence:
         self._namespace_id = namespace_id
 
     def count(self, keys: Sequence[bytes]) -> int:
-        """:meth:`IndexReads.count_prefix` in this snapshot (:func:`count_in`)."""
+        """:meth:`IndexReader.count_prefix` in this snapshot (:func:`count_in`)."""
         return count_in(self._txn, keys, self._namespace_id)
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
@@ -255,7 +234,7 @@ class SnapshotPresence:
 
 def count_in(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> int:
     """Leading ``keys`` present (under ``namespace_id``, if given) in
-    ``txn``: :meth:`IndexReads.count_prefix`'s answer, the last key and the
+    ``txn``: :meth:`IndexReader.count_prefix`'s answer, the last key and the
     first read before the binary search (a chain stored whole, or not at
     all, costs two reads). Only the keys read are checked: a malformed one
     is a ConfigError."""

@@ -1,6 +1,8 @@
-"""The local block index's maintenance primitives: checks, recounts and the
-bulk walks :mod:`ucm_db.maintenance` runs (each one transaction, or one per
-bounded chunk), for :class:`~ucm_db.index.local.LocalTier`.
+"""The local block index's maintenance primitives: checks, recounts, repairs
+and the bulk walks :mod:`ucm_db.maintenance` runs (each one transaction, or
+one per bounded chunk). :class:`IndexUpkeep` needs only the engine
+(``compact``'s eviction is the writer's: :meth:`IndexWriter.evict_lru
+<ucm_db.index.writes.IndexWriter.evict_lru>`).
 
 Invariants:
     * Nothing else outside :mod:`ucm_db.index` edits the index's tables:
@@ -15,10 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ucm_db.index import accounting, partitions as chunked, damage, audit as index_audit, pins, records
-from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, Changes, Totals, damaged_records, recount
-from ucm_db.engines.base import Buffer, Txn
+from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, Totals, damaged_records, recount
+from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index.entries import BlockMeta, lru_key
-from ucm_db.index.writes import IndexWrites
 
 T = TypeVar("T")
 #: Entries a maintenance write transaction scans at most: a compact beside
@@ -26,8 +27,11 @@ T = TypeVar("T")
 MAINTENANCE_CHUNK_KEYS = 4096
 
 
-class IndexMaintenance(IndexWrites):
-    """Checks and maintenance primitives of the local block index."""
+class IndexUpkeep:
+    """Checks and maintenance primitives of the local block index over ``engine``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def check(self) -> list[str]:
         """Consistency problems of the index (empty list when healthy), from
@@ -62,6 +66,12 @@ class IndexMaintenance(IndexWrites):
             return totals
         return self.engine.write(run)
 
+    def restore_links(self) -> dict[str, int]:
+        """Re-adds missing LRU entries and child links in one write
+        transaction (:func:`ucm_db.index.damage.restore_links_in`); returns
+        how many of each were added."""
+        return self.engine.write(damage.restore_links_in)
+
     def seal_records(self) -> int:
         """Adds checksums to the settings, counter and description records
         written by older code (see :mod:`ucm_db.index.records`); returns how
@@ -83,29 +93,12 @@ class IndexMaintenance(IndexWrites):
         only during the call."""
         return self.engine.read(lambda txn: [visit(k, txn.get("meta", k), txn.get("heads", k), txn.get("blocks", k)) for k in keys])
 
-    def evict_lru(self, target_bytes: int, max_blocks: int) -> int:
-        """Evicts least recently used blocks (with their descendants) until at
-        most ``target_bytes`` are stored or about ``max_blocks`` went; returns
-        blocks evicted (counted in the totals' evictions)."""
-        def run(txn: Txn) -> int:
-            changes = Changes(txn)
-            evicted = 0
-            while changes.totals.stored_bytes > target_bytes and evicted < max_blocks:
-                victim = self._oldest_tail(txn, changes, ())
-                if victim is None:
-                    break
-                count = self.remove_tree(txn, changes, victim)
-                evicted += count
-                changes.totals.evictions += count
-            changes.commit()
-            return evicted
-        return self.engine.write(run)
-
     def sample_keys(self, count: int, *, seed: int = 0) -> list[bytes]:
         """About ``count`` distinct stored keys chosen at random by ``seed``,
         sorted, in O(count) reads whatever the store's size (random prefix
         probes, :func:`ucm_db.index.partitions.sample_keys`)."""
-        return chunked.sample_keys(self.engine, "meta", count, total_keys=self.totals().blocks, seed=seed)
+        total_keys = self.engine.read(Totals.read_or_recompute).blocks
+        return chunked.sample_keys(self.engine, "meta", count, total_keys=total_keys, seed=seed)
 
     def drop_quarantine_records(self, *, chunk_keys: int = MAINTENANCE_CHUNK_KEYS) -> int:
         """Deletes every quarantine record but those of stuck payloads

@@ -16,9 +16,11 @@ from ucm_db.engines.base import Engine, Txn
 
 
 class UploadQueue:
-    """Reads and drains the ``uploads`` table of ``engine``."""
+    """Reads and drains the ``uploads`` table of ``engine`` (puts fill it:
+    :meth:`ucm_db.index.writes.IndexWriter.put_blocks`)."""
 
-    engine: Engine
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def pending_uploads(self, limit: int | None = None) -> list[bytes]:
         def run(txn: Txn) -> list[bytes]:

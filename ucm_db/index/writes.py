@@ -1,6 +1,11 @@
 """The serving index's writes: puts, eviction, removal and reader activity
-of :class:`~ucm_db.index.local.LocalTier` (the table layout and
-invariants are in :mod:`ucm_db.index.local`).
+of the local block index (the table layout and invariants are in
+:mod:`ucm_db.index.local`).
+
+:class:`IndexWriter` is built over the engine, the tier's shared
+:class:`~ucm_db.index.entries.TierLimits` (capacity, change feed length,
+read at each put) and the :class:`~ucm_db.index.damage.Damage` it reads
+records through (a damaged one is quarantined on the way).
 
 Invariants:
     * Each public method is one write transaction; the totals and
@@ -26,13 +31,23 @@ from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.index import changefeed, damage, namespace_guard, pins, records
 from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
-from ucm_db.engines.base import Txn
-from ucm_db.index.reads import IndexReads, in_namespace
-from ucm_db.index.entries import LRU_PREFIX, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, lru_key
+from ucm_db.engines.base import Engine, Txn
+from ucm_db.index.damage import Damage
+from ucm_db.index.reads import in_namespace
+from ucm_db.index.removal import remove_tree
+from ucm_db.index.entries import LRU_PREFIX, BlockEntry, BlockMeta, PendingActivity, PutResult, TierLimits, lru_key
 
 
-class IndexWrites(IndexReads):
+class IndexWriter:
     """The writes of the local block index (see module invariants)."""
+
+    def __init__(self, engine: Engine, limits: TierLimits, damage: Damage) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.damage = damage
+        #: LRU entries eviction has read in this process (it reads a block
+        #: with children once, then files it as used: tests check that).
+        self.eviction_entries_scanned = 0
 
     def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
         """Removes ``keys`` and their descendants; with ``namespace_id``,
@@ -45,10 +60,10 @@ class IndexWrites(IndexReads):
             if namespace_id is not None:
                 for key in mine:
                     namespace_guard.require_tree_in_namespace(txn, key, namespace_id)
-            removed = sum(self.remove_tree(txn, changes, k) for k in mine)
+            removed = sum(self._remove_tree(txn, changes, k) for k in mine)
             changes.commit()
             return removed
-        return damage.delete_around_damage(self, keys, namespace_id, lambda: self.engine.write(run))
+        return self.damage.delete_around(keys, namespace_id, lambda: self.engine.write(run))
 
     def put_blocks(
         self,
@@ -70,6 +85,8 @@ class IndexWrites(IndexReads):
                 another namespace than the entry's (nothing is written).
             StoreFullError: the batch alone exceeds the capacity.
         """
+        limits = self.limits
+
         def run(txn: Txn) -> PutResult:
             changes = Changes(txn)
             result = PutResult()
@@ -80,7 +97,7 @@ class IndexWrites(IndexReads):
                 records.put_checked(txn, NS_DESC_PREFIX + namespace_desc[0], namespace_desc[1])
             for entry in entries:
                 in_batch.add(entry.key)
-                existing = damage.meta_or_clear(self, txn, changes, entry.key)
+                existing = self.damage.meta_or_clear(txn, changes, entry.key)
                 if existing is not None:
                     if existing.namespace_id != entry.namespace_id:
                         namespace_guard.require_same(txn, existing.pack(), entry.namespace_id, entry.key, "block")
@@ -101,12 +118,12 @@ class IndexWrites(IndexReads):
                 if enqueue_upload:
                     txn.put("uploads", entry.key, entry.namespace_id)
                 if entry.event_fields is not None:
-                    changefeed.stored(txn, entry.key, entry.namespace_id, depth, entry.event_fields, self.feed_max_records)
+                    changefeed.stored(txn, entry.key, entry.namespace_id, depth, entry.event_fields, limits.feed_max_records)
                 changes.add(meta, +1)
                 result.stored += 1
             # Reads buffered so far: applied where this attempt evicts, which must
             # see them (``activity`` is told either way: background.ReadsForEviction).
-            pending = activity(changes.totals.stored_bytes > self.capacity_bytes) if activity is not None else None
+            pending = activity(changes.totals.stored_bytes > limits.capacity_bytes) if activity is not None else None
             if pending is not None:
                 self._apply_activity(txn, changes, pending)
             result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch, protect))
@@ -138,18 +155,41 @@ class IndexWrites(IndexReads):
             StoreFullError: only protected blocks are left to evict; the
                 caller's transaction then writes nothing.
         """
+        capacity_bytes = self.limits.capacity_bytes
+        evicted = self._evict_tails(txn, changes, capacity_bytes, protected)
+        if changes.totals.stored_bytes > capacity_bytes:
+            pinned = pins.pinned_bytes(txn, changes)
+            raise StoreFullError(
+                f"the batch and its ancestors need {changes.totals.stored_bytes} bytes but capacity_bytes is "
+                f"{capacity_bytes}" + (f" and {pinned} bytes are pinned" if pinned else "") + "; nothing was stored",
+                hint="raise capacity_bytes or put smaller batches" + (
+                    ", or unpin chains (Store.unpin, `ucm-db unpin`): pinned blocks are never evicted" if pinned else ""),
+            )
+        return evicted
+
+    def evict_lru(self, target_bytes: int, max_blocks: int) -> int:
+        """Evicts least recently used blocks (with their descendants) until at
+        most ``target_bytes`` are stored or about ``max_blocks`` went; returns
+        blocks evicted (counted in the totals' evictions). A maintenance
+        primitive (``compact``'s eviction)."""
+        def run(txn: Txn) -> int:
+            changes = Changes(txn)
+            evicted = self._evict_tails(txn, changes, target_bytes, (), max_blocks)
+            changes.commit()
+            return evicted
+        return self.engine.write(run)
+
+    def _evict_tails(self, txn: Txn, changes: Changes, target_bytes: int, protected: Container[bytes],
+                     max_blocks: int | None = None) -> int:
+        """Evicts unprotected LRU chain tails (with their descendants) until at
+        most ``target_bytes`` are stored, about ``max_blocks`` went, or none
+        is left; returns blocks evicted (counted in the totals' evictions)."""
         evicted = 0
-        while changes.totals.stored_bytes > self.capacity_bytes:
+        while changes.totals.stored_bytes > target_bytes and (max_blocks is None or evicted < max_blocks):
             victim = self._oldest_tail(txn, changes, protected)
             if victim is None:
-                pinned = pins.pinned_bytes(txn, changes)
-                raise StoreFullError(
-                    f"the batch and its ancestors need {changes.totals.stored_bytes} bytes but capacity_bytes is "
-                    f"{self.capacity_bytes}" + (f" and {pinned} bytes are pinned" if pinned else "") + "; nothing was stored",
-                    hint="raise capacity_bytes or put smaller batches" + (
-                        ", or unpin chains (Store.unpin, `ucm-db unpin`): pinned blocks are never evicted" if pinned else ""),
-                )
-            count = self.remove_tree(txn, changes, victim)
+                break
+            count = self._remove_tree(txn, changes, victim)
             evicted += count
             changes.totals.evictions += count
         return evicted
@@ -184,7 +224,7 @@ class IndexWrites(IndexReads):
         now = time.time_ns()
         for lru, key in refile:
             txn.delete("lru", lru)
-            meta = damage.meta_or_clear(self, txn, changes, key)
+            meta = self.damage.meta_or_clear(txn, changes, key)
             if meta is None:
                 continue
             meta.access_ns = max(meta.access_ns, now)
@@ -194,38 +234,8 @@ class IndexWrites(IndexReads):
             counts[3] = max(counts[3], meta.access_ns)
         return victim
 
-    def remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
-        """Removes ``key`` and all its descendants; returns blocks removed."""
-        pins.release_above(txn, changes, key)
-        stack = [key]
-        removed = 0
-        while stack:
-            current = stack.pop()
-            stack.extend(child[32:] for child, _ in list(txn.scan("children", current)))
-            removed += self._remove_one(txn, changes, current)
-        return removed
-
-    def _remove_one(self, txn: Txn, changes: Changes, key: bytes) -> int:
-        data = txn.get("meta", key)
-        if data is None:
-            return 0
-        try:
-            meta = BlockMeta.unpack(data)
-        except DamagedMeta as exc:
-            return damage.detach(txn, changes, key, exc.fields, exc, feed_max_records=self.feed_max_records)
-        txn.delete("meta", key)
-        txn.delete("blocks", key)
-        txn.delete("heads", key)
-        txn.delete("lru", lru_key(meta.access_ns, meta.depth, key))
-        txn.delete("uploads", key)
-        for child, _ in list(txn.scan("children", key)):
-            txn.delete("children", child)
-        if meta.parent is not None:
-            txn.delete("children", meta.parent + key)
-        changefeed.removed(txn, key, self.feed_max_records)
-        pins.drop(txn, changes, key)
-        changes.add(meta, -1)
-        return 1
+    def _remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
+        return remove_tree(txn, changes, key, feed_max_records=self.limits.feed_max_records)
 
     def apply_activity(self, activity: PendingActivity) -> None:
         """Writes pending touches and hit/miss counts in one transaction."""
@@ -237,6 +247,10 @@ class IndexWrites(IndexReads):
             changes.commit()
         self.engine.write(run)
 
+    def info_put(self, name: bytes, value: bytes) -> None:
+        """Writes one ``info`` record as given (no checksum added)."""
+        self.engine.write(lambda txn: txn.put("info", name, value))
+
     def _apply_activity(self, txn: Txn, changes: Changes, activity: PendingActivity) -> None:
         changes.totals.hits += activity.hits
         changes.totals.misses += activity.misses
@@ -247,7 +261,7 @@ class IndexWrites(IndexReads):
             hit = True
             current: bytes | None = key
             while current is not None and (current not in visited or hit):
-                meta = damage.meta_or_clear(self, txn, changes, current)
+                meta = self.damage.meta_or_clear(txn, changes, current)
                 if meta is None:
                     break
                 if meta.access_ns < access_ns:

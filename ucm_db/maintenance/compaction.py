@@ -14,7 +14,7 @@ Steps, in order:
        (:meth:`LocalTier.drop_orphans`). Memory and transaction size stay
        bounded on a store of millions of blocks. A block whose parent is
        not stored is quarantined with its descendants, missing LRU entries
-       and child links are re-added (:func:`~ucm_db.index.damage.restore_links`),
+       and child links are re-added (:meth:`LocalTier.restore_links`),
        and counters that disagree with the metadata are recounted (pin
        records that disagree with the blocks are rebuilt from the pins made
        at stored blocks).
@@ -45,7 +45,6 @@ from ucm_db.errors import DamagedRecordError, FormatVersionError, LockedError, T
 from ucm_db.format import STORE_FORMAT_VERSION, damaged_format_records, open_engine, read_format_version, read_settings
 from ucm_db.store.view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
 from ucm_db.storelock import StoreLock, describe, holders
-from ucm_db.index.damage import restore_links
 from ucm_db.index.local import LocalTier
 from ucm_db.maintenance.verification import PARENT_MISSING, counters_damaged, lineage_problems, links_missing
 
@@ -255,7 +254,7 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         parentless = _quarantine_parentless(tier, index_problems)
         links_restored = {"lru": 0, "children": 0}
         if links_missing(index_problems):
-            links_restored = restore_links(tier)
+            links_restored = tier.restore_links()
         if parentless or links_missing(index_problems):
             index_problems = tier.check()
         if counters_damaged(index_problems):
