@@ -23,6 +23,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import pkgutil
 import re
 import subprocess
 import sys
@@ -355,7 +358,11 @@ def test_typing_only_imports_count_for_cycles(tmp_path: Path) -> None:
 
 
 def _put_blocks_calls(path: Path) -> list[tuple[str, bool]]:
-    """``(enclosing function, enqueues upload)`` of each ``.put_blocks(...)`` call in ``path``."""
+    """``(enclosing function, enqueues upload)`` of each ``.put_blocks(...)``
+    call in ``path``. An omitted ``enqueue_upload`` is ``put_blocks``' own
+    default (read from its signature: False); an expression that is no
+    constant counts as enqueueing (the Store's ``wing is not None``)."""
+    default = _put_blocks_definition().parameters["enqueue_upload"].default
     tree = ast.parse(path.read_text(), filename=str(path))
     calls = []
     for function in ast.walk(tree):
@@ -363,9 +370,34 @@ def _put_blocks_calls(path: Path) -> list[tuple[str, bool]]:
             continue
         for node in ast.walk(function):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "put_blocks":
-                enqueue = next((k.value for k in node.keywords if k.arg == "enqueue_upload"), None)
-                calls.append((function.name, not (isinstance(enqueue, ast.Constant) and enqueue.value is False)))
+                enqueue = next((k.value for k in node.keywords if k.arg == "enqueue_upload"), ast.Constant(default))
+                calls.append((function.name, not (isinstance(enqueue, ast.Constant) and not enqueue.value)))
     return calls
+
+
+def _put_blocks_definition() -> inspect.Signature:
+    """The signature of the one ``put_blocks`` the index package defines
+    (whichever of its classes holds it)."""
+    import ucm_db.index
+
+    found = []
+    for info in pkgutil.iter_modules(ucm_db.index.__path__, "ucm_db.index."):
+        module = importlib.import_module(info.name)
+        found += [cls.put_blocks for cls in vars(module).values()
+                  if isinstance(cls, type) and cls.__module__ == module.__name__ and "put_blocks" in vars(cls)]
+    assert len(found) == 1, found
+    return inspect.signature(found[0])
+
+
+def test_an_omitted_enqueue_upload_counts_as_put_blocks_default(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def omitted(tier, e):\n    tier.put_blocks(e)\n"
+        "def refused(tier, e):\n    tier.put_blocks(e, enqueue_upload=False)\n"
+        "def queued(tier, e):\n    tier.put_blocks(e, enqueue_upload=True)\n"
+        "def decided(tier, e, wing):\n    tier.put_blocks(e, enqueue_upload=wing is not None)\n"
+    )
+    assert _put_blocks_calls(module) == [("omitted", False), ("refused", False), ("queued", True), ("decided", True)]
 
 
 def test_fetched_blocks_enter_the_local_tier_through_one_function() -> None:

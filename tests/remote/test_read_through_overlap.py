@@ -1,5 +1,5 @@
 """Read-through of ``get`` and ``get_into`` decodes each fetched block as it
-arrives, while later ones are still on the link (Store._read_through), on a
+arrives, while later ones are still on the link (StoreReads._read_through), on a
 bandwidth-limited ``throttled://`` remote (the benchmarks' link: real files,
 a token bucket for the bytes)."""
 

@@ -3,8 +3,8 @@
 The check decodes and checksums each block (or a random sample, drawn
 without listing the store) under its key and compares its size with its
 metadata, then (for a full check) runs the index's consistency check.
-Repair quarantines the corrupt blocks through the store's own mechanism
-(:meth:`LocalTier.quarantine`, which re-checks each block inside its write
+Repair quarantines the corrupt blocks through the store's own door
+(:meth:`ucm_db.Store.quarantine`, which re-checks each block inside its write
 transaction and takes its descendants with it), quarantines blocks on parent
 cycles, blocks whose parent is missing and blocks whose namespace id differs
 from their parent's (damaged metadata: lookup would claim them), re-adds
@@ -189,8 +189,7 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
         # by both reads alike), not by listing the store twice.
         before = tier.totals().blocks
         for key, reason in report.corrupt.items():
-            recheck = _always if reason in _METADATA_REASONS else _still_corrupt_for(key)
-            tier.quarantine(key, f"ucm-db verify: {reason}", recheck)
+            store.quarantine(key, f"ucm-db verify: {reason}", recheck=reason not in _METADATA_REASONS)
         report.quarantined_blocks = before - tier.totals().blocks
         if links_missing(report.index_problems):
             damage.restore_links(tier)
@@ -205,10 +204,3 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
             report.feed_repaired = tier.engine.write(lambda txn: feed_audit.repair(txn, tier.feed_max_records)) > 0
     return report
 
-
-def _always(_head: memoryview, _body: memoryview) -> bool:
-    return True
-
-
-def _still_corrupt_for(key: bytes) -> Any:
-    return lambda head, body: not codec.readable(head, body, key)

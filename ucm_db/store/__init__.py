@@ -1,7 +1,11 @@
 """The tiered block store: the public object behind :func:`ucm_db.open`.
 
 A :class:`Store` turns ``(namespace, keys, payloads)`` into encoded blocks in a
-:class:`~ucm_db.index.local.LocalTier`, and back.
+:class:`~ucm_db.index.local.LocalTier`, and back. It holds its operations as
+parts, plain objects built on one :class:`~ucm_db.store.state.StoreState`
+(handles, guards, this process's threads): writes, reads, the change feed and
+epochs, pins, presence queries (one module each); its methods hand each call
+to its part.
 
 Invariants:
     * A block is visible only after the transaction that put it commits.
@@ -15,6 +19,11 @@ Invariants:
       transaction, and an eviction always sees them.
     * The store is safe for threads, and for several processes on one node
       with the LMDB engine; it re-opens itself in a forked child.
+    * Every block enters the local tier through the write part's one path
+      (``put``, ``put_segments``, and ``put_encoded`` for blocks already
+      encoded, e.g. an archive's), remote promotion aside: the epoch gate,
+      one commit, the group-durability count and upload queueing apply to
+      all of them (:mod:`ucm_db.store.writes`).
     * With a ``remote``: every block put is queued for upload in its own
       commit (write-back drains the queue in the background; write-through
       uploads before ``put`` returns); local misses in lookup/get read
@@ -32,29 +41,46 @@ Invariants:
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORMAT_VERSION and friends
     CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
-from ucm_db.arguments import require_namespace
+from ucm_db.arguments import UNSET, Unset, require_namespace
 from ucm_db.keys import Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
-from ucm_db.store.epoch_gate import EpochGate
 from ucm_db.store.feed import StoreFeed
 from ucm_db.store.opening import open_store
 from ucm_db.store.pinning import StorePins
 from ucm_db.store.presence import StorePresence
 from ucm_db.store.reads import StoreReads
+from ucm_db.store.state import StoreState
 from ucm_db.store.writes import StoreWrites
 
 if TYPE_CHECKING:
+    from ucm_db.buffers import Buffer
+    from ucm_db.codec.pool import Payload
+    from ucm_db.events import BlockEventFields, ChangeBatch, EventInventory
+    from ucm_db.index.local import PutResult
+    from ucm_db.keys.units import KVGrid, UnitSpan
     from ucm_db.remote.warming import WarmProgress, WarmReport
+    from ucm_db.stats import PinReport
+    from ucm_db.store.background import Background
 
 #: Default seconds flush() waits for the upload queue to drain.
 FLUSH_UPLOAD_TIMEOUT_S = 60.0
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _doc(implementation: Callable[..., Any]) -> Callable[[_Method], _Method]:
+    """Gives a :class:`Store` method the docstring of the part's method it
+    hands the call to: written once, beside the code it describes."""
+    def documented(method: _Method) -> _Method:
+        method.__doc__ = implementation.__doc__
+        return method
+    return documented
 
 
 def open(path: str | os.PathLike[str], **options: Any) -> Store:  # noqa: A001 - public API name
@@ -73,37 +99,129 @@ def open(path: str | os.PathLike[str], **options: Any) -> Store:  # noqa: A001 -
     return Store(path, **options)
 
 
-class Store(StoreWrites, StoreReads, StoreFeed, StorePins, StorePresence):
+class Store:
     """A KV block store (see module invariants). Use :func:`ucm_db.open`.
 
-    Its operations live in one module per job: writes
+    It holds its operations as parts, one module per job, each built on the
+    store's :class:`~ucm_db.store.state.StoreState` (handles, guards, this
+    process's threads; :mod:`ucm_db.store.state`): writes
     (:mod:`ucm_db.store.writes`), reads (:mod:`ucm_db.store.reads`), the
     change feed and epochs (:mod:`ucm_db.store.feed`), pins
     (:mod:`ucm_db.store.pinning`), presence queries
-    (:mod:`ucm_db.store.presence`); opening in
-    :mod:`ucm_db.store.opening`, the guards in :mod:`ucm_db.store.base`.
-    This class holds what ties them: ``__init__``, flush, warm, close and
-    stats."""
+    (:mod:`ucm_db.store.presence`); opening in :mod:`ucm_db.store.opening`.
+    Its methods hand each call to its part (the docstrings are the
+    parts'); this class itself does flush, warm, close and stats."""
 
     def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
-        opened = open_store(path, options)
-        self.path = opened.path
-        self.config = opened.config
-        self._engine = opened.engine
-        self._tier = opened.tier
-        self._dir_lock = opened.dir_lock
-        self._closed = False
-        self._lock = threading.Lock()
-        self._pid = -1
-        self._pool = None
-        self._background = None
-        self._wing = None
-        if self.config.remote is not None:
-            from ucm_db.remote.wing import RemoteWing  # loaded only by a store with a remote
+        state = StoreState(open_store(path, options))
+        self.path = state.path
+        self.config = state.config
+        self._state = state
+        # The handles: for components.local_tier and remote_link, the index repairs of maintenance, the tests.
+        self._engine, self._tier, self._wing, self._epochs = state.engine, state.tier, state.wing, state.epochs
+        self._writes = StoreWrites(state)
+        self._reads = StoreReads(state)
+        self._feed = StoreFeed(state)
+        self._pins = StorePins(state)
+        self._presence = StorePresence(state)
 
-            self._wing = RemoteWing(self.config, opened.auth_keys, self._tier, self.path, opened.sealing_keys)
-        self._epochs = EpochGate(self._engine, self.path, read_only=self.config.read_only, remote=self._wing)
-        self._ensure_process()
+    @property
+    def _activity(self) -> Background:
+        """This process's background work (made again after a fork)."""
+        return self._state.activity
+
+    # -- writes (store/writes.py) ------------------------------------------------------
+    @_doc(StoreWrites.put)
+    def put(
+        self, namespace: Namespace, keys: Sequence[bytes], payloads: Sequence[Payload], *,
+        parent: bytes | None | Unset = UNSET, codec_name: str | None = None,
+        event_fields: Mapping[bytes, BlockEventFields] | None = None,
+    ) -> PutResult:
+        return self._writes.put(namespace, keys, payloads, parent=parent, codec_name=codec_name, event_fields=event_fields)
+
+    @_doc(StoreWrites.put_segments)
+    def put_segments(
+        self, namespace: Namespace, segments: Sequence[tuple[Sequence[bytes], Sequence[Payload]]], *,
+        codec_name: str | None = None, event_fields: Mapping[bytes, BlockEventFields] | None = None,
+    ) -> PutResult:
+        return self._writes.put_segments(namespace, segments, codec_name=codec_name, event_fields=event_fields)
+
+    @_doc(StoreWrites.put_encoded)
+    def put_encoded(self, namespace: Namespace, blocks: Sequence[tuple[bytes, bytes | None, Buffer]]) -> PutResult:
+        return self._writes.put_encoded(namespace, blocks)
+
+    @_doc(StoreWrites.delete)
+    def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        return self._writes.delete(namespace, keys)
+
+    @_doc(StoreWrites.quarantine)
+    def quarantine(self, key: bytes, reason: str, *, recheck: bool = True) -> bool:
+        return self._writes.quarantine(key, reason, recheck=recheck)
+
+    # -- reads (store/reads.py, store/presence.py) --------------------------------------
+    @_doc(StoreReads.lookup)
+    def lookup(
+        self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = True, remote_deadline_s: float | None = None,
+    ) -> int:
+        return self._reads.lookup(namespace, keys, remote=remote, remote_deadline_s=remote_deadline_s)
+
+    @_doc(StoreReads.get)
+    def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
+        return self._reads.get(namespace, keys)
+
+    @_doc(StoreReads.get_into)
+    def get_into(
+        self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer | list[Buffer] | tuple[Buffer, ...]],
+        *, touch: bool = True,
+    ) -> list[bool]:
+        return self._reads.get_into(namespace, keys, buffers, touch=touch)
+
+    @_doc(StoreReads.touch)
+    def touch(self, namespace: Namespace, keys: Sequence[bytes]) -> None:
+        self._reads.touch(namespace, keys)
+
+    @_doc(StorePresence.lookup_many)
+    def lookup_many(
+        self, namespace: Namespace, chains: Sequence[Sequence[bytes]], *,
+        grid: KVGrid | None = None, spans: Sequence[UnitSpan] | None = None,
+    ) -> list[int]:
+        return self._presence.lookup_many(namespace, chains, grid=grid, spans=spans)
+
+    # -- pins (store/pinning.py) --------------------------------------------------------
+    @_doc(StorePins.pin)
+    def pin(
+        self, namespace: Namespace, keys: Sequence[bytes] | Sequence[Sequence[bytes]], *,
+        grid: KVGrid | None = None, spans: Sequence[UnitSpan] | None = None,
+    ) -> PinReport:
+        return self._pins.pin(namespace, keys, grid=grid, spans=spans)
+
+    @_doc(StorePins.unpin)
+    def unpin(
+        self, namespace: Namespace, keys: Sequence[bytes] | Sequence[Sequence[bytes]], *,
+        grid: KVGrid | None = None, spans: Sequence[UnitSpan] | None = None,
+    ) -> PinReport:
+        return self._pins.unpin(namespace, keys, grid=grid, spans=spans)
+
+    # -- change feed and epochs (store/feed.py) ----------------------------------------
+    @_doc(StoreFeed.changes_since)
+    def changes_since(self, seq: int, limit: int = 1024, *, namespace: Namespace | None = None) -> ChangeBatch:
+        return self._feed.changes_since(seq, limit, namespace=namespace)
+
+    @_doc(StoreFeed.event_inventory)
+    def event_inventory(self, *, namespace: Namespace | None = None, namespace_id: bytes | None = None) -> EventInventory:
+        return self._feed.event_inventory(namespace=namespace, namespace_id=namespace_id)
+
+    @_doc(StoreFeed.feed_position)
+    def feed_position(self) -> int:
+        return self._feed.feed_position()
+
+    @_doc(StoreFeed.epoch)
+    def epoch(self, namespace: Namespace) -> int:
+        return self._feed.epoch(namespace)
+
+    @_doc(StoreFeed.bump_epoch)
+    def bump_epoch(self, namespace: Namespace) -> int:
+        return self._feed.bump_epoch(namespace)
 
     # -- durability --------------------------------------------------------------------
     def flush(self, *, upload_timeout_s: float | None = FLUSH_UPLOAD_TIMEOUT_S) -> None:
@@ -118,7 +236,7 @@ class Store(StoreWrites, StoreReads, StoreFeed, StorePins, StorePresence):
             TierError: uploads still pending after ``upload_timeout_s``
                 (they stay queued and resume).
         """
-        self._check_open()
+        self._state.check_open()
         self._activity.flush_activity()
         self._engine.sync()
         if self._wing is not None:
@@ -138,7 +256,7 @@ class Store(StoreWrites, StoreReads, StoreFeed, StorePins, StorePresence):
         namespace whose epoch is unknown is refused)."""
         from ucm_db.remote.warming import warm
 
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "warm")
         epoch = self._epochs.epoch(namespace)
         link = None if self._wing is None else self._wing.link
@@ -149,36 +267,7 @@ class Store(StoreWrites, StoreReads, StoreFeed, StorePins, StorePresence):
 
         The store is released (engine closed, lock let go) even when the
         flush or the final sync fails; that failure is raised afterwards."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._pid == os.getpid():
-                self._close_this_process()
-        finally:
-            try:
-                self._engine.close()
-            finally:
-                self._dir_lock.release()
-
-    def _close_this_process(self) -> None:
-        """Stops this process's threads, flushes counters and syncs. Every
-        step runs even when an earlier one fails; the first failure is
-        raised at the end."""
-        steps: list[Callable[[], object]] = [self._activity.stop]
-        if self._wing is not None:
-            steps += self._wing.close_steps()
-        steps += [self._activity.flush_activity, self._engine.sync]
-        if self._pool is not None:
-            steps.append(self._pool.shutdown)
-        first: BaseException | None = None
-        for step in steps:
-            try:
-                step()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                first = first or exc
-        if first is not None:
-            raise first
+        self._state.close()
 
     def __enter__(self) -> Store:
         return self
@@ -190,7 +279,7 @@ class Store(StoreWrites, StoreReads, StoreFeed, StorePins, StorePresence):
     def stats(self) -> StoreStats:
         """Counters of the whole store (all processes), plus this process's
         unflushed hits and misses."""
-        self._check_open()
+        self._state.check_open()
         totals = self._tier.totals()
         hits, misses = self._activity.pending_counts()
         descriptions = self._tier.namespace_descriptions()
@@ -209,8 +298,5 @@ class Store(StoreWrites, StoreReads, StoreFeed, StorePins, StorePresence):
             pending_uploads=len(self._tier.pending_uploads()), namespaces=namespaces,
             maintenance_errors=self._activity.errors + (self._activity.failure is not None),
             pinned_bytes=sum(stored for _blocks, stored in pinned.values()), max_pinned_bytes=self.config.pinned_limit_bytes,
-            remote=self._remote_stats(),
+            remote={} if self._wing is None else self._wing.stats(),
         )
-
-    def _remote_stats(self) -> dict[str, Any]:
-        return {} if self._wing is None else self._wing.stats()

@@ -1,6 +1,8 @@
 """The store's per-namespace bookkeeping: the KV cache events' change
 feed (:mod:`ucm_db.events`) and the namespaces' epochs
-(:mod:`ucm_db.store.epochs`, served through :mod:`ucm_db.store.epoch_gate`).
+(:mod:`ucm_db.store.epochs`, served through :mod:`ucm_db.store.epoch_gate`):
+:class:`StoreFeed`, a part of :class:`~ucm_db.store.Store` built on its
+:class:`~ucm_db.store.state.StoreState` (the engine and the epoch gate).
 
 Invariants:
     * Every change feed read here is one read transaction.
@@ -17,19 +19,24 @@ from __future__ import annotations
 from ucm_db.arguments import require_namespace
 from ucm_db.events import ChangeBatch, EventInventory
 from ucm_db.keys import Namespace
-from ucm_db.store.base import StoreBase
+from ucm_db.store.state import StoreState
 from ucm_db.index import changefeed
 
 
-class StoreFeed(StoreBase):
-    """The change feed and epochs of :class:`~ucm_db.store.Store`."""
+class StoreFeed:
+    """The change feed and epochs of :class:`~ucm_db.store.Store` (module invariants)."""
+
+    def __init__(self, state: StoreState) -> None:
+        self._state = state
+        self._engine = state.engine
+        self._epochs = state.epochs
 
     def changes_since(self, seq: int, limit: int = 1024, *, namespace: Namespace | None = None) -> ChangeBatch:
         """Change feed records from ``seq`` on (at most ``limit`` seqs;
         of ``namespace`` only, if given), written by any process. One read
         transaction; with nothing new, one record read. ``resync`` set: the
         reader fell behind the feed's bound: clear, then :meth:`event_inventory`."""
-        self._check_open()
+        self._state.check_open()
         ns_id = None
         if namespace is not None:
             require_namespace(namespace, "changes_since")
@@ -40,7 +47,7 @@ class StoreFeed(StoreBase):
         """Every evented block stored now (of a namespace, if given) as
         ``stored`` records, parents first, with the feed's ``next_seq`` of
         the same snapshot (follow :meth:`changes_since` from there)."""
-        self._check_open()
+        self._state.check_open()
         if namespace is not None:
             require_namespace(namespace, "event_inventory")
             namespace_id = namespace.id
@@ -50,7 +57,7 @@ class StoreFeed(StoreBase):
 
     def feed_position(self) -> int:
         """The seq the next change feed record gets (start following here)."""
-        self._check_open()
+        self._state.check_open()
         return self._engine.read(changefeed.position)[0]
 
     def epoch(self, namespace: Namespace) -> int:
@@ -65,7 +72,7 @@ class StoreFeed(StoreBase):
                 namespace's blocks): the namespace is not served until
                 ``ucm-db invalidate`` records a new epoch; logged once.
         """
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "epoch")
         return self._epochs.epoch(namespace)
 
@@ -76,7 +83,7 @@ class StoreFeed(StoreBase):
         again and leave through LRU eviction (:mod:`ucm_db.store.epochs`).
         The new epoch is above the remote's too, and the remote's manifest
         is told it. An unknown epoch becomes a fresh one, never a reused one."""
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "bump_epoch")
-        self._refuse_read_only("bump_epoch")
+        self._state.refuse_read_only("bump_epoch")
         return self._epochs.bump(namespace)

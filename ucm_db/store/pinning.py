@@ -1,5 +1,7 @@
 """Pinning: :meth:`~ucm_db.Store.pin` and :meth:`~ucm_db.Store.unpin` keep
-chains (a system prompt, a few-shot preamble) out of eviction.
+chains (a system prompt, a few-shot preamble) out of eviction:
+:class:`StorePins`, a part of :class:`~ucm_db.store.Store` built on its
+:class:`~ucm_db.store.state.StoreState` (the local tier, the epoch gate).
 
 Invariants:
     * A pinned block and all its ancestors are never evicted; a put that
@@ -30,12 +32,17 @@ from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitKeys, UnitSpan
 from ucm_db.stats import PinReport
-from ucm_db.store.base import StoreBase
+from ucm_db.store.state import StoreState
 from ucm_db.store.presence import chain_list
 
 
-class StorePins(StoreBase):
-    """``pin`` and ``unpin`` of :class:`~ucm_db.store.Store`."""
+class StorePins:
+    """``pin`` and ``unpin`` of :class:`~ucm_db.store.Store` (module invariants)."""
+
+    def __init__(self, state: StoreState) -> None:
+        self._state = state
+        self._tier = state.tier
+        self._epochs = state.epochs
 
     def pin(
         self, namespace: Namespace, keys: Sequence[bytes] | Sequence[Sequence[bytes]], *,
@@ -61,13 +68,13 @@ class StorePins(StoreBase):
             EpochUnknownError: (a TierError) the namespace is not served.
             TierError: the store is open read-only.
         """
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "pin")
-        self._refuse_read_only("pin")
+        self._state.refuse_read_only("pin")
         chains, width = _unit_chains(keys, "pin", grid, spans)
         self._epochs.epoch(namespace)  # a namespace whose epoch is unknown is not served: nothing of it is pinned
-        report = self._tier.pin_chains(chains, namespace.id, limit_bytes=self.config.pinned_limit_bytes)
-        self._engine.sync()
+        report = self._tier.pin_chains(chains, namespace.id, limit_bytes=self._state.config.pinned_limit_bytes)
+        self._state.engine.sync()
         return _per_block(report, width)
 
     def unpin(
@@ -83,12 +90,12 @@ class StorePins(StoreBase):
         Raises:
             TierError: the store is open read-only.
         """
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "unpin")
-        self._refuse_read_only("unpin")
+        self._state.refuse_read_only("unpin")
         chains, width = _unit_chains(keys, "unpin", grid, spans)
-        report = self._tier.unpin_chains(chains, namespace.id, limit_bytes=self.config.pinned_limit_bytes)
-        self._engine.sync()
+        report = self._tier.unpin_chains(chains, namespace.id, limit_bytes=self._state.config.pinned_limit_bytes)
+        self._state.engine.sync()
         return _per_block(report, width)
 
 

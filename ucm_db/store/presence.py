@@ -1,5 +1,7 @@
 """Presence queries for routers: :meth:`~ucm_db.Store.lookup_many`, the
-stored prefix of many chains from one snapshot of the local tier.
+stored prefix of many chains from one snapshot of the local tier
+(:class:`StorePresence`, a part of :class:`~ucm_db.store.Store` built on its
+:class:`~ucm_db.store.state.StoreState`: the local tier, the epoch gate).
 
 A router choosing an engine for a prompt asks how much of it each node's
 store holds. One :meth:`~ucm_db.Store.lookup` per prompt costs a read
@@ -31,11 +33,16 @@ from ucm_db.errors import ConfigError
 from ucm_db.index.reads import SnapshotPresence, require_key
 from ucm_db.keys import KEY_BYTES, Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, stored_prefix, unit_keys_of
-from ucm_db.store.base import StoreBase
+from ucm_db.store.state import StoreState
 
 
-class StorePresence(StoreBase):
-    """``lookup_many`` of :class:`~ucm_db.store.Store`."""
+class StorePresence:
+    """``lookup_many`` of :class:`~ucm_db.store.Store` (module invariants)."""
+
+    def __init__(self, state: StoreState) -> None:
+        self._state = state
+        self._tier = state.tier
+        self._epochs = state.epochs
 
     def lookup_many(
         self, namespace: Namespace, chains: Sequence[Sequence[bytes]], *,
@@ -56,7 +63,7 @@ class StorePresence(StoreBase):
             One count per chain, in order. Writes nothing, touches nothing
             and counts no hits (module invariants).
         """
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "lookup_many")
         checked = chain_list(chains, "lookup_many", flat_ok=False)
         if (grid is None) != (spans is None) or (spans is not None and not spans):

@@ -1,4 +1,6 @@
-"""The store's read path: ``lookup``, ``get``, ``get_into`` and ``touch``.
+"""The store's read path: ``lookup``, ``get``, ``get_into`` and ``touch``
+(:class:`StoreReads`, a part of :class:`~ucm_db.store.Store` over its
+:class:`~ucm_db.store.state.StoreState`).
 
 Invariants:
     * Every payload read is verified (header, owning key, checksum) before
@@ -29,12 +31,18 @@ from ucm_db.arguments import ProbedKeys, key_list, require_keys, require_namespa
 from ucm_db.errors import ConfigError, CorruptBlockError
 from ucm_db.keys import Namespace
 from ucm_db.codec.slabs import ScatterSlabs
-from ucm_db.store.base import StoreBase
+from ucm_db.store.state import StoreState
 from ucm_db.engines.base import Buffer
 
 
-class StoreReads(StoreBase):
-    """``lookup``, ``get``, ``get_into`` and ``touch`` of :class:`~ucm_db.store.Store`."""
+class StoreReads:
+    """``lookup``, ``get``, ``get_into`` and ``touch`` of :class:`~ucm_db.store.Store` (module invariants)."""
+
+    def __init__(self, state: StoreState) -> None:
+        self._state = state
+        self._tier = state.tier
+        self._epochs = state.epochs
+        self._wing = state.wing
 
     def lookup(
         self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = True, remote_deadline_s: float | None = None,
@@ -49,7 +57,7 @@ class StoreReads(StoreBase):
                 the store's ``remote_deadline_s`` (a lookup off the serving
                 path can wait longer).
         """
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "lookup")
         # Checked: the first and last key and the O(log n) keys the binary
         # search reads. A full scan of 8192 keys costs more than the lookup
@@ -58,7 +66,7 @@ class StoreReads(StoreBase):
             keys = key_list(keys, "lookup")
         if keys:
             require_keys((keys[0], keys[-1]))
-        deadline_s = self.config.remote_deadline_s if remote_deadline_s is None else remote_deadline_s
+        deadline_s = self._state.config.remote_deadline_s if remote_deadline_s is None else remote_deadline_s
         if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
             raise ConfigError(f"remote_deadline_s must be a positive number of seconds, got {remote_deadline_s!r}", hint="pass e.g. 5.0")
         if not self._epochs.serves(namespace):
@@ -71,7 +79,7 @@ class StoreReads(StoreBase):
     def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
         """Raw payloads of ``keys``; ``None`` for a miss, a corrupt block or
         a block of another namespace."""
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "get")
         keys = key_list(keys, "get")
         if not self._epochs.serves(namespace):
@@ -86,7 +94,7 @@ class StoreReads(StoreBase):
                 return None
 
         results = self._tier.with_blocks(
-            keys, lambda blocks: self._codecs.decode_blocks(blocks, decode), namespace_id=namespace.id,
+            keys, lambda blocks: self._state.codecs.decode_blocks(blocks, decode), namespace_id=namespace.id,
         )
 
         def decode_fetched(i: int, blob: Buffer) -> None:
@@ -123,7 +131,7 @@ class StoreReads(StoreBase):
             return
         # Large zstd blocks are decoded on the codec threads while later
         # ones are fetched, joined before this returns.
-        decodes = self._codecs.pending()
+        decodes = self._state.codecs.pending()
         try:
             self._wing.read_through(namespace.id, keys, missing, use_or_miss, decodes)
         finally:
@@ -152,7 +160,7 @@ class StoreReads(StoreBase):
         Returns:
             For each key, True if ``buffers[i]`` now holds the block.
         """
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "get_into")
         keys = key_list(keys, "get_into")
         if not isinstance(buffers, Sequence) or len(keys) != len(buffers):
@@ -175,7 +183,7 @@ class StoreReads(StoreBase):
 
         # Raw blocks are copied as they are read (raw_loads), the rest on
         # the codec's path once the batch is read.
-        take, raw = raw_loads.raw_taker(keys, buffers, corrupt, shuffled=True, below_frame_bytes=self._codecs.inline_frame_bytes)
+        take, raw = raw_loads.raw_taker(keys, buffers, corrupt, shuffled=True, below_frame_bytes=self._state.codecs.inline_frame_bytes)
         # Into a KV cache's slabs, the read's units are planned and loaded
         # batch_loads.FLUSH_UNITS at a time by native calls (one to plan, one
         # per thread to load); any they decline go the way they went before.
@@ -186,7 +194,7 @@ class StoreReads(StoreBase):
             return True
 
         namespace_id = namespace.id
-        batch = batch_loads.batch_for(keys, buffers, self._codecs.inline_frame_bytes, self._codecs.beside, declined, raw,
+        batch = batch_loads.batch_for(keys, buffers, self._state.codecs.inline_frame_bytes, self._state.codecs.beside, declined, raw,
                                       namespace_id)
 
         def decode_all(blocks: list[tuple[memoryview, memoryview] | None]) -> list[Any]:
@@ -194,7 +202,7 @@ class StoreReads(StoreBase):
                 batch.finish()
             if not any(blocks):  # every block taken or absent: nothing left to decode
                 return raw
-            return [r if r is not None else d for r, d in zip(raw, self._codecs.decode_blocks(blocks, decode))]
+            return [r if r is not None else d for r, d in zip(raw, self._state.codecs.decode_blocks(blocks, decode))]
 
         if batch is None:
             results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=take)
@@ -220,20 +228,20 @@ class StoreReads(StoreBase):
         evicts), never in this call, and a key not stored when it is
         written is skipped. A read-only store keeps no recency. Keys are
         not checked against ``namespace``: touch only keys it issued."""
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "touch")
-        self._activity.record_touches(key_list(keys, "touch"))
+        self._state.activity.record_touches(key_list(keys, "touch"))
 
     def _finish_read(
         self, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]], *, touch: bool = True,
     ) -> list[Any]:
         for key, reason in corrupt:
             self._quarantine(key, reason)
-        self._activity.record_reads(keys, results, touch=touch)
+        self._state.activity.record_reads(keys, results, touch=touch)
         return results
 
     def _quarantine(self, key: bytes, reason: str) -> None:
-        if self.config.read_only:
+        if self._state.config.read_only:
             return  # the block reads as a miss all the same; a writer quarantines it
 
         self._tier.quarantine(key, reason, lambda head, body: not codec.readable(head, body, key))

@@ -1,4 +1,6 @@
-"""The store's write path: ``put``, ``put_segments`` and ``delete``.
+"""The store's writes of blocks: ``put``, ``put_segments``,
+``put_encoded``, ``delete`` and ``quarantine`` (:class:`StoreWrites`, a part
+of :class:`~ucm_db.store.Store` over its :class:`~ucm_db.store.state.StoreState`).
 
 Invariants:
     * Arguments are checked (:mod:`ucm_db.arguments`) before anything is
@@ -6,6 +8,18 @@ Invariants:
     * A put is one transaction of the local tier: every block of every
       segment, or none; with a remote, every block put is queued for upload
       in that same commit.
+    * Every put, of blocks encoded here or already encoded
+      (``put_encoded``: an archive import's), takes one path
+      (:meth:`StoreWrites._put_new`): the namespace's epoch gate, the
+      blocks stored already set aside, one commit, the group-durability
+      count, and with a remote the upload (write-through: before the call
+      returns). Remote promotion (:mod:`ucm_db.remote.promotion`) is the
+      only other way blocks enter the local tier (fetched blocks are not
+      uploaded again); maintenance writes blocks only through this part.
+    * ``put_encoded`` stores blobs as given (no re-encoding), each verified
+      under its key first (header, owning key, checksum).
+    * ``delete`` and ``quarantine`` are one write transaction each, refused
+      by a read-only store, and count for group durability (file growth).
     * Pending reader activity rides on the transaction of a put that
       evicts (the eviction must see it); otherwise, or if the put fails,
       it stays with the maintenance thread (background.ReadsForEviction).
@@ -15,22 +29,31 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ucm_db import codec
-from ucm_db.arguments import UNSET, Unset, key_list, require_namespace, require_payload, segment_list, segment_parent
+from ucm_db.arguments import (
+    UNSET, Unset, key_list, require_namespace, require_parent, require_payload, segment_list, segment_parent,
+)
 from ucm_db.store.background import ReadsForEviction
 from ucm_db.codec.pool import Payload
 from ucm_db.config import CODECS
-from ucm_db.errors import ConfigError, MissingAncestorError
+from ucm_db.buffers import Buffer
+from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError
 from ucm_db.events import BlockEventFields, pack_event_fields
 from ucm_db.keys import BlockKeys, Namespace
-from ucm_db.store.base import StoreBase
+from ucm_db.store.state import StoreState
 from ucm_db.index.local import BlockEntry, PutResult
 
 
-class StoreWrites(StoreBase):
-    """``put``, ``put_segments`` and ``delete`` of :class:`~ucm_db.store.Store`."""
+class StoreWrites:
+    """``put``, ``put_segments``, ``put_encoded``, ``delete`` and
+    ``quarantine`` of :class:`~ucm_db.store.Store` (module invariants)."""
+
+    def __init__(self, state: StoreState) -> None:
+        self._state = state
+        self._tier = state.tier
+        self._epochs = state.epochs
 
     def put(
         self,
@@ -82,7 +105,7 @@ class StoreWrites(StoreBase):
             EpochUnknownError: (a TierError) the namespace's epoch cannot be
                 established (:mod:`ucm_db.store.epoch_gate`; nothing written).
         """
-        self._check_writable()
+        self._state.check_writable()
         require_namespace(namespace, "put")
         keys = key_list(keys, "put")
         return self._put_checked(namespace, [(keys, payloads, segment_parent(keys, parent))], codec_name, event_fields)
@@ -109,7 +132,7 @@ class StoreWrites(StoreBase):
             The errors of :meth:`put`; MissingAncestorError if any
             segment's parent is neither stored nor in the call.
         """
-        self._check_writable()
+        self._state.check_writable()
         require_namespace(namespace, "put_segments")
         checked: list[tuple[Sequence[bytes], Sequence[Payload], bytes | None]] = []
         for keys, payloads in segment_list(segments):
@@ -128,7 +151,7 @@ class StoreWrites(StoreBase):
     ) -> PutResult:
         packed = pack_event_fields(event_fields)
         if codec_name is None:
-            codec_name = self.config.codec
+            codec_name = self._state.config.codec
         elif codec_name not in CODECS:
             raise ConfigError(f"unknown codec {codec_name!r}", hint=f"use one of {', '.join(CODECS)}, or None for the store's")
         keys: list[bytes] = []
@@ -150,48 +173,90 @@ class StoreWrites(StoreBase):
                 payloads.extend(segment_payloads)
         if not keys:
             return PutResult()
-        self._epochs.before_put(namespace)  # an unknown epoch: refused (store/epoch_gate.py)
-        # Presence within the namespace: a key stored under another one is a
-        # ForeignNamespaceError (ConfigError) here, before anything is encoded.
-        present = self._tier.present_for_put(keys, _namespace_description(namespace))
-        todo = [i for i, p in enumerate(present) if not p]
-        try:
-            return self._put_indices(namespace, keys, payloads, parents, todo, codec_name, packed)
-        except MissingAncestorError:
-            if len(todo) == len(keys):
-                raise
-            # A block seen present was evicted meanwhile: put the whole chain.
-            return self._put_indices(namespace, keys, payloads, parents, list(range(len(keys))), codec_name, packed)
+        return self._put_new(namespace, keys, lambda todo: self._encode(namespace, keys, payloads, parents, todo, codec_name, packed))
 
-    def _put_indices(
+    def _encode(
         self, namespace: Namespace, keys: Sequence[bytes], payloads: Sequence[Payload],
         parents: Sequence[bytes | None], todo: list[int], codec_name: str, packed: Mapping[bytes, bytes] | None = None,
-    ) -> PutResult:
-        encoded = self._codecs.encode_many(
+    ) -> list[BlockEntry]:
+        encoded = self._state.codecs.encode_many(
             [(keys[i], payloads[i]) for i in todo], codec_name=codec_name,
-            element_bytes=codec.element_bytes_for(namespace.kv_dtype), level=self.config.zstd_level,
+            element_bytes=codec.element_bytes_for(namespace.kv_dtype), level=self._state.config.zstd_level,
         )
-        entries = [
+        return [
             BlockEntry(keys[i], parents[i], block.head, block.body_buffer(), block.raw_len, namespace.id,
                        None if packed is None else packed.get(keys[i]))
             for i, block in zip(todo, encoded)
         ]
-        reads = ReadsForEviction(self._activity)
+
+    def put_encoded(self, namespace: Namespace, blocks: Sequence[tuple[bytes, bytes | None, Buffer]]) -> PutResult:
+        """Atomically stores blocks that are already encoded (an archive's,
+        another store's), as they are: their codec and bytes are kept.
+
+        The blocks take :meth:`put`'s way from there on: the namespace's
+        epoch must be known, every block is stored or none, an eviction the
+        put needs spares the blocks and their ancestors, the commit counts
+        for group durability and, with a remote, queues the blocks for
+        upload (write-through uploads them before this returns).
+
+        Args:
+            namespace: the blocks' namespace (every block is stored under it).
+            blocks: ``(key, parent, blob)`` of each block, a parent before
+                its children (``parent`` None for a chain's first block);
+                ``blob`` is the block exactly as a store holds it (codec
+                header, owning key, checksum), e.g. an archive member.
+
+        Raises:
+            CorruptBlockError: a blob does not verify under its key (header,
+                owning key, checksum; nothing written).
+            ConfigError: malformed blocks, keys or parents, or a key or
+                parent stored under another namespace (nothing written).
+            MissingAncestorError, StoreFullError, EpochUnknownError: as for
+                :meth:`put` (nothing written).
+        """
+        self._state.check_writable()
+        require_namespace(namespace, "put_encoded")
+        entries = _verified_entries(blocks, namespace.id)
+        if not entries:
+            return PutResult()
+        return self._put_new(namespace, [e.key for e in entries], lambda todo: [entries[i] for i in todo])
+
+    def _put_new(self, namespace: Namespace, keys: Sequence[bytes], entries_for: Callable[[list[int]], list[BlockEntry]]) -> PutResult:
+        """Puts those of ``keys`` not stored yet, ``entries_for(indices)``
+        making their entries: the one way from a put to the tier (module
+        invariants)."""
+        self._epochs.before_put(namespace)  # an unknown epoch: refused (store/epoch_gate.py)
         desc = _namespace_description(namespace)
+        # Presence within the namespace: a key stored under another one is a
+        # ForeignNamespaceError (ConfigError) here, before anything is encoded.
+        present = self._tier.present_for_put(keys, desc)
+        todo = [i for i, p in enumerate(present) if not p]
+        try:
+            return self._commit(keys, todo, entries_for(todo), desc)
+        except MissingAncestorError:
+            if len(todo) == len(keys):
+                raise
+            # A block seen present was evicted meanwhile: put the whole chain.
+            everything = list(range(len(keys)))
+            return self._commit(keys, everything, entries_for(everything), desc)
+
+    def _commit(self, keys: Sequence[bytes], todo: list[int], entries: list[BlockEntry], desc: tuple[bytes, bytes]) -> PutResult:
+        activity, wing = self._state.activity, self._state.wing
+        reads = ReadsForEviction(activity)
         committed = False
         try:
             skipped = set(range(len(keys))) - set(todo)
             result = self._tier.put_blocks(
-                entries, namespace_desc=desc, enqueue_upload=self._wing is not None, activity=reads,
+                entries, namespace_desc=desc, enqueue_upload=wing is not None, activity=reads,
                 protect=[keys[i] for i in sorted(skipped)],
             )
             committed = True
         finally:
             reads.settle(committed)
         result.already_present += len(keys) - len(todo)
-        self._activity.committed(sum(e.stored_bytes for e in entries))
-        if self._wing is not None and entries:
-            self._wing.upload(entries)
+        activity.committed(sum(e.stored_bytes for e in entries))
+        if wing is not None and entries:
+            wing.upload(entries)
         return result
 
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
@@ -203,13 +268,73 @@ class StoreWrites(StoreBase):
             ConfigError: a descendant is stored under another namespace (a
                 chain written before puts refused that); nothing is deleted.
         """
-        self._check_open()
+        self._state.check_open()
         require_namespace(namespace, "delete")
-        self._refuse_read_only("delete")
+        self._state.refuse_read_only("delete")
         keys = key_list(keys, "delete")
         removed = self._tier.delete(keys, namespace_id=namespace.id)
-        self._activity.committed(0)  # a delete writes index pages only: its file growth counts
+        self._state.activity.committed(0)  # a delete writes index pages only: its file growth counts
         return removed
+
+    def quarantine(self, key: bytes, reason: str, *, recheck: bool = True) -> bool:
+        """Moves a damaged block and its descendants out of the store, as a
+        read does with a block that fails its checks: they read as misses,
+        and the quarantine records (``ucm-db inspect``) keep ``reason``
+        until ``ucm-db compact`` drops them. For repairs (``ucm-db verify
+        --fix``); one write transaction, any namespace.
+
+        Args:
+            recheck: quarantine the block only if it still fails to decode
+                under its key, checked inside the write transaction (a block
+                another process has replaced meanwhile stays). False: it goes
+                whatever its payload (its metadata is at fault, e.g. a parent
+                cycle). A block whose record is damaged goes either way.
+
+        Returns:
+            Whether a quarantine record was filed: False only where the
+            recheck found the block readable.
+
+        Raises:
+            TierError: the store is open read-only.
+        """
+        self._state.check_open()
+        self._state.refuse_read_only("quarantine")
+        if not isinstance(key, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"quarantine takes a block key (bytes), got {type(key).__name__}", hint="pass the key a check reported")
+        key = bytes(key)  # any length: a damaged index may hold a key no put wrote
+        still_corrupt = (lambda head, body: not codec.readable(head, body, key)) if recheck else _always
+        done = self._tier.quarantine(key, str(reason), still_corrupt)
+        self._state.activity.committed(0)  # like a delete: its file growth counts
+        return done
+
+
+def _always(_head: memoryview, _body: memoryview) -> bool:
+    return True
+
+
+def _verified_entries(blocks: object, namespace_id: bytes) -> list[BlockEntry]:
+    """``put_encoded``'s blocks as entries, each blob verified under its key."""
+    if isinstance(blocks, (bytes, bytearray, memoryview, str)) or not isinstance(blocks, Sequence):
+        raise ConfigError(f"put_encoded takes a sequence of (key, parent, blob), got {type(blocks).__name__}",
+                          hint="pass e.g. [(key, None, blob), (child_key, key, child_blob)]")
+    entries = []
+    for block in blocks:
+        if not isinstance(block, (tuple, list)) or len(block) != 3:
+            raise ConfigError(f"each put_encoded block is a (key, parent, blob) triple, got {type(block).__name__}",
+                              hint="pass e.g. [(key, None, blob), (child_key, key, child_blob)]")
+        [key] = key_list([block[0]], "put_encoded")
+        parent, blob = require_parent(block[1]), block[2]
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"an encoded block is a bytes-like blob, got {type(blob).__name__}",
+                              hint="pass each block as its store holds it, e.g. an archive's member bytes")
+        try:
+            header = codec.verify(blob, key)
+        except CorruptBlockError as exc:
+            why = str(exc).split(" (hint: ")[0]
+            raise CorruptBlockError(f"block {key.hex()[:16]} does not verify under its key ({why}); nothing was written",
+                                    hint="pass blobs as a store holds them (e.g. export's members), each with its own key") from exc
+        entries.append(BlockEntry.of_blob(key, parent, blob, header.raw_len, namespace_id))
+    return entries
 
 
 @functools.lru_cache(maxsize=256)

@@ -67,8 +67,8 @@ from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, 
 from ucm_db.keys import KEY_BYTES, Namespace
 from ucm_db.remote.sealing import load_sealing_keys
 from ucm_db.store.view import ProgressFn, open_view, select_namespaces
-from ucm_db.index.local import BlockEntry
 from ucm_db.index.namespace_guard import ForeignNamespaceError
+from ucm_db.store.epochs import EpochUnknownError
 
 ARCHIVE_FORMAT = "ucm-db-export"
 ARCHIVE_VERSION = 2
@@ -84,6 +84,7 @@ MAX_MEMBER_BYTES = 512 << 20
 BATCH_BYTES = 256 << 20
 _NS_ID_BYTES = 16
 _DAMAGED = "the archive is damaged or not written by ucm-db export; export it again"
+_Block = tuple[bytes, bytes | None, bytes | bytearray]  # key, parent, blob: what Store.put_encoded takes
 
 
 def _check_manifest_size(path: str | Path, manifest_bytes: int) -> None:
@@ -303,31 +304,33 @@ def _load(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], manifest: d
           opener: ArchiveOpener | None = None) -> None:
     total = len(manifest["blocks"])
     good: dict[bytes, bytes] = {}  # key -> namespace id of the blocks taken so far
-    batch: list[BlockEntry] = []
-    batch_bytes = 0
+    batch: list[_Block] = []
+    batch_ns, batch_bytes = b"", 0
     for done, (key_hex, parent_hex, ns_hex) in enumerate(manifest["blocks"], 1):
         key, ns_id = bytes.fromhex(key_hex), bytes.fromhex(ns_hex)
         parent = bytes.fromhex(parent_hex) if parent_hex else None
-        entry, reason = _checked_entry(tar, members, key, parent, ns_id, good, manifest, verifier, opener)
-        if entry is None:
+        block, reason = _checked_block(tar, members, key, parent, ns_id, good, manifest, verifier, opener)
+        if block is None:
             report["skipped"].append({"key": key_hex, "reason": reason})
         else:
-            if batch and (ns_id != batch[0].namespace_id or len(batch) >= CHUNK_BLOCKS or batch_bytes >= BATCH_BYTES):
-                _put(store, batch, manifest, report, good)
+            if batch and (ns_id != batch_ns or len(batch) >= CHUNK_BLOCKS or batch_bytes >= BATCH_BYTES):
+                _put(store, batch, manifest["namespaces"][batch_ns.hex()], report, good)
                 batch, batch_bytes = [], 0
-            batch.append(entry)
-            batch_bytes += entry.stored_bytes
+            batch.append(block)
+            batch_ns = ns_id
+            batch_bytes += len(block[2])
             good[key] = ns_id
         if progress is not None and (done % CHUNK_BLOCKS == 0 or done == total):
             progress(done, total)
-    _put(store, batch, manifest, report, good)
+    if batch:
+        _put(store, batch, manifest["namespaces"][batch_ns.hex()], report, good)
 
 
-def _checked_entry(
+def _checked_block(
     tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], key: bytes, parent: bytes | None,
     ns_id: bytes, good: dict[bytes, bytes], manifest: dict[str, Any], verifier: ArchiveVerifier | None = None,
     opener: ArchiveOpener | None = None,
-) -> tuple[BlockEntry | None, str]:
+) -> tuple[_Block | None, str]:
     if ns_id.hex() not in manifest["namespaces"]:
         return None, "namespace not described in the manifest"
     if parent is not None and parent not in good:
@@ -351,46 +354,46 @@ def _checked_entry(
             return None, why
         blob = opened
     try:
-        header = codec.verify(blob, key)
-        return BlockEntry.of_blob(key, parent, blob, header.raw_len, ns_id), ""
+        codec.verify(blob, key)
+        return (key, parent, blob), ""
     except CorruptBlockError as exc:
         return None, f"corrupt: {exc}"
 
 
-def _put(store: Any, batch: list[BlockEntry], manifest: dict[str, Any], report: dict[str, Any],
+def _put(store: Any, batch: list[_Block], description: dict[str, Any], report: dict[str, Any],
          good: dict[bytes, bytes]) -> None:
-    """Puts one batch (one namespace). A batch the store refuses as
-    crossing namespaces (a key stored here under another one) is put block
-    by block, skipping the refused blocks and their descendants (dropped
-    from ``good``, so later batches skip theirs too)."""
-    if not batch:
-        return
-    ns_hex = batch[0].namespace_id.hex()
-    desc = (batch[0].namespace_id, json.dumps(manifest["namespaces"][ns_hex], sort_keys=True).encode())
+    """Puts one batch (one namespace) as any put goes (:meth:`~ucm_db.Store.put_encoded`). A batch
+    refused as crossing namespaces (a key stored here under another one) is put block by block, skipping
+    the refused blocks and their descendants (dropped from ``good``, so later batches skip theirs too);
+    a namespace whose epoch is unknown here takes nothing (``epoch_problems`` names it)."""
+    namespace = Namespace.from_dict(description)  # checked against its id by check_manifest
     try:
-        result = store._tier.put_blocks(batch, namespace_desc=desc)
+        result = store.put_encoded(namespace, batch)
     except MissingAncestorError:
         # A parent put earlier was evicted meanwhile: the store is too small.
-        report["skipped"] += [{"key": e.key.hex(), "reason": "parent evicted during import (capacity too small)"} for e in batch]
+        report["skipped"] += [{"key": key.hex(), "reason": "parent evicted during import (capacity too small)"} for key, _, _ in batch]
+        return
+    except EpochUnknownError:
+        report["skipped"] += [{"key": key.hex(), "reason": "its namespace's epoch is unknown here (epoch_problems)"} for key, _, _ in batch]
         return
     except ForeignNamespaceError:
-        for entry in batch:
-            if entry.parent is not None and entry.parent not in good:
+        for key, parent, blob in batch:
+            if parent is not None and parent not in good:
                 reason = "parent block missing or bad"
             else:
                 try:
-                    one = store._tier.put_blocks([entry], namespace_desc=desc)
-                    report["stored"] += one.stored
-                    report["already_present"] += one.already_present
-                    report["evicted"] += one.evicted
+                    _count(report, store.put_encoded(namespace, [(key, parent, blob)]))
                     continue
                 except ForeignNamespaceError:
                     reason = "stored in this store under another namespace"
                 except MissingAncestorError:
                     reason = "parent evicted during import (capacity too small)"
-            good.pop(entry.key, None)
-            report["skipped"].append({"key": entry.key.hex(), "reason": reason})
+            good.pop(key, None)
+            report["skipped"].append({"key": key.hex(), "reason": reason})
         return
-    report["stored"] += result.stored
-    report["already_present"] += result.already_present
-    report["evicted"] += result.evicted
+    _count(report, result)
+
+
+def _count(report: dict[str, Any], result: Any) -> None:
+    for name in ("stored", "already_present", "evicted"):
+        report[name] += getattr(result, name)

@@ -1,0 +1,151 @@
+"""What the parts of a :class:`~ucm_db.store.Store` share: its handles
+(engine, local tier, remote wing, epoch gate), the guards every operation
+passes, this process's codec threads and maintenance thread, and the close.
+
+The parts (:mod:`ucm_db.store.writes`, :mod:`ucm_db.store.reads`,
+:mod:`ucm_db.store.feed`, :mod:`ucm_db.store.pinning`,
+:mod:`ucm_db.store.presence`) each take one :class:`StoreState` and use its
+public members only; none holds another part.
+
+Invariants:
+    * Every public operation of a part first calls
+      :meth:`StoreState.check_open` (or :meth:`StoreState.check_writable`):
+      a closed store raises ClosedError, and a forked child gets its own
+      codec threads and maintenance thread (the parent's are not in it)
+      before it does anything.
+    * A read-only store refuses every write with a TierError naming the fix;
+      a store whose maintenance thread died refuses puts.
+    * The handles never change while the store is open; ``codecs`` and
+      ``activity`` are this process's (read them at each use, never keep
+      them: a fork makes them again).
+    * ``close`` releases the store (engine closed, directory lock let go)
+      even when this process's flush or final sync fails; that failure is
+      raised afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ucm_db.codec.pool import CodecPool
+from ucm_db.errors import ClosedError, TierError
+from ucm_db.store.background import Background
+from ucm_db.store.epoch_gate import EpochGate
+from ucm_db.store.opening import OpenedStore
+
+if TYPE_CHECKING:
+    from ucm_db.remote.wing import RemoteWing
+
+
+class StoreState:
+    """One open store's handles, guards and per-process parts (module invariants)."""
+
+    def __init__(self, opened: OpenedStore) -> None:
+        self.path = opened.path
+        self.config = opened.config
+        self.engine = opened.engine
+        self.tier = opened.tier
+        self._dir_lock = opened.dir_lock
+        #: The remote wing (link, promotion, uploader); None without a ``remote``.
+        self.wing: RemoteWing | None = None
+        if self.config.remote is not None:
+            from ucm_db.remote.wing import RemoteWing  # loaded only by a store with a remote
+
+            self.wing = RemoteWing(self.config, opened.auth_keys, self.tier, self.path, opened.sealing_keys)
+        #: The namespaces' epochs as this store serves them (lookups, reads, puts).
+        self.epochs = EpochGate(self.engine, self.path, read_only=self.config.read_only, remote=self.wing)
+        self.closed = False
+        self.lock = threading.Lock()
+        self._pid = -1
+        self._pool: CodecPool | None = None
+        self._background: Background | None = None
+        self.ensure_process()
+
+    def ensure_process(self) -> None:
+        """Starts this process's thread pool and maintenance thread (again
+        after a fork)."""
+        if self._pid == os.getpid():
+            return
+        if self._pid != -1:
+            # After fork the parent's lock may be held by a thread that does
+            # not exist here: the child takes a new one.
+            self.lock = threading.Lock()
+        with self.lock:
+            if self._pid == os.getpid():
+                return
+            self._pool = CodecPool(self.config.encode_threads)
+            self._background = Background(self.path, self.engine, self.tier, self.config)
+            if self.wing is not None:
+                self.wing.start_process(forked=self._pid != -1)  # a forked child: the parent's threads are gone
+            self._pid = os.getpid()
+            self._background.start()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"store {self.path} is closed")
+        self.ensure_process()
+
+    def refuse_read_only(self, operation: str) -> None:
+        if self.config.read_only:
+            raise TierError(f"{operation} on store {self.path}, which is open read-only",
+                            hint="open it without read_only=True (on a writable volume) to store or delete blocks")
+
+    def check_writable(self) -> None:
+        """:meth:`check_open`, and refuses a put on a read-only store or one
+        whose maintenance thread died."""
+        self.check_open()
+        self.refuse_read_only("put")
+        failure = self.activity.failure
+        if failure is not None:
+            raise TierError(
+                f"store {self.path}: its maintenance thread (background sync) died: {failure!r}; puts are refused",
+                hint="close and reopen the store; if it happens again, report the error",
+            )
+
+    @property
+    def codecs(self) -> CodecPool:
+        """This process's codec threads (made again after a fork)."""
+        assert self._pool is not None  # made in __init__ and after every fork
+        return self._pool
+
+    @property
+    def activity(self) -> Background:
+        """This process's background work (made again after a fork)."""
+        assert self._background is not None  # made in __init__ and after every fork
+        return self._background
+
+    def close(self) -> None:
+        """Closes the store once (module invariants); later calls do nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._pid == os.getpid():
+                self._stop_process()
+        finally:
+            try:
+                self.engine.close()
+            finally:
+                self._dir_lock.release()
+
+    def _stop_process(self) -> None:
+        """Stops this process's threads, flushes counters and syncs. Every
+        step runs even when an earlier one fails; the first failure is
+        raised at the end."""
+        steps: list[Callable[[], object]] = [self.activity.stop]
+        if self.wing is not None:
+            steps += self.wing.close_steps()
+        steps += [self.activity.flush_activity, self.engine.sync]
+        if self._pool is not None:
+            steps.append(self._pool.shutdown)
+        first: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                first = first or exc
+        if first is not None:
+            raise first
