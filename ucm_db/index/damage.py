@@ -40,7 +40,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from ucm_db import codec
 from ucm_db.errors import DamagedPageError, TierError
@@ -231,19 +231,6 @@ def restore_links_in(txn: Txn) -> dict[str, int]:
             txn.put("children", meta.parent + key, b"")
             added["children"] += 1
     return added
-
-
-class HoldsEngine(Protocol):
-    """Anything with an ``engine`` (a :class:`~ucm_db.index.local.LocalTier`)."""
-
-    engine: Engine
-
-
-def restore_links(tier: HoldsEngine) -> dict[str, int]:
-    """:func:`restore_links_in` in one write transaction of ``tier.engine``
-    (:meth:`ucm_db.index.upkeep.IndexUpkeep.restore_links`, for callers
-    that hold a tier)."""
-    return tier.engine.write(restore_links_in)
 
 
 def _unreadable_in_trees(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:

@@ -35,7 +35,7 @@ from ucm_db.format import format_record_problems
 from ucm_db.maintenance.inspection import chain_roots
 from ucm_db.store import epochs
 from ucm_db.store.view import ProgressFn, StoreView
-from ucm_db.index import damage, feed_audit
+from ucm_db.index import feed_audit
 from ucm_db.index.entries import BlockMeta, body_of
 
 #: Blocks checked per read transaction (keeps LMDB read snapshots short).
@@ -49,7 +49,7 @@ PARENT_MISSING = "parent missing: the block's parent is not stored (prefix invar
 NAMESPACE_ALTERED = "namespace id differs from its parent's (altered metadata)"
 #: Reasons a repair quarantines without re-checking the payload (the metadata is at fault).
 _METADATA_REASONS = (PARENT_CYCLE, PARENT_MISSING, NAMESPACE_ALTERED)
-#: Index problems :func:`~ucm_db.index.damage.restore_links` repairs.
+#: Index problems :meth:`LocalTier.restore_links <ucm_db.index.upkeep.IndexUpkeep.restore_links>` repairs.
 _LINK_PROBLEMS = (": no LRU entry", ": child link from its parent missing")
 #: How the namespace epoch problems start (:func:`ucm_db.store.epochs.problems`).
 EPOCH_PROBLEM = "namespace epoch: "
@@ -192,7 +192,7 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
             store.quarantine(key, f"ucm-db verify: {reason}", recheck=reason not in _METADATA_REASONS)
         report.quarantined_blocks = before - tier.totals().blocks
         if links_missing(report.index_problems):
-            damage.restore_links(tier)
+            tier.restore_links()
         if counters_damaged(report.index_problems):
             tier.recompute_totals()
             report.totals_recomputed = True
