@@ -102,6 +102,24 @@ def test_units_count_a_block_only_when_every_head_is_stored(store) -> None:
     assert store.lookup_many(UNITS_NS, prompts) == [0] * 6  # block keys themselves: none stored
 
 
+def test_units_whose_first_head_lags_are_searched_too(store) -> None:
+    """lookup_many probes the first head's last unit first: a chain whose
+    first head holds less than the others, none, or a chain with no blocks
+    still gets stored_prefix's answer."""
+    grid, spans = whole_model_units(UNITS_NS)
+    prompts = [chain(UNITS_NS, 100 + i, 9) for i in range(4)]
+    for i, keys in enumerate(prompts):
+        for h, span in enumerate(spans):
+            stored = [4, 0, 9, 1][i] if h == 0 else [9, 9, 9, 0][i]
+            if stored:
+                units = UnitKeys(keys, grid, span, 0, stored)
+                store.put(UNITS_NS, ucm_db.BlockKeys(list(units), parent=None), [b"u" * 32] * stored)
+    asked = [*prompts, ucm_db.BlockKeys([], parent=None)]
+    counts = store.lookup_many(UNITS_NS, asked, grid=grid, spans=spans)
+    assert counts == [4, 0, 9, 0, 0]
+    assert counts[:4] == [stored_prefix(store, UNITS_NS, grid, spans, keys) for keys in prompts]
+
+
 def test_whole_model_units_reads_the_connector_layout() -> None:
     grid, spans = whole_model_units(UNITS_NS, [1, 1])
     assert len(spans) == 8 and {(s.layer_start, s.layer_stop) for s in spans} == {(0, 1), (1, 2)}

@@ -218,14 +218,20 @@ class SnapshotPresence:
         """:meth:`IndexReader.count_prefix` in this snapshot (:func:`count_in`)."""
         return count_in(self._txn, keys, self._namespace_id)
 
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is stored (one batch of reads)."""
-        for key in keys:
-            if type(key) is not bytes or len(key) != 32:
-                require_key(key)
+    def present(self, keys: Sequence[bytes], *, derived: bool = False) -> list[bool]:
+        """Whether each key is stored (one batch of reads). ``derived``:
+        the keys were made by ucm-db itself (e.g. ``unit_keys_of``: 32-byte
+        bytes by construction), so they are not checked one by one; a
+        caller's keys always are."""
+        if not derived:
+            for key in keys:
+                if type(key) is not bytes or len(key) != 32:
+                    require_key(key)
         namespace_id = self._namespace_id
-        return [meta is not None and (namespace_id is None or meta[:16] == namespace_id)
-                for meta in self._txn.get_many("meta", keys)]
+        metas = self._txn.get_many("meta", keys)
+        if namespace_id is None:
+            return [meta is not None for meta in metas]
+        return [meta is not None and meta[:16] == namespace_id for meta in metas]
 
     def lookup(self, _namespace: object, keys: Sequence[bytes]) -> int:
         """:meth:`count`, as :func:`ucm_db.keys.units.stored_prefix` asks a store."""

@@ -125,7 +125,21 @@ def unit_keys_of(block_keys: Sequence[bytes], spans: Sequence[UnitSpan], grid: K
     of block 0's spans, then block 1's): ``unit_key`` of each, derived in
     one pass (each span's tag and wholeness found once)."""
     tags = [_tag_in(span, grid) for span in spans]
-    return [_keyed(k, tag) for k in block_keys for tag in tags]
+    if None in tags:
+        return [_keyed(k, tag) for k in block_keys for tag in tags]
+    # A router's query derives thousands: each block key is hashed once and
+    # its state copied per tag (the digest of key || tag, as _keyed's).
+    span_tags = [tag for tag in tags if tag is not None]
+    out: list[bytes] = []
+    append, fresh = out.append, _UNIT_HASHER.copy
+    for key in block_keys:
+        keyed = fresh()
+        keyed.update(key)
+        for tag in span_tags:
+            h = keyed.copy()
+            h.update(tag)
+            append(h.digest())
+    return out
 
 
 class UnitKeys(Sequence[bytes]):

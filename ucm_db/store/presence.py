@@ -82,24 +82,42 @@ class StorePresence:
 def _unit_prefixes(presence: SnapshotPresence, namespace: Namespace, grid: KVGrid, spans: list[UnitSpan],
                    chains: list[Sequence[bytes]]) -> list[int]:
     """:func:`~ucm_db.keys.units.stored_prefix` of each chain in one
-    snapshot. Its first reads are made for the whole batch, their unit keys
-    derived in two calls (``unit_keys_of``: each span's tag found once, not
-    once a chain): the first span's first unit (absent: 0) and every span's
-    last unit (all present: the whole chain, by each span's prefix
-    invariant). Only a chain stored in part takes the search itself."""
+    snapshot, its first reads made for the whole batch (unit keys derived
+    in one ``unit_keys_of`` call each, every span's tag found once): the
+    first span's last unit; where it is stored, every other span's last
+    unit (all stored: the whole chain, by each span's prefix invariant);
+    where it is not, the first span's first unit (absent: 0). A chain
+    stored whole costs one read per span, one stored nowhere two; only a
+    chain stored in part takes the search itself."""
     found = [0] * len(chains)
-    asked = [i for i, chain in enumerate(chains) if len(chain)]
-    for i in asked:  # the keys hashed without a read's check; the rest are the search's
-        for key in (chains[i][0], chains[i][-1]):
-            if type(key) is not bytes or len(key) != KEY_BYTES:
-                require_key(key)
-    firsts = presence.present(unit_keys_of([chains[i][0] for i in asked], spans[:1], grid))
-    asked = [i for i, first in zip(asked, firsts) if first]
-    lasts = presence.present(unit_keys_of([chains[i][-1] for i in asked], spans, grid))
-    width = len(spans)
-    for n, i in enumerate(asked):
-        whole = all(lasts[n * width : (n + 1) * width])
-        found[i] = len(chains[i]) if whole else stored_prefix(presence, namespace, grid, spans, chains[i])
+    asked: list[int] = []
+    lasts: list[bytes] = []
+    for i, chain in enumerate(chains):
+        if not len(chain):
+            continue
+        # A list's own item read: BlockKeys' __getitem__ is Python code.
+        last = list.__getitem__(chain, -1) if isinstance(chain, list) else chain[-1]
+        if type(last) is not bytes or len(last) != KEY_BYTES:
+            require_key(last)  # the keys hashed without a read's check; the rest are the search's
+        asked.append(i)
+        lasts.append(last)
+    ends = presence.present(unit_keys_of(lasts, spans[:1], grid), derived=True)
+    ended = [n for n, end in enumerate(ends) if end]
+    rest = spans[1:]
+    others = presence.present(unit_keys_of([lasts[n] for n in ended], rest, grid), derived=True) if rest else []
+    width = len(rest)
+    partial = [asked[n] for k, n in enumerate(ended) if not all(others[k * width : (k + 1) * width])]
+    for n in ended:
+        found[asked[n]] = len(chains[asked[n]])
+    unended = [asked[n] for n, end in enumerate(ends) if not end]
+    firsts = [chains[i][0] for i in unended]
+    for key in firsts:
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            require_key(key)
+    starts = presence.present(unit_keys_of(firsts, spans[:1], grid), derived=True)
+    partial += [i for i, start in zip(unended, starts) if start]
+    for i in partial:
+        found[i] = stored_prefix(presence, namespace, grid, spans, chains[i])
     return found
 
 
