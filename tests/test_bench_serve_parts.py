@@ -330,8 +330,9 @@ def test_no_reuse_save_time_per_token_from_the_counters(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--workload", "no-reuse", "--codecs", "none,lz4"], "distinct codecs from none, zstd"),
-    (["--workload", "no-reuse", "--codecs", "zstd,zstd"], "distinct codecs"),
+    (["--workload", "no-reuse", "--codecs", "none,lz4"], "a setup is a codec (none, zstd)"),
+    (["--workload", "no-reuse", "--codecs", "none+admit0"], "optionally +admitN"),
+    (["--workload", "no-reuse", "--codecs", "zstd,zstd"], "distinct setups"),
     (["--workload", "no-reuse", "--capped-blocks", "64"], "cannot hold one request"),
     (["--workload", "no-reuse", "--hidden", "384"], "multiple of 256"),
     (["--hidden", "512"], "only the no-reuse workload"),
@@ -339,6 +340,15 @@ def test_no_reuse_save_time_per_token_from_the_counters(tmp_path) -> None:
 def test_no_reuse_bad_options_are_usage_errors_before_any_server_starts(args: list[str], message: str) -> None:
     result = CliRunner().invoke(serve.command, args)
     assert result.exit_code == 2 and message in result.output
+
+
+def test_no_reuse_setups_name_a_codec_and_admission() -> None:
+    from ucm_db.tools.bench.serve_noreuse import parse_setup
+
+    assert parse_setup("zstd") == ("zstd", 1) and parse_setup("none+admit2") == ("none", 2)
+    for bad in ("lz4", "none+admit", "none+admit0", "none+2", "zstd+admitx"):
+        with pytest.raises(ValueError, match="optionally"):
+            parse_setup(bad)
 
 
 def test_no_reuse_report_and_table_from_passes() -> None:

@@ -7,7 +7,10 @@ each full block out of the paged cache (the model thread's ``save copy``)
 and commits it in its writer thread. The same engine without a connector,
 with the same KV cap, is the baseline. One server per setup stays up
 (``off``, then one ucm-db server per codec, each on its own empty store)
-and the passes run in rounds.
+and the passes run in rounds. A setup is a codec, optionally with the
+connector's ``admit_after`` (``none+admit2``: a chain is stored from its
+second sighting, so unique prompts are never written): what admission
+takes off the tax.
 
 Invariants:
     * Each pass sends fresh prompts: pass ``k`` (counted over every pass of
@@ -171,13 +174,22 @@ class NoReuseOptions:
 
     spec: NoReuseSpec
     serve: ServeOptions
-    codecs: tuple[str, ...] = ("none", "zstd")
+    codecs: tuple[str, ...] = ("none", "zstd")  # setups: "CODEC" or "CODEC+admitN" (parse_setup)
     rounds: int = 2
     hidden: int = 768
 
     @property
     def setups(self) -> list[str]:
         return [OFF, *(f"ucm-{codec}" for codec in self.codecs)]
+
+
+def parse_setup(setup: str) -> tuple[str, int]:
+    """``"zstd"`` -> ("zstd", 1); ``"none+admit2"`` -> ("none", 2). Raises
+    ValueError naming the accepted forms."""
+    codec, _, admit = setup.partition("+")
+    if codec not in ("none", "zstd") or (admit and (not admit.startswith("admit") or not admit[5:].isdigit() or int(admit[5:]) < 1)):
+        raise ValueError(f"{setup!r}: a setup is a codec (none, zstd), optionally +admitN (e.g. none+admit2)")
+    return codec, int(admit[5:]) if admit else 1
 
 
 def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
@@ -194,9 +206,11 @@ def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="ucm-bench-noreuse-", dir=options.serve.scratch_dir))
     base = ServerSpec(model, options.serve.capped_blocks, spec.max_model_len, enforce_eager=options.serve.enforce_eager)
     specs = {OFF: base}
-    for codec in options.codecs:
+    for setup in options.codecs:
+        codec, admit_after = parse_setup(setup)
         serve = replace(options.serve, codec=codec)
-        specs[f"ucm-{codec}"] = replace(base, connector=connector_options(work / f"store-{codec}", None, serve))
+        extra = {"admit_after": admit_after} if admit_after > 1 else {}
+        specs[f"ucm-{setup}"] = replace(base, connector=connector_options(work / f"store-{setup}", None, serve, **extra))
     bytes_per_token = kv_bytes_per_token(model, base.dtype)
     passes: dict[str, list[dict[str, Any]]] = {setup: [] for setup in options.setups}
     pass_index = 0
@@ -309,9 +323,13 @@ def no_reuse_command(num_prompts: int, prompt_len: int, output_len: int, concurr
     import click
 
     chosen = tuple(c.strip() for c in codecs.split(",") if c.strip())
-    bad = sorted(set(chosen) - {"none", "zstd"})
-    if bad or not chosen or len(set(chosen)) != len(chosen):
-        raise click.BadParameter(f"{codecs!r}: distinct codecs from none, zstd", param_hint="--codecs")
+    try:
+        for setup in chosen:
+            parse_setup(setup)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--codecs") from exc
+    if not chosen or len(set(chosen)) != len(chosen):
+        raise click.BadParameter(f"{codecs!r}: distinct setups (codecs none, zstd, optionally +admitN)", param_hint="--codecs")
     spec = NoReuseSpec(num_prompts=num_prompts, prompt_len=prompt_len, output_len=output_len, concurrency=concurrency,
                        seed=seed)
     if serve_options.capped_blocks * BLOCK_SIZE < spec.max_model_len:
