@@ -40,6 +40,7 @@ BENCHMARKS = {
     "admission": "ucm_db.tools.bench.admission:command",
     "save-decode": "ucm_db.tools.bench.save_decode:command",
     "public-api": "ucm_db.tools.bench.public_api:command",
+    "restart": "ucm_db.tools.bench.restart:command",
 }
 
 
