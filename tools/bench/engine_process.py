@@ -35,7 +35,7 @@ JOBS = {
     "cost_engine": "ucm_db.tools.bench.cost:run_engine",
     "remote_lookup_engine": "ucm_db.tools.bench.remote_lookup:run_engine",
     "save_decode_engine": "ucm_db.tools.bench.save_decode:run_engine",
-    "restart_engine": "ucm_db.tools.bench.restart:run_engine",
+    "restart_engine": "ucm_db.tools.bench.restart_engine:run_engine",
 }
 
 

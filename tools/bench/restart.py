@@ -70,13 +70,13 @@ from typing import Any
 import click
 
 import ucm_db
-from ucm_db import BlockKeys, Namespace
-from ucm_db.keys.units import KVGrid, UnitKeys
 from ucm_db.tools.bench.cpu_dtype import DTYPES, fast_dtype
 from ucm_db.tools.bench.engine_pass import build_model, demo_dir
 from ucm_db.tools.bench.engine_process import run_in_new_process
 
-BLOCK_SIZE = 32
+from ucm_db.tools.bench.restart_store import (  # noqa: F401 - re-exported: the benchmark's sizes and fill
+    BLOCK_SIZE, CHAIN_BLOCKS, CHAINS_PER_PUT, VOCAB, engine_namespace, fill_store, progress as _progress, time_opens,
+)
 #: VLLM_CPU_NUM_OF_RESERVED_CPU of every engine (as ttft.py: the same CPU layout with and without a connector).
 RESERVED_CPUS = 1
 #: The most blocks the default fill writes (issue 50: "up to 1M blocks").
@@ -87,12 +87,7 @@ DISK_SHARE = 0.2
 #: made data files of 3.34-3.65 GB here (records of five tables, pages freed by
 #: earlier commits), 2.3-2.6 KB each beyond the payload; rounded up.
 INDEX_BYTES_PER_BLOCK = 2_700
-#: Blocks per filled chain (2K tokens, the shorter prompt).
-CHAIN_BLOCKS = 64
-#: Chains per ``put_segments`` while filling (one transaction: 8192 units of a 4-head model).
-CHAINS_PER_PUT = 32
 WARMUP_TOKENS = 64
-VOCAB = 8000
 #: Positions the model is built for when a prompt needs more than build_model's 8192.
 LONG_POSITIONS = 16384
 #: Issue 50's targets.
@@ -171,118 +166,6 @@ def make_prompts(seed: int, tokens: Sequence[int]) -> list[list[int]]:
     """One prompt of random ids per length (none starts like another)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in tokens]
-
-
-# -- the engine (child process) ------------------------------------------------------------
-def _engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(
-        model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"], block_size=BLOCK_SIZE,
-        max_model_len=spec["max_model_len"], max_num_seqs=2, seed=0, enable_prefix_caching=True,
-        enforce_eager=spec["eager"],
-    )
-    if spec.get("connector") is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": spec["connector"],
-        }
-    return kwargs
-
-
-def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine: time to ready, a warm-up request, then ``spec['passes']``
-    over ``spec['prompts']`` (runs in the child)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(RESERVED_CPUS))
-    if spec.get("timings_path"):
-        os.environ[TIMINGS_ENV] = spec["timings_path"]  # read in vLLM's engine processes, which inherit it
-    started = time.perf_counter()
-    from vllm import LLM, SamplingParams
-
-    import_s = time.perf_counter() - started
-    started, started_at = time.perf_counter(), time.time()
-    llm = LLM(**_engine_kwargs(spec))
-    out: dict[str, Any] = {"import_s": import_s, "init_s": time.perf_counter() - started, "init_started_at": started_at,
-                           "ready_s": time.time() - spec["launched_at"], "passes": {}}
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    try:
-        warm = [random.Random(time.time_ns()).randrange(3, VOCAB) for _ in range(WARMUP_TOKENS)]
-        out["warmup_ttft_s"] = _request(llm, params, warm)["ttft_s"]
-        for name in spec["passes"]:
-            out["passes"][name] = [_request(llm, params, ids) for ids in spec["prompts"]]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    return out
-
-
-def _request(llm: Any, params: Any, ids: list[int]) -> dict[str, Any]:
-    from vllm.inputs import TokensPrompt
-
-    started = time.perf_counter()
-    result = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-    return {"ttft_s": time.perf_counter() - started, "cached": int(result.num_cached_tokens or 0),
-            "first_token": result.outputs[0].token_ids[0]}
-
-
-# -- the store ------------------------------------------------------------------------------
-def engine_namespace(store: ucm_db.Store) -> Namespace:
-    """The one namespace the seed engine wrote (its description is the namespace's fields)."""
-    held = store.stats().namespaces
-    if len(held) != 1:
-        raise SystemExit(f"the seeded store holds {len(held)} namespaces, expected the engine's one: {sorted(held)}")
-    (ns_id, stats), = held.items()
-    namespace = Namespace.from_dict(stats.description)
-    if namespace.id.hex() != ns_id:
-        raise SystemExit(f"namespace {ns_id} read back as {namespace.id.hex()}: its description is not its fields")
-    return namespace
-
-
-def _grid(namespace: Namespace) -> KVGrid:
-    layout = json.loads(namespace.layout)
-    return KVGrid(int(layout["kv_heads"]), int(layout["layers"]))
-
-
-def fill_store(path: Path, blocks: int, fill_bytes: int, seed: int) -> dict[str, Any]:
-    """Fills the store at ``path`` to at least ``blocks`` blocks in the
-    engine's namespace (module docstring, step 2)."""
-    with ucm_db.open(path) as store:
-        namespace = engine_namespace(store)
-        grid, epoch = _grid(namespace), store.epoch(namespace)
-        spans = grid.head_spans()
-        seeded = store.stats().blocks
-        chains = max(0, -(-(blocks - seeded) // (CHAIN_BLOCKS * len(spans))))
-        rng, payload = random.Random(seed + 1), os.urandom(fill_bytes)
-        started = time.perf_counter()
-        segments: list[tuple[BlockKeys, list[bytes]]] = []
-        for chain in range(chains):
-            keys = namespace.block_keys([rng.randrange(3, VOCAB) for _ in range(CHAIN_BLOCKS * BLOCK_SIZE)], epoch=epoch)
-            segments += [(BlockKeys(UnitKeys(keys, grid, span), parent=None), [payload] * CHAIN_BLOCKS) for span in spans]
-            if len(segments) >= CHAINS_PER_PUT * len(spans) or chain == chains - 1:
-                store.put_segments(namespace, segments)
-                segments = []
-        store.flush()
-        fill_s = time.perf_counter() - started
-        stats = store.stats()
-    return {"namespace": namespace.short_id, "kv_heads": grid.heads, "seeded_blocks": seeded, "blocks": stats.blocks,
-            "filled_blocks": stats.blocks - seeded, "fill_bytes": fill_bytes, "fill_s": fill_s,
-            "blocks_per_s": (stats.blocks - seeded) / fill_s if fill_s else 0.0,
-            "file_bytes": stats.file_bytes, "stored_bytes": stats.stored_bytes}
-
-
-def time_opens(path: Path, repeat: int) -> list[float]:
-    """Seconds of ``ucm_db.open`` of the store alone (closed after each)."""
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        store = ucm_db.open(path)
-        times.append(time.perf_counter() - started)
-        store.close()
-    return times
-
-
-# -- the run --------------------------------------------------------------------------------
-def _progress(line: str) -> None:
-    print(f"    {line}", file=sys.stderr, flush=True)
 
 
 def _engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
