@@ -149,3 +149,66 @@ def test_the_facade_binds_the_parts_and_shares_one_limits_object() -> None:
     tier.apply_activity(PendingActivity(hits=2))
     assert tier.totals().hits == 2 and tier.check() == []
     assert tier.count_prefix.__self__ is tier.reads  # type: ignore[attr-defined]
+
+
+class _PutCounting:
+    """A transaction that counts the puts made through it (issue 50 item 3)."""
+
+    def __init__(self, txn: Txn) -> None:
+        self.txn, self.puts = txn, 0
+
+    def put(self, table: str, key: bytes, value: bytes) -> None:
+        self.puts += 1
+        self.txn.put(table, key, value)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.txn, name)
+
+
+def test_the_writer_finds_presence_in_its_own_transaction(engine: Engine) -> None:
+    """One write transaction: the guard runs first (what it raises writes
+    nothing), the blocks stored already are counted and left as they are,
+    ``stored`` gets only the entries this put wrote."""
+    writer, entries = writer_over(engine), chain(6)
+    writer.put_blocks(entries[:2])
+
+    def refuse(_txn: Txn) -> None:
+        raise StoreFullError("refused by the guard")
+    with pytest.raises(StoreFullError, match="guard"):
+        writer.put_blocks(entries, guard=refuse)
+    assert IndexReader(engine).count_prefix([e.key for e in entries]) == 2
+    seen: list[Txn] = []
+    stored: list[BlockEntry] = []
+    again = [BlockEntry(e.key, e.parent, b"hd", b"other", 10, NS_ID) for e in entries[:2]] + entries[2:]
+    result = writer.put_blocks(again, guard=seen.append, stored=stored)
+    assert len(seen) == 1 and (result.stored, result.already_present) == (4, 2)
+    assert stored == entries[2:]
+    assert IndexReader(engine).read_blobs([entries[0].key]) == [b"hd" + bytes([0]) * 100]  # kept as it was
+
+
+def test_counters_unchanged_by_a_transaction_are_not_written(engine: Engine) -> None:
+    """A put of blocks all stored already changes no counter: its
+    transaction writes no record (an LMDB commit then writes no page)."""
+    writer, entries = writer_over(engine), chain(3)
+    writer.put_blocks(entries)
+
+    def commit_unchanged(txn: Txn) -> int:
+        counting = _PutCounting(txn)
+        changes = Changes(counting)  # type: ignore[arg-type]
+        changes.ns(NS_ID)
+        changes.commit()
+        return counting.puts
+
+    def commit_changed(txn: Txn) -> int:
+        counting = _PutCounting(txn)
+        changes = Changes(counting)  # type: ignore[arg-type]
+        changes.totals.hits += 1
+        changes.ns(NS_ID)[3] += 1
+        changes.commit()
+        return counting.puts
+
+    assert engine.write(commit_unchanged) == 0
+    assert engine.write(commit_changed) == 4  # both records, each with its checksum
+    assert writer.put_blocks(entries).already_present == 3
+    tier = LocalTier(engine, capacity_bytes=1 << 30)
+    assert tier.check() == [] and tier.totals().hits == 1 and tier.totals().blocks == 3

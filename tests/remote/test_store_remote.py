@@ -344,3 +344,22 @@ def test_write_through_uploads_are_counted(tmp_path: Path, namespace) -> None:
         store.put(namespace, keys, payloads)
         assert store.stats().pending_uploads == 0
         assert store.stats().remote["uploaded"] == 3
+
+
+@pytest.mark.parametrize("codec_name", ["none", "zstd"])
+def test_a_put_uploads_only_the_blocks_it_stored(tmp_path: Path, namespace, codec_name: str) -> None:
+    """Issue 50 item 3: a put finds the blocks stored already inside its
+    write transaction (codec none) or before encoding (zstd); either way
+    only the blocks it stored are queued and handed to the write-through
+    upload, never those it found."""
+    keys, payloads = chain(namespace, 6)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, remote=f"file://{tmp_path / 'remote'}",
+                     remote_mode="write_through", codec=codec_name) as store:
+        store.put(namespace, keys[:3], payloads[:3])
+        handed: list[bytes] = []
+        real = store._wing.upload
+        store._wing.upload = lambda entries: (handed.extend(e.key for e in entries), real(entries))[1]  # type: ignore[method-assign]
+        result = store.put(namespace, keys, payloads)
+        assert (result.stored, result.already_present) == (3, 3)
+        assert handed == list(keys[3:])
+        assert store.stats().pending_uploads == 0 and store.stats().remote["uploaded"] == 6

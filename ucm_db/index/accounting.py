@@ -4,6 +4,9 @@ transaction.
 Invariants:
     * At every commit ``info/totals`` and each ``info/nscount:<ns>`` equal
       the sums over the ``meta`` records (:func:`recount` computes them).
+      A transaction writes a counter record only where its value changed
+      (or was recounted): a put of blocks all stored already dirties no
+      page, so its commit writes nothing.
     * The records are checksummed (:mod:`ucm_db.index.records`); a damaged
       one is recounted from the metadata inside the transaction that finds
       it, so one flipped bit never wedges later puts.
@@ -73,10 +76,11 @@ class Totals:
             logger.warning("ucm-db: %s; using totals recomputed from the block metadata", exc)
             return recount(txn)[0]
 
+    def packed(self) -> bytes:
+        return TOTALS.pack(self.blocks, self.raw_bytes, self.stored_bytes, self.evictions, self.quarantined, self.hits, self.misses)
+
     def write(self, txn: Txn) -> None:
-        records.put_checked(txn, TOTALS_KEY, TOTALS.pack(
-            self.blocks, self.raw_bytes, self.stored_bytes, self.evictions, self.quarantined, self.hits, self.misses,
-        ))
+        records.put_checked(txn, TOTALS_KEY, self.packed())
 
 
 class Changes:
@@ -88,10 +92,17 @@ class Changes:
         #: Pinned (blocks, stored bytes) per namespace, read when first changed.
         self.pin_counts: dict[bytes, list[int]] = {}
         self._recounts = 0
+        #: The counter records as read, which :meth:`commit` need not write
+        #: again unchanged (a put of blocks all stored already writes nothing).
+        self._read: dict[bytes, bytes] = {}
         try:
-            self.totals = Totals.read(txn)
+            data = records.get_checked(txn, TOTALS_KEY, size=TOTALS.size)
         except records.DamagedRecord as exc:
             self.recount(exc)
+        else:
+            self.totals = Totals(*TOTALS.unpack(data)) if data is not None else Totals()
+            if data is not None:
+                self._read[TOTALS_KEY] = bytes(data)
 
     def recount(self, cause: records.DamagedRecord) -> None:
         """Replaces every counter by a recount from the metadata (a damaged
@@ -118,6 +129,8 @@ class Changes:
                 self.recount(exc)
                 return self.ns(namespace_id)
             counts = list(NS_COUNTS.unpack(data)) if data is not None else [0, 0, 0, 0]
+            if data is not None:
+                self._read[NS_COUNTS_PREFIX + namespace_id] = bytes(data)
             self.ns_counts[namespace_id] = counts
         return counts
 
@@ -166,11 +179,19 @@ class Changes:
         totals = self.totals
         if min(totals.blocks, totals.raw_bytes, totals.stored_bytes, *(min(c) for c in self.ns_counts.values())) < 0:
             self.recount(records.DamagedRecord(TOTALS_KEY, "a counter went below zero"))
-        self.totals.write(self.txn)
+        if self._recounts:
+            self._read.clear()  # recounted: every counter is written
+        self._put(TOTALS_KEY, self.totals.packed())
         for namespace_id, counts in self.ns_counts.items():
-            records.put_checked(self.txn, NS_COUNTS_PREFIX + namespace_id, NS_COUNTS.pack(*counts))
+            self._put(NS_COUNTS_PREFIX + namespace_id, NS_COUNTS.pack(*counts))
         if self.pin_counts:
             write_pin_counts(self.txn, self.pin_counts)
+
+    def _put(self, name: bytes, value: bytes) -> None:
+        """Writes a counter record (with its checksum) unless it was read
+        whole in this transaction with this very value."""
+        if self._read.get(name) != value:
+            records.put_checked(self.txn, name, value)
 
 
 def write_pin_counts(txn: Txn, pin_counts: dict[bytes, list[int]]) -> None:

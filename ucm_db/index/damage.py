@@ -203,6 +203,13 @@ def is_stuck(txn: Txn, key: bytes) -> bool:
         return False
 
 
+def any_quarantined(txn: Txn) -> bool:
+    """Whether any quarantine record exists: without one, no put can meet
+    a stuck payload (:func:`refuse_stuck`), so a put reads this once
+    instead of once per block."""
+    return next(iter(txn.scan("quarantine")), None) is not None
+
+
 def refuse_stuck(txn: Txn, key: bytes) -> None:
     """Raises TierError if a put of ``key`` would have to write over a stuck payload."""
     if is_stuck(txn, key) and txn.get("meta", key) is None and txn.get("blocks", key) is not None:  # quarantine: usually empty

@@ -12,6 +12,10 @@ Invariants:
       per-namespace counters change in it with the blocks (``Changes``).
     * Prefix invariant: a put refuses a block whose parent is missing;
       removing a block removes its descendants in the same transaction.
+    * A put reads each block's presence in its own write transaction: a
+      block stored already (in the entry's namespace) is left as it is,
+      one stored under another namespace refuses the put, a damaged record
+      is quarantined (with its descendants) and the block stored anew.
     * Eviction takes unprotected chain tails, least recently used first;
       a put never evicts its own batch, the blocks of its call that were
       stored already, or an ancestor of either; nothing evicts a pinned
@@ -73,10 +77,22 @@ class IndexWriter:
         enqueue_upload: bool = False,
         activity: Callable[[bool], PendingActivity | None] | None = None,
         protect: Sequence[bytes] = (),
+        guard: Callable[[Txn], None] | None = None,
+        stored: list[BlockEntry] | None = None,
     ) -> PutResult:
         """Atomically stores a batch, then evicts LRU blocks over capacity,
         never a block of the batch, one of ``protect`` (blocks of the same
-        call that were stored already), or an ancestor of either.
+        call that were stored already), or an ancestor of either. A block
+        of the batch stored already (in its namespace) is left as it is and
+        counted in ``already_present``: the presence check of a put is this
+        transaction's own.
+
+        Args:
+            guard: run first inside the write transaction; what it raises
+                refuses the put (nothing written): the store's epoch gate.
+            stored: once the put committed, the entries it stored are
+                appended (not those found stored already): what the store
+                counts for durability and uploads.
 
         Raises:
             MissingAncestorError: a block's parent is neither stored nor
@@ -87,12 +103,16 @@ class IndexWriter:
         """
         limits = self.limits
 
-        def run(txn: Txn) -> PutResult:
+        def run(txn: Txn) -> tuple[PutResult, list[BlockEntry]]:
+            if guard is not None:
+                guard(txn)
             changes = Changes(txn)
             result = PutResult()
             now = time.time_ns()
             in_batch: set[bytes] = set()
             depths: dict[bytes, int] = {}
+            new: list[BlockEntry] = []
+            maybe_stuck = damage.any_quarantined(txn)  # usually none: then no block needs refuse_stuck's read
             if namespace_desc is not None and txn.get("info", NS_DESC_PREFIX + namespace_desc[0]) is None:
                 records.put_checked(txn, NS_DESC_PREFIX + namespace_desc[0], namespace_desc[1])
             for entry in entries:
@@ -104,7 +124,8 @@ class IndexWriter:
                     result.already_present += 1
                     depths[entry.key] = existing.depth
                     continue
-                damage.refuse_stuck(txn, entry.key)
+                if maybe_stuck:
+                    damage.refuse_stuck(txn, entry.key)
                 depth = self._depth_of_parent(txn, entry, depths) + 1
                 depths[entry.key] = depth
                 meta = BlockMeta(entry.namespace_id, entry.parent, depth, entry.raw_bytes, entry.stored_bytes, now, now, 0)
@@ -120,7 +141,8 @@ class IndexWriter:
                 if entry.event_fields is not None:
                     changefeed.stored(txn, entry.key, entry.namespace_id, depth, entry.event_fields, limits.feed_max_records)
                 changes.add(meta, +1)
-                result.stored += 1
+                new.append(entry)
+            result.stored = len(new)
             # Reads buffered so far: applied where this attempt evicts, which must
             # see them (``activity`` is told either way: background.ReadsForEviction).
             pending = activity(changes.totals.stored_bytes > limits.capacity_bytes) if activity is not None else None
@@ -129,8 +151,11 @@ class IndexWriter:
             result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch, protect))
             changes.commit()
             crashpoint("local.before_commit")
-            return result
-        return self.engine.write(run)
+            return result, new
+        result, new = self.engine.write(run)
+        if stored is not None:
+            stored.extend(new)
+        return result
 
     def _depth_of_parent(self, txn: Txn, entry: BlockEntry, depths: dict[bytes, int]) -> int:
         if entry.parent is None:

@@ -12,6 +12,9 @@ Invariants:
     * Reads never write: lookups and reads only read the state (one read
       transaction) and, at first contact, the remote's manifest; what they
       learn there is held in memory until ``epoch()`` or a put records it.
+    * A put reads the state inside its own write transaction
+      (:meth:`EpochGate.check_put`): no read transaction of its own, and no
+      window in which a record damaged or lost meanwhile passes as known.
     * First contact with a remote (per namespace and process, before
       anything of it is read through from the remote): the manifest's epoch
       is read and the namespace's epoch becomes ``max(local, remote)``
@@ -37,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from ucm_db.engines.base import Engine
+from ucm_db.engines.base import Engine, Txn
 from ucm_db.keys import Namespace
 from ucm_db.store import epochs
 from ucm_db.store.epochs import EpochState
@@ -119,14 +122,24 @@ class EpochGate:
 
     def before_put(self, namespace: Namespace) -> None:
         """Registers the namespace before its first block here (its record,
-        at a remote's higher epoch); raises EpochUnknownError."""
+        at a remote's higher epoch); raises EpochUnknownError. A namespace
+        registered already costs no transaction here: the put's own write
+        transaction checks its state (:meth:`check_put`)."""
         ns_id = namespace.id
         self._settle(ns_id)
         floor = self._floors.get(ns_id, 0)
         if self._registered.get(ns_id, -1) >= floor:
-            self._known(ns_id, self._state(ns_id))
             return
         self._tell(namespace, self._record(ns_id, floor))
+
+    def check_put(self, txn: Txn, namespace_id: bytes) -> None:
+        """Inside a put's write transaction (after :meth:`before_put`):
+        raises EpochUnknownError unless the namespace's epoch is known, so
+        the put is refused, nothing written, whatever happened to the record
+        since (damage, a loss). It reads the record only: a put keyed at an
+        epoch another process has moved on from is stored like any other
+        (never served: readers key at the new epoch), as before."""
+        self._known(namespace_id, epochs.state(txn, namespace_id))
 
     def adopt(self, namespace_id: bytes, carried: int | None) -> EpochState:
         """Records an epoch met elsewhere (an archive's) where higher
