@@ -18,7 +18,9 @@ Invariants:
       assertion, a wild pointer: SIGABRT/SIGSEGV) is a
       :class:`~ucm_db.errors.TierError` naming it, found by a child process.
       Damage that appears after the open, under a running process that
-      maps the file, is out of its reach (RELIABILITY.md).
+      maps the file, is out of its reach (RELIABILITY.md). An open whose
+      file is as a clean close recorded it, in this boot, skips the walk
+      (:mod:`ucm_db.engines.lmdb.custody`).
 """
 
 from __future__ import annotations
@@ -212,9 +214,14 @@ _FREE_TREE_TRIES = 3
 _LMDB_PATH = str(Path(lmdb.__file__).resolve().parent.parent)
 
 
+class _Unchecked(Exception):
+    """The walk could not run or finish: the store opens unchecked (a warning says so)."""
+
+
 def page_damage(env_dir: Path, *, lock: bool, timeout_s: float = OPEN_CHECK_TIMEOUT_S) -> str | None:
     """None if every branch and leaf page of the store's current snapshot
-    reads back, else one sentence naming the damage. Never crashes the
+    reads back (or the walk could not run: see :func:`check_pages_at_open`),
+    else one sentence naming the damage. Never crashes the
     caller and maps nothing here: the free-page tree is walked with
     ``pread`` (:mod:`ucm_db.engines.lmdb.pages`), every other tree by LMDB
     itself in a child process (keys only).
@@ -224,6 +231,14 @@ def page_damage(env_dir: Path, *, lock: bool, timeout_s: float = OPEN_CHECK_TIME
     meet pages another process is rewriting, so damage found that way is
     confirmed by a second walk holding a slot (``lock=True``; ``False``
     where the lock file cannot be written: a read-only volume)."""
+    try:
+        return _page_damage(env_dir, lock=lock, timeout_s=timeout_s)
+    except _Unchecked:
+        return None
+
+
+def _page_damage(env_dir: Path, *, lock: bool, timeout_s: float) -> str | None:
+    """:func:`page_damage`, raising _Unchecked where the walk could not run."""
     data = env_dir / DATA_FILE
     if not data.is_file() or data.stat().st_size == 0:
         return None
@@ -245,7 +260,7 @@ def _walk(env_dir: Path, *, lock: bool, timeout_s: float) -> str | None:
         )
     except subprocess.TimeoutExpired:
         logger.warning("ucm-db: the page check of %s did not finish in %.0f s; opened it unchecked", env_dir, timeout_s)
-        return None
+        raise _Unchecked from None
     if done.returncode == 0:
         return None
     if done.returncode < 0:
@@ -256,7 +271,7 @@ def _walk(env_dir: Path, *, lock: bool, timeout_s: float) -> str | None:
     # Not damage (no reader slot, no memory for the map, a lock...): the open itself reports it with its own fix.
     logger.warning("ucm-db: the page check of %s could not run (%s); opening it unchecked", env_dir,
                    lines[-1] if lines else f"exit status {done.returncode}")
-    return None
+    raise _Unchecked
 
 
 def _free_tree_damage(data: Path) -> str | None:
@@ -282,9 +297,15 @@ def _free_tree_damage(data: Path) -> str | None:
     return None
 
 
-def check_pages_at_open(env_dir: Path, *, lock: bool) -> None:
+def check_pages_at_open(env_dir: Path, *, lock: bool) -> bool:
     """Refuses to open a store with a damaged branch or leaf page (see
-    :func:`page_damage`): LMDB would crash this process on reaching it."""
-    problem = page_damage(env_dir, lock=lock)
+    :func:`page_damage`): LMDB would crash this process on reaching it.
+    Returns whether the store was checked whole (False: the walk could not
+    run or finish, and the store opens unchecked)."""
+    try:
+        problem = _page_damage(env_dir, lock=lock, timeout_s=OPEN_CHECK_TIMEOUT_S)
+    except _Unchecked:
+        return False
     if problem is not None:
         raise TierError(f"LMDB store {env_dir} has damaged pages: {problem}", hint=damaged_hint(env_dir.parent))
+    return True

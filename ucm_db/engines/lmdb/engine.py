@@ -71,6 +71,7 @@ from ucm_db.engines.lmdb.meta import FileCheck, check_file
 from ucm_db.engines.lmdb.prefault import Prefault
 from ucm_db.engines.lmdb.txn import LmdbTxn, lmdb_open
 from ucm_db.engines.lmdb import space
+from ucm_db.engines.lmdb.custody import Custody
 from ucm_db.engines.lmdb.recovery import CHECK_TIMEOUT_S, RecoveryReport, logger, walk_in_child
 
 _MAX_MAP_BYTES = 1 << 46
@@ -88,6 +89,7 @@ class LmdbEngine(Engine):
         self.path = Path(path)
         self.read_only = read_only
         self._check_pages = check_pages  # once per engine, before the first map (a forked child's parent checked)
+        self._custody = Custody(self.path)  # whether the next open may skip the page walk (custody.py)
         self._map_size_bytes = map_size_bytes
         self._sync = sync
         self._max_readers = max_readers
@@ -181,6 +183,7 @@ class LmdbEngine(Engine):
             raise
         self._env = env
         self._pid = os.getpid()
+        self._custody.opened()
         self._start_prefault()
 
     def _start_prefault(self) -> None:
@@ -206,9 +209,10 @@ class LmdbEngine(Engine):
             raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
 
     def _check_pages_once(self, *, lock: bool) -> None:  # a damaged page: a TierError now, not a crash later
-        if self._check_pages:
-            check_pages_at_open(self.path, lock=lock)
-            self._check_pages = False
+        recorded = self._custody.take_recorded()  # the file as a clean close left it (custody.py): no walk
+        if self._check_pages and not recorded and check_pages_at_open(self.path, lock=lock):
+            self._custody.walked_clean()
+        self._check_pages = False
 
     def check_file(self) -> FileCheck:
         """The data file checked against its meta pages, without mapping it
@@ -258,8 +262,11 @@ class LmdbEngine(Engine):
         env = self._environment()
         while True:
             try:
-                with self._write_lock, self._txn_gate.shared(), env.begin(write=True, buffers=True) as txn:
-                    result = fn(LmdbTxn(txn, self._dbs))
+                with self._write_lock, self._txn_gate.shared():
+                    with env.begin(write=True, buffers=True) as txn:
+                        self._custody.before_commit()
+                        result = fn(LmdbTxn(txn, self._dbs))
+                    self._custody.after_commit()
                 if self._sync:
                     self._record_sync_commit(env)
                 return result
@@ -347,6 +354,8 @@ class LmdbEngine(Engine):
                     self._pin.release()
                     self._pin = None
                 self._env.close()
+                if not self.read_only:
+                    self._custody.close()
             self._env = None
 
     def file_bytes(self) -> int:
