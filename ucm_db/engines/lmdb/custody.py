@@ -62,9 +62,11 @@ class FileState:
     ctime_ns: int
 
 
-def file_state(data: Path) -> FileState | None:
-    """The data file's state now; None without a boot id or a file."""
-    boot = boot_id()
+def file_state(data: Path, boot: str | None = None) -> FileState | None:
+    """The data file's state now; None without a boot id or a file.
+    ``boot``: the boot id read already (a handle reads it once, at open:
+    reading it costs more than the ``stat``)."""
+    boot = boot if boot is not None else boot_id()
     if boot is None:
         return None
     try:
@@ -106,12 +108,14 @@ class Custody:
         self._data = env_dir / "data.mdb"
         self._held: FileState | None = None
         self._fresh = False
+        self._boot: str | None = None  # read at each open: a process lives in one boot
 
     def take_recorded(self) -> bool:
         """Before the open's page check: True if the file is in the state a
         clean close recorded (custody taken at once: no walk is needed);
         else False, and a caller that walks calls :meth:`walked_clean`."""
-        state = file_state(self._data)
+        self._boot = boot_id()
+        state = file_state(self._data, self._boot)
         self._held = None
         self._fresh = state is None and not self._data.exists()
         self._candidate = state
@@ -128,20 +132,20 @@ class Custody:
         """After the environment is open: a file this open created (LMDB's
         own first pages) is taken into custody as it is now."""
         if self._fresh:
-            self._held = file_state(self._data)
+            self._held = file_state(self._data, self._boot)
             self._fresh = False
 
     def before_commit(self) -> None:
         """Inside a write transaction (the LMDB writer lock held)."""
-        if self._held is not None and file_state(self._data) != self._held:
+        if self._held is not None and file_state(self._data, self._boot) != self._held:
             self._held = None
 
     def after_commit(self) -> None:
         if self._held is not None:
-            self._held = file_state(self._data)
+            self._held = file_state(self._data, self._boot)
 
     def close(self) -> None:
         """Records the state if custody never broke and the file is unchanged."""
         held, self._held = self._held, None
-        if held is not None and file_state(self._data) == held:
+        if held is not None and file_state(self._data, self._boot) == held:
             write_record(self._env_dir, held)
