@@ -67,12 +67,11 @@ from ucm_db.engines.lmdb.checks import (
 from ucm_db.engines.lmdb.fence import check_proven
 from ucm_db.engines.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin
 from ucm_db.engines.lmdb.malloc import keep_dirty_page_memory
-from ucm_db.engines.lmdb.meta import FileCheck, check_file
 from ucm_db.engines.lmdb.prefault import Prefault
 from ucm_db.engines.lmdb.txn import LmdbTxn, lmdb_open
 from ucm_db.engines.lmdb import space
 from ucm_db.engines.lmdb.custody import Custody
-from ucm_db.engines.lmdb.recovery import CHECK_TIMEOUT_S, RecoveryReport, logger, walk_in_child
+from ucm_db.engines.lmdb.recovery import RecoveryReport, logger
 
 _MAX_MAP_BYTES = 1 << 46
 
@@ -213,20 +212,6 @@ class LmdbEngine(Engine):
         if self._check_pages and not recorded and check_pages_at_open(self.path, lock=lock):
             self._custody.walked_clean()
         self._check_pages = False
-
-    def check_file(self) -> FileCheck:
-        """The data file checked against its meta pages, without mapping it
-        (:func:`ucm_db.engines.lmdb.meta.check_file`)."""
-        return check_file(self.path / "data.mdb")
-
-    def walk_in_child(self, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
-        """None if the store is intact: its meta pages check out and a child
-        process reads every table back; else one sentence naming the damage.
-        Never crashes this process, whatever the file holds."""
-        check = self.check_file()
-        if not check.ok:
-            return check.problem
-        return walk_in_child(self.path, lock=True, timeout_s=timeout_s)
 
     def _open_tables(self, env: lmdb.Environment) -> dict[str, Any]:
         """Opens the named tables, adopting a map that another process grew
