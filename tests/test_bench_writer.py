@@ -1,0 +1,61 @@
+"""``ucm-db bench writer`` runs the connector's saves and reports every figure it promises.
+
+No timing is asserted (benchmarks print figures). A tiny run (2 layers, 8
+jobs, one repetition) drives a real connector worker and its background
+writer into a real store, beside ``bench core``'s durable put. The real K/V
+capture (about 10 s) is replaced by bf16 bits of normal noise: the codec is
+``none``, so the bytes' content changes no figure of this run. Importing
+the connector (vLLM) takes about 10 s of its own on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from click.testing import CliRunner
+
+from ucm_db.tools.bench import writer as bench
+from ucm_db.tools.bench.common import BLOCK_BYTES
+from ucm_db.tools.cli_bench import bench_group
+
+PER_CPU = ("writer", "commit", "off_engine")
+
+
+def _noise(count: int) -> list[memoryview]:
+    rng = np.random.default_rng(0)
+    return [memoryview(rng.standard_normal(BLOCK_BYTES // 2, dtype=np.float32).view(np.uint16)[1::2].copy())
+            for _ in range(min(count, 4))]  # the baseline cycles its payloads, as bench core's put does
+
+
+def test_tiny_run_reports_every_figure_of_both_modes(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(bench, "load_payloads", _noise)
+    args = ["writer", "--quick", "--layers", "2", "--jobs", "8", "--repeat", "1", "--dir", str(tmp_path), "--json"]
+    result = CliRunner().invoke(bench_group, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)  # torch may warn on stderr
+    assert report["target"] == bench.TARGET
+    assert report["baseline"]["put_gbps"]["value"] > 0 and report["baseline"]["put_gbps_per_cpu_s"]["value"] > 0
+    assert [(r["case"], r["mode"]) for r in report["rows"]] == [("2L_backlog", "backlog"), ("2L_paced", "paced")]
+    jobs_bytes = sum([1, 2] * 4) * bench.KV_HEADS * 2 * bench.LAYER_UNIT_BYTES  # job blocks 1,2 cycled, 4 heads, 2 layers
+    for row in report["rows"]:
+        assert row["saved_bytes"] == jobs_bytes and row["unit_bytes"] == 2 * bench.LAYER_UNIT_BYTES
+        assert row["wall_gbps"]["value"] > 0 and row["writer_cpu_ms_per_commit"]["value"] > 0
+        for name in PER_CPU:
+            assert row[f"{name}_gbps_per_cpu_s"]["value"] > 0 and row[f"{name}_x_put"]["value"] > 0
+        assert row["target"]["measured"] == round(row["writer_x_put"]["value"], 4)
+        assert row["target"]["met"] == (row["target"]["measured"] >= bench.TARGET)
+    paced = report["rows"][1]
+    assert paced["commits"] == 8  # one job per transaction
+    assert report["rows"][0]["commits"] <= 8  # queued jobs may coalesce (how many: the threads' scheduling)
+    assert list(tmp_path.iterdir()) == []  # scratch stores removed
+
+
+def test_plan_continues_each_requests_chain() -> None:
+    metas = bench.plan(layers=2, jobs=2 * bench.REQUESTS, job_blocks=[1, 2])
+    transfers = [meta.saves[0] for meta in metas]
+    assert [len(t.keys) for t in transfers] == [1, 2] * bench.REQUESTS
+    for first, second in zip(transfers, transfers[bench.REQUESTS:]):
+        assert first.req_id == second.req_id and first.parent is None
+        assert second.parent == first.keys[-1]  # the next step's save continues the chain
+    assert all(0 <= i < bench.CACHE_BLOCKS for t in transfers for i in t.block_ids)

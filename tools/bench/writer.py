@@ -1,0 +1,351 @@
+"""In-engine saves per writer CPU second: ``ucm-db bench writer`` (issue 50, item 3).
+
+    ucm-db bench writer [--layers 8,2] [--job-blocks 1,2] [--jobs 256] [--backlog both] [--codec none] [--json]
+
+Target of the issue: in-engine saves >= 0.8x ``bench core``'s durable put per
+writer CPU second.
+
+The saves: a real connector worker
+(:class:`~ucm_db.connector.worker.hooks.UcmDbWorker`, no engine, the entry
+``bench load`` drives too) over a KV cache in vLLM CPU's layout (one bf16
+tensor per layer, ``[blocks, 4 KV heads, block 32, 2 x head 64]``: the
+serving model's shape, :mod:`.serve_model`), filled with real K/V
+activations (:mod:`.kv_sample`). The connector stores a block as one unit
+per KV head, one frame per layer (``layers x 8 KiB``: 64 KiB at 8 layers);
+each job is one engine step's ``save`` of ``--job-blocks`` blocks (cycled:
+1, 2, 1, ...) of one of 8 requests in turn, each continuing its request's
+chain. The worker copies them out and its
+:class:`~ucm_db.connector.worker.writer.BackgroundWriter` commits them into
+a fresh LMDB store (the connector's defaults but the codec: durability
+``group``, 2 codec threads). Two modes:
+
+* ``backlog``: every job's ``save`` is called back to back, then ``drain``:
+  the queue grows and each writer round commits the jobs queued, up to
+  ``COALESCE_MAX_BYTES``, in one transaction;
+* ``paced``: ``save`` then ``drain``, job after job: one job per transaction.
+
+Each repetition ends with ``Store.flush()`` (durable, as ``bench core``
+times its put). Figures per case, GB/s of saved KV bytes:
+
+* ``writer``: per CPU second of the writer thread (its CPU clock,
+  ``pthread_getcpuclockid``, from the first save to the end of ``drain``:
+  queue handling, rounds, framing, the commit);
+* ``commit``: per second of the writer's own commit CPU counter
+  (``vllm:ucm_db_save_commit_cpu_seconds_total``);
+* ``off_engine``: per CPU second of the whole process less the calling
+  (engine's) thread's ``save`` and ``drain`` calls: the writer, the store's
+  sync and codec threads and the ``flush``. With ``--codec zstd`` the codec
+  threads compress, so read this one rather than ``writer``;
+* ``wall``: saved bytes over the time from the first save to durable.
+
+The baseline is ``bench core``'s durable put row of the same codec, run by
+its own function (:func:`ucm_db.tools.bench.put._store_once`: 64 (quick 32) x 2 MiB of
+real K/V, 16 per commit, ``durability="group"``, timed to ``flush()``), per
+CPU second of the whole process, as ``bench core`` reports it. A case's
+ratio is the median over repetitions of (its figure / the baseline's) within
+each repetition.
+
+Invariants:
+    * Every repetition runs the baseline then each case, on a fresh store
+      each, so a slow spell of the shared host hits all alike; figures are
+      medians of ``--repeat`` and keep every run. One round before them
+      warms up, untimed.
+    * A case whose saves were not all committed (an error, a drop) raises:
+      its figure would be meaningless.
+    * vLLM and torch are imported only when a case runs (the connector's
+      modules need them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from ucm_db.tools.bench.common import BLOCK_BYTES, BenchOptions, Figure
+from ucm_db.tools.bench.core import load_payloads
+from ucm_db.tools.bench.load import BLOCK, HEAD_SIZE, KV_HEADS, LAYER_UNIT_BYTES
+
+TARGET = 0.8
+REQUESTS = 8  # requests whose saves take turns, each continuing its own chain
+CACHE_BLOCKS = 64  # blocks of the KV cache the saves copy out of (reused, as an engine's are)
+CAPACITY_BYTES = 4 << 30
+MODES = ("backlog", "paced")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: the model's layers and whether saves queue up."""
+
+    layers: int
+    backlog: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.layers}L_{'backlog' if self.backlog else 'paced'}"
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.layers * LAYER_UNIT_BYTES
+
+
+@dataclass
+class Run:
+    """One repetition of one case: seconds, CPU seconds and what was committed."""
+
+    wall_s: float
+    writer_cpu_s: float
+    commit_cpu_s: float
+    off_engine_cpu_s: float
+    saved_bytes: int
+    commits: int
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _kv_caches(layers: int, payloads: Sequence[memoryview]) -> dict[str, Any]:
+    """The KV cache, vLLM CPU layout, filled with the real K/V bytes of
+    ``payloads`` (cycled), each layer from different bytes."""
+    import torch
+
+    shape = (CACHE_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_SIZE)
+    layer_bytes = CACHE_BLOCKS * KV_HEADS * BLOCK * 2 * HEAD_SIZE * 2
+    need = -(-layers * layer_bytes // BLOCK_BYTES)
+    flat = np.concatenate([np.frombuffer(payloads[i % len(payloads)], np.uint8) for i in range(need)])
+    return {f"model.layers.{i}.self_attn.attn": torch.from_numpy(flat[i * layer_bytes:(i + 1) * layer_bytes].copy())
+            .view(torch.bfloat16).reshape(shape) for i in range(layers)}
+
+
+def plan(layers: int, jobs: int, job_blocks: Sequence[int]) -> list[Any]:
+    """The jobs' save metadata, one engine step each: ``job_blocks[j %
+    len]`` blocks of request ``j % REQUESTS``, continuing its chain, copied
+    out of the next blocks of the KV cache."""
+    from ucm_db.connector.identity import namespace
+    from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
+    from ucm_db.tools.bench.load import _shape
+
+    sizes = [job_blocks[j % len(job_blocks)] for j in range(jobs)]
+    per_request = [sum(sizes[r::REQUESTS]) for r in range(REQUESTS)]
+    ns = namespace(_shape(layers))
+    chains = [ns.block_keys([(r + 1) * 10_000_000 + t for t in range(n * BLOCK)]) for r, n in enumerate(per_request)]
+    done, cursor, metas = [0] * REQUESTS, 0, []
+    for j, n in enumerate(sizes):
+        r, at = j % REQUESTS, done[j % REQUESTS]
+        ids = tuple((cursor + i) % CACHE_BLOCKS for i in range(n))
+        meta = UcmDbConnectorMetadata()
+        meta.saves.append(BlockTransfer(f"req-{r}", tuple(chains[r][at:at + n]), ids, parent=chains[r][at - 1] if at else None))
+        metas.append(meta)
+        done[r], cursor = at + n, cursor + n
+    return metas
+
+
+def _writer_clock(before: set[int | None]) -> int:
+    """The CPU clock of the writer thread started since ``before`` (the
+    idents then alive): read from here, it counts that thread alone."""
+    found = [t.ident for t in threading.enumerate() if t.name == "ucm-db-writer" and t.ident not in before]
+    if len(found) != 1 or found[0] is None:
+        raise RuntimeError(f"expected one new ucm-db-writer thread, found {len(found)}")
+    return time.pthread_getcpuclockid(found[0])
+
+
+def _commits(counters: Any) -> int:
+    """Transactions the writer committed (its commit-latency observations)."""
+    return int(sum(v for k, v in counters.totals.data.items() if k.startswith("save_commit_hist_")))
+
+
+def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec: str, scratch: Path) -> Run:
+    """One repetition of ``case`` on a fresh store (opened and removed untimed)."""
+    from ucm_db.connector.settings import ConnectorSettings
+    from ucm_db.connector.stores import acquire, release
+    from ucm_db.connector.worker.hooks import UcmDbWorker
+    from ucm_db.tools.bench.load import _shape
+
+    path = Path(tempfile.mkdtemp(prefix=f"ucm-bench-writer-{case.name}-", dir=scratch))
+    settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": codec, "capacity_bytes": CAPACITY_BYTES})
+    worker = UcmDbWorker(settings, _shape(case.layers), CACHE_BLOCKS)
+    before = {t.ident for t in threading.enumerate()}
+    worker.register_kv_caches(caches, 0, 0)
+    store = acquire(settings)  # the worker's store (one per path per process): to flush it
+    try:
+        clock = _writer_clock(before)
+        wall0, proc0, main0, writer0 = time.perf_counter(), _process_cpu_s(), time.thread_time(), time.clock_gettime(clock)
+        for meta in metas:
+            worker.save(meta)
+            if not case.backlog:
+                worker.drain()
+        worker.drain()
+        writer_cpu_s = time.clock_gettime(clock) - writer0
+        engine_cpu_s = time.thread_time() - main0
+        store.flush()
+        wall_s, proc_s = time.perf_counter() - wall0, _process_cpu_s() - proc0
+        totals = worker.counters.totals.data
+        expected = sum(len(t.keys) for meta in metas for t in meta.saves) * KV_HEADS * case.unit_bytes
+        if totals["saved_bytes"] != expected or totals["save_errors"] or totals["saves_dropped"]:
+            raise RuntimeError(f"{case.name}: saved {totals['saved_bytes']:.0f} of {expected} bytes "
+                               f"({totals['save_errors']:.0f} errors, {totals['saves_dropped']:.0f} dropped)")
+        return Run(wall_s, writer_cpu_s, totals["save_commit_cpu_s"], proc_s - engine_cpu_s, expected, _commits(worker.counters))
+    finally:
+        release(store)
+        worker.shutdown()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _figure(values: list[float], unit: str, note: str = "") -> Figure:
+    return Figure(statistics.median(values), unit, [round(v, 4) for v in values], note)
+
+
+def run(layers: Sequence[int], modes: Sequence[str], job_blocks: Sequence[int], jobs: int, codec: str, repeat: int,
+        quick: bool = False, scratch_dir: str | None = None) -> dict[str, Any]:
+    """Every case against the baseline, interleaved by repetition (module
+    docstring); figures as plain dicts (``value``, ``unit``, ``runs``, ``note``)."""
+    from ucm_db.tools.bench import put as bench_put
+
+    started, load_avg = time.time(), [round(x, 2) for x in os.getloadavg()]
+    options = BenchOptions(quick=quick, repeat=repeat, scratch_dir=scratch_dir)
+    payloads = load_payloads(options.put_blocks)
+    cases = [Case(n, mode == "backlog") for n in layers for mode in modes]
+    caches = {n: _kv_caches(n, payloads) for n in layers}
+    metas = {n: plan(n, jobs, job_blocks) for n in layers}
+    base: list[tuple[float, float]] = []
+    runs: dict[Case, list[Run]] = {case: [] for case in cases}
+    with tempfile.TemporaryDirectory(prefix="ucm-bench-writer-", dir=scratch_dir) as scratch:
+        for rep in range(repeat + 1):  # round 0 warms up, untimed: a process's first store ran up to 2x slower
+            put_run = bench_put._store_once(options, payloads, options.put_blocks, codec=codec, durability="group")
+            case_runs = {case: writer_once(case, caches[case.layers], metas[case.layers], codec, Path(scratch)) for case in cases}
+            if rep:
+                base.append(put_run)
+                for case, one in case_runs.items():
+                    runs[case].append(one)
+    put_bytes = options.put_blocks * BLOCK_BYTES
+    baseline = {
+        "put_gbps": _figure([put_bytes / wall / GB for wall, _ in base], "GB/s", "wall, to durable"),
+        "put_gbps_per_cpu_s": _figure([put_bytes / cpu / GB for _, cpu in base], "GB/s", "per CPU second of the process"),
+        "blocks": options.put_blocks, "block_bytes": BLOCK_BYTES,
+    }
+    return as_dict({
+        "model": {"layout": "vLLM CPU", "kv_dtype": "bfloat16", "kv_heads": KV_HEADS, "head_size": HEAD_SIZE, "block_size": BLOCK},
+        "options": {"layers": list(layers), "modes": list(modes), "job_blocks": list(job_blocks), "jobs": jobs, "codec": codec,
+                    "repeat": repeat, "quick": quick, "requests": REQUESTS, "durability": "group"},
+        "baseline": baseline,
+        "rows": [_row(case, runs[case], base, put_bytes) for case in cases],
+        "target": TARGET,
+        "host": {"cpus": os.cpu_count(), "load_avg_at_start": load_avg},
+        "elapsed_s": round(time.time() - started, 1),
+    })
+
+
+def _row(case: Case, runs: list[Run], base: list[tuple[float, float]], put_bytes: int) -> dict[str, Any]:
+    """A case's figures, and its ratios to the baseline of the same repetitions."""
+    saved = runs[0].saved_bytes
+    put_per_cpu = [put_bytes / cpu / GB for _, cpu in base]
+    per_cpu = {name: [saved / getattr(r, f"{name}_cpu_s") / GB for r in runs] for name in ("writer", "commit", "off_engine")}
+    row: dict[str, Any] = {
+        "case": case.name, "layers": case.layers, "mode": "backlog" if case.backlog else "paced",
+        "unit_bytes": case.unit_bytes, "saved_bytes": saved, "commits": statistics.median(r.commits for r in runs),
+        "wall_gbps": _figure([saved / r.wall_s / GB for r in runs], "GB/s", "first save to durable (flush)"),
+    }
+    for name, values in per_cpu.items():
+        row[f"{name}_gbps_per_cpu_s"] = _figure(values, "GB/s")
+        row[f"{name}_x_put"] = _figure([v / p for v, p in zip(values, put_per_cpu)], "x")
+    row["writer_cpu_ms_per_commit"] = _figure([r.writer_cpu_s / r.commits * 1e3 for r in runs], "ms")
+    ratio = row["writer_x_put"].value
+    row["target"] = {"target": f"writer GB/s per CPU s >= {TARGET}x durable put", "measured": round(ratio, 4), "met": ratio >= TARGET}
+    return row
+
+
+def as_dict(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with its figures as plain dicts (what ``--json`` prints)."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, Figure):
+            return value.to_dict()
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+    return plain(report)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    o, b, m = report["options"], report["baseline"], report["model"]
+    lines = [
+        f"in-engine saves (connector worker + BackgroundWriter), vLLM CPU layout, bf16, {m['kv_heads']} KV heads x head "
+        f"{m['head_size']}, block {m['block_size']}; jobs of {','.join(map(str, o['job_blocks']))} blocks (cycled) from "
+        f"{o['requests']} requests, {o['jobs']} jobs; codec {o['codec']}, durability group; medians of {o['repeat']}",
+        f"baseline (bench core's durable put, {b['blocks']} x 2 MiB, codec {o['codec']}): {b['put_gbps']['value']:.3f} GB/s wall, "
+        f"{b['put_gbps_per_cpu_s']['value']:.3f} GB/s per CPU s",
+        "",
+        f"{'case':<12} {'unit':>7} {'commits':>7} {'wall':>7} {'writer':>7} {'x put':>6} {'commit':>7} {'x put':>6} "
+        f"{'off-eng':>7} {'x put':>6} {'ms/commit':>9}  target >= {report['target']}x",
+        f"{'':<12} {'KiB':>7} {'':>7} {'GB/s':>7} {'GB/s/s':>7} {'':>6} {'GB/s/s':>7} {'':>6} {'GB/s/s':>7}",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"{r['case']:<12} {r['unit_bytes'] >> 10:>7} {r['commits']:>7.0f} {r['wall_gbps']['value']:>7.3f} "
+            f"{r['writer_gbps_per_cpu_s']['value']:>7.3f} {r['writer_x_put']['value']:>6.2f} {r['commit_gbps_per_cpu_s']['value']:>7.3f} "
+            f"{r['commit_x_put']['value']:>6.2f} {r['off_engine_gbps_per_cpu_s']['value']:>7.3f} {r['off_engine_x_put']['value']:>6.2f} "
+            f"{r['writer_cpu_ms_per_commit']['value']:>9.3f}  {'met' if r['target']['met'] else 'MISSED'}")
+    lines.append("GB/s/s: GB/s of saved KV per CPU second (writer thread; its commit counter; all but the engine's thread)")
+    load = ", ".join(f"{x:.2f}" for x in report["host"]["load_avg_at_start"])
+    lines.append(f"{report['host']['cpus']} CPUs, load average at start {load}; {report['elapsed_s']} s")
+    return "\n".join(lines)
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        parts = [int(p) for p in value.split(",") if p.strip()]
+    except ValueError:
+        parts = []
+    if not parts or any(p < 1 for p in parts):
+        raise click.BadParameter(f"want a comma list of positive integers; got {value!r}")
+    return parts
+
+
+@click.command("writer", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--layers", default="8,2", show_default=True, callback=_int_list, help="model layers, one case set each")
+@click.option("--job-blocks", default="1,2", show_default=True, callback=_int_list,
+              help="blocks per job (one engine step's save), cycled over the jobs")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="jobs per repetition [256; quick 64]")
+@click.option("--backlog", type=click.Choice(["both", "on", "off"]), default="both", show_default=True,
+              help="on: saves queue up and rounds coalesce; off: one job per transaction (paced)")
+@click.option("--codec", type=click.Choice(["none", "zstd"]), default="none", show_default=True, help="store codec (and baseline's)")
+@click.option("--repeat", type=click.IntRange(min=1), default=None, help="repetitions (median) [7; quick 3]")
+@click.option("--quick", is_flag=True, help="64 jobs, 3 repetitions, bench core --quick's baseline (32 blocks)")
+@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (default: system temp)")
+@click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
+def command(layers: list[int], job_blocks: list[int], jobs: int | None, backlog: str, codec: str, repeat: int | None,
+            quick: bool, scratch_dir: str | None, as_json: bool) -> None:
+    """In-engine saves (connector worker + background writer) per writer CPU second against bench core's durable put.
+
+    The target (issue 50) is reported, not enforced: writer GB/s per CPU
+    second >= 0.8x the durable put's GB/s per CPU second, same run.
+
+    \b
+    Example:
+        ucm-db bench writer
+        ucm-db bench writer --layers 8 --backlog on --codec zstd --json
+        ucm-db bench writer --quick --job-blocks 2 --jobs 32
+    """
+    modes = {"both": MODES, "on": ("backlog",), "off": ("paced",)}[backlog]
+    report = run(layers, modes, job_blocks, jobs or (64 if quick else 256), codec, repeat or (3 if quick else 7), quick, scratch_dir)
+    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
+
+
+if __name__ == "__main__":
+    command()
