@@ -1,5 +1,5 @@
 """The open's page walk is skipped only for a file nothing but LMDB wrote
-since a clean walk, in this boot (ucm_db/engines/lmdb/custody.py).
+since a clean walk, in this boot (the ledger: ucm_db/engines/lmdb/custody.py).
 
 The walk is counted by wrapping the real ``check_pages_at_open`` (it still
 runs); the damage is real (a reachable leaf page zeroed), and the processes
@@ -50,10 +50,10 @@ def _reads_back(path: Path) -> int:
 def test_a_clean_close_lets_the_next_open_skip_the_walk(tmp_path: Path, walks: list[Path]) -> None:
     data = _store(tmp_path / "s")
     walks.clear()  # the creating open's check of a file not there yet
-    assert read_record(data.parent) == file_state(data), "the writer's clean close records the file's state"
+    assert read_record(data.parent) == file_state(data), "the ledger follows the writer's commits"
     assert _reads_back(tmp_path / "s") == BLOCKS
     assert walks == [], "an unchanged file is not walked again"
-    with ucm_db.open(tmp_path / "s") as store:  # a handle that commits keeps custody through its own commits
+    with ucm_db.open(tmp_path / "s") as store:  # its commits move the ledger on
         keys = NS.block_keys(chain_tokens("more", 2))
         store.put(NS, keys, [payload_for(k, 300) for k in keys])
     assert read_record(data.parent) == file_state(data)
@@ -89,7 +89,7 @@ def test_a_damaged_or_foreign_record_means_a_walk(tmp_path: Path, walks: list[Pa
     walks.clear()  # the creating open's check of a file not there yet
     (data.parent / RECORD_FILE).write_text("{not json")
     assert _reads_back(tmp_path / "s") == BLOCKS and len(walks) == 1
-    assert read_record(data.parent) == file_state(data), "the clean walk and close record it again"
+    assert read_record(data.parent) == file_state(data), "the clean walk vouches for it again"
 
 
 _KILLED_WRITER = r"""
@@ -103,41 +103,43 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_killed_writer_leaves_no_record_of_what_it_wrote(tmp_path: Path, walks: list[Path]) -> None:
+def test_commits_of_a_killed_process_and_of_others_keep_the_ledger(tmp_path: Path, walks: list[Path]) -> None:
+    """A vLLM engine writes from two processes (saves, recency) and its
+    worker is killed at shutdown: the commits of all of them are LMDB's."""
     data = _store(tmp_path / "s")
-    walks.clear()  # the creating open's check of a file not there yet
-    done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "s")], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=False)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    assert read_record(data.parent) != file_state(data), "the record is the state before the killed process wrote"
-    assert _reads_back(tmp_path / "s") == BLOCKS and len(walks) == 1
-
-
-_SECOND_WRITER = r"""
-import sys
-import ucm_db
-from tests.reliability.harness import NS, chain_tokens, payload_for
-with ucm_db.open(sys.argv[1]) as store:
-    keys = NS.block_keys(chain_tokens("other", 2))
-    store.put(NS, keys, [payload_for(k, 300) for k in keys])
-"""
-
-
-def test_a_handle_that_saw_another_process_commit_records_nothing(tmp_path: Path, walks: list[Path]) -> None:
-    data = _store(tmp_path / "s")
-    walks.clear()  # the creating open's check of a file not there yet
+    walks.clear()
     with ucm_db.open(tmp_path / "s") as store:
-        assert store.lookup(NS, NS.block_keys(chain_tokens("chain-3", BLOCKS))) == BLOCKS
-        (data.parent / RECORD_FILE).unlink()
-        done = subprocess.run([sys.executable, "-c", _SECOND_WRITER, str(tmp_path / "s")], cwd=REPO,
-                              capture_output=True, text=True, timeout=120, check=False)
-        assert done.returncode == 0, done.stderr[-2000:]
-        recorded = read_record(data.parent)
-        assert recorded == file_state(data), "the other process closed in custody of its own commit"
+        done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "s")], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
         keys = NS.block_keys(chain_tokens("after", 2))
-        store.put(NS, keys, [payload_for(k, 300) for k in keys])  # its custody broke at this commit's start
-    assert read_record(data.parent) == recorded != file_state(data), "no record of a state this handle did not see whole"
-    assert _reads_back(tmp_path / "s") == BLOCKS and len(walks) == 1
+        store.put(NS, keys, [payload_for(k, 300) for k in keys])
+        assert read_record(data.parent) == file_state(data)
+    assert _reads_back(tmp_path / "s") == BLOCKS and walks == [], "no walk after commits of processes alone"
+    with ucm_db.open(tmp_path / "s") as store:
+        assert store.lookup(NS, NS.block_keys(chain_tokens("killed", 3))) == 3
+
+
+def test_a_write_while_open_is_walked_at_the_next_open(tmp_path: Path, walks: list[Path]) -> None:
+    """Damage written into the file while a store is open, then a commit of
+    that store: the commit finds the file in a state the ledger does not
+    name and vouches for nothing, so the next open walks and refuses."""
+    data = _store(tmp_path / "s")
+    walks.clear()
+    store = ucm_db.open(tmp_path / "s")
+    assert store.lookup(NS, NS.block_keys(chain_tokens("chain-3", BLOCKS))) == BLOCKS
+    leaves = _reachable_lru_leaves(data)
+    page_bytes = check_file(data).current.page_bytes  # type: ignore[union-attr]
+    with open(data, "r+b") as f:  # a leaf the next put does not rewrite: the damage stays reachable
+        f.seek(leaves[1] * page_bytes)
+        f.write(bytes(page_bytes))
+    keys = NS.block_keys(chain_tokens("after", 1))
+    store.put(NS, keys, [payload_for(k, 300) for k in keys])
+    store.close()
+    assert read_record(data.parent) != file_state(data)
+    with pytest.raises(ucm_db.TierError, match="damaged pages"):
+        ucm_db.open(tmp_path / "s").lookup(NS, keys)
+    assert len(walks) == 1
 
 
 def test_a_walk_that_could_not_finish_is_not_recorded(tmp_path: Path, walks: list[Path],
@@ -150,4 +152,4 @@ def test_a_walk_that_could_not_finish_is_not_recorded(tmp_path: Path, walks: lis
     (data.parent / RECORD_FILE).unlink()
     monkeypatch.setattr(checks, "OPEN_CHECK_TIMEOUT_S", 1e-6)
     assert _reads_back(tmp_path / "s") == BLOCKS
-    assert not (data.parent / RECORD_FILE).exists(), "an unchecked open vouches for nothing"
+    assert read_record(data.parent) is None, "an unchecked open vouches for nothing, nor do its commits"

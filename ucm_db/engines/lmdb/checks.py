@@ -19,8 +19,8 @@ Invariants:
       :class:`~ucm_db.errors.TierError` naming it, found by a child process.
       Damage that appears after the open, under a running process that
       maps the file, is out of its reach (RELIABILITY.md). An open whose
-      file is as a clean close recorded it, in this boot, skips the walk
-      (:mod:`ucm_db.engines.lmdb.custody`).
+      file is in the state its ledger vouches for, in this boot, skips the
+      walk (:mod:`ucm_db.engines.lmdb.custody`).
 """
 
 from __future__ import annotations

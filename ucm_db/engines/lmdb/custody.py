@@ -2,59 +2,71 @@
 written since a clean walk, within one boot.
 
 The page check at open (:func:`ucm_db.engines.lmdb.checks.check_pages_at_open`)
-walks every branch and leaf page of the store in a child process: 1.2 s at
-a million records, once per process that opens the store (a vLLM engine
+walks every branch and leaf page of the store in a child process: 1.2-1.6 s
+at a million records, once per process that opens the store (a vLLM engine
 opens it three times as it starts). Damage that walk can find comes from
 writes LMDB did not make (a disk fault, a tool writing into the file) or
 from an OS crash (pages LMDB wrote but the disk never got). Within one boot
-the page cache holds what LMDB wrote, and LMDB's own commits, from any
-process (one killed mid-commit too), never leave a reachable page damaged.
+the page cache holds what LMDB wrote, and LMDB's commits, from any process
+(one killed mid-commit too), never leave a reachable page damaged.
 
-So each handle keeps a *custody* of the file: the file's state (boot id,
-device, inode, size, modification and change times in ns) when the handle
-last saw it whole: after its own walk, or a matching record at open; then
-after each of its own commits, where the state at the commit's start (the
-LMDB writer lock held: no other commit runs) was the one it held. A state
-that differs (another process's commit, any other write) ends the custody
-for good. At close, a handle still in custody of an unchanged file writes
-the state to :data:`RECORD_FILE` beside the data file; the next open whose
-state equals the record skips the walk.
+So a *ledger* beside the data file (:data:`RECORD_FILE`) holds the file's
+state (boot id, device, inode, size, modification and change times in ns)
+that is vouched for: written after a clean walk, or by a commit that found
+the file in the ledger's state when it began and so only moved it on by an
+LMDB commit. Every commit, of any process, holds the ledger's lock from its
+look at the ledger to its update of it, so the ledger follows the commits
+of all processes; any other write leaves the file in a state no ledger
+names, and from then on no commit vouches for the file until an open walks
+it clean again. An open that finds the file in the ledger's state skips
+its walk.
 
 Invariants:
-    * A record matches only in the boot that wrote it: after an OS crash
-      (a new boot id) every open walks. No boot id (not Linux, no
-      ``UCM_DB_BOOT_ID``): nothing is recorded, every open walks.
-    * The record is written only by a handle whose custody never broke,
-      with the state it holds equal to the file's at close; it is replaced
-      atomically (never read half-written) and needs no fsync (it is worth
-      nothing after a reboot).
-    * What it cannot see: a write that lands between a commit and the
-      handle's look at the file after it, or in the same clock tick as a
-      commit keeping the file's size; and a disk returning other bytes for
-      a page nobody wrote (``ucm-db verify`` walks every page, always).
+    * A ledger vouches only in the boot that wrote it: after an OS crash (a
+      new boot id) every open walks. No boot id (not Linux, no
+      ``UCM_DB_BOOT_ID``): no ledger is written, every open walks.
+    * File states only move forward (inode, size, times), so a stale ledger
+      never matches again; a ledger read torn or damaged fails its checksum
+      and vouches for nothing.
+    * A walk that could not run or finish vouches for nothing; a
+      read-only handle reads the ledger at open and never writes it.
+    * What it cannot see: a write landing between a commit and its update
+      of the ledger (microseconds), or in the same clock tick as a commit
+      and keeping the file's size; a disk returning other bytes for a page
+      nobody wrote (``ucm-db verify`` walks every page, always).
+    * A process killed between its commit and the ledger's update leaves
+      the ledger behind the file: the next open walks (safe side).
 """
 
 from __future__ import annotations
 
-import json
+import fcntl
+import hashlib
 import logging
 import os
-from dataclasses import asdict, dataclass
+import struct
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from ucm_db.engines.lmdb.recovery import boot_id
 
 logger = logging.getLogger("ucm_db")
 
-#: The record of the last clean state, in the LMDB directory.
+#: The ledger of the last vouched-for state, in the LMDB directory.
 RECORD_FILE = "walked-clean"
+#: boot id digest (16), device, inode, size, mtime ns, ctime ns; then a CRC-32 of those.
+_LEDGER = struct.Struct("<16s5Q")
+_CRC = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
 class FileState:
     """What tells one version of the data file from another within a boot."""
 
-    boot: str
+    boot: bytes
     device: int
     inode: int
     size_bytes: int
@@ -62,11 +74,17 @@ class FileState:
     ctime_ns: int
 
 
-def file_state(data: Path, boot: str | None = None) -> FileState | None:
+def boot_digest() -> bytes | None:
+    """This boot's id as 16 bytes (None without one)."""
+    boot = boot_id()
+    return hashlib.blake2b(boot.encode(), digest_size=16).digest() if boot is not None else None
+
+
+def file_state(data: Path, boot: bytes | None = None) -> FileState | None:
     """The data file's state now; None without a boot id or a file.
-    ``boot``: the boot id read already (a handle reads it once, at open:
-    reading it costs more than the ``stat``)."""
-    boot = boot if boot is not None else boot_id()
+    ``boot``: :func:`boot_digest` read already (a handle reads it once, at
+    open: reading it costs more than the ``stat``)."""
+    boot = boot if boot is not None else boot_digest()
     if boot is None:
         return None
     try:
@@ -77,75 +95,119 @@ def file_state(data: Path, boot: str | None = None) -> FileState | None:
 
 
 def read_record(env_dir: Path) -> FileState | None:
-    """The recorded clean state; None where there is none or it does not parse."""
+    """The ledger's state; None where there is none or it fails its checksum."""
     try:
-        return FileState(**json.loads((env_dir / RECORD_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
+        with open(env_dir / RECORD_FILE, "rb") as f:
+            raw = f.read(_LEDGER.size + _CRC.size)
+    except OSError:
         return None
+    return _parse(raw)
 
 
-def write_record(env_dir: Path, state: FileState) -> None:
-    """Replaces the record atomically; a failure (a read-only volume) only
-    means the next open walks."""
-    tmp = env_dir / f".{RECORD_FILE}.{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # a store's files are 0600
-        with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(asdict(state)))
-        os.replace(tmp, env_dir / RECORD_FILE)
-    except OSError as exc:
-        logger.debug("ucm-db: could not record the clean state of %s: %s", env_dir, exc)
-        tmp.unlink(missing_ok=True)
+def _parse(raw: bytes) -> FileState | None:
+    if len(raw) != _LEDGER.size + _CRC.size or _CRC.unpack_from(raw, _LEDGER.size)[0] != zlib.crc32(raw[:_LEDGER.size]):
+        return None
+    return FileState(*_LEDGER.unpack_from(raw))
+
+
+def _pack(state: FileState) -> bytes:
+    body = _LEDGER.pack(*astuple(state))
+    return body + _CRC.pack(zlib.crc32(body))
 
 
 class Custody:
-    """One handle's custody of its data file (module docstring). Not
-    thread-safe by itself: the engine calls it under its write lock or its
-    open lock."""
+    """One engine handle's part in the ledger (module docstring). Called by
+    the engine under its open lock, and around each write transaction
+    (:meth:`committing`)."""
 
-    def __init__(self, env_dir: Path) -> None:
+    def __init__(self, env_dir: Path, *, read_only: bool = False) -> None:
         self._env_dir = env_dir
+        self._read_only = read_only  # reads the ledger at open, never writes it
         self._data = env_dir / "data.mdb"
-        self._held: FileState | None = None
+        self._boot: bytes | None = None  # read at each open: a process lives in one boot
+        self._candidate: FileState | None = None
         self._fresh = False
-        self._boot: str | None = None  # read at each open: a process lives in one boot
+        self._fd: int | None = None
+        self._fd_pid = -1
 
     def take_recorded(self) -> bool:
-        """Before the open's page check: True if the file is in the state a
-        clean close recorded (custody taken at once: no walk is needed);
-        else False, and a caller that walks calls :meth:`walked_clean`."""
-        self._boot = boot_id()
+        """Before the open's page check: True if the ledger vouches for the
+        file as it is now (no walk needed); else False, and a caller that
+        walks calls :meth:`walked_clean`."""
+        self._boot = boot_digest()
         state = file_state(self._data, self._boot)
-        self._held = None
-        self._fresh = state is None and not self._data.exists()
         self._candidate = state
-        if state is not None and read_record(self._env_dir) == state:
-            self._held = state
-            return True
-        return False
+        self._fresh = state is None and not self._data.exists()
+        return state is not None and read_record(self._env_dir) == state
 
     def walked_clean(self) -> None:
-        """The page check found no damage in the state seen before it."""
-        self._held = self._candidate
+        """The page check found no damage in the state seen before it: the
+        ledger vouches for it, if no commit moved the file meanwhile."""
+        state = self._candidate
+        if state is not None and file_state(self._data, self._boot) == state:
+            self._write(state)
 
     def opened(self) -> None:
-        """After the environment is open: a file this open created (LMDB's
-        own first pages) is taken into custody as it is now."""
+        """After a writable open: a file this open created (LMDB's own
+        first pages) is vouched for as it is now."""
         if self._fresh:
-            self._held = file_state(self._data, self._boot)
             self._fresh = False
+            state = file_state(self._data, self._boot)
+            if state is not None:
+                self._write(state)
 
-    def before_commit(self) -> None:
-        """Inside a write transaction (the LMDB writer lock held)."""
-        if self._held is not None and file_state(self._data, self._boot) != self._held:
-            self._held = None
-
-    def after_commit(self) -> None:
-        if self._held is not None:
-            self._held = file_state(self._data, self._boot)
+    @contextmanager
+    def committing(self) -> Iterator[None]:
+        """Around a write transaction: holds the ledger's lock (``flock``)
+        from before the transaction begins to after the ledger is updated,
+        so the commits of all processes pass through it one at a time; the
+        ledger moves on with the file only if the commit found the file in
+        the vouched state. A transaction that fails leaves the ledger as it
+        was (the safe side: a file it changed no longer matches)."""
+        fd = self._ledger()
+        if fd is None:
+            yield
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            state = file_state(self._data, self._boot)
+            vouched = state is not None and self._read() == state
+            yield
+            if vouched:
+                after = file_state(self._data, self._boot)
+                if after is not None:
+                    self._write(after)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        """Records the state if custody never broke and the file is unchanged."""
-        held, self._held = self._held, None
-        if held is not None and file_state(self._data, self._boot) == held:
-            write_record(self._env_dir, held)
+        if self._fd is not None and self._fd_pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def _ledger(self) -> int | None:
+        """The ledger's descriptor, opened once per process (0600, as every file of a store)."""
+        if self._read_only:
+            return None
+        if self._fd is None or self._fd_pid != os.getpid():
+            try:
+                self._fd = os.open(self._env_dir / RECORD_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._fd_pid = os.getpid()
+            except OSError as exc:
+                logger.debug("ucm-db: no ledger for %s: %s", self._env_dir, exc)
+                self._fd = None
+                return None
+        return self._fd
+
+    def _read(self) -> FileState | None:
+        fd = self._ledger()
+        return _parse(os.pread(fd, _LEDGER.size + _CRC.size, 0)) if fd is not None else None
+
+    def _write(self, state: FileState) -> None:
+        """One ``pwrite`` of the whole record (no fsync: a ledger is worth nothing after a reboot)."""
+        fd = self._ledger()
+        if fd is not None:
+            try:
+                os.pwrite(fd, _pack(state), 0)
+            except OSError as exc:
+                logger.debug("ucm-db: could not update the ledger of %s: %s", self._env_dir, exc)

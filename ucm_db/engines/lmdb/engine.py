@@ -88,7 +88,7 @@ class LmdbEngine(Engine):
         self.path = Path(path)
         self.read_only = read_only
         self._check_pages = check_pages  # once per engine, before the first map (a forked child's parent checked)
-        self._custody = Custody(self.path)  # whether the next open may skip the page walk (custody.py)
+        self._custody = Custody(self.path, read_only=read_only)  # may an open skip the page walk (custody.py)
         self._map_size_bytes = map_size_bytes
         self._sync = sync
         self._max_readers = max_readers
@@ -208,7 +208,7 @@ class LmdbEngine(Engine):
             raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
 
     def _check_pages_once(self, *, lock: bool) -> None:  # a damaged page: a TierError now, not a crash later
-        recorded = self._custody.take_recorded()  # the file as a clean close left it (custody.py): no walk
+        recorded = self._custody.take_recorded()  # the file as the ledger vouches for it (custody.py): no walk
         if self._check_pages and not recorded and check_pages_at_open(self.path, lock=lock):
             self._custody.walked_clean()
         self._check_pages = False
@@ -247,11 +247,9 @@ class LmdbEngine(Engine):
         env = self._environment()
         while True:
             try:
-                with self._write_lock, self._txn_gate.shared():
+                with self._write_lock, self._txn_gate.shared(), self._custody.committing():
                     with env.begin(write=True, buffers=True) as txn:
-                        self._custody.before_commit()
                         result = fn(LmdbTxn(txn, self._dbs))
-                    self._custody.after_commit()
                 if self._sync:
                     self._record_sync_commit(env)
                 return result
@@ -339,8 +337,7 @@ class LmdbEngine(Engine):
                     self._pin.release()
                     self._pin = None
                 self._env.close()
-                if not self.read_only:
-                    self._custody.close()
+                self._custody.close()
             self._env = None
 
     def file_bytes(self) -> int:
