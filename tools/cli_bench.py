@@ -41,6 +41,7 @@ BENCHMARKS = {
     "save-decode": "ucm_db.tools.bench.save_decode:command",
     "public-api": "ucm_db.tools.bench.public_api:command",
     "restart": "ucm_db.tools.bench.restart:command",
+    "agentic": "ucm_db.tools.bench.agentic:command",
     "writer": "ucm_db.tools.bench.writer:command",
 }
 
