@@ -50,8 +50,7 @@ from typing import Any
 from ucm_db.tools.bench import serve_chat, serve_paired
 from ucm_db.tools.bench.agentic_trace import TraceRequest, request_tokens, reusable_tokens
 from ucm_db.tools.bench.serve_chat_client import _complete, summarize
-from ucm_db.tools.bench.serve_conversation import pass_hits
-from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_options, pass_counters, repeated_row
+from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_options, repeated_row
 from ucm_db.tools.bench.serve_server import BLOCK_SIZE, SERVED_NAME, Server, ServerSpec
 
 #: The serving model's positions (engine_pass.build_model's).
@@ -193,15 +192,8 @@ class _Load:
 
 def _pass(options: AgenticOptions, load: _Load, server: Server, name: str, progress: Progress) -> dict[str, Any]:
     reusable = load.reusable_warm if name in serve_chat.WARM_ROWS else load.reusable_cold
-    before = serve_chat._counters(server)
-    kept = replay(load.requests, load.prompts, reusable, server.base_url, concurrency=options.concurrency,
-                  time_scale=options.time_scale)
-    after = serve_chat._counters(server)
-    kept["hits"] = pass_hits(before, after)
-    note = ""
-    if "query_tokens" in after:  # a ucm-db counter: the server has the connector
-        kept["ucm_db"] = ucm = pass_counters(before, after)
-        note = f"; ucm-db {ucm['hit_tokens']:.0f} tokens loaded, {ucm['loaded_MB']:.0f} MB in {ucm['load_s']:.1f} s"
+    kept, note = serve_chat.counted_pass(server, lambda: replay(load.requests, load.prompts, reusable, server.base_url,
+                                                                concurrency=options.concurrency, time_scale=options.time_scale))
     progress(f"  {name}: {kept['request_throughput']:.3f} req/s, TTFT p50 {kept['median_ttft_ms']:.0f} ms, "
              f"p99 {kept['p99_ttft_ms']:.0f} ms, vLLM hits {kept['hits']['vllm_hits']:.0f} tokens, "
              f"{kept['short_turns']} short turns ({kept['duration']:.0f} s, {kept['idle_s']:.1f} s with none in flight){note}")

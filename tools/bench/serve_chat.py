@@ -35,6 +35,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -80,15 +81,24 @@ def _counters(server: Server) -> dict[str, float]:
     return {**parse_vllm_counters(text), **parse_connector_counters(text)}
 
 
-def _pass(options: ChatOptions, server: Server, name: str, progress: Progress) -> dict[str, Any]:
+def counted_pass(server: Server, send: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """``send()``'s pass between two reads of the server's counters: its
+    figures with the pass's prefix hits (and ucm-db's counters where the
+    server has the connector), and a note on ucm-db's loads for the
+    progress line."""
     before = _counters(server)
-    kept = run_conversations(options.spec, server.base_url)
+    kept = send()
     after = _counters(server)
     kept["hits"] = pass_hits(before, after)
     note = ""
     if "query_tokens" in after:  # a ucm-db counter: the server has the connector
         kept["ucm_db"] = ucm = pass_counters(before, after)
         note = f"; ucm-db {ucm['hit_tokens']:.0f} tokens loaded, {ucm['loaded_MB']:.0f} MB in {ucm['load_s']:.1f} s"
+    return kept, note
+
+
+def _pass(options: ChatOptions, server: Server, name: str, progress: Progress) -> dict[str, Any]:
+    kept, note = counted_pass(server, lambda: run_conversations(options.spec, server.base_url))
     progress(f"  {name}: {kept['request_throughput']:.2f} req/s, TTFT p50 {kept['median_ttft_ms']:.0f} ms, "
              f"p99 {kept['p99_ttft_ms']:.0f} ms, vLLM hits {kept['hits']['vllm_hits']:.0f} tokens "
              f"({kept['duration']:.0f} s){note}")
