@@ -11,6 +11,8 @@ starts, and verdicts come from the run's own figures.
 from __future__ import annotations
 
 import importlib.metadata
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -346,9 +348,23 @@ def test_no_reuse_setups_name_a_codec_and_admission() -> None:
     from ucm_db.tools.bench.serve_noreuse import parse_setup
 
     assert parse_setup("zstd") == ("zstd", 1) and parse_setup("none+admit2") == ("none", 2)
-    for bad in ("lz4", "none+admit", "none+admit0", "none+2", "zstd+admitx"):
+    for bad in ("lz4", "none+admit", "none+admit0", "none+2", "zstd+admitx", "noop+admit2"):
         with pytest.raises(ValueError, match="optionally"):
             parse_setup(bad)
+
+
+def test_no_reuse_noop_setup_runs_a_connector_with_every_hook_empty() -> None:
+    """The baseline of vLLM's own connector plumbing: a server with a
+    connector vLLM can build (nothing abstract left) that matches nothing."""
+    from ucm_db.tools.bench.noop_connector import NoopConnector
+    from ucm_db.tools.bench.serve_noreuse import NOOP, NOOP_TRANSFER, parse_setup
+    from ucm_db.tools.bench.serve_server import ServerSpec
+
+    assert parse_setup(NOOP) == (NOOP, 1)
+    assert not NoopConnector.__abstractmethods__
+    assert NoopConnector.get_num_new_matched_tokens(object.__new__(NoopConnector), object(), 0) == (0, False)
+    argv = ServerSpec(Path("m"), 320, 4096, transfer=NOOP_TRANSFER).argv(8000)
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector"] == "NoopConnector"
 
 
 def test_no_reuse_report_and_table_from_passes() -> None:

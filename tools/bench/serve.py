@@ -305,7 +305,7 @@ def format_table(report: dict[str, Any]) -> str:
               help="no-reuse workload: tokens of each prompt")
 @click.option("--codecs", default="none,zstd", show_default=True,
               help="no-reuse workload: comma-separated setups, one ucm-db server each: a codec (none, zstd), "
-              "optionally +admitN for the connector's admit_after (e.g. none+admit2)")
+              "optionally +admitN for the connector's admit_after (e.g. none+admit2); noop: a connector that does nothing")
 @click.option("--pairs", type=click.IntRange(min=1), default=2, show_default=True,
               help="no-reuse workload: rounds of one pass per server, order alternated (ABBA)")
 @click.option("--hidden", type=click.IntRange(min=256), default=768, show_default=True,

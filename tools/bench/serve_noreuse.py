@@ -183,12 +183,20 @@ class NoReuseOptions:
         return [OFF, *(f"ucm-{codec}" for codec in self.codecs)]
 
 
+#: The setup of a server with a connector that does nothing: what vLLM's connector plumbing costs alone.
+NOOP = "noop"
+NOOP_TRANSFER = {"kv_connector": "NoopConnector", "kv_connector_module_path": "ucm_db.tools.bench.noop_connector",
+                 "kv_role": "kv_both"}
+
+
 def parse_setup(setup: str) -> tuple[str, int]:
     """``"zstd"`` -> ("zstd", 1); ``"none+admit2"`` -> ("none", 2). Raises
     ValueError naming the accepted forms."""
+    if setup == NOOP:
+        return NOOP, 1
     codec, _, admit = setup.partition("+")
     if codec not in ("none", "zstd") or (admit and (not admit.startswith("admit") or not admit[5:].isdigit() or int(admit[5:]) < 1)):
-        raise ValueError(f"{setup!r}: a setup is a codec (none, zstd), optionally +admitN (e.g. none+admit2)")
+        raise ValueError(f"{setup!r}: a setup is a codec (none, zstd), optionally +admitN (e.g. none+admit2), or noop")
     return codec, int(admit[5:]) if admit else 1
 
 
@@ -208,6 +216,9 @@ def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
     specs = {OFF: base}
     for setup in options.codecs:
         codec, admit_after = parse_setup(setup)
+        if codec == NOOP:  # vLLM's connector plumbing alone (tools/bench/noop_connector.py)
+            specs[f"ucm-{setup}"] = replace(base, transfer=NOOP_TRANSFER)
+            continue
         serve = replace(options.serve, codec=codec)
         extra = {"admit_after": admit_after} if admit_after > 1 else {}
         specs[f"ucm-{setup}"] = replace(base, connector=connector_options(work / f"store-{setup}", None, serve, **extra))
@@ -270,9 +281,10 @@ def _report(options: NoReuseOptions, spec: NoReuseSpec, passes: dict[str, list[d
         if setup in ratios:
             row["ratios"] = ratios[setup]
             row["geomean_ratio"] = round(geomean(ratios[setup]), 4)
-            totals = {key: sum(p["ucm_db"][key] for p in own) for key in ("saved_MB", "save_copy_s", "save_commit_cpu_s", "hit_tokens")}
-            row["ucm_db"] = totals
-            row["save"] = save_per_token(totals, bytes_per_token)
+            if all("ucm_db" in p for p in own):  # not the no-op connector's server
+                totals = {key: sum(p["ucm_db"][key] for p in own) for key in ("saved_MB", "save_copy_s", "save_commit_cpu_s", "hit_tokens")}
+                row["ucm_db"] = totals
+                row["save"] = save_per_token(totals, bytes_per_token)
         setups[setup] = row
     targets = [{"target": f"{setup} / {OFF} req/s (geometric mean of {options.rounds} rounds)", "measured": row["geomean_ratio"],
                 "bound": f">= {TARGET}", "met": row["geomean_ratio"] >= TARGET}
@@ -329,7 +341,7 @@ def no_reuse_command(num_prompts: int, prompt_len: int, output_len: int, concurr
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--codecs") from exc
     if not chosen or len(set(chosen)) != len(chosen):
-        raise click.BadParameter(f"{codecs!r}: distinct setups (codecs none, zstd, optionally +admitN)", param_hint="--codecs")
+        raise click.BadParameter(f"{codecs!r}: distinct setups (codecs none, zstd, optionally +admitN, or noop)", param_hint="--codecs")
     spec = NoReuseSpec(num_prompts=num_prompts, prompt_len=prompt_len, output_len=output_len, concurrency=concurrency,
                        seed=seed)
     if serve_options.capped_blocks * BLOCK_SIZE < spec.max_model_len:

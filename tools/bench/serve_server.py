@@ -70,6 +70,8 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     role: str = "kv_both"
     dtype: str = field(default_factory=lambda: fast_dtype().dtype)  # the dtype this CPU serves fast (cpu_dtype.py)
+    #: Another connector's whole ``kv_transfer_config`` (``connector`` is then None): the no-op baseline.
+    transfer: dict[str, Any] | None = None
 
     def argv(self, port: int) -> list[str]:
         args = [
@@ -84,6 +86,8 @@ class ServerSpec:
             args.append("--enforce-eager")  # no torch.compile: minutes less per start on a loaded host
         if self.connector is not None:
             args += ["--kv-transfer-config", json.dumps(transfer_config(self.role, self.connector))]
+        elif self.transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(self.transfer)]
         return args
 
 
