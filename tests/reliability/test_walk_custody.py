@@ -47,7 +47,7 @@ def _reads_back(path: Path) -> int:
         return store.lookup(NS, NS.block_keys(chain_tokens("chain-3", BLOCKS)))
 
 
-def test_a_clean_close_lets_the_next_open_skip_the_walk(tmp_path: Path, walks: list[Path]) -> None:
+def test_a_file_only_lmdb_wrote_is_not_walked_again(tmp_path: Path, walks: list[Path]) -> None:
     data = _store(tmp_path / "s")
     walks.clear()  # the creating open's check of a file not there yet
     assert read_record(data.parent) == file_state(data), "the ledger follows the writer's commits"
