@@ -51,6 +51,16 @@ def test_an_open_store_maps_its_cached_pages_and_stops_on_close(tmp_path) -> Non
     assert store._tier.engine.prefault is None
 
 
+def test_a_store_closed_before_the_delay_never_prefaults(tmp_path) -> None:
+    """vLLM's start-up check opens the store and closes it at once: no work."""
+    _fill(tmp_path)
+    store = ucm_db.open(tmp_path)
+    store.lookup(NS, NS.block_keys(list(range(8))))
+    prefault = store._tier.engine.prefault
+    store.close()
+    assert prefault is not None and prefault.wait(1) and prefault.populated_pages == 0 and prefault.gave_up == ""
+
+
 def test_the_environment_variable_turns_it_off(tmp_path, monkeypatch) -> None:
     _fill(tmp_path)
     monkeypatch.setenv(lmdb_prefault.PREFAULT_ENV, "0")
