@@ -130,9 +130,9 @@ class Prefault:
         return True
 
     def _run(self) -> None:
+        place_current_thread()  # at once, as every background thread (cpu_placement.py)
         if self._stop.wait(START_DELAY_S):
             return  # closed before the work was due
-        place_current_thread()
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         except OSError:
