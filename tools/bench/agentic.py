@@ -5,24 +5,13 @@ trace replayed (issue 50, item 6).
 The workload (:mod:`.agentic_trace`): seeded sessions whose every turn's
 prompt is the session so far plus new blocks, growing to ``--context-tokens``
 (8192 by default) with short answers (16-32 tokens), more sessions than the
-capped cache holds; or ``--trace FILE``, one JSON line per request. The rows
-and servers are the conversation workload's (:mod:`.serve_chat`), the
-sending is :mod:`.agentic_run`'s replay:
-
-==========================  ===================================================
-no-conn-capped              vLLM alone, capped, first pass
-cold-bound                  no connector, KV for everything, first pass
-warm-bound                  the same server, second pass (same requests)
-ucm-first                   ucm-db, capped, first pass (store empty)
-ucm-second                  the same server, second pass (store warm)
-ucm-restart                 a new server on the warm store
-==========================  ===================================================
-
-Targets (issue 50): a ucm-db row recovers >= 99% of its bound's prefix hits
-(vLLM's own hits plus ucm-db's hit tokens over the bound's vLLM hits) and
-serves >= 0.95x its bound's requests per second (ucm-first against
-cold-bound, the others against warm-bound); vLLM alone capped is reported
-beside them, with no target.
+capped cache holds; or ``--trace FILE``, one JSON line per request. The
+sending is :mod:`.agentic_run`'s replay; the rows, the bound each is judged
+against and the targets (>= 99% of the bound's prefix hits, >= 0.95x its
+req/s) are the conversation workload's own objects
+(:data:`.serve_chat.ROWS`, :data:`.serve_chat.BOUNDS`,
+``serve_chat.HITS_TARGET``/``RPS_TARGET``), so the two workloads cannot
+drift apart.
 
 Invariants:
     * Each target's figure is the median over runs of the ratio within a
