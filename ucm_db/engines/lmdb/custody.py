@@ -164,7 +164,7 @@ class Custody:
         ledger moves on with the file only if the commit found the file in
         the vouched state. A transaction that fails leaves the ledger as it
         was (the safe side: a file it changed no longer matches)."""
-        fd = self._ledger()
+        fd = self._ledger() if self._boot is not None else None  # no boot id: no ledger, nothing to do a commit
         if fd is None:
             yield
             return
