@@ -115,10 +115,12 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = UcmDbConnectorStats()
+        self._added = False  # anything added since the last take: vLLM takes at every step, most find nothing
         self.totals = UcmDbConnectorStats()  # since start, for tests and the demo
 
     def add(self, **values: float) -> None:
         with self._lock:
+            self._added = True
             for name, value in values.items():
                 if name in GAUGES:
                     self._stats.data[name] = float(value)
@@ -134,6 +136,9 @@ class Counters:
     def take(self) -> UcmDbConnectorStats | None:
         """The interval's stats (None if nothing happened), reset to zero."""
         with self._lock:
+            if not self._added:
+                return None  # without a pass over every counter
+            self._added = False
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, UcmDbConnectorStats()
