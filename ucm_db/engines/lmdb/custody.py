@@ -167,7 +167,7 @@ class Custody:
         a file it changed no longer matches). The engine's write lock makes
         a handle's commits one at a time, so the state of the one under way
         lives on the handle. Lean on purpose: it runs at every commit (two
-        ``stat``, a ``pread``, a ``pwrite``, two ``flock``: about 8 us)."""
+        ``stat``, a ``pread``, a ``pwrite``, two ``flock``: about 12 us alone)."""
         return self
 
     def __enter__(self) -> None:
