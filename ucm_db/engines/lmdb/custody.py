@@ -110,7 +110,11 @@ def _parse(raw: bytes) -> FileState | None:
 
 
 def _pack(state: FileState) -> bytes:
-    body = _LEDGER.pack(*astuple(state))
+    return _with_crc(_LEDGER.pack(*astuple(state)))
+
+
+def _with_crc(body: bytes) -> bytes:
+    """A ledger record: ``body`` (a packed state) and its CRC-32."""
     return body + _CRC.pack(zlib.crc32(body))
 
 
@@ -179,7 +183,7 @@ class Custody:
         try:
             now = self._packed_now()
             raw = os.pread(fd, _RECORD_BYTES, 0)
-            self._vouched = now is not None and raw == now + _CRC.pack(zlib.crc32(now))
+            self._vouched = now is not None and raw == _with_crc(now)
         except BaseException:
             self._held = None
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -193,7 +197,7 @@ class Custody:
             if exc_type is None and self._vouched:
                 after = self._packed_now()
                 if after is not None:
-                    self._write_raw(fd, after + _CRC.pack(zlib.crc32(after)))
+                    self._write_raw(fd, _with_crc(after))
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
