@@ -59,3 +59,9 @@ def test_plan_continues_each_requests_chain() -> None:
         assert first.req_id == second.req_id and first.parent is None
         assert second.parent == first.keys[-1]  # the next step's save continues the chain
     assert all(0 <= i < bench.CACHE_BLOCKS for t in transfers for i in t.block_ids)
+
+
+def test_the_baseline_keeps_the_put_of_median_cpu_time() -> None:
+    assert bench.BASELINE_PUTS % 2 == 1  # a true median
+    assert bench.median_by_cpu([(0.1, 0.9), (0.5, 0.2), (0.3, 0.4)]) == (0.3, 0.4)
+    assert bench.median_by_cpu([(1.0, 1.0)]) == (1.0, 1.0)
