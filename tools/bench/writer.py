@@ -43,9 +43,8 @@ its own function (:func:`ucm_db.tools.bench.put._store_once`: 64 (quick 32) x 2 
 real K/V, 16 per commit, ``durability="group"``, timed to ``flush()``), per
 CPU second of the whole process, as ``bench core`` reports it; each
 repetition runs it :data:`BASELINE_PUTS` times and keeps the one of median
-CPU time. A case's
-ratio is the median over repetitions of (its figure / the baseline's) within
-each repetition.
+CPU time. A case's ratio is the median over repetitions of (its figure /
+the baseline's) within each repetition.
 
 Invariants:
     * Every repetition runs the baseline then each case, on a fresh store

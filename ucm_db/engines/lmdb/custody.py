@@ -86,11 +86,17 @@ def file_state(data: Path, boot: bytes | None = None) -> FileState | None:
     boot = boot if boot is not None else boot_digest()
     if boot is None:
         return None
+    fields = _stat_fields(data)
+    return FileState(boot, *fields) if fields is not None else None
+
+
+def _stat_fields(data: Path) -> tuple[int, int, int, int, int] | None:
+    """What a state holds besides the boot (device, inode, size, times), or None without a file."""
     try:
         st = os.stat(data)
     except OSError:
         return None
-    return FileState(boot, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def read_record(env_dir: Path) -> FileState | None:
@@ -203,12 +209,9 @@ class Custody:
 
     def _packed_now(self) -> bytes | None:
         """The data file's state now, packed as the ledger holds it (None without a file)."""
-        try:
-            st = os.stat(self._data)
-        except OSError:
-            return None
+        fields = _stat_fields(self._data)
         assert self._boot is not None
-        return _LEDGER.pack(self._boot, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return _LEDGER.pack(self._boot, *fields) if fields is not None else None
 
     def close(self) -> None:
         if self._fd is not None and self._fd_pid == os.getpid():
