@@ -85,3 +85,18 @@ def test_gil_reports_every_mode_against_the_model_alone() -> None:
     report = json.loads(result.output)
     assert set(report["step_s"]) == set(gil.MODES) and report["ratio_to_alone"]["alone"] == 1.0
     assert all(len(runs) == 2 and min(runs) > 0 for runs in report["runs_s"].values())
+
+
+def test_gil_runs_every_mode_under_each_switch_interval_and_restores_it() -> None:
+    import sys
+
+    from ucm_db.tools.bench import gil
+
+    before = sys.getswitchinterval()
+    result = CliRunner().invoke(gil.command, ["--units", "8", "--steps", "2", "--repeats", "1", "--hidden", "32",
+                                              "--switch-interval-s", "0.001", "--switch-interval-s", "0.0002", "--json"])
+    assert result.exit_code == 0, result.output
+    reports = json.loads(result.output)
+    assert [r["switch_interval_s"] for r in reports] == [0.001, 0.0002]
+    assert all(set(r["step_s"]) == set(gil.MODES) for r in reports)
+    assert sys.getswitchinterval() == before

@@ -10,8 +10,15 @@ of the same process doing, in turn:
   units, then ``Store.flush``): Python between LMDB calls, what a worker's
   maintenance thread ran for every load before the scheduler took the
   touches over (connector/scheduler/lookups.py);
+* ``saves``: what the connector's background writer runs for unique
+  prompts: ``Store.put`` of fresh chains of 16 KiB units, 8 a call, codec
+  none (Python between LMDB calls, the checksum in C);
 * ``gil-free``: SHA-256 of 1 MiB buffers, C code that releases the GIL for
   its whole run (as ``batch_loads``' native call and zstd do).
+
+``--switch-interval-s`` runs every mode under each of several
+``sys.setswitchinterval`` values (CPython's default is 0.005): how long a
+thread that wants the GIL back waits before it asks the holder to drop it.
 
 Figures: median seconds per step in each mode (modes take turns within
 each repeat) and the ratio to ``alone`` (1.0: the thread beside cost the
@@ -23,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -36,7 +44,9 @@ import ucm_db
 from ucm_db.keys import Namespace
 
 _NS = Namespace(model="bench-gil", kv_dtype="bfloat16", block_size=32)
-MODES = ("alone", "recency", "gil-free")
+MODES = ("alone", "recency", "saves", "gil-free")
+#: Units of one ``saves`` put, and their bytes (a 2-layer model's head unit).
+SAVE_UNITS, SAVE_UNIT_BYTES = 8, 16 << 10
 
 
 def model_step(hidden: int, layers: int) -> Callable[[], None]:
@@ -59,45 +69,70 @@ def _recency_work(store: ucm_db.Store, keys: list[bytes], stop: threading.Event)
         store.flush()
 
 
+def _saves_work(store: ucm_db.Store, stop: threading.Event) -> None:
+    payload = bytes(SAVE_UNIT_BYTES)
+    chain = 0
+    while not stop.is_set():
+        chain += 1
+        keys = list(_NS.block_keys([chain] * 32 * SAVE_UNITS))
+        store.put(_NS, keys, [payload] * SAVE_UNITS, parent=None)
+
+
 def _gil_free_work(stop: threading.Event) -> None:
     data = bytes(1 << 20)
     while not stop.is_set():
         hashlib.sha256(data).digest()
 
 
-def measure(units: int, steps: int, repeats: int, hidden: int, layers: int) -> dict[str, Any]:
-    """Median seconds per step in each mode, and each ratio to ``alone``."""
+def measure(units: int, steps: int, repeats: int, hidden: int, layers: int, switch_interval_s: float | None = None) -> dict[str, Any]:
+    """Median seconds per step in each mode, and each ratio to ``alone``,
+    under ``sys.setswitchinterval(switch_interval_s)`` (None: as it is);
+    the interval is restored after."""
     torch.set_num_threads(1)
     step = model_step(hidden, layers)
     for _ in range(steps):
         step()  # warm-up
     per_mode: dict[str, list[float]] = {mode: [] for mode in MODES}
+    interval_before = sys.getswitchinterval()
     with tempfile.TemporaryDirectory(prefix="ucm-bench-gil-") as tmp:
         with ucm_db.open(tmp, codec="none", capacity_bytes=1 << 30, sync_interval_s=3600.0) as store:
             keys = list(_NS.block_keys(list(range(32 * units))))
             store.put(_NS, keys, [b"\0" * 64] * units, parent=None)
-            for _ in range(repeats):
-                for mode in MODES:
-                    stop = threading.Event()
-                    work = {"recency": lambda: _recency_work(store, keys, stop), "gil-free": lambda: _gil_free_work(stop)}
-                    thread = threading.Thread(target=work[mode], daemon=True) if mode in work else None
-                    if thread is not None:
-                        thread.start()
-                        time.sleep(0.05)
-                    started = time.perf_counter()
-                    for _ in range(steps):
-                        step()
-                    per_mode[mode].append((time.perf_counter() - started) / steps)
-                    stop.set()
-                    if thread is not None:
-                        thread.join()
+            try:
+                if switch_interval_s is not None:
+                    sys.setswitchinterval(switch_interval_s)
+                for _ in range(repeats):
+                    for mode in MODES:
+                        per_mode[mode].append(_time_steps(mode, step, steps, store, keys))
+            finally:
+                sys.setswitchinterval(interval_before)
     medians = {mode: statistics.median(values) for mode, values in per_mode.items()}
     return {
         "step_s": medians,
         "ratio_to_alone": {mode: medians[mode] / medians["alone"] for mode in MODES},
         "runs_s": per_mode,
+        "switch_interval_s": sys.getswitchinterval() if switch_interval_s is None else switch_interval_s,
         "units": units, "steps": steps, "repeats": repeats, "hidden": hidden, "layers": layers,
     }
+
+
+def _time_steps(mode: str, step: Callable[[], None], steps: int, store: ucm_db.Store, keys: list[bytes]) -> float:
+    """Seconds per model step with ``mode``'s thread running beside it."""
+    stop = threading.Event()
+    work = {"recency": lambda: _recency_work(store, keys, stop), "saves": lambda: _saves_work(store, stop),
+            "gil-free": lambda: _gil_free_work(stop)}
+    thread = threading.Thread(target=work[mode], daemon=True) if mode in work else None
+    if thread is not None:
+        thread.start()
+        time.sleep(0.05)
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    elapsed_s = time.perf_counter() - started
+    stop.set()
+    if thread is not None:
+        thread.join()
+    return elapsed_s / steps
 
 
 @click.command("gil")
@@ -106,17 +141,22 @@ def measure(units: int, steps: int, repeats: int, hidden: int, layers: int) -> d
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="rounds of every mode (medians)")
 @click.option("--hidden", type=click.IntRange(min=8), default=768, show_default=True, help="model width")
 @click.option("--layers", type=click.IntRange(min=1), default=8, show_default=True, help="model layers")
+@click.option("--switch-interval-s", "switch_intervals_s", type=click.FloatRange(min=1e-6), multiple=True,
+              help="sys.setswitchinterval for a run of every mode (repeat for several; default: as it is, 0.005)")
 @click.option("--json", "as_json", is_flag=True, help="print every run as JSON")
-def command(units: int, steps: int, repeats: int, hidden: int, layers: int, as_json: bool) -> None:
+def command(units: int, steps: int, repeats: int, hidden: int, layers: int, switch_intervals_s: tuple[float, ...], as_json: bool) -> None:
     """A model thread's step time alone and beside store work in one process.
 
     \b
     Example:
         ucm-db bench gil --repeats 5
+        ucm-db bench gil --switch-interval-s 0.005 --switch-interval-s 0.0005
     """
-    report = measure(units, steps, repeats, hidden, layers)
+    reports = [measure(units, steps, repeats, hidden, layers, interval) for interval in (switch_intervals_s or (None,))]
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
         return
-    for mode in MODES:
-        click.echo(f"{mode:10s} {report['step_s'][mode] * 1e3:8.3f} ms per step  {report['ratio_to_alone'][mode]:.2f}x alone")
+    for report in reports:
+        click.echo(f"switch interval {report['switch_interval_s'] * 1e3:.3f} ms")
+        for mode in MODES:
+            click.echo(f"  {mode:10s} {report['step_s'][mode] * 1e3:8.3f} ms per step  {report['ratio_to_alone'][mode]:.2f}x alone")
