@@ -13,6 +13,8 @@ of the same process doing, in turn:
 * ``saves``: what the connector's background writer runs for unique
   prompts: ``Store.put`` of fresh chains of 16 KiB units, 8 a call, codec
   none (Python between LMDB calls, the checksum in C);
+* ``python``: a loop of pure Python (no call that releases the GIL): the
+  bound of any Python work beside the model;
 * ``gil-free``: SHA-256 of 1 MiB buffers, C code that releases the GIL for
   its whole run (as ``batch_loads``' native call and zstd do).
 
@@ -44,7 +46,7 @@ import ucm_db
 from ucm_db.keys import Namespace
 
 _NS = Namespace(model="bench-gil", kv_dtype="bfloat16", block_size=32)
-MODES = ("alone", "recency", "saves", "gil-free")
+MODES = ("alone", "recency", "saves", "python", "gil-free")
 #: Units of one ``saves`` put, and their bytes (a 2-layer model's head unit).
 SAVE_UNITS, SAVE_UNIT_BYTES = 8, 16 << 10
 
@@ -76,6 +78,13 @@ def _saves_work(store: ucm_db.Store, stop: threading.Event) -> None:
         chain += 1
         keys = list(_NS.block_keys([chain] * 32 * SAVE_UNITS))
         store.put(_NS, keys, [payload] * SAVE_UNITS, parent=None)
+
+
+def _python_work(stop: threading.Event) -> None:
+    total = 0
+    while not stop.is_set():
+        for i in range(1000):
+            total += i
 
 
 def _gil_free_work(stop: threading.Event) -> None:
@@ -120,7 +129,7 @@ def _time_steps(mode: str, step: Callable[[], None], steps: int, store: ucm_db.S
     """Seconds per model step with ``mode``'s thread running beside it."""
     stop = threading.Event()
     work = {"recency": lambda: _recency_work(store, keys, stop), "saves": lambda: _saves_work(store, stop),
-            "gil-free": lambda: _gil_free_work(stop)}
+            "python": lambda: _python_work(stop), "gil-free": lambda: _gil_free_work(stop)}
     thread = threading.Thread(target=work[mode], daemon=True) if mode in work else None
     if thread is not None:
         thread.start()
