@@ -49,6 +49,8 @@ _NS = Namespace(model="bench-gil", kv_dtype="bfloat16", block_size=32)
 MODES = ("alone", "recency", "saves", "python", "gil-free")
 #: Units of one ``saves`` put, and their bytes (a 2-layer model's head unit).
 SAVE_UNITS, SAVE_UNIT_BYTES = 8, 16 << 10
+#: Longest one measurement of a mode runs (it stops after the step that passes it).
+MEASURE_MAX_S = 3.0
 
 
 def model_step(hidden: int, layers: int) -> Callable[[], None]:
@@ -93,7 +95,9 @@ def _gil_free_work(stop: threading.Event) -> None:
         hashlib.sha256(data).digest()
 
 
-def measure(units: int, steps: int, repeats: int, hidden: int, layers: int, switch_interval_s: float | None = None) -> dict[str, Any]:
+def measure(
+    units: int, steps: int, repeats: int, hidden: int, layers: int, switch_interval_s: float | None = None,
+) -> dict[str, Any]:
     """Median seconds per step in each mode, and each ratio to ``alone``,
     under ``sys.setswitchinterval(switch_interval_s)`` (None: as it is);
     the interval is restored after."""
@@ -126,7 +130,9 @@ def measure(units: int, steps: int, repeats: int, hidden: int, layers: int, swit
 
 
 def _time_steps(mode: str, step: Callable[[], None], steps: int, store: ucm_db.Store, keys: list[bytes]) -> float:
-    """Seconds per model step with ``mode``'s thread running beside it."""
+    """Seconds per model step with ``mode``'s thread running beside it:
+    ``steps`` steps, or as many as end within :data:`MEASURE_MAX_S`
+    (beside pure Python a step takes 100x its time alone)."""
     stop = threading.Event()
     work = {"recency": lambda: _recency_work(store, keys, stop), "saves": lambda: _saves_work(store, stop),
             "python": lambda: _python_work(stop), "gil-free": lambda: _gil_free_work(stop)}
@@ -135,13 +141,15 @@ def _time_steps(mode: str, step: Callable[[], None], steps: int, store: ucm_db.S
         thread.start()
         time.sleep(0.05)
     started = time.perf_counter()
-    for _ in range(steps):
+    done, elapsed_s = 0, 0.0
+    while done < steps and elapsed_s < MEASURE_MAX_S:
         step()
-    elapsed_s = time.perf_counter() - started
+        done += 1
+        elapsed_s = time.perf_counter() - started
     stop.set()
     if thread is not None:
         thread.join()
-    return elapsed_s / steps
+    return elapsed_s / done
 
 
 @click.command("gil")
@@ -153,7 +161,9 @@ def _time_steps(mode: str, step: Callable[[], None], steps: int, store: ucm_db.S
 @click.option("--switch-interval-s", "switch_intervals_s", type=click.FloatRange(min=1e-6), multiple=True,
               help="sys.setswitchinterval for a run of every mode (repeat for several; default: as it is, 0.005)")
 @click.option("--json", "as_json", is_flag=True, help="print every run as JSON")
-def command(units: int, steps: int, repeats: int, hidden: int, layers: int, switch_intervals_s: tuple[float, ...], as_json: bool) -> None:
+def command(
+    units: int, steps: int, repeats: int, hidden: int, layers: int, switch_intervals_s: tuple[float, ...], as_json: bool,
+) -> None:
     """A model thread's step time alone and beside store work in one process.
 
     \b
@@ -168,4 +178,5 @@ def command(units: int, steps: int, repeats: int, hidden: int, layers: int, swit
     for report in reports:
         click.echo(f"switch interval {report['switch_interval_s'] * 1e3:.3f} ms")
         for mode in MODES:
-            click.echo(f"  {mode:10s} {report['step_s'][mode] * 1e3:8.3f} ms per step  {report['ratio_to_alone'][mode]:.2f}x alone")
+            step_ms, ratio = report["step_s"][mode] * 1e3, report["ratio_to_alone"][mode]
+            click.echo(f"  {mode:10s} {step_ms:8.3f} ms per step  {ratio:.2f}x alone")
