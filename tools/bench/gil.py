@@ -11,8 +11,10 @@ of the same process doing, in turn:
   maintenance thread ran for every load before the scheduler took the
   touches over (connector/scheduler/lookups.py);
 * ``saves``: what the connector's background writer runs for unique
-  prompts: ``Store.put`` of fresh chains of 16 KiB units, 8 a call, codec
-  none (Python between LMDB calls, the checksum in C);
+  prompts: ``Store.put_segments`` of chains of 8 units of 16 KiB, codec
+  none, into a full store (every put evicts), their keys made beforehand
+  (Python between LMDB calls; the checksum and LMDB's puts in C without
+  the GIL);
 * ``python``: a loop of pure Python (no call that releases the GIL): the
   bound of any Python work beside the model;
 * ``gil-free``: SHA-256 of 1 MiB buffers, C code that releases the GIL for
@@ -30,6 +32,7 @@ model nothing).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import statistics
 import sys
@@ -37,18 +40,23 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 import torch
 
 import ucm_db
-from ucm_db.keys import Namespace
+from ucm_db.keys import BlockKeys, Namespace
 
 _NS = Namespace(model="bench-gil", kv_dtype="bfloat16", block_size=32)
 MODES = ("alone", "recency", "saves", "python", "gil-free")
 #: Units of one ``saves`` put, and their bytes (a 2-layer model's head unit).
 SAVE_UNITS, SAVE_UNIT_BYTES = 8, 16 << 10
+#: Chains the ``saves`` thread cycles through, into a store of
+#: :data:`SAVE_STORE_BYTES`: a chain is evicted long before it comes back, so
+#: every put stores (and evicts, as a full store does).
+SAVE_CHAINS, SAVE_STORE_BYTES = 1024, 32 << 20
 #: Longest one measurement of a mode runs (it stops after the step that passes it).
 MEASURE_MAX_S = 3.0
 
@@ -73,13 +81,19 @@ def _recency_work(store: ucm_db.Store, keys: list[bytes], stop: threading.Event)
         store.flush()
 
 
-def _saves_work(store: ucm_db.Store, stop: threading.Event) -> None:
+def _saves_work(store: ucm_db.Store, chains: list[BlockKeys], stop: threading.Event) -> None:
     payload = bytes(SAVE_UNIT_BYTES)
-    chain = 0
-    while not stop.is_set():
-        chain += 1
-        keys = list(_NS.block_keys([chain] * 32 * SAVE_UNITS))
-        store.put(_NS, keys, [payload] * SAVE_UNITS, parent=None)
+    for keys in itertools.cycle(chains):
+        if stop.is_set():
+            return
+        store.put_segments(_NS, [(keys, [payload] * len(keys))])
+
+
+def save_chains(count: int) -> list[BlockKeys]:
+    """``count`` chains of :data:`SAVE_UNITS` keys, made before any
+    measurement (the writer is handed its keys: hashing them is the model
+    thread's work, not the writer's)."""
+    return [_NS.block_keys([chain] * 32 * SAVE_UNITS) for chain in range(count)]
 
 
 def _python_work(stop: threading.Event) -> None:
@@ -107,16 +121,22 @@ def measure(
         step()  # warm-up
     per_mode: dict[str, list[float]] = {mode: [] for mode in MODES}
     interval_before = sys.getswitchinterval()
+    chains = save_chains(SAVE_CHAINS)
     with tempfile.TemporaryDirectory(prefix="ucm-bench-gil-") as tmp:
-        with ucm_db.open(tmp, codec="none", capacity_bytes=1 << 30, sync_interval_s=3600.0) as store:
+        options: dict[str, Any] = {"codec": "none", "sync_interval_s": 3600.0}
+        with ucm_db.open(Path(tmp) / "recency", capacity_bytes=1 << 30, **options) as store, \
+                ucm_db.open(Path(tmp) / "saves", capacity_bytes=SAVE_STORE_BYTES, **options) as saves:
             keys = list(_NS.block_keys(list(range(32 * units))))
             store.put(_NS, keys, [b"\0" * 64] * units, parent=None)
+            work: dict[str, Callable[[threading.Event], None]] = {
+                "recency": lambda stop: _recency_work(store, keys, stop),
+                "saves": lambda stop: _saves_work(saves, chains, stop), "python": _python_work, "gil-free": _gil_free_work}
             try:
                 if switch_interval_s is not None:
                     sys.setswitchinterval(switch_interval_s)
                 for _ in range(repeats):
                     for mode in MODES:
-                        per_mode[mode].append(_time_steps(mode, step, steps, store, keys))
+                        per_mode[mode].append(_time_steps(work.get(mode), step, steps))
             finally:
                 sys.setswitchinterval(interval_before)
     medians = {mode: statistics.median(values) for mode, values in per_mode.items()}
@@ -129,14 +149,13 @@ def measure(
     }
 
 
-def _time_steps(mode: str, step: Callable[[], None], steps: int, store: ucm_db.Store, keys: list[bytes]) -> float:
-    """Seconds per model step with ``mode``'s thread running beside it:
-    ``steps`` steps, or as many as end within :data:`MEASURE_MAX_S`
-    (beside pure Python a step takes 100x its time alone)."""
+def _time_steps(work: Callable[[threading.Event], None] | None, step: Callable[[], None], steps: int) -> float:
+    """Seconds per model step with ``work`` running beside it on a thread
+    until told to stop (None: the model alone): ``steps`` steps, or as many
+    as end within :data:`MEASURE_MAX_S` (beside pure Python a step takes
+    100x its time alone)."""
     stop = threading.Event()
-    work = {"recency": lambda: _recency_work(store, keys, stop), "saves": lambda: _saves_work(store, stop),
-            "python": lambda: _python_work(stop), "gil-free": lambda: _gil_free_work(stop)}
-    thread = threading.Thread(target=work[mode], daemon=True) if mode in work else None
+    thread = None if work is None else threading.Thread(target=work, args=(stop,), daemon=True)
     if thread is not None:
         thread.start()
         time.sleep(0.05)
