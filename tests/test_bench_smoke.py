@@ -100,3 +100,8 @@ def test_gil_runs_every_mode_under_each_switch_interval_and_restores_it() -> Non
     assert [r["switch_interval_s"] for r in reports] == [0.001, 0.0002]
     assert all(set(r["step_s"]) == set(gil.MODES) for r in reports)
     assert sys.getswitchinterval() == before
+
+    one = CliRunner().invoke(gil.command, ["--units", "8", "--steps", "2", "--repeats", "1", "--hidden", "32",
+                                           "--switch-interval-s", "0.001", "--json"])
+    assert one.exit_code == 0, one.output
+    assert [r["switch_interval_s"] for r in json.loads(one.output)] == [0.001]

@@ -144,7 +144,7 @@ def measure(
         "step_s": medians,
         "ratio_to_alone": {mode: medians[mode] / medians["alone"] for mode in MODES},
         "runs_s": per_mode,
-        "switch_interval_s": sys.getswitchinterval() if switch_interval_s is None else switch_interval_s,
+        "switch_interval_s": interval_before if switch_interval_s is None else switch_interval_s,
         "units": units, "steps": steps, "repeats": repeats, "hidden": hidden, "layers": layers,
     }
 
@@ -153,7 +153,7 @@ def _time_steps(work: Callable[[threading.Event], None] | None, step: Callable[[
     """Seconds per model step with ``work`` running beside it on a thread
     until told to stop (None: the model alone): ``steps`` steps, or as many
     as end within :data:`MEASURE_MAX_S` (beside pure Python a step takes
-    100x its time alone)."""
+    over 100x its time alone)."""
     stop = threading.Event()
     thread = None if work is None else threading.Thread(target=work, args=(stop,), daemon=True)
     if thread is not None:
@@ -178,7 +178,8 @@ def _time_steps(work: Callable[[threading.Event], None] | None, step: Callable[[
 @click.option("--hidden", type=click.IntRange(min=8), default=768, show_default=True, help="model width")
 @click.option("--layers", type=click.IntRange(min=1), default=8, show_default=True, help="model layers")
 @click.option("--switch-interval-s", "switch_intervals_s", type=click.FloatRange(min=1e-6), multiple=True,
-              help="sys.setswitchinterval for a run of every mode (repeat for several; default: as it is, 0.005)")
+              help="sys.setswitchinterval for a run of every mode (repeat for several; --json then prints a list of "
+                   "runs; default: as it is, 0.005)")
 @click.option("--json", "as_json", is_flag=True, help="print every run as JSON")
 def command(
     units: int, steps: int, repeats: int, hidden: int, layers: int, switch_intervals_s: tuple[float, ...], as_json: bool,
@@ -192,7 +193,7 @@ def command(
     """
     reports = [measure(units, steps, repeats, hidden, layers, interval) for interval in (switch_intervals_s or (None,))]
     if as_json:
-        click.echo(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+        click.echo(json.dumps(reports if switch_intervals_s else reports[0], indent=2))
         return
     for report in reports:
         click.echo(f"switch interval {report['switch_interval_s'] * 1e3:.3f} ms")
