@@ -232,6 +232,7 @@ class AdmissionMarks(Protocol):
     stored_blocks: int
     sighted_blocks: int
     admitted_blocks: int
+    admission_checked_blocks: int
 
 
 class Admission:
@@ -250,10 +251,22 @@ class Admission:
         ``prompt_blocks`` (the blocks made wholly of prompt tokens)."""
         return end if self.save_decode else min(end, prompt_blocks)
 
+    def decided(self, state: AdmissionMarks, end: int) -> bool:
+        """True where :meth:`admit` would admit nothing new for blocks
+        before ``end``: their counts were read at this ``end`` already and
+        refused a block. A refused block is read again once the request
+        completes a block, not at every step (a decode step completes one
+        in ``block_size``): with unique prompts, ``admit_after: 2``'s case,
+        reading every step made the sketch the largest item of a c1
+        server's scheduling work (py-spy) and its hooks 2-3x dearer a
+        decode step than ``admit_after: 1``'s."""
+        return self.sketch is not None and end <= state.admission_checked_blocks and state.admitted_blocks < end
+
     def admit(self, state: AdmissionMarks, keys: Sequence[bytes], end: int) -> int:
         """Counts the sightings of the request's blocks before ``end`` not
         counted yet (those known stored excepted) and returns where its
-        admitted prefix ends (at most ``end``)."""
+        admitted prefix ends (at most ``end``). Counts are read once per
+        ``end`` the request reaches (:meth:`decided`)."""
         if self.sketch is None:
             return end
         first = max(state.sighted_blocks, state.stored_blocks)
@@ -261,9 +274,10 @@ class Admission:
             self.sketch.sight(keys[first:end])
             state.sighted_blocks = end
         admitted = max(state.admitted_blocks, state.stored_blocks)
-        if admitted < end:
+        if admitted < end and end > state.admission_checked_blocks:
             refused = np.flatnonzero(self.sketch.counts(keys[admitted:end]) < self.admit_after)
             admitted = end if not len(refused) else admitted + int(refused[0])
+            state.admission_checked_blocks = end
         state.admitted_blocks = admitted
         return min(admitted, end)
 

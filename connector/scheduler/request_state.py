@@ -15,8 +15,9 @@ Invariants:
     * ``lookup`` is read (and cleared) only by the
       ``update_state_after_alloc`` that follows the lookup that set it.
     * ``controls`` are parsed once, when the state is made
-      (:mod:`ucm_db.connector.request_controls`); ``sighted_blocks`` and
-      ``admitted_blocks`` (admission, ``admit_after``) only grow.
+      (:mod:`ucm_db.connector.request_controls`); ``sighted_blocks``,
+      ``admitted_blocks`` and ``admission_checked_blocks`` (admission,
+      ``admit_after``) only grow.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class RequestState:
     controls: RequestControls = field(default_factory=RequestControls)  # the request's own (kv_transfer_params)
     sighted_blocks: int = 0   # leading blocks whose sighting the admission sketch counted
     admitted_blocks: int = 0  # leading blocks admitted for storing (admit_after)
+    admission_checked_blocks: int = 0  # the end at which admission last read the sketch's counts
 
 
 def hit_sources(state: RequestState | None, num_external_tokens: int, block_size: int) -> dict[str, int]:

@@ -346,6 +346,38 @@ def test_admit_after_2_stores_a_chain_from_its_second_sighting(tmp_path: Path) -
         eng.close()
 
 
+def test_a_refused_request_reads_the_sighting_counts_once_per_completed_block(tmp_path: Path) -> None:
+    """``admit_after: 2`` with unique prompts: a decode step that completes
+    no block reads no sketch counts (they cost a server's scheduler every
+    step), and a block completed later reads them again, so blocks another
+    request sighted meanwhile are admitted then."""
+    eng = Engine(ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "admit_after": 2, "load_policy": "always"}))
+    try:
+        sketch = eng.scheduler._planner._admission.sketch  # the real sketch, its reads counted
+        assert sketch is not None
+        reads: list[int] = []
+        real_counts = sketch.counts
+
+        def counting(keys: Any) -> Any:
+            reads.append(len(keys))
+            return real_counts(keys)
+
+        sketch.counts = counting  # type: ignore[method-assign]
+        prompt = list(range(1, 2 * BS + 2))  # 2 whole blocks and one token
+        a = _request(prompt, max_tokens=2 * BS)
+        assert eng.prefill(a)[1] == []  # first sighting: refused
+        assert reads == [2]
+        for i in range(BS - 2):  # decode steps that complete no block
+            assert eng.decode(a, 100 + i) == []
+        assert reads == [2]
+        assert eng.prefill(_request(prompt))[1] == [(0, 1)]  # a second sighting of a's two blocks
+        assert eng.decode(a, 200) == [(0, 1)]  # completes block 2: counts read again, a's first two admitted
+        assert reads == [2, 2, 3]
+        assert eng.stored_units() == 2 * UNITS_PER_BLOCK
+    finally:
+        eng.close()
+
+
 def test_admission_settings_are_validated(tmp_path: Path) -> None:
     assert {"save_decode", "admit_after"} <= set(valid_keys())
     settings = ConnectorSettings.from_extra_config({"path": str(tmp_path)})
