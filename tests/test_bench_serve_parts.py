@@ -385,3 +385,23 @@ def test_no_reuse_report_and_table_from_passes() -> None:
     assert row["save"]["saved_tokens"] == 2000 and row["save"]["save_copy_us_per_token"] == pytest.approx(10.0)
     assert report["targets"][0]["met"] is False  # 0.98 geomean: just under 0.98
     assert "MISSED" in format_table(report) and "ucm-none" in format_table(report)
+    assert "geomean_to_noop" not in row and "own share" not in format_table(report)
+
+
+def test_no_reuse_report_splits_ucm_dbs_own_share_from_vllms_plumbing() -> None:
+    """With the no-op connector among the setups, each ucm-db setup is also
+    set against it, round by round: what ucm-db itself costs."""
+    from ucm_db.tools.bench.serve_noreuse import NoReuseOptions, NoReuseSpec, _report, format_table
+    from ucm_db.tools.bench.serve_options import ServeOptions
+
+    def rps(*values: float) -> list[dict]:
+        return [{"request_throughput": v, "median_ttft_ms": 100.0} for v in values]
+
+    passes = {"off": rps(2.0, 2.0), "ucm-noop": rps(1.8, 1.9), "ucm-none+admit2": rps(1.8, 1.71)}
+    options = NoReuseOptions(spec=NoReuseSpec(), serve=ServeOptions(layers=2), codecs=("noop", "none+admit2"), rounds=2, hidden=256)
+    report = _report(options, NoReuseSpec(), passes, 2048, "bfloat16", 1.0)
+    row = report["setups"]["ucm-none+admit2"]
+    assert row["ratios"] == [0.9, 0.855]
+    assert row["ratios_to_noop"] == [1.0, 0.9] and row["geomean_to_noop"] == pytest.approx(0.9 ** 0.5, abs=1e-4)
+    assert "geomean_to_noop" not in report["setups"]["ucm-noop"]
+    assert "ucm-db's own share" in format_table(report)

@@ -26,7 +26,9 @@ Invariants:
       wait, hold them.
     * A setup's ratio is each round's ucm-db pass over that round's ``off``
       pass; its figure is the geometric mean of the rounds' ratios
-      (:func:`geomean`).
+      (:func:`geomean`). With the ``noop`` setup among them, each ucm-db
+      setup is also set against it the same way (``ratios_to_noop``):
+      ucm-db's own share, vLLM's connector plumbing being in both.
     * A warm-up pass per server (not counted) precedes the rounds.
     * Every request is answered with exactly ``output_len`` tokens, or the
       pass fails (:mod:`.serve_chat_client`'s client).
@@ -104,15 +106,16 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def round_ratios(passes: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
-    """Each ucm-db setup's request throughput over the baseline's, round by round."""
-    base = passes[OFF]
+def round_ratios(passes: dict[str, list[dict[str, Any]]], baseline: str = OFF) -> dict[str, list[float]]:
+    """Each other setup's request throughput over ``baseline``'s (the server
+    without a connector, or the no-op connector's), round by round."""
+    base = passes[baseline]
     out: dict[str, list[float]] = {}
     for setup, own in passes.items():
-        if setup == OFF:
+        if setup in (OFF, baseline):
             continue
         if len(own) != len(base):
-            raise ValueError(f"{setup}: {len(own)} passes against {len(base)} of {OFF}: rounds need one of each")
+            raise ValueError(f"{setup}: {len(own)} passes against {len(base)} of {baseline}: rounds need one of each")
         out[setup] = [round(u["request_throughput"] / b["request_throughput"], 4) for b, u in zip(base, own)]
     return out
 
@@ -274,6 +277,10 @@ def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
 def _report(options: NoReuseOptions, spec: NoReuseSpec, passes: dict[str, list[dict[str, Any]]], bytes_per_token: int,
             dtype: str, elapsed_s: float) -> dict[str, Any]:
     ratios = round_ratios(passes)
+    # Beside the no-op connector, each ucm-db setup's own share: on / noop,
+    # round by round (vLLM's connector plumbing is in both).
+    noop = f"ucm-{NOOP}"
+    own_ratios = round_ratios(passes, noop) if noop in passes else {}
     setups: dict[str, Any] = {}
     for setup, own in passes.items():
         row: dict[str, Any] = {"pass_throughputs": [round(p["request_throughput"], 4) for p in own],
@@ -285,6 +292,9 @@ def _report(options: NoReuseOptions, spec: NoReuseSpec, passes: dict[str, list[d
                 totals = {key: sum(p["ucm_db"][key] for p in own) for key in ("saved_MB", "save_copy_s", "save_commit_cpu_s", "hit_tokens")}
                 row["ucm_db"] = totals
                 row["save"] = save_per_token(totals, bytes_per_token)
+        if setup in own_ratios:
+            row["ratios_to_noop"] = own_ratios[setup]
+            row["geomean_to_noop"] = round(geomean(own_ratios[setup]), 4)
         setups[setup] = row
     targets = [{"target": f"{setup} / {OFF} req/s (geometric mean of {options.rounds} rounds)", "measured": row["geomean_ratio"],
                 "bound": f">= {TARGET}", "met": row["geomean_ratio"] >= TARGET}
@@ -321,6 +331,12 @@ def format_table(report: dict[str, Any]) -> str:
                 f"({save['saved_tokens']} tokens; copy = {save['save_copy_share_of_h100_prefill']:.1%} of an H100-class "
                 f"prefill at {o['h100_prefill_tokens_s']:.0f} tok/s)" if "save_copy_us_per_token" in save else "")
         lines.append(f"{setup:<10} {rps:<28} {ratios:<22} {geo:>8}  {cost}")
+    own = {setup: row for setup, row in report["setups"].items() if "geomean_to_noop" in row}
+    if own:
+        lines.append("")
+        lines.append("ucm-db's own share, on / noop per round (vLLM's connector plumbing is in both):")
+        for setup, row in own.items():
+            lines.append(f"{setup:<10} {', '.join(f'{x:.3f}' for x in row['ratios_to_noop']):<51} {row['geomean_to_noop']:>8.3f}")
     lines.append("")
     for t in report["targets"]:
         lines.append(f"{t['target']:<55} {t['measured']:>7.3f}  {t['bound']:<7} {'met' if t['met'] else 'MISSED'}")
