@@ -36,7 +36,12 @@ times its put). Figures per case, GB/s of saved KV bytes:
   (engine's) thread's ``save`` and ``drain`` calls: the writer, the store's
   sync and codec threads and the ``flush``. With ``--codec zstd`` the codec
   threads compress, so read this one rather than ``writer``;
-* ``wall``: saved bytes over the time from the first save to durable.
+* ``wall``: saved bytes over the time from the first save to durable;
+* ``written_x_saved``: bytes the process handed to ``write``/``pwrite``
+  (``/proc/self/io`` ``wchar``: LMDB's commits write every dirty page) from
+  the first save to durable, over the saved bytes: the write amplification
+  of the store's records (a unit's body in overflow pages plus the B-tree
+  pages its other records dirty). None where ``/proc`` has no ``io``.
 
 The baseline is ``bench core``'s durable put row of the same codec, run by
 its own function (:func:`ucm_db.tools.bench.put._store_once`: 64 (quick 32) x 2 MiB of
@@ -117,11 +122,25 @@ class Run:
     off_engine_cpu_s: float
     saved_bytes: int
     commits: int
+    written_bytes: int | None = None  # handed to write/pwrite by the process (None: not known)
 
 
 def _process_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def written_bytes() -> int | None:
+    """Bytes this process has handed to write-like calls (``wchar`` of
+    ``/proc/self/io``); None where that file is missing or unreadable."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as io:
+            for line in io:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _kv_caches(layers: int, payloads: Sequence[memoryview]) -> dict[str, Any]:
@@ -194,6 +213,7 @@ def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec:
     store = acquire(settings)  # the worker's store (one per path per process): to flush it
     try:
         clock = _writer_clock(before)
+        written0 = written_bytes()
         wall0, proc0, main0, writer0 = time.perf_counter(), _process_cpu_s(), time.thread_time(), time.clock_gettime(clock)
         for meta in metas:
             worker.save(meta)
@@ -204,12 +224,14 @@ def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec:
         engine_cpu_s = time.thread_time() - main0
         store.flush()
         wall_s, proc_s = time.perf_counter() - wall0, _process_cpu_s() - proc0
+        written1 = written_bytes()
         totals = worker.counters.totals.data
         expected = sum(len(t.keys) for meta in metas for t in meta.saves) * KV_HEADS * case.unit_bytes
         if totals["saved_bytes"] != expected or totals["save_errors"] or totals["saves_dropped"]:
             raise RuntimeError(f"{case.name}: saved {totals['saved_bytes']:.0f} of {expected} bytes "
                                f"({totals['save_errors']:.0f} errors, {totals['saves_dropped']:.0f} dropped)")
-        return Run(wall_s, writer_cpu_s, totals["save_commit_cpu_s"], proc_s - engine_cpu_s, expected, _commits(worker.counters))
+        written = None if written0 is None or written1 is None else written1 - written0
+        return Run(wall_s, writer_cpu_s, totals["save_commit_cpu_s"], proc_s - engine_cpu_s, expected, _commits(worker.counters), written)
     finally:
         release(store)
         worker.shutdown()
@@ -276,6 +298,8 @@ def _row(case: Case, runs: list[Run], base: list[tuple[float, float]], put_bytes
         row[f"{name}_gbps_per_cpu_s"] = _figure(values, "GB/s")
         row[f"{name}_x_put"] = _figure([v / p for v, p in zip(values, put_per_cpu)], "x")
     row["writer_cpu_ms_per_commit"] = _figure([r.writer_cpu_s / r.commits * 1e3 for r in runs], "ms")
+    written = [r.written_bytes / r.saved_bytes for r in runs if r.written_bytes is not None]
+    row["written_x_saved"] = _figure(written, "x", "bytes written to the store's files per saved byte") if written else None
     ratio = row["writer_x_put"].value
     row["target"] = {"target": f"writer GB/s per CPU s >= {TARGET}x durable put", "measured": round(ratio, 4), "met": ratio >= TARGET}
     return row
@@ -304,15 +328,16 @@ def format_table(report: dict[str, Any]) -> str:
         f"{b['put_gbps_per_cpu_s']['value']:.3f} GB/s per CPU s",
         "",
         f"{'case':<12} {'unit':>7} {'commits':>7} {'wall':>7} {'writer':>7} {'x put':>6} {'commit':>7} {'x put':>6} "
-        f"{'off-eng':>7} {'x put':>6} {'ms/commit':>9}  target >= {report['target']}x",
-        f"{'':<12} {'KiB':>7} {'':>7} {'GB/s':>7} {'GB/s/s':>7} {'':>6} {'GB/s/s':>7} {'':>6} {'GB/s/s':>7}",
+        f"{'off-eng':>7} {'x put':>6} {'ms/commit':>9} {'written':>7}  target >= {report['target']}x",
+        f"{'':<12} {'KiB':>7} {'':>7} {'GB/s':>7} {'GB/s/s':>7} {'':>6} {'GB/s/s':>7} {'':>6} {'GB/s/s':>7} {'':>9} {'x saved':>7}",
     ]
     for r in report["rows"]:
         lines.append(
             f"{r['case']:<12} {r['unit_bytes'] >> 10:>7} {r['commits']:>7.0f} {r['wall_gbps']['value']:>7.3f} "
             f"{r['writer_gbps_per_cpu_s']['value']:>7.3f} {r['writer_x_put']['value']:>6.2f} {r['commit_gbps_per_cpu_s']['value']:>7.3f} "
             f"{r['commit_x_put']['value']:>6.2f} {r['off_engine_gbps_per_cpu_s']['value']:>7.3f} {r['off_engine_x_put']['value']:>6.2f} "
-            f"{r['writer_cpu_ms_per_commit']['value']:>9.3f}  {'met' if r['target']['met'] else 'MISSED'}")
+            f"{r['writer_cpu_ms_per_commit']['value']:>9.3f} "
+            f"{r['written_x_saved']['value'] if r['written_x_saved'] else float('nan'):>7.2f}  {'met' if r['target']['met'] else 'MISSED'}")
     lines.append("GB/s/s: GB/s of saved KV per CPU second (writer thread; its commit counter; all but the engine's thread)")
     load = ", ".join(f"{x:.2f}" for x in report["host"]["load_avg_at_start"])
     lines.append(f"{report['host']['cpus']} CPUs, load average at start {load}; {report['elapsed_s']} s")
