@@ -435,14 +435,22 @@ def read_eviction_oracle(run_dir: Path) -> EvictionOracle:
 class EvictionRule:
     """Which acknowledged blocks an eviction may legally have removed.
 
-    LRU order is put order, changed only by touches (which make a block and
-    its ancestors newer). A put's eviction takes LRU blocks except its own
-    batch and the batch's ancestors (at most ``max_chain_bytes``); a
-    compaction evicts LRU blocks down to its target. So block B can be gone
-    only if, counting upper bounds of stored sizes, the blocks put or
-    touched after B's put started (including operations whose process died
-    in them) plus B plus a chain's ancestors exceed the capacity, or plus B
-    exceed a compaction's target that ran after B's put started.
+    LRU order is put order, changed by touches (which make a block and its
+    ancestors newer) and by refiles: an eviction that passes a block with
+    children files it again as used now (``ucm_db/index/writes.py``,
+    ``_oldest_tail``), which no process logs. A put's eviction takes LRU
+    blocks except its own batch and the batch's ancestors (at most
+    ``max_chain_bytes``); a compaction evicts LRU blocks down to its target.
+    So block B can be gone only if, counting upper bounds of stored sizes,
+    the blocks put or touched after B's put started (including operations
+    whose process died in them) plus the blocks refiled since then plus B
+    plus a chain's ancestors exceed the capacity, or plus B exceed a
+    compaction's target that ran after B's put started.
+
+    Refiles are read from the store: blocks still stored whose put ended
+    before B's started but whose access time is later (:func:`refiled_after`).
+    A block refiled after B's put and evicted since is not seen, so a
+    missing block can rarely be reported that such a block pushed out.
     """
 
     def __init__(self, oracle: EvictionOracle, *, size_range: tuple[int, int], capacity_bytes: int, max_chain_bytes: int) -> None:
@@ -485,8 +493,9 @@ class EvictionRule:
                     newer.update(self.oracle.ancestors_and_self(k))
         return sum(self.size_bytes(k) for k in newer)
 
-    def may_be_evicted(self, key: bytes, before_ns: int = NEVER_NS) -> bool:
-        newer = self.newer_bytes(key, before_ns) + self.size_bytes(key)
+    def may_be_evicted(self, key: bytes, before_ns: int = NEVER_NS, refiled_bytes: int = 0) -> bool:
+        """``refiled_bytes``: blocks refiled after ``key``'s put started (class docstring)."""
+        newer = self.newer_bytes(key, before_ns) + refiled_bytes + self.size_bytes(key)
         if newer + self.max_chain_bytes > self.capacity_bytes:
             return True
         since = self.oracle.intent_ns[key]
@@ -512,6 +521,30 @@ def read_untouched(store: ucm_db.Store, keys: list[bytes]) -> list[bytes | None 
     return out
 
 
+def refiled_after(oracle: EvictionOracle, rule: EvictionRule, stored: list[bytes], metas: list[Any]) -> Callable[[bytes], int]:
+    """Bytes (upper bounds) of the stored blocks the store refiled after a
+    key's put started: their put ended before it, their access time is later,
+    and no logged touch made them newer (:class:`EvictionRule`)."""
+    put_end: dict[bytes, int] = {}
+    for put in oracle.puts:
+        if not put.refused:
+            for key in put.keys:
+                put_end[key] = max(put_end.get(key, 0), put.end_ns)
+    touched: dict[bytes, int] = {}
+    for _start, end, keys in oracle.touches:
+        for key in keys:
+            for k in oracle.ancestors_and_self(key):
+                touched[k] = max(touched.get(k, 0), end)
+    # (last time the oracle saw the block made newer, its access time in the store, its size)
+    used = [(max(put_end.get(k, 0), touched.get(k, 0)), m.access_ns, rule.size_bytes(k))
+            for k, m in zip(stored, metas) if m is not None and k in put_end]
+
+    def bytes_after(key: bytes) -> int:
+        since = oracle.intent_ns[key]
+        return sum(size for logged_ns, access_ns, size in used if logged_ns <= since < access_ns)
+    return bytes_after
+
+
 def check_store_under_pressure(
     store: ucm_db.Store, run_dir: Path, *, size_range: tuple[int, int], capacity_bytes: int, max_chain_bytes: int, final: bool,
 ) -> dict[str, Any]:
@@ -528,13 +561,15 @@ def check_store_under_pressure(
     # read the acknowledged blocks, then read the logs again, so every
     # operation that could have evicted a block before it was read is known.
     stored = list(store._tier.iterate())
+    stored_metas = store._tier.metas(stored)
     acked = sorted(read_eviction_oracle(run_dir).acked)
     values = read_untouched(store, acked)
     oracle = read_eviction_oracle(run_dir)
     rule = EvictionRule(oracle, size_range=size_range, capacity_bytes=capacity_bytes, max_chain_bytes=max_chain_bytes)
+    refiled = refiled_after(oracle, rule, stored, stored_metas)
     lost, wrong, strict = [], [], 0
     for key, value in zip(acked, values):
-        protected = not rule.may_be_evicted(key)
+        protected = not rule.may_be_evicted(key, refiled_bytes=refiled(key))
         strict += protected
         if value is None and protected:
             lost.append(key.hex())
@@ -545,12 +580,11 @@ def check_store_under_pressure(
     others = sorted(set(stored) & oracle.intended - oracle.acked)
     wrong += [k.hex() for k, v in zip(others, read_untouched(store, others))
               if v is not None and v != payload_for(k, size_for(k, *size_range))]
-    unexplained = [k.hex() for t, keys in oracle.missing_after_ack for k in keys if not rule.may_be_evicted(k, t)]
+    unexplained = [k.hex() for t, keys in oracle.missing_after_ack for k in keys if not rule.may_be_evicted(k, t, refiled(k))]
     orphans: list[str] = []
     if final:
         present = set(stored)
-        metas = store._tier.metas(stored)
-        orphans = [k.hex() for k, m in zip(stored, metas) if m is not None and m.parent is not None and m.parent not in present]
+        orphans = [k.hex() for k, m in zip(stored, stored_metas) if m is not None and m.parent is not None and m.parent not in present]
     stats = store.stats()
     evicted_logged = sum(p.evicted or 0 for p in oracle.puts)
     return {
