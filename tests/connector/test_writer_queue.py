@@ -10,6 +10,7 @@ queue up behind it as they do behind a slow commit in an engine.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 import ucm_db
 from ucm_db.connector.metrics import Counters
+from ucm_db.connector.worker import writer as writer_module
 from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob, VoidJob
 from ucm_db.keys.units import KVGrid, UnitKeys
 
@@ -186,3 +188,59 @@ def test_a_save_larger_than_the_bound_is_logged_once_with_the_fix(store, caplog:
     said = [r.getMessage() for r in caplog.records if "max_pending_save_bytes" in r.getMessage()]
     assert len(said) == 1 and "raise max_pending_save_bytes above" in said[0], said
     assert counters.totals.data["saves_dropped"] == 8 and released == [0, 4]
+
+
+def _puts_counted(store: ucm_db.Store) -> list[int]:
+    """The store's real ``put_segments``, each call's job count appended (no holding)."""
+    calls: list[int] = []
+    real = store.put_segments
+
+    def counted(namespace, segments, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(segments))
+        return real(namespace, segments, **kwargs)
+
+    store.put_segments = counted  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_job_arriving_within_the_linger_shares_the_rounds_commit(store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that each save a block (decoding) share one commit: the round
+    waits for more jobs when its queue runs dry, and commits when the linger ends."""
+    monkeypatch.setattr(writer_module, "LINGER_S", 0.5)
+    calls = _puts_counted(store)
+    keys, released = NS.block_keys(list(range(16))), []
+    writer = BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), Counters(), max_pending_bytes=1 << 30)
+    try:
+        writer.submit(_job(keys, 0, 2, released))
+        time.sleep(0.1)  # the writer took it and lingers
+        writer.submit(_job(keys, 2, 4, released))
+        deadline = time.monotonic() + 10
+        while not _stored(store, keys, 0, 4) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _stored(store, keys, 0, 4)
+        assert calls == [2 * GRID.heads]  # one transaction: both jobs' chains (one per head each)
+        assert sorted(released) == [0, 2]
+    finally:
+        writer.close()
+
+
+def test_a_drain_ends_the_linger_at_once(store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``kv_producer``'s step drains after its save: it must not wait for the linger."""
+    monkeypatch.setattr(writer_module, "LINGER_S", 30.0)
+    calls = _puts_counted(store)
+    keys, released = NS.block_keys(list(range(16))), []
+    writer = BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), Counters(), max_pending_bytes=1 << 30)
+    try:
+        writer.submit(_job(keys, 0, 2, released))
+        time.sleep(0.1)
+        started = time.monotonic()
+        writer.drain()
+        assert time.monotonic() - started < 10, "drain waited for the linger"
+        assert _stored(store, keys, 0, 2) and calls == [GRID.heads]
+        writer.submit(_job(keys, 2, 4, released))  # the writer goes on after a drain
+        writer.drain()
+        assert _stored(store, keys, 0, 4) and calls == [GRID.heads, GRID.heads]
+    finally:
+        started = time.monotonic()
+        writer.close()
+        assert time.monotonic() - started < 10, "close waited for the linger"

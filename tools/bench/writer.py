@@ -1,6 +1,6 @@
 """In-engine saves per writer CPU second: ``ucm-db bench writer`` (issue 50, item 3).
 
-    ucm-db bench writer [--layers 8,2] [--job-blocks 1,2] [--jobs 256] [--backlog both] [--codec none] [--json]
+    ucm-db bench writer [--layers 8,2] [--job-blocks 1,2] [--jobs 256] [--backlog all] [--codec none] [--json]
 
 Target of the issue: in-engine saves >= 0.8x ``bench core``'s durable put per
 writer CPU second.
@@ -17,12 +17,16 @@ each job is one engine step's ``save`` of ``--job-blocks`` blocks (cycled:
 chain. The worker copies them out and its
 :class:`~ucm_db.connector.worker.writer.BackgroundWriter` commits them into
 a fresh LMDB store (the connector's defaults but the codec: durability
-``group``, 2 codec threads). Two modes:
+``group``, 2 codec threads). Three modes:
 
 * ``backlog``: every job's ``save`` is called back to back, then ``drain``:
   the queue grows and each writer round commits the jobs queued, up to
   ``COALESCE_MAX_BYTES``, in one transaction;
-* ``paced``: ``save`` then ``drain``, job after job: one job per transaction.
+* ``paced``: ``save`` then ``drain``, job after job: one job per transaction;
+* ``steps``: ``save`` then :data:`STEP_S` of sleep, job after job (an
+  engine's decode steps, each saving a block or two while the writer
+  works), then ``drain``: what the writer's linger
+  (:data:`~ucm_db.connector.worker.writer.LINGER_S`) coalesces.
 
 Each repetition ends with ``Store.flush()`` (durable, as ``bench core``
 times its put). Figures per case, GB/s of saved KV bytes:
@@ -92,7 +96,9 @@ BASELINE_PUTS = 3
 REQUESTS = 8  # requests whose saves take turns, each continuing its own chain
 CACHE_BLOCKS = 64  # blocks of the KV cache the saves copy out of (reused, as an engine's are)
 CAPACITY_BYTES = 4 << 30
-MODES = ("backlog", "paced")
+MODES = ("backlog", "paced", "steps")
+#: The ``steps`` mode's time between two saves (a fast engine's decode step).
+STEP_S = 0.002
 GB = 1e9
 
 
@@ -101,11 +107,11 @@ class Case:
     """One configuration: the model's layers and whether saves queue up."""
 
     layers: int
-    backlog: bool
+    mode: str  # one of MODES
 
     @property
     def name(self) -> str:
-        return f"{self.layers}L_{'backlog' if self.backlog else 'paced'}"
+        return f"{self.layers}L_{self.mode}"
 
     @property
     def unit_bytes(self) -> int:
@@ -217,8 +223,10 @@ def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec:
         wall0, proc0, main0, writer0 = time.perf_counter(), _process_cpu_s(), time.thread_time(), time.clock_gettime(clock)
         for meta in metas:
             worker.save(meta)
-            if not case.backlog:
+            if case.mode == "paced":
                 worker.drain()
+            elif case.mode == "steps":
+                time.sleep(STEP_S)
         worker.drain()
         writer_cpu_s = time.clock_gettime(clock) - writer0
         engine_cpu_s = time.thread_time() - main0
@@ -251,7 +259,7 @@ def run(layers: Sequence[int], modes: Sequence[str], job_blocks: Sequence[int], 
     started, load_avg = time.time(), [round(x, 2) for x in os.getloadavg()]
     options = BenchOptions(quick=quick, repeat=repeat, scratch_dir=scratch_dir)
     payloads = load_payloads(options.put_blocks)
-    cases = [Case(n, mode == "backlog") for n in layers for mode in modes]
+    cases = [Case(n, mode) for n in layers for mode in modes]
     caches = {n: _kv_caches(n, payloads) for n in layers}
     metas = {n: plan(n, jobs, job_blocks) for n in layers}
     base: list[tuple[float, float]] = []
@@ -290,7 +298,7 @@ def _row(case: Case, runs: list[Run], base: list[tuple[float, float]], put_bytes
     put_per_cpu = [put_bytes / cpu / GB for _, cpu in base]
     per_cpu = {name: [saved / getattr(r, f"{name}_cpu_s") / GB for r in runs] for name in ("writer", "commit", "off_engine")}
     row: dict[str, Any] = {
-        "case": case.name, "layers": case.layers, "mode": "backlog" if case.backlog else "paced",
+        "case": case.name, "layers": case.layers, "mode": case.mode,
         "unit_bytes": case.unit_bytes, "saved_bytes": saved, "commits": statistics.median(r.commits for r in runs),
         "wall_gbps": _figure([saved / r.wall_s / GB for r in runs], "GB/s", "first save to durable (flush)"),
     }
@@ -359,8 +367,9 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @click.option("--job-blocks", default="1,2", show_default=True, callback=_int_list,
               help="blocks per job (one engine step's save), cycled over the jobs")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="jobs per repetition [256; quick 64]")
-@click.option("--backlog", type=click.Choice(["both", "on", "off"]), default="both", show_default=True,
-              help="on: saves queue up and rounds coalesce; off: one job per transaction (paced)")
+@click.option("--backlog", type=click.Choice(["all", "both", "on", "off", "steps"]), default="all", show_default=True,
+              help="on: saves queue up and rounds coalesce; off: one job per transaction (paced); steps: saves "
+                   "2 ms apart (decode steps); both: on and off")
 @click.option("--codec", type=click.Choice(["none", "zstd"]), default="none", show_default=True, help="store codec (and baseline's)")
 @click.option("--repeat", type=click.IntRange(min=1), default=None, help="repetitions (median) [7; quick 3]")
 @click.option("--quick", is_flag=True, help="64 jobs, 3 repetitions, bench core --quick's baseline (32 blocks)")
@@ -379,7 +388,7 @@ def command(layers: list[int], job_blocks: list[int], jobs: int | None, backlog:
         ucm-db bench writer --layers 8 --backlog on --codec zstd --json
         ucm-db bench writer --quick --job-blocks 2 --jobs 32
     """
-    modes = {"both": MODES, "on": ("backlog",), "off": ("paced",)}[backlog]
+    modes = {"all": MODES, "both": ("backlog", "paced"), "on": ("backlog",), "off": ("paced",), "steps": ("steps",)}[backlog]
     report = run(layers, modes, job_blocks, jobs or (64 if quick else 256), codec, repeat or (3 if quick else 7), quick, scratch_dir)
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
 
