@@ -251,16 +251,19 @@ class Admission:
         ``prompt_blocks`` (the blocks made wholly of prompt tokens)."""
         return end if self.save_decode else min(end, prompt_blocks)
 
-    def decided(self, state: AdmissionMarks, end: int) -> bool:
-        """True where :meth:`admit` would admit nothing new for blocks
-        before ``end``: their counts were read at this ``end`` already and
-        refused a block. A refused block is read again once the request
+    def decided(self, state: AdmissionMarks, start: int, end: int) -> bool:
+        """True where :meth:`admit` would admit nothing to save from block
+        ``start`` (the request's first unsaved one) to ``end``: the counts
+        were read at this ``end`` already, refused a block, and every block
+        admitted before it is saved (a preempted request saves its admitted
+        blocks again). A refused block is read again once the request
         completes a block, not at every step (a decode step completes one
         in ``block_size``): with unique prompts, ``admit_after: 2``'s case,
         reading every step made the sketch the largest item of a c1
         server's scheduling work (py-spy) and its hooks 2-3x dearer a
         decode step than ``admit_after: 1``'s."""
-        return self.sketch is not None and end <= state.admission_checked_blocks and state.admitted_blocks < end
+        return (self.sketch is not None and end <= state.admission_checked_blocks
+                and state.admitted_blocks < end and state.admitted_blocks <= start)
 
     def admit(self, state: AdmissionMarks, keys: Sequence[bytes], end: int) -> int:
         """Counts the sightings of the request's blocks before ``end`` not

@@ -132,7 +132,7 @@ class StepPlanner:
         done_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens)
         end = self._admission.savable_end(done_tokens // self._block_size, request.num_prompt_tokens // self._block_size)
         start = state.saved_blocks
-        if end <= start or self._admission.decided(state, end):
+        if end <= start or self._admission.decided(state, start, end):
             return  # nothing new, or admission refused at this end already (no block completed since)
         block_ids = self._block_ids(scheduler_output, req_id)
         if block_ids is None or len(block_ids) < end:

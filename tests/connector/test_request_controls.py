@@ -378,6 +378,29 @@ def test_a_refused_request_reads_the_sighting_counts_once_per_completed_block(tm
         eng.close()
 
 
+def test_a_preempted_request_saves_its_admitted_blocks_again(tmp_path: Path) -> None:
+    """Admission read once per completed block must not stop a request that
+    vLLM preempted before its admitted blocks were copied: computed again,
+    they are saved again (the later, refused block still is not)."""
+    eng = Engine(ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "admit_after": 2, "load_policy": "always"}))
+    try:
+        shared = list(range(1, 2 * BS + 1))
+        assert eng.prefill(_request(shared + [5] * BS + [1]))[1] == []  # first sighting of the 2 shared blocks
+        a = _request(shared + [7] * BS + [1])  # shared blocks admitted (second sighting), its 3rd block refused
+        eng.admit(a)
+        block_ids = list(range(a.num_tokens // BS + 1))
+        meta = eng.scheduler.build_connector_meta(_prefill_step(a, block_ids, a.num_tokens))
+        assert [save.block_ids for save in meta.saves] == [(0, 1)]  # planned, then vLLM preempts a before the copy
+        preempt = _output([], CachedRequestData.make_empty(), {}, {})
+        preempt.preempted_req_ids = {a.request_id}
+        eng.scheduler.build_connector_meta(preempt)
+        a.num_computed_tokens = 0
+        assert eng.prefill(a)[1] == [(0, 1)]  # resumed: computed again, saved again
+        assert eng.stored_units() == 2 * UNITS_PER_BLOCK
+    finally:
+        eng.close()
+
+
 def test_admission_settings_are_validated(tmp_path: Path) -> None:
     assert {"save_decode", "admit_after"} <= set(valid_keys())
     settings = ConnectorSettings.from_extra_config({"path": str(tmp_path)})
