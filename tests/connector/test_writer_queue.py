@@ -72,6 +72,11 @@ def _stored(store: ucm_db.Store, block_keys: list[bytes], start: int, stop: int)
     return all(_present(store, block_keys, start, stop))
 
 
+def _writer(store: ucm_db.Store, counters: Counters) -> BackgroundWriter:
+    """A writer over ``store`` framing each staged unit as one frame, its queue bound out of the way."""
+    return BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), counters, max_pending_bytes=1 << 30)
+
+
 class Held:
     """A writer over ``store`` whose first job (blocks 0-1 of ``keys``) is
     committing and held there, so the jobs the test submits next queue up."""
@@ -79,8 +84,7 @@ class Held:
     def __init__(self, store: ucm_db.Store, blocks: int) -> None:
         self.keys = NS.block_keys(list(range(4 * blocks)))
         self.puts, self.counters, self.released = HeldPuts(store), Counters(), []
-        self.writer = BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), self.counters,
-                                       max_pending_bytes=1 << 30)
+        self.writer = _writer(store, self.counters)
         self.save(0, 2)
         assert self.puts.entered.wait(30)
 
@@ -203,16 +207,23 @@ def _puts_counted(store: ucm_db.Store) -> list[int]:
     return calls
 
 
+def _lingering(store: ucm_db.Store) -> tuple[BackgroundWriter, list[bytes], list[int], list[int]]:
+    """A writer given the job of blocks 0-1, 0.1 s ago: it took it and lingers.
+    Returns the writer, the block keys, the released staging starts and the put calls."""
+    calls = _puts_counted(store)
+    keys, released = NS.block_keys(list(range(16))), []
+    writer = _writer(store, Counters())
+    writer.submit(_job(keys, 0, 2, released))
+    time.sleep(0.1)
+    return writer, keys, released, calls
+
+
 def test_a_job_arriving_within_the_linger_shares_the_rounds_commit(store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps that each save a block (decoding) share one commit: the round
     waits for more jobs when its queue runs dry, and commits when the linger ends."""
     monkeypatch.setattr(writer_module, "LINGER_S", 0.5)
-    calls = _puts_counted(store)
-    keys, released = NS.block_keys(list(range(16))), []
-    writer = BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), Counters(), max_pending_bytes=1 << 30)
+    writer, keys, released, calls = _lingering(store)
     try:
-        writer.submit(_job(keys, 0, 2, released))
-        time.sleep(0.1)  # the writer took it and lingers
         writer.submit(_job(keys, 2, 4, released))
         deadline = time.monotonic() + 10
         while not _stored(store, keys, 0, 4) and time.monotonic() < deadline:
@@ -227,12 +238,8 @@ def test_a_job_arriving_within_the_linger_shares_the_rounds_commit(store, monkey
 def test_a_drain_ends_the_linger_at_once(store, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``kv_producer``'s step drains after its save: it must not wait for the linger."""
     monkeypatch.setattr(writer_module, "LINGER_S", 30.0)
-    calls = _puts_counted(store)
-    keys, released = NS.block_keys(list(range(16))), []
-    writer = BackgroundWriter(store, lambda row: ucm_db.Framed(row, (UNIT_BYTES,)), Counters(), max_pending_bytes=1 << 30)
+    writer, keys, released, calls = _lingering(store)
     try:
-        writer.submit(_job(keys, 0, 2, released))
-        time.sleep(0.1)
         started = time.monotonic()
         writer.drain()
         assert time.monotonic() - started < 10, "drain waited for the linger"

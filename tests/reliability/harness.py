@@ -467,6 +467,8 @@ class EvictionRule:
             for key in keys:
                 for k in oracle.ancestors_and_self(key):
                     last_newer[k] = max(last_newer.get(k, 0), end)
+        #: per key, the last logged moment that made it newer (its put's end, a touch of it or a descendant)
+        self.last_newer_ns = last_newer
         ordered = sorted(last_newer.items(), key=lambda kv: kv[1])
         self._ends = [end for _, end in ordered]
         sizes = [self.size_bytes(k) for k, _ in ordered]
@@ -523,21 +525,11 @@ def read_untouched(store: ucm_db.Store, keys: list[bytes]) -> list[bytes | None 
 
 def refiled_after(oracle: EvictionOracle, rule: EvictionRule, stored: list[bytes], metas: list[Any]) -> Callable[[bytes], int]:
     """Bytes (upper bounds) of the stored blocks the store refiled after a
-    key's put started: their put ended before it, their access time is later,
-    and no logged touch made them newer (:class:`EvictionRule`)."""
-    put_end: dict[bytes, int] = {}
-    for put in oracle.puts:
-        if not put.refused:
-            for key in put.keys:
-                put_end[key] = max(put_end.get(key, 0), put.end_ns)
-    touched: dict[bytes, int] = {}
-    for _start, end, keys in oracle.touches:
-        for key in keys:
-            for k in oracle.ancestors_and_self(key):
-                touched[k] = max(touched.get(k, 0), end)
+    key's put started: the last logged put or touch that made them newer
+    ended before it, their access time is later (:class:`EvictionRule`)."""
     # (last time the oracle saw the block made newer, its access time in the store, its size)
-    used = [(max(put_end.get(k, 0), touched.get(k, 0)), m.access_ns, rule.size_bytes(k))
-            for k, m in zip(stored, metas) if m is not None and k in put_end]
+    used = [(rule.last_newer_ns[k], m.access_ns, rule.size_bytes(k))
+            for k, m in zip(stored, metas) if m is not None and k in rule.last_newer_ns]
 
     def bytes_after(key: bytes) -> int:
         since = oracle.intent_ns[key]
