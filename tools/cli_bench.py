@@ -43,6 +43,7 @@ BENCHMARKS = {
     "restart": "ucm_db.tools.bench.restart:command",
     "agentic": "ucm_db.tools.bench.agentic:command",
     "writer": "ucm_db.tools.bench.writer:command",
+    "lmdb-floor": "ucm_db.tools.bench.lmdb_floor:command",
 }
 
 
