@@ -41,7 +41,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("pd_http")
     model = build_text_model(root / "model")
     store = root / "store"
-    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    ports = {"prefill": free_port(), "decode": free_port()}
     servers = {
         "prefill": ServerProcess.start(vllm_server_args(model, ports["prefill"], "kv_producer", {"path": str(store)}, enforce_eager=True),
                                        ports["prefill"], root / "prefill.log", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
@@ -52,11 +52,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         for server in servers.values():
             server.wait_healthy(START_TIMEOUT_S)
-        servers["proxy"] = ServerProcess.start(
-            ["-m", "ucm_db.tools.proxy", "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
-             "--port", str(ports["proxy"])], ports["proxy"], root / "proxy.log",
-        )
-        servers["proxy"].wait_healthy(60)
+        servers["proxy"] = _start_proxy(servers["prefill"].url, servers["decode"].url, root)
         from openai import OpenAI
 
         yield {"servers": servers, "store": store, "client": OpenAI(base_url=servers["proxy"].url + "/v1", api_key="none", max_retries=0),
@@ -64,6 +60,25 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     finally:
         for server in servers.values():
             server.stop()
+
+
+def _start_proxy(prefill_url: str, decode_url: str, root: Path, attempts: int = 3) -> ServerProcess:
+    """The proxy, healthy, on a port picked just before it starts: a port
+    picked with the engines' could be taken while they start (a TP engine's
+    process group opens ports of its own), and one taken between the pick
+    and the bind is picked again."""
+    for attempt in range(attempts):
+        port = free_port()
+        proxy = ServerProcess.start(["-m", "ucm_db.tools.proxy", "--prefill", prefill_url, "--decode", decode_url,
+                                     "--port", str(port)], port, root / f"proxy-{attempt}.log")
+        try:
+            proxy.wait_healthy(60)
+            return proxy
+        except AssertionError as exc:
+            proxy.stop()
+            if "address already in use" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _expected_hit(prompt_tokens: int) -> int:
