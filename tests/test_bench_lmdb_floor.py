@@ -8,6 +8,7 @@ import json
 
 from click.testing import CliRunner
 
+from ucm_db.engines.lmdb import malloc
 from ucm_db.tools.bench import lmdb_floor
 
 
@@ -42,7 +43,15 @@ def test_the_model_keeps_its_live_set_and_writes_each_record(tmp_path) -> None:
 
 
 def test_bad_unit_sizes_are_refused_by_name(tmp_path) -> None:
-    for bad in ("abc", "2", ""):
+    for bad in ("abc", "2", "", "16,0"):
         result = CliRunner().invoke(lmdb_floor.command, ["--unit-kib", bad, "--dir", str(tmp_path)])
         assert result.exit_code != 0
         assert "--unit-kib" in result.output
+
+
+def test_malloc_thresholds_are_the_engines() -> None:
+    """The bench keeps freed memory as the store's LMDB engine does; its own
+    copy of the thresholds (it imports nothing of the store) may not drift."""
+    assert (lmdb_floor._M_TRIM_THRESHOLD, lmdb_floor._M_MMAP_THRESHOLD) == (malloc._M_TRIM_THRESHOLD, malloc._M_MMAP_THRESHOLD)
+    assert (lmdb_floor._MMAP_THRESHOLD_BYTES, lmdb_floor._TRIM_THRESHOLD_BYTES) == (
+        malloc._MALLOC_MMAP_THRESHOLD_BYTES, malloc._MALLOC_TRIM_THRESHOLD_BYTES)

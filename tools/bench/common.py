@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 
 from ucm_db import Namespace
@@ -108,3 +109,15 @@ def put_chain(store: Any, keys: list[bytes], payloads: list[Any], batch: int = B
         part = keys[start : start + batch]
         store.put(NAMESPACE, part, [payloads[(start + i) % len(payloads)] for i in range(len(part))], parent=parent)
         parent = part[-1]
+
+
+def int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """A click callback: a comma list of positive integers (``"8,2"``), or a
+    ``BadParameter`` naming the option."""
+    try:
+        parts = [int(p) for p in value.split(",") if p.strip()]
+    except ValueError:
+        parts = []
+    if not parts or any(p < 1 for p in parts):
+        raise click.BadParameter(f"want a comma list of positive integers; got {value!r}")
+    return parts

@@ -8,7 +8,7 @@ against ``bench core``'s durable put of 2 MiB blocks. This benchmark asks
 how much of that gap is LMDB's own, with none of ucm-db's code: bare
 py-lmdb writes, per unit, the records the store writes (format 3: head,
 body, metadata and child link under the unit's random key; recency
-appended in key order), in transactions of
+appended in put order), in transactions of
 :func:`units_per_txn` units, into a store whose live set is held at
 ``--live-mib`` by deleting the oldest units in the same transactions (a
 full store's eviction: later commits reuse the freed pages; 0: a growing
@@ -37,10 +37,12 @@ commit pays about that for every page it dirtied, apart from the runs of a
 large value's overflow pages.
 
 Invariants:
-    * Nothing of ucm-db is imported: the figures are LMDB's and the
-      kernel's alone. Every scratch file is removed.
+    * Nothing of ucm-db's store is imported (only the benchmarks' option
+      parsing): the figures are LMDB's and the kernel's alone. Every
+      scratch file is removed.
     * glibc's malloc keeps freed memory as the store's LMDB engine tells it
-      to (:func:`keep_freed_memory`, the same thresholds): LMDB mallocs a
+      to (:func:`keep_freed_memory`, the same thresholds, which a test holds
+      equal to the engine's): LMDB mallocs a
       large value's overflow pages and frees them at commit, and memory
       given back to the system is paid for again at the next commit (on a
       virtual machine that returns freed pages to its host, several times
@@ -68,6 +70,8 @@ from typing import Any
 
 import click
 import lmdb
+
+from ucm_db.tools.bench.common import int_list
 
 #: Transactions between two syncs of the file (group durability's interval at these rates).
 SYNC_EVERY_TXNS = 16
@@ -248,8 +252,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 @click.command("lmdb-floor")
-@click.option("--unit-kib", type=str, default="16,64,2048", show_default=True,
-              help="unit sizes, comma-separated (the largest is the ratio's base)")
+@click.option("--unit-kib", default="16,64,2048", show_default=True, callback=int_list,
+              help="unit sizes, comma-separated, 4 KiB or more (the largest is the ratio's base)")
 @click.option("--live-mib", type=click.IntRange(min=0), default=256, show_default=True,
               help="live set the deletes hold (0: no deletes, the file grows: a fresh store)")
 @click.option("--txns", type=click.IntRange(min=1), default=200, show_default=True, help="timed transactions a run")
@@ -257,7 +261,7 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="scratch directory (default: the system's temporary directory): its file system is measured")
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
-def command(unit_kib: str, live_mib: int, txns: int, repeat: int, scratch_dir: Path | None, as_json: bool) -> None:
+def command(unit_kib: list[int], live_mib: int, txns: int, repeat: int, scratch_dir: Path | None, as_json: bool) -> None:
     """LMDB's own cost a stored unit (bare py-lmdb), with writemap off and on.
 
     Per unit size: user and kernel CPU a unit and GB/s per CPU second, the
@@ -270,13 +274,9 @@ def command(unit_kib: str, live_mib: int, txns: int, repeat: int, scratch_dir: P
         ucm-db bench lmdb-floor --live-mib 0 --txns 40 --json
         ucm-db bench lmdb-floor --unit-kib 16,2048 --dir /mnt/nvme/scratch
     """
-    try:
-        sizes = [int(part) for part in unit_kib.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{unit_kib!r} is not a comma-separated list of KiB sizes", param_hint="--unit-kib")
-    if not sizes or min(sizes) < 4:
-        raise click.BadParameter("give one or more unit sizes of at least 4 KiB", param_hint="--unit-kib")
+    if min(unit_kib) < 4:
+        raise click.BadParameter(f"unit sizes are 4 KiB or more; got {min(unit_kib)}", param_hint="--unit-kib")
     scratch = scratch_dir or Path(tempfile.gettempdir())
     scratch.mkdir(parents=True, exist_ok=True)
-    report = run(sizes, live_mib, txns, repeat, scratch)
+    report = run(unit_kib, live_mib, txns, repeat, scratch)
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))

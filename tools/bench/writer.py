@@ -84,7 +84,7 @@ from typing import Any
 import click
 import numpy as np
 
-from ucm_db.tools.bench.common import BLOCK_BYTES, BenchOptions, Figure
+from ucm_db.tools.bench.common import BLOCK_BYTES, BenchOptions, Figure, int_list
 from ucm_db.tools.bench.core import load_payloads
 from ucm_db.tools.bench.load import BLOCK, HEAD_SIZE, KV_HEADS, LAYER_UNIT_BYTES
 
@@ -352,19 +352,9 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
-    try:
-        parts = [int(p) for p in value.split(",") if p.strip()]
-    except ValueError:
-        parts = []
-    if not parts or any(p < 1 for p in parts):
-        raise click.BadParameter(f"want a comma list of positive integers; got {value!r}")
-    return parts
-
-
 @click.command("writer", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--layers", default="8,2", show_default=True, callback=_int_list, help="model layers, one case set each")
-@click.option("--job-blocks", default="1,2", show_default=True, callback=_int_list,
+@click.option("--layers", default="8,2", show_default=True, callback=int_list, help="model layers, one case set each")
+@click.option("--job-blocks", default="1,2", show_default=True, callback=int_list,
               help="blocks per job (one engine step's save), cycled over the jobs")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="jobs per repetition [256; quick 64]")
 @click.option("--backlog", type=click.Choice(["all", "both", "on", "off", "steps"]), default="all", show_default=True,
