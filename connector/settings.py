@@ -34,7 +34,12 @@ The extra config accepts, by name:
   is stored, generated tokens' too; ``false``: only blocks made wholly of
   prompt tokens) and ``admit_after`` (``N``, default 1: a chain's blocks are
   stored from its Nth sighting, so one-shot prompts are never written), see
-  :mod:`ucm_db.connector.request_controls`.
+  :mod:`ucm_db.connector.request_controls`; ``save_process`` (``false``, the
+  default: the background writer commits in the worker process; ``true``:
+  it hands each round to a child process that opens the same store and
+  commits from shared staging memory, so the commit's Python never holds
+  the model thread's GIL, see :mod:`ucm_db.committer`; if the child cannot
+  start or dies, the writer commits in the worker again and logs why).
 
 Invariants:
     * An unknown key anywhere (extra config or file) raises
@@ -62,7 +67,7 @@ REMOTE_LOOKUPS = ("inline", "background")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
 _CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s",
-                   "load_policy", "remote_lookup", "save_decode", "admit_after")
+                   "load_policy", "remote_lookup", "save_decode", "admit_after", "save_process")
 
 
 def default_store_path() -> Path:
@@ -99,6 +104,7 @@ class ConnectorSettings:
         save_decode: store the blocks completed during decode (holding
             generated tokens) too (request_controls.py).
         admit_after: store a chain's blocks from its Nth sighting (1: always).
+        save_process: commit saves in a child process (module docstring).
     """
 
     path: Path
@@ -113,6 +119,7 @@ class ConnectorSettings:
     remote_lookup: str = "inline"
     save_decode: bool = True
     admit_after: int = 1
+    save_process: bool = False
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
@@ -131,6 +138,9 @@ class ConnectorSettings:
                 hint="use remote_lookup='inline' (fetch while the scheduler waits) or 'background'",
             )
         check_admission(self.save_decode, self.admit_after)
+        if not isinstance(self.save_process, bool):
+            raise ConfigError(f"save_process must be true or false, got {self.save_process!r}",
+                              hint="use save_process=true to commit saves in a child process")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

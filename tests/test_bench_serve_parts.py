@@ -347,7 +347,8 @@ def test_no_reuse_bad_options_are_usage_errors_before_any_server_starts(args: li
 def test_no_reuse_setups_name_a_codec_and_admission() -> None:
     from ucm_db.tools.bench.serve_noreuse import parse_setup
 
-    assert parse_setup("zstd") == ("zstd", 1) and parse_setup("none+admit2") == ("none", 2)
+    assert parse_setup("zstd") == ("zstd", 1, False) and parse_setup("none+admit2") == ("none", 2, False)
+    assert parse_setup("none+proc") == ("none", 1, True) and parse_setup("zstd+admit3+proc") == ("zstd", 3, True)
     for bad in ("lz4", "none+admit", "none+admit0", "none+2", "zstd+admitx", "noop+admit2"):
         with pytest.raises(ValueError, match="optionally"):
             parse_setup(bad)
@@ -360,7 +361,7 @@ def test_no_reuse_noop_setup_runs_a_connector_with_every_hook_empty() -> None:
     from ucm_db.tools.bench.serve_noreuse import NOOP, NOOP_TRANSFER, parse_setup
     from ucm_db.tools.bench.serve_server import ServerSpec
 
-    assert parse_setup(NOOP) == (NOOP, 1)
+    assert parse_setup(NOOP) == (NOOP, 1, False)
     assert not NoopConnector.__abstractmethods__
     assert NoopConnector.get_num_new_matched_tokens(object.__new__(NoopConnector), object(), 0) == (0, False)
     argv = ServerSpec(Path("m"), 320, 4096, transfer=NOOP_TRANSFER).argv(8000)

@@ -89,6 +89,22 @@ def test_no_top_level_connector_tools_or_migrations_packages_are_shipped() -> No
         assert f'"{name}"' not in text.split("packages = ")[1].split("\n")[0]
 
 
+def test_the_wheel_lists_every_package_of_the_shipped_folders() -> None:
+    """setuptools' ``packages`` is explicit: a package folder left out of it
+    is missing from a wheel (a non-editable install) though every editable
+    checkout imports it."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {folder: name for name, folder in setup["package-dir"].items()}
+    found = set()
+    for folder in SHIPPED:
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((folders[folder], *relative)))
+    assert sorted(found) == sorted(setup["packages"])
+
+
 _FORBIDDEN_CALLS = {"eval", "exec"}
 _FORBIDDEN_MODULES = {"pickle", "marshal", "cPickle", "dill", "cloudpickle", "shelve"}
 
@@ -297,6 +313,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("store", {"ucm_db.store"}),
     ("maintenance", {"ucm_db.maintenance"}),
     ("core doors", {"ucm_db", "ucm_db.components"}),
+    ("commit process", {"ucm_db.committer"}),
 ]
 LAYER_OF = {part: rank for rank, (_name, parts) in enumerate(LAYERS) for part in parts}
 

@@ -10,6 +10,7 @@ CLI use nothing else (``tests/test_layering.py`` checks it, and
 from ucm_db.config import StoreConfig, load_config_file
 from ucm_db.errors import (
     ClosedError,
+    CommitProcessError,
     ConfigError,
     CorruptBlockError,
     DamagedRecordError,
@@ -34,11 +35,11 @@ from ucm_db.version import __version__
 #: submodule; ``ucm_db.components`` is the door for measuring code).
 PUBLIC_MODULES = (
     "ucm_db.errors", "ucm_db.events", "ucm_db.keys", "ucm_db.keys.units", "ucm_db.config", "ucm_db.maintenance",
-    "ucm_db.cpu_placement", "ucm_db.components", "ucm_db.migrations",
+    "ucm_db.cpu_placement", "ucm_db.components", "ucm_db.migrations", "ucm_db.committer",
 )
 
 __all__ = [
-    "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "ConfigError", "CorruptBlockError", "DamagedRecordError", "EventInventory", "FormatVersionError", "Framed",
+    "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "CommitProcessError", "ConfigError", "CorruptBlockError", "DamagedRecordError", "EventInventory", "FormatVersionError", "Framed",
     "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "PutResult",
     "ScatterSlabs", "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
 ]

@@ -106,3 +106,10 @@ class ClosedError(UcmDbError, RuntimeError):
     """The store was used after close()."""
 
     default_hint = "open the store again with ucm_db.open(path)"
+
+
+class CommitProcessError(UcmDbError, RuntimeError):
+    """The commit process (:mod:`ucm_db.committer`) could not start, or is
+    gone: nothing it had not answered was committed by it."""
+
+    default_hint = "commit in this process instead (the connector does so by itself and logs it); see the log for the cause"

@@ -27,16 +27,21 @@ Invariants:
       rank 0); every rank loads.
     * Only units are read and written (one storage generation; the
       scheduler refuses a store holding older ones, :mod:`ucm_db.maintenance.pre_units`).
+    * ``save_process``: a rank that writes starts a commit process
+      (:mod:`ucm_db.committer`) and stages its saves in buffers shared with
+      it; one that cannot start logs why and commits in-process, as without.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import torch
 from vllm.logger import init_logger
 
 import ucm_db
+from ucm_db.committer import CommitProcess
 from ucm_db.connector.events import evented_chain
 from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
@@ -49,7 +54,7 @@ from ucm_db.connector.worker.staging import StagingPool
 from ucm_db.connector.stores import acquire, release
 from ucm_db.connector.worker.loads import WorkerLoads
 from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob, VoidJob
-from ucm_db.errors import ConfigError
+from ucm_db.errors import CommitProcessError, ConfigError
 from ucm_db.keys.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -89,10 +94,13 @@ class UcmDbWorker:
         self._store = acquire(self._settings)
         self._loads.bind(self._store, self._layout, self._namespace, self._grid, self._spans)
         publish_codec = self._settings.publish_codec
-        self._staging = StagingPool(self._layout.new_unit_staging, min(self._settings.max_pending_save_bytes, _MAX_FREE_STAGING_BYTES))
+        committer = _start_committer(self._settings) if self._settings.save_process and self._writes else None
+        new_staging = self._layout.new_unit_staging if committer is None else _shared_staging(committer, self._layout)
+        self._staging = StagingPool(new_staging, min(self._settings.max_pending_save_bytes, _MAX_FREE_STAGING_BYTES))
         self._writer = BackgroundWriter(
             self._store, self._layout.unit_frames, self.counters, self._settings.max_pending_save_bytes,
             codec_name=publish_codec if self._role.publishes and publish_codec != "store" else None,
+            committer=committer, frame_bytes=self._layout.unit_layer_bytes,
         )
         logger.info(
             "ucm-db connector (worker tp=%d pp=%d): store %s, %s, load_mode=%s, namespace %s, heads %d-%d, layers %d-%d%s",
@@ -248,6 +256,32 @@ class UcmDbWorker:
         if self._store is not None:
             release(self._store)
             self._store = None
+
+
+def _start_committer(settings: ConnectorSettings) -> CommitProcess | None:
+    """A commit process for this worker's saves; None (logged) if it cannot start."""
+    try:
+        committer = CommitProcess(settings.path, settings.store_options)
+    except (CommitProcessError, ConfigError) as exc:
+        logger.warning("ucm-db: save_process: %s; saves commit in the worker process", exc)
+        return None
+    logger.info("ucm-db: saves commit in process %d (save_process)", committer.pid)
+    return committer
+
+
+def _shared_staging(committer: CommitProcess, layout: KVLayout) -> Callable[[int], torch.Tensor]:
+    """``new_unit_staging`` in buffers the commit process maps; plain
+    memory once it is gone (those saves commit in the worker)."""
+    def new_staging(num_blocks: int) -> torch.Tensor:
+        shape = (num_blocks, layout.heads, layout.unit_bytes)
+        if committer.alive:
+            try:
+                buffer = committer.share(num_blocks * layout.heads * layout.unit_bytes)
+                return torch.frombuffer(buffer.memory, dtype=torch.uint8).view(shape)
+            except CommitProcessError:
+                pass  # the writer logs it at its next commit
+        return layout.new_unit_staging(num_blocks)
+    return new_staging
 
 
 def _without_draft_layers(kv_caches: Mapping[str, KVCacheEntry], model_layers: int) -> Mapping[str, KVCacheEntry]:

@@ -44,6 +44,12 @@ Invariants:
     * :meth:`close` commits every queued job before returning.
     * A save job's staging goes back to its pool (:mod:`ucm_db.connector.worker.staging`)
       only once the job is committed, failed or dropped (:meth:`SaveJob.done`).
+    * With a commit process (``save_process``, :mod:`ucm_db.committer`), a
+      round whose staging lies in the process's shared buffers is committed
+      there, with the same transactions, fallbacks and counts (commit CPU:
+      the writer thread's and the child's); a job whose staging is not
+      shared commits here. The child gone, the round is committed here
+      and so is every later one (logged once).
 """
 
 from __future__ import annotations
@@ -61,8 +67,9 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db import cpu_placement
+from ucm_db.committer import CommitProcess, SharedChain
 from ucm_db.connector.metrics import Counters
-from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
+from ucm_db.errors import CommitProcessError, MissingAncestorError, StoreFullError, UcmDbError
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.keys.units import UnitKeys
 
@@ -149,10 +156,16 @@ class BackgroundWriter:
 
     def __init__(
         self, store: ucm_db.Store, frames: Callable[[np.ndarray], ucm_db.Framed], counters: Counters, max_pending_bytes: int,
-        *, codec_name: str | None = None,
+        *, codec_name: str | None = None, committer: CommitProcess | None = None, frame_bytes: tuple[int, ...] | None = None,
     ) -> None:
-        """``codec_name``: codec of the saved blocks (None: the store's)."""
+        """``codec_name``: codec of the saved blocks (None: the store's);
+        ``committer``: a commit process for staging in its shared buffers,
+        whose units are :class:`ucm_db.Framed` of ``frame_bytes`` (what
+        ``frames`` makes of a row)."""
         self._store = store
+        self._committer = committer
+        self._frame_bytes = frame_bytes
+        self._child_cpu_s = 0.0  # the commit process's CPU for the round under way
         self._codec_name = codec_name
         self._frames = frames
         self._counters = counters
@@ -211,6 +224,8 @@ class BackgroundWriter:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        if self._committer is not None:
+            self._committer.close()
 
     def _run(self) -> None:
         cpu_placement.place_current_thread()  # encode off the model's cores where it is bound
@@ -268,12 +283,12 @@ class BackgroundWriter:
             self._commit(jobs[0])
             return
         started, started_cpu = time.perf_counter(), time.thread_time()
-        segments = [segment for job in jobs for segment in self._segments(job)]
+        self._child_cpu_s = 0.0
         evented: dict[bytes, ucm_db.BlockEventFields] = {}
         for job in jobs:
             evented.update(job.evented() or {})
         try:
-            self._store.put_segments(jobs[0].namespace, segments, codec_name=self._codec_name, event_fields=evented or None)
+            self._put([(job, j) for job in jobs for j in range(len(job.chains))], evented or None)
         except (MissingAncestorError, StoreFullError):
             for job in jobs:
                 self._commit(job)
@@ -285,23 +300,63 @@ class BackgroundWriter:
             return
         self._count_saved(jobs, started, started_cpu)
 
-    def _segments(self, job: SaveJob) -> list[tuple[BlockKeys, list[ucm_db.Framed]]]:
+    def _put(self, chains: list[tuple[SaveJob, int]], evented: dict[bytes, ucm_db.BlockEventFields] | None) -> None:
+        """One transaction of ``chains`` (a job and its chain's index):
+        in the commit process where their staging is shared (module
+        invariants), else here."""
+        namespace = chains[0][0].namespace
+        if self._committer is not None and not self._committer.alive:  # found gone elsewhere (staging.py's share)
+            self._lose_committer(self._committer.gone_reason or "")
+        if self._committer is not None:
+            shared = self._shared(chains)
+            if shared is not None:
+                try:
+                    _wall_s, cpu_s = self._committer.put_segments(
+                        namespace, shared, codec_name=self._codec_name, frame_bytes=self._frame_bytes, event_fields=evented)
+                    self._child_cpu_s += cpu_s
+                    return
+                except CommitProcessError as exc:
+                    self._lose_committer(str(exc))
+        segments = [self._segment(job, j) for job, j in chains]
+        self._store.put_segments(namespace, segments, codec_name=self._codec_name, event_fields=evented)
+
+    def _lose_committer(self, reason: str) -> None:
+        logger.warning("ucm-db: %s; saves now commit in the worker process", reason)
+        committer, self._committer = self._committer, None
+        if committer is not None:
+            committer.close()
+
+    def _shared(self, chains: list[tuple[SaveJob, int]]) -> list[SharedChain] | None:
+        """The chains as the commit process names them; None if a job's staging is not in its buffers."""
+        assert self._committer is not None
+        out = []
+        for job, j in chains:
+            staging = job.staging
+            place = self._committer.locate(staging.data_ptr(), staging.numel())
+            if place is None or not staging.is_contiguous():
+                return None
+            buffer_id, offset = place
+            unit_bytes = int(staging.shape[2])
+            keys = job.chains[j]
+            out.append(SharedChain(BlockKeys(list(keys), parent=keys.parent()), buffer_id, offset + j * unit_bytes,
+                                   int(staging.shape[1]) * unit_bytes, unit_bytes))
+        return out
+
+    def _segment(self, job: SaveJob, j: int) -> tuple[BlockKeys, list[ucm_db.Framed]]:
         rows = job.staging.numpy()
-        return [
-            (BlockKeys(list(keys), parent=keys.parent()), [self._frames(rows[i, j]) for i in range(len(keys))])
-            for j, keys in enumerate(job.chains)
-        ]
+        keys = job.chains[j]
+        return BlockKeys(list(keys), parent=keys.parent()), [self._frames(rows[i, j]) for i in range(len(keys))]
 
     def _commit(self, job: SaveJob) -> None:
         started, started_cpu = time.perf_counter(), time.thread_time()
-        segments = self._segments(job)
+        self._child_cpu_s = 0.0
         try:
-            self._store.put_segments(job.namespace, segments, codec_name=self._codec_name, event_fields=job.evented())
+            self._put([(job, j) for j in range(len(job.chains))], job.evented())
             failed = 0
         except (MissingAncestorError, StoreFullError):
-            failed = self._put_one_by_one(job, segments)
+            failed = self._put_one_by_one(job)
         except (UcmDbError, OSError) as exc:
-            failed = len(segments)
+            failed = len(job.chains)
             logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
         if failed:
             self._counters.add(save_errors=job.blocks)
@@ -310,7 +365,7 @@ class BackgroundWriter:
 
     def _count_saved(self, jobs: list[SaveJob], started: float, started_cpu: float) -> None:
         # CPU read before the wall clock (and after it at the start): the CPU interval lies inside the wall one.
-        commit_cpu_s = time.thread_time() - started_cpu
+        commit_cpu_s = time.thread_time() - started_cpu + self._child_cpu_s
         commit_s = time.perf_counter() - started
         self._counters.add(saved_blocks=sum(job.blocks for job in jobs), saved_bytes=sum(job.nbytes for job in jobs),
                            save_commit_s=commit_s, save_commit_cpu_s=commit_cpu_s)
@@ -324,13 +379,13 @@ class BackgroundWriter:
         except (UcmDbError, OSError) as exc:
             logger.warning("ucm-db: deleting %d blocks saved over a failed load failed: %s", job.blocks, exc)
 
-    def _put_one_by_one(self, job: SaveJob, segments: list[tuple[BlockKeys, list[ucm_db.Framed]]]) -> int:
+    def _put_one_by_one(self, job: SaveJob) -> int:
         """Puts each chain on its own; returns how many failed."""
         failed = 0
         evented = job.evented()
-        for keys, payloads in segments:
+        for j in range(len(job.chains)):
             try:
-                self._store.put(job.namespace, keys, payloads, codec_name=self._codec_name, event_fields=evented)
+                self._put([(job, j)], evented)
             except MissingAncestorError:
                 # The parent was evicted (or its save dropped) meanwhile: the
                 # prefix invariant forbids storing an orphan; skip the chain.

@@ -73,8 +73,10 @@ def _save(sched: UcmDbScheduler, worker: UcmDbWorker, req, block_ids: list[int])
     worker.drain()
 
 
-def test_take_events_reports_saves_and_removals_by_anyone(tmp_path: Path) -> None:
-    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+@pytest.mark.parametrize("save_process", [False, True], ids=["in-worker", "save_process"])
+def test_take_events_reports_saves_and_removals_by_anyone(tmp_path: Path, save_process: bool) -> None:
+    """Saves committed by the worker or by its commit process (save_process) carry the same fields."""
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "save_process": save_process})
     sched, worker, events = _engine(settings)
     view = Subscriber()
     view.apply(list(events.take()))

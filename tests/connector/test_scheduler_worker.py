@@ -79,11 +79,13 @@ def settings(tmp_path: Path) -> ConnectorSettings:
     return ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
 
 
-@pytest.fixture(params=["zstd", "none"])
+@pytest.fixture(params=["zstd", "none", "zstd+save_process", "none+save_process"])
 def each_codec(tmp_path: Path, request: pytest.FixtureRequest) -> ConnectorSettings:
     """Settings of a store in each codec: a ``none`` store's units are
-    loaded straight into the caches' slabs, a zstd one's staged."""
-    return ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "codec": request.param})
+    loaded straight into the caches' slabs, a zstd one's staged; each also
+    with saves committed by a commit process (``save_process``)."""
+    codec, _, process = request.param.partition("+")
+    return ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "codec": codec, "save_process": bool(process)})
 
 
 def _save_prompt(settings: ConnectorSettings, tokens: list[int], kv: dict[str, torch.Tensor], **req_kwargs: object) -> None:

@@ -15,6 +15,10 @@ of the same process doing, in turn:
   none, into a full store (every put evicts), their keys made beforehand
   (Python between LMDB calls; the checksum and LMDB's puts in C without
   the GIL);
+* ``saves-process``: the same puts committed by a commit process
+  (:mod:`ucm_db.committer`, the connector's ``save_process``): the thread
+  beside the model only sends each put's keys and waits for the answer,
+  the units in a shared buffer;
 * ``python``: a loop of pure Python (no call that releases the GIL): the
   bound of any Python work beside the model;
 * ``gil-free``: SHA-256 of 1 MiB buffers, C code that releases the GIL for
@@ -47,10 +51,11 @@ import click
 import torch
 
 import ucm_db
+from ucm_db.committer import CommitProcess, SharedChain
 from ucm_db.keys import BlockKeys, Namespace
 
 _NS = Namespace(model="bench-gil", kv_dtype="bfloat16", block_size=32)
-MODES = ("alone", "recency", "saves", "python", "gil-free")
+MODES = ("alone", "recency", "saves", "saves-process", "python", "gil-free")
 #: Units of one ``saves`` put, and their bytes (a 2-layer model's head unit).
 SAVE_UNITS, SAVE_UNIT_BYTES = 8, 16 << 10
 #: Chains the ``saves`` thread cycles through, into a store of
@@ -89,6 +94,14 @@ def _saves_work(store: ucm_db.Store, chains: list[BlockKeys], stop: threading.Ev
         store.put_segments(_NS, [(keys, [payload] * len(keys))])
 
 
+def _saves_process_work(committer: CommitProcess, chains: list[BlockKeys], stop: threading.Event) -> None:
+    buffer = committer.share(SAVE_UNITS * SAVE_UNIT_BYTES)
+    for keys in itertools.cycle(chains):
+        if stop.is_set():
+            return
+        committer.put_segments(_NS, [SharedChain(keys, buffer.id, 0, SAVE_UNIT_BYTES, SAVE_UNIT_BYTES)])
+
+
 def save_chains(count: int) -> list[BlockKeys]:
     """``count`` chains of :data:`SAVE_UNITS` keys, made before any
     measurement (the writer is handed its keys: hashing them is the model
@@ -125,12 +138,16 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="ucm-bench-gil-") as tmp:
         options: dict[str, Any] = {"codec": "none", "sync_interval_s": 3600.0}
         with ucm_db.open(Path(tmp) / "recency", capacity_bytes=1 << 30, **options) as store, \
-                ucm_db.open(Path(tmp) / "saves", capacity_bytes=SAVE_STORE_BYTES, **options) as saves:
+                ucm_db.open(Path(tmp) / "saves", capacity_bytes=SAVE_STORE_BYTES, **options) as saves, \
+                ucm_db.open(Path(tmp) / "child", capacity_bytes=SAVE_STORE_BYTES, **options), \
+                CommitProcess(Path(tmp) / "child", {"capacity_bytes": SAVE_STORE_BYTES, **options}) as committer:
             keys = list(_NS.block_keys(list(range(32 * units))))
             store.put(_NS, keys, [b"\0" * 64] * units, parent=None)
             work: dict[str, Callable[[threading.Event], None]] = {
                 "recency": lambda stop: _recency_work(store, keys, stop),
-                "saves": lambda stop: _saves_work(saves, chains, stop), "python": _python_work, "gil-free": _gil_free_work}
+                "saves": lambda stop: _saves_work(saves, chains, stop),
+                "saves-process": lambda stop: _saves_process_work(committer, chains, stop),
+                "python": _python_work, "gil-free": _gil_free_work}
             try:
                 if switch_interval_s is not None:
                     sys.setswitchinterval(switch_interval_s)
@@ -199,4 +216,4 @@ def command(
         click.echo(f"switch interval {report['switch_interval_s'] * 1e3:.3f} ms")
         for mode in MODES:
             step_ms, ratio = report["step_s"][mode] * 1e3, report["ratio_to_alone"][mode]
-            click.echo(f"  {mode:10s} {step_ms:8.3f} ms per step  {ratio:.2f}x alone")
+            click.echo(f"  {mode:13s} {step_ms:8.3f} ms per step  {ratio:.2f}x alone")

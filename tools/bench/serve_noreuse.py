@@ -177,7 +177,7 @@ class NoReuseOptions:
 
     spec: NoReuseSpec
     serve: ServeOptions
-    codecs: tuple[str, ...] = ("none", "zstd")  # setups: "CODEC" or "CODEC+admitN" (parse_setup)
+    codecs: tuple[str, ...] = ("none", "zstd")  # setups: "CODEC", "CODEC+admitN", "CODEC+proc" (parse_setup)
     rounds: int = 2
     hidden: int = 768
 
@@ -192,15 +192,19 @@ NOOP_TRANSFER = {"kv_connector": "NoopConnector", "kv_connector_module_path": "u
                  "kv_role": "kv_both"}
 
 
-def parse_setup(setup: str) -> tuple[str, int]:
-    """``"zstd"`` -> ("zstd", 1); ``"none+admit2"`` -> ("none", 2). Raises
-    ValueError naming the accepted forms."""
+def parse_setup(setup: str) -> tuple[str, int, bool]:
+    """``"zstd"`` -> ("zstd", 1, False); ``"none+admit2"`` -> ("none", 2,
+    False); ``"none+proc"`` -> ("none", 1, True): the connector's
+    ``save_process``. Raises ValueError naming the accepted forms."""
     if setup == NOOP:
-        return NOOP, 1
-    codec, _, admit = setup.partition("+")
-    if codec not in ("none", "zstd") or (admit and (not admit.startswith("admit") or not admit[5:].isdigit() or int(admit[5:]) < 1)):
-        raise ValueError(f"{setup!r}: a setup is a codec (none, zstd), optionally +admitN (e.g. none+admit2), or noop")
-    return codec, int(admit[5:]) if admit else 1
+        return NOOP, 1, False
+    codec, *suffixes = setup.split("+")
+    admits = [s for s in suffixes if s.startswith("admit") and s[5:].isdigit() and int(s[5:]) >= 1]
+    procs = [s for s in suffixes if s == "proc"]
+    if codec not in ("none", "zstd") or len(admits) > 1 or len(procs) > 1 or len(admits) + len(procs) != len(suffixes):
+        raise ValueError(f"{setup!r}: a setup is a codec (none, zstd), optionally +admitN (e.g. none+admit2) and +proc "
+                         "(saves committed by a child process), or noop")
+    return codec, int(admits[0][5:]) if admits else 1, bool(procs)
 
 
 def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
@@ -218,12 +222,14 @@ def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
     base = ServerSpec(model, options.serve.capped_blocks, spec.max_model_len, enforce_eager=options.serve.enforce_eager)
     specs = {OFF: base}
     for setup in options.codecs:
-        codec, admit_after = parse_setup(setup)
+        codec, admit_after, save_process = parse_setup(setup)
         if codec == NOOP:  # vLLM's connector plumbing alone (tools/bench/noop_connector.py)
             specs[f"ucm-{setup}"] = replace(base, transfer=NOOP_TRANSFER)
             continue
         serve = replace(options.serve, codec=codec)
-        extra = {"admit_after": admit_after} if admit_after > 1 else {}
+        extra: dict[str, Any] = {"admit_after": admit_after} if admit_after > 1 else {}
+        if save_process:
+            extra["save_process"] = True
         specs[f"ucm-{setup}"] = replace(base, connector=connector_options(work / f"store-{setup}", None, serve, **extra))
     bytes_per_token = kv_bytes_per_token(model, base.dtype)
     passes: dict[str, list[dict[str, Any]]] = {setup: [] for setup in options.setups}

@@ -1,0 +1,18 @@
+"""``ucm-db bench gil``: every mode is measured, the commit process's
+mode included, and a thread of pure Python beside the model slows it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from ucm_db.tools.bench import gil  # noqa: E402
+
+
+def test_every_mode_is_timed_against_the_model_alone() -> None:
+    report = gil.measure(units=64, steps=20, repeats=1, hidden=64, layers=2)
+    assert set(report["step_s"]) == set(gil.MODES) and "saves-process" in gil.MODES
+    assert all(seconds > 0 for seconds in report["step_s"].values())
+    assert report["ratio_to_alone"]["alone"] == 1.0
+    assert report["ratio_to_alone"]["python"] > 2.0  # pure Python beside the model holds the GIL it needs

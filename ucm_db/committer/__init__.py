@@ -1,0 +1,286 @@
+"""Commits in a child process: a store's puts whose Python never holds the
+caller's GIL.
+
+A caller that runs a model on one thread and commits saves on another (a
+vLLM worker and its background writer) shares one GIL between them: each
+small op of the model gives it up and must win it back, and the writer's
+Python between LMDB calls holds it. ``ucm-db bench gil``: a decode step
+beside a thread putting 16 KiB units takes 1.6-1.8x its time alone; beside
+the same puts in a child process 1.05x. :class:`CommitProcess` starts that
+child (``python -m ucm_db.committer.child``), which opens the same store and
+commits what the caller hands it from shared memory.
+
+The caller stages payloads in :class:`SharedBuffer` s (memfd mappings both
+processes see; the child maps each once, when it is made), then names the
+units of each chain by buffer, offset and stride in
+:meth:`CommitProcess.put_segments`. No payload byte crosses the socket.
+
+Invariants:
+    * A put or delete returns only once the child has committed it (or
+      raises what ``Store.put_segments``/``Store.delete`` would have:
+      :class:`~ucm_db.errors.MissingAncestorError`,
+      :class:`~ucm_db.errors.StoreFullError`, another
+      :class:`~ucm_db.errors.UcmDbError`), so the caller may reuse the
+      buffer after it, and a commit is visible to every handle of the store
+      when it returns.
+    * One request in flight at a time (a lock): the child answers in order.
+      Writing a message takes a second lock of its own, so :meth:`share`
+      (a model thread taking a new staging buffer) never waits for a commit
+      under way: the child reads its map after answering that commit, and
+      before any request that names the buffer, which can only be sent
+      after :meth:`share` returned.
+    * The child gone (killed, crashed, its socket closed): every later
+      request raises :class:`~ucm_db.errors.CommitProcessError` at once; a
+      request it had not answered may or may not have committed (as any
+      put cut by a crash), never partly.
+    * The child dies with the caller: it exits when the socket's other end
+      closes, which the kernel does when the caller exits or is killed.
+    * A buffer the caller drops is unmapped in the child before the next
+      request (:meth:`SharedBuffer` finalizer, flushed under the lock): never
+      while a request may read it, since the caller drops a buffer only after
+      the put that reads it returned.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import json
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ucm_db import cpu_placement
+from ucm_db.committer import wire
+from ucm_db.errors import CommitProcessError, ConfigError, MissingAncestorError, StoreFullError, TierError
+from ucm_db.events import BlockEventFields, pack_event_fields
+from ucm_db.keys import BlockKeys, Namespace
+
+__all__ = ["CommitProcess", "SharedBuffer", "SharedChain"]
+
+#: Longest the child may take to open the store (a page walk at open: 1-2 s a million records).
+OPEN_TIMEOUT_S = 120.0
+#: Longest :meth:`CommitProcess.close` waits for the child to finish and exit before killing it.
+CLOSE_TIMEOUT_S = 60.0
+_ids = itertools.count(1)
+
+
+class SharedBuffer:
+    """``nbytes`` of memory the caller and its commit process both map.
+
+    :attr:`memory` is a writable buffer (``torch.frombuffer`` and
+    ``numpy.frombuffer`` take it); :attr:`address` is where it starts in
+    the caller, to find which buffer a view lies in."""
+
+    def __init__(self, buffer_id: int, memory: mmap.mmap, nbytes: int) -> None:
+        self.id = buffer_id
+        self.memory = memory
+        self.nbytes = nbytes
+        anchor = ctypes.c_char.from_buffer(memory)
+        self.address = ctypes.addressof(anchor)
+        del anchor  # an export would keep the mapping from ever closing
+
+
+@dataclass(frozen=True)
+class SharedChain:
+    """One chain segment's payloads in a shared buffer: unit ``i`` of
+    ``keys`` is ``unit_bytes`` at ``offset + i * stride_bytes`` of buffer
+    ``buffer_id``."""
+
+    keys: BlockKeys
+    buffer_id: int
+    offset: int
+    stride_bytes: int
+    unit_bytes: int
+
+
+class CommitProcess:
+    """A child process committing to the store at ``path``, opened with
+    ``options`` (what ``ucm_db.open`` takes; JSON values), on ``cpus``
+    (default: :func:`ucm_db.cpu_placement.background_cpus`, if named).
+
+    Raises:
+        ConfigError: ``options`` hold a value JSON cannot carry.
+        CommitProcessError: the child did not start or could not open the store.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], options: Mapping[str, Any] | None = None, *,
+                 cpus: Sequence[int] | None = None) -> None:
+        try:
+            opening = json.dumps({"path": str(Path(path)), "options": dict(options or {}),
+                                  "cpus": sorted(cpus if cpus is not None else cpu_placement.background_cpus())})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"the store's options cannot be sent to a commit process: {exc}",
+                              hint="give options as JSON values (str, int, float, bool, lists, dicts)") from exc
+        self._lock = threading.Lock()  # one request and its reply at a time
+        self._send_lock = threading.Lock()  # one message written at a time; taken inside _lock, never around it
+        self._forgotten: collections.deque[int] = collections.deque()
+        self._buffers: dict[int, tuple[int, int]] = {}  # id -> (address, nbytes), live in the caller
+        self._gone: str | None = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = ours
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "ucm_db.committer.child", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+        except OSError as exc:
+            ours.close()
+            raise CommitProcessError(f"the commit process did not start: {exc}") from exc
+        finally:
+            theirs.close()
+        self._open(opening.encode())
+
+    def _open(self, opening: bytes) -> None:
+        try:
+            self._sock.settimeout(OPEN_TIMEOUT_S)
+            wire.send(self._sock, wire.OPEN, opening)
+            reply = wire.receive_reply(self._sock)
+            self._sock.settimeout(None)
+        except (OSError, ConnectionError) as exc:
+            self._abandon(f"the commit process did not answer its open: {exc}")
+            self._sock.close()
+            raise CommitProcessError(self._gone or "") from exc
+        if reply.status != wire.OK:
+            self._abandon(f"the commit process could not open the store: {reply.message}")
+            self._sock.close()
+            raise CommitProcessError(self._gone or "")
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        """False once a request found the child gone, or after :meth:`close`."""
+        return self._gone is None
+
+    @property
+    def gone_reason(self) -> str | None:
+        """Why the child is of no more use (None while it is)."""
+        return self._gone
+
+    def share(self, nbytes: int) -> SharedBuffer:
+        """A new buffer of ``nbytes``, mapped in the child before this returns."""
+        fd = os.memfd_create("ucm-db-staging", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            memory = mmap.mmap(fd, nbytes)
+            buffer = SharedBuffer(next(_ids), memory, nbytes)
+            with self._send_lock:
+                self._check()
+                self._guard(lambda: wire.send_json(self._sock, wire.MAP, {"id": buffer.id, "nbytes": nbytes}, fd))
+                self._buffers[buffer.id] = (buffer.address, nbytes)
+        finally:
+            os.close(fd)
+        weakref.finalize(memory, self._forgotten.append, buffer.id)
+        return buffer
+
+    def locate(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """(buffer id, offset) of ``nbytes`` at ``address`` of the caller's
+        memory, if they lie in one live shared buffer; else None."""
+        for buffer_id, (start, size) in list(self._buffers.items()):
+            if start <= address and address + nbytes <= start + size:
+                return buffer_id, address - start
+        return None
+
+    def put_segments(self, namespace: Namespace, chains: Sequence[SharedChain], *, codec_name: str | None = None,
+                     frame_bytes: Sequence[int] | None = None, event_fields: Mapping[bytes, BlockEventFields] | None = None) -> tuple[float, float]:
+        """``Store.put_segments`` of ``chains``, in the child; ``frame_bytes``:
+        each unit is a :class:`ucm_db.Framed` of frames of these lengths
+        (None: plain bytes). Returns the child's (wall, CPU) seconds for it."""
+        packed = pack_event_fields(event_fields)
+        body = {
+            "ns": namespace.to_dict(), "codec": codec_name, "frame_bytes": list(frame_bytes) if frame_bytes is not None else None,
+            "events": {k.hex(): v.hex() for k, v in packed.items()} if packed else None,
+            "chains": [{"keys": [k.hex() for k in chain.keys], "parent": chain.keys.parent.hex() if chain.keys.parent is not None else None,
+                        "buf": chain.buffer_id, "offset": chain.offset, "stride": chain.stride_bytes, "unit_bytes": chain.unit_bytes}
+                       for chain in chains],
+        }
+        return self._call(wire.PUT, body)
+
+    def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> tuple[float, float]:
+        """``Store.delete`` of ``keys`` (with their descendants), in the child."""
+        return self._call(wire.DELETE, {"ns": namespace.to_dict(), "keys": [bytes(k).hex() for k in keys]})
+
+    def _call(self, op: int, body: dict[str, Any]) -> tuple[float, float]:
+        with self._lock:
+            with self._send_lock:
+                self._check()
+                self._flush_forgotten()
+                self._guard(lambda: wire.send_json(self._sock, op, body))
+            reply = self._guard(lambda: wire.receive_reply(self._sock))
+        if reply.status == wire.OK:
+            return reply.wall_s, reply.cpu_s
+        # The child's text already ends in its error's hint.
+        if reply.status == wire.MISSING_ANCESTOR:
+            raise MissingAncestorError(reply.message, hint="")
+        if reply.status == wire.STORE_FULL:
+            raise StoreFullError(reply.message, hint="")
+        raise TierError(f"the commit process failed: {reply.message}", hint="")
+
+    def _guard(self, action: Any) -> Any:
+        """Runs one read or write on the socket; the child gone: marks it
+        so and raises CommitProcessError."""
+        try:
+            return action()
+        except (OSError, ConnectionError) as exc:
+            self._abandon(f"the commit process is gone: {exc}")
+            raise CommitProcessError(self._gone or "") from exc
+
+    def _check(self) -> None:
+        if self._gone is not None:
+            raise CommitProcessError(self._gone)
+
+    def _flush_forgotten(self) -> None:
+        """Unmaps, in the child, the buffers the caller dropped (under the send lock)."""
+        ids = []
+        while self._forgotten:
+            ids.append(self._forgotten.popleft())
+        if ids:
+            for buffer_id in ids:
+                self._buffers.pop(buffer_id, None)
+            self._guard(lambda: wire.send_json(self._sock, wire.FORGET, {"ids": ids}))
+
+    def close(self) -> None:
+        """Asks the child to finish and exit (it closes the store); waits for it (idempotent)."""
+        with self._lock, self._send_lock:
+            if self._gone is None:
+                try:
+                    wire.send(self._sock, wire.CLOSE)
+                except OSError:
+                    pass
+                self._gone = "the commit process was closed"
+            self._sock.close()
+        try:
+            self._process.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def _abandon(self, why: str) -> None:
+        """The child is of no more use: remember why, close our end, end
+        and reap it (at once: this may run on a model's thread)."""
+        if self._gone is None:
+            self._gone = why
+        try:  # shut, not closed: another thread may be writing on it (close() frees the descriptor)
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self._process.poll() is None:
+            self._process.kill()  # a commit it was running is cut as by a crash: all or nothing
+        self._process.wait()
+
+    def __enter__(self) -> CommitProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

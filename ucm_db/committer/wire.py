@@ -1,0 +1,107 @@
+"""The messages between a parent and its commit process, over one Unix
+stream socket.
+
+A message is a 5-byte head (``op``: u8, payload length: u32) and its
+payload; a :data:`MAP` message carries one file descriptor (a shared
+buffer's memfd) as ancillary data on its head. Payloads are JSON objects
+(a request's namespace, keys in hex, offsets) or, for replies, a status
+byte, two doubles and a UTF-8 message: nothing is unpickled, and the child
+reads only what its own parent wrote.
+
+Invariants:
+    * Every request with a reply (:data:`OPEN`, :data:`PUT`, :data:`DELETE`)
+      gets exactly one, in request order; :data:`MAP`, :data:`FORGET` and
+      :data:`CLOSE` get none.
+    * A short read (the peer gone) raises :class:`ConnectionError`; the
+      caller decides what that means (the child exits, the parent falls
+      back to committing itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, MAP, FORGET, PUT, DELETE, CLOSE = 1, 2, 3, 4, 5, 6
+#: Reply statuses: the put or delete committed; it raised MissingAncestorError;
+#: StoreFullError; another ucm-db or OS error (its text in the message).
+OK, MISSING_ANCESTOR, STORE_FULL, FAILED = 0, 1, 2, 3
+_HEAD = struct.Struct("<BI")
+_REPLY = struct.Struct("<Bdd")
+#: Longest payload either side accepts (a round's keys and event fields are
+#: far below it); a longer one is a bug, not traffic.
+MAX_PAYLOAD_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The child's answer to one request."""
+
+    status: int
+    wall_s: float
+    cpu_s: float  # CPU seconds of the child's committing thread
+    message: str = ""
+
+
+def send(sock: socket.socket, op: int, payload: bytes = b"", fd: int | None = None) -> None:
+    """Writes one message (``fd`` passed along it where given)."""
+    head = _HEAD.pack(op, len(payload))
+    if fd is None:
+        sock.sendall(head + payload)
+        return
+    sent = socket.send_fds(sock, [head], [fd])
+    if sent != len(head):  # a 5-byte head is never split on a Unix socket; refuse rather than desynchronise
+        raise ConnectionError(f"sent {sent} of a {len(head)}-byte head with a descriptor")
+    sock.sendall(payload)
+
+
+def send_json(sock: socket.socket, op: int, body: dict[str, Any], fd: int | None = None) -> None:
+    send(sock, op, json.dumps(body, separators=(",", ":")).encode(), fd)
+
+
+def receive(sock: socket.socket) -> tuple[int, bytes, list[int]]:
+    """Reads one message: its op, payload and the descriptors on its head."""
+    head = bytearray()
+    fds: list[int] = []
+    while len(head) < _HEAD.size:
+        data, got, _flags, _addr = socket.recv_fds(sock, _HEAD.size - len(head), 4)
+        fds.extend(got)
+        if not data:
+            raise ConnectionError("the other side of the commit socket closed")
+        head += data
+    op, length = _HEAD.unpack(head)
+    if length > MAX_PAYLOAD_BYTES:
+        raise ConnectionError(f"a {length}-byte payload is over the {MAX_PAYLOAD_BYTES}-byte limit")
+    payload = bytearray(length)
+    view, got_bytes = memoryview(payload), 0
+    while got_bytes < length:
+        n = sock.recv_into(view[got_bytes:])
+        if n == 0:
+            raise ConnectionError("the other side of the commit socket closed mid-message")
+        got_bytes += n
+    return op, bytes(payload), fds
+
+
+def send_reply(sock: socket.socket, reply: Reply) -> None:
+    send(sock, 0, _REPLY.pack(reply.status, reply.wall_s, reply.cpu_s) + reply.message.encode())
+
+
+def receive_reply(sock: socket.socket) -> Reply:
+    _op, payload, fds = receive(sock)
+    for fd in fds:  # a reply carries none; never leak one
+        _close_quietly(fd)
+    if len(payload) < _REPLY.size:
+        raise ConnectionError(f"a {len(payload)}-byte reply is shorter than its {_REPLY.size}-byte head")
+    status, wall_s, cpu_s = _REPLY.unpack_from(payload)
+    return Reply(status, wall_s, cpu_s, payload[_REPLY.size:].decode(errors="replace"))
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
