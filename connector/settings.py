@@ -34,12 +34,16 @@ The extra config accepts, by name:
   is stored, generated tokens' too; ``false``: only blocks made wholly of
   prompt tokens) and ``admit_after`` (``N``, default 1: a chain's blocks are
   stored from its Nth sighting, so one-shot prompts are never written), see
-  :mod:`ucm_db.connector.request_controls`; ``save_process`` (``false``, the
-  default: the background writer commits in the worker process; ``true``:
-  it hands each round to a child process that opens the same store and
-  commits from shared staging memory, so the commit's Python never holds
-  the model thread's GIL, see :mod:`ucm_db.committer`; if the child cannot
-  start or dies, the writer commits in the worker again and logs why).
+  :mod:`ucm_db.connector.request_controls`; ``save_process`` (``true``: the
+  background writer hands each round to a child process that opens the same
+  store and commits from shared staging memory, so the commit's Python
+  never holds the model thread's GIL, see :mod:`ucm_db.committer`; if the
+  child cannot start or dies, the writer commits in the worker again and
+  logs why; ``false``: the writer commits in the worker process;
+  ``"auto"``, the default: ``true`` where a vLLM-CPU worker's model thread is
+  bound and the connector named spare cores for its threads
+  (:mod:`ucm_db.cpu_placement`), the case it was measured in, else
+  ``false``).
 
 Invariants:
     * An unknown key anywhere (extra config or file) raises
@@ -104,7 +108,9 @@ class ConnectorSettings:
         save_decode: store the blocks completed during decode (holding
             generated tokens) too (request_controls.py).
         admit_after: store a chain's blocks from its Nth sighting (1: always).
-        save_process: commit saves in a child process (module docstring).
+        save_process: commit saves in a child process: True, False, or
+            ``"auto"`` (where the model thread is bound and cores are named
+            for background work, :mod:`ucm_db.cpu_placement`; module docstring).
     """
 
     path: Path
@@ -119,7 +125,7 @@ class ConnectorSettings:
     remote_lookup: str = "inline"
     save_decode: bool = True
     admit_after: int = 1
-    save_process: bool = False
+    save_process: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
@@ -138,8 +144,8 @@ class ConnectorSettings:
                 hint="use remote_lookup='inline' (fetch while the scheduler waits) or 'background'",
             )
         check_admission(self.save_decode, self.admit_after)
-        if not isinstance(self.save_process, bool):
-            raise ConfigError(f"save_process must be true or false, got {self.save_process!r}",
+        if not isinstance(self.save_process, bool) and self.save_process != "auto":
+            raise ConfigError(f"save_process must be true, false or \"auto\", got {self.save_process!r}",
                               hint="use save_process=true to commit saves in a child process")
 
     @classmethod

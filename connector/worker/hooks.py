@@ -27,7 +27,7 @@ Invariants:
       rank 0); every rank loads.
     * Only units are read and written (one storage generation; the
       scheduler refuses a store holding older ones, :mod:`ucm_db.maintenance.pre_units`).
-    * ``save_process``: a rank that writes starts a commit process
+    * ``save_process`` (resolved by :func:`_commits_in_child`): a rank that writes starts a commit process
       (:mod:`ucm_db.committer`) and stages its saves in buffers shared with
       it; one that cannot start logs why and commits in-process, as without.
 """
@@ -41,6 +41,7 @@ import torch
 from vllm.logger import init_logger
 
 import ucm_db
+from ucm_db import cpu_placement
 from ucm_db.committer import CommitProcess
 from ucm_db.connector.events import evented_chain
 from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, writes_units
@@ -94,7 +95,7 @@ class UcmDbWorker:
         self._store = acquire(self._settings)
         self._loads.bind(self._store, self._layout, self._namespace, self._grid, self._spans)
         publish_codec = self._settings.publish_codec
-        committer = _start_committer(self._settings) if self._settings.save_process and self._writes else None
+        committer = _start_committer(self._settings) if _commits_in_child(self._settings.save_process) and self._writes else None
         new_staging = self._layout.new_unit_staging if committer is None else _shared_staging(committer, self._layout)
         self._staging = StagingPool(new_staging, min(self._settings.max_pending_save_bytes, _MAX_FREE_STAGING_BYTES))
         self._writer = BackgroundWriter(
@@ -256,6 +257,14 @@ class UcmDbWorker:
         if self._store is not None:
             release(self._store)
             self._store = None
+
+
+def _commits_in_child(save_process: bool | str) -> bool:
+    """``save_process`` resolved: ``"auto"`` is on where the model thread is
+    bound and background cores are named (settings.py)."""
+    if save_process == "auto":
+        return bool(cpu_placement.background_cpus())
+    return bool(save_process)
 
 
 def _start_committer(settings: ConnectorSettings) -> CommitProcess | None:

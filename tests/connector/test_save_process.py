@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 import signal
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from ucm_db import cpu_placement  # noqa: E402
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
@@ -95,6 +97,26 @@ def test_shutdown_ends_the_child(tmp_path: Path) -> None:
         os.kill(pid, 0)  # reaped by close: no zombie either
 
 
-def test_save_process_must_be_a_bool(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="save_process must be true or false"):
+def test_save_process_is_true_false_or_auto(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="save_process must be true, false or"):
         ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "save_process": "yes"})
+    assert ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")}).save_process == "auto"
+
+
+@pytest.fixture()
+def spare_cpus_named() -> Iterator[None]:
+    cpu_placement.set_background_cpus(os.sched_getaffinity(0))
+    yield
+    cpu_placement.set_background_cpus(None)
+
+
+def test_auto_commits_in_a_child_only_where_background_cores_are_named(tmp_path: Path, spare_cpus_named: None) -> None:
+    sched, worker, _kv_caches = _halves(tmp_path / "on")
+    assert worker._writer._committer is not None  # type: ignore[union-attr]
+    worker.shutdown()
+    sched.shutdown()
+    cpu_placement.set_background_cpus(None)  # a host that named none (no binding, a GPU host, TP > 1)
+    sched, worker, _kv_caches = _halves(tmp_path / "off")
+    assert worker._writer._committer is None  # type: ignore[union-attr]
+    worker.shutdown()
+    sched.shutdown()

@@ -305,7 +305,11 @@ def format_table(report: dict[str, Any]) -> str:
               help="no-reuse workload: tokens of each prompt")
 @click.option("--codecs", default="none,zstd", show_default=True,
               help="no-reuse workload: comma-separated setups, one ucm-db server each: a codec (none, zstd), "
-              "optionally +admitN for the connector's admit_after (e.g. none+admit2); noop: a connector that does nothing")
+              "optionally +admitN for the connector's admit_after (e.g. none+admit2) and +proc for save_process; "
+              "noop: a connector that does nothing")
+@click.option("--store-capacity-mib", type=click.IntRange(min=64), default=16384, show_default=True,
+              help="no-reuse workload: every ucm-db store's capacity_bytes, in MiB (a store smaller than a run's saves evicts from the "
+              "start, as a full one does; the default never fills)")
 @click.option("--pairs", type=click.IntRange(min=1), default=2, show_default=True,
               help="no-reuse workload: rounds of one pass per server, order alternated (ABBA)")
 @click.option("--hidden", type=click.IntRange(min=256), default=768, show_default=True,
@@ -319,7 +323,7 @@ def format_table(report: dict[str, Any]) -> str:
 def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, concurrency: int,
             seed: int, layers: int, capped_blocks: int, bound_blocks: int, runs: int, warm_passes: int, paired: bool, rows: str,
             codec: str, load_mode: str, remote_lookup: str, write_back: bool, enforce_eager: bool, start_timeout_s: float, workload: str,
-            prompt_len: int, codecs: str, pairs: int, hidden: int,
+            prompt_len: int, codecs: str, pairs: int, hidden: int, store_capacity_mib: int,
             conversations: int, turns: int, turn_tokens: int, scratch_dir: str | None, as_json: bool) -> None:
     """vLLM's OpenAI server on CPU with and without ucm-db, under `vllm bench serve` (prefix_repetition).
 
@@ -355,7 +359,7 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
         no_reuse_command(num_prompts, prompt_len, output_len, concurrency, seed, codecs, pairs, hidden,
                          ServeOptions(layers=layers, capped_blocks=capped_blocks, scratch_dir=scratch_dir,
                                       enforce_eager=enforce_eager, load_mode=load_mode, remote_lookup=remote_lookup,
-                                      start_timeout_s=start_timeout_s), as_json)
+                                      start_timeout_s=start_timeout_s, capacity_bytes=store_capacity_mib << 20), as_json)
         return
     if hidden != 768:
         raise click.BadParameter("only the no-reuse workload builds other widths", param_hint="--hidden")

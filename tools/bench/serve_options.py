@@ -52,6 +52,7 @@ class ServeOptions:
     write_back: bool = False  # the ucm-db rows upload to a file:// remote even when no remote row reads it
     warm_passes: int = 1  # passes of each warm row (warm-bound, ucm-second) on its server; medians kept
     paired: bool = False  # warm-bound and ucm-second passes in turns, both servers up (serve_paired.py)
+    capacity_bytes: int = 16 << 30  # the ucm-db stores' capacity_bytes (small: a store evicting from the start)
 
     @property
     def uses_remote(self) -> bool:
@@ -79,7 +80,7 @@ def connector_options(store: Path, remote_url: str | None, options: ServeOptions
     """Connector options of a ucm-db row: local tier in the options' codec,
     the options' load mode and remote lookup; with ``remote_url``, that
     remote behind it, its objects zstd (None: the local tier alone)."""
-    local = {"path": str(store), "capacity_bytes": 16 << 30, "codec": options.codec, "load_mode": options.load_mode,
+    local = {"path": str(store), "capacity_bytes": options.capacity_bytes, "codec": options.codec, "load_mode": options.load_mode,
              "remote_lookup": options.remote_lookup, **extra}
     return local if remote_url is None else {**local, "remote": remote_url, "remote_codec": "zstd"}
 
