@@ -44,12 +44,11 @@ Invariants:
     * :meth:`close` commits every queued job before returning.
     * A save job's staging goes back to its pool (:mod:`ucm_db.connector.worker.staging`)
       only once the job is committed, failed or dropped (:meth:`SaveJob.done`).
-    * With a commit process (``save_process``, :mod:`ucm_db.committer`), a
-      round whose staging lies in the process's shared buffers is committed
-      there, with the same transactions, fallbacks and counts (commit CPU:
-      the writer thread's and the child's); a job whose staging is not
-      shared commits here. The child gone, the round is committed here
-      and so is every later one (logged once).
+    * With a commit process (``save_process``, :mod:`ucm_db.committer`),
+      rounds commit there where their staging is shared
+      (:mod:`~ucm_db.connector.worker.commit_route`), with the same
+      transactions, fallbacks and counts (commit CPU: the writer thread's
+      and the child's).
 """
 
 from __future__ import annotations
@@ -67,10 +66,11 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db import cpu_placement
-from ucm_db.committer import CommitProcess, SharedChain
+from ucm_db.committer import CommitProcess
 from ucm_db.connector.metrics import Counters
-from ucm_db.errors import CommitProcessError, MissingAncestorError, StoreFullError, UcmDbError
-from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.connector.worker.commit_route import CommitRoute
+from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
+from ucm_db.keys import Namespace
 from ucm_db.keys.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -163,11 +163,7 @@ class BackgroundWriter:
         whose units are :class:`ucm_db.Framed` of ``frame_bytes`` (what
         ``frames`` makes of a row)."""
         self._store = store
-        self._committer = committer
-        self._frame_bytes = frame_bytes
-        self._child_cpu_s = 0.0  # the commit process's CPU for the round under way
-        self._codec_name = codec_name
-        self._frames = frames
+        self._route = CommitRoute(store, frames, codec_name, committer, frame_bytes)  # commit_route.py
         self._counters = counters
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
@@ -224,8 +220,7 @@ class BackgroundWriter:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        if self._committer is not None:
-            self._committer.close()
+        self._route.close()
 
     def _run(self) -> None:
         cpu_placement.place_current_thread()  # encode off the model's cores where it is bound
@@ -283,12 +278,12 @@ class BackgroundWriter:
             self._commit(jobs[0])
             return
         started, started_cpu = time.perf_counter(), time.thread_time()
-        self._child_cpu_s = 0.0
+        self._route.child_cpu_s = 0.0
         evented: dict[bytes, ucm_db.BlockEventFields] = {}
         for job in jobs:
             evented.update(job.evented() or {})
         try:
-            self._put([(job, j) for job in jobs for j in range(len(job.chains))], evented or None)
+            self._route.put([(job, j) for job in jobs for j in range(len(job.chains))], evented or None)
         except (MissingAncestorError, StoreFullError):
             for job in jobs:
                 self._commit(job)
@@ -300,58 +295,11 @@ class BackgroundWriter:
             return
         self._count_saved(jobs, started, started_cpu)
 
-    def _put(self, chains: list[tuple[SaveJob, int]], evented: dict[bytes, ucm_db.BlockEventFields] | None) -> None:
-        """One transaction of ``chains`` (a job and its chain's index):
-        in the commit process where their staging is shared (module
-        invariants), else here."""
-        namespace = chains[0][0].namespace
-        if self._committer is not None and not self._committer.alive:  # found gone elsewhere (staging.py's share)
-            self._lose_committer(self._committer.gone_reason or "")
-        if self._committer is not None:
-            shared = self._shared(chains)
-            if shared is not None:
-                try:
-                    _wall_s, cpu_s = self._committer.put_segments(
-                        namespace, shared, codec_name=self._codec_name, frame_bytes=self._frame_bytes, event_fields=evented)
-                    self._child_cpu_s += cpu_s
-                    return
-                except CommitProcessError as exc:
-                    self._lose_committer(str(exc))
-        segments = [self._segment(job, j) for job, j in chains]
-        self._store.put_segments(namespace, segments, codec_name=self._codec_name, event_fields=evented)
-
-    def _lose_committer(self, reason: str) -> None:
-        logger.warning("ucm-db: %s; saves now commit in the worker process", reason)
-        committer, self._committer = self._committer, None
-        if committer is not None:
-            committer.close()
-
-    def _shared(self, chains: list[tuple[SaveJob, int]]) -> list[SharedChain] | None:
-        """The chains as the commit process names them; None if a job's staging is not in its buffers."""
-        assert self._committer is not None
-        out = []
-        for job, j in chains:
-            staging = job.staging
-            place = self._committer.locate(staging.data_ptr(), staging.numel())
-            if place is None or not staging.is_contiguous():
-                return None
-            buffer_id, offset = place
-            unit_bytes = int(staging.shape[2])
-            keys = job.chains[j]
-            out.append(SharedChain(BlockKeys(list(keys), parent=keys.parent()), buffer_id, offset + j * unit_bytes,
-                                   int(staging.shape[1]) * unit_bytes, unit_bytes))
-        return out
-
-    def _segment(self, job: SaveJob, j: int) -> tuple[BlockKeys, list[ucm_db.Framed]]:
-        rows = job.staging.numpy()
-        keys = job.chains[j]
-        return BlockKeys(list(keys), parent=keys.parent()), [self._frames(rows[i, j]) for i in range(len(keys))]
-
     def _commit(self, job: SaveJob) -> None:
         started, started_cpu = time.perf_counter(), time.thread_time()
-        self._child_cpu_s = 0.0
+        self._route.child_cpu_s = 0.0
         try:
-            self._put([(job, j) for j in range(len(job.chains))], job.evented())
+            self._route.put([(job, j) for j in range(len(job.chains))], job.evented())
             failed = 0
         except (MissingAncestorError, StoreFullError):
             failed = self._put_one_by_one(job)
@@ -365,7 +313,7 @@ class BackgroundWriter:
 
     def _count_saved(self, jobs: list[SaveJob], started: float, started_cpu: float) -> None:
         # CPU read before the wall clock (and after it at the start): the CPU interval lies inside the wall one.
-        commit_cpu_s = time.thread_time() - started_cpu + self._child_cpu_s
+        commit_cpu_s = time.thread_time() - started_cpu + self._route.child_cpu_s
         commit_s = time.perf_counter() - started
         self._counters.add(saved_blocks=sum(job.blocks for job in jobs), saved_bytes=sum(job.nbytes for job in jobs),
                            save_commit_s=commit_s, save_commit_cpu_s=commit_cpu_s)
@@ -385,7 +333,7 @@ class BackgroundWriter:
         evented = job.evented()
         for j in range(len(job.chains)):
             try:
-                self._put([(job, j)], evented)
+                self._route.put([(job, j)], evented)
             except MissingAncestorError:
                 # The parent was evicted (or its save dropped) meanwhile: the
                 # prefix invariant forbids storing an orphan; skip the chain.

@@ -70,7 +70,7 @@ def test_the_child_commits_the_saves_and_counts_its_cpu(tmp_path: Path) -> None:
 
 def test_a_killed_child_leaves_the_saves_to_the_worker(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     sched, worker, _kv_caches = _halves(tmp_path / "s", save_process=True)
-    committer = worker._writer._committer  # type: ignore[union-attr]
+    committer = worker._writer._route.committer  # type: ignore[union-attr]
     assert committer is not None
     first = list(range(1, 2 * BS + 3))
     _save(sched, worker, "a", first, [0, 1, 2])
@@ -88,7 +88,7 @@ def test_a_killed_child_leaves_the_saves_to_the_worker(tmp_path: Path, caplog: p
 
 def test_shutdown_ends_the_child(tmp_path: Path) -> None:
     sched, worker, _kv_caches = _halves(tmp_path / "s", save_process=True)
-    committer = worker._writer._committer  # type: ignore[union-attr]
+    committer = worker._writer._route.committer  # type: ignore[union-attr]
     assert committer is not None
     pid = committer.pid
     worker.shutdown()
@@ -112,11 +112,11 @@ def spare_cpus_named() -> Iterator[None]:
 
 def test_auto_commits_in_a_child_only_where_background_cores_are_named(tmp_path: Path, spare_cpus_named: None) -> None:
     sched, worker, _kv_caches = _halves(tmp_path / "on")
-    assert worker._writer._committer is not None  # type: ignore[union-attr]
+    assert worker._writer._route.committer is not None  # type: ignore[union-attr]
     worker.shutdown()
     sched.shutdown()
     cpu_placement.set_background_cpus(None)  # a host that named none (no binding, a GPU host, TP > 1)
     sched, worker, _kv_caches = _halves(tmp_path / "off")
-    assert worker._writer._committer is None  # type: ignore[union-attr]
+    assert worker._writer._route.committer is None  # type: ignore[union-attr]
     worker.shutdown()
     sched.shutdown()

@@ -1,0 +1,111 @@
+"""Where a writer round commits: in the commit process (``save_process``,
+:mod:`ucm_db.committer`) or in the worker's own store handle.
+
+Invariants:
+    * A round goes to the commit process only if every job's staging lies
+      in its shared buffers (contiguous ``[blocks, units, unit_bytes]``
+      rows); otherwise it commits here, the same transaction either way.
+    * The child found gone (at a commit, or by a staging allocation), the
+      route logs it once, closes it and commits here from then on; the
+      round under way commits here at once, its staging still intact.
+    * :attr:`child_cpu_s` adds up the child's CPU seconds of the commits it
+      ran since the caller last reset it (the writer counts them as commit
+      CPU beside its own thread's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+import ucm_db
+from ucm_db.committer import CommitProcess, SharedChain
+from ucm_db.errors import CommitProcessError
+from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.keys.units import UnitKeys
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+
+class SaveJob(Protocol):
+    """What a route reads of a save job (:class:`~ucm_db.connector.worker.writer.SaveJob`)."""
+
+    @property
+    def namespace(self) -> Namespace: ...
+
+    @property
+    def chains(self) -> tuple[UnitKeys, ...]: ...
+
+    @property
+    def staging(self) -> torch.Tensor: ...
+
+
+class CommitRoute:
+    """Commits chains of save jobs through ``committer`` where it can, else ``store`` (module invariants)."""
+
+    def __init__(self, store: ucm_db.Store, frames: Callable[[np.ndarray], ucm_db.Framed], codec_name: str | None,
+                 committer: CommitProcess | None, frame_bytes: Sequence[int] | None) -> None:
+        self._store = store
+        self._frames = frames
+        self._codec_name = codec_name
+        self._committer = committer
+        self._frame_bytes = frame_bytes
+        self.child_cpu_s = 0.0
+
+    @property
+    def committer(self) -> CommitProcess | None:
+        """The commit process rounds go to (None: none, or lost)."""
+        return self._committer
+
+    def put(self, chains: list[tuple[SaveJob, int]], evented: dict[bytes, ucm_db.BlockEventFields] | None) -> None:
+        """One transaction of ``chains`` (a job and the index of one of its chains)."""
+        namespace = chains[0][0].namespace
+        if self._committer is not None and not self._committer.alive:  # found gone by a staging allocation
+            self._lose_committer(self._committer.gone_reason or "")
+        if self._committer is not None:
+            shared = self._shared(self._committer, chains)
+            if shared is not None:
+                try:
+                    _wall_s, cpu_s = self._committer.put_segments(
+                        namespace, shared, codec_name=self._codec_name, frame_bytes=self._frame_bytes, event_fields=evented)
+                    self.child_cpu_s += cpu_s
+                    return
+                except CommitProcessError as exc:
+                    self._lose_committer(str(exc))
+        segments = [self._segment(job, j) for job, j in chains]
+        self._store.put_segments(namespace, segments, codec_name=self._codec_name, event_fields=evented)
+
+    def close(self) -> None:
+        if self._committer is not None:
+            self._committer.close()
+
+    def _lose_committer(self, reason: str) -> None:
+        logger.warning("ucm-db: %s; saves now commit in the worker process", reason)
+        committer, self._committer = self._committer, None
+        if committer is not None:
+            committer.close()
+
+    @staticmethod
+    def _shared(committer: CommitProcess, chains: list[tuple[SaveJob, int]]) -> list[SharedChain] | None:
+        """The chains as the commit process names them; None if a job's staging is not in its buffers."""
+        out = []
+        for job, j in chains:
+            staging = job.staging
+            place = committer.locate(staging.data_ptr(), staging.numel())
+            if place is None or not staging.is_contiguous():
+                return None
+            buffer_id, offset = place
+            unit_bytes = int(staging.shape[2])
+            keys = job.chains[j]
+            out.append(SharedChain(BlockKeys(list(keys), parent=keys.parent()), buffer_id, offset + j * unit_bytes,
+                                   int(staging.shape[1]) * unit_bytes, unit_bytes))
+        return out
+
+    def _segment(self, job: SaveJob, j: int) -> tuple[BlockKeys, list[ucm_db.Framed]]:
+        rows = job.staging.numpy()
+        keys = job.chains[j]
+        return BlockKeys(list(keys), parent=keys.parent()), [self._frames(rows[i, j]) for i in range(len(keys))]
