@@ -305,15 +305,11 @@ def format_table(report: dict[str, Any]) -> str:
               help="no-reuse workload: tokens of each prompt")
 @click.option("--codecs", default="none,zstd", show_default=True,
               help="no-reuse workload: comma-separated setups, one ucm-db server each: a codec (none, zstd), "
-              "optionally +admitN for the connector's admit_after (e.g. none+admit2) and +proc for save_process; "
-              "noop: a connector that does nothing")
-@click.option("--store-capacity-mib", type=click.IntRange(min=64), default=16384, show_default=True,
-              help="no-reuse workload: every ucm-db store's capacity_bytes, in MiB (a store smaller than a run's saves evicts from the "
-              "start, as a full one does; the default never fills)")
+              "optionally +admitN for the connector's admit_after (e.g. none+admit2) and +proc for save_process; noop: a connector that does nothing")
+@click.option("--store-capacity-mib", type=click.IntRange(min=64), default=16384, show_default=True, help="no-reuse workload: every ucm-db store's capacity_bytes in MiB (small: evicting from the start, as a full store does)")
 @click.option("--pairs", type=click.IntRange(min=1), default=2, show_default=True,
               help="no-reuse workload: rounds of one pass per server, order alternated (ABBA)")
-@click.option("--hidden", type=click.IntRange(min=256), default=768, show_default=True,
-              help="width of the random Llama (a multiple of 256)")
+@click.option("--hidden", type=click.IntRange(min=256), default=768, show_default=True, help="width of the random Llama (a multiple of 256)")
 @click.option("--conversations", type=click.IntRange(min=1), default=16, show_default=True, help="conversation workload")
 @click.option("--turns", type=click.IntRange(min=1), default=4, show_default=True, help="conversation workload: turns each")
 @click.option("--turn-tokens", type=click.IntRange(min=1), default=256, show_default=True,
@@ -401,4 +397,3 @@ def command(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: in
                                  param_hint="--capped-blocks")
     report = run(options, progress=lambda line: click.echo(line, err=True))
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
-
