@@ -73,13 +73,8 @@ def _open(sock: socket.socket) -> ucm_db.Store | None:
     """The store the first message names, its open answered; None if it failed."""
     op, payload, _fds = wire.receive(sock)
     body = json.loads(payload)
-    cpus = body.get("cpus") or ()
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError:
-            pass  # as cpu_placement: where the OS refuses, stay where started
-    cpu_placement.set_background_cpus(cpus)
+    cpu_placement.set_background_cpus(body.get("cpus") or ())
+    cpu_placement.place_current_thread()  # this thread, and the store's threads it starts, on the caller's background CPUs
     try:
         store = ucm_db.open(body["path"], **body["options"])
     except (UcmDbError, OSError, TypeError, ValueError) as exc:
