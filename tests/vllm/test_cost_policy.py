@@ -63,8 +63,7 @@ def test_remote_hit_slower_than_recompute_is_recomputed_faster_one_loaded(
     tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pytest.importorskip("vllm")
-    import fsspec
-
+    from ucm_db.remote.files import open_filesystem
     from ucm_db.tools.bench.cost import fill_remote
     from ucm_db.tools.bench.throttle import register
 
@@ -123,7 +122,7 @@ def test_remote_hit_slower_than_recompute_is_recomputed_faster_one_loaded(
         loaded, _ = run(hits[1])  # 3. fast: loaded whole
         assert loaded == stored_tokens(hits[1]), cost.describe(ns_id)
 
-        fs, _ = fsspec.core.url_to_fs("throttled://kv", **link)  # the engine's instance (fsspec caches it)
+        fs, _ = open_filesystem("throttled://kv", link)  # the engine's instance: fsspec caches it per URL and options
         break_even = cost.prefill.rate * worker.layout.block_bytes / BLOCK_SIZE  # bytes/s
         fs.bucket.rate = break_even * SLOW_FRACTION  # 4. the link degrades
         fs.bucket._burst = fs.bucket.rate * 0.01

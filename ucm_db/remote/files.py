@@ -1,5 +1,6 @@
-"""Files of a remote tier on a local or NFS directory: whole-object writes
-and reads that open regular files only.
+"""Files of a remote tier: its fsspec file system opened from a URL
+(:func:`open_filesystem`), and on a local or NFS directory, whole-object
+writes and reads that open regular files only.
 
 Invariants:
     * :func:`write_whole` never leaves a partial object under its final name
@@ -19,6 +20,7 @@ import uuid
 from typing import Any
 
 from ucm_db.crashpoints import crashpoint
+from ucm_db.errors import ConfigError
 
 TEMP_PREFIX = ".tmp-"
 
@@ -123,3 +125,31 @@ def require_regular_file(path: str, mode: int) -> None:
         kind = ("symlink" if stat.S_ISLNK(mode) else "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode)
                 else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "socket" if stat.S_ISSOCK(mode) else "special file")
         raise NotRegularFileError(f"{path} is a {kind}, not a regular file")
+
+
+def open_filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Resolves an fsspec URL to ``(filesystem, root path)``.
+
+    The filesystem keeps no directory listings (``use_listings_cache``
+    False unless ``options`` set it): other nodes write to the same root,
+    and a listing kept from before their writes would make ``exists`` and
+    ``ls`` answer "absent" for their objects (a new namespace unseen by
+    ``warm``, an object a delete skips).
+
+    Raises:
+        ConfigError: unknown protocol or a missing fsspec backend.
+    """
+    try:
+        import fsspec.core
+    except ImportError as exc:  # pragma: no cover - fsspec is in the remote extra
+        raise ConfigError("the remote tier needs fsspec", hint="pip install 'ucm-db[remote]' (or [s3])") from exc
+    try:
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **{"use_listings_cache": False, **dict(options or {})})
+        except TypeError:  # a filesystem whose constructor takes no listing-cache option (so keeps no listings)
+            if "use_listings_cache" in (options or {}):
+                raise
+            fs, root = fsspec.core.url_to_fs(url, **dict(options or {}))
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"cannot open remote {url!r}: {exc}", hint="install the fsspec backend for its protocol (s3fs for s3://)") from exc
+    return fs, str(root).rstrip("/")

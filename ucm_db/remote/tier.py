@@ -68,7 +68,7 @@ from ucm_db.auth import AuthKeys
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError
 from ucm_db.engines.base import Buffer, Tier, TierCapabilities
 from ucm_db.remote.files import (  # noqa: F401 - re-exported: the remote tier's public names
-    TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, write_whole,
+    TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, write_whole, open_filesystem,
 )
 from ucm_db.remote import manifests as remote_manifests
 from ucm_db.remote.manifests import (  # noqa: F401 - re-exported
@@ -111,23 +111,6 @@ class RemoteStats:
     undecryptable: int = 0
     #: Plaintext objects met while an encryption key is set.
     unencrypted: int = 0
-
-
-def open_filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """Resolves an fsspec URL to ``(filesystem, root path)``.
-
-    Raises:
-        ConfigError: unknown protocol or a missing fsspec backend.
-    """
-    try:
-        import fsspec.core
-    except ImportError as exc:  # pragma: no cover - fsspec is in the remote extra
-        raise ConfigError("the remote tier needs fsspec", hint="pip install 'ucm-db[remote]' (or [s3])") from exc
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **dict(options or {}))
-    except (ImportError, ValueError) as exc:
-        raise ConfigError(f"cannot open remote {url!r}: {exc}", hint="install the fsspec backend for its protocol (s3fs for s3://)") from exc
-    return fs, str(root).rstrip("/")
 
 
 class RemoteRoot:
