@@ -97,3 +97,23 @@ def test_store_threads_start_on_the_background_cpus(tmp_path: Path) -> None:
     placed = _in_thread_pinned_to({first}, open_and_write)
     assert "ucm-db-maintenance" in placed and any(name.startswith("ucm-db-codec") for name in placed), placed
     assert all(cpus == rest for cpus in placed.values()), placed
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names in /proc are Linux's")
+def test_placed_threads_carry_their_python_name_in_the_os() -> None:
+    """``top -H`` and profilers tell ucm-db's threads from the host's: a
+    placed thread's OS name is its Python name (15 bytes); the main thread
+    keeps the process's."""
+    seen: list[str] = []
+
+    def child() -> None:
+        cpu_placement.place_current_thread()
+        seen.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip())
+
+    thread = threading.Thread(target=child, name="ucm-db-writer-of-a-long-name")
+    thread.start()
+    thread.join()
+    main_comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text()
+    cpu_placement.place_current_thread()
+    assert seen == ["ucm-db-writer-o"]
+    assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text() == main_comm
