@@ -1,12 +1,18 @@
-"""One open :class:`ucm_db.Store` per store path per process.
+"""One open :class:`ucm_db.Store` per store path per process, and one
+commit process (``save_process``) per store path per process.
 
 vLLM may run the scheduler-side and worker-side connectors in one process
 (uni-process executor), and an LMDB environment can be open only once per
 process: both halves therefore share one handle, reference-counted here.
+A hybrid model's KV cache groups each have a worker half over the same
+store: they share one commit process the same way, not one each.
 
 Invariants:
     * ``acquire`` and ``release`` pair up; the store closes on the last
-      release, after every holder's writes were handed to it.
+      release, after every holder's writes were handed to it. The same
+      holds for ``acquire_committer`` and ``release_committer``; a commit
+      process found dead is never handed out again (the next acquirer
+      gets a new one).
     * Handles are keyed by resolved path and process id, so a forked child
       never reuses its parent's handle.
     * :func:`refuse_older_generations` refuses a store holding the model's
@@ -30,11 +36,13 @@ import ucm_db
 from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.settings import ConnectorSettings
-from ucm_db.errors import TierError
+from ucm_db.committer import CommitProcess
+from ucm_db.errors import CommitProcessError, ConfigError, TierError
 from ucm_db.maintenance import pre_unit_namespaces, pre_unit_refusal
 
 _lock = threading.Lock()
 _handles: dict[tuple[int, Path], list] = {}  # key -> [store, refcount]
+_committers: dict[tuple[int, Path], list] = {}  # key -> [commit process, refcount]
 
 
 def acquire(settings: ConnectorSettings) -> ucm_db.Store:
@@ -59,6 +67,37 @@ def release(store: ucm_db.Store) -> None:
                     del _handles[key]
                     store.close()
                 return
+
+
+def acquire_committer(settings: ConnectorSettings) -> CommitProcess:
+    """The process's commit process for ``settings.path`` (started on first
+    use, or when the one before died).
+
+    Raises:
+        CommitProcessError, ConfigError: it cannot start (the caller saves in-process).
+    """
+    key = (os.getpid(), settings.path.expanduser().resolve())
+    with _lock:
+        entry = _committers.get(key)
+        if entry is None or not entry[0].alive:
+            entry = [CommitProcess(settings.path, settings.store_options), 0]
+            _committers[key] = entry
+        entry[1] += 1
+        return entry[0]
+
+
+def release_committer(committer: CommitProcess) -> None:
+    """Drops one reference; closes the commit process with the last one (at
+    once if it was never acquired here)."""
+    with _lock:
+        for key, entry in list(_committers.items()):
+            if entry[0] is committer:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del _committers[key]
+                break
+    committer.close()  # outside the lock: it waits for the child to exit
 
 
 def store_is_read_only(path: Path) -> bool:

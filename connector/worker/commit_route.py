@@ -24,6 +24,7 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db.committer import CommitProcess, SharedChain
+from ucm_db.connector.stores import release_committer
 from ucm_db.errors import CommitProcessError
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.keys.units import UnitKeys
@@ -81,13 +82,14 @@ class CommitRoute:
 
     def close(self) -> None:
         if self._committer is not None:
-            self._committer.close()
+            committer, self._committer = self._committer, None
+            release_committer(committer)
 
     def _lose_committer(self, reason: str) -> None:
         logger.warning("ucm-db: %s; saves now commit in the worker process", reason)
         committer, self._committer = self._committer, None
         if committer is not None:
-            committer.close()
+            release_committer(committer)
 
     @staticmethod
     def _shared(committer: CommitProcess, chains: list[tuple[SaveJob, int]]) -> list[SharedChain] | None:

@@ -52,7 +52,7 @@ from ucm_db.connector.worker.preemptions import PendingSaves
 from ucm_db.connector.roles import RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.worker.staging import StagingPool
-from ucm_db.connector.stores import acquire, release
+from ucm_db.connector.stores import acquire, acquire_committer, release
 from ucm_db.connector.worker.loads import WorkerLoads
 from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob, VoidJob
 from ucm_db.errors import CommitProcessError, ConfigError
@@ -268,9 +268,11 @@ def _commits_in_child(save_process: bool | str) -> bool:
 
 
 def _start_committer(settings: ConnectorSettings) -> CommitProcess | None:
-    """A commit process for this worker's saves; None (logged) if it cannot start."""
+    """The commit process for this worker's saves, shared with the other
+    worker halves over the same store (a hybrid model's groups); None
+    (logged) if it cannot start."""
     try:
-        committer = CommitProcess(settings.path, settings.store_options)
+        committer = acquire_committer(settings)
     except (CommitProcessError, ConfigError) as exc:
         logger.warning("ucm-db: save_process: %s; saves commit in the worker process", exc)
         return None

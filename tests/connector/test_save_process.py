@@ -120,3 +120,29 @@ def test_auto_commits_in_a_child_only_where_background_cores_are_named(tmp_path:
     assert worker._writer._route.committer is None  # type: ignore[union-attr]
     worker.shutdown()
     sched.shutdown()
+
+
+def test_worker_halves_over_one_store_share_one_commit_process(tmp_path: Path) -> None:
+    """A hybrid model's groups each have a worker half over the same store
+    (hybrid/hooks.py): one commit process serves them all, and lives until
+    the last of them shuts down."""
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "save_process": True})
+    sched = UcmDbScheduler(settings, _shape())
+    halves = []
+    for _ in range(2):
+        worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+        worker.register_kv_caches({name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}, 0, 0)
+        halves.append(worker)
+    first, second = (w._writer._route.committer for w in halves)  # type: ignore[union-attr]
+    assert first is not None and first is second
+    halves[0].shutdown()
+    assert second.alive  # the other half still commits through it
+    _no_put_here(halves[1])
+    tokens = list(range(1, 3 * BS + 2))
+    _save(sched, halves[1], "a", tokens, [0, 1, 2, 3])
+    assert _hits(sched, tokens) == 3 * BS
+    halves[1].shutdown()
+    assert not second.alive
+    with pytest.raises(ProcessLookupError):
+        os.kill(second.pid, 0)  # exited and reaped
+    sched.shutdown()
