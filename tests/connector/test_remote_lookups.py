@@ -49,9 +49,10 @@ def test_lookup_runs_once_per_key_and_hands_its_result_out_once() -> None:
 
 def test_forgotten_lookup_never_runs_if_still_queued() -> None:
     lookups = RemoteLookups(threads=1)
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
     ran: list[str] = []
-    lookups.submit("busy", lambda: (gate.wait(5), ran.append("busy"), 0)[-1])
+    lookups.submit("busy", lambda: (started.set(), gate.wait(5), ran.append("busy"), 0)[-1])
+    assert started.wait(5)  # running, not queued: close() would drop it with the queued one
     lookups.submit("queued", lambda: (ran.append("queued"), 0)[-1])
     lookups.forget("queued")
     gate.set()
