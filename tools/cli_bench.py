@@ -36,6 +36,7 @@ BENCHMARKS = {
     "pd": "ucm_db.tools.bench.pd:command",
     "load": "ucm_db.tools.bench.load:command",
     "gil": "ucm_db.tools.bench.gil:command",
+    "hooks": "ucm_db.tools.bench.hooks:command",
     "presence": "ucm_db.tools.bench.presence:command",
     "admission": "ucm_db.tools.bench.admission:command",
     "save-decode": "ucm_db.tools.bench.save_decode:command",

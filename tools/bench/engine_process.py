@@ -36,6 +36,7 @@ JOBS = {
     "remote_lookup_engine": "ucm_db.tools.bench.remote_lookup:run_engine",
     "save_decode_engine": "ucm_db.tools.bench.save_decode:run_engine",
     "restart_engine": "ucm_db.tools.bench.restart_engine:run_engine",
+    "hooks_engine": "ucm_db.tools.bench.hooks:run_engine",
 }
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ucm_db.tools.bench import serve_paired
+from ucm_db.tools.bench import serve_paired, thread_trace
 from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_options, medians, pass_counters, repeated_row
 from ucm_db.tools.bench.serve_chat_client import run_conversations
 from ucm_db.tools.bench.serve_conversation import (ConversationSpec, ideal_hits, parse_vllm_counters, pass_hits,
@@ -87,14 +87,14 @@ def counted_pass(server: Server, send: Callable[[], dict[str, Any]]) -> tuple[di
     server has the connector), and a note on ucm-db's loads for the
     progress line."""
     before = _counters(server)
-    kept = send()
+    kept = thread_trace.trace_pass(server.pgid, send)  # where the pass's CPU went, thread by thread
     after = _counters(server)
     kept["hits"] = pass_hits(before, after)
     note = ""
     if "query_tokens" in after:  # a ucm-db counter: the server has the connector
         kept["ucm_db"] = ucm = pass_counters(before, after)
         note = f"; ucm-db {ucm['hit_tokens']:.0f} tokens loaded, {ucm['loaded_MB']:.0f} MB in {ucm['load_s']:.1f} s"
-    return kept, note
+    return kept, note + thread_trace.shown(kept["threads"])
 
 
 def _pass(options: ChatOptions, server: Server, name: str, progress: Progress) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from ucm_db.tools.bench import serve_paired
+from ucm_db.tools.bench import serve_paired, thread_trace
 from ucm_db.tools.bench.serve_chat_client import _complete, summarize
 from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_options, pass_counters
 from ucm_db.tools.bench.serve_server import BLOCK_SIZE, SERVED_NAME, Server, ServerSpec
@@ -253,7 +253,7 @@ def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
                     ids = ids[:spec.concurrency]
                 pass_index += 1
                 before = server.connector_counters()
-                result = asyncio.run(_send(spec, ids, server.base_url, 1800.0))
+                result = thread_trace.trace_pass(server.pgid, lambda: asyncio.run(_send(spec, ids, server.base_url, 1800.0)))
                 serve_paired.wait_idle(lambda: serve_paired.process_group_cpu_s(server.pgid))  # the writer's tail
                 after = server.connector_counters()
                 result["seed"] = [spec.seed, pass_index - 1]
@@ -266,7 +266,7 @@ def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
                             f"copy {u['save_copy_s']:.3f} s ({s.get('save_copy_us_per_token', 0):.2f} us/token), "
                             f"commit CPU {u['save_commit_cpu_s']:.3f} s ({s.get('save_commit_cpu_us_per_token', 0):.2f} us/token)")
                 progress(f"  {label} {setup}: {result['request_throughput']:.3f} req/s, TTFT p50 {result['median_ttft_ms']:.0f} ms, "
-                         f"vLLM cached {result['client_cached_tokens']:.0f} tokens{note}")
+                         f"vLLM cached {result['client_cached_tokens']:.0f} tokens{note}{thread_trace.shown(result['threads'])}")
                 return result
 
             for setup in options.setups:

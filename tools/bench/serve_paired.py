@@ -41,10 +41,11 @@ MISSING_PAIR = "pairs a warm-bound pass with a ucm-second pass: --rows must name
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def process_group_cpu_s(pgid: int, proc: Path = Path("/proc")) -> float:
-    """CPU seconds (user + system) used so far by the live processes of
-    process group ``pgid``; 0.0 where ``/proc`` cannot say (another OS)."""
-    total_ticks = 0
+def process_group_stats(pgid: int, proc: Path = Path("/proc")) -> dict[int, list[str]]:
+    """The live processes of process group ``pgid``, each with its
+    ``/proc/PID/stat`` fields after the command name (``state ppid pgrp ...
+    utime stime ...``); empty where ``/proc`` cannot say (another OS)."""
+    out: dict[int, list[str]] = {}
     for entry in proc.iterdir() if proc.is_dir() else ():
         if not entry.name.isdigit():
             continue
@@ -56,8 +57,15 @@ def process_group_cpu_s(pgid: int, proc: Path = Path("/proc")) -> float:
         # and parentheses, so the fields are counted from its last ')'.
         fields = stat.rpartition(")")[2].split()
         if len(fields) > 12 and int(fields[2]) == pgid:
-            total_ticks += int(fields[11]) + int(fields[12])
-    return total_ticks / _TICKS_PER_S
+            out[int(entry.name)] = fields
+    return out
+
+
+def process_group_cpu_s(pgid: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user + system) used so far by the live processes of
+    process group ``pgid``; 0.0 where ``/proc`` cannot say (another OS)."""
+    ticks = sum(int(f[11]) + int(f[12]) for f in process_group_stats(pgid, proc).values())
+    return ticks / _TICKS_PER_S
 
 
 def wait_idle(cpu_s: Callable[[], float], *, window_s: float = 2.0, idle_share: float = 0.05, timeout_s: float = 180.0,

@@ -1,0 +1,100 @@
+"""``tools/bench/thread_trace.py`` (where a serving pass's CPU goes) and
+``ucm-db bench hooks``' summary, on this test's own threads and on a
+result shaped as the engine job writes it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ucm_db import cpu_placement
+from ucm_db.tools.bench import thread_trace
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_busy_named_thread_gets_its_own_row_with_its_cpu() -> None:
+    before = thread_trace.snapshot([os.getpid()])
+    started = time.perf_counter()
+
+    def busy() -> None:
+        cpu_placement.place_current_thread()  # gives it its OS name
+        _spin(0.3)
+        done.wait(5)
+
+    done = threading.Event()
+    thread = threading.Thread(target=busy, name="trace-busy")
+    thread.start()
+    time.sleep(0.5)
+    after = thread_trace.snapshot([os.getpid()])
+    done.set()
+    thread.join()
+    rows = thread_trace.diff(before, after, time.perf_counter() - started)
+    busy_rows = [r for r in rows if r["thread"] == "trace-busy"]
+    assert len(busy_rows) == 1 and busy_rows[0]["threads"] == 1
+    assert 0.25 <= busy_rows[0]["cpu_s"] <= 0.5  # born after the first snapshot: counted from zero
+    assert rows == sorted(rows, key=lambda r: -r["cpu_s"])
+    assert "trace-busy" in thread_trace.format_rows(rows)
+
+
+def test_rows_of_alike_threads_merge_unless_asked_apart() -> None:
+    before = thread_trace.snapshot([os.getpid()])
+    done = threading.Event()
+    threads = [threading.Thread(target=lambda: (cpu_placement.place_current_thread(), _spin(0.1), done.wait(5)),
+                                name="trace-pool") for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.4)
+    after = thread_trace.snapshot([os.getpid()])
+    done.set()
+    for t in threads:
+        t.join()
+    merged = [r for r in thread_trace.diff(before, after, 0.4) if r["thread"] == "trace-pool"]
+    apart = [r for r in thread_trace.diff(before, after, 0.4, by_thread=True) if r["thread"] == "trace-pool"]
+    assert [r["threads"] for r in merged] == [2]
+    assert [r["threads"] for r in apart] == [1, 1]
+
+
+def test_process_group_finds_this_process() -> None:
+    assert os.getpid() in thread_trace.process_group(os.getpgid(0))
+
+
+def test_a_traced_pass_carries_its_threads_and_prints_them_on_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    def send() -> dict:
+        _spin(0.2)
+        return {"duration": 0.25}
+
+    result = thread_trace.trace_pass(os.getpgid(0), send)
+    mine = [r for r in result["threads"] if r["cpu_s"] >= 0.15]
+    assert mine and mine[0]["process"] == thread_trace.process_name(os.getpid())
+    monkeypatch.delenv("UCM_DB_BENCH_THREADS", raising=False)
+    assert thread_trace.shown(result["threads"]) == ""
+    monkeypatch.setenv("UCM_DB_BENCH_THREADS", "1")
+    assert thread_trace.shown(result["threads"]).startswith("\n    process")
+
+
+def test_hooks_summary_counts_per_step_by_role() -> None:
+    from ucm_db.tools.bench.hooks import summarize
+
+    result = {"request_s": [0.5, 0.5],
+              "processes": [{"pid": 1, "hooks": {"build_connector_meta": {"calls": 200, "s": 0.01}},
+                             "meta": {"steps": 200, "max_blocks": 64}},
+                            {"pid": 2, "hooks": {"wait_for_save": {"calls": 200, "s": 0.02},
+                                                 "save_kv_layer": {"calls": 400, "s": 0.004}},
+                             "meta": {"steps": 0, "max_blocks": 0}}]}
+    summary = summarize(result, num_prompts=2, output_len=50)
+    assert summary["wall_ms_per_step"] == 10.0  # 1 s over 2 x 50 steps
+    assert summary["hooks"]["scheduler.build_connector_meta"] == {"calls_per_step": 1.0, "us_per_step": 50.0}
+    assert summary["hooks"]["worker.save_kv_layer"] == {"calls_per_step": 2.0, "us_per_step": 20.0}
+    assert summary["hooks_us_per_step"] == {"scheduler": 50.0, "worker": 120.0}
+    assert summary["max_blocks_a_step"] == 64

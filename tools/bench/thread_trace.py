@@ -1,0 +1,150 @@
+"""Where a serving pass's CPU goes, thread by thread (Linux ``/proc``).
+
+A pass of ``ucm-db bench serve`` runs a server (API process, engine core,
+the connector's threads and commit process) and this benchmark's client on
+a host of few cores. When ucm-db's work slows the server down, the
+question is whose time it took: the model thread's run-queue wait grows
+when another thread shares its core; a thread bound to the spare core
+delays whatever else needs that core. :func:`snapshot` reads, for every
+thread of the given processes, its CPU time and its run-queue wait
+(``/proc/PID/task/TID/schedstat``: nanoseconds on a CPU, nanoseconds
+waiting for one, time slices) and the CPUs it may run on; :func:`diff`
+turns two snapshots around a pass into rows, busiest first.
+
+Invariants:
+    * A row's ``cpu_s`` and ``wait_s`` are what the thread used between the
+      two snapshots; a thread born after the first counts from zero, one
+      gone before the second is absent (its time is lost, not guessed).
+    * Rows are keyed by process, thread name and allowed CPUs, summed over
+      threads alike (vLLM's and Python's pools name their threads alike),
+      so two passes' rows can be set side by side.
+    * Nothing here alters the traced processes: it only reads ``/proc``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ucm_db.tools.bench.serve_paired import process_group_stats
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class ThreadSample:
+    """One thread's counters at one moment."""
+
+    process: str  # the process's name: its command's short form
+    thread: str  # the thread's comm (15 characters at most)
+    cpu_ns: int
+    wait_ns: int  # time runnable but not running: another thread held its CPU
+    slices: int
+    cpus: str  # Cpus_allowed_list
+
+
+def process_group(pgid: int, proc: Path = PROC) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    return list(process_group_stats(pgid, proc))
+
+
+def process_name(pid: int, proc: Path = PROC) -> str:
+    """A short name for ``pid``: ``python -m X`` -> X; a vLLM engine core's
+    title (``VLLM::EngineCore``) as it set it; else the program's name."""
+    try:
+        argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+        comm = (proc / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return "?"
+    words = [a.decode(errors="replace") for a in argv if a]
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]
+    if words and words[0].startswith("VLLM::"):
+        return words[0]
+    if len(words) > 1 and os.path.basename(words[0]).startswith("python") and not words[1].startswith("-"):
+        return os.path.basename(words[1])
+    return comm
+
+
+def _thread(pid: int, tid: int, process: str, proc: Path) -> ThreadSample | None:
+    task = proc / str(pid) / "task" / str(tid)
+    try:
+        run_ns, wait_ns, slices = ((task / "schedstat").read_text().split() + ["0", "0", "0"])[:3]
+        comm = (task / "comm").read_text().strip()
+        cpus = next((line.split(":", 1)[1].strip() for line in (task / "status").read_text().splitlines()
+                     if line.startswith("Cpus_allowed_list:")), "?")
+    except OSError:
+        return None  # the thread ended meanwhile
+    return ThreadSample(process, comm, int(run_ns), int(wait_ns), int(slices), cpus)
+
+
+def snapshot(pids: Iterable[int], proc: Path = PROC) -> dict[tuple[int, int], ThreadSample]:
+    """Every live thread of ``pids``, keyed by (pid, tid)."""
+    out: dict[tuple[int, int], ThreadSample] = {}
+    for pid in pids:
+        name = process_name(pid, proc)
+        try:
+            tids = [int(t.name) for t in (proc / str(pid) / "task").iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            sample = _thread(pid, tid, name, proc)
+            if sample is not None:
+                out[(pid, tid)] = sample
+    return out
+
+
+def diff(before: dict[tuple[int, int], ThreadSample], after: dict[tuple[int, int], ThreadSample],
+         wall_s: float, min_share: float = 0.005, by_thread: bool = False) -> list[dict[str, Any]]:
+    """Rows of what each (process, thread name, CPUs) used between ``before``
+    and ``after`` (each thread apart with ``by_thread``): CPU and run-queue
+    wait in seconds and as shares of ``wall_s``; rows under ``min_share``
+    of a core in both are dropped. Busiest first."""
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for key, now in after.items():
+        then = before.get(key)
+        cpu_ns = now.cpu_ns - (then.cpu_ns if then else 0)
+        wait_ns = now.wait_ns - (then.wait_ns if then else 0)
+        group = (now.process, now.thread, now.cpus) + (key if by_thread else ())
+        row = rows.setdefault(group, {"process": now.process, "thread": now.thread, "threads": 0,
+                                                          "cpu_s": 0.0, "wait_s": 0.0, "cpus": now.cpus})
+        row["threads"] += 1
+        row["cpu_s"] += cpu_ns / 1e9
+        row["wait_s"] += wait_ns / 1e9
+    out = []
+    for row in rows.values():
+        row["cpu_share"] = round(row["cpu_s"] / wall_s, 4) if wall_s > 0 else 0.0
+        row["wait_share"] = round(row["wait_s"] / wall_s, 4) if wall_s > 0 else 0.0
+        if max(row["cpu_share"], row["wait_share"]) >= min_share:
+            row["cpu_s"], row["wait_s"] = round(row["cpu_s"], 4), round(row["wait_s"], 4)
+            out.append(row)
+    return sorted(out, key=lambda r: -r["cpu_s"])
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The rows as a small table (share of one core: CPU, run-queue wait)."""
+    lines = [f"    {'process':<28} {'thread':<16} {'n':>3} {'cpu':>6} {'wait':>6}  cpus"]
+    for r in rows:
+        lines.append(f"    {r['process'][:28]:<28} {r['thread'][:16]:<16} {r['threads']:>3} {r['cpu_share']:>6.1%} "
+                     f"{r['wait_share']:>6.1%}  {r['cpus']}")
+    return "\n".join(lines)
+
+
+def trace_pass(pgid: int, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Runs ``send()``, a pass that returns its figures with its
+    ``duration`` in seconds, and adds ``threads``: the rows of what each
+    thread of process group ``pgid`` (a server) and of this process (the
+    client) used meanwhile."""
+    pids = [*process_group(pgid), os.getpid()]
+    before = snapshot(pids)
+    result = send()
+    result["threads"] = diff(before, snapshot(pids), float(result["duration"]))
+    return result
+
+
+def shown(rows: list[dict[str, Any]]) -> str:
+    """The rows as lines to print after a pass's progress line, where
+    ``UCM_DB_BENCH_THREADS=1``; else nothing."""
+    return "\n" + format_rows(rows) if os.environ.get("UCM_DB_BENCH_THREADS") == "1" else ""
