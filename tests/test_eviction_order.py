@@ -93,3 +93,47 @@ def test_eviction_passes_over_a_long_chain_s_inner_blocks_once(tmp_path) -> None
         # Every inner block of the long chain was passed over once: about
         # 1000 entries read in all, where rescanning per victim reads ~200k.
         assert s._tier.eviction_entries_scanned <= 1024 + 4 * evictions
+
+
+def test_reading_a_long_prefix_again_rewrites_the_read_block_not_its_ancestors(tmp_path, monkeypatch) -> None:
+    """A touch walks up only to the first ancestor within the slack of the
+    touch (the scheduler touches a 512-block prefix each time a request
+    loads it); one older than that is brought up to date, the walk with it."""
+    from ucm_db.index import writes
+
+    with ucm_db.open(tmp_path / "s", codec="none") as s:
+        keys = chain(1, 6)
+        s.put(NS, keys, [block(i) for i in range(6)])
+        put_ns = [m.access_ns for m in s._tier.metas(list(keys))]
+        s.touch(NS, [keys[-1]])
+        s._state.activity.flush_activity()
+        after = [m.access_ns for m in s._tier.metas(list(keys))]
+        assert after[:-1] == put_ns[:-1]  # put a moment ago: within the slack, not rewritten
+        assert after[-1] > put_ns[-1]  # the touched block itself: exact
+        monkeypatch.setattr(writes, "ANCESTOR_RECENCY_SLACK_NS", 0)
+        s.touch(NS, [keys[3]])
+        s._state.activity.flush_activity()
+        latest = [m.access_ns for m in s._tier.metas(list(keys))]
+        assert all(latest[i] > after[i] for i in range(4)) and latest[4:] == after[4:]  # older than the slack: walked
+
+
+def test_an_ancestor_left_within_the_slack_still_goes_after_its_tail_and_older_tails(store) -> None:
+    """The slack never moves an ancestor before what the touch promises to
+    outlive: a block with children is filed again as used when the scan
+    meets it, so it goes only after its (touched) tail, and after every
+    block read or written before the touch."""
+    a = chain(1, 2)
+    store.put(NS, a, [block(0), block(1)])
+    others = [chain(10 + j, 1) for j in range(6)]
+    for j, keys in enumerate(others):
+        time.sleep(0.002)
+        store.put(NS, keys, [block(10 + j)])
+    time.sleep(0.002)
+    store.touch(NS, [a[-1]])  # a's head stays at its put time (within the slack)
+    store._state.activity.flush_activity()
+    for j in range(6):  # each put evicts one block: the other blocks first, oldest first
+        store.put(NS, chain(200 + j, 1), [block(200 + j)])
+        assert store.lookup(NS, a) == 2
+        assert sum(store.lookup(NS, keys) for keys in others) == 5 - j
+    store.put(NS, chain(300, 1), [block(300)])
+    assert store.lookup(NS, a) == 1  # then a's tail, the touched block, before its head
