@@ -213,9 +213,11 @@ class PrefixLookup:
         maintenance thread writes their recency, not the workers', whose
         Python would take the GIL from the model's thread (each torch op
         gives it up and must win it back). The touch is written within
-        ``sync_interval_s``; a put in a worker that evicts before then
-        does not see it, and may take a block just loaded (a later
-        request recomputes it: never wrong data)."""
+        ``sync_interval_s``, or, for a block whose recency was written
+        within ``RECENCY_REFRESH_S`` (30 s), once that has passed; a put
+        in a worker that evicts before then does not see it, and may take
+        a block just loaded (a later request recomputes it: never wrong
+        data)."""
         if block_keys:
             self._store.touch(self._namespace, unit_keys_of(block_keys, self._spans, self._grid))
 

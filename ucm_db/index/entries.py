@@ -177,11 +177,32 @@ class PutResult:
 
 @dataclass(slots=True)
 class PendingActivity:
-    """Reader activity not yet in the index (touches, hits, misses)."""
+    """Reader activity not yet in the index (touches, hits, misses).
+
+    ``touched`` maps a key to its newest touch; writing it counts one hit
+    on the block, plus ``earlier_rounds`` of the key: the maintenance rounds
+    that kept its touch back (``ucm_db.store.background``), each one hit
+    as if it had been written then."""
 
     touched: dict[bytes, int] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
+    earlier_rounds: dict[bytes, int] = field(default_factory=dict)
+
+    def merge(self, other: PendingActivity) -> None:
+        """Adds ``other`` to this one: a key in both keeps its newest touch
+        and the hits of both (each side's own one and its earlier rounds)."""
+        touched, rounds = self.touched, self.earlier_rounds
+        for key, access_ns in other.touched.items():
+            mine = touched.get(key)
+            if mine is not None:
+                rounds[key] = rounds.get(key, 0) + 1
+                access_ns = max(access_ns, mine)
+            touched[key] = access_ns
+        for key, count in other.earlier_rounds.items():
+            rounds[key] = rounds.get(key, 0) + count
+        self.hits += other.hits
+        self.misses += other.misses
 
     def empty(self) -> bool:
         return not self.touched and not self.hits and not self.misses

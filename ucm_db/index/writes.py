@@ -308,7 +308,8 @@ class IndexWriter:
                     txn.delete("lru", lru_key(meta.access_ns, meta.depth, current))
                     txn.put("lru", lru_key(access_ns, meta.depth, current), b"")
                     meta.access_ns = access_ns
-                meta.hits += int(hit)
+                if hit:
+                    meta.hits += 1 + activity.earlier_rounds.get(current, 0)
                 hit = False
                 txn.put("meta", current, meta.pack())
                 counts = changes.ns(meta.namespace_id)
