@@ -93,7 +93,7 @@ def test_a_flush_and_a_close_write_the_touches_kept_back(store, tmp_path) -> Non
     store.flush()
     assert index_of(store, a)[0][1] == 2
     store.get(NS, a)
-    round_(store)  # kept back: the flush wrote its recency a moment ago
+    round_(store)  # kept back: a round wrote its recency a moment ago
     engine = store.config.engine
     store.close()
     with ucm_db.open(tmp_path / "s", engine=engine) as reopened:

@@ -232,8 +232,9 @@ class Background:
         except BaseException:
             self.give_back(activity)
             raise
-        with self._lock:
-            self._refreshed.update(activity.touched)
+        if keep_back_recent:  # only the rounds, which rotate them, fill the sets
+            with self._lock:
+                self._refreshed.update(activity.touched)
 
     def _round_activity(self) -> PendingActivity:
         """What a maintenance round writes: the new touches of blocks not
