@@ -83,6 +83,23 @@ def test_a_traced_pass_carries_its_threads_and_prints_them_on_demand(monkeypatch
     assert thread_trace.shown(result["threads"]).startswith("\n    process")
 
 
+def test_the_host_s_steal_gets_a_row_per_cpu_it_took(tmp_path: Path) -> None:
+    """A pass on a VM whose host took CPU 0 away: threads runnable then
+    count it as wait, so the trace says how much the host took (a fake
+    ``/proc/stat``; the real one is read the same way)."""
+    stat = "cpu  10 0 5 100 0 0 0 {total} 0 0\ncpu0 5 0 2 50 0 0 0 {cpu0} 0 0\ncpu1 5 0 3 50 0 0 0 {cpu1} 0 0\nintr 1 2\n"
+    (tmp_path / "stat").write_text(stat.format(total=30, cpu0=20, cpu1=10))
+    before = thread_trace.steal_ticks(tmp_path)
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    (tmp_path / "stat").write_text(stat.format(total=30 + ticks_per_s, cpu0=20 + ticks_per_s, cpu1=10))
+    after = thread_trace.steal_ticks(tmp_path)
+    assert before == {"0": 20, "1": 10}
+    rows = thread_trace.steal_rows(before, after, wall_s=4.0)
+    assert [(r["process"], r["cpus"], r["cpu_share"]) for r in rows] == [("(host)", "0", 0.25)]  # CPU 1 lost nothing
+    assert "(host)" in thread_trace.format_rows(rows)
+    assert thread_trace.steal_ticks(tmp_path / "absent") == {}
+
+
 def test_hooks_summary_counts_per_step_by_role() -> None:
     from ucm_db.tools.bench.hooks import summarize
 

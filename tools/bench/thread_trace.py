@@ -19,6 +19,11 @@ Invariants:
       threads alike (vLLM's and Python's pools name their threads alike),
       so two passes' rows can be set side by side.
     * Nothing here alters the traced processes: it only reads ``/proc``.
+    * A virtual machine's host may take a CPU away (steal, ``/proc/stat``):
+      a thread runnable meanwhile counts that time as wait, though no
+      thread of the guest ran. :func:`trace_pass` adds a row per CPU of
+      the steal during the pass (process ``(host)``), so a pass slowed by
+      the host is told from one slowed by a thread.
 """
 
 from __future__ import annotations
@@ -132,15 +137,46 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def steal_ticks(proc: Path = PROC) -> dict[str, int]:
+    """Clock ticks each CPU was taken by the host (``/proc/stat``'s steal
+    column), by CPU number; empty where ``/proc/stat`` cannot say."""
+    out: dict[str, int] = {}
+    try:
+        lines = (proc / "stat").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and len(values) > 7:
+            out[name[3:]] = int(values[7])
+    return out
+
+
+def steal_rows(before: dict[str, int], after: dict[str, int], wall_s: float, min_share: float = 0.005) -> list[dict[str, Any]]:
+    """A row per CPU the host took at least ``min_share`` of between the
+    two readings (process ``(host)``, thread ``steal``: its ``cpu_share``
+    is the share of the pass that CPU was gone)."""
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    rows = []
+    for cpu, ticks in after.items():
+        stolen_s = (ticks - before.get(cpu, ticks)) / ticks_per_s
+        share = round(stolen_s / wall_s, 4) if wall_s > 0 else 0.0
+        if share >= min_share:
+            rows.append({"process": "(host)", "thread": "steal", "threads": 0, "cpu_s": round(stolen_s, 4),
+                         "wait_s": 0.0, "cpus": cpu, "cpu_share": share, "wait_share": 0.0})
+    return rows
+
+
 def trace_pass(pgid: int, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Runs ``send()``, a pass that returns its figures with its
     ``duration`` in seconds, and adds ``threads``: the rows of what each
     thread of process group ``pgid`` (a server) and of this process (the
-    client) used meanwhile."""
+    client) used meanwhile, then the host's steal per CPU (module doc)."""
     pids = [*process_group(pgid), os.getpid()]
-    before = snapshot(pids)
+    before, stolen = snapshot(pids), steal_ticks()
     result = send()
-    result["threads"] = diff(before, snapshot(pids), float(result["duration"]))
+    wall_s = float(result["duration"])
+    result["threads"] = diff(before, snapshot(pids), wall_s) + steal_rows(stolen, steal_ticks(), wall_s)
     return result
 
 
