@@ -83,21 +83,22 @@ def test_a_traced_pass_carries_its_threads_and_prints_them_on_demand(monkeypatch
     assert thread_trace.shown(result["threads"]).startswith("\n    process")
 
 
-def test_the_host_s_steal_gets_a_row_per_cpu_it_took(tmp_path: Path) -> None:
+def test_each_cpu_s_busy_time_and_the_host_s_steal_get_rows(tmp_path: Path) -> None:
     """A pass on a VM whose host took CPU 0 away: threads runnable then
-    count it as wait, so the trace says how much the host took (a fake
-    ``/proc/stat``; the real one is read the same way)."""
-    stat = "cpu  10 0 5 100 0 0 0 {total} 0 0\ncpu0 5 0 2 50 0 0 0 {cpu0} 0 0\ncpu1 5 0 3 50 0 0 0 {cpu1} 0 0\nintr 1 2\n"
-    (tmp_path / "stat").write_text(stat.format(total=30, cpu0=20, cpu1=10))
-    before = thread_trace.steal_ticks(tmp_path)
+    count it as wait, so the trace says how much the host took, and how
+    busy each CPU was with anything (a fake ``/proc/stat``; the real one
+    is read the same way)."""
+    stat = "cpu  10 0 5 100 0 0 0 30 0 0\ncpu0 {user0} 0 2 50 7 1 1 {steal0} 0 0\ncpu1 5 0 3 50 0 0 0 10 0 0\nintr 1 2\n"
+    (tmp_path / "stat").write_text(stat.format(user0=5, steal0=20))
+    before = thread_trace.cpu_ticks(tmp_path)
     ticks_per_s = os.sysconf("SC_CLK_TCK")
-    (tmp_path / "stat").write_text(stat.format(total=30 + ticks_per_s, cpu0=20 + ticks_per_s, cpu1=10))
-    after = thread_trace.steal_ticks(tmp_path)
-    assert before == {"0": 20, "1": 10}
-    rows = thread_trace.steal_rows(before, after, wall_s=4.0)
-    assert [(r["process"], r["cpus"], r["cpu_share"]) for r in rows] == [("(host)", "0", 0.25)]  # CPU 1 lost nothing
-    assert "(host)" in thread_trace.format_rows(rows)
-    assert thread_trace.steal_ticks(tmp_path / "absent") == {}
+    (tmp_path / "stat").write_text(stat.format(user0=5 + 2 * ticks_per_s, steal0=20 + ticks_per_s))
+    after = thread_trace.cpu_ticks(tmp_path)
+    assert before == {"0": (9, 20), "1": (8, 10)}  # busy: user, nice, system, irq, softirq (not idle, not iowait)
+    rows = thread_trace.cpu_rows(before, after, wall_s=4.0)
+    assert [(r["thread"], r["cpus"], r["cpu_share"]) for r in rows] == [("busy", "0", 0.5), ("steal", "0", 0.25), ("busy", "1", 0.0)]
+    assert all(r["process"] == "(host)" for r in rows) and "(host)" in thread_trace.format_rows(rows)
+    assert thread_trace.cpu_ticks(tmp_path / "absent") == {}
 
 
 def test_hooks_summary_counts_per_step_by_role() -> None:

@@ -21,9 +21,12 @@ Invariants:
     * Nothing here alters the traced processes: it only reads ``/proc``.
     * A virtual machine's host may take a CPU away (steal, ``/proc/stat``):
       a thread runnable meanwhile counts that time as wait, though no
-      thread of the guest ran. :func:`trace_pass` adds a row per CPU of
-      the steal during the pass (process ``(host)``), so a pass slowed by
-      the host is told from one slowed by a thread.
+      thread of the guest ran. :func:`trace_pass` adds rows per CPU
+      (process ``(host)``): ``busy``, the share of the pass the CPU ran
+      anything (these threads, other processes, the kernel's own), and
+      ``steal`` where the host took some, so a pass slowed by the host or
+      by work outside the traced processes is told from one slowed by a
+      traced thread.
 """
 
 from __future__ import annotations
@@ -137,10 +140,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def steal_ticks(proc: Path = PROC) -> dict[str, int]:
-    """Clock ticks each CPU was taken by the host (``/proc/stat``'s steal
-    column), by CPU number; empty where ``/proc/stat`` cannot say."""
-    out: dict[str, int] = {}
+def cpu_ticks(proc: Path = PROC) -> dict[str, tuple[int, int]]:
+    """Clock ticks each CPU spent busy (user, nice, system, irq, softirq)
+    and taken by the host (steal) so far, by CPU number (``/proc/stat``);
+    empty where it cannot say."""
+    out: dict[str, tuple[int, int]] = {}
     try:
         lines = (proc / "stat").read_text().splitlines()
     except OSError:
@@ -148,22 +152,26 @@ def steal_ticks(proc: Path = PROC) -> dict[str, int]:
     for line in lines:
         name, *values = line.split()
         if name.startswith("cpu") and name[3:].isdigit() and len(values) > 7:
-            out[name[3:]] = int(values[7])
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in values[:8])
+            out[name[3:]] = (user + nice + system + irq + softirq, steal)
     return out
 
 
-def steal_rows(before: dict[str, int], after: dict[str, int], wall_s: float, min_share: float = 0.005) -> list[dict[str, Any]]:
-    """A row per CPU the host took at least ``min_share`` of between the
-    two readings (process ``(host)``, thread ``steal``: its ``cpu_share``
-    is the share of the pass that CPU was gone)."""
+def cpu_rows(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], wall_s: float,
+             min_share: float = 0.005) -> list[dict[str, Any]]:
+    """Rows of each CPU between the two readings (process ``(host)``):
+    ``busy`` always, ``steal`` where the host took at least ``min_share``;
+    ``cpu_share`` is the share of the pass."""
     ticks_per_s = os.sysconf("SC_CLK_TCK")
     rows = []
-    for cpu, ticks in after.items():
-        stolen_s = (ticks - before.get(cpu, ticks)) / ticks_per_s
-        share = round(stolen_s / wall_s, 4) if wall_s > 0 else 0.0
-        if share >= min_share:
-            rows.append({"process": "(host)", "thread": "steal", "threads": 0, "cpu_s": round(stolen_s, 4),
-                         "wait_s": 0.0, "cpus": cpu, "cpu_share": share, "wait_share": 0.0})
+    for cpu, (busy, steal) in after.items():
+        busy_then, steal_then = before.get(cpu, (busy, steal))
+        for what, ticks, floor in (("busy", busy - busy_then, 0.0), ("steal", steal - steal_then, min_share)):
+            seconds = ticks / ticks_per_s
+            share = round(seconds / wall_s, 4) if wall_s > 0 else 0.0
+            if share >= floor:
+                rows.append({"process": "(host)", "thread": what, "threads": 0, "cpu_s": round(seconds, 4),
+                             "wait_s": 0.0, "cpus": cpu, "cpu_share": share, "wait_share": 0.0})
     return rows
 
 
@@ -171,12 +179,13 @@ def trace_pass(pgid: int, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Runs ``send()``, a pass that returns its figures with its
     ``duration`` in seconds, and adds ``threads``: the rows of what each
     thread of process group ``pgid`` (a server) and of this process (the
-    client) used meanwhile, then the host's steal per CPU (module doc)."""
+    client) used meanwhile, then each CPU's busy time and steal (module
+    doc)."""
     pids = [*process_group(pgid), os.getpid()]
-    before, stolen = snapshot(pids), steal_ticks()
+    before, ticks = snapshot(pids), cpu_ticks()
     result = send()
     wall_s = float(result["duration"])
-    result["threads"] = diff(before, snapshot(pids), wall_s) + steal_rows(stolen, steal_ticks(), wall_s)
+    result["threads"] = diff(before, snapshot(pids), wall_s) + cpu_rows(ticks, cpu_ticks(), wall_s)
     return result
 
 
