@@ -99,6 +99,10 @@ def test_each_cpu_s_busy_time_and_the_host_s_steal_get_rows(tmp_path: Path) -> N
     assert [(r["thread"], r["cpus"], r["cpu_share"]) for r in rows] == [("busy", "0", 0.5), ("steal", "0", 0.25), ("busy", "1", 0.0)]
     assert all(r["process"] == "(host)" for r in rows) and "(host)" in thread_trace.format_rows(rows)
     assert thread_trace.cpu_ticks(tmp_path / "absent") == {}
+    traced = [{"cpu_s": 0.5}, {"cpu_s": 0.25}]  # 0.75 s of the 2 s CPU 0 was busy: 1.25 s ran elsewhere
+    (untraced,) = thread_trace.untraced_row(traced, rows, wall_s=4.0)
+    assert (untraced["thread"], untraced["cpu_s"], untraced["cpu_share"]) == ("untraced", 1.25, 0.3125)
+    assert thread_trace.untraced_row(traced, [], wall_s=4.0) == []
 
 
 def test_hooks_summary_counts_per_step_by_role() -> None:

@@ -24,9 +24,10 @@ Invariants:
       thread of the guest ran. :func:`trace_pass` adds rows per CPU
       (process ``(host)``): ``busy``, the share of the pass the CPU ran
       anything (these threads, other processes, the kernel's own), and
-      ``steal`` where the host took some, so a pass slowed by the host or
-      by work outside the traced processes is told from one slowed by a
-      traced thread.
+      ``steal`` where the host took some, and ``untraced``, the busy time
+      no traced thread used, so a pass slowed by the host or by work
+      outside the traced processes is told from one slowed by a traced
+      thread.
 """
 
 from __future__ import annotations
@@ -185,8 +186,24 @@ def trace_pass(pgid: int, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     before, ticks = snapshot(pids), cpu_ticks()
     result = send()
     wall_s = float(result["duration"])
-    result["threads"] = diff(before, snapshot(pids), wall_s) + cpu_rows(ticks, cpu_ticks(), wall_s)
+    after, ticks_after = snapshot(pids), cpu_ticks()
+    hosts = cpu_rows(ticks, ticks_after, wall_s)
+    result["threads"] = diff(before, after, wall_s) + hosts + untraced_row(diff(before, after, wall_s, min_share=0.0), hosts, wall_s)
     return result
+
+
+def untraced_row(threads: list[dict[str, Any]], hosts: list[dict[str, Any]], wall_s: float) -> list[dict[str, Any]]:
+    """One row (process ``(host)``, thread ``untraced``) of the CPU time
+    the CPUs were busy beyond what the traced threads used: other
+    processes on the machine (a container sees the whole machine's
+    ``/proc/stat``) and the kernel's own threads; empty where no CPU
+    reported its busy time."""
+    busy = [r["cpu_s"] for r in hosts if r["thread"] == "busy"]
+    if not busy or wall_s <= 0:
+        return []
+    seconds = max(0.0, sum(busy) - sum(r["cpu_s"] for r in threads))
+    return [{"process": "(host)", "thread": "untraced", "threads": 0, "cpu_s": round(seconds, 4), "wait_s": 0.0,
+             "cpus": "all", "cpu_share": round(seconds / wall_s, 4), "wait_share": 0.0}]
 
 
 def shown(rows: list[dict[str, Any]]) -> str:
