@@ -120,3 +120,21 @@ def test_hooks_summary_counts_per_step_by_role() -> None:
     assert summary["hooks"]["worker.save_kv_layer"] == {"calls_per_step": 2.0, "us_per_step": 20.0}
     assert summary["hooks_us_per_step"] == {"scheduler": 50.0, "worker": 120.0}
     assert summary["max_blocks_a_step"] == 64
+
+
+def test_pairs_with_a_pass_disturbed_by_untraced_work_are_told_apart() -> None:
+    """A pass whose CPUs ran much work no traced thread did (another job on
+    the machine) is disturbed; its pair is left out of the quiet pairs'
+    median, never out of the row's own figure. An untraced pass counts
+    as quiet."""
+    from ucm_db.tools.bench import serve_paired
+
+    def pass_(req_s: float, untraced: float | None) -> dict:
+        rows = [] if untraced is None else [{"process": "(host)", "thread": "untraced", "cpu_share": untraced}]
+        return {"request_throughput": req_s, "threads": rows}
+
+    bound = [pass_(10.0, 0.02), pass_(10.0, 0.157), pass_(10.0, None)]
+    ucm = [pass_(9.5, 0.03), pass_(9.9, 0.02), pass_(9.0, 0.151)]
+    assert serve_paired.untraced_share(bound[0]) == 0.02 and serve_paired.untraced_share({}) is None
+    assert serve_paired.quiet_pairs(bound, ucm) == [0]
+    assert serve_paired.paired_ratios(bound, ucm) == [0.95, 0.99, 0.9]
