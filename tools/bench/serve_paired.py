@@ -24,7 +24,7 @@ Invariants:
       ``DISTURBED_UNTRACED_SHARE`` of a core on work no traced thread did
       (thread_trace's ``(host) untraced`` row: other processes on the
       machine, the kernel): such a pass stalls ~1 s with the model thread
-      runnable, in either server's pass alike. The row's figure stays the
+      runnable, in either server's passes. The row's figure stays the
       median of every pair; the undisturbed pairs' median is reported
       beside it, never instead.
 """
