@@ -189,18 +189,23 @@ class PendingActivity:
     misses: int = 0
     earlier_rounds: dict[bytes, int] = field(default_factory=dict)
 
+    def add(self, key: bytes, access_ns: int, earlier_rounds: int = 0) -> None:
+        """Adds one key's pending touch: a key pending already keeps its
+        newest touch and the hits of both (each side's own one and its
+        earlier rounds)."""
+        mine = self.touched.get(key)
+        if mine is not None:
+            earlier_rounds += self.earlier_rounds.get(key, 0) + 1
+            access_ns = max(access_ns, mine)
+        self.touched[key] = access_ns
+        if earlier_rounds:
+            self.earlier_rounds[key] = earlier_rounds
+
     def merge(self, other: PendingActivity) -> None:
-        """Adds ``other`` to this one: a key in both keeps its newest touch
-        and the hits of both (each side's own one and its earlier rounds)."""
-        touched, rounds = self.touched, self.earlier_rounds
+        """Adds ``other`` to this one (:meth:`add` for each of its keys)."""
+        rounds = other.earlier_rounds
         for key, access_ns in other.touched.items():
-            mine = touched.get(key)
-            if mine is not None:
-                rounds[key] = rounds.get(key, 0) + 1
-                access_ns = max(access_ns, mine)
-            touched[key] = access_ns
-        for key, count in other.earlier_rounds.items():
-            rounds[key] = rounds.get(key, 0) + count
+            self.add(key, access_ns, rounds.get(key, 0))
         self.hits += other.hits
         self.misses += other.misses
 

@@ -254,14 +254,8 @@ class Background:
                 self._refreshed_since_s = time.monotonic()
             fresh, before = self._refreshed, self._refreshed_before
             for key in [key for key in activity.touched if key in fresh or key in before]:
-                kept = self._kept_fresh if key in fresh else self._kept_before
-                access_ns, rounds = activity.touched.pop(key), activity.earlier_rounds.pop(key, 0)
-                if key in kept.touched:  # kept back from an earlier round too: both rounds' hits
-                    rounds += kept.earlier_rounds.get(key, 0) + 1
-                    access_ns = max(access_ns, kept.touched[key])
-                kept.touched[key] = access_ns
-                if rounds:
-                    kept.earlier_rounds[key] = rounds
+                kept = self._kept_fresh if key in fresh else self._kept_before  # kept back before too: both rounds' hits
+                kept.add(key, activity.touched.pop(key), activity.earlier_rounds.pop(key, 0))
             if due is not None:
                 activity.merge(due)
         return activity
