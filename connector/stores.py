@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.committer import CommitProcess
-from ucm_db.errors import CommitProcessError, ConfigError, TierError
+from ucm_db.errors import TierError
 from ucm_db.maintenance import pre_unit_namespaces, pre_unit_refusal
 
 _lock = threading.Lock()
@@ -45,28 +45,43 @@ _handles: dict[tuple[int, Path], list] = {}  # key -> [store, refcount]
 _committers: dict[tuple[int, Path], list] = {}  # key -> [commit process, refcount]
 
 
+def _take(table: dict[tuple[int, Path], list], path: Path, make: Callable[[], Any], usable: Callable[[Any], bool]) -> Any:
+    """One more holder of ``table``'s object for ``path`` in this process,
+    made by ``make()`` on first use or where the one there is not
+    ``usable``. Under ``_lock``."""
+    key = (os.getpid(), path.expanduser().resolve())
+    entry = table.get(key)
+    if entry is None or not usable(entry[0]):
+        entry = table[key] = [make(), 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def _drop(table: dict[tuple[int, Path], list], obj: Any) -> bool | None:
+    """One holder fewer of ``obj``: True if that was the last (it left
+    ``table``), False if others hold it, None if ``table`` never held it.
+    Under ``_lock``."""
+    for key, entry in list(table.items()):
+        if entry[0] is obj:
+            entry[1] -= 1
+            if entry[1] > 0:
+                return False
+            del table[key]
+            return True
+    return None
+
+
 def acquire(settings: ConnectorSettings) -> ucm_db.Store:
     """The process's store at ``settings.path`` (opened on first use)."""
-    key = (os.getpid(), settings.path.expanduser().resolve())
     with _lock:
-        entry = _handles.get(key)
-        if entry is None:
-            entry = [ucm_db.open(settings.path, **settings.store_options), 0]
-            _handles[key] = entry
-        entry[1] += 1
-        return entry[0]
+        return _take(_handles, settings.path, lambda: ucm_db.open(settings.path, **settings.store_options), lambda _: True)
 
 
 def release(store: ucm_db.Store) -> None:
     """Drops one reference; closes the store with the last one."""
     with _lock:
-        for key, entry in list(_handles.items()):
-            if entry[0] is store:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del _handles[key]
-                    store.close()
-                return
+        if _drop(_handles, store):
+            store.close()
 
 
 def acquire_committer(settings: ConnectorSettings) -> CommitProcess:
@@ -76,28 +91,18 @@ def acquire_committer(settings: ConnectorSettings) -> CommitProcess:
     Raises:
         CommitProcessError, ConfigError: it cannot start (the caller saves in-process).
     """
-    key = (os.getpid(), settings.path.expanduser().resolve())
     with _lock:
-        entry = _committers.get(key)
-        if entry is None or not entry[0].alive:
-            entry = [CommitProcess(settings.path, settings.store_options), 0]
-            _committers[key] = entry
-        entry[1] += 1
-        return entry[0]
+        return _take(_committers, settings.path, lambda: CommitProcess(settings.path, settings.store_options),
+                     lambda committer: committer.alive)
 
 
 def release_committer(committer: CommitProcess) -> None:
     """Drops one reference; closes the commit process with the last one (at
     once if it was never acquired here)."""
     with _lock:
-        for key, entry in list(_committers.items()):
-            if entry[0] is committer:
-                entry[1] -= 1
-                if entry[1] > 0:
-                    return
-                del _committers[key]
-                break
-    committer.close()  # outside the lock: it waits for the child to exit
+        last = _drop(_committers, committer) is not False
+    if last:
+        committer.close()  # outside the lock: it waits for the child to exit
 
 
 def store_is_read_only(path: Path) -> bool:
