@@ -80,6 +80,7 @@ from ucm_db.cpu_placement import place_current_thread
 from ucm_db.config import StoreConfig
 from ucm_db.engines.base import Engine
 from ucm_db.index.local import LocalTier, PendingActivity
+from ucm_db.index.writes import ANCESTOR_RECENCY_SLACK_NS
 
 logger = logging.getLogger("ucm_db")
 
@@ -94,8 +95,9 @@ GROWTH_WAIT_S = 30.0
 MIN_SYNC_BUDGET_BYTES = 1 << 20
 #: A block whose recency this process wrote less than this long ago has a
 #: new touch kept back by the maintenance rounds (module doc); at least
-#: half of it has passed when the touch is written.
-RECENCY_REFRESH_S = 30.0
+#: half of it has passed when the touch is written. The same staleness
+#: the index allows an ancestor's recency (one notion of "recent enough").
+RECENCY_REFRESH_S = ANCESTOR_RECENCY_SLACK_NS / 1e9
 
 
 class ReadsForEviction:
