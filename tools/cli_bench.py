@@ -45,6 +45,7 @@ BENCHMARKS = {
     "agentic": "ucm_db.tools.bench.agentic:command",
     "writer": "ucm_db.tools.bench.writer:command",
     "lmdb-floor": "ucm_db.tools.bench.lmdb_floor:command",
+    "recency": "ucm_db.tools.bench.recency:command",
 }
 
 
