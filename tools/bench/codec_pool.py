@@ -23,7 +23,7 @@ import ucm_db
 from ucm_db.components import codec_pool
 from ucm_db.keys import Namespace
 
-_TOTAL_BYTES = 16 << 20
+TOTAL_BYTES = 16 << 20
 _NS = Namespace(model="bench-codec-pool", kv_dtype="bfloat16", block_size=32)
 
 
@@ -33,10 +33,14 @@ def bf16_like(num_blocks: int, block_bytes: int) -> np.ndarray:
     return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
 
 
-def measure(frame_bytes: int, block_bytes: int, threads: int, runs: int, *, codec_name: str = "zstd") -> dict[str, float]:
-    """Median decode and encode MB/s of one configuration."""
-    num_blocks = _TOTAL_BYTES // block_bytes
-    data = bf16_like(num_blocks, block_bytes)
+def measure(frame_bytes: int, block_bytes: int, threads: int, runs: int, *, codec_name: str = "zstd",
+            data: np.ndarray | None = None) -> dict[str, float]:
+    """Median decode and encode MB/s of one configuration, over ``data``
+    (``[blocks, block_bytes]`` uint8, 16 MiB; bf16-like when None)."""
+    num_blocks = TOTAL_BYTES // block_bytes
+    data = bf16_like(num_blocks, block_bytes) if data is None else data
+    if data.shape != (num_blocks, block_bytes):
+        raise ValueError(f"want {num_blocks} blocks of {block_bytes} bytes, got an array of shape {data.shape}")
     frames = (frame_bytes,) * (block_bytes // frame_bytes)
     encode_s, decode_s = [], []
     with tempfile.TemporaryDirectory(prefix="ucm-bench-pool-") as tmp:
@@ -52,8 +56,8 @@ def measure(frame_bytes: int, block_bytes: int, threads: int, runs: int, *, code
                 ok = store.get_into(_NS, keys, buffers)
                 decode_s.append(time.perf_counter() - started)
                 assert all(ok) and np.array_equal(out, data)
-    return {"decode_MBps": round(_TOTAL_BYTES / 1e6 / statistics.median(decode_s), 1),
-            "encode_MBps": round(_TOTAL_BYTES / 1e6 / statistics.median(encode_s), 1)}
+    return {"decode_MBps": round(TOTAL_BYTES / 1e6 / statistics.median(decode_s), 1),
+            "encode_MBps": round(TOTAL_BYTES / 1e6 / statistics.median(encode_s), 1)}
 
 
 def run(frame_sizes: list[int], runs: int, force_pool: bool) -> list[dict[str, Any]]:
