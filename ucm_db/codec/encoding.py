@@ -28,12 +28,13 @@ from ucm_db.codec.header import (
 from ucm_db.errors import ConfigError
 
 #: zstd compresses adjacent frames of a block together until a group holds
-#: this many raw bytes: below ~64 KiB zstd's fixed cost per frame (a
-#: context reset, the frame's entropy tables) dominates. bf16-like K/V
-#: through the store on the 2-core host (``ucm-db bench codec-frames``,
-#: BENCHMARKS.md): 512 KiB blocks of 8 KiB frames (vLLM-CPU's layer of one
-#: head) decode at 0.61 GB/s and encode at 0.20 GB/s frame by frame, at
-#: 1.47 and 0.43 GB/s grouped; a 4 KiB exponent plane took ~10 us alone.
+#: this many raw bytes, sparing small frames zstd's fixed cost per frame (a
+#: context reset, the frame's entropy tables) and a table entry each. Since
+#: the planes are split natively and compressed with :data:`_PLANE_PARAMS`
+#: that cost is small: 8 KiB frames (vLLM-CPU's layer of one head) grouped
+#: decode 0.97-1.19x and encode 0.88-1.02x as fast as frame by frame, at
+#: the same ratio (``ucm-db bench codec-frames``, real and bf16-like K/V,
+#: 16-512 KiB blocks; BENCHMARKS.md).
 ZSTD_GROUP_BYTES = 256 << 10
 
 #: A plane is kept compressed only if it shrinks below this fraction.
