@@ -27,7 +27,9 @@ Invariants:
       ``steal`` where the host took some, and ``untraced``, the busy time
       no traced thread used, so a pass slowed by the host or by work
       outside the traced processes is told from one slowed by a traced
-      thread.
+      thread. It then names the rest (:mod:`.host_trace`): the other
+      processes' and kernel threads' CPU by name (process ``(other)``) and
+      the kernel's pressure stalls (process ``(pressure)``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ucm_db.tools.bench import host_trace
 from ucm_db.tools.bench.serve_paired import process_group_stats
 
 PROC = Path("/proc")
@@ -181,14 +184,22 @@ def trace_pass(pgid: int, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     ``duration`` in seconds, and adds ``threads``: the rows of what each
     thread of process group ``pgid`` (a server) and of this process (the
     client) used meanwhile, then each CPU's busy time and steal (module
-    doc)."""
+    doc), and the other processes' rows and the pressure stalls
+    (:mod:`.host_trace`)."""
     pids = [*process_group(pgid), os.getpid()]
     before, ticks = snapshot(pids), cpu_ticks()
+    others, stalls, irqs = host_trace.other_ticks(pids), host_trace.pressure_us(), host_trace.interrupt_ticks()
     result = send()
     wall_s = float(result["duration"])
-    after, ticks_after = snapshot(pids), cpu_ticks()
+    pids_after = {*pids, *process_group(pgid)}
+    after, ticks_after = snapshot(pids_after), cpu_ticks()
+    others_after, stalls_after, irqs_after = host_trace.other_ticks(pids_after), host_trace.pressure_us(), host_trace.interrupt_ticks()
     hosts = cpu_rows(ticks, ticks_after, wall_s)
-    result["threads"] = diff(before, after, wall_s) + hosts + untraced_row(diff(before, after, wall_s, min_share=0.0), hosts, wall_s)
+    result["threads"] = (diff(before, after, wall_s) + hosts
+                         + untraced_row(diff(before, after, wall_s, min_share=0.0), hosts, wall_s)
+                         + host_trace.other_rows(others, others_after, wall_s)
+                         + host_trace.interrupt_rows(irqs, irqs_after, wall_s)
+                         + host_trace.pressure_rows(stalls, stalls_after, wall_s))
     return result
 
 
