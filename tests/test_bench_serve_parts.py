@@ -184,9 +184,17 @@ def test_paired_warm_passes_alternate_abba_and_record_the_idle_servers_cpu() -> 
         cpu_s["ucm-second" if row == "warm-bound" else "warm-bound"] += 0.25  # the idle one a little
         return {"request_throughput": {"warm-bound": 6.0, "ucm-second": 5.7}[row] + len(ran) / 100}
 
-    passes = serve_paired.paired_passes(3, run_pass, lambda row: cpu_s[row])
+    waited: list[str] = []
+
+    def wait_quiet(row: str) -> float:
+        waited.append(row)
+        return 1.5
+
+    passes = serve_paired.paired_passes(3, run_pass, lambda row: cpu_s[row], wait_quiet)
     assert ran == ["warm-bound", "ucm-second", "ucm-second", "warm-bound", "warm-bound", "ucm-second"]
+    assert waited == ["ucm-second", "warm-bound", "warm-bound", "ucm-second", "ucm-second", "warm-bound"]  # the other, before each
     assert [p["other_server_cpu_s"] for p in passes["warm-bound"] + passes["ucm-second"]] == [0.25] * 6
+    assert [p["other_server_wait_s"] for p in passes["warm-bound"] + passes["ucm-second"]] == [1.5] * 6
     ratios = serve_paired.paired_ratios(passes["warm-bound"], passes["ucm-second"])
     assert ratios == [round(5.72 / 6.01, 4), round(5.73 / 6.04, 4), round(5.76 / 6.05, 4)]
     paired = {"request_throughput": 5.73, "paired_ratios": ratios}

@@ -13,6 +13,16 @@ Invariants:
     * The paired passes start once both servers are idle (:func:`wait_idle`:
       ucm-db's first pass leaves saves to commit), so neither server's
       leftover work lands in the other's pass.
+    * Each paired pass starts once the other server is idle too
+      (:data:`QUIET_WINDOW_S`): after its last step of a pass, vLLM's
+      worker spins on its message queue for a second (``shm_broadcast``'s
+      busy loop) on the core both servers' model threads are bound to. A
+      pass started meanwhile lost about a second of its model thread:
+      2026-12-03, conversation workload, every ucm-db pass that followed a
+      bound pass at once and stalled (p99 TTFT ~1 s) had the bound
+      server's worker using 12.5-14.1% of a core during it (1.3-1.9% in
+      the others). One server is what a user runs: the pair measures each
+      alone.
     * Pair ``k`` runs the bound first when ``k`` is even and ucm-db first
       when it is odd, so a steady drift in the host's load favours neither.
     * Each paired pass records the CPU seconds the other, idle server's
@@ -23,8 +33,8 @@ Invariants:
     * A pair is *disturbed* where either pass's CPUs spent more than
       ``DISTURBED_UNTRACED_SHARE`` of a core on work no traced thread did
       (thread_trace's ``(host) untraced`` row: other processes on the
-      machine, the kernel): such a pass stalls ~1 s with the model thread
-      runnable, in either server's passes. The row's figure stays the
+      machine, the kernel, the other server; ``(other)`` rows name them):
+      such a pass stalled ~1 s with the model thread runnable. The row's figure stays the
       median of every pair; the undisturbed pairs' median is reported
       beside it, never instead.
 """
@@ -75,6 +85,12 @@ def process_group_cpu_s(pgid: int, proc: Path = Path("/proc")) -> float:
     return ticks / _TICKS_PER_S
 
 
+#: The window over which the other server must stay idle before a paired
+#: pass (:func:`wait_idle`'s share of a core: 5%): longer than vLLM's
+#: one-second busy loop after a worker's last message.
+QUIET_WINDOW_S = 1.5
+
+
 def wait_idle(cpu_s: Callable[[], float], *, window_s: float = 2.0, idle_share: float = 0.05, timeout_s: float = 180.0,
               sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> float:
     """Waits until ``cpu_s()`` (a server's CPU seconds so far) grows by less
@@ -100,19 +116,25 @@ def pair_order(pair: int) -> tuple[str, str]:
 
 def paired_passes(
     passes: int, run_pass: Callable[[str], dict[str, Any]], group_cpu_s: Callable[[str], float],
+    wait_quiet: Callable[[str], float] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """``passes`` pairs of warm passes: ``run_pass(row)`` runs one pass of
     ``row`` (``warm-bound`` or ``ucm-second``) and returns its figures;
-    ``group_cpu_s(row)`` reads the CPU seconds of ``row``'s server so far.
-    Returns each row's passes in pair order, each with the other server's
-    CPU seconds during it (``other_server_cpu_s``)."""
+    ``group_cpu_s(row)`` reads the CPU seconds of ``row``'s server so far;
+    ``wait_quiet(row)``, where given, waits until ``row``'s server is idle
+    and returns the seconds waited: it runs for the other server before
+    each pass (module invariants). Returns each row's passes in pair order,
+    each with the other server's CPU seconds during it
+    (``other_server_cpu_s``) and the wait for it (``other_server_wait_s``)."""
     out: dict[str, list[dict[str, Any]]] = {"warm-bound": [], "ucm-second": []}
     for pair in range(passes):
         for row in pair_order(pair):
             other = "ucm-second" if row == "warm-bound" else "warm-bound"
+            waited_s = wait_quiet(other) if wait_quiet is not None else 0.0
             before_s = group_cpu_s(other)
             result = run_pass(row)
             result["other_server_cpu_s"] = round(group_cpu_s(other) - before_s, 3)
+            result["other_server_wait_s"] = waited_s
             out[row].append(result)
     return out
 
@@ -182,7 +204,8 @@ def paired_rows(
             waited_s = wait_idle(lambda: process_group_cpu_s(server.pgid))
             progress(f"  {row}'s server idle after {waited_s:.0f} s")
         by_row = paired_passes(passes, lambda row: run_pass(servers[row], row),
-                               lambda row: process_group_cpu_s(servers[row].pgid))
+                               lambda row: process_group_cpu_s(servers[row].pgid),
+                               lambda row: wait_idle(lambda: process_group_cpu_s(servers[row].pgid), window_s=QUIET_WINDOW_S))
     for row, row_passes in by_row.items():
         rows[row] = {**repeated_row(row_passes), "server_start_s": servers[row].start_s}
     ratios = rows["ucm-second"]["paired_ratios"] = paired_ratios(by_row["warm-bound"], by_row["ucm-second"])
