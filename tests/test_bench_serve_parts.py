@@ -366,14 +366,36 @@ def test_no_reuse_noop_setup_runs_a_connector_with_every_hook_empty() -> None:
     """The baseline of vLLM's own connector plumbing: a server with a
     connector vLLM can build (nothing abstract left) that matches nothing."""
     from ucm_db.tools.bench.noop_connector import NoopConnector
-    from ucm_db.tools.bench.serve_noreuse import NOOP, NOOP_TRANSFER, parse_setup
-    from ucm_db.tools.bench.serve_server import ServerSpec
+    from ucm_db.tools.bench.serve_noreuse import NOOP, parse_setup
+    from ucm_db.tools.bench.serve_server import NOOP_TRANSFER, ServerSpec
 
     assert parse_setup(NOOP) == (NOOP, 1, False)
     assert not NoopConnector.__abstractmethods__
     assert NoopConnector.get_num_new_matched_tokens(object.__new__(NoopConnector), object(), 0) == (0, False)
     argv = ServerSpec(Path("m"), 320, 4096, transfer=NOOP_TRANSFER).argv(8000)
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector"] == "NoopConnector"
+
+
+def test_the_bound_servers_connector_is_none_unless_the_environment_names_noop(monkeypatch) -> None:
+    """``UCM_DB_BENCH_BOUND_CONNECTOR``: unset or none gives the bound a
+    server without a connector (what a user compares against); noop gives
+    it vLLM's plumbing with the no-op connector, and the report says so;
+    anything else is refused by name."""
+    from ucm_db.tools.bench.serve_server import BOUND_CONNECTOR_ENV, ServerSpec, bound_note, bound_spec
+
+    capped = ServerSpec(Path("m"), 160, 4096, connector={"path": "/s"})
+    monkeypatch.delenv(BOUND_CONNECTOR_ENV, raising=False)
+    plain = bound_spec(capped, 700)
+    assert (plain.num_blocks, plain.connector, plain.transfer) == (700, None, None)
+    assert "--kv-transfer-config" not in plain.argv(8000) and bound_note("none") == ""
+    monkeypatch.setenv(BOUND_CONNECTOR_ENV, "noop")
+    noop = bound_spec(capped, 700)
+    argv = noop.argv(8000)
+    assert noop.connector is None and json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector"] == "NoopConnector"
+    assert "no-op connector" in bound_note("noop")
+    monkeypatch.setenv(BOUND_CONNECTOR_ENV, "ucm")
+    with pytest.raises(ValueError, match=BOUND_CONNECTOR_ENV):
+        bound_spec(capped, 700)
 
 
 def test_no_reuse_report_and_table_from_passes() -> None:

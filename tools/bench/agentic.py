@@ -40,7 +40,7 @@ from ucm_db.tools.bench.agentic_trace import (DEFAULT_BLOCK_TOKENS, AgenticSpec,
                                               longest_session_blocks, read_trace, reusable_tokens, sessions,
                                               sessions_held, working_set_blocks, write_trace)
 from ucm_db.tools.bench.serve_options import ServeOptions, medians
-from ucm_db.tools.bench.serve_server import BLOCK_SIZE
+from ucm_db.tools.bench.serve_server import BLOCK_SIZE, bound_connector, bound_note
 
 HITS_TARGET, RPS_TARGET = serve_chat.HITS_TARGET, serve_chat.RPS_TARGET
 
@@ -104,7 +104,7 @@ def format_table(rep: dict[str, Any]) -> str:
              f"source {o['source']}; concurrency {o['concurrency']}, time scale {o['time_scale']}; {o['layers']}-layer "
              f"Llama, block {BLOCK_SIZE}; median of {o['runs']} run(s); ucm-db codec {o['codec']}, load_mode "
              f"{o['load_mode']}" + ("; --enforce-eager" if o["enforce_eager"] else "")
-             + (f"; {o['warm_passes']} paired warm passes" if o["paired"] else ""), "",
+             + (f"; {o['warm_passes']} paired warm passes" if o["paired"] else "") + bound_note(o.get("bound_connector", "none")), "",
              f"{'setup':<46} {'req/s':>7} {'TTFT p50':>9} {'p99 ms':>7} {'vLLM hits':>10} {'ucm-db hits':>12} {'short turns':>12}"]
     for row, label in serve_chat.ROWS.items():
         if row in rep["rows"]:
@@ -244,7 +244,7 @@ def command(trace: str | None, write_trace: str | None, no_run: bool, hash_block
     all_runs, elapsed_s = agentic_run.run(options, progress=lambda line: click.echo(line, err=True))
     settings = {"source": trace or "generated", "concurrency": concurrency, "time_scale": time_scale, "seed": seed,
                 "layers": layers, "runs": runs, "codec": codec, "load_mode": load_mode, "enforce_eager": enforce_eager,
-                "paired": paired, "warm_passes": warm_passes, "max_model_len": options.max_model_len,
+                "paired": paired, "warm_passes": warm_passes, "max_model_len": options.max_model_len, "bound_connector": bound_connector(),
                 "generator": None if trace else {"sessions": n_sessions, "turns": turns, "context_tokens": context_tokens,
                                                  "shared_tokens": shared_tokens, "output_tokens": [min_output_tokens, max_output_tokens],
                                                  "gap_s": gap_s}}

@@ -51,7 +51,7 @@ from ucm_db.tools.bench import serve_chat, serve_paired
 from ucm_db.tools.bench.agentic_trace import TraceRequest, request_tokens, reusable_tokens
 from ucm_db.tools.bench.serve_chat_client import _complete, summarize
 from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_options, repeated_row
-from ucm_db.tools.bench.serve_server import BLOCK_SIZE, SERVED_NAME, Server, ServerSpec
+from ucm_db.tools.bench.serve_server import BLOCK_SIZE, SERVED_NAME, Server, ServerSpec, bound_spec
 
 #: The serving model's positions (engine_pass.build_model's).
 MODEL_POSITIONS = 8192
@@ -221,7 +221,7 @@ def run_once(options: AgenticOptions, load: _Load, model: Path, work: Path, prog
                 rows[row] = {**_pass(options, load, server, row, progress), "server_start_s": server.start_s}
 
     rows_on(capped, "no-conn-capped", ("no-conn-capped",))
-    bound = replace(capped, num_blocks=serve.bound_blocks)
+    bound = bound_spec(capped, serve.bound_blocks)
     if serve.paired:  # the command checked that both warm rows are wanted
         rows.update(serve_paired.paired_rows(bound, ucm, serve.warm_passes, want, open_server,
                                              lambda server, row: _pass(options, load, server, row, progress),

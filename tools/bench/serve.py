@@ -55,7 +55,7 @@ from ucm_db.tools.bench import serve_paired
 from ucm_db.tools.bench.serve_options import REMOTE_ROWS, ROWS, WARM_ROWS, Progress, ServeOptions, pass_counters, repeated_row
 from ucm_db.tools.bench.serve_options import connector_options as _connector
 from ucm_db.tools.bench.serve_options import medians as _medians
-from ucm_db.tools.bench.serve_server import BLOCK_SIZE, LoadSpec, Server, ServerSpec, run_load
+from ucm_db.tools.bench.serve_server import BLOCK_SIZE, LoadSpec, Server, ServerSpec, bound_connector, bound_note, bound_spec, run_load
 
 #: row -> (baseline row, bound on row / baseline request throughput).
 TARGETS = {
@@ -110,7 +110,7 @@ def run_once(options: ServeOptions, model: Path, work: Path, progress: Progress)
                 rows[row]["server_start_s"] = server.start_s
 
     serve(capped, "no-conn-capped", ("no-conn-capped",))
-    bound = replace(capped, num_blocks=options.bound_blocks)
+    bound = bound_spec(capped, options.bound_blocks)
     if options.paired:  # the command checked that both warm rows are wanted
         rows.update(serve_paired.paired_rows(
             bound, ucm, options.warm_passes, want,
@@ -224,7 +224,8 @@ def _report(options: ServeOptions, all_runs: list[dict[str, dict[str, Any]]], el
                     "bound_blocks": options.bound_blocks, "working_set_blocks": options.working_set_blocks,
                     "runs": options.runs, "block_size": BLOCK_SIZE, "enforce_eager": options.enforce_eager,
                     "codec": options.codec, "load_mode": options.load_mode, "remote_lookup": options.remote_lookup,
-                    "write_back": options.uses_remote, "warm_passes": options.warm_passes, "paired": options.paired},
+                    "write_back": options.uses_remote, "warm_passes": options.warm_passes, "paired": options.paired,
+                    "bound_connector": bound_connector()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": medians,
@@ -246,7 +247,7 @@ def format_table(report: dict[str, Any]) -> str:
              + ("; write-back to a file:// remote" if o.get("write_back", True) else "; local tier only")
              + ("; --enforce-eager" if o["enforce_eager"] else "")
              + (f"; {o['warm_passes']} passes of each warm row" if o.get("warm_passes", 1) > 1 else "")
-             + ("; warm passes paired (both servers up, in turns)" if o.get("paired") else ""),
+             + ("; warm passes paired (both servers up, in turns)" if o.get("paired") else "") + bound_note(o.get("bound_connector", "none")),
              "", f"{'setup':<58} {'req/s':>7} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  ucm-db loaded / looked up, skips"]
     for row, label in ROWS.items():
         if row in report["rows"]:

@@ -45,7 +45,7 @@ from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_o
 from ucm_db.tools.bench.serve_chat_client import run_conversations
 from ucm_db.tools.bench.serve_conversation import (ConversationSpec, ideal_hits, parse_vllm_counters, pass_hits,
                                                    recovered_hits)
-from ucm_db.tools.bench.serve_server import BLOCK_SIZE, Server, ServerSpec, parse_connector_counters
+from ucm_db.tools.bench.serve_server import BLOCK_SIZE, Server, ServerSpec, bound_connector, bound_note, bound_spec, parse_connector_counters
 
 ROWS = {
     "no-conn-capped": "vLLM alone, capped, first pass",
@@ -126,7 +126,7 @@ def run_once(options: ChatOptions, model: Path, work: Path, progress: Progress) 
                 rows[row]["server_start_s"] = server.start_s
 
     serve(capped, "no-conn-capped", ("no-conn-capped",))
-    bound = replace(capped, num_blocks=options.serve.bound_blocks)
+    bound = bound_spec(capped, options.serve.bound_blocks)
     if options.serve.paired:  # the command checked that both warm rows are wanted
         rows.update(serve_paired.paired_rows(
             bound, ucm, options.serve.warm_passes, want,
@@ -185,7 +185,7 @@ def report(options: ChatOptions, all_runs: list[dict[str, dict[str, Any]]], elap
                     "ideal_cold_hits": ideal_hits(spec, BLOCK_SIZE, warm=False),
                     "ideal_warm_hits": ideal_hits(spec, BLOCK_SIZE, warm=True), "runs": serve.runs,
                     "enforce_eager": serve.enforce_eager, "codec": serve.codec, "load_mode": serve.load_mode,
-                    "warm_passes": serve.warm_passes, "paired": serve.paired},
+                    "warm_passes": serve.warm_passes, "paired": serve.paired, "bound_connector": bound_connector()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
         "elapsed_s": round(elapsed_s, 1),
         "rows": by_row,
@@ -204,7 +204,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"(working set {ws}: {ws / o['capped_blocks']:.1f}x), bound {o['bound_blocks']}; median of "
              f"{o['runs']} run(s); ucm-db codec {o['codec']}, load_mode {o['load_mode']}"
              + ("; --enforce-eager" if o["enforce_eager"] else "")
-             + (f"; {o['warm_passes']} paired warm passes (both servers up, in turns)" if o.get("paired") else ""),
+             + (f"; {o['warm_passes']} paired warm passes (both servers up, in turns)" if o.get("paired") else "")
+             + bound_note(o.get("bound_connector", "none")),
              f"prefix hits a cache that forgets nothing gets: {o['ideal_cold_hits']} tokens first pass, "
              f"{o['ideal_warm_hits']} second pass", "",
              f"{'setup':<46} {'req/s':>6} {'TTFT p50':>9} {'p99 ms':>7} {'vLLM hits':>10} {'ucm-db hits':>12}"]

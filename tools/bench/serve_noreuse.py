@@ -55,7 +55,7 @@ import numpy as np
 from ucm_db.tools.bench import serve_paired, thread_trace
 from ucm_db.tools.bench.serve_chat_client import _complete, summarize
 from ucm_db.tools.bench.serve_options import Progress, ServeOptions, connector_options, pass_counters
-from ucm_db.tools.bench.serve_server import BLOCK_SIZE, SERVED_NAME, Server, ServerSpec
+from ucm_db.tools.bench.serve_server import BLOCK_SIZE, NOOP_TRANSFER, SERVED_NAME, Server, ServerSpec
 
 #: The baseline setup's name; the ucm-db setups are ``ucm-<codec>``.
 OFF = "off"
@@ -188,8 +188,6 @@ class NoReuseOptions:
 
 #: The setup of a server with a connector that does nothing: what vLLM's connector plumbing costs alone.
 NOOP = "noop"
-NOOP_TRANSFER = {"kv_connector": "NoopConnector", "kv_connector_module_path": "ucm_db.tools.bench.noop_connector",
-                 "kv_role": "kv_both"}
 
 
 def parse_setup(setup: str) -> tuple[str, int, bool]:

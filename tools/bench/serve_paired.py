@@ -193,7 +193,8 @@ def paired_rows(
     with contextlib.ExitStack() as stack:
         for label, spec, first_row, warm_row in (("bound", bound, "cold-bound", "warm-bound"),
                                                  ("ucm", ucm, "ucm-first", "ucm-second")):
-            progress(f"starting the server for {label} (kept up for paired warm passes)")
+            named = " (vLLM's no-op connector)" if spec.transfer is not None else ""
+            progress(f"starting the server for {label}{named} (kept up for paired warm passes)")
             server = stack.enter_context(open_server(spec, label))
             progress(f"  healthy after {server.start_s:.0f} s")
             servers[warm_row] = server

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -95,6 +95,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+#: A connector that does nothing (tools/bench/noop_connector.py): a server
+#: with it pays vLLM's connector plumbing and nothing else.
+NOOP_TRANSFER = {"kv_connector": "NoopConnector", "kv_connector_module_path": "ucm_db.tools.bench.noop_connector",
+                 "kv_role": "kv_both"}
+#: The environment variable that gives the bound rows' servers a connector:
+#: unset or ``none``, none (the bound a user compares against); ``noop``,
+#: :data:`NOOP_TRANSFER`, so ucm-db's rows over those bounds show ucm-db's
+#: own cost apart from vLLM's connector plumbing.
+BOUND_CONNECTOR_ENV = "UCM_DB_BENCH_BOUND_CONNECTOR"
+
+
+def bound_connector() -> str:
+    """``none`` or ``noop``: the bound rows' connector, as
+    :data:`BOUND_CONNECTOR_ENV` names it.
+
+    Raises:
+        ValueError: the variable names another connector.
+    """
+    wanted = os.environ.get(BOUND_CONNECTOR_ENV, "none") or "none"
+    if wanted not in ("none", "noop"):
+        raise ValueError(f"{BOUND_CONNECTOR_ENV}={wanted!r}: want none (no connector) or noop (vLLM's plumbing alone)")
+    return wanted
+
+
+def bound_note(connector: str) -> str:
+    """What a report's header adds for the bound rows' ``connector``."""
+    return "" if connector == "none" else "; the bound rows with vLLM's no-op connector (its plumbing alone)"
+
+
+def bound_spec(capped: ServerSpec, bound_blocks: int) -> ServerSpec:
+    """The bound rows' server: ``capped`` with ``bound_blocks`` of KV
+    cache and the connector :func:`bound_connector` names."""
+    noop = bound_connector() == "noop"
+    return replace(capped, num_blocks=bound_blocks, connector=None, transfer=NOOP_TRANSFER if noop else None)
 
 
 class Server:
