@@ -16,8 +16,9 @@ store (codec none, 64-byte payloads: only the index is written) holds
    time per touch. The baseline of phase 3.
 3. **re-touches kept back**: every block touched each ``--interval-s``
    while the maintenance thread runs its rounds for ``--seconds``; its CPU
-   time (``/proc/self/task/TID/schedstat``) less that of as long a window
-   with no touches (its syncs), per touch. The window starts after the
+   time (``/proc/self/task/TID/schedstat``, the thread the new store
+   started) less that of as long a window with no touches (its syncs),
+   per touch. The window starts after the
    round that writes the first touches and is shorter than half of
    ``RECENCY_REFRESH_S``, so every later round keeps its touches back.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,16 +47,18 @@ from ucm_db import BlockKeys, Namespace
 
 BLOCK_SIZE = 16
 PAYLOAD = b"r" * 64
-#: The maintenance thread's name as the OS shows it (15 bytes of its Python name).
-MAINTENANCE_COMM = "ucm-db-maintenance"[:15]
+#: The store's maintenance thread's name (``ucm_db/store/background.py``).
+MAINTENANCE_THREAD = "ucm-db-maintenance"
 
 
-def _thread_cpu_ns(comm: str) -> int:
-    """CPU time of this process's one thread named ``comm`` (schedstat's first field)."""
-    found = [task for task in Path("/proc/self/task").iterdir() if (task / "comm").read_text().strip() == comm]
-    if len(found) != 1:
-        raise RuntimeError(f"want one thread named {comm!r} in this process, found {len(found)}")
-    return int((found[0] / "schedstat").read_text().split()[0])
+def maintenance_tids() -> set[int]:
+    """The OS thread ids of this process's live store maintenance threads."""
+    return {t.native_id for t in threading.enumerate() if t.name == MAINTENANCE_THREAD and t.native_id is not None}
+
+
+def thread_cpu_ns(tid: int) -> int:
+    """CPU time of this process's thread ``tid`` (schedstat's first field)."""
+    return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
 
 
 def _chains(ns: Namespace, chains: int, blocks: int) -> list[BlockKeys]:
@@ -91,21 +95,22 @@ def _every_touch_written(store: ucm_db.Store, ns: Namespace, keyed: list[BlockKe
             "caller_us_per_touch": round(statistics.median(touch_us), 3)}
 
 
-def _kept_back(store: ucm_db.Store, ns: Namespace, keyed: list[BlockKeys], interval_s: float, seconds: float) -> dict[str, float]:
-    idle_started = _thread_cpu_ns(MAINTENANCE_COMM)
+def _kept_back(store: ucm_db.Store, ns: Namespace, keyed: list[BlockKeys], interval_s: float, seconds: float,
+               tid: int) -> dict[str, float]:
+    idle_started = thread_cpu_ns(tid)
     time.sleep(seconds)
-    idle_ns = _thread_cpu_ns(MAINTENANCE_COMM) - idle_started
+    idle_ns = thread_cpu_ns(tid) - idle_started
     for keys in keyed:
         store.touch(ns, keys)
     time.sleep(interval_s * 1.5)  # the round that writes them (this process has not written them in a round yet)
-    cpu_started, touches = _thread_cpu_ns(MAINTENANCE_COMM), 0
+    cpu_started, touches = thread_cpu_ns(tid), 0
     until_s = time.monotonic() + seconds
     while time.monotonic() < until_s:
         for keys in keyed:
             store.touch(ns, keys)
             touches += len(keys)
         time.sleep(interval_s)
-    busy_ns = _thread_cpu_ns(MAINTENANCE_COMM) - cpu_started
+    busy_ns = thread_cpu_ns(tid) - cpu_started
     return {"kept_back_us_per_touch": round(max(0, busy_ns - idle_ns) / 1e3 / touches, 3),
             "maintenance_idle_ms": round(idle_ns / 1e6, 2), "maintenance_touching_ms": round(busy_ns / 1e6, 2),
             "kept_back_touches": touches}
@@ -116,15 +121,19 @@ def run(chains: int, blocks: int, aged_s: float, rounds: int, interval_s: float,
     ns = Namespace(model="bench/recency", kv_dtype="bfloat16", block_size=BLOCK_SIZE)
     keyed = _chains(ns, chains, blocks)
     out: dict[str, Any] = {"chains": chains, "blocks": blocks, "interval_s": interval_s, "seconds": seconds}
+    others = maintenance_tids()  # other stores open in this process (a test suite's) have theirs
     with tempfile.TemporaryDirectory() as scratch, ucm_db.open(scratch + "/s", codec="none", capacity_bytes=4 << 30,
                                                                encode_threads=0, sync_interval_s=interval_s) as store:
+        mine = maintenance_tids() - others
+        if len(mine) != 1:
+            raise RuntimeError(f"want the new store's one {MAINTENANCE_THREAD!r} thread, found {len(mine)}")
         for keys in keyed:
             store.put(ns, keys, [PAYLOAD] * len(keys))
         store.flush()
         if aged_s > 0:
             out.update(_aged_prefix(store, ns, keyed, aged_s))
         out.update(_every_touch_written(store, ns, keyed, rounds))
-        out.update(_kept_back(store, ns, keyed, interval_s, seconds))
+        out.update(_kept_back(store, ns, keyed, interval_s, seconds, mine.pop()))
         if any(store.lookup(ns, keys, remote=False) != len(keys) for keys in keyed):
             raise RuntimeError("a chain lost blocks during the benchmark")
     out["kept_back_over_written"] = round(out["kept_back_us_per_touch"] / out["written_us_per_touch"], 3)
