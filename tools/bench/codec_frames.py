@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import click
@@ -38,24 +40,23 @@ def _ratio(frame_bytes: int, data: np.ndarray) -> float:
     return round(data.size / stored, 3)
 
 
+@contextmanager
+def _grouping(config: str) -> Iterator[None]:
+    """The codec's group size as ``config`` measures it: one byte for
+    ``alone`` (every frame compressed by itself), the codec's own else;
+    restored afterwards."""
+    saved = codec.ZSTD_GROUP_BYTES
+    codec.ZSTD_GROUP_BYTES = 1 if config == "alone" else saved
+    try:
+        yield
+    finally:
+        codec.ZSTD_GROUP_BYTES = saved
+
+
 def _one(config: str, frame_bytes: int, data: np.ndarray) -> dict[str, float]:
     """One run of one configuration (a fresh store)."""
-    saved = codec.ZSTD_GROUP_BYTES
-    try:
-        if config == "alone":
-            codec.ZSTD_GROUP_BYTES = 1
+    with _grouping(config):
         return measure(frame_bytes, data.shape[1], 0, 1, codec_name="none" if config == "none" else "zstd", data=data)
-    finally:
-        codec.ZSTD_GROUP_BYTES = saved
-
-
-def _ratio_of(config: str, frame_bytes: int, data: np.ndarray) -> float:
-    saved = codec.ZSTD_GROUP_BYTES
-    try:
-        codec.ZSTD_GROUP_BYTES = 1 if config == "alone" else saved
-        return _ratio(frame_bytes, data)
-    finally:
-        codec.ZSTD_GROUP_BYTES = saved
 
 
 def blocks_of(kind: str, block_bytes: int) -> np.ndarray:
@@ -80,7 +81,8 @@ def run(frame_sizes: list[int], block_bytes: int, runs: int, data_kind: str = "b
         for config, figures in each.items():
             row[config] = {what: round(statistics.median(f[what] for f in figures), 1) for what in ("decode_MBps", "encode_MBps")}
             if config != "none":
-                row[config]["ratio"] = _ratio_of(config, frame_bytes, data)
+                with _grouping(config):
+                    row[config]["ratio"] = _ratio(frame_bytes, data)
         for what in ("decode", "encode"):
             row[f"{what}_grouped_over_alone"] = round(row["grouped"][f"{what}_MBps"] / row["alone"][f"{what}_MBps"], 2)
         rows.append(row)

@@ -4,7 +4,9 @@
 and its ``(host) untraced`` row for the busy CPU time none of them used.
 This module names that time and what else stalls a pass:
 
-* :func:`other_ticks` reads the CPU time of every other process and kernel
+* :func:`process_stats` reads every process's ``/proc/PID/stat`` (the
+  paired benchmarks' process-group CPU reads it too);
+  :func:`other_ticks` takes the CPU time of every other process and kernel
   thread (``/proc/PID/stat``: user and system ticks); :func:`other_rows`
   turns two readings into rows (process ``(other)``), one per name, so a
   pass disturbed by the kernel's write-back (``kworker``, ``jbd2``), its
@@ -60,27 +62,34 @@ def group_name(comm: str) -> str:
     return "kworker-" + match["queue"] if match["queue"] else "kworker"
 
 
+def process_stats(proc: Path = PROC) -> dict[int, tuple[str, list[str]]]:
+    """Every live process (and kernel thread): its name and its
+    ``/proc/PID/stat`` fields after the name (``state ppid pgrp ... utime
+    stime ...``), by pid; empty where ``/proc`` cannot say."""
+    out: dict[int, tuple[str, list[str]]] = {}
+    try:
+        entries = [entry for entry in proc.iterdir() if entry.name.isdigit()]
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        # "pid (comm) state ppid pgrp ... utime stime": comm may hold spaces
+        # and parentheses, so the fields are counted from its last ')'.
+        head, _, rest = stat.rpartition(")")
+        fields = rest.split()
+        if "(" in head and len(fields) > 12:
+            out[int(entry.name)] = (head.partition("(")[2], fields)
+    return out
+
+
 def other_ticks(exclude: Collection[int], proc: Path = PROC) -> dict[int, tuple[str, int]]:
     """Each live process's (and kernel thread's) name and its user plus
     system clock ticks so far, by pid, but those of ``exclude``."""
-    out: dict[int, tuple[str, int]] = {}
-    try:
-        pids = [int(entry.name) for entry in proc.iterdir() if entry.name.isdigit()]
-    except OSError:
-        return out
-    for pid in pids:
-        if pid in exclude:
-            continue
-        try:
-            stat = (proc / str(pid) / "stat").read_text()
-        except OSError:
-            continue  # ended meanwhile
-        opened, closed = stat.find("("), stat.rfind(")")
-        fields = stat[closed + 2:].split()
-        if opened < 0 or closed < 0 or len(fields) < 13:
-            continue
-        out[pid] = (group_name(stat[opened + 1:closed]), int(fields[11]) + int(fields[12]))
-    return out
+    return {pid: (group_name(comm), int(fields[11]) + int(fields[12]))
+            for pid, (comm, fields) in process_stats(proc).items() if pid not in exclude}
 
 
 def other_rows(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], wall_s: float,

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ucm_db.tools.bench import host_trace
 from ucm_db.tools.bench.serve_server import Server, ServerSpec
 
 #: The two rows a pair holds, and what a run without one of them is told.
@@ -62,20 +63,7 @@ def process_group_stats(pgid: int, proc: Path = Path("/proc")) -> dict[int, list
     """The live processes of process group ``pgid``, each with its
     ``/proc/PID/stat`` fields after the command name (``state ppid pgrp ...
     utime stime ...``); empty where ``/proc`` cannot say (another OS)."""
-    out: dict[int, list[str]] = {}
-    for entry in proc.iterdir() if proc.is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # the process ended meanwhile
-        # "pid (comm) state ppid pgrp ... utime stime": comm may hold spaces
-        # and parentheses, so the fields are counted from its last ')'.
-        fields = stat.rpartition(")")[2].split()
-        if len(fields) > 12 and int(fields[2]) == pgid:
-            out[int(entry.name)] = fields
-    return out
+    return {pid: fields for pid, (_, fields) in host_trace.process_stats(proc).items() if int(fields[2]) == pgid}
 
 
 def process_group_cpu_s(pgid: int, proc: Path = Path("/proc")) -> float:

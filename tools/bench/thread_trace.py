@@ -108,8 +108,12 @@ def snapshot(pids: Iterable[int], proc: Path = PROC) -> dict[tuple[int, int], Th
     return out
 
 
+#: The share of a core (CPU or wait) under which a thread's row is left out.
+SHOWN_SHARE = 0.005
+
+
 def diff(before: dict[tuple[int, int], ThreadSample], after: dict[tuple[int, int], ThreadSample],
-         wall_s: float, min_share: float = 0.005, by_thread: bool = False) -> list[dict[str, Any]]:
+         wall_s: float, min_share: float = SHOWN_SHARE, by_thread: bool = False) -> list[dict[str, Any]]:
     """Rows of what each (process, thread name, CPUs) used between ``before``
     and ``after`` (each thread apart with ``by_thread``): CPU and run-queue
     wait in seconds and as shares of ``wall_s``; rows under ``min_share``
@@ -195,8 +199,9 @@ def trace_pass(pgid: int, send: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     after, ticks_after = snapshot(pids_after), cpu_ticks()
     others_after, stalls_after, irqs_after = host_trace.other_ticks(pids_after), host_trace.pressure_us(), host_trace.interrupt_ticks()
     hosts = cpu_rows(ticks, ticks_after, wall_s)
-    result["threads"] = (diff(before, after, wall_s) + hosts
-                         + untraced_row(diff(before, after, wall_s, min_share=0.0), hosts, wall_s)
+    traced = diff(before, after, wall_s, min_share=0.0)  # every thread: what untraced_row subtracts
+    shown = [r for r in traced if max(r["cpu_share"], r["wait_share"]) >= SHOWN_SHARE]
+    result["threads"] = (shown + hosts + untraced_row(traced, hosts, wall_s)
                          + host_trace.other_rows(others, others_after, wall_s)
                          + host_trace.interrupt_rows(irqs, irqs_after, wall_s)
                          + host_trace.pressure_rows(stalls, stalls_after, wall_s))
