@@ -42,7 +42,7 @@ COUNTERS = (
 )
 #: Gauges: the latest non-zero value wins. The capacity gauges describe the
 #: store the scheduler reads (every scheduler of a store reports the same).
-GAUGES = ("compression_ratio", "store_stored_bytes", "store_capacity_bytes", "namespace_stored_bytes")
+GAUGES = ("compression_ratio", "store_stored_bytes", "store_capacity_bytes", "namespace_stored_bytes", "admit_after")
 #: Latency histograms, by name: bucket upper bounds in seconds. Each ships
 #: as per-bucket counts (``<name>_hist_<i>``, the last bucket +Inf), summed
 #: over the interval like the counters; Prometheus gets them as histograms
@@ -202,6 +202,7 @@ _PROM_GAUGES = {
     "store_stored_bytes": ("ucm_db_store_stored_bytes", "Bytes the store's local tier holds (all namespaces)"),
     "store_capacity_bytes": ("ucm_db_store_capacity_bytes", "The store's capacity_bytes"),
     "namespace_stored_bytes": ("ucm_db_namespace_stored_bytes", "Bytes the store holds of this engine's namespace"),
+    "admit_after": ("ucm_db_admit_after", "Sightings of a chain before its blocks are stored (admit_after; \"auto\" moves it between 1 and 2)"),
 }
 _PROM_HISTOGRAMS = {
     "lookup": ("ucm_db_lookup_latency_seconds", "Seconds of one scheduler-side prefix lookup (local and remote)"),

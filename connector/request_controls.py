@@ -19,7 +19,8 @@ producer's publication uses too)::
 Admission (``kv_connector_extra_config``): ``save_decode`` (false: only
 blocks made wholly of prompt tokens are stored) and ``admit_after`` (N: a
 block is stored from the Nth sighting of its chain, counted in a
-:class:`SightingSketch`).
+:class:`SightingSketch`; ``"auto"``: N moves between 1 and 2 by the share
+of computed blocks seen before, :mod:`ucm_db.connector.auto_admission`).
 
 Invariants:
     * A request's controls are parsed in one place
@@ -38,7 +39,7 @@ Invariants:
       keeps the parent-before-child invariant.
     * The sketch's memory is fixed (:data:`SKETCH_DEPTH` rows of
       :data:`SKETCH_WIDTH` one-byte counters, 16 MiB; allocated only where
-      ``admit_after > 1``) and it never undercounts a key's sightings
+      ``admit_after > 1`` or ``"auto"``) and it never undercounts a key's sightings
       within its window; it may overcount (a block admitted early, with
       the odds in :class:`SightingSketch`). It lives in the scheduler's
       memory only: a restart counts every chain from zero.
@@ -54,6 +55,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ucm_db.connector.auto_admission import AutoThreshold
 from ucm_db.connector.roles import PARAMS_KEY
 from ucm_db.errors import ConfigError
 
@@ -72,6 +74,8 @@ SKETCH_WIDTH = 1 << 22
 SKETCH_HALVE_EVERY = SKETCH_WIDTH // 4
 #: The largest ``admit_after`` (counters saturate at 255).
 MAX_ADMIT_AFTER = 255
+#: ``admit_after``'s adaptive setting (auto_admission.py).
+AUTO = "auto"
 
 
 def _is_bool(value: Any) -> bool:
@@ -170,9 +174,12 @@ def check_admission(save_decode: Any, admit_after: Any) -> None:
     if not isinstance(save_decode, bool):
         raise ConfigError(f"save_decode must be true or false, got {save_decode!r}",
                           hint="use save_decode=true (store generated tokens' blocks too: a chat's next turn holds the reply)")
+    if admit_after == AUTO:
+        return
     if isinstance(admit_after, bool) or not isinstance(admit_after, int) or not 1 <= admit_after <= MAX_ADMIT_AFTER:
-        raise ConfigError(f"admit_after must be an integer in [1, {MAX_ADMIT_AFTER}], got {admit_after!r}",
-                          hint="use admit_after=1 (store every chain) or 2 (store a chain from its second sighting)")
+        raise ConfigError(f"admit_after must be an integer in [1, {MAX_ADMIT_AFTER}] or \"auto\", got {admit_after!r}",
+                          hint="use admit_after=1 (store every chain), 2 (store a chain from its second sighting) or "
+                               "\"auto\" (2 while little of the engine's work is reused, else 1)")
 
 
 class SightingSketch:
@@ -239,11 +246,13 @@ class Admission:
     """Which computed blocks of a request may be stored (``save_decode``,
     ``admit_after``; module invariants)."""
 
-    def __init__(self, save_decode: bool = True, admit_after: int = 1) -> None:
+    def __init__(self, save_decode: bool = True, admit_after: int | str = 1) -> None:
         check_admission(save_decode, admit_after)
         self.save_decode = save_decode
-        self.admit_after = admit_after
-        self.sketch = SightingSketch() if admit_after > 1 else None
+        #: ``admit_after: "auto"``'s threshold (auto_admission.py), or None for a fixed N.
+        self.auto = AutoThreshold() if admit_after == AUTO else None
+        self.admit_after = 1 if self.auto is not None else int(admit_after)
+        self.sketch = SightingSketch() if self.auto is not None or self.admit_after > 1 else None
 
     def savable_end(self, end: int, prompt_blocks: int) -> int:
         """Where a request's storable blocks end, ``[0, end)`` being
@@ -272,15 +281,32 @@ class Admission:
         ``end`` the request reaches (:meth:`decided`)."""
         if self.sketch is None:
             return end
-        first = max(state.sighted_blocks, state.stored_blocks)
+        before = state.sighted_blocks
+        first = max(before, state.stored_blocks)
         if end > first:
             self.sketch.sight(keys[first:end])
             state.sighted_blocks = end
+        if self.auto is not None and end > before:
+            self.admit_after = self._observe_reuse(state, keys, before, first, end)
         admitted = max(state.admitted_blocks, state.stored_blocks)
-        if admitted < end and end > state.admission_checked_blocks:
+        if self.admit_after == 1:
+            admitted = max(admitted, end)  # no count can refuse a block
+        elif admitted < end and end > state.admission_checked_blocks:
             refused = np.flatnonzero(self.sketch.counts(keys[admitted:end]) < self.admit_after)
             admitted = end if not len(refused) else admitted + int(refused[0])
             state.admission_checked_blocks = end
         state.admitted_blocks = admitted
         return min(admitted, end)
+
+    def _observe_reuse(self, state: AdmissionMarks, keys: Sequence[bytes], before: int, first: int, end: int) -> int:
+        """Feeds ``admit_after: "auto"`` blocks ``[before, end)`` of a
+        request, observed once each: those below its stored mark were found
+        stored (reused), those sighted now count as reused where the
+        sketch saw them before (a count of 2 or more after this sighting);
+        returns the threshold in force."""
+        assert self.auto is not None and self.sketch is not None
+        stored = max(0, min(state.stored_blocks, end) - before)
+        seen = int(np.count_nonzero(self.sketch.counts(keys[first:end]) >= 2)) if end > first else 0
+        state.sighted_blocks = end  # also where every block was stored: observed once
+        return self.auto.observe(stored + seen, end - before)
 

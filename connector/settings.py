@@ -33,7 +33,9 @@ The extra config accepts, by name:
   computed blocks: ``save_decode`` (``true``, the default: every full block
   is stored, generated tokens' too; ``false``: only blocks made wholly of
   prompt tokens) and ``admit_after`` (``N``, default 1: a chain's blocks are
-  stored from its Nth sighting, so one-shot prompts are never written), see
+  stored from its Nth sighting, so one-shot prompts are never written;
+  ``"auto"``: 2 while under 5% of the blocks computed were seen before, else
+  1, :mod:`ucm_db.connector.auto_admission`), see
   :mod:`ucm_db.connector.request_controls`; ``save_process`` (``true``: the
   background writer hands each round to a child process that opens the same
   store and commits from shared staging memory, so the commit's Python
@@ -107,7 +109,8 @@ class ConnectorSettings:
         remote_lookup: ``"inline"`` or ``"background"`` (remote_lookups.py).
         save_decode: store the blocks completed during decode (holding
             generated tokens) too (request_controls.py).
-        admit_after: store a chain's blocks from its Nth sighting (1: always).
+        admit_after: store a chain's blocks from its Nth sighting (1: always),
+            or ``"auto"`` (2 while little of the engine's work is reused, else 1).
         save_process: commit saves in a child process: True, False, or
             ``"auto"`` (where the model thread is bound and cores are named
             for background work, :mod:`ucm_db.cpu_placement`; module docstring).
@@ -124,7 +127,7 @@ class ConnectorSettings:
     load_policy: str = "auto"
     remote_lookup: str = "inline"
     save_decode: bool = True
-    admit_after: int = 1
+    admit_after: int | str = 1
     save_process: bool | str = "auto"
 
     def __post_init__(self) -> None:

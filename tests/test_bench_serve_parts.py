@@ -357,7 +357,8 @@ def test_no_reuse_setups_name_a_codec_and_admission() -> None:
 
     assert parse_setup("zstd") == ("zstd", 1, False) and parse_setup("none+admit2") == ("none", 2, False)
     assert parse_setup("none+proc") == ("none", 1, True) and parse_setup("zstd+admit3+proc") == ("zstd", 3, True)
-    for bad in ("lz4", "none+admit", "none+admit0", "none+2", "zstd+admitx", "noop+admit2"):
+    assert parse_setup("none+admitauto") == ("none", "auto", False)
+    for bad in ("lz4", "none+admit", "none+admit0", "none+2", "zstd+admitx", "noop+admit2", "none+admitauto+admit2"):
         with pytest.raises(ValueError, match="optionally"):
             parse_setup(bad)
 

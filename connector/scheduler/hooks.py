@@ -75,7 +75,7 @@ from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
-from ucm_db.connector.request_controls import Admission, RequestControls, describe_problems, first_report
+from ucm_db.connector.request_controls import AUTO, Admission, RequestControls, describe_problems, first_report
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
@@ -128,9 +128,14 @@ class UcmDbScheduler:
         self._lookups = self._lookup.lookups  # remote_lookup="background"'s jobs (remote_lookups.py), or None
         several_ranks = shape.tp_size * shape.pp_size > 1
         self._settlement = SaveSettlement(several_ranks, publishes=role.publishes)
+        admit_after = settings.admit_after
+        if admit_after == AUTO and role.publishes:
+            # A producer's consumers read what it stores; its own traffic shows no reuse.
+            logger.info("ucm-db: admit_after \"auto\" stores every chain on a kv_producer (its consumers read them)")
+            admit_after = 1
+        self._admission = Admission(settings.save_decode, admit_after)  # its threshold is a gauge
         self._planner = StepPlanner(self._requests, self._keys, self._block_size, group, self.cost, self._lookup,
-                                    self._settlement, lambda: self._epochs.epoch,
-                                    Admission(settings.save_decode, settings.admit_after))
+                                    self._settlement, lambda: self._epochs.epoch, self._admission)
         logger.info(
             "ucm-db connector (scheduler): store %s, namespace %s, %d unit(s) per block, model %s",
             settings.path, self._namespace.short_id, len(self._spans), shape.model,
@@ -285,7 +290,8 @@ class UcmDbScheduler:
                             "or vLLM's skip_reading_prefix_cache)", request.request_id, request.num_prompt_tokens, "load")
             return
         query = max(0, request.num_prompt_tokens - record.local_tokens)
-        self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens)
+        self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens,
+                          admit_after=self._admission.admit_after)
         self.counters.observe("lookup", record.seconds)
         self._store_gauges.report(self._store)  # every lookup, hit or not: the gauges describe the store
         if self._group == 0:  # a hybrid model's groups claim the same hit (hybrid.py): one line

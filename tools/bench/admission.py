@@ -1,5 +1,5 @@
-"""What admission keeps and costs: ``admit_after`` N on three workloads
-(issue 49 item 2), through the connector's real scheduler and worker on a
+"""What admission keeps and costs: ``admit_after`` N (or ``auto``) on three
+workloads (issue 49 item 2), through the connector's real scheduler and worker on a
 real store (no vLLM engine: the steps are built as vLLM builds them, the
 KV cache is a tensor in vLLM-CPU's layout).
 
@@ -16,7 +16,9 @@ Reported per N: bytes written (the store's stored bytes), hit tokens, and
 for ``prefix`` the hits of every prefix's third and later sightings (what N=2
 must keep: a prefix is stored at its second sighting). Targets: no-reuse
 bytes with N=2 <= 5% of N=1's; prefix hits after the second sighting with
-N=2 >= 99% of N=1's.
+N=2 >= 99% of N=1's. ``auto`` is reported against N=1: its bytes on
+no-reuse (what it writes before it has seen enough to stop) and its hits on
+the two workloads that reuse.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _step(req: Request, block_ids: list[int], num_tokens: int) -> SchedulerOutpu
 class _Engine:
     """A scheduler and a worker on one store, each prompt prefilled in one step."""
 
-    def __init__(self, path: Path, admit_after: int, max_blocks: int) -> None:
+    def __init__(self, path: Path, admit_after: int | str, max_blocks: int) -> None:
         settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": "none", "load_policy": "always",
                                                         "admit_after": admit_after, "capacity_bytes": 64 << 30})
         self.scheduler = UcmDbScheduler(settings, SHAPE)
@@ -110,7 +112,7 @@ def workloads(prompt_tokens: int, prompts: int, prefixes: int, repeats: int, cha
     return {"no-reuse": no_reuse, "prefix": prefix, "conversation": conversation}
 
 
-def run_one(prompts: list[tuple[list[int], str | None]], admit_after: int) -> dict[str, Any]:
+def run_one(prompts: list[tuple[list[int], str | None]], admit_after: int | str) -> dict[str, Any]:
     max_blocks = max(len(t) for t, _ in prompts) // BS + 2
     with tempfile.TemporaryDirectory(prefix="ucm-db-admission-") as tmp:
         engine = _Engine(Path(tmp) / "store", admit_after, max_blocks)
@@ -131,7 +133,7 @@ def run_one(prompts: list[tuple[list[int], str | None]], admit_after: int) -> di
 
 
 @click.command("admission", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--admit-after", "admit", default="1,2,3", show_default=True, help="comma list of N")
+@click.option("--admit-after", "admit", default="1,2,3,auto", show_default=True, help="comma list of N or auto")
 @click.option("--prompt-tokens", type=click.IntRange(min=BS), default=2048, show_default=True)
 @click.option("--prompts", type=click.IntRange(min=1), default=128, show_default=True, help="no-reuse prompts")
 @click.option("--prefixes", type=click.IntRange(min=1), default=16, show_default=True)
@@ -142,13 +144,13 @@ def run_one(prompts: list[tuple[list[int], str | None]], admit_after: int) -> di
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
 def command(admit: str, prompt_tokens: int, prompts: int, prefixes: int, repeats: int, chats: int, turns: int, seed: int,
             as_json: bool) -> None:
-    """Bytes written and hits kept by admit_after N on three workloads.
+    """Bytes written and hits kept by admit_after N (or auto) on three workloads.
 
     \b
     Example:
-        ucm-db bench admission --admit-after 1,2,3 --prompts 128 --prefixes 16 --repeats 8
+        ucm-db bench admission --admit-after 1,2,3,auto --prompts 128 --prefixes 16 --repeats 8
     """
-    ns = [int(n) for n in admit.split(",")]
+    ns: list[int | str] = [n if n == "auto" else int(n) for n in admit.split(",")]
     loads = workloads(prompt_tokens, prompts, prefixes, repeats, chats, turns, seed)
     report = {name: {n: run_one(prompts_, n) for n in ns} for name, prompts_ in loads.items()}
     base = ns[0]
@@ -158,6 +160,11 @@ def command(admit: str, prompt_tokens: int, prompts: int, prefixes: int, repeats
         kept = report["prefix"][2]["hits_after_second_sighting"] / max(1, report["prefix"][1]["hits_after_second_sighting"])
         verdicts = {"no_reuse_bytes_n2_over_n1": round(written, 4), "met_5pct": written <= 0.05,
                     "prefix_hits_after_second_n2_over_n1": round(kept, 4), "met_99pct": kept >= 0.99}
+    if 1 in ns and "auto" in ns:
+        verdicts["no_reuse_bytes_auto_over_n1"] = round(report["no-reuse"]["auto"]["stored_bytes"]
+                                                        / max(1, report["no-reuse"][1]["stored_bytes"]), 4)
+        for name in ("prefix", "conversation"):
+            verdicts[f"{name}_hits_auto_over_n1"] = round(report[name]["auto"]["hit_tokens"] / max(1, report[name][1]["hit_tokens"]), 4)
     if as_json:
         click.echo(json.dumps({"workloads": report, "targets": verdicts}, indent=2))
         return

@@ -306,7 +306,7 @@ def format_table(report: dict[str, Any]) -> str:
               help="no-reuse workload: tokens of each prompt")
 @click.option("--codecs", default="none,zstd", show_default=True,
               help="no-reuse workload: comma-separated setups, one ucm-db server each: a codec (none, zstd), "
-              "optionally +admitN for the connector's admit_after (e.g. none+admit2) and +proc for save_process; noop: a connector that does nothing")
+              "optionally +admitN or +admitauto for the connector's admit_after (e.g. none+admit2) and +proc for save_process; noop: a connector that does nothing")
 @click.option("--store-capacity-mib", type=click.IntRange(min=64), default=16384, show_default=True, help="no-reuse workload: every ucm-db store's capacity_bytes in MiB (small: evicting from the start, as a full store does)")
 @click.option("--pairs", type=click.IntRange(min=1), default=2, show_default=True,
               help="no-reuse workload: rounds of one pass per server, order alternated (ABBA)")

@@ -9,8 +9,8 @@ with the same KV cap, is the baseline. One server per setup stays up
 (``off``, then one ucm-db server per codec, each on its own empty store)
 and the passes run in rounds. A setup is a codec, optionally with the
 connector's ``admit_after`` (``none+admit2``: a chain is stored from its
-second sighting, so unique prompts are never written): what admission
-takes off the tax.
+second sighting, so unique prompts are never written; ``none+admitauto``:
+so once little is seen reused): what admission takes off the tax.
 
 Invariants:
     * Each pass sends fresh prompts: pass ``k`` (counted over every pass of
@@ -177,7 +177,7 @@ class NoReuseOptions:
 
     spec: NoReuseSpec
     serve: ServeOptions
-    codecs: tuple[str, ...] = ("none", "zstd")  # setups: "CODEC", "CODEC+admitN", "CODEC+proc" (parse_setup)
+    codecs: tuple[str, ...] = ("none", "zstd")  # setups: "CODEC", "CODEC+admitN", "CODEC+admitauto", "CODEC+proc" (parse_setup)
     rounds: int = 2
     hidden: int = 768
 
@@ -190,19 +190,21 @@ class NoReuseOptions:
 NOOP = "noop"
 
 
-def parse_setup(setup: str) -> tuple[str, int, bool]:
+def parse_setup(setup: str) -> tuple[str, int | str, bool]:
     """``"zstd"`` -> ("zstd", 1, False); ``"none+admit2"`` -> ("none", 2,
-    False); ``"none+proc"`` -> ("none", 1, True): the connector's
-    ``save_process``. Raises ValueError naming the accepted forms."""
+    False); ``"none+admitauto"`` -> ("none", "auto", False); ``"none+proc"``
+    -> ("none", 1, True): the connector's ``save_process``. Raises
+    ValueError naming the accepted forms."""
     if setup == NOOP:
         return NOOP, 1, False
     codec, *suffixes = setup.split("+")
-    admits = [s for s in suffixes if s.startswith("admit") and s[5:].isdigit() and int(s[5:]) >= 1]
+    admits = [s for s in suffixes if s == "admitauto" or (s.startswith("admit") and s[5:].isdigit() and int(s[5:]) >= 1)]
     procs = [s for s in suffixes if s == "proc"]
     if codec not in ("none", "zstd") or len(admits) > 1 or len(procs) > 1 or len(admits) + len(procs) != len(suffixes):
-        raise ValueError(f"{setup!r}: a setup is a codec (none, zstd), optionally +admitN (e.g. none+admit2) and +proc "
-                         "(saves committed by a child process), or noop")
-    return codec, int(admits[0][5:]) if admits else 1, bool(procs)
+        raise ValueError(f"{setup!r}: a setup is a codec (none, zstd), optionally +admitN or +admitauto (e.g. none+admit2) "
+                         "and +proc (saves committed by a child process), or noop")
+    admit: int | str = 1 if not admits else "auto" if admits[0] == "admitauto" else int(admits[0][5:])
+    return codec, admit, bool(procs)
 
 
 def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
@@ -225,7 +227,7 @@ def run(options: NoReuseOptions, progress: Progress) -> dict[str, Any]:
             specs[f"ucm-{setup}"] = replace(base, transfer=NOOP_TRANSFER)
             continue
         serve = replace(options.serve, codec=codec)
-        extra: dict[str, Any] = {"admit_after": admit_after} if admit_after > 1 else {}
+        extra: dict[str, Any] = {"admit_after": admit_after} if admit_after != 1 else {}
         if save_process:
             extra["save_process"] = True
         specs[f"ucm-{setup}"] = replace(base, connector=connector_options(work / f"store-{setup}", None, serve, **extra))
@@ -361,7 +363,7 @@ def no_reuse_command(num_prompts: int, prompt_len: int, output_len: int, concurr
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--codecs") from exc
     if not chosen or len(set(chosen)) != len(chosen):
-        raise click.BadParameter(f"{codecs!r}: distinct setups (codecs none, zstd, optionally +admitN, or noop)", param_hint="--codecs")
+        raise click.BadParameter(f"{codecs!r}: distinct setups (codecs none, zstd, optionally +admitN or +admitauto, or noop)", param_hint="--codecs")
     spec = NoReuseSpec(num_prompts=num_prompts, prompt_len=prompt_len, output_len=output_len, concurrency=concurrency,
                        seed=seed)
     if serve_options.capped_blocks * BLOCK_SIZE < spec.max_model_len:
