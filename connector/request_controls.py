@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ucm_db.connector import auto_admission
 from ucm_db.connector.auto_admission import AutoThreshold
 from ucm_db.connector.roles import PARAMS_KEY
 from ucm_db.errors import ConfigError
@@ -246,9 +247,14 @@ class Admission:
     """Which computed blocks of a request may be stored (``save_decode``,
     ``admit_after``; module invariants)."""
 
-    def __init__(self, save_decode: bool = True, admit_after: int | str = 1) -> None:
+    def __init__(self, save_decode: bool = True, admit_after: int | str = 1, *, publishes: bool = False) -> None:
+        """``publishes``: a ``kv_producer``'s, whose consumers read what it
+        stores while its own traffic shows no reuse: ``"auto"`` is 1 there."""
         check_admission(save_decode, admit_after)
         self.save_decode = save_decode
+        if admit_after == AUTO and publishes:
+            auto_admission.logger.info("ucm-db: admit_after \"auto\" stores every chain on a kv_producer (its consumers read them)")
+            admit_after = 1
         #: ``admit_after: "auto"``'s threshold (auto_admission.py), or None for a fixed N.
         self.auto = AutoThreshold() if admit_after == AUTO else None
         self.admit_after = 1 if self.auto is not None else int(admit_after)
@@ -278,7 +284,9 @@ class Admission:
         """Counts the sightings of the request's blocks before ``end`` not
         counted yet (those known stored excepted) and returns where its
         admitted prefix ends (at most ``end``). Counts are read once per
-        ``end`` the request reaches (:meth:`decided`)."""
+        ``end`` the request reaches (:meth:`decided`). Under ``"auto"`` the
+        blocks not observed yet feed its threshold first, which then
+        applies to them (:meth:`_observe_reuse`)."""
         if self.sketch is None:
             return end
         before = state.sighted_blocks

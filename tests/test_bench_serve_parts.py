@@ -437,3 +437,11 @@ def test_no_reuse_report_splits_ucm_dbs_own_share_from_vllms_plumbing() -> None:
     assert row["ratios_to_noop"] == [1.0, 0.9] and row["geomean_to_noop"] == pytest.approx(0.9 ** 0.5, abs=1e-4)
     assert "geomean_to_noop" not in report["setups"]["ucm-noop"]
     assert "ucm-db's own share" in format_table(report)
+
+
+def test_connector_options_carry_admit_after_only_where_it_is_not_the_default(tmp_path: Path) -> None:
+    from ucm_db.tools.bench.serve_options import ServeOptions, connector_options
+
+    assert "admit_after" not in connector_options(tmp_path, None, ServeOptions())
+    assert connector_options(tmp_path, None, ServeOptions(admit_after="auto"))["admit_after"] == "auto"
+    assert connector_options(tmp_path, None, ServeOptions(admit_after=2), admit_after=3)["admit_after"] == 3  # extra wins

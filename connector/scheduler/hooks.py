@@ -75,7 +75,7 @@ from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
-from ucm_db.connector.request_controls import AUTO, Admission, RequestControls, describe_problems, first_report
+from ucm_db.connector.request_controls import Admission, RequestControls, describe_problems, first_report
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
@@ -128,12 +128,7 @@ class UcmDbScheduler:
         self._lookups = self._lookup.lookups  # remote_lookup="background"'s jobs (remote_lookups.py), or None
         several_ranks = shape.tp_size * shape.pp_size > 1
         self._settlement = SaveSettlement(several_ranks, publishes=role.publishes)
-        admit_after = settings.admit_after
-        if admit_after == AUTO and role.publishes:
-            # A producer's consumers read what it stores; its own traffic shows no reuse.
-            logger.info("ucm-db: admit_after \"auto\" stores every chain on a kv_producer (its consumers read them)")
-            admit_after = 1
-        self._admission = Admission(settings.save_decode, admit_after)  # its threshold is a gauge
+        self._admission = Admission(settings.save_decode, settings.admit_after, publishes=role.publishes)  # N: a gauge
         self._planner = StepPlanner(self._requests, self._keys, self._block_size, group, self.cost, self._lookup,
                                     self._settlement, lambda: self._epochs.epoch, self._admission)
         logger.info(
@@ -214,10 +209,8 @@ class UcmDbScheduler:
         hit = found
         if self._await_publication(state, max_blocks, hit, claimable):
             return None, False
-        if hit and self.cost.decide(
-            self._ns_id, "local", probe_unmeasured=False, tokens=max(0, hit * self._block_size - num_computed_tokens),
-            first_position=num_computed_tokens,
-        ) is Decision.SKIP:
+        if hit and self.cost.decide(self._ns_id, "local", probe_unmeasured=False, first_position=num_computed_tokens,
+                                    tokens=max(0, hit * self._block_size - num_computed_tokens)) is Decision.SKIP:
             hit = 0  # the local tier is judged slower than recomputing (cost_model.py)
         if sum(self.cost.skipped.values()) > skips_before:
             self.counters.add(cost_skips=1)  # once per lookup, however many segments it priced

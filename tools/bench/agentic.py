@@ -103,7 +103,7 @@ def format_table(rep: dict[str, Any]) -> str:
     lines = [describe(rep["workload"]),
              f"source {o['source']}; concurrency {o['concurrency']}, time scale {o['time_scale']}; {o['layers']}-layer "
              f"Llama, block {BLOCK_SIZE}; median of {o['runs']} run(s); ucm-db codec {o['codec']}, load_mode "
-             f"{o['load_mode']}" + ("; --enforce-eager" if o["enforce_eager"] else "")
+             f"{o['load_mode']}, admit_after {o.get('admit_after', '1')}" + ("; --enforce-eager" if o["enforce_eager"] else "")
              + (f"; {o['warm_passes']} paired warm passes" if o["paired"] else "") + bound_note(o.get("bound_connector", "none")), "",
              f"{'setup':<46} {'req/s':>7} {'TTFT p50':>9} {'p99 ms':>7} {'vLLM hits':>10} {'ucm-db hits':>12} {'short turns':>12}"]
     for row, label in serve_chat.ROWS.items():
@@ -178,6 +178,8 @@ def _check_caps(requests: list[TraceRequest], max_model_len: int, capped: int, b
 @click.option("--rows", default=",".join(serve_chat.ROWS), show_default=True, help="comma-separated rows to run")
 @click.option("--codec", type=click.Choice(["zstd", "none"]), default="zstd", show_default=True, help="the ucm-db store's codec")
 @click.option("--load-mode", type=click.Choice(["block", "layer", "async"]), default="block", show_default=True)
+@click.option("--admit-after", type=click.Choice(["1", "2", "auto"]), default="1", show_default=True,
+              help="the ucm-db rows' connector admit_after")
 @click.option("--enforce-eager", is_flag=True, help="vLLM without torch.compile (every server alike): faster starts")
 @click.option("--start-timeout-s", type=click.FloatRange(min=1), default=1200.0, show_default=True)
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (stores, logs)")
@@ -186,7 +188,7 @@ def command(trace: str | None, write_trace: str | None, no_run: bool, hash_block
             n_sessions: int, turns: int, context_tokens: int, shared_tokens: int, min_output_tokens: int,
             max_output_tokens: int, gap_s: float, seed: int, concurrency: int, layers: int, capped_blocks: int | None,
             bound_blocks: int | None, runs: int, warm_passes: int, paired: bool, rows: str, codec: str, load_mode: str,
-            enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
+            admit_after: str, enforce_eager: bool, start_timeout_s: float, scratch_dir: str | None, as_json: bool) -> None:
     """Agent sessions on vLLM's OpenAI server on CPU, with and without ucm-db.
 
     Each session's prompt grows turn by turn (the session so far plus a
@@ -238,12 +240,14 @@ def command(trace: str | None, write_trace: str | None, no_run: bool, hash_block
 
     serve = ServeOptions(layers=layers, capped_blocks=capped, bound_blocks=bound, runs=runs, rows=wanted,
                          scratch_dir=scratch_dir, enforce_eager=enforce_eager, codec=codec, load_mode=load_mode,
-                         start_timeout_s=start_timeout_s, warm_passes=warm_passes, paired=paired)
+                         start_timeout_s=start_timeout_s, warm_passes=warm_passes, paired=paired,
+                         admit_after=admit_after if admit_after == "auto" else int(admit_after))
     options = agentic_run.AgenticOptions(tuple(requests), hash_block_tokens, seed, concurrency, time_scale, serve)
     _check_caps(requests, options.max_model_len, capped, bound, trace is None)
     all_runs, elapsed_s = agentic_run.run(options, progress=lambda line: click.echo(line, err=True))
     settings = {"source": trace or "generated", "concurrency": concurrency, "time_scale": time_scale, "seed": seed,
-                "layers": layers, "runs": runs, "codec": codec, "load_mode": load_mode, "enforce_eager": enforce_eager,
+                "layers": layers, "runs": runs, "codec": codec, "load_mode": load_mode, "admit_after": admit_after,
+                "enforce_eager": enforce_eager,
                 "paired": paired, "warm_passes": warm_passes, "max_model_len": options.max_model_len, "bound_connector": bound_connector(),
                 "generator": None if trace else {"sessions": n_sessions, "turns": turns, "context_tokens": context_tokens,
                                                  "shared_tokens": shared_tokens, "output_tokens": [min_output_tokens, max_output_tokens],

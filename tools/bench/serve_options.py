@@ -53,6 +53,7 @@ class ServeOptions:
     warm_passes: int = 1  # passes of each warm row (warm-bound, ucm-second) on its server; medians kept
     paired: bool = False  # warm-bound and ucm-second passes in turns, both servers up (serve_paired.py)
     capacity_bytes: int = 16 << 30  # the ucm-db stores' capacity_bytes (small: a store evicting from the start)
+    admit_after: int | str = 1  # the ucm-db rows' connector admit_after (an N, or "auto")
 
     @property
     def uses_remote(self) -> bool:
@@ -79,9 +80,11 @@ Progress = Callable[[str], None]
 def connector_options(store: Path, remote_url: str | None, options: ServeOptions, **extra: Any) -> dict[str, Any]:
     """Connector options of a ucm-db row: local tier in the options' codec,
     the options' load mode and remote lookup; with ``remote_url``, that
-    remote behind it, its objects zstd (None: the local tier alone)."""
+    remote behind it, its objects zstd (None: the local tier alone); the
+    options' ``admit_after`` where it is not the default 1."""
+    admission = {} if options.admit_after == 1 else {"admit_after": options.admit_after}
     local = {"path": str(store), "capacity_bytes": options.capacity_bytes, "codec": options.codec, "load_mode": options.load_mode,
-             "remote_lookup": options.remote_lookup, **extra}
+             "remote_lookup": options.remote_lookup, **admission, **extra}
     return local if remote_url is None else {**local, "remote": remote_url, "remote_codec": "zstd"}
 
 
