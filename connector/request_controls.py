@@ -293,28 +293,33 @@ class Admission:
         first = max(before, state.stored_blocks)
         if end > first:
             self.sketch.sight(keys[first:end])
-            state.sighted_blocks = end
-        if self.auto is not None and end > before:
-            self.admit_after = self._observe_reuse(state, keys, before, first, end)
         admitted = max(state.admitted_blocks, state.stored_blocks)
+        observe = self.auto is not None and end > before
+        check = admitted < end and end > state.admission_checked_blocks
+        # One read of the counts serves both: the sightings just counted and the blocks not admitted yet.
+        low = min(first if observe else end, admitted if check else end)
+        counts = self.sketch.counts(keys[low:end]) if low < end else np.zeros(0, dtype=np.uint8)
+        if end > first or observe:
+            state.sighted_blocks = end  # under "auto" also where every block was stored: observed once
+        if observe:
+            self.admit_after = self._observe_reuse(state.stored_blocks, counts[first - low:], before, end)
         if self.admit_after == 1:
             admitted = max(admitted, end)  # no count can refuse a block
-        elif admitted < end and end > state.admission_checked_blocks:
-            refused = np.flatnonzero(self.sketch.counts(keys[admitted:end]) < self.admit_after)
+        elif check:
+            refused = np.flatnonzero(counts[admitted - low:] < self.admit_after)
             admitted = end if not len(refused) else admitted + int(refused[0])
             state.admission_checked_blocks = end
         state.admitted_blocks = admitted
         return min(admitted, end)
 
-    def _observe_reuse(self, state: AdmissionMarks, keys: Sequence[bytes], before: int, first: int, end: int) -> int:
-        """Feeds ``admit_after: "auto"`` blocks ``[before, end)`` of a
-        request, observed once each: those below its stored mark were found
-        stored (reused), those sighted now count as reused where the
-        sketch saw them before (a count of 2 or more after this sighting);
-        returns the threshold in force."""
-        assert self.auto is not None and self.sketch is not None
-        stored = max(0, min(state.stored_blocks, end) - before)
-        seen = int(np.count_nonzero(self.sketch.counts(keys[first:end]) >= 2)) if end > first else 0
-        state.sighted_blocks = end  # also where every block was stored: observed once
+    def _observe_reuse(self, stored_blocks: int, sighted_counts: np.ndarray, before: int, end: int) -> int:
+        """Feeds ``admit_after: "auto"`` a request's blocks ``[before,
+        end)``, observed once each: those below ``stored_blocks`` were found
+        stored (reused); of those just sighted (``sighted_counts``, their
+        counts after this sighting) a count of 2 or more was seen before.
+        Returns the threshold in force."""
+        assert self.auto is not None
+        stored = max(0, min(stored_blocks, end) - before)
+        seen = int(np.count_nonzero(sighted_counts >= 2))
         return self.auto.observe(stored + seen, end - before)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,3 +112,28 @@ def test_a_producer_stores_every_chain_under_auto(tmp_path: Path) -> None:
         assert producer._admission.auto is None and producer._admission.admit_after == 1
     finally:
         producer.shutdown()
+
+
+def test_auto_reads_the_sighting_counts_once_a_save_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reuse share and the refusal read one range of counts together
+    (the scheduler plans saves every step)."""
+    monkeypatch.setattr(auto_admission, "MIN_EVIDENCE_BLOCKS", 4)
+    eng = Engine(ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "admit_after": "auto",
+                                                      "load_policy": "always"}))
+    try:
+        sketch = eng.scheduler._admission.sketch
+        assert sketch is not None
+        reads: list[int] = []
+        real_counts = sketch.counts
+
+        def counting(keys: Any) -> Any:
+            reads.append(len(keys))
+            return real_counts(keys)
+
+        sketch.counts = counting  # type: ignore[method-assign]
+        assert eng.prefill(_request([3] * 4 * BS + [1]))[1] == []  # 4 unique blocks: N moves to 2, they are refused
+        assert eng.scheduler._admission.admit_after == 2 and reads == [4]
+        assert eng.prefill(_request([3] * 4 * BS + [1]))[1] == [(0, 1, 2, 3)]  # seen again: admitted
+        assert reads == [4, 4]
+    finally:
+        eng.close()
