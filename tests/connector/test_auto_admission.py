@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from tests.connector.test_request_controls import BS, UNITS_PER_BLOCK, Engine, _request  # noqa: E402
+from tests.connector.test_request_controls import BS, UNITS_PER_BLOCK, Engine, _request, count_sketch_reads  # noqa: E402
 from ucm_db.connector import auto_admission  # noqa: E402
 from ucm_db.connector.auto_admission import HIGH_SHARE, LOW_SHARE, MIN_EVIDENCE_BLOCKS, AutoThreshold  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
@@ -121,16 +120,7 @@ def test_auto_reads_the_sighting_counts_once_a_save_plan(tmp_path: Path, monkeyp
     eng = Engine(ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "admit_after": "auto",
                                                       "load_policy": "always"}))
     try:
-        sketch = eng.scheduler._admission.sketch
-        assert sketch is not None
-        reads: list[int] = []
-        real_counts = sketch.counts
-
-        def counting(keys: Any) -> Any:
-            reads.append(len(keys))
-            return real_counts(keys)
-
-        sketch.counts = counting  # type: ignore[method-assign]
+        reads = count_sketch_reads(eng)
         assert eng.prefill(_request([3] * 4 * BS + [1]))[1] == []  # 4 unique blocks: N moves to 2, they are refused
         assert eng.scheduler._admission.admit_after == 2 and reads == [4]
         assert eng.prefill(_request([3] * 4 * BS + [1]))[1] == [(0, 1, 2, 3)]  # seen again: admitted

@@ -135,6 +135,22 @@ class Engine:
         self.scheduler.shutdown()
 
 
+def count_sketch_reads(eng: Engine) -> list[int]:
+    """The lengths of the key lists the scheduler's real sighting sketch is
+    asked to count, appended as it reads them."""
+    sketch = eng.scheduler._planner._admission.sketch
+    assert sketch is not None
+    reads: list[int] = []
+    real_counts = sketch.counts
+
+    def counting(keys: Any) -> Any:
+        reads.append(len(keys))
+        return real_counts(keys)
+
+    sketch.counts = counting  # type: ignore[method-assign]
+    return reads
+
+
 @pytest.fixture()
 def engine(tmp_path: Path) -> Iterator[Engine]:
     eng = Engine(ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "load_policy": "always"}))
@@ -353,16 +369,7 @@ def test_a_refused_request_reads_the_sighting_counts_once_per_completed_block(tm
     request sighted meanwhile are admitted then."""
     eng = Engine(ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "admit_after": 2, "load_policy": "always"}))
     try:
-        sketch = eng.scheduler._planner._admission.sketch  # the real sketch, its reads counted
-        assert sketch is not None
-        reads: list[int] = []
-        real_counts = sketch.counts
-
-        def counting(keys: Any) -> Any:
-            reads.append(len(keys))
-            return real_counts(keys)
-
-        sketch.counts = counting  # type: ignore[method-assign]
+        reads = count_sketch_reads(eng)
         prompt = list(range(1, 2 * BS + 2))  # 2 whole blocks and one token
         a = _request(prompt, max_tokens=2 * BS)
         assert eng.prefill(a)[1] == []  # first sighting: refused
