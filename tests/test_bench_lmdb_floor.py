@@ -42,6 +42,21 @@ def test_the_model_keeps_its_live_set_and_writes_each_record(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_body_records_write_the_body_alone(tmp_path) -> None:
+    """``--records body`` keeps the live set with the body table alone: every
+    other table stays empty, and the report says which records it wrote."""
+    run = lmdb_floor.floor_once(64 << 10, "pwrite", 8 << 20, 5, tmp_path, "body")
+    assert run.records == dict(dict.fromkeys(("heads", "meta", "lru", "children"), 0), blocks=(8 << 20) // (64 << 10))
+    result = CliRunner().invoke(lmdb_floor.command, [
+        "--unit-kib", "8,32", "--live-mib", "1", "--txns", "2", "--repeat", "1", "--records", "body", "--dir", str(tmp_path),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "the body alone a unit" in result.output
+    bad = CliRunner().invoke(lmdb_floor.command, ["--records", "one", "--dir", str(tmp_path)])
+    assert bad.exit_code != 0 and "--records" in bad.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_unit_sizes_are_refused_by_name(tmp_path) -> None:
     for bad in ("abc", "2", "", "16,0"):
         result = CliRunner().invoke(lmdb_floor.command, ["--unit-kib", bad, "--dir", str(tmp_path)])

@@ -1,6 +1,7 @@
 """What LMDB itself costs a stored unit: ``ucm-db bench lmdb-floor``.
 
-    ucm-db bench lmdb-floor [--unit-kib 16,64,2048] [--live-mib 256] [--txns 200] [--repeat 3] [--dir DIR] [--json]
+    ucm-db bench lmdb-floor [--unit-kib 16,64,2048] [--live-mib 256] [--txns 200] [--repeat 3] [--records format3|body]
+                            [--dir DIR] [--json]
 
 The in-engine save target of issue 50 compares the connector's writer, which
 stores a block as one unit per KV head (16 KiB at 2 layers, 64 KiB at 8),
@@ -15,6 +16,11 @@ full store's eviction: later commits reuse the freed pages; 0: a growing
 store, as a fresh one). The file is
 synced every :data:`SYNC_EVERY_TXNS` transactions, as group durability
 does, inside the measured window.
+
+``--records body`` writes the unit's body alone under its key (no head,
+metadata, recency or child link): the least any record layout writes for a
+unit, so the ceiling a store format with fewer records a unit could reach
+(``format3``, the default, is the store's layout today).
 
 Two settings of the environment, in turns:
 
@@ -82,6 +88,8 @@ GROWING_WARM_TXNS = 4
 #: Sizes of the format-3 records beside the body (a 1-frame head; the metadata record).
 HEAD_BYTES, META_BYTES = 120, 88
 SETTINGS = ("pwrite", "writemap")
+#: ``--records``: the store's format-3 records a unit, or the body alone (module docstring).
+RECORDS = ("format3", "body")
 PAGE_BYTES = 4096
 #: The host probe: file size and 4 KiB writes timed per kind.
 PROBE_FILE_BYTES, PROBE_WRITES = 64 << 20, 4096
@@ -131,12 +139,16 @@ class Run:
         return self.unit_bytes * self.units / (self.user_s + self.sys_s) / 1e9
 
 
-def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratch: Path) -> Run:
+def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratch: Path, records: str = "format3") -> Run:
     """One measurement: a fresh environment filled to its live set and
     churned once untimed, then ``txns`` transactions timed. ``live_bytes``
     0: nothing deleted, the file grows (a fresh store: what ``bench
     writer`` and ``bench core`` write into), after
-    :data:`GROWING_WARM_TXNS` untimed transactions."""
+    :data:`GROWING_WARM_TXNS` untimed transactions. ``records``: one of
+    :data:`RECORDS` (``body``: every other table stays empty)."""
+    if records not in RECORDS:
+        raise ValueError(f"records {records!r}: one of {', '.join(RECORDS)}")
+    whole = records == "format3"
     per_txn = units_per_txn(unit_bytes)
     live_units = max(per_txn, live_bytes // unit_bytes) if live_bytes else None
     warm_txns = 2 * -(-live_units // per_txn) if live_units else GROWING_WARM_TXNS
@@ -161,20 +173,22 @@ def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratc
                     key = os.urandom(32)
                     sequence += 1
                     lru = sequence.to_bytes(8, "big") + key
-                    txn.put(key, head, db=tables["heads"])
                     txn.put(key, body, db=tables["blocks"])
-                    txn.put(key, meta, db=tables["meta"])
-                    txn.put(lru, b"", db=tables["lru"])
-                    link = None if parent is None else parent + key
+                    link = None if parent is None or not whole else parent + key
+                    if whole:
+                        txn.put(key, head, db=tables["heads"])
+                        txn.put(key, meta, db=tables["meta"])
+                        txn.put(lru, b"", db=tables["lru"])
                     if link is not None:
                         txn.put(link, b"", db=tables["children"])
                     live.append((key, lru, link))
                     parent = key
                 while live_units is not None and len(live) > live_units:
                     old, old_lru, old_link = live.popleft()
-                    for name in ("heads", "blocks", "meta"):
+                    for name in ("heads", "blocks", "meta") if whole else ("blocks",):
                         txn.delete(old, db=tables[name])
-                    txn.delete(old_lru, db=tables["lru"])
+                    if whole:
+                        txn.delete(old_lru, db=tables["lru"])
                     if old_link is not None:
                         txn.delete(old_link, db=tables["children"])
             if (txn_index + 1) % SYNC_EVERY_TXNS == 0:
@@ -183,8 +197,8 @@ def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratc
         assert start is not None
         user_s, sys_s = (now - before for now, before in zip(_thread_cpu_s(), start))
         with env.begin() as txn:
-            records = {name: int(txn.stat(table)["entries"]) for name, table in tables.items()}
-        return Run(unit_bytes, setting, txns * per_txn, user_s, sys_s, records)
+            entries = {name: int(txn.stat(table)["entries"]) for name, table in tables.items()}
+        return Run(unit_bytes, setting, txns * per_txn, user_s, sys_s, entries)
     finally:
         env.close()
         shutil.rmtree(path, ignore_errors=True)
@@ -211,13 +225,13 @@ def probe_page_write(scratch: Path, writes: int = PROBE_WRITES, file_bytes: int 
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def run(unit_kib: Sequence[int], live_mib: int, txns: int, repeat: int, scratch: Path) -> dict[str, Any]:
+def run(unit_kib: Sequence[int], live_mib: int, txns: int, repeat: int, scratch: Path, records: str = "format3") -> dict[str, Any]:
     malloc_kept = keep_freed_memory()
     runs: list[Run] = []
     for _ in range(repeat):
         for kib in unit_kib:
             for setting in SETTINGS:
-                runs.append(floor_once(kib << 10, setting, live_mib << 20, txns, scratch))
+                runs.append(floor_once(kib << 10, setting, live_mib << 20, txns, scratch, records))
     rows: list[dict[str, Any]] = []
     for kib in unit_kib:
         for setting in SETTINGS:
@@ -233,14 +247,15 @@ def run(unit_kib: Sequence[int], live_mib: int, txns: int, repeat: int, scratch:
     for row in rows:
         base = next(r for r in rows if r["unit_kib"] == largest and r["setting"] == row["setting"])
         row["x_largest"] = round(row["gb_s_per_cpu_s"] / base["gb_s_per_cpu_s"], 3)
-    return {"rows": rows, "host_page_write_sys_us": probe_page_write(scratch), "live_mib": live_mib, "txns": txns,
+    return {"rows": rows, "records": records, "host_page_write_sys_us": probe_page_write(scratch), "live_mib": live_mib, "txns": txns,
             "repeat": repeat, "sync_every_txns": SYNC_EVERY_TXNS, "malloc_keeps_freed_memory": malloc_kept, "cpus": os.cpu_count(),
             "load_avg": [round(x, 2) for x in os.getloadavg()]}
 
 
 def format_table(report: dict[str, Any]) -> str:
     live = f"live set {report['live_mib']} MiB" if report["live_mib"] else "a growing store (no deletes)"
-    lines = [f"bare py-lmdb, format-3 records a unit, {live}, {report['txns']} transactions "
+    kind = "format-3 records a unit" if report["records"] == "format3" else "the body alone a unit (--records body)"
+    lines = [f"bare py-lmdb, {kind}, {live}, {report['txns']} transactions "
              f"timed, synced every {report['sync_every_txns']}; medians of {report['repeat']}",
              f"{'unit KiB':>8} {'setting':<9} {'units/txn':>9} {'user us':>8} {'sys us':>8} {'GB/s/CPU s':>10} {'x largest':>9}"]
     for row in report["rows"]:
@@ -258,10 +273,13 @@ def format_table(report: dict[str, Any]) -> str:
               help="live set the deletes hold (0: no deletes, the file grows: a fresh store)")
 @click.option("--txns", type=click.IntRange(min=1), default=200, show_default=True, help="timed transactions a run")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--records", type=click.Choice(RECORDS), default="format3", show_default=True,
+              help="format3: the store's records a unit; body: the body alone (the least a layout writes)")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="scratch directory (default: the system's temporary directory): its file system is measured")
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
-def command(unit_kib: list[int], live_mib: int, txns: int, repeat: int, scratch_dir: Path | None, as_json: bool) -> None:
+def command(unit_kib: list[int], live_mib: int, txns: int, repeat: int, records: str, scratch_dir: Path | None,
+            as_json: bool) -> None:
     """LMDB's own cost a stored unit (bare py-lmdb), with writemap off and on.
 
     Per unit size: user and kernel CPU a unit and GB/s per CPU second, the
@@ -273,10 +291,11 @@ def command(unit_kib: list[int], live_mib: int, txns: int, repeat: int, scratch_
         ucm-db bench lmdb-floor
         ucm-db bench lmdb-floor --live-mib 0 --txns 40 --json
         ucm-db bench lmdb-floor --unit-kib 16,2048 --dir /mnt/nvme/scratch
+        ucm-db bench lmdb-floor --unit-kib 16,64,256,2048 --records body
     """
     if min(unit_kib) < 4:
         raise click.BadParameter(f"unit sizes are 4 KiB or more; got {min(unit_kib)}", param_hint="--unit-kib")
     scratch = scratch_dir or Path(tempfile.gettempdir())
     scratch.mkdir(parents=True, exist_ok=True)
-    report = run(unit_kib, live_mib, txns, repeat, scratch)
+    report = run(unit_kib, live_mib, txns, repeat, scratch, records)
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
