@@ -47,8 +47,8 @@ Not keyed: the tokenizer and generation config (token ids are keyed, not
 text; sampling never changes KV), ``seed``, ``enforce_eager``, the
 attention backend and ``model_impl`` (numerics within kernel tolerance; the
 platform and CPU attention ISA are in the layout), served names, pooling and
-runner options, multimodal processor options (vLLM's item identifiers carry
-them), the LoRA config (adapters are keyed per request). The tripwire tests
+runner options, per-request multimodal options (vLLM's item identifiers
+carry them), the LoRA config (adapters are keyed per request). The tripwire tests
 (``tests/connector/test_identity_inputs.py``) list every ``ModelConfig``
 field with its decision and fail on one vLLM adds.
 
@@ -91,6 +91,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.fingerprints import adapter_key, model_fingerprint
 from ucm_db.connector.hybrid.groups import kv_groups
+from ucm_db.connector.identity_guards import device_tag, item_identity, load_inputs, multimodal_inputs, refuse_unstorable
 from ucm_db.errors import ConfigError
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -124,6 +125,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     if kv_cache_config is None:
         raise ConfigError("vLLM passed no KVCacheConfig to the connector", hint="use vLLM >= 0.11 (this ucm-db targets 0.32)")
     kv_groups(kv_cache_config)  # refuses groups ucm-db cannot store (groups.py), before vLLM allocates the KV cache
+    refuse_unstorable(vllm_config, kv_cache_config)  # context parallelism, non-causal attention (identity_guards.py)
     groups = list(kv_cache_config.kv_cache_groups)
     # The first attention group's spec (a hybrid's group 0 may hold SSM state, ssm_state.py).
     spec = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")), groups[0].kv_cache_spec)
@@ -154,7 +156,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         kv_heads=kv_heads,
         layers=int(layers),
         unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers)),
-        extra=namespace_inputs(vllm_config),
+        extra=namespace_inputs(vllm_config, model_id),
     )
 
 
@@ -235,7 +237,7 @@ def request_block_extras(request: Request, block_size: int) -> dict[int, bytes]:
     for feature in request.mm_features or []:
         offset, length = int(feature.mm_position.offset), int(feature.mm_position.length)
         for block in range(offset // block_size, (offset + max(length, 1) - 1) // block_size + 1):
-            items.setdefault(block, []).append([str(feature.identifier), offset, length])
+            items.setdefault(block, []).append([item_identity(str(feature.identifier)), offset, length])
     extras = {block: b"mm" + json.dumps(listed, separators=(",", ":")).encode() for block, listed in items.items()}
     if request.prompt_embeds is not None:
         embeds = request.prompt_embeds.detach().to("cpu")  # one device copy, not one per block
@@ -278,10 +280,12 @@ def chain_keys(namespace: Namespace, block_size: int, state: RequestState, num_b
     return state.keys  # callers slice: copying 1000s of keys per call showed in profiles
 
 
-def namespace_inputs(vllm_config: Any) -> str:
+def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     """What besides the model's files, the KV layout and the block size
-    changes K/V (the module docstring's list, with reasons), as canonical
-    JSON for :attr:`Namespace.extra`; inputs at their defaults are left out."""
+    changes K/V (the module docstring's list, with reasons; how the weights
+    are loaded and engine-wide multimodal options: identity_guards.py), as
+    canonical JSON for :attr:`Namespace.extra`; inputs at their defaults are
+    left out. Raises ConfigError for inputs no key can name."""
     config = vllm_config.model_config
     text = config.hf_text_config
     rope = _rope(text)
@@ -299,6 +303,8 @@ def namespace_inputs(vllm_config: Any) -> str:
         "model_weights": config.model_weights if config.model_weights not in ("", config.model) else None,
     }
     inputs.update(_max_len_inputs(config, text, rope.get("parameters")))
+    inputs.update(load_inputs(vllm_config, model_id))
+    inputs.update(multimodal_inputs(vllm_config))
     plain = {name: _plain(value) for name, value in inputs.items() if value not in (None, False, "", {}, [], ())}
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
@@ -371,15 +377,16 @@ def _plain(value: Any) -> Any:
 
 
 def _platform_tag(spec: Any, vllm_config: Any) -> str:
-    """Platform plus, on CPU, the attention ISA (kernel block layouts differ)."""
+    """Platform plus, on CPU, the attention ISA (kernel block layouts
+    differ); off CPU, :func:`~ucm_db.connector.identity_guards.device_tag`."""
     try:
         from vllm.platforms import current_platform
 
         device = str(current_platform.device_type)
     except Exception:  # noqa: BLE001 - tests without a platform
-        device = "unknown"
+        return "unknown"
     if device != "cpu":
-        return device
+        return device_tag(current_platform, str(vllm_config.cache_config.cache_dtype))
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

@@ -1,0 +1,142 @@
+"""What else vLLM lets change the KV bytes of a token prefix, beyond the
+model config that :func:`ucm_db.connector.identity.namespace_inputs` keys:
+how the weights are loaded, engine-wide multimodal options, the platform's
+fp8 encoding, multimodal identifiers that name no content, and
+configurations whose KV a prefix key cannot name.
+
+Invariants:
+    * Nothing here is random or process-local except
+      :data:`PROCESS_NONCE`, which only the scheduler uses (request keys are
+      hashed there alone): the scheduler and every worker of a deployment
+      derive one namespace from one ``VllmConfig``.
+    * Weights that are not the fingerprinted files are never keyed by those
+      files alone: a load format other than :data:`FILE_LOAD_FORMATS` is
+      keyed by its name and ``model_loader_extra_config``; ``dummy``
+      (random weights) is refused unless the connector's ``model_id`` names
+      those weights (an explicit identity is the operator's word).
+    * Engine-wide multimodal options that vLLM's item identifiers do not
+      carry (:func:`multimodal_inputs`) are keyed; runtime-calibrated fp8
+      scales of the vision encoder, which no key can name, are refused.
+    * A multimodal identifier vLLM makes from a per-process counter (its
+      prefix cache and processor cache both off) names no content: it is
+      made unique to this process (:func:`item_identity`); content hashes
+      and user-given UUIDs are kept as they are.
+    * Off CPU, the platform is vLLM's device name (ROCm is not "cuda"),
+      with the fp8 type where a quantized KV cache would use another one
+      than CUDA's ``float8_e4m3fn`` (:func:`device_tag`).
+    * Refused with a ConfigError naming the fix (:func:`refuse_unstorable`):
+      decode or prefill context parallelism (a rank's block holds every
+      n-th token of a longer block), non-causal attention (a block's KV
+      depends on tokens after it, which its prefix key does not name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+from ucm_db.errors import ConfigError
+
+#: Load formats that read the weights from the fingerprinted model files
+#: (the same bytes, however read): not keyed.
+FILE_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "mistral", "instanttensor", "fastsafetensors"})
+#: Drawn once per process; mixed into multimodal identifiers that name no content.
+PROCESS_NONCE = secrets.token_hex(16)
+#: vLLM's counter identifiers: ``renderer{api rank}-mm-{n}-{modality}-{i}`` (renderers/base.py).
+_COUNTER_IDENTIFIER = re.compile(r"^renderer\d+-mm-\d+-")
+
+
+def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
+    """The namespace inputs of how vLLM loads the weights (module invariants)."""
+    load = getattr(vllm_config, "load_config", None)
+    fmt = str(getattr(getattr(load, "load_format", "auto"), "value", getattr(load, "load_format", "auto")))
+    if fmt in FILE_LOAD_FORMATS:
+        return {}
+    if fmt == "dummy" and model_id is None:
+        raise ConfigError(
+            "vLLM runs with load_format \"dummy\" (random weights): their KV must never be served to an engine with "
+            "the real weights, and the model's files, which ucm-db keys by, do not name them",
+            hint="serve without ucm-db, or set \"model_id\" in kv_connector_extra_config to a name of this run's weights "
+                 "(e.g. \"dummy-profiling\"): ucm-db then keys by that name alone",
+        )
+    extra = getattr(load, "model_loader_extra_config", None)
+    return {"load_format": fmt, "model_loader_extra_config": extra or None}
+
+
+def multimodal_inputs(vllm_config: Any) -> dict[str, Any]:
+    """Engine-wide multimodal options that change an item's embeddings (so
+    every later layer's KV) and that vLLM's item identifiers leave out."""
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    if mm is None:
+        return {}
+    out: dict[str, Any] = {
+        "mm_processor_kwargs": getattr(mm, "mm_processor_kwargs", None),
+        "media_io_kwargs": getattr(mm, "media_io_kwargs", None),
+    }
+    if getattr(mm, "video_pruning_rate", None):
+        out["video_pruning"] = [mm.video_pruning_rate, str(getattr(mm, "video_pruning_method", ""))]
+    attn_dtype = getattr(mm, "mm_encoder_attn_dtype", None)
+    if attn_dtype:
+        scales = getattr(mm, "mm_encoder_fp8_scale_path", None)
+        if not scales:
+            raise ConfigError(
+                f"the vision encoder's attention runs in {attn_dtype} with scales calibrated at runtime: each engine "
+                "computes other image embeddings, so another engine's multimodal KV would be wrong here",
+                hint="calibrate once (mm_encoder_fp8_scale_save_path), then serve with mm_encoder_fp8_scale_path set to "
+                     "that file, or leave mm_encoder_attn_dtype unset",
+            )
+        out["mm_encoder_attn"] = [str(attn_dtype), _file_digest(scales)]
+    return out
+
+
+def item_identity(identifier: str) -> str:
+    """A multimodal item's identity in block keys (module invariants)."""
+    if _COUNTER_IDENTIFIER.match(identifier):
+        return f"{identifier}@{PROCESS_NONCE}"
+    return identifier
+
+
+def device_tag(current_platform: Any, cache_dtype: str) -> str:
+    """The layout's platform off CPU (module invariants); CUDA's tag is
+    ``cuda``, as before."""
+    name = str(getattr(current_platform, "device_name", None) or current_platform.device_type)
+    if name == "cuda" or not cache_dtype.startswith("fp8"):
+        return name
+    try:
+        fp8 = str(current_platform.fp8_dtype()).removeprefix("torch.")
+    except Exception:  # noqa: BLE001 - a platform without the method: CUDA's encoding
+        fp8 = "float8_e4m3fn"
+    return name if fp8 == "float8_e4m3fn" else f"{name}:{fp8}"
+
+
+def refuse_unstorable(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Raises ConfigError for a deployment whose KV a block key cannot name
+    (module invariants)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size > 1:
+            raise ConfigError(
+                f"vLLM runs with {name}={size}: each rank's KV block then holds every {size}-th token of the "
+                "scheduler's block, which ucm-db's units do not describe",
+                hint=f"serve without ucm-db, or with {name}=1",
+            )
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        if getattr(group.kv_cache_spec, "non_causal", False):
+            raise ConfigError(
+                f"KV cache group {index} attends non-causally (prefix-LM): a block's KV depends on the tokens after "
+                "it, and ucm-db keys a block by the tokens up to its end",
+                hint="serve this model without ucm-db",
+            )
+
+
+def _file_digest(path: str) -> str:
+    """BLAKE2b of a small file's content (a scale table), or the path where
+    it cannot be read (vLLM then fails to start anyway)."""
+    try:
+        return "blake2b:" + hashlib.blake2b(Path(path).expanduser().read_bytes(), digest_size=16).hexdigest()
+    except OSError:
+        return f"path:{path}"

@@ -1,0 +1,171 @@
+"""What else changes KV beyond the model config (connector/identity_guards.py):
+weights not loaded from the fingerprinted files, engine-wide multimodal
+options, counter identifiers, another platform's fp8 encoding, and the
+deployments ucm-db refuses (context parallelism, non-causal attention).
+Real vLLM configs and specs; the platform alone is a stub (no ROCm here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tests.connector.test_identity_inputs import _namespace_of, _vllm_config, model_dir  # noqa: E402,F401
+from ucm_db.connector import identity_guards  # noqa: E402
+from ucm_db.connector.identity import kv_shape, request_block_extras  # noqa: E402
+from ucm_db.connector.identity_guards import PROCESS_NONCE, device_tag, item_identity  # noqa: E402
+from ucm_db.errors import ConfigError  # noqa: E402
+
+
+def _kv_config(**spec_changes: Any) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, **spec_changes)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+# -- how the weights are loaded ------------------------------------------------
+
+
+def test_dummy_weights_are_refused_unless_a_model_id_names_them(model_dir: Path) -> None:
+    from vllm.config import LoadConfig
+
+    config = _vllm_config(model_dir)
+    config.load_config = LoadConfig(load_format="dummy")
+    with pytest.raises(ConfigError, match="dummy") as refused:
+        _namespace_of(config)
+    assert "model_id" in (refused.value.hint or "")
+    named = kv_shape(config, _kv_config(), "dummy-profiling")  # the operator names these weights
+    assert named.model == "dummy-profiling" and '"load_format":"dummy"' in named.extra
+
+
+def test_weights_not_read_from_the_model_files_are_keyed_by_how_they_are_loaded(model_dir: Path) -> None:
+    from vllm.config import LoadConfig
+
+    base = _namespace_of(_vllm_config(model_dir))
+    same_files = _vllm_config(model_dir)
+    same_files.load_config = LoadConfig(load_format="safetensors")
+    assert _namespace_of(same_files) == base  # the same bytes, read another way
+    sharded, streamed = _vllm_config(model_dir), _vllm_config(model_dir)
+    sharded.load_config = LoadConfig(load_format="sharded_state")
+    streamed.load_config = LoadConfig(load_format="runai_streamer", model_loader_extra_config={"concurrency": 4})
+    digests = {_namespace_of(c).digest for c in (sharded, streamed)} | {base.digest}
+    assert len(digests) == 3
+
+
+# -- multimodal ---------------------------------------------------------------
+
+
+def _with_mm(model_dir: Path, **options: Any) -> Any:
+    from vllm.config import MultiModalConfig
+
+    config = _vllm_config(model_dir)
+    config.model_config.multimodal_config = MultiModalConfig(**options)
+    return config
+
+
+def test_engine_wide_multimodal_options_reach_the_namespace(model_dir: Path, tmp_path: Path) -> None:
+    plain = _namespace_of(_with_mm(model_dir))
+    assert plain == _namespace_of(_vllm_config(model_dir))  # no option set: nothing keyed
+    scales = tmp_path / "scales.json"
+    scales.write_text('{"q": 1.0}')
+    changed = [
+        _with_mm(model_dir, mm_processor_kwargs={"do_normalize": False}),
+        _with_mm(model_dir, media_io_kwargs={"video": {"num_frames": 40}}),
+        _with_mm(model_dir, video_pruning_rate=0.5),
+        _with_mm(model_dir, mm_encoder_attn_dtype="fp8", mm_encoder_fp8_scale_path=str(scales)),
+    ]
+    digests = [_namespace_of(c).digest for c in changed]
+    assert len(set(digests)) == len(changed) and plain.digest not in digests
+    scales.write_text('{"q": 2.0}')  # other scales, same path: other image embeddings
+    assert _namespace_of(changed[3]).digest != digests[3]
+
+
+def test_runtime_calibrated_encoder_scales_are_refused(model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="calibrated at runtime") as refused:
+        _namespace_of(_with_mm(model_dir, mm_encoder_attn_dtype="fp8"))
+    assert "mm_encoder_fp8_scale_path" in (refused.value.hint or "")
+
+
+def test_a_counter_identifier_is_unique_to_its_process_and_a_content_hash_is_kept() -> None:
+    counter = "renderer0-mm-3-image-0"
+    assert item_identity(counter) == f"{counter}@{PROCESS_NONCE}"
+    assert item_identity("9f2c" * 16) == "9f2c" * 16 and item_identity("user-uuid-1") == "user-uuid-1"
+    other = subprocess.run([sys.executable, "-c", "from ucm_db.connector.identity_guards import item_identity as i; "
+                            f"print(i({counter!r}))"], capture_output=True, text=True, check=True).stdout.strip()
+    assert other.startswith(counter + "@") and other != item_identity(counter)  # a restarted engine's counter 3 is not this one
+
+
+def test_two_processes_counter_items_never_share_keys(tmp_path: Path) -> None:
+    """The same counter identifier at the same place in the same prompt, as
+    two engines' renderers give two different images: another block extra
+    in another process."""
+    from vllm import SamplingParams
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.request import Request
+
+    feature = MultiModalFeatureSpec(data=None, modality="image", identifier="renderer0-mm-1-image-0",
+                                    mm_position=PlaceholderRange(offset=40, length=8))
+    request = Request("r", list(range(128)), SamplingParams(max_tokens=1), None, mm_features=[feature])
+    here = request_block_extras(request, 32)
+    assert set(here) == {1} and PROCESS_NONCE.encode() in here[1]
+    monkey = identity_guards.PROCESS_NONCE
+    try:
+        identity_guards.PROCESS_NONCE = "another-process"
+        assert request_block_extras(request, 32)[1] != here[1]
+    finally:
+        identity_guards.PROCESS_NONCE = monkey
+
+
+# -- platform -------------------------------------------------------------------
+
+
+def _platform(name: str, fp8: Any) -> Any:
+    return SimpleNamespace(device_name=name, device_type="cuda", fp8_dtype=lambda: fp8)
+
+
+def test_rocm_is_not_cuda_and_its_fp8_encoding_is_named() -> None:
+    cuda = _platform("cuda", torch.float8_e4m3fn)
+    mi300, mi350 = _platform("rocm", torch.float8_e4m3fnuz), _platform("rocm", torch.float8_e4m3fn)
+    assert device_tag(cuda, "fp8") == device_tag(cuda, "auto") == "cuda"  # CUDA namespaces as before
+    assert device_tag(mi350, "auto") == device_tag(mi350, "fp8_e4m3") == "rocm"
+    assert device_tag(mi300, "fp8") == "rocm:float8_e4m3fnuz" != device_tag(mi350, "fp8")
+
+
+def test_the_platform_reaches_the_namespace(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.platforms
+
+    config = _vllm_config(model_dir)
+    config.cache_config.cache_dtype = "fp8"
+    layouts = {}
+    for name, platform in {"cuda": _platform("cuda", torch.float8_e4m3fn),
+                           "mi300": _platform("rocm", torch.float8_e4m3fnuz)}.items():
+        monkeypatch.setattr(vllm.platforms, "current_platform", platform, raising=False)
+        layouts[name] = kv_shape(config, _kv_config(), None).layout
+    assert '"platform":"cuda"' in layouts["cuda"] and '"platform":"rocm:float8_e4m3fnuz"' in layouts["mi300"]
+
+
+# -- refused deployments -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused(model_dir: Path, field: str) -> None:
+    config = _vllm_config(model_dir)
+    object.__setattr__(config.parallel_config, field, 2)
+    with pytest.raises(ConfigError, match=field) as refused:
+        _namespace_of(config)
+    assert f"{field}=1" in (refused.value.hint or "")
+
+
+def test_non_causal_attention_is_refused(model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="non-causally"):
+        kv_shape(_vllm_config(model_dir), _kv_config(non_causal=True), None)
+    kv_shape(_vllm_config(model_dir), _kv_config(), None)  # causal: accepted
