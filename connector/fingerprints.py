@@ -69,7 +69,8 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 _warned: set[tuple[str, ...]] = set()
-_adapters: dict[tuple[str, str], str] = {}  # (name, path) -> the digest last seen there
+_adapters: dict[tuple[str, str], str] = {}  # (name, path) -> the digest vLLM loaded from there (first seen)
+_adapter_ids: dict[int, str] = {}  # lora_int_id -> the digest vLLM loaded under it (first seen)
 
 #: name -> (inode, size, mtime_ns, ctime_ns)
 Stats = dict[str, tuple[int, int, int, int]]
@@ -322,18 +323,29 @@ def adapter_key(lora_request: Any) -> str:
     same files under another name or path share blocks, and an adapter
     retrained and saved at the same path and name does not. Name and path
     are labels, keyed only where the path is no readable local directory (a
-    hub id: warned once)."""
+    hub id: warned once).
+
+    vLLM computes with the adapter it loaded first under a ``lora_int_id``
+    (unless the request asks ``load_inplace``): where the files at the same
+    name and path, or under the same id, have changed since this process
+    first keyed them, the key is ``unsettled:`` and random (nothing is
+    served to or from it) until the engine restarts or loads in place."""
     name, where = str(lora_request.lora_name), str(lora_request.lora_path)
     path = os.path.expanduser(where)
     if os.path.isdir(path):
         try:
             digest = fingerprint(path).digest
-            if _adapters.setdefault((name, where), digest) != digest:
-                _adapters[(name, where)] = digest
+            int_id = int(getattr(lora_request, "lora_int_id", 0) or 0)
+            if getattr(lora_request, "load_inplace", False):  # vLLM reloads it: the files are what it computes with
+                _adapters[(name, where)] = _adapter_ids[int_id] = digest
+            first = (_adapters.setdefault((name, where), digest), _adapter_ids.setdefault(int_id, digest))
+            if first != (digest, digest):
                 _warn_once(("lora changed", name, where, digest),
-                           "ucm-db: LoRA adapter %r changed on disk at %r while this engine runs: vLLM may still hold the "
-                           "old one loaded until it evicts it, and KV it computes then is stored under the new files' "
-                           "key; save a retrained adapter to a new directory instead", name, where)
+                           "ucm-db: LoRA adapter %r (id %d) at %r is not the adapter this engine first loaded under that "
+                           "name, path or id: vLLM may still compute with the old one, so its requests are neither saved "
+                           "nor loaded until a restart; save a retrained adapter to a new directory under a new id, or "
+                           "send it with load_inplace=True", name, int_id, where)
+                return "unsettled:" + os.urandom(16).hex()
             return "blake3:" + digest
         except ConfigError:  # written while hashed: a key no other request has, so no stale KV is served
             return "unsettled:" + os.urandom(16).hex()

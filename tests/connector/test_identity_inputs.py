@@ -53,6 +53,7 @@ def own_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(fingerprints, "_memo", {})
     monkeypatch.setattr(fingerprints, "_warned", set())
     monkeypatch.setattr(fingerprints, "_adapters", {})
+    monkeypatch.setattr(fingerprints, "_adapter_ids", {})
     return tmp_path / "xdg" / "ucm-db" / "fingerprints.json"
 
 
@@ -267,9 +268,9 @@ def _adapter(path: Path, weights: bytes) -> Path:
     return path
 
 
-def _lora_key(name: str, path: Path | str) -> Any:
+def _lora_key(name: str, path: Path | str, lora_id: int = 1, load_inplace: bool = False) -> Any:
     return request_extras(Request("r", [1, 2, 3], SamplingParams(max_tokens=1), None,
-                                  lora_request=LoRARequest(name, 1, str(path))))["lora"]
+                                  lora_request=LoRARequest(name, lora_id, str(path), load_inplace=load_inplace)))["lora"]
 
 
 def test_a_lora_adapter_is_keyed_by_its_files_not_its_name_or_path(tmp_path: Path, warnings_logged: list[str]) -> None:
@@ -278,11 +279,27 @@ def test_a_lora_adapter_is_keyed_by_its_files_not_its_name_or_path(tmp_path: Pat
     assert key.startswith("blake3:")
     # The same files under another name and path: the same KV, the same key.
     assert _lora_key("other-name", shutil.copytree(adapter, tmp_path / "elsewhere")) == key
-    # Retrained and saved at the same path under the same name: another key,
-    # and a warning (vLLM may still hold the old one loaded).
+    # Retrained and saved at the same path under the same name and id: vLLM
+    # computes with the adapter it loaded first, so the request is keyed
+    # apart from both (unsettled, random: never served, never found), with
+    # one warning.
     _rewrite_keeping_size_and_mtime(adapter / "adapter_model.safetensors", b"2" * 1024)
-    assert _lora_key("ad", adapter) != key
-    assert len(warnings_logged) == 1 and "changed on disk" in warnings_logged[0]
+    retrained = fingerprints.fingerprint(adapter).digest
+    unsettled = {_lora_key("ad", adapter) for _ in range(2)}
+    assert len(unsettled) == 2 and all(k.startswith("unsettled:") for k in unsettled)
+    assert key not in unsettled and "blake3:" + retrained not in unsettled
+    assert len(warnings_logged) == 1 and "not the adapter this engine first loaded" in warnings_logged[0]
+    # Loaded in place, vLLM computes with the files: keyed by them from then on.
+    assert _lora_key("ad", adapter, load_inplace=True) == "blake3:" + retrained == _lora_key("ad", adapter)
+
+
+def test_another_adapter_under_a_loaded_id_is_unsettled(tmp_path: Path) -> None:
+    """vLLM reuses the adapter it loaded under a lora_int_id whatever path a
+    later request names: a new adapter needs a new id."""
+    first = _lora_key("a", _adapter(tmp_path / "a", b"1" * 512), lora_id=3)
+    other = _adapter(tmp_path / "b", b"2" * 512)
+    assert _lora_key("b", other, lora_id=3).startswith("unsettled:")
+    assert _lora_key("b", other, lora_id=4) == "blake3:" + fingerprints.fingerprint(other).digest != first
 
 
 def test_a_lora_adapter_without_a_local_directory_is_keyed_by_name_and_path_with_one_warning(
@@ -622,14 +639,14 @@ def _full_request(tmp_path: Path, **changes: Any) -> Request:
     if not adapter.exists():
         _adapter(adapter, b"1" * 256)
     fields: dict[str, Any] = {
-        "tokens": list(range(1, 4 * BS + 1)), "cache_salt": "tenant", "lora_name": "ad", "lora_path": str(adapter),
+        "tokens": list(range(1, 4 * BS + 1)), "cache_salt": "tenant", "lora_name": "ad", "lora_path": str(adapter), "lora_id": 1,
         "identifier": "img-1", "offset": BS + 2, "length": 4, "embeds": torch.ones(4 * BS, 8),
         **changes,
     }
     feature = MultiModalFeatureSpec(data=None, modality="image", identifier=fields["identifier"],
                                     mm_position=PlaceholderRange(fields["offset"], fields["length"]))
     return Request("r", fields["tokens"], SamplingParams(max_tokens=1), None, prompt_embeds=fields["embeds"],
-                   mm_features=[feature], lora_request=LoRARequest(fields["lora_name"], 1, fields["lora_path"]),
+                   mm_features=[feature], lora_request=LoRARequest(fields["lora_name"], fields["lora_id"], fields["lora_path"]),
                    cache_salt=fields["cache_salt"], block_hasher=get_request_block_hasher(BS, sha256))
 
 
@@ -646,7 +663,7 @@ def _other_adapter(tmp_path: Path) -> str:
 CHANGES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "request.all_token_ids": lambda _: {"tokens": [7, *range(2, 4 * BS + 1)]},
     "request.cache_salt": lambda _: {"cache_salt": "other tenant"},
-    "request.lora_request.lora_path": lambda tmp: {"lora_path": _other_adapter(tmp)},
+    "request.lora_request.lora_path": lambda tmp: {"lora_path": _other_adapter(tmp), "lora_id": 2},
     "request.mm_features[].identifier": lambda _: {"identifier": "img-2"},
     "request.mm_features[].mm_position.offset": lambda _: {"offset": BS + 3},
     "request.mm_features[].mm_position.length": lambda _: {"length": BS},  # into the next block

@@ -304,11 +304,14 @@ def test_metadata_is_plain() -> None:
     assert UcmDbConnectorMetadata().empty
 
 
-def test_request_extras_cover_salt_and_lora(tmp_path: Path) -> None:
+def test_request_extras_cover_salt_and_lora(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.lora.request import LoRARequest
 
+    from ucm_db.connector import fingerprints
     from ucm_db.connector.identity import request_extras
 
+    monkeypatch.setattr(fingerprints, "_adapters", {})  # what this process loaded before: none
+    monkeypatch.setattr(fingerprints, "_adapter_ids", {})
     assert request_extras(_request("a", [1, 2, 3])) == {}
     assert request_extras(_request("b", [1, 2, 3], cache_salt="s")) == {"cache_salt": "s"}
     # A LoRA adapter by its files, not its name (issue 48; tests/connector/test_identity_inputs.py) ...
