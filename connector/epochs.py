@@ -17,9 +17,20 @@ Invariants:
       the reset).
     * An epoch that cannot be read (a damaged record) is ``None``: nothing
       is claimed and nothing saved until a bump records a new one.
+    * After this engine's own reset its chains are rooted at a private
+      epoch (:func:`private_epoch`: the store's epoch and a token drawn at
+      each reset, at or above ``2**63``, where no count of the store's
+      reaches), never at the store's: vLLM resets the connector after a
+      weight update, and the updated weights are this engine's alone, while
+      other engines and a restart compute with the model's files. So no
+      other engine is served this engine's KV, nor this engine theirs,
+      until it restarts; the store's epoch still moves on for everyone.
 """
 
 from __future__ import annotations
+
+import hashlib
+import os
 
 from vllm.logger import init_logger
 
@@ -36,7 +47,9 @@ class EpochWatch:
     def __init__(self, store: ucm_db.Store, namespace: Namespace) -> None:
         self._store = store
         self._namespace = namespace
-        self.epoch: int | None = None
+        self._own: bytes | None = None  # drawn at each reset of this engine (module invariants)
+        self.store_epoch: int | None = None
+        self.epoch: int | None = None  # what this engine's chains are rooted at
         self._fresh = False
         self.current()
 
@@ -59,6 +72,10 @@ class EpochWatch:
         except UcmDbError as exc:
             logger.error("ucm-db: reset_cache could not invalidate namespace %s: %s", self._namespace.short_id, exc)
             return False
+        self._own = os.urandom(16)
+        logger.warning("ucm-db: reset_cache: namespace %s moved to epoch %d; this engine's blocks are keyed apart from "
+                       "every other engine's until it restarts (its weights may have been updated in place)",
+                       self._namespace.short_id, epoch)
         self._fresh = True
         self._set(epoch)
         return True
@@ -72,7 +89,16 @@ class EpochWatch:
             return None
 
     def _set(self, epoch: int | None) -> None:
-        if epoch is not None and epoch != self.epoch and (epoch or self.epoch is not None):
+        if epoch is not None and epoch != self.store_epoch and (epoch or self.store_epoch is not None):
             logger.info("ucm-db: namespace %s is at epoch %d: blocks stored before it are never served",
                         self._namespace.short_id, epoch)
-        self.epoch = epoch
+        self.store_epoch = epoch
+        self.epoch = epoch if epoch is None or self._own is None else private_epoch(epoch, self._own)
+
+
+def private_epoch(store_epoch: int, token: bytes) -> int:
+    """The epoch an engine reset with ``token`` roots its chains at: in
+    ``[2**63, 2**64)``, a function of the store's epoch (an invalidation
+    from outside moves it too) and the token."""
+    digest = hashlib.blake2b(store_epoch.to_bytes(8, "little") + token, digest_size=8, person=b"ucm-db/own-epoch").digest()
+    return (1 << 63) | (int.from_bytes(digest, "little") & ((1 << 63) - 1))
