@@ -329,7 +329,8 @@ class _Output:
 
 def test_reset_moves_every_groups_epoch_on_for_this_and_another_engine(model_dir: Path, tmp_path: Path) -> None:
     """``reset_cache`` of a hybrid model: no group serves its old blocks, in
-    this engine or another on the store; stored again, they hit again."""
+    this engine or another on the store; stored again by the engine that
+    reset, they hit there alone (its weights may have been updated)."""
     ids = (list(range(1, 8)), list(range(11, 18)))
     first = _Engine(model_dir, tmp_path / "store", _kv(1))
     assert first.run(_request("a", TOKENS), ids) == 0
@@ -338,11 +339,14 @@ def test_reset_moves_every_groups_epoch_on_for_this_and_another_engine(model_dir
     other.scheduler.build_connector_meta(SchedulerOutput.make_empty())  # its step ends: the next one reads the epoch
     assert first.scheduler.reset_cache() is True
     sched = first.scheduler._scheduler
-    assert isinstance(sched, GroupedScheduler) and [part.epoch for part in sched.parts] == [1, 1]
+    assert isinstance(sched, GroupedScheduler) and [part._epochs.store_epoch for part in sched.parts] == [1, 1]
+    assert all(part.epoch is not None and part.epoch >= 1 << 63 for part in sched.parts)  # private to this engine
     for engine in (first, other):
         assert engine.scheduler.get_num_new_matched_tokens(_request("old", TOKENS), 0) == (0, False)
-    assert first.run(_request("again", TOKENS), ids) == 0  # computed and stored again, at the new epoch
-    assert other.scheduler.get_num_new_matched_tokens(_request("new", TOKENS), 0) == (6 * BS, True)
+    assert first.run(_request("again", TOKENS), ids) == 0  # computed and stored again, keyed apart
+    first.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    assert first.scheduler.get_num_new_matched_tokens(_request("mine", TOKENS), 0) == (6 * BS, True)
+    assert other.scheduler.get_num_new_matched_tokens(_request("new", TOKENS), 0) == (0, False)
     first.close()
     other.close()
 
