@@ -29,17 +29,16 @@ Invariants:
       vLLM's point of view (``load_kv_async`` False): a hit is fully in the
       KV cache, or reported failed, by the end of the step that uses it.
       A model with several KV cache groups loads asynchronously whatever
-      the mode, and reports a failed load per request in
-      ``failed_recving`` (``get_transfer_results``), never as block ids
-      (hybrid.py).
-      With ``async`` a hit loads beside later steps (``load_kv_async``
-      True) and ``get_finished`` names the request once it is in place;
-      a step with nothing else to run waits up to
-      :data:`~ucm_db.connector.metadata.IDLE_WAIT_S` there
-      for a load to end instead of spinning. A request waiting for a
-      producer's announced blocks gets ``None`` from
-      ``get_num_new_matched_tokens`` (vLLM asks again next step) until they
-      are visible or its ``load_deadline_s`` passed.
+      the mode, and reports a failed load per request in ``failed_recving``
+      (``get_transfer_results``), never as block ids (hybrid.py). With
+      ``async`` a hit loads beside later steps (``load_kv_async`` True) and
+      ``get_finished`` names the request once it is in place; a step with
+      nothing else to run waits up to
+      :data:`~ucm_db.connector.metadata.IDLE_WAIT_S` there for a load to
+      end. A request waiting for a producer's announced blocks gets ``None``
+      from ``get_num_new_matched_tokens`` until they are visible or its
+      ``load_deadline_s`` passed. vLLM's null block is never loaded into
+      nor saved from (hybrid/null_blocks.py).
     * ``SupportsHMA``: vLLM keeps its hybrid KV cache manager with ucm-db
       on and calls ``request_finished_all_groups`` (one block list per KV
       cache group) instead of ``request_finished`` for every model. A model
@@ -69,6 +68,7 @@ from ucm_db import cpu_placement
 from ucm_db.connector.events import FeedEvents, GroupEvents
 from ucm_db.connector.hybrid.groups import kv_groups
 from ucm_db.connector.hybrid.hooks import GroupedScheduler, GroupedWorker, check_hybrid
+from ucm_db.connector.hybrid.null_blocks import WINDOWED_KINDS, NullBlockGuard
 from ucm_db.connector.identity import kv_shape
 from ucm_db.connector.metadata import IDLE_WAIT_S, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
@@ -103,6 +103,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._held_store: ucm_db.Store | None = None
         self._scheduler: UcmDbScheduler | GroupedScheduler | None = None
+        self._null_blocks = NullBlockGuard(windowed=False)
         self._events: GroupEvents | None = None  # KV cache events from the store's change feed (events.py)
         self._worker: UcmDbWorker | GroupedWorker | None = None
         if role != KVConnectorRole.SCHEDULER:
@@ -138,6 +139,8 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         # Blocks of an older storage generation: `ucm-db migrate` converts them (pre_units).
         refuse_older_generations(self._held_store, self.settings, self.shape)
         hybrid = len(self.groups) > 1
+        # A lone windowed group's table holds vLLM's null block outside the window (hybrid/null_blocks.py).
+        self._null_blocks = NullBlockGuard(windowed=not hybrid and self.groups[0].kind in WINDOWED_KINDS)
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
@@ -267,29 +270,27 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         if self._scheduler is None:
             return UcmDbConnectorMetadata()
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._null_blocks.apply(self._scheduler.build_connector_meta(scheduler_output))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        # SupportsHMA: vLLM calls this instead of request_finished for every
-        # model, one block list per KV cache group.
+        # SupportsHMA: vLLM calls this for every model, one block list per KV cache group.
         if self._scheduler is None:
             return False, None
         if isinstance(self._scheduler, GroupedScheduler):
             return self._scheduler.request_finished(request, block_ids)
+        self._null_blocks.forget(request.request_id)
         return self._scheduler.request_finished(request, block_ids[0])
 
     def take_events(self) -> list[KVCacheEvent]:
-        """``BlockStored``/``BlockRemoved`` (medium ``STORAGE``) of every block
-        stored or removed since the last step by any process on the store
-        (events.py); nothing unless vLLM's KV cache events are on."""
+        """``BlockStored``/``BlockRemoved`` (medium ``STORAGE``) of every block stored or removed since
+        the last step by any process on the store (events.py), where vLLM's KV cache events are on."""
         return self._events.take() if self._events is not None else []
 
     def reset_cache(self) -> bool | None:
-        # reset_prefix_cache(reset_connector=True): the model's namespace
-        # epoch moves on for every engine on the store (epochs.py).
+        # reset_prefix_cache(reset_connector=True): epochs.py.
         return self._scheduler.reset_cache() if self._scheduler is not None else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

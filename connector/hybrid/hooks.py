@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.hybrid.groups import KVGroup, group_namespace
 from ucm_db.connector.hybrid.loads import GroupLoads
+from ucm_db.connector.hybrid.null_blocks import NULL_BLOCK_ID, without_null
 from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats
@@ -76,9 +77,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-#: vLLM's null block (the block pool's first, never handed out): a
-#: sliding-window group's table holds it outside the window.
-NULL_BLOCK_ID = 0
 #: Steps whose loads the grouped scheduler remembers until their output is back.
 _MAX_PENDING_STEPS = 64
 
@@ -194,8 +192,8 @@ class GroupedScheduler:
         metas = [part.build_connector_meta(scheduler_output) for part in self.parts]
         loaded: dict[str, set[int]] = {}
         for meta in metas:
-            meta.loads = [t for t in map(_without_null, meta.loads) if t.block_ids]
-            meta.async_loads = [t for t in map(_without_null, meta.async_loads) if t.block_ids]
+            meta.loads = [t for t in map(without_null, meta.loads) if t.block_ids]
+            meta.async_loads = [t for t in map(without_null, meta.async_loads) if t.block_ids]
             for transfer in meta.loads:
                 loaded.setdefault(transfer.req_id, set()).update(transfer.block_ids)
         if loaded:
@@ -339,9 +337,3 @@ class GroupedWorker:
             part.shutdown()
 
 
-def _without_null(load: BlockTransfer) -> BlockTransfer:
-    """``load`` less the blocks vLLM left null (outside a sliding window)."""
-    if NULL_BLOCK_ID not in load.block_ids:
-        return load
-    pairs = [(k, b) for k, b in zip(load.keys, load.block_ids) if b != NULL_BLOCK_ID]
-    return replace(load, keys=tuple(k for k, _ in pairs), block_ids=tuple(b for _, b in pairs))

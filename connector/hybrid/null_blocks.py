@@ -1,0 +1,59 @@
+"""vLLM's null block in a step's transfers: the block id (0) vLLM's
+sliding-window and chunked-local managers put where a request's blocks
+fell out of the window. It holds no request's KV, and vLLM expects it to
+stay as it is.
+
+Invariants:
+    * A load never writes the null block (no attention reads it): its pairs
+      are dropped from the transfer, and a transfer left empty is dropped.
+    * A save that would read the null block is dropped, and so is every
+      later save of that request (a chain has no gap): the request's stored
+      prefix ends before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
+
+#: Kinds of a lone KV cache group (hybrid/groups.py) whose block tables hold the null block.
+WINDOWED_KINDS = frozenset({"sliding_window", "ChunkedLocalAttentionSpec"})
+#: The id of vLLM's null block (``BlockPool.null_block``: the first block, never allocated to a request).
+NULL_BLOCK_ID = 0
+
+
+def without_null(load: BlockTransfer) -> BlockTransfer:
+    """``load`` less the blocks vLLM left null (outside a window)."""
+    if NULL_BLOCK_ID not in load.block_ids:
+        return load
+    pairs = [(k, b) for k, b in zip(load.keys, load.block_ids) if b != NULL_BLOCK_ID]
+    return replace(load, keys=tuple(k for k, _ in pairs), block_ids=tuple(b for _, b in pairs))
+
+
+class NullBlockGuard:
+    """The module's invariants over one KV cache group's step metadata, where
+    ``windowed`` (a model whose only group is a sliding window or chunked
+    local attention); otherwise it passes the metadata through."""
+
+    def __init__(self, windowed: bool) -> None:
+        self.windowed = windowed
+        self._broken: set[str] = set()  # requests whose saves stopped at a null block
+
+    def apply(self, meta: UcmDbConnectorMetadata) -> UcmDbConnectorMetadata:
+        if not self.windowed:
+            return meta
+        meta.loads = [t for t in map(without_null, meta.loads) if t.block_ids]
+        meta.async_loads = [t for t in map(without_null, meta.async_loads) if t.block_ids]
+        meta.saves = [t for t in meta.saves if self.keeps(t)]
+        return meta
+
+    def keeps(self, save: BlockTransfer) -> bool:
+        """False for a save that reads the null block, and for every later one of its request."""
+        if save.req_id not in self._broken and NULL_BLOCK_ID not in save.block_ids:
+            return True
+        self._broken.add(save.req_id)
+        return False
+
+    def forget(self, req_id: str) -> None:
+        self._broken.discard(req_id)
