@@ -103,9 +103,9 @@ class WorkerLoads:
             if self._async is None:
                 self._async = AsyncLoader(lambda load: self._load_checked([load], None, background=True))
             self._async.submit(meta.async_loads)
-        if not meta.loads or self._store is None:
+        if not meta.loads:
             return
-        if self._load_mode == "layer":
+        if self._load_mode == "layer" and self._store is not None:  # unbound: every load fails below, reported
             job = _LayerLoad(len(self.layout.layers))
             job.thread = threading.Thread(target=self._load, args=(meta.loads, job), name="ucm-db-loader", daemon=True)
             self._layer_load = job

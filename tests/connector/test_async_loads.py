@@ -211,3 +211,23 @@ def test_loader_reports_every_request_once_even_when_a_load_raises() -> None:
         assert time.monotonic() - t0 < 0.5
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("mode", ["block", "layer"])
+def test_loads_before_the_caches_are_registered_fail_and_are_reported(mode: str) -> None:
+    """Before ``register_kv_caches`` binds a store, a step's loads fail, sync
+    and async alike, and vLLM hears of each (none is dropped silently)."""
+    from ucm_db.connector.metadata import UcmDbConnectorMetadata
+    from ucm_db.connector.metrics import Counters
+    from ucm_db.connector.worker.loads import WorkerLoads
+
+    loads = WorkerLoads(mode, BS, Counters())
+    loads.start(UcmDbConnectorMetadata(loads=[BlockTransfer("r", (b"k" * 32,), (5,))], step=0))
+    loads.finish_loads()
+    assert loads.take_load_errors() == {5}
+    loads.start(UcmDbConnectorMetadata(async_loads=[BlockTransfer("s", (b"k" * 32,), (6,))], step=1))
+    deadline = time.monotonic() + 5.0
+    while not (finished := loads._async.take_finished())[0] and time.monotonic() < deadline:  # type: ignore[union-attr]
+        time.sleep(0.01)
+    assert finished == ({"s"}, {6})
+    loads.close()
