@@ -9,8 +9,9 @@ Invariants:
       :data:`PROCESS_NONCE`, which only the scheduler uses (request keys are
       hashed there alone): the scheduler and every worker of a deployment
       derive one namespace from one ``VllmConfig``.
-    * Weights that are not the fingerprinted files are never keyed by those
-      files alone: a load format other than :data:`FILE_LOAD_FORMATS` is
+    * A config read from ``hf_config_path`` is keyed by the digest of the
+      config vLLM built from it. Weights that are not the fingerprinted
+      files are never keyed by those files alone: a load format other than :data:`FILE_LOAD_FORMATS` is
       keyed by its name and ``model_loader_extra_config``; ``dummy``
       (random weights) is refused unless the connector's ``model_id`` names
       those weights (an explicit identity is the operator's word).
@@ -50,11 +51,17 @@ _COUNTER_IDENTIFIER = re.compile(r"^renderer\d+-mm-\d+-")
 
 
 def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
-    """The namespace inputs of how vLLM loads the weights (module invariants)."""
+    """The namespace inputs of how vLLM loads the model (module invariants):
+    its load format, and a config read from ``hf_config_path`` (not among
+    the fingerprinted files) by the digest of the config vLLM built."""
     load = getattr(vllm_config, "load_config", None)
     fmt = str(getattr(getattr(load, "load_format", "auto"), "value", getattr(load, "load_format", "auto")))
+    out: dict[str, Any] = {}
+    if getattr(vllm_config.model_config, "hf_config_path", None):
+        text = vllm_config.model_config.hf_config.to_json_string(use_diff=False)
+        out["hf_config"] = "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     if fmt in FILE_LOAD_FORMATS:
-        return {}
+        return out
     if fmt == "dummy" and model_id is None:
         raise ConfigError(
             "vLLM runs with load_format \"dummy\" (random weights): their KV must never be served to an engine with "
@@ -63,7 +70,7 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
                  "(e.g. \"dummy-profiling\"): ucm-db then keys by that name alone",
         )
     extra = getattr(load, "model_loader_extra_config", None)
-    return {"load_format": fmt, "model_loader_extra_config": extra or None}
+    return {**out, "load_format": fmt, "model_loader_extra_config": extra or None}
 
 
 def multimodal_inputs(vllm_config: Any) -> dict[str, Any]:

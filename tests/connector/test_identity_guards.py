@@ -61,6 +61,16 @@ def test_weights_not_read_from_the_model_files_are_keyed_by_how_they_are_loaded(
     assert len(digests) == 3
 
 
+def test_a_config_read_from_hf_config_path_is_keyed_by_its_content(model_dir: Path) -> None:
+    """vLLM builds the config from ``hf_config_path``, not from the model's
+    fingerprinted files: two configs there are two namespaces."""
+    one, two = _vllm_config(model_dir), _vllm_config(model_dir)
+    for config in (one, two):
+        config.model_config.hf_config_path = "/configs/llama"
+    two.model_config.hf_config.rms_norm_eps = 1e-3  # what another config file there would give
+    assert len({_namespace_of(c).digest for c in (one, two, _vllm_config(model_dir))}) == 3
+
+
 # -- multimodal ---------------------------------------------------------------
 
 

@@ -393,6 +393,7 @@ KV_CHANGING: dict[str, Callable[[Any], None]] = {
     "model_config.model_class_overrides": _set(("model_config.model_class_overrides", {"LlamaForCausalLM": "x.Y"})),
     "model_config.code_revision": _set(("model_config.code_revision", "abc123")),
     "model_config.model_weights": _set(("model_config.model_weights", "s3://bucket/llama")),
+    "model_config.hf_config_path": _set(("model_config.hf_config_path", "/configs/llama-tuned")),
     "model_config.multimodal_config": lambda c: _set(("model_config.multimodal_config", _mm_config(mm_processor_kwargs={"num_crops": 4})))(c),
 }
 
@@ -457,7 +458,7 @@ MODEL_CONFIG_FIELDS = {
     "revision": "keyed: resolves the hub snapshot that is hashed",
     "hf_config": "keyed: its KV fields (rope, quantization, layout)",
     "hf_text_config": "keyed: its KV fields (rope, sliding window, heads, layers)",
-    "hf_config_path": "keyed through hf_config's KV fields (the config it loads)",
+    "hf_config_path": "keyed: namespace input (the digest of the config it loads: identity_guards.load_inputs)",
     "dtype": "keyed: namespace input",
     "quantization": "keyed: namespace input",
     "quantization_config": "keyed: namespace input",
