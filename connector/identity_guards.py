@@ -44,6 +44,8 @@ from ucm_db.errors import ConfigError
 #: Load formats that read the weights from the fingerprinted model files
 #: (the same bytes, however read): not keyed.
 FILE_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "mistral", "instanttensor", "fastsafetensors"})
+#: vLLM's default ``LoadConfig.ignore_patterns`` (a checkpoint's ``original/`` copy): not keyed.
+DEFAULT_IGNORE_PATTERNS = ("original/**/*",)
 #: Drawn once per process; mixed into multimodal identifiers that name no content.
 PROCESS_NONCE = secrets.token_hex(16)
 #: vLLM's counter identifiers: ``renderer{api rank}-mm-{n}-{modality}-{i}`` (renderers/base.py).
@@ -52,11 +54,14 @@ _COUNTER_IDENTIFIER = re.compile(r"^renderer\d+-mm-\d+-")
 
 def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     """The namespace inputs of how vLLM loads the model (module invariants):
-    its load format, and a config read from ``hf_config_path`` (not among
+    its load format, weight files it is told to ignore, and a config read from ``hf_config_path`` (not among
     the fingerprinted files) by the digest of the config vLLM built."""
     load = getattr(vllm_config, "load_config", None)
     fmt = str(getattr(getattr(load, "load_format", "auto"), "value", getattr(load, "load_format", "auto")))
     out: dict[str, Any] = {}
+    ignored = getattr(load, "ignore_patterns", None)
+    if ignored and list(ignored) != list(DEFAULT_IGNORE_PATTERNS):  # which of the directory's weight files load
+        out["ignore_patterns"] = list(ignored)
     if getattr(vllm_config.model_config, "hf_config_path", None):
         text = vllm_config.model_config.hf_config.to_json_string(use_diff=False)
         out["hf_config"] = "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -179,3 +179,68 @@ def test_non_causal_attention_is_refused(model_dir: Path) -> None:
     with pytest.raises(ConfigError, match="non-causally"):
         kv_shape(_vllm_config(model_dir), _kv_config(non_causal=True), None)
     kv_shape(_vllm_config(model_dir), _kv_config(), None)  # causal: accepted
+
+
+# -- tripwires: every field of the configs identity_guards.py reads, judged --------
+
+#: Every LoadConfig field: does it change the weights the KV is computed from?
+LOAD_CONFIG_FIELDS = {
+    "load_format": "keyed: outside FILE_LOAD_FORMATS (dummy refused without model_id)",
+    "model_loader_extra_config": "keyed with a load format outside FILE_LOAD_FORMATS",
+    "ignore_patterns": "keyed: which of the directory's files are loaded",
+    "download_dir": "read: where the hub snapshot that is hashed lies",
+    "safetensors_load_strategy": "no: how the same bytes are read",
+    "safetensors_prefetch_num_threads": "no: how the same bytes are read",
+    "safetensors_prefetch_block_size": "no: how the same bytes are read",
+    "device": "no: where the weights are placed",
+    "use_tqdm_on_load": "no: progress output",
+    "pt_load_map_location": "no: where the weights are placed",
+}
+
+#: Every MultiModalConfig field: does it change an item's embeddings beyond its identifier?
+MULTIMODAL_CONFIG_FIELDS = {
+    "mm_processor_kwargs": "keyed",
+    "media_io_kwargs": "keyed",
+    "video_pruning_rate": "keyed (with video_pruning_method)",
+    "video_pruning_method": "keyed with video_pruning_rate",
+    "mm_encoder_attn_dtype": "keyed with the scale file's content; runtime scales refused",
+    "mm_encoder_fp8_scale_path": "keyed by content",
+    "mm_encoder_fp8_scale_save_path": "no: where runtime scales are saved (runtime scales are refused)",
+    "mm_encoder_fp8_scale_save_margin": "no: runtime calibration (refused)",
+    "mm_hasher_algorithm": "no: it makes the identifiers, which are keyed",
+    "mm_device_do_normalize": "no: where the same normalisation runs, same numerics class",
+    "mm_encoder_tp_mode": "no: how the encoder is split, same numerics class",
+    "mm_encoder_attn_backend": "no: a kernel choice, same numerics class",
+    "language_model_only": "no: no items then",
+    "limit_per_prompt": "no: a limit",
+    "enable_mm_embeds": "no: embeddings given are items with identifiers",
+    "mm_processor_cache_gb": "no: a cache (at 0 with prefix caching off, counter identifiers are made process-unique)",
+    "mm_processor_cache_type": "no: a cache",
+    "mm_shm_cache_max_object_size_mb": "no: a cache",
+    "mm_encoder_only": "no: an encoder-only engine stores no KV",
+    "interleave_mm_strings": "no: prompt text layout; token ids are keyed",
+    "skip_mm_profiling": "no: start-up",
+    "mm_tensor_ipc": "no: transport",
+    "allow_missing_mm_embeddings": "no: validation",
+    "mm_ipc_gpu_memory_gb": "no: transport",
+}
+
+
+@pytest.mark.parametrize(("config", "judged"), [("LoadConfig", LOAD_CONFIG_FIELDS), ("MultiModalConfig", MULTIMODAL_CONFIG_FIELDS)])
+def test_every_field_of_the_configs_read_is_judged(config: str, judged: dict[str, str]) -> None:
+    import dataclasses
+
+    import vllm.config
+
+    fields = {f.name for f in dataclasses.fields(getattr(vllm.config, config))}
+    new, gone = sorted(fields - set(judged)), sorted(set(judged) - fields)
+    assert not new, f"vLLM's {config} has new fields {new}: judge whether each changes K/V (connector/identity_guards.py)"
+    assert not gone, f"vLLM's {config} lost fields {gone}: drop them here (and from identity_guards.py)"
+
+
+def test_ignored_weight_files_reach_the_namespace(model_dir: Path) -> None:
+    from vllm.config import LoadConfig
+
+    config = _vllm_config(model_dir)
+    config.load_config = LoadConfig(ignore_patterns=["model-0000[2-9]*"])
+    assert _namespace_of(config) != _namespace_of(_vllm_config(model_dir))
