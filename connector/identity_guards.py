@@ -59,9 +59,10 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     load = getattr(vllm_config, "load_config", None)
     fmt = str(getattr(getattr(load, "load_format", "auto"), "value", getattr(load, "load_format", "auto")))
     out: dict[str, Any] = {}
-    ignored = getattr(load, "ignore_patterns", None)
-    if ignored and list(ignored) != list(DEFAULT_IGNORE_PATTERNS):  # which of the directory's weight files load
-        out["ignore_patterns"] = list(ignored)
+    ignored = getattr(load, "ignore_patterns", None) or []
+    ignored = [ignored] if isinstance(ignored, str) else list(ignored)
+    if ignored and ignored != list(DEFAULT_IGNORE_PATTERNS):  # which of the directory's weight files load
+        out["ignore_patterns"] = ignored
     if getattr(vllm_config.model_config, "hf_config_path", None):
         text = vllm_config.model_config.hf_config.to_json_string(use_diff=False)
         out["hf_config"] = "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -243,4 +243,9 @@ def test_ignored_weight_files_reach_the_namespace(model_dir: Path) -> None:
 
     config = _vllm_config(model_dir)
     config.load_config = LoadConfig(ignore_patterns=["model-0000[2-9]*"])
-    assert _namespace_of(config) != _namespace_of(_vllm_config(model_dir))
+    one = LoadConfig(ignore_patterns="model-0000[2-9]*")  # vLLM takes one pattern as a string too
+    as_string = _vllm_config(model_dir)
+    as_string.load_config = one
+    default = _vllm_config(model_dir)
+    default.load_config = LoadConfig(ignore_patterns=["original/**/*"])
+    assert _namespace_of(config) == _namespace_of(as_string) != _namespace_of(_vllm_config(model_dir)) == _namespace_of(default)
