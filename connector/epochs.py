@@ -67,12 +67,14 @@ class EpochWatch:
     def bump(self) -> bool:
         """Moves the namespace's epoch on in the store (``reset_cache``);
         False where the store refuses (read-only, I/O error), logged."""
+        self._own = os.urandom(16)  # before the bump: a refused bump (read-only store) still keys this engine apart
+        self._set(self.store_epoch)
         try:
             epoch = self._store.bump_epoch(self._namespace)
         except UcmDbError as exc:
-            logger.error("ucm-db: reset_cache could not invalidate namespace %s: %s", self._namespace.short_id, exc)
+            logger.error("ucm-db: reset_cache could not invalidate namespace %s: %s; this engine's blocks are keyed "
+                         "apart until it restarts", self._namespace.short_id, exc)
             return False
-        self._own = os.urandom(16)
         logger.warning("ucm-db: reset_cache: namespace %s moved to epoch %d; this engine's blocks are keyed apart from "
                        "every other engine's until it restarts (its weights may have been updated in place)",
                        self._namespace.short_id, epoch)

@@ -34,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 from pathlib import Path
@@ -73,10 +74,12 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
             "vLLM runs with load_format \"dummy\" (random weights): their KV must never be served to an engine with "
             "the real weights, and the model's files, which ucm-db keys by, do not name them",
             hint="serve without ucm-db, or set \"model_id\" in kv_connector_extra_config to a name of this run's weights "
-                 "(e.g. \"dummy-profiling\"): ucm-db then keys by that name alone",
+                 "(e.g. \"dummy-profiling\"): ucm-db then keys by that name",
         )
     extra = getattr(load, "model_loader_extra_config", None)
-    return {**out, "load_format": fmt, "model_loader_extra_config": extra or None}
+    # A digest, not the options: they may hold credentials, and the namespace record travels (remote manifests).
+    digest = hashlib.blake2b(json.dumps(extra, sort_keys=True, default=str).encode(), digest_size=16).hexdigest() if extra else None
+    return {**out, "load_format": fmt, "model_loader_extra_config": digest}
 
 
 def multimodal_inputs(vllm_config: Any) -> dict[str, Any]:

@@ -140,6 +140,7 @@ def test_reset_on_a_read_only_store_reports_failure(tmp_path: Path) -> None:
     settings = ConnectorSettings.from_extra_config({"path": str(path), "read_only": True})
     sched = UcmDbScheduler(settings, _shape())
     assert sched.reset_cache() is False
+    assert sched.epoch is not None and sched.epoch >= 1 << 63  # its weights may have changed: keyed apart all the same
     sched.shutdown()
 
 
