@@ -48,9 +48,8 @@ text; sampling never changes KV), ``seed``, ``enforce_eager``, the
 attention backend and ``model_impl`` (numerics within kernel tolerance; the
 platform and CPU attention ISA are in the layout), served names, pooling and
 runner options, per-request multimodal options (vLLM's item identifiers
-carry them), the LoRA config (adapters are keyed per request). The tripwire tests
-(``tests/connector/test_identity_inputs.py``) list every ``ModelConfig``
-field with its decision and fail on one vLLM adds.
+carry them), the LoRA config (adapters are keyed per request). Tripwire tests
+(``tests/connector/test_identity_inputs.py``) fail on a new ``ModelConfig`` field.
 
 Invariants:
     * The scheduler process and every worker derive identical namespaces,
@@ -73,8 +72,8 @@ Invariants:
     * A request's key chain is hashed once, by ucm-db, from its token ids
       and its extras (:func:`request_extras`: the LoRA adapter's content
       digest, ``cache_salt``;
-      :func:`request_block_extras`: multimodal item hashes and offsets, a
-      prompt-embedding digest), so keys are stable across restarts and vLLM
+      :func:`request_block_extras`: multimodal item identities and
+      offsets, a prompt-embedding digest), so keys are stable across restarts and vLLM
       versions; :func:`chain_keys` extends it incrementally as the request
       grows (``Namespace.block_keys(..., parent=last_key)``).
 """
@@ -91,7 +90,8 @@ from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.fingerprints import adapter_key, model_fingerprint
 from ucm_db.connector.hybrid.groups import kv_groups
-from ucm_db.connector.identity_guards import device_tag, item_identity, load_inputs, multimodal_inputs, refuse_unstorable
+from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, item_identity, load_inputs,
+                                              multimodal_inputs, refuse_unstorable)
 from ucm_db.errors import ConfigError
 from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -100,7 +100,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from ucm_db.connector.scheduler.request_state import RequestState
-
 
 
 @dataclass(frozen=True)
@@ -118,6 +117,7 @@ class KVShape:
     layers: int = 1    # the model's total attention layers
     unit_bytes: int = 0  # raw bytes of one KV head's unit over every layer, from vLLM's spec (0: unknown, MLA)
     extra: str = ""  # namespace inputs beside model, layout and block size (namespace_inputs)
+    counter_mm_ids: bool = False  # multimodal identifiers are per-process counters (identity_guards.counter_identifiers)
 
 
 def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KVShape:
@@ -157,6 +157,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         layers=int(layers),
         unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers)),
         extra=namespace_inputs(vllm_config, model_id),
+        counter_mm_ids=counter_identifiers(vllm_config),
     )
 
 
@@ -227,17 +228,17 @@ def request_extras(request: Request) -> dict[str, Any]:
     return extras
 
 
-def request_block_extras(request: Request, block_size: int) -> dict[int, bytes]:
+def request_block_extras(request: Request, block_size: int, counter_mm_ids: bool = False) -> dict[int, bytes]:
     """What changes single blocks' KV besides their token ids, by block index:
-    the multimodal items whose placeholder tokens a block holds (identifier,
-    offset, length of each), and a digest of the block's rows of
-    ``prompt_embeds``. Blocks before the first such block keep the keys of a
-    plain prompt, so a shared text prefix still hits."""
+    the multimodal items whose placeholder tokens a block holds (identity as
+    :attr:`KVShape.counter_mm_ids` says, offset, length of each), and a digest of
+    the block's rows of ``prompt_embeds``. Blocks before the first such block
+    keep the keys of a plain prompt, so a shared text prefix still hits."""
     items: dict[int, list[list[Any]]] = {}
     for feature in request.mm_features or []:
         offset, length = int(feature.mm_position.offset), int(feature.mm_position.length)
         for block in range(offset // block_size, (offset + max(length, 1) - 1) // block_size + 1):
-            items.setdefault(block, []).append([item_identity(str(feature.identifier)), offset, length])
+            items.setdefault(block, []).append([item_identity(str(feature.identifier), counter_mm_ids), offset, length])
     extras = {block: b"mm" + json.dumps(listed, separators=(",", ":")).encode() for block, listed in items.items()}
     if request.prompt_embeds is not None:
         embeds = request.prompt_embeds.detach().to("cpu")  # one device copy, not one per block
@@ -377,8 +378,7 @@ def _plain(value: Any) -> Any:
 
 
 def _platform_tag(spec: Any, vllm_config: Any) -> str:
-    """Platform plus, on CPU, the attention ISA (kernel block layouts
-    differ); off CPU, :func:`~ucm_db.connector.identity_guards.device_tag`."""
+    """On CPU, the attention ISA (kernel block layouts differ); else device_tag."""
     try:
         from vllm.platforms import current_platform
 

@@ -10,7 +10,7 @@ Invariants:
       hashed there alone): the scheduler and every worker of a deployment
       derive one namespace from one ``VllmConfig``.
     * A config read from ``hf_config_path`` is keyed by the digest of the
-      config vLLM built from it. Weights that are not the fingerprinted
+      files vLLM read (:func:`config_digest`). Weights that are not the fingerprinted
       files are never keyed by those files alone: a load format other than :data:`FILE_LOAD_FORMATS` is
       keyed by its name and ``model_loader_extra_config``; ``dummy``
       (random weights) is refused unless the connector's ``model_id`` names
@@ -20,8 +20,11 @@ Invariants:
       scales of the vision encoder, which no key can name, are refused.
     * A multimodal identifier vLLM makes from a per-process counter (its
       prefix cache and processor cache both off) names no content: it is
-      made unique to this process (:func:`item_identity`); content hashes
-      and user-given UUIDs are kept as they are.
+      made unique to this process (:func:`item_identity`), and under that
+      config every identifier is (:func:`counter_identifiers`: one hashed
+      with per-request kwargs hides its origin). Otherwise content hashes
+      and user-given UUIDs are kept as they are: a user's UUID names its
+      content store-wide, across every engine sharing the store.
     * Off CPU, the platform is vLLM's device name (ROCm is not "cuda"),
       with the fp8 type where a quantized KV cache would use another one
       than CUDA's ``float8_e4m3fn`` (:func:`device_tag`).
@@ -44,12 +47,14 @@ from ucm_db.errors import ConfigError
 
 #: Load formats that read the weights from the fingerprinted model files
 #: (the same bytes, however read): not keyed.
-FILE_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "mistral", "instanttensor", "fastsafetensors"})
+FILE_LOAD_FORMATS = frozenset({"auto", "hf", "pt", "safetensors", "npcache", "mistral", "instanttensor", "fastsafetensors"})
 #: vLLM's default ``LoadConfig.ignore_patterns`` (a checkpoint's ``original/`` copy): not keyed.
 DEFAULT_IGNORE_PATTERNS = ("original/**/*",)
 #: Drawn once per process; mixed into multimodal identifiers that name no content.
 PROCESS_NONCE = secrets.token_hex(16)
 #: vLLM's counter identifiers: ``renderer{api rank}-mm-{n}-{modality}-{i}`` (renderers/base.py).
+#: The files a config directory holds for vLLM's config parsers (HF, Mistral).
+_CONFIG_FILES = ("config.json", "params.json")
 _COUNTER_IDENTIFIER = re.compile(r"^renderer\d+-mm-\d+-")
 
 
@@ -64,9 +69,9 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     ignored = [ignored] if isinstance(ignored, str) else list(ignored)
     if ignored and ignored != list(DEFAULT_IGNORE_PATTERNS):  # which of the directory's weight files load
         out["ignore_patterns"] = ignored
-    if getattr(vllm_config.model_config, "hf_config_path", None):
-        text = vllm_config.model_config.hf_config.to_json_string(use_diff=False)
-        out["hf_config"] = "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    config_path = getattr(vllm_config.model_config, "hf_config_path", None)
+    if config_path:
+        out["hf_config"] = config_digest(str(config_path), vllm_config.model_config.hf_config)
     if fmt in FILE_LOAD_FORMATS:
         return out
     if fmt == "dummy" and model_id is None:
@@ -80,6 +85,45 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     # A digest, not the options: they may hold credentials, and the namespace record travels (remote manifests).
     digest = hashlib.blake2b(json.dumps(extra, sort_keys=True, default=str).encode(), digest_size=16).hexdigest() if extra else None
     return {**out, "load_format": fmt, "model_loader_extra_config": digest}
+
+
+def config_digest(config_path: str, hf_config: Any) -> str:
+    """The digest of the config files vLLM read from ``config_path`` (a
+    directory, a file, or a hub id already in the local hub cache). Files,
+    not the config object: model constructors may change the object in a
+    worker after vLLM built it, and every role must derive one namespace.
+    A path that names no readable file falls back to the object's JSON
+    without the fields that name where and by which library it was read."""
+    path = Path(config_path).expanduser()
+    files = [path] if path.is_file() else [path / name for name in _CONFIG_FILES if (path / name).is_file()]
+    if not files and not path.exists():
+        files = _hub_cached_configs(config_path)
+    if files:
+        digest = hashlib.blake2b(digest_size=16, person=b"ucm-db/hfcfg")
+        for file in files:
+            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+        return "blake2b:" + digest.hexdigest()
+    plain = {k: v for k, v in hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    text = json.dumps(plain, sort_keys=True, default=str)
+    return "json-blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _hub_cached_configs(repo_id: str) -> list[Path]:
+    """The config files of a hub id in the local hub cache (none where it is
+    not cached or huggingface_hub is absent)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return []
+    found = []
+    for name in _CONFIG_FILES:
+        try:
+            cached = try_to_load_from_cache(repo_id, name)
+        except Exception:  # noqa: BLE001 - a string that is no repo id: not cached
+            cached = None
+        if isinstance(cached, str):
+            found.append(Path(cached))
+    return found
 
 
 def multimodal_inputs(vllm_config: Any) -> dict[str, Any]:
@@ -108,9 +152,22 @@ def multimodal_inputs(vllm_config: Any) -> dict[str, Any]:
     return out
 
 
-def item_identity(identifier: str) -> str:
-    """A multimodal item's identity in block keys (module invariants)."""
-    if _COUNTER_IDENTIFIER.match(identifier):
+def counter_identifiers(vllm_config: Any) -> bool:
+    """True where vLLM gives multimodal items per-process counter
+    identifiers instead of content hashes: a multimodal model served with
+    both its prefix cache and its processor cache off (renderers/base.py).
+    A counter identifier with per-request processor kwargs is hashed with
+    them, so it no longer looks like one: under this config every
+    identifier is taken as a counter."""
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", True))
+    return mm is not None and getattr(mm, "mm_processor_cache_gb", 1) == 0 and not prefix_caching
+
+
+def item_identity(identifier: str, counters: bool = False) -> str:
+    """A multimodal item's identity in block keys (module invariants);
+    ``counters``: :func:`counter_identifiers` of the engine's config."""
+    if counters or _COUNTER_IDENTIFIER.match(identifier):
         return f"{identifier}@{PROCESS_NONCE}"
     return identifier
 

@@ -61,6 +61,15 @@ def test_weights_not_read_from_the_model_files_are_keyed_by_how_they_are_loaded(
     assert len(digests) == 3
 
 
+def test_the_file_load_formats_are_those_vllm_reads_with_its_default_loader() -> None:
+    """A tripwire: a format vLLM adds that reads the model's files through
+    its default loader is keyed until it is judged here (safe, fewer hits)."""
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, DefaultModelLoader
+
+    default = {name for name, loader in _LOAD_FORMAT_TO_MODEL_LOADER.items() if loader is DefaultModelLoader}
+    assert identity_guards.FILE_LOAD_FORMATS == default
+
+
 def test_a_config_read_from_hf_config_path_is_keyed_by_its_content(model_dir: Path) -> None:
     """vLLM builds the config from ``hf_config_path``, not from the model's
     fingerprinted files: two configs there are two namespaces."""
@@ -69,6 +78,25 @@ def test_a_config_read_from_hf_config_path_is_keyed_by_its_content(model_dir: Pa
         config.model_config.hf_config_path = "/configs/llama"
     two.model_config.hf_config.rms_norm_eps = 1e-3  # what another config file there would give
     assert len({_namespace_of(c).digest for c in (one, two, _vllm_config(model_dir))}) == 3
+
+
+def test_a_config_directory_is_keyed_by_its_files_not_by_the_object_a_worker_may_change(
+        model_dir: Path, tmp_path: Path) -> None:
+    """The scheduler and a TP worker hold separate config objects, and a
+    model constructor may change the worker's: the files vLLM read decide."""
+    text = (model_dir / "config.json").read_text()
+    first, copy, other = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for folder, content in ((first, text), (copy, text), (other, text.replace("{", '{"rms_norm_eps": 0.001,', 1))):
+        folder.mkdir()
+        (folder / "config.json").write_text(content)
+    configs = [_vllm_config(model_dir) for _ in range(3)]
+    for config, folder in zip(configs, (first, copy, other)):
+        config.model_config.hf_config_path = str(folder)
+    before = _namespace_of(configs[0]).digest
+    configs[0].model_config.hf_config.some_constructor_flag = True  # a worker's object, changed after it was built
+    configs[0].model_config.hf_config._name_or_path = "/elsewhere"
+    assert _namespace_of(configs[0]).digest == before == _namespace_of(configs[1]).digest  # same bytes, any folder
+    assert _namespace_of(configs[2]).digest != before
 
 
 # -- multimodal ---------------------------------------------------------------
@@ -133,6 +161,28 @@ def test_two_processes_counter_items_never_share_keys(tmp_path: Path) -> None:
         assert request_block_extras(request, 32)[1] != here[1]
     finally:
         identity_guards.PROCESS_NONCE = monkey
+
+
+def test_with_both_caches_off_every_identifier_is_taken_as_a_counter(model_dir: Path) -> None:
+    """vLLM gives counter identifiers when its prefix cache and processor
+    cache are off, and hashes one with per-request kwargs into something
+    that looks like content: under that config none is trusted."""
+    from vllm import SamplingParams
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.request import Request
+
+    hashed = "5e1f" * 16  # what a counter identifier hashed with per-request kwargs looks like
+    feature = MultiModalFeatureSpec(data=None, modality="image", identifier=hashed,
+                                    mm_position=PlaceholderRange(offset=40, length=8))
+    request = Request("r", list(range(128)), SamplingParams(max_tokens=1), None, mm_features=[feature])
+    both_off = _with_mm(model_dir, mm_processor_cache_gb=0)
+    both_off.cache_config.enable_prefix_caching = False
+    shape = kv_shape(both_off, _kv_config(), None)
+    assert shape.counter_mm_ids
+    assert PROCESS_NONCE.encode() in request_block_extras(request, 32, shape.counter_mm_ids)[1]
+    for cached in (_with_mm(model_dir, mm_processor_cache_gb=0), _with_mm(model_dir)):  # prefix cache on: content hashes
+        assert not kv_shape(cached, _kv_config(), None).counter_mm_ids
+    assert PROCESS_NONCE.encode() not in request_block_extras(request, 32)[1]
 
 
 # -- platform -------------------------------------------------------------------
