@@ -68,7 +68,7 @@ from ucm_db import cpu_placement
 from ucm_db.connector.events import FeedEvents, GroupEvents
 from ucm_db.connector.hybrid.groups import kv_groups
 from ucm_db.connector.hybrid.hooks import GroupedScheduler, GroupedWorker, check_hybrid
-from ucm_db.connector.hybrid.null_blocks import WINDOWED_KINDS, NullBlockGuard
+from ucm_db.connector.hybrid.null_blocks import NullBlockGuard
 from ucm_db.connector.identity import kv_shape
 from ucm_db.connector.metadata import IDLE_WAIT_S, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
@@ -103,7 +103,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._held_store: ucm_db.Store | None = None
         self._scheduler: UcmDbScheduler | GroupedScheduler | None = None
-        self._null_blocks = NullBlockGuard(windowed=False)
+        self._null_blocks = NullBlockGuard(active=False)
         self._events: GroupEvents | None = None  # KV cache events from the store's change feed (events.py)
         self._worker: UcmDbWorker | GroupedWorker | None = None
         if role != KVConnectorRole.SCHEDULER:
@@ -139,8 +139,8 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         # Blocks of an older storage generation: `ucm-db migrate` converts them (pre_units).
         refuse_older_generations(self._held_store, self.settings, self.shape)
         hybrid = len(self.groups) > 1
-        # A lone windowed group's table holds vLLM's null block outside the window (hybrid/null_blocks.py).
-        self._null_blocks = NullBlockGuard(windowed=not hybrid and self.groups[0].kind in WINDOWED_KINDS)
+        # A lone group's table may hold vLLM's null block (a window, skipped blocks: hybrid/null_blocks.py).
+        self._null_blocks = NullBlockGuard(active=not hybrid)
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(

@@ -193,7 +193,7 @@ class GroupedScheduler:
         loaded: dict[str, set[int]] = {}
         for meta in metas:
             meta.loads = [t for t in map(without_null, meta.loads) if t.block_ids]
-            meta.async_loads = [t for t in map(without_null, meta.async_loads) if t.block_ids]
+            meta.async_loads = list(map(without_null, meta.async_loads))  # kept empty: the request's report
             for transfer in meta.loads:
                 loaded.setdefault(transfer.req_id, set()).update(transfer.block_ids)
         if loaded:
@@ -335,5 +335,3 @@ class GroupedWorker:
     def shutdown(self) -> None:
         for part in self.parts:
             part.shutdown()
-
-

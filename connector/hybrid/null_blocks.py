@@ -1,11 +1,15 @@
 """vLLM's null block in a step's transfers: the block id (0) vLLM's
-sliding-window and chunked-local managers put where a request's blocks
-fell out of the window. It holds no request's KV, and vLLM expects it to
-stay as it is.
+managers put where a request's blocks fell out of a window or were
+skipped (sliding window, chunked local, RSWA, any manager's skipped
+blocks). It holds no request's KV, and vLLM expects it to stay as it is.
+It is never a request's own block, so the guard runs for every lone group,
+whatever its spec.
 
 Invariants:
     * A load never writes the null block (no attention reads it): its pairs
-      are dropped from the transfer, and a transfer left empty is dropped.
+      are dropped from the transfer. A sync transfer left empty is dropped;
+      an async one is kept empty, so the worker still reports the request
+      finished (vLLM waits for that report).
     * A save that would read the null block is dropped, and so is every
       later save of that request (a chain has no gap): the request's stored
       prefix ends before it.
@@ -17,8 +21,6 @@ from dataclasses import replace
 
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 
-#: Kinds of a lone KV cache group (hybrid/groups.py) whose block tables hold the null block.
-WINDOWED_KINDS = frozenset({"sliding_window", "ChunkedLocalAttentionSpec"})
 #: The id of vLLM's null block (``BlockPool.null_block``: the first block, never allocated to a request).
 NULL_BLOCK_ID = 0
 
@@ -33,18 +35,18 @@ def without_null(load: BlockTransfer) -> BlockTransfer:
 
 class NullBlockGuard:
     """The module's invariants over one KV cache group's step metadata, where
-    ``windowed`` (a model whose only group is a sliding window or chunked
-    local attention); otherwise it passes the metadata through."""
+    ``active`` (a model with one KV cache group; a hybrid's groups are
+    guarded by hybrid/hooks.py); otherwise it passes the metadata through."""
 
-    def __init__(self, windowed: bool) -> None:
-        self.windowed = windowed
+    def __init__(self, active: bool) -> None:
+        self.active = active
         self._broken: set[str] = set()  # requests whose saves stopped at a null block
 
     def apply(self, meta: UcmDbConnectorMetadata) -> UcmDbConnectorMetadata:
-        if not self.windowed:
+        if not self.active:
             return meta
         meta.loads = [t for t in map(without_null, meta.loads) if t.block_ids]
-        meta.async_loads = [t for t in map(without_null, meta.async_loads) if t.block_ids]
+        meta.async_loads = list(map(without_null, meta.async_loads))  # kept: the request's report (invariants)
         meta.saves = [t for t in meta.saves if self.keeps(t)]
         return meta
 

@@ -7,6 +7,7 @@ connector facade, a real store, vLLM-CPU's KV cache layout."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,7 @@ class _Engine:
 
 def test_a_window_only_model_never_saves_from_nor_loads_into_the_null_block(model_dir: Path, tmp_path: Path) -> None:
     first = _Engine(model_dir, tmp_path / "store", _kv(1))
-    assert first.scheduler._null_blocks.windowed
+    assert first.scheduler._null_blocks.active
     # vLLM's own cache holds the first 5 blocks, the store none (a save refused or
     # evicted before): below the window vLLM's table holds the null block.
     hit, meta = first.run("local", [NULL, NULL, NULL, 13, 14, 15, 16], local_tokens=5 * BS)
@@ -97,3 +98,28 @@ def test_a_window_only_model_never_saves_from_nor_loads_into_the_null_block(mode
         for old, new in zip(range(3, 7), [23, 24, 25, 26]):  # blocks 2-5 (block i was at i + 1)
             assert torch.equal(fresh[name][new], saved[name][old])
     second.close()
+
+
+def test_an_async_load_left_without_blocks_is_still_reported_finished(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM holds an async-loading request until the worker reports it: a
+    load whose every block is the null block is emptied, not dropped, and
+    the worker reports it at once."""
+    from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
+
+    engine = _Engine(model_dir, tmp_path / "store", _kv(None))
+    nulls = BlockTransfer("all-null", keys=(b"k" * 32, b"j" * 32), block_ids=(NULL, NULL))
+    real = BlockTransfer("real", keys=(b"i" * 32, b"h" * 32), block_ids=(NULL, 5))
+    meta = engine.scheduler._null_blocks.apply(UcmDbConnectorMetadata(step=1, async_loads=[nulls, real], loads=[nulls]))
+    assert meta.loads == [] and [t.block_ids for t in meta.async_loads] == [(), (5,)]
+    engine.worker.bind_connector_metadata(meta)
+    engine.worker.start_load_kv(None)  # type: ignore[arg-type]
+    engine.worker.clear_connector_metadata()
+    reported: set[str] = set()
+    for _ in range(50):
+        _, recving = engine.worker.get_finished(set())
+        reported |= recving or set()
+        if reported >= {"all-null", "real"}:
+            break
+        time.sleep(0.05)
+    assert reported == {"all-null", "real"}
+    engine.close()
