@@ -76,7 +76,8 @@ class EpochWatch:
                          "apart until it restarts", self._namespace.short_id, exc)
             return False
         logger.warning("ucm-db: reset_cache: namespace %s moved to epoch %d; this engine's blocks are keyed apart from "
-                       "every other engine's until it restarts (its weights may have been updated in place)",
+                       "every other engine's until it restarts (its weights may have been updated in place): PD "
+                       "consumers and DP ranks no longer share its KV, nor it theirs",
                        self._namespace.short_id, epoch)
         self._fresh = True
         self._set(epoch)

@@ -317,6 +317,10 @@ def model_fingerprint(model_config: Any, download_dir: str | None = None) -> str
     return "blake3:" + loaded.digest
 
 
+#: An adapter key no other request shares (:func:`adapter_key`): its requests are neither saved nor loaded.
+UNSETTLED_PREFIX = "unsettled:"
+
+
 def adapter_key(lora_request: Any) -> str:
     """A LoRA adapter's identity: the digest of its directory's files
     (:func:`fingerprint`: computed once, reused while their stats hold), so the
@@ -345,10 +349,10 @@ def adapter_key(lora_request: Any) -> str:
                            "name, path or id: vLLM may still compute with the old one, so its requests are neither saved "
                            "nor loaded until a restart; save a retrained adapter to a new directory under a new id, or "
                            "send it with load_inplace=True", name, int_id, where)
-                return "unsettled:" + os.urandom(16).hex()
+                return UNSETTLED_PREFIX + os.urandom(16).hex()
             return "blake3:" + digest
         except ConfigError:  # written while hashed: a key no other request has, so no stale KV is served
-            return "unsettled:" + os.urandom(16).hex()
+            return UNSETTLED_PREFIX + os.urandom(16).hex()
         except OSError:
             pass  # an unreadable directory: keyed by its labels below
     _warn_once(("lora", name, where),

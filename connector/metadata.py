@@ -98,6 +98,7 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     epoch: int = 0  # the namespace epoch the step's keys are rooted at (-1: unreadable; connector/epochs.py)
     preempted: tuple[str, ...] = ()  # requests preempted since the last step: their blocks are freed (preemptions.py)
     groups: list[UcmDbConnectorMetadata] = field(default_factory=list)  # a hybrid model's, one per KV cache group (hybrid.py)
+    namespace: bytes = b""  # the scheduler's namespace id: a worker of another namespace neither loads nor saves
 
     @property
     def empty(self) -> bool:

@@ -115,6 +115,12 @@ class RequestControls:
         """The most blocks a lookup may claim (None: no cap)."""
         return None if self.max_load_tokens is None else self.max_load_tokens // block_size
 
+    def claimable_blocks(self, block_size: int, max_blocks: int, num_computed_tokens: int) -> int:
+        """The most leading blocks a lookup may claim: the prompt's loadable
+        ``max_blocks``, and no more than ``max_load_tokens`` past vLLM's own hit."""
+        cap = self.max_load_blocks(block_size)
+        return max_blocks if cap is None else min(max_blocks, num_computed_tokens // block_size + cap)
+
     @classmethod
     def from_params(cls, params: Any) -> tuple[RequestControls, tuple[str, ...]]:
         """The controls in a request's ``kv_transfer_params`` and the

@@ -38,7 +38,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.logger import init_logger
+
 from ucm_db.errors import ConfigError
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 #: Where a producer publishes: its local store (consumers on this node share
@@ -181,6 +185,18 @@ class PublicationWaits:
         self._clock = clock
         self._since: dict[str, float] = {}
         self._checked: dict[str, float] = {}
+        self._foreign_told = False  # a publication whose keys are not this engine's was logged
+
+    def expected(self, publication: Publication, namespace_id: str, block_size: int, keys: Any, max_blocks: int) -> int:
+        """:meth:`Publication.expected_blocks`; a publication of this
+        namespace whose keys are not the consumer's is logged once per engine
+        (an engine reset since roots its keys apart: docs/pd.md)."""
+        expected = publication.expected_blocks(namespace_id, block_size, keys, max_blocks)
+        if expected == 0 < publication.blocks and publication.namespace_id == namespace_id and not self._foreign_told:
+            self._foreign_told = True  # every later request would say the same
+            logger.warning("ucm-db: a producer's published keys are not this engine's (one of them reset its cache "
+                           "since: its keys are rooted apart until it restarts, docs/pd.md); such requests recompute")
+        return expected
 
     def decide(self, req_id: str, expected_blocks: int, visible_blocks: int) -> bool:
         """True: defer the request (look again later); False: claim what is visible."""

@@ -70,6 +70,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db.connector.scheduler.cost_model import CostModel, Decision
 from ucm_db.connector.epochs import EpochWatch
+from ucm_db.connector.fingerprints import UNSETTLED_PREFIX
 from ucm_db.connector.identity import KVShape, chain_keys, grid, namespace, reader_spans, request_block_extras, request_extras
 from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
@@ -116,6 +117,7 @@ class UcmDbScheduler:
         self._publish_target = settings.publish
         self._grid = grid(shape)
         self._block_size = shape.block_size
+        self._counter_mm_ids = shape.counter_mm_ids
         self._requests: dict[str, RequestState] = {}
         self.counters = Counters()
         self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
@@ -144,16 +146,20 @@ class UcmDbScheduler:
         state = self._requests.get(request.request_id)
         if (state is None or state.request is not request or state.stale_for(request)
                 or (renew_epoch and state.epoch != self._epochs.epoch)):
-            state = RequestState(request, request_extras(request), request_block_extras(request, self._block_size), self._epochs.epoch,
-                                 controls=self._controls(request), prompt_tokens=request.num_prompt_tokens,
+            extras = request_extras(request)
+            state = RequestState(request, extras, request_block_extras(request, self._block_size, self._counter_mm_ids),
+                                 self._epochs.epoch, controls=self._controls(request, extras), prompt_tokens=request.num_prompt_tokens,
                                  mm_items=len(request.mm_features or ()))
             self._requests[request.request_id] = state
         return state
 
     @staticmethod
-    def _controls(request: Request) -> RequestControls:
+    def _controls(request: Request, extras: dict[str, Any]) -> RequestControls:
         """The request's controls (request_controls.py); what is wrong with
-        them is warned about once per request, and served as if absent."""
+        them is warned about once per request, and served as if absent. An
+        unsettled LoRA adapter's request neither saves nor loads."""
+        if str(extras.get("lora", "")).startswith(UNSETTLED_PREFIX):  # vLLM may compute with another adapter
+            return RequestControls(save=False, load=False)
         controls, problems = RequestControls.of_request(request)
         if problems and first_report(request.request_id):
             logger.warning("ucm-db: request %s: %s", request.request_id, describe_problems(problems))
@@ -193,7 +199,7 @@ class UcmDbScheduler:
             state.lookup = LookupRecord(num_computed_tokens, 0, 0, 0.0, looked_up=False)
             return 0, False
         max_blocks = (request.num_tokens - 1) // self._block_size
-        claimable = self._claimable_blocks(state.controls, max_blocks, num_computed_tokens)
+        claimable = state.controls.claimable_blocks(self._block_size, max_blocks, num_computed_tokens)
         if claimable * self._block_size <= num_computed_tokens or epoch is None:
             # Nothing to load. Where vLLM's own cache holds every loadable
             # block, the local tier says which are stored: saved once, never again.
@@ -226,12 +232,6 @@ class UcmDbScheduler:
         """The last claim's tokens by tier (:func:`.request_state.hit_sources`)."""
         return hit_sources(self._requests.get(request.request_id), num_external_tokens, self._block_size)
 
-    def _claimable_blocks(self, controls: RequestControls, max_blocks: int, num_computed_tokens: int) -> int:
-        """The most leading blocks a lookup may claim: the prompt's loadable
-        ones, and no more than ``max_load_tokens`` past vLLM's own hit."""
-        cap = controls.max_load_blocks(self._block_size)
-        return max_blocks if cap is None else min(max_blocks, num_computed_tokens // self._block_size + cap)
-
     def _await_publication(self, state: RequestState, max_blocks: int, hit: int, claimable: int) -> bool:
         """True: defer the request, a producer announced blocks that are not
         visible yet (of the ``claimable`` first ones) and its deadline is
@@ -240,7 +240,7 @@ class UcmDbScheduler:
         publication = Publication.from_params(getattr(request, "kv_transfer_params", None))
         if publication is None:
             return False
-        expected = publication.expected_blocks(self._ns_id, self._block_size, lambda n: self._keys(state, n), max_blocks)
+        expected = self._waits.expected(publication, self._ns_id, self._block_size, lambda n: self._keys(state, n), max_blocks)
         expected = min(expected, claimable)
         if self._waits.decide(request.request_id, expected, hit):
             return True
@@ -296,7 +296,7 @@ class UcmDbScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         """The step's metadata: its loads and saves (planner.py), the saves'
         verdicts (settlement.py), the epoch and the preempted requests."""
-        meta = UcmDbConnectorMetadata()
+        meta = UcmDbConnectorMetadata(namespace=self._namespace.id)
         self._planner.plan_step(meta, scheduler_output, saves=self._role.saves)
         meta.epoch = -1 if self._epochs.epoch is None else self._epochs.epoch
         meta.preempted = self._preempted(getattr(scheduler_output, "preempted_req_ids", None) or ())

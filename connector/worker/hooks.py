@@ -120,6 +120,8 @@ class UcmDbWorker:
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
         """Binds the step: its epoch, the held saves' verdicts and voided
         saves it carries, then its loads."""
+        if meta.namespace and self._store is not None and meta.namespace != self._namespace.id:
+            self._refuse_foreign(meta.namespace)
         if meta.epoch != self._epoch:
             self._new_epoch(meta.epoch)
         self._settle_held(meta.held_commits, meta.held_drops)
@@ -214,6 +216,17 @@ class UcmDbWorker:
             job = self._held.pop(hold_id, None)
             if job is not None and self._writer is not None:
                 self._writer.submit(job)
+
+    def _refuse_foreign(self, scheduler_namespace: bytes) -> None:
+        """The scheduler keys requests under another namespace than this
+        worker derived (their configs differ: a bug, never a user's choice):
+        this worker stops loading (every load fails: vLLM recomputes) and
+        saving, for good, so no block is ever keyed under the wrong model."""
+        logger.error("ucm-db: the scheduler's namespace %s is not this worker's %s (their vLLM configs differ); this "
+                     "worker loads and saves nothing until a restart: report this as a ucm-db bug",
+                     scheduler_namespace.hex()[:12], self._namespace.id.hex()[:12])
+        self._loads.unbind()
+        self._writes = False
 
     def _new_epoch(self, epoch: int) -> None:
         """The namespace's epoch moved (a reset, or ``ucm-db invalidate``):

@@ -88,6 +88,10 @@ class WorkerLoads:
     def bind(self, store: ucm_db.Store, layout: KVLayout, namespace: ucm_db.Namespace, grid: KVGrid, spans: Sequence[UnitSpan]) -> None:
         self._store, self._layout, self._namespace, self._grid, self._spans = store, layout, namespace, grid, list(spans)
 
+    def unbind(self) -> None:
+        """Every later load fails and is reported (vLLM recomputes it)."""
+        self._store = None
+
     @property
     def layout(self) -> KVLayout:
         if self._layout is None:

@@ -252,6 +252,36 @@ def test_save_false_still_loads(engine: Engine) -> None:
     assert engine.stored_units() == before
 
 
+def test_an_unsettled_lora_adapter_neither_saves_nor_loads(engine: Engine, tmp_path: Path) -> None:
+    """Another adapter's files under an id this engine already loaded: vLLM
+    may compute with the old one, so its KV is never stored (a random key
+    no request would find: only write traffic and space)."""
+    from vllm.lora.request import LoRARequest
+
+    from ucm_db.connector import fingerprints
+
+    adapters = {}
+    for name, weights in (("a", b"1"), ("b", b"2")):
+        (path := tmp_path / name).mkdir()
+        (path / "adapter_config.json").write_text('{"r": 8}')
+        (path / "adapter_model.safetensors").write_bytes(weights * 512)
+        adapters[name] = str(path)
+    tokens = list(range(1, 4 * BS + 10))
+    saved_ids = dict(fingerprints._adapter_ids), dict(fingerprints._adapters)
+    try:
+        first = _request(tokens)
+        first.lora_request = LoRARequest("a", 77, adapters["a"])
+        assert engine.prefill(first) == (0, [(0, 1, 2, 3)])
+        lookups = engine.lookups
+        other = _request(tokens)
+        other.lora_request = LoRARequest("b", 77, adapters["b"])  # another adapter, the same id
+        assert engine.prefill(other) == (0, [])
+        assert engine.lookups == lookups and engine.stored_units() == 4 * UNITS_PER_BLOCK
+    finally:
+        fingerprints._adapter_ids.clear(), fingerprints._adapters.clear()
+        fingerprints._adapter_ids.update(saved_ids[0]), fingerprints._adapters.update(saved_ids[1])
+
+
 def test_load_false_claims_nothing_and_looks_nothing_up(engine: Engine, scheduler_log: list[str]) -> None:
     tokens = list(range(1, 4 * BS + 10))
     _stored(engine, tokens)
