@@ -69,38 +69,25 @@ Invariants:
     * Blocks stored per rank before units (TP>1 or PP>1, under namespaces
       carrying the rank) are not read: their keys are rooted in the rank's
       namespace and cannot be re-keyed (``docs/tp.md``).
-    * A request's key chain is hashed once, by ucm-db, from its token ids
-      and its extras (:func:`request_extras`: the LoRA adapter's content
-      digest, ``cache_salt``;
-      :func:`request_block_extras`: multimodal item identities and
-      offsets, a prompt-embedding digest), so keys are stable across restarts and vLLM
-      versions; :func:`chain_keys` extends it incrementally as the request
-      grows (``Namespace.block_keys(..., parent=last_key)``).
+    * A request's key chain and its extras: :mod:`ucm_db.connector.request_keys`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ucm_db.connector.fingerprints import adapter_key, model_fingerprint
+from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.hybrid.groups import kv_groups
-from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, item_identity, load_inputs,
-                                              multimodal_inputs, refuse_unstorable)
+from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, multimodal_inputs,
+                                              refuse_unstorable)
 from ucm_db.errors import ConfigError
-from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
-
-if TYPE_CHECKING:
-    from vllm.v1.request import Request
-
-    from ucm_db.connector.scheduler.request_state import RequestState
-
 
 @dataclass(frozen=True)
 class KVShape:
@@ -215,70 +202,6 @@ def reader_spans(shape: KVShape) -> list[UnitSpan]:
     """Every unit of a block a hit needs: every head of every stage."""
     g = grid(shape)
     return [span for pp in range(shape.pp_size) for span in g.head_spans(stage_layers(shape, pp))]
-
-
-def request_extras(request: Request) -> dict[str, Any]:
-    """What changes all of a request's KV besides its token ids: the root
-    extras of its key chain (LoRA adapter by content, ``cache_salt``)."""
-    extras: dict[str, Any] = {}
-    if request.lora_request is not None:
-        extras["lora"] = adapter_key(request.lora_request)
-    if request.cache_salt:
-        extras["cache_salt"] = str(request.cache_salt)
-    return extras
-
-
-def request_block_extras(request: Request, block_size: int, counter_mm_ids: bool = False) -> dict[int, bytes]:
-    """What changes single blocks' KV besides their token ids, by block index:
-    the multimodal items whose placeholder tokens a block holds (identity as
-    :attr:`KVShape.counter_mm_ids` says, offset, length of each), and a digest of
-    the block's rows of ``prompt_embeds``. Blocks before the first such block
-    keep the keys of a plain prompt, so a shared text prefix still hits."""
-    items: dict[int, list[list[Any]]] = {}
-    for feature in request.mm_features or []:
-        offset, length = int(feature.mm_position.offset), int(feature.mm_position.length)
-        for block in range(offset // block_size, (offset + max(length, 1) - 1) // block_size + 1):
-            items.setdefault(block, []).append([item_identity(str(feature.identifier), counter_mm_ids), offset, length])
-    extras = {block: b"mm" + json.dumps(listed, separators=(",", ":")).encode() for block, listed in items.items()}
-    if request.prompt_embeds is not None:
-        embeds = request.prompt_embeds.detach().to("cpu")  # one device copy, not one per block
-        for block in range(int(embeds.shape[0]) // block_size):
-            digest = _tensor_digest(embeds[block * block_size : (block + 1) * block_size])
-            extras[block] = extras.get(block, b"") + b"pe" + digest
-    return extras
-
-
-def _tensor_digest(tensor: Any) -> bytes:
-    import torch
-
-    cpu = tensor.detach().to("cpu").contiguous()
-    digest = hashlib.blake2b(digest_size=32, person=b"ucm-db/embeds")
-    digest.update(repr((tuple(cpu.shape), str(cpu.dtype))).encode())
-    digest.update(cpu.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.digest()
-
-
-def chain_keys(namespace: Namespace, block_size: int, state: RequestState, num_blocks: int) -> BlockKeys:
-    """The request's block keys, at least ``num_blocks`` long (maybe
-    longer: callers slice), hashing only blocks not hashed before (they are
-    appended to ``state.keys``, rooted at ``state.epoch``)."""
-    have = len(state.keys)
-    if have < num_blocks:
-        end = num_blocks * block_size
-        request = state.request
-        prompt = request.prompt_token_ids
-        # The prompt list itself when it is long enough, cut by block_keys:
-        # slicing 32K ids cost 0.25 ms (a reference to every int) on a 1 ms
-        # budget. Past the prompt, all_token_ids (block_keys slices it).
-        tokens = prompt if isinstance(prompt, list) and len(prompt) >= end else request.all_token_ids
-        start = have * block_size
-        if have:
-            more = namespace.block_keys(tokens, parent=state.keys[-1], start=start, stop=end, block_extras=state.block_extras)
-        else:
-            more = namespace.block_keys(tokens, state.extras, start=start, stop=end, block_extras=state.block_extras,
-                                        epoch=state.epoch or 0)
-        state.keys.extend(more)
-    return state.keys  # callers slice: copying 1000s of keys per call showed in profiles
 
 
 def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:

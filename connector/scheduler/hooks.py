@@ -71,7 +71,8 @@ import ucm_db
 from ucm_db.connector.scheduler.cost_model import CostModel, Decision
 from ucm_db.connector.epochs import EpochWatch
 from ucm_db.connector.fingerprints import UNSETTLED_PREFIX
-from ucm_db.connector.identity import KVShape, chain_keys, grid, namespace, reader_spans, request_block_extras, request_extras
+from ucm_db.connector.identity import KVShape, grid, namespace, reader_spans
+from ucm_db.connector.request_keys import chain_keys, request_block_extras, request_extras
 from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters, StoreGauges
@@ -166,7 +167,7 @@ class UcmDbScheduler:
         return controls
 
     def _keys(self, state: RequestState, num_blocks: int) -> BlockKeys:
-        """The request's block keys, at least ``num_blocks`` long (identity.chain_keys)."""
+        """The request's block keys, at least ``num_blocks`` long (request_keys.chain_keys)."""
         return chain_keys(self._namespace, self._block_size, state, num_blocks)
 
     def keys_for(self, request: Request, num_blocks: int) -> list[bytes]:

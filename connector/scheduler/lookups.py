@@ -90,7 +90,7 @@ class PrefixLookup:
         self._spans = list(spans)
         self._block_size = block_size
         self._cost = cost
-        self._keys = keys  # the request's block keys, grown on demand (identity.chain_keys)
+        self._keys = keys  # the request's block keys, grown on demand (request_keys.chain_keys)
         self._local = LocalTierStore(store)
         #: remote_lookup="background": remote fetches off the scheduler's thread (remote_lookups.py)
         self.lookups = RemoteLookups() if background and store.config.remote is not None else None

@@ -8,7 +8,7 @@ held saves (:mod:`ucm_db.connector.scheduler.settlement`).
 
 Invariants:
     * ``keys`` is the request's block key chain rooted at ``epoch``, grown
-      on demand and never rehashed (:func:`~ucm_db.connector.identity.chain_keys`).
+      on demand and never rehashed (:func:`~ucm_db.connector.request_keys.chain_keys`).
     * ``stored_blocks <= saved_blocks``: the blocks known stored come
       first, then the ones planned for saving; both move back only through
       a rewind (a failed load, a voided save, a preemption).

@@ -19,7 +19,8 @@ pytest.importorskip("vllm")
 
 from tests.connector.test_identity_inputs import _namespace_of, _vllm_config, model_dir  # noqa: E402,F401
 from ucm_db.connector import identity_guards  # noqa: E402
-from ucm_db.connector.identity import kv_shape, request_block_extras  # noqa: E402
+from ucm_db.connector.identity import kv_shape  # noqa: E402
+from ucm_db.connector.request_keys import request_block_extras  # noqa: E402
 from ucm_db.connector.identity_guards import PROCESS_NONCE, device_tag, item_identity  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 

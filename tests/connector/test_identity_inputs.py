@@ -38,7 +38,8 @@ from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector import fingerprints  # noqa: E402
 from ucm_db.connector.fingerprints import fingerprint, model_fingerprint  # noqa: E402
-from ucm_db.connector.identity import kv_shape, namespace, request_block_extras, request_extras  # noqa: E402
+from ucm_db.connector.identity import kv_shape, namespace  # noqa: E402
+from ucm_db.connector.request_keys import request_block_extras, request_extras  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
 
@@ -529,7 +530,7 @@ def test_every_keyed_field_has_a_case() -> None:
 
 #: Every request field vLLM's own block hash reads, and how ucm-db keys it.
 UCM_DB_KEYS = {
-    "request.all_token_ids": "the chain's token ids (identity.chain_keys)",
+    "request.all_token_ids": "the chain's token ids (request_keys.chain_keys)",
     "request.num_tokens": "bookkeeping: how many full blocks get keys",
     "request.block_hashes": "bookkeeping: vLLM's chain so far; ucm-db keeps its own (RequestState.keys)",
     "request.cache_salt": "request_extras: cache_salt",
@@ -625,7 +626,7 @@ def vllm_block_hash_reads() -> set[str]:
 def test_ucm_db_keys_every_request_field_vllms_block_hash_reads() -> None:
     reads = vllm_block_hash_reads()
     new, gone = sorted(reads - set(UCM_DB_KEYS)), sorted(set(UCM_DB_KEYS) - reads)
-    assert not new, f"vLLM's block hash now reads {new}: key it in identity.request_extras/request_block_extras (UCM_DB_KEYS)"
+    assert not new, f"vLLM's block hash now reads {new}: key it in request_keys.request_extras/request_block_extras (UCM_DB_KEYS)"
     assert not gone, f"vLLM's block hash no longer reads {gone}: drop them from UCM_DB_KEYS"
 
 
@@ -689,3 +690,20 @@ def test_a_lora_name_alone_is_a_label(tmp_path: Path) -> None:
     base, renamed = _full_request(tmp_path), _full_request(tmp_path, lora_name="alias")
     assert renamed.block_hashes != base.block_hashes
     assert _ucm_db_keys(renamed) == _ucm_db_keys(base)
+
+
+def test_mixed_mode_keys_which_rows_are_token_ids() -> None:
+    """A chat with interleaved token ids and prompt embeddings: the model
+    reads a token id's own embedding, not that row of ``prompt_embeds``, so
+    a real token 0 and an embedding slot (id 0) whose row is the same bytes
+    are other inputs, hence other keys (vLLM's own hash has this gap)."""
+    embeds, tokens = torch.ones(2 * BS, 8), [0] * (2 * BS)
+
+    def keys(mask: list[bool] | None) -> list[bytes]:
+        request = Request("r", tokens, SamplingParams(max_tokens=1), None, prompt_embeds=embeds,
+                          prompt_is_token_ids=mask)
+        return list(NS.block_keys(list(request.all_token_ids), {}, block_extras=request_block_extras(request, BS)))
+
+    all_slots = keys([False] * (2 * BS))
+    one_token = keys([False] * (BS + 3) + [True] + [False] * (BS - 4))
+    assert all_slots[0] == one_token[0] and all_slots[1] != one_token[1]  # only the block holding the token

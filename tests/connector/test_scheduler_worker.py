@@ -308,7 +308,7 @@ def test_request_extras_cover_salt_and_lora(tmp_path: Path, monkeypatch: pytest.
     from vllm.lora.request import LoRARequest
 
     from ucm_db.connector import fingerprints
-    from ucm_db.connector.identity import request_extras
+    from ucm_db.connector.request_keys import request_extras
 
     monkeypatch.setattr(fingerprints, "_adapters", {})  # what this process loaded before: none
     monkeypatch.setattr(fingerprints, "_adapter_ids", {})
