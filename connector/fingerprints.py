@@ -333,14 +333,18 @@ def adapter_key(lora_request: Any) -> str:
     (unless the request asks ``load_inplace``): where the files at the same
     name and path, or under the same id, have changed since this process
     first keyed them, the key is ``unsettled:`` and random (nothing is
-    served to or from it) until the engine restarts or loads in place."""
+    served to or from it) until the engine restarts, loads in place, or
+    loads the name and path under a new id (vLLM's reload after an update).
+    Not seen: files changed between vLLM's preload of an adapter
+    (``--lora-modules``, ``load_lora_adapter``) and its first request."""
     name, where = str(lora_request.lora_name), str(lora_request.lora_path)
     path = os.path.expanduser(where)
     if os.path.isdir(path):
         try:
             digest = fingerprint(path).digest
             int_id = int(getattr(lora_request, "lora_int_id", 0) or 0)
-            if getattr(lora_request, "load_inplace", False):  # vLLM reloads it: the files are what it computes with
+            # vLLM loads the files now: in place, or under an id it has not loaded (its reload after an update).
+            if getattr(lora_request, "load_inplace", False) or int_id not in _adapter_ids:
                 _adapters[(name, where)] = _adapter_ids[int_id] = digest
             first = (_adapters.setdefault((name, where), digest), _adapter_ids.setdefault(int_id, digest))
             if first != (digest, digest):

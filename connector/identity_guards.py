@@ -84,6 +84,9 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     extra = getattr(load, "model_loader_extra_config", None)
     # A digest, not the options: they may hold credentials, and the namespace record travels (remote manifests).
     digest = hashlib.blake2b(json.dumps(extra, sort_keys=True, default=str).encode(), digest_size=16).hexdigest() if extra else None
+    if fmt == "dummy":  # vLLM seeds random weights per shard: another TP or PP size, other weights
+        parallel = vllm_config.parallel_config
+        out["dummy_shards"] = [int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)]
     return {**out, "load_format": fmt, "model_loader_extra_config": digest}
 
 

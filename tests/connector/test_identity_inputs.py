@@ -294,6 +294,19 @@ def test_a_lora_adapter_is_keyed_by_its_files_not_its_name_or_path(tmp_path: Pat
     assert _lora_key("ad", adapter, load_inplace=True) == "blake3:" + retrained == _lora_key("ad", adapter)
 
 
+
+def test_an_adapter_reloaded_under_a_new_id_is_keyed_by_its_new_files(tmp_path: Path) -> None:
+    """vLLM's update flow: unload, retrain in place, load again, which gives
+    the adapter a new id, and vLLM loads the new files under it."""
+    adapter = _adapter(tmp_path / "ad", b"1" * 1024)
+    first = _lora_key("ad", adapter, lora_id=5)
+    _rewrite_keeping_size_and_mtime(adapter / "adapter_model.safetensors", b"2" * 1024)
+    retrained = "blake3:" + fingerprints.fingerprint(adapter).digest
+    assert _lora_key("ad", adapter, lora_id=5).startswith("unsettled:")  # the old id: vLLM's old weights
+    assert _lora_key("ad", adapter, lora_id=6) == retrained != first
+    assert _lora_key("ad", adapter, lora_id=6) == retrained  # settled from then on
+
+
 def test_another_adapter_under_a_loaded_id_is_unsettled(tmp_path: Path) -> None:
     """vLLM reuses the adapter it loaded under a lora_int_id whatever path a
     later request names: a new adapter needs a new id."""
