@@ -124,7 +124,7 @@ def test_a_store_with_too_small_slabs_raises_config_error_and_keeps_its_blocks(t
         slabs = ScatterSlabs([memoryview(a) for a in _layers(2)], [SLAB] * LAYERS, [0, 1])
         assert store.get_into(NS, keys, slabs) == [True, True]
         small = ScatterSlabs([memoryview(np.zeros(2 * 100, np.uint8)) for _ in range(LAYERS)], [100] * LAYERS, [0, 1])
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match="fill its slabs exactly"):
             store.get_into(NS, keys, small)
         assert store.lookup(NS, keys) == 2
 
@@ -162,3 +162,25 @@ def test_raw_blocks_are_taken_as_they_are_read_and_leave_no_collector_work(tmp_p
         # the collector about 28 times here; taken blocks keep none (the
         # margin is for the load's other allocations).
         assert len(collections) <= 6, collections
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+@pytest.mark.parametrize("stored_bytes", [LAYERS * SLAB - 2, LAYERS * SLAB + 2])
+def test_a_block_of_another_size_than_its_slabs_is_never_a_partial_fill(tmp_path: Path, codec: str, stored_bytes: int) -> None:
+    """A unit shorter than its slabs would leave their tails as they were
+    (another request's KV): it fails the call, as a longer one does, on
+    every path (native batch, raw take, codec) and on a second read too."""
+    keys = NS.block_keys(list(range(4 * 3)))
+    rng = np.random.default_rng(3)
+    with ucm_db.open(tmp_path / "s", codec=codec) as store:
+        store.put(NS, keys, [rng.integers(0, 256, stored_bytes, dtype=np.uint8).tobytes() for _ in range(3)])
+        room = [bytearray(LAYERS * SLAB + 2) for _ in range(3)]
+        for _ in range(2):  # a plain list with room reads them (and learns the frame table: the native path next)
+            assert store.get_into(NS, keys, room) == [True] * 3
+        layers = [np.full(3 * SLAB, 7, np.uint8) for _ in range(LAYERS)]
+        slabs = ScatterSlabs([memoryview(a) for a in layers], [SLAB] * LAYERS, [0, 1, 2])
+        for _ in range(2):
+            with pytest.raises(ConfigError, match="fill its slabs exactly"):
+                store.get_into(NS, keys, slabs)
+        assert all((layer == 7).all() for layer in layers)  # not a byte written
+        assert store.lookup(NS, keys) == 3  # kept

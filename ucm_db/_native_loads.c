@@ -538,10 +538,13 @@ static uint8_t load_one(const batch_t *b, tools_t *t, Py_ssize_t i, size_t chunk
         pieces[j].len = slab.len;
         room += slab.len;
     }
+    if (read_u64((const uint8_t *)head->buf + RAW_LEN_AT) != (uint64_t)room) {
+        return UNIT_DECLINED; /* not exactly its slabs' size: Python's path makes it a miss */
+    }
     uint64_t checksum = read_u64((const uint8_t *)b->checksums.buf + 8 * i);
     int ok;
     if (kind == KIND_RAW) {
-        ok = room >= body->len && load_raw(t, head->buf, (size_t)head->len, body->buf, (size_t)body->len, checksum, pieces, chunk_bytes);
+        ok = room == body->len && load_raw(t, head->buf, (size_t)head->len, body->buf, (size_t)body->len, checksum, pieces, chunk_bytes);
     } else {
         ok = zstd_bound && load_shuffled(t, head->buf, (size_t)head->len, body->buf, (size_t)body->len, checksum, pieces, b->n_views);
     }

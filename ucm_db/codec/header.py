@@ -36,6 +36,7 @@ HEADER_BYTES = HEADER_STRUCT.size
 CHECKSUM_OFFSET = HEADER_BYTES - 8
 CODEC_ID_OFFSET = 6
 N_FRAMES_OFFSET = 8
+RAW_LEN_OFFSET = 12  # the header's raw length (u64, little-endian)
 CODEC_NAMES = {cid: name for name, cid in CODEC_IDS.items()}
 #: Frame tables (bytes) all of whose frames are raw -> their raw total (all_raw).
 RAW_TABLES: dict[bytes, int] = {}

@@ -173,7 +173,7 @@ class StoreReads:
             return [False] * len(keys)  # its epoch is unknown (store/epoch_gate.py)
         corrupt: list[tuple[bytes, str]] = []
 
-        def decode(i: int, head: memoryview, body: memoryview) -> bool:
+        def decode_block(i: int, head: memoryview, body: memoryview) -> bool:
             try:
                 codec.decode_parts_into(head, body, keys[i], buffers[i])
                 return True
@@ -184,6 +184,9 @@ class StoreReads:
         # Raw blocks are copied as they are read (raw_loads), the rest on
         # the codec's path once the batch is read.
         take, raw = raw_loads.raw_taker(keys, buffers, corrupt, shuffled=True, below_frame_bytes=self._state.codecs.inline_frame_bytes)
+        decode: Callable[[int, memoryview, memoryview], bool] = decode_block
+        if isinstance(buffers, ScatterSlabs):  # a unit fills its slabs exactly (ScatterSlabs' invariants)
+            take, decode = _fitting(take, decode_block, sum(buffers.slab_bytes))
         # Into a KV cache's slabs, the read's units are planned and loaded
         # batch_loads.FLUSH_UNITS at a time by native calls (one to plan, one
         # per thread to load); any they decline go the way they went before.
@@ -211,7 +214,11 @@ class StoreReads:
                                              take_chunk=batch.take_chunk, chunk_keys=batch_loads.FLUSH_UNITS)
         flags: list[Any] = [True if r else None for r in results]
 
+        unit_bytes = sum(buffers.slab_bytes) if isinstance(buffers, ScatterSlabs) else None
+
         def decode_fetched(i: int, blob: Buffer) -> None:
+            if unit_bytes is not None:
+                _require_fit(memoryview(blob), unit_bytes)
             codec.decode_into(blob, keys[i], buffers[i])
             flags[i] = True
 
@@ -245,3 +252,35 @@ class StoreReads:
             return  # the block reads as a miss all the same; a writer quarantines it
 
         self._tier.quarantine(key, reason, lambda head, body: not codec.readable(head, body, key))
+
+
+def _raw_bytes(head: memoryview) -> int:
+    """The raw length a block's header states (-1: no header to read; the
+    decode then reports it corrupt)."""
+    return int.from_bytes(head[codec.RAW_LEN_OFFSET:codec.RAW_LEN_OFFSET + 8], "little") if len(head) >= codec.HEADER_BYTES else -1
+
+
+def _fitting(take: Callable[[int, memoryview, memoryview], bool], decode: Callable[[int, memoryview, memoryview], bool],
+             unit_bytes: int) -> tuple[Callable[[int, memoryview, memoryview], bool], Callable[[int, memoryview, memoryview], bool]]:
+    """``take`` and ``decode`` of :meth:`get_into` for slabs of ``unit_bytes``
+    a unit: a block of another raw length is a ConfigError (never a partial
+    fill that leaves a slab's tail as it was)."""
+    def fitting_take(i: int, head: memoryview, body: memoryview) -> bool:
+        _require_fit(head, unit_bytes)
+        return take(i, head, body)
+
+    def fitting_decode(i: int, head: memoryview, body: memoryview) -> bool:
+        _require_fit(head, unit_bytes)
+        return decode(i, head, body)
+
+    return fitting_take, fitting_decode
+
+
+def _require_fit(head: memoryview, unit_bytes: int) -> None:
+    raw_bytes = _raw_bytes(head)
+    if raw_bytes not in (unit_bytes, -1):  # -1: no header, the decode calls it corrupt
+        raise ConfigError(
+            f"a stored block holds {raw_bytes} raw bytes and its slabs {unit_bytes}: a unit must fill its slabs exactly",
+            hint="pass get_into slabs of the stored blocks' size; a writer that stored another size under this namespace "
+                 "wrote another layout under the same namespace (a bug to report)",
+        )
