@@ -287,6 +287,7 @@ class GroupedWorker:
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
         for index, (part, group_meta) in enumerate(zip(self.parts, meta.groups)):
             self._loads.submitted(index, [t.req_id for t in group_meta.async_loads])
+            self._loads.failed_now(index, group_meta.unloadable)
             part.start_load(group_meta)
 
     def wait_for_layer(self, layer_name: str) -> None:

@@ -32,11 +32,19 @@ class GroupLoads:
         self._waiting: dict[str, set[int]] = {}  # request -> groups whose load of it has not ended
         self._failed: set[str] = set()  # a group failed it; other groups' loads may still run
         self._failed_done: set[str] = set()  # finished and failed, until taken
+        self._failed_now: dict[int, set[str]] = {}  # group -> requests whose load it could not plan
 
     def submitted(self, group: int, req_ids: Iterable[str]) -> None:
         """Group ``group`` started async loads of ``req_ids``."""
         for req_id in req_ids:
             self._waiting.setdefault(req_id, set()).add(group)
+
+    def failed_now(self, group: int, req_ids: Iterable[str]) -> None:
+        """Group ``group`` has no load to run for ``req_ids`` though their
+        hit was claimed: each is ended and failed for it at once."""
+        for req_id in req_ids:
+            self._waiting.setdefault(req_id, set()).add(group)
+            self._failed_now.setdefault(group, set()).add(req_id)
 
     def finished(self, wait_s: float = 0.0) -> set[str]:
         """Requests every group's load of which has ended since the last
@@ -45,6 +53,8 @@ class GroupLoads:
         done: set[str] = set()
         for group, part in enumerate(self._parts):
             ended, failed = part.finished_requests(0.0 if done else wait_s)
+            now = self._failed_now.pop(group, set())
+            ended, failed = set(ended) | now, set(failed) | now
             self._failed.update(failed)
             for req_id in ended:
                 groups = self._waiting.get(req_id, set())

@@ -106,6 +106,7 @@ class SsmStateScheduler(UcmDbScheduler):
         super().__init__(*args, **kwargs)
         self._plans: dict[str, _StatePlan] = {}
         self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
+        self._unloadable: list[str] = []  # claimed hits without a state to load: failed in the next step
 
     def has_state(self, request: Request, boundary_blocks: int, *, remote: bool = False) -> bool:
         """Whether the state after ``boundary_blocks`` blocks of ``request``
@@ -130,9 +131,10 @@ class SsmStateScheduler(UcmDbScheduler):
         self._plans.setdefault(request.request_id, _StatePlan())  # the load: plan_async_load
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
-        meta = UcmDbConnectorMetadata()
+        meta = UcmDbConnectorMetadata(namespace=self._namespace.id)
         self._planner.number_step(meta, scheduler_output)
         meta.async_loads, self._async_plans = self._async_plans, []
+        meta.unloadable, self._unloadable = tuple(self._unloadable), []
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
         if self._role.saves:
@@ -151,17 +153,17 @@ class SsmStateScheduler(UcmDbScheduler):
         ``blocks`` (vLLM's KVCacheBlocks), for the next step's metadata."""
         state = self._requests.get(request.request_id)
         plan = self._plans.setdefault(request.request_id, _StatePlan())
-        if state is None:
-            return
         k = end_tokens // self._block_size
         block_ids = blocks.get_block_ids()[self._group]
-        if end_tokens % self._block_size or k <= 0 or len(block_ids) < k or block_ids[k - 1] == 0:  # 0: vLLM's null block
+        if (state is None or end_tokens % self._block_size or k <= 0 or len(block_ids) < k
+                or block_ids[k - 1] == 0):  # 0: vLLM's null block
             # Not what align mode allocates for a hit ucm-db claimed (module invariants): a vLLM change to report.
             logger.warning(
                 "ucm-db: request %s: KV cache group %d: no state block at the hit's end (%d tokens, %d block ids); "
-                "its SSM state is not loaded",
+                "its load fails and vLLM recomputes it",
                 request.request_id, self._group, end_tokens, len(block_ids),
             )
+            self._unloadable.append(request.request_id)  # the hit without its state would be wrong KV
             return
         key = self._keys(state, k)[k - 1]
         self._async_plans.append(BlockTransfer(request.request_id, (key,), (block_ids[k - 1],)))

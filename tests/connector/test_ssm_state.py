@@ -217,7 +217,7 @@ def test_a_hit_ends_where_every_group_holds_a_state(model_dir: Path, tmp_path: P
     _prefill(first, "a", 7, 3 * BS)
     first.close()
     second = _Engine(model_dir, tmp_path / "store", _kv(None, mamba), mamba)
-    assert second.lookup(_request("b", TOKENS)) == 3 * BS
+    assert second.lookup(_request("b", TOKENS), ([0, 0, 23, 24, 25, 26], list(range(31, 37)))) == 3 * BS  # state in block 2
     second.close()
 
     other = _Engine(model_dir, tmp_path / "other", _kv(2, mamba), mamba)
@@ -242,9 +242,11 @@ def test_a_state_only_in_the_remote_tier_is_found_there(model_dir: Path, tmp_pat
     second.close()
 
 
-def test_a_hit_without_a_state_block_is_logged_not_loaded(model_dir: Path, tmp_path: Path) -> None:
+def test_a_hit_without_a_state_block_fails_its_load(model_dir: Path, tmp_path: Path) -> None:
     """vLLM allocated no block where align mode keeps the hit's state (a
-    vLLM change): nothing is written into a wrong block, and the log says so."""
+    vLLM change): nothing is written into a wrong block, the log says so,
+    and the request's load fails (vLLM recomputes it: attention KV without
+    its state would be wrong)."""
     mamba = _mamba()
     first = _Engine(model_dir, tmp_path / "store", _kv(6, mamba), mamba)
     _prefill(first, "a", 7, 6 * BS)
@@ -256,7 +258,7 @@ def test_a_hit_without_a_state_block_is_logged_not_loaded(model_dir: Path, tmp_p
     log = logging.getLogger("vllm.ucm_db.connector.scheduler")
     log.addHandler(lines)
     try:
-        assert second.lookup(req, ([0] * 6, list(range(31, 37)))) == 6 * BS  # block 5 null
+        assert admit(second.scheduler, second.worker, req, ([0] * 6, list(range(31, 37))), expect_failed=True) == 6 * BS
     finally:
         log.removeHandler(lines)
     assert not fresh[STATE_LAYER].any()
