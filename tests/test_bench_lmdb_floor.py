@@ -57,6 +57,21 @@ def test_body_records_write_the_body_alone(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_folded_records_write_one_record_beside_recency_and_child_link(tmp_path) -> None:
+    """``--records folded`` (head and metadata inside the body's record):
+    no head or metadata table, the body's value holds all three, and the
+    deletes keep recency and child links with the live set."""
+    run = lmdb_floor.floor_once(64 << 10, "pwrite", 8 << 20, 5, tmp_path, "folded")
+    live_units = (8 << 20) // (64 << 10)
+    assert run.records == dict(heads=0, meta=0, blocks=live_units, lru=live_units, children=live_units)
+    result = CliRunner().invoke(lmdb_floor.command, [
+        "--unit-kib", "8,32", "--live-mib", "1", "--txns", "2", "--repeat", "1", "--records", "folded", "--dir", str(tmp_path),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "--records folded" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_unit_sizes_are_refused_by_name(tmp_path) -> None:
     for bad in ("abc", "2", "", "16,0"):
         result = CliRunner().invoke(lmdb_floor.command, ["--unit-kib", bad, "--dir", str(tmp_path)])

@@ -1,6 +1,7 @@
 """What LMDB itself costs a stored unit: ``ucm-db bench lmdb-floor``.
 
-    ucm-db bench lmdb-floor [--unit-kib 16,64,2048] [--live-mib 256] [--txns 200] [--repeat 3] [--records format3|body]
+    ucm-db bench lmdb-floor [--unit-kib 16,64,2048] [--live-mib 256] [--txns 200] [--repeat 3]
+                            [--records format3|folded|body]
                             [--dir DIR] [--json]
 
 The in-engine save target of issue 50 compares the connector's writer, which
@@ -20,7 +21,9 @@ does, inside the measured window.
 ``--records body`` writes the unit's body alone under its key (no head,
 metadata, recency or child link): the least any record layout writes for a
 unit, so the ceiling a store format with fewer records a unit could reach
-(``format3``, the default, is the store's layout today).
+(``format3``, the default, is the store's layout today). ``--records
+folded`` is the candidate between them: head and metadata inside the body's
+value (one randomly keyed record), recency and child link as format 3.
 
 Two settings of the environment, in turns:
 
@@ -89,7 +92,7 @@ GROWING_WARM_TXNS = 4
 HEAD_BYTES, META_BYTES = 120, 88
 SETTINGS = ("pwrite", "writemap")
 #: ``--records``: the store's format-3 records a unit, or the body alone (module docstring).
-RECORDS = ("format3", "body")
+RECORDS = ("format3", "folded", "body")
 PAGE_BYTES = 4096
 #: The host probe: file size and 4 KiB writes timed per kind.
 PROBE_FILE_BYTES, PROBE_WRITES = 64 << 20, 4096
@@ -148,7 +151,7 @@ def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratc
     :data:`RECORDS` (``body``: every other table stays empty)."""
     if records not in RECORDS:
         raise ValueError(f"records {records!r}: one of {', '.join(RECORDS)}")
-    whole = records == "format3"
+    whole, linked = records == "format3", records != "body"  # linked: recency and child link written
     per_txn = units_per_txn(unit_bytes)
     live_units = max(per_txn, live_bytes // unit_bytes) if live_bytes else None
     warm_txns = 2 * -(-live_units // per_txn) if live_units else GROWING_WARM_TXNS
@@ -160,6 +163,7 @@ def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratc
     try:
         tables = {name: env.open_db(name.encode()) for name in ("heads", "blocks", "meta", "lru", "children")}
         body, head, meta = os.urandom(unit_bytes), bytes(HEAD_BYTES), bytes(META_BYTES)
+        value = body if records != "folded" else head + meta + body  # folded: one record holds all three
         live: collections.deque[tuple[bytes, bytes, bytes | None]] = collections.deque()  # key, recency key, child link
         sequence = 0
         start: tuple[float, float] | None = None
@@ -173,11 +177,12 @@ def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratc
                     key = os.urandom(32)
                     sequence += 1
                     lru = sequence.to_bytes(8, "big") + key
-                    txn.put(key, body, db=tables["blocks"])
-                    link = None if parent is None or not whole else parent + key
+                    txn.put(key, value, db=tables["blocks"])
+                    link = None if parent is None or not linked else parent + key
                     if whole:
                         txn.put(key, head, db=tables["heads"])
                         txn.put(key, meta, db=tables["meta"])
+                    if linked:
                         txn.put(lru, b"", db=tables["lru"])
                     if link is not None:
                         txn.put(link, b"", db=tables["children"])
@@ -187,7 +192,7 @@ def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratc
                     old, old_lru, old_link = live.popleft()
                     for name in ("heads", "blocks", "meta") if whole else ("blocks",):
                         txn.delete(old, db=tables[name])
-                    if whole:
+                    if linked:
                         txn.delete(old_lru, db=tables["lru"])
                     if old_link is not None:
                         txn.delete(old_link, db=tables["children"])
@@ -254,7 +259,8 @@ def run(unit_kib: Sequence[int], live_mib: int, txns: int, repeat: int, scratch:
 
 def format_table(report: dict[str, Any]) -> str:
     live = f"live set {report['live_mib']} MiB" if report["live_mib"] else "a growing store (no deletes)"
-    kind = "format-3 records a unit" if report["records"] == "format3" else "the body alone a unit (--records body)"
+    kind = {"format3": "format-3 records a unit", "folded": "one record of head, metadata and body, recency and child "
+            "link a unit (--records folded)", "body": "the body alone a unit (--records body)"}[report["records"]]
     lines = [f"bare py-lmdb, {kind}, {live}, {report['txns']} transactions "
              f"timed, synced every {report['sync_every_txns']}; medians of {report['repeat']}",
              f"{'unit KiB':>8} {'setting':<9} {'units/txn':>9} {'user us':>8} {'sys us':>8} {'GB/s/CPU s':>10} {'x largest':>9}"]
@@ -274,7 +280,8 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--txns", type=click.IntRange(min=1), default=200, show_default=True, help="timed transactions a run")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--records", type=click.Choice(RECORDS), default="format3", show_default=True,
-              help="format3: the store's records a unit; body: the body alone (the least a layout writes)")
+              help="format3: the store's records a unit; folded: head and metadata inside the body's record; "
+                   "body: the body alone (the least a layout writes)")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="scratch directory (default: the system's temporary directory): its file system is measured")
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
@@ -292,6 +299,7 @@ def command(unit_kib: list[int], live_mib: int, txns: int, repeat: int, records:
         ucm-db bench lmdb-floor --live-mib 0 --txns 40 --json
         ucm-db bench lmdb-floor --unit-kib 16,2048 --dir /mnt/nvme/scratch
         ucm-db bench lmdb-floor --unit-kib 16,64,256,2048 --records body
+        ucm-db bench lmdb-floor --unit-kib 16,64,2048 --records folded
     """
     if min(unit_kib) < 4:
         raise click.BadParameter(f"unit sizes are 4 KiB or more; got {min(unit_kib)}", param_hint="--unit-kib")
