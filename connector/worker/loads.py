@@ -243,9 +243,10 @@ class WorkerLoads:
         staging = None if in_place else self.layout.new_unit_staging(len(block_keys))
         if staging is None:
             buffers: list[Any] = self.layout.unit_slabs(block_ids)
-        else:
-            rows = staging.numpy()
-            buffers = [rows[i, j] for i in range(len(block_keys)) for j in range(len(spans))]
+        else:  # slabs over the staging rows: a unit must fill its row exactly (ScatterSlabs' invariants)
+            rows, heads = staging.numpy(), staging.shape[1]
+            buffers = ucm_db.ScatterSlabs([memoryview(rows.reshape(-1))], [rows.shape[2]],
+                                          [i * heads + j for i in range(len(block_keys)) for j in range(len(spans))])
         # Units the scheduler touched when it planned them are read without
         # touching: this process writes no recency (PrefixLookup.touch).
         ok = self._store.get_into(self._namespace, keys, buffers, touch=not all(t.touched for t in loads))

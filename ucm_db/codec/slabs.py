@@ -13,8 +13,8 @@ Invariants:
       : (indices[i] + 1) * slab_bytes[j]] for j ...]``: a block read into
       ``slabs`` gets the bytes it would get read into ``list(slabs)``.
     * A block read into slabs fills its slabs exactly (``sum(slab_bytes)``
-      raw bytes): a block of another size makes ``get_into`` raise
-      :class:`~ucm_db.errors.ConfigError`, and no slab keeps a tail of
+      raw bytes): a sound block of another size is a miss (logged), one
+      whose header is damaged a corrupt miss, and no slab keeps a tail of
       what it held before (a plain list of buffers needs only room).
     * Everything ``get_into`` checks of a scatter list is checked here, once,
       at construction: writable C-contiguous views, positive slab sizes,

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ from ucm_db.keys import Namespace
 from ucm_db.codec.slabs import ScatterSlabs
 from ucm_db.store.state import StoreState
 from ucm_db.engines.base import Buffer
+
+logger = logging.getLogger(__name__)
 
 
 class StoreReads:
@@ -185,8 +188,9 @@ class StoreReads:
         # the codec's path once the batch is read.
         take, raw = raw_loads.raw_taker(keys, buffers, corrupt, shuffled=True, below_frame_bytes=self._state.codecs.inline_frame_bytes)
         decode: Callable[[int, memoryview, memoryview], bool] = decode_block
-        if isinstance(buffers, ScatterSlabs):  # a unit fills its slabs exactly (ScatterSlabs' invariants)
-            take, decode = _fitting(take, decode_block, sum(buffers.slab_bytes))
+        fit = _SlabFit(keys, sum(buffers.slab_bytes), corrupt, raw) if isinstance(buffers, ScatterSlabs) else None
+        if fit is not None:  # a unit fills its slabs exactly (ScatterSlabs' invariants)
+            take, decode = fit.take(take), fit.decode(decode_block)
         # Into a KV cache's slabs, the read's units are planned and loaded
         # batch_loads.FLUSH_UNITS at a time by native calls (one to plan, one
         # per thread to load); any they decline go the way they went before.
@@ -214,11 +218,9 @@ class StoreReads:
                                              take_chunk=batch.take_chunk, chunk_keys=batch_loads.FLUSH_UNITS)
         flags: list[Any] = [True if r else None for r in results]
 
-        unit_bytes = sum(buffers.slab_bytes) if isinstance(buffers, ScatterSlabs) else None
-
         def decode_fetched(i: int, blob: Buffer) -> None:
-            if unit_bytes is not None:
-                _require_fit(memoryview(blob), unit_bytes)
+            if fit is not None and not fit.fits(i, *codec.split(blob)):
+                return  # another size than the slabs: a miss
             codec.decode_into(blob, keys[i], buffers[i])
             flags[i] = True
 
@@ -255,32 +257,45 @@ class StoreReads:
 
 
 def _raw_bytes(head: memoryview) -> int:
-    """The raw length a block's header states (-1: no header to read; the
-    decode then reports it corrupt)."""
+    """The raw length a block's header states, unverified (-1: no header)."""
     return int.from_bytes(head[codec.RAW_LEN_OFFSET:codec.RAW_LEN_OFFSET + 8], "little") if len(head) >= codec.HEADER_BYTES else -1
 
 
-def _fitting(take: Callable[[int, memoryview, memoryview], bool], decode: Callable[[int, memoryview, memoryview], bool],
-             unit_bytes: int) -> tuple[Callable[[int, memoryview, memoryview], bool], Callable[[int, memoryview, memoryview], bool]]:
-    """``take`` and ``decode`` of :meth:`get_into` for slabs of ``unit_bytes``
-    a unit: a block of another raw length is a ConfigError (never a partial
-    fill that leaves a slab's tail as it was)."""
-    def fitting_take(i: int, head: memoryview, body: memoryview) -> bool:
-        _require_fit(head, unit_bytes)
-        return take(i, head, body)
+class _SlabFit:
+    """``take`` and ``decode`` of :meth:`Store.get_into` for slabs of
+    ``unit_bytes`` a unit (ScatterSlabs' invariants): a block whose header
+    states another raw length is verified first (a damaged header is a
+    corrupt block: quarantined), and a sound one of another size is a miss,
+    logged once per size pair, never a partial fill nor an error for the
+    batch (nothing is raised on a codec thread)."""
 
-    def fitting_decode(i: int, head: memoryview, body: memoryview) -> bool:
-        _require_fit(head, unit_bytes)
-        return decode(i, head, body)
+    _told: set[tuple[int, int]] = set()  # (stored, slab) sizes logged in this process
 
-    return fitting_take, fitting_decode
+    def __init__(self, keys: Sequence[bytes], unit_bytes: int, corrupt: list[tuple[bytes, str]], raw: list[Any]) -> None:
+        self._keys, self._unit_bytes, self._corrupt, self._raw = keys, unit_bytes, corrupt, raw
 
+    def fits(self, i: int, head: memoryview, body: memoryview) -> bool:
+        stored = _raw_bytes(head)
+        if stored == self._unit_bytes:
+            return True
+        try:
+            codec.verify_parts(head, body, self._keys[i])
+        except CorruptBlockError as exc:
+            self._corrupt.append((self._keys[i], str(exc)))
+            return False
+        if (stored, self._unit_bytes) not in self._told:
+            self._told.add((stored, self._unit_bytes))
+            logger.warning("ucm-db: a stored block of %d raw bytes was read into slabs of %d: read as a miss (a writer "
+                           "stored another layout under this namespace: a bug to report)", stored, self._unit_bytes)
+        return False
 
-def _require_fit(head: memoryview, unit_bytes: int) -> None:
-    raw_bytes = _raw_bytes(head)
-    if raw_bytes not in (unit_bytes, -1):  # -1: no header, the decode calls it corrupt
-        raise ConfigError(
-            f"a stored block holds {raw_bytes} raw bytes and its slabs {unit_bytes}: a unit must fill its slabs exactly",
-            hint="pass get_into slabs of the stored blocks' size; a writer that stored another size under this namespace "
-                 "wrote another layout under the same namespace (a bug to report)",
-        )
+    def take(self, take: Callable[[int, memoryview, memoryview], bool]) -> Callable[[int, memoryview, memoryview], bool]:
+        def fitting_take(i: int, head: memoryview, body: memoryview) -> bool:
+            if self.fits(i, head, body):
+                return take(i, head, body)
+            self._raw[i] = False
+            return True
+        return fitting_take
+
+    def decode(self, decode: Callable[[int, memoryview, memoryview], bool]) -> Callable[[int, memoryview, memoryview], bool]:
+        return lambda i, head, body: self.fits(i, head, body) and decode(i, head, body)
