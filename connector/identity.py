@@ -204,6 +204,30 @@ def reader_spans(shape: KVShape) -> list[UnitSpan]:
     return [span for pp in range(shape.pp_size) for span in g.head_spans(stage_layers(shape, pp))]
 
 
+#: Namespace inputs read from the config object alone, which a worker's model constructor may change after vLLM
+#: built it (set_default_rope_theta, max_model_len, ...) or which a worker on another node has no file for
+#: (hf_config): a worker computes with the config the scheduler's node built, so the scheduler's value holds.
+CONFIG_OBJECT_INPUTS = frozenset({"rope", "checkpoint_quantization_config", "disable_sliding_window", "long_rope",
+                                  "max_model_len", "hf_config"})
+
+
+def schedulers_namespace(ours: Namespace, theirs_id: bytes, theirs_extra: str) -> Namespace | None:
+    """The scheduler's namespace (id ``theirs_id``, inputs ``theirs_extra``)
+    where it differs from this worker's ``ours`` only in
+    :data:`CONFIG_OBJECT_INPUTS`; None where anything else differs (files,
+    layout, group: the worker computes other KV, and must not store it)."""
+    theirs = Namespace.from_dict({**ours.to_dict(), "extra": theirs_extra})
+    if theirs.id != theirs_id:
+        return None
+    (our_base, _, our_group), (their_base, _, their_group) = ours.extra.partition("|"), theirs_extra.partition("|")
+    try:
+        mine, other = json.loads(our_base or "{}"), json.loads(their_base or "{}")
+    except ValueError:
+        return None
+    differing = {k for k in mine.keys() | other.keys() if mine.get(k) != other.get(k)}
+    return theirs if our_group == their_group and differing <= CONFIG_OBJECT_INPUTS else None
+
+
 def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     """What besides the model's files, the KV layout and the block size
     changes K/V (the module docstring's list, with reasons; how the weights

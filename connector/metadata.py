@@ -99,6 +99,7 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     preempted: tuple[str, ...] = ()  # requests preempted since the last step: their blocks are freed (preemptions.py)
     groups: list[UcmDbConnectorMetadata] = field(default_factory=list)  # a hybrid model's, one per KV cache group (hybrid.py)
     namespace: bytes = b""  # the scheduler's namespace id: a worker of another namespace neither loads nor saves
+    namespace_extra: str = ""  # its inputs (Namespace.extra): a worker adopts them where only config-object ones differ
     unloadable: tuple[str, ...] = ()  # requests whose claimed load has no transfer: reported failed (recomputed)
 
     @property
@@ -122,10 +123,12 @@ class UcmDbWorkerMetadata(KVConnectorWorkerMetadata):
     step: int = -1
     loads: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
     background_loads: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+    refused: bool = False  # a worker refused the scheduler's namespace: the scheduler claims and saves nothing more
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, UcmDbWorkerMetadata):
             self.step = max(self.step, other.step)
+            self.refused = self.refused or other.refused
             _merge_max(self.loads, other.loads)
             _merge_max(self.background_loads, other.background_loads)
         return self

@@ -131,7 +131,7 @@ class SsmStateScheduler(UcmDbScheduler):
         self._plans.setdefault(request.request_id, _StatePlan())  # the load: plan_async_load
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
-        meta = UcmDbConnectorMetadata(namespace=self._namespace.id)
+        meta = UcmDbConnectorMetadata(namespace=self._namespace.id, namespace_extra=self._namespace.extra)
         self._planner.number_step(meta, scheduler_output)
         meta.async_loads, self._async_plans = self._async_plans, []
         meta.unloadable, self._unloadable = tuple(self._unloadable), []
@@ -173,8 +173,8 @@ class SsmStateScheduler(UcmDbScheduler):
         self, meta: UcmDbConnectorMetadata, req_id: str, entries: Sequence[tuple[int, int, int]], scheduler_output: SchedulerOutput,
     ) -> None:
         state = self._requests.get(req_id)
-        if state is None or state.epoch is None or state.epoch != self._epochs.epoch:
-            return  # unknown here, or running across a reset: its state predates the new epoch
+        if state is None or state.epoch is None or state.epoch != self._epochs.epoch or not state.controls.save:
+            return  # unknown here, across a reset (its state predates the new epoch), or not to be saved
         if req_id in scheduler_output.finished_req_ids or req_id in (getattr(scheduler_output, "preempted_req_ids", None) or ()):
             return  # its blocks are going back to the pool this step
         plan = self._plans.setdefault(req_id, _StatePlan())

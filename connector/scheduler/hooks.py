@@ -96,6 +96,18 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 
+def _controls(request: Request, extras: dict[str, Any]) -> RequestControls:
+    """The request's controls (request_controls.py); what is wrong with
+    them is warned about once per request, and served as if absent. An
+    unsettled LoRA adapter's request neither saves nor loads."""
+    if str(extras.get("lora", "")).startswith(UNSETTLED_PREFIX):  # vLLM may compute with another adapter
+        return RequestControls(save=False, load=False)
+    controls, problems = RequestControls.of_request(request)
+    if problems and first_report(request.request_id):
+        logger.warning("ucm-db: request %s: %s", request.request_id, describe_problems(problems))
+    return controls
+
+
 class UcmDbScheduler:
     """Scheduler-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
@@ -119,6 +131,7 @@ class UcmDbScheduler:
         self._grid = grid(shape)
         self._block_size = shape.block_size
         self._counter_mm_ids = shape.counter_mm_ids
+        self._off = False  # a worker refused this namespace: nothing claimed or saved (observe_output)
         self._requests: dict[str, RequestState] = {}
         self.counters = Counters()
         self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
@@ -149,22 +162,10 @@ class UcmDbScheduler:
                 or (renew_epoch and state.epoch != self._epochs.epoch)):
             extras = request_extras(request)
             state = RequestState(request, extras, request_block_extras(request, self._block_size, self._counter_mm_ids),
-                                 self._epochs.epoch, controls=self._controls(request, extras), prompt_tokens=request.num_prompt_tokens,
+                                 self._epochs.epoch, controls=_controls(request, extras), prompt_tokens=request.num_prompt_tokens,
                                  mm_items=len(request.mm_features or ()))
             self._requests[request.request_id] = state
         return state
-
-    @staticmethod
-    def _controls(request: Request, extras: dict[str, Any]) -> RequestControls:
-        """The request's controls (request_controls.py); what is wrong with
-        them is warned about once per request, and served as if absent. An
-        unsettled LoRA adapter's request neither saves nor loads."""
-        if str(extras.get("lora", "")).startswith(UNSETTLED_PREFIX):  # vLLM may compute with another adapter
-            return RequestControls(save=False, load=False)
-        controls, problems = RequestControls.of_request(request)
-        if problems and first_report(request.request_id):
-            logger.warning("ucm-db: request %s: %s", request.request_id, describe_problems(problems))
-        return controls
 
     def _keys(self, state: RequestState, num_blocks: int) -> BlockKeys:
         """The request's block keys, at least ``num_blocks`` long (request_keys.chain_keys)."""
@@ -188,8 +189,8 @@ class UcmDbScheduler:
         """Loadable tokens beyond ``num_computed_tokens`` (see invariants);
         None while a producer's announced blocks are awaited (roles.py) or
         a background remote lookup runs (vLLM asks again next step)."""
-        if self._waits.too_soon(request.request_id):
-            return None, False
+        if self._off or self._waits.too_soon(request.request_id):
+            return (0 if self._off else None), False
         started = time.perf_counter()
         epoch = self._epochs.current()  # this step's epoch: an older request state is made anew
         state = self._state(request)
@@ -297,8 +298,8 @@ class UcmDbScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         """The step's metadata: its loads and saves (planner.py), the saves'
         verdicts (settlement.py), the epoch and the preempted requests."""
-        meta = UcmDbConnectorMetadata(namespace=self._namespace.id)
-        self._planner.plan_step(meta, scheduler_output, saves=self._role.saves)
+        meta = UcmDbConnectorMetadata(namespace=self._namespace.id, namespace_extra=self._namespace.extra)
+        self._planner.plan_step(meta, scheduler_output, saves=self._role.saves and not self._off)
         meta.epoch = -1 if self._epochs.epoch is None else self._epochs.epoch
         meta.preempted = self._preempted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._epochs.step_done()
@@ -331,6 +332,10 @@ class UcmDbScheduler:
         self._settlement.settle(step, invalid, self.rewind)
         if isinstance(worker_meta, UcmDbWorkerMetadata):
             self._planner.observe_output(worker_meta)
+            if worker_meta.refused and not self._off:
+                self._off = True  # the workers neither load nor save (worker/hooks.py): claim and save nothing
+                logger.error("ucm-db: a worker refused namespace %s (its log says why): ucm-db is off for this "
+                             "engine until a restart", self._namespace.short_id)
 
     def rewind(self, req_id: str, save_start: int | None) -> None:
         """Moves a request's stored and saved marks back to the blocks vLLM

@@ -44,7 +44,7 @@ import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.committer import CommitProcess
 from ucm_db.connector.events import evented_chain
-from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, writes_units
+from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, schedulers_namespace, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -77,6 +77,7 @@ class UcmDbWorker:
         self._writer: BackgroundWriter | None = None
         self._held: dict[int, SaveJob] = {}  # saves kept until the scheduler's verdict (metadata.py)
         self._epoch: int | None = None  # the namespace epoch of the last bound step (connector/epochs.py)
+        self.refused = False  # the scheduler's namespace is not this worker's (_agree): nothing loaded or saved
         self._pending = PendingSaves()  # saves whose blocks are not copied out yet (preemptions.py)
         self.counters = Counters()
         self._loads = WorkerLoads(settings.load_mode, shape.block_size, self.counters)  # worker_loads.py
@@ -120,8 +121,8 @@ class UcmDbWorker:
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
         """Binds the step: its epoch, the held saves' verdicts and voided
         saves it carries, then its loads."""
-        if meta.namespace and self._store is not None and meta.namespace != self._namespace.id:
-            self._refuse_foreign(meta.namespace)
+        if meta.namespace and meta.namespace != self._namespace.id and self._store is not None and not self.refused:
+            self._agree(meta.namespace, meta.namespace_extra)
         if meta.epoch != self._epoch:
             self._new_epoch(meta.epoch)
         self._settle_held(meta.held_commits, meta.held_drops)
@@ -144,8 +145,12 @@ class UcmDbWorker:
         return self._loads.finished_requests(wait_s)
 
     def take_worker_meta(self) -> UcmDbWorkerMetadata | None:
-        """The bound step's number and load timings, once (WorkerLoads.take_worker_meta)."""
-        return self._loads.take_worker_meta()
+        """The bound step's number and load timings, once (WorkerLoads.take_worker_meta),
+        and whether this worker refused the scheduler's namespace."""
+        meta = self._loads.take_worker_meta()
+        if meta is not None and self.refused:
+            meta.refused = True
+        return meta
 
     def take_load_errors(self) -> set[int]:
         return self._loads.take_load_errors()
@@ -217,14 +222,26 @@ class UcmDbWorker:
             if job is not None and self._writer is not None:
                 self._writer.submit(job)
 
-    def _refuse_foreign(self, scheduler_namespace: bytes) -> None:
+    def _agree(self, scheduler_id: bytes, scheduler_extra: str) -> None:
         """The scheduler keys requests under another namespace than this
-        worker derived (their configs differ: a bug, never a user's choice):
-        this worker stops loading (every load fails: vLLM recomputes) and
-        saving, for good, so no block is ever keyed under the wrong model."""
-        logger.error("ucm-db: the scheduler's namespace %s is not this worker's %s (their vLLM configs differ); this "
-                     "worker loads and saves nothing until a restart: report this as a ucm-db bug",
-                     scheduler_namespace.hex()[:12], self._namespace.id.hex()[:12])
+        worker derived. Where only inputs read from the config object differ
+        (identity.schedulers_namespace), the worker takes the scheduler's;
+        otherwise (other model files, layout or local files: other KV) it
+        stops loading (every load fails: vLLM recomputes) and saving, for
+        good, and tells the scheduler (:attr:`refused`, worker metadata)."""
+        ours = self._namespace
+        theirs = schedulers_namespace(ours, scheduler_id, scheduler_extra)
+        if theirs is not None:
+            logger.warning("ucm-db: this worker's namespace inputs %s differ from the scheduler's %s only where a model "
+                           "constructor or another node's files may change the config object: the scheduler's are used",
+                           ours.extra, scheduler_extra)
+            self._namespace = theirs
+            self._loads.bind(self._store, self.layout, theirs, self._grid, self._spans)  # type: ignore[arg-type]
+            return
+        logger.error("ucm-db: the scheduler's namespace %s (inputs %s) is not this worker's %s (inputs %s, model %s): "
+                     "this worker computes other KV; it loads and saves nothing until a restart", scheduler_id.hex()[:12],
+                     scheduler_extra, ours.id.hex()[:12], ours.extra, ours.model)
+        self.refused = True
         self._loads.unbind()
         self._writes = False
 
