@@ -33,16 +33,15 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.logger import init_logger
-
 from ucm_db.errors import ConfigError
 
-logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handler prints it; imports no vLLM
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 #: Where a producer publishes: its local store (consumers on this node share
@@ -158,6 +157,15 @@ class Publication:
             return None
         return cls(namespace_id, blocks, block_size, last_key, target)
 
+    def names_other_keys(self, namespace_id: str, block_size: int, keys: Any, max_blocks: int) -> bool:
+        """True where this publication is for the consumer's namespace and
+        block size and a prompt as long, but its last key is not the
+        consumer's key for that block (``keys`` as :meth:`expected_blocks`)."""
+        if self.namespace_id != namespace_id or self.block_size != block_size or not 0 < self.blocks <= max_blocks + 1:
+            return False
+        chain = keys(self.blocks)
+        return len(chain) >= self.blocks and chain[self.blocks - 1].hex() != self.last_key
+
     def expected_blocks(self, namespace_id: str, block_size: int, keys: Any, max_blocks: int) -> int:
         """Blocks a consumer may count on: 0 unless the publication is for
         this namespace and block size and its last key is the consumer's own
@@ -192,10 +200,11 @@ class PublicationWaits:
         namespace whose keys are not the consumer's is logged once per engine
         (an engine reset since roots its keys apart: docs/pd.md)."""
         expected = publication.expected_blocks(namespace_id, block_size, keys, max_blocks)
-        if expected == 0 < publication.blocks and publication.namespace_id == namespace_id and not self._foreign_told:
+        if expected == 0 and not self._foreign_told and publication.names_other_keys(namespace_id, block_size, keys, max_blocks):
             self._foreign_told = True  # every later request would say the same
-            logger.warning("ucm-db: a producer's published keys are not this engine's (one of them reset its cache "
-                           "since: its keys are rooted apart until it restarts, docs/pd.md); such requests recompute")
+            logger.warning("ucm-db: a producer published other keys for this engine's prompt (one of the two reset "
+                           "its cache since, or the prompt holds multimodal items numbered per process: docs/pd.md); "
+                           "such requests are recomputed")
         return expected
 
     def decide(self, req_id: str, expected_blocks: int, visible_blocks: int) -> bool:

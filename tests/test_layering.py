@@ -74,6 +74,15 @@ def test_importing_the_core_loads_no_torch_vllm_click() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
+def test_the_connectors_settings_and_layouts_import_without_vllm() -> None:
+    """connector/__init__.py's promise: the torch-only modules load no vLLM."""
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import ucm_db.connector.settings, ucm_db.connector.layouts\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("folder", ["tools", "migrations"])
 def test_tools_and_migrations_do_not_import_the_connector(folder: str) -> None:
     for path in _product_modules(folder):  # the benchmarks and the demo drive vLLM engines
