@@ -343,7 +343,8 @@ def adapter_key(lora_request: Any) -> str:
         try:
             digest = fingerprint(path).digest
             int_id = int(getattr(lora_request, "lora_int_id", 0) or 0)
-            # vLLM loads the files now: in place, or under an id it has not loaded (its reload after an update).
+            # vLLM loads these files: in place, or under an id it has not loaded (its reload after an update),
+            # when it first runs the id's request (files changed before that are not seen: docstring).
             if getattr(lora_request, "load_inplace", False) or int_id not in _adapter_ids:
                 _adapters[(name, where)] = _adapter_ids[int_id] = digest
             first = (_adapters.setdefault((name, where), digest), _adapter_ids.setdefault(int_id, digest))

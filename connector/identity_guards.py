@@ -71,7 +71,9 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
         out["ignore_patterns"] = ignored
     config_path = getattr(vllm_config.model_config, "hf_config_path", None)
     if config_path:
-        out["hf_config"] = config_digest(str(config_path), vllm_config.model_config.hf_config)
+        model_config = vllm_config.model_config
+        revision = getattr(model_config, "_hf_config_revision", None) or getattr(model_config, "revision", None)
+        out["hf_config"] = config_digest(str(config_path), model_config.hf_config, revision)
     if fmt in FILE_LOAD_FORMATS:
         return out
     if fmt == "dummy" and model_id is None:
@@ -84,15 +86,17 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     extra = getattr(load, "model_loader_extra_config", None)
     # A digest, not the options: they may hold credentials, and the namespace record travels (remote manifests).
     digest = hashlib.blake2b(json.dumps(extra, sort_keys=True, default=str).encode(), digest_size=16).hexdigest() if extra else None
-    if fmt == "dummy":  # vLLM seeds random weights per shard: another TP or PP size, other weights
+    if fmt == "dummy":  # vLLM seeds each shard's random weights alike: another TP or expert-parallel size, other weights
         parallel = vllm_config.parallel_config
-        out["dummy_shards"] = [int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)]
+        experts = int(parallel.data_parallel_size) if getattr(parallel, "enable_expert_parallel", False) else 1
+        out["dummy_shards"] = [int(parallel.tensor_parallel_size), experts]
     return {**out, "load_format": fmt, "model_loader_extra_config": digest}
 
 
-def config_digest(config_path: str, hf_config: Any) -> str:
+def config_digest(config_path: str, hf_config: Any, revision: str | None = None) -> str:
     """The digest of the config files vLLM read from ``config_path`` (a
-    directory, a file, or a hub id already in the local hub cache). Files,
+    directory, a file, or a hub id at ``revision`` already in the local hub
+    cache). Files,
     not the config object: model constructors may change the object in a
     worker after vLLM built it, and every role must derive one namespace.
     A path that names no readable file falls back to the object's JSON
@@ -100,7 +104,7 @@ def config_digest(config_path: str, hf_config: Any) -> str:
     path = Path(config_path).expanduser()
     files = [path] if path.is_file() else [path / name for name in _CONFIG_FILES if (path / name).is_file()]
     if not files and not path.exists():
-        files = _hub_cached_configs(config_path)
+        files = _hub_cached_configs(config_path, revision)
     if files:
         digest = hashlib.blake2b(digest_size=16, person=b"ucm-db/hfcfg")
         for file in files:
@@ -111,9 +115,9 @@ def config_digest(config_path: str, hf_config: Any) -> str:
     return "json-blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _hub_cached_configs(repo_id: str) -> list[Path]:
-    """The config files of a hub id in the local hub cache (none where it is
-    not cached or huggingface_hub is absent)."""
+def _hub_cached_configs(repo_id: str, revision: str | None) -> list[Path]:
+    """The config files of a hub id at ``revision`` (None: main) in the
+    local hub cache (none where not cached or huggingface_hub is absent)."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
@@ -121,7 +125,7 @@ def _hub_cached_configs(repo_id: str) -> list[Path]:
     found = []
     for name in _CONFIG_FILES:
         try:
-            cached = try_to_load_from_cache(repo_id, name)
+            cached = try_to_load_from_cache(repo_id, name, revision=revision)
         except Exception:  # noqa: BLE001 - a string that is no repo id: not cached
             cached = None
         if isinstance(cached, str):

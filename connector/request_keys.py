@@ -53,8 +53,9 @@ def request_block_extras(request: Request, block_size: int, counter_mm_ids: bool
     if request.prompt_embeds is not None:
         embeds = request.prompt_embeds.detach().to("cpu")  # one device copy, not one per block
         mask = getattr(request, "prompt_is_token_ids", None)  # mixed mode: which rows the model reads from token ids
-        for block in range(int(embeds.shape[0]) // block_size):
-            rows = slice(block * block_size, (block + 1) * block_size)
+        rows_total = int(embeds.shape[0])
+        for block in range(-(-rows_total // block_size)):  # the block the prompt ends in too (clipped rows)
+            rows = slice(block * block_size, min((block + 1) * block_size, rows_total))
             digest = _tensor_digest(embeds[rows], None if mask is None else bytes(map(bool, mask[rows])))
             extras[block] = extras.get(block, b"") + b"pe" + digest
     return extras

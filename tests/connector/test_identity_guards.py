@@ -46,8 +46,11 @@ def test_dummy_weights_are_refused_unless_a_model_id_names_them(model_dir: Path)
     assert "model_id" in (refused.value.hint or "")
     named = kv_shape(config, _kv_config(), "dummy-profiling")  # the operator names these weights
     assert named.model == "dummy-profiling" and '"load_format":"dummy"' in named.extra
-    config.parallel_config.tensor_parallel_size = 2  # vLLM seeds each shard's random weights apart
+    config.parallel_config.tensor_parallel_size = 2  # each shard's random weights are seeded alike: other weights
     assert kv_shape(config, _kv_config(), "dummy-profiling").extra != named.extra
+    config.parallel_config.tensor_parallel_size = 1
+    config.parallel_config.pipeline_parallel_size = 2  # every layer keeps its shape: the same weights
+    assert kv_shape(config, _kv_config(), "dummy-profiling").extra == named.extra
 
 
 def test_weights_not_read_from_the_model_files_are_keyed_by_how_they_are_loaded(model_dir: Path) -> None:

@@ -720,3 +720,19 @@ def test_mixed_mode_keys_which_rows_are_token_ids() -> None:
     all_slots = keys([False] * (2 * BS))
     one_token = keys([False] * (BS + 3) + [True] + [False] * (BS - 4))
     assert all_slots[0] == one_token[0] and all_slots[1] != one_token[1]  # only the block holding the token
+
+
+def test_the_block_a_prompt_of_embeddings_ends_in_is_keyed_by_its_rows() -> None:
+    """The block holding the prompt's last embedding rows and the first
+    generated tokens is stored once decode fills it (save_decode): its key
+    names those rows too, so two prompts alike but for their tails never
+    share it."""
+    def keys(tail: float) -> list[bytes]:
+        embeds = torch.ones(BS + BS // 2, 8)
+        embeds[BS:] = tail
+        request = Request("r", None, SamplingParams(max_tokens=BS), None, prompt_embeds=embeds)
+        request.append_output_token_ids([5] * (BS // 2))  # the same first tokens generated
+        return list(NS.block_keys(list(request.all_token_ids), {}, block_extras=request_block_extras(request, BS)))
+
+    same, other = keys(1.0), keys(2.0)
+    assert len(same) == 2 and same[0] == other[0] and same[1] != other[1]
