@@ -147,8 +147,10 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _request(req_id: str, tokens: list[int], block_hasher: Any = None) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=block_hasher)  # type: ignore[arg-type]
+def _request(req_id: str, tokens: list[int], block_hasher: Any = None, controls: Any = None) -> Request:
+    extra = None if controls is None else {"kv_transfer_params": {"ucm_db": controls}}
+    return Request(req_id, tokens, SamplingParams(max_tokens=1, extra_args=extra), None,  # type: ignore[arg-type]
+                   block_hasher=block_hasher)
 
 
 def _prefill(engine: _Engine, req_id: str, state_block: int, offered_at: int, block_hasher: Any = None) -> Request:
@@ -410,4 +412,17 @@ def test_a_stored_state_is_evented_as_vllm_events_a_mamba_block(model_dir: Path,
     removed = engine.scheduler.take_events()
     assert [(type(e), e.block_hashes, e.group_idx, e.medium) for e in removed] == [
         (BlockRemoved, [hashes[5]], 0, MEDIUM_STORAGE)]
+    engine.close()
+
+
+def test_a_request_that_asks_not_to_be_saved_saves_no_state(model_dir: Path, tmp_path: Path) -> None:
+    """``{"ucm_db": {"save": false}}`` (or an unsettled LoRA adapter): no
+    attention block and no state block stored."""
+    mamba = _mamba()
+    engine = _Engine(model_dir, tmp_path / "store", _kv(1, mamba), mamba)
+    req = _request("quiet", TOKENS, controls={"save": False})
+    assert engine.lookup(req) == 0
+    ids = ([0] * 5 + [7], list(range(11, 17)))
+    engine.step(_step(req, ids, 6 * BS, [(0, 7, 6 * BS), (1, 99, 6 * BS)]))
+    assert sum(engine.blocks().values()) == 0
     engine.close()
