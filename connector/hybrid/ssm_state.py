@@ -137,7 +137,7 @@ class SsmStateScheduler(UcmDbScheduler):
         meta.unloadable, self._unloadable = tuple(self._unloadable), []
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
-        if self._role.saves:
+        if self._role.saves and not self._off:  # off: a worker refused the namespace (scheduler/hooks.py)
             for req_id, entries in offers.items():
                 self._plan_state_saves(meta, req_id, entries, scheduler_output)
         meta.epoch = -1 if self._epochs.epoch is None else self._epochs.epoch
