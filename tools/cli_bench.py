@@ -46,6 +46,7 @@ BENCHMARKS = {
     "writer": "ucm_db.tools.bench.writer:command",
     "lmdb-floor": "ucm_db.tools.bench.lmdb_floor:command",
     "recency": "ucm_db.tools.bench.recency:command",
+    "staged": "ucm_db.tools.bench.staged:command",
 }
 
 
