@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+import time
 from array import array
 
 import numpy as np
@@ -138,6 +139,32 @@ def test_codec_pool_takes_only_blocks_of_large_frames(frame_bytes: int, on_pool:
         decoded = pool.decode_blocks(blocks, decode)
         assert all(bytes(d) == payload.tobytes() for d in decoded)  # type: ignore[union-attr]
         assert all(name.startswith("ucm-db-codec") == on_pool for name in threads), threads
+    finally:
+        pool.shutdown()
+
+
+def test_a_failing_pool_decode_raises_only_once_every_decode_ended() -> None:
+    """The blocks are views of the caller's read transaction: no decode may
+    still run once decode_blocks has raised (and the read has ended)."""
+    pool = CodecPool(2)
+    try:
+        frames = (codec_pool.POOL_MIN_FRAME_BYTES,) * 2
+        payload = np.random.default_rng(2).standard_normal(frames[0]).astype(np.float16).view(np.uint8)
+        items = [(bytes([i]) * 32, codec.Framed(payload, frames)) for i in range(3)]
+        encoded = pool.encode_many(items, codec_name="zstd", element_bytes=2, level=1)
+        ended: list[int] = []
+
+        def decode(i: int, head: memoryview, body: memoryview) -> bytearray:
+            if i == 0:
+                raise ValueError("the first block fails at once")
+            time.sleep(0.2)
+            ended.append(i)
+            return codec.decode_parts(head, body, items[i][0])
+
+        blocks = [(memoryview(block.head), memoryview(bytes(block.body_buffer()))) for block in encoded]
+        with pytest.raises(ValueError, match="fails at once"):
+            pool.decode_blocks(blocks, decode)
+        assert sorted(ended) == [1, 2]
     finally:
         pool.shutdown()
 

@@ -72,7 +72,9 @@ class CodecPool:
         self, blocks: Sequence[tuple[memoryview, memoryview] | None], decode: Callable[[int, memoryview, memoryview], T],
     ) -> list[T | None]:
         """``decode(i, head, body)`` for each present block (None where
-        absent); compressed blocks of a batch on the pool."""
+        absent); compressed blocks of a batch on the pool. Every decode has
+        ended when this returns or raises (the blocks are views of the
+        caller's read transaction)."""
         results: list[T | None] = [None] * len(blocks)
         compressed: list[int] = []
         for i, block in enumerate(blocks):
@@ -86,9 +88,10 @@ class CodecPool:
             results[compressed[0]] = decode(compressed[0], *blocks[compressed[0]])  # type: ignore[misc]
         elif compressed:
             assert self._pool is not None  # only blocks for the pool were listed
-            done = self._pool.map(lambda i: decode(i, *blocks[i]), compressed)  # type: ignore[misc]
-            for i, value in zip(compressed, done):
-                results[i] = value
+            futures = [self._pool.submit(decode, i, *blocks[i]) for i in compressed]  # type: ignore[misc]
+            wait(futures)  # all end before any error is raised: none reads the blocks after the caller's read ends
+            for i, future in zip(compressed, futures):
+                results[i] = future.result()
         return results
 
     def beside(self, fn: Callable[[], object]) -> Callable[[], None] | None:
