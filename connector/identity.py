@@ -204,28 +204,30 @@ def reader_spans(shape: KVShape) -> list[UnitSpan]:
     return [span for pp in range(shape.pp_size) for span in g.head_spans(stage_layers(shape, pp))]
 
 
-#: Namespace inputs read from the config object alone, which a worker's model constructor may change after vLLM
-#: built it (set_default_rope_theta, max_model_len, ...) or which a worker on another node has no file for
-#: (hf_config): a worker computes with the config the scheduler's node built, so the scheduler's value holds.
-CONFIG_OBJECT_INPUTS = frozenset({"rope", "checkpoint_quantization_config", "disable_sliding_window", "long_rope",
-                                  "max_model_len", "hf_config"})
+#: Namespace inputs a worker's model constructor may change in its copy of the config after vLLM built it
+#: (set_default_rope_theta, a checkpoint's quantization dict): the scheduler's value names the KV computed. Inputs a
+#: node's own arguments or files set (max_model_len, a sliding window, another config directory) are not here: a
+#: headless node builds its own config from them, so a difference there is other KV.
+CONFIG_OBJECT_INPUTS = frozenset({"rope", "checkpoint_quantization_config"})
 
 
-def schedulers_namespace(ours: Namespace, theirs_id: bytes, theirs_extra: str) -> Namespace | None:
-    """The scheduler's namespace (id ``theirs_id``, inputs ``theirs_extra``)
-    where it differs from this worker's ``ours`` only in
-    :data:`CONFIG_OBJECT_INPUTS`; None where anything else differs (files,
-    layout, group: the worker computes other KV, and must not store it)."""
-    theirs = Namespace.from_dict({**ours.to_dict(), "extra": theirs_extra})
+def schedulers_namespace(ours: Namespace, our_inputs: str, theirs_id: bytes, their_inputs: str) -> Namespace | None:
+    """The scheduler's namespace (id ``theirs_id``; ``their_inputs``: its
+    :func:`namespace_inputs`, ours ``our_inputs``) where it differs from
+    this worker's ``ours`` only in :data:`CONFIG_OBJECT_INPUTS`, or in
+    ``hf_config`` where this worker could not read the config's files (its
+    node lacks them: it computes with the config vLLM pickled from the
+    scheduler's node); None where anything else differs."""
+    group = None if ours.extra == our_inputs else ours.extra[len(our_inputs) + 1:] if our_inputs else ours.extra
+    extra = their_inputs if group is None else (their_inputs + "|" if their_inputs else "") + group  # groups.py's join
+    theirs = Namespace.from_dict({**ours.to_dict(), "extra": extra})
     if theirs.id != theirs_id:
         return None
-    (our_base, _, our_group), (their_base, _, their_group) = ours.extra.partition("|"), theirs_extra.partition("|")
-    try:
-        mine, other = json.loads(our_base or "{}"), json.loads(their_base or "{}")
-    except ValueError:
-        return None
+    mine, other = json.loads(our_inputs or "{}"), json.loads(their_inputs or "{}")
     differing = {k for k in mine.keys() | other.keys() if mine.get(k) != other.get(k)}
-    return theirs if our_group == their_group and differing <= CONFIG_OBJECT_INPUTS else None
+    if str(mine.get("hf_config", "")).startswith("json-"):  # a fallback: no file to read on this node
+        differing.discard("hf_config")
+    return theirs if differing <= CONFIG_OBJECT_INPUTS else None
 
 
 def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:

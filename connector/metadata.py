@@ -99,7 +99,7 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     preempted: tuple[str, ...] = ()  # requests preempted since the last step: their blocks are freed (preemptions.py)
     groups: list[UcmDbConnectorMetadata] = field(default_factory=list)  # a hybrid model's, one per KV cache group (hybrid.py)
     namespace: bytes = b""  # the scheduler's namespace id: a worker of another namespace neither loads nor saves
-    namespace_extra: str = ""  # its inputs (Namespace.extra): a worker adopts them where only config-object ones differ
+    namespace_inputs: str = ""  # its inputs (identity.namespace_inputs): a worker may adopt them (schedulers_namespace)
     unloadable: tuple[str, ...] = ()  # requests whose claimed load has no transfer: reported failed (recomputed)
 
     @property

@@ -131,7 +131,7 @@ class SsmStateScheduler(UcmDbScheduler):
         self._plans.setdefault(request.request_id, _StatePlan())  # the load: plan_async_load
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
-        meta = UcmDbConnectorMetadata(namespace=self._namespace.id, namespace_extra=self._namespace.extra)
+        meta = UcmDbConnectorMetadata(namespace=self._namespace.id, namespace_inputs=self._inputs)
         self._planner.number_step(meta, scheduler_output)
         meta.async_loads, self._async_plans = self._async_plans, []
         meta.unloadable, self._unloadable = tuple(self._unloadable), []

@@ -130,7 +130,7 @@ class UcmDbScheduler:
         self._publish_target = settings.publish
         self._grid = grid(shape)
         self._block_size = shape.block_size
-        self._counter_mm_ids = shape.counter_mm_ids
+        self._counter_mm_ids, self._inputs = shape.counter_mm_ids, shape.extra  # the step metadata's inputs
         self._off = False  # a worker refused this namespace: nothing claimed or saved (observe_output)
         self._requests: dict[str, RequestState] = {}
         self.counters = Counters()
@@ -298,7 +298,7 @@ class UcmDbScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         """The step's metadata: its loads and saves (planner.py), the saves'
         verdicts (settlement.py), the epoch and the preempted requests."""
-        meta = UcmDbConnectorMetadata(namespace=self._namespace.id, namespace_extra=self._namespace.extra)
+        meta = UcmDbConnectorMetadata(namespace=self._namespace.id, namespace_inputs=self._inputs)
         self._planner.plan_step(meta, scheduler_output, saves=self._role.saves and not self._off)
         meta.epoch = -1 if self._epochs.epoch is None else self._epochs.epoch
         meta.preempted = self._preempted(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -355,7 +355,7 @@ class UcmDbScheduler:
         state = self._requests.pop(request.request_id, None)
         self._waits.forget(request.request_id)
         self._lookup.forget(request.request_id)
-        if not self._role.publishes or state is None:
+        if not self._role.publishes or state is None or self._off:  # off: a worker refused, nothing was saved
             return False, None
         blocks = min(state.saved_blocks, request.num_prompt_tokens // self._block_size)
         last_key = self._keys(state, blocks)[blocks - 1].hex() if blocks else ""

@@ -122,7 +122,7 @@ class UcmDbWorker:
         """Binds the step: its epoch, the held saves' verdicts and voided
         saves it carries, then its loads."""
         if meta.namespace and meta.namespace != self._namespace.id and self._store is not None and not self.refused:
-            self._agree(meta.namespace, meta.namespace_extra)
+            self._agree(meta.namespace, meta.namespace_inputs)
         if meta.epoch != self._epoch:
             self._new_epoch(meta.epoch)
         self._settle_held(meta.held_commits, meta.held_drops)
@@ -222,7 +222,7 @@ class UcmDbWorker:
             if job is not None and self._writer is not None:
                 self._writer.submit(job)
 
-    def _agree(self, scheduler_id: bytes, scheduler_extra: str) -> None:
+    def _agree(self, scheduler_id: bytes, scheduler_inputs: str) -> None:
         """The scheduler keys requests under another namespace than this
         worker derived. Where only inputs read from the config object differ
         (identity.schedulers_namespace), the worker takes the scheduler's;
@@ -230,17 +230,17 @@ class UcmDbWorker:
         stops loading (every load fails: vLLM recomputes) and saving, for
         good, and tells the scheduler (:attr:`refused`, worker metadata)."""
         ours = self._namespace
-        theirs = schedulers_namespace(ours, scheduler_id, scheduler_extra)
+        theirs = schedulers_namespace(ours, self._shape.extra, scheduler_id, scheduler_inputs)
         if theirs is not None:
             logger.warning("ucm-db: this worker's namespace inputs %s differ from the scheduler's %s only where a model "
-                           "constructor or another node's files may change the config object: the scheduler's are used",
-                           ours.extra, scheduler_extra)
+                           "constructor changes the config object (or this node lacks the config's files): the "
+                           "scheduler's are used", self._shape.extra, scheduler_inputs)
             self._namespace = theirs
             self._loads.bind(self._store, self.layout, theirs, self._grid, self._spans)  # type: ignore[arg-type]
             return
         logger.error("ucm-db: the scheduler's namespace %s (inputs %s) is not this worker's %s (inputs %s, model %s): "
                      "this worker computes other KV; it loads and saves nothing until a restart", scheduler_id.hex()[:12],
-                     scheduler_extra, ours.id.hex()[:12], ours.extra, ours.model)
+                     scheduler_inputs, ours.id.hex()[:12], self._shape.extra, ours.model)
         self.refused = True
         self._loads.unbind()
         self._writes = False

@@ -92,23 +92,56 @@ def test_a_worker_of_another_model_refuses_and_the_scheduler_stops(
         scheduler.shutdown()
 
 
+def test_a_producer_whose_worker_refused_publishes_nothing(tmp_path: Path) -> None:
+    """Its saves were never written: a consumer must not wait for them."""
+    from ucm_db.connector.roles import RolePolicy
+
+    settings, _ = _stored(tmp_path)
+    scheduler = UcmDbScheduler(settings, SHAPE, RolePolicy("kv_producer"))
+    worker = UcmDbWorker(settings, dataclasses.replace(SHAPE, model="other-weights"), NUM_BLOCKS, RolePolicy("kv_producer"))
+    worker.register_kv_caches(_kv(), 0, 0)
+    try:
+        req = _request(list(range(500, 500 + 4 * BS + 10)))
+        scheduler.get_num_new_matched_tokens(req, 0)
+        scheduler.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+        meta = scheduler.build_connector_meta(_prefill_step(req, list(range(5)), req.num_tokens))
+        assert meta.saves  # planned before the refusal reached the scheduler
+        worker.start_load(meta)
+        worker.save(meta)
+        scheduler.observe_output(worker.take_worker_meta())
+        assert scheduler.request_finished(req, list(range(5))) == (False, None)
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
 def test_the_refusal_aggregates_over_ranks() -> None:
     quiet, refusing = UcmDbWorkerMetadata(step=3), UcmDbWorkerMetadata(step=3, refused=True)
     assert quiet.aggregate(refusing).refused  # type: ignore[attr-defined]
 
 
+QUANT = '"quantization_config":{"dynamic":"(?:mlp|self_attn)"}'  # a "|" inside the inputs
+
+
 @pytest.mark.parametrize(("ours", "theirs", "adopted"), [
-    ('{"rope":{"rope_theta":1e6}}', "", True),
-    ('{"hf_config":"json-blake2b:aa"}', '{"hf_config":"blake2b:bb"}', True),  # a node without the config's files
+    ('{"rope":{"rope_theta":1000000.0}}', "", True),  # set_default_rope_theta in a TP>1 worker's copy
+    ('{"hf_config":"json-blake2b:aa"}', '{"hf_config":"blake2b:bb"}', True),  # this node lacks the config's files
+    ('{"hf_config":"blake2b:aa"}', '{"hf_config":"blake2b:bb"}', False),  # another config directory on this node
+    ('{"long_rope":true}', '{"long_rope":false}', False),  # a headless node with its own --max-model-len
     ('{"mm_encoder_attn":["fp8","blake2b:aa"]}', '{"mm_encoder_attn":["fp8","blake2b:bb"]}', False),  # another scale file
     ('{"dtype":"float16"}', "", False),
-    ('{"rope":{"rope_theta":1e6}}|{"group":"a"}', '|{"group":"b"}', False),  # another KV cache group
+    ("{" + QUANT + ',"rope":{"rope_theta":1000000.0}}', "{" + QUANT + "}", True),
 ])
-def test_only_config_object_inputs_are_taken_from_the_scheduler(ours: str, theirs: str, adopted: bool) -> None:
+@pytest.mark.parametrize("group", [None, '{"group":"sliding_window","layers":["l0"],"window":128}'])
+def test_only_constructor_changed_inputs_are_taken_from_the_scheduler(ours: str, theirs: str, adopted: bool,
+                                                                      group: str | None) -> None:
     from ucm_db.connector.identity import schedulers_namespace
 
-    mine = dataclasses.replace(namespace(SHAPE), extra=ours)
-    scheduler = dataclasses.replace(namespace(SHAPE), extra=theirs)
-    taken = schedulers_namespace(mine, scheduler.id, theirs)
+    def full(inputs: str) -> str:  # a hybrid group's namespace extra (hybrid/groups.py)
+        return inputs if group is None else (inputs + "|" if inputs else "") + group
+
+    mine = dataclasses.replace(namespace(SHAPE), extra=full(ours))
+    scheduler = dataclasses.replace(namespace(SHAPE), extra=full(theirs))
+    taken = schedulers_namespace(mine, ours, scheduler.id, theirs)
     assert (taken == scheduler) if adopted else taken is None
-    assert schedulers_namespace(mine, b"\0" * 16, theirs) is None  # an id the inputs do not give: never
+    assert schedulers_namespace(mine, ours, b"\0" * 16, theirs) is None  # an id the inputs do not give: never
