@@ -47,8 +47,8 @@ from ucm_db.codec.encoding import (  # noqa: F401 - the codec's API
     ZSTD_GROUP_BYTES, EncodedBlock, Framed, buffer_view, encode, encode_parts,
 )
 from ucm_db.codec.header import (  # noqa: F401 - the codec's API
-    CODEC_FORMAT_VERSION, CODEC_IDS, HEADER_BYTES, RAW_LEN_OFFSET, MAGIC, MAX_FRAMES, MAX_RAW_BYTES, MODE_RAW, MODE_SHUFFLE, MODE_ZSTD, Buffer,
+    CODEC_FORMAT_VERSION, CODEC_IDS, HEADER_BYTES, MAGIC, MAX_FRAMES, MAX_RAW_BYTES, MODE_RAW, MODE_SHUFFLE, MODE_ZSTD, Buffer,
     Header, all_raw, codec_of_head, element_bytes_for, frame_sizes, head_bytes, head_hasher, mean_frame_bytes_of_head,
-    read_head, read_header, split, verify, verify_parts,
+    raw_len_of_head, read_head, read_header, split, verify, verify_parts,
 )
 from ucm_db.errors import ConfigError, CorruptBlockError  # noqa: F401 - the errors the codec raises

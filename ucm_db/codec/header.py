@@ -169,6 +169,13 @@ def codec_of_head(head: Buffer) -> str | None:
     return CODEC_NAMES.get(head[CODEC_ID_OFFSET])
 
 
+def raw_len_of_head(head: Buffer) -> int:
+    """The raw length a head states (unverified), or -1 if it has no header."""
+    if len(head) < HEADER_BYTES:
+        return -1
+    return int(struct.unpack_from("<Q", head, RAW_LEN_OFFSET)[0])
+
+
 def mean_frame_bytes_of_head(head: Buffer) -> int:
     """Raw bytes per frame on average, as a head states them (unverified;
     0 if unreadable): what the codec pool sizes its work by."""

@@ -256,11 +256,6 @@ class StoreReads:
         self._tier.quarantine(key, reason, lambda head, body: not codec.readable(head, body, key))
 
 
-def _raw_bytes(head: memoryview) -> int:
-    """The raw length a block's header states, unverified (-1: no header)."""
-    return int.from_bytes(head[codec.RAW_LEN_OFFSET:codec.RAW_LEN_OFFSET + 8], "little") if len(head) >= codec.HEADER_BYTES else -1
-
-
 class _SlabFit:
     """``take`` and ``decode`` of :meth:`Store.get_into` for slabs of
     ``unit_bytes`` a unit (ScatterSlabs' invariants): a block whose header
@@ -275,7 +270,7 @@ class _SlabFit:
         self._keys, self._unit_bytes, self._corrupt, self._raw = keys, unit_bytes, corrupt, raw
 
     def fits(self, i: int, head: memoryview, body: memoryview) -> bool:
-        stored = _raw_bytes(head)
+        stored = codec.raw_len_of_head(head)
         if stored == self._unit_bytes:
             return True
         try:
