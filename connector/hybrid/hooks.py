@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.hybrid.groups import KVGroup, group_namespace
 from ucm_db.connector.hybrid.loads import GroupLoads
-from ucm_db.connector.hybrid.null_blocks import NULL_BLOCK_ID, without_null
+from ucm_db.connector.hybrid.null_blocks import NULL_BLOCK_ID, drop_null_loads
 from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats
@@ -192,8 +192,7 @@ class GroupedScheduler:
         metas = [part.build_connector_meta(scheduler_output) for part in self.parts]
         loaded: dict[str, set[int]] = {}
         for meta in metas:
-            meta.loads = [t for t in map(without_null, meta.loads) if t.block_ids]
-            meta.async_loads = list(map(without_null, meta.async_loads))  # kept empty: the request's report
+            drop_null_loads(meta)
             for transfer in meta.loads:
                 loaded.setdefault(transfer.req_id, set()).update(transfer.block_ids)
         if loaded:

@@ -33,6 +33,13 @@ def without_null(load: BlockTransfer) -> BlockTransfer:
     return replace(load, keys=tuple(k for k, _ in pairs), block_ids=tuple(b for _, b in pairs))
 
 
+def drop_null_loads(meta: UcmDbConnectorMetadata) -> None:
+    """``meta``'s loads less the null block (module invariants): an emptied
+    sync load is dropped, an emptied async one kept for its report."""
+    meta.loads = [t for t in map(without_null, meta.loads) if t.block_ids]
+    meta.async_loads = list(map(without_null, meta.async_loads))
+
+
 class NullBlockGuard:
     """The module's invariants over one KV cache group's step metadata, where
     ``active`` (a model with one KV cache group; a hybrid's groups are
@@ -45,8 +52,7 @@ class NullBlockGuard:
     def apply(self, meta: UcmDbConnectorMetadata) -> UcmDbConnectorMetadata:
         if not self.active:
             return meta
-        meta.loads = [t for t in map(without_null, meta.loads) if t.block_ids]
-        meta.async_loads = list(map(without_null, meta.async_loads))  # kept: the request's report (invariants)
+        drop_null_loads(meta)
         meta.saves = [t for t in meta.saves if self.keeps(t)]
         return meta
 
