@@ -157,28 +157,19 @@ class Publication:
             return None
         return cls(namespace_id, blocks, block_size, last_key, target)
 
-    def names_other_keys(self, namespace_id: str, block_size: int, keys: Any, max_blocks: int) -> bool:
-        """True where this publication is for the consumer's namespace and
-        block size and a prompt as long, but its last key is not the
-        consumer's key for that block (``keys`` as :meth:`expected_blocks`)."""
+    def keys_match(self, namespace_id: str, block_size: int, keys: Any, max_blocks: int) -> bool | None:
+        """Whether the consumer's own key for the publication's last block
+        (``keys(n)``: its first ``n`` keys) is ``last_key``; None where the
+        two cannot be compared (another namespace or block size, nothing
+        published, a prompt too short for ``max_blocks``)."""
         if self.namespace_id != namespace_id or self.block_size != block_size or not 0 < self.blocks <= max_blocks + 1:
-            return False
+            return None
         chain = keys(self.blocks)
-        return len(chain) >= self.blocks and chain[self.blocks - 1].hex() != self.last_key
+        return None if len(chain) < self.blocks else chain[self.blocks - 1].hex() == self.last_key
 
     def expected_blocks(self, namespace_id: str, block_size: int, keys: Any, max_blocks: int) -> int:
-        """Blocks a consumer may count on: 0 unless the publication is for
-        this namespace and block size and its last key is the consumer's own
-        key for that block (``keys(n)``: the consumer's first ``n`` keys)."""
-        if self.namespace_id != namespace_id or self.block_size != block_size or self.blocks == 0:
-            return 0
-        blocks = min(self.blocks, max_blocks)
-        if blocks == 0:
-            return 0
-        chain = keys(self.blocks) if self.blocks <= max_blocks + 1 else None
-        if chain is None or len(chain) < self.blocks or chain[self.blocks - 1].hex() != self.last_key:
-            return 0
-        return blocks
+        """Blocks a consumer may count on: 0 unless :meth:`keys_match`."""
+        return min(self.blocks, max_blocks) if self.keys_match(namespace_id, block_size, keys, max_blocks) else 0
 
 
 class PublicationWaits:
@@ -199,13 +190,13 @@ class PublicationWaits:
         """:meth:`Publication.expected_blocks`; a publication of this
         namespace whose keys are not the consumer's is logged once per engine
         (an engine reset since roots its keys apart: docs/pd.md)."""
-        expected = publication.expected_blocks(namespace_id, block_size, keys, max_blocks)
-        if expected == 0 and not self._foreign_told and publication.names_other_keys(namespace_id, block_size, keys, max_blocks):
+        match = publication.keys_match(namespace_id, block_size, keys, max_blocks)
+        if match is False and not self._foreign_told:
             self._foreign_told = True  # every later request would say the same
             logger.warning("ucm-db: a producer published other keys for this engine's prompt (one of the two reset "
                            "its cache since, or the prompt holds multimodal items numbered per process: docs/pd.md); "
                            "such requests are recomputed")
-        return expected
+        return min(publication.blocks, max_blocks) if match else 0
 
     def decide(self, req_id: str, expected_blocks: int, visible_blocks: int) -> bool:
         """True: defer the request (look again later); False: claim what is visible."""

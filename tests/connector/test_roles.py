@@ -225,6 +225,24 @@ def test_publication_waits_follow_the_clock() -> None:
     assert waits.decide("r", 4, 1) is False and waits.waited_s("r") == pytest.approx(1.0)
 
 
+def test_a_publication_of_other_keys_is_logged_once_and_other_mismatches_not(caplog: pytest.LogCaptureFixture) -> None:
+    """Same namespace, a prompt as long, another last key (a reset since, or
+    per-process multimodal numbers): logged once; another namespace or a
+    shorter prompt is no key mismatch and is not logged."""
+    mine = [bytes([i]) * 32 for i in range(4)]
+    keys = lambda n: mine[:n]  # noqa: E731 - the consumer's first n keys
+    ours = Publication("ns", 4, 16, mine[3].hex(), "local")
+    other = dataclasses.replace(ours, last_key="ff" * 32)
+    waits = PublicationWaits(1.0)
+    with caplog.at_level("WARNING", logger="vllm.ucm_db.connector.roles"):
+        assert waits.expected(ours, "ns", 16, keys, 4) == 4
+        assert waits.expected(dataclasses.replace(ours, namespace_id="other"), "ns", 16, keys, 4) == 0
+        assert waits.expected(other, "ns", 16, lambda n: mine[:2], 4) == 0  # a shorter prompt
+        assert "published other keys" not in caplog.text
+        assert waits.expected(other, "ns", 16, keys, 4) == waits.expected(other, "ns", 16, keys, 4) == 0
+    assert caplog.text.count("published other keys") == 1
+
+
 def test_role_and_publish_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         RolePolicy("kv_prefill")
