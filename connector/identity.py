@@ -82,7 +82,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.connector.fingerprints import model_fingerprint
-from ucm_db.connector.hybrid.groups import kv_groups
+from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
 from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, multimodal_inputs,
                                               refuse_unstorable)
 from ucm_db.errors import ConfigError
@@ -218,8 +218,8 @@ def schedulers_namespace(ours: Namespace, our_inputs: str, theirs_id: bytes, the
     ``hf_config`` where this worker could not read the config's files (its
     node lacks them: it computes with the config vLLM pickled from the
     scheduler's node); None where anything else differs."""
-    group = None if ours.extra == our_inputs else ours.extra[len(our_inputs) + 1:] if our_inputs else ours.extra
-    extra = their_inputs if group is None else (their_inputs + "|" if their_inputs else "") + group  # groups.py's join
+    group = group_described(ours.extra, our_inputs)
+    extra = their_inputs if group is None else group_extra(their_inputs, group)
     theirs = Namespace.from_dict({**ours.to_dict(), "extra": extra})
     if theirs.id != theirs_id:
         return None

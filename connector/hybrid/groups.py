@@ -83,8 +83,21 @@ def group_namespace(base: Namespace, groups: list[KVGroup], group: KVGroup) -> N
     """The namespace ``group``'s blocks are stored under (module invariants)."""
     if len(groups) == 1:
         return base
-    extra = json.dumps(group.describe(), sort_keys=True, separators=(",", ":"))
-    return Namespace.from_dict({**base.to_dict(), "extra": (base.extra + "|" if base.extra else "") + extra})
+    described = json.dumps(group.describe(), sort_keys=True, separators=(",", ":"))
+    return Namespace.from_dict({**base.to_dict(), "extra": group_extra(base.extra, described)})
+
+
+def group_extra(inputs: str, described: str) -> str:
+    """A group namespace's ``extra``: the model's namespace inputs, then the group's description."""
+    return (inputs + "|" if inputs else "") + described
+
+
+def group_described(extra: str, inputs: str) -> str | None:
+    """The group description in a namespace's ``extra`` built on ``inputs``
+    (:func:`group_extra`), or None for a model's own namespace."""
+    if extra == inputs:
+        return None
+    return extra.removeprefix(inputs + "|") if inputs else extra
 
 
 def _state_spec(index: int, group: Any) -> str:
