@@ -207,9 +207,10 @@ def test_load_policy_setting() -> None:
 BS, BLOCKS, PAYLOAD_BYTES = 32, 24, 16 << 10
 #: Calibrated prefill rate of the scheduler tests: a slow link (0.5 MB/s:
 #: ~500 tokens/s of these blocks, two 16 KiB units per 32-token block) is
-#: far below it, a fast one (1 GB/s) far above it even with the lookup's own
-#: promotion cost on a 16-block probe (256 ms of budget).
-PREFILL_TOKENS_PER_S = 2000.0
+#: below it, a fast one (1 GB/s) far above it even with the lookup's own
+#: promotion cost on a 16-block probe (512 ms of budget: 256 ms was
+#: exceeded once by a loaded CI host's syncs).
+PREFILL_TOKENS_PER_S = 1000.0
 
 
 def _remote_with(tmp_path: Path, prompts: list[list[int]]) -> Path:
