@@ -138,8 +138,18 @@ class KVLayout:
 
     # -- head units (see module docstring) ---------------------------------------
     def new_unit_staging(self, num_blocks: int) -> torch.Tensor:
-        """A CPU byte buffer of ``num_blocks`` blocks' units: ``[blocks, heads, unit bytes]``."""
-        return torch.empty((num_blocks, self.heads, self.unit_bytes), dtype=torch.uint8)
+        """A CPU byte buffer of ``num_blocks`` blocks' units: ``[blocks, heads, unit bytes]``;
+        page-locked (pinned) where the KV caches are on an accelerator, so
+        the copy to or from them is one DMA transfer (torch's pinned
+        allocator caches the buffers: a fresh one per load costs no
+        ``cudaHostAlloc`` after the first). Pageable where pinning fails."""
+        shape = (num_blocks, self.heads, self.unit_bytes)
+        if self.device.type != "cpu":
+            try:
+                return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:  # no pinned memory on this platform: a copy through a bounce buffer
+                pass
+        return torch.empty(shape, dtype=torch.uint8)
 
     def gather_units(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copies the units of blocks ``block_ids`` into unit staging (where
@@ -151,18 +161,44 @@ class KVLayout:
             _take_slabs(self, block_ids, staging.numpy()[: len(block_ids)])
             return
         ids = self._ids(block_ids)
+        rows = staging[: len(block_ids)]
+        # On an accelerator the strided copies run there, into rows on the
+        # device, and the rows come back in one transfer.
+        on_device = rows if rows.device == self.device else torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
         for i in range(len(self.layers)):
-            for seg, axis, dst in self._unit_views(i, staging[: len(block_ids)]):
+            for seg, axis, dst in self._unit_views(i, on_device):
                 src = seg.index_select(0, ids)
                 dst.copy_(src.unsqueeze(1) if axis is None else src.movedim(1 + axis, 1))
+        if on_device is not rows:
+            rows.copy_(on_device)  # blocking: the writer reads the rows next
+
+    def staging_on_device(self, staging: torch.Tensor) -> torch.Tensor:
+        """Unit staging rows on the KV caches' device: ``staging`` itself
+        there, else one copy of all its rows (asynchronous from pinned
+        memory; ordered before the scatter on the same stream). A layer
+        by layer load moves its rows once, then scatters each layer."""
+        if staging.device == self.device:
+            return staging
+        return staging.to(self.device, non_blocking=staging.is_pinned())
 
     def scatter_units(self, block_ids: Sequence[int], staging: torch.Tensor, layer: int | None = None) -> None:
         """Copies unit staging into the KV caches at ``block_ids`` (one
-        layer if ``layer`` is given, else all)."""
+        layer if ``layer`` is given, else all). Host rows bound for an
+        accelerator go over in one transfer (:meth:`staging_on_device`),
+        and the strided copies run there; :meth:`settle` waits for them."""
         ids = self._ids(block_ids)
+        rows = self.staging_on_device(staging[: len(block_ids)])
         for i in range(len(self.layers)) if layer is None else (layer,):
-            for seg, axis, src in self._unit_views(i, staging[: len(block_ids)]):
-                seg.index_copy_(0, ids, (src[:, 0] if axis is None else src.movedim(1, 1 + axis)).to(seg.device))
+            for seg, axis, src in self._unit_views(i, rows):
+                seg.index_copy_(0, ids, src[:, 0] if axis is None else src.movedim(1, 1 + axis))
+
+    def settle(self) -> None:
+        """Returns once the copies this thread queued on the KV caches'
+        device are done (nothing on the host): a load reports its blocks
+        only after the bytes are in the KV caches, whichever stream vLLM's
+        forward then runs on, and a pinned staging row is free again."""
+        if self.device.type != "cpu":
+            torch.accelerator.current_stream(self.device).synchronize()
 
     @property
     def writes_units_in_place(self) -> bool:

@@ -47,6 +47,7 @@ BENCHMARKS = {
     "lmdb-floor": "ucm_db.tools.bench.lmdb_floor:command",
     "recency": "ucm_db.tools.bench.recency:command",
     "staged": "ucm_db.tools.bench.staged:command",
+    "device-load": "ucm_db.tools.bench.device_load:command",
 }
 
 

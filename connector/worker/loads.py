@@ -170,9 +170,12 @@ class WorkerLoads:
         if failed:
             total = sum(len(t.block_ids) for t in loads)
             logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them", len(failed), total)
+        if unit_ids and units is not None:
+            units = self.layout.staging_on_device(units)  # one transfer, then each layer scatters on the device
         for layer in range(len(self.layout.layers)) if job is not None else (None,):
             if unit_ids and units is not None:
                 self.layout.scatter_units(unit_ids, units, layer=layer)
+                self.layout.settle()  # in the KV caches before the layer (or the request) is reported
             if job is not None and layer is not None:
                 job.ready[layer].set()
         good = len(unit_ids)

@@ -1,0 +1,23 @@
+"""``ucm-db bench device-load`` runs at a tiny size on the CPU through the
+CLI: every way is reported and the loaded blocks equal the saved ones; no
+timing is asserted (benchmarks print figures). On a GPU host the same
+command measures the CUDA path (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from ucm_db.tools.bench import device_load
+
+
+def test_a_tiny_cpu_run_reports_every_way_and_loads_exact_bits() -> None:
+    args = ["--device", "cpu", "--layers", "2", "--blocks", "4", "--rounds", "1", "--json"]
+    result = CliRunner().invoke(device_load.command, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [(r["layers"], r["codec"], r["unit_kib"]) for r in rows] == [(2, "none", 16), (2, "zstd", 16)]
+    for row in rows:
+        assert row["exact"] is True and row["pinned"] is False
+        assert all(row[f"{way}_GBps"] > 0 for way in ("h2d", "d2h", "scatter", "pageable", "load", "save"))

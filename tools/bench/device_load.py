@@ -1,0 +1,161 @@
+"""Loads and saves between the store and KV caches on an accelerator:
+``ucm-db bench device-load``.
+
+    ucm-db bench device-load [--device cuda] [--layers 8,32] [--blocks 256] [--codec none --codec zstd] [--rounds 9] [--json]
+
+A flash-attention KV cache (``[2, blocks, block, heads, head]`` per layer,
+bf16, normal values) on ``--device``; its blocks are saved through the
+connector's layout (:mod:`ucm_db.connector.layouts`: the strided copies on
+the device, one transfer into pinned unit staging) into a scratch store,
+then loaded back into other block ids as the worker does: ``get_into``
+through :class:`ucm_db.ScatterSlabs` over pinned staging rows, one
+transfer to the device, the strided copies there. Timed, medians of
+``--rounds`` (the ways in turns within each round), GB/s of KV bytes:
+
+* ``h2d``: the baseline, one plain copy of the same bytes from pinned
+  host memory into a device tensor (``d2h`` the other way);
+* ``scatter``: the staged rows into the KV caches (the transfer half of a
+  load); ``pageable``: the same from rows that are not pinned;
+* ``load``: the whole load, store read included; ``save``: the gather of
+  the blocks into pinned staging (the model thread's part of a save).
+
+Every load is checked bit for bit against the source blocks (``exact``).
+
+Invariants:
+    * ucm-db's public API and the connector's layout module only.
+    * The scratch store is removed; device memory is freed with the run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+import torch
+
+import ucm_db
+from ucm_db.connector.layouts import KVLayout, detect_layout
+from ucm_db.tools.bench.common import int_list
+
+BLOCK_TOKENS, HEADS, HEAD_DIM = 16, 8, 128
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.current_stream(device).synchronize()
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    _sync(device)
+    started = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - started
+
+
+def _put_units(store: ucm_db.Store, ns: ucm_db.Namespace, layout: KVLayout, staging: torch.Tensor) -> list[bytes]:
+    """Each head's units as one chain; the unit keys in staging-row order."""
+    blocks, heads = int(staging.shape[0]), int(staging.shape[1])
+    rows = staging.numpy()
+    chains = []
+    for head in range(heads):
+        chain = ns.block_keys([head << 24 | t for t in range(blocks * ns.block_size)])
+        for at in range(0, blocks, 64):
+            store.put(ns, chain[at:at + 64], [layout.unit_frames(rows[b, head]) for b in range(at, min(at + 64, blocks))],
+                      parent=chain[at - 1] if at else None)
+        chains.append(chain)
+    store.flush()
+    return [chains[h][b] for b in range(blocks) for h in range(heads)]
+
+
+def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int) -> dict[str, Any]:
+    """One model depth and codec: GB/s of each way, ratios, and ``exact``."""
+    device = torch.device(device_name)
+    gen = torch.Generator(device=device).manual_seed(layers)
+    caches = {f"model.layers.{i}.attn": torch.randn((2, 2 * blocks, BLOCK_TOKENS, HEADS, HEAD_DIM), generator=gen,
+                                                     device=device).to(torch.bfloat16) for i in range(layers)}
+    layout = detect_layout(caches, 2 * blocks)
+    source, target = list(range(blocks)), list(range(blocks, 2 * blocks))
+    kv_bytes = blocks * layout.block_bytes
+    staging = layout.new_unit_staging(blocks)
+    loaded = layout.new_unit_staging(blocks)
+    pageable = torch.empty(loaded.shape, dtype=torch.uint8)
+    on_device = torch.empty(loaded.shape, dtype=torch.uint8, device=device)
+    slabs = ucm_db.ScatterSlabs([memoryview(loaded.numpy().reshape(-1))], [layout.unit_bytes], range(blocks * layout.heads))
+    ns = ucm_db.Namespace(model="bench/device-load", kv_dtype="bfloat16", block_size=BLOCK_TOKENS, layout="flash")
+    path = tempfile.mkdtemp(prefix="ucm-db-bench-device-")
+    seconds: dict[str, list[float]] = {w: [] for w in ("h2d", "d2h", "scatter", "pageable", "load", "save")}
+    try:
+        with ucm_db.open(path, codec=codec, capacity_bytes=3 * kv_bytes + (256 << 20)) as store:
+            layout.gather_units(source, staging)
+            keys = _put_units(store, ns, layout, staging)
+
+            def load() -> None:
+                if not all(store.get_into(ns, keys, slabs)):
+                    raise RuntimeError("a unit did not load")
+                layout.scatter_units(target, layout.staging_on_device(loaded))
+                layout.settle()
+
+            ways = {
+                "h2d": lambda: on_device.copy_(loaded, non_blocking=True),
+                "d2h": lambda: loaded.copy_(on_device),
+                "scatter": lambda: layout.scatter_units(target, loaded),
+                "pageable": lambda: layout.scatter_units(target, pageable),
+                "load": load,
+                "save": lambda: layout.gather_units(source, staging),
+            }
+            exact = True
+            for round_index in range(rounds + 1):  # one untimed round: allocators and page cache warm
+                for name, way in ways.items():
+                    elapsed = _timed(way, device)
+                    if round_index:
+                        seconds[name].append(elapsed)
+                    if name == "load":
+                        pageable.copy_(loaded)
+                        exact &= all(torch.equal(caches[n][:, blocks:], caches[n][:, :blocks]) for n in caches)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    gbps = {name: kv_bytes / statistics.median(times) / 1e9 for name, times in seconds.items()}
+    return {"device": str(device), "layers": layers, "blocks": blocks, "unit_kib": layout.unit_bytes >> 10, "codec": codec,
+            "pinned": bool(loaded.is_pinned()), "exact": exact, **{f"{n}_GBps": v for n, v in gbps.items()},
+            "scatter_vs_h2d": gbps["scatter"] / gbps["h2d"], "load_vs_h2d": gbps["load"] / gbps["h2d"],
+            "save_vs_d2h": gbps["save"] / gbps["d2h"]}
+
+
+@click.command("device-load", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default="cuda where present",
+              help="where the KV caches are (cuda, cpu, ...)")
+@click.option("--layers", default="8,32", show_default=True, callback=int_list, help="model depths (unit = 8 KiB a layer)")
+@click.option("--blocks", type=click.IntRange(min=1), default=256, show_default=True, help="blocks loaded per round")
+@click.option("--codec", "codecs", type=click.Choice(["none", "zstd"]), multiple=True, default=("none", "zstd"),
+              show_default=True, help="store codec (repeat the option for several)")
+@click.option("--rounds", type=click.IntRange(min=1), default=9, show_default=True, help="timed rounds (medians)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON only")
+def command(device: str, layers: list[int], blocks: int, codecs: tuple[str, ...], rounds: int, as_json: bool) -> None:
+    """Loads into (and saves from) KV caches on an accelerator against a plain pinned copy.
+
+    \b
+    Example:
+        ucm-db bench device-load
+        ucm-db bench device-load --device cuda --layers 32 --codec none --rounds 5
+    """
+    rows = [run_once(device, depth, blocks, codec, rounds) for depth in layers for codec in codecs]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        click.echo(f"{r['device']} {r['layers']:>2} layers ({r['unit_kib']} KiB units) {r['codec']:<4} pinned={r['pinned']} "
+                   f"exact={r['exact']}: h2d {r['h2d_GBps']:.2f}, scatter {r['scatter_GBps']:.2f} "
+                   f"({r['scatter_vs_h2d']:.2f}x), pageable {r['pageable_GBps']:.2f}, load {r['load_GBps']:.2f} "
+                   f"({r['load_vs_h2d']:.2f}x), d2h {r['d2h_GBps']:.2f}, save {r['save_GBps']:.2f} "
+                   f"({r['save_vs_d2h']:.2f}x) GB/s")
+
+
+if __name__ == "__main__":
+    command()
