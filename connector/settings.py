@@ -45,7 +45,11 @@ The extra config accepts, by name:
   ``"auto"``, the default: ``true`` where a vLLM-CPU worker's model thread is
   bound and the connector named spare cores for its threads
   (:mod:`ucm_db.cpu_placement`), the case it was measured in, else
-  ``false``).
+  ``false``); ``load_threads`` (threads that read a staged load's units
+  from the store: ``"auto"``, the default, reads on one thread where the KV
+  caches are in host memory or units are under 64 KiB, else on 2 (units
+  under 128 KiB) or 4, at most a quarter of the host's CPUs; or ``N``), see
+  :mod:`ucm_db.connector.worker.split_reads`.
 
 Invariants:
     * An unknown key anywhere (extra config or file) raises
@@ -73,7 +77,7 @@ REMOTE_LOOKUPS = ("inline", "background")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
 _CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s",
-                   "load_policy", "remote_lookup", "save_decode", "admit_after", "save_process")
+                   "load_policy", "remote_lookup", "save_decode", "admit_after", "save_process", "load_threads")
 
 
 def default_store_path() -> Path:
@@ -114,6 +118,7 @@ class ConnectorSettings:
         save_process: commit saves in a child process: True, False, or
             ``"auto"`` (where the model thread is bound and cores are named
             for background work, :mod:`ucm_db.cpu_placement`; module docstring).
+        load_threads: threads reading a staged load (an int >= 1, or ``"auto"``).
     """
 
     path: Path
@@ -129,6 +134,7 @@ class ConnectorSettings:
     save_decode: bool = True
     admit_after: int | str = 1
     save_process: bool | str = "auto"
+    load_threads: int | str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
@@ -150,6 +156,10 @@ class ConnectorSettings:
         if not isinstance(self.save_process, bool) and self.save_process != "auto":
             raise ConfigError(f"save_process must be true, false or \"auto\", got {self.save_process!r}",
                               hint="use save_process=true to commit saves in a child process")
+        threads = self.load_threads
+        if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64):
+            raise ConfigError(f"load_threads must be \"auto\" or an integer from 1 to 64, got {threads!r}",
+                              hint="use load_threads=\"auto\" (one thread on a CPU host, up to 4 beside an accelerator)")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

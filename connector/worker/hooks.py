@@ -80,7 +80,7 @@ class UcmDbWorker:
         self.refused = False  # the scheduler's namespace is not this worker's (_agree): nothing loaded or saved
         self._pending = PendingSaves()  # saves whose blocks are not copied out yet (preemptions.py)
         self.counters = Counters()
-        self._loads = WorkerLoads(settings.load_mode, shape.block_size, self.counters)  # worker_loads.py
+        self._loads = WorkerLoads(settings.load_mode, shape.block_size, self.counters, settings.load_threads)  # worker_loads.py
 
     # -- setup ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, KVCacheEntry], tp_rank: int, pp_rank: int) -> None:

@@ -41,6 +41,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.worker.async_loads import AsyncLoader
+from ucm_db.connector.worker.split_reads import SplitReads, auto_load_threads
 from ucm_db.connector.layouts import KVLayout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -68,8 +69,10 @@ class WorkerLoads:
     """The loads of one worker (module invariants); bound to its store and
     KV caches by :meth:`bind` (until then every load fails)."""
 
-    def __init__(self, load_mode: str, block_size: int, counters: Counters) -> None:
+    def __init__(self, load_mode: str, block_size: int, counters: Counters, load_threads: int | str = 1) -> None:
         self._load_mode = load_mode
+        self._load_threads = load_threads
+        self._reads = SplitReads(1)  # sized at bind, by the layout (split_reads.py)
         self._block_size = block_size
         self.counters = counters
         self._store: ucm_db.Store | None = None
@@ -87,6 +90,13 @@ class WorkerLoads:
 
     def bind(self, store: ucm_db.Store, layout: KVLayout, namespace: ucm_db.Namespace, grid: KVGrid, spans: Sequence[UnitSpan]) -> None:
         self._store, self._layout, self._namespace, self._grid, self._spans = store, layout, namespace, grid, list(spans)
+        threads = self._load_threads
+        if threads == "auto":
+            threads = auto_load_threads(layout.device.type != "cpu", layout.unit_bytes)
+        assert isinstance(threads, int)
+        if threads != self._reads.threads:
+            self._reads.close()
+            self._reads = SplitReads(threads)
 
     def unbind(self) -> None:
         """Every later load fails and is reported (vLLM recomputes it)."""
@@ -244,15 +254,14 @@ class WorkerLoads:
         spans = self._spans
         keys = unit_keys_of(block_keys, spans, self._grid)
         staging = None if in_place else self.layout.new_unit_staging(len(block_keys))
-        if staging is None:
-            buffers: list[Any] = self.layout.unit_slabs(block_ids)
-        else:  # slabs over the staging rows: a unit must fill its row exactly (ScatterSlabs' invariants)
-            rows, heads = staging.numpy(), staging.shape[1]
-            buffers = ucm_db.ScatterSlabs([memoryview(rows.reshape(-1))], [rows.shape[2]],
-                                          [i * heads + j for i in range(len(block_keys)) for j in range(len(spans))])
         # Units the scheduler touched when it planned them are read without
         # touching: this process writes no recency (PrefixLookup.touch).
-        ok = self._store.get_into(self._namespace, keys, buffers, touch=not all(t.touched for t in loads))
+        touch = not all(t.touched for t in loads)
+        if staging is None:
+            ok = self._store.get_into(self._namespace, keys, self.layout.unit_slabs(block_ids), touch=touch)
+        else:  # unit i into row i (block-major, as the keys), filling it exactly (ScatterSlabs' invariants)
+            rows = staging.numpy()
+            ok = self._reads.get_into(self._store, self._namespace, keys, memoryview(rows.reshape(-1)), rows.shape[2], touch=touch)
         if all(ok):  # the common case, without a pass per block
             return block_ids, staging, set()
         per_block = len(spans)
@@ -282,3 +291,4 @@ class WorkerLoads:
         if self._async is not None:
             self._async.close()
             self._async = None
+        self._reads.close()

@@ -17,7 +17,11 @@ transfer to the device, the strided copies there. Timed, medians of
 * ``scatter``: the staged rows into the KV caches (the transfer half of a
   load); ``pageable``: the same from rows that are not pinned;
 * ``load``: the whole load, store read included; ``save``: the gather of
-  the blocks into pinned staging (the model thread's part of a save).
+  the blocks into pinned staging (the model thread's part of a save);
+* where the host's time goes: ``readN``, the store read alone into the
+  pinned rows over N threads (:mod:`ucm_db.connector.worker.split_reads`;
+  ``load`` reads over ``load_threads: "auto"``'s count), and ``memcpy``,
+  one host copy of the same bytes (the host's own limit).
 
 Every load is checked bit for bit against the source blocks (``exact``).
 
@@ -34,16 +38,21 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import click
+import numpy as np
 import torch
 
 import ucm_db
 from ucm_db.connector.layouts import KVLayout, detect_layout
+from ucm_db.connector.worker.split_reads import SplitReads, auto_load_threads
 from ucm_db.tools.bench.common import int_list
 
 BLOCK_TOKENS, HEADS, HEAD_DIM = 16, 8, 128
+READ_THREADS = (1, 2, 4, 8)
+WAYS = ("h2d", "d2h", "scatter", "pageable", "load", "save", "memcpy")
 
 
 def _sync(device: torch.device) -> None:
@@ -87,18 +96,24 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
     loaded = layout.new_unit_staging(blocks)
     pageable = torch.empty(loaded.shape, dtype=torch.uint8)
     on_device = torch.empty(loaded.shape, dtype=torch.uint8, device=device)
-    slabs = ucm_db.ScatterSlabs([memoryview(loaded.numpy().reshape(-1))], [layout.unit_bytes], range(blocks * layout.heads))
     ns = ucm_db.Namespace(model="bench/device-load", kv_dtype="bfloat16", block_size=BLOCK_TOKENS, layout="flash")
     path = tempfile.mkdtemp(prefix="ucm-db-bench-device-")
-    seconds: dict[str, list[float]] = {w: [] for w in ("h2d", "d2h", "scatter", "pageable", "load", "save")}
+    load_threads = auto_load_threads(device.type != "cpu", layout.unit_bytes)
+    read_threads = {f"read{n}": SplitReads(n) for n in READ_THREADS}
+    loader = SplitReads(load_threads)
+    seconds: dict[str, list[float]] = {w: [] for w in (*WAYS, *read_threads)}
+    rows = memoryview(loaded.numpy().reshape(-1))
     try:
         with ucm_db.open(path, codec=codec, capacity_bytes=3 * kv_bytes + (256 << 20)) as store:
             layout.gather_units(source, staging)
             keys = _put_units(store, ns, layout, staging)
 
-            def load() -> None:
-                if not all(store.get_into(ns, keys, slabs)):
+            def read(reads: SplitReads) -> None:
+                if not all(reads.get_into(store, ns, keys, rows, layout.unit_bytes)):
                     raise RuntimeError("a unit did not load")
+
+            def load() -> None:
+                read(loader)
                 layout.scatter_units(target, layout.staging_on_device(loaded))
                 layout.settle()
 
@@ -109,6 +124,8 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
                 "pageable": lambda: layout.scatter_units(target, pageable),
                 "load": load,
                 "save": lambda: layout.gather_units(source, staging),
+                **{name: partial(read, reads) for name, reads in read_threads.items()},
+                "memcpy": lambda: np.copyto(pageable.numpy(), staging.numpy()),
             }
             exact = True
             for round_index in range(rounds + 1):  # one untimed round: allocators and page cache warm
@@ -120,10 +137,12 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
                         pageable.copy_(loaded)
                         exact &= all(torch.equal(caches[n][:, blocks:], caches[n][:, :blocks]) for n in caches)
     finally:
+        for reads in (loader, *read_threads.values()):
+            reads.close()
         shutil.rmtree(path, ignore_errors=True)
     gbps = {name: kv_bytes / statistics.median(times) / 1e9 for name, times in seconds.items()}
     return {"device": str(device), "layers": layers, "blocks": blocks, "unit_kib": layout.unit_bytes >> 10, "codec": codec,
-            "pinned": bool(loaded.is_pinned()), "exact": exact, **{f"{n}_GBps": v for n, v in gbps.items()},
+            "pinned": bool(loaded.is_pinned()), "exact": exact, "load_threads": load_threads, **{f"{n}_GBps": v for n, v in gbps.items()},
             "scatter_vs_h2d": gbps["scatter"] / gbps["h2d"], "load_vs_h2d": gbps["load"] / gbps["h2d"],
             "save_vs_d2h": gbps["save"] / gbps["d2h"]}
 
@@ -154,7 +173,8 @@ def command(device: str, layers: list[int], blocks: int, codecs: tuple[str, ...]
                    f"exact={r['exact']}: h2d {r['h2d_GBps']:.2f}, scatter {r['scatter_GBps']:.2f} "
                    f"({r['scatter_vs_h2d']:.2f}x), pageable {r['pageable_GBps']:.2f}, load {r['load_GBps']:.2f} "
                    f"({r['load_vs_h2d']:.2f}x), d2h {r['d2h_GBps']:.2f}, save {r['save_GBps']:.2f} "
-                   f"({r['save_vs_d2h']:.2f}x) GB/s")
+                   f"({r['save_vs_d2h']:.2f}x); load threads {r['load_threads']}; host: "
+                   + ", ".join(f"read{n} {r[f'read{n}_GBps']:.2f}" for n in READ_THREADS) + f", memcpy {r['memcpy_GBps']:.2f} GB/s")
 
 
 if __name__ == "__main__":
