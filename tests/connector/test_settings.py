@@ -75,3 +75,16 @@ def test_valid_keys_cover_store_config() -> None:
     from ucm_db.config import StoreConfig
 
     assert set(StoreConfig.field_names()) <= set(valid_keys())
+
+
+def test_every_connector_key_has_a_row_in_the_readme_and_a_place_in_configuration_md() -> None:
+    """The README's table and docs/configuration.md promise the whole list of keys."""
+    from ucm_db.config import StoreConfig
+
+    connector_keys = sorted(set(valid_keys()) - set(StoreConfig.field_names()))
+    assert "load_threads" in connector_keys
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    configuration = (root / "docs" / "configuration.md").read_text()
+    missing = [k for k in connector_keys if f"\n| `{k}` |" not in readme or f"`{k}`" not in configuration]
+    assert not missing, f"connector keys missing from README.md's table or docs/configuration.md: {missing}"
