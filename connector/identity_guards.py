@@ -10,7 +10,7 @@ Invariants:
       hashed there alone): the scheduler and every worker of a deployment
       derive one namespace from one ``VllmConfig``.
     * A config read from ``hf_config_path`` is keyed by the digest of the
-      files vLLM read (:func:`config_digest`). Weights that are not the fingerprinted
+      files vLLM read and of the code its ``auto_map`` names (:func:`config_digest`). Weights that are not the fingerprinted
       files are never keyed by those files alone: a load format other than :data:`FILE_LOAD_FORMATS` is
       keyed by its name and ``model_loader_extra_config``; ``dummy``
       (random weights) is refused unless the connector's ``model_id`` names
@@ -99,31 +99,60 @@ def config_digest(config_path: str, hf_config: Any, revision: str | None = None)
     cache). Files,
     not the config object: model constructors may change the object in a
     worker after vLLM built it, and every role must derive one namespace.
-    A path that names no readable file falls back to the object's JSON
+    Code that the config's ``auto_map`` names (``configuration_*.py`` and
+    ``modeling_*.py`` beside it, run under ``trust_remote_code``) is keyed
+    with it. A path that names no readable file falls back to the object's JSON
     without the fields that name where and by which library it was read."""
     path = Path(config_path).expanduser()
     files = [path] if path.is_file() else [path / name for name in _CONFIG_FILES if (path / name).is_file()]
-    if not files and not path.exists():
-        files = _hub_cached_configs(config_path, revision)
+    hub = not files and not path.exists()
+    if hub:
+        files = _hub_cached_files(config_path, _CONFIG_FILES, revision)
     if files:
         digest = hashlib.blake2b(digest_size=16, person=b"ucm-db/hfcfg")
-        for file in files:
+        modules = _auto_map_modules(files)
+        folder = path if path.is_dir() else path.parent
+        code = _hub_cached_files(config_path, [f"{m}.py" for m in modules], revision) if hub else [
+            folder / f"{m}.py" for m in modules if (folder / f"{m}.py").is_file()]
+        for file in files + code:
             digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+        for module in sorted(set(modules) - {file.stem for file in code}):  # named, not found: its name at least
+            digest.update(b"missing:" + module.encode() + b"\0")
         return "blake2b:" + digest.hexdigest()
     plain = {k: v for k, v in hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     text = json.dumps(plain, sort_keys=True, default=str)
     return "json-blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _hub_cached_configs(repo_id: str, revision: str | None) -> list[Path]:
-    """The config files of a hub id at ``revision`` (None: main) in the
+def _auto_map_modules(config_files: list[Path]) -> list[str]:
+    """The code modules a config's ``auto_map`` names (``trust_remote_code``:
+    the config class, and the model's, run from them, so they change the
+    config vLLM builds and the KV); sorted, each once. A class in another
+    repo (``repo--module.Class``) is named by the whole reference."""
+    modules: set[str] = set()
+    for file in config_files:
+        try:
+            auto_map = json.loads(file.read_text()).get("auto_map") or {}
+        except (ValueError, AttributeError, OSError):  # not JSON, or not an object: no code named
+            continue
+        if not isinstance(auto_map, dict):
+            continue
+        for ref in auto_map.values():
+            for one in ref if isinstance(ref, list) else [ref]:
+                if isinstance(one, str) and "." in one:
+                    modules.add(one.rsplit(".", 1)[0])
+    return sorted(modules)
+
+
+def _hub_cached_files(repo_id: str, names: Any, revision: str | None) -> list[Path]:
+    """The files ``names`` of a hub id at ``revision`` (None: main) in the
     local hub cache (none where not cached or huggingface_hub is absent)."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return []
     found = []
-    for name in _CONFIG_FILES:
+    for name in names:
         try:
             cached = try_to_load_from_cache(repo_id, name, revision=revision)
         except Exception:  # noqa: BLE001 - a string that is no repo id: not cached

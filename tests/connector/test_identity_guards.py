@@ -105,6 +105,52 @@ def test_a_config_directory_is_keyed_by_its_files_not_by_the_object_a_worker_may
     assert _namespace_of(configs[2]).digest != before
 
 
+def test_the_code_a_config_directorys_auto_map_names_is_keyed_with_it(model_dir: Path, tmp_path: Path) -> None:
+    """Under ``trust_remote_code`` the config class (and the model's) runs
+    from the ``*.py`` files beside the config: other code there, other KV,
+    though config.json is the same. Files it does not name are not keyed."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_tiny.TinyConfig", "AutoModelForCausalLM": ["modeling_tiny.Tiny", None]}
+
+    def namespace_with(files: dict[str, str], auto_map: bool = True) -> bytes:
+        folder = tmp_path / f"cfg{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config if auto_map else {k: v for k, v in config.items() if k != "auto_map"}))
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        vllm_config = _vllm_config(model_dir)
+        vllm_config.model_config.hf_config_path = str(folder)
+        return _namespace_of(vllm_config).digest
+
+    code = {"configuration_tiny.py": "ROPE = 1\n", "modeling_tiny.py": "class Tiny: ...\n"}
+    base = namespace_with(code)
+    assert namespace_with(code) == base  # the same files in another folder
+    assert namespace_with({**code, "configuration_tiny.py": "ROPE = 2\n"}) != base
+    assert namespace_with({**code, "modeling_tiny.py": "class Tiny: pass\n"}) != base
+    assert namespace_with({**code, "unrelated.py": "x = 1\n"}) == base
+    missing = namespace_with({"modeling_tiny.py": code["modeling_tiny.py"]})  # named, not there: keyed by its name
+    assert missing != base and missing != namespace_with({}, auto_map=False)
+
+
+def test_a_hub_configs_auto_map_code_is_keyed_from_the_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    commit = "d" * 40
+    snap = tmp_path / "models--org--cfg" / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (tmp_path / "models--org--cfg" / "refs").mkdir()
+    (tmp_path / "models--org--cfg" / "refs" / "main").write_text(commit)
+    (snap / "config.json").write_text('{"model_type": "tiny", "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig"}}')
+    (snap / "configuration_tiny.py").write_text("ROPE = 1\n")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    first = identity_guards.config_digest("org/cfg", None, commit)
+    assert first.startswith("blake2b:") and identity_guards.config_digest("org/cfg", None, None) == first  # main
+    (snap / "configuration_tiny.py").write_text("ROPE = 2\n")
+    assert identity_guards.config_digest("org/cfg", None, commit) != first
+
+
 # -- multimodal ---------------------------------------------------------------
 
 
