@@ -34,7 +34,8 @@ and left out at its default, so a deployment keys only what it changed:
       (its base reads ``max_position``, which some models take from
       ``max_model_len``), ``attn_temperature_tuning`` for Llama 4 (on by
       default above 32K; it scales the NoPE layers' queries, so every later
-      layer's KV). YaRN, llama3 and DeepSeek scaling read
+      layer's KV); under auto-fit the length the model was built with
+      (:func:`built_max_model_len`). YaRN, llama3 and DeepSeek scaling read
       ``original_max_position_embeddings`` (config, in ``rope``), linear and
       default RoPE only size their cos/sin cache: not keyed.
     * ``disable_sliding_window`` (with a model that has a window): attention
@@ -282,12 +283,28 @@ def _max_len_inputs(config: Any, text: Any, params: Any) -> dict[str, Any]:
     if types & {"longrope", "su"}:
         original = next((p["original_max_position_embeddings"] for p in layers if "original_max_position_embeddings" in p),
                         getattr(text, "original_max_position_embeddings", None))
-        out["long_rope"] = original is not None and int(config.max_model_len) > int(original)
+        out["long_rope"] = original is not None and built_max_model_len(config) > int(original)
     if "dynamic" in types:
-        out["max_model_len"] = int(config.max_model_len)
+        out["max_model_len"] = built_max_model_len(config)
     if getattr(text, "model_type", "") in ("llama4", "llama4_text"):
         out["attn_temperature_tuning"] = _llama4_temperature_tuning(config)
     return out
+
+
+def built_max_model_len(config: Any) -> int:
+    """The ``max_model_len`` the model was built with, which its RoPE and
+    attention modules read then and keep. Under vLLM's auto-fit
+    (``--max-model-len auto``/-1) the model is built at the length derived
+    from its config, and ``max_model_len`` is lowered afterwards to what the
+    KV cache memory holds: the derived length, not the lowered one, is the
+    model's (an engine given the lowered length builds other K/V)."""
+    if getattr(config, "original_max_model_len", None) != -1:
+        return int(config.max_model_len)
+    try:
+        return int(config.get_and_verify_max_len(-1))
+    except Exception as exc:  # noqa: BLE001 - vLLM's own check, re-run: any failure is this one
+        raise ConfigError(f"ucm-db cannot tell the length the model was built with under --max-model-len auto ({exc})",
+                          hint="pass an explicit --max-model-len") from exc
 
 
 def _llama4_temperature_tuning(config: Any) -> bool:
@@ -298,7 +315,7 @@ def _llama4_temperature_tuning(config: Any) -> bool:
     except Exception:  # noqa: BLE001 - no generation config: vLLM's default below
         generation = {}
     generation.update(config.override_generation_config or {})
-    return bool(generation.get("attn_temperature_tuning", int(config.max_model_len) > 32768))
+    return bool(generation.get("attn_temperature_tuning", built_max_model_len(config) > 32768))
 
 
 def _has_sliding_window(text: Any) -> bool:

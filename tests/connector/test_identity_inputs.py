@@ -431,6 +431,30 @@ def test_a_config_field_that_changes_kv_reaches_the_namespace(model_dir: Path, f
     assert _namespace_of(changed).digest != _namespace_of(base).digest, f"{field} does not reach the namespace"
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, _LONGROPE], ids=["dynamic", "longrope"])
+def test_under_auto_fit_the_length_the_model_was_built_with_is_keyed(model_dir: Path, rope: dict[str, Any]) -> None:
+    """``--max-model-len auto`` builds the model at the derived length, then
+    lowers ``max_model_len`` to fit memory: its K/V are those of an engine
+    given the derived length, not of one given the lowered length."""
+    def engine(length: int | None, auto_fit: bool = False) -> tuple[Namespace, int]:
+        config = _vllm_config(model_dir)
+        config.model_config.hf_text_config.rope_parameters = rope
+        derived = config.model_config.get_and_verify_max_len(-1)
+        config.model_config.max_model_len = derived if length is None else length
+        if auto_fit:
+            config.model_config.original_max_model_len = -1
+        return _namespace_of(config), derived
+
+    explicit_derived, derived = engine(None)
+    auto_lowered, _ = engine(derived // 2, auto_fit=True)
+    assert auto_lowered == explicit_derived
+    # An engine given the lowered length builds other K/V: dynamic NTK's base,
+    # and LongRoPE's short factors (the config names its original length only
+    # in the rope parameters, so vLLM derives the full length: long factors).
+    assert engine(derived // 2)[0] != auto_lowered
+    assert rope["rope_type"] == "dynamic" or derived // 2 <= rope["original_max_position_embeddings"] < derived
+
+
 _NO_CHANGE = _set()
 #: (baseline, change) pairs that leave K/V as they were: the namespace stays.
 KV_KEEPING: dict[str, tuple[Callable[[Any], None], Callable[[Any], None]]] = {
