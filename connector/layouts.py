@@ -61,6 +61,8 @@ import ucm_db
 from ucm_db.errors import ConfigError
 
 KVCacheEntry = Union[torch.Tensor, Sequence[torch.Tensor]]
+#: Most bytes of device staging one save's gather holds (:meth:`KVLayout.gather_units`).
+GATHER_CHUNK_BYTES = 128 << 20
 LAYOUT_KINDS = ("cpu", "flash", "mla", "kv_tuple")
 
 
@@ -140,11 +142,12 @@ class KVLayout:
     def new_unit_staging(self, num_blocks: int) -> torch.Tensor:
         """A CPU byte buffer of ``num_blocks`` blocks' units: ``[blocks, heads, unit bytes]``;
         page-locked (pinned) where the KV caches are on an accelerator, so
-        the copy to or from them is one DMA transfer (torch's pinned
-        allocator caches the buffers: a fresh one per load costs no
-        ``cudaHostAlloc`` after the first). Pageable where pinning fails."""
+        the copy to or from them is one DMA transfer. torch's pinned
+        allocator rounds a buffer up to a power of two and keeps its pages
+        locked once freed (reused for later buffers of that size): callers
+        pool what they take. Pageable where pinning fails."""
         shape = (num_blocks, self.heads, self.unit_bytes)
-        if self.device.type != "cpu":
+        if self.device.type != "cpu":  # loads stage in bounded chunks (worker/device_loads.py)
             try:
                 return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
             except RuntimeError:  # no pinned memory on this platform: a copy through a bounce buffer
@@ -162,15 +165,28 @@ class KVLayout:
             return
         ids = self._ids(block_ids)
         rows = staging[: len(block_ids)]
-        # On an accelerator the strided copies run there, into rows on the
-        # device, and the rows come back in one transfer.
-        on_device = rows if rows.device == self.device else torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
+        if rows.device == self.device or not len(block_ids):
+            self._gather_into(ids, rows)
+            return
+        # On an accelerator the strided copies run there, into two device
+        # chunks of at most GATHER_CHUNK_BYTES in turn (vLLM's memory profile
+        # budgets no staging), each coming back in one transfer queued behind
+        # them on the same stream; one wait at the end (the writer reads next).
+        step = max(1, GATHER_CHUNK_BYTES // max(1, rows[0].numel()))
+        shape = (min(step, len(block_ids)), *rows.shape[1:])
+        chunks = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(min(2, -(-len(block_ids) // step)))]
+        for n, at in enumerate(range(0, len(block_ids), step)):
+            part = chunks[n % 2][: min(step, len(block_ids) - at)]
+            self._gather_into(ids[at : at + len(part)], part)
+            rows[at : at + len(part)].copy_(part, non_blocking=rows.is_pinned())
+        self.settle()
+
+    def _gather_into(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """The units of blocks ``ids`` into ``rows``, on the KV caches' device."""
         for i in range(len(self.layers)):
-            for seg, axis, dst in self._unit_views(i, on_device):
+            for seg, axis, dst in self._unit_views(i, rows):
                 src = seg.index_select(0, ids)
                 dst.copy_(src.unsqueeze(1) if axis is None else src.movedim(1 + axis, 1))
-        if on_device is not rows:
-            rows.copy_(on_device)  # blocking: the writer reads the rows next
 
     def staging_on_device(self, staging: torch.Tensor) -> torch.Tensor:
         """Unit staging rows on the KV caches' device: ``staging`` itself
@@ -196,9 +212,29 @@ class KVLayout:
         """Returns once the copies this thread queued on the KV caches'
         device are done (nothing on the host): a load reports its blocks
         only after the bytes are in the KV caches, whichever stream vLLM's
-        forward then runs on, and a pinned staging row is free again."""
+        forward then reads them on, and a pinned staging row is free again."""
         if self.device.type != "cpu":
             torch.accelerator.current_stream(self.device).synchronize()
+
+    def mark(self) -> torch.Event | None:
+        """An event at the end of what this thread's stream on the KV caches'
+        device holds now (None for host KV caches). vLLM queues its work
+        on its own stream: a load another thread runs first waits for the
+        mark the model's thread made when it handed the load over
+        (:meth:`after`), so nothing queued before it (block zeroing,
+        copy-on-write, a preempted request's last forward) lands on top of
+        the loaded bytes. A generic ``torch.Event``: a backend's own event
+        type may be ignored by a generic stream's ``wait_event``."""
+        if self.device.type == "cpu":
+            return None
+        event = torch.Event(device=self.device)
+        event.record(torch.accelerator.current_stream(self.device))
+        return event
+
+    def after(self, event: torch.Event | None) -> None:
+        """This thread's later work on the KV caches' device waits for ``event`` (:meth:`mark`)."""
+        if event is not None:
+            torch.accelerator.current_stream(self.device).wait_event(event)
 
     @property
     def writes_units_in_place(self) -> bool:
@@ -244,7 +280,10 @@ class KVLayout:
         return out
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long)
+        if self.device.type == "cpu":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)  # queued: from pageable memory it waits for the stream
 
     def _segment_views(self, layer: int, staging: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(segment, matching typed view of the staging rows) pairs."""

@@ -189,7 +189,13 @@ class UcmDbWorker:
             self.counters.add(saves_voided=len(transfer.block_ids))
             return
         lease = self._staging.take(len(transfer.block_ids))
-        self.layout.gather_units(transfer.block_ids, lease.staging)
+        try:
+            self.layout.gather_units(transfer.block_ids, lease.staging)
+        except RuntimeError as exc:  # the device's memory or copy: this save is lost, never the engine's step
+            lease.release()
+            self.counters.add(save_errors=len(transfer.block_ids))
+            logger.warning("ucm-db: copying %d blocks out of the KV cache failed; they are not saved: %s", len(transfer.block_ids), exc)
+            return
         block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
         start = 1 if transfer.parent is not None else 0
         chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)

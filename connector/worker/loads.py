@@ -4,8 +4,13 @@ Invariants:
     * Loads of a step finish within the step: in ``block`` mode before the
       forward (``start_load_kv``); in ``layer`` mode a background thread
       decodes every block, then fills layer after layer, and each attention
-      layer waits only for its own layer (``wait_for_layer_load``). Either
+      layer waits only for its own layer (``wait_for_layer_load``; KV caches
+      on an accelerator: every layer once the load is done,
+      :mod:`~ucm_db.connector.worker.device_loads`). Either
       way the loader is joined before the step's load errors are reported.
+    * On an accelerator, a load's writes into the KV caches wait for the
+      model stream's mark made when its step handed it over (an async load:
+      the latest step's), and a load is reported only once they are done.
       In ``async`` mode a request's hit loads beside later steps
       (:mod:`ucm_db.connector.worker.async_loads`) and the request is reported by
       :meth:`WorkerLoads.finished_loads` once its blocks are filled, with
@@ -41,6 +46,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.worker.async_loads import AsyncLoader
+from ucm_db.connector.worker.device_loads import DeviceLoads
 from ucm_db.connector.worker.split_reads import SplitReads, auto_load_threads
 from ucm_db.connector.layouts import KVLayout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
@@ -73,6 +79,8 @@ class WorkerLoads:
         self._load_mode = load_mode
         self._load_threads = load_threads
         self._reads = SplitReads(1)  # sized at bind, by the layout (split_reads.py)
+        self._device: DeviceLoads | None = None  # KV caches on an accelerator (device_loads.py), made at the first load
+        self._handed_over: Any = None  # the model stream's mark at the last step's hand-over (layouts.mark)
         self._block_size = block_size
         self.counters = counters
         self._store: ucm_db.Store | None = None
@@ -90,6 +98,7 @@ class WorkerLoads:
 
     def bind(self, store: ucm_db.Store, layout: KVLayout, namespace: ucm_db.Namespace, grid: KVGrid, spans: Sequence[UnitSpan]) -> None:
         self._store, self._layout, self._namespace, self._grid, self._spans = store, layout, namespace, grid, list(spans)
+        self._device = None
         threads = self._load_threads
         if threads == "auto":
             threads = auto_load_threads(layout.device.type != "cpu", layout.unit_bytes)
@@ -113,15 +122,19 @@ class WorkerLoads:
         self._step = meta.step
         with self._errors_lock:
             self._recent_failed.append(set())
+        if (meta.async_loads or meta.loads) and self._layout is not None:
+            # Another thread's writes into the KV caches wait for what the model's stream holds now (layouts.mark).
+            self._handed_over = self._layout.mark()
         if meta.async_loads:
             if self._async is None:
-                self._async = AsyncLoader(lambda load: self._load_checked([load], None, background=True))
+                # An async load waits for the latest mark: at least its own step's, never an earlier one.
+                self._async = AsyncLoader(lambda load: self._load_checked([load], None, background=True, after=self._handed_over))
             self._async.submit(meta.async_loads)
         if not meta.loads:
             return
         if self._load_mode == "layer" and self._store is not None:  # unbound: every load fails below, reported
             job = _LayerLoad(len(self.layout.layers))
-            job.thread = threading.Thread(target=self._load, args=(meta.loads, job), name="ucm-db-loader", daemon=True)
+            job.thread = threading.Thread(target=self._load, args=(meta.loads, job, self._handed_over), name="ucm-db-loader", daemon=True)
             self._layer_load = job
             job.thread.start()
         else:
@@ -142,22 +155,26 @@ class WorkerLoads:
         if job is not None and job.thread is not None:
             job.thread.join()
 
-    def _load(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None) -> None:
+    def _load(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, after: Any = None) -> None:
         if job is not None:  # layer mode's thread: beside the model, off its cores where it is bound
             cpu_placement.place_current_thread()
-        failed = self._load_checked(loads, job)
+        failed = self._load_checked(loads, job, after=after)
         if failed:
             with self._errors_lock:
                 self._load_errors.update(failed)
                 if self._recent_failed:
                     self._recent_failed[-1].update(failed)
 
-    def _load_checked(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, *, background: bool = False) -> set[int]:
+    def _load_checked(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, *, background: bool = False,
+                      after: Any = None) -> set[int]:
         """Loads ``loads``; returns the block ids that failed (all of them
-        if the load raised: a failed load becomes recompute, not a crash)."""
+        if the load raised: a failed load becomes recompute, not a crash).
+        ``after``: the mark the KV caches' writes wait for (layouts.mark)."""
         try:
             if self._store is None:
                 return {b for t in loads for b in t.block_ids}
+            if self.layout.device.type != "cpu":
+                return self._load_on_device(loads, job, background, after)
             return self._load_blocks(loads, job, background)
         except Exception:  # noqa: BLE001 - see the docstring
             logger.exception("ucm-db: loading KV blocks failed; they will be recomputed")
@@ -177,23 +194,45 @@ class WorkerLoads:
         # it is scattered.
         in_place = job is None and self.layout.writes_units_in_place
         unit_ids, units, failed = self._read_units(loads, in_place=in_place)
-        if failed:
-            total = sum(len(t.block_ids) for t in loads)
-            logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them", len(failed), total)
-        if unit_ids and units is not None:
-            units = self.layout.staging_on_device(units)  # one transfer, then each layer scatters on the device
         for layer in range(len(self.layout.layers)) if job is not None else (None,):
             if unit_ids and units is not None:
                 self.layout.scatter_units(unit_ids, units, layer=layer)
-                self.layout.settle()  # in the KV caches before the layer (or the request) is reported
             if job is not None and layer is not None:
                 job.ready[layer].set()
-        good = len(unit_ids)
+        self._count_load(len(unit_ids), failed, started, background)
+        return failed
+
+    def _load_on_device(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, background: bool, after: Any) -> set[int]:
+        """A load into KV caches on an accelerator: chunk by chunk through
+        pinned staging (device_loads.py); a layer-mode load hands every
+        layer over at its end."""
+        assert self._store is not None
+        started = time.perf_counter()
+        block_keys = [k for t in loads for k in t.keys]
+        block_ids = [b for t in loads for b in t.block_ids]
+        touch = not all(t.touched for t in loads)
+        store, unit_bytes = self._store, self.layout.unit_bytes
+
+        def read(keys: Sequence[bytes], rows: memoryview) -> list[bool]:
+            return self._reads.get_into(store, self._namespace, keys, rows, unit_bytes, touch=touch)
+
+        if self._device is None:
+            self._device = DeviceLoads(self.layout)
+        loaded, failed = self._device.load(read, unit_keys_of(block_keys, self._spans, self._grid), block_ids, after) if block_keys else ([], set())
+        if job is not None:
+            for ready in job.ready:
+                ready.set()
+        self._count_load(len(loaded), failed, started, background)
+        return failed
+
+    def _count_load(self, good: int, failed: set[int], started: float, background: bool) -> None:
+        if failed:
+            logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them",
+                           len(failed), good + len(failed))
         load_s = time.perf_counter() - started
         self.counters.add(loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes, load_s=load_s, load_errors=len(failed))
         self.counters.observe("load", load_s)
         self._time_load(good * self._block_size, load_s, background)
-        return failed
 
     def _time_load(self, tokens: int, seconds: float, background: bool = False) -> None:
         """Adds a load to the timings the scheduler gets back (the local

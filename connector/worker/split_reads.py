@@ -13,9 +13,10 @@ Invariants:
     * :meth:`SplitReads.get_into` returns one flag per key in key order,
       exactly as one ``Store.get_into`` over the same rows would; unit ``i``
       lands in row ``i`` whichever thread reads it.
-    * Chunks are contiguous and hold at least :data:`MIN_UNITS_PER_THREAD`
-      units. The caller's thread reads the first (a batch of one chunk:
-      all of it, without the pool), the pool the others.
+    * Chunks are contiguous, of equal size but the last, and no more than
+      one per :data:`MIN_UNITS_PER_THREAD` units. The caller's thread reads
+      the first (a batch of one chunk: all of it, without the pool), the
+      pool the others.
     * A chunk that raises does not cut the others short: every chunk is
       waited for, then the first error is raised (the rows are the caller's
       until the call returns).
@@ -85,12 +86,12 @@ class SplitReads:
         first_error: BaseException | None = None
         try:
             flags = read(0)
-        except Exception as exc:  # noqa: BLE001 - the others are waited for first (invariants)
+        except BaseException as exc:  # noqa: BLE001 - an interrupt too: the others are waited for first (invariants)
             first_error = exc
         for future in futures:
             try:
                 flags += future.result()
-            except Exception as exc:  # noqa: BLE001 - same
+            except BaseException as exc:  # noqa: BLE001 - same
                 first_error = first_error or exc
         if first_error is not None:
             raise first_error

@@ -129,3 +129,25 @@ def test_pageable_rows_load_the_same_bits_as_pinned_rows(device: str) -> None:
         detect_layout(target, NUM_BLOCKS).settle()
         for name in source:
             assert torch.equal(target[name][:, 1:3], source[name][:, [0, 3]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_save_gathers_through_the_device_in_bounded_chunks(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an accelerator a save's units cross through device chunks of at
+    most GATHER_CHUNK_BYTES (here 2 blocks' units): the rows equal one
+    whole-save gather's (on the host, the rows are written directly)."""
+    from ucm_db.connector import layouts
+
+    torch.manual_seed(4)
+    source = {f"l{i}": _flash(device) for i in range(LAYERS)}
+    layout = detect_layout(source, NUM_BLOCKS)
+    whole = layout.new_unit_staging(5)
+    layout.gather_units([5, 0, 2, 4, 1], whole)
+    monkeypatch.setattr(layouts, "GATHER_CHUNK_BYTES", 2 * HEADS * layout.unit_bytes)
+    chunked = layout.new_unit_staging(5)
+    layout.gather_units([5, 0, 2, 4, 1], chunked)
+    assert torch.equal(chunked, whole)
+    for row, block in enumerate([5, 0, 2, 4, 1]):
+        target = {name: torch.zeros_like(t) for name, t in source.items()}
+        detect_layout(target, NUM_BLOCKS).scatter_units([block], chunked[row : row + 1])
+        assert all(torch.equal(target[n][:, block], source[n][:, block]) for n in source)

@@ -7,9 +7,10 @@ A flash-attention KV cache (``[2, blocks, block, heads, head]`` per layer,
 bf16, normal values) on ``--device``; its blocks are saved through the
 connector's layout (:mod:`ucm_db.connector.layouts`: the strided copies on
 the device, one transfer into pinned unit staging) into a scratch store,
-then loaded back into other block ids as the worker does: ``get_into``
-through :class:`ucm_db.ScatterSlabs` over pinned staging rows, one
-transfer to the device, the strided copies there. Timed, medians of
+then loaded back into other block ids as the worker does
+(:mod:`ucm_db.connector.worker.device_loads`: chunks of pinned staging, each
+read through :class:`ucm_db.ScatterSlabs`, moved in one transfer and
+scattered on the device, the reads split over ``load_threads: "auto"``). Timed, medians of
 ``--rounds`` (the ways in turns within each round), GB/s of KV bytes:
 
 * ``h2d``: the baseline, one plain copy of the same bytes from pinned
@@ -47,6 +48,8 @@ import torch
 
 import ucm_db
 from ucm_db.connector.layouts import KVLayout, detect_layout
+from ucm_db.connector.worker import device_loads
+from ucm_db.connector.worker.device_loads import DeviceLoads
 from ucm_db.connector.worker.split_reads import SplitReads, auto_load_threads
 from ucm_db.tools.bench.common import int_list
 
@@ -101,6 +104,7 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
     load_threads = auto_load_threads(device.type != "cpu", layout.unit_bytes)
     read_threads = {f"read{n}": SplitReads(n) for n in READ_THREADS}
     loader = SplitReads(load_threads)
+    chunked = DeviceLoads(layout)
     seconds: dict[str, list[float]] = {w: [] for w in (*WAYS, *read_threads)}
     rows = memoryview(loaded.numpy().reshape(-1))
     try:
@@ -112,10 +116,11 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
                 if not all(reads.get_into(store, ns, keys, rows, layout.unit_bytes)):
                     raise RuntimeError("a unit did not load")
 
-            def load() -> None:
-                read(loader)
-                layout.scatter_units(target, layout.staging_on_device(loaded))
-                layout.settle()
+            def load() -> None:  # the worker's: chunks of pinned staging, the reads split over load_threads
+                done, failed = chunked.load(lambda part, into: loader.get_into(store, ns, part, into, layout.unit_bytes),
+                                            keys, target, layout.mark())
+                if failed or len(done) != blocks:
+                    raise RuntimeError(f"{len(failed)} blocks did not load")
 
             ways = {
                 "h2d": lambda: on_device.copy_(loaded, non_blocking=True),
@@ -130,11 +135,13 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
             exact = True
             for round_index in range(rounds + 1):  # one untimed round: allocators and page cache warm
                 for name, way in ways.items():
+                    if name == "load":  # the target blocks zeroed (untimed), so every round's check can fail
+                        for cache in caches.values():
+                            cache[:, blocks:].zero_()
                     elapsed = _timed(way, device)
                     if round_index:
                         seconds[name].append(elapsed)
                     if name == "load":
-                        pageable.copy_(loaded)
                         exact &= all(torch.equal(caches[n][:, blocks:], caches[n][:, :blocks]) for n in caches)
     finally:
         for reads in (loader, *read_threads.values()):
@@ -142,7 +149,8 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
         shutil.rmtree(path, ignore_errors=True)
     gbps = {name: kv_bytes / statistics.median(times) / 1e9 for name, times in seconds.items()}
     return {"device": str(device), "layers": layers, "blocks": blocks, "unit_kib": layout.unit_bytes >> 10, "codec": codec,
-            "pinned": bool(loaded.is_pinned()), "exact": exact, "load_threads": load_threads, **{f"{n}_GBps": v for n, v in gbps.items()},
+            "pinned": bool(loaded.is_pinned()), "exact": exact, "load_threads": load_threads,
+            "chunk_mib": device_loads.CHUNK_BYTES >> 20, **{f"{n}_GBps": v for n, v in gbps.items()},
             "scatter_vs_h2d": gbps["scatter"] / gbps["h2d"], "load_vs_h2d": gbps["load"] / gbps["h2d"],
             "save_vs_d2h": gbps["save"] / gbps["d2h"]}
 
@@ -154,9 +162,12 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
 @click.option("--blocks", type=click.IntRange(min=1), default=256, show_default=True, help="blocks loaded per round")
 @click.option("--codec", "codecs", type=click.Choice(["none", "zstd"]), multiple=True, default=("none", "zstd"),
               show_default=True, help="store codec (repeat the option for several)")
+@click.option("--chunk-mib", type=click.IntRange(min=1), default=None,
+              help="the chunk of a load's staging (default: the connector's, device_loads.CHUNK_BYTES)")
 @click.option("--rounds", type=click.IntRange(min=1), default=9, show_default=True, help="timed rounds (medians)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
-def command(device: str, layers: list[int], blocks: int, codecs: tuple[str, ...], rounds: int, as_json: bool) -> None:
+def command(device: str, layers: list[int], blocks: int, codecs: tuple[str, ...], chunk_mib: int | None, rounds: int,
+            as_json: bool) -> None:
     """Loads into (and saves from) KV caches on an accelerator against a plain pinned copy.
 
     \b
@@ -164,6 +175,8 @@ def command(device: str, layers: list[int], blocks: int, codecs: tuple[str, ...]
         ucm-db bench device-load
         ucm-db bench device-load --device cuda --layers 32 --codec none --rounds 5
     """
+    if chunk_mib is not None:
+        device_loads.CHUNK_BYTES = chunk_mib << 20
     rows = [run_once(device, depth, blocks, codec, rounds) for depth in layers for codec in codecs]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
