@@ -114,10 +114,8 @@ def config_digest(config_path: str, hf_config: Any, revision: str | None = None)
         folder = path if path.is_dir() else path.parent
         code = _hub_cached_files(config_path, [f"{m}.py" for m in modules], revision) if hub else [
             folder / f"{m}.py" for m in modules if (folder / f"{m}.py").is_file()]
-        for file in files + code:
+        for file in files + code:  # a module named but not found is named in config.json, which is keyed
             digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
-        for module in sorted(set(modules) - {file.stem for file in code}):  # named, not found: its name at least
-            digest.update(b"missing:" + module.encode() + b"\0")
         return "blake2b:" + digest.hexdigest()
     plain = {k: v for k, v in hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     text = json.dumps(plain, sort_keys=True, default=str)

@@ -120,7 +120,7 @@ class KVLayout:
 
     def gather(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         """Copies blocks ``block_ids`` out of the KV caches into staging rows."""
-        ids = self._ids(block_ids)
+        ids = self.index_on_device(block_ids)
         for i in range(len(self.layers)):
             for seg, dst in self._segment_views(i, staging[: len(block_ids)]):
                 dst.copy_(seg.index_select(0, ids))
@@ -128,7 +128,7 @@ class KVLayout:
     def scatter(self, block_ids: Sequence[int], staging: torch.Tensor, layer: int | None = None) -> None:
         """Copies staging rows into the KV caches at ``block_ids`` (one layer
         if ``layer`` is given, else all)."""
-        ids = self._ids(block_ids)
+        ids = self.index_on_device(block_ids)
         layers = range(len(self.layers)) if layer is None else (layer,)
         for i in layers:
             for seg, src in self._segment_views(i, staging[: len(block_ids)]):
@@ -163,7 +163,7 @@ class KVLayout:
         if self._layer_bytes_views is not None and staging.device.type == "cpu" and staging.is_contiguous():
             _take_slabs(self, block_ids, staging.numpy()[: len(block_ids)])
             return
-        ids = self._ids(block_ids)
+        ids = self.index_on_device(block_ids)
         rows = staging[: len(block_ids)]
         if rows.device == self.device or not len(block_ids):
             self._gather_into(ids, rows)
@@ -202,7 +202,7 @@ class KVLayout:
         layer if ``layer`` is given, else all). Host rows bound for an
         accelerator go over in one transfer (:meth:`staging_on_device`),
         and the strided copies run there; :meth:`settle` waits for them."""
-        ids = self._ids(block_ids)
+        ids = self.index_on_device(block_ids)
         rows = self.staging_on_device(staging[: len(block_ids)])
         for i in range(len(self.layers)) if layer is None else (layer,):
             for seg, axis, src in self._unit_views(i, rows):
@@ -218,13 +218,11 @@ class KVLayout:
 
     def mark(self) -> torch.Event | None:
         """An event at the end of what this thread's stream on the KV caches'
-        device holds now (None for host KV caches). vLLM queues its work
-        on its own stream: a load another thread runs first waits for the
-        mark the model's thread made when it handed the load over
-        (:meth:`after`), so nothing queued before it (block zeroing,
-        copy-on-write, a preempted request's last forward) lands on top of
-        the loaded bytes. A generic ``torch.Event``: a backend's own event
-        type may be ignored by a generic stream's ``wait_event``."""
+        device holds now (None for host KV caches). vLLM queues on a stream
+        of its own: a load another thread runs waits for the model thread's
+        mark at hand-over (:meth:`after`), so nothing queued before it (block
+        zeroing, a preempted request's last forward) lands on the loaded
+        bytes. Generic: a generic stream may ignore a backend's own event."""
         if self.device.type == "cpu":
             return None
         event = torch.Event(device=self.device)
@@ -279,11 +277,17 @@ class KVLayout:
             offset += slab
         return out
 
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def index_on_device(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """``block_ids`` as an index tensor on the KV caches' device; to an
+        accelerator through pinned memory, queued on the stream (from
+        pageable memory the copy would wait for the stream)."""
         ids = torch.as_tensor(list(block_ids), dtype=torch.long)
         if self.device.type == "cpu":
             return ids
-        return ids.pin_memory().to(self.device, non_blocking=True)  # queued: from pageable memory it waits for the stream
+        try:
+            return ids.pin_memory().to(self.device, non_blocking=True)
+        except RuntimeError:  # no pinned memory here: a copy that waits
+            return ids.to(self.device)
 
     def _segment_views(self, layer: int, staging: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(segment, matching typed view of the staging rows) pairs."""

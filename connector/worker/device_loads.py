@@ -23,7 +23,8 @@ Invariants:
       queued before it (block zeroing, copy-on-write, a preempted request's
       last forward) lands on top of them; :meth:`DeviceLoads.load` returns
       once they are done.
-    * Only blocks with every unit read are written to the KV caches.
+    * Only blocks with every unit read are written to the KV caches. A load
+      that raises waits for what it queued before it lets go of its slots.
 """
 
 from __future__ import annotations
@@ -84,12 +85,15 @@ class DeviceLoads:
                 rows.copy_(host, non_blocking=host.is_pinned())
                 if good:
                     if len(good) != len(ids):
-                        rows = rows.index_select(0, torch.as_tensor(good, device=rows.device))
+                        rows = rows.index_select(0, layout.index_on_device(good))
                     layout.scatter_units([ids[i] for i in good], rows)
                     loaded += [ids[i] for i in good]
                 slots.sent[slot] = layout.mark()
             layout.settle()
             return loaded, failed
+        except BaseException:
+            _settle_quietly(layout)  # no transfer out of the slots, nor write into the KV caches, outlives the call
+            raise
         finally:
             self._give(slots)
 
@@ -107,3 +111,12 @@ class DeviceLoads:
     def _give(self, slots: _Slots) -> None:
         with self._lock:
             self._free.append(slots)
+
+
+def _settle_quietly(layout: KVLayout) -> None:
+    """:meth:`KVLayout.settle` on a failed load's way out (its own error, if
+    any, is the device's: the load's error is the one reported)."""
+    try:
+        layout.settle()
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass

@@ -18,9 +18,9 @@ Invariants:
       writer's queue bound counts the whole buffers (:attr:`Lease.held_bytes`).
     * At most ``max_free_bytes`` of buffers wait in the pool; a buffer
       released beyond that is freed (a pinned one, beside an accelerator,
-      goes back to torch's pinned cache, which keeps it locked for a later
-      buffer of its size: pinned save staging stays within the writer's
-      queue bound plus this pool's).
+      goes back to torch's pinned cache, which keeps its pages locked for a
+      later buffer of its power-of-two size: the pinned memory held is the
+      most the writer's queue and this pool ever held at once, by size).
     * Thread-safe: leases are taken on the model's thread and released on
       the writer's.
 """

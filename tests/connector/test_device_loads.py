@@ -115,6 +115,34 @@ def _a_load_on_another_thread_waits_for_the_model_streams_earlier_writes(tmp_pat
                 assert torch.equal(target[name][:, 8:12], source[name][:, 0:4])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_read_that_raises_mid_load_raises_and_the_slots_stay_usable(
+        tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's read failing on the second chunk (a stand-in raises: a
+    real store raises only on I/O faults): the error reaches the caller
+    (the worker reports every block failed), and the next load lands."""
+    source = _caches(device)
+    store, ns, keys = _saved(tmp_path, source, [0, 1, 2, 3])
+    target = _caches(device, fill=0.0)
+    layout = detect_layout(target, NUM_BLOCKS)
+    monkeypatch.setattr(device_loads, "CHUNK_BYTES", 2 * HEADS * layout.unit_bytes)
+    loads, calls = DeviceLoads(layout), []
+    read = _reader(store, ns, layout.unit_bytes)
+
+    def failing(part, rows):  # type: ignore[no-untyped-def]
+        calls.append(len(part))
+        if len(calls) == 2:
+            raise OSError("EIO reading the store")
+        return read(part, rows)
+
+    with store:
+        with pytest.raises(OSError, match="EIO"):
+            loads.load(failing, keys, [4, 5, 6, 7], None)
+        assert loads.load(read, keys, [4, 5, 6, 7], None) == ([4, 5, 6, 7], set())
+    for name in source:
+        assert torch.equal(target[name][:, 4:8], source[name][:, 0:4])
+
+
 def test_the_chunk_bound_holds_for_large_blocks() -> None:
     big = {"l0": torch.zeros(2, 4, 16, 8, 128, dtype=torch.bfloat16)}  # 64 KiB blocks, units of 8 KiB
     layout = detect_layout(big, 4)
