@@ -8,15 +8,15 @@ Invariants:
       on an accelerator: every layer once the load is done,
       :mod:`~ucm_db.connector.worker.device_loads`). Either
       way the loader is joined before the step's load errors are reported.
-    * On an accelerator, a load's writes into the KV caches wait for the
-      model stream's mark made when its step handed it over (an async load:
-      the latest step's), and a load is reported only once they are done.
       In ``async`` mode a request's hit loads beside later steps
       (:mod:`ucm_db.connector.worker.async_loads`) and the request is reported by
       :meth:`WorkerLoads.finished_loads` once its blocks are filled, with
       its failed blocks in the same step's load errors (or, through
       :meth:`WorkerLoads.finished_requests`, with the requests that failed
       instead: a hybrid model's, hybrid.py).
+    * On an accelerator, a load's writes into the KV caches wait for the
+      model stream's mark made when its step handed it over (an async load:
+      the latest step's), and a load is reported only once they are done.
     * A block that fails to load (missing, corrupt: the store verifies every
       payload) is reported by :meth:`WorkerLoads.take_load_errors` so vLLM
       recomputes it; no unverified byte reaches the KV cache. A block loads
