@@ -280,14 +280,15 @@ def _max_len_inputs(config: Any, text: Any, params: Any) -> dict[str, Any]:
         layers = [p for p in params.values() if isinstance(p, dict)] or [params]
     types = {str(p.get("rope_type", p.get("type", ""))) for p in layers}
     out: dict[str, Any] = {}
+    built = built_max_model_len(config)  # once: under auto-fit it re-runs vLLM's check, which logs
     if types & {"longrope", "su"}:
         original = next((p["original_max_position_embeddings"] for p in layers if "original_max_position_embeddings" in p),
                         getattr(text, "original_max_position_embeddings", None))
-        out["long_rope"] = original is not None and built_max_model_len(config) > int(original)
+        out["long_rope"] = original is not None and built > int(original)
     if "dynamic" in types:
-        out["max_model_len"] = built_max_model_len(config)
+        out["max_model_len"] = built
     if getattr(text, "model_type", "") in ("llama4", "llama4_text"):
-        out["attn_temperature_tuning"] = _llama4_temperature_tuning(config)
+        out["attn_temperature_tuning"] = _llama4_temperature_tuning(config, built)
     return out
 
 
@@ -307,15 +308,15 @@ def built_max_model_len(config: Any) -> int:
                           hint="pass an explicit --max-model-len") from exc
 
 
-def _llama4_temperature_tuning(config: Any) -> bool:
+def _llama4_temperature_tuning(config: Any, built_len: int) -> bool:
     """As vLLM's Llama4ForCausalLM decides it: the generation config's
-    value, else on above 32K tokens."""
+    value, else on above 32K tokens (of the length it was built with)."""
     try:
         generation = dict(config.try_get_generation_config())
     except Exception:  # noqa: BLE001 - no generation config: vLLM's default below
         generation = {}
     generation.update(config.override_generation_config or {})
-    return bool(generation.get("attn_temperature_tuning", built_max_model_len(config) > 32768))
+    return bool(generation.get("attn_temperature_tuning", built_len > 32768))
 
 
 def _has_sliding_window(text: Any) -> bool:

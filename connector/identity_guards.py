@@ -40,6 +40,7 @@ import hashlib
 import json
 import re
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,8 @@ def _auto_map_modules(config_files: list[Path]) -> list[str]:
     """The code modules a config's ``auto_map`` names (``trust_remote_code``:
     the config class, and the model's, run from them, so they change the
     config vLLM builds and the KV); sorted, each once. A class in another
-    repo (``repo--module.Class``) is named by the whole reference."""
+    repo (``repo--module.Class``) finds no file here: config.json, which
+    names it, is what keys it."""
     modules: set[str] = set()
     for file in config_files:
         try:
@@ -142,7 +144,7 @@ def _auto_map_modules(config_files: list[Path]) -> list[str]:
     return sorted(modules)
 
 
-def _hub_cached_files(repo_id: str, names: Any, revision: str | None) -> list[Path]:
+def _hub_cached_files(repo_id: str, names: Sequence[str], revision: str | None) -> list[Path]:
     """The files ``names`` of a hub id at ``revision`` (None: main) in the
     local hub cache (none where not cached or huggingface_hub is absent)."""
     try:

@@ -190,9 +190,8 @@ class KVLayout:
 
     def staging_on_device(self, staging: torch.Tensor) -> torch.Tensor:
         """Unit staging rows on the KV caches' device: ``staging`` itself
-        there, else one copy of all its rows (asynchronous from pinned
-        memory; ordered before the scatter on the same stream). A layer
-        by layer load moves its rows once, then scatters each layer."""
+        there (no copy), else one copy of all its rows (asynchronous from
+        pinned memory; ordered before the scatter on the same stream)."""
         if staging.device == self.device:
             return staging
         return staging.to(self.device, non_blocking=staging.is_pinned())

@@ -80,7 +80,7 @@ class WorkerLoads:
         self._load_threads = load_threads
         self._reads = SplitReads(1)  # sized at bind, by the layout (split_reads.py)
         self._device: DeviceLoads | None = None  # KV caches on an accelerator (device_loads.py), made at the first load
-        self._handed_over: Any = None  # the model stream's mark at the last step's hand-over (layouts.mark)
+        self._handed_over: torch.Event | None = None  # the model stream's mark at the last step's hand-over (layouts.mark)
         self._block_size = block_size
         self.counters = counters
         self._store: ucm_db.Store | None = None
@@ -155,7 +155,7 @@ class WorkerLoads:
         if job is not None and job.thread is not None:
             job.thread.join()
 
-    def _load(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, after: Any = None) -> None:
+    def _load(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, after: torch.Event | None = None) -> None:
         if job is not None:  # layer mode's thread: beside the model, off its cores where it is bound
             cpu_placement.place_current_thread()
         failed = self._load_checked(loads, job, after=after)
@@ -166,7 +166,7 @@ class WorkerLoads:
                     self._recent_failed[-1].update(failed)
 
     def _load_checked(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, *, background: bool = False,
-                      after: Any = None) -> set[int]:
+                      after: torch.Event | None = None) -> set[int]:
         """Loads ``loads``; returns the block ids that failed (all of them
         if the load raised: a failed load becomes recompute, not a crash).
         ``after``: the mark the KV caches' writes wait for (layouts.mark)."""
@@ -202,7 +202,8 @@ class WorkerLoads:
         self._count_load(len(unit_ids), failed, started, background)
         return failed
 
-    def _load_on_device(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, background: bool, after: Any) -> set[int]:
+    def _load_on_device(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, background: bool,
+                        after: torch.Event | None) -> set[int]:
         """A load into KV caches on an accelerator: chunk by chunk through
         pinned staging (device_loads.py); a layer-mode load hands every
         layer over at its end."""
