@@ -38,7 +38,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from vllm.logger import init_logger
