@@ -58,11 +58,11 @@ import numpy as np
 import torch
 
 import ucm_db
+from ucm_db.connector import device_saves
+from ucm_db.connector.device_saves import SaveCopy
 from ucm_db.errors import ConfigError
 
 KVCacheEntry = Union[torch.Tensor, Sequence[torch.Tensor]]
-#: Most bytes of device staging one save's gather holds (:meth:`KVLayout.gather_units`).
-GATHER_CHUNK_BYTES = 128 << 20
 LAYOUT_KINDS = ("cpu", "flash", "mla", "kv_tuple")
 
 
@@ -107,6 +107,7 @@ class KVLayout:
         self.unit_layer_offsets = tuple(int(x) for x in np.cumsum((0,) + self.unit_layer_bytes[:-1]))
         self.unit_bytes = sum(self.unit_layer_bytes)
         self._layer_bytes_views = _layer_byte_views(self)
+        self._save_stream = device_saves.SaveStream(self.device)  # its stream is made at a first save from an accelerator
 
     def describe(self) -> str:
         """Shapes and dtypes, for logs and error messages."""
@@ -155,34 +156,30 @@ class KVLayout:
         return torch.empty(shape, dtype=torch.uint8)
 
     def gather_units(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
-        """Copies the units of blocks ``block_ids`` into unit staging (where
-        a unit's layer is one slab, :attr:`writes_units_in_place`: one
-        native call for all layers straight into the staging rows, no
-        temporary, keeping the GIL; torch's index_select and strided copy
-        measured 0.16 GB/s on a loaded 2-core host)."""
+        """Copies the units of blocks ``block_ids`` into unit staging; the
+        rows hold them when it returns (:meth:`gather_units_async`, waited for)."""
+        self.gather_units_async(block_ids, staging).wait()
+
+    def gather_units_async(self, block_ids: Sequence[int], staging: torch.Tensor) -> SaveCopy:
+        """Queues the copy of the units of blocks ``block_ids`` into unit
+        staging; the rows hold them once the returned copy's ``wait()``
+        returns. Where a unit's layer is one slab (:attr:`writes_units_in_place`):
+        one native call for all layers straight into the staging rows, no
+        temporary, keeping the GIL (torch's index_select and strided copy
+        measured 0.16 GB/s on a loaded 2-core host), done at once. From an
+        accelerator into host rows: on the layout's save stream
+        (:mod:`ucm_db.connector.device_saves`), not waited for."""
         if self._layer_bytes_views is not None and staging.device.type == "cpu" and staging.is_contiguous():
             _take_slabs(self, block_ids, staging.numpy()[: len(block_ids)])
-            return
-        ids = self.index_on_device(block_ids)
+            return device_saves.done()
         rows = staging[: len(block_ids)]
         if rows.device == self.device or not len(block_ids):
-            self._gather_into(ids, rows)
-            return
-        # On an accelerator the strided copies run there, into two device
-        # chunks of at most GATHER_CHUNK_BYTES in turn (vLLM's memory profile
-        # budgets no staging), each coming back in one transfer queued behind
-        # them on the same stream; one wait at the end (the writer reads next).
-        step = max(1, GATHER_CHUNK_BYTES // max(1, rows[0].numel()))
-        shape = (min(step, len(block_ids)), *rows.shape[1:])
-        chunks = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(min(2, -(-len(block_ids) // step)))]
-        for n, at in enumerate(range(0, len(block_ids), step)):
-            part = chunks[n % 2][: min(step, len(block_ids) - at)]
-            self._gather_into(ids[at : at + len(part)], part)
-            rows[at : at + len(part)].copy_(part, non_blocking=rows.is_pinned())
-        self.settle()
+            self.gather_on_device(self.index_on_device(block_ids), rows)
+            return device_saves.done()
+        return self._save_stream.gather(block_ids, rows, self.gather_on_device)
 
-    def _gather_into(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """The units of blocks ``ids`` into ``rows``, on the KV caches' device."""
+    def gather_on_device(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Queues the copies of blocks ``ids``' units into ``rows``, both on the KV caches' device."""
         for i in range(len(self.layers)):
             for seg, axis, dst in self._unit_views(i, rows):
                 src = seg.index_select(0, ids)

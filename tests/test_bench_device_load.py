@@ -21,3 +21,4 @@ def test_a_tiny_cpu_run_reports_every_way_and_loads_exact_bits() -> None:
     for row in rows:
         assert row["exact"] is True and row["pinned"] is False
         assert all(row[f"{way}_GBps"] > 0 for way in (*device_load.WAYS, "read1", "read8"))
+        assert row["save_exact"] is True and all(row[f"{k}_ms"] > 0 for k in ("forward", "wait_save", "queue_save", "wait_step", "queue_step"))

@@ -190,7 +190,7 @@ class UcmDbWorker:
             return
         lease = self._staging.take(len(transfer.block_ids))
         try:
-            self.layout.gather_units(transfer.block_ids, lease.staging)
+            copy = self.layout.gather_units_async(transfer.block_ids, lease.staging)
         except RuntimeError as exc:  # the device's memory or copy: this save is lost, never the engine's step
             lease.release()
             self.counters.add(save_errors=len(transfer.block_ids))
@@ -200,7 +200,7 @@ class UcmDbWorker:
         start = 1 if transfer.parent is not None else 0
         chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
         job = SaveJob(self._namespace, chains, lease.staging, transfer.event_fields, self._evented_chain, lease.release,
-                      lease.held_bytes)
+                      lease.held_bytes, copy)
         if transfer.hold_id >= 0:
             self._held[transfer.hold_id] = job
         else:

@@ -42,6 +42,10 @@ Invariants:
       failed load, metadata.py) deletes them in queue order: after every
       save submitted before it, so a void never misses a commit still queued.
     * :meth:`close` commits every queued job before returning.
+    * A save job is read only once its copy out of the KV caches is done
+      (:meth:`SaveJob.copied`: on an accelerator the model's thread only
+      queued it, :mod:`~ucm_db.connector.device_saves`); one whose copy
+      failed is counted as a save error and never read.
     * A save job's staging goes back to its pool (:mod:`ucm_db.connector.worker.staging`)
       only once the job is committed, failed or dropped (:meth:`SaveJob.done`).
     * With a commit process (``save_process``, :mod:`ucm_db.committer`),
@@ -67,6 +71,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.committer import CommitProcess
+from ucm_db.connector.device_saves import SaveCopy
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.worker.commit_route import CommitRoute
 from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
@@ -112,6 +117,19 @@ class SaveJob:
     evented_chain: int = -1  # the chain whose units carry them (-1: none on this rank)
     release: Callable[[], None] | None = None  # gives ``staging`` back to its pool (staging.py)
     held_bytes: int = 0  # bytes of the pooled buffer ``staging`` is a view of (0: staging alone)
+    copy: SaveCopy | None = None  # the copy into ``staging``, if it may still run (device_saves.py)
+
+    def copied(self) -> bool:
+        """Waits until ``staging`` holds the units; False where the copy
+        failed on the device (logged: the job is lost, nothing is read)."""
+        if self.copy is None:
+            return True
+        try:
+            self.copy.wait()
+        except RuntimeError as exc:
+            logger.warning("ucm-db: copying %d blocks out of the KV cache failed; they are not saved: %s", self.blocks, exc)
+            return False
+        return True
 
     def done(self) -> None:
         """Ends this job's hold on ``staging`` (committed, failed or dropped)."""
@@ -237,7 +255,7 @@ class BackgroundWriter:
                 self._finish([job], lambda voids: self._delete(voids[0]))
                 continue
             jobs = self._round(job, carried)
-            self._finish(jobs, self._commit_round)
+            self._finish(jobs, self._commit_copied)
 
     def _round(self, first: SaveJob, carried: list[SaveJob | VoidJob | _Wake | None]) -> list[SaveJob]:
         """``first`` and the save jobs queued behind it, or arriving within
@@ -270,6 +288,15 @@ class BackgroundWriter:
                 if isinstance(job, SaveJob):
                     job.done()
                 self._queue.task_done()
+
+    def _commit_copied(self, jobs: list[SaveJob]) -> None:
+        """Commits the round's jobs whose staging holds their units (the
+        others are counted as save errors)."""
+        copied = [job for job in jobs if job.copied()]
+        if len(copied) < len(jobs):
+            self._counters.add(save_errors=sum(job.blocks for job in jobs) - sum(job.blocks for job in copied))
+        if copied:
+            self._commit_round(copied)
 
     def _commit_round(self, jobs: list[SaveJob]) -> None:
         """Commits a round's jobs in one transaction; one by one where that

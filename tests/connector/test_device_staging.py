@@ -136,14 +136,14 @@ def test_a_save_gathers_through_the_device_in_bounded_chunks(device: str, monkey
     """On an accelerator a save's units cross through device chunks of at
     most GATHER_CHUNK_BYTES (here 2 blocks' units): the rows equal one
     whole-save gather's (on the host, the rows are written directly)."""
-    from ucm_db.connector import layouts
+    from ucm_db.connector import device_saves
 
     torch.manual_seed(4)
     source = {f"l{i}": _flash(device) for i in range(LAYERS)}
     layout = detect_layout(source, NUM_BLOCKS)
     whole = layout.new_unit_staging(5)
     layout.gather_units([5, 0, 2, 4, 1], whole)
-    monkeypatch.setattr(layouts, "GATHER_CHUNK_BYTES", 2 * HEADS * layout.unit_bytes)
+    monkeypatch.setattr(device_saves, "GATHER_CHUNK_BYTES", 2 * HEADS * layout.unit_bytes)
     chunked = layout.new_unit_staging(5)
     layout.gather_units([5, 0, 2, 4, 1], chunked)
     assert torch.equal(chunked, whole)
@@ -151,3 +151,43 @@ def test_a_save_gathers_through_the_device_in_bounded_chunks(device: str, monkey
         target = {name: torch.zeros_like(t) for name, t in source.items()}
         detect_layout(target, NUM_BLOCKS).scatter_units([block], chunked[row : row + 1])
         assert all(torch.equal(target[n][:, block], source[n][:, block]) for n in source)
+
+
+def _a_save_holds_the_blocks_as_the_forward_left_them_not_as_the_next_write() -> None:
+    """On CUDA: a save queued (on its own stream) behind ~0.5 s of the
+    model stream's work holds the blocks as that work left them (its last
+    write included), not as the write the model stream queues right after
+    the save (the next step's, into the same blocks: it waits for the
+    save's gathers). Whether the model's thread returned before that work
+    ended is reported, not asserted (device_saves.py)."""
+    import time
+
+    torch.manual_seed(7)
+    source = {f"l{i}": _flash("cuda") for i in range(LAYERS)}
+    layout = detect_layout(source, NUM_BLOCKS)
+    staging = layout.new_unit_staging(3)
+    assert staging.is_pinned()
+    saved = torch.tensor([1, 4, 0], device="cuda")  # on the device before the queued work: no copy that waits for it
+    model_stream = torch.cuda.Stream()
+    with torch.cuda.stream(model_stream):
+        torch.cuda._sleep(1_000_000_000)  # about 0.5 s of the forward still queued
+        for cache in source.values():
+            cache[:, 1].add_(1)  # the forward's last write into a saved block
+        expected = {name: cache.index_select(1, saved) for name, cache in source.items()}
+        started = time.perf_counter()
+        copy = layout.gather_units_async([1, 4, 0], staging)
+        queued_s = time.perf_counter() - started
+        for cache in source.values():
+            cache.index_fill_(1, saved, 0)  # the next step's write into the same blocks
+        print(f"save queued in {queued_s:.3f} s; the model stream still running after it: {not model_stream.query()}")
+    copy.wait()
+    target = {name: torch.zeros_like(t) for name, t in source.items()}
+    detect_layout(target, NUM_BLOCKS).scatter_units([0, 1, 2], staging)
+    torch.cuda.synchronize()
+    assert all(torch.equal(target[name][:, :3], expected[name]) for name in source)
+    assert all(not cache.index_select(1, saved).any() for cache in source.values())
+
+
+if torch.cuda.is_available():  # collected on a GPU host only (streams); CI has none
+    test_a_save_holds_the_blocks_as_the_forward_left_them_not_as_the_next_write = (
+        _a_save_holds_the_blocks_as_the_forward_left_them_not_as_the_next_write)

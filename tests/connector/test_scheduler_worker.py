@@ -289,27 +289,40 @@ def test_full_writer_queue_drops_and_counts(tmp_path: Path) -> None:
     sched.shutdown()
 
 
+@pytest.mark.parametrize("fails", ["queueing", "on the device"])
 def test_a_failed_copy_out_of_the_kv_cache_loses_that_save_not_the_step(settings: ConnectorSettings,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A device out of memory (or a failed device copy) while a save gathers
-    its units: counted and logged, its staging back in the pool, and the
-    next save lands. The fault is raised by a stand-in for the gather: a
-    real device OOM cannot be produced on a CPU host."""
+                                                                        monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """A device out of memory while a save queues its gather (the model's
+    thread), or a copy that fails on the device once queued (seen by the
+    writer when it waits for it): counted and logged, nothing of that save
+    committed, its staging back in the pool, and the next save lands. The
+    faults are raised by stand-ins: a real device fault cannot be produced
+    on a CPU host."""
+    from ucm_db.connector.device_saves import SaveCopy
+
     worker = UcmDbWorker(settings, _shape(), NUM_BLOCKS)
     worker.register_kv_caches(_kv(), 0, 0)
     sched = UcmDbScheduler(settings, _shape())
-    real_gather = worker.layout.gather_units
+    real_gather = worker.layout.gather_units_async
 
-    def out_of_memory(*args: object) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    class _FailedOnDevice:
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(worker.layout, "gather_units", out_of_memory)
+    def faulty(block_ids: list[int], staging: torch.Tensor) -> SaveCopy:
+        if fails == "queueing":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        real_gather(block_ids, staging).wait()
+        return SaveCopy(_FailedOnDevice())  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker.layout, "gather_units_async", faulty)
     req = _request("a", list(range(1, 3 * BS + 2)))
     _admit(sched, req)
     worker.save(sched.build_connector_meta(_new_step(req, [0, 1, 2, 3], 3 * BS + 1)))  # no exception out of the step
     worker.drain()
     assert worker.counters.totals.data["save_errors"] == 3 and worker.counters.totals.data.get("saved_blocks", 0) == 0
-    monkeypatch.setattr(worker.layout, "gather_units", real_gather)
+    assert worker._store.stats().blocks == 0
+    monkeypatch.setattr(worker.layout, "gather_units_async", real_gather)
     again = _request("b", list(range(1000, 1000 + 3 * BS + 1)))
     _admit(sched, again)
     worker.save(sched.build_connector_meta(_new_step(again, [4, 5, 6, 7], 3 * BS + 1)))

@@ -18,7 +18,11 @@ scattered on the device, the reads split over ``load_threads: "auto"``). Timed, 
 * ``scatter``: the staged rows into the KV caches (the transfer half of a
   load); ``pageable``: the same from rows that are not pinned;
 * ``load``: the whole load, store read included; ``save``: the gather of
-  the blocks into pinned staging (the model thread's part of a save);
+  the blocks into pinned staging, waited for;
+* a save behind a forward still running on the device
+  (:func:`save_behind_forward`): the model thread's time in it, waited
+  for or queued on the save stream (:mod:`ucm_db.connector.device_saves`),
+  and a step of forward, save and next forward each way;
 * where the host's time goes: ``readN``, the store read alone into the
   pinned rows over N threads (:mod:`ucm_db.connector.worker.split_reads`;
   ``load`` reads over ``load_threads: "auto"``'s count), and ``memcpy``,
@@ -86,6 +90,54 @@ def _put_units(store: ucm_db.Store, ns: ucm_db.Namespace, layout: KVLayout, stag
     return [chains[h][b] for b in range(blocks) for h in range(heads)]
 
 
+def _forward(device: torch.device) -> Callable[[], None]:
+    """Stand-in for a forward pass: matrix products queued on the device (a few ms on a GPU)."""
+    size = 8192 if device.type != "cpu" else 128
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+
+    def forward() -> None:
+        for _ in range(8):
+            torch.mm(a, a)
+    return forward
+
+
+def save_behind_forward(layout: KVLayout, block_ids: list[int], staging: torch.Tensor, device: torch.device,
+                        rounds: int) -> dict[str, Any]:
+    """What a save costs the model's thread with a forward still running on
+    the device (vLLM queues it and calls ``wait_for_save`` before it ends):
+    medians in ms of the forward alone, the model thread's time in a save
+    waited for (``gather_units``: the connector before device_saves.py) and in
+    one queued (``gather_units_async``), and a step (forward, save, the next
+    forward, all done) each way; ``save_exact``: the queued save's rows equal
+    the waited one's."""
+    forward = _forward(device)
+    expected = staging.clone()
+    layout.gather_units(block_ids, expected)
+    times: dict[str, list[float]] = {k: [] for k in ("forward", "wait_save", "queue_save", "wait_step", "queue_step")}
+    exact = True
+    for round_index in range(rounds + 1):
+        times_now = {"forward": _timed(forward, device)}
+        for mode in ("wait", "queue"):
+            _sync(device)
+            step_started = time.perf_counter()
+            forward()
+            started = time.perf_counter()
+            copy = layout.gather_units_async(block_ids, staging) if mode == "queue" else None
+            if copy is None:
+                layout.gather_units(block_ids, staging)
+            times_now[f"{mode}_save"] = time.perf_counter() - started
+            forward()
+            if copy is not None:
+                copy.wait()
+            _sync(device)
+            times_now[f"{mode}_step"] = time.perf_counter() - step_started
+            exact &= torch.equal(staging, expected)
+        if round_index:
+            for name, value in times_now.items():
+                times[name].append(value)
+    return {**{f"{name}_ms": statistics.median(values) * 1e3 for name, values in times.items()}, "save_exact": exact}
+
+
 def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int) -> dict[str, Any]:
     """One model depth and codec: GB/s of each way, ratios, and ``exact``."""
     device = torch.device(device_name)
@@ -143,6 +195,7 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
                         seconds[name].append(elapsed)
                     if name == "load":
                         exact &= all(torch.equal(caches[n][:, blocks:], caches[n][:, :blocks]) for n in caches)
+            behind = save_behind_forward(layout, source, staging, device, rounds)
     finally:
         for reads in (loader, *read_threads.values()):
             reads.close()
@@ -152,7 +205,7 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
             "pinned": bool(loaded.is_pinned()), "exact": exact, "load_threads": load_threads,
             "chunk_mib": device_loads.CHUNK_BYTES >> 20, **{f"{n}_GBps": v for n, v in gbps.items()},
             "scatter_vs_h2d": gbps["scatter"] / gbps["h2d"], "load_vs_h2d": gbps["load"] / gbps["h2d"],
-            "save_vs_d2h": gbps["save"] / gbps["d2h"]}
+            "save_vs_d2h": gbps["save"] / gbps["d2h"], **behind}
 
 
 @click.command("device-load", context_settings={"help_option_names": ["-h", "--help"]})
@@ -187,7 +240,10 @@ def command(device: str, layers: list[int], blocks: int, codecs: tuple[str, ...]
                    f"({r['scatter_vs_h2d']:.2f}x), pageable {r['pageable_GBps']:.2f}, load {r['load_GBps']:.2f} "
                    f"({r['load_vs_h2d']:.2f}x), d2h {r['d2h_GBps']:.2f}, save {r['save_GBps']:.2f} "
                    f"({r['save_vs_d2h']:.2f}x); load threads {r['load_threads']}; host: "
-                   + ", ".join(f"read{n} {r[f'read{n}_GBps']:.2f}" for n in READ_THREADS) + f", memcpy {r['memcpy_GBps']:.2f} GB/s")
+                   + ", ".join(f"read{n} {r[f'read{n}_GBps']:.2f}" for n in READ_THREADS) + f", memcpy {r['memcpy_GBps']:.2f} GB/s; "
+                   f"behind a {r['forward_ms']:.1f} ms forward, the model thread's save: waited {r['wait_save_ms']:.2f} ms, "
+                   f"queued {r['queue_save_ms']:.2f} ms; step {r['wait_step_ms']:.1f} / {r['queue_step_ms']:.1f} ms "
+                   f"(save_exact={r['save_exact']})")
 
 
 if __name__ == "__main__":
