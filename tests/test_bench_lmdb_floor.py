@@ -72,6 +72,20 @@ def test_folded_records_write_one_record_beside_recency_and_child_link(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
+def test_headmeta_records_fold_the_head_into_the_metadata_record(tmp_path) -> None:
+    """``--records headmeta``: no head table; the body alone in ``blocks``,
+    the metadata record holds the head too; deletes keep every table at the live set."""
+    run = lmdb_floor.floor_once(64 << 10, "pwrite", 8 << 20, 5, tmp_path, "headmeta")
+    live_units = (8 << 20) // (64 << 10)
+    assert run.records == dict(heads=0, meta=live_units, blocks=live_units, lru=live_units, children=live_units)
+    result = CliRunner().invoke(lmdb_floor.command, [
+        "--unit-kib", "8,32", "--live-mib", "1", "--txns", "2", "--repeat", "1", "--records", "headmeta", "--dir", str(tmp_path),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "--records headmeta" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_unit_sizes_are_refused_by_name(tmp_path) -> None:
     for bad in ("abc", "2", "", "16,0"):
         result = CliRunner().invoke(lmdb_floor.command, ["--unit-kib", bad, "--dir", str(tmp_path)])

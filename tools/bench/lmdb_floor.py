@@ -24,6 +24,9 @@ unit, so the ceiling a store format with fewer records a unit could reach
 (``format3``, the default, is the store's layout today). ``--records
 folded`` is the candidate between them: head and metadata inside the body's
 value (one randomly keyed record), recency and child link as format 3.
+``--records headmeta`` keeps the body alone and folds the head into the
+metadata record instead (both small: a touch would rewrite the head, not
+the body), recency and child link as format 3.
 
 Two settings of the environment, in turns:
 
@@ -92,7 +95,7 @@ GROWING_WARM_TXNS = 4
 HEAD_BYTES, META_BYTES = 120, 88
 SETTINGS = ("pwrite", "writemap")
 #: ``--records``: the store's format-3 records a unit, or the body alone (module docstring).
-RECORDS = ("format3", "folded", "body")
+RECORDS = ("format3", "folded", "body", "headmeta")
 PAGE_BYTES = 4096
 #: The host probe: file size and 4 KiB writes timed per kind.
 PROBE_FILE_BYTES, PROBE_WRITES = 64 << 20, 4096
@@ -182,6 +185,8 @@ def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratc
                     if whole:
                         txn.put(key, head, db=tables["heads"])
                         txn.put(key, meta, db=tables["meta"])
+                    elif records == "headmeta":
+                        txn.put(key, head + meta, db=tables["meta"])
                     if linked:
                         txn.put(lru, b"", db=tables["lru"])
                     if link is not None:
@@ -190,7 +195,7 @@ def floor_once(unit_bytes: int, setting: str, live_bytes: int, txns: int, scratc
                     parent = key
                 while live_units is not None and len(live) > live_units:
                     old, old_lru, old_link = live.popleft()
-                    for name in ("heads", "blocks", "meta") if whole else ("blocks",):
+                    for name in ("heads", "blocks", "meta") if whole else ("blocks", "meta") if records == "headmeta" else ("blocks",):
                         txn.delete(old, db=tables[name])
                     if linked:
                         txn.delete(old_lru, db=tables["lru"])
@@ -260,7 +265,8 @@ def run(unit_kib: Sequence[int], live_mib: int, txns: int, repeat: int, scratch:
 def format_table(report: dict[str, Any]) -> str:
     live = f"live set {report['live_mib']} MiB" if report["live_mib"] else "a growing store (no deletes)"
     kind = {"format3": "format-3 records a unit", "folded": "one record of head, metadata and body, recency and child "
-            "link a unit (--records folded)", "body": "the body alone a unit (--records body)"}[report["records"]]
+            "link a unit (--records folded)", "body": "the body alone a unit (--records body)",
+            "headmeta": "the body, one record of head and metadata, recency and child link a unit (--records headmeta)"}[report["records"]]
     lines = [f"bare py-lmdb, {kind}, {live}, {report['txns']} transactions "
              f"timed, synced every {report['sync_every_txns']}; medians of {report['repeat']}",
              f"{'unit KiB':>8} {'setting':<9} {'units/txn':>9} {'user us':>8} {'sys us':>8} {'GB/s/CPU s':>10} {'x largest':>9}"]
@@ -281,6 +287,7 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--records", type=click.Choice(RECORDS), default="format3", show_default=True,
               help="format3: the store's records a unit; folded: head and metadata inside the body's record; "
+                   "headmeta: the head inside the metadata's record; "
                    "body: the body alone (the least a layout writes)")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="scratch directory (default: the system's temporary directory): its file system is measured")
