@@ -42,15 +42,22 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
 #: Most bytes of device staging one save's gather holds (two of them in turn).
 GATHER_CHUNK_BYTES = 128 << 20
-#: Copies units of blocks ``ids`` (on the device) into ``rows`` (on the device).
-GatherFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class Gathers(Protocol):
+    """What a save stream uses of a KV layout (:class:`~ucm_db.connector.layouts.KVLayout`)."""
+
+    def index_on_device(self, block_ids: Sequence[int]) -> torch.Tensor: ...
+
+    def gather_on_device(self, ids: torch.Tensor, rows: torch.Tensor) -> None: ...
 
 
 class SaveCopy:
@@ -88,18 +95,17 @@ class SaveStream:
         self.device = device
         self._stream: torch.Stream | None = None
 
-    def gather(self, block_ids: Sequence[int], rows: torch.Tensor, gather_into: GatherFn) -> SaveCopy:
+    def gather(self, layout: Gathers, block_ids: Sequence[int], rows: torch.Tensor) -> SaveCopy:
         """Queues the copy of blocks ``block_ids``' units into host ``rows``
         (page-locked: see the module invariants for others) through device
-        chunks; ``gather_into(ids, chunk)`` queues the strided copies of
-        blocks ``ids`` (a device tensor) into a chunk on the current stream.
-        Returns the copy to wait for."""
+        chunks, each filled by ``layout.gather_on_device`` on the current
+        stream. Returns the copy to wait for."""
         step = max(1, GATHER_CHUNK_BYTES // max(1, rows[0].numel()))
         shape = (min(step, len(block_ids)), *rows.shape[1:])
         pinned = rows.is_pinned()
         model = torch.accelerator.current_stream(self.device)
         if not pinned:
-            self._chunks(torch.as_tensor(list(block_ids), device=self.device), rows, step, shape, gather_into, None)
+            self._chunks(layout, layout.index_on_device(block_ids), rows, step, shape, None)
             model.synchronize()
             return done()
         forward_done = torch.Event(device=self.device)
@@ -108,20 +114,18 @@ class SaveStream:
         copied = torch.Event(device=self.device)
         with self._on_save_stream() as stream:
             try:
-                # The ids go over before the wait: their copy (from pageable memory, so it waits for the save
-                # stream) then waits for earlier saves only, never for the forward still running.
-                ids = torch.as_tensor(list(block_ids), device=self.device)
+                ids = layout.index_on_device(block_ids)  # through pinned memory, queued here: nothing waits
                 stream.wait_event(forward_done)
-                self._chunks(ids, rows, step, shape, gather_into, gathered)
+                self._chunks(layout, ids, rows, step, shape, gathered)
             finally:
                 if not gathered:  # failed part-way: the model's stream waits for all that was queued
                     gathered.append(torch.Event(device=self.device))
                     gathered[0].record(stream)
                 copied.record(stream)
-        model.wait_event(gathered[0])
+                model.wait_event(gathered[0])
         return SaveCopy(copied)
 
-    def _chunks(self, ids: torch.Tensor, rows: torch.Tensor, step: int, shape: tuple[int, ...], gather_into: GatherFn,
+    def _chunks(self, layout: Gathers, ids: torch.Tensor, rows: torch.Tensor, step: int, shape: tuple[int, ...],
                 gathered: list[torch.Event] | None) -> None:
         """The chunks' gathers and transfers, on the current stream; with
         ``gathered`` (page-locked rows), transfers are not waited for and
@@ -130,7 +134,7 @@ class SaveStream:
         chunks = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(min(2, -(-len(ids) // step)))]
         for n, at in enumerate(range(0, len(ids), step)):
             part = chunks[n % 2][: min(step, len(ids) - at)]
-            gather_into(ids[at : at + len(part)], part)
+            layout.gather_on_device(ids[at : at + len(part)], part)
             if gathered is not None and at + step >= len(ids):
                 gathered.append(torch.Event(device=self.device))
                 gathered[0].record(stream)

@@ -176,7 +176,7 @@ class KVLayout:
         if rows.device == self.device or not len(block_ids):
             self.gather_on_device(self.index_on_device(block_ids), rows)
             return device_saves.done()
-        return self._save_stream.gather(block_ids, rows, self.gather_on_device)
+        return self._save_stream.gather(self, block_ids, rows)
 
     def gather_on_device(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Queues the copies of blocks ``ids``' units into ``rows``, both on the KV caches' device."""
