@@ -41,7 +41,9 @@ and left out at its default, so a deployment keys only what it changed:
     * ``disable_sliding_window`` (with a model that has a window): attention
       over the whole context changes every later layer's KV.
     * ``model_class_overrides``, ``code_revision``: another model class or
-      remote code computes the KV.
+      remote code computes the KV. Remote code from another repo, or from a
+      ``code_revision`` other than the weights', is keyed by its content
+      (:mod:`ucm_db.connector.remote_code`).
     * ``model_weights``: weights streamed from an object store (vLLM's
       ``model`` is then a directory of configs): the URI, the only handle.
 Not keyed: the tokenizer and generation config (token ids are keyed, not
@@ -83,6 +85,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.connector.fingerprints import model_fingerprint
+from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
 from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, multimodal_inputs,
                                               refuse_unstorable)
@@ -255,6 +258,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     }
     inputs.update(_max_len_inputs(config, text, rope.get("parameters")))
     inputs.update(load_inputs(vllm_config, model_id))
+    inputs.update(remote_code_inputs(config, getattr(getattr(vllm_config, "load_config", None), "download_dir", None)))
     inputs.update(multimodal_inputs(vllm_config))
     plain = {name: _plain(value) for name, value in inputs.items() if value not in (None, False, "", {}, [], ())}
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)

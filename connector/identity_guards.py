@@ -40,7 +40,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,8 @@ def config_digest(config_path: str, hf_config: Any, revision: str | None = None)
     worker after vLLM built it, and every role must derive one namespace.
     Code that the config's ``auto_map`` names (``configuration_*.py`` and
     ``modeling_*.py`` beside it, run under ``trust_remote_code``) is keyed
-    with it. A path that names no readable file falls back to the object's JSON
+    with it, with the modules beside it that code imports relatively (as
+    transformers fetches them: ``from .x import``, ``import .x``). A path that names no readable file falls back to the object's JSON
     without the fields that name where and by which library it was read."""
     path = Path(config_path).expanduser()
     files = [path] if path.is_file() else [path / name for name in _CONFIG_FILES if (path / name).is_file()]
@@ -111,10 +112,14 @@ def config_digest(config_path: str, hf_config: Any, revision: str | None = None)
         files = _hub_cached_files(config_path, _CONFIG_FILES, revision)
     if files:
         digest = hashlib.blake2b(digest_size=16, person=b"ucm-db/hfcfg")
-        modules = _auto_map_modules(files)
         folder = path if path.is_dir() else path.parent
-        code = _hub_cached_files(config_path, [f"{m}.py" for m in modules], revision) if hub else [
-            folder / f"{m}.py" for m in modules if (folder / f"{m}.py").is_file()]
+
+        def find(module: str) -> Path | None:
+            if hub:
+                return next(iter(_hub_cached_files(config_path, [f"{module}.py"], revision)), None)
+            return folder / f"{module}.py" if (folder / f"{module}.py").is_file() else None
+
+        code = _module_files(_auto_map_modules(files), find)
         for file in files + code:  # a module named but not found is named in config.json, which is keyed
             digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
         return "blake2b:" + digest.hexdigest()
@@ -123,25 +128,49 @@ def config_digest(config_path: str, hf_config: Any, revision: str | None = None)
     return "json-blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _auto_map_modules(config_files: list[Path]) -> list[str]:
-    """The code modules a config's ``auto_map`` names (``trust_remote_code``:
-    the config class, and the model's, run from them, so they change the
-    config vLLM builds and the KV); sorted, each once. A class in another
-    repo (``repo--module.Class``) finds no file here: config.json, which
-    names it, is what keys it."""
-    modules: set[str] = set()
+def auto_map_references(config_files: list[Path]) -> list[tuple[str | None, str]]:
+    """(repo, module) of each class a config's ``auto_map`` names
+    (``trust_remote_code``: the config class, and the model's, run from
+    them, so they change the config vLLM builds and the KV): repo None for a
+    module beside the config, else the repo of ``repo--module.Class``
+    (:mod:`ucm_db.connector.remote_code`). Files that are not a JSON object
+    name none."""
+    found: list[tuple[str | None, str]] = []
     for file in config_files:
         try:
             auto_map = json.loads(file.read_text()).get("auto_map") or {}
-        except (ValueError, AttributeError, OSError):  # not JSON, or not an object: no code named
+        except (ValueError, AttributeError, OSError):  # absent, not JSON, or not an object: no code named
             continue
-        if not isinstance(auto_map, dict):
-            continue
-        for ref in auto_map.values():
+        for ref in auto_map.values() if isinstance(auto_map, dict) else ():
             for one in ref if isinstance(ref, list) else [ref]:
                 if isinstance(one, str) and "." in one:
-                    modules.add(one.rsplit(".", 1)[0])
-    return sorted(modules)
+                    repo, _, name = one.rpartition("--")
+                    found.append((repo or None, name.rsplit(".", 1)[0]))
+    return found
+
+
+def _auto_map_modules(config_files: list[Path]) -> list[str]:
+    """The modules beside the config its ``auto_map`` names, sorted, each once."""
+    return sorted({module for repo, module in auto_map_references(config_files) if repo is None})
+
+
+_RELATIVE_IMPORT = re.compile(r"^\s*(?:import\s+\.(\S+)\s*$|from\s+\.(\S+)\s+import)", re.MULTILINE)
+
+
+def _module_files(modules: list[str], find: Callable[[str], Path | None]) -> list[Path]:
+    """The files of ``modules`` and of the modules they import relatively,
+    transitively (each once, sorted by module name); ``find`` gives a
+    module's file, None where there is none."""
+    found: dict[str, Path] = {}
+    todo = list(modules)
+    while todo:
+        module = todo.pop()
+        if module in found or (file := find(module)) is None:
+            continue
+        found[module] = file
+        text = file.read_text(encoding="utf-8", errors="replace")
+        todo.extend(a or b for a, b in _RELATIVE_IMPORT.findall(text))
+    return [found[m] for m in sorted(found)]
 
 
 def _hub_cached_files(repo_id: str, names: Sequence[str], revision: str | None) -> list[Path]:

@@ -107,8 +107,9 @@ def test_a_config_directory_is_keyed_by_its_files_not_by_the_object_a_worker_may
 
 def test_the_code_a_config_directorys_auto_map_names_is_keyed_with_it(model_dir: Path, tmp_path: Path) -> None:
     """Under ``trust_remote_code`` the config class (and the model's) runs
-    from the ``*.py`` files beside the config: other code there, other KV,
-    though config.json is the same. Files it does not name are not keyed."""
+    from the ``*.py`` files beside the config, and from the modules beside
+    it that they import relatively: other code there, other KV, though
+    config.json is the same. Files nothing named imports are not keyed."""
     import json
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -124,11 +125,14 @@ def test_the_code_a_config_directorys_auto_map_names_is_keyed_with_it(model_dir:
         vllm_config.model_config.hf_config_path = str(folder)
         return _namespace_of(vllm_config).digest
 
-    code = {"configuration_tiny.py": "ROPE = 1\n", "modeling_tiny.py": "class Tiny: ...\n"}
+    code = {"configuration_tiny.py": "from .rope_tiny import ROPE\n", "rope_tiny.py": "import .base_tiny\nROPE = 1\n",
+            "base_tiny.py": "THETA = 1\n", "modeling_tiny.py": "class Tiny: ...\n"}
     base = namespace_with(code)
     assert namespace_with(code) == base  # the same files in another folder
-    assert namespace_with({**code, "configuration_tiny.py": "ROPE = 2\n"}) != base
+    assert namespace_with({**code, "configuration_tiny.py": "from .rope_tiny import ROPE  # \n"}) != base
     assert namespace_with({**code, "modeling_tiny.py": "class Tiny: pass\n"}) != base
+    assert namespace_with({**code, "rope_tiny.py": "import .base_tiny\nROPE = 2\n"}) != base  # imported by named code
+    assert namespace_with({**code, "base_tiny.py": "THETA = 2\n"}) != base  # imported by an import
     assert namespace_with({**code, "unrelated.py": "x = 1\n"}) == base
     assert namespace_with({"modeling_tiny.py": code["modeling_tiny.py"]}) != base  # one named file absent
 
@@ -142,12 +146,16 @@ def test_a_hub_configs_auto_map_code_is_keyed_from_the_hub_cache(tmp_path: Path,
     (tmp_path / "models--org--cfg" / "refs").mkdir()
     (tmp_path / "models--org--cfg" / "refs" / "main").write_text(commit)
     (snap / "config.json").write_text('{"model_type": "tiny", "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig"}}')
-    (snap / "configuration_tiny.py").write_text("ROPE = 1\n")
+    (snap / "configuration_tiny.py").write_text("from .helpers import ROPE\n")
+    (snap / "helpers.py").write_text("ROPE = 1\n")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     first = identity_guards.config_digest("org/cfg", None, commit)
     assert first.startswith("blake2b:") and identity_guards.config_digest("org/cfg", None, None) == first  # main
-    (snap / "configuration_tiny.py").write_text("ROPE = 2\n")
-    assert identity_guards.config_digest("org/cfg", None, commit) != first
+    (snap / "helpers.py").write_text("ROPE = 2\n")  # a module the named one imports
+    second = identity_guards.config_digest("org/cfg", None, commit)
+    assert second != first
+    (snap / "configuration_tiny.py").write_text("from .helpers import ROPE  # \n")
+    assert identity_guards.config_digest("org/cfg", None, commit) not in (first, second)
 
 
 # -- multimodal ---------------------------------------------------------------
