@@ -46,7 +46,7 @@ import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.worker.async_loads import AsyncLoader
 from ucm_db.connector.worker.device_loads import DeviceLoads
-from ucm_db.connector.worker.split_reads import SplitReads, auto_load_threads
+from ucm_db.connector.worker.split_reads import SplitReads, auto_load_threads, local_workers
 from ucm_db.connector.layouts import KVLayout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -95,12 +95,16 @@ class WorkerLoads:
         self._background_loads: dict[tuple[str, str], tuple[int, float]] = {}  # async loads ended since (same lock)
         self._async: AsyncLoader | None = None  # started by the first async load
 
-    def bind(self, store: ucm_db.Store, layout: KVLayout, namespace: ucm_db.Namespace, grid: KVGrid, spans: Sequence[UnitSpan]) -> None:
+    def bind(self, store: ucm_db.Store, layout: KVLayout, namespace: ucm_db.Namespace, grid: KVGrid, spans: Sequence[UnitSpan],
+             ranks: int = 1) -> None:
+        """Loads go to ``store`` and ``layout`` from now on; ``ranks``: the
+        engine's TP x PP ranks (``load_threads: "auto"`` shares the node's CPUs among those on it)."""
         self._store, self._layout, self._namespace, self._grid, self._spans = store, layout, namespace, grid, list(spans)
         self._device = None
         threads = self._load_threads
         if threads == "auto":
-            threads = auto_load_threads(layout.device.type != "cpu", layout.unit_bytes)
+            on_accelerator = layout.device.type != "cpu"
+            threads = auto_load_threads(on_accelerator, layout.unit_bytes, workers=local_workers(ranks) if on_accelerator else 1)
         assert isinstance(threads, int)
         if threads != self._reads.threads:
             self._reads.close()

@@ -46,15 +46,33 @@ MIN_AUTO_UNIT_BYTES = 128 << 10
 MIN_PAIR_UNIT_BYTES = 64 << 10
 
 
-def auto_load_threads(on_accelerator: bool, unit_bytes: int, cpus: int | None = None) -> int:
+def auto_load_threads(on_accelerator: bool, unit_bytes: int, cpus: int | None = None, workers: int = 1) -> int:
     """``load_threads: "auto"``: 1 where the KV caches are in host memory
     (a vLLM-CPU host's cores run the model) or units are under 64 KiB; 2
-    for units under 128 KiB; else 4; never more than a quarter of the
-    host's CPUs."""
+    for units under 128 KiB; else 4; never more than a quarter of the CPUs
+    this process may run on (``cpus``, default :func:`usable_cpus`) shared
+    by the engine's ``workers`` on the node (:func:`local_workers`)."""
     if not on_accelerator or unit_bytes < MIN_PAIR_UNIT_BYTES:
         return 1
     wanted = MAX_AUTO_THREADS if unit_bytes >= MIN_AUTO_UNIT_BYTES else 2
-    return max(1, min(wanted, (cpus if cpus is not None else os.cpu_count() or 1) // 4))
+    return max(1, min(wanted, (cpus if cpus is not None else usable_cpus()) // (4 * max(1, workers))))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call here (not Linux)
+        return os.cpu_count() or 1
+
+
+def local_workers(ranks: int) -> int:
+    """How many of an engine's ``ranks`` (TP x PP) share this node: one per
+    accelerator it sees, at most (1 where it sees none)."""
+    import torch
+
+    devices = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    return max(1, min(ranks, devices)) if devices else 1
 
 
 class SplitReads:

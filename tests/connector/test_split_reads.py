@@ -5,6 +5,7 @@ that way lands every block where vLLM allocated it."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 import ucm_db
 from ucm_db.connector.settings import ConnectorSettings
+from ucm_db.connector.worker import split_reads
 from ucm_db.connector.worker.split_reads import MIN_UNITS_PER_THREAD, SplitReads, auto_load_threads
 from ucm_db.errors import ConfigError, TierError
 
@@ -110,6 +112,11 @@ def test_auto_threads_split_only_large_units_beside_an_accelerator() -> None:
     assert auto_load_threads(True, 256 << 10, cpus=8) == 2
     assert auto_load_threads(True, 256 << 10, cpus=2) == 1
     assert auto_load_threads(True, 256 << 10, cpus=128) == 4
+    assert auto_load_threads(True, 256 << 10, cpus=128, workers=8) == 4  # 16 CPUs a worker
+    assert auto_load_threads(True, 256 << 10, cpus=16, workers=8) == 1  # 2 a worker
+    assert auto_load_threads(True, 256 << 10, cpus=32, workers=4) == 2
+    assert split_reads.usable_cpus() == len(os.sched_getaffinity(0))
+    assert split_reads.local_workers(8) == (min(8, torch.accelerator.device_count()) if torch.accelerator.is_available() else 1)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 65, "four", 2.0, True])
