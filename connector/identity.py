@@ -219,9 +219,10 @@ def schedulers_namespace(ours: Namespace, our_inputs: str, theirs_id: bytes, the
     """The scheduler's namespace (id ``theirs_id``; ``their_inputs``: its
     :func:`namespace_inputs`, ours ``our_inputs``) where it differs from
     this worker's ``ours`` only in :data:`CONFIG_OBJECT_INPUTS`, or in
-    ``hf_config`` where this worker could not read the config's files (its
-    node lacks them: it computes with the config vLLM pickled from the
-    scheduler's node); None where anything else differs."""
+    ``hf_config`` where this worker could not read the config's files, or in
+    ``remote_code`` entries it found no code for (its node lacks them: it
+    computes with the config vLLM pickled from the scheduler's node); None
+    where anything else differs."""
     group = group_described(ours.extra, our_inputs)
     extra = their_inputs if group is None else group_extra(their_inputs, group)
     theirs = Namespace.from_dict({**ours.to_dict(), "extra": extra})
@@ -231,6 +232,9 @@ def schedulers_namespace(ours: Namespace, our_inputs: str, theirs_id: bytes, the
     differing = {k for k in mine.keys() | other.keys() if mine.get(k) != other.get(k)}
     if str(mine.get("hf_config", "")).startswith("json-"):  # a fallback: no file to read on this node
         differing.discard("hf_config")
+    ours_code, their_code = mine.get("remote_code") or {}, other.get("remote_code") or {}
+    if ours_code.keys() == their_code.keys() and all(v in ("unresolved", their_code[k]) for k, v in ours_code.items()):
+        differing.discard("remote_code")  # code this node's cache lacks: the scheduler's node named it
     return theirs if differing <= CONFIG_OBJECT_INPUTS else None
 
 
@@ -258,7 +262,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     }
     inputs.update(_max_len_inputs(config, text, rope.get("parameters")))
     inputs.update(load_inputs(vllm_config, model_id))
-    inputs.update(remote_code_inputs(config, getattr(getattr(vllm_config, "load_config", None), "download_dir", None)))
+    inputs.update(remote_code_inputs(config))
     inputs.update(multimodal_inputs(vllm_config))
     plain = {name: _plain(value) for name, value in inputs.items() if value not in (None, False, "", {}, [], ())}
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)

@@ -74,7 +74,8 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     if config_path:
         model_config = vllm_config.model_config
         revision = getattr(model_config, "_hf_config_revision", None) or getattr(model_config, "revision", None)
-        out["hf_config"] = config_digest(str(config_path), model_config.hf_config, revision)
+        out["hf_config"] = config_digest(str(config_path), model_config.hf_config, revision,
+                                         getattr(model_config, "code_revision", None))
     if fmt in FILE_LOAD_FORMATS:
         return out
     if fmt == "dummy" and model_id is None:
@@ -94,54 +95,60 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     return {**out, "load_format": fmt, "model_loader_extra_config": digest}
 
 
-def config_digest(config_path: str, hf_config: Any, revision: str | None = None) -> str:
+def config_digest(config_path: str, hf_config: Any, revision: str | None = None, code_revision: str | None = None) -> str:
     """The digest of the config files vLLM read from ``config_path`` (a
     directory, a file, or a hub id at ``revision`` already in the local hub
-    cache). Files,
-    not the config object: model constructors may change the object in a
-    worker after vLLM built it, and every role must derive one namespace.
-    Code that the config's ``auto_map`` names (``configuration_*.py`` and
-    ``modeling_*.py`` beside it, run under ``trust_remote_code``) is keyed
-    with it, with the modules beside it that code imports relatively (as
-    transformers fetches them: ``from .x import``, ``import .x``). A path that names no readable file falls back to the object's JSON
-    without the fields that name where and by which library it was read."""
+    cache). Files, not the config object: model constructors may change the
+    object in a worker after vLLM built it, and every role must derive one
+    namespace. Code that the config's ``auto_map`` names for its config and
+    model classes (``configuration_*.py``, ``modeling_*.py``: run under
+    ``trust_remote_code``) is keyed with it, with the modules that code
+    imports relatively (as transformers fetches them: ``from .x import``,
+    ``import .x``); a hub config's code at ``code_revision`` where one is
+    given (transformers fetches it there). A path that names no readable
+    file falls back to the object's JSON without the fields that name where
+    and by which library it was read."""
     path = Path(config_path).expanduser()
     files = [path] if path.is_file() else [path / name for name in _CONFIG_FILES if (path / name).is_file()]
     hub = not files and not path.exists()
     if hub:
-        files = _hub_cached_files(config_path, _CONFIG_FILES, revision)
+        files = hub_cached_files(config_path, _CONFIG_FILES, revision)
     if files:
-        digest = hashlib.blake2b(digest_size=16, person=b"ucm-db/hfcfg")
         folder = path if path.is_dir() else path.parent
-
-        def find(module: str) -> Path | None:
-            if hub:
-                return next(iter(_hub_cached_files(config_path, [f"{module}.py"], revision)), None)
-            return folder / f"{module}.py" if (folder / f"{module}.py").is_file() else None
-
-        code = _module_files(_auto_map_modules(files), find)
-        for file in files + code:  # a module named but not found is named in config.json, which is keyed
-            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
-        return "blake2b:" + digest.hexdigest()
+        modules = sorted({module for repo, module in auto_map_references(files) if repo is None})
+        if hub:
+            code = module_files(modules, lambda m: next(iter(hub_cached_files(config_path, [f"{m}.py"], code_revision or revision)), None))
+        else:
+            code = module_files(modules, lambda m: folder / f"{m}.py" if (folder / f"{m}.py").is_file() else None)
+        # A module named but not found is named in config.json, which is keyed.
+        return files_digest([(file.name, file) for file in files] + code, b"ucm-db/hfcfg")
     plain = {k: v for k, v in hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     text = json.dumps(plain, sort_keys=True, default=str)
     return "json-blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
+#: ``auto_map`` entries whose classes can change the KV: the config class
+#: builds the config vLLM reads, a model class runs where vLLM serves it
+#: through the Transformers backend (the prefixes vLLM's model registry
+#: resolves); tokenizer and processor classes change text, never KV of ids.
+KV_AUTO_MAP_PREFIXES = ("AutoConfig", "AutoModel")
+
+
 def auto_map_references(config_files: list[Path]) -> list[tuple[str | None, str]]:
-    """(repo, module) of each class a config's ``auto_map`` names
-    (``trust_remote_code``: the config class, and the model's, run from
-    them, so they change the config vLLM builds and the KV): repo None for a
-    module beside the config, else the repo of ``repo--module.Class``
-    (:mod:`ucm_db.connector.remote_code`). Files that are not a JSON object
-    name none."""
+    """(repo, module) of each config or model class a config's ``auto_map``
+    names (:data:`KV_AUTO_MAP_PREFIXES`): repo None for a module beside the
+    config, else the repo of ``repo--module.Class``
+    (:mod:`ucm_db.connector.remote_code`). A module may lie in a subfolder
+    (``sub/modeling``). Files that are not a JSON object name none."""
     found: list[tuple[str | None, str]] = []
     for file in config_files:
         try:
             auto_map = json.loads(file.read_text()).get("auto_map") or {}
         except (ValueError, AttributeError, OSError):  # absent, not JSON, or not an object: no code named
             continue
-        for ref in auto_map.values() if isinstance(auto_map, dict) else ():
+        for kind, ref in auto_map.items() if isinstance(auto_map, dict) else ():
+            if not str(kind).startswith(KV_AUTO_MAP_PREFIXES):
+                continue
             for one in ref if isinstance(ref, list) else [ref]:
                 if isinstance(one, str) and "." in one:
                     repo, _, name = one.rpartition("--")
@@ -149,33 +156,43 @@ def auto_map_references(config_files: list[Path]) -> list[tuple[str | None, str]
     return found
 
 
-def _auto_map_modules(config_files: list[Path]) -> list[str]:
-    """The modules beside the config its ``auto_map`` names, sorted, each once."""
-    return sorted({module for repo, module in auto_map_references(config_files) if repo is None})
-
-
 _RELATIVE_IMPORT = re.compile(r"^\s*(?:import\s+\.(\S+)\s*$|from\s+\.(\S+)\s+import)", re.MULTILINE)
 
 
-def _module_files(modules: list[str], find: Callable[[str], Path | None]) -> list[Path]:
-    """The files of ``modules`` and of the modules they import relatively,
-    transitively (each once, sorted by module name); ``find`` gives a
-    module's file, None where there is none."""
+def module_files(modules: Sequence[str], find: Callable[[str], Path | None]) -> list[tuple[str, Path]]:
+    """(module, file) of ``modules`` and of the modules they import
+    relatively, transitively (each once, sorted by module; an import is
+    looked for beside the module that makes it, as transformers does: ``sub/a``
+    importing ``.b`` names ``sub/b``); ``find`` gives a module's file, None
+    where there is none (or it cannot be read)."""
     found: dict[str, Path] = {}
     todo = list(modules)
     while todo:
         module = todo.pop()
         if module in found or (file := find(module)) is None:
             continue
+        try:
+            text = file.read_text(encoding="utf-8", errors="replace")
+        except OSError:  # a dangling link (an interrupted download): transformers cannot run it either
+            continue
         found[module] = file
-        text = file.read_text(encoding="utf-8", errors="replace")
-        todo.extend(a or b for a, b in _RELATIVE_IMPORT.findall(text))
-    return [found[m] for m in sorted(found)]
+        folder = module.rpartition("/")[0]
+        todo.extend(f"{folder}/{a or b}" if folder else a or b for a, b in _RELATIVE_IMPORT.findall(text))
+    return [(m, found[m]) for m in sorted(found)]
 
 
-def _hub_cached_files(repo_id: str, names: Sequence[str], revision: str | None) -> list[Path]:
+def files_digest(files: Sequence[tuple[str, Path]], person: bytes) -> str:
+    """``blake2b:`` and the digest of named files' contents (the names as given)."""
+    digest = hashlib.blake2b(digest_size=16, person=person)
+    for name, file in files:
+        digest.update(name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return "blake2b:" + digest.hexdigest()
+
+
+def hub_cached_files(repo_id: str, names: Sequence[str], revision: str | None) -> list[Path]:
     """The files ``names`` of a hub id at ``revision`` (None: main) in the
-    local hub cache (none where not cached or huggingface_hub is absent)."""
+    local hub cache, where transformers reads configs and code (none where
+    not cached, a dangling link, or huggingface_hub is absent)."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
@@ -186,7 +203,7 @@ def _hub_cached_files(repo_id: str, names: Sequence[str], revision: str | None) 
             cached = try_to_load_from_cache(repo_id, name, revision=revision)
         except Exception:  # noqa: BLE001 - a string that is no repo id: not cached
             cached = None
-        if isinstance(cached, str):
+        if isinstance(cached, str) and Path(cached).is_file():
             found.append(Path(cached))
     return found
 

@@ -130,6 +130,9 @@ QUANT = '"quantization_config":{"dynamic":"(?:mlp|self_attn)"}'  # a "|" inside 
     ('{"long_rope":true}', '{"long_rope":false}', False),  # a headless node with its own --max-model-len
     ('{"mm_encoder_attn":["fp8","blake2b:aa"]}', '{"mm_encoder_attn":["fp8","blake2b:bb"]}', False),  # another scale file
     ('{"dtype":"float16"}', "", False),
+    ('{"remote_code":{"o/c@main":"unresolved"}}', '{"remote_code":{"o/c@main":"blake2b:bb"}}', True),  # code not on this node
+    ('{"remote_code":{"o/c@main":"blake2b:aa"}}', '{"remote_code":{"o/c@main":"blake2b:bb"}}', False),  # other code here
+    ('{"remote_code":{"o/c@main":"unresolved"}}', '{"remote_code":{"o/c@v2":"blake2b:bb"}}', False),  # another revision
     ("{" + QUANT + ',"rope":{"rope_theta":1000000.0}}', "{" + QUANT + "}", True),
 ])
 @pytest.mark.parametrize("group", [None, '{"group":"sliding_window","layers":["l0"],"window":128}'])
