@@ -26,14 +26,18 @@ Invariants:
       chunks wait for the transfers two chunks back, so that event may
       follow most of the save's transfers, never its last two.
     * The staging rows hold the units once :meth:`SaveCopy.wait` returns
-      (the writer's thread calls it before it reads them); a copy that
-      failed on the device raises there (``RuntimeError``), and only that
-      save is lost.
-    * A device chunk is refilled only once the transfer out of it is done,
-      and a staging row given back before its copy is done (a dropped save)
-      is refilled by a later save's transfer only: both follow on the one
-      save stream, in order. Torch's caching allocators keep a buffer
-      freed with work still queued for that stream's later work.
+      (the writer's thread calls it before it reads them, polling the
+      event: a wait on it would spin a core); a copy that failed on the
+      device raises there (``RuntimeError``) and that save is lost (on CUDA
+      such a fault is sticky: later device work fails too).
+    * Each save stream keeps its two device chunks (at most
+      :data:`GATHER_CHUNK_BYTES` each, made at its first save): neither the
+      chunks nor vLLM's stream's memory move between the streams' pools. A
+      chunk is refilled only once the transfer out of it is done, and a
+      staging row given back before its copy is done (a dropped save) is
+      refilled by a later save's transfer only: both follow on the one save
+      stream, in order. Torch's pinned allocator keeps a row freed with a
+      transfer still queued for after it.
     * A row that is not page-locked (``save_process``'s shared staging, or
       no pinned memory on the host) is copied as before, on the model's
       stream, and waited for at once: a transfer into pageable memory
@@ -42,6 +46,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
@@ -50,6 +55,8 @@ import torch
 
 #: Most bytes of device staging one save's gather holds (two of them in turn).
 GATHER_CHUNK_BYTES = 128 << 20
+#: How often a writer waiting for a copy looks at its event.
+POLL_S = 0.0005
 
 
 class Gathers(Protocol):
@@ -74,13 +81,8 @@ class SaveCopy:
             RuntimeError: the copy failed on the device.
         """
         event, self._event = self._event, None
-        if event is not None:
-            event.synchronize()
-
-    @property
-    def queued(self) -> bool:
-        """Whether the copy was left running on the device when it was queued."""
-        return self._event is not None
+        while event is not None and not event.query():
+            time.sleep(POLL_S)
 
 
 def done() -> SaveCopy:
@@ -94,6 +96,7 @@ class SaveStream:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream: torch.Stream | None = None
+        self._chunks_kept: list[torch.Tensor] = []
 
     def gather(self, layout: Gathers, block_ids: Sequence[int], rows: torch.Tensor) -> SaveCopy:
         """Queues the copy of blocks ``block_ids``' units into host ``rows``
@@ -111,27 +114,35 @@ class SaveStream:
         forward_done = torch.Event(device=self.device)
         forward_done.record(model)
         gathered: list[torch.Event] = []
-        copied = torch.Event(device=self.device)
         with self._on_save_stream() as stream:
             try:
                 ids = layout.index_on_device(block_ids)  # through pinned memory, queued here: nothing waits
                 stream.wait_event(forward_done)
-                self._chunks(layout, ids, rows, step, shape, gathered)
+                self._chunks(layout, ids, rows, step, shape, gathered, self._kept(step, shape))
             finally:
                 if not gathered:  # failed part-way: the model's stream waits for all that was queued
                     gathered.append(torch.Event(device=self.device))
                     gathered[0].record(stream)
-                copied.record(stream)
                 model.wait_event(gathered[0])
+            copied = torch.Event(device=self.device)
+            copied.record(stream)
         return SaveCopy(copied)
 
+    def _kept(self, step: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """The save stream's two chunks (made on it, once), as views of ``shape``."""
+        if not self._chunks_kept or tuple(self._chunks_kept[0].shape) != (step, *shape[1:]):
+            self._chunks_kept = [torch.empty((step, *shape[1:]), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return [chunk[: shape[0]] for chunk in self._chunks_kept]
+
     def _chunks(self, layout: Gathers, ids: torch.Tensor, rows: torch.Tensor, step: int, shape: tuple[int, ...],
-                gathered: list[torch.Event] | None) -> None:
-        """The chunks' gathers and transfers, on the current stream; with
-        ``gathered`` (page-locked rows), transfers are not waited for and
-        an event after the last gather is appended to it."""
+                gathered: list[torch.Event] | None, chunks: list[torch.Tensor] | None = None) -> None:
+        """The chunks' gathers and transfers, on the current stream, through
+        ``chunks`` (default: two made for this save); with ``gathered``
+        (page-locked rows), transfers are not waited for and an event after
+        the last gather is appended to it."""
         stream = torch.accelerator.current_stream(self.device)
-        chunks = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(min(2, -(-len(ids) // step)))]
+        if chunks is None:
+            chunks = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(min(2, -(-len(ids) // step)))]
         for n, at in enumerate(range(0, len(ids), step)):
             part = chunks[n % 2][: min(step, len(ids) - at)]
             layout.gather_on_device(ids[at : at + len(part)], part)

@@ -208,7 +208,7 @@ class KVLayout:
         """Returns once the copies this thread queued on the KV caches'
         device are done (nothing on the host): a load reports its blocks
         only after the bytes are in the KV caches, whichever stream vLLM's
-        forward then reads them on, and a pinned staging row is free again."""
+        forward then reads them on, and its pinned rows are free again."""
         if self.device.type != "cpu":
             torch.accelerator.current_stream(self.device).synchronize()
 

@@ -183,7 +183,7 @@ _PROM = {
     "save_commit_s": ("ucm_db_save_commit_seconds", "Seconds the background writer spent encoding and committing"),
     "save_commit_cpu_s": ("ucm_db_save_commit_cpu_seconds",
                           "CPU seconds of the background writer's thread in those commits (the rest waited for the disk, a core or the GIL)"),
-    "save_copy_s": ("ucm_db_save_copy_seconds", "Seconds the forward pass spent copying blocks out for saving"),
+    "save_copy_s": ("ucm_db_save_copy_seconds", "Seconds the forward pass spent copying blocks out for saving (on an accelerator: queueing the copies)"),
     "save_errors": ("ucm_db_save_errors", "Blocks whose save failed (logged; a future miss, never wrong KV)"),
     "saves_dropped": ("ucm_db_saves_dropped", "Blocks not saved because the writer queue was full"),
     "saves_voided": ("ucm_db_saves_voided", "Blocks not saved (or deleted a step later) because their KV was computed over a block that failed to load"),

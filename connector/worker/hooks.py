@@ -7,7 +7,9 @@ Invariants:
       block that fails to load is reported so vLLM recomputes it, and no
       unverified byte reaches the KV cache.
     * Saves copy blocks out of the KV cache in ``wait_for_save`` (the
-      blocks may be reused by the next step) and leave encoding and commit
+      blocks may be reused by the next step; beside an accelerator the copy
+      is queued on a save stream that vLLM's stream waits for on the device,
+      :mod:`~ucm_db.connector.device_saves`) and leave encoding and commit
       to the :class:`~ucm_db.connector.worker.writer.BackgroundWriter`, in staging
       reused across saves (:mod:`~ucm_db.connector.worker.staging`). A save whose
       ``after_loads`` include a block this worker failed to load in its

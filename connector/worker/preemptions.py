@@ -8,11 +8,15 @@ keys. vLLM calls the connector's ``handle_preemptions`` at the start of
 every step, with the step's metadata, before it loads or computes anything:
 that hook is the guard (:meth:`PendingSaves.drop`).
 
-Today a worker copies every save of a step within the step
+Today a worker queues the copy of every save of a step within the step
 (``wait_for_save``), so nothing is pending when the guard runs and nothing
-is dropped; a copy moved out of the step (to overlap it with the next
-forward) must go through :class:`PendingSaves` (``take`` / ``done``) and is
-then guarded.
+is dropped. Beside KV caches on an accelerator the copy then runs on a save
+stream, after the call: vLLM's stream waits on the device for its gathers
+(:mod:`ucm_db.connector.device_saves`), so every later write into a freed
+block, a preempted request's included, lands after the read; in host time
+the guard is the device's order, not ``done``. A copy moved out of the
+step on the host must go through :class:`PendingSaves` (``take`` /
+``done``) and is then guarded.
 
 Invariants:
     * :meth:`PendingSaves.drop` returns only when no save of the named
@@ -54,7 +58,7 @@ class PendingSaves:
             return transfer
 
     def done(self, transfer: BlockTransfer) -> None:
-        """Its blocks are copied out: the KV cache is no longer read for it."""
+        """Its blocks' copy is queued: later writes into the KV cache land after it (module docstring)."""
         with self._changed:
             self._copying.remove(transfer)
             self._changed.notify_all()

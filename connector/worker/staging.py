@@ -1,7 +1,9 @@
 """Reusable staging buffers for saves.
 
-A save copies its units out of the KV cache into a staging buffer on the
-model's thread (``wait_for_save``); the background writer commits it.
+A save copies its units out of the KV cache into a staging buffer from the
+model's thread (``wait_for_save``; beside an accelerator the copy is only
+queued there, on a save stream: :mod:`ucm_db.connector.device_saves`); the
+background writer commits it.
 A fresh buffer per save costs a page fault and a zeroed page per 4 KiB on
 the model's thread (about as much as the copy itself on a 2-core host) and
 the kernel's page allocation competes with the writer's commit; a pooled
@@ -10,8 +12,11 @@ buffer was touched before, so the copy runs at memory speed.
 Invariants:
     * A buffer belongs to one :class:`Lease` at a time; it returns to the
       pool only through :meth:`Lease.release`, which the owner calls once
-      nothing reads it any more (the writer after its commit or failure: the
-      store copies payloads inside ``put``, so no view outlives it).
+      nothing on the host reads it any more (the writer after its commit or
+      failure: the store copies payloads inside ``put``, so no view outlives
+      it). A save dropped before its queued device copy is done gives its
+      buffer back with that copy still to land: the next lease's copy
+      follows it on the same save stream, so it lands first.
     * Buffers hold a power-of-two number of blocks' rows, so saves of
       different sizes reuse them; a lease is a view of its first rows (so
       leased buffers hold at most twice the bytes of their saves); the

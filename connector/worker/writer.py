@@ -1,8 +1,9 @@
 """Background writer: compression and commit of saved blocks off the forward pass.
 
 The worker copies the units of newly computed blocks out of the paged KV
-cache into a staging buffer during ``wait_for_save`` and hands the buffer
-here; one thread encodes and commits the jobs: all the unit chains (a KV
+cache into a staging buffer during ``wait_for_save`` (beside an
+accelerator it queues that copy, and this thread waits for it) and hands
+the buffer here; one thread encodes and commits the jobs: all the unit chains (a KV
 head's units of consecutive blocks) of the jobs queued when it takes one, up
 to :data:`COALESCE_MAX_BYTES`, in one transaction (``Store.put_segments``):
 a backlog costs one commit per writer round, not one per engine step. When

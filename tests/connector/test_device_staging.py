@@ -157,9 +157,11 @@ def _a_save_holds_the_blocks_as_the_forward_left_them_not_as_the_next_write() ->
     """On CUDA: a save queued (on its own stream) behind ~0.5 s of the
     model stream's work holds the blocks as that work left them (its last
     write included), not as the write the model stream queues right after
-    the save (the next step's, into the same blocks: it waits for the
-    save's gathers). Whether the model's thread returned before that work
-    ended is reported, not asserted (device_saves.py)."""
+    the save (the next step's, into the same blocks). The save stream's
+    gathers are held back a further ~0.25 s, so that write would land
+    first if the model's stream did not wait for them. Whether the model's
+    thread returned before that work ended is reported, not asserted
+    (device_saves.py)."""
     import time
 
     torch.manual_seed(7)
@@ -168,6 +170,13 @@ def _a_save_holds_the_blocks_as_the_forward_left_them_not_as_the_next_write() ->
     staging = layout.new_unit_staging(3)
     assert staging.is_pinned()
     saved = torch.tensor([1, 4, 0], device="cuda")  # on the device before the queued work: no copy that waits for it
+    gather = layout.gather_on_device
+
+    def late_gather(ids: torch.Tensor, rows: torch.Tensor) -> None:
+        torch.cuda._sleep(500_000_000)  # on the save stream, before its first gather
+        gather(ids, rows)
+
+    layout.gather_on_device = late_gather  # type: ignore[method-assign]
     model_stream = torch.cuda.Stream()
     with torch.cuda.stream(model_stream):
         torch.cuda._sleep(1_000_000_000)  # about 0.5 s of the forward still queued

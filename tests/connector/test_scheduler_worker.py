@@ -306,7 +306,7 @@ def test_a_failed_copy_out_of_the_kv_cache_loses_that_save_not_the_step(settings
     real_gather = worker.layout.gather_units_async
 
     class _FailedOnDevice:
-        def synchronize(self) -> None:
+        def query(self) -> bool:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     def faulty(block_ids: list[int], staging: torch.Tensor) -> SaveCopy:

@@ -101,16 +101,24 @@ def _forward(device: torch.device) -> Callable[[], None]:
     return forward
 
 
-def save_behind_forward(layout: KVLayout, block_ids: list[int], staging: torch.Tensor, device: torch.device,
-                        rounds: int) -> dict[str, Any]:
+def _negate(caches: dict[str, torch.Tensor], saved: slice) -> None:
+    """The next step's write into the saved blocks, queued on the current stream (twice: the blocks as they were)."""
+    for cache in caches.values():
+        cache[:, saved].neg_()
+
+
+def save_behind_forward(layout: KVLayout, caches: dict[str, torch.Tensor], saved: slice, staging: torch.Tensor,
+                        device: torch.device, rounds: int) -> dict[str, Any]:
     """What a save costs the model's thread with a forward still running on
     the device (vLLM queues it and calls ``wait_for_save`` before it ends):
     medians in ms of the forward alone, the model thread's time in a save
     waited for (``gather_units``: the connector before device_saves.py) and in
-    one queued (``gather_units_async``), and a step (forward, save, the next
-    forward, all done) each way; ``save_exact``: the queued save's rows equal
-    the waited one's."""
+    one queued (``gather_units_async``), and a step (forward, save, a write
+    into the saved blocks as the next step's may make, the next forward, all
+    done) each way; ``save_exact``: every save's rows, zeroed before it,
+    equal the blocks as they were before that write."""
     forward = _forward(device)
+    block_ids = list(range(saved.start, saved.stop))
     expected = staging.clone()
     layout.gather_units(block_ids, expected)
     times: dict[str, list[float]] = {k: [] for k in ("forward", "wait_save", "queue_save", "wait_step", "queue_step")}
@@ -118,6 +126,7 @@ def save_behind_forward(layout: KVLayout, block_ids: list[int], staging: torch.T
     for round_index in range(rounds + 1):
         times_now = {"forward": _timed(forward, device)}
         for mode in ("wait", "queue"):
+            staging.zero_()
             _sync(device)
             step_started = time.perf_counter()
             forward()
@@ -126,15 +135,18 @@ def save_behind_forward(layout: KVLayout, block_ids: list[int], staging: torch.T
             if copy is None:
                 layout.gather_units(block_ids, staging)
             times_now[f"{mode}_save"] = time.perf_counter() - started
+            _negate(caches, saved)
             forward()
             if copy is not None:
                 copy.wait()
             _sync(device)
             times_now[f"{mode}_step"] = time.perf_counter() - step_started
             exact &= torch.equal(staging, expected)
+            _negate(caches, saved)
         if round_index:
             for name, value in times_now.items():
                 times[name].append(value)
+    _sync(device)
     return {**{f"{name}_ms": statistics.median(values) * 1e3 for name, values in times.items()}, "save_exact": exact}
 
 
@@ -195,7 +207,7 @@ def run_once(device_name: str, layers: int, blocks: int, codec: str, rounds: int
                         seconds[name].append(elapsed)
                     if name == "load":
                         exact &= all(torch.equal(caches[n][:, blocks:], caches[n][:, :blocks]) for n in caches)
-            behind = save_behind_forward(layout, source, staging, device, rounds)
+            behind = save_behind_forward(layout, caches, slice(0, blocks), staging, device, rounds)
     finally:
         for reads in (loader, *read_threads.values()):
             reads.close()
