@@ -114,12 +114,9 @@ def config_digest(config_path: str, hf_config: Any, revision: str | None = None,
     if hub:
         files = hub_cached_files(config_path, _CONFIG_FILES, revision)
     if files:
-        folder = path if path.is_dir() else path.parent
         modules = sorted({module for repo, module in auto_map_references(files) if repo is None})
-        if hub:
-            code = module_files(modules, lambda m: next(iter(hub_cached_files(config_path, [f"{m}.py"], code_revision or revision)), None))
-        else:
-            code = module_files(modules, lambda m: folder / f"{m}.py" if (folder / f"{m}.py").is_file() else None)
+        where = config_path if hub else str(path if path.is_dir() else path.parent)
+        code = module_files(modules, module_finder(where, code_revision or revision))
         # A module named but not found is named in config.json, which is keyed.
         return files_digest([(file.name, file) for file in files] + code, b"ucm-db/hfcfg")
     plain = {k: v for k, v in hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
@@ -179,6 +176,16 @@ def module_files(modules: Sequence[str], find: Callable[[str], Path | None]) -> 
         folder = module.rpartition("/")[0]
         todo.extend(f"{folder}/{a or b}" if folder else a or b for a, b in _RELATIVE_IMPORT.findall(text))
     return [(m, found[m]) for m in sorted(found)]
+
+
+def module_finder(source: str, revision: str | None) -> Callable[[str], Path | None]:
+    """``find`` for :func:`module_files`: a module's file in a local
+    directory ``source``, else in hub id ``source``'s snapshot at
+    ``revision`` in the local hub cache."""
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        return lambda module: folder / f"{module}.py" if (folder / f"{module}.py").is_file() else None
+    return lambda module: next(iter(hub_cached_files(source, [f"{module}.py"], revision)), None)
 
 
 def files_digest(files: Sequence[tuple[str, Path]], person: bytes) -> str:

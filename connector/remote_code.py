@@ -43,7 +43,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ucm_db.connector.identity_guards import auto_map_references, files_digest, hub_cached_files, module_files
+from ucm_db.connector.identity_guards import auto_map_references, files_digest, hub_cached_files, module_finder, module_files
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 _warned: set[tuple[str, str]] = set()
@@ -83,11 +83,7 @@ def _config_files(source: str, revision: str | None) -> list[Path]:
 
 
 def _code_digest(repo: str, revision: str | None, modules: list[str]) -> str:
-    local = Path(repo).expanduser()
-    if local.is_dir():
-        found = module_files(modules, lambda m: local / f"{m}.py" if (local / f"{m}.py").is_file() else None)
-    else:
-        found = module_files(modules, lambda m: next(iter(hub_cached_files(repo, [f"{m}.py"], revision)), None))
+    found = module_files(modules, module_finder(repo, revision))
     if found:
         return files_digest(found, b"ucm-db/code")
     if (repo, str(revision)) not in _warned:

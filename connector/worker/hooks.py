@@ -73,6 +73,7 @@ class UcmDbWorker:
         self._group_namespace = group_namespace  # a hybrid model's KV cache group's (hybrid.py)
         self._role = role  # a kv_consumer never saves; a kv_producer commits within the step
         self._shape = shape
+        self._ranks = shape.tp_size * shape.pp_size  # the engine's TP x PP workers (load_threads "auto")
         self._num_blocks = num_blocks
         self._layout: KVLayout | None = None
         self._store: ucm_db.Store | None = None
@@ -96,7 +97,7 @@ class UcmDbWorker:
         _check_layout(self._layout, self._spans, tp_rank, pp_rank)
         self._writes = writes_units(self._shape, tp_rank)
         self._store = acquire(self._settings)
-        self._loads.bind(self._store, self._layout, self._namespace, self._grid, self._spans, self._shape.tp_size * self._shape.pp_size)
+        self._loads.bind(self._store, self._layout, self._namespace, self._grid, self._spans, self._ranks)
         publish_codec = self._settings.publish_codec
         committer = _start_committer(self._settings) if _commits_in_child(self._settings.save_process) and self._writes else None
         new_staging = self._layout.new_unit_staging if committer is None else _shared_staging(committer, self._layout)
@@ -244,8 +245,7 @@ class UcmDbWorker:
                            "constructor changes the config object (or this node lacks the config's files): the "
                            "scheduler's are used", self._shape.extra, scheduler_inputs)
             self._namespace = theirs
-            self._loads.bind(self._store, self.layout, theirs, self._grid, self._spans,  # type: ignore[arg-type]
-                             self._shape.tp_size * self._shape.pp_size)
+            self._loads.bind(self._store, self.layout, theirs, self._grid, self._spans, self._ranks)  # type: ignore[arg-type]
             return
         logger.error("ucm-db: the scheduler's namespace %s (inputs %s) is not this worker's %s (inputs %s, model %s): "
                      "this worker computes other KV; it loads and saves nothing until a restart", scheduler_id.hex()[:12],
