@@ -137,3 +137,42 @@ def test_an_ancestor_left_within_the_slack_still_goes_after_its_tail_and_older_t
         assert sum(store.lookup(NS, keys) for keys in others) == 5 - j
     store.put(NS, chain(300, 1), [block(300)])
     assert store.lookup(NS, a) == 1  # then a's tail, the touched block, before its head
+
+
+def test_a_chain_continued_in_a_full_store_costs_its_batch_not_its_depth(tmp_path, monkeypatch) -> None:
+    """A request's chain saved a few blocks a put while the store is full:
+    each put evicts without walking the chain to its root (the ancestors of
+    a stored block have live children, so they are never tails) and without
+    rescanning the chain's inner blocks for every victim; the chain stays
+    whole and the oldest other chains go."""
+    from ucm_db.index import damage
+
+    block_bytes = 16 << 10
+    meta_reads = 0
+    stored_meta = damage.stored_meta
+
+    def counting(txn, key):
+        nonlocal meta_reads
+        meta_reads += 1
+        return stored_meta(txn, key)
+
+    with ucm_db.open(tmp_path / "s", codec="none", capacity_bytes=300 * block_bytes) as s:
+        others = [chain(5000 + j, 1) for j in range(280)]
+        for j, keys in enumerate(others):
+            s.put(NS, keys, [bytes([j % 251]) * block_bytes])
+        long_chain = chain(1, 256)
+        monkeypatch.setattr(damage, "stored_meta", counting)
+        scanned_before, puts = s._tier.eviction_entries_scanned, 0
+        for i in range(0, 256, 4):
+            s.put(NS, long_chain[i : i + 4], [bytes([i % 251]) * block_bytes] * 4)
+            puts += 1
+        evictions = s.stats().evictions
+        assert evictions >= 230
+        assert s.lookup(NS, long_chain) == 256  # every ancestor stayed
+        assert sum(s.lookup(NS, keys) for keys in others) <= 50  # the others went, oldest first
+        assert all(s.lookup(NS, keys) == 1 for keys in others[-10:])
+        # About one metadata read a put (its parent's depth), not the chain's
+        # depth (a root walk a put reads ~8,000), and about one LRU entry
+        # read a victim plus each inner block of the chain once.
+        assert meta_reads <= 4 * puts
+        assert s._tier.eviction_entries_scanned - scanned_before <= 256 + 4 * evictions

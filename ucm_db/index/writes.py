@@ -18,7 +18,8 @@ Invariants:
       is quarantined (with its descendants) and the block stored anew.
     * Eviction takes unprotected chain tails, least recently used first;
       a put never evicts its own batch, the blocks of its call that were
-      stored already, or an ancestor of either; nothing evicts a pinned
+      stored already, or an ancestor of either (an ancestor of a stored
+      block has a live child, so it is never a tail); nothing evicts a pinned
       block (:mod:`ucm_db.index.pins`: a pinned tail is passed over like a
       block with children, so only pinned and protected blocks left means
       ``StoreFullError``).
@@ -161,7 +162,7 @@ class IndexWriter:
             pending = activity(changes.totals.stored_bytes > limits.capacity_bytes) if activity is not None else None
             if pending is not None:
                 self._apply_activity(txn, changes, pending)
-            result.evicted = self._evict_over_capacity(txn, changes, protected=_LazyAncestors(txn, entries, in_batch, protect))
+            result.evicted = self._evict_over_capacity(txn, changes, protected=in_batch.union(protect) if protect else in_batch)
             changes.commit()
             crashpoint("local.before_commit")
             return result, new
@@ -186,8 +187,14 @@ class IndexWriter:
 
     def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: Container[bytes]) -> int:
         """Evicts LRU chain tails until the totals fit the capacity, never a
-        ``protected`` block (a put's batch and the batch's ancestors:
-        evicting an ancestor would take the new blocks with it).
+        ``protected`` block (a put's batch and the blocks of its call stored
+        already). Their ancestors need no listing: every ancestor of a
+        stored block has a live child (the ``children`` link written with
+        that child, this transaction's too), so it is never a tail, and only
+        tails are evicted. Listing them cost a walk of each chain to its
+        root per put, and passing them over unfiled rescanned them at every
+        victim: a long chain continued in a full store paid its depth twice
+        per save.
 
         Raises:
             StoreFullError: only protected blocks are left to evict; the
@@ -236,20 +243,19 @@ class IndexWriter:
         """The least recently used unprotected block without children, or
         None. Blocks with children met on the way are filed again as used
         now (their chains are in use: a block gains children only when a
-        put continues it), so each is passed over once, not at every
-        eviction, and goes only once it is a tail. Stale LRU entries (no
-        block) are dropped. An unprotected block has a tail below it: a
-        protected block's ancestors are protected too. A pinned tail is
-        filed again too (its ancestors are pinned: pins.py)."""
+        put continues it), the ancestors of the put's own batch too, so
+        each is passed over once, not at every eviction, and goes only once
+        it is a tail. Stale LRU entries (no block) are dropped. A pinned
+        tail is filed again too (its ancestors are pinned: pins.py)."""
         refile: list[tuple[bytes, bytes]] = []
         stale: list[bytes] = []
         victim = None
         for lru, _ in txn.scan("lru"):
             self.eviction_entries_scanned += 1
             key = bytes(lru[LRU_PREFIX.size:])
-            if key in protected:
-                continue
             if not damage.has_live_children(txn, key):
+                if key in protected:
+                    continue  # the batch's own tail: the newest entries, met only when little else is left
                 if txn.get("meta", key) is None:
                     stale.append(bytes(lru))
                     continue
@@ -319,32 +325,3 @@ class IndexWriter:
                 visited.add(current)
                 current = meta.parent
 
-
-class _LazyAncestors:
-    """``key in protected`` for a put's eviction: the batch's keys, the
-    call's blocks that were stored already (``present``), or an ancestor
-    of either. The ancestor walk (one metadata read per level) runs only if
-    eviction asks, i.e. only in a full store."""
-
-    def __init__(self, txn: Txn, entries: Sequence[BlockEntry], in_batch: set[bytes], present: Sequence[bytes] = ()) -> None:
-        self._txn = txn
-        self._entries = entries
-        self._keys: set[bytes] | None = None
-        self._in_batch = in_batch
-        self._present = present
-
-    def __contains__(self, key: object) -> bool:
-        if key in self._in_batch:
-            return True
-        if self._keys is None:
-            self._keys = self._walk()
-        return key in self._keys
-
-    def _walk(self) -> set[bytes]:
-        ancestors: set[bytes] = set()
-        for current in [entry.parent for entry in self._entries] + list(self._present):
-            while current is not None and current not in self._in_batch and current not in ancestors:
-                ancestors.add(current)
-                meta = damage.stored_meta(self._txn, current)
-                current = meta.parent if meta is not None else None
-        return ancestors
