@@ -16,8 +16,12 @@ each job is one engine step's ``save`` of ``--job-blocks`` blocks (cycled:
 1, 2, 1, ...) of one of 8 requests in turn, each continuing its request's
 chain. The worker copies them out and its
 :class:`~ucm_db.connector.worker.writer.BackgroundWriter` commits them into
-a fresh LMDB store (the connector's defaults but the codec: durability
-``group``, 2 codec threads). Three modes:
+an LMDB store (the connector's defaults but the codec and capacity:
+durability ``group``, 2 codec threads). ``--store full`` (the default): a
+store at capacity, filled untimed with jobs of the same shape, so every
+commit evicts what it stores, as a serving store's does once full
+(:mod:`.at_capacity`); ``--store fresh``: a new store that only grows.
+Three modes:
 
 * ``backlog``: every job's ``save`` is called back to back, then ``drain``:
   the queue grows and each writer round commits the jobs queued, up to
@@ -47,17 +51,18 @@ times its put). Figures per case, GB/s of saved KV bytes:
   of the store's records (a unit's body in overflow pages plus the B-tree
   pages its other records dirty). None where ``/proc`` has no ``io``.
 
-The baseline is ``bench core``'s durable put row of the same codec, run by
-its own function (:func:`ucm_db.tools.bench.put._store_once`: 64 (quick 32) x 2 MiB of
-real K/V, 16 per commit, ``durability="group"``, timed to ``flush()``), per
+The baseline is ``bench core``'s durable put row of the same codec
+(:func:`.at_capacity.put_once`: 64 (quick 32) x 2 MiB of real K/V, 16 per
+commit, ``durability="group"``, timed to ``flush()``, into a store in the
+same state as the cases': at capacity or fresh), per
 CPU second of the whole process, as ``bench core`` reports it; each
 repetition runs it :data:`BASELINE_PUTS` times and keeps the one of median
 CPU time. A case's ratio is the median over repetitions of (its figure /
 the baseline's) within each repetition.
 
 Invariants:
-    * Every repetition runs the baseline then each case, on a fresh store
-      each, so a slow spell of the shared host hits all alike; figures are
+    * Every repetition runs the baseline then each case, each on a store of
+      its own, so a slow spell of the shared host hits all alike; figures are
       medians of ``--repeat`` and keep every run. One round before them
       warms up, untimed.
     * A case whose saves were not all committed (an error, a drop) raises:
@@ -84,6 +89,7 @@ from typing import Any
 import click
 import numpy as np
 
+from ucm_db.tools.bench import at_capacity, writer_table
 from ucm_db.tools.bench.common import BLOCK_BYTES, BenchOptions, Figure, int_list
 from ucm_db.tools.bench.core import load_payloads
 from ucm_db.tools.bench.load import BLOCK, HEAD_SIZE, KV_HEADS, LAYER_UNIT_BYTES
@@ -129,6 +135,7 @@ class Run:
     saved_bytes: int
     commits: int
     written_bytes: int | None = None  # handed to write/pwrite by the process (None: not known)
+    evicted_units: int = 0  # units the timed saves evicted (a store at capacity: about as many as they stored)
 
 
 def _process_cpu_s() -> float:
@@ -162,10 +169,11 @@ def _kv_caches(layers: int, payloads: Sequence[memoryview]) -> dict[str, Any]:
             .view(torch.bfloat16).reshape(shape) for i in range(layers)}
 
 
-def plan(layers: int, jobs: int, job_blocks: Sequence[int]) -> list[Any]:
+def plan(layers: int, jobs: int, job_blocks: Sequence[int], seed: int = 0) -> list[Any]:
     """The jobs' save metadata, one engine step each: ``job_blocks[j %
     len]`` blocks of request ``j % REQUESTS``, continuing its chain, copied
-    out of the next blocks of the KV cache."""
+    out of the next blocks of the KV cache. Another ``seed``: the same jobs
+    over other tokens (a store's filler)."""
     from ucm_db.connector.identity import namespace
     from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
     from ucm_db.tools.bench.load import _shape
@@ -173,7 +181,8 @@ def plan(layers: int, jobs: int, job_blocks: Sequence[int]) -> list[Any]:
     sizes = [job_blocks[j % len(job_blocks)] for j in range(jobs)]
     per_request = [sum(sizes[r::REQUESTS]) for r in range(REQUESTS)]
     ns = namespace(_shape(layers))
-    chains = [ns.block_keys([(r + 1) * 10_000_000 + t for t in range(n * BLOCK)]) for r, n in enumerate(per_request)]
+    chains = [ns.block_keys([(seed * REQUESTS + r + 1) * 10_000_000 + t for t in range(n * BLOCK)])
+              for r, n in enumerate(per_request)]
     done, cursor, metas = [0] * REQUESTS, 0, []
     for j, n in enumerate(sizes):
         r, at = j % REQUESTS, done[j % REQUESTS]
@@ -204,21 +213,29 @@ def _commits(counters: Any) -> int:
     return int(sum(v for k, v in counters.totals.data.items() if k.startswith("save_commit_hist_")))
 
 
-def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec: str, scratch: Path) -> Run:
-    """One repetition of ``case`` on a fresh store (opened and removed untimed)."""
+def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec: str, scratch: Path,
+                fillers: Sequence[Sequence[Any]] = ()) -> Run:
+    """One repetition of ``case`` on a fresh store (opened and removed
+    untimed), or with ``fillers`` (plans of the same size, other keys) on
+    one at capacity: a capacity of what ``metas`` save, filled untimed by
+    ``fillers`` (:mod:`.at_capacity`)."""
     from ucm_db.connector.settings import ConnectorSettings
     from ucm_db.connector.stores import acquire, release
     from ucm_db.connector.worker.hooks import UcmDbWorker
     from ucm_db.tools.bench.load import _shape
 
     path = Path(tempfile.mkdtemp(prefix=f"ucm-bench-writer-{case.name}-", dir=scratch))
-    settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": codec, "capacity_bytes": CAPACITY_BYTES})
+    expected = sum(len(t.keys) for meta in metas for t in meta.saves) * KV_HEADS * case.unit_bytes
+    capacity_bytes = at_capacity.capacity_for(expected, expected // case.unit_bytes) if fillers else CAPACITY_BYTES
+    settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": codec, "capacity_bytes": capacity_bytes})
     worker = UcmDbWorker(settings, _shape(case.layers), CACHE_BLOCKS)
     before = {t.ident for t in threading.enumerate()}
     worker.register_kv_caches(caches, 0, 0)
     store = acquire(settings)  # the worker's store (one per path per process): to flush it
     try:
         clock = _writer_clock(before)
+        at_capacity.fill(worker.save, worker.drain, store.flush, fillers)
+        totals0, commits0, evictions0 = dict(worker.counters.totals.data), _commits(worker.counters), store.stats().evictions
         written0 = written_bytes()
         wall0, proc0, main0, writer0 = time.perf_counter(), _process_cpu_s(), time.thread_time(), time.clock_gettime(clock)
         for meta in metas:
@@ -233,13 +250,13 @@ def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec:
         store.flush()
         wall_s, proc_s = time.perf_counter() - wall0, _process_cpu_s() - proc0
         written1 = written_bytes()
-        totals = worker.counters.totals.data
-        expected = sum(len(t.keys) for meta in metas for t in meta.saves) * KV_HEADS * case.unit_bytes
+        totals = {name: value - totals0.get(name, 0) for name, value in worker.counters.totals.data.items()}
         if totals["saved_bytes"] != expected or totals["save_errors"] or totals["saves_dropped"]:
             raise RuntimeError(f"{case.name}: saved {totals['saved_bytes']:.0f} of {expected} bytes "
                                f"({totals['save_errors']:.0f} errors, {totals['saves_dropped']:.0f} dropped)")
         written = None if written0 is None or written1 is None else written1 - written0
-        return Run(wall_s, writer_cpu_s, totals["save_commit_cpu_s"], proc_s - engine_cpu_s, expected, _commits(worker.counters), written)
+        return Run(wall_s, writer_cpu_s, totals["save_commit_cpu_s"], proc_s - engine_cpu_s, expected,
+                   _commits(worker.counters) - commits0, written, store.stats().evictions - evictions0)
     finally:
         release(store)
         worker.shutdown()
@@ -251,25 +268,25 @@ def _figure(values: list[float], unit: str, note: str = "") -> Figure:
 
 
 def run(layers: Sequence[int], modes: Sequence[str], job_blocks: Sequence[int], jobs: int, codec: str, repeat: int,
-        quick: bool = False, scratch_dir: str | None = None) -> dict[str, Any]:
+        quick: bool = False, scratch_dir: str | None = None, store: str = "full") -> dict[str, Any]:
     """Every case against the baseline, interleaved by repetition (module
     docstring); figures as plain dicts (``value``, ``unit``, ``runs``, ``note``)."""
-    from ucm_db.tools.bench import put as bench_put
-
     started, load_avg = time.time(), [round(x, 2) for x in os.getloadavg()]
     options = BenchOptions(quick=quick, repeat=repeat, scratch_dir=scratch_dir)
     payloads = load_payloads(options.put_blocks)
     cases = [Case(n, mode) for n in layers for mode in modes]
     caches = {n: _kv_caches(n, payloads) for n in layers}
     metas = {n: plan(n, jobs, job_blocks) for n in layers}
+    fillers = {n: [plan(n, jobs, job_blocks, seed=1 + turn) for turn in range(at_capacity.TURNOVERS)] if store == "full" else []
+               for n in layers}
     base: list[tuple[float, float]] = []
     runs: dict[Case, list[Run]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="ucm-bench-writer-", dir=scratch_dir) as scratch:
         for rep in range(repeat + 1):  # round 0 warms up, untimed: a process's first store ran up to 2x slower
-            puts = [bench_put._store_once(options, payloads, options.put_blocks, codec=codec, durability="group")
-                    for _ in range(BASELINE_PUTS)]
+            puts = [at_capacity.put_once(options, payloads, codec, store) for _ in range(BASELINE_PUTS)]
             put_run = median_by_cpu(puts)
-            case_runs = {case: writer_once(case, caches[case.layers], metas[case.layers], codec, Path(scratch)) for case in cases}
+            case_runs = {case: writer_once(case, caches[case.layers], metas[case.layers], codec, Path(scratch), fillers[case.layers])
+                         for case in cases}
             if rep:
                 base.append(put_run)
                 for case, one in case_runs.items():
@@ -282,7 +299,7 @@ def run(layers: Sequence[int], modes: Sequence[str], job_blocks: Sequence[int], 
     }
     return as_dict({
         "model": {"layout": "vLLM CPU", "kv_dtype": "bfloat16", "kv_heads": KV_HEADS, "head_size": HEAD_SIZE, "block_size": BLOCK},
-        "options": {"layers": list(layers), "modes": list(modes), "job_blocks": list(job_blocks), "jobs": jobs, "codec": codec,
+        "options": {"layers": list(layers), "modes": list(modes), "job_blocks": list(job_blocks), "jobs": jobs, "codec": codec, "store": store,
                     "repeat": repeat, "quick": quick, "requests": REQUESTS, "durability": "group"},
         "baseline": baseline,
         "rows": [_row(case, runs[case], base, put_bytes) for case in cases],
@@ -300,6 +317,7 @@ def _row(case: Case, runs: list[Run], base: list[tuple[float, float]], put_bytes
     row: dict[str, Any] = {
         "case": case.name, "layers": case.layers, "mode": case.mode,
         "unit_bytes": case.unit_bytes, "saved_bytes": saved, "commits": statistics.median(r.commits for r in runs),
+        "evicted_units": statistics.median(r.evicted_units for r in runs),
         "wall_gbps": _figure([saved / r.wall_s / GB for r in runs], "GB/s", "first save to durable (flush)"),
     }
     for name, values in per_cpu.items():
@@ -326,32 +344,6 @@ def as_dict(report: dict[str, Any]) -> dict[str, Any]:
     return plain(report)
 
 
-def format_table(report: dict[str, Any]) -> str:
-    o, b, m = report["options"], report["baseline"], report["model"]
-    lines = [
-        f"in-engine saves (connector worker + BackgroundWriter), vLLM CPU layout, bf16, {m['kv_heads']} KV heads x head "
-        f"{m['head_size']}, block {m['block_size']}; jobs of {','.join(map(str, o['job_blocks']))} blocks (cycled) from "
-        f"{o['requests']} requests, {o['jobs']} jobs; codec {o['codec']}, durability group; medians of {o['repeat']}",
-        f"baseline (bench core's durable put, {b['blocks']} x 2 MiB, codec {o['codec']}): {b['put_gbps']['value']:.3f} GB/s wall, "
-        f"{b['put_gbps_per_cpu_s']['value']:.3f} GB/s per CPU s",
-        "",
-        f"{'case':<12} {'unit':>7} {'commits':>7} {'wall':>7} {'writer':>7} {'x put':>6} {'commit':>7} {'x put':>6} "
-        f"{'off-eng':>7} {'x put':>6} {'ms/commit':>9} {'written':>7}  target >= {report['target']}x",
-        f"{'':<12} {'KiB':>7} {'':>7} {'GB/s':>7} {'GB/s/s':>7} {'':>6} {'GB/s/s':>7} {'':>6} {'GB/s/s':>7} {'':>9} {'x saved':>7}",
-    ]
-    for r in report["rows"]:
-        lines.append(
-            f"{r['case']:<12} {r['unit_bytes'] >> 10:>7} {r['commits']:>7.0f} {r['wall_gbps']['value']:>7.3f} "
-            f"{r['writer_gbps_per_cpu_s']['value']:>7.3f} {r['writer_x_put']['value']:>6.2f} {r['commit_gbps_per_cpu_s']['value']:>7.3f} "
-            f"{r['commit_x_put']['value']:>6.2f} {r['off_engine_gbps_per_cpu_s']['value']:>7.3f} {r['off_engine_x_put']['value']:>6.2f} "
-            f"{r['writer_cpu_ms_per_commit']['value']:>9.3f} "
-            f"{r['written_x_saved']['value'] if r['written_x_saved'] else float('nan'):>7.2f}  {'met' if r['target']['met'] else 'MISSED'}")
-    lines.append("GB/s/s: GB/s of saved KV per CPU second (writer thread; its commit counter; all but the engine's thread)")
-    load = ", ".join(f"{x:.2f}" for x in report["host"]["load_avg_at_start"])
-    lines.append(f"{report['host']['cpus']} CPUs, load average at start {load}; {report['elapsed_s']} s")
-    return "\n".join(lines)
-
-
 @click.command("writer", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--layers", default="8,2", show_default=True, callback=int_list, help="model layers, one case set each")
 @click.option("--job-blocks", default="1,2", show_default=True, callback=int_list,
@@ -361,12 +353,14 @@ def format_table(report: dict[str, Any]) -> str:
               help="on: saves queue up and rounds coalesce; off: one job per transaction (paced); steps: saves "
                    "2 ms apart (decode steps); both: on and off")
 @click.option("--codec", type=click.Choice(["none", "zstd"]), default="none", show_default=True, help="store codec (and baseline's)")
+@click.option("--store", type=click.Choice(["full", "fresh"]), default="full", show_default=True,
+              help="full: saves and baseline into stores at capacity (every save evicts; at_capacity.py); fresh: new stores")
 @click.option("--repeat", type=click.IntRange(min=1), default=None, help="repetitions (median) [7; quick 3]")
 @click.option("--quick", is_flag=True, help="64 jobs, 3 repetitions, bench core --quick's baseline (32 blocks)")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (default: system temp)")
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
-def command(layers: list[int], job_blocks: list[int], jobs: int | None, backlog: str, codec: str, repeat: int | None,
-            quick: bool, scratch_dir: str | None, as_json: bool) -> None:
+def command(layers: list[int], job_blocks: list[int], jobs: int | None, backlog: str, codec: str, store: str,
+            repeat: int | None, quick: bool, scratch_dir: str | None, as_json: bool) -> None:
     """In-engine saves (connector worker + background writer) per writer CPU second against bench core's durable put.
 
     The target (issue 50) is reported, not enforced: writer GB/s per CPU
@@ -379,8 +373,8 @@ def command(layers: list[int], job_blocks: list[int], jobs: int | None, backlog:
         ucm-db bench writer --quick --job-blocks 2 --jobs 32
     """
     modes = {"all": MODES, "both": ("backlog", "paced"), "on": ("backlog",), "off": ("paced",), "steps": ("steps",)}[backlog]
-    report = run(layers, modes, job_blocks, jobs or (64 if quick else 256), codec, repeat or (3 if quick else 7), quick, scratch_dir)
-    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
+    report = run(layers, modes, job_blocks, jobs or (64 if quick else 256), codec, repeat or (3 if quick else 7), quick, scratch_dir, store)
+    click.echo(json.dumps(report, indent=2) if as_json else writer_table.format_table(report))
 
 
 if __name__ == "__main__":
