@@ -46,6 +46,7 @@ BENCHMARKS = {
     "writer": "ucm_db.tools.bench.writer:command",
     "lmdb-floor": "ucm_db.tools.bench.lmdb_floor:command",
     "recency": "ucm_db.tools.bench.recency:command",
+    "eviction-depth": "ucm_db.tools.bench.eviction_depth:command",
     "staged": "ucm_db.tools.bench.staged:command",
     "device-load": "ucm_db.tools.bench.device_load:command",
 }
