@@ -1,7 +1,7 @@
 """Eviction takes chain tails, least recently used first; a block with
 children is passed over (and filed as used now), so the newest block of a
 chain never goes with an old ancestor, and the eviction cost stays flat
-however long the chains (real LMDB and RocksDB stores)."""
+however long the chains (real LMDB and RocksDB stores, and the in-memory reference engine)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def block(i: int) -> bytes:
     return bytes([i % 251]) * BLOCK_BYTES
 
 
-@pytest.fixture(params=["lmdb", "rocksdb"])
+@pytest.fixture(params=["lmdb", "rocksdb", "memory"])
 def store(tmp_path, request):
     with ucm_db.open(tmp_path / "s", codec="none", capacity_bytes=8 * BLOCK_BYTES + 4000, engine=request.param) as s:
         yield s
@@ -176,3 +176,18 @@ def test_a_chain_continued_in_a_full_store_costs_its_batch_not_its_depth(tmp_pat
         # read a victim plus each inner block of the chain once.
         assert meta_reads <= 4 * puts
         assert s._tier.eviction_entries_scanned - scanned_before <= 256 + 4 * evictions
+
+
+def test_a_put_that_evicts_keeps_its_own_parent_when_that_is_the_oldest_tail(store) -> None:
+    """The put's own children link makes its parent a non-tail inside the
+    put's transaction (each engine reads its own writes), so the eviction
+    that put sets off takes the oldest other tail, never the parent."""
+    a = chain(1, 2)
+    store.put(NS, a[:1], [block(0)])  # the oldest block, a tail until the put below
+    others = [chain(10 + j, 1) for j in range(7)]
+    for j, keys in enumerate(others):
+        time.sleep(0.002)
+        store.put(NS, keys, [block(10 + j)])  # the store is full: 8 blocks
+    store.put(NS, a[1:], [block(1)])  # continues the oldest block and must evict one
+    assert store.lookup(NS, a) == 2
+    assert [store.lookup(NS, keys) for keys in others] == [0] + [1] * 6
