@@ -37,17 +37,17 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.index import changefeed, damage, namespace_guard, pins, records
 from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
-from ucm_db.engines.base import Engine, Txn
+from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index.damage import Damage
 from ucm_db.index.reads import in_namespace
 from ucm_db.index.removal import remove_tree
-from ucm_db.index.entries import LRU_PREFIX, BlockEntry, BlockMeta, PendingActivity, PutResult, TierLimits, lru_key
+from ucm_db.index.entries import LRU_PREFIX, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, TierLimits, lru_key
 
 #: How much older than a touch an ancestor's recency may stay (module doc):
 #: a prefix of 512 blocks in 4 chains read again within it costs a flush
@@ -162,7 +162,8 @@ class IndexWriter:
             pending = activity(changes.totals.stored_bytes > limits.capacity_bytes) if activity is not None else None
             if pending is not None:
                 self._apply_activity(txn, changes, pending)
-            result.evicted = self._evict_over_capacity(txn, changes, protected=in_batch.union(protect) if protect else in_batch)
+            protected = _PutProtection(txn, entries, in_batch.union(protect) if protect else in_batch, protect)
+            result.evicted = self._evict_over_capacity(txn, changes, protected=protected)
             changes.commit()
             crashpoint("local.before_commit")
             return result, new
@@ -183,18 +184,25 @@ class IndexWriter:
             )
         if parent_meta.namespace_id != entry.namespace_id:
             namespace_guard.require_same(txn, parent_meta.pack(), entry.namespace_id, entry.parent, "parent")
+        if parent_meta.parent is not None and txn.get("children", parent_meta.parent + entry.parent) is None:
+            # A lost link (verify names it) would let the grandparent go as a tail, orphaning the chain
+            # this put continues: restored from the parent's own record, as ``verify --fix`` does.
+            txn.put("children", parent_meta.parent + entry.parent, b"")
         return parent_meta.depth
 
-    def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: Container[bytes]) -> int:
+    def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: _PutProtection) -> int:
         """Evicts LRU chain tails until the totals fit the capacity, never a
         ``protected`` block (a put's batch and the blocks of its call stored
-        already). Their ancestors need no listing: every ancestor of a
-        stored block has a live child (the ``children`` link written with
-        that child, this transaction's too), so it is never a tail, and only
-        tails are evicted. Listing them cost a walk of each chain to its
-        root per put, and passing them over unfiled rescanned them at every
-        victim: a long chain continued in a full store paid its depth twice
-        per save.
+        already). Their ancestors need no listing: in an intact index every
+        ancestor of a stored block has a live child (the ``children`` link
+        written with that child, this transaction's too), so it is never a
+        tail, and only tails are evicted. Listing them cost a walk of each
+        chain to its root per put, and passing them over unfiled rescanned
+        them at every victim: a long chain continued in a full store paid
+        its depth twice per save. A lost link (``ucm-db verify`` names it,
+        ``--fix`` restores it) lets an ancestor above it go as a tail, by
+        any put's eviction; a put restores the one above its stored parent
+        (:meth:`_depth_of_parent`), not those further up.
 
         Raises:
             StoreFullError: only protected blocks are left to evict; the
@@ -219,12 +227,12 @@ class IndexWriter:
         primitive (``compact``'s eviction)."""
         def run(txn: Txn) -> int:
             changes = Changes(txn)
-            evicted = self._evict_tails(txn, changes, target_bytes, (), max_blocks)
+            evicted = self._evict_tails(txn, changes, target_bytes, None, max_blocks)
             changes.commit()
             return evicted
         return self.engine.write(run)
 
-    def _evict_tails(self, txn: Txn, changes: Changes, target_bytes: int, protected: Container[bytes],
+    def _evict_tails(self, txn: Txn, changes: Changes, target_bytes: int, protected: _PutProtection | None,
                      max_blocks: int | None = None) -> int:
         """Evicts unprotected LRU chain tails (with their descendants) until at
         most ``target_bytes`` are stored, about ``max_blocks`` went, or none
@@ -239,14 +247,17 @@ class IndexWriter:
             changes.totals.evictions += count
         return evicted
 
-    def _oldest_tail(self, txn: Txn, changes: Changes, protected: Container[bytes]) -> bytes | None:
+    def _oldest_tail(self, txn: Txn, changes: Changes, protected: _PutProtection | None) -> bytes | None:
         """The least recently used unprotected block without children, or
         None. Blocks with children met on the way are filed again as used
         now (their chains are in use: a block gains children only when a
         put continues it), the ancestors of the put's own batch too, so
         each is passed over once, not at every eviction, and goes only once
         it is a tail. Stale LRU entries (no block) are dropped. A pinned
-        tail is filed again too (its ancestors are pinned: pins.py)."""
+        tail is filed again too (its ancestors are pinned: pins.py). A
+        damaged record met on the way is quarantined with its descendants,
+        unless it lies above the put's own blocks (:meth:`_PutProtection.covers`):
+        then it is left for a read or ``verify`` to find."""
         refile: list[tuple[bytes, bytes]] = []
         stale: list[bytes] = []
         victim = None
@@ -254,7 +265,7 @@ class IndexWriter:
             self.eviction_entries_scanned += 1
             key = bytes(lru[LRU_PREFIX.size:])
             if not damage.has_live_children(txn, key):
-                if key in protected:
+                if protected is not None and key in protected:
                     continue  # the batch's own tail: the newest entries, met only when little else is left
                 if txn.get("meta", key) is None:
                     stale.append(bytes(lru))
@@ -267,9 +278,13 @@ class IndexWriter:
             txn.delete("lru", lru)
         now = time.time_ns()
         for lru, key in refile:
+            data = txn.get("meta", key)
+            meta = damage.meta_or_none(data)
+            if meta is None and data is not None and protected is not None and protected.covers(key):
+                continue  # damaged above the put's own blocks: its quarantine would take them
             txn.delete("lru", lru)
-            meta = self.damage.meta_or_clear(txn, changes, key)
             if meta is None:
+                self.damage.meta_or_clear(txn, changes, key)  # a damaged record: quarantined with its descendants
                 continue
             meta.access_ns = max(meta.access_ns, now)
             txn.put("lru", lru_key(meta.access_ns, meta.depth, key), b"")
@@ -325,3 +340,49 @@ class IndexWriter:
                 visited.add(current)
                 current = meta.parent
 
+
+class _PutProtection:
+    """What a put's eviction never removes: ``key in`` it holds for the
+    batch's keys and the call's blocks stored already (a set: the victim
+    check). Their ancestors need no check there (never tails, see
+    :meth:`IndexWriter._evict_over_capacity`); :meth:`covers` answers for
+    them too, for a damaged record the scan would quarantine with its
+    descendants. Its walk to the roots (one metadata read a level) runs on
+    first use only, so an intact index never pays it."""
+
+    def __init__(self, txn: Txn, entries: Sequence[BlockEntry], keys: set[bytes], present: Sequence[bytes]) -> None:
+        self._txn = txn
+        self._entries = entries
+        self._keys = keys
+        self._present = present
+        self._ancestors: set[bytes] | None = None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def covers(self, key: bytes) -> bool:
+        """Whether ``key`` is protected or an ancestor of a protected block."""
+        if key in self._keys:
+            return True
+        if self._ancestors is None:
+            self._ancestors = self._walk()
+        return key in self._ancestors
+
+    def _walk(self) -> set[bytes]:
+        ancestors: set[bytes] = set()
+        for current in [entry.parent for entry in self._entries] + list(self._present):
+            while current is not None and current not in self._keys and current not in ancestors:
+                ancestors.add(current)
+                current = _parent_of(self._txn.get("meta", current))
+        return ancestors
+
+
+def _parent_of(data: Buffer | None) -> bytes | None:
+    """The parent a metadata record names; a damaged record's too where its
+    length is right (its sizes are what is wrong); None where unreadable."""
+    if data is None:
+        return None
+    try:
+        return BlockMeta.unpack(data).parent
+    except DamagedMeta as exc:
+        return exc.fields.parent if exc.fields is not None else None
