@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 import time
 
+import numpy as np
 import pytest
 
 import ucm_db
@@ -68,3 +69,27 @@ def test_a_lost_link_above_the_put_s_parent_is_restored_before_its_eviction(full
     assert store.lookup(NS, a) == 3  # the grandparent did not go as a tail
     assert [store.lookup(NS, keys) for keys in others] == [0] + [1] * 5
     assert store._tier.check() == []
+
+
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb", "memory"])
+def test_a_damaged_record_above_the_call_s_stored_blocks_stays_with_them(tmp_path, engine) -> None:
+    """A put whose first blocks were stored already (they are protected,
+    not put again) over a damaged ancestor of theirs: the eviction leaves
+    the damaged record, so the call's blocks and the new one stay."""
+    with ucm_db.open(tmp_path / "s", codec="zstd", capacity_bytes=8 * BLOCK_BYTES + 8000, engine=engine) as store:
+        a = chain(1, 4)
+        payloads = [np.random.default_rng(i).integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for i in range(9)]
+        store.put(NS, a[:3], payloads[:3])  # incompressible: each fills a block's share of the capacity
+        others = [chain(10 + j, 1) for j in range(5)]
+        for j, keys in enumerate(others):
+            time.sleep(0.002)
+            store.put(NS, keys, [payloads[4 + j]])
+
+        def damage_root(txn) -> None:
+            record = bytes(txn.get("meta", a[0]))
+            txn.put("meta", a[0], record[:STORED_AT] + struct.pack("<Q", 2**63) + record[STORED_AT + 8:])
+
+        store._tier.engine.write(damage_root)
+        result = store.put(NS, a[1:4], payloads[1:4], parent=a[0])  # a[1], a[2] stored already
+        assert (result.stored, result.already_present, result.evicted) == (1, 2, 1)
+        assert store._tier.reads.exists(list(a)) == [True, True, True, True]

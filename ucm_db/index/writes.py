@@ -184,10 +184,12 @@ class IndexWriter:
             )
         if parent_meta.namespace_id != entry.namespace_id:
             namespace_guard.require_same(txn, parent_meta.pack(), entry.namespace_id, entry.parent, "parent")
-        if parent_meta.parent is not None and txn.get("children", parent_meta.parent + entry.parent) is None:
+        grandparent = parent_meta.parent
+        if grandparent is not None and txn.get("children", grandparent + entry.parent) is None \
+                and txn.get("meta", grandparent) is not None:
             # A lost link (verify names it) would let the grandparent go as a tail, orphaning the chain
             # this put continues: restored from the parent's own record, as ``verify --fix`` does.
-            txn.put("children", parent_meta.parent + entry.parent, b"")
+            txn.put("children", grandparent + entry.parent, b"")
         return parent_meta.depth
 
     def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: _PutProtection) -> int:
@@ -370,7 +372,8 @@ class _PutProtection:
 
     def _walk(self) -> set[bytes]:
         ancestors: set[bytes] = set()
-        for current in [entry.parent for entry in self._entries] + list(self._present):
+        starts = [entry.parent for entry in self._entries] + [_parent_of(self._txn.get("meta", key)) for key in self._present]
+        for current in starts:
             while current is not None and current not in self._keys and current not in ancestors:
                 ancestors.add(current)
                 current = _parent_of(self._txn.get("meta", current))
