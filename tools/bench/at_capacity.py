@@ -18,17 +18,15 @@ Invariants:
     * The baseline put and the connector's saves are brought to capacity
       the same way, each with a capacity of what its timed run writes
       (:func:`capacity_for`).
-    * Imports no vLLM (the connector's metadata only where the caller
-      passes it in).
+    * Imports no vLLM: the connector's fills are the caller's
+      (:func:`ucm_db.tools.bench.writer.writer_once`).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import ucm_db
 from ucm_db.tools.bench import put as bench_put
@@ -71,14 +69,3 @@ def put_once(options: BenchOptions, payloads: list[memoryview], codec: str, stor
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
-
-def fill(save: Callable[[Any], None], drain: Callable[[], None], flush: Callable[[], None],
-         fillers: Sequence[Sequence[Any]]) -> None:
-    """Saves every job of each filler plan (``save`` one job's metadata,
-    ``drain`` the writer), then makes it durable: the untimed part of a
-    case at capacity."""
-    for plan in fillers:
-        for meta in plan:
-            save(meta)
-        drain()
-    flush()

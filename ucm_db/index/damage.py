@@ -233,11 +233,18 @@ def restore_links_in(txn: Txn) -> dict[str, int]:
         if txn.get("lru", lru) is None:
             txn.put("lru", lru, b"")
             added["lru"] += 1
-        if meta.parent is not None and txn.get("meta", meta.parent) is not None \
-                and txn.get("children", meta.parent + key) is None:
-            txn.put("children", meta.parent + key, b"")
+        if meta.parent is not None and restore_link(txn, key, meta.parent):
             added["children"] += 1
     return added
+
+
+def restore_link(txn: Txn, key: bytes, parent: bytes) -> bool:
+    """Re-adds the child link ``parent`` -> ``key`` where ``parent`` is
+    stored and the link is missing; returns whether it did."""
+    if txn.get("children", parent + key) is not None or txn.get("meta", parent) is None:
+        return False
+    txn.put("children", parent + key, b"")
+    return True
 
 
 def _unreadable_in_trees(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:

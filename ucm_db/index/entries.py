@@ -89,6 +89,19 @@ class BlockMeta:
         return meta
 
 
+def meta_and_parent(data: Buffer | None) -> tuple[BlockMeta | None, bytes | None]:
+    """A ``meta`` record's fields (None where absent or damaged) and the
+    parent it names (a damaged record's too where its length is right: its
+    sizes are what is wrong)."""
+    if data is None:
+        return None, None
+    try:
+        meta = BlockMeta.unpack(data)
+    except DamagedMeta as exc:
+        return None, exc.fields.parent if exc.fields is not None else None
+    return meta, meta.parent
+
+
 class DamagedPin(ValueError):
     """An ``info/pin/<key>`` record that is not a whole :class:`PinRecord`."""
 

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from ucm_db.engines.base import Txn
 from ucm_db.index import records
 from ucm_db.index.accounting import PIN_COUNTS, PIN_COUNTS_PREFIX, Changes, recount_pins
-from ucm_db.index.entries import PIN_PREFIX, BlockMeta, DamagedMeta, DamagedPin, PinRecord
+from ucm_db.index.entries import PIN_PREFIX, BlockMeta, DamagedPin, PinRecord, meta_and_parent
 
 INFO = "info"
 #: Problems :func:`problems` lists one by one before it only counts them.
@@ -64,16 +64,8 @@ def read(txn: Txn, key: bytes) -> PinRecord | None:
 
 
 def _parent_of(txn: Txn, key: bytes) -> tuple[BlockMeta | None, bytes | None]:
-    """``key``'s metadata (None where absent or unreadable) and its parent
-    (from a damaged record's fields where its length is right)."""
-    data = txn.get("meta", key)
-    if data is None:
-        return None, None
-    try:
-        meta = BlockMeta.unpack(data)
-    except DamagedMeta as exc:
-        return None, exc.fields.parent if exc.fields is not None else None
-    return meta, meta.parent
+    """``key``'s metadata and its parent (:func:`~ucm_db.index.entries.meta_and_parent`)."""
+    return meta_and_parent(txn.get("meta", key))
 
 
 def pin_at(txn: Txn, changes: Changes, key: bytes) -> int:

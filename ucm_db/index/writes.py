@@ -43,11 +43,13 @@ from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.index import changefeed, damage, namespace_guard, pins, records
 from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
-from ucm_db.engines.base import Buffer, Engine, Txn
+from ucm_db.engines.base import Engine, Txn
 from ucm_db.index.damage import Damage
 from ucm_db.index.reads import in_namespace
 from ucm_db.index.removal import remove_tree
-from ucm_db.index.entries import LRU_PREFIX, BlockEntry, BlockMeta, DamagedMeta, PendingActivity, PutResult, TierLimits, lru_key
+from ucm_db.index.entries import (
+    LRU_PREFIX, BlockEntry, BlockMeta, PendingActivity, PutResult, TierLimits, lru_key, meta_and_parent,
+)
 
 #: How much older than a touch an ancestor's recency may stay (module doc):
 #: a prefix of 512 blocks in 4 chains read again within it costs a flush
@@ -184,12 +186,10 @@ class IndexWriter:
             )
         if parent_meta.namespace_id != entry.namespace_id:
             namespace_guard.require_same(txn, parent_meta.pack(), entry.namespace_id, entry.parent, "parent")
-        grandparent = parent_meta.parent
-        if grandparent is not None and txn.get("children", grandparent + entry.parent) is None \
-                and txn.get("meta", grandparent) is not None:
+        if parent_meta.parent is not None:
             # A lost link (verify names it) would let the grandparent go as a tail, orphaning the chain
             # this put continues: restored from the parent's own record, as ``verify --fix`` does.
-            txn.put("children", grandparent + entry.parent, b"")
+            damage.restore_link(txn, entry.parent, parent_meta.parent)
         return parent_meta.depth
 
     def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: _PutProtection) -> int:
@@ -372,20 +372,10 @@ class _PutProtection:
 
     def _walk(self) -> set[bytes]:
         ancestors: set[bytes] = set()
-        starts = [entry.parent for entry in self._entries] + [_parent_of(self._txn.get("meta", key)) for key in self._present]
+        starts = [entry.parent for entry in self._entries] + [meta_and_parent(self._txn.get("meta", key))[1]
+                                                               for key in self._present]
         for current in starts:
             while current is not None and current not in self._keys and current not in ancestors:
                 ancestors.add(current)
-                current = _parent_of(self._txn.get("meta", current))
+                current = meta_and_parent(self._txn.get("meta", current))[1]
         return ancestors
-
-
-def _parent_of(data: Buffer | None) -> bytes | None:
-    """The parent a metadata record names; a damaged record's too where its
-    length is right (its sizes are what is wrong); None where unreadable."""
-    if data is None:
-        return None
-    try:
-        return BlockMeta.unpack(data).parent
-    except DamagedMeta as exc:
-        return exc.fields.parent if exc.fields is not None else None
