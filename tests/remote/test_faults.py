@@ -234,3 +234,27 @@ def test_the_product_does_not_know_the_fault_protocol() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_fetch_left_no_time_by_its_search_still_finishes_in_the_background(
+    tmp_path: Path, root: str, plan: FaultPlan, namespace,
+) -> None:
+    """The search answers within the deadline and finds every block; the
+    fetch after it cannot answer in the time left, which opens the breaker.
+    The background continuation waits out the backoff and fetches them all
+    (it used to stop at once on the open breaker: nothing ever promoted)."""
+    n_blocks = 40  # more than a direct fetch takes: searched first
+    keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
+    deadline_s = 1.0
+    plan.latency_s = 0.6  # one search round fits the deadline; a fetch round after it does not
+    with _faulty(tmp_path, root, plan, remote_deadline_s=deadline_s) as node_b:
+        assert node_b.lookup(namespace, keys) == 0
+        search = node_b._wing.link.last_search
+        assert search is not None and search.complete and search.count == n_blocks
+        assert node_b.stats().remote["breaker_trips"] >= 1
+        end = time.monotonic() + 20
+        while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
+            time.sleep(0.05)  # no further lookups: the background promotion fills it
+        assert node_b._tier.count_prefix(keys) == n_blocks
+        assert node_b._wing.continuations.promoted_in_background == n_blocks
+        assert node_b.get(namespace, keys) == payloads

@@ -17,6 +17,12 @@ Invariants:
       remote-only hits arrive asynchronously and the next lookup finds them
       local. A lookup thus waits at most its deadline on the remote plus one
       local commit of at most that many bytes.
+    * A continuation first waits out the breaker's backoff (at most
+      :data:`~ucm_db.remote.search.MAX_BACKOFF_S`): a search that used up
+      most of the deadline leaves the fetch after it no time to get an
+      answer, and that fetch opens the breaker, yet the search has just
+      shown the remote answering and holding the prefix. A remote that is
+      really down then fails the continuation's own fetch, which stops it.
     * A lookup asks the remote only for what it could promote: nothing when
       the first key's parent is not local; a continuation of at most
       :data:`DIRECT_FETCH_KEYS` keys is fetched outright (one request per
@@ -28,14 +34,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from ucm_db.errors import MissingAncestorError
 from ucm_db.remote import link as link_module
 from ucm_db.remote.link import RemoteLink
-from ucm_db.remote.search import SEARCH_FANOUT
+from ucm_db.remote.search import MAX_BACKOFF_S, SEARCH_FANOUT
 from ucm_db.engines.base import Buffer
 from ucm_db.index.local import BlockEntry, LocalTier
 from ucm_db.index.namespace_guard import ForeignNamespaceError
@@ -86,6 +92,7 @@ class Continuations:
         self._promote_lock = threading.Lock()
         self._continuing = 0
         self._closed = False
+        self._closing = threading.Event()  # wakes a continuation waiting out the breaker
         self.promoted_in_background = 0
 
     def after_fork(self) -> None:
@@ -96,6 +103,7 @@ class Continuations:
         """Stops taking work and waits (at most :data:`CLOSE_WAIT_S`) for a
         commit in progress; a running continuation stops at its next run."""
         self._closed = True
+        self._closing.set()
         self._background.shutdown(wait=False, cancel_futures=True)
         if self._promote_lock.acquire(timeout=CLOSE_WAIT_S):
             self._promote_lock.release()
@@ -121,7 +129,7 @@ class Continuations:
             runs = [fetched[i : i + 64] for i in range(0, len(fetched), 64)]
             if fetched:
                 parent = fetched[-1].key
-            for run in itertools.chain(runs, self._link.stream_chain(namespace_id, keys[len(fetched):], parent)):
+            for run in itertools.chain(runs, self._stream_after_backoff(namespace_id, keys[len(fetched):], parent)):
                 with self._promote_lock:  # close() waits for a promotion in progress
                     if self._closed or promote(local, run) < len(run):
                         break
@@ -131,6 +139,15 @@ class Continuations:
         finally:
             with self._continuing_lock:
                 self._continuing -= 1
+
+    def _stream_after_backoff(
+        self, namespace_id: bytes, keys: list[bytes], parent: bytes | None,
+    ) -> Iterator[list[RemoteObject]]:
+        """The link's stream of ``keys``, once the breaker lets requests
+        through (nothing if the store closes while waiting)."""
+        if not keys or self._closing.wait(min(self._link.breaker.open_for_s(), MAX_BACKOFF_S)):
+            return
+        yield from self._link.stream_chain(namespace_id, keys, parent)
 
 
 def extend_prefix(

@@ -33,6 +33,10 @@ class Breaker:
     def allow(self) -> bool:
         return time.monotonic() >= self._open_until
 
+    def open_for_s(self) -> float:
+        """Seconds until the breaker lets requests through again (0: now)."""
+        return max(0.0, self._open_until - time.monotonic())
+
     def failure(self) -> None:
         with self._lock:
             self._open_until = time.monotonic() + self._backoff_s
