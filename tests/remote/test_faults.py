@@ -240,21 +240,41 @@ def test_fetch_left_no_time_by_its_search_still_finishes_in_the_background(
     tmp_path: Path, root: str, plan: FaultPlan, namespace,
 ) -> None:
     """The search answers within the deadline and finds every block; the
-    fetch after it cannot answer in the time left, which opens the breaker.
-    The background continuation waits out the backoff and fetches them all
-    (it used to stop at once on the open breaker: nothing ever promoted)."""
+    fetch after it cannot answer in the time left. That silence is not the
+    remote's failure (it just answered): the breaker stays closed, and the
+    background continuation fetches every block (it used to stop on the
+    breaker the fetch had opened: nothing was ever promoted)."""
     n_blocks = 40  # more than a direct fetch takes: searched first
     keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
-    deadline_s = 1.0
-    plan.latency_s = 0.6  # one search round fits the deadline; a fetch round after it does not
-    with _faulty(tmp_path, root, plan, remote_deadline_s=deadline_s) as node_b:
+    plan.latency_s = 0.6  # one search round fits the 1 s deadline; a fetch round after it does not
+    with _faulty(tmp_path, root, plan, remote_deadline_s=1.0) as node_b:
         assert node_b.lookup(namespace, keys) == 0
         search = node_b._wing.link.last_search
         assert search is not None and search.complete and search.count == n_blocks
-        assert node_b.stats().remote["breaker_trips"] >= 1
+        assert node_b.stats().remote["breaker_trips"] == 0
         end = time.monotonic() + 20
         while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
             time.sleep(0.05)  # no further lookups: the background promotion fills it
         assert node_b._tier.count_prefix(keys) == n_blocks
         assert node_b._wing.continuations.promoted_in_background == n_blocks
+        assert node_b.get(namespace, keys) == payloads
+
+
+def test_continuation_waits_out_an_open_breaker(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    """A continuation queued while the breaker is open (another lookup's
+    failure) waits out the backoff, then fetches, instead of dropping a
+    prefix found present. The breaker is opened by hand here: a fault
+    between one lookup's search and its continuation cannot be timed."""
+    n_blocks = 40
+    keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
+    with _faulty(tmp_path, root, plan) as node_b:
+        link = node_b._wing.link
+        for _ in range(3):
+            link.breaker.failure()  # backoff 0.05, 0.1, then 0.2 s
+        assert link.breaker.open_for_s() > 0.1
+        assert node_b._wing.continuations.continue_later(node_b._tier, namespace.id, list(keys), None)
+        end = time.monotonic() + 20
+        while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
+            time.sleep(0.05)
+        assert node_b._tier.count_prefix(keys) == n_blocks
         assert node_b.get(namespace, keys) == payloads

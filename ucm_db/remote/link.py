@@ -20,7 +20,9 @@ Invariants:
       stay fast (:mod:`ucm_db.remote.inline_reads`): requests then run in
       order on the caller's thread, none started past the deadline.
     * When the remote fails (an error other than "not found", or a deadline
-      passing with no request answered) the breaker opens for a backoff that
+      passing with no request answered; not for the fetch after a search
+      that just answered, which may have been left less time than one
+      request takes) the breaker opens for a backoff that
       doubles up to :data:`~ucm_db.remote.search.MAX_BACKOFF_S`; while open, reads skip the remote
       at once and the store serves what is local.
     * Remote presence along a chain is treated as monotone for the search
@@ -101,9 +103,11 @@ class RemoteLink:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- concurrency with a deadline ----------------------------------------------
-    def run_all(self, calls: list[Callable[[], Any]], deadline: float) -> list[Any] | None:
+    def run_all(self, calls: list[Callable[[], Any]], deadline: float, *, silence_trips: bool = True) -> list[Any] | None:
         """Runs calls on the pool until all are done or ``deadline``
         (monotonic); calls not finished by then are cancelled or abandoned.
+        No call answering by the deadline opens the breaker unless
+        ``silence_trips`` is False (the caller just had the remote answer).
 
         Returns:
             Each call's result, :data:`UNFINISHED` where it did not finish
@@ -113,7 +117,7 @@ class RemoteLink:
         if not self.breaker.allow():
             return None
         if self.inline.use():
-            return self._run_inline(calls, deadline)
+            return self._run_inline(calls, deadline, silence_trips)
         futures = [self._pool.submit(self.inline.timed(call)) for call in calls]
         done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_EXCEPTION)
         for future in pending:
@@ -122,13 +126,13 @@ class RemoteLink:
             self.breaker.failure()
             return None
         results = [f.result() if f in done else UNFINISHED for f in futures]
-        if calls and all(r is UNFINISHED for r in results):
+        if calls and silence_trips and all(r is UNFINISHED for r in results):
             self.breaker.failure()  # nothing answered in time: looks down
         elif not any(r is UNFINISHED for r in results):
             self.breaker.success()
         return results
 
-    def _run_inline(self, calls: list[Callable[[], Any]], deadline: float) -> list[Any] | None:
+    def _run_inline(self, calls: list[Callable[[], Any]], deadline: float, silence_trips: bool) -> list[Any] | None:
         """:meth:`run_all` on the caller's thread, in order: a call is not
         started past ``deadline`` (it is :data:`UNFINISHED`)."""
         results: list[Any] = []
@@ -141,7 +145,7 @@ class RemoteLink:
             except Exception:  # noqa: BLE001 - as a pooled call's error: the breaker trips
                 self.breaker.failure()
                 return None
-        if calls and all(r is UNFINISHED for r in results):
+        if calls and silence_trips and all(r is UNFINISHED for r in results):
             self.breaker.failure()  # nothing answered in time: looks down
         elif not any(r is UNFINISHED for r in results):
             self.breaker.success()
@@ -166,10 +170,13 @@ class RemoteLink:
         self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float,
     ) -> list[RemoteObject]:
         """Fetches ``keys`` (a chain whose first block's parent is
-        ``parent``) and returns the leading run that arrived verified and
-        chained before the deadline."""
-        run = self.fetch_run(namespace_id, keys, parent, deadline)
-        return [] if run is None else run[0]
+        ``parent``, found present by a :meth:`search` that just answered)
+        and returns the leading run that arrived verified and chained
+        before the deadline. No answer by then does not open the breaker:
+        the search may have left less time than one request takes (an
+        error still opens it)."""
+        results = self._fetch_all(namespace_id, keys, deadline, silence_trips=False)
+        return [] if results is None else _leading_run(results, parent)[0]
 
     def fetch_run(
         self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float,
@@ -183,7 +190,9 @@ class RemoteLink:
             return None
         return _leading_run(results, parent)
 
-    def _fetch_all(self, namespace_id: bytes, keys: Sequence[bytes], deadline: float) -> list[Any] | None:
+    def _fetch_all(
+        self, namespace_id: bytes, keys: Sequence[bytes], deadline: float, *, silence_trips: bool = True,
+    ) -> list[Any] | None:
         """:meth:`run_all` of one fetch per key within ``deadline`` and one
         :class:`ByteBudget` of :attr:`lookup_max_bytes` (a fetch stopped by
         either is :data:`UNFINISHED`); reads still running when it returns
@@ -191,7 +200,8 @@ class RemoteLink:
         tier = self.tier(namespace_id)
         budget = ByteBudget(self.lookup_max_bytes)
         try:
-            return self.run_all([_limited_fetch(tier, key, ReadLimits(deadline, budget, i)) for i, key in enumerate(keys)], deadline)
+            calls = [_limited_fetch(tier, key, ReadLimits(deadline, budget, i)) for i, key in enumerate(keys)]
+            return self.run_all(calls, deadline, silence_trips=silence_trips)
         finally:
             budget.close()
 
