@@ -36,6 +36,13 @@ class TierError(UcmDbError, OSError):
     default_hint = "check that the store path is on a local, writable disk with free space"
 
 
+class RemotePendingError(TierError):
+    """A remote request the call did not wait for is still running (first
+    contact with a slow remote); a later call takes its answer."""
+
+    default_hint = "nothing to do: the request goes on; raise remote_deadline_s if it never answers in time"
+
+
 class DamagedPageError(TierError):
     """The engine met a damaged page of its file (LMDB's MDB_CORRUPTED,
     MDB_PAGE_NOTFOUND, MDB_INCOMPATIBLE ...): the store's file, not the

@@ -102,6 +102,11 @@ class RemoteLink:
         # Never wait on a hung remote: abandon running requests.
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        """Runs ``call`` on the pool, timed like any request; the caller
+        decides how long to wait and what an error means to the breaker."""
+        return self._pool.submit(self.inline.timed(call))
+
     # -- concurrency with a deadline ----------------------------------------------
     def run_all(self, calls: list[Callable[[], Any]], deadline: float, *, silence_trips: bool = True) -> list[Any] | None:
         """Runs calls on the pool until all are done or ``deadline``

@@ -28,7 +28,8 @@ from ucm_db.auth import AuthKeys
 from ucm_db.config import StoreConfig
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.link import UNFINISHED, RemoteLink
-from ucm_db.remote.manifests import ManifestError, manifest_epoch, record_epoch
+from ucm_db.remote.first_contact import ManifestReads
+from ucm_db.remote.manifests import record_epoch
 from ucm_db.remote.sealing import SealingKeys
 from ucm_db.remote.promotion import Continuations, DecodeQueue, extend_prefix, read_through
 from ucm_db.remote.uploader import Uploader, describe
@@ -55,6 +56,7 @@ class RemoteWing:
             sealing=sealing,
         )
         self.continuations = Continuations(self.link)
+        self._manifests = ManifestReads(self.link, config.remote)
         self.uploader: Uploader | None = None
 
     def start_process(self, *, forked: bool) -> None:
@@ -63,6 +65,7 @@ class RemoteWing:
         if forked:
             self.link.after_fork()
             self.continuations.after_fork()
+            self._manifests.after_fork()
             if self.uploader is not None:
                 self.uploader.forget_lock_after_fork()
         remote_codec = RemoteCodec(
@@ -90,25 +93,18 @@ class RemoteWing:
         deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self._config.remote_deadline_s
         read_through(self.link, self._local, namespace_id, keys, missing, deadline, use, decodes)
 
-    def namespace_epoch(self, namespace_id: bytes) -> int | None:
+    def namespace_epoch(self, namespace_id: bytes, wait_s: float | None = None) -> int | None:
         """The epoch the remote's manifest of the namespace carries; None if
-        unknown (:func:`ucm_db.remote.manifests.manifest_epoch`), read within
-        the lookup deadline on the link's pool.
+        unknown (:func:`ucm_db.remote.manifests.manifest_epoch`), waited for
+        at most ``wait_s`` (default: the lookup deadline): first contact,
+        :mod:`ucm_db.remote.first_contact`.
 
         Raises:
+            RemotePendingError: the read is still running (it goes on).
             ManifestError: the manifest's epoch cannot be established.
-            TierError: the remote failed or did not answer in time.
+            TierError: the remote failed.
         """
-        def read() -> int | None | ManifestError:
-            try:
-                return manifest_epoch(self.link.root, namespace_id)
-            except ManifestError as exc:  # an answer, not a failure of the link
-                return exc
-
-        found = self._within(read, self._config.remote_deadline_s, "read the namespace manifest")
-        if isinstance(found, ManifestError):
-            raise found
-        return found  # type: ignore[no-any-return]
+        return self._manifests.epoch(namespace_id, self._config.remote_deadline_s if wait_s is None else wait_s)
 
     def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None:
         """Makes the remote's manifest of the namespace carry ``epoch``

@@ -19,9 +19,11 @@ Invariants:
       anything of it is read through from the remote): the manifest's epoch
       is read and the namespace's epoch becomes ``max(local, remote)``
       (recorded by ``epoch()`` or the first put of a writable store, held
-      in memory by a read-only one). While that read fails (remote down)
-      nothing of the namespace is read through from the remote; it is
-      retried at most every :data:`RETRY_S`.
+      in memory by a read-only one). Until it answers nothing of the
+      namespace is read through from the remote. A read slower than the
+      call's deadline goes on (:mod:`ucm_db.remote.first_contact`) and a
+      later call takes its answer; one that fails (remote down) is retried
+      at most every :data:`RETRY_S`.
     * A writable store tells the remote its epoch when it is higher than
       the manifest's (after a bump, ``ucm-db invalidate`` run beside it, or
       at first contact) from ``epoch()``, puts and bumps, once per new epoch
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ucm_db.engines.base import Engine, Txn
+from ucm_db.errors import RemotePendingError
 from ucm_db.keys import Namespace
 from ucm_db.store import epochs
 from ucm_db.store.epochs import EpochState
@@ -54,7 +57,7 @@ _log = logging.getLogger("ucm_db")
 class RemoteEpochs(Protocol):
     """What the gate needs of :class:`ucm_db.remote.wing.RemoteWing`."""
 
-    def namespace_epoch(self, namespace_id: bytes) -> int | None: ...
+    def namespace_epoch(self, namespace_id: bytes, wait_s: float | None = None) -> int | None: ...
 
     def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None: ...
 
@@ -113,11 +116,12 @@ class EpochGate:
         self._serves_until[ns_id] = now + SERVES_RECHECK_S
         return True
 
-    def remote_ok(self, namespace: Namespace) -> bool:
+    def remote_ok(self, namespace: Namespace, wait_s: float | None = None) -> bool:
         """Whether the namespace may be read through from the remote (first
-        contact made; module invariants)."""
+        contact made, waited for at most ``wait_s``: the caller's deadline;
+        module invariants)."""
         ns_id = namespace.id
-        self._settle(ns_id)
+        self._settle(ns_id, wait_s)
         return ns_id in self._settled
 
     def before_put(self, namespace: Namespace) -> None:
@@ -184,12 +188,15 @@ class EpochGate:
         self._reported.add(ns_id)
         _log.error("ucm-db: store %s: %s", self._path, epochs.unknown_error(ns_id, problem, str(self._path)))
 
-    def _settle(self, ns_id: bytes) -> None:
-        """First contact with the remote: reads its epoch of the namespace."""
+    def _settle(self, ns_id: bytes, wait_s: float | None = None) -> None:
+        """First contact with the remote: reads its epoch of the namespace
+        (a read still running when ``wait_s`` is up is left to a later call)."""
         if self._remote is None or ns_id in self._settled or time.monotonic() < self._retry_at.get(ns_id, 0.0):
             return
         try:
-            carried = self._remote.namespace_epoch(ns_id)
+            carried = self._remote.namespace_epoch(ns_id, wait_s)
+        except RemotePendingError:
+            return  # a slow first request (an object store's session set-up), not a failure
         except Exception as exc:  # noqa: BLE001 - any remote failure: retried later, nothing read through meanwhile
             self._retry_at[ns_id] = time.monotonic() + RETRY_S
             if ns_id not in self._remote_warned:

@@ -75,7 +75,7 @@ class StoreReads:
         if not self._epochs.serves(namespace):
             return 0  # its epoch is unknown: nothing of it is served (store/epoch_gate.py)
         count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.id)
-        if remote and self._wing is not None and count < len(keys) and self._epochs.remote_ok(namespace):
+        if remote and self._wing is not None and count < len(keys) and self._epochs.remote_ok(namespace, deadline_s):
             count = self._wing.extend_prefix(namespace.id, keys, count, deadline_s)
         return count
 
