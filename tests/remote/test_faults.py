@@ -319,3 +319,16 @@ def test_lookup_with_a_longer_deadline_waits_for_first_contact(tmp_path: Path, r
     with _faulty(tmp_path, root, plan) as node_b:
         assert node_b.lookup(namespace, keys, remote_deadline_s=10.0) == len(keys)
         assert node_b.get(namespace, keys) == payloads
+
+
+def test_get_and_warm_wait_for_first_contact_as_bulk_steps(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    """``get`` (read-through) and ``warm`` wait on the remote up to their
+    bulk deadline (ten lookup deadlines), first contact included: a manifest
+    read slower than one lookup deadline does not make them miss."""
+    keys, payloads = _seed_remote(tmp_path, root, namespace, 8)
+    plan.latency_s = 0.5  # over the 0.2 s lookup deadline, under the 2 s bulk one
+    with _faulty(tmp_path, root, plan, name="getter") as getter:
+        assert getter.get(namespace, keys) == payloads
+    with _faulty(tmp_path, root, plan, name="warmer") as warmer:
+        report = warmer.warm(namespace, keys=keys)
+        assert warmer.lookup(namespace, keys, remote=False) == len(keys), report

@@ -84,13 +84,18 @@ class RemoteWing:
         count, _ = extend_prefix(self.link, self.continuations, self._local, namespace_id, keys, local_n, deadline_s)
         return count
 
+    @property
+    def bulk_deadline_s(self) -> float:
+        """How long a bulk step waits on the remote: :data:`FETCH_DEADLINE_FACTOR` lookup deadlines."""
+        return FETCH_DEADLINE_FACTOR * self._config.remote_deadline_s
+
     def read_through(
         self, namespace_id: bytes, keys: Sequence[bytes], missing: list[int], use: Callable[[int, Buffer], None],
         decodes: DecodeQueue,
     ) -> None:
         """Fetches and promotes local misses (:func:`ucm_db.remote.promotion.read_through`)
         within :data:`FETCH_DEADLINE_FACTOR` lookup deadlines."""
-        deadline = time.monotonic() + FETCH_DEADLINE_FACTOR * self._config.remote_deadline_s
+        deadline = time.monotonic() + self.bulk_deadline_s
         read_through(self.link, self._local, namespace_id, keys, missing, deadline, use, decodes)
 
     def namespace_epoch(self, namespace_id: bytes, wait_s: float | None = None) -> int | None:

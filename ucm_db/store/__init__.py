@@ -258,7 +258,7 @@ class Store:
 
         self._state.check_open()
         require_namespace(namespace, "warm")
-        epoch = self._epochs.epoch(namespace)
+        epoch = self._epochs.epoch(namespace, None if self._wing is None else self._wing.bulk_deadline_s)
         link = None if self._wing is None else self._wing.link
         return warm(self._tier, link, namespace, token_sequences=token_sequences, keys=keys, progress=progress, epoch=epoch)
 

@@ -84,11 +84,13 @@ class EpochGate:
         self._serves_until: dict[bytes, float] = {}  # known epochs, until when (serves)
 
     # -- the doors ----------------------------------------------------------------
-    def epoch(self, namespace: Namespace) -> int:
+    def epoch(self, namespace: Namespace, wait_s: float | None = None) -> int:
         """The namespace's epoch (first contact with the remote made, a
-        higher remote epoch recorded); raises EpochUnknownError."""
+        higher remote epoch recorded, first contact waited for at most
+        ``wait_s``: the lookup deadline by default, as the connector's
+        scheduler asks every step); raises EpochUnknownError."""
         ns_id = namespace.id
-        self._settle(ns_id)
+        self._settle(ns_id, wait_s)
         epoch = self._known(ns_id, self._state(ns_id))
         floor = self._floors.get(ns_id, 0)
         if floor > epoch and not self._read_only:

@@ -120,7 +120,7 @@ class StoreReads:
         A blob whose checksum held but whose frames do not decode
         (``CorruptBlockError`` from ``use``) stays a miss and joins
         ``corrupt``, as a local one does."""
-        if self._wing is None or not self._epochs.remote_ok(namespace):
+        if self._wing is None or not self._epochs.remote_ok(namespace, self._wing.bulk_deadline_s):
             return
 
         def use_or_miss(i: int, blob: Buffer) -> None:
