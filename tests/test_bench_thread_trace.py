@@ -30,12 +30,16 @@ def test_a_busy_named_thread_gets_its_own_row_with_its_cpu() -> None:
     def busy() -> None:
         cpu_placement.place_current_thread()  # gives it its OS name
         _spin(0.3)
-        done.wait(5)
+        spun.set()
+        done.wait(30)
 
-    done = threading.Event()
+    spun, done = threading.Event(), threading.Event()
     thread = threading.Thread(target=busy, name="trace-busy")
     thread.start()
-    time.sleep(0.5)
+    # Its 0.3 s of CPU may take far longer than that on a loaded host: the
+    # snapshot waits for it, so the CPU counted is the spin's, not the share
+    # of a fixed wall window the machine happened to give it.
+    assert spun.wait(30)
     after = thread_trace.snapshot([os.getpid()])
     done.set()
     thread.join()
@@ -50,11 +54,18 @@ def test_a_busy_named_thread_gets_its_own_row_with_its_cpu() -> None:
 def test_rows_of_alike_threads_merge_unless_asked_apart() -> None:
     before = thread_trace.snapshot([os.getpid()])
     done = threading.Event()
-    threads = [threading.Thread(target=lambda: (cpu_placement.place_current_thread(), _spin(0.1), done.wait(5)),
-                                name="trace-pool") for _ in range(2)]
+    spun = [threading.Event() for _ in range(2)]
+
+    def pooled(ready: threading.Event) -> None:
+        cpu_placement.place_current_thread()
+        _spin(0.1)
+        ready.set()
+        done.wait(30)
+
+    threads = [threading.Thread(target=pooled, args=(ready,), name="trace-pool") for ready in spun]
     for t in threads:
         t.start()
-    time.sleep(0.4)
+    assert all(ready.wait(30) for ready in spun)  # both named and busy before the snapshot, however slow the host
     after = thread_trace.snapshot([os.getpid()])
     done.set()
     for t in threads:

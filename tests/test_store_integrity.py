@@ -180,8 +180,11 @@ def test_a_dead_maintenance_thread_refuses_puts(tmp_path, caplog):
             raise SystemExit("sync thread killed for the test")
 
         store._engine.sync = dying_sync  # type: ignore[method-assign]
-        assert died.wait(5)
-        time.sleep(0.2)
+        assert died.wait(10)
+        # The thread records its death after the sync raised: wait for that.
+        deadline = time.monotonic() + 10
+        while store.stats().maintenance_errors < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         store._engine.sync = real_sync  # type: ignore[method-assign]
         assert store.stats().maintenance_errors >= 1
         with pytest.raises(TierError, match="maintenance thread"):

@@ -43,7 +43,10 @@ def test_sigkill_loses_no_acknowledged_put(tmp_path: Path, durability: str) -> N
     ucm_db.open(path, durability=durability, codec="zstd", capacity_bytes=1 << 30).close()
     writers = [_spawn_writer(path, durability, tag) for tag in (1, 2)]
     acked: dict[int, list[int]] = {1: [], 2: []}
-    deadline = time.monotonic() + 20
+    # Two interpreter start-ups and 25 acked puts each (an fsync each under
+    # "sync", two writers on one lock) on a loaded CI host; the loop stops at
+    # 25 each, so the deadline costs nothing when the writers keep up.
+    deadline = time.monotonic() + 60
     for tag, proc in zip((1, 2), writers):
         assert proc.stdout is not None
         while len(acked[tag]) < 25 and time.monotonic() < deadline:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput  # noqa
 
 from ucm_db.connector.worker.async_loads import AsyncLoader  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbWorkerMetadata  # noqa: E402
+from ucm_db.connector.scheduler import planner  # noqa: E402
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
@@ -154,22 +156,26 @@ def test_block_mode_claims_synchronously(tmp_path: Path) -> None:
     sched.shutdown()
 
 
-def test_background_loads_are_not_subtracted_from_the_step(settings: ConnectorSettings) -> None:
+def test_background_loads_are_not_subtracted_from_the_step(settings: ConnectorSettings, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step's prefill sample is its round trip less its own loads; an async
-    load ran beside it and must not shrink the sample."""
+    load ran beside it and must not shrink the sample. The planner's clock
+    is the test's: the round trip is exactly 0.2 s, however long the
+    machine takes (a real sleep left 50 ms of slack on a loaded host)."""
+    now_s = [100.0]
+    monkeypatch.setattr(planner, "time", SimpleNamespace(perf_counter=lambda: now_s[0]))
     per_token_s = {}
     for background in (False, True):
         sched = UcmDbScheduler(settings, _shape())
         meta = sched.build_connector_meta(_new_step(_request("r", list(range(1, 40))), [0, 1], 1000))
-        time.sleep(0.2)
+        now_s[0] += 0.2  # the step's round trip
         timings = {("ns", "local"): (64, 0.15)}
         sched.observe_output(UcmDbWorkerMetadata(meta.step, {} if background else timings, timings if background else {}))
         assert sched.cost.load_rate("ns", "local") == pytest.approx(64 / 0.15)
         per_token_s[background] = sched.cost.prefill.value
         sched.shutdown()
-    # 1000 tokens in ~0.05 s (0.2 s less the step's own 0.15 s load) against ~0.2 s.
-    assert per_token_s[False] is not None and per_token_s[True] is not None
-    assert per_token_s[False] < per_token_s[True] / 2
+    # 1000 tokens in 0.05 s (0.2 s less the step's own 0.15 s load) against 0.2 s.
+    assert per_token_s[False] == pytest.approx(0.05 / 1000)
+    assert per_token_s[True] == pytest.approx(0.2 / 1000)
 
 
 def test_loader_reports_every_request_once_even_when_a_load_raises() -> None:

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +33,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+import blake3  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
@@ -235,28 +237,50 @@ def test_the_hub_cache_is_found_where_vllm_downloads(tmp_path: Path, monkeypatch
     assert "model_id" in info.value.hint
 
 
+def _blake3_alone_s(files: list[Path]) -> float:
+    """Seconds BLAKE3 alone takes over ``files`` as the product hashes them
+    (mapped, this machine's threads): the floor a fingerprint is held to."""
+    started = time.perf_counter()
+    for file in files:
+        blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(str(file))
+    return time.perf_counter() - started
+
+
 def test_first_start_hashes_fast_enough_and_a_cached_start_costs_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 512 MiB in 4 shards: a smoke check of the GB/s target (the report's
-    # figures come from multi-GB runs, docs/connector.md).
+    # 512 MiB in 4 shards: a smoke check that a first start costs what
+    # hashing the weights costs (the GB/s figures come from multi-GB runs,
+    # docs/connector.md). The bound is BLAKE3's own time over the same
+    # files on this machine, measured beside it, not a GB/s figure: a
+    # slower hash or a second pass over the files shows as a multiple of
+    # it, a slow or loaded CI machine does not.
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
     chunk = os.urandom(16 << 20)
-    for shard in range(4):
-        with (model / f"model-{shard:05d}-of-00004.safetensors").open("wb") as handle:
+    shards = [model / f"model-{shard:05d}-of-00004.safetensors" for shard in range(4)]
+    for shard in shards:
+        with shard.open("wb") as handle:
             for _ in range(8):
                 handle.write(chunk)
     fingerprint(model)  # the page cache warm, as after vLLM loaded it
-    monkeypatch.setattr(fingerprints, "_memo", {})
-    own = tmp_path / "xdg2"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(own))
-    first = fingerprint(model)
-    assert first.hashed_bytes == first.total_bytes > 512 << 20
-    rate = first.hashed_bytes / first.seconds
-    assert rate > 0.5e9, f"{rate / 1e9:.2f} GB/s"  # the target is 1 GB/s; half of it on shared CI cores
+    # Each try hashes afresh (an empty cache directory, no memo) right after
+    # its baseline. Here the two take the same time; three times it (blake2b
+    # would be six) and the best of three tries ride out a stall that hit
+    # only one side of a measurement.
+    for attempt in range(3):
+        alone_s = _blake3_alone_s(shards)
+        monkeypatch.setattr(fingerprints, "_memo", {})
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"xdg-{attempt}"))
+        first = fingerprint(model)
+        assert first.hashed_bytes == first.total_bytes > 512 << 20
+        if first.seconds < 3 * alone_s:
+            break
+    assert first.seconds < 3 * alone_s, f"{first.seconds:.2f} s against {alone_s:.2f} s for BLAKE3 alone"
     monkeypatch.setattr(fingerprints, "_memo", {})
     cached = fingerprint(model)
-    assert cached.hashed_bytes == 0 and cached.seconds < 0.2
+    # Nothing hashed (the time is a stat of each file and a read of the cache
+    # file: milliseconds, bounded loosely for a stalled CI core).
+    assert cached.hashed_bytes == 0 and cached.seconds < 1.0
 
 
 # -- LoRA adapters ------------------------------------------------------------

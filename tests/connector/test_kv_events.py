@@ -231,9 +231,14 @@ def test_two_writer_processes_over_1000_operations_no_divergence(tmp_path: Path)
             view.apply(events.take())
             time.sleep(0.01)
         assert [p.wait() for p in procs] == [0, 0]
-        for _ in range(3):  # the last records, and a replay still being read
-            view.apply(events.take())
-            time.sleep(0.1)
+        # The last records, and a replay (a resync's) still being read: taken
+        # until a step brings nothing with no replay in flight, which is the
+        # feed caught up now that nothing writes.
+        deadline = time.monotonic() + 30
+        while (taken := events.take()) or events._replaying is not None:
+            view.apply(taken)
+            assert time.monotonic() < deadline, "the feed never caught up with the stopped writers"
+            time.sleep(0.01)
         assert store.stats().evictions > 100
         held = {maybe_convert_block_hash(BlockHash(h)) for h in stored_hashes(store).values()}
     assert len(held) > 10 and set(view.blocks) == held

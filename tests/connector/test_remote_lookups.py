@@ -138,7 +138,7 @@ def test_background_probe_of_an_unmeasured_link_goes_on_to_the_whole_claim(tmp_p
     once it has measured the link fast, the rest of the prompt is decided
     again and fetched, so the hit is claimed whole, not capped at the probe."""
     pytest.importorskip("vllm")
-    from test_cost_model import PREFILL_TOKENS_PER_S  # noqa: E402
+    from test_cost_model import FAST_LINK_PREFILL_TOKENS_PER_S  # noqa: E402
 
     from ucm_db.connector.scheduler.lookups import PROBE_BLOCKS as _PROBE_BLOCKS
     from ucm_db.connector.scheduler.hooks import UcmDbScheduler
@@ -152,7 +152,7 @@ def test_background_probe_of_an_unmeasured_link_goes_on_to_the_whole_claim(tmp_p
     })
     sched = UcmDbScheduler(settings, _shape())
     try:
-        sched.cost.observe_prefill(int(PREFILL_TOKENS_PER_S), 1.0)  # calibration
+        sched.cost.observe_prefill(int(FAST_LINK_PREFILL_TOKENS_PER_S), 1.0)  # calibration: the link is fast whatever the load
         assert BLOCKS > _PROBE_BLOCKS
         assert _poll(sched, _request(prompt, "r")) == (BLOCKS * BS, False)
     finally:

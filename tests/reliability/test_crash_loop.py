@@ -62,13 +62,21 @@ OVERSIZE_BLOCKS = 600
 OVERSIZE_SHARE = 0.01
 #: Keys a reader reads through the Store API every other round (touching them).
 TOUCHED_PER_READ = 4
-#: Writers alone at the end of a loop (see CrashLoop.quiet_ending). With
-#: group durability a put may wait for a sync once the shared file grew by
-#: ``sync_bytes`` beyond its own payload (ucm_db/store/background.py; about a dozen
-#: waits per loop here), and a restarted writer must open the store first:
-#: 0.5 s once left no acknowledged block after the last compaction in a full
-#: suite run, so the oracle had nothing to check strictly.
+#: Writers alone at the end of a loop (see CrashLoop.quiet_ending), at
+#: least this long. With group durability a put may wait for a sync once
+#: the shared file grew by ``sync_bytes`` beyond its own payload
+#: (ucm_db/store/background.py; about a dozen waits per loop here), and a
+#: restarted writer must open the store first: 0.5 s once left no
+#: acknowledged block after the last compaction in a full suite run, so the
+#: oracle had nothing to check strictly. Hence the acks below, not a longer time.
 QUIET_S = 1.0
+#: Puts each writer acknowledges in each half of the quiet ending, however
+#: long that takes on a slow machine: what the final check holds strictly.
+QUIET_ACKS = 3
+#: A writer that acknowledges nothing for this long is stuck (a put blocked
+#: behind a killed writer's transaction): a failure, not a slow machine
+#: (a put waits at most GROWTH_WAIT_S, 30 s, for a sync).
+QUIET_DEADLINE_S = 60.0
 #: Chain length of the oracle's own test (fewer, larger puts).
 TEETH_CHAIN_BLOCKS = 8
 STORE_OPTIONS: dict[str, Any] = {"capacity_bytes": CAPACITY_BYTES, "sync_interval_s": 0.2, "map_size_bytes": 4 << 20}
@@ -232,6 +240,26 @@ def run_checker(run_dir: Path, store_path: Path, durability: str, *, final: bool
     return report
 
 
+def _ack_lines(path: Path) -> list[dict[str, str]]:
+    """The ``t=``/``e=`` fields of each whole ack line of an oracle log."""
+    try:
+        complete = path.read_bytes().rpartition(b"\n")[0]
+    except FileNotFoundError:
+        return []
+    return [dict(t.split("=", 1) for t in line.decode().split(" ")[1:] if "=" in t)
+            for line in complete.split(b"\n") if line.startswith(b"A ")]
+
+
+def acks_since(path: Path, since_ns: int) -> int:
+    """Puts the oracle log at ``path`` acknowledged after ``since_ns``."""
+    return sum(int(fields.get("t", 0)) > since_ns for fields in _ack_lines(path))
+
+
+def puts_evicted(run_dir: Path) -> bool:
+    """Whether any writer's put has reported evicting blocks."""
+    return any(int(fields.get("e", 0)) > 0 for path in run_dir.glob("oracle-w*.log") for fields in _ack_lines(path))
+
+
 class CrashLoop:
     """The processes of one crash loop and the kills done to them."""
 
@@ -264,17 +292,34 @@ class CrashLoop:
         self.kills[role.rstrip("0123456789")] += 1
 
     def quiet_ending(self, rng: random.Random) -> None:
-        """Ends with writers alone for :data:`QUIET_S` (one killed half-way):
-        with no touches or compactions after them, the last acknowledged
-        blocks are protected by LRU order alone, so the final check holds
-        them strictly (see :class:`~.harness.EvictionRule`)."""
+        """Ends with writers alone (one killed half-way), each half at least
+        :data:`QUIET_S` / 2 and until every writer acknowledged
+        :data:`QUIET_ACKS` puts in it, the last half also until some put
+        reported an eviction: with no touches or compactions after them,
+        the last acknowledged blocks are protected by LRU order alone, so
+        the final check holds them strictly (see
+        :class:`~.harness.EvictionRule`)."""
         for role in [r for r in self.pids if not r.startswith("writer")]:
             self.kill(role)
-        time.sleep(QUIET_S / 2)
-        self.assert_all_alive()
+        self.writers_alone(QUIET_S / 2)
         self.kill(rng.choice(sorted(self.pids)))
-        time.sleep(QUIET_S / 2)
-        self.assert_all_alive()
+        self.writers_alone(QUIET_S / 2, until_evicted=True)
+
+    def writers_alone(self, min_s: float, *, until_evicted: bool = False) -> None:
+        """Lets the writers run for ``min_s`` and until each acknowledged
+        :data:`QUIET_ACKS` puts since (and, ``until_evicted``, a put reported
+        evicting): a slow machine gets more time, never an empty window."""
+        since_ns = time.time_ns()
+        time.sleep(min_s)
+        deadline = time.monotonic() + QUIET_DEADLINE_S
+        while True:
+            self.assert_all_alive()
+            acks = {role: acks_since(self.run_dir / f"oracle-w{role.removeprefix('writer')}-{pid}.log", since_ns)
+                    for role, pid in self.pids.items()}
+            if min(acks.values()) >= QUIET_ACKS and not (until_evicted and not puts_evicted(self.run_dir)):
+                return
+            assert time.monotonic() < deadline, f"writers alone acknowledged too little in {QUIET_DEADLINE_S} s: {acks}"
+            time.sleep(0.05)
 
     def stop_all(self) -> None:
         for role in list(self.pids):

@@ -7,14 +7,15 @@ decision rule of ``auto`` is also checked on its own with given speeds.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import ucm_db
 from ucm_db import codec
+from ucm_db.remote import codec_choice
 from ucm_db.remote.codec_choice import PROBE_EVERY, RemoteCodec
 from ucm_db.remote.tier import unpack_object
 from ucm_db.tools.bench.throttle import register
@@ -107,27 +108,29 @@ def test_auto_decides_by_the_measured_speeds() -> None:
     assert decided(compress=400e6, link=100e6, ratio=1.01) == "none"   # nothing to gain
 
 
-def test_the_link_speed_counts_the_time_the_link_was_busy() -> None:
+def test_the_link_speed_counts_the_time_the_link_was_busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bytes over busy time, whatever the number of uploads in flight: four
-    uploads sharing the link for 0.1 s moved 4 MB (40 MB/s, not 4 x 40), and
-    one upload at a time moving 1 MB per 0.1 s is 10 MB/s (not 4 x 10, as a
-    per-upload speed times the thread count would say)."""
+    uploads sharing the link for 0.1 s moved 4 MB (40 MB/s, not 4 x 40, nor
+    the 10 of summing each upload's time), and one upload at a time moving
+    1 MB per 0.1 s is 10 MB/s (not 4 x 10, as a per-upload speed times the
+    thread count would say). The chooser's clock is the test's, so the
+    speeds are exact on any machine."""
+    now_s = [0.0]
+    monkeypatch.setattr(codec_choice, "time", SimpleNamespace(perf_counter=lambda: now_s[0]))
     shared = RemoteCodec("auto", local_codec="none", level=1, threads=4)
     for _ in range(4):
         shared.send_started()
-    time.sleep(0.1)
+    now_s[0] += 0.1
     for _ in range(4):
         shared.send_finished(1_000_000)
-    link = shared.choice().link_bytes_per_s
-    assert link is not None and 10e6 < link <= 40e6 * 1.01
+    assert shared.choice().link_bytes_per_s == pytest.approx(40e6)
 
     alone = RemoteCodec("auto", local_codec="none", level=1, threads=4)
     for _ in range(2):
         alone.send_started()
-        time.sleep(0.1)
+        now_s[0] += 0.1
         alone.send_finished(1_000_000)
-    link = alone.choice().link_bytes_per_s
-    assert link is not None and 2.5e6 < link <= 10e6 * 1.01
+    assert alone.choice().link_bytes_per_s == pytest.approx(10e6)
 
 
 def test_auto_keeps_probing_the_other_codec() -> None:

@@ -218,18 +218,21 @@ def store_blocks(path: Path) -> int:
 
 
 def wait_for_new_blocks(path: Path, before: int, timeout_s: float = 60, settle_s: float = 0.5,
-                        count_blocks: Callable[[Path], int] = store_blocks) -> int:
-    """Waits until the store holds more than ``before`` blocks and the count
-    has not changed for ``settle_s``; returns the count. ``count_blocks``
-    counts them (a :class:`StoreCounter` where this process has the store
-    open)."""
+                        count_blocks: Callable[[Path], int] = store_blocks, at_least: int | None = None) -> int:
+    """Waits until the store holds more than ``before`` blocks (at least
+    ``at_least``, where the caller knows how many to expect: a writer that
+    pauses longer than ``settle_s`` mid-way is then waited for) and the
+    count has not changed for ``settle_s``; returns the count.
+    ``count_blocks`` counts them (a :class:`StoreCounter` where this process
+    has the store open)."""
+    enough = max(before + 1, at_least or 0)
     deadline = time.monotonic() + timeout_s
     last, since = -1, time.monotonic()
     while time.monotonic() < deadline:
         count = count_blocks(path)
         if count != last:
             last, since = count, time.monotonic()
-        elif count > before and time.monotonic() - since >= settle_s:
+        elif count >= enough and time.monotonic() - since >= settle_s:
             return count
         time.sleep(0.1)
-    raise AssertionError(f"store at {path} did not grow past {before} blocks within {timeout_s}s (has {last})")
+    raise AssertionError(f"store at {path} did not grow to {enough} blocks within {timeout_s}s (has {last})")
