@@ -61,6 +61,10 @@ class FaultPlan:
         down: every request hangs until :meth:`heal` or ``hang_s``, then
             raises TimeoutError.
         hang_s: longest a hang lasts.
+        slow_read_bytes, slow_read_s: a read asking for more than
+            ``slow_read_bytes`` (a whole object; 0: none) first sleeps
+            ``slow_read_s``: fetches slow while presence probes (small
+            ranged reads) stay fast.
         kill_after_removes: SIGKILL this process right after its nth file
             removal (0: never): a crash point inside a caller's delete loop
             (remote GC), with no hook in the product.
@@ -69,12 +73,14 @@ class FaultPlan:
     """
 
     FIELDS = ("latency_s", "read_error_rate", "write_error_rate", "timeout_rate", "timeout_s",
-              "truncate_rate", "bitflip_rate", "down", "hang_s", "kill_after_removes", "seed")
+              "truncate_rate", "bitflip_rate", "down", "hang_s", "slow_read_bytes", "slow_read_s", "kill_after_removes",
+              "seed")
 
     def __init__(
         self, *, latency_s: float = 0.0, read_error_rate: float = 0.0, write_error_rate: float = 0.0,
         timeout_rate: float = 0.0, timeout_s: float = 0.05, truncate_rate: float = 0.0,
-        bitflip_rate: float = 0.0, down: bool = False, hang_s: float = 30.0, kill_after_removes: int = 0, seed: int = 0,
+        bitflip_rate: float = 0.0, down: bool = False, hang_s: float = 30.0, slow_read_bytes: int = 0,
+        slow_read_s: float = 0.0, kill_after_removes: int = 0, seed: int = 0,
     ) -> None:
         self.latency_s = latency_s
         self.read_error_rate = read_error_rate
@@ -85,6 +91,8 @@ class FaultPlan:
         self.bitflip_rate = bitflip_rate
         self.down = down
         self.hang_s = hang_s
+        self.slow_read_bytes = slow_read_bytes
+        self.slow_read_s = slow_read_s
         self.kill_after_removes = kill_after_removes
         self.seed = seed
         self.injected: dict[str, int] = {}
@@ -119,7 +127,7 @@ class FaultPlan:
         """No more faults (the remote behaves normally)."""
         self.heal()
         self.read_error_rate = self.write_error_rate = self.timeout_rate = 0.0
-        self.truncate_rate = self.bitflip_rate = self.latency_s = 0.0
+        self.truncate_rate = self.bitflip_rate = self.latency_s = self.slow_read_s = 0.0
 
     def chance(self, rate: float) -> bool:
         if rate <= 0:
@@ -187,6 +195,10 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         self.plan.before(self.plan.read_error_rate)
+        span = None if end is None else end - (start or 0)
+        if self.plan.slow_read_bytes and (span is None or span > self.plan.slow_read_bytes):
+            self.plan.count("slow_read")
+            time.sleep(self.plan.slow_read_s)
         data = self.target.cat_file(path, start=start, end=end, **kwargs)
         return self.plan.mangle(bytes(data))
 

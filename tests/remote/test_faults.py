@@ -12,6 +12,7 @@ import pytest
 
 import ucm_db
 from ucm_db.errors import TierError
+from ucm_db.remote.envelope import PROBE_BYTES
 from faultfs import FaultPlan
 
 from .conftest import chain
@@ -253,8 +254,9 @@ def test_fetch_left_no_time_by_its_search_still_finishes_in_the_background(
     breaker the fetch had opened: nothing was ever promoted)."""
     n_blocks = 40  # more than a direct fetch takes: searched first
     keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
-    plan.latency_s = 0.6  # one search round fits the 1 s deadline; a fetch round after it does not
     with _faulty(tmp_path, root, plan, remote_deadline_s=1.0) as node_b:
+        node_b.epoch(namespace)  # first contact made before the latency
+        plan.latency_s = 0.6  # one search round fits the 1 s deadline; a fetch round after it does not
         assert node_b.lookup(namespace, keys) == 0
         search = node_b._wing.link.last_search
         assert search is not None and search.complete and search.count == n_blocks
@@ -302,6 +304,9 @@ def test_first_contact_slower_than_the_deadline_is_not_a_failure(
         assert node_b.lookup(namespace, keys) == 0
         assert time.monotonic() - started < DEADLINE_S + SLACK_S
         plan.latency_s = 0.0  # the read already running keeps its 0.5 s
+        started = time.monotonic()
+        node_b.lookup(namespace, keys)  # finds the read running, older than its deadline: no wait
+        assert time.monotonic() - started < 0.1
         end = time.monotonic() + 3  # well inside the 5 s a failed first contact waits
         while node_b.lookup(namespace, keys) < len(keys) and time.monotonic() < end:
             time.sleep(0.05)
@@ -322,13 +327,75 @@ def test_lookup_with_a_longer_deadline_waits_for_first_contact(tmp_path: Path, r
 
 
 def test_get_and_warm_wait_for_first_contact_as_bulk_steps(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
-    """``get`` (read-through) and ``warm`` wait on the remote up to their
-    bulk deadline (ten lookup deadlines), first contact included: a manifest
-    read slower than one lookup deadline does not make them miss."""
+    """``get`` (read-through of local misses) and ``warm`` wait on the
+    remote up to their bulk deadline (ten lookup deadlines), first contact
+    included: a manifest read slower than one lookup deadline does not make
+    the get miss, nor the warm key its prompts at this store's epoch when
+    the remote's is higher."""
     keys, payloads = _seed_remote(tmp_path, root, namespace, 8)
+    tokens = list(range(8 * namespace.block_size))
+    with ucm_db.open(tmp_path / "node-a", capacity_bytes=CAP, remote=f"memory://{root}") as node_a:
+        epoch = node_a.bump_epoch(namespace)  # the remote's manifest carries it
+        at_epoch = namespace.block_keys(tokens, epoch=epoch)
+        node_a.put(namespace, at_epoch, payloads)
+        node_a.flush(upload_timeout_s=30)
     plan.latency_s = 0.5  # over the 0.2 s lookup deadline, under the 2 s bulk one
     with _faulty(tmp_path, root, plan, name="getter") as getter:
         assert getter.get(namespace, keys) == payloads
     with _faulty(tmp_path, root, plan, name="warmer") as warmer:
-        report = warmer.warm(namespace, keys=keys)
-        assert warmer.lookup(namespace, keys, remote=False) == len(keys), report
+        report = warmer.warm(namespace, token_sequences=[tokens])  # keyed at the remote's epoch, not 0
+        assert warmer.lookup(namespace, at_epoch, remote=False) == len(at_epoch), report
+
+
+def test_a_fetch_after_a_search_that_stays_silent_opens_the_breaker(
+    tmp_path: Path, root: str, plan: FaultPlan, namespace,
+) -> None:
+    """Probes answer but whole-object fetches do not, though they had more
+    time than a search round took: that silence is the remote's, and the
+    breaker opens, so later lookups skip it during the backoff."""
+    keys, _payloads = _seed_remote(tmp_path, root, namespace, 40)
+    with _faulty(tmp_path, root, plan, remote_deadline_s=1.0) as node_b:
+        node_b.epoch(namespace)
+        plan.slow_read_bytes, plan.slow_read_s = PROBE_BYTES, 3.0  # probes answer at once, fetches after the deadline
+        assert node_b.lookup(namespace, keys) == 0
+        assert plan.injected.get("slow_read", 0) > 0
+        search = node_b._wing.link.last_search
+        assert search is not None and search.complete and search.count == 40
+        assert node_b.stats().remote["breaker_trips"] == 1
+
+
+def test_a_first_contact_read_that_never_answers_is_given_up(
+    tmp_path: Path, root: str, plan: FaultPlan, namespace, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A manifest read hung on a dead connection is pending only up to
+    PENDING_LIMIT_S (shortened here): then it is a failure, warned about,
+    the breaker opens and first contact is retried later."""
+    from ucm_db.remote import first_contact
+
+    monkeypatch.setattr(first_contact, "PENDING_LIMIT_S", 1.0)
+    keys, _payloads = _seed_remote(tmp_path, root, namespace, 4)
+    with _faulty(tmp_path, root, plan) as node_b:
+        plan.take_down()  # every request hangs (up to hang_s, 20 s)
+        assert node_b.lookup(namespace, keys) == 0  # pending: no warning yet
+        assert "cannot read the remote's epoch" not in caplog.text
+        time.sleep(1.1)
+        started = time.monotonic()
+        assert node_b.lookup(namespace, keys) == 0  # given up: no wait
+        assert time.monotonic() - started < DEADLINE_S + SLACK_S
+        assert "did not answer in 1 s" in caplog.text
+        assert node_b.stats().remote["breaker_trips"] >= 1
+        plan.heal()
+
+
+def test_a_read_of_local_blocks_never_waits_on_first_contact(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+    """A get (a worker's load) whose blocks are all local asks the remote
+    nothing, first contact included, however slow that is."""
+    keys, payloads = chain(namespace, 8)
+    with _faulty(tmp_path, root, plan, name="writer") as store:
+        plan.latency_s = 1.0  # first contact (started by the put) takes 1 s
+        store.put(namespace, keys, payloads)
+        started = time.monotonic()
+        assert store.get(namespace, keys) == payloads
+        assert time.monotonic() - started < 0.1
+        plan.latency_s = 0.0

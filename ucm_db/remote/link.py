@@ -20,9 +20,9 @@ Invariants:
       stay fast (:mod:`ucm_db.remote.inline_reads`): requests then run in
       order on the caller's thread, none started past the deadline.
     * When the remote fails (an error other than "not found", or a deadline
-      passing with no request answered; not for the fetch after a search
-      that just answered, which may have been left less time than one
-      request takes) the breaker opens for a backoff that
+      passing with no request answered; not for a fetch after a search
+      that left it less time than one of the search's rounds took) the
+      breaker opens for a backoff that
       doubles up to :data:`~ucm_db.remote.search.MAX_BACKOFF_S`; while open, reads skip the remote
       at once and the store serves what is local.
     * Remote presence along a chain is treated as monotone for the search
@@ -172,15 +172,15 @@ class RemoteLink:
         return result
 
     def fetch_chain(
-        self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float,
+        self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float, *,
+        silence_trips: bool = True,
     ) -> list[RemoteObject]:
         """Fetches ``keys`` (a chain whose first block's parent is
-        ``parent``, found present by a :meth:`search` that just answered)
-        and returns the leading run that arrived verified and chained
-        before the deadline. No answer by then does not open the breaker:
-        the search may have left less time than one request takes (an
-        error still opens it)."""
-        results = self._fetch_all(namespace_id, keys, deadline, silence_trips=False)
+        ``parent``) and returns the leading run that arrived verified and
+        chained before the deadline. ``silence_trips``: as for
+        :meth:`run_all` (False after a search that left the fetch less time
+        than one of its rounds took; an error still opens the breaker)."""
+        results = self._fetch_all(namespace_id, keys, deadline, silence_trips=silence_trips)
         return [] if results is None else _leading_run(results, parent)[0]
 
     def fetch_run(

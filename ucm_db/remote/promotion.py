@@ -17,12 +17,18 @@ Invariants:
       remote-only hits arrive asynchronously and the next lookup finds them
       local. A lookup thus waits at most its deadline on the remote plus one
       local commit of at most that many bytes.
-    * A continuation first waits out the breaker's backoff (at most
-      :data:`~ucm_db.remote.search.MAX_BACKOFF_S`): a search that used up
-      most of the deadline leaves the fetch after it no time to get an
-      answer, and that fetch opens the breaker, yet the search has just
-      shown the remote answering and holding the prefix. A remote that is
-      really down then fails the continuation's own fetch, which stops it.
+    * The fetch after a search opens the breaker on silence only when it
+      was left at least the time one of the search's rounds took: a search
+      that used up most of the deadline has just shown the remote answering
+      and holding the prefix, and leaves the fetch no time to answer.
+    * A continuation queued while the breaker is open (another lookup's
+      failure, an error in the fetch) first waits out its backoff (at most
+      :data:`~ucm_db.remote.search.MAX_BACKOFF_S`), and is dropped if the
+      breaker opened again meanwhile. A remote that is really down then
+      fails the continuation's own fetch, which stops it.
+    * Finishing in the background is best effort: at most
+      :data:`MAX_CONTINUATIONS` are queued (more are dropped), and a lookup
+      whose requests got no answer at all leaves nothing to continue.
     * A lookup asks the remote only for what it could promote: nothing when
       the first key's parent is not local; a continuation of at most
       :data:`DIRECT_FETCH_KEYS` keys is fetched outright (one request per
@@ -147,6 +153,8 @@ class Continuations:
         through (nothing if the store closes while waiting)."""
         if not keys or self._closing.wait(min(self._link.breaker.open_for_s(), MAX_BACKOFF_S)):
             return
+        if not self._link.breaker.allow():
+            return  # failed again meanwhile: a later lookup retries
         yield from self._link.stream_chain(namespace_id, keys, parent)
 
 
@@ -174,11 +182,16 @@ def extend_prefix(
         objects, complete = run
         present = len(objects) if complete else len(rest)  # cut short: the rest may be there
     else:
+        search_started = time.monotonic()
         found = link.search(namespace_id, rest, deadline)
         if found.count == 0:
             return local_n, 0
         present = found.count
-        objects = link.fetch_chain(namespace_id, rest[:present], parent, deadline)
+        # Silence from a fetch left less time than one of the search's rounds
+        # took says nothing of the remote; from one left more, it does.
+        round_s = (time.monotonic() - search_started) / max(1, found.rounds)
+        objects = link.fetch_chain(namespace_id, rest[:present], parent, deadline,
+                                   silence_trips=deadline - time.monotonic() >= round_s)
     now, rest_fetched = _split_by_bytes(objects, SYNC_PROMOTE_BYTES)
     promoted = promote(local, now)
     if promoted == len(now) and promoted < present:

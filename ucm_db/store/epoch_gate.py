@@ -22,8 +22,9 @@ Invariants:
       in memory by a read-only one). Until it answers nothing of the
       namespace is read through from the remote. A read slower than the
       call's deadline goes on (:mod:`ucm_db.remote.first_contact`) and a
-      later call takes its answer; one that fails (remote down) is retried
-      at most every :data:`RETRY_S`.
+      later call takes its answer; one that fails (remote down) or runs past
+      :data:`~ucm_db.remote.first_contact.PENDING_LIMIT_S` is retried at
+      most every :data:`RETRY_S`.
     * A writable store tells the remote its epoch when it is higher than
       the manifest's (after a bump, ``ucm-db invalidate`` run beside it, or
       at first contact) from ``epoch()``, puts and bumps, once per new epoch
@@ -56,6 +57,9 @@ _log = logging.getLogger("ucm_db")
 
 class RemoteEpochs(Protocol):
     """What the gate needs of :class:`ucm_db.remote.wing.RemoteWing`."""
+
+    @property
+    def bulk_deadline_s(self) -> float: ...
 
     def namespace_epoch(self, namespace_id: bytes, wait_s: float | None = None) -> int | None: ...
 
@@ -158,10 +162,15 @@ class EpochGate:
         return found
 
     def bump(self, namespace: Namespace) -> int:
-        """Moves the namespace's epoch on, above the remote's too, and tells
-        the remote; returns the new epoch (durable)."""
+        """Moves the namespace's epoch on, above the remote's too (first
+        contact waited for as a bulk step; a warning where it could not be
+        made), and tells the remote; returns the new epoch (durable)."""
         ns_id = namespace.id
-        self._settle(ns_id)
+        self._settle(ns_id, None if self._remote is None else self._remote.bulk_deadline_s)
+        if self._remote is not None and ns_id not in self._settled:
+            _log.warning("ucm-db: the remote's epoch of namespace %s is not known yet (its manifest did not answer); "
+                         "the new epoch is checked against this store's alone: bump it again once the remote answers "
+                         "if another node may have bumped it", ns_id.hex())
         epoch = epochs.bump(self._engine, ns_id, self._floors.get(ns_id, 0))
         self._reported.discard(ns_id)
         self._registered[ns_id] = max(self._registered.get(ns_id, 0), self._floors.get(ns_id, 0))

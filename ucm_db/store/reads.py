@@ -120,7 +120,10 @@ class StoreReads:
         A blob whose checksum held but whose frames do not decode
         (``CorruptBlockError`` from ``use``) stays a miss and joins
         ``corrupt``, as a local one does."""
-        if self._wing is None or not self._epochs.remote_ok(namespace, self._wing.bulk_deadline_s):
+        missing = [i for i, r in enumerate(results) if r is None]
+        # Nothing missing, nothing asked of the remote (first contact included:
+        # a load of local blocks never waits on it).
+        if not missing or self._wing is None or not self._epochs.remote_ok(namespace, self._wing.bulk_deadline_s):
             return
 
         def use_or_miss(i: int, blob: Buffer) -> None:
@@ -129,9 +132,6 @@ class StoreReads:
             except CorruptBlockError as exc:
                 corrupt.append((keys[i], str(exc)))
 
-        missing = [i for i, r in enumerate(results) if r is None]
-        if not missing:
-            return
         # Large zstd blocks are decoded on the codec threads while later
         # ones are fetched, joined before this returns.
         decodes = self._state.codecs.pending()
