@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -117,3 +118,37 @@ def test_placed_threads_carry_their_python_name_in_the_os() -> None:
     cpu_placement.place_current_thread()
     assert seen == ["ucm-db-writer-o"]
     assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text() == main_comm
+
+
+def test_remote_threads_start_on_the_background_cpus(tmp_path: Path) -> None:
+    """A pinned host reading through a remote: the link's request threads
+    and the background promotion's thread run on the named CPUs too."""
+    first, rest = _cpus()
+    ns = Namespace(model="m", kv_dtype="bfloat16", block_size=16)
+    keys = ns.block_keys(list(range(16 * 8)))
+    payloads = [bytes([i]) * 4096 for i in range(8)]
+    remote = f"memory://ucm-placement-{os.getpid()}-{id(tmp_path)}"  # not a local disk: requests go to the pool
+    with ucm_db.open(tmp_path / "a", remote=remote) as writer:
+        writer.put(ns, keys, payloads)
+        writer.flush(upload_timeout_s=30)
+
+    def open_and_read() -> dict[str, set[int]]:
+        cpu_placement.set_background_cpus(cpu_placement.spare_cpus(os.sched_getaffinity(os.getpid())))
+        before = set(threading.enumerate())
+        store = ucm_db.open(tmp_path / "b", remote=remote)
+        try:
+            assert store.get(ns, keys[:4]) == payloads[:4]  # read through the link's pool
+            wing = store._wing
+            assert wing is not None and wing.continuations.continue_later(store._tier, ns.id, list(keys[4:]), keys[3])
+            deadline = time.monotonic() + 10
+            while store.lookup(ns, keys, remote=False) < len(keys) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return {t.name: set(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
+                    if t not in before and t.name.startswith(("ucm-db-remote", "ucm-db-promote")) and t.native_id is not None}
+        finally:
+            store.close()
+
+    placed = _in_thread_pinned_to({first}, open_and_read)
+    assert any(name.startswith("ucm-db-remote") for name in placed), placed
+    assert any(name.startswith("ucm-db-promote") for name in placed), placed
+    assert all(cpus == rest for cpus in placed.values()), placed

@@ -8,7 +8,8 @@ take turns with the model on its own cores while the cores vLLM reserved
 stay idle. A host that knows this names the cores for background work once
 per process (:func:`set_background_cpus`, for example with
 :func:`spare_cpus` of the CPUs the host was started with);
-each background thread of the store (codec, maintenance, upload) and of its
+each background thread of the store (codec, maintenance, upload, remote
+requests, background promotion) and of its
 host places itself there when it starts (:func:`place_current_thread`).
 
 Invariants:

@@ -41,6 +41,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ucm_db.auth import AuthKeys
+from ucm_db.cpu_placement import place_current_thread
 from ucm_db.remote.inline_reads import InlineReads, is_local_disk
 from ucm_db.remote.search import Breaker, SearchResult, search_prefix
 from ucm_db.remote.tier import RemoteObject, RemoteRoot, RemoteTier
@@ -81,7 +82,7 @@ class RemoteLink:
         #: Bytes of fetched objects one lookup (or one stream) holds at most:
         #: never below the largest object read, which must fit one lookup.
         self.lookup_max_bytes = lookup_max_bytes or max(LOOKUP_MAX_BYTES, self.root.max_object_bytes)
-        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")
+        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote", initializer=place_current_thread)
         self._tiers: dict[bytes, RemoteTier] = {}
         self.last_search: SearchResult | None = None
         self.inline = InlineReads(self.root.is_local and is_local_disk(self.root.root))
@@ -94,7 +95,7 @@ class RemoteLink:
 
     def after_fork(self) -> None:
         """In a forked child: the parent's pool threads do not exist here."""
-        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote")
+        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote", initializer=place_current_thread)
         self.breaker = Breaker()
         self.root.after_fork()
 

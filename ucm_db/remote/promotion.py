@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from ucm_db.cpu_placement import place_current_thread
 from ucm_db.errors import MissingAncestorError
 from ucm_db.remote import link as link_module
 from ucm_db.remote.link import RemoteLink
@@ -93,7 +94,7 @@ class Continuations:
         self._start()
 
     def _start(self) -> None:
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="ucm-db-promote")
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="ucm-db-promote", initializer=place_current_thread)
         self._continuing_lock = threading.Lock()
         self._promote_lock = threading.Lock()
         self._continuing = 0
