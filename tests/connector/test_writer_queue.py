@@ -230,7 +230,8 @@ def test_a_job_arriving_within_the_linger_shares_the_rounds_commit(store, monkey
     try:
         writer.submit(_job(keys, 2, 4, released))
         deadline = time.monotonic() + 10
-        while not _stored(store, keys, 0, 4) and time.monotonic() < deadline:
+        # Staging goes back once the commit returned: a moment after the blocks are readable.
+        while not (_stored(store, keys, 0, 4) and len(released) == 2) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert _stored(store, keys, 0, 4)
         assert calls == [2 * GRID.heads]  # one transaction: both jobs' chains (one per head each)
