@@ -38,8 +38,10 @@ and left out at its default, so a deployment keys only what it changed:
       (:func:`built_max_model_len`). YaRN, llama3 and DeepSeek scaling read
       ``original_max_position_embeddings`` (config, in ``rope``), linear and
       default RoPE only size their cos/sin cache: not keyed.
-    * ``disable_sliding_window`` (with a model that has a window): attention
-      over the whole context changes every later layer's KV.
+    * ``disable_sliding_window``: attention over the whole context changes
+      every later layer's KV. Keyed whenever set: vLLM clears the model's
+      window from the config it hands over, so a model whose window was
+      disabled cannot be told from one that has none.
     * ``model_class_overrides``, ``code_revision``: another model class or
       remote code computes the KV. Remote code from another repo, or from a
       ``code_revision`` other than the weights', is keyed by its content
@@ -255,7 +257,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
         "kv_cache_dtype_skip_layers": getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None),
         "hf_overrides": config.hf_overrides,
         "rope": rope,
-        "disable_sliding_window": config.disable_sliding_window and _has_sliding_window(text),
+        "disable_sliding_window": config.disable_sliding_window,
         "model_class_overrides": config.model_class_overrides,
         "code_revision": config.code_revision,
         "model_weights": config.model_weights if config.model_weights not in ("", config.model) else None,
@@ -325,10 +327,6 @@ def _llama4_temperature_tuning(config: Any, built_len: int) -> bool:
         generation = {}
     generation.update(config.override_generation_config or {})
     return bool(generation.get("attn_temperature_tuning", built_len > 32768))
-
-
-def _has_sliding_window(text: Any) -> bool:
-    return bool(getattr(text, "sliding_window", None)) or "sliding_attention" in (getattr(text, "layer_types", None) or ())
 
 
 def _plain(value: Any) -> Any:

@@ -426,7 +426,8 @@ KV_CHANGING: dict[str, Callable[[Any], None]] = {
                                                      ("model_config.max_model_len", 1024)),
     "model_config.max_model_len (llama4 temperature)": _set(("model_config.hf_text_config.model_type", "llama4_text"),
                                                             ("model_config.max_model_len", 65536)),
-    "model_config.disable_sliding_window": _set(("model_config.hf_text_config.sliding_window", 128),
+    # As vLLM hands it over: the window cleared from the config once disabled.
+    "model_config.disable_sliding_window": _set(("model_config.hf_text_config.sliding_window", None),
                                                 ("model_config.disable_sliding_window", True)),
     "model_config.model_class_overrides": _set(("model_config.model_class_overrides", {"LlamaForCausalLM": "x.Y"})),
     "model_config.code_revision": _set(("model_config.code_revision", "abc123")),
@@ -443,7 +444,7 @@ _BASELINES: dict[str, Callable[[Any], None]] = {
     "model_config.max_model_len (dynamic NTK)": _set(("model_config.hf_text_config.rope_parameters",
                                                       {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})),
     "model_config.max_model_len (llama4 temperature)": _set(("model_config.hf_text_config.model_type", "llama4_text")),
-    "model_config.disable_sliding_window": _set(("model_config.hf_text_config.sliding_window", 128)),
+    "model_config.disable_sliding_window": _set(("model_config.hf_text_config.sliding_window", None)),
 }
 
 
@@ -479,6 +480,23 @@ def test_under_auto_fit_the_length_the_model_was_built_with_is_keyed(model_dir: 
     assert rope["rope_type"] == "dynamic" or derived // 2 <= rope["original_max_position_embeddings"] < derived
 
 
+def test_a_window_disabled_in_a_real_model_config_reaches_the_namespace(tmp_path: Path) -> None:
+    """vLLM's own ModelConfig clears a disabled window from the config it
+    hands over (it used to make ``disable_sliding_window`` invisible here):
+    a Mistral with a 128-token window, disabled or not."""
+    from transformers import MistralConfig
+    from safetensors.torch import save_file
+
+    model = tmp_path / "mistral"
+    MistralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=64, vocab_size=1000, max_position_embeddings=512, sliding_window=128).save_pretrained(model)
+    save_file({"lm_head.weight": torch.zeros(4, 4)}, str(model / "model.safetensors"))
+    windowed = _vllm_config(model, max_model_len=128)
+    disabled = _vllm_config(model, max_model_len=128, disable_sliding_window=True)
+    assert disabled.model_config.hf_text_config.sliding_window is None  # what vLLM leaves
+    assert _namespace_of(disabled).digest != _namespace_of(windowed).digest
+
+
 _NO_CHANGE = _set()
 #: (baseline, change) pairs that leave K/V as they were: the namespace stays.
 KV_KEEPING: dict[str, tuple[Callable[[Any], None], Callable[[Any], None]]] = {
@@ -491,7 +509,6 @@ KV_KEEPING: dict[str, tuple[Callable[[Any], None], Callable[[Any], None]]] = {
                                          ("model_config.served_model_name", "x"))),
     "sampling_config": (_NO_CHANGE, _set(("model_config.hf_config.eos_token_id", 5),
                                          ("model_config.override_generation_config", {"temperature": 0.1}))),
-    "sliding_window_kept": (_NO_CHANGE, _set(("model_config.disable_sliding_window", True))),  # no window to disable
 }
 
 
