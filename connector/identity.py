@@ -111,6 +111,7 @@ class KVShape:
     unit_bytes: int = 0  # raw bytes of one KV head's unit over every layer, from vLLM's spec (0: unknown, MLA)
     extra: str = ""  # namespace inputs beside model, layout and block size (namespace_inputs)
     counter_mm_ids: bool = False  # multimodal identifiers are per-process counters (identity_guards.counter_identifiers)
+    lora_engine: str = ""  # how this engine applies adapters, in adapter requests' chains (lora_engine_inputs)
 
 
 def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KVShape:
@@ -151,7 +152,30 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers)),
         extra=namespace_inputs(vllm_config, model_id),
         counter_mm_ids=counter_identifiers(vllm_config),
+        lora_engine=lora_engine_inputs(vllm_config),
     )
+
+
+def lora_engine_inputs(vllm_config: Any) -> str:
+    """What of the engine's LoRA config changes an adapter's K/V, as
+    canonical JSON (empty: nothing set, or no LoRA): ``target_modules``
+    (modules outside it drop the adapter's weights there), ``lora_dtype``
+    where not ``auto`` (the adapter's deltas in another precision), and
+    how MoE adapters are read. Keyed into adapter requests' chains only
+    (:func:`ucm_db.connector.request_keys.request_extras`), so requests
+    without an adapter share blocks across engines whatever these say."""
+    lora = getattr(vllm_config, "lora_config", None)
+    if lora is None:
+        return ""
+    dtype = getattr(lora, "lora_dtype", "auto")
+    inputs = {
+        "target_modules": sorted(getattr(lora, "target_modules", None) or ()),
+        "lora_dtype": None if dtype in (None, "auto") else str(dtype).removeprefix("torch."),
+        "mixed_moe_format": getattr(lora, "enable_mixed_moe_lora_format", False),
+        "moe_shared": getattr(lora, "enable_moe_shared_loras", False),
+    }
+    plain = {name: value for name, value in inputs.items() if value not in (None, False, [])}
+    return json.dumps(plain, sort_keys=True, separators=(",", ":")) if plain else ""
 
 
 def _unit_bytes(spec: Any, block_size: int, layers: int) -> int:

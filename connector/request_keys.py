@@ -27,12 +27,16 @@ if TYPE_CHECKING:
     from ucm_db.connector.scheduler.request_state import RequestState
 
 
-def request_extras(request: Request) -> dict[str, Any]:
+def request_extras(request: Request, lora_engine: str = "") -> dict[str, Any]:
     """What changes all of a request's KV besides its token ids: the root
-    extras of its key chain (LoRA adapter by content, ``cache_salt``)."""
+    extras of its key chain (LoRA adapter by content, with how the engine
+    applies adapters: :func:`~ucm_db.connector.identity.lora_engine_inputs`;
+    ``cache_salt``)."""
     extras: dict[str, Any] = {}
     if request.lora_request is not None:
         extras["lora"] = adapter_key(request.lora_request)
+        if lora_engine:
+            extras["lora_engine"] = lora_engine
     if request.cache_salt:
         extras["cache_salt"] = str(request.cache_salt)
     return extras

@@ -131,6 +131,7 @@ class UcmDbScheduler:
         self._grid = grid(shape)
         self._block_size = shape.block_size
         self._counter_mm_ids, self._inputs = shape.counter_mm_ids, shape.extra  # the step metadata's inputs
+        self._lora_engine = shape.lora_engine
         self._off = False  # a worker refused this namespace: nothing claimed or saved (observe_output)
         self._requests: dict[str, RequestState] = {}
         self.counters = Counters()
@@ -160,7 +161,7 @@ class UcmDbScheduler:
         state = self._requests.get(request.request_id)
         if (state is None or state.request is not request or state.stale_for(request)
                 or (renew_epoch and state.epoch != self._epochs.epoch)):
-            extras = request_extras(request)
+            extras = request_extras(request, self._lora_engine)
             state = RequestState(request, extras, request_block_extras(request, self._block_size, self._counter_mm_ids),
                                  self._epochs.epoch, controls=_controls(request, extras), prompt_tokens=request.num_prompt_tokens,
                                  mm_items=len(request.mm_features or ()))

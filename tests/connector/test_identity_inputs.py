@@ -319,6 +319,33 @@ def test_a_lora_adapter_is_keyed_by_its_files_not_its_name_or_path(tmp_path: Pat
 
 
 
+def test_how_the_engine_applies_adapters_reaches_adapter_requests_only(model_dir: Path, tmp_path: Path) -> None:
+    """An engine restricted to some modules (``target_modules``) drops an
+    adapter's other weights: its adapter requests get other keys than an
+    unrestricted engine's, from vLLM's own LoRAConfig; plain requests keep
+    theirs."""
+    from vllm.config import LoRAConfig
+
+    from ucm_db.connector.identity import lora_engine_inputs
+
+    adapter = _adapter(tmp_path / "ad", b"weights")
+    plain_config = _vllm_config(model_dir)
+    plain_config.lora_config = LoRAConfig()
+    restricted = _vllm_config(model_dir)
+    restricted.lora_config = LoRAConfig(target_modules=["o_proj"])
+    without = _vllm_config(model_dir)  # no LoRA at all
+    engines = [lora_engine_inputs(c) for c in (plain_config, restricted, without)]
+    assert engines[0] != engines[1] and engines[2] == ""
+
+    def keys(lora_engine: str, lora: bool) -> list[bytes]:
+        request = Request("r", list(range(64)), SamplingParams(max_tokens=1), None,
+                          lora_request=LoRARequest("ad", 1, str(adapter)) if lora else None)
+        return list(NS.block_keys(list(request.all_token_ids), request_extras(request, lora_engine)))
+
+    assert keys(engines[0], True) != keys(engines[1], True)
+    assert keys(engines[0], False) == keys(engines[1], False) == keys(engines[2], False)
+
+
 def test_an_adapter_reloaded_under_a_new_id_is_keyed_by_its_new_files(tmp_path: Path) -> None:
     """vLLM's update flow: unload, retrain in place, load again, which gives
     the adapter a new id, and vLLM loads the new files under it."""
