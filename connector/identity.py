@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -89,8 +90,8 @@ from typing import Any
 from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
-from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, multimodal_inputs,
-                                              refuse_unstorable)
+from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, lora_engine_inputs,
+                                              multimodal_inputs, refuse_unstorable)
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -154,28 +155,6 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         counter_mm_ids=counter_identifiers(vllm_config),
         lora_engine=lora_engine_inputs(vllm_config),
     )
-
-
-def lora_engine_inputs(vllm_config: Any) -> str:
-    """What of the engine's LoRA config changes an adapter's K/V, as
-    canonical JSON (empty: nothing set, or no LoRA): ``target_modules``
-    (modules outside it drop the adapter's weights there), ``lora_dtype``
-    where not ``auto`` (the adapter's deltas in another precision), and
-    how MoE adapters are read. Keyed into adapter requests' chains only
-    (:func:`ucm_db.connector.request_keys.request_extras`), so requests
-    without an adapter share blocks across engines whatever these say."""
-    lora = getattr(vllm_config, "lora_config", None)
-    if lora is None:
-        return ""
-    dtype = getattr(lora, "lora_dtype", "auto")
-    inputs = {
-        "target_modules": sorted(getattr(lora, "target_modules", None) or ()),
-        "lora_dtype": None if dtype in (None, "auto") else str(dtype).removeprefix("torch."),
-        "mixed_moe_format": getattr(lora, "enable_mixed_moe_lora_format", False),
-        "moe_shared": getattr(lora, "enable_moe_shared_loras", False),
-    }
-    plain = {name: value for name, value in inputs.items() if value not in (None, False, [])}
-    return json.dumps(plain, sort_keys=True, separators=(",", ":")) if plain else ""
 
 
 def _unit_bytes(spec: Any, block_size: int, layers: int) -> int:
@@ -246,6 +225,7 @@ def schedulers_namespace(ours: Namespace, our_inputs: str, theirs_id: bytes, the
     :func:`namespace_inputs`, ours ``our_inputs``) where it differs from
     this worker's ``ours`` only in :data:`CONFIG_OBJECT_INPUTS`, or in
     ``hf_config`` where this worker could not read the config's files, or in
+    the config an ``hf_overrides`` function of the same name left, or in
     ``remote_code`` entries it found no code for (its node lacks them: it
     computes with the config vLLM pickled from the scheduler's node); None
     where anything else differs."""
@@ -261,6 +241,9 @@ def schedulers_namespace(ours: Namespace, our_inputs: str, theirs_id: bytes, the
     ours_code, their_code = mine.get("remote_code") or {}, other.get("remote_code") or {}
     if ours_code.keys() == their_code.keys() and all(v in ("unresolved", their_code[k]) for k, v in ours_code.items()):
         differing.discard("remote_code")  # code this node's cache lacks: the scheduler's node named it
+    ours_fn, their_fn = mine.get("hf_overrides"), other.get("hf_overrides")
+    if isinstance(ours_fn, dict) and isinstance(their_fn, dict) and "function" in ours_fn and ours_fn.get("function") == their_fn.get("function"):
+        differing.discard("hf_overrides")  # the same function; the config it left, changed by this worker's model as rope is
     return theirs if differing <= CONFIG_OBJECT_INPUTS else None
 
 
@@ -279,7 +262,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
         "quantization_config": config.quantization_config,
         "checkpoint_quantization_config": getattr(config.hf_config, "quantization_config", None),
         "kv_cache_dtype_skip_layers": getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None),
-        "hf_overrides": config.hf_overrides,
+        "hf_overrides": _overrides(config),
         "rope": rope,
         "disable_sliding_window": config.disable_sliding_window,
         "model_class_overrides": config.model_class_overrides,
@@ -292,6 +275,21 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     inputs.update(multimodal_inputs(vllm_config))
     plain = {name: _plain(value) for name, value in inputs.items() if value not in (None, False, "", {}, [], ())}
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _overrides(config: Any) -> Any:
+    """``hf_overrides`` as keyed: a dict as given; a function by its name
+    and a digest of the config it made (two closures, or two lambdas, share
+    a name but not what they do; the config they leave prints the same in
+    every process). Private fields (the model's path) and the transformers
+    version are left out: they differ between nodes with nothing changed."""
+    overrides = config.hf_overrides
+    if not callable(overrides):
+        return overrides
+    made = {name: value for name, value in config.hf_config.to_diff_dict().items()
+            if not str(name).startswith("_") and name != "transformers_version"}
+    text = json.dumps(_plain(made), sort_keys=True, separators=(",", ":"), default=str).encode()
+    return {"function": _plain(overrides), "config": hashlib.blake2b(text, digest_size=16).hexdigest()}
 
 
 def _rope(text: Any) -> dict[str, Any]:

@@ -25,6 +25,8 @@ Invariants:
       with per-request kwargs hides its origin). Otherwise content hashes
       and user-given UUIDs are kept as they are: a user's UUID names its
       content store-wide, across every engine sharing the store.
+    * How the engine applies LoRA adapters (:func:`lora_engine_inputs`) is
+      keyed into adapter requests' chains, not the namespace.
     * Off CPU, the platform is vLLM's device name (ROCm is not "cuda"),
       with the fp8 type where a quantized KV cache would use another one
       than CUDA's ``float8_e4m3fn`` (:func:`device_tag`).
@@ -302,3 +304,26 @@ def _file_digest(path: str) -> str:
         return "blake2b:" + hashlib.blake2b(Path(path).expanduser().read_bytes(), digest_size=16).hexdigest()
     except OSError:
         return f"path:{path}"
+
+
+def lora_engine_inputs(vllm_config: Any) -> str:
+    """What of the engine's LoRA config changes an adapter's K/V, as
+    canonical JSON (empty: nothing set, or no LoRA): ``target_modules``
+    (modules outside it drop the adapter's weights there), ``lora_dtype``
+    where not ``auto`` (the adapter's deltas in another precision), and
+    how MoE adapters are read. Keyed into adapter requests' chains only
+    (:func:`ucm_db.connector.request_keys.request_extras`), so requests
+    without an adapter share blocks across engines whatever these say."""
+    lora = getattr(vllm_config, "lora_config", None)
+    if lora is None:
+        return ""
+    dtype = getattr(lora, "lora_dtype", "auto")
+    inputs = {
+        "target_modules": sorted(getattr(lora, "target_modules", None) or ()),
+        "lora_dtype": None if dtype in (None, "auto") else str(dtype).removeprefix("torch."),
+        "mixed_moe_format": getattr(lora, "enable_mixed_moe_lora_format", False),
+        "moe_shared": getattr(lora, "enable_moe_shared_loras", False),
+    }
+    plain = {name: value for name, value in inputs.items() if value not in (None, False, [])}
+    return json.dumps(plain, sort_keys=True, separators=(",", ":")) if plain else ""
+

@@ -326,7 +326,7 @@ def test_how_the_engine_applies_adapters_reaches_adapter_requests_only(model_dir
     theirs."""
     from vllm.config import LoRAConfig
 
-    from ucm_db.connector.identity import lora_engine_inputs
+    from ucm_db.connector.identity_guards import lora_engine_inputs
 
     adapter = _adapter(tmp_path / "ad", b"weights")
     plain_config = _vllm_config(model_dir)
@@ -522,6 +522,23 @@ def test_a_window_disabled_in_a_real_model_config_reaches_the_namespace(tmp_path
     disabled = _vllm_config(model, max_model_len=128, disable_sliding_window=True)
     assert disabled.model_config.hf_text_config.sliding_window is None  # what vLLM leaves
     assert _namespace_of(disabled).digest != _namespace_of(windowed).digest
+
+
+def _eps_override(eps: float) -> Callable[[Any], Any]:
+    def override(hf_config: Any) -> Any:  # every closure made here has this one qualified name
+        hf_config.rms_norm_eps = eps
+        return hf_config
+    return override
+
+
+def test_an_hf_overrides_function_is_keyed_by_what_it_does_not_only_its_name(model_dir: Path) -> None:
+    """Two closures (or lambdas) share a qualified name: the config each
+    leaves is keyed too, through vLLM's own ModelConfig, which applies them."""
+    small, large = _vllm_config(model_dir, hf_overrides=_eps_override(1e-6)), _vllm_config(model_dir, hf_overrides=_eps_override(1e-3))
+    again = _vllm_config(model_dir, hf_overrides=_eps_override(1e-6))
+    assert small.model_config.hf_config.rms_norm_eps == 1e-6  # vLLM applied it
+    assert _namespace_of(small).digest != _namespace_of(large).digest
+    assert _namespace_of(small).digest == _namespace_of(again).digest  # the same function: the same namespace
 
 
 _NO_CHANGE = _set()

@@ -134,6 +134,10 @@ QUANT = '"quantization_config":{"dynamic":"(?:mlp|self_attn)"}'  # a "|" inside 
     ('{"remote_code":{"o/c@main":"blake2b:aa"}}', '{"remote_code":{"o/c@main":"blake2b:bb"}}', False),  # other code here
     ('{"remote_code":{"o/c@main":"unresolved"}}', '{"remote_code":{"o/c@v2":"blake2b:bb"}}', False),  # another revision
     ("{" + QUANT + ',"rope":{"rope_theta":1000000.0}}', "{" + QUANT + "}", True),
+    # An hf_overrides function: the config it left, changed by the worker's model; another function is other KV.
+    ('{"hf_overrides":{"config":"aa","function":"m.f"}}', '{"hf_overrides":{"config":"bb","function":"m.f"}}', True),
+    ('{"hf_overrides":{"config":"aa","function":"m.f"}}', '{"hf_overrides":{"config":"bb","function":"m.g"}}', False),
+    ('{"hf_overrides":{"attention_bias":true}}', '{"hf_overrides":{"attention_bias":false}}', False),  # a node's own dict
 ])
 @pytest.mark.parametrize("group", [None, '{"group":"sliding_window","layers":["l0"],"window":128}'])
 def test_only_constructor_changed_inputs_are_taken_from_the_scheduler(ours: str, theirs: str, adopted: bool,
