@@ -53,7 +53,9 @@ text; sampling never changes KV), ``seed``, ``enforce_eager``, the
 attention backend and ``model_impl`` (numerics within kernel tolerance; the
 platform and CPU attention ISA are in the layout), served names, pooling and
 runner options, per-request multimodal options (vLLM's item identifiers
-carry them), the LoRA config (adapters are keyed per request). Tripwire tests
+carry them), the LoRA config (adapters are keyed per request, with how the
+engine applies them), a quantized model's kernel scheme (keyed by
+:func:`~ucm_db.connector.identity_guards.quantized_kernel_inputs`). Tripwire tests
 (``tests/connector/test_identity_inputs.py``) fail on a new ``ModelConfig`` field.
 
 Invariants:
@@ -91,7 +93,8 @@ from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
 from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, lora_engine_inputs,
-                                              multimodal_inputs, refuse_unstorable)
+                                              current_platform, multimodal_inputs, quantized_kernel_inputs,
+                                              refuse_unstorable)
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -273,6 +276,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     inputs.update(load_inputs(vllm_config, model_id))
     inputs.update(remote_code_inputs(config))
     inputs.update(multimodal_inputs(vllm_config))
+    inputs.update(quantized_kernel_inputs(vllm_config, current_platform()))
     plain = {name: _plain(value) for name, value in inputs.items() if value not in (None, False, "", {}, [], ())}
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
@@ -374,14 +378,11 @@ def _plain(value: Any) -> Any:
 
 def _platform_tag(spec: Any, vllm_config: Any) -> str:
     """On CPU, the attention ISA (kernel block layouts differ); else device_tag."""
-    try:
-        from vllm.platforms import current_platform
-
-        device = str(current_platform.device_type)
-    except Exception:  # noqa: BLE001 - tests without a platform
+    platform = current_platform()
+    if platform is None:
         return "unknown"
-    if device != "cpu":
-        return device_tag(current_platform, str(vllm_config.cache_config.cache_dtype))
+    if str(platform.device_type) != "cpu":
+        return device_tag(platform, str(vllm_config.cache_config.cache_dtype))
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

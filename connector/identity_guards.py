@@ -27,6 +27,10 @@ Invariants:
       content store-wide, across every engine sharing the store.
     * How the engine applies LoRA adapters (:func:`lora_engine_inputs`) is
       keyed into adapter requests' chains, not the namespace.
+    * A quantized model's kernel scheme (:func:`quantized_kernel_inputs`:
+      the device's compute capability, named kernel backends, vLLM's
+      environment switches) is keyed; a model that is not quantized keeps
+      one namespace across GPU generations.
     * Off CPU, the platform is vLLM's device name (ROCm is not "cuda"),
       with the fp8 type where a quantized KV cache would use another one
       than CUDA's ``float8_e4m3fn`` (:func:`device_tag`).
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import secrets
 from collections.abc import Callable, Sequence
@@ -327,3 +332,49 @@ def lora_engine_inputs(vllm_config: Any) -> str:
     plain = {name: value for name, value in inputs.items() if value not in (None, False, [])}
     return json.dumps(plain, sort_keys=True, separators=(",", ":")) if plain else ""
 
+
+#: Environment variables with which vLLM changes what a quantized model
+#: computes (activation quantization in Marlin kernels; an online weight
+#: quantization's own config), keyed as set.
+QUANT_ENV_VARS = ("VLLM_MARLIN_INPUT_DTYPE", "VLLM_HUMMING_ONLINE_QUANT_CONFIG")
+
+
+def quantized_kernel_inputs(vllm_config: Any, current_platform: Any) -> dict[str, Any]:
+    """For a quantized model, what picks its kernels' scheme beside the
+    checkpoint: on an accelerator the device's compute capability (fp8
+    weights run weight-only W8A16 Marlin kernels on some GPU generations,
+    W8A8 on others; FP4 likewise), the linear and MoE kernel backends where
+    named, and :data:`QUANT_ENV_VARS` where set. Empty for a model that is
+    not quantized: its namespace is one across GPU generations."""
+    if not getattr(vllm_config.model_config, "quantization", None):
+        return {}
+    inputs: dict[str, Any] = {}
+    if str(getattr(current_platform, "device_type", "cpu")) != "cpu":
+        try:
+            capability = current_platform.get_device_capability()
+        except Exception:  # noqa: BLE001 - a platform that cannot say: keyed as unknown
+            capability = None
+        inputs["device_capability"] = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+    kernels = getattr(vllm_config, "kernel_config", None)
+    for name in ("linear_backend", "moe_backend"):
+        backend = str(getattr(kernels, name, "auto") or "auto")
+        if backend != "auto":
+            inputs[name] = backend
+    per_quant = getattr(kernels, "linear_backend_per_quant", None)
+    if per_quant:
+        inputs["linear_backend_per_quant"] = {str(k): str(v) for k, v in dict(per_quant).items()}
+    env = {name: os.environ[name] for name in QUANT_ENV_VARS if os.environ.get(name)}
+    if env:
+        inputs["quant_env"] = env
+    return inputs
+
+
+def current_platform() -> Any:
+    """vLLM's platform object (None where there is none: tests without one)."""
+    try:
+        from vllm.platforms import current_platform as platform
+
+        platform.device_type  # noqa: B018 - resolving it may fail where no platform is found
+    except Exception:  # noqa: BLE001
+        return None
+    return platform

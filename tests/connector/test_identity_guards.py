@@ -272,6 +272,35 @@ def test_the_platform_reaches_the_namespace(model_dir: Path, monkeypatch: pytest
     assert '"platform":"cuda"' in layouts["cuda"] and '"platform":"rocm:float8_e4m3fnuz"' in layouts["mi300"]
 
 
+def test_a_quantized_models_kernel_scheme_reaches_the_namespace(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 or FP4 weights run other schemes on other GPU generations
+    (weight-only Marlin kernels on some, activations quantized on others):
+    a quantized model's namespace names the compute capability, named kernel
+    backends and vLLM's switches; a model that is not quantized keeps one
+    namespace across generations. The platforms are stand-ins: no GPU here."""
+    import vllm.platforms
+
+    config = _vllm_config(model_dir)  # built on this host's platform, then read as on a GPU's
+
+    def extra(capability: tuple[int, int], quantization: str | None, **env: str) -> str:
+        platform = SimpleNamespace(device_name="cuda", device_type="cuda", fp8_dtype=lambda: torch.float8_e4m3fn,
+                                   get_device_capability=lambda: capability)
+        for name in ("VLLM_MARLIN_INPUT_DTYPE", "VLLM_HUMMING_ONLINE_QUANT_CONFIG"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        object.__setattr__(config.model_config, "quantization", quantization)
+        with monkeypatch.context() as patched:
+            patched.setattr(vllm.platforms, "current_platform", platform, raising=False)
+            return kv_shape(config, _kv_config(), None).extra
+
+    a100, h100 = (8, 0), (9, 0)
+    assert extra(a100, None) == extra(h100, None)  # not quantized: one namespace
+    assert extra(a100, "fp8") != extra(h100, "fp8")
+    assert extra(h100, "fp8") != extra(h100, "fp8", VLLM_MARLIN_INPUT_DTYPE="int8")
+    assert '"device_capability":"9.0"' in extra(h100, "fp8")
+
+
 # -- refused deployments -------------------------------------------------------------
 
 
