@@ -256,7 +256,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     are loaded and engine-wide multimodal options: identity_guards.py), as
     canonical JSON for :attr:`Namespace.extra`; inputs at their defaults are
     left out. Raises ConfigError for inputs no key can name."""
-    config = vllm_config.model_config
+    config, attention = vllm_config.model_config, getattr(vllm_config, "attention_config", None)
     text = config.hf_text_config
     rope = _rope(text)
     inputs: dict[str, Any] = {
@@ -271,6 +271,9 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
         "model_class_overrides": config.model_class_overrides,
         "code_revision": config.code_revision,
         "model_weights": config.model_weights if config.model_weights not in ("", config.model) else None,
+        # Queries quantized to fp8 in attention (or not, where FlashInfer would): every later layer's KV moves.
+        "prefill_query_fp8": getattr(attention, "use_prefill_query_quantization", False),
+        "flashinfer_query_fp8_off": getattr(attention, "disable_flashinfer_q_quantization", False),
     }
     inputs.update(_max_len_inputs(config, text, rope.get("parameters")))
     inputs.update(load_inputs(vllm_config, model_id))

@@ -456,6 +456,8 @@ KV_CHANGING: dict[str, Callable[[Any], None]] = {
     # As vLLM hands it over: the window cleared from the config once disabled.
     "model_config.disable_sliding_window": _set(("model_config.hf_text_config.sliding_window", None),
                                                 ("model_config.disable_sliding_window", True)),
+    "attention_config.use_prefill_query_quantization": _set(("attention_config.use_prefill_query_quantization", True)),
+    "attention_config.disable_flashinfer_q_quantization": _set(("attention_config.disable_flashinfer_q_quantization", True)),
     "model_config.model_class_overrides": _set(("model_config.model_class_overrides", {"LlamaForCausalLM": "x.Y"})),
     "model_config.code_revision": _set(("model_config.code_revision", "abc123")),
     "model_config.model_weights": _set(("model_config.model_weights", "s3://bucket/llama")),
