@@ -295,7 +295,7 @@ def _overrides(config: Any) -> Any:
         return overrides
     made = {name: value for name, value in config.hf_config.to_diff_dict().items()
             if not str(name).startswith("_") and name != "transformers_version"}
-    text = json.dumps(_plain(made), sort_keys=True, separators=(",", ":"), default=str).encode()
+    text = json.dumps(_plain(made), sort_keys=True, separators=(",", ":")).encode()
     return {"function": _plain(overrides), "config": hashlib.blake2b(text, digest_size=16).hexdigest()}
 
 

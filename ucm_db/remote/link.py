@@ -181,17 +181,18 @@ class RemoteLink:
         chained before the deadline. ``silence_trips``: as for
         :meth:`run_all` (False after a search that left the fetch less time
         than one of its rounds took; an error still opens the breaker)."""
-        results = self._fetch_all(namespace_id, keys, deadline, silence_trips=silence_trips)
-        return [] if results is None else _leading_run(results, parent)[0]
+        run = self.fetch_run(namespace_id, keys, parent, deadline, silence_trips=silence_trips)
+        return [] if run is None else run[0]
 
     def fetch_run(
-        self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float,
+        self, namespace_id: bytes, keys: Sequence[bytes], parent: bytes | None, deadline: float, *,
+        silence_trips: bool = True,
     ) -> tuple[list[RemoteObject], bool] | None:
         """:meth:`fetch_chain`, and whether every request answered (False:
         the deadline cut the fetch, so a short run says nothing of what the
         remote holds past it); None when the remote did not answer at all
         (breaker open, an error, no request done in time)."""
-        results = self._fetch_all(namespace_id, keys, deadline)
+        results = self._fetch_all(namespace_id, keys, deadline, silence_trips=silence_trips)
         if results is None or (keys and all(r is UNFINISHED for r in results)):
             return None
         return _leading_run(results, parent)
