@@ -4,7 +4,7 @@ loaded from, computed once and reused while those files are unchanged
 
 Owns the model's identity in the namespace (:func:`model_fingerprint`) and a
 LoRA adapter's in the keys (:func:`adapter_key`): which files name a model
-or adapter (:func:`selected_files`), the digest over them
+or adapter (:mod:`ucm_db.connector.weight_files`), the digest over them
 (:func:`fingerprint`), its caches (in this process; for checkpoints
 of :data:`PERSIST_MIN_BYTES` or more also in
 ``$XDG_CACHE_HOME/ucm-db/fingerprints.json``, else
@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import re
-import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -49,17 +48,9 @@ from typing import Any
 
 import blake3  # a dependency of vLLM, the only user of this module
 
+from ucm_db.connector.weight_files import Stats, selected_files, skipped_model_folders
 from ucm_db.errors import ConfigError
 
-#: In vLLM's order of preference: the first kind a directory holds is the
-#: one vLLM loads (a snapshot holding both .safetensors and .bin loads the
-#: former), so only that kind is hashed.
-WEIGHT_KINDS = ((".safetensors",), (".bin",), (".pt", ".pth"))
-#: Training state vLLM skips (its ``filter_files_not_needed_for_inference``).
-_TRAINING_FILES = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
-#: JSON files that change token ids or sampling, never the KV of given ids.
-_IGNORED_JSON = frozenset({"generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                           "added_tokens.json", "vocab.json", "chat_template.json"})
 #: Smaller sets hash in well under the 0.2 s start budget: kept in memory only.
 PERSIST_MIN_BYTES = 64 << 20
 _MAX_CACHED_DIRS = 64
@@ -71,10 +62,6 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log han
 _warned: set[tuple[str, ...]] = set()
 _adapters: dict[tuple[str, str], str] = {}  # (name, path) -> the digest vLLM loaded from there (first seen)
 _adapter_ids: dict[int, str] = {}  # lora_int_id -> the digest vLLM loaded under it (first seen)
-
-#: name -> (inode, size, mtime_ns, ctime_ns)
-Stats = dict[str, tuple[int, int, int, int]]
-
 
 @dataclass(frozen=True)
 class Fingerprint:
@@ -88,49 +75,18 @@ class Fingerprint:
     seconds: float
 
 
-def selected_files(path: str | Path) -> Stats:
-    """The files a model or adapter at ``path`` is loaded from, with their
-    stats: the weights of the kind vLLM loads (:data:`WEIGHT_KINDS`, and
-    ``*.gguf``), every ``*.json`` but tokenizer and generation files (config,
-    weight index, quantization and processor configs, ``adapter_config.json``)
-    and ``*.py`` (remote model code). ``path`` may be one file (a GGUF)."""
-    if os.path.isfile(path):
-        st = os.stat(path)
-        return {"": (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)}
-    with os.scandir(path) as listing:
-        entries = {entry.name: entry for entry in listing if entry.name not in _TRAINING_FILES}
-    weights = next((kind for kind in WEIGHT_KINDS if any(name.endswith(kind) for name in entries)), ())
-    found: Stats = {}
-    for name, entry in entries.items():
-        if not _wanted(name, weights):
-            continue  # not even stat'ed: a LoRA request's key costs a few stat calls
-        try:
-            st = entry.stat()  # follows links: a hub snapshot's files link to blobs
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            found[name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    return found
-
-
-def _wanted(name: str, weights: tuple[str, ...]) -> bool:
-    if name.endswith(".json"):
-        if name.endswith(".index.json"):  # a weight index: that of the loaded kind only
-            return bool(weights) and name.removesuffix(".index.json").endswith(weights)
-        return name not in _IGNORED_JSON
-    return name.endswith(".gguf") or name.endswith(".py") or bool(weights) and name.endswith(weights)
-
-
 #: absolute path -> (entries, as in the cache file; their combined digest)
 _memo: dict[str, tuple[dict[str, list[Any]], str]] = {}
 _memo_lock = threading.Lock()
 
 
-def fingerprint(path: str | Path) -> Fingerprint:
-    """The digest of :func:`selected_files` of ``path`` (see invariants)."""
+def fingerprint(path: str | Path, *, load_format: str = "auto", subfolders: bool = False,
+                skipped_folders: frozenset[str] = frozenset()) -> Fingerprint:
+    """The digest of :func:`~ucm_db.connector.weight_files.selected_files`
+    of ``path`` (see invariants; the keywords are that function's)."""
     began = time.perf_counter()
     key = os.path.abspath(path)
-    stats = selected_files(key)
+    stats = selected_files(key, load_format=load_format, subfolders=subfolders, skipped_folders=skipped_folders)
     total = sum(st[1] for st in stats.values())
     with _memo_lock:
         known, digest = _memo.get(key, ({}, ""))
@@ -284,12 +240,18 @@ def hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | None = Non
     return (commit, snapshot) if _COMMIT.fullmatch(commit) and snapshot.is_dir() else None
 
 
-def model_fingerprint(model_config: Any, download_dir: str | None = None) -> str:
+def model_fingerprint(model_config: Any, download_dir: str | None = None, load_config: Any = None) -> str:
     """Model identity: ``blake3:`` and the digest of the files vLLM loads the
-    model from (:func:`fingerprint`): of a local directory (or GGUF file) as
-    given, or of a hub model's snapshot in the local Hugging Face cache
-    (``download_dir`` if vLLM was given one) at the commit its revision
-    resolves to: never a branch name, never the path."""
+    model from (:func:`fingerprint`, subfolders included, as vLLM's
+    ``load_config`` selects them: its load format and ignore patterns): of a
+    local directory (or GGUF file) as given, or of a hub model's snapshot in
+    the local Hugging Face cache (``download_dir``, else the load config's, if
+    vLLM was given one) at the commit its revision resolves to: never a branch
+    name, never the path."""
+    download_dir = download_dir or getattr(load_config, "download_dir", None)
+    load_format = getattr(load_config, "load_format", "auto")
+    load_format = str(getattr(load_format, "value", load_format))
+    skipped = skipped_model_folders(getattr(load_config, "ignore_patterns", None))
     model = str(model_config.model)
     path = Path(model).expanduser()
     if not path.exists():
@@ -304,7 +266,7 @@ def model_fingerprint(model_config: Any, download_dir: str | None = None) -> str
             )
         path = found[1]
     try:
-        loaded = fingerprint(path)
+        loaded = fingerprint(path, load_format=load_format, subfolders=True, skipped_folders=skipped)
     except OSError as exc:
         raise ConfigError(f"ucm-db cannot read the model files in {path}: {exc}",
                           hint="check the model directory's permissions, or set \"model_id\" in kv_connector_extra_config") from exc

@@ -144,7 +144,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     }
     parallel = vllm_config.parallel_config
     return KVShape(
-        model=model_id or model_fingerprint(model_config, getattr(getattr(vllm_config, "load_config", None), "download_dir", None)),
+        model=model_id or model_fingerprint(model_config, load_config=getattr(vllm_config, "load_config", None)),
         kv_dtype=dtype,
         block_size=int(vllm_config.cache_config.block_size),
         use_mla=use_mla,

@@ -1,0 +1,98 @@
+"""Which files a model or a LoRA adapter is loaded from: what
+:mod:`ucm_db.connector.fingerprints` hashes into its identity.
+
+Invariants:
+    * One kind of weights per folder: the first of :data:`WEIGHT_KINDS` the
+      folder holds (vLLM's order for load formats ``auto`` and ``hf``: a
+      snapshot holding ``.safetensors`` and ``.bin`` loads the former), or
+      the kind a load format names (:data:`FORMAT_KINDS`: ``pt`` loads
+      ``*.pt`` and ``npcache`` ``*.bin`` whatever else lies beside them).
+      Beside the weights: every ``*.json`` but tokenizer and generation
+      files, the index of the loaded kind, ``*.py`` (remote model code) and
+      ``*.gguf``.
+    * A model's subfolders, one level down, count like its top level, each
+      by its own rule: model classes load weights from them (Cosmos3's
+      ``transformer/``, Kimi-Audio's ``whisper-large-v3/``). Not counted:
+      hidden folders, and ``original/`` while vLLM's default
+      ``ignore_patterns`` skip it (a checkpoint's consolidated copy that vLLM
+      never loads). An adapter's subfolders are never read: vLLM's LoRA
+      loader reads an adapter's top level, and a training run's
+      ``checkpoint-N/`` folders beside it are not the adapter.
+    * Over-keying is the safe side: a subfolder vLLM does not load costs its
+      hashing once (digests are cached) and a namespace that moves when it
+      changes, never a hit on KV of other weights.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+#: In vLLM's order of preference (module invariants).
+WEIGHT_KINDS = ((".safetensors",), (".bin",), (".pt", ".pth"))
+#: Load formats that load one kind whatever else a folder holds.
+FORMAT_KINDS = {"pt": (".pt", ".pth"), "npcache": (".bin",)}
+#: vLLM's default ``LoadConfig.ignore_patterns``: the folder it keeps out.
+DEFAULT_IGNORED_FOLDER = ("original/**/*", "original")
+#: Training state vLLM skips (its ``filter_files_not_needed_for_inference``).
+_TRAINING_FILES = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
+#: JSON files that change token ids or sampling, never the KV of given ids.
+_IGNORED_JSON = frozenset({"generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                           "added_tokens.json", "vocab.json", "chat_template.json"})
+
+#: name (relative to the model's folder, ``/``-separated) -> (inode, size, mtime_ns, ctime_ns)
+Stats = dict[str, tuple[int, int, int, int]]
+
+
+def selected_files(path: str | os.PathLike[str], *, load_format: str = "auto", subfolders: bool = False,
+                   skipped_folders: frozenset[str] = frozenset()) -> Stats:
+    """The files a model or adapter at ``path`` is loaded from, with their
+    stats (module invariants); with ``subfolders``, those of its subfolders
+    too but ``skipped_folders``. ``path`` may be one file (a GGUF)."""
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return {"": (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)}
+    found, folders = _select(os.fspath(path), "", load_format)
+    if subfolders:
+        for folder in sorted(folders - skipped_folders):
+            found.update(_select(os.path.join(path, folder), folder + "/", load_format)[0])
+    return found
+
+
+def skipped_model_folders(ignore_patterns: object) -> frozenset[str]:
+    """The subfolders a model's identity leaves out under vLLM's
+    ``ignore_patterns`` (None: vLLM's default)."""
+    if ignore_patterns is None:
+        return frozenset({"original"})
+    patterns = [ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns)  # type: ignore[call-overload]
+    return frozenset({"original"}) if any(p in DEFAULT_IGNORED_FOLDER for p in patterns) else frozenset()
+
+
+def _select(folder: str, prefix: str, load_format: str) -> tuple[Stats, set[str]]:
+    """(the files of one folder, named with ``prefix``; its visible subfolders)."""
+    with os.scandir(folder) as listing:
+        entries = {entry.name: entry for entry in listing if entry.name not in _TRAINING_FILES}
+    weights = FORMAT_KINDS.get(load_format) or next(
+        (kind for kind in WEIGHT_KINDS if any(name.endswith(kind) for name in entries)), ())
+    found: Stats = {}
+    folders: set[str] = set()
+    for name, entry in entries.items():
+        if not _wanted(name, weights):
+            if not name.startswith(".") and entry.is_dir():
+                folders.add(name)
+            continue  # not even stat'ed: a LoRA request's key costs a few stat calls
+        try:
+            st = entry.stat()  # follows links: a hub snapshot's files link to blobs
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            found[prefix + name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return found, folders
+
+
+def _wanted(name: str, weights: tuple[str, ...]) -> bool:
+    if name.endswith(".json"):
+        if name.endswith(".index.json"):  # a weight index: that of the loaded kind only
+            return bool(weights) and name.removesuffix(".index.json").endswith(weights)
+        return name not in _IGNORED_JSON
+    return name.endswith(".gguf") or name.endswith(".py") or bool(weights) and name.endswith(weights)
