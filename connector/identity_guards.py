@@ -336,7 +336,15 @@ def lora_engine_inputs(vllm_config: Any) -> str:
 #: Environment variables with which vLLM changes what a quantized model
 #: computes (activation quantization in Marlin kernels; an online weight
 #: quantization's own config), keyed as set.
-QUANT_ENV_VARS = ("VLLM_MARLIN_INPUT_DTYPE", "VLLM_HUMMING_ONLINE_QUANT_CONFIG")
+QUANT_ENV_VARS = ("VLLM_MARLIN_INPUT_DTYPE", "VLLM_HUMMING_ONLINE_QUANT_CONFIG", "VLLM_B12X_MOE_FP4_FORCE_A16")
+#: Environment switches with which vLLM quantizes or repacks what any model
+#: computes or stores (TP all-reduce on ROCm, expert-parallel dispatch and
+#: combine, float32 matmuls as TF32, ROCm's shuffled KV page layout): keyed
+#: where set to other than vLLM's default (their values as vLLM reads them).
+NUMERICS_ENV_DEFAULTS = {"VLLM_ROCM_QUICK_REDUCE_QUANTIZATION": ("none",), "VLLM_FLOAT32_MATMUL_PRECISION": ("highest",),
+                         "VLLM_DEEPEPLL_NVFP4_DISPATCH": ("0",),
+                         "VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE": ("0",),
+                         "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT": ("0", "false")}
 
 
 def quantized_kernel_inputs(vllm_config: Any, current_platform: Any) -> dict[str, Any]:
@@ -344,11 +352,15 @@ def quantized_kernel_inputs(vllm_config: Any, current_platform: Any) -> dict[str
     checkpoint: on an accelerator the device's compute capability (fp8
     weights run weight-only W8A16 Marlin kernels on some GPU generations,
     W8A8 on others; FP4 likewise), the linear and MoE kernel backends where
-    named, and :data:`QUANT_ENV_VARS` where set. Empty for a model that is
-    not quantized: its namespace is one across GPU generations."""
+    named, and :data:`QUANT_ENV_VARS` where set; for any model,
+    :data:`NUMERICS_ENV_DEFAULTS` where not at their defaults. Nothing else
+    for a model that is not quantized: its namespace is one across GPU
+    generations."""
+    numerics = {name: os.environ[name].strip().lower() for name, default in NUMERICS_ENV_DEFAULTS.items()
+                if os.environ.get(name, "").strip().lower() not in ("", *default)}
+    inputs: dict[str, Any] = {"numerics_env": numerics} if numerics else {}
     if not getattr(vllm_config.model_config, "quantization", None):
-        return {}
-    inputs: dict[str, Any] = {}
+        return inputs
     if str(getattr(current_platform, "device_type", "cpu")) != "cpu":
         try:
             capability = current_platform.get_device_capability()

@@ -285,7 +285,7 @@ def test_a_quantized_models_kernel_scheme_reaches_the_namespace(model_dir: Path,
     def extra(capability: tuple[int, int], quantization: str | None, **env: str) -> str:
         platform = SimpleNamespace(device_name="cuda", device_type="cuda", fp8_dtype=lambda: torch.float8_e4m3fn,
                                    get_device_capability=lambda: capability)
-        for name in ("VLLM_MARLIN_INPUT_DTYPE", "VLLM_HUMMING_ONLINE_QUANT_CONFIG"):
+        for name in ("VLLM_MARLIN_INPUT_DTYPE", "VLLM_HUMMING_ONLINE_QUANT_CONFIG", "VLLM_B12X_MOE_FP4_FORCE_A16"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
@@ -299,6 +299,25 @@ def test_a_quantized_models_kernel_scheme_reaches_the_namespace(model_dir: Path,
     assert extra(a100, "fp8") != extra(h100, "fp8")
     assert extra(h100, "fp8") != extra(h100, "fp8", VLLM_MARLIN_INPUT_DTYPE="int8")
     assert '"device_capability":"9.0"' in extra(h100, "fp8")
+    assert extra(h100, "nvfp4") != extra(h100, "nvfp4", VLLM_B12X_MOE_FP4_FORCE_A16="1")
+
+
+@pytest.mark.parametrize(("name", "value", "default"), [
+    ("VLLM_ROCM_QUICK_REDUCE_QUANTIZATION", "INT4", "NONE"),  # TP all-reduce in 4 bits
+    ("VLLM_FLOAT32_MATMUL_PRECISION", "high", "highest"),  # float32 matmuls as TF32
+    ("VLLM_DEEPEPLL_NVFP4_DISPATCH", "1", "0"),  # expert-parallel dispatch in FP4
+    ("VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE", "1", "0"),  # expert outputs combined in FP8
+    ("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", "true", "False"),  # another packing of the KV pages
+])
+def test_an_environment_switch_that_quantizes_any_model_reaches_the_namespace(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str, default: str) -> None:
+    config = _vllm_config(model_dir)  # not quantized
+    monkeypatch.delenv(name, raising=False)
+    unset = kv_shape(config, _kv_config(), None).extra
+    monkeypatch.setenv(name, default)
+    assert kv_shape(config, _kv_config(), None).extra == unset  # vLLM's default: the same namespace
+    monkeypatch.setenv(name, value)
+    assert kv_shape(config, _kv_config(), None).extra != unset
 
 
 # -- refused deployments -------------------------------------------------------------
