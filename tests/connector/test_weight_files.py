@@ -99,3 +99,28 @@ def test_an_adapters_training_checkpoints_are_not_the_adapter(tmp_path: Path) ->
     (adapter / "checkpoint-500").mkdir()
     (adapter / "checkpoint-500" / "adapter_model.safetensors").write_bytes(b"m" * 4096)
     assert adapter_key(LoRARequest("a", 1, str(adapter))) == key
+
+
+def test_a_hub_adapter_is_keyed_by_the_snapshot_vllm_downloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM downloads an adapter named by hub id into the hub cache at main:
+    its key is those files', so an adapter updated on the hub (main moves,
+    vLLM loads it under a new id) gets a new key; before its snapshot is
+    there, its name and path key it (warned)."""
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.delenv("VLLM_USE_MODELSCOPE", raising=False)
+    unhashed = adapter_key(LoRARequest("ad", 1, "org/adapter"))
+    assert unhashed.startswith("unhashed:")
+    repo = hub / "models--org--adapter"
+    for commit, weights in (("a" * 40, b"1" * 512), ("b" * 40, b"2" * 512)):
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        (snapshot / "adapter_config.json").write_text('{"r": 8}')
+        (snapshot / "adapter_model.safetensors").write_bytes(weights)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    first = adapter_key(LoRARequest("ad", 1, "org/adapter"))
+    assert first == "blake3:" + fingerprint(repo / "snapshots" / ("a" * 40)).digest
+    (repo / "refs" / "main").write_text("b" * 40)  # updated on the hub, downloaded again
+    assert adapter_key(LoRARequest("ad", 1, "org/adapter")).startswith("unsettled:")  # vLLM may still run the old one
+    assert adapter_key(LoRARequest("ad", 2, "org/adapter")) == "blake3:" + fingerprint(repo / "snapshots" / ("b" * 40)).digest
