@@ -6,7 +6,7 @@ BLAKE3 digest of the files vLLM loads it from, a hub model's being those of
 the snapshot its revision resolves to: :mod:`ucm_db.connector.fingerprints`;
 never a path or a branch name), the KV dtype, the block size, a layout
 descriptor (platform, attention ISA, spec kind, layers, *total* KV heads,
-head size, KV cache dtype) and the inputs below (:func:`namespace_inputs`,
+head size, KV cache dtype, a stored draft: :mod:`ucm_db.connector.drafts`) and the inputs below (:func:`namespace_inputs`,
 ``Namespace.extra``). It does not depend on the tensor- or pipeline-parallel
 size or rank: blocks are stored as units of one KV head and one pipeline
 stage's layers (:mod:`ucm_db.keys.units`, ``docs/tp.md``), so a store
@@ -43,11 +43,9 @@ and left out at its default, so a deployment keys only what it changed:
       window from the config it hands over, so a model whose window was
       disabled cannot be told from one that has none.
     * ``model_class_overrides``, ``code_revision``: another model class or
-      remote code computes the KV. Remote code from another repo, or from a
-      ``code_revision`` other than the weights', is keyed by its content
-      (:mod:`ucm_db.connector.remote_code`).
-    * ``model_weights``: weights streamed from an object store (vLLM's
-      ``model`` is then a directory of configs): the URI, the only handle.
+      remote code (from another repo or revision: keyed by its content,
+      :mod:`ucm_db.connector.remote_code`) computes the KV.
+    * ``model_weights``: weights streamed from an object store: its URI.
 Not keyed: the tokenizer and generation config (token ids are keyed, not
 text; sampling never changes KV), ``seed``, ``enforce_eager``, the
 attention backend and ``model_impl`` (numerics within kernel tolerance; the
@@ -63,19 +61,15 @@ Invariants:
       grids and spans from the same ``VllmConfig`` and ``KVCacheConfig``:
       nothing here looks at live tensors or process-local state except the
       ranks a worker passes.
-    * At TP=1 and PP=1 the layout string is the one ucm-db used before
-      units: ``ucm-db migrate`` splits the whole blocks stored then into
-      this namespace's units (:mod:`ucm_db.maintenance.pre_units`). Blocks
+    * At TP=1 and PP=1 the layout string is the one from before units: ``ucm-db
+      migrate`` splits those whole blocks (:mod:`ucm_db.maintenance.pre_units`). Blocks
       stored before issue 48 (a model keyed by ``name@revision`` or sampled
       bytes, no namespace inputs) are under other namespaces: misses.
-    * Each KV head has exactly one writer rank (the first of the ranks
-      holding a replicated head); MLA's latent (one "head", identical on
-      every rank) is written by TP rank 0 and read by every rank.
+    * Each KV head has one writer rank (the first holding a replicated head);
+      MLA's latent (identical on every rank): TP rank 0 writes, all read.
     * A hit counts only if every unit of :func:`reader_spans` (every head of
       every pipeline stage) is loadable.
-    * Blocks stored per rank before units (TP>1 or PP>1, under namespaces
-      carrying the rank) are not read: their keys are rooted in the rank's
-      namespace and cannot be re-keyed (``docs/tp.md``).
+    * Blocks stored per rank before units (TP>1 or PP>1) are not read (``docs/tp.md``).
     * A request's key chain and its extras: :mod:`ucm_db.connector.request_keys`.
 """
 
@@ -89,6 +83,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ucm_db.connector.drafts import draft_shape, drops_last_block
 from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
@@ -111,7 +106,9 @@ class KVShape:
     tp_size: int
     pp_size: int
     kv_heads: int = 1  # the model's total KV heads (1 for MLA)
-    layers: int = 1    # the model's total attention layers
+    layers: int = 1    # the model's total attention layers, a stored draft's included (drafts.py)
+    draft_layers: int = 0  # of which a speculative-decoding draft's (the last ones)
+    drops_last_block: bool = False  # hits give back their last block (drafts.drops_last_block)
     unit_bytes: int = 0  # raw bytes of one KV head's unit over every layer, from vLLM's spec (0: unknown, MLA)
     extra: str = ""  # namespace inputs beside model, layout and block size (namespace_inputs)
     counter_mm_ids: bool = False  # multimodal identifiers are per-process counters (identity_guards.counter_identifiers)
@@ -142,6 +139,9 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         "head_size": getattr(spec, "head_size", 0),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
     }
+    draft_layers, draft = draft_shape(vllm_config, kv_cache_config, int(layers), model_fingerprint)
+    if draft:  # no draft stored: the layout as before
+        parts["draft"] = draft
     parallel = vllm_config.parallel_config
     return KVShape(
         model=model_id or model_fingerprint(model_config, load_config=getattr(vllm_config, "load_config", None)),
@@ -152,8 +152,9 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
         kv_heads=kv_heads,
-        layers=int(layers),
-        unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers)),
+        layers=int(layers) + draft_layers,
+        draft_layers=draft_layers, drops_last_block=bool(draft_layers) and drops_last_block(vllm_config),
+        unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers) + draft_layers),
         extra=namespace_inputs(vllm_config, model_id),
         counter_mm_ids=counter_identifiers(vllm_config),
         lora_engine=lora_engine_inputs(vllm_config),
@@ -161,8 +162,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
 
 
 def _unit_bytes(spec: Any, block_size: int, layers: int) -> int:
-    """One KV head's K and V of one block over ``layers`` layers, in bytes
-    (0 where the spec does not say)."""
+    """One KV head's K and V of a block over ``layers`` layers, in bytes (0: not said)."""
     try:
         head_size = int(spec.head_size)
         head_size_v = int(getattr(spec, "head_size_v", None) or head_size)
@@ -183,13 +183,14 @@ def grid(shape: KVShape) -> KVGrid:
 
 
 def stage_layers(shape: KVShape, pp_rank: int) -> tuple[int, int]:
-    """Layers ``[start, stop)`` of pipeline stage ``pp_rank`` (vLLM's split)."""
+    """Layers ``[start, stop)`` of pipeline stage ``pp_rank`` (vLLM's split
+    of the target's layers; the last stage runs the draft's too)."""
     if shape.pp_size == 1:
         return 0, shape.layers
     from vllm.distributed.utils import get_pp_indices
 
-    start, stop = get_pp_indices(shape.layers, pp_rank, shape.pp_size)
-    return int(start), int(stop)
+    start, stop = get_pp_indices(shape.layers - shape.draft_layers, pp_rank, shape.pp_size)
+    return int(start), int(stop) + (shape.draft_layers if pp_rank == shape.pp_size - 1 else 0)
 
 
 def rank_spans(shape: KVShape, tp_rank: int, pp_rank: int) -> list[UnitSpan]:

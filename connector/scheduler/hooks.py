@@ -22,7 +22,8 @@ states); the work is done by:
 Invariants:
     * ``get_num_new_matched_tokens`` claims only whole blocks whose every
       unit (every KV head of every pipeline stage) is stored, never the
-      prompt's last token, and only beyond what vLLM already computed. It
+      prompt's last token, and only beyond what vLLM already computed; with
+      a stored EAGLE-style draft, not the last block found (drafts.py). It
       changes, for the request: its state (made anew where there is none or
       its key chain is of an older epoch), its key chain (grown as far as
       the lookup hashed), the :class:`~ucm_db.connector.scheduler.request_state.LookupRecord`
@@ -130,6 +131,7 @@ class UcmDbScheduler:
         self._publish_target = settings.publish
         self._grid = grid(shape)
         self._block_size = shape.block_size
+        self._hit_margin = int(shape.drops_last_block)  # blocks a hit gives back (drafts.py)
         self._counter_mm_ids, self._inputs = shape.counter_mm_ids, shape.extra  # the step metadata's inputs
         self._lora_engine = shape.lora_engine
         self._off = False  # a worker refused this namespace: nothing claimed or saved (observe_output)
@@ -215,7 +217,7 @@ class UcmDbScheduler:
             found = self._lookup.longest_stored_prefix(state, claimable)
         except LookupPending:
             return None, False
-        hit = found
+        hit = max(0, found - self._hit_margin)
         if self._await_publication(state, max_blocks, hit, claimable):
             return None, False
         if hit and self.cost.decide(self._ns_id, "local", probe_unmeasured=False, first_position=num_computed_tokens,

