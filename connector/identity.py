@@ -48,13 +48,13 @@ and left out at its default, so a deployment keys only what it changed:
     * ``model_weights``: weights streamed from an object store: its URI.
 Not keyed: the tokenizer and generation config (token ids are keyed, not
 text; sampling never changes KV), ``seed``, ``enforce_eager``, the
-attention backend and ``model_impl`` (numerics within kernel tolerance; the
-platform and CPU attention ISA are in the layout), served names, pooling and
-runner options, per-request multimodal options (vLLM's item identifiers
-carry them), the LoRA config (adapters are keyed per request, with how the
-engine applies them), a quantized model's kernel scheme (keyed by
-:func:`~ucm_db.connector.identity_guards.quantized_kernel_inputs`). Tripwire tests
-(``tests/connector/test_identity_inputs.py``) fail on a new ``ModelConfig`` field.
+attention backend and ``model_impl`` (numerics within kernel tolerance,
+unless the model or its KV cache is quantized:
+:func:`~ucm_db.connector.numerics.numerics_inputs`; the platform and CPU
+attention ISA are in the layout), served names, pooling and runner options,
+per-request multimodal options (vLLM's item identifiers carry them), the
+LoRA config (keyed per request, with how the engine applies it). Tripwire tests (``tests/connector/test_identity_inputs.py``,
+``test_config_tripwires.py``) fail on a new field of vLLM's configs.
 
 Invariants:
     * The scheduler process and every worker derive identical namespaces,
@@ -88,8 +88,8 @@ from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
 from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, lora_engine_inputs,
-                                              current_platform, multimodal_inputs, quantized_kernel_inputs,
-                                              refuse_unstorable)
+                                              current_platform, multimodal_inputs, refuse_unstorable)
+from ucm_db.connector.numerics import numerics_inputs
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -280,7 +280,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     inputs.update(load_inputs(vllm_config, model_id))
     inputs.update(remote_code_inputs(config))
     inputs.update(multimodal_inputs(vllm_config))
-    inputs.update(quantized_kernel_inputs(vllm_config, current_platform()))
+    inputs.update(numerics_inputs(vllm_config, current_platform()))
     plain = {name: _plain(value) for name, value in inputs.items() if value not in (None, False, "", {}, [], ())}
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 

@@ -27,10 +27,8 @@ Invariants:
       content store-wide, across every engine sharing the store.
     * How the engine applies LoRA adapters (:func:`lora_engine_inputs`) is
       keyed into adapter requests' chains, not the namespace.
-    * A quantized model's kernel scheme (:func:`quantized_kernel_inputs`:
-      the device's compute capability, named kernel backends, vLLM's
-      environment switches) is keyed; a model that is not quantized keeps
-      one namespace across GPU generations.
+    * What picks the kernels' numerics (a quantized model's or KV cache's
+      scheme, vLLM's environment switches) is :mod:`ucm_db.connector.numerics`'.
     * Off CPU, the platform is vLLM's device name (ROCm is not "cuda"),
       with the fp8 type where a quantized KV cache would use another one
       than CUDA's ``float8_e4m3fn`` (:func:`device_tag`).
@@ -331,54 +329,6 @@ def lora_engine_inputs(vllm_config: Any) -> str:
     }
     plain = {name: value for name, value in inputs.items() if value not in (None, False, [])}
     return json.dumps(plain, sort_keys=True, separators=(",", ":")) if plain else ""
-
-
-#: Environment variables with which vLLM changes what a quantized model
-#: computes (activation quantization in Marlin kernels; an online weight
-#: quantization's own config), keyed as set.
-QUANT_ENV_VARS = ("VLLM_MARLIN_INPUT_DTYPE", "VLLM_HUMMING_ONLINE_QUANT_CONFIG", "VLLM_B12X_MOE_FP4_FORCE_A16")
-#: Environment switches with which vLLM quantizes or repacks what any model
-#: computes or stores (TP all-reduce on ROCm, expert-parallel dispatch and
-#: combine, float32 matmuls as TF32, ROCm's shuffled KV page layout): keyed
-#: where set to other than vLLM's default (their values as vLLM reads them).
-NUMERICS_ENV_DEFAULTS = {"VLLM_ROCM_QUICK_REDUCE_QUANTIZATION": ("none",), "VLLM_FLOAT32_MATMUL_PRECISION": ("highest",),
-                         "VLLM_DEEPEPLL_NVFP4_DISPATCH": ("0",),
-                         "VLLM_FLASHINFER_MOE_A2A_LOW_PRECISION_COMBINE": ("0",),
-                         "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT": ("0", "false")}
-
-
-def quantized_kernel_inputs(vllm_config: Any, current_platform: Any) -> dict[str, Any]:
-    """For a quantized model, what picks its kernels' scheme beside the
-    checkpoint: on an accelerator the device's compute capability (fp8
-    weights run weight-only W8A16 Marlin kernels on some GPU generations,
-    W8A8 on others; FP4 likewise), the linear and MoE kernel backends where
-    named, and :data:`QUANT_ENV_VARS` where set; for any model,
-    :data:`NUMERICS_ENV_DEFAULTS` where not at their defaults. Nothing else
-    for a model that is not quantized: its namespace is one across GPU
-    generations."""
-    numerics = {name: os.environ[name].strip().lower() for name, default in NUMERICS_ENV_DEFAULTS.items()
-                if os.environ.get(name, "").strip().lower() not in ("", *default)}
-    inputs: dict[str, Any] = {"numerics_env": numerics} if numerics else {}
-    if not getattr(vllm_config.model_config, "quantization", None):
-        return inputs
-    if str(getattr(current_platform, "device_type", "cpu")) != "cpu":
-        try:
-            capability = current_platform.get_device_capability()
-        except Exception:  # noqa: BLE001 - a platform that cannot say: keyed as unknown
-            capability = None
-        inputs["device_capability"] = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
-    kernels = getattr(vllm_config, "kernel_config", None)
-    for name in ("linear_backend", "moe_backend"):
-        backend = str(getattr(kernels, name, "auto") or "auto")
-        if backend != "auto":
-            inputs[name] = backend
-    per_quant = getattr(kernels, "linear_backend_per_quant", None)
-    if per_quant:
-        inputs["linear_backend_per_quant"] = {str(k): str(v) for k, v in dict(per_quant).items()}
-    env = {name: os.environ[name] for name in QUANT_ENV_VARS if os.environ.get(name)}
-    if env:
-        inputs["quant_env"] = env
-    return inputs
 
 
 def current_platform() -> Any:
