@@ -66,10 +66,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.connector.events import FeedEvents, GroupEvents
-from ucm_db.connector.hybrid.groups import kv_groups
 from ucm_db.connector.hybrid.hooks import GroupedScheduler, GroupedWorker, check_hybrid
 from ucm_db.connector.hybrid.null_blocks import NullBlockGuard
-from ucm_db.connector.identity import kv_shape
+from ucm_db.connector.identity import kv_shape, stored_groups
 from ucm_db.connector.metadata import IDLE_WAIT_S, UcmDbConnectorMetadata
 from ucm_db.connector.metrics import UcmDbConnectorStats, UcmDbPromMetrics
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler
@@ -134,7 +133,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         # The worker's connector is made before vLLM allocates the KV
         # cache: a model whose groups ucm-db cannot store stops here.
         self.shape = kv_shape(vllm_config, kv_cache_config, self.settings.model_id)
-        self.groups = kv_groups(kv_cache_config)
+        self.groups = stored_groups(vllm_config, kv_cache_config)
         check_hybrid(self.groups, self.shape, self.settings)
         # Blocks of an older storage generation: `ucm-db migrate` converts them (pre_units).
         refuse_older_generations(self._held_store, self.settings, self.shape)

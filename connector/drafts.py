@@ -1,28 +1,39 @@
 """Speculative decoding's draft layers: stored and loaded with the target
-model's KV, under a namespace that names the draft.
+model's KV where they can be, under a namespace that names the draft; left
+out, with a warning, where they cannot.
 
-A drafter with attention layers of its own (EAGLE, EAGLE-3, MTP) registers
-them beside the target's, numbered from the target's layer count on (vLLM's
-``start_layer_id``), in the target's KV cache group where their KV spec is
-the target's. vLLM computes only the tokens a hit did not cover, for the
-drafter too: a hit that loaded the target's layers alone left the drafter
-attending to whatever those blocks held before (on vLLM-CPU with an EAGLE
-head: 20 of 22 drafts accepted cold, 2 of 58 after a ucm-db hit, outputs
-equal).
+A drafter with attention layers of its own registers them beside the
+target's: an EAGLE head or MTP module numbered from the target's layer count
+on (vLLM's ``start_layer_id``), a separate draft model (``draft_model``)
+under ``draft_model.`` (:func:`is_draft_layer`). vLLM computes only the
+tokens a hit did not cover, for the drafter too: a hit that loaded the
+target's layers alone left the drafter attending to whatever those blocks
+held before (on vLLM-CPU with an EAGLE head: 20 of 22 drafts accepted cold,
+2 of 58 after a ucm-db hit, outputs equal).
 
 Invariants:
-    * Draft layers in the target's group are stored and loaded with it:
-      each unit covers the target's layers, then the draft's (the last
-      pipeline stage's unit holds them: vLLM runs the drafter there), and the
-      namespace's layout names the draft (:func:`draft_shape`: method, the
-      draft model's files by content, its layers, dtype and quantization).
-      An engine with another draft, or none, never reads these blocks, nor
-      shares the target's with them: the price of one unit per KV head.
-    * Draft layers in a group of their own (another KV spec) are neither
-      stored nor loaded (one log line, ``worker/hooks.py``): the target's
-      KV is, and drafts over a hit are accepted less often.
+    * Stored where the draft's layers share one KV cache group with the
+      target's and its KV heads, head size and dtype, at one pipeline stage
+      (vLLM hands the scheduler stage 0's config, which holds no draft
+      layers, and one spec of a group's mixed ones): each unit
+      covers the target's layers, then the draft's, and the namespace's
+      layout counts them and names the draft (:func:`draft_shape`: method,
+      the draft model's files by content, its layers, dtype and
+      quantization, and for a drafter of several layers the speculative
+      tokens, which decide how many of them run). An engine with another
+      draft, or none, never reads these blocks, nor shares the target's
+      with them: the price of one unit per KV head.
+    * Left out everywhere else (a draft model of another KV spec, which
+      vLLM puts in the target's group as mixed specs; several pipeline
+      stages; a hybrid model): :func:`stored_view` drops them from what the
+      connector sees of vLLM's KV cache config, in the scheduler and every
+      worker alike, and ``worker/hooks.py`` from the caches it registers.
+      The target's KV is stored; drafts over a hit are accepted less often.
+      Not covered: a group of draft layers alone (an attention type the
+      target does not have) is stored as a hybrid model's group, under a
+      namespace that does not name the draft.
     * A drafter fed by the target's hidden states (vLLM's
-      ``use_eagle_block_drop``) gets its hits one block shorter
+      ``use_eagle_block_drop``) gets its stored hits one block shorter
       (:func:`drops_last_block`), as vLLM's own prefix cache does: its first
       step needs the target's hidden states at the hit's end, and a
       block's draft KV depends on tokens past that block.
@@ -30,40 +41,92 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Any
 
+#: vLLM's prefix for a separate draft model's modules (v1/spec_decode/draft_model.py).
+DRAFT_MODEL_PREFIX = "draft_model."
 
-def draft_layer_names(kv_cache_config: Any, model_layers: int) -> tuple[list[str], bool]:
-    """(the KV cache layers numbered from ``model_layers`` on: a drafter's;
-    whether every one of them shares a KV cache group with target layers)."""
+
+def is_draft_layer(name: str, model_layers: int) -> bool:
+    """Whether KV cache layer ``name`` is a drafter's (module docstring)."""
+    if name.startswith(DRAFT_MODEL_PREFIX):
+        return True
     from vllm.model_executor.models.utils import extract_layer_index
 
-    def index(name: str) -> int | None:
-        try:
-            return int(extract_layer_index(name))
-        except (ValueError, AssertionError):
-            return None
-
-    names: list[str] = []
-    shared = True
-    for group in kv_cache_config.kv_cache_groups:
-        indices = [(name, index(name)) for name in group.layer_names]
-        drafts = [name for name, i in indices if i is not None and i >= model_layers]
-        names += drafts
-        shared = shared and (not drafts or any(i is not None and i < model_layers for _, i in indices))
-    return names, shared
+    try:
+        return int(extract_layer_index(name)) >= model_layers
+    except (ValueError, AssertionError):
+        return False  # a name without one layer index: left to the layout check
 
 
-def draft_shape(vllm_config: Any, kv_cache_config: Any, model_layers: int,
-                fingerprint: Any) -> tuple[int, dict[str, Any] | None]:
+def model_layers(vllm_config: Any) -> int:
+    """The target model's attention layers, as the namespace counts them
+    (where the config does not say: no layer is a draft's by its number)."""
+    layers = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", None)
+    return int(layers) if layers else sys.maxsize
+
+
+def stored_view(vllm_config: Any, kv_cache_config: Any) -> Any:
+    """vLLM's ``KVCacheConfig`` without the draft layers that are not stored
+    (module invariants); the config itself where none is left out."""
+    if kv_cache_config is None or getattr(vllm_config, "speculative_config", None) is None:
+        return kv_cache_config
+    groups = list(kv_cache_config.kv_cache_groups)
+    layers = model_layers(vllm_config)
+    if _storable(vllm_config, groups, layers):
+        return kv_cache_config
+    kept = []
+    for group in groups:
+        names = [n for n in group.layer_names if not is_draft_layer(n, layers)]
+        if names and len(names) < len(group.layer_names):
+            group = dataclasses.replace(group, layer_names=names, kv_cache_spec=_spec_of(group.kv_cache_spec, names))
+        kept.append(group)  # a group of draft layers alone: as it is (vLLM's group indices hold)
+    return dataclasses.replace(kv_cache_config, kv_cache_groups=kept)
+
+
+def _storable(vllm_config: Any, groups: list[Any], layers: int) -> bool:
+    """Whether the draft's layers are stored with the target's: decided from
+    the model configs, which every process reads alike (vLLM hands the
+    scheduler one spec of a group's mixed ones), and, in a worker, the group
+    it sees (mixed specs there: not stored, and the namespaces disagree:
+    ucm-db turns itself off rather than store units it cannot lay out)."""
+    if int(vllm_config.parallel_config.pipeline_parallel_size) != 1 or len(groups) != 1:
+        return False
+    if hasattr(groups[0].kv_cache_spec, "kv_cache_specs"):
+        return False
+    target, draft = vllm_config.model_config, getattr(vllm_config.speculative_config, "draft_model_config", None)
+    if draft is None:
+        return False
+    try:
+        return all(getattr(draft, f)() == getattr(target, f)() for f in ("get_total_num_kv_heads", "get_head_size")) \
+            and str(draft.dtype) == str(target.dtype)
+    except Exception:  # noqa: BLE001 - a draft config vLLM cannot read so: not stored
+        return False
+
+
+def _spec_of(spec: Any, names: list[str]) -> Any:
+    """A group's spec over ``names``: of mixed specs (vLLM's
+    ``UniformTypeKVCacheSpecs``), theirs where it is one."""
+    specs = getattr(spec, "kv_cache_specs", None)
+    if not specs:
+        return spec
+    kept = {specs[n] for n in names if n in specs}
+    return kept.pop() if len(kept) == 1 else dataclasses.replace(spec, kv_cache_specs={n: specs[n] for n in names})
+
+
+def draft_shape(vllm_config: Any, kv_cache_config: Any, fingerprint: Any) -> tuple[int, dict[str, Any] | None]:
     """(the draft layers stored with the target's: 0 where none are; the
-    draft's namespace inputs, None where none are stored). ``fingerprint``
-    keys the draft model's files (:func:`~ucm_db.connector.fingerprints.model_fingerprint`)."""
+    draft's namespace inputs, None where none are stored), over
+    :func:`stored_view`'s config. ``fingerprint`` keys the draft model's
+    files (:func:`~ucm_db.connector.fingerprints.model_fingerprint`)."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return 0, None
-    names, shared = draft_layer_names(kv_cache_config, model_layers)
-    if not names or not shared:
+    layers = model_layers(vllm_config)
+    names = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names if is_draft_layer(n, layers)]
+    if not names:
         return 0, None
     draft_model = getattr(spec, "draft_model_config", None)
     inputs = {
@@ -72,8 +135,9 @@ def draft_shape(vllm_config: Any, kv_cache_config: Any, model_layers: int,
         "model": fingerprint(draft_model, None, getattr(vllm_config, "load_config", None)) if draft_model else None,
         "dtype": str(getattr(draft_model, "dtype", "")).removeprefix("torch."),
         "quantization": getattr(spec, "quantization", None) or getattr(draft_model, "quantization", None),
+        "speculative_tokens": int(spec.num_speculative_tokens) if len(names) > 1 else None,
     }
-    return len(names), inputs
+    return len(names), {k: v for k, v in inputs.items() if v is not None}
 
 
 def drops_last_block(vllm_config: Any) -> bool:

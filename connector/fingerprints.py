@@ -288,10 +288,12 @@ def adapter_key(lora_request: Any) -> str:
     (:func:`fingerprint`: computed once, reused while their stats hold), so the
     same files under another name or path share blocks, and an adapter
     retrained and saved at the same path and name does not. Name and path
-    are labels. A hub id is keyed by the files of its snapshot at ``main`` in
-    the local hub cache (where vLLM downloads it); by its name and path only
-    where no snapshot is there yet (warned once), as is a path that is no
-    readable directory.
+    are labels, keyed only where the path is no readable local directory: a
+    hub id (warned once), unless the hub is offline (``HF_HUB_OFFLINE``):
+    vLLM then loads the cached snapshot at ``main``, and its files key it.
+    Online, vLLM's worker downloads ``main`` when it first loads the adapter,
+    after the scheduler keyed the request: the cached snapshot may be the
+    old one, so it keys nothing.
 
     vLLM computes with the adapter it loaded first under a ``lora_int_id``
     (unless the request asks ``load_inplace``): where the files at the same
@@ -303,8 +305,8 @@ def adapter_key(lora_request: Any) -> str:
     (``--lora-modules``, ``load_lora_adapter``) and its first request."""
     name, where = str(lora_request.lora_name), str(lora_request.lora_path)
     path = os.path.expanduser(where)
-    if not os.path.isdir(path) and not os.path.isabs(path) and not os.environ.get("VLLM_USE_MODELSCOPE"):
-        found = hub_snapshot(where, None)  # a hub id: vLLM downloads the adapter's main into the hub cache
+    if not os.path.isdir(path) and not os.path.isabs(path) and _hub_offline():
+        found = hub_snapshot(where, None)  # a hub id vLLM cannot download: it loads the cached snapshot at main
         path = str(found[1]) if found is not None else path
     if os.path.isdir(path):
         try:
@@ -328,10 +330,16 @@ def adapter_key(lora_request: Any) -> str:
         except OSError:
             pass  # an unreadable directory: keyed by its labels below
     _warn_once(("lora", name, where),
-               "ucm-db: LoRA adapter %r has no readable local directory at %r, nor a snapshot in the Hugging Face cache "
-               "yet: its blocks are keyed by its name and path, not its files, so an adapter updated under both would "
-               "be served the old one's KV; give vLLM the adapter's local directory to key it by content", name, where)
+               "ucm-db: LoRA adapter %r has no readable local directory at %r (a hub id?): its blocks are keyed by its "
+               "name and path, not its files, so an adapter updated under both would be served the old one's KV; give "
+               "vLLM the adapter's local directory (or set HF_HUB_OFFLINE=1 once it is cached) to key it by content", name, where)
     return "unhashed:" + json.dumps([name, where])
+
+
+def _hub_offline() -> bool:
+    """Whether huggingface_hub may not download (vLLM loads what is cached)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") \
+        and not os.environ.get("VLLM_USE_MODELSCOPE")
 
 
 def _warn_once(what: tuple[str, ...], message: str, *args: Any) -> None:

@@ -83,7 +83,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.connector.drafts import draft_shape, drops_last_block
+from ucm_db.connector.context_length import max_len_inputs
+from ucm_db.connector.drafts import draft_shape, drops_last_block, stored_view
 from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
@@ -119,6 +120,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     """Reads :class:`KVShape` from vLLM's configs (see module invariants)."""
     if kv_cache_config is None:
         raise ConfigError("vLLM passed no KVCacheConfig to the connector", hint="use vLLM >= 0.11 (this ucm-db targets 0.32)")
+    kv_cache_config = stored_view(vllm_config, kv_cache_config)  # draft layers that are not stored: left out
     kv_groups(kv_cache_config)  # refuses groups ucm-db cannot store (groups.py), before vLLM allocates the KV cache
     refuse_unstorable(vllm_config, kv_cache_config)  # context parallelism, non-causal attention (identity_guards.py)
     groups = list(kv_cache_config.kv_cache_groups)
@@ -127,19 +129,19 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     use_mla = type(spec).__name__.startswith("MLA")
     dtype = str(spec.dtype).removeprefix("torch.")
     model_config = vllm_config.model_config
-    layers = getattr(model_config.hf_text_config, "num_hidden_layers", len(groups[0].layer_names))
+    layers = int(getattr(model_config.hf_text_config, "num_hidden_layers", len(groups[0].layer_names)))
     # The whole model's KV heads, not this rank's share: equal at TP=1, so
     # TP=1 namespaces are what they were before units (module invariants).
     kv_heads = 1 if use_mla else int(model_config.get_total_num_kv_heads())
+    draft_layers, draft = draft_shape(vllm_config, kv_cache_config, model_fingerprint)
     parts = {
         "platform": _platform_tag(spec, vllm_config),
         "spec": type(spec).__name__,
-        "layers": layers,
+        "layers": layers + draft_layers,  # a unit's layers
         "kv_heads": kv_heads,
         "head_size": getattr(spec, "head_size", 0),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
     }
-    draft_layers, draft = draft_shape(vllm_config, kv_cache_config, int(layers), model_fingerprint)
     if draft:  # no draft stored: the layout as before
         parts["draft"] = draft
     parallel = vllm_config.parallel_config
@@ -152,13 +154,19 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
         kv_heads=kv_heads,
-        layers=int(layers) + draft_layers,
+        layers=layers + draft_layers,
         draft_layers=draft_layers, drops_last_block=bool(draft_layers) and drops_last_block(vllm_config),
-        unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), int(layers) + draft_layers),
+        unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), layers + draft_layers),
         extra=namespace_inputs(vllm_config, model_id),
         counter_mm_ids=counter_identifiers(vllm_config),
         lora_engine=lora_engine_inputs(vllm_config),
     )
+
+
+def stored_groups(vllm_config: Any, kv_cache_config: Any) -> list[Any]:
+    """The KV cache groups ucm-db stores (``hybrid/groups.kv_groups``), draft
+    layers that are not stored left out (:func:`~ucm_db.connector.drafts.stored_view`)."""
+    return kv_groups(stored_view(vllm_config, kv_cache_config))
 
 
 def _unit_bytes(spec: Any, block_size: int, layers: int) -> int:
@@ -276,7 +284,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
         "prefill_query_fp8": getattr(attention, "use_prefill_query_quantization", False),
         "flashinfer_query_fp8_off": getattr(attention, "disable_flashinfer_q_quantization", False),
     }
-    inputs.update(_max_len_inputs(config, text, rope.get("parameters")))
+    inputs.update(max_len_inputs(config, text, rope.get("parameters")))
     inputs.update(load_inputs(vllm_config, model_id))
     inputs.update(remote_code_inputs(config))
     inputs.update(multimodal_inputs(vllm_config))
@@ -311,52 +319,6 @@ def _rope(text: Any) -> dict[str, Any]:
         if value is not None and not (isinstance(params, dict) and params.get(name) == value):
             rope[name] = value
     return rope
-
-
-def _max_len_inputs(config: Any, text: Any, params: Any) -> dict[str, Any]:
-    """Where ``max_model_len`` changes K/V, what of it does."""
-    layers: list[dict[str, Any]] = []
-    if isinstance(params, dict):  # one dict, or one per layer type
-        layers = [p for p in params.values() if isinstance(p, dict)] or [params]
-    types = {str(p.get("rope_type", p.get("type", ""))) for p in layers}
-    out: dict[str, Any] = {}
-    built = built_max_model_len(config)  # once: under auto-fit it re-runs vLLM's check, which logs
-    if types & {"longrope", "su"}:
-        original = next((p["original_max_position_embeddings"] for p in layers if "original_max_position_embeddings" in p),
-                        getattr(text, "original_max_position_embeddings", None))
-        out["long_rope"] = original is not None and built > int(original)
-    if "dynamic" in types:
-        out["max_model_len"] = built
-    if getattr(text, "model_type", "") in ("llama4", "llama4_text"):
-        out["attn_temperature_tuning"] = _llama4_temperature_tuning(config, built)
-    return out
-
-
-def built_max_model_len(config: Any) -> int:
-    """The ``max_model_len`` the model was built with, which its RoPE and
-    attention modules read then and keep. Under vLLM's auto-fit
-    (``--max-model-len auto``/-1) the model is built at the length derived
-    from its config, and ``max_model_len`` is lowered afterwards to what the
-    KV cache memory holds: the derived length, not the lowered one, is the
-    model's (an engine given the lowered length builds other K/V)."""
-    if getattr(config, "original_max_model_len", None) != -1:
-        return int(config.max_model_len)
-    try:
-        return int(config.get_and_verify_max_len(-1))
-    except Exception as exc:  # noqa: BLE001 - vLLM's own check, re-run: any failure is this one
-        raise ConfigError(f"ucm-db cannot tell the length the model was built with under --max-model-len auto ({exc})",
-                          hint="pass an explicit --max-model-len") from exc
-
-
-def _llama4_temperature_tuning(config: Any, built_len: int) -> bool:
-    """As vLLM's Llama4ForCausalLM decides it: the generation config's
-    value, else on above 32K tokens (of the length it was built with)."""
-    try:
-        generation = dict(config.try_get_generation_config())
-    except Exception:  # noqa: BLE001 - no generation config: vLLM's default below
-        generation = {}
-    generation.update(config.override_generation_config or {})
-    return bool(generation.get("attn_temperature_tuning", built_len > 32768))
 
 
 def _plain(value: Any) -> Any:

@@ -13,9 +13,9 @@ Invariants:
     * A model's subfolders, one level down, count like its top level, each
       by its own rule: model classes load weights from them (Cosmos3's
       ``transformer/``, Kimi-Audio's ``whisper-large-v3/``). Not counted:
-      hidden folders, and ``original/`` while vLLM's default
-      ``ignore_patterns`` skip it (a checkpoint's consolidated copy that vLLM
-      never loads). An adapter's subfolders are never read: vLLM's LoRA
+      hidden folders, exports for other runtimes (:data:`EXPORT_FOLDERS`),
+      and ``original/`` while vLLM's default ``ignore_patterns`` skip it (a
+      checkpoint's consolidated copy that vLLM never loads). An adapter's subfolders are never read: vLLM's LoRA
       loader reads an adapter's top level, and a training run's
       ``checkpoint-N/`` folders beside it are not the adapter.
     * Over-keying is the safe side: a subfolder vLLM does not load costs its
@@ -34,6 +34,8 @@ WEIGHT_KINDS = ((".safetensors",), (".bin",), (".pt", ".pth"))
 FORMAT_KINDS = {"pt": (".pt", ".pth"), "npcache": (".bin",)}
 #: vLLM's default ``LoadConfig.ignore_patterns``: the folder it keeps out.
 DEFAULT_IGNORED_FOLDER = ("original/**/*", "original")
+#: Subfolders of a full hub snapshot that hold the model for other runtimes: vLLM never loads them.
+EXPORT_FOLDERS = frozenset({"onnx", "openvino", "metal", "coreml", "mlx", "tflite", "flax"})
 #: Training state vLLM skips (its ``filter_files_not_needed_for_inference``).
 _TRAINING_FILES = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
 #: JSON files that change token ids or sampling, never the KV of given ids.
@@ -54,7 +56,7 @@ def selected_files(path: str | os.PathLike[str], *, load_format: str = "auto", s
         return {"": (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)}
     found, folders = _select(os.fspath(path), "", load_format)
     if subfolders:
-        for folder in sorted(folders - skipped_folders):
+        for folder in sorted(folders - skipped_folders - EXPORT_FOLDERS):
             found.update(_select(os.path.join(path, folder), folder + "/", load_format)[0])
     return found
 

@@ -213,13 +213,13 @@ class UcmDbScheduler:
             return 0, False
         skips_before = sum(self.cost.skipped.values())
         state.vllm_computed_tokens = num_computed_tokens
-        try:
-            found = self._lookup.longest_stored_prefix(state, claimable)
+        try:  # a hit that gives its last block back looks one block past a max_load_tokens cap
+            found = self._lookup.longest_stored_prefix(state, min(max_blocks, claimable + self._hit_margin))
         except LookupPending:
             return None, False
-        hit = max(0, found - self._hit_margin)
-        if self._await_publication(state, max_blocks, hit, claimable):
+        if self._await_publication(state, max_blocks, found, claimable):
             return None, False
+        hit = min(claimable, max(0, found - self._hit_margin))
         if hit and self.cost.decide(self._ns_id, "local", probe_unmeasured=False, first_position=num_computed_tokens,
                                     tokens=max(0, hit * self._block_size - num_computed_tokens)) is Decision.SKIP:
             hit = 0  # the local tier is judged slower than recomputing (cost_model.py)

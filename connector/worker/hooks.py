@@ -45,6 +45,7 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.committer import CommitProcess
+from ucm_db.connector.drafts import is_draft_layer
 from ucm_db.connector.events import evented_chain
 from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, schedulers_namespace, writes_units
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
@@ -87,7 +88,7 @@ class UcmDbWorker:
 
     # -- setup ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, KVCacheEntry], tp_rank: int, pp_rank: int) -> None:
-        if self._group_namespace is None:  # a hybrid model's groups are checked by their facade (hybrid/hooks.py)
+        if self._group_namespace is None and not self._shape.draft_layers:  # a hybrid's groups: by their facade
             kv_caches = _without_draft_layers(kv_caches, self._shape.layers)
         self._layout = detect_layout(kv_caches, self._num_blocks)
         self._namespace = self._group_namespace or namespace(self._shape)
@@ -335,26 +336,16 @@ def _shared_staging(committer: CommitProcess, layout: KVLayout) -> Callable[[int
 
 
 def _without_draft_layers(kv_caches: Mapping[str, KVCacheEntry], model_layers: int) -> Mapping[str, KVCacheEntry]:
-    """The KV caches of the layers ``model_layers`` counts (the target's,
-    and a draft's stored with them: :mod:`ucm_db.connector.drafts`). A
-    draft's layers beyond it (in a KV cache group of their own) are not
-    stored or loaded (one log line): vLLM does not recompute them over a
-    hit, so drafts there are accepted less often."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    draft = []
-    for name in kv_caches:
-        try:
-            if extract_layer_index(name) >= model_layers:
-                draft.append(name)
-        except (ValueError, AssertionError):
-            continue  # a name without one layer index: left to the layout check
+    """The KV caches of the model's ``model_layers`` layers: a
+    speculative-decoding draft's that are not stored with them
+    (:mod:`ucm_db.connector.drafts`) are left out, with one warning."""
+    draft = [name for name in kv_caches if is_draft_layer(name, model_layers)]
     if not draft:
         return kv_caches
-    logger.warning("ucm-db: %d KV cache layers beyond the model's %d (a speculative-decoding draft model's, with a KV "
-                "spec of its own: %s) are not stored or loaded; the target model's KV is, and over a hit the drafter "
-                "attends to KV it did not compute there, so fewer drafts are accepted",
-                len(draft), model_layers, ", ".join(draft[:4]) + (" ..." if len(draft) > 4 else ""))
+    logger.warning("ucm-db: %d KV cache layers of a speculative-decoding draft (%s) are not stored or loaded (another KV "
+                   "spec than the model's, several pipeline stages or a hybrid model): over a hit the drafter attends to "
+                   "KV it did not compute there, so fewer drafts are accepted",
+                   len(draft), ", ".join(draft[:4]) + (" ..." if len(draft) > 4 else ""))
     left_out = set(draft)
     return {name: entry for name, entry in kv_caches.items() if name not in left_out}
 

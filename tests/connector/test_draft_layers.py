@@ -12,15 +12,18 @@ import dataclasses
 import logging
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from ucm_db.connector.drafts import draft_shape  # noqa: E402
+from ucm_db.connector.drafts import draft_shape, stored_view  # noqa: E402
+from ucm_db.errors import ConfigError  # noqa: E402
 from ucm_db.connector.identity import namespace, stage_layers  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 
@@ -41,7 +44,7 @@ def test_a_draft_models_layers_in_a_group_of_their_own_are_left_out_and_the_targ
     writer = UcmDbWorker(settings, shape, NUM_BLOCKS)
     with caplog.at_level(logging.WARNING):
         writer.register_kv_caches(with_draft, 0, 0)
-    assert any("draft model" in r.getMessage() for r in caplog.records)
+    assert any("of a speculative-decoding draft" in r.getMessage() for r in caplog.records)
     keys = tuple(namespace(shape).block_keys(list(range(3 * BS))))
     writer.save(UcmDbConnectorMetadata(saves=[BlockTransfer("r", keys, (1, 2, 3))]))
     writer.drain()
@@ -81,34 +84,133 @@ def test_draft_layers_in_the_targets_group_round_trip_with_it(tmp_path: Path) ->
     reader.shutdown()
 
 
-def _kv_config(*groups: list[str]) -> SimpleNamespace:
-    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names) for names in groups])
+def _attention(heads: int = 2, head_size: int = 64) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16)
 
 
-def _spec_config(method: str = "eagle") -> SimpleNamespace:
-    spec = SimpleNamespace(method=method, quantization=None, use_eagle_block_drop=lambda: True,
-                           draft_model_config=SimpleNamespace(model="/draft", dtype="torch.bfloat16", quantization=None))
-    return SimpleNamespace(speculative_config=spec, load_config=None)
+def _kv_config(*groups: dict[str, Any]) -> Any:
+    """vLLM's KVCacheConfig of groups given as {layer name: spec}: one spec,
+    or mixed ones as vLLM makes them (UniformTypeKVCacheSpecs)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    made = []
+    for layers in groups:
+        specs = set(layers.values())
+        spec = specs.pop() if len(specs) == 1 else UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=dict(layers))
+        made.append(KVCacheGroupSpec(list(layers), spec))
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=made)
 
 
-def test_a_stored_draft_is_named_by_its_method_files_and_layers() -> None:
-    target = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    draft = ["model.layers.2.self_attn.attn"]
-    files = {"/draft": "blake3:d1"}
+def _model(kv_heads: int = 2, **fields: Any) -> SimpleNamespace:
+    return SimpleNamespace(dtype="torch.bfloat16", quantization=None, get_total_num_kv_heads=lambda: kv_heads,
+                           get_head_size=lambda: 64, **fields)
 
-    def by_files(config: object, _dir: object, _load: object) -> str:
-        return files[config.model]  # type: ignore[attr-defined]
 
-    layers, inputs = draft_shape(_spec_config(), _kv_config(target + draft), 2, by_files)
-    assert layers == 1 and inputs == {"method": "eagle", "layers": 1, "model": "blake3:d1", "dtype": "bfloat16",
-                                      "quantization": None}
+def _vllm(method: str = "eagle", pp: int = 1, speculative_tokens: int = 2, draft_kv_heads: int = 2) -> SimpleNamespace:
+    """vLLM's config as the drafts module reads it: a 2-layer target of 2
+    KV heads, and a draft (its model config) of ``draft_kv_heads``."""
+    spec = SimpleNamespace(method=method, quantization=None, use_eagle_block_drop=lambda: method == "eagle",
+                           num_speculative_tokens=speculative_tokens,
+                           draft_model_config=_model(draft_kv_heads, model="/draft"))
+    return SimpleNamespace(speculative_config=spec, load_config=None, parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+                           model_config=_model(hf_text_config=SimpleNamespace(num_hidden_layers=2)))
+
+
+TARGET = {f"model.layers.{i}.self_attn.attn": _attention() for i in range(2)}
+files = {"/draft": "blake3:d1"}
+
+
+def _by_files(config: object, _dir: object, _load: object) -> str:
+    return files[config.model]  # type: ignore[attr-defined]
+
+
+def _stored(vllm: SimpleNamespace, config: Any) -> tuple[int, dict[str, Any] | None]:
+    return draft_shape(vllm, stored_view(vllm, config), _by_files)
+
+
+def test_a_draft_sharing_the_targets_spec_is_stored_and_named_by_its_method_files_and_layers() -> None:
+    eagle = _kv_config({**TARGET, "model.layers.2.self_attn.attn": _attention()})
+    layers, inputs = _stored(_vllm(), eagle)
+    assert layers == 1 and inputs == {"method": "eagle", "layers": 1, "model": "blake3:d1", "dtype": "bfloat16"}
     files["/draft"] = "blake3:d2"  # another head: another namespace
-    assert draft_shape(_spec_config(), _kv_config(target + draft), 2, by_files)[1] != inputs
-    assert draft_shape(_spec_config(), _kv_config(target, draft), 2, by_files) == (0, None)  # a group of its own
-    assert draft_shape(SimpleNamespace(speculative_config=None), _kv_config(target), 2, by_files) == (0, None)
-    assert draft_shape(_spec_config("ngram"), _kv_config(target), 2, by_files) == (0, None)  # no layers of its own
+    assert _stored(_vllm(), eagle)[1] != inputs
+    files["/draft"] = "blake3:d1"
+    # A separate draft model of the target's spec (vLLM names it draft_model.*, from layer 0).
+    small = _kv_config({**TARGET, "draft_model.model.layers.0.self_attn.attn": _attention()})
+    assert _stored(_vllm("draft_model"), small) == (1, {**inputs, "method": "draft_model"})
+    # Several draft layers: how many run (the speculative tokens) is named too.
+    mtp = _kv_config({**TARGET, **{f"model.layers.{i}.self_attn.attn": _attention() for i in (2, 3)}})
+    assert _stored(_vllm("mtp", speculative_tokens=3), mtp)[1]["speculative_tokens"] == 3  # type: ignore[index]
+    assert _stored(SimpleNamespace(speculative_config=None), _kv_config(TARGET)) == (0, None)
+    assert _stored(_vllm("ngram"), _kv_config(TARGET)) == (0, None)  # no layers of its own
+
+
+def test_drafts_that_cannot_be_stored_are_left_out_of_what_the_connector_sees() -> None:
+    from ucm_db.connector.hybrid.groups import kv_groups
+
+    # A draft model of another KV spec: vLLM mixes the specs in the target's group, which ucm-db cannot store,
+    # in the workers; the scheduler gets one of them (vLLM's generate_scheduler_kv_cache_config): the draft's
+    # model config says it is not the target's, in every process.
+    draft = "draft_model.model.layers.0.self_attn.attn"
+    mixed = _kv_config({**TARGET, draft: _attention(heads=1)})
+    other = _vllm("draft_model", draft_kv_heads=1)
+    view = stored_view(other, mixed)
+    assert view.kv_cache_groups[0].layer_names == list(TARGET)
+    assert view.kv_cache_groups[0].kv_cache_spec == _attention()  # the target's own spec
+    assert len(kv_groups(view)) == 1 and draft_shape(other, view, _by_files) == (0, None)
+    with pytest.raises(ConfigError, match="cannot store"):
+        kv_groups(mixed)  # what refused the engine's start before
+    schedulers = _kv_config({**TARGET, draft: _attention()})  # the scheduler's copy: one spec for all three
+    assert _stored(other, schedulers) == (0, None)
+    assert stored_view(other, schedulers).kv_cache_groups[0].layer_names == list(TARGET)
+    # Several pipeline stages: the scheduler sees stage 0's config, without the draft.
+    eagle = _kv_config({**TARGET, "model.layers.2.self_attn.attn": _attention()})
+    assert _stored(_vllm(pp=2), eagle) == (0, None)
+    assert stored_view(_vllm(pp=2), eagle).kv_cache_groups[0].layer_names == list(TARGET)
+    assert stored_view(_vllm(), eagle) is eagle
 
 
 def test_the_last_pipeline_stage_holds_the_draft_layers() -> None:
     shape = dataclasses.replace(_shape(), pp_size=2, layers=5, draft_layers=1)  # 4 target layers and a draft's
     assert [stage_layers(shape, pp) for pp in (0, 1)] == [(0, 2), (2, 5)]
+
+
+# -- a hit one block shorter (an EAGLE-style drafter) ---------------------------------
+
+
+def test_a_consumer_with_a_drafter_claims_its_producers_blocks_less_the_last_at_once(tmp_path: Path) -> None:
+    """The block the hit gives back is not a missing announced block: a
+    consumer does not wait for it (it waited out load_deadline_s before)."""
+    import time
+
+    import test_roles as roles
+
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "load_deadline_s": 5.0})
+    tokens = list(range(3, 3 + 5 * roles.BS + 7))
+    params = roles._produce(settings, tokens, roles._kv(0))  # 5 blocks announced, all visible
+    sched = UcmDbScheduler(settings, dataclasses.replace(roles.SHAPE, drops_last_block=True), roles.CONSUMER)
+    started = time.monotonic()
+    assert sched.get_num_new_matched_tokens(roles._request("c", tokens, params), 0) == (4 * roles.BS, False)
+    assert time.monotonic() - started < 1.0
+    assert sched.counters.totals.data["publication_misses"] == 0
+    sched.shutdown()
+
+
+@pytest.mark.parametrize(("cap_blocks", "claimed"), [(None, 5), (4, 4), (2, 2), (1, 1)])
+def test_a_hit_that_gives_back_its_last_block_still_loads_up_to_the_cap(tmp_path: Path, cap_blocks: int | None,
+                                                                      claimed: int) -> None:
+    """The lookup goes one block past a max_load_tokens cap, as vLLM's own
+    EAGLE hit looks one past its limit: a capped hit is the cap, not one
+    block less (a one-block cap loaded nothing)."""
+    import test_roles as roles
+
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "store")})
+    tokens = list(range(3, 3 + 6 * roles.BS + 7))
+    roles._produce(settings, tokens, roles._kv(0))  # 6 blocks stored
+    params = None if cap_blocks is None else {"ucm_db": {"max_load_tokens": cap_blocks * roles.BS}}
+    sched = UcmDbScheduler(settings, dataclasses.replace(roles.SHAPE, drops_last_block=True))
+    ext, _ = sched.get_num_new_matched_tokens(roles._request("r", tokens, params), 0)
+    assert ext == claimed * roles.BS
+    sched.shutdown()

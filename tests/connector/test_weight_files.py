@@ -60,13 +60,15 @@ def test_weights_in_a_subfolder_are_part_of_the_models_identity(tmp_path: Path) 
     assert _identity(model) != retrained
 
 
-def test_original_and_hidden_folders_are_left_out_as_vllm_leaves_them(tmp_path: Path) -> None:
+def test_original_export_and_hidden_folders_are_left_out_as_vllm_leaves_them(tmp_path: Path) -> None:
     model = _model(tmp_path / "m")
     base = _identity(model)
     (model / "original").mkdir()
     (model / "original" / "consolidated.00.pth").write_bytes(b"c" * 4096)  # Meta's copy: vLLM never loads it
     (model / ".cache").mkdir()
     (model / ".cache" / "model.safetensors").write_bytes(b"d" * 4096)
+    (model / "metal").mkdir()  # gpt-oss ships its weights for Apple's Metal beside vLLM's
+    (model / "metal" / "model.bin").write_bytes(b"e" * 4096)
     assert _identity(model) == base
     # Told to ignore nothing, vLLM may fetch original/: it is keyed then.
     assert _identity(model, LoadConfig(ignore_patterns=[])) != base
@@ -101,16 +103,16 @@ def test_an_adapters_training_checkpoints_are_not_the_adapter(tmp_path: Path) ->
     assert adapter_key(LoRARequest("a", 1, str(adapter))) == key
 
 
-def test_a_hub_adapter_is_keyed_by_the_snapshot_vllm_downloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM downloads an adapter named by hub id into the hub cache at main:
-    its key is those files', so an adapter updated on the hub (main moves,
-    vLLM loads it under a new id) gets a new key; before its snapshot is
-    there, its name and path key it (warned)."""
+def test_a_hub_adapter_is_keyed_by_its_cached_snapshot_only_where_the_hub_is_offline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, vLLM loads a hub adapter from the cache's snapshot at main:
+    its files key it, so an adapter updated there (main moved, loaded under a
+    new id) gets a new key. Online, vLLM's worker downloads main after the
+    scheduler keyed the request: the cached snapshot may be the old one, so
+    the name and path key it (warned), as before."""
     hub = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.delenv("VLLM_USE_MODELSCOPE", raising=False)
-    unhashed = adapter_key(LoRARequest("ad", 1, "org/adapter"))
-    assert unhashed.startswith("unhashed:")
     repo = hub / "models--org--adapter"
     for commit, weights in (("a" * 40, b"1" * 512), ("b" * 40, b"2" * 512)):
         snapshot = repo / "snapshots" / commit
@@ -119,8 +121,11 @@ def test_a_hub_adapter_is_keyed_by_the_snapshot_vllm_downloaded(tmp_path: Path, 
         (snapshot / "adapter_model.safetensors").write_bytes(weights)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert adapter_key(LoRARequest("ad", 1, "org/adapter")).startswith("unhashed:")  # online: the old snapshot may go
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     first = adapter_key(LoRARequest("ad", 1, "org/adapter"))
     assert first == "blake3:" + fingerprint(repo / "snapshots" / ("a" * 40)).digest
-    (repo / "refs" / "main").write_text("b" * 40)  # updated on the hub, downloaded again
+    (repo / "refs" / "main").write_text("b" * 40)  # updated in the cache
     assert adapter_key(LoRARequest("ad", 1, "org/adapter")).startswith("unsettled:")  # vLLM may still run the old one
     assert adapter_key(LoRARequest("ad", 2, "org/adapter")) == "blake3:" + fingerprint(repo / "snapshots" / ("b" * 40)).digest

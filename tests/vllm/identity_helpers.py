@@ -107,6 +107,37 @@ def build_eagle_pair(out_dir: Path) -> tuple[Path, Path]:
     return out_dir / "target", out_dir / "draft"
 
 
+def build_draft_models(out_dir: Path) -> tuple[Path, Path, Path]:
+    """(a 2-layer random Llama, two 1-layer draft models for vLLM's
+    ``draft_model`` method that compute its logits exactly: one with its KV
+    heads, one with a single KV head, another KV spec). The target's layer
+    0 ties its two KV heads and its layer 1 adds nothing to the residual
+    (its KV is still computed), so layer 0 alone is the model."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(llama_config(layers=2)).to(torch.float32)
+    with torch.no_grad():
+        attention = target.model.layers[0].self_attn
+        for weight in (attention.k_proj.weight, attention.v_proj.weight):
+            weight[HEAD_DIM:2 * HEAD_DIM].copy_(weight[:HEAD_DIM])
+        target.model.layers[1].self_attn.o_proj.weight.zero_()
+        target.model.layers[1].mlp.down_proj.weight.zero_()
+    target.save_pretrained(out_dir / "target")
+    weights = target.state_dict()
+    for name, kv_heads in (("same_heads", 2), ("one_kv_head", 1)):
+        config = llama_config(layers=1)
+        config.num_key_value_heads = kv_heads
+        draft = LlamaForCausalLM(config).to(torch.float32)
+        own = draft.state_dict()
+        with torch.no_grad():
+            for key, value in own.items():
+                value.copy_(weights[key][: value.shape[0]])  # k/v of one head: the tied head's rows
+        draft.save_pretrained(out_dir / name)
+    return out_dir / "target", out_dir / "same_heads", out_dir / "one_kv_head"
+
+
 def write_lora(out_dir: Path, seed: int, rank: int = 8) -> Path:
     """A random PEFT LoRA adapter of :func:`build_llama`'s model (over what is there)."""
     import torch

