@@ -138,6 +138,43 @@ def build_draft_models(out_dir: Path) -> tuple[Path, Path, Path]:
     return out_dir / "target", out_dir / "same_heads", out_dir / "one_kv_head"
 
 
+def build_mtp_model(out_dir: Path) -> Path:
+    """A 2-layer MiMo (a Qwen2 body) with one MTP module, for vLLM's
+    ``mtp`` method. Its layer 1 adds nothing to the residual, its embedding
+    rows have RMS 1, and the MTP module is layer 0 again reading the token
+    embedding alone (``input_proj`` = [0 | I]): it predicts the model from
+    its own KV cache (vLLM numbers it as layer 2)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=HEAD_DIM, vocab_size=1000, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=INIT_RANGE,
+                         use_sliding_window=False)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        rows = model.model.embed_tokens.weight
+        rows.copy_(rows / rows.pow(2).mean(-1, keepdim=True).sqrt())
+        model.model.layers[1].self_attn.o_proj.weight.zero_()
+        model.model.layers[1].mlp.down_proj.weight.zero_()
+    model.save_pretrained(out_dir)
+    described = json.loads((out_dir / "config.json").read_text())
+    described.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (out_dir / "config.json").write_text(json.dumps(described))
+    weights = load_file(str(out_dir / "model.safetensors"))
+    hidden, mtp = config.hidden_size, "model.mtp_layers.0."
+    weights.update({mtp + "token_layernorm.weight": torch.ones(hidden), mtp + "hidden_layernorm.weight": torch.ones(hidden),
+                    mtp + "final_layernorm.weight": weights["model.norm.weight"].clone(),
+                    mtp + "input_proj.weight": torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)})
+    weights.update({mtp + name.removeprefix("model.layers.0."): value.clone() for name, value in list(weights.items())
+                    if name.startswith("model.layers.0.")})
+    save_file({name: value.contiguous() for name, value in weights.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out_dir
+
+
 def write_lora(out_dir: Path, seed: int, rank: int = 8) -> Path:
     """A random PEFT LoRA adapter of :func:`build_llama`'s model (over what is there)."""
     import torch

@@ -54,7 +54,7 @@ from typing import Any
 import pytest
 
 from e2e_helpers import BLOCK_SIZE, reference_engine_kwargs, store_blocks
-from identity_helpers import build_draft_models, build_eagle_pair, build_hub_cache, build_llama, start_job, step_logs, ucm_db_hits, write_lora
+from identity_helpers import build_draft_models, build_eagle_pair, build_hub_cache, build_mtp_model, build_llama, start_job, step_logs, ucm_db_hits, write_lora
 
 PROMPT_TOKENS = 100
 HIT = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # 96: every whole block before the prompt's last token
@@ -397,6 +397,38 @@ def test_an_eagle_heads_kv_is_stored_and_its_drafts_over_a_hit_are_accepted_as_c
     assert outputs == plain["outputs"] and outputs[:2] == writer["outputs"]
     assert plain["cached"] == [0, 0, 224]  # vLLM's own EAGLE hit: the same blocks
     assert _accepted(restarted) == _accepted(plain)  # every call's drafts as cold (or over vLLM's hit)
+
+
+@pytest.fixture(scope="module")
+def mtp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A MiMo model with one MTP module that predicts it. Writer; restarted
+    on its store; an engine without ucm-db running the prompts twice."""
+    work = tmp_path_factory.mktemp("mtp")
+    run = Runner(work)
+    model = build_mtp_model(work / "mimo")
+    prompts = [{"ids": _ids(48, 160)}, {"ids": _ids(7, 300)}]
+    kwargs = {"max_tokens": 32, "max_model_len": 1024, "metrics": True, "engine_kwargs": {
+        "speculative_config": {"method": "mtp", "model": str(model), "num_speculative_tokens": 1},
+        "disable_log_stats": False}}
+    store = work / "store"
+    return {"writer": run(_spec(model, store, prompts, **kwargs), "writer"),
+            "restarted": run(_spec(model, store, prompts, **kwargs), "restarted"),
+            "plain": run(_spec(model, None, prompts + prompts, prefix_caching=True, **kwargs), "plain")}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_mtp_modules_kv_is_stored_and_hits_as_vllms_own(mtp: dict[str, Any]) -> None:
+    """vLLM numbers the MTP module's layer after the model's (2 of 0-2): it
+    is stored with them, and a hit gives its last block back, as vLLM's own."""
+    writer, restarted, plain = mtp["writer"], mtp["restarted"], mtp["plain"]
+    accepted, drafted = _accepted(writer)
+    assert accepted > 0.6 * drafted > 0, writer["metrics"]
+    assert "speculative-decoding draft" not in restarted["log"]
+    outputs, hits = _outputs_and_hits(restarted)
+    assert hits == [96, 256] == plain["cached"][2:]
+    assert outputs == writer["outputs"] == plain["outputs"][:2]
+    assert _accepted(restarted) == (accepted, drafted) and _accepted(plain) == (2 * accepted, 2 * drafted)
 
 
 @pytest.fixture(scope="module")
