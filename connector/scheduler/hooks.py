@@ -246,7 +246,7 @@ class UcmDbScheduler:
         if publication is None:
             return False
         expected = self._waits.expected(publication, self._ns_id, self._block_size, lambda n: self._keys(state, n), max_blocks)
-        expected = min(expected, claimable)
+        expected = min(expected, max_blocks, claimable + self._hit_margin)  # a drafter's hit: one past a cap
         if self._waits.decide(request.request_id, expected, hit):
             return True
         waited_s = self._waits.waited_s(request.request_id)

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from ucm_db.connector.drafts import draft_shape, stored_view  # noqa: E402
+from ucm_db.connector.drafts import draft_shape, is_draft_layer, stored_view  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 from ucm_db.connector.identity import namespace, stage_layers  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata  # noqa: E402
@@ -105,16 +105,19 @@ def _kv_config(*groups: dict[str, Any]) -> Any:
 
 def _model(kv_heads: int = 2, **fields: Any) -> SimpleNamespace:
     return SimpleNamespace(dtype="torch.bfloat16", quantization=None, get_total_num_kv_heads=lambda: kv_heads,
-                           get_head_size=lambda: 64, **fields)
+                           get_head_size=lambda: 64, hf_config=SimpleNamespace(), **fields)
 
 
-def _vllm(method: str = "eagle", pp: int = 1, speculative_tokens: int = 2, draft_kv_heads: int = 2) -> SimpleNamespace:
+def _vllm(method: str = "eagle", pp: int = 1, speculative_tokens: int = 2, draft_kv_heads: int = 2,
+          **spec_fields: Any) -> SimpleNamespace:
     """vLLM's config as the drafts module reads it: a 2-layer target of 2
     KV heads, and a draft (its model config) of ``draft_kv_heads``."""
     spec = SimpleNamespace(method=method, quantization=None, use_eagle_block_drop=lambda: method == "eagle",
-                           num_speculative_tokens=speculative_tokens,
+                           num_speculative_tokens=speculative_tokens, kv_cache_dtype=None, attention_backend=None,
                            draft_model_config=_model(draft_kv_heads, model="/draft"))
+    vars(spec).update(spec_fields)
     return SimpleNamespace(speculative_config=spec, load_config=None, parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+                           cache_config=SimpleNamespace(cache_dtype="auto"), attention_config=SimpleNamespace(backend=None),
                            model_config=_model(hf_text_config=SimpleNamespace(num_hidden_layers=2)))
 
 
@@ -162,9 +165,18 @@ def test_drafts_that_cannot_be_stored_are_left_out_of_what_the_connector_sees() 
     assert len(kv_groups(view)) == 1 and draft_shape(other, view, _by_files) == (0, None)
     with pytest.raises(ConfigError, match="cannot store"):
         kv_groups(mixed)  # what refused the engine's start before
-    schedulers = _kv_config({**TARGET, draft: _attention()})  # the scheduler's copy: one spec for all three
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    schedulers = generate_scheduler_kv_cache_config([mixed])  # the scheduler's copy: one spec for all three
+    assert not hasattr(schedulers.kv_cache_groups[0].kv_cache_spec, "kv_cache_specs")
     assert _stored(other, schedulers) == (0, None)
     assert stored_view(other, schedulers).kv_cache_groups[0].layer_names == list(TARGET)
+    # A draft told another KV cache dtype or attention backend: vLLM lays its pages out apart.
+    eagle_like = _kv_config({**TARGET, "model.layers.2.self_attn.attn": _attention()})
+    assert _stored(_vllm(kv_cache_dtype="fp8"), eagle_like) == (0, None)
+    assert _stored(_vllm(attention_backend="TRITON_ATTN"), eagle_like) == (0, None)
+    # Qwen3-Next's MTP module, numbered from 0 under mtp.: a draft's (there, in a hybrid model: left out).
+    assert is_draft_layer("mtp.layers.0.self_attn.attn", 48) and not is_draft_layer("model.layers.47.self_attn.attn", 48)
     # Several pipeline stages: the scheduler sees stage 0's config, without the draft.
     eagle = _kv_config({**TARGET, "model.layers.2.self_attn.attn": _attention()})
     assert _stored(_vllm(pp=2), eagle) == (0, None)
