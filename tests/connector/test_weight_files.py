@@ -20,17 +20,9 @@ pytest.importorskip("vllm")
 from vllm.config import LoadConfig  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 
-from ucm_db.connector import fingerprints  # noqa: E402
 from ucm_db.connector.fingerprints import adapter_key, fingerprint, model_fingerprint  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def own_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(fingerprints, "_memo", {})
-    monkeypatch.setattr(fingerprints, "_warned", set())
-    monkeypatch.setattr(fingerprints, "_adapters", {})
-    monkeypatch.setattr(fingerprints, "_adapter_ids", {})
+from test_identity_inputs import own_caches  # noqa: E402,F401 - autouse: each test its own fingerprint cache
 
 
 def _model(path: Path) -> Path:
