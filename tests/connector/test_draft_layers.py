@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 
 from ucm_db.connector.drafts import draft_shape, is_draft_layer, stored_view  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
-from ucm_db.connector.identity import namespace, stage_layers  # noqa: E402
+from ucm_db.connector.identity import namespace  # noqa: E402
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata  # noqa: E402
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
@@ -182,11 +182,6 @@ def test_drafts_that_cannot_be_stored_are_left_out_of_what_the_connector_sees() 
     assert _stored(_vllm(pp=2), eagle) == (0, None)
     assert stored_view(_vllm(pp=2), eagle).kv_cache_groups[0].layer_names == list(TARGET)
     assert stored_view(_vllm(), eagle) is eagle
-
-
-def test_the_last_pipeline_stage_holds_the_draft_layers() -> None:
-    shape = dataclasses.replace(_shape(), pp_size=2, layers=5, draft_layers=1)  # 4 target layers and a draft's
-    assert [stage_layers(shape, pp) for pp in (0, 1)] == [(0, 2), (2, 5)]
 
 
 # -- a hit one block shorter (an EAGLE-style drafter) ---------------------------------
