@@ -406,3 +406,22 @@ def test_ignored_weight_files_reach_the_namespace(model_dir: Path) -> None:
     default = _vllm_config(model_dir)
     default.load_config = LoadConfig(ignore_patterns=["original/**/*"])
     assert _namespace_of(config) == _namespace_of(as_string) != _namespace_of(_vllm_config(model_dir)) == _namespace_of(default)
+
+
+def test_a_plain_deployment_names_only_what_it_did_before(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upgrading keeps the namespace of a model without a draft, switches or
+    a quantized KV cache: its layout and inputs hold the fields they held
+    before drafts, numerics and weight subfolders were keyed (so its blocks
+    still hit), and its model digest is its top-level files'."""
+    import json
+
+    from ucm_db.connector import numerics
+    from ucm_db.connector.fingerprints import fingerprint
+
+    for name in (*numerics.NUMERICS_ENV_DEFAULTS, *numerics.QUANT_ENV_VARS):
+        monkeypatch.delenv(name, raising=False)
+    shape = kv_shape(_vllm_config(model_dir), _kv_config(), None)
+    assert set(json.loads(shape.layout)) == {"platform", "spec", "layers", "kv_heads", "head_size", "cache_dtype"}
+    assert set(json.loads(shape.extra)) == {"dtype", "rope"}
+    assert (shape.layers, shape.draft_layers, shape.drops_last_block) == (2, 0, False)
+    assert shape.model == "blake3:" + fingerprint(model_dir).digest
