@@ -90,7 +90,8 @@ from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
 from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, lora_engine_inputs,
-                                              current_platform, multimodal_inputs, refuse_unstorable)
+                                              current_platform, multimodal_inputs, refuse_unstorable,
+                                              warn_weight_updates)
 from ucm_db.connector.numerics import numerics_inputs
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
@@ -124,6 +125,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     kv_cache_config = stored_view(vllm_config, kv_cache_config)  # draft layers that are not stored: left out
     kv_groups(kv_cache_config)  # refuses groups ucm-db cannot store (groups.py), before vLLM allocates the KV cache
     refuse_unstorable(vllm_config, kv_cache_config)  # context parallelism, non-causal attention (identity_guards.py)
+    warn_weight_updates(vllm_config)  # weights that change while it serves: a reset must follow each update
     groups = list(kv_cache_config.kv_cache_groups)
     # The first attention group's spec (a hybrid's group 0 may hold SSM state, ssm_state.py).
     spec = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")), groups[0].kv_cache_spec)

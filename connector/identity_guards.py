@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -62,6 +63,8 @@ PROCESS_NONCE = secrets.token_hex(16)
 #: The files a config directory holds for vLLM's config parsers (HF, Mistral).
 _CONFIG_FILES = ("config.json", "params.json")
 _COUNTER_IDENTIFIER = re.compile(r"^renderer\d+-mm-\d+-")
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 
 def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
@@ -298,6 +301,23 @@ def refuse_unstorable(vllm_config: Any, kv_cache_config: Any) -> None:
                 "it, and ucm-db keys a block by the tokens up to its end",
                 hint="serve this model without ucm-db",
             )
+
+
+def warn_weight_updates(vllm_config: Any) -> None:
+    """Warns (once a process) where vLLM is set up to take new weights while
+    it serves (``weight_transfer_config``: RL weight sync): the weights
+    change under the model's namespace, and only a connector reset moves
+    its epoch on (``docs/connector.md``, "Reset and invalidation")."""
+    transfer = getattr(vllm_config, "weight_transfer_config", None)
+    if transfer is None or _warned_weight_updates:
+        return
+    _warned_weight_updates.append(True)
+    logger.warning("ucm-db: this engine takes weight updates (weight_transfer_config, backend %s): after each, call "
+                   "reset_prefix_cache(reset_connector=True) (or `ucm-db invalidate`), or ucm-db keeps serving KV of "
+                   "the weights before it under the model's namespace", getattr(transfer, "backend", "?"))
+
+
+_warned_weight_updates: list[bool] = []
 
 
 def _file_digest(path: str) -> str:

@@ -425,3 +425,24 @@ def test_a_plain_deployment_names_only_what_it_did_before(model_dir: Path, monke
     assert set(json.loads(shape.extra)) == {"dtype", "rope"}
     assert (shape.layers, shape.draft_layers, shape.drops_last_block) == (2, 0, False)
     assert shape.model == "blake3:" + fingerprint(model_dir).digest
+
+
+def test_an_engine_set_up_for_weight_updates_is_told_to_reset_after_each(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's weight sync (``weight_transfer_config``) changes the weights
+    under the model's namespace and tells the connector nothing: the start
+    says what keeps old KV from being served (a reset after each update)."""
+    import logging
+
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    monkeypatch.setattr(identity_guards, "_warned_weight_updates", [])
+    with caplog.at_level(logging.WARNING, logger="vllm.ucm_db.connector.identity_guards"):
+        kv_shape(_vllm_config(model_dir), _kv_config(), None)
+        assert not [r for r in caplog.records if "weight updates" in r.getMessage()]
+        config = _vllm_config(model_dir)
+        config.weight_transfer_config = WeightTransferConfig()
+        kv_shape(config, _kv_config(), None)
+        kv_shape(config, _kv_config(), None)
+    warned = [r.getMessage() for r in caplog.records if "weight updates" in r.getMessage()]
+    assert len(warned) == 1 and "reset_connector=True" in warned[0]
