@@ -48,7 +48,7 @@ from typing import Any
 
 import blake3  # a dependency of vLLM, the only user of this module
 
-from ucm_db.connector.weight_files import Stats, selected_files, skipped_model_folders
+from ucm_db.connector.weight_files import Stats, load_format_of, selected_files, skipped_model_folders
 from ucm_db.errors import ConfigError
 
 #: Smaller sets hash in well under the 0.2 s start budget: kept in memory only.
@@ -249,8 +249,7 @@ def model_fingerprint(model_config: Any, download_dir: str | None = None, load_c
     vLLM was given one) at the commit its revision resolves to: never a branch
     name, never the path."""
     download_dir = download_dir or getattr(load_config, "download_dir", None)
-    load_format = getattr(load_config, "load_format", "auto")
-    load_format = str(getattr(load_format, "value", load_format))
+    load_format = load_format_of(load_config)
     skipped = skipped_model_folders(getattr(load_config, "ignore_patterns", None))
     model = str(model_config.model)
     path = Path(model).expanduser()

@@ -50,13 +50,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ucm_db.connector.weight_files import DEFAULT_IGNORE_PATTERNS, load_format_of
 from ucm_db.errors import ConfigError
 
 #: Load formats that read the weights from the fingerprinted model files
 #: (the same bytes, however read): not keyed.
 FILE_LOAD_FORMATS = frozenset({"auto", "hf", "pt", "safetensors", "npcache", "mistral", "instanttensor", "fastsafetensors"})
-#: vLLM's default ``LoadConfig.ignore_patterns`` (a checkpoint's ``original/`` copy): not keyed.
-DEFAULT_IGNORE_PATTERNS = ("original/**/*",)
 #: Drawn once per process; mixed into multimodal identifiers that name no content.
 PROCESS_NONCE = secrets.token_hex(16)
 #: vLLM's counter identifiers: ``renderer{api rank}-mm-{n}-{modality}-{i}`` (renderers/base.py).
@@ -65,6 +64,7 @@ _CONFIG_FILES = ("config.json", "params.json")
 _COUNTER_IDENTIFIER = re.compile(r"^renderer\d+-mm-\d+-")
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+_warned: set[str] = set()  # what was warned about in this process
 
 
 def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     its load format, weight files it is told to ignore, and a config read from ``hf_config_path`` (not among
     the fingerprinted files) by the digest of the config vLLM built."""
     load = getattr(vllm_config, "load_config", None)
-    fmt = str(getattr(getattr(load, "load_format", "auto"), "value", getattr(load, "load_format", "auto")))
+    fmt = load_format_of(load)
     out: dict[str, Any] = {}
     ignored = getattr(load, "ignore_patterns", None) or []
     ignored = [ignored] if isinstance(ignored, str) else list(ignored)
@@ -309,15 +309,12 @@ def warn_weight_updates(vllm_config: Any) -> None:
     change under the model's namespace, and only a connector reset moves
     its epoch on (``docs/connector.md``, "Reset and invalidation")."""
     transfer = getattr(vllm_config, "weight_transfer_config", None)
-    if transfer is None or _warned_weight_updates:
+    if transfer is None or "weight_updates" in _warned:
         return
-    _warned_weight_updates.append(True)
+    _warned.add("weight_updates")
     logger.warning("ucm-db: this engine takes weight updates (weight_transfer_config, backend %s): after each, call "
                    "reset_prefix_cache(reset_connector=True) (or `ucm-db invalidate`), or ucm-db keeps serving KV of "
                    "the weights before it under the model's namespace", getattr(transfer, "backend", "?"))
-
-
-_warned_weight_updates: list[bool] = []
 
 
 def _file_digest(path: str) -> str:

@@ -63,7 +63,7 @@ def numerics_inputs(vllm_config: Any, current_platform: Any) -> dict[str, Any]:
     quantized_kv = str(getattr(cache, "cache_dtype", "auto")) not in UNQUANTIZED_KV
     if quantized_kv:
         attention = getattr(vllm_config, "attention_config", None)
-        named = {name: _plain(getattr(attention, name, None)) for name in ATTENTION_CHOICES}
+        named = {name: getattr(attention, name, None) for name in ATTENTION_CHOICES}  # enums: identity._plain
         named = {name: value for name, value in named.items() if value not in (None, {}, "auto")}
         if named:
             inputs["kv_quant_attention"] = named
@@ -105,10 +105,3 @@ def _quantized_kernels(vllm_config: Any) -> dict[str, Any]:
     if env:
         inputs["quant_env"] = env
     return inputs
-
-
-def _plain(value: Any) -> Any:
-    """An enum by its name, a dict of enums by theirs, anything else as it is."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return getattr(value, "name", value)

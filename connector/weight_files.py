@@ -32,8 +32,8 @@ import stat
 WEIGHT_KINDS = ((".safetensors",), (".bin",), (".pt", ".pth"))
 #: Load formats that load one kind whatever else a folder holds.
 FORMAT_KINDS = {"pt": (".pt", ".pth"), "npcache": (".bin",)}
-#: vLLM's default ``LoadConfig.ignore_patterns``: the folder it keeps out.
-DEFAULT_IGNORED_FOLDER = ("original/**/*", "original")
+#: vLLM's default ``LoadConfig.ignore_patterns`` (a checkpoint's ``original/`` copy).
+DEFAULT_IGNORE_PATTERNS = ("original/**/*",)
 #: Subfolders of a full hub snapshot that hold the model for other runtimes: vLLM never loads them.
 EXPORT_FOLDERS = frozenset({"onnx", "openvino", "metal", "coreml", "mlx", "tflite", "flax"})
 #: Training state vLLM skips (its ``filter_files_not_needed_for_inference``).
@@ -61,13 +61,19 @@ def selected_files(path: str | os.PathLike[str], *, load_format: str = "auto", s
     return found
 
 
+def load_format_of(load_config: object) -> str:
+    """vLLM's ``LoadConfig.load_format`` as a string (an enum's value; ``auto`` where none is given)."""
+    fmt = getattr(load_config, "load_format", "auto")
+    return str(getattr(fmt, "value", fmt))
+
+
 def skipped_model_folders(ignore_patterns: object) -> frozenset[str]:
     """The subfolders a model's identity leaves out under vLLM's
     ``ignore_patterns`` (None: vLLM's default)."""
     if ignore_patterns is None:
         return frozenset({"original"})
     patterns = [ignore_patterns] if isinstance(ignore_patterns, str) else list(ignore_patterns)  # type: ignore[call-overload]
-    return frozenset({"original"}) if any(p in DEFAULT_IGNORED_FOLDER for p in patterns) else frozenset()
+    return frozenset({"original"}) if DEFAULT_IGNORE_PATTERNS[0] in patterns else frozenset()
 
 
 def _select(folder: str, prefix: str, load_format: str) -> tuple[Stats, set[str]]:

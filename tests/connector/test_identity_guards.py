@@ -436,7 +436,7 @@ def test_an_engine_set_up_for_weight_updates_is_told_to_reset_after_each(
 
     from vllm.config.weight_transfer import WeightTransferConfig
 
-    monkeypatch.setattr(identity_guards, "_warned_weight_updates", [])
+    monkeypatch.setattr(identity_guards, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="vllm.ucm_db.connector.identity_guards"):
         kv_shape(_vllm_config(model_dir), _kv_config(), None)
         assert not [r for r in caplog.records if "weight updates" in r.getMessage()]

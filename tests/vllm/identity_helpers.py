@@ -77,6 +77,16 @@ def build_llama(out_dir: Path, seed: int, rope: dict[str, Any] | None = None) ->
     return out_dir
 
 
+def _embedding_rows_at_rms_one(model: Any) -> None:
+    """Scales each token's embedding to RMS 1: an RMSNorm of weight 1 is then
+    the identity on it (a draft head whose input norm is one reads the same)."""
+    import torch
+
+    with torch.no_grad():
+        rows = model.model.embed_tokens.weight
+        rows.copy_(rows / rows.pow(2).mean(-1, keepdim=True).sqrt())
+
+
 def build_eagle_pair(out_dir: Path) -> tuple[Path, Path]:
     """(a 1-layer random Llama, an EAGLE draft head for it). The head's
     layer is the target's and reads the token embedding alone (``fc`` =
@@ -90,9 +100,7 @@ def build_eagle_pair(out_dir: Path) -> tuple[Path, Path]:
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(llama_config(layers=1)).to(torch.float32)
-    with torch.no_grad():
-        rows = target.model.embed_tokens.weight
-        rows.copy_(rows / rows.pow(2).mean(-1, keepdim=True).sqrt())
+    _embedding_rows_at_rms_one(target)
     target.save_pretrained(out_dir / "target")
     head_config = llama_config(layers=1)
     head_config.architectures = ["LlamaForCausalLM"]  # vLLM reads it as EAGLE's (method "eagle")
@@ -154,9 +162,8 @@ def build_mtp_model(out_dir: Path) -> Path:
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=INIT_RANGE,
                          use_sliding_window=False)
     model = Qwen2ForCausalLM(config).to(torch.float32)
+    _embedding_rows_at_rms_one(model)
     with torch.no_grad():
-        rows = model.model.embed_tokens.weight
-        rows.copy_(rows / rows.pow(2).mean(-1, keepdim=True).sqrt())
         model.model.layers[1].self_attn.o_proj.weight.zero_()
         model.model.layers[1].mlp.down_proj.weight.zero_()
     model.save_pretrained(out_dir)
