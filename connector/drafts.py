@@ -30,9 +30,10 @@ Invariants:
       connector sees of vLLM's KV cache config, in the scheduler and every
       worker alike, and ``worker/hooks.py`` from the caches it registers.
       The target's KV is stored; drafts over a hit are accepted less often.
-      Not covered: a group of draft layers alone (an attention type the
-      target does not have) is stored as a hybrid model's group, under a
-      namespace that does not name the draft.
+    * A group of draft layers alone (an attention type the target does not
+      have) is kept as vLLM numbers it and stored as a hybrid model's
+      group: :func:`draft_shape` counts its layers, so every group's
+      namespace names the draft (``tests/connector/test_draft_layers.py``).
     * A drafter fed by the target's hidden states (vLLM's
       ``use_eagle_block_drop``) gets its stored hits one block shorter
       (:func:`drops_last_block`), as vLLM's own prefix cache does: its first

@@ -2,8 +2,9 @@
 draft's attention layers beside the target's, numbered from the target's
 layer count on. Where they share the target's KV cache group, the connector
 stores and loads them with the target's, under a namespace naming the draft
-(``connector/drafts.py``); in a group of their own they are left out, with a
-warning. The engine proof (drafts over a hit accepted as cold) is
+(``connector/drafts.py``); where they cannot be, the worker leaves them out,
+with a warning; a group of draft layers alone is stored as a hybrid model's
+group under namespaces naming the draft. The engine proof (drafts over a hit accepted as cold) is
 ``tests/vllm/test_identity_engine.py``'s EAGLE test."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 
 from test_scheduler_worker import BS, NUM_BLOCKS, _shape  # noqa: E402
+from tests.connector.test_identity_inputs import model_dir  # noqa: E402,F401
 
 
 def _caches(layers: int, fill: bool) -> dict[str, torch.Tensor]:
@@ -221,3 +223,46 @@ def test_a_hit_that_gives_back_its_last_block_still_loads_up_to_the_cap(tmp_path
     ext, _ = sched.get_num_new_matched_tokens(roles._request("r", tokens, params), 0)
     assert ext == claimed * roles.BS
     sched.shutdown()
+
+
+
+def test_a_group_of_draft_layers_alone_is_stored_as_a_hybrid_group_under_namespaces_naming_the_draft(model_dir: Path) -> None:
+    """A drafter of an attention type the target lacks (a sliding window
+    here) gets a KV cache group of its own, which ucm-db stores as a hybrid
+    model's group. Every group's namespace then names the draft (the
+    layout counts the group's layers), so no engine with another draft, or
+    none, reads these blocks."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from ucm_db.connector.hybrid.groups import group_namespace, kv_groups
+    from ucm_db.connector.identity import kv_shape, stored_groups
+    from tests.connector.test_identity_inputs import _vllm_config
+
+    window = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    split = _kv_config(TARGET, {"model.layers.2.self_attn.attn": window})
+    assert stored_view(_vllm(), split).kv_cache_groups == split.kv_cache_groups  # the drafter's group kept as vLLM numbers it
+    assert _stored(_vllm(), split) == (1, {"method": "eagle", "layers": 1, "model": "blake3:d1", "dtype": "bfloat16"})
+
+    def group_namespaces(draft: SimpleNamespace | None) -> list[bytes]:
+        config = _vllm_config(model_dir)
+        config.speculative_config = draft
+        kv = split if draft is not None else _kv_config(TARGET)
+        groups = stored_groups(config, kv)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("ucm_db.connector.identity.model_fingerprint", _by_files_or_target)
+            base = namespace(kv_shape(config, kv, None))
+        return [group_namespace(base, groups, g).id for g in groups]
+
+    mine = group_namespaces(_vllm().speculative_config)
+    assert len(mine) == 2 and [g.kind for g in kv_groups(split)] == ["full_attention", "sliding_window"]
+    files["/draft"] = "blake3:d2"  # another head of the same shape
+    try:
+        theirs = group_namespaces(_vllm().speculative_config)
+    finally:
+        files["/draft"] = "blake3:d1"
+    none = group_namespaces(None)
+    assert set(mine).isdisjoint(theirs) and set(mine).isdisjoint(none)
+
+
+def _by_files_or_target(config: Any, *args: Any, **kwargs: Any) -> str:
+    return files.get(getattr(config, "model", ""), "blake3:target")
