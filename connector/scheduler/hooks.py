@@ -82,7 +82,7 @@ from ucm_db.connector.request_controls import Admission, RequestControls, descri
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
-from ucm_db.connector.scheduler.settlement import SaveSettlement
+from ucm_db.connector.scheduler.settlement import SaveSettlement, forget_failed_blocks
 from ucm_db.connector.stores import acquire, refuse_older_generations, release
 from ucm_db.errors import UcmDbError
 from ucm_db.keys import BlockKeys, Namespace
@@ -333,6 +333,7 @@ class UcmDbScheduler:
                     state.async_block_ids = ()
                     self.rewind(req_id, None)
         self._settlement.settle(step, invalid, self.rewind)
+        forget_failed_blocks(self.kv_cache_manager, list(self._requests), self._group, invalid)  # settlement.py
         if isinstance(worker_meta, UcmDbWorkerMetadata):
             self._planner.observe_output(worker_meta)
             if worker_meta.refused and not self._off:

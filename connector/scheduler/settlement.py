@@ -21,6 +21,12 @@ Invariants:
     * Every request a failed load or a voided save touches is rewound to
       where vLLM recomputes (the ``rewind`` callback), so what it computes
       again is saved again.
+    * The blocks of a failed load, and every later block of a request
+      holding one, leave vLLM's prefix cache (:func:`forget_failed_blocks`):
+      under ``kv_load_failure_policy: "recompute"`` vLLM keeps them hashed
+      (for the request to write again), so a request preempted or aborted
+      before it recomputed them would hand their stale KV to the next
+      request of that prefix, as a local hit the connector would then save.
     * Failed block ids of a settled step stay known while a pending save
       may depend on them: until the step is more than
       :data:`MAX_PENDING_STEPS` steps older than the oldest held save or
@@ -30,8 +36,9 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ucm_db.connector.composition import sibling_block_ids
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
@@ -185,3 +192,22 @@ class SaveSettlement:
                 rewind(req_id, held.start)
             else:
                 commits.append(hold_id)
+
+
+def forget_failed_blocks(kv_cache_manager: Any, req_ids: Iterable[str], group: int, invalid: set[int]) -> int:
+    """Evicts from vLLM's prefix cache each failed block and the blocks after
+    it of the requests ``req_ids`` that hold one (in KV cache group
+    ``group``), as vLLM's ``kv_load_failure_policy: "fail"`` does (module
+    invariants); the blocks stay allocated to their requests. Returns the
+    blocks named (those vLLM had not hashed are left as they are)."""
+    if kv_cache_manager is None or not invalid:
+        return 0
+    stale: set[int] = set()
+    for req_id in req_ids:
+        block_ids = kv_cache_manager.get_block_ids(req_id)[group]
+        first = next((i for i, block_id in enumerate(block_ids) if block_id in invalid), None)
+        if first is not None:
+            stale.update(block_ids[first:])
+    if stale:
+        kv_cache_manager.evict_blocks(stale)
+    return len(stale)

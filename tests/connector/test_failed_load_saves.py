@@ -26,6 +26,7 @@ pytest.importorskip("vllm")
 from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _shape  # noqa: E402
 
 from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
+from ucm_db.connector.metadata import UcmDbWorkerMetadata  # noqa: E402
 from ucm_db.connector.roles import RolePolicy  # noqa: E402
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
@@ -256,3 +257,59 @@ def _admitted(
 def _random_kv_rank() -> dict[str, torch.Tensor]:
     """A TP=2 rank's caches: one of the two KV heads."""
     return {name: torch.randn(NUM_BLOCKS, 1, BS, 128).to(torch.bfloat16) for name in _kv()}
+
+
+# -- vLLM's prefix cache after a failed load ---------------------------------------
+
+
+def _prefix_cache() -> tuple[Any, Any]:
+    """vLLM's own KV cache manager over the test caches' blocks (prefix
+    caching on), and the block hasher its scheduler gives each request."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    init_none_hash(sha256)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(_kv()), spec)])
+    manager = KVCacheManager(config, max_model_len=NUM_BLOCKS * BS, scheduler_block_size=BS, hash_block_size=BS)
+    return manager, get_request_block_hasher(BS, sha256)
+
+
+def test_a_failed_loads_blocks_and_those_computed_over_them_leave_vllms_prefix_cache(settings: ConnectorSettings) -> None:
+    """Under ``kv_load_failure_policy: "recompute"`` vLLM keeps a failed
+    sync load's blocks hashed (its request writes them again), so a request
+    preempted or aborted first would leave their stale KV to the next
+    request of that prefix, as a local hit the connector saves: the
+    scheduler evicts them from vLLM's prefix cache (settlement.py)."""
+    _seed(settings, _random_kv(), blocks=2)
+    manager, hasher = _prefix_cache()
+    sched = UcmDbScheduler(settings, _shape())
+    sched.kv_cache_manager = manager  # what vLLM's scheduler binds (bind_kv_cache_manager)
+    worker = _worker(settings, _random_kv())
+    req = _request("b", PROMPT, block_hasher=hasher)
+    ext, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert ext == 2 * BS
+    blocks = manager.allocate_slots(req, len(PROMPT) - ext, num_external_computed_tokens=ext)
+    sched.update_state_after_alloc(req, blocks, ext)
+    req.num_computed_tokens = ext
+    (ids,) = manager.get_block_ids("b")
+    meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - ext))
+    ns, g, spans = namespace(_shape()), grid(_shape()), reader_spans(_shape())
+    assert sched.store.delete(ns, [unit_key(meta.loads[0].keys[1], spans[1], g)]) == 1  # evicted before the load
+    worker.start_load(meta)
+    worker.save(meta)
+    worker.drain()
+    assert worker.take_load_errors() == {ids[1]}
+
+    def local_hit_tokens() -> int:
+        return int(manager.get_computed_blocks(_request("probe", PROMPT, block_hasher=hasher))[1])
+
+    assert local_hit_tokens() == 5 * BS  # vLLM hashed the failed block and those computed over it at allocation
+    req.num_computed_tokens = BS  # vLLM's recompute policy: from the failed block on
+    sched.observe_output(UcmDbWorkerMetadata(meta.step), {ids[1]})
+    assert local_hit_tokens() == BS  # only the block that loaded is left hashed
+    assert manager.get_block_ids("b") == (ids,)  # still the request's, to compute again
+    worker.shutdown()
+    sched.shutdown()
