@@ -234,7 +234,8 @@ class GroupedScheduler:
         """One step's output; ``failed_requests`` (vLLM's ``failed_recving``):
         async loads that failed, recomputed from the first token by vLLM."""
         for req_id in failed_requests or ():
-            self._load_failed.add(req_id)
+            if any(req_id in part._requests for part in self.parts):  # not one finished (aborted) meanwhile
+                self._load_failed.add(req_id)
             for part in self.parts:
                 part_state = part._requests.get(req_id)
                 if part_state is not None:

@@ -156,3 +156,13 @@ def test_a_request_is_finished_once_every_groups_load_ended_and_failed_if_any_fa
     assert done == {"r", "only-1"} and merged.take_failed() == {"r"} and merged.take_failed() == set()
     for loader in loaders:
         loader.close()
+
+
+def test_a_failed_load_of_a_request_already_finished_is_not_remembered(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A request aborted while its async load runs is finished (forgotten)
+    before its load's failure comes back: that failure must not be kept."""
+    sched = _scheduler(model_dir, tmp_path / "store", "async")
+    ours = sched.connector._scheduler  # type: ignore[union-attr]
+    ours.observe_output(None, set(), {"aborted-while-loading"})
+    assert not ours._load_failed
+    sched.connector.shutdown()  # type: ignore[union-attr]
