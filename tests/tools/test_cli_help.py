@@ -54,3 +54,20 @@ def test_bench_delegates_and_compares_engines() -> None:
     report = json.loads(invoke("bench", "engines", "--blocks", 32, "--chain-blocks", 8, "--block-bytes", 4096, "--repeat", 1, "--json").stdout)
     assert set(report["engines"]) == {"lmdb", "rocksdb"} and report["blocks"] == 32
     assert all(e["put_MBps"] > 0 and e["get_MBps"] > 0 for e in report["engines"].values())
+
+
+#: Commands without ``--json`` (README: ``events`` streams JSON lines, ``proxy`` serves HTTP, ``bench`` is a group).
+NO_JSON = {"events", "proxy", "bench"}
+
+
+def test_every_command_and_benchmark_offers_json_but_the_named_few() -> None:
+    """README: every command prints human output by default and JSON with
+    ``--json``, but the ones it names; so does every benchmark."""
+    from ucm_db.tools.cli_bench import BENCHMARKS, bench_group
+
+    def has_json(command: object) -> bool:
+        return any("--json" in getattr(param, "opts", ()) for param in command.params)  # type: ignore[attr-defined]
+
+    assert sorted(name for name in COMMANDS if not has_json(cli.commands[name])) == sorted(NO_JSON)
+    lacking = [name for name in BENCHMARKS if not has_json(bench_group.get_command(None, name))]  # type: ignore[arg-type]
+    assert lacking == []

@@ -16,11 +16,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -122,7 +125,7 @@ def ucm_db_open(path: str, **options: object):  # noqa: ANN201 - small indirecti
     return ucm_db.open(path, **options)
 
 
-def bench_ttft(prompts: int, prompt_tokens: int, rounds: int) -> dict[str, dict[str, float]]:
+def bench_ttft(prompts: int, prompt_tokens: int, rounds: int) -> dict[str, dict[str, Any]]:
     """TTFT per configuration, each engine in its own process, interleaved.
 
     Every round runs each configuration once, in an order that rotates from
@@ -144,7 +147,7 @@ def bench_ttft(prompts: int, prompt_tokens: int, rounds: int) -> dict[str, dict[
             order = names[round_index % len(names):] + names[: round_index % len(names)]
             round_medians: dict[str, float] = {}
             for name in order:
-                print(f"  round {round_index + 1}/{rounds}: {name} ...", flush=True)
+                print(f"  round {round_index + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True)
                 codec = codecs[name]
                 connector = None if codec is None else {"path": str(work / f"store_{codec}_{round_index}"), "codec": codec}
                 # A fresh first token per engine keeps every prompt at 0% hits.
@@ -175,7 +178,9 @@ def bench_ttft(prompts: int, prompt_tokens: int, rounds: int) -> dict[str, dict[
 @click.option("--prompts", type=click.IntRange(min=1), default=12, show_default=True, help="prompts per engine")
 @click.option("--prompt-tokens", type=click.IntRange(min=BLOCK_SIZE), default=1024, show_default=True, help="tokens per prompt")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="engine runs per configuration, interleaved")
-def command(lookup_only: bool, no_engine: bool, block_size: int, prompts: int, prompt_tokens: int, rounds: int) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the figures as JSON (progress goes to stderr)")
+def command(lookup_only: bool, no_engine: bool, block_size: int, prompts: int, prompt_tokens: int, rounds: int,
+            as_json: bool) -> None:
     """Connector overhead: scheduler lookup of a 32K-token prompt, save path, TTFT at 0% hits (real vLLM engines).
 
     \b
@@ -183,25 +188,32 @@ def command(lookup_only: bool, no_engine: bool, block_size: int, prompts: int, p
         ucm-db bench overhead --lookup-only
         ucm-db bench overhead --prompts 10 --prompt-tokens 1024 --rounds 3
     """
-    lookup = bench_lookup(block_size)
+    report: dict[str, Any] = {"lookup": bench_lookup(block_size)}
+    if not lookup_only:
+        report["save"] = bench_save_path(prompt_tokens)
+    if not lookup_only and not no_engine:
+        report["ttft"] = bench_ttft(prompts, prompt_tokens, rounds)
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    lookup = report["lookup"]
     print(f"scheduler lookup, {LOOKUP_TOKENS}-token prompt ({int(lookup['blocks'])} blocks of {block_size}), median of 30,"
           f" wall (CPU) ms: miss {lookup['miss_ms']:.3f} ({lookup['miss_cpu_ms']:.3f}),"
           f" full hit {lookup['hit_ms']:.3f} ({lookup['hit_cpu_ms']:.3f});"
           f" hashing the whole chain alone {lookup['hashing_cpu_ms']:.3f} CPU ms; target <= 1 ms")
-    if lookup_only:
+    if "save" not in report:
         return
-    if no_engine:
-        save = bench_save_path(prompt_tokens)
+    save = report["save"]
+    if "ttft" not in report:
         print(f"save path per {prompt_tokens}-token prompt ({save['bytes'] / 1e6:.1f} MB of KV), CPU ms: copy-out {save['copy_out_ms']:.2f},"
               f" encode+commit none {save['commit_none_ms']:.2f}, zstd {save['commit_zstd_ms']:.2f}")
         return
-    save = bench_save_path(prompt_tokens)
     print(f"save path per {prompt_tokens}-token prompt of the demo model ({save['bytes'] / 1e6:.1f} MB of KV), CPU ms:"
           f" copy-out on the forward thread {save['copy_out_ms']:.2f}; background encode+commit"
           f" codec none {save['commit_none_ms']:.2f}, zstd {save['commit_zstd_ms']:.2f}")
     print(f"TTFT, 0% hits, {prompts} prompts of {prompt_tokens} tokens, {rounds} rounds,"
           " one engine process per configuration per round, configurations interleaved:")
-    ttft = bench_ttft(prompts, prompt_tokens, rounds)
+    ttft = report["ttft"]
     base = ttft["no connector"]["median_ms"]
     for name, figures in ttft.items():
         per_round = ", ".join(f"{r:.3f}" for r in figures["round_ratios"])

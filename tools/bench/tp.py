@@ -17,6 +17,7 @@ their seconds add up, as the bytes do.
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -148,7 +149,8 @@ def run(blocks: int, codec: str, repeats: int) -> dict[str, Any]:
 @click.option("--blocks", type=click.IntRange(min=1), default=64, show_default=True, help="blocks of 16 tokens (8 KV heads x 32 layers, bf16: 2 MiB each)")
 @click.option("--codec", type=click.Choice(["none", "zstd"]), default="none", show_default=True, help="store codec")
 @click.option("--repeats", type=click.IntRange(min=1), default=7, show_default=True, help="timed loads per pair (median)")
-def command(blocks: int, codec: str, repeats: int) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the figures as JSON")
+def command(blocks: int, codec: str, repeats: int, as_json: bool) -> None:
     """Stored bytes at TP=1 vs TP=2 and load throughput of cross-TP against same-TP reads (connector workers, no engine).
 
     \b
@@ -156,6 +158,9 @@ def command(blocks: int, codec: str, repeats: int) -> None:
         ucm-db bench tp --blocks 64 --codec none
     """
     figures = run(blocks, codec, repeats)
+    if as_json:
+        print(json.dumps(figures, indent=2))
+        return
     print(f"{blocks} blocks of {figures['block_bytes'] / 2**20:.1f} MiB ({MODEL_HEADS} KV heads x {MODEL_LAYERS} layers x"
           f" {BLOCK} tokens x head {HEAD_SIZE}, bf16), codec {codec}")
     for tp, counts in figures["stored"].items():
