@@ -60,13 +60,14 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucm_db.config import StoreConfig, load_config_file
+from ucm_db.config import StoreConfig, load_config_file, redacted_options
 from ucm_db.connector.scheduler.cost_model import check_load_policy
 from ucm_db.connector.request_controls import check_admission
 from ucm_db.connector.roles import check_publish_options
@@ -135,6 +136,12 @@ class ConnectorSettings:
     admit_after: int | str = 1
     save_process: bool | str = "auto"
     load_threads: int | str = "auto"
+
+    def __repr__(self) -> str:
+        """The fields, the store options' ``remote_options`` redacted (they may hold credentials)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["store_options"] = redacted_options(self.store_options)
+        return f"ConnectorSettings({', '.join(f'{name}={value!r}' for name, value in fields.items())})"
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:

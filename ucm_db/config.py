@@ -284,6 +284,20 @@ class StoreConfig:
         out["remote_options"] = {k: "***" for k in self.remote_options}
         return out
 
+    def __repr__(self) -> str:
+        """The fields as :meth:`to_dict` gives them: remote_options redacted
+        (a traceback or a debug log never shows a credential)."""
+        return f"StoreConfig({', '.join(f'{name}={value!r}' for name, value in self.to_dict().items())})"
+
+
+def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Store options as given (``ucm_db.open``'s keywords), their
+    ``remote_options`` values redacted as :meth:`StoreConfig.to_dict` does."""
+    out = dict(options)
+    if isinstance(out.get("remote_options"), Mapping):
+        out["remote_options"] = {k: "***" for k in out["remote_options"]}
+    return out
+
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Reads a YAML or JSON config file into a dict (not yet validated)."""
