@@ -256,3 +256,33 @@ def test_a_drain_ends_the_linger_at_once(store, monkeypatch: pytest.MonkeyPatch)
         started = time.monotonic()
         writer.close()
         assert time.monotonic() - started < 10, "close waited for the linger"
+
+
+def test_the_connector_setting_bounds_the_workers_queue(tmp_path) -> None:
+    """``max_pending_save_bytes`` (README: beyond it saves are dropped and
+    counted) reaches the worker's writer: a 40-block save (1.25 MiB of
+    units) is dropped under a 1 MiB bound and committed under the default."""
+    pytest.importorskip("vllm")
+    from test_scheduler_worker import BS, NUM_BLOCKS, _admit, _kv, _new_step, _request, _shape
+
+    from ucm_db.connector.scheduler.hooks import UcmDbScheduler
+    from ucm_db.connector.settings import ConnectorSettings
+    from ucm_db.connector.worker.hooks import UcmDbWorker
+
+    def save_40_blocks(path, **bound: int) -> tuple[int, int]:
+        settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": "none", **bound})
+        sched, worker = UcmDbScheduler(settings, _shape()), UcmDbWorker(settings, _shape(), NUM_BLOCKS)
+        worker.register_kv_caches(_kv(), 0, 0)
+        req = _request("big", list(range(40 * BS + 1)))
+        assert _admit(sched, req) == 0
+        worker.save(sched.build_connector_meta(_new_step(req, list(range(41)), 40 * BS + 1)))
+        worker.drain()
+        dropped = worker.counters.take().data.get("saves_dropped", 0)
+        blocks = sched.store.stats().blocks
+        worker.shutdown()
+        sched.shutdown()
+        return dropped, blocks
+
+    assert ConnectorSettings.from_extra_config({"path": str(tmp_path)}).max_pending_save_bytes == 1 << 30
+    assert save_40_blocks(tmp_path / "bounded", max_pending_save_bytes=1 << 20) == (40, 0)
+    assert save_40_blocks(tmp_path / "default") == (0, 40 * 2)  # one unit per KV head
