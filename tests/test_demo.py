@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ucm_db.tools.demo import NEAR_TIE_LOGPROB, compare_first_tokens, main, print_headline
+from ucm_db.tools.demo import NEAR_TIE_LOGPROB, compare_first_tokens, exit_status, main, print_headline
 
 
 def _run(tokens: list[int], tops: list[dict[int, float]]) -> dict[str, object]:
@@ -28,6 +28,7 @@ def test_same_near_tie_and_different_are_told_apart() -> None:
     assert verdicts[0] == "same"
     assert verdicts[1].startswith("near-tie") and NEAR_TIE_LOGPROB > 0.001
     assert verdicts[2:] == ["DIFFERENT", "DIFFERENT"]
+    assert exit_status(verdicts) == 1 and exit_status(verdicts[:2]) == 0  # README: exits 1 if a first token differs
 
 
 def test_headline_compares_restarted_engines_with_and_without_ucm_db(capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,3 +57,38 @@ def test_an_unusable_store_stops_the_demo_before_any_engine(tmp_path: Path) -> N
 def test_demo_options_are_checked() -> None:
     assert "Example:" in CliRunner().invoke(main, ["--help"]).output
     assert CliRunner().invoke(main, ["--prompts", "1"]).exit_code == 2
+
+
+def test_an_older_default_store_stops_the_demo_naming_the_migration(tmp_path: Path) -> None:
+    """README: if the default store was written by an older ucm-db, the demo
+    stops at once and names the fix (``ucm-db migrate``), changing nothing."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "stores" / "format2-lmdb", old)
+    before = _records(old)
+    assert len(before[b"blocks"]) == 11
+    env = {"UCM_DB_PATH": str(old), "UCM_DB_DEMO_DIR": str(tmp_path / "demo")}
+    result = CliRunner().invoke(main, ["--seed", "1"], env=env)
+    assert result.exit_code == 2
+    assert f"ucm-db migrate {old}" in result.output
+    assert not (tmp_path / "demo" / "model").exists()
+    after = _records(old)
+    assert {table: after[table] for table in before} == before  # every record kept as it was
+
+
+def _records(store: Path) -> dict[bytes, dict[bytes, bytes]]:
+    """Every record of an LMDB store's tables, read with py-lmdb itself (read-only, no lock file)."""
+    import lmdb
+
+    env = lmdb.open(str(store / "lmdb"), readonly=True, lock=False, max_dbs=64, subdir=True)
+    try:
+        with env.begin() as txn:
+            names = [key for key, _ in txn.cursor()]
+        out = {}
+        for name in names:
+            with env.begin() as txn:
+                out[name] = dict(txn.cursor(db=env.open_db(name, txn=txn)))
+        return out
+    finally:
+        env.close()

@@ -159,6 +159,12 @@ def run_demo(store: Path, explicit_store: bool, prompts: list[list[int]], dtype:
     print_headline(prompts, second, third)
     verdicts = compare_first_tokens(first, second)
     click.echo(f"first token, pass 2 (ucm-db after restart) vs pass 1, per prompt: {', '.join(verdicts)}")
+    return exit_status(verdicts)
+
+
+def exit_status(verdicts: list[str]) -> int:
+    """1 where a first token of pass 2 differs from pass 1's (a near-tie is
+    accepted, :func:`compare_first_tokens`), else 0."""
     return 1 if "DIFFERENT" in verdicts else 0
 
 
