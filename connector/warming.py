@@ -2,8 +2,8 @@
 
 * :func:`warm_engine` runs prefill-only requests (one output token) for a
   list of prompts through a vLLM engine configured with the UcmDbConnector,
-  so a system prompt or document set is stored before users arrive (the
-  pre-seed step of the TTFT benchmark). What the connector saves goes to
+  so a system prompt or document set is stored before users arrive
+  (``tests/vllm/test_connector_e2e.py`` runs it). What the connector saves goes to
   the store, and through its upload queue to the remote tier if one is set.
 * :func:`import_kv` puts blocks computed elsewhere into a store: token ids
   give the chain keys, the KV tensors (in any layout

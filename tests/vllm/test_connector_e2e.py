@@ -43,6 +43,7 @@ from typing import Any
 import pytest
 
 import ucm_db
+from ucm_db.connector.warming import warm_engine
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, unit_key
 
@@ -69,6 +70,15 @@ def _prompts() -> dict[str, dict[str, Any]]:
         "p0_salted": {"ids": p0, "cache_salt": "tenant-b"},
         "pc": {"ids": tokens(230)},
     }
+
+
+#: Full blocks of the prompt ``warm_engine`` stores (and tokens past them).
+WARM_BLOCKS, WARM_TAIL = 6, 7
+
+
+def _warm_prompt() -> dict[str, Any]:
+    rng = random.Random(11)
+    return {"ids": [rng.randrange(3, 1000) for _ in range(WARM_BLOCKS * BLOCK_SIZE + WARM_TAIL)]}
 
 
 def _spec(model: Path, store: Path | None, names: list[str], **connector: Any) -> dict[str, Any]:
@@ -119,6 +129,12 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
             first["outputs"][name] = result["outputs"][0]
             blocks = wait_for_new_blocks(store, blocks)
             first["blocks_after"][name] = blocks
+        # The Python API's warming (README): a prompt stored by running it, with and without a cache salt.
+        warm = _warm_prompt()
+        first["warm"] = warm_engine(llm, [warm, {**warm, "cache_salt": "warm-tenant"}])
+        first["warm_blocks"] = wait_for_new_blocks(store, blocks) - blocks
+        first["warm_again"] = warm_engine(llm, [warm, {**warm, "cache_salt": "warm-tenant"}, {**warm, "cache_salt": "cold"}])
+        wait_for_new_blocks(store, blocks + first["warm_blocks"])
     ref = reference.wait()
     corrupt_key = _corrupt_one_block(store, _prompts()["pc"]["ids"])
     second = start_engine_process(_spec(model_a, store, names, load_mode="layer"), work, "second")
@@ -200,6 +216,16 @@ def test_other_model_on_same_store_never_hits(scenario: dict[str, Any]) -> None:
     assert "hit tokens loaded from ucm-db" in scenario["other"]["log"]
     model_names = {ns.description["model"] for ns in scenario["stats"].namespaces.values()}
     assert len(model_names) == 2, model_names
+
+
+def test_warm_engine_stores_each_prompt_under_its_own_salt(scenario: dict[str, Any]) -> None:
+    first = scenario["first"]
+    warm, again = first["warm"], first["warm_again"]
+    tokens = WARM_BLOCKS * BLOCK_SIZE + WARM_TAIL
+    assert (warm.prompts, warm.prompt_tokens, warm.cached_tokens) == (2, 2 * tokens, 0)
+    assert first["warm_blocks"] > 0 and first["warm_blocks"] % 2 == 0  # the same units under each salt
+    # Run again: both warmed prompts load their full blocks from the store (vLLM's own cache is off), another salt none.
+    assert (again.prompts, again.cached_tokens) == (3, 2 * WARM_BLOCKS * BLOCK_SIZE)
 
 
 def test_saves_were_committed_in_the_first_engine(scenario: dict[str, Any]) -> None:
