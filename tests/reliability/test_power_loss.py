@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import ucm_db
+from ucm_db import maintenance
 from ucm_db.engines.lmdb.groupsync import read_record
 from ucm_db.engines.lmdb.meta import check_file, read_meta_pages
 from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV, MARKER_DIR
@@ -169,6 +170,32 @@ def test_os_crash_reopens_the_last_synced_snapshot(
     with ucm_db.open(store_path, **GROUP) as store:
         assert store._tier.engine.rollback is None
         assert store.get(NS, keys[SYNCED:]) == [b"again"] * (BLOCKS - SYNCED)
+
+
+def test_an_os_crash_after_compact_still_reopens_the_last_synced_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compact`` replaces the data file with a copy whose transaction ids
+    start again low: the record of the old file must not outrank the new
+    file's (it did, and no rollback was made after a compact until the new
+    file's ids passed the old record's)."""
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
+    store_path, filler = tmp_path / "store", NS.block_keys(chain_tokens("filler", 48))
+    with ucm_db.open(store_path, **GROUP) as store:
+        for i, key in enumerate(filler):  # a synced commit each: the old file's record passes transaction 48
+            store.put(NS, [key], [payload_for(key, BLOCK_BYTES)], parent=filler[i - 1] if i else None)
+            store.flush()
+        store.delete(NS, filler[:1])
+    inode = os.stat(store_path / "lmdb" / "data.mdb").st_ino
+    maintenance.compact(store_path)
+    assert os.stat(store_path / "lmdb" / "data.mdb").st_ino != inode, "compact rewrote the file"
+    _killed_writer(tmp_path, "boot-a")
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-b")  # the machine rebooted
+    keys = _keys()
+    with ucm_db.open(store_path, **GROUP) as store:
+        rollback = store._tier.engine.rollback
+        assert rollback is not None, "the compacted file's last synced snapshot is reopened"
+        assert store.get(NS, keys[:SYNCED]) == _payloads(keys[:SYNCED])
+        assert store.lookup(NS, keys) == SYNCED
+        assert store._tier.check() == []
 
 
 def test_synced_snapshot_lost_by_a_lying_disk_is_set_aside(

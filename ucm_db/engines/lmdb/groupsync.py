@@ -27,7 +27,8 @@ Invariants:
       durable: an open writes a fresh record before it clears dead readers.
     * The record only moves forward (a newer transaction id, under ``flock``);
       it is tied to the data file's inode, so a file replaced by ``compact``
-      or ``migrate`` is never rolled back with another file's meta page.
+      or ``migrate`` is never rolled back with another file's meta page, and
+      a record of the replaced file never outranks the new file's.
     * After a process crash (same boot) nothing is rolled back: the page
       cache still holds every commit.
     * Without a boot id (not Linux, no ``UCM_DB_BOOT_ID``) nothing is rolled
@@ -106,7 +107,11 @@ def _read_slots(fd: int) -> list[SyncRecord | None]:
 
 
 def read_record(env_dir: Path) -> SyncRecord | None:
-    """The newest valid sync record of the environment, or None."""
+    """The newest valid sync record of the environment's data file as it is
+    now, or None. A record of a file since replaced (``compact``,
+    ``migrate``: the copy's transaction ids start again low) is no record of
+    it: were it counted, it would outrank every record of the new file until
+    that file's ids passed it, and no rollback would be made meanwhile."""
     try:
         fd = os.open(env_dir / RECORD_FILE, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -115,7 +120,12 @@ def read_record(env_dir: Path) -> SyncRecord | None:
         records = [r for r in _read_slots(fd) if r is not None]
     finally:
         os.close(fd)
-    return max(records, key=lambda r: r.txnid) if records else None
+    try:
+        inode = os.stat(env_dir / "data.mdb").st_ino
+    except FileNotFoundError:
+        return None
+    current = [r for r in records if r.data_inode == inode]
+    return max(current, key=lambda r: r.txnid) if current else None
 
 
 def _write_record(env_dir: Path, record: SyncRecord, *, force: bool = False) -> None:
@@ -125,16 +135,16 @@ def _write_record(env_dir: Path, record: SyncRecord, *, force: bool = False) -> 
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         slots = _read_slots(fd)
-        valid = [(r.txnid, i) for i, r in enumerate(slots) if r is not None]
+        # Only records of the same data file count (read_record): one of a replaced file is overwritten first.
+        valid = [(r.txnid, i) for i, r in enumerate(slots) if r is not None and r.data_inode == record.data_inode]
         newest = max(valid) if valid else None
         if newest is not None and not force:
             current = slots[newest[1]]
             assert current is not None
-            if current.data_inode == record.data_inode and (
-                current.txnid > record.txnid or (current.txnid == record.txnid and current.boot == record.boot)
-            ):
+            if current.txnid > record.txnid or (current.txnid == record.txnid and current.boot == record.boot):
                 return
-        target = 0 if newest is None else 1 - newest[1]
+        stale = next((i for i, r in enumerate(slots) if r is None or r.data_inode != record.data_inode), 0)
+        target = stale if newest is None else 1 - newest[1]
         os.pwrite(fd, _encode(record), target * _SLOT_BYTES)
         if force:  # the other slot must not outrank the rollback target
             os.pwrite(fd, _encode(record), (1 - target) * _SLOT_BYTES)
