@@ -146,6 +146,27 @@ def test_reopen_uses_creation_settings_and_rejects_conflicts(tmp_path: Path) -> 
     assert "omit codec" in info.value.hint
 
 
+def test_a_conflicting_durability_is_refused_before_an_engine_of_its_kind_writes(tmp_path: Path) -> None:
+    """A ``sync`` store opened with ``durability="group"`` is refused; the
+    refused open wrote a group engine's sync record first, so every later
+    sync commit kept a record whose failure to move could roll acknowledged
+    puts back after an OS crash."""
+    path = tmp_path / "s"
+    ucm_db.open(path, durability="sync").close()
+    with pytest.raises(ConfigError, match="durability='group' conflicts"):
+        ucm_db.open(path, durability="group")
+    assert not (path / "lmdb" / "synced-snapshot").exists()
+    with ucm_db.open(path, durability="sync") as store:  # naming the recorded one still opens it
+        assert store.config.durability == "sync"
+        store.put(NS, NS.block_keys(list(range(4))), payloads(1))
+    assert not (path / "lmdb" / "synced-snapshot").exists()
+    group = tmp_path / "g"
+    ucm_db.open(group, durability="group").close()
+    with ucm_db.open(group, durability="group") as store:  # the recorded group: a group engine after the first
+        assert store._tier.engine._sync is False
+        store.put(NS, NS.block_keys(list(range(4))), payloads(1))
+
+
 def test_unknown_and_invalid_options_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown option") as info:
         ucm_db.open(tmp_path / "s", capcity_bytes=1)

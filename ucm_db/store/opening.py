@@ -15,12 +15,15 @@ Invariants:
       as keyed is refused before anything is fetched
       (:mod:`ucm_db.remote.keying`).
     * The engine runs with the settings the store runs with: an existing
-      store opened without ``durability`` is opened ``sync`` first (always
-      safe: a sync open of a group store rolls back, records and pins as a
-      group open does) and, where its recorded settings give the engine
-      another shape (group durability, another map size), opened again
-      with them before anything is written (issue 46: a recorded ``sync``
-      store reopened without options ran MDB_NOSYNC and lost acked puts).
+      store is opened ``sync`` first, whatever ``durability`` the caller
+      names (always safe: a sync open of a group store rolls back, records
+      and pins as a group open does; a group engine would start a sync
+      record in a sync store, whose failure to move could roll acknowledged
+      puts back after an OS crash) and, where its recorded settings give
+      the engine another shape (group durability, another map size),
+      opened again with them before anything is written (issue 46: a
+      recorded ``sync`` store reopened without options ran MDB_NOSYNC and
+      lost acked puts). A conflicting ``durability`` is refused by then.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
     config = StoreConfig.from_dict(explicit)
     # The durability is not known before the records are read: the first
     # engine of an existing store is a sync one (module invariants).
-    opened_as_recorded = read_only or existing is None or "durability" in explicit
+    opened_as_recorded = read_only or existing is None
     first = config if opened_as_recorded else replace(config, durability="sync")
     engine: Engine | None = None
     try:
