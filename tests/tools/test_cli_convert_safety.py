@@ -121,3 +121,20 @@ def test_a_killed_conversion_leaves_no_destination_store(tmp_path: Path) -> None
     assert invoke_json("migrate", "--to-engine", "rocksdb", tmp_path / "s", dest)["blocks_verified"] == 23
     with ucm_db.open(dest) as store:
         assert store.get(NS_A, chains["a1"]) == [bytearray(payload("a1", i)) for i in range(5)]
+
+
+def test_a_sync_store_converted_to_lmdb_keeps_no_sync_record(tmp_path: Path) -> None:
+    """The copy into LMDB runs as a group writer, which keeps a sync record;
+    left in a converted ``sync`` store, its sync commits kept moving it, and
+    a failure to move it could roll fsynced puts back after an OS crash."""
+    source = tmp_path / "s"
+    keys = NS_A.block_keys(list(range(8 * NS_A.block_size)))
+    with ucm_db.open(source, engine="rocksdb", durability="sync", codec="none") as store:
+        store.put(NS_A, keys, [payload("c", i) for i in range(len(keys))])
+    maintenance.convert_engine(source, tmp_path / "d", "lmdb")
+    record = tmp_path / "d" / "lmdb" / "synced-snapshot"
+    assert not record.exists()
+    with ucm_db.open(tmp_path / "d") as store:
+        assert store.config.durability == "sync" and store.lookup(NS_A, keys) == len(keys)
+        store.put(NS_A, NS_A.block_keys(list(range(1000, 1000 + NS_A.block_size))), [payload("c", 99)])
+    assert not record.exists()

@@ -42,6 +42,7 @@ from ucm_db.storelock import LOCK_FILE, StoreLock
 from ucm_db.index import records
 from ucm_db.store.view import ProgressFn, check_store_path, open_view
 from ucm_db.engines.base import TABLES, Engine, Txn
+from ucm_db.engines.lmdb import drop_sync_record
 from ucm_db.maintenance.verification import verify_view
 
 #: The settings record's checksum sidecar (renewed with the record).
@@ -190,6 +191,10 @@ def _copy_and_verify(source: Engine, temp: Path, engine_name: str, source_digest
         dest_digests = table_digests(dest)
     finally:
         dest.close()
+    # The copy ran as a group writer, which keeps a sync record; the new store starts without one, as
+    # any new store does (the copy is synced whole): a sync store's commits then never move one.
+    if engine_name == "lmdb":
+        drop_sync_record(temp / "lmdb")
     if dest_digests != source_digests:
         bad = [t for t in TABLES if dest_digests[t] != source_digests[t]]
         raise MigrationError(f"converted copy differs from the source in tables {', '.join(bad)}")

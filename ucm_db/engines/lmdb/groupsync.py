@@ -128,6 +128,13 @@ def read_record(env_dir: Path) -> SyncRecord | None:
     return max(current, key=lambda r: r.txnid) if current else None
 
 
+def drop_record(env_dir: Path) -> None:
+    """Removes the environment's sync record, for a new file written whole
+    and synced (a conversion's copy): it starts without one, as any new
+    store does, and a group process's first sync records it."""
+    (env_dir / RECORD_FILE).unlink(missing_ok=True)
+
+
 def _write_record(env_dir: Path, record: SyncRecord, *, force: bool = False) -> None:
     """Writes ``record`` into the older slot and fdatasyncs, unless a newer
     one is already recorded (``force``: write it anyway, for a rollback)."""
