@@ -30,7 +30,9 @@ Invariants:
       or ``migrate`` is never rolled back with another file's meta page, and
       a record of the replaced file never outranks the new file's.
     * After a process crash (same boot) nothing is rolled back: the page
-      cache still holds every commit.
+      cache still holds every commit. The dead process's reader slots are
+      cleared by the next open, and by every recorded sync of a process
+      that has the store open (a long-running writer never reopens).
     * Without a boot id (not Linux, no ``UCM_DB_BOOT_ID``) nothing is rolled
       back, and group durability keeps LMDB's own MDB_NOSYNC risk.
 
@@ -202,6 +204,9 @@ class SnapshotPin:
             previous, self._pin = self._pin, txn
             if previous is not None:
                 previous.abort()
+            # The record is ours (or a live process's newer one), pinned: the slots of readers that died
+            # can go, as an open clears them, or their snapshots would keep every page freed since.
+            env.reader_check()
 
     def _meta_of(self, txnid: int) -> bytes | None:
         """Snapshot ``txnid``'s meta body, read twice alike (a read racing a

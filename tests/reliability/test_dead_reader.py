@@ -1,0 +1,58 @@
+"""A process that died holding the store open (SIGKILL) leaves its LMDB
+reader slot, whose snapshot LMDB keeps every page of: until something
+clears it, no page freed since can be reused and the data file grows with
+every write. An open clears dead readers; a long-running writer that never
+reopens must clear them too (its group syncs do, once its own snapshot is
+recorded), or a store churned 40x its capacity grows past it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ucm_db
+
+from .harness import NS, kill_and_reap, tail, wait_counter
+
+pytestmark = [pytest.mark.multiprocess]
+
+CAPACITY_BYTES = 4 << 20
+BLOCK_BYTES = 64 << 10
+OPTIONS = {"codec": "none", "durability": "group", "capacity_bytes": CAPACITY_BYTES, "sync_interval_s": 0.1}
+
+
+#: The reader (a new interpreter: this process has the store open, and its threads' locks must not be forked).
+READER = """
+import os, sys
+import ucm_db
+from ucm_db.keys import Namespace
+ns = Namespace(model="reliability-suite", kv_dtype="bfloat16", block_size=4)
+store = ucm_db.open(sys.argv[1], durability="group", codec="none", capacity_bytes=4 << 20, sync_interval_s=0.1)
+store.put(ns, ns.block_keys(list(range(999_000, 999_016))), [os.urandom(64 << 10)] * 4)
+store.flush()
+open(sys.argv[2], "w").write("1")
+while True:
+    os.pause()
+"""
+
+
+def test_a_writer_clears_the_slot_of_a_reader_that_died_and_its_file_stays_near_capacity(tmp_path: Path) -> None:
+    store_path, ready = tmp_path / "store", tmp_path / "ready"
+    with ucm_db.open(store_path, **OPTIONS) as store:  # open before the reader: its open cannot clear the slot
+        with open(tmp_path / "reader.log", "wb") as log:
+            reader = subprocess.Popen([sys.executable, "-c", READER, str(store_path), str(ready)], stdout=log, stderr=log)
+        try:
+            assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "reader.log")
+        finally:
+            kill_and_reap(reader.pid)
+            reader.wait()
+        for round_ in range(40 * CAPACITY_BYTES // (4 * BLOCK_BYTES)):  # 40x the capacity written
+            tokens = list(range(round_ * 1000, round_ * 1000 + 16))
+            store.put(NS, NS.block_keys(tokens), [os.urandom(BLOCK_BYTES)] * 4, parent=None)
+        sync_bytes = store.config.sync_bytes
+    file_bytes = os.path.getsize(store_path / "lmdb" / "data.mdb")
+    assert file_bytes <= 2 * CAPACITY_BYTES + sync_bytes, file_bytes
