@@ -56,3 +56,39 @@ def test_a_writer_clears_the_slot_of_a_reader_that_died_and_its_file_stays_near_
         sync_bytes = store.config.sync_bytes
     file_bytes = os.path.getsize(store_path / "lmdb" / "data.mdb")
     assert file_bytes <= 2 * CAPACITY_BYTES + sync_bytes, file_bytes
+
+
+def test_a_process_stopped_holding_the_sync_record_does_not_wedge_the_writers(tmp_path: Path) -> None:
+    """A process stopped (SIGSTOP, Ctrl-Z) while it writes the sync record
+    holds its ``flock``: the writers' syncs skip their record after
+    RECORD_LOCK_WAIT_S instead of waiting on it, and record once it is free."""
+    import fcntl
+    import threading
+
+    from ucm_db.engines.lmdb.groupsync import RECORD_FILE, RECORD_LOCK_WAIT_S, read_record
+
+    store_path = tmp_path / "store"
+    with ucm_db.open(store_path, **OPTIONS) as store:
+        store.put(NS, NS.block_keys(list(range(16))), [os.urandom(BLOCK_BYTES)] * 4)
+        store.flush()
+        recorded = read_record(store_path / "lmdb")
+        assert recorded is not None
+        held = os.open(store_path / "lmdb" / RECORD_FILE, os.O_RDWR)  # another open file: its own lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        def write() -> None:
+            store.put(NS, NS.block_keys(list(range(1000, 1016))), [os.urandom(BLOCK_BYTES)] * 4, parent=None)
+            store.flush()
+
+        writer = threading.Thread(target=write, daemon=True)
+        try:
+            writer.start()
+            writer.join(timeout=4 * RECORD_LOCK_WAIT_S + 10)
+            assert not writer.is_alive(), "a put and flush waited on the stopped process's lock"
+            assert read_record(store_path / "lmdb") == recorded  # nothing recorded meanwhile
+        finally:
+            os.close(held)  # (before the fix, this let the writer go)
+            writer.join()
+        store.put(NS, NS.block_keys(list(range(9000, 9016))), [os.urandom(BLOCK_BYTES)] * 4, parent=None)
+        store.flush()
+        after = read_record(store_path / "lmdb")
+        assert after is not None and after.txnid > recorded.txnid

@@ -47,6 +47,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,9 @@ _MAGIC = b"UCMSNAP1"
 _RECORD = struct.Struct(f"<8sQQ64s{META_BODY_BYTES}s")  # magic, txnid, data inode, boot id, meta body
 #: Attempts to copy a snapshot's meta page before two newer commits replace it.
 _META_COPY_TRIES = 8
+#: The longest a sync waits for the sync record's lock (held by a process stopped while it wrote one, a
+#: sync skips its record: the previous one stays, pinned, and a later sync records): writers never wedge.
+RECORD_LOCK_WAIT_S = 2.0
 
 logger = logging.getLogger("ucm_db")
 
@@ -137,12 +141,18 @@ def drop_record(env_dir: Path) -> None:
     (env_dir / RECORD_FILE).unlink(missing_ok=True)
 
 
-def _write_record(env_dir: Path, record: SyncRecord, *, force: bool = False) -> None:
+def _write_record(env_dir: Path, record: SyncRecord, *, force: bool = False) -> bool:
     """Writes ``record`` into the older slot and fdatasyncs, unless a newer
-    one is already recorded (``force``: write it anyway, for a rollback)."""
+    one is already recorded (``force``: write it anyway, for a rollback,
+    waiting as long as the file's lock is held). Returns False, writing
+    nothing, where another process held the lock for :data:`RECORD_LOCK_WAIT_S`
+    (a process stopped while it wrote: a writer's sync must not wait on it)."""
     fd = os.open(env_dir / RECORD_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if force:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        elif not _lock_within(fd, RECORD_LOCK_WAIT_S):
+            return False
         slots = _read_slots(fd)
         # Only records of the same data file count (read_record): one of a replaced file is overwritten first.
         valid = [(r.txnid, i) for i, r in enumerate(slots) if r is not None and r.data_inode == record.data_inode]
@@ -151,15 +161,29 @@ def _write_record(env_dir: Path, record: SyncRecord, *, force: bool = False) -> 
             current = slots[newest[1]]
             assert current is not None
             if current.txnid > record.txnid or (current.txnid == record.txnid and current.boot == record.boot):
-                return
+                return True
         stale = next((i for i, r in enumerate(slots) if r is None or r.data_inode != record.data_inode), 0)
         target = stale if newest is None else 1 - newest[1]
         os.pwrite(fd, _encode(record), target * _SLOT_BYTES)
         if force:  # the other slot must not outrank the rollback target
             os.pwrite(fd, _encode(record), (1 - target) * _SLOT_BYTES)
         os.fdatasync(fd)
+        return True
     finally:
         os.close(fd)
+
+
+def _lock_within(fd: int, wait_s: float) -> bool:
+    """Takes ``fd``'s exclusive ``flock`` within ``wait_s``; False if another holder kept it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
 
 class SnapshotPin:
@@ -174,6 +198,7 @@ class SnapshotPin:
         self._boot = boot_id()
         self._lock = threading.Lock()
         self._pin: Any = None  # the read transaction on the last recorded snapshot
+        self._record_waits = 0  # syncs in a row whose record another process's lock kept out (warned at the first)
 
     def sync(self, env: lmdb.Environment) -> None:
         """Makes every commit so far durable and records the newest one.
@@ -197,7 +222,14 @@ class SnapshotPin:
                 env.sync(True)
                 if self._boot is not None:
                     inode = os.stat(self._dir / "data.mdb").st_ino
-                    _write_record(self._dir, SyncRecord(txn.id(), inode, self._boot, meta))
+                    if not _write_record(self._dir, SyncRecord(txn.id(), inode, self._boot, meta)):
+                        txn.abort()  # durable, but not recordable now: the previous pin stays
+                        if not self._record_waits:
+                            logger.warning("ucm-db: %s: synced, but another process held its sync record for %.0f s "
+                                           "(stopped?): recorded at a later sync", self._dir, RECORD_LOCK_WAIT_S)
+                        self._record_waits += 1
+                        return
+                    self._record_waits = 0
             except BaseException:
                 txn.abort()
                 raise
