@@ -92,3 +92,52 @@ def test_a_process_stopped_holding_the_sync_record_does_not_wedge_the_writers(tm
         store.flush()
         after = read_record(store_path / "lmdb")
         assert after is not None and after.txnid > recorded.txnid
+
+
+#: A maintenance view held open in another process, as by a follower stopped inside one.
+VIEW = """
+import sys, time
+from ucm_db.errors import TierError
+from ucm_db.store.view import open_view
+with open_view(sys.argv[1]) as view:
+    try:
+        view.engine.write(lambda txn: None)
+        refused = "wrote"
+    except TierError:
+        refused = "refused"
+    open(sys.argv[2], "w").write(f"{view.tier.totals().blocks} {refused}")
+    time.sleep(600)
+"""
+
+
+def test_a_view_held_open_pins_nothing_and_writes_nothing(tmp_path: Path) -> None:
+    """A maintenance view (``ucm-db inspect``, ``events --follow``) of a
+    writable store held open, as by a follower stopped with Ctrl-Z: it held
+    a pinned snapshot (and synced and recorded it), so LMDB reused no page
+    freed after it and a store churned 40x its capacity grew past it."""
+    import time
+
+    from ucm_db.engines.lmdb.groupsync import read_record
+
+    store_path, ready = tmp_path / "store", tmp_path / "ready"
+    with ucm_db.open(store_path, **OPTIONS) as store:
+        store.put(NS, NS.block_keys(list(range(16))), [os.urandom(BLOCK_BYTES)] * 4)
+        store.flush()
+        recorded = read_record(store_path / "lmdb")
+        with open(tmp_path / "view.log", "wb") as log:
+            viewer = subprocess.Popen([sys.executable, "-c", VIEW, str(store_path), str(ready)], stdout=log, stderr=log)
+        try:
+            deadline = time.monotonic() + 60
+            while not (ready.exists() and ready.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ready.read_text() == "4 refused", tail(tmp_path / "view.log")
+            assert read_record(store_path / "lmdb") == recorded  # the view recorded nothing
+            for round_ in range(40 * CAPACITY_BYTES // (4 * BLOCK_BYTES)):  # 40x the capacity, the view open
+                tokens = list(range(round_ * 1000, round_ * 1000 + 16))
+                store.put(NS, NS.block_keys(tokens), [os.urandom(BLOCK_BYTES)] * 4, parent=None)
+        finally:
+            kill_and_reap(viewer.pid)
+            viewer.wait()
+        sync_bytes = store.config.sync_bytes
+    file_bytes = os.path.getsize(store_path / "lmdb" / "data.mdb")
+    assert file_bytes <= 2 * CAPACITY_BYTES + sync_bytes, file_bytes

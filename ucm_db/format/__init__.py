@@ -74,8 +74,10 @@ def open_engine(
 ) -> Engine:
     """Builds the ``engine`` engine of the store directory ``path`` (created
     if missing; callers that must not create one check :func:`detect_engine`
-    first). ``read_only`` is honoured where the engine supports it (RocksDB);
-    :func:`engine_for_config` also opens LMDB read-only. ``check_pages``:
+    first). ``read_only``: RocksDB opens read-only; LMDB recovers at open as
+    a writable open does, then writes nothing (``observe``: no snapshot pin,
+    no sync record, ``write`` refused); :func:`open_lmdb_read_only` opens
+    it ``MDB_RDONLY`` (a store this user cannot write). ``check_pages``:
     LMDB's page check before the first map (see
     :func:`ucm_db.engines.lmdb.checks.check_pages_at_open`); maintenance that
     runs its own check in a child process passes False."""
@@ -92,7 +94,7 @@ def open_engine(
     from ucm_db.engines.lmdb import LmdbEngine
 
     return LmdbEngine(Path(path) / "lmdb", map_size_bytes=map_size_bytes, sync=sync, max_readers=max_readers,
-                      check_pages=check_pages)
+                      check_pages=check_pages, observe=read_only)
 
 
 def open_lmdb_read_only(path: Path, *, map_size_bytes: int = MIN_MAP_BYTES, max_readers: int = 1024,

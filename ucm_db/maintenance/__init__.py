@@ -39,7 +39,9 @@ a damaged file that makes LMDB abort or the kernel send SIGBUS is then a
 
 Invariants:
     * Nothing here creates a store except :func:`import_archive` (whose
-      destination may be new); read-only operations write nothing;
+      destination may be new); read-only operations write no record (their
+      open recovers a store after an OS crash as any open does, then pins no
+      snapshot and refuses writes: a stopped one holds nothing a writer needs);
       :func:`invalidate` writes only epoch records and releases the
       namespaces' pins (through the Store); :func:`lookup` writes nothing.
     * Bad input is a :class:`~ucm_db.errors.UcmDbError` with a hint, raised

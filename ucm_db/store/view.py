@@ -9,10 +9,12 @@ Invariants:
     * :func:`open_view` never creates a store, nor a missing engine file: a
       path without a store, a store path that is a file, or an LMDB store
       without its ``data.mdb`` is a :class:`~ucm_db.errors.ConfigError`.
-    * A view is read-only unless opened ``writable``. A store directory
-      this user cannot write is viewed without writing a byte (no lock
-      file, the engine opened read-only), as ``ucm_db.open(read_only=True)``
-      would: ``ucm-db inspect`` and ``verify`` work on a read-only volume.
+    * A view is read-only unless opened ``writable``: its LMDB engine
+      refuses writes and pins no snapshot (``observe``,
+      :mod:`ucm_db.engines.lmdb.engine`). A store directory this user
+      cannot write is viewed without writing a byte (no lock file, the
+      engine opened read-only), as ``ucm_db.open(read_only=True)`` would:
+      ``ucm-db inspect`` and ``verify`` work on a read-only volume.
     * A damaged settings, format-version or creation record does not stop a
       view: it is listed in :attr:`StoreView.damaged` (maintenance exists to
       report damage), read as empty settings, format -1, no creation record.

@@ -45,6 +45,11 @@ Invariants and choices:
       file no writer sees this process's readers, so a store written
       through another mount meanwhile may show a reader torn pages: the
       payload checksums turn those into misses.
+    * ``observe`` (maintenance's read-only views of a writable store): the
+      open recovers as a writable one does (the rollback after an OS crash),
+      then takes no snapshot pin and writes no sync record: a view that is
+      stopped (Ctrl-Z) or slow holds no snapshot past its own reads and no
+      lock a writer's sync waits on. ``sync`` does nothing, ``write`` raises.
 """
 
 from __future__ import annotations
@@ -84,9 +89,10 @@ class LmdbEngine(Engine):
     persistent = True
 
     def __init__(self, path: str | Path, *, map_size_bytes: int, sync: bool, max_readers: int = 1024, read_only: bool = False,
-                 check_pages: bool = True) -> None:
+                 check_pages: bool = True, observe: bool = False) -> None:
         self.path = Path(path)
         self.read_only = read_only
+        self._observe = observe  # a view's engine: recovers at open, pins and writes nothing after (module doc)
         self._check_pages = check_pages  # once per engine, before the first map (a forked child's parent checked)
         self._custody = Custody(self.path, read_only=read_only)  # may an open skip the page walk (custody.py)
         self._map_size_bytes = map_size_bytes
@@ -168,12 +174,13 @@ class LmdbEngine(Engine):
             if current < self._map_size_bytes:
                 env.set_mapsize(self._map_size_bytes)
             self._dbs = self._open_tables(env)
-            if self._pinned:
+            if self._pinned and not self._observe:
                 # Record (and pin) a synced snapshot before clearing dead readers,
                 # whose slots may pin the snapshot of the current record.
                 self._pin = SnapshotPin(self.path)
                 self._sync_env(env)
-            env.reader_check()
+            if not (self._pinned and self._observe):  # without a fresh record, a dead reader may pin the recorded one
+                env.reader_check()
         except BaseException:
             if self._pin is not None:
                 self._pin.release()
@@ -242,7 +249,7 @@ class LmdbEngine(Engine):
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def write(self, fn: Callable[[LmdbTxn], T]) -> T:  # type: ignore[override]
-        if self.read_only:
+        if self.read_only or self._observe:
             raise TierError(f"LMDB store {self.path} is open read-only", hint="open it without read_only=True to write")
         env = self._environment()
         while True:
@@ -289,7 +296,7 @@ class LmdbEngine(Engine):
                 env.set_mapsize(0)
 
     def sync(self) -> None:
-        if self.read_only:
+        if self.read_only or self._observe:
             return  # nothing written, nothing to make durable
         self._sync_env(self._environment())
 
