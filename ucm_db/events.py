@@ -38,8 +38,9 @@ from ucm_db.errors import ConfigError, CorruptBlockError
 #: vLLM's ``ExternalBlockHash``: sha256 bytes, or an int with
 #: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``.
 BlockHash = Union[bytes, int]
-#: Records the feed keeps by default (about 100-250 bytes each with 16-32
-#: token ids: some 25 MB at most).
+#: Records the feed keeps by default. A record holds its block's token ids
+#: (4 bytes each) and fields: about 20 MB at block size 16, about 400 MB at
+#: block size 1024, beside the blocks and outside ``capacity_bytes``.
 FEED_MAX_RECORDS = 100_000
 #: vLLM's medium name for external storage (``vllm.distributed.kv_events.MEDIUM_STORAGE``).
 MEDIUM_STORAGE = "STORAGE"
