@@ -333,7 +333,7 @@ class UcmDbScheduler:
                     state.async_block_ids = ()
                     self.rewind(req_id, None)
         self._settlement.settle(step, invalid, self.rewind)
-        forget_failed_blocks(self.kv_cache_manager, list(self._requests), self._group, invalid)  # settlement.py
+        forget_failed_blocks(self.kv_cache_manager, self._requests, self._group, invalid)  # settlement.py
         if isinstance(worker_meta, UcmDbWorkerMetadata):
             self._planner.observe_output(worker_meta)
             if worker_meta.refused and not self._off:
