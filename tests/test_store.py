@@ -176,11 +176,15 @@ def test_unknown_and_invalid_options_are_clear_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "s").exists()  # nothing created on bad input
 
 
-def test_files_are_private(tmp_path: Path) -> None:
-    with ucm_db.open(tmp_path / "s", codec="none") as s:
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
+def test_files_are_private(tmp_path: Path, engine: str) -> None:
+    """README: "ucm-db creates it 0700" (the store directory), whatever the engine."""
+    with ucm_db.open(tmp_path / "s", codec="none", engine=engine) as s:
         s.put(NS, NS.block_keys(list(range(4))), payloads(1))
     assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
-    assert (tmp_path / "s" / "lmdb" / "data.mdb").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "s" / engine).stat().st_mode & 0o777 == 0o700
+    if engine == "lmdb":
+        assert (tmp_path / "s" / "lmdb" / "data.mdb").stat().st_mode & 0o777 == 0o600
 
 
 def test_closed_store_raises(tmp_path: Path) -> None:
