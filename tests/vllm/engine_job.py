@@ -19,6 +19,9 @@ the connector's own e2e module keeps vLLM's default, compiled.)
  in vLLM's own layout ("vllm": engine core and worker each in a process of
  their own), which test_connector_e2e runs and checks.)
 ("logprobs": N adds each output token's top-N log-probabilities.)
+("wait_for_saves": true, with "processes": "one": before each prompt but the first, waits until the store
+ (the connector's own, shared in this process) holds more blocks than before the previous prompt and has not
+ changed for a moment, so a prompt may hit what the one before it saved.)
 ("kv_events": {"pub_port": int, "replay_port": int, "settle_store": dir} turns on vLLM's ZMQ
  KV events publisher; a subscriber in this process collects every batch (the replay endpoint
  fills what it missed) after the store at "settle_store" stopped growing and a few more requests
@@ -91,6 +94,33 @@ def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None, batch: 
     return {**result, "logprobs": tops} if logprobs else result
 
 
+def _saves_settled(spec: dict):
+    """``run_prompts``'s ``between``: waits for the previous prompt's saves (see "wait_for_saves")."""
+    from ucm_db.connector.settings import ConnectorSettings
+    from ucm_db.connector.stores import acquire
+
+    store = acquire(ConnectorSettings.from_extra_config(spec["connector"]))  # the connector's, shared in this process
+    before = [store.stats().blocks]
+
+    def between(index: int) -> None:
+        if index == 0:
+            before[0] = store.stats().blocks
+            return
+        deadline = time.monotonic() + 30
+        last, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            count = store.stats().blocks
+            if count != last:
+                last, since = count, time.monotonic()
+            elif count > before[0] and time.monotonic() - since >= 0.3:
+                break
+            time.sleep(0.02)
+        before[0] = last
+
+    between.store = store  # released after the prompts
+    return between
+
+
 def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -113,8 +143,13 @@ def main() -> int:
     llm = make_engine(spec)
     start_s = time.perf_counter() - started
     try:
-        result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8), batch=spec.get("batch", False),
+        between = _saves_settled(spec) if spec.get("wait_for_saves") else None
+        result = run_prompts(llm, spec["prompts"], spec.get("max_tokens", 8), between=between, batch=spec.get("batch", False),
                              logprobs=spec.get("logprobs"))
+        if between is not None:
+            from ucm_db.connector.stores import release
+
+            release(between.store)
         result["num_kv_blocks"] = int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0)
         if subscriber is not None:
             result["kv_events"] = subscriber.collect(lambda ids: run_prompts(llm, [{"ids": ids}], 2), events)

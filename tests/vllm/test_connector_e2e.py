@@ -138,7 +138,7 @@ def scenario(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     ref = reference.wait()
     corrupt_key = _corrupt_one_block(store, _prompts()["pc"]["ids"])
     second = start_engine_process(_spec(model_a, store, names, load_mode="layer"), work, "second")
-    other_spec = {**_spec(model_b, store, names), "enforce_eager": True}
+    other_spec = {**_spec(model_b, store, names), "enforce_eager": True, "wait_for_saves": True}  # p1 hits p0's saves
     other = start_engine_process(other_spec, work, "other_model")
     # vLLM-CPU's layout of the benchmarks: the model bound to core 0, core 1 reserved.
     async_store = shutil.copytree(store, work / "async_store")
