@@ -280,9 +280,7 @@ class StoreConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """All fields, remote_options redacted (they may hold credentials)."""
-        out = dataclasses.asdict(self)
-        out["remote_options"] = {k: "***" for k in self.remote_options}
-        return out
+        return redacted_options(dataclasses.asdict(self))
 
     def __repr__(self) -> str:
         """The fields as :meth:`to_dict` gives them: remote_options redacted
