@@ -96,26 +96,18 @@ def run_prompts(llm, prompts: list[dict], max_tokens: int, between=None, batch: 
 
 def _saves_settled(spec: dict):
     """``run_prompts``'s ``between``: waits for the previous prompt's saves (see "wait_for_saves")."""
+    from e2e_helpers import wait_for_new_blocks  # tests/vllm, beside this script
     from ucm_db.connector.settings import ConnectorSettings
     from ucm_db.connector.stores import acquire
 
     store = acquire(ConnectorSettings.from_extra_config(spec["connector"]))  # the connector's, shared in this process
-    before = [store.stats().blocks]
+    before = [0]
 
     def between(index: int) -> None:
-        if index == 0:
+        if index:
+            before[0] = wait_for_new_blocks(store.path, before[0], settle_s=0.3, count_blocks=lambda _: store.stats().blocks)
+        else:
             before[0] = store.stats().blocks
-            return
-        deadline = time.monotonic() + 30
-        last, since = -1, time.monotonic()
-        while time.monotonic() < deadline:
-            count = store.stats().blocks
-            if count != last:
-                last, since = count, time.monotonic()
-            elif count > before[0] and time.monotonic() - since >= 0.3:
-                break
-            time.sleep(0.02)
-        before[0] = last
 
     between.store = store  # released after the prompts
     return between
