@@ -47,13 +47,13 @@ def test_a_writer_waiting_for_a_sync_is_released_when_the_store_closes(tmp_path:
     done = threading.Event()
     stop_syncs = threading.Event()
     engine = background._engine
-    real_sync = engine.sync
+    real_sync = engine.sync_round
 
     def stalled_sync() -> None:  # a fault: a disk whose fsync does not return until closed
         stop_syncs.wait(10)
         real_sync()
 
-    engine.sync = stalled_sync  # type: ignore[method-assign]
+    engine.sync_round = stalled_sync  # type: ignore[method-assign]
     extent = engine.used_extent_bytes()
     assert extent is not None
     background._extent_at_sync = extent - (8 << 20)  # 8 MiB of excess growth since the last sync

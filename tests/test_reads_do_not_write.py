@@ -65,8 +65,8 @@ def test_reads_waking_the_thread_never_postpone_the_interval_sync(tmp_path) -> N
                      sync_bytes=1 << 30) as store:
         store.put(NS, keys, [b"x" * 64] * 64)
         syncs = []
-        real_sync = store._engine.sync
-        store._engine.sync = lambda: (syncs.append(1), real_sync())[1]
+        real_sync = store._engine.sync_round
+        store._engine.sync_round = lambda: (syncs.append(1), real_sync())[1]
         touch_keys = [i.to_bytes(32, "little") for i in range(ACTIVITY_FLUSH_KEYS)]
         background = store._activity
         deadline = time.monotonic() + 20

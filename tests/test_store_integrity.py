@@ -172,20 +172,20 @@ def test_a_dead_maintenance_thread_refuses_puts(tmp_path, caplog):
     keys = chain(4)
     with open_store(tmp_path / "s", durability="group", sync_interval_s=0.05) as store:
         store.put(NS, keys[:2], [b"x"] * 2)
-        real_sync = store._engine.sync
+        real_sync = store._engine.sync_round
         died = threading.Event()
 
         def dying_sync() -> None:
             died.set()
             raise SystemExit("sync thread killed for the test")
 
-        store._engine.sync = dying_sync  # type: ignore[method-assign]
+        store._engine.sync_round = dying_sync  # type: ignore[method-assign]
         assert died.wait(10)
         # The thread records its death after the sync raised: wait for that.
         deadline = time.monotonic() + 10
         while store.stats().maintenance_errors < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        store._engine.sync = real_sync  # type: ignore[method-assign]
+        store._engine.sync_round = real_sync  # type: ignore[method-assign]
         assert store.stats().maintenance_errors >= 1
         with pytest.raises(TierError, match="maintenance thread"):
             store.put(NS, keys[2:], [b"y"] * 2)
@@ -197,18 +197,18 @@ def test_a_failing_sync_round_is_logged_and_counted(tmp_path, caplog):
     """A sync that raises OSError (forced, as a disk error can't be made on
     demand here) is logged and counted; the thread lives on."""
     with open_store(tmp_path / "s", durability="group", sync_interval_s=0.05) as store:
-        real_sync = store._engine.sync
+        real_sync = store._engine.sync_round
         calls = []
 
         def failing_sync() -> None:
             calls.append(1)
             raise OSError(5, "Input/output error")
 
-        store._engine.sync = failing_sync  # type: ignore[method-assign]
+        store._engine.sync_round = failing_sync  # type: ignore[method-assign]
         deadline = time.monotonic() + 5
         while len(calls) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        store._engine.sync = real_sync  # type: ignore[method-assign]
+        store._engine.sync_round = real_sync  # type: ignore[method-assign]
         assert store.stats().maintenance_errors >= 2
         store.put(NS, chain(1), [b"x"])  # the thread is alive: puts go on
     assert "background sync/flush failed" in caplog.text

@@ -27,7 +27,7 @@ OPTIONS = {"codec": "none", "durability": "group", "capacity_bytes": CAPACITY_BY
 
 #: The reader (a new interpreter: this process has the store open, and its threads' locks must not be forked).
 READER = """
-import os, sys
+import os, signal, sys
 import ucm_db
 from ucm_db.keys import Namespace
 ns = Namespace(model="reliability-suite", kv_dtype="bfloat16", block_size=4)
@@ -36,7 +36,7 @@ store.put(ns, ns.block_keys(list(range(999_000, 999_016))), [os.urandom(64 << 10
 store.flush()
 open(sys.argv[2], "w").write("1")
 while True:
-    os.pause()
+    signal.pause()
 """
 
 
@@ -60,8 +60,10 @@ def test_a_writer_clears_the_slot_of_a_reader_that_died_and_its_file_stays_near_
 
 def test_a_process_stopped_holding_the_sync_record_does_not_wedge_the_writers(tmp_path: Path) -> None:
     """A process stopped (SIGSTOP, Ctrl-Z) while it writes the sync record
-    holds its ``flock``: the writers' syncs skip their record after
-    RECORD_LOCK_WAIT_S instead of waiting on it, and record once it is free."""
+    holds its ``flock``: the background's syncs skip their record after
+    RECORD_LOCK_WAIT_S instead of waiting on it, an explicit flush raises
+    after it (a power loss could undo what it was asked to make durable),
+    and both record once it is free."""
     import fcntl
     import threading
 
@@ -75,9 +77,14 @@ def test_a_process_stopped_holding_the_sync_record_does_not_wedge_the_writers(tm
         assert recorded is not None
         held = os.open(store_path / "lmdb" / RECORD_FILE, os.O_RDWR)  # another open file: its own lock
         fcntl.flock(held, fcntl.LOCK_EX)
+        flush_errors: list[BaseException] = []
+
         def write() -> None:
             store.put(NS, NS.block_keys(list(range(1000, 1016))), [os.urandom(BLOCK_BYTES)] * 4, parent=None)
-            store.flush()
+            try:
+                store.flush()
+            except ucm_db.TierError as exc:
+                flush_errors.append(exc)
 
         writer = threading.Thread(target=write, daemon=True)
         try:
@@ -85,6 +92,7 @@ def test_a_process_stopped_holding_the_sync_record_does_not_wedge_the_writers(tm
             writer.join(timeout=4 * RECORD_LOCK_WAIT_S + 10)
             assert not writer.is_alive(), "a put and flush waited on the stopped process's lock"
             assert read_record(store_path / "lmdb") == recorded  # nothing recorded meanwhile
+            assert len(flush_errors) == 1 and "sync record's lock" in str(flush_errors[0]), flush_errors
         finally:
             os.close(held)  # (before the fix, this let the writer go)
             writer.join()

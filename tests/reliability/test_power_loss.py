@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def _write_then_wait(store_path: Path, boot: str, ready: Path, churn: bool = Fal
         store.put(NS, keys[SYNCED:], _payloads(keys[SYNCED:]), parent=keys[SYNCED - 1])
     write_counter(ready, 1)
     while True:
-        os.pause()
+        signal.pause()
 
 
 def _killed_writer(tmp_path: Path, boot: str) -> Path:

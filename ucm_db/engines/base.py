@@ -113,6 +113,12 @@ class Engine(ABC):
     def sync(self) -> None:
         """Makes every committed transaction durable."""
 
+    def sync_round(self) -> None:
+        """A background round's sync (group durability): as :meth:`sync`,
+        except that what cannot be made durable against an OS crash now
+        may be left to a later round instead of raising."""
+        self.sync()
+
     @abstractmethod
     def close(self) -> None: ...
 

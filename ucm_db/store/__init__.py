@@ -238,7 +238,7 @@ class Store:
         """
         self._state.check_open()
         self._activity.flush_activity()
-        self._engine.sync()
+        self._activity.sync_now()
         if self._wing is not None:
             self._wing.wait_drained(upload_timeout_s)
 

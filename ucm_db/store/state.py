@@ -94,8 +94,9 @@ class StoreState:
                             hint="open it without read_only=True (on a writable volume) to store or delete blocks")
 
     def check_writable(self) -> None:
-        """:meth:`check_open`, and refuses a put on a read-only store or one
-        whose maintenance thread died."""
+        """:meth:`check_open`, and refuses a put on a read-only store, one
+        whose maintenance thread died, or one whose syncs fail
+        (:meth:`~ucm_db.store.background.Background.sync_refusal`)."""
         self.check_open()
         self.refuse_read_only("put")
         failure = self.activity.failure
@@ -104,6 +105,9 @@ class StoreState:
                 f"store {self.path}: its maintenance thread (background sync) died: {failure!r}; puts are refused",
                 hint="close and reopen the store; if it happens again, report the error",
             )
+        refusal = self.activity.sync_refusal()
+        if refusal is not None:
+            raise refusal
 
     @property
     def codecs(self) -> CodecPool:

@@ -80,6 +80,10 @@ class PowerCutMount:
         """The power loss (every process using the mount must be dead)."""
         return self.command(f"cut {mode} {seed}")
 
+    def fail_syncs(self, failing: bool) -> None:
+        """While ``failing``, every sync on the mount fails with EIO (fs.py)."""
+        self.command(f"fsync-errors {'on' if failing else 'off'}")
+
     def __exit__(self, *exc: object) -> None:
         if os.path.ismount(self.mountpoint):
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False, capture_output=True)

@@ -28,7 +28,10 @@ guarantees, and no more):
       here again.
 
 Control socket: one line per connection, one reply line: ``cut drop|random
-SEED`` -> ``ok <json stats of the cut>``; ``stats`` -> ``ok <json>``.
+SEED`` -> ``ok <json stats of the cut>``; ``stats`` -> ``ok <json>``;
+``fsync-errors on|off`` -> ``ok {}``: while on, every ``fsync``,
+``fdatasync``, directory fsync and ``O_SYNC``/``O_DSYNC`` write fails with
+EIO and makes nothing durable (a disk that stopped taking writes back).
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class PowerCutFs(mfusepy.Operations):
         self.durable: dict[str, _Node] = {"/": root}
         self._sync_fhs: set[int] = set()
         self._next_fh = 1
+        self.fsync_errors = False  # the control socket's ``fsync-errors``: syncs fail with EIO
         self.counters = {"cuts": 0, "writes": 0, "fsyncs": 0, "pages_dropped": 0, "pages_kept": 0}
 
     # -- helpers -----------------------------------------------------------------
@@ -229,6 +233,8 @@ class PowerCutFs(mfusepy.Operations):
     def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
         with self._mutex:
             node = self._node(path)
+            if fh in self._sync_fhs and self.fsync_errors:
+                raise mfusepy.FuseOSError(errno.EIO)  # a synchronous write the disk did not take
             node.write(data, offset)
             self.counters["writes"] += 1
             if fh in self._sync_fhs:
@@ -243,6 +249,8 @@ class PowerCutFs(mfusepy.Operations):
 
     def fsync(self, path: str, datasync: int, fh: int) -> int:
         with self._mutex:
+            if self.fsync_errors:
+                raise mfusepy.FuseOSError(errno.EIO)
             self._node(path).sync()
             self._journal_commit()
             self.counters["fsyncs"] += 1
@@ -250,6 +258,8 @@ class PowerCutFs(mfusepy.Operations):
 
     def fsyncdir(self, path: str, datasync: int, fh: int) -> int:
         with self._mutex:
+            if self.fsync_errors:
+                raise mfusepy.FuseOSError(errno.EIO)
             self._journal_commit()
             return 0
 
@@ -305,6 +315,10 @@ def _serve_control(fs: PowerCutFs, sock_path: str) -> None:
             try:
                 if words[:1] == ["cut"] and len(words) == 3:
                     reply = fs.cut(words[1], int(words[2]))
+                elif words[:1] == ["fsync-errors"] and words[1:] in (["on"], ["off"]):
+                    with fs._mutex:
+                        fs.fsync_errors = words[1] == "on"
+                    reply = {}
                 elif words == ["stats"]:
                     with fs._mutex:
                         reply = dict(fs.counters)

@@ -135,7 +135,7 @@ class LmdbEngine(Engine):
         check_proven(self.path)  # before any rollback, rewrite or map (fence.py)
         if self.read_only:
             self._env = self._open_read_only()
-            self._dbs = self._open_tables(self._env)
+            self._dbs = open_tables(self._env, self.path, create=False)
             self._pid = os.getpid()
             self._start_prefault()
             return
@@ -173,13 +173,15 @@ class LmdbEngine(Engine):
             current = env.info()["map_size"]
             if current < self._map_size_bytes:
                 env.set_mapsize(self._map_size_bytes)
-            self._dbs = self._open_tables(env)
+            self._dbs = open_tables(env, self.path, create=not self.read_only)
             if self._pinned and not self._observe:
                 # Record (and pin) a synced snapshot before clearing dead readers,
                 # whose slots may pin the snapshot of the current record.
                 self._pin = SnapshotPin(self.path)
-                self._sync_env(env)
-            if not (self._pinned and self._observe):  # without a fresh record, a dead reader may pin the recorded one
+                recorded = self._sync_env(env)
+            else:
+                recorded = not self._pinned
+            if recorded:  # without a fresh record, a dead reader may pin the recorded one
                 env.reader_check()
         except BaseException:
             if self._pin is not None:
@@ -197,41 +199,16 @@ class LmdbEngine(Engine):
         self.prefault.start()
 
     def _open_read_only(self) -> lmdb.Environment:
-        """The environment opened ``MDB_RDONLY`` (module invariants): with
-        LMDB's lock file if this process may open it, else without."""
+        """The environment opened ``MDB_RDONLY`` (:func:`open_read_only`), its pages checked first."""
         check_data_file(self.path)
         self._check_pages_once(lock=lock_file_writable(self.path))
-        options: dict[str, Any] = dict(
-            subdir=True, readonly=True, max_dbs=len(TABLES) + 4, max_readers=self._max_readers, readahead=True, create=False,
-        )
-        try:
-            return lmdb_open(str(self.path), lock=True, **options)
-        except (lmdb.ReadonlyError, lmdb.Error, OSError) as exc:
-            if lock_file_writable(self.path):
-                raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
-        try:
-            return lmdb_open(str(self.path), lock=False, **options)
-        except (lmdb.Error, OSError) as exc:
-            raise lmdb_error("Opening LMDB store (read-only)", self.path, exc) from exc
+        return open_read_only(self.path, self._max_readers)
 
     def _check_pages_once(self, *, lock: bool) -> None:  # a damaged page: a TierError now, not a crash later
         recorded = self._custody.take_recorded()  # the file as the ledger vouches for it (custody.py): no walk
         if self._check_pages and not recorded and check_pages_at_open(self.path, lock=lock):
             self._custody.walked_clean()
         self._check_pages = False
-
-    def _open_tables(self, env: lmdb.Environment) -> dict[str, Any]:
-        """Opens the named tables, adopting a map that another process grew
-        between our open and now (found by the crash loop: a reopen failed
-        with MDB_MAP_RESIZED while other processes were writing)."""
-        for _ in range(16):
-            try:
-                return {name: env.open_db(name.encode(), create=not self.read_only) for name in TABLES}
-            except lmdb.MapResizedError:
-                env.set_mapsize(0)
-            except lmdb.Error as exc:
-                raise lmdb_error("Opening the tables of LMDB store", self.path, exc) from exc
-        raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
     def read(self, fn: Callable[[LmdbTxn], T]) -> T:  # type: ignore[override]
         """``fn`` in a read transaction, adopting a map another process grew
@@ -296,8 +273,19 @@ class LmdbEngine(Engine):
                 env.set_mapsize(0)
 
     def sync(self) -> None:
+        """Makes every commit durable; with a sync record (group
+        durability), records it too, or raises :class:`TierError`: an
+        unrecorded sync is undone by the rollback after an OS crash
+        (:meth:`SnapshotPin.sync`'s ``must_record``)."""
         if self.read_only or self._observe:
             return  # nothing written, nothing to make durable
+        self._sync_env(self._environment(), must_record=True)
+
+    def sync_round(self) -> None:
+        """A background sync: a snapshot it cannot record now is left to a
+        later one (it stays durable against a process crash)."""
+        if self.read_only or self._observe:
+            return
         self._sync_env(self._environment())
 
     def _record_sync_commit(self, env: lmdb.Environment) -> None:
@@ -316,20 +304,23 @@ class LmdbEngine(Engine):
         except TierError as exc:
             logger.warning("ucm-db: committed, but recording the synced snapshot of %s failed: %s", self.path, exc)
 
-    def _sync_env(self, env: lmdb.Environment) -> None:
+    def _sync_env(self, env: lmdb.Environment, *, must_record: bool = False) -> bool:
+        """Syncs; returns whether the newest snapshot is recorded (True
+        where nothing records)."""
         for _ in range(16):
             try:
                 if self._pin is None:
                     env.sync(True)
-                else:
-                    # Inside the shared gate, as a transaction: a map growth in
-                    # another thread (which ends every transaction) waits for
-                    # the new pin to be recorded instead of ending it midway.
-                    with self._txn_gate.shared():
-                        self._pin.sync(env)
-                return
+                    return True
+                # Inside the shared gate, as a transaction: a map growth in
+                # another thread (which ends every transaction) waits for
+                # the new pin to be recorded instead of ending it midway.
+                with self._txn_gate.shared():
+                    return self._pin.sync(env, must_record=must_record)
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
+            except TierError:
+                raise  # the pin's own (a record kept out): it names the problem and the fix
             except (lmdb.Error, OSError) as exc:
                 raise lmdb_error("LMDB sync of", self.path, exc) from exc
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
@@ -369,3 +360,35 @@ class LmdbEngine(Engine):
         if self._page_bytes is None:
             self._page_bytes = space.page_bytes(env)
         return self._page_bytes
+
+
+def open_read_only(path: Path, max_readers: int) -> lmdb.Environment:
+    """The environment at ``path`` opened ``MDB_RDONLY`` (module
+    invariants): with LMDB's lock file if this process may open it, else
+    without."""
+    options: dict[str, Any] = dict(
+        subdir=True, readonly=True, max_dbs=len(TABLES) + 4, max_readers=max_readers, readahead=True, create=False,
+    )
+    try:
+        return lmdb_open(str(path), lock=True, **options)
+    except (lmdb.ReadonlyError, lmdb.Error, OSError) as exc:
+        if lock_file_writable(path):
+            raise lmdb_error("Opening LMDB store (read-only)", path, exc) from exc
+    try:
+        return lmdb_open(str(path), lock=False, **options)
+    except (lmdb.Error, OSError) as exc:
+        raise lmdb_error("Opening LMDB store (read-only)", path, exc) from exc
+
+
+def open_tables(env: lmdb.Environment, path: Path, *, create: bool) -> dict[str, Any]:
+    """Opens the named tables, adopting a map that another process grew
+    between our open and now (found by the crash loop: a reopen failed
+    with MDB_MAP_RESIZED while other processes were writing)."""
+    for _ in range(16):
+        try:
+            return {name: env.open_db(name.encode(), create=create) for name in TABLES}
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)
+        except lmdb.Error as exc:
+            raise lmdb_error("Opening the tables of LMDB store", path, exc) from exc
+    raise TierError(f"LMDB map of {path} keeps being resized by another process")

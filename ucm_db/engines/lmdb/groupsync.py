@@ -55,6 +55,7 @@ from typing import Any
 
 import lmdb
 
+from ucm_db.errors import TierError
 from ucm_db.engines.lmdb.meta import META_BODY_BYTES, read_meta_pages, write_meta_body
 from ucm_db.engines.lmdb.recovery import boot_id
 
@@ -200,35 +201,49 @@ class SnapshotPin:
         self._pin: Any = None  # the read transaction on the last recorded snapshot
         self._record_waits = 0  # syncs in a row whose record another process's lock kept out (warned at the first)
 
-    def sync(self, env: lmdb.Environment) -> None:
-        """Makes every commit so far durable and records the newest one.
+    def sync(self, env: lmdb.Environment, *, must_record: bool = False) -> bool:
+        """Makes every commit so far durable and records the newest one;
+        returns whether it is recorded (and pinned).
+
+        Without ``must_record`` (the background's rounds) a snapshot that
+        cannot be recorded now is left to a later sync: two commits raced
+        every copy of its meta page, or another process held the record's
+        lock for :data:`RECORD_LOCK_WAIT_S`. With it (an explicit sync: a
+        flush, an epoch bump, a pin, a close) the copy is fenced by LMDB's
+        writer lock, so no commit can replace the meta page, and a record
+        kept out raises :class:`~ucm_db.errors.TierError`: a sync whose
+        record did not move is undone by the rollback after an OS crash,
+        so its caller must not be told it is durable.
 
         Raises ``lmdb.MapResizedError`` when another process grew the map
         (the caller adopts the size and calls again)."""
         with self._lock:
-            for _ in range(_META_COPY_TRIES):
-                txn = env.begin(write=False)
-                if self._pin is not None and txn.id() == self._pin.id():
-                    txn.abort()  # no commit since the pinned snapshot, which is durable and recorded
-                    return
-                meta = self._meta_of(txn.id())
-                if meta is not None:
-                    break
-                txn.abort()  # two newer commits replaced its meta page: take a newer snapshot
-            else:
+            snapshot = self._fenced_snapshot(env) if must_record else self._raced_snapshot(env)
+            if snapshot is None:
+                return True  # no commit since the pinned snapshot, which is durable and recorded
+            txn, meta = snapshot
+            if txn is None:
                 env.sync(True)
-                return  # durable, but not recordable now: the previous pin stays
+                return False  # durable, but not recordable now: the previous pin stays
+            assert meta is not None  # paired with a txn
             try:
                 env.sync(True)
                 if self._boot is not None:
                     inode = os.stat(self._dir / "data.mdb").st_ino
                     if not _write_record(self._dir, SyncRecord(txn.id(), inode, self._boot, meta)):
                         txn.abort()  # durable, but not recordable now: the previous pin stays
+                        if must_record:
+                            raise TierError(
+                                f"{self._dir}: synced, but another process has held its sync record's lock for "
+                                f"{RECORD_LOCK_WAIT_S:g} s (stopped?): a power loss could still undo this change",
+                                hint="resume or stop the process that holds synced-snapshot's lock "
+                                     "(`fuser` names it), then retry",
+                            )
                         if not self._record_waits:
                             logger.warning("ucm-db: %s: synced, but another process held its sync record for %.0f s "
                                            "(stopped?): recorded at a later sync", self._dir, RECORD_LOCK_WAIT_S)
                         self._record_waits += 1
-                        return
+                        return False
                     self._record_waits = 0
             except BaseException:
                 txn.abort()
@@ -239,6 +254,41 @@ class SnapshotPin:
             # The record is ours (or a live process's newer one), pinned: the slots of readers that died
             # can go, as an open clears them, or their snapshots would keep every page freed since.
             env.reader_check()
+            return True
+
+    def _raced_snapshot(self, env: lmdb.Environment) -> tuple[Any, bytes] | tuple[None, None] | None:
+        """The newest snapshot's read transaction and meta body, copied
+        without stopping writers; None when it is the pinned one, (None,
+        None) when commits raced every copy."""
+        for _ in range(_META_COPY_TRIES):
+            txn = env.begin(write=False)
+            if self._pin is not None and txn.id() == self._pin.id():
+                txn.abort()
+                return None
+            meta = self._meta_of(txn.id())
+            if meta is not None:
+                return txn, meta
+            txn.abort()  # two newer commits replaced its meta page: take a newer snapshot
+        return None, None
+
+    def _fenced_snapshot(self, env: lmdb.Environment) -> tuple[Any, bytes] | None:
+        """As :meth:`_raced_snapshot`, with LMDB's writer lock held (an
+        empty write transaction, aborted) while the snapshot begins and its
+        meta page is copied: no commit of any process lands meanwhile, so
+        the newest meta page is the snapshot's and the copy succeeds."""
+        fence = env.begin(write=True)
+        try:
+            txn = env.begin(write=False)
+            if self._pin is not None and txn.id() == self._pin.id():
+                txn.abort()
+                return None
+            meta = self._meta_of(txn.id())
+        finally:
+            fence.abort()
+        if meta is None:  # cannot happen under the fence: a meta page not where LMDB keeps it
+            txn.abort()
+            raise TierError(f"{self._dir}: the newest snapshot's meta page is not in data.mdb's meta slots")
+        return txn, meta
 
     def _meta_of(self, txnid: int) -> bytes | None:
         """Snapshot ``txnid``'s meta body, read twice alike (a read racing a
