@@ -70,6 +70,9 @@ class FaultPlan:
             (remote GC), with no hook in the product.
         seed: RNG seed.
         injected: how many faults of each kind were injected.
+        writes_in_flight: ``pipe_file`` calls under way now (latency included).
+        max_writes_in_flight: the most that were ever under way at once: how
+            many uploads a caller overlapped (a gauge, not a fault).
     """
 
     FIELDS = ("latency_s", "read_error_rate", "write_error_rate", "timeout_rate", "timeout_s",
@@ -96,6 +99,8 @@ class FaultPlan:
         self.kill_after_removes = kill_after_removes
         self.seed = seed
         self.injected: dict[str, int] = {}
+        self.writes_in_flight = 0
+        self.max_writes_in_flight = 0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._healed = threading.Event()
@@ -138,6 +143,15 @@ class FaultPlan:
     def count(self, what: str) -> None:
         with self._lock:
             self.injected[what] = self.injected.get(what, 0) + 1
+
+    def write_started(self) -> None:
+        with self._lock:
+            self.writes_in_flight += 1
+            self.max_writes_in_flight = max(self.max_writes_in_flight, self.writes_in_flight)
+
+    def write_finished(self) -> None:
+        with self._lock:
+            self.writes_in_flight -= 1
 
     def randint(self, lo: int, hi: int) -> int:
         with self._lock:
@@ -203,8 +217,12 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
         return self.plan.mangle(bytes(data))
 
     def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
-        self.plan.before(self.plan.write_error_rate)
-        write_whole(self.target, path, bytes(value))
+        self.plan.write_started()
+        try:
+            self.plan.before(self.plan.write_error_rate)
+            write_whole(self.target, path, bytes(value))
+        finally:
+            self.plan.write_finished()
 
     def exists(self, path: str, **kwargs: Any) -> bool:
         self.plan.before(self.plan.read_error_rate)

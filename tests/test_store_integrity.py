@@ -193,6 +193,34 @@ def test_a_dead_maintenance_thread_refuses_puts(tmp_path, caplog):
     assert "maintenance thread died" in caplog.text
 
 
+def test_a_reopen_after_the_maintenance_thread_died_takes_puts_again(tmp_path):
+    """docs/configuration.md: puts are refused "until the store is reopened".
+    The death is forced as above; the close then stops the (dead) thread,
+    flushes and syncs with the real sync, and returns without raising."""
+    keys = chain(4)
+    store = open_store(tmp_path / "s", durability="group", sync_interval_s=0.05)
+    store.put(NS, keys[:2], [payload(0), payload(1)])
+    real_sync = store._engine.sync_round
+
+    def dying_sync() -> None:
+        raise SystemExit("sync thread killed for the test")
+
+    store._engine.sync_round = dying_sync  # type: ignore[method-assign]
+    deadline = time.monotonic() + 10
+    while store.stats().maintenance_errors < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store._engine.sync_round = real_sync  # type: ignore[method-assign]
+    with pytest.raises(TierError, match="maintenance thread"):
+        store.put(NS, keys[2:], [payload(2), payload(3)])
+    store.close()  # does not raise: the dead thread's stop is a join of a finished thread
+
+    with open_store(tmp_path / "s", durability="group", sync_interval_s=0.05) as reopened:
+        reopened.put(NS, keys[2:], [payload(2), payload(3)])
+        assert reopened.lookup(NS, keys) == 4
+        assert reopened.get(NS, keys) == [bytearray(payload(i)) for i in range(4)]
+        assert reopened.stats().maintenance_errors == 0
+
+
 def test_a_failing_sync_round_is_logged_and_counted(tmp_path, caplog):
     """A sync that raises OSError (forced, as a disk error can't be made on
     demand here) is logged and counted; the thread lives on."""
