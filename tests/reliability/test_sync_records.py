@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,29 +43,46 @@ def _put(store: ucm_db.Store, label: str, blocks: int = 4) -> None:
     store.put(NS, keys, [payload_for(k, BLOCK_BYTES) for k in keys])
 
 
-def test_an_explicit_sync_records_its_snapshot_where_commits_race_every_copy(
+def test_a_sync_whose_copies_all_lose_the_race_copies_again_under_the_writer_lock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two commits landing between a snapshot's start and the copy of its
     meta page, at every try, is a race this test cannot schedule: setting
-    the tries to 0 stands for it (every try lost). The background's round
-    then records nothing; a flush and an epoch bump fence the copy with
-    LMDB's writer lock and record (before: neither did)."""
+    the tries to 0 stands for it (every try lost). A round and a flush then
+    copy under LMDB's writer lock and record (before: neither recorded).
+    The copy is wrapped to start a put in another thread and give it 0.3 s:
+    under the fence it cannot commit until the copy is done."""
     monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
     monkeypatch.setattr(groupsync, "_META_COPY_TRIES", 0)
     env_dir = tmp_path / "s" / "lmdb"
     with ucm_db.open(tmp_path / "s", **GROUP) as store:
         _put(store, "raced-a")
-        engine = store._tier.engine
-        engine.sync_round()
-        assert read_record(env_dir) is None, "the background's round needs its raced copy"
-        store.flush()
+        copy_meta = groupsync.SnapshotPin._meta_of
+        during_copy: list[int] = []
+        racers: list[threading.Thread] = []
+
+        def copy_with_a_racing_put(pin: groupsync.SnapshotPin, txnid: int) -> bytes | None:
+            if not racers:
+                racers.append(threading.Thread(target=_put, args=(store, f"racer-{txnid}")))
+                racers[0].start()
+                racers[0].join(0.3)
+                during_copy.append(_newest_txnid(env_dir))
+            return copy_meta(pin, txnid)
+
+        monkeypatch.setattr(groupsync.SnapshotPin, "_meta_of", copy_with_a_racing_put)
+        before = _newest_txnid(env_dir)
+        assert store._tier.engine.sync_round() is True
+        racers[0].join()
+        assert during_copy == [before], "a commit landed while the meta page was copied"
         record = read_record(env_dir)
-        assert record is not None and record.txnid == _newest_txnid(env_dir)
+        assert record is not None and record.txnid == before < _newest_txnid(env_dir)
+        store.flush()
+        flushed = read_record(env_dir)
+        assert flushed is not None and flushed.txnid == _newest_txnid(env_dir) > record.txnid
         epoch = store.epoch(NS)
         assert store.bump_epoch(NS) > epoch
         bumped = read_record(env_dir)
-        assert bumped is not None and bumped.txnid == _newest_txnid(env_dir) > record.txnid, \
+        assert bumped is not None and bumped.txnid == _newest_txnid(env_dir) > flushed.txnid, \
             "an OS crash would roll the epoch bump back"
 
 
@@ -99,7 +118,7 @@ def test_an_epoch_bump_whose_record_another_process_holds_is_not_acknowledged(
                 store.bump_epoch(NS)
             assert raised.value.hint and "synced-snapshot" in raised.value.hint
             assert read_record(env_dir) == recorded
-            store._tier.engine.sync_round()  # the background's round skips without raising
+            assert store._tier.engine.sync_round() is False  # the background's round skips without raising
         finally:
             kill_and_reap(holder.pid)
             holder.wait()
@@ -143,3 +162,45 @@ def test_an_acknowledged_epoch_bump_survives_the_rollback_after_a_reboot(tmp_pat
         assert rollback is not None, "the unsynced put after the bump is rolled back"
         assert store.epoch(NS) == bumped
         assert store.lookup(NS, NS.block_keys(chain_tokens("reboot-b", 4))) == 0
+
+
+def test_puts_are_refused_while_no_sync_can_be_recorded_and_resume_once_one_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round that synced but could not record its snapshot is a failed
+    sync: a power loss rolls back to the record. So once two sync budgets
+    are committed past the record, puts are refused (before: 80 puts, ten
+    budgets, were acknowledged, and a reboot lost every one)."""
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
+    monkeypatch.setattr(groupsync, "RECORD_LOCK_WAIT_S", 0.1)
+    budget_bytes, block_bytes = 1 << 20, 128 << 10
+    options = {**GROUP, "sync_bytes": budget_bytes, "sync_interval_s": 0.05}
+    env_dir, ready = tmp_path / "s" / "lmdb", tmp_path / "ready"
+    keys = NS.block_keys(chain_tokens("unrecorded", 64))
+    with ucm_db.open(tmp_path / "s", **options) as store:
+        store.put(NS, keys[:1], [payload_for(keys[0], block_bytes)])
+        store.flush()
+        with open(tmp_path / "holder.log", "wb") as log:
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(env_dir / RECORD_FILE), str(ready)],
+                                      stdout=log, stderr=log)
+        try:
+            assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "holder.log")
+            acknowledged = 1
+            with pytest.raises(ucm_db.TierError, match="could not be recorded") as refused:
+                for i in range(1, len(keys)):
+                    store.put(NS, keys[i:i + 1], [payload_for(keys[i], block_bytes)], parent=keys[i - 1])
+                    acknowledged += 1
+            assert "puts are refused" in str(refused.value)
+            assert 2 * budget_bytes <= (acknowledged - 1) * block_bytes <= 4 * budget_bytes, acknowledged
+        finally:
+            kill_and_reap(holder.pid)
+            holder.wait()
+        deadline = time.monotonic() + 30
+        while True:  # the next round records, and puts are taken again
+            try:
+                store.put(NS, keys[acknowledged:acknowledged + 1], [payload_for(keys[acknowledged], block_bytes)],
+                          parent=keys[acknowledged - 1])
+                break
+            except ucm_db.TierError:
+                assert time.monotonic() < deadline, "puts still refused 30 s after the record's lock was let go"
+                time.sleep(0.05)

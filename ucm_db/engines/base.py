@@ -113,11 +113,13 @@ class Engine(ABC):
     def sync(self) -> None:
         """Makes every committed transaction durable."""
 
-    def sync_round(self) -> None:
+    def sync_round(self) -> bool:
         """A background round's sync (group durability): as :meth:`sync`,
         except that what cannot be made durable against an OS crash now
-        may be left to a later round instead of raising."""
+        may be left to a later round instead of raising; returns False
+        then (the store counts it as a failed sync)."""
         self.sync()
+        return True
 
     @abstractmethod
     def close(self) -> None: ...

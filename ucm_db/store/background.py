@@ -62,8 +62,8 @@ Invariants:
       store that nobody syncs must not go on acknowledging writes. Nor one
       whose syncs fail: once two sync budgets were committed since the last
       sync that succeeded, and the last one failed, puts are refused
-      (:meth:`Background.sync_refusal`) until a sync succeeds (a round's or
-      an explicit flush's).
+      (:mod:`ucm_db.store.sync_health`) until a sync succeeds (a round's or
+      an explicit flush's; a sync that could not record its snapshot fails).
     * A :class:`Background` belongs to the process that made it; a forked
       child makes its own (the parent's thread does not exist there).
     * A read-only store (``config.read_only``) has no thread and writes
@@ -84,6 +84,7 @@ from ucm_db.cpu_placement import place_current_thread
 from ucm_db.config import StoreConfig
 from ucm_db.engines.base import Engine
 from ucm_db.errors import TierError
+from ucm_db.store.sync_health import SyncHealth
 from ucm_db.index.local import LocalTier, PendingActivity
 from ucm_db.index.writes import ANCESTOR_RECENCY_SLACK_NS
 
@@ -167,10 +168,7 @@ class Background:
         self._sync_due = False  # a commit asked for a sync (under _lock)
         self.errors = 0
         self.failure: BaseException | None = None
-        # Group commits since the last sync that succeeded began, and the last sync's error (None once
-        # one succeeds): together they refuse puts (sync_refusal). Both under _lock.
-        self._undurable_bytes = 0
-        self._sync_error: BaseException | None = None
+        self.health = SyncHealth(path)  # sync outcomes: puts are refused while syncs fail (sync_health.py)
         self._thread = threading.Thread(target=self._run, name="ucm-db-maintenance", daemon=True)
 
     def start(self) -> None:
@@ -285,9 +283,9 @@ class Background:
             return
         extent = self._engine.used_extent_bytes()
         limit = self.sync_budget_bytes
+        self.health.committed(stored_bytes)
         with self._lock:
             self._unsynced_bytes += stored_bytes
-            self._undurable_bytes += stored_bytes
             if self._extent_at_sync is None:
                 self._extent_at_sync = extent
             grown = 0 if extent is None or self._extent_at_sync is None else extent - self._extent_at_sync
@@ -304,37 +302,11 @@ class Background:
     def sync_now(self) -> None:
         """An explicit sync (``Store.flush``), which counts as a round's:
         its success lifts a refusal of puts, its failure is the last."""
-        self._synced_by(self._engine.sync)
-
-    def _synced_by(self, sync: Any) -> None:
-        with self._lock:
-            covered = self._undurable_bytes  # committed before this sync began: durable once it succeeds
-        try:
-            sync()
-        except Exception as exc:
-            with self._lock:
-                self._sync_error = exc
-            raise
-        with self._lock:
-            self._sync_error = None
-            self._undurable_bytes -= covered
+        self.health.run(self._engine.sync)
 
     def sync_refusal(self) -> TierError | None:
-        """Why a put is refused now, or None: group syncs fail (the last
-        one did) and two sync budgets were committed since the last that
-        succeeded (module invariants). A refusal wakes a sync to retry."""
-        with self._lock:
-            error, undurable = self._sync_error, self._undurable_bytes
-            if error is None or undurable < 2 * self.sync_budget_bytes:
-                return None
-            self._sync_due = True
-        self._wake.set()
-        return TierError(
-            f"store {self._path}: its syncs fail ({error}), and the {undurable} bytes committed since the last "
-            "one that succeeded are not durable: puts are refused until a sync succeeds",
-            hint="check the disk under the store (`dmesg`, free space); puts resume once a sync succeeds "
-                 "(the background retries every sync_interval_s; Store.flush() tries one now)",
-        )
+        """Why a put is refused now, or None (:meth:`SyncHealth.refusal`)."""
+        return self.health.refusal(self.sync_budget_bytes)
 
     @property
     def sync_budget_bytes(self) -> int:
@@ -376,7 +348,7 @@ class Background:
                             self._unsynced_bytes = 0
                             self._extent_at_sync = extent
                         try:
-                            self._synced_by(self._engine.sync_round)
+                            self.health.run(self._engine.sync_round)
                         finally:
                             with self._lock:
                                 self._syncs_done += 1

@@ -281,12 +281,13 @@ class LmdbEngine(Engine):
             return  # nothing written, nothing to make durable
         self._sync_env(self._environment(), must_record=True)
 
-    def sync_round(self) -> None:
+    def sync_round(self) -> bool:
         """A background sync: a snapshot it cannot record now is left to a
-        later one (it stays durable against a process crash)."""
+        later one (it stays durable against a process crash); returns
+        whether it was recorded."""
         if self.read_only or self._observe:
-            return
-        self._sync_env(self._environment())
+            return True
+        return self._sync_env(self._environment())
 
     def _record_sync_commit(self, env: lmdb.Environment) -> None:
         """Records a sync writer's commit (on disk already) as the synced

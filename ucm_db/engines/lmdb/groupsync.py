@@ -205,27 +205,32 @@ class SnapshotPin:
         """Makes every commit so far durable and records the newest one;
         returns whether it is recorded (and pinned).
 
-        Without ``must_record`` (the background's rounds) a snapshot that
-        cannot be recorded now is left to a later sync: two commits raced
-        every copy of its meta page, or another process held the record's
-        lock for :data:`RECORD_LOCK_WAIT_S`. With it (an explicit sync: a
-        flush, an epoch bump, a pin, a close) the copy is fenced by LMDB's
-        writer lock, so no commit can replace the meta page, and a record
-        kept out raises :class:`~ucm_db.errors.TierError`: a sync whose
-        record did not move is undone by the rollback after an OS crash,
-        so its caller must not be told it is durable.
+        The snapshot's meta page is copied while writers go on; where two
+        commits raced every copy (commits are flowing, so LMDB's writer
+        lock comes soon), it is copied again under that lock, held by an
+        empty write transaction: no commit can replace it then. (Fenced
+        only then: a writer stopped inside a transaction in another process
+        would hold every fenced sync, and it commits nothing meanwhile.)
+        A record kept out, by another process holding its lock for
+        :data:`RECORD_LOCK_WAIT_S`, returns False, or with ``must_record``
+        (an explicit sync: a flush, an epoch change, a pin, a close)
+        raises :class:`~ucm_db.errors.TierError`: a sync whose record did
+        not move is undone by the rollback after an OS crash, so its
+        caller must not be told it is durable.
 
         Raises ``lmdb.MapResizedError`` when another process grew the map
         (the caller adopts the size and calls again)."""
         with self._lock:
-            snapshot = self._fenced_snapshot(env) if must_record else self._raced_snapshot(env)
+            snapshot = self._raced_snapshot(env)
+            if snapshot is not None and snapshot[0] is None:  # commits raced every copy
+                if self._boot is None:
+                    env.sync(True)
+                    return True  # nothing is recorded without a boot id (module invariants)
+                snapshot = self._fenced_snapshot(env)
             if snapshot is None:
                 return True  # no commit since the pinned snapshot, which is durable and recorded
             txn, meta = snapshot
-            if txn is None:
-                env.sync(True)
-                return False  # durable, but not recordable now: the previous pin stays
-            assert meta is not None  # paired with a txn
+            assert txn is not None and meta is not None  # a raced-out copy was made again under the fence
             try:
                 env.sync(True)
                 if self._boot is not None:
@@ -265,7 +270,7 @@ class SnapshotPin:
             if self._pin is not None and txn.id() == self._pin.id():
                 txn.abort()
                 return None
-            meta = self._meta_of(txn.id())
+            meta = self._copied_meta(txn)
             if meta is not None:
                 return txn, meta
             txn.abort()  # two newer commits replaced its meta page: take a newer snapshot
@@ -282,13 +287,22 @@ class SnapshotPin:
             if self._pin is not None and txn.id() == self._pin.id():
                 txn.abort()
                 return None
-            meta = self._meta_of(txn.id())
+            meta = self._copied_meta(txn)
         finally:
             fence.abort()
         if meta is None:  # cannot happen under the fence: a meta page not where LMDB keeps it
             txn.abort()
             raise TierError(f"{self._dir}: the newest snapshot's meta page is not in data.mdb's meta slots")
         return txn, meta
+
+    def _copied_meta(self, txn: Any) -> bytes | None:
+        """:meth:`_meta_of` ``txn``'s snapshot; ``txn`` ends if the copy
+        raises (a read transaction left open would pin its snapshot)."""
+        try:
+            return self._meta_of(txn.id())
+        except BaseException:
+            txn.abort()
+            raise
 
     def _meta_of(self, txnid: int) -> bytes | None:
         """Snapshot ``txnid``'s meta body, read twice alike (a read racing a
