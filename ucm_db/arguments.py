@@ -187,3 +187,37 @@ def require_namespace_selectors(selectors: Any, operation: str) -> tuple[str, ..
                 hint="pass --namespace with a namespace id prefix or a model name (`ucm-db inspect PATH` lists them); "
                 "an unset shell variable (--namespace \"$MODEL\") expands to an empty one")
     return checked
+
+
+def require_remote_url(url: Any, operation: str) -> str:
+    """A remote tier's fsspec URL (``scheme://...``), as the store's
+    ``remote`` option takes it: an empty one (an unset ``"$REMOTE"``) or a
+    bare path would name the current directory, which ``gc`` then cleans."""
+    if not isinstance(url, str) or "://" not in url or not url.split("://", 1)[1].strip():
+        raise ConfigError(f"{operation} needs a remote URL such as s3://bucket/prefix or file:///abs/dir, got {url!r}",
+                          hint="pass the URL the store's `remote` option names (an unset shell variable expands to '')")
+    return url
+
+
+def require_limit(name: str, value: Any, *, integer: bool) -> None:
+    """A size or age limit of a maintenance call: a finite number >= 0
+    (an int where ``integer``), never a bool; ``None`` (no limit) passes.
+    A negative limit would evict or delete everything it covers."""
+    if value is None:
+        return
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 <= value < float("inf"):
+        raise ConfigError(f"{name} must be {'an integer' if integer else 'a finite number'} >= 0, got {value!r}",
+                          hint=f"pass {name}=<{'bytes' if integer else 'seconds'}>, or None for no limit")
+
+
+def require_distinct_keys(keys: Sequence[bytes], operation: str) -> None:
+    """Refuses a key given twice in one call: in a put, the second copy
+    would name the first as its parent and its payload be dropped."""
+    if len(set(keys)) != len(keys):
+        seen: dict[bytes, int] = {}
+        for index, key in enumerate(keys):
+            if key in seen:
+                raise ConfigError(f"{operation}: keys[{index}] repeats keys[{seen[key]}] ({key.hex()[:16]})",
+                                  hint="pass each block once, in chain order (Namespace.block_keys gives distinct keys)")
+            seen[key] = index

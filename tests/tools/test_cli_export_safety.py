@@ -263,3 +263,15 @@ def test_import_skips_blocks_across_namespaces_and_stores_the_rest(tmp_path: Pat
     assert report["stored"] == 2 and {s["key"] for s in report["skipped"]} == {k.hex() for k in keys_x}
     with ucm_db.open(tmp_path / "dst2") as dst:
         assert dst.get(y, keys_x[:1]) == [b"z" * 64]
+
+
+@pytest.mark.parametrize("inside", ["lmdb/data.mdb", "ucm-db.lock", "archive.tar"])
+def test_export_refuses_a_target_inside_a_store_and_the_store_still_opens(store: Path, tmp_path: Path, inside: str) -> None:
+    """An archive written over a store's data file (or its lock file, or
+    anywhere in its directory) destroyed that store: the source's own, here."""
+    before = (store / "lmdb" / "data.mdb").read_bytes()
+    result = invoke("export", store, store / inside, expect=2)
+    assert "lies inside the ucm-db store" in result.stderr and "outside every store directory" in result.stderr
+    assert (store / "lmdb" / "data.mdb").read_bytes() == before and not (store / "archive.tar").exists()
+    with ucm_db.open(store) as reopened:
+        assert reopened.lookup(NS_A, chain_keys(NS_A, "a0", 5)) == 5

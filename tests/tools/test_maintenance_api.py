@@ -119,3 +119,44 @@ def test_isolated_inspect_and_verify_match_the_in_process_ones(tmp_path: Path) -
     make_store(tmp_path / "s")
     assert maintenance.inspect(tmp_path / "s", top=2, now_ns=1, isolated=True) == maintenance.inspect(tmp_path / "s", top=2, now_ns=1)
     assert maintenance.verify(tmp_path / "s", isolated=True) == maintenance.verify(tmp_path / "s")
+
+
+@pytest.mark.parametrize("target_bytes", [-1, True, 0.5, "1"])
+def test_compact_refuses_a_target_that_is_no_byte_count_and_evicts_nothing(tmp_path: Path, target_bytes: object) -> None:
+    """A script computing ``capacity - needed`` that went negative emptied the store."""
+    chains = make_store(tmp_path / "s")
+    with pytest.raises(ucm_db.ConfigError, match="target_bytes must be an integer >= 0") as raised:
+        maintenance.compact(tmp_path / "s", target_bytes=target_bytes)  # type: ignore[arg-type]
+    assert raised.value.hint
+    with ucm_db.open(tmp_path / "s") as store:
+        assert store.lookup(NS_A, chains["a0"]) == 5 and store.lookup(NS_B, chains["b0"]) == 3
+
+
+@pytest.mark.parametrize("limits", [{"max_bytes": -1}, {"older_than_s": -3600.0}, {"older_than_s": float("nan")},
+                                    {"max_bytes": True}])
+def test_remote_gc_refuses_a_negative_or_odd_limit_and_deletes_nothing(tmp_path: Path, limits: dict[str, object]) -> None:
+    remote = tmp_path / "remote"
+    with ucm_db.open(tmp_path / "s", remote=f"file://{remote}", remote_mode="write_through") as store:
+        keys = NS_A.block_keys(list(range(4 * NS_A.block_size)))
+        store.put(NS_A, keys, [b"r" * 1024] * 4)
+    objects = sorted(p for p in remote.rglob("*") if p.is_file())
+    with pytest.raises(ucm_db.ConfigError, match="must be"):
+        maintenance.gc_remote(f"file://{remote}", **limits)  # type: ignore[arg-type]
+    assert sorted(p for p in remote.rglob("*") if p.is_file()) == objects
+
+
+@pytest.mark.parametrize("url", ["", "  ", ".", "relative/dir", "file://"])
+def test_remote_gc_and_warm_refuse_what_is_no_remote_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """An unset ``$REMOTE`` gave gc the current directory, whose files it removed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(ucm_db.ConfigError, match="needs a remote URL"):
+        maintenance.gc_remote(url, older_than_s=0)
+    with pytest.raises(ucm_db.ConfigError, match="needs a remote URL"):
+        maintenance.remote_namespace(url, None, "m")
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_warm_from_a_missing_local_remote_names_the_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ucm_db.ConfigError, match="does not exist"):
+        maintenance.remote_namespace(f"file://{tmp_path / 'no-remote'}", None, "m")

@@ -58,7 +58,7 @@ from typing import Any
 from ucm_db.maintenance.archive import export_archive, import_archive
 from ucm_db.maintenance.compaction import compact, evict_to
 from ucm_db.maintenance.conversion import convert as convert_engine
-from ucm_db.arguments import require_namespace_selectors
+from ucm_db.arguments import require_limit, require_namespace_selectors, require_remote_url
 from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError
 from ucm_db.format import restorable_format_version, write_format_version
 from ucm_db.store import epochs
@@ -174,6 +174,9 @@ def gc_remote(url: str, options: dict[str, Any] | None = None, *, older_than_s: 
     from ucm_db.remote.gc import gc
     from ucm_db.remote.tier import RemoteRoot
 
+    require_remote_url(url, "remote gc")
+    require_limit("older_than_s", older_than_s, integer=False)  # a negative limit deleted every object
+    require_limit("max_bytes", max_bytes, integer=True)
     if older_than_s is None and max_bytes is None:
         raise ConfigError("remote gc needs an age and/or a size limit", hint="pass older_than_s and/or max_bytes (--older-than / --max-bytes)")
     root = RemoteRoot.from_url(url, dict(options or {}))
@@ -199,10 +202,12 @@ def remote_namespace(url: str, options: dict[str, Any] | None, wanted: str) -> N
     another namespace's broken manifest is skipped with a warning (see
     :func:`ucm_db.remote.warming.remote_namespaces`). An empty ``wanted``
     is a ConfigError (it would match every namespace)."""
+    from ucm_db.remote.tier import RemoteRoot
     from ucm_db.remote.warming import remote_namespaces
 
+    require_remote_url(url, "warm")
     require_namespace_selectors((wanted,), "warm")
-
+    _require_local_root(RemoteRoot.from_url(url, dict(options or {})), url)  # a missing directory is not "no match"
     return remote_namespaces(url, dict(options or {})).find(wanted)
 
 
@@ -215,7 +220,9 @@ def invalidate(path: str | Path, namespaces: tuple[str, ...]) -> list[dict[str, 
     unknown (damaged or lost record) gets a fresh epoch, never a reused one
     (:func:`ucm_db.store.epochs.bump`). An empty or whitespace selector is a
     ConfigError, raised before the store is opened: as an id prefix it
-    would match, and invalidate, every namespace."""
+    would match, and invalidate, every namespace. A model's name selects
+    that model's namespaces only, and an id prefix matching several is a
+    ConfigError (:func:`~ucm_db.store.view.select_namespaces`)."""
     from ucm_db.store import Store
 
     targets = _described_namespaces(path, namespaces, "invalidate")
@@ -230,7 +237,7 @@ def _described_namespaces(path: str | Path, selectors: tuple[str, ...], operatio
     if not selectors:
         raise ConfigError(f"{operation} needs a namespace", hint="pass an id prefix or a model name (--namespace)")
     with open_view(path) as view:
-        chosen = select_namespaces(view, selectors) or set()
+        chosen = select_namespaces(view, selectors, unique_prefixes=True) or set()
         descriptions = view.tier.namespace_descriptions()
     targets: list[Namespace] = []
     for ns_id in sorted(chosen):

@@ -40,6 +40,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ucm_db.arguments import require_limit
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import DamagedRecordError, FormatVersionError, LockedError, TierError
 from ucm_db.format import STORE_FORMAT_VERSION, damaged_format_records, open_engine, read_format_version, read_settings
@@ -208,6 +209,7 @@ def compact(path: str | Path, *, target_bytes: int | None = None, require_exclus
             ``require_exclusive`` was given (or the engine is RocksDB).
         FormatVersionError: the store is of another format.
     """
+    require_limit("target_bytes", target_bytes, integer=True)  # a negative target evicted every block
     path = Path(path)
     engine_name = check_store_path(path)
     lock = StoreLock(path)

@@ -75,14 +75,20 @@ def _limits(path: Path) -> tuple[int, int]:
 
 
 def _refuse_nested(path: Path) -> None:
+    ancestor = enclosing_store(path)
+    if ancestor is not None:
+        raise ConfigError(
+            f"the store path {path} lies inside the ucm-db store at {ancestor}; a store there would be written "
+            "among that store's own files",
+            hint=f"open {ancestor} itself, or choose a path outside it",
+        )
+
+
+def enclosing_store(path: Path) -> Path | None:
+    """The ucm-db store whose directory holds ``path`` at any depth
+    (symlinks resolved; ``path`` itself is not counted), or None."""
     real = Path(os.path.realpath(path))
-    for ancestor in real.parents:
-        if _is_store(ancestor):
-            raise ConfigError(
-                f"the store path {path} lies inside the ucm-db store at {ancestor}; a store there would be written "
-                "among that store's own files",
-                hint=f"open {ancestor} itself, or choose a path outside it",
-            )
+    return next((ancestor for ancestor in real.parents if _is_store(ancestor)), None)
 
 
 def _is_store(directory: Path) -> bool:

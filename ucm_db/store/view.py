@@ -121,20 +121,35 @@ def open_view(path: str | Path, *, writable: bool = False, check_pages: bool = T
         lock.release()
 
 
-def select_namespaces(view: StoreView, wanted: tuple[str, ...]) -> set[bytes] | None:
-    """Namespace ids matching ``wanted`` (id hex prefixes or model names);
-    None means all (an empty ``wanted``). An empty or whitespace selector is
-    a ConfigError, never "all" (:func:`ucm_db.arguments.require_namespace_selectors`)."""
+def select_namespaces(view: StoreView, wanted: tuple[str, ...], *, unique_prefixes: bool = False) -> set[bytes] | None:
+    """Namespace ids matching ``wanted`` (model names or id hex prefixes);
+    None means all (an empty ``wanted``). A selector that is a stored
+    model's name selects that model's namespaces only, never also those
+    whose id starts with it (a model named ``bf`` beside one whose id starts
+    ``bf...``); a longer prefix or the full id names the other. With
+    ``unique_prefixes`` (a destructive operation) an id prefix matching
+    several namespaces is a ConfigError listing them. An empty or
+    whitespace selector is a ConfigError, never "all"
+    (:func:`ucm_db.arguments.require_namespace_selectors`)."""
     wanted = require_namespace_selectors(wanted, "namespace selection")
     if not wanted:
         return None
     descriptions = view.tier.namespace_descriptions()
+
+    def listed(ids: set[bytes] | dict[bytes, Any]) -> str:
+        return ", ".join(f"{ns.hex()} ({descriptions[ns].get('model')})" for ns in sorted(ids)) or "none"
+
     chosen: set[bytes] = set()
     for item in wanted:
-        found = {ns for ns, d in descriptions.items() if ns.hex().startswith(item.lower()) or d.get("model") == item}
+        found = {ns for ns, d in descriptions.items() if d.get("model") == item}
         if not found:
-            known = ", ".join(f"{ns.hex()} ({d.get('model')})" for ns, d in descriptions.items()) or "none"
-            raise ConfigError(f"no namespace matches {item!r}", hint=f"pass an id prefix or model name; the store has: {known}")
+            found = {ns for ns in descriptions if ns.hex().startswith(item.lower())}
+            if unique_prefixes and len(found) > 1:
+                raise ConfigError(f"the id prefix {item!r} matches {len(found)} namespaces: {listed(found)}",
+                                  hint="pass a model name, or a longer id prefix (`ucm-db inspect` lists them)")
+        if not found:
+            raise ConfigError(f"no namespace matches {item!r}",
+                              hint=f"pass an id prefix or model name; the store has: {listed(descriptions)}")
         chosen |= found
     return chosen
 

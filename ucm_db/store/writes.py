@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ucm_db import codec
 from ucm_db.arguments import (
-    UNSET, Unset, key_list, require_namespace, require_parent, require_payload, segment_list, segment_parent,
+    UNSET, Unset, key_list, require_distinct_keys, require_namespace, require_parent, require_payload, segment_list, segment_parent,
 )
 from ucm_db.store.background import ReadsForEviction
 from ucm_db.codec.pool import Payload
@@ -112,6 +112,7 @@ class StoreWrites:
         self._state.check_writable()
         require_namespace(namespace, "put")
         keys = key_list(keys, "put")
+        require_distinct_keys(keys, "put")  # a chain never repeats a key: a repeat is the caller's slip
         return self._put_checked(namespace, [(keys, payloads, segment_parent(keys, parent))], codec_name, event_fields)
 
     def put_segments(

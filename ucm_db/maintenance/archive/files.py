@@ -9,7 +9,8 @@ plain binary file object and the readers return plain bytes.
 Invariants:
     * An export replaces only a regular file or nothing: a target that is a
       symlink, directory, FIFO, device or socket is refused (ConfigError)
-      before anything is written, and checked again just before the rename.
+      before anything is written, and checked again just before the rename;
+      so is one inside a store's directory (its data file, its lock file).
     * The temp file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a
       random name in the target's directory (never through a planted
       symlink, never over an existing file), with the permissions of the
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ucm_db.errors import ConfigError, TierError
+from ucm_db.store.path import enclosing_store
 
 #: Bytes per read of a member (a member is never read in one call).
 READ_CHUNK_BYTES = 1 << 20
@@ -73,6 +75,10 @@ def check_target(target: Path) -> None:
     if not target.parent.is_dir():
         raise ConfigError(f"cannot write {target}: directory {target.parent} does not exist",
                           hint=f"create it first (mkdir -p {target.parent}) or pick another path")
+    store = enclosing_store(target)
+    if store is not None:  # its data file, lock file or RocksDB's CURRENT replaced: the store is gone
+        raise ConfigError(f"refusing to write {target}: it lies inside the ucm-db store at {store}, among its own files",
+                          hint="write the archive outside every store directory")
 
 
 def _kind(mode: int) -> str:
