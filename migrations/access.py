@@ -26,8 +26,13 @@ from ucm_db.engines.base import Engine
 
 
 def require_store(path: Path) -> str:
-    """The engine name of the store at ``path``; ConfigError if there is none."""
-    engine = detect_engine(path)
+    """The engine name of the store at ``path``; ConfigError if there is
+    none, or if the path cannot be read (permission, a name too long)."""
+    try:
+        engine = detect_engine(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot use the store path {path}: {exc.strerror or exc}",
+                          hint="check the path: each directory on it, the length of its names, and their permissions") from exc
     if engine is None:
         raise ConfigError(
             f"no ucm-db store at {path}",

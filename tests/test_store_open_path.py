@@ -158,3 +158,26 @@ def test_an_unreadable_store_is_a_tier_error_with_a_hint(shared_store_dir: Path,
     assert "aside" not in error["hint"], "a permission problem is not damage: never suggest moving the store away"
     with ucm_db.open(store_dir) as store:  # nothing lost
         assert store.get(NS, KEYS) == PAYLOADS
+
+
+@pytest.mark.parametrize("call", ["namespaces", "lookup", "import_archive"])
+def test_an_unreadable_store_path_in_a_maintenance_call_is_a_tier_error_with_a_hint(shared_store_dir: Path, call: str) -> None:
+    """The CLI's commands (pin, lookup, events, export, import ...) checked the path with calls that raised
+    PermissionError past every handler: a traceback, and no JSON document under --json."""
+    from ucm_db import maintenance
+
+    calls: dict[str, Callable[[], None]] = {
+        "namespaces": lambda: maintenance.namespaces(shared_store_dir),
+        "lookup": lambda: maintenance.lookup(shared_store_dir, NS.model, [list(range(16))]),  # type: ignore[arg-type]
+        "import_archive": lambda: maintenance.import_archive(shared_store_dir.parent / "none.tar", shared_store_dir / "sub"),
+    }
+    mode = shared_store_dir.stat().st_mode
+    shared_store_dir.chmod(0)
+    try:
+        error = as_other_user(shared_store_dir, shared_store_dir, calls[call])
+    finally:
+        shared_store_dir.chmod(mode)
+    if error["type"] == "skip":
+        pytest.skip(error["text"])
+    assert error["tier"] == "True", error
+    assert "ermission denied" in error["text"] and "access" in error["hint"], error

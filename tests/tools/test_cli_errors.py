@@ -251,3 +251,19 @@ def test_a_path_with_a_name_too_long_is_a_usage_error_without_a_traceback(tmp_pa
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "name of 5000 bytes" in result.stderr
     assert len(result.stderr) < 1000, "the name is not echoed in full"
+
+
+@pytest.mark.parametrize("command", [
+    ["pin", "{L}", "--namespace", "m", "--tokens", "{T}"], ["lookup", "{L}", "--namespace", "m", "--tokens", "{T}"],
+    ["unpin", "{L}", "--namespace", "m", "--tokens", "{T}"], ["invalidate", "{L}", "--namespace", "m"],
+    ["events", "{L}"], ["compact", "{L}"], ["export", "{L}", "{D}/x.tar"], ["import", "{D}/x.tar", "{L}"],
+    ["migrate", "{L}"], ["migrate", "--to-engine", "rocksdb", "{L}", "{D}/dest"], ["inspect", "{L}"], ["verify", "{L}"],
+], ids=lambda c: " ".join(c[:3]))
+def test_a_store_path_no_file_system_takes_is_a_usage_error_not_a_traceback(tmp_path: Path, command: list[str]) -> None:
+    """A name over 255 bytes: the path checks raised OSError (ENAMETOOLONG) past every handler."""
+    tokens = tmp_path / "p.jsonl"
+    tokens.write_text("[1, 2, 3, 4]\n")
+    long_path = tmp_path / ("y" * 300)
+    args = [a.format(L=long_path, T=tokens, D=tmp_path) for a in command]
+    result = invoke(*args, expect=2)
+    assert "Traceback" not in result.stderr and "hint:" in result.stderr, result.stderr

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ucm_db.errors import ConfigError, TierError
+from ucm_db.errors import ConfigError, TierError, UcmDbError
 from ucm_db.format import detect_engine
 from ucm_db.storelock import LOCK_FILE
 
@@ -107,6 +107,16 @@ def detect_engine_checked(path: Path) -> str | None:
         return detect_engine(path)
     except PermissionError as exc:
         raise permission_error(path, exc) from exc
+
+
+def path_error(path: Path, exc: OSError) -> UcmDbError:
+    """The error for ``exc``, met checking the store path ``path`` itself: a
+    permission failure as :func:`permission_error`, any other (a name too
+    long, a file where a directory should be) a :class:`ConfigError`."""
+    if isinstance(exc, PermissionError):
+        return permission_error(path, exc)
+    return ConfigError(f"cannot use the store path {path}: {exc.strerror or exc}",
+                       hint="check the path: each directory on it, the length of its names, and their permissions")
 
 
 def permission_error(path: Path, exc: OSError) -> TierError:

@@ -37,6 +37,7 @@ from ucm_db.format import (
     read_settings,
 )
 from ucm_db.storelock import hold_shared
+from ucm_db.store.path import path_error
 from ucm_db.engines.base import Engine
 from ucm_db.index.local import LocalTier
 
@@ -74,13 +75,19 @@ class StoreView:
 
 def check_store_path(path: Path) -> str:
     """The engine name of the existing store at ``path``, after checking that
-    opening it creates nothing (see module invariants)."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{path} is a file, not a ucm-db store directory", hint="pass the directory given to ucm_db.open")
-    name = detect_engine(path)
+    opening it creates nothing (see module invariants). A path this user
+    cannot read, or one no file system takes, is an error naming it."""
+    try:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path} is a file, not a ucm-db store directory", hint="pass the directory given to ucm_db.open")
+        name = detect_engine(path)
+        data_file = path / "lmdb" / "data.mdb"
+        has_data_file = data_file.is_file() if name == "lmdb" else True
+    except OSError as exc:
+        raise path_error(path, exc) from exc
     if name is None:
         raise ConfigError(f"no ucm-db store at {path}", hint="pass the directory given to ucm_db.open (it holds lmdb/ or rocksdb/)")
-    if name == "lmdb" and not (path / "lmdb" / "data.mdb").is_file():
+    if not has_data_file:
         raise ConfigError(
             f"store at {path} has an lmdb/ directory but no lmdb/data.mdb",
             hint="the store's data file is gone or was moved; restore it, or remove the directory to start empty",

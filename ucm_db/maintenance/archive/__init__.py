@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db import codec
+from ucm_db.store.path import path_error
 from ucm_db.maintenance.archive.epochs import adopt_epochs, carried_epochs, export_epochs
 from ucm_db.maintenance.archive.macs import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
 from ucm_db.maintenance.archive.sealed import SEALED_ARCHIVE_VERSION, ArchiveOpener, ArchiveSealer, archive_opener
@@ -258,7 +259,11 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
     archive, path = Path(archive), Path(path)
     auth_keys = load_keys(auth_key_file, auth_key_env)
     sealing_keys = load_sealing_keys(encryption_key_file, encryption_key_env)
-    if path.exists() and not path.is_dir():
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError as exc:  # permission denied on the way, a name too long
+        raise path_error(path, exc) from exc
+    if is_file:
         raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
     report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "evicted": 0, "skipped": [],
                               "epochs": {}, "epoch_problems": [], "encrypted": False}
