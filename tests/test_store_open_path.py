@@ -83,7 +83,7 @@ def test_a_name_over_the_length_limit_is_a_config_error(tmp_path: Path) -> None:
     assert files_under(tmp_path) == []
 
 
-def as_other_user(store_dir: Path, unreadable: Path, fn: Callable[[], None]) -> dict[str, str]:
+def as_other_user(store_dir: Path, unreadable: Path, fn: Callable[[], object]) -> dict[str, str]:
     """Runs ``fn`` as a user without access to ``unreadable``: as root (who
     reads everything), in a forked child that drops to ``nobody`` after the
     store is handed to that user; else here. Returns the error fn raised
@@ -166,9 +166,9 @@ def test_an_unreadable_store_path_in_a_maintenance_call_is_a_tier_error_with_a_h
     PermissionError past every handler: a traceback, and no JSON document under --json."""
     from ucm_db import maintenance
 
-    calls: dict[str, Callable[[], None]] = {
+    calls: dict[str, Callable[[], object]] = {
         "namespaces": lambda: maintenance.namespaces(shared_store_dir),
-        "lookup": lambda: maintenance.lookup(shared_store_dir, NS.model, [list(range(16))]),  # type: ignore[arg-type]
+        "lookup": lambda: maintenance.lookup(shared_store_dir, NS.model, [list(range(16))]),
         "import_archive": lambda: maintenance.import_archive(shared_store_dir.parent / "none.tar", shared_store_dir / "sub"),
     }
     mode = shared_store_dir.stat().st_mode

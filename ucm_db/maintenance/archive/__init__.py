@@ -55,12 +55,11 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db import codec
-from ucm_db.store.path import path_error
 from ucm_db.maintenance.archive.epochs import adopt_epochs, carried_epochs, export_epochs
 from ucm_db.maintenance.archive.macs import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
 from ucm_db.maintenance.archive.sealed import SEALED_ARCHIVE_VERSION, ArchiveOpener, ArchiveSealer, archive_opener
 from ucm_db.maintenance.archive.files import (
-    atomic_output, check_target, is_hex as _is_hex, parse_bounded_json, read_member, store_file_mode,
+    atomic_output, check_import_target, check_target, is_hex as _is_hex, parse_bounded_json, read_member, store_file_mode,
 )
 from ucm_db.arguments import require_namespace_selectors
 from ucm_db.auth import load_keys
@@ -259,12 +258,7 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
     archive, path = Path(archive), Path(path)
     auth_keys = load_keys(auth_key_file, auth_key_env)
     sealing_keys = load_sealing_keys(encryption_key_file, encryption_key_env)
-    try:
-        is_file = path.exists() and not path.is_dir()
-    except OSError as exc:  # permission denied on the way, a name too long
-        raise path_error(path, exc) from exc
-    if is_file:
-        raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
+    check_import_target(path)
     report: dict[str, Any] = {"archive": str(archive), "stored": 0, "already_present": 0, "evicted": 0, "skipped": [],
                               "epochs": {}, "epoch_problems": [], "encrypted": False}
     with _open_archive(archive) as tar:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ucm_db.errors import ConfigError, TierError
-from ucm_db.store.path import enclosing_store
+from ucm_db.store.path import enclosing_store, path_error
 
 #: Bytes per read of a member (a member is never read in one call).
 READ_CHUNK_BYTES = 1 << 20
@@ -79,6 +79,18 @@ def check_target(target: Path) -> None:
     if store is not None:  # its data file, lock file or RocksDB's CURRENT replaced: the store is gone
         raise ConfigError(f"refusing to write {target}: it lies inside the ucm-db store at {store}, among its own files",
                           hint="write the archive outside every store directory")
+
+
+def check_import_target(path: Path) -> None:
+    """Refuses importing into ``path`` where it is a file; a path that
+    cannot be checked (permission denied on the way, a name too long) is
+    an error naming it."""
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError as exc:
+        raise path_error(path, exc) from exc
+    if is_file:
+        raise ConfigError(f"cannot import into {path}: it is a file", hint="pass a store directory (new or existing)")
 
 
 def _kind(mode: int) -> str:
