@@ -129,3 +129,19 @@ def test_inspect_prints_what_each_namespace_names(tmp_path: Path) -> None:
     line = next(l for l in out.splitlines() if l.strip().startswith(ns.id.hex()[:16]) and "model=" in l)
     assert "model=blake3:" in line and "kv_dtype=bfloat16" in line and "block_size=16" in line
     assert 'dtype="float32"' in line and '"rope_type":"linear"' in line
+
+
+@pytest.mark.parametrize("fixture", ["format1-lmdb", "format2-lmdb", "format1-rocksdb", "format2-rocksdb"])
+def test_verify_of_an_older_format_names_the_migration_and_reports_no_block_corrupt(tmp_path: Path, fixture: str) -> None:
+    """verify read an older store's blocks with this format's layout: every block "corrupt: head missing",
+    exit 1 (an operator who believed it would delete a good store). RocksDB's read commands said
+    "lacks tables heads (hint: open it once for writing)", which fixes nothing."""
+    shutil.copytree(FIXTURES / fixture, tmp_path / "old")
+    error = invoke_json("verify", tmp_path / "old", expect=2)["error"]
+    assert error["type"] == "FormatVersionError" and f"ucm-db migrate {tmp_path / 'old'}" in error["hint"], error
+    if fixture.endswith("rocksdb"):
+        inspected = invoke_json("inspect", tmp_path / "old", expect=2)["error"]
+        assert "older ucm-db" in inspected["message"] and "ucm-db migrate" in inspected["hint"], inspected
+    invoke("migrate", tmp_path / "old")
+    report = invoke_json("verify", tmp_path / "old")
+    assert report["checked"] == 11 and report["corrupt"] == [] and report["index_problems"] == []

@@ -53,7 +53,7 @@ from typing import Any
 
 import rocksdict
 
-from ucm_db.errors import LockedError, TierError
+from ucm_db.errors import FormatVersionError, LockedError, TierError
 from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.engines.rocksdb_txn import RocksTxn
@@ -180,8 +180,10 @@ class RocksDbEngine(Engine):
             if self._read_only:
                 existing = rocksdict.Rdict.list_cf(str(self.path), rocksdict.Options(raw_mode=True))
                 missing = sorted(set(TABLES) - set(existing))
-                if missing:
-                    raise TierError(f"RocksDB store at {self.path} lacks tables {', '.join(missing)}", hint="open it once for writing")
+                if missing:  # every writable open creates them all: an older ucm-db's store (format 2 had no heads)
+                    raise FormatVersionError(
+                        f"RocksDB store at {self.path} lacks tables {', '.join(missing)}: an older ucm-db wrote it",
+                        hint=f"run `ucm-db migrate {self.path.parent}`")
                 return rocksdict.Rdict(
                     str(self.path), options=_options(None),
                     column_families={name: _options(name) for name in existing},
@@ -192,7 +194,7 @@ class RocksDbEngine(Engine):
                 str(self.path), options=_options(None),
                 column_families={name: _options(name) for name in TABLES},
             )
-        except TierError:
+        except (TierError, FormatVersionError):
             raise
         except Exception as exc:  # rocksdict raises plain Exception for IO errors
             if self._read_only and ("Read-only file system" in str(exc) or not os.access(self.path, os.W_OK)):

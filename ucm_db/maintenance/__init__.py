@@ -60,7 +60,7 @@ from ucm_db.maintenance.compaction import compact, evict_to
 from ucm_db.maintenance.conversion import convert as convert_engine
 from ucm_db.arguments import require_limit, require_namespace_selectors, require_remote_url
 from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError
-from ucm_db.format import restorable_format_version, write_format_version
+from ucm_db.format import STORE_FORMAT_VERSION, restorable_format_version, write_format_version
 from ucm_db.store import epochs
 from ucm_db.maintenance.event_replay import iter_event_lines, iter_events
 from ucm_db.maintenance.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
@@ -130,8 +130,11 @@ def verify(path: str | Path, *, sample: int | None = None, seed: int = 0, fix: b
 
     def check() -> dict[str, Any]:
         with open_view(path) as view:
-            if fix and not view.current_format and view.format_version >= 0:
-                raise FormatVersionError(f"store at {path} has format {view.format_version}", hint=f"run `ucm-db migrate {path}` before --fix")
+            if not view.current_format and view.format_version >= 0:  # its blocks would all read as corrupt
+                newer = view.format_version > STORE_FORMAT_VERSION
+                raise FormatVersionError(
+                    f"store at {path} has format {view.format_version}; this ucm-db verifies format {STORE_FORMAT_VERSION}",
+                    hint="upgrade ucm-db to verify it" if newer else f"run `ucm-db migrate {path}`, then verify")
             if fix and view.format_version < 0 and view.engine.read(restorable_format_version) is None:
                 raise DamagedRecordError(
                     f"the format version record of the store at {path} is damaged and nothing in the store tells which "
