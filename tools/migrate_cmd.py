@@ -82,6 +82,10 @@ def migrate_command(path: Path, dest: Path | None, to_engine: str | None, dry_ru
     else:
         if dest is None:
             raise ConfigError("--to-engine needs a destination directory", hint="ucm-db migrate --to-engine rocksdb PATH DEST")
+        if dry_run:  # it converted for real: a dry run that wrote DEST
+            raise ConfigError("--dry-run lists pending format migrations; it does not apply to --to-engine",
+                              hint="run without --dry-run: a conversion writes only DEST, renamed into place once "
+                                   "verified, and never writes PATH")
         with ProgressBar(not as_json, "copying") as bar:
             report = convert(path, dest, to_engine, progress=bar)
     emit(as_json, report, render)

@@ -163,3 +163,21 @@ def test_import_of_a_member_larger_than_the_memory_limit_skips_it_without_a_trac
     assert "Traceback" not in done.stderr and "MemoryError" not in done.stderr, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert any("does not fit in this process's memory" in str(s) for s in report["skipped"]), report
+
+
+def test_convert_with_dry_run_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    """--dry-run with --to-engine converted for real (DEST written, exit 0)."""
+    make_store(tmp_path / "s")
+    error = invoke_json("migrate", "--to-engine", "rocksdb", "--dry-run", tmp_path / "s", tmp_path / "d", expect=2)["error"]
+    assert "does not apply to --to-engine" in error["message"] and error["hint"]
+    assert not (tmp_path / "d").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+@pytest.mark.parametrize("dest", ["afile/sub", "y" * 300])
+def test_convert_into_a_destination_that_cannot_be_created_is_a_usage_error(tmp_path: Path, dest: str) -> None:
+    """A file on DEST's path, a name too long: tracebacks from mkdir before."""
+    make_store(tmp_path / "s")
+    (tmp_path / "afile").write_text("x")
+    result = invoke("migrate", "--to-engine", "rocksdb", tmp_path / "s", tmp_path / dest, expect=2)
+    assert "cannot create the destination" in result.stderr and "hint:" in result.stderr
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "no temp copy left behind"

@@ -104,7 +104,19 @@ def _write(dest: Engine, batch: list[tuple[str, bytes, bytes]]) -> int:
     return len(batch)
 
 
+def _dest_error(dest_path: Path, exc: OSError) -> ConfigError:
+    return ConfigError(f"cannot create the destination {dest_path}: {exc.strerror or exc}",
+                       hint="pass a new directory DEST on a writable file system this user may write")
+
+
 def _check_dest(source_path: Path, dest_path: Path) -> None:
+    try:
+        _check_dest_path(source_path, dest_path)
+    except OSError as exc:
+        raise _dest_error(dest_path, exc) from exc
+
+
+def _check_dest_path(source_path: Path, dest_path: Path) -> None:
     if dest_path.is_symlink():  # the final rename cannot replace a link, and must not follow one
         raise ConfigError(f"destination {dest_path} is a symlink (to {os.readlink(dest_path)})",
                           hint="pass a new directory as DEST, or the directory the link points to if it is empty")
@@ -165,9 +177,12 @@ def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, pr
             _check_source(source_path, source, engine_name, source_engine)
             source_digests = table_digests(source)
             total = sum(n for n, _ in source_digests.values())
-            dest_path.parent.mkdir(parents=True, exist_ok=True)
             temp = dest_path.parent / f".{dest_path.name}.converting-{secrets.token_hex(6)}"
-            temp.mkdir(mode=0o700)
+            try:
+                dest_path.parent.mkdir(parents=True, exist_ok=True)
+                temp.mkdir(mode=0o700)
+            except OSError as exc:  # a file on the way, a read-only volume, permission, a name too long
+                raise _dest_error(dest_path, exc) from exc
             try:
                 blocks = _copy_and_verify(source, temp, engine_name, source_digests, total, progress)
                 os.rename(temp, dest_path)  # replaces only an empty directory
