@@ -84,6 +84,9 @@ MAX_SPAN = FEED_MAX_RECORDS
 #: No store hands out this many seqs (a million appends a second for 146,000
 #: years): a head or record at or past it is damage.
 SEQ_LIMIT = 1 << 62
+#: How far :func:`restart` moves the sequence on: more seqs than a store
+#: hands out between two syncs (a rollback undoes at most those).
+RESTART_GAP = 1 << 32
 #: Records of one kind :func:`problems` names one by one (then a count).
 logger = logging.getLogger("ucm_db")
 
@@ -118,6 +121,26 @@ def _append(txn: Txn, kind: bytes, key: bytes, value: bytes, max_records: int) -
     for seq in range(first_seq, next_seq - keep):  # at most MAX_SPAN + 1: a sound head spans at most MAX_SPAN
         txn.delete(INFO, _name(seq))
     records.put_checked(txn, HEAD_KEY, _HEAD.pack(next_seq, max(first_seq, next_seq - keep)))
+
+
+def restart(txn: Txn) -> int:
+    """Moves the sequence :data:`RESTART_GAP` past the head (rebuilt from
+    the records if damaged or absent) and drops the records, after a
+    rollback to a synced snapshot: the seqs handed out after that snapshot
+    were undone, and a reader holding one (a saved cursor) must be told to
+    resync, never read other records under it. Returns the new next seq."""
+    head, reason = _checked_head(txn)
+    seqs, strays = _held(txn)
+    next_seq = max(head[0] if head is not None else 0, _derived(seqs))
+    for name in strays + [_name(seq) for seq in seqs]:
+        txn.delete(INFO, name)
+    restarted = next_seq + RESTART_GAP
+    if restarted >= SEQ_LIMIT:  # 2**30 restarts: start again low, above nothing a reader can hold past a resync
+        restarted = RESTART_GAP
+    records.put_checked(txn, HEAD_KEY, _HEAD.pack(restarted, restarted))
+    logger.warning("ucm-db: change feed restarted at seq %d after the store was rolled back to its last synced "
+                   "snapshot%s: readers resync once", restarted, f" (its head was damaged: {reason})" if reason else "")
+    return restarted
 
 
 def _name(seq: int) -> bytes:

@@ -24,6 +24,10 @@ Invariants:
       opened again with them before anything is written (issue 46: a
       recorded ``sync`` store reopened without options ran MDB_NOSYNC and
       lost acked puts). A conflicting ``durability`` is refused by then.
+    * After a rollback to a synced snapshot (an OS crash under group
+      durability), the first writable open restarts the change feed's
+      sequence before anything appends: no seq a reader may hold is
+      handed out again (:func:`restart_feed_after_rollback`).
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ from ucm_db.storelock import StoreLock, ensure_store_dir, hold_shared
 from ucm_db.store.path import detect_engine_checked, permission_error, store_path
 from ucm_db.index.accounting import seal_records
 from ucm_db.engines.base import Engine
+from ucm_db.index import changefeed
 from ucm_db.index.local import LocalTier
+from ucm_db.engines import lmdb as lmdb_engine
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,8 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
         if not read_only and engine_shape(config) != engine_shape(first):
             engine = reopened(engine, path, config)
             tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
+        if not read_only:
+            restart_feed_after_rollback(engine, path)
         if config.remote is not None:
             from ucm_db.remote.keying import check_keying  # loaded only by a store with a remote
 
@@ -121,6 +129,19 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
         raise
     tier.capacity_bytes = config.capacity_bytes
     return OpenedStore(path, config, engine, tier, dir_lock, auth_keys, sealing_keys)
+
+
+def restart_feed_after_rollback(engine: Engine, path: Path) -> None:
+    """Restarts the change feed's sequence (:func:`ucm_db.index.changefeed.restart`)
+    where a rollback after an OS crash left its marker, durably, before
+    anything appends; then clears the marker. Any process's open may have
+    rolled back (a read-only view too): the first writable open restarts."""
+    env_dir = path / "lmdb"
+    if not lmdb_engine.rolled_back(env_dir):
+        return
+    engine.write(changefeed.restart)
+    engine.sync()
+    lmdb_engine.clear_rolled_back(env_dir)
 
 
 def reopened(engine: Engine, path: Path, config: StoreConfig) -> Engine:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from ucm_db.engines.lmdb.copy import copy_leaving, stuck_keys
 from ucm_db.engines.lmdb.engine import LmdbEngine
 from ucm_db.engines.lmdb.fence import LMDB_REQUIREMENT, PROVEN_DATA_VERSIONS, PROVEN_LIBRARY_VERSIONS
-from ucm_db.engines.lmdb.groupsync import drop_record as drop_sync_record
+from ucm_db.engines.lmdb.groupsync import clear_rolled_back, drop_record as drop_sync_record, rolled_back
 
-__all__ = ["LMDB_REQUIREMENT", "PROVEN_DATA_VERSIONS", "PROVEN_LIBRARY_VERSIONS", "LmdbEngine", "copy_leaving", "drop_sync_record",
-           "stuck_keys"]
+__all__ = ["LMDB_REQUIREMENT", "PROVEN_DATA_VERSIONS", "PROVEN_LIBRARY_VERSIONS", "LmdbEngine", "clear_rolled_back", "copy_leaving",
+           "drop_sync_record", "rolled_back", "stuck_keys"]

@@ -346,6 +346,7 @@ def roll_back_after_os_crash(env_dir: Path) -> RollbackReport | None:
     newest = max((p.txnid for p in pages), default=-1)
     report = None
     if newest > record.txnid or len(pages) < 2:
+        mark_rolled_back(env_dir)  # first: a crash right after the rewrite still leaves the feed its restart
         write_meta_body(data, record.meta_body)
         report = RollbackReport(newest, record.txnid)
         logger.warning(
@@ -355,3 +356,33 @@ def roll_back_after_os_crash(env_dir: Path) -> RollbackReport | None:
         )
     _write_record(env_dir, SyncRecord(record.txnid, record.data_inode, current_boot, record.meta_body), force=True)
     return report
+
+
+#: A file beside the data file while the store's change feed owes a restart:
+#: the feed handed out sequence numbers the rollback undid, and the next
+#: writable open moves the sequence past them (``ucm_db.index.changefeed.restart``)
+#: before anything appends, whichever process (a read-only view too) rolled back.
+ROLLED_BACK_MARKER = "rolled-back"
+
+
+def mark_rolled_back(env_dir: Path) -> None:
+    """Leaves :data:`ROLLED_BACK_MARKER`, durably."""
+    fd = os.open(env_dir / ROLLED_BACK_MARKER, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dir_fd = os.open(env_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def rolled_back(env_dir: Path) -> bool:
+    """Whether a rollback left its marker (:data:`ROLLED_BACK_MARKER`)."""
+    return (env_dir / ROLLED_BACK_MARKER).exists()
+
+
+def clear_rolled_back(env_dir: Path) -> None:
+    (env_dir / ROLLED_BACK_MARKER).unlink(missing_ok=True)
