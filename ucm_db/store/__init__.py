@@ -226,7 +226,8 @@ class Store:
     # -- durability --------------------------------------------------------------------
     def flush(self, *, upload_timeout_s: float | None = FLUSH_UPLOAD_TIMEOUT_S) -> None:
         """Writes pending activity, makes every commit durable and, with a
-        remote, waits until the upload queue is empty.
+        remote, waits until the upload queue is empty, then makes its
+        emptying durable too (a power loss then uploads nothing again).
 
         Args:
             upload_timeout_s: longest wait for the upload queue (None: no
@@ -241,6 +242,7 @@ class Store:
         self._activity.sync_now()
         if self._wing is not None:
             self._wing.wait_drained(upload_timeout_s)
+            self._activity.sync_now()
 
     def warm(
         self,
