@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 from ucm_db.errors import ConfigError, LockedError
 from ucm_db.format import detect_engine
 from ucm_db.format import open_engine as _open_engine
+from ucm_db.format import open_lmdb_read_only
 from ucm_db.format import read_format_version  # noqa: F401 - re-exported for migrations and tools
 from ucm_db.storelock import StoreLock, describe, holders
 from ucm_db.engines.base import Engine
@@ -42,8 +44,16 @@ def require_store(path: Path) -> str:
 
 
 def open_engine(path: Path, *, read_only: bool = False, sync: bool = True) -> Engine:
-    """Opens the engine of the existing store at ``path`` (no Store checks)."""
-    return _open_engine(path, require_store(path), sync=sync, read_only=read_only)
+    """Opens the engine of the existing store at ``path`` (no Store checks).
+    ``read_only`` on an LMDB store this user cannot write (a read-only
+    volume, another user's store): opened ``MDB_RDONLY``, as ``inspect``
+    views it (:func:`ucm_db.store.view.open_view`); the read-only open that
+    recovers after an OS crash must write, and failed there (`migrate
+    --dry-run` then told the user to delete the store)."""
+    name = require_store(path)
+    if read_only and name == "lmdb" and not os.access(path, os.W_OK):
+        return open_lmdb_read_only(path)
+    return _open_engine(path, name, sync=sync, read_only=read_only)
 
 
 def refuse_if_held(path: Path, lock: StoreLock, action: str) -> None:

@@ -12,10 +12,12 @@ import pytest
 
 import ucm_db
 from ucm_db import BlockKeys, ConfigError, Framed, Namespace
+from ucm_db.keys.units import KVGrid
 
 NS = Namespace(model="bad-input", kv_dtype="bfloat16", block_size=4)
 KEYS = NS.block_keys(list(range(16)))  # 4 blocks
 PAYLOADS = [bytes([i]) * 256 for i in range(4)]
+GRID = KVGrid(2, 4)
 
 CALLS: dict[str, Callable[[Any], Any]] = {
     "put, namespace None": lambda s: s.put(None, KEYS, PAYLOADS),
@@ -42,6 +44,14 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "get_into, datetime64 buffer": lambda s: s.get_into(NS, KEYS, [np.zeros(32, dtype="datetime64[s]")] * 4),
     "put, Framed with an int for frame_bytes": lambda s: s.put(NS, KEYS, [Framed(b"x" * 256, 2)] * 4),  # type: ignore[arg-type]
     "put, Framed over a datetime64 array": lambda s: s.put(NS, KEYS, [Framed(np.zeros(32, dtype="datetime64[s]"), (256,))] * 4),
+    # Audit F18: an AttributeError ('int' object has no attribute 'check' / 'head_stop') before.
+    "lookup_many, grid an int": lambda s: s.lookup_many(NS, [KEYS], grid=0, spans=[(0, 1)]),  # type: ignore[arg-type]
+    "lookup_many, a span a tuple": lambda s: s.lookup_many(NS, [KEYS], grid=GRID, spans=[(0, 5)]),  # type: ignore[list-item]
+    "lookup_many, spans a str": lambda s: s.lookup_many(NS, [KEYS], grid=GRID, spans="ab"),  # type: ignore[arg-type]
+    "pin, grid an int": lambda s: s.pin(NS, [KEYS], grid=3, spans=[(0, 1)]),  # type: ignore[arg-type]
+    "pin, a span None": lambda s: s.pin(NS, [KEYS], grid=GRID, spans=[None]),  # type: ignore[list-item]
+    "unpin, spans an int": lambda s: s.unpin(NS, [KEYS], grid=GRID, spans=5),  # type: ignore[arg-type]
+    "unpin, grid a span": lambda s: s.unpin(NS, [KEYS], grid=GRID.whole, spans=[GRID.whole]),  # type: ignore[arg-type]
 }
 
 

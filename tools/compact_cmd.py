@@ -14,6 +14,7 @@ import click
 from ucm_db import maintenance
 
 from ucm_db.tools.cli_common import CliPath, ProgressBar, emit, human_bytes, json_option, warn
+from ucm_db.tools.remote_cmds import parse_size_bytes
 
 
 def render(r: dict[str, Any]) -> str:
@@ -32,10 +33,10 @@ def render(r: dict[str, Any]) -> str:
 
 @click.command("compact")
 @click.argument("path", type=CliPath())
-@click.option("--target-bytes", type=click.IntRange(min=0), default=None, help="Evict LRU blocks until at most this many stored bytes remain.")
+@click.option("--target-bytes", default=None, help="Evict LRU blocks until at most this many stored bytes remain (e.g. 50GB, 10GiB).")
 @click.option("--require-exclusive", is_flag=True, help="Refuse (exit 2) instead of working beside processes that have the store open.")
 @json_option
-def compact_command(path: Path, target_bytes: int | None, require_exclusive: bool, as_json: bool) -> None:
+def compact_command(path: Path, target_bytes: str | None, require_exclusive: bool, as_json: bool) -> None:
     """Reclaim space: evict to --target-bytes, drop quarantine records and
     orphaned entries, and rewrite the LMDB file compactly (atomic switch).
     Beside live processes only the transactional steps run and the file
@@ -43,10 +44,11 @@ def compact_command(path: Path, target_bytes: int | None, require_exclusive: boo
 
     \b
     Example:
-        ucm-db compact /var/cache/ucm-db --target-bytes 50000000000
+        ucm-db compact /var/cache/ucm-db --target-bytes 50GB
     """
+    target = None if target_bytes is None else parse_size_bytes(target_bytes)  # sizes as pin and gc take them
     with ProgressBar(not as_json, "evicting") as bar:
-        report = maintenance.compact(path, target_bytes=target_bytes, require_exclusive=require_exclusive, progress=bar)
+        report = maintenance.compact(path, target_bytes=target, require_exclusive=require_exclusive, progress=bar)
     if report["rewrite_skipped_because"]:
         warn(f"file not rewritten: {report['rewrite_skipped_because']}")
     emit(as_json, report, render)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from ucm_db import maintenance
+from ucm_db import ConfigError, maintenance
 from ucm_db.tools.cli_common import CliPath, SecondsRange
 
 #: Lines written at once (one write per line costs a replay of 100k blocks ~0.5 s).
@@ -39,6 +40,10 @@ def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | Non
     Example:
         ucm-db events /var/cache/ucm-db --follow | my-router-feed
     """
+    ctx = click.get_current_context()
+    if not follow and ctx.get_parameter_source("poll_interval_s") != ParameterSource.DEFAULT:
+        raise ConfigError("--poll-interval sets how often --follow reads the feed; without --follow it does nothing",
+                          hint="add --follow to keep reading new events, or drop --poll-interval")
     try:
         lines = maintenance.iter_event_lines(path, namespaces, since_seq=since_seq, follow=follow, poll_interval_s=poll_interval_s)
         batch: list[str] = []

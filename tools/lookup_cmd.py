@@ -20,14 +20,19 @@ from ucm_db.tools.prompt_files import read_prompts, store_prompts_arguments
 
 
 def parse_partition(text: str | None) -> list[int] | None:
-    """``"14,14"`` -> ``[14, 14]`` (layers per pipeline stage)."""
+    """``"14,14"`` -> ``[14, 14]`` (layers per pipeline stage), each at least
+    1. Checked here whatever the namespace: a namespace of whole blocks has
+    no use for a partition, and ignored a malformed one without a word."""
     if text is None:
         return None
+    hint = "e.g. --layer-partition 14,14 for 28 layers over two pipeline stages"
     try:
-        return [int(part) for part in text.split(",")]
+        counts = [int(part) for part in text.split(",")]
     except ValueError as exc:
-        raise ConfigError(f"--layer-partition {text!r} is not a comma-separated list of layer counts",
-                          hint="e.g. --layer-partition 14,14 for 28 layers over two pipeline stages") from exc
+        raise ConfigError(f"--layer-partition {text!r} is not a comma-separated list of layer counts", hint=hint) from exc
+    if any(count < 1 for count in counts):
+        raise ConfigError(f"--layer-partition {text!r}: each pipeline stage has at least 1 layer", hint=hint)
+    return counts
 
 
 def render(r: dict[str, Any]) -> str:
@@ -57,5 +62,6 @@ def lookup_command(path: Path, namespace: str, tokens_file: Path, layer_partitio
     Example:
         ucm-db lookup /var/cache/ucm-db --namespace Qwen/Qwen2.5-0.5B --tokens prompts.jsonl --json
     """
-    report = maintenance.lookup(path, namespace, read_prompts(tokens_file), layer_partition=parse_partition(layer_partition))
+    partition = parse_partition(layer_partition)
+    report = maintenance.lookup(path, namespace, read_prompts(tokens_file), layer_partition=partition)
     emit(as_json, report, render)

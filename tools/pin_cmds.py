@@ -13,10 +13,10 @@ from typing import Any
 
 import click
 
-from ucm_db import maintenance
+from ucm_db import ConfigError, maintenance
 
-from ucm_db.tools.cli_common import emit, human_bytes, json_option
-from ucm_db.tools.prompt_files import read_prompts, store_prompts_arguments
+from ucm_db.tools.cli_common import emit, human_bytes, json_option, warn
+from ucm_db.tools.prompt_files import TOKENS_HINT, read_prompts, store_prompts_arguments
 from ucm_db.tools.remote_cmds import parse_size_bytes
 
 
@@ -60,7 +60,15 @@ def pin_command(path: Path, namespace: str, tokens_file: Path, max_pinned_bytes:
         ucm-db pin /var/cache/ucm-db --namespace Qwen/Qwen2.5-0.5B --tokens system_prompts.jsonl
     """
     cap = None if max_pinned_bytes is None else parse_size_bytes(max_pinned_bytes)
-    report = maintenance.pin(path, namespace, read_prompts(tokens_file), max_pinned_bytes=cap)
+    prompts = read_prompts(tokens_file)
+    if not any(prompts):  # an empty file (a failed generator step) pinned nothing and exited 0
+        raise ConfigError(f"{tokens_file} holds no prompts: no line with a token id",
+                          hint=f"{TOKENS_HINT}; check the step that wrote the file")
+    report = maintenance.pin(path, namespace, prompts, max_pinned_bytes=cap)
+    for number, row in enumerate(report["prompts"], 1):
+        if not row["blocks"]:
+            warn(f"prompt {number} of {tokens_file} has {row['tokens']} tokens, less than one block of {report['block_size']}: "
+                 "nothing of it can be pinned")
     emit(as_json, report, lambda r: render(r, "pinned"))
 
 

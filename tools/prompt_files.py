@@ -38,18 +38,32 @@ def read_text(source: Path) -> str:
                           "UTF-16/32 is read only with a byte-order mark") from exc
 
 
+#: Token ids are uint32 (:meth:`ucm_db.Namespace.block_keys`' range).
+MAX_TOKEN_ID = (1 << 32) - 1
+TOKENS_HINT = "--tokens: one JSON list of token ids per line, e.g. [151644, 8948, 198]"
+
+
 def read_prompts(source: Path) -> list[list[int]]:
     """Token sequences of a ``--tokens`` file: one JSON list of token ids per
-    (non-empty) line."""
-    lines = [line for line in read_text(source).splitlines() if line.strip()]
-    try:
-        prompts = [json.loads(line) for line in lines]
-    except ValueError as exc:
-        raise ConfigError(f"cannot read {source}: {exc}", hint="--tokens: one JSON list of token ids per line") from exc
-    for number, tokens in enumerate(prompts, 1):
+    (non-empty) line. Each line is parsed on its own, and a bad one is a
+    ConfigError naming the file and its line number (blank lines counted, as
+    an editor counts them)."""
+    prompts: list[list[int]] = []
+    for number, line in enumerate(read_text(source).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            tokens = json.loads(line)
+        except ValueError as exc:  # a JSONDecodeError, or an integer too long to convert
+            problem = f"column {exc.colno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise ConfigError(f"cannot read {source} line {number}: {problem}", hint=TOKENS_HINT) from exc
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise ConfigError(f"cannot read {source}: line {number} is not a JSON list of integers",
-                              hint="--tokens: one JSON list of token ids per line, e.g. [151644, 8948, 198]")
+            raise ConfigError(f"cannot read {source} line {number}: not a JSON list of integers", hint=TOKENS_HINT)
+        bad = next((t for t in tokens if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise ConfigError(f"cannot read {source} line {number}: token id {bad} is out of range (0 to 2**32 - 1)",
+                              hint="pass the prompt's token ids as the tokenizer gave them")
+        prompts.append(tokens)
     return prompts
 
 
@@ -57,9 +71,19 @@ NAMESPACE_HELP = "Namespace: id prefix or model name (`ucm-db inspect` lists the
 TOKENS_HELP = "File of prompts: one JSON list of token ids per line (no LoRA, cache_salt or multimodal extras)."
 
 
+def _one_namespace(ctx: click.Context, _param: click.Parameter, given: tuple[str, ...]) -> str:
+    """The one ``--namespace`` of pin/unpin/lookup. Given twice, click kept
+    the last and dropped the first without a word (`pin --namespace a
+    --namespace b` pinned in b only)."""
+    if len(given) > 1:
+        raise ConfigError(f"{ctx.info_name} takes one --namespace, got {len(given)}: " + ", ".join(map(repr, given)),
+                          hint=f"run `ucm-db {ctx.info_name}` once per namespace")
+    return given[0]
+
+
 def store_prompts_arguments(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """PATH, ``--namespace`` and ``--tokens`` of the commands that act on a
-    store's prompts (pin, unpin, lookup)."""
+    """PATH, ``--namespace`` (exactly once) and ``--tokens`` of the commands
+    that act on a store's prompts (pin, unpin, lookup)."""
     fn = click.option("--tokens", "tokens_file", required=True, type=CliPath(exists=True, dir_okay=False), help=TOKENS_HELP)(fn)
-    fn = click.option("--namespace", required=True, help=NAMESPACE_HELP)(fn)
+    fn = click.option("--namespace", required=True, multiple=True, callback=_one_namespace, help=NAMESPACE_HELP)(fn)
     return click.argument("path", type=CliPath())(fn)

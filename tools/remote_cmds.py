@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from ucm_db import ConfigError, maintenance
+from ucm_db.keys import KEY_BYTES
 
 from ucm_db.tools.cli_common import CliPath, ProgressBar, auth_options, emit, human_bytes, json_option
 from ucm_db.tools.prompt_files import read_prompts, read_text
@@ -29,14 +30,22 @@ def parse_duration_s(text: str) -> float:
 
 
 def parse_size_bytes(text: str) -> int:
-    """``"10GiB" -> 10737418240``, ``"500MB" -> 500000000``, ``"4096" -> 4096``."""
+    """``"10GiB" -> 10737418240``, ``"500MB" -> 500000000``, ``"4096" -> 4096``,
+    ``"1.5KiB" -> 1536``: in integer arithmetic (a float lost the last digits of
+    ``9007199254740993``), a fraction of a byte dropped. A non-zero size that
+    comes to 0 bytes (``0.5``) is refused: it meant something, never "nothing"."""
     match = _SIZE.match(text)
     if not match:
         raise ConfigError(f"cannot read size {text!r}", hint="write e.g. 4096, 500MB or 10GiB")
+    whole, _, fraction = match.group(1).partition(".")
     unit = (match.group(2) or "").lower()
     power = " kmgt".index(unit) if unit else 0
     base = 1024 if match.group(3) else 1000
-    return int(float(match.group(1)) * base**power)
+    size = int(whole + fraction) * base**power // 10 ** len(fraction)
+    if size == 0 and int(whole + fraction) != 0:
+        raise ConfigError(f"size {text!r} is less than one byte",
+                          hint="write a whole number of bytes or a unit, e.g. 4096, 500MB or 10GiB")
+    return size
 
 
 def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
@@ -71,8 +80,10 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
     """
     if older_than is None and max_bytes is None:
         raise ConfigError("gc needs --older-than and/or --max-bytes", hint="e.g. ucm-db gc s3://b/p --older-than 7d")
-    report = maintenance.gc_remote(remote, parse_options(options), older_than_s=parse_duration_s(older_than) if older_than else None,
-                                   max_bytes=parse_size_bytes(max_bytes) if max_bytes else None, dry_run=dry_run)
+    # `is not None`: an empty limit ("$AGE" unset) is refused as unreadable, never dropped.
+    report = maintenance.gc_remote(remote, parse_options(options),
+                                   older_than_s=None if older_than is None else parse_duration_s(older_than),
+                                   max_bytes=None if max_bytes is None else parse_size_bytes(max_bytes), dry_run=dry_run)
 
     def human(r: dict[str, Any]) -> str:
         verb = "would remove" if r["dry_run"] else "removed"
@@ -92,11 +103,36 @@ def read_chains(tokens_file: Path | None, keys_file: Path | None) -> tuple[list[
     if tokens_file is not None:
         return read_prompts(tokens_file), None
     assert keys_file is not None
-    lines = [line for line in read_text(keys_file).splitlines() if line.strip()]
+    chains: list[list[bytes]] = []
+    for number, line in enumerate(read_text(keys_file).splitlines(), 1):  # blank lines counted, as an editor counts them
+        if not line.strip():
+            continue
+        try:
+            chain = [bytes.fromhex(k) for k in line.split()]
+        except ValueError as exc:
+            raise ConfigError(f"cannot read {keys_file} line {number}: {exc}", hint="--keys: hex keys of one chain per line") from exc
+        short = next((k for k in chain if len(k) != KEY_BYTES), None)
+        if short is not None:
+            raise ConfigError(f"cannot read {keys_file} line {number}: key {short.hex()[:16]!r} is {len(short)} bytes; "
+                              f"block keys are {KEY_BYTES}", hint=f"--keys: {2 * KEY_BYTES} hex digits per key, one chain per line")
+        chains.append(chain)
+    return None, chains
+
+
+def refuse_file_on_store_path(path: Path) -> None:
+    """warm creates its store if needed: a file at PATH, or on the way to it,
+    is a usage error (exit 2) as in every other command, not the TierError
+    (exit 1) the store's open reports. A path that cannot be checked
+    (permission denied on the way) is left to the open, which names it."""
+    absolute = path.absolute()
     try:
-        return None, [[bytes.fromhex(k) for k in line.split()] for line in lines]
-    except ValueError as exc:
-        raise ConfigError(f"cannot read {keys_file}: {exc}", hint="--keys: hex keys of one chain per line") from exc
+        blocker = next((p for p in (absolute, *absolute.parents) if p.exists() and not p.is_dir()), None)
+    except OSError:
+        return
+    if blocker is not None:
+        where = "it is a file" if blocker == absolute else f"{blocker} on its path is a file"
+        raise ConfigError(f"cannot warm into {path}: {where}, not a directory",
+                          hint="pass a store directory (new or existing); a store is a directory")
 
 
 @click.command("warm")
@@ -125,6 +161,7 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
 
     import ucm_db
 
+    refuse_file_on_store_path(path)
     tokens, keys = read_chains(tokens_file, keys_file)
     remote_options = parse_options(options)
     ns = maintenance.remote_namespace(remote, remote_options, namespace)

@@ -211,6 +211,24 @@ def require_limit(name: str, value: Any, *, integer: bool) -> None:
                           hint=f"pass {name}=<{'bytes' if integer else 'seconds'}>, or None for no limit")
 
 
+def require_count(name: str, value: Any, *, minimum: int, hint: str) -> None:
+    """An integer argument of a maintenance call at least ``minimum`` (never a
+    bool or a str); ``None`` passes. ``verify(sample=0)`` checked no block
+    and reported a clean store; ``since_seq=-5`` ended in a struct.error."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ConfigError(f"{name} must be an integer >= {minimum} (or None), got {value!r}", hint=hint)
+
+
+def require_token_sequences(token_sequences: Any, operation: str) -> list[Any]:
+    """The prompts of a maintenance call as a list (an iterator is read once:
+    the prompts are walked twice); each prompt's ids are checked by
+    :meth:`~ucm_db.keys.Namespace.block_keys`."""
+    if isinstance(token_sequences, (str, bytes, bytearray, memoryview)) or not isinstance(token_sequences, Iterable):
+        raise ConfigError(f"{operation} takes a list of prompts, got {type(token_sequences).__name__}",
+                          hint="pass one list of token ids per prompt, e.g. [[151644, 8948, 198], [151644, 872]]")
+    return list(token_sequences)
+
+
 def require_distinct_keys(keys: Sequence[bytes], operation: str) -> None:
     """Refuses a key given twice in one call: in a put, the second copy
     would name the first as its parent and its payload be dropped."""

@@ -127,3 +127,17 @@ def test_compact_beside_a_running_writer_is_safe(tmp_path: Path) -> None:
             keys, payloads = writer_proc.chain(i)
             assert store.get(writer_proc.NS, keys) == [bytearray(p) for p in payloads]
     assert invoke_json("verify", path)["corrupt"] == []
+
+
+def test_target_bytes_takes_sizes_with_units_as_pin_and_gc_do(tmp_path: Path) -> None:
+    """Audit F16: `--target-bytes 10GiB` was "'10GiB' is not a valid integer range"."""
+    make_store(tmp_path / "s")
+    before = invoke_json("inspect", tmp_path / "s")
+    r = invoke_json("compact", tmp_path / "s", "--target-bytes", "10GiB")
+    assert r["evicted_blocks"] == 0 and r["blocks_after"] == before["blocks"]
+    for bad in ("-1", "10XB", "0.5"):
+        error = invoke_json("compact", tmp_path / "s", "--target-bytes", bad, expect=2)["error"]
+        assert error["type"] == "ConfigError" and repr(bad) in error["message"] and "10GiB" in error["hint"]
+    assert invoke_json("inspect", tmp_path / "s")["blocks"] == before["blocks"]
+    r = invoke_json("compact", tmp_path / "s", "--target-bytes", "8KiB")
+    assert r["stored_bytes_after"] <= 8192 < r["stored_bytes_before"] and r["evicted_blocks"] > 0

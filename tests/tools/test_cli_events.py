@@ -13,7 +13,7 @@ import pytest
 import ucm_db
 from ucm_db import BlockEventFields, maintenance
 
-from cli_stores import NS_A, NS_B, invoke, make_store
+from cli_stores import NS_A, NS_B, invoke, invoke_json, make_store
 
 
 def put_evented(store: ucm_db.Store, ns: ucm_db.Namespace, first_token: int, blocks: int) -> list[bytes]:
@@ -177,3 +177,14 @@ def test_a_poll_interval_that_is_no_finite_number_of_seconds_is_a_usage_error(tm
     result = CliRunner().invoke(cli, ["events", str(tmp_path / "s"), "--follow", "--poll-interval", interval])
     assert result.exit_code == 2 and result.exception is None or isinstance(result.exception, SystemExit), result.output
     assert "poll-interval" in result.output and "Traceback" not in result.output
+
+
+def test_a_poll_interval_without_follow_is_refused(tmp_path: Path) -> None:
+    """Audit F16: `events --poll-interval 5` without --follow was accepted and ignored."""
+    path = tmp_path / "s"
+    make_store(path)
+    before = invoke_json("inspect", path)["blocks"]
+    result = invoke("events", path, "--poll-interval", "5", expect=2)
+    assert "--poll-interval sets how often --follow reads the feed" in result.stderr
+    assert "add --follow" in result.stderr and result.stdout == ""
+    assert invoke_json("inspect", path)["blocks"] == before

@@ -275,3 +275,38 @@ def test_export_refuses_a_target_inside_a_store_and_the_store_still_opens(store:
     assert (store / "lmdb" / "data.mdb").read_bytes() == before and not (store / "archive.tar").exists()
     with ucm_db.open(store) as reopened:
         assert reopened.lookup(NS_A, chain_keys(NS_A, "a0", 5)) == 5
+
+
+def test_export_into_a_read_only_directory_is_a_usage_error(store: Path, tmp_path: Path) -> None:
+    """Audit F13: a destination that cannot be written exited 1; cli.md says 2."""
+    from readonly_mount import read_only_view, tree
+
+    def files() -> dict[str, tuple[int, int]]:
+        return {name: seen for name, seen in tree(store).items() if name != "lmdb/lock.mdb"}  # LMDB's reader table
+
+    (tmp_path / "out").mkdir()
+    before = files()
+    with read_only_view(tmp_path / "out", tmp_path / "ro") as view:
+        error = invoke_json("export", store, view / "x.tar", expect=2)["error"]
+    assert error["type"] == "ConfigError" and "Read-only file system" in error["message"]
+    assert error["message"].startswith(f"cannot write {tmp_path / 'ro' / 'x.tar'}") and "mounted read-write" in error["hint"]
+    assert list((tmp_path / "out").iterdir()) == [] and files() == before
+
+
+@pytest.mark.parametrize(("code", "exit_code"), [("EACCES", 2), ("EPERM", 2), ("ENOSPC", 1), ("EIO", 1)])
+def test_export_temp_file_errors_a_user_can_fix_exit_2_and_the_disks_exit_1(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, exit_code: int) -> None:
+    import errno
+
+    real_open = os.open
+
+    def refusing_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
+        if str(path).endswith(".partial"):  # the export's temp file alone
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    error = invoke_json("export", store, tmp_path / "x.tar", expect=exit_code)["error"]
+    assert error["type"] == ("ConfigError" if exit_code == 2 else "TierError")
+    assert os.strerror(getattr(errno, code)) in error["message"]
+    assert not (tmp_path / "x.tar").exists()

@@ -197,3 +197,15 @@ def test_gc_touches_nothing_but_ucm_db_objects(tmp_path: Path) -> None:
     assert r["objects_before"] == 15 and r["skipped_entries"] >= 5
     survivors = {path: path.read_bytes() for path in foreign if path.exists()}
     assert survivors == foreign and other_temp.exists()
+
+
+@pytest.mark.parametrize("empty", [["--older-than", "", "--max-bytes", "1TiB"], ["--max-bytes", "", "--older-than", "7d"]])
+def test_an_empty_limit_is_refused_not_dropped(tmp_path: Path, empty: list[str]) -> None:
+    """Audit F15: `--older-than ""` (an unset "$AGE") was tested for truth and
+    dropped: gc ran by the other limit alone."""
+    url = f"file://{tmp_path / 'remote'}"
+    chains = fill_remote(url)
+    result = invoke("gc", url, *empty, expect=2)
+    assert ("cannot read duration ''" if empty[0] == "--older-than" else "cannot read size ''") in result.stderr
+    assert "write e.g." in result.stderr
+    assert all(all(present(url, keys)) for keys in chains.values())

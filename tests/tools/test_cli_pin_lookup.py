@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import ucm_db
 from ucm_db import Namespace
 from ucm_db.keys.units import UnitKeys
 from ucm_db.store.presence import whole_model_units
+from ucm_db.tools.remote_cmds import parse_size_bytes
 
 from cli_stores import invoke, invoke_json
 
@@ -107,3 +110,87 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert invoke("lookup", path, "--namespace", "cli/pins", "--tokens", prompts, "--layer-partition", "a,b", expect=2)
     assert invoke("pin", tmp_path / "nothing", "--namespace", "x", "--tokens", prompts, expect=2)
     assert not (tmp_path / "nothing").exists()
+
+
+def stored_state(path: Path) -> tuple[int, int, int]:
+    """(blocks, stored bytes, pinned bytes): what a refused command must leave as it was."""
+    report = invoke_json("inspect", path)
+    return report["blocks"], report["stored_bytes"], report["pinned_bytes"]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('[0, 1, 2, 3]\n\n["a"]\n', "line 3: not a JSON list of integers"),  # a blank line counted, as an editor does
+    ("[1, 2]\n\n\n[x]\n", "line 4: column 2: Expecting value"),  # each line parsed on its own
+    ("[0, 1, 2, 3]\n[-1, 2, 3, 4]\n", "line 2: token id -1 is out of range"),
+    ("[4294967296]\n", "line 1: token id 4294967296 is out of range"),
+])
+@pytest.mark.parametrize("command", ["pin", "lookup"])
+def test_a_bad_tokens_line_is_named_by_file_and_real_line_number(tmp_path: Path, command: str, text: str, expected: str) -> None:
+    """Audit F11: blank lines were not counted, a JSON error gave the position
+    in the joined text, and an out-of-range id named neither file nor line."""
+    path = tmp_path / "s"
+    make(path)
+    before = stored_state(path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    error = invoke_json(command, path, "--namespace", "cli/pins", "--tokens", bad, expect=2)["error"]
+    assert error["type"] == "ConfigError" and error["message"].startswith(f"cannot read {bad} {expected}"), error
+    assert error["hint"]
+    assert stored_state(path) == before
+
+
+@pytest.mark.parametrize("command", ["pin", "unpin", "lookup"])
+def test_namespace_given_twice_is_refused_not_the_last_kept(tmp_path: Path, command: str) -> None:
+    """Audit F12: `pin --namespace a --namespace b` pinned in b alone, silently."""
+    path = tmp_path / "s"
+    make(path)
+    prompts = write_prompts(tmp_path / "p.jsonl", SYSTEM)
+    before = stored_state(path)
+    result = invoke(command, path, "--namespace", "nope", "--namespace", "cli/pins", "--tokens", prompts, expect=2)
+    assert f"{command} takes one --namespace, got 2: 'nope', 'cli/pins'" in result.stderr
+    assert f"run `ucm-db {command}` once per namespace" in result.stderr
+    assert stored_state(path) == before
+
+
+@pytest.mark.parametrize("partition", ["-1,5", "0", "14,,14", "x"])
+def test_a_bad_layer_partition_is_refused_for_a_namespace_of_whole_blocks_too(tmp_path: Path, partition: str) -> None:
+    """Audit F16: it was checked only in a namespace of units, and ignored elsewhere."""
+    path = tmp_path / "s"
+    make(path)
+    prompts = write_prompts(tmp_path / "p.jsonl", SYSTEM)
+    result = invoke("lookup", path, "--namespace", "cli/pins", "--tokens", prompts, "--layer-partition", partition, expect=2)
+    assert f"--layer-partition '{partition}'" in result.stderr and "e.g. --layer-partition 14,14" in result.stderr
+
+
+def test_max_pinned_bytes_is_read_exactly_and_a_fraction_of_a_byte_refused(tmp_path: Path) -> None:
+    """Audit F16: `--max-pinned-bytes 0.5` became a cap of 0, and sizes went
+    through a float (9007199254740993 read as ...992)."""
+    path = tmp_path / "s"
+    make(path)
+    prompts = write_prompts(tmp_path / "p.jsonl", SYSTEM)
+    result = invoke("pin", path, "--namespace", "cli/pins", "--tokens", prompts, "--max-pinned-bytes", "0.5", expect=2)
+    assert "size '0.5' is less than one byte" in result.stderr and "10GiB" in result.stderr
+    assert stored_state(path)[2] == 0
+    assert parse_size_bytes("9007199254740993") == 9007199254740993 == 2**53 + 1
+    assert parse_size_bytes("1.5KiB") == 1536 and parse_size_bytes("0") == 0
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "[]\n", "[]\n\n[]\n"])
+def test_pin_with_no_prompts_exits_2(tmp_path: Path, text: str) -> None:
+    """Audit F17: an empty file (a failed generator step) pinned nothing, exit 0."""
+    path = tmp_path / "s"
+    make(path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(text)
+    error = invoke_json("pin", path, "--namespace", "cli/pins", "--tokens", empty, expect=2)["error"]
+    assert error["message"] == f"{empty} holds no prompts: no line with a token id" and "one JSON list" in error["hint"]
+    assert stored_state(path)[2] == 0
+
+
+def test_pin_warns_of_a_prompt_shorter_than_one_block(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    make(path)
+    prompts = write_prompts(tmp_path / "p.jsonl", SYSTEM, [1, 2, 3])
+    result = invoke("pin", path, "--namespace", "cli/pins", "--tokens", prompts)
+    assert f"warning: prompt 2 of {prompts} has 3 tokens, less than one block of 16" in result.stderr
+    assert "pinned 20 stored blocks" in result.stdout

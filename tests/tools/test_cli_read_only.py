@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cli_stores import invoke_json, make_store
+from cli_stores import invoke, invoke_json, make_store
 from readonly_mount import read_only_view, tree
 
 
@@ -34,3 +34,19 @@ def test_migrate_to_engine_converts_a_source_on_a_read_only_volume(tmp_path: Pat
     assert tree(source) == before
     blocks = sum(len(keys) for keys in chains.values())
     assert invoke_json("inspect", tmp_path / "converted")["blocks"] == blocks
+
+
+def test_migrate_dry_run_reads_a_store_on_a_read_only_volume(tmp_path: Path) -> None:
+    """Audit F19: `migrate --dry-run` opened the store as a crash recovery
+    does, which writes, and on a read-only volume told the user to delete
+    the store. A dry run only reads, as inspect does."""
+    source = tmp_path / "store"
+    make_store(source, "lmdb")
+    before = tree(source)
+    with read_only_view(source, tmp_path / "ro") as view:
+        report = invoke_json("migrate", view, "--dry-run")
+        human = invoke("migrate", view, "--dry-run")
+    assert report["pending"] == [] and report["dry_run"] and report["applied"] == []
+    assert report["pre_unit_blocks"]["whole_blocks"] == 0
+    assert "nothing to migrate" in human.stdout and "delete" not in human.stderr
+    assert tree(source) == before

@@ -35,3 +35,23 @@ def test_warm_from_remote_by_tokens(tmp_path: Path) -> None:
 def test_warm_needs_tokens_or_keys(tmp_path: Path) -> None:
     result = invoke("warm", tmp_path, "--remote", "memory://x", "--namespace", "m", expect=2)
     assert "--tokens FILE or --keys FILE" in result.stderr
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_warm_into_a_file_is_a_usage_error(tmp_path: Path, under: str) -> None:
+    """Audit F14: a store path that is a file (or has one on its way) exited
+    1 for warm alone; every other command exits 2."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    target = afile / under if under else afile
+    url = f"file://{tmp_path / 'remote'}"
+    tokens = list(range(NS_A.block_size * 2))
+    with ucm_db.open(tmp_path / "a", remote=url, remote_mode="write_through", capacity_bytes=1 << 26) as source:
+        source.put(NS_A, NS_A.block_keys(tokens), [payload("f", i) for i in range(2)])
+    tokens_file = tmp_path / "prompts.jsonl"
+    tokens_file.write_text(json.dumps(tokens))
+    error = invoke_json("warm", target, "--remote", url, "--namespace", "test/alpha", "--tokens", tokens_file, expect=2)["error"]
+    where = "it is a file" if not under else f"{afile} on its path is a file"
+    assert error["type"] == "ConfigError" and error["message"] == f"cannot warm into {target}: {where}, not a directory"
+    assert "a store is a directory" in error["hint"]
+    assert afile.read_text() == "keep me"

@@ -44,3 +44,21 @@ def test_warm_refuses_broken_utf16_after_its_byte_order_mark(tmp_path: Path) -> 
     bad.write_bytes(b"\xff\xfe[\x001\x00]")  # odd length: the last code unit is cut
     result = invoke("warm", tmp_path / "s", "--remote", f"file://{tmp_path / 'r'}", "--namespace", "m", "--tokens", bad, expect=2)
     assert "is not valid UTF-16 text" in result.stderr
+
+
+def test_warm_names_the_file_and_line_of_a_short_key(tmp_path: Path) -> None:
+    """Audit F11: "block keys are 32 bytes, got 2" named neither file nor line."""
+    keys = tmp_path / "chains.txt"
+    keys.write_text(f"{'ab' * 32}\n\n{'cd' * 32} 0102\n")
+    result = invoke("warm", tmp_path / "s", "--remote", f"file://{tmp_path / 'r'}", "--namespace", "m", "--keys", keys, expect=2)
+    assert f"cannot read {keys} line 3: key '0102' is 2 bytes; block keys are 32" in result.stderr
+    assert "64 hex digits per key, one chain per line" in result.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_warm_names_the_file_and_line_of_an_out_of_range_token(tmp_path: Path) -> None:
+    tokens = tmp_path / "prompts.jsonl"
+    tokens.write_text("[1, 2]\n\n[3, -4]\n")
+    result = invoke("warm", tmp_path / "s", "--remote", f"file://{tmp_path / 'r'}", "--namespace", "m", "--tokens", tokens, expect=2)
+    assert f"cannot read {tokens} line 3: token id -4 is out of range" in result.stderr
+    assert not (tmp_path / "s").exists()

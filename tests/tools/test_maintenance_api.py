@@ -160,3 +160,26 @@ def test_remote_gc_and_warm_refuse_what_is_no_remote_url(tmp_path: Path, monkeyp
 def test_warm_from_a_missing_local_remote_names_the_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(ucm_db.ConfigError, match="does not exist"):
         maintenance.remote_namespace(f"file://{tmp_path / 'no-remote'}", None, "m")
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda path: maintenance.pin(path, "test/alpha", None), "pin takes a list of prompts, got NoneType"),  # type: ignore[arg-type]
+    (lambda path: maintenance.unpin(path, "test/alpha", 5), "unpin takes a list of prompts, got int"),  # type: ignore[arg-type]
+    (lambda path: maintenance.lookup(path, "test/alpha", "1 2 3"), "lookup takes a list of prompts, got str"),  # type: ignore[arg-type]
+    (lambda path: list(maintenance.iter_event_lines(path, (), since_seq=-5)), "since_seq must be an integer >= 0 (or None), got -5"),
+    (lambda path: list(maintenance.iter_event_lines(path, (), since_seq="5")), "since_seq must be an integer >= 0 (or None), got '5'"),  # type: ignore[arg-type]
+    (lambda path: list(maintenance.iter_events(path, (), since_seq=True)), "since_seq must be an integer >= 0 (or None), got True"),
+    (lambda path: maintenance.verify(path, sample=0), "sample must be an integer >= 1 (or None), got 0"),
+    (lambda path: maintenance.verify(path, sample=-3), "sample must be an integer >= 1 (or None), got -3"),
+    (lambda path: maintenance.verify(path, sample=2.5), "sample must be an integer >= 1 (or None), got 2.5"),  # type: ignore[arg-type]
+])
+def test_malformed_maintenance_arguments_are_config_errors(tmp_path: Path, call, message: str) -> None:
+    """Audit F18: a TypeError, a struct.error, or (``sample=0``) a clean
+    report of 0 blocks checked."""
+    make_store(tmp_path / "s")
+    before = maintenance.inspect(tmp_path / "s")
+    with pytest.raises(ucm_db.ConfigError) as raised:
+        call(tmp_path / "s")
+    assert str(raised.value).startswith(message) and raised.value.hint
+    after = maintenance.inspect(tmp_path / "s")
+    assert (after["blocks"], after["stored_bytes"], after["pinned_bytes"]) == (before["blocks"], before["stored_bytes"], 0)

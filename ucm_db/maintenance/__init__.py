@@ -58,7 +58,9 @@ from typing import Any
 from ucm_db.maintenance.archive import export_archive, import_archive
 from ucm_db.maintenance.compaction import compact, evict_to
 from ucm_db.maintenance.conversion import convert as convert_engine
-from ucm_db.arguments import require_limit, require_namespace_selectors, require_remote_url
+from ucm_db.arguments import (
+    require_count, require_limit, require_namespace_selectors, require_remote_url, require_token_sequences,
+)
 from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError
 from ucm_db.format import STORE_FORMAT_VERSION, restorable_format_version, write_format_version
 from ucm_db.store import epochs
@@ -126,6 +128,7 @@ def verify(path: str | Path, *, sample: int | None = None, seed: int = 0, fix: b
            progress: ProgressFn | None = None, isolated: bool = False) -> VerifyReport:
     """Checks every block (or ``sample`` at random, chosen by ``seed``) and
     the index; with ``fix`` repairs what was found (see :mod:`ucm_db.maintenance.verification`)."""
+    require_count("sample", sample, minimum=1, hint="pass how many blocks to check at random, or None to check every block")
     path = Path(path)
 
     def check() -> dict[str, Any]:
@@ -293,6 +296,7 @@ def lookup(path: str | Path, namespace: str, token_sequences: list[list[int]], *
 
     from ucm_db.store import Store
 
+    token_sequences = require_token_sequences(token_sequences, "lookup")
     ns = _one_namespace(path, namespace, "lookup")
     units = whole_model_units(ns, layer_partition)
     with Store(path, read_only=True) as store:
@@ -319,6 +323,7 @@ def pin(path: str | Path, namespace: str, token_sequences: list[list[int]], *, m
     """
     from ucm_db.store import Store
 
+    token_sequences = require_token_sequences(token_sequences, "unpin" if release else "pin")
     ns = _one_namespace(path, namespace, "unpin" if release else "pin")
     units = whole_model_units(ns)
     options = {} if max_pinned_bytes is None else {"max_pinned_bytes": max_pinned_bytes}

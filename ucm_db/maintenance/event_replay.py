@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ucm_db.arguments import require_count
 from ucm_db.store import epochs
 from ucm_db.errors import CorruptBlockError, DamagedRecordError, TierError
 from ucm_db.events import MEDIUM_STORAGE, json_line, packed_epoch
@@ -41,6 +42,7 @@ logger = logging.getLogger("ucm_db")
 #: Feed records read per snapshot while following.
 FOLLOW_BATCH_RECORDS = 4096
 CLEARED: dict[str, Any] = {"type": "AllBlocksCleared", "medium": MEDIUM_STORAGE}
+SINCE_HINT = "pass an event's seq (an int, e.g. the inventory's) to read the feed from, or None for the inventory first"
 
 
 def iter_events(
@@ -56,8 +58,11 @@ def iter_events(
     Blocks put without event fields are left out.
 
     Raises:
-        ConfigError: a namespace matches nothing in the store.
+        ConfigError: a namespace matches nothing in the store, or
+            ``since_seq`` is not an int >= 0.
     """
+    require_count("since_seq", since_seq, minimum=0, hint=SINCE_HINT)
+
     def render(raw: changefeed.RawRecord) -> dict[str, Any] | None:
         return next((r.to_json() for r in changefeed.decoded([raw])), None)
     return _iterate(path, namespaces, since_seq, follow, poll_interval_s, max_polls, render, dict(CLEARED))
@@ -69,6 +74,8 @@ def iter_event_lines(
 ) -> Iterator[str]:
     """:func:`iter_events` as compact JSON lines, formatted straight from
     the stored fields (a 100k-block replay in about a second)."""
+    require_count("since_seq", since_seq, minimum=0, hint=SINCE_HINT)
+
     def render(raw: changefeed.RawRecord) -> str | None:
         seq, kind, ns, key, _, packed = raw
         try:

@@ -28,12 +28,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ucm_db.arguments import key_list, require_namespace
-from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitKeys, UnitSpan
 from ucm_db.stats import PinReport
 from ucm_db.store.state import StoreState
-from ucm_db.store.presence import chain_list
+from ucm_db.store.presence import chain_list, unit_spans
 
 
 class StorePins:
@@ -104,12 +103,9 @@ def _unit_chains(keys: object, operation: str, grid: KVGrid | None, spans: Seque
     ``spans`` each one's unit chain of every span (chain-major); and how
     many chains each given one became."""
     chains = [key_list(chain, operation) for chain in chain_list(keys, operation, flat_ok=True)]
-    if (grid is None) != (spans is None) or (spans is not None and not spans):
-        raise ConfigError(f"{operation} takes grid and spans together (or neither)",
-                          hint="pass maintenance.whole_model_units(namespace), or neither for whole-block keys")
-    if grid is None or spans is None:
+    units = unit_spans(grid, spans, operation)
+    if grid is None or units is None:
         return chains, 1
-    units = [grid.check(span) for span in spans]
     return [list(UnitKeys(chain, grid, span)) for chain in chains for span in units], len(units)
 
 

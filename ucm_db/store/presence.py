@@ -26,7 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ucm_db.arguments import require_namespace
 from ucm_db.errors import ConfigError
@@ -66,17 +66,38 @@ class StorePresence:
         self._state.check_open()
         require_namespace(namespace, "lookup_many")
         checked = chain_list(chains, "lookup_many", flat_ok=False)
-        if (grid is None) != (spans is None) or (spans is not None and not spans):
-            raise ConfigError("lookup_many takes grid and spans together (or neither)",
-                              hint="pass whole_model_units(namespace), or neither for whole-block keys")
+        units = unit_spans(grid, spans, "lookup_many")
         if not self._epochs.serves(namespace):
             return [0] * len(checked)  # its epoch is unknown (store/epoch_gate.py)
-        if grid is None or spans is None:
+        if grid is None or units is None:
             return self._tier.with_snapshot(lambda presence: [presence.count(c) for c in checked],
                                             namespace_id=namespace.id)
-        units = [grid.check(span) for span in spans]
         return self._tier.with_snapshot(lambda presence: _unit_prefixes(presence, namespace, grid, units, checked),
                                         namespace_id=namespace.id)
+
+
+def unit_spans(grid: object, spans: object, operation: str) -> list[UnitSpan] | None:
+    """``spans`` checked against ``grid`` (lookup_many's, pin's and unpin's
+    arguments), or None when neither is given (whole-block keys). Anything
+    but a :class:`KVGrid` and a non-empty sequence of :class:`UnitSpan`
+    inside it is a ConfigError (an int grid or a tuple span was an
+    AttributeError)."""
+    hint = "pass grid and spans from maintenance.whole_model_units(namespace), or neither for whole-block keys"
+    if grid is None and spans is None:
+        return None
+    if grid is None or spans is None:
+        raise ConfigError(f"{operation} takes grid and spans together (or neither)", hint=hint)
+    if not isinstance(grid, KVGrid):
+        raise ConfigError(f"{operation}: grid must be a KVGrid, got {type(grid).__name__}", hint=hint)
+    if isinstance(spans, (str, bytes, bytearray, memoryview)) or not isinstance(spans, Iterable):
+        raise ConfigError(f"{operation}: spans must be a sequence of UnitSpan, got {type(spans).__name__}", hint=hint)
+    checked = list(spans)
+    if not checked:
+        raise ConfigError(f"{operation}: spans is empty", hint=hint)
+    for span in checked:
+        if not isinstance(span, UnitSpan):
+            raise ConfigError(f"{operation}: spans hold UnitSpan values, got {type(span).__name__}", hint=hint)
+    return [grid.check(span) for span in checked]
 
 
 def _unit_prefixes(presence: SnapshotPresence, namespace: Namespace, grid: KVGrid, spans: list[UnitSpan],

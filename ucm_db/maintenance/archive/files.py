@@ -16,7 +16,8 @@ Invariants:
       symlink, never over an existing file), with the permissions of the
       store's files (:func:`store_file_mode`), fsynced, then renamed over the
       target; the directory is fsynced after the rename. A failure removes
-      the temp file and leaves the target as it was.
+      the temp file and leaves the target as it was. A directory the temp
+      file cannot be created in (EACCES, EPERM, EROFS) is a ConfigError.
     * A member is read into one buffer of its declared size, chunk by chunk,
       only if it is a regular member no larger than the caller's bound;
       a short read (a truncated archive) is an error, never a short blob.
@@ -28,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -41,6 +43,10 @@ from typing import IO, Any
 from ucm_db.errors import ConfigError, TierError
 from ucm_db.store.path import enclosing_store, path_error
 
+#: Errors creating the export's temp file that mean the directory cannot be
+#: written (permission, a read-only file system): the command must change.
+#: A full disk or an I/O error stays a TierError.
+_UNWRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 #: Bytes per read of a member (a member is never read in one call).
 READ_CHUNK_BYTES = 1 << 20
 #: Deepest JSON nesting a manifest may have (a valid one has 4).
@@ -111,6 +117,10 @@ def atomic_output(target: Path, mode: int) -> Iterator[IO[bytes]]:
     try:
         fd = os.open(temp, flags, mode)
     except OSError as exc:
+        if exc.errno in _UNWRITABLE:  # a destination that cannot be written: a usage error (exit 2), as cli.md says
+            raise ConfigError(f"cannot write {target}: cannot create a file in {target.parent}: {exc.strerror}",
+                              hint=f"write the archive to a directory this user can write (uid {os.getuid()}), "
+                              "on a file system mounted read-write") from exc
         raise TierError(f"cannot create a temp file in {target.parent}: {exc}",
                         hint=f"check the permissions and free space of {target.parent}") from exc
     try:
