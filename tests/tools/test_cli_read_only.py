@@ -50,3 +50,18 @@ def test_migrate_dry_run_reads_a_store_on_a_read_only_volume(tmp_path: Path) -> 
     assert report["pre_unit_blocks"]["whole_blocks"] == 0
     assert "nothing to migrate" in human.stdout and "delete" not in human.stderr
     assert tree(source) == before
+
+
+def test_an_older_format_store_on_a_read_only_volume_names_the_migration(tmp_path: Path) -> None:
+    """Read-only, LMDB cannot open a table a format 2 store lacks (heads): MDB_NOTFOUND, exit 1, for
+    inspect, verify and migrate --dry-run alike. It is an older ucm-db's store: exit 2 naming migrate."""
+    import shutil
+
+    source = tmp_path / "store"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "fixtures" / "stores" / "format2-lmdb", source)
+    before = tree(source)
+    with read_only_view(source, tmp_path / "ro") as view:
+        for command in (["inspect", view], ["verify", view], ["migrate", "--dry-run", view]):
+            error = invoke_json(*command, expect=2)["error"]
+            assert "older ucm-db" in error["message"] and "ucm-db migrate" in error["hint"], (command, error)
+    assert tree(source) == before

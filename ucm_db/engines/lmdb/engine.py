@@ -62,7 +62,7 @@ from typing import Any
 
 import lmdb
 
-from ucm_db.errors import TierError
+from ucm_db.errors import FormatVersionError, TierError
 from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.storelock import ensure_store_dir
@@ -384,12 +384,16 @@ def open_read_only(path: Path, max_readers: int) -> lmdb.Environment:
 def open_tables(env: lmdb.Environment, path: Path, *, create: bool) -> dict[str, Any]:
     """Opens the named tables, adopting a map that another process grew
     between our open and now (found by the crash loop: a reopen failed
-    with MDB_MAP_RESIZED while other processes were writing)."""
+    with MDB_MAP_RESIZED while other processes were writing). Read-only,
+    a missing table is an older ucm-db's store (format 2 had no heads)."""
     for _ in range(16):
         try:
             return {name: env.open_db(name.encode(), create=create) for name in TABLES}
         except lmdb.MapResizedError:
             env.set_mapsize(0)
+        except lmdb.NotFoundError as exc:
+            raise FormatVersionError(f"LMDB store at {path} lacks a table this ucm-db reads: an older ucm-db wrote it",
+                                     hint=f"run `ucm-db migrate {path.parent}` (on a writable copy if read-only)") from exc
         except lmdb.Error as exc:
             raise lmdb_error("Opening the tables of LMDB store", path, exc) from exc
     raise TierError(f"LMDB map of {path} keeps being resized by another process")
