@@ -604,3 +604,29 @@ def mounted_tmpfs(mount_point: Path, size_mib: int) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def put_until_refused(store: ucm_db.Store, keys: list[bytes], block_bytes: int) -> tuple[int, ucm_db.TierError]:
+    """Puts ``keys[1:]`` one block at a time onto ``keys[0]`` (stored
+    already) until a put is refused; returns the blocks acknowledged,
+    ``keys[0]`` included, and the refusal. Fails if none is refused."""
+    for i in range(1, len(keys)):
+        try:
+            store.put(NS, keys[i:i + 1], [payload_for(keys[i], block_bytes)], parent=keys[i - 1])
+        except ucm_db.TierError as refusal:
+            return i, refusal
+    raise AssertionError(f"all {len(keys)} puts were acknowledged")
+
+
+def put_once_taken_again(store: ucm_db.Store, keys: list[bytes], index: int, block_bytes: int, why: str,
+                         timeout_s: float = 30.0) -> None:
+    """Puts ``keys[index]`` (onto ``keys[index - 1]``), retrying while it is
+    refused, for at most ``timeout_s``; fails with ``why`` after that."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.put(NS, keys[index:index + 1], [payload_for(keys[index], block_bytes)], parent=keys[index - 1])
+            return
+        except ucm_db.TierError:
+            assert time.monotonic() < deadline, f"puts still refused {timeout_s:g} s after {why}"
+            time.sleep(0.05)

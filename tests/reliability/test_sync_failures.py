@@ -10,14 +10,13 @@ last sync that succeeded, and takes them again once a sync succeeds.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 import ucm_db
 
-from .harness import NS, chain_tokens, payload_for
+from .harness import NS, chain_tokens, payload_for, put_once_taken_again, put_until_refused
 from .powercut import PowerCutMount
 
 pytestmark = [pytest.mark.multiprocess]
@@ -35,12 +34,8 @@ def test_puts_are_refused_while_syncs_fail_and_resume_once_one_succeeds(tmp_path
             store.put(NS, keys[:1], [payload_for(keys[0], BLOCK_BYTES)])
             store.flush()
             mount.fail_syncs(True)
-            acknowledged = 1
-            with pytest.raises(ucm_db.TierError) as refused:
-                for i in range(1, len(keys)):
-                    store.put(NS, keys[i:i + 1], [payload_for(keys[i], BLOCK_BYTES)], parent=keys[i - 1])
-                    acknowledged += 1
-            assert "syncs fail" in str(refused.value) and "Input/output error" in str(refused.value), refused.value
+            acknowledged, refused = put_until_refused(store, keys, BLOCK_BYTES)
+            assert "syncs fail" in str(refused) and "Input/output error" in str(refused), refused
             unsynced_bytes = (acknowledged - 1) * BLOCK_BYTES
             assert 2 * BUDGET_BYTES <= unsynced_bytes <= 4 * BUDGET_BYTES, \
                 f"{acknowledged} puts acknowledged with every sync failing"
@@ -48,16 +43,8 @@ def test_puts_are_refused_while_syncs_fail_and_resume_once_one_succeeds(tmp_path
                 store.flush()  # an explicit sync fails too, and says so
             assert store.lookup(NS, keys) == acknowledged, "a refused put stores nothing"
 
-            mount.fail_syncs(False)
-            deadline = time.monotonic() + 30
-            while True:  # the background's next round syncs, and puts are taken again
-                try:
-                    store.put(NS, keys[acknowledged:acknowledged + 1], [payload_for(keys[acknowledged], BLOCK_BYTES)],
-                              parent=keys[acknowledged - 1])
-                    break
-                except ucm_db.TierError:
-                    assert time.monotonic() < deadline, "puts still refused 30 s after the disk took syncs again"
-                    time.sleep(0.05)
+            mount.fail_syncs(False)  # the background's next round syncs, and puts are taken again
+            put_once_taken_again(store, keys, acknowledged, BLOCK_BYTES, "the disk took syncs again")
             store.flush()
         mount.cut("drop", 1)  # the power loss: what was acknowledged and flushed is on the disk
         with ucm_db.open(tmp_path / "mnt" / "store", **OPTIONS) as store:

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,10 @@ from ucm_db.engines.lmdb.groupsync import RECORD_FILE, read_record
 from ucm_db.engines.lmdb.meta import read_meta_pages
 from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV
 
-from .harness import NS, chain_tokens, fork_call, kill_and_reap, payload_for, tail, wait_counter, write_counter
+from .harness import (
+    NS, chain_tokens, fork_call, kill_and_reap, payload_for, put_once_taken_again, put_until_refused, tail, wait_counter,
+    write_counter,
+)
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -185,22 +187,10 @@ def test_puts_are_refused_while_no_sync_can_be_recorded_and_resume_once_one_is(
                                       stdout=log, stderr=log)
         try:
             assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "holder.log")
-            acknowledged = 1
-            with pytest.raises(ucm_db.TierError, match="could not be recorded") as refused:
-                for i in range(1, len(keys)):
-                    store.put(NS, keys[i:i + 1], [payload_for(keys[i], block_bytes)], parent=keys[i - 1])
-                    acknowledged += 1
-            assert "puts are refused" in str(refused.value)
+            acknowledged, refused = put_until_refused(store, keys, block_bytes)
+            assert "could not be recorded" in str(refused) and "puts are refused" in str(refused), refused
             assert 2 * budget_bytes <= (acknowledged - 1) * block_bytes <= 4 * budget_bytes, acknowledged
         finally:
             kill_and_reap(holder.pid)
             holder.wait()
-        deadline = time.monotonic() + 30
-        while True:  # the next round records, and puts are taken again
-            try:
-                store.put(NS, keys[acknowledged:acknowledged + 1], [payload_for(keys[acknowledged], block_bytes)],
-                          parent=keys[acknowledged - 1])
-                break
-            except ucm_db.TierError:
-                assert time.monotonic() < deadline, "puts still refused 30 s after the record's lock was let go"
-                time.sleep(0.05)
+        put_once_taken_again(store, keys, acknowledged, block_bytes, "the record's lock was let go")  # the next round records
