@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ class StoreReads:
                 the store's ``remote_deadline_s`` (a lookup off the serving
                 path can wait longer).
         """
+        started_s = time.monotonic()  # one deadline for the whole call: first contact and fetch share it
         self._state.check_open()
         require_namespace(namespace, "lookup")
         # Checked: the first and last key and the O(log n) keys the binary
@@ -76,7 +78,9 @@ class StoreReads:
             return 0  # its epoch is unknown: nothing of it is served (store/epoch_gate.py)
         count = self._tier.count_prefix(ProbedKeys(keys), namespace_id=namespace.id)
         if remote and self._wing is not None and count < len(keys) and self._epochs.remote_ok(namespace, deadline_s):
-            count = self._wing.extend_prefix(namespace.id, keys, count, deadline_s)
+            left_s = deadline_s - (time.monotonic() - started_s)  # a first contact may have used most of it
+            if left_s > 0:
+                count = self._wing.extend_prefix(namespace.id, keys, count, left_s)
         return count
 
     def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
