@@ -73,6 +73,36 @@ def test_the_stores_errors_come_back_as_the_store_raises_them(tmp_path: Path) ->
         assert store.lookup(NS, list(keys)) == 2  # the delete took the chain's tail with it
 
 
+def test_every_error_keeps_its_public_class_message_and_hint(tmp_path: Path) -> None:
+    """docs/api.md: the commit process raises what Store.put_segments would. Every error but these two
+    came back as a TierError (an OSError: a caller retrying disk faults retried its own bad argument),
+    and every one with an empty hint."""
+    other = ucm_db.Namespace(model="committer-other", kv_dtype="bfloat16", block_size=4)
+    keys = NS.block_keys(list(range(16)))
+    with ucm_db.open(tmp_path / "s", **OPTIONS) as store, CommitProcess(tmp_path / "s", OPTIONS) as committer:
+        store.put(NS, keys, [b"x" * UNIT_BYTES] * 4)
+        buffer, _rows = _filled(committer, blocks=4, heads=1)
+        in_process = []
+        for call in (lambda: store.put_segments(other, [(keys, [b"y" * UNIT_BYTES] * 4)]),
+                     lambda: store.put_segments(NS, [(NS.block_keys(list(range(200, 216))), [b"y" * UNIT_BYTES] * 4)],
+                                                codec_name="lz4")):
+            with pytest.raises(ucm_db.UcmDbError) as raised:
+                call()
+            in_process.append(raised.value)
+        for expected, put in zip(in_process, (
+                lambda: committer.put_segments(other, [SharedChain(keys, buffer.id, 0, UNIT_BYTES, UNIT_BYTES)]),
+                lambda: committer.put_segments(NS, [SharedChain(NS.block_keys(list(range(200, 216))), buffer.id, 0,
+                                                                UNIT_BYTES, UNIT_BYTES)], codec_name="lz4"))):
+            with pytest.raises(ucm_db.UcmDbError) as raised:
+                put()
+            assert isinstance(raised.value, ConfigError) and not isinstance(raised.value, OSError), raised.value
+            assert str(raised.value) == str(expected) and raised.value.hint == expected.hint and expected.hint
+        with pytest.raises(MissingAncestorError) as missing:
+            committer.put_segments(NS, [SharedChain(NS.block_keys(list(range(300, 316)))[1:], buffer.id, 0, UNIT_BYTES,
+                                                    UNIT_BYTES)])
+        assert missing.value.hint == MissingAncestorError.default_hint
+
+
 def test_options_json_cannot_carry_and_stores_it_cannot_open_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="JSON values"):
         CommitProcess(tmp_path / "s", {"capacity_bytes": object()})

@@ -61,7 +61,7 @@ from typing import Any
 
 from ucm_db import cpu_placement
 from ucm_db.committer import wire
-from ucm_db.errors import CommitProcessError, ConfigError, MissingAncestorError, StoreFullError, TierError
+from ucm_db.errors import CommitProcessError, ConfigError
 from ucm_db.events import BlockEventFields, pack_event_fields
 from ucm_db.keys import BlockKeys, Namespace
 
@@ -220,12 +220,7 @@ class CommitProcess:
             reply = self._guard(lambda: wire.receive_reply(self._sock))
         if reply.status == wire.OK:
             return reply.wall_s, reply.cpu_s
-        # The child's text already ends in its error's hint.
-        if reply.status == wire.MISSING_ANCESTOR:
-            raise MissingAncestorError(reply.message, hint="")
-        if reply.status == wire.STORE_FULL:
-            raise StoreFullError(reply.message, hint="")
-        raise TierError(f"the commit process failed: {reply.message}", hint="")
+        raise wire.unpack_error(reply.message)  # the class, message and hint Store.put_segments raised there
 
     def _guard(self, action: Any) -> Any:
         """Runs one read or write on the socket; the child gone: marks it

@@ -93,13 +93,11 @@ def _answer(store: ucm_db.Store, buffers: dict[int, mmap.mmap], op: int, body: d
         else:
             store.delete(namespace, [bytes.fromhex(key) for key in body["keys"]])
     except MissingAncestorError as exc:
-        return _reply(wire.MISSING_ANCESTOR, started_s, started_cpu_s, str(exc))
+        return _reply(wire.MISSING_ANCESTOR, started_s, started_cpu_s, wire.pack_error(exc))
     except StoreFullError as exc:
-        return _reply(wire.STORE_FULL, started_s, started_cpu_s, str(exc))
-    except (UcmDbError, OSError) as exc:
-        return _reply(wire.FAILED, started_s, started_cpu_s, str(exc))
-    except Exception as exc:  # a malformed request is the parent's bug: answer it, keep serving
-        return _reply(wire.FAILED, started_s, started_cpu_s, f"{type(exc).__name__}: {exc}")
+        return _reply(wire.STORE_FULL, started_s, started_cpu_s, wire.pack_error(exc))
+    except Exception as exc:  # a store's error, or a malformed request (the parent's bug): answer it, keep serving
+        return _reply(wire.FAILED, started_s, started_cpu_s, wire.pack_error(exc))
     return _reply(wire.OK, started_s, started_cpu_s)
 
 

@@ -26,9 +26,13 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ucm_db import errors
+
 OPEN, MAP, FORGET, PUT, DELETE, CLOSE = 1, 2, 3, 4, 5, 6
 #: Reply statuses: the put or delete committed; it raised MissingAncestorError;
-#: StoreFullError; another ucm-db or OS error (its text in the message).
+#: StoreFullError; another ucm-db or OS error. A failure's message is
+#: :func:`pack_error`'s JSON: the parent raises the same public error class
+#: with the same message and hint (:func:`unpack_error`).
 OK, MISSING_ANCESTOR, STORE_FULL, FAILED = 0, 1, 2, 3
 _HEAD = struct.Struct("<BI")
 _REPLY = struct.Struct("<Bdd")
@@ -105,3 +109,33 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def pack_error(exc: BaseException) -> str:
+    """``exc`` as a failure reply's message: the nearest class of the public
+    hierarchy (:mod:`ucm_db.errors`: a ForeignNamespaceError travels as the
+    ConfigError it is), its message without the hint, and the hint. An
+    error outside the hierarchy (an OSError, a bug) travels as a TierError
+    naming its own class."""
+    public = next((c.__name__ for c in type(exc).__mro__
+                   if c.__module__ == errors.__name__ and issubclass(c, errors.UcmDbError)), None)
+    hint = getattr(exc, "hint", "") if public is not None else ""
+    text = str(exc)
+    suffix = f" (hint: {hint})"
+    message = text[: -len(suffix)] if hint and text.endswith(suffix) else text
+    if public is None:
+        message = f"the commit process failed: {type(exc).__name__}: {message}"
+    return json.dumps({"type": public or "TierError", "message": message, "hint": hint})
+
+
+def unpack_error(message: str) -> errors.UcmDbError:
+    """The error :func:`pack_error` packed (a TierError with the raw text
+    for a message it did not write)."""
+    try:
+        packed = json.loads(message)
+        kind = getattr(errors, packed["type"])
+        if not (isinstance(kind, type) and issubclass(kind, errors.UcmDbError)):
+            raise TypeError(packed["type"])
+        return kind(str(packed["message"]), hint=str(packed["hint"]))  # type: ignore[no-any-return]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return errors.TierError(f"the commit process failed: {message}", hint="")
