@@ -52,7 +52,7 @@ def test_a_scatter_load_under_another_namespace_loads_nothing(tmp_path: Path, mo
     payloads = [rng.integers(0, 1 << 16, 2 * FRAME_BYTES // 2, dtype=np.uint16).tobytes() for _ in range(BLOCKS)]
     keys = NS.block_keys(list(range(4 * BLOCKS)))
     layers = [np.zeros(FRAME_BYTES * BLOCKS, dtype=np.uint8) for _ in range(2)]
-    slabs = ScatterSlabs([memoryview(layer) for layer in layers], [FRAME_BYTES, FRAME_BYTES], list(range(BLOCKS)))
+    slabs = ScatterSlabs([layer.data for layer in layers], [FRAME_BYTES, FRAME_BYTES], list(range(BLOCKS)))
     with ucm_db.open(tmp_path / "s", codec=codec) as store:
         store.put(NS, keys, [Framed(p, (FRAME_BYTES, FRAME_BYTES)) for p in payloads])
         assert sum(map(bool, store.get_into(NS, keys, slabs))) == BLOCKS  # learns the blocks' raw tables

@@ -145,7 +145,7 @@ class StoreReads:
             decodes.join()
 
     def get_into(
-        self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer | list[Buffer] | tuple[Buffer, ...]],
+        self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer | list[Buffer] | tuple[Buffer, ...]] | ScatterSlabs,
         *, touch: bool = True,
     ) -> list[bool]:
         """Decodes blocks straight into caller-provided buffers.
