@@ -73,6 +73,23 @@ def test_the_stores_errors_come_back_as_the_store_raises_them(tmp_path: Path) ->
         assert store.lookup(NS, list(keys)) == 2  # the delete took the chain's tail with it
 
 
+def test_a_refused_put_stores_nothing(tmp_path: Path) -> None:
+    """docs/api.md: the commit process commits a call's units "in one transaction, as Store.put_segments
+    would": a refused call stores none of them, its segments that would fit included (audit U7: the
+    errors were checked, never what the store held after them)."""
+    with ucm_db.open(tmp_path / "s", **OPTIONS) as store, CommitProcess(tmp_path / "s", OPTIONS) as committer:
+        buffer, _rows = _filled(committer, blocks=4, heads=2)
+        first, second = NS.block_keys([0] * 16), NS.block_keys([1] * 16)
+        with pytest.raises(MissingAncestorError):  # the second segment's parent is not stored; the first's is a root
+            committer.put_segments(NS, [SharedChain(first, buffer.id, 0, 2 * UNIT_BYTES, UNIT_BYTES),
+                                        SharedChain(second[1:], buffer.id, UNIT_BYTES, 2 * UNIT_BYTES, UNIT_BYTES)])
+        big, large = committer.share(3 * (8 << 20) // 2), NS.block_keys(list(range(100, 108)))
+        with pytest.raises(StoreFullError):  # two blocks of 6 MiB in 8 MiB: the first alone would fit
+            committer.put_segments(NS, [SharedChain(large, big.id, 0, 6 << 20, 6 << 20)])
+        assert store.stats().blocks == 0
+        assert store.lookup(NS, list(first)) == 0 and store.lookup(NS, list(large)) == 0
+
+
 def test_every_error_keeps_its_public_class_message_and_hint(tmp_path: Path) -> None:
     """docs/api.md: the commit process raises what Store.put_segments would. Every error but these two
     came back as a TierError (an OSError: a caller retrying disk faults retried its own bad argument),

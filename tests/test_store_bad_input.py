@@ -28,6 +28,11 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "lookup, namespace None": lambda s: s.lookup(None, KEYS),
     "delete, namespace None": lambda s: s.delete(None, KEYS),
     "warm, namespace None": lambda s: s.warm(None, keys=[KEYS]),
+    # Audit F10: a TypeError before ('int' object is not iterable; a generator was not subscriptable).
+    "warm, keys an int": lambda s: s.warm(NS, keys=5),  # type: ignore[arg-type]
+    "warm, a bare key": lambda s: s.warm(NS, keys=KEYS[0]),
+    "warm, a chain of ints": lambda s: s.warm(NS, keys=[[1, 2]]),  # type: ignore[list-item]
+    "warm, a generator of short keys": lambda s: s.warm(NS, keys=(k[:8] for k in KEYS)),
     "put, BlockKeys parent int": lambda s: s.put(NS, BlockKeys(list(KEYS), parent=5), PAYLOADS),  # type: ignore[arg-type]
     "put, BlockKeys parent short": lambda s: s.put(NS, BlockKeys(list(KEYS), parent=b"short"), PAYLOADS),
     "put_segments, BlockKeys parent str": lambda s: s.put_segments(NS, [(BlockKeys(list(KEYS), parent="p"), PAYLOADS)]),  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from ucm_db.errors import (
     CommitProcessError,
     ConfigError,
     CorruptBlockError,
+    DamagedPageError,
     DamagedRecordError,
     FormatVersionError,
     LockedError,
@@ -39,7 +40,7 @@ PUBLIC_MODULES = (
 )
 
 __all__ = [
-    "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "CommitProcessError", "ConfigError", "CorruptBlockError", "DamagedRecordError", "EventInventory", "FormatVersionError", "Framed",
+    "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "CommitProcessError", "ConfigError", "CorruptBlockError", "DamagedPageError", "DamagedRecordError", "EventInventory", "FormatVersionError", "Framed",
     "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "PutResult",
     "ScatterSlabs", "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
 ]

@@ -76,8 +76,10 @@ class LockedError(TierError):
 class CorruptBlockError(UcmDbError, ValueError):
     """A stored block failed validation (header, length, key or checksum).
 
-    Raised only inside the codec; the store turns it into a miss and a
-    quarantine record, so callers of the store never see wrong bytes.
+    Reads never raise it: the store turns a corrupt block into a miss and a
+    quarantine record, so callers never see wrong bytes.
+    :meth:`ucm_db.Store.put_encoded` raises it for a blob that does not
+    verify under its key (nothing is written).
     """
 
     default_hint = "the block is quarantined and will be recomputed; run `ucm-db verify PATH` to check the rest"

@@ -5,7 +5,7 @@ read a store and then wrote to it die of SIGSEGV/SIGABRT (an LMDB assertion
 or a wild pointer), while ``inspect`` called the store healthy. The damage is
 made for real (a reachable leaf page of ``data.mdb`` zeroed in a copy of a
 store); the open, the reads and the put run in a subprocess, which must end
-with a :class:`~ucm_db.errors.TierError` at open, never by a signal.
+with a :class:`~ucm_db.DamagedPageError` (a TierError) at open, never by a signal.
 """
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ try:
                 pass
         store.put(NS, NS.block_keys(chain_tokens("new", 2)), [b"x" * 4000] * 2)
     print("served")
-except ucm_db.TierError as exc:
+except ucm_db.DamagedPageError as exc:  # docs/api.md names it: a public name (audit F9: an AttributeError here)
     print("refused:", exc)
+except ucm_db.TierError as exc:
+    print("another TierError:", type(exc).__name__, exc)
 """
 
 

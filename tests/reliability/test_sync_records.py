@@ -130,6 +130,48 @@ def test_an_epoch_bump_whose_record_another_process_holds_is_not_acknowledged(
         assert store.epoch(NS) > epoch, "the bump itself committed: only its acknowledgement was withheld"
 
 
+#: The explicit syncs besides the epoch bump (storage.md): each must raise while the record's lock is held.
+EXPLICIT_SYNCS = {
+    "flush": lambda store, keys: store.flush(),
+    "pin": lambda store, keys: store.pin(NS, keys),
+    "close": lambda store, keys: store.close(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(EXPLICIT_SYNCS))
+def test_a_flush_pin_or_close_whose_record_another_process_holds_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str,
+) -> None:
+    """Audit U3: only the epoch bump was checked. A flush, a pin or a close that
+    returned here would have a caller take commits a power loss undoes for durable."""
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
+    monkeypatch.setattr(groupsync, "RECORD_LOCK_WAIT_S", 0.3)
+    env_dir, ready = tmp_path / "s" / "lmdb", tmp_path / "ready"
+    store = ucm_db.open(tmp_path / "s", **GROUP)
+    try:
+        _put(store, "held-a")
+        store.flush()
+        recorded = read_record(env_dir)
+        assert recorded is not None
+        with open(tmp_path / "holder.log", "wb") as log:
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(env_dir / RECORD_FILE), str(ready)],
+                                      stdout=log, stderr=log)
+        try:
+            assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "holder.log")
+            _put(store, "held-b")  # a commit the record does not name yet
+            with pytest.raises(ucm_db.TierError, match="sync record's lock") as raised:
+                EXPLICIT_SYNCS[call](store, NS.block_keys(chain_tokens("held-b", 4)))
+            assert raised.value.hint and "synced-snapshot" in raised.value.hint
+            assert read_record(env_dir) == recorded
+        finally:
+            kill_and_reap(holder.pid)
+            holder.wait()
+    finally:
+        store.close()  # a close that raised has released the store already: this one does nothing
+    with ucm_db.open(tmp_path / "s", **GROUP) as again:  # same boot: a process crash, nothing rolled back
+        assert again.lookup(NS, NS.block_keys(chain_tokens("held-b", 4))) == 4
+
+
 def _bump_then_wait(store_path: Path, ready: Path) -> None:
     """Child: puts and flushes (recorded), bumps the epoch with every raced
     copy of its meta page lost, puts again unsynced, publishes the new

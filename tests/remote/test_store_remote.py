@@ -100,6 +100,19 @@ def test_write_through_uploads_before_put_returns(remote: Remote, tmp_path: Path
         assert set(_remote_objects(remote, namespace)) == set(keys)
 
 
+@pytest.mark.parametrize("remote", ["file"], indirect=True)
+def test_objects_lie_where_remote_md_says(remote: Remote, tmp_path: Path, namespace) -> None:
+    """docs/remote.md: ROOT/<namespace short id>/<key[0] hex>/<key hex>, a manifest.json beside (audit F6:
+    the page said the namespace id, 32 hex digits; the tests built paths with the code's own helper)."""
+    keys, payloads = chain(namespace, 2)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options(remote_mode="write_through")) as store:
+        store.put(namespace, keys, payloads)
+    root = Path(remote.url.removeprefix("file://"))
+    assert len(namespace.short_id) == 16 and (root / namespace.short_id / "manifest.json").is_file()
+    for key in keys:
+        assert (root / namespace.short_id / key[:1].hex() / key.hex()).is_file()
+
+
 def test_warm_reports_local_fetched_missing(remote: Remote, tmp_path: Path, namespace) -> None:
     keys, payloads = chain(namespace, 16, seed=1)
     with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
@@ -136,6 +149,20 @@ def test_warm_needs_input(tmp_path: Path, namespace) -> None:
             store.warm(namespace)
         report = store.warm(namespace, keys=chain(namespace, 3)[0])
         assert (report.already_local, report.fetched, report.missing) == (0, 0, 3)
+
+
+def test_warm_reads_iterators_of_keys_and_of_chains(remote: Remote, tmp_path: Path, namespace) -> None:
+    """docs/api.md: iterators of keys are read, never silently consumed (audit F10: a TypeError before)."""
+    keys, payloads = chain(namespace, 6, seed=2)
+    with ucm_db.open(tmp_path / "a", capacity_bytes=CAP, **remote.store_options()) as node_a:
+        node_a.put(namespace, keys, payloads)
+        node_a.flush()
+    with ucm_db.open(tmp_path / "b", capacity_bytes=CAP, **remote.store_options()) as node_b:
+        report = node_b.warm(namespace, keys=(key for key in keys[:3]))
+        assert (report.already_local, report.fetched, report.missing) == (0, 3, 0)
+        again = node_b.warm(namespace, keys=iter([iter(keys)]))
+        assert (again.already_local, again.fetched, again.missing) == (3, 3, 0)
+        assert node_b.get(namespace, keys) == payloads
 
 
 def test_eviction_before_upload_drops_queue_rows(tmp_path: Path, namespace) -> None:

@@ -15,8 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import ucm_db
-from ucm_db.maintenance import compact, verify
+from ucm_db.maintenance import compact, evict_to_bytes, verify
 from ucm_db.migrations.access import open_engine
 from ucm_db.index.entries import BlockMeta, lru_key
 
@@ -354,3 +356,26 @@ def test_events_of_a_store_with_a_damaged_format_version_is_an_error(tmp_path: P
     edit(path, lambda txn: txn.put("info", b"format_version", b"zz"))
     result = CliRunner().invoke(cli, ["events", str(path)])
     assert result.exit_code == 1 and "verify --fix" in result.output + (result.stderr or "")
+
+
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
+def test_evict_to_bytes_of_a_store_with_a_damaged_format_version_is_a_damaged_record_error(tmp_path: Path, engine: str) -> None:
+    """Audit F4: evict_to_bytes said "format -1, run `ucm-db migrate`" (a FormatVersionError), and migrate
+    refuses a damaged record. It raises what open raises for it, and evicts nothing."""
+    path = tmp_path / "s"
+    ns = ucm_db.Namespace(model="fmt", kv_dtype="bfloat16", block_size=4)
+    keys = ns.block_keys(list(range(8)))
+    ucm_db.open(path, engine=engine).close()
+    with ucm_db.open(path) as store:
+        store.put(ns, keys, [b"a" * 64, b"b" * 64])
+    edit(path, lambda txn: txn.put("info", b"format_version", b"zz"))
+    with pytest.raises(ucm_db.DamagedRecordError) as opened:
+        ucm_db.open(path)
+    with pytest.raises(ucm_db.DamagedRecordError) as evicting:
+        evict_to_bytes(path, 64)
+    assert str(evicting.value) == str(opened.value) and "migrate" not in evicting.value.hint
+    engine_of = open_engine(path)
+    try:
+        assert engine_of.read(lambda txn: txn.get("meta", keys[1])) is not None  # nothing evicted
+    finally:
+        engine_of.close()

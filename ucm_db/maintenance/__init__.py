@@ -62,7 +62,9 @@ from ucm_db.arguments import (
     require_count, require_limit, require_namespace_selectors, require_remote_url, require_token_sequences,
 )
 from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError
-from ucm_db.format import STORE_FORMAT_VERSION, restorable_format_version, write_format_version
+from ucm_db.format import (
+    STORE_FORMAT_VERSION, check_format_version, read_format_version, restorable_format_version, write_format_version,
+)
 from ucm_db.store import epochs
 from ucm_db.maintenance.event_replay import iter_event_lines, iter_events
 from ucm_db.maintenance.inspection import BlockInfo, inspect_view, iter_blocks as _iter_view_blocks, namespace_rows
@@ -165,12 +167,19 @@ def _restore_format_version(path: Path) -> None:
 
 def evict_to_bytes(path: str | Path, target_bytes: int, progress: ProgressFn | None = None) -> int:
     """Evicts least recently used blocks of the store at ``path`` until at
-    most ``target_bytes`` are stored; returns blocks evicted."""
+    most ``target_bytes`` are stored; returns blocks evicted.
+
+    Raises:
+        DamagedRecordError: the format version record is damaged (as every
+            other door raises it: ``migrate`` cannot help there).
+        FormatVersionError: the store has another format.
+    """
     if target_bytes < 0:
         raise ConfigError(f"target_bytes must be >= 0, got {target_bytes}", hint="pass a size in bytes")
     with open_view(path, writable=True) as view:
         if not view.current_format:
-            raise FormatVersionError(f"store at {path} has format {view.format_version}", hint=f"run `ucm-db migrate {path}` first")
+            # The view reads a damaged record as format -1; reading it again raises what open and compact raise.
+            check_format_version(read_format_version(view.engine), Path(path))
         return evict_to(view.tier, target_bytes, progress)
 
 

@@ -9,8 +9,8 @@ each survivor's verified envelope (one small ranged read per object).
 Temp files of crashed uploads older than an hour are removed as well.
 
 Only what ucm-db wrote is ever touched (:func:`list_objects`): paths of its
-own layout, ``ROOT/<namespace id: 16 hex>/<key[0]: 2 hex>/<key: 64 hex>``
-(temp files: ``ROOT/<namespace id>/[<key[0]>/].tmp-*``), under a namespace
+own layout, ``ROOT/<namespace short id: 16 hex>/<key[0]: 2 hex>/<key: 64 hex>``
+(temp files: ``ROOT/<namespace short id>/[<key[0]>/].tmp-*``), under a namespace
 directory whose ``manifest.json`` is ucm-db's (names that namespace id),
 and, for an object, whose first bytes are a ucm-db object's (the envelope's
 magic; one ranged read of the head per object). Anything else under the

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ucm_db.arguments import require_namespace_selectors
+from ucm_db.arguments import key_list, require_namespace_selectors
 from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.remote.link import RemoteLink
@@ -51,7 +51,7 @@ class WarmReport:
     """What a warming run did.
 
     Attributes:
-        already_local: blocks that were local before warming.
+        already_local: blocks stored locally under the namespace before warming.
         fetched: blocks fetched from the remote and promoted.
         missing: blocks neither local nor fetchable (absent, corrupt, or
             after such a block in their chain).
@@ -147,7 +147,7 @@ def remote_namespaces(url: str, options: dict[str, Any] | None = None) -> Remote
 def chains_of(
     namespace: Namespace,
     token_sequences: Sequence[Sequence[int]] | None,
-    keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None,
+    keys: Iterable[bytes] | Iterable[Iterable[bytes]] | None,
     epoch: int = 0,
 ) -> list[list[bytes]]:
     """Key chains to warm: one per token sequence, rooted at the namespace's
@@ -156,16 +156,24 @@ def chains_of(
     if token_sequences is None and keys is None:
         raise ConfigError("warm needs token_sequences= or keys=", hint="pass the prompts' token ids, or block keys")
     chains: list[list[bytes]] = [namespace.block_keys(tokens, epoch=epoch) for tokens in token_sequences or []]
-    if keys:
-        if isinstance(keys[0], (bytes, bytearray)):
-            chains.append([bytes(k) for k in keys])  # type: ignore[arg-type]
-        else:
-            chains.extend([bytes(k) for k in chain] for chain in keys)  # type: ignore[union-attr]
-    for chain in chains:
-        for key in chain:
-            if len(key) != 32:
-                raise ConfigError(f"block keys are 32 bytes, got {len(key)}", hint="use Namespace.block_keys")
+    if keys is not None:
+        chains.extend(_key_chains(keys))
     return [chain for chain in chains if chain]
+
+
+def _key_chains(keys: Any) -> list[list[bytes]]:
+    """``warm``'s ``keys=`` as chains: one chain of keys, or chains of keys.
+    Iterators (of keys or of chains) are read, never silently consumed; a
+    malformed key or chain is a ConfigError (:func:`ucm_db.arguments.key_list`)."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Iterable):
+        raise ConfigError(f"warm takes keys= as a list of block keys or a list of chains, got {type(keys).__name__}",
+                          hint="pass Namespace.block_keys(tokens), or a list of such chains")
+    items = keys if isinstance(keys, Sequence) else list(keys)
+    if not items:
+        return []
+    if isinstance(items[0], (bytes, bytearray, memoryview)):
+        return [list(map(bytes, key_list(items, "warm")))]
+    return [list(map(bytes, key_list(chain, "warm"))) for chain in items]
 
 
 def warm(
@@ -174,7 +182,7 @@ def warm(
     namespace: Namespace,
     *,
     token_sequences: Sequence[Sequence[int]] | None = None,
-    keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None = None,
+    keys: Iterable[bytes] | Iterable[Iterable[bytes]] | None = None,
     progress: WarmProgress | None = None,
     epoch: int = 0,
 ) -> WarmReport:
@@ -187,9 +195,9 @@ def warm(
             ``already_local`` and ``missing``.
         namespace: the chains' namespace.
         token_sequences: prompts' token ids (full blocks only count).
-        keys: block keys: one chain, or a list of chains. A chain that does
-            not start at a chain root warms only if its first block's parent
-            is local.
+        keys: block keys: one chain, or a list of chains (an iterator of
+            either is read). A chain that does not start at a chain root
+            warms only if its first block's parent is local.
         progress: called as ``progress(done, total)`` in blocks.
         epoch: the namespace's epoch (:meth:`ucm_db.Store.epoch`), at which
             ``token_sequences`` are keyed: :meth:`ucm_db.Store.warm` passes
@@ -204,7 +212,7 @@ def warm(
     counts = {"already_local": 0, "fetched": 0, "missing": 0, "bytes": 0}
     done = 0
     for chain in chains:
-        local_n = tier.count_prefix(chain)
+        local_n = tier.count_prefix(chain, namespace_id=namespace.id)  # another namespace's blocks are not this one's
         counts["already_local"] += local_n
         done += local_n
         fetched, nbytes = _warm_chain(tier, link, namespace, chain, local_n, lambda n: _tick(progress, done + n, total))

@@ -41,13 +41,14 @@ Invariants:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORMAT_VERSION and friends
     CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
 from ucm_db.arguments import UNSET, Unset, require_namespace
+from ucm_db.codec.slabs import ScatterSlabs
 from ucm_db.keys import Namespace
 from ucm_db.stats import NamespaceStats, StoreStats
 from ucm_db.store.feed import StoreFeed
@@ -171,7 +172,7 @@ class Store:
 
     @_doc(StoreReads.get_into)
     def get_into(
-        self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer | list[Buffer] | tuple[Buffer, ...]],
+        self, namespace: Namespace, keys: Sequence[bytes], buffers: Sequence[Buffer | list[Buffer] | tuple[Buffer, ...]] | ScatterSlabs,
         *, touch: bool = True,
     ) -> list[bool]:
         return self._reads.get_into(namespace, keys, buffers, touch=touch)
@@ -249,7 +250,7 @@ class Store:
         namespace: Namespace,
         *,
         token_sequences: Sequence[Sequence[int]] | None = None,
-        keys: Sequence[bytes] | Sequence[Sequence[bytes]] | None = None,
+        keys: Iterable[bytes] | Iterable[Iterable[bytes]] | None = None,
         progress: WarmProgress | None = None,
     ) -> WarmReport:
         """Pulls what the remote has of these chains into the local tier

@@ -16,7 +16,7 @@ Invariants:
     * :func:`check_pages_at_open` runs before a store's environment is
       mapped: a branch or leaf page that would crash this process (an LMDB
       assertion, a wild pointer: SIGABRT/SIGSEGV) is a
-      :class:`~ucm_db.errors.TierError` naming it, found by a child process.
+      :class:`~ucm_db.errors.DamagedPageError` naming it, found by a child process.
       Damage that appears after the open, under a running process that
       maps the file, is out of its reach (RELIABILITY.md). An open whose
       file is in the state its ledger vouches for, in this boot, skips the
@@ -307,5 +307,5 @@ def check_pages_at_open(env_dir: Path, *, lock: bool) -> bool:
     except _Unchecked:
         return False
     if problem is not None:
-        raise TierError(f"LMDB store {env_dir} has damaged pages: {problem}", hint=damaged_hint(env_dir.parent))
+        raise DamagedPageError(f"LMDB store {env_dir} has damaged pages: {problem}", hint=damaged_hint(env_dir.parent))
     return True
