@@ -40,8 +40,11 @@ def _payload(i: int) -> bytes:
 
 @pytest.fixture
 def damaged(tmp_path: Path) -> Path:
-    path = tmp_path / "s"
-    with ucm_db.open(path, codec="none") as store:
+    return _damaged_store(tmp_path / "s")
+
+
+def _damaged_store(path: Path, **options: object) -> Path:
+    with ucm_db.open(path, codec="none", **options) as store:
         store.put(NS, _keys(), [_payload(i) for i in range(BLOCKS)])
     data = path / "lmdb" / "data.mdb"
     raw = bytearray(data.read_bytes())
@@ -113,3 +116,28 @@ def test_compact_carries_on_over_an_unreadable_body(damaged: Path) -> None:
         assert store.get(NS, keys[:DAMAGED]) == [_payload(i) for i in range(DAMAGED)]
         store.put(NS, keys, [_payload(i) for i in range(BLOCKS)])
         assert store.lookup(NS, keys) == BLOCKS
+
+
+def test_a_put_whose_eviction_reaches_the_block_goes_through(tmp_path: Path) -> None:
+    """Every put whose eviction reached the damaged block failed with DamagedPageError, 3 tries of 3, until
+    something read that block or `verify --fix` ran: the cache stopped taking saves. The eviction now sets
+    the block aside (quarantined, its payload stuck) and the put goes through."""
+    keys = _keys()
+    damaged = _damaged_store(tmp_path / "s", capacity_bytes=1 << 20)
+    blocks = (1 << 20) // BODY_BYTES - 1  # a chain filling most of the capacity: every block before it must go
+    with ucm_db.open(damaged) as store:
+        other = NS.block_keys(list(range(5000, 5000 + blocks * NS.block_size)))
+        result = store.put(NS, other, [_payload(100 + i) for i in range(blocks)])
+        assert result.stored == blocks and result.evicted >= DAMAGED
+        assert store.get(NS, other) == [_payload(100 + i) for i in range(blocks)]
+        assert store.lookup(NS, keys) == 0
+        assert keys[DAMAGED] in store._tier.quarantine_records()
+        assert store._tier.check() == []
+
+
+def test_evict_to_bytes_sets_the_block_aside_and_carries_on(damaged: Path) -> None:
+    from ucm_db.maintenance import evict_to_bytes
+
+    assert evict_to_bytes(damaged, 0) >= DAMAGED  # the blocks above the damaged one; it went to quarantine with its subtree
+    with ucm_db.open(damaged) as store:
+        assert store.lookup(NS, _keys()) == 0 and store._tier.check() == []

@@ -46,11 +46,13 @@ from ucm_db import codec
 from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.index import pins
 from ucm_db.index.accounting import Changes, Totals
-from ucm_db.engines.base import Buffer, Engine, Txn
+from ucm_db.engines.base import Buffer, Engine, T, Txn
 from ucm_db.index.entries import BlockMeta, DamagedMeta, TierLimits, body_of, lru_key
 from ucm_db.index.removal import detach, remove_tree
 
 logger = logging.getLogger("ucm_db")
+#: Damaged blocks one evicting write sets aside before it gives up (:meth:`Damage.write_evicting`).
+EVICTION_REPAIRS = 8
 #: ``still_corrupt(head, body)``: re-checks a block inside the write transaction.
 Recheck = Callable[[memoryview, memoryview], bool]
 
@@ -106,13 +108,36 @@ class Damage:
             return delete()
         except TierError:
             before = self.engine.read(Totals.read_or_recompute).blocks
-            bad = self.engine.read(lambda txn: _unreadable_in_trees(txn, keys, namespace_id))
-            if not bad:
+            if not self.set_aside_unfreeable(keys, namespace_id):
                 raise
-            for key in bad:
-                self.quarantine(key, "its payload could not be deleted (a damaged page)", lambda _head, _body: True)
             delete()
             return before - self.engine.read(Totals.read_or_recompute).blocks
+
+    def write_evicting(self, run: Callable[[Txn], T], victims: list[bytes]) -> T:
+        """``run`` in a write transaction that may evict, each victim appended
+        to ``victims`` before it is removed. Where it fails on a payload the
+        engine cannot free (a damaged page under the block being evicted,
+        ``victims[-1]``), that tree's unreadable blocks are set aside
+        (:meth:`set_aside_unfreeable`) and ``run`` runs again, at most
+        :data:`EVICTION_REPAIRS` times: one damaged block must not fail every
+        put whose eviction reaches it (a damaged block is a miss, never a wedge)."""
+        for repairs in range(EVICTION_REPAIRS + 1):
+            try:
+                return self.engine.write(run)
+            except DamagedPageError:
+                if not victims or repairs == EVICTION_REPAIRS or not self.set_aside_unfreeable(victims[-1:]):
+                    raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def set_aside_unfreeable(self, keys: Sequence[bytes], namespace_id: bytes | None = None) -> bool:
+        """Quarantines the blocks under ``keys`` (of ``namespace_id``) whose
+        payload does not decode, leaving each payload a stuck entry: what a
+        removal that failed on a damaged page (a delete, an eviction) needs
+        before it can run again. Returns whether there were any."""
+        bad = self.engine.read(lambda txn: _unreadable_in_trees(txn, keys, namespace_id))
+        for key in bad:
+            self.quarantine(key, "its payload could not be deleted (a damaged page)", lambda _head, _body: True)
+        return bool(bad)
 
     def _quarantine_in(self, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool) -> bool:
         """One quarantine transaction (:meth:`quarantine`); with

@@ -118,8 +118,10 @@ class IndexWriter:
             StoreFullError: the batch alone exceeds the capacity.
         """
         limits = self.limits
+        victims: list[bytes] = []  # this attempt's eviction victims (Damage.write_evicting)
 
         def run(txn: Txn) -> tuple[PutResult, list[BlockEntry]]:
+            victims.clear()
             if guard is not None:
                 guard(txn)
             changes = Changes(txn)
@@ -165,11 +167,11 @@ class IndexWriter:
             if pending is not None:
                 self._apply_activity(txn, changes, pending)
             protected = _PutProtection(txn, entries, in_batch.union(protect) if protect else in_batch, protect)
-            result.evicted = self._evict_over_capacity(txn, changes, protected=protected)
+            result.evicted = self._evict_over_capacity(txn, changes, protected=protected, victims=victims)
             changes.commit()
             crashpoint("local.before_commit")
             return result, new
-        result, new = self.engine.write(run)
+        result, new = self.damage.write_evicting(run, victims)
         if stored is not None:
             stored.extend(new)
         return result
@@ -192,7 +194,7 @@ class IndexWriter:
             damage.restore_link(txn, entry.parent, parent_meta.parent)
         return parent_meta.depth
 
-    def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: _PutProtection) -> int:
+    def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: _PutProtection, victims: list[bytes]) -> int:
         """Evicts LRU chain tails until the totals fit the capacity, never a
         ``protected`` block (a put's batch and the blocks of its call stored
         already). Their ancestors need no listing: in an intact index every
@@ -211,7 +213,7 @@ class IndexWriter:
                 caller's transaction then writes nothing.
         """
         capacity_bytes = self.limits.capacity_bytes
-        evicted = self._evict_tails(txn, changes, capacity_bytes, protected)
+        evicted = self._evict_tails(txn, changes, capacity_bytes, protected, victims=victims)
         if changes.totals.stored_bytes > capacity_bytes:
             pinned = pins.pinned_bytes(txn, changes)
             raise StoreFullError(
@@ -227,23 +229,29 @@ class IndexWriter:
         most ``target_bytes`` are stored or about ``max_blocks`` went; returns
         blocks evicted (counted in the totals' evictions). A maintenance
         primitive (``compact``'s eviction)."""
+        victims: list[bytes] = []
+
         def run(txn: Txn) -> int:
+            victims.clear()
             changes = Changes(txn)
-            evicted = self._evict_tails(txn, changes, target_bytes, None, max_blocks)
+            evicted = self._evict_tails(txn, changes, target_bytes, None, max_blocks, victims=victims)
             changes.commit()
             return evicted
-        return self.engine.write(run)
+        return self.damage.write_evicting(run, victims)
 
     def _evict_tails(self, txn: Txn, changes: Changes, target_bytes: int, protected: _PutProtection | None,
-                     max_blocks: int | None = None) -> int:
+                     max_blocks: int | None = None, *, victims: list[bytes] | None = None) -> int:
         """Evicts unprotected LRU chain tails (with their descendants) until at
         most ``target_bytes`` are stored, about ``max_blocks`` went, or none
-        is left; returns blocks evicted (counted in the totals' evictions)."""
+        is left; returns blocks evicted (counted in the totals' evictions).
+        Each victim is appended to ``victims`` before it is removed."""
         evicted = 0
         while changes.totals.stored_bytes > target_bytes and (max_blocks is None or evicted < max_blocks):
             victim = self._oldest_tail(txn, changes, protected)
             if victim is None:
                 break
+            if victims is not None:
+                victims.append(victim)
             count = self._remove_tree(txn, changes, victim)
             evicted += count
             changes.totals.evictions += count

@@ -76,7 +76,7 @@ def evict_to(tier: LocalTier, target_bytes: int, progress: ProgressFn | None = N
         if stored <= target_bytes:
             break
         count = tier.evict_lru(max(target_bytes, stored - step_bytes), max_blocks)
-        if count == 0:  # nothing left to evict
+        if count == 0 and tier.totals().stored_bytes >= stored:  # nothing left to evict (a damaged block set aside is progress)
             break
         evicted += count
         if progress is not None:
