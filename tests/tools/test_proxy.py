@@ -28,21 +28,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ucm_db import ConfigError
 from ucm_db.tools.proxy import build_app, main, parse_urls, prefill_body
+from ucm_db.tools.proxy_request import merge_params
 
 PARAMS = {"ucm_db": {"version": 1, "blocks": 3}}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-class _Served:
+class Served:
     """An ASGI app on a real port, in a thread."""
 
     def __init__(self, app: Any) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -58,7 +59,7 @@ class _Served:
         self.thread.join(10)
 
 
-def _upstream(name: str, seen: list[tuple[str, str, dict[str, Any]]]) -> FastAPI:
+def recording_upstream(name: str, seen: list[tuple[str, str, dict[str, Any]]]) -> FastAPI:
     """A recording stand-in of a vLLM server: answers with its name and,
     like a kv_producer, with kv_transfer_params."""
     app = FastAPI()
@@ -66,10 +67,18 @@ def _upstream(name: str, seen: list[tuple[str, str, dict[str, Any]]]) -> FastAPI
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
     async def complete(request: Request) -> Any:
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            # vLLM's OpenAI server refuses any other body (a 400 "Unsupported Media Type" there)
+            return JSONResponse({"error": {"message": "Unsupported Media Type: Only 'application/json' is allowed"}},
+                                status_code=400)
         body = await request.json()
         seen.append((name, request.url.path, body))
         if body.get("prompt") == "bad":
             return JSONResponse({"error": {"message": "bad prompt"}}, status_code=400)
+        if (body.get("min_tokens") or 0) > (body.get("max_completion_tokens") or body.get("max_tokens") or 16):
+            # vLLM's own check (SamplingParams._verify_args), a 400 there too
+            message = f"min_tokens must be less than or equal to max_tokens={body.get('max_tokens')}, got {body['min_tokens']}."
+            return JSONResponse({"error": {"message": message}}, status_code=400)
         if body.get("stream"):
             async def events() -> Any:
                 for i in range(3):
@@ -92,13 +101,13 @@ def _upstream(name: str, seen: list[tuple[str, str, dict[str, Any]]]) -> FastAPI
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
     seen: list[tuple[str, str, dict[str, Any]]] = []
-    servers = {name: _Served(_upstream(name, seen)) for name in ("p0", "p1", "d0", "d1")}
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    servers = {name: Served(recording_upstream(name, seen)) for name in ("p0", "p1", "d0", "d1")}
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proxies = {
-        "two_each": _Served(build_app([servers["p0"].url, servers["p1"].url], [servers["d0"].url, servers["d1"].url], 30)),
-        "prefill_down": _Served(build_app([dead], [servers["d0"].url], 30)),
-        "decode_down": _Served(build_app([servers["p0"].url], [dead], 30)),
-        "one_decode_down": _Served(build_app([servers["p0"].url], [dead, servers["d1"].url], 30)),
+        "two_each": Served(build_app([servers["p0"].url, servers["p1"].url], [servers["d0"].url, servers["d1"].url], 30)),
+        "prefill_down": Served(build_app([dead], [servers["d0"].url], 30)),
+        "decode_down": Served(build_app([servers["p0"].url], [dead], 30)),
+        "one_decode_down": Served(build_app([servers["p0"].url], [dead, servers["d1"].url], 30)),
     }
     yield {"seen": seen, "servers": servers, "proxies": proxies, "dead": dead}
     for served in [*proxies.values(), *servers.values()]:
@@ -196,9 +205,36 @@ def test_urls_and_prefill_body() -> None:
         with pytest.raises(ConfigError) as err:
             parse_urls(bad, "decode")
         assert "--decode" in str(err.value)
-    body = {"prompt": "p", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 50, "n": 2}
+    body = {"prompt": "p", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 50, "n": 2,
+            "min_tokens": 5}
     assert prefill_body(body) == {"prompt": "p", "max_tokens": 1, "n": 1}
-    assert body["stream"] is True  # the caller's body is untouched
+    assert body["stream"] is True and body["min_tokens"] == 5  # the caller's body is untouched
+
+
+def test_min_tokens_reaches_decode_not_prefill(cluster: dict[str, Any]) -> None:
+    """vLLM refuses min_tokens > max_tokens: the one-token prefill request
+    drops it (it was a 400 for a request vLLM serves directly), decode keeps it."""
+    for path, body in (("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 20, "min_tokens": 5}),
+                       ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_completion_tokens": 9, "min_tokens": 3, "stream": True})):
+        response = _post(cluster, "two_each", body, path)
+        assert response.status_code == 200 and response.headers["x-ucm-db-prefill"] == "ok", response.text
+        (_, _, p_body), (_, _, d_body) = cluster["seen"]
+        assert "min_tokens" not in p_body and d_body["min_tokens"] == body["min_tokens"]
+
+
+def test_the_clients_kv_transfer_params_are_merged_with_the_publication(cluster: dict[str, Any]) -> None:
+    """The client's controls (load, max_load_tokens) and other connectors'
+    keys reach decode; the producer's publication wins a field both name."""
+    mine = {"ucm_db": {"load": False, "max_load_tokens": 0, "blocks": 99}, "OtherConnector": {"k": 1}}
+    response = _post(cluster, "two_each", {"model": "m", "prompt": "x", "max_tokens": 3, "kv_transfer_params": mine})
+    assert response.status_code == 200
+    (_, _, p_body), (_, _, d_body) = cluster["seen"]
+    assert p_body["kv_transfer_params"] == mine  # the prefill gets the client's own
+    assert d_body["kv_transfer_params"] == {"ucm_db": {"load": False, "max_load_tokens": 0, **PARAMS["ucm_db"]},
+                                            "OtherConnector": {"k": 1}}
+    assert merge_params("not an object", PARAMS) == PARAMS and merge_params(None, PARAMS) == PARAMS
+    assert merge_params({"ucm_db": 5}, PARAMS) == PARAMS
 
 
 def test_command_line() -> None:
