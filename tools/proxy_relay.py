@@ -47,6 +47,10 @@ logger = logging.getLogger("ucm_db.proxy")
 PREFILL_ANSWER_MAX_BYTES = 16 << 20
 #: Where SSE events end (a blank line, in any of SSE's line endings).
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+_LONGEST_END = max(map(len, _EVENT_ENDS))
+#: The longest event relayed; a stream past it without an event end is cut with an error event (each chunk
+#: is scanned once, but the pending bytes are the proxy's memory).
+MAX_EVENT_BYTES = 16 << 20
 
 
 def error_response(status: int, message: str, kind: str = "proxy_error",
@@ -222,17 +226,23 @@ class RelayResponse(StreamingResponse):
 
 async def relay(upstream: httpx.Response, url: str, timeout_s: float, events: bool = True) -> AsyncIterator[bytes]:
     """The upstream's stream, whole events at a time; a break ends it with an error event."""
-    pending = b""
+    pending = bytearray()
     try:
         async for chunk in upstream.aiter_bytes():
             if not events:
                 yield chunk
                 continue
+            searched = max(0, len(pending) - _LONGEST_END + 1)  # only the new bytes (and a separator's start before them)
             pending += chunk
-            end = max(pending.rfind(sep) + len(sep) if sep in pending else 0 for sep in _EVENT_ENDS)
+            end = max((pending.rfind(sep, searched) + len(sep) for sep in _EVENT_ENDS if pending.find(sep, searched) >= 0),
+                      default=0)
             if end:
-                yield pending[:end]
-                pending = pending[end:]
+                yield bytes(pending[:end])
+                del pending[:end]
+            elif len(pending) > MAX_EVENT_BYTES:  # no event end in sight: not a stream of events a client can take
+                logger.warning("ucm-db proxy: decode stream from %s sent %d bytes without ending an event", url, len(pending))
+                yield sse_error(502, f"decode stream from {url} sent an event over {MAX_EVENT_BYTES >> 20} MiB")
+                return
     except httpx.HTTPError as exc:
         if isinstance(exc, httpx.TimeoutException):
             reason, status = f"nothing for --timeout-s {timeout_s:g} s", 504
@@ -243,7 +253,7 @@ async def relay(upstream: httpx.Response, url: str, timeout_s: float, events: bo
         yield sse_error(status, f"decode stream from {url} broke midway: {reason}")
         return
     if pending:
-        yield pending
+        yield bytes(pending)
 
 
 def sse_error(status: int, message: str) -> bytes:

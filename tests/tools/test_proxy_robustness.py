@@ -373,3 +373,35 @@ def test_proxy_limits_are_checked() -> None:
     for bad in ({"timeout_s": float("nan")}, {"prefill_timeout_s": float("inf")}, {"max_connections": 0}):
         with pytest.raises(ConfigError):
             ProxyLimits(**bad)
+
+
+def test_a_long_event_is_relayed_whole_in_linear_time_and_an_endless_one_is_cut(world: dict[str, Any]) -> None:
+    """The relay rescanned every pending byte at each chunk: one 16 MiB event in 4 KiB chunks took
+    121 s of the proxy's only event loop (quadratic), with no bound on what it held."""
+    from ucm_db.tools.proxy_relay import MAX_EVENT_BYTES
+
+    def stream_of(event_bytes: int, end: bool) -> Any:
+        async def answer(request: Request, body: dict[str, Any]) -> Response:
+            async def events() -> Any:
+                yield b"data: " + b"x" * 10
+                for _ in range(event_bytes // 4096):
+                    yield b"x" * 4096
+                if end:
+                    yield b"\n\ndata: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return answer
+
+    long_event = world["fake"](stream_of(8 << 20, end=True))
+    endless = world["fake"](stream_of(MAX_EVENT_BYTES + (1 << 20), end=False))
+    streamed = {"model": "m", "prompt": "x", "max_tokens": 3, "stream": True}
+    for decode, whole in ((long_event, True), (endless, False)):
+        proxy = world["proxy"]([world["p"]], [decode.url])
+        started = time.monotonic()
+        with httpx.stream("POST", proxy + "/v1/completions", json=streamed, timeout=60) as response:
+            text = response.read()
+        elapsed_s = time.monotonic() - started
+        assert elapsed_s < 20, f"{elapsed_s:.1f} s to relay one long event"
+        if whole:
+            assert text.endswith(b"data: [DONE]\n\n") and len(text) > 8 << 20
+        else:
+            assert b"over 16 MiB" in text and b"[DONE]" not in text and len(text) < 1 << 20
