@@ -110,3 +110,19 @@ def test_a_small_group_store_under_steady_churn_stays_near_its_capacity(tmp_path
             sync_bytes = store.config.sync_bytes
         file_bytes = os.path.getsize(path / "lmdb" / "data.mdb")
         assert file_bytes <= 2 * capacity + sync_bytes, (block_bytes, file_bytes)
+
+
+def test_a_flush_counts_as_the_sync_it_is(tmp_path: Path) -> None:
+    """A flush's sync did not reset the background's unsynced count: the next small put started a
+    whole redundant sync (and a writer could wait for it)."""
+    ns = NS
+    keys = ns.block_keys(list(range(4 * 12)))
+    with ucm_db.open(tmp_path / "s", durability="group", codec="none", sync_bytes=1 << 20, sync_interval_s=3600.0) as store:
+        background: Background = store._activity
+        store.put(ns, keys[:6], [b"a" * (100 << 10)] * 6)
+        assert background.unsynced_bytes >= 600 << 10
+        syncs = background._syncs_done
+        store.flush()
+        assert background.unsynced_bytes == 0 and background._syncs_done == syncs + 1
+        store.put(ns, keys[6:], [b"b" * (100 << 10)] * 6, parent=keys[5])
+        assert background.unsynced_bytes < 1 << 20, "the bytes the flush synced were counted again"

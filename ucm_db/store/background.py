@@ -76,7 +76,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -301,8 +301,25 @@ class Background:
 
     def sync_now(self) -> None:
         """An explicit sync (``Store.flush``), which counts as a round's:
-        its success lifts a refusal of puts, its failure is the last."""
-        self.health.run(self._engine.sync)
+        its success lifts a refusal of puts, its failure is the last, and
+        the bytes it covers start no round's sync again."""
+        self._synced_by(self._engine.sync)
+
+    def _synced_by(self, sync: Callable[[], bool | None]) -> None:
+        """Runs ``sync`` (a round's or an explicit one): the unsynced count
+        and the extent start again when it begins, and a writer waiting for
+        a sync is released when it ends, whatever its outcome
+        (:attr:`health` records that)."""
+        extent = self._engine.used_extent_bytes() if self._config.durability == "group" else None
+        with self._lock:
+            self._unsynced_bytes = 0
+            self._extent_at_sync = extent
+        try:
+            self.health.run(sync)
+        finally:
+            with self._lock:
+                self._syncs_done += 1
+                self._synced.notify_all()
 
     def sync_refusal(self) -> TierError | None:
         """Why a put is refused now, or None (:meth:`SyncHealth.refusal`)."""
@@ -343,16 +360,7 @@ class Background:
                     if flush:
                         self.flush_activity(keep_back_recent=True)
                     if sync and self._config.durability == "group":
-                        extent = self._engine.used_extent_bytes()
-                        with self._lock:
-                            self._unsynced_bytes = 0
-                            self._extent_at_sync = extent
-                        try:
-                            self.health.run(self._engine.sync_round)
-                        finally:
-                            with self._lock:
-                                self._syncs_done += 1
-                                self._synced.notify_all()
+                        self._synced_by(self._engine.sync_round)
                 except Exception as exc:  # noqa: BLE001 - logged, counted, retried next round
                     self.errors += 1
                     logger.warning("ucm-db store %s: background sync/flush failed (retrying): %s", self._path, exc)
