@@ -76,3 +76,28 @@ def test_a_reader_holding_a_rolled_back_seq_is_told_to_resync(
     assert not (store_path / "lmdb" / "rolled-back").exists()
     with ucm_db.open(store_path, **GROUP) as store:  # restarted once, not at every open
         assert store.feed_position() == restarted + 24
+
+
+def test_two_processes_opening_after_one_rollback_restart_the_feed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every writable open reads the marker until one clears it: a second process that read it while the
+    first restarted and appended restarted again, dropping the first's new records. A rollback's token
+    makes its restart happen once."""
+    store_path, ready = tmp_path / "s", tmp_path / "ready"
+    pid = fork_call(_append_then_wait, store_path, ready, log_path=tmp_path / "child.log")
+    try:
+        assert wait_counter(ready, 1, timeout_s=60) == 16, tail(tmp_path / "child.log")
+    finally:
+        kill_and_reap(pid)
+    monkeypatch.setenv(BOOT_ID_ENV, "boot-b")
+    marker = store_path / "lmdb" / "rolled-back"
+    maintenance.namespaces(store_path)  # a read-only view rolls back and leaves the marker
+    token = marker.read_bytes()
+    with ucm_db.open(store_path, **GROUP) as store:  # the first process: restarts, appends, clears
+        restarted = store.feed_position()
+        _put_evented(store, "after", 4)
+    assert not marker.exists()
+    marker.write_bytes(token)  # the second process read the marker before the first cleared it
+    with ucm_db.open(store_path, **GROUP) as store:
+        assert store.feed_position() == restarted + 4, "the same rollback restarted the feed twice"
+        assert len(store.changes_since(restarted).records) == 4
+    assert not marker.exists()

@@ -72,6 +72,7 @@ INFO = "info"
 FIELDS_PREFIX = b"evf/"
 FEED_PREFIX = b"feed/"
 HEAD_KEY = b"feed-head"
+RESTARTED_FOR_KEY = b"feed-restarted-for"
 _HEAD = struct.Struct("<QQ")
 _SEQ = struct.Struct(">Q")
 _DEPTH = struct.Struct("<I")
@@ -123,12 +124,16 @@ def _append(txn: Txn, kind: bytes, key: bytes, value: bytes, max_records: int) -
     records.put_checked(txn, HEAD_KEY, _HEAD.pack(next_seq, max(first_seq, next_seq - keep)))
 
 
-def restart(txn: Txn) -> int:
+def restart(txn: Txn, rollback: bytes) -> None:
     """Moves the sequence :data:`RESTART_GAP` past the head (rebuilt from
-    the records if damaged or absent) and drops the records, after a
-    rollback to a synced snapshot: the seqs handed out after that snapshot
-    were undone, and a reader holding one (a saved cursor) must be told to
-    resync, never read other records under it. Returns the new next seq."""
+    the records if damaged or absent) and drops the records, after the
+    rollback to a synced snapshot named ``rollback`` (its marker's token):
+    the seqs handed out after that snapshot were undone, and a reader
+    holding one (a saved cursor) must be told to resync, never read other
+    records under it. Once per rollback: two processes opening together
+    after it restart once (``restarted-for`` records the token)."""
+    if txn.get(INFO, RESTARTED_FOR_KEY) == rollback:
+        return
     head, reason = _checked_head(txn)
     seqs, strays = _held(txn)
     next_seq = max(head[0] if head is not None else 0, _derived(seqs))
@@ -138,9 +143,9 @@ def restart(txn: Txn) -> int:
     if restarted >= SEQ_LIMIT:  # 2**30 restarts: start again low, above nothing a reader can hold past a resync
         restarted = RESTART_GAP
     records.put_checked(txn, HEAD_KEY, _HEAD.pack(restarted, restarted))
+    txn.put(INFO, RESTARTED_FOR_KEY, rollback)
     logger.warning("ucm-db: change feed restarted at seq %d after the store was rolled back to its last synced "
                    "snapshot%s: readers resync once", restarted, f" (its head was damaged: {reason})" if reason else "")
-    return restarted
 
 
 def _name(seq: int) -> bytes:

@@ -51,7 +51,6 @@ from ucm_db.index.accounting import seal_records
 from ucm_db.engines.base import Engine
 from ucm_db.index import changefeed
 from ucm_db.index.local import LocalTier
-from ucm_db.engines import lmdb as lmdb_engine
 
 
 @dataclass(frozen=True)
@@ -137,9 +136,14 @@ def restart_feed_after_rollback(engine: Engine, path: Path) -> None:
     anything appends; then clears the marker. Any process's open may have
     rolled back (a read-only view too): the first writable open restarts."""
     env_dir = path / "lmdb"
-    if not lmdb_engine.rolled_back(env_dir):
+    if not env_dir.is_dir():
+        return  # another engine: nothing rolls it back
+    from ucm_db.engines import lmdb as lmdb_engine  # loaded already by the LMDB engine this store opened
+
+    rollback = lmdb_engine.rolled_back(env_dir)
+    if rollback is None:
         return
-    engine.write(changefeed.restart)
+    engine.write(lambda txn: changefeed.restart(txn, rollback))
     engine.sync()
     lmdb_engine.clear_rolled_back(env_dir)
 

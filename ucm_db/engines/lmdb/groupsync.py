@@ -45,6 +45,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -366,9 +367,12 @@ ROLLED_BACK_MARKER = "rolled-back"
 
 
 def mark_rolled_back(env_dir: Path) -> None:
-    """Leaves :data:`ROLLED_BACK_MARKER`, durably."""
-    fd = os.open(env_dir / ROLLED_BACK_MARKER, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """Leaves :data:`ROLLED_BACK_MARKER`, durably, holding a token of this
+    rollback (its feed restart is made once, by whichever open gets there
+    first: ``ucm_db.index.changefeed.restart``)."""
+    fd = os.open(env_dir / ROLLED_BACK_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
+        os.write(fd, secrets.token_hex(16).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -379,9 +383,12 @@ def mark_rolled_back(env_dir: Path) -> None:
         os.close(dir_fd)
 
 
-def rolled_back(env_dir: Path) -> bool:
-    """Whether a rollback left its marker (:data:`ROLLED_BACK_MARKER`)."""
-    return (env_dir / ROLLED_BACK_MARKER).exists()
+def rolled_back(env_dir: Path) -> bytes | None:
+    """The token of the rollback whose marker is there (:data:`ROLLED_BACK_MARKER`), or None."""
+    try:
+        return (env_dir / ROLLED_BACK_MARKER).read_bytes() or b"unnamed"  # a marker torn empty still marks
+    except FileNotFoundError:
+        return None
 
 
 def clear_rolled_back(env_dir: Path) -> None:
