@@ -70,3 +70,20 @@ def test_malformed_argument_is_a_config_error_and_loses_nothing(tmp_path, engine
         assert raised.value.hint, "the error says how to fix it"
         assert store.get(NS, KEYS) == PAYLOADS
         assert store.lookup(NS, KEYS) == 4 and store._tier.check() == []
+
+
+def test_an_error_crosses_a_process_boundary_as_its_public_class_with_message_and_hint() -> None:
+    """UcmDbError.to_dict / error_from_dict: the one way errors cross to the commit process and the
+    isolated maintenance child; a subclass defined outside ucm_db.errors travels as its public class."""
+    from ucm_db.errors import DamagedRecordError, UcmDbError, error_from_dict
+    from ucm_db.index.namespace_guard import ForeignNamespaceError
+    from ucm_db.store.epochs import EpochUnknownError
+
+    for error, public in ((ForeignNamespaceError("put refused", hint="use its namespace"), ConfigError),
+                          (EpochUnknownError("no epoch", hint="invalidate it"), DamagedRecordError),
+                          (ConfigError("bad option"), ConfigError)):
+        again = error_from_dict(error.to_dict())
+        assert type(again) is public and str(again) == str(error) and again.hint == error.hint
+        assert again.message == error.message and "(hint:" not in again.message
+    assert type(error_from_dict({"type": "Exception", "message": "m"})) is UcmDbError
+    assert type(error_from_dict("junk")) is UcmDbError

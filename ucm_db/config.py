@@ -387,5 +387,5 @@ def persisted_settings_problem(settings: dict[str, Any]) -> str | None:
     try:
         StoreConfig.from_dict({name: settings[name] for name in PERSISTED_FIELDS if name in settings})
     except ConfigError as exc:
-        return str(exc).removesuffix(f" (hint: {exc.hint})")
+        return exc.message
     return None

@@ -13,15 +13,36 @@ class UcmDbError(Exception):
     """Base class of every ucm-db error.
 
     Attributes:
+        message: what went wrong, without the hint (``str()`` joins both).
         hint: what the user can do about it (may be empty).
     """
 
     default_hint = ""
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
         self.hint = self.default_hint if hint is None else hint
         text = f"{message} (hint: {self.hint})" if self.hint else message
         super().__init__(text)
+
+    def to_dict(self) -> dict[str, str]:
+        """The error as plain data to cross a process boundary
+        (:func:`error_from_dict`): the nearest class of this module (a
+        subclass defined elsewhere travels as the public class it is), its
+        message and its hint."""
+        public = next(c.__name__ for c in type(self).__mro__ if c.__module__ == __name__)
+        return {"type": public, "message": self.message, "hint": self.hint}
+
+
+def error_from_dict(data: object) -> UcmDbError:
+    """The error :meth:`UcmDbError.to_dict` wrote; anything else (not a
+    mapping, an unknown class) a plain :class:`UcmDbError` of its text."""
+    if not isinstance(data, dict):
+        return UcmDbError(str(data))
+    kind = globals().get(str(data.get("type")))
+    if not (isinstance(kind, type) and issubclass(kind, UcmDbError)):
+        kind = UcmDbError
+    return kind(str(data.get("message")), hint=str(data.get("hint") or ""))
 
 
 class ConfigError(UcmDbError, ValueError):

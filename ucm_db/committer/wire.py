@@ -112,30 +112,18 @@ def _close_quietly(fd: int) -> None:
 
 
 def pack_error(exc: BaseException) -> str:
-    """``exc`` as a failure reply's message: the nearest class of the public
-    hierarchy (:mod:`ucm_db.errors`: a ForeignNamespaceError travels as the
-    ConfigError it is), its message without the hint, and the hint. An
-    error outside the hierarchy (an OSError, a bug) travels as a TierError
-    naming its own class."""
-    public = next((c.__name__ for c in type(exc).__mro__
-                   if c.__module__ == errors.__name__ and issubclass(c, errors.UcmDbError)), None)
-    hint = getattr(exc, "hint", "") if public is not None else ""
-    text = str(exc)
-    suffix = f" (hint: {hint})"
-    message = text[: -len(suffix)] if hint and text.endswith(suffix) else text
-    if public is None:
-        message = f"the commit process failed: {type(exc).__name__}: {message}"
-    return json.dumps({"type": public or "TierError", "message": message, "hint": hint})
+    """``exc`` as a failure reply's message (:meth:`~ucm_db.errors.UcmDbError.to_dict`);
+    an error outside the hierarchy (an OSError, a bug) travels as a
+    TierError naming its own class."""
+    if not isinstance(exc, errors.UcmDbError):
+        exc = errors.TierError(f"the commit process failed: {type(exc).__name__}: {exc}", hint="")
+    return json.dumps(exc.to_dict())
 
 
 def unpack_error(message: str) -> errors.UcmDbError:
     """The error :func:`pack_error` packed (a TierError with the raw text
     for a message it did not write)."""
     try:
-        packed = json.loads(message)
-        kind = getattr(errors, packed["type"])
-        if not (isinstance(kind, type) and issubclass(kind, errors.UcmDbError)):
-            raise TypeError(packed["type"])
-        return kind(str(packed["message"]), hint=str(packed["hint"]))  # type: ignore[no-any-return]
-    except (ValueError, KeyError, TypeError, AttributeError):
+        return errors.error_from_dict(json.loads(message))
+    except ValueError:
         return errors.TierError(f"the commit process failed: {message}", hint="")

@@ -90,7 +90,7 @@ def run_isolated(fn: Callable[[], dict[str, Any]], path: str | Path) -> dict[str
         raise TierError(f"checking the store at {path} failed in the checking process (exit status {code})",
                         hint="see the error printed above; run the command again, and report it if it repeats")
     if "error" in message:
-        raise _rebuilt(message["error"])
+        raise errors.error_from_dict(message["error"])
     result: dict[str, Any] = message["result"]
     return result
 
@@ -103,7 +103,7 @@ def _child(fn: Callable[[], dict[str, Any]], write_fd: int) -> int:
         try:
             message: dict[str, Any] = {"result": fn()}
         except UcmDbError as exc:
-            message = {"error": {"type": type(exc).__name__, "message": _message_of(exc), "hint": exc.hint}}
+            message = {"error": exc.to_dict()}
         except Exception as exc:  # noqa: BLE001 - named to the caller, never unwound into its code
             message = {"crash": _crash_text(exc)}
             status = _CHILD_FAILED
@@ -144,16 +144,3 @@ def _decoded(data: bytes) -> dict[str, Any]:
     except ValueError:
         return {}
     return message if isinstance(message, dict) else {}
-
-
-def _message_of(exc: UcmDbError) -> str:
-    text = str(exc)
-    suffix = f" (hint: {exc.hint})"
-    return text[: -len(suffix)] if exc.hint and text.endswith(suffix) else text
-
-
-def _rebuilt(error: dict[str, Any]) -> UcmDbError:
-    cls = getattr(errors, str(error.get("type")), None)
-    if not (isinstance(cls, type) and issubclass(cls, UcmDbError)):
-        cls = UcmDbError
-    return cls(str(error.get("message")), hint=error.get("hint"))

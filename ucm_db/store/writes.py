@@ -358,7 +358,7 @@ def _verified_entries(blocks: object, namespace_id: bytes) -> list[BlockEntry]:
         try:
             header = codec.verify(blob, key)
         except CorruptBlockError as exc:
-            why = str(exc).split(" (hint: ")[0]
+            why = exc.message
             raise CorruptBlockError(f"block {key.hex()[:16]} does not verify under its key ({why}); nothing was written",
                                     hint="pass blobs as a store holds them (e.g. export's members), each with its own key") from exc
         entries.append(BlockEntry.of_blob(key, parent, blob, header.raw_len, namespace_id))

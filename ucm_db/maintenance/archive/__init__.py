@@ -344,7 +344,7 @@ def _checked_block(
     try:
         blob: bytes | bytearray = read_member(tar, member, MAX_MEMBER_BYTES, _DAMAGED)
     except ConfigError as exc:
-        return None, "unreadable: " + str(exc).split(" (hint: ")[0]
+        return None, "unreadable: " + exc.message
     if verifier is not None and not verifier.block_ok(key, blob):
         return None, "unauthenticated: its MAC does not match (altered, or not signed with the given key)"
     if opener is not None:

@@ -46,7 +46,7 @@ def export_epochs(view: StoreView, namespace_ids: list[bytes]) -> dict[str, int]
         if found.epoch is None:
             error = epochs.unknown_error(ns_id, found.problem, str(view.path))
             raise epochs.EpochUnknownError(
-                f"cannot export: {str(error).split(' (hint: ')[0]}",
+                f"cannot export: {error.message}",
                 hint=f"run `ucm-db invalidate {view.path} --namespace {ns_id.hex()}` first, or export the other namespaces (--namespace)")
     return {ns_id.hex(): found.epoch for ns_id, found in states.items() if found.epoch is not None}
 
