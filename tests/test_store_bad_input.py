@@ -41,6 +41,7 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "put_segments, None": lambda s: s.put_segments(NS, None),
     # A key twice in one chain: the second copy named the first its parent and its payload was dropped.
     "put, a key repeated": lambda s: s.put(NS, [KEYS[0], KEYS[0]], PAYLOADS[:2], parent=None),
+    "put_segments, a key repeated in a chain": lambda s: s.put_segments(NS, [(BlockKeys([KEYS[0], KEYS[0]], parent=None), PAYLOADS[:2])]),
     # The binary search must read a middle key: the last one is not stored.
     "lookup, ints amid the keys": lambda s: s.lookup(NS, [KEYS[0], 5, 6, bytes(32)]),
     # Issue 26 item 14: raw ValueError / TypeError before.

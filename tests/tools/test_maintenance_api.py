@@ -183,3 +183,12 @@ def test_malformed_maintenance_arguments_are_config_errors(tmp_path: Path, call,
     assert str(raised.value).startswith(message) and raised.value.hint
     after = maintenance.inspect(tmp_path / "s")
     assert (after["blocks"], after["stored_bytes"], after["pinned_bytes"]) == (before["blocks"], before["stored_bytes"], 0)
+
+
+@pytest.mark.parametrize("target_bytes", [-1, True, 0.5])
+def test_evict_to_bytes_refuses_a_target_that_is_no_byte_count(tmp_path: Path, target_bytes: object) -> None:
+    chains = make_store(tmp_path / "s")
+    with pytest.raises(ucm_db.ConfigError, match="target_bytes must be an integer >= 0"):
+        maintenance.evict_to_bytes(tmp_path / "s", target_bytes)  # type: ignore[arg-type]
+    with ucm_db.open(tmp_path / "s") as store:
+        assert store.lookup(NS_A, chains["a0"]) == 5

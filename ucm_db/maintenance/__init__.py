@@ -174,8 +174,7 @@ def evict_to_bytes(path: str | Path, target_bytes: int, progress: ProgressFn | N
             other door raises it: ``migrate`` cannot help there).
         FormatVersionError: the store has another format.
     """
-    if target_bytes < 0:
-        raise ConfigError(f"target_bytes must be >= 0, got {target_bytes}", hint="pass a size in bytes")
+    require_limit("target_bytes", target_bytes, integer=True)  # True was 1 byte: every block evicted
     with open_view(path, writable=True) as view:
         if not view.current_format:
             # The view reads a damaged record as format -1; reading it again raises what open and compact raise.

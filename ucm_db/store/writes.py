@@ -142,6 +142,7 @@ class StoreWrites:
         checked: list[tuple[Sequence[bytes], Sequence[Payload], bytes | None]] = []
         for keys, payloads in segment_list(segments):
             keys = key_list(keys, "put_segments")
+            require_distinct_keys(keys, "put_segments")  # within a chain; chains of one call may share blocks
             if not isinstance(keys, BlockKeys):
                 raise ConfigError(
                     "put_segments takes BlockKeys (keys that know their parent)",
