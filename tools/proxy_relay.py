@@ -151,9 +151,11 @@ async def run_decode(side: Side, path: str, payload: bytes, headers: dict[str, s
                      extra: dict[str, str]) -> Response:
     """The decode side's answer, or its event stream, as the client's response."""
     failures: list[str] = []
+    saturated = 0
     for server in side.order():
         if not server.try_acquire():
             failures.append(server.saturated())
+            saturated += 1
             continue
         try:
             return await _decode_on(server, path, payload, headers, stream, timeout_s, extra)
@@ -163,8 +165,8 @@ async def run_decode(side: Side, path: str, payload: bytes, headers: dict[str, s
             failures.append(f"{server.url}: {describe(exc, timeout_s)}")
         except TimeoutError as exc:
             raise _lost(server.url, exc, timeout_s) from exc
-    saturated = all("proxy saturated" in failure for failure in failures)
-    hint = "raise --max-connections or add decode servers" if saturated else "start a decode server or check --decode"
+    full = saturated == len(failures)
+    hint = "raise --max-connections or add decode servers" if full else "start a decode server or check --decode"
     raise SideDown(503, f"decode side unavailable: {'; '.join(failures)}; {hint}")
 
 

@@ -33,7 +33,7 @@ from fastapi import Request
 #: Body fields dropped from the prefill request (it answers one token, unstreamed;
 #: vLLM refuses min_tokens above max_tokens).
 PREFILL_DROPPED = ("stream", "stream_options", "min_tokens")
-#: Headers passed on to the servers (as they came: header names as clients write them).
+#: Headers passed on to the servers, sent under these names (the client's are matched without regard to case).
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 MIB = 1 << 20
 

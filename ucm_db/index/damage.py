@@ -113,17 +113,19 @@ class Damage:
             delete()
             return before - self.engine.read(Totals.read_or_recompute).blocks
 
-    def write_evicting(self, run: Callable[[Txn], T], victims: list[bytes]) -> T:
-        """``run`` in a write transaction that may evict, each victim appended
-        to ``victims`` before it is removed. Where it fails on a payload the
-        engine cannot free (a damaged page under the block being evicted,
-        ``victims[-1]``), that tree's unreadable blocks are set aside
-        (:meth:`set_aside_unfreeable`) and ``run`` runs again, at most
-        :data:`EVICTION_REPAIRS` times: one damaged block must not fail every
-        put whose eviction reaches it (a damaged block is a miss, never a wedge)."""
+    def write_evicting(self, run: Callable[[Txn, list[bytes]], T]) -> T:
+        """``run(txn, victims)`` in a write transaction that may evict, each
+        victim appended to ``victims`` (fresh for each attempt) before it is
+        removed. Where it fails on a payload the engine cannot free (a
+        damaged page under the block being evicted, ``victims[-1]``), that
+        tree's unreadable blocks are set aside (:meth:`set_aside_unfreeable`)
+        and ``run`` runs again, at most :data:`EVICTION_REPAIRS` times: one
+        damaged block must not fail every put whose eviction reaches it (a
+        damaged block is a miss, never a wedge)."""
         for repairs in range(EVICTION_REPAIRS + 1):
+            victims: list[bytes] = []
             try:
-                return self.engine.write(run)
+                return self.engine.write(lambda txn: run(txn, victims))
             except DamagedPageError:
                 if not victims or repairs == EVICTION_REPAIRS or not self.set_aside_unfreeable(victims[-1:]):
                     raise

@@ -118,10 +118,8 @@ class IndexWriter:
             StoreFullError: the batch alone exceeds the capacity.
         """
         limits = self.limits
-        victims: list[bytes] = []  # this attempt's eviction victims (Damage.write_evicting)
 
-        def run(txn: Txn) -> tuple[PutResult, list[BlockEntry]]:
-            victims.clear()
+        def run(txn: Txn, victims: list[bytes]) -> tuple[PutResult, list[BlockEntry]]:
             if guard is not None:
                 guard(txn)
             changes = Changes(txn)
@@ -171,7 +169,7 @@ class IndexWriter:
             changes.commit()
             crashpoint("local.before_commit")
             return result, new
-        result, new = self.damage.write_evicting(run, victims)
+        result, new = self.damage.write_evicting(run)
         if stored is not None:
             stored.extend(new)
         return result
@@ -229,18 +227,15 @@ class IndexWriter:
         most ``target_bytes`` are stored or about ``max_blocks`` went; returns
         blocks evicted (counted in the totals' evictions). A maintenance
         primitive (``compact``'s eviction)."""
-        victims: list[bytes] = []
-
-        def run(txn: Txn) -> int:
-            victims.clear()
+        def run(txn: Txn, victims: list[bytes]) -> int:
             changes = Changes(txn)
             evicted = self._evict_tails(txn, changes, target_bytes, None, max_blocks, victims=victims)
             changes.commit()
             return evicted
-        return self.damage.write_evicting(run, victims)
+        return self.damage.write_evicting(run)
 
     def _evict_tails(self, txn: Txn, changes: Changes, target_bytes: int, protected: _PutProtection | None,
-                     max_blocks: int | None = None, *, victims: list[bytes] | None = None) -> int:
+                     max_blocks: int | None = None, *, victims: list[bytes]) -> int:
         """Evicts unprotected LRU chain tails (with their descendants) until at
         most ``target_bytes`` are stored, about ``max_blocks`` went, or none
         is left; returns blocks evicted (counted in the totals' evictions).
@@ -250,8 +245,7 @@ class IndexWriter:
             victim = self._oldest_tail(txn, changes, protected)
             if victim is None:
                 break
-            if victims is not None:
-                victims.append(victim)
+            victims.append(victim)
             count = self._remove_tree(txn, changes, victim)
             evicted += count
             changes.totals.evictions += count

@@ -55,7 +55,7 @@ class SyncHealth:
         with self._lock:
             self._syncs_started += 1
             number, covered = self._syncs_started, self._committed_total_bytes
-        error: str | None = "interrupted"
+        error: str | None = None
         try:
             error = None if sync() is not False else NOT_RECORDED
         except BaseException as exc:

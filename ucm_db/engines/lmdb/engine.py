@@ -173,7 +173,7 @@ class LmdbEngine(Engine):
             current = env.info()["map_size"]
             if current < self._map_size_bytes:
                 env.set_mapsize(self._map_size_bytes)
-            self._dbs = open_tables(env, self.path, create=not self.read_only)
+            self._dbs = open_tables(env, self.path, create=True)
             if self._pinned and not self._observe:
                 # Record (and pin) a synced snapshot before clearing dead readers,
                 # whose slots may pin the snapshot of the current record.
