@@ -48,6 +48,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ PUBLICATION_FIELDS = frozenset({"version", "namespace", "blocks", "block_size", 
 #: though several schedulers (a hybrid model's groups, MultiConnector's
 #: children) parse the same request, and again after a reset renews its state.
 REPORTED_REQUESTS = 4096
+#: Problems a request's one warning names (then a count), and characters of a value or field name it shows.
+MAX_PROBLEMS_NAMED = 5
+DESCRIBED_CHARS = 40
 #: Count-min sketch rows (one 4-byte slice of the block key each: keys are blake2b digests).
 SKETCH_DEPTH = 4
 #: One-byte counters per row (a power of two).
@@ -77,6 +81,27 @@ SKETCH_HALVE_EVERY = SKETCH_WIDTH // 4
 MAX_ADMIT_AFTER = 255
 #: ``admit_after``'s adaptive setting (auto_admission.py).
 AUTO = "auto"
+
+
+def described(value: Any) -> str:
+    """A client's value as a warning names it: short, and computed without
+    raising or running long (``repr`` of a value nested 1000 deep raised
+    RecursionError in the scheduler, which ended the engine; of a 10 MB
+    string it made a 10 MB log line)."""
+    try:
+        if value is None or isinstance(value, (bool, float)):
+            return repr(value)
+        if isinstance(value, int):
+            return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+        if isinstance(value, str):
+            return repr(value[:DESCRIBED_CHARS]) + (f"... ({len(value)} characters)" if len(value) > DESCRIBED_CHARS else "")
+        if isinstance(value, (list, tuple)):
+            return f"a list of {len(value)} items"
+        if isinstance(value, Mapping):
+            return f"an object of {len(value)} fields"
+        return f"a {type(value).__name__}"
+    except Exception:  # noqa: BLE001 - a value a client built to break this: named by nothing
+        return "a value"
 
 
 def _is_bool(value: Any) -> bool:
@@ -108,7 +133,7 @@ class RequestControls:
         for name, (valid, wanted) in _FIELDS.items():
             value = getattr(self, name)
             if value is not None and not valid(value):
-                raise ConfigError(f"request control {name!r} must be {wanted}, got {value!r}",
+                raise ConfigError(f"request control {name!r} must be {wanted}, got {described(value)}",
                                   hint=f'send e.g. {{"{PARAMS_KEY}": {{"{name}": ...}}}} with {wanted}')
 
     def max_load_blocks(self, block_size: int) -> int | None:
@@ -132,17 +157,20 @@ class RequestControls:
             return cls(), (f"{PARAMS_KEY!r} is {type(body).__name__}, not an object of controls",)
         given: dict[str, Any] = {}
         problems: list[str] = []
-        for name, value in body.items():
-            if name in _FIELDS:
-                valid, wanted = _FIELDS[name]
-                if value is None:
-                    continue
-                if valid(value):
-                    given[name] = value
-                else:
-                    problems.append(f"{name}={value!r} (wants {wanted})")
-            elif name not in PUBLICATION_FIELDS:
-                problems.append(f"unknown field {name!r}")
+        for name, (valid, wanted) in _FIELDS.items():  # looked up, not searched for: a body may hold 100k fields
+            value = body.get(name)
+            if value is None:
+                continue
+            if valid(value):
+                given[name] = value
+            else:
+                problems.append(f"{name}={described(value)} (wants {wanted})")
+        known = sum(1 for name in (*_FIELDS, *PUBLICATION_FIELDS) if name in body)
+        unknown = len(body) - known
+        named = [name for _, name in zip(range(MAX_PROBLEMS_NAMED), (n for n in body if n not in _FIELDS and n not in PUBLICATION_FIELDS))]
+        problems += [f"unknown field {described(name)}" for name in named]
+        if unknown > len(named):
+            problems.append(f"and {unknown - len(named)} more unknown fields")
         return cls(**given), tuple(problems)
 
     @classmethod
@@ -162,15 +190,17 @@ def describe_problems(problems: Sequence[str]) -> str:
             f"(controls: {', '.join(f'{name} ({wanted})' for name, (_, wanted) in _FIELDS.items())})")
 
 
-_reported: OrderedDict[str, None] = OrderedDict()
+_reported: OrderedDict[bytes, None] = OrderedDict()
 
 
 def first_report(request_id: str) -> bool:
     """True the first time it is asked for ``request_id`` (of the last
-    :data:`REPORTED_REQUESTS` asked), so a request's problems are reported once."""
-    if request_id in _reported:
+    :data:`REPORTED_REQUESTS` asked), so a request's problems are reported
+    once. Ids are kept as 16-byte digests: a client chooses their length."""
+    digest = hashlib.blake2b(str(request_id).encode(errors="replace"), digest_size=16).digest()
+    if digest in _reported:
         return False
-    _reported[request_id] = None
+    _reported[digest] = None
     if len(_reported) > REPORTED_REQUESTS:
         _reported.popitem(last=False)
     return True

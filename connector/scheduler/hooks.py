@@ -103,9 +103,12 @@ def _controls(request: Request, extras: dict[str, Any]) -> RequestControls:
     unsettled LoRA adapter's request neither saves nor loads."""
     if str(extras.get("lora", "")).startswith(UNSETTLED_PREFIX):  # vLLM may compute with another adapter
         return RequestControls(save=False, load=False)
-    controls, problems = RequestControls.of_request(request)
+    try:
+        controls, problems = RequestControls.of_request(request)
+    except Exception as exc:  # noqa: BLE001 - a client's input never ends the engine (served as if absent)
+        controls, problems = RequestControls(), (f"unreadable ({type(exc).__name__})",)
     if problems and first_report(request.request_id):
-        logger.warning("ucm-db: request %s: %s", request.request_id, describe_problems(problems))
+        logger.warning("ucm-db: request %.80s: %s", request.request_id, describe_problems(problems))  # a client sets the id
     return controls
 
 

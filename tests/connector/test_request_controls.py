@@ -468,3 +468,48 @@ def test_the_sighting_sketch_is_bounded_never_undercounts_and_forgets() -> None:
     assert (small.counts(keys[:60]) >= 1).all()
     small.sight(keys[60:160])  # 100 more, seen once: halved again
     assert not small.counts(keys[60:160]).any()
+
+
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("hostile", ["nested", "huge_string", "many_fields"])
+def test_a_hostile_control_value_never_fails_the_scheduler_and_its_warning_stays_short(
+        engine: Engine, scheduler_log: list[str], hostile: str) -> None:
+    """Audit: repr() of a value nested ~1000 deep raised RecursionError inside get_num_new_matched_tokens,
+    so vLLM's Scheduler.schedule() raised and the engine core died; a 10 MB value made a 10 MB log line,
+    100k unknown fields a 2.8 MB one. Each is served as if absent, with one short warning."""
+    import sys
+
+    controls: dict[str, object] = {
+        "nested": {"save": _nested(sys.getrecursionlimit() + 100)},
+        "huge_string": {"load": "x" * (10 << 20)},
+        "many_fields": {f"field-{i}": i for i in range(100_000)},
+    }[hostile]
+    tokens = list(range(1, 4 * BS + 10))
+    _stored(engine, tokens)
+    req = _request(tokens + [3] * BS, controls)
+    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BS, False)  # served as if absent
+    warnings = [line for line in scheduler_log if line.startswith("WARNING") and req.request_id in line]
+    assert len(warnings) == 1 and len(warnings[0]) < 1000, warnings[0][:2000]
+
+
+def test_an_integer_repr_cannot_print_is_described_by_its_size() -> None:
+    """vLLM refuses such ints in a request today; repr() of one raises ValueError (over 4300 digits)."""
+    from ucm_db.connector.request_controls import RequestControls
+
+    controls, problems = RequestControls.from_params({"ucm_db": {"save": 1 << 20_000}})
+    assert controls == RequestControls() and problems == ("save=an integer of 20001 bits (wants true or false)",)
+
+
+def test_reported_request_ids_are_kept_as_digests() -> None:
+    """A client sets a chat request's id; 4096 ids of 4 MiB were 16 GiB held after their requests ended."""
+    from ucm_db.connector import request_controls
+
+    long_id = "r" * (4 << 20)
+    assert request_controls.first_report(long_id) and not request_controls.first_report(long_id)
+    assert all(len(key) == 16 for key in request_controls._reported)
