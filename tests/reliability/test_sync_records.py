@@ -10,11 +10,13 @@ and a close must record their snapshot or raise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,31 +101,39 @@ while True:
 """
 
 
+@contextlib.contextmanager
+def _record_lock_held(env_dir: Path, work: Path) -> Iterator[None]:
+    """Another process (:data:`HOLDER`) holds the sync record's lock for the body."""
+    ready = work / "holder-ready"
+    with open(work / "holder.log", "wb") as log:
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(env_dir / RECORD_FILE), str(ready)],
+                                  stdout=log, stderr=log)
+    try:
+        assert wait_counter(ready, 1, timeout_s=60) == 1, tail(work / "holder.log")
+        yield
+    finally:
+        kill_and_reap(holder.pid)
+        holder.wait()
+
+
 def test_an_epoch_bump_whose_record_another_process_holds_is_not_acknowledged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
     monkeypatch.setattr(groupsync, "RECORD_LOCK_WAIT_S", 0.3)
-    env_dir, ready = tmp_path / "s" / "lmdb", tmp_path / "ready"
+    env_dir = tmp_path / "s" / "lmdb"
     with ucm_db.open(tmp_path / "s", **GROUP) as store:
         _put(store, "held-a")
         store.flush()
         recorded = read_record(env_dir)
         assert recorded is not None
-        with open(tmp_path / "holder.log", "wb") as log:
-            holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(env_dir / RECORD_FILE), str(ready)],
-                                      stdout=log, stderr=log)
-        try:
-            assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "holder.log")
+        with _record_lock_held(env_dir, tmp_path):
             epoch = store.epoch(NS)
             with pytest.raises(ucm_db.TierError, match="sync record's lock") as raised:
                 store.bump_epoch(NS)
             assert raised.value.hint and "synced-snapshot" in raised.value.hint
             assert read_record(env_dir) == recorded
             assert store._tier.engine.sync_round() is False  # the background's round skips without raising
-        finally:
-            kill_and_reap(holder.pid)
-            holder.wait()
         store.flush()
         after = read_record(env_dir)
         assert after is not None and after.txnid == _newest_txnid(env_dir) > recorded.txnid
@@ -146,26 +156,19 @@ def test_a_flush_pin_or_close_whose_record_another_process_holds_raises(
     returned here would have a caller take commits a power loss undoes for durable."""
     monkeypatch.setenv(BOOT_ID_ENV, "boot-a")
     monkeypatch.setattr(groupsync, "RECORD_LOCK_WAIT_S", 0.3)
-    env_dir, ready = tmp_path / "s" / "lmdb", tmp_path / "ready"
+    env_dir = tmp_path / "s" / "lmdb"
     store = ucm_db.open(tmp_path / "s", **GROUP)
     try:
         _put(store, "held-a")
         store.flush()
         recorded = read_record(env_dir)
         assert recorded is not None
-        with open(tmp_path / "holder.log", "wb") as log:
-            holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(env_dir / RECORD_FILE), str(ready)],
-                                      stdout=log, stderr=log)
-        try:
-            assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "holder.log")
+        with _record_lock_held(env_dir, tmp_path):
             _put(store, "held-b")  # a commit the record does not name yet
             with pytest.raises(ucm_db.TierError, match="sync record's lock") as raised:
                 EXPLICIT_SYNCS[call](store, NS.block_keys(chain_tokens("held-b", 4)))
             assert raised.value.hint and "synced-snapshot" in raised.value.hint
             assert read_record(env_dir) == recorded
-        finally:
-            kill_and_reap(holder.pid)
-            holder.wait()
     finally:
         store.close()  # a close that raised has released the store already: this one does nothing
     with ucm_db.open(tmp_path / "s", **GROUP) as again:  # same boot: a process crash, nothing rolled back
@@ -219,20 +222,13 @@ def test_puts_are_refused_while_no_sync_can_be_recorded_and_resume_once_one_is(
     monkeypatch.setattr(groupsync, "RECORD_LOCK_WAIT_S", 0.1)
     budget_bytes, block_bytes = 1 << 20, 128 << 10
     options = {**GROUP, "sync_bytes": budget_bytes, "sync_interval_s": 0.05}
-    env_dir, ready = tmp_path / "s" / "lmdb", tmp_path / "ready"
+    env_dir = tmp_path / "s" / "lmdb"
     keys = NS.block_keys(chain_tokens("unrecorded", 64))
     with ucm_db.open(tmp_path / "s", **options) as store:
         store.put(NS, keys[:1], [payload_for(keys[0], block_bytes)])
         store.flush()
-        with open(tmp_path / "holder.log", "wb") as log:
-            holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(env_dir / RECORD_FILE), str(ready)],
-                                      stdout=log, stderr=log)
-        try:
-            assert wait_counter(ready, 1, timeout_s=60) == 1, tail(tmp_path / "holder.log")
+        with _record_lock_held(env_dir, tmp_path):
             acknowledged, refused = put_until_refused(store, keys, block_bytes)
             assert "could not be recorded" in str(refused) and "puts are refused" in str(refused), refused
             assert 2 * budget_bytes <= (acknowledged - 1) * block_bytes <= 4 * budget_bytes, acknowledged
-        finally:
-            kill_and_reap(holder.pid)
-            holder.wait()
         put_once_taken_again(store, keys, acknowledged, block_bytes, "the record's lock was let go")  # the next round records
