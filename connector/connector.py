@@ -93,7 +93,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 
-
 class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector storing full KV blocks in a ucm-db store; every KV cache
     group of a hybrid model apart (hybrid.py)."""
@@ -114,7 +113,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
             # Opened here, held until shutdown: a bad path or an unusable
             # store stops the engine now, not at the first request.
             self._held_store = acquire(self.settings)
-        except UcmDbError as exc:
+        except Exception as exc:  # a UcmDbError, or one ucm-db did not expect: the one line either way
             _log_start_failure(exc)
             raise
         try:
@@ -123,7 +122,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
             # A refused start closes the store it opened: its threads would
             # otherwise run on in a process that goes on without ucm-db.
             self.shutdown()
-            if isinstance(exc, UcmDbError):
+            if isinstance(exc, Exception):
                 _log_start_failure(exc)
             raise
 
@@ -315,7 +314,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
             settings, _ = role_settings(vllm_config.kv_transfer_config.kv_connector_extra_config,
                                         vllm_config.kv_transfer_config.kv_role)
             check_openable(settings)
-        except UcmDbError as exc:
+        except Exception as exc:
             _log_start_failure(exc)
             raise
         return None
@@ -328,7 +327,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         # captured graph cannot do.
         try:
             return ConnectorSettings.from_extra_config(extra_config).load_mode == "layer"
-        except UcmDbError as exc:
+        except Exception as exc:
             _log_start_failure(exc)
             raise
 
@@ -383,9 +382,11 @@ def _event_spec(kv_cache_config: KVCacheConfig | None, group_index: int) -> tupl
     return get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
 
 
-def _log_start_failure(exc: UcmDbError) -> None:
-    """One log line with the error and its hint, ahead of vLLM's tracebacks."""
-    logger.error("ucm-db connector cannot start: %s", exc)
+def _log_start_failure(exc: Exception) -> None:
+    """One log line with the error and its hint ahead of vLLM's tracebacks (one ucm-db did not expect: its type and text)."""
+    text = str(exc) if isinstance(exc, UcmDbError) else (f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]} (hint: the "
+                                                         "traceback that follows shows where; check the settings and the store path)")
+    logger.error("ucm-db connector cannot start: %s", text)
 
 
 def _ranks() -> tuple[int, int]:

@@ -107,9 +107,20 @@ def release_committer(committer: CommitProcess) -> None:
 
 def store_is_read_only(path: Path) -> bool:
     """True if the existing store directory ``path`` cannot be written by
-    this process (a read-only volume, or no write permission)."""
+    this process (a read-only volume, or no write permission).
+
+    Raises:
+        TierError: ``path`` cannot be looked at (a parent directory this
+            user may not enter, a name too long): Python 3.11's
+            ``is_dir`` raises those, and a raw OSError would stop the
+            start without the connector's one "cannot start" line.
+    """
     path = path.expanduser()
-    return path.is_dir() and not os.access(path, os.W_OK)
+    try:
+        return path.is_dir() and not os.access(path, os.W_OK)
+    except OSError as exc:
+        raise TierError(f"cannot look at the store path {path}: {exc.strerror or exc}",
+                        hint="give the service user search (x) permission on every directory above it, or choose another path") from exc
 
 
 def role_store_options(settings: ConnectorSettings, saves: bool) -> ConnectorSettings:
