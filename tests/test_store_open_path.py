@@ -7,7 +7,6 @@ unreadable store, writable or read-only (raw PermissionError)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -17,12 +16,13 @@ from pathlib import Path
 import pytest
 
 import ucm_db
-from ucm_db import ConfigError, Namespace, TierError, UcmDbError
+from ucm_db import ConfigError, Namespace
+
+from other_user import NOBODY, error_outcome, run_as_nobody, unreadable as unreadable_for_a_while
 
 NS = Namespace(model="open-path", kv_dtype="bfloat16", block_size=4)
 KEYS = NS.block_keys(list(range(8)))
 PAYLOADS = [b"a" * 300, b"b" * 300]
-NOBODY = 65534
 
 
 def files_under(path: Path) -> list[str]:
@@ -83,46 +83,23 @@ def test_a_name_over_the_length_limit_is_a_config_error(tmp_path: Path) -> None:
     assert files_under(tmp_path) == []
 
 
-def as_other_user(store_dir: Path, unreadable: Path, fn: Callable[[], object]) -> dict[str, str]:
-    """Runs ``fn`` as a user without access to ``unreadable``: as root (who
-    reads everything), in a forked child that drops to ``nobody`` after the
-    store is handed to that user; else here. Returns the error fn raised
-    (type, message, hint, whether a UcmDbError and a TierError), or type
-    "skip" where permissions cannot be taken away here."""
+def as_other_user(store_dir: Path, unreadable_path: Path, fn: Callable[[], object]) -> dict[str, str]:
+    """Runs ``fn`` as a user without access to ``unreadable_path``: as root
+    (who reads everything), as ``nobody`` after the store is handed to that
+    user (other_user.run_as_nobody); else here. Returns the error fn raised
+    (other_user.error_outcome), or type "skip" where permissions cannot be
+    taken away here."""
     def outcome() -> dict[str, str]:
         try:
-            os.listdir(unreadable) if unreadable.is_dir() else unreadable.open("rb").close()
-            return {"type": "skip", "text": f"{unreadable} stays readable (permissions not enforced here)"}
+            os.listdir(unreadable_path) if unreadable_path.is_dir() else unreadable_path.open("rb").close()
+            return {"type": "skip", "text": f"{unreadable_path} stays readable (permissions not enforced here)"}
         except PermissionError:
-            pass
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            return {"type": type(exc).__name__, "text": str(exc), "hint": getattr(exc, "hint", ""),
-                    "ucm_db": str(isinstance(exc, UcmDbError)), "tier": str(isinstance(exc, TierError))}
-        return {"type": "none"}
+            return error_outcome(fn)
 
-    if os.geteuid() != 0:
-        return outcome()
-    for path in [store_dir, *store_dir.rglob("*")]:
-        os.chown(path, NOBODY, NOBODY)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: drop privileges, run, report, exit without cleanup
-        os.close(read_end)
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            result = outcome()
-        except BaseException as exc:  # noqa: BLE001
-            result = {"type": "skip", "text": f"cannot become uid {NOBODY} here: {exc!r}"}
-        os.write(write_end, json.dumps(result).encode())
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as reader:
-        data = reader.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
+    if os.geteuid() == 0:
+        for path in [store_dir, *store_dir.rglob("*")]:
+            os.chown(path, NOBODY, NOBODY)
+    return run_as_nobody(outcome)
 
 
 @pytest.fixture
@@ -143,13 +120,8 @@ def shared_store_dir() -> Iterator[Path]:
 @pytest.mark.parametrize("unreadable", [".", "lmdb", "lmdb/data.mdb", "ucm-db.lock"])
 def test_an_unreadable_store_is_a_tier_error_with_a_hint(shared_store_dir: Path, unreadable: str, read_only: bool) -> None:
     store_dir = shared_store_dir
-    target = store_dir / unreadable
-    mode = target.stat().st_mode
-    target.chmod(0)
-    try:
+    with unreadable_for_a_while(store_dir / unreadable) as target:
         error = as_other_user(store_dir, target, lambda: ucm_db.open(store_dir, read_only=read_only).close())
-    finally:
-        target.chmod(mode)
     if error["type"] == "skip":
         pytest.skip(error["text"])
     assert error["tier"] == "True", error
@@ -171,12 +143,8 @@ def test_an_unreadable_store_path_in_a_maintenance_call_is_a_tier_error_with_a_h
         "lookup": lambda: maintenance.lookup(shared_store_dir, NS.model, [list(range(16))]),
         "import_archive": lambda: maintenance.import_archive(shared_store_dir.parent / "none.tar", shared_store_dir / "sub"),
     }
-    mode = shared_store_dir.stat().st_mode
-    shared_store_dir.chmod(0)
-    try:
+    with unreadable_for_a_while(shared_store_dir):
         error = as_other_user(shared_store_dir, shared_store_dir, calls[call])
-    finally:
-        shared_store_dir.chmod(mode)
     if error["type"] == "skip":
         pytest.skip(error["text"])
     assert error["tier"] == "True", error

@@ -61,8 +61,8 @@ from starlette.requests import ClientDisconnect
 
 from ucm_db import ConfigError
 from ucm_db.tools.proxy_relay import SideDown, error_response, run_decode, run_prefill
-from ucm_db.tools.proxy_request import MIB, BadRequest, decode_body, encode, forwarded_headers, prefill_body, read_body
-from ucm_db.tools.proxy_upstreams import HEALTH_TIMEOUT_S, ProxyLimits, Side, control_client, parse_urls
+from ucm_db.tools.proxy_request import BadRequest, decode_body, encode, forwarded_headers, prefill_body, read_body
+from ucm_db.tools.proxy_upstreams import HEALTH_TIMEOUT_S, MIB, ProxyLimits, Side, control_client, parse_urls
 
 __all__ = ["COMPLETION_PATHS", "ProxyLimits", "build_app", "main", "parse_urls", "prefill_body"]
 

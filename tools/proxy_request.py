@@ -30,12 +30,13 @@ from typing import Any
 
 from fastapi import Request
 
+from ucm_db.tools.proxy_upstreams import MIB
+
 #: Body fields dropped from the prefill request (it answers one token, unstreamed;
 #: vLLM refuses min_tokens above max_tokens).
 PREFILL_DROPPED = ("stream", "stream_options", "min_tokens")
 #: Headers passed on to the servers, sent under these names (the client's are matched without regard to case).
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-MIB = 1 << 20
 
 
 class BadRequest(Exception):

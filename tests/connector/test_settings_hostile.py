@@ -57,38 +57,22 @@ def test_a_store_path_under_a_directory_the_user_cannot_enter(tmp_path: Path) ->
     """The audit's case: a service user whose store lies under a directory it cannot enter. Root enters
     every directory, so the start runs in a forked child that becomes ``nobody`` first (as
     tests/test_store_open_path.py does); the child reports the error it met."""
-    import json as json_module
+    from other_user import error_outcome, run_as_nobody
 
     parent = Path(tempfile.mkdtemp(prefix="ucm-db-locked-"))
     parent.chmod(0o711)
     locked = parent / "locked"
     locked.mkdir(mode=0o700)  # root's: nobody cannot enter it
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        try:
-            if os.geteuid() == 0:
-                os.setgid(65534)
-                os.setuid(65534)
-            try:
-                settings, _ = role_settings({"path": str(locked / "store")}, "kv_both")
-                check_openable(settings)
-                result = {"type": "none"}
-            except UcmDbError as exc:
-                result = {"type": type(exc).__name__, "text": str(exc), "hint": exc.hint, "tier": isinstance(exc, TierError)}
-            except BaseException as exc:  # noqa: BLE001 - reported to the test
-                result = {"type": type(exc).__name__, "text": str(exc)}
-        except BaseException as exc:  # noqa: BLE001
-            result = {"type": "cannot-drop", "text": repr(exc)}
-        os.write(write_end, json_module.dumps(result).encode())
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as reader:
-        result = json_module.loads(reader.read())
-    os.waitpid(pid, 0)
-    shutil.rmtree(parent)
-    assert result.get("tier") is True, result
+
+    def start() -> None:
+        settings, _ = role_settings({"path": str(locked / "store")}, "kv_both")
+        check_openable(settings)
+
+    try:
+        result = run_as_nobody(lambda: error_outcome(start))
+    finally:
+        shutil.rmtree(parent)
+    assert result.get("tier") == "True", result
     assert "ermission denied" in result["text"] and "\n" not in result["text"] and result["hint"], result
 
 
