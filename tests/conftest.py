@@ -35,3 +35,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from vllm_inspection import inspect_in_process
 
         inspect_in_process()
+
+
+@pytest.fixture
+def feed_from_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New stores' change feeds start at seq 0, as stores of code before the
+    random start did (ucm_db.index.changefeed.start): for tests that name
+    seqs from 0. In this process only (a child process draws its start)."""
+    from ucm_db.index import changefeed
+
+    monkeypatch.setattr(changefeed, "start", lambda txn: 0)

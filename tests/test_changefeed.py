@@ -18,6 +18,8 @@ import ucm_db
 from ucm_db import BlockEventFields, ChangeRecord, ConfigError, Namespace, maintenance
 from ucm_db.index import changefeed
 
+pytestmark = pytest.mark.usefixtures("feed_from_zero")  # the tests name seqs from 0
+
 NS = Namespace(model="feed", kv_dtype="bfloat16", block_size=4)
 OTHER = Namespace(model="feed-other", kv_dtype="bfloat16", block_size=4)
 

@@ -11,7 +11,8 @@ remote promotion, plain API puts) never appear in events.
 
 Invariants:
     * Sequence numbers grow by one per record, across every process on the
-      store; records ``[first_seq, next_seq)`` are kept, older ones trimmed
+      store, from a random start (a multiple of 2**32 below 2**52) that a
+      new store draws; records ``[first_seq, next_seq)`` are kept, older ones trimmed
       by the writer that appends (the feed keeps at most
       :data:`FEED_MAX_RECORDS` by default).
     * A reader at ``seq < first_seq`` (it fell behind the trim point) gets a

@@ -24,7 +24,7 @@ from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV
 
 from .harness import NS, chain_tokens, fork_call, kill_and_reap, tail, wait_counter, write_counter
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("feed_from_zero")]  # seqs named from 0
 
 GROUP = {"codec": "none", "durability": "group", "sync_interval_s": 3600.0, "sync_bytes": 1 << 40}
 

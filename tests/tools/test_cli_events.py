@@ -33,6 +33,7 @@ def lines(text: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+@pytest.mark.usefixtures("feed_from_zero")
 def test_inventory_then_feed_with_vllm_field_names(tmp_path: Path) -> None:
     path = tmp_path / "s"
     make_store(path)  # 23 plain blocks: left out of events
@@ -95,6 +96,7 @@ def test_follow_through_the_real_entry_point(tmp_path: Path) -> None:
         follower.wait(timeout=30)
 
 
+@pytest.mark.usefixtures("feed_from_zero")
 def test_invalidate_hides_old_epochs_and_a_damaged_record_is_skipped(tmp_path: Path) -> None:
     path = tmp_path / "s"
     with ucm_db.open(path, capacity_bytes=1 << 30) as store:
@@ -115,6 +117,7 @@ def test_invalidate_hides_old_epochs_and_a_damaged_record_is_skipped(tmp_path: P
     assert [e["namespace"] for e in lines(invoke("events", str(path)).stdout)] == [NS_B.digest[:16].hex()]
 
 
+@pytest.mark.usefixtures("feed_from_zero")
 def test_a_follower_checks_the_pages_once_not_every_poll(tmp_path: Path, monkeypatch) -> None:
     """Each poll reopens the store (no lock held between polls), but LMDB's
     page check at open walks the whole store in a child process (seconds per

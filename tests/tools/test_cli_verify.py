@@ -103,6 +103,7 @@ def events_since_0(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in invoke("events", path, "--since", 0).stdout.splitlines()]
 
 
+@pytest.mark.usefixtures("feed_from_zero")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("damage", [(1 << 63 | 3, None), (None, 7)], ids=["high-bit-next", "first-above-next"])
 def test_verify_names_a_damaged_feed_head_and_fix_rebuilds_it(tmp_path: Path, damage: tuple[int | None, int | None]) -> None:
@@ -125,6 +126,7 @@ def test_verify_names_a_damaged_feed_head_and_fix_rebuilds_it(tmp_path: Path, da
     assert [e["seq"] for e in events_since_0(path)] == [0, 1, 2]
 
 
+@pytest.mark.usefixtures("feed_from_zero")
 def test_verify_names_malformed_feed_records_and_fix_drops_them(tmp_path: Path) -> None:
     """A truncated record, an unknown kind, undecodable fields: skipped
     by the readers (logged), named by verify, dropped by --fix."""
@@ -149,6 +151,7 @@ def test_verify_names_malformed_feed_records_and_fix_drops_them(tmp_path: Path) 
         assert {r.key for r in store.event_inventory().records} == set(keys)
 
 
+@pytest.mark.usefixtures("feed_from_zero")
 def test_verify_names_event_records_of_blocks_not_stored_and_fix_drops_them(tmp_path: Path) -> None:
     """An event fields record of a block not stored (the inventory would
     announce a phantom BlockStored) and a feed record whose block is not

@@ -42,6 +42,7 @@ from ucm_db.format.names import (  # noqa: F401 - re-exported: the format's cons
     CREATED_KEY, FORMAT_VERSION_KEY, INFO_TABLE, MIN_MAP_BYTES, ON_DISK_ENGINES, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
 
+from ucm_db.index import changefeed
 from ucm_db.index.records import SUM_PREFIX, DamagedRecord, check, get_checked, put_checked, record_sum, seal
 
 if TYPE_CHECKING:
@@ -291,8 +292,10 @@ def read_settings(engine: Engine) -> dict[str, Any]:
 
 def write_new_store_records(txn: Any, settings: dict[str, Any]) -> None:
     """The info records of a store this code creates: the format version,
-    the persisted ``settings`` and the creation record."""
+    the persisted ``settings``, the creation record and the change feed's
+    head at a random start (:func:`ucm_db.index.changefeed.start`)."""
     write_format_version(txn)
+    changefeed.start(txn)
     put_checked(txn, SETTINGS_KEY, json.dumps(settings, sort_keys=True).encode())
     txn.put(INFO_TABLE, CREATED_KEY, creation_record())
 

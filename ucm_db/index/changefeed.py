@@ -60,6 +60,7 @@ by one derived from the records the feed holds (their keys, one scan):
 from __future__ import annotations
 
 import logging
+import secrets
 import struct
 from collections.abc import Container, Iterator
 
@@ -88,7 +89,12 @@ SEQ_LIMIT = 1 << 62
 #: How far :func:`restart` moves the sequence on: more seqs than a store
 #: hands out between two syncs (a rollback undoes at most those).
 RESTART_GAP = 1 << 32
-#: Records of one kind :func:`problems` names one by one (then a count).
+#: A new store's feed starts at a random multiple of :data:`RESTART_GAP`
+#: below this (2**52: a seq stays exact as a JSON number in any language):
+#: a reader's saved seq from a store deleted and recreated at the same path
+#: is then below the new feed (trimmed: resync), not a seq it hands out
+#: again for other blocks (it is the same slot with odds of 2**-20).
+START_LIMIT = 1 << 52
 logger = logging.getLogger("ucm_db")
 
 
@@ -146,6 +152,14 @@ def restart(txn: Txn, rollback: bytes) -> None:
     txn.put(INFO, RESTARTED_FOR_KEY, rollback)
     logger.warning("ucm-db: change feed restarted at seq %d after the store was rolled back to its last synced "
                    "snapshot%s: readers resync once", restarted, f" (its head was damaged: {reason})" if reason else "")
+
+
+def start(txn: Txn) -> int:
+    """Writes a new store's head at a random start (:data:`START_LIMIT`),
+    in the transaction that creates the store; returns the start seq."""
+    first_seq = (secrets.randbelow(START_LIMIT // RESTART_GAP - 1) + 1) * RESTART_GAP
+    records.put_checked(txn, HEAD_KEY, _HEAD.pack(first_seq, first_seq))
+    return first_seq
 
 
 def _name(seq: int) -> bytes:
