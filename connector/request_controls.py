@@ -14,7 +14,10 @@ producer's publication uses too)::
   ``load: false``.
 * ``max_load_tokens`` (int >= 0, default none): at most this many tokens
   are loaded from ucm-db, rounded down to whole blocks (vLLM's own prefix
-  cache hit does not count against it); the lookup asks no further.
+  cache hit does not count against it); the lookup asks no further. Below
+  one block nothing is loaded and no lookup is counted (the local tier is
+  still asked which of vLLM's own cached blocks it holds, so they are not
+  saved again).
 
 Admission (``kv_connector_extra_config``): ``save_decode`` (false: only
 blocks made wholly of prompt tokens are stored) and ``admit_after`` (N: a
@@ -25,12 +28,18 @@ of computed blocks seen before, :mod:`ucm_db.connector.auto_admission`).
 Invariants:
     * A request's controls are parsed in one place
       (:meth:`RequestControls.from_params`), once per request state; the
-      result is a frozen value. A field that is unknown or ill-typed is
-      reported (all of a request's problems in one message, once per
-      request in this process: :func:`first_report`) and the request is
-      served as if the field were absent, never refused. ``null`` is
-      absent. Keys of ``kv_transfer_params`` other than ``ucm_db`` belong
-      to other connectors and are never read.
+      result is a frozen value. A request is never refused for its
+      controls; what is wrong with them is reported (all of a request's
+      problems in one message, once per request in this process:
+      :func:`first_report`), each with what the request was served as.
+    * A malformed control fails closed: it is served as the value that
+      does least (``save`` and ``load`` false, ``max_load_tokens`` 0), so
+      a client that asked for privacy in a wrong type (``"save":
+      "false"``) never has its prompt stored; so is a body under
+      ``ucm_db`` that is not an object, or one that cannot be read
+      (:data:`FAIL_CLOSED`). An unknown field is ignored, and ``null`` is
+      absent (the default). Keys of ``kv_transfer_params`` other than
+      ``ucm_db`` belong to other connectors and are never read.
     * The publication fields (:data:`PUBLICATION_FIELDS`,
       :meth:`~ucm_db.connector.roles.Publication.to_params`) share the key
       and are not controls: never reported.
@@ -112,12 +121,20 @@ def _is_token_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-#: Every control: its check and what it wants (the one table both parsing and construction use).
-_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "save": (_is_bool, "true or false"),
-    "load": (_is_bool, "true or false"),
-    "max_load_tokens": (_is_token_count, "an integer >= 0"),
+#: Every control: its check, what it wants, and what a malformed value is
+#: served as (the value that does least: module invariants); the one table
+#: parsing, construction and the warning use.
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool | int]] = {
+    "save": (_is_bool, "true or false", False),
+    "load": (_is_bool, "true or false", False),
+    "max_load_tokens": (_is_token_count, "an integer >= 0", 0),
 }
+
+
+def _served_as(name: str) -> str:
+    """What a malformed ``name`` is served as, as the warning says it."""
+    safe = _FIELDS[name][2]
+    return f"served as {name} {str(safe).lower()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +147,7 @@ class RequestControls:
     max_load_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name, (valid, wanted) in _FIELDS.items():
+        for name, (valid, wanted, _) in _FIELDS.items():
             value = getattr(self, name)
             if value is not None and not valid(value):
                 raise ConfigError(f"request control {name!r} must be {wanted}, got {described(value)}",
@@ -139,6 +156,11 @@ class RequestControls:
     def max_load_blocks(self, block_size: int) -> int | None:
         """The most blocks a lookup may claim (None: no cap)."""
         return None if self.max_load_tokens is None else self.max_load_tokens // block_size
+
+    def loads_nothing(self, block_size: int) -> bool:
+        """True where no block may be loaded for the request: ``load`` off,
+        or ``max_load_tokens`` below one block (counted as no lookup)."""
+        return not self.load or self.max_load_blocks(block_size) == 0
 
     def claimable_blocks(self, block_size: int, max_blocks: int, num_computed_tokens: int) -> int:
         """The most leading blocks a lookup may claim: the prompt's loadable
@@ -149,28 +171,30 @@ class RequestControls:
     @classmethod
     def from_params(cls, params: Any) -> tuple[RequestControls, tuple[str, ...]]:
         """The controls in a request's ``kv_transfer_params`` and the
-        problems found (each ignored: module invariants)."""
+        problems found, each saying what the request is served as (a
+        malformed control fails closed: module invariants)."""
         if not isinstance(params, Mapping) or params.get(PARAMS_KEY) is None:
             return cls(), ()
         body = params[PARAMS_KEY]
         if not isinstance(body, Mapping):
-            return cls(), (f"{PARAMS_KEY!r} is {type(body).__name__}, not an object of controls",)
+            return FAIL_CLOSED, (f"{PARAMS_KEY!r} is {type(body).__name__}, not an object of controls: {CLOSED_AS}",)
         given: dict[str, Any] = {}
         problems: list[str] = []
-        for name, (valid, wanted) in _FIELDS.items():  # looked up, not searched for: a body may hold 100k fields
+        for name, (valid, wanted, safe) in _FIELDS.items():  # looked up, not searched for: a body may hold 100k fields
             value = body.get(name)
             if value is None:
                 continue
             if valid(value):
                 given[name] = value
             else:
-                problems.append(f"{name}={described(value)} (wants {wanted})")
+                given[name] = safe
+                problems.append(f"{name}={described(value)} (wants {wanted}): {_served_as(name)}")
         known = sum(1 for name in (*_FIELDS, *PUBLICATION_FIELDS) if name in body)
         unknown = len(body) - known
         named = [name for _, name in zip(range(MAX_PROBLEMS_NAMED), (n for n in body if n not in _FIELDS and n not in PUBLICATION_FIELDS))]
-        problems += [f"unknown field {described(name)}" for name in named]
+        problems += [f"unknown field {described(name)} (ignored)" for name in named]
         if unknown > len(named):
-            problems.append(f"and {unknown - len(named)} more unknown fields")
+            problems.append(f"and {unknown - len(named)} more unknown fields (ignored)")
         return cls(**given), tuple(problems)
 
     @classmethod
@@ -184,10 +208,15 @@ class RequestControls:
         return controls, problems
 
 
+#: What a request whose controls cannot be read at all is served as (module invariants).
+FAIL_CLOSED = RequestControls(save=False, load=False)
+CLOSED_AS = "served as save false, load false"
+
+
 def describe_problems(problems: Sequence[str]) -> str:
     """The one warning's text for a request's problems."""
-    return (f"ignored in kv_transfer_params[{PARAMS_KEY!r}]: {'; '.join(problems)}; served as if absent "
-            f"(controls: {', '.join(f'{name} ({wanted})' for name, (_, wanted) in _FIELDS.items())})")
+    return (f"bad controls in kv_transfer_params[{PARAMS_KEY!r}]: {'; '.join(problems)} "
+            f"(controls: {', '.join(f'{name} ({wanted})' for name, (_, wanted, _) in _FIELDS.items())})")
 
 
 _reported: OrderedDict[bytes, None] = OrderedDict()

@@ -14,8 +14,9 @@ states); the work is done by:
   outcome is not known yet, and their verdicts;
 * :mod:`ucm_db.connector.request_controls` -- a request's own controls
   (``save``, ``load``, ``max_load_tokens`` in its ``kv_transfer_params``,
-  vLLM's ``skip_reading_prefix_cache``) and the admission of computed
-  blocks (``save_decode``, ``admit_after``);
+  vLLM's ``skip_reading_prefix_cache``; served as
+  :mod:`ucm_db.connector.scheduler.served_controls` says) and the
+  admission of computed blocks (``save_decode``, ``admit_after``);
 * :mod:`ucm_db.connector.roles` -- a ``kv_consumer``'s waits for blocks a
   producer announced; :mod:`ucm_db.connector.epochs` -- resets.
 
@@ -42,7 +43,8 @@ Invariants:
       or vLLM's ``skip_reading_prefix_cache``) is answered 0 before any
       lookup, local or remote, and before any publication wait; one with
       ``max_load_tokens`` is looked up no further than that many tokens
-      past vLLM's own hit (whole blocks).
+      past vLLM's own hit (whole blocks), and below one block counts no
+      lookup. Malformed controls fail closed (request_controls.py).
     * ``update_state_after_alloc`` turns that record into the request's
       pending load (or, ``load_mode: "async"``, a request's first hit, an
       async load planned at once: vLLM holds the request until a worker
@@ -71,15 +73,15 @@ from vllm.logger import init_logger
 import ucm_db
 from ucm_db.connector.scheduler.cost_model import CostModel, Decision
 from ucm_db.connector.epochs import EpochWatch
-from ucm_db.connector.fingerprints import UNSETTLED_PREFIX
 from ucm_db.connector.identity import KVShape, grid, namespace, reader_spans
 from ucm_db.connector.request_keys import chain_keys, request_block_extras, request_extras
 from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
-from ucm_db.connector.request_controls import Admission, RequestControls, describe_problems, first_report
+from ucm_db.connector.request_controls import Admission
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
+from ucm_db.connector.scheduler.served_controls import served_controls
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.scheduler.settlement import SaveSettlement, forget_failed_blocks
@@ -95,21 +97,6 @@ if TYPE_CHECKING:
 #: Shortest interval between two compression-ratio reports of the scheduler.
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
-
-
-def _controls(request: Request, extras: dict[str, Any]) -> RequestControls:
-    """The request's controls (request_controls.py); what is wrong with
-    them is warned about once per request, and served as if absent. An
-    unsettled LoRA adapter's request neither saves nor loads."""
-    if str(extras.get("lora", "")).startswith(UNSETTLED_PREFIX):  # vLLM may compute with another adapter
-        return RequestControls(save=False, load=False)
-    try:
-        controls, problems = RequestControls.of_request(request)
-    except Exception as exc:  # noqa: BLE001 - a client's input never ends the engine (served as if absent)
-        controls, problems = RequestControls(), (f"unreadable ({type(exc).__name__})",)
-    if problems and first_report(request.request_id):
-        logger.warning("ucm-db: request %.80s: %s", request.request_id, describe_problems(problems))  # a client sets the id
-    return controls
 
 
 class UcmDbScheduler:
@@ -168,7 +155,7 @@ class UcmDbScheduler:
                 or (renew_epoch and state.epoch != self._epochs.epoch)):
             extras = request_extras(request, self._lora_engine)
             state = RequestState(request, extras, request_block_extras(request, self._block_size, self._counter_mm_ids),
-                                 self._epochs.epoch, controls=_controls(request, extras), prompt_tokens=request.num_prompt_tokens,
+                                 self._epochs.epoch, controls=served_controls(request, extras), prompt_tokens=request.num_prompt_tokens,
                                  mm_items=len(request.mm_features or ()))
             self._requests[request.request_id] = state
         return state
@@ -212,7 +199,8 @@ class UcmDbScheduler:
             # Nothing to load. Where vLLM's own cache holds every loadable
             # block, the local tier says which are stored: saved once, never again.
             stored = 0 if epoch is None or not claimable else self._lookup.locally_stored_prefix(state, claimable)
-            state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0)
+            # Capped below one block (max_load_tokens): nothing was to be loaded, so no lookup is counted.
+            state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0, looked_up=not state.controls.loads_nothing(self._block_size))
             return 0, False
         skips_before = sum(self.cost.skipped.values())
         state.vllm_computed_tokens = num_computed_tokens
@@ -285,10 +273,11 @@ class UcmDbScheduler:
             state.async_block_ids = self._planner.plan_async_load(state, request.request_id, blocks.get_block_ids()[self._group], end)
         state.stored_blocks = max(state.stored_blocks, record.unit_blocks)
         state.saved_blocks = max(state.saved_blocks, state.stored_blocks)
-        if not record.looked_up:  # load off by the request: nothing asked, nothing counted as a lookup
+        if not record.looked_up:  # nothing to load by the request's controls: nothing counted as a lookup
             if self._group == 0:
-                logger.info("ucm-db: request %s: %d prompt tokens, not looked up (load off: the request's %r control "
-                            "or vLLM's skip_reading_prefix_cache)", request.request_id, request.num_prompt_tokens, "load")
+                why = ("load off: the request's 'load' control or vLLM's skip_reading_prefix_cache" if not state.controls.load
+                       else "load off: the request's max_load_tokens is below one block")
+                logger.info("ucm-db: request %s: %d prompt tokens, not looked up (%s)", request.request_id, request.num_prompt_tokens, why)
             return
         query = max(0, request.num_prompt_tokens - record.local_tokens)
         self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens,

@@ -41,7 +41,7 @@ class LookupRecord:
     hit_blocks: int     # leading blocks claimed (0 where the cost model judged loading slower)
     unit_blocks: int    # leading blocks stored (>= hit_blocks)
     seconds: float
-    looked_up: bool = True  # False: the request's controls skipped the lookup (load off)
+    looked_up: bool = True  # False: the request's controls left nothing to load (load off, max_load_tokens below a block)
 
 
 @dataclass

@@ -197,23 +197,29 @@ def test_controls_are_read_from_the_connectors_own_key() -> None:
     assert RequestControls.from_params({PARAMS_KEY: {"save": None}}) == (RequestControls(), ())  # null: absent
 
 
-@pytest.mark.parametrize(("body", "problem"), [
-    ({"save": "no"}, "save='no' (wants true or false)"),
-    ({"load": 0}, "load=0 (wants true or false)"),
-    ({"max_load_tokens": -1}, "max_load_tokens=-1 (wants an integer >= 0)"),
-    ({"max_load_tokens": True}, "max_load_tokens=True (wants an integer >= 0)"),
-    ({"max_load_tokens": 12.5}, "max_load_tokens=12.5 (wants an integer >= 0)"),
-    ({"sav": False}, "unknown field 'sav'"),
+@pytest.mark.parametrize(("body", "problem", "served"), [
+    ({"save": "no"}, "save='no' (wants true or false): served as save false", RequestControls(save=False)),
+    ({"load": 0}, "load=0 (wants true or false): served as load false", RequestControls(save=False, load=False)),
+    ({"max_load_tokens": -1}, "max_load_tokens=-1 (wants an integer >= 0): served as max_load_tokens 0",
+     RequestControls(save=False, max_load_tokens=0)),
+    ({"max_load_tokens": True}, "max_load_tokens=True (wants an integer >= 0): served as max_load_tokens 0",
+     RequestControls(save=False, max_load_tokens=0)),
+    ({"max_load_tokens": 12.5}, "max_load_tokens=12.5 (wants an integer >= 0): served as max_load_tokens 0",
+     RequestControls(save=False, max_load_tokens=0)),
+    ({"sav": False}, "unknown field 'sav' (ignored)", RequestControls(save=False)),
 ])
-def test_an_unknown_or_ill_typed_field_is_reported_and_ignored(body: dict[str, Any], problem: str) -> None:
+def test_an_ill_typed_field_fails_closed_and_an_unknown_one_is_ignored(body: dict[str, Any], problem: str,
+                                                                       served: RequestControls) -> None:
+    """tests/connector/test_request_controls_fail_closed.py: why, and through the scheduler."""
     controls, problems = RequestControls.from_params({PARAMS_KEY: {**body, "save": False} if "save" not in body else body})
     assert problems == (problem,)
-    assert controls == RequestControls(save="save" in body)  # as if the bad field were absent; the good one kept
+    assert controls == served  # the bad field as its value that does least; the good one kept
 
 
-def test_a_body_that_is_not_an_object_is_reported_and_ignored() -> None:
+def test_a_body_that_is_not_an_object_is_reported_and_fails_closed() -> None:
     controls, problems = RequestControls.from_params({PARAMS_KEY: ["save", False]})
-    assert controls == RequestControls() and problems == ("'ucm_db' is list, not an object of controls",)
+    assert controls == RequestControls(save=False, load=False)
+    assert problems == ("'ucm_db' is list, not an object of controls: served as save false, load false",)
 
 
 def test_a_producers_publication_is_no_problem() -> None:
@@ -339,10 +345,12 @@ def test_a_capped_request_saves_only_what_it_computed(engine: Engine) -> None:
 def test_bad_controls_warn_once_and_the_request_is_served(engine: Engine, tmp_path: Path, scheduler_log: list[str]) -> None:
     tokens = list(range(1, 4 * BS + 10))
     _stored(engine, tokens)
+    before = engine.stored_units()
     req = _request(tokens + [3] * BS, {"save": "no", "max_load_tokens": -3, "colour": "red"})
-    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
+    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
     hit, saves = engine.prefill(req)  # a second lookup of the same request
-    assert hit == 4 * BS and saves == [(4,)]  # served as if the fields were absent: loaded and saved
+    assert hit == 0 and saves == []  # served failing closed: save false, max_load_tokens 0
+    assert engine.stored_units() == before
     # Another scheduler in this process (a hybrid model's other group, a MultiConnector sibling) parses it too.
     other = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(tmp_path / "other")}), SHAPE)
     try:
@@ -351,8 +359,9 @@ def test_bad_controls_warn_once_and_the_request_is_served(engine: Engine, tmp_pa
         other.shutdown()
     warnings = [line for line in scheduler_log if line.startswith("WARNING") and req.request_id in line]
     assert warnings == [
-        f"WARNING ucm-db: request {req.request_id}: ignored in kv_transfer_params['ucm_db']: save='no' (wants true or false); "
-        "max_load_tokens=-3 (wants an integer >= 0); unknown field 'colour'; served as if absent "
+        f"WARNING ucm-db: request {req.request_id}: bad controls in kv_transfer_params['ucm_db']: save='no' (wants true or "
+        "false): served as save false; max_load_tokens=-3 (wants an integer >= 0): served as max_load_tokens 0; "
+        "unknown field 'colour' (ignored) "
         "(controls: save (true or false), load (true or false), max_load_tokens (an integer >= 0))"
     ]
 
@@ -482,7 +491,7 @@ def test_a_hostile_control_value_never_fails_the_scheduler_and_its_warning_stays
         engine: Engine, scheduler_log: list[str], hostile: str) -> None:
     """Audit: repr() of a value nested ~1000 deep raised RecursionError inside get_num_new_matched_tokens,
     so vLLM's Scheduler.schedule() raised and the engine core died; a 10 MB value made a 10 MB log line,
-    100k unknown fields a 2.8 MB one. Each is served as if absent, with one short warning."""
+    100k unknown fields a 2.8 MB one. Each is served (a bad value failing closed), with one short warning."""
     import sys
 
     controls: dict[str, object] = {
@@ -493,7 +502,8 @@ def test_a_hostile_control_value_never_fails_the_scheduler_and_its_warning_stays
     tokens = list(range(1, 4 * BS + 10))
     _stored(engine, tokens)
     req = _request(tokens + [3] * BS, controls)
-    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BS, False)  # served as if absent
+    loads = hostile != "huge_string"  # a malformed load is served as load false
+    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (4 * BS if loads else 0, False)
     warnings = [line for line in scheduler_log if line.startswith("WARNING") and req.request_id in line]
     assert len(warnings) == 1 and len(warnings[0]) < 1000, warnings[0][:2000]
 
@@ -503,7 +513,8 @@ def test_an_integer_repr_cannot_print_is_described_by_its_size() -> None:
     from ucm_db.connector.request_controls import RequestControls
 
     controls, problems = RequestControls.from_params({"ucm_db": {"save": 1 << 20_000}})
-    assert controls == RequestControls() and problems == ("save=an integer of 20001 bits (wants true or false)",)
+    assert controls == RequestControls(save=False)
+    assert problems == ("save=an integer of 20001 bits (wants true or false): served as save false",)
 
 
 def test_reported_request_ids_are_kept_as_digests() -> None:

@@ -66,14 +66,30 @@ def test_save_load_and_max_load_tokens_through_the_openai_server(tmp_path: Path)
         # max_load_tokens caps the hit in whole blocks.
         assert complete(prompt_a, {"max_load_tokens": BLOCK_SIZE + 20}) == (text_a, BLOCK_SIZE)
 
-        # A bad control is warned about and ignored: the request is served as without it.
+        # A bad control is warned about; a malformed one fails closed (save='no': save false), an unknown one is ignored.
         assert complete(prompt_a, {"save": "no", "colour": 1}) == (text_a, 4 * BLOCK_SIZE)
         assert store_blocks(store) == stored
+
+        # "save": "false" (a string) is served as save false: nothing of prompt c is written, d's blocks alone land.
+        prompt_c, prompt_d = random_text(rng, 3 * BLOCK_SIZE + 7), random_text(rng, 2 * BLOCK_SIZE + 3)
+        text_c, cached = complete(prompt_c, {"save": "false"})
+        assert cached == 0
+        assert complete(prompt_d)[1] == 0
+        assert wait_for_new_blocks(store, stored, at_least=stored + 2 * UNITS_PER_BLOCK) == stored + 2 * UNITS_PER_BLOCK
+        assert complete(prompt_c) == (text_c, 0)  # c was not stored
+        # A malformed load or max_load_tokens loads nothing: a is stored, yet recomputed.
+        assert complete(prompt_a, {"load": "no"}) == (text_a, 0)
+        assert complete(prompt_a, {"max_load_tokens": "12"}) == (text_a, 0)
     finally:
         server.stop()
     log = server.log()
-    assert log.count("not looked up (load off") == 1
-    assert log.count("ignored in kv_transfer_params['ucm_db']: save='no' (wants true or false); unknown field 'colour'") == 1
+    assert log.count("not looked up (load off") == 3  # load false, load 'no', max_load_tokens '12'
+    assert log.count("bad controls in kv_transfer_params['ucm_db']: save='no' (wants true or false): served as save false; "
+                     "unknown field 'colour' (ignored)") == 1
+    for said in ("save='false' (wants true or false): served as save false",
+                 "load='no' (wants true or false): served as load false",
+                 "max_load_tokens='12' (wants an integer >= 0): served as max_load_tokens 0"):
+        assert log.count(said) == 1, said
     hits = [line.split(" hit tokens loaded from ucm-db")[0].rsplit(" ", 1)[-1] for line in log.splitlines()
             if "hit tokens loaded from ucm-db" in line]
-    assert hits == ["0", "0", "0", str(4 * BLOCK_SIZE), str(BLOCK_SIZE), str(4 * BLOCK_SIZE)]
+    assert hits == ["0", "0", "0", str(4 * BLOCK_SIZE), str(BLOCK_SIZE), str(4 * BLOCK_SIZE), "0", "0", "0"]
