@@ -15,6 +15,13 @@ Invariants:
     * Creating the store directory (:func:`ensure_store_dir`) and opening
       the lock file turn every OSError into a TierError whose hint names
       that failure's fix (:func:`os_error`).
+    * Names are made durable, not left to the file system's journal: each
+      directory :func:`ensure_store_dir` creates is fsynced into its parent
+      before it returns, and a writable open fsyncs the store directory and
+      its engine's (:func:`sync_store_names`) before anything is acknowledged,
+      so a power cut on a file system that keeps names only once their
+      directory is synced (POSIX's promise) cannot take a store whose blocks
+      were acknowledged durable.
     * A read-only holder (``read_only=True``, a store on a read-only
       volume) creates nothing: it locks an existing lock file through a
       read-only descriptor (``flock`` needs no write access), and where
@@ -137,11 +144,42 @@ def ensure_store_dir(path: str | os.PathLike[str]) -> Path:
     if store.exists() and not store.is_dir():
         raise TierError(f"the store path {store} is a file, not a directory",
                         hint=f"move {store} away or choose another store path (a store is a directory)")
+    created = [d for d in (store, *store.parents) if not d.exists()]
     try:
         store.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for directory in reversed(created):
+            fsync_dir(directory.parent)
     except OSError as exc:
         raise os_error("create the store directory", store, exc) from exc
     return store
+
+
+def sync_store_names(path: str | os.PathLike[str], engine_dir_name: str | None) -> None:
+    """Makes the names in the store directory and in its engine's directory
+    (``engine_dir_name``, None if there is none) durable: a writable open
+    runs it once the engine created its files (module invariants)."""
+    store = Path(path)
+    try:
+        if engine_dir_name is not None:
+            fsync_dir(store / engine_dir_name)
+        fsync_dir(store)
+    except OSError as exc:
+        raise os_error("make the names of the store durable in", store, exc) from exc
+
+
+def fsync_dir(path: Path) -> None:
+    """fsyncs directory ``path`` (its entries: a new, renamed or removed
+    name in it is durable once this returns). A file system that cannot
+    sync a directory (EINVAL, ENOTSUP: some network and FUSE file systems)
+    has nothing more to offer: that is no error."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def hold_shared(path: str | os.PathLike[str], timeout_s: float = SHARED_WAIT_S, *, read_only: bool = False) -> StoreLock:

@@ -26,6 +26,10 @@ block at the cut.
   is quarantined), the index is consistent, and the store opened without
   being set aside.
 
+Every other store lives on the simulator with ``names strict``: a name is
+durable only once its directory is fsynced (POSIX), not with any fsync as in
+ext4's journal.
+
 The log lives on the real disk: it is the outside observer, not part of the
 machine that lost power. Failing to mount FUSE fails the test with the
 reason (never a skip).
@@ -178,6 +182,7 @@ def _run_cuts(tmp_path: Path, durability: str, cuts: int, opening: str = "explic
         store_path = log_path = None
         for cycle in range(cuts):
             if cycle % CYCLES_PER_STORE == 0:
+                mount.strict_names(cycle // CYCLES_PER_STORE % 2 == 1)  # every other store: names by directory syncs only
                 store_path = str(mount_dir / f"store-{cycle}")
                 log_path = tmp_path / f"log-{cycle}.txt"
             assert store_path is not None and log_path is not None

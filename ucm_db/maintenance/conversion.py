@@ -31,14 +31,13 @@ from typing import Any
 
 import xxhash
 
-from ucm_db.maintenance.archive.files import fsync_dir
 from ucm_db.errors import ConfigError, FormatVersionError, MigrationError, UcmDbError
 from ucm_db.format import (
     INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, open_lmdb_read_only, read_format_version, read_settings,
     settings_records_for_engine,
 )
 from ucm_db.migrations.access import refuse_if_held
-from ucm_db.storelock import LOCK_FILE, StoreLock
+from ucm_db.storelock import LOCK_FILE, StoreLock, fsync_dir
 from ucm_db.index import records
 from ucm_db.store.view import ProgressFn, check_store_path, open_view
 from ucm_db.engines.base import TABLES, Engine, Txn

@@ -6,6 +6,8 @@ Invariants:
       unknown option, a bad remote key or an engine that conflicts with the
       store on disk is refused first.
     * A read-only open never creates a store (an absent one is a TierError).
+      A writable one makes the names of the store and its engine directory
+      durable before it returns (:func:`ucm_db.storelock.sync_store_names`).
     * A refused store (format, settings, lock) is let go at once: the
       engine is closed and the directory lock released before the error
       leaves, so e.g. ``migrate`` in this same process can take it.
@@ -43,9 +45,10 @@ from ucm_db.remote.sealing import SealingKeys, load_sealing_keys
 from ucm_db.config import PERSISTED_FIELDS, StoreConfig
 from ucm_db.errors import ConfigError, TierError
 from ucm_db.format import (
-    check_format_version, check_persisted_settings, engine_for_config, engine_shape, open_records, seal_format_records,
+    check_format_version, check_persisted_settings, detect_engine, engine_for_config, engine_shape, open_records,
+    seal_format_records,
 )
-from ucm_db.storelock import StoreLock, ensure_store_dir, hold_shared
+from ucm_db.storelock import StoreLock, ensure_store_dir, hold_shared, sync_store_names
 from ucm_db.store.path import detect_engine_checked, permission_error, store_path
 from ucm_db.index.accounting import seal_records
 from ucm_db.engines.base import Engine
@@ -113,6 +116,7 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
             tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
         if not read_only:
             restart_feed_after_rollback(engine, path)
+            sync_store_names(path, detect_engine(path))  # a new store's, or a recovery's new engine directory
         if config.remote is not None:
             from ucm_db.remote.keying import check_keying  # loaded only by a store with a remote
 

@@ -84,6 +84,11 @@ class PowerCutMount:
         """While ``failing``, every sync on the mount fails with EIO (fs.py)."""
         self.command(f"fsync-errors {'on' if failing else 'off'}")
 
+    def strict_names(self, strict: bool) -> None:
+        """With ``strict``, a name is durable only once its directory is
+        fsynced (fs.py); otherwise as in ext4's journal."""
+        self.command(f"names {'strict' if strict else 'journal'}")
+
     def __exit__(self, *exc: object) -> None:
         if os.path.ismount(self.mountpoint):
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], check=False, capture_output=True)

@@ -14,7 +14,13 @@ guarantees, and no more):
       ``O_DSYNC`` is durable when it returns.
     * Names (create, mkdir, unlink, rename) change the live tree; any fsync
       (of a file or a directory) is a journal commit that makes the whole
-      live tree durable, as ext4's ordered journal does.
+      live tree durable, as ext4's ordered journal does. With ``names
+      strict`` (the control socket) a name is durable only once its
+      directory is fsynced, as POSIX promises and no more: a file's fsync
+      makes its bytes durable, not its name; a directory's fsync makes its
+      own entries durable, not those of the directories under it. A cut
+      then loses every file or directory whose name, or an ancestor's, was
+      never synced.
     * A *cut* (``cut MODE SEED`` on the control socket) is the power loss:
       the tree reverts to its durable state, and each file keeps its durable
       image plus, in mode ``random``, a random subset of its unsynced pages,
@@ -32,6 +38,8 @@ SEED`` -> ``ok <json stats of the cut>``; ``stats`` -> ``ok <json>``;
 ``fsync-errors on|off`` -> ``ok {}``: while on, every ``fsync``,
 ``fdatasync``, directory fsync and ``O_SYNC``/``O_DSYNC`` write fails with
 EIO and makes nothing durable (a disk that stopped taking writes back).
+``names journal|strict`` -> ``ok {}``: how names become durable (above;
+``journal`` at start).
 """
 
 from __future__ import annotations
@@ -128,6 +136,7 @@ class PowerCutFs(mfusepy.Operations):
         self._sync_fhs: set[int] = set()
         self._next_fh = 1
         self.fsync_errors = False  # the control socket's ``fsync-errors``: syncs fail with EIO
+        self.strict_names = False  # the control socket's ``names strict``: names durable by directory fsync only
         self.counters = {"cuts": 0, "writes": 0, "fsyncs": 0, "pages_dropped": 0, "pages_kept": 0}
 
     # -- helpers -----------------------------------------------------------------
@@ -146,7 +155,30 @@ class PowerCutFs(mfusepy.Operations):
         return parent
 
     def _journal_commit(self) -> None:
-        self.durable = dict(self.live)
+        """A file's or directory's fsync: every name durable (ext4's journal);
+        with strict names, none (only :meth:`_sync_entries` makes names durable)."""
+        if not self.strict_names:
+            self.durable = dict(self.live)
+
+    def _sync_entries(self, path: str) -> None:
+        """A directory's fsync: its own entries as they are live (every name
+        with ext4's journal)."""
+        if not self.strict_names:
+            self.durable = dict(self.live)
+            return
+        prefix = path.rstrip("/") + "/"
+        for name in [p for p in self.durable if p != path and p.startswith(prefix) and "/" not in p[len(prefix):]]:
+            del self.durable[name]
+        for name in self._children(path):
+            self.durable[name] = self.live[name]
+
+    def _durable_tree(self) -> dict[str, _Node]:
+        """The durable names whose every ancestor's name is durable too."""
+        kept: dict[str, _Node] = {}
+        for path in sorted(self.durable, key=lambda p: p.count("/")):
+            if path == "/" or os.path.dirname(path) in kept:
+                kept[path] = self.durable[path]
+        return kept
 
     def _children(self, path: str) -> list[str]:
         prefix = path.rstrip("/") + "/"
@@ -160,6 +192,7 @@ class PowerCutFs(mfusepy.Operations):
             for node in set(self.durable.values()):
                 if not node.is_dir:
                     kept += node.cut(rng)
+            self.durable = self._durable_tree()
             self.live = dict(self.durable)
             self._sync_fhs.clear()
             self.counters["cuts"] += 1
@@ -260,7 +293,7 @@ class PowerCutFs(mfusepy.Operations):
         with self._mutex:
             if self.fsync_errors:
                 raise mfusepy.FuseOSError(errno.EIO)
-            self._journal_commit()
+            self._sync_entries(path)
             return 0
 
     def unlink(self, path: str) -> int:
@@ -318,6 +351,10 @@ def _serve_control(fs: PowerCutFs, sock_path: str) -> None:
                 elif words[:1] == ["fsync-errors"] and words[1:] in (["on"], ["off"]):
                     with fs._mutex:
                         fs.fsync_errors = words[1] == "on"
+                    reply = {}
+                elif words[:1] == ["names"] and words[1:] in (["journal"], ["strict"]):
+                    with fs._mutex:
+                        fs.strict_names = words[1] == "strict"
                     reply = {}
                 elif words == ["stats"]:
                     with fs._mutex:

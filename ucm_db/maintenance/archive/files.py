@@ -42,6 +42,7 @@ from typing import IO, Any
 
 from ucm_db.errors import ConfigError, TierError
 from ucm_db.store.path import enclosing_store, path_error
+from ucm_db.storelock import fsync_dir
 
 #: Errors creating the export's temp file that mean the directory cannot be
 #: written (permission, a read-only file system): the command must change.
@@ -138,15 +139,6 @@ def atomic_output(target: Path, mode: int) -> Iterator[IO[bytes]]:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-
-
-def fsync_dir(path: Path) -> None:
-    """Makes a rename or a new file in directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit_bytes: int, damaged_hint: str) -> bytearray:
