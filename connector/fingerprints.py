@@ -62,6 +62,7 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log han
 _warned: set[tuple[str, ...]] = set()
 _adapters: dict[tuple[str, str], str] = {}  # (name, path) -> the digest vLLM loaded from there (first seen)
 _adapter_ids: dict[int, str] = {}  # lora_int_id -> the digest vLLM loaded under it (first seen)
+_resettled: set[tuple[str, str]] = set()  # (name, path) of adapters vLLM reloaded with other files (adapter_resettled)
 
 @dataclass(frozen=True)
 class Fingerprint:
@@ -314,6 +315,8 @@ def adapter_key(lora_request: Any) -> str:
             # vLLM loads these files: in place, or under an id it has not loaded (its reload after an update),
             # when it first runs the id's request (files changed before that are not seen: docstring).
             if getattr(lora_request, "load_inplace", False) or int_id not in _adapter_ids:
+                if _adapters.get((name, where), digest) != digest:
+                    _resettled.add((name, where))  # vLLM's own prefix cache may hold the old files' KV: adapter_resettled
                 _adapters[(name, where)] = _adapter_ids[int_id] = digest
             first = (_adapters.setdefault((name, where), digest), _adapter_ids.setdefault(int_id, digest))
             if first != (digest, digest):
@@ -333,6 +336,16 @@ def adapter_key(lora_request: Any) -> str:
                "name and path, not its files, so an adapter updated under both would be served the old one's KV; give "
                "vLLM the adapter's local directory (or set HF_HUB_OFFLINE=1 once it is cached) to key it by content", name, where)
     return "unhashed:" + json.dumps([name, where])
+
+
+def adapter_resettled(lora_request: Any) -> bool:
+    """Whether this process keyed ``lora_request``'s name and path with
+    other files before (:func:`adapter_key`: vLLM reloaded an updated
+    adapter in place or under a new id). vLLM's own prefix cache hashes an
+    adapter by name and path, not by its files, so it may still hold blocks
+    the old files computed: a request of such an adapter must not save KV
+    computed over a hit from that cache (or over its encoder cache)."""
+    return lora_request is not None and (str(lora_request.lora_name), str(lora_request.lora_path)) in _resettled
 
 
 def _hub_offline() -> bool:

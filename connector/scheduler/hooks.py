@@ -81,7 +81,7 @@ from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
 from ucm_db.connector.request_controls import Admission
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
-from ucm_db.connector.scheduler.served_controls import served_controls
+from ucm_db.connector.scheduler.served_controls import refuse_saves_over_stale_caches, served_controls
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.scheduler.settlement import SaveSettlement, forget_failed_blocks
@@ -188,6 +188,7 @@ class UcmDbScheduler:
         epoch = self._epochs.current()  # this step's epoch: an older request state is made anew
         state = self._state(request)
         state.lookup_computed_tokens = num_computed_tokens
+        refuse_saves_over_stale_caches(state, num_computed_tokens)  # an adapter reloaded with other files
         if not state.controls.load:
             # The request's `load: false` (or vLLM's skip_reading_prefix_cache,
             # which would throw a claim away): no lookup, no remote fetch, no wait.

@@ -57,6 +57,7 @@ def own_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(fingerprints, "_warned", set())
     monkeypatch.setattr(fingerprints, "_adapters", {})
     monkeypatch.setattr(fingerprints, "_adapter_ids", {})
+    monkeypatch.setattr(fingerprints, "_resettled", set())
     return tmp_path / "xdg" / "ucm-db" / "fingerprints.json"
 
 
