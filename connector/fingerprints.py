@@ -256,6 +256,13 @@ def model_fingerprint(model_config: Any, download_dir: str | None = None, load_c
     path = Path(model).expanduser()
     if not path.exists():
         revision = getattr(model_config, "revision", None)
+        if uses_modelscope():  # vLLM downloads from ModelScope, not the Hugging Face cache this would read
+            raise ConfigError(
+                f"ucm-db cannot key model {model!r} by its files: VLLM_USE_MODELSCOPE is on, so vLLM loads a ModelScope "
+                "snapshot, which ucm-db does not resolve (the Hugging Face cache may hold other files under that id)",
+                hint="serve the model from its local directory (ModelScope's snapshot path), or set \"model_id\" in "
+                     "kv_connector_extra_config to an identity that changes whenever the weights do",
+            )
         found = hub_snapshot(model, revision, download_dir)
         if found is None:
             raise ConfigError(
@@ -350,8 +357,12 @@ def adapter_resettled(lora_request: Any) -> bool:
 
 def _hub_offline() -> bool:
     """Whether huggingface_hub may not download (vLLM loads what is cached)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") \
-        and not os.environ.get("VLLM_USE_MODELSCOPE")
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") and not uses_modelscope()
+
+
+def uses_modelscope() -> bool:
+    """Whether vLLM loads hub ids from ModelScope (``VLLM_USE_MODELSCOPE``, read as vLLM reads it)."""
+    return os.environ.get("VLLM_USE_MODELSCOPE", "False").strip().lower() in ("1", "true")
 
 
 def _warn_once(what: tuple[str, ...], message: str, *args: Any) -> None:

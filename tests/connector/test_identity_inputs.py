@@ -238,6 +238,27 @@ def test_the_hub_cache_is_found_where_vllm_downloads(tmp_path: Path, monkeypatch
     assert "model_id" in info.value.hint
 
 
+@pytest.mark.parametrize("flag", ["1", "True"])
+def test_a_modelscope_hub_id_is_refused_not_keyed_by_the_hugging_face_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    """With VLLM_USE_MODELSCOPE vLLM loads the id's ModelScope snapshot; the
+    Hugging Face cache may hold other files under the same id (an older
+    main), which keyed the engine before: its KV was stored under the
+    identity of files it never loaded."""
+    commit = "d" * 40
+    _hub(tmp_path / "hub", "org/model", {"main": commit}, {commit: b"hf-files" * 64})
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    keyed = model_fingerprint(SimpleNamespace(model="org/model", revision=None))
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", flag)
+    with pytest.raises(ConfigError) as info:
+        model_fingerprint(SimpleNamespace(model="org/model", revision=None))
+    assert "ModelScope" in str(info.value) and "model_id" in info.value.hint
+    local = shutil.copytree(tmp_path / "hub" / "models--org--model" / "snapshots" / commit, tmp_path / "local")
+    assert model_fingerprint(SimpleNamespace(model=str(local), revision=None)) == keyed  # a local directory is its files
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "False")  # off, as vLLM reads it
+    assert model_fingerprint(SimpleNamespace(model="org/model", revision=None)) == keyed
+
+
 def _blake3_alone_s(files: list[Path]) -> float:
     """Seconds BLAKE3 alone takes over ``files`` as the product hashes them
     (mapped, this machine's threads): the floor a fingerprint is held to."""
