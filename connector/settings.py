@@ -71,7 +71,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucm_db.config import StoreConfig, load_config_file, redacted_options
+from ucm_db.config import StoreConfig, redacted_options
+from ucm_db import load_config_file
 from ucm_db.connector.scheduler.cost_model import check_load_policy
 from ucm_db.connector.request_controls import check_admission
 from ucm_db.connector.roles import check_publish_options

@@ -7,7 +7,8 @@ CLI use nothing else (``tests/test_layering.py`` checks it, and
 ``docs/architecture.md`` lists the same modules).
 """
 
-from ucm_db.config import StoreConfig, load_config_file
+from ucm_db.config import StoreConfig
+from ucm_db.config_file import load_config_file
 from ucm_db.errors import (
     ClosedError,
     CommitProcessError,
