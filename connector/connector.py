@@ -53,7 +53,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,7 +63,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import ucm_db
-from ucm_db import cpu_placement
+from ucm_db.connector import engine_facts
 from ucm_db.connector.events import FeedEvents, GroupEvents
 from ucm_db.connector.hybrid.hooks import GroupedScheduler, GroupedWorker, check_hybrid
 from ucm_db.connector.hybrid.null_blocks import NullBlockGuard
@@ -105,7 +104,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         self._events: GroupEvents | None = None  # KV cache events from the store's change feed (events.py)
         self._worker: UcmDbWorker | GroupedWorker | None = None
         if role != KVConnectorRole.SCHEDULER:
-            _use_spare_cpus(vllm_config)  # before the store opens: its threads start off the model's cores
+            engine_facts.use_spare_cpus(vllm_config)  # before the store opens: its threads start off the model's cores
         try:
             self.settings, self.pd_role = role_settings(
                 self._kv_transfer_config.kv_connector_extra_config, self._kv_transfer_config.kv_role,
@@ -152,7 +151,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
             events_config = vllm_config.kv_events_config
             if events_config is not None and events_config.enable_kv_cache_events:
                 parts = self._scheduler.parts if isinstance(self._scheduler, GroupedScheduler) else [self._scheduler]
-                specs = [_event_spec(kv_cache_config, group.index) for group in self.groups]  # parts are in group order
+                specs = [engine_facts.event_spec(kv_cache_config, group.index) for group in self.groups]  # parts are in group order
                 self._events = GroupEvents([FeedEvents(part.store, part.namespace, lambda part=part: part.epoch, spec)
                                             for part, spec in zip(parts, specs)])
         else:
@@ -169,7 +168,7 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is not None:
-            tp_rank, pp_rank = _ranks()
+            tp_rank, pp_rank = engine_facts.ranks()
             self._worker.register_kv_caches(kv_caches, tp_rank, pp_rank)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -344,56 +343,8 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
         return UcmDbPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _use_spare_cpus(vllm_config: VllmConfig) -> None:
-    """On vLLM-CPU with one worker and its thread binding on, names the CPUs
-    the engine was started with that the model thread is not bound to (the
-    reserved cores) for ucm-db's threads: compression, loads and uploads
-    then run beside the model, not on its cores (:mod:`ucm_db.cpu_placement`).
-
-    "Started with" is the parent process's affinity (the engine core, or
-    the process that made the engine), so a ``taskset``/``numactl`` binding
-    of the server holds. Nothing moves with several workers (each rank's
-    model cores are its own to know: another rank's could look spare), on
-    other platforms, or with ``VLLM_CPU_OMP_THREADS_BIND=nobind``."""
-    from vllm.platforms import current_platform
-
-    if (not current_platform.is_cpu() or vllm_config.parallel_config.world_size != 1
-            or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "nobind"):
-        return
-    try:
-        started_with = os.sched_getaffinity(os.getppid())
-    except OSError:
-        return
-    spare = cpu_placement.spare_cpus(started_with)
-    if spare:
-        cpu_placement.set_background_cpus(spare)
-        logger.info("ucm-db: background threads on CPUs %s (the model thread is bound to %s)",
-                    sorted(spare), sorted(os.sched_getaffinity(0)))
-
-
-def _event_spec(kv_cache_config: KVCacheConfig | None, group_index: int) -> tuple[str | None, int | None]:
-    """vLLM's event metadata of a KV cache group (spec kind, sliding window),
-    as vLLM's KV cache manager and OffloadingConnector publish it."""
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
-
-    if kv_cache_config is None:
-        return None, None
-    spec = kv_cache_config.kv_cache_groups[group_index].kv_cache_spec
-    return get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
-
-
 def _log_start_failure(exc: Exception) -> None:
     """One log line with the error and its hint ahead of vLLM's tracebacks (one ucm-db did not expect: its type and text)."""
     text = str(exc) if isinstance(exc, UcmDbError) else (f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]} (hint: the "
                                                          "traceback that follows shows where; check the settings and the store path)")
     logger.error("ucm-db connector cannot start: %s", text)
-
-
-def _ranks() -> tuple[int, int]:
-    """(tp_rank, pp_rank) of this worker; (0, 0) outside a distributed run."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
-    except (AssertionError, AttributeError, RuntimeError):
-        return 0, 0
