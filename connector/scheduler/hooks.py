@@ -147,15 +147,16 @@ class UcmDbScheduler:
 
     # -- request state and keys ----------------------------------------------------
     def _state(self, request: Request, *, renew_epoch: bool = True) -> RequestState:
-        """The request's state; a new one at the current epoch where there is
-        none, or (``renew_epoch``: a lookup, whose KV is computed anew) where
-        its key chain is of an older epoch."""
+        """The request's state; a new one at the current epoch where there is none, or (``renew_epoch``: a lookup,
+        whose KV is computed anew) where its key chain is of an older epoch. One made anew without a lookup
+        (``stale_for``: a streaming-session update) keeps its epoch, so a reset since saves none of its KV."""
         state = self._requests.get(request.request_id)
         if (state is None or state.request is not request or state.stale_for(request)
                 or (renew_epoch and state.epoch != self._epochs.epoch)):
+            epoch = state.epoch if state is not None and state.request is request and not renew_epoch else self._epochs.epoch
             extras = request_extras(request, self._lora_engine)
             state = RequestState(request, extras, request_block_extras(request, self._block_size, self._counter_mm_ids),
-                                 self._epochs.epoch, controls=served_controls(request, extras), prompt_tokens=request.num_prompt_tokens,
+                                 epoch, controls=served_controls(request, extras), prompt_tokens=request.num_prompt_tokens,
                                  mm_items=len(request.mm_features or ()))
             self._requests[request.request_id] = state
         return state

@@ -74,7 +74,9 @@ class RequestState:
         this state was made (vLLM 0.32 resumable requests: new prompt tokens,
         new multimodal items, the last sampled token dropped): its key chain
         and block extras must be made anew, or a block would be saved under
-        the key of tokens or items it no longer holds."""
+        the key of tokens or items it no longer holds. Made anew without a
+        lookup, the state keeps this one's epoch (``UcmDbScheduler._state``):
+        its KV was computed then, and a reset since saves none of it."""
         return self.prompt_tokens != request.num_prompt_tokens or self.mm_items != len(request.mm_features or ())
     controls: RequestControls = field(default_factory=RequestControls)  # the request's own (kv_transfer_params)
     sighted_blocks: int = 0   # leading blocks whose sighting the admission sketch counted

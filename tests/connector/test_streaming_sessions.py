@@ -3,7 +3,9 @@ rewrites the request in place (vLLM's ``Scheduler._update_request_as_session``:
 the last sampled token dropped, new prompt tokens and multimodal items
 appended). ucm-db's key chain is made anew from the updated request: the
 blocks after an update that adds a multimodal item are keyed with it, and no
-block keeps the key of tokens it no longer holds (issue 48)."""
+block keeps the key of tokens it no longer holds (issue 48). A session
+running across ``reset_cache`` saves nothing more: its KV predates the new
+epoch."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from vllm.v1.request import Request, StreamingUpdate  # noqa: E402
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 
-from test_scheduler_worker import BS, _shape  # noqa: E402
+from test_scheduler_worker import BS, _new_step, _shape  # noqa: E402
 
 
 def _session(req_id: str, tokens: list[int]) -> Request:
@@ -71,5 +73,37 @@ def test_an_update_that_drops_the_last_sampled_token_rekeys_its_block(tmp_path: 
         fresh = Request("f", list(range(1, 2 * BS)) + [5] * (BS + 1), SamplingParams(max_tokens=4), None)  # type: ignore[arg-type]
         assert sched.keys_for(session, 3) == sched.keys_for(fresh, 3)
         assert sched.keys_for(session, 2)[1] != stale[1]
+    finally:
+        sched.shutdown()
+
+
+def test_a_session_running_across_a_reset_saves_nothing_more(tmp_path: Path) -> None:
+    """The next chunk of a session whose first turn was computed before
+    ``reset_cache`` comes without a lookup (vLLM: num_computed_tokens > 0),
+    only ``update_state_after_alloc``: the state made anew for the updated
+    request keeps the old epoch, so no block computed with the old weights
+    is saved under the new epoch's keys."""
+    sched = UcmDbScheduler(ConnectorSettings.from_extra_config({"path": str(tmp_path / "s")}), _shape())
+    try:
+        first = list(range(1, 2 * BS + 1))
+        session = _session("s", first)
+        ext, _ = sched.get_num_new_matched_tokens(session, 0)
+        sched.update_state_after_alloc(session, None, ext)  # type: ignore[arg-type]
+        assert [len(t.keys) for t in sched.build_connector_meta(_new_step(session, [0, 1, 2, 3], len(first))).saves] == [2]
+        session.num_computed_tokens = len(first)
+        session.append_output_token_ids(777)  # sampled, never computed
+        assert sched.reset_cache()  # weights updated in place
+        _update(session, StreamingUpdate(mm_features=None, prompt_token_ids=[9] * (2 * BS), max_tokens=4,
+                                         arrival_time=0.0, sampling_params=SamplingParams(max_tokens=4)))
+        sched.update_state_after_alloc(session, None, 0)  # type: ignore[arg-type]
+        step = _new_step(session, [0, 1, 2, 3], 2 * BS)  # computes chunk 2 only, over chunk 1's old-weight KV
+        step.scheduled_new_reqs = []
+        assert sched.build_connector_meta(step).saves == []
+        # Preempted, it is looked up and computed anew: saved at the new epoch.
+        session.num_computed_tokens = 0
+        ext, _ = sched.get_num_new_matched_tokens(session, 0)
+        sched.update_state_after_alloc(session, None, ext)  # type: ignore[arg-type]
+        meta = sched.build_connector_meta(_new_step(session, [0, 1, 2, 3], session.num_tokens))
+        assert [len(t.keys) for t in meta.saves] == [4] and meta.epoch == sched.epoch
     finally:
         sched.shutdown()
