@@ -21,7 +21,11 @@ Invariants:
       layout counts them and names the draft (:func:`draft_shape`: method,
       the draft model's files by content, its layers, dtype and
       quantization, and for a drafter of several layers the speculative
-      tokens, which decide how many of them run). An engine with another
+      tokens, which decide how many of them run). The draft's files are
+      read as vLLM loads them (:func:`draft_load_config`: the speculative
+      config's own ``draft_load_config`` where vLLM reads it), and a load
+      config of its own is keyed too (:func:`draft_load_inputs`: a draft of
+      random weights, ``load_format`` ``dummy``, is not the real one). An engine with another
       draft, or none, never reads these blocks, nor shares the target's
       with them: the price of one unit per KV head.
     * Left out everywhere else (a draft model of another KV spec, which
@@ -44,8 +48,13 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import sys
 from typing import Any
+
+from ucm_db.connector.identity_guards import FILE_LOAD_FORMATS
+from ucm_db.connector.weight_files import DEFAULT_IGNORE_PATTERNS, load_format_of
 
 #: vLLM's prefixes of drafters' modules numbered from 0: a separate draft model's
 #: (v1/spec_decode/draft_model.py), Qwen3-Next's and Qwen3.5's MTP modules.
@@ -144,12 +153,57 @@ def draft_shape(vllm_config: Any, kv_cache_config: Any, fingerprint: Any) -> tup
     inputs = {
         "method": str(spec.method),
         "layers": len(names),
-        "model": fingerprint(draft_model, None, getattr(vllm_config, "load_config", None)) if draft_model else None,
+        "model": fingerprint(draft_model, None, draft_load_config(vllm_config)) if draft_model else None,
+        "load": draft_load_inputs(vllm_config),
         "dtype": str(getattr(draft_model, "dtype", "")).removeprefix("torch."),
         "quantization": getattr(spec, "quantization", None) or getattr(draft_model, "quantization", None),
         "speculative_tokens": int(spec.num_speculative_tokens) if len(names) > 1 else None,
     }
     return len(names), {k: v for k, v in inputs.items() if v is not None}
+
+
+def _own_load_config(vllm_config: Any) -> Any:
+    """The speculative config's ``draft_load_config``, where vLLM loads the
+    draft with it (``get_draft_load_config``: every drafter but a separate
+    draft model, which vLLM's ``DraftModelProposer`` and
+    ``StandaloneARSpeculator`` load with the target's); else None."""
+    spec = vllm_config.speculative_config
+    own = getattr(spec, "draft_load_config", None)
+    return None if own is None or str(spec.method) == "draft_model" else own
+
+
+def draft_load_config(vllm_config: Any) -> Any:
+    """The load config vLLM loads the draft's weights with: its own
+    (:func:`_own_load_config`), else the target's."""
+    return _own_load_config(vllm_config) or getattr(vllm_config, "load_config", None)
+
+
+def draft_load_inputs(vllm_config: Any) -> dict[str, Any] | None:
+    """How the draft's own load config loads its weights, as the target's is
+    keyed (``identity_guards.load_inputs``): its load format, weight files it
+    ignores and, for a format that does not read the fingerprinted files, a
+    digest of ``model_loader_extra_config`` (``dummy``, random weights: the
+    shards they were drawn for).
+    None where the draft loads with the target's, which the namespace keys
+    already (the namespaces of such drafts are as before)."""
+    load = _own_load_config(vllm_config)
+    if load is None:
+        return None
+    fmt = load_format_of(load)
+    out: dict[str, Any] = {"load_format": fmt}
+    ignored = getattr(load, "ignore_patterns", None) or []
+    ignored = [ignored] if isinstance(ignored, str) else list(ignored)
+    if ignored and ignored != list(DEFAULT_IGNORE_PATTERNS):
+        out["ignore_patterns"] = ignored
+    extra = getattr(load, "model_loader_extra_config", None)
+    if fmt not in FILE_LOAD_FORMATS and extra:  # a digest, not the options: they may hold credentials
+        out["model_loader_extra_config"] = hashlib.blake2b(
+            json.dumps(extra, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+    if fmt == "dummy":  # vLLM seeds each shard's random weights alike: another TP or expert-parallel size, other weights
+        parallel = getattr(vllm_config.speculative_config, "draft_parallel_config", None) or vllm_config.parallel_config
+        experts = int(parallel.data_parallel_size) if getattr(parallel, "enable_expert_parallel", False) else 1
+        out["dummy_shards"] = [int(parallel.tensor_parallel_size), experts]
+    return out
 
 
 def drops_last_block(vllm_config: Any) -> bool:

@@ -152,6 +152,41 @@ def test_a_draft_sharing_the_targets_spec_is_stored_and_named_by_its_method_file
     assert _stored(_vllm("ngram"), _kv_config(TARGET)) == (0, None)  # no layers of its own
 
 
+def test_a_draft_is_keyed_by_the_load_config_vllm_loads_it_with() -> None:
+    """vLLM loads a drafter with the speculative config's ``draft_load_config``
+    where one is set (``get_draft_load_config``), a separate draft model with
+    the target's: a draft of random weights (``dummy``) is not the real one."""
+    from vllm.config import LoadConfig
+
+    given: list[str] = []
+
+    def by_files(config: Any, _dir: object, load: Any) -> str:
+        given.append(str(load.load_format))
+        return files[config.model]
+
+    def stored(method: str, draft_load: Any) -> dict[str, Any] | None:
+        vllm = _vllm(method, draft_load_config=draft_load)
+        vllm.load_config = LoadConfig()
+        vllm.parallel_config.tensor_parallel_size = 1
+        return draft_shape(vllm, stored_view(vllm, eagle), by_files)[1]
+
+    eagle = _kv_config({**TARGET, "model.layers.2.self_attn.attn": _attention()})
+    real = stored("eagle", None)
+    assert real == {"method": "eagle", "layers": 1, "model": "blake3:d1", "dtype": "bfloat16"}  # as before
+    dummy = stored("eagle", LoadConfig(load_format="dummy"))
+    assert given == ["auto", "dummy"] and dummy != real
+    assert dummy is not None and dummy["load"] == {"load_format": "dummy", "dummy_shards": [1, 1]}
+    ignoring = stored("eagle", LoadConfig(ignore_patterns=["*.bin"]))
+    assert ignoring is not None and ignoring["load"] == {"load_format": "auto", "ignore_patterns": ["*.bin"]}
+    # A separate draft model is loaded with the target's load config (vLLM's DraftModelProposer).
+    small = _kv_config({**TARGET, "draft_model.model.layers.0.self_attn.attn": _attention()})
+    vllm = _vllm("draft_model", draft_load_config=LoadConfig(load_format="dummy"))
+    vllm.load_config = LoadConfig()
+    given.clear()
+    assert draft_shape(vllm, stored_view(vllm, small), by_files)[1] == {**real, "method": "draft_model"}
+    assert given == ["auto"]
+
+
 def test_drafts_that_cannot_be_stored_are_left_out_of_what_the_connector_sees() -> None:
     from ucm_db.connector.hybrid.groups import kv_groups
 
