@@ -13,8 +13,15 @@
 
 Invariants:
     * Keys are derived as the scheduler derives them
-      (``Namespace.block_keys(tokens, extras)``), so imported blocks hit for
-      the same prompt, extras (``cache_salt``, LoRA ...) and namespace.
+      (``Namespace.block_keys(tokens, extras, epoch=store.epoch(namespace))``),
+      so imported blocks hit for the same prompt, extras (``cache_salt``,
+      LoRA ...) and namespace, at its current epoch (after ``ucm-db
+      invalidate`` or a reset too; never for an engine that reset itself,
+      which is served only what it stores: docs/connector.md).
+    * Only root extras: no per-block extras (a multimodal item's identity,
+      a prompt-embedding digest), so the KV of a multimodal or
+      prompt-embeds prompt must not be imported: it would be keyed as the
+      plain text of its token ids and served to such a text prompt.
     * Only full blocks are imported; a trailing partial block is ignored.
     * Imports keep the store's prefix invariant: the chain is put from its
       first block (or after ``parent``) in one atomic batch.
@@ -110,15 +117,21 @@ def import_kv(
         block_ids: for each full block of ``token_ids``, the index of the
             block in ``layout``'s tensors.
         extras: request extras (``cache_salt``, ``lora`` ...), as the
-            connector's scheduler derives them.
+            connector's scheduler derives them. There are no per-block
+            extras: import only KV of plain token prompts, never of a
+            prompt with multimodal items or prompt embeddings (keyed here
+            as the text of its token ids, it would be served to that text).
 
     Returns:
-        The puts' totals, counted in units (``layout.heads`` per block).
+        The puts' totals, counted in units (``layout.heads`` per block),
+        keyed at the namespace's current epoch (:meth:`ucm_db.Store.epoch`).
 
     Raises:
         ConfigError: ``block_ids`` does not match the number of full blocks.
+        EpochUnknownError: the namespace's epoch cannot be established
+            (:meth:`ucm_db.Store.epoch`): nothing is imported.
     """
-    keys = namespace.block_keys(token_ids, dict(extras or {}))
+    keys = namespace.block_keys(token_ids, dict(extras or {}), epoch=store.epoch(namespace))
     if len(block_ids) != len(keys):
         raise ConfigError(
             f"import_kv got {len(block_ids)} block ids for {len(keys)} full blocks of {len(token_ids)} tokens",
