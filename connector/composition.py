@@ -23,12 +23,53 @@ Invariants:
       there are none, and nothing changes for a lone ucm-db.
     * The ids are every KV cache group's (one block pool): a failure in any
       group reaches every group's saves of the request.
+    * What another ucm-db connector of this process loaded (children
+      ``[local store, shared store]``) is keyed as this one keys it, and is
+      saved. What another kind of connector loaded is not known to be this
+      engine's KV (a PD transfer connector that checks the model's path,
+      not its files; a cache keyed by model name): a request it loaded saves
+      nothing, neither those blocks nor any computed over them, unless
+      ``store_foreign_loads`` is set (:func:`refuse_saves_over_foreign_load`;
+      ucm-db's loads are noted by :func:`note_ucm_db_load` when vLLM
+      allocates them, before any child builds its step).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handler prints it
+#: Requests a ucm-db connector of this process loaded (the newest this many).
+MAX_NOTED_LOADS = 65536
+_ucm_db_loads: OrderedDict[str, None] = OrderedDict()
+_warned_foreign = False
+
+
+def note_ucm_db_load(req_id: str) -> None:
+    """Notes that a ucm-db connector of this process loads ``req_id``."""
+    _ucm_db_loads[req_id] = None
+    _ucm_db_loads.move_to_end(req_id)
+    if len(_ucm_db_loads) > MAX_NOTED_LOADS:
+        _ucm_db_loads.popitem(last=False)
+
+
+def refuse_saves_over_foreign_load(req_id: str, state: Any) -> None:
+    """Turns off the saves of ``req_id`` (its ``state``'s controls), which
+    another connector loaded, unless a ucm-db connector of this process
+    loaded it (module invariants); warned once per process."""
+    global _warned_foreign
+    if state is None or req_id in _ucm_db_loads or not state.controls.save:
+        return
+    state.controls = dataclasses.replace(state.controls, save=False)
+    if not _warned_foreign:
+        _warned_foreign = True
+        logger.warning("ucm-db: request %.80s was loaded by another connector (MultiConnector): ucm-db saves none of "
+                       "it, since its KV may have been computed with other weights; set store_foreign_loads=true in "
+                       "kv_connector_extra_config where that connector checks the model's files (logged once)", req_id)
 
 
 def _admitted(scheduler_output: Any) -> Iterator[tuple[str, Sequence[Sequence[int]]]]:

@@ -312,11 +312,15 @@ class Admission:
     """Which computed blocks of a request may be stored (``save_decode``,
     ``admit_after``; module invariants)."""
 
-    def __init__(self, save_decode: bool = True, admit_after: int | str = 1, *, publishes: bool = False) -> None:
+    def __init__(self, save_decode: bool = True, admit_after: int | str = 1, *, publishes: bool = False,
+                 store_foreign_loads: bool = False) -> None:
         """``publishes``: a ``kv_producer``'s, whose consumers read what it
-        stores while its own traffic shows no reuse: ``"auto"`` is 1 there."""
+        stores while its own traffic shows no reuse: ``"auto"`` is 1 there.
+        ``store_foreign_loads``: requests another kind of connector loaded
+        are saved too (composition.py)."""
         check_admission(save_decode, admit_after)
         self.save_decode = save_decode
+        self.store_foreign_loads = store_foreign_loads
         if admit_after == AUTO and publishes:
             auto_admission.logger.info("ucm-db: admit_after \"auto\" stores every chain on a kv_producer (its consumers read them)")
             admit_after = 1

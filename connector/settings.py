@@ -83,7 +83,8 @@ REMOTE_LOOKUPS = ("inline", "background")
 #: Environment variable naming the default store path.
 PATH_ENV = "UCM_DB_PATH"
 _CONNECTOR_KEYS = ("path", "config_file", "load_mode", "model_id", "max_pending_save_bytes", "publish", "publish_codec", "load_deadline_s",
-                   "load_policy", "remote_lookup", "save_decode", "admit_after", "save_process", "load_threads")
+                   "load_policy", "remote_lookup", "save_decode", "admit_after", "save_process", "load_threads",
+                   "store_foreign_loads")
 
 
 def default_store_path() -> Path:
@@ -125,6 +126,8 @@ class ConnectorSettings:
             ``"auto"`` (where the model thread is bound and cores are named
             for background work, :mod:`ucm_db.cpu_placement`; module docstring).
         load_threads: threads reading a staged load (an int >= 1, or ``"auto"``).
+        store_foreign_loads: save requests that another kind of connector
+            loaded under MultiConnector (composition.py; default False).
     """
 
     path: Path
@@ -141,6 +144,7 @@ class ConnectorSettings:
     admit_after: int | str = 1
     save_process: bool | str = "auto"
     load_threads: int | str = "auto"
+    store_foreign_loads: bool = False
 
     def __repr__(self) -> str:
         """The fields, the store options' ``remote_options`` redacted (they may hold credentials)."""
@@ -165,6 +169,9 @@ class ConnectorSettings:
                 hint="use remote_lookup='inline' (fetch while the scheduler waits) or 'background'",
             )
         check_admission(self.save_decode, self.admit_after)
+        if not isinstance(self.store_foreign_loads, bool):
+            raise ConfigError(f"store_foreign_loads must be true or false, got {_brief(self.store_foreign_loads)}",
+                              hint="use store_foreign_loads=true only where the other connector checks the model's files")
         if not isinstance(self.save_process, bool) and self.save_process != "auto":
             raise ConfigError(f"save_process must be true, false or \"auto\", got {_brief(self.save_process)}",
                               hint="use save_process=true to commit saves in a child process")

@@ -72,6 +72,7 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db.connector.scheduler.cost_model import CostModel, Decision
+from ucm_db.connector.composition import note_ucm_db_load
 from ucm_db.connector.epochs import EpochWatch
 from ucm_db.connector.identity import KVShape, grid, namespace, reader_spans
 from ucm_db.connector.request_keys import chain_keys, request_block_extras, request_extras
@@ -81,7 +82,7 @@ from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
 from ucm_db.connector.request_controls import Admission
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
-from ucm_db.connector.scheduler.served_controls import refuse_saves_over_stale_caches, served_controls
+from ucm_db.connector.scheduler.served_controls import log_not_looked_up, refuse_saves_over_stale_caches, served_controls
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.scheduler.settlement import SaveSettlement, forget_failed_blocks
@@ -137,7 +138,7 @@ class UcmDbScheduler:
         self._lookups = self._lookup.lookups  # remote_lookup="background"'s jobs (remote_lookups.py), or None
         several_ranks = shape.tp_size * shape.pp_size > 1
         self._settlement = SaveSettlement(several_ranks, publishes=role.publishes)
-        self._admission = Admission(settings.save_decode, settings.admit_after, publishes=role.publishes)  # N: a gauge
+        self._admission = Admission(settings.save_decode, settings.admit_after, publishes=role.publishes, store_foreign_loads=settings.store_foreign_loads)
         self._planner = StepPlanner(self._requests, self._keys, self._block_size, group, self.cost, self._lookup,
                                     self._settlement, lambda: self._epochs.epoch, self._admission)
         logger.info(
@@ -268,6 +269,8 @@ class UcmDbScheduler:
             state.async_block_ids = ()
             return
         state.pending_load_tokens = num_external_tokens
+        if num_external_tokens:
+            note_ucm_db_load(request.request_id)  # another ucm-db child keeps saving it (composition.py)
         if self._async and num_external_tokens and not state.async_tried:
             # vLLM computes nothing for it until the load is reported done.
             state.async_tried = True
@@ -277,9 +280,7 @@ class UcmDbScheduler:
         state.saved_blocks = max(state.saved_blocks, state.stored_blocks)
         if not record.looked_up:  # nothing to load by the request's controls: nothing counted as a lookup
             if self._group == 0:
-                why = ("load off: the request's 'load' control or vLLM's skip_reading_prefix_cache" if not state.controls.load
-                       else "load off: the request's max_load_tokens is below one block")
-                logger.info("ucm-db: request %s: %d prompt tokens, not looked up (%s)", request.request_id, request.num_prompt_tokens, why)
+                log_not_looked_up(state)
             return
         query = max(0, request.num_prompt_tokens - record.local_tokens)
         self.counters.add(lookups=1, lookup_s=record.seconds, query_tokens=query, hit_tokens=num_external_tokens,

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ucm_db.connector.composition import sibling_loads
+from ucm_db.connector.composition import refuse_saves_over_foreign_load, sibling_loads
 from ucm_db.connector.scheduler.cost_model import MIN_PREFILL_TOKENS, CostModel
 from ucm_db.connector.events import save_fields
 from ucm_db.connector.scheduler.lookups import PrefixLookup
@@ -89,6 +89,8 @@ class StepPlanner:
                 self._plan_load(meta, req_id, block_ids[self._group])
         # Blocks another connector loaded (MultiConnector): saves over them are held like over our own (composition.py).
         others = sibling_loads(scheduler_output, self._requests, self._block_size, {t.req_id for t in meta.loads})
+        for req_id, _ in () if self._admission.store_foreign_loads else others:
+            refuse_saves_over_foreign_load(req_id, self._requests.get(req_id))  # not another ucm-db's: saved by none
         loaded = self._settlement.record_loads(meta, others)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items() if saves else ():
             self._plan_save(meta, scheduler_output, req_id, num_tokens, loaded)

@@ -62,3 +62,11 @@ def refuse_saves_over_stale_caches(state: RequestState, vllm_hit_tokens: int) ->
                    "from vLLM's cache%s); restart the engine, or load the new adapter under a new name or path, to "
                    "save its KV again", request.request_id, str(request.lora_request.lora_name), vllm_hit_tokens,
                    ", multimodal items" if state.mm_items > 0 else "")
+
+
+def log_not_looked_up(state: RequestState) -> None:
+    """The request's log line where its controls left nothing to look up."""
+    request = state.request
+    why = ("the request's 'load' control or vLLM's skip_reading_prefix_cache" if not state.controls.load
+           else "the request's max_load_tokens is below one block")
+    logger.info("ucm-db: request %s: %d prompt tokens, not looked up (load off: %s)", request.request_id, request.num_prompt_tokens, why)
