@@ -164,3 +164,46 @@ def test_with_a_key_the_manifest_epoch_is_authenticated(tmp_path: Path, caplog: 
         assert node_a.bump_epoch(NS) == 2
     with opened(tmp_path / "d", remote, **auth) as node_d:
         assert node_d.epoch(NS) == 2 and served(node_d) == []
+
+
+@pytest.mark.parametrize("how", ["slow_first_contact", "retry_due_in_the_step"])
+def test_keys_taken_before_first_contact_answered_never_read_the_old_chain_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A step's ``epoch()`` answered the local epoch (0) while first contact
+    was pending (an object store's slow first request) or failing (the
+    remote down, retried every RETRY_S); first contact then answered (epoch
+    1) between that ``epoch()`` and the step's lookup, which read the chain
+    through with keys rooted at 0: the KV of before A's invalidation,
+    served. Now nothing is read through until ``epoch()`` is asked again."""
+    import time
+
+    from ucm_db.remote import first_contact
+    from ucm_db.store import epoch_gate
+
+    monkeypatch.setenv("UCM_DB_INLINE_READS", "0")  # requests on the pool, as on NFS or an object store
+    remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
+    invalidated_node(tmp_path / "a", remote)
+    real = first_contact.manifest_epoch
+    down = {"now": how == "retry_due_in_the_step"}
+
+    def manifest_epoch(root: object, ns_id: bytes) -> int | None:
+        if down["now"]:
+            raise ConnectionError("remote down")
+        if how == "slow_first_contact":
+            time.sleep(0.5)
+        return real(root, ns_id)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(first_contact, "manifest_epoch", manifest_epoch)
+    monkeypatch.setattr(epoch_gate, "RETRY_S", 0.3)
+    with ucm_db.open(tmp_path / "c", capacity_bytes=64 << 20, **remote.store_options()) as node_c:
+        if down["now"]:
+            assert node_c.lookup(NS, NS.block_keys(TOKENS, epoch=0)) == 0  # first contact fails: retried later
+            down["now"] = False
+        epoch = node_c.epoch(NS)  # the step's epoch: first contact pending, or its retry not due yet
+        assert epoch == 0
+        time.sleep(0.6)  # first contact answers (or its retry falls due) during the step
+        stale_keys = NS.block_keys(TOKENS, epoch=epoch)
+        assert node_c.lookup(NS, stale_keys) == 0
+        assert node_c.get(NS, stale_keys) == [None] * BLOCKS
+        assert node_c.epoch(NS) == 1  # the next step
+        assert stale(served(node_c)) == 0 and served(node_c) == V2

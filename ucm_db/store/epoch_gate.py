@@ -25,6 +25,13 @@ Invariants:
       later call takes its answer; one that fails (remote down) or runs past
       :data:`~ucm_db.remote.first_contact.PENDING_LIMIT_S` is retried at
       most every :data:`RETRY_S`.
+    * Keys rooted at an epoch this object handed out (``epoch()``, a bump)
+      below the one first contact then found on the remote are stale: once
+      ``epoch()`` has been asked, nothing of the namespace is read through
+      while the remote's epoch is above the last answer, until ``epoch()``
+      is asked again (a first contact that ended between a step's
+      ``epoch()`` and its lookup, or a retry that fell due there, served
+      the KV of before another node's invalidation).
     * A writable store tells the remote its epoch when it is higher than
       the manifest's (after a bump, ``ucm-db invalidate`` run beside it, or
       at first contact) from ``epoch()``, puts and bumps, once per new epoch
@@ -86,6 +93,7 @@ class EpochGate:
         self._reported: set[bytes] = set()
         self._remote_warned: set[bytes] = set()
         self._serves_until: dict[bytes, float] = {}  # known epochs, until when (serves)
+        self._handed: dict[bytes, int] = {}  # the epoch epoch() or bump() last answered (callers root keys at it)
 
     # -- the doors ----------------------------------------------------------------
     def epoch(self, namespace: Namespace, wait_s: float | None = None) -> int:
@@ -101,6 +109,7 @@ class EpochGate:
             epoch = self._record(ns_id, floor)
         epoch = max(epoch, floor)
         self._tell(namespace, epoch)
+        self._handed[ns_id] = epoch
         return epoch
 
     def serves(self, namespace: Namespace) -> bool:
@@ -128,7 +137,8 @@ class EpochGate:
         module invariants)."""
         ns_id = namespace.id
         self._settle(ns_id, wait_s)
-        return ns_id in self._settled
+        floor = self._floors.get(ns_id, 0)
+        return ns_id in self._settled and self._handed.get(ns_id, floor) >= floor  # stale keys: never read through
 
     def before_put(self, namespace: Namespace) -> None:
         """Registers the namespace before its first block here (its record,
@@ -175,6 +185,7 @@ class EpochGate:
         self._reported.discard(ns_id)
         self._registered[ns_id] = max(self._registered.get(ns_id, 0), self._floors.get(ns_id, 0))
         self._tell(namespace, epoch, force=True)  # also over a manifest whose epoch could not be established
+        self._handed[ns_id] = epoch
         return epoch
 
     # -- parts --------------------------------------------------------------------
