@@ -5,7 +5,10 @@ writes and reads that open regular files only.
 Invariants:
     * :func:`write_whole` never leaves a partial object under its final name
       (temp file in the same directory, fsync, rename; temp names start with
-      :data:`TEMP_PREFIX` and are never read as objects).
+      :data:`TEMP_PREFIX` and are never read as objects). :func:`write_new`
+      neither, and never replaces an object another writer created first
+      (a hard link on a directory, a conditional put on S3), where the
+      file system can tell (fsspec's others: an existence check first).
     * :func:`read_local_range` never opens anything but a regular file for
       reading: a symlink, FIFO, device, socket or directory raises
       :class:`NotRegularFileError` without blocking or streaming.
@@ -23,6 +26,8 @@ from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import ConfigError
 
 TEMP_PREFIX = ".tmp-"
+#: What ``link`` raises where a file system has no hard links (some FUSE, SMB and object-store mounts).
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
 
 
 class NotRegularFileError(OSError):
@@ -37,6 +42,36 @@ def is_local_fs(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+def write_new(fs: Any, path: str, data: bytes) -> bool:
+    """Writes ``data`` as one whole object where ``path`` holds none;
+    False where it does (another writer's: left as it is)."""
+    if not is_local_fs(fs):
+        try:
+            fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        except TypeError:  # a file system without exclusive writes: checked first, not atomic
+            if fs.exists(path):
+                return False
+            fs.pipe_file(path, data)
+        return True
+    tmp = _write_temp(path, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        if os.path.lexists(path):  # a file system without hard links: checked first, not atomic
+            return False
+        os.replace(tmp, path)
+        return True
+    finally:
+        _unlink_quietly(tmp)
+    return True
+
+
 def write_whole(fs: Any, path: str, data: bytes) -> None:
     """Writes ``data`` as one whole object: readers see all of it or nothing.
 
@@ -47,6 +82,16 @@ def write_whole(fs: Any, path: str, data: bytes) -> None:
     if not is_local_fs(fs):
         fs.pipe_file(path, data)
         return
+    tmp = _write_temp(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _write_temp(path: str, data: bytes) -> str:
+    """A fsynced temp file holding ``data`` beside ``path`` (its name)."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
@@ -60,13 +105,17 @@ def write_whole(fs: Any, path: str, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink_quietly(tmp)
         raise
+    return tmp
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 #: What opening a path through a file or a symlink loop fails with.

@@ -5,11 +5,16 @@ namespaces.
 
 Invariants:
     * A manifest is written once per namespace and process, whole-object
-      (idempotent); an unreadable one is replaced; it is written again when
-      its namespace's epoch moves on (:func:`record_epoch`).
+      (idempotent), only where none is (:func:`~ucm_db.remote.files.write_new`:
+      an upload never writes over a manifest another node wrote meanwhile,
+      its epoch included); an unreadable one is replaced, and one that
+      cannot be (a directory in its place) is logged and left: uploads go
+      on. It is written again when its namespace's epoch moves on
+      (:func:`record_epoch`).
     * A manifest is read only as a regular file of at most
-      :data:`MAX_MANIFEST_BYTES` holding a JSON object; anything else is a
-      :class:`ManifestError`, and one bad entry never hides the others.
+      :data:`MAX_MANIFEST_BYTES` holding a JSON object; anything else (JSON
+      nested too deep to parse included) is a :class:`ManifestError`, and
+      one bad entry never hides the others.
     * Takes the root as a :class:`RemoteRoot` protocol: this module never
       imports :mod:`ucm_db.remote.tier`, which calls it.
     * The epoch travels with the blocks (issue 48): a manifest carries its
@@ -40,7 +45,7 @@ from typing import Any, Protocol
 
 from ucm_db.auth import AuthKeys
 from ucm_db.errors import UcmDbError
-from ucm_db.remote.files import TEMP_PREFIX, NotRegularFileError, require_regular_file, write_whole
+from ucm_db.remote.files import TEMP_PREFIX, NotRegularFileError, require_regular_file, write_new, write_whole
 from ucm_db.remote.envelope import OBJECT_FORMAT_VERSION
 
 MANIFEST_NAME = "manifest.json"
@@ -91,17 +96,26 @@ def ensure_manifest(root: RemoteRoot, namespace_id: bytes, description: dict[str
     if namespace_id in root.manifests_written:
         return
     path = f"{root.namespace_dir(namespace_id)}/{MANIFEST_NAME}"
+    replace = False
     try:
         present = read_manifest(root, namespace_id) is not None  # one GET (exists() costs two on S3)
     except ManifestError as exc:
         _log.warning("%s; rewriting it", exc)
-        present = False
-    if not present:
+        present = replace = True
+    if not present or replace:
         body = _fresh_body(namespace_id, description)
         if namespace_id in root.epochs:
             body.update(epoch_fields(root, namespace_id, root.epochs[namespace_id]))
+        data = json.dumps(body, indent=2, sort_keys=True).encode()
         root.count(requests=1, puts=1)
-        write_whole(root.fs, path, json.dumps(body, indent=2, sort_keys=True).encode())
+        if not replace:
+            write_new(root.fs, path, data)  # False: another node's came first, with what it knows (its epoch)
+        else:
+            try:
+                write_whole(root.fs, path, data)
+            except OSError as exc:  # e.g. a directory in its place: uploads go on without it
+                _log.warning("cannot replace namespace manifest %s (%s: %s); blocks are uploaded without it",
+                             path, type(exc).__name__, exc)
     root.manifest_written(namespace_id)
 
 def _fresh_body(namespace_id: bytes, description: dict[str, Any]) -> dict[str, Any]:
@@ -219,8 +233,8 @@ def read_manifest(root: RemoteRoot, namespace_id: bytes) -> dict[str, Any] | Non
         raise ManifestError(f"namespace manifest {path} is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         manifest = json.loads(bytes(data))
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise ManifestError(f"namespace manifest {path} is not JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; nested past the parser's depth
+        raise ManifestError(f"namespace manifest {path} is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from exc
     if not isinstance(manifest, dict):
         raise ManifestError(f"namespace manifest {path} is not a JSON object")
     return manifest
