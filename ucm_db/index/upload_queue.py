@@ -6,13 +6,19 @@ Invariants:
     * A key is queued in the transaction that stores its block and leaves
       the queue when it is uploaded or its block is removed: the queue
       never names a block that was never stored.
+    * A key has one row, the row of the block stored under it now: a block
+      removed and put again is queued anew. So the uploader removes a row
+      by what it read (:meth:`UploadQueue.mark_uploaded` given
+      ``created_ns``), checked in the transaction that removes it, never
+      the row of a block stored since.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ucm_db.engines.base import Engine, Txn
+from ucm_db.index.damage import meta_or_none
 
 
 class UploadQueue:
@@ -37,6 +43,26 @@ class UploadQueue:
         keys = list(keys)
         return set(self.engine.read(lambda txn: [k for k in keys if txn.get("uploads", k) is not None]))
 
-    def mark_uploaded(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
-        self.engine.write(lambda txn: [txn.delete("uploads", k) for k in keys])
+    def mark_uploaded(self, keys: Iterable[bytes] | Mapping[bytes, int | None]) -> None:
+        """Removes the rows of ``keys``.
+
+        Given a mapping ``key -> created_ns`` of the block the caller read
+        (``None``: it found none stored), a row is removed only while it is
+        still that block's: the key's block has that ``created_ns``, or no
+        block is stored (the row is stale). A block removed and put again
+        since keeps its new row (audit F7: the uploader found a key gone, it
+        was put again before the batch ended, and removing by key dropped
+        the new row, so the block was never uploaded).
+        """
+        if not isinstance(keys, Mapping):
+            listed = list(keys)
+            self.engine.write(lambda txn: [txn.delete("uploads", k) for k in listed])
+            return
+        read = dict(keys)
+
+        def run(txn: Txn) -> None:
+            for key, created_ns in read.items():
+                current = meta_or_none(txn.get("meta", key))
+                if current is None or current.created_ns == created_ns:
+                    txn.delete("uploads", key)
+        self.engine.write(run)

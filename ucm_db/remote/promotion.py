@@ -11,6 +11,11 @@ Invariants:
       if its parent is local (or it is a chain's first block). An object
       whose parent disagrees with the caller's chain is a miss.
     * Promoted blocks are not queued for upload (they came from the remote).
+    * A read never fails on what it cannot promote: a run whose first parent
+      is gone, that meets another namespace's block, or that does not fit
+      beside the pinned blocks and the local prefix it continues
+      (``StoreFullError``) is not promoted (:func:`promote` returns 0); a
+      lookup reports the local prefix, a ``get`` serves what it fetched.
     * A lookup whose deadline cut its fetch short, or that fetched more than
       :data:`SYNC_PROMOTE_BYTES`, hands the rest of the found prefix to one
       background thread (:class:`Continuations`, bounded queue), so
@@ -45,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from ucm_db.cpu_placement import place_current_thread
-from ucm_db.errors import MissingAncestorError
+from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.remote import link as link_module
 from ucm_db.remote.link import RemoteLink
 from ucm_db.remote.search import MAX_BACKOFF_S, SEARCH_FANOUT
@@ -72,15 +77,19 @@ CLOSE_WAIT_S = 5.0
 def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
     """Puts a verified chain run into the local tier; returns blocks put.
 
-    Nothing is put when the run's first parent has meanwhile been evicted
-    locally (the caller sees a shorter prefix, never a broken invariant).
+    Nothing is put (0) when the run cannot enter the local tier: its first
+    parent has meanwhile been evicted locally, a key or parent is stored
+    under another namespace, or it does not fit beside the pinned blocks
+    and the protected local prefix it continues. The caller sees a shorter
+    prefix, never a broken invariant, and a read never fails on it: a
+    ``get`` still serves what it fetched, just not kept locally.
     """
     if not objects:
         return 0
     entries = [BlockEntry.of_blob(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
     try:
         local.put_blocks(entries, enqueue_upload=False)
-    except (MissingAncestorError, ForeignNamespaceError):  # a read never fails on what it cannot promote
+    except (MissingAncestorError, ForeignNamespaceError, StoreFullError):  # a read never fails on what it cannot promote
         return 0
     return len(entries)
 

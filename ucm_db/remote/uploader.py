@@ -15,6 +15,10 @@ Invariants:
       empty, the counter already holds every upload of this process.
     * A block evicted or deleted locally leaves the queue in the same
       transaction (the local tier does that); nothing else removes rows.
+    * A batch removes a row only while it is still the row of the block the
+      batch planned (its ``created_ns``, checked in the removing
+      transaction): a block removed and put again meanwhile keeps its new
+      row and is uploaded by a later batch.
     * Within a batch, shallower blocks are uploaded first, so the remote
       mostly holds ancestors before descendants (the remote prefix search
       relies on it for precision, never for correctness).
@@ -148,7 +152,7 @@ class Uploader:
         keys = self.local.pending_uploads(limit=BATCH_KEYS)
         if not keys:
             return 0, 0
-        keys, gone = self._plan_batch(keys)
+        keys, gone, stored_ns = self._plan_batch(keys)
         items = self._read_items(keys)
         gone += [k for k, item in zip(keys, items) if item is None]
         work = sorted((item for item in items if item is not None), key=lambda it: it[3])
@@ -171,9 +175,11 @@ class Uploader:
         # on the remote already; a failed queue delete re-uploads them later
         # (and counts them again: ``uploaded`` counts uploads, not blocks).
         self.uploaded += len(done)
-        # Rows of blocks that vanished (raced with eviction) are dropped too.
+        # Rows of blocks that vanished (raced with eviction) are dropped too,
+        # each only if it is still the row of the block planned here: one
+        # removed and put again since has a new row, left for a later batch.
         crashpoint("remote.before_mark_uploaded")
-        self.local.mark_uploaded(done + gone)
+        self.local.mark_uploaded({key: stored_ns.get(key) for key in done + gone})
         self._record_codec_choice()
         return len(done), len(errors)
 
@@ -189,11 +195,13 @@ class Uploader:
         self.local.info_put(REMOTE_CODEC_RECORD, json.dumps(record, sort_keys=True).encode())
         self._recorded_codec = choice.codec
 
-    def _plan_batch(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    def _plan_batch(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
         """Shallowest blocks first, up to :data:`BATCH_BYTES` stored bytes
-        (at least one); returns ``(keys to upload, keys no longer stored)``."""
+        (at least one); returns ``(keys to upload, keys no longer stored,
+        created_ns of each stored block)``: which rows the batch may remove."""
         metas = self.local.metas(keys)
         gone = [k for k, m in zip(keys, metas) if m is None]
+        stored_ns = {k: m.created_ns for k, m in zip(keys, metas) if m is not None}
         present = sorted(((m.depth, k, m.stored_bytes) for k, m in zip(keys, metas) if m is not None))
         chosen: list[bytes] = []
         total_bytes = 0
@@ -202,7 +210,7 @@ class Uploader:
                 break
             chosen.append(key)
             total_bytes += stored_bytes
-        return chosen, gone
+        return chosen, gone, stored_ns
 
     def _read_items(self, keys: list[bytes]) -> list[tuple[bytes, bytes | None, bytes, int, bytes] | None]:
         metas = self.local.metas(keys)
@@ -324,6 +332,8 @@ class Uploader:
         results = list(self._pool.map(self._upload_one, work))
         done = [item[0] for item, error in zip(work, results) if error is None]
         self.uploaded += len(done)  # before the rows leave the queue (see drain_batch)
+        # By key: each key's object is on the remote now, so even a row of
+        # the key's block put again since (same key, same chain) is done.
         self.local.mark_uploaded(done)
         return [error for error in results if error is not None]
 
