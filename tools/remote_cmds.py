@@ -13,7 +13,7 @@ import click
 from ucm_db import ConfigError, maintenance
 from ucm_db.keys import KEY_BYTES
 
-from ucm_db.tools.cli_common import CliPath, ProgressBar, auth_options, emit, human_bytes, json_option
+from ucm_db.tools.cli_common import CliPath, ProgressBar, auth_options, emit, encryption_options, human_bytes, json_option
 from ucm_db.tools.prompt_files import read_prompts, read_text
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -143,14 +143,19 @@ def refuse_file_on_store_path(path: Path) -> None:
 @click.option("--keys", "keys_file", type=CliPath(exists=True, dir_okay=False), help="File of chains: hex block keys of one chain per line.")
 @click.option("--option", "options", multiple=True, help="fsspec option NAME=VALUE for the remote; repeatable.")
 @auth_options("serve only remote objects they signed")
+@encryption_options("read an encrypted remote and encrypt the queued uploads (required once the store used it encrypted)")
 @json_option
 def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | None, keys_file: Path | None,
-                 options: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None, as_json: bool) -> None:
+                 options: tuple[str, ...], auth_key_file: Path | None, auth_key_env: str | None,
+                 encryption_key_file: Path | None, encryption_key_env: str | None, as_json: bool) -> None:
     """Pull the blocks of the given prompts (or key chains) from the remote
     tier into the local store at PATH ahead of traffic (ucm_db.remote.warming).
     Prompts are keyed at the namespace's epoch, the higher of the store's
     and the remote's (a store whose epoch of it cannot be established is
     refused, exit 1), so an invalidated model's old blocks are never pulled.
+    Opening the store starts its uploader: on an encrypted remote pass the
+    fleet's encryption key (a store that used the remote encrypted refuses
+    to open without one, exit 2).
 
     \b
     Example:
@@ -165,8 +170,10 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
     tokens, keys = read_chains(tokens_file, keys_file)
     remote_options = parse_options(options)
     ns = maintenance.remote_namespace(remote, remote_options, namespace)
-    auth = {"remote_auth_key_file": None if auth_key_file is None else str(auth_key_file), "remote_auth_key_env": auth_key_env}
-    with ProgressBar(not as_json, "warming") as bar, ucm_db.open(path, remote=remote, remote_options=remote_options, **auth) as store:
+    key_settings = {"remote_auth_key_file": None if auth_key_file is None else str(auth_key_file), "remote_auth_key_env": auth_key_env,
+            "remote_encryption_key_file": None if encryption_key_file is None else str(encryption_key_file),
+            "remote_encryption_key_env": encryption_key_env}
+    with ProgressBar(not as_json, "warming") as bar, ucm_db.open(path, remote=remote, remote_options=remote_options, **key_settings) as store:
         report = store.warm(ns, token_sequences=tokens, keys=keys, progress=bar)
     data = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
     emit(as_json, data, lambda d: "warmed: " + ", ".join(f"{k}={v}" for k, v in d.items()))

@@ -2,8 +2,9 @@
 
 Usage: ``python tests/remote/node_proc.py '<json spec>'`` with keys
 ``store``, ``remote``, ``remote_options``, ``namespace``, ``n_blocks``,
-``seed``, ``batch_blocks``, ``upload_concurrency``, ``flush`` (bool) and
-``then`` (``"exit"`` or ``"sleep"``). It puts one deterministic chain,
+``seed``, ``batch_blocks``, ``upload_concurrency``, ``flush`` (bool),
+``then`` (``"exit"`` or ``"sleep"``) and ``options`` (more store options,
+e.g. key settings). It puts one deterministic chain,
 prints ``PUT-DONE``, optionally flushes (``FLUSHED``), then exits or sleeps
 until killed.
 """
@@ -41,6 +42,7 @@ def main(spec: dict[str, Any]) -> None:
     store = ucm_db.open(
         spec["store"], capacity_bytes=256 << 20, remote=spec["remote"],
         remote_options=spec.get("remote_options", {}), upload_concurrency=spec.get("upload_concurrency", 4),
+        **spec.get("options", {}),
     )
     step = spec.get("batch_blocks", len(keys))
     for at in range(0, len(keys), step):

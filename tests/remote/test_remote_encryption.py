@@ -12,6 +12,9 @@ object format is public): the associated data makes each a miss. On
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import struct
 import subprocess
 import sys
@@ -31,7 +34,7 @@ from ucm_db.remote.envelope import (
 from ucm_db.remote.sealing import SealingKeys, UnsealError, derive_aes_key, load_sealing_keys, seal_key_id
 from ucm_db.remote.tier import RemoteRoot, write_whole
 
-from .conftest import Remote, chain, key_file, read_through, write_through
+from .conftest import Remote, chain, key_file, make_remote, read_through, write_through
 
 pytestmark = pytest.mark.timeout(120)
 CAP = 64 << 20
@@ -39,6 +42,7 @@ OLD_KEY = bytes(range(32))
 NEW_KEY = bytes(range(100, 164))
 OTHER_KEY = b"\x07" * 32
 MAC_KEY = b"\x2a" * 32
+NODE = Path(__file__).with_name("node_proc.py")
 
 
 
@@ -272,3 +276,52 @@ def test_the_core_imports_and_works_without_cryptography(tmp_path: Path) -> None
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def _crash_with_uploads_queued(tmp_path: Path, remote: Remote, namespace: Any, n_blocks: int, seed: int,
+                               **options: Any) -> None:
+    """A serving node (a process of its own) puts a chain into the store
+    ``node`` and is killed (SIGKILL) at its first upload: all of it stays
+    queued, nothing reaches the remote."""
+    spec = {"store": str(tmp_path / "node"), "remote": remote.url, "remote_options": remote.options,
+            "namespace": namespace.to_dict(), "n_blocks": n_blocks, "seed": seed, "upload_concurrency": 1,
+            "then": "sleep", "options": options}
+    env = dict(os.environ, UCM_DB_CRASH_AT="remote.during_upload:1")
+    node = subprocess.run([sys.executable, str(NODE), json.dumps(spec)], env=env, capture_output=True, text=True, timeout=60)
+    assert node.returncode == -signal.SIGKILL, node.stderr[-2000:]
+
+
+def _object_files(remote: Remote) -> list[Path]:
+    return [p for p in Path(remote.url[len("file://"):]).rglob("*") if p.is_file() and len(p.name) == 64]
+
+
+@pytest.mark.crash
+def test_a_store_that_used_an_encrypted_remote_refuses_an_open_without_the_key(
+        tmp_path: Path, namespace: Any, enc: dict[str, str], request: pytest.FixtureRequest) -> None:
+    """The audit's sequence: a serving node with an encrypted remote dies
+    with uploads queued, then its store is opened with the remote but no
+    encryption key (``ucm-db warm`` before the engine restarts). That open
+    started the uploader, which uploaded the queued KV as plaintext (format
+    1): readable to whoever reads the bucket, and missed (``unencrypted``)
+    by every keyed node. The store records that its remote is encrypted:
+    the open is refused naming the fix, and nothing is uploaded; with the
+    key the queue drains sealed."""
+    remote = make_remote("file", tmp_path, request)
+    keys, payloads = chain(namespace, 4, seed=11)
+    _crash_with_uploads_queued(tmp_path, remote, namespace, 4, seed=11, **enc)
+    with pytest.raises(ConfigError, match="used the remote .* with an encryption key") as caught:
+        ucm_db.open(tmp_path / "node", **remote.store_options(remote_deadline_s=10))
+    hint = caught.value.hint or ""
+    assert "remote_encryption_key_file" in hint and "--encryption-key-file" in hint
+    assert _object_files(remote) == []  # refused before the uploader existed
+
+    with ucm_db.open(tmp_path / "node", **remote.store_options(**enc)) as store:
+        assert store.stats().pending_uploads == 4
+        store.flush(upload_timeout_s=60)
+        assert store.stats().pending_uploads == 0
+    for obj, payload in zip(_objects(remote, namespace, keys), payloads):
+        assert struct.unpack_from("<H", obj, 4)[0] == SEALED_FORMAT_VERSION and payload[:512] not in obj
+    got, stats = read_through(tmp_path, "reader", remote, namespace, keys, **enc)
+    assert got == payloads and stats["unencrypted"] == 0
+    with ucm_db.open(tmp_path / "node") as store:  # without the remote: fine
+        assert store.stats().blocks == 4

@@ -7,6 +7,10 @@ manifest row. Tampering as anyone who can write the archive could."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -132,6 +136,69 @@ def test_rotation_and_both_keys(tmp_path: Path) -> None:
 
 
 def test_help_names_the_flags() -> None:
-    for command in ("export", "import"):
+    for command in ("export", "import", "warm"):
         out = invoke(command, "--help").stdout
         assert "--encryption-key-file" in out and "--encryption-key-env" in out
+
+
+#: A serving node: opens its store with an encrypted remote, puts, and
+#: (UCM_DB_CRASH_AT) is killed at its second remote write, the first
+#: block's after the namespace manifest: the chain stays queued.
+_SERVE = """
+import json, sys, time, ucm_db
+spec = json.loads(sys.argv[1])
+store = ucm_db.open(spec["store"], remote=spec["remote"], capacity_bytes=1 << 26, codec="none", upload_concurrency=1,
+                    remote_encryption_key_file=spec["key"])
+ns = ucm_db.Namespace.from_dict(spec["namespace"])
+store.put(ns, ns.block_keys(spec["tokens"]), [bytes.fromhex(p) for p in spec["payloads"]])
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def crashed_node(tmp_path: Path) -> tuple[str, Path, Path, list[bytes]]:
+    """The audit's setup for ``warm``: a node with an encrypted remote died
+    with its uploads queued. Returns the remote URL, the key file, a
+    ``--tokens`` file of the chain's prompt and the chain's keys."""
+    url, key = f"file://{tmp_path / 'remote'}", key_file(tmp_path, KEY)
+    tokens = [(13 * i + 5) % 30000 for i in range(NS_A.block_size * 3)]
+    keys = NS_A.block_keys(tokens)
+    spec = {"store": str(tmp_path / "node"), "remote": url, "key": str(key), "namespace": NS_A.to_dict(),
+            "tokens": tokens, "payloads": [payload("q", i).hex() for i in range(3)]}
+    env = dict(os.environ, UCM_DB_CRASH_AT="remote.during_upload:2")
+    node = subprocess.run([sys.executable, "-c", _SERVE, json.dumps(spec)], env=env, capture_output=True, text=True, timeout=60)
+    assert node.returncode == -signal.SIGKILL, node.stderr[-2000:]
+    assert _remote_objects(tmp_path) == []
+    tokens_file = tmp_path / "prompts.jsonl"
+    tokens_file.write_text(json.dumps(tokens) + "\n")
+    return url, key, tokens_file, keys
+
+
+def _remote_objects(tmp_path: Path) -> list[bytes]:
+    return [p.read_bytes() for p in (tmp_path / "remote").rglob("*") if p.is_file() and len(p.name) == 64]
+
+
+def test_warm_without_the_key_of_an_encrypted_store_is_refused(tmp_path: Path, crashed_node: tuple[str, Path, Path, list[bytes]]) -> None:
+    """`ucm-db warm` opened the store with its remote and no encryption key:
+    its uploader sent the queued KV to the bucket as plaintext (format 1),
+    which keyed nodes then miss. Now a usage error naming the option, and
+    nothing is uploaded."""
+    url, _key, tokens_file, _keys = crashed_node
+    r = invoke("warm", tmp_path / "node", "--remote", url, "--namespace", "test/alpha", "--tokens", tokens_file, expect=2)
+    assert "encryption key" in r.stderr and "--encryption-key-file" in r.stderr
+    assert _remote_objects(tmp_path) == []
+
+
+def test_warm_with_the_key_uploads_the_queue_sealed(tmp_path: Path, crashed_node: tuple[str, Path, Path, list[bytes]]) -> None:
+    url, key, tokens_file, keys = crashed_node
+    invoke_json("warm", tmp_path / "node", "--remote", url, "--namespace", "test/alpha", "--tokens", tokens_file,
+                "--encryption-key-file", key)
+    with ucm_db.open(tmp_path / "node", remote=url, remote_encryption_key_file=str(key)) as store:
+        store.flush(upload_timeout_s=60)  # whatever warm's close left queued
+    objects = _remote_objects(tmp_path)
+    assert len(objects) == 3
+    assert all(int.from_bytes(o[4:6], "little") == 3 for o in objects)  # format 3: sealed
+    assert not any(payload("q", i)[:64] in o for o in objects for i in range(3))
+    with ucm_db.open(tmp_path / "reader", remote=url, capacity_bytes=1 << 26, remote_encryption_key_file=str(key)) as reader:
+        assert reader.get(NS_A, keys) == [bytearray(payload("q", i)) for i in range(3)]
+        assert reader.stats().remote["unencrypted"] == 0

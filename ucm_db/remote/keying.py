@@ -1,4 +1,4 @@
-"""Whether a remote is keyed, recorded where a keyless node would meet it.
+"""Whether a remote is keyed or encrypted, recorded where a keyless node would meet it.
 
 A remote used with auth keys (:mod:`ucm_db.auth`) is recorded as *keyed*
 in two places: in every local store that opened it with keys (the
@@ -13,11 +13,25 @@ sharing the store would serve a forgery (issue 46 finding 3); and its puts
 would rewrite the fleet's signed objects unsigned, which keyed readers then
 miss for good (finding 4).
 
+A remote used with encryption keys (:mod:`ucm_db.remote.sealing`) is
+recorded as *encrypted* in every local store that opened it with them (the
+checksummed info record ``remote-encrypted:<remote id>``, key ids only), and
+an open of that store with that remote but without encryption keys is
+refused with a :class:`~ucm_db.errors.ConfigError` naming the fix, before
+the uploader exists. Without a key such an open (``ucm-db warm`` after a
+serving process left uploads queued) uploaded the queued KV as plaintext
+objects: readable to whoever reads the bucket, and misses for every keyed
+node. There is no marker at the remote's root for encryption: a node that
+never used the remote with a key still writes its own puts there in
+plaintext (set the key on every node).
+
 Invariants:
     * A keyed open records the store first (before anything is fetched),
       then writes the marker where it is missing (a whole-object write).
-      A keyless open writes neither.
-    * A damaged local record reads as keyed: the safe side.
+      A keyless open writes neither. An encrypted open records the store
+      once every refusal has passed; an open without encryption keys never
+      writes that record.
+    * A damaged local record reads as keyed (or encrypted): the safe side.
     * The marker guards against mistakes, not an attacker: whoever can
       write the bucket can delete it. What protects a keyed node's reads is
       the MAC; what keeps a keyless node from undermining it is this check.
@@ -39,11 +53,14 @@ from ucm_db.engines.base import Engine, Txn
 from ucm_db.errors import ConfigError
 from ucm_db.index import records
 from ucm_db.remote.manifests import KEYED_MARKER_NAME as MARKER_NAME
+from ucm_db.remote.sealing import SealingKeys
 
 logger = logging.getLogger("ucm_db.remote")
 
 #: Info record name prefix; the remote's 16-byte id follows.
 RECORD_PREFIX = b"remote-keyed:"
+#: Info record name prefix of an encrypted remote; the remote's 16-byte id follows.
+ENCRYPTED_RECORD_PREFIX = b"remote-encrypted:"
 #: Longest wait at open for the marker's read (and write).
 MARKER_WAIT_S = 10.0
 _MAX_MARKER_BYTES = 1 << 16
@@ -68,9 +85,40 @@ def record_keyed(txn: Txn, url: str, auth: AuthKeys) -> None:
     records.put_checked(txn, RECORD_PREFIX + remote_id(url), value.encode())
 
 
-def check_keying(engine: Engine, url: str, options: dict[str, Any], auth: AuthKeys | None, *, store_path: str) -> None:
-    """Refuses a keyless open of a keyed remote, or records a keyed one
-    (module invariants). Called at open, before the remote wing exists."""
+def recorded_encrypted(txn: Txn, url: str) -> bool:
+    """Whether this store recorded ``url`` as encrypted (a damaged record counts)."""
+    try:
+        return records.get_checked(txn, ENCRYPTED_RECORD_PREFIX + remote_id(url)) is not None
+    except records.DamagedRecord:
+        return True
+
+
+def record_encrypted(txn: Txn, url: str, sealing: SealingKeys) -> None:
+    """Records ``url`` as encrypted in this store (key ids only)."""
+    value = json.dumps({"remote": url.rstrip("/"), "key_ids": [k.hex() for k in sealing.key_ids]}, sort_keys=True)
+    records.put_checked(txn, ENCRYPTED_RECORD_PREFIX + remote_id(url), value.encode())
+
+
+def check_keying(engine: Engine, url: str, options: dict[str, Any], auth: AuthKeys | None, *, store_path: str,
+                 sealing: SealingKeys | None = None) -> None:
+    """Refuses a keyless open of a keyed remote, or an open without
+    encryption keys of a remote this store used encrypted; records a keyed
+    or encrypted one (module invariants). Called at open, before the remote
+    wing exists."""
+    if sealing is None and engine.read(lambda txn: recorded_encrypted(txn, url)):
+        raise ConfigError(
+            f"the store at {store_path} used the remote {url.rstrip('/')} with an encryption key; opening it without "
+            "one would upload its queued blocks and its puts as plaintext, readable to whoever reads the remote and "
+            "missed by every node with the key",
+            hint="pass the same remote_encryption_key_file / remote_encryption_key_env (ucm-db: --encryption-key-file / "
+            "--encryption-key-env), or open the store without the remote",
+        )
+    _check_auth(engine, url, options, auth, store_path=store_path)
+    if sealing is not None:
+        engine.write(lambda txn: None if recorded_encrypted(txn, url) else record_encrypted(txn, url, sealing))
+
+
+def _check_auth(engine: Engine, url: str, options: dict[str, Any], auth: AuthKeys | None, *, store_path: str) -> None:
     if auth is not None:
         engine.write(lambda txn: None if recorded_keyed(txn, url) else record_keyed(txn, url, auth))
         _bounded(lambda: _ensure_marker(url, options, auth), url)

@@ -120,7 +120,8 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
         if config.remote is not None:
             from ucm_db.remote.keying import check_keying  # loaded only by a store with a remote
 
-            check_keying(engine, config.remote, dict(config.remote_options), auth_keys, store_path=str(path))
+            check_keying(engine, config.remote, dict(config.remote_options), auth_keys, store_path=str(path),
+                         sealing=sealing_keys)
     except BaseException as exc:
         # A refused store (format, settings, lock) is let go at once, so
         # e.g. `migrate` in this same process can take it.
