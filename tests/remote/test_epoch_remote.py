@@ -207,3 +207,31 @@ def test_keys_taken_before_first_contact_answered_never_read_the_old_chain_throu
         assert node_c.get(NS, stale_keys) == [None] * BLOCKS
         assert node_c.epoch(NS) == 1  # the next step
         assert stale(served(node_c)) == 0 and served(node_c) == V2
+
+
+def test_after_a_key_rotation_a_bump_goes_above_the_epoch_the_old_key_signed(tmp_path: Path) -> None:
+    """The rotation trust.md describes ends with the old key dropped: the
+    manifest's epoch (1, signed with it) can no longer be verified. A node
+    with the new key alone bumped from its own epoch (0) to 1, the fleet's
+    epoch already: the invalidation did nothing, and a new node was served
+    the chain of before it. Now the bump goes above the unverified epoch and
+    signs the manifest with the new key."""
+    remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
+
+    def keys(name: str, *hex_keys: str) -> dict[str, str]:
+        path = tmp_path / name
+        path.write_text("".join(k + "\n" for k in hex_keys))
+        path.chmod(0o600)
+        return {"remote_auth_key_file": str(path)}
+
+    old, new = KEY.hex(), bytes(range(32, 64)).hex()
+    invalidated_node(tmp_path / "a", remote, **keys("old", old))  # epoch 1, signed with the old key
+    with opened(tmp_path / "b", remote, **keys("both", new, old)) as node_b:  # rotation: the new key first
+        assert node_b.epoch(NS) == 1 and served(node_b) == V2
+    new_only = keys("new", new)  # the old key dropped
+    with opened(tmp_path / "c", remote, **new_only) as node_c:
+        assert node_c.epoch(NS) == 0 and served(node_c) == []  # the old key's epoch: unverifiable, not adopted
+        assert node_c.bump_epoch(NS) == 2  # the operator's invalidation: above the unverified 1
+    assert manifest(remote)["epoch"] == 2
+    with opened(tmp_path / "d", remote, **new_only) as node_d:
+        assert node_d.epoch(NS) == 2 and stale(served(node_d)) == 0

@@ -29,7 +29,10 @@ Invariants:
       one whose epoch is malformed or, with keys, not signed by one of
       them: a planted epoch is never adopted, and the store reads nothing
       of that namespace through from the remote meanwhile
-      (:mod:`ucm_db.store.epoch_gate`). A MAC cannot stop a replayed older
+      (:mod:`ucm_db.store.epoch_gate`); a bump still goes above its epoch
+      (an unverified number only ever raises an epoch: misses, never stale
+      KV), so after a key rotation the next bump re-signs the manifest above
+      the epoch the old key signed. A MAC cannot stop a replayed older
       manifest, nor one stripped of its epoch: either can make only a *new*
       store start at that older epoch (a store never moves back).
 """
@@ -84,7 +87,13 @@ class RemoteRoot(Protocol):
 
 
 class ManifestError(UcmDbError):
-    """A namespace manifest on the remote cannot be read as one."""
+    """A namespace manifest on the remote cannot be read as one.
+
+    ``unverified_epoch``: the well-formed epoch a manifest carries that no
+    configured key signed (None otherwise): never adopted, but a bump goes
+    above it (:mod:`ucm_db.store.epoch_gate`)."""
+
+    unverified_epoch: int | None = None
 
     default_hint = ("a store writing to this namespace rewrites it; or delete the file so the next upload recreates it, "
                     "or pass the namespace by a longer id prefix")
@@ -182,9 +191,13 @@ def manifest_epoch(root: RemoteRoot, namespace_id: bytes) -> int | None:
         return None
     epoch, problem = epoch_of(root, namespace_id, manifest)
     if problem is not None:
-        raise ManifestError(f"namespace manifest {path}: {problem}; its epoch is not adopted",
-                            hint="a store holding the auth key rewrites it when it moves the namespace's epoch on "
-                            "(Store.bump_epoch, an engine's reset_cache); or remove the manifest")
+        error = ManifestError(f"namespace manifest {path}: {problem}; its epoch is not adopted",
+                              hint="a store holding the auth key rewrites it when it moves the namespace's epoch on "
+                              "(Store.bump_epoch, `ucm-db invalidate`, an engine's reset_cache); or remove the manifest")
+        raw = manifest.get("epoch")
+        if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < _EPOCH_LIMIT:
+            error.unverified_epoch = raw  # e.g. signed by a key rotated out: a bump goes above it
+        raise error
     if epoch is not None:
         root.epochs[namespace_id] = max(epoch, root.epochs.get(namespace_id, 0))
     return epoch

@@ -32,6 +32,9 @@ Invariants:
       is asked again (a first contact that ended between a step's
       ``epoch()`` and its lookup, or a retry that fell due there, served
       the KV of before another node's invalidation).
+    * A bump goes above the remote's epoch, a manifest's that no configured
+      key signed too (a key rotated out): never adopted, only ever raising
+      (:class:`~ucm_db.remote.manifests.ManifestError`'s ``unverified_epoch``).
     * A writable store tells the remote its epoch when it is higher than
       the manifest's (after a bump, ``ucm-db invalidate`` run beside it, or
       at first contact) from ``epoch()``, puts and bumps, once per new epoch
@@ -94,6 +97,7 @@ class EpochGate:
         self._remote_warned: set[bytes] = set()
         self._serves_until: dict[bytes, float] = {}  # known epochs, until when (serves)
         self._handed: dict[bytes, int] = {}  # the epoch epoch() or bump() last answered (callers root keys at it)
+        self._unverified: dict[bytes, int] = {}  # epochs a manifest carries that no configured key signed (bump goes above)
 
     # -- the doors ----------------------------------------------------------------
     def epoch(self, namespace: Namespace, wait_s: float | None = None) -> int:
@@ -181,7 +185,8 @@ class EpochGate:
             _log.warning("ucm-db: the remote's epoch of namespace %s is not known yet (its manifest did not answer); "
                          "the new epoch is checked against this store's alone: bump it again once the remote answers "
                          "if another node may have bumped it", ns_id.hex())
-        epoch = epochs.bump(self._engine, ns_id, self._floors.get(ns_id, 0))
+        # Above an epoch the remote carries unverified too (a key rotated out signed it): the bump invalidates it.
+        epoch = epochs.bump(self._engine, ns_id, max(self._floors.get(ns_id, 0), self._unverified.get(ns_id, 0)))
         self._reported.discard(ns_id)
         self._registered[ns_id] = max(self._registered.get(ns_id, 0), self._floors.get(ns_id, 0))
         self._tell(namespace, epoch, force=True)  # also over a manifest whose epoch could not be established
@@ -221,6 +226,9 @@ class EpochGate:
             return  # a slow first request (an object store's session set-up), not a failure
         except Exception as exc:  # noqa: BLE001 - any remote failure: retried later, nothing read through meanwhile
             self._retry_at[ns_id] = time.monotonic() + RETRY_S
+            unverified = getattr(exc, "unverified_epoch", None)  # a manifest signed by no configured key
+            if unverified is not None:
+                self._unverified[ns_id] = max(self._unverified.get(ns_id, 0), unverified)
             if ns_id not in self._remote_warned:
                 self._remote_warned.add(ns_id)
                 _log.warning("ucm-db: cannot read the remote's epoch of namespace %s (%s: %s); nothing of it is read "
