@@ -25,7 +25,11 @@ Invariants:
       group reaches every group's saves of the request.
     * What another ucm-db connector of this process loaded (children
       ``[local store, shared store]``) is keyed as this one keys it, and is
-      saved. What another kind of connector loaded is not known to be this
+      saved. Both hold per lookup: after a lookup whose allocation was this
+      connector's own async load, the request's first step names no sibling
+      loads (the blocks are its own), and a later lookup (its async load
+      failed, vLLM asks again and another child loads) sees the other's.
+      What another kind of connector loaded is not known to be this
       engine's KV (a PD transfer connector that checks the model's path,
       not its files; a cache keyed by model name): a request it loaded saves
       nothing, neither those blocks nor any computed over them, unless
@@ -55,6 +59,15 @@ def note_ucm_db_load(req_id: str) -> None:
     _ucm_db_loads.move_to_end(req_id)
     if len(_ucm_db_loads) > MAX_NOTED_LOADS:
         _ucm_db_loads.popitem(last=False)
+
+
+def forget_ucm_db_load(req_id: str) -> None:
+    """Forgets an earlier lookup's note of ``req_id``: vLLM asks every child
+    of a MultiConnector before it allocates for any, so each lookup of a
+    ucm-db child forgets it and the child that loads it this time notes it
+    again. A ucm-db load that failed must not let a later load by another
+    kind of connector pass for ucm-db's."""
+    _ucm_db_loads.pop(req_id, None)
 
 
 def refuse_saves_over_foreign_load(req_id: str, state: Any) -> None:
@@ -90,7 +103,8 @@ def sibling_loads(
     this step, for the step's new and resumed requests (vLLM's
     ``SchedulerOutput``); ``requests``: the scheduler's request states (with
     ``request``, ``lookup_computed_tokens``: vLLM's computed tokens at the
-    lookup, and ``async_tried``); ``own_loads``: requests this connector
+    lookup, and ``async_claimed``: that lookup's allocation was this
+    connector's own async load); ``own_loads``: requests this connector
     loads this step. ``lookup_computed_tokens`` is consumed (None): only the
     first step after a lookup can name sibling loads."""
     out: list[tuple[str, tuple[int, ...]]] = []
@@ -101,8 +115,8 @@ def sibling_loads(
         start = state.lookup_computed_tokens // block_size
         end = state.request.num_computed_tokens // block_size
         state.lookup_computed_tokens = None
-        if req_id in own_loads or state.async_tried:
-            continue  # our own load (an async one put its blocks in place before this step)
+        if req_id in own_loads or state.async_claimed:
+            continue  # our own load (an async one, of this lookup, put its blocks in place before this step)
         if end > start:
             ids = tuple(b for group in block_ids for b in group[start:end])
             out.append((req_id, ids))

@@ -21,9 +21,11 @@ Invariants:
       blocks' KV is computed over: vLLM runs a step's forward pass before it
       learns that a load failed, so the KV computed after a failed block is
       wrong. A worker drops a save over a block it failed to load in its
-      last few steps. With several ranks (each sees only its own failures)
-      such a save is held (``hold_id``): the worker keeps the copied-out
-      units and commits them only when a later step's ``held_commits``
+      last few steps (the scheduler, told of the failure by the step's
+      output, rewinds the save's request, settlement.py). With several
+      ranks (each sees only its own failures) such a save is held
+      (``hold_id``): the worker keeps the copied-out units and commits
+      them only when a later step's ``held_commits``
       names it, or discards them (``held_drops``), once every rank's output
       for the steps it depends on is back. So no rank commits KV computed
       over a failed load. A ``kv_producer`` commits within the step: its

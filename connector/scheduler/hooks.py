@@ -189,7 +189,7 @@ class UcmDbScheduler:
         started = time.perf_counter()
         epoch = self._epochs.current()  # this step's epoch: an older request state is made anew
         state = self._state(request)
-        state.lookup_computed_tokens = num_computed_tokens
+        state.start_lookup(num_computed_tokens)  # what a sibling connector loads is told apart per lookup
         refuse_saves_over_stale_caches(state, num_computed_tokens)  # an adapter reloaded with other files
         if not state.controls.load:
             # The request's `load: false` (or vLLM's skip_reading_prefix_cache,

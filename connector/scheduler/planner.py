@@ -98,7 +98,8 @@ class StepPlanner:
 
     def plan_async_load(self, state: RequestState, req_id: str, block_ids: Sequence[int], end: int) -> tuple[int, ...]:
         """Plans the request's async load (for the next step's metadata);
-        returns its block ids."""
+        returns its block ids. Its first step names no sibling loads (composition.py)."""
+        state.async_claimed = True
         plan = self.load_transfer(state, req_id, block_ids, end)
         self._async_plans.append(plan)
         return plan.block_ids

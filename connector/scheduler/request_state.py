@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ucm_db.connector.composition import forget_ucm_db_load
 from ucm_db.connector.request_controls import RequestControls
 from ucm_db.keys import BlockKeys
 
@@ -61,6 +62,7 @@ class RequestState:
     async_block_ids: tuple[int, ...] = ()  # the blocks of its async load, until vLLM schedules it
     vllm_computed_tokens: int = 0  # what vLLM's own prefix cache held at the last lookup: no claim prices it
     lookup_computed_tokens: int | None = None  # the same, until the step after the lookup (composition.py)
+    async_claimed: bool = False  # the last lookup's allocation was our async load: its blocks are no sibling's
     remote_asked: bool = False    # its background remote lookup finished
     remote_probing: bool = False  # its background job is a probe
     remote_probed: bool = False   # its background probe finished
@@ -68,6 +70,15 @@ class RequestState:
     first_remote_block: int | None = None  # blocks from here on were fetched from the remote tier (hit sources)
     prompt_tokens: int = -1       # the request's prompt length and multimodal items when this state was made:
     mm_items: int = -1            # a streaming-session update changes them (and the tokens after the computed ones)
+
+    def start_lookup(self, num_computed_tokens: int) -> None:
+        """A new lookup, vLLM holding ``num_computed_tokens``: what another
+        connector loads from there is told apart from this one's loads anew
+        (composition.py), whatever an earlier lookup claimed (``async_tried``
+        stays: it decides how this lookup claims)."""
+        self.lookup_computed_tokens = num_computed_tokens
+        self.async_claimed = False
+        forget_ucm_db_load(self.request.request_id)
 
     def stale_for(self, request: Request) -> bool:
         """True when a streaming-session update changed the request since

@@ -18,9 +18,14 @@ Invariants:
     * Blocks another connector loaded (MultiConnector, composition.py) count
       as loads of the request for its saves, with one rank too: such a save
       is held (or, a producer's, voided) like one over a load of our own.
-    * Every request a failed load or a voided save touches is rewound to
-      where vLLM recomputes (the ``rewind`` callback), so what it computes
-      again is saved again.
+    * Every request a failed load, a voided save or a save a worker dropped
+      itself touches is rewound to where vLLM recomputes (the ``rewind``
+      callback), so what it computes again is saved again. With one rank a
+      save over our own loads is neither held nor committed when one of
+      them failed (its worker drops it, worker/hooks.py): it is tracked
+      like a producer's, and its request rewound, though it was never
+      stored. Its request may not be the one whose load failed: another
+      sharing the block through vLLM's prefix cache keeps it as computed.
     * The blocks of a failed load, and every later block of a request
       holding one, leave vLLM's prefix cache (:func:`forget_failed_blocks`):
       under ``kv_load_failure_policy: "recompute"`` vLLM keeps them hashed
@@ -56,12 +61,14 @@ Rewind = Callable[[str, "int | None"], None]
 
 @dataclass
 class StepLoads:
-    """A step's synchronous loads, and the saves it commits at once over
-    unsettled loads (a ``kv_producer``'s), until the step's output says
-    whether every load held."""
+    """A step's synchronous loads, and its saves over unsettled loads that
+    are not held (a ``kv_producer``'s, committed at once; one rank's, which
+    its worker drops itself over a failed load), until the step's output
+    says whether every load held."""
 
     loads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (request id, block ids)
-    saves: list[tuple[BlockTransfer, int]] = field(default_factory=list)  # (save, its first block's index)
+    # (save, its first block's index, committed: a rank or a connector that did not see the failure stored it)
+    saves: list[tuple[BlockTransfer, int, bool]] = field(default_factory=list)
     sibling: set[str] = field(default_factory=set)  # requests whose loads another connector made (composition.py)
 
 
@@ -91,7 +98,7 @@ class SaveSettlement:
         # Failed block ids by settled step, while saves planned at or after that step may depend on them.
         self._recent_bad: dict[int, set[int]] = {}
 
-    def record_loads(self, meta: UcmDbConnectorMetadata, others: list[tuple[str, tuple[int, ...]]] = ()) -> set[int]:
+    def record_loads(self, meta: UcmDbConnectorMetadata, others: Sequence[tuple[str, tuple[int, ...]]] = ()) -> set[int]:
         """Remembers the step's synchronous loads, and ``others``: (request,
         block ids) another connector loaded this step (composition.py);
         returns every block loaded in this step or in an earlier one whose
@@ -128,13 +135,15 @@ class SaveSettlement:
         return self._next_hold_id - 1
 
     def track(self, step: int, transfer: BlockTransfer, start: int, sibling: bool = False) -> None:
-        """Remembers a planned save that waits on loads: held, or (a
+        """Remembers a planned save that waits on loads: held; or (a
         producer's) committed at once and deleted if another rank or
-        another connector failed."""
+        another connector failed; or (one rank, over its own loads) dropped
+        by its worker if one failed, its request rewound either way."""
         if transfer.hold_id >= 0:
             self._held[transfer.hold_id] = HeldSave(step, transfer, start)
-        elif transfer.after_loads and (self._several_ranks or sibling):
-            self._step_loads.setdefault(step, StepLoads()).saves.append((transfer, start))
+        elif transfer.after_loads:
+            committed = self._several_ranks or sibling
+            self._step_loads.setdefault(step, StepLoads()).saves.append((transfer, start, committed))
 
     def take_verdicts(self, meta: UcmDbConnectorMetadata) -> None:
         """Puts the voided saves and the held saves' verdicts reached since
@@ -148,9 +157,10 @@ class SaveSettlement:
         that loaded an invalid block is rewound to where vLLM recomputes it
         (vLLM has already moved its computed tokens back to that block); a
         save computed over one is voided (deleted if committed, dropped if
-        held) and its request rewound too. Held saves planned up to
-        ``step`` get their verdict, in planning order, for the next step's
-        metadata: after a dropped one, a request's later ones drop too."""
+        held; one rank's own worker dropped it already) and its request
+        rewound too. Held saves planned up to ``step`` get their verdict,
+        in planning order, for the next step's metadata: after a dropped
+        one, a request's later ones drop too."""
         if step is None and not invalid:
             return
         settled = [(s, self._step_loads.pop(s)) for s in sorted(self._step_loads) if step is None or s <= step]
@@ -163,10 +173,12 @@ class SaveSettlement:
                     rewind(req_id, None)
         recent_bad = set().union(*self._recent_bad.values())
         for _, record in settled:
-            for transfer, start in record.saves:
-                if recent_bad.intersection(transfer.after_loads):
+            for transfer, start, committed in record.saves:
+                if not recent_bad.intersection(transfer.after_loads):
+                    continue
+                rewind(transfer.req_id, start)  # saved again once recomputed
+                if committed:
                     self._voids.append(transfer)
-                    rewind(transfer.req_id, start)
                     logger.warning("ucm-db: request %s: %d blocks saved over a block that failed to load are voided",
                                    transfer.req_id, len(transfer.block_ids))
         if step is not None:
