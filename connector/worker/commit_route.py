@@ -8,6 +8,11 @@ Invariants:
     * The child found gone (at a commit, or by a staging allocation), the
       route logs it once, closes it and commits here from then on; the
       round under way commits here at once, its staging still intact.
+    * A round names the buffer its staging lies in: a job holds its staging
+      (so its buffer stays mapped) until it is done, and
+      :meth:`~ucm_db.committer.CommitProcess.locate` never names a buffer
+      dropped since (one whose address range a newer buffer took), even
+      while its FORGET waits for the request this round sends.
     * :attr:`child_cpu_s` adds up the child's CPU seconds of the commits it
       ran since the caller last reset it (the writer counts them as commit
       CPU beside its own thread's).

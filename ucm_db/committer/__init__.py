@@ -39,6 +39,14 @@ Invariants:
       request (:meth:`SharedBuffer` finalizer, flushed under the lock): never
       while a request may read it, since the caller drops a buffer only after
       the put that reads it returned.
+    * :meth:`locate` never names a dropped buffer, so no request names an id
+      it (or the same request) has just told the child to forget. The
+      kernel maps a new buffer into a dropped one's hole at once: the
+      finalizer takes the dropped buffer out of :meth:`locate`'s sight as it
+      queues its FORGET (not when the next request flushes it), and since
+      ``mmap`` unmaps before it runs its finalizers (with the GIL released),
+      :meth:`locate` takes the newest buffer that holds the bytes: an older
+      one overlapping it was unmapped before the newer could be mapped there.
 """
 
 from __future__ import annotations
@@ -72,6 +80,15 @@ OPEN_TIMEOUT_S = 120.0
 #: Longest :meth:`CommitProcess.close` waits for the child to finish and exit before killing it.
 CLOSE_TIMEOUT_S = 60.0
 _ids = itertools.count(1)
+
+
+def _forget(buffers: dict[int, tuple[int, int]], forgotten: collections.deque[int], buffer_id: int) -> None:
+    """A dropped buffer's finalizer: out of :meth:`CommitProcess.locate`'s
+    sight at once, unmapped in the child at the next request. Runs on
+    whichever thread drops the buffer, maybe inside a lock of the
+    process's: a dict pop and a deque append, no lock taken."""
+    buffers.pop(buffer_id, None)
+    forgotten.append(buffer_id)
 
 
 class SharedBuffer:
@@ -124,7 +141,7 @@ class CommitProcess:
         self._lock = threading.Lock()  # one request and its reply at a time
         self._send_lock = threading.Lock()  # one message written at a time; taken inside _lock, never around it
         self._forgotten: collections.deque[int] = collections.deque()
-        self._buffers: dict[int, tuple[int, int]] = {}  # id -> (address, nbytes), live in the caller
+        self._buffers: dict[int, tuple[int, int]] = {}  # id -> (address, nbytes), in share order, until dropped
         self._gone: str | None = None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
@@ -181,13 +198,14 @@ class CommitProcess:
                 self._buffers[buffer.id] = (buffer.address, nbytes)
         finally:
             os.close(fd)
-        weakref.finalize(memory, self._forgotten.append, buffer.id)
+        weakref.finalize(memory, _forget, self._buffers, self._forgotten, buffer.id)
         return buffer
 
     def locate(self, address: int, nbytes: int) -> tuple[int, int] | None:
         """(buffer id, offset) of ``nbytes`` at ``address`` of the caller's
-        memory, if they lie in one live shared buffer; else None."""
-        for buffer_id, (start, size) in list(self._buffers.items()):
+        memory, if they lie in one live shared buffer; else None. The
+        newest match wins (module invariants: an older one is unmapped)."""
+        for buffer_id, (start, size) in reversed(self._buffers.copy().items()):  # a copy: finalizers pop from it
             if start <= address and address + nbytes <= start + size:
                 return buffer_id, address - start
         return None
@@ -241,8 +259,6 @@ class CommitProcess:
         while self._forgotten:
             ids.append(self._forgotten.popleft())
         if ids:
-            for buffer_id in ids:
-                self._buffers.pop(buffer_id, None)
             self._guard(lambda: wire.send_json(self._sock, wire.FORGET, {"ids": ids}))
 
     def close(self) -> None:
