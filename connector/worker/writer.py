@@ -39,6 +39,9 @@ Invariants:
     * A failed put (missing parent after an eviction, full store, I/O error)
       loses only that job (an I/O error: that round): it is counted and
       logged, the thread goes on.
+    * The thread outlives any exception (a ``kv_producer`` drains it every step): an unexpected one ends
+      its round (blocks not yet counted go to ``save_errors``, items still marked done), logged with its
+      traceback at most once a minute.
     * A :class:`VoidJob` (units of blocks whose KV was computed over a
       failed load, metadata.py) deletes them in queue order: after every
       save submitted before it, so a void never misses a commit still queued.
@@ -185,9 +188,9 @@ class BackgroundWriter:
         self._route = CommitRoute(store, frames, codec_name, committer, frame_bytes)  # commit_route.py
         self._counters = counters
         self._max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0
+        self._pending_bytes = self._counted_blocks = 0
         self._logged_oversize = False
-        self._last_drop_log_s = -_DROP_LOG_INTERVAL_S
+        self._last_drop_log_s = self._last_fault_log_s = -_DROP_LOG_INTERVAL_S
         self._lock = threading.Lock()
         self._queue: queue.Queue[SaveJob | VoidJob | _Wake | None] = queue.Queue()
         self._last_ratio_s = 0.0
@@ -280,8 +283,16 @@ class BackgroundWriter:
     def _finish(self, jobs: Sequence[SaveJob | VoidJob], work: Callable[[Any], None]) -> None:
         """Runs ``work`` over ``jobs`` (one round, or one void), then releases
         their staging and queue places, whatever ``work`` raised."""
+        self._counted_blocks = 0
         try:
             work(jobs)
+            self._update_ratio(jobs[0].namespace)
+        except Exception as exc:  # noqa: BLE001 - a dead writer hangs drain(): module invariants
+            lost = max(0, sum(job.blocks for job in jobs if isinstance(job, SaveJob)) - self._counted_blocks)
+            self._count_errors(lost)
+            if time.monotonic() - self._last_fault_log_s >= _DROP_LOG_INTERVAL_S:  # its traceback, once a minute at most
+                self._last_fault_log_s = time.monotonic()
+                logger.error("ucm-db: the writer lost %d blocks (save_errors) and goes on: %s", lost, exc, exc_info=exc)
         finally:
             with self._lock:
                 self._pending_bytes -= sum(job.queued_bytes for job in jobs)
@@ -295,7 +306,7 @@ class BackgroundWriter:
         others are counted as save errors)."""
         copied = [job for job in jobs if job.copied()]
         if len(copied) < len(jobs):
-            self._counters.add(save_errors=sum(job.blocks for job in jobs) - sum(job.blocks for job in copied))
+            self._count_errors(sum(job.blocks for job in jobs) - sum(job.blocks for job in copied))
         if copied:
             self._commit_round(copied)
 
@@ -319,7 +330,7 @@ class BackgroundWriter:
         except (UcmDbError, OSError) as exc:
             blocks = sum(job.blocks for job in jobs)
             logger.warning("ucm-db: saving %d blocks failed: %s", blocks, exc)
-            self._counters.add(save_errors=blocks)
+            self._count_errors(blocks)
             return
         self._count_saved(jobs, started, started_cpu)
 
@@ -335,7 +346,7 @@ class BackgroundWriter:
             failed = len(job.chains)
             logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
         if failed:
-            self._counters.add(save_errors=job.blocks)
+            self._count_errors(job.blocks)
             return
         self._count_saved([job], started, started_cpu)
 
@@ -343,10 +354,15 @@ class BackgroundWriter:
         # CPU read before the wall clock (and after it at the start): the CPU interval lies inside the wall one.
         commit_cpu_s = time.thread_time() - started_cpu + self._route.child_cpu_s
         commit_s = time.perf_counter() - started
+        self._counted_blocks += sum(job.blocks for job in jobs)
         self._counters.add(saved_blocks=sum(job.blocks for job in jobs), saved_bytes=sum(job.nbytes for job in jobs),
                            save_commit_s=commit_s, save_commit_cpu_s=commit_cpu_s)
         self._counters.observe("save_commit", commit_s)
-        self._update_ratio(jobs[0].namespace)
+
+    def _count_errors(self, blocks: int) -> None:
+        """Counts failed saves (``_counted_blocks``: the round's blocks counted, saved or failed)."""
+        self._counted_blocks += blocks
+        self._counters.add(save_errors=blocks)
 
     def _delete(self, job: VoidJob) -> None:
         keys = [chain[0] for chain in job.chains if len(chain)]  # a chain's first unit takes the rest with it
