@@ -82,6 +82,11 @@ class AuthKeys:
     def signing_id(self) -> bytes:
         return key_id(self.keys[0])
 
+    @property
+    def key_ids(self) -> tuple[bytes, ...]:
+        """The ids of every configured key (never the keys)."""
+        return tuple(key_id(key) for key in self.keys)
+
     def sign(self, parts: Iterable[Buffer], person: bytes) -> tuple[bytes, bytes]:
         """``(key id, MAC)`` of ``parts`` under the signing key."""
         return self.signing_id, mac(self.keys[0], parts, person)

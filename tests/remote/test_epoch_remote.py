@@ -235,3 +235,28 @@ def test_after_a_key_rotation_a_bump_goes_above_the_epoch_the_old_key_signed(tmp
     assert manifest(remote)["epoch"] == 2
     with opened(tmp_path / "d", remote, **new_only) as node_d:
         assert node_d.epoch(NS) == 2 and stale(served(node_d)) == 0
+
+
+@pytest.mark.parametrize("signature", ["unsigned", "unknown_key_far_above"])
+def test_a_planted_epoch_never_uses_up_the_epoch_space(tmp_path: Path, signature: str) -> None:
+    """A bump goes above an epoch signed by a key rotated out, but one that no
+    key signed, or that is past UNVERIFIED_EPOCH_LIMIT, is not followed: a
+    bucket writer without a key planted 2**64 - 2 and every later
+    invalidation of the fleet failed ("its epoch would pass 2**64")."""
+    remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
+    key_file = tmp_path / "auth.key"
+    key_file.write_text(KEY.hex() + "\n")
+    key_file.chmod(0o600)
+    auth = {"remote_auth_key_file": str(key_file)}
+    invalidated_node(tmp_path / "a", remote, **auth)
+    body = manifest(remote)
+    body["epoch"] = 2**64 - 2
+    if signature == "unsigned":
+        body.pop("epoch_auth")
+    else:
+        body["epoch_auth"] = {"key_id": "ab" * 8, "mac": "cd" * 32}
+    Path(remote.url.removeprefix("file://"), NS.short_id, "manifest.json").write_text(json.dumps(body))
+    with opened(tmp_path / "b", remote, **auth) as node_b:
+        assert node_b.bump_epoch(NS) == 1  # its own epoch (0) moved on; the planted number is not followed
+        assert node_b.bump_epoch(NS) == 2
+    assert manifest(remote)["epoch"] == 2

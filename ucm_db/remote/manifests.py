@@ -29,10 +29,11 @@ Invariants:
       one whose epoch is malformed or, with keys, not signed by one of
       them: a planted epoch is never adopted, and the store reads nothing
       of that namespace through from the remote meanwhile
-      (:mod:`ucm_db.store.epoch_gate`); a bump still goes above its epoch
-      (an unverified number only ever raises an epoch: misses, never stale
-      KV), so after a key rotation the next bump re-signs the manifest above
-      the epoch the old key signed. A MAC cannot stop a replayed older
+      (:mod:`ucm_db.store.epoch_gate`); a bump still goes above the epoch of
+      a manifest signed by a key not configured here (one rotated out), up to
+      :data:`UNVERIFIED_EPOCH_LIMIT` (an unverified number only ever raises an
+      epoch, and only so far: misses, never stale KV), so after a key
+      rotation the next bump re-signs the manifest above the old key's epoch. A MAC cannot stop a replayed older
       manifest, nor one stripped of its epoch: either can make only a *new*
       store start at that older epoch (a store never moves back).
 """
@@ -59,6 +60,10 @@ MAX_MANIFEST_BYTES = 1 << 20
 #: The MAC label of a manifest's epoch (:mod:`ucm_db.auth`: one label per use).
 EPOCH_LABEL = b"ucm-db remote ep"
 _EPOCH_LIMIT = 1 << 64
+#: The highest epoch a bump goes above unverified (a key rotated out signed
+#: it): far past any count of bumps, far below the engines' private epochs
+#: (2**63 on), so a planted one cannot use up the epoch space.
+UNVERIFIED_EPOCH_LIMIT = 1 << 32
 
 _log = logging.getLogger("ucm_db")
 
@@ -194,13 +199,29 @@ def manifest_epoch(root: RemoteRoot, namespace_id: bytes) -> int | None:
         error = ManifestError(f"namespace manifest {path}: {problem}; its epoch is not adopted",
                               hint="a store holding the auth key rewrites it when it moves the namespace's epoch on "
                               "(Store.bump_epoch, `ucm-db invalidate`, an engine's reset_cache); or remove the manifest")
-        raw = manifest.get("epoch")
-        if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < _EPOCH_LIMIT:
-            error.unverified_epoch = raw  # e.g. signed by a key rotated out: a bump goes above it
+        error.unverified_epoch = _rotated_out_epoch(root, manifest)
         raise error
     if epoch is not None:
         root.epochs[namespace_id] = max(epoch, root.epochs.get(namespace_id, 0))
     return epoch
+
+
+def _rotated_out_epoch(root: RemoteRoot, manifest: dict[str, Any]) -> int | None:
+    """The epoch of a manifest signed (in form) by a key not configured here,
+    a key rotated out, below :data:`UNVERIFIED_EPOCH_LIMIT`; else None. A
+    bump goes above it: a planted one (anyone may claim a key id) only ever
+    raises the epoch, and by at most the limit (misses, never stale KV)."""
+    raw, signed = manifest.get("epoch"), manifest.get("epoch_auth")
+    try:
+        key_id = bytes.fromhex(signed["key_id"])  # type: ignore[index]
+        bytes.fromhex(signed["mac"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return None  # unsigned: no keyed node wrote it
+    if root.auth is None or any(key_id == known for known in root.auth.key_ids):
+        return None  # a configured key's id with a MAC that fails: altered
+    if isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < UNVERIFIED_EPOCH_LIMIT:
+        return raw
+    return None
 
 
 def record_epoch(root: RemoteRoot, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None:

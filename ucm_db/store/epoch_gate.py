@@ -32,9 +32,11 @@ Invariants:
       is asked again (a first contact that ended between a step's
       ``epoch()`` and its lookup, or a retry that fell due there, served
       the KV of before another node's invalidation).
-    * A bump goes above the remote's epoch, a manifest's that no configured
-      key signed too (a key rotated out): never adopted, only ever raising
-      (:class:`~ucm_db.remote.manifests.ManifestError`'s ``unverified_epoch``).
+    * A bump goes above the remote's epoch, and above that of a manifest
+      signed by a key not configured here (a key rotated out, up to
+      :data:`~ucm_db.remote.manifests.UNVERIFIED_EPOCH_LIMIT`): never
+      adopted, only ever raising (:class:`~ucm_db.remote.manifests.ManifestError`'s
+      ``unverified_epoch``).
     * A writable store tells the remote its epoch when it is higher than
       the manifest's (after a bump, ``ucm-db invalidate`` run beside it, or
       at first contact) from ``epoch()``, puts and bumps, once per new epoch
@@ -181,7 +183,11 @@ class EpochGate:
         made), and tells the remote; returns the new epoch (durable)."""
         ns_id = namespace.id
         self._settle(ns_id, None if self._remote is None else self._remote.bulk_deadline_s)
-        if self._remote is not None and ns_id not in self._settled:
+        if self._remote is not None and ns_id not in self._settled and ns_id in self._unverified:
+            _log.warning("ucm-db: the remote's epoch of namespace %s is signed by a key not configured here (rotated "
+                         "out?): the new epoch goes above it (%d) and is signed with this store's key", ns_id.hex(),
+                         self._unverified[ns_id])
+        elif self._remote is not None and ns_id not in self._settled:
             _log.warning("ucm-db: the remote's epoch of namespace %s is not known yet (its manifest did not answer); "
                          "the new epoch is checked against this store's alone: bump it again once the remote answers "
                          "if another node may have bumped it", ns_id.hex())
