@@ -153,6 +153,8 @@ class GroupedScheduler:
         """The hit every group can serve, always loaded asynchronously; 0
         after a failed load of the request (module invariants)."""
         if request.request_id in self._load_failed:
+            for part in self._attention:  # a lookup still: what another connector loads now is told apart (composition.py)
+                part._state(request).start_lookup(num_computed_tokens)
             return 0, False
         answers = [part.get_num_new_matched_tokens(request, num_computed_tokens)[0] for part in self._attention]
         if any(tokens is None for tokens in answers):

@@ -24,6 +24,14 @@ from ucm_db.errors import ConfigError  # noqa: E402
 TOKENS = list(range(1, 4 * BS + 1))
 
 
+@pytest.fixture(autouse=True)
+def no_noted_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process-wide note of ucm-db's loads, empty per test (request ids repeat across tests)."""
+    from collections import OrderedDict
+
+    monkeypatch.setattr(composition, "_ucm_db_loads", OrderedDict())
+
+
 def _saved_after_sibling_load(tmp_path: Path, req_id: str, *, noted_by_ucm_db: bool = False, **extra: object) -> int:
     """Blocks the step saves for a request whose first 3 blocks another child
     of a MultiConnector loaded (this ucm-db child found nothing: a new store)."""
