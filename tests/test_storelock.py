@@ -37,3 +37,24 @@ def test_forked_child_closing_does_not_release_the_parent(tmp_path: Path) -> Non
             assert not other.try_exclusive()
     finally:
         lock.release()
+
+
+def test_a_store_is_created_in_a_directory_its_user_may_write_but_not_read() -> None:
+    """A drop directory (mode 0733: write and enter, no listing) cannot be
+    opened to fsync the new store's name into it; the first open raised a
+    TierError ("permission denied") after creating the store directory."""
+    import shutil
+    import tempfile
+
+    from tests.other_user import error_outcome, run_as_nobody
+
+    parent = Path(tempfile.mkdtemp(prefix="ucm-db-drop-"))  # pytest's tmp_path: only its owner enters
+    try:
+        parent.chmod(0o711)
+        drop = parent / "drop"
+        drop.mkdir(mode=0o733)
+        drop.chmod(0o733)
+        outcome = run_as_nobody(lambda: error_outcome(lambda: ucm_db.open(drop / "store", capacity_bytes=1 << 30).close()))
+        assert outcome["type"] == "none", outcome
+    finally:
+        shutil.rmtree(parent)

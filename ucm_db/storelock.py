@@ -169,14 +169,19 @@ def sync_store_names(path: str | os.PathLike[str], engine_dir_name: str | None) 
 
 def fsync_dir(path: Path) -> None:
     """fsyncs directory ``path`` (its entries: a new, renamed or removed
-    name in it is durable once this returns). A file system that cannot
-    sync a directory (EINVAL, ENOTSUP: some network and FUSE file systems)
-    has nothing more to offer: that is no error."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    name in it is durable once this returns). Where that cannot be asked,
+    nothing more is on offer and it is no error: a directory this user may
+    write but not read (a drop directory, mode 0733: it cannot be opened),
+    or a file system that cannot sync one (EINVAL, ENOTSUP: some network
+    and FUSE file systems; EROFS, EBADF). A failed sync (EIO) raises."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError:
+        return
     try:
         os.fsync(fd)
     except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EROFS, errno.EBADF):
             raise
     finally:
         os.close(fd)
