@@ -81,8 +81,8 @@ def test_a_bad_manifest_stops_no_upload_nor_gc_nor_warm(tmp_path: Path, bad: str
     for ns in (NS, OTHER):
         objects = [p for p in (remote_dir / ns.id[:8].hex()).rglob("*") if p.is_file() and p.name != manifests.MANIFEST_NAME]
         assert len(objects) == 4, f"{ns.model}: {len(objects)} of 4 blocks uploaded"
-    report = maintenance.gc_remote(url, older_than_s=1e9)  # raised RecursionError
-    assert report["removed_objects"] == 0
     assert maintenance.remote_namespace(url, {}, OTHER.model) == OTHER  # warm's discovery: raised too
+    report = maintenance.gc_remote(url, older_than_s=0)  # raised RecursionError; now removes what it may
+    assert report["removed_objects"] >= 4  # at least OTHER's blocks (a namespace without a readable manifest is skipped)
     if bad == "nested_json":
         assert json.loads((ns_dir / manifests.MANIFEST_NAME).read_text())["namespace_id"] == NS.id.hex()  # replaced

@@ -8,7 +8,8 @@ Invariants:
       :data:`TEMP_PREFIX` and are never read as objects). :func:`write_new`
       neither, and never replaces an object another writer created first
       (a hard link on a directory, a conditional put on S3), where the
-      file system can tell (fsspec's others: an existence check first).
+      file system can tell (elsewhere an existence check first: a writer
+      in between is replaced).
     * :func:`read_local_range` never opens anything but a regular file for
       reading: a symlink, FIFO, device, socket or directory raises
       :class:`NotRegularFileError` without blocking or streaming.
@@ -44,14 +45,18 @@ def is_local_fs(fs: Any) -> bool:
 
 def write_new(fs: Any, path: str, data: bytes) -> bool:
     """Writes ``data`` as one whole object where ``path`` holds none;
-    False where it does (another writer's: left as it is)."""
+    False where it does (another writer's: left as it is). Exclusive on a
+    local directory (a hard link), on S3 (a conditional put) and in
+    memory; where a file system refuses an exclusive write, or has no hard
+    links, the name is checked first: a writer in between is replaced.
+    A file system that ignores ``mode="create"`` replaces it too."""
     if not is_local_fs(fs):
         try:
             fs.pipe_file(path, data, mode="create")
         except FileExistsError:
             return False
-        except TypeError:  # a file system without exclusive writes: checked first, not atomic
-            if fs.exists(path):
+        except Exception:  # noqa: BLE001 - no exclusive write here (an older s3fs, a server without If-None-Match)
+            if fs.exists(path):  # checked first, not atomic: a writer in between may be replaced
                 return False
             fs.pipe_file(path, data)
         return True
