@@ -63,6 +63,8 @@ _warned: set[tuple[str, ...]] = set()
 _adapters: dict[tuple[str, str], str] = {}  # (name, path) -> the digest vLLM loaded from there (first seen)
 _adapter_ids: dict[int, str] = {}  # lora_int_id -> the digest vLLM loaded under it (first seen)
 _resettled: set[tuple[str, str]] = set()  # (name, path) of adapters vLLM reloaded with other files (adapter_resettled)
+_named: dict[str, str] = {}  # adapter name -> the digest first keyed under it, any path (adapter_resettled)
+_renamed: set[str] = set()  # names keyed with other files since, any path
 
 @dataclass(frozen=True)
 class Fingerprint:
@@ -260,8 +262,8 @@ def model_fingerprint(model_config: Any, download_dir: str | None = None, load_c
             raise ConfigError(
                 f"ucm-db cannot key model {model!r} by its files: VLLM_USE_MODELSCOPE is on, so vLLM loads a ModelScope "
                 "snapshot, which ucm-db does not resolve (the Hugging Face cache may hold other files under that id)",
-                hint="serve the model from its local directory (ModelScope's snapshot path), or set \"model_id\" in "
-                     "kv_connector_extra_config to an identity that changes whenever the weights do",
+                hint="serve the model (or the speculative draft) from its local directory (ModelScope's snapshot path), "
+                     "or set \"model_id\" in kv_connector_extra_config to an identity that changes whenever the weights do",
             )
         found = hub_snapshot(model, revision, download_dir)
         if found is None:
@@ -321,6 +323,8 @@ def adapter_key(lora_request: Any) -> str:
             int_id = int(getattr(lora_request, "lora_int_id", 0) or 0)
             # vLLM loads these files: in place, or under an id it has not loaded (its reload after an update),
             # when it first runs the id's request (files changed before that are not seen: docstring).
+            if _named.setdefault(name, digest) != digest:
+                _renamed.add(name)  # vLLM's encoder cache keys a tower adapter by name alone: adapter_resettled
             if getattr(lora_request, "load_inplace", False) or int_id not in _adapter_ids:
                 if _adapters.get((name, where), digest) != digest:
                     _resettled.add((name, where))  # vLLM's own prefix cache may hold the old files' KV: adapter_resettled
@@ -345,14 +349,19 @@ def adapter_key(lora_request: Any) -> str:
     return "unhashed:" + json.dumps([name, where])
 
 
-def adapter_resettled(lora_request: Any) -> bool:
+def adapter_resettled(lora_request: Any, *, multimodal: bool = False) -> bool:
     """Whether this process keyed ``lora_request``'s name and path with
     other files before (:func:`adapter_key`: vLLM reloaded an updated
-    adapter in place or under a new id). vLLM's own prefix cache hashes an
-    adapter by name and path, not by its files, so it may still hold blocks
-    the old files computed: a request of such an adapter must not save KV
-    computed over a hit from that cache (or over its encoder cache)."""
-    return lora_request is not None and (str(lora_request.lora_name), str(lora_request.lora_path)) in _resettled
+    adapter in place or under a new id); with ``multimodal``, its name with
+    other files under any path. vLLM's own prefix cache hashes an adapter
+    by name and path, its encoder cache a tower adapter by name alone, not
+    by their files, so they may still hold what the old files computed: a
+    request of such an adapter must not save KV computed over a hit from
+    them."""
+    if lora_request is None:
+        return False
+    name = str(lora_request.lora_name)
+    return (name, str(lora_request.lora_path)) in _resettled or (multimodal and name in _renamed)
 
 
 def _hub_offline() -> bool:

@@ -12,9 +12,10 @@ Invariants:
     * A request of an adapter vLLM reloaded with other files in this process
       saves nothing where vLLM's own prefix cache served part of it, or where
       it holds multimodal items (:func:`refuse_saves_over_stale_caches`):
-      those caches key the adapter by name and path, so their KV or encoder
-      outputs may be the old files', and every block computed over them is
-      wrong for the new adapter's key.
+      vLLM's prefix cache keys the adapter by name and path, its encoder
+      cache a tower adapter by name alone (a name loaded from another path
+      counts there), so their KV or encoder outputs may be the old files',
+      and every block computed over them is wrong for the new adapter's key.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def refuse_saves_over_stale_caches(state: RequestState, vllm_hit_tokens: int) ->
     reloaded with other files and vLLM's own cache served ``vllm_hit_tokens``
     of it, or it holds multimodal items; warned once, when it turns them off."""
     request = state.request
-    if not state.controls.save or not (vllm_hit_tokens or state.mm_items > 0) or not adapter_resettled(request.lora_request):
+    multimodal = state.mm_items > 0
+    if not state.controls.save or not (vllm_hit_tokens or multimodal) or not adapter_resettled(request.lora_request, multimodal=multimodal):
         return
     state.controls = dataclasses.replace(state.controls, save=False)  # so it returns at once from here on
     logger.warning("ucm-db: request %.80s: LoRA adapter %r was reloaded with other files while vLLM's prefix cache "

@@ -58,6 +58,8 @@ def own_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(fingerprints, "_adapters", {})
     monkeypatch.setattr(fingerprints, "_adapter_ids", {})
     monkeypatch.setattr(fingerprints, "_resettled", set())
+    monkeypatch.setattr(fingerprints, "_named", {})
+    monkeypatch.setattr(fingerprints, "_renamed", set())
     return tmp_path / "xdg" / "ucm-db" / "fingerprints.json"
 
 

@@ -29,7 +29,8 @@ TOKENS = list(range(1, 4 * BS + 1))
 @pytest.fixture(autouse=True)
 def own_adapter_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    for name, value in (("_memo", {}), ("_warned", set()), ("_adapters", {}), ("_adapter_ids", {}), ("_resettled", set())):
+    for name, value in (("_memo", {}), ("_warned", set()), ("_adapters", {}), ("_adapter_ids", {}), ("_resettled", set()),
+                        ("_named", {}), ("_renamed", set())):
         monkeypatch.setattr(fingerprints, name, value)
 
 
@@ -66,3 +67,27 @@ def test_a_reloaded_adapter_saves_nothing_over_vllms_own_cache_hit(tmp_path: Pat
         assert _saved_blocks(sched, "other", LoRARequest("other", 3, str(other)), 2 * BS) == [0, 1, 2, 3]
     finally:
         sched.shutdown()
+
+
+def test_an_adapter_name_loaded_from_another_path_saves_nothing_with_multimodal_items(tmp_path: Path) -> None:
+    """vLLM's encoder cache keys a tower adapter by its name alone: a name
+    loaded from another path with other files (a new id) may be served the
+    old adapter's image embeddings; the KV computed over them was saved
+    under the new files' key. Text requests of it save as before (vLLM's
+    prefix cache keys name and path)."""
+    from ucm_db.connector.request_keys import request_extras
+    from ucm_db.connector.scheduler.request_state import RequestState
+    from ucm_db.connector.scheduler.served_controls import refuse_saves_over_stale_caches
+
+    first, second = tmp_path / "v1", tmp_path / "v2"
+    for path, weights in ((first, b"V1" * 100), (second, b"V2" * 101)):
+        path.mkdir()
+        (path / "adapter_model.safetensors").write_bytes(weights)
+    request_extras(_request("old", list(TOKENS), lora_request=LoRARequest("tower", 1, str(first))))
+    new = _request("new", list(TOKENS), lora_request=LoRARequest("tower", 2, str(second)))
+    extras = request_extras(new)
+    assert not fingerprints.adapter_resettled(new.lora_request)  # another path: vLLM's prefix cache tells them apart
+    for mm_items, saves in ((0, True), (1, False)):
+        state = RequestState(new, extras, {}, 0, mm_items=mm_items)
+        refuse_saves_over_stale_caches(state, 0)
+        assert state.controls.save is saves, f"{mm_items} multimodal items"
