@@ -40,8 +40,8 @@ Invariants:
       loses only that job (an I/O error: that round): it is counted and
       logged, the thread goes on.
     * The thread outlives any exception (a ``kv_producer`` drains it every step): an unexpected one ends
-      its round (blocks not yet counted go to ``save_errors``, items still marked done), logged with its
-      traceback at most once a minute.
+      its round (blocks not yet counted go to ``save_errors``, a void is left undone, items still marked
+      done), logged with its traceback at most once a minute.
     * A :class:`VoidJob` (units of blocks whose KV was computed over a
       failed load, metadata.py) deletes them in queue order: after every
       save submitted before it, so a void never misses a commit still queued.
@@ -292,7 +292,8 @@ class BackgroundWriter:
             self._count_errors(lost)
             if time.monotonic() - self._last_fault_log_s >= _DROP_LOG_INTERVAL_S:  # its traceback, once a minute at most
                 self._last_fault_log_s = time.monotonic()
-                logger.error("ucm-db: the writer lost %d blocks (save_errors) and goes on: %s", lost, exc, exc_info=exc)
+                voided = "; a void not done: its blocks stay stored" if isinstance(jobs[0], VoidJob) else ""
+                logger.error("ucm-db: the writer's round failed (%d blocks not saved%s) and it goes on: %s", lost, voided, exc, exc_info=exc)
         finally:
             with self._lock:
                 self._pending_bytes -= sum(job.queued_bytes for job in jobs)

@@ -75,8 +75,8 @@ def test_a_failed_stats_read_after_a_commit_leaves_a_producers_steps_going(
         assert writer._thread.is_alive()
         assert _returns(lambda: step(1, 2))
     assert calls  # the fault was hit
-    lost = [r.message for r in caplog.records if "the writer lost" in r.message]
-    assert len(lost) == 1 and lost[0].startswith("ucm-db: the writer lost 0 blocks (save_errors) and goes on: stats:")
+    lost = [r.message for r in caplog.records if "the writer's round failed" in r.message]
+    assert len(lost) == 1 and lost[0].startswith("ucm-db: the writer's round failed (0 blocks not saved) and it goes on: stats:")
     totals = worker.counters.totals.data
     assert totals["saved_blocks"] == 4  # both steps' saves committed; the first was counted before the stats read
     assert totals["save_errors"] == 0
@@ -128,7 +128,7 @@ def test_an_unexpected_put_error_loses_only_the_rest_of_its_round(
         assert puts.calls == 3 and writer._thread.is_alive()
         assert counters.totals.data["saved_blocks"] == 2 and counters.totals.data["save_errors"] == 2
         assert sorted(released) == [0, 2]  # both stagings back, the failed job's too
-        lost = [r for r in caplog.records if "the writer lost" in r.message]
+        lost = [r for r in caplog.records if "the writer's round failed" in r.message]
         assert len(lost) == 1 and "2 blocks" in lost[0].message and lost[0].exc_info is not None
         # The writer goes on: a later save (blocks 2-3 again, their parent stored) commits.
         writer.submit(_job(keys, 2, 4, released))

@@ -92,8 +92,8 @@ RESTART_GAP = 1 << 32
 #: A new store's feed starts at a random multiple of :data:`RESTART_GAP`
 #: below this (2**52: a seq stays exact as a JSON number in any language):
 #: a reader's saved seq from a store deleted and recreated at the same path
-#: is then below the new feed (trimmed: resync), not a seq it hands out
-#: again for other blocks (it is the same slot with odds of 2**-20).
+#: is then below the new feed (trimmed) or ahead of it: a resync either way,
+#: not a seq it hands out again for other blocks (the same slot: odds of 2**-20).
 START_LIMIT = 1 << 52
 logger = logging.getLogger("ucm_db")
 
