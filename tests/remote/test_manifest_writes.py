@@ -86,3 +86,33 @@ def test_a_bad_manifest_stops_no_upload_nor_gc_nor_warm(tmp_path: Path, bad: str
     assert report["removed_objects"] >= 4  # at least OTHER's blocks (a namespace without a readable manifest is skipped)
     if bad == "nested_json":
         assert json.loads((ns_dir / manifests.MANIFEST_NAME).read_text())["namespace_id"] == NS.id.hex()  # replaced
+
+
+def test_an_unreadable_manifest_repaired_meanwhile_is_not_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node B's upload finds the manifest unreadable; node A's bump (what the
+    error's hint tells an operator to run) rewrites it with epoch 1 before
+    B replaces it: B's fresh body (no epoch) used to win."""
+    remote_dir = tmp_path / "remote"
+    ns_dir = remote_dir / NS.id[:8].hex()
+    ns_dir.mkdir(parents=True)
+    (ns_dir / manifests.MANIFEST_NAME).write_text("{not json")
+    url = f"file://{remote_dir}"
+    with ucm_db.open(tmp_path / "a", remote=url, capacity_bytes=64 << 20) as node_a:
+        real = manifests.read_manifest
+        bumped = []
+
+        def a_repairs_after_b_looked(root: object, namespace_id: bytes) -> dict | None:
+            try:
+                return real(root, namespace_id)  # type: ignore[arg-type]
+            except manifests.ManifestError:
+                if sys._getframe(1).f_code.co_name == "ensure_manifest" and not bumped:
+                    bumped.append(node_a.bump_epoch(NS))  # A's manifest, epoch 1, lands between B's read and write
+                raise
+
+        monkeypatch.setattr(manifests, "read_manifest", a_repairs_after_b_looked)
+        with ucm_db.open(tmp_path / "b", remote=url, capacity_bytes=64 << 20, remote_mode="write_through") as node_b:
+            keys, payloads = _chain(NS, 3)
+            node_b.put(NS, keys, payloads)
+        monkeypatch.setattr(manifests, "read_manifest", real)
+    assert bumped == [1]
+    assert json.loads((ns_dir / manifests.MANIFEST_NAME).read_text()).get("epoch") == 1

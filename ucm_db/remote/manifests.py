@@ -124,13 +124,23 @@ def ensure_manifest(root: RemoteRoot, namespace_id: bytes, description: dict[str
         root.count(requests=1, puts=1)
         if not replace:
             write_new(root.fs, path, data)  # False: another node's came first, with what it knows (its epoch)
-        else:
+        elif not _repaired_since(root, namespace_id):  # another node's bump may have rewritten it meanwhile
             try:
                 write_whole(root.fs, path, data)
             except OSError as exc:  # e.g. a directory in its place: uploads go on without it
                 _log.warning("cannot replace namespace manifest %s (%s: %s); blocks are uploaded without it",
                              path, type(exc).__name__, exc)
     root.manifest_written(namespace_id)
+
+def _repaired_since(root: RemoteRoot, namespace_id: bytes) -> bool:
+    """Whether the unreadable manifest reads as one now (another node
+    rewrote it, with its epoch): then it is not replaced. One GET; the
+    window between it and the replacing write stays."""
+    try:
+        return read_manifest(root, namespace_id) is not None
+    except ManifestError:
+        return False
+
 
 def _fresh_body(namespace_id: bytes, description: dict[str, Any]) -> dict[str, Any]:
     return {
