@@ -315,7 +315,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("basics", {"ucm_db.crashpoints", "ucm_db.storelock", "ucm_db.events", "ucm_db.auth", "ucm_db.keys"}),
     ("engines", {"ucm_db.engines"}),
     ("codec", {"ucm_db.codec"}),
-    ("settings", {"ucm_db.config", "ucm_db.config_file", "ucm_db.arguments"}),
+    ("settings", {"ucm_db.config", "ucm_db.arguments"}),
     ("block index", {"ucm_db.index"}),
     ("format", {"ucm_db.format"}),
     ("migrations, remote wing", {"ucm_db.migrations", "ucm_db.remote"}),

@@ -8,7 +8,7 @@ CLI use nothing else (``tests/test_layering.py`` checks it, and
 """
 
 from ucm_db.config import StoreConfig
-from ucm_db.config_file import load_config_file
+from ucm_db.config.file import load_config_file
 from ucm_db.errors import (
     ClosedError,
     CommitProcessError,

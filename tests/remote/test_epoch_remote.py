@@ -63,6 +63,14 @@ def invalidated_node(path: Path, remote: Remote, **extra: object) -> None:
         assert served(store) == V2
 
 
+def auth_options(tmp_path: Path, *hex_keys: str, name: str = "auth.key") -> dict[str, str]:
+    """Store options naming a key file that holds ``hex_keys`` (the first signs)."""
+    path = tmp_path / name
+    path.write_text("".join(k + "\n" for k in hex_keys))
+    path.chmod(0o600)
+    return {"remote_auth_key_file": str(path)}
+
+
 def manifest(remote: Remote) -> dict:
     found = RemoteRoot.from_url(remote.url, remote.options).read_manifest(NS.digest[:16])
     assert found is not None
@@ -139,10 +147,7 @@ def test_warm_by_tokens_pulls_the_current_chain(tmp_path: Path, shared: Remote) 
 
 def test_with_a_key_the_manifest_epoch_is_authenticated(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
-    key_file = tmp_path / "auth.key"
-    key_file.write_text(KEY.hex() + "\n")
-    key_file.chmod(0o600)
-    auth = {"remote_auth_key_file": str(key_file)}
+    auth = auth_options(tmp_path, KEY.hex())
     invalidated_node(tmp_path / "a", remote, **auth)
     assert set(manifest(remote)["epoch_auth"]) == {"key_id", "mac"}
     with opened(tmp_path / "b", remote, **auth) as node_b:
@@ -217,18 +222,11 @@ def test_after_a_key_rotation_a_bump_goes_above_the_epoch_the_old_key_signed(tmp
     the chain of before it. Now the bump goes above the unverified epoch and
     signs the manifest with the new key."""
     remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
-
-    def keys(name: str, *hex_keys: str) -> dict[str, str]:
-        path = tmp_path / name
-        path.write_text("".join(k + "\n" for k in hex_keys))
-        path.chmod(0o600)
-        return {"remote_auth_key_file": str(path)}
-
     old, new = KEY.hex(), bytes(range(32, 64)).hex()
-    invalidated_node(tmp_path / "a", remote, **keys("old", old))  # epoch 1, signed with the old key
-    with opened(tmp_path / "b", remote, **keys("both", new, old)) as node_b:  # rotation: the new key first
+    invalidated_node(tmp_path / "a", remote, **auth_options(tmp_path, old, name="old"))  # epoch 1, signed with the old key
+    with opened(tmp_path / "b", remote, **auth_options(tmp_path, new, old, name="both")) as node_b:  # rotation: the new key first
         assert node_b.epoch(NS) == 1 and served(node_b) == V2
-    new_only = keys("new", new)  # the old key dropped
+    new_only = auth_options(tmp_path, new, name="new")  # the old key dropped
     with opened(tmp_path / "c", remote, **new_only) as node_c:
         assert node_c.epoch(NS) == 0 and served(node_c) == []  # the old key's epoch: unverifiable, not adopted
         assert node_c.bump_epoch(NS) == 2  # the operator's invalidation: above the unverified 1
@@ -244,10 +242,7 @@ def test_a_planted_epoch_never_uses_up_the_epoch_space(tmp_path: Path, signature
     bucket writer without a key planted 2**64 - 2 and every later
     invalidation of the fleet failed ("its epoch would pass 2**64")."""
     remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
-    key_file = tmp_path / "auth.key"
-    key_file.write_text(KEY.hex() + "\n")
-    key_file.chmod(0o600)
-    auth = {"remote_auth_key_file": str(key_file)}
+    auth = auth_options(tmp_path, KEY.hex())
     invalidated_node(tmp_path / "a", remote, **auth)
     body = manifest(remote)
     body["epoch"] = 2**64 - 2
