@@ -69,6 +69,13 @@ def _reforge(obj: bytes, key: bytes, *, parent: bytes | None = None, namespace_i
     return bytes(head) + obj[ENVELOPE_BYTES:]
 
 
+def _drop_marker(remote: Remote) -> None:
+    """Deletes the root's encryption marker, as a bucket writer may (it guards
+    against mistakes, not an attacker): a keyless node then opens, and misses."""
+    root = RemoteRoot.from_url(remote.url, remote.options)
+    root.fs.rm(f"{root.root}/encryption.json")
+
+
 @pytest.fixture
 def enc(tmp_path: Path) -> dict[str, str]:
     return {"remote_encryption_key_file": key_file(tmp_path, NEW_KEY, name="encryption.key")}
@@ -95,11 +102,16 @@ def test_keyless_and_wrongly_keyed_readers_miss(tmp_path: Path, remote_kind: str
     remote = make_remote(remote_kind, tmp_path, request)
     keys, payloads = chain(namespace, 3, seed=2)
     write_through(tmp_path, "writer", remote, namespace, keys, payloads, **enc)
+    with pytest.raises(ConfigError, match="encryption.json") as refused:  # the root's marker: a keyless node never opens
+        read_through(tmp_path, "refused", remote, namespace, keys)
+    assert "--encryption-key-file" in refused.value.hint
+    _drop_marker(remote)
     got, stats = read_through(tmp_path, "keyless", remote, namespace, keys)
     assert got == [None] * 3 and stats["undecryptable"] >= 1 and stats["corrupt"] == 0
     other = {"remote_encryption_key_file": key_file(tmp_path, OTHER_KEY, name="other.key")}
     got, stats = read_through(tmp_path, "other", remote, namespace, keys, **other)
     assert got == [None] * 3 and stats["undecryptable"] >= 1
+    _drop_marker(remote)  # the keyed open wrote it again
     with ucm_db.open(tmp_path / "looker", capacity_bytes=CAP, **remote.store_options(remote_deadline_s=10)) as store:
         assert store.lookup(namespace, keys) == 0  # a probe already refuses what it cannot open
 
@@ -198,6 +210,7 @@ def test_with_a_mac_key_too_both_are_checked(tmp_path: Path, namespace: Any, enc
     write_through(tmp_path, "writer", remote, namespace, keys, payloads, **enc, **mac)
     got, stats = read_through(tmp_path, "both", remote, namespace, keys, **enc, **mac)
     assert got == payloads and stats["mac_mismatch"] == stats["undecryptable"] == 0
+    _drop_marker(remote)
     got, stats = read_through(tmp_path, "mac-only", remote, namespace, keys, **mac)
     assert got == [None] * 3 and stats["undecryptable"] >= 1 and stats["mac_mismatch"] == 0  # authentic, yet unreadable
     # The MAC covers the ciphertext: a ciphertext altered in place fails the MAC before any decryption.
@@ -281,12 +294,13 @@ def test_the_core_imports_and_works_without_cryptography(tmp_path: Path) -> None
 def _crash_with_uploads_queued(tmp_path: Path, remote: Remote, namespace: Any, n_blocks: int, seed: int,
                                **options: Any) -> None:
     """A serving node (a process of its own) puts a chain into the store
-    ``node`` and is killed (SIGKILL) at its first upload: all of it stays
+    ``node`` and is killed (SIGKILL) at its first upload (its second remote
+    write, after the root's encryption marker): all of it stays
     queued, nothing reaches the remote."""
     spec = {"store": str(tmp_path / "node"), "remote": remote.url, "remote_options": remote.options,
             "namespace": namespace.to_dict(), "n_blocks": n_blocks, "seed": seed, "upload_concurrency": 1,
             "then": "sleep", "options": options}
-    env = dict(os.environ, UCM_DB_CRASH_AT="remote.during_upload:1")
+    env = dict(os.environ, UCM_DB_CRASH_AT="remote.during_upload:2")  # the first write is the root's encryption marker
     node = subprocess.run([sys.executable, str(NODE), json.dumps(spec)], env=env, capture_output=True, text=True, timeout=60)
     assert node.returncode == -signal.SIGKILL, node.stderr[-2000:]
 

@@ -142,8 +142,9 @@ def test_help_names_the_flags() -> None:
 
 
 #: A serving node: opens its store with an encrypted remote, puts, and
-#: (UCM_DB_CRASH_AT) is killed at its second remote write, the first
-#: block's after the namespace manifest: the chain stays queued.
+#: (UCM_DB_CRASH_AT) is killed at its third remote write, the first
+#: block's after the root's encryption marker and the namespace manifest:
+#: the chain stays queued.
 _SERVE = """
 import json, sys, time, ucm_db
 spec = json.loads(sys.argv[1])
@@ -165,7 +166,7 @@ def crashed_node(tmp_path: Path) -> tuple[str, Path, Path, list[bytes]]:
     keys = NS_A.block_keys(tokens)
     spec = {"store": str(tmp_path / "node"), "remote": url, "key": str(key), "namespace": NS_A.to_dict(),
             "tokens": tokens, "payloads": [payload("q", i).hex() for i in range(3)]}
-    env = dict(os.environ, UCM_DB_CRASH_AT="remote.during_upload:2")
+    env = dict(os.environ, UCM_DB_CRASH_AT="remote.during_upload:3")  # after the root's encryption marker and the manifest
     node = subprocess.run([sys.executable, "-c", _SERVE, json.dumps(spec)], env=env, capture_output=True, text=True, timeout=60)
     assert node.returncode == -signal.SIGKILL, node.stderr[-2000:]
     assert _remote_objects(tmp_path) == []

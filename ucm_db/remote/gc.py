@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.errors import CorruptBlockError
-from ucm_db.remote.manifests import KEYED_MARKER_NAME
+from ucm_db.remote.manifests import ROOT_MARKERS
 from ucm_db.remote.tier import (
     MANIFEST_NAME, OBJECT_MAGIC, PROBE_BYTES, TEMP_PREFIX, ManifestError, RemoteRoot, is_namespace_id, parse_envelope,
 )
@@ -97,7 +97,7 @@ def list_objects(root: RemoteRoot) -> RemoteListing:
     """ucm-db's objects and temp files under the root (see the module
     docstring); reads each object's head (:data:`PROBE_BYTES`)."""
     listing = root.list_namespaces()
-    skipped = sum(1 for name in listing.stray if name not in (MANIFEST_NAME, KEYED_MARKER_NAME))
+    skipped = sum(1 for name in listing.stray if name not in ROOT_MARKERS)
     objects: list[RemoteObjectInfo] = []
     temps: list[tuple[str, float]] = []
     for short_id in listing.entries:

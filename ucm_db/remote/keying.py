@@ -14,16 +14,17 @@ would rewrite the fleet's signed objects unsigned, which keyed readers then
 miss for good (finding 4).
 
 A remote used with encryption keys (:mod:`ucm_db.remote.sealing`) is
-recorded as *encrypted* in every local store that opened it with them (the
-checksummed info record ``remote-encrypted:<remote id>``, key ids only), and
-an open of that store with that remote but without encryption keys is
-refused with a :class:`~ucm_db.errors.ConfigError` naming the fix, before
-the uploader exists. Without a key such an open (``ucm-db warm`` after a
-serving process left uploads queued) uploaded the queued KV as plaintext
-objects: readable to whoever reads the bucket, and misses for every keyed
-node. There is no marker at the remote's root for encryption: a node that
-never used the remote with a key still writes its own puts there in
-plaintext (set the key on every node).
+recorded as *encrypted* the same two ways: in every local store that opened
+it with them (the checksummed info record ``remote-encrypted:<remote id>``,
+key ids only) and at the root (``ROOT/encryption.json``,
+:data:`ENCRYPTED_MARKER_NAME`: ``{"encrypted": true, "key_ids": [...]}``). An
+open without encryption keys of that store with that remote, or of a remote
+whose root holds the marker, is refused with a
+:class:`~ucm_db.errors.ConfigError` naming the fix, before the uploader
+exists. Without a key such an open (``ucm-db warm`` after a serving process
+left uploads queued, or a node never given the key) uploaded KV as
+plaintext objects: readable to whoever reads the bucket, and misses for
+every node with the key.
 
 Invariants:
     * A keyed open records the store first (before anything is fetched),
@@ -52,6 +53,7 @@ from ucm_db.auth import AuthKeys, key_id
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.errors import ConfigError
 from ucm_db.index import records
+from ucm_db.remote.manifests import ENCRYPTED_MARKER_NAME
 from ucm_db.remote.manifests import KEYED_MARKER_NAME as MARKER_NAME
 from ucm_db.remote.sealing import SealingKeys
 
@@ -113,15 +115,25 @@ def check_keying(engine: Engine, url: str, options: dict[str, Any], auth: AuthKe
             hint="pass the same remote_encryption_key_file / remote_encryption_key_env (ucm-db: --encryption-key-file / "
             "--encryption-key-env), or open the store without the remote",
         )
+    if sealing is None and _bounded(lambda: _marker(url, options, ENCRYPTED_MARKER_NAME, "encrypted"), url, ENCRYPTED_MARKER_NAME):
+        raise ConfigError(
+            f"the remote {url.rstrip('/')} is encrypted (its {ENCRYPTED_MARKER_NAME} says so): a node without the key "
+            "would upload its blocks as plaintext, readable to whoever reads the remote and missed by every node with it",
+            hint="pass the fleet's key (remote_encryption_key_file / remote_encryption_key_env; ucm-db: "
+            "--encryption-key-file / --encryption-key-env), or use another remote",
+        )
     _check_auth(engine, url, options, auth, store_path=store_path)
     if sealing is not None:
         engine.write(lambda txn: None if recorded_encrypted(txn, url) else record_encrypted(txn, url, sealing))
+        marker = json.dumps({"encrypted": True, "key_ids": [k.hex() for k in sealing.key_ids]}, sort_keys=True).encode()
+        _bounded(lambda: _ensure_marker(url, options, ENCRYPTED_MARKER_NAME, "encrypted", marker), url, ENCRYPTED_MARKER_NAME)
 
 
 def _check_auth(engine: Engine, url: str, options: dict[str, Any], auth: AuthKeys | None, *, store_path: str) -> None:
     if auth is not None:
         engine.write(lambda txn: None if recorded_keyed(txn, url) else record_keyed(txn, url, auth))
-        _bounded(lambda: _ensure_marker(url, options, auth), url)
+        marker = json.dumps({"keyed": True, "key_ids": [key_id(k).hex() for k in auth.keys]}, sort_keys=True).encode()
+        _bounded(lambda: _ensure_marker(url, options, MARKER_NAME, "keyed", marker), url, MARKER_NAME)
         return
     if engine.read(lambda txn: recorded_keyed(txn, url)):
         raise ConfigError(
@@ -130,7 +142,7 @@ def _check_auth(engine: Engine, url: str, options: dict[str, Any], auth: AuthKey
             hint="pass the same remote_auth_key_file / remote_auth_key_env (ucm-db: --auth-key-file / --auth-key-env), "
             "or open the store without the remote",
         )
-    if _bounded(lambda: _marker(url, options), url):
+    if _bounded(lambda: _marker(url, options, MARKER_NAME, "keyed"), url, MARKER_NAME):
         raise ConfigError(
             f"the remote {url.rstrip('/')} is keyed (its {MARKER_NAME} says so): a node without the key would take "
             "unsigned objects into its local tier and rewrite the fleet's signed objects unsigned",
@@ -145,33 +157,33 @@ def _root(url: str, options: dict[str, Any]) -> Any:
     return RemoteRoot.from_url(url, dict(options))
 
 
-def _marker(url: str, options: dict[str, Any]) -> bool:
+def _marker(url: str, options: dict[str, Any], name: str, field: str) -> bool:
+    """Whether the root's marker ``name`` says ``field`` (keyed, encrypted)."""
     root = _root(url, options)
-    path = f"{root.root}/{MARKER_NAME}"
+    path = f"{root.root}/{name}"
     try:
         info = root.fs.info(path)
     except FileNotFoundError:
         return False
     if int(info.get("size") or 0) > _MAX_MARKER_BYTES:
-        return True  # not ours to parse; whoever put it meant "keyed"
+        return True  # not ours to parse; whoever put it meant it
     try:
-        return bool(json.loads(root.fs.cat_file(path)).get("keyed", True))
-    except (ValueError, AttributeError):
+        return bool(json.loads(root.fs.cat_file(path)).get(field, True))
+    except (ValueError, AttributeError, RecursionError):
         return True  # damaged: the safe side
 
 
-def _ensure_marker(url: str, options: dict[str, Any], auth: AuthKeys) -> bool:
+def _ensure_marker(url: str, options: dict[str, Any], name: str, field: str, body: bytes) -> bool:
     from ucm_db.remote.files import write_whole
 
-    if _marker(url, options):
+    if _marker(url, options, name, field):
         return True
     root = _root(url, options)
-    body = json.dumps({"keyed": True, "key_ids": [key_id(k).hex() for k in auth.keys]}, sort_keys=True).encode()
-    write_whole(root.fs, f"{root.root}/{MARKER_NAME}", body)
+    write_whole(root.fs, f"{root.root}/{name}", body)
     return True
 
 
-def _bounded(step: Any, url: str) -> bool:
+def _bounded(step: Any, url: str, name: str) -> bool:
     """``step()`` on a daemon thread, waited for at most
     :data:`MARKER_WAIT_S`; False (logged) when it fails or does not finish."""
     outcome: list[Any] = []
@@ -186,9 +198,9 @@ def _bounded(step: Any, url: str) -> bool:
     thread.start()
     thread.join(MARKER_WAIT_S)
     if not outcome:
-        logger.warning("remote %s: no answer about its %s within %.0f s; going on", url, MARKER_NAME, MARKER_WAIT_S)
+        logger.warning("remote %s: no answer about its %s within %.0f s; going on", url, name, MARKER_WAIT_S)
         return False
     if isinstance(outcome[0], Exception):
-        logger.warning("remote %s: cannot read or write its %s (%s); going on", url, MARKER_NAME, outcome[0])
+        logger.warning("remote %s: cannot read or write its %s (%s); going on", url, name, outcome[0])
         return False
     return bool(outcome[0])

@@ -55,6 +55,10 @@ from ucm_db.remote.envelope import OBJECT_FORMAT_VERSION
 MANIFEST_NAME = "manifest.json"
 #: The root's marker of a keyed remote (:mod:`ucm_db.remote.keying`): not a namespace, not a stray.
 KEYED_MARKER_NAME = "auth.json"
+#: The root's marker of an encrypted remote (:mod:`ucm_db.remote.keying`): not a namespace, not a stray.
+ENCRYPTED_MARKER_NAME = "encryption.json"
+#: The root's own entries that are no namespace.
+ROOT_MARKERS = (MANIFEST_NAME, KEYED_MARKER_NAME, ENCRYPTED_MARKER_NAME)
 #: A manifest is a small JSON document; a bigger one is not read.
 MAX_MANIFEST_BYTES = 1 << 20
 #: The MAC label of a manifest's epoch (:mod:`ucm_db.auth`: one label per use).
@@ -310,7 +314,7 @@ def manifests(root: RemoteRoot) -> tuple[dict[str, dict[str, Any]], list[str]]:
     hides the others."""
     listing = list_namespaces(root)
     problems = [f"{root.root}/{name}: not a namespace (its name is not 16 hex digits); skipped"
-                for name in listing.stray if name not in (MANIFEST_NAME, KEYED_MARKER_NAME) and not name.startswith(TEMP_PREFIX)]
+                for name in listing.stray if name not in ROOT_MARKERS and not name.startswith(TEMP_PREFIX)]
     found: dict[str, dict[str, Any]] = {}
     for short_id in listing.entries:
         try:
