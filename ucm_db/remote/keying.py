@@ -27,11 +27,13 @@ plaintext objects: readable to whoever reads the bucket, and misses for
 every node with the key.
 
 Invariants:
-    * A keyed open records the store first (before anything is fetched),
-      then writes the marker where it is missing (a whole-object write).
-      A keyless open writes neither. An encrypted open records the store
-      once every refusal has passed; an open without encryption keys never
-      writes that record.
+    * An open first refuses on this store's records, then reads the root's
+      markers of the keys it lacks (one bounded step: a keyless open reads
+      both); once every refusal has passed, it records the store as keyed
+      or encrypted for the keys it has and writes their markers where they
+      are missing (whole-object writes, one bounded step), before anything
+      of the remote is fetched. An open without a kind of key never writes
+      that kind's record or marker.
     * A damaged local record reads as keyed (or encrypted): the safe side.
     * The marker guards against mistakes, not an attacker: whoever can
       write the bucket can delete it. What protects a keyed node's reads is
@@ -115,40 +117,40 @@ def check_keying(engine: Engine, url: str, options: dict[str, Any], auth: AuthKe
             hint="pass the same remote_encryption_key_file / remote_encryption_key_env (ucm-db: --encryption-key-file / "
             "--encryption-key-env), or open the store without the remote",
         )
-    if sealing is None and _bounded(lambda: _marker(url, options, ENCRYPTED_MARKER_NAME, "encrypted"), url, ENCRYPTED_MARKER_NAME):
-        raise ConfigError(
-            f"the remote {url.rstrip('/')} is encrypted (its {ENCRYPTED_MARKER_NAME} says so): a node without the key "
-            "would upload its blocks as plaintext, readable to whoever reads the remote and missed by every node with it",
-            hint="pass the fleet's key (remote_encryption_key_file / remote_encryption_key_env; ucm-db: "
-            "--encryption-key-file / --encryption-key-env), or use another remote",
-        )
-    _check_auth(engine, url, options, auth, store_path=store_path)
-    if sealing is not None:
-        engine.write(lambda txn: None if recorded_encrypted(txn, url) else record_encrypted(txn, url, sealing))
-        marker = json.dumps({"encrypted": True, "key_ids": [k.hex() for k in sealing.key_ids]}, sort_keys=True).encode()
-        _bounded(lambda: _ensure_marker(url, options, ENCRYPTED_MARKER_NAME, "encrypted", marker), url, ENCRYPTED_MARKER_NAME)
-
-
-def _check_auth(engine: Engine, url: str, options: dict[str, Any], auth: AuthKeys | None, *, store_path: str) -> None:
-    if auth is not None:
-        engine.write(lambda txn: None if recorded_keyed(txn, url) else record_keyed(txn, url, auth))
-        marker = json.dumps({"keyed": True, "key_ids": [key_id(k).hex() for k in auth.keys]}, sort_keys=True).encode()
-        _bounded(lambda: _ensure_marker(url, options, MARKER_NAME, "keyed", marker), url, MARKER_NAME)
-        return
-    if engine.read(lambda txn: recorded_keyed(txn, url)):
+    if auth is None and engine.read(lambda txn: recorded_keyed(txn, url)):
         raise ConfigError(
             f"the store at {store_path} used the remote {url.rstrip('/')} with an auth key; opening it without one "
             "would take unsigned objects into the local tier, which every reader of this store trusts",
             hint="pass the same remote_auth_key_file / remote_auth_key_env (ucm-db: --auth-key-file / --auth-key-env), "
             "or open the store without the remote",
         )
-    if _bounded(lambda: _marker(url, options, MARKER_NAME, "keyed"), url, MARKER_NAME):
+    markers = {MARKER_NAME: ("keyed", auth), ENCRYPTED_MARKER_NAME: ("encrypted", sealing)}
+    lacking = [(name, field) for name, (field, keys) in markers.items() if keys is None]
+    # One bounded step reads the markers of the keys this open lacks (and another writes those of the keys it has).
+    present = _bounded(lambda: [name for name, field in lacking if _marker(url, options, name, field)], url) if lacking else []
+    if MARKER_NAME in (present or ()):
         raise ConfigError(
             f"the remote {url.rstrip('/')} is keyed (its {MARKER_NAME} says so): a node without the key would take "
             "unsigned objects into its local tier and rewrite the fleet's signed objects unsigned",
             hint="pass the fleet's key (remote_auth_key_file / remote_auth_key_env; ucm-db: --auth-key-file / "
             "--auth-key-env), or use another remote",
         )
+    if ENCRYPTED_MARKER_NAME in (present or ()):
+        raise ConfigError(
+            f"the remote {url.rstrip('/')} is encrypted (its {ENCRYPTED_MARKER_NAME} says so): a node without the key "
+            "would upload its blocks as plaintext, readable to whoever reads the remote and missed by every node with it",
+            hint="pass the fleet's key (remote_encryption_key_file / remote_encryption_key_env; ucm-db: "
+            "--encryption-key-file / --encryption-key-env), or use another remote",
+        )
+    bodies = {}
+    if auth is not None:
+        engine.write(lambda txn: None if recorded_keyed(txn, url) else record_keyed(txn, url, auth))
+        bodies[MARKER_NAME] = {"keyed": True, "key_ids": [key_id(k).hex() for k in auth.keys]}
+    if sealing is not None:
+        engine.write(lambda txn: None if recorded_encrypted(txn, url) else record_encrypted(txn, url, sealing))
+        bodies[ENCRYPTED_MARKER_NAME] = {"encrypted": True, "key_ids": [k.hex() for k in sealing.key_ids]}
+    if bodies:
+        _bounded(lambda: _ensure_markers(url, options, {name: (markers[name][0], body) for name, body in bodies.items()}), url)
 
 
 def _root(url: str, options: dict[str, Any]) -> Any:
@@ -173,24 +175,26 @@ def _marker(url: str, options: dict[str, Any], name: str, field: str) -> bool:
         return True  # damaged: the safe side
 
 
-def _ensure_marker(url: str, options: dict[str, Any], name: str, field: str, body: bytes) -> bool:
+def _ensure_markers(url: str, options: dict[str, Any], wanted: dict[str, tuple[str, dict[str, Any]]]) -> bool:
+    """Writes each root marker ``name -> (field, body)`` that does not say its field yet."""
     from ucm_db.remote.files import write_whole
 
-    if _marker(url, options, name, field):
-        return True
-    root = _root(url, options)
-    write_whole(root.fs, f"{root.root}/{name}", body)
+    for name, (field, body) in wanted.items():
+        if not _marker(url, options, name, field):
+            root = _root(url, options)
+            write_whole(root.fs, f"{root.root}/{name}", json.dumps(body, sort_keys=True).encode())
     return True
 
 
-def _bounded(step: Any, url: str, name: str) -> bool:
+def _bounded(step: Any, url: str) -> Any:
     """``step()`` on a daemon thread, waited for at most
-    :data:`MARKER_WAIT_S`; False (logged) when it fails or does not finish."""
+    :data:`MARKER_WAIT_S`; its value, or None (logged) when it fails or does
+    not finish."""
     outcome: list[Any] = []
 
     def run() -> None:
         try:
-            outcome.append(bool(step()))
+            outcome.append(step())
         except Exception as exc:  # noqa: BLE001 - any remote failure: logged, the open goes on
             outcome.append(exc)
 
@@ -198,9 +202,11 @@ def _bounded(step: Any, url: str, name: str) -> bool:
     thread.start()
     thread.join(MARKER_WAIT_S)
     if not outcome:
-        logger.warning("remote %s: no answer about its %s within %.0f s; going on", url, name, MARKER_WAIT_S)
-        return False
+        logger.warning("remote %s: no answer about its markers (%s, %s) within %.0f s; going on", url, MARKER_NAME,
+                       ENCRYPTED_MARKER_NAME, MARKER_WAIT_S)
+        return None
     if isinstance(outcome[0], Exception):
-        logger.warning("remote %s: cannot read or write its %s (%s); going on", url, name, outcome[0])
-        return False
-    return bool(outcome[0])
+        logger.warning("remote %s: cannot read or write its markers (%s, %s): %s; going on", url, MARKER_NAME,
+                       ENCRYPTED_MARKER_NAME, outcome[0])
+        return None
+    return outcome[0]
