@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -271,13 +272,10 @@ def test_every_load_mode_loads_a_hybrid_model_asynchronously(model_dir: Path, tm
     sched.shutdown()
 
 
-def test_a_failed_load_in_one_group_fails_the_request_not_the_engine(model_dir: Path, tmp_path: Path) -> None:
-    """A block the sliding-window group fails to load (lost between the
-    lookup and the load): the request is reported in ``failed_recving`` and
-    ``finished_recving``, no block id is reported (vLLM 0.32 stops the
-    engine on those with several groups), every group is rewound to nothing
-    stored, its retry claims nothing, and its recomputed KV is saved again
-    in every group, over no load."""
+def restarted_on_a_filled_store(model_dir: Path, tmp_path: Path) -> tuple[_Engine, GroupedScheduler, Callable[[bytes], None]]:
+    """A first engine stores the prompt in both groups; a second one on the
+    same store: (it, its GroupedScheduler, a function that deletes one block
+    key's sliding-window units from the store, with their descendants)."""
     from ucm_db.connector.identity import grid, reader_spans
     from ucm_db.keys.units import UnitKeys
 
@@ -289,13 +287,26 @@ def test_a_failed_load_in_one_group_fails_the_request_not_the_engine(model_dir: 
     assert isinstance(sched, GroupedScheduler)
     window = sched.parts[0]
     shape = group_shape(second.scheduler.shape, sched.groups[0])
+
+    def lose_window_unit(key: bytes) -> None:
+        window.store.delete(window._namespace, [k for span in reader_spans(shape) for k in UnitKeys([key], grid(shape), span)])
+
+    return second, sched, lose_window_unit
+
+
+def test_a_failed_load_in_one_group_fails_the_request_not_the_engine(model_dir: Path, tmp_path: Path) -> None:
+    """A block the sliding-window group fails to load (lost between the
+    lookup and the load): the request is reported in ``failed_recving`` and
+    ``finished_recving``, no block id is reported (vLLM 0.32 stops the
+    engine on those with several groups), every group is rewound to nothing
+    stored, its retry claims nothing, and its recomputed KV is saved again
+    in every group, over no load."""
+    second, sched, lose_window_unit = restarted_on_a_filled_store(model_dir, tmp_path)
     planned: list[Any] = []
 
     def lose_window_block_3(meta: Any) -> None:
         planned.extend([meta.groups[0].async_loads, meta.groups[1].async_loads])
-        key = meta.groups[0].async_loads[0].keys[1]  # block 3 (blocks 0-1 are outside the window: null)
-        units = [k for span in reader_spans(shape) for k in UnitKeys([key], grid(shape), span)]
-        window.store.delete(window._namespace, units)  # with its descendants (prefix invariant)
+        lose_window_unit(meta.groups[0].async_loads[0].keys[1])  # block 3 (blocks 0-1 are outside the window: null)
 
     req = _request("b", TOKENS)
     ids = ([0, 0, 23, 24, 25, 26], list(range(31, 37)))  # vLLM's allocation for a 192-token async hit
@@ -313,7 +324,7 @@ def test_a_failed_load_in_one_group_fails_the_request_not_the_engine(model_dir: 
     second.worker.wait_for_save()
     second.worker.clear_connector_metadata()
     second.worker._worker.drain()  # type: ignore[union-attr]
-    assert sorted(ns.blocks for ns in window.store.stats().namespaces.values()) == [6 * 2, 6 * 2]  # stored again
+    assert sorted(ns.blocks for ns in sched.parts[0].store.stats().namespaces.values()) == [6 * 2, 6 * 2]  # stored again
     second.close()
 
 

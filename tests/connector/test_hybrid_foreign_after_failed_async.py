@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_hybrid import (BS, TOKENS, GroupedScheduler, _Engine, _kv, _request, _step, admit, blocks_of,  # noqa: E402
-                         group_shape, model_dir)  # noqa: F401
+from test_hybrid import (BS, TOKENS, GroupedScheduler, _Engine, _request, _step, admit, blocks_of,  # noqa: E402,F401
+                         model_dir, restarted_on_a_filled_store)
 from ucm_db.connector import composition  # noqa: E402
 
 
@@ -27,21 +27,10 @@ def _foreign_load_then_step(engine: _Engine, req: Any, ids: Any) -> list[list[tu
 
 
 def test_foreign_load_after_failed_async_is_saved(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    from ucm_db.connector.identity import grid, reader_spans
-    from ucm_db.keys.units import UnitKeys
-
-    first = _Engine(model_dir, tmp_path / "store", _kv(3))
-    first.run(_request("a", TOKENS), (list(range(1, 8)), list(range(11, 18))))
-    first.close()
-    second = _Engine(model_dir, tmp_path / "store", _kv(None))
-    sched = second.scheduler._scheduler
-    assert isinstance(sched, GroupedScheduler)
-    window = sched.parts[0]
-    shape = group_shape(second.scheduler.shape, sched.groups[0])
+    second, sched, lose_window_unit = restarted_on_a_filled_store(model_dir, tmp_path)
 
     def lose(meta: Any) -> None:
-        key = meta.groups[0].async_loads[0].keys[1]
-        window.store.delete(window._namespace, [k for s in reader_spans(shape) for k in UnitKeys([key], grid(shape), s)])
+        lose_window_unit(meta.groups[0].async_loads[0].keys[1])
 
     req = _request("b", TOKENS)
     assert admit(second.scheduler, second.worker, req, ([0, 0, 23, 24, 25, 26], list(range(31, 37))),
