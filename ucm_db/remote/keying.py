@@ -45,10 +45,12 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.auth import AuthKeys, key_id
@@ -75,82 +77,81 @@ def remote_id(url: str) -> bytes:
     return hashlib.blake2b(url.rstrip("/").encode(), digest_size=16).digest()
 
 
-def recorded_keyed(txn: Txn, url: str) -> bool:
-    """Whether this store recorded ``url`` as keyed (a damaged record counts)."""
+@dataclass(frozen=True)
+class _Kind:
+    """A kind of remote key and where an open records it (module docstring)."""
+
+    field: str        # the root marker's field: "keyed", "encrypted"
+    prefix: bytes     # this store's info record, the remote's id after it
+    marker: str       # the root's marker
+    key: str          # the key, as the messages name it
+    store_risk: str   # what an open without it would do to a store that used it
+    remote_risk: str  # what a node without it would do on such a remote
+    settings: str     # the store options that give it
+    flags: str        # the CLI's flags that give it
+
+    def store_refusal(self, store_path: str, url: str) -> ConfigError:
+        return ConfigError(
+            f"the store at {store_path} used the remote {url.rstrip('/')} with {self.key}; opening it without one "
+            f"{self.store_risk}",
+            hint=f"pass the same {self.settings} (ucm-db: {self.flags}), or open the store without the remote")
+
+    def remote_refusal(self, url: str) -> ConfigError:
+        return ConfigError(
+            f"the remote {url.rstrip('/')} is {self.field} (its {self.marker} says so): a node without the key "
+            f"{self.remote_risk}",
+            hint=f"pass the fleet's key ({self.settings}; ucm-db: {self.flags}), or use another remote")
+
+
+KEYED = _Kind("keyed", RECORD_PREFIX, MARKER_NAME, "an auth key",
+              "would take unsigned objects into the local tier, which every reader of this store trusts",
+              "would take unsigned objects into its local tier and rewrite the fleet's signed objects unsigned",
+              "remote_auth_key_file / remote_auth_key_env", "--auth-key-file / --auth-key-env")
+ENCRYPTED = _Kind("encrypted", ENCRYPTED_RECORD_PREFIX, ENCRYPTED_MARKER_NAME, "an encryption key",
+                  "would upload its queued blocks and its puts as plaintext, readable to whoever reads the remote and "
+                  "missed by every node with the key",
+                  "would upload its blocks as plaintext, readable to whoever reads the remote and missed by every node "
+                  "with it", "remote_encryption_key_file / remote_encryption_key_env",
+                  "--encryption-key-file / --encryption-key-env")
+
+
+def recorded(txn: Txn, kind: _Kind, url: str) -> bool:
+    """Whether this store recorded ``url`` as of ``kind`` (a damaged record counts)."""
     try:
-        return records.get_checked(txn, RECORD_PREFIX + remote_id(url)) is not None
+        return records.get_checked(txn, kind.prefix + remote_id(url)) is not None
     except records.DamagedRecord:
         return True
 
 
-def record_keyed(txn: Txn, url: str, auth: AuthKeys) -> None:
-    """Records ``url`` as keyed in this store (key ids only)."""
-    value = json.dumps({"remote": url.rstrip("/"), "key_ids": [key_id(k).hex() for k in auth.keys]}, sort_keys=True)
-    records.put_checked(txn, RECORD_PREFIX + remote_id(url), value.encode())
-
-
-def recorded_encrypted(txn: Txn, url: str) -> bool:
-    """Whether this store recorded ``url`` as encrypted (a damaged record counts)."""
-    try:
-        return records.get_checked(txn, ENCRYPTED_RECORD_PREFIX + remote_id(url)) is not None
-    except records.DamagedRecord:
-        return True
-
-
-def record_encrypted(txn: Txn, url: str, sealing: SealingKeys) -> None:
-    """Records ``url`` as encrypted in this store (key ids only)."""
-    value = json.dumps({"remote": url.rstrip("/"), "key_ids": [k.hex() for k in sealing.key_ids]}, sort_keys=True)
-    records.put_checked(txn, ENCRYPTED_RECORD_PREFIX + remote_id(url), value.encode())
+def record(txn: Txn, kind: _Kind, url: str, key_ids: list[bytes]) -> None:
+    """Records ``url`` as of ``kind`` in this store (key ids only), unless it is already."""
+    if recorded(txn, kind, url):
+        return
+    value = json.dumps({"remote": url.rstrip("/"), "key_ids": [k.hex() for k in key_ids]}, sort_keys=True)
+    records.put_checked(txn, kind.prefix + remote_id(url), value.encode())
 
 
 def check_keying(engine: Engine, url: str, options: dict[str, Any], auth: AuthKeys | None, *, store_path: str,
                  sealing: SealingKeys | None = None) -> None:
-    """Refuses a keyless open of a keyed remote, or an open without
-    encryption keys of a remote this store used encrypted; records a keyed
-    or encrypted one (module invariants). Called at open, before the remote
-    wing exists."""
-    if sealing is None and engine.read(lambda txn: recorded_encrypted(txn, url)):
-        raise ConfigError(
-            f"the store at {store_path} used the remote {url.rstrip('/')} with an encryption key; opening it without "
-            "one would upload its queued blocks and its puts as plaintext, readable to whoever reads the remote and "
-            "missed by every node with the key",
-            hint="pass the same remote_encryption_key_file / remote_encryption_key_env (ucm-db: --encryption-key-file / "
-            "--encryption-key-env), or open the store without the remote",
-        )
-    if auth is None and engine.read(lambda txn: recorded_keyed(txn, url)):
-        raise ConfigError(
-            f"the store at {store_path} used the remote {url.rstrip('/')} with an auth key; opening it without one "
-            "would take unsigned objects into the local tier, which every reader of this store trusts",
-            hint="pass the same remote_auth_key_file / remote_auth_key_env (ucm-db: --auth-key-file / --auth-key-env), "
-            "or open the store without the remote",
-        )
-    markers = {MARKER_NAME: ("keyed", auth), ENCRYPTED_MARKER_NAME: ("encrypted", sealing)}
-    lacking = [(name, field) for name, (field, keys) in markers.items() if keys is None]
-    # One bounded step reads the markers of the keys this open lacks (and another writes those of the keys it has).
-    present = _bounded(lambda: [name for name, field in lacking if _marker(url, options, name, field)], url) if lacking else []
-    if MARKER_NAME in (present or ()):
-        raise ConfigError(
-            f"the remote {url.rstrip('/')} is keyed (its {MARKER_NAME} says so): a node without the key would take "
-            "unsigned objects into its local tier and rewrite the fleet's signed objects unsigned",
-            hint="pass the fleet's key (remote_auth_key_file / remote_auth_key_env; ucm-db: --auth-key-file / "
-            "--auth-key-env), or use another remote",
-        )
-    if ENCRYPTED_MARKER_NAME in (present or ()):
-        raise ConfigError(
-            f"the remote {url.rstrip('/')} is encrypted (its {ENCRYPTED_MARKER_NAME} says so): a node without the key "
-            "would upload its blocks as plaintext, readable to whoever reads the remote and missed by every node with it",
-            hint="pass the fleet's key (remote_encryption_key_file / remote_encryption_key_env; ucm-db: "
-            "--encryption-key-file / --encryption-key-env), or use another remote",
-        )
-    bodies = {}
-    if auth is not None:
-        engine.write(lambda txn: None if recorded_keyed(txn, url) else record_keyed(txn, url, auth))
-        bodies[MARKER_NAME] = {"keyed": True, "key_ids": [key_id(k).hex() for k in auth.keys]}
-    if sealing is not None:
-        engine.write(lambda txn: None if recorded_encrypted(txn, url) else record_encrypted(txn, url, sealing))
-        bodies[ENCRYPTED_MARKER_NAME] = {"encrypted": True, "key_ids": [k.hex() for k in sealing.key_ids]}
-    if bodies:
-        _bounded(lambda: _ensure_markers(url, options, {name: (markers[name][0], body) for name, body in bodies.items()}), url)
+    """Refuses an open without a kind of key (auth, encryption) of a remote
+    this store used with one, or whose root's marker says it needs one;
+    records the kinds it has (module invariants). Called at open, before
+    the remote wing exists."""
+    given = {ENCRYPTED: None if sealing is None else list(sealing.key_ids),
+             KEYED: None if auth is None else [key_id(k) for k in auth.keys]}
+    lacking = [kind for kind, ids in given.items() if ids is None]
+    for kind in lacking:
+        if engine.read(functools.partial(recorded, kind=kind, url=url)):
+            raise kind.store_refusal(store_path, url)
+    # One bounded step reads the markers of the kinds this open lacks, another writes those of the kinds it has.
+    present = _bounded(lambda: [kind for kind in lacking if _marker(url, options, kind)], url) if lacking else None
+    for kind in present or ():
+        raise kind.remote_refusal(url)
+    having = {kind: ids for kind, ids in given.items() if ids is not None}
+    for kind, ids in having.items():
+        engine.write(functools.partial(record, kind=kind, url=url, key_ids=ids))
+    if having:
+        _bounded(lambda: _ensure_markers(url, options, having), url)
 
 
 def _root(url: str, options: dict[str, Any]) -> Any:
@@ -159,10 +160,10 @@ def _root(url: str, options: dict[str, Any]) -> Any:
     return RemoteRoot.from_url(url, dict(options))
 
 
-def _marker(url: str, options: dict[str, Any], name: str, field: str) -> bool:
-    """Whether the root's marker ``name`` says ``field`` (keyed, encrypted)."""
+def _marker(url: str, options: dict[str, Any], kind: _Kind) -> bool:
+    """Whether the root's marker of ``kind`` says the remote needs its key."""
     root = _root(url, options)
-    path = f"{root.root}/{name}"
+    path = f"{root.root}/{kind.marker}"
     try:
         info = root.fs.info(path)
     except FileNotFoundError:
@@ -170,19 +171,20 @@ def _marker(url: str, options: dict[str, Any], name: str, field: str) -> bool:
     if int(info.get("size") or 0) > _MAX_MARKER_BYTES:
         return True  # not ours to parse; whoever put it meant it
     try:
-        return bool(json.loads(root.fs.cat_file(path)).get(field, True))
+        return bool(json.loads(root.fs.cat_file(path)).get(kind.field, True))
     except (ValueError, AttributeError, RecursionError):
         return True  # damaged: the safe side
 
 
-def _ensure_markers(url: str, options: dict[str, Any], wanted: dict[str, tuple[str, dict[str, Any]]]) -> bool:
-    """Writes each root marker ``name -> (field, body)`` that does not say its field yet."""
+def _ensure_markers(url: str, options: dict[str, Any], having: dict[_Kind, list[bytes]]) -> bool:
+    """Writes the root's marker of each kind in ``having`` (key ids only) where it is missing."""
     from ucm_db.remote.files import write_whole
 
-    for name, (field, body) in wanted.items():
-        if not _marker(url, options, name, field):
+    for kind, ids in having.items():
+        if not _marker(url, options, kind):
             root = _root(url, options)
-            write_whole(root.fs, f"{root.root}/{name}", json.dumps(body, sort_keys=True).encode())
+            body = {kind.field: True, "key_ids": [k.hex() for k in ids]}
+            write_whole(root.fs, f"{root.root}/{kind.marker}", json.dumps(body, sort_keys=True).encode())
     return True
 
 
