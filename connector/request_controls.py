@@ -7,7 +7,10 @@ producer's publication uses too)::
 
     {"ucm_db": {"save": false, "load": false, "max_load_tokens": 256}}
 
-* ``save`` (bool, default true): false stores nothing of the request.
+* ``save`` (true, false or ``"always"``; default true): false stores
+  nothing of the request; ``"always"`` stores every computed block of it
+  from the first sighting, whatever ``admit_after`` says (cache warming:
+  :func:`~ucm_db.connector.warming.warm_engine` sends it).
 * ``load`` (bool, default true): false looks nothing up and loads nothing;
   vLLM's ``skip_reading_prefix_cache`` (a request's sampling or pooling
   parameter, set by vLLM itself for ``prompt_logprobs``) counts as
@@ -46,8 +49,8 @@ Invariants:
     * Admission only ever shortens a request's saves to a prefix: a block
       is admitted only after every block before it, so a stored chain
       keeps the parent-before-child invariant.
-    * The sketch's memory is fixed (:data:`SKETCH_DEPTH` rows of
-      :data:`SKETCH_WIDTH` one-byte counters, 16 MiB; allocated only where
+    * The sketch's memory is fixed (16 MiB,
+      :mod:`~ucm_db.connector.sighting_sketch`; allocated only where
       ``admit_after > 1`` or ``"auto"``) and it never undercounts a key's sightings
       within its window; it may overcount (a block admitted early, with
       the odds in :class:`SightingSketch`). It lives in the scheduler's
@@ -61,13 +64,14 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from ucm_db.connector import auto_admission
 from ucm_db.connector.auto_admission import AutoThreshold
 from ucm_db.connector.roles import PARAMS_KEY
+from ucm_db.connector.sighting_sketch import SightingSketch
 from ucm_db.errors import ConfigError
 
 #: The fields a producer's publication writes under the same key
@@ -80,16 +84,12 @@ REPORTED_REQUESTS = 4096
 #: Problems a request's one warning names (then a count), and characters of a value or field name it shows.
 MAX_PROBLEMS_NAMED = 5
 DESCRIBED_CHARS = 40
-#: Count-min sketch rows (one 4-byte slice of the block key each: keys are blake2b digests).
-SKETCH_DEPTH = 4
-#: One-byte counters per row (a power of two).
-SKETCH_WIDTH = 1 << 22
-#: Sightings between two halvings of every counter (the sketch's window).
-SKETCH_HALVE_EVERY = SKETCH_WIDTH // 4
 #: The largest ``admit_after`` (counters saturate at 255).
 MAX_ADMIT_AFTER = 255
 #: ``admit_after``'s adaptive setting (auto_admission.py).
 AUTO = "auto"
+#: The ``save`` control that stores a request's blocks whatever admission says.
+SAVE_ALWAYS: Literal["always"] = "always"
 
 
 def described(value: Any) -> str:
@@ -117,6 +117,10 @@ def _is_bool(value: Any) -> bool:
     return isinstance(value, bool)
 
 
+def _is_save(value: Any) -> bool:
+    return isinstance(value, bool) or (isinstance(value, str) and value == SAVE_ALWAYS)
+
+
 def _is_token_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -125,7 +129,7 @@ def _is_token_count(value: Any) -> bool:
 #: served as (the value that does least: module invariants); the one table
 #: parsing, construction and the warning use.
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool | int]] = {
-    "save": (_is_bool, "true or false", False),
+    "save": (_is_save, 'true, false or "always"', False),
     "load": (_is_bool, "true or false", False),
     "max_load_tokens": (_is_token_count, "an integer >= 0", 0),
 }
@@ -142,7 +146,7 @@ class RequestControls:
     """One request's controls (module docstring); the defaults are a
     request that sent none."""
 
-    save: bool = True
+    save: bool | Literal["always"] = True  # "always": SAVE_ALWAYS
     load: bool = True
     max_load_tokens: int | None = None
 
@@ -246,56 +250,6 @@ def check_admission(save_decode: Any, admit_after: Any) -> None:
         raise ConfigError(f"admit_after must be an integer in [1, {MAX_ADMIT_AFTER}] or \"auto\", got {admit_after!r}",
                           hint="use admit_after=1 (store every chain), 2 (store a chain from its second sighting) or "
                                "\"auto\" (2 while little of the engine's work is reused, else 1)")
-
-
-class SightingSketch:
-    """How often each block key was seen: a count-min sketch of
-    :data:`SKETCH_DEPTH` x :data:`SKETCH_WIDTH` saturating one-byte counters
-    (16 MiB), every counter halved each :data:`SKETCH_HALVE_EVERY`
-    sightings, so a key seen once is forgotten within one window and old
-    counts fade. A count is never below the key's sightings in the window;
-    it is above when each row's counter was hit by other keys too: with
-    ``n`` keys sighted since the last halving, a never-seen key reads at
-    least 1 with odds about ``(1 - exp(-n / SKETCH_WIDTH)) ** SKETCH_DEPTH``:
-    0.24% just before a halving (``n`` a quarter of the width), less after."""
-
-    def __init__(self, width: int = SKETCH_WIDTH, depth: int = SKETCH_DEPTH, halve_every: int = SKETCH_HALVE_EVERY) -> None:
-        if width & (width - 1) or not 1 <= depth <= 4:
-            raise ValueError("width must be a power of two and depth in [1, 4]")
-        self._mask = width - 1
-        self._depth = depth
-        self._rows = np.arange(depth)[None, :]
-        self._table = np.zeros((depth, width), dtype=np.uint8)  # zero pages: memory is touched as counters are
-        self._halve_every = halve_every
-        self._since_halving = 0
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._table.nbytes)
-
-    def _cells(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Each key's counter index in each row, shape ``(len(keys), depth)``."""
-        raw = np.frombuffer(b"".join(bytes(key[:16]).ljust(16, b"\0") for key in keys), dtype="<u4").reshape(-1, 4)
-        return raw[:, : self._depth] & self._mask
-
-    def sight(self, keys: Sequence[bytes]) -> None:
-        """Counts one sighting of each of ``keys`` (distinct keys: a chain's).
-        Two of them sharing a counter raise it once, which keeps it at or
-        above each one's own count (the only promise a count-min makes)."""
-        if not keys:
-            return
-        cells = self._cells(keys)
-        self._table[self._rows, cells] = np.minimum(self._table[self._rows, cells], 254) + 1
-        self._since_halving += len(keys)
-        if self._since_halving >= self._halve_every:
-            self._table >>= 1
-            self._since_halving = 0
-
-    def counts(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Each key's sightings (the least of its counters)."""
-        if not keys:
-            return np.zeros(0, dtype=np.uint8)
-        return self._table[self._rows, self._cells(keys)].min(axis=1)
 
 
 class AdmissionMarks(Protocol):

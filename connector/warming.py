@@ -45,6 +45,8 @@ from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitKeys
 
 from ucm_db.connector.layouts import KVLayout
+from ucm_db.connector.request_controls import SAVE_ALWAYS
+from ucm_db.connector.roles import PARAMS_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +66,19 @@ class EngineWarmReport:
     seconds: float
 
 
+def warming_params() -> Any:
+    """:func:`warm_engine`'s ``SamplingParams``: one greedy token, and the
+    ``save: "always"`` control, so every prompt is stored whatever the
+    connector's ``admit_after`` says (request_controls.py)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {PARAMS_KEY: {"save": SAVE_ALWAYS}}})
+
+
 def warm_engine(llm: Any, prompts: Sequence[Sequence[int] | Mapping[str, Any]]) -> EngineWarmReport:
-    """Runs each prompt through ``llm`` with one output token.
+    """Runs each prompt through ``llm`` with one output token, each sent
+    with the ``save: "always"`` control, so every prompt is stored whatever
+    the connector's ``admit_after`` says.
 
     Args:
         llm: a ``vllm.LLM`` whose ``kv_transfer_config`` uses the
@@ -77,10 +90,9 @@ def warm_engine(llm: Any, prompts: Sequence[Sequence[int] | Mapping[str, Any]]) 
         background thread: flush the store (or wait) before relying on them
         from another process.
     """
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    params = warming_params()
     started = time.perf_counter()
     total = cached = 0
     for prompt in prompts:

@@ -43,7 +43,7 @@ from ucm_db.connector.scheduler.cost_model import MIN_PREFILL_TOKENS, CostModel
 from ucm_db.connector.events import save_fields
 from ucm_db.connector.scheduler.lookups import PrefixLookup
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
-from ucm_db.connector.request_controls import Admission
+from ucm_db.connector.request_controls import SAVE_ALWAYS, Admission
 from ucm_db.connector.scheduler.request_state import RequestState
 from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS, SaveSettlement
 
@@ -135,13 +135,15 @@ class StepPlanner:
         done_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens)
         end = self._admission.savable_end(done_tokens // self._block_size, request.num_prompt_tokens // self._block_size)
         start = state.saved_blocks
-        if end <= start or self._admission.decided(state, start, end):
+        admitting = state.controls.save != SAVE_ALWAYS  # `save: "always"` stores whatever admission says
+        if end <= start or (admitting and self._admission.decided(state, start, end)):
             return  # nothing new, or admission refused at this end already (no block completed since)
         block_ids = self._block_ids(scheduler_output, req_id)
         if block_ids is None or len(block_ids) < end:
             return
         keys = self._keys(state, end)
-        end = self._admission.admit(state, keys, end)  # admit_after: the prefix seen often enough
+        if admitting:
+            end = self._admission.admit(state, keys, end)  # admit_after: the prefix seen often enough
         if end <= start:
             return
         after_loads, sibling = self._settlement.after_loads(req_id, block_ids[:end], loaded)

@@ -28,11 +28,13 @@ from vllm.v1.request import Request  # noqa: E402
 
 from ucm_db.connector.identity import KVShape  # noqa: E402
 from ucm_db.connector.request_controls import (  # noqa: E402
-    PUBLICATION_FIELDS, SKETCH_DEPTH, SKETCH_WIDTH, RequestControls, SightingSketch,
+    PUBLICATION_FIELDS, RequestControls,
 )
 from ucm_db.connector.roles import PARAMS_KEY, Publication  # noqa: E402
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings, valid_keys  # noqa: E402
+from ucm_db.connector.sighting_sketch import SKETCH_DEPTH, SKETCH_WIDTH, SightingSketch  # noqa: E402
+from ucm_db.connector.warming import warming_params  # noqa: E402
 from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.errors import ConfigError  # noqa: E402
 
@@ -198,7 +200,7 @@ def test_controls_are_read_from_the_connectors_own_key() -> None:
 
 
 @pytest.mark.parametrize(("body", "problem", "served"), [
-    ({"save": "no"}, "save='no' (wants true or false): served as save false", RequestControls(save=False)),
+    ({"save": "no"}, "save='no' (wants true, false or \"always\"): served as save false", RequestControls(save=False)),
     ({"load": 0}, "load=0 (wants true or false): served as load false", RequestControls(save=False, load=False)),
     ({"max_load_tokens": -1}, "max_load_tokens=-1 (wants an integer >= 0): served as max_load_tokens 0",
      RequestControls(save=False, max_load_tokens=0)),
@@ -231,7 +233,7 @@ def test_a_producers_publication_is_no_problem() -> None:
 
 
 def test_controls_made_in_code_are_validated() -> None:
-    with pytest.raises(ConfigError, match="'save' must be true or false"):
+    with pytest.raises(ConfigError, match="'save' must be true, false or \"always\""):
         RequestControls(save="no")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'max_load_tokens' must be an integer >= 0"):
         RequestControls(max_load_tokens=-5)
@@ -359,10 +361,10 @@ def test_bad_controls_warn_once_and_the_request_is_served(engine: Engine, tmp_pa
         other.shutdown()
     warnings = [line for line in scheduler_log if line.startswith("WARNING") and req.request_id in line]
     assert warnings == [
-        f"WARNING ucm-db: request {req.request_id}: bad controls in kv_transfer_params['ucm_db']: save='no' (wants true or "
-        "false): served as save false; max_load_tokens=-3 (wants an integer >= 0): served as max_load_tokens 0; "
+        f"WARNING ucm-db: request {req.request_id}: bad controls in kv_transfer_params['ucm_db']: save='no' (wants true, false or "
+        "\"always\"): served as save false; max_load_tokens=-3 (wants an integer >= 0): served as max_load_tokens 0; "
         "unknown field 'colour' (ignored) "
-        "(controls: save (true or false), load (true or false), max_load_tokens (an integer >= 0))"
+        "(controls: save (true, false or \"always\"), load (true or false), max_load_tokens (an integer >= 0))"
     ]
 
 
@@ -396,6 +398,27 @@ def test_admit_after_2_stores_a_chain_from_its_second_sighting(tmp_path: Path) -
         # Tail a's second sighting: stored after the shared blocks it hits.
         assert eng.prefill(_request(shared + tail_a)) == (2 * BS, [(2, 3)])
         assert eng.prefill(_request(shared + tail_a)) == (4 * BS, [])
+        assert eng.stored_units() == 4 * UNITS_PER_BLOCK
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("admit_after", [2, "auto"])
+def test_save_always_stores_a_first_sighting_whatever_admit_after_says(tmp_path: Path, admit_after: int | str) -> None:
+    """``save: "always"`` (warm_engine sends it) stores a prompt seen once,
+    where ``admit_after: 2`` (and "auto" at 2) store nothing of it; the
+    other requests stay under admission."""
+    eng = Engine(ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "admit_after": admit_after, "load_policy": "always"}))
+    try:
+        if eng.scheduler._admission.auto is not None:
+            eng.scheduler._admission.auto.threshold = 2  # as after unique traffic (test_auto_admission.py moves it for real)
+        assert eng.prefill(_request(list(range(1, 2 * BS + 2))))[1] == []  # first sighting: refused
+        assert eng.prefill(_request(list(range(500, 500 + 2 * BS + 1)), {"save": "always"})) == (0, [(0, 1)])
+        assert eng.stored_units() == 2 * UNITS_PER_BLOCK
+        assert eng.prefill(_request(list(range(900, 900 + 2 * BS + 1))))[1] == []
+        assert eng.stored_units() == 2 * UNITS_PER_BLOCK
+        warming = Request(f"req-{next(_ids)}", list(range(1300, 1300 + 2 * BS + 1)), warming_params(), None)  # type: ignore[arg-type]
+        assert eng.prefill(warming) == (0, [(0, 1)])  # warm_engine's requests: stored at their first sighting
         assert eng.stored_units() == 4 * UNITS_PER_BLOCK
     finally:
         eng.close()
@@ -514,7 +537,7 @@ def test_an_integer_repr_cannot_print_is_described_by_its_size() -> None:
 
     controls, problems = RequestControls.from_params({"ucm_db": {"save": 1 << 20_000}})
     assert controls == RequestControls(save=False)
-    assert problems == ("save=an integer of 20001 bits (wants true or false): served as save false",)
+    assert problems == ("save=an integer of 20001 bits (wants true, false or \"always\"): served as save false",)
 
 
 def test_reported_request_ids_are_kept_as_digests() -> None:

@@ -45,11 +45,11 @@ def _named(name: str, controls: Any) -> Request:
 
 # -- the parser ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("body", "served", "said"), [
-    ({"save": "false"}, RequestControls(save=False), "save='false' (wants true or false): served as save false"),
-    ({"save": 0}, RequestControls(save=False), "save=0 (wants true or false): served as save false"),
-    ({"save": 1}, RequestControls(save=False), "save=1 (wants true or false): served as save false"),
-    ({"save": "no"}, RequestControls(save=False), "save='no' (wants true or false): served as save false"),
-    ({"save": [False]}, RequestControls(save=False), "save=a list of 1 items (wants true or false): served as save false"),
+    ({"save": "false"}, RequestControls(save=False), "save='false' (wants true, false or \"always\"): served as save false"),
+    ({"save": 0}, RequestControls(save=False), "save=0 (wants true, false or \"always\"): served as save false"),
+    ({"save": 1}, RequestControls(save=False), "save=1 (wants true, false or \"always\"): served as save false"),
+    ({"save": "no"}, RequestControls(save=False), "save='no' (wants true, false or \"always\"): served as save false"),
+    ({"save": [False]}, RequestControls(save=False), "save=a list of 1 items (wants true, false or \"always\"): served as save false"),
     ({"load": "no"}, RequestControls(load=False), "load='no' (wants true or false): served as load false"),
     ({"load": "true"}, RequestControls(load=False), "load='true' (wants true or false): served as load false"),
     ({"max_load_tokens": -3}, RequestControls(max_load_tokens=0),
@@ -81,7 +81,7 @@ def test_a_malformed_save_stores_nothing_of_the_request(engine: Engine, schedule
     assert engine.prefill(_request(TOKENS)) == (0, [(0, 1, 2, 3)])
     assert engine.stored_units() == 4 * UNITS_PER_BLOCK
     warnings = [line for line in scheduler_log if line.startswith("WARNING") and req.request_id in line]
-    assert len(warnings) == 1 and "(wants true or false): served as save false" in warnings[0]
+    assert len(warnings) == 1 and "(wants true, false or \"always\"): served as save false" in warnings[0]
 
 
 @pytest.mark.parametrize("load", ["no", 0])

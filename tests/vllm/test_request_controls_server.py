@@ -84,9 +84,9 @@ def test_save_load_and_max_load_tokens_through_the_openai_server(tmp_path: Path)
         server.stop()
     log = server.log()
     assert log.count("not looked up (load off") == 3  # load false, load 'no', max_load_tokens '12'
-    assert log.count("bad controls in kv_transfer_params['ucm_db']: save='no' (wants true or false): served as save false; "
+    assert log.count("bad controls in kv_transfer_params['ucm_db']: save='no' (wants true, false or \"always\"): served as save false; "
                      "unknown field 'colour' (ignored)") == 1
-    for said in ("save='false' (wants true or false): served as save false",
+    for said in ("save='false' (wants true, false or \"always\"): served as save false",
                  "load='no' (wants true or false): served as load false",
                  "max_load_tokens='12' (wants an integer >= 0): served as max_load_tokens 0"):
         assert log.count(said) == 1, said
