@@ -15,6 +15,16 @@ Invariants:
     * A model with one group keeps the namespace ucm-db gave it before
       (:func:`group_namespace` returns the deployment's namespace), and any
       attention spec it was served with before (MLA ...): stores stay valid.
+    * Each group is stored at its own block size (its spec's: vLLM's
+      ``unify_kv_cache_spec_page_size`` enlarges the block size of the
+      groups whose page is smaller, so every page holds the same bytes). A
+      group whose block size is not the deployment's has it in its
+      namespace's ``block_size`` (a key chain at that size), so engines
+      whose groups have other block sizes never read each other's blocks;
+      a group of the deployment's block size keeps the namespace it had.
+      A hit ends at a multiple of every group's block size
+      (:func:`claim_step`, vLLM's hybrid coordinator's lcm), so no group is
+      claimed a token it does not load whole blocks for.
     * Specs ucm-db cannot store in a model of several groups (chunked
       local attention, cross attention ...), and a lone
       group that is not attention, are refused with a ConfigError naming
@@ -25,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +55,7 @@ class KVGroup:
     sliding_window: int | None
     layer_names: tuple[str, ...]
     state: str | None = None  # an SSM group's state spec (shapes, dtypes, kind); None for attention
+    block_size: int = 0  # tokens per block of this group (its spec's); 0: the deployment's
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"group": self.kind, "window": self.sliding_window, "layers": list(self.layer_names)}
@@ -70,7 +82,9 @@ def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
                 hint="serve this model without ucm-db, or with full or sliding-window attention only",
             )
         window = getattr(group.kv_cache_spec, "sliding_window", None)
-        groups.append(KVGroup(index, kind, int(window) if window is not None else None, tuple(group.layer_names), state))
+        block_size = int(getattr(group.kv_cache_spec, "block_size", 0) or 0)
+        groups.append(KVGroup(index, kind, int(window) if window is not None else None, tuple(group.layer_names), state,
+                              block_size))
     if all(g.kind == "ssm_state" for g in groups):
         raise ConfigError(
             f"ucm-db stores SSM state beside attention only; this model has {len(groups)} SSM state groups and no attention group",
@@ -84,7 +98,16 @@ def group_namespace(base: Namespace, groups: list[KVGroup], group: KVGroup) -> N
     if len(groups) == 1:
         return base
     described = json.dumps(group.describe(), sort_keys=True, separators=(",", ":"))
-    return Namespace.from_dict({**base.to_dict(), "extra": group_extra(base.extra, described)})
+    fields = {**base.to_dict(), "extra": group_extra(base.extra, described)}
+    if group.block_size and group.block_size != base.block_size:
+        fields["block_size"] = group.block_size  # its keys chain blocks of this size (module invariants)
+    return Namespace.from_dict(fields)
+
+
+def claim_step(groups: list[KVGroup], block_size: int) -> int:
+    """Tokens a hit is a multiple of: the lcm of the groups' block sizes
+    (``block_size``, the deployment's, for a group that does not say)."""
+    return math.lcm(*(g.block_size or block_size for g in groups))
 
 
 def group_extra(inputs: str, described: str) -> str:

@@ -15,12 +15,15 @@ Invariants:
       group's layers (:func:`group_shape`), reading group ``g``'s block ids
       and storing under the group's namespace (:func:`~ucm_db.connector.hybrid.groups.group_namespace`,
       naming its layers and spec): every group keeps its own key chain of the
-      same tokens, with the prefix invariant of any chain.
+      same tokens, with the prefix invariant of any chain, at the group's
+      own block size (groups.py: vLLM may enlarge some groups'), whose
+      blocks its block ids are.
     * Every group stores every block of a request: a sliding-window block is
       still inside the window in the step it becomes complete, when the
       worker copies it out. A hit is the shortest of the groups' stored
-      prefixes (what every group can serve); a lookup any group defers
-      (None) is deferred.
+      prefixes (what every group can serve), cut to a multiple of every
+      group's block size (:func:`~ucm_db.connector.hybrid.groups.claim_step`);
+      a lookup any group defers (None) is deferred.
     * vLLM's null block (:data:`NULL_BLOCK_ID`: a sliding-window group's
       blocks outside its window) is never read nor written: a load skips
       it (no attention reads it); a save that would read one is dropped,
@@ -60,7 +63,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ucm_db.connector.hybrid.groups import KVGroup, group_namespace
+from ucm_db.connector.hybrid.groups import KVGroup, claim_step, group_namespace
 from ucm_db.connector.hybrid.loads import GroupLoads
 from ucm_db.connector.hybrid.null_blocks import NULL_BLOCK_ID, drop_null_loads
 from ucm_db.connector.identity import KVShape, namespace
@@ -92,11 +95,13 @@ def check_hybrid(groups: Sequence[KVGroup], shape: KVShape, settings: ConnectorS
 
 
 def group_shape(shape: KVShape, group: KVGroup) -> KVShape:
-    """The shape of one group's KV: the model's, over the group's layers
-    (an SSM state group's block is one unit per layer: its state page)."""
+    """The shape of one group's KV: the model's, over the group's layers, at
+    the group's block size (an SSM state group's block is one unit per
+    layer: its state page)."""
+    block_size = group.block_size or shape.block_size
     if group.kind == "ssm_state":
-        return replace(shape, layers=len(group.layer_names), kv_heads=1)
-    return replace(shape, layers=len(group.layer_names))
+        return replace(shape, layers=len(group.layer_names), kv_heads=1, block_size=block_size)
+    return replace(shape, layers=len(group.layer_names), block_size=block_size)
 
 
 class _MergedCounters:
@@ -132,7 +137,7 @@ class GroupedScheduler:
                       for g in self.groups]
         self._attention = [p for p in self.parts if not isinstance(p, SsmStateScheduler)]
         self._states = [p for p in self.parts if isinstance(p, SsmStateScheduler)]
-        self._block_size = shape.block_size
+        self._step_tokens = claim_step(self.groups, shape.block_size)  # a hit is a multiple of it (module invariants)
         # Lookups and hits are the same for every group (the shortest claim):
         # the first attention group's counters report them once.
         self.counters = self._attention[0].counters
@@ -159,9 +164,10 @@ class GroupedScheduler:
         answers = [part.get_num_new_matched_tokens(request, num_computed_tokens)[0] for part in self._attention]
         if any(tokens is None for tokens in answers):
             return None, False
-        tokens = min(tokens for tokens in answers if tokens is not None)
+        end = num_computed_tokens + min(tokens for tokens in answers if tokens is not None)
+        tokens = max(0, end // self._step_tokens * self._step_tokens - num_computed_tokens)
         if self._states and tokens > 0:
-            tokens = ssm_claim(self._states, request, num_computed_tokens, tokens, self._block_size)
+            tokens = ssm_claim(self._states, request, num_computed_tokens, tokens, self._step_tokens)
         return tokens, tokens > 0
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:

@@ -108,11 +108,11 @@ class SsmStateScheduler(UcmDbScheduler):
         self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
         self._unloadable: list[str] = []  # claimed hits without a state to load: failed in the next step
 
-    def has_state(self, request: Request, boundary_blocks: int, *, remote: bool = False) -> bool:
-        """Whether the state after ``boundary_blocks`` blocks of ``request``
-        is stored (in the local tier; ``remote``: or in the remote tier,
-        which then promotes it)."""
-        if boundary_blocks <= 0 or self._epochs.current() is None:
+    def has_state(self, request: Request, tokens: int, *, remote: bool = False) -> bool:
+        """Whether the state after ``tokens`` tokens of ``request`` (a boundary of this group's blocks, or False)
+        is stored (in the local tier; ``remote``: or in the remote tier, which then promotes it)."""
+        boundary_blocks, rest = divmod(tokens, self._block_size)
+        if rest or boundary_blocks <= 0 or self._epochs.current() is None:
             return False
         key = self._keys(self._state(request), boundary_blocks)[boundary_blocks - 1]
         return all(self.store.lookup(self.namespace, [unit], remote=remote) == 1
@@ -204,13 +204,14 @@ class SsmStateScheduler(UcmDbScheduler):
 def ssm_claim(state_parts: Sequence[SsmStateScheduler], request: Request, num_computed_tokens: int, attention_tokens: int,
               block_size: int) -> int:
     """Tokens beyond ``num_computed_tokens`` every group can serve, given
-    the attention groups' claim ``attention_tokens`` (module invariants)."""
+    the attention groups' claim ``attention_tokens`` (module invariants);
+    boundaries are multiples of ``block_size``, every group's (groups.claim_step)."""
     end_blocks = (num_computed_tokens + attention_tokens) // block_size
     first_blocks = num_computed_tokens // block_size
     for k in range(end_blocks, max(first_blocks, end_blocks - MAX_PROBES), -1):
-        if all(part.has_state(request, k) for part in state_parts):
+        if all(part.has_state(request, k * block_size) for part in state_parts):
             return k * block_size - num_computed_tokens
     if end_blocks > first_blocks and all(part.probes_remote for part in state_parts):
-        if all(part.has_state(request, end_blocks, remote=True) for part in state_parts):
+        if all(part.has_state(request, end_blocks * block_size, remote=True) for part in state_parts):
             return end_blocks * block_size - num_computed_tokens
     return 0
