@@ -30,8 +30,9 @@ Invariants:
       for the steps it depends on is back. So no rank commits KV computed
       over a failed load. A ``kv_producer`` commits within the step: its
       saves are not held, and one another rank's failure made wrong comes
-      back in ``void_saves``, whose units every worker deletes (behind its
-      earlier saves, so the delete follows the commit).
+      back in ``void_saves``: every worker deletes the units its writer
+      stored for it (behind its earlier saves, so the delete follows the
+      commit; never units stored before it, connector/worker/voids.py).
     * ``preempted`` names the requests vLLM preempted since the last step
       (its blocks freed): a worker's ``handle_preemptions`` drops their saves
       not yet copied out (connector/worker/preemptions.py); the scheduler rewinds

@@ -50,8 +50,10 @@ def test_units_in_a_shared_buffer_are_committed_bit_exact_with_their_frames(tmp_
         located = committer.locate(rows[1:].ctypes.data, rows[1:].nbytes)
         assert located == (buffer.id, rows[1:].ctypes.data - rows.ctypes.data)  # type: ignore[attr-defined]
         shared = [SharedChain(keys, buffer.id, head * UNIT_BYTES, 2 * UNIT_BYTES, UNIT_BYTES) for head, keys in enumerate(chains)]
-        wall_s, cpu_s = committer.put_segments(NS, shared, frame_bytes=(1024, 3072))
-        assert wall_s > 0 and cpu_s > 0  # CPU time may be accounted per tick: it can pass a short wall time
+        committed = committer.put_segments(NS, shared, frame_bytes=(1024, 3072))
+        assert committed.wall_s > 0 and committed.cpu_s > 0  # CPU time may be accounted per tick: it can pass a short wall time
+        assert committed.stored_keys == [key for keys in chains for key in keys]
+        assert committer.put_segments(NS, shared[:1], frame_bytes=(1024, 3072)).stored_keys == []  # stored already
         for head, keys in enumerate(chains):
             got = store.get(NS, list(keys))
             assert [bytes(g) for g in got] == [rows[i, head].tobytes() for i in range(4)]

@@ -38,6 +38,20 @@ def test_segments_land_together_and_read_back(tmp_path):
         assert store.get(NS, list(b)) == [payload(2, i) for i in range(3)]
 
 
+@pytest.mark.parametrize("codec_name", ["none", "zstd"])
+def test_stored_keys_name_only_the_blocks_this_put_wrote(tmp_path, codec_name):
+    """First writer wins: blocks another put stored first are left as they
+    are and not named, so a caller undoing its put deletes only its own."""
+    keys = chain(5, 4)
+    with open_store(tmp_path) as store:
+        assert store.put(NS, keys[:2], [payload(4, i) for i in range(2)], codec_name=codec_name).stored_keys == list(keys[:2])
+        result = store.put_segments(NS, [(keys, [payload(5, i) for i in range(5)])], codec_name=codec_name)
+        assert (result.stored, result.already_present, result.stored_keys) == (3, 2, list(keys[2:]))
+        assert store.put(NS, keys, [payload(5, i) for i in range(5)], codec_name=codec_name).stored_keys == []
+        assert store.delete(NS, result.stored_keys[:1]) == 3
+        assert store.get(NS, list(keys[:2])) == [payload(4, i) for i in range(2)]
+
+
 def test_a_segment_may_continue_an_earlier_one_of_the_same_call(tmp_path):
     keys = chain(6, 3)
     with open_store(tmp_path) as store:

@@ -13,8 +13,8 @@ Invariants:
       in planning order; after a dropped save, the same request's later
       held saves drop too (each must commit after the one before it, or not
       at all). A ``kv_producer`` commits inside the step instead (roles.py),
-      so its save over a load is deleted afterwards (``void_saves``) if a
-      load it depends on failed.
+      so its save over a load is deleted afterwards (``void_saves``: what
+      its writers stored of it, worker/voids.py) if a load it depends on failed.
     * Blocks another connector loaded (MultiConnector, composition.py) count
       as loads of the request for its saves, with one rank too: such a save
       is held (or, a producer's, voided) like one over a load of our own.

@@ -13,6 +13,9 @@ Invariants:
       :meth:`~ucm_db.committer.CommitProcess.locate` never names a buffer
       dropped since (one whose address range a newer buffer took), even
       while its FORGET waits for the request this round sends.
+    * :meth:`CommitRoute.put` returns the keys its transaction stored
+      (``PutResult.stored_keys``); where the child was lost with the request
+      (it may have committed it), every key of the chains.
     * :attr:`child_cpu_s` adds up the child's CPU seconds of the commits it
       ran since the caller last reset it (the writer counts them as commit
       CPU beside its own thread's).
@@ -67,23 +70,27 @@ class CommitRoute:
         """The commit process rounds go to (None: none, or lost)."""
         return self._committer
 
-    def put(self, chains: list[tuple[SaveJob, int]], evented: dict[bytes, ucm_db.BlockEventFields] | None) -> None:
-        """One transaction of ``chains`` (a job and the index of one of its chains)."""
+    def put(self, chains: list[tuple[SaveJob, int]], evented: dict[bytes, ucm_db.BlockEventFields] | None) -> list[bytes]:
+        """One transaction of ``chains`` (a job and the index of one of its
+        chains); returns the keys it stored (module invariants)."""
         namespace = chains[0][0].namespace
         if self._committer is not None and not self._committer.alive:  # found gone by a staging allocation
             self._lose_committer(self._committer.gone_reason or "")
+        lost_mid_request = False
         if self._committer is not None:
             shared = self._shared(self._committer, chains)
             if shared is not None:
                 try:
-                    _wall_s, cpu_s = self._committer.put_segments(
+                    committed = self._committer.put_segments(
                         namespace, shared, codec_name=self._codec_name, frame_bytes=self._frame_bytes, event_fields=evented)
-                    self.child_cpu_s += cpu_s
-                    return
+                    self.child_cpu_s += committed.cpu_s
+                    return committed.stored_keys
                 except CommitProcessError as exc:
                     self._lose_committer(str(exc))
+                    lost_mid_request = True
         segments = [self._segment(job, j) for job, j in chains]
-        self._store.put_segments(namespace, segments, codec_name=self._codec_name, event_fields=evented)
+        stored = self._store.put_segments(namespace, segments, codec_name=self._codec_name, event_fields=evented).stored_keys
+        return [key for job, j in chains for key in job.chains[j]] if lost_mid_request else stored
 
     def close(self) -> None:
         if self._committer is not None:

@@ -14,9 +14,10 @@ Invariants:
       reused across saves (:mod:`~ucm_db.connector.worker.staging`). A save whose
       ``after_loads`` include a block this worker failed to load in its
       last few steps is dropped (its KV attended to a stale slot); a held
-      save waits for the scheduler's verdict (metadata.py), and the saves a
-      step's metadata voids (a producer's, after another rank's failure)
-      are deleted behind every queued save.
+      save waits for the scheduler's verdict (metadata.py), and of the saves
+      a step's metadata voids (a producer's, after another rank's failure)
+      the units this worker's writer stored are deleted behind every queued
+      save, never units stored before them (:mod:`~ucm_db.connector.worker.voids`).
     * A save's blocks are read only while its request holds them: saves go
       through :class:`~ucm_db.connector.worker.preemptions.PendingSaves`, and
       :meth:`UcmDbWorker.handle_preemptions` (vLLM's hook at the start of
@@ -57,7 +58,8 @@ from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.worker.staging import StagingPool
 from ucm_db.connector.stores import acquire, acquire_committer, release
 from ucm_db.connector.worker.loads import WorkerLoads
-from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob, VoidJob
+from ucm_db.connector.worker.voids import VoidJob, VoidTag, save_id
+from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob
 from ucm_db.errors import CommitProcessError, ConfigError
 from ucm_db.keys.units import UnitKeys
 
@@ -81,6 +83,7 @@ class UcmDbWorker:
         self._writer: BackgroundWriter | None = None
         self._held: dict[int, SaveJob] = {}  # saves kept until the scheduler's verdict (metadata.py)
         self._epoch: int | None = None  # the namespace epoch of the last bound step (connector/epochs.py)
+        self._steps = 0  # steps bound: the clock of voidable saves' records (voids.py)
         self.refused = False  # the scheduler's namespace is not this worker's (_agree): nothing loaded or saved
         self._pending = PendingSaves()  # saves whose blocks are not copied out yet (preemptions.py)
         self.counters = Counters()
@@ -125,6 +128,7 @@ class UcmDbWorker:
     def start_load(self, meta: UcmDbConnectorMetadata) -> None:
         """Binds the step: its epoch, the held saves' verdicts and voided
         saves it carries, then its loads."""
+        self._steps += 1
         if meta.namespace and meta.namespace != self._namespace.id and self._store is not None and not self.refused:
             self._agree(meta.namespace, meta.namespace_inputs)
         if meta.epoch != self._epoch:
@@ -203,8 +207,9 @@ class UcmDbWorker:
         block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
         start = 1 if transfer.parent is not None else 0
         chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
+        voidable = transfer.hold_id < 0 and bool(transfer.after_loads)  # committed at once over loads (voids.py)
         job = SaveJob(self._namespace, chains, lease.staging, transfer.event_fields, self._evented_chain, lease.release,
-                      lease.held_bytes, copy)
+                      lease.held_bytes, copy, VoidTag(save_id(transfer), self._steps) if voidable else None)
         if transfer.hold_id >= 0:
             self._held[transfer.hold_id] = job
         else:
@@ -271,14 +276,13 @@ class UcmDbWorker:
         self._held.clear()
 
     def _void(self, transfers: Sequence[BlockTransfer]) -> None:
-        """Deletes this rank's units of saves that another rank's failed
-        load made wrong (metadata.py), behind every save queued before."""
+        """Deletes the units this rank's writer stored for saves that another
+        rank's failed load made wrong (metadata.py), behind every save queued
+        before (voids.py: never units stored before those saves)."""
         if not self._writes or self._writer is None or not self._role.saves:
             return
         for transfer in transfers:
-            keys = list(transfer.keys)
-            chains = tuple(UnitKeys(keys, self._grid, span) for span in self._spans)
-            self._writer.void(VoidJob(self._namespace, chains, len(keys)))
+            self._writer.void(VoidJob(self._namespace, save_id(transfer), len(transfer.keys), self._steps))
 
     def drain(self) -> None:
         """Waits until every queued save is committed (tests, benchmarks)."""

@@ -42,9 +42,10 @@ Invariants:
     * The thread outlives any exception (a ``kv_producer`` drains it every step): an unexpected one ends
       its round (blocks not yet counted go to ``save_errors``, a void is left undone, items still marked
       done), logged with its traceback at most once a minute.
-    * A :class:`VoidJob` (units of blocks whose KV was computed over a
-      failed load, metadata.py) deletes them in queue order: after every
-      save submitted before it, so a void never misses a commit still queued.
+    * A :class:`~ucm_db.connector.worker.voids.VoidJob` (a save whose KV was
+      computed over a failed load, metadata.py) deletes, in queue order
+      (after every save submitted before it: never before its save's commit),
+      only the units this writer stored for that save (:mod:`~ucm_db.connector.worker.voids`).
     * :meth:`close` commits every queued job before returning.
     * A save job is read only once its copy out of the KV caches is done
       (:meth:`SaveJob.copied`: on an accelerator the model's thread only
@@ -78,6 +79,7 @@ from ucm_db.committer import CommitProcess
 from ucm_db.connector.device_saves import SaveCopy
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.worker.commit_route import CommitRoute
+from ucm_db.connector.worker.voids import SaveVoids, VoidJob, VoidTag
 from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import UnitKeys
@@ -122,6 +124,7 @@ class SaveJob:
     release: Callable[[], None] | None = None  # gives ``staging`` back to its pool (staging.py)
     held_bytes: int = 0  # bytes of the pooled buffer ``staging`` is a view of (0: staging alone)
     copy: SaveCopy | None = None  # the copy into ``staging``, if it may still run (device_saves.py)
+    void_tag: VoidTag | None = None  # a save a later step may void: what it stores is recorded (voids.py)
 
     def copied(self) -> bool:
         """Waits until ``staging`` holds the units; False where the copy
@@ -161,18 +164,6 @@ class SaveJob:
         return int(self.staging.shape[0])
 
 
-@dataclass(frozen=True)
-class VoidJob:
-    """Units to delete (with their descendants): ``chains[j]`` are one KV
-    head's units of the voided blocks."""
-
-    namespace: Namespace
-    chains: tuple[UnitKeys, ...]
-    blocks: int
-    nbytes: int = 0
-    queued_bytes: int = 0  # no staging: the queue's byte count (see _run) is unchanged
-
-
 class BackgroundWriter:
     """One thread committing :class:`SaveJob` s (see module invariants)."""
 
@@ -186,6 +177,7 @@ class BackgroundWriter:
         ``frames`` makes of a row)."""
         self._store = store
         self._route = CommitRoute(store, frames, codec_name, committer, frame_bytes)  # commit_route.py
+        self._voids = SaveVoids(store)  # what voidable saves stored, and the voids' deletes (voids.py)
         self._counters = counters
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = self._counted_blocks = 0
@@ -256,7 +248,7 @@ class BackgroundWriter:
                 self._queue.task_done()
                 continue
             if isinstance(job, VoidJob):
-                self._finish([job], lambda voids: self._delete(voids[0]))
+                self._finish([job], lambda voids: self._voids.delete(voids[0]))
                 continue
             jobs = self._round(job, carried)
             self._finish(jobs, self._commit_copied)
@@ -288,6 +280,7 @@ class BackgroundWriter:
             work(jobs)
             self._update_ratio(jobs[0].namespace)
         except Exception as exc:  # noqa: BLE001 - a dead writer hangs drain(): module invariants
+            self._maybe_stored([(job, j) for job in jobs if isinstance(job, SaveJob) for j in range(len(job.chains))])
             lost = max(0, sum(job.blocks for job in jobs if isinstance(job, SaveJob)) - self._counted_blocks)
             self._count_errors(lost)
             if time.monotonic() - self._last_fault_log_s >= _DROP_LOG_INTERVAL_S:  # its traceback, once a minute at most
@@ -295,6 +288,7 @@ class BackgroundWriter:
                 voided = "; a void not done: its blocks stay stored" if isinstance(jobs[0], VoidJob) else ""
                 logger.error("ucm-db: the writer's round failed (%d blocks not saved%s) and it goes on: %s", lost, voided, exc, exc_info=exc)
         finally:
+            self._voids.end_round([(job.void_tag, job.chains) for job in jobs if isinstance(job, SaveJob) and job.void_tag])
             with self._lock:
                 self._pending_bytes -= sum(job.queued_bytes for job in jobs)
             for job in jobs:
@@ -322,13 +316,15 @@ class BackgroundWriter:
         evented: dict[bytes, ucm_db.BlockEventFields] = {}
         for job in jobs:
             evented.update(job.evented() or {})
+        chains = [(job, j) for job in jobs for j in range(len(job.chains))]
         try:
-            self._route.put([(job, j) for job in jobs for j in range(len(job.chains))], evented or None)
+            self._voids.stored(self._route.put(chains, evented or None))
         except (MissingAncestorError, StoreFullError):
             for job in jobs:
                 self._commit(job)
             return
         except (UcmDbError, OSError) as exc:
+            self._maybe_stored(chains)
             blocks = sum(job.blocks for job in jobs)
             logger.warning("ucm-db: saving %d blocks failed: %s", blocks, exc)
             self._count_errors(blocks)
@@ -339,11 +335,12 @@ class BackgroundWriter:
         started, started_cpu = time.perf_counter(), time.thread_time()
         self._route.child_cpu_s = 0.0
         try:
-            self._route.put([(job, j) for j in range(len(job.chains))], job.evented())
+            self._voids.stored(self._route.put([(job, j) for j in range(len(job.chains))], job.evented()))
             failed = 0
         except (MissingAncestorError, StoreFullError):
             failed = self._put_one_by_one(job)
         except (UcmDbError, OSError) as exc:
+            self._maybe_stored([(job, j) for j in range(len(job.chains))])
             failed = len(job.chains)
             logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
         if failed:
@@ -365,12 +362,9 @@ class BackgroundWriter:
         self._counted_blocks += blocks
         self._counters.add(save_errors=blocks)
 
-    def _delete(self, job: VoidJob) -> None:
-        keys = [chain[0] for chain in job.chains if len(chain)]  # a chain's first unit takes the rest with it
-        try:
-            self._store.delete(job.namespace, keys)
-        except (UcmDbError, OSError) as exc:
-            logger.warning("ucm-db: deleting %d blocks saved over a failed load failed: %s", job.blocks, exc)
+    def _maybe_stored(self, chains: list[tuple[SaveJob, int]]) -> None:
+        """A put of ``chains`` raised after perhaps committing: voids count its units as stored (voids.py)."""
+        self._voids.stored(key for job, j in chains for key in job.chains[j])
 
     def _put_one_by_one(self, job: SaveJob) -> int:
         """Puts each chain on its own; returns how many failed."""
@@ -378,7 +372,7 @@ class BackgroundWriter:
         evented = job.evented()
         for j in range(len(job.chains)):
             try:
-                self._route.put([(job, j)], evented)
+                self._voids.stored(self._route.put([(job, j)], evented))
             except MissingAncestorError:
                 # The parent was evicted (or its save dropped) meanwhile: the
                 # prefix invariant forbids storing an orphan; skip the chain.
@@ -386,6 +380,8 @@ class BackgroundWriter:
                 logger.debug("ucm-db: skipped a save whose parent unit is gone")
             except (UcmDbError, OSError) as exc:
                 failed += 1
+                if not isinstance(exc, StoreFullError):
+                    self._maybe_stored([(job, j)])
                 logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
         return failed
 

@@ -19,7 +19,10 @@ import torch
 import ucm_db
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.worker import writer as writer_module
-from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob, VoidJob
+from ucm_db.connector.worker.voids import KEEP_STEPS, VoidJob, VoidTag
+from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob
+from ucm_db.errors import TierError
+from ucm_db.keys import BlockKeys
 from ucm_db.keys.units import KVGrid, UnitKeys
 
 UNIT_BYTES = 4096
@@ -58,9 +61,9 @@ def _chains(block_keys: list[bytes], start: int, stop: int) -> tuple[UnitKeys, .
     return tuple(UnitKeys(block_keys, GRID, span, start, stop) for span in GRID.head_spans())
 
 
-def _job(block_keys: list[bytes], start: int, stop: int, released: list[int]) -> SaveJob:
+def _job(block_keys: list[bytes], start: int, stop: int, released: list[int], void_tag: VoidTag | None = None) -> SaveJob:
     staging = torch.from_numpy(np.full((stop - start, GRID.heads, UNIT_BYTES), start % 251, np.uint8))
-    return SaveJob(NS, _chains(block_keys, start, stop), staging, release=lambda: released.append(start))
+    return SaveJob(NS, _chains(block_keys, start, stop), staging, release=lambda: released.append(start), void_tag=void_tag)
 
 
 def _present(store: ucm_db.Store, block_keys: list[bytes], start: int, stop: int) -> list[bool]:
@@ -88,8 +91,8 @@ class Held:
         self.save(0, 2)
         assert self.puts.entered.wait(30)
 
-    def save(self, start: int, stop: int) -> None:
-        self.writer.submit(_job(self.keys, start, stop, self.released))
+    def save(self, start: int, stop: int, void_tag: VoidTag | None = None) -> None:
+        self.writer.submit(_job(self.keys, start, stop, self.released, void_tag))
 
     def release_and_drain(self) -> None:
         self.puts.release()
@@ -124,13 +127,100 @@ def test_jobs_queued_behind_a_commit_take_one_transaction(store) -> None:
 
 def test_a_void_between_saves_keeps_queue_order(store) -> None:
     held = Held(store, 8)
-    held.save(2, 4)
-    held.writer.void(VoidJob(NS, _chains(held.keys, 2, 4), blocks=2))  # after the save queued before it
+    tag = VoidTag(("r", held.keys[2], 2), step=1)
+    held.save(2, 4, tag)
+    held.writer.void(VoidJob(NS, tag.save, blocks=2, step=2))  # after the save queued before it
     held.save(4, 6)  # after the void: its parent is gone, so it is skipped
     held.save(2, 3)
     held.release_and_drain()
     assert _stored(store, held.keys, 0, 3)
     assert not any(_present(store, held.keys, 3, 6))
+
+
+def _others(store: ucm_db.Store, block_keys: list[bytes], start: int, stop: int) -> list[bytearray | None]:
+    """Another engine stores every head's units of blocks ``[start, stop)`` (its bytes: 0xEE); returns them as read."""
+    for chain in _chains(block_keys, start, stop):
+        store.put_segments(NS, [(BlockKeys(list(chain), parent=chain.parent()), [b"\xee" * UNIT_BYTES] * len(chain))])
+    return [got for chain in _chains(block_keys, start, stop) for got in store.get(NS, list(chain))]
+
+
+def _units(store: ucm_db.Store, block_keys: list[bytes], start: int, stop: int) -> list[bytearray | None]:
+    return [got for chain in _chains(block_keys, start, stop) for got in store.get(NS, list(chain))]
+
+
+def test_a_void_deletes_only_what_its_save_stored(store) -> None:
+    """First writer wins: blocks 2-3 were stored by another engine before
+    our save of 2-5, which stored only 4-5; its void deletes 4-5 alone."""
+    keys, released = NS.block_keys(list(range(4 * 8))), []
+    writer = _writer(store, Counters())
+    writer.submit(_job(keys, 0, 2, released))
+    writer.drain()
+    theirs = _others(store, keys, 2, 4)
+    tag = VoidTag(("r", keys[2], 4), step=1)
+    writer.submit(_job(keys, 2, 6, released, tag))
+    writer.void(VoidJob(NS, tag.save, blocks=4, step=2))
+    writer.drain()
+    writer.close()
+    assert _units(store, keys, 2, 4) == theirs
+    assert not any(_present(store, keys, 4, 6))
+
+
+def test_a_void_of_a_save_that_stored_nothing_deletes_nothing(store) -> None:
+    """Every unit stored already (another engine's), or the save lost
+    (its parent gone): its void leaves the store as it is."""
+    keys, released = NS.block_keys(list(range(4 * 8))), []
+    writer = _writer(store, Counters())
+    writer.submit(_job(keys, 0, 2, released))
+    writer.drain()
+    theirs = _others(store, keys, 2, 6)
+    present, orphan = VoidTag(("r", keys[2], 4), step=1), VoidTag(("o", keys[7], 1), step=1)
+    writer.submit(_job(keys, 2, 6, released, present))
+    writer.submit(_job(keys, 7, 8, released, orphan))  # block 6 is not stored: refused
+    writer.void(VoidJob(NS, present.save, blocks=4, step=2))
+    writer.void(VoidJob(NS, orphan.save, blocks=1, step=2))
+    writer.drain()
+    writer.close()
+    assert _units(store, keys, 2, 6) == theirs
+
+
+def test_a_put_that_raised_after_its_commit_counts_as_stored_for_its_void(store) -> None:
+    """A write-through upload that fails raises after the local commit: the
+    writer cannot know what that put stored, so its void deletes every
+    unit the save named (wrong KV left stored is worse than a lost save)."""
+    keys, released, counters = NS.block_keys(list(range(4 * 8))), [], Counters()
+    writer = _writer(store, counters)
+    writer.submit(_job(keys, 0, 2, released))
+    writer.drain()
+    real = store.put_segments
+
+    def committed_then_failed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        real(*args, **kwargs)
+        raise TierError("write-through upload of 4 block(s) failed", hint="")
+
+    store.put_segments = committed_then_failed  # type: ignore[method-assign]
+    tag = VoidTag(("r", keys[2], 2), step=1)
+    writer.submit(_job(keys, 2, 4, released, tag))
+    writer.drain()
+    store.put_segments = real  # type: ignore[method-assign]
+    assert _stored(store, keys, 2, 4) and counters.totals.data["save_errors"] == 2
+    writer.void(VoidJob(NS, tag.save, blocks=2, step=2))
+    writer.drain()
+    writer.close()
+    assert not any(_present(store, keys, 2, 4)) and _stored(store, keys, 0, 2)
+
+
+def test_a_record_no_void_takes_is_forgotten_after_keep_steps(store) -> None:
+    keys, released = NS.block_keys(list(range(4 * 8))), []
+    writer = _writer(store, Counters())
+    old, new = VoidTag(("a", keys[0], 2), step=1), VoidTag(("b", keys[2], 2), step=1 + KEEP_STEPS + 1)
+    writer.submit(_job(keys, 0, 2, released, old))
+    writer.submit(_job(keys, 2, 4, released, new))
+    writer.drain()
+    assert list(writer._voids._records) == [new.save]  # type: ignore[attr-defined]
+    writer.void(VoidJob(NS, old.save, blocks=2, step=new.step))  # too late: nothing deleted
+    writer.drain()
+    writer.close()
+    assert _stored(store, keys, 0, 4)
 
 
 def test_close_behind_queued_jobs_commits_them_and_stops(store) -> None:

@@ -22,7 +22,8 @@ Invariants:
       :class:`~ucm_db.errors.StoreFullError`, another
       :class:`~ucm_db.errors.UcmDbError`), so the caller may reuse the
       buffer after it, and a commit is visible to every handle of the store
-      when it returns.
+      when it returns. A put returns the keys it stored (:class:`Committed`:
+      ``PutResult.stored_keys``, so a caller can undo exactly its own put).
     * One request in flight at a time (a lock): the child answers in order.
       Writing a message takes a second lock of its own, so :meth:`share`
       (a model thread taking a new staging buffer) never waits for a commit
@@ -73,7 +74,7 @@ from ucm_db.errors import CommitProcessError, ConfigError
 from ucm_db.events import BlockEventFields, pack_event_fields
 from ucm_db.keys import BlockKeys, Namespace
 
-__all__ = ["CommitProcess", "SharedBuffer", "SharedChain"]
+__all__ = ["CommitProcess", "Committed", "SharedBuffer", "SharedChain"]
 
 #: Longest the child may take to open the store (a page walk at open: 1-2 s a million records).
 OPEN_TIMEOUT_S = 120.0
@@ -118,6 +119,16 @@ class SharedChain:
     offset: int
     stride_bytes: int
     unit_bytes: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A put the child committed: its (wall, CPU) seconds there, and the
+    keys it stored (``PutResult.stored_keys``: not those stored already)."""
+
+    wall_s: float
+    cpu_s: float
+    stored_keys: list[bytes]
 
 
 class CommitProcess:
@@ -211,10 +222,10 @@ class CommitProcess:
         return None
 
     def put_segments(self, namespace: Namespace, chains: Sequence[SharedChain], *, codec_name: str | None = None,
-                     frame_bytes: Sequence[int] | None = None, event_fields: Mapping[bytes, BlockEventFields] | None = None) -> tuple[float, float]:
+                     frame_bytes: Sequence[int] | None = None, event_fields: Mapping[bytes, BlockEventFields] | None = None) -> Committed:
         """``Store.put_segments`` of ``chains``, in the child; ``frame_bytes``:
         each unit is a :class:`ucm_db.Framed` of frames of these lengths
-        (None: plain bytes). Returns the child's (wall, CPU) seconds for it."""
+        (None: plain bytes)."""
         packed = pack_event_fields(event_fields)
         body = {
             "ns": namespace.to_dict(), "codec": codec_name, "frame_bytes": list(frame_bytes) if frame_bytes is not None else None,
@@ -223,13 +234,15 @@ class CommitProcess:
                         "buf": chain.buffer_id, "offset": chain.offset, "stride": chain.stride_bytes, "unit_bytes": chain.unit_bytes}
                        for chain in chains],
         }
-        return self._call(wire.PUT, body)
+        reply = self._call(wire.PUT, body)
+        return Committed(reply.wall_s, reply.cpu_s, wire.stored_keys([key for chain in chains for key in chain.keys], reply))
 
     def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> tuple[float, float]:
         """``Store.delete`` of ``keys`` (with their descendants), in the child."""
-        return self._call(wire.DELETE, {"ns": namespace.to_dict(), "keys": [bytes(k).hex() for k in keys]})
+        reply = self._call(wire.DELETE, {"ns": namespace.to_dict(), "keys": [bytes(k).hex() for k in keys]})
+        return reply.wall_s, reply.cpu_s
 
-    def _call(self, op: int, body: dict[str, Any]) -> tuple[float, float]:
+    def _call(self, op: int, body: dict[str, Any]) -> wire.Reply:
         with self._lock:
             with self._send_lock:
                 self._check()
@@ -237,7 +250,7 @@ class CommitProcess:
                 self._guard(lambda: wire.send_json(self._sock, op, body))
             reply = self._guard(lambda: wire.receive_reply(self._sock))
         if reply.status == wire.OK:
-            return reply.wall_s, reply.cpu_s
+            return reply
         raise wire.unpack_error(reply.message)  # the class, message and hint Store.put_segments raised there
 
     def _guard(self, action: Any) -> Any:

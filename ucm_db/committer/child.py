@@ -89,9 +89,10 @@ def _answer(store: ucm_db.Store, buffers: dict[int, mmap.mmap], op: int, body: d
     try:
         namespace = Namespace.from_dict(body["ns"])
         if op == wire.PUT:
-            _put(store, buffers, namespace, body)
-        else:
-            store.delete(namespace, [bytes.fromhex(key) for key in body["keys"]])
+            stored = _put(store, buffers, namespace, body).stored_keys
+            sent = [bytes.fromhex(key) for chain in body["chains"] for key in chain["keys"]]
+            return _reply(wire.OK, started_s, started_cpu_s, wire.pack_stored_keys(sent, stored))
+        store.delete(namespace, [bytes.fromhex(key) for key in body["keys"]])
     except MissingAncestorError as exc:
         return _reply(wire.MISSING_ANCESTOR, started_s, started_cpu_s, wire.pack_error(exc))
     except StoreFullError as exc:
@@ -105,7 +106,7 @@ def _reply(status: int, started_s: float, started_cpu_s: float, message: str = "
     return wire.Reply(status, time.perf_counter() - started_s, time.thread_time() - started_cpu_s, message)
 
 
-def _put(store: ucm_db.Store, buffers: dict[int, mmap.mmap], namespace: Namespace, body: dict[str, Any]) -> None:
+def _put(store: ucm_db.Store, buffers: dict[int, mmap.mmap], namespace: Namespace, body: dict[str, Any]) -> ucm_db.PutResult:
     frame_bytes = tuple(int(n) for n in body["frame_bytes"]) if body.get("frame_bytes") is not None else None
     segments: list[tuple[BlockKeys, list[Any]]] = []
     views: list[memoryview] = []
@@ -122,7 +123,7 @@ def _put(store: ucm_db.Store, buffers: dict[int, mmap.mmap], namespace: Namespac
             segments.append((keys, payloads))
         events = body.get("events")
         event_fields = {bytes.fromhex(k): BlockEventFields.unpack(bytes.fromhex(v)) for k, v in events.items()} if events else None
-        store.put_segments(namespace, segments, codec_name=body.get("codec"), event_fields=event_fields)
+        return store.put_segments(namespace, segments, codec_name=body.get("codec"), event_fields=event_fields)
     finally:
         segments.clear()
         for view in reversed(views):

@@ -11,7 +11,8 @@ reads only what its own parent wrote.
 Invariants:
     * Every request with a reply (:data:`OPEN`, :data:`PUT`, :data:`DELETE`)
       gets exactly one, in request order; :data:`MAP`, :data:`FORGET` and
-      :data:`CLOSE` get none.
+      :data:`CLOSE` get none. A put's :data:`OK` names the keys it stored
+      (:func:`pack_stored_keys`).
     * A short read (the peer gone) raises :class:`ConnectionError`; the
       caller decides what that means (the child exits, the parent falls
       back to committing itself).
@@ -109,6 +110,23 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def pack_stored_keys(sent: list[bytes], stored: list[bytes]) -> str:
+    """A put's OK message: which of the keys it was ``sent`` (its chains'
+    keys in order) it stored (``PutResult.stored_keys``), as positions in
+    ``sent``: a tenth of the hex keys' bytes, and the parent, whose GIL the
+    model shares, decodes them in a third of the time (256 keys: 19 us,
+    against 57 us for the keys in hex)."""
+    first: dict[bytes, int] = {}
+    for i, key in enumerate(sent):
+        first.setdefault(key, i)
+    return json.dumps({"stored": [first[key] for key in stored]}, separators=(",", ":"))
+
+
+def stored_keys(sent: list[bytes], reply: Reply) -> list[bytes]:
+    """The keys a put's OK reply names (:func:`pack_stored_keys`)."""
+    return [sent[i] for i in json.loads(reply.message)["stored"]]
 
 
 def pack_error(exc: BaseException) -> str:

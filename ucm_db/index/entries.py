@@ -183,9 +183,17 @@ class TierLimits:
 
 @dataclass(slots=True)
 class PutResult:
+    """What a put did: blocks it stored, found stored already, and evicted.
+
+    ``stored_keys`` names exactly the blocks this put's transaction wrote,
+    in the order given; a block found stored already (whoever wrote it) is
+    not among them. So deleting them (with their descendants) removes what
+    this put added and nothing stored before it."""
+
     stored: int = 0
     already_present: int = 0
     evicted: int = 0
+    stored_keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -98,6 +98,11 @@ class StoreWrites:
                 :meth:`changes_since` and :meth:`event_inventory`. A block
                 already stored keeps what it was put with.
 
+        Returns:
+            The counts, and ``stored_keys``: the blocks this put wrote
+            (first writer wins: a block stored already is left as it is
+            and not named), which a caller undoing its put deletes.
+
         Raises:
             MissingAncestorError: ``parent`` is not stored (nothing written).
             StoreFullError: the batch does not fit even after evicting every
@@ -283,6 +288,7 @@ class StoreWrites:
         finally:
             reads.settle(committed)
         result.already_present += len(keys) - len(todo)
+        result.stored_keys = [entry.key for entry in stored]
         activity.committed(sum(e.stored_bytes for e in stored))
         if wing is not None and stored:
             wing.upload(stored)

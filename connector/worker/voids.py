@@ -1,0 +1,123 @@
+"""Voids: the writer deletes what it stored for saves a later step found wrong.
+
+A ``kv_producer`` commits a save over a load within its step (roles.py); if
+a load that save's KV depends on failed (on another rank, or in another
+connector), the scheduler voids the save a step later (``void_saves``,
+metadata.py, settlement.py). The store's put is first-writer-wins: a unit
+stored already (another engine's right KV, or ours from an earlier right
+computation) is not written again, so deleting the save's keys would take
+blocks it never wrote, and their descendants (an audit's lost saves). A void
+deletes the units the writer stored for that save, nothing else.
+
+Invariants:
+    * A save that may be voided (not held, computed over loads: it carries a
+      :class:`VoidTag`) leaves, once its writer round is done, a record of
+      the first unit its round stored in each of its unit chains
+      (``PutResult.stored_keys``). A chain's stored units are a suffix of
+      it (a stored unit's parent is stored: the prefix invariant), so that
+      unit and its descendants are all it stored; its void deletes them,
+      with any descendant stored since (the prefix invariant needs that too).
+    * A put that raised after perhaps committing (a write-through upload
+      failed, a commit process lost mid-request: anything but a missing
+      parent or a full store, which write nothing) counts as having stored
+      every unit it named: wrong KV left stored is worse than a lost save.
+    * A save that stored nothing (dropped, its copy failed, refused, every
+      unit stored already) leaves no record, and its void deletes nothing.
+    * Only the writer thread records and deletes: a void is queued behind
+      every save queued before it (it comes a step later), so its save's
+      round is done and recorded when it runs. A record no void takes is
+      forgotten :data:`KEEP_STEPS` worker steps after its save's step (the
+      scheduler voids a save within MAX_PENDING_STEPS steps, or never).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+import ucm_db
+from ucm_db.connector.metadata import BlockTransfer
+from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS
+from ucm_db.errors import UcmDbError
+from ucm_db.keys import Namespace
+from ucm_db.keys.units import UnitKeys
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+#: Worker steps a save's record waits for its void (twice what the scheduler waits for a step's output).
+KEEP_STEPS = 2 * MAX_PENDING_STEPS
+
+#: A save as its void names it again: (request id, first block key, blocks).
+SaveId = tuple[str, bytes, int]
+
+
+def save_id(transfer: BlockTransfer) -> SaveId:
+    """The id under which a save's record waits for its void (the void's
+    transfer is the save's own)."""
+    return transfer.req_id, transfer.keys[0] if transfer.keys else b"", len(transfer.keys)
+
+
+@dataclass(frozen=True)
+class VoidTag:
+    """Marks a save a later step may void: its id and the worker step that saved it."""
+
+    save: SaveId
+    step: int
+
+
+@dataclass(frozen=True)
+class VoidJob:
+    """A void: delete the units the writer stored for save ``save`` (with
+    their descendants); ``step``: the worker step that queued it."""
+
+    namespace: Namespace
+    save: SaveId
+    blocks: int
+    step: int = 0
+    nbytes: int = 0
+    queued_bytes: int = 0  # no staging: the writer queue's byte count is unchanged
+
+
+class SaveVoids:
+    """The writer's records of what it stored for saves that may be voided,
+    and the voids' deletes (module invariants). Writer thread only."""
+
+    def __init__(self, store: ucm_db.Store) -> None:
+        self._store = store
+        self._round: set[bytes] = set()  # keys the current round stored (or may have)
+        self._records: dict[SaveId, tuple[int, list[bytes]]] = {}  # save -> (step, first stored unit per chain)
+
+    def stored(self, keys: Iterable[bytes]) -> None:
+        """Keys a put of the current round stored, or may have (module invariants)."""
+        self._round.update(keys)
+
+    def end_round(self, saves: Sequence[tuple[VoidTag, tuple[UnitKeys, ...]]]) -> None:
+        """Records, for each voidable save of the round just done (its tag
+        and unit chains), the first unit the round stored in each chain."""
+        for tag, chains in saves:
+            firsts = [key for key in (next((k for k in chain if k in self._round), None) for chain in chains) if key is not None]
+            self._records.pop(tag.save, None)  # a newer save of the same blocks replaces it, last in age order
+            if firsts:
+                self._records[tag.save] = (tag.step, firsts)
+            self._forget_before(tag.step - KEEP_STEPS)
+        self._round.clear()
+
+    def delete(self, job: VoidJob) -> None:
+        """Deletes what the writer stored for ``job``'s save (nothing if it stored nothing)."""
+        record = self._records.pop(job.save, None)
+        self._forget_before(job.step - KEEP_STEPS)
+        if record is None:
+            return
+        try:
+            self._store.delete(job.namespace, record[1])
+        except (UcmDbError, OSError) as exc:
+            logger.warning("ucm-db: deleting %d blocks saved over a failed load failed: %s", job.blocks, exc)
+
+    def _forget_before(self, step: int) -> None:
+        """Drops the records of saves before ``step`` (the dict is in step order)."""
+        while self._records:
+            oldest = next(iter(self._records))
+            if self._records[oldest][0] >= step:
+                return
+            del self._records[oldest]
