@@ -61,17 +61,24 @@ def parse_options(items: tuple[str, ...]) -> dict[str, Any]:
 
 @click.command("gc")
 @click.argument("remote")
-@click.option("--older-than", default=None, help="Remove objects not written for this long (e.g. 7d, 12h).")
-@click.option("--max-bytes", default=None, help="Remove the oldest objects until the remote holds at most this much (e.g. 500GiB).")
+@click.option("--older-than", default=None,
+              help="Remove objects when neither they nor anything under them was written for this long (e.g. 7d, 12h).")
+@click.option("--max-bytes", default=None,
+              help="Remove the oldest chain tails until the remote holds at most this much, and no more (e.g. 500GiB).")
 @click.option("--option", "options", multiple=True, help="fsspec option NAME=VALUE (endpoint_url, key, secret, ...); repeatable.")
 @click.option("--dry-run", is_flag=True, help="Report what would be removed without removing it.")
 @json_option
 def gc_command(remote: str, older_than: str | None, max_bytes: str | None, options: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
-    """Garbage-collect the remote tier at REMOTE (an fsspec URL): remove old
-    objects by age and/or down to a size, oldest first, together with their
-    descendants so the remote keeps whole prefixes. Safe beside live servers.
-    Only ucm-db's own objects are touched: files of its layout, in namespace
-    directories with its manifest, that start like a ucm-db object.
+    """Garbage-collect the remote tier at REMOTE (an fsspec URL): remove
+    objects by age and/or down to a size, from the tails of their chains, so
+    the remote keeps whole prefixes. An object counts as old only when
+    nothing under it is young (a shared system prompt stays while
+    conversations under it are written); --max-bytes removes the oldest
+    tails first and stops once the remote fits. Objects whose parent is
+    gone are removed too. Safe beside live servers. Only ucm-db's own
+    objects are touched: files of its layout, in namespace directories with
+    its manifest, that start like a ucm-db object. A remote that cannot be
+    reached or read is an error naming it (exit 1).
 
     \b
     Example:

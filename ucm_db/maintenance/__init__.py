@@ -61,7 +61,7 @@ from ucm_db.maintenance.conversion import convert as convert_engine
 from ucm_db.arguments import (
     require_count, require_limit, require_namespace_selectors, require_remote_url, require_token_sequences,
 )
-from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError
+from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError, TierError, UcmDbError
 from ucm_db.format import (
     STORE_FORMAT_VERSION, check_format_version, read_format_version, restorable_format_version, write_format_version,
 )
@@ -184,9 +184,16 @@ def evict_to_bytes(path: str | Path, target_bytes: int, progress: ProgressFn | N
 
 def gc_remote(url: str, options: dict[str, Any] | None = None, *, older_than_s: float | None = None,
               max_bytes: int | None = None, dry_run: bool = False) -> dict[str, Any]:
-    """Garbage-collects the remote tier at ``url`` (see :mod:`ucm_db.remote.gc`)."""
+    """Garbage-collects the remote tier at ``url`` (see :mod:`ucm_db.remote.gc`).
+
+    Raises:
+        ConfigError: a bad limit or URL, or a ``file://`` root that is not a directory.
+        TierError: the remote failed (unreachable endpoint, no or wrong
+            credentials, a removal refused), naming the remote and the failure
+            as ``warm`` does; its cause is the backend's error.
+    """
     from ucm_db.remote.gc import gc
-    from ucm_db.remote.tier import RemoteRoot
+    from ucm_db.remote.tier import RemoteRoot, remote_failure
 
     require_remote_url(url, "remote gc")
     require_limit("older_than_s", older_than_s, integer=False)  # a negative limit deleted every object
@@ -195,7 +202,14 @@ def gc_remote(url: str, options: dict[str, Any] | None = None, *, older_than_s: 
         raise ConfigError("remote gc needs an age and/or a size limit", hint="pass older_than_s and/or max_bytes (--older-than / --max-bytes)")
     root = RemoteRoot.from_url(url, dict(options or {}))
     _require_local_root(root, url)
-    report = gc(root, older_than_s=older_than_s, max_bytes=max_bytes, dry_run=dry_run)
+    try:
+        report = gc(root, older_than_s=older_than_s, max_bytes=max_bytes, dry_run=dry_run)
+    except UcmDbError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any backend failure (botocore's are not OSErrors) is reported the same way
+        failure = remote_failure(exc, url)
+        raise TierError(failure.message, hint="check the URL and remote options (--option endpoint_url, key, secret) and the "
+                        "network; gc removes whole objects, children first, so a rerun once the remote answers finishes it") from exc
     report["remote"] = url
     return report
 

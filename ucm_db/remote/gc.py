@@ -1,12 +1,32 @@
 """Garbage collection of a remote tier (layout of :mod:`ucm_db.remote.tier`).
 
-Objects are chosen oldest first (by the remote's modification time): all
-older than ``--older-than``, and/or as many as needed to bring the total
-under ``--max-bytes``. Then, to keep the remote's prefix invariant (a
-stored block's ancestors are stored), every surviving object whose parent
-chain reaches a removed object is removed too; the parent links come from
-each survivor's verified envelope (one small ranged read per object).
-Temp files of crashed uploads older than an hour are removed as well.
+Objects are removed from the tails of their chains. Objects are immutable
+and a hit never refreshes one, so the blocks of a shared prefix (a system
+prompt) are always the oldest on the remote: ranked by its own upload time
+(the remote's modification time), such a block would take every
+conversation under it along (the cascade below), however young (an audit
+saw a 5% ``--max-bytes`` trim empty a remote). So an
+object's age for the rules is that of the youngest object in its subtree
+(itself and every object whose parent chain reaches it): a shared block is
+old only when nothing under it is young.
+
+* ``--older-than``: every object whose subtree is older than that. This
+  set holds every descendant of each of its objects, so it removes whole
+  subtrees, never a young object's ancestor.
+* ``--max-bytes``: if the remote (less what the age rule and the cascade
+  remove) holds more, leaves are removed, oldest first (a leaf's parent
+  becomes a leaf in turn, with its own age), until it holds at most that
+  much: no more than needed, and a shared block only after everything
+  under it.
+
+Then, to keep the remote's prefix invariant (a stored block's ancestors are
+stored), every surviving object whose parent chain reaches a removed, broken
+or cyclic object, or a long-absent parent (below), is removed too: the
+cascade, counted against ``--max-bytes``. The parent links come from each
+object's verified envelope (one small ranged read per object). Objects are
+deleted children first, so a gc stopped midway (killed, a remote failing)
+leaves no object whose parent it removed. Temp files of crashed uploads
+older than an hour are removed as well.
 
 Only what ucm-db wrote is ever touched (:func:`list_objects`): paths of its
 own layout, ``ROOT/<namespace short id: 16 hex>/<key[0]: 2 hex>/<key: 64 hex>``
@@ -27,6 +47,10 @@ with its descendants.
 Invariants:
     * Safe beside live servers: objects are immutable, and a deleted object
       is a miss for a reader, never wrong bytes.
+    * A rule never leaves a descendant of what it removes behind: the age
+      rule takes whole subtrees, the size rule leaves; the cascade
+      (``removed_descendants``) is what no chain root holds up (broken,
+      cyclic, orphaned objects and what hangs under them).
     * Terminates on any remote: objects whose parent links form a cycle (no
       chain root) are treated as broken and removed with the victims.
     * A file of the layout that starts like a ucm-db object but whose
@@ -37,7 +61,9 @@ Invariants:
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,21 +191,89 @@ def _read_head(root: RemoteRoot, obj: RemoteObjectInfo) -> RemoteObjectInfo | No
     return obj
 
 
-def choose_victims(objects: list[RemoteObjectInfo], *, older_than_s: float | None, max_bytes: int | None, now_s: float) -> set[str]:
-    """Paths to delete by age and/or size, oldest first."""
-    ordered = sorted(objects, key=lambda o: (o.mtime_s, o.path))
+def subtree_youngest_mtimes(objects: list[RemoteObjectInfo]) -> dict[str, float]:
+    """Each object's age for the rules, by path: the newest modification time
+    in its subtree (itself and every object whose parent chain reaches it).
+
+    Visits objects youngest first and carries each one's time up its parent
+    chain until an ancestor already holds a time as young (which a younger
+    descendant carried further up before): each link is walked about once,
+    and a parent cycle ends the walk where it began."""
+    by_key = {o.key: o for o in objects}
+    youngest: dict[bytes, float] = {}
+    for o in sorted(objects, key=lambda o: o.mtime_s, reverse=True):
+        key: bytes | None = o.key
+        while key is not None and key in by_key and youngest.get(key, float("-inf")) < o.mtime_s:
+            youngest[key] = o.mtime_s
+            holder = by_key[key]
+            key = None if holder.broken else holder.parent
+    return {o.path: youngest.get(o.key, o.mtime_s) for o in objects}
+
+
+def choose_victims(objects: list[RemoteObjectInfo], *, older_than_s: float | None, max_bytes: int | None,
+                   now_s: float) -> tuple[set[str], set[str]]:
+    """Paths to delete: (by the rules, the cascade of
+    :func:`orphaned_descendants`); see the module docstring. Both empty when
+    no rule removes anything (broken objects and orphans then wait for a run
+    that does, as they always have)."""
     victims: set[str] = set()
     if older_than_s is not None:
-        victims |= {o.path for o in ordered if now_s - o.mtime_s > older_than_s}
+        victims = {path for path, mtime_s in subtree_youngest_mtimes(objects).items() if now_s - mtime_s > older_than_s}
+    total_bytes = sum(o.size_bytes for o in objects)
+    if not victims and (max_bytes is None or total_bytes <= max_bytes):
+        return set(), set()
+    cascade = orphaned_descendants(objects, victims, now_s=now_s)
     if max_bytes is not None:
-        remaining = sum(o.size_bytes for o in ordered if o.path not in victims)
-        for o in ordered:
-            if remaining <= max_bytes:
-                break
-            if o.path not in victims:
-                victims.add(o.path)
-                remaining -= o.size_bytes
-    return victims
+        gone = victims | cascade
+        excess_bytes = total_bytes - sum(o.size_bytes for o in objects if o.path in gone) - max_bytes
+        if excess_bytes > 0:
+            victims |= oldest_tails(objects, gone, excess_bytes)
+    return victims, cascade
+
+
+def oldest_tails(objects: list[RemoteObjectInfo], gone: set[str], excess_bytes: int) -> set[str]:
+    """Leaves of the objects not in ``gone``, oldest first (a parent whose
+    last child went is a leaf in turn), until they free ``excess_bytes``.
+
+    The survivors of :func:`orphaned_descendants` form a forest (no broken
+    object, no cycle, no parent that is removed), so removing a leaf orphans
+    nothing and every survivor is reached."""
+    survivors = {o.key: o for o in objects if o.path not in gone}
+    children = Counter(o.parent for o in survivors.values() if o.parent is not None and o.parent in survivors)
+    leaves = [(o.mtime_s, o.path, o.key) for o in survivors.values() if children[o.key] == 0]
+    heapq.heapify(leaves)
+    chosen: set[str] = set()
+    while excess_bytes > 0 and leaves:
+        _, path, key = heapq.heappop(leaves)
+        chosen.add(path)
+        excess_bytes -= survivors[key].size_bytes
+        parent = survivors[key].parent
+        if parent is not None and parent in survivors:
+            children[parent] -= 1
+            if children[parent] == 0:
+                heapq.heappush(leaves, (survivors[parent].mtime_s, survivors[parent].path, parent))
+    return chosen
+
+
+def removal_order(objects: list[RemoteObjectInfo], doomed: set[str]) -> list[str]:
+    """``doomed`` with every object before its parent (deepest first), so
+    whatever a stopped gc removed, the objects left keep their parents."""
+    by_key = {o.key: o for o in objects if o.path in doomed}
+    depth: dict[bytes, int] = {}
+    for start in by_key:
+        chain: list[bytes] = []
+        on_chain: set[bytes] = set()  # a parent cycle ends the walk
+        key: bytes | None = start
+        while key is not None and key in by_key and key not in depth and key not in on_chain:
+            chain.append(key)
+            on_chain.add(key)
+            key = None if by_key[key].broken else by_key[key].parent
+        below = depth.get(key, 0) if key is not None else 0
+        for k in reversed(chain):
+            below += 1
+            depth[k] = below
+    depth_by_path = {o.path: depth.get(o.key, 0) for o in objects if o.path in doomed}
+    return sorted(doomed, key=lambda path: (-depth_by_path.get(path, 0), path))
 
 
 def orphaned_descendants(objects: list[RemoteObjectInfo], victims: set[str], *, now_s: float | None = None) -> set[str]:
@@ -234,10 +328,9 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     now_s = time.time() if now_s is None else now_s
     listing = list_objects(root)
     objects = listing.objects
-    victims = choose_victims(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
-    cascade = orphaned_descendants(objects, victims, now_s=now_s) if victims else set()
+    victims, cascade = choose_victims(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
     stale_temps = [p for p, m in listing.temps if now_s - m > TEMP_MAX_AGE_S]
-    doomed = sorted(victims | cascade)
+    doomed = removal_order(objects, victims | cascade)
     sizes = {o.path: o.size_bytes for o in objects}
     if not dry_run:
         for path in doomed + stale_temps:
