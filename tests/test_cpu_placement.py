@@ -16,6 +16,7 @@ import pytest
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.keys import Namespace
+from ucm_db.remote.promotion import PromotionTarget
 
 T = TypeVar("T")
 
@@ -139,7 +140,8 @@ def test_remote_threads_start_on_the_background_cpus(tmp_path: Path) -> None:
         try:
             assert store.get(ns, keys[:4]) == payloads[:4]  # read through the link's pool
             wing = store._wing
-            assert wing is not None and wing.continuations.continue_later(store._tier, ns.id, list(keys[4:]), keys[3])
+            assert wing is not None and wing.continuations.continue_later(
+                store._tier, PromotionTarget(ns, store._epochs.before_put), list(keys[4:]), keys[3])
             deadline = time.monotonic() + 10
             while store.lookup(ns, keys, remote=False) < len(keys) and time.monotonic() < deadline:
                 time.sleep(0.02)

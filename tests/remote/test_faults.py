@@ -13,6 +13,7 @@ import pytest
 import ucm_db
 from ucm_db.errors import TierError
 from ucm_db.remote.envelope import PROBE_BYTES
+from ucm_db.remote.promotion import PromotionTarget
 from faultfs import FaultPlan
 
 from .conftest import chain
@@ -281,7 +282,8 @@ def test_continuation_waits_out_an_open_breaker(tmp_path: Path, root: str, plan:
         for _ in range(3):
             link.breaker.failure()  # backoff 0.05, 0.1, then 0.2 s
         assert link.breaker.open_for_s() > 0.1
-        assert node_b._wing.continuations.continue_later(node_b._tier, namespace.id, list(keys), None)
+        assert node_b._wing.continuations.continue_later(
+            node_b._tier, PromotionTarget(namespace, node_b._epochs.before_put), list(keys), None)
         end = time.monotonic() + 20
         while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
             time.sleep(0.05)

@@ -84,6 +84,17 @@ class Namespace:
             value = getattr(self, rank)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < getattr(self, size):
                 raise ConfigError(f"Namespace.{rank} must be in [0, {size}), got {value!r}", hint=f"check {rank} and {size}")
+        # A description read from JSON (an archive, a remote manifest) may
+        # hold anything: a dict here hashed into an id, then failed deep in
+        # a put (unhashable), after the store was created.
+        for name in ("layout", "extra"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ConfigError(f"Namespace.{name} must be a string, got {type(value).__name__}",
+                                  hint=f"pass {name} as a string ('' if none); encode structured data as JSON text")
+        if isinstance(self.key_scheme, bool) or not isinstance(self.key_scheme, int) or self.key_scheme < 0:
+            raise ConfigError(f"Namespace.key_scheme must be a non-negative integer, got {self.key_scheme!r}",
+                              hint=f"leave it out (the current scheme is {KEY_SCHEME_VERSION})")
         object.__setattr__(self, "_digest", _namespace_digest(self))
 
     @property
@@ -106,8 +117,22 @@ class Namespace:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def description_json(self) -> bytes:
+        """The description a store records with the namespace's blocks
+        (``nsdesc:<id>``): :meth:`to_dict` as JSON with sorted keys, which
+        :meth:`from_dict` turns back into this namespace (so it hashes to
+        :attr:`id`). Every writer of a description (a put, a promotion from
+        a remote) records exactly this."""
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Namespace:
+        """The namespace a description (:meth:`to_dict`, e.g. read from
+        JSON) names; a ConfigError naming the field for anything else."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a namespace description is a mapping of its fields, got {type(data).__name__}",
+                              hint="pass Namespace.to_dict()'s form: a JSON object")
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - valid)
         if unknown:

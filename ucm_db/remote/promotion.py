@@ -11,6 +11,18 @@ Invariants:
       if its parent is local (or it is a chain's first block). An object
       whose parent disagrees with the caller's chain is a miss.
     * Promoted blocks are not queued for upload (they came from the remote).
+    * A promotion describes its namespace as a put does: the caller's
+      :class:`PromotionTarget` names the :class:`~ucm_db.keys.Namespace`
+      the blocks were fetched for, and its first promoted block records the
+      namespace's description (:attr:`Namespace.description_json
+      <ucm_db.keys.Namespace.description_json>`, which hashes to its id) in
+      the same transaction, so ``invalidate``, ``lookup``, ``pin`` and
+      ``export`` find it by model (before, a store filled by warming or
+      read-through had no description and could not be invalidated by
+      name). Objects of any other namespace are never promoted under it.
+      Like a put, it first registers the namespace's epoch (the store's
+      epoch gate): a described namespace without an epoch record reads as
+      lost once the store is sealed (:mod:`ucm_db.store.epochs`).
     * A read never fails on what it cannot promote: a run whose first parent
       is gone, that meets another namespace's block, or that does not fit
       beside the pinned blocks and the local prefix it continues
@@ -47,10 +59,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 from ucm_db.cpu_placement import place_current_thread
-from ucm_db.errors import MissingAncestorError, StoreFullError
+from ucm_db.errors import DamagedRecordError, MissingAncestorError, StoreFullError
+from ucm_db.keys import Namespace
 from ucm_db.remote import link as link_module
 from ucm_db.remote.link import RemoteLink
 from ucm_db.remote.search import MAX_BACKOFF_S, SEARCH_FANOUT
@@ -74,21 +88,53 @@ SYNC_PROMOTE_BYTES = 32 << 20
 CLOSE_WAIT_S = 5.0
 
 
-def promote(local: LocalTier, objects: Sequence[RemoteObject]) -> int:
-    """Puts a verified chain run into the local tier; returns blocks put.
+@dataclass(frozen=True, slots=True)
+class PromotionTarget:
+    """The namespace fetched blocks are promoted into (module invariants).
 
-    Nothing is put (0) when the run cannot enter the local tier: its first
+    Attributes:
+        namespace: the namespace the caller fetched for; its id is the
+            objects' and its description is recorded with them, so the
+            two can never disagree.
+        register: registers the namespace's epoch before its blocks enter
+            the local tier, as before a put (the store's
+            :meth:`EpochGate.before_put <ucm_db.store.epoch_gate.EpochGate.before_put>`:
+            one write the first time per process, nothing after); raises
+            :class:`~ucm_db.errors.DamagedRecordError` for an unknown epoch.
+    """
+
+    namespace: Namespace
+    register: Callable[[Namespace], None]
+
+    @property
+    def namespace_id(self) -> bytes:
+        return self.namespace.id
+
+
+def promote(local: LocalTier, objects: Sequence[RemoteObject], target: PromotionTarget) -> int:
+    """Puts a verified chain run of ``target``'s namespace into the local
+    tier, recording the namespace's description with it where it has none;
+    returns blocks put.
+
+    Nothing is put (0) when the run cannot enter the local tier: an object
+    is of another namespace, the namespace's epoch is unknown, its first
     parent has meanwhile been evicted locally, a key or parent is stored
     under another namespace, or it does not fit beside the pinned blocks
     and the protected local prefix it continues. The caller sees a shorter
     prefix, never a broken invariant, and a read never fails on it: a
     ``get`` still serves what it fetched, just not kept locally.
     """
-    if not objects:
-        return 0
+    namespace = target.namespace
+    namespace_id = namespace.id
+    if not objects or any(o.namespace_id != namespace_id for o in objects):
+        return 0  # never described as a namespace they are not of
     entries = [BlockEntry.of_blob(o.key, o.parent, o.blob, o.raw_bytes, o.namespace_id) for o in objects]
     try:
-        local.put_blocks(entries, enqueue_upload=False)
+        target.register(namespace)
+    except DamagedRecordError:  # its epoch is unknown: the namespace is not served, nothing promoted
+        return 0
+    try:
+        local.put_blocks(entries, namespace_desc=(namespace_id, namespace.description_json), enqueue_upload=False)
     except (MissingAncestorError, ForeignNamespaceError, StoreFullError):  # a read never fails on what it cannot promote
         return 0
     return len(entries)
@@ -125,7 +171,7 @@ class Continuations:
             self._promote_lock.release()
 
     def continue_later(
-        self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None,
+        self, local: LocalTier, target: PromotionTarget, keys: list[bytes], parent: bytes | None,
         fetched: Sequence[RemoteObject] = (),
     ) -> bool:
         """Queues a background promotion of a chain tail whose first
@@ -135,19 +181,19 @@ class Continuations:
             if self._closed or self._continuing >= MAX_CONTINUATIONS:
                 return False
             self._continuing += 1
-        self._background.submit(self._continue, local, namespace_id, keys, parent, list(fetched))
+        self._background.submit(self._continue, local, target, keys, parent, list(fetched))
         return True
 
     def _continue(
-        self, local: LocalTier, namespace_id: bytes, keys: list[bytes], parent: bytes | None, fetched: list[RemoteObject],
+        self, local: LocalTier, target: PromotionTarget, keys: list[bytes], parent: bytes | None, fetched: list[RemoteObject],
     ) -> None:
         try:
             runs = [fetched[i : i + 64] for i in range(0, len(fetched), 64)]
             if fetched:
                 parent = fetched[-1].key
-            for run in itertools.chain(runs, self._stream_after_backoff(namespace_id, keys[len(fetched):], parent)):
+            for run in itertools.chain(runs, self._stream_after_backoff(target.namespace_id, keys[len(fetched):], parent)):
                 with self._promote_lock:  # close() waits for a promotion in progress
-                    if self._closed or promote(local, run) < len(run):
+                    if self._closed or promote(local, run, target) < len(run):
                         break
                 self.promoted_in_background += len(run)
         except Exception:  # noqa: BLE001 - best effort: a later lookup retries
@@ -169,15 +215,17 @@ class Continuations:
 
 
 def extend_prefix(
-    link: RemoteLink, later: Continuations, local: LocalTier, namespace_id: bytes, keys: Sequence[bytes], local_n: int,
-    deadline_s: float,
+    link: RemoteLink, later: Continuations, local: LocalTier, target: PromotionTarget, keys: Sequence[bytes],
+    local_n: int, deadline_s: float,
 ) -> tuple[int, int]:
-    """Promotes remote blocks continuing the local prefix ``keys[:local_n]``.
+    """Promotes remote blocks continuing the local prefix ``keys[:local_n]``
+    of ``target``'s namespace.
 
     Returns:
         ``(blocks now local, bytes fetched)``.
     """
     deadline = time.monotonic() + deadline_s
+    namespace_id = target.namespace_id
     rest = keys[local_n:]
     parent = keys[local_n - 1] if local_n else first_parent(keys)
     if local_n == 0 and parent is not None and not local.exists([parent])[0]:
@@ -203,12 +251,12 @@ def extend_prefix(
         objects = link.fetch_chain(namespace_id, rest[:present], parent, deadline,
                                    silence_trips=deadline - time.monotonic() >= round_s)
     now, rest_fetched = _split_by_bytes(objects, SYNC_PROMOTE_BYTES)
-    promoted = promote(local, now)
+    promoted = promote(local, now, target)
     if promoted == len(now) and promoted < present:
         # The deadline (or the commit budget) cut the promotion short:
         # finish in the background so the next lookup finds it local.
         tail_parent = now[-1].key if now else parent
-        later.continue_later(local, namespace_id, list(rest[promoted:present]), tail_parent, rest_fetched)
+        later.continue_later(local, target, list(rest[promoted:present]), tail_parent, rest_fetched)
     return local_n + promoted, sum(len(o.blob) for o in now[:promoted])
 
 
@@ -220,7 +268,7 @@ class DecodeQueue(Protocol):
 
 
 def read_through(
-    link: RemoteLink, local: LocalTier, namespace_id: bytes, keys: Sequence[bytes], missing: list[int], deadline: float,
+    link: RemoteLink, local: LocalTier, target: PromotionTarget, keys: Sequence[bytes], missing: list[int], deadline: float,
     use: Callable[[int, Buffer], None], decodes: DecodeQueue,
 ) -> None:
     """Fetches ``keys[i]`` for each ``i`` in ``missing`` (in order),
@@ -237,9 +285,9 @@ def read_through(
 
     def promote_batch() -> None:
         for run in promotable_runs(local, batch):
-            promote(local, run)
+            promote(local, run, target)
 
-    fetched = link.fetch_in_order(namespace_id, [keys[i] for i in missing], deadline)
+    fetched = link.fetch_in_order(target.namespace_id, [keys[i] for i in missing], deadline)
     for obj, i in zip(fetched, missing):  # fetched first: the generator runs to its end (breaker.success)
         batch.append(obj)
         if obj is not None:

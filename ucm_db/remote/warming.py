@@ -32,7 +32,7 @@ from ucm_db.arguments import key_list, require_namespace_selectors
 from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.remote.link import RemoteLink
-from ucm_db.remote.promotion import promote
+from ucm_db.remote.promotion import PromotionTarget, promote
 from ucm_db.index.local import LocalTier
 from ucm_db.remote.tier import RemoteRoot, remote_failure
 
@@ -185,8 +185,11 @@ def warm(
     keys: Iterable[bytes] | Iterable[Iterable[bytes]] | None = None,
     progress: WarmProgress | None = None,
     epoch: int = 0,
+    register: Callable[[Namespace], None],
 ) -> WarmReport:
-    """Promotes remote blocks of the given chains into the local ``tier``.
+    """Promotes remote blocks of the given chains into the local ``tier``,
+    recording the namespace's description with the first of them (as a put
+    does: :class:`~ucm_db.remote.promotion.PromotionTarget`).
 
     Args:
         tier: the store's local tier (blocks enter it through
@@ -202,11 +205,15 @@ def warm(
         epoch: the namespace's epoch (:meth:`ucm_db.Store.epoch`), at which
             ``token_sequences`` are keyed: :meth:`ucm_db.Store.warm` passes
             it; 0 keys them as a store never invalidated would.
+        register: registers the namespace's epoch before its first
+            promoted block (:meth:`ucm_db.Store.warm` passes its epoch
+            gate's ``before_put``).
 
     Returns:
         A :class:`WarmReport`.
     """
     started = time.monotonic()
+    target = PromotionTarget(namespace, register)
     chains = chains_of(namespace, token_sequences, keys, epoch)
     total = sum(len(chain) for chain in chains)
     counts = {"already_local": 0, "fetched": 0, "missing": 0, "bytes": 0}
@@ -215,7 +222,7 @@ def warm(
         local_n = tier.count_prefix(chain, namespace_id=namespace.id)  # another namespace's blocks are not this one's
         counts["already_local"] += local_n
         done += local_n
-        fetched, nbytes = _warm_chain(tier, link, namespace, chain, local_n, lambda n: _tick(progress, done + n, total))
+        fetched, nbytes = _warm_chain(tier, link, target, chain, local_n, lambda n: _tick(progress, done + n, total))
         counts["fetched"] += fetched
         counts["bytes"] += nbytes
         counts["missing"] += len(chain) - local_n - fetched
@@ -225,14 +232,14 @@ def warm(
 
 
 def _warm_chain(
-    tier: LocalTier, link: RemoteLink | None, namespace: Namespace, chain: list[bytes], local_n: int,
+    tier: LocalTier, link: RemoteLink | None, target: PromotionTarget, chain: list[bytes], local_n: int,
     on_batch: Callable[[int], None],
 ) -> tuple[int, int]:
     """Fetches ``chain[local_n:]`` batch by batch; stops at the first gap."""
     if link is None or local_n == len(chain):
         return 0, 0
 
-    namespace_id = namespace.id
+    namespace_id = target.namespace_id
     fetched = nbytes = 0
     at = local_n
     parent = chain[at - 1] if at else None
@@ -241,7 +248,7 @@ def _warm_chain(
         if not ok:
             return 0, 0
     for run in link.stream_chain(namespace_id, chain[at:], parent, chunk_blocks=BATCH_BLOCKS, timeout_s=BATCH_DEADLINE_S):
-        promoted = promote(tier, run)
+        promoted = promote(tier, run, target)
         fetched += promoted
         nbytes += sum(len(o.blob) for o in run[:promoted])
         on_batch(fetched)

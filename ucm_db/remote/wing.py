@@ -31,7 +31,7 @@ from ucm_db.remote.link import UNFINISHED, RemoteLink
 from ucm_db.remote.first_contact import ManifestReads
 from ucm_db.remote.manifests import record_epoch
 from ucm_db.remote.sealing import SealingKeys
-from ucm_db.remote.promotion import Continuations, DecodeQueue, extend_prefix, read_through
+from ucm_db.remote.promotion import Continuations, DecodeQueue, PromotionTarget, extend_prefix, read_through
 from ucm_db.remote.uploader import Uploader, describe
 from ucm_db.engines.base import Buffer
 from ucm_db.errors import TierError
@@ -78,10 +78,11 @@ class RemoteWing:
         )
         self.uploader.start()
 
-    def extend_prefix(self, namespace_id: bytes, keys: Sequence[bytes], local_n: int, deadline_s: float) -> int:
+    def extend_prefix(self, target: PromotionTarget, keys: Sequence[bytes], local_n: int, deadline_s: float) -> int:
         """Blocks of ``keys`` local after promoting what continues the local
-        prefix ``keys[:local_n]`` (:func:`ucm_db.remote.promotion.extend_prefix`)."""
-        count, _ = extend_prefix(self.link, self.continuations, self._local, namespace_id, keys, local_n, deadline_s)
+        prefix ``keys[:local_n]`` of ``target``'s namespace
+        (:func:`ucm_db.remote.promotion.extend_prefix`)."""
+        count, _ = extend_prefix(self.link, self.continuations, self._local, target, keys, local_n, deadline_s)
         return count
 
     @property
@@ -90,13 +91,13 @@ class RemoteWing:
         return FETCH_DEADLINE_FACTOR * self._config.remote_deadline_s
 
     def read_through(
-        self, namespace_id: bytes, keys: Sequence[bytes], missing: list[int], use: Callable[[int, Buffer], None],
+        self, target: PromotionTarget, keys: Sequence[bytes], missing: list[int], use: Callable[[int, Buffer], None],
         decodes: DecodeQueue,
     ) -> None:
         """Fetches and promotes local misses (:func:`ucm_db.remote.promotion.read_through`)
         within :data:`FETCH_DEADLINE_FACTOR` lookup deadlines."""
         deadline = time.monotonic() + self.bulk_deadline_s
-        read_through(self.link, self._local, namespace_id, keys, missing, deadline, use, decodes)
+        read_through(self.link, self._local, target, keys, missing, deadline, use, decodes)
 
     def namespace_epoch(self, namespace_id: bytes, wait_s: float | None = None) -> int | None:
         """The epoch the remote's manifest of the namespace carries; None if

@@ -263,7 +263,8 @@ class Store:
         require_namespace(namespace, "warm")
         epoch = self._epochs.epoch(namespace, None if self._wing is None else self._wing.bulk_deadline_s)
         link = None if self._wing is None else self._wing.link
-        return warm(self._tier, link, namespace, token_sequences=token_sequences, keys=keys, progress=progress, epoch=epoch)
+        return warm(self._tier, link, namespace, token_sequences=token_sequences, keys=keys, progress=progress, epoch=epoch,
+                    register=self._epochs.before_put)
 
     def close(self) -> None:
         """Flushes and closes; further calls raise ClosedError.

@@ -12,6 +12,10 @@ Invariants:
     * Reads never write: lookups and reads only read the state (one read
       transaction) and, at first contact, the remote's manifest; what they
       learn there is held in memory until ``epoch()`` or a put records it.
+      A promotion of remote blocks is a put here: it registers the
+      namespace (:meth:`EpochGate.before_put`) before the blocks and their
+      namespace's description enter the local tier
+      (:class:`~ucm_db.remote.promotion.PromotionTarget`).
     * A put reads the state inside its own write transaction
       (:meth:`EpochGate.check_put`): no read transaction of its own, and no
       window in which a record damaged or lost meanwhile passes as known.

@@ -12,7 +12,9 @@ Invariants:
       another process (``touch``): that process's maintenance thread then
       writes their recency, and the reading process buffers counts only.
     * With a remote, local misses read through to it (the remote wing,
-      :mod:`ucm_db.remote`), which promotes what it fetches; a lookup waits
+      :mod:`ucm_db.remote`), which promotes what it fetches as a put would
+      (the namespace's epoch registered, its description recorded:
+      :class:`~ucm_db.remote.promotion.PromotionTarget`); a lookup waits
       at most its deadline on the remote.
     * A namespace whose epoch cannot be established is not served (every
       read of it misses), and nothing of a namespace is read through from
@@ -33,6 +35,7 @@ from ucm_db.arguments import ProbedKeys, key_list, require_keys, require_namespa
 from ucm_db.errors import ConfigError, CorruptBlockError
 from ucm_db.keys import Namespace
 from ucm_db.codec.slabs import ScatterSlabs
+from ucm_db.remote.promotion import PromotionTarget
 from ucm_db.store.state import StoreState
 from ucm_db.engines.base import Buffer
 
@@ -80,7 +83,7 @@ class StoreReads:
         if remote and self._wing is not None and count < len(keys) and self._epochs.remote_ok(namespace, deadline_s):
             left_s = deadline_s - (time.monotonic() - started_s)  # a first contact may have used most of it
             if left_s > 0:
-                count = self._wing.extend_prefix(namespace.id, keys, count, left_s)
+                count = self._wing.extend_prefix(PromotionTarget(namespace, self._epochs.before_put), keys, count, left_s)
         return count
 
     def get(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bytearray | None]:
@@ -140,7 +143,7 @@ class StoreReads:
         # ones are fetched, joined before this returns.
         decodes = self._state.codecs.pending()
         try:
-            self._wing.read_through(namespace.id, keys, missing, use_or_miss, decodes)
+            self._wing.read_through(PromotionTarget(namespace, self._epochs.before_put), keys, missing, use_or_miss, decodes)
         finally:
             decodes.join()
 

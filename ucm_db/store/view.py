@@ -128,7 +128,9 @@ def open_view(path: str | Path, *, writable: bool = False, check_pages: bool = T
         lock.release()
 
 
-def select_namespaces(view: StoreView, wanted: tuple[str, ...], *, unique_prefixes: bool = False) -> set[bytes] | None:
+def select_namespaces(
+    view: StoreView, wanted: tuple[str, ...], *, unique_prefixes: bool = False, undescribed: bool = False,
+) -> set[bytes] | None:
     """Namespace ids matching ``wanted`` (model names or id hex prefixes);
     None means all (an empty ``wanted``). A selector that is a stored
     model's name selects that model's namespaces only, never also those
@@ -137,14 +139,28 @@ def select_namespaces(view: StoreView, wanted: tuple[str, ...], *, unique_prefix
     ``unique_prefixes`` (a destructive operation) an id prefix matching
     several namespaces is a ConfigError listing them. An empty or
     whitespace selector is a ConfigError, never "all"
-    (:func:`ucm_db.arguments.require_namespace_selectors`)."""
+    (:func:`ucm_db.arguments.require_namespace_selectors`).
+
+    With ``undescribed``, the full 32-hex id of a namespace holding blocks
+    without a recorded description also selects it (blocks promoted from a
+    remote by ucm-db before promotions recorded one: no model to match, so
+    only the whole id names it); a caller passing it must not need the
+    description. Without it, such a namespace is listed as undescribed in
+    the error that none matches."""
     wanted = require_namespace_selectors(wanted, "namespace selection")
     if not wanted:
         return None
     descriptions = view.tier.namespace_descriptions()
+    bare = sorted(ns for ns, counts in view.tier.namespace_counts().items() if counts[0] and ns not in descriptions)
 
     def listed(ids: set[bytes] | dict[bytes, Any]) -> str:
         return ", ".join(f"{ns.hex()} ({descriptions[ns].get('model')})" for ns in sorted(ids)) or "none"
+
+    def stored() -> str:
+        rows = [listed(descriptions)] if descriptions else []
+        rows += [f"{ns.hex()} (undescribed: its blocks came from a remote through an older ucm-db; its next put or "
+                 "promotion records its description)" for ns in bare]
+        return ", ".join(rows) or "none"
 
     chosen: set[bytes] = set()
     for item in wanted:
@@ -154,9 +170,11 @@ def select_namespaces(view: StoreView, wanted: tuple[str, ...], *, unique_prefix
             if unique_prefixes and len(found) > 1:
                 raise ConfigError(f"the id prefix {item!r} matches {len(found)} namespaces: {listed(found)}",
                                   hint="pass a model name, or a longer id prefix (`ucm-db inspect` lists them)")
+        if not found and undescribed:
+            found = {ns for ns in bare if ns.hex() == item.lower()}
         if not found:
             raise ConfigError(f"no namespace matches {item!r}",
-                              hint=f"pass an id prefix or model name; the store has: {listed(descriptions)}")
+                              hint=f"pass an id prefix or model name; the store has: {stored()}")
         chosen |= found
     return chosen
 
