@@ -34,7 +34,11 @@ Invariants:
     * Only the store's public API writes (put, delete): the index, LRU and
       totals stay consistent; a unit already stored is not written twice.
     * It refuses (LockedError, naming them) while other processes have the
-      store open, as ``ucm-db migrate`` does.
+      store open, as ``ucm-db migrate`` does, and holds the store's lock
+      exclusively from that check until it is done: a process opening the
+      store meanwhile waits for it (the lock was let go before the
+      conversion opened the store, and it ran beside whoever opened it then).
+      The blocks it converts are listed again under that lock.
     * Nothing here knows tensors; the layout rules above are stated on the
       bytes, and tested against the connector's own layouts.
 """
@@ -49,11 +53,12 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.errors import FormatVersionError, MissingAncestorError, StoreFullError
-from ucm_db.maintenance.inspection import iter_blocks, namespace_rows
+from ucm_db.index.local import LocalTier
+from ucm_db.maintenance.inspection import BlockInfo, namespace_rows
 from ucm_db.keys import Namespace
 from ucm_db.migrations.access import refuse_if_held
 from ucm_db.store import open as open_store
-from ucm_db.store.view import open_view
+from ucm_db.store.view import StoreView, open_view
 from ucm_db.storelock import StoreLock
 from ucm_db.keys.units import KVGrid, unit_key
 
@@ -182,31 +187,29 @@ class ConversionReport:
                 "skipped_blocks": self.skipped_blocks, "namespaces": dict(self.namespaces)}
 
 
+_ACTION = "convert the blocks from before units of"
+_Wanted = Mapping[bytes, tuple[str, Mapping[str, Any]]]
+
+
 def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
     """Converts the older generations in the store at ``path`` (module docstring)."""
     report = ConversionReport()
     with open_view(path) as view:
-        rows = {row["id"]: row for row in namespace_rows(view, None, time.time_ns())}
-    wanted: dict[bytes, tuple[str, Mapping[str, Any]]] = {}
-    for ns_id, row in rows.items():
-        description = row.get("description") or {}
-        if is_per_rank(description):
-            wanted[bytes.fromhex(ns_id)] = ("per-rank blocks", description)
-        elif whole_block_raw_bytes(description) is not None:
-            wanted[bytes.fromhex(ns_id)] = ("whole blocks", description)
-    with open_view(path) as view:
-        blocks = list(iter_blocks(view, set(wanted)))
-    whole = [b for b in blocks if wanted[b.namespace_id][0] == "whole blocks" and b.raw_bytes == whole_block_raw_bytes(wanted[b.namespace_id][1])]
-    ranks = [b for b in blocks if wanted[b.namespace_id][0] == "per-rank blocks"]
-    for b in (*whole, *ranks):
-        report.namespaces[b.namespace_id.hex()] = wanted[b.namespace_id][0]
+        wanted = _wanted(view)
+        whole, ranks = _older_blocks(view.tier, wanted)
     if dry_run or not (whole or ranks):
+        _note_namespaces(report, whole, ranks, wanted)
         report.whole_blocks, report.per_rank_blocks = len(whole), len(ranks)
         return report
-    lock = StoreLock(path)  # as `ucm-db migrate` promises: no one else has the store
-    refuse_if_held(Path(path), lock, "convert the blocks from before units of")
+    lock = StoreLock(path)  # refused at once, naming the holders, before the store is opened
+    refuse_if_held(Path(path), lock, _ACTION)
     lock.release()
     with open_store(path) as store:
+        # From here until the store closes no other process has it open: its own lock is made
+        # exclusive (releasing it to open the store let one in, and the conversion ran beside it).
+        refuse_if_held(Path(path), store._state._dir_lock, _ACTION)
+        whole, ranks = _older_blocks(store._tier, wanted)  # again, alone with the store
+        _note_namespaces(report, whole, ranks, wanted)
         _refuse_eviction(store, whole, wanted, Path(path))
         converted = _write_units(store, whole, wanted, report)
         report.whole_blocks = len(converted)
@@ -215,6 +218,31 @@ def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
         for ns_id, keys in _by_namespace(ranks).items():
             report.per_rank_blocks += store.delete(Namespace.from_dict(wanted[ns_id][1]), keys)
     return report
+
+
+def _wanted(view: StoreView) -> dict[bytes, tuple[str, Mapping[str, Any]]]:
+    """The namespaces that may hold an older generation, with what and their descriptions."""
+    wanted: dict[bytes, tuple[str, Mapping[str, Any]]] = {}
+    for row in namespace_rows(view, None, time.time_ns()):
+        description = row.get("description") or {}
+        if is_per_rank(description):
+            wanted[bytes.fromhex(row["id"])] = ("per-rank blocks", description)
+        elif whole_block_raw_bytes(description) is not None:
+            wanted[bytes.fromhex(row["id"])] = ("whole blocks", description)
+    return wanted
+
+
+def _older_blocks(tier: LocalTier, wanted: _Wanted) -> tuple[list[BlockInfo], list[BlockInfo]]:
+    """The whole blocks and the per-rank blocks stored (one snapshot)."""
+    blocks = [BlockInfo.of(key, meta) for key, meta in sorted(tier.scan_metas(set(wanted)).items())]
+    whole = [b for b in blocks if wanted[b.namespace_id][0] == "whole blocks" and b.raw_bytes == whole_block_raw_bytes(wanted[b.namespace_id][1])]
+    ranks = [b for b in blocks if wanted[b.namespace_id][0] == "per-rank blocks"]
+    return whole, ranks
+
+
+def _note_namespaces(report: ConversionReport, whole: list[BlockInfo], ranks: list[BlockInfo], wanted: _Wanted) -> None:
+    for b in (*whole, *ranks):
+        report.namespaces[b.namespace_id.hex()] = wanted[b.namespace_id][0]
 
 
 #: Room a unit takes beyond its share of the whole block's stored bytes

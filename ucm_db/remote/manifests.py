@@ -36,6 +36,10 @@ Invariants:
       rotation the next bump re-signs the manifest above the old key's epoch. A MAC cannot stop a replayed older
       manifest, nor one stripped of its epoch: either can make only a *new*
       store start at that older epoch (a store never moves back).
+    * An epoch at or above :data:`UNKEYED_EPOCH_LIMIT` (without keys) or
+      :data:`KEYED_EPOCH_LIMIT` (signed by a configured key) is refused as
+      a malformed one is: never adopted, so a bump always has room
+      (:mod:`ucm_db.store.epochs`), and a bump rewrites the manifest.
 """
 
 from __future__ import annotations
@@ -64,6 +68,14 @@ MAX_MANIFEST_BYTES = 1 << 20
 #: The MAC label of a manifest's epoch (:mod:`ucm_db.auth`: one label per use).
 EPOCH_LABEL = b"ucm-db remote ep"
 _EPOCH_LIMIT = 1 << 64
+#: The ceilings (exclusive) of an epoch a store takes from a manifest: without
+#: auth keys, and signed by a configured key. The same numbers as
+#: :data:`ucm_db.store.epochs.CARRIED_EPOCH_LIMIT` and ``SIGNED_EPOCH_LIMIT``
+#: (the wing never imports the store): room to bump is always left (an
+#: unkeyed manifest carrying 2**64 - 1 made its namespace impossible to
+#: invalidate everywhere it was adopted).
+UNKEYED_EPOCH_LIMIT = 1 << 48
+KEYED_EPOCH_LIMIT = 1 << 62
 #: The highest epoch a bump goes above unverified (a key rotated out signed
 #: it): far past any count of bumps, far below the engines' private epochs
 #: (2**63 on), so a planted one cannot use up the epoch space.
@@ -178,6 +190,9 @@ def epoch_of(root: RemoteRoot, namespace_id: bytes, manifest: dict[str, Any]) ->
     if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < _EPOCH_LIMIT:
         return None, f"its epoch {str(epoch)[:40]!r} is not an epoch"
     if root.auth is None:
+        if epoch >= UNKEYED_EPOCH_LIMIT:
+            return None, (f"its epoch {epoch} is at or above 2**48, the most a store takes from a remote without an "
+                          "auth key (no store reaches it: planted or altered)")
         return epoch, None
     signed = manifest.get("epoch_auth")
     try:
@@ -186,6 +201,8 @@ def epoch_of(root: RemoteRoot, namespace_id: bytes, manifest: dict[str, Any]) ->
         return None, "its epoch is not signed and an auth key is configured"
     if not root.auth.verify(_epoch_parts(namespace_id, epoch), EPOCH_LABEL, key_id, tag):
         return None, "its epoch's MAC was not made by a configured auth key (altered or planted)"
+    if epoch >= KEYED_EPOCH_LIMIT:
+        return None, f"its epoch {epoch} is at or above 2**62, the most a store takes (room to bump is kept)"
     return epoch, None
 
 

@@ -43,9 +43,10 @@ one.
 
 Invariants:
     * Epochs only move forward: :func:`bump` and :func:`adopt` read and
-      write the record in one write transaction, never write a lower value,
-      and make a raise durable (``Engine.sync``) whatever the store's
-      durability: a power cut after a bump returned never brings old KV back.
+      write the record in one write transaction, never write a lower value
+      (but for a bump at the top of the epoch space, below), and make a
+      raise durable (``Engine.sync``) whatever the store's durability: a
+      power cut after a bump returned never brings old KV back.
       Two bumps at once (two engines, an engine and the CLI) give two
       different epochs.
     * Moving an epoch on (:func:`bump`, or :func:`adopt` raising it) releases
@@ -56,6 +57,22 @@ Invariants:
       the wall clock in milliseconds, above any count a store reaches by
       bumps and above every fresh epoch recorded before it (while the clock
       does not step back), so the lost value is never reused.
+    * An epoch met elsewhere is taken only below a ceiling that leaves room
+      to bump (an archive carrying 2**64 - 1 made its namespace impossible
+      to invalidate: every bump failed and the old blocks stayed served):
+      below :data:`CARRIED_EPOCH_LIMIT` where nothing authenticates it (an
+      archive imported without an auth key, a remote without one), below
+      :data:`SIGNED_EPOCH_LIMIT` where a configured key signed it (as the
+      remote tier adopts in full only what its key signed,
+      :mod:`ucm_db.remote.manifests`, which holds the same two numbers).
+      :func:`adopt` refuses more; the archive and the remote refuse it
+      before anything is written or read through.
+    * No bump records an epoch at or above :data:`SIGNED_EPOCH_LIMIT`: the
+      bump that would (from an epoch an older ucm-db took unbounded, up to
+      2**64 - 1) records :func:`fresh_epoch` instead. It is lower, but was
+      never used (as for a lost record), and nothing brings the old one
+      back: no archive or remote carrying it is taken any more. So a bump
+      always succeeds and never leaves an old block served.
 """
 
 from __future__ import annotations
@@ -77,6 +94,15 @@ SEALED_KEY = b"epochs:sealed"
 FRESH_EPOCH_BASE = 1 << 40
 #: Epochs are unsigned 64-bit numbers (:meth:`ucm_db.Namespace.root_key`).
 EPOCH_LIMIT = 1 << 64
+#: Epochs taken from what nothing authenticates stay below this: above every
+#: epoch a store reaches (counts of bumps; fresh epochs stay below it until
+#: the clock reads year 10800), so a planted one moves an epoch on at most
+#: this far, far from using up the epoch space.
+CARRIED_EPOCH_LIMIT = 1 << 48
+#: Epochs taken where a configured auth key signed them, and every epoch a
+#: bump records, stay below this: 2**62 bumps below the engines' private
+#: epochs (2**63 on, ``connector/epochs.py``), which no store epoch reaches.
+SIGNED_EPOCH_LIMIT = 1 << 62
 _EPOCH_BYTES = 8
 _NAMESPACE_ID_BYTES = 16
 _INFO = "info"
@@ -197,14 +223,22 @@ def seal(txn: Txn) -> int:
     return written
 
 
+def carried_limit(signed: bool) -> int:
+    """The ceiling (exclusive) of an epoch taken from elsewhere, signed by
+    a configured auth key or not (module invariants)."""
+    return SIGNED_EPOCH_LIMIT if signed else CARRIED_EPOCH_LIMIT
+
+
 def adopt(engine: Engine, namespace_id: bytes, carried: int | None = None) -> EpochState:
     """Seals the store, registers the namespace (a record of its epoch, 0
     for a namespace new here) and raises its epoch to ``carried`` where that
     is higher (an epoch met on a remote or in an archive; None: not known,
     nothing raised). Never lowers. An unknown epoch stays unknown (the
-    carried one may be older than the lost one): the state says so."""
-    if carried is not None and not is_epoch(carried):
-        raise ValueError(f"an epoch is an integer in [0, 2**64), got {carried!r}")
+    carried one may be older than the lost one): the state says so.
+    ``carried`` must be below :data:`SIGNED_EPOCH_LIMIT` (ValueError: the
+    callers refuse more first, with the fix)."""
+    if carried is not None and not (is_epoch(carried) and carried < SIGNED_EPOCH_LIMIT):
+        raise ValueError(f"a carried epoch is an integer in [0, 2**62), got {str(carried)[:40]!r}")
 
     def run(txn: Txn) -> tuple[EpochState, bool]:
         seal(txn)
@@ -224,19 +258,26 @@ def adopt(engine: Engine, namespace_id: bytes, carried: int | None = None) -> Ep
     return found
 
 
+def next_epoch(current: int | None, floor: int = 0) -> int:
+    """The epoch a bump records: one above ``current`` and ``floor``; a
+    :func:`fresh_epoch` (above ``floor``) where ``current`` is unknown or
+    the count would reach :data:`SIGNED_EPOCH_LIMIT` (module invariants)."""
+    if current is not None and max(current, floor) + 1 < SIGNED_EPOCH_LIMIT:
+        return max(current, floor) + 1
+    return max(fresh_epoch(), floor + 1)
+
+
 def bump(engine: Engine, namespace_id: bytes, floor: int = 0) -> int:
     """Moves the namespace's epoch on, above ``floor`` too (an epoch met on
-    a remote); an unknown epoch becomes :func:`fresh_epoch`. Returns the new
-    epoch (durable)."""
+    a remote, below :data:`SIGNED_EPOCH_LIMIT`: ValueError otherwise); an
+    unknown epoch, or one at the top of the epoch space, becomes a
+    :func:`fresh_epoch` (:func:`next_epoch`). Returns the new epoch (durable)."""
+    if not (is_epoch(floor) and floor < SIGNED_EPOCH_LIMIT):
+        raise ValueError(f"a bump's floor is an integer in [0, 2**62), got {str(floor)[:40]!r}")
+
     def run(txn: Txn) -> int:
         seal(txn)
-        found = state(txn, namespace_id)
-        if found.epoch is None:
-            epoch = max(fresh_epoch(), floor + 1)
-        else:
-            epoch = max(found.epoch, floor) + 1
-        if epoch >= EPOCH_LIMIT:
-            raise unknown_error(namespace_id, "its epoch would pass 2**64")
+        epoch = next_epoch(state(txn, namespace_id).epoch, floor)
         _put(txn, namespace_id, epoch)
         pins.release_namespace(txn, namespace_id)  # stale is stale (module invariants)
         return epoch

@@ -18,6 +18,11 @@ Archive format: an uncompressed tar (payloads are already compressed) of
 * with an encryption key, version 3: each block member sealed (AES-256-GCM)
   and the manifest's ``encryption`` field (:mod:`ucm_db.maintenance.archive.sealed`).
 
+The manifest's checks are :mod:`ucm_db.maintenance.archive.manifest`'s; how
+export reads the members beside live writers (a block evicted meanwhile is
+left out with its descendants, and its row dropped from the manifest) is
+:mod:`ucm_db.maintenance.archive.members`'.
+
 Invariants:
     * Import trusts nothing in the archive: the manifest's shape is checked
       before anything is written, each namespace description must hash to
@@ -35,6 +40,9 @@ Invariants:
       deep, each block member at most :data:`MAX_MEMBER_BYTES` (read in
       chunks; a larger one is skipped), each put batch at most
       :data:`BATCH_BYTES` (plus one member); only regular members are read.
+    * Export writes whole blocks only, each with its parent before it, and
+      the manifest lists exactly the blocks written (``left_out`` counts
+      those gone while it ran, :mod:`ucm_db.maintenance.archive.members`).
     * Export never replaces anything but a regular file, writes a temp file
       beside the archive (``O_EXCL | O_NOFOLLOW``, the store's permissions),
       and renames it into place when complete (:mod:`ucm_db.maintenance.archive.files`), so
@@ -57,33 +65,27 @@ from typing import Any
 from ucm_db import codec
 from ucm_db.maintenance.archive.epochs import adopt_epochs, carried_epochs, export_epochs
 from ucm_db.maintenance.archive.macs import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
+from ucm_db.maintenance.archive.members import ExportMembers, rewrite_in_place
 from ucm_db.maintenance.archive.sealed import SEALED_ARCHIVE_VERSION, ArchiveOpener, ArchiveSealer, archive_opener
-from ucm_db.maintenance.archive.files import (
-    atomic_output, check_import_target, check_target, is_hex as _is_hex, parse_bounded_json, read_member, store_file_mode,
+from ucm_db.maintenance.archive.files import atomic_output, check_import_target, check_target, read_member, store_file_mode
+from ucm_db.maintenance.archive.manifest import (  # noqa: F401 - the format's names, re-exported
+    ARCHIVE_FORMAT, ARCHIVE_VERSION, DAMAGED as _DAMAGED, MAX_MANIFEST_BYTES, READABLE_VERSIONS, check_manifest, read_manifest,
 )
 from ucm_db.arguments import require_namespace_selectors
 from ucm_db.auth import load_keys
 from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, StoreFullError
-from ucm_db.keys import KEY_BYTES, Namespace
+from ucm_db.keys import Namespace
 from ucm_db.remote.sealing import load_sealing_keys
 from ucm_db.store.view import ProgressFn, open_view, select_namespaces
 from ucm_db.index.namespace_guard import ForeignNamespaceError
 from ucm_db.store.epochs import EpochUnknownError
 
-ARCHIVE_FORMAT = "ucm-db-export"
-ARCHIVE_VERSION = 2
-#: Versions import reads (1: before archives carried epochs; 3: encrypted).
-READABLE_VERSIONS = (1, 2, SEALED_ARCHIVE_VERSION)
 #: Blocks per read transaction on export and per put on import.
 CHUNK_BLOCKS = 256
-#: Largest manifest import reads (about 1.5 million blocks; export refuses more).
-MAX_MANIFEST_BYTES = 256 << 20
 #: Largest block member import reads (export refuses a store with a larger block).
 MAX_MEMBER_BYTES = 512 << 20
 #: Bytes of blobs gathered before one put on import (one member may overshoot).
 BATCH_BYTES = 256 << 20
-_NS_ID_BYTES = 16
-_DAMAGED = "the archive is damaged or not written by ucm-db export; export it again"
 _Block = tuple[bytes, bytes | None, bytes | bytearray]  # key, parent, blob: what Store.put_encoded takes
 
 
@@ -107,13 +109,17 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
     ``path`` to the tar ``archive``; read-only on the store. With an auth
     key (a key file and/or an environment variable, :mod:`ucm_db.auth`)
     the archive carries MACs made with the first key; with an encryption
-    key its blocks are encrypted with the first (version 3).
+    key its blocks are encrypted with the first (version 3). Returns
+    counts: ``blocks`` written, ``left_out`` (gone while it ran, with their
+    descendants), ``stored_bytes``; and the namespaces and their epochs.
 
     Raises:
         ConfigError: ``archive`` exists and is not a regular file (a
             symlink, directory, FIFO or device: never replaced), its
             directory is missing, the export would exceed import's bounds,
-            or a namespace selector is empty.
+            a namespace's epoch is at or above the ceiling import takes
+            (:mod:`ucm_db.maintenance.archive.epochs`), or a namespace
+            selector is empty.
         TierError: writing the archive failed (it is left as it was).
         EpochUnknownError: (a TierError) an exported namespace's epoch
             cannot be established (nothing written).
@@ -141,82 +147,36 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
         }
         manifest_bytes = json.dumps(manifest).encode()
         _check_manifest_size(path, len(manifest_bytes))
-        stored = 0
-        with atomic_output(archive, store_file_mode(Path(path))) as out, tarfile.open(fileobj=out, mode="w") as tar:
-            _add(tar, "manifest.json", manifest_bytes)
-            if signer is not None:
-                signer.manifest(manifest_bytes)
-            for start in range(0, len(blocks), CHUNK_BLOCKS):
-                chunk = blocks[start : start + CHUNK_BLOCKS]
-                keys = [k for k, _ in chunk]
-                for (key, meta), blob in zip(chunk, view.tier.read_blobs(keys)):
-                    member = blob or b"" if sealer is None else sealer.seal(
-                        key, meta.parent, meta.namespace_id, epochs[meta.namespace_id.hex()], blob or b"")
-                    _check_block_size(key, len(member))
-                    _add(tar, f"blocks/{key.hex()}", member)
-                    if signer is not None:
-                        signer.block(key, member)  # over the member as written: encrypt, then MAC
-                    stored += len(blob or b"")
-                if progress is not None:
-                    progress(start + len(keys), len(blocks))
-            if signer is not None:
-                _add(tar, AUTH_MEMBER, signer.member())
-    return {"archive": str(archive), "blocks": len(blocks), "stored_bytes": stored, "namespaces": manifest["namespaces"],
-            "epochs": manifest["epochs"], "authenticated": signer is not None, "encrypted": sealer is not None}
+        members = ExportMembers(view.tier, epochs, signer, sealer)  # beside live writers (its module invariants)
+        with atomic_output(archive, store_file_mode(Path(path))) as out:
+            with tarfile.open(fileobj=out, mode="w") as tar:
+                manifest_at = _add(tar, "manifest.json", manifest_bytes)
+                for start in range(0, len(blocks), CHUNK_BLOCKS):
+                    for key, member in members.chunk(blocks[start : start + CHUNK_BLOCKS]):
+                        _check_block_size(key, len(member))
+                        _add(tar, f"blocks/{key.hex()}", member)
+                    if progress is not None:
+                        progress(min(start + CHUNK_BLOCKS, len(blocks)), len(blocks))
+                final_manifest = members.final_manifest(manifest, manifest_bytes)
+                if signer is not None:
+                    signer.manifest(final_manifest)  # the bytes the archive ends up holding
+                    _add(tar, AUTH_MEMBER, signer.member())
+            if final_manifest != manifest_bytes:
+                rewrite_in_place(out, manifest_at, final_manifest)
+    return {"archive": str(archive), "blocks": members.written, "left_out": members.left_out, "stored_bytes": members.stored_bytes,
+            "namespaces": manifest["namespaces"], "epochs": manifest["epochs"], "authenticated": signer is not None,
+            "encrypted": sealer is not None}
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> int:
+    """Appends a regular member; returns the archive offset of its data."""
     info = tarfile.TarInfo(name)
     info.size = len(data)
     info.mtime = int(time.time())
     info.mode = 0o600
+    data_at = tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))
     tar.addfile(info, io.BytesIO(data))
-
-
-def check_manifest(manifest: Any, archive: Path) -> dict[str, Any]:
-    """The manifest, after checking its whole shape (ConfigError otherwise)."""
-    if not isinstance(manifest, dict) or manifest.get("format") != ARCHIVE_FORMAT or manifest.get("version") not in READABLE_VERSIONS:
-        raise ConfigError(f"{archive} is not a ucm-db export of version {' or '.join(map(str, READABLE_VERSIONS))}",
-                          hint="export it again with this ucm-db")
-    for name, kind in (("namespaces", dict), ("blocks", list)):
-        if not isinstance(manifest.get(name), kind):
-            raise ConfigError(f"{archive}: the manifest has no {name} {kind.__name__}", hint=_DAMAGED)
-    for ns_hex, desc in manifest["namespaces"].items():
-        if not _is_hex(ns_hex, _NS_ID_BYTES) or not isinstance(desc, dict):
-            raise ConfigError(f"{archive}: namespace entry {str(ns_hex)[:40]!r} is malformed", hint=_DAMAGED)
-        try:
-            digest = Namespace.from_dict(desc).digest[:_NS_ID_BYTES].hex()
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{archive}: namespace {ns_hex} has an invalid description: {exc}", hint=_DAMAGED) from exc
-        if digest != ns_hex:
-            raise ConfigError(f"{archive}: namespace {ns_hex} does not match its description (hashes to {digest})",
-                              hint="the archive was altered; export it again")
-    for row in manifest["blocks"]:
-        ok = (isinstance(row, list) and len(row) == 3 and _is_hex(row[0], KEY_BYTES)
-              and (row[1] is None or _is_hex(row[1], KEY_BYTES)) and _is_hex(row[2], _NS_ID_BYTES))
-        if not ok:
-            raise ConfigError(f"{archive}: block entry {str(row)[:80]} is malformed", hint=_DAMAGED)
-    carried_epochs(manifest, archive)  # malformed epochs: refused before anything is written
-    return manifest
-
-
-def read_manifest(tar: tarfile.TarFile, archive: Path, verifier: ArchiveVerifier | None = None) -> dict[str, Any]:
-    """The archive's checked manifest: one regular ``manifest.json`` member,
-    at most :data:`MAX_MANIFEST_BYTES` of JSON nested at most
-    :data:`~ucm_db.maintenance.archive.files.MAX_MANIFEST_DEPTH` deep (ConfigError otherwise)."""
-    found = [m for m in tar.getmembers() if m.name == "manifest.json"]
-    if not found:
-        raise ConfigError(f"{archive} has no manifest.json", hint="pass an archive written by ucm-db export")
-    if len(found) > 1:
-        raise ConfigError(f"{archive} holds {len(found)} manifest.json members", hint=_DAMAGED)
-    data = read_member(tar, found[0], MAX_MANIFEST_BYTES, _DAMAGED)
-    if verifier is not None:
-        verifier.check_manifest(bytes(data))  # the exact bytes parsed next
-    try:
-        manifest = parse_bounded_json(bytes(data))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{archive}: manifest.json is not valid JSON: {exc}", hint=_DAMAGED) from exc
-    return check_manifest(manifest, archive)
+    return data_at
 
 
 def _open_archive(archive: Path) -> tarfile.TarFile:
@@ -268,12 +228,13 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
             members = {m.name: m for m in tar.getmembers() if m.isreg()}
         except tarfile.TarError as exc:
             raise ConfigError(f"{archive} is a damaged tar archive ({exc})", hint=_DAMAGED) from exc
-        opener = archive_opener(manifest, carried_epochs(manifest, archive), archive, sealing_keys)
+        carried = carried_epochs(manifest, archive, signed=verifier is not None)
+        opener = archive_opener(manifest, carried, archive, sealing_keys)
         report["encrypted"] = opener is not None
         with open_store(path) as store:
             if not allow_evict:  # a sealed member's size overstates its blob's by 44 bytes: the safe side
                 _refuse_eviction(store._tier, manifest, members, path)
-            report["epochs"], report["epoch_problems"] = adopt_epochs(store, carried_epochs(manifest, archive))
+            report["epochs"], report["epoch_problems"] = adopt_epochs(store, carried)
             _load(tar, members, manifest, store, report, progress, verifier, opener)
     return report
 

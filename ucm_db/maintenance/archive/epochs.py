@@ -22,6 +22,15 @@ Invariants:
       archive's blocks keep their keys (a note in the report says so).
       Archives of version 2 are refused by ucm-db before it ("export it
       again with this ucm-db"), rather than imported without their epochs.
+    * A carried epoch must leave room to bump (:mod:`ucm_db.store.epochs`):
+      import refuses (ConfigError, before anything is written) one at or
+      above :data:`~ucm_db.store.epochs.CARRIED_EPOCH_LIMIT` (2**48, above
+      every epoch a store reaches) unless an auth key authenticated the
+      archive, and then one at or above
+      :data:`~ucm_db.store.epochs.SIGNED_EPOCH_LIMIT` (2**62); an archive
+      carrying 2**64 - 1 made its namespace impossible to invalidate. Export
+      refuses a namespace at or above 2**62 (an older ucm-db took it; one
+      ``ucm-db invalidate`` brings it back below).
 """
 
 from __future__ import annotations
@@ -43,18 +52,23 @@ def export_epochs(view: StoreView, namespace_ids: list[bytes]) -> dict[str, int]
     EpochUnknownError for one the store cannot establish."""
     states = view.engine.read(lambda txn: {ns_id: epochs.state(txn, ns_id) for ns_id in namespace_ids})
     for ns_id, found in states.items():
+        fix = f"run `ucm-db invalidate {view.path} --namespace {ns_id.hex()}` first, or export the other namespaces (--namespace)"
         if found.epoch is None:
             error = epochs.unknown_error(ns_id, found.problem, str(view.path))
-            raise epochs.EpochUnknownError(
-                f"cannot export: {error.message}",
-                hint=f"run `ucm-db invalidate {view.path} --namespace {ns_id.hex()}` first, or export the other namespaces (--namespace)")
+            raise epochs.EpochUnknownError(f"cannot export: {error.message}", hint=fix)
+        if found.epoch >= epochs.SIGNED_EPOCH_LIMIT:
+            raise ConfigError(f"cannot export namespace {ns_id.hex()}: its epoch {found.epoch} is at or above 2**62, "
+                              "which no import takes (a ucm-db before epoch ceilings took it from an archive or remote)",
+                              hint=fix + " (that bump records a fresh epoch, below the ceiling)")
     return {ns_id.hex(): found.epoch for ns_id, found in states.items() if found.epoch is not None}
 
 
-def carried_epochs(manifest: dict[str, Any], archive: Path) -> dict[str, int | None]:
+def carried_epochs(manifest: dict[str, Any], archive: Path, *, signed: bool = False) -> dict[str, int | None]:
     """The epoch each namespace of a checked manifest carries (None:
-    unknown, a version-1 archive); ConfigError if version 2's are malformed."""
-    if manifest.get("version") == 1:
+    unknown, a version-1 archive); ConfigError if version 2's are malformed
+    or above the ceiling (``signed``: an auth key authenticated the
+    manifest; module invariants)."""
+    if manifest["version"] == 1:
         return {ns_hex: None for ns_hex in manifest["namespaces"]}
     carried = manifest.get("epochs")
     if not isinstance(carried, dict) or set(carried) != set(manifest["namespaces"]):
@@ -62,7 +76,23 @@ def carried_epochs(manifest: dict[str, Any], archive: Path) -> dict[str, int | N
     for ns_hex, epoch in carried.items():
         if not epochs.is_epoch(epoch):
             raise ConfigError(f"{archive}: namespace {ns_hex} carries epoch {str(epoch)[:40]!r}, not an epoch", hint=_DAMAGED)
+        if epoch >= epochs.carried_limit(signed):
+            raise _over_ceiling(archive, ns_hex, epoch, signed)
     return dict(carried)
+
+
+def _over_ceiling(archive: Path, ns_hex: str, epoch: int, signed: bool) -> ConfigError:
+    if signed:
+        return ConfigError(
+            f"{archive}: namespace {ns_hex} carries epoch {epoch}, at or above 2**62, the most a store takes from an "
+            "archive (room to invalidate it must be left); nothing was imported",
+            hint=f"on the source store run `ucm-db invalidate SOURCE --namespace {ns_hex}` (it records a fresh epoch, "
+                 "below the ceiling) and export it again")
+    return ConfigError(
+        f"{archive}: namespace {ns_hex} carries epoch {epoch}, at or above 2**48, the most a store takes from an archive "
+        "imported without an auth key (no store reaches such an epoch by invalidations); nothing was imported",
+        hint="the archive was altered, or its source took the epoch from a signed archive: export it again from the "
+             "source with --auth-key-file and import it with the same key (signed epochs are taken up to 2**62)")
 
 
 def adopt_epochs(store: Any, carried: dict[str, int | None]) -> tuple[dict[str, dict[str, Any]], list[str]]:
