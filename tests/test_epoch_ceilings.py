@@ -186,4 +186,4 @@ def test_the_remote_wing_holds_the_same_ceilings() -> None:
     """The wing never imports the store, so it keeps its own copy of the numbers."""
     assert manifests.UNKEYED_EPOCH_LIMIT == epochs.CARRIED_EPOCH_LIMIT == epochs.carried_limit(signed=False)
     assert manifests.KEYED_EPOCH_LIMIT == epochs.SIGNED_EPOCH_LIMIT == epochs.carried_limit(signed=True)
-    assert manifests.UNVERIFIED_EPOCH_LIMIT < epochs.FRESH_EPOCH_BASE < epochs.fresh_epoch() < epochs.CARRIED_EPOCH_LIMIT
+    assert epochs.FRESH_EPOCH_BASE < epochs.fresh_epoch() < manifests.UNVERIFIED_EPOCH_LIMIT == epochs.CARRIED_EPOCH_LIMIT

@@ -48,7 +48,8 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
                                             encryption_key_file=encryption_key_file, encryption_key_env=encryption_key_env)
     emit(as_json, report, lambda r: f"exported {r['blocks']} {'encrypted ' if r['encrypted'] else ''}blocks ({r['stored_bytes']} bytes) "
          f"of {len(r['namespaces'])} namespace(s) "
-         f"to {r['archive']}, with their epochs ({', '.join(f'{ns[:16]}: {e}' for ns, e in sorted(r['epochs'].items())) or 'none'})")
+         f"to {r['archive']}, with their epochs ({', '.join(f'{ns[:16]}: {e}' for ns, e in sorted(r['epochs'].items())) or 'none'})"
+         + (f"; {r['left_out']} blocks left out (evicted or deleted while exporting, with their descendants)" if r.get("left_out") else ""))
 
 
 @click.command("import")

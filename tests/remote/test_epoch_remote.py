@@ -235,6 +235,28 @@ def test_after_a_key_rotation_a_bump_goes_above_the_epoch_the_old_key_signed(tmp
         assert node_d.epoch(NS) == 2 and stale(served(node_d)) == 0
 
 
+def test_after_a_key_rotation_a_bump_goes_above_a_fresh_epoch_the_old_key_signed(tmp_path: Path) -> None:
+    """A store whose epoch record was lost moves on to a fresh epoch (2**40 and
+    up, epochs.fresh_epoch); signed with the old key, that one was past the
+    unverified ceiling (2**32 then), so after the rotation a bump counted
+    from the node's own 0 and wrote 1 to the manifest: every node that had
+    taken the fresh epoch kept serving the chain of before the invalidation."""
+    from ucm_db.store import epochs
+
+    remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
+    old, new = KEY.hex(), bytes(range(32, 64)).hex()
+    with opened(tmp_path / "a", remote, **auth_options(tmp_path, old, name="old")) as node_a:
+        epochs.adopt(node_a._engine, NS.id, epochs.fresh_epoch())  # as after a lost record's bump
+        fresh = node_a.bump_epoch(NS)
+        assert fresh > epochs.FRESH_EPOCH_BASE and manifest(remote)["epoch"] == fresh
+        node_a.put(NS, NS.block_keys(TOKENS, epoch=fresh), V2)
+    new_only = auth_options(tmp_path, new, name="new")  # the old key dropped
+    with opened(tmp_path / "c", remote, **new_only) as node_c:
+        assert node_c.bump_epoch(NS) == fresh + 1  # the operator's invalidation: above the old key's fresh epoch
+    with opened(tmp_path / "a", remote, **auth_options(tmp_path, new, old, name="both")) as node_a:
+        assert node_a.epoch(NS) == fresh + 1 and served(node_a) == []
+
+
 @pytest.mark.parametrize("signature", ["unsigned", "unknown_key_far_above"])
 def test_a_planted_epoch_never_uses_up_the_epoch_space(tmp_path: Path, signature: str) -> None:
     """A bump goes above an epoch signed by a key rotated out, but one that no

@@ -77,9 +77,11 @@ _EPOCH_LIMIT = 1 << 64
 UNKEYED_EPOCH_LIMIT = 1 << 48
 KEYED_EPOCH_LIMIT = 1 << 62
 #: The highest epoch a bump goes above unverified (a key rotated out signed
-#: it): far past any count of bumps, far below the engines' private epochs
-#: (2**63 on), so a planted one cannot use up the epoch space.
-UNVERIFIED_EPOCH_LIMIT = 1 << 32
+#: it): the unkeyed ceiling, above every epoch a store reaches (fresh epochs,
+#: 2**40 and up, included: at 2**32 a bump after a rotation counted from 0
+#: below a fresh epoch the old key signed, and nodes holding it kept old KV),
+#: far below the signed ceiling, so a planted one cannot use up the epoch space.
+UNVERIFIED_EPOCH_LIMIT = UNKEYED_EPOCH_LIMIT
 
 _log = logging.getLogger("ucm_db")
 
