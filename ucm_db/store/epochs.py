@@ -29,10 +29,12 @@ States (:func:`state`):
       not yet sealed, written only by ucm-db before epoch records were kept
       for every namespace, 0 (what that code meant by no record).
 
-Blocks promoted from a remote describe no namespace (no ``nsdesc:``): a
-namespace held only through promotions reads a lost record as 0, and
-takes the remote manifest's epoch at first contact
-(:mod:`ucm_db.store.epoch_gate`), which is where those blocks came from.
+A promotion from a remote registers the namespace and records its
+description as a put does (:class:`~ucm_db.remote.promotion.PromotionTarget`).
+Blocks an older ucm-db promoted describe no namespace (no ``nsdesc:``): a
+namespace held only through those reads a lost record as 0, and takes the
+remote manifest's epoch at first contact (:mod:`ucm_db.store.epoch_gate`),
+which is where those blocks came from.
 A namespace an older ucm-db first put into a sealed store reads as lost
 (refused until ``ucm-db invalidate``): the safe side.
 
