@@ -5,9 +5,13 @@ Audit finding: an archive carrying epoch 2**64 - 1 (a valid epoch) was
 imported; every later ``ucm-db invalidate`` failed ("its epoch would pass
 2**64; it is not served") while lookups still served the old blocks, and the
 hint named the command that had just failed. Now an archive's epoch is taken
-below 2**48 (2**62 where an auth key authenticated it), as the remote takes
-its manifests' (tests/remote/test_epoch_ceiling_remote.py), and a bump from
-an epoch an older ucm-db took unbounded records a fresh epoch.
+below 2**48 (2**63, where the engines' private epochs start, where an auth
+key authenticated it), as the remote takes its manifests'
+(tests/remote/test_epoch_ceiling_remote.py). A store epoch at or above 2**63
+(an older ucm-db took it unbounded) is unknown: not served until an
+invalidation records a fresh one. A bump never records a lower epoch (a
+review found the first fix's wrap at the top brought the old epoch back at
+the next import or remote contact): at the top it fails.
 
 Every case reads through :func:`served`, keyed at ``store.epoch(ns)`` as the
 connector is: no block stored before an invalidation ever comes back.
@@ -52,9 +56,10 @@ def store_at(path: Path, epoch: int) -> None:
     of the epoch record)."""
     with ucm_db.open(path) as store:
         store.put(NS, NS.block_keys(TOKENS, epoch=store.epoch(NS)), OLD)
+        store.put(NS, NS.block_keys(TOKENS, epoch=epoch), OLD)  # its chain at that epoch
         store._engine.write(lambda txn: epochs._put(txn, NS.id, epoch))
-        store.put(NS, NS.block_keys(TOKENS, epoch=store.epoch(NS)), OLD)
-        assert store.epoch(NS) == epoch and served(store) == OLD
+        if epoch < epochs.SIGNED_EPOCH_LIMIT:
+            assert store.epoch(NS) == epoch and served(store) == OLD
 
 
 def key_file(tmp_path: Path) -> Path:
@@ -120,7 +125,7 @@ def test_an_archive_epoch_just_below_the_ceiling_is_taken_and_can_still_be_inval
         assert store.bump_epoch(NS) == 2**48 and served(store) == []
 
 
-def test_a_signed_archive_carries_an_epoch_up_to_2_62_and_only_with_its_key(tmp_path: Path, archive: Path) -> None:
+def test_a_signed_archive_carries_an_epoch_up_to_2_63_and_only_with_its_key(tmp_path: Path, archive: Path) -> None:
     key = key_file(tmp_path)
     signed = rewritten(archive, tmp_path / "signed.tar", 2**50, key)
     with pytest.raises(ConfigError, match=r"2\*\*48"):  # without the key nothing authenticates it
@@ -129,23 +134,49 @@ def test_a_signed_archive_carries_an_epoch_up_to_2_62_and_only_with_its_key(tmp_
     assert report["epochs"][NS_HEX]["epoch"] == 2**50 and report["stored"] == len(OLD)
     with ucm_db.open(tmp_path / "keyed") as store:
         assert store.bump_epoch(NS) == 2**50 + 1
-    with pytest.raises(ConfigError, match=r"at or above 2\*\*62") as caught:
-        maintenance.import_archive(rewritten(archive, tmp_path / "top.tar", 2**62, key), tmp_path / "top", auth_key_file=key)
+    with pytest.raises(ConfigError, match=r"at or above 2\*\*63") as caught:
+        maintenance.import_archive(rewritten(archive, tmp_path / "top.tar", 2**63, key), tmp_path / "top", auth_key_file=key)
     assert "ucm-db invalidate" in (caught.value.hint or "")
     assert not (tmp_path / "top").exists()
 
 
-@pytest.mark.parametrize("epoch", [2**64 - 1, 2**62 - 1])
-def test_a_bump_at_the_top_of_the_epoch_space_records_a_fresh_epoch_and_serves_nothing_old(tmp_path: Path,
-                                                                                          epoch: int) -> None:
-    store_at(tmp_path / "s", epoch)
+def test_a_bump_never_records_a_lower_epoch_so_a_reimport_cannot_bring_the_old_one_back(tmp_path: Path, archive: Path) -> None:
+    """Review finding: a signed archive at 2**62 - 1 was taken; the bump
+    wrapped to a fresh, lower epoch, and importing the same archive again
+    raised the namespace back to 2**62 - 1, serving the old blocks."""
+    key = key_file(tmp_path)
+    high = rewritten(archive, tmp_path / "high.tar", 2**62 - 1, key)
+    maintenance.import_archive(high, tmp_path / "dst", auth_key_file=key)
+    with ucm_db.open(tmp_path / "dst") as store:
+        assert store.epoch(NS) == 2**62 - 1
+        store.put(NS, NS.block_keys(TOKENS, epoch=2**62 - 1), OLD)  # an engine's blocks at that epoch
+        assert served(store) == OLD
+        assert store.bump_epoch(NS) == 2**62 and served(store) == []
+    maintenance.import_archive(high, tmp_path / "dst", auth_key_file=key)
+    with ucm_db.open(tmp_path / "dst") as store:
+        assert store.epoch(NS) == 2**62 and served(store) == []
+        assert store.bump_epoch(NS) == 2**62 + 1
+
+
+def test_a_bump_at_the_top_of_the_epoch_space_fails_and_records_nothing(tmp_path: Path, archive: Path) -> None:
+    key = key_file(tmp_path)
+    maintenance.import_archive(rewritten(archive, tmp_path / "top.tar", 2**63 - 1, key), tmp_path / "dst", auth_key_file=key)
+    with ucm_db.open(tmp_path / "dst") as store:
+        with pytest.raises(epochs.EpochSpaceError, match=r"2\*\*63"):
+            store.bump_epoch(NS)
+        assert store.epoch(NS) == 2**63 - 1  # nothing lower recorded
+
+
+@pytest.mark.parametrize("epoch", [2**64 - 1, 2**63])
+def test_a_store_epoch_an_older_ucm_db_took_past_2_63_is_unknown_until_invalidated(tmp_path: Path, epoch: int) -> None:
+    store_at(tmp_path / "s", epoch)  # as an older ucm-db left it
     with ucm_db.open(tmp_path / "s") as store:
+        with pytest.raises(epochs.EpochUnknownError, match=r"at or above 2\*\*63"):
+            store.epoch(NS)
+        assert served(store) == []  # not served meanwhile
         new = store.bump_epoch(NS)
-        assert epochs.FRESH_EPOCH_BASE <= new < epochs.CARRIED_EPOCH_LIMIT
-        assert served(store) == []  # the invalidation took: the old blocks are never served
-        assert store.bump_epoch(NS) == new + 1  # and counts on from there
-    with ucm_db.open(tmp_path / "s") as store:
-        assert store.epoch(NS) == new + 1 and served(store) == []
+        assert epochs.FRESH_EPOCH_BASE <= new < epochs.CARRIED_EPOCH_LIMIT and served(store) == []
+        assert store.bump_epoch(NS) == new + 1
 
 
 def test_ucm_db_invalidate_fixes_a_store_an_older_ucm_db_took_past_the_top(tmp_path: Path) -> None:
@@ -159,9 +190,9 @@ def test_ucm_db_invalidate_fixes_a_store_an_older_ucm_db_took_past_the_top(tmp_p
         assert store.epoch(NS) < epochs.CARRIED_EPOCH_LIMIT and served(store) == []
 
 
-def test_export_refuses_an_epoch_no_import_takes_and_names_invalidate(tmp_path: Path) -> None:
+def test_export_refuses_an_epoch_past_2_63_and_names_invalidate(tmp_path: Path) -> None:
     store_at(tmp_path / "s", 2**63)
-    with pytest.raises(ConfigError, match=r"at or above 2\*\*62") as caught:
+    with pytest.raises(epochs.EpochUnknownError, match=r"at or above 2\*\*63") as caught:
         maintenance.export_archive(tmp_path / "s", tmp_path / "x.tar")
     assert f"ucm-db invalidate {tmp_path / 's'}" in (caught.value.hint or "")
     assert not (tmp_path / "x.tar").exists()
@@ -175,11 +206,13 @@ def test_export_refuses_an_epoch_no_import_takes_and_names_invalidate(tmp_path: 
 def test_adopt_and_bump_refuse_numbers_past_the_ceiling(tmp_path: Path) -> None:
     with ucm_db.open(tmp_path / "s") as store:
         with pytest.raises(ValueError):
-            epochs.adopt(store._engine, NS.id, 2**62)
+            epochs.adopt(store._engine, NS.id, 2**63)
         with pytest.raises(ValueError):
-            epochs.bump(store._engine, NS.id, floor=2**62)
-        assert epochs.adopt(store._engine, NS.id, 2**62 - 1).epoch == 2**62 - 1
-        assert epochs.bump(store._engine, NS.id) < epochs.CARRIED_EPOCH_LIMIT  # fresh: a count would reach 2**62
+            epochs.bump(store._engine, NS.id, floor=2**63)
+        assert epochs.adopt(store._engine, NS.id, 2**63 - 2).epoch == 2**63 - 2
+        assert epochs.bump(store._engine, NS.id) == 2**63 - 1
+        with pytest.raises(epochs.EpochSpaceError):
+            epochs.bump(store._engine, NS.id)
 
 
 def test_the_remote_wing_holds_the_same_ceilings() -> None:

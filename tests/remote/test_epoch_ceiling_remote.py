@@ -6,7 +6,7 @@ namespace manifest. A bucket writer who planted 2**64 - 1 made every store
 meeting the remote adopt it, and every later invalidation of the fleet
 failed while the old blocks stayed served. Now an unkeyed manifest's epoch
 is taken below 2**48 and a keyed one (signed by a configured key) below
-2**62; one above is treated as a malformed epoch: not adopted, nothing read
+2**63 (where the engines' private epochs start); one above is treated as a malformed epoch: not adopted, nothing read
 through until a bump here rewrites the manifest.
 """
 
@@ -90,15 +90,32 @@ def test_an_unkeyed_manifest_epoch_below_the_ceiling_is_still_adopted(tmp_path: 
         assert node_b.bump_epoch(NS) == 2**48
 
 
-def test_a_keyed_manifest_epoch_is_taken_up_to_2_62(tmp_path: Path) -> None:
+def test_a_keyed_manifest_epoch_is_taken_up_to_2_63(tmp_path: Path) -> None:
     remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
     key, options = key_options(tmp_path)
     first_node(tmp_path / "a", remote, **options)
     plant(remote, 2**50, key)  # signed by the configured key: taken above the unkeyed ceiling
     with opened(tmp_path / "b", remote, **options) as node_b:
         assert node_b.epoch(NS) == 2**50
-    plant(remote, 2**62, key)
+    plant(remote, 2**63, key)
     with opened(tmp_path / "c", remote, **options) as node_c:
         assert node_c.epoch(NS) == 0 and node_c.bump_epoch(NS) == 1
     found = RemoteRoot.from_url(remote.url, remote.options).read_manifest(NS.digest[:16])
     assert found is not None and found["epoch"] == 1
+
+
+def test_bumps_from_a_keyed_epoch_near_the_top_move_forward_and_reach_every_node(tmp_path: Path) -> None:
+    """Review finding: from a signed manifest at 2**62 - 1 a bump recorded
+    2**62, the manifest then held a number other nodes refused, and a second
+    bump in the same process computed the same value: nothing invalidated."""
+    remote = make_remote("file", tmp_path, None)  # type: ignore[arg-type]
+    key, options = key_options(tmp_path)
+    first_node(tmp_path / "a", remote, **options)
+    plant(remote, 2**62 - 1, key)
+    with opened(tmp_path / "b", remote, **options) as node_b:
+        assert node_b.epoch(NS) == 2**62 - 1
+        node_b.put(NS, NS.block_keys(TOKENS, epoch=2**62 - 1), OLD)
+    with opened(tmp_path / "c", remote, **options) as node_c:
+        assert node_c.bump_epoch(NS) == 2**62 and node_c.bump_epoch(NS) == 2**62 + 1
+    with opened(tmp_path / "b", remote, **options) as node_b:
+        assert node_b.epoch(NS) == 2**62 + 1 and served(node_b) == []

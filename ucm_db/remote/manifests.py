@@ -75,7 +75,7 @@ _EPOCH_LIMIT = 1 << 64
 #: unkeyed manifest carrying 2**64 - 1 made its namespace impossible to
 #: invalidate everywhere it was adopted).
 UNKEYED_EPOCH_LIMIT = 1 << 48
-KEYED_EPOCH_LIMIT = 1 << 62
+KEYED_EPOCH_LIMIT = 1 << 63
 #: The highest epoch a bump goes above unverified (a key rotated out signed
 #: it): the unkeyed ceiling, above every epoch a store reaches (fresh epochs,
 #: 2**40 and up, included: at 2**32 a bump after a rotation counted from 0
@@ -204,7 +204,7 @@ def epoch_of(root: RemoteRoot, namespace_id: bytes, manifest: dict[str, Any]) ->
     if not root.auth.verify(_epoch_parts(namespace_id, epoch), EPOCH_LABEL, key_id, tag):
         return None, "its epoch's MAC was not made by a configured auth key (altered or planted)"
     if epoch >= KEYED_EPOCH_LIMIT:
-        return None, f"its epoch {epoch} is at or above 2**62, the most a store takes (room to bump is kept)"
+        return None, f"its epoch {epoch} is at or above 2**63, the engines' private epochs: no store records one"
     return epoch, None
 
 

@@ -59,22 +59,25 @@ Invariants:
       the wall clock in milliseconds, above any count a store reaches by
       bumps and above every fresh epoch recorded before it (while the clock
       does not step back), so the lost value is never reused.
-    * An epoch met elsewhere is taken only below a ceiling that leaves room
-      to bump (an archive carrying 2**64 - 1 made its namespace impossible
-      to invalidate: every bump failed and the old blocks stayed served):
-      below :data:`CARRIED_EPOCH_LIMIT` where nothing authenticates it (an
+    * An epoch met elsewhere is taken only below a ceiling (an archive
+      carrying 2**64 - 1 made its namespace impossible to invalidate: every
+      bump failed and the old blocks stayed served): below
+      :data:`CARRIED_EPOCH_LIMIT` where nothing authenticates it (an
       archive imported without an auth key, a remote without one), below
       :data:`SIGNED_EPOCH_LIMIT` where a configured key signed it (as the
       remote tier adopts in full only what its key signed,
       :mod:`ucm_db.remote.manifests`, which holds the same two numbers).
       :func:`adopt` refuses more; the archive and the remote refuse it
       before anything is written or read through.
-    * No bump records an epoch at or above :data:`SIGNED_EPOCH_LIMIT`: the
-      bump that would (from an epoch an older ucm-db took unbounded, up to
-      2**64 - 1) records :func:`fresh_epoch` instead. It is lower, but was
-      never used (as for a lost record), and nothing brings the old one
-      back: no archive or remote carrying it is taken any more. So a bump
-      always succeeds and never leaves an old block served.
+    * Every epoch a store records is below :data:`SIGNED_EPOCH_LIMIT`
+      (2**63: the engines' private epochs start there), and a bump never
+      records a lower one than before (:func:`next_epoch` refuses at the
+      top rather than wrap: a lower one is raised back by the next import
+      or remote contact carrying the old, and other nodes never move to
+      it). A recorded epoch at or above the limit (an older ucm-db took one
+      unbounded) is unknown, so the namespace is not served, and its
+      invalidation records a fresh epoch as for a lost record: nothing
+      carrying the old value is taken any more.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ucm_db.engines.base import Engine, Txn
-from ucm_db.errors import DamagedRecordError
+from ucm_db.errors import DamagedRecordError, TierError
 from ucm_db.index import pins, records
 from ucm_db.index.accounting import NS_COUNTS_PREFIX, NS_DESC_PREFIX
 
@@ -102,12 +105,16 @@ EPOCH_LIMIT = 1 << 64
 #: this far, far from using up the epoch space.
 CARRIED_EPOCH_LIMIT = 1 << 48
 #: Epochs taken where a configured auth key signed them, and every epoch a
-#: bump records, stay below this: 2**62 bumps below the engines' private
-#: epochs (2**63 on, ``connector/epochs.py``), which no store epoch reaches.
-SIGNED_EPOCH_LIMIT = 1 << 62
+#: store records, stay below this: the engines' private epochs start here
+#: (``connector/epochs.py``), which no store epoch reaches.
+SIGNED_EPOCH_LIMIT = 1 << 63
 _EPOCH_BYTES = 8
 _NAMESPACE_ID_BYTES = 16
 _INFO = "info"
+
+
+class EpochSpaceError(TierError):
+    """A bump would take an epoch to the engines' private range (module invariants)."""
 
 
 class EpochUnknownError(DamagedRecordError):
@@ -170,7 +177,11 @@ def state(txn: Txn, namespace_id: bytes) -> EpochState:
     except records.DamagedRecord as exc:
         return EpochState(None, f"its epoch record is damaged ({exc.reason})")
     if value is not None:
-        return EpochState(int.from_bytes(bytes(value), "little"), recorded=True)
+        epoch = int.from_bytes(bytes(value), "little")
+        if epoch >= SIGNED_EPOCH_LIMIT:  # taken unbounded by an older ucm-db (module invariants)
+            return EpochState(None, f"its epoch {epoch} is at or above 2**63, the engines' private epochs (taken from an "
+                                    "archive or remote by an older ucm-db)")
+        return EpochState(epoch, recorded=True)
     if held(txn, namespace_id) and sealed(txn):
         return EpochState(None, "its epoch record is missing although the store holds its blocks (lost)")
     return EpochState(0)
@@ -240,7 +251,7 @@ def adopt(engine: Engine, namespace_id: bytes, carried: int | None = None) -> Ep
     ``carried`` must be below :data:`SIGNED_EPOCH_LIMIT` (ValueError: the
     callers refuse more first, with the fix)."""
     if carried is not None and not (is_epoch(carried) and carried < SIGNED_EPOCH_LIMIT):
-        raise ValueError(f"a carried epoch is an integer in [0, 2**62), got {str(carried)[:40]!r}")
+        raise ValueError(f"a carried epoch is an integer in [0, 2**63), got {str(carried)[:40]!r}")
 
     def run(txn: Txn) -> tuple[EpochState, bool]:
         seal(txn)
@@ -261,21 +272,31 @@ def adopt(engine: Engine, namespace_id: bytes, carried: int | None = None) -> Ep
 
 
 def next_epoch(current: int | None, floor: int = 0) -> int:
-    """The epoch a bump records: one above ``current`` and ``floor``; a
-    :func:`fresh_epoch` (above ``floor``) where ``current`` is unknown or
-    the count would reach :data:`SIGNED_EPOCH_LIMIT` (module invariants)."""
-    if current is not None and max(current, floor) + 1 < SIGNED_EPOCH_LIMIT:
-        return max(current, floor) + 1
-    return max(fresh_epoch(), floor + 1)
+    """The epoch a bump records: one above ``current`` and ``floor``, or a
+    :func:`fresh_epoch` (above ``floor``) where ``current`` is unknown.
+
+    Raises:
+        EpochSpaceError: that would reach :data:`SIGNED_EPOCH_LIMIT`; never
+            a lower epoch instead (module invariants).
+    """
+    epoch = max(fresh_epoch(), floor + 1) if current is None else max(current, floor) + 1
+    if epoch >= SIGNED_EPOCH_LIMIT:
+        raise EpochSpaceError(
+            f"the epoch cannot move on from {max(current or 0, floor)}: the next would reach 2**63, the engines' private "
+            "epochs (only an epoch a configured auth key signed, in an archive or on the remote, comes so close)",
+            hint="find who signed it; to serve this namespace again move the store aside (or remove its directory) and "
+                 "start a new one",
+        )
+    return epoch
 
 
 def bump(engine: Engine, namespace_id: bytes, floor: int = 0) -> int:
     """Moves the namespace's epoch on, above ``floor`` too (an epoch met on
     a remote, below :data:`SIGNED_EPOCH_LIMIT`: ValueError otherwise); an
-    unknown epoch, or one at the top of the epoch space, becomes a
-    :func:`fresh_epoch` (:func:`next_epoch`). Returns the new epoch (durable)."""
+    unknown epoch becomes a :func:`fresh_epoch`; EpochSpaceError at the
+    top (:func:`next_epoch`). Returns the new epoch (durable)."""
     if not (is_epoch(floor) and floor < SIGNED_EPOCH_LIMIT):
-        raise ValueError(f"a bump's floor is an integer in [0, 2**62), got {str(floor)[:40]!r}")
+        raise ValueError(f"a bump's floor is an integer in [0, 2**63), got {str(floor)[:40]!r}")
 
     def run(txn: Txn) -> int:
         seal(txn)

@@ -27,10 +27,11 @@ Invariants:
       above :data:`~ucm_db.store.epochs.CARRIED_EPOCH_LIMIT` (2**48, above
       every epoch a store reaches) unless an auth key authenticated the
       archive, and then one at or above
-      :data:`~ucm_db.store.epochs.SIGNED_EPOCH_LIMIT` (2**62); an archive
-      carrying 2**64 - 1 made its namespace impossible to invalidate. Export
-      refuses a namespace at or above 2**62 (an older ucm-db took it; one
-      ``ucm-db invalidate`` brings it back below).
+      :data:`~ucm_db.store.epochs.SIGNED_EPOCH_LIMIT` (2**63, where the
+      engines' private epochs start); an archive carrying 2**64 - 1 made its
+      namespace impossible to invalidate. A store epoch at or above 2**63
+      (an older ucm-db took it) is unknown, so export refuses it like any
+      unknown epoch (one ``ucm-db invalidate`` records a fresh one).
 """
 
 from __future__ import annotations
@@ -56,10 +57,6 @@ def export_epochs(view: StoreView, namespace_ids: list[bytes]) -> dict[str, int]
         if found.epoch is None:
             error = epochs.unknown_error(ns_id, found.problem, str(view.path))
             raise epochs.EpochUnknownError(f"cannot export: {error.message}", hint=fix)
-        if found.epoch >= epochs.SIGNED_EPOCH_LIMIT:
-            raise ConfigError(f"cannot export namespace {ns_id.hex()}: its epoch {found.epoch} is at or above 2**62, "
-                              "which no import takes (a ucm-db before epoch ceilings took it from an archive or remote)",
-                              hint=fix + " (that bump records a fresh epoch, below the ceiling)")
     return {ns_id.hex(): found.epoch for ns_id, found in states.items() if found.epoch is not None}
 
 
@@ -84,15 +81,15 @@ def carried_epochs(manifest: dict[str, Any], archive: Path, *, signed: bool = Fa
 def _over_ceiling(archive: Path, ns_hex: str, epoch: int, signed: bool) -> ConfigError:
     if signed:
         return ConfigError(
-            f"{archive}: namespace {ns_hex} carries epoch {epoch}, at or above 2**62, the most a store takes from an "
-            "archive (room to invalidate it must be left); nothing was imported",
+            f"{archive}: namespace {ns_hex} carries epoch {epoch}, at or above 2**63, where the engines' private epochs "
+            "start (no store records one); nothing was imported",
             hint=f"on the source store run `ucm-db invalidate SOURCE --namespace {ns_hex}` (it records a fresh epoch, "
                  "below the ceiling) and export it again")
     return ConfigError(
         f"{archive}: namespace {ns_hex} carries epoch {epoch}, at or above 2**48, the most a store takes from an archive "
         "imported without an auth key (no store reaches such an epoch by invalidations); nothing was imported",
         hint="the archive was altered, or its source took the epoch from a signed archive: export it again from the "
-             "source with --auth-key-file and import it with the same key (signed epochs are taken up to 2**62)")
+             "source with --auth-key-file and import it with the same key (signed epochs are taken up to 2**63)")
 
 
 def adopt_epochs(store: Any, carried: dict[str, int | None]) -> tuple[dict[str, dict[str, Any]], list[str]]:
