@@ -588,6 +588,11 @@ static int slabs_pin(scatter_t *s, PyObject *views_obj, PyObject *sizes_obj, Py_
                 return -1;
             }
         }
+        if (size > PY_SSIZE_T_MAX - s->room) {
+            PyErr_SetString(PyExc_ValueError, "the slab sizes summed overflow");
+            s->pinned++;
+            return -1;
+        }
         s->pieces[s->pinned].buf = slab.buf;
         s->pieces[s->pinned].len = size;
         s->room += size;
@@ -694,6 +699,14 @@ static PyObject *native_gather_slabs(PyObject *module, PyObject *args)
         }
         if (sizes[pinned] <= 0) {
             PyErr_Format(PyExc_ValueError, "slab size %zd of view %zd is not positive", sizes[pinned], pinned);
+            pinned++;
+            goto done;
+        }
+        /* Checked before the sum: sizes past a view's bytes, summed, wrapped
+         * row_bytes to 0 and the division by it below raised SIGFPE. */
+        if (sizes[pinned] > views[pinned].len || sizes[pinned] > PY_SSIZE_T_MAX - row_bytes) {
+            PyErr_Format(PyExc_ValueError, "slab size %zd of view %zd is over the view's %zd bytes or overflows the row size",
+                         sizes[pinned], pinned, views[pinned].len);
             pinned++;
             goto done;
         }

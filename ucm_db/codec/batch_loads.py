@@ -47,7 +47,7 @@ from typing import Any, Optional
 import xxhash
 import zstandard
 
-from ucm_db.codec import header as codec_format, native
+from ucm_db.codec import checked_copy, header as codec_format, native
 from ucm_db.codec.header import RAW_TABLES
 from ucm_db.codec.raw_loads import batch_checksum
 from ucm_db.codec.slabs import ScatterSlabs
@@ -169,12 +169,7 @@ class Batch:
         slabs = self._slabs
         args = (heads, stored, kinds, checksums, slabs.views, slabs.slab_bytes, slabs.indices[start : start + n], state,
                 CHUNK_UNITS, CHUNK_BYTES)
-        join = self._beside(lambda: ext.load_units(*args)) if n - skipped >= HELPER_MIN_UNITS else None
-        try:
-            ext.load_units(*args)
-        finally:
-            if join is not None:
-                join()
+        self._load(args, n - skipped >= HELPER_MIN_UNITS)
         results = self._results
         if not skipped and state.count(_LOADED, 8) == n:  # the common case, without a pass per unit
             results[start : start + n] = [True] * n
@@ -188,6 +183,23 @@ class Batch:
                 self._declined(start + k, memoryview(heads[k]), memoryview(stored[k]))
         return [k for k in range(n) if not kinds[k]]
 
+    def _load(self, args: tuple[Any, ...], helped: bool) -> None:
+        """``_native.load_units(*args)`` on the caller's thread, and beside
+        it on a codec thread if ``helped``; slabs it refuses (more views
+        than it takes: a bare ValueError escaped ``get_into``) are a
+        :class:`~ucm_db.errors.ConfigError`, as on the per-unit path."""
+        ext = native.extension()
+        assert ext is not None  # AVAILABLE
+        join = self._beside(lambda: ext.load_units(*args)) if helped else None
+        try:
+            try:
+                ext.load_units(*args)
+            finally:
+                if join is not None:
+                    join()
+        except ValueError as exc:
+            raise checked_copy.slabs_error(args[1][0], exc) from exc
+
     def finish(self) -> None:
         """Loads the units planned so far (the caller, and a codec thread
         through ``beside`` for a large plan): ``results[i]`` becomes True
@@ -199,14 +211,7 @@ class Batch:
         slabs = self._slabs
         args = (self._heads, self._bodies, bytes(self._kinds), bytes(self._checksums), slabs.views, slabs.slab_bytes,
                 self._indices, state, CHUNK_UNITS, CHUNK_BYTES)
-        ext = native.extension()
-        assert ext is not None  # AVAILABLE
-        join = self._beside(lambda: ext.load_units(*args)) if n >= HELPER_MIN_UNITS else None
-        try:
-            ext.load_units(*args)
-        finally:
-            if join is not None:
-                join()
+        self._load(args, n >= HELPER_MIN_UNITS)
         ids, heads, bodies = self._ids, self._heads, self._bodies
         self._clear()
         for k, i in enumerate(ids):

@@ -24,6 +24,9 @@ Invariants:
       buffer after it, and a commit is visible to every handle of the store
       when it returns. A put returns the keys it stored (:class:`Committed`:
       ``PutResult.stored_keys``, so a caller can undo exactly its own put).
+    * A put's units lie whole inside their buffers (:func:`check_units`,
+      checked here and again in the child before any view is taken): one
+      outside is a :class:`~ucm_db.errors.ConfigError` and nothing is stored.
     * One request in flight at a time (a lock): the child answers in order.
       Writing a message takes a second lock of its own, so :meth:`share`
       (a model thread taking a new staging buffer) never waits for a commit
@@ -119,6 +122,31 @@ class SharedChain:
     offset: int
     stride_bytes: int
     unit_bytes: int
+
+
+def check_units(at: int, n_units: int, buffer_id: int, buffer_nbytes: int, offset: Any, stride_bytes: Any, unit_bytes: Any) -> None:
+    """Refuses chain ``at`` unless each of its ``n_units`` units lies whole
+    inside its buffer: ``unit_bytes > 0``, ``offset >= 0``, ``stride_bytes
+    >= unit_bytes`` (equal: units back to back) and the last unit's end
+    within ``buffer_nbytes``. Checked by the caller and again by the child
+    before it takes a view: its slices, Python's, stored a unit past the
+    end as a short or empty block and read a negative offset from the end
+    (another unit's bytes under this key).
+
+    Raises:
+        ConfigError: naming the chain and what is wrong (nothing stored).
+    """
+    hint = "name units inside the shared buffer: SharedChain(keys, buffer.id, offset, stride_bytes, unit_bytes)"
+    for name, value in (("offset", offset), ("stride_bytes", stride_bytes), ("unit_bytes", unit_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"chain {at}: {name} must be an int, got {type(value).__name__}", hint=hint)
+    if unit_bytes <= 0 or offset < 0 or stride_bytes < unit_bytes:
+        raise ConfigError(f"chain {at}: unit_bytes {unit_bytes}, offset {offset}, stride_bytes {stride_bytes}: a unit must have"
+                          " bytes, start at offset >= 0 and the stride be at least unit_bytes", hint=hint)
+    end = offset + (n_units - 1) * stride_bytes + unit_bytes
+    if n_units and end > buffer_nbytes:
+        raise ConfigError(f"chain {at}: its {n_units} units end at byte {end}, past the {buffer_nbytes} bytes of buffer {buffer_id}",
+                          hint=hint)
 
 
 @dataclass(frozen=True)
@@ -225,7 +253,19 @@ class CommitProcess:
                      frame_bytes: Sequence[int] | None = None, event_fields: Mapping[bytes, BlockEventFields] | None = None) -> Committed:
         """``Store.put_segments`` of ``chains``, in the child; ``frame_bytes``:
         each unit is a :class:`ucm_db.Framed` of frames of these lengths
-        (None: plain bytes)."""
+        (None: plain bytes).
+
+        Raises:
+            ConfigError: a chain names a buffer not shared (or dropped), or
+                units not all inside it (:func:`check_units`); nothing sent.
+        """
+        buffers = self._buffers.copy()  # a copy: finalizers pop from it
+        for at, chain in enumerate(chains):
+            if chain.buffer_id not in buffers:
+                raise ConfigError(f"chain {at} names buffer {chain.buffer_id!r}, not one shared with the commit process (or dropped)",
+                                  hint="stage the units in a buffer from committer.share() and keep it until the put returns")
+            check_units(at, len(chain.keys), chain.buffer_id, buffers[chain.buffer_id][1], chain.offset, chain.stride_bytes,
+                        chain.unit_bytes)
         packed = pack_event_fields(event_fields)
         body = {
             "ns": namespace.to_dict(), "codec": codec_name, "frame_bytes": list(frame_bytes) if frame_bytes is not None else None,

@@ -12,7 +12,9 @@ Invariants:
       bound to keys, the prefix invariant, eviction) holds as for any other
       process sharing the store.
     * Payloads are read from the shared buffers in place and copied by the
-      store inside ``put``; no view of a buffer outlives its request, so a
+      store inside ``put``; every unit is checked to lie whole inside its
+      buffer before a view is taken (:func:`ucm_db.committer.check_units`:
+      a ConfigError, nothing stored); no view of a buffer outlives its request, so a
       :data:`~ucm_db.committer.wire.FORGET` can unmap it at once.
     * A failed request is answered (its status and text) and the loop goes
       on; only the socket's end (the parent closed it, or died) or
@@ -33,7 +35,7 @@ from typing import Any
 import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.codec import Framed
-from ucm_db.committer import wire
+from ucm_db.committer import check_units, wire
 from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
 from ucm_db.events import BlockEventFields
 from ucm_db.keys import BlockKeys, Namespace
@@ -111,12 +113,14 @@ def _put(store: ucm_db.Store, buffers: dict[int, mmap.mmap], namespace: Namespac
     segments: list[tuple[BlockKeys, list[Any]]] = []
     views: list[memoryview] = []
     try:
-        for chain in body["chains"]:
+        for at, chain in enumerate(body["chains"]):
             memory = memoryview(buffers[int(chain["buf"])])
             views.append(memory)
             keys = BlockKeys([bytes.fromhex(k) for k in chain["keys"]],
                              parent=bytes.fromhex(chain["parent"]) if chain["parent"] is not None else None)
-            offset, stride, unit_bytes = int(chain["offset"]), int(chain["stride"]), int(chain["unit_bytes"])
+            offset, stride, unit_bytes = chain["offset"], chain["stride"], chain["unit_bytes"]
+            # Again here, before any slice (a request is the parent's word only).
+            check_units(at, len(keys), int(chain["buf"]), memory.nbytes, offset, stride, unit_bytes)
             units = [memory[offset + i * stride:offset + i * stride + unit_bytes] for i in range(len(keys))]
             views.extend(units)
             payloads = [Framed(unit, frame_bytes) for unit in units] if frame_bytes else list(units)

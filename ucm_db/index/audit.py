@@ -9,18 +9,22 @@ transaction of sorted scans instead:
 * ``meta``, ``blocks`` and ``heads`` share their keys, so one merged walk
   over the three finds missing payloads and heads, wrong sizes and orphans.
 * ``children`` is sorted by parent: walked beside ``meta`` it shows every
-  child link whose parent is stored or not.
-* The ``lru`` and ``children`` entries each block implies are compared with
-  the tables as order-free fingerprints (count and a sum of 64-bit hashes).
-  Only where a fingerprint differs are that table's entries looked up one
-  by one (:func:`lru_problems`), so a healthy store never pays for it.
+  child link whose parent is stored or not, and the depth each link's
+  parent gives its child (its own plus one).
+* The ``lru`` and ``children`` entries each block implies, and each
+  block's depth as its parent's link gives it, are compared with the tables
+  as order-free fingerprints (count and a sum of 64-bit hashes). Only where
+  a fingerprint differs are the entries looked up one by one
+  (:func:`lru_problems`, :func:`_parent_problems`), so a healthy store
+  never pays for it.
 
 Invariants:
     * ``audit(txn).problems`` names the same problems, in the same words, as
       checking every block by key would: payload or head missing, wrong
-      size, parent missing, child link missing, no LRU entry,
-      ``blocks``/``heads`` orphans, a damaged metadata record (whose sizes
-      are then not summed). :func:`namespace_problems` compares the
+      size, parent missing, child link missing, a depth that is not its
+      parent's plus one (every parent cycle has one: depths cannot fall by
+      one at each step around a loop), no LRU entry, ``blocks``/``heads``
+      orphans, a damaged metadata record (whose sizes are then not summed). :func:`namespace_problems` compares the
       per-namespace sums with the counter records. A ``blocks`` entry left stuck by a quarantine
       (:mod:`ucm_db.index.damage`) is not an orphan.
     * ``audit(txn).suspect`` holds every table that may have entries whose
@@ -43,6 +47,9 @@ from ucm_db.codec import MAX_RAW_BYTES
 from ucm_db.index.entries import MAX_STORED_BYTES, META, NO_PARENT, BlockMeta, DamagedMeta, lru_key
 
 _MASK = (1 << 64) - 1
+#: A block whose depth is not its parent's plus one: a parent cycle (each
+#: has one) or altered metadata; pin walks stop there (:mod:`ucm_db.index.pins`).
+DEPTH_PROBLEM = "depth is not its parent's plus one (a parent cycle or altered metadata)"
 _hash = xxhash.xxh3_64_intdigest
 
 
@@ -72,7 +79,7 @@ class Audit:
 def audit(txn: Txn) -> Audit:
     """Checks the index against ``meta`` inside ``txn`` (module docstring)."""
     found = Audit()
-    lru_expected = children_expected = children_count = 0
+    lru_expected = children_expected = children_count = depth_expected = 0
     links = _LinkWalk(txn.scan("children"))
     per_namespace = found.per_namespace
     for key, data, stored, head in _three_way(txn.scan("meta"), txn.scan("blocks"), txn.scan("heads")):
@@ -82,14 +89,14 @@ def audit(txn: Txn) -> Audit:
                     found.problems.append(f"{table} entry {key.hex()[:16]} has no metadata (orphan)")
                     found.suspect.add(table)
             continue
-        links.up_to(key)
-        if len(data) != META.size:
+        fields = META.unpack(data) if len(data) == META.size else None  # a tuple: 1M blocks
+        if fields is not None and (fields[3] > MAX_RAW_BYTES or fields[4] > MAX_STORED_BYTES):
+            fields = None
+        links.up_to(key, None if fields is None else fields[2])
+        if fields is None:
             found.problems.append(f"block {key.hex()[:16]}: {_damage(data)}")
             continue
-        namespace_id, parent, depth, raw, size, _created, access_ns, _hits = META.unpack(data)  # a tuple: 1M blocks
-        if raw > MAX_RAW_BYTES or size > MAX_STORED_BYTES:
-            found.problems.append(f"block {key.hex()[:16]}: {_damage(data)}")
-            continue
+        namespace_id, parent, depth, raw, size, _created, access_ns, _hits = fields
         found.blocks += 1
         found.raw_bytes += raw
         found.stored_bytes += size
@@ -104,12 +111,16 @@ def audit(txn: Txn) -> Audit:
         lru_expected += _hash(lru_key(access_ns, depth, key))
         if parent != NO_PARENT:
             children_expected += _hash(parent + key)
+            depth_expected += _hash(parent + key + depth.to_bytes(8, "little"))
             children_count += 1
-    links.up_to(None)
+    links.up_to(None, None)
+    depths_ok = links.depth_sum & _MASK == depth_expected & _MASK
     if links.fingerprint() == Fingerprint(children_count, children_expected & _MASK):
         # Every block's link is there, so the walk saw every block's parent.
         found.problems += [f"block {k.hex()[:16]}: parent missing (prefix invariant broken)" for k in sorted(links.orphaned)]
         children_ok = not links.orphaned
+        if not depths_ok:
+            found.problems += _parent_problems(txn, links=False)
     else:
         found.problems += _parent_problems(txn)
         children_ok = False
@@ -161,40 +172,52 @@ def _fingerprint(keys: Iterator[bytes]) -> Fingerprint:
 class _LinkWalk:
     """Walks ``children`` (sorted by parent) beside the sorted ``meta`` keys:
     a link whose parent sorts before the current block key and was not a
-    block key itself names a missing parent."""
+    block key itself names a missing parent. ``depth_sum`` sums, over the
+    links of whole parents, the hash of the link and the depth the parent
+    gives its child."""
 
     def __init__(self, links: Iterator[tuple[bytes, Buffer]]) -> None:
         self._links = links
         self._current = next(links, None)
-        self._count = self._sum = 0
+        self._count = self._sum = self.depth_sum = 0
         self.orphaned: list[bytes] = []  # children whose parent is missing
 
-    def up_to(self, key: bytes | None) -> None:
-        """Consumes the links whose parent is ``<= key`` (all, for None)."""
+    def up_to(self, key: bytes | None, depth: int | None) -> None:
+        """Consumes the links whose parent is ``<= key`` (all, for None);
+        ``depth`` is ``key``'s (None where its record is damaged)."""
         while self._current is not None and (key is None or self._current[0][:32] <= key):
             link = self._current[0]
             self._count += 1
             self._sum += _hash(link)
             if link[:32] != key:
                 self.orphaned.append(link[32:])
+            elif depth is not None:
+                self.depth_sum += _hash(link + (depth + 1).to_bytes(8, "little"))
             self._current = next(self._links, None)
 
     def fingerprint(self) -> Fingerprint:
         return Fingerprint(self._count, self._sum & _MASK)
 
 
-def _parent_problems(txn: Txn) -> list[str]:
-    """Blocks whose parent is not stored, or whose child link is missing,
+def _parent_problems(txn: Txn, *, links: bool = True) -> list[str]:
+    """Blocks whose parent is not stored, or whose child link is missing
+    (with ``links``), and blocks whose depth is not their parent's plus one,
     looked up one by one."""
     problems = []
     for key, data in txn.scan("meta"):
         meta = meta_or_none(data)
         if meta is None or meta.parent is None:
             continue
-        if txn.get("meta", meta.parent) is None:
-            problems.append(f"block {key.hex()[:16]}: parent missing (prefix invariant broken)")
-        elif txn.get("children", meta.parent + key) is None:
+        parent_data = txn.get("meta", meta.parent)
+        if parent_data is None:
+            if links:
+                problems.append(f"block {key.hex()[:16]}: parent missing (prefix invariant broken)")
+            continue
+        if links and txn.get("children", meta.parent + key) is None:
             problems.append(f"block {key.hex()[:16]}: child link from its parent missing")
+        parent = meta_or_none(parent_data)
+        if parent is not None and meta.depth != parent.depth + 1:
+            problems.append(f"block {key.hex()[:16]}: {DEPTH_PROBLEM} (depth {meta.depth}, its parent's {parent.depth})")
     return problems
 
 

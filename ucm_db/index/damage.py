@@ -267,8 +267,13 @@ def restore_links_in(txn: Txn) -> dict[str, int]:
 
 def restore_link(txn: Txn, key: bytes, parent: bytes) -> bool:
     """Re-adds the child link ``parent`` -> ``key`` where ``parent`` is
-    stored and the link is missing; returns whether it did."""
-    if txn.get("children", parent + key) is not None or txn.get("meta", parent) is None:
+    stored and the link is missing; returns whether it did. Never where
+    ``key``'s depth is not ``parent``'s plus one: a record naming its own
+    descendant as parent would have its link close a cycle of links."""
+    if txn.get("children", parent + key) is not None:
+        return False
+    parent_meta, meta = stored_meta(txn, parent), stored_meta(txn, key)
+    if parent_meta is None or meta is None or meta.depth != parent_meta.depth + 1:
         return False
     txn.put("children", parent + key, b"")
     return True

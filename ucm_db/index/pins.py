@@ -31,10 +31,19 @@ Invariants:
       pinned for a pin that is gone.
     * Pinning and unpinning are idempotent: a second pin at a block, or an
       unpin where none was made, changes nothing.
+    * Every walk to the ancestors (:func:`_upward`) ends: each step's depth
+      must be one less than the last, so it never meets a block twice. A
+      parent link that breaks this (damaged metadata naming a descendant
+      as parent, a parent cycle: a pin looped forever holding the writer
+      lock) ends the walk there, as a block that is not stored does, and is
+      logged; every walk stops at the same link, so the records stay
+      consistent, and ``ucm-db verify`` reports the link (its depth
+      check, :mod:`ucm_db.index.audit`) and ``--fix`` quarantines a cycle.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from ucm_db.engines.base import Txn
@@ -42,6 +51,7 @@ from ucm_db.index import records
 from ucm_db.index.accounting import PIN_COUNTS, PIN_COUNTS_PREFIX, Changes, recount_pins
 from ucm_db.index.entries import PIN_PREFIX, BlockMeta, DamagedPin, PinRecord, meta_and_parent
 
+logger = logging.getLogger("ucm_db")
 INFO = "info"
 #: Problems :func:`problems` lists one by one before it only counts them.
 LISTED_PROBLEMS = 20
@@ -68,6 +78,25 @@ def _parent_of(txn: Txn, key: bytes) -> tuple[BlockMeta | None, bytes | None]:
     return meta_and_parent(txn.get("meta", key))
 
 
+def _upward(txn: Txn, key: bytes | None, below_depth: int | None = None) -> Iterator[tuple[bytes, BlockMeta | None]]:
+    """``key`` and its ancestors with their metadata, child first: to the
+    root, to a block not stored or damaged (yielded with None, last), or to
+    a parent whose depth is not one less than its child's (not yielded;
+    ``below_depth``: the depth of ``key``'s child, if the walk starts
+    above one). Never a block twice (module invariants)."""
+    current, depth = key, below_depth
+    while current is not None:
+        meta, parent = _parent_of(txn, current)
+        if meta is not None and depth is not None and meta.depth != depth - 1:
+            logger.warning("ucm-db: block %s (depth %d) is named as parent by a block of depth %d (a parent cycle or "
+                           "damaged metadata): pins stop below it; run `ucm-db verify --fix`", current.hex()[:16], meta.depth, depth)
+            return
+        yield current, meta
+        if meta is None:
+            return
+        current, depth = parent, meta.depth
+
+
 def pin_at(txn: Txn, changes: Changes, key: bytes) -> int:
     """Makes a pin at the stored block ``key``, pinning it and its
     ancestors; returns how many blocks became pinned (0: a pin was made
@@ -76,9 +105,7 @@ def pin_at(txn: Txn, changes: Changes, key: bytes) -> int:
     if record is not None and record.own:
         return 0
     newly = 0
-    current: bytes | None = key
-    while current is not None:
-        meta, parent = _parent_of(txn, current)
+    for current, meta in _upward(txn, key):
         if meta is None:
             break  # the prefix invariant says stored; a damaged record is quarantined by whoever reads it
         record = read(txn, current)
@@ -89,7 +116,6 @@ def pin_at(txn: Txn, changes: Changes, key: bytes) -> int:
         record.below += 1
         record.own = record.own or current == key
         txn.put(INFO, PIN_PREFIX + current, record.pack())
-        current = parent
     return newly
 
 
@@ -104,16 +130,15 @@ def unpin_at(txn: Txn, changes: Changes, key: bytes) -> int:
     return _decrement(txn, changes, key, 1)
 
 
-def _decrement(txn: Txn, changes: Changes, start: bytes | None, count: int) -> int:
-    """Takes ``count`` pins out of ``start`` and its ancestors; a block left
-    with none loses its record. Returns blocks unpinned."""
+def _decrement(txn: Txn, changes: Changes, start: bytes | None, count: int, below_depth: int | None = None) -> int:
+    """Takes ``count`` pins out of ``start`` and its ancestors (``start``
+    the parent of a block of ``below_depth``, if given); a block left with
+    none loses its record. Returns blocks unpinned."""
     unpinned = 0
-    current = start
-    while current is not None:
+    for current, _meta in _upward(txn, start, below_depth):
         record = read(txn, current)
         if record is None:
             break  # above a block without a record nothing counts these pins
-        _meta, parent = _parent_of(txn, current)
         record.below -= count
         if record.below <= 0:
             changes.add_pinned(record, -1)  # before the record changes: a recount it sets off must still see it
@@ -121,7 +146,6 @@ def _decrement(txn: Txn, changes: Changes, start: bytes | None, count: int) -> i
             unpinned += 1
         else:
             txn.put(INFO, PIN_PREFIX + current, record.pack())
-        current = parent
     return unpinned
 
 
@@ -131,8 +155,8 @@ def release_above(txn: Txn, changes: Changes, key: bytes) -> None:
     record = read(txn, key)
     if record is None:
         return
-    _meta, parent = _parent_of(txn, key)
-    _decrement(txn, changes, parent, record.below)
+    meta, parent = _parent_of(txn, key)
+    _decrement(txn, changes, parent, record.below, None if meta is None else meta.depth)
 
 
 def drop(txn: Txn, changes: Changes, key: bytes) -> None:
@@ -228,10 +252,8 @@ def problems(txn: Txn) -> list[str]:
             found.append(f"info record 'pin/{key.hex()[:16]}' names a block that is not stored")
         elif (meta.namespace_id, meta.stored_bytes) != (record.namespace_id, record.stored_bytes):
             found.append(f"info record 'pin/{key.hex()[:16]}' disagrees with the block's metadata")
-        current: bytes | None = key if record.own else None
-        while current is not None:
+        for current, _meta in _upward(txn, key) if record.own else ():
             expected[current] = expected.get(current, 0) + 1
-            current = _parent_of(txn, current)[1]
     for key in sorted(set(pinned) | set(expected)):
         below = pinned[key].below if key in pinned else 0
         if below != expected.get(key, 0):

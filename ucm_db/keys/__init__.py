@@ -32,10 +32,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, SupportsIndex, Union, overload
 
 from ucm_db.keys import chain as key_chain
+from ucm_db.keys import inputs as key_inputs
 from ucm_db.errors import ConfigError
 
 KEY_BYTES = 32
@@ -137,6 +138,10 @@ class Namespace:
         unknown = sorted(set(data) - valid)
         if unknown:
             raise ConfigError(f"unknown Namespace field(s) {', '.join(unknown)}", hint=f"valid fields: {', '.join(sorted(valid))}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if missing:
+            raise ConfigError(f"a namespace description lacks field(s) {', '.join(missing)}",
+                              hint="pass Namespace.to_dict()'s form: model, kv_dtype and block_size at least")
         return cls(**dict(data))
 
     def root_key(self, extras: Mapping[str, ExtraValue] | None = None, *, epoch: int = 0) -> bytes:
@@ -144,6 +149,7 @@ class Namespace:
         the namespace's ``epoch`` (see module invariants)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < 1 << 64:
             raise ConfigError(f"epoch must be an integer in [0, 2**64), got {epoch!r}", hint="pass Store.epoch(namespace)")
+        key_inputs.check_extras(extras, None)
         h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"ucm-db/root")
         h.update(self.digest)
         canonical = _canonical_extras(extras) if extras else b""
@@ -197,11 +203,14 @@ class Namespace:
             ``store.put(ns, keys[i:j], ...)`` needs no ``parent=``.
         """
         token_ids = _token_sequence(token_ids)
+        start, stop = key_inputs.index_argument("start", start), key_inputs.index_argument("stop", stop)
+        key_inputs.check_extras(extras, block_extras)
         if parent is not None:
             if extras:
                 raise ConfigError("block_keys: pass either parent= or extras=, not both", hint="the parent key already includes the extras")
-            if len(parent) != KEY_BYTES:
-                raise ConfigError(f"parent must be a {KEY_BYTES}-byte key", hint="pass a key returned by block_keys")
+            if not isinstance(parent, (bytes, bytearray, memoryview)) or len(parent) != KEY_BYTES:
+                raise ConfigError(f"parent must be a {KEY_BYTES}-byte key (bytes), got {type(parent).__name__}",
+                                  hint="pass a key returned by block_keys, or None for a chain's first block")
             prev = bytes(parent)
         else:
             prev = self.root_key(extras, epoch=epoch)

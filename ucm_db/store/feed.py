@@ -16,7 +16,10 @@ Invariants:
 
 from __future__ import annotations
 
+import operator
+
 from ucm_db.arguments import require_namespace
+from ucm_db.errors import ConfigError
 from ucm_db.events import ChangeBatch, EventInventory
 from ucm_db.keys import Namespace
 from ucm_db.store.state import StoreState
@@ -35,8 +38,11 @@ class StoreFeed:
         """Change feed records from ``seq`` on (at most ``limit`` seqs;
         of ``namespace`` only, if given), written by any process. One read
         transaction; with nothing new, one record read. ``resync`` set: the
-        reader fell behind the feed's bound: clear, then :meth:`event_inventory`."""
+        reader fell behind the feed's bound: clear, then :meth:`event_inventory`.
+        A ``seq`` that is not an int >= 0, or a ``limit`` that is not an
+        int, is a :class:`~ucm_db.errors.ConfigError`."""
         self._state.check_open()
+        seq, limit = _integer("seq", seq, 0), _integer("limit", limit, None)
         ns_id = None
         if namespace is not None:
             require_namespace(namespace, "changes_since")
@@ -87,3 +93,19 @@ class StoreFeed:
         require_namespace(namespace, "bump_epoch")
         self._state.refuse_read_only("bump_epoch")
         return self._epochs.bump(namespace)
+
+
+def _integer(name: str, value: object, least: int | None) -> int:
+    """``changes_since``' ``seq`` or ``limit`` as an int (a numpy integer
+    too), or a ConfigError: a str seq ("0", read from a file) failed deep
+    in the feed as a TypeError."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError(name)
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if number is None or (least is not None and number < least):
+        raise ConfigError(f"changes_since: {name} must be an integer{'' if least is None else f' >= {least}'}, got {value!r}",
+                          hint="pass seq=store.feed_position() (or a batch's next_seq) and limit as an int")
+    return number

@@ -134,12 +134,15 @@ class StoreWrites:
         Args:
             segments: ``(keys, payloads)`` pairs; each ``keys`` is a
                 :class:`~ucm_db.keys.BlockKeys` (it knows its parent). A
-                segment may continue another one of the same call.
+                segment may continue an earlier segment of the same call
+                (parents are resolved in order: a segment continuing a
+                later one is refused).
             codec_name, event_fields: as for :meth:`put`.
 
         Raises:
             The errors of :meth:`put`; MissingAncestorError if any
-            segment's parent is neither stored nor in the call.
+            segment's parent is neither stored nor in an earlier segment
+            of the call (nothing is stored).
         """
         self._state.check_writable()
         require_namespace(namespace, "put_segments")
