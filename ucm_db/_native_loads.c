@@ -33,9 +33,11 @@
  *       the frame table, then the body (codec_format.head_hasher), compared
  *       with the stored one; a raw unit is hashed chunk by chunk right
  *       before each chunk is copied (one read of each byte); a zstd unit is
- *       verified before it is decoded, each frame decompresses to exactly
- *       the size its table gives, and the planes are merged as
- *       merge_planes_into_slabs does.
+ *       verified before it is decoded, each compressed plane is exactly one
+ *       zstd frame (ZSTD_findFrameCompressedSize is the plane's whole
+ *       length; not a skippable frame) that decompresses to exactly the size
+ *       its table gives (zstd_exact: the Python path's rule, codec/decoding.py
+ *       _zstd_bytes and _zstd_into), and the planes are merged as merge_planes_into_slabs does.
  *     * A DECLINED unit may have written part of its slabs (as a failed
  *       get_into block may); the Python path writes it again whole or
  *       reports it failed.
@@ -82,6 +84,7 @@ static struct {
     size_t (*decompress)(void *, void *, size_t, const void *, size_t);
     unsigned (*is_error)(size_t);
     unsigned long long (*content_size)(const void *, size_t);
+    size_t (*frame_bytes)(const void *, size_t);
 } zstd;
 static int xxh_bound, zstd_bound;
 /* The XXH3 update symbol bound: the library's runtime-dispatched one (AVX2
@@ -90,6 +93,7 @@ static int xxh_bound, zstd_bound;
 static const char *xxh_update_name;
 static const char XXH_UPDATE_DISPATCH[] = "XXH3_64bits_update_dispatch";
 #define ZSTD_SIZE_UNKNOWN (0ULL - 1)
+#define ZSTD_MAGIC 0xFD2FB528U
 
 static int bind_symbols(void *lib, const char *const names[], void **slots, int n)
 {
@@ -150,7 +154,7 @@ PyObject *native_bind_loads(PyObject *module, PyObject *args)
     static const char *const xxh_names[] = {"XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset",
                                             "XXH3_64bits_update", "XXH3_64bits_digest"};
     static const char *const zstd_names[] = {"ZSTD_createDCtx", "ZSTD_freeDCtx", "ZSTD_decompressDCtx", "ZSTD_isError",
-                                             "ZSTD_getFrameContentSize"};
+                                             "ZSTD_getFrameContentSize", "ZSTD_findFrameCompressedSize"};
     PyObject *xxh_paths, *zstd_paths;
     (void)module;
     if (!PyArg_ParseTuple(args, "OO:bind_loads", &xxh_paths, &zstd_paths)) {
@@ -164,7 +168,7 @@ PyObject *native_bind_loads(PyObject *module, PyObject *args)
     if (xxh_path == NULL) {
         return NULL;
     }
-    PyObject *zstd_path = zstd_bound ? Py_NewRef(Py_None) : bind_first(zstd_paths, zstd_names, (void **)&zstd, 5, &zstd_bound,
+    PyObject *zstd_path = zstd_bound ? Py_NewRef(Py_None) : bind_first(zstd_paths, zstd_names, (void **)&zstd, 6, &zstd_bound,
                                                                               NULL, 0, NULL);
     if (zstd_path == NULL) {
         Py_DECREF(xxh_path);
@@ -222,10 +226,36 @@ PyObject *native_xxh3_parts(PyObject *module, PyObject *args)
     return PyLong_FromUnsignedLongLong(digest);
 }
 
+static uint32_t read_u32(const uint8_t *p);
+
+/* Decompresses src into out, src being exactly one zstd frame (its
+ * compressed size all of src, not a skippable frame) whose content size,
+ * where it states one, and output are exactly n_out bytes; whether it was.
+ * ZSTD_decompressDCtx alone decodes every frame concatenated in src (and
+ * skips skippable ones), so a plane of two frames would load here and be
+ * corrupt on the Python path. */
+static int zstd_exact(void *dctx, uint8_t *out, size_t n_out, const uint8_t *src, size_t n_src)
+{
+    if (n_src < 4 || read_u32(src) != ZSTD_MAGIC) {
+        return 0;
+    }
+    size_t whole = zstd.frame_bytes(src, n_src);
+    if (zstd.is_error(whole) || whole != n_src) {
+        return 0;
+    }
+    unsigned long long claimed = zstd.content_size(src, n_src);
+    if (claimed != ZSTD_SIZE_UNKNOWN && claimed != (unsigned long long)n_out) {
+        return 0; /* also ZSTD_CONTENTSIZE_ERROR */
+    }
+    size_t got = zstd.decompress(dctx, out, n_out, src, n_src);
+    return !zstd.is_error(got) && got == n_out;
+}
+
 PyObject *native_zstd_decompress(PyObject *module, PyObject *args)
 {
     /* zstd_decompress(frame, size) -> bytes | None: the bound decompressor's
-     * output of exactly size bytes (None if it fails or differs). */
+     * output of exactly size bytes from exactly one frame (zstd_exact; None
+     * if it fails or differs). */
     Py_buffer src;
     Py_ssize_t size;
     (void)module;
@@ -239,8 +269,8 @@ PyObject *native_zstd_decompress(PyObject *module, PyObject *args)
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, size);
     void *dctx = zstd.create();
-    size_t got = (out != NULL && dctx != NULL) ? zstd.decompress(dctx, PyBytes_AS_STRING(out), (size_t)size, src.buf, (size_t)src.len) : 0;
-    int ok = out != NULL && dctx != NULL && !zstd.is_error(got) && got == (size_t)size;
+    int ok = out != NULL && dctx != NULL &&
+             zstd_exact(dctx, (uint8_t *)PyBytes_AS_STRING(out), (size_t)size, src.buf, (size_t)src.len);
     if (dctx != NULL) {
         zstd.free_ctx(dctx);
     }
@@ -379,13 +409,8 @@ static int load_shuffled(tools_t *t, const uint8_t *head, size_t head_bytes, con
                 return 0;
             }
             if (mask >> j & 1) {
-                unsigned long long claimed = zstd.content_size(frame + at, length);
-                if (claimed != ZSTD_SIZE_UNKNOWN && claimed != plane_bytes) {
-                    return 0;
-                }
                 uint8_t *out = t->scratch + j * plane_bytes;
-                size_t got = zstd.decompress(t->dctx, out, plane_bytes, frame + at, length);
-                if (zstd.is_error(got) || got != plane_bytes) {
+                if (!zstd_exact(t->dctx, out, plane_bytes, frame + at, length)) {
                     return 0;
                 }
                 planes[j].buf = out;

@@ -6,8 +6,18 @@ Invariants:
       bytes are reported decoded; a raw body is verified as it is copied
       (:mod:`ucm_db.codec.checked_copy`).
     * A zstd frame never decompresses to more than the frame table says
-      (no decompression bombs); any mismatch is a
-      :class:`~ucm_db.errors.CorruptBlockError`.
+      (no decompression bombs). A whole frame decompresses straight into
+      its place (past :data:`_COPIED_FRAME_BYTES`: never into an object of
+      its size that is then copied, so a block costs its raw size once); a
+      plane is merged straight from the object zstandard returns.
+    * A zstd frame or plane is exactly one zstd frame: its compressed size
+      (as ``ZSTD_findFrameCompressedSize`` walks it) is the whole stored
+      length, and its content size, where it states one, and its output are
+      exactly what the table says. The native batch load
+      (``_native_loads.c``) holds the same rule, so both paths load the
+      same blocks. Any mismatch is a :class:`~ucm_db.errors.CorruptBlockError`.
+    * A scatter list too small for a block larger than a thread's kept
+      scratch is refused before anything of the block's size is allocated.
 """
 
 from __future__ import annotations
@@ -77,6 +87,8 @@ def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence
     shuffled frames merges each frame straight into its place among
     ``outs`` (no staging copy); any other block, or outs whose pieces end
     inside an element, goes through this thread's (hot) scratch buffer."""
+    if header.raw_len > _SCRATCH_KEEP_BYTES:  # the scratch (or a frame's planes) would be allocated for it
+        _require_room(outs, header.raw_len)
     frames = frame_table(head, header.raw_len, len(body))
     if all(frame[4] == MODE_SHUFFLE for frame in frames):
         try:
@@ -87,6 +99,16 @@ def _decode_scattered(head: Buffer, body: Buffer, header: Header, outs: Sequence
     source = _scratch(header.raw_len)
     _decode_verified(head, body, header, source)
     return checked_copy.copy_out(source, list(outs))  # one C call however many pieces
+
+
+def _require_room(outs: Sequence[Buffer], raw_len: int) -> None:
+    """A :class:`ConfigError` unless ``outs`` hold at least ``raw_len`` bytes."""
+    room = sum(memoryview(out).nbytes for out in outs)
+    if room < raw_len:
+        raise ConfigError(
+            f"output buffers of {room} bytes are smaller than the block's {raw_len}",
+            hint="pass get_into buffers at least as large as the stored blocks",
+        )
 
 
 #: A frame of a block's table: (raw_at, raw_len, body_at, stored_len, mode, element_bytes, mask).
@@ -178,7 +200,10 @@ def _decode_frame(stored: memoryview, out: memoryview, mode: int, elem: int, mas
             raise CorruptBlockError("raw frame length mismatch")
         out[:] = stored
     elif mode == MODE_ZSTD:
-        out[:] = _zstd_exact(stored, len(out))
+        if len(out) <= _COPIED_FRAME_BYTES:
+            out[:] = _zstd_bytes(stored, len(out))
+        else:
+            _zstd_into(stored, out)
     elif mode == MODE_SHUFFLE:
         _unshuffle(shuffled_planes(stored, len(out), elem, mask), out, elem)
     else:
@@ -200,7 +225,7 @@ def shuffled_planes(stored: memoryview, raw_len: int, elem: int, mask: int) -> l
             raise CorruptBlockError("shuffle plane exceeds the frame")
         at += length
         if mask >> i & 1:
-            planes.append(_zstd_exact(part, plane_len))
+            planes.append(_zstd_bytes(part, plane_len))
         elif length == plane_len:
             planes.append(part)
         else:
@@ -217,19 +242,93 @@ def merge_shuffled(body: memoryview, frames: Sequence[Frame], merge: Callable[[l
         merge(shuffled_planes(body[body_at : body_at + stored_len], raw_len, elem, mask), elem, raw_at)
 
 
-def _zstd_exact(data: memoryview, size: int) -> bytes:
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+#: A whole zstd frame up to this size is decompressed by zstandard's one
+#: call and copied into place; a larger one straight into place
+#: (:func:`_zstd_into`). A stream reader costs about 1.5 us more per frame,
+#: more than the copy below this size (16 KiB: 8.8 against 10.4 us; 64 KiB:
+#: 30.4 against 31.7 us; 256 KiB: 121 against 120 us; 4 MiB: 2.18 against
+#: 1.97 ms, CPU time on a loaded 2-core AVX2 host), and the copy's memory is
+#: bounded by it: what a block costs stays its raw size, plus this.
+_COPIED_FRAME_BYTES = 128 << 10
+_ZSTD_BLOCK_RLE, _ZSTD_BLOCK_RESERVED = 1, 3
+_ZSTD_CHECKSUM_FLAG = 4
+
+
+def zstd_frame_bytes(data: memoryview) -> int:
+    """The compressed size of the zstd frame ``data`` starts with, walked as
+    ``ZSTD_findFrameCompressedSize`` walks it (header, blocks, checksum);
+    -1 if ``data`` starts with no zstd frame (a skippable frame is none) or
+    ends inside its header or blocks. A frame of ``len(data)`` bytes is
+    what the codec stores; anything after it is not."""
+    if len(data) < 5 or bytes(data[:4]) != _ZSTD_MAGIC:
+        return -1
     try:
-        # zstandard allocates a frame's own content size and then ignores
-        # max_output_size: refuse any claim other than the table's first.
-        claimed = zstandard.frame_content_size(data)
-        if claimed not in (-1, size):
-            raise CorruptBlockError(f"zstd frame claims {claimed} bytes where the block table says {size}")
-        result = _decompressor().decompress(data, max_output_size=size)
+        at = zstandard.frame_header_size(data)
+    except zstandard.ZstdError:
+        return -1
+    while at + 3 <= len(data):
+        block = int.from_bytes(data[at : at + 3], "little")  # last-block bit, 2 bits type, 21 bits size
+        kind = block >> 1 & 3
+        if kind == _ZSTD_BLOCK_RESERVED:
+            return -1
+        at += 3 + (1 if kind == _ZSTD_BLOCK_RLE else block >> 3)
+        if block & 1:
+            at += 4 if data[4] & _ZSTD_CHECKSUM_FLAG else 0
+            return at if at <= len(data) else -1
+    return -1
+
+
+def _check_claim(data: memoryview, size: int) -> None:
+    """Refuses ``data`` that starts with no zstd frame (a skippable frame is
+    none), or whose frame claims a content size other than ``size``:
+    zstandard would allocate what a frame claims, whatever it is told."""
+    claimed = zstandard.frame_content_size(data)  # 0 for a skippable frame: its magic is checked then only
+    if claimed not in (-1, size) or (claimed == 0 and bytes(data[:4]) != _ZSTD_MAGIC):
+        raise CorruptBlockError(f"zstd frame claims {claimed} bytes where the block table says {size}")
+
+
+def _zstd_bytes(data: memoryview, size: int) -> bytes:
+    """The ``size`` bytes of a compressed plane (merged straight from the
+    object zstandard returns), or of a small whole frame. zstandard checks
+    that ``data`` is exactly one frame (``allow_extra_data=False``: an empty
+    or skippable frame after it, or a second frame, is an error)."""
+    try:
+        _check_claim(data, size)
+        plane = _decompressor().decompress(data, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptBlockError(f"zstd: {exc}") from exc
-    if len(result) != size:
+    if len(plane) != size:
         raise CorruptBlockError("decompressed size mismatch")
-    return result
+    return plane
+
+
+def _zstd_into(data: memoryview, out: memoryview) -> None:
+    """Decompresses ``data`` straight into ``out`` (a whole frame: no object
+    of its size is made and copied): it must be exactly one zstd frame
+    (:func:`zstd_frame_bytes` is its length) of ``len(out)`` bytes."""
+    size = len(out)
+    try:
+        _check_claim(data, size)
+        if zstd_frame_bytes(data) != len(data):
+            raise CorruptBlockError("zstd data is not exactly one frame")
+        reader = _decompressor().stream_reader(data, read_across_frames=False, closefd=False)
+        try:
+            got = 0
+            while got < size:
+                n = reader.readinto(out[got:])
+                if not n:
+                    break
+                got += n
+            # One more read runs the frame to its end (its checksum; a frame
+            # stating no content size that would run past the table's size).
+            exact = got == size and not reader.readinto(bytearray(1))
+        finally:
+            del reader  # it holds an export of data (a read transaction's view) until freed, even closed
+        if not exact:
+            raise CorruptBlockError("decompressed size mismatch")
+    except zstandard.ZstdError as exc:
+        raise CorruptBlockError(f"zstd: {exc}") from exc
 
 
 def transcode(blob: Buffer, key: bytes, *, codec: str, element_bytes: int, level: int = 1) -> Buffer:

@@ -7,7 +7,10 @@ Invariants:
     * A frame or plane is kept compressed only if it shrinks below
       ``_KEEP_COMPRESSED_RATIO`` of its size; else it is stored raw.
     * Every argument is checked first: a bad one is a
-      :class:`~ucm_db.errors.ConfigError` and nothing is encoded.
+      :class:`~ucm_db.errors.ConfigError` and nothing is encoded. So is a
+      block of more than :data:`~ucm_db.codec.header.MAX_RAW_BYTES` raw
+      bytes, which no reader would take back (checked from the frames'
+      lengths, before a byte of them is read).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import zstandard
 
 from ucm_db.codec import native
 from ucm_db.codec.header import (
-    CHECKSUM_OFFSET, CODEC_FORMAT_VERSION, CODEC_IDS, FRAME_STRUCT, HEADER_STRUCT, MAGIC, MAX_FRAMES, MODE_RAW, MODE_SHUFFLE,
-    MODE_ZSTD, Buffer,
+    CHECKSUM_OFFSET, CODEC_FORMAT_VERSION, CODEC_IDS, FRAME_STRUCT, HEADER_STRUCT, MAGIC, MAX_FRAMES, MAX_RAW_BYTES, MODE_RAW,
+    MODE_SHUFFLE, MODE_ZSTD, Buffer,
 )
 from ucm_db.errors import ConfigError
 
@@ -205,11 +208,14 @@ def encode_parts(
     if len(frames.frame_bytes if isinstance(frames, Framed) else frames) > MAX_FRAMES:
         raise ConfigError(f"at most {MAX_FRAMES} frames per block", hint="merge layers into fewer frames")
     if isinstance(frames, Framed):
+        _require_raw_bytes(sum(frames.frame_bytes))
         if codec == "none":
             return _encode_framed_raw(key, frames)
         groups = _zstd_groups_of_framed(frames, element_bytes)
     else:
         views = [memoryview(frame).cast("B") for frame in frames]
+        if codec != "none":  # codec none reads nothing before _sealed: checked there, from the table's sum
+            _require_raw_bytes(sum(map(len, views)))
         groups = views if codec == "none" else _zstd_groups_of_views(views, element_bytes)
     table: list[bytes] = []
     parts: list[Buffer] = []
@@ -221,7 +227,17 @@ def encode_parts(
         parts.extend(stored)
         raw_len += len(view)
         body_len += stored_len
+    _require_raw_bytes(raw_len)
     return _sealed(key, codec, table, parts, raw_len, body_len)
+
+
+def _require_raw_bytes(raw_len: int) -> None:
+    """A :class:`ConfigError` for a block larger than a reader takes back."""
+    if raw_len > MAX_RAW_BYTES:
+        raise ConfigError(
+            f"a block of {raw_len} raw bytes is larger than the {MAX_RAW_BYTES} (4 GiB) a stored block may hold",
+            hint="store fewer tokens per block (a smaller block_size), or the KV of fewer layers per block",
+        )
 
 
 def _zstd_runs(frame_bytes: Sequence[int], element_bytes: int) -> list[range]:

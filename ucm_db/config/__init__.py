@@ -104,7 +104,8 @@ class StoreConfig:
             BENCHMARKS.md); on a fast shared directory more threads only
             contend for the CPU.
         remote_max_object_bytes: the largest remote object this store
-            reads (a larger one is a miss, never read into memory): it
+            reads, and the largest block one may declare it decodes to (a
+            larger one is a miss, never read into memory nor decoded): it
             bounds what one hostile object can cost a reader, about twice
             this per concurrent read. Raise it only for KV blocks over
             256 MiB.

@@ -14,7 +14,12 @@ Invariants:
       remote); its buffer is dropped.
     * An object stating more than the root's ``max_object_bytes`` raises
       :class:`ObjectTooLargeError` after its first request: it is refused,
-      never read further (counted as ``too_large``, not as ``corrupt``).
+      never read further (counted as ``too_large``, not as ``corrupt``). So
+      does one whose codec header declares a block of more raw bytes than
+      that (:func:`check_raw_bytes`): a small object can declare a huge
+      block (one zstd frame of zeros), and the block's raw size is what a
+      read of it decodes once promoted. An encrypted object's header is
+      read once it is opened (``RemoteTier.fetch`` checks it there).
     * Budget: every object of a call takes its whole stated size from the
       call's :class:`ByteBudget` before its bytes are kept, in the order of
       the call's keys (``index``): an object waits for the ones before it to
@@ -32,8 +37,9 @@ import threading
 import time
 from typing import Protocol
 
+from ucm_db import codec
 from ucm_db.errors import CorruptBlockError
-from ucm_db.remote.envelope import stated_object_bytes
+from ucm_db.remote.envelope import ENVELOPE_BYTES, is_sealed, stated_object_bytes
 
 
 class ObjectSource(Protocol):
@@ -58,8 +64,20 @@ MAX_REMOTE_CHUNK_BYTES = 64 << 20
 
 
 class ObjectTooLargeError(CorruptBlockError):
-    """A remote object states more bytes than this store reads
-    (``remote_max_object_bytes``): refused unread."""
+    """A remote object states more bytes than this store reads, or declares
+    a block of more raw bytes than that (``remote_max_object_bytes``):
+    refused before it is promoted."""
+
+
+def check_raw_bytes(raw_len: int, max_object_bytes: int) -> None:
+    """Raises :class:`ObjectTooLargeError` for an object whose block is
+    ``raw_len`` raw bytes, more than ``max_object_bytes``
+    (``remote_max_object_bytes``) allows: with the object's own size, what
+    bounds what it costs a reader (docs/configuration.md)."""
+    if raw_len > max_object_bytes:
+        raise ObjectTooLargeError(
+            f"remote object declares a block of {raw_len} raw bytes, more than remote_max_object_bytes ({max_object_bytes})"
+        )
 
 
 class ReadAbandoned(Exception):
@@ -179,7 +197,8 @@ def read_object(root: ObjectSource, path: str, key: bytes, first_read_bytes: int
     object's stated size stays taken from it (the caller gives it back).
 
     Raises:
-        ObjectTooLargeError: states more than ``root.max_object_bytes``.
+        ObjectTooLargeError: states more than ``root.max_object_bytes``,
+            or (unencrypted) declares a block of more raw bytes than that.
         CorruptBlockError: bad envelope or codec header, or an object
             shorter or longer than it states.
         ReadAbandoned: deadline, budget or abandoned call.
@@ -194,6 +213,8 @@ def read_object(root: ObjectSource, path: str, key: bytes, first_read_bytes: int
         stated = stated_object_bytes(first, key)
         if stated > root.max_object_bytes:
             raise ObjectTooLargeError(f"remote object states {stated} bytes, more than the {root.max_object_bytes} this store reads")
+        if not is_sealed(first):  # stated_object_bytes read its codec header
+            check_raw_bytes(codec.raw_len_of_head(memoryview(first)[ENVELOPE_BYTES:]), root.max_object_bytes)
         whole = len(first) < first_read_bytes
         if whole and len(first) != stated:
             raise CorruptBlockError(f"remote object of {len(first)} bytes states {stated}")

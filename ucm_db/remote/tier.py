@@ -31,7 +31,9 @@ Invariants:
       :attr:`RemoteRoot.max_object_bytes` (the store's
       ``remote_max_object_bytes``, at most :data:`MAX_OBJECT_BYTES`; a
       larger one is refused unread, a miss counted in
-      :attr:`RemoteStats.too_large`), and at most that many bytes (plus one,
+      :attr:`RemoteStats.too_large` and logged once per path, as is one
+      whose codec header declares a block of more raw bytes than that,
+      before it is promoted), and at most that many bytes (plus one,
       to see an object longer than stated) are read, in chunks within the
       caller's deadline and byte budget (:mod:`ucm_db.remote.object_reads`).
       An object shorter or longer than its header states is corrupt (a miss).
@@ -74,7 +76,7 @@ from ucm_db.remote import manifests as remote_manifests
 from ucm_db.remote.manifests import (  # noqa: F401 - re-exported
     MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestError, NamespaceListing, is_namespace_id,
 )
-from ucm_db.remote.object_reads import ObjectTooLargeError, ReadLimits, read_object
+from ucm_db.remote.object_reads import ObjectTooLargeError, ReadLimits, check_raw_bytes, read_object
 from ucm_db.remote.sealing import SealingKeys
 from ucm_db.remote.envelope import (  # noqa: F401 - re-exported
     ENVELOPE_BYTES, MAX_OBJECT_BYTES, OBJECT_FORMAT_VERSION, OBJECT_MAGIC, PROBE_BYTES, RemoteObject, pack_object,
@@ -103,7 +105,7 @@ class RemoteStats:
     bytes_read: int = 0
     bytes_written: int = 0
     not_regular: int = 0
-    #: Objects refused unread: stating more than ``max_object_bytes``.
+    #: Objects refused: stating more than ``max_object_bytes``, or a block of more raw bytes than that.
     too_large: int = 0
     unauthenticated: int = 0
     mac_mismatch: int = 0
@@ -138,6 +140,7 @@ class RemoteRoot:
         #: at most :data:`MAX_QUARANTINED`. Nothing is moved on the remote:
         #: other nodes share it, and an operator decides.
         self.quarantined: dict[str, str] = {}
+        self._told_too_large: set[str] = set()
 
     @property
     def is_local(self) -> bool:
@@ -201,6 +204,17 @@ class RemoteRoot:
                 self.quarantined[path] = why
         if new:
             _log.warning("remote %s: %s; it reads as a miss (hint: remove it from the remote)", self.root, why)
+
+    def refuse_too_large(self, path: str, why: str) -> None:
+        """Counts an object refused for its size (``too_large``); logs it once per path."""
+        with self._lock:
+            self.stats.too_large += 1
+            new = path not in self._told_too_large and len(self._told_too_large) < MAX_QUARANTINED
+            if new:
+                self._told_too_large.add(path)
+        if new:
+            _log.warning("remote %s: %s at %s; it reads as a miss (hint: raise remote_max_object_bytes if real KV blocks "
+                         "are this large)", self.root, why, path)
 
     # -- manifests (ucm_db.remote.manifests) ------------------------------
     def ensure_manifest(self, namespace_id: bytes, description: dict[str, Any]) -> None:
@@ -272,8 +286,9 @@ class RemoteTier(Tier):
             if data is None:
                 return None
             obj = unpack_object(data, key, self.remote.auth, self.remote.sealing)
-        except ObjectTooLargeError:
-            self.remote.count(too_large=1)
+            check_raw_bytes(obj.raw_bytes, self.remote.max_object_bytes)  # an encrypted one's header is read only now
+        except ObjectTooLargeError as exc:
+            self.remote.refuse_too_large(self.path(key), exc.message)
             return None
         except CorruptBlockError:
             self.remote.count(corrupt=1)
