@@ -12,7 +12,7 @@ import pytest
 from ucm_db import codec
 from ucm_db.remote.tier import RemoteRoot, RemoteTier
 
-from cli_stores import NS_A, chain_keys, invoke, invoke_json, payload
+from cli_stores import NS_A, NS_B, chain_keys, invoke, invoke_json, payload
 
 DAY_S = 86400
 
@@ -79,15 +79,19 @@ def test_gc_keeps_new_objects_whose_ancestors_are_still_uploading(tmp_path: Path
     deeper blocks may land before their ancestors: their parent is absent,
     not removed. gc (here with one unrelated old victim, which starts the
     cascade) must leave them; an object whose parent has been missing past
-    the grace age is an orphan and goes."""
+    the grace age is an orphan and goes. The victim lies in another
+    namespace: in theirs it would wait, since any object there may be an
+    ancestor of the uploading blocks (tests/remote/test_gc_inflight.py)."""
     from ucm_db.remote.gc import ORPHAN_GRACE_S
 
     url = f"file://{tmp_path / 'remote'}"
     tier = own_tier(url)
+    RemoteRoot.from_url(url).ensure_manifest(NS_B.digest[:16], NS_B.to_dict())
+    other = RemoteRoot.from_url(url).tier(NS_B.digest[:16])
     old_s = time.time() - 10 * DAY_S
-    victim = chain_keys(NS_A, "old", 1)[0]
-    tier.store(victim, None, codec.encode(victim, payload("old", 0), codec="none"))
-    os.utime(tier.path(victim), (old_s, old_s))
+    victim = chain_keys(NS_B, "old", 1)[0]
+    other.store(victim, None, codec.encode(victim, payload("old", 0), codec="none"))
+    os.utime(other.path(victim), (old_s, old_s))
     uploading = chain_keys(NS_A, "up", 6)  # blocks 3-5 arrived, 0-2 still queued
     for i in range(3, 6):
         tier.store(uploading[i], uploading[i - 1], codec.encode(uploading[i], payload("up", i), codec="none"))
@@ -100,7 +104,7 @@ def test_gc_keeps_new_objects_whose_ancestors_are_still_uploading(tmp_path: Path
     r = invoke_json("gc", url, "--older-than", "7d")
     assert r["removed_by_rule"] == 1 and r["removed_descendants"] == 2
     assert present(url, uploading[3:]) == [True] * 3
-    assert present(url, [victim, *orphan[1:]]) == [False] * 3
+    assert present(url, orphan[1:]) == [False] * 2 and other.exists([victim]) == [False]
 
 
 def test_an_object_of_unknown_age_with_an_absent_parent_is_kept() -> None:

@@ -42,11 +42,19 @@ write-back uploader sends a queue in key order, so a chain's deeper
 blocks often land before their ancestors, which are on their way. Only
 an object whose parent has been missing for longer than
 :data:`ORPHAN_GRACE_S` (its own age) is taken for an orphan and removed
-with its descendants.
+with its descendants. A younger one is uploading, and its youth cannot be
+carried up past the absent parent: an object names only its parent, so any
+object of its namespace may be its ancestor (an old one, or a "leaf" whose
+child is in flight). So the rules remove nothing in such a namespace this
+run: they choose as if nothing were held, and their choices there wait
+(``held_*`` in the report): the other namespaces lose no more for it.
 
 Invariants:
     * Safe beside live servers: objects are immutable, and a deleted object
       is a miss for a reader, never wrong bytes.
+    * Never a possible ancestor of an upload in flight: a rule removes
+      nothing in a namespace with an object whose parent is absent for less
+      than :data:`ORPHAN_GRACE_S` (or of unknown age).
     * A rule never leaves a descendant of what it removes behind: the age
       rule takes whole subtrees, the size rule leaves; the cascade
       (``removed_descendants``) is what no chain root holds up (broken,
@@ -92,6 +100,22 @@ class RemoteObjectInfo:
     mtime_s: float
     parent: bytes | None = None
     broken: bool = False
+
+    @property
+    def namespace_dir(self) -> str:
+        """Its namespace directory: its path less ``/<key[0]>/<key>``."""
+        return self.path.rsplit("/", 2)[0]
+
+
+@dataclass
+class Removals:
+    """:func:`plan_removals`' paths (``held``: victims that wait) and the namespaces of :func:`uploading_objects`."""
+
+    victims: set[str]
+    cascade: set[str]
+    held: set[str]
+    frozen: set[str]
+    uploading: int
 
 
 @dataclass
@@ -212,23 +236,40 @@ def subtree_youngest_mtimes(objects: list[RemoteObjectInfo]) -> dict[str, float]
 
 def choose_victims(objects: list[RemoteObjectInfo], *, older_than_s: float | None, max_bytes: int | None,
                    now_s: float) -> tuple[set[str], set[str]]:
-    """Paths to delete: (by the rules, the cascade of
-    :func:`orphaned_descendants`); see the module docstring. Both empty when
-    no rule removes anything (broken objects and orphans then wait for a run
-    that does, as they always have)."""
+    """Paths to delete: (by the rules, the cascade); :func:`plan_removals`."""
+    plan = plan_removals(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
+    return plan.victims, plan.cascade
+
+
+def uploading_objects(objects: list[RemoteObjectInfo], now_s: float) -> list[RemoteObjectInfo]:
+    """Objects whose parent is absent for under :data:`ORPHAN_GRACE_S` (or of unknown age): on its way."""
+    keys = {o.key for o in objects}
+    return [o for o in objects if o.parent is not None and not o.broken and o.parent not in keys
+            and not (o.mtime_s > 0 and now_s - o.mtime_s > ORPHAN_GRACE_S)]
+
+
+def plan_removals(objects: list[RemoteObjectInfo], *, older_than_s: float | None, max_bytes: int | None,
+                  now_s: float) -> Removals:
+    """The rules' victims, less those in a namespace with an upload in
+    flight (``held``), and the cascade of :func:`orphaned_descendants`: both
+    empty when no rule removes anything (broken objects and orphans then
+    wait for a run that does, as they always have)."""
+    uploading = uploading_objects(objects, now_s)
+    frozen = {o.namespace_dir for o in uploading}
     victims: set[str] = set()
     if older_than_s is not None:
         victims = {path for path, mtime_s in subtree_youngest_mtimes(objects).items() if now_s - mtime_s > older_than_s}
     total_bytes = sum(o.size_bytes for o in objects)
-    if not victims and (max_bytes is None or total_bytes <= max_bytes):
-        return set(), set()
-    cascade = orphaned_descendants(objects, victims, now_s=now_s)
-    if max_bytes is not None:
-        gone = victims | cascade
+    if max_bytes is not None and (victims or total_bytes > max_bytes):
+        gone = victims | orphaned_descendants(objects, victims, now_s=now_s)
         excess_bytes = total_bytes - sum(o.size_bytes for o in objects if o.path in gone) - max_bytes
         if excess_bytes > 0:
             victims |= oldest_tails(objects, gone, excess_bytes)
-    return victims, cascade
+    # Chosen as if nothing were held, so a hold never makes the size rule take more elsewhere.
+    held = {o.path for o in objects if o.path in victims and o.namespace_dir in frozen}
+    victims -= held
+    cascade = orphaned_descendants(objects, victims, now_s=now_s) if victims else set()
+    return Removals(victims, cascade, held, frozen, len(uploading))
 
 
 def oldest_tails(objects: list[RemoteObjectInfo], gone: set[str], excess_bytes: int) -> set[str]:
@@ -328,9 +369,9 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     now_s = time.time() if now_s is None else now_s
     listing = list_objects(root)
     objects = listing.objects
-    victims, cascade = choose_victims(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
+    plan = plan_removals(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
     stale_temps = [p for p, m in listing.temps if now_s - m > TEMP_MAX_AGE_S]
-    doomed = removal_order(objects, victims | cascade)
+    doomed = removal_order(objects, plan.victims | plan.cascade)
     sizes = {o.path: o.size_bytes for o in objects}
     if not dry_run:
         for path in doomed + stale_temps:
@@ -342,7 +383,16 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     freed = sum(sizes[p] for p in doomed)
     return {
         "objects_before": len(objects), "bytes_before": total, "removed_objects": len(doomed),
-        "removed_by_rule": len(victims), "removed_descendants": len(cascade), "removed_bytes": freed,
+        "removed_by_rule": len(plan.victims), "removed_descendants": len(plan.cascade), "removed_bytes": freed,
         "bytes_after": total - freed, "temp_files_removed": len(stale_temps), "skipped_entries": listing.skipped_entries,
-        "dry_run": dry_run,
+        "held_by_rule": len(plan.held), "held_namespaces": len(plan.frozen), "held_reason": held_reason(plan), "dry_run": dry_run,
     }
+
+
+def held_reason(plan: Removals) -> str | None:
+    """Why the rules removed nothing in ``plan.frozen`` (None: none held)."""
+    if not plan.frozen:
+        return None
+    return (f"{plan.uploading} objects have a parent absent for under {ORPHAN_GRACE_S / 60:.0f} min (still uploading), and any "
+            f"object of their {len(plan.frozen)} namespaces may be its ancestor: no rule removes anything there this run "
+            f"({len(plan.held)} objects wait); rerun gc once the nodes' upload queues have drained")
