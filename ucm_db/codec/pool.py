@@ -16,6 +16,9 @@ Invariants:
       fetching and promoting, and :meth:`PendingDecodes.join` returns only
       when every decode has finished, so no result lands after the read
       that asked for it has returned.
+    * Work handed to the pool once it is shut down (the store closed) raises
+      :class:`~ucm_db.errors.ClosedError`, never the executor's
+      ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, TypeVar, Union, cast
 from ucm_db import codec
 from ucm_db.cpu_placement import place_current_thread
 from ucm_db.engines.base import Buffer
+from ucm_db.errors import ClosedError
 
 T = TypeVar("T")
 
@@ -45,6 +49,7 @@ class CodecPool:
 
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, "ucm-db-codec", initializer=place_current_thread) if threads else None
+        self._threads = _Submitter(self._pool)
 
     @property
     def inline_frame_bytes(self) -> int | None:
@@ -66,7 +71,7 @@ class CodecPool:
 
         if self._pool is None or len(items) < 2 or codec_name == "none" or _mean_frame_bytes(items[0][1]) < POOL_MIN_FRAME_BYTES:
             return [encode_one(item) for item in items]
-        return list(self._pool.map(encode_one, items))
+        return self._threads.map(encode_one, items)
 
     def decode_blocks(
         self, blocks: Sequence[tuple[memoryview, memoryview] | None], decode: Callable[[int, memoryview, memoryview], T],
@@ -88,8 +93,12 @@ class CodecPool:
             results[compressed[0]] = decode(compressed[0], *blocks[compressed[0]])  # type: ignore[misc]
         elif compressed:
             assert self._pool is not None  # only blocks for the pool were listed
-            futures = [self._pool.submit(decode, i, *blocks[i]) for i in compressed]  # type: ignore[misc]
-            wait(futures)  # all end before any error is raised: none reads the blocks after the caller's read ends
+            futures: list[Future[T]] = []
+            try:
+                for i in compressed:
+                    futures.append(self._threads.submit(decode, i, *blocks[i]))  # type: ignore[misc]
+            finally:
+                wait(futures)  # all end before any error is raised: none reads the blocks after the caller's read ends
             for i, future in zip(compressed, futures):
                 results[i] = future.result()
         return results
@@ -107,7 +116,7 @@ class CodecPool:
         if self._pool is None:
             return None
         held = [fn]
-        future = self._pool.submit(lambda: held[0]())
+        future = self._threads.submit(lambda: held[0]())
 
         def join() -> None:
             if future.cancel():
@@ -120,11 +129,10 @@ class CodecPool:
     def pending(self) -> PendingDecodes:
         """A set of decodes of blocks that arrive one by one (see
         :class:`PendingDecodes`)."""
-        return PendingDecodes(self._pool)
+        return PendingDecodes(self._threads)
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._threads.shutdown()
 
 
 class PendingDecodes:
@@ -137,14 +145,14 @@ class PendingDecodes:
     until :meth:`join` returns (a fetched object's bytes do).
     """
 
-    def __init__(self, pool: ThreadPoolExecutor | None) -> None:
-        self._pool = pool
+    def __init__(self, pool: ThreadPoolExecutor | _Submitter | None) -> None:
+        self._threads = pool if isinstance(pool, _Submitter) else _Submitter(pool)
         self._futures: list[Future[None]] = []
 
     def add(self, blob: Buffer, decode: Callable[[], None]) -> None:
         """Runs ``decode()`` for ``blob`` now or on the pool."""
-        if self._pool is not None and _wants_pool(blob):
-            self._futures.append(self._pool.submit(decode))
+        if self._threads.pooled and _wants_pool(blob):
+            self._futures.append(self._threads.submit(decode))
         else:
             decode()
 
@@ -155,6 +163,42 @@ class PendingDecodes:
         wait(futures)
         for future in futures:
             future.result()
+
+
+class _Submitter:
+    """The pool's door: work handed to it after :meth:`shutdown` (or at
+    interpreter exit) raises :class:`ClosedError` (module invariants)."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None) -> None:
+        self._pool = pool
+        self.pooled = pool is not None
+        self._shut = False
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        assert self._pool is not None  # only called with a pool
+        try:
+            return self._pool.submit(fn, *args)
+        except RuntimeError as exc:
+            if self._shut or "shutdown" in str(exc):  # the executor's words for a pool shut down
+                raise ClosedError("the store's codec threads are shut down: the store was closed") from exc
+            raise
+
+    def map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+        """``[fn(item) ...]`` on the pool, in order; on an error the work
+        not started yet is dropped (as ``Executor.map`` does)."""
+        futures: list[Future[T]] = []
+        try:
+            for item in items:
+                futures.append(self.submit(fn, item))
+            return [future.result() for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()
+
+    def shutdown(self) -> None:
+        self._shut = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def _wants_pool(head: Buffer) -> bool:

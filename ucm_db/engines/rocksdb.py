@@ -36,7 +36,9 @@ Invariants and choices:
       call is a :class:`~ucm_db.errors.TierError` naming the disk.
     * :meth:`RocksDbEngine.close` always releases the database and its
       ``LOCK`` file, even when its final sync fails; that failure is raised
-      afterwards as a :class:`~ucm_db.errors.TierError`.
+      afterwards as a :class:`~ucm_db.errors.TierError`. It releases them
+      once the read transactions in flight have ended and the write lock is
+      free; every later call raises :class:`~ucm_db.errors.ClosedError`.
     * ``read_only`` on a volume RocksDB cannot open (a read-only file system:
       it must create files even to read) is a :class:`TierError` at open
       that says so.
@@ -53,7 +55,7 @@ from typing import Any
 
 import rocksdict
 
-from ucm_db.errors import FormatVersionError, LockedError, TierError
+from ucm_db.errors import ClosedError, FormatVersionError, LockedError, TierError
 from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.engines.rocksdb_txn import RocksTxn
@@ -217,7 +219,7 @@ class RocksDbEngine(Engine):
                 hint="open the store after fork, in one process only, or use the LMDB engine",
             )
         if self._closed:
-            raise TierError(f"RocksDB store at {self.path} is closed", hint="open the store again")
+            raise ClosedError(f"RocksDB store at {self.path} is closed")
 
     def read(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
@@ -255,6 +257,7 @@ class RocksDbEngine(Engine):
             assert self._db is not None
             self._db.flush_wal(True)
         except Exception as exc:
+            self._check()  # closed meanwhile: a ClosedError, not a failed disk
             self._failed = True
             raise TierError(f"RocksDB sync of {self.path} failed: {exc}", hint=_DISK_HINT) from exc
 
@@ -286,7 +289,10 @@ class RocksDbEngine(Engine):
             except Exception as exc:  # noqa: BLE001 - raised after the release below
                 failure = exc
             try:
-                self._release()
+                # After the read transactions in flight (a read beside the release saw "Already mutably borrowed");
+                # every later one raises ClosedError.
+                with self._gate.closing(f"RocksDB store at {self.path} is closed"):
+                    self._release()
             except Exception as exc:  # noqa: BLE001 - raised below
                 failure = failure or exc
         if failure is not None:

@@ -40,9 +40,10 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ucm_db.format import (  # noqa: F401 - re-exported: ucm_db.store.STORE_FORMAT_VERSION and friends
     CREATED_KEY, FORMAT_VERSION_KEY, SETTINGS_KEY, STORE_FORMAT_VERSION,
@@ -75,12 +76,28 @@ FLUSH_UPLOAD_TIMEOUT_S = 60.0
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
+def _operation(method: _Method) -> _Method:
+    """Runs a :class:`Store` method as one operation of its state: refused
+    with ClosedError once close has begun, waited for by close
+    (:mod:`ucm_db.store.state`)."""
+    @functools.wraps(method)
+    def run(self: Store, *args: Any, **kwargs: Any) -> Any:
+        state = self._state
+        state.enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            state.leave()
+    return cast(_Method, run)
+
+
 def _doc(implementation: Callable[..., Any]) -> Callable[[_Method], _Method]:
-    """Gives a :class:`Store` method the docstring of the part's method it
-    hands the call to: written once, beside the code it describes."""
+    """Makes a :class:`Store` method an operation (:func:`_operation`) with
+    the docstring of the part's method it hands the call to: written once,
+    beside the code it describes."""
     def documented(method: _Method) -> _Method:
         method.__doc__ = implementation.__doc__
-        return method
+        return _operation(method)
     return documented
 
 
@@ -225,6 +242,7 @@ class Store:
         return self._feed.bump_epoch(namespace)
 
     # -- durability --------------------------------------------------------------------
+    @_operation
     def flush(self, *, upload_timeout_s: float | None = FLUSH_UPLOAD_TIMEOUT_S) -> None:
         """Writes pending activity, makes every commit durable and, with a
         remote, waits until the upload queue is empty, then makes its
@@ -245,6 +263,7 @@ class Store:
             self._wing.wait_drained(upload_timeout_s)
             self._activity.sync_now()
 
+    @_operation
     def warm(
         self,
         namespace: Namespace,
@@ -269,8 +288,12 @@ class Store:
     def close(self) -> None:
         """Flushes and closes; further calls raise ClosedError.
 
-        The store is released (engine closed, lock let go) even when the
-        flush or the final sync fails; that failure is raised afterwards."""
+        Calls in flight in other threads end first (those that start after
+        close began raise ClosedError); a second close waits for the first.
+        From inside a call (a callback) or a store thread it returns at once
+        and the store is released once the calls in flight have ended. The
+        store is released (engine closed, lock let go) even when the flush
+        or the final sync fails; that failure is raised afterwards."""
         self._state.close()
 
     def __enter__(self) -> Store:
@@ -280,6 +303,7 @@ class Store:
         self.close()
 
     # -- introspection -------------------------------------------------------------
+    @_operation
     def stats(self) -> StoreStats:
         """Counters of the whole store (all processes), plus this process's
         unflushed hits and misses."""

@@ -21,12 +21,27 @@ Invariants:
     * ``close`` releases the store (engine closed, directory lock let go)
       even when this process's flush or final sync fails; that failure is
       raised afterwards.
+    * Every public operation of the store runs between :meth:`StoreState.enter`
+      and :meth:`StoreState.leave` (one lock round-trip each, per call, never
+      per block). Once ``close`` has begun, ``enter`` raises ClosedError;
+      ``close`` waits for the operations in flight to leave before it stops
+      a thread, shuts the codec pool or closes the engine, so no read copies
+      from an unmapped LMDB map and no call meets a shut pool.
+    * ``close`` called again, or from two threads at once, is one close: the
+      later calls wait until the store is released. Called from inside an
+      operation (a callback on the caller's thread) or from a store thread
+      (``ucm-db-*``: the codec, maintenance and remote threads it would join),
+      it would wait for itself: it refuses new operations at once and hands
+      the release to a thread of its own (``ucm-db-close``), which logs a
+      failure instead of raising it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +53,12 @@ from ucm_db.store.opening import OpenedStore
 
 if TYPE_CHECKING:
     from ucm_db.remote.wing import RemoteWing
+
+logger = logging.getLogger("ucm_db")
+#: The names of the threads a store starts (codec, maintenance, remote, prefault): a close from one is handed off.
+STORE_THREAD_PREFIX = "ucm-db-"
+#: Every StoreState of this process, for :func:`_after_fork_in_child` (no getpid per operation).
+_STATES: weakref.WeakSet[StoreState] = weakref.WeakSet()
 
 
 class StoreState:
@@ -59,6 +80,11 @@ class StoreState:
         self.epochs = EpochGate(self.engine, self.path, read_only=self.config.read_only, remote=self.wing)
         self.closed = False
         self.lock = threading.Lock()
+        self._calls = threading.Lock()  # guards closed and _holders (a plain lock: the cheapest round-trip)
+        self._holders: dict[int, int] = {}  # thread ident -> its operations in flight (nested calls each count)
+        self._drained = threading.Event()  # closed, and no operation in flight
+        self._released = threading.Event()  # close has closed the engine and let the lock go
+        _STATES.add(self)  # a forked child forgets the parent's operations (_after_fork_in_child)
         self._pid = -1
         self._pool: CodecPool | None = None
         self._background: Background | None = None
@@ -82,6 +108,38 @@ class StoreState:
                 self.wing.start_process(forked=self._pid != -1)  # a forked child: the parent's threads are gone
             self._pid = os.getpid()
             self._background.start()
+
+    def enter(self) -> None:
+        """Starts a public operation (module invariants): ClosedError once
+        close has begun; pair it with :meth:`leave`."""
+        ident = threading.get_ident()
+        with self._calls:
+            if self.closed:
+                raise ClosedError(f"store {self.path} is closed")
+            holders = self._holders
+            holders[ident] = holders.get(ident, 0) + 1
+
+    def leave(self) -> None:
+        """Ends the operation :meth:`enter` started on this thread."""
+        ident = threading.get_ident()
+        with self._calls:
+            held = self._holders.pop(ident) - 1
+            if held:
+                self._holders[ident] = held
+            elif self.closed and not self._holders:
+                self._drained.set()
+
+    def forget_calls_after_fork(self) -> None:
+        """Called in a forked child, at the fork: the parent's operations
+        are not running here, its lock may have been held by a thread that
+        is gone, and a close the parent had begun has nothing to release
+        here."""
+        self._calls = threading.Lock()
+        self._holders = {}
+        self._drained, self._released = threading.Event(), threading.Event()
+        if self.closed:
+            self._drained.set()
+            self._released.set()
 
     def check_open(self) -> None:
         if self.closed:
@@ -122,18 +180,46 @@ class StoreState:
         return self._background
 
     def close(self) -> None:
-        """Closes the store once (module invariants); later calls do nothing."""
-        if self.closed:
+        """Closes the store once, after the operations in flight; a call
+        from inside one or from a store thread hands the release off
+        (module invariants). Later calls wait for the release."""
+        thread = threading.current_thread()
+        with self._calls:
+            handed_off = thread.ident in self._holders or thread.name.startswith(STORE_THREAD_PREFIX)
+            first, self.closed = not self.closed, True
+            if not self._holders:
+                self._drained.set()
+        if not first:
+            if not handed_off:
+                self._released.wait()
             return
-        self.closed = True
+        if handed_off:
+            threading.Thread(target=self._release_logged, name=f"{STORE_THREAD_PREFIX}close", daemon=True).start()
+        else:
+            self._release()
+
+    def _release_logged(self) -> None:
         try:
-            if self._pid == os.getpid():
-                self._stop_process()
-        finally:
+            self._release()
+        except BaseException as exc:  # noqa: BLE001 - no caller to raise it to: logged
+            logger.warning("ucm-db: closing store %s (handed off by a close from inside an operation) failed: %r",
+                           self.path, exc)
+
+    def _release(self) -> None:
+        """Waits for the operations in flight, then stops this process's
+        threads and closes the engine and the directory lock."""
+        try:
+            self._drained.wait()
             try:
-                self.engine.close()
+                if self._pid == os.getpid():
+                    self._stop_process()
             finally:
-                self._dir_lock.release()
+                try:
+                    self.engine.close()
+                finally:
+                    self._dir_lock.release()
+        finally:
+            self._released.set()
 
     def _stop_process(self) -> None:
         """Stops this process's threads, flushes counters and syncs. Every
@@ -153,3 +239,11 @@ class StoreState:
                 first = first or exc
         if first is not None:
             raise first
+
+
+def _after_fork_in_child() -> None:
+    for state in list(_STATES):
+        state.forget_calls_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -114,15 +114,15 @@ class LmdbEngine(Engine):
         self.rollback: RollbackReport | None = None
 
     def _environment(self) -> lmdb.Environment:
-        if self._env is not None and self._pid == os.getpid():
-            return self._env
-        with self._open_lock:
-            if self._env is None or self._pid != os.getpid():
-                self._open()
+        if self._env is None or self._pid != os.getpid():
+            with self._open_lock:
+                if self._env is None or self._pid != os.getpid():
+                    self._open()
         assert self._env is not None
         return self._env
 
     def _open(self) -> None:
+        self._txn_gate.refuse_if_closed()  # a closed engine is never opened again
         # A forked child must not touch the parent's environment: drop it.
         self._env = None
         # The parent's pin is dropped, never released: ending its read
@@ -310,13 +310,13 @@ class LmdbEngine(Engine):
         where nothing records)."""
         for _ in range(16):
             try:
-                if self._pin is None:
-                    env.sync(True)
-                    return True
                 # Inside the shared gate, as a transaction: a map growth in
                 # another thread (which ends every transaction) waits for
-                # the new pin to be recorded instead of ending it midway.
+                # the new pin to be recorded instead of ending it midway, and a close for the sync to end.
                 with self._txn_gate.shared():
+                    if self._pin is None:
+                        env.sync(True)
+                        return True
                     return self._pin.sync(env, must_record=must_record)
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
@@ -326,18 +326,19 @@ class LmdbEngine(Engine):
                 raise lmdb_error("LMDB sync of", self.path, exc) from exc
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
 
-    def close(self) -> None:
+    def close(self) -> None:  # after this process's transactions end; later ones raise ClosedError (gate.py)
         with self._open_lock:
-            if self._env is not None and self._pid == os.getpid():
-                if self.prefault is not None:
-                    self.prefault.stop()  # before the file is unmapped
-                    self.prefault = None
-                if self._pin is not None:
-                    self._pin.release()
-                    self._pin = None
-                self._env.close()
-                self._custody.close()
-            self._env = None
+            if self._pid != os.getpid():  # a forked child drops the parent's environment, pin and thread (see _open)
+                self._env, self._pin, self.prefault, self._txn_gate = None, None, None, SharedExclusiveGate()
+            if self.prefault is not None:
+                self.prefault.stop()  # before the file is unmapped
+            with self._txn_gate.closing(f"LMDB store {self.path} is closed"):
+                env, pin, self._env, self._pin, self.prefault = self._env, self._pin, None, None, None
+                if pin is not None:
+                    pin.release()
+                if env is not None:
+                    env.close()
+                    self._custody.close()
 
     def file_bytes(self) -> int:
         data = self.path / "data.mdb"
@@ -352,8 +353,7 @@ class LmdbEngine(Engine):
         return space.free_page_bytes(self.read(lambda txn: space.table_stats(txn, self._dbs, env)), self._page_size(env))
 
     def used_extent_bytes(self) -> int | None:
-        """Pages up to the newest snapshot's last page: grows only when a
-        commit found no reusable free page (see ``Background.committed``)."""
+        """Pages up to the newest snapshot's last page: grows only when a commit finds no free page to reuse."""
         env = self._environment()
         return space.used_extent_bytes(env, self._page_size(env))
 
