@@ -9,7 +9,9 @@ Roles:
       transaction and by default uncompressed (``publish_codec``: zstd
       would triple the wait; an upload still uses the remote's codec);
       ``request_finished`` then returns a
-      :class:`Publication` as the request's ``kv_transfer_params``.
+      :class:`Publication` as the request's ``kv_transfer_params``. A save
+      voided a step later (computed over another rank's failed load) is
+      deleted locally and from the remote (worker/voids.py).
     * ``kv_consumer`` (decode): loads, never saves, so it never evicts a
       block on its own account. Given a producer's publication, it claims
       every published full block, waiting for blocks not yet visible (at

@@ -9,6 +9,14 @@ computation) is not written again, so deleting the save's keys would take
 blocks it never wrote, and their descendants (an audit's lost saves). A void
 deletes the units the writer stored for that save, nothing else.
 
+With a remote (``publish: "remote"`` writes through; a write-back queue may
+have sent them too) the units were uploaded before their void: the delete
+takes their remote objects too, and they are never read back from the
+remote on this node (``Store.delete``: ucm_db/index/retractions.py). Without
+that, the next lookup of the prompt promoted the wrong units back, the
+recomputed right ones were "already present", and every node of the remote
+was served the voided KV (tests/connector/test_void_retracts_remote.py).
+
 Invariants:
     * A save that may be voided (not held, computed over loads: it carries a
       :class:`VoidTag`) leaves, once its writer round is done, a record of
@@ -23,6 +31,13 @@ Invariants:
       every unit it named: wrong KV left stored is worse than a lost save.
     * A save that stored nothing (dropped, its copy failed, refused, every
       unit stored already) leaves no record, and its void deletes nothing.
+    * A void's delete is ``Store.delete``: with a remote, it records a
+      retraction of every unit it removes (descendants too) in its local
+      transaction and deletes their remote objects before it returns,
+      children first, within ten lookup deadlines; what fails is retried by
+      the uploader, and the units are never promoted back meanwhile. Readers
+      of the remote in the step before the void (other nodes) may have
+      taken copies: the same window as the local tier's.
     * Only the writer thread records and deletes: a void is queued behind
       every save queued before it (it comes a step later), so its save's
       round is done and recorded when it runs. A record no void takes is
@@ -110,7 +125,7 @@ class SaveVoids:
         if record is None:
             return
         try:
-            self._store.delete(job.namespace, record[1])
+            self._store.delete(job.namespace, record[1], remote=True)  # wrong KV: off the remote too
         except (UcmDbError, OSError) as exc:
             logger.warning("ucm-db: deleting %d blocks saved over a failed load failed: %s", job.blocks, exc)
 

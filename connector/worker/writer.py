@@ -45,7 +45,8 @@ Invariants:
     * A :class:`~ucm_db.connector.worker.voids.VoidJob` (a save whose KV was
       computed over a failed load, metadata.py) deletes, in queue order
       (after every save submitted before it: never before its save's commit),
-      only the units this writer stored for that save (:mod:`~ucm_db.connector.worker.voids`).
+      only the units this writer stored for that save, here and on the remote
+      (:mod:`~ucm_db.connector.worker.voids`).
     * :meth:`close` commits every queued job before returning.
     * A save job is read only once its copy out of the KV caches is done
       (:meth:`SaveJob.copied`: on an accelerator the model's thread only

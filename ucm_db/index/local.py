@@ -168,9 +168,9 @@ class LocalTier(Tier):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.reads.exists(keys)
 
-    def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
+    def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None, retract: bool = False) -> int:
         """:meth:`IndexWriter.delete <ucm_db.index.writes.IndexWriter.delete>`."""
-        return self.writes.delete(keys, namespace_id=namespace_id)
+        return self.writes.delete(keys, namespace_id=namespace_id, retract=retract)
 
     def iterate(self) -> Iterator[bytes]:
         return self.reads.iterate()

@@ -3,22 +3,30 @@
 the remote wing's uploader (:mod:`ucm_db.remote.uploader`).
 
 Invariants:
-    * A key is queued in the transaction that stores its block and leaves
-      the queue when it is uploaded or its block is removed: the queue
-      never names a block that was never stored.
+    * A key is queued in the transaction that stores its block (or again
+      by the confirmation of its retraction, when it was stored again
+      since: the remote delete may have taken its upload) and leaves the
+      queue when it is uploaded or its block is removed: the queue never
+      names a block that was never stored.
     * A key has one row, the row of the block stored under it now: a block
       removed and put again is queued anew. So the uploader removes a row
       by what it read (:meth:`UploadQueue.mark_uploaded` given
       ``created_ns``), checked in the transaction that removes it, never
       the row of a block stored since.
+    * Beside the uploads, the remote's other work: the retractions of
+      deleted blocks (:mod:`ucm_db.index.retractions`), read and confirmed
+      here for the uploader (:mod:`ucm_db.remote.retraction`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
 
 from ucm_db.engines.base import Engine, Txn
+from ucm_db.index import retractions
 from ucm_db.index.damage import meta_or_none
+from ucm_db.index.retractions import RETRACTION_GRACE_S, Retraction
 
 
 class UploadQueue:
@@ -66,3 +74,39 @@ class UploadQueue:
                 if current is None or current.created_ns == created_ns:
                     txn.delete("uploads", key)
         self.engine.write(run)
+
+    # -- retractions (ucm_db/index/retractions.py) -----------------------------
+    def retractions_due(self, limit: int | None = None) -> list[Retraction]:
+        """Pending retractions (remote delete not confirmed), at most
+        ``limit``; confirmed ones past :data:`RETRACTION_GRACE_S` are dropped
+        on the way (one write, only when there are any)."""
+        expired_before_ns = time.time_ns() - int(RETRACTION_GRACE_S * 1e9)
+
+        def run(txn: Txn) -> tuple[list[Retraction], list[bytes]]:
+            due: list[Retraction] = []
+            expired: list[bytes] = []
+            for item in retractions.scan(txn):
+                if item.confirmed_ns == 0 and (limit is None or len(due) < limit):
+                    due.append(item)
+                elif item.confirmed_ns and item.confirmed_ns < expired_before_ns:
+                    expired.append(item.key)
+            return due, expired
+        due, expired = self.engine.read(run)
+        if expired:
+            self.engine.write(lambda txn: retractions.drop(txn, expired))
+        return due
+
+    def confirm_retracted(self, done: Sequence[Retraction]) -> None:
+        """Confirms the retractions whose remote objects are deleted
+        (:func:`ucm_db.index.retractions.confirm`)."""
+        if done:
+            now_ns = time.time_ns()
+            self.engine.write(lambda txn: retractions.confirm(txn, done, now_ns))
+
+    def first_retracted(self, keys: Sequence[bytes]) -> int | None:
+        """Index of the first of ``keys`` whose retraction is recorded, or None."""
+        return self.engine.read(lambda txn: retractions.first_retracted(txn, keys))
+
+    def retracted(self, keys: Sequence[bytes]) -> set[bytes]:
+        """Those of ``keys`` whose retraction is recorded."""
+        return self.engine.read(lambda txn: retractions.retracted_among(txn, keys))

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.index import changefeed, damage, namespace_guard, pins, records
+from ucm_db.index import changefeed, damage, namespace_guard, pins, records, retractions
 from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.index.damage import Damage
@@ -69,17 +69,20 @@ class IndexWriter:
         #: with children once, then files it as used: tests check that).
         self.eviction_entries_scanned = 0
 
-    def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None) -> int:
+    def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None, retract: bool = False) -> int:
         """Removes ``keys`` and their descendants; with ``namespace_id``,
         only keys stored under that namespace, and never a descendant
         stored under another one (:class:`ForeignNamespaceError`, nothing
-        removed)."""
+        removed). ``retract``: records, in the same transaction, a
+        retraction of every block removed (:mod:`ucm_db.index.retractions`)."""
         def run(txn: Txn) -> int:
             changes = Changes(txn)
             mine = [k for k in keys if in_namespace(txn.get("meta", k), namespace_id)]
             if namespace_id is not None:
                 for key in mine:
                     namespace_guard.require_tree_in_namespace(txn, key, namespace_id)
+            if retract:
+                retractions.record_trees(txn, mine, time.time_ns())
             removed = sum(self._remove_tree(txn, changes, k) for k in mine)
             changes.commit()
             return removed

@@ -11,6 +11,10 @@ Invariants:
       if its parent is local (or it is a chain's first block). An object
       whose parent disagrees with the caller's chain is a miss.
     * Promoted blocks are not queued for upload (they came from the remote).
+    * A block deleted here whose retraction is recorded (its remote object
+      is, or was lately, to be deleted: :mod:`ucm_db.index.retractions`) is
+      never promoted, checked inside the promoting transaction: the run
+      holding it is not promoted (its wrong KV must not come back).
     * A promotion describes its namespace as a put does: the caller's
       :class:`PromotionTarget` names the :class:`~ucm_db.keys.Namespace`
       the blocks were fetched for, and its first promoted block records the
@@ -69,6 +73,7 @@ from ucm_db.remote import link as link_module
 from ucm_db.remote.link import RemoteLink
 from ucm_db.remote.search import MAX_BACKOFF_S, SEARCH_FANOUT
 from ucm_db.engines.base import Buffer
+from ucm_db.index import retractions
 from ucm_db.index.local import BlockEntry, LocalTier
 from ucm_db.index.namespace_guard import ForeignNamespaceError
 from ucm_db.remote.tier import RemoteObject
@@ -118,7 +123,8 @@ def promote(local: LocalTier, objects: Sequence[RemoteObject], target: Promotion
 
     Nothing is put (0) when the run cannot enter the local tier: an object
     is of another namespace, the namespace's epoch is unknown, its first
-    parent has meanwhile been evicted locally, a key or parent is stored
+    parent has meanwhile been evicted locally, one of its blocks is
+    retracted, a key or parent is stored
     under another namespace, or it does not fit beside the pinned blocks
     and the protected local prefix it continues. The caller sees a shorter
     prefix, never a broken invariant, and a read never fails on it: a
@@ -134,7 +140,8 @@ def promote(local: LocalTier, objects: Sequence[RemoteObject], target: Promotion
     except DamagedRecordError:  # its epoch is unknown: the namespace is not served, nothing promoted
         return 0
     try:
-        local.put_blocks(entries, namespace_desc=(namespace_id, namespace.description_json), enqueue_upload=False)
+        local.put_blocks(entries, namespace_desc=(namespace_id, namespace.description_json), enqueue_upload=False,
+                         guard=lambda txn: retractions.refuse(txn, [e.key for e in entries]))
     except (MissingAncestorError, ForeignNamespaceError, StoreFullError):  # a read never fails on what it cannot promote
         return 0
     return len(entries)

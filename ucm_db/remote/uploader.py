@@ -31,6 +31,11 @@ Invariants:
     * One uploader per store directory across processes: an exclusive
       ``flock`` on ``uploader.lock`` elects it; the kernel releases it when
       its process dies, and another process takes over.
+    * Retractions (remote objects of blocks deleted locally,
+      :mod:`ucm_db.remote.retraction`) are deleted by the elected uploader
+      after each upload batch, under the same one-batch-at-a-time lock, and
+      by a store's :meth:`Uploader.retract_now` right after its delete.
+      ``wait_drained`` waits for them too.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from ucm_db import codec
 from ucm_db.cpu_placement import place_current_thread
 from ucm_db.errors import CorruptBlockError, TierError
 from ucm_db.remote.codec_choice import RemoteCodec
+from ucm_db.remote.retraction import RemoteRetractions
 from ucm_db.index.local import LocalTier
 from ucm_db.remote.tier import RemoteRoot
 
@@ -95,6 +101,7 @@ class Uploader:
         self._batch = threading.Lock()  # one batch at a time: the thread's or upload_now's
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload", initializer=place_current_thread)
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
+        self.retractions = RemoteRetractions(local, remote, self._pool)
         self.uploaded = 0
         self.failures = 0
         self.last_error: str | None = None
@@ -125,6 +132,7 @@ class Uploader:
                 continue
             try:
                 moved, failed = self.drain_batch()
+                moved += self.drain_retractions()[0]  # failures back off on their own: uploads go on
             except Exception as exc:  # noqa: BLE001 - keep draining; the error is reported by flush()
                 moved, failed = 0, 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -147,6 +155,28 @@ class Uploader:
         """Uploads one batch of queued blocks; returns ``(uploaded, failed)``."""
         with self._batch:
             return self._drain_batch()
+
+    def drain_retractions(self) -> tuple[int, int]:
+        """The elected uploader's pass over retractions (remote/retraction.py): ``(deleted, failed)``."""
+        if self.retractions.backing_off():
+            return 0, 0
+        with self._batch:
+            deleted, failed = self.retractions.run(confirm=True, stop=self._stop)
+        if failed:
+            self.failures, self.last_error = self.failures + failed, self.retractions.last_error
+        return deleted, failed
+
+    def retract_now(self, deadline_s: float) -> int:
+        """After a delete recorded retractions: deletes their remote objects
+        within ``deadline_s``, confirmed only if this process is elected (else
+        its pass deletes them again); returns those left undeleted."""
+        if not self._batch.acquire(timeout=deadline_s):  # a batch of this process's runs: the elected pass follows it
+            return len(self.local.uploads.retractions_due())
+        try:
+            deadline = time.monotonic() + deadline_s
+            return self.retractions.run(confirm=self._lock_fd is not None, stop=self._stop, deadline=deadline)[1]
+        finally:
+            self._batch.release()
 
     def _drain_batch(self) -> tuple[int, int]:
         keys = self.local.pending_uploads(limit=BATCH_KEYS)
@@ -301,11 +331,12 @@ class Uploader:
             TierError: still not empty after ``timeout_s``; rows stay queued.
         """
         end = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.local.pending_uploads(limit=1):
+        while self.local.pending_uploads(limit=1) or self.retractions.pending():
             if end is not None and time.monotonic() >= end:
-                left = len(self.local.pending_uploads())
+                left, retracted = len(self.local.pending_uploads()), len(self.local.uploads.retractions_due())
                 raise TierError(
-                    f"{left} block(s) still waiting for upload to {self.remote.root} after {timeout_s} s"
+                    f"{left} block(s) still waiting for upload to {self.remote.root} (and {retracted} deleted block(s) for"
+                    f" the delete of their remote objects) after {timeout_s} s"
                     + (f" (last error: {self.last_error})" if self.last_error else ""),
                     hint="check the remote; the blocks stay queued and upload when it is back",
                 )
@@ -354,7 +385,8 @@ def describe(uploader: Uploader | None) -> dict[str, Any]:
     """Counters for stats and the CLI."""
     if uploader is None:
         return {}
-    out: dict[str, Any] = {"uploaded": uploader.uploaded, "failures": uploader.failures, "last_error": uploader.last_error}
+    out: dict[str, Any] = {"uploaded": uploader.uploaded, "failures": uploader.failures, "last_error": uploader.last_error,
+                           "retracted": uploader.retractions.deleted}
     if uploader.codec is not None:
         out["codec"] = asdict(uploader.codec.choice())
     return out

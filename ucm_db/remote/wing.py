@@ -14,10 +14,17 @@ Invariants:
     * :meth:`close_steps` lists the shutdown steps in order (uploader,
       background promotions, link); the store runs each even when an
       earlier one fails.
+    * A block whose retraction is recorded (deleted here, its remote object
+      to be deleted: :mod:`ucm_db.index.retractions`) is neither fetched
+      for a lookup nor read through for a ``get``, and never promoted
+      (:func:`~ucm_db.remote.promotion.promote` checks it in its
+      transaction); :meth:`retract` deletes the remote objects right after
+      the local delete, the uploader again until confirmed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -37,6 +44,7 @@ from ucm_db.engines.base import Buffer
 from ucm_db.errors import TierError
 from ucm_db.index.local import BlockEntry, LocalTier
 
+_log = logging.getLogger("ucm_db")
 #: A bulk remote fetch (get of local misses) waits this many lookup deadlines.
 FETCH_DEADLINE_FACTOR = 10
 
@@ -82,6 +90,11 @@ class RemoteWing:
         """Blocks of ``keys`` local after promoting what continues the local
         prefix ``keys[:local_n]`` of ``target``'s namespace
         (:func:`ucm_db.remote.promotion.extend_prefix`)."""
+        cut = self._local.uploads.first_retracted(keys[local_n:])
+        if cut is not None:
+            keys = keys[: local_n + cut]  # nothing at or after a retracted block can be promoted
+            if cut == 0:
+                return local_n
         count, _ = extend_prefix(self.link, self.continuations, self._local, target, keys, local_n, deadline_s)
         return count
 
@@ -97,6 +110,8 @@ class RemoteWing:
         """Fetches and promotes local misses (:func:`ucm_db.remote.promotion.read_through`)
         within :data:`FETCH_DEADLINE_FACTOR` lookup deadlines."""
         deadline = time.monotonic() + self.bulk_deadline_s
+        retracted = self._local.uploads.retracted([keys[i] for i in missing])
+        missing = [i for i in missing if keys[i] not in retracted]  # their remote objects are wrong, or going
         read_through(self.link, self._local, target, keys, missing, deadline, use, decodes)
 
     def namespace_epoch(self, namespace_id: bytes, wait_s: float | None = None) -> int | None:
@@ -146,6 +161,17 @@ class RemoteWing:
                 f"write-through upload of {len(errors)} of {len(entries)} block(s) failed: {errors[0]}",
                 hint="the blocks are stored locally and queued; the background uploader retries them",
             )
+
+    def retract(self) -> None:
+        """After a delete recorded retractions: deletes their remote objects
+        now, within a bulk fetch's deadline (:meth:`Uploader.retract_now`);
+        what fails or is left stays pending, retried by the uploader (and
+        never promoted meanwhile), and is logged."""
+        assert self.uploader is not None  # started with the process
+        left = self.uploader.retract_now(self.bulk_deadline_s)
+        if left:
+            _log.warning("ucm-db: %d deleted block(s) still on remote %s (%s); the uploader retries, and they are not "
+                         "read from it here meanwhile", left, self._config.remote, self.uploader.retractions.last_error or "pending")
 
     def wait_drained(self, timeout_s: float | None) -> None:
         """Blocks until the upload queue is empty (see :meth:`Uploader.wait_drained`)."""

@@ -169,8 +169,8 @@ class Store:
         return self._writes.put_encoded(namespace, blocks)
 
     @_doc(StoreWrites.delete)
-    def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
-        return self._writes.delete(namespace, keys)
+    def delete(self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = False) -> int:
+        return self._writes.delete(namespace, keys, remote=remote)
 
     @_doc(StoreWrites.quarantine)
     def quarantine(self, key: bytes, reason: str, *, recheck: bool = True) -> bool:

@@ -24,6 +24,14 @@ Invariants:
       under its key first (header, owning key, checksum).
     * ``delete`` and ``quarantine`` are one write transaction each, refused
       by a read-only store, and count for group durability (file growth).
+      With a remote and ``remote=True``, a delete records a retraction of
+      each block it removes in that transaction and deletes their remote objects before
+      it returns, within ten lookup deadlines (the uploader deletes what is
+      left, retried until done; ``flush`` waits for it). Until an hour after
+      that, those blocks are never read from the remote nor promoted here
+      (:mod:`ucm_db.index.retractions`), so wrong KV a delete removed (a
+      connector's void) does not come back; nodes that read them from the
+      remote before keep their copies.
     * Pending reader activity rides on the transaction of a put that
       evicts (the eviction must see it); otherwise, or if the put fails,
       it stays with the maintenance thread (background.ReadsForEviction).
@@ -296,10 +304,12 @@ class StoreWrites:
             wing.upload(stored)
         return result
 
-    def delete(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+    def delete(self, namespace: Namespace, keys: Sequence[bytes], *, remote: bool = False) -> int:
         """Deletes ``namespace``'s blocks among ``keys`` and their
         descendants; returns blocks removed. A key stored under another
         namespace is left alone (it counts as not removed).
+
+        ``remote``: off the remote too (module invariants; a void's wrong KV).
 
         Raises:
             ConfigError: a descendant is stored under another namespace (a
@@ -309,8 +319,11 @@ class StoreWrites:
         require_namespace(namespace, "delete")
         self._state.refuse_read_only("delete")
         keys = key_list(keys, "delete")
-        removed = self._tier.delete(keys, namespace_id=namespace.id)
+        retract = remote and self._state.wing is not None
+        removed = self._tier.delete(keys, namespace_id=namespace.id, retract=retract)
         self._state.activity.committed(0)  # a delete writes index pages only: its file growth counts
+        if removed and retract and self._state.wing is not None:
+            self._state.wing.retract()  # never raises: what it leaves, the uploader deletes
         return removed
 
     def quarantine(self, key: bytes, reason: str, *, recheck: bool = True) -> bool:

@@ -1,0 +1,143 @@
+"""Retractions: blocks deleted locally whose remote objects must go too.
+
+A delete on a store with a remote (``Store.delete``: a connector's void of
+a save computed over a failed load, a caller undoing its put) removes the
+blocks from the local tier and records, in the same transaction, one
+retraction per block it removed (``info/retract/<key>``: namespace id,
+depth, when). The remote wing deletes their objects
+(:mod:`ucm_db.remote.retraction`) and confirms each retraction; a confirmed
+one is dropped :data:`RETRACTION_GRACE_S` later.
+
+Invariants:
+    * Exact: the retractions are written by the transaction that removes
+      the blocks, one for each block it removes (the roots and every
+      descendant, whoever stored them), so no descendant stored before the
+      delete escapes and none stored after it is named.
+    * While a block's retraction exists, a fetched copy of it is never
+      promoted into the local tier (:func:`refuse`, run inside promotion's
+      write transaction): a fetch that read the object before its remote
+      delete and commits after the local delete is refused, and so is every
+      fetch while the remote delete keeps failing. Puts are not refused: a
+      block computed again is stored (and, once its retraction is confirmed,
+      uploaded again: :func:`confirm`).
+    * A retraction is confirmed only for the record its remote delete read
+      (same ``retracted_ns``): a block deleted again meanwhile (a second
+      void) keeps a pending retraction, so its remote object is deleted
+      after whatever was uploaded since.
+    * Records are checksummed (:mod:`ucm_db.index.records`); a damaged one
+      still refuses promotion of its key and is never confirmed or dropped.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ucm_db.engines.base import Txn
+from ucm_db.errors import MissingAncestorError
+from ucm_db.index import records
+from ucm_db.index.damage import meta_or_none
+
+RETRACTION_PREFIX = b"retract/"
+#: namespace id, depth, retracted_ns, confirmed_ns (0: the remote delete is pending).
+_RECORD = struct.Struct("<16sIQQ")
+#: How long a confirmed retraction still refuses promotion: a fetch that
+#: read the object before its remote delete may commit after it (a
+#: background continuation), never this much later.
+RETRACTION_GRACE_S = 3600.0
+
+
+class RetractedBlockError(MissingAncestorError):
+    """A fetched block whose retraction is recorded: not promoted (as a run
+    whose parent is missing is not). Internal to promotion."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retraction:
+    """One block whose remote object is to be deleted (``confirmed_ns`` 0: pending)."""
+
+    key: bytes
+    namespace_id: bytes
+    depth: int
+    retracted_ns: int
+    confirmed_ns: int = 0
+
+
+def record_trees(txn: Txn, roots: Iterable[bytes], now_ns: int) -> int:
+    """Records a retraction for each stored block of the trees under
+    ``roots`` (before they are removed, in the removing transaction);
+    returns how many."""
+    count = 0
+    stack = list(roots)
+    seen: set[bytes] = set()
+    while stack:
+        key = stack.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        stack.extend(bytes(child[32:]) for child, _ in txn.scan("children", key))
+        meta = meta_or_none(txn.get("meta", key))
+        if meta is None:
+            continue  # no record: nothing names its remote object
+        records.put_checked(txn, RETRACTION_PREFIX + key, _RECORD.pack(meta.namespace_id, meta.depth, now_ns, 0))
+        count += 1
+    return count
+
+
+def any_recorded(txn: Txn) -> bool:
+    """Whether any retraction is recorded (one cursor seek)."""
+    return any(True for _ in txn.scan(records.INFO, RETRACTION_PREFIX))
+
+
+def refuse(txn: Txn, keys: Sequence[bytes]) -> None:
+    """Raises :class:`RetractedBlockError` if one of ``keys`` is retracted
+    (promotion's guard, inside its write transaction)."""
+    first = first_retracted(txn, keys)
+    if first is not None:
+        raise RetractedBlockError(f"block {keys[first].hex()[:16]} was deleted here and its remote object is retracted",
+                                  hint="nothing to do: it is not promoted; computed again, it is stored and uploaded")
+
+
+def first_retracted(txn: Txn, keys: Sequence[bytes]) -> int | None:
+    """Index of the first of ``keys`` with a retraction, or None."""
+    if not keys or not any_recorded(txn):
+        return None
+    return next((i for i, key in enumerate(keys) if txn.get(records.INFO, RETRACTION_PREFIX + key) is not None), None)
+
+
+def retracted_among(txn: Txn, keys: Sequence[bytes]) -> set[bytes]:
+    """Those of ``keys`` with a retraction."""
+    if not keys or not any_recorded(txn):
+        return set()
+    return {key for key in keys if txn.get(records.INFO, RETRACTION_PREFIX + key) is not None}
+
+
+def scan(txn: Txn) -> Iterable[Retraction]:
+    """Every readable retraction, in key order (damaged ones are left out)."""
+    for name, value in records.scan_checked(txn, RETRACTION_PREFIX, size=_RECORD.size):
+        if value is not None:
+            namespace_id, depth, retracted_ns, confirmed_ns = _RECORD.unpack(bytes(value))
+            yield Retraction(name[len(RETRACTION_PREFIX):], namespace_id, depth, retracted_ns, confirmed_ns)
+
+
+def confirm(txn: Txn, done: Iterable[Retraction], now_ns: int) -> None:
+    """Marks retractions whose remote object is deleted (each only if its
+    record is still the one the delete read). A block stored again since
+    it was retracted is queued for upload again: the remote delete may
+    have taken its new upload."""
+    for item in done:
+        name = RETRACTION_PREFIX + item.key
+        value = txn.get(records.INFO, name)
+        if value is None or len(value) != _RECORD.size or _RECORD.unpack(bytes(value))[2] != item.retracted_ns:
+            continue
+        records.put_checked(txn, name, _RECORD.pack(item.namespace_id, item.depth, item.retracted_ns, now_ns))
+        meta = meta_or_none(txn.get("meta", item.key))
+        if meta is not None and meta.created_ns > item.retracted_ns and txn.get("uploads", item.key) is None:
+            txn.put("uploads", item.key, meta.namespace_id)
+
+
+def drop(txn: Txn, keys: Iterable[bytes]) -> None:
+    """Removes the retractions of ``keys`` (expired ones)."""
+    for key in keys:
+        records.delete_checked(txn, RETRACTION_PREFIX + key)
