@@ -220,3 +220,40 @@ def test_the_remote_wing_holds_the_same_ceilings() -> None:
     assert manifests.UNKEYED_EPOCH_LIMIT == epochs.CARRIED_EPOCH_LIMIT == epochs.carried_limit(signed=False)
     assert manifests.KEYED_EPOCH_LIMIT == epochs.SIGNED_EPOCH_LIMIT == epochs.carried_limit(signed=True)
     assert epochs.FRESH_EPOCH_BASE < epochs.fresh_epoch() < manifests.UNVERIFIED_EPOCH_LIMIT == epochs.CARRIED_EPOCH_LIMIT
+
+
+def test_a_lost_epoch_is_repaired_above_the_highest_epoch_the_store_recorded(tmp_path: Path) -> None:
+    """Review finding: the namespace had taken 2**45 (an unsigned archive may
+    carry up to 2**48), was invalidated to 2**45 + 1, then its record was
+    damaged; the repair recorded a fresh epoch (about 2**41), below both, and
+    re-importing an archive taken at 2**45 raised the namespace back to it:
+    every block stored before the invalidation was served again."""
+    path = tmp_path / "s"
+    with ucm_db.open(path) as store:
+        epochs.adopt(store._engine, NS.id, 2**45)
+        store.put(NS, NS.block_keys(TOKENS, epoch=2**45)[:2], OLD[:2])
+    maintenance.export_archive(path, tmp_path / "early.tar")  # carries 2**45
+    with ucm_db.open(path) as store:
+        store.put(NS, NS.block_keys(TOKENS, epoch=2**45), OLD)
+        assert store.bump_epoch(NS) == 2**45 + 1 and served(store) == []
+        name = epochs.EPOCH_PREFIX + NS.id
+        store._engine.write(lambda txn: txn.put("info", name, (2**45 + 1 ^ 1).to_bytes(8, "little")))  # bit rot
+    with ucm_db.open(path) as store:
+        repaired = store.bump_epoch(NS)  # what `ucm-db invalidate` records for a damaged epoch
+        assert repaired > 2**45 + 1
+    maintenance.import_archive(tmp_path / "early.tar", path)
+    with ucm_db.open(path) as store:
+        assert store.epoch(NS) == repaired and served(store) == []
+
+
+def test_a_lost_epoch_with_a_damaged_high_water_record_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with ucm_db.open(path) as store:
+        store.put(NS, NS.block_keys(TOKENS, epoch=store.epoch(NS)), OLD)
+        assert store.bump_epoch(NS) == 1
+        store._engine.write(lambda txn: txn.put("info", epochs.EPOCH_PREFIX + NS.id, b"\x07" * 8))
+        store._engine.write(lambda txn: txn.put("info", epochs.HIGH_KEY, b"\x07" * 8))
+    with ucm_db.open(path) as store:
+        with pytest.raises(epochs.EpochUnknownError, match="high-water"):
+            store.bump_epoch(NS)
+        assert served(store) == []

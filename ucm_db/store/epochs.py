@@ -55,7 +55,11 @@ Invariants:
       the namespace's pins in the same transaction
       (:func:`ucm_db.index.pins.release_namespace`): its blocks are stale,
       never served again, and must be free to leave through eviction.
-    * A bump of an unknown epoch records :func:`fresh_epoch`: ``2**40`` plus
+    * A bump of an unknown epoch records :func:`fresh_epoch`, and above
+      the highest epoch the store ever recorded (:data:`HIGH_KEY`, raised
+      in the transaction of every epoch write), so it never falls below the
+      lost one (a review found a repaired epoch below an invalidated one,
+      raised back to it by a re-import): ``2**40`` plus
       the wall clock in milliseconds, above any count a store reaches by
       bumps and above every fresh epoch recorded before it (while the clock
       does not step back), so the lost value is never reused.
@@ -95,6 +99,9 @@ from ucm_db.index.accounting import NS_COUNTS_PREFIX, NS_DESC_PREFIX
 EPOCH_PREFIX = b"epoch:"
 #: Info record present once every namespace the store holds has an epoch record.
 SEALED_KEY = b"epochs:sealed"
+#: The highest epoch the store ever recorded (:func:`_high`): a lost epoch's
+#: new one goes above it, so it never falls below the lost one.
+HIGH_KEY = b"epochs:high"
 #: The base of fresh epochs (a bump of an unknown epoch).
 FRESH_EPOCH_BASE = 1 << 40
 #: Epochs are unsigned 64-bit numbers (:meth:`ucm_db.Namespace.root_key`).
@@ -155,7 +162,33 @@ def _name(namespace_id: bytes) -> bytes:
 
 
 def _put(txn: Txn, namespace_id: bytes, epoch: int) -> None:
+    high = _high(txn)  # before this write: the record it replaces counts
     records.put_checked(txn, _name(namespace_id), epoch.to_bytes(_EPOCH_BYTES, "little"))
+    # A damaged high-water record stays damaged: never lowered by a rewrite.
+    if high is not None and epoch < SIGNED_EPOCH_LIMIT and (epoch > high or txn.get(_INFO, HIGH_KEY) is None):
+        records.put_checked(txn, HIGH_KEY, max(high, epoch).to_bytes(_EPOCH_BYTES, "little"))
+
+
+def _high(txn: Txn) -> int | None:
+    """The highest epoch this store ever recorded for any namespace
+    (:data:`HIGH_KEY`; a store from before that record: its highest readable
+    epoch record); None when the record is damaged."""
+    try:
+        value = records.get_checked(txn, HIGH_KEY, size=_EPOCH_BYTES)
+    except records.DamagedRecord:
+        return None
+    if value is not None:
+        return int.from_bytes(bytes(value), "little")
+    highest = 0
+    for name, _ in txn.scan(_INFO, EPOCH_PREFIX):
+        try:
+            raw = records.get_checked(txn, bytes(name), size=_EPOCH_BYTES)
+        except records.DamagedRecord:
+            continue
+        value_read = int.from_bytes(bytes(raw), "little") if raw is not None else 0
+        if value_read < SIGNED_EPOCH_LIMIT:  # one at or above is unknown, never taken again (module invariants)
+            highest = max(highest, value_read)
+    return highest
 
 
 def held(txn: Txn, namespace_id: bytes) -> bool:
@@ -271,15 +304,24 @@ def adopt(engine: Engine, namespace_id: bytes, carried: int | None = None) -> Ep
     return found
 
 
-def next_epoch(current: int | None, floor: int = 0) -> int:
-    """The epoch a bump records: one above ``current`` and ``floor``, or a
-    :func:`fresh_epoch` (above ``floor``) where ``current`` is unknown.
+def next_epoch(current: int | None, floor: int = 0, high: int | None = 0) -> int:
+    """The epoch a bump records: one above ``current`` and ``floor``, or,
+    where ``current`` is unknown, a :func:`fresh_epoch` above ``floor`` and
+    ``high`` (the store's high-water epoch, :func:`_high`: above the lost one).
 
     Raises:
         EpochSpaceError: that would reach :data:`SIGNED_EPOCH_LIMIT`; never
             a lower epoch instead (module invariants).
+        EpochUnknownError: ``current`` is unknown and the high-water record
+            is damaged too (``high`` None): no new epoch is known to be above the lost one.
     """
-    epoch = max(fresh_epoch(), floor + 1) if current is None else max(current, floor) + 1
+    if current is None and high is None:
+        raise EpochUnknownError(
+            "a new epoch cannot be chosen: the store's epoch high-water record is damaged as well as this "
+            "namespace's epoch record, so no epoch is known to be above the lost one",
+            hint="move the store aside (or remove its directory) and start a new one",
+        )
+    epoch = max(fresh_epoch(), floor + 1, (high or 0) + 1) if current is None else max(current, floor) + 1
     if epoch >= SIGNED_EPOCH_LIMIT:
         raise EpochSpaceError(
             f"the epoch cannot move on from {max(current or 0, floor)}: the next would reach 2**63, the engines' private "
@@ -300,7 +342,8 @@ def bump(engine: Engine, namespace_id: bytes, floor: int = 0) -> int:
 
     def run(txn: Txn) -> int:
         seal(txn)
-        epoch = next_epoch(state(txn, namespace_id).epoch, floor)
+        found = state(txn, namespace_id)
+        epoch = next_epoch(found.epoch, floor, _high(txn) if found.epoch is None else 0)
         _put(txn, namespace_id, epoch)
         pins.release_namespace(txn, namespace_id)  # stale is stale (module invariants)
         return epoch
