@@ -55,7 +55,7 @@ from typing import Any
 from ucm_db.crashpoints import crashpoint
 from ucm_db import codec
 from ucm_db.cpu_placement import place_current_thread
-from ucm_db.errors import CorruptBlockError, TierError
+from ucm_db.errors import ClosedError, CorruptBlockError, TierError
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.retraction import RemoteRetractions
 from ucm_db.index.local import LocalTier
@@ -95,7 +95,7 @@ class Uploader:
         self.concurrency = concurrency
         self._lock_path = store_dir / LOCK_NAME
         self._lock_fd: int | None = None
-        self._wake = threading.Event()
+        self._wake, self.closing = threading.Event(), threading.Event()  # closing: the store's close began
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self._batch = threading.Lock()  # one batch at a time: the thread's or upload_now's
@@ -329,17 +329,17 @@ class Uploader:
 
         Raises:
             TierError: still not empty after ``timeout_s``; rows stay queued.
-        """
+            ClosedError: ``closing`` is set (the store's close, which waits for this flush, began)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
         while self.local.pending_uploads(limit=1) or self.retractions.pending():
+            if self.closing.is_set():  # the store's close began: it would wait for this flush
+                raise ClosedError(f"the store closed while flush waited for its uploads to {self.remote.root}")
             if end is not None and time.monotonic() >= end:
                 left, retracted = len(self.local.pending_uploads()), len(self.local.uploads.retractions_due())
-                raise TierError(
-                    f"{left} block(s) still waiting for upload to {self.remote.root} (and {retracted} deleted block(s) for"
-                    f" the delete of their remote objects) after {timeout_s} s"
-                    + (f" (last error: {self.last_error})" if self.last_error else ""),
-                    hint="check the remote; the blocks stay queued and upload when it is back",
-                )
+                raise TierError(f"{left} block(s) still waiting for upload to {self.remote.root} (and {retracted}"
+                                f" deleted block(s) for the delete of their remote objects) after {timeout_s} s"
+                                + (f" (last error: {self.last_error})" if self.last_error else ""),
+                                hint="check the remote; the blocks stay queued and upload when it is back")
             self._wake.set()
             with self._idle:
                 self._idle.wait(0.05)

@@ -83,8 +83,8 @@ def _operation(method: _Method) -> _Method:
     @functools.wraps(method)
     def run(self: Store, *args: Any, **kwargs: Any) -> Any:
         state = self._state
-        state.enter()
-        try:
+        try:  # enter inside: an interrupt right after its count still reaches leave (which tolerates no count)
+            state.enter()
             return method(self, *args, **kwargs)
         finally:
             state.leave()
