@@ -101,11 +101,18 @@ class SaveVoids:
     def __init__(self, store: ucm_db.Store) -> None:
         self._store = store
         self._round: set[bytes] = set()  # keys the current round stored (or may have)
+        self._recording = False  # the current round holds a voidable save: only then are its keys kept
         self._records: dict[SaveId, tuple[int, list[bytes]]] = {}  # save -> (step, first stored unit per chain)
 
+    def begin_round(self, voidable: bool) -> None:
+        """Starts a writer round; ``voidable``: it holds a save a later step may void."""
+        self._recording = voidable
+
     def stored(self, keys: Iterable[bytes]) -> None:
-        """Keys a put of the current round stored, or may have (module invariants)."""
-        self._round.update(keys)
+        """Keys a put of the current round stored, or may have (module
+        invariants); nothing kept in a round without a voidable save."""
+        if self._recording:
+            self._round.update(keys)
 
     def end_round(self, saves: Sequence[tuple[VoidTag, tuple[UnitKeys, ...]]]) -> None:
         """Records, for each voidable save of the round just done (its tag

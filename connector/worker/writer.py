@@ -277,6 +277,7 @@ class BackgroundWriter:
         """Runs ``work`` over ``jobs`` (one round, or one void), then releases
         their staging and queue places, whatever ``work`` raised."""
         self._counted_blocks = 0
+        self._voids.begin_round(any(isinstance(job, SaveJob) and job.void_tag for job in jobs))
         try:
             work(jobs)
             self._update_ratio(jobs[0].namespace)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ucm_db import codec
@@ -279,17 +279,25 @@ def restore_link(txn: Txn, key: bytes, parent: bytes) -> bool:
     return True
 
 
-def _unreadable_in_trees(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:
-    """Blocks under ``keys`` (of ``namespace_id``) whose payload does not decode."""
-    stack = [k for k in keys if (meta := stored_meta(txn, k)) is not None and namespace_id in (None, meta.namespace_id)]
+def tree_keys(txn: Txn, roots: Iterable[bytes]) -> Iterator[bytes]:
+    """Every key of the trees under ``roots`` (the roots too), each once,
+    following child links (a cycle of damaged links ends, never loops)."""
+    stack = list(roots)
     seen: set[bytes] = set()
-    bad = []
     while stack:
         key = stack.pop()
         if key in seen:
             continue
         seen.add(key)
         stack.extend(bytes(link[32:]) for link, _ in txn.scan("children", key))
+        yield key
+
+
+def _unreadable_in_trees(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> list[bytes]:
+    """Blocks under ``keys`` (of ``namespace_id``) whose payload does not decode."""
+    roots = [k for k in keys if (meta := stored_meta(txn, k)) is not None and namespace_id in (None, meta.namespace_id)]
+    bad = []
+    for key in tree_keys(txn, roots):
         stored = txn.get("blocks", key)
         head = memoryview(txn.get("heads", key) or b"")
         if stored is not None and not codec.readable(head, body_of(head, memoryview(stored)), key):

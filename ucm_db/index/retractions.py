@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from ucm_db.engines.base import Txn
 from ucm_db.errors import MissingAncestorError
 from ucm_db.index import records
-from ucm_db.index.damage import meta_or_none
+from ucm_db.index.damage import meta_or_none, tree_keys
 
 RETRACTION_PREFIX = b"retract/"
 #: namespace id, depth, retracted_ns, confirmed_ns (0: the remote delete is pending).
@@ -69,14 +69,7 @@ def record_trees(txn: Txn, roots: Iterable[bytes], now_ns: int) -> int:
     ``roots`` (before they are removed, in the removing transaction);
     returns how many."""
     count = 0
-    stack = list(roots)
-    seen: set[bytes] = set()
-    while stack:
-        key = stack.pop()
-        if key in seen:
-            continue
-        seen.add(key)
-        stack.extend(bytes(child[32:]) for child, _ in txn.scan("children", key))
+    for key in tree_keys(txn, roots):
         meta = meta_or_none(txn.get("meta", key))
         if meta is None:
             continue  # no record: nothing names its remote object
