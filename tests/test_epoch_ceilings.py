@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 import ucm_db
-from ucm_db import ConfigError, Namespace, TierError, maintenance
+from tests import epoch_reads
+from ucm_db import ConfigError, Namespace, maintenance
 from ucm_db.auth import load_keys
 from ucm_db.maintenance.archive.macs import AUTH_MEMBER, ArchiveSigner
 from ucm_db.remote import manifests
@@ -42,12 +43,7 @@ OLD = [f"old-{i}".encode().ljust(64, b".") for i in range(len(TOKENS) // 4)]
 
 
 def served(store: ucm_db.Store) -> list[bytes]:
-    try:
-        epoch = store.epoch(NS)
-    except TierError:
-        return []
-    keys = NS.block_keys(TOKENS, epoch=epoch)
-    return [bytes(b) for b in store.get(NS, keys[: store.lookup(NS, keys)]) if b is not None]
+    return epoch_reads.served(store, NS, TOKENS)
 
 
 def store_at(path: Path, epoch: int) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import ucm_db
+from tests import epoch_reads
 from ucm_db import ConfigError, Namespace, TierError, maintenance
 
 NS = Namespace(model="test/epoch-travel", kv_dtype="bfloat16", block_size=4)
@@ -35,15 +36,7 @@ V1, V2 = version("v1"), version("v2")
 
 
 def served(store: ucm_db.Store, ns: Namespace = NS) -> list[bytes]:
-    """What a reader keyed at the store's epoch (as the connector is) gets:
-    nothing where the epoch cannot be read."""
-    try:
-        epoch = store.epoch(ns)
-    except TierError:
-        return []
-    keys = ns.block_keys(TOKENS, epoch=epoch)
-    found = store.lookup(ns, keys)
-    return [bytes(b) for b in store.get(ns, keys[:found]) if b is not None]
+    return epoch_reads.served(store, ns, TOKENS)
 
 
 def stale(blocks: list[bytes]) -> int:

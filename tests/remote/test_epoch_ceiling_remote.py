@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import ucm_db
+from tests import epoch_reads
 from ucm_db import Namespace
 from ucm_db.auth import load_keys
 from ucm_db.remote import manifests
@@ -37,8 +38,7 @@ def opened(path: Path, remote: Remote, **extra: object) -> ucm_db.Store:
 
 
 def served(store: ucm_db.Store) -> list[bytes]:
-    keys = NS.block_keys(TOKENS, epoch=store.epoch(NS))
-    return [bytes(b) for b in store.get(NS, keys[: store.lookup(NS, keys)]) if b is not None]
+    return epoch_reads.served(store, NS, TOKENS, unreadable_epoch_is_miss=False)
 
 
 def manifest_path(remote: Remote) -> Path:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 import ucm_db
-from ucm_db import Namespace, TierError, maintenance
+from tests import epoch_reads
+from ucm_db import Namespace, maintenance
 from ucm_db.remote.tier import RemoteRoot
 
 from .conftest import Remote, make_remote
@@ -42,13 +43,7 @@ def opened(path: Path, remote: Remote, **extra: object) -> ucm_db.Store:
 
 
 def served(store: ucm_db.Store) -> list[bytes]:
-    try:
-        epoch = store.epoch(NS)
-    except TierError:
-        return []
-    keys = NS.block_keys(TOKENS, epoch=epoch)
-    found = store.lookup(NS, keys)
-    return [bytes(b) for b in store.get(NS, keys[:found]) if b is not None]
+    return epoch_reads.served(store, NS, TOKENS)
 
 
 def stale(blocks: list[bytes]) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import ucm_db
+from tests import epoch_reads
 
 from cli_stores import NS_A, NS_B, invoke, invoke_json, make_store, payload
 
@@ -34,8 +35,7 @@ def invalidated(path: Path, **options: object) -> None:
 
 def served(path: Path) -> list[bytes]:
     with ucm_db.open(path) as store:
-        keys = NS_A.block_keys(TOKENS, epoch=store.epoch(NS_A))
-        return [bytes(b) for b in store.get(NS_A, keys[: store.lookup(NS_A, keys)])]
+        return epoch_reads.served(store, NS_A, TOKENS, unreadable_epoch_is_miss=False)
 
 
 def test_export_import_carries_the_epoch(tmp_path: Path) -> None:
