@@ -28,7 +28,7 @@ deleted children first, so a gc stopped midway (killed, a remote failing)
 leaves no object whose parent it removed. Temp files of crashed uploads
 older than an hour are removed as well.
 
-Only what ucm-db wrote is ever touched (:func:`list_objects`): paths of its
+Only what ucm-db wrote is ever touched (:func:`~ucm_db.remote.gc_listing.list_objects`): paths of its
 own layout, ``ROOT/<namespace short id: 16 hex>/<key[0]: 2 hex>/<key: 64 hex>``
 (temp files: ``ROOT/<namespace short id>/[<key[0]>/].tmp-*``), under a namespace
 directory whose ``manifest.json`` is ucm-db's (names that namespace id),
@@ -37,17 +37,33 @@ magic; one ranged read of the head per object). Anything else under the
 root (another application's files, even named by 64 hex digits; a FIFO or
 link in an object's place) is left alone and counted in ``skipped_entries``.
 
-A parent that is simply absent from the listing is not a removal: the
-write-back uploader sends a queue in key order, so a chain's deeper
-blocks often land before their ancestors, which are on their way. Only
-an object whose parent has been missing for longer than
-:data:`ORPHAN_GRACE_S` (its own age) is taken for an orphan and removed
-with its descendants. A younger one is uploading, and its youth cannot be
-carried up past the absent parent: an object names only its parent, so any
-object of its namespace may be its ancestor (an old one, or a "leaf" whose
-child is in flight). So the rules remove nothing in such a namespace this
-run: they choose as if nothing were held, and their choices there wait
-(``held_*`` in the report): the other namespaces lose no more for it.
+A parent absent from the listing is looked for where it belongs first
+(:func:`~ucm_db.remote.gc_listing.landed_parents`, counted in
+``landed_after_listing``): a listing is no snapshot, and a parent that
+landed after it passed its path is read then, so the youth of what hangs
+under it is carried up its chain like any other. A parent still absent is
+not a removal either: it may be on its way. Only an object whose parent
+has been missing for longer than :data:`ORPHAN_GRACE_S` (its own age) is
+taken for an orphan and removed with its descendants. A younger one is
+uploading, and its youth cannot be carried up past the absent parent: an
+object names only its parent, so any object of its namespace may be its
+ancestor (an old one, or a "leaf" whose child is in flight). So the rules
+remove nothing in such a namespace this run: they choose as if nothing
+were held, and their choices there wait (``held_*`` in the report): the
+other namespaces lose no more for it.
+
+Why the hold stays namespace-wide: a node running a ucm-db older than the
+uploaders' ancestor repair (:mod:`ucm_db.remote.ancestry`) sends its queue
+in key order, so a chain's deeper blocks land before their ancestors, for
+as long as its backlog lasts, and never uploads again an ancestor gc
+removed meanwhile: only holding every possible ancestor keeps its chains
+whole. A current node sends a block's ancestors in an earlier batch or the
+same one (whose uploads run at once): its parents are absent only for a
+moment, mostly found by the second look, so a busy namespace is no longer
+held run after run. What gc cannot see it cannot hold: a continuation
+still entirely in a node's queue. The old chain it continues may go; a
+current node uploads that chain again from its local tier before the
+continuation, an older one leaves the continuation an orphan.
 
 Invariants:
     * Safe beside live servers: objects are immutable, and a deleted object
@@ -68,43 +84,20 @@ Invariants:
 
 from __future__ import annotations
 
-import datetime as dt
 import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.errors import CorruptBlockError
-from ucm_db.remote.manifests import ROOT_MARKERS
-from ucm_db.remote.tier import (
-    MANIFEST_NAME, OBJECT_MAGIC, PROBE_BYTES, TEMP_PREFIX, ManifestError, RemoteRoot, is_namespace_id, parse_envelope,
+from ucm_db.remote.gc_listing import (  # noqa: F401 - RemoteListing, list_objects re-exported
+    RemoteListing, RemoteObjectInfo, landed_parents, list_objects,
 )
+from ucm_db.remote.tier import RemoteRoot
 
 TEMP_MAX_AGE_S = 3600.0
 #: An object whose parent is absent this long (by its own age) is an orphan.
 ORPHAN_GRACE_S = 3600.0
-
-
-_HEX = frozenset("0123456789abcdef")
-
-
-@dataclass
-class RemoteObjectInfo:
-    """An object of ucm-db's layout: where, how big, how old, and its parent
-    from its envelope (``broken``: the envelope fails its checksum)."""
-
-    path: str
-    key: bytes
-    size_bytes: int
-    mtime_s: float
-    parent: bytes | None = None
-    broken: bool = False
-
-    @property
-    def namespace_dir(self) -> str:
-        """Its namespace directory: its path less ``/<key[0]>/<key>``."""
-        return self.path.rsplit("/", 2)[0]
 
 
 @dataclass
@@ -116,103 +109,6 @@ class Removals:
     held: set[str]
     frozen: set[str]
     uploading: int
-
-
-@dataclass
-class RemoteListing:
-    """What :func:`list_objects` found: ucm-db's objects and temp files
-    (path, mtime), and how many entries it left alone as not ucm-db's."""
-
-    objects: list[RemoteObjectInfo]
-    temps: list[tuple[str, float]]
-    skipped_entries: int
-
-
-def _mtime_s(info: dict[str, Any]) -> float:
-    for name in ("mtime", "LastModified", "last_modified", "created", "updated"):
-        value = info.get(name)
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, dt.datetime):
-            return value.timestamp()
-        if isinstance(value, str):
-            try:
-                return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-    return 0.0
-
-
-def list_objects(root: RemoteRoot) -> RemoteListing:
-    """ucm-db's objects and temp files under the root (see the module
-    docstring); reads each object's head (:data:`PROBE_BYTES`)."""
-    listing = root.list_namespaces()
-    skipped = sum(1 for name in listing.stray if name not in ROOT_MARKERS)
-    objects: list[RemoteObjectInfo] = []
-    temps: list[tuple[str, float]] = []
-    for short_id in listing.entries:
-        namespace_id = bytes.fromhex(short_id)
-        if not _is_own_namespace(root, namespace_id, short_id):
-            skipped += 1
-            continue
-        base = root.namespace_dir(namespace_id)
-        try:
-            found = root.fs.find(base, detail=True)
-        except FileNotFoundError:
-            continue
-        for path, info in found.items():
-            path = str(path)
-            parts = path[len(base) + 1 :].split("/") if path.startswith(base + "/") else []
-            name = parts[-1] if parts else ""
-            if parts == [MANIFEST_NAME]:
-                continue
-            if name.startswith(TEMP_PREFIX) and (len(parts) == 1 or (len(parts) == 2 and _is_hex(parts[0], 2))):
-                temps.append((path, _mtime_s(info)))
-            elif len(parts) == 2 and _is_hex(parts[0], 2) and _is_hex(name, 64) and name[:2] == parts[0]:
-                obj = _read_head(root, RemoteObjectInfo(path, bytes.fromhex(name), int(info.get("size", 0)), _mtime_s(info)))
-                if obj is None:
-                    skipped += 1
-                else:
-                    objects.append(obj)
-            else:
-                skipped += 1
-    return RemoteListing(objects, temps, skipped)
-
-
-def _is_hex(name: str, length: int) -> bool:
-    """True for ``length`` lowercase hex digits (how the uploader names things)."""
-    return len(name) == length and set(name) <= _HEX
-
-
-def _is_own_namespace(root: RemoteRoot, namespace_id: bytes, short_id: str) -> bool:
-    """True when the directory's manifest is ucm-db's for this namespace id."""
-    if not is_namespace_id(short_id):
-        return False
-    try:
-        manifest = root.read_manifest(namespace_id)
-    except ManifestError:
-        return False
-    if manifest is None or "ucm_db_remote_format" not in manifest:
-        return False
-    named = manifest.get("namespace_id")
-    return isinstance(named, str) and named.startswith(short_id)
-
-
-def _read_head(root: RemoteRoot, obj: RemoteObjectInfo) -> RemoteObjectInfo | None:
-    """``obj`` with its parent from its envelope (or marked broken); None when
-    the file is not a ucm-db object (gone, not a regular file, or not
-    starting with the object magic)."""
-    try:
-        head = root.read_range(obj.path, 0, PROBE_BYTES)  # None: gone, or not a regular file (never opened)
-    except OSError:
-        return None
-    if head is None or bytes(head[: len(OBJECT_MAGIC)]) != OBJECT_MAGIC:
-        return None
-    try:
-        obj.parent, _namespace_id = parse_envelope(head, obj.key)
-    except CorruptBlockError:
-        obj.broken = True
-    return obj
 
 
 def subtree_youngest_mtimes(objects: list[RemoteObjectInfo]) -> dict[str, float]:
@@ -368,7 +264,8 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     """Runs the collection (see module docstring); returns the report."""
     now_s = time.time() if now_s is None else now_s
     listing = list_objects(root)
-    objects = listing.objects
+    landed = landed_parents(root, listing.objects, uploading_objects(listing.objects, now_s))
+    objects = listing.objects + landed
     plan = plan_removals(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
     stale_temps = [p for p, m in listing.temps if now_s - m > TEMP_MAX_AGE_S]
     doomed = removal_order(objects, plan.victims | plan.cascade)
@@ -385,6 +282,7 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
         "objects_before": len(objects), "bytes_before": total, "removed_objects": len(doomed),
         "removed_by_rule": len(plan.victims), "removed_descendants": len(plan.cascade), "removed_bytes": freed,
         "bytes_after": total - freed, "temp_files_removed": len(stale_temps), "skipped_entries": listing.skipped_entries,
+        "landed_after_listing": len(landed),
         "held_by_rule": len(plan.held), "held_namespaces": len(plan.frozen), "held_reason": held_reason(plan), "dry_run": dry_run,
     }
 

@@ -19,9 +19,11 @@ Invariants:
       batch planned (its ``created_ns``, checked in the removing
       transaction): a block removed and put again meanwhile keeps its new
       row and is uploaded by a later batch.
-    * Within a batch, shallower blocks are uploaded first, so the remote
-      mostly holds ancestors before descendants (the remote prefix search
-      relies on it for precision, never for correctness).
+    * A batch holds the queued ancestors of its blocks
+      (:mod:`ucm_db.remote.upload_plan`), and the parent of each of its
+      roots is on the remote before it goes (uploaded again from the local
+      tier if gc removed it: :mod:`ucm_db.remote.ancestry`). Within a
+      batch, shallower blocks are uploaded first.
     * In one process, one upload batch runs at a time: the thread's or a
       write-through put's (``upload_now``), which then uploads only what is
       still queued. A block the thread uploaded between the put's commit and
@@ -56,8 +58,10 @@ from ucm_db.crashpoints import crashpoint
 from ucm_db import codec
 from ucm_db.cpu_placement import place_current_thread
 from ucm_db.errors import ClosedError, CorruptBlockError, TierError
+from ucm_db.remote.ancestry import AncestorRepair
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.retraction import RemoteRetractions
+from ucm_db.remote.upload_plan import BatchPlanner, read_items
 from ucm_db.index.local import LocalTier
 from ucm_db.remote.tier import RemoteRoot
 
@@ -102,6 +106,8 @@ class Uploader:
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload", initializer=place_current_thread)
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
         self.retractions = RemoteRetractions(local, remote, self._pool)
+        self.planner = BatchPlanner(local)
+        self.ancestry = AncestorRepair(local, remote, upload=self._upload_one, run=self._run_uploads)
         self.uploaded = 0
         self.failures = 0
         self.last_error: str | None = None
@@ -182,8 +188,8 @@ class Uploader:
         keys = self.local.pending_uploads(limit=BATCH_KEYS)
         if not keys:
             return 0, 0
-        keys, gone, stored_ns = self._plan_batch(keys)
-        items = self._read_items(keys)
+        keys, gone, stored_ns = self.planner.plan(keys, max_keys=BATCH_KEYS, max_bytes=BATCH_BYTES)
+        items = read_items(self.local, keys)
         gone += [k for k, item in zip(keys, items) if item is None]
         work = sorted((item for item in items if item is not None), key=lambda it: it[3])
         namespaces = {item[2] for item in work}
@@ -193,11 +199,16 @@ class Uploader:
         if manifest[0] is not None:
             self.last_error = manifest[0]
             return 0, 1
+        repair = self.ancestry.before_batch(work)  # the parents of its roots first
+        if repair is None:
+            return 0, 0
+        work = [item for item in work if item[0] not in repair.held_back]
         results = self._run_uploads([partial(self._upload_one, item) for item in work])
         if results is None:
             return 0, 0  # stopping: unfinished rows stay queued
         done = [item[0] for item, error in zip(work, results) if error is None]
-        errors = [error for error in results if error is not None]
+        errors = repair.errors + [error for error in results if error is not None]
+        self.ancestry.remember(done)
         if errors:
             self.last_error = errors[0]
         # Counted before their rows leave the queue: whoever sees the queue
@@ -224,34 +235,6 @@ class Uploader:
         record = {**asdict(choice), "time_ns": time.time_ns()}
         self.local.info_put(REMOTE_CODEC_RECORD, json.dumps(record, sort_keys=True).encode())
         self._recorded_codec = choice.codec
-
-    def _plan_batch(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
-        """Shallowest blocks first, up to :data:`BATCH_BYTES` stored bytes
-        (at least one); returns ``(keys to upload, keys no longer stored,
-        created_ns of each stored block)``: which rows the batch may remove."""
-        metas = self.local.metas(keys)
-        gone = [k for k, m in zip(keys, metas) if m is None]
-        stored_ns = {k: m.created_ns for k, m in zip(keys, metas) if m is not None}
-        present = sorted(((m.depth, k, m.stored_bytes) for k, m in zip(keys, metas) if m is not None))
-        chosen: list[bytes] = []
-        total_bytes = 0
-        for _depth, key, stored_bytes in present:
-            if chosen and total_bytes + stored_bytes > BATCH_BYTES:
-                break
-            chosen.append(key)
-            total_bytes += stored_bytes
-        return chosen, gone, stored_ns
-
-    def _read_items(self, keys: list[bytes]) -> list[tuple[bytes, bytes | None, bytes, int, bytes] | None]:
-        metas = self.local.metas(keys)
-        blobs = self.local.read_blobs(keys)
-        out: list[tuple[bytes, bytes | None, bytes, int, bytes] | None] = []
-        for key, meta, blob in zip(keys, metas, blobs):
-            if meta is None or blob is None:
-                out.append(None)
-            else:
-                out.append((key, meta.parent, meta.namespace_id, meta.depth, blob))
-        return out
 
     def _run_uploads(self, calls: list[Callable[[], str | None]]) -> list[str | None] | None:
         """Runs remote calls on the pool; returns their errors (None for a
@@ -360,13 +343,18 @@ class Uploader:
         except Exception as exc:  # noqa: BLE001 - reported like an upload failure
             return [f"{type(exc).__name__}: {exc}"] * len(items)
         work = [(key, parent, ns, 0, blob) for key, parent, ns, blob in items]
+        repair = self.ancestry.before_batch(work)  # the parents of its roots first
+        if repair is None:
+            return ["the store is closing"] * len(items)
+        work = [item for item in work if item[0] not in repair.held_back]
         results = list(self._pool.map(self._upload_one, work))
         done = [item[0] for item, error in zip(work, results) if error is None]
+        self.ancestry.remember(done)
         self.uploaded += len(done)  # before the rows leave the queue (see drain_batch)
         # By key: each key's object is on the remote now, so even a row of
         # the key's block put again since (same key, same chain) is done.
         self.local.mark_uploaded(done)
-        return [error for error in results if error is not None]
+        return repair.errors + [error for error in results if error is not None]
 
     def forget_lock_after_fork(self) -> None:
         """In a forked child: drop the inherited lock descriptor (closing
@@ -385,8 +373,10 @@ def describe(uploader: Uploader | None) -> dict[str, Any]:
     """Counters for stats and the CLI."""
     if uploader is None:
         return {}
+    ancestry = uploader.ancestry
     out: dict[str, Any] = {"uploaded": uploader.uploaded, "failures": uploader.failures, "last_error": uploader.last_error,
-                           "retracted": uploader.retractions.deleted}
+                           "retracted": uploader.retractions.deleted, "ancestor_checks": ancestry.checks,
+                           "ancestors_reuploaded": ancestry.reuploaded, "ancestors_missing": ancestry.missing}
     if uploader.codec is not None:
         out["codec"] = asdict(uploader.codec.choice())
     return out

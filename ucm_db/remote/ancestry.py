@@ -1,0 +1,236 @@
+"""What an upload batch sends, and in what order, so that the remote keeps
+whole ancestor chains (its prefix invariant: an object's parent is there
+too) beside other nodes' ``ucm-db gc``.
+
+``gc`` sees only the remote: a continuation still in a node's upload queue
+is invisible to it, so the old chain it continues looks old and childless
+and goes. The continuation used to land under a removed parent later: every
+other node missed all of it, and after an hour gc removed it as orphaned.
+The uploader (:mod:`ucm_db.remote.uploader`: its write-back batches and
+a write-through put's) now plans and sends each batch so that it lands
+whole:
+
+* A batch holds the queued ancestors of its blocks
+  (:mod:`ucm_db.remote.upload_plan`): a block never goes before a queued
+  ancestor of its.
+* :class:`AncestorRepair` checks, before a batch goes, that the parent of
+  each *batch root* (a block whose parent is not in the batch; a chain's
+  first block has none to check) is on the remote: one ranged read of its
+  envelope per distinct parent (:data:`~ucm_db.remote.envelope.ENVELOPE_BYTES`),
+  none for a key this process uploaded in the last
+  :data:`UPLOADED_TTL_S` (a key found present is checked again next time:
+  it may be old, which is what gc removes). A parent found absent (gc removed it, or its
+  object is broken) that the local tier still holds is uploaded again from
+  it, with its absent ancestors (each checked in turn), parents first,
+  before the batch. One the local tier no longer holds (or holds under
+  another namespace, or whose delete is being retracted) is counted in
+  :attr:`AncestorRepair.missing`, and the children go anyway, as before.
+
+Cost per batch: one request per distinct batch-root parent not uploaded
+here within :data:`UPLOADED_TTL_S` (on S3 a GET of 64 bytes: about a twelfth
+of a PUT's price, and one round trip before the batch, since the checks run
+on the upload pool at once), plus two requests per ancestor found absent
+(its check and its upload). A batch that continues this process's own
+recent uploads (a conversation's next turn) checks nothing.
+
+Invariants:
+    * Nothing of a batch goes before the ancestors it needs: a batch root
+      whose parent chain met a failed check or upload stays queued (with its
+      descendants in the batch) for a later batch.
+    * Only blocks of the local tier are sent, each read in its own upload
+      call (memory: ``upload_concurrency`` blocks at a time).
+    * A block whose delete is being retracted is never sent again
+      (:mod:`ucm_db.remote.retraction`).
+    * Within a batch, uploads still run at once (shallower first), so a
+      child may land a moment before its parent: ``gc`` reads such a parent
+      when it lands after its listing (:func:`ucm_db.remote.gc_listing.landed_parents`).
+
+Not covered: a gc that listed before a batch landed and removes the
+parent its check found after the check (the batch then lands under
+nothing, and the next batches check only their own parents): the window is
+one batch's upload, and the gc must list the batch's paths before they land.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from ucm_db.errors import CorruptBlockError
+from ucm_db.index.entries import BlockMeta
+from ucm_db.index.local import LocalTier
+from ucm_db.remote.tier import ENVELOPE_BYTES, RemoteRoot, parse_envelope
+from ucm_db.remote.upload_plan import Item, read_items
+
+#: A key this process uploaded is taken for present without a check this
+#: long: a gc rule takes no object this young but a ``--older-than`` under
+#: it (or a ``--max-bytes`` that has removed every older tail).
+UPLOADED_TTL_S = 60.0
+#: Keys remembered as uploaded (the oldest are forgotten first).
+MAX_REMEMBERED = 1 << 16
+
+#: Runs calls on the upload pool; their errors (None: success), or None when stopping.
+Runner = Callable[[list[Callable[[], str | None]]], list[str | None] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    """What :meth:`AncestorRepair.before_batch` did: the batch's keys that
+    wait for a later batch (an ancestor's check or upload failed) and why."""
+
+    held_back: frozenset[bytes]
+    errors: list[str]
+
+
+class AncestorRepair:
+    """Uploads again the absent ancestors of a batch (see the module
+    docstring); counters for :func:`ucm_db.remote.uploader.describe`.
+
+    Args:
+        local: the local tier the ancestors are read from.
+        remote: where they go.
+        upload: uploads one item (the uploader's; None or an error).
+        run: runs calls on the upload pool (the uploader's).
+    """
+
+    def __init__(self, local: LocalTier, remote: RemoteRoot, *, upload: Callable[[Item], str | None], run: Runner) -> None:
+        self.local, self.remote = local, remote
+        self._upload, self._run = upload, run
+        self._lock = threading.Lock()
+        self._uploaded: dict[bytes, float] = {}  # key -> monotonic time this process uploaded it
+        #: Parents checked on the remote (one request each).
+        self.checks = 0
+        #: Ancestors found absent from the remote and uploaded again from the local tier.
+        self.reuploaded = 0
+        #: Absent ancestors the local tier could not give: their children went without them.
+        self.missing = 0
+
+    def remember(self, keys: Iterable[bytes]) -> None:
+        """Records keys this process has just uploaded (present without a check for a while)."""
+        now_s = time.monotonic()
+        with self._lock:
+            for key in keys:
+                self._uploaded.pop(key, None)  # re-inserted last: the dict stays oldest first
+                self._uploaded[key] = now_s
+            while len(self._uploaded) > MAX_REMEMBERED:
+                del self._uploaded[next(iter(self._uploaded))]
+
+    def _known(self, key: bytes) -> bool:
+        with self._lock:
+            uploaded_s = self._uploaded.get(key)
+        return uploaded_s is not None and time.monotonic() - uploaded_s < UPLOADED_TTL_S
+
+    def before_batch(self, work: Sequence[Item]) -> Repair | None:
+        """Checks the parents of ``work``'s batch roots and uploads the
+        absent ones the local tier holds, parents first; None when asked to
+        stop (nothing of the batch may go then)."""
+        in_batch = {item[0] for item in work}
+        frontier = {item[1]: item[2] for item in work if item[1] is not None and item[1] not in in_batch
+                    and not self._known(item[1])}
+        absent: dict[bytes, BlockMeta] = {}  # absent from the remote, held here: to upload
+        failed: dict[bytes, str] = {}
+        checked: set[bytes] = set()
+        while frontier:
+            found = self._absent(frontier, failed)
+            if found is None:
+                return None
+            checked.update(frontier)
+            metas = self.local.metas(list(found))
+            retracted = self.local.uploads.retracted(list(found))
+            frontier = {}
+            for (key, namespace_id), meta in zip(found.items(), metas):
+                if meta is None or meta.namespace_id != namespace_id or key in retracted:
+                    self.missing += 1
+                    continue
+                absent[key] = meta
+                if meta.parent is not None and meta.parent not in checked and not self._known(meta.parent):
+                    frontier[meta.parent] = namespace_id
+        if absent and self._send(absent, failed) is None:
+            return None
+        return Repair(_held_back(work, absent, failed), list(dict.fromkeys(failed.values())))
+
+    def _absent(self, wanted: dict[bytes, bytes], failed: dict[bytes, str]) -> dict[bytes, bytes] | None:
+        """Those of ``wanted`` (key -> namespace id) absent from the remote;
+        a failed check goes to ``failed``; None when stopping."""
+        present: dict[bytes, bool] = {}
+        calls: list[Callable[[], str | None]] = [partial(self._check, key, namespace_id, present)
+                                                 for key, namespace_id in wanted.items()]
+        results = self._run(calls)
+        if results is None:
+            return None
+        self.checks += len(calls)
+        for key, error in zip(wanted, results):
+            if error is not None:
+                failed[key] = error
+        return {key: namespace_id for key, namespace_id in wanted.items() if present.get(key) is False}
+
+    def _check(self, key: bytes, namespace_id: bytes, present: dict[bytes, bool]) -> str | None:
+        """Reads the envelope of ``key``'s object: present if it is whole and
+        of this namespace (a broken one is replaced, as gc would remove it)."""
+        head = self.remote.read_range(self.remote.object_path(namespace_id, key), 0, ENVELOPE_BYTES)
+        try:
+            present[key] = head is not None and parse_envelope(head, key)[1] == namespace_id
+        except CorruptBlockError:
+            present[key] = False
+        return None
+
+    def _send(self, absent: dict[bytes, BlockMeta], failed: dict[bytes, str]) -> bool | None:
+        """Uploads ``absent`` level by level, shallowest first; a block over a
+        failed one does not go. None when stopping."""
+        for depth in sorted({meta.depth for meta in absent.values()}):
+            level = [key for key, meta in absent.items() if meta.depth == depth]
+            for key in level:
+                parent = absent[key].parent
+                if parent is not None and parent in failed:
+                    failed[key] = failed[parent]
+            level = [key for key in level if key not in failed]
+            gone: set[bytes] = set()
+            results = self._run([partial(self._send_one, key, gone) for key in level])
+            if results is None:
+                return None
+            for key, error in zip(level, results):
+                if error is not None:
+                    failed[key] = error
+            sent = [key for key, error in zip(level, results) if error is None and key not in gone]
+            self.reuploaded += len(sent)
+            self.missing += len(gone)  # gone since the walk: its children go without it
+            self.remember(sent)
+        return True
+
+    def _send_one(self, key: bytes, gone: set[bytes]) -> str | None:
+        item = read_items(self.local, [key])[0]
+        if item is None:
+            gone.add(key)
+            return None
+        return self._upload(item)
+
+
+def _held_back(work: Sequence[Item], absent: dict[bytes, BlockMeta], failed: dict[bytes, str]) -> frozenset[bytes]:
+    """Keys of ``work`` whose parent chain meets a failed check or upload:
+    batch roots over one, and their descendants in the batch."""
+    if not failed:
+        return frozenset()
+    in_batch = {item[0] for item in work}
+    held: set[bytes] = set()
+    for key, parent, *_ in work:
+        if parent is None or parent in in_batch:
+            continue
+        chain: bytes | None = parent
+        while chain is not None and chain not in failed and chain in absent:
+            chain = absent[chain].parent
+        if chain is not None and chain in failed:
+            held.add(key)
+    children: dict[bytes, list[bytes]] = {}
+    for key, parent, *_ in work:
+        if parent is not None:
+            children.setdefault(parent, []).append(key)
+    todo = list(held)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in held:
+                held.add(child)
+                todo.append(child)
+    return frozenset(held)

@@ -1,0 +1,105 @@
+"""What an upload batch takes from the queue: every queued ancestor of its
+blocks before them (:class:`BatchPlanner`), read as :data:`Item` values.
+
+The upload queue is read in key order (:meth:`~ucm_db.index.local.LocalTier.pending_uploads`,
+``BATCH_KEYS`` at a time), and keys are hashes: a queued block's queued
+parent is rarely among them. Taking them as they came sent the deeper
+blocks of a backlog before their ancestors, for as long as the backlog
+lasted: objects under an absent parent, which ``gc`` must take for uploads
+in flight (it held the namespace) and other nodes' lookups for a broken
+chain. A plan adds the queued ancestors of the keys it is given, then takes
+the shallowest blocks up to the batch's bounds: by depth, the blocks taken
+hold every queued ancestor of theirs.
+
+Invariants:
+    * A batch never holds a block without its queued ancestors (a block
+      uploaded by another process meanwhile may go again: objects are
+      immutable, a repeat is harmless).
+    * The walk reads only the local tier (two read transactions per level
+      of ancestry); what a plan walked and left queued is remembered
+      (:data:`MAX_LEFT` blocks at most) and not walked again by the next
+      plans: the set left stays closed upward, since only its shallowest
+      blocks are taken. So a deep backlog is walked about once, not once
+      per batch.
+    * A plan's blocks are checked queued and stored just before it returns;
+      a row whose block is gone is returned apart (the batch drops it).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from ucm_db.index.entries import BlockMeta
+from ucm_db.index.local import LocalTier
+
+#: Queued blocks a planner remembers between plans (past it, it forgets them all).
+MAX_LEFT = 1 << 16
+
+#: ``(key, parent, namespace id, depth, stored blob)``: what an upload sends.
+Item = tuple[bytes, bytes | None, bytes, int, bytes]
+
+
+class BatchPlanner:
+    """Plans the upload batches of one uploader (one at a time)."""
+
+    def __init__(self, local: LocalTier) -> None:
+        self.local = local
+        self._left: dict[bytes, tuple[int, int]] = {}  # queued, walked, not taken: key -> (depth, stored bytes)
+
+    def plan(self, queued: Sequence[bytes], *, max_keys: int, max_bytes: int,
+             ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
+        """``queued`` and their queued ancestors, shallowest first, up to
+        ``max_keys`` blocks and ``max_bytes`` stored bytes (at least one);
+        returns ``(keys to upload, keys no longer stored, created_ns of each
+        block to upload)``: which rows the batch may remove."""
+        candidates = dict(self._left)
+        metas = self._walk([key for key in queued if key not in candidates], candidates)
+        gone = [key for key, meta in metas.items() if meta is None]
+        candidates.update({key: (meta.depth, meta.stored_bytes) for key, meta in metas.items() if meta is not None})
+        while True:  # until a block still queued is taken, or none is left
+            chosen = _shallowest(candidates, max_keys, max_bytes)
+            for key in chosen:
+                del candidates[key]
+            still = self.local.uploads.queued(chosen)  # another process's write-through (or a delete) took some
+            chosen = [key for key in chosen if key in still]
+            if chosen or not candidates:
+                break
+        self._left = candidates if len(candidates) <= MAX_LEFT else {}
+        now = self.local.metas(chosen)
+        gone += [key for key, meta in zip(chosen, now) if meta is None]
+        stored_ns = {key: meta.created_ns for key, meta in zip(chosen, now) if meta is not None}
+        return [key for key in chosen if key in stored_ns], gone, stored_ns
+
+    def _walk(self, keys: list[bytes], known: dict[bytes, tuple[int, int]]) -> dict[bytes, BlockMeta | None]:
+        """The metas of ``keys`` and of their queued ancestors, up to the
+        first ancestor not queued or in ``known`` (those are not read)."""
+        metas: dict[bytes, BlockMeta | None] = {}
+        frontier = keys
+        while frontier:
+            metas.update(zip(frontier, self.local.metas(frontier)))
+            parents = {m.parent for m in (metas[k] for k in frontier)
+                       if m is not None and m.parent is not None and m.parent not in metas and m.parent not in known}
+            frontier = sorted(self.local.uploads.queued(parents))
+        return metas
+
+
+def _shallowest(candidates: dict[bytes, tuple[int, int]], max_keys: int, max_bytes: int) -> list[bytes]:
+    """The shallowest of ``candidates`` (key -> depth, stored bytes), up to
+    ``max_keys`` blocks and ``max_bytes`` stored bytes (at least one)."""
+    chosen: list[bytes] = []
+    total_bytes = 0
+    for _depth, key, stored_bytes in heapq.nsmallest(max_keys, ((d, k, b) for k, (d, b) in candidates.items())):
+        if chosen and total_bytes + stored_bytes > max_bytes:
+            break
+        chosen.append(key)
+        total_bytes += stored_bytes
+    return chosen
+
+
+def read_items(local: LocalTier, keys: Sequence[bytes]) -> list[Item | None]:
+    """What an upload of each key sends; None for a block no longer stored."""
+    metas = local.metas(keys)
+    blobs = local.read_blobs(keys)
+    return [None if meta is None or blob is None else (key, meta.parent, meta.namespace_id, meta.depth, blob)
+            for key, meta, blob in zip(keys, metas, blobs)]
