@@ -102,16 +102,3 @@ def test_options_that_cannot_work_read_only_are_refused(tmp_path: Path, options:
         ucm_db.open(tmp_path / "s", **options)
     assert not (tmp_path / "s").exists()
 
-
-def test_a_rocksdb_store_on_a_read_only_volume_is_a_clear_error_at_open(tmp_path: Path) -> None:
-    """rocksdict writes its config file even to read: it cannot open a store
-    on a read-only volume, and says so with the fix (issue 26 item 21)."""
-    keys = NS.block_keys(TOKENS)
-    with ucm_db.open(tmp_path / "src" / "store", engine="rocksdb", capacity_bytes=1 << 24) as store:
-        store.put(NS, keys, [bytes([i]) * 4096 for i in range(len(keys))])
-    before = tree(tmp_path / "src")
-    with read_only_view(tmp_path / "src", tmp_path / "ro") as ro:
-        with pytest.raises(ucm_db.TierError, match="cannot be opened read-only here") as info:
-            ucm_db.open(ro / "store", read_only=True)
-        assert "lmdb engine" in info.value.hint and "writable disk" in info.value.hint
-    assert tree(tmp_path / "src") == before

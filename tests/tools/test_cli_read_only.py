@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cli_stores import invoke, invoke_json, make_store
 from readonly_mount import read_only_view, tree
 
 
-def test_inspect_and_verify_read_a_store_on_a_read_only_volume(tmp_path: Path) -> None:
-    # LMDB only: rocksdict writes files beside a database even when it
-    # opens it read-only, so a RocksDB store cannot be read on such a volume.
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
+def test_inspect_and_verify_read_a_store_on_a_read_only_volume(tmp_path: Path, engine: str) -> None:
     source = tmp_path / "store"
-    chains = make_store(source, "lmdb")
+    chains = make_store(source, engine)
     before = tree(source)
     with read_only_view(source, tmp_path / "ro") as view:
         report = invoke_json("inspect", view)

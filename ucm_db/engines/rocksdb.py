@@ -13,9 +13,15 @@ Invariants and choices:
       the committed tables (read-your-writes, sorted merged scans), then
       commits the whole overlay as one ``WriteBatch``: all or nothing. An
       exception in ``fn`` leaves the database untouched.
-    * Writers are serialised by a lock. Readers share a gate that the commit
-      of a batch takes exclusively, so a read transaction never sees half of
-      a batch across column families.
+    * Writers are serialised by a lock. A read transaction reads every
+      column family as of the commit before it began (never half of a
+      batch across families; :class:`~ucm_db.engines.rocksdb_txn.ReadPoint`)
+      and holds no lock while it runs: a commit never waits for a read (a
+      walk of every block, such as the change feed's inventory, stalled
+      every put for its whole length when commits waited for reads). A
+      commit first freezes the reads in flight (iterators of every table,
+      made under the commit lock before its batch is written). Reads share
+      a gate that only a reopen and the close take exclusively.
     * Single process: RocksDB's ``LOCK`` file refuses a second opener, which
       is reported as :class:`~ucm_db.errors.LockedError`; a forked child
       must not use its parent's handle and gets the same error.
@@ -39,17 +45,23 @@ Invariants and choices:
       afterwards as a :class:`~ucm_db.errors.TierError`. It releases them
       once the read transactions in flight have ended and the write lock is
       free; every later call raises :class:`~ucm_db.errors.ClosedError`.
-    * ``read_only`` on a volume RocksDB cannot open (a read-only file system:
-      it must create files even to read) is a :class:`TierError` at open
-      that says so.
+    * ``read_only`` writes nothing in the store's directory: rocksdict
+      rewrites its ``rocksdict-config.json`` in the directory it opens, even
+      read-only, so a read-only open opens a private *shadow* directory (in
+      the temp directory) of links to the store's files instead, and
+      removes it on close. RocksDB reads through the links and, read-only,
+      creates no file, so a store on a read-only volume opens too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +70,7 @@ import rocksdict
 from ucm_db.errors import ClosedError, FormatVersionError, LockedError, TierError
 from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
-from ucm_db.engines.rocksdb_txn import RocksTxn
+from ucm_db.engines.rocksdb_txn import ReadPoint, RocksTxn
 
 logger = logging.getLogger("ucm_db")
 _DISK_HINT = "free space on that disk (the store resumes writing once there is room), or lower capacity_bytes"
@@ -93,6 +105,58 @@ def _options(table: str | None) -> rocksdict.Options:
     return opts
 
 
+#: Names of the files that opening a database writes (rocksdict's config; RocksDB's lock and info logs, which
+#: a read-only open does not touch): never linked into a read-only open's shadow directory.
+_WRITTEN_AT_OPEN = ("rocksdict-config.json", "LOCK", "LOG")
+#: A read-only open beside a live writer can meet a flush or compaction that changes the directory while
+#: its shadow is built (CURRENT naming a MANIFEST the shadow lacks): it builds the shadow again, this often.
+_SHADOW_TRIES = 3
+
+
+def _open_read_only(path: Path, tables: Iterable[str]) -> tuple[rocksdict.Rdict, Path]:
+    """The database at ``path`` opened read-only without writing there (see
+    the module's invariants), and its shadow directory, to be removed once
+    the database is closed."""
+    real = path.absolute()
+    for attempt in range(_SHADOW_TRIES):
+        names = sorted(os.listdir(real))
+        shadow = _shadow_of(real, names)
+        try:
+            return rocksdict.Rdict(
+                str(shadow), options=_options(None), column_families={name: _options(name) for name in tables},
+                access_type=rocksdict.AccessType.read_only(),
+            ), shadow
+        except BaseException as exc:
+            shutil.rmtree(shadow, ignore_errors=True)
+            if not isinstance(exc, Exception) or attempt + 1 == _SHADOW_TRIES or sorted(os.listdir(real)) == names:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _shadow_of(real: Path, names: list[str]) -> Path:
+    """A new private directory of links to the files ``names`` of ``real``
+    (but those an open writes)."""
+    try:
+        shadow = Path(tempfile.mkdtemp(prefix="ucm-db-rocksdb-ro-"))
+    except OSError as exc:
+        raise TierError(f"RocksDB store at {real} cannot be opened read-only: the private directory of links to "
+                        f"its files could not be made in {tempfile.gettempdir()} ({exc})",
+                        hint="set TMPDIR to a writable directory") from exc
+    try:
+        for name in names:
+            if not name.startswith(_WRITTEN_AT_OPEN):
+                os.symlink(real / name, shadow / name)
+    except BaseException:
+        shutil.rmtree(shadow, ignore_errors=True)
+        raise
+    return shadow
+
+
+def _remove_shadow(shadow: str, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child exiting leaves its parent's shadow alone
+        shutil.rmtree(shadow, ignore_errors=True)
+
+
 class RocksDbEngine(Engine):
     """Tables as RocksDB column families (single process; see module docs)."""
 
@@ -105,7 +169,15 @@ class RocksDbEngine(Engine):
         self._sync = sync
         self._read_only = read_only
         self._write_lock = threading.Lock()
+        #: Held while a batch commits, while a read takes its point (with the floors of that commit) and
+        #: while a scan of a read starts.
+        self._commit_lock = threading.Lock()
+        #: The read points in flight that no commit has frozen yet.
+        self._unfrozen: set[ReadPoint] = set()
         self._gate = SharedExclusiveGate()
+        #: Removes a read-only open's shadow directory (module invariants): on release, else when the engine
+        #: is collected or the interpreter exits (a store never closed).
+        self._shadow: weakref.finalize[[str, int], RocksDbEngine] | None = None
         self._floors: dict[str, bytes] = {}
         self._pid = os.getpid()
         self._families: dict[str, rocksdict.Rdict] = {}
@@ -135,8 +207,13 @@ class RocksDbEngine(Engine):
                 family.close()
             except Exception as exc:  # noqa: BLE001 - closing the rest matters more
                 logger.debug("ucm-db: closing a RocksDB column family of %s failed: %s", self.path, exc)
-        if db is not None:
-            db.close()
+        shadow, self._shadow = self._shadow, None
+        try:
+            if db is not None:
+                db.close()
+        finally:
+            if shadow is not None:
+                shadow()
 
     def _recover(self) -> None:
         """Reopens the database after a failed write (see module
@@ -160,10 +237,7 @@ class RocksDbEngine(Engine):
         still full): the database opened read-only, which creates no file.
         ``_failed`` stays set, so the next write tries again."""
         try:
-            self._bind(rocksdict.Rdict(
-                str(self.path), options=_options(None), column_families={name: _options(name) for name in TABLES},
-                access_type=rocksdict.AccessType.read_only(),
-            ))
+            self._bind(self._open_read_only(TABLES))
         except Exception as exc:  # noqa: BLE001 - reads then fail with the reopen's error until a reopen works
             logger.warning("ucm-db: RocksDB store %s cannot be read either until it reopens: %s", self.path, exc)
 
@@ -186,11 +260,7 @@ class RocksDbEngine(Engine):
                     raise FormatVersionError(
                         f"RocksDB store at {self.path} lacks tables {', '.join(missing)}: an older ucm-db wrote it",
                         hint=f"run `ucm-db migrate {self.path.parent}`")
-                return rocksdict.Rdict(
-                    str(self.path), options=_options(None),
-                    column_families={name: _options(name) for name in existing},
-                    access_type=rocksdict.AccessType.read_only(),
-                )
+                return self._open_read_only(existing)
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             return rocksdict.Rdict(
                 str(self.path), options=_options(None),
@@ -199,18 +269,17 @@ class RocksDbEngine(Engine):
         except (TierError, FormatVersionError):
             raise
         except Exception as exc:  # rocksdict raises plain Exception for IO errors
-            if self._read_only and ("Read-only file system" in str(exc) or not os.access(self.path, os.W_OK)):
-                raise TierError(
-                    f"RocksDB store at {self.path} cannot be opened read-only here: RocksDB creates files in its "
-                    f"directory even to read (its log and lock), and this directory is not writable ({exc})",
-                    hint="copy the store to a writable disk, or use the lmdb engine for stores on read-only volumes",
-                ) from exc
             if "lock" in str(exc).lower():
                 raise LockedError(
                     f"RocksDB store at {self.path} is already open in another process or handle "
                     f"(the rocksdb engine is single-process): {exc}",
                 ) from exc
             raise TierError(f"cannot open RocksDB store at {self.path}: {exc}") from exc
+
+    def _open_read_only(self, tables: Iterable[str]) -> rocksdict.Rdict:
+        db, shadow = _open_read_only(self.path, tables)
+        self._shadow = weakref.finalize(self, _remove_shadow, str(shadow), os.getpid())
+        return db
 
     def _check(self) -> None:
         if self._pid != os.getpid():
@@ -225,7 +294,15 @@ class RocksDbEngine(Engine):
         self._check()
         self._recover_if_failed(unreadable_only=True)  # a reopen after a failed write left no handle
         with self._gate.shared():
-            return fn(RocksTxn(self._families, writable=False, floors=self._floors))
+            with self._commit_lock:  # every table at the same commit, and the floors of that commit
+                point, floors = ReadPoint(self._families, self._commit_lock), self._floors
+                self._unfrozen.add(point)
+            try:
+                return fn(RocksTxn(self._families, writable=False, floors=floors, point=point))
+            finally:
+                with self._commit_lock:
+                    self._unfrozen.discard(point)
+                point.release()  # its snapshots keep the database open: none outlives its transaction
 
     def write(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
@@ -239,8 +316,11 @@ class RocksDbEngine(Engine):
             result = fn(txn)
             batch = txn.batch(self._handles)
             try:
-                with self._gate.exclusive():
-                    if batch is not None:
+                with self._commit_lock:
+                    if batch is not None:  # the reads in flight keep what they see: the tables before this batch
+                        for point in self._unfrozen:
+                            point.freeze()
+                        self._unfrozen.clear()
                         self._db.write(batch, self._write_options)
                     self._floors = txn.floors
             except Exception as exc:

@@ -1,17 +1,27 @@
 """The RocksDB engine's transactions: an overlay of pending changes over
-the committed column families (see :mod:`ucm_db.engines.rocksdb` for the
-invariants; the gate that keeps readers off a commit in progress is
-:class:`ucm_db.engines.gate.SharedExclusiveGate`).
+the committed column families, and the point a read transaction reads at
+(see :mod:`ucm_db.engines.rocksdb` for the engine's invariants).
 
 Invariants:
     * A write transaction reads its own writes (``get`` and sorted merged
-      ``scan``); nothing reaches the database before :meth:`RocksTxn.batch`
-      is written as one ``WriteBatch``.
-    * A read transaction refuses ``put``/``delete``.
+      ``scan``) over the committed tables; nothing reaches the database
+      before :meth:`RocksTxn.batch` is written as one ``WriteBatch``.
+    * A read transaction reads one :class:`ReadPoint`: every table as of
+      the commit before it began, whatever commits meanwhile; it refuses
+      ``put``/``delete``. Its gets read snapshots taken when it began. Its
+      scans read iterators (a RocksDB iterator is a point-in-time view):
+      made when the scan starts while nothing has committed since the read
+      began, else made for every table by the first commit that followed
+      (:meth:`ReadPoint.freeze`, before its batch is written). rocksdict's
+      ``Snapshot.iter()`` would be simpler, but (0.3.29) it drops the
+      snapshot and iterates the live table.
+    * Scans of one table in one read transaction share its frozen iterator;
+      a scan whose iterator another scan moved seeks back to its last key.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,20 +31,73 @@ from ucm_db.errors import TierError
 from ucm_db.engines.base import Buffer
 
 _DELETED = object()
+#: What rocksdict's ``Snapshot[key]`` raises for a key it does not hold (a plain Exception).
+_SNAPSHOT_MISS = "key not found"
+
+
+class _Cursor:
+    """A frozen iterator of one table, and the scan that moved it last."""
+
+    __slots__ = ("iterator", "owner")
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator = iterator
+        self.owner: object = None
+
+
+class ReadPoint:
+    """What a read transaction reads: every table as of one commit (module
+    invariants). Made, frozen and released by the engine under its commit
+    lock, except :meth:`release`."""
+
+    def __init__(self, families: Mapping[str, rocksdict.Rdict], commit_lock: threading.Lock) -> None:
+        self._families = families
+        self._commit_lock = commit_lock
+        self.snapshots: dict[str, Any] = {name: family.snapshot() for name, family in families.items()}
+        self._frozen: dict[str, _Cursor] | None = None
+
+    def freeze(self) -> None:
+        """Iterators of every table as they are now: called by a commit,
+        before it writes, for every read in flight not yet frozen."""
+        if self._frozen is None:
+            self._frozen = {name: _Cursor(family.iter()) for name, family in self._families.items()}
+
+    def iterator(self, table: str) -> tuple[Any, _Cursor | None]:
+        """An iterator of ``table`` at this point, and its cursor where it is shared."""
+        with self._commit_lock:
+            if self._frozen is None:  # nothing committed since the read began: the table as it is now
+                return self._families[table].iter(), None
+        cursor = self._frozen[table]
+        return cursor.iterator, cursor
+
+    def release(self) -> None:
+        """Drops the snapshots and iterators (each keeps the database open)."""
+        self.snapshots.clear()
+        self._frozen = {}
 
 
 class RocksTxn:
-    """A transaction: committed tables, plus an overlay when writable."""
+    """A transaction: committed tables, plus an overlay when writable; a
+    read transaction reads ``point`` (module invariants)."""
 
-    def __init__(self, families: dict[str, rocksdict.Rdict], writable: bool, floors: dict[str, bytes]) -> None:
+    def __init__(self, families: Mapping[str, rocksdict.Rdict], writable: bool, floors: dict[str, bytes],
+                 point: ReadPoint | None = None) -> None:
         self._families = families
         self._writable = writable
+        self._point = point
         self.overlay: dict[str, dict[bytes, object]] = {name: {} for name in families}
         #: Per table, a key below which nothing is live (see RocksDbEngine).
         self.floors = floors
 
     def get(self, table: str, key: bytes) -> Buffer | None:
         key = bytes(key)
+        if self._point is not None:
+            try:
+                return self._point.snapshots[table][key]  # type: ignore[no-any-return]
+            except Exception as exc:  # noqa: BLE001 - a snapshot's miss is an Exception too
+                if str(exc) == _SNAPSHOT_MISS:
+                    return None
+                raise
         pending = self.overlay[table].get(key)
         if pending is _DELETED:
             return None
@@ -74,14 +137,23 @@ class RocksTxn:
             yield item
 
     def _base_scan(self, table: str, prefix: bytes, start: bytes) -> Iterator[tuple[bytes, bytes]]:
-        it = self._families[table].iter()
+        it, cursor = (self._families[table].iter(), None) if self._point is None else self._point.iterator(table)
+        me = object()
+        if cursor is not None:
+            cursor.owner = me
         it.seek(start)
         while it.valid():
             key = it.key()
             if not key.startswith(prefix):
                 return
             yield key, it.value()
-            it.next()
+            if cursor is not None and cursor.owner is not me:  # another scan of the table moved it meanwhile
+                cursor.owner = me
+                it.seek(key)
+                if it.valid() and it.key() == key:
+                    it.next()
+            else:
+                it.next()
 
     def batch(self, handles: Mapping[str, Any]) -> rocksdict.WriteBatch | None:
         batch = rocksdict.WriteBatch(raw_mode=True)
