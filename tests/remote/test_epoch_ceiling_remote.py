@@ -75,10 +75,10 @@ def test_an_unkeyed_manifest_epoch_past_the_ceiling_is_not_adopted_and_a_bump_re
     plant(remote, epoch)
     with opened(tmp_path / "b", remote) as node_b:
         assert node_b.epoch(NS) == 0  # the planted number is not taken
-        assert node_b.bump_epoch(NS) == 1  # and invalidation works
-    assert json.loads(manifest_path(remote).read_text())["epoch"] == 1  # the bump rewrote the manifest
+        assert node_b.bump_epoch(NS) == 2  # and invalidation works, above node a's 1 (its claim, epoch_claims)
+    assert json.loads(manifest_path(remote).read_text())["epoch"] == 2  # the bump rewrote the manifest
     with opened(tmp_path / "c", remote) as node_c:
-        assert node_c.epoch(NS) == 1 and node_c.bump_epoch(NS) == 2
+        assert node_c.epoch(NS) == 2 and node_c.bump_epoch(NS) == 3
 
 
 def test_an_unkeyed_manifest_epoch_below_the_ceiling_is_still_adopted(tmp_path: Path) -> None:
@@ -99,9 +99,9 @@ def test_a_keyed_manifest_epoch_is_taken_up_to_2_63(tmp_path: Path) -> None:
         assert node_b.epoch(NS) == 2**50
     plant(remote, 2**63, key)
     with opened(tmp_path / "c", remote, **options) as node_c:
-        assert node_c.epoch(NS) == 0 and node_c.bump_epoch(NS) == 1
+        assert node_c.epoch(NS) == 0 and node_c.bump_epoch(NS) == 2  # above node a's claimed 1, not the planted 2**63
     found = RemoteRoot.from_url(remote.url, remote.options).read_manifest(NS.digest[:16])
-    assert found is not None and found["epoch"] == 1
+    assert found is not None and found["epoch"] == 2
 
 
 def test_bumps_from_a_keyed_epoch_near_the_top_move_forward_and_reach_every_node(tmp_path: Path) -> None:

@@ -102,15 +102,21 @@ def test_reads_before_any_epoch_call_never_take_the_old_chain(tmp_path: Path, sh
 
 
 def test_an_invalidation_made_without_the_remote_reaches_it(tmp_path: Path, shared: Remote) -> None:
-    """`ucm-db invalidate` opens the store without its remote: the store
-    tells the remote at its next contact (its epoch is the higher)."""
+    """`ucm-db invalidate` without --remote opens the store without its
+    remote: the namespace, shared with the remote, gets a fresh epoch (no
+    node can have counted to it: tests/remote/test_epoch_fleet_bumps.py),
+    and the store tells the remote at its next contact (its epoch is the higher)."""
+    from ucm_db.store.epochs import FRESH_EPOCH_BASE
+
     with opened(tmp_path / "a", shared) as node_a:
         node_a.put(NS, NS.block_keys(TOKENS), V1)
-    maintenance.invalidate(tmp_path / "a", (NS.model,))
+    [row] = maintenance.invalidate(tmp_path / "a", (NS.model,))
+    epoch = row["epoch"]
+    assert epoch > FRESH_EPOCH_BASE and row["remote"] == "pending"
     with opened(tmp_path / "a", shared) as node_a:
-        assert node_a.epoch(NS) == 1
-        node_a.put(NS, NS.block_keys(TOKENS, epoch=1), V2)
-    assert manifest(shared)["epoch"] == 1
+        assert node_a.epoch(NS) == epoch
+        node_a.put(NS, NS.block_keys(TOKENS, epoch=epoch), V2)
+    assert manifest(shared)["epoch"] == epoch
     with opened(tmp_path / "b", shared) as node_b:
         got = served(node_b)
         assert stale(got) == 0 and got == V2
@@ -247,9 +253,11 @@ def test_after_a_key_rotation_a_bump_goes_above_a_fresh_epoch_the_old_key_signed
         node_a.put(NS, NS.block_keys(TOKENS, epoch=fresh), V2)
     new_only = auth_options(tmp_path, new, name="new")  # the old key dropped
     with opened(tmp_path / "c", remote, **new_only) as node_c:
-        assert node_c.bump_epoch(NS) == fresh + 1  # the operator's invalidation: above the old key's fresh epoch
+        # The operator's invalidation: above the old key's fresh epoch (and, up there, at least the clock's: shared_epochs).
+        bumped = node_c.bump_epoch(NS)
+        assert bumped > fresh
     with opened(tmp_path / "a", remote, **auth_options(tmp_path, new, old, name="both")) as node_a:
-        assert node_a.epoch(NS) == fresh + 1 and served(node_a) == []
+        assert node_a.epoch(NS) == bumped and served(node_a) == []
 
 
 @pytest.mark.parametrize("signature", ["unsigned", "unknown_key_far_above"])
@@ -269,6 +277,6 @@ def test_a_planted_epoch_never_uses_up_the_epoch_space(tmp_path: Path, signature
         body["epoch_auth"] = {"key_id": "ab" * 8, "mac": "cd" * 32}
     Path(remote.url.removeprefix("file://"), NS.short_id, "manifest.json").write_text(json.dumps(body))
     with opened(tmp_path / "b", remote, **auth) as node_b:
-        assert node_b.bump_epoch(NS) == 1  # its own epoch (0) moved on; the planted number is not followed
-        assert node_b.bump_epoch(NS) == 2
-    assert manifest(remote)["epoch"] == 2
+        assert node_b.bump_epoch(NS) == 2  # above node a's 1 (its claim, epoch_claims); the planted number is not followed
+        assert node_b.bump_epoch(NS) == 3
+    assert manifest(remote)["epoch"] == 3

@@ -66,8 +66,8 @@ def test_promotion_records_the_namespace_description(tmp_path: Path, url: str, h
     assert _described(tmp_path / "b") == {NS.id.hex(): NS.to_dict()}
 
     assert maintenance.lookup(tmp_path / "b", "model-x", [PROMPT])["prompts"][0]["stored_blocks"] == N_BLOCKS
-    [row] = maintenance.invalidate(tmp_path / "b", ("model-x",))
-    assert row == {"namespace": NS.id.hex(), "model": "model-x", "epoch": 1}
+    [row] = maintenance.invalidate(tmp_path / "b", ("model-x",), remote=url)  # shared with it: claimed there
+    assert row == {"namespace": NS.id.hex(), "model": "model-x", "epoch": 1, "remote": "claimed"}
     # The invalidation reached this consumer node: its old blocks are not served again.
     with ucm_db.open(tmp_path / "b", remote=url, capacity_bytes=1 << 26) as b:
         epoch = b.epoch(NS)
@@ -158,4 +158,4 @@ def test_an_undescribed_namespace_is_described_by_its_next_promotion(tmp_path: P
     with ucm_db.open(tmp_path / "b", remote=url, capacity_bytes=1 << 26) as b:
         assert b.lookup(NS, NS.block_keys(PROMPT), remote_deadline_s=10) == N_BLOCKS  # promotes blocks 4..7
     assert _described(tmp_path / "b") == {NS.id.hex(): NS.to_dict()}
-    assert maintenance.invalidate(tmp_path / "b", ("model-x",))[0]["epoch"] == 1
+    assert maintenance.invalidate(tmp_path / "b", ("model-x",), remote=url)[0]["epoch"] == 1

@@ -28,7 +28,8 @@ def invalidated(path: Path, **options: object) -> None:
     with ucm_db.open(path, capacity_bytes=1 << 26, **options) as store:
         store.put(NS_A, NS_A.block_keys(TOKENS), V1)
         store.put(NS_B, NS_B.block_keys(TOKENS[:16]), V1[:2])
-    assert invoke_json("invalidate", path, "--namespace", "test/alpha")["invalidated"][0]["epoch"] == 1
+    through = ("--remote", str(options["remote"])) if "remote" in options else ()  # claimed there: the plain count
+    assert invoke_json("invalidate", path, "--namespace", "test/alpha", *through)["invalidated"][0]["epoch"] == 1
     with ucm_db.open(path, **options) as store:
         store.put(NS_A, NS_A.block_keys(TOKENS, epoch=store.epoch(NS_A)), V2)
 

@@ -29,8 +29,9 @@ def test_a_warmed_namespace_is_looked_up_and_invalidated_by_model(tmp_path: Path
     path, tokens = _warmed_store(tmp_path)
     looked = invoke_json("lookup", path, "--namespace", "test/alpha", "--tokens", tmp_path / "prompts.jsonl")
     assert looked["prompts"][0]["stored_blocks"] == 4
-    report = invoke_json("invalidate", path, "--namespace", "test/alpha")
-    assert report == {"invalidated": [{"namespace": NS_A.id.hex(), "model": "test/alpha", "epoch": 1}]}
+    # Through the remote it warmed from (the store shares the namespace with it): claimed there, the plain count.
+    report = invoke_json("invalidate", path, "--namespace", "test/alpha", "--remote", f"file://{tmp_path / 'remote'}")
+    assert report == {"invalidated": [{"namespace": NS_A.id.hex(), "model": "test/alpha", "epoch": 1, "remote": "claimed"}]}
     with ucm_db.open(path) as store:
         assert store.epoch(NS_A) == 1
         assert store.lookup(NS_A, NS_A.block_keys(tokens, epoch=1)) == 0

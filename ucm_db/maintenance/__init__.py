@@ -43,7 +43,9 @@ Invariants:
       open recovers a store after an OS crash as any open does, then pins no
       snapshot and refuses writes: a stopped one holds nothing a writer needs);
       :func:`invalidate` writes only epoch records and releases the
-      namespaces' pins (through the Store); :func:`lookup` writes nothing.
+      namespaces' pins (through the Store; given a remote, it also claims
+      the epochs there, and the store's uploader drains what it had
+      queued, as any open with the remote does); :func:`lookup` writes nothing.
     * Bad input is a :class:`~ucm_db.errors.UcmDbError` with a hint, raised
       before anything stored is changed.
 """
@@ -239,23 +241,47 @@ def remote_namespace(url: str, options: dict[str, Any] | None, wanted: str) -> N
     return remote_namespaces(url, dict(options or {})).find(wanted)
 
 
-def invalidate(path: str | Path, namespaces: tuple[str, ...]) -> list[dict[str, Any]]:
+def invalidate(path: str | Path, namespaces: tuple[str, ...], *, remote: str | None = None,
+               **remote_settings: Any) -> list[dict[str, Any]]:
     """Invalidates the namespaces of the store at ``path`` matching
     ``namespaces`` (id hex prefixes or model names; at least one): each
     one's epoch moves on (:meth:`ucm_db.Store.bump_epoch`), so no engine
     finds its old blocks again. Returns ``{"namespace", "model", "epoch"}``
-    per namespace, the new epoch in each. A namespace whose epoch was
+    per namespace, the new epoch in each (and ``"remote"``, below, for one
+    shared with a remote). A namespace whose epoch was
     unknown (damaged or lost record) gets a fresh epoch, never a reused one
     (:func:`ucm_db.store.epochs.bump`). An empty or whitespace selector is a
     ConfigError, raised before the store is opened: as an id prefix it
     would match, and invalidate, every namespace. A model's name selects
     that model's namespaces only, and an id prefix matching several is a
-    ConfigError (:func:`~ucm_db.store.view.select_namespaces`)."""
-    from ucm_db.store import Store
+    ConfigError (:func:`~ucm_db.store.view.select_namespaces`).
 
+    With ``remote`` (and ``remote_options``, key settings: options of
+    :func:`ucm_db.open`) the store opens with it and each new epoch is
+    claimed there above every epoch the nodes sharing it took (the plain
+    count where none went further): ``"remote": "claimed"``. Without it, or
+    where the remote is not reached, a namespace shared with a remote
+    (:mod:`ucm_db.store.shared_epochs`) gets a fresh epoch, which no node can
+    have counted to, told to the remote at the store's next contact:
+    ``"pending"``; one never shared counts on (no ``"remote"``)."""
+    from ucm_db.store import Store, shared_epochs
+
+    if remote is not None:
+        require_remote_url(remote, "invalidate")
+    elif remote_settings:
+        raise ConfigError(f"invalidate got remote settings ({', '.join(sorted(remote_settings))}) without a remote",
+                          hint="pass remote= (ucm-db: --remote URL) with them, or leave them out")
     targets = _described_namespaces(path, namespaces, "invalidate")
-    with Store(path) as store:
-        return [{"namespace": ns.id.hex(), "model": ns.model, "epoch": store.bump_epoch(ns)} for ns in targets]
+    with Store(path, **({} if remote is None else {"remote": remote, **remote_settings})) as store:
+        rows = []
+        for ns in targets:
+            shared = remote is not None or shared_epochs.is_shared(store._engine, ns.id)
+            epoch = store.bump_epoch(ns)
+            row: dict[str, Any] = {"namespace": ns.id.hex(), "model": ns.model, "epoch": epoch}
+            if shared:
+                row["remote"] = "claimed" if store._epochs.on_remote(ns, epoch) else "pending"
+            rows.append(row)
+        return rows
 
 
 def _described_namespaces(path: str | Path, selectors: tuple[str, ...], operation: str) -> list[Namespace]:

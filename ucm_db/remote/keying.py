@@ -161,17 +161,20 @@ def _root(url: str, options: dict[str, Any]) -> Any:
 
 
 def _marker(url: str, options: dict[str, Any], kind: _Kind) -> bool:
-    """Whether the root's marker of ``kind`` says the remote needs its key."""
+    """Whether the root's marker of ``kind`` says the remote needs its key.
+    Read as objects and manifests are (:meth:`~ucm_db.remote.tier.RemoteRoot.read_range`:
+    one bounded request; on a directory a regular file only, never blocking):
+    a FIFO in its place held the open for :data:`MARKER_WAIT_S`, then the
+    open went on as if there were no marker."""
     root = _root(url, options)
     path = f"{root.root}/{kind.marker}"
-    try:
-        info = root.fs.info(path)
-    except FileNotFoundError:
-        return False
-    if int(info.get("size") or 0) > _MAX_MARKER_BYTES:
+    data = root.read_range(path, 0, _MAX_MARKER_BYTES + 1)
+    if data is None:
+        return path in root.quarantined  # something not a regular file in its place: the safe side
+    if len(data) > _MAX_MARKER_BYTES:
         return True  # not ours to parse; whoever put it meant it
     try:
-        return bool(json.loads(root.fs.cat_file(path)).get(kind.field, True))
+        return bool(json.loads(bytes(data)).get(kind.field, True))
     except (ValueError, AttributeError, RecursionError):
         return True  # damaged: the safe side
 

@@ -21,9 +21,10 @@ Invariants:
       namespace's invalidation epoch (``"epoch"``; with auth keys also
       ``"epoch_auth"``, the key id and HMAC-SHA256 of the namespace id and
       the epoch under :data:`EPOCH_LABEL`). :func:`record_epoch` never
-      lowers it (it reads the manifest just before writing; two nodes
-      bumping at the same instant may still race: the lower write can win
-      until either bumps again or restarts). :func:`manifest_epoch` reads it
+      lowers it (it reads the manifest just before writing; where two
+      nodes' writes cross, the claims raise it again to the higher epoch,
+      :mod:`ucm_db.remote.epoch_claims`, which also numbers bumps so that
+      two never share an epoch). :func:`manifest_epoch` reads it
       as None (unknown: a store adopts nothing) when the manifest is
       missing, unreadable or older (no ``"epoch"``), and refuses (ManifestError)
       one whose epoch is malformed or, with keys, not signed by one of
@@ -61,8 +62,10 @@ MANIFEST_NAME = "manifest.json"
 KEYED_MARKER_NAME = "auth.json"
 #: The root's marker of an encrypted remote (:mod:`ucm_db.remote.keying`): not a namespace, not a stray.
 ENCRYPTED_MARKER_NAME = "encryption.json"
+#: The root's directory of epoch claims (:mod:`ucm_db.remote.epoch_claims`): not a namespace, not a stray.
+EPOCH_CLAIMS_NAME = "epoch-claims"
 #: The root's own entries that are no namespace.
-ROOT_MARKERS = (MANIFEST_NAME, KEYED_MARKER_NAME, ENCRYPTED_MARKER_NAME)
+ROOT_MARKERS = (MANIFEST_NAME, KEYED_MARKER_NAME, ENCRYPTED_MARKER_NAME, EPOCH_CLAIMS_NAME)
 #: A manifest is a small JSON document; a bigger one is not read.
 MAX_MANIFEST_BYTES = 1 << 20
 #: The MAC label of a manifest's epoch (:mod:`ucm_db.auth`: one label per use).
@@ -232,14 +235,14 @@ def manifest_epoch(root: RemoteRoot, namespace_id: bytes) -> int | None:
         error = ManifestError(f"namespace manifest {path}: {problem}; its epoch is not adopted",
                               hint="a store holding the auth key rewrites it when it moves the namespace's epoch on "
                               "(Store.bump_epoch, `ucm-db invalidate`, an engine's reset_cache); or remove the manifest")
-        error.unverified_epoch = _rotated_out_epoch(root, manifest)
+        error.unverified_epoch = rotated_out_epoch(root, manifest)
         raise error
     if epoch is not None:
         root.epochs[namespace_id] = max(epoch, root.epochs.get(namespace_id, 0))
     return epoch
 
 
-def _rotated_out_epoch(root: RemoteRoot, manifest: dict[str, Any]) -> int | None:
+def rotated_out_epoch(root: RemoteRoot, manifest: dict[str, Any]) -> int | None:
     """The epoch of a manifest signed (in form) by a key not configured here,
     a key rotated out, below :data:`UNVERIFIED_EPOCH_LIMIT`; else None. A
     bump goes above it: a planted one (anyone may claim a key id) only ever

@@ -356,17 +356,19 @@ class RemoteTier(Tier):
         return [self.probe(key) is not None for key in keys]
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        """Deletes the objects of ``keys``; returns how many were there.
+        ``exists`` only counts (an object store deletes a missing key silently):
+        the delete goes whatever it answered (a lagging answer on an eventually
+        consistent store skipped it, and a retraction was confirmed)."""
         removed = 0
         for key in keys:
-            # Object stores delete missing keys silently: ask first to count.
             self.remote.count(requests=2)
-            if not self.remote.fs.exists(self.path(key)):
-                continue
+            present = self.remote.fs.exists(self.path(key))
             try:
                 self.remote.fs.rm_file(self.path(key))
-                removed += 1
             except FileNotFoundError:
-                pass
+                continue
+            removed += bool(present)
         return removed
 
     def iterate(self) -> Iterator[bytes]:

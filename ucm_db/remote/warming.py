@@ -14,6 +14,10 @@ Invariants:
     * Chains stream in: the remote read pool keeps requests in flight while
       runs of :data:`BATCH_BLOCKS` are promoted; a request slower than
       :data:`BATCH_DEADLINE_S` ends the chain's warming.
+    * Nothing is fetched before the remote's epoch of the namespace is
+      known (:meth:`ucm_db.Store.warm` raises :class:`RemoteEpochUnknownError`
+      first): prompts keyed at the local epoch would pull, and promote, the
+      blocks another node's invalidation left behind.
     * Finding a namespace on a remote (:func:`remote_namespaces`) never
       fails because of another entry: a stray entry under the root or one
       namespace's missing or broken manifest is reported (a warning and a
@@ -29,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ucm_db.arguments import key_list, require_namespace_selectors
-from ucm_db.errors import ConfigError, UcmDbError
+from ucm_db.errors import ConfigError, TierError, UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.remote.link import RemoteLink
 from ucm_db.remote.promotion import PromotionTarget, promote
@@ -44,6 +48,19 @@ BATCH_DEADLINE_S = 30.0
 
 #: ``progress(blocks_done, blocks_total)``, called after each batch.
 WarmProgress = Callable[[int, int], None]
+
+
+class RemoteEpochUnknownError(TierError):
+    """Warming refused: the remote's epoch of the namespace is not known
+    (module invariants); nothing was fetched."""
+
+    @classmethod
+    def of(cls, namespace: Namespace, url: str | None, problem: str) -> RemoteEpochUnknownError:
+        return cls(f"cannot warm namespace {namespace.id.hex()} ({namespace.model}) from remote {url}: {problem}; keyed at "
+                   "this store's epoch, warming could pull blocks another node invalidated, so nothing was fetched",
+                   hint="retry once the remote answers (check remote/remote_options, or raise remote_deadline_s for a slow "
+                        "first request); with an auth key, a manifest whose epoch no configured key signed is rewritten "
+                        "by a keyed store's `ucm-db invalidate PATH --namespace X --remote URL`")
 
 
 @dataclass(frozen=True, slots=True)

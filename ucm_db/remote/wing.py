@@ -36,12 +36,12 @@ from ucm_db.config import StoreConfig
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.link import UNFINISHED, RemoteLink
 from ucm_db.remote.first_contact import ManifestReads
-from ucm_db.remote.manifests import record_epoch
+from ucm_db.remote import epoch_claims
 from ucm_db.remote.sealing import SealingKeys
 from ucm_db.remote.promotion import Continuations, DecodeQueue, PromotionTarget, extend_prefix, read_through
 from ucm_db.remote.uploader import Uploader, describe
 from ucm_db.engines.base import Buffer
-from ucm_db.errors import TierError
+from ucm_db.errors import TierError, UcmDbError
 from ucm_db.index.local import BlockEntry, LocalTier
 
 _log = logging.getLogger("ucm_db")
@@ -129,11 +129,24 @@ class RemoteWing:
 
     def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None:
         """Makes the remote's manifest of the namespace carry ``epoch``
-        unless it carries a higher one (:func:`ucm_db.remote.manifests.record_epoch`),
-        within a bulk fetch's deadline; TierError otherwise (an abandoned
-        write may still land: it is whole-object and never lowers)."""
-        self._within(lambda: record_epoch(self.link.root, namespace_id, epoch, description),
-                     FETCH_DEADLINE_FACTOR * self._config.remote_deadline_s, "write the namespace manifest")
+        unless it carries a higher one, claiming it where no claim of it is
+        (:func:`ucm_db.remote.epoch_claims.publish`), within a bulk fetch's
+        deadline; TierError otherwise (an abandoned write may still land: it
+        is whole-object and never lowers)."""
+        self._within(lambda: epoch_claims.publish(self.link.root, namespace_id, epoch, description),
+                     self.bulk_deadline_s, "write the namespace manifest")
+
+    def claim_epoch(self, namespace_id: bytes, choose: Callable[[int], int], description: dict[str, Any]) -> int:
+        """A new epoch of the namespace, claimed on the remote above every
+        epoch found there and recorded in its manifest
+        (:func:`ucm_db.remote.epoch_claims.claim`), within a bulk fetch's
+        deadline; TierError otherwise."""
+        deadline = time.monotonic() + self.bulk_deadline_s
+        claimed = self._within(lambda: epoch_claims.claim(self.link.root, namespace_id, choose, description, deadline),
+                               self.bulk_deadline_s, "claim a new epoch of the namespace")
+        if isinstance(claimed, UcmDbError):
+            raise claimed  # no epoch left above the fleet's: the caller's answer, not the remote's failure
+        return int(claimed)
 
     def _within(self, call: Callable[[], Any], seconds: float, what: str) -> Any:
         results = self.link.run_all([call], time.monotonic() + seconds)

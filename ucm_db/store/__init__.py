@@ -275,12 +275,23 @@ class Store:
         """Pulls what the remote has of these chains into the local tier
         ahead of traffic; see :func:`ucm_db.remote.warming.warm`. Token
         sequences are keyed at the namespace's epoch (:meth:`epoch`: a
-        namespace whose epoch is unknown is refused)."""
-        from ucm_db.remote.warming import warm
+        namespace whose epoch is unknown is refused).
+
+        Raises:
+            RemoteEpochUnknownError: (a TierError) the remote's epoch of the
+                namespace is not known within a bulk step's deadline (its
+                manifest did not answer, or, with an auth key, its epoch is
+                not signed by one): nothing is fetched, as a lookup reads
+                nothing through then (:mod:`ucm_db.store.epoch_gate`).
+        """
+        from ucm_db.remote.warming import RemoteEpochUnknownError, warm
 
         self._state.check_open()
         require_namespace(namespace, "warm")
-        epoch = self._epochs.epoch(namespace, None if self._wing is None else self._wing.bulk_deadline_s)
+        wait_s = None if self._wing is None else self._wing.bulk_deadline_s
+        epoch = self._epochs.epoch(namespace, wait_s)
+        if self._wing is not None and not self._epochs.remote_ok(namespace, wait_s):
+            raise RemoteEpochUnknownError.of(namespace, self.config.remote, self._epochs.remote_problem(namespace))
         link = None if self._wing is None else self._wing.link
         return warm(self._tier, link, namespace, token_sequences=token_sequences, keys=keys, progress=progress, epoch=epoch,
                     register=self._epochs.before_put)

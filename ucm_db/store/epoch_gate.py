@@ -36,33 +36,42 @@ Invariants:
       is asked again (a first contact that ended between a step's
       ``epoch()`` and its lookup, or a retry that fell due there, served
       the KV of before another node's invalidation).
-    * A bump goes above the remote's epoch, and above that of a manifest
-      signed by a key not configured here (a key rotated out, up to
-      :data:`~ucm_db.remote.manifests.UNVERIFIED_EPOCH_LIMIT`): never
-      adopted, only ever raising (:class:`~ucm_db.remote.manifests.ManifestError`'s
-      ``unverified_epoch``).
+    * A bump with a remote reads the remote afresh (never the epoch first
+      contact cached: a node bumping after another node's bump took its
+      number, and served that node's blocks of before its own bump) and
+      claims its epoch there above every epoch the fleet took, the
+      manifest's and those signed by a key rotated out (up to
+      :data:`~ucm_db.remote.manifests.UNVERIFIED_EPOCH_LIMIT`) included
+      (:mod:`ucm_db.remote.epoch_claims`), before recording it: two bumps
+      never share an epoch. One that cannot reach the remote in a bulk
+      step's deadline, or is made without a remote on a namespace shared
+      with one, records a fresh epoch, which no node can have counted to
+      (:mod:`ucm_db.store.shared_epochs`), told to the remote later.
     * A writable store tells the remote its epoch when it is higher than
       the manifest's (after a bump, ``ucm-db invalidate`` run beside it, or
-      at first contact) from ``epoch()``, puts and bumps, once per new epoch
-      and process; a failure is logged and retried after :data:`RETRY_S`.
+      at first contact) from ``epoch()`` and puts, once per new epoch and
+      process; a failure is logged and retried after :data:`RETRY_S`.
       A running store learns another node's bump of the same remote at its
       next start (first contact), or from ``ucm-db invalidate`` on its own
       store. A manifest whose epoch cannot be established (malformed, or not
       signed by a configured key) counts as a failed first contact; a bump
-      here rewrites it.
+      here rewrites it. Such a failure is kept (:meth:`EpochGate.remote_problem`)
+      for the callers that refuse rather than go on locally (``warm``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.errors import RemotePendingError
 from ucm_db.keys import Namespace
-from ucm_db.store import epochs
+from ucm_db.store import epochs, shared_epochs
 from ucm_db.store.epochs import EpochState
 
 #: Seconds between attempts to read (or write) a remote's epoch after a failure.
@@ -80,6 +89,8 @@ class RemoteEpochs(Protocol):
     def namespace_epoch(self, namespace_id: bytes, wait_s: float | None = None) -> int | None: ...
 
     def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None: ...
+
+    def claim_epoch(self, namespace_id: bytes, choose: Callable[[int], int], description: dict[str, Any]) -> int: ...
 
 
 #: How long a namespace found with a known epoch is served without reading its record again.
@@ -104,6 +115,7 @@ class EpochGate:
         self._serves_until: dict[bytes, float] = {}  # known epochs, until when (serves)
         self._handed: dict[bytes, int] = {}  # the epoch epoch() or bump() last answered (callers root keys at it)
         self._unverified: dict[bytes, int] = {}  # epochs a manifest carries that no configured key signed (bump goes above)
+        self._failures: dict[bytes, str] = {}  # why first contact failed last (cleared when it succeeds)
 
     # -- the doors ----------------------------------------------------------------
     def epoch(self, namespace: Namespace, wait_s: float | None = None) -> int:
@@ -181,26 +193,67 @@ class EpochGate:
             self._registered[namespace_id] = max(self._registered.get(namespace_id, 0), carried or 0)
         return found
 
-    def bump(self, namespace: Namespace) -> int:
-        """Moves the namespace's epoch on, above the remote's too (first
-        contact waited for as a bulk step; a warning where it could not be
-        made), and tells the remote; returns the new epoch (durable)."""
+    def remote_problem(self, namespace: Namespace) -> str:
+        """Why the namespace may not be read through from the remote now
+        (after :meth:`remote_ok` said no), for an error naming it."""
         ns_id = namespace.id
-        self._settle(ns_id, None if self._remote is None else self._remote.bulk_deadline_s)
-        if self._remote is not None and ns_id not in self._settled and ns_id in self._unverified:
-            _log.warning("ucm-db: the remote's epoch of namespace %s is signed by a key not configured here (rotated "
-                         "out?): the new epoch goes above it (%d) and is signed with this store's key", ns_id.hex(),
-                         self._unverified[ns_id])
-        elif self._remote is not None and ns_id not in self._settled:
-            _log.warning("ucm-db: the remote's epoch of namespace %s is not known yet (its manifest did not answer); "
-                         "the new epoch is checked against this store's alone: bump it again once the remote answers "
-                         "if another node may have bumped it", ns_id.hex())
-        # Above an epoch the remote carries unverified too (a key rotated out signed it): the bump invalidates it.
-        epoch = epochs.bump(self._engine, ns_id, max(self._floors.get(ns_id, 0), self._unverified.get(ns_id, 0)))
+        if ns_id in self._failures:
+            return f"its epoch on the remote cannot be read: {self._failures[ns_id]}"
+        if ns_id in self._settled:
+            return "its epoch on the remote is above the one this call was keyed at"
+        return "its epoch on the remote is not known yet: the remote's manifest did not answer in time (still being read)"
+
+    def on_remote(self, namespace: Namespace, epoch: int) -> bool:
+        """Whether the remote was told ``epoch`` of the namespace (or a
+        higher one) by this object (a bump's claim, a tell)."""
+        return self._told.get(namespace.id, -1) >= epoch
+
+    def bump(self, namespace: Namespace) -> int:
+        """Moves the namespace's epoch on: with a remote, claimed there
+        above the fleet's epoch (module invariants); returns the new epoch
+        (durable)."""
+        ns_id = namespace.id
+        floor = max(self._floors.get(ns_id, 0), self._unverified.get(ns_id, 0))
+        if self._remote is None:  # shared with a remote before: a fresh epoch, above any count the fleet reached
+            epoch = epochs.bump(self._engine, ns_id, floor, fresh=shared_epochs.is_shared(self._engine, ns_id))
+        else:
+            epoch = self._bump_through(namespace, floor)
         self._reported.discard(ns_id)
         self._registered[ns_id] = max(self._registered.get(ns_id, 0), self._floors.get(ns_id, 0))
-        self._tell(namespace, epoch, force=True)  # also over a manifest whose epoch could not be established
         self._handed[ns_id] = epoch
+        return epoch
+
+    def _bump_through(self, namespace: Namespace, floor: int) -> int:
+        """A bump claimed on the remote; a fresh epoch where it cannot be."""
+        assert self._remote is not None
+        ns_id = namespace.id
+        for _ in range(3):  # another process of this store may move the epoch past a claim: claim above it
+            current, high = shared_epochs.basis(self._engine, ns_id)
+            choose = partial(shared_epochs.claimable, current, high, floor)
+            choose(0)  # at the top of the epoch space or with no epoch known above a lost one: raised here
+            try:
+                claimed = self._remote.claim_epoch(ns_id, choose, namespace.to_dict())
+            except epochs.EpochSpaceError:
+                raise  # no epoch left above the fleet's: never one below it instead
+            except Exception as exc:  # noqa: BLE001 - any remote failure: an epoch no node can have taken
+                return self._bump_unreached(namespace, floor, f"{type(exc).__name__}: {exc}")
+            if shared_epochs.record_claimed(self._engine, ns_id, claimed):
+                self._floors[ns_id] = self._told[ns_id] = claimed
+                self._settled.add(ns_id)
+                for known in (self._unverified, self._retry_at, self._failures):
+                    known.pop(ns_id, None)
+                return claimed
+            floor = max(floor, claimed)
+        return self._bump_unreached(namespace, floor, "this store's epoch kept moving past the claims")
+
+    def _bump_unreached(self, namespace: Namespace, floor: int, why: str) -> int:
+        ns_id = namespace.id
+        epoch = epochs.bump(self._engine, ns_id, floor, fresh=True)
+        shared_epochs.mark(self._engine, ns_id)
+        self._retry_at[ns_id] = time.monotonic() + RETRY_S
+        _log.warning("ucm-db: the remote did not take a new epoch of namespace %s (%s); it moved to the fresh epoch %d, "
+                     "which no other node can have counted to, and the remote is told it at the next contact",
+                     ns_id.hex(), why, epoch)
         return epoch
 
     # -- parts --------------------------------------------------------------------
@@ -216,6 +269,8 @@ class EpochGate:
     def _record(self, ns_id: bytes, floor: int) -> int:
         found = epochs.adopt(self._engine, ns_id, floor or None)
         epoch = self._known(ns_id, found)
+        if self._remote is not None:
+            shared_epochs.mark(self._engine, ns_id)  # bumps without the remote then take fresh epochs
         self._registered[ns_id] = floor
         return epoch
 
@@ -236,6 +291,7 @@ class EpochGate:
             return  # a slow first request (an object store's session set-up), not a failure
         except Exception as exc:  # noqa: BLE001 - any remote failure: retried later, nothing read through meanwhile
             self._retry_at[ns_id] = time.monotonic() + RETRY_S
+            self._failures[ns_id] = f"{type(exc).__name__}: {exc}"
             unverified = getattr(exc, "unverified_epoch", None)  # a manifest signed by no configured key
             if unverified is not None:
                 self._unverified[ns_id] = max(self._unverified.get(ns_id, 0), unverified)
@@ -249,13 +305,13 @@ class EpochGate:
             self._floors[ns_id] = max(self._floors.get(ns_id, 0), carried)
         self._told[ns_id] = max(self._told.get(ns_id, 0), carried or 0)
         self._settled.add(ns_id)
+        self._failures.pop(ns_id, None)
 
-    def _tell(self, namespace: Namespace, epoch: int, *, force: bool = False) -> None:
-        """Tells the remote a higher epoch than it has (module invariants);
-        ``force``: a bump's, before first contact succeeded too."""
+    def _tell(self, namespace: Namespace, epoch: int) -> None:
+        """Tells the remote a higher epoch than it has (module invariants)."""
         ns_id = namespace.id
-        if (self._remote is None or self._read_only or (ns_id not in self._settled and not force)
-                or self._told.get(ns_id, 0) >= epoch or (time.monotonic() < self._retry_at.get(ns_id, 0.0) and not force)):
+        if (self._remote is None or self._read_only or ns_id not in self._settled
+                or self._told.get(ns_id, 0) >= epoch or time.monotonic() < self._retry_at.get(ns_id, 0.0)):
             return
         try:
             self._remote.publish_epoch(ns_id, epoch, namespace.to_dict())

@@ -62,7 +62,9 @@ Invariants:
       raised back to it by a re-import): ``2**40`` plus
       the wall clock in milliseconds, above any count a store reaches by
       bumps and above every fresh epoch recorded before it (while the clock
-      does not step back), so the lost value is never reused.
+      does not step back), so the lost value is never reused. A bump of a
+      namespace shared with a remote records one too where it cannot count
+      with the fleet (:mod:`ucm_db.store.shared_epochs`).
     * An epoch met elsewhere is taken only below a ceiling (an archive
       carrying 2**64 - 1 made its namespace impossible to invalidate: every
       bump failed and the old blocks stayed served): below
@@ -304,10 +306,12 @@ def adopt(engine: Engine, namespace_id: bytes, carried: int | None = None) -> Ep
     return found
 
 
-def next_epoch(current: int | None, floor: int = 0, high: int | None = 0) -> int:
+def next_epoch(current: int | None, floor: int = 0, high: int | None = 0, *, fresh: bool = False) -> int:
     """The epoch a bump records: one above ``current`` and ``floor``, or,
     where ``current`` is unknown, a :func:`fresh_epoch` above ``floor`` and
-    ``high`` (the store's high-water epoch, :func:`_high`: above the lost one).
+    ``high`` (the store's high-water epoch, :func:`_high`: above the lost
+    one); ``fresh``: at least a fresh epoch in any case (a bump of a
+    namespace shared with a remote made without it, :mod:`ucm_db.store.shared_epochs`).
 
     Raises:
         EpochSpaceError: that would reach :data:`SIGNED_EPOCH_LIMIT`; never
@@ -322,6 +326,8 @@ def next_epoch(current: int | None, floor: int = 0, high: int | None = 0) -> int
             hint="move the store aside (or remove its directory) and start a new one",
         )
     epoch = max(fresh_epoch(), floor + 1, (high or 0) + 1) if current is None else max(current, floor) + 1
+    if fresh:
+        epoch = max(epoch, fresh_epoch())
     if epoch >= SIGNED_EPOCH_LIMIT:
         raise EpochSpaceError(
             f"the epoch cannot move on from {max(current or 0, floor)}: the next would reach 2**63, the engines' private "
@@ -332,18 +338,19 @@ def next_epoch(current: int | None, floor: int = 0, high: int | None = 0) -> int
     return epoch
 
 
-def bump(engine: Engine, namespace_id: bytes, floor: int = 0) -> int:
+def bump(engine: Engine, namespace_id: bytes, floor: int = 0, *, fresh: bool = False) -> int:
     """Moves the namespace's epoch on, above ``floor`` too (an epoch met on
     a remote, below :data:`SIGNED_EPOCH_LIMIT`: ValueError otherwise); an
-    unknown epoch becomes a :func:`fresh_epoch`; EpochSpaceError at the
-    top (:func:`next_epoch`). Returns the new epoch (durable)."""
+    unknown epoch, or any with ``fresh``, becomes a :func:`fresh_epoch`;
+    EpochSpaceError at the top (:func:`next_epoch`). Returns the new epoch
+    (durable)."""
     if not (is_epoch(floor) and floor < SIGNED_EPOCH_LIMIT):
         raise ValueError(f"a bump's floor is an integer in [0, 2**63), got {str(floor)[:40]!r}")
 
     def run(txn: Txn) -> int:
         seal(txn)
         found = state(txn, namespace_id)
-        epoch = next_epoch(found.epoch, floor, _high(txn) if found.epoch is None else 0)
+        epoch = next_epoch(found.epoch, floor, _high(txn) if found.epoch is None else 0, fresh=fresh)
         _put(txn, namespace_id, epoch)
         pins.release_namespace(txn, namespace_id)  # stale is stale (module invariants)
         return epoch
