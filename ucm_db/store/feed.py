@@ -87,8 +87,12 @@ class StoreFeed:
         and for every process on the store, and returns the new epoch.
         Nothing is deleted: blocks keyed at older epochs are never found
         again and leave through LRU eviction (:mod:`ucm_db.store.epochs`).
-        The new epoch is above the remote's too, and the remote's manifest
-        is told it. An unknown epoch becomes a fresh one, never a reused one."""
+        With a remote, the new epoch is claimed there above every epoch the
+        nodes sharing it took (read afresh), and the manifest is told it; a
+        bump that cannot claim, or one without the remote on a namespace
+        shared with one, takes a fresh epoch no node counted to
+        (:mod:`ucm_db.store.epoch_gate`). An unknown epoch becomes a fresh
+        one, never a reused one."""
         self._state.check_open()
         require_namespace(namespace, "bump_epoch")
         self._state.refuse_read_only("bump_epoch")
