@@ -6,10 +6,9 @@ Owns the model's identity in the namespace (:func:`model_fingerprint`) and a
 LoRA adapter's in the keys (:func:`adapter_key`): which files name a model
 or adapter (:mod:`ucm_db.connector.weight_files`), the digest over them
 (:func:`fingerprint`), its caches (in this process; for checkpoints
-of :data:`PERSIST_MIN_BYTES` or more also in
-``$XDG_CACHE_HOME/ucm-db/fingerprints.json``, else
-``~/.cache/ucm-db/fingerprints.json``), and finding the snapshot of a hub
-model in the local Hugging Face cache (:func:`hub_snapshot`).
+of :data:`PERSIST_MIN_BYTES` or more also in a private file:
+:mod:`ucm_db.connector.fingerprint_cache`), and finding the snapshot of a
+hub model in the local Hugging Face cache (:func:`hub_snapshot`).
 
 Invariants:
     * A digest depends only on the selected files' names (relative to their
@@ -29,32 +28,35 @@ Invariants:
     * The processes of one engine starting together (scheduler, workers)
       hash a checkpoint once: the cache file is read, the files hashed and
       the result written under one ``flock``.
+    * A model is every directory vLLM loads its weights from: its own, and
+      each other model its config names (Ultravox's ``text_model_id`` and
+      ``audio_model_id``: :data:`~ucm_db.connector.weight_files.SUB_MODEL_FIELDS`),
+      each resolved as vLLM resolves it (a hub id at ``main``) and keyed by
+      content; one that cannot be resolved stops the start. A model naming
+      none keeps its directory's digest alone, as before.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import blake3  # a dependency of vLLM, the only user of this module
 
-from ucm_db.connector.weight_files import Stats, load_format_of, selected_files, skipped_model_folders
+from ucm_db.connector.fingerprint_cache import cache_file, cache_path  # noqa: F401 - cache_path: where it lives
+from ucm_db.connector.weight_files import (SUB_MODEL_FIELDS, Stats, load_format_of, selected_files,
+                                           skipped_model_folders)
 from ucm_db.errors import ConfigError
 
 #: Smaller sets hash in well under the 0.2 s start budget: kept in memory only.
 PERSIST_MIN_BYTES = 64 << 20
-_MAX_CACHED_DIRS = 64
-_CACHE_FORMAT = 1
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -84,19 +86,20 @@ _memo_lock = threading.Lock()
 
 
 def fingerprint(path: str | Path, *, load_format: str = "auto", subfolders: bool = False,
-                skipped_folders: frozenset[str] = frozenset()) -> Fingerprint:
+                skipped_folders: frozenset[str] = frozenset(), adapter: bool = False) -> Fingerprint:
     """The digest of :func:`~ucm_db.connector.weight_files.selected_files`
     of ``path`` (see invariants; the keywords are that function's)."""
     began = time.perf_counter()
     key = os.path.abspath(path)
-    stats = selected_files(key, load_format=load_format, subfolders=subfolders, skipped_folders=skipped_folders)
+    stats = selected_files(key, load_format=load_format, subfolders=subfolders, skipped_folders=skipped_folders,
+                           adapter=adapter)
     total = sum(st[1] for st in stats.values())
     with _memo_lock:
         known, digest = _memo.get(key, ({}, ""))
     hashed = 0
     if not _covers(known, stats):
         if total >= PERSIST_MIN_BYTES:
-            with _cache_file() as cache:
+            with cache_file() as cache:
                 known, hashed = _hash_changed(Path(key), stats, cache.get(key, {}))
                 cache[key] = known
         else:
@@ -164,59 +167,6 @@ def _combine(entries: dict[str, list[Any]]) -> str:
     return str(hasher.hexdigest())
 
 
-def cache_path() -> Path:
-    """``$XDG_CACHE_HOME/ucm-db/fingerprints.json`` (else under ``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ucm-db" / "fingerprints.json"
-
-
-@contextmanager
-def _cache_file() -> Iterator[dict[str, dict[str, list[Any]]]]:
-    """The cached directories' entries, read under an exclusive lock and
-    written back (atomically) when the block ends. Where the cache directory
-    cannot be written, an empty dict and nothing is kept."""
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield {}
-        return
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        dirs = _read_cache(path)
-        files: dict[str, dict[str, list[Any]]] = {k: v["files"] for k, v in dirs.items()}
-        yield files
-        stored = [k for k, entries in files.items() if k not in dirs or dirs[k]["files"] is not entries]
-        for key in stored:
-            dirs[key] = {"used_s": int(time.time()), "files": files[key]}
-        if stored:
-            _write_cache(path, dirs)
-    finally:
-        os.close(lock)  # releases the flock
-
-
-def _read_cache(path: Path) -> dict[str, dict[str, Any]]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # none yet, or unreadable: rebuilt from the files
-    if not isinstance(data, dict) or data.get("format") != _CACHE_FORMAT or not isinstance(data.get("dirs"), dict):
-        return {}
-    return {k: v for k, v in data["dirs"].items() if isinstance(v, dict) and isinstance(v.get("files"), dict)}
-
-
-def _write_cache(path: Path, dirs: dict[str, dict[str, Any]]) -> None:
-    kept = sorted((k for k in dirs if os.path.exists(k)), key=lambda k: dirs[k].get("used_s", 0))[-_MAX_CACHED_DIRS:]
-    body = json.dumps({"format": _CACHE_FORMAT, "dirs": {k: dirs[k] for k in kept}}, sort_keys=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(body)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full or read-only disk: the next start hashes again
-
-
 def hf_hub_cache() -> Path:
     """The Hugging Face hub cache, as huggingface_hub finds it."""
     for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
@@ -250,17 +200,47 @@ def model_fingerprint(model_config: Any, download_dir: str | None = None, load_c
     local directory (or GGUF file) as given, or of a hub model's snapshot in
     the local Hugging Face cache (``download_dir``, else the load config's, if
     vLLM was given one) at the commit its revision resolves to: never a branch
-    name, never the path."""
+    name, never the path. Where the config names sub-models
+    (:data:`~ucm_db.connector.weight_files.SUB_MODEL_FIELDS`), their files
+    are keyed with the model's (module invariants)."""
     download_dir = download_dir or getattr(load_config, "download_dir", None)
-    load_format = load_format_of(load_config)
-    skipped = skipped_model_folders(getattr(load_config, "ignore_patterns", None))
+    options: dict[str, Any] = {"load_format": load_format_of(load_config), "subfolders": True,
+                               "skipped_folders": skipped_model_folders(getattr(load_config, "ignore_patterns", None))}
     model = str(model_config.model)
+    path, loaded = _source(model, getattr(model_config, "revision", None), download_dir, options, f"model {model!r}")
+    hf_config = getattr(model_config, "hf_config", None)
+    named = {field: value for field in SUB_MODEL_FIELDS
+             if isinstance(value := getattr(hf_config, field, None), str) and value}
+    # vLLM loads a sub-model at its repo's main (secondary_weights' revision None), whatever the model's revision.
+    subs = {field: _source(value, None, download_dir, options, f"sub-model {value!r} (config.{field})")[1]
+            for field, value in named.items()}
+    digest = loaded.digest
+    if subs:
+        hasher = blake3.blake3(b"ucm-db/sub-models/1\0" + bytes.fromhex(loaded.digest))
+        for field in sorted(subs):
+            hasher.update(field.encode() + b"\0" + bytes.fromhex(subs[field].digest))
+        digest = str(hasher.hexdigest())
+    if not loaded.has_weights and not any(sub.has_weights for sub in subs.values()):
+        _warn_once(("weights", str(path)),
+                   "ucm-db: %s holds no weight files (*.safetensors, *.bin, *.pt, *.gguf): the model is keyed by its "
+                   "config files only; set \"model_id\" in kv_connector_extra_config if its weights live elsewhere", path)
+    parts = [loaded, *subs.values()]
+    logger.info("ucm-db: model %s is blake3:%s (%d files, %.1f GB; %.1f GB hashed in %.2f s%s)", model, digest[:16],
+                sum(p.files for p in parts), sum(p.total_bytes for p in parts) / 1e9,
+                sum(p.hashed_bytes for p in parts) / 1e9, sum(p.seconds for p in parts),
+                "".join(f"; {field} {named[field]}" for field in sorted(subs)))
+    return "blake3:" + digest
+
+
+def _source(model: str, revision: str | None, download_dir: str | None, options: dict[str, Any],
+            what: str) -> tuple[Path, Fingerprint]:
+    """(the directory or file vLLM loads ``model`` from, its :func:`fingerprint`
+    under ``options``); ``what`` names it in errors."""
     path = Path(model).expanduser()
     if not path.exists():
-        revision = getattr(model_config, "revision", None)
         if uses_modelscope():  # vLLM downloads from ModelScope, not the Hugging Face cache this would read
             raise ConfigError(
-                f"ucm-db cannot key model {model!r} by its files: VLLM_USE_MODELSCOPE is on, so vLLM loads a ModelScope "
+                f"ucm-db cannot key {what} by its files: VLLM_USE_MODELSCOPE is on, so vLLM loads a ModelScope "
                 "snapshot, which ucm-db does not resolve (the Hugging Face cache may hold other files under that id)",
                 hint="serve the model (or the speculative draft) from its local directory (ModelScope's snapshot path), "
                      "or set \"model_id\" in kv_connector_extra_config to an identity that changes whenever the weights do",
@@ -268,24 +248,17 @@ def model_fingerprint(model_config: Any, download_dir: str | None = None, load_c
         found = hub_snapshot(model, revision, download_dir)
         if found is None:
             raise ConfigError(
-                f"ucm-db cannot find the files of model {model!r} (revision {revision or 'main'}): no local path, and "
+                f"ucm-db cannot find the files of {what} at revision {revision or 'main'}: no local path, and "
                 "no snapshot in the Hugging Face cache; blocks are keyed by the loaded files' content",
                 hint="serve the model from a local directory, or set \"model_id\" in kv_connector_extra_config to an "
                      "identity that changes whenever the weights do",
             )
         path = found[1]
     try:
-        loaded = fingerprint(path, load_format=load_format, subfolders=True, skipped_folders=skipped)
+        return path, fingerprint(path, **options)
     except OSError as exc:
         raise ConfigError(f"ucm-db cannot read the model files in {path}: {exc}",
                           hint="check the model directory's permissions, or set \"model_id\" in kv_connector_extra_config") from exc
-    if not loaded.has_weights:
-        _warn_once(("weights", str(path)),
-                   "ucm-db: %s holds no weight files (*.safetensors, *.bin, *.pt, *.gguf): the model is keyed by its "
-                   "config files only; set \"model_id\" in kv_connector_extra_config if its weights live elsewhere", path)
-    logger.info("ucm-db: model %s is blake3:%s (%d files, %.1f GB; %.1f GB hashed in %.2f s)", model, loaded.digest[:16],
-                loaded.files, loaded.total_bytes / 1e9, loaded.hashed_bytes / 1e9, loaded.seconds)
-    return "blake3:" + loaded.digest
 
 
 #: An adapter key no other request shares (:func:`adapter_key`): its requests are neither saved nor loaded.
@@ -319,7 +292,7 @@ def adapter_key(lora_request: Any) -> str:
         path = str(found[1]) if found is not None else path
     if os.path.isdir(path):
         try:
-            digest = fingerprint(path).digest
+            digest = fingerprint(path, adapter=True).digest
             int_id = int(getattr(lora_request, "lora_int_id", 0) or 0)
             # vLLM loads these files: in place, or under an id it has not loaded (its reload after an update),
             # when it first runs the id's request (files changed before that are not seen: docstring).

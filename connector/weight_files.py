@@ -5,19 +5,31 @@ Invariants:
     * One kind of weights per folder: the first of :data:`WEIGHT_KINDS` the
       folder holds (vLLM's order for load formats ``auto`` and ``hf``: a
       snapshot holding ``.safetensors`` and ``.bin`` loads the former), or
-      the kind a load format names (:data:`FORMAT_KINDS`: ``pt`` loads
-      ``*.pt`` and ``npcache`` ``*.bin`` whatever else lies beside them).
+      the first a load format names that the folder holds
+      (:data:`FORMAT_KINDS`: ``pt`` loads ``*.pt`` and ``npcache`` ``*.bin``,
+      else ``*.pt``, whatever else lies beside them).
       Beside the weights: every ``*.json`` but tokenizer and generation
       files, the index of the loaded kind, ``*.py`` (remote model code) and
       ``*.gguf``.
+    * ``npcache`` loads a folder's ``np/`` arrays, never its ``.bin`` files,
+      once ``np/weight_names.json`` exists (vLLM's
+      ``np_cache_weights_iterator`` converts them once, then trusts the
+      arrays): there every file of ``np/`` counts instead of the weights.
     * A model's subfolders, one level down, count like its top level, each
       by its own rule: model classes load weights from them (Cosmos3's
       ``transformer/``, Kimi-Audio's ``whisper-large-v3/``). Not counted:
       hidden folders, exports for other runtimes (:data:`EXPORT_FOLDERS`),
       and ``original/`` while vLLM's default ``ignore_patterns`` skip it (a
-      checkpoint's consolidated copy that vLLM never loads). An adapter's subfolders are never read: vLLM's LoRA
-      loader reads an adapter's top level, and a training run's
-      ``checkpoint-N/`` folders beside it are not the adapter.
+      checkpoint's consolidated copy that vLLM never loads).
+    * Weights a model loads from another directory or hub repo that its
+      config names (:data:`SUB_MODEL_FIELDS`: vLLM's ``secondary_weights``)
+      are that directory's files, by these rules: :mod:`~ucm_db.connector.fingerprints`
+      keys them with the model's.
+    * An adapter is what vLLM's LoRA loader reads (``lora_model.py``,
+      ``peft_helper.py``): ``adapter_config.json`` and the first of
+      :data:`ADAPTER_WEIGHTS` that exists, nothing else: not its
+      subfolders (a training run's ``checkpoint-N/``), nor other weight
+      files beside it (an older PEFT's ``new_embeddings.safetensors``).
     * Over-keying is the safe side: a subfolder vLLM does not load costs its
       hashing once (digests are cached) and a namespace that moves when it
       changes, never a hit on KV of other weights.
@@ -30,8 +42,17 @@ import stat
 
 #: In vLLM's order of preference (module invariants).
 WEIGHT_KINDS = ((".safetensors",), (".bin",), (".pt", ".pth"))
-#: Load formats that load one kind whatever else a folder holds.
-FORMAT_KINDS = {"pt": (".pt", ".pth"), "npcache": (".bin",)}
+#: Load formats that load one kind whatever else a folder holds: the first of theirs it holds (vLLM's allow patterns).
+FORMAT_KINDS = {"pt": ((".pt", ".pth"),), "npcache": ((".bin",), (".pt", ".pth"))}
+#: Where ``npcache`` keeps a folder's converted arrays, and the file that says they are complete.
+NPCACHE_FOLDER = "np"
+NPCACHE_NAMES = "weight_names.json"
+#: An adapter's config and, in vLLM's order, the weight files it loads the first of.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+#: Config fields naming another model (a local directory or hub id) whose weights vLLM loads with the model's
+#: (Ultravox's language model and audio tower; vLLM's ``secondary_weights``, at the repo's ``main``).
+SUB_MODEL_FIELDS = ("audio_model_id", "text_model_id")
 #: vLLM's default ``LoadConfig.ignore_patterns`` (a checkpoint's ``original/`` copy).
 DEFAULT_IGNORE_PATTERNS = ("original/**/*",)
 #: Subfolders of a full hub snapshot that hold the model for other runtimes: vLLM never loads them.
@@ -47,13 +68,16 @@ Stats = dict[str, tuple[int, int, int, int]]
 
 
 def selected_files(path: str | os.PathLike[str], *, load_format: str = "auto", subfolders: bool = False,
-                   skipped_folders: frozenset[str] = frozenset()) -> Stats:
-    """The files a model or adapter at ``path`` is loaded from, with their
-    stats (module invariants); with ``subfolders``, those of its subfolders
-    too but ``skipped_folders``. ``path`` may be one file (a GGUF)."""
+                   skipped_folders: frozenset[str] = frozenset(), adapter: bool = False) -> Stats:
+    """The files a model (``adapter``: a LoRA adapter) at ``path`` is loaded
+    from, with their stats (module invariants); with ``subfolders``, those
+    of its subfolders too but ``skipped_folders``. ``path`` may be one file
+    (a GGUF)."""
     if os.path.isfile(path):
         st = os.stat(path)
         return {"": (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)}
+    if adapter:
+        return _adapter_files(os.fspath(path))
     found, folders = _select(os.fspath(path), "", load_format)
     if subfolders:
         for folder in sorted(folders - skipped_folders - EXPORT_FOLDERS):
@@ -80,15 +104,20 @@ def _select(folder: str, prefix: str, load_format: str) -> tuple[Stats, set[str]
     """(the files of one folder, named with ``prefix``; its visible subfolders)."""
     with os.scandir(folder) as listing:
         entries = {entry.name: entry for entry in listing if entry.name not in _TRAINING_FILES}
-    weights = FORMAT_KINDS.get(load_format) or next(
-        (kind for kind in WEIGHT_KINDS if any(name.endswith(kind) for name in entries)), ())
+    kinds = FORMAT_KINDS.get(load_format, WEIGHT_KINDS)
+    weights = next((kind for kind in kinds if any(name.endswith(kind) for name in entries)), ())
     found: Stats = {}
     folders: set[str] = set()
+    arrays = os.path.join(folder, NPCACHE_FOLDER)
+    if load_format == "npcache" and os.path.isfile(os.path.join(arrays, NPCACHE_NAMES)):
+        weights = ()  # converted: vLLM loads the arrays, never these files again (module invariants)
+        found.update(_regular_files(arrays, f"{prefix}{NPCACHE_FOLDER}/"))
+        entries.pop(NPCACHE_FOLDER, None)
     for name, entry in entries.items():
         if not _wanted(name, weights):
             if not name.startswith(".") and entry.is_dir():
                 folders.add(name)
-            continue  # not even stat'ed: a LoRA request's key costs a few stat calls
+            continue  # not even stat'ed
         try:
             st = entry.stat()  # follows links: a hub snapshot's files link to blobs
         except FileNotFoundError:
@@ -96,6 +125,35 @@ def _select(folder: str, prefix: str, load_format: str) -> tuple[Stats, set[str]
         if stat.S_ISREG(st.st_mode):
             found[prefix + name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     return found, folders
+
+
+def _regular_files(folder: str, prefix: str) -> Stats:
+    """Every regular file of ``folder`` (links followed), named with ``prefix``."""
+    found: Stats = {}
+    with os.scandir(folder) as listing:
+        for entry in listing:
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[prefix + entry.name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return found
+
+
+def _adapter_files(folder: str) -> Stats:
+    """An adapter's config and the one weight file vLLM loads (module invariants)."""
+    found: Stats = {}
+    for names in ((ADAPTER_CONFIG,), ADAPTER_WEIGHTS):
+        for name in names:
+            try:
+                st = os.stat(os.path.join(folder, name))  # vLLM's os.path.isfile: links followed
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                break
+    return found
 
 
 def _wanted(name: str, weights: tuple[str, ...]) -> bool:
