@@ -5,8 +5,9 @@ a save computed over a failed load, a caller undoing its put) removes the
 blocks from the local tier and records, in the same transaction, one
 retraction per block it removed (``info/retract/<key>``: namespace id,
 depth, when). The remote wing deletes their objects
-(:mod:`ucm_db.remote.retraction`) and confirms each retraction; a confirmed
-one is dropped :data:`RETRACTION_GRACE_S` later.
+(:mod:`ucm_db.remote.retraction`), each after leaving a tombstone beside it
+for other nodes (:mod:`ucm_db.remote.tombstones`), and confirms each
+retraction; a confirmed one is dropped :data:`RETRACTION_GRACE_S` later.
 
 Invariants:
     * Exact: the retractions are written by the transaction that removes

@@ -23,14 +23,24 @@ whole:
   object is broken) that the local tier still holds is uploaded again from
   it, with its absent ancestors (each checked in turn), parents first,
   before the batch. One the local tier no longer holds (or holds under
-  another namespace, or whose delete is being retracted) is counted in
+  another namespace, or whose delete is being retracted here) is counted in
   :attr:`AncestorRepair.missing`, and the children go anyway, as before.
+* A parent found absent whose object a retraction took (its tombstone is
+  there: :mod:`ucm_db.remote.tombstones`; one more read per absent parent)
+  is never uploaded again, whatever the local tier holds: gc'd (old) and
+  retracted (wrong KV) look the same, and a node that had promoted the
+  block before another node's void re-published the wrong block to the
+  fleet. Nor is anything under it: the batch's blocks whose parent chain
+  meets it leave the queue without an upload
+  (:attr:`AncestorRepair.dropped`): computed over the retracted block, they
+  are wrong too, and uploaded they would be served again the day it is
+  (recomputed). Counted in :attr:`AncestorRepair.retracted`.
 
 Cost per batch: one request per distinct batch-root parent not uploaded
 here within :data:`UPLOADED_TTL_S` (on S3 a GET of 64 bytes: about a twelfth
 of a PUT's price, and one round trip before the batch, since the checks run
-on the upload pool at once), plus two requests per ancestor found absent
-(its check and its upload). A batch that continues this process's own
+on the upload pool at once), plus three requests per ancestor found absent
+(its check, its tombstone's and its upload). A batch that continues this process's own
 recent uploads (a conversation's next turn) checks nothing.
 
 Invariants:
@@ -55,7 +65,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -63,6 +73,7 @@ from ucm_db.errors import CorruptBlockError
 from ucm_db.index.entries import BlockMeta
 from ucm_db.index.local import LocalTier
 from ucm_db.remote.tier import ENVELOPE_BYTES, RemoteRoot, parse_envelope
+from ucm_db.remote.tombstones import has_tombstone
 from ucm_db.remote.upload_plan import Item, read_items
 
 #: A key this process uploaded is taken for present without a check this
@@ -79,10 +90,12 @@ Runner = Callable[[list[Callable[[], str | None]]], list[str | None] | None]
 @dataclass(frozen=True, slots=True)
 class Repair:
     """What :meth:`AncestorRepair.before_batch` did: the batch's keys that
-    wait for a later batch (an ancestor's check or upload failed) and why."""
+    wait for a later batch (an ancestor's check or upload failed) and why,
+    and those never to upload (their parent chain meets a retracted block)."""
 
     held_back: frozenset[bytes]
     errors: list[str]
+    dropped: frozenset[bytes] = frozenset()
 
 
 class AncestorRepair:
@@ -107,6 +120,10 @@ class AncestorRepair:
         self.reuploaded = 0
         #: Absent ancestors the local tier could not give: their children went without them.
         self.missing = 0
+        #: Absent ancestors a retraction took (a tombstone): never uploaded again, nor what hangs under them.
+        self.retracted = 0
+        #: Queued blocks left out of their batches, never uploaded: their parent chain meets a retracted block.
+        self.dropped = 0
 
     def remember(self, keys: Iterable[bytes]) -> None:
         """Records keys this process has just uploaded (present without a check for a while)."""
@@ -132,31 +149,42 @@ class AncestorRepair:
                     and not self._known(item[1])}
         absent: dict[bytes, BlockMeta] = {}  # absent from the remote, held here: to upload
         failed: dict[bytes, str] = {}
+        retracted: set[bytes] = set()  # absent with a tombstone (and absent ones under them): never to upload
         checked: set[bytes] = set()
         while frontier:
-            found = self._absent(frontier, failed)
+            tombstoned: set[bytes] = set()
+            found = self._absent(frontier, failed, tombstoned)
             if found is None:
                 return None
             checked.update(frontier)
             metas = self.local.metas(list(found))
-            retracted = self.local.uploads.retracted(list(found))
+            retracted_here = self.local.uploads.retracted(list(found))
             frontier = {}
             for (key, namespace_id), meta in zip(found.items(), metas):
-                if meta is None or meta.namespace_id != namespace_id or key in retracted:
+                if key in retracted_here:  # this node's delete took its tree: what it queued since is computed anew
                     self.missing += 1
-                    continue
-                absent[key] = meta
-                if meta.parent is not None and meta.parent not in checked and not self._known(meta.parent):
-                    frontier[meta.parent] = namespace_id
-        if absent and self._send(absent, failed) is None:
+                elif key in tombstoned:
+                    self.retracted += 1
+                    retracted.add(key)
+                elif meta is None or meta.namespace_id != namespace_id:
+                    self.missing += 1
+                else:
+                    absent[key] = meta
+                    if meta.parent is not None and meta.parent not in checked and not self._known(meta.parent):
+                        frontier[meta.parent] = namespace_id
+        if absent and self._send(absent, failed, retracted) is None:
             return None
-        return Repair(_held_back(work, absent, failed), list(dict.fromkeys(failed.values())))
+        dropped = _under(work, absent, retracted)
+        self.dropped += len(dropped)
+        return Repair(_under(work, absent, failed) - dropped, list(dict.fromkeys(failed.values())), dropped)
 
-    def _absent(self, wanted: dict[bytes, bytes], failed: dict[bytes, str]) -> dict[bytes, bytes] | None:
-        """Those of ``wanted`` (key -> namespace id) absent from the remote;
-        a failed check goes to ``failed``; None when stopping."""
+    def _absent(self, wanted: dict[bytes, bytes], failed: dict[bytes, str], tombstoned: set[bytes],
+                ) -> dict[bytes, bytes] | None:
+        """Those of ``wanted`` (key -> namespace id) absent from the remote
+        (those with a tombstone also go to ``tombstoned``); a failed check
+        goes to ``failed``; None when stopping."""
         present: dict[bytes, bool] = {}
-        calls: list[Callable[[], str | None]] = [partial(self._check, key, namespace_id, present)
+        calls: list[Callable[[], str | None]] = [partial(self._check, key, namespace_id, present, tombstoned)
                                                  for key, namespace_id in wanted.items()]
         results = self._run(calls)
         if results is None:
@@ -167,26 +195,33 @@ class AncestorRepair:
                 failed[key] = error
         return {key: namespace_id for key, namespace_id in wanted.items() if present.get(key) is False}
 
-    def _check(self, key: bytes, namespace_id: bytes, present: dict[bytes, bool]) -> str | None:
+    def _check(self, key: bytes, namespace_id: bytes, present: dict[bytes, bool], tombstoned: set[bytes]) -> str | None:
         """Reads the envelope of ``key``'s object: present if it is whole and
-        of this namespace (a broken one is replaced, as gc would remove it)."""
+        of this namespace (a broken one is replaced, as gc would remove it);
+        when it is not, whether a retraction's tombstone is there."""
         head = self.remote.read_range(self.remote.object_path(namespace_id, key), 0, ENVELOPE_BYTES)
         try:
-            present[key] = head is not None and parse_envelope(head, key)[1] == namespace_id
+            found = head is not None and parse_envelope(head, key)[1] == namespace_id
         except CorruptBlockError:
-            present[key] = False
+            found = False
+        if not found and has_tombstone(self.remote, namespace_id, key):
+            tombstoned.add(key)
+        present[key] = found  # last: a check that raised is a failure, not an absence
         return None
 
-    def _send(self, absent: dict[bytes, BlockMeta], failed: dict[bytes, str]) -> bool | None:
+    def _send(self, absent: dict[bytes, BlockMeta], failed: dict[bytes, str], retracted: set[bytes]) -> bool | None:
         """Uploads ``absent`` level by level, shallowest first; a block over a
-        failed one does not go. None when stopping."""
+        failed one does not go, nor one over a retracted one (it joins
+        ``retracted``). None when stopping."""
         for depth in sorted({meta.depth for meta in absent.values()}):
             level = [key for key, meta in absent.items() if meta.depth == depth]
             for key in level:
                 parent = absent[key].parent
                 if parent is not None and parent in failed:
                     failed[key] = failed[parent]
-            level = [key for key in level if key not in failed]
+                elif parent is not None and parent in retracted:
+                    retracted.add(key)
+            level = [key for key in level if key not in failed and key not in retracted]
             gone: set[bytes] = set()
             results = self._run([partial(self._send_one, key, gone) for key in level])
             if results is None:
@@ -208,10 +243,11 @@ class AncestorRepair:
         return self._upload(item)
 
 
-def _held_back(work: Sequence[Item], absent: dict[bytes, BlockMeta], failed: dict[bytes, str]) -> frozenset[bytes]:
-    """Keys of ``work`` whose parent chain meets a failed check or upload:
-    batch roots over one, and their descendants in the batch."""
-    if not failed:
+def _under(work: Sequence[Item], absent: dict[bytes, BlockMeta], marked: Container[bytes]) -> frozenset[bytes]:
+    """Keys of ``work`` whose parent chain (through ``absent``) meets a key
+    of ``marked`` (a failed check or upload; a retracted block): batch
+    roots over one, and their descendants in the batch."""
+    if not marked:
         return frozenset()
     in_batch = {item[0] for item in work}
     held: set[bytes] = set()
@@ -219,9 +255,9 @@ def _held_back(work: Sequence[Item], absent: dict[bytes, BlockMeta], failed: dic
         if parent is None or parent in in_batch:
             continue
         chain: bytes | None = parent
-        while chain is not None and chain not in failed and chain in absent:
+        while chain is not None and chain not in marked and chain in absent:
             chain = absent[chain].parent
-        if chain is not None and chain in failed:
+        if chain is not None and chain in marked:
             held.add(key)
     children: dict[bytes, list[bytes]] = {}
     for key, parent, *_ in work:

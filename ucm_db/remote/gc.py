@@ -26,7 +26,11 @@ cascade, counted against ``--max-bytes``. The parent links come from each
 object's verified envelope (one small ranged read per object). Objects are
 deleted children first, so a gc stopped midway (killed, a remote failing)
 leaves no object whose parent it removed. Temp files of crashed uploads
-older than an hour are removed as well.
+older than an hour are removed as well, and retractions' tombstones
+(:mod:`ucm_db.remote.tombstones`) once they are
+:data:`~ucm_db.remote.tombstones.TOMBSTONE_MAX_AGE_S` old (a week), whatever
+the rules: no object depends on them, and they must outlive any node's
+local copy of a retracted block as long as is reasonable.
 
 Only what ucm-db wrote is ever touched (:func:`~ucm_db.remote.gc_listing.list_objects`): paths of its
 own layout, ``ROOT/<namespace short id: 16 hex>/<key[0]: 2 hex>/<key: 64 hex>``
@@ -91,7 +95,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.remote.gc_listing import (  # noqa: F401 - RemoteListing, list_objects re-exported
-    RemoteListing, RemoteObjectInfo, landed_parents, list_objects,
+    RemoteListing, RemoteObjectInfo, landed_parents, list_objects, stale_tombstones,
 )
 from ucm_db.remote.tier import RemoteRoot
 
@@ -268,10 +272,11 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     objects = listing.objects + landed
     plan = plan_removals(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
     stale_temps = [p for p, m in listing.temps if now_s - m > TEMP_MAX_AGE_S]
+    old_tombstones = stale_tombstones(root, listing.tombstones, now_s)
     doomed = removal_order(objects, plan.victims | plan.cascade)
     sizes = {o.path: o.size_bytes for o in objects}
     if not dry_run:
-        for path in doomed + stale_temps:
+        for path in doomed + stale_temps + old_tombstones:
             try:
                 root.fs.rm_file(path)
             except FileNotFoundError:
@@ -282,7 +287,8 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
         "objects_before": len(objects), "bytes_before": total, "removed_objects": len(doomed),
         "removed_by_rule": len(plan.victims), "removed_descendants": len(plan.cascade), "removed_bytes": freed,
         "bytes_after": total - freed, "temp_files_removed": len(stale_temps), "skipped_entries": listing.skipped_entries,
-        "landed_after_listing": len(landed),
+        "landed_after_listing": len(landed), "tombstones": len(listing.tombstones),
+        "tombstones_removed": len(old_tombstones),
         "held_by_rule": len(plan.held), "held_namespaces": len(plan.frozen), "held_reason": held_reason(plan), "dry_run": dry_run,
     }
 

@@ -5,6 +5,9 @@ listing passed their path.
 Only what ucm-db wrote is ever listed (:func:`list_objects`): paths of its
 own layout under a namespace directory whose ``manifest.json`` is ucm-db's,
 starting like a ucm-db object (one ranged read of each object's head).
+Retractions' tombstones (``<key[0]>/<key hex>.retracted``,
+:mod:`ucm_db.remote.tombstones`) are listed apart, by name (read only when
+gc would remove one): they are neither objects nor skipped entries.
 
 A listing is no snapshot: it walks the paths in order while nodes upload.
 An uploader sends a parent before its child, yet the listing may pass the
@@ -18,7 +21,7 @@ the chain it hangs from (a parent still absent then is in flight).
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ucm_db.errors import CorruptBlockError
@@ -26,6 +29,7 @@ from ucm_db.remote.manifests import ROOT_MARKERS
 from ucm_db.remote.tier import (
     MANIFEST_NAME, OBJECT_MAGIC, PROBE_BYTES, TEMP_PREFIX, ManifestError, RemoteRoot, is_namespace_id, parse_envelope,
 )
+from ucm_db.remote.tombstones import MAX_TOMBSTONE_BYTES, TOMBSTONE_MAX_AGE_S, parse_tombstone, tombstone_key
 
 #: Objects :func:`landed_parents` reads past the listing in one run, at most
 #: (two requests each); past it, the parents left are taken for in flight.
@@ -54,12 +58,14 @@ class RemoteObjectInfo:
 
 @dataclass
 class RemoteListing:
-    """What :func:`list_objects` found: ucm-db's objects and temp files
-    (path, mtime), and how many entries it left alone as not ucm-db's."""
+    """What :func:`list_objects` found: ucm-db's objects, temp files and
+    tombstones (path, mtime), and how many entries it left alone as not
+    ucm-db's."""
 
     objects: list[RemoteObjectInfo]
     temps: list[tuple[str, float]]
     skipped_entries: int
+    tombstones: list[tuple[str, float]] = field(default_factory=list)
 
 
 def _mtime_s(info: dict[str, Any]) -> float:
@@ -84,6 +90,7 @@ def list_objects(root: RemoteRoot) -> RemoteListing:
     skipped = sum(1 for name in listing.stray if name not in ROOT_MARKERS)
     objects: list[RemoteObjectInfo] = []
     temps: list[tuple[str, float]] = []
+    tombstones: list[tuple[str, float]] = []
     for short_id in listing.entries:
         namespace_id = bytes.fromhex(short_id)
         if not _is_own_namespace(root, namespace_id, short_id):
@@ -102,6 +109,8 @@ def list_objects(root: RemoteRoot) -> RemoteListing:
                 continue
             if name.startswith(TEMP_PREFIX) and (len(parts) == 1 or (len(parts) == 2 and _is_hex(parts[0], 2))):
                 temps.append((path, _mtime_s(info)))
+            elif len(parts) == 2 and _is_hex(parts[0], 2) and tombstone_key(name) is not None and name[:2] == parts[0]:
+                tombstones.append((path, _mtime_s(info)))
             elif len(parts) == 2 and _is_hex(parts[0], 2) and _is_hex(name, 64) and name[:2] == parts[0]:
                 obj = _read_head(root, RemoteObjectInfo(path, bytes.fromhex(name), int(info.get("size", 0)), _mtime_s(info)))
                 if obj is None:
@@ -110,7 +119,7 @@ def list_objects(root: RemoteRoot) -> RemoteListing:
                     objects.append(obj)
             else:
                 skipped += 1
-    return RemoteListing(objects, temps, skipped)
+    return RemoteListing(objects, temps, skipped, tombstones)
 
 
 def _is_hex(name: str, length: int) -> bool:
@@ -182,3 +191,26 @@ def _read_late(root: RemoteRoot, path: str, key: bytes) -> RemoteObjectInfo | No
     if info.get("type") != "file":
         return None
     return _read_head(root, RemoteObjectInfo(path, key, int(info.get("size", 0)), _mtime_s(info)))
+
+
+def stale_tombstones(root: RemoteRoot, tombstones: list[tuple[str, float]], now_s: float) -> list[str]:
+    """Paths of the listed tombstones older than :data:`TOMBSTONE_MAX_AGE_S`
+    (by their time, or the retraction time they state where the listing
+    gives none), each read first: a file that is not ucm-db's tombstone is
+    left alone. One request per tombstone that old."""
+    stale: list[str] = []
+    for path, mtime_s in tombstones:
+        if mtime_s > 0 and now_s - mtime_s <= TOMBSTONE_MAX_AGE_S:
+            continue
+        key = tombstone_key(path.rsplit("/", 1)[-1])
+        try:
+            data = root.read_range(path, 0, MAX_TOMBSTONE_BYTES + 1)
+        except OSError:
+            continue
+        retracted_ns = None if data is None or key is None else parse_tombstone(data, key)
+        if retracted_ns is None:
+            continue
+        written_s = mtime_s if mtime_s > 0 else retracted_ns / 1e9
+        if now_s - written_s > TOMBSTONE_MAX_AGE_S:
+            stale.append(path)
+    return stale

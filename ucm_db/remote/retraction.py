@@ -14,6 +14,10 @@ Invariants:
       elected deletes at once after its local delete (:meth:`RemoteRetractions.run`
       without ``confirm``) and leaves the retraction pending, so the elected
       uploader deletes the object again after its own batches.
+    * Each delete leaves a tombstone first (:mod:`ucm_db.remote.tombstones`;
+      once per retraction and process): other nodes then never upload the
+      block again as the lost ancestor of a continuation of theirs. A failed
+      tombstone write is a failed delete (the object stays).
     * A failed (or unfinished) delete leaves its retraction pending: the
       uploader's passes retry it after a backoff of their own (50 ms doubling
       to 5 s, as uploads'), forever, while uploads go on at their pace (a
@@ -25,24 +29,28 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from functools import partial
 
 from ucm_db.index.local import LocalTier
 from ucm_db.index.retractions import Retraction
 from ucm_db.remote.tier import RemoteRoot
+from ucm_db.remote.tombstones import write_tombstone
+from ucm_db.remote.upload_pool import UploadPool
 
 #: How often a round waiting on its deletes looks at the stop flag.
 STOP_POLL_S = 0.1
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
+#: Retractions remembered as tombstoned (past it, the memory starts again).
+MAX_TOMBSTONED = 1 << 16
 
 
 class RemoteRetractions:
     """Deletes the remote objects of ``local``'s pending retractions from
     ``remote`` on ``pool`` (module invariants); counts what it deleted."""
 
-    def __init__(self, local: LocalTier, remote: RemoteRoot, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, local: LocalTier, remote: RemoteRoot, pool: UploadPool) -> None:
         self.local = local
         self.remote = remote
         self._pool = pool
@@ -50,6 +58,7 @@ class RemoteRetractions:
         self.last_error: str | None = None
         self._retry_at = 0.0  # monotonic time before which the uploader's passes wait (after a failure)
         self._backoff_s = MIN_BACKOFF_S
+        self._tombstoned: set[tuple[bytes, int]] = set()  # (key, retracted_ns) whose tombstone this process wrote
 
     def backing_off(self) -> bool:
         """Whether the last round failed less than its backoff ago."""
@@ -96,7 +105,23 @@ class RemoteRetractions:
 
     def _delete_one(self, item: Retraction) -> str | None:
         try:
+            self._tombstone(item)  # before the delete: the object is never gone without it
             self.remote.tier(item.namespace_id).delete([item.key])
         except Exception as exc:  # noqa: BLE001 - any failure keeps the retraction pending
             return f"{type(exc).__name__}: {exc}"
         return None
+
+    def _tombstone(self, item: Retraction) -> None:
+        """Writes the tombstone of ``item`` unless this process did; first
+        the namespace's manifest where this process wrote none (a block
+        voided before its upload: the tombstone makes the namespace's
+        directory, which gc and listings take for ucm-db's only with it)."""
+        if (item.key, item.retracted_ns) in self._tombstoned:
+            return
+        if item.namespace_id not in self.remote.manifests_written:
+            description = self.local.namespace_descriptions().get(item.namespace_id, {})
+            self.remote.ensure_manifest(item.namespace_id, description)
+        write_tombstone(self.remote, item.namespace_id, item.key, item.retracted_ns)
+        if len(self._tombstoned) >= MAX_TOMBSTONED:
+            self._tombstoned.clear()
+        self._tombstoned.add((item.key, item.retracted_ns))

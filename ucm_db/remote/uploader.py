@@ -9,7 +9,9 @@ that succeeded.
 Invariants:
     * A queue row is deleted only after its object is fully written, so a
       crash at any point loses nothing: the next process re-uploads (objects
-      are immutable and named by key, so a repeat is harmless).
+      are immutable and named by key, so a repeat is harmless). Rows of
+      blocks under a retracted ancestor (its tombstone on the remote:
+      :mod:`ucm_db.remote.ancestry`) are deleted without an upload.
     * :attr:`Uploader.uploaded` counts an upload before its row leaves the
       queue, so when :meth:`Uploader.wait_drained` (``flush``) sees the queue
       empty, the counter already holds every upload of this process.
@@ -32,7 +34,13 @@ Invariants:
       forever; rows stay queued.
     * One uploader per store directory across processes: an exclusive
       ``flock`` on ``uploader.lock`` elects it; the kernel releases it when
-      its process dies, and another process takes over.
+      its process dies, and another process takes over. A stopped uploader
+      (a store's close, which never waits for the remote) lets go of it
+      only once every call it started on its pool has ended
+      (:mod:`ucm_db.remote.upload_pool`): the next uploader never confirms
+      a retraction while an upload that read the block before its delete
+      may still land. An upload that never ends keeps it until its process
+      exits.
     * Retractions (remote objects of blocks deleted locally,
       :mod:`ucm_db.remote.retraction`) are deleted by the elected uploader
       after each upload batch, under the same one-batch-at-a-time lock, and
@@ -44,11 +52,11 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -62,6 +70,7 @@ from ucm_db.remote.ancestry import AncestorRepair
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.retraction import RemoteRetractions
 from ucm_db.remote.upload_plan import BatchPlanner, read_items
+from ucm_db.remote.upload_pool import UploadPool
 from ucm_db.index.local import LocalTier
 from ucm_db.remote.tier import RemoteRoot
 
@@ -71,10 +80,11 @@ BATCH_BYTES = 64 << 20
 IDLE_POLL_S = 0.5
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
-STOP_POLL_S = 0.1
 LOCK_NAME = "uploader.lock"
 #: ``info`` record of the remote codec in force, for ``ucm-db inspect``.
 REMOTE_CODEC_RECORD = b"remote_codec"
+
+_log = logging.getLogger("ucm_db")
 
 
 class Uploader:
@@ -99,11 +109,12 @@ class Uploader:
         self.concurrency = concurrency
         self._lock_path = store_dir / LOCK_NAME
         self._lock_fd: int | None = None
+        self._lock_fd_lock = threading.Lock()  # the pool's last call may release it on its own thread
         self._wake, self.closing = threading.Event(), threading.Event()  # closing: the store's close began
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self._batch = threading.Lock()  # one batch at a time: the thread's or upload_now's
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ucm-db-upload", initializer=place_current_thread)
+        self._pool = UploadPool(concurrency)
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
         self.retractions = RemoteRetractions(local, remote, self._pool)
         self.planner = BatchPlanner(local)
@@ -120,13 +131,17 @@ class Uploader:
         self._wake.set()
 
     def stop(self) -> None:
-        """Stops after the batch in flight; queued rows stay for next time."""
+        """Stops without waiting for the remote; queued rows stay for next
+        time. The election is let go once the calls left running on the
+        pool have ended (module invariants)."""
         self._stop.set()
         self._wake.set()
         if self._thread.ident is not None:  # started
             self._thread.join()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._release_lock()
+        running = self._pool.shutdown_then(self._release_lock)
+        if running and self._lock_fd is not None:
+            _log.info("ucm-db: %d call(s) to remote %s still running at close; this process stays the store's uploader "
+                      "until they end (a retraction is confirmed only after them)", running, self.remote.root)
 
     # -- the loop ----------------------------------------------------------------
     def _run(self) -> None:
@@ -158,7 +173,8 @@ class Uploader:
         self._wake.clear()
 
     def drain_batch(self) -> tuple[int, int]:
-        """Uploads one batch of queued blocks; returns ``(uploaded, failed)``."""
+        """Uploads one batch of queued blocks; returns ``(done, failed)``:
+        done are uploaded, or left out under a retracted ancestor."""
         with self._batch:
             return self._drain_batch()
 
@@ -202,7 +218,8 @@ class Uploader:
         repair = self.ancestry.before_batch(work)  # the parents of its roots first
         if repair is None:
             return 0, 0
-        work = [item for item in work if item[0] not in repair.held_back]
+        left_out = repair.held_back | repair.dropped
+        work = [item for item in work if item[0] not in left_out]
         results = self._run_uploads([partial(self._upload_one, item) for item in work])
         if results is None:
             return 0, 0  # stopping: unfinished rows stay queued
@@ -220,9 +237,9 @@ class Uploader:
         # each only if it is still the row of the block planned here: one
         # removed and put again since has a new row, left for a later batch.
         crashpoint("remote.before_mark_uploaded")
-        self.local.mark_uploaded({key: stored_ns.get(key) for key in done + gone})
+        self.local.mark_uploaded({key: stored_ns.get(key) for key in done + gone + list(repair.dropped)})
         self._record_codec_choice()
-        return len(done), len(errors)
+        return len(done) + len(repair.dropped), len(errors)
 
     def _record_codec_choice(self) -> None:
         """Keeps ``info/remote_codec`` (what ``ucm-db inspect`` shows) up to
@@ -238,14 +255,8 @@ class Uploader:
 
     def _run_uploads(self, calls: list[Callable[[], str | None]]) -> list[str | None] | None:
         """Runs remote calls on the pool; returns their errors (None for a
-        success), or None if asked to stop first: a hung remote must not hold
-        up close(), and nothing local is touched after stop."""
-        futures = [self._pool.submit(_catching, call) for call in calls]
-        while not self._stop.is_set():
-            _done, pending = wait(futures, timeout=STOP_POLL_S)
-            if not pending:
-                return [f.result() for f in futures]
-        return None
+        success), or None if asked to stop first (:meth:`UploadPool.run`)."""
+        return self._pool.run(calls, self._stop)
 
     def _upload_one(self, item: tuple[bytes, bytes | None, bytes, int, bytes]) -> str | None:
         key, parent, namespace_id, _depth, blob = item
@@ -298,13 +309,15 @@ class Uploader:
         except OSError:
             os.close(fd)
             return False
-        self._lock_fd = fd
+        with self._lock_fd_lock:
+            self._lock_fd = fd
         return True
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        with self._lock_fd_lock:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     # -- waiting -----------------------------------------------------------------
     def wait_drained(self, timeout_s: float | None) -> None:
@@ -346,27 +359,22 @@ class Uploader:
         repair = self.ancestry.before_batch(work)  # the parents of its roots first
         if repair is None:
             return ["the store is closing"] * len(items)
-        work = [item for item in work if item[0] not in repair.held_back]
+        left_out = repair.held_back | repair.dropped
+        work = [item for item in work if item[0] not in left_out]
         results = list(self._pool.map(self._upload_one, work))
         done = [item[0] for item, error in zip(work, results) if error is None]
         self.ancestry.remember(done)
         self.uploaded += len(done)  # before the rows leave the queue (see drain_batch)
         # By key: each key's object is on the remote now, so even a row of
         # the key's block put again since (same key, same chain) is done.
-        self.local.mark_uploaded(done)
+        self.local.mark_uploaded(done + list(repair.dropped))
         return repair.errors + [error for error in results if error is not None]
 
     def forget_lock_after_fork(self) -> None:
         """In a forked child: drop the inherited lock descriptor (closing
         this copy leaves the parent's lock alone)."""
+        self._lock_fd_lock = threading.Lock()  # a parent's thread may have held it at the fork
         self._release_lock()
-
-
-def _catching(call: Callable[[], str | None]) -> str | None:
-    try:
-        return call()
-    except Exception as exc:  # noqa: BLE001 - any failure keeps the rows queued
-        return f"{type(exc).__name__}: {exc}"
 
 
 def describe(uploader: Uploader | None) -> dict[str, Any]:
@@ -376,7 +384,8 @@ def describe(uploader: Uploader | None) -> dict[str, Any]:
     ancestry = uploader.ancestry
     out: dict[str, Any] = {"uploaded": uploader.uploaded, "failures": uploader.failures, "last_error": uploader.last_error,
                            "retracted": uploader.retractions.deleted, "ancestor_checks": ancestry.checks,
-                           "ancestors_reuploaded": ancestry.reuploaded, "ancestors_missing": ancestry.missing}
+                           "ancestors_reuploaded": ancestry.reuploaded, "ancestors_missing": ancestry.missing,
+                           "ancestors_retracted": ancestry.retracted, "dropped_under_retracted": ancestry.dropped}
     if uploader.codec is not None:
         out["codec"] = asdict(uploader.codec.choice())
     return out
