@@ -97,6 +97,7 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
         return (f"{r['remote']}: {r['objects_before']} objects, {human_bytes(r['bytes_before'])}; {verb} {r['removed_objects']} "
                 f"({r['removed_by_rule']} by rule + {r['removed_descendants']} descendants), {human_bytes(r['removed_bytes'])}; "
                 f"{r['temp_files_removed']} stale temp files; {r['skipped_entries']} entries not ucm-db's left alone"
+                + (f"; {r['tombstones_removed']} of {r['tombstones']} retraction tombstones" if r.get("tombstones") else "")
                 + (f"; {r['held_by_rule']} held: {r['held_reason']}" if r.get("held_namespaces") else ""))
 
     emit(as_json, report, human)
