@@ -45,7 +45,14 @@ and left out at its default, so a deployment keys only what it changed:
     * ``model_class_overrides``, ``code_revision``: another model class or
       remote code (from another repo or revision: keyed by its content,
       :mod:`ucm_db.connector.remote_code`) computes the KV.
-    * ``model_weights``: weights streamed from an object store: its URI.
+    * ``model_weights``: weights streamed from an object store: its URI
+      (without ``model_id`` such weights are refused, or keyed by content
+      where local: :func:`~ucm_db.connector.weight_loads.weights_elsewhere`).
+    * ``additional_config``: a digest, where set (kernels and platform
+      plug-ins read keys ucm-db cannot judge).
+    * A stored draft's engine options beside its identity (its MoE backend,
+      length, code revision, parallel drafting ...:
+      :func:`~ucm_db.connector.identity_guards.draft_engine_inputs`), in the layout.
 Not keyed: the tokenizer and generation config (token ids are keyed, not
 text; sampling never changes KV), ``seed``, ``enforce_eager``, the
 attention backend and ``model_impl`` (numerics within kernel tolerance,
@@ -72,6 +79,9 @@ Invariants:
       every pipeline stage) is loadable.
     * Blocks stored per rank before units (TP>1 or PP>1) are not read (``docs/tp.md``).
     * A request's key chain and its extras: :mod:`ucm_db.connector.request_keys`.
+    * The files the model is keyed by are those vLLM loaded: a file whose
+      stat moved since vLLM began loading it stops the start
+      (:mod:`ucm_db.connector.weight_loads`).
 """
 
 from __future__ import annotations
@@ -85,14 +95,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.connector.context_length import max_len_inputs
-from ucm_db.connector.drafts import draft_shape, drops_last_block, stored_view
+from ucm_db.connector.drafts import draft_load_config, draft_shape, drops_last_block, stored_view
 from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
-from ucm_db.connector.identity_guards import (counter_identifiers, device_tag, load_inputs, lora_engine_inputs,
-                                              current_platform, multimodal_inputs, refuse_unstorable,
-                                              warn_weight_updates)
+from ucm_db.connector.identity_guards import (additional_inputs, counter_identifiers, device_tag, draft_engine_inputs,
+                                              load_inputs, lora_engine_inputs, current_platform, multimodal_inputs,
+                                              refuse_unstorable, warn_weight_updates)
 from ucm_db.connector.numerics import numerics_inputs
+from ucm_db.connector.weight_loads import refuse_changed_since_load
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -123,8 +134,10 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     if kv_cache_config is None:
         raise ConfigError("vLLM passed no KVCacheConfig to the connector", hint="use vLLM >= 0.11 (this ucm-db targets 0.32)")
     kv_cache_config = stored_view(vllm_config, kv_cache_config)  # draft layers that are not stored: left out
-    kv_groups(kv_cache_config)  # refuses groups ucm-db cannot store (groups.py), before vLLM allocates the KV cache
-    refuse_unstorable(vllm_config, kv_cache_config)  # context parallelism, non-causal attention (identity_guards.py)
+    # Context parallelism, KV that is no prefix function (identity_guards.py), then groups ucm-db cannot lay out
+    # (groups.py): before vLLM allocates the KV cache.
+    refuse_unstorable(vllm_config, kv_cache_config)
+    kv_groups(kv_cache_config)
     warn_weight_updates(vllm_config)  # weights that change while it serves: a reset must follow each update
     groups = list(kv_cache_config.kv_cache_groups)
     # The first attention group's spec (a hybrid's group 0 may hold SSM state, ssm_state.py).
@@ -146,10 +159,13 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
     }
     if draft:  # no draft stored: the layout as before
-        parts["draft"] = draft
+        parts["draft"] = {**draft, **draft_engine_inputs(vllm_config)}
     parallel = vllm_config.parallel_config
+    model = model_id or model_fingerprint(model_config, load_config=getattr(vllm_config, "load_config", None))
+    extra = namespace_inputs(vllm_config, model_id)
+    _refuse_changed_weights(vllm_config, model_id, draft)  # after every digest of them: each names what vLLM read
     return KVShape(
-        model=model_id or model_fingerprint(model_config, load_config=getattr(vllm_config, "load_config", None)),
+        model=model,
         kv_dtype=dtype,
         block_size=int(vllm_config.cache_config.block_size),
         use_mla=use_mla,
@@ -160,10 +176,20 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         layers=layers + draft_layers,
         draft_layers=draft_layers, drops_last_block=bool(draft_layers) and drops_last_block(vllm_config),
         unit_bytes=0 if use_mla else _unit_bytes(spec, int(vllm_config.cache_config.block_size), layers + draft_layers),
-        extra=namespace_inputs(vllm_config, model_id),
+        extra=extra,
         counter_mm_ids=counter_identifiers(vllm_config),
         lora_engine=lora_engine_inputs(vllm_config),
     )
+
+
+def _refuse_changed_weights(vllm_config: Any, model_id: str | None, draft: dict[str, Any] | None) -> None:
+    """Refuses weight files keyed here (the model's without ``model_id``, a
+    stored draft's) that changed since vLLM began loading them (weight_loads.py)."""
+    if model_id is None:
+        refuse_changed_since_load(vllm_config, vllm_config.model_config, getattr(vllm_config, "load_config", None))
+    spec = getattr(vllm_config, "speculative_config", None)
+    if draft and draft.get("model") and getattr(spec, "draft_model_config", None) is not None:
+        refuse_changed_since_load(vllm_config, spec.draft_model_config, draft_load_config(vllm_config))
 
 
 def stored_groups(vllm_config: Any, kv_cache_config: Any) -> list[Any]:
@@ -292,6 +318,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     inputs.update(remote_code_inputs(config))
     inputs.update(multimodal_inputs(vllm_config))
     inputs.update(numerics_inputs(vllm_config, current_platform()))
+    inputs.update(additional_inputs(vllm_config))
     plain = {name: _plain(value) for name, value in inputs.items() if value not in (None, False, "", {}, [], ())}
     return json.dumps(plain, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 

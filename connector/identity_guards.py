@@ -12,9 +12,9 @@ Invariants:
     * A config read from ``hf_config_path`` is keyed by the digest of the
       files vLLM read and of the code its ``auto_map`` names (:func:`config_digest`). Weights that are not the fingerprinted
       files are never keyed by those files alone: a load format other than :data:`FILE_LOAD_FORMATS` is
-      keyed by its name and ``model_loader_extra_config``; ``dummy``
-      (random weights) is refused unless the connector's ``model_id`` names
-      those weights (an explicit identity is the operator's word).
+      keyed by its name and ``model_loader_extra_config`` and, without the
+      connector's ``model_id`` (the operator's word), by what it reads, or
+      refused where ucm-db cannot read that (``weight_loads.weights_elsewhere``).
     * Engine-wide multimodal options that vLLM's item identifiers do not
       carry (:func:`multimodal_inputs`) are keyed; runtime-calibrated fp8
       scales of the vision encoder, which no key can name, are refused.
@@ -35,7 +35,11 @@ Invariants:
     * Refused with a ConfigError naming the fix (:func:`refuse_unstorable`):
       decode or prefill context parallelism (a rank's block holds every
       n-th token of a longer block), non-causal attention (a block's KV
-      depends on tokens after it, which its prefix key does not name).
+      depends on tokens after it, which its prefix key does not name), and
+      every KV cache spec or model whose blocks are no function of their
+      prefix (:mod:`ucm_db.connector.kv_specs`: an allow-list).
+    * ``additional_config`` (keys kernels and plug-ins read, which ucm-db
+      cannot judge) is keyed by digest where set (:func:`additional_inputs`).
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ucm_db.connector.kv_specs import refuse_unkeyable_specs
 from ucm_db.connector.weight_files import DEFAULT_IGNORE_PATTERNS, load_format_of
+from ucm_db.connector.weight_loads import MODEL_PATH_FORMATS, NAMED_ONLY_FORMATS, weights_elsewhere  # noqa: F401
 from ucm_db.errors import ConfigError
 
 #: Load formats that read the weights from the fingerprinted model files
@@ -86,13 +92,8 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
                                          getattr(model_config, "code_revision", None))
     if fmt in FILE_LOAD_FORMATS:
         return out
-    if fmt == "dummy" and model_id is None:
-        raise ConfigError(
-            "vLLM runs with load_format \"dummy\" (random weights): their KV must never be served to an engine with "
-            "the real weights, and the model's files, which ucm-db keys by, do not name them",
-            hint="serve without ucm-db, or set \"model_id\" in kv_connector_extra_config to a name of this run's weights "
-                 "(e.g. \"dummy-profiling\"): ucm-db then keys by that name",
-        )
+    if model_id is None:
+        out.update(weights_elsewhere(vllm_config, fmt))
     extra = getattr(load, "model_loader_extra_config", None)
     # A digest, not the options: they may hold credentials, and the namespace record travels (remote manifests).
     digest = hashlib.blake2b(json.dumps(extra, sort_keys=True, default=str).encode(), digest_size=16).hexdigest() if extra else None
@@ -285,6 +286,7 @@ def device_tag(current_platform: Any, cache_dtype: str) -> str:
 def refuse_unstorable(vllm_config: Any, kv_cache_config: Any) -> None:
     """Raises ConfigError for a deployment whose KV a block key cannot name
     (module invariants)."""
+    refuse_unkeyable_specs(vllm_config, kv_cache_config)
     parallel = getattr(vllm_config, "parallel_config", None)
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = int(getattr(parallel, name, 1) or 1)
@@ -315,6 +317,38 @@ def warn_weight_updates(vllm_config: Any) -> None:
     logger.warning("ucm-db: this engine takes weight updates (weight_transfer_config, backend %s): after each, call "
                    "reset_prefix_cache(reset_connector=True) (or `ucm-db invalidate`), or ucm-db keeps serving KV of "
                    "the weights before it under the model's namespace", getattr(transfer, "backend", "?"))
+
+
+def additional_inputs(vllm_config: Any) -> dict[str, Any]:
+    """``additional_config`` where set, as a digest (module invariants; it
+    may hold credentials): the JSON vLLM's own config hash reads, or the
+    object's ``compute_hash()``."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not extra:
+        return {}
+    text = json.dumps(extra, sort_keys=True, default=str) if isinstance(extra, dict) else str(extra.compute_hash())
+    return {"additional_config": hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}
+
+
+#: SpeculativeConfig fields that change a stored draft's K/V beside what ``drafts.draft_shape`` names (the draft's
+#: MoE kernels, its length, remote code, token ids, how many of its layers run), keyed where set.
+DRAFT_KV_FIELDS = ("moe_backend", "max_model_len", "code_revision", "use_heterogeneous_vocab",
+                   "num_speculative_tokens_per_batch_size")
+
+
+def draft_engine_inputs(vllm_config: Any) -> dict[str, Any]:
+    """For a namespace whose blocks hold draft layers: :data:`DRAFT_KV_FIELDS`
+    where set, and parallel drafting where its method does not imply it
+    (DFlash and DSpark always draft in parallel); empty by default."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    out: dict[str, Any] = {}
+    for name in DRAFT_KV_FIELDS:
+        value = getattr(spec, name, None)
+        if value not in (None, False, "", [], ()):  # as plain JSON: an enum by its value, tuples as lists
+            out[name] = json.loads(json.dumps(getattr(value, "value", value), default=str))
+    if getattr(spec, "parallel_drafting", False) and str(getattr(spec, "method", "")) not in ("dflash", "dspark"):
+        out["parallel_drafting"] = True
+    return out
 
 
 def _file_digest(path: str) -> str:
