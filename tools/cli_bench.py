@@ -49,6 +49,7 @@ BENCHMARKS = {
     "eviction-depth": "ucm_db.tools.bench.eviction_depth:command",
     "staged": "ucm_db.tools.bench.staged:command",
     "device-load": "ucm_db.tools.bench.device_load:command",
+    "inventory-stall": "ucm_db.tools.bench.inventory_stall:command",
 }
 
 
