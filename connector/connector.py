@@ -28,6 +28,9 @@ Invariants:
     * With ``load_mode`` ``block`` or ``layer`` loads are synchronous from
       vLLM's point of view (``load_kv_async`` False): a hit is fully in the
       KV cache, or reported failed, by the end of the step that uses it.
+      Under vLLM's async scheduling every hit loads asynchronously instead
+      (scheduler/hooks.py: vLLM 0.32 cannot recover a sync load that fails
+      while the request's next step runs).
       A model with several KV cache groups loads asynchronously whatever
       the mode, and reports a failed load per request in ``failed_recving``
       (``get_transfer_results``), never as block ids (hybrid.py). With
@@ -146,8 +149,14 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
             # refuse_older_generations ran above, once for every role and group.
+            async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)  # every claim async (hooks.py)
+            if async_scheduling and not hybrid and self.settings.load_mode != "async":
+                logger.info("ucm-db: with vLLM's async scheduling every hit loads asynchronously (load_mode %r is for "
+                            "engines without it): vLLM recovers from a failed load only before it computes over it",
+                            self.settings.load_mode)
             self._scheduler = (GroupedScheduler(self.settings, self.shape, self.pd_role, self.groups, generations_checked=True)
-                               if hybrid else UcmDbScheduler(self.settings, self.shape, self.pd_role, generations_checked=True))
+                               if hybrid else UcmDbScheduler(self.settings, self.shape, self.pd_role, generations_checked=True,
+                                                             async_scheduling=async_scheduling))
             events_config = vllm_config.kv_events_config
             if events_config is not None and events_config.enable_kv_cache_events:
                 parts = self._scheduler.parts if isinstance(self._scheduler, GroupedScheduler) else [self._scheduler]
@@ -161,9 +170,14 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        # A dropped save is only a future miss: never recompute a preempted
-        # request on our account.
-        return False
+        # vLLM reads it once: True drops a preempted request's output still
+        # in flight (it is computed again once the request resumes) instead
+        # of delivering it. That output may have been sampled over a load
+        # whose failure its step's output has not reported yet (the step
+        # after it, planned before, preempted the request), and vLLM rewinds
+        # only the requests it runs: delivered, it would be a wrong token.
+        # Without overlapping steps nothing is in flight at a preemption.
+        return True
 
     # -- worker side ----------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -51,7 +51,11 @@ Invariants:
       reports it finished; any later claim for the same request is
       synchronous, so a load that keeps failing is recomputed, not retried;
       a hybrid model's groups are always async and claim nothing after a
-      failure instead, hybrid.py).
+      failure instead, hybrid.py). Under vLLM's async scheduling every
+      claim is async, whatever ``load_mode`` says (a sync load failing with
+      the next step in flight leaves vLLM's tokens and the KV apart), and
+      after a failed async load a request claims no further than the block
+      that failed (request_state.py).
     * Only units are read and written (one storage generation): a store
       holding this model's blocks of an older generation (whole or per-rank
       blocks, :mod:`ucm_db.maintenance.pre_units`) is refused when the scheduler starts,
@@ -104,9 +108,10 @@ class UcmDbScheduler:
     """Scheduler-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
     def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy = RolePolicy(), group: int = 0,
-                 group_namespace: Namespace | None = None, *, generations_checked: bool = False) -> None:
+                 group_namespace: Namespace | None = None, *, generations_checked: bool = False, async_scheduling: bool = False) -> None:
         """``generations_checked``: the caller (the connector's facade) has
-        refused a store of an older storage generation already."""
+        refused a store of an older storage generation already;
+        ``async_scheduling``: vLLM's (every claim is async)."""
         self._store = acquire(settings)
         try:  # blocks of an older storage generation: converted by `ucm-db migrate`, never read here
             if not generations_checked:
@@ -131,7 +136,7 @@ class UcmDbScheduler:
         self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
         self._ns_id = self._namespace.id.hex()
         self._store_gauges = StoreGauges(self.counters, self._ns_id)
-        self._async = settings.load_mode == "async"
+        self._async, self._async_always = settings.load_mode == "async", async_scheduling  # RequestState.claims_async
         self._spans = reader_spans(shape)  # every unit a hit needs (identity.py)
         self._lookup = PrefixLookup(self._store, self._namespace, self._grid, self._spans, self._block_size, self.cost,
                                     self._keys, background=settings.remote_lookup == "background")
@@ -197,7 +202,7 @@ class UcmDbScheduler:
             state.lookup = LookupRecord(num_computed_tokens, 0, 0, 0.0, looked_up=False)
             return 0, False
         max_blocks = (request.num_tokens - 1) // self._block_size
-        claimable = state.controls.claimable_blocks(self._block_size, max_blocks, num_computed_tokens)
+        claimable = state.claimable_blocks(self._block_size, max_blocks, num_computed_tokens)
         if claimable * self._block_size <= num_computed_tokens or epoch is None:
             # Nothing to load. Where vLLM's own cache holds every loadable
             # block, the local tier says which are stored: saved once, never again.
@@ -221,11 +226,7 @@ class UcmDbScheduler:
             self.counters.add(cost_skips=1)  # once per lookup, however many segments it priced
         state.lookup = LookupRecord(num_computed_tokens, hit, found, time.perf_counter() - started)
         tokens = max(0, hit * self._block_size - num_computed_tokens)
-        # Once per request: a failed async load sends the request back with
-        # nothing computed, and vLLM asks again; an async claim of the same
-        # blocks could fail the same way forever. A sync claim that fails is
-        # recomputed.
-        return tokens, self._async and tokens > 0 and not state.async_tried
+        return tokens, tokens > 0 and state.claims_async(self._async, self._async_always)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
         """The last claim's tokens by tier (:func:`.request_state.hit_sources`)."""
@@ -271,7 +272,7 @@ class UcmDbScheduler:
         state.pending_load_tokens = num_external_tokens
         if num_external_tokens:
             note_ucm_db_load(request.request_id)  # another ucm-db child keeps saving it (composition.py)
-        if self._async and num_external_tokens and not state.async_tried:
+        if num_external_tokens and state.claims_async(self._async, self._async_always):
             # vLLM computes nothing for it until the load is reported done.
             state.async_tried = True
             end = (record.local_tokens + num_external_tokens) // self._block_size
@@ -327,8 +328,11 @@ class UcmDbScheduler:
                 if invalid.intersection(state.async_block_ids):
                     state.async_block_ids = ()
                     self.rewind(req_id, None)
+                    if self._async_always:  # its later claims are async too: none reaches the failed block again
+                        state.claim_limit = state.request.num_computed_tokens // self._block_size
+        # Before settling: the tables recorded for the steps it settles (settlement.py).
+        forget_failed_blocks(self.kv_cache_manager, self._settlement.tables(), self._requests, self._group, invalid)
         self._settlement.settle(step, invalid, self.rewind)
-        forget_failed_blocks(self.kv_cache_manager, self._requests, self._group, invalid)  # settlement.py
         if isinstance(worker_meta, UcmDbWorkerMetadata):
             self._planner.observe_output(worker_meta)
             if worker_meta.refused and not self._off:
@@ -340,23 +344,21 @@ class UcmDbScheduler:
         """Moves a request's stored and saved marks back to the blocks vLLM
         still counts as computed (and before a voided save)."""
         state = self._requests.get(req_id)
-        if state is None:
-            return
-        computed = state.request.num_computed_tokens // self._block_size
-        state.stored_blocks = min(state.stored_blocks, computed)
-        state.saved_blocks = min(state.saved_blocks, computed, computed if save_start is None else save_start)
+        if state is not None:
+            state.rewind(self._block_size, save_start)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forgets the request. Saves were copied out during their steps,
         so vLLM may free the blocks at once. A ``kv_producer`` returns what
         it published as ``kv_transfer_params``: its saves were committed
-        inside their steps (roles.py)."""
+        inside their steps (roles.py), whatever a preemption did to its
+        save marks since (request_state.py)."""
         state = self._requests.pop(request.request_id, None)
         self._waits.forget(request.request_id)
         self._lookup.forget(request.request_id)
         if not self._role.publishes or state is None or self._off:  # off: a worker refused, nothing was saved
             return False, None
-        blocks = min(state.saved_blocks, request.num_prompt_tokens // self._block_size)
+        blocks = min(max(state.saved_blocks, state.committed_blocks), request.num_prompt_tokens // self._block_size)
         last_key = self._keys(state, blocks)[blocks - 1].hex() if blocks else ""
         self.counters.add(published_blocks=blocks)
         publication = Publication(self._ns_id, blocks, self._block_size, last_key, self._publish_target)

@@ -18,7 +18,9 @@ Invariants:
       step that also loads blocks it depends on (its request's, or shared
       from another request through vLLM's prefix cache) names them
       (``after_loads``, also loads of earlier steps whose output is not
-      back) and is settled by :mod:`ucm_db.connector.scheduler.settlement`.
+      back) and is settled by :mod:`ucm_db.connector.scheduler.settlement`,
+      which also keeps the block tables of the requests a step computes over
+      such loads, whatever their role (their blocks go stale if one failed).
     * A request whose key chain is of an older epoch than the namespace's
       (a reset since its lookup) saves nothing more; nor does one whose
       controls say ``save: false``. Admission
@@ -92,6 +94,9 @@ class StepPlanner:
         for req_id, _ in () if self._admission.store_foreign_loads else others:
             refuse_saves_over_foreign_load(req_id, self._requests.get(req_id))  # not another ucm-db's: saved by none
         loaded = self._settlement.record_loads(meta, others)
+        if loaded:  # what this step computes over them goes stale if one failed (settlement.forget_failed_blocks)
+            tables = [self._block_ids(scheduler_output, req_id) or [] for req_id in scheduler_output.num_scheduled_tokens]
+            self._settlement.record_tables(meta.step, [table for table in tables if loaded.intersection(table)])
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items() if saves else ():
             self._plan_save(meta, scheduler_output, req_id, num_tokens, loaded)
         self._settlement.take_verdicts(meta)
@@ -155,6 +160,7 @@ class StepPlanner:
         meta.saves.append(transfer)
         self._settlement.track(meta.step, transfer, start, sibling)
         state.saved_blocks = end
+        state.committed_blocks = max(state.committed_blocks, end)  # a producer's, committed within the step
 
     def _block_ids(self, scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)

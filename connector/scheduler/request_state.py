@@ -12,6 +12,15 @@ Invariants:
     * ``stored_blocks <= saved_blocks``: the blocks known stored come
       first, then the ones planned for saving; both move back only through
       a rewind (a failed load, a voided save, a preemption).
+      ``committed_blocks``: the leading blocks whose saves were ever planned
+      (a ``kv_producer`` commits them within their step, so they are its
+      publication); a failed load or a voided save moves it back, a
+      preemption does not (it drops only saves not yet copied, and a
+      producer's are copied and committed within their step).
+    * Under vLLM's async scheduling every claim is async
+      (:meth:`RequestState.claims_async`), and after a failed async load a
+      request claims no further than the block that failed
+      (``claim_limit``): its claims cannot fail the same way forever.
     * ``lookup`` is read (and cleared) only by the
       ``update_state_after_alloc`` that follows the lookup that set it.
     * ``controls`` are parsed once, when the state is made
@@ -56,9 +65,11 @@ class RequestState:
     keys: BlockKeys = field(default_factory=BlockKeys)  # the request's block keys, grown on demand
     stored_blocks: int = 0  # leading blocks whose units are known stored
     saved_blocks: int = 0   # leading blocks stored or planned for saving
+    committed_blocks: int = 0  # leading blocks ever planned for saving (module invariants; a producer's publication)
+    claim_limit: int | None = None  # blocks: its async load failed at this one, no claim goes further
     pending_load_tokens: int = 0
     lookup: LookupRecord | None = None
-    async_tried: bool = False  # an async load was planned: later lookups claim synchronously
+    async_tried: bool = False  # an async load was planned: later lookups claim synchronously (claims_async)
     async_block_ids: tuple[int, ...] = ()  # the blocks of its async load, until vLLM schedules it
     vllm_computed_tokens: int = 0  # what vLLM's own prefix cache held at the last lookup: no claim prices it
     lookup_computed_tokens: int | None = None  # the same, until the step after the lookup (composition.py)
@@ -79,6 +90,30 @@ class RequestState:
         self.lookup_computed_tokens = num_computed_tokens
         self.async_claimed = False
         forget_ucm_db_load(self.request.request_id)
+
+    def claims_async(self, first_async: bool, every_async: bool) -> bool:
+        """Whether a claim of this request loads asynchronously: every one
+        under vLLM's async scheduling (``every_async``: a sync load that
+        fails while the next step is in flight leaves vLLM's tokens and the
+        KV apart); with ``load_mode: "async"`` (``first_async``) its first
+        only: a failed async load sends the request back with nothing
+        computed and vLLM asks again, and an async claim of the same blocks
+        could fail the same way forever, where a sync one is recomputed."""
+        return every_async or (first_async and not self.async_tried)
+
+    def claimable_blocks(self, block_size: int, max_blocks: int, num_computed_tokens: int) -> int:
+        """Leading blocks a claim may reach: what its controls allow
+        (:meth:`RequestControls.claimable_blocks`), never past ``claim_limit``."""
+        claimable = self.controls.claimable_blocks(block_size, max_blocks, num_computed_tokens)
+        return claimable if self.claim_limit is None else min(claimable, self.claim_limit)
+
+    def rewind(self, block_size: int, save_start: int | None) -> None:
+        """Moves the stored, saved and committed marks back to the blocks
+        vLLM still counts as computed (and before a voided save at ``save_start``)."""
+        computed = self.request.num_computed_tokens // block_size
+        kept = computed if save_start is None else min(computed, save_start)
+        self.stored_blocks = min(self.stored_blocks, computed)
+        self.saved_blocks, self.committed_blocks = min(self.saved_blocks, kept), min(self.committed_blocks, kept)
 
     def stale_for(self, request: Request) -> bool:
         """True when a streaming-session update changed the request since

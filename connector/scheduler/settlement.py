@@ -26,12 +26,21 @@ Invariants:
       like a producer's, and its request rewound, though it was never
       stored. Its request may not be the one whose load failed: another
       sharing the block through vLLM's prefix cache keeps it as computed.
-    * The blocks of a failed load, and every later block of a request
-      holding one, leave vLLM's prefix cache (:func:`forget_failed_blocks`):
-      under ``kv_load_failure_policy: "recompute"`` vLLM keeps them hashed
-      (for the request to write again), so a request preempted or aborted
-      before it recomputed them would hand their stale KV to the next
-      request of that prefix, as a local hit the connector would then save.
+    * The blocks of a failed load, and every later block of each block
+      table that held one, leave vLLM's prefix cache
+      (:func:`forget_failed_blocks`) when a step's output names them: under
+      ``kv_load_failure_policy: "recompute"`` vLLM keeps them hashed (for
+      the request to write again) and rewinds only the requests it still
+      runs or holds waiting, so a request aborted or preempted before the
+      output came back (the client's abort between a step's execution and
+      its output; the next step, planned before it with async scheduling or
+      a batch queue) would hand their stale KV to the next request of that
+      prefix, as a local hit the connector would then save. The tables are
+      those requests hold now and those recorded while the steps were
+      planned (:meth:`SaveSettlement.record_tables`: every scheduled request
+      whose table held a block loaded in a step whose output was not back,
+      the loader's and those sharing its blocks), kept until the output of
+      their step is back: a request that left holds none now.
     * Failed block ids of a settled step stay known while a pending save
       may depend on them: until the step is more than
       :data:`MAX_PENDING_STEPS` steps older than the oldest held save or
@@ -40,6 +49,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -97,6 +107,8 @@ class SaveSettlement:
         self._held_verdicts: tuple[list[int], list[int]] = ([], [])  # (commit, drop), for the next metadata
         # Failed block ids by settled step, while saves planned at or after that step may depend on them.
         self._recent_bad: dict[int, set[int]] = {}
+        # step -> block tables of the requests it computed over unsettled loads (forget_failed_blocks)
+        self._tables: dict[int, list[tuple[int, ...]]] = {}
 
     def record_loads(self, meta: UcmDbConnectorMetadata, others: Sequence[tuple[str, tuple[int, ...]]] = ()) -> set[int]:
         """Remembers the step's synchronous loads, and ``others``: (request,
@@ -111,6 +123,18 @@ class SaveSettlement:
             if len(self._step_loads) > MAX_PENDING_STEPS:
                 del self._step_loads[min(self._step_loads)]
         return {b for record in self._step_loads.values() for _, ids in record.loads for b in ids}
+
+    def record_tables(self, step: int, tables: Iterable[Sequence[int]]) -> None:
+        """Remembers, until step ``step``'s output is back, the block tables
+        of the requests it computes over loads whose outcome is not known
+        (module invariants: their blocks after a failed one are stale)."""
+        self._tables[step] = [tuple(table) for table in tables]
+        if len(self._tables) > MAX_PENDING_STEPS:
+            del self._tables[min(self._tables)]
+
+    def tables(self) -> list[tuple[int, ...]]:
+        """The block tables :meth:`record_tables` keeps, of every step whose output is not back."""
+        return [table for tables in self._tables.values() for table in tables]
 
     def after_loads(self, req_id: str, block_ids: Sequence[int], loaded: set[int]) -> tuple[tuple[int, ...], bool]:
         """(the loaded blocks a save of ``req_id`` over ``block_ids`` depends
@@ -160,7 +184,10 @@ class SaveSettlement:
         held; one rank's own worker dropped it already) and its request
         rewound too. Held saves planned up to ``step`` get their verdict,
         in planning order, for the next step's metadata: after a dropped
-        one, a request's later ones drop too."""
+        one, a request's later ones drop too. The recorded block tables of
+        steps up to ``step`` are forgotten."""
+        for number in [s for s in self._tables if step is not None and s <= step]:
+            del self._tables[number]
         if step is None and not invalid:
             return
         settled = [(s, self._step_loads.pop(s)) for s in sorted(self._step_loads) if step is None or s <= step]
@@ -206,20 +233,23 @@ class SaveSettlement:
                 commits.append(hold_id)
 
 
-def forget_failed_blocks(kv_cache_manager: Any, req_ids: Iterable[str], group: int, invalid: set[int]) -> int:
-    """Evicts from vLLM's prefix cache each failed block and the blocks after
-    it of the requests ``req_ids`` that hold one (in KV cache group
-    ``group``), as vLLM's ``kv_load_failure_policy: "fail"`` does (module
-    invariants); the blocks stay allocated to their requests. Returns the
+def forget_failed_blocks(kv_cache_manager: Any, recorded: Iterable[Sequence[int]], req_ids: Iterable[str], group: int,
+                         invalid: set[int]) -> int:
+    """Evicts from vLLM's prefix cache every failed block and, of each block
+    table holding one, every block after it (module invariants): the tables
+    ``recorded`` as the steps were planned and those the requests ``req_ids``
+    hold now (in KV cache group ``group``), as vLLM's
+    ``kv_load_failure_policy: "fail"`` does for the requests it runs. The
+    blocks stay allocated to whoever holds them; one given to another request
+    since loses its hash too (a lost local hit, never wrong KV). Returns the
     blocks named (those vLLM had not hashed are left as they are)."""
     if kv_cache_manager is None or not invalid:
         return 0
-    stale: set[int] = set()
-    for req_id in req_ids:
-        block_ids = kv_cache_manager.get_block_ids(req_id)[group]
+    stale = set(invalid)
+    held = (kv_cache_manager.get_block_ids(req_id)[group] for req_id in req_ids)
+    for block_ids in itertools.chain(recorded, held):
         first = next((i for i, block_id in enumerate(block_ids) if block_id in invalid), None)
         if first is not None:
             stale.update(block_ids[first:])
-    if stale:
-        kv_cache_manager.evict_blocks(stale)
+    kv_cache_manager.evict_blocks(stale)
     return len(stale)
