@@ -30,10 +30,17 @@ Invariants:
       must have read the same files both times) and then forgets them: an
       engine started again in the same process is checked against its own
       load.
-    * Under ``npcache`` the load that converts a folder's ``*.bin`` files
-      writes ``np/``, which ucm-db keys from then on: a file only one of the
-      two selections holds is not compared (the arrays are what vLLM
-      loaded, written from the bytes it read).
+    * A file the load added is no change: vLLM downloads a hub model's
+      weights inside ``load_model`` (its snapshot held only the configs
+      before), and a checkpoint rewritten in place changes files that were
+      there (the weights, their index, the config). Under ``npcache`` the
+      load that converts a folder's ``*.bin`` files writes ``np/``, which
+      ucm-db keys from then on: a ``*.bin`` file left out of the new
+      selection is no change either (the arrays are what vLLM loaded,
+      written from the bytes it read).
+    * Snapshots belong to one engine (its ``VllmConfig``): a load by
+      another engine of the process (one without ucm-db, one whose start
+      failed before its check) drops the snapshots of the roots it loads.
     * In a process that loaded nothing (the scheduler's engine core beside
       workers) there is nothing to compare: its namespace is checked
       against the workers' (the namespace handshake).
@@ -68,7 +75,8 @@ _REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _SHARD_TEMPLATE = re.compile(r"%0\dd")
 _WRAPPED = "__ucm_db_watched__"
 _lock = threading.Lock()
-_snapshots: dict[str, list[Stats]] = {}  # watched root (absolute) -> its stats at each load since the last check
+#: Watched root (absolute) -> (id of the load's VllmConfig, its stats) at each load of one engine since the last check.
+_snapshots: dict[str, list[tuple[int, Stats]]] = {}
 _watching = False  # whether vLLM's loaders are wrapped in this process
 _warned = False
 
@@ -103,9 +111,13 @@ def note_load(vllm_config: Any, model_config: Any, load_config: Any) -> None:
         found = watched_files(model_config, load_config, _tp_size(vllm_config))
     except Exception:  # noqa: BLE001 - the load goes on; the check then finds nothing to compare
         return
+    engine = id(vllm_config)
     with _lock:
         for root, stats in found.items():
-            _snapshots.setdefault(root, []).append(stats)
+            taken = _snapshots.setdefault(root, [])
+            if taken and taken[-1][0] != engine:  # another engine's load, never checked (no ucm-db, a failed start)
+                taken.clear()
+            taken.append((engine, stats))
 
 
 def refuse_changed_since_load(vllm_config: Any, model_config: Any, load_config: Any) -> None:
@@ -128,9 +140,8 @@ def refuse_changed_since_load(vllm_config: Any, model_config: Any, load_config: 
     # (weight_files.py): files are compared where both snapshots hold them; the arrays vLLM wrote are what it loaded.
     converting = load_format_of(load_config) == "npcache"
     for root, snapshots in taken.items():
-        changed = sorted({name for before in snapshots for name in before.keys() | now[root].keys()
-                          if before.get(name) != now[root].get(name)
-                          and not (converting and (name not in before or name not in now[root]))})
+        changed = sorted({name for _, before in snapshots for name in before
+                          if before[name] != now[root].get(name) and not (converting and name not in now[root])})
         if changed:
             raise ConfigError(
                 f"the weights in {root} changed after vLLM began loading them ({', '.join(changed[:5]) or root}"

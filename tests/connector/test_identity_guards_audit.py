@@ -242,9 +242,10 @@ def test_a_model_whose_vllm_hook_turns_prefix_caching_off_for_its_kv_is_refused(
         kv_shape(config, _kv(_full()), None)
 
 
-def test_prefix_specs_keep_their_namespaces(model_dir: Path) -> None:
+def test_prefix_specs_are_accepted(model_dir: Path) -> None:
     """Full, sliding-window, chunked-local and MLA attention are accepted as
-    before, under the namespaces they had (golden digests)."""
+    before (the allow-list only refuses: it adds nothing to a namespace; the
+    weight files' golden digests are in test_identity_weight_sources.py)."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     common = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
@@ -610,3 +611,30 @@ def test_the_first_npcache_start_that_converts_the_weights_is_not_refused(
     with pytest.raises(ConfigError, match="changed after vLLM began loading"):
         kv_shape(config, _kv(_full()), None)
     assert first
+
+
+def test_weights_vllm_downloads_inside_the_load_are_no_rewrite(
+        tmp_path: Path, watched_loaders: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review's finding: vLLM fetches a hub model's configs before the
+    load and its weights inside ``load_model``, so the snapshot held only
+    the configs and every first start of a model not yet downloaded was
+    refused. A file the load adds is no change; one it finds is."""
+    model = _model_copy(tmp_path)
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").unlink()  # the snapshot folder before the download: the configs only
+    config = _vllm_config(model)
+    _load(config, monkeypatch, while_loading=lambda: (model / "model.safetensors").write_bytes(weights))
+    assert namespace(kv_shape(config, _kv(_full()), None))  # before the fix: "changed after vLLM began loading"
+
+
+def test_a_later_engine_is_not_checked_against_an_earlier_engine_s_unchecked_load(
+        tmp_path: Path, watched_loaders: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review's finding: an engine without ucm-db (or one whose start
+    failed before its check) left its snapshot, and a later ucm-db engine of
+    the process was refused for a checkpoint written between the two."""
+    model = _model_copy(tmp_path)
+    _load(_vllm_config(model), monkeypatch)  # never checked
+    _save_llama(model, seed=5)  # nothing is loading
+    later = _vllm_config(model)
+    _load(later, monkeypatch)
+    assert namespace(kv_shape(later, _kv(_full()), None))  # before the fix: "changed after vLLM began loading"
