@@ -28,9 +28,10 @@ Invariants:
       one, or one signed by a key rotated out, up to
       :data:`~ucm_db.remote.manifests.UNVERIFIED_EPOCH_LIMIT`) and above
       every claim listed (one listing of the namespace's claims, each read
-      from the highest down, at most :data:`MAX_CLAIM_READS`: a claim a key
-      did not sign is not followed, so a planted one cannot use up the
-      epoch space). The first number it tries is the caller's choice
+      from the highest down, at most :data:`MAX_CLAIM_READS`: a claim no
+      configured key signed is followed only below
+      :data:`~ucm_db.remote.manifests.UNVERIFIED_EPOCH_LIMIT`, so a planted
+      one cannot use up the epoch space). The first number it tries is the caller's choice
       (:func:`ucm_db.store.shared_epochs.claimable`: the plain count where
       it is free, so a namespace's first bump still gives 1).
     * The manifest converges on the highest claim: after writing its epoch

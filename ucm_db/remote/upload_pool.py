@@ -18,8 +18,10 @@ Invariants:
       runs its callback (the uploader's release of the election) once the
       last running call has ended: at once when none runs, else on the
       thread of the last to end. A call that never ends (a remote that never
-      answers) keeps it held until this process exits, when the kernel
-      releases the lock; meanwhile no uploader of the store directory runs.
+      answers) keeps it held until this process ends, when the kernel
+      releases the lock (the interpreter's exit waits for pool threads, so
+      such a process must be killed); meanwhile no uploader of the store
+      directory runs.
     * :meth:`UploadPool.run` returns None as soon as ``stop`` is set,
       leaving its calls running (counted as above).
 """
