@@ -64,6 +64,14 @@ class RemotePendingError(TierError):
     default_hint = "nothing to do: the request goes on; raise remote_deadline_s if it never answers in time"
 
 
+class EpochSupersededError(UcmDbError, RuntimeError):
+    """An epoch a store took without its remote that another node's later
+    invalidation, claimed on the remote, supersedes: the store moves on
+    through the remote instead of telling it (ucm_db.remote.epoch_claims)."""
+
+    default_hint = "nothing to do: the store claims a new epoch through the remote"
+
+
 class DamagedPageError(TierError):
     """The engine met a damaged page of its file (LMDB's MDB_CORRUPTED,
     MDB_PAGE_NOTFOUND, MDB_INCOMPATIBLE ...): the store's file, not the

@@ -40,7 +40,13 @@ Invariants:
       one it finds, so two bumps whose manifest writes cross leave the
       higher epoch, not the later write.
     * An epoch a store took without the remote (and so could not claim) is
-      claimed when the store tells it to the remote (:func:`publish`).
+      claimed when the store tells it to the remote (:func:`publish`),
+      unless a claim made after it was taken is there (a review found a
+      partitioned node's fresh epoch, told later, raising the fleet above an
+      invalidation made meanwhile through the remote, whose nodes then
+      served the partitioned node's blocks of before it): the tell is then
+      :class:`EpochSuperseded`, and the store bumps through the remote
+      instead (:mod:`ucm_db.store.epoch_gate`).
     * Claims are never removed (one small object per invalidation);
       ``ucm-db gc`` leaves the directory alone (a root marker,
       :data:`~ucm_db.remote.manifests.ROOT_MARKERS`).
@@ -54,7 +60,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ucm_db.errors import TierError, UcmDbError
+from ucm_db.errors import EpochSupersededError as EpochSuperseded, TierError, UcmDbError
 from ucm_db.remote.files import write_new
 from ucm_db.remote.manifests import (
     EPOCH_CLAIMS_NAME, ManifestError, RemoteRoot, epoch_fields, epoch_of, read_manifest, record_epoch, rotated_out_epoch,
@@ -111,20 +117,49 @@ def claim(root: RemoteRoot, namespace_id: bytes, choose: Callable[[int], int], d
                     f"claimed on remote {root.root} already", hint=f"look at {claims_dir(root, namespace_id)}")
 
 
-def publish(root: RemoteRoot, namespace_id: bytes, epoch: int, description: dict[str, Any], *, claimed: bool = False) -> None:
+def publish(root: RemoteRoot, namespace_id: bytes, epoch: int, description: dict[str, Any], *, claimed: bool = False,
+            taken_unix_s: float | None = None) -> EpochSuperseded | None:
     """Makes the manifest carry ``epoch`` unless it carries a higher one,
     then raises it to a higher claim found (module invariants). An epoch not
-    ``claimed`` here (taken without the remote) is claimed first where no
-    claim of it is."""
+    ``claimed`` here (taken without the remote, at ``taken_unix_s`` where
+    known: a fresh epoch's clock) is claimed first where no claim of it is;
+    where a claim made after ``taken_unix_s`` is there, nothing is written
+    and the answer is :class:`EpochSuperseded` (returned, not raised: an
+    answer of the remote, not its failure)."""
     if not claimed:
+        if taken_unix_s is not None and claimed_after(root, namespace_id, taken_unix_s):
+            return EpochSuperseded(f"epoch {epoch} of namespace {namespace_id.hex()} was taken without remote {root.root} "
+                                   "before another node's invalidation claimed there")
         _create(root, namespace_id, epoch)
     top = epoch
     for _ in range(MAX_PUBLISH_ROUNDS):
         record_epoch(root, namespace_id, top, description)
         higher = highest_claim(root, namespace_id, top, signed_only=True)
         if higher <= top:
-            return
+            return None
         top = higher
+    return None
+
+
+def claimed_after(root: RemoteRoot, namespace_id: bytes, taken_unix_s: float) -> bool:
+    """Whether a claim of the namespace that verifies (a key rotated out
+    too) says it was made after ``taken_unix_s`` (one listing, at most
+    :data:`MAX_CLAIM_READS` claims read, the highest first)."""
+    root.count(requests=1)
+    try:
+        names = root.fs.ls(claims_dir(root, namespace_id), detail=False)
+    except FileNotFoundError:
+        return False
+    listed = sorted({int(n) for n in map(_basename, names) if len(n) == _DIGITS and n.isdigit()}, reverse=True)
+    for epoch in listed[:MAX_CLAIM_READS]:
+        document = _claim_document(root, namespace_id, epoch)
+        if document is None:
+            continue
+        made_s = document.get("claimed_unix_s")
+        if (isinstance(made_s, (int, float)) and not isinstance(made_s, bool) and made_s > taken_unix_s
+                and _floor_of(root, namespace_id, document, signed_only=False) == epoch):
+            return True
+    return False
 
 
 def highest_claim(root: RemoteRoot, namespace_id: bytes, above: int, *, signed_only: bool) -> int:
@@ -161,14 +196,19 @@ def _floor_of(root: RemoteRoot, namespace_id: bytes, document: dict[str, Any], *
 
 
 def _verified(root: RemoteRoot, namespace_id: bytes, epoch: int, signed_only: bool) -> bool:
+    document = _claim_document(root, namespace_id, epoch)
+    return document is not None and _floor_of(root, namespace_id, document, signed_only=signed_only) == epoch
+
+
+def _claim_document(root: RemoteRoot, namespace_id: bytes, epoch: int) -> dict[str, Any] | None:
     data = root.read_range(claim_path(root, namespace_id, epoch), 0, _MAX_CLAIM_BYTES + 1)
     if data is None or len(data) > _MAX_CLAIM_BYTES:
-        return False
+        return None
     try:
         document = json.loads(bytes(data))
     except (ValueError, RecursionError):
-        return False
-    return isinstance(document, dict) and _floor_of(root, namespace_id, document, signed_only=signed_only) == epoch
+        return None
+    return document if isinstance(document, dict) else None
 
 
 def _create(root: RemoteRoot, namespace_id: bytes, epoch: int) -> bool:

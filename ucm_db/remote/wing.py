@@ -127,14 +127,19 @@ class RemoteWing:
         """
         return self._manifests.epoch(namespace_id, self._config.remote_deadline_s if wait_s is None else wait_s)
 
-    def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None:
+    def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any],
+                      taken_unix_s: float | None = None) -> None:
         """Makes the remote's manifest of the namespace carry ``epoch``
         unless it carries a higher one, claiming it where no claim of it is
         (:func:`ucm_db.remote.epoch_claims.publish`), within a bulk fetch's
         deadline; TierError otherwise (an abandoned write may still land: it
-        is whole-object and never lowers)."""
-        self._within(lambda: epoch_claims.publish(self.link.root, namespace_id, epoch, description),
-                     self.bulk_deadline_s, "write the namespace manifest")
+        is whole-object and never lowers); EpochSuperseded where a claim made
+        after ``taken_unix_s`` is there (nothing written)."""
+        answer = self._within(lambda: epoch_claims.publish(self.link.root, namespace_id, epoch, description,
+                                                           taken_unix_s=taken_unix_s),
+                              self.bulk_deadline_s, "write the namespace manifest")
+        if isinstance(answer, epoch_claims.EpochSuperseded):
+            raise answer
 
     def claim_epoch(self, namespace_id: bytes, choose: Callable[[int], int], description: dict[str, Any]) -> int:
         """A new epoch of the namespace, claimed on the remote above every

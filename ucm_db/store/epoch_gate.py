@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ucm_db.engines.base import Engine, Txn
-from ucm_db.errors import RemotePendingError
+from ucm_db.errors import EpochSupersededError, RemotePendingError
 from ucm_db.keys import Namespace
 from ucm_db.store import epochs, shared_epochs
 from ucm_db.store.epochs import EpochState
@@ -88,7 +88,8 @@ class RemoteEpochs(Protocol):
 
     def namespace_epoch(self, namespace_id: bytes, wait_s: float | None = None) -> int | None: ...
 
-    def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any]) -> None: ...
+    def publish_epoch(self, namespace_id: bytes, epoch: int, description: dict[str, Any],
+                      taken_unix_s: float | None = None) -> None: ...
 
     def claim_epoch(self, namespace_id: bytes, choose: Callable[[int], int], description: dict[str, Any]) -> int: ...
 
@@ -131,6 +132,7 @@ class EpochGate:
             epoch = self._record(ns_id, floor)
         epoch = max(epoch, floor)
         self._tell(namespace, epoch)
+        epoch = max(epoch, self._floors.get(ns_id, 0))  # a tell superseded moved it on (_tell)
         self._handed[ns_id] = epoch
         return epoch
 
@@ -303,6 +305,8 @@ class EpochGate:
             return
         if carried is not None:
             self._floors[ns_id] = max(self._floors.get(ns_id, 0), carried)
+            if not self._read_only:  # the remote holds it: a bump without the remote must not count (shared_epochs)
+                shared_epochs.mark(self._engine, ns_id)
         self._told[ns_id] = max(self._told.get(ns_id, 0), carried or 0)
         self._settled.add(ns_id)
         self._failures.pop(ns_id, None)
@@ -313,11 +317,17 @@ class EpochGate:
         if (self._remote is None or self._read_only or ns_id not in self._settled
                 or self._told.get(ns_id, 0) >= epoch or time.monotonic() < self._retry_at.get(ns_id, 0.0)):
             return
+        taken_unix_s = (epoch - epochs.FRESH_EPOCH_BASE) / 1000 if epochs.FRESH_EPOCH_BASE <= epoch < epochs.CARRIED_EPOCH_LIMIT else None
         try:
-            self._remote.publish_epoch(ns_id, epoch, namespace.to_dict())
+            self._remote.publish_epoch(ns_id, epoch, namespace.to_dict(), taken_unix_s)
+        except EpochSupersededError as exc:  # another node invalidated after it was taken: never undo that
+            _log.warning("ucm-db: %s; claiming a new epoch there instead", exc)
+            self._bump_through(namespace, epoch)
+            return
         except Exception as exc:  # noqa: BLE001 - any remote failure: retried later
             self._retry_at[ns_id] = time.monotonic() + RETRY_S
             _log.warning("ucm-db: cannot record epoch %d of namespace %s on the remote (%s: %s); retried in %.0f s",
                          epoch, ns_id.hex(), type(exc).__name__, exc, RETRY_S)
             return
         self._told[ns_id] = epoch
+        shared_epochs.mark(self._engine, ns_id)  # told: a bump without the remote must not count (shared_epochs)

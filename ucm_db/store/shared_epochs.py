@@ -13,10 +13,9 @@ remote at its next contact.
 
 Invariants:
     * A namespace is *shared* once this store recorded its epoch with a
-      remote configured (an epoch recorded from the remote at first contact,
-      a put or promotion there, a bump through it: the checked info record
-      ``epochs:shared:<id>``; an ``epoch()`` that only tells the remote this
-      store's epoch does not mark it), or
+      remote configured (its first contact finding the namespace there, its
+      epoch told to the remote, a put or promotion there, a bump through it:
+      the checked info record ``epochs:shared:<id>``), or
       where the store uploaded to a remote at all (the uploader's
       ``remote_codec`` record: stores shared before the mark existed).
       Marks are never removed.
