@@ -145,12 +145,7 @@ def claimed_after(root: RemoteRoot, namespace_id: bytes, taken_unix_s: float) ->
     """Whether a claim of the namespace that verifies (a key rotated out
     too) says it was made after ``taken_unix_s`` (one listing, at most
     :data:`MAX_CLAIM_READS` claims read, the highest first)."""
-    root.count(requests=1)
-    try:
-        names = root.fs.ls(claims_dir(root, namespace_id), detail=False)
-    except FileNotFoundError:
-        return False
-    listed = sorted({int(n) for n in map(_basename, names) if len(n) == _DIGITS and n.isdigit()}, reverse=True)
+    listed = _listed_claims(root, namespace_id)
     for epoch in listed[:MAX_CLAIM_READS]:
         document = _claim_document(root, namespace_id, epoch)
         if document is None:
@@ -166,12 +161,7 @@ def highest_claim(root: RemoteRoot, namespace_id: bytes, above: int, *, signed_o
     """The highest claim above ``above`` that verifies (one listing, at most
     :data:`MAX_CLAIM_READS` claims read); ``above`` where none does.
     ``signed_only``: not one signed by a key rotated out either."""
-    root.count(requests=1)
-    try:
-        names = root.fs.ls(claims_dir(root, namespace_id), detail=False)
-    except FileNotFoundError:
-        return above
-    listed = sorted({int(n) for n in map(_basename, names) if len(n) == _DIGITS and n.isdigit()}, reverse=True)
+    listed = _listed_claims(root, namespace_id)
     for epoch in [e for e in listed if e > above][:MAX_CLAIM_READS]:
         if _verified(root, namespace_id, epoch, signed_only):
             return epoch
@@ -193,6 +183,16 @@ def _floor_of(root: RemoteRoot, namespace_id: bytes, document: dict[str, Any], *
     if problem is None:
         return epoch
     return None if signed_only else rotated_out_epoch(root, document)
+
+
+def _listed_claims(root: RemoteRoot, namespace_id: bytes) -> list[int]:
+    """The epochs the namespace's claims name, highest first (one listing; none where no claim is)."""
+    root.count(requests=1)
+    try:
+        names = root.fs.ls(claims_dir(root, namespace_id), detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted({int(n) for n in map(_basename, names) if len(n) == _DIGITS and n.isdigit()}, reverse=True)
 
 
 def _verified(root: RemoteRoot, namespace_id: bytes, epoch: int, signed_only: bool) -> bool:
