@@ -167,24 +167,36 @@ def test_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root:
 
 def test_short_lookup_cut_by_deadline_finishes_in_the_background(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
     """The direct fetch of a short continuation (no search first) cut by the
-    deadline: the lookup returns what arrived, the rest is promoted later."""
+    deadline: the lookup returns what arrived, the rest is promoted later.
+
+    The deadline is a wall-clock time: on a loaded host the first wave can
+    miss it too (nothing arrived: 0 blocks, which proves nothing here), so the
+    scenario runs again at a longer time scale, on a fresh node, until a
+    wave lands inside the deadline. A lookup that never returns a part fails
+    at every scale."""
     from ucm_db.remote import promotion
 
     n_blocks = promotion.DIRECT_FETCH_KEYS
     keys, payloads = _seed_remote(tmp_path, root, namespace, n_blocks)
-    deadline_s = 1.0
-    with _faulty(tmp_path, root, plan, remote_read_concurrency=4, remote_deadline_s=deadline_s) as node_b:  # 4 waves
-        node_b.epoch(namespace)  # first contact made before the latency
-        plan.latency_s = deadline_s / 2.5  # the deadline passes in the third wave; the first has 0.6 s to spare
-        first = node_b.lookup(namespace, keys)
-        assert 0 < first < n_blocks
-        end = time.monotonic() + 20
-        while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
-            time.sleep(0.05)
-        assert node_b._tier.count_prefix(keys) == n_blocks
-        assert node_b._wing.continuations.promoted_in_background == n_blocks - first
-        assert node_b.get(namespace, keys) == payloads
-        assert node_b._tier.check() == []
+    for attempt, deadline_s in enumerate((1.0, 3.0, 8.0)):
+        plan.latency_s = 0.0
+        with _faulty(tmp_path, root, plan, name=f"node-b{attempt}", remote_read_concurrency=4,
+                     remote_deadline_s=deadline_s) as node_b:  # 4 waves
+            node_b.epoch(namespace)  # first contact made before the latency
+            plan.latency_s = deadline_s / 2.5  # the deadline passes in the third wave; the first has 0.6 of it to spare
+            first = node_b.lookup(namespace, keys)
+            assert first < n_blocks
+            if first == 0 and deadline_s < 8.0:
+                continue  # the host was too slow for even the first wave: a longer time scale
+            assert first > 0
+            end = time.monotonic() + 20 + 2 * deadline_s
+            while node_b._tier.count_prefix(keys) < n_blocks and time.monotonic() < end:
+                time.sleep(0.05)
+            assert node_b._tier.count_prefix(keys) == n_blocks
+            assert node_b._wing.continuations.promoted_in_background == n_blocks - first
+            assert node_b.get(namespace, keys) == payloads
+            assert node_b._tier.check() == []
+            return
 
 
 def test_short_lookup_of_a_down_remote_leaves_nothing_to_continue(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
