@@ -39,6 +39,13 @@ Invariants:
       than :data:`_REPLAY_WAIT_S` (it is read in a thread; the feed after it).
     * A step resyncs at most once: a feed that says resync again right
       after the inventory (a damaged head, issue 46) is read again next step.
+    * The seq is kept in memory with the feed id of the inventory it came
+      from and read with it: a feed replaced under the open store (a head
+      rebuilt from no records, ``verify --fix`` starting the sequence at 0)
+      is a resync, never records read under a seq that names others now.
+      The seq is never kept past the store handle (a new engine, or a
+      store reopened, replays the inventory), and ``reset_cache`` replays
+      it too, so no other replacement of the feed can meet it.
     * Only blocks of the namespace epoch the engine serves are reported
       (:mod:`ucm_db.store.epochs`): after ``reset_cache`` or ``ucm-db
       invalidate`` the next step removes every block it announced and
@@ -156,6 +163,7 @@ class FeedEvents:
         self._epoch_now = epoch
         self._epoch: int | None = None  # the epoch of the blocks reported so far
         self._seq: int | None = None  # None: replay the inventory first
+        self._feed_id: str | None = None  # the feed self._seq belongs to
         self._replaying: tuple[Future[EventInventory], int] | None = None  # an inventory being read, for an epoch
         self._announced: dict[int | None, set[bytes | int]] = {}  # storage-tier blocks announced, by group
 
@@ -213,7 +221,7 @@ class FeedEvents:
         assert self._seq is not None
         resynced = False
         while True:
-            batch = self._store.changes_since(self._seq, _FEED_BATCH, namespace=self._namespace)
+            batch = self._store.changes_since(self._seq, _FEED_BATCH, namespace=self._namespace, feed_id=self._feed_id)
             if batch.resync:
                 if resynced:
                     # The feed refused the inventory's own seq (issue 46: a damaged head
@@ -256,7 +264,7 @@ class FeedEvents:
             if future.done():
                 self._replaying = None
         events.extend(_event(r, self._spec) for r in inventory.records if r.fields.epoch == epoch)
-        self._seq = inventory.next_seq
+        self._seq, self._feed_id = inventory.next_seq, inventory.feed_id
         return True
 
 

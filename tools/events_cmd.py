@@ -3,12 +3,16 @@ router that starts late (the inventory replay) or follows the store.
 
 The command cannot import vLLM: each line is one event with vLLM's field
 names (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``; a bytes block
-hash as hex, an int hash as an int), plus ``seq``, ``namespace`` and ``key``.
-The lines come from :func:`ucm_db.maintenance.iter_event_lines`.
+hash as hex, an int hash as an int), plus ``seq``, ``namespace`` and ``key``
+(and ``feed_id`` with ``--with-feed-id`` or ``--feed-id``: a seq means
+something only in the feed it came from). The lines come from
+:func:`ucm_db.maintenance.iter_event_lines`; a line ``AllBlocksCleared`` of
+another feed than ``--feed-id`` (or the last line's) is explained on stderr.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -26,28 +30,47 @@ _LINES_PER_WRITE = 4096
 @click.option("--namespace", "namespaces", multiple=True, help="Only this namespace (id prefix or model name); repeatable.")
 @click.option("--since", "since_seq", type=click.IntRange(min=0), default=None,
               help="Print the change feed from this seq on, without the inventory first.")
+@click.option("--feed-id", default=None, metavar="ID",
+              help="The feed_id of the line whose seq --since gives: if the store's feed is another one (the store was "
+                   "created again, or an OS crash undid commits), print AllBlocksCleared and the inventory instead, "
+                   "with a warning. Implies --with-feed-id.")
+@click.option("--with-feed-id", is_flag=True, help="Add the change feed's feed_id to every line (save it with the seq).")
 @click.option("--follow", is_flag=True, help="Keep printing new events as they are committed (Ctrl-C stops).")
 @click.option("--poll-interval", "poll_interval_s", type=SecondsRange(min=0.01, max=3600), default=0.5, show_default=True,
               help="Seconds between feed reads under --follow.")
-def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | None, follow: bool, poll_interval_s: float) -> None:
+def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | None, feed_id: str | None, with_feed_id: bool,
+                   follow: bool, poll_interval_s: float) -> None:
     """Print the store's KV cache events as JSON lines: a BlockStored line
     per block the store holds that was saved through the vLLM connector
     (parents first), then the change feed's BlockStored/BlockRemoved lines
     from that snapshot on. Blocks stored without vLLM's event fields
-    (`warm`, `import`, remote promotion) are left out. Read-only.
+    (`warm`, `import`, remote promotion) are left out. Read-only. To resume
+    later, save the last line's seq and feed_id (--with-feed-id) and pass
+    them as --since and --feed-id.
 
     \b
     Example:
-        ucm-db events /var/cache/ucm-db --follow | my-router-feed
+        ucm-db events /var/cache/ucm-db --follow --with-feed-id | my-router-feed
+        ucm-db events /var/cache/ucm-db --since 4294967337 --feed-id 5f0c...e1 --follow
     """
     ctx = click.get_current_context()
     if not follow and ctx.get_parameter_source("poll_interval_s") != ParameterSource.DEFAULT:
         raise ConfigError("--poll-interval sets how often --follow reads the feed; without --follow it does nothing",
                           hint="add --follow to keep reading new events, or drop --poll-interval")
+    if feed_id is not None and since_seq is None:
+        raise ConfigError("--feed-id names the feed --since's seq came from; without --since it does nothing",
+                          hint="add --since SEQ (the seq of the line whose feed_id you pass), or drop --feed-id")
     try:
-        lines = maintenance.iter_event_lines(path, namespaces, since_seq=since_seq, follow=follow, poll_interval_s=poll_interval_s)
+        lines = maintenance.iter_event_lines(path, namespaces, since_seq=since_seq, follow=follow, poll_interval_s=poll_interval_s,
+                                             feed_id=feed_id, with_feed_id=with_feed_id)
         batch: list[str] = []
+        shows_ids, known, source = with_feed_id or feed_id is not None, feed_id, "--feed-id names"
         for line in lines:
+            if shows_ids and (known is None or line.startswith('{"type":"AllBlocksCleared"')):
+                now = json.loads(line)["feed_id"]
+                if known is not None and now != known:
+                    _warn_feed_change(path, source, known, now)
+                known, source = now, "the lines before came from"
             batch.append(line)
             if follow or len(batch) >= _LINES_PER_WRITE:
                 click.echo("\n".join(batch))  # flushes: a follower sees each event as it comes
@@ -56,3 +79,12 @@ def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | Non
             click.echo("\n".join(batch))
     except KeyboardInterrupt:
         return
+
+
+def _warn_feed_change(path: Path, source: str, was: str, now: str) -> None:
+    """Says on stderr why the events start over: the store's change feed is
+    another one (a reader that fell behind the same feed is not warned)."""
+    click.echo(f"ucm-db events: warning: the change feed of {path} is not the one {source} (feed_id {was or '(none)'}, "
+               f"now {now or '(none)'}): the store was created again, or an OS crash undid commits not yet synced, so "
+               f"its seqs name other records. Printed instead: AllBlocksCleared, then every block the store holds. Save "
+               f"the seq and feed_id of the last line you read and pass them as --since and --feed-id next time.", err=True)

@@ -11,6 +11,13 @@ Records (all in ``info``; nothing else scans these prefixes):
   key (32) | depth (u32 LE) | packed fields.
 * ``feed-head``: ``next_seq`` and ``first_seq`` (u64 LE each), checksummed
   like the counters (a ``sum:feed-head`` sidecar, :mod:`ucm_db.index.records`).
+* ``feed-id``: 16 random bytes (checksummed; hex in text forms), drawn with
+  the feed and again wherever seqs may be handed out a second time: a
+  restart after an OS crash undid commits, a sequence started again at 0
+  (a damaged head rebuilt from no records, a wrap). A reader keeping a seq
+  across opens passes the id back: another id is a resync, whatever the
+  seq. A store of ucm-db before feed ids reads as ``""`` until its first
+  writable open draws one (a reader holding ``""`` resyncs once then).
 
 Invariants:
     * :func:`stored` and :func:`removed` run inside the write transaction
@@ -74,6 +81,9 @@ FIELDS_PREFIX = b"evf/"
 FEED_PREFIX = b"feed/"
 HEAD_KEY = b"feed-head"
 RESTARTED_FOR_KEY = b"feed-restarted-for"
+ID_KEY = b"feed-id"
+BOOT_KEY = b"feed-boot"  # the boot of a RocksDB group store's last writable open (ucm_db.store.opening)
+_ID_BYTES = 16
 _HEAD = struct.Struct("<QQ")
 _SEQ = struct.Struct(">Q")
 _DEPTH = struct.Struct("<I")
@@ -123,6 +133,7 @@ def _append(txn: Txn, kind: bytes, key: bytes, value: bytes, max_records: int) -
         for seq in range(first_seq, next_seq):  # a sound head: at most MAX_SPAN
             txn.delete(INFO, _name(seq))
         next_seq = first_seq = 0
+        renew_identity(txn)
     txn.put(INFO, _name(next_seq), kind + value[:_NS_BYTES] + key + value[_NS_BYTES:])
     next_seq += 1
     for seq in range(first_seq, next_seq - keep):  # at most MAX_SPAN + 1: a sound head spans at most MAX_SPAN
@@ -132,8 +143,8 @@ def _append(txn: Txn, kind: bytes, key: bytes, value: bytes, max_records: int) -
 
 def restart(txn: Txn, rollback: bytes) -> None:
     """Moves the sequence :data:`RESTART_GAP` past the head (rebuilt from
-    the records if damaged or absent) and drops the records, after the
-    rollback to a synced snapshot named ``rollback`` (its marker's token):
+    the records if damaged or absent), drops the records and draws a new
+    feed id, after the rollback to a synced snapshot named ``rollback``:
     the seqs handed out after that snapshot were undone, and a reader
     holding one (a saved cursor) must be told to resync, never read other
     records under it. Once per rollback: two processes opening together
@@ -150,16 +161,41 @@ def restart(txn: Txn, rollback: bytes) -> None:
         restarted = RESTART_GAP
     records.put_checked(txn, HEAD_KEY, _HEAD.pack(restarted, restarted))
     txn.put(INFO, RESTARTED_FOR_KEY, rollback)
-    logger.warning("ucm-db: change feed restarted at seq %d after the store was rolled back to its last synced "
-                   "snapshot%s: readers resync once", restarted, f" (its head was damaged: {reason})" if reason else "")
+    logger.warning("ucm-db: change feed restarted at seq %d, feed id %s, after an OS crash undid (or may have undone) commits "
+                   "not yet synced%s: readers resync once", restarted, renew_identity(txn), f" (head damaged: {reason})" if reason else "")
 
 
 def start(txn: Txn) -> int:
-    """Writes a new store's head at a random start (:data:`START_LIMIT`),
-    in the transaction that creates the store; returns the start seq."""
+    """Writes a new store's head at a random start (:data:`START_LIMIT`) and
+    its feed id, in the transaction creating the store; returns the start."""
     first_seq = (secrets.randbelow(START_LIMIT // RESTART_GAP - 1) + 1) * RESTART_GAP
     records.put_checked(txn, HEAD_KEY, _HEAD.pack(first_seq, first_seq))
+    renew_identity(txn)
     return first_seq
+
+
+def identity(txn: Txn) -> str:
+    """The feed id (hex); ``""`` if none is recorded or it is damaged."""
+    try:
+        data = records.get_checked(txn, ID_KEY, size=_ID_BYTES)
+    except records.DamagedRecord:
+        return ""
+    return "" if data is None else bytes(data).hex()
+
+
+def renew_identity(txn: Txn) -> str:
+    """Draws the feed a new id (seqs may be handed out again); returns it."""
+    value = secrets.token_bytes(_ID_BYTES)
+    records.put_checked(txn, ID_KEY, value)
+    return value.hex()
+
+
+def ensure_identity(txn: Txn) -> bool:
+    """Draws an id for a feed without a sound one; True if it wrote."""
+    if identity(txn):
+        return False
+    renew_identity(txn)
+    return True
 
 
 def _name(seq: int) -> bytes:
@@ -226,6 +262,8 @@ def _rebuilt(txn: Txn, keep: int, reason: str | None) -> tuple[int, int]:
     dropped = strays + [_name(seq) for seq in seqs if seq < first_seq]
     for name in dropped:
         txn.delete(INFO, name)
+    if reason is not None and not seqs:  # the sequence starts again at 0: seqs handed out before come again
+        renew_identity(txn)
     if reason is not None or seqs or strays:  # not merely a store's first evented write
         logger.warning("ucm-db: change feed head %s; rebuilt from the %d records held (next seq %d, %d records dropped)",
                        f"damaged ({reason})" if reason else "missing", len(seqs), next_seq, len(dropped))
@@ -253,21 +291,26 @@ def _next_seq(txn: Txn) -> int:
 RawRecord = tuple[int, str, bytes, bytes, int, bytes]
 
 
-def since(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | None) -> ChangeBatch:
+def since(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | None, feed_id: str | None = None) -> ChangeBatch:
     """Records ``[seq, seq + limit)`` (those of ``namespaces`` only, if
-    given); ``resync`` if ``seq`` was trimmed or is ahead of the feed."""
-    raw, next_seq, resync = since_raw(txn, seq, limit, namespaces)
-    return ChangeBatch(tuple(decoded(raw)), next_seq, resync)
+    given); ``resync`` if ``seq`` was trimmed or is ahead of the feed, or
+    ``feed_id`` is given and is not this feed's (seqs name other records here)."""
+    raw, next_seq, resync, current = since_raw(txn, seq, limit, namespaces, feed_id)
+    return ChangeBatch(tuple(decoded(raw)), next_seq, resync, current)
 
 
-def since_raw(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | None) -> tuple[list[RawRecord], int, bool]:
-    """:func:`since` without decoding the fields: (records, next_seq, resync)."""
+def since_raw(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | None,
+              feed_id: str | None = None) -> tuple[list[RawRecord], int, bool, str]:
+    """:func:`since` without decoding the fields: (records, next_seq, resync, feed id)."""
+    current = identity(txn)
+    if feed_id is not None and feed_id != current:
+        return [], position(txn)[0], True, current
     head = _head(txn)
     if head is None:  # damaged or absent: no record is read until an append rebuilds it (module docstring)
-        return [], seq, not _at_end(txn, seq)
+        return [], seq, not _at_end(txn, seq), current
     next_seq, first_seq = head
     if seq < first_seq or seq > next_seq:
-        return [], next_seq, True
+        return [], next_seq, True, current
     out: list[RawRecord] = []
     stop = min(next_seq, seq + max(1, limit))
     for at in range(seq, stop):
@@ -281,7 +324,7 @@ def since_raw(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | Non
                 continue
             depth = _DEPTH.unpack_from(value, _KEY_END)[0]
             out.append((at, _KINDS[value[0]], ns, bytes(value[1 + _NS_BYTES:_KEY_END]), depth, bytes(value[_KEY_END + _DEPTH.size:])))
-    return out, stop, False
+    return out, stop, False, current
 
 
 def _skip(what: str, reason: str) -> None:

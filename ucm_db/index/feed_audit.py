@@ -8,7 +8,8 @@ Invariants:
     * :func:`repair` runs in one write transaction: a damaged or missing
       head alone is rebuilt as an append would; where records are dropped,
       every record goes and a new sequence starts above everything handed
-      out, so every reader resyncs once to the corrected inventory.
+      out, so every reader resyncs once to the corrected inventory. A
+      damaged feed id, or a sequence started again at 0, gets a new id.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from ucm_db.events import BlockEventFields
 from ucm_db.errors import CorruptBlockError
 from ucm_db.index import records
 from ucm_db.index.changefeed import (
-    _DEPTH, _HEAD, _KEY_END, _KINDS, _NS_BYTES, FEED_PREFIX, FIELDS_PREFIX, HEAD_KEY, INFO, MAX_SPAN, SEQ_LIMIT,
-    _checked_head, _derived, _head, _held, _name, _rebuilt, _seq_of, head_problem, logger,
+    _DEPTH, _HEAD, _ID_BYTES, _KEY_END, _KINDS, _NS_BYTES, FEED_PREFIX, FIELDS_PREFIX, HEAD_KEY, ID_KEY, INFO, MAX_SPAN, SEQ_LIMIT,
+    _checked_head, _derived, _head, _held, _name, _rebuilt, _seq_of, head_problem, logger, renew_identity,
 )
 
 _NAMED_AT_MOST = 20
@@ -31,7 +32,18 @@ def problems(txn: Txn) -> list[str]:
     outside its range or under stray names, malformed records, records
     saying a block is stored that is not (with no removal after them), and
     event fields of blocks not stored."""
-    return [f"change feed: {line}" for line in _findings(txn)[0]]
+    damaged_id = _id_problem(txn)
+    return [f"change feed: {line}" for line in _findings(txn)[0] + ([] if damaged_id is None else [damaged_id])]
+
+
+def _id_problem(txn: Txn) -> str | None:
+    """Why the feed id is damaged; None if it is sound or absent (a store of
+    ucm-db before feed ids: its next writable open draws one)."""
+    try:
+        records.get_checked(txn, ID_KEY, size=_ID_BYTES)
+    except records.DamagedRecord as exc:
+        return f"feed id is damaged ({exc.reason}): readers resync once to a new one, drawn by the next writable open"
+    return None
 
 
 def _findings(txn: Txn) -> tuple[list[str], list[bytes], list[bytes], bool]:
@@ -128,19 +140,24 @@ def repair(txn: Txn, max_records: int) -> int:
     at the end read on). Where records are dropped, every record goes and a
     new sequence starts above everything handed out (module docstring)."""
     _, bad_records, bad_fields, head_bad = _findings(txn)
+    renewed = int(_id_problem(txn) is not None)
+    if renewed:
+        renew_identity(txn)
     if not bad_records and not bad_fields:
         if not head_bad:
-            return 0
+            return renewed
         keep = min(max(1, max_records), MAX_SPAN)
         records.put_checked(txn, HEAD_KEY, _HEAD.pack(*_rebuilt(txn, keep, head_problem(txn))))
-        return 1
+        return 1 + renewed
     head = _head(txn)
     seqs, strays = _held(txn)
     handed_out = max(head[0] if head is not None else 0, _derived(seqs))
     for name in strays + [_name(seq) for seq in seqs] + bad_fields:
         txn.delete(INFO, name)
     start = handed_out + 1 if handed_out + 1 < SEQ_LIMIT else 0
+    if start == 0:  # seqs handed out before come again
+        renew_identity(txn)
     records.put_checked(txn, HEAD_KEY, _HEAD.pack(start, start))
     logger.warning("ucm-db: change feed repaired: %d records dropped, %d event fields records dropped; "
                    "a new sequence starts at %d (every reader resyncs)", len(set(bad_records)), len(bad_fields), start)
-    return len(set(bad_records)) + len(bad_fields) + int(head_bad)
+    return len(set(bad_records)) + len(bad_fields) + int(head_bad) + renewed

@@ -15,6 +15,12 @@ Invariants:
       between two polls (a feed that says resync again right after the
       inventory, a damaged head, is read again at the next poll; without
       ``follow`` the replay ends there).
+    * A seq means something only in the feed it came from: each read checks
+      the feed's id (:mod:`ucm_db.index.changefeed`) against the caller's
+      ``feed_id`` (the first read's, without one) and the one read before,
+      in the same snapshot; another id is a resync (the store was created
+      again, or an OS crash undid commits), never records read under it.
+      With ``with_feed_id`` each event carries the ``feed_id`` to save.
     * Only blocks of each namespace's current epoch are told (older ones are
       never served, :mod:`ucm_db.store.epochs`); when an epoch moves on (``ucm-db
       invalidate``, an engine's ``reset_cache``) a follower gets
@@ -32,7 +38,7 @@ from typing import Any, TypeVar
 
 from ucm_db.arguments import require_count
 from ucm_db.store import epochs
-from ucm_db.errors import CorruptBlockError, DamagedRecordError, TierError
+from ucm_db.errors import ConfigError, CorruptBlockError, DamagedRecordError, TierError
 from ucm_db.events import MEDIUM_STORAGE, json_line, packed_epoch
 from ucm_db.store.view import open_view, select_namespaces
 from ucm_db.index import changefeed
@@ -47,7 +53,7 @@ SINCE_HINT = "pass an event's seq (an int, e.g. the inventory's) to read the fee
 
 def iter_events(
     path: str | Path, namespaces: tuple[str, ...] = (), *, since_seq: int | None = None, follow: bool = False,
-    poll_interval_s: float = 0.5, max_polls: int | None = None,
+    poll_interval_s: float = 0.5, max_polls: int | None = None, feed_id: str | None = None, with_feed_id: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """The store's events as dicts (:meth:`ucm_db.ChangeRecord.to_json`).
 
@@ -55,51 +61,82 @@ def iter_events(
     then the feed from the inventory's snapshot (``since_seq``: from there,
     no inventory). Without ``follow`` it ends when the feed is read; with
     it, it polls every ``poll_interval_s`` (at most ``max_polls`` times).
-    Blocks put without event fields are left out.
+    Blocks put without event fields are left out. ``feed_id``: the feed
+    ``since_seq`` came from (an event's ``feed_id``); another feed is told
+    as a resync (``AllBlocksCleared``, then the inventory), never read
+    under that seq. ``with_feed_id`` (implied by ``feed_id``): every event,
+    ``AllBlocksCleared`` too, carries the feed's ``feed_id`` (module invariants).
 
     Raises:
-        ConfigError: a namespace matches nothing in the store, or
-            ``since_seq`` is not an int >= 0.
+        ConfigError: a namespace matches nothing in the store,
+            ``since_seq`` is not an int >= 0, or ``feed_id`` is given
+            without ``since_seq`` or is not a str.
     """
-    require_count("since_seq", since_seq, minimum=0, hint=SINCE_HINT)
+    _check_cursor(since_seq, feed_id)
 
-    def render(raw: changefeed.RawRecord) -> dict[str, Any] | None:
-        return next((r.to_json() for r in changefeed.decoded([raw])), None)
-    return _iterate(path, namespaces, since_seq, follow, poll_interval_s, max_polls, render, dict(CLEARED))
+    def render(raw: changefeed.RawRecord, feed: str | None) -> dict[str, Any] | None:
+        event = next((r.to_json() for r in changefeed.decoded([raw])), None)
+        if event is not None and feed is not None:
+            event["feed_id"] = feed
+        return event
+
+    def cleared(feed: str | None) -> dict[str, Any]:
+        return dict(CLEARED) if feed is None else {**CLEARED, "feed_id": feed}
+    return _iterate(path, namespaces, since_seq, follow, poll_interval_s, max_polls, render, cleared, feed_id,
+                    with_feed_id or feed_id is not None)
 
 
 def iter_event_lines(
     path: str | Path, namespaces: tuple[str, ...] = (), *, since_seq: int | None = None, follow: bool = False,
-    poll_interval_s: float = 0.5, max_polls: int | None = None,
+    poll_interval_s: float = 0.5, max_polls: int | None = None, feed_id: str | None = None, with_feed_id: bool = False,
 ) -> Iterator[str]:
     """:func:`iter_events` as compact JSON lines, formatted straight from
     the stored fields (a 100k-block replay in about a second)."""
-    require_count("since_seq", since_seq, minimum=0, hint=SINCE_HINT)
+    _check_cursor(since_seq, feed_id)
 
-    def render(raw: changefeed.RawRecord) -> str | None:
+    def render(raw: changefeed.RawRecord, feed: str | None) -> str | None:
         seq, kind, ns, key, _, packed = raw
         try:
-            return json_line(seq, kind, ns, key, packed)
+            return json_line(seq, kind, ns, key, packed, feed)
         except CorruptBlockError as exc:
             logger.warning("ucm-db: change feed record of block %s skipped: %s", key.hex()[:16], exc)
             return None
-    cleared = json.dumps(CLEARED, separators=(",", ":"))
-    return _iterate(path, namespaces, since_seq, follow, poll_interval_s, max_polls, render, cleared)
+
+    def cleared(feed: str | None) -> str:
+        return json.dumps(CLEARED if feed is None else {**CLEARED, "feed_id": feed}, separators=(",", ":"))
+    return _iterate(path, namespaces, since_seq, follow, poll_interval_s, max_polls, render, cleared, feed_id,
+                    with_feed_id or feed_id is not None)
+
+
+def _check_cursor(since_seq: int | None, feed_id: str | None) -> None:
+    require_count("since_seq", since_seq, minimum=0, hint=SINCE_HINT)
+    if feed_id is not None and not isinstance(feed_id, str):
+        raise ConfigError(f"feed_id must be a str or None, got {type(feed_id).__name__}",
+                          hint="pass the feed_id of the event whose seq is since_seq")
+    if feed_id is not None and since_seq is None:
+        raise ConfigError("feed_id names the feed since_seq came from; without since_seq it does nothing",
+                          hint="pass since_seq too, or leave feed_id out")
 
 
 def _iterate(
     path: str | Path, namespaces: tuple[str, ...], since_seq: int | None, follow: bool, poll_interval_s: float,
-    max_polls: int | None, render: Callable[[changefeed.RawRecord], T | None], cleared: T,
+    max_polls: int | None, render: Callable[[changefeed.RawRecord, str | None], T | None],
+    cleared: Callable[[str | None], T], feed_id: str | None, with_feed_id: bool,
 ) -> Iterator[T]:
     def told(records: list[changefeed.RawRecord]) -> Iterator[T]:
+        shown = feed if with_feed_id else None
         for record in current.keep(records):
-            event = render(record)
+            event = render(record, shown)
             if event is not None:  # a malformed record is skipped (logged)
                 yield event
 
+    def inventory(txn: Any, wanted: set[bytes] | None) -> tuple[list[changefeed.RawRecord], int, str]:
+        return (*changefeed.inventory_raw(txn, wanted), changefeed.identity(txn))
+
     current = _Epochs(path)
+    feed = feed_id  # the feed `seq` belongs to (None: the first read's)
     if since_seq is None:
-        records, seq = _read(path, namespaces, lambda txn, wanted: changefeed.inventory_raw(txn, wanted), check_pages=True)
+        records, seq, feed = _read(path, namespaces, inventory, check_pages=True)
         yield from told(records)
     else:
         seq = since_seq
@@ -107,15 +144,16 @@ def _iterate(
     unchecked = since_seq is not None  # the reader's first read checks the pages, once
     resynced = False  # a resync since the last poll or record read
     while True:
-        records, next_seq, resync = _read(
-            path, namespaces, lambda txn, wanted: changefeed.since_raw(txn, seq, FOLLOW_BATCH_RECORDS, wanted), check_pages=unchecked)
+        records, next_seq, resync, feed = _read(
+            path, namespaces, lambda txn, wanted: changefeed.since_raw(txn, seq, FOLLOW_BATCH_RECORDS, wanted, feed),
+            check_pages=unchecked)
         unchecked = False
         if resync or current.moved():
             if not resynced:
                 resynced = True
-                yield cleared
                 current = _Epochs(path)
-                records, seq = _read(path, namespaces, lambda txn, wanted: changefeed.inventory_raw(txn, wanted))
+                records, seq, feed = _read(path, namespaces, inventory)
+                yield cleared(feed if with_feed_id else None)
                 yield from told(records)
                 continue
             # else the feed refused the inventory's own seq (issue 46: a damaged head

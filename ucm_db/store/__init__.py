@@ -222,8 +222,8 @@ class Store:
 
     # -- change feed and epochs (store/feed.py) ----------------------------------------
     @_doc(StoreFeed.changes_since)
-    def changes_since(self, seq: int, limit: int = 1024, *, namespace: Namespace | None = None) -> ChangeBatch:
-        return self._feed.changes_since(seq, limit, namespace=namespace)
+    def changes_since(self, seq: int, limit: int = 1024, *, namespace: Namespace | None = None, feed_id: str | None = None) -> ChangeBatch:
+        return self._feed.changes_since(seq, limit, namespace=namespace, feed_id=feed_id)
 
     @_doc(StoreFeed.event_inventory)
     def event_inventory(self, *, namespace: Namespace | None = None, namespace_id: bytes | None = None) -> EventInventory:

@@ -5,7 +5,8 @@ feed (:mod:`ucm_db.events`) and the namespaces' epochs
 :class:`~ucm_db.store.state.StoreState` (the engine and the epoch gate).
 
 Invariants:
-    * Every change feed read here is one read transaction.
+    * Every change feed read here is one read transaction; a batch's or an
+      inventory's ``feed_id`` is read in the same one.
     * ``epoch`` is one read transaction, plus at first contact with a
       remote one manifest read and, where the remote's epoch is higher, one
       durable write recording it (never a lower epoch); an unknown epoch
@@ -34,35 +35,47 @@ class StoreFeed:
         self._engine = state.engine
         self._epochs = state.epochs
 
-    def changes_since(self, seq: int, limit: int = 1024, *, namespace: Namespace | None = None) -> ChangeBatch:
+    def changes_since(self, seq: int, limit: int = 1024, *, namespace: Namespace | None = None,
+                      feed_id: str | None = None) -> ChangeBatch:
         """Change feed records from ``seq`` on (at most ``limit`` seqs;
         of ``namespace`` only, if given), written by any process. One read
-        transaction; with nothing new, one record read. ``resync`` set: the
-        reader fell behind the feed's bound: clear, then :meth:`event_inventory`.
-        A ``seq`` that is not an int >= 0, or a ``limit`` that is not an
-        int, is a :class:`~ucm_db.errors.ConfigError`."""
+        transaction; with nothing new, the feed id and one record read.
+        ``resync`` set: the reader fell behind the feed's bound, or
+        ``feed_id`` (a batch's or inventory's ``feed_id``) is given and is
+        not this feed's (the store was created again at this path, or an OS
+        crash undid commits: seqs name other records now; no records then):
+        clear, then :meth:`event_inventory`. Without ``feed_id`` only the
+        seq is checked: a reader that keeps its seq across opens or
+        processes must keep the batch's ``feed_id`` and pass it. A ``seq``
+        that is not an int >= 0, a ``limit`` that is not an int, or a
+        ``feed_id`` that is not a str is a :class:`~ucm_db.errors.ConfigError`."""
         self._state.check_open()
         seq, limit = _integer("seq", seq, 0), _integer("limit", limit, None)
+        if feed_id is not None and not isinstance(feed_id, str):
+            raise ConfigError(f"changes_since: feed_id must be a str or None, got {type(feed_id).__name__}",
+                              hint="pass the feed_id of the batch or inventory the seq came from (a hex string)")
         ns_id = None
         if namespace is not None:
             require_namespace(namespace, "changes_since")
             ns_id = namespace.id
-        return self._engine.read(lambda txn: changefeed.since(txn, seq, limit, None if ns_id is None else {ns_id}))
+        return self._engine.read(lambda txn: changefeed.since(txn, seq, limit, None if ns_id is None else {ns_id}, feed_id))
 
     def event_inventory(self, *, namespace: Namespace | None = None, namespace_id: bytes | None = None) -> EventInventory:
         """Every evented block stored now (of a namespace, if given) as
-        ``stored`` records, parents first, with the feed's ``next_seq`` of
-        the same snapshot (follow :meth:`changes_since` from there)."""
+        ``stored`` records, parents first, with the feed's ``next_seq`` and
+        ``feed_id`` of the same snapshot (follow :meth:`changes_since` from
+        there, passing both)."""
         self._state.check_open()
         if namespace is not None:
             require_namespace(namespace, "event_inventory")
             namespace_id = namespace.id
         wanted = None if namespace_id is None else {namespace_id}
-        found, next_seq = self._engine.read(lambda txn: changefeed.inventory(txn, wanted))
-        return EventInventory(tuple(found), next_seq)
+        found, next_seq, feed_id = self._engine.read(lambda txn: (*changefeed.inventory(txn, wanted), changefeed.identity(txn)))
+        return EventInventory(tuple(found), next_seq, feed_id)
 
     def feed_position(self) -> int:
-        """The seq the next change feed record gets (start following here)."""
+        """The seq the next change feed record gets (start following here;
+        the feed's id comes with any batch: ``changes_since(seq).feed_id``)."""
         self._state.check_open()
         return self._engine.read(changefeed.position)[0]
 

@@ -28,8 +28,14 @@ Invariants:
       lost acked puts). A conflicting ``durability`` is refused by then.
     * After a rollback to a synced snapshot (an OS crash under group
       durability), the first writable open restarts the change feed's
-      sequence before anything appends: no seq a reader may hold is
-      handed out again (:func:`restart_feed_after_rollback`).
+      sequence and draws a new feed id before anything appends: no seq a
+      reader may hold is handed out again, and a reader passing its feed
+      id is told to resync (:func:`restart_feed_after_rollback`). A RocksDB
+      group store cannot tell whether an OS crash lost its WAL's unsynced
+      tail: its first writable open under another boot restarts the feed
+      (:func:`restart_feed_after_reboot`; readers resync once a reboot).
+    * A writable open leaves the feed with an id: a store of ucm-db before
+      feed ids (or with a damaged one) gets one (one write, once).
 """
 
 from __future__ import annotations
@@ -116,6 +122,9 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
             tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
         if not read_only:
             restart_feed_after_rollback(engine, path)
+            restart_feed_after_reboot(engine, config)
+            if not engine.read(changefeed.identity):
+                engine.write(changefeed.ensure_identity)
             sync_store_names(path, detect_engine(path))  # a new store's, or a recovery's new engine directory
         if config.remote is not None:
             from ucm_db.remote.keying import check_keying  # loaded only by a store with a remote
@@ -151,6 +160,38 @@ def restart_feed_after_rollback(engine: Engine, path: Path) -> None:
     engine.write(lambda txn: changefeed.restart(txn, rollback))
     engine.sync()
     lmdb_engine.clear_rolled_back(env_dir)
+
+
+def restart_feed_after_reboot(engine: Engine, config: StoreConfig) -> None:
+    """Restarts the change feed (:func:`ucm_db.index.changefeed.restart`) of a
+    RocksDB store under ``group`` durability at its first writable open
+    under another boot than the last one's: the machine went down since,
+    and may have lost the WAL's unsynced tail (commits not yet synced)
+    with the seqs they took, which the feed would hand out again. RocksDB
+    tells no such loss (LMDB does, :func:`restart_feed_after_rollback`), so
+    a clean reboot restarts it too (readers resync once). One read where
+    the boot is the recorded one; nothing without a boot id."""
+    if config.durability != "group" or config.engine != "rocksdb":
+        return
+    from ucm_db.engines.lmdb import boot_id  # the one boot id (Linux's, or UCM_DB_BOOT_ID)
+
+    boot = boot_id()
+    if boot is None:
+        return
+    now = boot.encode()
+
+    def recorded_boot(txn: Any) -> bytes | None:
+        value = txn.get(changefeed.INFO, changefeed.BOOT_KEY)
+        return None if value is None else bytes(value)
+
+    def run(txn: Any) -> None:
+        recorded = recorded_boot(txn)
+        if recorded is not None and recorded != now:
+            changefeed.restart(txn, b"boot:" + now)
+        txn.put(changefeed.INFO, changefeed.BOOT_KEY, now)
+
+    if engine.read(recorded_boot) != now:
+        engine.write(run)
 
 
 def reopened(engine: Engine, path: Path, config: StoreConfig) -> Engine:

@@ -24,6 +24,7 @@ from ucm_db.engines.lmdb.copy import copy_leaving, stuck_keys
 from ucm_db.engines.lmdb.engine import LmdbEngine
 from ucm_db.engines.lmdb.fence import LMDB_REQUIREMENT, PROVEN_DATA_VERSIONS, PROVEN_LIBRARY_VERSIONS
 from ucm_db.engines.lmdb.groupsync import clear_rolled_back, drop_record as drop_sync_record, rolled_back
+from ucm_db.engines.lmdb.recovery import boot_id
 
-__all__ = ["LMDB_REQUIREMENT", "PROVEN_DATA_VERSIONS", "PROVEN_LIBRARY_VERSIONS", "LmdbEngine", "clear_rolled_back", "copy_leaving",
+__all__ = ["LMDB_REQUIREMENT", "PROVEN_DATA_VERSIONS", "PROVEN_LIBRARY_VERSIONS", "LmdbEngine", "boot_id", "clear_rolled_back", "copy_leaving",
            "drop_sync_record", "rolled_back", "stuck_keys"]
