@@ -149,7 +149,8 @@ def test_a_block_stays_pinned_while_another_chain_s_pin_holds_it(tmp_path) -> No
         assert released.chains == (128,)  # b's pin holds the shared system prompt
         assert released.changed_blocks == 4 and released.namespace_blocks == 130
         assert_clean(store)
-        assert store.unpin(NS, b).namespace_blocks == 0
+        assert store.unpin(NS, b).namespace_blocks == 100  # a[:100] is a chain pinned on its own: its pin stays
+        assert store.unpin(NS, a[:100]).namespace_blocks == 0
         assert_clean(store)
 
 

@@ -79,14 +79,14 @@ def test_pin_and_unpin_end_on_a_parent_cycle_and_keep_the_pin_records_consistent
         out["pinned"] = [report.chains[0], report.changed_blocks]
         out["pin_problems"] = [p for p in store._tier.check() if "pin" in p]
         out["second"] = store.pin(NS, keys[:3]).changed_blocks
-        out["unpinned"] = store.unpin(NS, keys).changed_blocks
+        out["unpinned"] = [store.unpin(NS, keys).changed_blocks, store.unpin(NS, keys[:3]).changed_blocks]
         out["left"] = store._engine.read(lambda txn: len(list(txn.scan("info", b"pin/"))))
     """)
     # Pinned at d: d, c, b, a (its walk ends at a, whose parent c has depth 2, not -1).
     assert out["pinned"] == [4, 4]
     assert out["pin_problems"] == []  # the check walks the same way, so it agrees with the records
     assert out["second"] == 0  # c and its ancestors were pinned already
-    assert out["unpinned"] == 4
+    assert out["unpinned"] == [1, 3]  # each chain's unpin takes its own pin: d's, then c's (and b, a above it)
     assert out["left"] == 0
 
 

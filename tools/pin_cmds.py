@@ -50,8 +50,10 @@ def pin_command(path: Path, namespace: str, tokens_file: Path, max_pinned_bytes:
     block before them) are never evicted until `ucm-db unpin`. Prompts are
     keyed at the namespace's epoch, as `ucm-db warm --tokens` keys them; in
     a store written by the vLLM connector every KV head's unit is pinned.
-    What is stored now is pinned (store it first by serving the prompt).
-    Pins survive restarts and `compact`; `ucm-db invalidate` releases them.
+    What is stored now is pinned (store it first by serving the prompt);
+    pinning a prompt again adds no second pin. Pins survive restarts and
+    `compact`; `ucm-db invalidate` releases them (an invalidate between
+    reading the epoch and pinning refuses the pin, exit 1: run it again).
     A pin that would pass max_pinned_bytes is refused (exit 1), pinning
     nothing.
 
@@ -76,10 +78,12 @@ def pin_command(path: Path, namespace: str, tokens_file: Path, max_pinned_bytes:
 @store_prompts_arguments
 @json_option
 def unpin_command(path: Path, namespace: str, tokens_file: Path, as_json: bool) -> None:
-    """Take back the pins on the given prompts' stored KV: their blocks are
-    evicted as any others again (least recently used first), except where
-    a pin on another prompt continuing them still holds them (the report
-    shows what stays pinned).
+    """Take back the pins the given prompts made (give them as pinned):
+    their blocks are evicted as any others again (least recently used
+    first), except where another prompt's pin still holds them: a system
+    prompt pinned on its own stays pinned when a conversation continuing
+    it is unpinned, and the other way round (the report shows what stays
+    pinned).
 
     \b
     Example:

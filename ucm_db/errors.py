@@ -72,6 +72,16 @@ class EpochSupersededError(UcmDbError, RuntimeError):
     default_hint = "nothing to do: the store claims a new epoch through the remote"
 
 
+class StaleEpochError(UcmDbError, ValueError):
+    """Keys rooted at an epoch the namespace has moved on from, given where
+    only the current epoch's make sense: a pin of blocks stored before the
+    namespace's epoch last moved (never served again, so never pinned;
+    :mod:`ucm_db.index.pins`)."""
+
+    default_hint = ("recompute the keys at the namespace's current epoch (ns.block_keys(tokens, epoch=store.epoch(ns))) "
+                    "and pin them once they are stored; `ucm-db pin` does so when run again")
+
+
 class DamagedPageError(TierError):
     """The engine met a damaged page of its file (LMDB's MDB_CORRUPTED,
     MDB_PAGE_NOTFOUND, MDB_INCOMPATIBLE ...): the store's file, not the

@@ -6,27 +6,45 @@ Invariants:
     * Each pin or unpin call is one write transaction: every chain's pin
       (or unpin) and the pinned counters, or nothing.
     * A pin covers what is stored *now* of each chain (its stored prefix
-      under the namespace): a pin is made at the prefix's last block.
+      under the namespace): a pin is made at the prefix's last block, and
+      named by the chain (its last key as given). One pin per chain:
+      pinning a chain again moves its pin to what is stored of it now, and
+      adds no second one (pins are idempotent per chain, not counted).
+    * Unpinning a chain takes back that chain's pin and no other: a block
+      stays pinned while any other chain's pin holds it, at it or below (a
+      system prompt pinned on its own stays pinned when a conversation
+      continuing it is unpinned, and the other way round). A chain with no
+      pin of its own takes back the deepest *legacy* pin on its pinned
+      blocks (made by ucm-db before pins were named by chain, :mod:`pins`),
+      as that version's unpin did, one per call; pinning a chain whose tip
+      holds a legacy pin takes that pin as the chain's own.
+    * A chain whose first block was stored before the namespace's epoch
+      last moved (``pinsince:``, read in the pin's own transaction, so a
+      bump cannot slip between the check and the pin) is keyed at an older
+      epoch: the call raises :class:`~ucm_db.errors.StaleEpochError` and
+      pins nothing. Its blocks are never served again; a pin would keep
+      them forever. ``guard`` (the namespace's epoch is known) runs first
+      in the same transaction.
     * A call that would leave more than ``limit_bytes`` pinned in the whole
       store, and pins anything new, is refused (StoreFullError naming
       ``max_pinned_bytes``) and writes nothing. Pins already made stay
       whatever the limit (a process opened with a lower one refuses only
       new pins).
-    * Unpinning a chain takes back every pin made at one of its stored
-      blocks; a block stays pinned while a pin made further down another
-      chain holds it (its ancestors are that chain's too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 from ucm_db.engines.base import Engine, Txn
-from ucm_db.errors import StoreFullError
-from ucm_db.index import pins
+from ucm_db.errors import StaleEpochError, StoreFullError
+from ucm_db.index import pins, records
 from ucm_db.index.accounting import Changes
 from ucm_db.index.reads import count_in
 from ucm_db.stats import PinReport
+
+logger = logging.getLogger("ucm_db")
 
 
 class IndexPins:
@@ -39,21 +57,34 @@ class IndexPins:
         """Pinned (blocks, stored bytes) per namespace id (one read transaction)."""
         return self.engine.read(pins.pin_counts)
 
-    def pin_chains(self, chains: Sequence[Sequence[bytes]], namespace_id: bytes, *, limit_bytes: int) -> PinReport:
+    def pin_chains(
+        self, chains: Sequence[Sequence[bytes]], namespace_id: bytes, *, limit_bytes: int,
+        guard: Callable[[Txn], None] | None = None,
+    ) -> PinReport:
         """Pins the stored prefix of each chain (and its ancestors).
+
+        Args:
+            guard: run first inside the write transaction; what it raises
+                refuses the call (the store's epoch gate).
 
         Raises:
             StoreFullError: the store would hold more than ``limit_bytes``
                 pinned (nothing is pinned).
+            StaleEpochError: a chain was stored before the namespace's
+                epoch last moved (nothing is pinned).
         """
         def run(txn: Txn) -> PinReport:
+            if guard is not None:
+                guard(txn)
             changes = Changes(txn)
             before = list(changes.pins(namespace_id))
+            moved_ns = epoch_moved_ns(txn, namespace_id)
             counts = []
-            for chain in chains:
+            for number, chain in enumerate(chains, 1):
                 stored = count_in(txn, chain, namespace_id)
                 if stored:
-                    pins.pin_at(txn, changes, chain[stored - 1])
+                    _refuse_stale(txn, chain[0], moved_ns, number, len(chains))
+                    _pin_chain(txn, changes, chain, stored, namespace_id)
                 counts.append(stored)
             after = changes.pins(namespace_id)
             total = pins.pinned_bytes(txn, changes)
@@ -69,23 +100,71 @@ class IndexPins:
         return self.engine.write(run)
 
     def unpin_chains(self, chains: Sequence[Sequence[bytes]], namespace_id: bytes, *, limit_bytes: int) -> PinReport:
-        """Takes back the pins made at the chains' stored blocks; each
+        """Takes back each chain's own pin (module invariants); each
         chain's count in the report is its leading blocks still pinned (by
-        pins on other chains)."""
+        pins of other chains)."""
         def run(txn: Txn) -> PinReport:
             changes = Changes(txn)
             before = list(changes.pins(namespace_id))
             still = []
             for chain in chains:
                 stored = count_in(txn, chain, namespace_id)
-                for key in chain[:stored]:
-                    pins.unpin_at(txn, changes, key)
-                still.append(_pinned_prefix(txn, chain, stored))
+                pinned = _pinned_prefix(txn, chain, stored)
+                if pinned:
+                    _unpin_chain(txn, changes, chain, pinned)
+                still.append(_pinned_prefix(txn, chain, pinned))
             after = changes.pins(namespace_id)
             total = pins.pinned_bytes(txn, changes)
             changes.commit()
             return PinReport(tuple(still), before[0] - after[0], before[1] - after[1], after[0], after[1], total, limit_bytes)
         return self.engine.write(run)
+
+
+def epoch_moved_ns(txn: Txn, namespace_id: bytes) -> int | None:
+    """When the namespace's epoch last moved (``pinsince:``, :mod:`pins`);
+    None where it never did since that record was kept, or the record is
+    damaged (logged: the next move writes it anew)."""
+    try:
+        data = records.get_checked(txn, pins.PIN_SINCE_PREFIX + namespace_id, size=pins.PIN_SINCE.size)
+    except records.DamagedRecord as exc:
+        logger.warning("ucm-db: %s; pins of chains stored before the last epoch move are not refused until the next one", exc)
+        return None
+    return None if data is None else int(pins.PIN_SINCE.unpack(data)[0])
+
+
+def _refuse_stale(txn: Txn, first: bytes, moved_ns: int | None, number: int, count: int) -> None:
+    """StaleEpochError where the chain starting at the stored ``first`` was
+    stored before the epoch moved at ``moved_ns`` (module invariants)."""
+    stored_ns = None if moved_ns is None else pins.root_stored_ns(txn, first)
+    if moved_ns is not None and stored_ns is not None and stored_ns < moved_ns:
+        raise StaleEpochError(
+            f"chain {number} of the {count} to pin was stored before the namespace's epoch last moved: its keys are "
+            "rooted at an older epoch, whose blocks are never served again; nothing was pinned")
+
+
+def _pin_chain(txn: Txn, changes: Changes, chain: Sequence[bytes], stored: int, namespace_id: bytes) -> None:
+    """Makes ``chain``'s pin at its stored tip, moving the pin it made
+    before (if any, at a block above: its stored prefix only grows while
+    pinned) there."""
+    chain_id, tip = chain[-1], chain[stored - 1]
+    made = pins.chain_pin_in(txn, chain[:_pinned_prefix(txn, chain, stored)], chain_id)
+    if made != tip:
+        pins.pin_chain(txn, changes, tip, chain_id, namespace_id)
+        if made is not None:
+            pins.unpin_chain(txn, changes, made, chain_id)
+
+
+def _unpin_chain(txn: Txn, changes: Changes, chain: Sequence[bytes], pinned: int) -> None:
+    """Takes back ``chain``'s own pin, found among its ``pinned`` leading
+    blocks; without one, the deepest legacy pin there (module invariants)."""
+    chain_id = chain[-1]
+    made = pins.chain_pin_in(txn, chain[:pinned], chain_id)
+    if made is not None:
+        pins.unpin_chain(txn, changes, made, chain_id)
+        return
+    legacy = pins.legacy_pin_in(txn, chain[:pinned])
+    if legacy is not None:
+        pins.unpin_chain(txn, changes, legacy, None)
 
 
 def _pinned_prefix(txn: Txn, chain: Sequence[bytes], stored: int) -> int:

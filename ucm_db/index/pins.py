@@ -1,15 +1,29 @@
 """Pinned blocks: the records that keep a block and its ancestors out of
 eviction, kept by the local index's own write transactions.
 
-A *pin* is made at one block (a chain's last stored block,
-:meth:`ucm_db.Store.pin`); it pins that block and every ancestor. The
-index keeps, in ``info`` (nothing else scans these prefixes):
+A *pin* is made by a chain (:meth:`ucm_db.Store.pin`) at one block, the
+chain's last stored block then (its *tip*); it pins that block and every
+ancestor. A chain is named by its last key as given (its *chain id*: keys
+are chained digests, so the last one names the whole chain, stored or
+not). The index keeps, in ``info`` (nothing else scans these prefixes):
 
 * ``pin/<key>``: a :class:`~ucm_db.index.entries.PinRecord` of every pinned
-  block: namespace id, stored bytes, ``below`` (the pins made at it or at
-  a descendant) and ``own`` (a pin was made at it).
+  block: namespace id, stored bytes, ``below`` (the blocks at or below it
+  with a pin made at them) and ``own`` (one or more pins were made at it).
+* ``pinby/<tip><chain id>``: one per pin a chain made (value: the namespace
+  id): which chains hold the pin at ``tip``. A block with ``own`` and no
+  ``pinby/`` record holds a *legacy* pin (made by ucm-db before these
+  records); a chain pinning that very block takes it as its own. The
+  ``pin/`` record is unchanged from that version, so its stores' pins
+  keep working.
 * ``pincount:<ns>``: the namespace's pinned blocks and stored bytes,
   checksummed like the other counters (:mod:`ucm_db.index.accounting`).
+* ``pinsince:<ns>``: when the namespace's epoch last moved (wall clock ns,
+  checksummed), written by :func:`release_namespace`, which every epoch
+  move calls in its own transaction: a chain whose first block was stored
+  before it is keyed at an older epoch (a chain's keys are all rooted at
+  one epoch), is never served again, and is never pinned
+  (:mod:`ucm_db.index.pinning`).
 
 Invariants:
     * A block has a pin record exactly while ``below > 0``; ``below`` equals
@@ -18,6 +32,11 @@ Invariants:
       it, and a chain *tail* (no children) is pinned only by its own pin:
       eviction, which takes tails only, skips a tail with a pin record and
       never needs to look below it (:mod:`ucm_db.index.writes`).
+    * One pin per chain, released only by that chain: a block's ``own``
+      stays while any ``pinby/`` record names it (or its legacy pin
+      stands), so unpinning a conversation never takes the pin its system
+      prompt made on its own (:func:`pin_chain`, :func:`unpin_chain`).
+      Every ``pinby/`` record names a block with ``own`` in its namespace.
     * Every change runs inside the write transaction that pins, unpins or
       removes blocks, together with the counters (``Changes.add_pinned``,
       called before the record it counts is written or deleted, so a
@@ -25,12 +44,13 @@ Invariants:
       the pinned counters equal the sums over the pin records at every
       commit, and a pin survives restarts, ``compact`` (its rewrite copies
       the ``info`` table) and engine conversion as the blocks do.
-    * Removing a block removes its pin record; removing a subtree first
-      takes its pins out of its ancestors' ``below`` (:func:`release_above`),
-      so a delete, a quarantine or an invalidation never leaves an ancestor
-      pinned for a pin that is gone.
-    * Pinning and unpinning are idempotent: a second pin at a block, or an
-      unpin where none was made, changes nothing.
+    * Removing a block removes its pin and ``pinby/`` records; removing a
+      subtree first takes its pins out of its ancestors' ``below``
+      (:func:`release_above`), so a delete, a quarantine or an invalidation
+      never leaves an ancestor pinned for a pin that is gone.
+    * Pinning and unpinning a block are idempotent (:func:`pin_at`,
+      :func:`unpin_at`): a second pin at a block, or an unpin where none was
+      made, changes nothing; so is a chain's pin (:func:`pin_chain`).
     * Every walk to the ancestors (:func:`_upward`) ends: each step's depth
       must be one less than the last, so it never meets a block twice. A
       parent link that breaks this (damaged metadata naming a descendant
@@ -44,7 +64,9 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import struct
+import time
+from collections.abc import Iterator, Sequence
 
 from ucm_db.engines.base import Txn
 from ucm_db.index import records
@@ -55,6 +77,11 @@ logger = logging.getLogger("ucm_db")
 INFO = "info"
 #: Problems :func:`problems` lists one by one before it only counts them.
 LISTED_PROBLEMS = 20
+#: ``info`` name prefix of the chains' pins: ``pinby/<tip><chain id>``.
+PIN_BY_PREFIX = b"pinby/"
+#: ``info`` name prefix of when a namespace's epoch last moved (``pinsince:<ns>``).
+PIN_SINCE_PREFIX = b"pinsince:"
+PIN_SINCE = struct.Struct("<Q")
 
 
 def is_pinned(txn: Txn, key: bytes) -> bool:
@@ -159,8 +186,67 @@ def release_above(txn: Txn, changes: Changes, key: bytes) -> None:
     _decrement(txn, changes, parent, record.below, None if meta is None else meta.depth)
 
 
+def holders(txn: Txn, tip: bytes) -> list[bytes]:
+    """Chain ids of the pins made at ``tip`` (empty where none, or only a
+    legacy pin)."""
+    prefix = PIN_BY_PREFIX + tip
+    return [bytes(name)[len(prefix):] for name, _ in txn.scan(INFO, prefix)]
+
+
+def chain_pin_in(txn: Txn, keys: Sequence[bytes], chain_id: bytes) -> bytes | None:
+    """The block of ``keys`` (a chain's pinned prefix) where the chain
+    ``chain_id`` made its pin, deepest first; None where it made none."""
+    for key in reversed(keys):
+        if txn.get(INFO, PIN_BY_PREFIX + key + chain_id) is not None:
+            return key
+    return None
+
+
+def legacy_pin_in(txn: Txn, keys: Sequence[bytes]) -> bytes | None:
+    """The deepest block of ``keys`` holding a legacy pin; None where none."""
+    for key in reversed(keys):
+        record = read(txn, key)
+        if record is not None and record.own and not holders(txn, key):
+            return key
+    return None
+
+
+def pin_chain(txn: Txn, changes: Changes, tip: bytes, chain_id: bytes, namespace_id: bytes) -> int:
+    """Makes chain ``chain_id``'s pin at its stored block ``tip`` (see
+    :func:`pin_at`); returns how many blocks became pinned (0: that pin is
+    made already, or another pin holds them). A legacy pin at ``tip``
+    becomes this chain's (most likely the same chain, pinned again)."""
+    name = PIN_BY_PREFIX + tip + chain_id
+    if txn.get(INFO, name) is not None:
+        return 0
+    txn.put(INFO, name, namespace_id)
+    return pin_at(txn, changes, tip)
+
+
+def unpin_chain(txn: Txn, changes: Changes, tip: bytes, chain_id: bytes | None) -> int:
+    """Takes back chain ``chain_id``'s pin at ``tip`` (None: the legacy pin
+    there); the block's own pin goes only when no other chain's pin is
+    made there. Returns how many blocks stopped being pinned."""
+    if chain_id is not None:
+        txn.delete(INFO, PIN_BY_PREFIX + tip + chain_id)
+    if holders(txn, tip):
+        return 0
+    return unpin_at(txn, changes, tip)
+
+
+def root_stored_ns(txn: Txn, key: bytes) -> int | None:
+    """When the first block of ``key``'s chain (its root, or the highest
+    stored ancestor) was stored; None where ``key`` is not stored."""
+    created = None
+    for _current, meta in _upward(txn, key):
+        if meta is not None:
+            created = meta.created_ns
+    return created
+
+
 def drop(txn: Txn, changes: Changes, key: bytes) -> None:
-    """As ``key`` itself is removed: its pin record goes (one read where it has none)."""
+    """As ``key`` itself is removed: its pin and ``pinby/`` records go (one
+    read where it has no pin record)."""
     data = txn.get(INFO, PIN_PREFIX + key)
     if data is None:
         return
@@ -171,16 +257,23 @@ def drop(txn: Txn, changes: Changes, key: bytes) -> None:
     except DamagedPin:
         pass  # never counted as whole: nothing to take back
     txn.delete(INFO, PIN_PREFIX + key)
+    for name, _ in list(txn.scan(INFO, PIN_BY_PREFIX + key)):
+        txn.delete(INFO, bytes(name))
 
 
 def release_namespace(txn: Txn, namespace_id: bytes) -> int:
-    """Deletes every pin record of a namespace and its counter (an
-    invalidation: blocks keyed at an older epoch are never served, so
-    nothing holds them out of eviction); returns pinned blocks released."""
+    """In the transaction that moves a namespace's epoch on (every move
+    calls it): deletes every pin record of the namespace, its ``pinby/``
+    records and its counter (blocks keyed at an older epoch are never
+    served, so nothing holds them out of eviction), and records the move's
+    time (``pinsince:``: no chain stored before it is pinned again).
+    Returns pinned blocks released."""
     doomed = [bytes(name) for name, value in txn.scan(INFO, PIN_PREFIX) if bytes(value[:16]) == namespace_id]
-    for name in doomed:
+    doomed_by = [bytes(name) for name, value in txn.scan(INFO, PIN_BY_PREFIX) if bytes(value) == namespace_id]
+    for name in doomed + doomed_by:
         txn.delete(INFO, name)
     records.delete_checked(txn, PIN_COUNTS_PREFIX + namespace_id)
+    records.put_checked(txn, PIN_SINCE_PREFIX + namespace_id, PIN_SINCE.pack(time.time_ns()))
     return len(doomed)
 
 
@@ -220,8 +313,11 @@ def rebuild(txn: Txn) -> int:
     """Rewrites every pin record and pinned counter from the pins made at
     stored blocks of their own namespace (``verify --fix``, ``compact``,
     after :func:`problems` found any); returns the pins kept."""
-    tips = [key for key, record in own_pins(txn)
-            if (meta := _parent_of(txn, key)[0]) is not None and meta.namespace_id == record.namespace_id]
+    tips = {key: record.namespace_id for key, record in own_pins(txn)
+            if (meta := _parent_of(txn, key)[0]) is not None and meta.namespace_id == record.namespace_id}
+    for name, value in list(txn.scan(INFO, PIN_BY_PREFIX)):  # a chain's pin stays where its block's does
+        if len(name) != len(PIN_BY_PREFIX) + 64 or tips.get(bytes(name)[len(PIN_BY_PREFIX):-32]) != bytes(value):
+            txn.delete(INFO, bytes(name))
     for name, _ in list(txn.scan(INFO, PIN_PREFIX)):
         txn.delete(INFO, bytes(name))
     for name, _ in list(txn.scan(INFO, PIN_COUNTS_PREFIX)):
@@ -254,6 +350,7 @@ def problems(txn: Txn) -> list[str]:
             found.append(f"info record 'pin/{key.hex()[:16]}' disagrees with the block's metadata")
         for current, _meta in _upward(txn, key) if record.own else ():
             expected[current] = expected.get(current, 0) + 1
+    found += _chain_pin_problems(txn, pinned)
     for key in sorted(set(pinned) | set(expected)):
         below = pinned[key].below if key in pinned else 0
         if below != expected.get(key, 0):
@@ -268,4 +365,16 @@ def problems(txn: Txn) -> list[str]:
     found += [f"info record 'pincount:{ns.hex()}' is missing for {c[0]} pinned blocks" for ns, c in recounted.items()]
     if len(found) > LISTED_PROBLEMS:
         found = found[:LISTED_PROBLEMS] + [f"info record 'pin/...': {len(found) - LISTED_PROBLEMS} more pin problems"]
+    return found
+
+
+def _chain_pin_problems(txn: Txn, pinned: dict[bytes, PinRecord]) -> list[str]:
+    """``pinby/`` records naming no block with a pin made at it (``pinned``:
+    the whole pin records) in their namespace."""
+    found = []
+    for name, namespace_id in txn.scan(INFO, PIN_BY_PREFIX):
+        tip = bytes(name)[len(PIN_BY_PREFIX):-32]
+        held = pinned.get(tip)
+        if len(name) != len(PIN_BY_PREFIX) + 64 or held is None or not held.own or bytes(namespace_id) != held.namespace_id:
+            found.append(f"info record 'pinby/{tip.hex()[:16]}' names no pin made at a block of its namespace")
     return found

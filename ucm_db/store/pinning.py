@@ -13,8 +13,19 @@ Invariants:
       uploaded, exported or warmed: a pin belongs to one store.
     * Pins never outlive what they pin: a delete or a quarantine takes the
       blocks' pins, and invalidating the namespace (:meth:`bump_epoch`,
-      ``ucm-db invalidate``, an engine's ``reset_cache``) releases all its
-      pins in the same transaction (its blocks are never served again).
+      ``ucm-db invalidate``, an engine's ``reset_cache``, an epoch adopted
+      from a remote or an archive) releases all its pins in the same
+      transaction (its blocks are never served again).
+    * Nothing of an older epoch is pinned: a pin of a chain stored before
+      the namespace's epoch last moved raises
+      :class:`~ucm_db.errors.StaleEpochError` and pins nothing; the check
+      and the epoch's (known) state are read inside the pin's own write
+      transaction, so a bump in between cannot slip past it
+      (:mod:`ucm_db.index.pinning`).
+    * One pin per chain (named by its last key as given): pinning it again
+      adds no second pin, and ``unpin`` of a chain takes back its own pin
+      only, never one another chain (a system prompt pinned on its own)
+      made on blocks they share.
     * The store's pinned bytes stay within ``max_pinned_bytes`` when a pin
       is made (:attr:`~ucm_db.config.StoreConfig.pinned_limit_bytes`); a pin
       beyond it writes nothing and raises StoreFullError naming the setting.
@@ -49,7 +60,9 @@ class StorePins:
     ) -> PinReport:
         """Pins the stored blocks of a chain (or of each of several): they
         and their ancestors are never evicted until unpinned (module
-        invariants). Pinning what is pinned already changes nothing.
+        invariants). Pinning a chain pinned already adds no second pin (it
+        covers what is stored of the chain now); one :meth:`unpin` of the
+        chain takes it back.
 
         Args:
             keys: one chain of keys (e.g. ``ns.block_keys(tokens,
@@ -64,6 +77,9 @@ class StorePins:
         Raises:
             StoreFullError: the store would hold more than
                 ``max_pinned_bytes`` pinned (nothing is pinned).
+            StaleEpochError: (a ValueError) a chain's blocks were stored
+                before the namespace's epoch last moved: keys of an older
+                epoch (nothing is pinned).
             EpochUnknownError: (a TierError) the namespace is not served.
             TierError: the store is open read-only.
         """
@@ -71,8 +87,10 @@ class StorePins:
         require_namespace(namespace, "pin")
         self._state.refuse_read_only("pin")
         chains, width = _unit_chains(keys, "pin", grid, spans)
-        self._epochs.epoch(namespace)  # a namespace whose epoch is unknown is not served: nothing of it is pinned
-        report = self._tier.pin_chains(chains, namespace.id, limit_bytes=self._state.config.pinned_limit_bytes)
+        self._epochs.epoch(namespace)  # first contact with a remote: a higher epoch there is recorded (and moves pins on)
+        report = self._tier.pin_chains(  # the epoch's state and when it moved are read in the pin's transaction
+            chains, namespace.id, limit_bytes=self._state.config.pinned_limit_bytes,
+            guard=lambda txn: self._epochs.check_put(txn, namespace.id))
         self._state.engine.sync()
         return _per_block(report, width)
 
@@ -80,11 +98,14 @@ class StorePins:
         self, namespace: Namespace, keys: Sequence[bytes] | Sequence[Sequence[bytes]], *,
         grid: KVGrid | None = None, spans: Sequence[UnitSpan] | None = None,
     ) -> PinReport:
-        """Takes back the pins made at the stored blocks of a chain (or of
-        each of several; ``grid`` and ``spans`` as for :meth:`pin`): they
-        are evicted as any block again, unless a pin on another chain
-        continuing them still holds them (the report's ``chains`` says how
-        many leading blocks stay pinned).
+        """Takes back the pin a chain made (or each of several chains;
+        ``grid`` and ``spans`` as for :meth:`pin`): name the chain as it was
+        pinned (the same keys: its last key names the pin). Its blocks are
+        evicted as any block again, unless another chain's pin still holds
+        them (a prefix pinned on its own, a longer chain continuing them:
+        the report's ``chains`` says how many leading blocks stay pinned).
+        A chain with no pin of its own takes back the deepest pin an older
+        ucm-db made on its blocks, as that version did.
 
         Raises:
             TierError: the store is open read-only.
