@@ -18,8 +18,12 @@ transaction as the payload:
 * ``info/evf/``, ``info/feed/``: evented blocks' fields and the change feed
   of their puts and removals (:mod:`ucm_db.index.changefeed`), written by
   the same transactions as the blocks
-* ``info/pin/``, ``info/pincount:``: pinned blocks and their counters
-  (:mod:`ucm_db.index.pins`), written by the same transactions as the blocks
+* ``info/pin/``, ``info/pincount:``, ``info/pinby/``, ``info/pinsince:``:
+  pinned blocks, their counters, the chain that made each pin and when each
+  namespace's epoch last moved (:mod:`ucm_db.index.pins`), written by the
+  same transactions as the blocks
+* ``info/feed-id``: the change feed's identity (a reader's seq means
+  something only in the feed of that id)
 
 Invariants:
     * Prefix invariant: a stored block's parent is stored. Puts refuse a
