@@ -174,7 +174,8 @@ GAUGE_INTERVAL_S = 2.0
 
 _PROM = {
     "lookups": ("ucm_db_lookups", "Scheduler-side prefix lookups (a request that may load nothing, load false or "
-                                  "max_load_tokens below one block, counts none)"),
+                                  "max_load_tokens below one block, counts none here; vLLM's "
+                                  "external_prefix_cache_queries still counts it)"),
     "hit_tokens": ("ucm_db_hit_tokens", "Prompt tokens claimed from ucm-db at lookup (a claim whose load fails is recomputed: see load_errors)"),
     "query_tokens": ("ucm_db_query_tokens", "Prompt tokens looked up in ucm-db"),
     "loaded_bytes": ("ucm_db_loaded_bytes", "KV bytes loaded into the paged cache"),

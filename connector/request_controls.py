@@ -9,8 +9,8 @@ producer's publication uses too)::
 
 * ``save`` (true, false or ``"always"``; default true): false stores
   nothing of the request; ``"always"`` stores every computed block of it
-  from the first sighting, whatever ``admit_after`` says (cache warming:
-  :func:`~ucm_db.connector.warming.warm_engine` sends it).
+  that ``save_decode`` allows from the first sighting, whatever
+  ``admit_after`` says (cache warming: :func:`~ucm_db.connector.warming.warm_engine` sends it).
 * ``load`` (bool, default true): false looks nothing up and loads nothing;
   vLLM's ``skip_reading_prefix_cache`` (a request's sampling or pooling
   parameter, set by vLLM itself for ``prompt_logprobs``) counts as
@@ -21,6 +21,9 @@ producer's publication uses too)::
   one block nothing is loaded and no lookup is counted (the local tier is
   still asked which of vLLM's own cached blocks it holds, so they are not
   saved again).
+
+A streaming session's chunks each send their own (:func:`request_params`);
+a chunk's ``save: false`` holds for every later one (:meth:`RequestControls.within_session`).
 
 Admission (``kv_connector_extra_config``): ``save_decode`` (false: only
 blocks made wholly of prompt tokens are stored) and ``admit_after`` (N: a
@@ -55,11 +58,15 @@ Invariants:
       within its window; it may overcount (a block admitted early, with
       the odds in :class:`SightingSketch`). It lives in the scheduler's
       memory only: a restart counts every chain from zero.
+    * A ``kv_producer`` admits every block (its consumers read what it
+      publishes): ``"auto"`` is 1 there, and a fixed ``admit_after`` above 1
+      is refused at start (:class:`Admission`).
     * This module imports no vLLM (the settings parse it in any process).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -88,6 +95,8 @@ DESCRIBED_CHARS = 40
 MAX_ADMIT_AFTER = 255
 #: ``admit_after``'s adaptive setting (auto_admission.py).
 AUTO = "auto"
+#: Where vLLM's sampling parameters carry a request's ``kv_transfer_params`` (``extra_args``).
+TRANSFER_PARAMS = "kv_transfer_params"
 #: The ``save`` control that stores a request's blocks whatever admission says.
 SAVE_ALWAYS: Literal["always"] = "always"
 
@@ -203,13 +212,45 @@ class RequestControls:
 
     @classmethod
     def of_request(cls, request: Any) -> tuple[RequestControls, tuple[str, ...]]:
-        """:meth:`from_params` of the request's ``kv_transfer_params``,
-        with vLLM's ``skip_reading_prefix_cache`` taken as ``load: false``."""
-        controls, problems = cls.from_params(getattr(request, "kv_transfer_params", None))
+        """:meth:`from_params` of the request's current ``kv_transfer_params``
+        (:func:`request_params`), with vLLM's ``skip_reading_prefix_cache``
+        (the request's, or a session chunk's sampling parameters') taken as
+        ``load: false``."""
+        controls, problems = cls.from_params(request_params(request))
         # getattr: a request object of another vLLM (or a test's) may lack the field.
-        if controls.load and getattr(request, "skip_reading_prefix_cache", False) is True:
+        skips = getattr(request, "skip_reading_prefix_cache", False) is True or (
+            _is_session(request) and getattr(getattr(request, "sampling_params", None), "skip_reading_prefix_cache", None) is True)
+        if controls.load and skips:
             controls = cls(controls.save, False, controls.max_load_tokens)
         return controls, problems
+
+    def within_session(self, earlier: RequestControls | None) -> RequestControls:
+        """These controls after ``earlier`` ones served to the same request
+        (a session's earlier chunk, or the state this one renews): ``save:
+        false`` holds, as a later chunk's prompt holds the earlier chunks'
+        tokens; ``load`` and ``max_load_tokens`` are each chunk's own. Blocks
+        stored before the chunk that said ``save: false`` stay (allowed then)."""
+        if earlier is None or earlier.save is not False or self.save is False:
+            return self
+        return dataclasses.replace(self, save=False)
+
+
+def _is_session(request: Any) -> bool:
+    return getattr(request, "resumable", False) is True
+
+
+def request_params(request: Any) -> Any:
+    """The ``kv_transfer_params`` a request's controls are read from: the
+    request's own, which vLLM copies from its sampling parameters'
+    ``extra_args`` when it makes the request; for a streaming session (a
+    resumable request) those ``extra_args``' themselves, the current
+    chunk's (vLLM 0.32's ``_update_request_as_session`` replaces the
+    sampling parameters, never ``kv_transfer_params``). A chunk that sent
+    none has none (None: the defaults)."""
+    if not _is_session(request):
+        return getattr(request, "kv_transfer_params", None)
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    return extra.get(TRANSFER_PARAMS) if isinstance(extra, Mapping) else None
 
 
 #: What a request whose controls cannot be read at all is served as (module invariants).
@@ -269,10 +310,17 @@ class Admission:
     def __init__(self, save_decode: bool = True, admit_after: int | str = 1, *, publishes: bool = False,
                  store_foreign_loads: bool = False) -> None:
         """``publishes``: a ``kv_producer``'s, whose consumers read what it
-        stores while its own traffic shows no reuse: ``"auto"`` is 1 there.
-        ``store_foreign_loads``: requests another kind of connector loaded
-        are saved too (composition.py)."""
+        stores while its own traffic shows no reuse: ``"auto"`` is 1 there,
+        and a fixed N above 1 is refused (ConfigError: it would publish
+        nothing of a prompt's first sighting, and its consumers would
+        recompute it all). ``store_foreign_loads``: requests another kind
+        of connector loaded are saved too (composition.py)."""
         check_admission(save_decode, admit_after)
+        if publishes and admit_after != AUTO and int(admit_after) > 1:
+            raise ConfigError(f"admit_after {admit_after} on a kv_producer would publish nothing of a prompt's first "
+                              "sightings, so its consumers would recompute them",
+                              hint='use admit_after=1 (or "auto", which is 1 on a kv_producer), or kv_role "kv_both" '
+                                   "to store only chains seen again")
         self.save_decode = save_decode
         self.store_foreign_loads = store_foreign_loads
         if admit_after == AUTO and publishes:

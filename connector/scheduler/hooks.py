@@ -112,6 +112,8 @@ class UcmDbScheduler:
         """``generations_checked``: the caller (the connector's facade) has
         refused a store of an older storage generation already;
         ``async_scheduling``: vLLM's (every claim is async)."""
+        # First: a kv_producer's admit_after above 1 is refused before the store is opened (request_controls.Admission).
+        self._admission = Admission(settings.save_decode, settings.admit_after, publishes=role.publishes, store_foreign_loads=settings.store_foreign_loads)
         self._store = acquire(settings)
         try:  # blocks of an older storage generation: converted by `ucm-db migrate`, never read here
             if not generations_checked:
@@ -143,7 +145,6 @@ class UcmDbScheduler:
         self._lookups = self._lookup.lookups  # remote_lookup="background"'s jobs (remote_lookups.py), or None
         several_ranks = shape.tp_size * shape.pp_size > 1
         self._settlement = SaveSettlement(several_ranks, publishes=role.publishes)
-        self._admission = Admission(settings.save_decode, settings.admit_after, publishes=role.publishes, store_foreign_loads=settings.store_foreign_loads)
         self._planner = StepPlanner(self._requests, self._keys, self._block_size, group, self.cost, self._lookup,
                                     self._settlement, lambda: self._epochs.epoch, self._admission)
         logger.info(
@@ -153,17 +154,18 @@ class UcmDbScheduler:
 
     # -- request state and keys ----------------------------------------------------
     def _state(self, request: Request, *, renew_epoch: bool = True) -> RequestState:
-        """The request's state; a new one at the current epoch where there is none, or (``renew_epoch``: a lookup,
-        whose KV is computed anew) where its key chain is of an older epoch. One made anew without a lookup
-        (``stale_for``: a streaming-session update) keeps its epoch, so a reset since saves none of its KV."""
+        """The request's state; a new one at the current epoch where there is none, or (``renew_epoch``: a lookup, whose KV is
+        computed anew) where its key chain is of an older epoch. One made anew for the same request keeps a ``save: false``
+        (within_session), and without a lookup (``stale_for``: a session update) its epoch: a reset since saves none of its KV."""
         state = self._requests.get(request.request_id)
         if (state is None or state.request is not request or state.stale_for(request)
                 or (renew_epoch and state.epoch != self._epochs.epoch)):
-            epoch = state.epoch if state is not None and state.request is request and not renew_epoch else self._epochs.epoch
+            same = state if state is not None and state.request is request else None
             extras = request_extras(request, self._lora_engine)
             state = RequestState(request, extras, request_block_extras(request, self._block_size, self._counter_mm_ids),
-                                 epoch, controls=served_controls(request, extras), prompt_tokens=request.num_prompt_tokens,
-                                 mm_items=len(request.mm_features or ()))
+                                 same.epoch if same is not None and not renew_epoch else self._epochs.epoch,
+                                 controls=served_controls(request, extras).within_session(None if same is None else same.controls),
+                                 prompt_tokens=request.num_prompt_tokens, mm_items=len(request.mm_features or ()))
             self._requests[request.request_id] = state
         return state
 
@@ -262,7 +264,7 @@ class UcmDbScheduler:
         # KV of the epoch its state was made at: kept, so a reset since saves none of it.
         state = self._state(request, renew_epoch=False)
         record = state.lookup
-        state.lookup = None
+        state.lookup, state.claimed = None, record  # vLLM asks the claim's hit sources after this (request_state.py)
         if record is None:
             # No lookup before this allocation: a request back from an async
             # load (its hit is in place) or resumed with its KV. Nothing to load.

@@ -48,6 +48,12 @@ FIRST_SEGMENT_BLOCKS = 16
 PROBE_BLOCKS = FIRST_SEGMENT_BLOCKS
 
 
+def first_remote(state: RequestState, block: int) -> int:
+    """The request's first block fetched from the remote tier, a fetch from
+    ``block`` on just made (block 0 is a block, not none)."""
+    return block if state.first_remote_block is None else min(block, state.first_remote_block)
+
+
 class LookupPending(Exception):
     """A background remote lookup of the request is still running."""
 
@@ -161,7 +167,7 @@ class PrefixLookup:
         found = stored_prefix(self._store, self._namespace, self._grid, spans, keys, start + local, stop)
         elapsed_s = time.perf_counter() - started
         if found:
-            state.first_remote_block = min(start + local, state.first_remote_block or start + local)
+            state.first_remote_block = first_remote(state, start + local)
         self.remote_lookup_s += elapsed_s
         self._cost.observe_load(self._ns_id, "remote", found * self._block_size, elapsed_s)
         return local + found
@@ -200,7 +206,7 @@ class PrefixLookup:
         if result is not None:
             self._cost.observe_load(self._ns_id, "remote", result.found_blocks * self._block_size, result.elapsed_s)
             if result.found_blocks:  # promoted into the local tier by now: remembered as the remote's
-                state.first_remote_block = min(state.remote_job_first, state.first_remote_block or state.remote_job_first)
+                state.first_remote_block = first_remote(state, state.remote_job_first)
             if state.remote_probing:  # a probe measured the link: the rest is decided again
                 state.remote_probing = False
                 state.remote_probed = True

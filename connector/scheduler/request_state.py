@@ -22,9 +22,13 @@ Invariants:
       request claims no further than the block that failed
       (``claim_limit``): its claims cannot fail the same way forever.
     * ``lookup`` is read (and cleared) only by the
-      ``update_state_after_alloc`` that follows the lookup that set it.
+      ``update_state_after_alloc`` that follows the lookup that set it,
+      which keeps it as ``claimed``: vLLM asks the claim's hit sources
+      (:func:`hit_sources`) after that allocation.
     * ``controls`` are parsed once, when the state is made
-      (:mod:`ucm_db.connector.request_controls`); ``sighted_blocks``,
+      (:mod:`ucm_db.connector.request_controls`; a streaming-session
+      update makes it anew with the chunk's controls, an earlier chunk's
+      ``save: false`` holding); ``sighted_blocks``,
       ``admitted_blocks`` and ``admission_checked_blocks`` (admission,
       ``admit_after``) only grow.
 """
@@ -69,6 +73,7 @@ class RequestState:
     claim_limit: int | None = None  # blocks: its async load failed at this one, no claim goes further
     pending_load_tokens: int = 0
     lookup: LookupRecord | None = None
+    claimed: LookupRecord | None = None  # the record the last allocation took (hit_sources)
     async_tried: bool = False  # an async load was planned: later lookups claim synchronously (claims_async)
     async_block_ids: tuple[int, ...] = ()  # the blocks of its async load, until vLLM schedules it
     vllm_computed_tokens: int = 0  # what vLLM's own prefix cache held at the last lookup: no claim prices it
@@ -134,12 +139,14 @@ def hit_sources(state: RequestState | None, num_external_tokens: int, block_size
     """``num_external_tokens`` of the request's last claim split by the tier
     that supplied them: ``"disk"`` (the local tier: LMDB's file, read
     through the page cache) and ``"remote"`` (fetched from the remote tier
-    by the request's lookups); only non-zero counts."""
+    by the request's lookups); only non-zero counts. Asked before or after
+    the claim's ``update_state_after_alloc`` (vLLM 0.32 asks after)."""
     if num_external_tokens <= 0:
         return {}
-    if state is None or state.lookup is None:
+    record = None if state is None else state.lookup if state.lookup is not None else state.claimed
+    if state is None or record is None:
         return {"disk": num_external_tokens}
-    first = state.lookup.local_tokens
+    first = record.local_tokens
     remote_from = (first + num_external_tokens if state.first_remote_block is None
                    else max(first, state.first_remote_block * block_size))
     disk = max(0, min(first + num_external_tokens, remote_from) - first)

@@ -92,11 +92,14 @@ def test_background_lookup_answers_none_until_the_hit_is_local(tmp_path: Path) -
             assert time.monotonic() - started < 30
             time.sleep(0.02)
         assert answer == (BLOCKS * BS, False) and polls > 2
-        # vLLM's hit sources (issue 49): these came from the remote tier.
+        # vLLM's hit sources (issue 49), asked after the allocation as vLLM 0.32
+        # asks them (test_hit_sources_order.py): these came from the remote tier.
+        sched.update_state_after_alloc(request, None, BLOCKS * BS)  # type: ignore[arg-type]
         assert sched.hit_sources(request, BLOCKS * BS) == {"remote": BLOCKS * BS}
         # The blocks are local now: the same prompt again is claimed at once, from the local tier.
         again = _request(prompt, "r2")
         assert sched.get_num_new_matched_tokens(again, 0) == (BLOCKS * BS, False)
+        sched.update_state_after_alloc(again, None, BLOCKS * BS)  # type: ignore[arg-type]
         assert sched.hit_sources(again, BLOCKS * BS) == {"disk": BLOCKS * BS}
         ns_id = sched._namespace.digest[:16].hex()
         assert sched.cost.load_rate(ns_id, "remote") is not None  # the lookup's time was a sample
