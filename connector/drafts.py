@@ -21,7 +21,8 @@ Invariants:
       layout counts them and names the draft (:func:`draft_shape`: method,
       the draft model's files by content, its layers, dtype and
       quantization, and for a drafter of several layers the speculative
-      tokens, which decide how many of them run). The draft's files are
+      tokens, which decide how many of them run; weights it reads from
+      elsewhere, and vocabularies: :mod:`ucm_db.connector.draft_files`). The draft's files are
       read as vLLM loads them (:func:`draft_load_config`: the speculative
       config's own ``draft_load_config`` where vLLM reads it), and a load
       config of its own is keyed too (:func:`draft_load_inputs`: a draft of
@@ -53,6 +54,7 @@ import json
 import sys
 from typing import Any
 
+from ucm_db.connector.draft_files import draft_weight_inputs, vocabulary_inputs
 from ucm_db.connector.identity_guards import FILE_LOAD_FORMATS
 from ucm_db.connector.weight_files import DEFAULT_IGNORE_PATTERNS, load_format_of
 
@@ -137,11 +139,15 @@ def _spec_of(spec: Any, names: list[str]) -> Any:
     return kept.pop() if len(kept) == 1 else dataclasses.replace(spec, kv_cache_specs={n: specs[n] for n in names})
 
 
-def draft_shape(vllm_config: Any, kv_cache_config: Any, fingerprint: Any) -> tuple[int, dict[str, Any] | None]:
+def draft_shape(vllm_config: Any, kv_cache_config: Any, fingerprint: Any,
+                model_id: str | None = None) -> tuple[int, dict[str, Any] | None]:
     """(the draft layers stored with the target's: 0 where none are; the
     draft's namespace inputs, None where none are stored), over
     :func:`stored_view`'s config. ``fingerprint`` keys the draft model's
-    files (:func:`~ucm_db.connector.fingerprints.model_fingerprint`)."""
+    files (:func:`~ucm_db.connector.fingerprints.model_fingerprint`), with
+    what else its KV depends on (:mod:`ucm_db.connector.draft_files`: weights
+    read from elsewhere, ``model_id`` the connector's; vocabularies).
+    Raises ConfigError for a draft whose weights ucm-db cannot key."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return 0, None
@@ -150,10 +156,14 @@ def draft_shape(vllm_config: Any, kv_cache_config: Any, fingerprint: Any) -> tup
     if not names:
         return 0, None
     draft_model = getattr(spec, "draft_model_config", None)
+    load = draft_load_config(vllm_config)
+    files = ({**draft_weight_inputs(vllm_config, draft_model, load, model_id), **vocabulary_inputs(vllm_config)}
+             if draft_model else {})
     inputs = {
         "method": str(spec.method),
         "layers": len(names),
-        "model": fingerprint(draft_model, None, draft_load_config(vllm_config)) if draft_model else None,
+        "model": fingerprint(draft_model, None, load) if draft_model else None,
+        "files": files or None,  # absent for a draft loaded from its own files with one vocabulary: as before
         "load": draft_load_inputs(vllm_config),
         "dtype": str(getattr(draft_model, "dtype", "")).removeprefix("torch."),
         "quantization": getattr(spec, "quantization", None) or getattr(draft_model, "quantization", None),
@@ -174,8 +184,19 @@ def _own_load_config(vllm_config: Any) -> Any:
 
 def draft_load_config(vllm_config: Any) -> Any:
     """The load config vLLM loads the draft's weights with: its own
-    (:func:`_own_load_config`), else the target's."""
-    return _own_load_config(vllm_config) or getattr(vllm_config, "load_config", None)
+    (:func:`_own_load_config`), else the target's, but where the target's
+    weights come from vLLM's weight cache daemon (``ipc_cache``): there a
+    drafter other than a separate draft model is loaded as vLLM's
+    ``get_draft_load_config`` says (the daemon's draft group, or from disk)."""
+    own = _own_load_config(vllm_config)
+    if own is not None:
+        return own
+    load = getattr(vllm_config, "load_config", None)
+    if load_format_of(load) != "ipc_cache" or str(vllm_config.speculative_config.method) == "draft_model":
+        return load
+    from vllm.model_executor.model_loader.utils import get_draft_load_config
+
+    return get_draft_load_config(vllm_config)
 
 
 def draft_load_inputs(vllm_config: Any) -> dict[str, Any] | None:

@@ -81,7 +81,8 @@ Invariants:
     * A request's key chain and its extras: :mod:`ucm_db.connector.request_keys`.
     * The files the model is keyed by are those vLLM loaded: a file whose
       stat moved since vLLM began loading it stops the start
-      (:mod:`ucm_db.connector.weight_loads`).
+      (:mod:`ucm_db.connector.weight_loads`), and so does a config file
+      whose content moved since vLLM parsed it (:mod:`ucm_db.connector.config_parses`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ from ucm_db.connector.identity_guards import (additional_inputs, counter_identif
                                               load_inputs, lora_engine_inputs, current_platform, multimodal_inputs,
                                               refuse_unstorable, warn_weight_updates)
 from ucm_db.connector.numerics import numerics_inputs
-from ucm_db.connector.weight_loads import refuse_changed_since_load
+from ucm_db.connector.weight_loads import refuse_changed_since_read
 from ucm_db.errors import ConfigError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import KVGrid, UnitSpan, head_range, writes_heads
@@ -149,7 +150,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     # The whole model's KV heads, not this rank's share: equal at TP=1, so
     # TP=1 namespaces are what they were before units (module invariants).
     kv_heads = 1 if use_mla else int(model_config.get_total_num_kv_heads())
-    draft_layers, draft = draft_shape(vllm_config, kv_cache_config, model_fingerprint)
+    draft_layers, draft = draft_shape(vllm_config, kv_cache_config, model_fingerprint, model_id)
     parts = {
         "platform": _platform_tag(spec, vllm_config),
         "spec": type(spec).__name__,
@@ -163,7 +164,8 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     parallel = vllm_config.parallel_config
     model = model_id or model_fingerprint(model_config, load_config=getattr(vllm_config, "load_config", None))
     extra = namespace_inputs(vllm_config, model_id)
-    _refuse_changed_weights(vllm_config, model_id, draft)  # after every digest of them: each names what vLLM read
+    # After every digest of them (the model's, a stored draft's files): each names what vLLM read.
+    refuse_changed_since_read(vllm_config, model_id, draft_load_config(vllm_config) if draft and draft.get("model") else None)
     return KVShape(
         model=model,
         kv_dtype=dtype,
@@ -180,16 +182,6 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         counter_mm_ids=counter_identifiers(vllm_config),
         lora_engine=lora_engine_inputs(vllm_config),
     )
-
-
-def _refuse_changed_weights(vllm_config: Any, model_id: str | None, draft: dict[str, Any] | None) -> None:
-    """Refuses weight files keyed here (the model's without ``model_id``, a
-    stored draft's) that changed since vLLM began loading them (weight_loads.py)."""
-    if model_id is None:
-        refuse_changed_since_load(vllm_config, vllm_config.model_config, getattr(vllm_config, "load_config", None))
-    spec = getattr(vllm_config, "speculative_config", None)
-    if draft and draft.get("model") and getattr(spec, "draft_model_config", None) is not None:
-        refuse_changed_since_load(vllm_config, spec.draft_model_config, draft_load_config(vllm_config))
 
 
 def stored_groups(vllm_config: Any, kv_cache_config: Any) -> list[Any]:

@@ -10,7 +10,9 @@ Invariants:
       hashed there alone): the scheduler and every worker of a deployment
       derive one namespace from one ``VllmConfig``.
     * A config read from ``hf_config_path`` is keyed by the digest of the
-      files vLLM read and of the code its ``auto_map`` names (:func:`config_digest`). Weights that are not the fingerprinted
+      files vLLM read and of the code its ``auto_map`` names (:func:`config_digest`),
+      a quantization config file ``hf_overrides`` names by its content
+      (``config_files.quantization_file_inputs``). Weights that are not the fingerprinted
       files are never keyed by those files alone: a load format other than :data:`FILE_LOAD_FORMATS` is
       keyed by its name and ``model_loader_extra_config`` and, without the
       connector's ``model_id`` (the operator's word), by what it reads, or
@@ -50,10 +52,13 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# Config files and the code they name (config_files.py), imported from here by older callers.
+from ucm_db.connector.config_files import (KV_AUTO_MAP_PREFIXES, auto_map_references, config_digest,  # noqa: F401
+                                           files_digest, hub_cached_files, module_files, module_finder,
+                                           quantization_file_inputs)
 from ucm_db.connector.kv_specs import refuse_unkeyable_specs
 from ucm_db.connector.weight_files import DEFAULT_IGNORE_PATTERNS, load_format_of
 from ucm_db.connector.weight_loads import MODEL_PATH_FORMATS, NAMED_ONLY_FORMATS, weights_elsewhere  # noqa: F401
@@ -65,8 +70,6 @@ FILE_LOAD_FORMATS = frozenset({"auto", "hf", "pt", "safetensors", "npcache", "mi
 #: Drawn once per process; mixed into multimodal identifiers that name no content.
 PROCESS_NONCE = secrets.token_hex(16)
 #: vLLM's counter identifiers: ``renderer{api rank}-mm-{n}-{modality}-{i}`` (renderers/base.py).
-#: The files a config directory holds for vLLM's config parsers (HF, Mistral).
-_CONFIG_FILES = ("config.json", "params.json")
 _COUNTER_IDENTIFIER = re.compile(r"^renderer\d+-mm-\d+-")
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -75,8 +78,8 @@ _warned: set[str] = set()  # what was warned about in this process
 
 def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
     """The namespace inputs of how vLLM loads the model (module invariants):
-    its load format, weight files it is told to ignore, and a config read from ``hf_config_path`` (not among
-    the fingerprinted files) by the digest of the config vLLM built."""
+    its load format, weight files it is told to ignore, a config read from ``hf_config_path`` (not among
+    the fingerprinted files) by the digest of the config vLLM built, a quantization config file by its content."""
     load = getattr(vllm_config, "load_config", None)
     fmt = load_format_of(load)
     out: dict[str, Any] = {}
@@ -90,6 +93,7 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
         revision = getattr(model_config, "_hf_config_revision", None) or getattr(model_config, "revision", None)
         out["hf_config"] = config_digest(str(config_path), model_config.hf_config, revision,
                                          getattr(model_config, "code_revision", None))
+    out.update(quantization_file_inputs(vllm_config.model_config))
     if fmt in FILE_LOAD_FORMATS:
         return out
     if model_id is None:
@@ -102,126 +106,6 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
         experts = int(parallel.data_parallel_size) if getattr(parallel, "enable_expert_parallel", False) else 1
         out["dummy_shards"] = [int(parallel.tensor_parallel_size), experts]
     return {**out, "load_format": fmt, "model_loader_extra_config": digest}
-
-
-def config_digest(config_path: str, hf_config: Any, revision: str | None = None, code_revision: str | None = None) -> str:
-    """The digest of the config files vLLM read from ``config_path`` (a
-    directory, a file, or a hub id at ``revision`` already in the local hub
-    cache). Files, not the config object: model constructors may change the
-    object in a worker after vLLM built it, and every role must derive one
-    namespace. Code that the config's ``auto_map`` names for its config and
-    model classes (``configuration_*.py``, ``modeling_*.py``: run under
-    ``trust_remote_code``) is keyed with it, with the modules that code
-    imports relatively (as transformers fetches them: ``from .x import``,
-    ``import .x``); a hub config's code at ``code_revision`` where one is
-    given (transformers fetches it there). A path that names no readable
-    file falls back to the object's JSON without the fields that name where
-    and by which library it was read."""
-    path = Path(config_path).expanduser()
-    files = [path] if path.is_file() else [path / name for name in _CONFIG_FILES if (path / name).is_file()]
-    hub = not files and not path.exists()
-    if hub:
-        files = hub_cached_files(config_path, _CONFIG_FILES, revision)
-    if files:
-        modules = sorted({module for repo, module in auto_map_references(files) if repo is None})
-        where = config_path if hub else str(path if path.is_dir() else path.parent)
-        code = module_files(modules, module_finder(where, code_revision or revision))
-        # A module named but not found is named in config.json, which is keyed.
-        return files_digest([(file.name, file) for file in files] + code, b"ucm-db/hfcfg")
-    plain = {k: v for k, v in hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-    text = json.dumps(plain, sort_keys=True, default=str)
-    return "json-blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
-#: ``auto_map`` entries whose classes can change the KV: the config class
-#: builds the config vLLM reads, a model class runs where vLLM serves it
-#: through the Transformers backend (the prefixes vLLM's model registry
-#: resolves); tokenizer and processor classes change text, never KV of ids.
-KV_AUTO_MAP_PREFIXES = ("AutoConfig", "AutoModel")
-
-
-def auto_map_references(config_files: list[Path]) -> list[tuple[str | None, str]]:
-    """(repo, module) of each config or model class a config's ``auto_map``
-    names (:data:`KV_AUTO_MAP_PREFIXES`): repo None for a module beside the
-    config, else the repo of ``repo--module.Class``
-    (:mod:`ucm_db.connector.remote_code`). A module may lie in a subfolder
-    (``sub/modeling``). Files that are not a JSON object name none."""
-    found: list[tuple[str | None, str]] = []
-    for file in config_files:
-        try:
-            auto_map = json.loads(file.read_text()).get("auto_map") or {}
-        except (ValueError, AttributeError, OSError):  # absent, not JSON, or not an object: no code named
-            continue
-        for kind, ref in auto_map.items() if isinstance(auto_map, dict) else ():
-            if not str(kind).startswith(KV_AUTO_MAP_PREFIXES):
-                continue
-            for one in ref if isinstance(ref, list) else [ref]:
-                if isinstance(one, str) and "." in one:
-                    repo, _, name = one.rpartition("--")
-                    found.append((repo or None, name.rsplit(".", 1)[0]))
-    return found
-
-
-_RELATIVE_IMPORT = re.compile(r"^\s*(?:import\s+\.(\S+)\s*$|from\s+\.(\S+)\s+import)", re.MULTILINE)
-
-
-def module_files(modules: Sequence[str], find: Callable[[str], Path | None]) -> list[tuple[str, Path]]:
-    """(module, file) of ``modules`` and of the modules they import
-    relatively, transitively (each once, sorted by module; an import is
-    looked for beside the module that makes it, as transformers does: ``sub/a``
-    importing ``.b`` names ``sub/b``); ``find`` gives a module's file, None
-    where there is none (or it cannot be read)."""
-    found: dict[str, Path] = {}
-    todo = list(modules)
-    while todo:
-        module = todo.pop()
-        if module in found or (file := find(module)) is None:
-            continue
-        try:
-            text = file.read_text(encoding="utf-8", errors="replace")
-        except OSError:  # a dangling link (an interrupted download): transformers cannot run it either
-            continue
-        found[module] = file
-        folder = module.rpartition("/")[0]
-        todo.extend(f"{folder}/{a or b}" if folder else a or b for a, b in _RELATIVE_IMPORT.findall(text))
-    return [(m, found[m]) for m in sorted(found)]
-
-
-def module_finder(source: str, revision: str | None) -> Callable[[str], Path | None]:
-    """``find`` for :func:`module_files`: a module's file in a local
-    directory ``source``, else in hub id ``source``'s snapshot at
-    ``revision`` in the local hub cache."""
-    folder = Path(source).expanduser()
-    if folder.is_dir():
-        return lambda module: folder / f"{module}.py" if (folder / f"{module}.py").is_file() else None
-    return lambda module: next(iter(hub_cached_files(source, [f"{module}.py"], revision)), None)
-
-
-def files_digest(files: Sequence[tuple[str, Path]], person: bytes) -> str:
-    """``blake2b:`` and the digest of named files' contents (the names as given)."""
-    digest = hashlib.blake2b(digest_size=16, person=person)
-    for name, file in files:
-        digest.update(name.encode() + b"\0" + file.read_bytes() + b"\0")
-    return "blake2b:" + digest.hexdigest()
-
-
-def hub_cached_files(repo_id: str, names: Sequence[str], revision: str | None) -> list[Path]:
-    """The files ``names`` of a hub id at ``revision`` (None: main) in the
-    local hub cache, where transformers reads configs and code (none where
-    not cached, a dangling link, or huggingface_hub is absent)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return []
-    found = []
-    for name in names:
-        try:
-            cached = try_to_load_from_cache(repo_id, name, revision=revision)
-        except Exception:  # noqa: BLE001 - a string that is no repo id: not cached
-            cached = None
-        if isinstance(cached, str) and Path(cached).is_file():
-            found.append(Path(cached))
-    return found
 
 
 def multimodal_inputs(vllm_config: Any) -> dict[str, Any]:

@@ -21,6 +21,12 @@ Invariants:
       hidden folders, exports for other runtimes (:data:`EXPORT_FOLDERS`),
       and ``original/`` while vLLM's default ``ignore_patterns`` skip it (a
       checkpoint's consolidated copy that vLLM never loads).
+    * A model's task adapters (:data:`TASK_ADAPTERS`: ``adapters/<task>/``,
+      two levels down) count each by the adapter rule below: a model class
+      merges one into its weights at load (jina-embeddings-v5, by its
+      ``jina_task``), reading it apart from the weight iterator
+      (``get_hf_file_bytes``). Every task's, not only the one loaded: a
+      change to another moves the namespace (over-keying, below).
     * Weights a model loads from another directory or hub repo that its
       config names (:data:`SUB_MODEL_FIELDS`: vLLM's ``secondary_weights``)
       are that directory's files, by these rules: :mod:`~ucm_db.connector.fingerprints`
@@ -53,6 +59,8 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_mo
 #: Config fields naming another model (a local directory or hub id) whose weights vLLM loads with the model's
 #: (Ultravox's language model and audio tower; vLLM's ``secondary_weights``, at the repo's ``main``).
 SUB_MODEL_FIELDS = ("audio_model_id", "text_model_id")
+#: The subfolder whose own subfolders are task adapters a model merges at load (vLLM's ``jina.py``: ``adapters/<task>/``).
+TASK_ADAPTERS = "adapters"
 #: vLLM's default ``LoadConfig.ignore_patterns`` (a checkpoint's ``original/`` copy).
 DEFAULT_IGNORE_PATTERNS = ("original/**/*",)
 #: Subfolders of a full hub snapshot that hold the model for other runtimes: vLLM never loads them.
@@ -81,7 +89,11 @@ def selected_files(path: str | os.PathLike[str], *, load_format: str = "auto", s
     found, folders = _select(os.fspath(path), "", load_format)
     if subfolders:
         for folder in sorted(folders - skipped_folders - EXPORT_FOLDERS):
-            found.update(_select(os.path.join(path, folder), folder + "/", load_format)[0])
+            selected, inner = _select(os.path.join(path, folder), folder + "/", load_format)
+            found.update(selected)
+            for task in sorted(inner) if folder == TASK_ADAPTERS else ():
+                files = _adapter_files(os.path.join(path, folder, task))
+                found.update({f"{folder}/{task}/{name}": st for name, st in files.items()})
     return found
 
 

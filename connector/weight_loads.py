@@ -44,6 +44,8 @@ Invariants:
     * In a process that loaded nothing (the scheduler's engine core beside
       workers) there is nothing to compare: its namespace is checked
       against the workers' (the namespace handshake).
+    * The config vLLM parsed before any load is :mod:`ucm_db.connector.config_parses`'
+      to watch; :func:`refuse_changed_since_read` checks both.
     * Without the connector's ``model_id``, weights read from outside the
       model's files are keyed by their content (a local tensorizer file, a
       local ``model_weights`` directory) or the start is refused: a remote
@@ -62,6 +64,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ucm_db.connector.config_files import QUANTIZATION_FILE
+from ucm_db.connector.config_parses import refuse_changed_since_parse, watch_parses
 from ucm_db.connector.weight_files import SUB_MODEL_FIELDS, Stats, load_format_of, selected_files, skipped_model_folders
 from ucm_db.errors import ConfigError
 
@@ -82,7 +86,9 @@ _warned = False
 
 
 def watch() -> None:
-    """Wraps ``load_model`` of vLLM's model loaders (once a process; idempotent)."""
+    """Wraps ``load_model`` of vLLM's model loaders, and ``ModelConfig``'s
+    parse (:func:`~ucm_db.connector.config_parses.watch_parses`), once a
+    process (idempotent)."""
     global _watching
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, BaseModelLoader
 
@@ -90,6 +96,7 @@ def watch() -> None:
         original = cls.__dict__.get("load_model")
         if original is not None and not getattr(original, _WRAPPED, False):
             setattr(cls, "load_model", _watched(original))
+    watch_parses()  # the configs vLLM parses, before it loads anything
     _watching = True
 
 
@@ -152,14 +159,37 @@ def refuse_changed_since_load(vllm_config: Any, model_config: Any, load_config: 
             )
 
 
-def weights_elsewhere(vllm_config: Any, fmt: str) -> dict[str, Any]:
+def refuse_changed_since_read(vllm_config: Any, model_id: str | None, draft_load: Any = None) -> None:
+    """Refuses a start where files its namespace keys changed since vLLM
+    read them: the model's config since its parse (``config_parses.py``;
+    under ``model_id`` only where ``hf_config_path`` is keyed) and its files
+    since their load (without ``model_id``), and where ``draft_load`` (the
+    load config of a draft keyed by its files) is given, the draft's alike.
+    Called after every digest of them."""
+    model_config = vllm_config.model_config
+    if model_id is None or getattr(model_config, "hf_config_path", None):
+        refuse_changed_since_parse(model_config)
+    if model_id is None:
+        refuse_changed_since_load(vllm_config, model_config, getattr(vllm_config, "load_config", None))
+    draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
+    if draft_load is not None and draft is not None:
+        refuse_changed_since_parse(draft, "speculative draft")
+        refuse_changed_since_load(vllm_config, draft, draft_load)
+
+
+def weights_elsewhere(vllm_config: Any, fmt: str, model_config: Any = None, load_config: Any = None,
+                      parallel_config: Any = None, draft: bool = False) -> dict[str, Any]:
     """Without ``model_id``: the content of weights load format ``fmt``
     reads from outside the model's fingerprinted files, or a ConfigError
     where ucm-db cannot read them. Re-serializing or uploading other
-    weights under the same name must never keep a namespace."""
+    weights under the same name must never keep a namespace. The configs
+    default to ``vllm_config``'s (a speculative draft passes its own, with
+    ``draft``: no ``model_id`` names a draft, so the hint names local files)."""
     from ucm_db.connector.fingerprints import fingerprint
 
-    model_config = vllm_config.model_config
+    model_config = model_config if model_config is not None else vllm_config.model_config
+    load_config = load_config if load_config is not None else vllm_config.load_config
+    parallel_config = parallel_config if parallel_config is not None else vllm_config.parallel_config
     if fmt == "dummy":
         raise ConfigError(
             "vLLM runs with load_format \"dummy\" (random weights): their KV must never be served to an engine with "
@@ -176,16 +206,18 @@ def weights_elsewhere(vllm_config: Any, fmt: str) -> dict[str, Any]:
                                                                     subfolders=True).digest}
         where = f"model_weights {weights!r}"
     elif fmt == "tensorizer":
-        files = tensorizer_files(vllm_config.load_config, int(vllm_config.parallel_config.tensor_parallel_size))
+        files = tensorizer_files(load_config, int(parallel_config.tensor_parallel_size))
         if files and all(not is_remote(f) and os.path.isfile(f) for f in files):
             return {"tensorizer_files": ["blake3:" + fingerprint(f).digest for f in files]}
         where = f"tensorizer files {files or '(none named)'}"
     else:  # another process or server (NAMED_ONLY_FORMATS), or a loader ucm-db does not know
         where = f"load format {fmt!r}"
     raise ConfigError(
-        f"vLLM loads the weights from {where}, which ucm-db cannot read to key them: other weights served under "
-        "the same name later would be served this engine's KV",
-        hint="set \"model_id\" in kv_connector_extra_config to an identity that changes whenever those weights do, "
+        f"vLLM loads {'the speculative draft' if draft else 'the weights'} from {where}, which ucm-db cannot read to "
+        "key them: other weights served under the same name later would be served this engine's KV",
+        hint="load the draft from local files (e.g. speculative_config draft_load_config {\"load_format\": \"auto\"}), or "
+             "serve it without ucm-db" if draft else
+             "set \"model_id\" in kv_connector_extra_config to an identity that changes whenever those weights do, "
              "or load the weights from local files",
     )
 
@@ -195,7 +227,8 @@ def watched_files(model_config: Any, load_config: Any, tp_size: int = 1) -> dict
     the model's directory (a hub model's snapshot) and those of the
     sub-models its config names, selected as ``fingerprints.model_fingerprint``
     selects them, and a local ``model_weights`` directory that
-    :func:`weights_elsewhere` keys; for ``tensorizer`` the local serialized files. A root that
+    :func:`weights_elsewhere` keys, and a ``quantization_config_file`` that ``hf_overrides`` names
+    (``config_files.quantization_file_inputs``); for ``tensorizer`` the local serialized files. A root that
     cannot be found (a hub model not downloaded yet) is left out."""
     fmt = load_format_of(load_config)
     if fmt == "tensorizer":
@@ -210,6 +243,9 @@ def watched_files(model_config: Any, load_config: Any, tp_size: int = 1) -> dict
     weights = str(getattr(model_config, "model_weights", "") or "")
     if fmt in MODEL_PATH_FORMATS and weights and not is_remote(weights):  # weights_elsewhere keys it by its files
         sources.append((weights, None))
+    overrides = getattr(model_config, "hf_overrides", None)  # a quantization config file read at load (config_files.py)
+    if isinstance(overrides, dict) and isinstance(overrides.get(QUANTIZATION_FILE), str):
+        sources.append((overrides[QUANTIZATION_FILE], None))
     out = {}
     for model, revision in sources:
         root = _root(model, revision, download_dir)
