@@ -64,6 +64,15 @@ class RemotePendingError(TierError):
     default_hint = "nothing to do: the request goes on; raise remote_deadline_s if it never answers in time"
 
 
+class UploaderElsewhereError(TierError):
+    """``flush`` timed out waiting for uploads that this process does not
+    make: another process (or another store of the directory in this one)
+    holds the store directory's uploader election, and only it uploads."""
+
+    default_hint = ("look at the process named (its log names its remote's errors) or stop it: an uploader here takes "
+                    "over within a second; the blocks stay queued meanwhile")
+
+
 class EpochSupersededError(UcmDbError, RuntimeError):
     """An epoch a store took without its remote that another node's later
     invalidation, claimed on the remote, supersedes: the store moves on

@@ -21,8 +21,7 @@ whole:
   :data:`UPLOADED_TTL_S` (a key found present is checked again next time:
   it may be old, which is what gc removes). A parent found absent (gc removed it, or its
   object is broken) that the local tier still holds is uploaded again from
-  it, with its absent ancestors (each checked in turn), parents first,
-  before the batch. One the local tier no longer holds (or holds under
+  it, with its absent ancestors, parents first, before the batch. One the local tier no longer holds (or holds under
   another namespace, or whose delete is being retracted here) is counted in
   :attr:`AncestorRepair.missing`, and the children go anyway, as before.
 * A parent found absent whose object a retraction took (its tombstone is
@@ -42,6 +41,18 @@ of a PUT's price, and one round trip before the batch, since the checks run
 on the upload pool at once), plus three requests per ancestor found absent
 (its check, its tombstone's and its upload). A batch that continues this process's own
 recent uploads (a conversation's next turn) checks nothing.
+
+Round trips: the absent ancestors are found a round of checks at a time,
+each round checking every chain further up at once (read from the local
+tier): 1 level, then 2, 4, ... up to ``upload_concurrency`` levels a round
+(shared among the chains walked). A chain whose parent is present costs its
+one check, as before; a long absent chain costs about ``2 / upload_concurrency``
+round trips of checks per level instead of 2 (the checks above the first
+present ancestor of a round are wasted: at most one round's worth). The
+uploads then go one level per round trip, parents first: a block is sent
+only once its parent has landed, so a failed upload never leaves a remote
+chain with a hole that the next batch's check (of its own parent only)
+would not see.
 
 Invariants:
     * Nothing of a batch goes before the ancestors it needs: a batch root
@@ -66,7 +77,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from ucm_db.errors import CorruptBlockError
@@ -85,6 +96,25 @@ MAX_REMEMBERED = 1 << 16
 
 #: Runs calls on the upload pool; their errors (None: success), or None when stopping.
 Runner = Callable[[list[Callable[[], str | None]]], list[str | None] | None]
+
+
+#: A check's answers (a failed one's error is in ``_Walk.failed`` once settled, ``_Walk.errors`` before).
+_PRESENT, _ABSENT, _TOMBSTONED, _FAILED = "present", "absent", "tombstoned", "failed"
+
+
+@dataclass(slots=True)
+class _Walk:
+    """What :meth:`AncestorRepair.before_batch` learnt so far about the
+    ancestors it walks."""
+
+    outcome: dict[bytes, str] = field(default_factory=dict)  # checked key -> its answer (_PRESENT ...)
+    errors: dict[bytes, str] = field(default_factory=dict)  # the errors of the failed checks
+    metas: dict[bytes, BlockMeta | None] = field(default_factory=dict)  # local metas read
+    settled: set[bytes] = field(default_factory=set)  # keys whose answer was applied
+    retracted_here: set[bytes] = field(default_factory=set)  # absent keys this node's delete retracted
+    absent: dict[bytes, BlockMeta] = field(default_factory=dict)  # absent from the remote, held here: to upload
+    failed: dict[bytes, str] = field(default_factory=dict)  # failed check or upload -> its error
+    retracted: set[bytes] = field(default_factory=set)  # tombstoned (and absent ones under them): never to upload
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +137,15 @@ class AncestorRepair:
         remote: where they go.
         upload: uploads one item (the uploader's; None or an error).
         run: runs calls on the upload pool (the uploader's).
+        concurrency: the upload concurrency (how far ahead a round checks).
     """
 
-    def __init__(self, local: LocalTier, remote: RemoteRoot, *, upload: Callable[[Item], str | None], run: Runner) -> None:
+    def __init__(self, local: LocalTier, remote: RemoteRoot, *, upload: Callable[[Item], str | None], run: Runner,
+                 concurrency: int = 1) -> None:
         self.local, self.remote = local, remote
         self._upload, self._run = upload, run
+        #: Checks one round makes at most (beyond one per frontier key): the upload concurrency.
+        self.concurrency = concurrency
         self._lock = threading.Lock()
         self._uploaded: dict[bytes, float] = {}  # key -> monotonic time this process uploaded it
         #: Parents checked on the remote (one request each).
@@ -140,60 +174,108 @@ class AncestorRepair:
             uploaded_s = self._uploaded.get(key)
         return uploaded_s is not None and time.monotonic() - uploaded_s < UPLOADED_TTL_S
 
-    def before_batch(self, work: Sequence[Item]) -> Repair | None:
+    def before_batch(self, work: Sequence[Item], run: Runner | None = None) -> Repair | None:
         """Checks the parents of ``work``'s batch roots and uploads the
         absent ones the local tier holds, parents first; None when asked to
-        stop (nothing of the batch may go then)."""
+        stop (nothing of the batch may go then). ``run``: the runner of its
+        remote calls (default: the uploader's)."""
+        run = run or self._run
         in_batch = {item[0] for item in work}
         frontier = {item[1]: item[2] for item in work if item[1] is not None and item[1] not in in_batch
                     and not self._known(item[1])}
-        absent: dict[bytes, BlockMeta] = {}  # absent from the remote, held here: to upload
-        failed: dict[bytes, str] = {}
-        retracted: set[bytes] = set()  # absent with a tombstone (and absent ones under them): never to upload
-        checked: set[bytes] = set()
+        walk = _Walk()
+        depth = 1
         while frontier:
-            tombstoned: set[bytes] = set()
-            found = self._absent(frontier, failed, tombstoned)
-            if found is None:
+            wanted = self._ahead(frontier, max(1, min(depth, self.concurrency // len(frontier))), walk)
+            if self._absent(wanted, walk, run) is None:
                 return None
-            checked.update(frontier)
-            metas = self.local.metas(list(found))
-            retracted_here = self.local.uploads.retracted(list(found))
-            frontier = {}
-            for (key, namespace_id), meta in zip(found.items(), metas):
-                if key in retracted_here:  # this node's delete took its tree: what it queued since is computed anew
-                    self.missing += 1
-                elif key in tombstoned:
-                    self.retracted += 1
-                    retracted.add(key)
-                elif meta is None or meta.namespace_id != namespace_id:
-                    self.missing += 1
-                else:
-                    absent[key] = meta
-                    if meta.parent is not None and meta.parent not in checked and not self._known(meta.parent):
-                        frontier[meta.parent] = namespace_id
-        if absent and self._send(absent, failed, retracted) is None:
+            frontier = self._settle(frontier, walk)
+            depth *= 2  # a chain absent this deep is likely absent deeper: check further ahead next round
+        absent, failed, retracted = walk.absent, walk.failed, walk.retracted
+        if absent and self._send(absent, failed, retracted, run) is None:
             return None
         dropped = _under(work, absent, retracted)
         self.dropped += len(dropped)
         return Repair(_under(work, absent, failed) - dropped, list(dict.fromkeys(failed.values())), dropped)
 
-    def _absent(self, wanted: dict[bytes, bytes], failed: dict[bytes, str], tombstoned: set[bytes],
-                ) -> dict[bytes, bytes] | None:
-        """Those of ``wanted`` (key -> namespace id) absent from the remote
-        (those with a tombstone also go to ``tombstoned``); a failed check
-        goes to ``failed``; None when stopping."""
+    def _ahead(self, frontier: dict[bytes, bytes], depth: int, walk: _Walk) -> dict[bytes, bytes]:
+        """The keys to check this round: each frontier key and up to
+        ``depth - 1`` of its ancestors above it (read from the local tier),
+        short of one known uploaded, already checked, or not held here
+        under the namespace: key -> namespace id. Those above an ancestor
+        found present are checked for nothing (their answers are never
+        used: :meth:`_settle`), a request each, in exchange for one round
+        trip per ``depth`` levels of a long absent chain."""
+        wanted = {key: ns for key, ns in frontier.items() if key not in walk.outcome}
+        tips = dict(wanted)
+        for _ in range(depth - 1):
+            metas = self.local.metas(list(tips))
+            walk.metas.update(zip(tips, metas))
+            tips = {meta.parent: ns for (key, ns), meta in zip(tips.items(), metas)
+                    if meta is not None and meta.namespace_id == ns and meta.parent is not None
+                    and meta.parent not in wanted and meta.parent not in walk.outcome and not self._known(meta.parent)}
+            wanted.update(tips)
+        return wanted
+
+    def _settle(self, frontier: dict[bytes, bytes], walk: _Walk) -> dict[bytes, bytes]:
+        """Walks up from each frontier key through the checked keys, as the
+        checks found them: an absent block held here is to upload and its
+        parent is walked next; a present, failed, tombstoned or unheld one
+        ends its chain. Returns the next frontier (parents not yet checked)."""
+        found = [key for key, outcome in walk.outcome.items() if outcome != _PRESENT and key not in walk.settled]
+        unread = [key for key in found if key not in walk.metas]
+        walk.metas.update(zip(unread, self.local.metas(unread)))
+        walk.retracted_here |= self.local.uploads.retracted(found)
+        following: dict[bytes, bytes] = {}
+        for start, namespace_id in frontier.items():
+            key: bytes | None = start
+            while key is not None and key not in walk.settled:
+                if key not in walk.outcome:  # beyond this round's checks
+                    following[key] = namespace_id
+                    break
+                walk.settled.add(key)
+                key = self._settle_one(key, namespace_id, walk)
+        return following
+
+    def _settle_one(self, key: bytes, namespace_id: bytes, walk: _Walk) -> bytes | None:
+        """Applies the check of ``key``; the parent to walk next, if any."""
+        outcome, meta = walk.outcome[key], walk.metas.get(key)
+        if outcome == _PRESENT:
+            return None
+        if outcome == _FAILED:  # what hangs under it waits for a later batch
+            walk.failed[key] = walk.errors[key]
+        elif key in walk.retracted_here:  # this node's delete took its tree: what it queued since is computed anew
+            self.missing += 1
+        elif outcome == _TOMBSTONED:
+            self.retracted += 1
+            walk.retracted.add(key)
+        elif meta is None or meta.namespace_id != namespace_id:
+            self.missing += 1
+        else:
+            walk.absent[key] = meta
+            if meta.parent is not None and not self._known(meta.parent):
+                return meta.parent
+        return None
+
+    def _absent(self, wanted: dict[bytes, bytes], walk: _Walk, run: Runner) -> bool | None:
+        """Checks ``wanted`` (key -> namespace id) at once, recording each
+        answer in ``walk.outcome``; None when stopping."""
         present: dict[bytes, bool] = {}
+        tombstoned: set[bytes] = set()
         calls: list[Callable[[], str | None]] = [partial(self._check, key, namespace_id, present, tombstoned)
                                                  for key, namespace_id in wanted.items()]
-        results = self._run(calls)
+        results = run(calls)
         if results is None:
             return None
         self.checks += len(calls)
         for key, error in zip(wanted, results):
             if error is not None:
-                failed[key] = error
-        return {key: namespace_id for key, namespace_id in wanted.items() if present.get(key) is False}
+                walk.outcome[key], walk.errors[key] = _FAILED, error
+            elif present.get(key):
+                walk.outcome[key] = _PRESENT
+            else:
+                walk.outcome[key] = _TOMBSTONED if key in tombstoned else _ABSENT
+        return True
 
     def _check(self, key: bytes, namespace_id: bytes, present: dict[bytes, bool], tombstoned: set[bytes]) -> str | None:
         """Reads the envelope of ``key``'s object: present if it is whole and
@@ -209,7 +291,8 @@ class AncestorRepair:
         present[key] = found  # last: a check that raised is a failure, not an absence
         return None
 
-    def _send(self, absent: dict[bytes, BlockMeta], failed: dict[bytes, str], retracted: set[bytes]) -> bool | None:
+    def _send(self, absent: dict[bytes, BlockMeta], failed: dict[bytes, str], retracted: set[bytes], run: Runner,
+              ) -> bool | None:
         """Uploads ``absent`` level by level, shallowest first; a block over a
         failed one does not go, nor one over a retracted one (it joins
         ``retracted``). None when stopping."""
@@ -223,7 +306,7 @@ class AncestorRepair:
                     retracted.add(key)
             level = [key for key in level if key not in failed and key not in retracted]
             gone: set[bytes] = set()
-            results = self._run([partial(self._send_one, key, gone) for key in level])
+            results = run([partial(self._send_one, key, gone) for key in level])
             if results is None:
                 return None
             for key, error in zip(level, results):

@@ -33,15 +33,17 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 from ucm_db.auth import AuthKeys
 from ucm_db.cpu_placement import place_current_thread
+from ucm_db.remote.daemon_pool import DaemonPool
 from ucm_db.remote.inline_reads import InlineReads, is_local_disk
 from ucm_db.remote.search import Breaker, SearchResult, search_prefix
 from ucm_db.remote.tier import RemoteObject, RemoteRoot, RemoteTier
@@ -54,6 +56,7 @@ READ_THREADS = 16
 #: Bytes of fetched objects promoted per local commit while later ones are
 #: still being fetched (read-through of ``get``, warming, continuations).
 PROMOTE_BATCH_BYTES = 16 << 20
+_log = logging.getLogger("ucm_db")
 #: Marks a call that did not finish before its deadline.
 UNFINISHED: Any = object()
 #: Deadline of bulk fetches (get of local misses, warming), which move data.
@@ -82,7 +85,7 @@ class RemoteLink:
         #: Bytes of fetched objects one lookup (or one stream) holds at most:
         #: never below the largest object read, which must fit one lookup.
         self.lookup_max_bytes = lookup_max_bytes or max(LOOKUP_MAX_BYTES, self.root.max_object_bytes)
-        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote", initializer=place_current_thread)
+        self._pool = DaemonPool(self.read_threads, "ucm-db-remote", place_current_thread)
         self._tiers: dict[bytes, RemoteTier] = {}
         self.last_search: SearchResult | None = None
         self.inline = InlineReads(self.root.is_local and is_local_disk(self.root.root))
@@ -95,13 +98,16 @@ class RemoteLink:
 
     def after_fork(self) -> None:
         """In a forked child: the parent's pool threads do not exist here."""
-        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ucm-db-remote", initializer=place_current_thread)
+        self._pool = DaemonPool(self.read_threads, "ucm-db-remote", place_current_thread)
         self.breaker = Breaker()
         self.root.after_fork()
 
     def close(self) -> None:
-        # Never wait on a hung remote: abandon running requests.
+        """Never waits on a hung remote: abandons the requests running (on
+        daemon threads: the process's exit does not wait for them either)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool.busy:
+            _log.info("ucm-db: closing: abandoned %d read(s) from remote %s still running", self._pool.busy, self.url)
 
     def submit(self, call: Callable[[], Any]) -> Future[Any]:
         """Runs ``call`` on the pool, timed like any request; the caller

@@ -62,11 +62,11 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from ucm_db.cpu_placement import place_current_thread
+from ucm_db.remote.daemon_pool import DaemonPool
 from ucm_db.errors import DamagedRecordError, MissingAncestorError, StoreFullError
 from ucm_db.keys import Namespace
 from ucm_db.remote import link as link_module
@@ -156,7 +156,7 @@ class Continuations:
         self._start()
 
     def _start(self) -> None:
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="ucm-db-promote", initializer=place_current_thread)
+        self._background = DaemonPool(1, "ucm-db-promote", place_current_thread)  # exit never waits on a hung fetch
         self._continuing_lock = threading.Lock()
         self._promote_lock = threading.Lock()
         self._continuing = 0

@@ -19,21 +19,29 @@ Invariants:
       last running call has ended: at once when none runs, else on the
       thread of the last to end. A call that never ends (a remote that never
       answers) keeps it held until this process ends, when the kernel
-      releases the lock (the interpreter's exit waits for pool threads, so
-      such a process must be killed); meanwhile no uploader of the store
-      directory runs.
+      releases the lock; meanwhile no uploader of the store directory runs.
+    * The calls run on daemon threads (:mod:`ucm_db.remote.daemon_pool`):
+      the interpreter's exit does not wait for them, so a process whose
+      remote hangs still exits once its main returns. The lock is let go
+      only by the callback above or by the process's end, and a call left
+      running dies with the process: no upload of this process lands after
+      the next uploader took the election (beyond a request the remote had
+      received whole when the process ended, as after a kill).
     * :meth:`UploadPool.run` returns None as soon as ``stop`` is set,
-      leaving its calls running (counted as above).
+      leaving its calls running (counted as above): the uploader's stop for
+      its batches, the store's close beginning for a write-through put's
+      calls (a put waiting on a hung remote must not hold close up).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 from ucm_db.cpu_placement import place_current_thread
+from ucm_db.remote.daemon_pool import DaemonPool
 
 #: How often :meth:`UploadPool.run` looks at its stop flag.
 STOP_POLL_S = 0.1
@@ -49,7 +57,7 @@ class UploadPool:
     """
 
     def __init__(self, workers: int) -> None:
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ucm-db-upload", initializer=place_current_thread)
+        self._pool = DaemonPool(workers, "ucm-db-upload", place_current_thread)
         self._lock = threading.Lock()
         self._running = 0  # submitted and not ended (done or cancelled)
         self._on_idle: Callable[[], None] | None = None
@@ -71,10 +79,6 @@ class UploadPool:
             raise
         future.add_done_callback(self._ended)
         return future
-
-    def map(self, call: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
-        """``call`` over ``items`` on the pool, waited for; results in order."""
-        return [future.result() for future in [self.submit(call, item) for item in items]]
 
     def run(self, calls: list[Callable[[], str | None]], stop: threading.Event) -> list[str | None] | None:
         """Runs remote calls at once; returns their errors (None for a

@@ -32,15 +32,13 @@ Invariants:
       its ``upload_now`` is uploaded and counted once.
     * Failures back off exponentially (50 ms doubling to 5 s) and retry
       forever; rows stay queued.
-    * One uploader per store directory across processes: an exclusive
-      ``flock`` on ``uploader.lock`` elects it; the kernel releases it when
-      its process dies, and another process takes over. A stopped uploader
-      (a store's close, which never waits for the remote) lets go of it
-      only once every call it started on its pool has ended
-      (:mod:`ucm_db.remote.upload_pool`): the next uploader never confirms
-      a retraction while an upload that read the block before its delete
-      may still land. An upload that never ends keeps it until its process
-      exits.
+    * One uploader per store directory across processes
+      (:mod:`ucm_db.remote.election`). A stopped uploader (a store's close,
+      which never waits for the remote, and logs the calls it abandons)
+      lets go of the election only once every call it started on its pool
+      has ended, or with its process (:mod:`ucm_db.remote.upload_pool`): the
+      next uploader never confirms a retraction while an upload that read
+      the block before its delete may still land.
     * Retractions (remote objects of blocks deleted locally,
       :mod:`ucm_db.remote.retraction`) are deleted by the elected uploader
       after each upload batch, under the same one-batch-at-a-time lock, and
@@ -50,10 +48,8 @@ Invariants:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +64,7 @@ from ucm_db.cpu_placement import place_current_thread
 from ucm_db.errors import ClosedError, CorruptBlockError, TierError
 from ucm_db.remote.ancestry import AncestorRepair
 from ucm_db.remote.codec_choice import RemoteCodec
+from ucm_db.remote.election import LOCK_NAME as LOCK_NAME, UploaderElection  # LOCK_NAME: re-exported for tools
 from ucm_db.remote.retraction import RemoteRetractions
 from ucm_db.remote.upload_plan import BatchPlanner, read_items
 from ucm_db.remote.upload_pool import UploadPool
@@ -80,7 +77,6 @@ BATCH_BYTES = 64 << 20
 IDLE_POLL_S = 0.5
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
-LOCK_NAME = "uploader.lock"
 #: ``info`` record of the remote codec in force, for ``ucm-db inspect``.
 REMOTE_CODEC_RECORD = b"remote_codec"
 
@@ -107,18 +103,19 @@ class Uploader:
         self._recorded_codec: str | None = None
         self._element_bytes: dict[bytes, int] = {}
         self.concurrency = concurrency
-        self._lock_path = store_dir / LOCK_NAME
-        self._lock_fd: int | None = None
-        self._lock_fd_lock = threading.Lock()  # the pool's last call may release it on its own thread
+        self.election = UploaderElection(store_dir)
         self._wake, self.closing = threading.Event(), threading.Event()  # closing: the store's close began
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self._batch = threading.Lock()  # one batch at a time: the thread's or upload_now's
         self._pool = UploadPool(concurrency)
+        self._sending: set[bytes] = set()  # keys whose upload runs now (close's log of what it abandons)
+        self._sending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
         self.retractions = RemoteRetractions(local, remote, self._pool)
         self.planner = BatchPlanner(local)
-        self.ancestry = AncestorRepair(local, remote, upload=self._upload_one, run=self._run_uploads)
+        self.ancestry = AncestorRepair(local, remote, upload=self._upload_one, run=self._run_uploads,
+                                       concurrency=concurrency)
         self.uploaded = 0
         self.failures = 0
         self.last_error: str | None = None
@@ -135,13 +132,21 @@ class Uploader:
         time. The election is let go once the calls left running on the
         pool have ended (module invariants)."""
         self._stop.set()
+        self.closing.set()
         self._wake.set()
         if self._thread.ident is not None:  # started
             self._thread.join()
         running = self._pool.shutdown_then(self._release_lock)
-        if running and self._lock_fd is not None:
-            _log.info("ucm-db: %d call(s) to remote %s still running at close; this process stays the store's uploader "
-                      "until they end (a retraction is confirmed only after them)", running, self.remote.root)
+        if running:
+            self._log_abandoned(running)
+
+    def _log_abandoned(self, running: int) -> None:
+        with self._sending_lock:
+            sending = len(self._sending)
+        _log.warning("ucm-db: closing: abandoned %d remote call(s) to %s still running (%d of them block uploads); their "
+                     "blocks stay queued for the store's next uploader, and the process can exit meanwhile%s", running,
+                     self.remote.root, sending, "; it stays the store directory's uploader until they end or it exits "
+                     "(a retraction is confirmed only after them)" if self.election.held else "")
 
     # -- the loop ----------------------------------------------------------------
     def _run(self) -> None:
@@ -196,7 +201,7 @@ class Uploader:
             return len(self.local.uploads.retractions_due())
         try:
             deadline = time.monotonic() + deadline_s
-            return self.retractions.run(confirm=self._lock_fd is not None, stop=self._stop, deadline=deadline)[1]
+            return self.retractions.run(confirm=self.election.held, stop=self._stop, deadline=deadline)[1]
         finally:
             self._batch.release()
 
@@ -267,12 +272,16 @@ class Uploader:
         sent_bytes = 0
         if self.codec is not None:
             self.codec.send_started()
+        with self._sending_lock:
+            self._sending.add(key)
         try:
             self.remote.tier(namespace_id).store(key, parent, sent)
             sent_bytes = len(sent)
         except Exception as exc:  # noqa: BLE001 - any failure keeps the row queued
             return f"{type(exc).__name__}: {exc}"
         finally:
+            with self._sending_lock:
+                self._sending.discard(key)
             if self.codec is not None:
                 self.codec.send_finished(sent_bytes)
         return None
@@ -301,44 +310,36 @@ class Uploader:
 
     # -- election ----------------------------------------------------------------
     def _take_lock(self) -> bool:
-        if self._lock_fd is not None:
-            return True
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        with self._lock_fd_lock:
-            self._lock_fd = fd
-        return True
+        return self.election.take()
 
     def _release_lock(self) -> None:
-        with self._lock_fd_lock:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+        self.election.release()
 
     # -- waiting -----------------------------------------------------------------
     def wait_drained(self, timeout_s: float | None) -> None:
         """Blocks until the queue is empty (whichever process drains it).
 
         Raises:
-            TierError: still not empty after ``timeout_s``; rows stay queued.
+            UploaderElsewhereError: still not empty after ``timeout_s``, and
+                another process (or store) is the uploader: names it.
+            TierError: still not empty after ``timeout_s`` (this process
+                uploads: the remote failed or is slow); rows stay queued.
             ClosedError: ``closing`` is set (the store's close, which waits for this flush, began)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
         while self.local.pending_uploads(limit=1) or self.retractions.pending():
             if self.closing.is_set():  # the store's close began: it would wait for this flush
                 raise ClosedError(f"the store closed while flush waited for its uploads to {self.remote.root}")
             if end is not None and time.monotonic() >= end:
-                left, retracted = len(self.local.pending_uploads()), len(self.local.uploads.retractions_due())
-                raise TierError(f"{left} block(s) still waiting for upload to {self.remote.root} (and {retracted}"
-                                f" deleted block(s) for the delete of their remote objects) after {timeout_s} s"
-                                + (f" (last error: {self.last_error})" if self.last_error else ""),
-                                hint="check the remote; the blocks stay queued and upload when it is back")
+                raise self._drain_timeout(timeout_s)
             self._wake.set()
             with self._idle:
                 self._idle.wait(0.05)
+
+    def _drain_timeout(self, timeout_s: float | None) -> TierError:
+        left, retracted = len(self.local.pending_uploads()), len(self.local.uploads.retractions_due())
+        return self.election.flush_timeout(f"{left} block(s) still waiting for upload to {self.remote.root} (and "
+                                           f"{retracted} deleted block(s) for the delete of their remote objects) after "
+                                           f"{timeout_s} s", self.last_error)
 
     def upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]]) -> list[str]:
         """Uploads ``(key, parent, namespace id, blob)`` items at once
@@ -351,17 +352,21 @@ class Uploader:
     def _upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]]) -> list[str]:
         if not items:
             return []
-        try:
-            self._ensure_manifests({item[2] for item in items})
-        except Exception as exc:  # noqa: BLE001 - reported like an upload failure
-            return [f"{type(exc).__name__}: {exc}"] * len(items)
+        closing = ["the store is closing: the blocks stay queued"] * len(items)
+        run = partial(self._pool.run, stop=self.closing)  # a put's remote calls never hold up close
+        manifest = run([lambda: self._ensure_manifests({item[2] for item in items})])
+        if manifest is None or manifest[0] is not None:
+            return closing if manifest is None else [str(manifest[0])] * len(items)
         work = [(key, parent, ns, 0, blob) for key, parent, ns, blob in items]
-        repair = self.ancestry.before_batch(work)  # the parents of its roots first
+        repair = self.ancestry.before_batch(work, run=run)  # the parents of its roots first
         if repair is None:
-            return ["the store is closing"] * len(items)
+            return closing
         left_out = repair.held_back | repair.dropped
         work = [item for item in work if item[0] not in left_out]
-        results = list(self._pool.map(self._upload_one, work))
+        ran = run([partial(self._upload_one, item) for item in work])
+        if ran is None:
+            return closing
+        results = list(ran)
         done = [item[0] for item, error in zip(work, results) if error is None]
         self.ancestry.remember(done)
         self.uploaded += len(done)  # before the rows leave the queue (see drain_batch)
@@ -373,8 +378,7 @@ class Uploader:
     def forget_lock_after_fork(self) -> None:
         """In a forked child: drop the inherited lock descriptor (closing
         this copy leaves the parent's lock alone)."""
-        self._lock_fd_lock = threading.Lock()  # a parent's thread may have held it at the fork
-        self._release_lock()
+        self.election.forget_after_fork()
 
 
 def describe(uploader: Uploader | None) -> dict[str, Any]:

@@ -54,7 +54,7 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -248,7 +248,7 @@ class StoreState:
         holders = [getattr(owner, field, None) for owner in owners if owner is not None for field in _OWN_THREAD_FIELDS]
         # A pool's worker may run its first task before the pool lists it: its own arguments name its pool.
         worker_of = next((arg() for arg in getattr(thread, "_args", ()) if isinstance(arg, weakref.ref)), None)
-        return any(holder is thread or (isinstance(holder, ThreadPoolExecutor) and (
+        return any(holder is thread or (isinstance(holder, Executor) and (
             holder is worker_of or thread in list(getattr(holder, "_threads", ())))) for holder in holders)
 
     def _end_upload_waits(self) -> None:
