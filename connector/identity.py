@@ -6,7 +6,9 @@ BLAKE3 digest of the files vLLM loads it from, a hub model's being those of
 the snapshot its revision resolves to: :mod:`ucm_db.connector.fingerprints`;
 never a path or a branch name), the KV dtype, the block size, a layout
 descriptor (platform, attention ISA, spec kind, layers, *total* KV heads,
-head size, KV cache dtype, a stored draft: :mod:`ucm_db.connector.drafts`)
+head size, KV cache dtype, the view the layout adapter is handed where it
+is not the default CPU one: :func:`~ucm_db.connector.engine_facts.kv_view`,
+a stored draft: :mod:`ucm_db.connector.drafts`)
 and the inputs below (:func:`namespace_inputs`, ``Namespace.extra``). It does not depend on the tensor- or pipeline-parallel
 size or rank: blocks are stored as units of one KV head and one pipeline
 stage's layers (:mod:`ucm_db.keys.units`, ``docs/tp.md``), so a store
@@ -57,8 +59,9 @@ Not keyed: the tokenizer and generation config (token ids are keyed, not
 text; sampling never changes KV), ``seed``, ``enforce_eager``, the
 attention backend and ``model_impl`` (numerics within kernel tolerance,
 unless the model or its KV cache is quantized:
-:func:`~ucm_db.connector.numerics.numerics_inputs`; the platform and CPU
-attention ISA are in the layout), served names, pooling and runner options,
+:func:`~ucm_db.connector.numerics.numerics_inputs`; the platform, CPU
+attention ISA and the view of the KV cache a backend hands the connector
+are in the layout), served names, pooling and runner options,
 per-request multimodal options (vLLM's item identifiers carry them), the
 LoRA config (keyed per request, with how the engine applies it). Tripwire
 tests (``tests/connector/test_identity_inputs.py``, ``test_config_tripwires.py``)
@@ -97,6 +100,7 @@ from typing import Any
 
 from ucm_db.connector.context_length import max_len_inputs
 from ucm_db.connector.drafts import draft_load_config, draft_shape, drops_last_block, stored_view
+from ucm_db.connector.engine_facts import kv_view
 from ucm_db.connector.fingerprints import model_fingerprint
 from ucm_db.connector.remote_code import remote_code_inputs
 from ucm_db.connector.hybrid.groups import group_described, group_extra, kv_groups
@@ -138,7 +142,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
     # Context parallelism, KV that is no prefix function (identity_guards.py), then groups ucm-db cannot lay out
     # (groups.py): before vLLM allocates the KV cache.
     refuse_unstorable(vllm_config, kv_cache_config)
-    kv_groups(kv_cache_config)
+    kv_groups(kv_cache_config, getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None))
     warn_weight_updates(vllm_config)  # weights that change while it serves: a reset must follow each update
     groups = list(kv_cache_config.kv_cache_groups)
     # The first attention group's spec (a hybrid's group 0 may hold SSM state, ssm_state.py).
@@ -159,6 +163,9 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
         "head_size": getattr(spec, "head_size", 0),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
     }
+    view = kv_view(spec, current_platform())
+    if view is not None:  # the default CPU layout: the layout as before
+        parts["kv_view"] = view
     if draft:  # no draft stored: the layout as before
         parts["draft"] = {**draft, **draft_engine_inputs(vllm_config)}
     parallel = vllm_config.parallel_config
@@ -187,7 +194,7 @@ def kv_shape(vllm_config: Any, kv_cache_config: Any, model_id: str | None) -> KV
 def stored_groups(vllm_config: Any, kv_cache_config: Any) -> list[Any]:
     """The KV cache groups ucm-db stores (``hybrid/groups.kv_groups``), draft
     layers that are not stored left out (:func:`~ucm_db.connector.drafts.stored_view`)."""
-    return kv_groups(stored_view(vllm_config, kv_cache_config))
+    return kv_groups(stored_view(vllm_config, kv_cache_config), getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None))
 
 
 def _unit_bytes(spec: Any, block_size: int, layers: int) -> int:
@@ -374,8 +381,10 @@ def _platform_tag(spec: Any, vllm_config: Any) -> str:
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(spec.dtype, int(vllm_config.cache_config.block_size), getattr(spec, "head_size", None),
-                            str(vllm_config.cache_config.cache_dtype))
+        # As vLLM's CPUAttentionMetadataBuilder calls it: the model dtype (an fp8 cache's spec dtype is uint8, and
+        # the ISA follows the model's), the spec's block and head size, the KV cache dtype.
+        isa = _get_attn_isa(vllm_config.model_config.dtype, int(getattr(spec, "block_size", None) or vllm_config.cache_config.block_size),
+                            getattr(spec, "head_size", None), str(vllm_config.cache_config.cache_dtype))
     except Exception:  # noqa: BLE001 - private helper; fall back to the CPU feature
         import torch
 

@@ -7,10 +7,11 @@ segments*: tensors whose first dimension is the vLLM block id, so that
 =================  ===========================================  ==========================
 layout             per-layer tensor(s)                          segments of one layer
 =================  ===========================================  ==========================
-``cpu``            ``[num_blocks, kv_heads, block, 2*head]``    ``[t]`` (K transposed
-                   (vLLM CPU backend)                           inside: bytes are opaque)
+``cpu``            ``[num_blocks, kv_heads, block, 2*head]``    ``[t]`` (CPU: K transposed
+                   (vLLM 0.32's view of every paged KV cache:   inside, bytes opaque;
+                   CPU, CUDA and ROCm backends alike)           CUDA: a token's K then V)
 ``flash``          ``[2, num_blocks, block, heads, head]``      ``[t[0], t[1]]`` (K, V)
-                   (CUDA flash-attention)
+                   (CUDA FlashAttention before vLLM 0.32)
 ``mla``            ``[num_blocks, block, dim]``                 ``[t]``
 ``kv_tuple``       ``(k_cache, v_cache)``, each                 ``[k, v]``
                    ``[num_blocks, block, heads, head]``
@@ -20,9 +21,11 @@ layout             per-layer tensor(s)                          segments of one 
 The connector stores a block as *units* of one KV head (:mod:`ucm_db.keys.units`,
 ``docs/tp.md``): a unit is one frame per layer (layers in registration
 order), a layer's frame is that head's slice of each segment for the block,
-back to back (``cpu``: the head's ``[block, 2*head]`` slab, contiguous in
-the cache; ``flash``/``kv_tuple``: the head's K ``[block, head]`` then its V,
-strided in the cache). MLA has one unit (its latent). Unit staging is
+back to back (``cpu``: the head's ``[block, 2*head]`` slab, contiguous in a
+CPU cache, strided in a CUDA one allocated token-major, each token's K and V
+side by side; ``flash``/``kv_tuple``: the head's K ``[block, head]`` then
+its V, strided). MLA has one unit (its latent; vLLM 0.32: a ``cpu`` view
+of one head). The namespace names the view (``engine_facts.kv_view``). Unit staging is
 ``uint8 [blocks, local heads, unit bytes]``, so the store decodes each unit
 straight into its row and the copies into the KV caches are strided views.
 Where a head's share of a block is one contiguous slab per layer (``cpu``,
@@ -32,8 +35,8 @@ unit's scatter list. The worker does so for either codec in ``block``
 and ``async`` load modes (``ucm-db bench load`` measures it).
 A *whole* block (every local head per frame, the segments' bytes back to
 back: :meth:`KVLayout.gather`) is what ucm-db stored before units; the
-connector no longer reads one from a store (``ucm-db migrate`` splits them
-into units, :mod:`ucm_db.maintenance.pre_units`). The store only ever sees bytes.
+connector no longer reads one (``ucm-db migrate`` splits those written on
+CPU into units, drops the rest: :mod:`ucm_db.maintenance.pre_units`). The store only ever sees bytes.
 
 Invariants:
     * Copies use plain torch ops (``index_select``, ``index_copy_``,

@@ -45,11 +45,13 @@ def render(r: dict[str, Any]) -> str:
     lines = [f"{verb} {len(r['pending'])} migration(s) to {r['path']}:"] + [
         f"  {m['version']:>4}  {m['name']}: {m['description']}" for m in r["pending"]]
     pre = r.get("pre_unit_blocks")
-    if pre and (pre["whole_blocks"] or pre["per_rank_blocks"] or pre["skipped_blocks"]):
+    dropped = pre.get("dropped_blocks", 0) if pre else 0
+    if pre and (pre["whole_blocks"] or pre["per_rank_blocks"] or pre["skipped_blocks"] or dropped):
         verb = "would convert" if r["dry_run"] else "converted"
         lines.append(f"{verb} blocks from before units: {pre['whole_blocks']} whole blocks split into "
                      f"{pre['units_written']} head units, {pre['per_rank_blocks']} per-rank blocks dropped (they cannot be re-keyed)"
-                     + (f", {pre['skipped_blocks']} unreadable whole blocks dropped" if pre["skipped_blocks"] else ""))
+                     + (f", {pre['skipped_blocks']} unreadable whole blocks dropped" if pre["skipped_blocks"] else "")
+                     + (f", {dropped} whole blocks written off CPU dropped: not convertible, recomputed on demand" if dropped else ""))
     elif not r["pending"]:
         return f"{r['path']} is at format {r['target_format']}: nothing to migrate"
     return "\n".join(lines if r["pending"] else lines[1:])
@@ -63,8 +65,9 @@ def render(r: dict[str, Any]) -> str:
 @json_option
 def migrate_command(path: Path, dest: Path | None, to_engine: str | None, dry_run: bool, as_json: bool) -> None:
     """Apply pending format migrations to the store at PATH (then convert
-    blocks of the storage generations before units: whole blocks split into
-    head units, per-rank blocks dropped), or with
+    blocks of the storage generations before units: whole blocks written on
+    CPU split into head units; per-rank blocks and whole blocks written off
+    CPU, whose KV layout is not recorded, dropped), or with
     --to-engine convert it into a new store DEST (verified), outside PATH:
     the copy is built beside DEST under a hidden temp name and renamed to
     DEST only when verified. Needs the store to itself: refuses while other

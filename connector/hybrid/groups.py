@@ -29,7 +29,11 @@ Invariants:
       local attention, cross attention ...), and a lone
       group that is not attention, are refused with a ConfigError naming
       the spec and the fix, when the groups are first known: the worker's
-      connector is made before vLLM allocates the KV cache.
+      connector is made before vLLM allocates the KV cache. So is a group
+      whose layers' pages differ (vLLM's ``UniformTypeKVCacheSpecs``: some
+      layers kept in the model dtype by ``kv_cache_dtype_skip_layers``, or
+      layers of other head sizes, a draft's): the namespace names one head
+      size and KV dtype for all of them.
 """
 
 from __future__ import annotations
@@ -64,12 +68,16 @@ class KVGroup:
         return out
 
 
-def kv_groups(kv_cache_config: Any) -> list[KVGroup]:
-    """The groups of vLLM's ``KVCacheConfig``; refuses specs ucm-db cannot store."""
+def kv_groups(kv_cache_config: Any, skip_layers: Any = None) -> list[KVGroup]:
+    """The groups of vLLM's ``KVCacheConfig``; refuses specs ucm-db cannot
+    store (``skip_layers``: the cache config's ``kv_cache_dtype_skip_layers``,
+    named where a group's pages differ)."""
     groups = []
     specs = kv_cache_config.kv_cache_groups
     for index, group in enumerate(specs):
         spec_name = type(group.kv_cache_spec).__name__
+        if spec_name == "UniformTypeKVCacheSpecs":
+            raise _mixed_pages(index, group, skip_layers)
         kind = _STORABLE.get(spec_name)
         if kind is None and len(specs) == 1 and _is_attention(group.kv_cache_spec):
             kind = spec_name  # one group: any attention spec, as ucm-db stored it before groups (MLA ...)
@@ -138,6 +146,28 @@ def _state_spec(index: int, group: Any) -> str:
     dtypes = [str(d).removeprefix("torch.") for d in spec.dtypes]
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     return f"{kind}:{[list(s) for s in spec.shapes]}:{dtypes}"
+
+
+def _mixed_pages(index: int, group: Any, skip_layers: Any) -> ConfigError:
+    """The refusal of a group whose layers' KV specs differ (module invariants), naming what differs."""
+    kinds: dict[str, list[str]] = {}
+    dtypes = set()
+    for name, spec in group.kv_cache_spec.kv_cache_specs.items():
+        dtypes.add(dtype := str(getattr(spec, "dtype", "?")).removeprefix("torch."))
+        what = f"head size {getattr(spec, 'head_size', '?')}, {dtype}, {getattr(spec, 'page_size_bytes', '?')} bytes a page"
+        kinds.setdefault(what, []).append(name)
+    listed = "; ".join(names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "") + f": {what}"
+                       for what, names in kinds.items())
+    skip_layers = skip_layers if len(dtypes) > 1 else None  # the setting is the cause only where KV dtypes differ
+    cause = (f": vLLM keeps the KV of the layers kv_cache_dtype_skip_layers={list(skip_layers)!r} names (set by hand, or "
+             "by a turboquant/ultraquant KV cache dtype for its boundary layers) in the model dtype, beside quantized "
+             "ones" if skip_layers else "")
+    return ConfigError(
+        f"KV cache group {index} ({len(group.layer_names)} layers) holds layers whose KV pages differ in size or kind ({listed}){cause}; "
+        "ucm-db cannot store a group of mixed pages (it stores one KV layout per group)",
+        hint="serve this model without ucm-db" + (", or without kv_cache_dtype_skip_layers (one KV cache dtype for every "
+                                                 "layer)" if skip_layers else ""),
+    )
 
 
 def _is_attention(spec: Any) -> bool:

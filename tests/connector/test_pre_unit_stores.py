@@ -29,6 +29,7 @@ from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
 from ucm_db.connector.worker.hooks import UcmDbWorker  # noqa: E402
 from ucm_db.errors import FormatVersionError  # noqa: E402
 from ucm_db.keys import Namespace  # noqa: E402
+from ucm_db.keys.units import KVGrid, unit_key  # noqa: E402
 from ucm_db.maintenance.pre_units import split_whole  # noqa: E402
 from ucm_db.tools.cli import cli  # noqa: E402
 
@@ -154,28 +155,68 @@ def test_per_rank_blocks_are_refused_at_start_and_dropped_by_migrate(tmp_path: P
     sched.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["cpu", "flash"])
-def test_split_whole_matches_the_units_the_connector_writes(kind: str) -> None:
-    """The migration's byte rule against the connector's own layouts: a
+def test_split_whole_matches_the_units_the_connector_writes() -> None:
+    """The migration's byte rule against the connector's own CPU layout: a
     whole block split is each head's unit, frame by frame."""
     torch.manual_seed(2)
-    if kind == "cpu":
-        caches = {f"l{i}": torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD).to(torch.bfloat16) for i in range(LAYERS)}
-    else:  # FlashAttention's [2, blocks, block, heads, head]
-        caches = {f"l{i}": torch.randn(2, NUM_BLOCKS, BS, HEADS, HEAD).to(torch.bfloat16) for i in range(LAYERS)}
+    caches = {f"l{i}": torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD).to(torch.bfloat16) for i in range(LAYERS)}
     layout = detect_layout(caches, NUM_BLOCKS)
-    assert layout.kind == kind
+    assert layout.kind == "cpu"
     whole = layout.new_staging(1)
     layout.gather([5], whole)
     units = layout.new_unit_staging(1)
     layout.gather_units([5], units)
-    description = {"kv_dtype": "bfloat16", "block_size": BS, "layout": _layout_json("cpu-x86" if kind == "cpu" else "cuda")}
+    description = {"kv_dtype": "bfloat16", "block_size": BS, "layout": _layout_json("cpu-x86")}
     split = split_whole(whole.numpy()[0].tobytes(), description)
     assert len(split) == HEADS
     for head, frames in enumerate(split):
         expected = units.numpy()[0, head]
         assert b"".join(frames) == expected.tobytes()
         assert [len(f) for f in frames] == list(layout.unit_layer_bytes)
+    with pytest.raises(FormatVersionError, match="cannot be split"):  # off CPU the record does not give the layout
+        split_whole(whole.numpy()[0].tobytes(), {**description, "layout": _layout_json("cuda")})
+
+
+def _cuda_caches(vllm: str) -> dict[str, torch.Tensor]:
+    """What vLLM hands the connector on CUDA: 0.32 views every backend's
+    cache ``[blocks, heads, block, K|V]`` over an allocation in NHD order
+    (``vllm/v1/worker/utils.py: allocate_kv_cache``; FlashAttention splits
+    K and V off the last axis), before 0.32 FlashAttention's own
+    ``[2, blocks, block, heads, head]``."""
+    if vllm == "0.32":
+        return {f"l{i}": torch.randn(NUM_BLOCKS, BS, HEADS, 2 * HEAD).to(torch.bfloat16).permute(0, 2, 1, 3) for i in range(LAYERS)}
+    return {f"l{i}": torch.randn(2, NUM_BLOCKS, BS, HEADS, HEAD).to(torch.bfloat16) for i in range(LAYERS)}
+
+
+@pytest.mark.parametrize("written", ["cpu", "cuda-0.32", "cuda-before-0.32"])
+def test_migrate_writes_the_connectors_own_units_or_drops_the_block(tmp_path: Path, written: str) -> None:
+    """A whole block's record names its platform, not the arrangement that
+    wrote it: on CUDA two arrangements of one size were written (vLLM 0.32's
+    head-major ``[block, K|V]``, FlashAttention's head-minor K then V before
+    it). Every unit ``ucm-db migrate`` leaves is byte for byte the one the
+    connector gathers from the same cache; whole blocks off CPU are dropped."""
+    torch.manual_seed(3)
+    caches = _model_kv() if written == "cpu" else _cuda_caches(written.removeprefix("cuda-"))
+    layout = detect_layout(caches, NUM_BLOCKS)
+    whole, units = layout.new_staging(1), layout.new_unit_staging(1)
+    layout.gather([5], whole)
+    layout.gather_units([5], units)  # what the connector reads for each head
+    shape = KVShape(model="pre-units", kv_dtype="bfloat16", block_size=BS, use_mla=False, tp_size=1, pp_size=1,
+                    layout=_layout_json("cpu-x86" if written == "cpu" else "cuda"), kv_heads=HEADS, layers=LAYERS)
+    ns, path = namespace(shape), tmp_path / "s"
+    keys = ns.block_keys(list(range(1, BS + 1)))
+    with ucm_db.open(path) as store:
+        store.put(ns, keys, [layout.frames(whole.numpy()[0])])
+    out = _migrate(path)
+    grid = KVGrid(HEADS, LAYERS)
+    with ucm_db.open(path) as store:
+        migrated = store.get(ns, [unit_key(keys[0], span, grid) for span in grid.head_spans()])
+        blocks = store.stats().blocks
+    for head, unit in enumerate(migrated):
+        assert unit is None or bytes(unit) == units.numpy()[0, head].tobytes(), f"head {head}: not the connector's unit"
+    assert blocks == (HEADS if written == "cpu" else 0)  # the whole block is gone either way
+    if written != "cpu":
+        assert "1 whole blocks written off CPU dropped: not convertible, recomputed on demand" in out
 
 
 def test_conversion_refuses_while_the_store_is_open_elsewhere(tmp_path: Path) -> None:

@@ -11,11 +11,18 @@ refuses a store holding them, pointing here):
   description gives its layers and head size holds units of at most
   ``layers x block_size x 2 x head_size x dtype bytes`` raw bytes, and a
   whole block is ``H`` times that (:func:`whole_block_raw_bytes`).
-  :func:`split_whole` cuts one into its ``H`` head units, byte for byte
-  what the connector's layouts write: each layer's frame is the head's
-  slice of the whole frame, head-major on the ``cpu`` platform (the vLLM
-  CPU cache ``[heads, block, 2*head]``), head-minor elsewhere (K then V,
-  each ``[block, heads, head]``).
+  Only those written on a CPU platform (the record's ``platform`` starts
+  with ``cpu``) are converted: :func:`split_whole` cuts one into its ``H``
+  head units, byte for byte what the connector's layouts write (each
+  layer's frame is the head's slice of the whole frame, head-major: the
+  vLLM CPU cache ``[heads, block, 2*head]``, the one CPU arrangement).
+  Elsewhere the record does not say which arrangement wrote the block, and
+  two of one size are known on CUDA alone: vLLM before 0.32 handed
+  FlashAttention's ``[2, blocks, block, heads, head]`` (a head's K then
+  its V, head-minor in the frame), vLLM 0.32 hands every backend's
+  ``[blocks, heads, block, K|V]`` (head-major, K and V side by side per
+  token); a split by guess would load wrong KV. Those whole blocks are
+  deleted (``dropped_blocks``): recomputed on demand, and saved as units.
 * **per-rank blocks**: written at TP>1 or PP>1 under a namespace carrying
   the rank (``tp_size``/``pp_size`` in its description) and the connector's
   layout record (a JSON object naming ``kv_heads``). Their keys are
@@ -29,8 +36,9 @@ Invariants:
       unit's parent is the same head's unit of the block's parent) before
       it deletes any whole block, so a conversion cut short leaves whole
       blocks and complete unit chains, and running it again finishes it.
-      A whole block it cannot split (corrupt, or below one that is) is
-      deleted with the others: no connector reads it either way.
+      A whole block it cannot split (corrupt, below one that is, or
+      written off CPU) is deleted with the others: no connector reads it
+      either way.
     * Only the store's public API writes (put, delete): the index, LRU and
       totals stay consistent; a unit already stored is not written twice.
     * It refuses (LockedError, naming them) while other processes have the
@@ -150,25 +158,32 @@ def refusal(path: str | Path, found: Mapping[str, str]) -> FormatVersionError:
     )
 
 
+def convertible(description: Mapping[str, Any]) -> bool:
+    """Whether the namespace's whole blocks are provably in the arrangement
+    :func:`split_whole` reads: written on a CPU platform (module docstring)."""
+    return str(_layout(description).get("platform", "")).startswith("cpu")
+
+
 def split_whole(payload: bytes | bytearray | memoryview, description: Mapping[str, Any]) -> list[list[bytes]]:
-    """A whole block's ``heads`` units, each a list of per-layer frames (module docstring)."""
+    """A whole block's ``heads`` units, each a list of per-layer frames
+    (module docstring). Raises FormatVersionError for a block written off
+    CPU, whose arrangement its record does not give."""
+    if not convertible(description):
+        raise FormatVersionError(
+            f"a whole block written on platform {_layout(description).get('platform')!r} cannot be split: its record "
+            "does not say which KV layout wrote it",
+            hint="`ucm-db migrate` drops such blocks; their KV is recomputed on demand",
+        )
     parts = _layout(description)
     heads, layers = int(parts["kv_heads"]), int(parts["layers"])
-    head_bytes = int(parts["head_size"]) * _DTYPE_BYTES[str(description["kv_dtype"])]
     data = memoryview(payload).cast("B")
     frame_bytes = len(data) // layers
-    head_major = str(parts.get("platform", "")).startswith("cpu")
+    share = frame_bytes // heads
     units: list[list[bytes]] = [[] for _ in range(heads)]
     for layer in range(layers):
         frame = data[layer * frame_bytes : (layer + 1) * frame_bytes]
-        if head_major:
-            share = frame_bytes // heads
-            for h in range(heads):
-                units[h].append(bytes(frame[h * share : (h + 1) * share]))
-        else:
-            row = heads * head_bytes
-            for h in range(heads):
-                units[h].append(b"".join(frame[at + h * head_bytes : at + (h + 1) * head_bytes] for at in range(0, frame_bytes, row)))
+        for h in range(heads):
+            units[h].append(bytes(frame[h * share : (h + 1) * share]))
     return units
 
 
@@ -180,11 +195,12 @@ class ConversionReport:
     units_written: int = 0
     per_rank_blocks: int = 0   # per-rank blocks deleted
     skipped_blocks: int = 0    # whole blocks that could not be split (unreadable, or their parent was not): deleted too
+    dropped_blocks: int = 0    # whole blocks written off CPU (not convertible: module docstring): deleted
     namespaces: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"whole_blocks": self.whole_blocks, "units_written": self.units_written, "per_rank_blocks": self.per_rank_blocks,
-                "skipped_blocks": self.skipped_blocks, "namespaces": dict(self.namespaces)}
+                "skipped_blocks": self.skipped_blocks, "dropped_blocks": self.dropped_blocks, "namespaces": dict(self.namespaces)}
 
 
 _ACTION = "convert the blocks from before units of"
@@ -199,7 +215,8 @@ def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
         whole, ranks = _older_blocks(view.tier, wanted)
     if dry_run or not (whole or ranks):
         _note_namespaces(report, whole, ranks, wanted)
-        report.whole_blocks, report.per_rank_blocks = len(whole), len(ranks)
+        report.whole_blocks, report.per_rank_blocks = len(_convertible(whole, wanted)), len(ranks)
+        report.dropped_blocks = len(whole) - report.whole_blocks
         return report
     lock = StoreLock(path)  # refused at once, naming the holders, before the store is opened
     refuse_if_held(Path(path), lock, _ACTION)
@@ -210,8 +227,10 @@ def convert(path: str | Path, *, dry_run: bool = False) -> ConversionReport:
         refuse_if_held(Path(path), store._state._dir_lock, _ACTION)
         whole, ranks = _older_blocks(store._tier, wanted)  # again, alone with the store
         _note_namespaces(report, whole, ranks, wanted)
-        _refuse_eviction(store, whole, wanted, Path(path))
-        converted = _write_units(store, whole, wanted, report)
+        splittable = _convertible(whole, wanted)
+        report.dropped_blocks = len(whole) - len(splittable)
+        _refuse_eviction(store, splittable, wanted, Path(path))
+        converted = _write_units(store, splittable, wanted, report)
         report.whole_blocks = len(converted)
         for ns_id, keys in _by_namespace(whole).items():  # none is read any more: the unsplittable ones go too
             store.delete(Namespace.from_dict(wanted[ns_id][1]), keys)
@@ -238,6 +257,11 @@ def _older_blocks(tier: LocalTier, wanted: _Wanted) -> tuple[list[BlockInfo], li
     whole = [b for b in blocks if wanted[b.namespace_id][0] == "whole blocks" and b.raw_bytes == whole_block_raw_bytes(wanted[b.namespace_id][1])]
     ranks = [b for b in blocks if wanted[b.namespace_id][0] == "per-rank blocks"]
     return whole, ranks
+
+
+def _convertible(whole: list[BlockInfo], wanted: _Wanted) -> list[BlockInfo]:
+    """The whole blocks :func:`split_whole` can split (:func:`convertible`)."""
+    return [b for b in whole if convertible(wanted[b.namespace_id][1])]
 
 
 def _note_namespaces(report: ConversionReport, whole: list[BlockInfo], ranks: list[BlockInfo], wanted: _Wanted) -> None:
