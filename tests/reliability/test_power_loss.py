@@ -103,13 +103,14 @@ def test_forked_child_does_not_unpin_the_parent(tmp_path: Path, monkeypatch: pyt
     keys = _keys()
     with ucm_db.open(tmp_path / "s", **GROUP) as store:
         store.put(NS, keys[:4], _payloads(keys[:4]))
-        store.flush()
+        store.flush()  # recorded; the pin goes with it (nothing of ours after it)
+        store.put(NS, keys[4:6], _payloads(keys[4:6]), parent=keys[3])  # pinned again before this commit
         pinned = _parent_pin(store)
         assert pinned is not None and pinned == read_record(tmp_path / "s" / "lmdb").txnid  # type: ignore[union-attr]
         pid = os.fork()
         if pid == 0:  # the child reopens the inherited store and writes
             try:
-                store.put(NS, keys[4:8], _payloads(keys[4:8]), parent=keys[3])
+                store.put(NS, keys[6:8], _payloads(keys[6:8]), parent=keys[5])
                 store.flush()
                 os._exit(0)
             except BaseException:  # noqa: BLE001

@@ -29,10 +29,11 @@ An evicting put and an explicit flush or close take every touch kept back,
 so eviction in this process always sees them; a put in another process
 sees a block's recency at most ``RECENCY_REFRESH_S`` plus one interval late.
 
-Why growth counts: a group-durable LMDB store pins its last synced snapshot
-(``tiers/lmdb/groupsync.py``), so no page freed after that snapshot is
-reused before the next sync, and every page a commit copies on write goes
-to the end of the file. Small-payload commits (index-heavy puts, deletes,
+Why growth counts: a process that commits to a group-durable LMDB store
+pins its last synced snapshot until its next sync
+(``ucm_db.engines.lmdb.groupsync``; a process that only reads pins none), so
+no page freed after that snapshot is reused before the next sync, and every
+page a commit copies on write goes to the end of the file. Small-payload commits (index-heavy puts, deletes,
 evictions) write few payload bytes but copy many B-tree pages: counted by
 payload alone, a burst of them grew a store's file to 4.5x its live pages,
 and the hundreds of thousands of single free pages left behind made every
@@ -44,7 +45,10 @@ the commit wakes the sync and waits (outside every lock) until a sync
 completes and moves the pin (waiting only from 4x ``sync_bytes`` left a
 200k-block burst's file at 765 MB, against 561 MB):
 the file's growth beyond its live pages stays bounded whatever the mix of
-commits, at the price of index-heavy bursts running at the disk's sync pace.
+commits, at the price of index-heavy bursts running at the disk's sync pace
+(a process stopped while it holds a pin aside: LMDB reuses nothing freed
+after any reader's snapshot; the thread names such a process once the file
+passes its bound, :class:`~ucm_db.store.sync_health.GrowthWatch`).
 The check runs after puts and deletes; growth from other writes (a large flush
 of reader touches, the uploader's queue marks) is part of the extent the
 next put measures, and a reader never waits: lookups stay off this path.
@@ -84,7 +88,7 @@ from ucm_db.cpu_placement import place_current_thread
 from ucm_db.config import StoreConfig
 from ucm_db.engines.base import Engine
 from ucm_db.errors import TierError
-from ucm_db.store.sync_health import SyncHealth
+from ucm_db.store.sync_health import GrowthWatch, SyncHealth
 from ucm_db.index.local import LocalTier, PendingActivity
 from ucm_db.index.writes import ANCESTOR_RECENCY_SLACK_NS
 
@@ -169,6 +173,7 @@ class Background:
         self.errors = 0
         self.failure: BaseException | None = None
         self.health = SyncHealth(path)  # sync outcomes: puts are refused while syncs fail (sync_health.py)
+        self._growth = GrowthWatch(path)  # names a process whose old snapshot keeps the file growing
         self._thread = threading.Thread(target=self._run, name="ucm-db-maintenance", daemon=True)
 
     def start(self) -> None:
@@ -361,6 +366,7 @@ class Background:
                         self.flush_activity(keep_back_recent=True)
                     if sync and self._config.durability == "group":
                         self._synced_by(self._engine.sync_round)
+                        self._growth.check(self._engine, self._config.capacity_bytes, self.sync_budget_bytes)
                 except Exception as exc:  # noqa: BLE001 - logged, counted, retried next round
                     self.errors += 1
                     logger.warning("ucm-db store %s: background sync/flush failed (retrying): %s", self._path, exc)

@@ -19,17 +19,36 @@ Invariants:
       under a light load refuses nothing.
     * Only the error's text is kept: an exception's frames would keep the
       failed sync's transactions alive.
+    * :class:`GrowthWatch` names the processes whose reader slots hold the
+      same old snapshot for :data:`STUCK_S` (``ucm_db.engines.lmdb.readers``)
+      while the data file is past its bound, at most once per
+      :data:`GROWTH_WARN_INTERVAL_S` and only while it keeps growing: such a
+      process (stopped while it wrote, or in a long read) cannot be helped
+      from here, only named.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ucm_db.engines.base import Engine
 from ucm_db.errors import TierError
 
-NOT_RECORDED = "synced, but its snapshot could not be recorded (another process held the sync record's lock)"
+NOT_RECORDED = "synced, but its snapshot could not be recorded"
+#: The shortest time between two warnings of one store's growth (:class:`GrowthWatch`).
+GROWTH_WARN_INTERVAL_S = 60.0
+#: The data file's bound: this many times the capacity, plus as many sync budgets (RELIABILITY.md: a
+#: 4 MiB store churned stays at 13-21 MiB; only a snapshot held for many budgets takes it past).
+GROWTH_BOUND_CAPACITIES, GROWTH_BOUND_BUDGETS = 2, 8
+#: A reader slot on the same snapshot this long, while the file is past its bound, is named (a live
+#: process's pin moves at each of its syncs).
+STUCK_S = 5.0
+
+logger = logging.getLogger("ucm_db")
 
 
 class SyncHealth:
@@ -77,7 +96,43 @@ class SyncHealth:
         return TierError(
             f"store {self._path}: its syncs fail ({error}), and the {undurable} bytes committed since the last "
             "one that succeeded are not durable: puts are refused until a sync succeeds",
-            hint="check the disk under the store (`dmesg`, free space) and that no stopped process holds its "
-                 "lmdb/synced-snapshot; puts resume once a sync succeeds (the background retries every "
-                 "sync_interval_s; Store.flush() tries one now)",
+            hint="check the disk under the store (`dmesg`, free space, write access to its lmdb/ directory); "
+                 "puts resume once a sync succeeds (the background retries every sync_interval_s; "
+                 "Store.flush() tries one now)",
         )
+
+
+class GrowthWatch:
+    """Warns, naming them, of the processes whose old snapshots keep one
+    store's data file growing (module invariants): reader slots of other
+    processes that held the same snapshot for :data:`STUCK_S` at least
+    while the file was past its bound. Called by the maintenance thread
+    after its syncs (one caller)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._warned_s = float("-inf")
+        self._warned_bytes = 0
+        self._seen_s: dict[tuple[int, int], float] = {}  # (pid, snapshot) -> when first seen past the bound
+
+    def check(self, engine: Engine, capacity_bytes: int, budget_bytes: int) -> None:
+        describe: Callable[[], list[tuple[int, int, str]]] | None = getattr(engine, "lagging_readers", None)
+        if describe is None:
+            return  # only LMDB has reader slots
+        bound = GROWTH_BOUND_CAPACITIES * capacity_bytes + GROWTH_BOUND_BUDGETS * budget_bytes
+        file_bytes = engine.file_bytes()
+        if file_bytes <= max(bound, self._warned_bytes):
+            self._seen_s.clear()
+            return
+        now = time.monotonic()
+        slots = describe()
+        self._seen_s = {(pid, txnid): self._seen_s.get((pid, txnid), now) for pid, txnid, _ in slots}
+        stuck = [phrase for pid, txnid, phrase in slots if now - self._seen_s[(pid, txnid)] >= STUCK_S]
+        if not stuck or now - self._warned_s < GROWTH_WARN_INTERVAL_S:
+            return
+        self._warned_s, self._warned_bytes = now, file_bytes
+        logger.warning(
+            "ucm-db store %s: its data file is %d MiB, past its bound of %d MiB, and grows: %s, and LMDB reuses no "
+            "page freed since (a process stopped with SIGSTOP or Ctrl-Z, or hung?). Resume or end it; "
+            "`ucm-db compact` returns the space once it is gone", self._path, file_bytes >> 20, bound >> 20,
+            "; ".join(stuck))

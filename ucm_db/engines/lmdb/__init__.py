@@ -10,6 +10,9 @@ fenced to the LMDB versions it was proven on (:mod:`.fence`):
     pages       page walks over the free-page and main trees with pread
     checks      a data file's checks at open and ``diagnose`` (ucm-db verify)
     groupsync   group durability: pinned synced snapshots, the rollback
+    records     the sync records: one file per process, the old shared one read
+    readers     LMDB's reader table, read to name a process pinning old snapshots
+    tables      opening the tables, and an environment read-only
     recovery    older versions' unsynced-commit markers, child-process walks
     prefault    mapping the page-cached pages after open
     copy        a table-by-table copy for compaction

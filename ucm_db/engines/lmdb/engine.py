@@ -23,11 +23,14 @@ Invariants and choices:
       fdatasyncs its pages, then its meta page (LMDB's default).
       ``sync=False`` (``durability="group"``): commits use MDB_NOSYNC and
       reach only the OS page cache; :meth:`LmdbEngine.sync` (run by the
-      store every ``sync_interval_s``) makes them durable and pins the
+      store every ``sync_interval_s``) makes them durable and records the
       synced snapshot, and an open after an OS crash reopens the last
       synced snapshot (:mod:`ucm_db.engines.lmdb.groupsync`). A power loss
       thus undoes the commits since the last completed sync and damages
-      nothing; a process crash loses nothing.
+      nothing; a process crash loses nothing. A process pins a snapshot
+      (a read transaction) only from before its first commit to the end of
+      the sync that records its last (groupsync invariants 2-3): one that
+      only reads pins none.
     * Nothing is rolled back, rewritten or mapped before the library and the
       data file's meta pages are found to be a proven LMDB
       (:mod:`ucm_db.engines.lmdb.fence`).
@@ -48,8 +51,8 @@ Invariants and choices:
     * ``observe`` (maintenance's read-only views of a writable store): the
       open recovers as a writable one does (the rollback after an OS crash),
       then takes no snapshot pin and writes no sync record: a view that is
-      stopped (Ctrl-Z) or slow holds no snapshot past its own reads and no
-      lock a writer's sync waits on. ``sync`` does nothing, ``write`` raises.
+      stopped (Ctrl-Z) or slow holds no snapshot past its own reads.
+      ``sync`` does nothing, ``write`` raises.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from typing import Any
 
 import lmdb
 
-from ucm_db.errors import FormatVersionError, TierError
+from ucm_db.errors import TierError
 from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.storelock import ensure_store_dir
@@ -70,13 +73,15 @@ from ucm_db.engines.lmdb.checks import (
     check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable, recover_at_open,
 )
 from ucm_db.engines.lmdb.fence import check_proven
-from ucm_db.engines.lmdb.groupsync import RECORD_FILE, RollbackReport, SnapshotPin
+from ucm_db.engines.lmdb.groupsync import RollbackReport, SnapshotPin, has_record
+from ucm_db.engines.lmdb.readers import lagging_readers
 from ucm_db.engines.lmdb.malloc import keep_dirty_page_memory
 from ucm_db.engines.lmdb.prefault import Prefault
 from ucm_db.engines.lmdb.txn import LmdbTxn, lmdb_open
 from ucm_db.engines.lmdb import space
 from ucm_db.engines.lmdb.custody import Custody
-from ucm_db.engines.lmdb.recovery import RecoveryReport, logger
+from ucm_db.engines.lmdb.recovery import RecoveryReport
+from ucm_db.engines.lmdb.tables import open_read_only, open_tables
 
 _MAX_MAP_BYTES = 1 << 46
 
@@ -144,11 +149,11 @@ class LmdbEngine(Engine):
         # A store a group-durability process has used keeps a sync record,
         # which an open after an OS crash rolls back to: a sync writer
         # (maintenance, or a server opened with durability="sync") must keep
-        # it true too, or it would reuse the recorded snapshot's pages once
-        # it has cleared a dead group process's pin, and a later rollback
-        # would land on overwritten pages. So it rolls back, records and pins
-        # as group opens do, and records each of its (synced) commits.
-        self._pinned = not self._sync or (self.path / RECORD_FILE).exists()
+        # it true too, or its commits would reuse the recorded snapshot's
+        # pages and a later rollback would land on overwritten pages. So it
+        # rolls back as group opens do, pins before its commits and records
+        # each of them (raising where it cannot: an OS crash would undo it).
+        self._pinned = not self._sync or has_record(self.path)
         self.recovery, self.rollback = recover_at_open(self.path, pinned=self._pinned)
         check_data_file(self.path)
         self._check_pages_once(lock=True)
@@ -175,18 +180,9 @@ class LmdbEngine(Engine):
                 env.set_mapsize(self._map_size_bytes)
             self._dbs = open_tables(env, self.path, create=True)
             if self._pinned and not self._observe:
-                # Record (and pin) a synced snapshot before clearing dead readers,
-                # whose slots may pin the snapshot of the current record.
-                self._pin = SnapshotPin(self.path)
-                recorded = self._sync_env(env)
-            else:
-                recorded = not self._pinned
-            if recorded:  # without a fresh record, a dead reader may pin the recorded one
-                env.reader_check()
+                self._pin = SnapshotPin(self.path)  # pins before this process's first commit, not now
+            env.reader_check()  # no process relies on a dead one's pin (groupsync invariant 4)
         except BaseException:
-            if self._pin is not None:
-                self._pin.release()
-                self._pin = None
             env.close()
             raise
         self._env = env
@@ -231,9 +227,12 @@ class LmdbEngine(Engine):
         env = self._environment()
         while True:
             try:
-                with self._write_lock, self._txn_gate.shared(), self._custody.committing():
-                    with env.begin(write=True, buffers=True) as txn:
+                with self._write_lock, self._txn_gate.shared():
+                    pin = self._pin_before_commit(env)
+                    with self._custody.committing(), env.begin(write=True, buffers=True) as txn:
                         result = fn(LmdbTxn(txn, self._dbs))
+                    if pin is not None:
+                        pin.committed()
                 if self._sync:
                     self._record_sync_commit(env)
                 return result
@@ -258,56 +257,58 @@ class LmdbEngine(Engine):
     def _set_mapsize(self, env: lmdb.Environment, size: int) -> None:
         """``set_mapsize`` (under the exclusive gate). py-lmdb ends every
         transaction of the environment when the map changes, the snapshot
-        pin's too: re-pin at once. No commit of this process runs meanwhile,
-        and another process's pin is at or before the recorded snapshot, so
-        no page of it is reused in between."""
+        pin's too: no commit of this process runs meanwhile, and the next
+        pins again before it commits (groupsync invariant 2)."""
         env.set_mapsize(size)
-        if self._pin is None:
-            return
-        self._pin.ended()
-        for _ in range(16):
+        if self._pin is not None:
+            self._pin.ended()
+
+    def _pin_before_commit(self, env: lmdb.Environment) -> SnapshotPin | None:
+        """The pin a commit runs under (groupsync invariant 2), held now; a
+        sync writer takes one once a group process has recorded since it
+        opened. Under the write lock and the shared gate."""
+        if self._pin is None and self._sync and not self._observe and has_record(self.path):
+            self._pin = SnapshotPin(self.path)
+        if self._pin is not None:
             try:
-                self._pin.sync(env)
-                return
-            except lmdb.MapResizedError:
-                env.set_mapsize(0)
+                self._pin.before_commit(env)
+            except TierError:
+                raise
+            except OSError as exc:
+                raise lmdb_error("Recording the synced snapshot of", self.path, exc) from exc
+        return self._pin
 
     def sync(self) -> None:
-        """Makes every commit durable; with a sync record (group
-        durability), records it too, or raises :class:`TierError`: an
-        unrecorded sync is undone by the rollback after an OS crash
-        (:meth:`SnapshotPin.sync`'s ``must_record``)."""
+        """Makes every commit of this process durable; with a sync record
+        (group durability), records it too, or raises :class:`TierError`:
+        an unrecorded sync is undone by the rollback after an OS crash."""
         if self.read_only or self._observe:
             return  # nothing written, nothing to make durable
-        self._sync_env(self._environment(), must_record=True)
+        self._sync_env(self._environment())
 
     def sync_round(self) -> bool:
-        """A background sync: a snapshot it cannot record now is left to a
-        later one (it stays durable against a process crash); returns
-        whether it was recorded."""
+        """A background sync: as :meth:`sync` (a failure raises)."""
         if self.read_only or self._observe:
             return True
-        return self._sync_env(self._environment())
+        self._sync_env(self._environment())
+        return True
 
     def _record_sync_commit(self, env: lmdb.Environment) -> None:
         """Records a sync writer's commit (on disk already) as the synced
-        snapshot. A failure is logged, not raised: the commit stands, and
-        the previous record stays pinned, so a rollback after an OS crash
-        lands on intact pages (it undoes this commit, which is all). A
-        store that had no record when this process opened it gains one
-        once a group process opens it: from then on this writer records too."""
+        snapshot, or raises :class:`TierError`: the commit stands, but a
+        rollback after an OS crash would undo it, so the caller (``verify
+        --fix``, ``compact``'s evictions, a migration) must not report it done."""
         if self._pin is None:
-            if not (self.path / RECORD_FILE).exists():
-                return
-            self._pin = SnapshotPin(self.path)
+            return
         try:
             self._sync_env(env)
         except TierError as exc:
-            logger.warning("ucm-db: committed, but recording the synced snapshot of %s failed: %s", self.path, exc)
+            raise TierError(f"committed to {self.path}, but its synced snapshot was not recorded ({exc}): an OS "
+                            "crash's rollback would undo the change", hint=f"make {self.path} writable with free "
+                            "space (the synced-snapshot.* files beside data.mdb), then run the operation again") from exc
 
-    def _sync_env(self, env: lmdb.Environment, *, must_record: bool = False) -> bool:
-        """Syncs; returns whether the newest snapshot is recorded (True
-        where nothing records)."""
+    def _sync_env(self, env: lmdb.Environment) -> None:
+        """Syncs and records; then lets an idle pin go (groupsync invariant 3)."""
         for _ in range(16):
             try:
                 # Inside the shared gate, as a transaction: a map growth in
@@ -316,12 +317,18 @@ class LmdbEngine(Engine):
                 with self._txn_gate.shared():
                     if self._pin is None:
                         env.sync(True)
-                        return True
-                    return self._pin.sync(env, must_record=must_record)
+                        return
+                    self._pin.sync(env)
+                    if self._write_lock.acquire(blocking=False):  # else a commit is under way: not idle
+                        try:
+                            self._pin.release_if_idle()
+                        finally:
+                            self._write_lock.release()
+                    return
             except lmdb.MapResizedError:
                 self._adopt_resize(env)
             except TierError:
-                raise  # the pin's own (a record kept out): it names the problem and the fix
+                raise
             except (lmdb.Error, OSError) as exc:
                 raise lmdb_error("LMDB sync of", self.path, exc) from exc
         raise TierError(f"LMDB map of {self.path} keeps being resized by another process")
@@ -339,6 +346,10 @@ class LmdbEngine(Engine):
                 if env is not None:
                     env.close()
                     self._custody.close()
+
+    def lagging_readers(self) -> list[tuple[int, int, str]]:
+        """Other processes' reader slots on old snapshots: (pid, snapshot, phrase), most behind first."""
+        return lagging_readers(self._environment())
 
     def file_bytes(self) -> int:
         data = self.path / "data.mdb"
@@ -362,38 +373,3 @@ class LmdbEngine(Engine):
             self._page_bytes = space.page_bytes(env)
         return self._page_bytes
 
-
-def open_read_only(path: Path, max_readers: int) -> lmdb.Environment:
-    """The environment at ``path`` opened ``MDB_RDONLY`` (module
-    invariants): with LMDB's lock file if this process may open it, else
-    without."""
-    options: dict[str, Any] = dict(
-        subdir=True, readonly=True, max_dbs=len(TABLES) + 4, max_readers=max_readers, readahead=True, create=False,
-    )
-    try:
-        return lmdb_open(str(path), lock=True, **options)
-    except (lmdb.ReadonlyError, lmdb.Error, OSError) as exc:
-        if lock_file_writable(path):
-            raise lmdb_error("Opening LMDB store (read-only)", path, exc) from exc
-    try:
-        return lmdb_open(str(path), lock=False, **options)
-    except (lmdb.Error, OSError) as exc:
-        raise lmdb_error("Opening LMDB store (read-only)", path, exc) from exc
-
-
-def open_tables(env: lmdb.Environment, path: Path, *, create: bool) -> dict[str, Any]:
-    """Opens the named tables, adopting a map that another process grew
-    between our open and now (found by the crash loop: a reopen failed
-    with MDB_MAP_RESIZED while other processes were writing). Read-only,
-    a missing table is an older ucm-db's store (format 2 had no heads)."""
-    for _ in range(16):
-        try:
-            return {name: env.open_db(name.encode(), create=create) for name in TABLES}
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)
-        except lmdb.NotFoundError as exc:
-            raise FormatVersionError(f"LMDB store at {path} lacks a table this ucm-db reads: an older ucm-db wrote it",
-                                     hint=f"run `ucm-db migrate {path.parent}` (on a writable copy if read-only)") from exc
-        except lmdb.Error as exc:
-            raise lmdb_error("Opening the tables of LMDB store", path, exc) from exc
-    raise TierError(f"LMDB map of {path} keeps being resized by another process")

@@ -1,4 +1,4 @@
-"""Group durability that a power loss cannot damage: pinned synced snapshots.
+"""Group durability that a power loss cannot damage: recorded, pinned synced snapshots.
 
 ``durability="group"`` commits with LMDB's MDB_NOSYNC (a commit reaches the
 OS page cache, not the disk) and syncs in the background. A process crash
@@ -7,49 +7,67 @@ written since the last sync, including a meta page naming pages that never
 arrived. This module turns that into "the store is as it was at the last
 completed sync":
 
-* :class:`SnapshotPin`, on every sync: begin a read transaction (its
-  snapshot ``S`` is the newest commit), copy ``S``'s meta page with ``pread``,
-  ``fdatasync`` the file (``S`` and everything before it is now on disk),
-  write ``S``'s meta into the *sync record* ``synced-snapshot`` beside the
-  data file and fdatasync it, and only then end the previous pin. The read
-  transaction stays open: LMDB reuses no page that a live reader's snapshot
-  can reach, so no later commit, synced or not, overwrites a page of ``S``.
+* A sync (:meth:`SnapshotPin.sync`) begins a read transaction on the newest
+  snapshot ``S``, copies ``S``'s meta page with ``pread``, ``fdatasync``\\ s
+  the data file (``S`` and everything before it is now on disk) and writes
+  ``S`` into this process's sync record (:mod:`ucm_db.engines.lmdb.records`:
+  one file per process, two slots written alternately in place; no lock
+  shared between processes, so a process stopped or killed while it
+  records holds up no other). The read transaction stays open as the
+  process's *pin*.
+* A pin on snapshot ``P`` keeps LMDB from reusing any page freed after
+  ``P``: LMDB reuses a page freed by transaction ``F`` only once no reader
+  is at a snapshot before ``F``.
 * :func:`roll_back_after_os_crash`, at open, under the recovery lock: if the
-  record was written under another boot (the machine went down since) and
-  the data file's newest meta page is newer than ``S``, the commits after
-  ``S`` may be torn: both meta pages are rewritten to ``S``'s (fsynced), and
-  LMDB opens snapshot ``S``, whose pages are all on disk and untouched.
-  Pages written after ``S`` are unreferenced, so LMDB reuses them.
+  newest record was written under another boot (the machine went down
+  since) and the data file's newest meta page is newer than it, the commits
+  after it may be torn: both meta pages are rewritten to its (fsynced), and
+  LMDB opens that snapshot, whose pages are all on disk and untouched.
 
 Invariants:
-    * The record's snapshot is durable before the record is, and stays
-      pinned (by a live or a stale reader slot) until a newer record is
-      durable: an open writes a fresh record before it clears dead readers.
-    * The record only moves forward (a newer transaction id, under ``flock``);
-      it is tied to the data file's inode, so a file replaced by ``compact``
-      or ``migrate`` is never rolled back with another file's meta page, and
-      a record of the replaced file never outranks the new file's.
-    * After a process crash (same boot) nothing is rolled back: the page
-      cache still holds every commit. The dead process's reader slots are
-      cleared by the next open, and by every recorded sync of a process
-      that has the store open (a long-running writer never reopens).
-    * Without a boot id (not Linux, no ``UCM_DB_BOOT_ID``) nothing is rolled
-      back, and group durability keeps LMDB's own MDB_NOSYNC risk.
-
-The record file has two 512-byte slots written alternately, each with a
-CRC-32, so a write torn by a power loss leaves the other slot valid.
+    1. A record's snapshot is on disk before the record is written, and a
+       record counts once it is durable (records.py: its slot fdatasynced,
+       its file's name fsynced into the directory).
+    2. A process commits only while it holds a pin on a snapshot no newer
+       than a durable record (:meth:`SnapshotPin.before_commit`): the one
+       it recorded last, or, where nothing was committed since a durable
+       record of this boot, that record's snapshot.
+    3. A pin ends only once a newer one is held (after the newer record is
+       durable), or once no commit of this process followed the snapshot it
+       last recorded (:meth:`SnapshotPin.release_if_idle`, after each sync);
+       its next commit pins again first (2). A process that only reads
+       never pins: stopped (SIGSTOP) or slow, it grows no one's file. A
+       process stopped while it writes keeps its pin, as any LMDB reader
+       does (``ucm_db.store.background`` names it once the file grows).
+    4. Hence the record ``R`` a rollback lands on (the newest durable one
+       when the power went; the newest only grows) has intact pages: a
+       commit after ``R`` and before ``R`` was durable ran while ``R``'s
+       recorder held its read transaction on ``R``; one after ran under a
+       pin no newer than a record durable then, so no newer than ``R``
+       (2): no page freed after ``R`` was reused. No process relies on
+       another's pin, so dead readers' slots are cleared at every open and
+       every recorded sync (``reader_check``), and a process that closes or
+       idles lets its pin go at once.
+    5. The rollback takes the newest valid record of the current data file
+       (records.py), only after a reboot, and only if the file's newest
+       meta page is newer than it or a meta page is damaged. A record newer
+       than both intact meta pages is not of this file's history (the disk
+       lied, or an inode was reused): the newest record no newer than them
+       is taken. The target is then recorded again under this boot, before
+       anything commits, so the next open of this boot rolls nothing back.
+    6. After a process crash (same boot) nothing is rolled back: the page
+       cache still holds every commit.
+    7. Without a boot id (not Linux, no ``UCM_DB_BOOT_ID``) nothing is
+       recorded, pinned or rolled back, and group durability keeps LMDB's
+       own MDB_NOSYNC risk.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import secrets
-import struct
 import threading
-import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,30 +75,18 @@ from typing import Any
 import lmdb
 
 from ucm_db.errors import TierError
-from ucm_db.engines.lmdb.meta import META_BODY_BYTES, read_meta_pages, write_meta_body
+from ucm_db.engines.lmdb import records
+from ucm_db.engines.lmdb.meta import read_meta_pages, write_meta_body
+from ucm_db.engines.lmdb.records import RECORD_FILE, SyncRecord
 from ucm_db.engines.lmdb.recovery import boot_id
 
-RECORD_FILE = "synced-snapshot"
-_SLOT_BYTES = 512
-_MAGIC = b"UCMSNAP1"
-_RECORD = struct.Struct(f"<8sQQ64s{META_BODY_BYTES}s")  # magic, txnid, data inode, boot id, meta body
+__all__ = ["RECORD_FILE", "RollbackReport", "SnapshotPin", "SyncRecord", "drop_record", "has_record", "read_record",
+           "roll_back_after_os_crash"]
+
 #: Attempts to copy a snapshot's meta page before two newer commits replace it.
 _META_COPY_TRIES = 8
-#: The longest a sync waits for the sync record's lock (held by a process stopped while it wrote one, a
-#: sync skips its record: the previous one stays, pinned, and a later sync records): writers never wedge.
-RECORD_LOCK_WAIT_S = 2.0
 
 logger = logging.getLogger("ucm_db")
-
-
-@dataclass(frozen=True)
-class SyncRecord:
-    """The last snapshot known to be on disk."""
-
-    txnid: int
-    data_inode: int
-    boot: str
-    meta_body: bytes
 
 
 @dataclass(frozen=True)
@@ -91,204 +97,166 @@ class RollbackReport:
     to_txnid: int     # the synced snapshot the store now opens
 
 
-def _encode(record: SyncRecord) -> bytes:
-    packed = _RECORD.pack(_MAGIC, record.txnid, record.data_inode, record.boot.encode()[:64], record.meta_body)
-    slot = packed + struct.pack("<I", zlib.crc32(packed))
-    return slot.ljust(_SLOT_BYTES, b"\0")
-
-
-def _decode(slot: bytes) -> SyncRecord | None:
-    if len(slot) < _RECORD.size + 4:
-        return None
-    packed = slot[:_RECORD.size]
-    (crc,) = struct.unpack_from("<I", slot, _RECORD.size)
-    if zlib.crc32(packed) != crc:
-        return None
-    magic, txnid, inode, boot, body = _RECORD.unpack(packed)
-    if magic != _MAGIC:
-        return None
-    return SyncRecord(txnid, inode, boot.rstrip(b"\0").decode(errors="replace"), body)
-
-
-def _read_slots(fd: int) -> list[SyncRecord | None]:
-    return [_decode(os.pread(fd, _SLOT_BYTES, i * _SLOT_BYTES)) for i in (0, 1)]
-
-
 def read_record(env_dir: Path) -> SyncRecord | None:
     """The newest valid sync record of the environment's data file as it is
-    now, or None. A record of a file since replaced (``compact``,
-    ``migrate``: the copy's transaction ids start again low) is no record of
-    it: were it counted, it would outrank every record of the new file until
-    that file's ids passed it, and no rollback would be made meanwhile."""
-    try:
-        fd = os.open(env_dir / RECORD_FILE, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        records = [r for r in _read_slots(fd) if r is not None]
-    finally:
-        os.close(fd)
-    try:
-        inode = os.stat(env_dir / "data.mdb").st_ino
-    except FileNotFoundError:
-        return None
-    current = [r for r in records if r.data_inode == inode]
-    return max(current, key=lambda r: r.txnid) if current else None
+    now, or None (:func:`ucm_db.engines.lmdb.records.newest`)."""
+    return records.newest(env_dir)
+
+
+def has_record(env_dir: Path) -> bool:
+    """Whether a group process has recorded a snapshot of this environment."""
+    return records.exist(env_dir)
 
 
 def drop_record(env_dir: Path) -> None:
-    """Removes the environment's sync record, for a new file written whole
+    """Removes the environment's sync records, for a new file written whole
     and synced (a conversion's copy): it starts without one, as any new
     store does, and a group process's first sync records it."""
-    (env_dir / RECORD_FILE).unlink(missing_ok=True)
-
-
-def _write_record(env_dir: Path, record: SyncRecord, *, force: bool = False) -> bool:
-    """Writes ``record`` into the older slot and fdatasyncs, unless a newer
-    one is already recorded (``force``: write it anyway, for a rollback,
-    waiting as long as the file's lock is held). Returns False, writing
-    nothing, where another process held the lock for :data:`RECORD_LOCK_WAIT_S`
-    (a process stopped while it wrote: a writer's sync must not wait on it)."""
-    fd = os.open(env_dir / RECORD_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        if force:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        elif not _lock_within(fd, RECORD_LOCK_WAIT_S):
-            return False
-        slots = _read_slots(fd)
-        # Only records of the same data file count (read_record): one of a replaced file is overwritten first.
-        valid = [(r.txnid, i) for i, r in enumerate(slots) if r is not None and r.data_inode == record.data_inode]
-        newest = max(valid) if valid else None
-        if newest is not None and not force:
-            current = slots[newest[1]]
-            assert current is not None
-            if current.txnid > record.txnid or (current.txnid == record.txnid and current.boot == record.boot):
-                return True
-        stale = next((i for i, r in enumerate(slots) if r is None or r.data_inode != record.data_inode), 0)
-        target = stale if newest is None else 1 - newest[1]
-        os.pwrite(fd, _encode(record), target * _SLOT_BYTES)
-        if force:  # the other slot must not outrank the rollback target
-            os.pwrite(fd, _encode(record), (1 - target) * _SLOT_BYTES)
-        os.fdatasync(fd)
-        return True
-    finally:
-        os.close(fd)
-
-
-def _lock_within(fd: int, wait_s: float) -> bool:
-    """Takes ``fd``'s exclusive ``flock`` within ``wait_s``; False if another holder kept it."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
+    records.remove_all(env_dir)
 
 
 class SnapshotPin:
-    """One process's pinned synced snapshot of one environment (module doc).
-
-    Thread-safe. Create a new one after ``fork`` (transactions do not cross
-    it) and call :meth:`release` before the environment closes.
-    """
+    """One engine's pin and sync records of one environment (module
+    invariants 1-3). Thread-safe. The engine calls :meth:`before_commit`
+    and :meth:`committed` around each commit under its write lock, and
+    :meth:`release_if_idle` after a sync, holding that lock (no commit of
+    its own under way). Create a new one
+    after ``fork`` (transactions do not cross it) and call :meth:`release`
+    before the environment closes."""
 
     def __init__(self, env_dir: Path) -> None:
         self._dir = env_dir
         self._boot = boot_id()
         self._lock = threading.Lock()
-        self._pin: Any = None  # the read transaction on the last recorded snapshot
-        self._record_waits = 0  # syncs in a row whose record another process's lock kept out (warned at the first)
+        self._pin: Any = None  # the read transaction of invariant 2
+        self._commits = 0      # this engine's commits so far
+        self._covered = 0      # of those, the ones in the snapshot last recorded or pinned
+        self._durable_txnid = -1  # the newest record of this boot known durable
 
-    def sync(self, env: lmdb.Environment, *, must_record: bool = False) -> bool:
-        """Makes every commit so far durable and records the newest one;
-        returns whether it is recorded (and pinned).
+    def before_commit(self, env: lmdb.Environment) -> None:
+        """Pins, where no pin is held, before a commit (invariant 2): the
+        newest snapshot, recorded first unless a durable record of this
+        boot is at least as new. Raises as :meth:`sync`."""
+        if self._boot is None or self._pin is not None:
+            return  # a pin held stays until this commit is done: it is ended only where none is under way
+        with self._lock:
+            if self._pin is None:
+                self._record(env)
 
-        The snapshot's meta page is copied while writers go on; where two
+    def committed(self) -> None:
+        """Counts a commit of this engine, after it committed, under the
+        engine's write lock (one at a time; a sync only reads the count:
+        commits never wait for a sync's fdatasync)."""
+        self._commits += 1
+
+    def sync(self, env: lmdb.Environment) -> None:
+        """Makes every commit of this engine durable and records (and pins)
+        the newest snapshot; nothing to do where none came after the
+        snapshot last recorded (another process's commits are its own to
+        sync). The meta page is copied while writers go on; where two
         commits raced every copy (commits are flowing, so LMDB's writer
         lock comes soon), it is copied again under that lock, held by an
-        empty write transaction: no commit can replace it then. (Fenced
-        only then: a writer stopped inside a transaction in another process
-        would hold every fenced sync, and it commits nothing meanwhile.)
-        A record kept out, by another process holding its lock for
-        :data:`RECORD_LOCK_WAIT_S`, returns False, or with ``must_record``
-        (an explicit sync: a flush, an epoch change, a pin, a close)
-        raises :class:`~ucm_db.errors.TierError`: a sync whose record did
-        not move is undone by the rollback after an OS crash, so its
-        caller must not be told it is durable.
+        empty write transaction, and no commit can replace it then.
 
-        Raises ``lmdb.MapResizedError`` when another process grew the map
-        (the caller adopts the size and calls again)."""
+        Raises OSError where the file cannot be synced, :class:`TierError`
+        where the record cannot be written (the caller must not call the
+        commits durable), and
+        ``lmdb.MapResizedError`` when another process grew the map (the
+        caller adopts the size and calls again)."""
+        if self._boot is None:
+            env.sync(True)  # nothing is recorded without a boot id (invariant 7)
+            return
         with self._lock:
-            snapshot = self._raced_snapshot(env)
-            if snapshot is not None and snapshot[0] is None:  # commits raced every copy
-                if self._boot is None:
-                    env.sync(True)
-                    return True  # nothing is recorded without a boot id (module invariants)
-                snapshot = self._fenced_snapshot(env)
-            if snapshot is None:
-                return True  # no commit since the pinned snapshot, which is durable and recorded
-            txn, meta = snapshot
-            assert txn is not None and meta is not None  # a raced-out copy was made again under the fence
-            try:
-                env.sync(True)
-                if self._boot is not None:
-                    inode = os.stat(self._dir / "data.mdb").st_ino
-                    if not _write_record(self._dir, SyncRecord(txn.id(), inode, self._boot, meta)):
-                        txn.abort()  # durable, but not recordable now: the previous pin stays
-                        if must_record:
-                            raise TierError(
-                                f"{self._dir}: synced, but another process has held its sync record's lock for "
-                                f"{RECORD_LOCK_WAIT_S:g} s (stopped?): a power loss could still undo this change",
-                                hint="resume or stop the process that holds synced-snapshot's lock "
-                                     "(`fuser` names it), then retry",
-                            )
-                        if not self._record_waits:
-                            logger.warning("ucm-db: %s: synced, but another process held its sync record for %.0f s "
-                                           "(stopped?): recorded at a later sync", self._dir, RECORD_LOCK_WAIT_S)
-                        self._record_waits += 1
-                        return False
-                    self._record_waits = 0
-            except BaseException:
-                txn.abort()
-                raise
-            previous, self._pin = self._pin, txn
-            if previous is not None:
-                previous.abort()
-            # The record is ours (or a live process's newer one), pinned: the slots of readers that died
-            # can go, as an open clears them, or their snapshots would keep every page freed since.
-            env.reader_check()
-            return True
+            if self._commits != self._covered:
+                self._record(env)
 
-    def _raced_snapshot(self, env: lmdb.Environment) -> tuple[Any, bytes] | tuple[None, None] | None:
-        """The newest snapshot's read transaction and meta body, copied
-        without stopping writers; None when it is the pinned one, (None,
-        None) when commits raced every copy."""
+    def release_if_idle(self) -> None:
+        """Ends the pin where no commit of this engine followed the
+        snapshot last recorded (invariant 3). Call only where no commit of
+        this engine is under way."""
+        with self._lock:
+            if self._pin is not None and self._commits == self._covered:
+                self._pin.abort()
+                self._pin = None
+
+    def _record(self, env: lmdb.Environment) -> None:
+        """Pins the newest snapshot: adopted where a durable record is at
+        least as new, else synced and recorded (invariant 1); the previous
+        pin ends only then."""
+        commits = self._commits
+        snapshot = self._raced_snapshot(env)
+        if snapshot is not None and snapshot[0] is None:  # commits raced every copy
+            snapshot = self._fenced_snapshot(env)
+        if snapshot is None:
+            self._covered = commits  # the pinned snapshot is the newest: recorded and durable
+            return
+        txn, meta = snapshot
+        try:
+            if meta is not None:
+                env.sync(True)
+                self._write(SyncRecord(txn.id(), os.stat(self._dir / "data.mdb").st_ino, self._boot or "", meta))
+        except BaseException:
+            txn.abort()
+            raise
+        previous, self._pin, self._covered = self._pin, txn, commits
+        if previous is not None:
+            previous.abort()
+        if meta is not None:
+            records.remove_stale(self._dir, txn.id())
+            env.reader_check()  # no process relies on a dead one's pin (invariant 4)
+
+    def _write(self, record: SyncRecord) -> None:
+        """Records ``record`` (synced), or raises :class:`TierError`."""
+        try:
+            records.write_own(self._dir, record)
+        except OSError as exc:
+            raise TierError(
+                f"{self._dir}: synced, but its snapshot could not be recorded ({exc}): a power loss could still "
+                "undo the commits since the last record",
+                hint=f"make {self._dir} writable, with free space (its synced-snapshot.* files), then retry",
+            ) from exc
+        self._durable_txnid = max(self._durable_txnid, record.txnid)
+
+    def _raced_snapshot(self, env: lmdb.Environment) -> tuple[Any, bytes | None] | None:
+        """The newest snapshot's read transaction and meta body (None where
+        a durable record covers it: nothing to record), copied without
+        stopping writers; None when it is the pinned one, (None, None) when
+        commits raced every copy."""
         for _ in range(_META_COPY_TRIES):
             txn = env.begin(write=False)
-            if self._pin is not None and txn.id() == self._pin.id():
-                txn.abort()
-                return None
-            meta = self._copied_meta(txn)
+            try:
+                if self._pin is not None and txn.id() == self._pin.id():
+                    txn.abort()
+                    return None
+                if self._covered_by_a_record(txn.id()):
+                    return txn, None
+                meta = self._meta_of(txn.id())
+            except BaseException:
+                txn.abort()  # a read transaction left open would pin its snapshot
+                raise
             if meta is not None:
                 return txn, meta
             txn.abort()  # two newer commits replaced its meta page: take a newer snapshot
         return None, None
 
-    def _fenced_snapshot(self, env: lmdb.Environment) -> tuple[Any, bytes] | None:
+    def _fenced_snapshot(self, env: lmdb.Environment) -> tuple[Any, bytes | None] | None:
         """As :meth:`_raced_snapshot`, with LMDB's writer lock held (an
         empty write transaction, aborted) while the snapshot begins and its
         meta page is copied: no commit of any process lands meanwhile, so
-        the newest meta page is the snapshot's and the copy succeeds."""
+        the newest meta page is the snapshot's and the copy succeeds.
+        (Fenced only then: a writer stopped inside a transaction in another
+        process would hold every fenced sync.)"""
         fence = env.begin(write=True)
         try:
             txn = env.begin(write=False)
             if self._pin is not None and txn.id() == self._pin.id():
                 txn.abort()
                 return None
-            meta = self._copied_meta(txn)
+            try:
+                meta = self._meta_of(txn.id())
+            except BaseException:
+                txn.abort()
+                raise
         finally:
             fence.abort()
         if meta is None:  # cannot happen under the fence: a meta page not where LMDB keeps it
@@ -296,14 +264,14 @@ class SnapshotPin:
             raise TierError(f"{self._dir}: the newest snapshot's meta page is not in data.mdb's meta slots")
         return txn, meta
 
-    def _copied_meta(self, txn: Any) -> bytes | None:
-        """:meth:`_meta_of` ``txn``'s snapshot; ``txn`` ends if the copy
-        raises (a read transaction left open would pin its snapshot)."""
-        try:
-            return self._meta_of(txn.id())
-        except BaseException:
-            txn.abort()
-            raise
+    def _covered_by_a_record(self, txnid: int) -> bool:
+        """Whether a durable record of this boot is at least as new as
+        ``txnid``: this process's, or another's once its file and the
+        directory are synced here (records.py). Records of other boots do
+        not count (invariant 5 may pass them over)."""
+        assert self._boot is not None
+        self._durable_txnid = records.newest_durable(self._dir, self._boot, txnid, self._durable_txnid)
+        return txnid <= self._durable_txnid
 
     def _meta_of(self, txnid: int) -> bytes | None:
         """Snapshot ``txnid``'s meta body, read twice alike (a read racing a
@@ -317,7 +285,7 @@ class SnapshotPin:
 
     def ended(self) -> None:
         """Forgets the pin's transaction, which py-lmdb already ended (a map
-        resize ends every transaction); the next :meth:`sync` pins again."""
+        resize ends every transaction); the next commit pins again first."""
         with self._lock:
             self._pin = None
 
@@ -331,20 +299,24 @@ class SnapshotPin:
 
 def roll_back_after_os_crash(env_dir: Path) -> RollbackReport | None:
     """Reopens the last synced snapshot if an OS crash may have torn later
-    commits (module doc). Call under the environment's recovery lock,
-    before LMDB opens it. Returns None when nothing was rolled back."""
+    commits (module invariants 5, 6). Call under the environment's recovery
+    lock, before LMDB opens it. Returns None when nothing was rolled back."""
     current_boot = boot_id()
-    record = read_record(env_dir)
+    record = records.newest(env_dir)  # listed before the meta pages are read: no live record is newer than them
     data = env_dir / "data.mdb"
     if current_boot is None or record is None or record.boot == current_boot or not data.is_file():
         return None
-    if os.stat(data).st_ino != record.data_inode:
-        return None  # the file was replaced (compact, migrate): the record is not about it
     try:
         pages, _ = read_meta_pages(data)
     except OSError:
         return None
     newest = max((p.txnid for p in pages), default=-1)
+    if len(pages) == 2 and record.txnid > newest:
+        logger.warning("ucm-db: %s: the sync record names transaction %d, past the data file's newest (%d): "
+                       "not this file's; using the newest record before it", env_dir, record.txnid, newest)
+        record = records.newest(env_dir, at_most=newest)
+        if record is None or record.boot == current_boot:
+            return None
     report = None
     if newest > record.txnid or len(pages) < 2:
         mark_rolled_back(env_dir)  # first: a crash right after the rewrite still leaves the feed its restart
@@ -355,7 +327,7 @@ def roll_back_after_os_crash(env_dir: Path) -> RollbackReport | None:
             "reopened the last synced snapshot (transaction %d; the disk's newest was %d)",
             env_dir, record.txnid, newest,
         )
-    _write_record(env_dir, SyncRecord(record.txnid, record.data_inode, current_boot, record.meta_body), force=True)
+    records.write_own(env_dir, SyncRecord(record.txnid, record.data_inode, current_boot, record.meta_body))
     return report
 
 

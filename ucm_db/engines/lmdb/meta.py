@@ -153,6 +153,11 @@ def _check_once(data_path: Path) -> FileCheck:
         return FileCheck(path, 0, None)  # created, never written: LMDB initialises it
     try:
         pages, problems = read_meta_pages(path)
+        # The size after the meta pages: LMDB writes a commit's pages before
+        # its meta page, so a meta page read first never names pages past the
+        # size read after it (read before, a commit of another process in
+        # between looked like a truncated file: a false TierError at open).
+        size = max(size, path.stat().st_size)
     except OSError as exc:
         return FileCheck(path, size, f"{path} cannot be read: {exc}")
     if not pages:
