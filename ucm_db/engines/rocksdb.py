@@ -50,15 +50,18 @@ Invariants and choices:
       read-only, so a read-only open opens a private *shadow* directory (in
       the temp directory) of links to the store's files instead, and
       removes it on close. RocksDB reads through the links and, read-only,
-      creates no file, so a store on a read-only volume opens too.
+      creates no file, so a store on a read-only volume opens too. The
+      shadow pins the files it links (open descriptors), so a writer in
+      another process that flushes, compacts or deletes files meanwhile
+      neither fails the open nor a later read of a blob value; the open
+      sees the store as of one moment
+      (:mod:`~ucm_db.engines.rocksdb_shadow`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -70,6 +73,7 @@ import rocksdict
 from ucm_db.errors import ClosedError, FormatVersionError, LockedError, TierError
 from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
+from ucm_db.engines.rocksdb_shadow import Shadow, open_pinned
 from ucm_db.engines.rocksdb_txn import ReadPoint, RocksTxn
 
 logger = logging.getLogger("ucm_db")
@@ -105,56 +109,21 @@ def _options(table: str | None) -> rocksdict.Options:
     return opts
 
 
-#: Names of the files that opening a database writes (rocksdict's config; RocksDB's lock and info logs, which
-#: a read-only open does not touch): never linked into a read-only open's shadow directory.
-_WRITTEN_AT_OPEN = ("rocksdict-config.json", "LOCK", "LOG")
-#: A read-only open beside a live writer can meet a flush or compaction that changes the directory while
-#: its shadow is built (CURRENT naming a MANIFEST the shadow lacks): it builds the shadow again, this often.
-_SHADOW_TRIES = 3
+def _open_read_only(path: Path, tables: Iterable[str]) -> tuple[rocksdict.Rdict, Shadow]:
+    """The database at ``path`` opened read-only without writing there, and
+    the shadow directory it reads (:mod:`~ucm_db.engines.rocksdb_shadow`),
+    to be removed once the database is closed."""
+    options = _options(None)
+    options.set_max_open_files(-1)  # every table file opened by the open itself, while the shadow pins it
+
+    def open_db(shadow: Path) -> rocksdict.Rdict:
+        return rocksdict.Rdict(str(shadow), options=options, column_families={name: _options(name) for name in tables},
+                               access_type=rocksdict.AccessType.read_only())
+    return open_pinned(path.absolute(), open_db)
 
 
-def _open_read_only(path: Path, tables: Iterable[str]) -> tuple[rocksdict.Rdict, Path]:
-    """The database at ``path`` opened read-only without writing there (see
-    the module's invariants), and its shadow directory, to be removed once
-    the database is closed."""
-    real = path.absolute()
-    for attempt in range(_SHADOW_TRIES):
-        names = sorted(os.listdir(real))
-        shadow = _shadow_of(real, names)
-        try:
-            return rocksdict.Rdict(
-                str(shadow), options=_options(None), column_families={name: _options(name) for name in tables},
-                access_type=rocksdict.AccessType.read_only(),
-            ), shadow
-        except BaseException as exc:
-            shutil.rmtree(shadow, ignore_errors=True)
-            if not isinstance(exc, Exception) or attempt + 1 == _SHADOW_TRIES or sorted(os.listdir(real)) == names:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _shadow_of(real: Path, names: list[str]) -> Path:
-    """A new private directory of links to the files ``names`` of ``real``
-    (but those an open writes)."""
-    try:
-        shadow = Path(tempfile.mkdtemp(prefix="ucm-db-rocksdb-ro-"))
-    except OSError as exc:
-        raise TierError(f"RocksDB store at {real} cannot be opened read-only: the private directory of links to "
-                        f"its files could not be made in {tempfile.gettempdir()} ({exc})",
-                        hint="set TMPDIR to a writable directory") from exc
-    try:
-        for name in names:
-            if not name.startswith(_WRITTEN_AT_OPEN):
-                os.symlink(real / name, shadow / name)
-    except BaseException:
-        shutil.rmtree(shadow, ignore_errors=True)
-        raise
-    return shadow
-
-
-def _remove_shadow(shadow: str, pid: int) -> None:
-    if os.getpid() == pid:  # a forked child exiting leaves its parent's shadow alone
-        shutil.rmtree(shadow, ignore_errors=True)
+def _remove_shadow(shadow: Shadow, pid: int) -> None:
+    shadow.remove(delete=os.getpid() == pid)  # a forked child exiting leaves its parent's shadow alone
 
 
 class RocksDbEngine(Engine):
@@ -177,7 +146,7 @@ class RocksDbEngine(Engine):
         self._gate = SharedExclusiveGate()
         #: Removes a read-only open's shadow directory (module invariants): on release, else when the engine
         #: is collected or the interpreter exits (a store never closed).
-        self._shadow: weakref.finalize[[str, int], RocksDbEngine] | None = None
+        self._shadow: weakref.finalize[[Shadow, int], RocksDbEngine] | None = None
         self._floors: dict[str, bytes] = {}
         self._pid = os.getpid()
         self._families: dict[str, rocksdict.Rdict] = {}
@@ -278,7 +247,7 @@ class RocksDbEngine(Engine):
 
     def _open_read_only(self, tables: Iterable[str]) -> rocksdict.Rdict:
         db, shadow = _open_read_only(self.path, tables)
-        self._shadow = weakref.finalize(self, _remove_shadow, str(shadow), os.getpid())
+        self._shadow = weakref.finalize(self, _remove_shadow, shadow, os.getpid())
         return db
 
     def _check(self) -> None:
