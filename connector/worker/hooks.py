@@ -28,6 +28,8 @@ Invariants:
       wrote them; a block loads only if all its units do. Each head has one
       writer rank (replicated GQA heads: the first rank holding it; MLA: TP
       rank 0); every rank loads.
+    * A worker starts only on KV caches laid out as its namespace says
+      (kind, a head's block, head slots: :mod:`~ucm_db.connector.layout_views`).
     * Only units are read and written (one storage generation; the
       scheduler refuses a store holding older ones, :mod:`ucm_db.maintenance.pre_units`).
     * ``save_process`` (resolved by :func:`_commits_in_child`): a rank that writes starts a commit process
@@ -49,6 +51,7 @@ from ucm_db.committer import CommitProcess
 from ucm_db.connector.drafts import is_draft_layer
 from ucm_db.connector.events import evented_chain
 from ucm_db.connector.identity import KVShape, grid, namespace, rank_spans, schedulers_namespace, writes_units
+from ucm_db.connector.layout_views import named_view, refuse_other_view
 from ucm_db.connector.layouts import KVCacheEntry, KVLayout, detect_layout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters
@@ -99,6 +102,8 @@ class UcmDbWorker:
         self._spans = rank_spans(self._shape, tp_rank, pp_rank)
         self._evented_chain = evented_chain(self._spans)  # whose units carry KV event fields (events.py)
         _check_layout(self._layout, self._spans, tp_rank, pp_rank)
+        # The bytes a unit holds are the namespace's view of the KV, never another (layout_views.py).
+        refuse_other_view(self._layout, named_view(self._shape, self._namespace, len(self._spans)), f"worker tp={tp_rank} pp={pp_rank}")
         self._writes = writes_units(self._shape, tp_rank)
         self._store = acquire(self._settings)
         self._loads.bind(self._store, self._layout, self._namespace, self._grid, self._spans, self._ranks)
