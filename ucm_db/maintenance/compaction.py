@@ -125,7 +125,7 @@ def rewrite_lmdb(path: Path) -> None:
     """
     import lmdb
 
-    from ucm_db.engines.lmdb import copy_leaving, stuck_keys
+    from ucm_db.engines.lmdb import copy_leaving, drop_sync_record, stuck_keys
 
     lmdb_dir = path / "lmdb"
     for stale in path.glob("lmdb.compact-*"):  # left by a crashed compact
@@ -165,6 +165,9 @@ def rewrite_lmdb(path: Path) -> None:
         crashpoint("compact.during_switch")  # 2nd: switched, stale lock.mdb still there
         # No process has the environment open: its reader table is stale.
         (lmdb_dir / "lock.mdb").unlink(missing_ok=True)
+        # Sync records name the old file's snapshots: a rollback must never
+        # apply one to the new file (ext4 may give it the old inode number back).
+        drop_sync_record(lmdb_dir)
         _fsync(lmdb_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -73,7 +73,7 @@ from ucm_db.engines.lmdb.checks import (
     check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable, recover_at_open,
 )
 from ucm_db.engines.lmdb.fence import check_proven
-from ucm_db.engines.lmdb.groupsync import RollbackReport, SnapshotPin, has_record
+from ucm_db.engines.lmdb.groupsync import RollbackReport, SnapshotPin, has_record, late_pin
 from ucm_db.engines.lmdb.readers import lagging_readers
 from ucm_db.engines.lmdb.malloc import keep_dirty_page_memory
 from ucm_db.engines.lmdb.prefault import Prefault
@@ -294,10 +294,11 @@ class LmdbEngine(Engine):
         return True
 
     def _record_sync_commit(self, env: lmdb.Environment) -> None:
-        """Records a sync writer's commit (on disk already) as the synced
-        snapshot, or raises :class:`TierError`: the commit stands, but a
-        rollback after an OS crash would undo it, so the caller (``verify
-        --fix``, ``compact``'s evictions, a migration) must not report it done."""
+        """Records a sync writer's commit (on disk already) as the synced snapshot, or raises :class:`TierError`:
+        the commit stands, but a rollback after an OS crash would undo it, so the caller (``verify --fix``,
+        ``compact``'s evictions, a migration) must not report it done."""
+        with self._write_lock:  # a group process may have made the first record since the commit's check
+            self._pin = self._pin or late_pin(self.path)
         if self._pin is None:
             return
         try:
@@ -365,8 +366,8 @@ class LmdbEngine(Engine):
 
     def used_extent_bytes(self) -> int | None:
         """Pages up to the newest snapshot's last page: grows only when a commit finds no free page to reuse."""
-        env = self._environment()
-        return space.used_extent_bytes(env, self._page_size(env))
+        env = self._environment()  # read again where another process grew the map meanwhile
+        return space.read_retried(lambda: space.used_extent_bytes(env, self._page_size(env)), lambda: self._adopt_resize(env), self.path)
 
     def _page_size(self, env: lmdb.Environment) -> int:
         if self._page_bytes is None:

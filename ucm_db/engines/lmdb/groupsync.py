@@ -80,7 +80,7 @@ from ucm_db.engines.lmdb.meta import read_meta_pages, write_meta_body
 from ucm_db.engines.lmdb.records import RECORD_FILE, SyncRecord
 from ucm_db.engines.lmdb.recovery import boot_id
 
-__all__ = ["RECORD_FILE", "RollbackReport", "SnapshotPin", "SyncRecord", "drop_record", "has_record", "read_record",
+__all__ = ["RECORD_FILE", "RollbackReport", "SnapshotPin", "SyncRecord", "drop_record", "has_record", "late_pin", "read_record",
            "roll_back_after_os_crash"]
 
 #: Attempts to copy a snapshot's meta page before two newer commits replace it.
@@ -194,7 +194,8 @@ class SnapshotPin:
         try:
             if meta is not None:
                 env.sync(True)
-                self._write(SyncRecord(txn.id(), os.stat(self._dir / "data.mdb").st_ino, self._boot or "", meta))
+                inode, generation = records.data_identity(self._dir) or (0, 0)
+                self._write(SyncRecord(txn.id(), inode, self._boot or "", meta, generation))
         except BaseException:
             txn.abort()
             raise
@@ -202,8 +203,17 @@ class SnapshotPin:
         if previous is not None:
             previous.abort()
         if meta is not None:
-            records.remove_stale(self._dir, txn.id())
+            self._clean_up(env, txn.id())
+
+    def _clean_up(self, env: lmdb.Environment, durable_txnid: int) -> None:
+        """Removes stale record files and dead readers' slots (invariant 4),
+        after the new record is durable: a failure is logged, never raised
+        (the commits it follows are durable and recorded)."""
+        try:
+            records.remove_stale(self._dir, durable_txnid)
             env.reader_check()  # no process relies on a dead one's pin (invariant 4)
+        except (OSError, lmdb.Error) as exc:
+            logger.warning("ucm-db: %s: cleaning up after a recorded sync failed (%s); retried at the next", self._dir, exc)
 
     def _write(self, record: SyncRecord) -> None:
         """Records ``record`` (synced), or raises :class:`TierError`."""
@@ -290,11 +300,27 @@ class SnapshotPin:
             self._pin = None
 
     def release(self) -> None:
-        """Ends the pin (the environment is about to close)."""
+        """Ends the pin and closes this process's record file (the
+        environment is about to close): a process opening many stores keeps
+        no descriptor of those it closed; its records stay, removable by
+        others once a newer one is durable, as a dead process's."""
         with self._lock:
             if self._pin is not None:
                 self._pin.abort()
                 self._pin = None
+        records.release_own(self._dir)
+
+
+def late_pin(env_dir: Path) -> SnapshotPin | None:
+    """For a sync writer that committed without a pin (no record then):
+    a pin counting that commit, for its sync to record, where a group
+    process has recorded meanwhile (its first record raced the commit,
+    which no record would cover otherwise); else None."""
+    if not has_record(env_dir):
+        return None
+    pin = SnapshotPin(env_dir)
+    pin.committed()
+    return pin
 
 
 def roll_back_after_os_crash(env_dir: Path) -> RollbackReport | None:
@@ -316,6 +342,9 @@ def roll_back_after_os_crash(env_dir: Path) -> RollbackReport | None:
                        "not this file's; using the newest record before it", env_dir, record.txnid, newest)
         record = records.newest(env_dir, at_most=newest)
         if record is None or record.boot == current_boot:
+            # Records past both meta pages are not this file's history: left
+            # in place, later commits would pass their txnid and a rollback take them.
+            records.remove_other_boots(env_dir, current_boot)
             return None
     report = None
     if newest > record.txnid or len(pages) < 2:
@@ -327,7 +356,10 @@ def roll_back_after_os_crash(env_dir: Path) -> RollbackReport | None:
             "reopened the last synced snapshot (transaction %d; the disk's newest was %d)",
             env_dir, record.txnid, newest,
         )
-    records.write_own(env_dir, SyncRecord(record.txnid, record.data_inode, current_boot, record.meta_body))
+    identity = records.data_identity(env_dir) or (record.data_inode, 0)
+    records.write_own(env_dir, SyncRecord(record.txnid, identity[0], current_boot, record.meta_body, identity[1]))
+    # Durable now: the other boots' files (their processes are gone) go, newer ones past both meta pages included.
+    records.remove_other_boots(env_dir, current_boot)
     return report
 
 

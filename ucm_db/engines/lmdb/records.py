@@ -2,12 +2,17 @@
 
 A *record* names a snapshot of ``data.mdb`` whose pages were on disk when it
 was written: its transaction id, a copy of its meta page, the data file's
-inode and the boot it was written under
+identity (inode number and inode generation, :func:`data_identity`) and the
+boot it was written under
 (:mod:`ucm_db.engines.lmdb.groupsync` says when records are written and
 what keeps their pages intact). Each process that records keeps its own
 file beside the data file, ``synced-snapshot.<pid>.<token>``; no lock is
-shared between processes, so a process stopped (SIGSTOP, Ctrl-Z) or killed
-at any instant holds up no other process's records.
+shared between processes' writes, so a process stopped (SIGSTOP, Ctrl-Z)
+or killed at any instant holds up no other process's records. Each process
+holds a shared ``flock`` on its own file for its lifetime, which only tells
+a remover that the file is in use: a file is unlinked only under an
+exclusive non-blocking ``flock`` (a live process's file, in this PID
+namespace or another, is never removed; a dead one's lock is gone).
 
 A file has two 512-byte slots, each a record with its CRC-32, written
 alternately in place (``pwrite`` + ``fdatasync``): a write torn by a power
@@ -24,10 +29,16 @@ Invariants:
     * The rollback's record (:func:`newest`) is the newest valid record of
       the current data inode in any file, one of this boot winning a tie.
       Records of a replaced data file (``compact``, ``migrate``) never
-      count, nor do torn slots.
+      count, nor do torn slots: a record names the inode's number and
+      generation (``FS_IOC_GETVERSION``: ext4, xfs, btrfs hand a new inode
+      a new generation, so a reused inode number does not match), and
+      ``compact`` removes every record when it swaps the file in.
+      Where the file system has no generation (0) the number alone is
+      compared.
     * Another process's record is relied on (:func:`newest_durable`) only
       after this process fdatasynced its file and fsynced the directory.
-    * A file is removed (:func:`remove_stale`) only if its process is gone
+    * A file is removed (:func:`remove_stale`) only under an exclusive
+      ``flock`` (its process holds no shared one), only if its process is gone
       (or it is of another boot or another data file) and none of its
       records is as new as one durable in this process's file: the newest
       record never goes, and a removal a power loss undoes only brings
@@ -40,6 +51,9 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
 import os
 import secrets
 import struct
@@ -54,8 +68,13 @@ from ucm_db.engines.lmdb.recovery import boot_id
 #: The file of earlier versions, and the prefix of every record file.
 RECORD_FILE = "synced-snapshot"
 SLOT_BYTES = 512
-_MAGIC = b"UCMSNAP1"
-_RECORD = struct.Struct(f"<8sQQ64s{META_BODY_BYTES}s")  # magic, txnid, data inode, boot id, meta body
+_MAGIC_V1 = b"UCMSNAP1"  # no inode generation (f65b138 and earlier)
+_MAGIC = b"UCMSNAP2"
+_RECORD = struct.Struct(f"<8sQQ64s{META_BODY_BYTES}sQ")  # magic, txnid, data inode, boot id, meta body, generation
+_RECORD_V1 = struct.Struct(f"<8sQQ64s{META_BODY_BYTES}s")
+#: ``_IOR('v', 1, long)``: the inode's generation (ext4, xfs, btrfs).
+_FS_IOC_GETVERSION = 0x80087601
+logger = logging.getLogger("ucm_db")
 
 
 @dataclass(frozen=True)
@@ -66,26 +85,33 @@ class SyncRecord:
     data_inode: int
     boot: str
     meta_body: bytes
+    data_generation: int = 0  # 0: unknown (no FS_IOC_GETVERSION, or an earlier version's record)
+
+    def of_data(self, identity: tuple[int, int] | None) -> bool:
+        """Whether this record is of the data file whose :func:`data_identity` is ``identity``."""
+        if identity is None or self.data_inode != identity[0]:
+            return False
+        return self.data_generation == 0 or identity[1] == 0 or self.data_generation == identity[1]
 
 
 def encode(record: SyncRecord) -> bytes:
     """One slot: the record and its CRC-32 (the layout of every version's files)."""
-    packed = _RECORD.pack(_MAGIC, record.txnid, record.data_inode, record.boot.encode()[:64], record.meta_body)
+    packed = _RECORD.pack(_MAGIC, record.txnid, record.data_inode, record.boot.encode()[:64], record.meta_body,
+                          record.data_generation)
     return (packed + struct.pack("<I", zlib.crc32(packed))).ljust(SLOT_BYTES, b"\0")
 
 
 def decode(slot: bytes) -> SyncRecord | None:
     """The record in ``slot``, or None where it is short, torn or foreign."""
-    if len(slot) < _RECORD.size + 4:
+    layout = {_MAGIC: _RECORD, _MAGIC_V1: _RECORD_V1}.get(slot[:8])
+    if layout is None or len(slot) < layout.size + 4:
         return None
-    packed = slot[:_RECORD.size]
-    (crc,) = struct.unpack_from("<I", slot, _RECORD.size)
+    packed = slot[:layout.size]
+    (crc,) = struct.unpack_from("<I", slot, layout.size)
     if zlib.crc32(packed) != crc:
         return None
-    magic, txnid, inode, boot, body = _RECORD.unpack(packed)
-    if magic != _MAGIC:
-        return None
-    return SyncRecord(txnid, inode, boot.rstrip(b"\0").decode(errors="replace"), body)
+    _, txnid, inode, boot, body, *generation = layout.unpack(packed)
+    return SyncRecord(txnid, inode, boot.rstrip(b"\0").decode(errors="replace"), body, *generation)
 
 
 def read_slots(fd: int) -> list[SyncRecord | None]:
@@ -97,12 +123,23 @@ def read_slots(fd: int) -> list[SyncRecord | None]:
 _token = secrets.token_hex(4)
 _write_locks: dict[str, threading.Lock] = {}
 _write_locks_guard = threading.Lock()
+#: This process's open record files (shared ``flock`` held), by directory;
+#: a name is in :data:`_named` once the directory was fsynced with it.
+_own_fds: dict[str, int] = {}
+_named: set[str] = set()
 
 
 def _after_fork() -> None:
-    """A forked child is another process: its own file, its own locks."""
-    global _token, _write_locks, _write_locks_guard
+    """A forked child is another process: its own file, its own locks (the
+    parent's descriptors are closed here; the parent's flocks stay its own)."""
+    global _token, _write_locks, _write_locks_guard, _own_fds, _named
+    for fd in _own_fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     _token, _write_locks, _write_locks_guard = secrets.token_hex(4), {}, threading.Lock()
+    _own_fds, _named = {}, set()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -122,23 +159,59 @@ def write_own(env_dir: Path, record: SyncRecord) -> None:
     """Makes ``record`` durable in this process's file (module invariants),
     unless the file holds one at least as new of the same data file and
     boot already (durable: this process wrote it). Raises OSError."""
-    path = own_file(env_dir)
     with _write_lock(env_dir):
-        created = not path.exists()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
+        for _ in range(8):
+            fd = _own_fd(env_dir)
             slots = read_slots(fd)
-            same = [(r.txnid, i) for i, r in enumerate(slots)
-                    if r is not None and r.data_inode == record.data_inode and r.boot == record.boot]
+            same = [(r.txnid, i) for i, r in enumerate(slots) if r is not None and r.boot == record.boot
+                    and r.data_inode == record.data_inode and r.data_generation == record.data_generation]
             if same and max(same)[0] >= record.txnid:
                 return
             target = 1 - max(same)[1] if same else (0 if slots[0] is None else 1 if slots[1] is None else 0)
             os.pwrite(fd, encode(record), target * SLOT_BYTES)
             os.fdatasync(fd)
-        finally:
+            if os.fstat(fd).st_nlink == 0:  # removed meanwhile (compact, or a remover that raced our flock)
+                _forget_own(env_dir)
+                continue
+            if str(own_file(env_dir)) not in _named:
+                fsync_dir(env_dir)
+                _named.add(str(own_file(env_dir)))
+            return
+        raise OSError(errno.EIO, f"{own_file(env_dir)} keeps being removed")
+
+
+def _own_fd(env_dir: Path) -> int:
+    """This process's record file, open and under its shared flock (for the
+    process's lifetime); opened again where its name is gone. Under the write lock."""
+    fd = _own_fds.get(str(env_dir))
+    if fd is not None and os.fstat(fd).st_nlink == 0:
+        _forget_own(env_dir)
+        fd = None
+    if fd is None:
+        fd = os.open(own_file(env_dir), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:
             os.close(fd)
-        if created:
-            fsync_dir(env_dir)
+            raise
+        _own_fds[str(env_dir)] = fd
+    return fd
+
+
+def _forget_own(env_dir: Path) -> None:
+    fd = _own_fds.pop(str(env_dir), None)
+    _named.discard(str(own_file(env_dir)))
+    if fd is not None:
+        os.close(fd)
+
+
+def release_own(env_dir: Path) -> None:
+    """Closes this process's record file of ``env_dir`` (its flock ends);
+    the next record opens it again."""
+    with _write_lock(env_dir):
+        fd = _own_fds.pop(str(env_dir), None)
+        if fd is not None:
+            os.close(fd)
 
 
 def fsync_dir(env_dir: Path) -> None:
@@ -180,16 +253,27 @@ def exist(env_dir: Path) -> bool:
     return bool(_record_files(env_dir))
 
 
-def data_inode(env_dir: Path) -> int | None:
+def data_identity(env_dir: Path) -> tuple[int, int] | None:
+    """The data file's inode number and inode generation (0 where the file
+    system has none), or None where there is no data file."""
     try:
-        return os.stat(env_dir / "data.mdb").st_ino
+        fd = os.open(env_dir / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    try:
+        inode = os.fstat(fd).st_ino
+        try:
+            (generation,) = struct.unpack_from("<I", fcntl.ioctl(fd, _FS_IOC_GETVERSION, bytes(8)))
+        except OSError:
+            generation = 0  # tmpfs and others: the inode number alone
+        return inode, generation
+    finally:
+        os.close(fd)
 
 
 def _newest(env_dir: Path, at_most: int | None, boot: str | None) -> tuple[str, SyncRecord] | None:
-    inode, current = data_inode(env_dir), boot_id()
-    found = [(name, r) for name, r in all_records(env_dir) if r is not None and r.data_inode == inode
+    identity, current = data_identity(env_dir), boot_id()
+    found = [(name, r) for name, r in all_records(env_dir) if r is not None and r.of_data(identity)
              and (at_most is None or r.txnid <= at_most) and (boot is None or r.boot == boot)]
     return max(found, key=lambda item: (item[1].txnid, item[1].boot == current)) if found else None
 
@@ -230,17 +314,50 @@ def remove_stale(env_dir: Path, durable_txnid: int) -> None:
     file of a gone process, of another boot or of a replaced data file
     none of whose records is as new as ``durable_txnid`` (durable in this
     process's file)."""
-    inode, boot, own = data_inode(env_dir), boot_id(), own_file(env_dir).name
+    identity, boot, own = data_identity(env_dir), boot_id(), own_file(env_dir).name
+    for name, found in _by_file(env_dir).items():
+        if name == own or any(r is not None and r.of_data(identity) and r.txnid >= durable_txnid for r in found):
+            continue
+        gone = name == RECORD_FILE or not _alive(_pid_of(name)) or any(
+            r is not None and (r.boot != boot or not r.of_data(identity)) for r in found)
+        if gone:
+            unlink_unlocked(env_dir / name)
+
+
+def remove_other_boots(env_dir: Path, boot: str) -> None:
+    """Removes the files none of whose records is of ``boot`` (their
+    processes are gone with the boot), under an exclusive flock each."""
+    for name, found in _by_file(env_dir).items():
+        if not any(r is not None and r.boot == boot for r in found):
+            unlink_unlocked(env_dir / name)
+
+
+def _by_file(env_dir: Path) -> dict[str, list[SyncRecord | None]]:
     files: dict[str, list[SyncRecord | None]] = {}
     for name, record in all_records(env_dir):
         files.setdefault(name, []).append(record)
-    for name, found in files.items():
-        if name == own or any(r is not None and r.data_inode == inode and r.txnid >= durable_txnid for r in found):
-            continue
-        gone = name == RECORD_FILE or not _alive(_pid_of(name)) or any(
-            r is not None and (r.boot != boot or r.data_inode != inode) for r in found)
-        if gone:
-            (env_dir / name).unlink(missing_ok=True)
+    return files
+
+
+def unlink_unlocked(path: Path) -> bool:
+    """Unlinks ``path`` while holding an exclusive non-blocking flock on it:
+    never a file a live process holds its shared flock on (whatever its
+    PID namespace). Whether it was removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # in use by a live process
+        if os.fstat(fd).st_nlink == 0:
+            return False
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _pid_of(name: str) -> int:

@@ -8,11 +8,16 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import lmdb
 
+from ucm_db.engines.lmdb.checks import lmdb_error
 from ucm_db.engines.lmdb.txn import LmdbTxn
+
+T = TypeVar("T")
 
 #: LMDB's two meta pages, at the start of every data file.
 META_PAGES = 2
@@ -43,3 +48,17 @@ def free_page_bytes(measured: tuple[list[Any], int], page_size: int) -> int:
 
 def used_extent_bytes(env: lmdb.Environment, page_size: int) -> int:
     return extent_pages(env) * page_size
+
+
+def read_retried(read: Callable[[], T], adopt_resize: Callable[[], None], env_dir: Path) -> T:
+    """``read`` of the environment's figures, the map size adopted and read
+    again where another process grew the map meanwhile (``mdb_env_info:
+    Invalid argument``); a TierError, never a raw lmdb error, if it persists."""
+    for attempt in range(4):
+        try:
+            return read()
+        except lmdb.Error as exc:
+            if attempt == 3:
+                raise lmdb_error("Reading the figures of", env_dir, exc) from exc
+            adopt_resize()
+    raise AssertionError("unreachable")
