@@ -90,4 +90,9 @@ def unpin_command(path: Path, namespace: str, tokens_file: Path, as_json: bool) 
         ucm-db unpin /var/cache/ucm-db --namespace Qwen/Qwen2.5-0.5B --tokens system_prompts.jsonl
     """
     report = maintenance.unpin(path, namespace, read_prompts(tokens_file))
+    for number, row in enumerate(report["prompts"], 1):
+        if row["pinned_blocks"]:
+            warn(f"prompt {number} of {tokens_file} stays pinned ({row['pinned_blocks']} blocks): another prompt's pin "
+                 "holds them, and a pin is taken back only by the prompt that made it, given as it was pinned "
+                 "(`ucm-db inspect` shows the pinned bytes; `ucm-db invalidate` releases every pin of the namespace)")
     emit(as_json, report, lambda r: render(r, "unpinned"))

@@ -84,7 +84,7 @@ from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
-from ucm_db.connector.request_controls import Admission
+from ucm_db.connector.request_controls import Admission, request_params
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
 from ucm_db.connector.scheduler.served_controls import log_not_looked_up, refuse_saves_over_stale_caches, served_controls
 from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
@@ -156,7 +156,7 @@ class UcmDbScheduler:
     def _state(self, request: Request, *, renew_epoch: bool = True) -> RequestState:
         """The request's state; a new one at the current epoch where there is none, or (``renew_epoch``: a lookup, whose KV is
         computed anew) where its key chain is of an older epoch. One made anew for the same request keeps a ``save: false``
-        (within_session), and without a lookup (``stale_for``: a session update) its epoch: a reset since saves none of its KV."""
+        (within_session) where it is a session's next chunk (``stale_for``), and without a lookup its epoch (no saves after a reset)."""
         state = self._requests.get(request.request_id)
         if (state is None or state.request is not request or state.stale_for(request)
                 or (renew_epoch and state.epoch != self._epochs.epoch)):
@@ -164,7 +164,7 @@ class UcmDbScheduler:
             extras = request_extras(request, self._lora_engine)
             state = RequestState(request, extras, request_block_extras(request, self._block_size, self._counter_mm_ids),
                                  same.epoch if same is not None and not renew_epoch else self._epochs.epoch,
-                                 controls=served_controls(request, extras).within_session(None if same is None else same.controls),
+                                 controls=served_controls(request, extras).within_session(same.controls if same is not None and same.stale_for(request) else None),
                                  prompt_tokens=request.num_prompt_tokens, mm_items=len(request.mm_features or ()))
             self._requests[request.request_id] = state
         return state
@@ -239,7 +239,7 @@ class UcmDbScheduler:
         visible yet (of the ``claimable`` first ones) and its deadline is
         ahead (:mod:`ucm_db.connector.roles`)."""
         request = state.request
-        publication = Publication.from_params(getattr(request, "kv_transfer_params", None))
+        publication = Publication.from_params(request_params(request))  # a session's current chunk's
         if publication is None:
             return False
         expected = self._waits.expected(publication, self._ns_id, self._block_size, lambda n: self._keys(state, n), max_blocks)

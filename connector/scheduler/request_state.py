@@ -94,6 +94,7 @@ class RequestState:
         stays: it decides how this lookup claims)."""
         self.lookup_computed_tokens = num_computed_tokens
         self.async_claimed = False
+        self.first_remote_block = None  # blocks an earlier lookup fetched are local now (a preempted request's)
         forget_ucm_db_load(self.request.request_id)
 
     def claims_async(self, first_async: bool, every_async: bool) -> bool:

@@ -194,3 +194,15 @@ def test_pin_warns_of_a_prompt_shorter_than_one_block(tmp_path: Path) -> None:
     result = invoke("pin", path, "--namespace", "cli/pins", "--tokens", prompts)
     assert f"warning: prompt 2 of {prompts} has 3 tokens, less than one block of 16" in result.stderr
     assert "pinned 20 stored blocks" in result.stdout
+
+
+def test_unpin_of_a_prompt_held_by_another_pin_warns(tmp_path: Path) -> None:
+    """A pin is taken back only by the prompt that made it: unpinning a
+    shorter prompt under a pinned one releases nothing, and the CLI says why
+    on stderr instead of a silent exit 0 that left the blocks pinned."""
+    path = tmp_path / "s"
+    make(path)
+    invoke_json("pin", path, "--namespace", "cli/pins", "--tokens", write_prompts(tmp_path / "p.jsonl", SYSTEM))
+    result = invoke("unpin", path, "--namespace", "cli/pins", "--tokens", write_prompts(tmp_path / "q.jsonl", SYSTEM[:16 * 8]))
+    assert "stays pinned (8 blocks)" in result.stderr and "given as it was pinned" in result.stderr
+    assert invoke_json("inspect", path)["namespaces"][0]["pinned_blocks"] == 20
