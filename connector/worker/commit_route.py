@@ -16,6 +16,11 @@ Invariants:
     * :meth:`CommitRoute.put` returns the keys its transaction stored
       (``PutResult.stored_keys``); where the child was lost with the request
       (it may have committed it), every key of the chains.
+    * Committed here, a chain that continues the last unit of an earlier
+      chain of the round (the same head's next step of a request) is one
+      ``put_segments`` segment with it: the same units in the same
+      transaction, each after its parent, at a segment's checks instead of
+      one per job (16 KiB units of decode steps: 1.5 units a job).
     * :attr:`child_cpu_s` adds up the child's CPU seconds of the commits it
       ran since the caller last reset it (the writer counts them as commit
       CPU beside its own thread's).
@@ -88,8 +93,7 @@ class CommitRoute:
                 except CommitProcessError as exc:
                     self._lose_committer(str(exc))
                     lost_mid_request = True
-        segments = [self._segment(job, j) for job, j in chains]
-        stored = self._store.put_segments(namespace, segments, codec_name=self._codec_name, event_fields=evented).stored_keys
+        stored = self._store.put_segments(namespace, self._segments(chains), codec_name=self._codec_name, event_fields=evented).stored_keys
         return [key for job, j in chains for key in job.chains[j]] if lost_mid_request else stored
 
     def close(self) -> None:
@@ -119,7 +123,31 @@ class CommitRoute:
                                    int(staging.shape[1]) * unit_bytes, unit_bytes))
         return out
 
-    def _segment(self, job: SaveJob, j: int) -> tuple[BlockKeys, list[ucm_db.Framed]]:
-        rows = job.staging.numpy()
-        keys = job.chains[j]
-        return BlockKeys(list(keys), parent=keys.parent()), [self._frames(rows[i, j]) for i in range(len(keys))]
+    def _segments(self, chains: list[tuple[SaveJob, int]]) -> list[tuple[BlockKeys, list[ucm_db.Framed]]]:
+        """The chains as ``put_segments``' segments, in order, each unit a
+        :class:`ucm_db.Framed` view of its staging row (no copy). A chain
+        that continues an earlier one of the round (a request's next step,
+        same head) is appended to it: one segment each, the same blocks in
+        the same transaction, and its parent before it as before (a round's
+        jobs are in submission order)."""
+        segments: list[tuple[BlockKeys, list[ucm_db.Framed]]] = []
+        tails: dict[bytes, int] = {}  # last key of a segment -> its index
+        staged: tuple[SaveJob, np.ndarray] | None = None  # the job of the chain before and its rows
+        for job, j in chains:
+            unit_keys = job.chains[j]
+            if not unit_keys:
+                continue
+            if staged is None or staged[0] is not job:
+                staged = (job, job.staging.numpy())
+            rows = staged[1]
+            keys = BlockKeys(unit_keys, parent=unit_keys.parent())
+            frames = [self._frames(rows[i, j]) for i in range(len(keys))]
+            at = tails.pop(keys.parent, None) if keys.parent is not None else None
+            if at is None:
+                at = len(segments)
+                segments.append((keys, frames))
+            else:
+                segments[at][0].extend(keys)
+                segments[at][1].extend(frames)
+            tails[keys[-1]] = at
+        return segments

@@ -25,8 +25,8 @@ import zstandard
 
 from ucm_db.codec import native
 from ucm_db.codec.header import (
-    CHECKSUM_OFFSET, CODEC_FORMAT_VERSION, CODEC_IDS, FRAME_STRUCT, HEADER_STRUCT, MAGIC, MAX_FRAMES, MAX_RAW_BYTES, MODE_RAW,
-    MODE_SHUFFLE, MODE_ZSTD, Buffer,
+    CHECKSUM_OFFSET, CODEC_FORMAT_VERSION, CODEC_IDS, FRAME_STRUCT, HEADER_BYTES, HEADER_STRUCT, MAGIC, MAX_FRAMES, MAX_RAW_BYTES,
+    MODE_RAW, MODE_SHUFFLE, MODE_ZSTD, ZERO_CHECKSUM, Buffer,
 )
 from ucm_db.errors import ConfigError
 
@@ -120,6 +120,15 @@ def buffer_view(obj: object, what: str) -> memoryview:
         ) from None
 
 
+#: Frame-length tuples of :class:`Framed` blocks checked already, by id ->
+#: (the tuple, its sum): a writer's units share their layout's one tuple,
+#: so each unit after the first checks its buffer only (contiguous, of
+#: that many bytes). The tuple is kept (its id is never reused while
+#: listed) and matched by identity: an equal tuple of other element types
+#: (``True``, ``8192.0``) is checked in full.
+_FRAME_TOTALS: dict[int, tuple[tuple[int, ...], int]] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class Framed:
     """A block held in one contiguous buffer and cut into frames (e.g. a
@@ -138,6 +147,9 @@ class Framed:
 
     def __post_init__(self) -> None:
         view = buffer_view(self.buffer, "a Framed buffer")
+        checked = _FRAME_TOTALS.get(id(self.frame_bytes))
+        if checked is not None and checked[0] is self.frame_bytes and view.c_contiguous and view.nbytes == checked[1]:
+            return  # this very tuple checked before (a layout's, each unit's): the buffer's own checks only
         if isinstance(self.frame_bytes, list):
             object.__setattr__(self, "frame_bytes", tuple(self.frame_bytes))
         if not isinstance(self.frame_bytes, tuple):
@@ -154,6 +166,9 @@ class Framed:
                 f"Framed.frame_bytes sum to {sum(self.frame_bytes)} bytes but the buffer holds {view.nbytes}",
                 hint="pass one length per frame, covering the whole buffer",
             )
+        if len(_FRAME_TOTALS) >= 1024:
+            _FRAME_TOTALS.clear()  # bounded whatever the callers pass
+        _FRAME_TOTALS[id(self.frame_bytes)] = (self.frame_bytes, view.nbytes)
 
     def frames(self) -> list[memoryview]:
         """The frames as views of the buffer (no copy)."""
@@ -299,6 +314,34 @@ def _encode_framed_raw(key: bytes, framed: Framed) -> EncodedBlock:
     body = memoryview(framed.buffer).cast("B")
     table = [FRAME_STRUCT.pack(n, n, MODE_RAW, 1, 0) for n in framed.frame_bytes]
     return _sealed(key, "none", table, [body], len(body), len(body))
+
+
+#: Codec ``none`` heads of :class:`Framed` blocks by frame lengths ->
+#: (header up to the key, zeroed checksum and frame table, frame table):
+#: everything of a head but its key and checksum (:func:`seal_framed_raw`).
+_RAW_SEALS: dict[tuple[int, ...], tuple[bytes, bytes, bytes]] = {}
+_KEY_OFFSET = CHECKSUM_OFFSET - 32
+
+
+def seal_framed_raw(key: bytes, framed: Framed) -> tuple[bytes, memoryview]:
+    """Codec ``none`` of a :class:`Framed` block as ``(head, body)``: the
+    bytes ``encode_parts(key, framed, codec="none")`` gives (its first
+    block of each frame lengths is made by it, checks and all), with the
+    head's fixed parts cached by frame lengths, so a block costs its key,
+    its checksum and two joins."""
+    seal = _RAW_SEALS.get(framed.frame_bytes)
+    if seal is None or type(key) is not bytes or len(key) != 32:
+        block = encode_parts(key, framed, codec="none")
+        head = block.head
+        if len(_RAW_SEALS) >= 1024:
+            _RAW_SEALS.clear()  # bounded whatever the callers pass
+        _RAW_SEALS[framed.frame_bytes] = (head[:_KEY_OFFSET], ZERO_CHECKSUM + head[HEADER_BYTES:], head[HEADER_BYTES:])
+        return head, block.body[0]  # type: ignore[return-value]  # codec none of a Framed block: its buffer, cast to bytes
+    prefix, zeroed_tail, table = seal
+    body = memoryview(framed.buffer).cast("B")
+    hasher = xxhash.xxh3_64(prefix + key + zeroed_tail)
+    hasher.update(body)
+    return prefix + key + hasher.intdigest().to_bytes(8, "little") + table, body
 
 
 def _encode_frame(view: memoryview, codec: str, element_bytes: int, level: int) -> tuple[int, int, int, list[Buffer]]:

@@ -89,6 +89,31 @@ class BlockMeta:
         return meta
 
 
+#: What refiling a block reads of its ``meta`` record (:func:`refiled_record`):
+#: depth, raw and stored bytes, access time.
+_REFILE_FIELDS = struct.Struct("<48xIQQ8xQ4x")
+_ACCESS = struct.Struct("<Q")
+_ACCESS_OFFSET = 76
+
+
+def refiled_record(data: Buffer, access_ns: int) -> tuple[bytes, int, int, bytes] | None:
+    """A whole ``meta`` record filed again as used at ``access_ns`` (its own
+    access time where that is newer): ``(namespace id, depth, access time,
+    record)``, the record byte for byte what :meth:`BlockMeta.pack` gives
+    after that change; None where :meth:`BlockMeta.unpack` would refuse it
+    (damaged). No :class:`BlockMeta` is made (eviction refiles a few a victim)."""
+    if len(data) != META.size:
+        return None
+    depth, raw, stored, access = _REFILE_FIELDS.unpack(data)
+    if raw > codec.MAX_RAW_BYTES or stored > MAX_STORED_BYTES:
+        return None
+    record = bytes(data)
+    if access < access_ns:
+        access = access_ns
+        record = record[:_ACCESS_OFFSET] + _ACCESS.pack(access) + record[_ACCESS_OFFSET + 8:]
+    return record[:16], depth, access, record
+
+
 def meta_and_parent(data: Buffer | None) -> tuple[BlockMeta | None, bytes | None]:
     """A ``meta`` record's fields (None where absent or damaged) and the
     parent it names (a damaged record's too where its length is right: its

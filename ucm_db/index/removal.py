@@ -38,6 +38,31 @@ def remove_tree(txn: Txn, changes: Changes, key: bytes, *, feed_max_records: int
     return removed
 
 
+def remove_tail(txn: Txn, changes: Changes, key: bytes, meta: BlockMeta, *, feed_max_records: int,
+                uploads: bool = True, evented: bool = True) -> int:
+    """Removes ``key``, a chain tail eviction found in this transaction: its
+    record ``meta`` read whole, no child link left (a stale one was
+    dropped on the way), no pin record; nothing removed since. So its own
+    entries are all there is to remove: :func:`remove_tree`'s work less
+    the reads that can only find nothing (child links, pin records).
+    ``uploads``/``evented`` False: the transaction holds no queued upload /
+    no evented block's fields at all, so there is none of this block's to
+    remove either. Returns 1."""
+    delete = txn.delete
+    delete("meta", key)
+    delete("blocks", key)
+    delete("heads", key)
+    delete("lru", lru_key(meta.access_ns, meta.depth, key))
+    if uploads:
+        delete("uploads", key)
+    if meta.parent is not None:
+        delete("children", meta.parent + key)
+    if evented:
+        changefeed.removed(txn, key, feed_max_records)
+    changes.add(meta, -1)
+    return 1
+
+
 def _remove_one(txn: Txn, changes: Changes, key: bytes, feed_max_records: int) -> int:
     data = txn.get("meta", key)
     if data is None:

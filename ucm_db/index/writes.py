@@ -45,10 +45,11 @@ from ucm_db.index import changefeed, damage, namespace_guard, pins, records, ret
 from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.index.damage import Damage
+from ucm_db.index.eviction import Eviction, PutProtection
 from ucm_db.index.reads import in_namespace
 from ucm_db.index.removal import remove_tree
 from ucm_db.index.entries import (
-    LRU_PREFIX, BlockEntry, BlockMeta, PendingActivity, PutResult, TierLimits, lru_key, meta_and_parent,
+    BlockEntry, BlockMeta, PendingActivity, PutResult, TierLimits, lru_key,
 )
 
 #: How much older than a touch an ancestor's recency may stay (module doc):
@@ -65,9 +66,13 @@ class IndexWriter:
         self.engine = engine
         self.limits = limits
         self.damage = damage
-        #: LRU entries eviction has read in this process (it reads a block
-        #: with children once, then files it as used: tests check that).
-        self.eviction_entries_scanned = 0
+        self.eviction = Eviction(damage, limits)  # eviction.py
+
+    @property
+    def eviction_entries_scanned(self) -> int:
+        """LRU entries eviction has read in this process (it reads a block
+        with children once, then files it as used: tests check that)."""
+        return self.eviction.entries_scanned
 
     def delete(self, keys: Sequence[bytes], *, namespace_id: bytes | None = None, retract: bool = False) -> int:
         """Removes ``keys`` and their descendants; with ``namespace_id``,
@@ -167,7 +172,7 @@ class IndexWriter:
             pending = activity(changes.totals.stored_bytes > limits.capacity_bytes) if activity is not None else None
             if pending is not None:
                 self._apply_activity(txn, changes, pending)
-            protected = _PutProtection(txn, entries, in_batch.union(protect) if protect else in_batch, protect)
+            protected = PutProtection(txn, entries, in_batch.union(protect) if protect else in_batch, protect)
             result.evicted = self._evict_over_capacity(txn, changes, protected=protected, victims=victims)
             changes.commit()
             crashpoint("local.before_commit")
@@ -195,7 +200,7 @@ class IndexWriter:
             damage.restore_link(txn, entry.parent, parent_meta.parent)
         return parent_meta.depth
 
-    def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: _PutProtection, victims: list[bytes]) -> int:
+    def _evict_over_capacity(self, txn: Txn, changes: Changes, *, protected: PutProtection, victims: list[bytes]) -> int:
         """Evicts LRU chain tails until the totals fit the capacity, never a
         ``protected`` block (a put's batch and the blocks of its call stored
         already). Their ancestors need no listing: in an intact index every
@@ -214,7 +219,7 @@ class IndexWriter:
                 caller's transaction then writes nothing.
         """
         capacity_bytes = self.limits.capacity_bytes
-        evicted = self._evict_tails(txn, changes, capacity_bytes, protected, victims=victims)
+        evicted = self.eviction.evict_tails(txn, changes, capacity_bytes, protected, victims=victims)
         if changes.totals.stored_bytes > capacity_bytes:
             pinned = pins.pinned_bytes(txn, changes)
             raise StoreFullError(
@@ -232,73 +237,10 @@ class IndexWriter:
         primitive (``compact``'s eviction)."""
         def run(txn: Txn, victims: list[bytes]) -> int:
             changes = Changes(txn)
-            evicted = self._evict_tails(txn, changes, target_bytes, None, max_blocks, victims=victims)
+            evicted = self.eviction.evict_tails(txn, changes, target_bytes, None, max_blocks, victims=victims)
             changes.commit()
             return evicted
         return self.damage.write_evicting(run)
-
-    def _evict_tails(self, txn: Txn, changes: Changes, target_bytes: int, protected: _PutProtection | None,
-                     max_blocks: int | None = None, *, victims: list[bytes]) -> int:
-        """Evicts unprotected LRU chain tails (with their descendants) until at
-        most ``target_bytes`` are stored, about ``max_blocks`` went, or none
-        is left; returns blocks evicted (counted in the totals' evictions).
-        Each victim is appended to ``victims`` before it is removed."""
-        evicted = 0
-        while changes.totals.stored_bytes > target_bytes and (max_blocks is None or evicted < max_blocks):
-            victim = self._oldest_tail(txn, changes, protected)
-            if victim is None:
-                break
-            victims.append(victim)
-            count = self._remove_tree(txn, changes, victim)
-            evicted += count
-            changes.totals.evictions += count
-        return evicted
-
-    def _oldest_tail(self, txn: Txn, changes: Changes, protected: _PutProtection | None) -> bytes | None:
-        """The least recently used unprotected block without children, or
-        None. Blocks with children met on the way are filed again as used
-        now (their chains are in use: a block gains children only when a
-        put continues it), the ancestors of the put's own batch too, so
-        each is passed over once, not at every eviction, and goes only once
-        it is a tail. Stale LRU entries (no block) are dropped. A pinned
-        tail is filed again too (its ancestors are pinned: pins.py). A
-        damaged record met on the way is quarantined with its descendants,
-        unless it lies above the put's own blocks (:meth:`_PutProtection.covers`):
-        then it is left for a read or ``verify`` to find."""
-        refile: list[tuple[bytes, bytes]] = []
-        stale: list[bytes] = []
-        victim = None
-        for lru, _ in txn.scan("lru"):
-            self.eviction_entries_scanned += 1
-            key = bytes(lru[LRU_PREFIX.size:])
-            if not damage.has_live_children(txn, key):
-                if protected is not None and key in protected:
-                    continue  # the batch's own tail: the newest entries, met only when little else is left
-                if txn.get("meta", key) is None:
-                    stale.append(bytes(lru))
-                    continue
-                if not pins.is_pinned(txn, key):
-                    victim = key
-                    break
-            refile.append((bytes(lru), key))
-        for lru in stale:
-            txn.delete("lru", lru)
-        now = time.time_ns()
-        for lru, key in refile:
-            data = txn.get("meta", key)
-            meta = damage.meta_or_none(data)
-            if meta is None and data is not None and protected is not None and protected.covers(key):
-                continue  # damaged above the put's own blocks: its quarantine would take them
-            txn.delete("lru", lru)
-            if meta is None:
-                self.damage.meta_or_clear(txn, changes, key)  # a damaged record: quarantined with its descendants
-                continue
-            meta.access_ns = max(meta.access_ns, now)
-            txn.put("lru", lru_key(meta.access_ns, meta.depth, key), b"")
-            txn.put("meta", key, meta.pack())
-            counts = changes.ns(meta.namespace_id)
-            counts[3] = max(counts[3], meta.access_ns)
-        return victim
 
     def _remove_tree(self, txn: Txn, changes: Changes, key: bytes) -> int:
         return remove_tree(txn, changes, key, feed_max_records=self.limits.feed_max_records)
@@ -346,41 +288,3 @@ class IndexWriter:
                     break  # its own hit counted; its ancestors were walked already
                 visited.add(current)
                 current = meta.parent
-
-
-class _PutProtection:
-    """What a put's eviction never removes: ``key in`` it holds for the
-    batch's keys and the call's blocks stored already (a set: the victim
-    check). Their ancestors need no check there (never tails, see
-    :meth:`IndexWriter._evict_over_capacity`); :meth:`covers` answers for
-    them too, for a damaged record the scan would quarantine with its
-    descendants. Its walk to the roots (one metadata read a level) runs on
-    first use only, so an intact index never pays it."""
-
-    def __init__(self, txn: Txn, entries: Sequence[BlockEntry], keys: set[bytes], present: Sequence[bytes]) -> None:
-        self._txn = txn
-        self._entries = entries
-        self._keys = keys
-        self._present = present
-        self._ancestors: set[bytes] | None = None
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def covers(self, key: bytes) -> bool:
-        """Whether ``key`` is protected or an ancestor of a protected block."""
-        if key in self._keys:
-            return True
-        if self._ancestors is None:
-            self._ancestors = self._walk()
-        return key in self._ancestors
-
-    def _walk(self) -> set[bytes]:
-        ancestors: set[bytes] = set()
-        starts = [entry.parent for entry in self._entries] + [meta_and_parent(self._txn.get("meta", key))[1]
-                                                               for key in self._present]
-        for current in starts:
-            while current is not None and current not in self._keys and current not in ancestors:
-                ancestors.add(current)
-                current = meta_and_parent(self._txn.get("meta", current))[1]
-        return ancestors

@@ -44,15 +44,16 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ucm_db import codec
 from ucm_db.arguments import (
-    UNSET, Unset, key_list, require_distinct_keys, require_namespace, require_parent, require_payload, segment_list, segment_parent,
+    UNSET, Unset, key_list, require_distinct_keys, require_namespace, require_payload, segment_list, segment_parent,
 )
 from ucm_db.store.background import ReadsForEviction
 from ucm_db.codec.pool import Payload
 from ucm_db.config import CODECS
 from ucm_db.buffers import Buffer
-from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError
+from ucm_db.errors import ConfigError, MissingAncestorError
 from ucm_db.events import BlockEventFields, pack_event_fields
 from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.store.put_entries import encoded_entries, raw_entries, verified_entries
 from ucm_db.store.state import StoreState
 from ucm_db.index.local import BlockEntry, PutResult
 
@@ -201,15 +202,14 @@ class StoreWrites:
         self, namespace: Namespace, keys: Sequence[bytes], payloads: Sequence[Payload],
         parents: Sequence[bytes | None], todo: list[int], codec_name: str, packed: Mapping[bytes, bytes] | None = None,
     ) -> list[BlockEntry]:
+        raw = raw_entries(namespace.id, keys, payloads, parents, todo, packed) if codec_name == "none" else None
+        if raw is not None:
+            return raw
         encoded = self._state.codecs.encode_many(
             [(keys[i], payloads[i]) for i in todo], codec_name=codec_name,
             element_bytes=codec.element_bytes_for(namespace.kv_dtype), level=self._state.config.zstd_level,
         )
-        return [
-            BlockEntry(keys[i], parents[i], block.head, block.body_buffer(), block.raw_len, namespace.id,
-                       None if packed is None else packed.get(keys[i]))
-            for i, block in zip(todo, encoded)
-        ]
+        return encoded_entries(namespace.id, keys, parents, todo, encoded, packed)
 
     def put_encoded(self, namespace: Namespace, blocks: Sequence[tuple[bytes, bytes | None, Buffer]]) -> PutResult:
         """Atomically stores blocks that are already encoded (an archive's,
@@ -238,7 +238,7 @@ class StoreWrites:
         """
         self._state.check_writable()
         require_namespace(namespace, "put_encoded")
-        entries = _verified_entries(blocks, namespace.id)
+        entries = verified_entries(blocks, namespace.id)
         if not entries:
             return PutResult()
         return self._put_new(namespace, [e.key for e in entries], lambda todo: [entries[i] for i in todo], check_first=False)
@@ -360,31 +360,6 @@ class StoreWrites:
 
 def _always(_head: memoryview, _body: memoryview) -> bool:
     return True
-
-
-def _verified_entries(blocks: object, namespace_id: bytes) -> list[BlockEntry]:
-    """``put_encoded``'s blocks as entries, each blob verified under its key."""
-    if isinstance(blocks, (bytes, bytearray, memoryview, str)) or not isinstance(blocks, Sequence):
-        raise ConfigError(f"put_encoded takes a sequence of (key, parent, blob), got {type(blocks).__name__}",
-                          hint="pass e.g. [(key, None, blob), (child_key, key, child_blob)]")
-    entries = []
-    for block in blocks:
-        if not isinstance(block, (tuple, list)) or len(block) != 3:
-            raise ConfigError(f"each put_encoded block is a (key, parent, blob) triple, got {type(block).__name__}",
-                              hint="pass e.g. [(key, None, blob), (child_key, key, child_blob)]")
-        [key] = key_list([block[0]], "put_encoded")
-        parent, blob = require_parent(block[1]), block[2]
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise ConfigError(f"an encoded block is a bytes-like blob, got {type(blob).__name__}",
-                              hint="pass each block as its store holds it, e.g. an archive's member bytes")
-        try:
-            header = codec.verify(blob, key)
-        except CorruptBlockError as exc:
-            why = exc.message
-            raise CorruptBlockError(f"block {key.hex()[:16]} does not verify under its key ({why}); nothing was written",
-                                    hint="pass blobs as a store holds them (e.g. export's members), each with its own key") from exc
-        entries.append(BlockEntry.of_blob(key, parent, blob, header.raw_len, namespace_id))
-    return entries
 
 
 @functools.lru_cache(maxsize=256)
