@@ -21,6 +21,8 @@ import os
 
 import lmdb
 
+from ucm_db.engines.lmdb.recovery import pid_alive
+
 #: A slot this many transactions behind the newest is named.
 LAG_TXNS = 64
 #: Slots named at most.
@@ -41,15 +43,5 @@ def lagging_readers(env: lmdb.Environment, *, lag_txns: int = LAG_TXNS) -> list[
         if pid != os.getpid() and newest - txnid >= lag_txns:
             slots.append((txnid, pid))
     slots.sort()
-    return [(pid, txnid, f"pid {pid} ({'running or stopped' if _alive(pid) else 'gone'}) holds a snapshot "
+    return [(pid, txnid, f"pid {pid} ({'running or stopped' if pid_alive(pid) else 'gone'}) holds a snapshot "
              f"{newest - txnid} transactions old") for txnid, pid in slots[:MAX_NAMED]]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

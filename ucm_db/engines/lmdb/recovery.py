@@ -83,7 +83,11 @@ class RecoveryReport:
     moved_to: Path | None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid runs (or is stopped) in this PID
+    namespace; a pid of 0 or less names none."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -132,7 +136,7 @@ def recover_after_os_crash(env_dir: Path) -> RecoveryReport | None:
             boot, _, pid = marker.name.rpartition(".")
             if boot != current:
                 foreign.append(marker)
-            elif pid.isdigit() and not _pid_alive(int(pid)):
+            elif pid.isdigit() and not pid_alive(int(pid)):
                 dead.append(marker)
         if dead:
             # A process crash: the page cache kept its commits, but they are
