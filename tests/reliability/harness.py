@@ -80,6 +80,44 @@ def chain_tokens(label: str, n_blocks: int, block_size: int = NS.block_size) -> 
 
 
 # -- processes ------------------------------------------------------------------
+def log_line(path: Path, line: str) -> None:
+    """Appends one line to a child's log with one write (a cut or a kill
+    leaves whole lines, or the last one torn, never two interleaved)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def segment_keys(label: str, n_blocks: int) -> list[bytes]:
+    return NS.block_keys(chain_tokens(label, n_blocks))
+
+
+def segment_payloads(keys: list[bytes]) -> list[bytes]:
+    return [payload_for(k, size_for(k, 512, 24 << 10)) for k in keys]
+
+
+def write_cut_segments(store: ucm_db.Store, log_path: Path, cycle: int, rng: random.Random, durability: str, rounds: int) -> None:
+    """The power-cut writers' loop: chains of 2-6 blocks put in two parts,
+    each logged before (``I``) and after (``A``) its put; under ``group`` a
+    flush now and then, logged (``S``) once it returned."""
+    for i in range(rounds):
+        label = f"c{cycle}-{i}"
+        n = rng.randint(2, 6)
+        keys = segment_keys(label, n)
+        cut_at = rng.randint(1, n - 1)
+        log_line(log_path, f"I {label} {n} 0 {cut_at}")
+        store.put(NS, keys[:cut_at], segment_payloads(keys[:cut_at]))
+        log_line(log_path, f"A {label} {n} 0 {cut_at}")
+        log_line(log_path, f"I {label} {n} {cut_at} {n}")
+        store.put(NS, keys[cut_at:], segment_payloads(keys[cut_at:]), parent=keys[cut_at - 1])
+        log_line(log_path, f"A {label} {n} {cut_at} {n}")
+        if durability == "group" and rng.random() < 0.3:
+            store.flush()
+            log_line(log_path, "S")
+
+
 def fork_call(fn: Callable[..., Any], *args: Any, log_path: Path) -> int:
     """Runs ``fn(*args)`` in a forked child; returns its pid.
 

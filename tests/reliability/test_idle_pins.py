@@ -37,7 +37,7 @@ from ucm_db.engines.lmdb.groupsync import read_record
 from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV
 from ucm_db.store import sync_health
 
-from .harness import NS, chain_tokens, fork_call, kill_and_reap, payload_for, tail, wait_counter, write_counter
+from .harness import NS, chain_tokens, fork_call, kill_and_reap, log_line, payload_for, tail, wait_counter, write_counter
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -235,12 +235,7 @@ PC_CUTS = 16
 PC_BLOCK_BYTES = 24 << 10
 
 
-def _log(path: Path, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+_log = log_line
 
 
 def _pc_payloads(label: str) -> tuple[list[bytes], list[bytes]]:

@@ -49,7 +49,9 @@ import pytest
 import ucm_db
 from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV
 
-from .harness import NS, chain_tokens, fork_call, kill_and_reap, payload_for, run_child, size_for, tail
+from .harness import (
+    NS, fork_call, kill_and_reap, log_line, run_child, segment_keys, segment_payloads, tail, write_cut_segments,
+)
 from .powercut import PowerCutMount
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.crash, pytest.mark.slow]
@@ -63,20 +65,7 @@ OPTIONS = {"capacity_bytes": 1 << 30, "sync_interval_s": 0.05, "encode_threads":
 
 
 # -- the writer (a forked child) ---------------------------------------------------
-def _log(path: Path, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def _segment(label: str, n_blocks: int) -> list[bytes]:
-    return NS.block_keys(chain_tokens(label, n_blocks))
-
-
-def _payloads(keys: list[bytes]) -> list[bytes]:
-    return [payload_for(k, size_for(k, 512, 24 << 10)) for k in keys]
+_log, _segment, _payloads = log_line, segment_keys, segment_payloads
 
 
 def _open_for_writing(store_path: str, durability: str, opening: str) -> ucm_db.Store:
@@ -99,20 +88,7 @@ def _writer(store_path: str, durability: str, opening: str, log_path: Path, boot
     rng = random.Random()
     store = _open_for_writing(store_path, durability, opening)
     _log(log_path, "O")  # opened (the parent times most cuts from here)
-    for i in range(10_000):
-        label = f"c{cycle}-{i}"
-        n = rng.randint(2, 6)
-        keys = _segment(label, n)
-        cut_at = rng.randint(1, n - 1)
-        _log(log_path, f"I {label} {n} 0 {cut_at}")
-        store.put(NS, keys[:cut_at], _payloads(keys[:cut_at]))
-        _log(log_path, f"A {label} {n} 0 {cut_at}")
-        _log(log_path, f"I {label} {n} {cut_at} {n}")
-        store.put(NS, keys[cut_at:], _payloads(keys[cut_at:]), parent=keys[cut_at - 1])
-        _log(log_path, f"A {label} {n} {cut_at} {n}")
-        if durability == "group" and rng.random() < 0.3:
-            store.flush()
-            _log(log_path, "S")
+    write_cut_segments(store, log_path, cycle, rng, durability, 10_000)
 
 
 # -- the checker (a forked child, after the cut) --------------------------------------

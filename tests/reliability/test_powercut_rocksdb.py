@@ -45,7 +45,7 @@ import ucm_db
 from ucm_db import maintenance
 from ucm_db.engines.lmdb.recovery import BOOT_ID_ENV
 
-from .harness import NS, chain_tokens, payload_for, size_for, tail
+from .harness import NS, log_line, segment_keys, segment_payloads, tail, write_cut_segments
 from .powercut import PowerCutMount
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.crash]
@@ -61,20 +61,8 @@ Segment = tuple[str, int, int, int]  # chain label, its blocks, the put's first 
 
 
 # -- the children (fresh interpreters: main) ----------------------------------------
-def _log(path: Path, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def _keys(label: str, n_blocks: int) -> list[bytes]:
-    return NS.block_keys(chain_tokens(label, n_blocks))
-
-
-def _payloads(keys: list[bytes]) -> list[bytes]:
-    return [payload_for(k, size_for(k, 512, 24 << 10)) for k in keys]  # inline values and blob files both
+_log, _keys = log_line, segment_keys
+_payloads = segment_payloads  # 512 B - 24 KiB: inline values and blob files both
 
 
 def _writer(store_path: str, durability: str, log_path: Path, cycle: int, tiny_memtable: bool) -> None:
@@ -84,20 +72,7 @@ def _writer(store_path: str, durability: str, log_path: Path, cycle: int, tiny_m
     rng = random.Random()
     store = ucm_db.open(store_path, engine="rocksdb", durability=durability, capacity_bytes=1 << 30)
     _log(log_path, "O")  # opened: the parent times the kill from here
-    for i in range(100_000):
-        label = f"c{cycle}-{i}"
-        n = rng.randint(2, 6)
-        keys = _keys(label, n)
-        cut_at = rng.randint(1, n - 1)
-        _log(log_path, f"I {label} {n} 0 {cut_at}")
-        store.put(NS, keys[:cut_at], _payloads(keys[:cut_at]))
-        _log(log_path, f"A {label} {n} 0 {cut_at}")
-        _log(log_path, f"I {label} {n} {cut_at} {n}")
-        store.put(NS, keys[cut_at:], _payloads(keys[cut_at:]), parent=keys[cut_at - 1])
-        _log(log_path, f"A {label} {n} {cut_at} {n}")
-        if durability == "group" and rng.random() < 0.3:
-            store.flush()
-            _log(log_path, "S")
+    write_cut_segments(store, log_path, cycle, rng, durability, 100_000)
 
 
 def _read_log(log_path: Path, durability: str) -> tuple[list[Segment], set[Segment], set[Segment]]:
