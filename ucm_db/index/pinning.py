@@ -102,17 +102,21 @@ class IndexPins:
     def unpin_chains(self, chains: Sequence[Sequence[bytes]], namespace_id: bytes, *, limit_bytes: int) -> PinReport:
         """Takes back each chain's own pin (module invariants); each
         chain's count in the report is its leading blocks still pinned (by
-        pins of other chains)."""
+        pins of chains outside this call) once the whole call's pins are
+        taken back."""
         def run(txn: Txn) -> PinReport:
             changes = Changes(txn)
             before = list(changes.pins(namespace_id))
-            still = []
+            reach = []
             for chain in chains:
                 stored = count_in(txn, chain, namespace_id)
                 pinned = _pinned_prefix(txn, chain, stored)
                 if pinned:
                     _unpin_chain(txn, changes, chain, pinned)
-                still.append(_pinned_prefix(txn, chain, pinned))
+                reach.append(pinned)
+            # Counted once every chain's pin is taken back: a later chain of the
+            # call may have held an earlier one's blocks.
+            still = [_pinned_prefix(txn, chain, pinned) for chain, pinned in zip(chains, reach)]
             after = changes.pins(namespace_id)
             total = pins.pinned_bytes(txn, changes)
             changes.commit()
