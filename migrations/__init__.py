@@ -12,6 +12,9 @@ Invariants:
       migration ``N`` (or creation at ``N``) committed, never half-way.
     * A failed migration raises :class:`~ucm_db.errors.MigrationError` and
       leaves the store at its previous version, untouched.
+    * A store of a newer format than this code's is refused
+      (:class:`NewerFormatError`) before anything opens it for writing, and
+      a store needing no migration is not opened for writing either.
     * Migrating needs the store to itself: it holds the store's lock
       exclusively (see :mod:`ucm_db.storelock`) and refuses, naming them,
       while other processes have the store open.
@@ -32,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.crashpoints import crashpoint
-from ucm_db.errors import MigrationError
+from ucm_db.errors import FormatVersionError, MigrationError
 from ucm_db.format import STORE_FORMAT_VERSION, checked_format_version, parse_format_version, write_format_version
 from ucm_db.engines.base import Txn
 
-from ucm_db.migrations.access import exclusive_engine, open_engine, read_format_version
+from ucm_db.migrations.access import exclusive_lock, format_read_only, open_engine, read_format_version
 
 MIGRATIONS_TABLE = "migrations"
 _MODULE_NAME = re.compile(r"^v(\d{4})_\w+$")
@@ -68,6 +71,12 @@ class AppliedMigration:
     name: str
     applied_ns: int
     ucm_db_version: str
+
+
+class NewerFormatError(FormatVersionError, MigrationError):
+    """The store's format is newer than this ucm-db's: migrations only go
+    forward. A FormatVersionError, as opening the store is (and a
+    MigrationError, as ``migrate`` raised before)."""
 
 
 _registry: dict[int, Migration] = {}
@@ -127,7 +136,7 @@ def pending(path: str | Path, target: int = STORE_FORMAT_VERSION) -> list[Migrat
 def plan(version: int, target: int, path: str | Path) -> list[Migration]:
     """The chain of migrations from ``version`` to ``target``."""
     if version > target:
-        raise MigrationError(
+        raise NewerFormatError(
             f"store at {path} has format {version}, newer than the target {target}",
             hint="upgrade ucm-db; migrations only go forward",
         )
@@ -152,14 +161,23 @@ def migrate(
         LockedError: other processes have the store open.
         MigrationError: a migration failed; the store stays at the format of
             the last migration that committed.
+        NewerFormatError: (a FormatVersionError and a MigrationError) the
+            store's format is newer than ``target``; nothing was written.
     """
     path = Path(path)
-    with exclusive_engine(path) as engine:
-        steps = plan(read_format_version(engine), target, path)
-        for migration in steps:
-            _apply(engine, migration, path)
-            if on_step is not None:
-                on_step(migration)
+    with exclusive_lock(path):
+        version = format_read_only(path)  # a newer store is refused before any writable open
+        if version is not None and not plan(version, target, path):
+            return []
+        engine = open_engine(path, read_only=False, sync=True)
+        try:
+            steps = plan(read_format_version(engine), target, path)
+            for migration in steps:
+                _apply(engine, migration, path)
+                if on_step is not None:
+                    on_step(migration)
+        finally:
+            engine.close()
     return steps
 
 

@@ -8,7 +8,12 @@ Invariants:
     * :func:`open_engine` never creates a store: a path without one is a
       :class:`~ucm_db.errors.ConfigError`.
     * :func:`exclusive_engine` holds the store's lock exclusively for as long
-      as the engine is open, or refuses naming the processes that hold it.
+      as the engine is open, or refuses naming the processes that hold it
+      (:func:`exclusive_lock` holds it without opening the engine).
+    * :func:`format_read_only` reads the store's format without opening it
+      for writing: a writable open of a RocksDB store replays its log and
+      rewrites its MANIFEST and OPTIONS, which must not happen to a store of
+      a format this ucm-db does not know.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ucm_db.errors import ConfigError, LockedError
+from ucm_db.errors import ConfigError, FormatVersionError, LockedError
 from ucm_db.format import detect_engine
 from ucm_db.format import open_engine as _open_engine
 from ucm_db.format import open_lmdb_read_only
@@ -67,16 +72,39 @@ def refuse_if_held(path: Path, lock: StoreLock, action: str) -> None:
 
 
 @contextmanager
-def exclusive_engine(path: Path, action: str = "migrate") -> Iterator[Engine]:
-    """The store's engine, opened for writing while no one else has it."""
+def exclusive_lock(path: Path, action: str = "migrate") -> Iterator[None]:
+    """The store's lock, held exclusively (LockedError naming the holders otherwise)."""
     require_store(path)
     lock = StoreLock(path)
     refuse_if_held(path, lock, action)
     try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextmanager
+def exclusive_engine(path: Path, action: str = "migrate") -> Iterator[Engine]:
+    """The store's engine, opened for writing while no one else has it."""
+    with exclusive_lock(path, action):
         engine = open_engine(path, read_only=False, sync=True)
         try:
             yield engine
         finally:
             engine.close()
+
+
+def format_read_only(path: Path) -> int | None:
+    """The store's format version, read through a read-only open; None for
+    a RocksDB store that lacks tables its writable opens create (an older
+    ucm-db's, which a read-only open refuses: migrating it writes anyway)."""
+    try:
+        engine = open_engine(path, read_only=True)
+    except FormatVersionError:
+        if require_store(path) != "rocksdb":
+            raise
+        return None
+    try:
+        return read_format_version(engine)
     finally:
-        lock.release()
+        engine.close()

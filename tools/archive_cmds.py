@@ -36,7 +36,9 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
     (exit 1: `ucm-db invalidate` it first). With an encryption key every
     block is encrypted (AES-256-GCM, bound to its key, parent, namespace and
     epoch); the manifest (model, keys, epochs) stays readable. `import`
-    then needs the key.
+    then needs the key. A block that does not verify under its key is left
+    out with its descendants and named (exit 1: `ucm-db verify PATH --fix`
+    quarantines it).
 
     \b
     Example:
@@ -49,7 +51,10 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
     emit(as_json, report, lambda r: f"exported {r['blocks']} {'encrypted ' if r['encrypted'] else ''}blocks ({r['stored_bytes']} bytes) "
          f"of {len(r['namespaces'])} namespace(s) "
          f"to {r['archive']}, with their epochs ({', '.join(f'{ns[:16]}: {e}' for ns, e in sorted(r['epochs'].items())) or 'none'})"
-         + (f"; {r['left_out']} blocks left out (evicted or deleted while exporting, with their descendants)" if r.get("left_out") else ""))
+         + (f"; {r['left_out']} blocks left out (evicted, deleted or corrupt, with their descendants)" if r.get("left_out") else "")
+         + "".join(f"\n  corrupt, left out: {c['key'][:16]}: {c['reason']}" for c in r["corrupt"])
+         + (f"\n  run `ucm-db verify {path} --fix` to quarantine the corrupt blocks" if r["corrupt"] else ""))
+    raise SystemExit(EXIT_PROBLEMS if report["corrupt"] else EXIT_OK)
 
 
 @click.command("import")

@@ -140,9 +140,11 @@ def _hold_source(source_path: Path) -> StoreLock:
 
 def _check_source(source_path: Path, engine: Engine, engine_name: str, source_engine: str) -> None:
     version = read_format_version(engine)
-    if version != STORE_FORMAT_VERSION:
-        raise FormatVersionError(f"store at {source_path} has format {version}",
-                                 hint=f"run `ucm-db migrate {source_path}` first")
+    if version != STORE_FORMAT_VERSION:  # a newer one is not migrated back: `migrate` refuses it too
+        newer = version > STORE_FORMAT_VERSION
+        raise FormatVersionError(f"store at {source_path} has format {version}"
+                                 + (f", newer than this ucm-db's {STORE_FORMAT_VERSION}" if newer else ""),
+                                 hint="upgrade ucm-db to convert it" if newer else f"run `ucm-db migrate {source_path}` first")
     if source_engine == engine_name:
         raise ConfigError(f"store at {source_path} already uses {engine_name}", hint="pick the other engine")
     try:
@@ -183,7 +185,7 @@ def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, pr
             except OSError as exc:  # a file on the way, a read-only volume, permission, a name too long
                 raise _dest_error(dest_path, exc) from exc
             try:
-                blocks = _copy_and_verify(source, temp, engine_name, source_digests, total, progress)
+                blocks = _copy_and_verify(source, temp, engine_name, source_digests, total, progress, source_path)
                 os.rename(temp, dest_path)  # replaces only an empty directory
                 fsync_dir(dest_path.parent)
             except BaseException:
@@ -198,7 +200,7 @@ def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, pr
 
 
 def _copy_and_verify(source: Engine, temp: Path, engine_name: str, source_digests: dict[str, tuple[int, str]],
-                     total: int, progress: ProgressFn | None) -> int:
+                     total: int, progress: ProgressFn | None, source_path: Path) -> int:
     dest = open_engine(temp, engine_name, sync=False, map_size_bytes=DEST_MAP_BYTES)
     try:
         copy_tables(source, dest, engine_name, total, progress)
@@ -212,16 +214,22 @@ def _copy_and_verify(source: Engine, temp: Path, engine_name: str, source_digest
     if dest_digests != source_digests:
         bad = [t for t in TABLES if dest_digests[t] != source_digests[t]]
         raise MigrationError(f"converted copy differs from the source in tables {', '.join(bad)}")
-    return verify_converted(temp)
+    return verify_converted(temp, source_path)
 
 
-def verify_converted(dest_path: Path) -> int:
-    """Opens the new store as users will and decodes every block."""
+def verify_converted(dest_path: Path, source_path: Path) -> int:
+    """Opens the new store as users will and decodes every block; a
+    problem found is the source's (module invariants)."""
     from ucm_db.store import open as open_store
 
     open_store(dest_path).close()  # format and settings accepted by the Store
     with open_view(dest_path) as view:
         report = verify_view(view)
     if report.problems:
-        raise MigrationError(f"converted store fails verification: {len(report.corrupt)} corrupt, {report.index_problems[:3]}")
+        first = next(iter(sorted(report.corrupt.items())), None)
+        raise MigrationError(
+            f"the store at {source_path} fails verification, so its copy does too: {len(report.corrupt)} corrupt blocks"
+            + (f" (first {first[0].hex()[:16]}: {first[1]})" if first else "")
+            + (f", index problems {report.index_problems[:3]}" if report.index_problems else "") + "; nothing was converted",
+            hint=f"run `ucm-db verify {source_path} --fix` (it quarantines corrupt blocks and repairs the index), then convert again")
     return report.checked

@@ -40,9 +40,10 @@ Invariants:
       deep, each block member at most :data:`MAX_MEMBER_BYTES` (read in
       chunks; a larger one is skipped), each put batch at most
       :data:`BATCH_BYTES` (plus one member); only regular members are read.
-    * Export writes whole blocks only, each with its parent before it, and
-      the manifest lists exactly the blocks written (``left_out`` counts
-      those gone while it ran, :mod:`ucm_db.maintenance.archive.members`).
+    * Export writes whole blocks that verify under their keys only, each
+      with its parent before it, and the manifest lists exactly the blocks
+      written (``left_out`` counts those gone while it ran or corrupt,
+      ``corrupt`` names the corrupt ones: :mod:`ucm_db.maintenance.archive.members`).
     * Export never replaces anything but a regular file, writes a temp file
       beside the archive (``O_EXCL | O_NOFOLLOW``, the store's permissions),
       and renames it into place when complete (:mod:`ucm_db.maintenance.archive.files`), so
@@ -65,9 +66,11 @@ from typing import Any
 from ucm_db import codec
 from ucm_db.maintenance.archive.epochs import adopt_epochs, carried_epochs, export_epochs
 from ucm_db.maintenance.archive.macs import AUTH_MEMBER, ArchiveSigner, ArchiveVerifier
-from ucm_db.maintenance.archive.members import ExportMembers, rewrite_in_place
+from ucm_db.maintenance.archive.members import ExportMembers, check_export_format, rewrite_in_place
 from ucm_db.maintenance.archive.sealed import SEALED_ARCHIVE_VERSION, ArchiveOpener, ArchiveSealer, archive_opener
-from ucm_db.maintenance.archive.files import atomic_output, check_import_target, check_target, read_member, store_file_mode
+from ucm_db.maintenance.archive.files import (
+    BoundedTarInfo, atomic_output, check_archive_end, check_import_target, check_target, read_member, store_file_mode,
+)
 from ucm_db.maintenance.archive.manifest import (  # noqa: F401 - the format's names, re-exported
     ARCHIVE_FORMAT, ARCHIVE_VERSION, DAMAGED as _DAMAGED, MAX_MANIFEST_BYTES, READABLE_VERSIONS, check_manifest, read_manifest,
 )
@@ -110,8 +113,10 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
     key (a key file and/or an environment variable, :mod:`ucm_db.auth`)
     the archive carries MACs made with the first key; with an encryption
     key its blocks are encrypted with the first (version 3). Returns
-    counts: ``blocks`` written, ``left_out`` (gone while it ran, with their
-    descendants), ``stored_bytes``; and the namespaces and their epochs.
+    counts: ``blocks`` written, ``left_out`` (gone while it ran or corrupt,
+    with their descendants), ``stored_bytes``; ``corrupt`` (key hex and
+    reason of each block left out as corrupt); and the namespaces and their
+    epochs.
 
     Raises:
         ConfigError: ``archive`` exists and is not a regular file (a
@@ -123,6 +128,8 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
         TierError: writing the archive failed (it is left as it was).
         EpochUnknownError: (a TierError) an exported namespace's epoch
             cannot be established (nothing written).
+        FormatVersionError: the store is of a newer format than this
+            ucm-db's (nothing written).
     """
     from ucm_db.version import __version__
 
@@ -134,6 +141,7 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
     sealer = ArchiveSealer(sealing_keys) if sealing_keys is not None else None
     check_target(archive)
     with open_view(path) as view:
+        check_export_format(view)
         selected = select_namespaces(view, namespaces)
         descriptions = view.tier.namespace_descriptions()
         blocks = sorted(view.tier.scan_metas(selected).items(), key=lambda km: (km[1].namespace_id, km[1].depth, km[0]))
@@ -163,7 +171,8 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
                     _add(tar, AUTH_MEMBER, signer.member())
             if final_manifest != manifest_bytes:
                 rewrite_in_place(out, manifest_at, final_manifest)
-    return {"archive": str(archive), "blocks": members.written, "left_out": members.left_out, "stored_bytes": members.stored_bytes,
+    return {"archive": str(archive), "blocks": members.written, "left_out": members.left_out, "corrupt": members.corrupt,
+            "stored_bytes": members.stored_bytes,
             "namespaces": manifest["namespaces"], "epochs": manifest["epochs"], "authenticated": signer is not None,
             "encrypted": sealer is not None}
 
@@ -183,7 +192,7 @@ def _open_archive(archive: Path) -> tarfile.TarFile:
     if not archive.is_file():
         raise ConfigError(f"{archive} is not a file", hint="pass an archive written by ucm-db export")
     try:
-        return tarfile.open(archive, "r:")
+        return tarfile.open(archive, "r:", tarinfo=BoundedTarInfo)
     except OSError as exc:
         raise ConfigError(f"cannot read {archive}: {exc}", hint="check the path and its permissions") from exc
     except tarfile.TarError as exc:
@@ -223,6 +232,7 @@ def import_archive(archive: str | Path, path: str | Path, progress: ProgressFn |
                               "epochs": {}, "epoch_problems": [], "encrypted": False}
     with _open_archive(archive) as tar:
         try:
+            check_archive_end(tar, archive, _DAMAGED)  # tarfile stops silently at a header it cannot read
             verifier = ArchiveVerifier(tar, archive, auth_keys) if auth_keys is not None else None
             manifest = read_manifest(tar, archive, verifier)
             members = {m.name: m for m in tar.getmembers() if m.isreg()}

@@ -21,6 +21,21 @@ Invariants:
     * A member is read into one buffer of its declared size, chunk by chunk,
       only if it is a regular member no larger than the caller's bound;
       a short read (a truncated archive) is an error, never a short blob.
+    * The tar's own structure is read within bounds too (:class:`BoundedTarInfo`):
+      tarfile reads an extended header (pax, GNU long name) whole and
+      nested in the one before it, so one over
+      :data:`MAX_EXTENDED_HEADER_BYTES`, more than
+      :data:`MAX_EXTENDED_TOTAL_BYTES` of them, or more than
+      :data:`MAX_EXTENDED_CHAIN` in a row is a ConfigError (a 200 MB pax
+      header took an import to 640 MiB; 3000 in a row, a RecursionError).
+      ucm-db's export writes none; a tar tool re-packing one may add a few.
+      A sparse member (GNU, any version) is refused as tarfile reads its
+      map: it declares bytes it does not hold (a few bytes made import
+      allocate and zero-fill 512 MiB), and its map is read whole too.
+    * The member listing must end at the tar's end-of-archive block
+      (:func:`check_archive_end`): tarfile stops silently at a header it
+      cannot read, so an archive cut short at a member boundary, or with a
+      header damaged midway, read as a shorter archive.
     * The manifest is parsed only after a bound on its size and on the
       nesting depth of its JSON (:func:`parse_bounded_json`), so neither a
       huge nor a deeply nested manifest can exhaust memory or the stack
@@ -52,6 +67,14 @@ _UNWRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 READ_CHUNK_BYTES = 1 << 20
 #: Deepest JSON nesting a manifest may have (a valid one has 4).
 MAX_MANIFEST_DEPTH = 16
+#: Largest extended header (pax, GNU long name) import lets tarfile read.
+MAX_EXTENDED_HEADER_BYTES = 64 << 10
+#: Extended-header bytes import lets tarfile read in one archive.
+MAX_EXTENDED_TOTAL_BYTES = 16 << 20
+#: Most extended headers in a row (tarfile reads each one nested in the last).
+MAX_EXTENDED_CHAIN = 8
+_EXTENDED_TYPES = frozenset({tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                             tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK})
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte that is not a bracket
 _AS_SQUARE = bytes.maketrans(b"{}", b"[]")  # objects nest as arrays do
 
@@ -139,6 +162,53 @@ def atomic_output(target: Path, mode: int) -> Iterator[IO[bytes]]:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """A tar header whose extended headers are bounded before tarfile reads
+    them (module invariants); pass as ``tarfile.open(..., tarinfo=BoundedTarInfo)``."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type not in _EXTENDED_TYPES:
+            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+        budget = tar.__dict__.setdefault("_ucm_db_extended", {"chain": 0, "bytes": 0})
+        where = os.fsdecode(tar.name) if tar.name is not None else "the archive"
+        budget["bytes"] += self.size
+        if self.size > MAX_EXTENDED_HEADER_BYTES or budget["bytes"] > MAX_EXTENDED_TOTAL_BYTES:
+            raise ConfigError(f"{where}: an extended header (pax or GNU long name) of {self.size} bytes at byte {self.offset} "
+                              f"is over the bounds import reads ({MAX_EXTENDED_HEADER_BYTES} bytes each, "
+                              f"{MAX_EXTENDED_TOTAL_BYTES} in all); ucm-db export writes none",
+                              hint="the archive is damaged or not written by ucm-db export; export it again")
+        if budget["chain"] >= MAX_EXTENDED_CHAIN:
+            raise ConfigError(f"{where}: more than {MAX_EXTENDED_CHAIN} extended headers in a row at byte {self.offset}",
+                              hint="the archive is damaged or not written by ucm-db export; export it again")
+        budget["chain"] += 1
+        try:
+            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+        finally:
+            budget["chain"] -= 1
+
+    def _refuse_sparse(self, *args: Any) -> None:
+        member = args[0] if args and isinstance(args[0], tarfile.TarInfo) else self  # pax: the member it describes
+        raise ConfigError(f"archive member {member.name} at byte {self.offset} is a sparse file; ucm-db export writes none",
+                          hint="the archive is damaged or not written by ucm-db export; export it again")
+
+    # tarfile's four ways of reading a sparse member's map (old GNU, pax 0.0, 0.1, 1.0)
+    _proc_sparse = _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _refuse_sparse
+
+
+def check_archive_end(tar: tarfile.TarFile, archive: Path, damaged_hint: str) -> None:
+    """ConfigError unless the member listing ends at an end-of-archive
+    block (module invariants). Loads the whole listing."""
+    tar.getmembers()
+    end_at = tar.offset
+    fileobj = tar.fileobj
+    assert fileobj is not None
+    fileobj.seek(end_at)
+    if fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
+        raise ConfigError(f"{archive} is cut short or damaged at byte {end_at}: no member header and no end-of-archive "
+                          f"block there, after {len(tar.getmembers())} members; nothing was imported",
+                          hint=f"copy the archive again (compare its size with the source's), or {damaged_hint}")
 
 
 def read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, limit_bytes: int, damaged_hint: str) -> bytearray:

@@ -18,6 +18,16 @@ Invariants:
       out, and so is every block below it (even one stored again by the time
       its chunk is read): the archive keeps the prefix invariant, each
       block's parent before it. :attr:`ExportMembers.left_out` counts them.
+    * A block is written only if it verifies under its key (header, owning
+      key, checksum: :func:`ucm_db.codec.verify`, what import checks): a
+      corrupt one is left out with its descendants and named in
+      :attr:`ExportMembers.corrupt` (``ucm-db export`` exits 1 naming
+      ``verify --fix``). It was written, signed with the archive's key when
+      there was one, and the export succeeded; every importer then skipped it.
+    * Export reads the tables as this ucm-db lays them out, so a store of a
+      newer format is refused (:func:`check_export_format`): format 3 moved
+      block heads into a table of their own, which a format-2 ucm-db would
+      have left behind, exporting every block without its head.
     * The manifest (written first, at its snapshot's size) is made to list
       exactly the members written: :func:`final_manifest` drops the rows of
       the blocks left out and pads it with JSON whitespace to the size
@@ -32,16 +42,28 @@ import json
 from collections.abc import Iterator
 from typing import IO, Any
 
+from ucm_db import codec
+from ucm_db.errors import CorruptBlockError, FormatVersionError
+from ucm_db.format import STORE_FORMAT_VERSION
 from ucm_db.index.entries import BlockMeta, body_of
 from ucm_db.index.local import LocalTier
 from ucm_db.maintenance.archive.macs import ArchiveSigner
 from ucm_db.maintenance.archive.sealed import ArchiveSealer
+from ucm_db.store.view import StoreView
+
+
+def check_export_format(view: StoreView) -> None:
+    """FormatVersionError for a store of a newer format than this ucm-db's
+    (module invariants); an older one is read as migrations leave it."""
+    if view.format_version > STORE_FORMAT_VERSION:
+        raise FormatVersionError(f"store at {view.path} has format {view.format_version}; this ucm-db exports format "
+                                 f"{STORE_FORMAT_VERSION} and older", hint="export it with the ucm-db that wrote it (or a newer one)")
 
 
 def _blob(_key: bytes, meta: Any, head: Any, stored: Any) -> bytes | None:
     """The block's blob (head + body) as stored, or None where it is gone;
-    a block whose head alone is missing is written as read (import finds it
-    corrupt), as before."""
+    a block whose head alone is missing is read as its body (it then fails
+    :func:`ucm_db.codec.verify` and is left out as corrupt)."""
     if meta is None or stored is None:
         return None
     head_view = memoryview(head if head is not None else b"")
@@ -55,12 +77,14 @@ class ExportMembers:
                  sealer: ArchiveSealer | None) -> None:
         self._tier, self._epochs, self._signer, self._sealer = tier, epochs, signer, sealer
         self._gone: set[bytes] = set()
+        #: Key hex and reason of each block left out as corrupt (its descendants are left out too).
+        self.corrupt: list[dict[str, str]] = []
         self.written = 0
         self.stored_bytes = 0
 
     @property
     def left_out(self) -> int:
-        """Blocks left out: gone when their chunk was read, or below one that was."""
+        """Blocks left out: gone when their chunk was read, corrupt, or below one that was."""
         return len(self._gone)
 
     def chunk(self, blocks: list[tuple[bytes, BlockMeta]]) -> Iterator[tuple[bytes, bytes]]:
@@ -69,6 +93,12 @@ class ExportMembers:
         blobs = self._tier.visit_stored([key for key, _ in blocks], _blob)
         for (key, meta), blob in zip(blocks, blobs):
             if blob is None or (meta.parent is not None and meta.parent in self._gone):
+                self._gone.add(key)
+                continue
+            try:
+                codec.verify(blob, key)
+            except CorruptBlockError as exc:
+                self.corrupt.append({"key": key.hex(), "reason": exc.message})
                 self._gone.add(key)
                 continue
             member = blob if self._sealer is None else self._sealer.seal(
