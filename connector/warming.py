@@ -33,8 +33,9 @@ Invariants:
 
 from __future__ import annotations
 
+import numbers
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,21 +91,50 @@ def warm_engine(llm: Any, prompts: Sequence[Sequence[int] | Mapping[str, Any]]) 
         background thread: flush the store (or wait) before relying on them
         from another process.
     """
+    checked = [_prompt_parts(prompt, i) for i, prompt in enumerate(prompts)]  # all before the first runs
     from vllm.inputs import TokensPrompt
 
     params = warming_params()
     started = time.perf_counter()
     total = cached = 0
-    for prompt in prompts:
-        ids = list(prompt["ids"] if isinstance(prompt, Mapping) else prompt)
+    for ids, salt in checked:
         tokens_prompt = TokensPrompt(prompt_token_ids=ids)
-        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
         if salt:
             tokens_prompt["cache_salt"] = salt
         out = llm.generate([tokens_prompt], params, use_tqdm=False)[0]
         total += len(ids)
         cached += int(out.num_cached_tokens or 0)
-    return EngineWarmReport(len(prompts), total, cached, time.perf_counter() - started)
+    return EngineWarmReport(len(checked), total, cached, time.perf_counter() - started)
+
+
+def _prompt_parts(prompt: Any, index: int) -> tuple[list[int], str | None]:
+    """``(token ids, cache_salt)`` of one :func:`warm_engine` prompt.
+
+    Raises:
+        ConfigError: not a non-empty list of token ids, nor a dict of
+            ``ids`` and an optional string ``cache_salt`` (a string's
+            characters, or a dict without ``ids``, used to run as tokens or
+            fail with a bare KeyError after the prompts before it ran).
+    """
+    hint = 'pass token id lists, or dicts {"ids": [...], "cache_salt": "..."}'
+    salt = None
+    ids = prompt
+    if isinstance(prompt, Mapping):
+        unknown = sorted(map(str, set(prompt) - {"ids", "cache_salt"}))
+        if "ids" not in prompt or unknown:
+            raise ConfigError(f"warm_engine prompt {index} " + (f"has unknown key(s) {', '.join(unknown)}" if unknown
+                                                                 else "has no 'ids'"), hint=hint)
+        ids, salt = prompt["ids"], prompt.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ConfigError(f"warm_engine prompt {index}: cache_salt is {type(salt).__name__}, not a string", hint=hint)
+    tokens = [] if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Iterable) else list(ids)
+    if not tokens or not all(_is_token_id(t) for t in tokens):
+        raise ConfigError(f"warm_engine prompt {index} is not a non-empty list of token ids (ints >= 0)", hint=hint)
+    return [int(t) for t in tokens], salt
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
 def import_kv(
@@ -139,11 +169,15 @@ def import_kv(
         keyed at the namespace's current epoch (:meth:`ucm_db.Store.epoch`).
 
     Raises:
-        ConfigError: ``block_ids`` does not match the number of full blocks.
+        ConfigError: ``block_ids`` does not match the number of full blocks,
+            or holds something other than ints >= 0 (nothing is imported).
         EpochUnknownError: the namespace's epoch cannot be established
             (:meth:`ucm_db.Store.epoch`): nothing is imported.
     """
     keys = namespace.block_keys(token_ids, dict(extras or {}), epoch=store.epoch(namespace))
+    if not all(_is_token_id(b) for b in block_ids):  # 1.5 or True imported block 1's KV under these keys
+        raise ConfigError(f"import_kv block ids must be ints >= 0, got {list(block_ids)[:8]}",
+                          hint="pass the block indices of the KV cache tensors, one per full block")
     if len(block_ids) != len(keys):
         raise ConfigError(
             f"import_kv got {len(block_ids)} block ids for {len(keys)} full blocks of {len(token_ids)} tokens",

@@ -13,7 +13,9 @@ import click
 from ucm_db import ConfigError, maintenance
 from ucm_db.keys import KEY_BYTES
 
-from ucm_db.tools.cli_common import CliPath, ProgressBar, auth_options, emit, encryption_options, human_bytes, json_option
+from ucm_db.tools.cli_common import (
+    EXIT_PROBLEMS, CliPath, ProgressBar, auth_options, emit, encryption_options, human_bytes, json_option, warn,
+)
 from ucm_db.tools.prompt_files import read_prompts, read_text
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -164,7 +166,8 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
     refused, exit 1), so an invalidated model's old blocks are never pulled.
     Opening the store starts its uploader: on an encrypted remote pass the
     fleet's encryption key (a store that used the remote encrypted refuses
-    to open without one, exit 2).
+    to open without one, exit 2). Blocks the remote failed to give (an
+    error or a timeout) are reported as "failed" and exit 1: warm again.
 
     \b
     Example:
@@ -186,3 +189,7 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
         report = store.warm(ns, token_sequences=tokens, keys=keys, progress=bar)
     data = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
     emit(as_json, data, lambda d: "warmed: " + ", ".join(f"{k}={v}" for k, v in d.items()))
+    if data.get("failed"):
+        # The remote failed for some blocks (it may hold them): not a warm to rely on, so exit 1 after the report.
+        warn(f"{data['failed']} block(s) not fetched: the remote {remote} failed or timed out; run warm again once it answers")
+        raise SystemExit(EXIT_PROBLEMS)

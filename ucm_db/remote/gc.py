@@ -18,6 +18,8 @@ old only when nothing under it is young.
   becomes a leaf in turn, with its own age), until it holds at most that
   much: no more than needed, and a shared block only after everything
   under it.
+* An object whose listing states no time gc reads counts as young for both
+  (:func:`age_time_s`): never old by age, taken last by size.
 
 Then, to keep the remote's prefix invariant (a stored block's ancestors are
 stored), every surviving object whose parent chain reaches a removed, broken
@@ -72,6 +74,9 @@ continuation, an older one leaves the continuation an orphan.
 Invariants:
     * Safe beside live servers: objects are immutable, and a deleted object
       is a miss for a reader, never wrong bytes.
+    * A read that fails while listing (a timeout, an error other than "not
+      found") stops the run before any removal: an object taken for absent
+      would orphan the live chains under it (:func:`~ucm_db.remote.gc_listing.list_objects`).
     * Never a possible ancestor of an upload in flight: a rule removes
       nothing in a namespace with an object whose parent is absent for less
       than :data:`ORPHAN_GRACE_S` (or of unknown age).
@@ -89,13 +94,14 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.remote.gc_listing import (  # noqa: F401 - RemoteListing, list_objects re-exported
-    RemoteListing, RemoteObjectInfo, landed_parents, list_objects, stale_tombstones,
+    RemoteListing, RemoteObjectInfo, landed_parents, list_objects, require_bucket, stale_tombstones,
 )
 from ucm_db.remote.tier import RemoteRoot
 
@@ -125,13 +131,21 @@ def subtree_youngest_mtimes(objects: list[RemoteObjectInfo]) -> dict[str, float]
     and a parent cycle ends the walk where it began."""
     by_key = {o.key: o for o in objects}
     youngest: dict[bytes, float] = {}
-    for o in sorted(objects, key=lambda o: o.mtime_s, reverse=True):
+    for o in sorted(objects, key=age_time_s, reverse=True):
         key: bytes | None = o.key
-        while key is not None and key in by_key and youngest.get(key, float("-inf")) < o.mtime_s:
-            youngest[key] = o.mtime_s
+        while key is not None and key in by_key and youngest.get(key, float("-inf")) < age_time_s(o):
+            youngest[key] = age_time_s(o)
             holder = by_key[key]
             key = None if holder.broken else holder.parent
-    return {o.path: youngest.get(o.key, o.mtime_s) for o in objects}
+    return {o.path: youngest.get(o.key, age_time_s(o)) for o in objects}
+
+
+def age_time_s(obj: RemoteObjectInfo) -> float:
+    """The time the rules age ``obj`` by: its listed time, or +inf (young)
+    where the listing stated none (an object of unknown age, and every
+    ancestor of one, is never old: it counted as written in 1970, and
+    ``--older-than`` removed every object of such a remote)."""
+    return obj.mtime_s if obj.mtime_s > 0 else math.inf
 
 
 def choose_victims(objects: list[RemoteObjectInfo], *, older_than_s: float | None, max_bytes: int | None,
@@ -181,7 +195,7 @@ def oldest_tails(objects: list[RemoteObjectInfo], gone: set[str], excess_bytes: 
     nothing and every survivor is reached."""
     survivors = {o.key: o for o in objects if o.path not in gone}
     children = Counter(o.parent for o in survivors.values() if o.parent is not None and o.parent in survivors)
-    leaves = [(o.mtime_s, o.path, o.key) for o in survivors.values() if children[o.key] == 0]
+    leaves = [(age_time_s(o), o.path, o.key) for o in survivors.values() if children[o.key] == 0]
     heapq.heapify(leaves)
     chosen: set[str] = set()
     while excess_bytes > 0 and leaves:
@@ -192,7 +206,7 @@ def oldest_tails(objects: list[RemoteObjectInfo], gone: set[str], excess_bytes: 
         if parent is not None and parent in survivors:
             children[parent] -= 1
             if children[parent] == 0:
-                heapq.heappush(leaves, (survivors[parent].mtime_s, survivors[parent].path, parent))
+                heapq.heappush(leaves, (age_time_s(survivors[parent]), survivors[parent].path, parent))
     return chosen
 
 
@@ -268,6 +282,8 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     """Runs the collection (see module docstring); returns the report."""
     now_s = time.time() if now_s is None else now_s
     listing = list_objects(root)
+    if not (listing.objects or listing.temps or listing.tombstones or listing.skipped_entries):
+        require_bucket(root, root.root)  # a mistyped bucket lists as an empty remote (exit 0, "0 objects", every run)
     landed = landed_parents(root, listing.objects, uploading_objects(listing.objects, now_s))
     objects = listing.objects + landed
     plan = plan_removals(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)

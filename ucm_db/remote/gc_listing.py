@@ -24,13 +24,15 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucm_db.errors import CorruptBlockError
+from ucm_db.errors import ConfigError, CorruptBlockError
 from ucm_db.remote.manifests import ROOT_MARKERS
 from ucm_db.remote.tier import (
     MANIFEST_NAME, OBJECT_MAGIC, PROBE_BYTES, TEMP_PREFIX, ManifestError, RemoteRoot, is_namespace_id, parse_envelope,
 )
 from ucm_db.remote.tombstones import MAX_TOMBSTONE_BYTES, TOMBSTONE_MAX_AGE_S, parse_tombstone, tombstone_key
 
+#: Protocols whose root's first path component is a bucket, which must exist.
+BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 #: Objects :func:`landed_parents` reads past the listing in one run, at most
 #: (two requests each); past it, the parents left are taken for in flight.
 MAX_LANDED = 4096
@@ -69,6 +71,17 @@ class RemoteListing:
 
 
 def _mtime_s(info: dict[str, Any]) -> float:
+    """An entry's time in a listing (0.0: none stated; gc then counts it young).
+    WebHDFS states ``modificationTime`` in ms, FTP ``modify`` as UTC digits."""
+    stamp = info.get("modificationTime")
+    if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and stamp > 0:
+        return float(stamp) / 1000.0
+    modify = info.get("modify")
+    if isinstance(modify, str) and len(modify) >= 14 and modify[:14].isdigit():
+        try:
+            return dt.datetime.strptime(modify[:14], "%Y%m%d%H%M%S").replace(tzinfo=dt.timezone.utc).timestamp()
+        except ValueError:
+            pass
     for name in ("mtime", "LastModified", "last_modified", "created", "updated"):
         value = info.get(name)
         if isinstance(value, (int, float)):
@@ -144,11 +157,14 @@ def _is_own_namespace(root: RemoteRoot, namespace_id: bytes, short_id: str) -> b
 def _read_head(root: RemoteRoot, obj: RemoteObjectInfo) -> RemoteObjectInfo | None:
     """``obj`` with its parent from its envelope (or marked broken); None when
     the file is not a ucm-db object (gone, not a regular file, or not
-    starting with the object magic)."""
-    try:
-        head = root.read_range(obj.path, 0, PROBE_BYTES)  # None: gone, or not a regular file (never opened)
-    except OSError:
-        return None
+    starting with the object magic).
+
+    A read that fails (a timeout, a reset connection, EIO, a refusal) raises:
+    the object may be a live chain's, and taken for absent its children
+    would be orphans, removed with everything under them (an audit saw one
+    transient error remove a young conversation). gc then stops before
+    removing anything; a rerun once the remote answers collects."""
+    head = root.read_range(obj.path, 0, PROBE_BYTES)  # None: gone, or not a regular file (never opened)
     if head is None or bytes(head[: len(OBJECT_MAGIC)]) != OBJECT_MAGIC:
         return None
     try:
@@ -214,3 +230,23 @@ def stale_tombstones(root: RemoteRoot, tombstones: list[tuple[str, float]], now_
         if now_s - written_s > TOMBSTONE_MAX_AGE_S:
             stale.append(path)
     return stale
+
+
+def missing_bucket(root: RemoteRoot) -> str | None:
+    """The bucket an object-store root names when it does not exist, else
+    None (one request; none for a file system without buckets). A listing
+    of a missing bucket is empty: a typo in the URL ran as an empty remote
+    (gc: "0 objects", exit 0, run after run; warm: "0 namespaces match")."""
+    protocols = root.fs.protocol if isinstance(root.fs.protocol, (tuple, list)) else (root.fs.protocol,)
+    if not BUCKET_PROTOCOLS.intersection(protocols):
+        return None
+    bucket = root.root.lstrip("/").split("/", 1)[0]
+    return bucket if bucket and not root.fs.exists(bucket) else None
+
+
+def require_bucket(root: RemoteRoot, url: str) -> None:
+    """Raises :class:`~ucm_db.errors.ConfigError` when ``url``'s bucket does not exist (:func:`missing_bucket`)."""
+    bucket = missing_bucket(root)
+    if bucket is not None:
+        raise ConfigError(f"remote {url}: bucket {bucket!r} does not exist",
+                          hint="check the bucket name in the URL, and the endpoint (--option endpoint_url) it is on")

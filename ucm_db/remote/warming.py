@@ -14,6 +14,15 @@ Invariants:
     * Chains stream in: the remote read pool keeps requests in flight while
       runs of :data:`BATCH_BLOCKS` are promoted; a request slower than
       :data:`BATCH_DEADLINE_S` ends the chain's warming.
+    * A remote failure is never reported as absence: the blocks a chain did
+      not fetch because a request failed or timed out (its first block's
+      probe included) or the read breaker was open count as ``failed``, not
+      ``missing``. A failure does not stop the run: the next chain waits out
+      the breaker's backoff (an audit saw one transient error skip every
+      chain warmed in it, all "missing"), and only after
+      :data:`FAILED_CHAINS_LIMIT` chains in a row failed are the rest
+      counted ``failed`` without a request (a remote that is down ends the
+      run in a few requests, never one timeout per chain).
     * Nothing is fetched before the remote's epoch of the namespace is
       known (:meth:`ucm_db.Store.warm` raises :class:`RemoteEpochUnknownError`
       first): prompts keyed at the local epoch would pull, and promote, the
@@ -35,9 +44,11 @@ from typing import Any
 from ucm_db.arguments import key_list, require_namespace_selectors
 from ucm_db.errors import ConfigError, TierError, UcmDbError
 from ucm_db.keys import Namespace
-from ucm_db.remote.link import RemoteLink
+from ucm_db.remote.gc_listing import require_bucket
+from ucm_db.remote.link import UNFINISHED, RemoteLink
 from ucm_db.remote.promotion import PromotionTarget, promote
 from ucm_db.index.local import LocalTier
+from ucm_db.remote.search import MAX_BACKOFF_S
 from ucm_db.remote.tier import RemoteRoot, remote_failure
 
 
@@ -45,6 +56,8 @@ _log = logging.getLogger("ucm_db")
 
 BATCH_BLOCKS = 64
 BATCH_DEADLINE_S = 30.0
+#: Chains in a row whose fetch failed after which a run asks the remote nothing more.
+FAILED_CHAINS_LIMIT = 3
 
 #: ``progress(blocks_done, blocks_total)``, called after each batch.
 WarmProgress = Callable[[int, int], None]
@@ -74,6 +87,9 @@ class WarmReport:
             after such a block in their chain).
         bytes: stored (encoded) bytes fetched.
         seconds: wall time of the run.
+        failed: blocks not fetched because the remote failed (an error or a
+            timeout, or its read breaker open after one): the remote may
+            hold them; warm again once it answers.
     """
 
     already_local: int
@@ -81,10 +97,11 @@ class WarmReport:
     missing: int
     bytes: int
     seconds: float
+    failed: int = 0
 
     @property
     def blocks(self) -> int:
-        return self.already_local + self.fetched + self.missing
+        return self.already_local + self.fetched + self.missing + self.failed
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "blocks": self.blocks}
@@ -134,16 +151,20 @@ def remote_namespaces(url: str, options: dict[str, Any] | None = None) -> Remote
 
     Raises:
         ConfigError: the URL cannot be opened (unknown protocol, missing
-            backend).
+            backend), or names a bucket that does not exist.
         TierError: the remote root cannot be listed.
     """
     root = RemoteRoot.from_url(url, options)
     try:
         manifests, problems = root.manifests()
+        if not manifests and not problems:
+            require_bucket(root, url)  # a mistyped bucket lists as an empty remote: "0 namespaces match"
     except UcmDbError:
         raise
     except Exception as exc:  # noqa: BLE001 - any listing failure is reported the same way
-        raise remote_failure(exc, url) from exc
+        failure = remote_failure(exc, url)  # its hint speaks of queued uploads: warm queues nothing
+        raise TierError(failure.message, hint="check the URL and the remote options (--option endpoint_url, key, secret) "
+                        "and the network; nothing was fetched") from exc
     namespaces: dict[str, Namespace] = {}
     for short_id, manifest in manifests.items():
         where = f"{root.namespace_dir(bytes.fromhex(short_id))}/manifest.json"
@@ -170,12 +191,20 @@ def chains_of(
     """Key chains to warm: one per token sequence, rooted at the namespace's
     ``epoch``, plus ``keys`` (one chain given as a flat list of keys, or a
     list of chains; keyed by the caller)."""
+    rooted, given = _chains(namespace, token_sequences, keys, epoch)
+    return rooted + given
+
+
+def _chains(
+    namespace: Namespace, token_sequences: Sequence[Sequence[int]] | None, keys: Any, epoch: int,
+) -> tuple[list[list[bytes]], list[list[bytes]]]:
+    """:func:`chains_of`, as (the token sequences' chains, which start at a
+    chain root; the caller's key chains, which may start mid-chain)."""
     if token_sequences is None and keys is None:
         raise ConfigError("warm needs token_sequences= or keys=", hint="pass the prompts' token ids, or block keys")
-    chains: list[list[bytes]] = [namespace.block_keys(tokens, epoch=epoch) for tokens in token_sequences or []]
-    if keys is not None:
-        chains.extend(_key_chains(keys))
-    return [chain for chain in chains if chain]
+    rooted = [namespace.block_keys(tokens, epoch=epoch) for tokens in token_sequences or []]
+    given = _key_chains(keys) if keys is not None else []
+    return [chain for chain in rooted if chain], [chain for chain in given if chain]
 
 
 def _key_chains(keys: Any) -> list[list[bytes]]:
@@ -231,57 +260,82 @@ def warm(
     """
     started = time.monotonic()
     target = PromotionTarget(namespace, register)
-    chains = chains_of(namespace, token_sequences, keys, epoch)
+    rooted, given = _chains(namespace, token_sequences, keys, epoch)
+    chains = rooted + given
     total = sum(len(chain) for chain in chains)
-    counts = {"already_local": 0, "fetched": 0, "missing": 0, "bytes": 0}
-    done = 0
-    for chain in chains:
+    counts = {"already_local": 0, "fetched": 0, "missing": 0, "bytes": 0, "failed": 0}
+    done = failed_in_a_row = 0
+    for i, chain in enumerate(chains):
         local_n = tier.count_prefix(chain, namespace_id=namespace.id)  # another namespace's blocks are not this one's
         counts["already_local"] += local_n
         done += local_n
-        fetched, nbytes = _warm_chain(tier, link, target, chain, local_n, lambda n: _tick(progress, done + n, total))
+        if link is not None and local_n < len(chain) and failed_in_a_row >= FAILED_CHAINS_LIMIT:
+            fetched, nbytes, failed = 0, 0, True  # the remote keeps failing: asked nothing more
+        else:
+            fetched, nbytes, failed = _warm_chain(tier, link, target, chain, local_n, i < len(rooted),
+                                                  lambda n: _tick(progress, done + n, total))
+        if local_n < len(chain):  # a chain that asked the remote nothing says nothing of it
+            failed_in_a_row = failed_in_a_row + 1 if failed else 0
         counts["fetched"] += fetched
         counts["bytes"] += nbytes
-        counts["missing"] += len(chain) - local_n - fetched
+        counts["failed" if failed else "missing"] += len(chain) - local_n - fetched
         done += len(chain) - local_n
         _tick(progress, done, total)
+    if counts["failed"]:
+        _log.warning("ucm-db: warm from remote %s: %d block(s) not fetched: the remote failed or timed out (see "
+                     "stats().remote); warm again once it answers", link.url if link else None, counts["failed"])
     return WarmReport(seconds=time.monotonic() - started, **counts)
 
 
 def _warm_chain(
-    tier: LocalTier, link: RemoteLink | None, target: PromotionTarget, chain: list[bytes], local_n: int,
+    tier: LocalTier, link: RemoteLink | None, target: PromotionTarget, chain: list[bytes], local_n: int, rooted: bool,
     on_batch: Callable[[int], None],
-) -> tuple[int, int]:
-    """Fetches ``chain[local_n:]`` batch by batch; stops at the first gap."""
+) -> tuple[int, int, bool]:
+    """Fetches ``chain[local_n:]`` batch by batch; stops at the first gap.
+    ``rooted``: the chain starts at a chain root (a prompt's), so its first
+    block's parent is None and needs no probe (one sequential round trip
+    per prompt saved). Returns ``(fetched, bytes, failed)``: ``failed``
+    when the fetch stopped short because the remote failed (module
+    invariants), not at a block it lacks."""
     if link is None or local_n == len(chain):
-        return 0, 0
+        return 0, 0, False
 
     namespace_id = target.namespace_id
     fetched = nbytes = 0
     at = local_n
     parent = chain[at - 1] if at else None
-    if at == 0:
+    breaker = link.breaker
+    if not breaker.allow():
+        time.sleep(min(breaker.open_for_s(), MAX_BACKOFF_S))  # another chain's (or a lookup's) failure: wait it out
+    trips = breaker.trips
+    if at == 0 and not rooted:
         ok, parent = _first_parent(tier, link, namespace_id, chain[0])
+        if ok is None:
+            return 0, 0, True
         if not ok:
-            return 0, 0
+            return 0, 0, False
     for run in link.stream_chain(namespace_id, chain[at:], parent, chunk_blocks=BATCH_BLOCKS, timeout_s=BATCH_DEADLINE_S):
         promoted = promote(tier, run, target)
         fetched += promoted
         nbytes += sum(len(o.blob) for o in run[:promoted])
         on_batch(fetched)
         if promoted < len(run):
-            break
-    return fetched, nbytes
+            return fetched, nbytes, False  # fetched, not kept (store full, retracted): missing, as before
+    short = at + fetched < len(chain)
+    return fetched, nbytes, short and (breaker.trips != trips or not breaker.allow())
 
 
-def _first_parent(tier: LocalTier, link: RemoteLink, namespace_id: bytes, first_key: bytes) -> tuple[bool, bytes | None]:
+def _first_parent(tier: LocalTier, link: RemoteLink, namespace_id: bytes, first_key: bytes) -> tuple[bool | None, bytes | None]:
     """A chain given by keys may start mid-chain: its first block can be
     promoted only if it is a chain root or its parent is local. Returns
-    ``(promotable, parent)``."""
-    try:
-        probe = link.tier(namespace_id).probe(first_key)
-    except Exception as exc:  # noqa: BLE001 - any remote failure is reported the same way
-        raise remote_failure(exc, link.url) from exc
+    ``(promotable, parent)``; ``promotable`` is None when the probe failed
+    or took longer than :data:`BATCH_DEADLINE_S` (the breaker opens, as
+    for any read's failure; the probe used to wait on a hung remote unbounded)."""
+    remote_tier = link.tier(namespace_id)
+    answers = link.run_all([lambda: remote_tier.probe(first_key)], time.monotonic() + BATCH_DEADLINE_S)  # bounded, as fetches
+    if answers is None or answers[0] is UNFINISHED:  # an error or no answer in time: the breaker opened
+        return None, None
+    probe = answers[0]
     if probe is None:
         return False, None
     return probe.parent is None or tier.exists([probe.parent])[0], probe.parent
