@@ -62,7 +62,7 @@ from starlette.requests import ClientDisconnect
 from ucm_db import ConfigError
 from ucm_db.tools.proxy_relay import SideDown, error_response, run_decode, run_prefill
 from ucm_db.tools.proxy_request import BadRequest, decode_body, encode, forwarded_headers, prefill_body, read_body
-from ucm_db.tools.proxy_upstreams import HEALTH_TIMEOUT_S, MIB, ProxyLimits, Side, control_client, parse_urls
+from ucm_db.tools.proxy_upstreams import HEALTH_TIMEOUT_S, MIB, ProxyLimits, Side, Upstream, parse_urls
 
 __all__ = ["COMPLETION_PATHS", "ProxyLimits", "build_app", "main", "parse_urls", "prefill_body"]
 
@@ -79,17 +79,15 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
     """The proxy as an ASGI app (see module docstring); ``limits`` overrides ``timeout_s``."""
     limits = limits or ProxyLimits(timeout_s=timeout_s)
     prefill, decode = Side("prefill", prefill_urls, limits), Side("decode", decode_urls, limits)
-    control: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         prefill.open()
         decode.open()
-        control["http"] = control_client()
         try:
             yield
         finally:
-            await asyncio.gather(prefill.aclose(), decode.aclose(), control["http"].aclose())
+            await asyncio.gather(prefill.aclose(), decode.aclose())
 
     app = FastAPI(title="ucm-db PD proxy", lifespan=lifespan)
 
@@ -134,10 +132,10 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
 
     @app.get("/v1/models")
     async def models() -> Response:
-        for url in [server.url for server in decode.order()]:
+        for server in decode.order():
             try:
                 async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                    response = await control["http"].get(url + "/v1/models")
+                    response = await server.control.get(server.url + "/v1/models")
             except (httpx.HTTPError, TimeoutError):
                 continue
             return Response(response.content, status_code=response.status_code,
@@ -146,9 +144,9 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        urls = [*prefill.urls, *decode.urls]
-        states = await asyncio.gather(*(_server_health(control["http"], url) for url in urls))
-        by_url = dict(zip(urls, states))
+        servers = [*prefill.servers, *decode.servers]
+        states = await asyncio.gather(*(_server_health(server) for server in servers))
+        by_url = dict(zip([server.url for server in servers], states))
         # Serving needs one decode server; without prefill it only loses reuse.
         ok = any(by_url[u] == "ok" for u in decode.urls)
         degraded = not all(by_url[u] == "ok" for u in prefill.urls)
@@ -186,10 +184,10 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _server_health(client: httpx.AsyncClient, url: str) -> str:
+async def _server_health(server: Upstream) -> str:
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
-            response = await client.get(url + "/health")
+            response = await server.control.get(server.url + "/health")
     except TimeoutError:
         return f"unreachable: no answer within {HEALTH_TIMEOUT_S:g} s"
     except httpx.HTTPError as exc:

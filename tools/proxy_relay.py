@@ -3,13 +3,15 @@
 decode's answer or event stream.
 
 Invariants:
-    * The prefill phase has one deadline for all its tries
-      (``--prefill-timeout-s``); a server that cannot be reached, is
-      saturated, answers a server error, ``408``/``429``, a redirect or any
-      status but 200 and the client's 4xx (or an answer over
-      :data:`PREFILL_ANSWER_MAX_BYTES`) is skipped for the next; when none
-      answers, decode computes the prompt itself. Only a 4xx that is the
-      client's fault goes back to the client, as the server wrote it.
+    * The prefill phase has one deadline for all its tries and reads
+      (``--prefill-timeout-s``; ``--timeout-s`` does not cut it short); a
+      server that cannot be reached, is saturated, answers a server error,
+      ``408``/``429``, a redirect or any status but 200 and the client's
+      4xx, or an answer over :data:`PREFILL_ANSWER_MAX_BYTES`, is skipped
+      for the next; when none answers, decode computes the prompt itself.
+      Only a 4xx that is the client's fault goes back to the client, as
+      the server wrote it. A 200 is read as strictly as a client's body:
+      params a decode request could not carry (``NaN``) are no params.
     * A decode request goes to the next decode server only when it was
       never sent (unreachable or saturated). Once sent, a timeout is a 504
       and a broken answer a 502 naming the server: a generation is never
@@ -39,7 +41,8 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ucm_db.tools.proxy_upstreams import Side, Upstream, describe, unsent
+from ucm_db.tools.proxy_request import BadRequest, parse_body
+from ucm_db.tools.proxy_upstreams import CONNECT_TIMEOUT_S, POOL_WAIT_S, Side, Upstream, describe, unsent
 
 logger = logging.getLogger("ucm_db.proxy")
 
@@ -102,8 +105,11 @@ async def _ask_prefill(server: Upstream, path: str, payload: bytes, headers: dic
     if not server.try_acquire():
         failures.append(server.saturated())
         return None
+    # Each read may take the phase's whole deadline, not --timeout-s: a longer --prefill-timeout-s holds.
+    timeout = httpx.Timeout(deadline[0], connect=CONNECT_TIMEOUT_S, pool=POOL_WAIT_S)
     try:
-        async with server.client.stream("POST", server.url + path, content=payload, headers=headers) as response:
+        async with server.client.stream("POST", server.url + path, content=payload, headers=headers,
+                                        timeout=timeout) as response:
             raw = await _read_capped(response, PREFILL_ANSWER_MAX_BYTES)
     except httpx.HTTPError as exc:
         failures.append(f"{server.url}: {describe(exc, *deadline)}")
@@ -134,14 +140,14 @@ async def _read_capped(response: httpx.Response, cap: int) -> bytes | None:
 
 
 def _published(url: str, raw: bytes) -> Prefill:
-    try:
-        answer = json.loads(raw)
-    except (ValueError, RecursionError):
+    try:  # as strictly as a client's body: params holding NaN or 1e400 could not be sent on to decode
+        answer: Any = parse_body(raw)
+    except BadRequest:
         answer = None
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     if isinstance(params, dict):
         return Prefill("ok", params)
-    what = "is not a JSON object" if not isinstance(answer, dict) else "has no kv_transfer_params object"
+    what = "has no kv_transfer_params object" if isinstance(answer, dict) else "is not a JSON object (or holds NaN)"
     logger.warning("ucm-db proxy: the answer of prefill server %s %s (is it a kv_producer?); decode computes the "
                    "prompt itself", url, what)
     return Prefill("no-params")

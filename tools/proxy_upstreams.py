@@ -5,13 +5,19 @@ order of each side.
 Invariants:
     * Every server has its own pool and its own count of requests in
       flight, at most ``max_connections``: streams held open on one server
-      never make a request to another server wait, and ``/health`` and
-      ``/v1/models`` use a small pool of their own, so a busy proxy still
-      answers its probes. A server whose count is full is skipped like an
+      never make a request to another server wait, and each server's
+      ``/health`` and ``/v1/models`` probes use a small pool of their own, so
+      a busy proxy still answers its probes and a server that hangs holds
+      up only its own. A server whose count is full is skipped like an
       unreachable one (nothing was sent to it), and reported as the proxy
       being saturated, not as the server being down.
     * URLs and limits are checked once, at start-up (:func:`parse_urls`,
-      :class:`ProxyLimits`): a request never meets a URL httpx refuses.
+      :class:`ProxyLimits`): a request never meets a URL httpx refuses, no
+      server is named twice on a side, and no URL carries a password (URLs
+      appear in clients' error messages and in ``/health``).
+    * Servers are reached directly, as named: the environment's
+      ``HTTP_PROXY``/``ALL_PROXY`` are not read (an unset ``NO_PROXY`` would
+      send every request to a forward proxy).
     * A failure is described by what it means for the request: not sent
       (:func:`unsent`: the next server of the side may take it), or sent
       and then lost (a generation may be running: never sent again).
@@ -43,16 +49,27 @@ HEALTH_TIMEOUT_S = 5.0
 
 
 def parse_urls(value: str, side: str) -> tuple[str, ...]:
-    """``URL[,URL...]`` of one side, each ``http(s)://host[:port]`` (no path, query or fragment)."""
+    """``URL[,URL...]`` of one side, each ``http(s)://host[:port]`` (no
+    user or password, path, query or fragment), no server twice."""
     urls = tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
     if not urls:
         raise ConfigError(f"--{side} names no server", hint=f"pass --{side} http://127.0.0.1:8100[,http://...]")
+    seen: dict[tuple[str, str, int], str] = {}
     for url in urls:
         problem = _url_problem(url)
         if problem:
-            raise ConfigError(f"--{side}: {url!r} is not a server URL ({problem})",
+            raise ConfigError(f"--{side}: {_shown(url)!r} is not a server URL ({problem})",
                               hint=f"write each {side} server as http://HOST:PORT, comma-separated")
+        parts = urlsplit(url)
+        server = (parts.scheme, parts.hostname or "", parts.port or _DEFAULT_PORTS[parts.scheme])
+        if server in seen:  # a second Upstream would double its --max-connections and hide one count in /health
+            raise ConfigError(f"--{side} names {url!r} more than once (as {seen[server]!r} too)",
+                              hint=f"name each {side} server once")
+        seen[server] = url
     return urls
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def _url_problem(url: str) -> str:
@@ -63,6 +80,9 @@ def _url_problem(url: str) -> str:
         return str(exc)
     if parts.scheme not in ("http", "https"):
         return "the scheme must be http or https"
+    if parts.username is not None or parts.password is not None:
+        # it would be shown to clients in error messages and /health, and replace their Authorization header
+        return "a server URL has no user or password; the client's Authorization header is passed on"
     if not parts.hostname:
         return "no host"
     if port == 0:
@@ -70,6 +90,15 @@ def _url_problem(url: str) -> str:
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         return "a server URL has no path, query or fragment"
     return ""
+
+
+def _shown(url: str) -> str:
+    """``url`` with any user and password masked (they never reach a message)."""
+    scheme, sep, rest = url.partition("://")
+    host_part, slash, tail = rest.partition("/")
+    if "@" not in host_part:
+        return url
+    return f"{scheme}{sep}***@{host_part.rpartition('@')[2]}{slash}{tail}"
 
 
 @dataclass(frozen=True)
@@ -107,7 +136,8 @@ class ProxyLimits:
 
 
 class Upstream:
-    """One server: its own pool and its count of requests in flight."""
+    """One server: its own pool, its count of requests in flight, and the
+    pool of its probes (``control``)."""
 
     def __init__(self, url: str, limits: ProxyLimits) -> None:
         self.url = url
@@ -115,8 +145,9 @@ class Upstream:
         self.in_flight = 0
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(limits.timeout_s, connect=CONNECT_TIMEOUT_S, pool=POOL_WAIT_S),
-            limits=httpx.Limits(max_connections=self.limit, max_keepalive_connections=min(self.limit, 64),
-                                keepalive_expiry=KEEPALIVE_EXPIRY_S))
+            transport=_direct(httpx.Limits(max_connections=self.limit, max_keepalive_connections=min(self.limit, 64),
+                                           keepalive_expiry=KEEPALIVE_EXPIRY_S)))
+        self.control = control_client()
 
     def try_acquire(self) -> bool:
         """Counts one request in flight; False (nothing counted) when full."""
@@ -149,6 +180,7 @@ class Side:
     async def aclose(self) -> None:
         for server in self.servers:
             await server.client.aclose()
+            await server.control.aclose()
 
     def order(self) -> list[Upstream]:
         """Every server once, starting with this request's turn."""
@@ -157,10 +189,17 @@ class Side:
 
 
 def control_client() -> httpx.AsyncClient:
-    """The pool of ``/health`` and ``/v1/models``, apart from the traffic's."""
+    """One server's pool for ``/health`` and ``/v1/models``, apart from the traffic's."""
     return httpx.AsyncClient(timeout=httpx.Timeout(HEALTH_TIMEOUT_S),
-                             limits=httpx.Limits(max_connections=64, max_keepalive_connections=8,
-                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
+                             transport=_direct(httpx.Limits(max_connections=64, max_keepalive_connections=8,
+                                                            keepalive_expiry=KEEPALIVE_EXPIRY_S)))
+
+
+def _direct(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
+    """A pool that connects to its server itself: a client given its own
+    transport reads no ``HTTP_PROXY``/``ALL_PROXY`` (``SSL_CERT_FILE`` still
+    holds for https servers)."""
+    return httpx.AsyncHTTPTransport(limits=limits)
 
 
 def unsent(exc: httpx.HTTPError) -> bool:
