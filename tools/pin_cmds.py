@@ -13,10 +13,10 @@ from typing import Any
 
 import click
 
-from ucm_db import ConfigError, maintenance
+from ucm_db import maintenance
 
 from ucm_db.tools.cli_common import emit, human_bytes, json_option, warn
-from ucm_db.tools.prompt_files import TOKENS_HINT, read_prompts, store_prompts_arguments
+from ucm_db.tools.prompt_files import read_prompts, store_prompts_arguments
 from ucm_db.tools.remote_cmds import parse_size_bytes
 
 
@@ -63,9 +63,6 @@ def pin_command(path: Path, namespace: str, tokens_file: Path, max_pinned_bytes:
     """
     cap = None if max_pinned_bytes is None else parse_size_bytes(max_pinned_bytes)
     prompts = read_prompts(tokens_file)
-    if not any(prompts):  # an empty file (a failed generator step) pinned nothing and exited 0
-        raise ConfigError(f"{tokens_file} holds no prompts: no line with a token id",
-                          hint=f"{TOKENS_HINT}; check the step that wrote the file")
     report = maintenance.pin(path, namespace, prompts, max_pinned_bytes=cap)
     for number, row in enumerate(report["prompts"], 1):
         if not row["blocks"]:

@@ -47,7 +47,8 @@ def read_prompts(source: Path) -> list[list[int]]:
     """Token sequences of a ``--tokens`` file: one JSON list of token ids per
     (non-empty) line. Each line is parsed on its own, and a bad one is a
     ConfigError naming the file and its line number (blank lines counted, as
-    an editor counts them)."""
+    an editor counts them); so is a file without a token id (every command
+    that reads one would do nothing and succeed)."""
     prompts: list[list[int]] = []
     for number, line in enumerate(read_text(source).splitlines(), 1):
         if not line.strip():
@@ -64,6 +65,9 @@ def read_prompts(source: Path) -> list[list[int]]:
             raise ConfigError(f"cannot read {source} line {number}: token id {bad} is out of range (0 to 2**32 - 1)",
                               hint="pass the prompt's token ids as the tokenizer gave them")
         prompts.append(tokens)
+    if not any(prompts):  # an empty file (a failed generator step) pinned, warmed or looked up nothing, exit 0
+        raise ConfigError(f"{source} holds no prompts: no line with a token id",
+                          hint=f"{TOKENS_HINT}; check the step that wrote the file")
     return prompts
 
 
