@@ -49,7 +49,8 @@ Invariants:
     * Only blocks of the namespace epoch the engine serves are reported
       (:mod:`ucm_db.store.epochs`): after ``reset_cache`` or ``ucm-db
       invalidate`` the next step removes every block it announced and
-      reports only blocks stored at the new epoch.
+      reports only blocks stored at the new epoch; an inventory still being
+      read for the old epoch is dropped, never announced.
     * ``AllBlocksCleared`` is never sent: it names no medium, and a router
       applies it to the engine's own (GPU-tier) blocks too, which a feed
       resync or another process's ``invalidate`` does not clear (vLLM sends
@@ -211,6 +212,10 @@ class FeedEvents:
         epoch = self._epoch_now()
         if epoch is None:
             return events  # a damaged epoch record: nothing is served, nothing said until it is fixed
+        if self._replaying is not None and self._replaying[1] != epoch:
+            # Read for an epoch no longer served (reset_cache or `ucm-db invalidate` while it was read):
+            # dropped unread (what was announced before it was withdrawn when it started); read again below.
+            self._replaying = None
         if self._replaying is None and (self._seq is None or epoch != self._epoch):
             if self._seq is not None:
                 self._withdraw(events)  # reset_cache or `ucm-db invalidate`: the old blocks are never served

@@ -21,6 +21,11 @@ Invariants:
       in the same snapshot; another id is a resync (the store was created
       again, or an OS crash undid commits), never records read under it.
       With ``with_feed_id`` each event carries the ``feed_id`` to save.
+    * A block's ``extra_keys`` (vLLM's, of a salted, LoRA, multimodal or
+      prompt-embeds request) are told as the live stream publishes them
+      (one entry, bytes as hex), left out where there are none; such a
+      record is decoded, not dropped (the fast line formatter reads records
+      without them only).
     * Only blocks of each namespace's current epoch are told (older ones are
       never served, :mod:`ucm_db.store.epochs`); when an epoch moves on (``ucm-db
       invalidate``, an engine's ``reset_cache``) a follower gets
@@ -47,6 +52,8 @@ T = TypeVar("T")
 logger = logging.getLogger("ucm_db")
 #: Feed records read per snapshot while following.
 FOLLOW_BATCH_RECORDS = 4096
+#: The first byte (record version) of packed event fields without ``extra_keys``, which ``json_line`` formats.
+_PLAIN_RECORD = b"\x01"
 CLEARED: dict[str, Any] = {"type": "AllBlocksCleared", "medium": MEDIUM_STORAGE}
 SINCE_HINT = "pass an event's seq (an int, e.g. the inventory's) to read the feed from, or None for the inventory first"
 
@@ -75,10 +82,7 @@ def iter_events(
     _check_cursor(since_seq, feed_id)
 
     def render(raw: changefeed.RawRecord, feed: str | None) -> dict[str, Any] | None:
-        event = next((r.to_json() for r in changefeed.decoded([raw])), None)
-        if event is not None and feed is not None:
-            event["feed_id"] = feed
-        return event
+        return _decoded_event(raw, feed)
 
     def cleared(feed: str | None) -> dict[str, Any]:
         return dict(CLEARED) if feed is None else {**CLEARED, "feed_id": feed}
@@ -96,6 +100,9 @@ def iter_event_lines(
 
     def render(raw: changefeed.RawRecord, feed: str | None) -> str | None:
         seq, kind, ns, key, _, packed = raw
+        if packed[:1] != _PLAIN_RECORD:  # extra_keys: json_line formats plain records only (module invariants)
+            event = _decoded_event(raw, feed)
+            return None if event is None else json.dumps(event, separators=(",", ":"))
         try:
             return json_line(seq, kind, ns, key, packed, feed)
         except CorruptBlockError as exc:
@@ -106,6 +113,27 @@ def iter_event_lines(
         return json.dumps(CLEARED if feed is None else {**CLEARED, "feed_id": feed}, separators=(",", ":"))
     return _iterate(path, namespaces, since_seq, follow, poll_interval_s, max_polls, render, cleared, feed_id,
                     with_feed_id or feed_id is not None)
+
+
+def _decoded_event(raw: changefeed.RawRecord, feed: str | None) -> dict[str, Any] | None:
+    """The record as a dict with its ``extra_keys`` (module invariants), or
+    None where its fields are malformed (logged by ``changefeed.decoded``)."""
+    record = next(changefeed.decoded([raw]), None)
+    if record is None:
+        return None
+    event = record.to_json()
+    if record.kind == "stored" and record.fields.extra_keys is not None:
+        event["extra_keys"] = [_json_ready(record.fields.extra_keys)]
+    if feed is not None:
+        event["feed_id"] = feed
+    return event
+
+
+def _json_ready(value: Any) -> Any:
+    """``extra_keys`` as JSON: tuples as lists, bytes (prompt-embeds digests) as hex."""
+    if isinstance(value, (tuple, list)):
+        return [_json_ready(v) for v in value]
+    return value.hex() if isinstance(value, bytes) else value
 
 
 def _check_cursor(since_seq: int | None, feed_id: str | None) -> None:
