@@ -3,7 +3,8 @@ router that starts late (the inventory replay) or follows the store.
 
 The command cannot import vLLM: each line is one event with vLLM's field
 names (``BlockStored``/``BlockRemoved``/``AllBlocksCleared``; a bytes block
-hash as hex, an int hash as an int), plus ``seq``, ``namespace`` and ``key``
+hash as hex, an int hash as an int; ``--int-hashes``: a bytes hash as the
+int vLLM's default events give it), plus ``seq``, ``namespace`` and ``key``
 (and ``feed_id`` with ``--with-feed-id`` or ``--feed-id``: a seq means
 something only in the feed it came from). The lines come from
 :func:`ucm_db.maintenance.iter_event_lines`; a line ``AllBlocksCleared`` of
@@ -23,6 +24,7 @@ from ucm_db.tools.cli_common import CliPath, SecondsRange
 
 #: Lines written at once (one write per line costs a replay of 100k blocks ~0.5 s).
 _LINES_PER_WRITE = 4096
+_LOW_64_BITS = (1 << 64) - 1
 
 
 @click.command("events")
@@ -36,10 +38,13 @@ _LINES_PER_WRITE = 4096
                    "with a warning. Implies --with-feed-id.")
 @click.option("--with-feed-id", is_flag=True, help="Add the change feed's feed_id to every line (save it with the seq).")
 @click.option("--follow", is_flag=True, help="Keep printing new events as they are committed (Ctrl-C stops).")
+@click.option("--int-hashes", is_flag=True,
+              help="Print bytes block hashes as vLLM's live events do by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): "
+                   "the low 64 bits as an int, so the lines match the hashes a router has from the engines.")
 @click.option("--poll-interval", "poll_interval_s", type=SecondsRange(min=0.01, max=3600), default=0.5, show_default=True,
               help="Seconds between feed reads under --follow.")
 def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | None, feed_id: str | None, with_feed_id: bool,
-                   follow: bool, poll_interval_s: float) -> None:
+                   int_hashes: bool, follow: bool, poll_interval_s: float) -> None:
     """Print the store's KV cache events as JSON lines: a BlockStored line
     per block the store holds that was saved through the vLLM connector
     (parents first), then the change feed's BlockStored/BlockRemoved lines
@@ -52,6 +57,7 @@ def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | Non
     Example:
         ucm-db events /var/cache/ucm-db --follow --with-feed-id | my-router-feed
         ucm-db events /var/cache/ucm-db --since 4294967337 --feed-id 5f0c...e1 --follow
+        ucm-db events /var/cache/ucm-db --int-hashes
     """
     ctx = click.get_current_context()
     if not follow and ctx.get_parameter_source("poll_interval_s") != ParameterSource.DEFAULT:
@@ -71,7 +77,7 @@ def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | Non
                 if known is not None and now != known:
                     _warn_feed_change(path, source, known, now)
                 known, source = now, "the lines before came from"
-            batch.append(line)
+            batch.append(_with_int_hashes(line) if int_hashes else line)
             if follow or len(batch) >= _LINES_PER_WRITE:
                 click.echo("\n".join(batch))  # flushes: a follower sees each event as it comes
                 batch = []
@@ -79,6 +85,23 @@ def events_command(path: Path, namespaces: tuple[str, ...], since_seq: int | Non
             click.echo("\n".join(batch))
     except KeyboardInterrupt:
         return
+
+
+def _with_int_hashes(line: str) -> str:
+    """``line`` with each bytes block hash (hex) as vLLM converts it for its
+    int-hash events: the hash read big-endian, its low 64 bits; int hashes
+    stay as they are (vLLM published them so already)."""
+    event = json.loads(line)
+    if "block_hashes" not in event:
+        return line
+    event["block_hashes"] = [_int_hash(h) for h in event["block_hashes"]]
+    if event.get("parent_block_hash") is not None:
+        event["parent_block_hash"] = _int_hash(event["parent_block_hash"])
+    return json.dumps(event, separators=(",", ":"))
+
+
+def _int_hash(value: str | int) -> int:
+    return value if isinstance(value, int) else int(value, 16) & _LOW_64_BITS
 
 
 def _warn_feed_change(path: Path, source: str, was: str, now: str) -> None:
