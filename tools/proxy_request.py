@@ -20,23 +20,44 @@ Invariants:
       (``{"ucm_db": {"load": false, "max_load_tokens": N}}``) and other
       connectors' keys stay; the producer's publication wins a field both
       name (what was committed is the producer's to announce).
+    * Both requests are spliced from one encoding of the body's other
+      fields (:func:`prepare`): the body is parsed once and encoded once,
+      whatever its size, and the decode request is finished when the
+      publication is known without touching the body again. The client's
+      ``kv_transfer_params`` are parsed again for the merge, so they are
+      bounded (:data:`MAX_CLIENT_PARAMS_BYTES`, else a 400).
+    * A body over ``offload_body_bytes`` is prepared in a worker process
+      (:class:`BodyPool`), never on the event loop: see there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-from typing import Any
-
-from fastapi import Request
+import multiprocessing
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ucm_db.tools.proxy_upstreams import MIB
+
+if TYPE_CHECKING:  # the body pool's workers import this module: they need no web framework
+    from fastapi import Request
 
 #: Body fields dropped from the prefill request (it answers one token, unstreamed;
 #: vLLM refuses min_tokens above max_tokens).
 PREFILL_DROPPED = ("stream", "stream_options", "min_tokens")
 #: Headers passed on to the servers, sent under these names (the client's are matched without regard to case).
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+#: The fields each side sets its own way; every other field is encoded once and shared by both requests.
+SIDE_FIELDS = ("stream", "stream_options", "min_tokens", "max_tokens", "max_completion_tokens", "n",
+               "kv_transfer_params")
+#: The client's ``kv_transfer_params`` are parsed a second time, on the event loop, to merge the publication
+#: in: a larger object (vLLM's are a few hundred bytes) is refused.
+MAX_CLIENT_PARAMS_BYTES = 1 * MIB
 
 
 class BadRequest(Exception):
@@ -48,13 +69,17 @@ class BadRequest(Exception):
         self.message = message
 
 
+class ProxyBusy(Exception):
+    """Too many large bodies are being prepared; the client gets a 503 and may retry."""
+
+
 class _NotFinite(ValueError):
     pass
 
 
-async def read_body(request: Request, max_body_bytes: int) -> dict[str, Any]:
-    """The client's JSON object, read at most ``max_body_bytes`` far (a
-    declared ``Content-Length`` over it is refused before reading)."""
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The client's body, read at most ``max_body_bytes`` far (a declared
+    ``Content-Length`` over it is refused before reading)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_body_bytes:
         raise _too_large(max_body_bytes)
@@ -64,7 +89,7 @@ async def read_body(request: Request, max_body_bytes: int) -> dict[str, Any]:
         if size > max_body_bytes:
             raise _too_large(max_body_bytes)
         chunks.append(chunk)
-    return parse_body(b"".join(chunks))
+    return b"".join(chunks)
 
 
 def _too_large(max_body_bytes: int) -> BadRequest:
@@ -97,8 +122,8 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def encode(body: dict[str, Any]) -> bytes:
-    """``body`` as the JSON a server gets (ASCII-escaped: a lone surrogate a
+def encode(body: Any) -> bytes:
+    """``body`` (or one value of it) as the JSON a server gets (ASCII-escaped: a lone surrogate a
     client escaped into a string cannot break the encoding)."""
     try:
         return json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
@@ -152,3 +177,153 @@ def merge_params(client: Any, published: dict[str, Any]) -> dict[str, Any]:
         mine = client.get(key)
         merged[key] = {**mine, **value} if isinstance(mine, dict) and isinstance(value, dict) else value
     return merged
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A client's body made ready for both sides, as JSON object members
+    (no braces): the body's fields but :data:`SIDE_FIELDS`, encoded once
+    and shared; each side's own fields; the client's ``kv_transfer_params``
+    (None: it sent none). Each request is joined when it is sent."""
+
+    members: bytes
+    prefill_fields: bytes
+    decode_fields: bytes
+    client_params: bytes | None
+    stream: bool
+
+    def prefill_payload(self) -> bytes:
+        """The prefill request, JSON-equal to ``encode(prefill_body(body))``."""
+        return _object(self.members, self.prefill_fields)
+
+    def decode_payload(self, published: dict[str, Any] | None) -> bytes:
+        """The decode request, JSON-equal to ``encode(decode_body(body, published))``."""
+        params = self.client_params
+        if published is not None:
+            client = json.loads(self.client_params) if self.client_params is not None else None
+            params = encode(merge_params(client, published))
+        merged = _members({} if params is None else {"kv_transfer_params": params})
+        return _object(self.members, self.decode_fields, merged)
+
+
+def prepare(raw: bytes) -> Prepared:
+    """``raw`` parsed strictly (:func:`parse_body`) and encoded once, as
+    both sides' requests (see module invariants)."""
+    body = parse_body(raw)
+    members = encode({k: v for k, v in body.items() if k not in SIDE_FIELDS})[1:-1]
+    prefill_fields = {k: encode(v) for k, v in prefill_body(body).items() if k in SIDE_FIELDS}
+    decode_fields = {k: encode(body[k]) for k in SIDE_FIELDS if k in body and k != "kv_transfer_params"}
+    client_params = encode(body["kv_transfer_params"]) if "kv_transfer_params" in body else None
+    if client_params is not None and len(client_params) > MAX_CLIENT_PARAMS_BYTES:
+        raise BadRequest(400, f"kv_transfer_params are over {MAX_CLIENT_PARAMS_BYTES / MIB:g} MiB of JSON; "
+                              "send only the connectors' controls there")
+    return Prepared(members, _members(prefill_fields), _members(decode_fields), client_params, bool(body.get("stream")))
+
+
+def _members(fields: dict[str, bytes]) -> bytes:
+    """Encoded values as JSON object members (no braces)."""
+    return b",".join(json.dumps(name).encode() + b":" + value for name, value in fields.items())
+
+
+def _object(*members: bytes) -> bytes:
+    """A JSON object of members (no braces; empty ones skipped), copied once."""
+    return b"{" + b",".join(part for part in members if part) + b"}"
+
+
+class BodyPool:
+    """Prepares a body over ``offload_body_bytes`` in a worker process; a
+    smaller one on the event loop (a few ms at most).
+
+    Invariants:
+        * The C JSON parser holds the GIL for a whole call, so a thread
+          would stall every other stream as the event loop would: a large
+          body is parsed and encoded in a process of a pool started on first
+          need (``spawn``: no copy of the server's event loop or sockets),
+          of ``workers`` processes. A spawned worker imports the main
+          module: a program serving :func:`~ucm_db.tools.proxy.build_app`
+          itself starts it under ``if __name__ == "__main__":`` (``ucm-db
+          proxy`` and ``python -m ucm_db.tools.proxy`` do).
+        * What crosses the pipe is the raw body one way and
+          :func:`prepare_in_worker`'s bytes, str and int the other: never an
+          object graph of the body.
+        * A worker's answer is :func:`prepare`'s to the byte: the same
+          requests, the same 400 for the same bad body, before any server is
+          called.
+        * Large bodies in flight (waiting for a worker or prepared by one)
+          hold at most ``budget_bytes`` (one is always let in): past it the
+          client gets 503 with ``Retry-After`` (:class:`ProxyBusy`), not an
+          unbounded queue of bodies in memory. A body counts until its
+          worker is done with it, even when its client left first.
+        * A worker that dies (killed: out of memory) is a 503 for the
+          requests it held, and the next large body starts a new pool.
+
+    Why a process pool: a thread does not help (the GIL), and a lower
+    ``--max-body-mb`` alone does not either (measured on the event loop:
+    1 MiB of ``logit_bias`` held it 140 ms, 24 MiB 3.3 s). The threshold,
+    256 KiB, holds the loop at most ~20 ms (0.25 MiB of ``logit_bias``
+    measured 20 ms to parse and encode); a 128K-token prompt sent as token
+    ids (about 1 MiB) goes to a worker, whose round trip adds a few ms.
+    """
+
+    def __init__(self, offload_body_bytes: int, budget_bytes: int, workers: int) -> None:
+        self.offload_body_bytes, self.budget_bytes, self.workers = offload_body_bytes, budget_bytes, workers
+        self._pool: ProcessPoolExecutor | None = None
+        self._held_bytes = 0
+        self._lock = threading.Lock()  # done-callbacks run on the pool's own thread
+
+    async def prepare(self, raw: bytes) -> Prepared:
+        if len(raw) <= self.offload_body_bytes:
+            return prepare(raw)
+        with self._lock:
+            if self._held_bytes and self._held_bytes + len(raw) > self.budget_bytes:
+                raise ProxyBusy(f"{self._held_bytes / MIB:.0f} MiB of large request bodies are being prepared "
+                                f"(the bound is {self.budget_bytes / MIB:g} MiB); retry shortly")
+            self._held_bytes += len(raw)
+        pool = self._pool or self._start()
+        try:
+            future = pool.submit(prepare_in_worker, raw)
+        except BrokenProcessPool as exc:
+            self._release(len(raw))
+            raise self._dropped(pool) from exc
+        future.add_done_callback(lambda _: self._release(len(raw)))
+        try:
+            status, message, members, prefill_fields, decode_fields, params, flags = await asyncio.wrap_future(future)
+        except BrokenProcessPool as exc:
+            raise self._dropped(pool) from exc
+        if status:
+            raise BadRequest(status, message)
+        return Prepared(members, prefill_fields, decode_fields, params if flags & 2 else None, bool(flags & 1))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _start(self) -> ProcessPoolExecutor:
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def _dropped(self, pool: ProcessPoolExecutor) -> ProxyBusy:
+        if self._pool is pool:
+            self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+        return ProxyBusy("the worker preparing large request bodies died (out of memory?); retry shortly")
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._held_bytes -= size
+
+
+def prepare_in_worker(raw: bytes) -> tuple[int, str, bytes, bytes, bytes, bytes, int]:
+    """:func:`prepare` in a worker: ``(status, message, members, prefill
+    fields, decode fields, client params, flags)``; a status is a
+    :class:`BadRequest`'s, 0 for none; flags: 1 stream, 2 client params sent."""
+    try:
+        done = prepare(raw)
+    except BadRequest as exc:
+        return exc.status, exc.message, b"", b"", b"", b"", 0
+    except MemoryError:
+        message = "the request body is too large to prepare in the proxy's memory; send a smaller one"
+        return 413, message, b"", b"", b"", b"", 0
+    flags = int(done.stream) | (2 if done.client_params is not None else 0)
+    return 0, "", done.members, done.prefill_fields, done.decode_fields, done.client_params or b"", flags

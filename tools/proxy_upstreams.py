@@ -112,8 +112,15 @@ class ProxyLimits:
     prefill_timeout_s: float | None = None
     #: Requests in flight to one server.
     max_connections: int = 1024
-    #: Largest request body a client may send.
-    max_body_bytes: int = 100 * MIB
+    #: Largest request body a client may send (why 32 MiB: :mod:`ucm_db.tools.proxy`).
+    max_body_bytes: int = 32 * MIB
+    #: A body over this is parsed and encoded in a worker process, not on the event loop
+    #: (:class:`~ucm_db.tools.proxy_request.BodyPool`; 256 KiB costs the loop a few ms).
+    offload_body_bytes: int = 256 << 10
+    #: Large bodies waiting for or held by a worker, in all; past it a 503.
+    offload_budget_bytes: int = 256 * MIB
+    #: Worker processes preparing large bodies.
+    body_workers: int = 2
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "prefill_timeout_s"):
@@ -126,6 +133,9 @@ class ProxyLimits:
             raise ConfigError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.max_body_bytes < 1:
             raise ConfigError(f"--max-body-mb must be positive, got {self.max_body_bytes / MIB:g}")
+        if self.offload_body_bytes < 0 or self.offload_budget_bytes < 1 or self.body_workers < 1:
+            raise ConfigError("large bodies need a threshold >= 0, a budget and a worker, got "
+                              f"{self.offload_body_bytes}, {self.offload_budget_bytes} and {self.body_workers}")
 
     @property
     def prefill_deadline(self) -> tuple[float, str]:
