@@ -39,7 +39,7 @@ from ucm_db.errors import FormatVersionError, MigrationError
 from ucm_db.format import STORE_FORMAT_VERSION, checked_format_version, parse_format_version, write_format_version
 from ucm_db.engines.base import Txn
 
-from ucm_db.migrations.access import exclusive_lock, format_read_only, open_engine, read_format_version
+from ucm_db.migrations.access import exclusive_lock, format_read_only, open_engine, read_format_version, read_store
 
 MIGRATIONS_TABLE = "migrations"
 _MODULE_NAME = re.compile(r"^v(\d{4})_\w+$")
@@ -114,23 +114,16 @@ def registered() -> list[Migration]:
 
 
 def applied(path: str | Path) -> list[AppliedMigration]:
-    """Migrations recorded as applied to the store at ``path``."""
-    engine = open_engine(Path(path), read_only=True)
-    try:
-        records = engine.read(lambda txn: [json.loads(bytes(v)) for _, v in txn.scan(MIGRATIONS_TABLE)])
-    finally:
-        engine.close()
+    """Migrations recorded as applied to the store at ``path`` (read-only,
+    of any format: :func:`~ucm_db.migrations.access.read_store`)."""
+    records = read_store(Path(path), lambda txn: [json.loads(bytes(v)) for _, v in txn.scan(MIGRATIONS_TABLE)])
     return [AppliedMigration(r["version"], r["name"], r["applied_ns"], r["ucm_db_version"]) for r in records]
 
 
 def pending(path: str | Path, target: int = STORE_FORMAT_VERSION) -> list[Migration]:
-    """Migrations that would take the store at ``path`` to ``target``."""
-    engine = open_engine(Path(path), read_only=True)
-    try:
-        version = read_format_version(engine)
-    finally:
-        engine.close()
-    return plan(version, target, path)
+    """Migrations that would take the store at ``path`` to ``target`` (its
+    format read without opening it for writing, whatever its format)."""
+    return plan(format_read_only(Path(path)), target, path)
 
 
 def plan(version: int, target: int, path: str | Path) -> list[Migration]:
@@ -166,8 +159,8 @@ def migrate(
     """
     path = Path(path)
     with exclusive_lock(path):
-        version = format_read_only(path)  # a newer store is refused before any writable open
-        if version is not None and not plan(version, target, path):
+        # A newer store is refused, and a current one left, before any writable open.
+        if not plan(format_read_only(path), target, path):
             return []
         engine = open_engine(path, read_only=False, sync=True)
         try:

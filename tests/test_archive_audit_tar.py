@@ -10,8 +10,13 @@ stores through the CLI or ``ucm_db.maintenance``):
   nothing bounded it; 3000
   small pax headers in a row (each read nested in the last) ended the
   import in a RecursionError traceback. ucm-db's export writes no such
-  header, so import now refuses one over 64 KiB, more than 16 MiB of them,
-  or more than 8 in a row (ConfigError, exit 2, nothing written).
+  header, so import now refuses one over 64 KiB or more than 8 in a row
+  (ConfigError, exit 2, nothing written).
+* What tarfile keeps of the headers (every member's pax records, with a copy
+  of the global records before it, in ``tar.members``) is bounded by the
+  members read: 16 MiB and 2 KiB a member (review of ab89e0a: a flat 16 MiB
+  refused a GNU tar ``--format=posix`` re-pack of 280k+ blocks, while one
+  60 KiB global header copied into 2000 members took 200 MiB under it).
 * tarfile ends its member listing silently at the first header it cannot
   read (anywhere but the first): an archive cut short at a member boundary,
   or with a member header damaged midway, was imported up to there and the
@@ -99,7 +104,7 @@ def test_extended_headers_over_the_archive_budget_are_refused(archive: Path, tmp
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Headers each under the per-header bound, few in a row, add up: past the
     archive's budget (lowered to 1 MiB here, so 19 members make it) they are refused."""
-    monkeypatch.setattr(archive_files, "MAX_EXTENDED_TOTAL_BYTES", 1 << 20, raising=False)
+    monkeypatch.setattr(archive_files, "MAX_EXTENDED_BASE_BYTES", 1 << 20)
     raw = archive.read_bytes()
     offsets = member_offsets(archive) + [len(raw)]
     pieces = [raw[: offsets[0]]]
@@ -109,6 +114,32 @@ def test_extended_headers_over_the_archive_budget_are_refused(archive: Path, tmp
     (tmp_path / "budget.tar").write_bytes(b"".join(pieces))
     with pytest.raises(ConfigError, match="extended header"):
         maintenance.import_archive(tmp_path / "budget.tar", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_global_records_copied_into_every_member_are_refused_past_the_bound(tmp_path: Path) -> None:
+    """Review of ab89e0a: tarfile copies the global pax records into every
+    member that has records of its own. One global header of 5000 records
+    (60 KiB), before 41 members with atime and ctime, passed a flat 16 MiB
+    total of header bytes, each member holding a 5000-entry dict (a 4 MB
+    archive of 2000 such members took a listing from 40 to 240 MiB); what
+    the members hold is now charged, at the real bounds."""
+    with ucm_db.open(tmp_path / "src") as store:
+        for c in range(10):
+            keys = NS.block_keys([c * 100 + t for t in range(4 * NS.block_size)])
+            store.put(NS, keys, [bytes([c, i]) * 30 for i in range(4)])
+    maintenance.export_archive(tmp_path / "src", tmp_path / "a.tar")
+    many_globals = {f"k{i:05d}": "v" for i in range(5000)}
+    out = tmp_path / "global.tar"
+    with tarfile.open(tmp_path / "a.tar") as src, \
+            tarfile.open(out, "w", format=tarfile.PAX_FORMAT, pax_headers=many_globals) as dst:
+        assert len(src.getmembers()) == 41
+        for member in src.getmembers():
+            member.pax_headers = {"atime": "1796542858.542814281", "ctime": "1796542860.030814329"}
+            dst.addfile(member, src.extractfile(member))
+    assert out.stat().st_size < 1 << 20  # a 16 MiB total of header bytes is nowhere near
+    error = import_cli(out, tmp_path / "dst", expect=2)["error"]
+    assert "extended headers" in error["message"] and "per member" in error["message"]  # type: ignore[index,operator]
     assert not (tmp_path / "dst").exists()
 
 

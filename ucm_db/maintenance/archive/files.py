@@ -24,11 +24,25 @@ Invariants:
     * The tar's own structure is read within bounds too (:class:`BoundedTarInfo`):
       tarfile reads an extended header (pax, GNU long name) whole and
       nested in the one before it, so one over
-      :data:`MAX_EXTENDED_HEADER_BYTES`, more than
-      :data:`MAX_EXTENDED_TOTAL_BYTES` of them, or more than
+      :data:`MAX_EXTENDED_HEADER_BYTES` or more than
       :data:`MAX_EXTENDED_CHAIN` in a row is a ConfigError (a 200 MB pax
       header took an import to 640 MiB; 3000 in a row, a RecursionError).
-      ucm-db's export writes none; a tar tool re-packing one may add a few.
+      What tarfile keeps of them is bounded by the members read: it keeps
+      every member's TarInfo (``tar.members``) with its pax records (a
+      member with records of its own holds a copy of every global record
+      before it too) and its long names; these, charged
+      :data:`PAX_RECORD_HELD_BYTES` a record beyond their text, plus the
+      global records' bytes, may not pass :data:`MAX_EXTENDED_BASE_BYTES`
+      + :data:`MAX_EXTENDED_PER_MEMBER_BYTES` per member read (a
+      ConfigError at the first member past it). So what the headers hold
+      grows by at most 2 KiB a member (beside the ~0.5 KiB tarfile holds
+      for a plain one), whatever the member count: a re-pack by GNU tar
+      ``--format=posix`` (atime and ctime, ~60 bytes of pax records a
+      member, ~0.4 KiB charged) imports at any member count, while one
+      global header of 5000 records before members with pax records of
+      their own (each member then holds a 5000-entry copy: 2000 members of
+      a 4 MB archive took a listing from 40 to 240 MiB) is refused after a
+      few dozen members. ucm-db's export writes none.
       A sparse member (GNU, any version) is refused as tarfile reads its
       map: it declares bytes it does not hold (a few bytes made import
       allocate and zero-fill 512 MiB), and its map is read whole too.
@@ -69,8 +83,17 @@ READ_CHUNK_BYTES = 1 << 20
 MAX_MANIFEST_DEPTH = 16
 #: Largest extended header (pax, GNU long name) import lets tarfile read.
 MAX_EXTENDED_HEADER_BYTES = 64 << 10
-#: Extended-header bytes import lets tarfile read in one archive.
-MAX_EXTENDED_TOTAL_BYTES = 16 << 20
+#: What tarfile may keep of an archive's extended headers beyond the
+#: per-member allowance below (module invariants).
+MAX_EXTENDED_BASE_BYTES = 16 << 20
+#: What it may keep of them per member read: a posix re-pack's atime and
+#: ctime are charged ~0.4 KiB a member.
+MAX_EXTENDED_PER_MEMBER_BYTES = 2 << 10
+#: Charge of a member's pax record beyond its key and value: at least what
+#: a record of its own holds (two str objects of ~50 bytes, a dict slot); a
+#: global record copied into each member holds ~20 (measured: 5000 of them
+#: copied into 2000 members, +200 MiB).
+PAX_RECORD_HELD_BYTES = 128
 #: Most extended headers in a row (tarfile reads each one nested in the last).
 MAX_EXTENDED_CHAIN = 8
 _EXTENDED_TYPES = frozenset({tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
@@ -164,34 +187,61 @@ def atomic_output(target: Path, mode: int) -> Iterator[IO[bytes]]:
         raise
 
 
+_NOT_EXPORTED_HINT = "the archive is damaged or not written by ucm-db export; export it again"
+
+
+def _where(tar: tarfile.TarFile) -> str:
+    return os.fsdecode(tar.name) if tar.name is not None else "the archive"
+
+
+def held_bytes(member: tarfile.TarInfo) -> int:
+    """What tarfile keeps of ``member``'s extended headers, as charged
+    against the archive's bound: its pax records (its own and the global
+    ones copied in), :data:`PAX_RECORD_HELD_BYTES` each beyond their text,
+    and its names (a long name may come from a GNU long-name header)."""
+    records = sum(len(key) + len(value) + PAX_RECORD_HELD_BYTES for key, value in member.pax_headers.items())
+    return records + len(member.name) + len(member.linkname)
+
+
 class BoundedTarInfo(tarfile.TarInfo):
     """A tar header whose extended headers are bounded before tarfile reads
-    them (module invariants); pass as ``tarfile.open(..., tarinfo=BoundedTarInfo)``."""
+    them, and what tarfile keeps of them by the members read (module
+    invariants); pass as ``tarfile.open(..., tarinfo=BoundedTarInfo)``."""
 
     def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
         if self.type not in _EXTENDED_TYPES:
             return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
         budget = tar.__dict__.setdefault("_ucm_db_extended", {"chain": 0, "bytes": 0})
-        where = os.fsdecode(tar.name) if tar.name is not None else "the archive"
-        budget["bytes"] += self.size
-        if self.size > MAX_EXTENDED_HEADER_BYTES or budget["bytes"] > MAX_EXTENDED_TOTAL_BYTES:
-            raise ConfigError(f"{where}: an extended header (pax or GNU long name) of {self.size} bytes at byte {self.offset} "
-                              f"is over the bounds import reads ({MAX_EXTENDED_HEADER_BYTES} bytes each, "
-                              f"{MAX_EXTENDED_TOTAL_BYTES} in all); ucm-db export writes none",
-                              hint="the archive is damaged or not written by ucm-db export; export it again")
+        if self.size > MAX_EXTENDED_HEADER_BYTES:
+            raise ConfigError(f"{_where(tar)}: an extended header (pax or GNU long name) of {self.size} bytes at byte "
+                              f"{self.offset} is over the bound import reads ({MAX_EXTENDED_HEADER_BYTES} bytes); "
+                              "ucm-db export writes none", hint=_NOT_EXPORTED_HINT)
         if budget["chain"] >= MAX_EXTENDED_CHAIN:
-            raise ConfigError(f"{where}: more than {MAX_EXTENDED_CHAIN} extended headers in a row at byte {self.offset}",
-                              hint="the archive is damaged or not written by ucm-db export; export it again")
+            raise ConfigError(f"{_where(tar)}: more than {MAX_EXTENDED_CHAIN} extended headers in a row at byte {self.offset}",
+                              hint=_NOT_EXPORTED_HINT)
+        if self.type == tarfile.XGLTYPE:
+            budget["bytes"] += self.size  # its records stay in tar.pax_headers for the rest of the archive
         budget["chain"] += 1
         try:
-            return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+            member: tarfile.TarInfo = super()._proc_member(tar)  # type: ignore[misc]
         finally:
             budget["chain"] -= 1
+        if budget["chain"] == 0:  # the outermost header: ``member`` is what tar.members will keep
+            budget["bytes"] += held_bytes(member)
+            members = len(tar.members) + 1  # type: ignore[attr-defined]  # this one is appended next
+            allowed = MAX_EXTENDED_BASE_BYTES + MAX_EXTENDED_PER_MEMBER_BYTES * members
+            if budget["bytes"] > allowed:
+                raise ConfigError(f"{_where(tar)}: the extended headers (pax or GNU long name) of its first {members} "
+                                  f"members, up to the one at byte {self.offset}, hold {budget['bytes']} bytes, over "
+                                  f"the bound import keeps ({MAX_EXTENDED_BASE_BYTES} bytes and "
+                                  f"{MAX_EXTENDED_PER_MEMBER_BYTES} per member); ucm-db export writes none",
+                                  hint=_NOT_EXPORTED_HINT)
+        return member
 
     def _refuse_sparse(self, *args: Any) -> None:
         member = args[0] if args and isinstance(args[0], tarfile.TarInfo) else self  # pax: the member it describes
         raise ConfigError(f"archive member {member.name} at byte {self.offset} is a sparse file; ucm-db export writes none",
-                          hint="the archive is damaged or not written by ucm-db export; export it again")
+                          hint=_NOT_EXPORTED_HINT)
 
     # tarfile's four ways of reading a sparse member's map (old GNU, pax 0.0, 0.1, 1.0)
     _proc_sparse = _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _refuse_sparse
