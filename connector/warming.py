@@ -33,7 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
-import numbers
+import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -130,11 +130,20 @@ def _prompt_parts(prompt: Any, index: int) -> tuple[list[int], str | None]:
     tokens = [] if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Iterable) else list(ids)
     if not tokens or not all(_is_token_id(t) for t in tokens):
         raise ConfigError(f"warm_engine prompt {index} is not a non-empty list of token ids (ints >= 0)", hint=hint)
-    return [int(t) for t in tokens], salt
+    return [operator.index(t) for t in tokens], salt
 
 
 def _is_token_id(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
+    """True for an int >= 0 as :func:`operator.index` takes one: an int, a
+    numpy integer, a one-element integer tensor (an element of a tensor of
+    block ids: vLLM holds block tables as tensors). Never a bool nor a bool
+    tensor (True imported block 1), a float nor a float tensor (1.5 too)."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):
+        return False
+    try:
+        return operator.index(value) >= 0
+    except TypeError:
+        return False
 
 
 def import_kv(
@@ -157,7 +166,8 @@ def import_kv(
             shaped like the engine's).
         token_ids: the prompt's token ids.
         block_ids: for each full block of ``token_ids``, the index of the
-            block in ``layout``'s tensors.
+            block in ``layout``'s tensors (ints, numpy ints, or an integer
+            tensor such as a row of vLLM's block table).
         extras: request extras (``cache_salt``, ``lora`` ...), as the
             connector's scheduler derives them. There are no per-block
             extras: import only KV of plain token prompts, never of a
@@ -186,7 +196,7 @@ def import_kv(
     if not keys:
         return ucm_db.PutResult()
     staging = layout.new_unit_staging(len(keys))
-    layout.gather_units(block_ids, staging)
+    layout.gather_units([operator.index(b) for b in block_ids], staging)
     rows = staging.numpy()
     grid = KVGrid(layout.heads, len(layout.layers))
     total = ucm_db.PutResult()

@@ -80,7 +80,9 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
     gone are removed too. Safe beside live servers. Only ucm-db's own
     objects are touched: files of its layout, in namespace directories with
     its manifest, that start like a ucm-db object. A remote that cannot be
-    reached or read is an error naming it (exit 1).
+    reached or read is an error naming it (exit 1); objects whose head
+    cannot be read (an archive storage class, no read access, a flaky
+    link) are kept and reported, the rest is collected, exit 1.
 
     \b
     Example:
@@ -100,9 +102,13 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
                 f"({r['removed_by_rule']} by rule + {r['removed_descendants']} descendants), {human_bytes(r['removed_bytes'])}; "
                 f"{r['temp_files_removed']} stale temp files; {r['skipped_entries']} entries not ucm-db's left alone"
                 + (f"; {r['tombstones_removed']} of {r['tombstones']} retraction tombstones" if r.get("tombstones") else "")
-                + (f"; {r['held_by_rule']} held: {r['held_reason']}" if r.get("held_namespaces") else ""))
+                + (f"; {r['held_by_rule']} held: {r['held_reason']}" if r.get("held_namespaces") else "")
+                + (f"; {r['unreadable']} unreadable kept: {'; '.join(r['unreadable_examples'])}" if r.get("unreadable") else ""))
 
     emit(as_json, report, human)
+    if report.get("unreadable"):  # the rest is done; these objects (and what they may hang from) wait: exit 1
+        warn(f"{report['unreadable']} object(s) on {remote} could not be read: {report['unreadable_hint']}")
+        raise SystemExit(EXIT_PROBLEMS)
 
 
 #: Byte-order marks a --tokens/--keys file may start with, longest first

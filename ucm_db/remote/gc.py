@@ -58,6 +58,19 @@ remove nothing in such a namespace this run: they choose as if nothing
 were held, and their choices there wait (``held_*`` in the report): the
 other namespaces lose no more for it.
 
+An object whose head gc cannot read, twice (an archived object: S3
+GLACIER refuses GetObject; a refused read; a flaky link:
+:mod:`~ucm_db.remote.gc_listing`), has an unknown parent: it is present, so
+its children are never orphans, but any object of its namespace may be its
+ancestor. It is never removed (nor taken for broken: its bytes are unknown).
+If the rules would remove it, with its whole subtree (the age rule found
+everything under it old; the size rule reached it after its descendants),
+its ancestors may go too: the rules wanted its chain gone, and it stays an
+orphan until it can be read and collected. Otherwise its namespace is held
+like one with an upload in flight (its youth cannot be carried up past the
+unknown parent). It is reported (``unreadable``, ``unreadable_examples``,
+``unreadable_hint``); the rest of the run goes on.
+
 Why the hold stays namespace-wide: a node running a ucm-db older than the
 uploaders' ancestor repair (:mod:`ucm_db.remote.ancestry`) sends its queue
 in key order, so a chain's deeper blocks land before their ancestors, for
@@ -74,9 +87,12 @@ continuation, an older one leaves the continuation an orphan.
 Invariants:
     * Safe beside live servers: objects are immutable, and a deleted object
       is a miss for a reader, never wrong bytes.
-    * A read that fails while listing (a timeout, an error other than "not
-      found") stops the run before any removal: an object taken for absent
-      would orphan the live chains under it (:func:`~ucm_db.remote.gc_listing.list_objects`).
+    * An object whose head read fails (twice; an error other than "not
+      found") is never taken for absent, which orphaned the live chains
+      under it, nor removed: it stays, parent unknown, and its namespace
+      loses nothing by rule unless the rules remove it and its whole
+      subtree (:func:`plan_removals`); one such object stops no run (an
+      archived object stopped every run).
     * Never a possible ancestor of an upload in flight: a rule removes
       nothing in a namespace with an object whose parent is absent for less
       than :data:`ORPHAN_GRACE_S` (or of unknown age).
@@ -97,7 +113,7 @@ import heapq
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ucm_db.remote.gc_listing import (  # noqa: F401 - RemoteListing, list_objects re-exported
@@ -112,13 +128,18 @@ ORPHAN_GRACE_S = 3600.0
 
 @dataclass
 class Removals:
-    """:func:`plan_removals`' paths (``held``: victims that wait) and the namespaces of :func:`uploading_objects`."""
+    """:func:`plan_removals`' paths (``held``: victims that wait), the
+    namespaces held (``frozen``: of :func:`uploading_objects` or of an
+    unreadable object's; ``blind``: of the latter) and the unreadable
+    objects (``unreadable``: paths, never removed)."""
 
     victims: set[str]
     cascade: set[str]
     held: set[str]
     frozen: set[str]
     uploading: int
+    blind: set[str] = field(default_factory=set)
+    unreadable: list[str] = field(default_factory=list)
 
 
 def subtree_youngest_mtimes(objects: list[RemoteObjectInfo]) -> dict[str, float]:
@@ -165,10 +186,15 @@ def uploading_objects(objects: list[RemoteObjectInfo], now_s: float) -> list[Rem
 def plan_removals(objects: list[RemoteObjectInfo], *, older_than_s: float | None, max_bytes: int | None,
                   now_s: float) -> Removals:
     """The rules' victims, less those in a namespace with an upload in
-    flight (``held``), and the cascade of :func:`orphaned_descendants`: both
-    empty when no rule removes anything (broken objects and orphans then
-    wait for a run that does, as they always have)."""
+    flight or an unreadable object the rules keep (``held``), less the
+    unreadable objects, and the cascade of :func:`orphaned_descendants`:
+    both empty when no rule removes anything (broken objects and orphans
+    then wait for a run that does, as they always have).
+
+    The rules choose with an unreadable object as a chain root (its parent
+    unknown); then it is dropped from the victims, never removed."""
     uploading = uploading_objects(objects, now_s)
+    unreadable = [o for o in objects if o.read_error is not None]
     frozen = {o.namespace_dir for o in uploading}
     victims: set[str] = set()
     if older_than_s is not None:
@@ -179,11 +205,14 @@ def plan_removals(objects: list[RemoteObjectInfo], *, older_than_s: float | None
         excess_bytes = total_bytes - sum(o.size_bytes for o in objects if o.path in gone) - max_bytes
         if excess_bytes > 0:
             victims |= oldest_tails(objects, gone, excess_bytes)
+    # An unreadable object the rules keep may hang from any object of its namespace: hold them all.
+    blind = {o.namespace_dir for o in unreadable if o.path not in victims}
+    frozen |= blind
     # Chosen as if nothing were held, so a hold never makes the size rule take more elsewhere.
     held = {o.path for o in objects if o.path in victims and o.namespace_dir in frozen}
-    victims -= held
+    victims -= held | {o.path for o in unreadable}
     cascade = orphaned_descendants(objects, victims, now_s=now_s) if victims else set()
-    return Removals(victims, cascade, held, frozen, len(uploading))
+    return Removals(victims, cascade, held, frozen, len(uploading), blind, sorted(o.path for o in unreadable))
 
 
 def oldest_tails(objects: list[RemoteObjectInfo], gone: set[str], excess_bytes: int) -> set[str]:
@@ -283,7 +312,7 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     now_s = time.time() if now_s is None else now_s
     listing = list_objects(root)
     if not (listing.objects or listing.temps or listing.tombstones or listing.skipped_entries):
-        require_bucket(root, root.root)  # a mistyped bucket lists as an empty remote (exit 0, "0 objects", every run)
+        require_bucket(root)  # a mistyped bucket lists as an empty remote (exit 0, "0 objects", every run)
     landed = landed_parents(root, listing.objects, uploading_objects(listing.objects, now_s))
     objects = listing.objects + landed
     plan = plan_removals(objects, older_than_s=older_than_s, max_bytes=max_bytes, now_s=now_s)
@@ -306,13 +335,33 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
         "landed_after_listing": len(landed), "tombstones": len(listing.tombstones),
         "tombstones_removed": len(old_tombstones),
         "held_by_rule": len(plan.held), "held_namespaces": len(plan.frozen), "held_reason": held_reason(plan), "dry_run": dry_run,
+        "unreadable": len(plan.unreadable), "unreadable_examples": unreadable_examples(objects, plan),
+        "unreadable_hint": UNREADABLE_HINT if plan.unreadable else None,
     }
+
+
+#: What to do about objects whose head gc could not read (the CLI exits 1 with it).
+UNREADABLE_HINT = ("gc kept them (their parents unknown) and did the rest; likely causes: an archive storage class "
+                   "(S3 GLACIER/DEEP_ARCHIVE: restore them or exclude the prefix from the lifecycle rule), credentials "
+                   "without read access to them, or a flaky link (run gc again)")
+
+
+def unreadable_examples(objects: list[RemoteObjectInfo], plan: Removals, count: int = 3) -> list[str]:
+    """The first ``count`` unreadable objects as ``"path: error"``."""
+    errors = {o.path: o.read_error for o in objects if o.read_error is not None}
+    return [f"{path}: {errors[path]}" for path in plan.unreadable[:count]]
 
 
 def held_reason(plan: Removals) -> str | None:
     """Why the rules removed nothing in ``plan.frozen`` (None: none held)."""
     if not plan.frozen:
         return None
-    return (f"{plan.uploading} objects have a parent absent for under {ORPHAN_GRACE_S / 60:.0f} min (still uploading), and any "
-            f"object of their {len(plan.frozen)} namespaces may be its ancestor: no rule removes anything there this run "
-            f"({len(plan.held)} objects wait); rerun gc once the nodes' upload queues have drained")
+    why = []
+    if plan.uploading:
+        why.append(f"{plan.uploading} objects have a parent absent for under {ORPHAN_GRACE_S / 60:.0f} min (still uploading): "
+                   "rerun gc once the nodes' upload queues have drained")
+    if plan.blind:
+        why.append(f"{len(plan.blind)} namespaces hold an object gc cannot read (parent unknown) "
+                   "that the rules keep")
+    return (f"{'; '.join(why)}; any object of these {len(plan.frozen)} namespaces may be their ancestor: no rule "
+            f"removes anything there this run ({len(plan.held)} objects wait)")

@@ -16,6 +16,16 @@ young child without its parent: on a busy namespace nearly every run did,
 and gc held the namespace run after run. :func:`landed_parents` reads such
 a parent where it belongs, and its own absent parent in turn, so gc knows
 the chain it hangs from (a parent still absent then is in flight).
+
+A head that cannot be read (an error other than "not found": a timeout, a
+reset link, a refusal, an object in an archive storage class such as S3
+GLACIER, whose GetObject fails with InvalidObjectState) is read once more
+at the end of the listing. One still unreadable is listed as ucm-db's,
+present, with an unknown parent (``read_error`` says why): taken for absent,
+its children would be orphans, removed with the live chains under them; a
+run that stopped on it instead stopped on every run while the object was
+archived. :mod:`ucm_db.remote.gc` never removes it and holds what it may
+hang from.
 """
 
 from __future__ import annotations
@@ -43,7 +53,9 @@ _HEX = frozenset("0123456789abcdef")
 @dataclass
 class RemoteObjectInfo:
     """An object of ucm-db's layout: where, how big, how old, and its parent
-    from its envelope (``broken``: the envelope fails its checksum)."""
+    from its envelope (``broken``: the envelope fails its checksum;
+    ``read_error``: its head could not be read, twice, so its parent is
+    unknown: ``parent`` is None then, and says nothing)."""
 
     path: str
     key: bytes
@@ -51,6 +63,7 @@ class RemoteObjectInfo:
     mtime_s: float
     parent: bytes | None = None
     broken: bool = False
+    read_error: str | None = None
 
     @property
     def namespace_dir(self) -> str:
@@ -98,12 +111,14 @@ def _mtime_s(info: dict[str, Any]) -> float:
 
 def list_objects(root: RemoteRoot) -> RemoteListing:
     """ucm-db's objects and temp files under the root (see the module
-    docstring); reads each object's head (:data:`PROBE_BYTES`)."""
+    docstring); reads each object's head (:data:`PROBE_BYTES`), a head that
+    failed once more after the others (:func:`_read_head`)."""
     listing = root.list_namespaces()
     skipped = sum(1 for name in listing.stray if name not in ROOT_MARKERS)
     objects: list[RemoteObjectInfo] = []
     temps: list[tuple[str, float]] = []
     tombstones: list[tuple[str, float]] = []
+    failed: list[RemoteObjectInfo] = []
     for short_id in listing.entries:
         namespace_id = bytes.fromhex(short_id)
         if not _is_own_namespace(root, namespace_id, short_id):
@@ -125,14 +140,25 @@ def list_objects(root: RemoteRoot) -> RemoteListing:
             elif len(parts) == 2 and _is_hex(parts[0], 2) and tombstone_key(name) is not None and name[:2] == parts[0]:
                 tombstones.append((path, _mtime_s(info)))
             elif len(parts) == 2 and _is_hex(parts[0], 2) and _is_hex(name, 64) and name[:2] == parts[0]:
-                obj = _read_head(root, RemoteObjectInfo(path, bytes.fromhex(name), int(info.get("size", 0)), _mtime_s(info)))
-                if obj is None:
-                    skipped += 1
-                else:
-                    objects.append(obj)
+                candidate = RemoteObjectInfo(path, bytes.fromhex(name), int(info.get("size", 0)), _mtime_s(info))
+                try:
+                    obj = _read_head(root, candidate, last_try=False)
+                except Exception:  # noqa: BLE001 - any backend failure (botocore's are not all OSErrors): read again below
+                    failed.append(candidate)
+                    continue
+                skipped += not _keep(obj, objects)
             else:
                 skipped += 1
+    for candidate in failed:  # the link had the rest of the listing to recover
+        skipped += not _keep(_read_head(root, candidate), objects)
     return RemoteListing(objects, temps, skipped, tombstones)
+
+
+def _keep(obj: RemoteObjectInfo | None, objects: list[RemoteObjectInfo]) -> bool:
+    """Appends ``obj`` unless None (not ucm-db's); True when appended."""
+    if obj is not None:
+        objects.append(obj)
+    return obj is not None
 
 
 def _is_hex(name: str, length: int) -> bool:
@@ -154,17 +180,24 @@ def _is_own_namespace(root: RemoteRoot, namespace_id: bytes, short_id: str) -> b
     return isinstance(named, str) and named.startswith(short_id)
 
 
-def _read_head(root: RemoteRoot, obj: RemoteObjectInfo) -> RemoteObjectInfo | None:
+def _read_head(root: RemoteRoot, obj: RemoteObjectInfo, *, last_try: bool = True) -> RemoteObjectInfo | None:
     """``obj`` with its parent from its envelope (or marked broken); None when
     the file is not a ucm-db object (gone, not a regular file, or not
     starting with the object magic).
 
-    A read that fails (a timeout, a reset connection, EIO, a refusal) raises:
-    the object may be a live chain's, and taken for absent its children
-    would be orphans, removed with everything under them (an audit saw one
-    transient error remove a young conversation). gc then stops before
-    removing anything; a rerun once the remote answers collects."""
-    head = root.read_range(obj.path, 0, PROBE_BYTES)  # None: gone, or not a regular file (never opened)
+    A read that fails (a timeout, a reset connection, EIO, a refusal, an
+    archived object) raises unless ``last_try``; on the last try ``obj`` is
+    returned with ``read_error`` set and no parent: present, parent unknown.
+    Never absent: the object may be a live chain's, and taken for absent its
+    children would be orphans, removed with everything under them (an audit
+    saw one transient error remove a young conversation)."""
+    try:
+        head = root.read_range(obj.path, 0, PROBE_BYTES)  # None: gone, or not a regular file (never opened)
+    except Exception as exc:  # noqa: BLE001 - any backend failure (botocore's are not all OSErrors)
+        if not last_try:
+            raise
+        obj.parent, obj.read_error = None, f"{type(exc).__name__}: {exc}"[:200]
+        return obj
     if head is None or bytes(head[: len(OBJECT_MAGIC)]) != OBJECT_MAGIC:
         return None
     try:
@@ -180,25 +213,38 @@ def landed_parents(root: RemoteRoot, objects: list[RemoteObjectInfo], orphaned: 
     (listed objects whose parent is not in ``objects``) reach: each read
     like a listed object (its size and time, then its head), up its chain
     until a listed object, a chain's first block, an absent or a broken
-    object; at most :data:`MAX_LANDED`, each key read once."""
+    object; at most :data:`MAX_LANDED`, each key read once. A head that
+    fails is read once more when the others are done (then, still failing,
+    the object is present with an unknown parent, as in :func:`list_objects`)."""
     known = {o.key for o in objects}
     found: list[RemoteObjectInfo] = []
     todo = [(o.namespace_dir, o.parent) for o in orphaned if o.parent is not None]
-    while todo and len(found) < MAX_LANDED:
-        namespace_dir, key = todo.pop()
-        if key in known:
-            continue
-        known.add(key)
-        obj = _read_late(root, f"{namespace_dir}/{key[:1].hex()}/{key.hex()}", key)
+    failed: list[RemoteObjectInfo] = []
+    while (todo or failed) and len(found) < MAX_LANDED:
+        if todo:
+            namespace_dir, key = todo.pop()
+            if key in known:
+                continue
+            known.add(key)
+            candidate = _late_info(root, f"{namespace_dir}/{key[:1].hex()}/{key.hex()}", key)
+            if candidate is None:
+                continue
+            try:
+                obj = _read_head(root, candidate, last_try=False)
+            except Exception:  # noqa: BLE001 - any backend failure: read again once the others are done
+                failed.append(candidate)
+                continue
+        else:
+            obj = _read_head(root, failed.pop())
         if obj is not None:
             found.append(obj)
             if obj.parent is not None and not obj.broken:
-                todo.append((namespace_dir, obj.parent))
+                todo.append((obj.namespace_dir, obj.parent))
     return found
 
 
-def _read_late(root: RemoteRoot, path: str, key: bytes) -> RemoteObjectInfo | None:
-    """The object at ``path`` if one is there now (None: absent, or not ucm-db's)."""
+def _late_info(root: RemoteRoot, path: str, key: bytes) -> RemoteObjectInfo | None:
+    """The file at ``path`` if one is there now, its head unread (None: absent, or not a file)."""
     root.fs.invalidate_cache(path)  # the listing cached its directory without it
     try:
         info = root.fs.info(path)
@@ -206,7 +252,7 @@ def _read_late(root: RemoteRoot, path: str, key: bytes) -> RemoteObjectInfo | No
         return None
     if info.get("type") != "file":
         return None
-    return _read_head(root, RemoteObjectInfo(path, key, int(info.get("size", 0)), _mtime_s(info)))
+    return RemoteObjectInfo(path, key, int(info.get("size", 0)), _mtime_s(info))
 
 
 def stale_tombstones(root: RemoteRoot, tombstones: list[tuple[str, float]], now_s: float) -> list[str]:
@@ -232,21 +278,48 @@ def stale_tombstones(root: RemoteRoot, tombstones: list[tuple[str, float]], now_
     return stale
 
 
+def _protocols(root: RemoteRoot) -> tuple[str, ...]:
+    protocol = root.fs.protocol
+    return tuple(protocol) if isinstance(protocol, (tuple, list)) else (str(protocol),)
+
+
 def missing_bucket(root: RemoteRoot) -> str | None:
-    """The bucket an object-store root names when it does not exist, else
-    None (one request; none for a file system without buckets). A listing
-    of a missing bucket is empty: a typo in the URL ran as an empty remote
-    (gc: "0 objects", exit 0, run after run; warm: "0 namespaces match")."""
-    protocols = root.fs.protocol if isinstance(root.fs.protocol, (tuple, list)) else (root.fs.protocol,)
-    if not BUCKET_PROTOCOLS.intersection(protocols):
+    """The bucket an object-store root names when the store says it does
+    not exist, else None (none for a file system without buckets). A
+    listing of a missing bucket is empty: a typo in the URL ran as an empty
+    remote (gc: "0 objects", exit 0, run after run; warm: "0 namespaces
+    match").
+
+    Missing only on a definite "not found" (NoSuchBucket: FileNotFoundError)
+    from listing the bucket's top level (``ls``, a request per 1000 entries
+    there; an existing empty bucket lists as ``[]``). Any other failure
+    (credentials scoped to a prefix may list nothing else and may not ask
+    where the bucket is, a transient error) is no answer: the remote stays
+    what its listing said, empty. ``fs.exists`` was no test: s3fs answers
+    False on any error, and such credentials read as a missing bucket."""
+    if not BUCKET_PROTOCOLS.intersection(_protocols(root)):
         return None
     bucket = root.root.lstrip("/").split("/", 1)[0]
-    return bucket if bucket and not root.fs.exists(bucket) else None
+    if not bucket:
+        return None
+    try:
+        root.fs.ls(bucket, refresh=True)
+    except FileNotFoundError:
+        return bucket
+    except Exception:  # noqa: BLE001 - refused, timed out, botocore's own: not "missing"
+        return None
+    return None
 
 
-def require_bucket(root: RemoteRoot, url: str) -> None:
-    """Raises :class:`~ucm_db.errors.ConfigError` when ``url``'s bucket does not exist (:func:`missing_bucket`)."""
+def root_url(root: RemoteRoot) -> str:
+    """The root as a URL, with its scheme (``s3://bucket/prefix``)."""
+    return f"{_protocols(root)[0]}://{root.root}"
+
+
+def require_bucket(root: RemoteRoot, url: str | None = None) -> None:
+    """Raises :class:`~ucm_db.errors.ConfigError` when the bucket of ``url``
+    (default: the root's, :func:`root_url`) does not exist (:func:`missing_bucket`)."""
     bucket = missing_bucket(root)
     if bucket is not None:
-        raise ConfigError(f"remote {url}: bucket {bucket!r} does not exist",
+        raise ConfigError(f"remote {url or root_url(root)}: bucket {bucket!r} does not exist",
                           hint="check the bucket name in the URL, and the endpoint (--option endpoint_url) it is on")
