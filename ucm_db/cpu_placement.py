@@ -16,14 +16,20 @@ Invariants:
     * Nothing moves until :func:`set_background_cpus` names a non-empty set:
       by default threads keep the CPUs they inherit.
     * Placement never fails a thread: an affinity the OS refuses (a cpuset
-      that shrank, a platform without ``sched_setaffinity``) leaves the
-      thread where it was.
+      that shrank, a CPU number beyond the kernel's mask, a platform without
+      ``sched_setaffinity``) leaves the thread where it was. A value that is
+      no CPU number at all (negative, a bool, a str) is refused when named
+      (:func:`set_background_cpus`), not in every thread that starts later.
+    * CPUs outside the process's cpuset are never used: the kernel keeps a
+      thread's affinity inside its cgroup's cpuset (a set with none of
+      those CPUs is refused, leaving the thread where it was).
     * Threads already running stay where they are; only threads that start
       (or call :func:`place_current_thread`) afterwards move.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 from collections.abc import Iterable
@@ -34,10 +40,21 @@ _background_cpus: frozenset[int] = frozenset()
 
 def set_background_cpus(cpus: Iterable[int] | None) -> None:
     """CPUs for the store's background threads started from now on, in
-    this process (None or empty: where they are started, the default)."""
+    this process (None or empty: where they are started, the default).
+
+    Raises:
+        ValueError: an entry is not a CPU number (an int >= 0); the set
+            named before stays. (A plain ValueError: this module and
+            :mod:`ucm_db.errors` share the lowest layer.)
+    """
     global _background_cpus
+    named = list(cpus or ())
+    bad = [c for c in named if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0]
+    if bad:
+        raise ValueError(f"background CPUs are CPU numbers (ints >= 0), got {bad[0]!r}; "
+                         "name CPUs as os.sched_getaffinity returns them, e.g. {2, 3}")
     with _lock:
-        _background_cpus = frozenset(int(c) for c in cpus or ())
+        _background_cpus = frozenset(int(c) for c in named)
 
 
 def background_cpus() -> frozenset[int]:
@@ -53,7 +70,7 @@ def place_current_thread() -> None:
     if cpus and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, cpus)
-        except OSError:
+        except (OSError, ValueError, OverflowError):
             pass  # see the invariants: the thread stays where it was
 
 

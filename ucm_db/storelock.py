@@ -22,6 +22,14 @@ Invariants:
       so a power cut on a file system that keeps names only once their
       directory is synced (POSIX's promise) cannot take a store whose blocks
       were acknowledged durable.
+    * A store is created by one process at a time: the process that finds
+      no engine directory takes :func:`hold_creation` (an exclusive
+      ``flock`` on the store directory itself, never on the lock file the
+      holders share) and looks again before it creates one, so two
+      processes creating a store at once with different engines cannot
+      leave both engines' directories in it (each then ran its own store).
+      Where a directory cannot be locked (not listable by this user, no
+      ``flock`` on directories, e.g. NFS) creation goes on unserialised.
     * A read-only holder (``read_only=True``, a store on a read-only
       volume) creates nothing: it locks an existing lock file through a
       read-only descriptor (``flock`` needs no write access), and where
@@ -116,6 +124,47 @@ class StoreLock:
         self.release()
 
 
+class CreationLock:
+    """An exclusive ``flock`` on a store directory while its engine is chosen
+    and created (module invariants); :meth:`release` ends it (idempotent)."""
+
+    def __init__(self, path: Path, timeout_s: float) -> None:
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except PermissionError:
+            return  # a directory this user may not list: as before, creators not serialised
+        except OSError as exc:
+            raise os_error("open the store directory", path, exc) from exc
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    self.release()
+                    raise LockedError(f"another process has been creating the store at {path} for more than "
+                                      f"{timeout_s:.0f} s", hint="stop that process, or choose another store path")
+                time.sleep(_POLL_S)
+            except OSError:
+                # No flock on a directory here (NFS emulates flock with POSIX
+                # locks: EBADF on a read-only descriptor): as before, unserialised.
+                self.release()
+                return
+
+    def release(self) -> None:
+        """Ends the lock (closing its descriptor); again: nothing."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def hold_creation(path: str | os.PathLike[str], timeout_s: float = SHARED_WAIT_S) -> CreationLock:
+    """Serialises the processes creating the store at ``path`` (module invariants)."""
+    return CreationLock(Path(path), timeout_s)
+
+
 def os_error(what: str, path: Path, exc: OSError) -> TierError:
     """A TierError for an OSError while creating or opening ``path``."""
     code = exc.errno
@@ -197,12 +246,58 @@ def hold_shared(path: str | os.PathLike[str], timeout_s: float = SHARED_WAIT_S, 
 
 def holders(path: str | os.PathLike[str]) -> list[int]:
     """Pids holding or waiting for the lock of the store at ``path``
-    (Linux ``/proc/locks``; empty where that is unavailable)."""
+    (Linux ``/proc/locks``; empty where that is unavailable).
+
+    ``/proc/locks`` names the process that *took* a lock, which may have
+    exited since while a process it forked holds the lock on (a shared
+    descriptor), and its pid may now be another program's. A listed pid
+    without the lock file open is replaced by the processes that have it
+    open (a scan of ``/proc/*/fd``, only then)."""
     try:
-        inode = os.stat(Path(path) / LOCK_FILE).st_ino
+        stat = os.stat(Path(path) / LOCK_FILE)
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
         return []
+    listed = _listed(lines, stat.st_ino)
+    file_id = (stat.st_dev, stat.st_ino)
+    verified = [pid for pid in listed if _has_open(pid, file_id) is not False]
+    if len(verified) < len(listed):
+        verified = sorted(set(verified) | set(_openers(file_id)))
+    return verified
+
+
+def _has_open(pid: int, file_id: tuple[int, int]) -> bool | None:
+    """Whether process ``pid`` has the file ``file_id`` (st_dev, st_ino)
+    open; None where its descriptors cannot be read (another user's)."""
+    try:
+        with os.scandir(f"/proc/{pid}/fd") as fds:
+            for fd in fds:
+                try:
+                    if not os.readlink(fd.path).endswith(LOCK_FILE):
+                        continue  # the link's text first: stat lock files only, never one on a hung NFS mount
+                    found = os.stat(fd.path)
+                except OSError:
+                    continue
+                if (found.st_dev, found.st_ino) == file_id:
+                    return True
+    except PermissionError:
+        return None
+    except OSError:
+        return False  # exited
+    return False
+
+
+def _openers(file_id: tuple[int, int]) -> list[int]:
+    """Every process with the file ``file_id`` open (readable ones only)."""
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+    return [pid for pid in pids if _has_open(pid, file_id)]
+
+
+def _listed(lines: list[str], inode: int) -> list[int]:
+    """Pids of the FLOCK lines of ``/proc/locks`` on inode ``inode``."""
     pids: set[int] = set()
     for line in lines:
         parts = line.split()

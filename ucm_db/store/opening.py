@@ -5,6 +5,11 @@ Invariants:
     * Nothing is created before the arguments are checked: a bad path, an
       unknown option, a bad remote key or an engine that conflicts with the
       store on disk is refused first.
+    * A new store is created by one process at a time
+      (:func:`ucm_db.storelock.hold_creation`), which looks for an engine
+      again under that lock: two processes creating one store with
+      different engines leave one engine, the other process adopting it or
+      refused (an explicit other ``engine``: ConfigError).
     * A read-only open never creates a store (an absent one is a TierError).
       A writable one makes the names of the store and its engine directory
       durable before it returns (:func:`ucm_db.storelock.sync_store_names`).
@@ -54,8 +59,8 @@ from ucm_db.format import (
     check_format_version, check_persisted_settings, detect_engine, engine_for_config, engine_shape, open_records,
     seal_format_records,
 )
-from ucm_db.storelock import StoreLock, ensure_store_dir, hold_shared, sync_store_names
-from ucm_db.store.path import detect_engine_checked, permission_error, store_path
+from ucm_db.storelock import CreationLock, StoreLock, ensure_store_dir, hold_creation, hold_shared, sync_store_names
+from ucm_db.store.path import detect_engine_checked, permission_error, refuse_enclosing, store_path
 from ucm_db.index.accounting import seal_records
 from ucm_db.engines.base import Engine
 from ucm_db.index import changefeed
@@ -87,16 +92,7 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
     auth_keys = load_keys(checked.remote_auth_key_file, checked.remote_auth_key_env)  # a bad key: before anything opens
     sealing_keys = load_sealing_keys(checked.remote_encryption_key_file, checked.remote_encryption_key_env)
     existing = detect_engine_checked(path)
-    if "engine" not in explicit:
-        if existing is not None:
-            explicit["engine"] = existing
-    elif existing is not None and explicit["engine"] != existing:
-        # Opening with another engine would start a second, empty store
-        # beside this one and miss everything stored.
-        raise ConfigError(
-            f"engine={explicit['engine']!r} conflicts with the store at {path}, which is a {existing} store",
-            hint=f"omit engine (or pass engine={existing!r}) to open it, or use a new store path for another engine",
-        )
+    choose_engine(explicit, existing, path)
     read_only = explicit.get("read_only") is True
     if read_only and existing is None:
         raise TierError(
@@ -104,19 +100,29 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
             hint="check the path (a read-only open never creates a store), or open it writable once to create it",
         )
     if not read_only:
+        if existing is None:
+            refuse_enclosing(path)  # a new store around an existing one: ConfigError, nothing created
         ensure_store_dir(path)  # a file or a read-only volume is a TierError with the fix
     # Keeps compact/migrate from rewriting files under us (read-only: creating nothing).
     dir_lock = hold_shared(path, read_only=read_only)
-    config = StoreConfig.from_dict(explicit)
-    # The durability is not known before the records are read: the first
-    # engine of an existing store is a sync one (module invariants).
-    opened_as_recorded = read_only or existing is None
-    first = config if opened_as_recorded else replace(config, durability="sync")
+    creation: CreationLock | None = None
     engine: Engine | None = None
     try:
+        if existing is None and not read_only:
+            # A new store: one creator at a time, each looking again (storelock's invariants).
+            creation = hold_creation(path)
+            existing = detect_engine_checked(path)
+            choose_engine(explicit, existing, path)
+        config = StoreConfig.from_dict(explicit)
+        # The durability is not known before the records are read: the first
+        # engine of an existing store is a sync one (module invariants).
+        opened_as_recorded = read_only or existing is None
+        first = config if opened_as_recorded else replace(config, durability="sync")
         engine = engine_for_config(path, first)
         tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
         config = adopt_settings(engine, config, explicit, path)
+        if creation is not None:
+            creation.release()  # the engine's directory and the store's records exist now
         if not read_only and engine_shape(config) != engine_shape(first):
             engine = reopened(engine, path, config)
             tier = LocalTier(engine, capacity_bytes=config.capacity_bytes)
@@ -136,12 +142,29 @@ def open_store(path: str | os.PathLike[str], options: Mapping[str, Any]) -> Open
         # e.g. `migrate` in this same process can take it.
         if engine is not None:
             engine.close()
+        if creation is not None:
+            creation.release()
         dir_lock.release()
         if isinstance(exc, PermissionError):  # e.g. an unreadable data file, read-only open included
             raise permission_error(path, exc) from exc
         raise
     tier.capacity_bytes = config.capacity_bytes
     return OpenedStore(path, config, engine, tier, dir_lock, auth_keys, sealing_keys)
+
+
+def choose_engine(explicit: dict[str, Any], existing: str | None, path: Path) -> None:
+    """Sets ``explicit["engine"]`` to the store's engine ``existing`` where
+    none was asked for; an asked-for engine that differs is a ConfigError."""
+    if "engine" not in explicit:
+        if existing is not None:
+            explicit["engine"] = existing
+    elif existing is not None and explicit["engine"] != existing:
+        # Opening with another engine would start a second, empty store
+        # beside this one and miss everything stored.
+        raise ConfigError(
+            f"engine={explicit['engine']!r} conflicts with the store at {path}, which is a {existing} store",
+            hint=f"omit engine (or pass engine={existing!r}) to open it, or use a new store path for another engine",
+        )
 
 
 def restart_feed_after_rollback(engine: Engine, path: Path) -> None:

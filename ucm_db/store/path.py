@@ -4,12 +4,22 @@ created, and the permission failures of an open named with their fix.
 Invariants:
     * A refused path creates nothing: every check here runs before the
       store directory, its lock file or its engine is touched.
+    * The path a store keeps is absolute with its symlinks resolved, taken
+      once at open: a later ``chdir`` or a symlink swapped to another store
+      never moves an open store's files onto another directory (the
+      engines look their files up again by name, e.g. LMDB's meta pages).
     * Refused: a path that is not ``str`` or ``os.PathLike[str]`` (bytes,
-      None), the empty string (it would be the current directory), a name
-      over the file system's length limit, and a path inside another store
-      (an ancestor directory holds a store's lock file and engine
-      directory), e.g. ``STORE/lmdb``, which would nest a second store in
-      the first one's files.
+      None), the empty string (it would be the current directory), a NUL
+      character, a path through a symlink to nothing (a loop, or a
+      target not there: a disk not mounted), a ``~`` path with nothing there (not expanded: it would
+      create a directory named ``~`` in the working directory), a name that is not UTF-8 (the engines take their paths as
+      UTF-8), a name over the file system's length limit, a whole path
+      without room for the store's own files below it, a path inside
+      another store (an ancestor directory holds a store's lock file and
+      engine directory), e.g. ``STORE/lmdb``, which would nest a second
+      store in the first one's files, and a new store in a directory whose
+      entries include a store (:func:`refuse_enclosing`: that store would
+      then lie inside the new one, and be refused).
     * A ``PermissionError`` while opening the store is a
       :class:`~ucm_db.errors.TierError` naming the path and the access it
       needs (:func:`permission_error`), read-only opens included.
@@ -28,6 +38,10 @@ from ucm_db.storelock import LOCK_FILE
 #: Used where the file system does not say (``pathconf``); Linux's value.
 DEFAULT_NAME_MAX_BYTES = 255
 DEFAULT_PATH_MAX_BYTES = 4096
+#: Room a store path leaves for the names inside the store (the longest,
+#: e.g. ``rocksdb/OPTIONS-000007.dbtmp`` or ``lmdb/synced-snapshot.<id>``,
+#: is under 64 bytes; the rest is margin for engine versions).
+INNER_NAMES_BYTES = 128
 
 
 def store_path(path: Any) -> Path:
@@ -41,10 +55,54 @@ def store_path(path: Any) -> Path:
         )
     if not raw:
         raise ConfigError("the store path is empty", hint="pass the store's directory; '.' for the current directory")
-    result = Path(raw)
+    if "\0" in raw:
+        raise ConfigError(f"the store path {raw[:40]!r} holds a NUL character, which no file name can",
+                          hint="pass the store directory's path without NUL characters")
+    _check_utf8(raw)
+    if raw.startswith("~") and not os.path.lexists(raw):
+        # Not expanded (as open() does not): it would create a directory named "~" here.
+        raise ConfigError(f"the store path {raw[:60]!r} starts with '~', which ucm_db.open does not expand",
+                          hint="write the home directory out (os.path.expanduser(path); in a shell, leave ~ unquoted), "
+                          "or prefix './' for a directory really named so")
+    _refuse_dangling(raw)
+    result = Path(os.path.realpath(raw))  # absolute, symlinks resolved: see the module invariants
     _check_name_lengths(result)
     _refuse_nested(result)
     return result
+
+
+def _refuse_dangling(raw: str) -> None:
+    """A ConfigError where the nearest existing name on ``raw`` is a symlink
+    to nothing (a loop, or a target not there: e.g. a disk not mounted,
+    where creating the target's directories would put the store elsewhere)."""
+    nearest = os.path.abspath(raw)
+    while not os.path.lexists(nearest) and os.path.dirname(nearest) != nearest:
+        nearest = os.path.dirname(nearest)
+    if os.path.islink(nearest) and not os.path.exists(nearest):
+        raise ConfigError(
+            f"the store path {raw[:200]} goes through the symbolic link {nearest[:200]} -> "
+            f"{os.readlink(nearest)[:200]}, which leads nowhere (a loop, or a target that does not exist)",
+            hint="create the link's target (or mount its file system) first, or point the link at a directory",
+        )
+
+
+def _check_utf8(raw: str) -> None:
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        name = next(part for part in Path(raw).parts if _undecodable(part))
+        raise ConfigError(
+            f"the store path has a name that is not UTF-8: {os.fsencode(name)[:60]!r}",
+            hint="rename that directory to a UTF-8 name, or choose another store path",
+        ) from exc
+
+
+def _undecodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def _check_name_lengths(path: Path) -> None:
@@ -57,10 +115,11 @@ def _check_name_lengths(path: Path) -> None:
             f"this file system allows {name_max}",
             hint=f"use directory names of at most {name_max} bytes",
         )
-    if len(absolute) > path_max:
+    if len(absolute) + INNER_NAMES_BYTES > path_max:
         raise ConfigError(
-            f"the store path is {len(absolute)} bytes long; this file system allows {path_max} for a whole path",
-            hint="choose a shorter store path",
+            f"the store path is {len(absolute)} bytes long; this file system allows {path_max} for a whole path, "
+            f"and the store's own files need {INNER_NAMES_BYTES} of them",
+            hint=f"choose a shorter store path (at most {path_max - INNER_NAMES_BYTES} bytes)",
         )
 
 
@@ -81,6 +140,23 @@ def _refuse_nested(path: Path) -> None:
             f"the store path {path} lies inside the ucm-db store at {ancestor}; a store there would be written "
             "among that store's own files",
             hint=f"open {ancestor} itself, or choose a path outside it",
+        )
+
+
+def refuse_enclosing(path: Path) -> None:
+    """A :class:`ConfigError` where a *new* store at ``path`` would enclose a
+    store among ``path``'s entries (one level: a listing, no tree walk),
+    e.g. opening ``~/.cache`` instead of ``~/.cache/ucm-db``."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return  # absent (the usual case), or unreadable: the open reports what it meets
+    inner = next((Path(e.path) for e in entries if e.is_dir(follow_symlinks=False) and _is_store(Path(e.path))), None)
+    if inner is not None:
+        raise ConfigError(
+            f"the store path {path} holds the ucm-db store at {inner}; a new store at {path} would put that one "
+            "inside it, where it could no longer be opened",
+            hint=f"open {inner} itself, or choose a new directory for the new store",
         )
 
 
