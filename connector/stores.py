@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -37,7 +38,7 @@ from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.committer import CommitProcess
-from ucm_db.errors import TierError
+from ucm_db.errors import ConfigError, TierError
 from ucm_db.maintenance import pre_unit_namespaces, pre_unit_refusal
 
 _lock = threading.Lock()
@@ -110,15 +111,21 @@ def store_is_read_only(path: Path) -> bool:
     this process (a read-only volume, or no write permission).
 
     Raises:
+        ConfigError: a name in ``path`` is too long for the file system
+            (the path is the user's input, as ``ucm_db.open`` says).
         TierError: ``path`` cannot be looked at (a parent directory this
-            user may not enter, a name too long): Python 3.11's
-            ``is_dir`` raises those, and a raw OSError would stop the
-            start without the connector's one "cannot start" line.
+            user may not enter): Python 3.11's ``is_dir`` raises that, and
+            a raw OSError would stop the start without the connector's one
+            "cannot start" line.
     """
     path = path.expanduser()
     try:
         return path.is_dir() and not os.access(path, os.W_OK)
     except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            longest = max(len(os.fsencode(part)) for part in path.parts)
+            raise ConfigError(f"the store path {str(path)[:80]!r} has a name of {longest} bytes, too long for the file system",
+                              hint="choose a path whose every name is at most 255 bytes") from exc
         raise TierError(f"cannot look at the store path {path}: {exc.strerror or exc}",
                         hint="give the service user search (x) permission on every directory above it, or choose another path") from exc
 

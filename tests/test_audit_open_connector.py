@@ -2,13 +2,9 @@
 
 A store path with a name over the file system's limit (255 bytes) is the
 user's input, so it is a ConfigError naming the fix -- what ``ucm_db.open``
-and the CLI raise (docs/api.md). Through the connector it is a TierError:
+and the CLI raise (docs/api.md), and the connector too (it was a TierError:
 ``connector/stores.py``'s ``store_is_read_only`` runs ``Path.is_dir`` on the
-path first, and Python 3.11 raises ENAMETOOLONG from it, which that function
-wraps as TierError before the core's path check runs (docs/connector.md
-documents the TierError; tests/connector/test_settings_hostile.py asserts
-it). The fix belongs in connector/stores.py (ENAMETOOLONG -> ConfigError, or
-let ``ucm_db.open`` check the path first), with those two files updated."""
+path first, and Python 3.11 raises ENAMETOOLONG from it)."""
 
 from __future__ import annotations
 
@@ -26,9 +22,6 @@ def test_the_core_names_a_too_long_name_a_config_error(tmp_path: Path) -> None:
     assert "255" in raised.value.hint
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="connector/stores.py store_is_read_only wraps ENAMETOOLONG from Path.is_dir as TierError "
-                          "before the core's ConfigError check")
 def test_the_connector_names_a_too_long_name_a_config_error_too(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from ucm_db.connector.stores import check_openable, role_settings
