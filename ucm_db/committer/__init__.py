@@ -28,17 +28,24 @@ Invariants:
       checked here and again in the child before any view is taken): one
       outside is a :class:`~ucm_db.errors.ConfigError` and nothing is stored.
     * One request in flight at a time (a lock): the child answers in order.
-      Writing a message takes a second lock of its own, so :meth:`share`
-      (a model thread taking a new staging buffer) never waits for a commit
-      under way: the child reads its map after answering that commit, and
-      before any request that names the buffer, which can only be sent
-      after :meth:`share` returned.
+      Writing a message takes a second lock of its own.
+    * :meth:`share` (a model thread taking a staging buffer) never blocks
+      on the child: it writes the MAP only if the write lock is free and
+      the socket takes it at once, else the next request writes it before
+      itself (a stopped or slow child blocked the model's thread once ~140
+      MAPs filled the socket).
+    * Nothing waits on the child for ever: a reply or write not done in
+      :data:`REPLY_TIMEOUT_S` gives the child up (killed and reaped before
+      the request raises: it never reads a buffer reused after), and
+      :meth:`close` writes CLOSE only if the socket takes it at once.
     * The child gone (killed, crashed, its socket closed): every later
       request raises :class:`~ucm_db.errors.CommitProcessError` at once; a
       request it had not answered may or may not have committed (as any
       put cut by a crash), never partly.
     * The child dies with the caller: it exits when the socket's other end
-      closes, which the kernel does when the caller exits or is killed.
+      closes, which the kernel does when the caller exits or is killed, or
+      when it finds itself re-parented (a process the caller forked holds
+      the socket open: :data:`ucm_db.committer.child.PARENT_CHECK_S`).
     * A buffer the caller drops is unmapped in the child before the next
       request (:meth:`SharedBuffer` finalizer, flushed under the lock): never
       while a request may read it, since the caller drops a buffer only after
@@ -51,6 +58,8 @@ Invariants:
       ``mmap`` unmaps before it runs its finalizers (with the GIL released),
       :meth:`locate` takes the newest buffer that holds the bytes: an older
       one overlapping it was unmapped before the newer could be mapped there.
+      Nor does it name one whose mapping is gone (a weak reference, dead
+      before the unmap): plain memory mapped in that window is no buffer's.
 """
 
 from __future__ import annotations
@@ -73,25 +82,32 @@ from typing import Any
 
 from ucm_db import cpu_placement
 from ucm_db.committer import wire
+from ucm_db.committer.wire import check_units
 from ucm_db.errors import CommitProcessError, ConfigError
 from ucm_db.events import BlockEventFields, pack_event_fields
 from ucm_db.keys import BlockKeys, Namespace
 
-__all__ = ["CommitProcess", "Committed", "SharedBuffer", "SharedChain"]
+__all__ = ["CommitProcess", "Committed", "SharedBuffer", "SharedChain", "check_units"]
 
 #: Longest the child may take to open the store (a page walk at open: 1-2 s a million records).
 OPEN_TIMEOUT_S = 120.0
 #: Longest :meth:`CommitProcess.close` waits for the child to finish and exit before killing it.
 CLOSE_TIMEOUT_S = 60.0
+#: Longest a request waits for its reply (or to be written) before the child
+#: counts as gone: far past any commit (a round is at most a few MiB; a
+#: whole prompt's job, GiBs, commits at disk speed), short of a hang.
+REPLY_TIMEOUT_S = 300.0
 _ids = itertools.count(1)
 
 
-def _forget(buffers: dict[int, tuple[int, int]], forgotten: collections.deque[int], buffer_id: int) -> None:
+def _forget(buffers: dict[int, tuple[int, int]], forgotten: collections.deque[int], buffer_id: int,
+            mappings: dict[int, weakref.ref[mmap.mmap]]) -> None:
     """A dropped buffer's finalizer: out of :meth:`CommitProcess.locate`'s
     sight at once, unmapped in the child at the next request. Runs on
     whichever thread drops the buffer, maybe inside a lock of the
     process's: a dict pop and a deque append, no lock taken."""
     buffers.pop(buffer_id, None)
+    mappings.pop(buffer_id, None)
     forgotten.append(buffer_id)
 
 
@@ -122,31 +138,6 @@ class SharedChain:
     offset: int
     stride_bytes: int
     unit_bytes: int
-
-
-def check_units(at: int, n_units: int, buffer_id: int, buffer_nbytes: int, offset: Any, stride_bytes: Any, unit_bytes: Any) -> None:
-    """Refuses chain ``at`` unless each of its ``n_units`` units lies whole
-    inside its buffer: ``unit_bytes > 0``, ``offset >= 0``, ``stride_bytes
-    >= unit_bytes`` (equal: units back to back) and the last unit's end
-    within ``buffer_nbytes``. Checked by the caller and again by the child
-    before it takes a view: its slices, Python's, stored a unit past the
-    end as a short or empty block and read a negative offset from the end
-    (another unit's bytes under this key).
-
-    Raises:
-        ConfigError: naming the chain and what is wrong (nothing stored).
-    """
-    hint = "name units inside the shared buffer: SharedChain(keys, buffer.id, offset, stride_bytes, unit_bytes)"
-    for name, value in (("offset", offset), ("stride_bytes", stride_bytes), ("unit_bytes", unit_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"chain {at}: {name} must be an int, got {type(value).__name__}", hint=hint)
-    if unit_bytes <= 0 or offset < 0 or stride_bytes < unit_bytes:
-        raise ConfigError(f"chain {at}: unit_bytes {unit_bytes}, offset {offset}, stride_bytes {stride_bytes}: a unit must have"
-                          " bytes, start at offset >= 0 and the stride be at least unit_bytes", hint=hint)
-    end = offset + (n_units - 1) * stride_bytes + unit_bytes
-    if n_units and end > buffer_nbytes:
-        raise ConfigError(f"chain {at}: its {n_units} units end at byte {end}, past the {buffer_nbytes} bytes of buffer {buffer_id}",
-                          hint=hint)
 
 
 @dataclass(frozen=True)
@@ -180,13 +171,15 @@ class CommitProcess:
         self._lock = threading.Lock()  # one request and its reply at a time
         self._send_lock = threading.Lock()  # one message written at a time; taken inside _lock, never around it
         self._forgotten: collections.deque[int] = collections.deque()
+        self._unsent: collections.deque[tuple[int, int, int]] = collections.deque()  # MAPs share() could not write at once: (id, nbytes, fd)
         self._buffers: dict[int, tuple[int, int]] = {}  # id -> (address, nbytes), in share order, until dropped
+        self._mappings: dict[int, weakref.ref[mmap.mmap]] = {}  # id -> its memory, while listed in _buffers
         self._gone: str | None = None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "ucm_db.committer.child", str(theirs.fileno())],
+                [sys.executable, "-P", "-m", "ucm_db.committer.child", str(theirs.fileno())],  # -P: not a ucm_db in the cwd
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
         except OSError as exc:
             ours.close()
@@ -200,13 +193,16 @@ class CommitProcess:
             self._sock.settimeout(OPEN_TIMEOUT_S)
             wire.send(self._sock, wire.OPEN, opening)
             reply = wire.receive_reply(self._sock)
-            self._sock.settimeout(None)
+            self._sock.settimeout(REPLY_TIMEOUT_S)
         except (OSError, ConnectionError) as exc:
             self._abandon(f"the commit process did not answer its open: {exc}")
             self._sock.close()
             raise CommitProcessError(self._gone or "") from exc
-        if reply.status != wire.OK:
-            self._abandon(f"the commit process could not open the store: {reply.message}")
+        problem = None if reply.status == wire.OK else f"could not open the store: {reply.message}"
+        if problem is None and reply.message != wire.IDENTITY:  # another version's child: its messages may mean other things
+            problem = f"runs other ucm-db code ({reply.message or 'an older version'}) than this process ({wire.IDENTITY})"
+        if problem is not None:
+            self._abandon(f"the commit process {problem}")
             self._sock.close()
             raise CommitProcessError(self._gone or "")
 
@@ -225,19 +221,37 @@ class CommitProcess:
         return self._gone
 
     def share(self, nbytes: int) -> SharedBuffer:
-        """A new buffer of ``nbytes``, mapped in the child before this returns."""
-        fd = os.memfd_create("ucm-db-staging", os.MFD_CLOEXEC)
+        """A new buffer of ``nbytes``, mapped in the child before any request
+        that names it; never waits on the child (module invariants).
+
+        Raises:
+            CommitProcessError: the child is gone, or no shared memory could
+                be made (stage in plain memory: that round commits here).
+        """
+        self._check()
+        try:
+            fd = os.memfd_create("ucm-db-staging", os.MFD_CLOEXEC)
+        except OSError as exc:
+            raise CommitProcessError(f"no shared buffer of {nbytes} bytes: {exc}") from exc
         try:
             os.ftruncate(fd, nbytes)
             memory = mmap.mmap(fd, nbytes)
-            buffer = SharedBuffer(next(_ids), memory, nbytes)
-            with self._send_lock:
-                self._check()
-                self._guard(lambda: wire.send_json(self._sock, wire.MAP, {"id": buffer.id, "nbytes": nbytes}, fd))
-                self._buffers[buffer.id] = (buffer.address, nbytes)
-        finally:
+        except OSError as exc:
             os.close(fd)
-        weakref.finalize(memory, _forget, self._buffers, self._forgotten, buffer.id)
+            raise CommitProcessError(f"no shared buffer of {nbytes} bytes: {exc}") from exc
+        buffer = SharedBuffer(next(_ids), memory, nbytes)
+        self._unsent.append((buffer.id, nbytes, fd))
+        if self._send_lock.acquire(blocking=False):  # held by a write under way: the next request writes this MAP
+            try:
+                if self._gone is None:
+                    self._send_maps(wait=False)
+            finally:
+                self._send_lock.release()
+        if self._gone is not None:
+            self._drop_unsent()
+        self._mappings[buffer.id] = weakref.ref(memory)
+        self._buffers[buffer.id] = (buffer.address, nbytes)
+        weakref.finalize(memory, _forget, self._buffers, self._forgotten, buffer.id, self._mappings)
         return buffer
 
     def locate(self, address: int, nbytes: int) -> tuple[int, int] | None:
@@ -246,7 +260,9 @@ class CommitProcess:
         newest match wins (module invariants: an older one is unmapped)."""
         for buffer_id, (start, size) in reversed(self._buffers.copy().items()):  # a copy: finalizers pop from it
             if start <= address and address + nbytes <= start + size:
-                return buffer_id, address - start
+                mapping = self._mappings.get(buffer_id)
+                # Dead from its dealloc on, before its unmap; its finalizer runs only after (GIL released between).
+                return (buffer_id, address - start) if mapping is not None and mapping() is not None else None
         return None
 
     def put_segments(self, namespace: Namespace, chains: Sequence[SharedChain], *, codec_name: str | None = None,
@@ -286,7 +302,10 @@ class CommitProcess:
         with self._lock:
             with self._send_lock:
                 self._check()
-                self._flush_forgotten()
+                forgotten = self._take_forgotten()  # before the MAPs: a FORGET never precedes its buffer's MAP
+                self._send_maps(wait=True)
+                if forgotten:
+                    self._guard(lambda: wire.send_json(self._sock, wire.FORGET, {"ids": forgotten}))
                 self._guard(lambda: wire.send_json(self._sock, op, body))
             reply = self._guard(lambda: wire.receive_reply(self._sock))
         if reply.status == wire.OK:
@@ -306,23 +325,41 @@ class CommitProcess:
         if self._gone is not None:
             raise CommitProcessError(self._gone)
 
-    def _flush_forgotten(self) -> None:
-        """Unmaps, in the child, the buffers the caller dropped (under the send lock)."""
+    def _take_forgotten(self) -> list[int]:
+        """The buffers the caller dropped since the last request (their FORGET to write)."""
         ids = []
         while self._forgotten:
             ids.append(self._forgotten.popleft())
-        if ids:
-            self._guard(lambda: wire.send_json(self._sock, wire.FORGET, {"ids": ids}))
+        return ids
+
+    def _send_maps(self, *, wait: bool) -> None:
+        """Writes the MAPs not yet written, in order (under the send lock);
+        ``wait=False``: only while the socket takes one at once."""
+        while self._unsent and (wait or wire.writable_now(self._sock)):
+            buffer_id, nbytes, fd = self._unsent.popleft()
+            try:
+                self._guard(lambda: wire.send_json(self._sock, wire.MAP, {"id": buffer_id, "nbytes": nbytes}, fd))
+            finally:
+                os.close(fd)
+
+    def _drop_unsent(self) -> None:
+        while self._unsent:
+            try:
+                os.close(self._unsent.popleft()[2])
+            except (IndexError, OSError):
+                pass
 
     def close(self) -> None:
         """Asks the child to finish and exit (it closes the store); waits for it (idempotent)."""
         with self._lock, self._send_lock:
             if self._gone is None:
                 try:
-                    wire.send(self._sock, wire.CLOSE)
+                    if wire.writable_now(self._sock):  # else its EOF says the same, once it reads (or the wait below ends it)
+                        wire.send(self._sock, wire.CLOSE)
                 except OSError:
                     pass
                 self._gone = "the commit process was closed"
+            self._drop_unsent()
             self._sock.close()
         try:
             self._process.wait(timeout=CLOSE_TIMEOUT_S)
@@ -342,6 +379,7 @@ class CommitProcess:
         if self._process.poll() is None:
             self._process.kill()  # a commit it was running is cut as by a crash: all or nothing
         self._process.wait()
+        self._drop_unsent()
 
     def __enter__(self) -> CommitProcess:
         return self

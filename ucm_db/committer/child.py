@@ -17,9 +17,11 @@ Invariants:
       a ConfigError, nothing stored); no view of a buffer outlives its request, so a
       :data:`~ucm_db.committer.wire.FORGET` can unmap it at once.
     * A failed request is answered (its status and text) and the loop goes
-      on; only the socket's end (the parent closed it, or died) or
-      :data:`~ucm_db.committer.wire.CLOSE` ends the process, after closing
-      the store.
+      on; only the socket's end (the parent closed it, or died),
+      :data:`~ucm_db.committer.wire.CLOSE`, or the parent's death seen
+      while idle (checked every :data:`PARENT_CHECK_S`: a process forked
+      from the parent holds the socket open after it died) ends the
+      process, after closing the store.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import select
 import socket
 import sys
 import time
@@ -40,15 +43,24 @@ from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
 from ucm_db.events import BlockEventFields
 from ucm_db.keys import BlockKeys, Namespace
 
+#: How often an idle child checks that its parent still lives.
+PARENT_CHECK_S = 2.0
 
-def serve(sock: socket.socket) -> None:
-    """Answers the parent until it closes the socket or says :data:`~wire.CLOSE`."""
+
+def serve(sock: socket.socket, parent_pid: int) -> None:
+    """Answers the parent until it closes the socket, says :data:`~wire.CLOSE`
+    or is gone (this process's parent no longer ``parent_pid``)."""
     store = _open(sock)
     if store is None:
         return
     buffers: dict[int, mmap.mmap] = {}
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
     with store:
         while True:
+            while not poller.poll(PARENT_CHECK_S * 1000):
+                if os.getppid() != parent_pid:  # re-parented: the caller died, a process it forked keeps the socket open
+                    return
             try:
                 op, payload, fds = wire.receive(sock)
             except (ConnectionError, OSError):
@@ -68,7 +80,7 @@ def serve(sock: socket.socket) -> None:
                         except BufferError:
                             pass  # a view still alive: unmapped when it goes
             elif op in (wire.PUT, wire.DELETE):
-                wire.send_reply(sock, _answer(store, buffers, op, json.loads(payload)))
+                wire.send_reply(sock, _answer(store, buffers, op, payload))
 
 
 def _open(sock: socket.socket) -> ucm_db.Store | None:
@@ -82,13 +94,14 @@ def _open(sock: socket.socket) -> ucm_db.Store | None:
     except (UcmDbError, OSError, TypeError, ValueError) as exc:
         wire.send_reply(sock, wire.Reply(wire.FAILED, 0.0, 0.0, f"{type(exc).__name__}: {exc}"))
         return None
-    wire.send_reply(sock, wire.Reply(wire.OK, 0.0, 0.0))
+    wire.send_reply(sock, wire.Reply(wire.OK, 0.0, 0.0, wire.IDENTITY))  # the parent refuses a child not its own version
     return store
 
 
-def _answer(store: ucm_db.Store, buffers: dict[int, mmap.mmap], op: int, body: dict[str, Any]) -> wire.Reply:
+def _answer(store: ucm_db.Store, buffers: dict[int, mmap.mmap], op: int, payload: bytes) -> wire.Reply:
     started_s, started_cpu_s = time.perf_counter(), time.thread_time()
     try:
+        body = json.loads(payload)  # here: a request that is not this version's JSON is answered, not the child's end
         namespace = Namespace.from_dict(body["ns"])
         if op == wire.PUT:
             stored = _put(store, buffers, namespace, body).stored_keys
@@ -138,12 +151,13 @@ def _put(store: ucm_db.Store, buffers: dict[int, mmap.mmap], namespace: Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent_pid = os.getppid()
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not args[0].isdigit():
         print("usage: python -m ucm_db.committer.child FD (started by ucm_db.committer.CommitProcess)", file=sys.stderr)
         return 2
     with socket.socket(fileno=int(args[0])) as sock:
-        serve(sock)
+        serve(sock, parent_pid)
     return 0
 
 

@@ -13,6 +13,9 @@ Invariants:
       gets exactly one, in request order; :data:`MAP`, :data:`FORGET` and
       :data:`CLOSE` get none. A put's :data:`OK` names the keys it stored
       (:func:`pack_stored_keys`).
+    * The child answers its :data:`OPEN` with its :data:`IDENTITY`; the
+      parent sends nothing else to a child whose identity is not its own
+      (another ucm-db version, or a ``ucm_db`` found elsewhere).
     * A short read (the peer gone) raises :class:`ConnectionError`; the
       caller decides what that means (the child exits, the parent falls
       back to committing itself).
@@ -22,12 +25,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ucm_db import errors
+from ucm_db.errors import ConfigError
+from ucm_db.version import __version__
 
 OPEN, MAP, FORGET, PUT, DELETE, CLOSE = 1, 2, 3, 4, 5, 6
 #: Reply statuses: the put or delete committed; it raised MissingAncestorError;
@@ -35,6 +42,10 @@ OPEN, MAP, FORGET, PUT, DELETE, CLOSE = 1, 2, 3, 4, 5, 6
 #: :func:`pack_error`'s JSON: the parent raises the same public error class
 #: with the same message and hint (:func:`unpack_error`).
 OK, MISSING_ANCESTOR, STORE_FULL, FAILED = 0, 1, 2, 3
+#: The messages' version: raised with any change of their layout or meaning.
+VERSION = 1
+#: What a child answers its OPEN with: the messages' version, ucm-db's, and where this module lies.
+IDENTITY = json.dumps({"wire": VERSION, "ucm_db": __version__, "at": str(Path(__file__).resolve())}, separators=(",", ":"))
 _HEAD = struct.Struct("<BI")
 _REPLY = struct.Struct("<Bdd")
 #: Longest payload either side accepts (a round's keys and event fields are
@@ -52,16 +63,54 @@ class Reply:
     message: str = ""
 
 
+def check_units(at: int, n_units: int, buffer_id: int, buffer_nbytes: int, offset: Any, stride_bytes: Any, unit_bytes: Any) -> None:
+    """Refuses chain ``at`` unless each of its ``n_units`` units lies whole
+    inside its buffer: ``unit_bytes > 0``, ``offset >= 0``, ``stride_bytes
+    >= unit_bytes`` (equal: units back to back) and the last unit's end
+    within ``buffer_nbytes``. Checked by the caller and again by the child
+    before it takes a view: its slices, Python's, stored a unit past the
+    end as a short or empty block and read a negative offset from the end
+    (another unit's bytes under this key).
+
+    Raises:
+        ConfigError: naming the chain and what is wrong (nothing stored).
+    """
+    hint = "name units inside the shared buffer: SharedChain(keys, buffer.id, offset, stride_bytes, unit_bytes)"
+    for name, value in (("offset", offset), ("stride_bytes", stride_bytes), ("unit_bytes", unit_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"chain {at}: {name} must be an int, got {type(value).__name__}", hint=hint)
+    if unit_bytes <= 0 or offset < 0 or stride_bytes < unit_bytes:
+        raise ConfigError(f"chain {at}: unit_bytes {unit_bytes}, offset {offset}, stride_bytes {stride_bytes}: a unit must have"
+                          " bytes, start at offset >= 0 and the stride be at least unit_bytes", hint=hint)
+    end = offset + (n_units - 1) * stride_bytes + unit_bytes
+    if n_units and end > buffer_nbytes:
+        raise ConfigError(f"chain {at}: its {n_units} units end at byte {end}, past the {buffer_nbytes} bytes of buffer {buffer_id}",
+                          hint=hint)
+
+
 def send(sock: socket.socket, op: int, payload: bytes = b"", fd: int | None = None) -> None:
     """Writes one message (``fd`` passed along it where given)."""
     head = _HEAD.pack(op, len(payload))
     if fd is None:
         sock.sendall(head + payload)
         return
-    sent = socket.send_fds(sock, [head], [fd])
-    if sent != len(head):  # a 5-byte head is never split on a Unix socket; refuse rather than desynchronise
-        raise ConnectionError(f"sent {sent} of a {len(head)}-byte head with a descriptor")
-    sock.sendall(payload)
+    # One write for head and payload: after a socket polled writable (writable_now) a small message goes whole,
+    # where a payload written apart could find it full and wait (the model's thread, in share).
+    message = head + payload
+    sent = socket.send_fds(sock, [message], [fd])
+    if sent == 0:
+        raise ConnectionError("sent nothing of a message with a descriptor")
+    if sent < len(message):  # (sendall of nothing would still wait for the socket to poll writable)
+        sock.sendall(message[sent:])
+
+
+def writable_now(sock: socket.socket) -> bool:
+    """True if ``sock`` takes a small message without blocking (a Unix
+    stream socket polls writable while at most a quarter of its send buffer
+    is queued)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    return any(mask & select.POLLOUT for _fd, mask in poller.poll(0))
 
 
 def send_json(sock: socket.socket, op: int, body: dict[str, Any], fd: int | None = None) -> None:
