@@ -15,6 +15,11 @@ Invariants:
       gets a new one).
     * Handles are keyed by resolved path and process id, so a forked child
       never reuses its parent's handle.
+    * A commit process opens the path the process's store for the same
+      settings resolved at its open (``store.path``), never the configured
+      path resolved again: a symlink moved to another store between the
+      two cannot send the commit process's puts to a store the worker
+      does not read (:func:`acquire_committer`).
     * :func:`refuse_older_generations` refuses a store holding the model's
       blocks of an older storage generation, when a role starts.
     * :func:`role_store_options` decides how a role opens the store before
@@ -44,6 +49,7 @@ from ucm_db.maintenance import pre_unit_namespaces, pre_unit_refusal
 _lock = threading.Lock()
 _handles: dict[tuple[int, Path], list] = {}  # key -> [store, refcount]
 _committers: dict[tuple[int, Path], list] = {}  # key -> [commit process, refcount]
+_held_as: dict[tuple[int, Path], ucm_db.Store] = {}  # (pid, configured path) -> the store acquire() gave for it
 
 
 def _take(table: dict[tuple[int, Path], list], path: Path, make: Callable[[], Any], usable: Callable[[Any], bool]) -> Any:
@@ -75,26 +81,40 @@ def _drop(table: dict[tuple[int, Path], list], obj: Any) -> bool | None:
 def acquire(settings: ConnectorSettings) -> ucm_db.Store:
     """The process's store at ``settings.path`` (opened on first use)."""
     with _lock:
-        return _take(_handles, settings.path, lambda: ucm_db.open(settings.path, **settings.store_options), lambda _: True)
+        store = _take(_handles, settings.path, lambda: ucm_db.open(settings.path, **settings.store_options), lambda _: True)
+        _held_as[(os.getpid(), settings.path)] = store
+        return store
 
 
 def release(store: ucm_db.Store) -> None:
     """Drops one reference; closes the store with the last one."""
     with _lock:
         if _drop(_handles, store):
+            for key in [key for key, held in _held_as.items() if held is store]:
+                del _held_as[key]
             store.close()
 
 
 def acquire_committer(settings: ConnectorSettings) -> CommitProcess:
     """The process's commit process for ``settings.path`` (started on first
-    use, or when the one before died).
+    use, or when the one before died), on the store this process holds for
+    those settings (module invariants; the worker acquires it first).
 
     Raises:
         CommitProcessError, ConfigError: it cannot start (the caller saves in-process).
     """
     with _lock:
-        return _take(_committers, settings.path, lambda: CommitProcess(settings.path, settings.store_options),
+        path = _committer_path(settings)
+        return _take(_committers, path, lambda: CommitProcess(path, settings.store_options),
                      lambda committer: committer.alive)
+
+
+def _committer_path(settings: ConnectorSettings) -> Path:
+    """The store path a commit process for ``settings`` opens: the resolved
+    ``path`` of the store this process holds for them, else (none held)
+    ``settings.path`` resolved now. Under ``_lock``."""
+    held = _held_as.get((os.getpid(), settings.path))
+    return held.path if held is not None else settings.path.expanduser().resolve()
 
 
 def release_committer(committer: CommitProcess) -> None:

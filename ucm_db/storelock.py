@@ -24,12 +24,19 @@ Invariants:
       were acknowledged durable.
     * A store is created by one process at a time: the process that finds
       no engine directory takes :func:`hold_creation` (an exclusive
-      ``flock`` on the store directory itself, never on the lock file the
-      holders share) and looks again before it creates one, so two
-      processes creating a store at once with different engines cannot
-      leave both engines' directories in it (each then ran its own store).
-      Where a directory cannot be locked (not listable by this user, no
-      ``flock`` on directories, e.g. NFS) creation goes on unserialised.
+      ``flock`` on ``PATH/.ucm-db.creating``, a file of ucm-db's own) and
+      looks again before it creates one, so two processes creating a store
+      at once with different engines cannot leave both engines' directories
+      in it (each then ran its own store). Never on the store directory
+      itself, which ``flock DIR cmd`` wrappers lock (a service started so
+      would wait for its own wrapper), nor on ``ucm-db.lock`` (see
+      :class:`CreationLock`). The file exists only while a creator holds it
+      (or after a crash mid-creation, until the next creator takes and
+      removes it): it is removed under the lock as the lock ends, and a
+      waiter that then gets the removed file's lock locks the new one
+      instead. Where the file cannot be made (no write access: the engine's
+      creation then says so) or locked (no ``flock``) creation goes on
+      unserialised.
     * A read-only holder (``read_only=True``, a store on a read-only
       volume) creates nothing: it locks an existing lock file through a
       read-only descriptor (``flock`` needs no write access), and where
@@ -48,6 +55,8 @@ from pathlib import Path
 from ucm_db.errors import LockedError, TierError
 
 LOCK_FILE = "ucm-db.lock"
+#: Held by the process creating a new store, only while it does (module invariants).
+CREATION_FILE = ".ucm-db.creating"
 #: Longest a process opening a store waits for maintenance to finish.
 SHARED_WAIT_S = 600.0
 _POLL_S = 0.02
@@ -125,39 +134,67 @@ class StoreLock:
 
 
 class CreationLock:
-    """An exclusive ``flock`` on a store directory while its engine is chosen
-    and created (module invariants); :meth:`release` ends it (idempotent)."""
+    """An exclusive ``flock`` on ``PATH/.ucm-db.creating`` while a new
+    store's engine is chosen and created (module invariants);
+    :meth:`release` removes the file and ends the lock (idempotent).
+
+    A file of its own, not ``ucm-db.lock``: a creator holds that one shared
+    from before the engine opens until it closes (its invariants), so an
+    exclusive lock on it would wait for every process with the store open,
+    and two creators, each holding it shared, would wait for each other
+    (``flock`` cannot turn a shared lock exclusive without dropping it).
+    """
 
     def __init__(self, path: Path, timeout_s: float) -> None:
+        self.path = path / CREATION_FILE
         self._fd: int | None = None
-        try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except PermissionError:
-            return  # a directory this user may not list: as before, creators not serialised
-        except OSError as exc:
-            raise os_error("open the store directory", path, exc) from exc
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                if isinstance(exc, PermissionError) or exc.errno == errno.EROFS:
+                    return  # unserialised: creating the engine reports the access it lacks
+                raise os_error("open the store's creation lock file", self.path, exc) from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
                 if time.monotonic() >= deadline:
-                    self.release()
-                    raise LockedError(f"another process has been creating the store at {path} for more than "
-                                      f"{timeout_s:.0f} s", hint="stop that process, or choose another store path")
+                    raise LockedError(
+                        f"{describe(holders(path, CREATION_FILE))} has been creating the store at {path} for more "
+                        f"than {timeout_s:g} s (it holds {self.path})",
+                        hint="wait for that process or stop it (an exited one holds nothing), or choose another store path",
+                    ) from None
                 time.sleep(_POLL_S)
+                continue
             except OSError:
-                # No flock on a directory here (NFS emulates flock with POSIX
-                # locks: EBADF on a read-only descriptor): as before, unserialised.
-                self.release()
+                self._fd = fd  # no flock here: unserialised, the file removed at release
                 return
+            if _same_file(fd, self.path):
+                self._fd = fd
+                return
+            os.close(fd)  # the holder removed it as it let go: lock the file there now
 
     def release(self) -> None:
-        """Ends the lock (closing its descriptor); again: nothing."""
+        """Removes the file and ends the lock (in that order: see the module
+        invariants); again: nothing."""
         if self._fd is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass  # left for the next creator, who takes and removes it
             os.close(self._fd)
             self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether descriptor ``fd`` is the file at ``path`` (not one removed)."""
+    try:
+        held, named = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
 
 def hold_creation(path: str | os.PathLike[str], timeout_s: float = SHARED_WAIT_S) -> CreationLock:
@@ -244,9 +281,9 @@ def hold_shared(path: str | os.PathLike[str], timeout_s: float = SHARED_WAIT_S, 
     return lock
 
 
-def holders(path: str | os.PathLike[str]) -> list[int]:
-    """Pids holding or waiting for the lock of the store at ``path``
-    (Linux ``/proc/locks``; empty where that is unavailable).
+def holders(path: str | os.PathLike[str], lock_file: str = LOCK_FILE) -> list[int]:
+    """Pids holding or waiting for the lock file ``lock_file`` of the store
+    at ``path`` (Linux ``/proc/locks``; empty where that is unavailable).
 
     ``/proc/locks`` names the process that *took* a lock, which may have
     exited since while a process it forked holds the lock on (a shared
@@ -254,26 +291,27 @@ def holders(path: str | os.PathLike[str]) -> list[int]:
     without the lock file open is replaced by the processes that have it
     open (a scan of ``/proc/*/fd``, only then)."""
     try:
-        stat = os.stat(Path(path) / LOCK_FILE)
+        stat = os.stat(Path(path) / lock_file)
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
         return []
     listed = _listed(lines, stat.st_ino)
     file_id = (stat.st_dev, stat.st_ino)
-    verified = [pid for pid in listed if _has_open(pid, file_id) is not False]
+    verified = [pid for pid in listed if _has_open(pid, file_id, lock_file) is not False]
     if len(verified) < len(listed):
-        verified = sorted(set(verified) | set(_openers(file_id)))
+        verified = sorted(set(verified) | set(_openers(file_id, lock_file)))
     return verified
 
 
-def _has_open(pid: int, file_id: tuple[int, int]) -> bool | None:
-    """Whether process ``pid`` has the file ``file_id`` (st_dev, st_ino)
-    open; None where its descriptors cannot be read (another user's)."""
+def _has_open(pid: int, file_id: tuple[int, int], name: str) -> bool | None:
+    """Whether process ``pid`` has the file ``file_id`` (st_dev, st_ino),
+    named ``name``, open; None where its descriptors cannot be read
+    (another user's)."""
     try:
         with os.scandir(f"/proc/{pid}/fd") as fds:
             for fd in fds:
                 try:
-                    if not os.readlink(fd.path).endswith(LOCK_FILE):
+                    if not os.readlink(fd.path).endswith(name):
                         continue  # the link's text first: stat lock files only, never one on a hung NFS mount
                     found = os.stat(fd.path)
                 except OSError:
@@ -287,13 +325,13 @@ def _has_open(pid: int, file_id: tuple[int, int]) -> bool | None:
     return False
 
 
-def _openers(file_id: tuple[int, int]) -> list[int]:
-    """Every process with the file ``file_id`` open (readable ones only)."""
+def _openers(file_id: tuple[int, int], name: str) -> list[int]:
+    """Every process with the file ``file_id`` (named ``name``) open (readable ones only)."""
     try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
         return []
-    return [pid for pid in pids if _has_open(pid, file_id)]
+    return [pid for pid in pids if _has_open(pid, file_id, name)]
 
 
 def _listed(lines: list[str], inode: int) -> list[int]:

@@ -22,11 +22,14 @@ Invariants:
       then lie inside the new one, and be refused).
     * A ``PermissionError`` while opening the store is a
       :class:`~ucm_db.errors.TierError` naming the path and the access it
-      needs (:func:`permission_error`), read-only opens included.
+      needs (:func:`permission_error`), read-only opens included; a
+      symlink whose target this user may not reach (EACCES) is that, never
+      "a link to nothing" (:func:`_refuse_dangling`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -74,16 +77,29 @@ def store_path(path: Any) -> Path:
 def _refuse_dangling(raw: str) -> None:
     """A ConfigError where the nearest existing name on ``raw`` is a symlink
     to nothing (a loop, or a target not there: e.g. a disk not mounted,
-    where creating the target's directories would put the store elsewhere)."""
+    where creating the target's directories would put the store elsewhere).
+
+    Only what ``stat`` says of the target counts: ENOENT, ELOOP, or ENOTDIR
+    (a file where the target's path needs a directory) is nothing there;
+    any other failure, e.g. EACCES on a target in a directory this user
+    may not enter, is no verdict on the link, and the open reports it
+    (a permission TierError naming the fix, :func:`permission_error`)."""
     nearest = os.path.abspath(raw)
     while not os.path.lexists(nearest) and os.path.dirname(nearest) != nearest:
         nearest = os.path.dirname(nearest)
-    if os.path.islink(nearest) and not os.path.exists(nearest):
-        raise ConfigError(
-            f"the store path {raw[:200]} goes through the symbolic link {nearest[:200]} -> "
-            f"{os.readlink(nearest)[:200]}, which leads nowhere (a loop, or a target that does not exist)",
-            hint="create the link's target (or mount its file system) first, or point the link at a directory",
-        )
+    if not os.path.islink(nearest):
+        return
+    try:
+        os.stat(nearest)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            return
+    raise ConfigError(
+        f"the store path {raw[:200]} goes through the symbolic link {nearest[:200]} -> "
+        f"{os.readlink(nearest)[:200]}, which leads nowhere (a loop, or a target that does not exist)",
+        hint="create the link's target (or mount its file system) first, or point the link at a directory",
+    )
 
 
 def _check_utf8(raw: str) -> None:
