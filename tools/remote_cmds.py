@@ -103,7 +103,8 @@ def gc_command(remote: str, older_than: str | None, max_bytes: str | None, optio
                 f"{r['temp_files_removed']} stale temp files; {r['skipped_entries']} entries not ucm-db's left alone"
                 + (f"; {r['tombstones_removed']} of {r['tombstones']} retraction tombstones" if r.get("tombstones") else "")
                 + (f"; {r['held_by_rule']} held: {r['held_reason']}" if r.get("held_namespaces") else "")
-                + (f"; {r['unreadable']} unreadable kept: {'; '.join(r['unreadable_examples'])}" if r.get("unreadable") else ""))
+                + (f"; {r['unreadable']} unreadable kept: {'; '.join(r['unreadable_examples'])}" if r.get("unreadable") else "")
+                + (f"; {r['max_bytes_shortfall_reason']}" if r.get("max_bytes_shortfall_reason") else ""))
 
     emit(as_json, report, human)
     if report.get("unreadable"):  # the rest is done; these objects (and what they may hang from) wait: exit 1

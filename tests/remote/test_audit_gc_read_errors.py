@@ -18,6 +18,9 @@ unreadable is kept, present with an unknown parent (its children are no
 orphans), its namespace loses nothing by rule while the rules would keep
 it (it may hang from any object there), it is reported (``unreadable``),
 and ``ucm-db gc`` exits 1 naming the likely causes after doing the rest.
+Review 3: credentials that may list but not read made that 2N failing
+requests before the report; now gc stops (TierError, nothing removed) once
+its first ``MAX_FAILED_HEADS`` reads all failed.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from click.testing import CliRunner
 import faultfs
 import ucm_db
 from ucm_db import maintenance
+from ucm_db.errors import TierError
+from ucm_db.remote.gc import gc
+from ucm_db.remote.gc_listing import MAX_FAILED_HEADS
 from ucm_db.keys import Namespace
 from ucm_db.remote.tier import RemoteRoot
 from ucm_db.tools.cli import cli
@@ -162,9 +168,41 @@ def test_the_cli_does_the_rest_and_exits_1_naming_the_causes(tmp_path: Path) -> 
     assert "storage class" in result.stderr and "flaky link" in result.stderr
 
 
+def test_the_cli_says_why_max_bytes_is_not_met(tmp_path: Path) -> None:
+    """``--max-bytes 0``: every readable object goes, the unreadable one
+    stays, and the human report says the target is not met and why."""
+    remote, live, stale = written(tmp_path)
+    url, options = flaky(remote, live[1])
+    flags = [arg for name, value in options.items() for arg in ("--option", f"{name}={value}")]
+    result = CliRunner().invoke(cli, ["gc", url, "--max-bytes", "0", *flags])
+    assert result.exit_code == 1, result.output
+    assert "bytes over --max-bytes after this run: 1 unreadable objects" in result.stdout, result.stdout
+    assert present(remote, live) == [False, True, False, False] and present(remote, [stale]) == [False]
+
+
 def test_once_the_remote_answers_gc_collects_only_the_stale_chain(tmp_path: Path) -> None:
     remote, live, stale = written(tmp_path)
     url, options = flaky(remote, live[1], fail_reads=0)
     report = maintenance.gc_remote(url, options, older_than_s=7 * DAY_S)
     assert report["removed_objects"] == 1 and report["removed_descendants"] == 0
     assert present(remote, live) == [True] * 4 and present(remote, [stale]) == [False]
+
+
+def test_a_remote_whose_heads_all_fail_stops_gc_after_the_first_hundred(tmp_path: Path) -> None:
+    """Every head read fails (credentials that may list but not read): gc
+    stops at :data:`MAX_FAILED_HEADS` failed reads, none succeeding, with
+    the TierError it raised before the retry, removing nothing (before:
+    two failing reads per object, then a report of every one unreadable)."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    keys = NS.block_keys(list(range(4 * (MAX_FAILED_HEADS + 20))))
+    with ucm_db.open(tmp_path / "writer", capacity_bytes=64 << 20, remote=f"file://{remote}", remote_mode="write_through") as store:
+        store.put(NS, keys, [b"b" * 64] * len(keys))
+    url, options = f"{PROTOCOL}://{remote}", {"target_protocol": "file", "fail_suffix": "*", "fail_reads": -1}
+    root = RemoteRoot.from_url(url, options)
+    with pytest.raises(TierError, match=f"remote {PROTOCOL}://.*none of the first {MAX_FAILED_HEADS} object heads"):
+        gc(root, older_than_s=0.0, max_bytes=0, dry_run=False)
+    assert root.fs.failed == MAX_FAILED_HEADS  # before: 2 * 120
+    with pytest.raises(TierError, match="injected: connection reset") as raised:
+        maintenance.gc_remote(url, options, max_bytes=0)
+    assert "s3:GetObject" in raised.value.hint and present(remote, keys) == [True] * len(keys)

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,32 @@ def test_a_glacier_object_does_not_stop_gc(tmp_path: Path, s3_endpoint: str) -> 
     assert report["removed_objects"] == len(live) + 1  # the rest, its parent too: the size rule took its whole chain
     assert report["unreadable"] == 1 and key in report["unreadable_examples"][0] and report["unreadable_hint"]
     assert s3.head_object(Bucket=bucket, Key=key)["StorageClass"] == "GLACIER"  # kept: gc cannot know what it is
+
+
+def test_the_size_rule_steps_over_the_oldest_object_archived(tmp_path: Path, s3_endpoint: str) -> None:
+    """Review 3: a lifecycle rule archives the *oldest* objects, which the
+    size rule reaches first; it counted their bytes as freed, so a trim of
+    one object removed nothing. Now it takes the next oldest tail, and a
+    target only archived objects stand over is reported as unmet."""
+    options = s3_options(s3_endpoint)
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+    archived, live = NS.block_keys(list(range(700, 704))), NS.block_keys(list(range(16)))
+    with ucm_db.open(tmp_path / "w", capacity_bytes=64 << 20, remote=url, remote_options=options, remote_mode="write_through") as store:
+        store.put(NS, archived, [b"a" * 400])
+        bucket, key = RemoteRoot.from_url(url, options).tier(NS.id).path(archived[0]).split("/", 1)
+        s3 = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+        s3.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": key}, StorageClass="GLACIER")
+        time.sleep(1.1)  # S3 times are whole seconds: the archived object is the oldest
+        store.put(NS, live, [bytes([i]) * 400 for i in range(len(live))])
+    total = maintenance.gc_remote(url, options, max_bytes=1 << 40, dry_run=True)["bytes_before"]
+    report = maintenance.gc_remote(url, options, max_bytes=total - 1)  # one object too many
+    assert report["removed_objects"] == 1 and report["unreadable"] == 1, report  # before: 0 removed
+    assert report["max_bytes_shortfall_bytes"] == 0 and report["max_bytes_shortfall_reason"] is None
+    report = maintenance.gc_remote(url, options, max_bytes=0)
+    assert report["removed_objects"] == len(live) - 1 and report["bytes_after"] == report["max_bytes_shortfall_bytes"] > 0
+    assert "1 unreadable objects" in report["max_bytes_shortfall_reason"], report
+    assert s3.head_object(Bucket=bucket, Key=key)["StorageClass"] == "GLACIER"
 
 
 def _deny(model: Any, **_: Any) -> None:

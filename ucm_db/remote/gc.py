@@ -5,10 +5,10 @@ and a hit never refreshes one, so the blocks of a shared prefix (a system
 prompt) are always the oldest on the remote: ranked by its own upload time
 (the remote's modification time), such a block would take every
 conversation under it along (the cascade below), however young (an audit
-saw a 5% ``--max-bytes`` trim empty a remote). So an
-object's age for the rules is that of the youngest object in its subtree
-(itself and every object whose parent chain reaches it): a shared block is
-old only when nothing under it is young.
+saw a 5% ``--max-bytes`` trim empty a remote). So an object's age for the
+rules is that of the youngest object in its subtree (itself and every
+object whose parent chain reaches it): a shared block is old only when
+nothing under it is young.
 
 * ``--older-than``: every object whose subtree is older than that. This
   set holds every descendant of each of its objects, so it removes whole
@@ -62,13 +62,17 @@ An object whose head gc cannot read, twice (an archived object: S3
 GLACIER refuses GetObject; a refused read; a flaky link:
 :mod:`~ucm_db.remote.gc_listing`), has an unknown parent: it is present, so
 its children are never orphans, but any object of its namespace may be its
-ancestor. It is never removed (nor taken for broken: its bytes are unknown).
-If the rules would remove it, with its whole subtree (the age rule found
-everything under it old; the size rule reached it after its descendants),
-its ancestors may go too: the rules wanted its chain gone, and it stays an
-orphan until it can be read and collected. Otherwise its namespace is held
-like one with an upload in flight (its youth cannot be carried up past the
-unknown parent). It is reported (``unreadable``, ``unreadable_examples``,
+ancestor. It is never removed (nor taken for broken: its bytes are
+unknown), so the size rule steps over it to the next tails, its bytes
+never counted as freed (a lifecycle rule archives the *oldest* objects,
+reached first: counted as freed, they made ``--max-bytes`` remove nothing);
+a target left unmet says why (``max_bytes_shortfall_*``). If the rules
+reach it, with its whole subtree (the age rule found everything under it
+old; the size rule stepped over it after its descendants), its ancestors
+may go too: the rules wanted its chain gone, and it stays an orphan until
+it can be read and collected. Otherwise its namespace is held like one
+with an upload in flight (its youth cannot be carried up past the unknown
+parent). It is reported (``unreadable``, ``unreadable_examples``,
 ``unreadable_hint``); the rest of the run goes on.
 
 Why the hold stays namespace-wide: a node running a ucm-db older than the
@@ -90,9 +94,9 @@ Invariants:
     * An object whose head read fails (twice; an error other than "not
       found") is never taken for absent, which orphaned the live chains
       under it, nor removed: it stays, parent unknown, and its namespace
-      loses nothing by rule unless the rules remove it and its whole
-      subtree (:func:`plan_removals`); one such object stops no run (an
-      archived object stopped every run).
+      loses nothing by rule unless the rules reach it and its whole subtree
+      (:func:`plan_removals`); nor counted as freed. One such object stops
+      no run; heads that all fail do (:mod:`~ucm_db.remote.gc_listing`).
     * Never a possible ancestor of an upload in flight: a rule removes
       nothing in a namespace with an object whose parent is absent for less
       than :data:`ORPHAN_GRACE_S` (or of unknown age).
@@ -130,8 +134,9 @@ ORPHAN_GRACE_S = 3600.0
 class Removals:
     """:func:`plan_removals`' paths (``held``: victims that wait), the
     namespaces held (``frozen``: of :func:`uploading_objects` or of an
-    unreadable object's; ``blind``: of the latter) and the unreadable
-    objects (``unreadable``: paths, never removed)."""
+    unreadable object's; ``blind``: of the latter), the unreadable
+    objects (``unreadable``: paths, never removed) and the excess the size
+    rule found nothing removable for (``short_bytes``: unreadable objects)."""
 
     victims: set[str]
     cascade: set[str]
@@ -140,6 +145,7 @@ class Removals:
     uploading: int
     blind: set[str] = field(default_factory=set)
     unreadable: list[str] = field(default_factory=list)
+    short_bytes: int = 0
 
 
 def subtree_youngest_mtimes(objects: list[RemoteObjectInfo]) -> dict[str, float]:
@@ -192,43 +198,55 @@ def plan_removals(objects: list[RemoteObjectInfo], *, older_than_s: float | None
     then wait for a run that does, as they always have).
 
     The rules choose with an unreadable object as a chain root (its parent
-    unknown); then it is dropped from the victims, never removed."""
+    unknown); the size rule steps over it (never freed: ``short_bytes`` when
+    nothing else is left), and it is never among the victims."""
     uploading = uploading_objects(objects, now_s)
-    unreadable = [o for o in objects if o.read_error is not None]
+    unreadable = {o.path for o in objects if o.read_error is not None}
     frozen = {o.namespace_dir for o in uploading}
     victims: set[str] = set()
+    reached: set[str] = set()  # unreadable objects the rules would remove (with everything under them)
+    short_bytes = 0
     if older_than_s is not None:
         victims = {path for path, mtime_s in subtree_youngest_mtimes(objects).items() if now_s - mtime_s > older_than_s}
     total_bytes = sum(o.size_bytes for o in objects)
     if max_bytes is not None and (victims or total_bytes > max_bytes):
         gone = victims | orphaned_descendants(objects, victims, now_s=now_s)
-        excess_bytes = total_bytes - sum(o.size_bytes for o in objects if o.path in gone) - max_bytes
+        excess_bytes = total_bytes - sum(o.size_bytes for o in objects if o.path in gone - unreadable) - max_bytes
         if excess_bytes > 0:
-            victims |= oldest_tails(objects, gone, excess_bytes)
+            tails, reached, short_bytes = oldest_tails(objects, gone, excess_bytes)
+            victims |= tails
+    reached |= victims & unreadable
+    victims -= unreadable
     # An unreadable object the rules keep may hang from any object of its namespace: hold them all.
-    blind = {o.namespace_dir for o in unreadable if o.path not in victims}
+    blind = {o.namespace_dir for o in objects if o.path in unreadable - reached}
     frozen |= blind
     # Chosen as if nothing were held, so a hold never makes the size rule take more elsewhere.
     held = {o.path for o in objects if o.path in victims and o.namespace_dir in frozen}
-    victims -= held | {o.path for o in unreadable}
+    victims -= held
     cascade = orphaned_descendants(objects, victims, now_s=now_s) if victims else set()
-    return Removals(victims, cascade, held, frozen, len(uploading), blind, sorted(o.path for o in unreadable))
+    return Removals(victims, cascade, held, frozen, len(uploading), blind, sorted(unreadable), short_bytes)
 
 
-def oldest_tails(objects: list[RemoteObjectInfo], gone: set[str], excess_bytes: int) -> set[str]:
+def oldest_tails(objects: list[RemoteObjectInfo], gone: set[str], excess_bytes: int) -> tuple[set[str], set[str], int]:
     """Leaves of the objects not in ``gone``, oldest first (a parent whose
-    last child went is a leaf in turn), until they free ``excess_bytes``.
+    last child went is a leaf in turn), until they free ``excess_bytes``:
+    (the leaves taken, the unreadable leaves stepped over, the excess left).
 
-    The survivors of :func:`orphaned_descendants` form a forest (no broken
-    object, no cycle, no parent that is removed), so removing a leaf orphans
-    nothing and every survivor is reached."""
+    An unreadable leaf is stepped over: never taken, its bytes never counted
+    as freed (gc never removes it). The survivors of :func:`orphaned_descendants`
+    form a forest (no broken object, no cycle, no removed parent), so removing
+    a leaf orphans nothing and every survivor is reached: excess is left only
+    where what is left is unreadable."""
     survivors = {o.key: o for o in objects if o.path not in gone}
     children = Counter(o.parent for o in survivors.values() if o.parent is not None and o.parent in survivors)
     leaves = [(age_time_s(o), o.path, o.key) for o in survivors.values() if children[o.key] == 0]
     heapq.heapify(leaves)
-    chosen: set[str] = set()
+    chosen, passed = set[str](), set[str]()
     while excess_bytes > 0 and leaves:
         _, path, key = heapq.heappop(leaves)
+        if survivors[key].read_error is not None:
+            passed.add(path)
+            continue
         chosen.add(path)
         excess_bytes -= survivors[key].size_bytes
         parent = survivors[key].parent
@@ -236,7 +254,7 @@ def oldest_tails(objects: list[RemoteObjectInfo], gone: set[str], excess_bytes: 
             children[parent] -= 1
             if children[parent] == 0:
                 heapq.heappush(leaves, (age_time_s(survivors[parent]), survivors[parent].path, parent))
-    return chosen
+    return chosen, passed, max(excess_bytes, 0)
 
 
 def removal_order(objects: list[RemoteObjectInfo], doomed: set[str]) -> list[str]:
@@ -337,6 +355,8 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
         "held_by_rule": len(plan.held), "held_namespaces": len(plan.frozen), "held_reason": held_reason(plan), "dry_run": dry_run,
         "unreadable": len(plan.unreadable), "unreadable_examples": unreadable_examples(objects, plan),
         "unreadable_hint": UNREADABLE_HINT if plan.unreadable else None,
+        "max_bytes_shortfall_bytes": None if max_bytes is None else max(total - freed - max_bytes, 0),
+        "max_bytes_shortfall_reason": shortfall_reason(objects, plan, total - freed, max_bytes),
     }
 
 
@@ -350,6 +370,18 @@ def unreadable_examples(objects: list[RemoteObjectInfo], plan: Removals, count: 
     """The first ``count`` unreadable objects as ``"path: error"``."""
     errors = {o.path: o.read_error for o in objects if o.read_error is not None}
     return [f"{path}: {errors[path]}" for path in plan.unreadable[:count]]
+
+
+def shortfall_reason(objects: list[RemoteObjectInfo], plan: Removals, bytes_after: int, max_bytes: int | None) -> str | None:
+    """Why the remote still holds more than ``max_bytes`` after the run (None: it does not, or no size rule)."""
+    if max_bytes is None or bytes_after <= max_bytes:
+        return None
+    why = [f"{len(plan.held)} objects held (see held_reason)"] if plan.held else []
+    if plan.short_bytes:
+        kept_bytes = sum(o.size_bytes for o in objects if o.read_error is not None)
+        why.append(f"{len(plan.unreadable)} unreadable objects ({kept_bytes} bytes), which gc never removes, are all "
+                   f"that is left for the size rule ({plan.short_bytes} bytes short)")
+    return f"{bytes_after - max_bytes} bytes over --max-bytes after this run: {'; '.join(why) or 'no removable object left'}"
 
 
 def held_reason(plan: Removals) -> str | None:

@@ -25,7 +25,10 @@ present, with an unknown parent (``read_error`` says why): taken for absent,
 its children would be orphans, removed with the live chains under them; a
 run that stopped on it instead stopped on every run while the object was
 archived. :mod:`ucm_db.remote.gc` never removes it and holds what it may
-hang from.
+hang from. But when the first :data:`MAX_FAILED_HEADS` heads read all fail
+and none succeeds (credentials that may list but not read), gc stops
+there (TierError, nothing removed), as it did before the retry: else it
+made two failing requests per object for a report that said nothing more.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucm_db.errors import ConfigError, CorruptBlockError
+from ucm_db.errors import ConfigError, CorruptBlockError, TierError
 from ucm_db.remote.manifests import ROOT_MARKERS
 from ucm_db.remote.tier import (
     MANIFEST_NAME, OBJECT_MAGIC, PROBE_BYTES, TEMP_PREFIX, ManifestError, RemoteRoot, is_namespace_id, parse_envelope,
@@ -46,6 +49,8 @@ BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "
 #: Objects :func:`landed_parents` reads past the listing in one run, at most
 #: (two requests each); past it, the parents left are taken for in flight.
 MAX_LANDED = 4096
+#: Head reads that may fail, none succeeding, before gc stops (:func:`_stop_if_unreadable`).
+MAX_FAILED_HEADS = 100
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -119,6 +124,7 @@ def list_objects(root: RemoteRoot) -> RemoteListing:
     temps: list[tuple[str, float]] = []
     tombstones: list[tuple[str, float]] = []
     failed: list[RemoteObjectInfo] = []
+    read_ok = 0
     for short_id in listing.entries:
         namespace_id = bytes.fromhex(short_id)
         if not _is_own_namespace(root, namespace_id, short_id):
@@ -143,9 +149,11 @@ def list_objects(root: RemoteRoot) -> RemoteListing:
                 candidate = RemoteObjectInfo(path, bytes.fromhex(name), int(info.get("size", 0)), _mtime_s(info))
                 try:
                     obj = _read_head(root, candidate, last_try=False)
-                except Exception:  # noqa: BLE001 - any backend failure (botocore's are not all OSErrors): read again below
+                except Exception as exc:  # noqa: BLE001 - any backend failure (botocore's are not all OSErrors): read again below
                     failed.append(candidate)
+                    _stop_if_unreadable(root, len(failed), read_ok, exc)
                     continue
+                read_ok += 1
                 skipped += not _keep(obj, objects)
             else:
                 skipped += 1
@@ -159,6 +167,18 @@ def _keep(obj: RemoteObjectInfo | None, objects: list[RemoteObjectInfo]) -> bool
     if obj is not None:
         objects.append(obj)
     return obj is not None
+
+
+def _stop_if_unreadable(root: RemoteRoot, failures: int, successes: int, exc: Exception) -> None:
+    """Raises :class:`~ucm_db.errors.TierError` (naming the remote and
+    ``exc``, the last failure) once :data:`MAX_FAILED_HEADS` head reads
+    failed and none succeeded: not one object the remote holds is
+    readable, and each would fail twice more for nothing."""
+    if successes == 0 and failures >= MAX_FAILED_HEADS:
+        raise TierError(f"remote {root_url(root)}: gc could read none of the first {failures} object heads it tried, "
+                        f"so it stopped and removed nothing; last error: {f'{type(exc).__name__}: {exc}'[:200]}",
+                        hint="check that the credentials may read the objects (S3: s3:GetObject), their storage class "
+                        "(GLACIER/DEEP_ARCHIVE: restore them) and the link; rerun gc once reads succeed") from exc
 
 
 def _is_hex(name: str, length: int) -> bool:
@@ -220,6 +240,7 @@ def landed_parents(root: RemoteRoot, objects: list[RemoteObjectInfo], orphaned: 
     found: list[RemoteObjectInfo] = []
     todo = [(o.namespace_dir, o.parent) for o in orphaned if o.parent is not None]
     failed: list[RemoteObjectInfo] = []
+    read_ok = 0
     while (todo or failed) and len(found) < MAX_LANDED:
         if todo:
             namespace_dir, key = todo.pop()
@@ -231,9 +252,11 @@ def landed_parents(root: RemoteRoot, objects: list[RemoteObjectInfo], orphaned: 
                 continue
             try:
                 obj = _read_head(root, candidate, last_try=False)
-            except Exception:  # noqa: BLE001 - any backend failure: read again once the others are done
+            except Exception as exc:  # noqa: BLE001 - any backend failure: read again once the others are done
                 failed.append(candidate)
+                _stop_if_unreadable(root, len(failed), read_ok, exc)
                 continue
+            read_ok += 1
         else:
             obj = _read_head(root, failed.pop())
         if obj is not None:
@@ -290,25 +313,38 @@ def missing_bucket(root: RemoteRoot) -> str | None:
     remote (gc: "0 objects", exit 0, run after run; warm: "0 namespaces
     match").
 
-    Missing only on a definite "not found" (NoSuchBucket: FileNotFoundError)
-    from listing the bucket's top level (``ls``, a request per 1000 entries
-    there; an existing empty bucket lists as ``[]``). Any other failure
+    One bounded request (:func:`_probe_bucket`), missing only on a definite
+    "not found" (NoSuchBucket: FileNotFoundError). Any other failure
     (credentials scoped to a prefix may list nothing else and may not ask
     where the bucket is, a transient error) is no answer: the remote stays
     what its listing said, empty. ``fs.exists`` was no test: s3fs answers
-    False on any error, and such credentials read as a missing bucket."""
+    False on any error, and such credentials read as a missing bucket;
+    ``fs.ls(bucket)`` paged through the bucket's whole top level (a request
+    per 1000 entries, all held in memory) to tell one fact."""
     if not BUCKET_PROTOCOLS.intersection(_protocols(root)):
         return None
-    bucket = root.root.lstrip("/").split("/", 1)[0]
+    bucket, _, prefix = root.root.strip("/").partition("/")
     if not bucket:
         return None
     try:
-        root.fs.ls(bucket, refresh=True)
+        _probe_bucket(root.fs, bucket, prefix)
     except FileNotFoundError:
         return bucket
     except Exception:  # noqa: BLE001 - refused, timed out, botocore's own: not "missing"
         return None
     return None
+
+
+def _probe_bucket(fs: Any, bucket: str, prefix: str) -> None:
+    """One request that fails with FileNotFoundError when ``bucket`` does not
+    exist. s3fs: a listing of at most one key under the root's own prefix
+    (what credentials scoped to that prefix may list; s3fs turns NoSuchBucket
+    into FileNotFoundError). Other stores: ``info`` of the bucket (gcsfs,
+    adlfs: one request for the bucket's or container's record)."""
+    if callable(getattr(fs, "call_s3", None)):
+        fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+    else:
+        fs.info(bucket)
 
 
 def root_url(root: RemoteRoot) -> str:
