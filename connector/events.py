@@ -49,8 +49,11 @@ Invariants:
     * Only blocks of the namespace epoch the engine serves are reported
       (:mod:`ucm_db.store.epochs`): after ``reset_cache`` or ``ucm-db
       invalidate`` the next step removes every block it announced and
-      reports only blocks stored at the new epoch; an inventory still being
-      read for the old epoch is dropped, never announced.
+      reports only blocks stored at the new epoch. An inventory still being
+      read when the epoch moves is kept and relabelled with the new epoch
+      (it holds every epoch's records; only the labelled epoch's are
+      announced), so the old epoch's blocks are never announced and at
+      most one inventory read runs at a time however often the epoch moves.
     * ``AllBlocksCleared`` is never sent: it names no medium, and a router
       applies it to the engine's own (GPU-tier) blocks too, which a feed
       resync or another process's ``invalidate`` does not clear (vLLM sends
@@ -214,8 +217,12 @@ class FeedEvents:
             return events  # a damaged epoch record: nothing is served, nothing said until it is fixed
         if self._replaying is not None and self._replaying[1] != epoch:
             # Read for an epoch no longer served (reset_cache or `ucm-db invalidate` while it was read):
-            # dropped unread (what was announced before it was withdrawn when it started); read again below.
-            self._replaying = None
+            # the inventory holds every epoch's records and _finish_replay keeps those of the epoch it is
+            # labelled with, so the running read serves the new epoch. Dropping it for a new read left
+            # it running and, with epochs moving faster than a large store's replay, none ever finished.
+            # Nothing was announced since it started (what was before was withdrawn then).
+            self._replaying = (self._replaying[0], epoch)
+            self._epoch = epoch
         if self._replaying is None and (self._seq is None or epoch != self._epoch):
             if self._seq is not None:
                 self._withdraw(events)  # reset_cache or `ucm-db invalidate`: the old blocks are never served
