@@ -113,13 +113,14 @@ def test_the_cli_warm_exits_1_and_reports_failed_blocks(tmp_path: Path) -> None:
     assert (report["fetched"], report["missing"], report["failed"]) == (CHAINS * BLOCKS - 2, 0, 2), report
 
 
-def test_the_cli_warm_of_an_unreachable_remote_names_it_and_a_warm_fix(tmp_path: Path) -> None:
+def test_the_cli_warm_of_an_unreachable_remote_names_it_and_a_warm_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A remote nothing listens on (a closed port on 127.0.0.1): exit 1 naming
     the failure, with a hint for warm (it said "blocks stay queued locally
     and are retried", of uploads, which a warm has none of)."""
     from .conftest import _free_port
 
     (tmp_path / "prompts.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries of a refused connection: seconds, not what is tested
     result = CliRunner().invoke(cli, [
         "warm", str(tmp_path / "b"), "--remote", "s3://nowhere/kv", "--namespace", NS.model, "--tokens",
         str(tmp_path / "prompts.jsonl"), "--json", "--option", f"endpoint_url=http://127.0.0.1:{_free_port()}",
