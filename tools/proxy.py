@@ -103,7 +103,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         try:
             yield
         finally:
-            bodies.close()
+            await asyncio.to_thread(bodies.close)  # uvicorn has waited for the requests in flight
             await asyncio.gather(prefill.aclose(), decode.aclose())
 
     app = FastAPI(title="ucm-db PD proxy", lifespan=lifespan)

@@ -37,7 +37,7 @@ import json
 import math
 import multiprocessing
 import threading
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,8 @@ SIDE_FIELDS = ("stream", "stream_options", "min_tokens", "max_tokens", "max_comp
 #: The client's ``kv_transfer_params`` are parsed a second time, on the event loop, to merge the publication
 #: in: a larger object (vLLM's are a few hundred bytes) is refused.
 MAX_CLIENT_PARAMS_BYTES = 1 * MIB
+#: How long a stopping proxy waits for a body worker to take its stop message before terminating it.
+WORKER_STOP_WAIT_S = 5.0
 
 
 class BadRequest(Exception):
@@ -254,8 +256,13 @@ class BodyPool:
           client gets 503 with ``Retry-After`` (:class:`ProxyBusy`), not an
           unbounded queue of bodies in memory. A body counts until its
           worker is done with it, even when its client left first.
-        * A worker that dies (killed: out of memory) is a 503 for the
-          requests it held, and the next large body starts a new pool.
+        * A worker that dies while preparing bodies is a 503 for the
+          requests it held (the message says how it ended: signal 9 is
+          likely the out-of-memory killer). One that died idle costs no
+          request: the body was not sent, a fresh pool takes it.
+        * :meth:`close` waits for every worker to exit (terminating one
+          that does not within :data:`WORKER_STOP_WAIT_S`): uvicorn re-raises
+          SIGTERM after the lifespan ends, so no exit hook would stop them.
 
     Why a process pool: a thread does not help (the GIL), and a lower
     ``--max-body-mb`` alone does not either (measured on the event loop:
@@ -279,35 +286,60 @@ class BodyPool:
                 raise ProxyBusy(f"{self._held_bytes / MIB:.0f} MiB of large request bodies are being prepared "
                                 f"(the bound is {self.budget_bytes / MIB:g} MiB); retry shortly")
             self._held_bytes += len(raw)
-        pool = self._pool or self._start()
         try:
-            future = pool.submit(prepare_in_worker, raw)
+            pool, future = self._submit(raw)
         except BrokenProcessPool as exc:
             self._release(len(raw))
-            raise self._dropped(pool) from exc
+            raise ProxyBusy("the workers preparing large request bodies cannot be started; retry shortly") from exc
+        except BaseException:
+            self._release(len(raw))
+            raise
         future.add_done_callback(lambda _: self._release(len(raw)))
         try:
             status, message, members, prefill_fields, decode_fields, params, flags = await asyncio.wrap_future(future)
         except BrokenProcessPool as exc:
-            raise self._dropped(pool) from exc
+            codes = await asyncio.to_thread(_exit_codes, pool)
+            raise self._dropped(pool, codes) from exc
         if status:
             raise BadRequest(status, message)
         return Prepared(members, prefill_fields, decode_fields, params if flags & 2 else None, bool(flags & 1))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stops the workers and waits for them to exit (blocking: call it
+        off the event loop). A worker still running after
+        :data:`WORKER_STOP_WAIT_S` is terminated: nothing outlives the proxy."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            _stop(pool)
+
+    def _submit(self, raw: bytes) -> tuple[ProcessPoolExecutor, Future[Any]]:
+        pool = self._pool or self._start()
+        try:
+            return pool, pool.submit(prepare_in_worker, raw)
+        except BrokenProcessPool:
+            # A worker died while idle: nothing was sent, so a fresh pool takes the body.
+            self._discard(pool)
+        pool = self._start()
+        return pool, pool.submit(prepare_in_worker, raw)
 
     def _start(self) -> ProcessPoolExecutor:
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         return self._pool
 
-    def _dropped(self, pool: ProcessPoolExecutor) -> ProxyBusy:
+    def _discard(self, pool: ProcessPoolExecutor) -> None:
         if self._pool is pool:
             self._pool = None
-            pool.shutdown(wait=False, cancel_futures=True)
-        return ProxyBusy("the worker preparing large request bodies died (out of memory?); retry shortly")
+            pool.shutdown(wait=False, cancel_futures=True)  # a broken pool's manager thread ends it itself
+
+    def _dropped(self, pool: ProcessPoolExecutor, codes: list[int]) -> ProxyBusy:
+        self._discard(pool)
+        if -9 in codes:
+            why = "was killed by signal 9 (out of memory?)"
+        elif codes:
+            why = "exited with " + ", ".join(f"signal {-c}" if c < 0 else f"code {c}" for c in codes)
+        else:
+            why = "died"
+        return ProxyBusy(f"the worker preparing large request bodies {why} while preparing this one; retry shortly")
 
     def _release(self, size: int) -> None:
         with self._lock:
@@ -327,3 +359,35 @@ def prepare_in_worker(raw: bytes) -> tuple[int, str, bytes, bytes, bytes, bytes,
         return 413, message, b"", b"", b"", b"", 0
     flags = int(done.stream) | (2 if done.client_params is not None else 0)
     return 0, "", done.members, done.prefill_fields, done.decode_fields, done.client_params or b"", flags
+
+
+def _workers_of(pool: ProcessPoolExecutor) -> list[multiprocessing.process.BaseProcess]:
+    # ProcessPoolExecutor exposes neither its processes nor their exit codes; read its own table.
+    return list((getattr(pool, "_processes", None) or {}).values())
+
+
+def _exit_codes(pool: ProcessPoolExecutor) -> list[int]:
+    """The non-zero exit codes of a broken pool's workers (blocking, briefly: its manager thread may
+    see a worker's pipe close before the worker can be reaped, and terminates the others)."""
+    codes = set()
+    for worker in _workers_of(pool):
+        worker.join(WORKER_STOP_WAIT_S)
+        if worker.exitcode:
+            codes.add(worker.exitcode)
+    return sorted(codes)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """``pool`` shut down and its workers gone: its manager thread sends each
+    worker its stop message and joins it; one that has not exited within
+    :data:`WORKER_STOP_WAIT_S` is terminated."""
+    workers = _workers_of(pool)
+    stopper = threading.Thread(target=pool.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                               name="ucm-db-body-pool-stop", daemon=True)
+    stopper.start()
+    stopper.join(WORKER_STOP_WAIT_S)
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+            worker.join(WORKER_STOP_WAIT_S)
+    stopper.join(WORKER_STOP_WAIT_S)

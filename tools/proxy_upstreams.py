@@ -10,7 +10,8 @@ Invariants:
       a busy proxy still answers its probes and a server that hangs holds
       up only its own. A server whose count is full is skipped like an
       unreachable one (nothing was sent to it), and reported as the proxy
-      being saturated, not as the server being down.
+      being saturated, not as the server being down. All the pools share
+      one SSL context, built once.
     * URLs and limits are checked once, at start-up (:func:`parse_urls`,
       :class:`ProxyLimits`): a request never meets a URL httpx refuses, no
       server is named twice on a side, and no URL carries a password (URLs
@@ -25,8 +26,11 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import os
+import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -207,9 +211,21 @@ def control_client() -> httpx.AsyncClient:
 
 def _direct(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
     """A pool that connects to its server itself: a client given its own
-    transport reads no ``HTTP_PROXY``/``ALL_PROXY`` (``SSL_CERT_FILE`` still
-    holds for https servers)."""
-    return httpx.AsyncHTTPTransport(limits=limits)
+    transport reads no ``HTTP_PROXY``/``ALL_PROXY``. Every pool shares one
+    SSL context (:func:`_ssl_context`)."""
+    return httpx.AsyncHTTPTransport(limits=limits, verify=_ssl_context(os.environ.get("SSL_CERT_FILE"),
+                                                                       os.environ.get("SSL_CERT_DIR")))
+
+
+@functools.lru_cache(maxsize=1)
+def _ssl_context(_cert_file: str | None, _cert_dir: str | None) -> ssl.SSLContext:
+    """The SSL context of every pool, built once for the environment's
+    ``SSL_CERT_FILE``/``SSL_CERT_DIR`` (read as httpx reads them; the
+    arguments key the cache). Why shared: a transport left to build its own
+    loads the CA bundle again, which doubled the proxy's start-up time and
+    memory once each server had a probe pool (200 servers: 4.4 -> 8.3 s,
+    +166 -> +328 MiB)."""
+    return httpx.create_ssl_context(trust_env=True)
 
 
 def unsent(exc: httpx.HTTPError) -> bool:
