@@ -16,7 +16,6 @@ import logging
 import os
 import random
 import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,8 @@ from ucm_db.connector.metrics import Counters  # noqa: E402
 from ucm_db.connector.worker.staging import StagingPool  # noqa: E402
 from ucm_db.connector.worker.writer import BackgroundWriter, SaveJob  # noqa: E402
 from ucm_db.errors import CommitProcessError  # noqa: E402
+
+from tests.test_audit_committer_hangs import _in_thread as in_thread  # noqa: E402
 
 NS = ucm_db.Namespace(model="audit-committer-stress", kv_dtype="bfloat16", block_size=4)
 OPTIONS = {"capacity_bytes": 256 << 20, "codec": "none"}
@@ -103,19 +104,7 @@ def _check(store: ucm_db.Store, counters: Counters, writer: BackgroundWriter, co
 
 
 def _in_thread(action: Callable[[], Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = action()
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            out["error"] = exc
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(HANG_S)
-    if thread.is_alive():
-        out["hung"] = True
-    return out
+    return in_thread(action, HANG_S)
 
 
 def _submit(committer: CommitProcess, pool: StagingPool, writer: BackgroundWriter, rng: random.Random, jobs: int,
