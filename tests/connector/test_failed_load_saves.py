@@ -58,6 +58,9 @@ def _seed(settings: ConnectorSettings, kv: dict[str, torch.Tensor], blocks: int)
     worker.drain()
     sched.request_finished(req, ids)
     worker.shutdown()
+    # Its uploads land before this engine goes: a store's close abandons remote calls in flight, and one landing
+    # after a later test step removed its object from the remote would bring the object back.
+    sched.store.flush(upload_timeout_s=30)
     sched.shutdown()
 
 
