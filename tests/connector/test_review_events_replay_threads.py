@@ -31,21 +31,9 @@ from vllm.distributed.kv_events import BlockStored  # noqa: E402
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash  # noqa: E402
 
 from ucm_db.connector.events import FeedEvents  # noqa: E402
+from test_audit_events_epoch_during_replay import _HeldInventory  # noqa: E402
 
 NS = Namespace(model="review-epoch-threads", kv_dtype="bfloat16", block_size=4)
-
-
-class _HeldInventory:
-    def __init__(self, store: ucm_db.Store) -> None:
-        self._store = store
-        self.release = threading.Event()
-
-    def event_inventory(self, **kwargs: Any) -> Any:
-        assert self.release.wait(30)
-        return self._store.event_inventory(**kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
 
 
 def _replays() -> int:
