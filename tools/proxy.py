@@ -10,10 +10,11 @@ body to a prefill server with ``max_tokens=1`` and no streaming, takes the
 ``kv_transfer_params`` of its answer (what the producer published, see
 :mod:`ucm_db.connector.roles`), merges them into the body's own and sends
 it to a decode server, whose answer or event stream goes back to the
-client. ``GET /health`` reports every server; ``GET /v1/models`` asks a
-decode server. The parts: :mod:`~ucm_db.tools.proxy_request` (what is read
-from the client and sent each side), :mod:`~ucm_db.tools.proxy_upstreams`
-(URLs, limits, a pool per server), :mod:`~ucm_db.tools.proxy_relay` (the
+client. ``GET /health`` reports every server; ``GET /v1/models`` asks every
+decode server at once and returns the first answer. The parts:
+:mod:`~ucm_db.tools.proxy_request` (what is read from the client and sent
+each side), :mod:`~ucm_db.tools.proxy_upstreams` (URLs, limits, a pool per
+server), :mod:`~ucm_db.tools.proxy_relay` (the
 exchanges and the stream relay).
 
 Invariants:
@@ -150,15 +151,11 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
 
     @app.get("/v1/models")
     async def models() -> Response:
-        for server in decode.order():
-            try:
-                async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                    response = await server.control.get(server.url + "/v1/models")
-            except (httpx.HTTPError, TimeoutError):
-                continue
-            return Response(response.content, status_code=response.status_code,
-                            media_type=response.headers.get("content-type", "application/json"))
-        return error_response(503, f"no decode server reachable ({', '.join(decode.urls)})", "service_unavailable")
+        answer = await _first_answer(decode.order(), "/v1/models")
+        if answer is None:
+            return error_response(503, f"no decode server reachable ({', '.join(decode.urls)})", "service_unavailable")
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type", "application/json"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -177,6 +174,32 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
         return JSONResponse(report, status_code=200 if ok else 503)
 
     return app
+
+
+async def _first_answer(servers: list[Upstream], path: str) -> httpx.Response | None:
+    """The first answer to ``GET path`` of any of ``servers``, asked all at
+    once (one that hangs or is down delays no other: asked one after
+    another, each dead server cost ``HEALTH_TIMEOUT_S``); None when none
+    answers within it. The others' requests are cancelled."""
+    async def ask(server: Upstream) -> httpx.Response:
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            return await server.control.get(server.url + path)
+
+    pending = {asyncio.ensure_future(ask(server)) for server in servers}
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is None:
+                    return task.result()
+                if not isinstance(exc, (httpx.HTTPError, TimeoutError)):
+                    raise exc  # a bug of the proxy's own
+        return None
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def until_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
