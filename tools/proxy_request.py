@@ -14,7 +14,13 @@ Invariants:
     * The prefill request asks for one token, unstreamed, one choice, and
       drops what conflicts with one token: ``min_tokens`` (vLLM refuses
       ``min_tokens > max_tokens``; it is the only sampling field vLLM checks
-      against ``max_tokens``).
+      against ``max_tokens``). It drops ``prompt_logprobs`` and ``echo``
+      too: its answer is read only for its params, and with them it held a
+      whole prompt's logprobs (a long prompt's ran past the 16 MiB the proxy
+      reads of a prefill answer, so the reuse was lost), computed with
+      vLLM's prefix cache and ucm-db's loads off (vLLM turns both off for a
+      request that asks for prompt logprobs). The decode request keeps
+      both: its server computes the prompt itself for them.
     * The decode request is the client's body with ``kv_transfer_params``
       merged (:func:`merge_params`): the client's own controls
       (``{"ucm_db": {"load": false, "max_load_tokens": N}}``) and other
@@ -48,13 +54,13 @@ if TYPE_CHECKING:  # the body pool's workers import this module: they need no we
     from fastapi import Request
 
 #: Body fields dropped from the prefill request (it answers one token, unstreamed;
-#: vLLM refuses min_tokens above max_tokens).
-PREFILL_DROPPED = ("stream", "stream_options", "min_tokens")
+#: vLLM refuses min_tokens above max_tokens; the prompt's logprobs and echo are the decode answer's).
+PREFILL_DROPPED = ("stream", "stream_options", "min_tokens", "prompt_logprobs", "echo")
 #: Headers passed on to the servers, sent under these names (the client's are matched without regard to case).
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 #: The fields each side sets its own way; every other field is encoded once and shared by both requests.
 SIDE_FIELDS = ("stream", "stream_options", "min_tokens", "max_tokens", "max_completion_tokens", "n",
-               "kv_transfer_params")
+               "prompt_logprobs", "echo", "kv_transfer_params")
 #: The client's ``kv_transfer_params`` are parsed a second time, on the event loop, to merge the publication
 #: in: a larger object (vLLM's are a few hundred bytes) is refused.
 MAX_CLIENT_PARAMS_BYTES = 1 * MIB
