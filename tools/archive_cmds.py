@@ -28,8 +28,10 @@ def export_command(path: Path, archive: Path, namespaces: tuple[str, ...], auth_
     """Write the blocks of chosen namespaces to a portable tar ARCHIVE
     (JSON manifest + encoded blocks). Read-only on the store. ARCHIVE is
     written beside itself under a temp name with the store's permissions
-    and renamed into place; an existing ARCHIVE that is not a regular file
-    (symlink, directory, FIFO, device, `-`) is refused (exit 2). With an
+    and renamed into place (the temp file of an export killed mid-write
+    is removed by the next export to that directory); an existing ARCHIVE
+    that is not a regular file (symlink, directory, FIFO, device, `-`) is
+    refused (exit 2). With an
     auth key the archive carries MACs (HMAC-SHA256) that `import` checks.
     The archive carries each namespace's invalidation epoch (covered by the
     MAC); a namespace whose epoch the store cannot establish is refused

@@ -7,7 +7,8 @@ store, migrations and tools agree on it by importing one module.
 
 Invariants:
     * A store directory holds exactly one engine directory, named after its
-      engine (``lmdb/`` or ``rocksdb/``); :func:`detect_engine` reads that.
+      engine (``lmdb/`` or ``rocksdb/``); :func:`detect_engine` reads that, and
+      refuses a directory holding both (:mod:`ucm_db.format.engine_dirs`).
     * ``info/format_version`` holds the decimal format version; a store of
       another version is refused by :func:`check_format_version` with the fix.
       Like the settings record it is checksummed (a ``sum:`` sidecar, see
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from ucm_db.config import persisted_settings_problem
 from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError, TierError
+from ucm_db.format.engine_dirs import detect_engine  # noqa: F401 - re-exported: the one engine reader
 from ucm_db.format.names import (  # noqa: F401 - re-exported: the format's constants
     CREATED_KEY, FORMAT_VERSION_KEY, INFO_TABLE, MIN_MAP_BYTES, ON_DISK_ENGINES, SETTINGS_KEY, STORE_FORMAT_VERSION,
 )
@@ -48,14 +50,6 @@ from ucm_db.index.records import SUM_PREFIX, DamagedRecord, check, get_checked, 
 if TYPE_CHECKING:
     from ucm_db.config import StoreConfig
     from ucm_db.engines.base import Buffer, Engine
-
-
-def detect_engine(path: Path) -> str | None:
-    """The engine of an existing store directory, or None if there is none."""
-    for name in ON_DISK_ENGINES:
-        if (Path(path) / name).is_dir():
-            return name
-    return None
 
 
 def configured_map_bytes(config: StoreConfig) -> int:

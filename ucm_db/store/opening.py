@@ -3,8 +3,10 @@ before it holds anything.
 
 Invariants:
     * Nothing is created before the arguments are checked: a bad path, an
-      unknown option, a bad remote key or an engine that conflicts with the
-      store on disk is refused first.
+      unknown option, a bad remote key, an engine that conflicts with the
+      store on disk, or a directory holding both engines' directories
+      (:func:`ucm_db.format.detect_engine`, with or without ``engine``)
+      is refused first.
     * A new store is created by one process at a time
       (:func:`ucm_db.storelock.hold_creation`), which looks for an engine
       again under that lock: two processes creating one store with

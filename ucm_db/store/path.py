@@ -25,6 +25,9 @@ Invariants:
       needs (:func:`permission_error`), read-only opens included; a
       symlink whose target this user may not reach (EACCES) is that, never
       "a link to nothing" (:func:`_refuse_dangling`).
+    * A store directory holding both engine directories is a
+      :class:`ConfigError` before anything is created or opened
+      (:func:`ucm_db.format.detect_engine`, which every door reads).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def check_store_path(path: Path) -> str:
     try:
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{path} is a file, not a ucm-db store directory", hint="pass the directory given to ucm_db.open")
-        name = detect_engine(path)
+        name = detect_engine(path)  # both lmdb/ and rocksdb/: a ConfigError naming the fix
         data_file = path / "lmdb" / "data.mdb"
         has_data_file = data_file.is_file() if name == "lmdb" else True
     except OSError as exc:

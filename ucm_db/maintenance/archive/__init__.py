@@ -47,7 +47,9 @@ Invariants:
     * Export never replaces anything but a regular file, writes a temp file
       beside the archive (``O_EXCL | O_NOFOLLOW``, the store's permissions),
       and renames it into place when complete (:mod:`ucm_db.maintenance.archive.files`), so
-      a failed export leaves no truncated archive behind. It refuses a store
+      a failed export leaves no truncated archive behind; the temp file of
+      one killed mid-write is removed by the next export to that directory
+      (:mod:`ucm_db.maintenance.archive.temps`). It refuses a store
       whose manifest or blocks would exceed the bounds import applies.
     * Import with an auth key accepts only what that key (or another of the
       keys given) signed (:mod:`ucm_db.maintenance.archive.macs`); export with a key

@@ -18,6 +18,10 @@ Invariants:
       target; the directory is fsynced after the rename. A failure removes
       the temp file and leaves the target as it was. A directory the temp
       file cannot be created in (EACCES, EPERM, EROFS) is a ConfigError.
+      The temp file is locked from its creation until after the rename,
+      and an export first removes the temp files in its directory whose
+      export is gone (killed mid-write: their lock is free), never a live
+      one's (:mod:`ucm_db.maintenance.archive.temps`).
     * A member is read into one buffer of its declared size, chunk by chunk,
       only if it is a regular member no larger than the caller's bound;
       a short read (a truncated archive) is an error, never a short blob.
@@ -61,15 +65,15 @@ from __future__ import annotations
 import errno
 import json
 import os
-import secrets
 import stat
 import tarfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 from ucm_db.errors import ConfigError, TierError
+from ucm_db.maintenance.archive.temps import locked_temp, remove_abandoned_temps
 from ucm_db.store.path import enclosing_store, path_error
 from ucm_db.storelock import fsync_dir
 
@@ -157,34 +161,42 @@ def _kind(mode: int) -> str:
 @contextmanager
 def atomic_output(target: Path, mode: int) -> Iterator[IO[bytes]]:
     """A binary file that becomes ``target`` when the block exits normally
-    (module invariants); OSError becomes TierError with the fix."""
+    (module invariants); OSError becomes TierError with the fix. The temp
+    files of exports killed mid-write in ``target``'s directory are removed
+    first (:func:`~ucm_db.maintenance.archive.temps.remove_abandoned_temps`)."""
     check_target(target)
-    temp = target.parent / f".{target.name}.{secrets.token_hex(8)}.partial"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(temp, flags, mode)
-    except OSError as exc:
-        if exc.errno in _UNWRITABLE:  # a destination that cannot be written: a usage error (exit 2), as cli.md says
-            raise ConfigError(f"cannot write {target}: cannot create a file in {target.parent}: {exc.strerror}",
-                              hint=f"write the archive to a directory this user can write (uid {os.getuid()}), "
-                              "on a file system mounted read-write") from exc
-        raise TierError(f"cannot create a temp file in {target.parent}: {exc}",
-                        hint=f"check the permissions and free space of {target.parent}") from exc
-    try:
-        os.fchmod(fd, mode)  # exactly the store's bits, whatever the umask
-        with os.fdopen(fd, "wb") as out:
-            yield out
-            out.flush()
-            os.fsync(out.fileno())
-        check_target(target)  # something may have been planted meanwhile
-        os.replace(temp, target)
-        fsync_dir(target.parent)
-    except OSError as exc:
-        temp.unlink(missing_ok=True)
-        raise TierError(f"cannot write {target}: {exc}", hint=f"check the free space and permissions of {target.parent}") from exc
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    remove_abandoned_temps(target.parent)
+    with ExitStack() as stack:
+        try:
+            fd, temp = stack.enter_context(locked_temp(target, mode))
+        except OSError as exc:
+            raise _creation_error(target, exc) from exc
+        try:  # the file stays locked until the stack closes it: after the rename, or after its removal
+            os.fchmod(fd, mode)  # exactly the store's bits, whatever the umask
+            with os.fdopen(fd, "wb", closefd=False) as out:
+                yield out
+                out.flush()
+                os.fsync(out.fileno())
+            check_target(target)  # something may have been planted meanwhile
+            os.replace(temp, target)
+            fsync_dir(target.parent)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            raise TierError(f"cannot write {target}: {exc}",
+                            hint=f"check the free space and permissions of {target.parent}") from exc
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+
+def _creation_error(target: Path, exc: OSError) -> Exception:
+    """The error for ``exc``, met creating the temp file of the archive ``target``."""
+    if exc.errno in _UNWRITABLE:  # a destination that cannot be written: a usage error (exit 2), as cli.md says
+        return ConfigError(f"cannot write {target}: cannot create a file in {target.parent}: {exc.strerror}",
+                           hint=f"write the archive to a directory this user can write (uid {os.getuid()}), "
+                           "on a file system mounted read-write")
+    return TierError(f"cannot create a temp file in {target.parent}: {exc}",
+                     hint=f"check the permissions and free space of {target.parent}")
 
 
 _NOT_EXPORTED_HINT = "the archive is damaged or not written by ucm-db export; export it again"
