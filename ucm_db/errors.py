@@ -166,7 +166,13 @@ class ClosedError(UcmDbError, RuntimeError):
 
 
 class CommitProcessError(UcmDbError, RuntimeError):
-    """The commit process (:mod:`ucm_db.committer`) could not start, or is
-    gone: nothing it had not answered was committed by it."""
+    """The commit process (:mod:`ucm_db.committer`) could not start, is
+    gone, or was not sent a request (over the wire's limit: it lives on).
+
+    Attributes:
+        request_sent: False where no request of this error ever reached the
+            child whole, so it committed none (:mod:`ucm_db.committer`).
+    """
 
     default_hint = "commit in this process instead (the connector does so by itself and logs it); see the log for the cause"
+    request_sent = True

@@ -8,14 +8,25 @@ Invariants:
     * The child found gone (at a commit, or by a staging allocation), the
       route logs it once, closes it and commits here from then on; the
       round under way commits here at once, its staging still intact.
+    * A round is one transaction wherever it commits (the writer's rounds,
+      writer.py): a round whose request is over the commit process's
+      message limit (:data:`ucm_db.committer.wire.MAX_PAYLOAD_BYTES`: ~1M
+      unit keys, fewer with event fields) is never split into requests; it
+      commits here, whole, and the child (refused it unsent, alive) takes
+      the later rounds. The first such round is logged.
     * A round names the buffer its staging lies in: a job holds its staging
       (so its buffer stays mapped) until it is done, and
       :meth:`~ucm_db.committer.CommitProcess.locate` never names a buffer
       dropped since (one whose address range a newer buffer took), even
       while its FORGET waits for the request this round sends.
     * :meth:`CommitRoute.put` returns the keys its transaction stored
-      (``PutResult.stored_keys``); where the child was lost with the request
-      (it may have committed it), every key of the chains.
+      (``PutResult.stored_keys``); where the child was lost after the
+      round's request was written whole (it may have committed it), every
+      key of the chains. Where none of it reached the child
+      (``CommitProcessError.request_sent`` False: found gone before or
+      while it was written, or over the limit), only what the put here
+      stored: a void deletes what this returns, and keys another engine
+      stored first are not this round's (voids.py).
     * Committed here, a chain that continues the last unit of an earlier
       chain of the round (the same head's next step of a request) is one
       ``put_segments`` segment with it: the same units in the same
@@ -69,6 +80,7 @@ class CommitRoute:
         self._committer = committer
         self._frame_bytes = frame_bytes
         self.child_cpu_s = 0.0
+        self._logged_refused = False
 
     @property
     def committer(self) -> CommitProcess | None:
@@ -81,7 +93,7 @@ class CommitRoute:
         namespace = chains[0][0].namespace
         if self._committer is not None and not self._committer.alive:  # found gone by a staging allocation
             self._lose_committer(self._committer.gone_reason or "")
-        lost_mid_request = False
+        sent = False  # the child may have committed this round
         if self._committer is not None:
             shared = self._shared(self._committer, chains)
             if shared is not None:
@@ -91,15 +103,23 @@ class CommitRoute:
                     self.child_cpu_s += committed.cpu_s
                     return committed.stored_keys
                 except CommitProcessError as exc:
-                    self._lose_committer(str(exc))
-                    lost_mid_request = True
+                    sent = exc.request_sent
+                    if self._committer.alive:  # refused unsent (over the limit): it serves the next rounds
+                        self._log_refused(str(exc))
+                    else:
+                        self._lose_committer(str(exc))
         stored = self._store.put_segments(namespace, self._segments(chains), codec_name=self._codec_name, event_fields=evented).stored_keys
-        return [key for job, j in chains for key in job.chains[j]] if lost_mid_request else stored
+        return [key for job, j in chains for key in job.chains[j]] if sent else stored
 
     def close(self) -> None:
         if self._committer is not None:
             committer, self._committer = self._committer, None
             release_committer(committer)
+
+    def _log_refused(self, reason: str) -> None:
+        if not self._logged_refused:
+            self._logged_refused = True
+            logger.warning("ucm-db: %s; such a round commits in the worker process", reason)
 
     def _lose_committer(self, reason: str) -> None:
         logger.warning("ucm-db: %s; saves now commit in the worker process", reason)

@@ -42,6 +42,20 @@ Invariants:
       request raises :class:`~ucm_db.errors.CommitProcessError` at once; a
       request it had not answered may or may not have committed (as any
       put cut by a crash), never partly.
+    * A request's error says whether the child may have committed it:
+      ``CommitProcessError.request_sent`` is True only once the request's
+      message was written whole into the socket. False (the child found
+      gone before or while it was written, or the request refused below)
+      means the child did not commit it: the child acts only on a whole
+      message (a short read ends it), and a write that failed gave the
+      child up (killed and reaped) before the error was raised. A caller
+      that commits such a request itself owns exactly what its own put stored.
+    * A request over :data:`ucm_db.committer.wire.MAX_PAYLOAD_BYTES` (its
+      JSON: ~67 bytes a key, more with event fields; ~1M keys) is refused
+      before anything is written: CommitProcessError with ``request_sent``
+      False, and the child untouched and :attr:`~CommitProcess.alive` for
+      later requests (sent, the child would read it as a broken stream and
+      exit). A put is one transaction: it is never split across requests.
     * The child dies with the caller: it exits when the socket's other end
       closes, which the kernel does when the caller exits or is killed, or
       when it finds itself re-parented (a process the caller forked holds
@@ -65,7 +79,6 @@ Invariants:
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
 import json
 import mmap
@@ -76,16 +89,16 @@ import sys
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ucm_db import cpu_placement
 from ucm_db.committer import wire
+from ucm_db.committer.values import Committed, SharedBuffer, SharedChain
 from ucm_db.committer.wire import check_units
 from ucm_db.errors import CommitProcessError, ConfigError
 from ucm_db.events import BlockEventFields, pack_event_fields
-from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.keys import Namespace
 
 __all__ = ["CommitProcess", "Committed", "SharedBuffer", "SharedChain", "check_units"]
 
@@ -109,45 +122,6 @@ def _forget(buffers: dict[int, tuple[int, int]], forgotten: collections.deque[in
     buffers.pop(buffer_id, None)
     mappings.pop(buffer_id, None)
     forgotten.append(buffer_id)
-
-
-class SharedBuffer:
-    """``nbytes`` of memory the caller and its commit process both map.
-
-    :attr:`memory` is a writable buffer (``torch.frombuffer`` and
-    ``numpy.frombuffer`` take it); :attr:`address` is where it starts in
-    the caller, to find which buffer a view lies in."""
-
-    def __init__(self, buffer_id: int, memory: mmap.mmap, nbytes: int) -> None:
-        self.id = buffer_id
-        self.memory = memory
-        self.nbytes = nbytes
-        anchor = ctypes.c_char.from_buffer(memory)
-        self.address = ctypes.addressof(anchor)
-        del anchor  # an export would keep the mapping from ever closing
-
-
-@dataclass(frozen=True)
-class SharedChain:
-    """One chain segment's payloads in a shared buffer: unit ``i`` of
-    ``keys`` is ``unit_bytes`` at ``offset + i * stride_bytes`` of buffer
-    ``buffer_id``."""
-
-    keys: BlockKeys
-    buffer_id: int
-    offset: int
-    stride_bytes: int
-    unit_bytes: int
-
-
-@dataclass(frozen=True)
-class Committed:
-    """A put the child committed: its (wall, CPU) seconds there, and the
-    keys it stored (``PutResult.stored_keys``: not those stored already)."""
-
-    wall_s: float
-    cpu_s: float
-    stored_keys: list[bytes]
 
 
 class CommitProcess:
@@ -274,6 +248,8 @@ class CommitProcess:
         Raises:
             ConfigError: a chain names a buffer not shared (or dropped), or
                 units not all inside it (:func:`check_units`); nothing sent.
+            CommitProcessError: the child is gone, or the request is over
+                the messages' limit (module invariants: ``request_sent``).
         """
         buffers = self._buffers.copy()  # a copy: finalizers pop from it
         for at, chain in enumerate(chains):
@@ -299,15 +275,31 @@ class CommitProcess:
         return reply.wall_s, reply.cpu_s
 
     def _call(self, op: int, body: dict[str, Any]) -> wire.Reply:
-        with self._lock:
-            with self._send_lock:
-                self._check()
-                forgotten = self._take_forgotten()  # before the MAPs: a FORGET never precedes its buffer's MAP
-                self._send_maps(wait=True)
-                if forgotten:
-                    self._guard(lambda: wire.send_json(self._sock, wire.FORGET, {"ids": forgotten}))
-                self._guard(lambda: wire.send_json(self._sock, op, body))
-            reply = self._guard(lambda: wire.receive_reply(self._sock))
+        """One request and its reply; a CommitProcessError says whether the
+        request was written whole (``request_sent``: module invariants)."""
+        self._check()
+        payload = wire.pack_json(body)  # before the locks, and refused over the limit with nothing written
+        if len(payload) > wire.MAX_PAYLOAD_BYTES:
+            refused = CommitProcessError(
+                f"a {len(payload)}-byte request is over the {wire.MAX_PAYLOAD_BYTES}-byte limit of the commit process's messages"
+                " (not sent; the commit process serves on)", hint="commit this one in this process (the connector does so by itself)")
+            refused.request_sent = False
+            raise refused
+        written = False
+        try:
+            with self._lock:
+                with self._send_lock:
+                    self._check()
+                    forgotten = self._take_forgotten()  # before the MAPs: a FORGET never precedes its buffer's MAP
+                    self._send_maps(wait=True)
+                    if forgotten:
+                        self._guard(lambda: wire.send_json(self._sock, wire.FORGET, {"ids": forgotten}))
+                    self._guard(lambda: wire.send(self._sock, op, payload))
+                written = True  # whole in the child's socket: it may commit it from here on
+                reply = self._guard(lambda: wire.receive_reply(self._sock))
+        except CommitProcessError as exc:
+            exc.request_sent = written
+            raise
         if reply.status == wire.OK:
             return reply
         raise wire.unpack_error(reply.message)  # the class, message and hint Store.put_segments raised there

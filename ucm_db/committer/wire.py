@@ -48,8 +48,11 @@ VERSION = 1
 IDENTITY = json.dumps({"wire": VERSION, "ucm_db": __version__, "at": str(Path(__file__).resolve())}, separators=(",", ":"))
 _HEAD = struct.Struct("<BI")
 _REPLY = struct.Struct("<Bdd")
-#: Longest payload either side accepts (a round's keys and event fields are
-#: far below it); a longer one is a bug, not traffic.
+#: Longest payload either side accepts: the child ends on a longer one (a
+#: broken stream), so the parent never writes one (a request over it is
+#: refused unsent: ucm_db.committer's invariants). Most rounds' keys and
+#: event fields are far below it; a whole long prompt's save of many heads
+#: (~1M unit keys, or fewer with event fields) is not.
 MAX_PAYLOAD_BYTES = 64 << 20
 
 
@@ -113,8 +116,13 @@ def writable_now(sock: socket.socket) -> bool:
     return any(mask & select.POLLOUT for _fd, mask in poller.poll(0))
 
 
+def pack_json(body: dict[str, Any]) -> bytes:
+    """A JSON payload (compact); the sender checks it against :data:`MAX_PAYLOAD_BYTES`."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def send_json(sock: socket.socket, op: int, body: dict[str, Any], fd: int | None = None) -> None:
-    send(sock, op, json.dumps(body, separators=(",", ":")).encode(), fd)
+    send(sock, op, pack_json(body), fd)
 
 
 def receive(sock: socket.socket) -> tuple[int, bytes, list[int]]:
