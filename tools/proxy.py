@@ -11,7 +11,7 @@ body to a prefill server with ``max_tokens=1`` and no streaming, takes the
 :mod:`ucm_db.connector.roles`), merges them into the body's own and sends
 it to a decode server, whose answer or event stream goes back to the
 client. ``GET /health`` reports every server; ``GET /v1/models`` asks every
-decode server at once and returns the first answer. The parts:
+decode server at once and returns the first success. The parts:
 :mod:`~ucm_db.tools.proxy_request` (what is read from the client and sent
 each side), :mod:`~ucm_db.tools.proxy_upstreams` (URLs, limits, a pool per
 server), :mod:`~ucm_db.tools.proxy_relay` (the
@@ -177,25 +177,31 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], timeout_s
 
 
 async def _first_answer(servers: list[Upstream], path: str) -> httpx.Response | None:
-    """The first answer to ``GET path`` of any of ``servers``, asked all at
-    once (one that hangs or is down delays no other: asked one after
-    another, each dead server cost ``HEALTH_TIMEOUT_S``); None when none
-    answers within it. The others' requests are cancelled."""
+    """The first 2xx answer to ``GET path`` of any of ``servers``, asked all
+    at once (one that hangs or is down delays no other: asked one after
+    another, each dead server cost ``HEALTH_TIMEOUT_S``); with none, the
+    first other answer (a broken server's fast 500 never beats a healthy
+    server's slower 200); None when none answers within the timeout. The
+    others' requests are cancelled."""
     async def ask(server: Upstream) -> httpx.Response:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
             return await server.control.get(server.url + path)
 
     pending = {asyncio.ensure_future(ask(server)) for server in servers}
+    fallback: httpx.Response | None = None
     try:
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                exc = task.exception()
+            errors = [task.exception() for task in done]  # each retrieved: none logged as never retrieved
+            for task, exc in zip(done, errors):
                 if exc is None:
-                    return task.result()
-                if not isinstance(exc, (httpx.HTTPError, TimeoutError)):
+                    answer = task.result()
+                    if answer.is_success:
+                        return answer
+                    fallback = fallback or answer
+                elif not isinstance(exc, (httpx.HTTPError, TimeoutError)):
                     raise exc  # a bug of the proxy's own
-        return None
+        return fallback
     finally:
         for task in pending:
             task.cancel()

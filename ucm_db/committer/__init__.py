@@ -277,16 +277,15 @@ class CommitProcess:
     def _call(self, op: int, body: dict[str, Any]) -> wire.Reply:
         """One request and its reply; a CommitProcessError says whether the
         request was written whole (``request_sent``: module invariants)."""
-        self._check()
-        payload = wire.pack_json(body)  # before the locks, and refused over the limit with nothing written
-        if len(payload) > wire.MAX_PAYLOAD_BYTES:
-            refused = CommitProcessError(
-                f"a {len(payload)}-byte request is over the {wire.MAX_PAYLOAD_BYTES}-byte limit of the commit process's messages"
-                " (not sent; the commit process serves on)", hint="commit this one in this process (the connector does so by itself)")
-            refused.request_sent = False
-            raise refused
         written = False
         try:
+            self._check()  # found gone by another thread: nothing of this request written
+            payload = wire.pack_json(body)  # before the locks, and refused over the limit with nothing written
+            if len(payload) > wire.MAX_PAYLOAD_BYTES:
+                raise CommitProcessError(
+                    f"a {len(payload)}-byte request is over the {wire.MAX_PAYLOAD_BYTES}-byte limit of the commit process's "
+                    "messages (not sent; the commit process serves on)",
+                    hint="commit this one in this process (the connector does so by itself)")
             with self._lock:
                 with self._send_lock:
                     self._check()

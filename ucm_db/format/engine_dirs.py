@@ -9,6 +9,10 @@ Invariants:
       blocks, and every door (the store, its views, the tools, migrations)
       reads the engine here. An empty one is refused too, with ``rmdir`` as
       its fix, so no door ever creates a second store in it.
+    * A directory whose ``lmdb/`` or ``rocksdb/`` is itself a whole store
+      (two stores named after the engines under one parent) is not a
+      store: a :class:`ConfigError` names the store(s) to open instead,
+      never a move that would nest a store a level down.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from ucm_db.errors import ConfigError
 from ucm_db.format.names import ON_DISK_ENGINES
+from ucm_db.storelock import LOCK_FILE
 
 
 def detect_engine(path: Path) -> str | None:
@@ -30,6 +35,14 @@ def detect_engine(path: Path) -> str | None:
     it is."""
     path = Path(path)
     found = [name for name in ON_DISK_ENGINES if (path / name).is_dir()]
+    stores = [path / name for name in found if _is_store(path / name)]
+    if stores:
+        named = " and ".join(str(store) for store in stores)
+        raise ConfigError(
+            f"{path} is not a ucm-db store: {named} {'is a store' if len(stores) == 1 else 'are stores'} of "
+            f"{'its' if len(stores) == 1 else 'their'} own (named after an engine, each holds {LOCK_FILE} and an "
+            "engine directory); nothing was opened",
+            hint="open " + " or ".join(str(store) for store in stores) + " itself")
     if len(found) < 2:
         return found[0] if found else None
     held = {name: _engine_files(Path(path) / name) for name in found}
@@ -85,3 +98,9 @@ def _described(held: tuple[int, int, float] | None) -> str:
         return "empty"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
     return f"{files} files, {size_bytes} bytes, last written {when}"
+
+
+def _is_store(directory: Path) -> bool:
+    """Whether ``directory`` is a whole store (its lock file and an engine
+    directory), not an engine's directory."""
+    return (directory / LOCK_FILE).is_file() and any((directory / name).is_dir() for name in ON_DISK_ENGINES)

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ucm_db.errors import ConfigError, TierError
-from ucm_db.maintenance.archive.temps import locked_temp, remove_abandoned_temps
+from ucm_db.maintenance.archive.temps import TEMP_NAME, locked_temp, remove_abandoned_temps
 from ucm_db.store.path import enclosing_store, path_error
 from ucm_db.storelock import fsync_dir
 
@@ -118,6 +118,9 @@ def check_target(target: Path) -> None:
     if str(target) == "-":
         raise ConfigError("exporting to standard output (-) is not supported",
                           hint="name a regular file to write, e.g. DIR/store.tar")
+    if TEMP_NAME.fullmatch(target.name):  # the next export to the directory would remove it as abandoned
+        raise ConfigError(f"refusing to write {target}: its name is the pattern of an export's temp file",
+                          hint="name the archive otherwise, e.g. DIR/store.tar")
     try:
         st = os.lstat(target)
     except FileNotFoundError:
