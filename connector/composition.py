@@ -36,14 +36,24 @@ Invariants:
       ``store_foreign_loads`` is set (:func:`refuse_saves_over_foreign_load`;
       ucm-db's loads are noted by :func:`note_ucm_db_load` when vLLM
       allocates them, before any child builds its step).
+    * One publication per request: MultiConnector merges its children's
+      ``kv_transfer_params`` and stops the engine on a key two of them
+      return (``RuntimeError: Key clash``), and every ucm-db child that is a
+      ``kv_producer`` publishes under the same key. So the first ucm-db
+      child to publish a request returns it, and each later one of the same
+      namespace folds its own into it (:func:`publish_once`): the blocks
+      every one of their stores holds (the fewest), and every store named.
+      Two children of one engine are told apart from two engines of one
+      process by the request object, which MultiConnector hands every child.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handler prints it
@@ -51,6 +61,29 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handl
 MAX_NOTED_LOADS = 65536
 _ucm_db_loads: OrderedDict[str, None] = OrderedDict()
 _warned_foreign = False
+#: The last publication of each namespace made in this process: (its request, the scheduler that made it, its body).
+_publications: dict[str, tuple[Callable[[], Any], object, dict[str, Any]]] = {}
+
+
+def publish_once(request: Any, owner: object, params: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """``params`` (a publication under ``key``) where ``owner`` is the first
+    ucm-db scheduler to publish ``request``; None where another one of this
+    process published the same request object under the same namespace,
+    after folding ``params`` into that one's (module invariants)."""
+    body = params[key]
+    last = _publications.get(body["namespace"])
+    if last is None or last[0]() is not request or last[1] is owner:
+        try:
+            held: Callable[[], Any] = weakref.ref(request)
+        except TypeError:  # not vLLM's Request: held (one per namespace) until the next publication
+            held = lambda: request  # noqa: E731
+        _publications[body["namespace"]] = (held, owner, body)
+        return params
+    first = last[2]
+    if body["blocks"] < first["blocks"]:  # every store named holds the fewer blocks
+        first.update(blocks=body["blocks"], tokens=body["tokens"], last_key=body["last_key"])
+    first["stores"] = list(dict.fromkeys([*first["stores"], *body["stores"]]))
+    return None
 
 
 def note_ucm_db_load(req_id: str) -> None:

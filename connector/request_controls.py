@@ -83,7 +83,7 @@ from ucm_db.errors import ConfigError
 
 #: The fields a producer's publication writes under the same key
 #: (roles.Publication.to_params); tests/connector/test_request_controls.py keeps the two in step.
-PUBLICATION_FIELDS = frozenset({"version", "namespace", "blocks", "block_size", "tokens", "last_key", "published_to"})
+PUBLICATION_FIELDS = frozenset({"version", "namespace", "blocks", "block_size", "tokens", "last_key", "published_to", "stores"})
 #: Requests whose problems were reported, remembered so each is reported once
 #: though several schedulers (a hybrid model's groups, MultiConnector's
 #: children) parse the same request, and again after a reset renews its state.

@@ -31,11 +31,23 @@ Invariants:
     * A consumer waits for one request at most ``load_deadline_s`` from its
       first lookup; the wait is a deferred lookup (vLLM schedules the
       request again later), so no KV blocks are held while waiting.
+    * A publication names the stores that hold its blocks (``stores``:
+      :func:`store_fingerprints` of the producer's local store and of its
+      remote tier, if any). A consumer waits only for a publication naming
+      a store it reads (or naming none: a producer from before the field);
+      for any other it does an ordinary lookup: under a MultiConnector, a
+      child on a local cache in front of the shared store would otherwise
+      hold every PD request for ``load_deadline_s`` (blocks it never gets),
+      and count them all as publication misses. Waiting is never what makes
+      a load right (every claim is of blocks found stored), so a fingerprint
+      that does not match only costs the wait's retries, never wrong KV.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -115,17 +127,33 @@ def producer_store_options(store_options: Mapping[str, Any], publish: str) -> di
     return options
 
 
+def store_fingerprints(local_path: str | os.PathLike[str], remote: str | None) -> tuple[str, ...]:
+    """Short digests naming where a store's blocks can be read: its local
+    directory (device and inode: the same directory under any mount path
+    of one node) and its remote tier's URL (trailing slashes dropped), if
+    any. A directory that cannot be stat'ed is named by its resolved path."""
+    try:
+        status = os.stat(local_path)
+        local = f"local:{status.st_dev}:{status.st_ino}"
+    except OSError:
+        local = f"path:{os.path.realpath(local_path)}"
+    names = [local] + ([f"remote:{remote.rstrip('/')}"] if remote else [])
+    return tuple(hashlib.blake2b(name.encode(), digest_size=8, person=b"ucm-db/store").hexdigest() for name in names)
+
+
 @dataclass(frozen=True, slots=True)
 class Publication:
     """What a producer committed for one request: the leading ``blocks``
     full blocks of its key chain under ``namespace_id`` (hex), the last of
-    them keyed ``last_key`` (hex)."""
+    them keyed ``last_key`` (hex), held by the ``stores`` named
+    (:func:`store_fingerprints`; empty: not said)."""
 
     namespace_id: str
     blocks: int
     block_size: int
     last_key: str
     target: str = "local"
+    stores: tuple[str, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -136,6 +164,7 @@ class Publication:
         return {PARAMS_KEY: {
             "version": PARAMS_VERSION, "namespace": self.namespace_id, "blocks": self.blocks,
             "block_size": self.block_size, "tokens": self.tokens, "last_key": self.last_key, "published_to": self.target,
+            "stores": list(self.stores),
         }}
 
     @classmethod
@@ -157,7 +186,15 @@ class Publication:
             return None
         if not (isinstance(namespace_id, str) and isinstance(last_key, str) and isinstance(target, str)):
             return None
-        return cls(namespace_id, blocks, block_size, last_key, target)
+        stores = body.get("stores")
+        # Not a list of names: not said (waited for as from a producer before the field).
+        named = tuple(stores) if isinstance(stores, list) and all(isinstance(name, str) for name in stores) else ()
+        return cls(namespace_id, blocks, block_size, last_key, target, named)
+
+    def reaches(self, stores: tuple[str, ...]) -> bool:
+        """Whether a reader of ``stores`` (its :func:`store_fingerprints`)
+        reads a store this publication names (True where it names none)."""
+        return not self.stores or not set(self.stores).isdisjoint(stores)
 
     def keys_match(self, namespace_id: str, block_size: int, keys: Any, max_blocks: int) -> bool | None:
         """Whether the consumer's own key for the publication's last block

@@ -17,14 +17,17 @@ states); the work is done by:
   vLLM's ``skip_reading_prefix_cache``; served as
   :mod:`ucm_db.connector.scheduler.served_controls` says) and the
   admission of computed blocks (``save_decode``, ``admit_after``);
-* :mod:`ucm_db.connector.roles` -- a ``kv_consumer``'s waits for blocks a
+* :mod:`ucm_db.connector.roles`, :mod:`ucm_db.connector.scheduler.publications`
+  -- what a ``kv_producer`` announces, a ``kv_consumer``'s waits for blocks a
   producer announced; :mod:`ucm_db.connector.epochs` -- resets.
 
 Invariants:
     * ``get_num_new_matched_tokens`` claims only whole blocks whose every
       unit (every KV head of every pipeline stage) is stored, never the
       prompt's last token, and only beyond what vLLM already computed; with
-      a stored EAGLE-style draft, not the last block found (drafts.py). It
+      a stored EAGLE-style draft, not the last block found (drafts.py); never
+      a block of a save this engine voided before its void surely ran
+      (settlement.py's fences: nor is such a block counted stored). It
       changes, for the request: its state (made anew where there is none or
       its key chain is of an older epoch), its key chain (grown as far as
       the lookup hashed), the :class:`~ucm_db.connector.scheduler.request_state.LookupRecord`
@@ -84,10 +87,11 @@ from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
-from ucm_db.connector.request_controls import Admission, request_params
+from ucm_db.connector.request_controls import Admission
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
 from ucm_db.connector.scheduler.served_controls import log_not_looked_up, refuse_saves_over_stale_caches, served_controls
-from ucm_db.connector.roles import Publication, PublicationWaits, RolePolicy
+from ucm_db.connector.roles import PublicationWaits, RolePolicy, store_fingerprints
+from ucm_db.connector.scheduler.publications import Publications
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.scheduler.settlement import SaveSettlement, forget_failed_blocks
 from ucm_db.connector.stores import acquire, refuse_older_generations, release
@@ -147,6 +151,9 @@ class UcmDbScheduler:
         self._settlement = SaveSettlement(several_ranks, publishes=role.publishes)
         self._planner = StepPlanner(self._requests, self._keys, self._block_size, group, self.cost, self._lookup,
                                     self._settlement, lambda: self._epochs.epoch, self._admission)
+        self._publications = Publications(self._ns_id, self._block_size, self._hit_margin, self._keys, self._lookup, self._settlement,
+                                          self.counters, self._waits, self._publish_target,
+                                          store_fingerprints(self._store.path, self._store.config.remote))
         logger.info(
             "ucm-db connector (scheduler): store %s, namespace %s, %d unit(s) per block, model %s",
             settings.path, self._namespace.short_id, len(self._spans), shape.model,
@@ -208,17 +215,18 @@ class UcmDbScheduler:
         if claimable * self._block_size <= num_computed_tokens or epoch is None:
             # Nothing to load. Where vLLM's own cache holds every loadable
             # block, the local tier says which are stored: saved once, never again.
-            stored = 0 if epoch is None or not claimable else self._lookup.locally_stored_prefix(state, claimable)
+            stored = 0 if epoch is None or not claimable else self._unfenced(state, self._lookup.locally_stored_prefix(state, claimable))
             # Capped below one block (max_load_tokens): nothing was to be loaded, so no lookup is counted.
             state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0, looked_up=not state.controls.loads_nothing(self._block_size))
             return 0, False
         skips_before = sum(self.cost.skipped.values())
         state.vllm_computed_tokens = num_computed_tokens
         try:  # a hit that gives its last block back looks one block past a max_load_tokens cap
-            found = self._lookup.longest_stored_prefix(state, min(max_blocks, claimable + self._hit_margin))
+            found = self._unfenced(state, self._lookup.longest_stored_prefix(state, min(max_blocks, claimable + self._hit_margin)))
         except LookupPending:
             return None, False
-        if self._await_publication(state, max_blocks, found, claimable):
+        skipped = sum(self.cost.skipped.values()) > skips_before  # a tier judged slower than recomputing was left out
+        if self._publications.await_publication(state, max_blocks, found, claimable, skipped):
             return None, False
         hit = min(claimable, max(0, found - self._hit_margin))
         if hit and self.cost.decide(self._ns_id, "local", probe_unmeasured=False, first_position=num_computed_tokens,
@@ -234,27 +242,9 @@ class UcmDbScheduler:
         """The last claim's tokens by tier (:func:`.request_state.hit_sources`)."""
         return hit_sources(self._requests.get(request.request_id), num_external_tokens, self._block_size)
 
-    def _await_publication(self, state: RequestState, max_blocks: int, hit: int, claimable: int) -> bool:
-        """True: defer the request, a producer announced blocks that are not
-        visible yet (of the ``claimable`` first ones) and its deadline is
-        ahead (:mod:`ucm_db.connector.roles`)."""
-        request = state.request
-        publication = Publication.from_params(request_params(request))  # a session's current chunk's
-        if publication is None:
-            return False
-        expected = self._waits.expected(publication, self._ns_id, self._block_size, lambda n: self._keys(state, n), max_blocks)
-        expected = min(expected, max_blocks, claimable + self._hit_margin)  # a drafter's hit: one past a cap
-        if self._waits.decide(request.request_id, expected, hit):
-            return True
-        waited_s = self._waits.waited_s(request.request_id)
-        self._waits.forget(request.request_id)
-        self.counters.add(publication_wait_s=waited_s, publication_misses=max(0, expected - hit))
-        if expected > hit:
-            logger.warning(
-                "ucm-db: request %s: %d of %d announced blocks not visible after %.2f s; the rest is recomputed",
-                request.request_id, expected - hit, expected, waited_s,
-            )
-        return False
+    def _unfenced(self, state: RequestState, found: int) -> int:
+        """``found`` stored blocks cut before one a voided save of this engine may still hold (settlement.py's fences)."""
+        return self._settlement.unfenced(self._keys(state, found), found)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Takes the lookup's record into the request's pending load (an
@@ -334,7 +324,9 @@ class UcmDbScheduler:
                         state.claim_limit = state.request.num_computed_tokens // self._block_size
         # Before settling: the tables recorded for the steps it settles (settlement.py).
         forget_failed_blocks(self.kv_cache_manager, self._settlement.tables(), self._requests, self._group, invalid)
-        self._settlement.settle(step, invalid, self.rewind)
+        voided = self._settlement.settle(step, invalid, self.rewind)
+        if voided:  # a producer's committed saves: its workers delete them without counting them
+            self.counters.add(saves_voided=voided)
         if isinstance(worker_meta, UcmDbWorkerMetadata):
             self._planner.observe_output(worker_meta)
             if worker_meta.refused and not self._off:
@@ -352,19 +344,16 @@ class UcmDbScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forgets the request. Saves were copied out during their steps,
         so vLLM may free the blocks at once. A ``kv_producer`` returns what
-        it published as ``kv_transfer_params``: its saves were committed
+        it published as ``kv_transfer_params``: what its saves committed
         inside their steps (roles.py), whatever a preemption did to its
-        save marks since (request_state.py)."""
+        save marks since (request_state.py), and its store holds
+        (publications.py); None where a sibling ucm-db child published it."""
         state = self._requests.pop(request.request_id, None)
         self._waits.forget(request.request_id)
         self._lookup.forget(request.request_id)
         if not self._role.publishes or state is None or self._off:  # off: a worker refused, nothing was saved
             return False, None
-        blocks = min(max(state.saved_blocks, state.committed_blocks), request.num_prompt_tokens // self._block_size)
-        last_key = self._keys(state, blocks)[blocks - 1].hex() if blocks else ""
-        self.counters.add(published_blocks=blocks)
-        publication = Publication(self._ns_id, blocks, self._block_size, last_key, self._publish_target)
-        return False, publication.to_params()
+        return False, self._publications.publish(self, state)  # what its store holds (publications.py)
 
     @property
     def epoch(self) -> int | None:

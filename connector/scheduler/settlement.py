@@ -41,6 +41,15 @@ Invariants:
       whose table held a block loaded in a step whose output was not back,
       the loader's and those sharing its blocks), kept until the output of
       their step is back: a request that left holds none now.
+    * A voided save's block keys are fenced from the step the void is
+      known (the output naming the failed load) until the void has surely
+      run: the output is back of a step at or after the one whose metadata
+      carried it that also saves (a ``kv_producer``'s worker drains its
+      writer within every step that saves, and the void was queued before
+      that step's saves). Meanwhile no lookup of this engine counts a
+      fenced block as stored (:meth:`SaveSettlement.unfenced`): another
+      request of the same prefix, looked up before the void ran, loaded the
+      voided KV (and a producer published it).
     * Failed block ids of a settled step stay known while a pending save
       may depend on them: until the step is more than
       :data:`MAX_PENDING_STEPS` steps older than the oldest held save or
@@ -64,6 +73,10 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log han
 #: an output that carried no metadata never comes).
 MAX_PENDING_STEPS = 64
 
+#: Voided saves whose keys are fenced at most (the oldest fence goes first;
+#: a fence stays only until this engine's next step that saves is back).
+MAX_FENCES = 1024
+
 #: ``rewind(request id, save start or None)``: moves a request's stored and
 #: saved marks back to the blocks vLLM still counts as computed.
 Rewind = Callable[[str, "int | None"], None]
@@ -80,6 +93,16 @@ class StepLoads:
     # (save, its first block's index, committed: a rank or a connector that did not see the failure stored it)
     saves: list[tuple[BlockTransfer, int, bool]] = field(default_factory=list)
     sibling: set[str] = field(default_factory=set)  # requests whose loads another connector made (composition.py)
+
+
+@dataclass
+class Fence:
+    """The keys of a voided save, fenced from lookups until the void ran
+    (module invariants): ``drained`` is the first step that saves, from
+    the one whose metadata carried the void on."""
+
+    keys: frozenset[bytes]
+    drained: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +132,7 @@ class SaveSettlement:
         self._recent_bad: dict[int, set[int]] = {}
         # step -> block tables of the requests it computed over unsettled loads (forget_failed_blocks)
         self._tables: dict[int, list[tuple[int, ...]]] = {}
+        self._fences: list[Fence] = []  # voided saves' keys, until their void surely ran
 
     def record_loads(self, meta: UcmDbConnectorMetadata, others: Sequence[tuple[str, tuple[int, ...]]] = ()) -> set[int]:
         """Remembers the step's synchronous loads, and ``others``: (request,
@@ -171,11 +195,14 @@ class SaveSettlement:
 
     def take_verdicts(self, meta: UcmDbConnectorMetadata) -> None:
         """Puts the voided saves and the held saves' verdicts reached since
-        the last step into ``meta``, once."""
+        the last step into ``meta``, once; notes the step for their fences."""
         meta.void_saves, self._voids = self._voids, []
+        for fence in self._fences if meta.saves else ():  # every fence's void is in this metadata or an earlier one
+            if fence.drained is None:
+                fence.drained = meta.step  # its worker drains the writer, the void queued before, within this step
         (meta.held_commits, meta.held_drops), self._held_verdicts = self._held_verdicts, ([], [])
 
-    def settle(self, step: int | None, invalid: set[int], rewind: Rewind) -> None:
+    def settle(self, step: int | None, invalid: set[int], rewind: Rewind) -> int:
         """Settles the sync loads of steps up to ``step`` (every step's, if
         the output named none but reports invalid blocks): each request
         that loaded an invalid block is rewound to where vLLM recomputes it
@@ -185,11 +212,15 @@ class SaveSettlement:
         rewound too. Held saves planned up to ``step`` get their verdict,
         in planning order, for the next step's metadata: after a dropped
         one, a request's later ones drop too. The recorded block tables of
-        steps up to ``step`` are forgotten."""
+        steps up to ``step`` are forgotten. Returns the blocks of the
+        committed saves it voided (a producer's: no worker counts them)."""
         for number in [s for s in self._tables if step is not None and s <= step]:
             del self._tables[number]
+        if step is not None:  # the output of a step that drained the void is back: the void ran
+            self._fences = [f for f in self._fences if f.drained is None or f.drained > step]
         if step is None and not invalid:
-            return
+            return 0
+        voided = 0
         settled = [(s, self._step_loads.pop(s)) for s in sorted(self._step_loads) if step is None or s <= step]
         for number, record in settled:
             bad = invalid.intersection(b for _, ids in record.loads for b in ids)
@@ -206,6 +237,9 @@ class SaveSettlement:
                 rewind(transfer.req_id, start)  # saved again once recomputed
                 if committed:
                     self._voids.append(transfer)
+                    self._fences.append(Fence(frozenset(transfer.keys)))
+                    del self._fences[:-MAX_FENCES]
+                    voided += len(transfer.block_ids)
                     logger.warning("ucm-db: request %s: %d blocks saved over a block that failed to load are voided",
                                    transfer.req_id, len(transfer.block_ids))
         if step is not None:
@@ -214,6 +248,15 @@ class SaveSettlement:
         oldest = min([h.step for h in self._held.values()] + list(self._step_loads), default=None)
         for number in [s for s in self._recent_bad if oldest is None or s < oldest - MAX_PENDING_STEPS]:
             del self._recent_bad[number]
+        return voided
+
+    def unfenced(self, keys: Sequence[bytes], found: int) -> int:
+        """``found`` leading blocks of a chain (``keys``) cut before the first
+        one whose void may not have run yet (module invariants)."""
+        if not self._fences:
+            return found
+        fenced = frozenset().union(*(fence.keys for fence in self._fences))
+        return next((i for i in range(found) if keys[i] in fenced), found)
 
     def _give_verdicts(self, step: int, recent_bad: set[int], rewind: Rewind) -> None:
         """Commit or drop, in planning order, for every held save planned up to ``step``."""

@@ -161,6 +161,7 @@ def test_a_consumer_given_a_malformed_load_control_neither_waits_nor_loads(tmp_p
 
     tokens = list(range(7, 7 + 3 * pd.BS + 5))
     params = pd._produce(pd.ConnectorSettings.from_extra_config({"path": str(tmp_path / "elsewhere")}), tokens, pd._kv(3))
+    del params[PARAMS_KEY]["stores"]  # it names the store it was published to: as from a producer before store names, waited for
     settings = pd.ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "load_deadline_s": 30})
     sched = pd.UcmDbScheduler(settings, pd.SHAPE, pd.CONSUMER)
     try:

@@ -165,6 +165,7 @@ def test_consumer_waits_for_announced_blocks_then_claims_them(settings: Connecto
     other = ConnectorSettings.from_extra_config({"path": str(tmp_path / "elsewhere")})
     kv = _kv(3)
     params = _produce(other, tokens, kv)
+    del params[PARAMS_KEY]["stores"]  # it names the store it was published to: as from a producer before store names, waited for
     sched = UcmDbScheduler(settings, SHAPE, CONSUMER)
     req = _request("c", tokens, params)
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # not visible: deferred
@@ -180,6 +181,7 @@ def test_consumer_waits_for_announced_blocks_then_claims_them(settings: Connecto
 def test_consumer_recomputes_what_is_missing_at_its_deadline(settings: ConnectorSettings, tmp_path: Path) -> None:
     tokens = list(range(9, 9 + 3 * BS + 5))
     params = _produce(ConnectorSettings.from_extra_config({"path": str(tmp_path / "elsewhere")}), tokens, _kv(4))
+    del params[PARAMS_KEY]["stores"]  # it names the store it was published to: as from a producer before store names, waited for
     sched = UcmDbScheduler(settings, SHAPE, CONSUMER)
     req = _request("c", tokens, params)
     deadline = time.monotonic() + 5
