@@ -25,6 +25,9 @@ Invariants:
       (same ``retracted_ns``): a block deleted again meanwhile (a second
       void) keeps a pending retraction, so its remote object is deleted
       after whatever was uploaded since.
+    * Reopened when an upload made outside the elected uploader's batches
+      (a write-through put's) lands on a confirmed one (:func:`reopen`): the
+      elected uploader then deletes the object again after it.
     * Records are checksummed (:mod:`ucm_db.index.records`); a damaged one
       still refuses promotion of its key and is never confirmed or dropped.
 """
@@ -119,7 +122,12 @@ def confirm(txn: Txn, done: Iterable[Retraction], now_ns: int) -> None:
     """Marks retractions whose remote object is deleted (each only if its
     record is still the one the delete read). A block stored again since
     it was retracted is queued for upload again: the remote delete may
-    have taken its new upload."""
+    have taken its new upload. Any block stored under a retracted key was
+    stored since (the retraction's transaction removed every block it
+    names, and promotion refuses the key), so no clock decides it: a wall
+    clock stepped back between the delete and the new put made the block
+    look older than its delete, and it was never uploaded again (audit:
+    tests/remote/test_audit_uploads_clock.py)."""
     for item in done:
         name = RETRACTION_PREFIX + item.key
         value = txn.get(records.INFO, name)
@@ -127,8 +135,25 @@ def confirm(txn: Txn, done: Iterable[Retraction], now_ns: int) -> None:
             continue
         records.put_checked(txn, name, _RECORD.pack(item.namespace_id, item.depth, item.retracted_ns, now_ns))
         meta = meta_or_none(txn.get("meta", item.key))
-        if meta is not None and meta.created_ns > item.retracted_ns and txn.get("uploads", item.key) is None:
+        if meta is not None and txn.get("uploads", item.key) is None:
             txn.put("uploads", item.key, meta.namespace_id)
+
+
+def reopen(txn: Txn, keys: Iterable[bytes]) -> int:
+    """Makes the confirmed retractions of ``keys`` pending again: an upload
+    that may have read a block before its delete (a write-through put's, run
+    outside the election) landed after the confirmation, so the remote
+    object is to be deleted again. Returns how many were reopened."""
+    count = 0
+    for key in keys:
+        value = txn.get(records.INFO, RETRACTION_PREFIX + key)
+        if value is None or len(value) != _RECORD.size:
+            continue  # none, or damaged (a damaged record is never confirmed, so pending already)
+        namespace_id, depth, retracted_ns, confirmed_ns = _RECORD.unpack(bytes(value))
+        if confirmed_ns:
+            records.put_checked(txn, RETRACTION_PREFIX + key, _RECORD.pack(namespace_id, depth, retracted_ns, 0))
+            count += 1
+    return count
 
 
 def drop(txn: Txn, keys: Iterable[bytes]) -> None:

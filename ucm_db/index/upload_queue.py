@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from ucm_db.engines.base import Engine, Txn
+from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index import retractions
 from ucm_db.index.damage import meta_or_none
 from ucm_db.index.retractions import RETRACTION_GRACE_S, Retraction
@@ -50,6 +50,24 @@ class UploadQueue:
         """Which of ``keys`` are still queued."""
         keys = list(keys)
         return set(self.engine.read(lambda txn: [k for k in keys if txn.get("uploads", k) is not None]))
+
+    def queued_as(self, blobs: Mapping[bytes, Buffer]) -> dict[bytes, int]:
+        """Those keys of ``blobs`` (key -> joined blob) still queued for the
+        block the blob is (the stored head, which names the key, the sizes
+        and the checksum, is the blob's first bytes), each with that block's
+        ``created_ns``: what a write-through put may send and dequeue. A key
+        deleted and put again since is queued for another block: the put's
+        blob is then not what it stores (the audit's write-through finding)."""
+        def run(txn: Txn) -> dict[bytes, int]:
+            out: dict[bytes, int] = {}
+            for key, blob in blobs.items():
+                meta, head = meta_or_none(txn.get("meta", key)), txn.get("heads", key)
+                if meta is None or head is None or txn.get("uploads", key) is None:
+                    continue
+                if memoryview(blob)[: len(head)] == memoryview(head):
+                    out[key] = meta.created_ns
+            return out
+        return self.engine.read(run)
 
     def mark_uploaded(self, keys: Iterable[bytes] | Mapping[bytes, int | None]) -> None:
         """Removes the rows of ``keys``.
@@ -102,6 +120,13 @@ class UploadQueue:
         if done:
             now_ns = time.time_ns()
             self.engine.write(lambda txn: retractions.confirm(txn, done, now_ns))
+
+    def reopen_retracted(self, keys: Sequence[bytes]) -> int:
+        """Makes the confirmed retractions of ``keys`` pending again
+        (:func:`ucm_db.index.retractions.reopen`); one read when none is."""
+        if not self.retracted(keys):
+            return 0
+        return self.engine.write(lambda txn: retractions.reopen(txn, keys))
 
     def first_retracted(self, keys: Sequence[bytes]) -> int | None:
         """Index of the first of ``keys`` whose retraction is recorded, or None."""

@@ -34,13 +34,22 @@ whole:
   (:attr:`AncestorRepair.dropped`): computed over the retracted block, they
   are wrong too, and uploaded they would be served again the day it is
   (recomputed). Counted in :attr:`AncestorRepair.retracted`.
+* An ancestor uploaded again has its tombstone read once more after its
+  upload landed: a void on another node may have written the tombstone
+  between the check and the landing (and found nothing to delete). Seen, the
+  upload is deleted again and taken as retracted; a tombstone written after
+  that read comes before its own node's delete, which takes the upload (the
+  audit: tests/remote/test_audit_uploads_tombstone_race.py). A delete that
+  fails is retried before each later batch, and holds back what hangs under
+  the key (as a failed check) until it succeeds.
 
 Cost per batch: one request per distinct batch-root parent not uploaded
 here within :data:`UPLOADED_TTL_S` (on S3 a GET of 64 bytes: about a twelfth
 of a PUT's price, and one round trip before the batch, since the checks run
-on the upload pool at once), plus three requests per ancestor found absent
-(its check, its tombstone's and its upload). A batch that continues this process's own
-recent uploads (a conversation's next turn) checks nothing.
+on the upload pool at once), plus four requests per ancestor found absent
+(its check, its tombstone's, its upload and its tombstone's again). A batch
+that continues this process's own recent uploads (a conversation's next
+turn) checks nothing.
 
 Round trips: the absent ancestors are found a round of checks at a time,
 each round checking every chain further up at once (read from the local
@@ -70,13 +79,17 @@ Not covered: a gc that listed before a batch landed and removes the
 parent its check found after the check (the batch then lands under
 nothing, and the next batches check only their own parents): the window is
 one batch's upload, and the gc must list the batch's paths before they land.
+A process killed or closed between an ancestor's upload and its second
+tombstone read (or with its delete owed) leaves the upload on the remote; a
+recomputed upload of the block by the voiding node that lands between an
+ancestor's upload and its delete is deleted with it (a miss, recomputed).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -85,7 +98,7 @@ from ucm_db.index.entries import BlockMeta
 from ucm_db.index.local import LocalTier
 from ucm_db.remote.tier import ENVELOPE_BYTES, RemoteRoot, parse_envelope
 from ucm_db.remote.tombstones import has_tombstone
-from ucm_db.remote.upload_plan import Item, read_items
+from ucm_db.remote.upload_plan import Item, read_items, under
 
 #: A key this process uploaded is taken for present without a check this
 #: long: a gc rule takes no object this young but a ``--older-than`` under
@@ -121,11 +134,13 @@ class _Walk:
 class Repair:
     """What :meth:`AncestorRepair.before_batch` did: the batch's keys that
     wait for a later batch (an ancestor's check or upload failed) and why,
-    and those never to upload (their parent chain meets a retracted block)."""
+    and those never to upload (their parent chain meets a retracted block);
+    ``sent``: the ancestors it uploaded again (or found gone meanwhile)."""
 
     held_back: frozenset[bytes]
     errors: list[str]
     dropped: frozenset[bytes] = frozenset()
+    sent: frozenset[bytes] = frozenset()
 
 
 class AncestorRepair:
@@ -148,6 +163,7 @@ class AncestorRepair:
         self.concurrency = concurrency
         self._lock = threading.Lock()
         self._uploaded: dict[bytes, float] = {}  # key -> monotonic time this process uploaded it
+        self._owed: dict[bytes, bytes] = {}  # uploads found tombstoned whose delete failed: key -> namespace id
         #: Parents checked on the remote (one request each).
         self.checks = 0
         #: Ancestors found absent from the remote and uploaded again from the local tier.
@@ -180,6 +196,8 @@ class AncestorRepair:
         stop (nothing of the batch may go then). ``run``: the runner of its
         remote calls (default: the uploader's)."""
         run = run or self._run
+        if self._owed and run([partial(self._undo, key, ns) for key, ns in list(self._owed.items())]) is None:
+            return None
         in_batch = {item[0] for item in work}
         frontier = {item[1]: item[2] for item in work if item[1] is not None and item[1] not in in_batch
                     and not self._known(item[1])}
@@ -194,9 +212,10 @@ class AncestorRepair:
         absent, failed, retracted = walk.absent, walk.failed, walk.retracted
         if absent and self._send(absent, failed, retracted, run) is None:
             return None
-        dropped = _under(work, absent, retracted)
+        dropped = under(work, absent, retracted)
         self.dropped += len(dropped)
-        return Repair(_under(work, absent, failed) - dropped, list(dict.fromkeys(failed.values())), dropped)
+        return Repair(under(work, absent, failed) - dropped, list(dict.fromkeys(failed.values())), dropped,
+                      frozenset(absent.keys() - failed.keys() - retracted))
 
     def _ahead(self, frontier: dict[bytes, bytes], depth: int, walk: _Walk) -> dict[bytes, bytes]:
         """The keys to check this round: each frontier key and up to
@@ -271,6 +290,8 @@ class AncestorRepair:
         for key, error in zip(wanted, results):
             if error is not None:
                 walk.outcome[key], walk.errors[key] = _FAILED, error
+            elif key in self._owed:  # this process put it back and could not delete it yet: wait for the delete
+                walk.outcome[key], walk.errors[key] = _FAILED, f"block {key.hex()[:16]} is retracted; deleting it again failed"
             elif present.get(key):
                 walk.outcome[key] = _PRESENT
             else:
@@ -313,10 +334,41 @@ class AncestorRepair:
                 if error is not None:
                     failed[key] = error
             sent = [key for key, error in zip(level, results) if error is None and key not in gone]
+            undone: set[bytes] = set()
+            results = run([partial(self._undo_if_tombstoned, key, absent[key].namespace_id, undone) for key in sent])
+            if results is None:
+                return None
+            failed.update((key, error) for key, error in zip(sent, results) if error is not None)
+            retracted |= undone
+            self.retracted += len(undone)
+            sent = [key for key in sent if key not in undone and key not in failed]
             self.reuploaded += len(sent)
             self.missing += len(gone)  # gone since the walk: its children go without it
             self.remember(sent)
         return True
+
+    def _undo_if_tombstoned(self, key: bytes, namespace_id: bytes, undone: set[bytes]) -> str | None:
+        """After ``key``'s upload landed: deletes it again where a tombstone
+        is there now, adding it to ``undone`` (module docstring)."""
+        if not has_tombstone(self.remote, namespace_id, key):
+            return None
+        error = self._undo(key, namespace_id)
+        if error is None:
+            undone.add(key)
+        return error
+
+    def _undo(self, key: bytes, namespace_id: bytes) -> str | None:
+        """Deletes this process's upload of a retracted ``key``; owed (and
+        retried before each batch) until a delete succeeds."""
+        with self._lock:
+            self._owed[key] = namespace_id
+        try:
+            self.remote.tier(namespace_id).delete([key])
+        except Exception as exc:  # noqa: BLE001 - owed: retried before the next batch
+            return f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._owed.pop(key, None)
+        return None
 
     def _send_one(self, key: bytes, gone: set[bytes]) -> str | None:
         item = read_items(self.local, [key])[0]
@@ -325,31 +377,3 @@ class AncestorRepair:
             return None
         return self._upload(item)
 
-
-def _under(work: Sequence[Item], absent: dict[bytes, BlockMeta], marked: Container[bytes]) -> frozenset[bytes]:
-    """Keys of ``work`` whose parent chain (through ``absent``) meets a key
-    of ``marked`` (a failed check or upload; a retracted block): batch
-    roots over one, and their descendants in the batch."""
-    if not marked:
-        return frozenset()
-    in_batch = {item[0] for item in work}
-    held: set[bytes] = set()
-    for key, parent, *_ in work:
-        if parent is None or parent in in_batch:
-            continue
-        chain: bytes | None = parent
-        while chain is not None and chain not in marked and chain in absent:
-            chain = absent[chain].parent
-        if chain is not None and chain in marked:
-            held.add(key)
-    children: dict[bytes, list[bytes]] = {}
-    for key, parent, *_ in work:
-        if parent is not None:
-            children.setdefault(parent, []).append(key)
-    todo = list(held)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in held:
-                held.add(child)
-                todo.append(child)
-    return frozenset(held)

@@ -10,6 +10,15 @@ Invariants:
       (a hard link on a directory, a conditional put on S3), where the
       file system can tell (elsewhere an existence check first: a writer
       in between is replaced).
+    * On a local or NFS directory a name is durable before a write or a
+      removal returns: the rename, link or unlink is followed by an fsync of
+      its directory, and of the parent of each directory the write created
+      (:func:`_sync_names`). Callers drop their own records once the call
+      returned (the upload queue's row, a retraction's confirmation, both
+      made durable by ``flush``): the audit that taught it
+      (tests/remote/test_audit_uploads_durable_names.py) lost, with the
+      remote disk's power, every object whose rename was still cached, and
+      brought back the object of a block deleted with ``remote=True``.
     * :func:`read_local_range` never opens anything but a regular file for
       reading: a symlink, FIFO, device, socket or directory raises
       :class:`NotRegularFileError` without blocking or streaming.
@@ -60,7 +69,7 @@ def write_new(fs: Any, path: str, data: bytes) -> bool:
                 return False
             fs.pipe_file(path, data)
         return True
-    tmp = _write_temp(path, data)
+    tmp, created = _write_temp(path, data)
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -71,9 +80,9 @@ def write_new(fs: Any, path: str, data: bytes) -> bool:
         if os.path.lexists(path):  # a file system without hard links: checked first, not atomic
             return False
         os.replace(tmp, path)
-        return True
     finally:
         _unlink_quietly(tmp)
+    _sync_names(path, created)
     return True
 
 
@@ -87,17 +96,50 @@ def write_whole(fs: Any, path: str, data: bytes) -> None:
     if not is_local_fs(fs):
         fs.pipe_file(path, data)
         return
-    tmp = _write_temp(path, data)
+    tmp, created = _write_temp(path, data)
     try:
         os.replace(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)
         raise
+    _sync_names(path, created)
 
 
-def _write_temp(path: str, data: bytes) -> str:
-    """A fsynced temp file holding ``data`` beside ``path`` (its name)."""
+def remove_whole(fs: Any, path: str) -> None:
+    """Removes the object at ``path``; on a local directory the removal is
+    durable when this returns (module invariants).
+
+    Raises:
+        FileNotFoundError: no object there.
+    """
+    fs.rm_file(path)
+    if is_local_fs(fs):
+        _sync_names(path, [])
+
+
+def _sync_names(path: str, created: list[str]) -> None:
+    """Makes the name ``path`` (its directory's entry) durable, and the
+    entries of the directories in ``created`` (in their parents)."""
+    for directory in dict.fromkeys([os.path.dirname(path), *(os.path.dirname(d) for d in created)]):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):  # no directory fsync here
+                raise
+        finally:
+            os.close(fd)
+
+
+def _write_temp(path: str, data: bytes) -> tuple[str, list[str]]:
+    """A fsynced temp file holding ``data`` beside ``path`` (its name),
+    and the directories made for it (the deepest last)."""
     directory = os.path.dirname(path)
+    created: list[str] = []
+    missing = directory
+    while missing and not os.path.isdir(missing):
+        created.insert(0, missing)
+        missing = os.path.dirname(missing)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
     try:
@@ -113,7 +155,7 @@ def _write_temp(path: str, data: bytes) -> str:
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    return tmp
+    return tmp, created
 
 
 def _unlink_quietly(path: str) -> None:

@@ -70,7 +70,8 @@ from ucm_db.auth import AuthKeys
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError
 from ucm_db.engines.base import Buffer, Tier, TierCapabilities
 from ucm_db.remote.files import (  # noqa: F401 - re-exported: the remote tier's public names
-    TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, write_whole, open_filesystem,
+    TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, remove_whole, write_whole,
+    open_filesystem,
 )
 from ucm_db.remote import manifests as remote_manifests
 from ucm_db.remote.manifests import (  # noqa: F401 - re-exported
@@ -365,7 +366,7 @@ class RemoteTier(Tier):
             self.remote.count(requests=2)
             present = self.remote.fs.exists(self.path(key))
             try:
-                self.remote.fs.rm_file(self.path(key))
+                remove_whole(self.remote.fs, self.path(key))
             except FileNotFoundError:
                 continue
             removed += bool(present)

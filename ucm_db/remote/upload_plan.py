@@ -20,7 +20,10 @@ Invariants:
       (:data:`MAX_LEFT` blocks at most) and not walked again by the next
       plans: the set left stays closed upward, since only its shallowest
       blocks are taken. So a deep backlog is walked about once, not once
-      per batch.
+      per batch. A plan whose blocks have a queued parent it did not take
+      (an ancestor deleted and put again since it was remembered: queued
+      anew) forgets what it remembered and walks again, once (audit:
+      tests/remote/test_audit_uploads_plan_memory.py).
     * A plan's blocks are checked queued and stored just before it returns;
       a row whose block is gone is returned apart (the batch drops it).
 """
@@ -28,7 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from ucm_db.index.entries import BlockMeta
 from ucm_db.index.local import LocalTier
@@ -53,6 +56,10 @@ class BatchPlanner:
         ``max_keys`` blocks and ``max_bytes`` stored bytes (at least one);
         returns ``(keys to upload, keys no longer stored, created_ns of each
         block to upload)``: which rows the batch may remove."""
+        return self._plan(queued, max_keys, max_bytes, again=False)
+
+    def _plan(self, queued: Sequence[bytes], max_keys: int, max_bytes: int, *, again: bool,
+              ) -> tuple[list[bytes], list[bytes], dict[bytes, int]]:
         candidates = dict(self._left)
         metas = self._walk([key for key in queued if key not in candidates], candidates)
         gone = [key for key, meta in metas.items() if meta is None]
@@ -67,6 +74,10 @@ class BatchPlanner:
                 break
         self._left = candidates if len(candidates) <= MAX_LEFT else {}
         now = self.local.metas(chosen)
+        parents = {meta.parent for meta in now if meta is not None and meta.parent is not None}.difference(chosen)
+        if not again and parents and self.local.uploads.queued(parents):  # queued again since remembered: walk anew
+            self._left = {}
+            return self._plan([*queued, *chosen], max_keys, max_bytes, again=True)
         gone += [key for key, meta in zip(chosen, now) if meta is None]
         stored_ns = {key: meta.created_ns for key, meta in zip(chosen, now) if meta is not None}
         return [key for key in chosen if key in stored_ns], gone, stored_ns
@@ -103,3 +114,33 @@ def read_items(local: LocalTier, keys: Sequence[bytes]) -> list[Item | None]:
     blobs = local.read_blobs(keys)
     return [None if meta is None or blob is None else (key, meta.parent, meta.namespace_id, meta.depth, blob)
             for key, meta, blob in zip(keys, metas, blobs)]
+
+
+def under(work: Sequence[Item], absent: dict[bytes, BlockMeta], marked: Container[bytes]) -> frozenset[bytes]:
+    """Keys of ``work`` whose parent chain (through ``absent``: ancestors
+    found absent from the remote) meets a key of ``marked`` (a failed check
+    or upload; a retracted block): batch roots over one, and their
+    descendants in the batch (:mod:`ucm_db.remote.ancestry`)."""
+    if not marked:
+        return frozenset()
+    in_batch = {item[0] for item in work}
+    held: set[bytes] = set()
+    for key, parent, *_ in work:
+        if parent is None or parent in in_batch:
+            continue
+        chain: bytes | None = parent
+        while chain is not None and chain not in marked and chain in absent:
+            chain = absent[chain].parent
+        if chain is not None and chain in marked:
+            held.add(key)
+    children: dict[bytes, list[bytes]] = {}
+    for key, parent, *_ in work:
+        if parent is not None:
+            children.setdefault(parent, []).append(key)
+    todo = list(held)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in held:
+                held.add(child)
+                todo.append(child)
+    return frozenset(held)

@@ -27,9 +27,11 @@ Invariants:
       tier if gc removed it: :mod:`ucm_db.remote.ancestry`). Within a
       batch, shallower blocks are uploaded first.
     * In one process, one upload batch runs at a time: the thread's or a
-      write-through put's (``upload_now``), which then uploads only what is
-      still queued. A block the thread uploaded between the put's commit and
-      its ``upload_now`` is uploaded and counted once.
+      write-through put's (``upload_now``), which sends a blob only while it
+      is the block queued under the key (same head; one the thread uploaded
+      since is skipped), removes only that block's row, and, run outside the
+      election, reopens once landed a confirmed retraction of its keys
+      (:func:`ucm_db.index.retractions.reopen`; tests/remote/test_audit_uploads_write_through.py).
     * Failures back off exponentially (50 ms doubling to 5 s) and retry
       forever; rows stay queued.
     * One uploader per store directory across processes
@@ -344,12 +346,13 @@ class Uploader:
     def upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]]) -> list[str]:
         """Uploads ``(key, parent, namespace id, blob)`` items at once
         (write-through) and dequeues those that succeeded; returns errors.
-        Items no longer queued (the thread's batch took them) are skipped."""
+        Items no longer queued for the block the blob is (the thread's batch
+        took them; deleted, and maybe put again since) are skipped."""
         with self._batch:
-            queued = self.local.queued(item[0] for item in items)
-            return self._upload_now([item for item in items if item[0] in queued])
+            current = self.local.uploads.queued_as({item[0]: item[3] for item in items})
+            return self._upload_now([item for item in items if item[0] in current], current)
 
-    def _upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]]) -> list[str]:
+    def _upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]], current: dict[bytes, int]) -> list[str]:
         if not items:
             return []
         closing = ["the store is closing: the blocks stay queued"] * len(items)
@@ -369,10 +372,11 @@ class Uploader:
         results = list(ran)
         done = [item[0] for item, error in zip(work, results) if error is None]
         self.ancestry.remember(done)
+        # Landed outside the elected uploader's batches: a delete since the
+        # put may have had its retraction confirmed before (module invariants).
+        self.local.uploads.reopen_retracted(done + list(repair.sent))
         self.uploaded += len(done)  # before the rows leave the queue (see drain_batch)
-        # By key: each key's object is on the remote now, so even a row of
-        # the key's block put again since (same key, same chain) is done.
-        self.local.mark_uploaded(done + list(repair.dropped))
+        self.local.mark_uploaded({key: current.get(key) for key in done + list(repair.dropped)})
         return repair.errors + [error for error in results if error is not None]
 
     def forget_lock_after_fork(self) -> None:
