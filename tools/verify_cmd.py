@@ -24,6 +24,9 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"quarantined {r['quarantined_blocks']} blocks (corrupt ones and their descendants)")
     elif r["corrupt"]:
         lines.append("run again with --fix to quarantine them (they are served as misses meanwhile)")
+    if r.get("index_repaired"):
+        done = sorted(r["index_repaired"].items())
+        lines.append("repaired the index: " + ", ".join(f"{kind.replace('_', ' ')} {n}" for kind, n in done))
     if r["totals_recomputed"]:
         lines.append("recomputed the store's totals from the block metadata")
     if r["feed_repaired"]:

@@ -23,7 +23,7 @@ Invariants:
       checking every block by key would: payload or head missing, wrong
       size, parent missing, child link missing, a depth that is not its
       parent's plus one (every parent cycle has one: depths cannot fall by
-      one at each step around a loop), no LRU entry, ``blocks``/``heads``
+      one at each step around a loop) or, for a first block, not 0, no LRU entry, ``blocks``/``heads``
       orphans, a damaged metadata record (whose sizes are then not summed). :func:`namespace_problems` compares the
       per-namespace sums with the counter records. A ``blocks`` entry left stuck by a quarantine
       (:mod:`ucm_db.index.damage`) is not an orphan.
@@ -50,6 +50,8 @@ _MASK = (1 << 64) - 1
 #: A block whose depth is not its parent's plus one: a parent cycle (each
 #: has one) or altered metadata; pin walks stop there (:mod:`ucm_db.index.pins`).
 DEPTH_PROBLEM = "depth is not its parent's plus one (a parent cycle or altered metadata)"
+#: A first block (no parent) whose depth is not 0: altered metadata (``verify --fix`` rewrites it).
+ROOT_DEPTH_PROBLEM = "depth of a first block is not 0 (altered metadata)"
 _hash = xxhash.xxh3_64_intdigest
 
 
@@ -109,7 +111,9 @@ def audit(txn: Txn) -> Audit:
         elif size not in (len(stored), len(stored) + len(head)):
             found.problems.append(f"block {key.hex()[:16]}: payload of wrong size")
         lru_expected += _hash(lru_key(access_ns, depth, key))
-        if parent != NO_PARENT:
+        if parent == NO_PARENT and depth:
+            found.problems.append(f"block {key.hex()[:16]}: {ROOT_DEPTH_PROBLEM} (depth {depth})")
+        elif parent != NO_PARENT:
             children_expected += _hash(parent + key)
             depth_expected += _hash(parent + key + depth.to_bytes(8, "little"))
             children_count += 1

@@ -55,6 +55,10 @@ logger = logging.getLogger("ucm_db")
 EVICTION_REPAIRS = 8
 #: ``still_corrupt(head, body)``: re-checks a block inside the write transaction.
 Recheck = Callable[[memoryview, memoryview], bool]
+#: ``still_damaged(txn, meta)``: re-judges a whole record inside the write transaction (a writer may have healed it).
+MetaRecheck = Callable[[Txn, BlockMeta], bool]
+#: Reason filed for an orphan payload whose page the engine cannot free (:meth:`Damage.drop_orphan_payloads`).
+ORPHAN_STUCK = "orphan payload (no metadata) on a damaged page the engine cannot free"
 
 
 class Damage:
@@ -80,23 +84,41 @@ class Damage:
             self._file(txn, changes, key, str(exc), None, exc, keep_payload=False)
             return None
 
-    def quarantine(self, key: bytes, reason: str, still_corrupt: Recheck) -> bool:
+    def quarantine(self, key: bytes, reason: str, still_corrupt: Recheck, *, still_damaged: MetaRecheck | None = None) -> bool:
         """Quarantines ``key`` with its descendants unless ``still_corrupt(head,
         body)``, asked inside the write transaction, clears a block whose
         record and stored bytes agree (another process may have replaced
-        it); where deleting its payload fails on a damaged page, quarantines
-        it again leaving the payload as a stuck entry (any other failure, a
-        full disk say, is raised: a stuck entry refuses puts of its key
-        until a compact). Returns whether the block was quarantined."""
+        it), or ``still_damaged(txn, meta)`` clears its whole record (a writer
+        stored its missing parent again: it is reachable and intact); where
+        deleting its payload fails on a damaged page, quarantines it again
+        leaving the payload as a stuck entry (any other failure, a full disk
+        say, is raised: a stuck entry refuses puts of its key until a
+        compact). Returns whether the block was quarantined."""
+        def run(txn: Txn, keep_payload: bool) -> bool:
+            return self._quarantine_in(txn, key, reason, still_corrupt, keep_payload=keep_payload, still_damaged=still_damaged)
         try:
-            return self.engine.write(lambda txn: self._quarantine_in(txn, key, reason, still_corrupt, keep_payload=False))
+            return self.engine.write(lambda txn: run(txn, False))
         except DamagedPageError as exc:
             logger.warning("ucm-db: quarantining block %s failed (%s); leaving its payload behind", key.hex()[:16], exc)
-            return self.engine.write(lambda txn: self._quarantine_in(txn, key, reason, still_corrupt, keep_payload=True))
+            return self.engine.write(lambda txn: run(txn, True))
 
     def records(self) -> dict[bytes, dict[str, Any]]:
-        """Every quarantine record, by key (one snapshot)."""
-        return self.engine.read(lambda txn: {k: json.loads(bytes(v)) for k, v in txn.scan("quarantine")})
+        """Every quarantine record, by key (one snapshot); a damaged one reads
+        as ``{"reason": ..., "damaged": True}`` (``verify`` names it)."""
+        return self.engine.read(lambda txn: {bytes(k): _record_or_damaged(v) for k, v in txn.scan("quarantine")})
+
+    def drop_orphan_payloads(self) -> tuple[int, int]:
+        """Deletes every ``blocks``/``heads`` entry without metadata (not a stuck
+        payload), a write transaction per key; one on a page the engine cannot
+        free is filed as stuck instead. Returns (dropped, filed as stuck)."""
+        orphans = self.engine.read(_orphan_payload_keys)
+        dropped = stuck = 0
+        for key in orphans:
+            try:
+                dropped += self.engine.write(lambda txn: _drop_orphan(txn, key, keep_payload=False))
+            except DamagedPageError:  # the stuck record says why; compact's rewrite leaves it behind
+                stuck += self.engine.write(lambda txn: _drop_orphan(txn, key, keep_payload=True))
+        return dropped, stuck
 
     def delete_around(self, keys: Sequence[bytes], namespace_id: bytes | None, delete: Callable[[], int]) -> int:
         """Runs ``delete()`` (a delete of ``keys`` and their descendants); where
@@ -141,7 +163,8 @@ class Damage:
             self.quarantine(key, "its payload could not be deleted (a damaged page)", lambda _head, _body: True)
         return bool(bad)
 
-    def _quarantine_in(self, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool) -> bool:
+    def _quarantine_in(self, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool,
+                       still_damaged: MetaRecheck | None = None) -> bool:
         """One quarantine transaction (:meth:`quarantine`); with
         ``keep_payload`` the block's own ``blocks`` value is left as a stuck entry."""
         data = txn.get("meta", key)
@@ -152,6 +175,8 @@ class Damage:
                 meta = BlockMeta.unpack(data)
             except DamagedMeta as exc:
                 damaged = exc
+        if still_damaged is not None and meta is not None and not still_damaged(txn, meta):
+            return False
         stored = txn.get("blocks", key)
         if meta is not None and stored is not None:
             head = memoryview(txn.get("heads", key) or b"")
@@ -246,12 +271,12 @@ def refuse_stuck(txn: Txn, key: bytes) -> None:
         )
 
 
-def restore_links_in(txn: Txn) -> dict[str, int]:
-    """Re-adds the LRU entry of every block that lacks one and the child
-    link of every block whose parent is stored but does not name it;
-    returns how many of each were added."""
+def restore_links_in(txn: Txn, prefix: bytes = b"") -> dict[str, int]:
+    """Re-adds the LRU entry of every block (under ``prefix``) that lacks one
+    and the child link of every such block whose parent is stored but does
+    not name it; returns how many of each were added."""
     added = {"lru": 0, "children": 0}
-    for key, data in list(txn.scan("meta")):
+    for key, data in list(txn.scan("meta", prefix)):
         meta = meta_or_none(data)
         if meta is None:
             continue
@@ -303,3 +328,72 @@ def _unreadable_in_trees(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | 
         if stored is not None and not codec.readable(head, body_of(head, memoryview(stored)), key):
             bad.append(key)
     return bad
+
+
+def _record_or_damaged(value: Buffer) -> dict[str, Any]:
+    why = quarantine_record_problem(value)
+    return json.loads(bytes(value)) if why is None else {"reason": f"damaged quarantine record: {why}", "damaged": True}
+
+
+def quarantine_record_problem(value: Buffer) -> str | None:
+    """Why a quarantine record is damaged (not a JSON object); None when whole."""
+    try:
+        return None if isinstance(json.loads(bytes(value)), dict) else "not a JSON object"
+    except (ValueError, UnicodeDecodeError):
+        return "not JSON"
+
+
+def quarantine_problems(txn: Txn) -> list[str]:
+    """One line per damaged quarantine record (``verify`` names them)."""
+    return [f"quarantine record {bytes(key).hex()[:16]} is damaged: {problem}"
+            for key, value in txn.scan("quarantine") if (problem := quarantine_record_problem(value)) is not None]
+
+
+def drop_damaged_quarantine_records(txn: Txn) -> int:
+    """Deletes the damaged quarantine records; returns how many (a stuck payload
+    one named is an orphan then: :meth:`Damage.drop_orphan_payloads`)."""
+    doomed = [bytes(key) for key, value in txn.scan("quarantine") if quarantine_record_problem(value) is not None]
+    for key in doomed:
+        txn.delete("quarantine", key)
+    return len(doomed)
+
+
+def _orphan_payload_keys(txn: Txn) -> list[bytes]:
+    """Keys with a ``blocks`` or ``heads`` entry, no metadata and no stuck payload."""
+    return sorted({bytes(k) for table in ("blocks", "heads") for k, _ in txn.scan(table)
+                   if txn.get("meta", k) is None and not is_stuck(txn, k)})
+
+
+def _drop_orphan(txn: Txn, key: bytes, *, keep_payload: bool) -> int:
+    """Deletes ``key``'s orphan payload and head, judged again here (a put may
+    have stored it since), or files the payload as stuck; 1 if it was an orphan."""
+    if txn.get("meta", key) is not None or is_stuck(txn, key):
+        return 0
+    txn.delete("heads", key)
+    if not keep_payload:
+        txn.delete("blocks", key)
+    elif txn.get("blocks", key) is not None:
+        record = {"reason": ORPHAN_STUCK, "time_ns": time.time_ns(), "namespace": None, "stored_bytes": None,
+                  "payload_stuck": True}
+        txn.put("quarantine", key, json.dumps(record).encode())
+    return 1
+
+
+def restore_depth(txn: Txn, key: bytes) -> bool:
+    """Rewrites ``key``'s depth to its parent's plus one (a first block's: 0)
+    where it differs, moving its LRU entry; judged here from the records as
+    they are now (call parents first). Returns whether it rewrote."""
+    meta = stored_meta(txn, key)
+    if meta is None:
+        return False
+    parent = None if meta.parent is None else stored_meta(txn, meta.parent)
+    if meta.parent is not None and parent is None:
+        return False
+    depth = 0 if parent is None else parent.depth + 1
+    if meta.depth == depth:
+        return False
+    txn.delete("lru", lru_key(meta.access_ns, meta.depth, key))
+    meta.depth = depth
+    txn.put("meta", key, meta.pack())
+    txn.put("lru", lru_key(meta.access_ns, depth, key), b"")
+    return True

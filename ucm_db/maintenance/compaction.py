@@ -14,7 +14,8 @@ Steps, in order:
        (:meth:`LocalTier.drop_orphans`). Memory and transaction size stay
        bounded on a store of millions of blocks. A block whose parent is
        not stored is quarantined with its descendants, missing LRU entries
-       and child links are re-added (:meth:`LocalTier.restore_links`),
+       and child links are re-added a partition of ``meta`` per transaction
+       (:func:`~ucm_db.maintenance.verification.restore_links`),
        and counters that disagree with the metadata are recounted (pin
        records that disagree with the blocks are rebuilt from the pins made
        at stored blocks).
@@ -47,7 +48,9 @@ from ucm_db.format import STORE_FORMAT_VERSION, damaged_format_records, open_eng
 from ucm_db.store.view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
 from ucm_db.storelock import StoreLock, describe, holders
 from ucm_db.index.local import LocalTier
-from ucm_db.maintenance.verification import PARENT_MISSING, counters_damaged, lineage_problems, links_missing
+from ucm_db.maintenance.verification import (
+    PARENT_MISSING, counters_damaged, lineage_problems, links_missing, restore_links, still_damaged,
+)
 
 logger = logging.getLogger("ucm_db")
 #: Eviction proceeds in about this many transactions...
@@ -259,7 +262,7 @@ def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None,
         parentless = _quarantine_parentless(tier, index_problems)
         links_restored = {"lru": 0, "children": 0}
         if links_missing(index_problems):
-            links_restored = tier.restore_links()
+            links_restored = restore_links(tier)  # chunked: live writers wait for one partition at a time
         if parentless or links_missing(index_problems):
             index_problems = tier.check()
         if counters_damaged(index_problems):
@@ -282,13 +285,15 @@ def _quarantine_parentless(tier: LocalTier, index_problems: list[str]) -> int:
     """Quarantines every block whose parent is not stored, with its
     descendants, as ``verify --fix`` does (lookup stops before such a block,
     so it is dead weight); returns how many blocks went. The metadata is
-    scanned only when the audit named such a block."""
+    scanned only when the audit named such a block. Each is judged again in
+    its quarantine's transaction: a parent a live writer stored again since
+    the scan makes it reachable, and it stays."""
     if not any("parent missing" in p for p in index_problems):
         return 0
     before = tier.totals().blocks
     for key, reason in sorted(lineage_problems(tier.scan_metas(), set(tier.iterate())).items()):
         if reason == PARENT_MISSING:
-            tier.quarantine(key, f"ucm-db compact: {reason}", lambda _head, _body: True)
+            tier.quarantine(key, f"ucm-db compact: {reason}", lambda _head, _body: True, still_damaged=still_damaged(reason))
     return before - tier.totals().blocks
 
 

@@ -14,13 +14,26 @@ disagree with the metadata (a damaged record's sizes are never summed:
 have). The full check also checks the change feed (issue 46: a damaged
 head, malformed records, records and event fields of blocks not stored,
 :func:`~ucm_db.index.feed_audit.problems`); repair rebuilds its head and
-drops those records (:func:`~ucm_db.index.feed_audit.repair`).
+drops those records (:func:`~ucm_db.index.feed_audit.repair`). Repair also
+deletes index entries without metadata (a payload on a page the engine
+cannot free is filed as stuck instead, for compact's rewrite), damaged
+quarantine and namespace-description records (a put writes the description
+again), rewrites a damaged creation record from the whole format version,
+and rewrites depths that are not the parent's plus one (top down, moving
+LRU entries): so a second check finds the store clean.
 
 Invariants:
     * :func:`verify_view` only reads; :func:`repair` writes through a
       :class:`~ucm_db.Store` opened on the store (never under a live
       compact or migrate: the store's lock orders them).
     * A block evicted while the check runs is not reported.
+    * A block quarantined for its metadata (parent missing, namespace
+      altered) is judged again inside the quarantine's transaction: one a
+      live writer healed since the check (it stored the missing parent
+      again) is intact and reachable, and stays.
+    * Every repair step judges each entry inside its own write transaction,
+      of at most about ``MAINTENANCE_CHUNK_KEYS`` blocks for the link and
+      depth restores, so a repair beside live writers holds them up briefly.
 """
 
 from __future__ import annotations
@@ -30,13 +43,20 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db import codec
+from ucm_db.engines.base import Txn
 from ucm_db.errors import CorruptBlockError
-from ucm_db.format import format_record_problems
+from ucm_db.format import CREATED_KEY, INFO_TABLE, creation_record, damaged_format_records, format_record_problems
 from ucm_db.maintenance.inspection import chain_roots
 from ucm_db.store import epochs
 from ucm_db.store.view import ProgressFn, StoreView
-from ucm_db.index import feed_audit
+from ucm_db.index import damage, feed_audit, records
+from ucm_db.index.accounting import NS_DESC_PREFIX, parse_description
+from ucm_db.index.audit import DEPTH_PROBLEM, ROOT_DEPTH_PROBLEM
+from ucm_db.index.damage import stored_meta
 from ucm_db.index.entries import BlockMeta, body_of
+from ucm_db.index.local import LocalTier
+from ucm_db.index.partitions import partitions
+from ucm_db.index.upkeep import MAINTENANCE_CHUNK_KEYS
 
 #: Blocks checked per read transaction (keeps LMDB read snapshots short).
 CHUNK_BLOCKS = 256
@@ -55,6 +75,10 @@ _LINK_PROBLEMS = (": no LRU entry", ": child link from its parent missing")
 EPOCH_PROBLEM = "namespace epoch: "
 #: How the change feed's problems start (:func:`~ucm_db.index.feed_audit.problems`).
 _FEED_PROBLEM = "change feed: "
+#: Index problems of entries without metadata, and of damaged records repair drops or rewrites.
+_ORPHAN_PROBLEM = "has no metadata (orphan)"
+_QUARANTINE_PROBLEM = "quarantine record "
+_RECORD_PROBLEM = "info record "
 
 
 @dataclass
@@ -69,6 +93,8 @@ class VerifyReport:
     totals_recomputed: bool = False
     feed_repaired: bool = False
     epochs_renewed: int = 0
+    #: Index entries repair dropped or rewrote, by kind (orphans, depths, links, records).
+    index_repaired: dict[str, int] = field(default_factory=dict)
 
     @property
     def problems(self) -> bool:
@@ -79,7 +105,7 @@ class VerifyReport:
         """The inverse of :meth:`to_dict`."""
         return cls(int(data["checked"]), int(data["raw_bytes"]), {bytes.fromhex(c["key"]): c["reason"] for c in data["corrupt"]},
                    list(data["index_problems"]), int(data["quarantined_blocks"]), bool(data["totals_recomputed"]),
-                   bool(data["feed_repaired"]), int(data.get("epochs_renewed", 0)))
+                   bool(data["feed_repaired"]), int(data.get("epochs_renewed", 0)), dict(data.get("index_repaired", {})))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,7 +113,7 @@ class VerifyReport:
             "corrupt": [{"key": k.hex(), "reason": r} for k, r in sorted(self.corrupt.items())],
             "index_problems": self.index_problems, "quarantined_blocks": self.quarantined_blocks,
             "totals_recomputed": self.totals_recomputed, "feed_repaired": self.feed_repaired,
-            "epochs_renewed": self.epochs_renewed,
+            "epochs_renewed": self.epochs_renewed, "index_repaired": self.index_repaired,
         }
 
 
@@ -132,6 +158,7 @@ def verify_view(view: StoreView, *, sample: int | None = None, seed: int = 0, pr
     if sample is None:
         report.index_problems += format_record_problems(view.tier.engine) + view.tier.check()
         report.index_problems += view.tier.engine.read(feed_audit.problems)
+        report.index_problems += view.tier.engine.read(damage.quarantine_problems)
         report.index_problems += [EPOCH_PROBLEM + line for line in epochs.problems(view.tier.engine)]
         metas = view.tier.scan_metas()
         _, cyclic = chain_roots(metas)
@@ -178,7 +205,8 @@ def links_missing(problems: list[str]) -> bool:
 
 
 def repair(path: Path, report: VerifyReport) -> VerifyReport:
-    """Quarantines the corrupt blocks of ``report``, recounts damaged or
+    """Quarantines the corrupt blocks of ``report``, repairs the index and
+    the records it names (module docstring), recounts damaged or
     disagreeing totals and repairs the change feed, through a Store opened
     on ``path``; fills in what was done."""
     from ucm_db.store import open as open_store
@@ -189,10 +217,12 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
         # by both reads alike), not by listing the store twice.
         before = tier.totals().blocks
         for key, reason in report.corrupt.items():
-            store.quarantine(key, f"ucm-db verify: {reason}", recheck=reason not in _METADATA_REASONS)
+            if reason in _METADATA_REASONS:
+                tier.quarantine(key, f"ucm-db verify: {reason}", _always, still_damaged=still_damaged(reason))
+            else:
+                store.quarantine(key, f"ucm-db verify: {reason}")
         report.quarantined_blocks = before - tier.totals().blocks
-        if links_missing(report.index_problems):
-            tier.restore_links()
+        report.index_repaired = repair_index(tier, report.index_problems)
         if counters_damaged(report.index_problems):
             tier.recompute_totals()
             report.totals_recomputed = True
@@ -204,3 +234,104 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
             report.feed_repaired = tier.engine.write(lambda txn: feed_audit.repair(txn, tier.feed_max_records)) > 0
     return report
 
+
+def repair_index(tier: LocalTier, problems: list[str]) -> dict[str, int]:
+    """Repairs what ``problems`` name of the index, each step only where named
+    (after the quarantines, before any recount): damaged quarantine records,
+    entries without metadata, depths, then LRU entries and child links (a
+    link is restored only under a depth that agrees). Returns counts by kind."""
+    done: dict[str, int] = {}
+    if any(p.startswith(_QUARANTINE_PROBLEM) for p in problems):
+        done["quarantine_records_dropped"] = tier.engine.write(damage.drop_damaged_quarantine_records)
+    if any(p.endswith(_ORPHAN_PROBLEM) for p in problems):
+        done["orphans_dropped"], done["orphans_stuck"] = tier.damage.drop_orphan_payloads()
+    if any(DEPTH_PROBLEM in p or ROOT_DEPTH_PROBLEM in p for p in problems):
+        done["depths_restored"] = restore_depths(tier)
+    if links_missing(problems) or "depths_restored" in done:
+        done.update(restore_links(tier))
+    if any(p.startswith(_RECORD_PROBLEM) for p in problems):  # each record judged again: only damaged ones change
+        done["records_rewritten"] = tier.engine.write(_rewrite_damaged_records)
+    return {kind: count for kind, count in done.items() if count}
+
+
+def still_damaged(reason: str) -> damage.MetaRecheck:
+    """The in-transaction judgement for a block quarantined for ``reason``
+    (one of the metadata reasons): a parent stored again since the check
+    (by a live writer) heals a missing parent; a cycle never heals."""
+    if reason == PARENT_MISSING:
+        return lambda txn, meta: meta.parent is not None and txn.get("meta", meta.parent) is None
+    if reason == NAMESPACE_ALTERED:
+        def altered(txn: Txn, meta: BlockMeta) -> bool:
+            parent = None if meta.parent is None else stored_meta(txn, meta.parent)
+            return meta.parent is not None and (parent is None or parent.namespace_id != meta.namespace_id)
+        return altered
+    return lambda _txn, _meta: True
+
+
+def _always(_head: memoryview, _body: memoryview) -> bool:
+    return True
+
+
+def restore_links(tier: LocalTier) -> dict[str, int]:
+    """Re-adds missing LRU entries and child links
+    (:func:`~ucm_db.index.damage.restore_links_in`), one write transaction
+    per partition of at most about ``MAINTENANCE_CHUNK_KEYS`` blocks: one
+    transaction over a million blocks held live writers up for ~10 s."""
+    added = {"lru": 0, "children": 0}
+    for prefix in partitions(tier.engine, "meta", MAINTENANCE_CHUNK_KEYS):
+        for kind, count in tier.engine.write(lambda txn: damage.restore_links_in(txn, prefix)).items():
+            added[kind] += count
+    return added
+
+
+def restore_depths(tier: LocalTier) -> int:
+    """Rewrites every depth that is not the parent's plus one (a first
+    block's: 0), parents first, each judged again in its write transaction
+    (:func:`~ucm_db.index.damage.restore_depth`), at most about
+    ``MAINTENANCE_CHUNK_KEYS`` per transaction; returns how many."""
+    metas = tier.scan_metas()
+    wrong = sorted(((depth, key) for key, depth in expected_depths(metas).items() if metas[key].depth != depth))
+    done = 0
+    for start in range(0, len(wrong), MAINTENANCE_CHUNK_KEYS):
+        chunk = [key for _depth, key in wrong[start:start + MAINTENANCE_CHUNK_KEYS]]
+        done += tier.engine.write(lambda txn: sum(damage.restore_depth(txn, key) for key in chunk))
+    return done
+
+
+def expected_depths(metas: dict[bytes, BlockMeta]) -> dict[bytes, int]:
+    """The depth each block of ``metas`` (whole records) should have: 0 for a
+    first block, its parent's plus one below; blocks under a missing parent
+    or on a parent cycle are left out (a repair quarantines them)."""
+    depth_of: dict[bytes, int] = {}
+    for start in metas:
+        path: list[bytes] = []
+        on_path: set[bytes] = set()
+        key = start
+        while key not in depth_of:
+            meta = metas.get(key)
+            if meta is None or key in on_path:  # parent missing or a cycle: nothing on this path is known
+                break
+            if meta.parent is None:
+                depth_of[key] = 0
+                break
+            path.append(key)
+            on_path.add(key)
+            key = meta.parent
+        if key in depth_of:
+            for k in reversed(path):
+                depth_of[k] = depth_of[key] + 1
+                key = k
+    return depth_of
+
+
+def _rewrite_damaged_records(txn: Txn) -> int:
+    """Deletes damaged namespace descriptions (the next put of the namespace
+    writes its own again) and rewrites a damaged creation record (the store's
+    format version record, which repair requires whole, says its format)."""
+    damaged = [name for name, value in records.scan_checked(txn, NS_DESC_PREFIX) if "damaged" in parse_description(value)]
+    for name in damaged:
+        records.delete_checked(txn, name)
+    if any(name == CREATED_KEY.decode() for name, _ in damaged_format_records(txn)):
+        txn.put(INFO_TABLE, CREATED_KEY, creation_record())
+        damaged.append(CREATED_KEY)
+    return len(damaged)

@@ -12,6 +12,8 @@ fetched.
 Invariants:
     * Every other entry of every table is copied byte for byte.
     * The source is only read; the destination directory must be empty.
+    * The destination gets no lock file (nothing else opens it), so a full
+      disk is an ``lmdb.Error`` from a write, never a SIGBUS from a mapping.
 """
 
 from __future__ import annotations
@@ -47,8 +49,11 @@ def copy_leaving(env: lmdb.Environment, dest_dir: Path, stuck: set[bytes]) -> No
     ``stuck`` keys' ``blocks`` entries and quarantine records."""
     with env.begin() as txn:
         names = [bytes(name) for name, _ in txn.cursor()]
+    # No lock file: the copy is private to this process, and LMDB writes its
+    # lock file through a shared mapping, so on a full disk the first touch of
+    # a page the file system cannot back killed compact with SIGBUS.
     dest = lmdb.open(str(dest_dir), map_size=env.info()["map_size"], max_dbs=len(names) + 4, subdir=True,
-                     sync=False, metasync=False, mode=0o600)
+                     sync=False, metasync=False, mode=0o600, lock=False)
     try:
         for name in names:
             _copy_table(env, dest, name, stuck if name in (b"blocks", b"quarantine") else set())
