@@ -145,6 +145,45 @@ class Counters:
         return out
 
 
+class LogLimit:
+    """One repeating failure's log line, let through at most once per
+    ``interval_s`` (a full disk fails every writer round, a dead store every
+    load: one line a minute, not one per engine step; the metrics count
+    every failure). A line says how many failures were held back since the
+    one before; :meth:`ended` says, once, that they stopped after a line was
+    let through, so a flapping fault logs at most two lines an interval.
+    Thread-safe."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last_s = float("-inf")
+        self._held = 0  # failures since the last line let through
+        self._failures = 0  # failures since the last :meth:`ended` that reported
+        self._announced = False  # a line was let through since then
+
+    def due(self) -> int | None:
+        """Counts a failure; the failures held back before it if its line
+        is due now, else None (log nothing)."""
+        now = time.monotonic()
+        with self._lock:
+            self._failures += 1
+            if now - self._last_s < self._interval_s:
+                self._held += 1
+                return None
+            held, self._held, self._last_s, self._announced = self._held, 0, now, True
+            return held
+
+    def ended(self) -> int:
+        """A success: the failures since the last report, if a failure's
+        line was let through since (log that they stopped), else 0."""
+        with self._lock:
+            if not self._announced:
+                return 0
+            failures, self._failures, self._announced = self._failures, 0, False
+            return failures
+
+
 class StoreGauges:
     """The store's gauges (compression ratio, stored bytes, capacity, the
     namespace's bytes), read from ``Store.stats()`` at most every

@@ -9,7 +9,10 @@ store: they share one commit process the same way, not one each.
 
 Invariants:
     * ``acquire`` and ``release`` pair up; the store closes on the last
-      release, after every holder's writes were handed to it. The same
+      release, after every holder's writes were handed to it. A close that
+      fails (its last writes on a full disk: readers' recency, a final
+      sync) is logged, never raised into vLLM's shutdown: the store is
+      released either way and keeps what it committed. The same
       holds for ``acquire_committer`` and ``release_committer``; a commit
       process found dead is never handed out again (the next acquirer
       gets a new one).
@@ -38,13 +41,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from vllm.logger import init_logger
+
 import ucm_db
 from ucm_db.connector.identity import KVShape, namespace
 from ucm_db.connector.roles import RolePolicy, producer_store_options
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.committer import CommitProcess
-from ucm_db.errors import ConfigError, TierError
+from ucm_db.errors import ConfigError, TierError, UcmDbError
 from ucm_db.maintenance import pre_unit_namespaces, pre_unit_refusal
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 _lock = threading.Lock()
 _handles: dict[tuple[int, Path], list] = {}  # key -> [store, refcount]
@@ -87,12 +94,17 @@ def acquire(settings: ConnectorSettings) -> ucm_db.Store:
 
 
 def release(store: ucm_db.Store) -> None:
-    """Drops one reference; closes the store with the last one."""
+    """Drops one reference; closes the store with the last one (a failed
+    close is logged: module invariants)."""
     with _lock:
         if _drop(_handles, store):
             for key in [key for key, held in _held_as.items() if held is store]:
                 del _held_as[key]
-            store.close()
+            try:
+                store.close()
+            except UcmDbError as exc:
+                logger.warning("ucm-db: closing the store %s failed (it was released; what it committed stays): %s",
+                               store.path, exc)
 
 
 def acquire_committer(settings: ConnectorSettings) -> CommitProcess:

@@ -20,7 +20,9 @@ Invariants:
     * A block that fails to load (missing, corrupt: the store verifies every
       payload) is reported by :meth:`WorkerLoads.take_load_errors` so vLLM
       recomputes it; no unverified byte reaches the KV cache. A block loads
-      only if all of this rank's units of it do.
+      only if all of this rank's units of it do. Every failed block counts in
+      ``load_errors`` (a load that raised: all of its blocks); the warning is
+      logged at most once a minute (a store that fails every read fails every step).
     * The blocks this worker failed to load in its last
       :data:`FAILED_STEPS_KEPT` steps stay known (:meth:`WorkerLoads.recent_failures`):
       a save computed over one is dropped (worker.py).
@@ -49,7 +51,7 @@ from ucm_db.connector.worker.device_loads import DeviceLoads
 from ucm_db.connector.worker.split_reads import SplitReads, auto_load_threads, local_workers
 from ucm_db.connector.layouts import KVLayout
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
-from ucm_db.connector.metrics import Counters
+from ucm_db.connector.metrics import Counters, LogLimit
 from ucm_db.keys.units import KVGrid, UnitSpan, unit_keys_of
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -94,6 +96,7 @@ class WorkerLoads:
         self._step_loads: dict[tuple[str, str], tuple[int, float]] = {}  # its load timings (under _errors_lock)
         self._background_loads: dict[tuple[str, str], tuple[int, float]] = {}  # async loads ended since (same lock)
         self._async: AsyncLoader | None = None  # started by the first async load
+        self._fault_log, self._miss_log = LogLimit(), LogLimit()  # loads that raised / missed blocks: a line a minute each
 
     def bind(self, store: ucm_db.Store, layout: KVLayout, namespace: ucm_db.Namespace, grid: KVGrid, spans: Sequence[UnitSpan],
              ranks: int = 1) -> None:
@@ -179,9 +182,15 @@ class WorkerLoads:
             if self.layout.device.type != "cpu":
                 return self._load_on_device(loads, job, background, after)
             return self._load_blocks(loads, job, background)
-        except Exception:  # noqa: BLE001 - see the docstring
-            logger.exception("ucm-db: loading KV blocks failed; they will be recomputed")
-            return {b for t in loads for b in t.block_ids}
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            failed = {b for t in loads for b in t.block_ids}
+            self.counters.add(load_errors=len(failed))
+            held = self._fault_log.due()
+            if held is not None:
+                logger.error("ucm-db: loading KV blocks failed; they will be recomputed (%d blocks, counted in load_errors; "
+                             "%d more failed loads since the last such line, at most one a minute): %s", len(failed), held, exc,
+                             exc_info=exc)
+            return failed
         finally:
             if job is not None:
                 job.finish()
@@ -230,9 +239,11 @@ class WorkerLoads:
         return failed
 
     def _count_load(self, good: int, failed: set[int], started: float, background: bool) -> None:
-        if failed:
-            logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them",
-                           len(failed), good + len(failed))
+        held = self._miss_log.due() if failed else None
+        if held is not None:
+            logger.warning("ucm-db: %d of %d blocks failed to load (missing or corrupt); vLLM will recompute them (counted "
+                           "in load_errors; %d more such loads since the last line, at most one a minute)",
+                           len(failed), good + len(failed), held)
         load_s = time.perf_counter() - started
         self.counters.add(loaded_blocks=good, loaded_bytes=good * self.layout.block_bytes, load_s=load_s, load_errors=len(failed))
         self.counters.observe("load", load_s)

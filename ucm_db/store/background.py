@@ -60,9 +60,11 @@ one sync (GROWTH_WAIT_S at most).
 Invariants:
     * Buffered activity is never dropped while the store is open: a failed
       write hands it back to the buffer (:meth:`Background.give_back`).
-    * A failed maintenance round is logged, counted in ``errors`` and
-      retried next interval. If the thread itself dies, its exception stays
-      in ``failure`` and the store refuses puts: with group durability a
+    * A failed maintenance round is counted in ``errors`` and retried next
+      interval; its warning is logged at most once per
+      :data:`FAILURE_LOG_INTERVAL_S` (a full disk fails every round), and
+      one INFO line says when a round succeeds again. If the thread itself
+      dies, its exception stays in ``failure`` and the store refuses puts: with group durability a
       store that nobody syncs must not go on acknowledging writes. Nor one
       whose syncs fail: once two sync budgets were committed since the last
       sync that succeeded, and the last one failed, puts are refused
@@ -108,6 +110,8 @@ MIN_SYNC_BUDGET_BYTES = 1 << 20
 #: half of it has passed when the touch is written. The same staleness
 #: the index allows an ancestor's recency (one notion of "recent enough").
 RECENCY_REFRESH_S = ANCESTOR_RECENCY_SLACK_NS / 1e9
+#: Failing maintenance rounds log at most one warning this often (module invariants).
+FAILURE_LOG_INTERVAL_S = 60.0
 
 
 class ReadsForEviction:
@@ -171,6 +175,9 @@ class Background:
         self._flush_due = False  # a read buffered ACTIVITY_FLUSH_KEYS touches (under _lock)
         self._sync_due = False  # a commit asked for a sync (under _lock)
         self.errors = 0
+        self._failed_rounds = 0  # failed rounds since the last warning (maintenance thread only, as the two below)
+        self._failure_logged_s = float("-inf")  # when the last warning was logged
+        self._failure_logged = False  # a warning was logged and no round has succeeded since
         self.failure: BaseException | None = None
         self.health = SyncHealth(path)  # sync outcomes: puts are refused while syncs fail (sync_health.py)
         self._growth = GrowthWatch(path)  # names a process whose old snapshot keeps the file growing
@@ -369,7 +376,20 @@ class Background:
                         self._growth.check(self._engine, self._config.capacity_bytes, self.sync_budget_bytes)
                 except Exception as exc:  # noqa: BLE001 - logged, counted, retried next round
                     self.errors += 1
-                    logger.warning("ucm-db store %s: background sync/flush failed (retrying): %s", self._path, exc)
+                    self._round_failed(exc)
+                else:
+                    if self._failure_logged and (flush or sync):
+                        logger.info("ucm-db store %s: background sync/flush works again", self._path)
+                        self._failure_logged = False
         except BaseException as exc:
             self.failure = exc
             logger.error("ucm-db store %s: the maintenance thread died; puts are refused until reopen: %r", self._path, exc)
+
+    def _round_failed(self, exc: Exception) -> None:
+        """Logs a failed round's warning, at most once per :data:`FAILURE_LOG_INTERVAL_S`."""
+        self._failed_rounds += 1
+        if time.monotonic() - self._failure_logged_s < FAILURE_LOG_INTERVAL_S:
+            return
+        logger.warning("ucm-db store %s: background sync/flush failed (retrying every round; %d failed rounds since the last "
+                       "such line, which repeats at most once a minute): %s", self._path, self._failed_rounds, exc)
+        self._failure_logged_s, self._failed_rounds, self._failure_logged = time.monotonic(), 0, True

@@ -246,8 +246,7 @@ class LmdbEngine(Engine):
     def _grow(self, env: lmdb.Environment) -> None:
         with self._txn_gate.exclusive():
             size = env.info()["map_size"]
-            if size * 2 > _MAX_MAP_BYTES:
-                raise TierError(f"LMDB map of {self.path} cannot grow past {size} bytes")
+            space.check_map_growth(self.path, size * 2, size, _MAX_MAP_BYTES)  # a failed set_mapsize ends py-lmdb's env
             self._set_mapsize(env, size * 2)
 
     def _adopt_resize(self, env: lmdb.Environment) -> None:

@@ -1,19 +1,29 @@
-"""Page accounting of an LMDB environment: the used extent and the free list.
+"""Page accounting of an LMDB environment: the used extent and the free
+list; and whether the map can grow.
 
 Invariants:
     * Everything here reads; nothing changes the environment.
+    * A map growth is tried only where a mapping of the new size fits in
+      this process's address space now (:func:`check_map_growth`): py-lmdb
+      closes the environment for good when ``set_mapsize`` cannot map the
+      new size, and every later read and write of the process failed, also
+      once the limit was lifted (RLIMIT_AS in a child: ``put`` raised
+      lmdb.MemoryError, then every ``get`` a TierError, "Attempt to operate
+      on closed/deleted/dropped object").
     * The caller reads the page size once per environment (LMDB fixes it at
       creation) and passes it in.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
 
+from ucm_db.errors import TierError
 from ucm_db.engines.lmdb.checks import lmdb_error
 from ucm_db.engines.lmdb.txn import LmdbTxn
 
@@ -62,3 +72,20 @@ def read_retried(read: Callable[[], T], adopt_resize: Callable[[], None], env_di
                 raise lmdb_error("Reading the figures of", env_dir, exc) from exc
             adopt_resize()
     raise AssertionError("unreachable")
+
+
+def check_map_growth(env_dir: Path, size_bytes: int, mapped_bytes: int, max_bytes: int) -> None:
+    """Raises :class:`TierError` unless the map, ``mapped_bytes`` now, may
+    grow to ``size_bytes``: at most ``max_bytes``, and within this process's
+    address space (module invariants): a mapping of the growth, inaccessible
+    (so no memory is committed), is made and dropped at once (LMDB unmaps
+    the old map before it maps the new one: the growth is what must fit)."""
+    if size_bytes > max_bytes:
+        raise TierError(f"LMDB map of {env_dir} cannot grow past {mapped_bytes} bytes")
+    try:
+        mmap.mmap(-1, max(size_bytes - mapped_bytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0).close()
+    except (OSError, OverflowError) as exc:
+        raise TierError(f"the LMDB map of {env_dir} cannot grow to {size_bytes} bytes: {exc} (the address space "
+                        "limit, RLIMIT_AS / ulimit -v, or the address space is used up)",
+                        hint="raise the process's address space limit (ulimit -v), or set a smaller capacity_bytes; "
+                             "writes resume once the map can grow") from exc
