@@ -36,15 +36,20 @@ Invariants:
       ``store_foreign_loads`` is set (:func:`refuse_saves_over_foreign_load`;
       ucm-db's loads are noted by :func:`note_ucm_db_load` when vLLM
       allocates them, before any child builds its step).
-    * One publication per request: MultiConnector merges its children's
-      ``kv_transfer_params`` and stops the engine on a key two of them
-      return (``RuntimeError: Key clash``), and every ucm-db child that is a
-      ``kv_producer`` publishes under the same key. So the first ucm-db
-      child to publish a request returns it, and each later one of the same
-      namespace folds its own into it (:func:`publish_once`): the blocks
-      every one of their stores holds (the fewest), and every store named.
+    * One publication per request (per KV cache group): MultiConnector
+      merges its children's ``kv_transfer_params`` and stops the engine on a
+      key two of them return (``RuntimeError: Key clash``), and every ucm-db
+      child that is a ``kv_producer`` publishes under the same key, whatever
+      its namespace. So the first ucm-db child to publish a request returns
+      it, and every later one returns None (:func:`publish_once`); one of
+      the same namespace first folds its own into it (the blocks every one
+      of their stores holds: the fewest; every store named). A later child
+      of another namespace (``model_id`` set on one child) is not announced
+      (logged once): a consumer of its namespace does an ordinary lookup.
       Two children of one engine are told apart from two engines of one
-      process by the request object, which MultiConnector hands every child.
+      process by the request object, which MultiConnector hands every
+      child; a hybrid model's groups (one scheduler each, other namespaces)
+      by their group index.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import dataclasses
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handler prints it
@@ -61,28 +66,49 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handl
 MAX_NOTED_LOADS = 65536
 _ucm_db_loads: OrderedDict[str, None] = OrderedDict()
 _warned_foreign = False
-#: The last publication of each namespace made in this process: (its request, the scheduler that made it, its body).
-_publications: dict[str, tuple[Callable[[], Any], object, dict[str, Any]]] = {}
+#: Per request object (held weakly), per KV cache group: the first ucm-db scheduler of this process
+#: to publish it, and its publication's body.
+_publications: weakref.WeakKeyDictionary[Any, dict[int, tuple[object, dict[str, Any]]]] = weakref.WeakKeyDictionary()
+#: The same for the last request that cannot be held weakly (not vLLM's Request): (request, its entry).
+_unheld: list[tuple[Any, dict[int, tuple[object, dict[str, Any]]]]] = []
+_warned_namespaces = False
 
 
-def publish_once(request: Any, owner: object, params: dict[str, Any], key: str) -> dict[str, Any] | None:
+def _firsts(request: Any) -> dict[int, tuple[object, dict[str, Any]]]:
+    """The publications made of ``request`` so far, by group (made empty where none)."""
+    try:
+        return _publications.setdefault(request, {})
+    except TypeError:  # not weakly referable: one such request held, until the next
+        if not _unheld or _unheld[0][0] is not request:
+            _unheld[:] = [(request, {})]
+        return _unheld[0][1]
+
+
+def publish_once(request: Any, owner: object, params: dict[str, Any], key: str, group: int = 0) -> dict[str, Any] | None:
     """``params`` (a publication under ``key``) where ``owner`` is the first
-    ucm-db scheduler to publish ``request``; None where another one of this
-    process published the same request object under the same namespace,
-    after folding ``params`` into that one's (module invariants)."""
+    ucm-db scheduler of this process to publish ``request`` (of KV cache
+    group ``group``); None where another one published it first, after
+    folding ``params`` into that one's if both name one namespace (module
+    invariants)."""
+    global _warned_namespaces
     body = params[key]
-    last = _publications.get(body["namespace"])
-    if last is None or last[0]() is not request or last[1] is owner:
-        try:
-            held: Callable[[], Any] = weakref.ref(request)
-        except TypeError:  # not vLLM's Request: held (one per namespace) until the next publication
-            held = lambda: request  # noqa: E731
-        _publications[body["namespace"]] = (held, owner, body)
+    firsts = _firsts(request)
+    first = firsts.get(group)
+    if first is None or first[0] is owner:  # the first, or this scheduler's own again (a new chunk of a session)
+        firsts[group] = (owner, body)
         return params
-    first = last[2]
-    if body["blocks"] < first["blocks"]:  # every store named holds the fewer blocks
-        first.update(blocks=body["blocks"], tokens=body["tokens"], last_key=body["last_key"])
-    first["stores"] = list(dict.fromkeys([*first["stores"], *body["stores"]]))
+    theirs = first[1]
+    if theirs["namespace"] != body["namespace"]:
+        if not _warned_namespaces:
+            _warned_namespaces = True
+            logger.warning("ucm-db: two ucm-db kv_producer connectors of this MultiConnector store under other "
+                           "namespaces (%.12s, %.12s: model_id set on one?); a request is announced once, by the first "
+                           "of them: a consumer of the other's namespace looks it up without waiting (logged once)",
+                           theirs["namespace"], body["namespace"])
+        return None
+    if body["blocks"] < theirs["blocks"]:  # every store named holds the fewer blocks
+        theirs.update(blocks=body["blocks"], tokens=body["tokens"], last_key=body["last_key"])
+    theirs["stores"] = list(dict.fromkeys([*theirs["stores"], *body["stores"]]))
     return None
 
 

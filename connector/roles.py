@@ -41,6 +41,15 @@ Invariants:
       and count them all as publication misses. Waiting is never what makes
       a load right (every claim is of blocks found stored), so a fingerprint
       that does not match only costs the wait's retries, never wrong KV.
+    * A store is fingerprinted by what names it alike wherever it is read:
+      a local store by its node (the kernel's boot id, shared by the
+      containers of one host; the host name where there is none) and the
+      directory's device and inode; a remote by its URL with the protocol's
+      aliases merged (``s3a``/``s3n`` -> ``s3``, ``gcs`` -> ``gs``,
+      ``local`` -> ``file``), trailing slashes dropped, and a ``file://``
+      (or plain) directory by its resolved path on this node. Another
+      spelling of one store is not recognised: an NFS export mounted at
+      another path, another endpoint's alias of one bucket (docs/pd.md).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -127,17 +137,45 @@ def producer_store_options(store_options: Mapping[str, Any], publish: str) -> di
     return options
 
 
+#: fsspec protocols that name the same stores as another (one bucket under either).
+_PROTOCOL_ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "local": "file"}
+_node: list[str] = []  # this node's identity, once read
+
+
+def node_identity() -> str:
+    """This node's identity: the kernel's boot id (one per host boot, shared
+    by its containers), or the host name where the kernel has none."""
+    if not _node:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+                _node.append("boot:" + file.read().strip())
+        except OSError:
+            _node.append("host:" + socket.gethostname())
+    return _node[0]
+
+
+def remote_name(remote: str) -> str:
+    """A remote tier's URL as every spelling of it reads (module invariants)."""
+    protocol, sep, rest = remote.partition("://")
+    if not sep:  # a plain path: fsspec's local file system
+        protocol, rest = "file", remote
+    protocol = _PROTOCOL_ALIASES.get(protocol.lower(), protocol.lower())
+    if protocol == "file":
+        rest = os.path.realpath(rest)
+    return f"{protocol}://{rest.rstrip('/')}"
+
+
 def store_fingerprints(local_path: str | os.PathLike[str], remote: str | None) -> tuple[str, ...]:
     """Short digests naming where a store's blocks can be read: its local
-    directory (device and inode: the same directory under any mount path
-    of one node) and its remote tier's URL (trailing slashes dropped), if
+    directory (this node, device and inode: the same directory under any
+    mount path of one node) and its remote tier (:func:`remote_name`), if
     any. A directory that cannot be stat'ed is named by its resolved path."""
     try:
         status = os.stat(local_path)
-        local = f"local:{status.st_dev}:{status.st_ino}"
+        local = f"local:{node_identity()}:{status.st_dev}:{status.st_ino}"
     except OSError:
-        local = f"path:{os.path.realpath(local_path)}"
-    names = [local] + ([f"remote:{remote.rstrip('/')}"] if remote else [])
+        local = f"path:{node_identity()}:{os.path.realpath(local_path)}"
+    names = [local] + ([f"remote:{remote_name(remote)}"] if remote else [])
     return tuple(hashlib.blake2b(name.encode(), digest_size=8, person=b"ucm-db/store").hexdigest() for name in names)
 
 

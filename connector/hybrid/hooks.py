@@ -212,8 +212,11 @@ class GroupedScheduler:
             for transfer in meta.saves:
                 after.setdefault(transfer.req_id, set()).update(transfer.after_loads)
         for index, meta in enumerate(metas):
-            meta.saves = [replace(t, after_loads=tuple(sorted(after[t.req_id]))) if after[t.req_id] else t
-                          for t in meta.saves if self._keeps(index, t)]
+            kept = [replace(t, after_loads=tuple(sorted(after[t.req_id]))) if after[t.req_id] else t
+                    for t in meta.saves if self._keeps(index, t)]
+            if meta.saves and not kept:  # its worker drains nothing this step: its voids wait (settlement.py)
+                self.parts[index].saves_dropped(meta.step)
+            meta.saves = kept
         first = metas[self.parts.index(self._attention[0])]
         return UcmDbConnectorMetadata(step=first.step, idle=first.idle, epoch=first.epoch, preempted=first.preempted, groups=metas)
 

@@ -324,15 +324,17 @@ class UcmDbScheduler:
                         state.claim_limit = state.request.num_computed_tokens // self._block_size
         # Before settling: the tables recorded for the steps it settles (settlement.py).
         forget_failed_blocks(self.kv_cache_manager, self._settlement.tables(), self._requests, self._group, invalid)
-        voided = self._settlement.settle(step, invalid, self.rewind)
-        if voided:  # a producer's committed saves: its workers delete them without counting them
-            self.counters.add(saves_voided=voided)
+        self._settlement.settle(step, invalid, self.rewind)  # a voided committed save: its workers count it (voids.py)
         if isinstance(worker_meta, UcmDbWorkerMetadata):
             self._planner.observe_output(worker_meta)
             if worker_meta.refused and not self._off:
                 self._off = True  # the workers neither load nor save (worker/hooks.py): claim and save nothing
                 logger.error("ucm-db: a worker refused namespace %s (its log says why): ucm-db is off for this "
                              "engine until a restart", self._namespace.short_id)
+
+    def saves_dropped(self, step: int) -> None:
+        """Step ``step``'s metadata lost every save after planning (hybrid/hooks.py): SaveSettlement.saves_dropped."""
+        self._settlement.saves_dropped(step)
 
     def rewind(self, req_id: str, save_start: int | None) -> None:
         """Moves a request's stored and saved marks back to the blocks vLLM
@@ -353,7 +355,7 @@ class UcmDbScheduler:
         self._lookup.forget(request.request_id)
         if not self._role.publishes or state is None or self._off:  # off: a worker refused, nothing was saved
             return False, None
-        return False, self._publications.publish(self, state)  # what its store holds (publications.py)
+        return False, self._publications.publish(self, state, self._group)  # what its store holds (publications.py)
 
     @property
     def epoch(self) -> int | None:

@@ -49,7 +49,18 @@ Invariants:
       that step's saves). Meanwhile no lookup of this engine counts a
       fenced block as stored (:meth:`SaveSettlement.unfenced`): another
       request of the same prefix, looked up before the void ran, loaded the
-      voided KV (and a producer published it).
+      voided KV (and a producer published it). The step that drains is the
+      one whose *final* metadata saves (a hybrid model's group may lose
+      every save of a step after planning: :meth:`SaveSettlement.saves_dropped`).
+      A request vLLM finishes while it handles a step's output (before the
+      connector sees that output) may pass the fences that output lifts
+      (``output_back``): the step is back, its worker ran the void. A
+      fence is never dropped before its void ran: at most
+      :data:`MAX_FENCES` fences whose drained step is planned are kept (the
+      oldest go first); those waiting for a saving step are bounded by the
+      voids of the steps in flight (a void comes from a saving step's output).
+      Where the delete itself fails, the worker retries it before its later
+      rounds (worker/voids.py); the fence does not wait for that.
     * Failed block ids of a settled step stay known while a pending save
       may depend on them: until the step is more than
       :data:`MAX_PENDING_STEPS` steps older than the oldest held save or
@@ -73,8 +84,8 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so vLLM's log han
 #: an output that carried no metadata never comes).
 MAX_PENDING_STEPS = 64
 
-#: Voided saves whose keys are fenced at most (the oldest fence goes first;
-#: a fence stays only until this engine's next step that saves is back).
+#: Fences whose drained step is planned kept at most (the oldest goes first; a fence stays only
+#: until this engine's next step that saves is back). Fences not yet drained are never dropped.
 MAX_FENCES = 1024
 
 #: ``rewind(request id, save start or None)``: moves a request's stored and
@@ -133,6 +144,7 @@ class SaveSettlement:
         # step -> block tables of the requests it computed over unsettled loads (forget_failed_blocks)
         self._tables: dict[int, list[tuple[int, ...]]] = {}
         self._fences: list[Fence] = []  # voided saves' keys, until their void surely ran
+        self._returned = -1  # the last step whose output came back
 
     def record_loads(self, meta: UcmDbConnectorMetadata, others: Sequence[tuple[str, tuple[int, ...]]] = ()) -> set[int]:
         """Remembers the step's synchronous loads, and ``others``: (request,
@@ -202,7 +214,16 @@ class SaveSettlement:
                 fence.drained = meta.step  # its worker drains the writer, the void queued before, within this step
         (meta.held_commits, meta.held_drops), self._held_verdicts = self._held_verdicts, ([], [])
 
-    def settle(self, step: int | None, invalid: set[int], rewind: Rewind) -> int:
+    def saves_dropped(self, step: int) -> None:
+        """Step ``step``'s final metadata saves nothing after all (a hybrid
+        group's saves cut at a null block, hybrid/hooks.py): its worker does
+        not drain its writer, so the fences noted for it wait for a later
+        saving step (module invariants)."""
+        for fence in self._fences:
+            if fence.drained == step:
+                fence.drained = None
+
+    def settle(self, step: int | None, invalid: set[int], rewind: Rewind) -> None:
         """Settles the sync loads of steps up to ``step`` (every step's, if
         the output named none but reports invalid blocks): each request
         that loaded an invalid block is rewound to where vLLM recomputes it
@@ -212,15 +233,15 @@ class SaveSettlement:
         rewound too. Held saves planned up to ``step`` get their verdict,
         in planning order, for the next step's metadata: after a dropped
         one, a request's later ones drop too. The recorded block tables of
-        steps up to ``step`` are forgotten. Returns the blocks of the
-        committed saves it voided (a producer's: no worker counts them)."""
+        steps up to ``step`` are forgotten. A committed save voided is
+        counted by the workers whose void deletes it (worker/voids.py)."""
         for number in [s for s in self._tables if step is not None and s <= step]:
             del self._tables[number]
         if step is not None:  # the output of a step that drained the void is back: the void ran
+            self._returned = max(self._returned, step)
             self._fences = [f for f in self._fences if f.drained is None or f.drained > step]
         if step is None and not invalid:
-            return 0
-        voided = 0
+            return
         settled = [(s, self._step_loads.pop(s)) for s in sorted(self._step_loads) if step is None or s <= step]
         for number, record in settled:
             bad = invalid.intersection(b for _, ids in record.loads for b in ids)
@@ -238,8 +259,7 @@ class SaveSettlement:
                 if committed:
                     self._voids.append(transfer)
                     self._fences.append(Fence(frozenset(transfer.keys)))
-                    del self._fences[:-MAX_FENCES]
-                    voided += len(transfer.block_ids)
+                    self._trim_fences()
                     logger.warning("ucm-db: request %s: %d blocks saved over a block that failed to load are voided",
                                    transfer.req_id, len(transfer.block_ids))
         if step is not None:
@@ -248,15 +268,23 @@ class SaveSettlement:
         oldest = min([h.step for h in self._held.values()] + list(self._step_loads), default=None)
         for number in [s for s in self._recent_bad if oldest is None or s < oldest - MAX_PENDING_STEPS]:
             del self._recent_bad[number]
-        return voided
 
-    def unfenced(self, keys: Sequence[bytes], found: int) -> int:
+    def _trim_fences(self) -> None:
+        """Drops the oldest fences whose drained step is planned, beyond
+        :data:`MAX_FENCES` of them; never one not yet drained (module invariants)."""
+        excess = sum(fence.drained is not None for fence in self._fences) - MAX_FENCES
+        if excess > 0:
+            dropped = {id(fence) for fence in [f for f in self._fences if f.drained is not None][:excess]}
+            self._fences = [fence for fence in self._fences if id(fence) not in dropped]
+
+    def unfenced(self, keys: Sequence[bytes], found: int, output_back: bool = False) -> int:
         """``found`` leading blocks of a chain (``keys``) cut before the first
-        one whose void may not have run yet (module invariants)."""
-        if not self._fences:
-            return found
-        fenced = frozenset().union(*(fence.keys for fence in self._fences))
-        return next((i for i in range(found) if keys[i] in fenced), found)
+        one whose void may not have run yet (module invariants);
+        ``output_back``: asked while vLLM handles the output of the step
+        after the last one seen here (its fences' voids ran)."""
+        back = self._returned + 1 if output_back else self._returned
+        fenced = frozenset().union(*(f.keys for f in self._fences if f.drained is None or f.drained > back))
+        return next((i for i in range(found) if keys[i] in fenced), found) if fenced else found
 
     def _give_verdicts(self, step: int, recent_bad: set[int], rewind: Rewind) -> None:
         """Commit or drop, in planning order, for every held save planned up to ``step``."""

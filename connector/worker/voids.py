@@ -38,6 +38,21 @@ Invariants:
       the uploader, and the units are never promoted back meanwhile. Readers
       of the remote in the step before the void (other nodes) may have
       taken copies: the same window as the local tier's.
+    * A void whose delete fails (an I/O error; a full disk: an LMDB delete
+      needs pages) is kept, with its units, and retried before every later
+      writer round and void, oldest first, until it succeeds: at most
+      :data:`MAX_FAILED_VOIDS` are kept (the oldest is then given up,
+      logged as an error: its units stay stored). Until its retry succeeds
+      the voided units stay stored, and every reader of the store (this
+      engine's lookups once the scheduler's fence lifts, a step after the
+      void: settlement.py; other engines at once) may load them; a save of
+      the same keys meanwhile stores nothing under them (first writer wins)
+      and the retry deletes them with their descendants, so what is left
+      stored after it is right. Failures are logged at most once a minute.
+    * A void counts the blocks of its save in ``saves_voided`` when its
+      delete succeeds, on every worker rank whose writer stored some of it
+      (vLLM sums the ranks, as for ``saved_blocks`` and a held save a rank
+      drops): the unit is blocks per writing rank.
     * Only the writer thread records and deletes: a void is queued behind
       every save queued before it (it comes a step later), so its save's
       round is done and recorded when it runs. A record no void takes is
@@ -47,6 +62,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -54,14 +70,17 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db.connector.metadata import BlockTransfer
+from ucm_db.connector.metrics import Counters
 from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS
-from ucm_db.errors import UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import UnitKeys
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 #: Worker steps a save's record waits for its void (twice what the scheduler waits for a step's output).
 KEEP_STEPS = 2 * MAX_PENDING_STEPS
+#: Voids whose delete failed, kept for their retry at most (module invariants).
+MAX_FAILED_VOIDS = 256
+_FAILURE_LOG_INTERVAL_S = 60.0
 
 #: A save as its void names it again: (request id, first block key, blocks).
 SaveId = tuple[str, bytes, int]
@@ -98,15 +117,23 @@ class SaveVoids:
     """The writer's records of what it stored for saves that may be voided,
     and the voids' deletes (module invariants). Writer thread only."""
 
-    def __init__(self, store: ucm_db.Store) -> None:
+    def __init__(self, store: ucm_db.Store, counters: Counters | None = None) -> None:
         self._store = store
+        self._counters = counters  # saves_voided: the blocks of each save whose void deleted something
+        self._failed: dict[SaveId, tuple[VoidJob, list[bytes]]] = {}  # voids whose delete failed, oldest first
+        self._failure_logged_s = -_FAILURE_LOG_INTERVAL_S
         self._round: set[bytes] = set()  # keys the current round stored (or may have)
         self._recording = False  # the current round holds a voidable save: only then are its keys kept
         self._records: dict[SaveId, tuple[int, list[bytes]]] = {}  # save -> (step, first stored unit per chain)
 
     def begin_round(self, voidable: bool) -> None:
-        """Starts a writer round; ``voidable``: it holds a save a later step may void."""
+        """Starts a writer round (or a void); ``voidable``: it holds a save a
+        later step may void. Retries the voids whose delete failed first."""
         self._recording = voidable
+        for save, (job, units) in list(self._failed.items()):
+            if not self._delete(job, units):
+                return  # still failing: the later ones wait too
+            del self._failed[save]
 
     def stored(self, keys: Iterable[bytes]) -> None:
         """Keys a put of the current round stored, or may have (module
@@ -129,12 +156,31 @@ class SaveVoids:
         """Deletes what the writer stored for ``job``'s save (nothing if it stored nothing)."""
         record = self._records.pop(job.save, None)
         self._forget_before(job.step - KEEP_STEPS)
-        if record is None:
+        if record is None or self._delete(job, record[1]):
             return
+        self._failed[job.save] = (job, record[1])
+        if len(self._failed) > MAX_FAILED_VOIDS:
+            oldest = next(iter(self._failed))
+            given_up = self._failed.pop(oldest)[0]
+            logger.error("ucm-db: request %.80s: a void of %d blocks saved over a failed load is given up after %d "
+                         "later voids failed too: its wrong units stay stored (ucm-db invalidate "
+                         "the namespace to drop them)", oldest[0], given_up.blocks, MAX_FAILED_VOIDS)
+
+    def _delete(self, job: VoidJob, units: list[bytes]) -> bool:
+        """Deletes ``units`` (with their descendants) for ``job``; False where that failed (logged)."""
         try:
-            self._store.delete(job.namespace, record[1], remote=True)  # wrong KV: off the remote too
-        except (UcmDbError, OSError) as exc:
-            logger.warning("ucm-db: deleting %d blocks saved over a failed load failed: %s", job.blocks, exc)
+            self._store.delete(job.namespace, units, remote=True)  # wrong KV: off the remote too
+        except Exception as exc:  # noqa: BLE001 - kept and retried whatever failed (module invariants)
+            now = time.monotonic()
+            if now - self._failure_logged_s >= _FAILURE_LOG_INTERVAL_S:
+                self._failure_logged_s = now
+                logger.warning("ucm-db: deleting %d blocks saved over a failed load failed: they stay stored, and are "
+                               "deleted before a later save round once the store takes deletes again (logged at most "
+                               "once a minute): %s", job.blocks, exc)
+            return False
+        if self._counters is not None:
+            self._counters.add(saves_voided=job.blocks)
+        return True
 
     def _forget_before(self, step: int) -> None:
         """Drops the records of saves before ``step`` (the dict is in step order)."""

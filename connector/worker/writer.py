@@ -37,8 +37,9 @@ Invariants:
       be stored: the first one is logged with the fix; queue-full drops are
       logged at most once a minute.
     * A failed put (missing parent after an eviction, full store, I/O error)
-      loses only that job (an I/O error: that round): it is counted and
-      logged, the thread goes on.
+      loses only that job (an I/O error: that round): counted in ``save_errors``
+      and logged at most once a minute (a full disk fails every round; an INFO
+      line says when saves commit again), the thread goes on.
     * The thread outlives any exception (a ``kv_producer`` drains it every step): an unexpected one ends
       its round (blocks not yet counted go to ``save_errors``, a void is left undone, items still marked
       done), logged with its traceback at most once a minute.
@@ -78,7 +79,7 @@ import ucm_db
 from ucm_db import cpu_placement
 from ucm_db.committer import CommitProcess
 from ucm_db.connector.device_saves import SaveCopy
-from ucm_db.connector.metrics import Counters
+from ucm_db.connector.metrics import Counters, LogLimit
 from ucm_db.connector.worker.commit_route import CommitRoute
 from ucm_db.connector.worker.voids import SaveVoids, VoidJob, VoidTag
 from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
@@ -178,12 +179,13 @@ class BackgroundWriter:
         ``frames`` makes of a row)."""
         self._store = store
         self._route = CommitRoute(store, frames, codec_name, committer, frame_bytes)  # commit_route.py
-        self._voids = SaveVoids(store)  # what voidable saves stored, and the voids' deletes (voids.py)
+        self._voids = SaveVoids(store, counters)  # what voidable saves stored, and the voids' deletes (voids.py)
         self._counters = counters
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = self._counted_blocks = 0
         self._logged_oversize = False
-        self._last_drop_log_s = self._last_fault_log_s = -_DROP_LOG_INTERVAL_S
+        # Queue-full drops, unexpected faults and failed puts (a full disk fails every round): a line a minute each.
+        self._drop_log, self._fault_log, self._failure_log = (LogLimit(_DROP_LOG_INTERVAL_S) for _ in range(3))
         self._lock = threading.Lock()
         self._queue: queue.Queue[SaveJob | VoidJob | _Wake | None] = queue.Queue()
         self._last_ratio_s = 0.0
@@ -212,9 +214,7 @@ class BackgroundWriter:
                     "saves this large are never stored; raise max_pending_save_bytes above %d",
                     job.blocks, job.queued_bytes, self._max_pending_bytes, job.queued_bytes)
             return
-        now = time.monotonic()
-        if now - self._last_drop_log_s >= _DROP_LOG_INTERVAL_S:
-            self._last_drop_log_s = now
+        if self._drop_log.due() is not None:
             logger.warning(
                 "ucm-db: the save queue is full (%d of max_pending_save_bytes=%d bytes): a save of %d blocks was dropped "
                 "(counted in saves_dropped; the disk is slower than the saves: raise the bound or lower the load)",
@@ -285,8 +285,7 @@ class BackgroundWriter:
             self._maybe_stored([(job, j) for job in jobs if isinstance(job, SaveJob) for j in range(len(job.chains))])
             lost = max(0, sum(job.blocks for job in jobs if isinstance(job, SaveJob)) - self._counted_blocks)
             self._count_errors(lost)
-            if time.monotonic() - self._last_fault_log_s >= _DROP_LOG_INTERVAL_S:  # its traceback, once a minute at most
-                self._last_fault_log_s = time.monotonic()
+            if self._fault_log.due() is not None:  # its traceback, once a minute at most
                 voided = "; a void not done: its blocks stay stored" if isinstance(jobs[0], VoidJob) else ""
                 logger.error("ucm-db: the writer's round failed (%d blocks not saved%s) and it goes on: %s", lost, voided, exc, exc_info=exc)
         finally:
@@ -327,9 +326,7 @@ class BackgroundWriter:
             return
         except (UcmDbError, OSError) as exc:
             self._maybe_stored(chains)
-            blocks = sum(job.blocks for job in jobs)
-            logger.warning("ucm-db: saving %d blocks failed: %s", blocks, exc)
-            self._count_errors(blocks)
+            self._count_errors(sum(job.blocks for job in jobs), exc)
             return
         self._count_saved(jobs, started, started_cpu)
 
@@ -338,15 +335,14 @@ class BackgroundWriter:
         self._route.child_cpu_s = 0.0
         try:
             self._voids.stored(self._route.put([(job, j) for j in range(len(job.chains))], job.evented()))
-            failed = 0
+            failed, why = 0, None
         except (MissingAncestorError, StoreFullError):
-            failed = self._put_one_by_one(job)
+            failed, why = self._put_one_by_one(job)
         except (UcmDbError, OSError) as exc:
             self._maybe_stored([(job, j) for j in range(len(job.chains))])
-            failed = len(job.chains)
-            logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
+            failed, why = len(job.chains), exc
         if failed:
-            self._count_errors(job.blocks)
+            self._count_errors(job.blocks, why)
             return
         self._count_saved([job], started, started_cpu)
 
@@ -358,34 +354,40 @@ class BackgroundWriter:
         self._counters.add(saved_blocks=sum(job.blocks for job in jobs), saved_bytes=sum(job.nbytes for job in jobs),
                            save_commit_s=commit_s, save_commit_cpu_s=commit_cpu_s)
         self._counters.observe("save_commit", commit_s)
+        failures = self._failure_log.ended()
+        if failures:
+            logger.info("ucm-db: saves commit again (%d failed saves since the last warning)", failures)
 
-    def _count_errors(self, blocks: int) -> None:
-        """Counts failed saves (``_counted_blocks``: the round's blocks counted, saved or failed)."""
+    def _count_errors(self, blocks: int, exc: BaseException | None = None) -> None:
+        """Counts failed saves (``_counted_blocks``: the round's blocks counted, saved or failed); ``exc``,
+        why they failed, is logged at most once a minute (module invariants)."""
         self._counted_blocks += blocks
         self._counters.add(save_errors=blocks)
+        held = self._failure_log.due() if exc is not None else None
+        if held is not None:
+            logger.warning("ucm-db: saving %d blocks failed (counted in save_errors; %d more failed saves since the last "
+                           "such line, which repeats at most once a minute): %s", blocks, held, exc)
 
     def _maybe_stored(self, chains: list[tuple[SaveJob, int]]) -> None:
         """A put of ``chains`` raised after perhaps committing: voids count its units as stored (voids.py)."""
         self._voids.stored(key for job, j in chains for key in job.chains[j])
 
-    def _put_one_by_one(self, job: SaveJob) -> int:
-        """Puts each chain on its own; returns how many failed."""
-        failed = 0
+    def _put_one_by_one(self, job: SaveJob) -> tuple[int, BaseException | None]:
+        """Puts each chain on its own; returns how many failed, and why (None: only missing parents)."""
+        failed, why = 0, None
         evented = job.evented()
         for j in range(len(job.chains)):
             try:
                 self._voids.stored(self._route.put([(job, j)], evented))
             except MissingAncestorError:
-                # The parent was evicted (or its save dropped) meanwhile: the
-                # prefix invariant forbids storing an orphan; skip the chain.
+                # The parent was evicted (or its save dropped) meanwhile: the prefix invariant forbids an orphan.
                 failed += 1
                 logger.debug("ucm-db: skipped a save whose parent unit is gone")
             except (UcmDbError, OSError) as exc:
-                failed += 1
+                failed, why = failed + 1, exc
                 if not isinstance(exc, StoreFullError):
                     self._maybe_stored([(job, j)])
-                logger.warning("ucm-db: saving %d blocks failed: %s", job.blocks, exc)
-        return failed
+        return failed, why
 
     def _update_ratio(self, namespace: Namespace) -> None:
         now = time.monotonic()

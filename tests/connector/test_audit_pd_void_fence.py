@@ -10,7 +10,7 @@ that carried the void) was claimed those voided blocks and loaded them
 before the delete ran, so its output was wrong. The scheduler fences a
 voided save's keys now until the void has surely run (settlement.py). Nor
 was such a void counted anywhere (``saves_voided`` counted only saves a
-worker dropped itself); the scheduler counts it now.
+worker dropped itself); the workers whose void deleted it count it now.
 
 Real parts: vLLM's Scheduler and MultiConnector, ucm-db's connectors on
 real stores; the model runner is the stand-in of stand_in_engine.py, whose
@@ -66,7 +66,7 @@ def test_a_request_looked_up_before_a_void_ran_is_not_served_the_voided_blocks(t
     prefill.run_until_done()
     keys = producer.keys_for(Request("k", PROMPT, SamplingParams(max_tokens=1), None), 5)
     fenced_after = producer._settlement.unfenced(keys, 5)
-    voided = producer.counters.totals.data.get("saves_voided", 0)
+    voided = prefill.children("worker")[0]._worker.counters.totals.data.get("saves_voided", 0)  # the rank whose void deleted it
     prefill.close()
     assert prefill.outputs == {"R": greedy(PROMPT, 3), "Q": greedy(PROMPT, 3)}
     assert fenced_after == 5  # released once a step that saved was back: the void ran
@@ -99,7 +99,7 @@ def test_a_void_of_a_request_aborted_before_it_is_still_carried_out(tmp_path: Pa
     prefill.sched.finish_requests("R", RequestStatus.FINISHED_ABORTED)
     prefill.run_until_done()
     voids = [len(so.kv_connector_metadata.metadata[0].void_saves) for so in prefill.scheduled]
-    voided = prefill.children()[0]._scheduler.counters.totals.data.get("saves_voided", 0)
+    voided = prefill.children("worker")[0]._worker.counters.totals.data.get("saves_voided", 0)
     prefill.close()
     assert voids == [0, 1]
     assert voided == 5  # counted in ucm_db_saves_voided (was 0: a producer's void was counted nowhere)
