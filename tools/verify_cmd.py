@@ -27,6 +27,9 @@ def render(r: dict[str, Any]) -> str:
     if r.get("index_repaired"):
         done = sorted(r["index_repaired"].items())
         lines.append("repaired the index: " + ", ".join(f"{kind.replace('_', ' ')} {n}" for kind, n in done))
+    if r.get("index_repaired", {}).get("descriptions_lost"):
+        lines.append("namespace descriptions that could not be rebuilt were replaced by a placeholder: those namespaces "
+                     "are listed undescribed until their next put records the description again")
     if r["totals_recomputed"]:
         lines.append("recomputed the store's totals from the block metadata")
     if r["feed_repaired"]:

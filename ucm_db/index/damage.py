@@ -369,6 +369,8 @@ def _drop_orphan(txn: Txn, key: bytes, *, keep_payload: bool) -> int:
     have stored it since), or files the payload as stuck; 1 if it was an orphan."""
     if txn.get("meta", key) is not None or is_stuck(txn, key):
         return 0
+    if txn.get("blocks", key) is None and txn.get("heads", key) is None:
+        return 0  # evicted whole since the scan: no orphan
     txn.delete("heads", key)
     if not keep_payload:
         txn.delete("blocks", key)
@@ -378,22 +380,3 @@ def _drop_orphan(txn: Txn, key: bytes, *, keep_payload: bool) -> int:
         txn.put("quarantine", key, json.dumps(record).encode())
     return 1
 
-
-def restore_depth(txn: Txn, key: bytes) -> bool:
-    """Rewrites ``key``'s depth to its parent's plus one (a first block's: 0)
-    where it differs, moving its LRU entry; judged here from the records as
-    they are now (call parents first). Returns whether it rewrote."""
-    meta = stored_meta(txn, key)
-    if meta is None:
-        return False
-    parent = None if meta.parent is None else stored_meta(txn, meta.parent)
-    if meta.parent is not None and parent is None:
-        return False
-    depth = 0 if parent is None else parent.depth + 1
-    if meta.depth == depth:
-        return False
-    txn.delete("lru", lru_key(meta.access_ns, meta.depth, key))
-    meta.depth = depth
-    txn.put("meta", key, meta.pack())
-    txn.put("lru", lru_key(meta.access_ns, depth, key), b"")
-    return True

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any, Optional, TypeVar
 
 from ucm_db.errors import ConfigError
-from ucm_db.index import damage, namespace_guard, records
+from ucm_db.index import damage, descriptions, namespace_guard, records
 from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, Totals, parse_description, recount
 from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index.entries import META, BlockMeta, body_of
@@ -196,7 +196,8 @@ class IndexReader:
         def run(txn: Txn) -> dict[bytes, dict[str, Any]]:
             out: dict[bytes, dict[str, Any]] = {}
             for name, value in records.scan_checked(txn, NS_DESC_PREFIX):
-                out[name[len(NS_DESC_PREFIX):]] = parse_description(value)
+                if not descriptions.is_placeholder(value):  # a description verify --fix could not rebuild: undescribed
+                    out[name[len(NS_DESC_PREFIX):]] = parse_description(value)
             return out
         return self.engine.read(run)
 

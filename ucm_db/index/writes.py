@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
-from ucm_db.index import changefeed, damage, namespace_guard, pins, records, retractions
+from ucm_db.index import changefeed, damage, descriptions, namespace_guard, pins, records, retractions
 from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.index.damage import Damage
@@ -137,7 +137,7 @@ class IndexWriter:
             depths: dict[bytes, int] = {}
             new: list[BlockEntry] = []
             maybe_stuck = damage.any_quarantined(txn)  # usually none: then no block needs refuse_stuck's read
-            if namespace_desc is not None and txn.get("info", NS_DESC_PREFIX + namespace_desc[0]) is None:
+            if namespace_desc is not None and descriptions.needs_writing(txn, namespace_desc[0]):  # none, or a placeholder
                 records.put_checked(txn, NS_DESC_PREFIX + namespace_desc[0], namespace_desc[1])
             for entry in entries:
                 in_batch.add(entry.key)

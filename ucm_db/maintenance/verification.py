@@ -16,11 +16,16 @@ head, malformed records, records and event fields of blocks not stored,
 :func:`~ucm_db.index.feed_audit.problems`); repair rebuilds its head and
 drops those records (:func:`~ucm_db.index.feed_audit.repair`). Repair also
 deletes index entries without metadata (a payload on a page the engine
-cannot free is filed as stuck instead, for compact's rewrite), damaged
-quarantine and namespace-description records (a put writes the description
-again), rewrites a damaged creation record from the whole format version,
-and rewrites depths that are not the parent's plus one (top down, moving
-LRU entries): so a second check finds the store clean.
+cannot free is filed as stuck instead, for compact's rewrite) and damaged
+quarantine records, reseals a damaged namespace description that still
+rebuilds its namespace and replaces any other by a placeholder
+(:mod:`ucm_db.index.descriptions`: never deleted, so a lost epoch record
+stays unknown and is renewed), rewrites a damaged creation record from the
+whole format version (marked as rewritten), and rewrites depths that are
+not the parent's plus one (top down, moving LRU entries, with the children
+of each block rewritten: :mod:`ucm_db.index.depths`), then rebuilds the pin
+records where a pin made across a wrong depth left them short: so a
+second check finds the store clean.
 
 Invariants:
     * :func:`verify_view` only reads; :func:`repair` writes through a
@@ -38,6 +43,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +55,7 @@ from ucm_db.format import CREATED_KEY, INFO_TABLE, creation_record, damaged_form
 from ucm_db.maintenance.inspection import chain_roots
 from ucm_db.store import epochs
 from ucm_db.store.view import ProgressFn, StoreView
-from ucm_db.index import damage, feed_audit, records
-from ucm_db.index.accounting import NS_DESC_PREFIX, parse_description
+from ucm_db.index import damage, depths, descriptions, feed_audit, pins
 from ucm_db.index.audit import DEPTH_PROBLEM, ROOT_DEPTH_PROBLEM
 from ucm_db.index.damage import stored_meta
 from ucm_db.index.entries import BlockMeta, body_of
@@ -247,10 +252,12 @@ def repair_index(tier: LocalTier, problems: list[str]) -> dict[str, int]:
         done["orphans_dropped"], done["orphans_stuck"] = tier.damage.drop_orphan_payloads()
     if any(DEPTH_PROBLEM in p or ROOT_DEPTH_PROBLEM in p for p in problems):
         done["depths_restored"] = restore_depths(tier)
+        if done["depths_restored"]:  # a pin made across a wrong depth stopped below it (pins.py): its records fall short
+            done["pins_rebuilt"] = tier.engine.write(lambda txn: pins.rebuild(txn) if pins.problems(txn) else 0)
     if links_missing(problems) or "depths_restored" in done:
         done.update(restore_links(tier))
     if any(p.startswith(_RECORD_PROBLEM) for p in problems):  # each record judged again: only damaged ones change
-        done["records_rewritten"] = tier.engine.write(_rewrite_damaged_records)
+        done["records_rewritten"], done["descriptions_lost"] = tier.engine.write(_rewrite_damaged_records)
     return {kind: count for kind, count in done.items() if count}
 
 
@@ -286,16 +293,23 @@ def restore_links(tier: LocalTier) -> dict[str, int]:
 
 def restore_depths(tier: LocalTier) -> int:
     """Rewrites every depth that is not the parent's plus one (a first
-    block's: 0), parents first, each judged again in its write transaction
-    (:func:`~ucm_db.index.damage.restore_depth`), at most about
-    ``MAINTENANCE_CHUNK_KEYS`` per transaction; returns how many."""
+    block's: 0), parents first, each judged again in its write transaction,
+    and the children of each block rewritten after it (a live writer's
+    child put since the scan has the old depth plus one:
+    :func:`~ucm_db.index.depths.restore_in`), at most about
+    ``MAINTENANCE_CHUNK_KEYS`` judged per transaction; returns how many."""
     metas = tier.scan_metas()
-    wrong = sorted(((depth, key) for key, depth in expected_depths(metas).items() if metas[key].depth != depth))
-    done = 0
-    for start in range(0, len(wrong), MAINTENANCE_CHUNK_KEYS):
-        chunk = [key for _depth, key in wrong[start:start + MAINTENANCE_CHUNK_KEYS]]
-        done += tier.engine.write(lambda txn: sum(damage.restore_depth(txn, key) for key in chunk))
-    return done
+    wrong = [key for _depth, key in sorted((depth, key) for key, depth in expected_depths(metas).items()
+                                           if metas[key].depth != depth)]
+    rewritten: set[bytes] = set()
+    pending: list[bytes] = []
+    start = 0
+    while pending or start < len(wrong):
+        taken = max(0, MAINTENANCE_CHUNK_KEYS - len(pending))
+        batch, start = pending + wrong[start:start + taken], start + taken
+        done, pending = tier.engine.write(lambda txn: depths.restore_in(txn, batch, MAINTENANCE_CHUNK_KEYS, rewritten))
+        rewritten.update(done)
+    return len(rewritten)
 
 
 def expected_depths(metas: dict[bytes, BlockMeta]) -> dict[bytes, int]:
@@ -324,14 +338,27 @@ def expected_depths(metas: dict[bytes, BlockMeta]) -> dict[bytes, int]:
     return depth_of
 
 
-def _rewrite_damaged_records(txn: Txn) -> int:
-    """Deletes damaged namespace descriptions (the next put of the namespace
-    writes its own again) and rewrites a damaged creation record (the store's
-    format version record, which repair requires whole, says its format)."""
-    damaged = [name for name, value in records.scan_checked(txn, NS_DESC_PREFIX) if "damaged" in parse_description(value)]
-    for name in damaged:
-        records.delete_checked(txn, name)
+def _rewrite_damaged_records(txn: Txn) -> tuple[int, int]:
+    """Reseals or replaces the damaged namespace descriptions, never deleting
+    one (:func:`ucm_db.index.descriptions.repair`: a description is how the
+    store knows it holds the namespace, so a lost epoch record stays
+    unknown), and rewrites a damaged creation record (marked as rewritten:
+    when the store was made is not known). Returns (records rewritten,
+    descriptions replaced by the placeholder)."""
+    resealed, replaced = descriptions.repair(txn)
+    rewritten = resealed + replaced
     if any(name == CREATED_KEY.decode() for name, _ in damaged_format_records(txn)):
-        txn.put(INFO_TABLE, CREATED_KEY, creation_record())
-        damaged.append(CREATED_KEY)
-    return len(damaged)
+        txn.put(INFO_TABLE, CREATED_KEY, rewritten_creation_record())
+        rewritten += 1
+    return rewritten, replaced
+
+
+def rewritten_creation_record() -> bytes:
+    """The ``info/created`` record ``--fix`` writes for a damaged one: the
+    format version (which repair requires whole) and who rewrote it when,
+    no creation time or creating version (a made-up one would show in
+    ``inspect``)."""
+    record = json.loads(creation_record())
+    rewritten = {"by": "ucm-db verify --fix (the record was damaged)", "time_ns": record.pop("created_ns"),
+                 "ucm_db_version": record.pop("ucm_db_version")}
+    return json.dumps({**record, "rewritten": rewritten}, sort_keys=True).encode()

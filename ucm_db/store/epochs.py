@@ -195,7 +195,11 @@ def _high(txn: Txn) -> int | None:
 
 def held(txn: Txn, namespace_id: bytes) -> bool:
     """Whether blocks of the namespace were put or imported here (it has a
-    description, written with its first put and never deleted)."""
+    description, written with its first put and never deleted: ``verify
+    --fix`` reseals a damaged one or leaves a placeholder,
+    :mod:`ucm_db.index.descriptions`). Its counter record does not count: an
+    older ucm-db's promotions left counters without a description, whose
+    namespace reads a lost epoch as 0 (module docstring)."""
     return txn.get(_INFO, NS_DESC_PREFIX + namespace_id) is not None
 
 
@@ -227,7 +231,8 @@ def unknown_error(namespace_id: bytes, problem: str | None, where: str = "PATH")
     return EpochUnknownError(
         f"the epoch of namespace {namespace_id.hex()} cannot be established: {problem}; it is not served "
         "(lookups miss, puts are refused) and never read as epoch 0",
-        hint=f"run `ucm-db invalidate {where} --namespace {namespace_id.hex()}` to record a new epoch",
+        hint=f"run `ucm-db invalidate {where} --namespace {namespace_id.hex()}` to record a new epoch (or `ucm-db "
+             f"verify --fix {where}`, which renews every unknown epoch, described or not)",
     )
 
 

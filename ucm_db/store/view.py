@@ -158,8 +158,8 @@ def select_namespaces(
 
     def stored() -> str:
         rows = [listed(descriptions)] if descriptions else []
-        rows += [f"{ns.hex()} (undescribed: its blocks came from a remote through an older ucm-db; its next put or "
-                 "promotion records its description)" for ns in bare]
+        rows += [f"{ns.hex()} (undescribed: no whole description is recorded, as where an older ucm-db promoted its blocks "
+                 "from a remote or `verify --fix` found it damaged; its next put or promotion records it)" for ns in bare]
         return ", ".join(rows) or "none"
 
     chosen: set[bytes] = set()
