@@ -34,12 +34,15 @@ Invariants and choices:
       over its own buffered deletes).
     * ``sync=True`` fsyncs the WAL on every commit; otherwise
       :meth:`RocksDbEngine.sync` flushes and fsyncs the WAL (group commit).
-    * A failed write or sync (a full disk) leaves RocksDB refusing every
-      later write ("Writer has previous error"): the engine then reopens
-      the database before its next write, read or sync, so puts resume once
-      space is freed (the failed batch was never applied; reopening replays
-      the log up to the last whole record). Until a reopen succeeds, every
-      call is a :class:`~ucm_db.errors.TierError` naming the disk.
+    * A failed write or sync (a full disk) leaves RocksDB refusing every later write ("Writer has previous
+      error"): the engine reopens the database before its next write or sync, so puts resume once space is
+      freed (the failed batch was never applied; a reopen replays the log up to its last whole record). Reads
+      never wait: the failed database is swapped for a read-only one, the reads' gate held only for swaps,
+      never while a database closes or opens. A failed reopen keeps the read-only one; writes and syncs fail
+      at once (a :class:`~ucm_db.errors.TierError` naming the disk) until :data:`REOPEN_SPACE_BYTES` more are
+      free or :data:`REOPEN_RETRY_S` passed.
+    * A read RocksDB fails (a file removed or damaged under the running store)
+      is a :class:`~ucm_db.errors.TierError`, not rocksdict's bare ``Exception``.
     * :meth:`RocksDbEngine.close` always releases the database and its
       ``LOCK`` file, even when its final sync fails; that failure is raised
       afterwards as a :class:`~ucm_db.errors.TierError`. It releases them
@@ -63,6 +66,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -74,12 +78,18 @@ from ucm_db.errors import ClosedError, FormatVersionError, LockedError, TierErro
 from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.engines.rocksdb_shadow import Shadow, open_pinned
-from ucm_db.engines.rocksdb_txn import ReadPoint, RocksTxn
+from ucm_db.engines.rocksdb_txn import (
+    DAMAGED_BLOB_HINT, ReadPoint, RocksTxn, blob_collection_failed, compact_tables, family_of,
+)
 
 logger = logging.getLogger("ucm_db")
 _DISK_HINT = "free space on that disk (the store resumes writing once there is room), or lower capacity_bytes"
 #: Values at least this large go to blob files instead of the LSM tree.
 MIN_BLOB_BYTES = 4096
+#: Seconds between tries to reopen after a failed write (a try replays the log: 30-70 ms on a full 40 MiB disk).
+REOPEN_RETRY_S = 1.0
+#: Free disk space grown by this much since a failed reopen makes the next write try again at once.
+REOPEN_SPACE_BYTES = 1 << 20
 
 
 #: Memtable size of the blocks table and the bound on the write-ahead log:
@@ -89,14 +99,17 @@ MIN_BLOB_BYTES = 4096
 #: failed with 20 MiB freed, replaying 29 MiB).
 WRITE_BUFFER_BYTES = 16 << 20
 MAX_WAL_BYTES = 32 << 20
+#: RocksDB info logs kept in the store (``LOG`` and ``LOG.old.*``; each open starts one, ~140 KiB; RocksDB keeps 1000).
+KEEP_LOG_FILES = 4
 
 
-def _options(table: str | None) -> rocksdict.Options:
+def _options(table: str | None, collect_blobs: bool = True) -> rocksdict.Options:
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.create_missing_column_families(True)
     if table is None:
         opts.set_max_total_wal_size(MAX_WAL_BYTES)
+        opts.set_keep_log_file_num(KEEP_LOG_FILES)
     if table == "blocks":
         opts.set_write_buffer_size(WRITE_BUFFER_BYTES)
         # Payloads are already compressed and large: keep them out of the
@@ -105,7 +118,7 @@ def _options(table: str | None) -> rocksdict.Options:
         opts.set_min_blob_size(MIN_BLOB_BYTES)
         opts.set_blob_compression_type(rocksdict.DBCompressionType.none())
         opts.set_compression_type(rocksdict.DBCompressionType.none())
-        opts.set_enable_blob_gc(True)
+        opts.set_enable_blob_gc(collect_blobs)
     return opts
 
 
@@ -120,6 +133,15 @@ def _open_read_only(path: Path, tables: Iterable[str]) -> tuple[rocksdict.Rdict,
         return rocksdict.Rdict(str(shadow), options=options, column_families={name: _options(name) for name in tables},
                                access_type=rocksdict.AccessType.read_only())
     return open_pinned(path.absolute(), open_db)
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes free to this user on ``path``'s file system (0 if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _remove_shadow(shadow: Shadow, pid: int) -> None:
@@ -152,31 +174,38 @@ class RocksDbEngine(Engine):
         self._families: dict[str, rocksdict.Rdict] = {}
         self._handles: dict[str, Any] = {}
         self._db: rocksdict.Rdict | None = None
-        self._bind(self._open())
+        self._collect_blobs = True  # off once RocksDB's collection met a damaged blob (rocksdb_txn's invariants)
+        self._bind(*self._open())
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync
         self._closed = False
         #: A write or sync failed: RocksDB refuses writes until the database is reopened.
         self._failed = False
+        #: A read-only stand-in for a failed database is bound (``_recover``); the next reopen's conditions.
+        self._stand_in, self._retry_at_s, self._retry_free_bytes, self._reopen_error = False, 0.0, 0, ""
 
-    def _bind(self, db: rocksdict.Rdict) -> None:
-        self._db = db
-        self._families = {name: db.get_column_family(name) for name in TABLES}
+    def _bind(self, db: rocksdict.Rdict, shadow: weakref.finalize[[Shadow, int], RocksDbEngine] | None) -> None:
+        self._db, self._shadow = db, shadow
+        self._families = {name: family_of(db, name, collect_blobs=self._collect_blobs) for name in TABLES}
         self._handles = {name: db.get_column_family_handle(name) for name in TABLES}
 
-    def _release(self) -> None:
-        """Closes the families and the database (which frees its ``LOCK``
-        file); every step runs even when one fails."""
-        # Column family handles and views keep the database (and its LOCK file) alive until they are released.
-        self._handles.clear()
-        families, self._families = self._families, {}
-        db, self._db = self._db, None
-        for family in families.values():
+    def _unbind(self) -> tuple[Any, dict[str, rocksdict.Rdict], Any]:
+        """Takes the bound database, families and shadow off the engine (handles keep its LOCK: dropped too)."""
+        taken = (self._db, self._families, self._shadow)
+        self._db, self._families, self._handles, self._shadow = None, {}, {}, None
+        return taken
+
+    def _release(self, taken: tuple[Any, dict[str, rocksdict.Rdict], Any] | None = None, *, failed: bool = False) -> None:
+        """Closes ``taken``'s (:meth:`_unbind`; None: the bound) families and database, freeing ``LOCK``; each step
+        runs. ``failed``: its write failed (its background work is cancelled first)."""
+        db, families, shadow = taken if taken is not None else self._unbind()
+        # A failed database's background work is cancelled first, else its close waits a second (RocksDB retries).
+        cancel = [lambda: db.cancel_all_background(True)] if failed and db is not None else []
+        for close in [*cancel, *(family.close for family in families.values())]:
             try:
-                family.close()
+                close()
             except Exception as exc:  # noqa: BLE001 - closing the rest matters more
                 logger.debug("ucm-db: closing a RocksDB column family of %s failed: %s", self.path, exc)
-        shadow, self._shadow = self._shadow, None
         try:
             if db is not None:
                 db.close()
@@ -185,30 +214,44 @@ class RocksDbEngine(Engine):
                 shadow()
 
     def _recover(self) -> None:
-        """Reopens the database after a failed write (see module
-        invariants). Call with the write lock held."""
-        with self._gate.exclusive():
-            try:
-                self._release()
-            except Exception as exc:  # noqa: BLE001 - the reopen below says whether the store is usable
-                logger.warning("ucm-db: closing RocksDB store %s after a failed write: %s", self.path, exc)
-            try:
-                self._bind(self._open())
-            except TierError as exc:
-                self._bind_for_reading()
-                raise TierError(f"RocksDB store at {self.path} cannot be reopened after a failed write: {exc}",
-                                hint=_DISK_HINT) from exc
-            self._failed = False
-            logger.info("ucm-db: reopened RocksDB store %s after a failed write", self.path)
-
-    def _bind_for_reading(self) -> None:
-        """Keeps the store readable while a reopen for writing fails (a disk
-        still full): the database opened read-only, which creates no file.
-        ``_failed`` stays set, so the next write tries again."""
+        """Reopens the database after a failed write, reads going on
+        meanwhile (module invariants). Call with the write lock held."""
+        if time.monotonic() < self._retry_at_s and _free_bytes(self.path) < self._retry_free_bytes + REOPEN_SPACE_BYTES:
+            raise TierError(f"RocksDB store at {self.path} cannot be reopened after a failed write (tried again once space "
+                            f"is freed, or {REOPEN_RETRY_S:g} s after the last try): {self._reopen_error}", hint=_DISK_HINT)
+        if not self._stand_in or self._db is None:
+            self._swap(self._readable(), stand_in=True)  # the failed database closes here, reads on the stand-in
         try:
-            self._bind(self._open_read_only(TABLES))
+            reopened = self._open()
+        except TierError as exc:
+            self._retry_at_s, self._retry_free_bytes, self._reopen_error = (
+                time.monotonic() + REOPEN_RETRY_S, _free_bytes(self.path), str(exc))
+            raise TierError(f"RocksDB store at {self.path} cannot be reopened after a failed write: {exc}",
+                            hint=_DISK_HINT) from exc
+        self._swap(reopened, stand_in=False)
+        self._failed, self._retry_at_s = False, 0.0
+        logger.info("ucm-db: reopened RocksDB store %s after a failed write", self.path)
+
+    def _swap(self, new: tuple[rocksdict.Rdict, Any] | None, *, stand_in: bool) -> None:
+        """Binds ``new`` (None: reads fail) for the bound database, closed after, outside the reads' gate."""
+        with self._gate.exclusive():
+            old = self._unbind()
+            if new is not None:
+                self._bind(*new)
+            self._stand_in = stand_in
+        try:
+            self._release(old, failed=stand_in)
+        except Exception as exc:  # noqa: BLE001 - the reopen after says whether the store is usable
+            logger.warning("ucm-db: closing RocksDB store %s after a failed write: %s", self.path, exc)
+
+    def _readable(self) -> tuple[rocksdict.Rdict, Any] | None:
+        """The store opened read-only (no file made: a disk still full), or None."""
+        try:
+            return self._open_read_only(TABLES)
         except Exception as exc:  # noqa: BLE001 - reads then fail with the reopen's error until a reopen works
-            logger.warning("ucm-db: RocksDB store %s cannot be read either until it reopens: %s", self.path, exc)
+            (logger.debug if self._stand_in else logger.warning)(  # warned once, not at every retry
+                "ucm-db: RocksDB store %s cannot be read either until it reopens: %s", self.path, exc)
+            return None
 
     def _recover_if_failed(self, *, unreadable_only: bool = False) -> None:
         """Reopens a failed database (``unreadable_only``: only one that has
@@ -220,7 +263,7 @@ class RocksDbEngine(Engine):
                 if needed():
                     self._recover()
 
-    def _open(self) -> rocksdict.Rdict:
+    def _open(self) -> tuple[rocksdict.Rdict, Any]:
         try:
             if self._read_only:
                 existing = rocksdict.Rdict.list_cf(str(self.path), rocksdict.Options(raw_mode=True))
@@ -233,8 +276,8 @@ class RocksDbEngine(Engine):
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             return rocksdict.Rdict(
                 str(self.path), options=_options(None),
-                column_families={name: _options(name) for name in TABLES},
-            )
+                column_families={name: _options(name, self._collect_blobs) for name in TABLES},
+            ), None
         except (TierError, FormatVersionError):
             raise
         except Exception as exc:  # rocksdict raises plain Exception for IO errors
@@ -245,10 +288,9 @@ class RocksDbEngine(Engine):
                 ) from exc
             raise TierError(f"cannot open RocksDB store at {self.path}: {exc}") from exc
 
-    def _open_read_only(self, tables: Iterable[str]) -> rocksdict.Rdict:
+    def _open_read_only(self, tables: Iterable[str]) -> tuple[rocksdict.Rdict, weakref.finalize[[Shadow, int], RocksDbEngine]]:
         db, shadow = _open_read_only(self.path, tables)
-        self._shadow = weakref.finalize(self, _remove_shadow, shadow, os.getpid())
-        return db
+        return db, weakref.finalize(self, _remove_shadow, shadow, os.getpid())
 
     def _check(self) -> None:
         if self._pid != os.getpid():
@@ -268,6 +310,10 @@ class RocksDbEngine(Engine):
                 self._unfrozen.add(point)
             try:
                 return fn(RocksTxn(self._families, writable=False, floors=floors, point=point))
+            except Exception as exc:
+                if type(exc) is Exception:  # rocksdict's own: a table or blob file removed or damaged under the store
+                    raise TierError(f"RocksDB read of {self.path} failed: {exc}", hint="run `ucm-db verify --fix` on it") from exc
+                raise
             finally:
                 with self._commit_lock:
                     self._unfrozen.discard(point)
@@ -293,8 +339,9 @@ class RocksDbEngine(Engine):
                         self._db.write(batch, self._write_options)
                     self._floors = txn.floors
             except Exception as exc:
-                self._failed = True
-                raise TierError(f"RocksDB write to {self.path} failed: {exc}", hint=_DISK_HINT) from exc
+                self._failed, self._collect_blobs = True, self._collect_blobs and not blob_collection_failed(exc)
+                raise TierError(f"RocksDB write to {self.path} failed: {exc}",
+                                hint=DAMAGED_BLOB_HINT if blob_collection_failed(exc) else _DISK_HINT) from exc
             return result
 
     def sync(self) -> None:
@@ -307,23 +354,14 @@ class RocksDbEngine(Engine):
             self._db.flush_wal(True)
         except Exception as exc:
             self._check()  # closed meanwhile: a ClosedError, not a failed disk
-            self._failed = True
+            self._failed, self._collect_blobs = True, self._collect_blobs and not blob_collection_failed(exc)
             raise TierError(f"RocksDB sync of {self.path} failed: {exc}", hint=_DISK_HINT) from exc
 
     def compact(self) -> None:
-        """Compacts every column family, rewriting all blob files, so the
-        space of deleted entries and payloads goes back to the filesystem."""
+        """Compacts every table and rewrites every blob file (:func:`~ucm_db.engines.rocksdb_txn.compact_tables`)."""
         self._check()
-        options = rocksdict.CompactOptions()
-        options.set_bottommost_level_compaction(rocksdict.BottommostLevelCompaction.force())
-        blocks = self._families["blocks"]
-        # Normal compactions relocate only the oldest quarter of blob files.
-        blocks.set_options({"blob_garbage_collection_age_cutoff": "1.0", "blob_garbage_collection_force_threshold": "0.0"})
-        try:
-            for family in self._families.values():
-                family.compact_range(None, None, options)
-        finally:
-            blocks.set_options({"blob_garbage_collection_age_cutoff": "0.25", "blob_garbage_collection_force_threshold": "1.0"})
+        assert self._db is not None
+        compact_tables(self._db, self._families, self.path, collect_blobs=self._collect_blobs)
 
     def close(self) -> None:
         if self._closed or self._pid != os.getpid():
@@ -341,7 +379,7 @@ class RocksDbEngine(Engine):
                 # After the read transactions in flight (a read beside the release saw "Already mutably borrowed");
                 # every later one raises ClosedError.
                 with self._gate.closing(f"RocksDB store at {self.path} is closed"):
-                    self._release()
+                    self._release(failed=self._failed)
             except Exception as exc:  # noqa: BLE001 - raised below
                 failure = failure or exc
         if failure is not None:
