@@ -26,8 +26,17 @@ Invariants:
       void) keeps a pending retraction, so its remote object is deleted
       after whatever was uploaded since.
     * Reopened when an upload made outside the elected uploader's batches
-      (a write-through put's) lands on a confirmed one (:func:`reopen`): the
-      elected uploader then deletes the object again after it.
+      (a write-through put's) lands after the retraction was recorded, or
+      recorded again, since the upload read its block (:func:`reopen`):
+      pending or confirmed, the record gets a new ``retracted_ns``, so a
+      pass whose delete ran before the landing never confirms it, and the
+      elected uploader deletes the object again after it (a reopen of
+      confirmed ones only let an upload landing between a pass's delete and
+      its confirmation stay: tests/remote/test_review_uploads_reopen.py). A
+      record the upload saw when it read its block is left alone: that
+      block was stored after the retraction (its transaction removed every
+      block it names), so it is the recomputed one (its reopen made the
+      pass delete the correct object).
     * Records are checksummed (:mod:`ucm_db.index.records`); a damaged one
       still refuses promotion of its key and is never confirmed or dropped.
 """
@@ -35,7 +44,7 @@ Invariants:
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ucm_db.engines.base import Txn
@@ -139,20 +148,36 @@ def confirm(txn: Txn, done: Iterable[Retraction], now_ns: int) -> None:
             txn.put("uploads", item.key, meta.namespace_id)
 
 
-def reopen(txn: Txn, keys: Iterable[bytes]) -> int:
-    """Makes the confirmed retractions of ``keys`` pending again: an upload
-    that may have read a block before its delete (a write-through put's, run
-    outside the election) landed after the confirmation, so the remote
-    object is to be deleted again. Returns how many were reopened."""
+def recorded_ns(txn: Txn, key: bytes) -> int | None:
+    """The ``retracted_ns`` of ``key``'s retraction, as :func:`reopen`
+    compares it; None: none recorded (-1: a damaged record, which
+    :func:`reopen` leaves alone)."""
+    value = txn.get(records.INFO, RETRACTION_PREFIX + key)
+    if value is None:
+        return None
+    if len(value) != _RECORD.size:
+        return -1
+    return int(_RECORD.unpack(bytes(value))[2])
+
+
+def reopen(txn: Txn, keys: Iterable[bytes], read: Mapping[bytes, int | None], now_ns: int) -> int:
+    """Makes the retractions of ``keys`` pending under a new
+    ``retracted_ns``, but those whose ``retracted_ns`` is still the one in
+    ``read`` (key -> what the upload saw when it read its block; None or
+    left out: none): an upload that read its block before them landed, so
+    the remote object is to be deleted again after it (module invariants).
+    Returns how many were reopened."""
     count = 0
     for key in keys:
         value = txn.get(records.INFO, RETRACTION_PREFIX + key)
         if value is None or len(value) != _RECORD.size:
             continue  # none, or damaged (a damaged record is never confirmed, so pending already)
-        namespace_id, depth, retracted_ns, confirmed_ns = _RECORD.unpack(bytes(value))
-        if confirmed_ns:
-            records.put_checked(txn, RETRACTION_PREFIX + key, _RECORD.pack(namespace_id, depth, retracted_ns, 0))
-            count += 1
+        namespace_id, depth, retracted_ns, _confirmed_ns = _RECORD.unpack(bytes(value))
+        if read.get(key) == retracted_ns:
+            continue
+        again_ns = max(now_ns, retracted_ns + 1)  # never the one a pass in flight will confirm
+        records.put_checked(txn, RETRACTION_PREFIX + key, _RECORD.pack(namespace_id, depth, again_ns, 0))
+        count += 1
     return count
 
 

@@ -22,11 +22,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index import retractions
 from ucm_db.index.damage import meta_or_none
 from ucm_db.index.retractions import RETRACTION_GRACE_S, Retraction
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedAs:
+    """What :meth:`UploadQueue.queued_as` read of one key, in one transaction."""
+
+    #: The stored block's ``created_ns`` (what the row's removal checks).
+    created_ns: int
+    #: The ``retracted_ns`` of the key's retraction then; None: none
+    #: (:func:`ucm_db.index.retractions.recorded_ns`).
+    retracted_ns: int | None
 
 
 class UploadQueue:
@@ -51,21 +63,24 @@ class UploadQueue:
         keys = list(keys)
         return set(self.engine.read(lambda txn: [k for k in keys if txn.get("uploads", k) is not None]))
 
-    def queued_as(self, blobs: Mapping[bytes, Buffer]) -> dict[bytes, int]:
+    def queued_as(self, blobs: Mapping[bytes, Buffer]) -> dict[bytes, QueuedAs]:
         """Those keys of ``blobs`` (key -> joined blob) still queued for the
         block the blob is (the stored head, which names the key, the sizes
         and the checksum, is the blob's first bytes), each with that block's
-        ``created_ns``: what a write-through put may send and dequeue. A key
+        ``created_ns`` and the key's retraction, read in the same
+        transaction: what a write-through put may send and dequeue, and
+        which retractions its upload may not reopen (the block was stored
+        after them: :func:`ucm_db.index.retractions.reopen`). A key
         deleted and put again since is queued for another block: the put's
         blob is then not what it stores (the audit's write-through finding)."""
-        def run(txn: Txn) -> dict[bytes, int]:
-            out: dict[bytes, int] = {}
+        def run(txn: Txn) -> dict[bytes, QueuedAs]:
+            out: dict[bytes, QueuedAs] = {}
             for key, blob in blobs.items():
                 meta, head = meta_or_none(txn.get("meta", key)), txn.get("heads", key)
                 if meta is None or head is None or txn.get("uploads", key) is None:
                     continue
                 if memoryview(blob)[: len(head)] == memoryview(head):
-                    out[key] = meta.created_ns
+                    out[key] = QueuedAs(meta.created_ns, retractions.recorded_ns(txn, key))
             return out
         return self.engine.read(run)
 
@@ -121,12 +136,15 @@ class UploadQueue:
             now_ns = time.time_ns()
             self.engine.write(lambda txn: retractions.confirm(txn, done, now_ns))
 
-    def reopen_retracted(self, keys: Sequence[bytes]) -> int:
-        """Makes the confirmed retractions of ``keys`` pending again
-        (:func:`ucm_db.index.retractions.reopen`); one read when none is."""
+    def reopen_retracted(self, keys: Sequence[bytes], read: Mapping[bytes, int | None]) -> int:
+        """Reopens the retractions of ``keys`` recorded (again) since their
+        upload read them (``read``: key -> the ``retracted_ns`` it saw, None
+        or left out: none; :func:`ucm_db.index.retractions.reopen`); one
+        read when none is recorded."""
         if not self.retracted(keys):
             return 0
-        return self.engine.write(lambda txn: retractions.reopen(txn, keys))
+        now_ns = time.time_ns()
+        return self.engine.write(lambda txn: retractions.reopen(txn, keys, read, now_ns))
 
     def first_retracted(self, keys: Sequence[bytes]) -> int | None:
         """Index of the first of ``keys`` whose retraction is recorded, or None."""

@@ -34,20 +34,33 @@ whole:
   (:attr:`AncestorRepair.dropped`): computed over the retracted block, they
   are wrong too, and uploaded they would be served again the day it is
   (recomputed). Counted in :attr:`AncestorRepair.retracted`.
+* An ancestor found absent is uploaded again only where still no object
+  is (an exclusive write; a broken one is replaced). One there by then is
+  another writer's (another node's re-upload, or the voiding node's
+  recomputed block, which a replace overwrote with the wrong one and the
+  undo below then deleted: tests/remote/test_review_uploads_tombstone_reread.py):
+  it stays, and what hangs under the key here is dropped, as under a
+  retracted block (its block may be the voided one; counted in
+  :attr:`AncestorRepair.taken`).
 * An ancestor uploaded again has its tombstone read once more after its
   upload landed: a void on another node may have written the tombstone
   between the check and the landing (and found nothing to delete). Seen, the
-  upload is deleted again and taken as retracted; a tombstone written after
-  that read comes before its own node's delete, which takes the upload (the
-  audit: tests/remote/test_audit_uploads_tombstone_race.py). A delete that
-  fails is retried before each later batch, and holds back what hangs under
-  the key (as a failed check) until it succeeds.
+  upload is deleted again, if the object is still the one this process
+  wrote (its first bytes read back: a recomputed block that replaced it
+  stays), and taken as retracted; a tombstone written after that read comes
+  before its own node's delete, which takes the upload (the audit:
+  tests/remote/test_audit_uploads_tombstone_race.py). The read and the
+  delete are owed until they succeed: retried before each later batch,
+  holding back what hangs under the key (as a failed check) meanwhile (a
+  failed read used to be a failed upload only: the next batch found the
+  voided block present and sent its children under it).
 
 Cost per batch: one request per distinct batch-root parent not uploaded
 here within :data:`UPLOADED_TTL_S` (on S3 a GET of 64 bytes: about a twelfth
 of a PUT's price, and one round trip before the batch, since the checks run
 on the upload pool at once), plus four requests per ancestor found absent
-(its check, its tombstone's, its upload and its tombstone's again). A batch
+(its check, its tombstone's, its upload and its tombstone's again; and a
+read of its head and its delete where that tombstone is there). A batch
 that continues this process's own recent uploads (a conversation's next
 turn) checks nothing.
 
@@ -80,9 +93,10 @@ parent its check found after the check (the batch then lands under
 nothing, and the next batches check only their own parents): the window is
 one batch's upload, and the gc must list the batch's paths before they land.
 A process killed or closed between an ancestor's upload and its second
-tombstone read (or with its delete owed) leaves the upload on the remote; a
-recomputed upload of the block by the voiding node that lands between an
-ancestor's upload and its delete is deleted with it (a miss, recomputed).
+tombstone read (or with it or its delete owed) leaves the upload on the
+remote; a recomputed upload of the block by the voiding node that lands
+between the undo's read of the object and its delete is deleted (a miss,
+recomputed: never the wrong block served).
 """
 
 from __future__ import annotations
@@ -96,9 +110,9 @@ from functools import partial
 from ucm_db.errors import CorruptBlockError
 from ucm_db.index.entries import BlockMeta
 from ucm_db.index.local import LocalTier
-from ucm_db.remote.tier import ENVELOPE_BYTES, RemoteRoot, parse_envelope
+from ucm_db.remote.tier import ENVELOPE_BYTES, DirSyncs, RemoteRoot, RemoteTier, parse_envelope
 from ucm_db.remote.tombstones import has_tombstone
-from ucm_db.remote.upload_plan import Item, read_items, under
+from ucm_db.remote.upload_plan import Item, Repair, read_items, under
 
 #: A key this process uploaded is taken for present without a check this
 #: long: a gc rule takes no object this young but a ``--older-than`` under
@@ -128,19 +142,7 @@ class _Walk:
     absent: dict[bytes, BlockMeta] = field(default_factory=dict)  # absent from the remote, held here: to upload
     failed: dict[bytes, str] = field(default_factory=dict)  # failed check or upload -> its error
     retracted: set[bytes] = field(default_factory=set)  # tombstoned (and absent ones under them): never to upload
-
-
-@dataclass(frozen=True, slots=True)
-class Repair:
-    """What :meth:`AncestorRepair.before_batch` did: the batch's keys that
-    wait for a later batch (an ancestor's check or upload failed) and why,
-    and those never to upload (their parent chain meets a retracted block);
-    ``sent``: the ancestors it uploaded again (or found gone meanwhile)."""
-
-    held_back: frozenset[bytes]
-    errors: list[str]
-    dropped: frozenset[bytes] = frozenset()
-    sent: frozenset[bytes] = frozenset()
+    broken: set[bytes] = field(default_factory=set)  # checked keys holding a broken object: replaced when uploaded
 
 
 class AncestorRepair:
@@ -150,12 +152,12 @@ class AncestorRepair:
     Args:
         local: the local tier the ancestors are read from.
         remote: where they go.
-        upload: uploads one item (the uploader's; None or an error).
+        upload: uploads one item through a tier (the uploader's; None or an error).
         run: runs calls on the upload pool (the uploader's).
         concurrency: the upload concurrency (how far ahead a round checks).
     """
 
-    def __init__(self, local: LocalTier, remote: RemoteRoot, *, upload: Callable[[Item], str | None], run: Runner,
+    def __init__(self, local: LocalTier, remote: RemoteRoot, *, upload: Callable[[Item, RemoteTier], str | None], run: Runner,
                  concurrency: int = 1) -> None:
         self.local, self.remote = local, remote
         self._upload, self._run = upload, run
@@ -163,7 +165,8 @@ class AncestorRepair:
         self.concurrency = concurrency
         self._lock = threading.Lock()
         self._uploaded: dict[bytes, float] = {}  # key -> monotonic time this process uploaded it
-        self._owed: dict[bytes, bytes] = {}  # uploads found tombstoned whose delete failed: key -> namespace id
+        #: This process's ancestor uploads whose tombstone read (or undo) is owed: key -> (namespace id, head written).
+        self._owed: dict[bytes, tuple[bytes, bytes]] = {}
         #: Parents checked on the remote (one request each).
         self.checks = 0
         #: Ancestors found absent from the remote and uploaded again from the local tier.
@@ -174,6 +177,8 @@ class AncestorRepair:
         self.retracted = 0
         #: Queued blocks left out of their batches, never uploaded: their parent chain meets a retracted block.
         self.dropped = 0
+        #: Absent ancestors another writer put back before this process's upload of them: left as they are.
+        self.taken = 0
 
     def remember(self, keys: Iterable[bytes]) -> None:
         """Records keys this process has just uploaded (present without a check for a while)."""
@@ -185,18 +190,28 @@ class AncestorRepair:
             while len(self._uploaded) > MAX_REMEMBERED:
                 del self._uploaded[next(iter(self._uploaded))]
 
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """Checks ``keys`` again next time (their upload is not durable)."""
+        with self._lock:
+            for key in keys:
+                self._uploaded.pop(key, None)
+
     def _known(self, key: bytes) -> bool:
         with self._lock:
             uploaded_s = self._uploaded.get(key)
         return uploaded_s is not None and time.monotonic() - uploaded_s < UPLOADED_TTL_S
 
-    def before_batch(self, work: Sequence[Item], run: Runner | None = None) -> Repair | None:
+    def before_batch(self, work: Sequence[Item], run: Runner | None = None, syncs: DirSyncs | None = None,
+                     ) -> Repair | None:
         """Checks the parents of ``work``'s batch roots and uploads the
         absent ones the local tier holds, parents first; None when asked to
         stop (nothing of the batch may go then). ``run``: the runner of its
-        remote calls (default: the uploader's)."""
+        remote calls (default: the uploader's); ``syncs``: the batch's
+        directory fsyncs (:class:`~ucm_db.remote.files.DirSyncs`)."""
         run = run or self._run
-        if self._owed and run([partial(self._undo, key, ns) for key, ns in list(self._owed.items())]) is None:
+        with self._lock:
+            owed = list(self._owed.items())
+        if owed and run([partial(self._settle_upload, key, ns, head, set()) for key, (ns, head) in owed]) is None:
             return None
         in_batch = {item[0] for item in work}
         frontier = {item[1]: item[2] for item in work if item[1] is not None and item[1] not in in_batch
@@ -210,7 +225,7 @@ class AncestorRepair:
             frontier = self._settle(frontier, walk)
             depth *= 2  # a chain absent this deep is likely absent deeper: check further ahead next round
         absent, failed, retracted = walk.absent, walk.failed, walk.retracted
-        if absent and self._send(absent, failed, retracted, run) is None:
+        if absent and self._send(walk, run, syncs) is None:
             return None
         dropped = under(work, absent, retracted)
         self.dropped += len(dropped)
@@ -281,7 +296,7 @@ class AncestorRepair:
         answer in ``walk.outcome``; None when stopping."""
         present: dict[bytes, bool] = {}
         tombstoned: set[bytes] = set()
-        calls: list[Callable[[], str | None]] = [partial(self._check, key, namespace_id, present, tombstoned)
+        calls: list[Callable[[], str | None]] = [partial(self._check, key, namespace_id, present, tombstoned, walk.broken)
                                                  for key, namespace_id in wanted.items()]
         results = run(calls)
         if results is None:
@@ -290,33 +305,39 @@ class AncestorRepair:
         for key, error in zip(wanted, results):
             if error is not None:
                 walk.outcome[key], walk.errors[key] = _FAILED, error
-            elif key in self._owed:  # this process put it back and could not delete it yet: wait for the delete
-                walk.outcome[key], walk.errors[key] = _FAILED, f"block {key.hex()[:16]} is retracted; deleting it again failed"
+            elif key in self._owed:  # this process put it back and has not read its tombstone (or deleted it) yet
+                walk.outcome[key], walk.errors[key] = _FAILED, f"block {key.hex()[:16]}: reading its tombstone again after " \
+                                                               "its re-upload (or deleting it) failed"
             elif present.get(key):
                 walk.outcome[key] = _PRESENT
             else:
                 walk.outcome[key] = _TOMBSTONED if key in tombstoned else _ABSENT
         return True
 
-    def _check(self, key: bytes, namespace_id: bytes, present: dict[bytes, bool], tombstoned: set[bytes]) -> str | None:
+    def _check(self, key: bytes, namespace_id: bytes, present: dict[bytes, bool], tombstoned: set[bytes],
+               broken: set[bytes]) -> str | None:
         """Reads the envelope of ``key``'s object: present if it is whole and
-        of this namespace (a broken one is replaced, as gc would remove it);
-        when it is not, whether a retraction's tombstone is there."""
+        of this namespace (a broken one, in ``broken``, is replaced, as gc
+        would remove it); when it is not, whether a retraction's tombstone
+        is there."""
         head = self.remote.read_range(self.remote.object_path(namespace_id, key), 0, ENVELOPE_BYTES)
         try:
             found = head is not None and parse_envelope(head, key)[1] == namespace_id
         except CorruptBlockError:
             found = False
+        if head is not None and not found:
+            broken.add(key)
         if not found and has_tombstone(self.remote, namespace_id, key):
             tombstoned.add(key)
         present[key] = found  # last: a check that raised is a failure, not an absence
         return None
 
-    def _send(self, absent: dict[bytes, BlockMeta], failed: dict[bytes, str], retracted: set[bytes], run: Runner,
-              ) -> bool | None:
-        """Uploads ``absent`` level by level, shallowest first; a block over a
-        failed one does not go, nor one over a retracted one (it joins
-        ``retracted``). None when stopping."""
+    def _send(self, walk: _Walk, run: Runner, syncs: DirSyncs | None) -> bool | None:
+        """Uploads ``walk.absent`` level by level, shallowest first, each
+        where still no object is (a broken one is replaced); a block over a
+        failed one does not go, nor one over a retracted one or another
+        writer's (it joins ``walk.retracted``). None when stopping."""
+        absent, failed, retracted = walk.absent, walk.failed, walk.retracted
         for depth in sorted({meta.depth for meta in absent.values()}):
             level = [key for key, meta in absent.items() if meta.depth == depth]
             for key in level:
@@ -326,54 +347,52 @@ class AncestorRepair:
                 elif parent is not None and parent in retracted:
                     retracted.add(key)
             level = [key for key in level if key not in failed and key not in retracted]
+            tiers = {key: self.remote.tier(absent[key].namespace_id, exclusive=key not in walk.broken, syncs=syncs)
+                     for key in level}
             gone: set[bytes] = set()
-            results = run([partial(self._send_one, key, gone) for key in level])
+            results = run([partial(self._send_one, key, tiers[key], gone) for key in level])
             if results is None:
                 return None
-            for key, error in zip(level, results):
-                if error is not None:
-                    failed[key] = error
-            sent = [key for key, error in zip(level, results) if error is None and key not in gone]
+            failed.update((key, error) for key, error in zip(level, results) if error is not None)
+            landed = [key for key in level if key not in failed and key not in gone]
+            taken = {key for key in landed if tiers[key].stored_head is None}  # another writer's object was there
+            heads = {key: head for key in landed if (head := tiers[key].stored_head) is not None}
             undone: set[bytes] = set()
-            results = run([partial(self._undo_if_tombstoned, key, absent[key].namespace_id, undone) for key in sent])
+            results = run([partial(self._settle_upload, key, absent[key].namespace_id, head, undone)
+                           for key, head in heads.items()])
             if results is None:
                 return None
-            failed.update((key, error) for key, error in zip(sent, results) if error is not None)
-            retracted |= undone
+            failed.update((key, error) for key, error in zip(heads, results) if error is not None)
+            retracted |= undone | taken
             self.retracted += len(undone)
-            sent = [key for key in sent if key not in undone and key not in failed]
+            self.taken += len(taken)
+            sent = [key for key in heads if key not in undone and key not in failed]
             self.reuploaded += len(sent)
             self.missing += len(gone)  # gone since the walk: its children go without it
             self.remember(sent)
         return True
 
-    def _undo_if_tombstoned(self, key: bytes, namespace_id: bytes, undone: set[bytes]) -> str | None:
-        """After ``key``'s upload landed: deletes it again where a tombstone
-        is there now, adding it to ``undone`` (module docstring)."""
-        if not has_tombstone(self.remote, namespace_id, key):
-            return None
-        error = self._undo(key, namespace_id)
-        if error is None:
-            undone.add(key)
-        return error
-
-    def _undo(self, key: bytes, namespace_id: bytes) -> str | None:
-        """Deletes this process's upload of a retracted ``key``; owed (and
-        retried before each batch) until a delete succeeds."""
+    def _settle_upload(self, key: bytes, namespace_id: bytes, head: bytes, undone: set[bytes]) -> str | None:
+        """After this process's upload of ancestor ``key`` landed (``head``:
+        the first bytes it wrote): reads its tombstone again and, where one
+        is there now, deletes the upload if the object still starts with
+        ``head`` (another writer's stays), adding ``key`` to ``undone``.
+        Owed, and retried before each batch, until the read and the delete
+        succeed (module docstring); a failure raises."""
         with self._lock:
-            self._owed[key] = namespace_id
-        try:
-            self.remote.tier(namespace_id).delete([key])
-        except Exception as exc:  # noqa: BLE001 - owed: retried before the next batch
-            return f"{type(exc).__name__}: {exc}"
+            self._owed[key] = (namespace_id, head)
+        if has_tombstone(self.remote, namespace_id, key):
+            tier = self.remote.tier(namespace_id)
+            if self.remote.read_range(tier.path(key), 0, len(head)) == head:
+                tier.delete([key])
+            undone.add(key)
         with self._lock:
             self._owed.pop(key, None)
         return None
 
-    def _send_one(self, key: bytes, gone: set[bytes]) -> str | None:
+    def _send_one(self, key: bytes, tier: RemoteTier, gone: set[bytes]) -> str | None:
         item = read_items(self.local, [key])[0]
         if item is None:
             gone.add(key)
             return None
-        return self._upload(item)
-
+        return self._upload(item, tier)

@@ -26,6 +26,15 @@ Invariants:
       that never did (a worker process, a helper) kept the election after
       the elected process died, and no process of the store directory
       uploaded again while it lived (audit: tests/remote/test_audit_uploads_election.py).
+    * The hook sees every descriptor: a take holds :data:`_GATE` from its
+      open of the file until the descriptor is recorded (or closed), and a
+      release while it closes one, and a fork waits for it (a fork while
+      another thread was between the ``flock`` and the record, in
+      ``ftruncate``/``pwrite``, which let the GIL go, left the child a
+      locked descriptor nobody knew: tests/remote/test_review_uploads_fork.py).
+      The wait is bounded (:data:`FORK_WAIT_S`: a take stuck on its file
+      system must not hang every fork of the process); past it the child
+      closes the descriptor the take holds (:data:`_taking`) as well.
     * The pid recorded is advisory: written after the lock is taken, read
       without it; a holder that does not write one (an older ucm-db, a tool
       holding the lock) reads as "not recorded".
@@ -46,6 +55,16 @@ from ucm_db.errors import TierError, UploaderElsewhereError
 LOCK_NAME = "uploader.lock"
 #: Longest pid record read back.
 _RECORD_BYTES = 64
+#: How long a fork waits for a take or release of another thread (module invariants).
+FORK_WAIT_S = 2.0
+
+#: Held by a take from its open until its descriptor is recorded, by a
+#: release while it closes one, and by a fork (module invariants).
+_GATE = threading.Lock()
+#: The descriptor a take holds under :data:`_GATE` before it is recorded (None: none).
+_taking: int | None = None
+#: Per thread: whether its fork holds :data:`_GATE` (its wait did not time out).
+_forking = threading.local()
 
 
 class UploaderElection:
@@ -57,8 +76,7 @@ class UploaderElection:
 
     def __init__(self, store_dir: Path) -> None:
         self.path = store_dir / LOCK_NAME
-        self._fd: int | None = None
-        self._fd_lock = threading.Lock()  # the pool's last call may release it on its own thread
+        self._fd: int | None = None  # set and cleared under _GATE (the pool's last call may release it)
         #: Why the last :meth:`take` failed other than by another holder (None: it did not).
         self.problem: str | None = None
         _ELECTIONS.add(self)
@@ -70,13 +88,22 @@ class UploaderElection:
 
     def take(self) -> bool:
         """Takes the election if nobody holds it; whether this process holds it."""
+        global _taking
         if self._fd is not None:
             return True
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            self.problem = f"cannot open {self.path}: {exc}"
-            return False
+        with _GATE:  # until the descriptor is recorded or closed (module invariants)
+            try:
+                fd = _taking = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                self.problem = f"cannot open {self.path}: {exc}"
+                return False
+            try:
+                return self._lock(fd)
+            finally:
+                _taking = None
+
+    def _lock(self, fd: int) -> bool:
+        """Locks the just opened ``fd`` and records it (closes it when another holds the lock)."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -89,22 +116,21 @@ class UploaderElection:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError:
             pass  # the pid is advisory (module invariants): the election stands without it
-        with self._fd_lock:
-            self._fd = fd
+        self._fd = fd
         return True
 
     def release(self) -> None:
         """Lets the election go (closes this process's descriptor)."""
-        with self._fd_lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        with _GATE:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
 
     def forget_after_fork(self) -> None:
         """In a forked child: drops the inherited descriptor (closing this
         copy leaves the parent's lock alone)."""
-        self._fd_lock = threading.Lock()  # a parent's thread may have held it at the fork
-        self.release()
+        fd, self._fd = self._fd, None
+        _close_quietly(fd)
 
     def flush_timeout(self, waiting: str, last_error: str | None) -> TierError:
         """The error of a ``flush`` that timed out ``waiting`` (what is
@@ -146,12 +172,36 @@ class UploaderElection:
 _ELECTIONS: weakref.WeakSet[UploaderElection] = weakref.WeakSet()
 
 
-def _forget_all_after_fork() -> None:
+def _before_fork() -> None:
+    _forking.gated = _GATE.acquire(timeout=FORK_WAIT_S)
+
+
+def _after_fork_in_parent() -> None:
+    if getattr(_forking, "gated", False):
+        _forking.gated = False
+        _GATE.release()
+
+
+def _after_fork_in_child() -> None:
+    global _GATE, _taking
+    stray = None if getattr(_forking, "gated", False) else _taking  # a take stuck past FORK_WAIT_S holds it
+    _GATE, _taking, _forking.gated = threading.Lock(), None, False  # the parent's threads are gone
+    descriptors = {election._fd for election in list(_ELECTIONS)} | {stray}
     for election in list(_ELECTIONS):
-        election.forget_after_fork()
+        election._fd = None
+    for fd in descriptors:
+        _close_quietly(fd)
 
 
-os.register_at_fork(after_in_child=_forget_all_after_fork)
+def _close_quietly(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def _alive(pid: int) -> bool:

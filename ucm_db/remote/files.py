@@ -13,12 +13,20 @@ Invariants:
     * On a local or NFS directory a name is durable before a write or a
       removal returns: the rename, link or unlink is followed by an fsync of
       its directory, and of the parent of each directory the write created
-      (:func:`_sync_names`). Callers drop their own records once the call
+      (:func:`_sync_dirs`). Callers drop their own records once the call
       returned (the upload queue's row, a retraction's confirmation, both
       made durable by ``flush``): the audit that taught it
       (tests/remote/test_audit_uploads_durable_names.py) lost, with the
       remote disk's power, every object whose rename was still cached, and
       brought back the object of a block deleted with ``remote=True``.
+      A write given a :class:`DirSyncs` leaves those fsyncs to it instead:
+      an upload batch syncs each distinct directory once, before its queue
+      rows go (one fsync per object cost a quarter of the uploads' rate).
+    * A directory this node may write and search but not read (``-wx``: a
+      locked-down share) cannot be opened to fsync it: its names are left
+      to the file system (a warning, once per process), never an error
+      after the object was written (every upload failed, retried for ever:
+      tests/remote/test_review_uploads_dir_sync.py).
     * :func:`read_local_range` never opens anything but a regular file for
       reading: a symlink, FIFO, device, socket or directory raises
       :class:`NotRegularFileError` without blocking or streaming.
@@ -27,9 +35,13 @@ Invariants:
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
+import threading
 import uuid
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from ucm_db.crashpoints import crashpoint
@@ -38,6 +50,40 @@ from ucm_db.errors import ConfigError
 TEMP_PREFIX = ".tmp-"
 #: What ``link`` raises where a file system has no hard links (some FUSE, SMB and object-store mounts).
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
+#: What opening a directory we may write but not read fails with (module invariants).
+_UNREADABLE_DIR = (errno.EACCES, errno.EPERM)
+
+_log = logging.getLogger("ucm_db")
+_warned_unreadable = False
+
+
+class DirSyncs:
+    """Directories whose names a batch of writes changed, fsynced once each
+    by the calls of :meth:`calls` (module invariants). Thread-safe: a
+    batch's uploads run on several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dirs: dict[str, None] = {}
+
+    def add(self, directories: Iterable[str]) -> None:
+        with self._lock:
+            self._dirs.update(dict.fromkeys(directories))
+
+    def calls(self, count: int) -> list[Callable[[], str | None]]:
+        """At most ``count`` calls that together fsync every directory added
+        so far, each once, to run at once (on a pool's threads: a batch's
+        fsyncs overlap as its uploads did); each raises its first failure
+        and forgets the directories it synced."""
+        with self._lock:
+            directories = list(self._dirs)
+        return [partial(self._sync, directories[i::count]) for i in range(min(count, len(directories)))]
+
+    def _sync(self, directories: list[str]) -> None:
+        _sync_dirs(directories)
+        with self._lock:
+            for directory in directories:
+                self._dirs.pop(directory, None)
 
 
 class NotRegularFileError(OSError):
@@ -52,13 +98,14 @@ def is_local_fs(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def write_new(fs: Any, path: str, data: bytes) -> bool:
+def write_new(fs: Any, path: str, data: bytes, syncs: DirSyncs | None = None) -> bool:
     """Writes ``data`` as one whole object where ``path`` holds none;
     False where it does (another writer's: left as it is). Exclusive on a
     local directory (a hard link), on S3 (a conditional put) and in
     memory; where a file system refuses an exclusive write, or has no hard
     links, the name is checked first: a writer in between is replaced.
-    A file system that ignores ``mode="create"`` replaces it too."""
+    A file system that ignores ``mode="create"`` replaces it too.
+    ``syncs``: where the directory fsyncs go (module invariants; None: now)."""
     if not is_local_fs(fs):
         try:
             fs.pipe_file(path, data, mode="create")
@@ -82,16 +129,17 @@ def write_new(fs: Any, path: str, data: bytes) -> bool:
         os.replace(tmp, path)
     finally:
         _unlink_quietly(tmp)
-    _sync_names(path, created)
+    _sync_names(path, created, syncs)
     return True
 
 
-def write_whole(fs: Any, path: str, data: bytes) -> None:
+def write_whole(fs: Any, path: str, data: bytes, syncs: DirSyncs | None = None) -> None:
     """Writes ``data`` as one whole object: readers see all of it or nothing.
 
     Object stores and ``memory://`` replace objects atomically on
     ``pipe_file``; a local or NFS directory gets a temp file in the same
-    directory, fsync, then rename.
+    directory, fsync, then rename (``syncs``: where the directory fsyncs
+    go, module invariants; None: now).
     """
     if not is_local_fs(fs):
         fs.pipe_file(path, data)
@@ -102,7 +150,7 @@ def write_whole(fs: Any, path: str, data: bytes) -> None:
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    _sync_names(path, created)
+    _sync_names(path, created, syncs)
 
 
 def remove_whole(fs: Any, path: str) -> None:
@@ -117,11 +165,28 @@ def remove_whole(fs: Any, path: str) -> None:
         _sync_names(path, [])
 
 
-def _sync_names(path: str, created: list[str]) -> None:
+def _sync_names(path: str, created: list[str], syncs: DirSyncs | None = None) -> None:
     """Makes the name ``path`` (its directory's entry) durable, and the
-    entries of the directories in ``created`` (in their parents)."""
-    for directory in dict.fromkeys([os.path.dirname(path), *(os.path.dirname(d) for d in created)]):
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    entries of the directories in ``created`` (in their parents): now, or
+    by ``syncs``."""
+    directories = dict.fromkeys([os.path.dirname(path), *(os.path.dirname(d) for d in created)])
+    if syncs is not None:
+        syncs.add(directories)
+    else:
+        _sync_dirs(directories)
+
+
+def _sync_dirs(directories: Iterable[str]) -> None:
+    """Fsyncs each directory; one that cannot be opened for it (``-wx``)
+    or cannot be fsynced here is left to the file system (module invariants)."""
+    for directory in directories:
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in _UNREADABLE_DIR:
+                raise
+            _warn_unreadable(directory, exc)
+            continue
         try:
             os.fsync(fd)
         except OSError as exc:
@@ -129,6 +194,16 @@ def _sync_names(path: str, created: list[str]) -> None:
                 raise
         finally:
             os.close(fd)
+
+
+def _warn_unreadable(directory: str, exc: OSError) -> None:
+    global _warned_unreadable
+    if _warned_unreadable:
+        return
+    _warned_unreadable = True
+    _log.warning("ucm-db: cannot open remote directory %s to fsync it (%s): names written and removed there are left "
+                 "to the file system, and a power cut of the remote's disk may lose them (hint: give this node read "
+                 "permission on the remote's directories to make them durable); said once", directory, exc)
 
 
 def _write_temp(path: str, data: bytes) -> tuple[str, list[str]]:

@@ -63,16 +63,16 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ucm_db.auth import AuthKeys
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError
 from ucm_db.engines.base import Buffer, Tier, TierCapabilities
 from ucm_db.remote.files import (  # noqa: F401 - re-exported: the remote tier's public names
-    TEMP_PREFIX, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, remove_whole, write_whole,
-    open_filesystem,
+    TEMP_PREFIX, DirSyncs, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, remove_whole,
+    write_new, write_whole, open_filesystem,
 )
+from ucm_db.remote.remote_stats import RemoteStats  # noqa: F401 - re-exported
 from ucm_db.remote import manifests as remote_manifests
 from ucm_db.remote.manifests import (  # noqa: F401 - re-exported
     MANIFEST_NAME, MAX_MANIFEST_BYTES, ManifestError, NamespaceListing, is_namespace_id,
@@ -91,29 +91,6 @@ FIRST_READ_BYTES = 8 << 20
 MAX_QUARANTINED = 1024
 
 _log = logging.getLogger("ucm_db")
-
-
-@dataclass(slots=True)
-class RemoteStats:
-    """Request counters of one :class:`RemoteRoot` (this process)."""
-
-    requests: int = 0
-    gets: int = 0
-    puts: int = 0
-    misses: int = 0
-    corrupt: int = 0
-    errors: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    not_regular: int = 0
-    #: Objects refused: stating more than ``max_object_bytes``, or a block of more raw bytes than that.
-    too_large: int = 0
-    unauthenticated: int = 0
-    mac_mismatch: int = 0
-    #: Encrypted objects no configured encryption key opens (or any, without one).
-    undecryptable: int = 0
-    #: Plaintext objects met while an encryption key is set.
-    unencrypted: int = 0
 
 
 class RemoteRoot:
@@ -163,9 +140,10 @@ class RemoteRoot:
     def object_path(self, namespace_id: bytes, key: bytes) -> str:
         return f"{self.root}/{namespace_id[:8].hex()}/{key[:1].hex()}/{key.hex()}"
 
-    def tier(self, namespace_id: bytes) -> RemoteTier:
-        """A block tier over one namespace of this root."""
-        return RemoteTier(self, namespace_id)
+    def tier(self, namespace_id: bytes, *, exclusive: bool = False, syncs: DirSyncs | None = None) -> RemoteTier:
+        """A block tier over one namespace of this root (``exclusive``,
+        ``syncs``: how its :meth:`RemoteTier.store` writes)."""
+        return RemoteTier(self, namespace_id, exclusive=exclusive, syncs=syncs)
 
     def count(self, **deltas: int) -> None:
         with self._lock:
@@ -252,13 +230,22 @@ class RemoteTier(Tier):
 
     Methods are synchronous, one request per key; the store's read-through
     layer runs them on a thread pool for concurrency and deadlines.
+    ``exclusive``: :meth:`store` writes only where no object is (an
+    ancestor's re-upload: :mod:`ucm_db.remote.ancestry`); ``syncs``: where
+    its directory fsyncs go (an upload batch's, :class:`DirSyncs`).
     """
 
-    def __init__(self, root: RemoteRoot, namespace_id: bytes) -> None:
+    def __init__(self, root: RemoteRoot, namespace_id: bytes, *, exclusive: bool = False,
+                 syncs: DirSyncs | None = None) -> None:
         if len(namespace_id) != 16:
             raise ConfigError("namespace id must be 16 bytes", hint="pass namespace.id")
         self.remote = root
         self.namespace_id = bytes(namespace_id)
+        self.exclusive, self.syncs = exclusive, syncs
+        #: The first :data:`PROBE_BYTES` of the object :meth:`store` last
+        #: wrote (what tells it from another writer's; a tier made for one
+        #: upload); None: none written.
+        self.stored_head: bytes | None = None
 
     @property
     def capabilities(self) -> TierCapabilities:
@@ -325,14 +312,20 @@ class RemoteTier(Tier):
         return RemoteObject(key, parent, namespace_id, b"", -1)
 
     def store(self, key: bytes, parent: bytes | None, blob: Buffer) -> int:
-        """Uploads one block as a whole object; returns bytes written."""
+        """Uploads one block as a whole object; returns bytes written (0:
+        ``exclusive`` and an object was there, left as it is)."""
         data = pack_object(key, parent, self.namespace_id, blob, self.remote.auth, self.remote.sealing)
         self.remote.count(requests=1, puts=1)
+        self.stored_head = None
         try:
-            write_whole(self.remote.fs, self.path(key), data)
+            if self.exclusive and not write_new(self.remote.fs, self.path(key), data, self.syncs):
+                return 0
+            if not self.exclusive:
+                write_whole(self.remote.fs, self.path(key), data, self.syncs)
         except BaseException:
             self.remote.count(errors=1)
             raise
+        self.stored_head = bytes(memoryview(data)[:PROBE_BYTES])
         self.remote.count(bytes_written=len(data))
         return len(data)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Container, Sequence
+from dataclasses import dataclass
 
 from ucm_db.index.entries import BlockMeta
 from ucm_db.index.local import LocalTier
@@ -41,6 +42,20 @@ MAX_LEFT = 1 << 16
 
 #: ``(key, parent, namespace id, depth, stored blob)``: what an upload sends.
 Item = tuple[bytes, bytes | None, bytes, int, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Repair:
+    """What :meth:`ucm_db.remote.ancestry.AncestorRepair.before_batch`
+    did: the batch's keys that wait for a later batch (an ancestor's check
+    or upload failed) and why, and those never to upload (their parent
+    chain meets a retracted block, or one another writer put back first);
+    ``sent``: the ancestors it uploaded again (or found gone meanwhile)."""
+
+    held_back: frozenset[bytes]
+    errors: list[str]
+    dropped: frozenset[bytes] = frozenset()
+    sent: frozenset[bytes] = frozenset()
 
 
 class BatchPlanner:

@@ -29,9 +29,17 @@ Invariants:
     * In one process, one upload batch runs at a time: the thread's or a
       write-through put's (``upload_now``), which sends a blob only while it
       is the block queued under the key (same head; one the thread uploaded
-      since is skipped), removes only that block's row, and, run outside the
-      election, reopens once landed a confirmed retraction of its keys
-      (:func:`ucm_db.index.retractions.reopen`; tests/remote/test_audit_uploads_write_through.py).
+      since is skipped) and removes only that block's row. Run outside the
+      election, once landed it reopens the retractions of its keys recorded
+      (again) since it read them, pending or confirmed, and leaves alone
+      those it saw, recorded before the block it sent was stored (that is
+      the recomputed block: :func:`ucm_db.index.retractions.reopen`;
+      tests/remote/test_audit_uploads_write_through.py,
+      tests/remote/test_review_uploads_reopen.py).
+    * A batch's objects are durable before its rows go: the directory
+      fsyncs of a ``file://`` remote run once per distinct directory at the
+      batch's end (:class:`~ucm_db.remote.files.DirSyncs`); a failed one
+      keeps every row of the batch queued.
     * Failures back off exponentially (50 ms doubling to 5 s) and retry
       forever; rows stay queued.
     * One uploader per store directory across processes
@@ -50,7 +58,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -61,17 +68,18 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.crashpoints import crashpoint
-from ucm_db import codec
 from ucm_db.cpu_placement import place_current_thread
-from ucm_db.errors import ClosedError, CorruptBlockError, TierError
+from ucm_db.errors import ClosedError, TierError
+from ucm_db.index.upload_queue import QueuedAs
 from ucm_db.remote.ancestry import AncestorRepair
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.election import LOCK_NAME as LOCK_NAME, UploaderElection  # LOCK_NAME: re-exported for tools
 from ucm_db.remote.retraction import RemoteRetractions
-from ucm_db.remote.upload_plan import BatchPlanner, read_items
+from ucm_db.remote.sending import REMOTE_CODEC_RECORD as REMOTE_CODEC_RECORD, ObjectSender  # re-exported
+from ucm_db.remote.upload_plan import BatchPlanner, Item, read_items
 from ucm_db.remote.upload_pool import UploadPool
 from ucm_db.index.local import LocalTier
-from ucm_db.remote.tier import RemoteRoot
+from ucm_db.remote.tier import DirSyncs, RemoteRoot
 
 BATCH_KEYS = 256
 #: Stored bytes read from the local tier per batch (bounds the uploader's memory).
@@ -79,8 +87,6 @@ BATCH_BYTES = 64 << 20
 IDLE_POLL_S = 0.5
 MIN_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
-#: ``info`` record of the remote codec in force, for ``ucm-db inspect``.
-REMOTE_CODEC_RECORD = b"remote_codec"
 
 _log = logging.getLogger("ucm_db")
 
@@ -102,8 +108,7 @@ class Uploader:
         self.local = local
         self.remote = remote
         self.codec = remote_codec
-        self._recorded_codec: str | None = None
-        self._element_bytes: dict[bytes, int] = {}
+        self.sender = ObjectSender(local, remote, remote_codec)
         self.concurrency = concurrency
         self.election = UploaderElection(store_dir)
         self._wake, self.closing = threading.Event(), threading.Event()  # closing: the store's close began
@@ -111,12 +116,10 @@ class Uploader:
         self._idle = threading.Condition()
         self._batch = threading.Lock()  # one batch at a time: the thread's or upload_now's
         self._pool = UploadPool(concurrency)
-        self._sending: set[bytes] = set()  # keys whose upload runs now (close's log of what it abandons)
-        self._sending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
         self.retractions = RemoteRetractions(local, remote, self._pool)
         self.planner = BatchPlanner(local)
-        self.ancestry = AncestorRepair(local, remote, upload=self._upload_one, run=self._run_uploads,
+        self.ancestry = AncestorRepair(local, remote, upload=self.sender.send, run=self._run_uploads,
                                        concurrency=concurrency)
         self.uploaded = 0
         self.failures = 0
@@ -143,8 +146,7 @@ class Uploader:
             self._log_abandoned(running)
 
     def _log_abandoned(self, running: int) -> None:
-        with self._sending_lock:
-            sending = len(self._sending)
+        sending = self.sender.sending
         _log.warning("ucm-db: closing: abandoned %d remote call(s) to %s still running (%d of them block uploads); their "
                      "blocks stay queued for the store's next uploader, and the process can exit meanwhile%s", running,
                      self.remote.root, sending, "; it stays the store directory's uploader until they end or it exits "
@@ -222,16 +224,22 @@ class Uploader:
         if manifest[0] is not None:
             self.last_error = manifest[0]
             return 0, 1
-        repair = self.ancestry.before_batch(work)  # the parents of its roots first
+        syncs = DirSyncs()  # the batch's directory fsyncs, run once each before its rows go (module invariants)
+        repair = self.ancestry.before_batch(work, syncs=syncs)  # the parents of its roots first
         if repair is None:
             return 0, 0
         left_out = repair.held_back | repair.dropped
         work = [item for item in work if item[0] not in left_out]
-        results = self._run_uploads([partial(self._upload_one, item) for item in work])
-        if results is None:
+        results = self._run_uploads([partial(self.sender.send, item, self.remote.tier(item[2], syncs=syncs))
+                                     for item in work])
+        synced = None if results is None else self._run_uploads(syncs.calls(self.concurrency))
+        if results is None or synced is None:
             return 0, 0  # stopping: unfinished rows stay queued
-        done = [item[0] for item, error in zip(work, results) if error is None]
-        errors = repair.errors + [error for error in results if error is not None]
+        sync_error = next((error for error in synced if error is not None), None)
+        if sync_error is not None:  # not durable: what hangs under the ancestors sent is checked again
+            self.ancestry.forget(repair.sent)
+        done = [item[0] for item, error in zip(work, results) if error is None and sync_error is None]
+        errors = repair.errors + [error for error in [*results, sync_error] if error is not None]
         self.ancestry.remember(done)
         if errors:
             self.last_error = errors[0]
@@ -245,63 +253,13 @@ class Uploader:
         # removed and put again since has a new row, left for a later batch.
         crashpoint("remote.before_mark_uploaded")
         self.local.mark_uploaded({key: stored_ns.get(key) for key in done + gone + list(repair.dropped)})
-        self._record_codec_choice()
+        self.sender.record_choice()
         return len(done) + len(repair.dropped), len(errors)
-
-    def _record_codec_choice(self) -> None:
-        """Keeps ``info/remote_codec`` (what ``ucm-db inspect`` shows) up to
-        date when the codec in force changes."""
-        if self.codec is None:
-            return
-        choice = self.codec.choice()
-        if choice.codec == self._recorded_codec:
-            return
-        record = {**asdict(choice), "time_ns": time.time_ns()}
-        self.local.info_put(REMOTE_CODEC_RECORD, json.dumps(record, sort_keys=True).encode())
-        self._recorded_codec = choice.codec
 
     def _run_uploads(self, calls: list[Callable[[], str | None]]) -> list[str | None] | None:
         """Runs remote calls on the pool; returns their errors (None for a
         success), or None if asked to stop first (:meth:`UploadPool.run`)."""
         return self._pool.run(calls, self._stop)
-
-    def _upload_one(self, item: tuple[bytes, bytes | None, bytes, int, bytes]) -> str | None:
-        key, parent, namespace_id, _depth, blob = item
-        try:
-            sent = self._encode_for_remote(key, namespace_id, blob)
-        except Exception as exc:  # noqa: BLE001 - any failure keeps the row queued
-            return f"{type(exc).__name__}: {exc}"
-        sent_bytes = 0
-        if self.codec is not None:
-            self.codec.send_started()
-        with self._sending_lock:
-            self._sending.add(key)
-        try:
-            self.remote.tier(namespace_id).store(key, parent, sent)
-            sent_bytes = len(sent)
-        except Exception as exc:  # noqa: BLE001 - any failure keeps the row queued
-            return f"{type(exc).__name__}: {exc}"
-        finally:
-            with self._sending_lock:
-                self._sending.discard(key)
-            if self.codec is not None:
-                self.codec.send_finished(sent_bytes)
-        return None
-
-    def _encode_for_remote(self, key: bytes, namespace_id: bytes, blob: bytes) -> bytes:
-        """The object to upload: ``blob`` in the remote codec. A block that
-        fails verification goes as it is (remote readers verify it too and
-        read it as a miss), so a damaged local copy never blocks the queue."""
-        if self.codec is None:
-            return blob
-        element_bytes = self._element_bytes.get(namespace_id)
-        if element_bytes is None:
-            kv_dtype = self.local.namespace_descriptions().get(namespace_id, {}).get("kv_dtype", "")
-            element_bytes = self._element_bytes.setdefault(namespace_id, codec.element_bytes_for(str(kv_dtype)))
-        try:
-            return self.codec.encode(blob, key, element_bytes)[0]
-        except CorruptBlockError:
-            return blob
 
     def _ensure_manifests(self, namespace_ids: set[bytes]) -> None:
         if not namespace_ids - self.remote.manifests_written:
@@ -352,7 +310,8 @@ class Uploader:
             current = self.local.uploads.queued_as({item[0]: item[3] for item in items})
             return self._upload_now([item for item in items if item[0] in current], current)
 
-    def _upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]], current: dict[bytes, int]) -> list[str]:
+    def _upload_now(self, items: list[tuple[bytes, bytes | None, bytes, bytes]], current: dict[bytes, QueuedAs],
+                    ) -> list[str]:
         if not items:
             return []
         closing = ["the store is closing: the blocks stay queued"] * len(items)
@@ -360,24 +319,32 @@ class Uploader:
         manifest = run([lambda: self._ensure_manifests({item[2] for item in items})])
         if manifest is None or manifest[0] is not None:
             return closing if manifest is None else [str(manifest[0])] * len(items)
-        work = [(key, parent, ns, 0, blob) for key, parent, ns, blob in items]
-        repair = self.ancestry.before_batch(work, run=run)  # the parents of its roots first
+        work: list[Item] = [(key, parent, ns, 0, blob) for key, parent, ns, blob in items]
+        syncs = DirSyncs()
+        repair = self.ancestry.before_batch(work, run=run, syncs=syncs)  # the parents of its roots first
         if repair is None:
             return closing
         left_out = repair.held_back | repair.dropped
         work = [item for item in work if item[0] not in left_out]
-        ran = run([partial(self._upload_one, item) for item in work])
+        ran = run([partial(self.sender.send, item, self.remote.tier(item[2], syncs=syncs)) for item in work])
         if ran is None:
             return closing
         results = list(ran)
         done = [item[0] for item, error in zip(work, results) if error is None]
+        # Landed outside the elected uploader's batches: a delete recorded
+        # since the blocks were read is owed again (module invariants).
+        seen = {key: queued.retracted_ns for key, queued in current.items()}
+        self.local.uploads.reopen_retracted(done + list(repair.sent), seen)
+        errors = repair.errors + [error for error in results if error is not None]
+        synced = run(syncs.calls(self.concurrency))  # durable before the rows go (module invariants)
+        sync_errors = [error for error in synced or [] if error is not None]
+        if synced is None or sync_errors:
+            self.ancestry.forget(repair.sent)
+            return closing if synced is None else [*errors, *sync_errors]
         self.ancestry.remember(done)
-        # Landed outside the elected uploader's batches: a delete since the
-        # put may have had its retraction confirmed before (module invariants).
-        self.local.uploads.reopen_retracted(done + list(repair.sent))
         self.uploaded += len(done)  # before the rows leave the queue (see drain_batch)
-        self.local.mark_uploaded({key: current.get(key) for key in done + list(repair.dropped)})
-        return repair.errors + [error for error in results if error is not None]
+        self.local.mark_uploaded({key: current[key].created_ns for key in done + list(repair.dropped)})
+        return errors
 
     def forget_lock_after_fork(self) -> None:
         """In a forked child: drop the inherited lock descriptor (closing
@@ -393,7 +360,8 @@ def describe(uploader: Uploader | None) -> dict[str, Any]:
     out: dict[str, Any] = {"uploaded": uploader.uploaded, "failures": uploader.failures, "last_error": uploader.last_error,
                            "retracted": uploader.retractions.deleted, "ancestor_checks": ancestry.checks,
                            "ancestors_reuploaded": ancestry.reuploaded, "ancestors_missing": ancestry.missing,
-                           "ancestors_retracted": ancestry.retracted, "dropped_under_retracted": ancestry.dropped}
+                           "ancestors_retracted": ancestry.retracted, "dropped_under_retracted": ancestry.dropped,
+                           "ancestors_taken": ancestry.taken}
     if uploader.codec is not None:
         out["codec"] = asdict(uploader.codec.choice())
     return out
