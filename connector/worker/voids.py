@@ -40,9 +40,13 @@ Invariants:
       taken copies: the same window as the local tier's.
     * A void whose delete fails (an I/O error; a full disk: an LMDB delete
       needs pages) is kept, with its units, and retried before every later
-      writer round and void, oldest first, until it succeeds: at most
-      :data:`MAX_FAILED_VOIDS` are kept (the oldest is then given up,
-      logged as an error: its units stay stored). Until its retry succeeds
+      writer round and void, oldest first, until it succeeds: none is given
+      up (each is a few keys, and voids are rare); past
+      :data:`MAX_FAILED_VOIDS` kept, an error naming ``ucm-db invalidate``
+      is logged at most once a minute. A second failed void of the same
+      save id (the save recomputed and voided again) merges its units into
+      the first's. The list lives in memory: a restart forgets it (the
+      units stay stored: docs/connector.md). Until its retry succeeds
       the voided units stay stored, and every reader of the store (this
       engine's lookups once the scheduler's fence lifts, a step after the
       void: settlement.py; other engines at once) may load them; a save of
@@ -64,7 +68,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm.logger import init_logger
 
@@ -78,7 +82,8 @@ from ucm_db.keys.units import UnitKeys
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 #: Worker steps a save's record waits for its void (twice what the scheduler waits for a step's output).
 KEEP_STEPS = 2 * MAX_PENDING_STEPS
-#: Voids whose delete failed, kept for their retry at most (module invariants).
+#: Voids whose delete failed past which an error line (at most once a minute) names ``ucm-db invalidate``;
+#: every one is still kept and retried (module invariants).
 MAX_FAILED_VOIDS = 256
 _FAILURE_LOG_INTERVAL_S = 60.0
 
@@ -122,6 +127,7 @@ class SaveVoids:
         self._counters = counters  # saves_voided: the blocks of each save whose void deleted something
         self._failed: dict[SaveId, tuple[VoidJob, list[bytes]]] = {}  # voids whose delete failed, oldest first
         self._failure_logged_s = -_FAILURE_LOG_INTERVAL_S
+        self._overflow_logged_s = -_FAILURE_LOG_INTERVAL_S  # the error line while over MAX_FAILED_VOIDS
         self._round: set[bytes] = set()  # keys the current round stored (or may have)
         self._recording = False  # the current round holds a voidable save: only then are its keys kept
         self._records: dict[SaveId, tuple[int, list[bytes]]] = {}  # save -> (step, first stored unit per chain)
@@ -158,13 +164,24 @@ class SaveVoids:
         self._forget_before(job.step - KEEP_STEPS)
         if record is None or self._delete(job, record[1]):
             return
-        self._failed[job.save] = (job, record[1])
-        if len(self._failed) > MAX_FAILED_VOIDS:
-            oldest = next(iter(self._failed))
-            given_up = self._failed.pop(oldest)[0]
-            logger.error("ucm-db: request %.80s: a void of %d blocks saved over a failed load is given up after %d "
-                         "later voids failed too: its wrong units stay stored (ucm-db invalidate "
-                         "the namespace to drop them)", oldest[0], given_up.blocks, MAX_FAILED_VOIDS)
+        self._keep_failed(job, record[1])
+
+    def _keep_failed(self, job: VoidJob, units: list[bytes]) -> None:
+        """Keeps a void whose delete failed for its retry: a failed void of the
+        same save id already kept (the save recomputed and voided again) keeps
+        its place and gains these units, so neither's units are lost."""
+        kept = self._failed.get(job.save)
+        if kept is not None:
+            units = kept[1] + [unit for unit in units if unit not in kept[1]]
+            job = replace(kept[0], blocks=kept[0].blocks + job.blocks)
+        self._failed[job.save] = (job, units)
+        now = time.monotonic()
+        if len(self._failed) > MAX_FAILED_VOIDS and now - self._overflow_logged_s >= _FAILURE_LOG_INTERVAL_S:
+            self._overflow_logged_s = now
+            logger.error("ucm-db: %d voids of blocks saved over a failed load are still failing to delete: their "
+                         "wrong units stay stored (and may be served) until a retry succeeds; every one is kept "
+                         "and retried. `ucm-db invalidate` the namespace to drop them now (logged at most once a "
+                         "minute)", len(self._failed))
 
     def _delete(self, job: VoidJob, units: list[bytes]) -> bool:
         """Deletes ``units`` (with their descendants) for ``job``; False where that failed (logged)."""

@@ -6,9 +6,10 @@ in force (:mod:`ucm_db.remote.codec_choice`).
 Invariants:
     * A failure is returned as its text (the block's row stays queued),
       never raised.
-    * A block that fails verification goes as it is: remote readers verify
-      it too and read it as a miss, so a damaged local copy never blocks
-      the queue.
+    * A damaged block is never sent: a blob read for a batch was verified
+      (:func:`ucm_db.remote.upload_plan.read_items`), and one the remote
+      codec cannot re-encode (:class:`CorruptBlockError`) is quarantined
+      locally (its queue row goes with it) and its upload fails.
     * The keys whose upload runs now are known (:attr:`ObjectSender.sending`):
       a store's close logs the uploads it abandons.
     * ``info/remote_codec`` (:data:`REMOTE_CODEC_RECORD`, what ``ucm-db
@@ -27,7 +28,7 @@ from ucm_db.errors import CorruptBlockError
 from ucm_db.index.local import LocalTier
 from ucm_db.remote.codec_choice import RemoteCodec
 from ucm_db.remote.tier import RemoteRoot, RemoteTier
-from ucm_db.remote.upload_plan import Item
+from ucm_db.remote.upload_plan import Item, quarantine
 
 #: ``info`` record of the remote codec in force, for ``ucm-db inspect``.
 REMOTE_CODEC_RECORD = b"remote_codec"
@@ -90,8 +91,9 @@ class ObjectSender:
             element_bytes = self._element_bytes.setdefault(namespace_id, codec.element_bytes_for(str(kv_dtype)))
         try:
             return self.codec.encode(blob, key, element_bytes)[0]
-        except CorruptBlockError:
-            return blob
+        except CorruptBlockError as exc:
+            quarantine(self.local, key, f"its re-encode for the remote failed: {exc}")
+            raise
 
     def record_choice(self) -> None:
         """Keeps ``info/remote_codec`` up to date when the codec in force changes."""

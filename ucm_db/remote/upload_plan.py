@@ -26,17 +26,27 @@ Invariants:
       tests/remote/test_audit_uploads_plan_memory.py).
     * A plan's blocks are checked queued and stored just before it returns;
       a row whose block is gone is returned apart (the batch drops it).
+    * Every blob read for an upload (:func:`read_items`: a batch's, an
+      ancestor's re-upload) is verified against its key first (xxh3 over
+      the blob, :func:`ucm_db.codec.verify`): a damaged one is quarantined
+      locally, with its descendants and their queue rows, and neither it
+      nor a descendant in the same read is sent (review:
+      tests/test_review_engines_rocksdb_upload.py).
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
+from ucm_db import codec
+from ucm_db.errors import CorruptBlockError
 from ucm_db.index.entries import BlockMeta
 from ucm_db.index.local import LocalTier
 
+logger = logging.getLogger("ucm_db")
 #: Queued blocks a planner remembers between plans (past it, it forgets them all).
 MAX_LEFT = 1 << 16
 
@@ -124,11 +134,51 @@ def _shallowest(candidates: dict[bytes, tuple[int, int]], max_keys: int, max_byt
 
 
 def read_items(local: LocalTier, keys: Sequence[bytes]) -> list[Item | None]:
-    """What an upload of each key sends; None for a block no longer stored."""
+    """What an upload of each key sends; None for a block no longer stored,
+    or damaged (:func:`checked`)."""
     metas = local.metas(keys)
     blobs = local.read_blobs(keys)
-    return [None if meta is None or blob is None else (key, meta.parent, meta.namespace_id, meta.depth, blob)
-            for key, meta, blob in zip(keys, metas, blobs)]
+    return checked(local, [None if meta is None or blob is None else (key, meta.parent, meta.namespace_id, meta.depth, blob)
+                           for key, meta, blob in zip(keys, metas, blobs)])
+
+
+def checked(local: LocalTier, items: list[Item | None]) -> list[Item | None]:
+    """``items`` with each damaged blob (its checksum or owning key fails
+    :func:`ucm_db.codec.verify`) and its descendants among them read as None
+    (module invariants): a damaged block is quarantined as a read does
+    (:mod:`ucm_db.index.damage`: its subtree and their queue rows go with it),
+    never uploaded. A failed quarantine (a full disk) is logged; the batch
+    drops the row all the same, and a local read quarantines the block later."""
+    damaged: set[bytes] = set()
+    for i in sorted(range(len(items)), key=lambda i: _depth(items[i])):
+        item = items[i]
+        if item is None:
+            continue
+        key, parent = item[0], item[1]
+        if parent is not None and parent in damaged:
+            damaged.add(key)
+            items[i] = None
+            continue
+        try:
+            codec.verify(item[4], key)
+        except CorruptBlockError as exc:
+            damaged.add(key)
+            items[i] = None
+            quarantine(local, key, f"its upload's check failed: {exc}")
+    return items
+
+
+def quarantine(local: LocalTier, key: bytes, reason: str) -> None:
+    """Quarantines ``key`` (with its descendants) as a read does; a failure is logged, not raised."""
+    logger.warning("ucm-db: block %s is damaged (%s): not uploaded, quarantined", key.hex()[:16], reason)
+    try:
+        local.quarantine(key, reason, lambda head, body: not codec.readable(head, body, key))
+    except Exception as exc:  # noqa: BLE001 - the block is not uploaded either way
+        logger.warning("ucm-db: quarantining block %s failed: %s", key.hex()[:16], exc)
+
+
+def _depth(item: Item | None) -> int:
+    return -1 if item is None else item[3]
 
 
 def under(work: Sequence[Item], absent: dict[bytes, BlockMeta], marked: Container[bytes]) -> frozenset[bytes]:

@@ -251,6 +251,7 @@ class LmdbEngine(Engine):
 
     def _adopt_resize(self, env: lmdb.Environment) -> None:
         with self._txn_gate.exclusive():
+            space.check_adopted_growth(self.path, env)  # a failed set_mapsize(0) ends py-lmdb's env too
             self._set_mapsize(env, 0)
 
     def _set_mapsize(self, env: lmdb.Environment, size: int) -> None:

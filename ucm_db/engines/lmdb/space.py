@@ -9,7 +9,12 @@ Invariants:
       new size, and every later read and write of the process failed, also
       once the limit was lifted (RLIMIT_AS in a child: ``put`` raised
       lmdb.MemoryError, then every ``get`` a TierError, "Attempt to operate
-      on closed/deleted/dropped object").
+      on closed/deleted/dropped object"). That holds for adopting another
+      process's growth too (``set_mapsize(0)`` on MDB_MAP_RESIZED: LMDB maps
+      the current meta page's map size, at least the used extent):
+      :func:`check_adopted_growth` checks that size first, so a failure is a
+      TierError for that call only, and a later call adopts the growth once
+      the limit allows it.
     * The caller reads the page size once per environment (LMDB fixes it at
       creation) and passes it in.
 """
@@ -24,7 +29,8 @@ from typing import Any, TypeVar
 import lmdb
 
 from ucm_db.errors import TierError
-from ucm_db.engines.lmdb.checks import lmdb_error
+from ucm_db.engines.lmdb.checks import DATA_FILE, lmdb_error
+from ucm_db.engines.lmdb.meta import read_meta_pages
 from ucm_db.engines.lmdb.txn import LmdbTxn
 
 T = TypeVar("T")
@@ -89,3 +95,29 @@ def check_map_growth(env_dir: Path, size_bytes: int, mapped_bytes: int, max_byte
                         "limit, RLIMIT_AS / ulimit -v, or the address space is used up)",
                         hint="raise the process's address space limit (ulimit -v), or set a smaller capacity_bytes; "
                              "writes resume once the map can grow") from exc
+
+
+def adopted_map_bytes(env_dir: Path, env: lmdb.Environment) -> int:
+    """The map size ``set_mapsize(0)`` will map: the current meta page's map
+    size (another process's growth), at least the used extent, at least the
+    data file (where the meta pages cannot be read: the file alone)."""
+    data = env_dir / DATA_FILE
+    try:
+        pages, _problems = read_meta_pages(data)
+        file_bytes = data.stat().st_size
+    except OSError:
+        pages, file_bytes = [], 0
+    meta_bytes = max(pages, key=lambda meta: meta.txnid).map_size_bytes if pages else 0
+    info = env.info()
+    return max(meta_bytes, file_bytes, (int(info["last_pgno"]) + 1) * page_bytes(env))
+
+
+def check_adopted_growth(env_dir: Path, env: lmdb.Environment) -> None:
+    """Raises :class:`TierError` unless adopting another process's map
+    growth (``set_mapsize(0)``) fits in this process's address space (module
+    invariants). No size cap: the map another process made must be adopted
+    to read the store at all."""
+    mapped_bytes = int(env.info()["map_size"])
+    size_bytes = adopted_map_bytes(env_dir, env)
+    if size_bytes > mapped_bytes:
+        check_map_growth(env_dir, size_bytes, mapped_bytes, size_bytes)
