@@ -79,8 +79,6 @@ def test_an_ancestor_reupload_in_flight_during_a_void_does_not_stay(
 ) -> None:
     """``undo-retried``: B's first delete of its upload fails (simulated: the
     remote refuses it); block 2 stays queued until a later batch deletes it."""
-    if undo_fails and remote.kind != "file":
-        pytest.skip("one remote is enough for the retry")
     keys, payloads = chain(namespace, 3)
     payloads[1] = b"WRONG" + payloads[1][5:]
     opts = remote.store_options(remote_deadline_s=10)
