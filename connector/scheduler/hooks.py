@@ -244,6 +244,8 @@ class UcmDbScheduler:
 
     def _unfenced(self, state: RequestState, found: int) -> int:
         """``found`` stored blocks cut before one a voided save of this engine may still hold (settlement.py's fences)."""
+        if not found or not self._settlement.fenced:  # every lookup asks; fences are rare
+            return found
         return self._settlement.unfenced(self._keys(state, found), found)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -277,11 +277,19 @@ class SaveSettlement:
             dropped = {id(fence) for fence in [f for f in self._fences if f.drained is not None][:excess]}
             self._fences = [fence for fence in self._fences if id(fence) not in dropped]
 
+    @property
+    def fenced(self) -> bool:
+        """Whether any voided save's keys are fenced now (usually not: then a
+        lookup needs no keys for :meth:`unfenced`)."""
+        return bool(self._fences)
+
     def unfenced(self, keys: Sequence[bytes], found: int, output_back: bool = False) -> int:
         """``found`` leading blocks of a chain (``keys``) cut before the first
         one whose void may not have run yet (module invariants);
         ``output_back``: asked while vLLM handles the output of the step
         after the last one seen here (its fences' voids ran)."""
+        if not self._fences:
+            return found
         back = self._returned + 1 if output_back else self._returned
         fenced = frozenset().union(*(f.keys for f in self._fences if f.drained is None or f.drained > back))
         return next((i for i in range(found) if keys[i] in fenced), found) if fenced else found
