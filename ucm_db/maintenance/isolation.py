@@ -5,6 +5,14 @@ page: SIGABRT) or the kernel kill the reader (a truncated map: SIGBUS). The
 tools that diagnose a store must survive that: they run the read in a
 forked child and get its result back as JSON over a pipe.
 
+A RocksDB store is read in the calling process instead. RocksDB reads its
+files with ``pread`` and reports damage as an error status, so nothing
+needs isolating; and a forked child of a process that has a RocksDB store
+open can deadlock in its own open (a background thread of the parent held
+RocksDB's thread-pool mutex at the fork: the child waits on it for ever in
+``ThreadPoolImpl::IncBackgroundThreadsIfNeeded``; seen with a live RocksDB
+writer in the caller, about one read in twenty).
+
 Invariants:
     * The caller never dies of what the child read: a child killed by a
       signal becomes a :class:`~ucm_db.errors.TierError` naming the signal and
@@ -16,6 +24,7 @@ Invariants:
       where the child's stderr goes nowhere (a captured CLI run).
     * The child never returns into the caller's code: it leaves with
       ``os._exit`` whatever happens.
+    * No child is forked for a RocksDB store (above): ``fn()`` runs here.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import Any
 
 from ucm_db import errors
 from ucm_db.errors import TierError, UcmDbError
+from ucm_db.format.engine_dirs import detect_engine
 
 _CHILD_FAILED = 70  # the child's exit status after an unexpected exception
 _HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # blocked across the fork (run_isolated)
@@ -42,13 +52,15 @@ def run_isolated(fn: Callable[[], dict[str, Any]], path: str | Path) -> dict[str
 
     ``path`` names the store in the error of a child killed by a signal.
     Call from a process with no other threads doing work (the CLI): only the
-    calling thread exists in the child. A path that cannot be a store (a
-    name too long for the file system, ...) is a ConfigError before any
-    child runs.
+    calling thread exists in the child (a RocksDB store is read here, no child
+    forked: module docs). A path that cannot be a store (a name too long
+    for the file system, ...) is a ConfigError before any child runs.
     """
     from ucm_db.store.path import store_path
 
     store_path(path)
+    if _is_rocksdb(Path(path)):
+        return fn()
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -93,6 +105,15 @@ def run_isolated(fn: Callable[[], dict[str, Any]], path: str | Path) -> dict[str
         raise errors.error_from_dict(message["error"])
     result: dict[str, Any] = message["result"]
     return result
+
+
+def _is_rocksdb(path: Path) -> bool:
+    """Whether ``path`` holds a RocksDB store (a directory that cannot be
+    read here is not: the child then says what is wrong)."""
+    try:
+        return detect_engine(path) == "rocksdb"
+    except OSError:
+        return False
 
 
 def _child(fn: Callable[[], dict[str, Any]], write_fd: int) -> int:
