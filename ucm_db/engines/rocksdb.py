@@ -34,13 +34,11 @@ Invariants and choices:
       over its own buffered deletes).
     * ``sync=True`` fsyncs the WAL on every commit; otherwise
       :meth:`RocksDbEngine.sync` flushes and fsyncs the WAL (group commit).
-    * A failed write or sync (a full disk) leaves RocksDB refusing every later write ("Writer has previous
-      error"): the engine reopens the database before its next write or sync, so puts resume once space is
-      freed (the failed batch was never applied; a reopen replays the log up to its last whole record). Reads
-      never wait: the failed database is swapped for a read-only one, the reads' gate held only for swaps,
-      never while a database closes or opens. A failed reopen keeps the read-only one; writes and syncs fail
-      at once (a :class:`~ucm_db.errors.TierError` naming the disk) until :data:`REOPEN_SPACE_BYTES` more are
-      free or :data:`REOPEN_RETRY_S` passed.
+    * A failed write or sync (a full disk; RocksDB then refuses every write) reopens the database before the
+      next write or sync, so puts resume once space is freed (the failed batch was never applied). Reads never
+      wait: the failed database is swapped for a read-only one (the reads' gate held for swaps only). A failed
+      reopen keeps that one; writes and syncs fail at once (a :class:`~ucm_db.errors.TierError` naming the
+      disk) until :data:`REOPEN_SPACE_BYTES` more are free or :data:`REOPEN_RETRY_S` passed.
     * A read RocksDB fails (a file removed or damaged under the running store)
       is a :class:`~ucm_db.errors.TierError`, not rocksdict's bare ``Exception``.
     * :meth:`RocksDbEngine.close` always releases the database and its
@@ -48,17 +46,12 @@ Invariants and choices:
       afterwards as a :class:`~ucm_db.errors.TierError`. It releases them
       once the read transactions in flight have ended and the write lock is
       free; every later call raises :class:`~ucm_db.errors.ClosedError`.
-    * ``read_only`` writes nothing in the store's directory: rocksdict
-      rewrites its ``rocksdict-config.json`` in the directory it opens, even
-      read-only, so a read-only open opens a private *shadow* directory (in
-      the temp directory) of links to the store's files instead, and
-      removes it on close. RocksDB reads through the links and, read-only,
-      creates no file, so a store on a read-only volume opens too. The
-      shadow pins the files it links (open descriptors), so a writer in
-      another process that flushes, compacts or deletes files meanwhile
-      neither fails the open nor a later read of a blob value; the open
-      sees the store as of one moment
-      (:mod:`~ucm_db.engines.rocksdb_shadow`).
+    * ``read_only`` writes nothing in the store's directory: it opens a
+      private *shadow* of pinned links to the store's files, seeing the
+      store as of one moment (:mod:`~ucm_db.engines.rocksdb_shadow`), and
+      opens a new one when the writer has changed the store, so a commit (a
+      ``bump_epoch`` included) is seen within
+      :data:`~ucm_db.engines.rocksdb_follow.FOLLOW_S` (that module's docs).
 """
 
 from __future__ import annotations
@@ -77,6 +70,7 @@ import rocksdict
 from ucm_db.errors import ClosedError, FormatVersionError, LockedError, TierError
 from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
+from ucm_db.engines.rocksdb_follow import Follower
 from ucm_db.engines.rocksdb_shadow import Shadow, open_pinned
 from ucm_db.engines.rocksdb_txn import (
     DAMAGED_BLOB_HINT, ReadPoint, RocksTxn, blob_collection_failed, compact_tables, family_of,
@@ -92,11 +86,9 @@ REOPEN_RETRY_S = 1.0
 REOPEN_SPACE_BYTES = 1 << 20
 
 
-#: Memtable size of the blocks table and the bound on the write-ahead log:
-#: payloads wait in the WAL until their memtable flushes to blob files, and a
-#: reopen replays the WAL into blob files, so it needs about this much free
-#: disk (issue 46: with RocksDB's 64 MiB default a reopen after a full disk
-#: failed with 20 MiB freed, replaying 29 MiB).
+#: Memtable size of the blocks table and the bound on the write-ahead log: a reopen replays the WAL into blob
+#: files, so it needs about this much free disk (issue 46: with RocksDB's 64 MiB default a reopen after a full
+#: disk failed with 20 MiB freed, replaying 29 MiB).
 WRITE_BUFFER_BYTES = 16 << 20
 MAX_WAL_BYTES = 32 << 20
 #: RocksDB info logs kept in the store (``LOG`` and ``LOG.old.*``; each open starts one, ~140 KiB; RocksDB keeps 1000).
@@ -144,10 +136,6 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _remove_shadow(shadow: Shadow, pid: int) -> None:
-    shadow.remove(delete=os.getpid() == pid)  # a forked child exiting leaves its parent's shadow alone
-
-
 class RocksDbEngine(Engine):
     """Tables as RocksDB column families (single process; see module docs)."""
 
@@ -168,14 +156,17 @@ class RocksDbEngine(Engine):
         self._gate = SharedExclusiveGate()
         #: Removes a read-only open's shadow directory (module invariants): on release, else when the engine
         #: is collected or the interpreter exits (a store never closed).
-        self._shadow: weakref.finalize[[Shadow, int], RocksDbEngine] | None = None
+        self._shadow: weakref.finalize[[int], RocksDbEngine] | None = None
         self._floors: dict[str, bytes] = {}
         self._pid = os.getpid()
         self._families: dict[str, rocksdict.Rdict] = {}
         self._handles: dict[str, Any] = {}
         self._db: rocksdict.Rdict | None = None
         self._collect_blobs = True  # off once RocksDB's collection met a damaged blob (rocksdb_txn's invariants)
+        self._follower = Follower(self.path) if read_only else None  # made before the open it compares with
         self._bind(*self._open())
+        if self._follower is not None:
+            self._follower.start(self._reopen)
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync
         self._closed = False
@@ -184,7 +175,7 @@ class RocksDbEngine(Engine):
         #: A read-only stand-in for a failed database is bound (``_recover``); the next reopen's conditions.
         self._stand_in, self._retry_at_s, self._retry_free_bytes, self._reopen_error = False, 0.0, 0, ""
 
-    def _bind(self, db: rocksdict.Rdict, shadow: weakref.finalize[[Shadow, int], RocksDbEngine] | None) -> None:
+    def _bind(self, db: rocksdict.Rdict, shadow: weakref.finalize[[int], RocksDbEngine] | None) -> None:
         self._db, self._shadow = db, shadow
         self._families = {name: family_of(db, name, collect_blobs=self._collect_blobs) for name in TABLES}
         self._handles = {name: db.get_column_family_handle(name) for name in TABLES}
@@ -244,6 +235,11 @@ class RocksDbEngine(Engine):
         except Exception as exc:  # noqa: BLE001 - the reopen after says whether the store is usable
             logger.warning("ucm-db: closing RocksDB store %s after a failed write: %s", self.path, exc)
 
+    def _reopen(self) -> None:
+        """A read-only store opened anew, seeing its writer's later commits (rocksdb_follow; ``close`` ends its thread
+        before it closes the reads' gate, so the swap never meets a closed one)."""
+        self._swap(self._open_read_only(TABLES), stand_in=False)
+
     def _readable(self) -> tuple[rocksdict.Rdict, Any] | None:
         """The store opened read-only (no file made: a disk still full), or None."""
         try:
@@ -288,9 +284,9 @@ class RocksDbEngine(Engine):
                 ) from exc
             raise TierError(f"cannot open RocksDB store at {self.path}: {exc}") from exc
 
-    def _open_read_only(self, tables: Iterable[str]) -> tuple[rocksdict.Rdict, weakref.finalize[[Shadow, int], RocksDbEngine]]:
+    def _open_read_only(self, tables: Iterable[str]) -> tuple[rocksdict.Rdict, weakref.finalize[[int], RocksDbEngine]]:
         db, shadow = _open_read_only(self.path, tables)
-        return db, weakref.finalize(self, _remove_shadow, shadow, os.getpid())
+        return db, weakref.finalize(self, shadow.remove_in_owner, os.getpid())
 
     def _check(self) -> None:
         if self._pid != os.getpid():
@@ -368,6 +364,8 @@ class RocksDbEngine(Engine):
             self._closed = True
             return
         self._closed = True
+        if self._follower is not None:
+            self._follower.stop()  # before the release: it may be swapping
         failure: BaseException | None = None
         with self._write_lock:
             try:

@@ -191,6 +191,11 @@ class Shadow:
             os.unlink(self.path / name)
             os.close(self._pinned.pop(name))
 
+    def remove_in_owner(self, pid: int) -> None:
+        """``remove``, deleting the directory only in process ``pid`` (a
+        forked child exiting leaves its parent's shadow alone)."""
+        self.remove(delete=os.getpid() == pid)
+
     def remove(self, *, delete: bool = True) -> None:
         """Deletes the directory (unless ``delete`` is false: a forked
         child's copy of its parent's shadow), then closes the pinned
