@@ -21,9 +21,11 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 from ucm_db.buffers import Buffer
@@ -138,3 +140,16 @@ class Engine(ABC):
         water mark), or None where the engine has no such figure. Cheap
         enough to ask after every commit."""
         return None
+
+
+def tree_bytes(path: str | Path) -> int:
+    """Bytes of every file under ``path`` (one removed meanwhile by a
+    compaction or a writer's deletion counts 0)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total

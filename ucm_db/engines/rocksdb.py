@@ -68,9 +68,9 @@ from typing import Any
 import rocksdict
 
 from ucm_db.errors import ClosedError, FormatVersionError, LockedError, TierError
-from ucm_db.engines.base import TABLES, Engine, T
+from ucm_db.engines.base import TABLES, Engine, T, tree_bytes
 from ucm_db.engines.gate import SharedExclusiveGate
-from ucm_db.engines.rocksdb_follow import Follower
+from ucm_db.engines.rocksdb_follow import Follower, Lease
 from ucm_db.engines.rocksdb_shadow import Shadow, open_pinned
 from ucm_db.engines.rocksdb_txn import (
     DAMAGED_BLOB_HINT, ReadPoint, RocksTxn, blob_collection_failed, compact_tables, family_of,
@@ -151,8 +151,7 @@ class RocksDbEngine(Engine):
         #: Held while a batch commits, while a read takes its point (with the floors of that commit) and
         #: while a scan of a read starts.
         self._commit_lock = threading.Lock()
-        #: The read points in flight that no commit has frozen yet.
-        self._unfrozen: set[ReadPoint] = set()
+        self._unfrozen: set[ReadPoint] = set()  # the read points in flight that no commit has frozen yet
         self._gate = SharedExclusiveGate()
         #: Removes a read-only open's shadow directory (module invariants): on release, else when the engine
         #: is collected or the interpreter exits (a store never closed).
@@ -176,7 +175,8 @@ class RocksDbEngine(Engine):
         self._stand_in, self._retry_at_s, self._retry_free_bytes, self._reopen_error = False, 0.0, 0, ""
 
     def _bind(self, db: rocksdict.Rdict, shadow: weakref.finalize[[int], RocksDbEngine] | None) -> None:
-        self._db, self._shadow = db, shadow
+        self._db, self._shadow, self._lease = db, shadow, Lease()
+        self._floors = {} if self._read_only else self._floors  # a new open of a read-only store: its keys may be lower
         self._families = {name: family_of(db, name, collect_blobs=self._collect_blobs) for name in TABLES}
         self._handles = {name: db.get_column_family_handle(name) for name in TABLES}
 
@@ -236,9 +236,13 @@ class RocksDbEngine(Engine):
             logger.warning("ucm-db: closing RocksDB store %s after a failed write: %s", self.path, exc)
 
     def _reopen(self) -> None:
-        """A read-only store opened anew, seeing its writer's later commits (rocksdb_follow; ``close`` ends its thread
-        before it closes the reads' gate, so the swap never meets a closed one)."""
-        self._swap(self._open_read_only(TABLES), stand_in=False)
+        """The read-only store opened anew, its old open released by its last read (rocksdb_follow's invariants)."""
+        new = self._open_read_only(TABLES)
+        with self._commit_lock:
+            lease, old = self._lease, self._unbind()
+            self._bind(*new)
+            release = lease.retire(lambda: self._release(old))
+        release()
 
     def _readable(self) -> tuple[rocksdict.Rdict, Any] | None:
         """The store opened read-only (no file made: a disk still full), or None."""
@@ -301,11 +305,12 @@ class RocksDbEngine(Engine):
         self._check()
         self._recover_if_failed(unreadable_only=True)  # a reopen after a failed write left no handle
         with self._gate.shared():
-            with self._commit_lock:  # every table at the same commit, and the floors of that commit
-                point, floors = ReadPoint(self._families, self._commit_lock), self._floors
+            with self._commit_lock:  # every table at the same commit, the floors of that commit, that open's lease
+                families, floors, lease = self._families, self._floors, self._lease.enter()
+                point = ReadPoint(families, self._commit_lock)
                 self._unfrozen.add(point)
             try:
-                return fn(RocksTxn(self._families, writable=False, floors=floors, point=point))
+                return fn(RocksTxn(families, writable=False, floors=floors, point=point))
             except Exception as exc:
                 if type(exc) is Exception:  # rocksdict's own: a table or blob file removed or damaged under the store
                     raise TierError(f"RocksDB read of {self.path} failed: {exc}", hint="run `ucm-db verify --fix` on it") from exc
@@ -313,7 +318,9 @@ class RocksDbEngine(Engine):
             finally:
                 with self._commit_lock:
                     self._unfrozen.discard(point)
+                    release = lease.leave()
                 point.release()  # its snapshots keep the database open: none outlives its transaction
+                release()  # closes an open the follower replaced, after its last read
 
     def write(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
@@ -385,11 +392,4 @@ class RocksDbEngine(Engine):
                             hint=_DISK_HINT) from failure
 
     def file_bytes(self) -> int:
-        total = 0
-        for root, _dirs, files in os.walk(self.path):
-            for name in files:
-                try:
-                    total += os.path.getsize(os.path.join(root, name))
-                except OSError:
-                    pass  # a file removed by a background compaction meanwhile
-        return total
+        return tree_bytes(self.path)

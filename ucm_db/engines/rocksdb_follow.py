@@ -18,8 +18,8 @@ Invariants:
       Reads never open: an open beside a live writer replays its
       write-ahead log (up to ``MAX_WAL_BYTES``: 0.5-0.6 s measured beside
       a writer of 65,536 blocks, 25 ms with no log to replay); the new open
-      replaces the old one between reads (the reads' gate, as a reopen
-      after a failed write), which then closes.
+      is bound at once; the old one is closed by its last read
+      (:class:`Lease`).
     * The listing is taken before the open it is compared against: a commit
       landing between the two is seen as a change at the next check (one
       reopen too many, never one too few). So a commit is seen by reads
@@ -98,7 +98,16 @@ class Follower:
     def _run(self, method: weakref.WeakMethod[Callable[[], None]]) -> None:
         while not self._stop.wait(self._interval_s):
             reopen = method()
-            if reopen is None or not self.check(reopen):
+            if reopen is None:
+                return  # the engine was collected
+            try:
+                going = self.check(reopen)
+            except Exception:  # noqa: BLE001 - a thread that died would leave the store at one moment for good
+                logger.exception("ucm-db: following read-only RocksDB store %s failed; checked again in %g s",
+                                 self._path, self._interval_s)
+                going = True
+            del reopen  # no strong reference while waiting: a store never closed is collected
+            if not going:
                 return
 
     def check(self, reopen: Callable[[], None]) -> bool:
@@ -106,18 +115,52 @@ class Follower:
         False once the store is closed. A failed reopen is logged (a
         warning the first time in a row) and leaves the change to the next
         check."""
-        now = listing(self._path)
-        if now == self._seen:
-            return True
         try:
+            now = listing(self._path)
+            if now == self._seen:
+                return True
             reopen()
         except ClosedError:
             return False
         except Exception as exc:  # noqa: BLE001 - reads go on with the open they have
-            (logger.debug if self._failed else logger.warning)(
+            (logger.debug if self._failed else logger.warning)(  # a listing's OSError too (EIO, ESTALE)
                 "ucm-db: read-only RocksDB store %s cannot be opened again to see its writer's commits "
                 "(tried again in %g s): %s", self._path, self._interval_s, exc)
             self._failed = True
         else:
             self._seen, self._failed = now, False
         return True
+
+
+class Lease:
+    """The reads in flight on one open of a store (its database, tables and
+    shadow). A reopen binds the new open at once and retires the old one:
+    released by its last read, or at once where none runs. A reopen never
+    waits for reads, nor a read for a reopen (a swap that waited for the
+    reads in flight held every new read behind the longest one: 233 ms at
+    p99 beside a 0.29 s walk). Counted under the engine's commit lock."""
+
+    def __init__(self) -> None:
+        self._readers = 0
+        self._release: Callable[[], None] | None = None
+
+    def enter(self) -> Lease:
+        self._readers += 1
+        return self
+
+    def leave(self) -> Callable[[], None]:
+        """What the caller runs outside the lock: the retired open's
+        release if this was its last read, else nothing."""
+        self._readers -= 1
+        return self._release if self._readers == 0 and self._release is not None else _nothing
+
+    def retire(self, release: Callable[[], None]) -> Callable[[], None]:
+        """``release`` where no read is in flight (the caller runs it
+        outside the lock), else nothing: kept for the last read."""
+        self._release = release
+        return release if self._readers == 0 else _nothing
+
+
+def _nothing() -> None:
+    return None
+
