@@ -367,8 +367,8 @@ def crash_loop(run_dir: Path, durability: str, cycles: int, max_delay_s: float =
 
 @pytest.mark.parametrize("durability", ["sync", "group"])
 def test_crash_loop(tmp_path: Path, durability: str) -> None:
-    report = crash_loop(tmp_path, durability, cycles=100, max_delay_s=0.08)
-    assert sum(report["kills"].values()) >= 100 + 7
+    report = crash_loop(tmp_path, durability, cycles=70, max_delay_s=0.08)  # 2000 with --long
+    assert sum(report["kills"].values()) >= 70 + 7
     assert report["acked"] > 0
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import ucm_db
 from ucm_db.errors import TierError
+from ucm_db.remote import keying
 from ucm_db.remote.envelope import PROBE_BYTES
 from ucm_db.remote.promotion import PromotionTarget
 from faultfs import FaultPlan
@@ -110,7 +111,10 @@ def test_failing_uploads_retry_until_the_remote_has_everything(tmp_path: Path, r
         assert reader.get(namespace, keys) == payloads
 
 
-def test_remote_down_queue_is_kept_and_drains_after(tmp_path: Path, root: str, plan: FaultPlan, namespace) -> None:
+def test_remote_down_queue_is_kept_and_drains_after(tmp_path: Path, root: str, plan: FaultPlan, namespace,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each open of a store whose remote hangs waits MARKER_WAIT_S (10 s) for its markers; not what this test checks.
+    monkeypatch.setattr(keying, "MARKER_WAIT_S", 1.0)
     keys, payloads = chain(namespace, 12)
     plan.take_down()
     with _faulty(tmp_path, root, plan, name="writer") as store:
