@@ -13,6 +13,7 @@ import pytest
 import ucm_db
 from ucm_db import codec
 from ucm_db.errors import CorruptBlockError
+from ucm_db.tools.bench.throttle import ThrottledFileSystem
 
 pytestmark = pytest.mark.timeout(120)
 BLOCKS = 12
@@ -53,19 +54,28 @@ def test_fetched_blocks_are_decoded_while_later_ones_arrive(
 
     monkeypatch.setattr(codec, "decode", decode)
     monkeypatch.setattr(codec, "decode_into", decode_into)
+    arrived_at: list[float] = []  # when each read of a block object's bytes returned from the link
+    real_cat = ThrottledFileSystem.cat_file
+
+    def cat_file(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        value = real_cat(self, path, *args, **kwargs)
+        if len(value) > BLOCK_BYTES // 4:
+            arrived_at.append(time.monotonic())
+        return value
+
+    monkeypatch.setattr(ThrottledFileSystem, "cat_file", cat_file)
     with ucm_db.open(tmp_path / "reader", capacity_bytes=64 << 20, remote_deadline_s=30, **remote) as reader:
-        started = time.monotonic()
         if method == "get":
             assert reader.get(namespace, keys) == payloads
         else:
             buffers = [bytearray(BLOCK_BYTES) for _ in keys]
             assert reader.get_into(namespace, keys, buffers) == [True] * BLOCKS
             assert buffers == payloads
-        finished = time.monotonic()
         assert reader.lookup(namespace, keys, remote=False) == BLOCKS  # promoted as well
-    assert len(decoded_at) == BLOCKS
-    # The first block was decoded in the first half of the transfer, not after the last one arrived.
-    assert decoded_at[0] - started < 0.5 * (finished - started), (decoded_at[0] - started, finished - started)
+    assert len(decoded_at) == BLOCKS and len(arrived_at) >= BLOCKS
+    # The first block was decoded while later ones were still on the link: before the last one arrived (an
+    # order, not a time: the test held only under a quiet host when it compared with half of the call's time).
+    assert decoded_at[0] < max(arrived_at), (decoded_at[0] - min(arrived_at), max(arrived_at) - min(arrived_at))
 
 
 def test_large_zstd_blocks_are_decoded_on_the_codec_threads(tmp_path: Path, namespace, monkeypatch: pytest.MonkeyPatch) -> None:
