@@ -81,20 +81,28 @@ def test_a_new_store_keeps_its_acknowledged_blocks_when_names_need_directory_syn
         mount.strict_names(True)
         store_path = str(mount_dir / "serving" / "kv" / "store")
         acked, writer_log = tmp_path / "acked", tmp_path / "writer.log"
-        writer = _child("writer", store_path, engine, durability, acked, writer_log)
-        try:
-            deadline = time.monotonic() + 120
-            while not acked.exists():
-                assert time.monotonic() < deadline and writer.poll() is None, (
-                    f"the writer did not acknowledge its put:\n{tail(writer_log)}")
-                time.sleep(0.01)
-        finally:
-            writer.kill()
-            writer.wait()
-        mount.cut("drop", 0)
-        result, check_log = tmp_path / "result", tmp_path / "check.log"
-        checker = _child("checker", store_path, engine, durability, result, check_log)
-        assert checker.wait(timeout=120) == 0 and result.read_text() == "ok", tail(check_log)
+        _kill_once_acked(_child("writer", store_path, engine, durability, acked, writer_log), acked, writer_log)
+        _cut_and_check(mount, "checker", store_path, engine, durability, tmp_path)
+
+
+def _kill_once_acked(child: subprocess.Popen[bytes], acked: Path, log: Path) -> None:
+    """Waits for ``child`` to write ``acked``, then SIGKILLs it."""
+    try:
+        deadline = time.monotonic() + 120
+        while not acked.exists():
+            assert time.monotonic() < deadline and child.poll() is None, f"the child did not get there:\n{tail(log)}"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _cut_and_check(mount: PowerCutMount, role: str, store_path: str, engine: str, durability: str, tmp_path: Path) -> None:
+    """The power cut (every unsynced page dropped), then ``role`` run on the store in a new boot."""
+    mount.cut("drop", 0)
+    result, check_log = tmp_path / "result", tmp_path / "check.log"
+    checker = _child(role, store_path, engine, durability, result, check_log)
+    assert checker.wait(timeout=120) == 0 and result.read_text() == "ok", tail(check_log)
 
 
 @pytest.mark.parametrize(("engine", "durability"), [("lmdb", "group"), ("rocksdb", "group")])
@@ -109,16 +117,5 @@ def test_a_new_store_is_a_store_after_a_power_cut_right_after_its_open(
     with PowerCutMount(mount_dir, tmp_path) as mount:
         store_path = str(mount_dir / "store")
         opened, opener_log = tmp_path / "opened", tmp_path / "opener.log"
-        opener = _child("opener", store_path, engine, durability, opened, opener_log)
-        try:
-            deadline = time.monotonic() + 120
-            while not opened.exists():
-                assert time.monotonic() < deadline and opener.poll() is None, f"the store did not open:\n{tail(opener_log)}"
-                time.sleep(0.01)
-        finally:
-            opener.kill()
-            opener.wait()
-        mount.cut("drop", 0)
-        result, check_log = tmp_path / "result", tmp_path / "check.log"
-        reader = _child("reader", store_path, engine, durability, result, check_log)
-        assert reader.wait(timeout=120) == 0 and result.read_text() == "ok", tail(check_log)
+        _kill_once_acked(_child("opener", store_path, engine, durability, opened, opener_log), opened, opener_log)
+        _cut_and_check(mount, "reader", store_path, engine, durability, tmp_path)
