@@ -238,8 +238,8 @@ class RocksDbEngine(Engine):
     def _reopen(self) -> None:
         """The read-only store opened anew, its old open released by its last read (rocksdb_follow's invariants)."""
         new = self._open_read_only(TABLES)
-        with self._commit_lock:
-            lease, old = self._lease, self._unbind()
+        with self._commit_lock:  # bound over the old one: no moment without a database (``_recover_if_failed``)
+            lease, old = self._lease, (self._db, self._families, self._shadow)
             self._bind(*new)
             release = lease.retire(lambda: self._release(old))
         release()
