@@ -3,7 +3,7 @@ exclusive step alone.
 
 The LMDB engine holds its transactions ``shared`` and changes the map size
 ``exclusive``; the RocksDB engine holds its read transactions ``shared`` and
-reopens the database ``exclusive`` (its commits never wait for reads).
+closes the database in ``closing`` (its commits and reopens never wait for reads).
 
 Wait rules (one set for both engines):
     * ``shared`` waits while an exclusive step runs or waits for the gate.

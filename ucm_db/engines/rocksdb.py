@@ -20,8 +20,11 @@ Invariants and choices:
       walk of every block, such as the change feed's inventory, stalled
       every put for its whole length when commits waited for reads). A
       commit first freezes the reads in flight (iterators of every table,
-      made under the commit lock before its batch is written). Reads share
-      a gate that only a reopen and the close take exclusively.
+      made under the commit lock before its batch is written). A swap of the
+      open (a follower's reopen, a recovery) never waits for reads either:
+      the new open is bound under the commit lock, the old one closed by its
+      last read (:class:`~ucm_db.engines.rocksdb_follow.Lease`). Reads share
+      a gate that only the close takes, exclusively.
     * Single process: RocksDB's ``LOCK`` file refuses a second opener, which
       is reported as :class:`~ucm_db.errors.LockedError`; a forked child
       must not use its parent's handle and gets the same error.
@@ -35,10 +38,8 @@ Invariants and choices:
     * ``sync=True`` fsyncs the WAL on every commit; otherwise
       :meth:`RocksDbEngine.sync` flushes and fsyncs the WAL (group commit).
     * A failed write or sync (a full disk; RocksDB then refuses every write) reopens the database before the
-      next write or sync, so puts resume once space is freed (the failed batch was never applied). Reads never
-      wait: the failed database is swapped for a read-only one (the reads' gate held for swaps only). A failed
-      reopen keeps that one; writes and syncs fail at once (a :class:`~ucm_db.errors.TierError` naming the
-      disk) until :data:`REOPEN_SPACE_BYTES` more are free or :data:`REOPEN_RETRY_S` passed.
+      next write or sync, so puts resume once space is freed; reads never wait for it: they go to a read-only
+      stand-in meanwhile (:mod:`~ucm_db.engines.rocksdb_swap`, with when a failed reopen is tried again).
     * A read RocksDB fails (a file removed or damaged under the running store)
       is a :class:`~ucm_db.errors.TierError`, not rocksdict's bare ``Exception``.
     * :meth:`RocksDbEngine.close` always releases the database and its
@@ -59,7 +60,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -72,18 +72,14 @@ from ucm_db.engines.base import TABLES, Engine, T, tree_bytes
 from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.engines.rocksdb_follow import Follower, Lease
 from ucm_db.engines.rocksdb_shadow import Shadow, open_pinned
+from ucm_db.engines.rocksdb_swap import DISK_HINT as _DISK_HINT, Recovery
 from ucm_db.engines.rocksdb_txn import (
     DAMAGED_BLOB_HINT, ReadPoint, RocksTxn, blob_collection_failed, compact_tables, family_of,
 )
 
 logger = logging.getLogger("ucm_db")
-_DISK_HINT = "free space on that disk (the store resumes writing once there is room), or lower capacity_bytes"
 #: Values at least this large go to blob files instead of the LSM tree.
 MIN_BLOB_BYTES = 4096
-#: Seconds between tries to reopen after a failed write (a try replays the log: 30-70 ms on a full 40 MiB disk).
-REOPEN_RETRY_S = 1.0
-#: Free disk space grown by this much since a failed reopen makes the next write try again at once.
-REOPEN_SPACE_BYTES = 1 << 20
 
 
 #: Memtable size of the blocks table and the bound on the write-ahead log: a reopen replays the WAL into blob
@@ -127,15 +123,6 @@ def _open_read_only(path: Path, tables: Iterable[str]) -> tuple[rocksdict.Rdict,
     return open_pinned(path.absolute(), open_db)
 
 
-def _free_bytes(path: Path) -> int:
-    """Bytes free to this user on ``path``'s file system (0 if unknown)."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
 class RocksDbEngine(Engine):
     """Tables as RocksDB column families (single process; see module docs)."""
 
@@ -169,10 +156,9 @@ class RocksDbEngine(Engine):
         self._write_options = rocksdict.WriteOptions()
         self._write_options.sync = sync
         self._closed = False
-        #: A write or sync failed: RocksDB refuses writes until the database is reopened.
+        #: A write or sync failed: RocksDB refuses writes until the database is reopened (``_recovery``).
         self._failed = False
-        #: A read-only stand-in for a failed database is bound (``_recover``); the next reopen's conditions.
-        self._stand_in, self._retry_at_s, self._retry_free_bytes, self._reopen_error = False, 0.0, 0, ""
+        self._recovery = Recovery(self.path)
 
     def _bind(self, db: rocksdict.Rdict, shadow: weakref.finalize[[int], RocksDbEngine] | None) -> None:
         self._db, self._shadow, self._lease = db, shadow, Lease()
@@ -181,9 +167,10 @@ class RocksDbEngine(Engine):
         self._handles = {name: db.get_column_family_handle(name) for name in TABLES}
 
     def _unbind(self) -> tuple[Any, dict[str, rocksdict.Rdict], Any]:
-        """Takes the bound database, families and shadow off the engine (handles keep its LOCK: dropped too)."""
+        """Takes the bound database, families and shadow off the engine (handles keep its LOCK: dropped too); the
+        next open gets a lease of its own."""
         taken = (self._db, self._families, self._shadow)
-        self._db, self._families, self._handles, self._shadow = None, {}, {}, None
+        self._db, self._families, self._handles, self._shadow, self._lease = None, {}, {}, None, Lease()
         return taken
 
     def _release(self, taken: tuple[Any, dict[str, rocksdict.Rdict], Any] | None = None, *, failed: bool = False) -> None:
@@ -205,53 +192,35 @@ class RocksDbEngine(Engine):
                 shadow()
 
     def _recover(self) -> None:
-        """Reopens the database after a failed write, reads going on
-        meanwhile (module invariants). Call with the write lock held."""
-        if time.monotonic() < self._retry_at_s and _free_bytes(self.path) < self._retry_free_bytes + REOPEN_SPACE_BYTES:
-            raise TierError(f"RocksDB store at {self.path} cannot be reopened after a failed write (tried again once space "
-                            f"is freed, or {REOPEN_RETRY_S:g} s after the last try): {self._reopen_error}", hint=_DISK_HINT)
-        if not self._stand_in or self._db is None:
-            self._swap(self._readable(), stand_in=True)  # the failed database closes here, reads on the stand-in
-        try:
-            reopened = self._open()
-        except TierError as exc:
-            self._retry_at_s, self._retry_free_bytes, self._reopen_error = (
-                time.monotonic() + REOPEN_RETRY_S, _free_bytes(self.path), str(exc))
-            raise TierError(f"RocksDB store at {self.path} cannot be reopened after a failed write: {exc}",
-                            hint=_DISK_HINT) from exc
-        self._swap(reopened, stand_in=False)
-        self._failed, self._retry_at_s = False, 0.0
-        logger.info("ucm-db: reopened RocksDB store %s after a failed write", self.path)
+        """Reopens the database after a failed write, reads going on meanwhile (rocksdb_swap's invariants). Call
+        with the write lock held."""
+        self._recovery.recover(self._swap, lambda: self._open_read_only(TABLES), self._open)
+        self._failed = False
 
-    def _swap(self, new: tuple[rocksdict.Rdict, Any] | None, *, stand_in: bool) -> None:
-        """Binds ``new`` (None: reads fail) for the bound database, closed after, outside the reads' gate."""
-        with self._gate.exclusive():
-            old = self._unbind()
-            if new is not None:
+    def _swap(self, new: tuple[rocksdict.Rdict, Any] | None, failed: bool = False) -> Lease:
+        """Binds ``new`` (None: none, reads recover first) over the bound open, which its last read closes (at once
+        where none runs; ``failed``: its write failed, see :meth:`_release`): the old open's lease, returned."""
+        reason = "after a failed write" if self._failed else "after its reopen"
+        with self._commit_lock:  # bound over the old one: no moment without a database (``_recover_if_failed``)
+            lease, old = self._lease, (self._db, self._families, self._shadow)
+            if new is None:
+                self._unbind()
+            else:
                 self._bind(*new)
-            self._stand_in = stand_in
-        try:
-            self._release(old, failed=stand_in)
-        except Exception as exc:  # noqa: BLE001 - the reopen after says whether the store is usable
-            logger.warning("ucm-db: closing RocksDB store %s after a failed write: %s", self.path, exc)
+            self._unfrozen.clear()  # the old open's reads: no commit changes what they read
+
+            def release() -> None:
+                try:
+                    self._release(old, failed=failed)
+                except Exception as exc:  # noqa: BLE001 - run by a read or a swap: the new open is bound
+                    logger.warning("ucm-db: closing RocksDB store %s %s: %s", self.path, reason, exc)
+            run = lease.retire(release)
+        run()
+        return lease
 
     def _reopen(self) -> None:
         """The read-only store opened anew, its old open released by its last read (rocksdb_follow's invariants)."""
-        new = self._open_read_only(TABLES)
-        with self._commit_lock:  # bound over the old one: no moment without a database (``_recover_if_failed``)
-            lease, old = self._lease, (self._db, self._families, self._shadow)
-            self._bind(*new)
-            release = lease.retire(lambda: self._release(old))
-        release()
-
-    def _readable(self) -> tuple[rocksdict.Rdict, Any] | None:
-        """The store opened read-only (no file made: a disk still full), or None."""
-        try:
-            return self._open_read_only(TABLES)
-        except Exception as exc:  # noqa: BLE001 - reads then fail with the reopen's error until a reopen works
-            (logger.debug if self._stand_in else logger.warning)(  # warned once, not at every retry
-                "ucm-db: RocksDB store %s cannot be read either until it reopens: %s", self.path, exc)
-            return None
+        self._swap(self._open_read_only(TABLES))
 
     def _recover_if_failed(self, *, unreadable_only: bool = False) -> None:
         """Reopens a failed database (``unreadable_only``: only one that has

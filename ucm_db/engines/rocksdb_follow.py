@@ -134,15 +134,19 @@ class Follower:
 
 class Lease:
     """The reads in flight on one open of a store (its database, tables and
-    shadow). A reopen binds the new open at once and retires the old one:
-    released by its last read, or at once where none runs. A reopen never
-    waits for reads, nor a read for a reopen (a swap that waited for the
-    reads in flight held every new read behind the longest one: 233 ms at
-    p99 beside a 0.29 s walk). Counted under the engine's commit lock."""
+    shadow). A swap (a follower's reopen, a failed-write recovery) binds the
+    new open at once and retires the old one: released by its last read, or
+    at once where none runs. A swap never waits for reads, nor a read for a
+    swap (a swap that waited for the reads in flight held every new read
+    behind the longest one: 233 ms at p99 beside a 0.29 s walk). Counted
+    under the engine's commit lock; :attr:`released` is set once the
+    retired open's release has run (raised included), for a caller that
+    needs it closed (a writable open needs the failed one's ``LOCK``)."""
 
     def __init__(self) -> None:
         self._readers = 0
         self._release: Callable[[], None] | None = None
+        self.released = threading.Event()
 
     def enter(self) -> Lease:
         self._readers += 1
@@ -155,10 +159,16 @@ class Lease:
         return self._release if self._readers == 0 and self._release is not None else _nothing
 
     def retire(self, release: Callable[[], None]) -> Callable[[], None]:
-        """``release`` where no read is in flight (the caller runs it
-        outside the lock), else nothing: kept for the last read."""
-        self._release = release
-        return release if self._readers == 0 else _nothing
+        """``release`` (then :attr:`released` set) where no read is in
+        flight (the caller runs it outside the lock), else nothing: kept
+        for the last read."""
+        def run() -> None:
+            try:
+                release()
+            finally:
+                self.released.set()
+        self._release = run
+        return run if self._readers == 0 else _nothing
 
 
 def _nothing() -> None:
