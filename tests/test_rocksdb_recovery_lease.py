@@ -174,3 +174,30 @@ def test_without_a_stand_in_reads_wait_for_the_recovery_that_waits_for_the_long_
             assert got == [VALUE] and long.got == [VALUE] and opens == [True] and wrote == [None], (got, opens, wrote)
         finally:
             engine.close()
+
+
+def test_a_read_whose_open_is_swapped_out_after_its_check_waits_for_the_reopen(tmp_path: Path) -> None:
+    """The narrow race left by the gate's removal: a read checks for a bound
+    open, then a swap with no stand-in (a recovery whose read-only open
+    failed) unbinds it before the read takes it. The read checks again under
+    the commit lock and waits for the reopen; it never reads emptied tables
+    (``KeyError('blocks')``). The race is forced by doing the swap right
+    after the check on the read's own thread (the instance's check wrapped;
+    the swap is the engine's real one)."""
+    engine = RocksDbEngine(tmp_path / "rocksdb", sync=False)
+    try:
+        engine.write(lambda txn: txn.put("blocks", KEY, VALUE))
+        real_check, raced = engine._recover_if_failed, []
+
+        def check_then_swap_out(**kwargs):  # type: ignore[no-untyped-def]
+            real_check(**kwargs)
+            if not raced:
+                raced.append(True)
+                with engine._write_lock:
+                    engine._swap(None, failed=False).released.wait(STEP_S)  # nothing bound, as with no stand-in
+        engine._recover_if_failed = check_then_swap_out  # type: ignore[method-assign]
+        assert _read_key(engine)() == VALUE
+        assert raced and engine._db is not None  # the read reopened the store, then read it
+        assert _read_key(engine)() == VALUE
+    finally:
+        engine.close()

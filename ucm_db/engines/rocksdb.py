@@ -272,24 +272,28 @@ class RocksDbEngine(Engine):
 
     def read(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
-        self._recover_if_failed(unreadable_only=True)  # a reopen after a failed write left no handle
-        with self._gate.shared():
-            with self._commit_lock:  # every table at the same commit, the floors of that commit, that open's lease
-                families, floors, lease = self._families, self._floors, self._lease.enter()
-                point = ReadPoint(families, self._commit_lock)
-                self._unfrozen.add(point)
-            try:
-                return fn(RocksTxn(families, writable=False, floors=floors, point=point))
-            except Exception as exc:
-                if type(exc) is Exception:  # rocksdict's own: a table or blob file removed or damaged under the store
-                    raise TierError(f"RocksDB read of {self.path} failed: {exc}", hint="run `ucm-db verify --fix` on it") from exc
-                raise
-            finally:
-                with self._commit_lock:
-                    self._unfrozen.discard(point)
-                    release = lease.leave()
-                point.release()  # its snapshots keep the database open: none outlives its transaction
-                release()  # closes an open the follower replaced, after its last read
+        while True:
+            self._recover_if_failed(unreadable_only=True)  # a recovery left no open bound: waits for it (outside the gate)
+            with self._gate.shared():
+                with self._commit_lock:  # every table at the same commit, the floors of that commit, that open's lease
+                    if self._db is None:
+                        continue  # swapped out since the check above (a recovery with no stand-in): check again
+                    families, floors, lease = self._families, self._floors, self._lease.enter()
+                    point = ReadPoint(families, self._commit_lock)
+                    self._unfrozen.add(point)
+                try:
+                    return fn(RocksTxn(families, writable=False, floors=floors, point=point))
+                except Exception as exc:
+                    if type(exc) is Exception:  # rocksdict's own: a table or blob file removed or damaged under the store
+                        raise TierError(f"RocksDB read of {self.path} failed: {exc}",
+                                        hint="run `ucm-db verify --fix` on it") from exc
+                    raise
+                finally:
+                    with self._commit_lock:
+                        self._unfrozen.discard(point)
+                        release = lease.leave()
+                    point.release()  # its snapshots keep the database open: none outlives its transaction
+                    release()  # closes an open a swap replaced, after its last read
 
     def write(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]
         self._check()
