@@ -194,6 +194,7 @@ class RocksDbEngine(Engine):
     def _recover(self) -> None:
         """Reopens the database after a failed write, reads going on meanwhile (rocksdb_swap's invariants). Call
         with the write lock held."""
+        self._check()  # closed since the caller's check (close holds the write lock too): a closed engine never reopens
         self._recovery.recover(self._swap, lambda: self._open_read_only(TABLES), self._open)
         self._failed = False
 
@@ -213,7 +214,10 @@ class RocksDbEngine(Engine):
                 try:
                     self._release(old, failed=failed)
                 except Exception as exc:  # noqa: BLE001 - run by a read or a swap: the new open is bound
-                    logger.warning("ucm-db: closing RocksDB store %s %s: %s", self.path, reason, exc)
+                    # A failed open's close reports its write's error again ("Writer has previous error"); its
+                    # LOCK is freed all the same: not worth a warning beside the failed write's own.
+                    (logger.debug if failed else logger.warning)("ucm-db: closing RocksDB store %s %s: %s",
+                                                                 self.path, reason, exc)
             run = lease.retire(release)
         run()
         return lease
@@ -281,18 +285,20 @@ class RocksDbEngine(Engine):
                     families, floors, lease = self._families, self._floors, self._lease.enter()
                     point = ReadPoint(families, self._commit_lock)
                     self._unfrozen.add(point)
+                txn = RocksTxn(families, writable=False, floors=floors, point=point)
                 try:
-                    return fn(RocksTxn(families, writable=False, floors=floors, point=point))
+                    return fn(txn)
                 except Exception as exc:
                     if type(exc) is Exception:  # rocksdict's own: a table or blob file removed or damaged under the store
                         raise TierError(f"RocksDB read of {self.path} failed: {exc}",
                                         hint="run `ucm-db verify --fix` on it") from exc
                     raise
                 finally:
+                    txn.close_scans()  # scans, snapshots and iterators keep the database open (and its LOCK):
+                    point.release()  # none outlives its transaction, nor the lease the last read leaves
                     with self._commit_lock:
                         self._unfrozen.discard(point)
                         release = lease.leave()
-                    point.release()  # its snapshots keep the database open: none outlives its transaction
                     release()  # closes an open a swap replaced, after its last read
 
     def write(self, fn: Callable[[RocksTxn], T]) -> T:  # type: ignore[override]

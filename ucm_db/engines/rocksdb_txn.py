@@ -239,6 +239,15 @@ class RocksTxn:
         self.overlay: dict[str, dict[bytes, object]] = {name: {} for name in families}
         #: Per table, a key below which nothing is live (see RocksDbEngine).
         self.floors = floors
+        #: A read's scans, closed when it ends (:meth:`close_scans`): an iterator kept alive past the read (a
+        #: generator in a kept traceback) kept its database open and its ``LOCK`` held.
+        self._scans: list[Iterator[tuple[bytes, Buffer]]] = []
+
+    def close_scans(self) -> None:
+        """Closes every scan of this read transaction (their iterators dropped)."""
+        for scan in self._scans:
+            scan.close()  # type: ignore[attr-defined]
+        self._scans.clear()
 
     def get(self, table: str, key: bytes) -> Buffer | None:
         key = bytes(key)
@@ -282,6 +291,12 @@ class RocksTxn:
         return present
 
     def scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
+        scan = self._scan(table, prefix)
+        if self._point is not None:
+            self._scans.append(scan)
+        return scan
+
+    def _scan(self, table: str, prefix: bytes = b"") -> Iterator[tuple[bytes, Buffer]]:
         # The overlay is snapshotted at the start so callers may change the
         # table while they iterate (they see the state as of the call).
         start = max(prefix, self.floors.get(table, b""))
