@@ -103,6 +103,7 @@ def test_an_unchanged_store_is_not_opened_again_and_a_failed_reopen_keeps_readin
     names each open: the same one while the writer writes nothing, a new one
     after a commit; with no temp directory left, the reopen fails, is logged
     once, and reads go on from the open they had."""
+    monkeypatch.setattr(rocksdb_follow, "FOLLOW_S", 0.25)  # the reader's checks, 4 a second: the same steps, sooner
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))

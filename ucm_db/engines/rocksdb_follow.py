@@ -73,9 +73,9 @@ class Follower:
     changed it (module invariants). Make it before the store's first open,
     then :meth:`start` it."""
 
-    def __init__(self, path: Path, interval_s: float = FOLLOW_S) -> None:
+    def __init__(self, path: Path, interval_s: float | None = None) -> None:
         self._path = path
-        self._interval_s = interval_s
+        self._interval_s = FOLLOW_S if interval_s is None else interval_s  # read now: a test may shorten it
         self._seen = listing(path)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
