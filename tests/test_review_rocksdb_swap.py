@@ -47,8 +47,8 @@ import pytest
 
 from ucm_db.engines.rocksdb import RocksDbEngine
 from ucm_db.errors import ClosedError, LockedError, TierError
-from tests.reliability.harness import mounted_tmpfs
 from tests.reliability.test_faults import fill_leaving
+from tests.test_rocksdb_recovery_lease import _failed_engine, _in_thread, mount  # noqa: F401 - mount: the fixture
 
 KEY = b"acknowledged"
 VALUE = bytes(range(256)) * 1024  # 256 KiB: a blob file's value, as a KV block is
@@ -67,6 +67,22 @@ def _drop_leaked_open(engine: RocksDbEngine) -> None:
     """Releases what today's code leaves bound after the close (so one test's LOCK does not outlive it)."""
     if engine._db is not None:
         engine._release()
+
+
+def _close_after_first_check(engine: RocksDbEngine) -> list[bool]:
+    """Wraps the instance's ``_recover_if_failed``: the first call closes the
+    engine on another thread, then runs the real check (a read passed its
+    ``_check``; the close lands before its next step). Returns the marker
+    list (one entry once the close ran)."""
+    real_recover_if_failed, raced = engine._recover_if_failed, []
+
+    def closed_then_check(**kwargs):  # type: ignore[no-untyped-def]
+        if not raced:
+            raced.append(True)
+            _close_on_another_thread(engine)
+        return real_recover_if_failed(**kwargs)
+    engine._recover_if_failed = closed_then_check  # type: ignore[method-assign]
+    return raced
 
 
 def test_a_write_racing_close_does_not_reopen_the_closed_store(tmp_path: Path) -> None:
@@ -99,14 +115,7 @@ def test_a_read_racing_close_leaves_the_store_free_to_open_again(tmp_path: Path)
     path = tmp_path / "rocksdb"
     engine = RocksDbEngine(path, sync=False)
     engine.write(lambda txn: txn.put("blocks", KEY, VALUE))
-    real_recover_if_failed, raced = engine._recover_if_failed, []
-
-    def closed_then_check(**kwargs):  # type: ignore[no-untyped-def]
-        if not raced:  # the read passed its check (read()'s first line); the close lands before the next step
-            raced.append(True)
-            _close_on_another_thread(engine)
-        return real_recover_if_failed(**kwargs)
-    engine._recover_if_failed = closed_then_check  # type: ignore[method-assign]
+    _close_after_first_check(engine)
     with pytest.raises(ClosedError):
         engine.read(lambda txn: txn.get("blocks", KEY))
     try:
@@ -127,51 +136,12 @@ def test_a_read_racing_close_of_a_read_only_store_leaves_no_shadow(tmp_path: Pat
     shadows.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(shadows))  # this test's shadows only
     engine = RocksDbEngine(path, sync=False, read_only=True)
-    real_recover_if_failed, raced = engine._recover_if_failed, []
-
-    def closed_then_check(**kwargs):  # type: ignore[no-untyped-def]
-        if not raced:
-            raced.append(True)
-            _close_on_another_thread(engine)
-        return real_recover_if_failed(**kwargs)
-    engine._recover_if_failed = closed_then_check  # type: ignore[method-assign]
+    _close_after_first_check(engine)
     with pytest.raises(ClosedError):
         engine.read(lambda txn: txn.get("blocks", KEY))
     left = sorted(p.name for p in shadows.glob("ucm-db-rocksdb-ro-*"))
     _drop_leaked_open(engine)
     assert left == [], f"shadow directories left after close(): {left}"
-
-
-@pytest.fixture
-def mount(tmp_path: Path) -> Iterator[Path]:
-    with mounted_tmpfs(tmp_path / "tmpfs", 40) as mount_point:
-        yield mount_point
-
-
-def _failed_engine(mount: Path) -> tuple[RocksDbEngine, Path]:
-    """An engine holding ``KEY`` (and two more blocks) whose write then failed on the full disk, and the filler."""
-    engine = RocksDbEngine(mount / "rocksdb", sync=True)
-    for n in range(3):
-        engine.write(lambda txn, n=n: txn.put("blocks", KEY + b"-%d" % n, VALUE))  # type: ignore[misc]
-    filler = fill_leaving(mount, 0)
-    for n in range(40):
-        try:
-            engine.write(lambda txn, n=n: txn.put("blocks", b"full-%d" % n, VALUE))  # type: ignore[misc]
-        except TierError:
-            return engine, filler
-    engine.close()
-    raise AssertionError("no write failed on the full disk")
-
-
-def _in_thread(fn: Callable[[], object], out: list[object]) -> threading.Thread:
-    def run() -> None:
-        try:
-            out.append(fn())
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
-            out.append(exc)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_the_reopen_after_a_failed_write_is_not_locked_out_by_a_failed_reads_kept_scan(mount: Path) -> None:

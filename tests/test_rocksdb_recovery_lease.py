@@ -56,10 +56,11 @@ def _wait_for(check: Callable[[], bool], limit_s: float = STEP_S) -> bool:
     return True
 
 
-def _failed_engine(mount: Path) -> tuple[RocksDbEngine, Path]:
-    """An engine holding ``KEY`` whose write then failed on the full disk, and the filler file."""
+def _failed_engine(mount: Path, keys: tuple[bytes, ...] = (KEY,)) -> tuple[RocksDbEngine, Path]:
+    """An engine holding ``keys`` whose write then failed on the full disk, and the filler file."""
     engine = RocksDbEngine(mount / "rocksdb", sync=True)
-    engine.write(lambda txn: txn.put("blocks", KEY, VALUE))
+    for key in keys:
+        engine.write(lambda txn, key=key: txn.put("blocks", key, VALUE))  # type: ignore[misc]
     filler = fill_leaving(mount, 0)
     for n in range(40):
         try:
