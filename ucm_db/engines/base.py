@@ -34,6 +34,15 @@ T = TypeVar("T")
 
 #: Tables every local engine provides.
 TABLES = ("blocks", "heads", "meta", "lru", "children", "info", "quarantine", "uploads", "migrations")
+#: The table of the store's info records (its format version and settings among them): every ucm-db store has it.
+INFO = "info"
+NEVER_INITIALISED_HINT = "open it once without read_only (that completes it; nothing was stored in it), or check the path"
+
+
+def never_initialised(store: object) -> str:
+    """The message for a store whose creating open stopped before it recorded its format (read-only opens refuse it)."""
+    return (f"the store at {store} was never initialised: it records no format version (the open that created it "
+            "stopped early: a full disk, a killed process)")
 
 
 @dataclass(frozen=True, slots=True)

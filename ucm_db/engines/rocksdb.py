@@ -68,7 +68,7 @@ from typing import Any
 import rocksdict
 
 from ucm_db.errors import ClosedError, FormatVersionError, LockedError, TierError
-from ucm_db.engines.base import TABLES, Engine, T, tree_bytes
+from ucm_db.engines.base import INFO, NEVER_INITIALISED_HINT, TABLES, Engine, T, never_initialised, tree_bytes
 from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.engines.rocksdb_follow import Follower, Lease
 from ucm_db.engines.rocksdb_shadow import Shadow, open_pinned
@@ -241,6 +241,8 @@ class RocksDbEngine(Engine):
             if self._read_only:
                 existing = rocksdict.Rdict.list_cf(str(self.path), rocksdict.Options(raw_mode=True))
                 missing = sorted(set(TABLES) - set(existing))
+                if INFO in missing:  # every ucm-db store has it: the open that created this one stopped early
+                    raise TierError(never_initialised(self.path.parent), hint=NEVER_INITIALISED_HINT)
                 if missing:  # every writable open creates them all: an older ucm-db's store (format 2 had no heads)
                     raise FormatVersionError(
                         f"RocksDB store at {self.path} lacks tables {', '.join(missing)}: an older ucm-db wrote it",

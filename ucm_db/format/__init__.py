@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ucm_db.config import persisted_settings_problem
+from ucm_db.engines.base import NEVER_INITIALISED_HINT, never_initialised
 from ucm_db.errors import ConfigError, DamagedRecordError, FormatVersionError, TierError
 from ucm_db.format.engine_dirs import detect_engine  # noqa: F401 - re-exported: the one engine reader
 from ucm_db.format.names import (  # noqa: F401 - re-exported: the format's constants
@@ -240,7 +241,8 @@ _DAMAGED_HINT = "run `ucm-db verify` on the store; if it cannot repair it, move 
 def parse_format_version(raw: bytes | None) -> int:
     """The format version in an ``info/format_version`` record."""
     if raw is None:
-        raise ConfigError("the store records no format version", hint="it was never opened by ucm-db; check the path")
+        raise ConfigError("the store records no format version: it was never initialised (the open that created it "
+                          "stopped early: a full disk, a killed process) or is not a ucm-db store", hint=NEVER_INITIALISED_HINT)
     try:
         return int(bytes(raw))
     except ValueError:
@@ -313,8 +315,7 @@ def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: boo
     version = checked_format_version(txn)
     if version is None:
         if read_only:
-            raise TierError(f"the store at {path} was never initialised: it records no format version",
-                            hint="open it writable once, or check the path")
+            raise TierError(never_initialised(path), hint=NEVER_INITIALISED_HINT)
         write_new_store_records(txn, wanted)
         return STORE_FORMAT_VERSION, wanted
     try:

@@ -98,6 +98,39 @@ def ensure_env_dir(env_dir: Path) -> None:
         raise os_error("create the LMDB directory", env_dir, exc) from exc
 
 
+#: Free bytes an open needs on the disk to create LMDB's files, beside the lock file's reader slots: the data file's
+#: meta pages and the commits that create the tables and the store's records (a few pages), with room to spare.
+CREATE_FREE_BYTES = 1 << 20
+#: Bytes of one reader slot in LMDB's lock file (a cache line).
+READER_SLOT_BYTES = 64
+LOCK_FILE = "lock.mdb"
+
+
+def check_room_to_create(env_dir: Path, max_readers: int) -> None:
+    """Raises a TierError naming the full disk when an open would create
+    (or grow) LMDB's files with less than :data:`CREATE_FREE_BYTES` plus the
+    lock file's reader slots free. LMDB sizes a new lock file with
+    ``ftruncate`` (a sparse file) and writes it through its mapping: with no
+    page left the kernel kills the process with SIGBUS; with a few pages,
+    the data file's meta pages were cut short (a store every later open
+    refused as damaged) or its tables never committed. A disk filled by
+    someone else after this check can still do that."""
+    lock_bytes = READER_SLOT_BYTES * (max_readers + 2)
+    lock, data = env_dir / LOCK_FILE, env_dir / DATA_FILE
+    try:
+        creates = not data.exists() or not lock.exists() or lock.stat().st_size < lock_bytes
+        if not creates:
+            return
+        st = os.statvfs(env_dir)
+    except OSError:
+        return  # the open itself names what is wrong with the directory
+    free_bytes, needed_bytes = st.f_bavail * st.f_frsize, CREATE_FREE_BYTES + lock_bytes
+    if free_bytes < needed_bytes:
+        raise TierError(f"cannot create the LMDB store's files in {env_dir}: no space left on the device "
+                        f"({free_bytes} bytes free, {needed_bytes} needed)",
+                        hint="free space on that disk (nothing was written), or choose a store path on another disk")
+
+
 def damaged_hint(store: Path) -> str:
     return (f"run `ucm-db verify {store}` to see the damage, then move {store / ENV_DIR} aside or delete it "
             "(the store is a cache and starts empty)")

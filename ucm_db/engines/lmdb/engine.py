@@ -70,7 +70,8 @@ from ucm_db.engines.base import TABLES, Engine, T
 from ucm_db.engines.gate import SharedExclusiveGate
 from ucm_db.storelock import ensure_store_dir
 from ucm_db.engines.lmdb.checks import (
-    check_data_file, check_pages_at_open, ensure_env_dir, lmdb_error, lock_file_writable, recover_at_open,
+    check_data_file, check_pages_at_open, check_room_to_create, ensure_env_dir, lmdb_error, lock_file_writable,
+    recover_at_open,
 )
 from ucm_db.engines.lmdb.fence import check_proven
 from ucm_db.engines.lmdb.groupsync import RollbackReport, SnapshotPin, has_record, late_pin
@@ -81,7 +82,7 @@ from ucm_db.engines.lmdb.txn import LmdbTxn, lmdb_open
 from ucm_db.engines.lmdb import space
 from ucm_db.engines.lmdb.custody import Custody
 from ucm_db.engines.lmdb.recovery import RecoveryReport
-from ucm_db.engines.lmdb.tables import open_read_only, open_tables
+from ucm_db.engines.lmdb.tables import open_read_only_tables, open_tables
 
 _MAX_MAP_BYTES = 1 << 46
 
@@ -139,13 +140,13 @@ class LmdbEngine(Engine):
         self.prefault = None  # a forked child: the parent's thread is not here
         check_proven(self.path)  # before any rollback, rewrite or map (fence.py)
         if self.read_only:
-            self._env = self._open_read_only()
-            self._dbs = open_tables(self._env, self.path, create=False)
+            self._env, self._dbs = self._open_read_only()
             self._pid = os.getpid()
             self._start_prefault()
             return
         ensure_store_dir(self.path.parent)
         ensure_env_dir(self.path)
+        check_room_to_create(self.path, self._max_readers)  # a full disk: a TierError, not LMDB's SIGBUS
         # A store a group-durability process has used keeps a sync record,
         # which an open after an OS crash rolls back to: a sync writer
         # (maintenance, or a server opened with durability="sync") must keep
@@ -194,11 +195,11 @@ class LmdbEngine(Engine):
         self.prefault = Prefault(self.path / "data.mdb", self._txn_gate.shared)
         self.prefault.start()
 
-    def _open_read_only(self) -> lmdb.Environment:
-        """The environment opened ``MDB_RDONLY`` (:func:`open_read_only`), its pages checked first."""
+    def _open_read_only(self) -> tuple[lmdb.Environment, dict[str, Any]]:
+        """The environment opened ``MDB_RDONLY`` and its tables (:func:`open_read_only_tables`), pages checked first."""
         check_data_file(self.path)
         self._check_pages_once(lock=lock_file_writable(self.path))
-        return open_read_only(self.path, self._max_readers)
+        return open_read_only_tables(self.path, self._max_readers)
 
     def _check_pages_once(self, *, lock: bool) -> None:  # a damaged page: a TierError now, not a crash later
         recorded = self._custody.take_recorded()  # the file as the ledger vouches for it (custody.py): no walk
