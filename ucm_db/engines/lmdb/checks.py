@@ -108,7 +108,7 @@ LOCK_FILE = "lock.mdb"
 
 def check_room_to_create(env_dir: Path, max_readers: int) -> None:
     """Raises a TierError naming the full disk when an open would create
-    (or grow) LMDB's files with less than :data:`CREATE_FREE_BYTES` plus the
+    LMDB's files with less than :data:`CREATE_FREE_BYTES` plus the
     lock file's reader slots free. LMDB sizes a new lock file with
     ``ftruncate`` (a sparse file) and writes it through its mapping: with no
     page left the kernel kills the process with SIGBUS; with a few pages,
@@ -118,9 +118,8 @@ def check_room_to_create(env_dir: Path, max_readers: int) -> None:
     lock_bytes = READER_SLOT_BYTES * (max_readers + 2)
     lock, data = env_dir / LOCK_FILE, env_dir / DATA_FILE
     try:
-        creates = not data.exists() or not lock.exists() or lock.stat().st_size < lock_bytes
-        if not creates:
-            return
+        if data.exists() and lock.exists():  # nothing to create (a lock file LMDB would grow, for more readers, is
+            return                            # not checked: its size is LMDB's layout, not ours to guess)
         st = os.statvfs(env_dir)
     except OSError:
         return  # the open itself names what is wrong with the directory
