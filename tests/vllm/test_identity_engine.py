@@ -7,7 +7,8 @@ engine's; a restarted engine with nothing changed still hits.
 
 Engines (each a fork of the session's fork server, ``identity_helpers.py``
 as the job, but the hub model's, which need a new process; vLLM's engine
-core and worker in the job's process): a tiny random float32 Llama (2
+core and worker in the job's process; two at a time where neither needs
+anything of the other, ``Runner``): a tiny random float32 Llama (2
 layers, head size 64, weights spread wide enough that RoPE, adapters and
 weights show in the greedy tokens, ``save_pretrained``), token-id
 prompts of 100 tokens (3 whole blocks of 32: a hit is 96 tokens), prefix
@@ -89,19 +90,54 @@ def _spec(model: Path | str, store: Path | None, prompts: list[dict[str, Any]], 
     return spec
 
 
+#: Engine jobs side by side at most: the test host has 2 cores.
+MAX_JOBS = 2
+
+
 class Runner:
-    """Runs engines one after another, each a job of its own; keeps what each logged."""
+    """Runs engines, each a job of its own, one (``run(spec, name)``) or up to
+    :data:`MAX_JOBS` side by side (``run.many({name: spec})``); keeps what
+    each logged, in ``NN-name.log`` numbered in the order they started.
+
+    Side by side only engines that need nothing of each other: none reads
+    outputs another computes or a store another is still filling; on one
+    store at most one of them writes, into a namespace the others do not
+    read (so each hit count is the one-after-another run's)."""
 
     def __init__(self, work: Path) -> None:
         self.work = work
         self.count = 0
 
     def __call__(self, spec: dict[str, Any], name: str) -> dict[str, Any]:
-        self.count += 1
-        result = start_job(spec, self.work, f"{self.count:02d}-{name}").wait()
-        if "steps" not in result and "start_error" not in result:
-            result["hits"] = ucm_db_hits(result["log"])
-        return result
+        return self.many({name: spec})[name]
+
+    def many(self, specs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Starts every engine of ``specs`` and waits for all; their results by name."""
+        assert 0 < len(specs) <= MAX_JOBS, list(specs)
+        jobs: dict[str, Any] = {}
+        try:
+            for name, spec in specs.items():
+                self.count += 1
+                jobs[name] = start_job(spec, self.work, f"{self.count:02d}-{name}")
+        finally:
+            results = _wait_all(jobs)  # a failed start leaves no job running
+        for result in results.values():
+            if "steps" not in result and "start_error" not in result:
+                result["hits"] = ucm_db_hits(result["log"])
+        return results
+
+
+def _wait_all(jobs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every job's result; a job that failed raises, after the others ended."""
+    results, failure = {}, None
+    for name, job in jobs.items():
+        try:
+            results[name] = job.wait()
+        except Exception as exc:  # noqa: BLE001 - raised below, once no job of the group runs
+            failure = failure or exc
+    if failure is not None:
+        raise failure
+    return results
 
 
 def _outputs_and_hits(result: dict[str, Any]) -> tuple[list[list[int]], list[int]]:
@@ -138,19 +174,24 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     swap_before = (swap / "adapter_model.safetensors").read_bytes()
     write_lora(swap, seed=13)  # replaced at the same path, under the same name
     out["swap_changed"] = (swap / "adapter_model.safetensors").read_bytes() != swap_before
-    out["restarted"] = run(a(store, prompts), "restarted")
-    out["fresh"] = run(a(None, prompts), "fresh")
     changes = {
         "dtype": {"dtype": "bfloat16"},
         "hf_overrides": {"engine_kwargs": {"hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}}},
     }
-    for name, change in changes.items():
-        out[f"{name}_restarted"] = run(a(store, **change), f"{name}-restarted")
-        out[f"{name}_fresh"] = run(a(None, **change), f"{name}-fresh")
-    out["kv_cache_dtype_restarted"] = run(a(store, engine_kwargs={"kv_cache_dtype": "bfloat16"}),
-                                          "kv-cache-dtype-restarted")
-    out["max_model_len_restarted"] = run(a(store, max_model_len=256), "max-model-len-restarted")
-    # The checkpoint written again at the same path: same files and sizes, other weights.
+    # Two at a time from here (Runner): in each pair at most one engine
+    # writes S, into its own namespace (``restarted`` only the swapped
+    # adapter's chain), and each engine that must miss starts after every
+    # engine before it in the one-after-another order has ended;
+    # ``blocks_written`` counted the writer's blocks alone.
+    pairs = [{"restarted": a(store, prompts), "fresh": a(None, prompts)}]
+    pairs += [{f"{name}_restarted": a(store, **change), f"{name}_fresh": a(None, **change)}
+              for name, change in changes.items()]
+    pairs.append({"kv_cache_dtype_restarted": a(store, engine_kwargs={"kv_cache_dtype": "bfloat16"}),
+                  "max_model_len_restarted": a(store, max_model_len=256)})
+    for pair in pairs:
+        out.update(run.many(pair))
+    # Every engine of the model has ended: the checkpoint written again at
+    # the same path, same files and sizes, other weights.
     before = {f.name: f.read_bytes() for f in model.iterdir()}
     build_llama(model, seed=1)
     after = {f.name: f.read_bytes() for f in model.iterdir()}
@@ -158,8 +199,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                  "same_sizes": all(len(before[n]) == len(after[n]) for n in before),
                                  "weights_changed": before["model.safetensors"] != after["model.safetensors"],
                                  "config_same": before["config.json"] == after["config.json"]}
-    out["weights_restarted"] = run(a(store), "weights-restarted")
-    out["weights_fresh"] = run(a(None), "weights-fresh")
+    out.update(run.many({"weights_restarted": a(store), "weights_fresh": a(None)}))
     return out
 
 
@@ -237,13 +277,14 @@ def longrope(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run = Runner(work)
     model, store = build_llama(work / "model_d", seed=0, rope=LONGROPE), work / "store"
     prompts = [{"ids": P}]
-    return {
-        "writer": run(_spec(model, store, prompts, max_model_len=256), "writer"),
-        "same": run(_spec(model, store, prompts, max_model_len=256), "same"),
-        "longer": run(_spec(model, store, prompts, max_model_len=512), "longer"),
-        "short": run(_spec(model, store, prompts, max_model_len=128), "short"),
-        "short_fresh": run(_spec(model, work / "empty", prompts, fresh=True, max_model_len=128), "short-fresh"),
-    }
+    # Two at a time (Runner): the fresh engine needs no store's blocks; the
+    # restarted ones start once the writer has ended.
+    out = run.many({"writer": _spec(model, store, prompts, max_model_len=256),
+                    "short_fresh": _spec(model, work / "empty", prompts, fresh=True, max_model_len=128)})
+    out.update(run.many({"same": _spec(model, store, prompts, max_model_len=256),
+                         "longer": _spec(model, store, prompts, max_model_len=512)}))
+    out["short"] = run(_spec(model, store, prompts, max_model_len=128), "short")
+    return out
 
 
 @pytest.mark.vllm
@@ -325,10 +366,10 @@ def spec_decoding(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     writer = run(_spec(model, store, [{"ids": prompt}], **kwargs), "writer")
     longer = prompt + writer["outputs"][0] + _ids(8, 20)
     prompts = [{"ids": prompt}, {"ids": longer}]
-    restarted = run(_spec(model, store, prompts, **kwargs), "restarted")
-    plain = _spec(model, None, prompts, **kwargs)
-    return {"writer": writer, "restarted": restarted, "without_ucm_db": run(plain, "without-ucm-db"),
-            "longer_tokens": len(longer)}
+    # Side by side (Runner): the engine without ucm-db needs the writer's outputs, not a store.
+    out = run.many({"restarted": _spec(model, store, prompts, **kwargs),
+                    "without_ucm_db": _spec(model, None, prompts, **kwargs)})
+    return {"writer": writer, **out, "longer_tokens": len(longer)}
 
 
 @pytest.mark.vllm
@@ -371,8 +412,9 @@ def eagle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "disable_log_stats": False}}
     writer = run(_spec(target, store, prompts, **kwargs), "writer")
     prompts.append({"ids": prompts[0]["ids"] + writer["outputs"][0] + _ids(9, 20)})
-    return {"writer": writer, "restarted": run(_spec(target, store, prompts, **kwargs), "restarted"),
-            "plain": run(_spec(target, None, prompts, prefix_caching=True, **kwargs), "plain")}
+    # Side by side (Runner): both need the writer's outputs; only one a store.
+    return {"writer": writer, **run.many({"restarted": _spec(target, store, prompts, **kwargs),
+                                          "plain": _spec(target, None, prompts, prefix_caching=True, **kwargs)})}
 
 
 def _accepted(result: dict[str, Any]) -> tuple[float, float]:
@@ -411,9 +453,11 @@ def mtp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "speculative_config": {"method": "mtp", "model": str(model), "num_speculative_tokens": 1},
         "disable_log_stats": False}}
     store = work / "store"
-    return {"writer": run(_spec(model, store, prompts, **kwargs), "writer"),
-            "restarted": run(_spec(model, store, prompts, **kwargs), "restarted"),
-            "plain": run(_spec(model, None, prompts + prompts, prefix_caching=True, **kwargs), "plain")}
+    # Side by side (Runner): the engine without ucm-db needs nothing of the writer.
+    out = run.many({"writer": _spec(model, store, prompts, **kwargs),
+                    "plain": _spec(model, None, prompts + prompts, prefix_caching=True, **kwargs)})
+    out["restarted"] = run(_spec(model, store, prompts, **kwargs), "restarted")
+    return out
 
 
 @pytest.mark.vllm
@@ -441,15 +485,16 @@ def draft_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run = Runner(work)
     target, same, other = build_draft_models(work / "models")
     prompts = [{"ids": _ids(48, 160)}, {"ids": _ids(7, 300)}]
-    out: dict[str, Any] = {}
+    specs = {}
     for name, draft in (("same", same), ("other", other)):
         kwargs = {"max_tokens": 32, "metrics": True, "engine_kwargs": {
             "speculative_config": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
             "disable_log_stats": False}}
-        store = work / f"store-{name}"
-        out[name] = (run(_spec(target, store, prompts, **kwargs), f"{name}-writer"),
-                     run(_spec(target, store, prompts, **kwargs), f"{name}-restarted"))
-    return out
+        specs[name] = _spec(target, work / f"store-{name}", prompts, **kwargs)
+    # Side by side (Runner): the two drafts' engines, each on its own store.
+    writers = run.many({f"{name}-writer": spec for name, spec in specs.items()})
+    restarted = run.many({f"{name}-restarted": spec for name, spec in specs.items()})
+    return {name: (writers[f"{name}-writer"], restarted[f"{name}-restarted"]) for name in specs}
 
 
 @pytest.mark.vllm
