@@ -40,7 +40,6 @@ vLLM's scheduler after it is made is ``long_prefill_token_threshold``
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -50,21 +49,10 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from stand_in_engine import BS, VOCAB, StandInEngine, greedy, lose_unit, stored_blocks  # noqa: E402
+from stand_in_engine import BS, StandInEngine, greedy, lose_unit, stored_blocks  # noqa: E402
+from test_failed_load_leaves import PROMPT, _stored_prompt  # noqa: E402
 
-_RNG = random.Random(7)
-PROMPT = [_RNG.randrange(VOCAB) for _ in range(5 * BS + 3)]  # A: 5 whole blocks
-SHARER = PROMPT[:4 * BS] + [5, 6, 7]  # R2: A's first 4 blocks, then its own tokens
-
-
-def _stored_prefix(root: Path) -> Path:
-    """A first engine computed PROMPT's first 3 blocks and stored them."""
-    store = root / "store"
-    writer = StandInEngine(root, store)
-    writer.add("w", PROMPT[:3 * BS + 1], 4)
-    writer.run()
-    writer.close()
-    return store
+SHARER = PROMPT[:4 * BS] + [5, 6, 7]  # R2: A's (PROMPT's) first 4 blocks, then its own tokens
 
 
 def _lose_block_1_of_the_first_load(engine: StandInEngine) -> None:
@@ -81,7 +69,7 @@ def _shared_failed_load(root: Path, *, sharer_tokens: int, chunk_tokens: int = 0
                         load_mode: str = "block") -> tuple[Path, StandInEngine, dict[str, list[int]]]:
     """A and R2 admitted in one step, A's load failing as the module says;
     returns the store, the engine (closed) and the outputs."""
-    store = _stored_prefix(root)
+    store = _stored_prompt(root)  # PROMPT's first 3 blocks stored by a first engine
     engine = StandInEngine(root, store, extra={"load_mode": load_mode})
     engine.sched.scheduler_config.long_prefill_token_threshold = chunk_tokens
     _lose_block_1_of_the_first_load(engine)
