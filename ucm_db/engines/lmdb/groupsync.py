@@ -129,7 +129,7 @@ class SnapshotPin:
         self._boot = boot_id()
         self._lock = threading.Lock()
         self._pin: Any = None  # the read transaction of invariant 2
-        self._commits = 0      # this engine's commits so far
+        self._commits, self._committing = 0, False  # this engine's commits so far; one begun, not counted yet
         self._covered = 0      # of those, the ones in the snapshot last recorded or pinned
         self._durable_txnid = -1  # the newest record of this boot known durable
 
@@ -137,6 +137,7 @@ class SnapshotPin:
         """Pins, where no pin is held, before a commit (invariant 2): the
         newest snapshot, recorded first unless a durable record of this
         boot is at least as new. Raises as :meth:`sync`."""
+        self._committing = True  # visible to readers before it is counted: a sync meanwhile must not skip it
         if self._boot is None or self._pin is not None:
             return  # a pin held stays until this commit is done: it is ended only where none is under way
         with self._lock:
@@ -144,10 +145,9 @@ class SnapshotPin:
                 self._record(env)
 
     def committed(self) -> None:
-        """Counts a commit of this engine, after it committed, under the
-        engine's write lock (one at a time; a sync only reads the count:
-        commits never wait for a sync's fdatasync)."""
-        self._commits += 1
+        """Counts a commit of this engine, after it committed, under the engine's write lock (one at a time; a
+        sync only reads the count: commits never wait for a sync's fdatasync)."""
+        self._commits, self._committing = self._commits + 1, False
 
     def sync(self, env: lmdb.Environment) -> None:
         """Makes every commit of this engine durable and records (and pins)
@@ -167,7 +167,7 @@ class SnapshotPin:
             env.sync(True)  # nothing is recorded without a boot id (invariant 7)
             return
         with self._lock:
-            if self._commits != self._covered:
+            if self._commits != self._covered or self._committing:  # a commit readers see may not be counted yet
                 self._record(env)
 
     def release_if_idle(self) -> None:
