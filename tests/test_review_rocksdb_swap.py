@@ -64,7 +64,7 @@ def _close_on_another_thread(engine: RocksDbEngine) -> None:
 
 
 def _drop_leaked_open(engine: RocksDbEngine) -> None:
-    """Releases what today's code leaves bound after the close (so one test's LOCK does not outlive it)."""
+    """Releases an open a regression would leave bound after the close (so one test's LOCK does not outlive it)."""
     if engine._db is not None:
         engine._release()
 

@@ -151,6 +151,15 @@ class Engine(ABC):
         return None
 
 
+def free_bytes(path: str | Path) -> int | None:
+    """Bytes free to this user on ``path``'s file system; None if unknown."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def tree_bytes(path: str | Path) -> int:
     """Bytes of every file under ``path`` (one removed meanwhile by a
     compaction or a writer's deletion counts 0)."""

@@ -24,12 +24,12 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ucm_db.engines.base import free_bytes
 from ucm_db.errors import TierError
 from ucm_db.engines.rocksdb_follow import Lease
 
@@ -42,15 +42,6 @@ REOPEN_SPACE_BYTES = 1 << 20
 
 #: An open of the store (its database and what removes its shadow, or None).
 Opened = tuple[Any, Any]
-
-
-def free_bytes(path: Path) -> int:
-    """Bytes free to this user on ``path``'s file system (0 if unknown)."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
 
 
 class Recovery:
@@ -67,7 +58,7 @@ class Recovery:
         """Reopens the store writable after a failed write, with the engine's
         ``swap``(new, failed) and openers. Raises :class:`TierError` when the
         reopen fails or is not due again."""
-        if time.monotonic() < self._retry_at_s and free_bytes(self.path) < self._retry_free_bytes + REOPEN_SPACE_BYTES:
+        if time.monotonic() < self._retry_at_s and (free_bytes(self.path) or 0) < self._retry_free_bytes + REOPEN_SPACE_BYTES:
             raise TierError(f"RocksDB store at {self.path} cannot be reopened after a failed write (tried again once "
                             f"space is freed, or {REOPEN_RETRY_S:g} s after the last try): {self._error}",
                             hint=DISK_HINT)
@@ -79,7 +70,7 @@ class Recovery:
             reopened = open_writable()
         except TierError as exc:
             self._retry_at_s, self._retry_free_bytes, self._error = (
-                time.monotonic() + REOPEN_RETRY_S, free_bytes(self.path), str(exc))
+                time.monotonic() + REOPEN_RETRY_S, (free_bytes(self.path) or 0), str(exc))
             raise TierError(f"RocksDB store at {self.path} cannot be reopened after a failed write: {exc}",
                             hint=DISK_HINT) from exc
         swap(reopened, False)  # the stand-in's reads go on; it holds no LOCK: no wait

@@ -306,10 +306,10 @@ def settings_records_for_engine(raw: Buffer, engine_name: str) -> list[tuple[byt
     return [(SETTINGS_KEY, value), (SUM_PREFIX + SETTINGS_KEY, record_sum(SETTINGS_KEY, value))]
 
 
-def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: bool) -> tuple[int, dict[str, Any]]:
+def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: bool) -> tuple[int, dict[str, Any], bool]:
     """What :class:`~ucm_db.Store` reads of its info records when it opens
-    (in its one transaction): ``(format version, persisted settings)``. A
-    store without a format version is initialised with ``wanted``
+    (in its one transaction): ``(format version, persisted settings, created
+    now)``. A store without a format version is initialised with ``wanted``
     (:func:`write_new_store_records`); read-only, that is a
     :class:`TierError`, and a damaged settings record a :class:`DamagedRecordError`."""
     version = checked_format_version(txn)
@@ -317,7 +317,7 @@ def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: boo
         if read_only:
             raise TierError(never_initialised(path), hint=NEVER_INITIALISED_HINT)
         write_new_store_records(txn, wanted)
-        return STORE_FORMAT_VERSION, wanted
+        return STORE_FORMAT_VERSION, wanted, True
     try:
         settings = parse_settings(get_checked(txn, SETTINGS_KEY))
     except DamagedRecord:
@@ -325,4 +325,4 @@ def open_records(txn: Any, wanted: dict[str, Any], path: Path, *, read_only: boo
             f"the settings record of the store at {path} is damaged",
             hint=f"run `ucm-db verify {path}` for a full report; move the store aside to start a new one",
         ) from None
-    return parse_format_version(version), settings
+    return parse_format_version(version), settings, False

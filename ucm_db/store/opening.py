@@ -58,7 +58,7 @@ from ucm_db.remote.sealing import SealingKeys, load_sealing_keys
 from ucm_db.config import PERSISTED_FIELDS, StoreConfig
 from ucm_db.errors import ConfigError, TierError
 from ucm_db.format import (
-    check_format_version, check_persisted_settings, checked_format_version, detect_engine, engine_for_config,
+    check_format_version, check_persisted_settings, detect_engine, engine_for_config,
     engine_shape, open_records, seal_format_records,
 )
 from ucm_db.storelock import CreationLock, StoreLock, ensure_store_dir, hold_creation, hold_shared, sync_store_names
@@ -238,19 +238,14 @@ def adopt_settings(engine: Engine, config: StoreConfig, explicit: Mapping[str, A
     returns the config the store runs with (stored persisted settings win
     over omitted ones; a conflicting explicit one is a ConfigError)."""
     wanted = config.persisted()
-    created: list[bool] = []
-
-    def run(txn: Any) -> tuple[int, dict[str, Any]]:
-        created.append(checked_format_version(txn) is None)
-        return open_records(txn, wanted, path, read_only=config.read_only)
-
-    version, stored = (engine.read if config.read_only else engine.write)(run)
+    version, stored, created = (engine.read if config.read_only else engine.write)(
+        lambda txn: open_records(txn, wanted, path, read_only=config.read_only))
     check_format_version(version, path)
     check_persisted_settings(stored, path)
     if not config.read_only:
         # Records of older code get checksums; their counters are recounted first (issue 26 item 18).
         engine.write(lambda txn: seal_format_records(txn) + seal_records(txn))
-        if created[-1]:
+        if created:
             # A new store is durable once its open returns, whatever the durability: after an OS crash it is
             # this store, empty, never one without its format record (which a read-only open refuses).
             engine.sync()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import lmdb
 
+from ucm_db.engines.base import free_bytes
 from ucm_db.errors import DamagedPageError, TierError
 from ucm_db.storelock import ensure_store_dir, os_error
 from ucm_db.engines.lmdb.meta import check_file
@@ -117,16 +118,12 @@ def check_room_to_create(env_dir: Path, max_readers: int) -> None:
     someone else after this check can still do that."""
     lock_bytes = READER_SLOT_BYTES * (max_readers + 2)
     lock, data = env_dir / LOCK_FILE, env_dir / DATA_FILE
-    try:
-        if data.exists() and lock.exists():  # nothing to create (a lock file LMDB would grow, for more readers, is
-            return                            # not checked: its size is LMDB's layout, not ours to guess)
-        st = os.statvfs(env_dir)
-    except OSError:
-        return  # the open itself names what is wrong with the directory
-    free_bytes, needed_bytes = st.f_bavail * st.f_frsize, CREATE_FREE_BYTES + lock_bytes
-    if free_bytes < needed_bytes:
+    if data.exists() and lock.exists():  # nothing to create (a lock file LMDB would grow, for more readers, is
+        return                            # not checked: its size is LMDB's layout, not ours to guess)
+    free, needed_bytes = free_bytes(env_dir), CREATE_FREE_BYTES + lock_bytes
+    if free is not None and free < needed_bytes:  # unknown: the open itself names what is wrong there
         raise TierError(f"cannot create the LMDB store's files in {env_dir}: no space left on the device "
-                        f"({free_bytes} bytes free, {needed_bytes} needed)",
+                        f"({free} bytes free, {needed_bytes} needed)",
                         hint="free space on that disk (nothing was written), or choose a store path on another disk")
 
 
