@@ -34,7 +34,7 @@ ns = Namespace(model="reliability-suite", kv_dtype="bfloat16", block_size=4)
 store = ucm_db.open(sys.argv[1], durability="group", codec="none", capacity_bytes=4 << 20, sync_interval_s=0.1)
 store.put(ns, ns.block_keys(list(range(999_000, 999_016))), [os.urandom(64 << 10)] * 4)
 store.flush()
-open(sys.argv[2], "w").write("1")
+open(sys.argv[2] + ".new", "w").write("1"); os.replace(sys.argv[2] + ".new", sys.argv[2])
 while True:
     signal.pause()
 """
@@ -88,7 +88,7 @@ def test_a_process_stopped_holding_the_sync_record_does_not_wedge_the_writers(tm
 
 #: A maintenance view held open in another process, as by a follower stopped inside one.
 VIEW = """
-import sys, time
+import os, sys, time
 from ucm_db.errors import TierError
 from ucm_db.store.view import open_view
 with open_view(sys.argv[1]) as view:
@@ -97,7 +97,7 @@ with open_view(sys.argv[1]) as view:
         refused = "wrote"
     except TierError:
         refused = "refused"
-    open(sys.argv[2], "w").write(f"{view.tier.totals().blocks} {refused}")
+    open(sys.argv[2] + ".new", "w").write(f"{view.tier.totals().blocks} {refused}"); os.replace(sys.argv[2] + ".new", sys.argv[2])
     time.sleep(600)
 """
 

@@ -48,12 +48,12 @@ OPTIONS = {"codec": "none", "durability": "group", "capacity_bytes": CAPACITY_BY
 #: A router: opens the store as ``ucm_db.open(path)`` does (writable, the store's group durability),
 #: says so, and polls the change feed. argv: path, ready file, sync_interval_s.
 ROUTER = """
-import sys, time
+import os, sys, time
 import ucm_db
 with ucm_db.open(sys.argv[1], sync_interval_s=float(sys.argv[3])) as store:
     seq = store.feed_position()
     store.changes_since(seq)
-    open(sys.argv[2], "w").write("1")
+    open(sys.argv[2] + ".new", "w").write("1"); os.replace(sys.argv[2] + ".new", sys.argv[2])
     while True:
         store.changes_since(seq)
         time.sleep(0.02)
@@ -69,7 +69,7 @@ store = ucm_db.open(sys.argv[1], sync_interval_s=3600.0)
 store.put(ns, ns.block_keys(list(range(999_000, 999_016))), [os.urandom(64 << 10)] * 4)
 if sys.argv[3] != "noflush":
     store.flush()
-open(sys.argv[2], "w").write("1")
+open(sys.argv[2] + ".new", "w").write("1"); os.replace(sys.argv[2] + ".new", sys.argv[2])
 while True:
     signal.pause()
 """

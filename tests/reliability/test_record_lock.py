@@ -52,12 +52,12 @@ STOPS = 12
 
 #: A put+flush loop (a producer's step, a pin- or bump-heavy tool). argv: path, ready file.
 FLUSHER = """
-import sys
+import os, sys
 import ucm_db
 from ucm_db.keys import Namespace
 ns = Namespace(model="reliability-suite", kv_dtype="bfloat16", block_size=4)
 with ucm_db.open(sys.argv[1], sync_interval_s=0.05) as store:
-    open(sys.argv[2], "w").write("1")
+    open(sys.argv[2] + ".new", "w").write("1"); os.replace(sys.argv[2] + ".new", sys.argv[2])
     i = 0
     while True:
         store.put(ns, ns.block_keys(list(range(10**8 + i, 10**8 + i + 4))), [b"f" * 4096])
@@ -71,7 +71,7 @@ HOLDER = """
 import fcntl, os, signal, sys
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
 fcntl.flock(fd, fcntl.LOCK_EX)
-open(sys.argv[2], "w").write("1")
+open(sys.argv[2] + ".new", "w").write("1"); os.replace(sys.argv[2] + ".new", sys.argv[2])
 os.kill(os.getpid(), signal.SIGSTOP)
 """
 
