@@ -33,6 +33,11 @@ Invariants:
       back in ``void_saves``: every worker deletes the units its writer
       stored for it (behind its earlier saves, so the delete follows the
       commit; never units stored before it, connector/worker/voids.py).
+    * ``stale_reads`` names the blocks of vLLM's KV cache still stale after
+      a failed load that a request of the step reads: every worker reports
+      them as failed loads, so vLLM rewinds that request and skips its
+      output of the step, whose saves are not planned
+      (connector/scheduler/stale_blocks.py).
     * ``preempted`` names the requests vLLM preempted since the last step
       (its blocks freed): a worker's ``handle_preemptions`` drops their saves
       not yet copied out (connector/worker/preemptions.py); the scheduler rewinds
@@ -104,10 +109,12 @@ class UcmDbConnectorMetadata(KVConnectorMetadata):
     namespace: bytes = b""  # the scheduler's namespace id: a worker of another namespace neither loads nor saves
     namespace_inputs: str = ""  # its inputs (identity.namespace_inputs): a worker may adopt them (schedulers_namespace)
     unloadable: tuple[str, ...] = ()  # requests whose claimed load has no transfer: reported failed (recomputed)
+    stale_reads: tuple[int, ...] = ()  # stale blocks a request of the step reads: reported as invalid (stale_blocks.py)
 
     @property
     def empty(self) -> bool:
         return not (self.loads or self.saves or self.async_loads or self.void_saves or self.held_commits or self.held_drops
+                    or self.stale_reads
                     or any(not group.empty for group in self.groups))
 
 

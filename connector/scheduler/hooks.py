@@ -316,7 +316,8 @@ class UcmDbScheduler:
         its loads and the saves over them (settlement.py), then feeds the
         cost model its load timings and prefill sample (planner.py)."""
         step = worker_meta.step if isinstance(worker_meta, UcmDbWorkerMetadata) else None
-        invalid = invalid_block_ids or set()
+        verdict = self._planner.stale.output_back(step)  # stale KV the step read: its own reports (stale_blocks.py)
+        invalid = (invalid_block_ids or set()) - set(verdict.stale_reads)  # the failed loads
         if invalid:  # an async load that failed: vLLM recomputes from its first invalid block
             for req_id, state in self._requests.items():
                 if invalid.intersection(state.async_block_ids):
@@ -325,7 +326,11 @@ class UcmDbScheduler:
                     if self._async_always:  # its later claims are async too: none reaches the failed block again
                         state.claim_limit = state.request.num_computed_tokens // self._block_size
         # Before settling: the tables recorded for the steps it settles (settlement.py).
-        forget_failed_blocks(self.kv_cache_manager, self._settlement.tables(), self._requests, self._group, invalid)
+        stale = forget_failed_blocks(self.kv_cache_manager, self._settlement.tables(), self._requests, self._group, invalid)
+        self._planner.stale.went_stale(stale)
+        forget_failed_blocks(self.kv_cache_manager, (), self._requests, self._group, set(verdict.stale_reads))
+        for req_id in verdict.tainted:  # vLLM rewound them, or dropped the step's tokens: saves restart there
+            self.rewind(req_id, None)
         self._settlement.settle(step, invalid, self.rewind)  # a voided committed save: its workers count it (voids.py)
         if isinstance(worker_meta, UcmDbWorkerMetadata):
             self._planner.observe_output(worker_meta)

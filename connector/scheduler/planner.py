@@ -21,6 +21,10 @@ Invariants:
       back) and is settled by :mod:`ucm_db.connector.scheduler.settlement`,
       which also keeps the block tables of the requests a step computes over
       such loads, whatever their role (their blocks go stale if one failed).
+    * A request that would compute over stale KV this step (a failed load's
+      block it shares, still stale: stale_blocks.py) saves nothing in it, and
+      the step's ``stale_reads`` name the stale blocks it reads, for the
+      workers to report so vLLM rewinds it.
     * A request whose key chain is of an older epoch than the namespace's
       (a reset since its lookup) saves nothing more; nor does one whose
       controls say ``save: false``. Admission
@@ -48,6 +52,7 @@ from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, Ucm
 from ucm_db.connector.request_controls import SAVE_ALWAYS, Admission
 from ucm_db.connector.scheduler.request_state import RequestState
 from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS, SaveSettlement
+from ucm_db.connector.scheduler.stale_blocks import Scheduled, StaleBlocks, StepVerdict
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -76,6 +81,8 @@ class StepPlanner:
         self._async_plans: list[BlockTransfer] = []  # planned at allocation, for the next step's metadata
         #: vLLM's KV cache manager, where the scheduler output carries no block state (set by the connector).
         self.kv_cache_manager: Any = None
+        #: Blocks whose KV went stale (a failed load's, shared), until written again: stale_blocks.py.
+        self.stale = StaleBlocks(block_size)
 
     def plan_step(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput, saves: bool) -> None:
         """Numbers the step and fills ``meta``'s loads, async loads, saves
@@ -97,9 +104,35 @@ class StepPlanner:
         if loaded:  # what this step computes over them goes stale if one failed (settlement.forget_failed_blocks)
             tables = [self._block_ids(scheduler_output, req_id) or [] for req_id in scheduler_output.num_scheduled_tokens]
             self._settlement.record_tables(meta.step, [table for table in tables if loaded.intersection(table)])
+        tainted = self._stale_reads(meta, scheduler_output, others).tainted
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items() if saves else ():
-            self._plan_save(meta, scheduler_output, req_id, num_tokens, loaded)
+            if req_id not in tainted:  # one computing over stale KV: its blocks are wrong (stale_blocks.py)
+                self._plan_save(meta, scheduler_output, req_id, num_tokens, loaded)
         self._settlement.take_verdicts(meta)
+
+    def _stale_reads(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput,
+                     others: Sequence[tuple[str, tuple[int, ...]]]) -> StepVerdict:
+        """The step's verdict over stale KV (stale_blocks.py); puts the
+        blocks its tainted requests read in ``meta.stale_reads``. Nothing is
+        computed while no block is stale."""
+        if self.stale.empty:
+            return StepVerdict()
+        if any(step != meta.step and planned[1] for step, planned in self._pending_steps.items()):
+            self.stale.clear()  # a step computes whose output is not back (a batch queue): vLLM's handling alone
+            return StepVerdict()
+        pool = getattr(self.kv_cache_manager, "block_pool", None)
+        if pool is not None:  # a freed block's next holder writes it before anyone reads it
+            self.stale.forget_freed(lambda block_id: pool.blocks[block_id].ref_cnt == 0)
+        scheduled = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            state, table = self._requests.get(req_id), self._block_ids(scheduler_output, req_id)
+            if state is not None and table is not None:
+                computed = state.request.num_computed_tokens  # before the step: vLLM advances it after planning
+                scheduled.append(Scheduled(req_id, table, computed, min(computed + num_tokens, state.request.num_tokens)))
+        loaded = [b for transfer in meta.loads for b in transfer.block_ids] + [b for _, ids in others for b in ids]
+        verdict = self.stale.plan(meta.step, scheduled, loaded)
+        meta.stale_reads = verdict.stale_reads
+        return verdict
 
     def plan_async_load(self, state: RequestState, req_id: str, block_ids: Sequence[int], end: int) -> tuple[int, ...]:
         """Plans the request's async load (for the next step's metadata);

@@ -313,7 +313,7 @@ class SaveSettlement:
 
 
 def forget_failed_blocks(kv_cache_manager: Any, recorded: Iterable[Sequence[int]], req_ids: Iterable[str], group: int,
-                         invalid: set[int]) -> int:
+                         invalid: set[int]) -> set[int]:
     """Evicts from vLLM's prefix cache every failed block and, of each block
     table holding one, every block after it (module invariants): the tables
     ``recorded`` as the steps were planned and those the requests ``req_ids``
@@ -321,9 +321,10 @@ def forget_failed_blocks(kv_cache_manager: Any, recorded: Iterable[Sequence[int]
     ``kv_load_failure_policy: "fail"`` does for the requests it runs. The
     blocks stay allocated to whoever holds them; one given to another request
     since loses its hash too (a lost local hit, never wrong KV). Returns the
-    blocks named (those vLLM had not hashed are left as they are)."""
+    blocks named, stale from their first slot (those vLLM had not hashed
+    keep no hash to evict)."""
     if kv_cache_manager is None or not invalid:
-        return 0
+        return set()
     stale = set(invalid)
     held = (kv_cache_manager.get_block_ids(req_id)[group] for req_id in req_ids)
     for block_ids in itertools.chain(recorded, held):
@@ -331,4 +332,4 @@ def forget_failed_blocks(kv_cache_manager: Any, recorded: Iterable[Sequence[int]
         if first is not None:
             stale.update(block_ids[first:])
     kv_cache_manager.evict_blocks(stale)
-    return len(stale)
+    return stale

@@ -23,6 +23,8 @@ Invariants:
       only if all of this rank's units of it do. Every failed block counts in
       ``load_errors`` (a load that raised: all of its blocks); the warning is
       logged at most once a minute (a store that fails every read fails every step).
+      The step's ``stale_reads`` (blocks the scheduler found stale and read
+      by a request of the step) are reported with them, and counted in neither.
     * The blocks this worker failed to load in its last
       :data:`FAILED_STEPS_KEPT` steps stay known (:meth:`WorkerLoads.recent_failures`):
       a save computed over one is dropped (worker.py).
@@ -128,6 +130,7 @@ class WorkerLoads:
         self._step = meta.step
         with self._errors_lock:
             self._recent_failed.append(set())
+            self._load_errors.update(meta.stale_reads)  # stale KV a request of the step reads (scheduler/stale_blocks.py)
         if (meta.async_loads or meta.loads) and self._layout is not None:
             # Another thread's writes into the KV caches wait for what the model's stream holds now (layouts.mark).
             self._handed_over = self._layout.mark()

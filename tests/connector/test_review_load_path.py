@@ -1,6 +1,6 @@
-"""Review of the connector's load path (2026-12-06): a wrong-KV defect
-found and NOT fixed yet, pinned by strict xfails that flip to failures once
-it is (docs/connector.md names it and its workaround, ``load_mode: "async"``).
+"""Review of the connector's load path (2026-12-06): a wrong-KV defect,
+fixed by connector/scheduler/stale_blocks.py (these tests were strict xfails
+until then; docs/connector.md).
 
 Finding: a failed *synchronous* load of a block that another request shares
 in the same step leaves that request computing over the stale block.
@@ -23,10 +23,13 @@ same forward pass as R2's next tokens, or before. It does not when:
 * A leaves before it recomputes them (the client's abort, taken between the
   failed step's output and the next step).
 
-R2's output is then wrong for good (vLLM hears of no further failure), and
-ucm-db stores the KV R2 computes over the stale blocks under R2's keys: a
+R2's output was then wrong for good (vLLM heard of no further failure), and
+ucm-db stored the KV R2 computed over the stale blocks under R2's keys: a
 wrong block served as a hit to every engine on the store (a chat's next turn
-sends R2's answer back as its prefix). With ``load_mode: "async"`` vLLM
+sends R2's answer back as its prefix). Now the scheduler follows the stale
+blocks slot by slot until they are written again, and has vLLM rewind R2
+(the workers report the stale blocks R2 reads) and saves nothing R2 computed
+over them. With ``load_mode: "async"`` vLLM
 caches a claim's blocks only once its load succeeded, so nobody shares them
 and the same run is right (the control test below, which passes).
 
@@ -95,26 +98,22 @@ def _shared_failed_load(root: Path, *, sharer_tokens: int, chunk_tokens: int = 0
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=True, reason="a request sharing a failed sync load's block computes over the stale block "
-                                       "when the loader's recompute is chunked (long_prefill_token_threshold): wrong output")
 def test_a_request_sharing_a_failed_sync_load_never_computes_over_the_stale_block(tmp_path: Path) -> None:
-    _, _, outputs = _shared_failed_load(tmp_path, sharer_tokens=20, chunk_tokens=16)
+    _, engine, outputs = _shared_failed_load(tmp_path, sharer_tokens=20, chunk_tokens=16)
     assert outputs["A"] == greedy(PROMPT, 20)
     assert outputs["R2"] == greedy(SHARER, 20)
+    reports = [so.kv_connector_metadata.stale_reads for so in engine.scheduled if so.kv_connector_metadata.stale_reads]
+    assert reports, "R2 was never found reading the stale blocks: the scenario did not happen"
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=True, reason="the KV a request computed over a shared failed sync load is stored under its "
-                                       "keys: a wrong block served as a hit to every engine on the store")
 def test_no_block_computed_over_a_shared_failed_sync_load_is_stored(tmp_path: Path) -> None:
     store, _, outputs = _shared_failed_load(tmp_path, sharer_tokens=60, chunk_tokens=16)
     _, wrong = stored_blocks(tmp_path, store, SHARER + outputs["R2"])
-    assert wrong == []  # today: [4], the block R2 completed over the stale blocks 1-2
+    assert wrong == []  # before the fix: [4], the block R2 completed over the stale blocks 1-2
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=True, reason="the loader aborted after its failed sync load was reported, the request that "
-                                       "shares the failed blocks keeps them as computed: wrong output")
 def test_a_sharer_of_a_failed_sync_load_whose_loader_is_aborted_computes_no_stale_kv(tmp_path: Path) -> None:
     _, _, outputs = _shared_failed_load(tmp_path, sharer_tokens=20, abort_loader=True)
     assert outputs["R2"] == greedy(SHARER, 20)
