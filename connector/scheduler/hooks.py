@@ -317,7 +317,7 @@ class UcmDbScheduler:
         cost model its load timings and prefill sample (planner.py)."""
         step = worker_meta.step if isinstance(worker_meta, UcmDbWorkerMetadata) else None
         verdict = self._planner.stale.output_back(step)  # stale KV the step read: its own reports (stale_blocks.py)
-        invalid = (invalid_block_ids or set()) - set(verdict.stale_reads)  # the failed loads
+        invalid = (invalid_block_ids or set()).difference(verdict.stale_reads)  # the failed loads
         if invalid:  # an async load that failed: vLLM recomputes from its first invalid block
             for req_id, state in self._requests.items():
                 if invalid.intersection(state.async_block_ids):
@@ -328,9 +328,10 @@ class UcmDbScheduler:
         # Before settling: the tables recorded for the steps it settles (settlement.py).
         stale = forget_failed_blocks(self.kv_cache_manager, self._settlement.tables(), self._requests, self._group, invalid)
         self._planner.stale.went_stale(stale)
-        forget_failed_blocks(self.kv_cache_manager, (), self._requests, self._group, set(verdict.stale_reads))
-        for req_id in verdict.tainted:  # vLLM rewound them, or dropped the step's tokens: saves restart there
-            self.rewind(req_id, None)
+        if verdict.tainted:  # vLLM rewound them, or dropped the step's tokens: saves restart there
+            forget_failed_blocks(self.kv_cache_manager, (), self._requests, self._group, set(verdict.stale_reads))
+            for req_id in verdict.tainted:
+                self.rewind(req_id, None)
         self._settlement.settle(step, invalid, self.rewind)  # a voided committed save: its workers count it (voids.py)
         if isinstance(worker_meta, UcmDbWorkerMetadata):
             self._planner.observe_output(worker_meta)

@@ -52,7 +52,7 @@ from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, Ucm
 from ucm_db.connector.request_controls import SAVE_ALWAYS, Admission
 from ucm_db.connector.scheduler.request_state import RequestState
 from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS, SaveSettlement
-from ucm_db.connector.scheduler.stale_blocks import Scheduled, StaleBlocks, StepVerdict
+from ucm_db.connector.scheduler.stale_blocks import CLEAN_STEP, Scheduled, StaleBlocks, StepVerdict
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -116,10 +116,10 @@ class StepPlanner:
         blocks its tainted requests read in ``meta.stale_reads``. Nothing is
         computed while no block is stale."""
         if self.stale.empty:
-            return StepVerdict()
+            return CLEAN_STEP
         if any(step != meta.step and planned[1] for step, planned in self._pending_steps.items()):
             self.stale.clear()  # a step computes whose output is not back (a batch queue): vLLM's handling alone
-            return StepVerdict()
+            return CLEAN_STEP
         pool = getattr(self.kv_cache_manager, "block_pool", None)
         if pool is not None:  # a freed block's next holder writes it before anyone reads it
             self.stale.forget_freed(lambda block_id: pool.blocks[block_id].ref_cnt == 0)

@@ -77,6 +77,10 @@ class StepVerdict:
     tainted: frozenset[str] = frozenset()
 
 
+#: The verdict of a step that reads nothing stale (every step while no block is stale).
+CLEAN_STEP = StepVerdict()
+
+
 class StaleBlocks:
     """The stale blocks of one KV cache group and the verdicts of the steps in flight."""
 
@@ -108,7 +112,7 @@ class StaleBlocks:
         for block_id in loaded:
             self._clean_slots.pop(block_id, None)
         if not self._clean_slots:
-            return StepVerdict()
+            return CLEAN_STEP
         clean = self._clean_slots
         undecided = [part for part in scheduled if self._holds_stale(part)]
         progress = True
@@ -133,7 +137,7 @@ class StaleBlocks:
 
     def output_back(self, step: int | None) -> StepVerdict:
         """The verdict of step ``step``, whose output is back (forgotten here)."""
-        return self._verdicts.pop(step, StepVerdict()) if step is not None else StepVerdict()
+        return self._verdicts.pop(step, CLEAN_STEP) if step is not None else CLEAN_STEP
 
     def _holds_stale(self, part: Scheduled) -> bool:
         end_block = -(-part.written_end // self._block_size)
