@@ -94,6 +94,7 @@ from ucm_db.connector.roles import PublicationWaits, RolePolicy, store_fingerpri
 from ucm_db.connector.scheduler.publications import Publications
 from ucm_db.connector.settings import ConnectorSettings
 from ucm_db.connector.scheduler.settlement import SaveSettlement, forget_failed_blocks
+from ucm_db.connector.scheduler.stale_blocks import recompute_stale_reads
 from ucm_db.connector.stores import acquire, refuse_older_generations, release
 from ucm_db.errors import UcmDbError
 from ucm_db.keys import BlockKeys, Namespace
@@ -330,7 +331,9 @@ class UcmDbScheduler:
         self._planner.stale.went_stale(stale)
         if verdict.tainted:  # vLLM rewound them, or dropped the step's tokens: saves restart there
             forget_failed_blocks(self.kv_cache_manager, (), self._requests, self._group, set(verdict.stale_reads))
-            for req_id in verdict.tainted:
+            for req_id in verdict.tainted:  # each recomputes from the first stale block it holds
+                if (state := self._requests.get(req_id)) is not None:
+                    recompute_stale_reads(state.request, self._planner.block_table(req_id), verdict.stale_reads, self._block_size)
                 self.rewind(req_id, None)
         self._settlement.settle(step, invalid, self.rewind)  # a voided committed save: its workers count it (voids.py)
         if isinstance(worker_meta, UcmDbWorkerMetadata):

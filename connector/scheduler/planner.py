@@ -195,6 +195,12 @@ class StepPlanner:
         state.saved_blocks = end
         state.committed_blocks = max(state.committed_blocks, end)  # a producer's, committed within the step
 
+    def block_table(self, req_id: str) -> list[int] | None:
+        """The request's block table now (vLLM's KV cache manager; None without one)."""
+        if self.kv_cache_manager is None:
+            return None
+        return list(self.kv_cache_manager.get_block_ids(req_id)[self._group])
+
     def _block_ids(self, scheduler_output: SchedulerOutput, req_id: str) -> list[int] | None:
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         if block_state is not None:

@@ -41,7 +41,9 @@ Invariants:
       (``invalid_block_ids``), so vLLM skips the tainted requests' output
       of the step and rewinds them (each to its first stale block, or back
       to its computed tokens where another request is rewound to write
-      it); the scheduler then rewinds their save marks (hooks.py). A
+      it); the scheduler then rewinds each of them that still counts a
+      stale block it read as computed to that block's first token
+      (:func:`recompute_stale_reads`), and their save marks (hooks.py). A
       request holding such a block without reading a stale slot may be
       rewound too (vLLM rewinds by blocks): that costs a recompute, never
       wrong KV, and the next step it no longer counts the block as computed.
@@ -51,8 +53,9 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 #: Steps whose verdicts are kept awaiting their output (sync scheduling: one; a pipeline's batch queue: a few).
@@ -168,3 +171,17 @@ class StaleBlocks:
                 self._clean_slots[block_id] = max(slots, end)
             elif not right:
                 self._clean_slots[block_id] = min(size if slots is None else slots, start)
+
+
+def recompute_stale_reads(request: Any, block_ids: Sequence[int] | None, stale_reads: Collection[int], block_size: int) -> None:
+    """Moves a tainted request's computed tokens (vLLM's ``Request``) back
+    to the first token of the first block of ``block_ids`` among
+    ``stale_reads``, where it still counts one as computed. vLLM rewinds
+    only the first request holding a reported block: one left counting it
+    would read it again, and be reported again, at every step another
+    request rewrites it in chunks, each report rewinding that writer too,
+    and none would finish. Nothing where it holds none (preempted, or
+    rewound before them)."""
+    first = next((index for index, block_id in enumerate(block_ids or ()) if block_id in stale_reads), None)
+    if first is not None and request.num_computed_tokens > first * block_size:
+        request.num_computed_tokens = first * block_size
