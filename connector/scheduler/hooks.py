@@ -330,7 +330,7 @@ class UcmDbScheduler:
         stale = forget_failed_blocks(self.kv_cache_manager, self._settlement.tables(), self._requests, self._group, invalid)
         self._planner.stale.went_stale(stale)
         if verdict.tainted:  # vLLM rewound them, or dropped the step's tokens: saves restart there
-            forget_failed_blocks(self.kv_cache_manager, (), self._requests, self._group, set(verdict.stale_reads))
+            forget_failed_blocks(self.kv_cache_manager, verdict.tables, self._requests, self._group, set(verdict.stale_reads))
             for req_id in verdict.tainted:  # each recomputes from the first stale block it holds
                 if (state := self._requests.get(req_id)) is not None:
                     recompute_stale_reads(state.request, self._planner.block_table(req_id), verdict.stale_reads, self._block_size)

@@ -121,8 +121,10 @@ class StepPlanner:
             self.stale.clear()  # a step computes whose output is not back (a batch queue): vLLM's handling alone
             return CLEAN_STEP
         pool = getattr(self.kv_cache_manager, "block_pool", None)
-        if pool is not None:  # a freed block's next holder writes it before anyone reads it
-            self.stale.forget_freed(lambda block_id: pool.blocks[block_id].ref_cnt == 0)
+        if pool is not None:  # a freed block, unhashed, is written by its next holder before anyone reads it
+            freed = self.stale.forget_freed(lambda block_id: pool.blocks[block_id].ref_cnt == 0)
+            if freed:
+                self.kv_cache_manager.evict_blocks(freed)
         scheduled = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state, table = self._requests.get(req_id), self._block_ids(scheduler_output, req_id)

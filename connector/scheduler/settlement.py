@@ -176,9 +176,15 @@ class SaveSettlement:
         """(the loaded blocks a save of ``req_id`` over ``block_ids`` depends
         on, whether any of them another connector loaded): its own blocks
         among ``loaded``, and every group's blocks another connector loaded
-        into the request in steps whose outcome is not back."""
+        into the request in steps whose outcome is not back. Blocks another
+        connector loaded into another request that ``req_id`` shares
+        through vLLM's prefix cache count as its too: this connector's
+        workers never see that load fail, so such a save is held."""
         own = tuple(b for b in block_ids if b in loaded) if loaded else ()
         sibling = sibling_block_ids(self._step_loads.values(), req_id)
+        if own and not sibling:  # shared from a request another connector loaded: its failure is that connector's
+            sibling = {b for record in self._step_loads.values() for r, ids in record.loads if r in record.sibling
+                       for b in ids}.intersection(own)
         return (tuple(sorted(sibling.union(own))), True) if sibling else (own, False)
 
     def hold_id(self, req_id: str, after_loads: tuple[int, ...], sibling: bool = False) -> int:

@@ -102,3 +102,21 @@ def test_only_steps_with_a_tainted_request_keep_a_verdict() -> None:
     stale = _after_failure()
     stale.plan(1, [Scheduled("C", (40, 41), 4, 5)], loaded=())
     assert stale.output_back(1).stale_reads == () and stale.output_back(None).tainted == frozenset()
+
+
+def test_a_tainted_requests_writes_are_stale_to_every_request_of_its_step() -> None:
+    """R2 (tainted: it reads blocks 10-12 stale) fills its block 20 in the
+    step; W2, admitted in the same step with 20 as a local hit, reads it in
+    the same forward pass: tainted too, and 20 is among the stale reads."""
+    stale = StaleBlocks(BS)
+    stale.went_stale({10, 11, 12})  # 20 is fresh before the step: R2 fills it now
+    w2_table = (9, 40, 41, 42, 20)  # clean blocks but R2's 20
+    verdict = stale.plan(1, [Scheduled("W2", w2_table, 20, 21), Scheduled("R2", R2_TABLE, 16, 20)], loaded=())
+    assert verdict.tainted == {"R2", "W2"} and 20 in verdict.stale_reads
+    assert set(verdict.tables) == {R2_TABLE, w2_table}  # evicted from vLLM's prefix cache at the step's output
+
+
+def test_a_freed_stale_block_is_returned_to_be_evicted() -> None:
+    stale = _after_failure()
+    assert stale.forget_freed(lambda block_id: block_id == 20) == {20}
+    assert not stale.empty
