@@ -20,6 +20,15 @@ reaches its scheduler), a tiny random float32 Llama (``initializer_range``
    it computed over them; now it computes them again.
 4. ``X`` (PROMPT and ``W``'s first 40 tokens, 16 more), vLLM's prefix cache
    emptied again: it loads from the store what ``D`` saved, and continues as ``W``.
+5. A sharer of a failed load whose loader recomputes in chunks
+   (connector/scheduler/stale_blocks.py): ``L`` (PROMPT) claims its 5 stored
+   blocks and ``S`` (PROMPT's first 3 blocks, then 20 tokens of its own),
+   added with it, takes them from vLLM's prefix cache in the same step; one
+   unit of block 1 is deleted between the lookup and the load. vLLM rewinds
+   ``L`` to block 1 and lets ``S`` keep blocks 1-2, and ``L`` writes half a
+   block a step (``long_prefill_token_threshold`` 16): ``S`` would compute
+   over the stale blocks. Its tokens equal those of the same prompt computed
+   whole (``S_ref``, another cache salt), and what it stored is right (``Y``).
 """
 
 from __future__ import annotations
@@ -52,19 +61,28 @@ def _float32_model(out_dir: Path) -> Path:
     return out_dir
 
 
-def _generate(llm: Any, req_id: str, prompt: list[int], max_tokens: int) -> list[int] | None:
+def _generate(llm: Any, req_id: str, prompt: list[int], max_tokens: int, salt: str | None = None) -> list[int] | None:
     """Steps the engine until ``req_id`` ends; its tokens (None: aborted)."""
+    return _generate_together(llm, {req_id: (prompt, max_tokens, salt)})[req_id]
+
+
+def _generate_together(llm: Any, requests: dict[str, tuple[list[int], int, str | None]]) -> dict[str, list[int] | None]:
+    """Adds every request (id -> prompt, max tokens, cache salt), then steps
+    the engine until all end; their tokens (None: aborted). Ids are no
+    prefix of one another."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt),
-                       SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    tokens = None
+    for req_id, (prompt, max_tokens, salt) in requests.items():
+        engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt, **({"cache_salt": salt} if salt else {})),
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens: dict[str, list[int] | None] = dict.fromkeys(requests)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished and out.request_id.startswith(req_id) and out.outputs[0].finish_reason != "abort":
-                tokens = list(out.outputs[0].token_ids)
+            req_id = next((r for r in requests if out.request_id.startswith(r)), None)
+            if out.finished and req_id is not None and out.outputs[0].finish_reason != "abort":
+                tokens[req_id] = list(out.outputs[0].token_ids)
     return tokens
 
 
@@ -123,6 +141,41 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         _settled(ours.store, blocks)
         assert llm.reset_prefix_cache()
         out["X"] = _generate(llm, "X", PROMPT + out["W"][:40], 16)
+        out.update(_shared_failed_load(llm, sched, ours))
+    return out
+
+
+SHARER = PROMPT[:3 * BLOCK_SIZE] + OTHER[:20]
+
+
+def _shared_failed_load(llm: Any, sched: Any, ours: Any) -> dict[str, Any]:
+    """Step 5 of the module's scenario."""
+    from ucm_db.keys.units import unit_key
+
+    out: dict[str, Any] = {"S_ref": _generate(llm, "Sref", SHARER, 16, salt="computed whole")}
+    assert llm.reset_prefix_cache()
+    _generate(llm, "U2", OTHER, 8)  # other KV in the freed blocks
+    build, seen = sched.connector.build_connector_meta, {"stale_reads": []}
+
+    def build_then_evict(scheduler_output: Any) -> Any:
+        meta = build(scheduler_output)
+        if meta.loads and "load" not in seen:
+            seen["load"], seen["first_step"] = meta.loads[0], {r.split("-")[0] for r in scheduler_output.num_scheduled_tokens}
+            ours.store.delete(ours.namespace, [unit_key(meta.loads[0].keys[1], ours._spans[0], ours._grid)])
+        seen["stale_reads"] += [meta.stale_reads] if meta.stale_reads else []
+        return meta
+    sched.connector.build_connector_meta = build_then_evict
+    sched.scheduler_config.long_prefill_token_threshold = BLOCK_SIZE // 2
+    blocks = ours.store.stats().blocks
+    try:
+        outputs = _generate_together(llm, {"L": (PROMPT, 16, None), "S": (SHARER, 16, None)})
+    finally:
+        sched.connector.build_connector_meta = build
+        sched.scheduler_config.long_prefill_token_threshold = 0
+    out.update(outputs, first_step=seen["first_step"], stale_reads=seen["stale_reads"])
+    _settled(ours.store, blocks)  # S's block 3, filled as it decoded
+    assert llm.reset_prefix_cache()
+    out["Y"] = _generate(llm, "Y", SHARER + out["S"][:14], 2)  # S's block 3 (128 tokens) from the store
     return out
 
 
@@ -140,3 +193,14 @@ def test_the_next_request_of_the_prompt_computes_them_again(scenario: dict[str, 
 
 def test_what_it_stored_is_right(scenario: dict[str, Any]) -> None:
     assert scenario["X"] == scenario["W"][40:56]
+
+
+def test_a_sharer_of_a_failed_load_recomputed_in_chunks_reads_no_stale_kv(scenario: dict[str, Any]) -> None:
+    assert scenario["first_step"] == {"L", "S"}, "L and S were admitted in one step"
+    assert scenario["S"] == scenario["S_ref"]
+    assert scenario["L"] == scenario["W"][:16]
+    assert scenario["stale_reads"], "S was found reading the stale blocks: the scenario happened"
+
+
+def test_what_the_sharer_stored_is_right(scenario: dict[str, Any]) -> None:
+    assert scenario["Y"] == scenario["S_ref"][14:16]
