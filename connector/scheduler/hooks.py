@@ -318,7 +318,9 @@ class UcmDbScheduler:
         cost model its load timings and prefill sample (planner.py)."""
         step = worker_meta.step if isinstance(worker_meta, UcmDbWorkerMetadata) else None
         verdict = self._planner.stale.output_back(step)  # stale KV the step read: its own reports (stale_blocks.py)
-        invalid = (invalid_block_ids or set()).difference(verdict.stale_reads)  # the failed loads
+        invalid = invalid_block_ids or set()
+        if verdict.stale_reads:
+            invalid = invalid.difference(verdict.stale_reads)  # the failed loads
         if invalid:  # an async load that failed: vLLM recomputes from its first invalid block
             for req_id, state in self._requests.items():
                 if invalid.intersection(state.async_block_ids):
