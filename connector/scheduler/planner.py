@@ -208,9 +208,7 @@ class StepPlanner:
         if block_state is not None:
             groups = block_state.get_block_ids(req_id)
             return list(groups[self._group]) if groups else None
-        if self.kv_cache_manager is not None:
-            return list(self.kv_cache_manager.get_block_ids(req_id)[self._group])
-        return None
+        return self.block_table(req_id)
 
     def number_step(self, meta: UcmDbConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
         """Numbers the step and remembers when it was planned, for the
