@@ -149,14 +149,15 @@ class UcmDbConnector(KVConnectorBase_V1, SupportsHMA):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
             # refuse_older_generations ran above, once for every role and group.
-            async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)  # every claim async (hooks.py)
-            if async_scheduling and not hybrid and self.settings.load_mode != "async":
-                logger.info("ucm-db: with vLLM's async scheduling every hit loads asynchronously (load_mode %r is for "
-                            "engines without it): vLLM recovers from a failed load only before it computes over it",
+            steps_overlap = engine_facts.steps_overlap(vllm_config)  # every claim async (hooks.py)
+            if steps_overlap and not hybrid and self.settings.load_mode != "async":
+                logger.info("ucm-db: this engine plans a step before the last one's output is back (async scheduling or a "
+                            "pipeline-parallel batch queue), so every hit loads asynchronously (load_mode %r is for engines "
+                            "without it): vLLM recovers from a failed load only before it computes over it",
                             self.settings.load_mode)
             self._scheduler = (GroupedScheduler(self.settings, self.shape, self.pd_role, self.groups, generations_checked=True)
                                if hybrid else UcmDbScheduler(self.settings, self.shape, self.pd_role, generations_checked=True,
-                                                             async_scheduling=async_scheduling))
+                                                             steps_overlap=steps_overlap))
             events_config = vllm_config.kv_events_config
             if events_config is not None and events_config.enable_kv_cache_events:
                 parts = self._scheduler.parts if isinstance(self._scheduler, GroupedScheduler) else [self._scheduler]

@@ -1,7 +1,8 @@
 """What the connector reads of the vLLM engine it starts in, beside its
-config: this worker's ranks, a KV cache group's event metadata, the CPUs
-the model thread leaves spare (:mod:`ucm_db.cpu_placement`), and the view of
-a layer's KV cache the layout adapter will be handed (:func:`kv_view`).
+config: whether its steps overlap, this worker's ranks, a KV cache group's
+event metadata, the CPUs the model thread leaves spare
+(:mod:`ucm_db.cpu_placement`), and the view of a layer's KV cache the
+layout adapter will be handed (:func:`kv_view`).
 
 Invariants:
     * Each reads vLLM's state only; none raises outside a distributed run or
@@ -64,6 +65,22 @@ def event_spec(kv_cache_config: KVCacheConfig | None, group_index: int) -> tuple
         return None, None
     spec = kv_cache_config.kv_cache_groups[group_index].kv_cache_spec
     return get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
+
+
+def steps_overlap(vllm_config: VllmConfig) -> bool:
+    """Whether the engine plans a step before the last one's output is back:
+    vLLM's async scheduling, or a pipeline-parallel engine's batch queue (one
+    batch in flight a stage). vLLM's ``max_concurrent_batches`` counts both;
+    a build without it falls back to the two settings behind it.
+
+    There a synchronous load that fails is reported after the next step
+    computed over it, which the scheduler's stale-block tracker cannot judge
+    (:mod:`ucm_db.connector.scheduler.stale_blocks`): every claim then loads
+    asynchronously, and vLLM holds the request until its load is in."""
+    batches = getattr(vllm_config, "max_concurrent_batches", None)
+    if isinstance(batches, int):
+        return batches > 1
+    return bool(vllm_config.scheduler_config.async_scheduling) or int(vllm_config.parallel_config.pipeline_parallel_size) > 1
 
 
 def ranks() -> tuple[int, int]:

@@ -113,10 +113,10 @@ class UcmDbScheduler:
     """Scheduler-side half of :class:`~ucm_db.connector.UcmDbConnector`."""
 
     def __init__(self, settings: ConnectorSettings, shape: KVShape, role: RolePolicy = RolePolicy(), group: int = 0,
-                 group_namespace: Namespace | None = None, *, generations_checked: bool = False, async_scheduling: bool = False) -> None:
+                 group_namespace: Namespace | None = None, *, generations_checked: bool = False, steps_overlap: bool = False) -> None:
         """``generations_checked``: the caller (the connector's facade) has
         refused a store of an older storage generation already;
-        ``async_scheduling``: vLLM's (every claim is async)."""
+        ``steps_overlap``: vLLM plans steps ahead of outputs (every claim async)."""
         # First: a kv_producer's admit_after above 1 is refused before the store is opened (request_controls.Admission).
         self._admission = Admission(settings.save_decode, settings.admit_after, publishes=role.publishes, store_foreign_loads=settings.store_foreign_loads)
         self._store = acquire(settings)
@@ -143,7 +143,7 @@ class UcmDbScheduler:
         self.cost = CostModel(settings.load_policy)  # load or recompute (cost_model.py)
         self._ns_id = self._namespace.id.hex()
         self._store_gauges = StoreGauges(self.counters, self._ns_id)
-        self._async, self._async_always = settings.load_mode == "async", async_scheduling  # RequestState.claims_async
+        self._async, self._async_always = settings.load_mode == "async", steps_overlap  # RequestState.claims_async
         self._spans = reader_spans(shape)  # every unit a hit needs (identity.py)
         self._lookup = PrefixLookup(self._store, self._namespace, self._grid, self._spans, self._block_size, self.cost,
                                     self._keys, background=settings.remote_lookup == "background")

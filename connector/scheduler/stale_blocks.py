@@ -23,10 +23,11 @@ Invariants:
       holder gets it fresh and writes it before reading it.
     * Each step is judged as it is planned, where every earlier step that
       computes has its output back (vLLM's synchronous scheduling). An
-      engine that plans a step before the last one's output is back (a
-      pipeline's batch queue; async scheduling claims asynchronously
-      anyway) is not judged: the tracker forgets its blocks, and vLLM's
-      own handling is all there is (docs/connector.md). A judged step's
+      engine that plans a step before the last one's output is back
+      (async scheduling, a pipeline's batch queue) claims every hit
+      asynchronously (``engine_facts.steps_overlap``): no synchronous
+      load runs there, and the planner clears the tracker where a step
+      is pending (nothing to judge against). A judged step's
       request *reads* the slots before its computed tokens and writes the
       slots of its scheduled tokens whose ids are known (a draft token's
       slot counts as unwritten: where vLLM keeps an accepted draft's KV,

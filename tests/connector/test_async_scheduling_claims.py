@@ -97,3 +97,29 @@ def test_under_async_scheduling_a_later_claim_is_async_and_stops_before_a_block_
         assert engine.ours.get_num_new_matched_tokens(request, 0) == (2 * BS, True)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(("async_scheduling", "pipeline_stages", "overlap"),
+                         [(False, 1, False), (True, 1, True), (False, 2, True)])
+def test_a_pipeline_parallel_batch_queue_makes_every_claim_async(
+        tmp_path: Path, async_scheduling: bool, pipeline_stages: int, overlap: bool) -> None:
+    """A pipeline-parallel engine keeps one batch in flight a stage, so its
+    steps overlap without async scheduling: a synchronous load failing there
+    is reported after the next step computed over it, which the stale-block
+    tracker cannot judge. The scheduler half built from such a config claims
+    every hit asynchronously, as under async scheduling (tested above)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from stand_in_engine import kv_cache_config, vllm_config
+
+    from ucm_db.connector import UcmDbConnector
+    from ucm_db.connector.engine_facts import steps_overlap
+
+    config = vllm_config(tmp_path, tmp_path / "store", {"load_mode": "block"}, async_scheduling=async_scheduling)
+    config.parallel_config.pipeline_parallel_size = pipeline_stages
+    assert steps_overlap(config) is overlap
+    connector = UcmDbConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(64))
+    try:
+        assert connector._scheduler._async_always is overlap  # type: ignore[union-attr]  # RequestState.claims_async
+    finally:
+        connector.shutdown()
