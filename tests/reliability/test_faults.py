@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -66,15 +67,22 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def fill_leaving(mount_point: Path, free_bytes: int) -> Path:
+    """A filler file leaving ``free_bytes`` free on ``mount_point``. Where a
+    store's background threads (RocksDB's flushes) write while it fills and
+    the disk runs full first, the filler is cut back to leave them."""
     filler = mount_point / "filler"
     filler.unlink(missing_ok=True)
     st = os.statvfs(mount_point)
     size = max(0, st.f_bavail * st.f_frsize - free_bytes)
-    with open(filler, "wb") as f:
+    with open(filler, "wb", buffering=0) as f:
         chunk = bytes(1 << 20)
-        while size > 0:
-            f.write(chunk[: min(size, len(chunk))])
-            size -= min(size, len(chunk))
+        try:
+            while size > 0:
+                size -= f.write(chunk[: min(size, len(chunk))]) or 0
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            f.truncate(max(0, os.fstat(f.fileno()).st_size - free_bytes))
     return filler
 
 
