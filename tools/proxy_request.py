@@ -301,10 +301,11 @@ class BodyPool:
             self._release(len(raw))
             raise
         future.add_done_callback(lambda _: self._release(len(raw)))
+        workers = _workers_of(pool)  # now: a broken pool's manager thread forgets them
         try:
             status, message, members, prefill_fields, decode_fields, params, flags = await asyncio.wrap_future(future)
         except BrokenProcessPool as exc:
-            codes = await asyncio.to_thread(_exit_codes, pool)
+            codes = await asyncio.to_thread(_exit_codes, workers)
             raise self._dropped(pool, codes) from exc
         if status:
             raise BadRequest(status, message)
@@ -372,11 +373,12 @@ def _workers_of(pool: ProcessPoolExecutor) -> list[multiprocessing.process.BaseP
     return list((getattr(pool, "_processes", None) or {}).values())
 
 
-def _exit_codes(pool: ProcessPoolExecutor) -> list[int]:
-    """The non-zero exit codes of a broken pool's workers (blocking, briefly: its manager thread may
-    see a worker's pipe close before the worker can be reaped, and terminates the others)."""
+def _exit_codes(workers: list[multiprocessing.process.BaseProcess]) -> list[int]:
+    """The non-zero exit codes of a broken pool's ``workers``, listed before it broke (its manager
+    thread clears its table as it ends them) (blocking, briefly: that thread may see a worker's pipe
+    close before the worker can be reaped, and terminates the others)."""
     codes = set()
-    for worker in _workers_of(pool):
+    for worker in workers:
         worker.join(WORKER_STOP_WAIT_S)
         if worker.exitcode:
             codes.add(worker.exitcode)
