@@ -43,6 +43,7 @@ import json
 import math
 import multiprocessing
 import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ SIDE_FIELDS = ("stream", "stream_options", "min_tokens", "max_tokens", "max_comp
 MAX_CLIENT_PARAMS_BYTES = 1 * MIB
 #: How long a stopping proxy waits for a body worker to take its stop message before terminating it.
 WORKER_STOP_WAIT_S = 5.0
+#: How long a dead worker's exit code may take to appear where the pool's manager thread reaped it.
+EXIT_CODE_WAIT_S = 0.5
 
 
 class BadRequest(Exception):
@@ -301,11 +304,10 @@ class BodyPool:
             self._release(len(raw))
             raise
         future.add_done_callback(lambda _: self._release(len(raw)))
-        workers = _workers_of(pool)  # now: a broken pool's manager thread forgets them
         try:
             status, message, members, prefill_fields, decode_fields, params, flags = await asyncio.wrap_future(future)
         except BrokenProcessPool as exc:
-            codes = await asyncio.to_thread(_exit_codes, workers)
+            codes = await asyncio.to_thread(_exit_codes, pool)
             raise self._dropped(pool, codes) from exc
         if status:
             raise BadRequest(status, message)
@@ -373,13 +375,19 @@ def _workers_of(pool: ProcessPoolExecutor) -> list[multiprocessing.process.BaseP
     return list((getattr(pool, "_processes", None) or {}).values())
 
 
-def _exit_codes(workers: list[multiprocessing.process.BaseProcess]) -> list[int]:
-    """The non-zero exit codes of a broken pool's ``workers``, listed before it broke (its manager
-    thread clears its table as it ends them) (blocking, briefly: that thread may see a worker's pipe
-    close before the worker can be reaped, and terminates the others)."""
+def _exit_codes(pool: ProcessPoolExecutor) -> list[int]:
+    """The non-zero exit codes of a broken pool's workers (blocking, briefly: its manager thread may
+    see a worker's pipe close before the worker can be reaped, and terminates the others).
+
+    That thread joins the workers too: where it reaped one between this thread's wait and its
+    own ``waitpid`` (which then finds no child), the exit code reads None until that thread has
+    stored it, so it is read again for a moment."""
     codes = set()
-    for worker in workers:
+    for worker in _workers_of(pool):
         worker.join(WORKER_STOP_WAIT_S)
+        deadline_s = time.monotonic() + EXIT_CODE_WAIT_S
+        while worker.exitcode is None and time.monotonic() < deadline_s:
+            time.sleep(0.005)
         if worker.exitcode:
             codes.add(worker.exitcode)
     return sorted(codes)
