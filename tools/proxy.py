@@ -40,7 +40,7 @@ Invariants:
       server is called.
     * One client's large body stalls no other client's stream: a body over
       256 KiB is parsed and encoded in a worker process
-      (:class:`~ucm_db.tools.proxy_request.BodyPool`; measured with a 94 MiB
+      (:class:`~ucm_db.tools.proxy_bodies.BodyPool`; measured with a 94 MiB
       body of token ids, the other streams stalled 2.7-5.3 s when it was
       done on the event loop). Large bodies in flight are bounded in bytes;
       past the bound a client gets 503 with ``Retry-After``. A body is
@@ -74,8 +74,8 @@ from starlette.requests import ClientDisconnect
 
 from ucm_db import ConfigError
 from ucm_db.tools.proxy_relay import SideDown, error_response, run_decode, run_prefill
-from ucm_db.tools.proxy_request import (BadRequest, BodyPool, Prepared, ProxyBusy, forwarded_headers, prefill_body,
-                                        read_body)
+from ucm_db.tools.proxy_bodies import BodyPool
+from ucm_db.tools.proxy_request import BadRequest, Prepared, ProxyBusy, forwarded_headers, prefill_body, read_body
 from ucm_db.tools.proxy_upstreams import HEALTH_TIMEOUT_S, MIB, ProxyLimits, Side, Upstream, parse_urls
 
 __all__ = ["COMPLETION_PATHS", "ProxyLimits", "build_app", "main", "parse_urls", "prefill_body"]

@@ -119,7 +119,7 @@ class ProxyLimits:
     #: Largest request body a client may send (why 32 MiB: :mod:`ucm_db.tools.proxy`).
     max_body_bytes: int = 32 * MIB
     #: A body over this is parsed and encoded in a worker process, not on the event loop
-    #: (:class:`~ucm_db.tools.proxy_request.BodyPool`; 256 KiB costs the loop a few ms).
+    #: (:class:`~ucm_db.tools.proxy_bodies.BodyPool`; 256 KiB costs the loop a few ms).
     offload_body_bytes: int = 256 << 10
     #: Large bodies waiting for or held by a worker, in all; past it a 503.
     offload_budget_bytes: int = 256 * MIB

@@ -26,8 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ucm_db.tools.proxy import ProxyLimits, build_app
-from ucm_db.tools.proxy_request import (MAX_CLIENT_PARAMS_BYTES, BadRequest, BodyPool, ProxyBusy, decode_body,
-                                        prefill_body, prepare)
+from ucm_db.tools.proxy_bodies import BodyPool
+from ucm_db.tools.proxy_request import MAX_CLIENT_PARAMS_BYTES, BadRequest, ProxyBusy, decode_body, prefill_body, prepare
 
 from test_proxy import Served
 

@@ -23,7 +23,8 @@ import certifi
 import psutil
 import pytest
 
-from ucm_db.tools.proxy_request import BodyPool, Prepared, ProxyBusy, prepare
+from ucm_db.tools.proxy_bodies import BodyPool
+from ucm_db.tools.proxy_request import Prepared, ProxyBusy, prepare
 from ucm_db.tools.proxy_upstreams import ProxyLimits, Side
 
 
@@ -68,7 +69,7 @@ def _running(process: psutil.Process) -> bool:
 #: raises the captured SIGTERM again (uvicorn ``Server.capture_signals``), so the process dies without atexit.
 _STOPPED_PROXY = """
 import asyncio, json, os, signal, sys
-from ucm_db.tools.proxy_request import BodyPool
+from ucm_db.tools.proxy_bodies import BodyPool
 if __name__ == "__main__":
     pool = BodyPool(offload_body_bytes=0, budget_bytes=1 << 30, workers=2)
     asyncio.run(pool.prepare(json.dumps({"prompt": list(range(20_000))}).encode()))
