@@ -4,7 +4,9 @@ A delete on a store with a remote (``Store.delete``: a connector's void of
 a save computed over a failed load, a caller undoing its put) removes the
 blocks from the local tier and records, in the same transaction, one
 retraction per block it removed (``info/retract/<key>``: namespace id,
-depth, when). The remote wing deletes their objects
+depth, when), and one per key it was asked to delete that this store does
+not hold (evicted here: its remote object may still serve other nodes,
+:func:`record_absent`). The remote wing deletes their objects
 (:mod:`ucm_db.remote.retraction`), each after leaving a tombstone beside it
 for other nodes (:mod:`ucm_db.remote.tombstones`), and confirms each
 retraction; a confirmed one is dropped :data:`RETRACTION_GRACE_S` later.
@@ -59,6 +61,8 @@ _RECORD = struct.Struct("<16sIQQ")
 #: read the object before its remote delete may commit after it (a
 #: background continuation), never this much later.
 RETRACTION_GRACE_S = 3600.0
+#: The depth recorded for a block retracted where it is not stored (:func:`record_absent`).
+UNKNOWN_DEPTH = 0xFFFFFFFF
 
 
 class RetractedBlockError(MissingAncestorError):
@@ -88,6 +92,20 @@ def record_trees(txn: Txn, roots: Iterable[bytes], now_ns: int) -> int:
             continue  # no record: nothing names its remote object
         records.put_checked(txn, RETRACTION_PREFIX + key, _RECORD.pack(meta.namespace_id, meta.depth, now_ns, 0))
         count += 1
+    return count
+
+
+def record_absent(txn: Txn, keys: Iterable[bytes], namespace_id: bytes, now_ns: int) -> int:
+    """Records a retraction under ``namespace_id`` for each of ``keys`` this
+    store holds no record of (evicted here, or stored by another node):
+    its remote object may still be there. Its depth is unknown, so it is
+    recorded deepest (:data:`UNKNOWN_DEPTH`): a round deletes it before any
+    parent. Returns how many."""
+    count = 0
+    for key in keys:
+        if txn.get("meta", key) is None:
+            records.put_checked(txn, RETRACTION_PREFIX + key, _RECORD.pack(namespace_id, UNKNOWN_DEPTH, now_ns, 0))
+            count += 1
     return count
 
 

@@ -79,7 +79,9 @@ class IndexWriter:
         only keys stored under that namespace, and never a descendant
         stored under another one (:class:`ForeignNamespaceError`, nothing
         removed). ``retract``: records, in the same transaction, a
-        retraction of every block removed (:mod:`ucm_db.index.retractions`)."""
+        retraction of every block removed, and with ``namespace_id`` of
+        every one of ``keys`` not stored here (evicted: its remote object
+        may serve other nodes still) (:mod:`ucm_db.index.retractions`)."""
         def run(txn: Txn) -> int:
             changes = Changes(txn)
             mine = [k for k in keys if in_namespace(txn.get("meta", k), namespace_id)]
@@ -87,7 +89,10 @@ class IndexWriter:
                 for key in mine:
                     namespace_guard.require_tree_in_namespace(txn, key, namespace_id)
             if retract:
-                retractions.record_trees(txn, mine, time.time_ns())
+                now_ns = time.time_ns()
+                retractions.record_trees(txn, mine, now_ns)
+                if namespace_id is not None:
+                    retractions.record_absent(txn, keys, namespace_id, now_ns)
             removed = sum(self._remove_tree(txn, changes, k) for k in mine)
             changes.commit()
             return removed

@@ -322,7 +322,7 @@ class StoreWrites:
         retract = remote and self._state.wing is not None
         removed = self._tier.delete(keys, namespace_id=namespace.id, retract=retract)
         self._state.activity.committed(0)  # a delete writes index pages only: its file growth counts
-        if removed and retract and self._state.wing is not None:
+        if retract and self._state.wing is not None:  # a key evicted here is retracted too (retractions.record_absent)
             self._state.wing.retract()  # never raises: what it leaves, the uploader deletes
         return removed
 
