@@ -84,7 +84,9 @@ class IndexWriter:
         may serve other nodes still) (:mod:`ucm_db.index.retractions`)."""
         def run(txn: Txn) -> int:
             changes = Changes(txn)
-            mine = [k for k in keys if in_namespace(txn.get("meta", k), namespace_id)]
+            records_read = [txn.get("meta", k) for k in keys]  # views: tested before this transaction writes
+            mine = [k for k, data in zip(keys, records_read) if in_namespace(data, namespace_id)]
+            absent = [k for k, data in zip(keys, records_read) if data is None]
             if namespace_id is not None:
                 for key in mine:
                     namespace_guard.require_tree_in_namespace(txn, key, namespace_id)
@@ -92,7 +94,7 @@ class IndexWriter:
                 now_ns = time.time_ns()
                 retractions.record_trees(txn, mine, now_ns)
                 if namespace_id is not None:
-                    retractions.record_absent(txn, keys, namespace_id, now_ns)
+                    retractions.record_absent(txn, absent, namespace_id, now_ns)
             removed = sum(self._remove_tree(txn, changes, k) for k in mine)
             changes.commit()
             return removed
