@@ -95,17 +95,15 @@ def record_trees(txn: Txn, roots: Iterable[bytes], now_ns: int) -> int:
     return count
 
 
-def record_absent(txn: Txn, keys: Iterable[bytes], namespace_id: bytes, now_ns: int) -> int:
+def record_absent(txn: Txn, keys: Sequence[bytes], namespace_id: bytes, now_ns: int) -> int:
     """Records a retraction under ``namespace_id`` for each of ``keys``,
     which this store holds no record of (evicted here, or stored by another
     node): its remote object may still be there. Its depth is unknown, so
     it is recorded deepest (:data:`UNKNOWN_DEPTH`): a round deletes it
     before any parent. Returns how many."""
-    count = 0
     for key in keys:
         records.put_checked(txn, RETRACTION_PREFIX + key, _RECORD.pack(namespace_id, UNKNOWN_DEPTH, now_ns, 0))
-        count += 1
-    return count
+    return len(keys)
 
 
 def any_recorded(txn: Txn) -> bool:
