@@ -312,7 +312,7 @@ def since_raw(txn: Txn, seq: int, limit: int, namespaces: Container[bytes] | Non
     if seq < first_seq or seq > next_seq:
         return [], next_seq, True, current
     out: list[RawRecord] = []
-    stop = min(next_seq, seq + max(1, limit))
+    stop = min(next_seq, seq + max(0, limit))  # limit 0: no record, the feed id and position only
     for at in range(seq, stop):
         value = txn.get(INFO, _name(at))
         if value is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ucm_db.engines.base import Buffer, Txn
 from ucm_db.events import BlockEventFields
 from ucm_db.errors import CorruptBlockError
-from ucm_db.index import records
+from ucm_db.index import epoch_moves, records
 from ucm_db.index.changefeed import (
     _DEPTH, _HEAD, _ID_BYTES, _KEY_END, _KINDS, _NS_BYTES, FEED_PREFIX, FIELDS_PREFIX, HEAD_KEY, ID_KEY, INFO, MAX_SPAN, SEQ_LIMIT,
     _checked_head, _derived, _head, _held, _name, _rebuilt, _seq_of, head_problem, logger, renew_identity,
@@ -33,7 +33,8 @@ def problems(txn: Txn) -> list[str]:
     saying a block is stored that is not (with no removal after them), and
     event fields of blocks not stored."""
     damaged_id = _id_problem(txn)
-    return [f"change feed: {line}" for line in _findings(txn)[0] + ([] if damaged_id is None else [damaged_id])]
+    found = _findings(txn)[0] + ([] if damaged_id is None else [damaged_id]) + epoch_moves.problems(txn)
+    return [f"change feed: {line}" for line in found]
 
 
 def _id_problem(txn: Txn) -> str | None:
@@ -140,9 +141,11 @@ def repair(txn: Txn, max_records: int) -> int:
     at the end read on). Where records are dropped, every record goes and a
     new sequence starts above everything handed out (module docstring)."""
     _, bad_records, bad_fields, head_bad = _findings(txn)
+    moves = epoch_moves.repair(txn)  # recorded at the head as it is: a follower resumed before it resyncs once
     renewed = int(_id_problem(txn) is not None)
     if renewed:
         renew_identity(txn)
+    renewed += moves
     if not bad_records and not bad_fields:
         if not head_bad:
             return renewed

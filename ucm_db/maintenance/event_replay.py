@@ -29,7 +29,10 @@ Invariants:
     * Only blocks of each namespace's current epoch are told (older ones are
       never served, :mod:`ucm_db.store.epochs`); when an epoch moves on (``ucm-db
       invalidate``, an engine's ``reset_cache``) a follower gets
-      ``AllBlocksCleared`` and the inventory again.
+      ``AllBlocksCleared`` and the inventory again; so does one resumed
+      from ``since_seq`` where an epoch moved on at or after that seq
+      (:mod:`ucm_db.index.epoch_moves`: it may hold the older epoch's
+      blocks, and no feed record tells of a move).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ucm_db.arguments import require_count
+from ucm_db.index import epoch_moves
 from ucm_db.store import epochs
 from ucm_db.errors import ConfigError, CorruptBlockError, DamagedRecordError, TierError
 from ucm_db.events import MEDIUM_STORAGE, json_line, packed_epoch
@@ -170,13 +174,13 @@ def _iterate(
         seq = since_seq
     polls = 0
     unchecked = since_seq is not None  # the reader's first read checks the pages, once
+    resumed_at = since_seq  # the first read asks whether an epoch moved since (epoch_moves.py)
     resynced = False  # a resync since the last poll or record read
     while True:
-        records, next_seq, resync, feed = _read(
-            path, namespaces, lambda txn, wanted: changefeed.since_raw(txn, seq, FOLLOW_BATCH_RECORDS, wanted, feed),
-            check_pages=unchecked)
-        unchecked = False
-        if resync or current.moved():
+        records, next_seq, resync, feed, moved = _read(
+            path, namespaces, lambda txn, wanted: _since(txn, seq, wanted, feed, resumed_at), check_pages=unchecked)
+        unchecked, resumed_at = False, None
+        if resync or moved or current.moved():
             if not resynced:
                 resynced = True
                 current = _Epochs(path)
@@ -196,6 +200,15 @@ def _iterate(
         if not follow or (max_polls is not None and polls >= max_polls):
             return
         time.sleep(poll_interval_s)
+
+
+def _since(txn: Any, seq: int, wanted: set[bytes] | None, feed: str | None,
+           resumed_at: int | None) -> tuple[list[changefeed.RawRecord], int, bool, str, bool]:
+    """A batch from ``seq`` (``changefeed.since_raw``) and, for a follower
+    resuming from ``resumed_at``, whether an epoch it may hold blocks of
+    moved on since, in the same snapshot."""
+    batch = changefeed.since_raw(txn, seq, FOLLOW_BATCH_RECORDS, wanted, feed)
+    return (*batch, resumed_at is not None and epoch_moves.moved_since(txn, resumed_at, wanted))
 
 
 class _Epochs:

@@ -94,7 +94,7 @@ from dataclasses import dataclass
 
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.errors import DamagedRecordError, TierError
-from ucm_db.index import pins, records
+from ucm_db.index import epoch_moves, pins, records
 from ucm_db.index.accounting import NS_COUNTS_PREFIX, NS_DESC_PREFIX
 
 #: Info record name prefix; the 16-byte namespace id follows.
@@ -165,6 +165,9 @@ def _name(namespace_id: bytes) -> bytes:
 
 def _put(txn: Txn, namespace_id: bytes, epoch: int) -> None:
     high = _high(txn)  # before this write: the record it replaces counts
+    before = txn.get(_INFO, _name(namespace_id))
+    if before is not None and bytes(before) != epoch.to_bytes(_EPOCH_BYTES, "little"):
+        epoch_moves.record(txn, namespace_id)  # a resumed event follower resyncs (epoch_moves.py)
     records.put_checked(txn, _name(namespace_id), epoch.to_bytes(_EPOCH_BYTES, "little"))
     # A damaged high-water record stays damaged: never lowered by a rewrite.
     if high is not None and epoch < SIGNED_EPOCH_LIMIT and (epoch > high or txn.get(_INFO, HIGH_KEY) is None):

@@ -39,7 +39,9 @@ class StoreFeed:
                       feed_id: str | None = None) -> ChangeBatch:
         """Change feed records from ``seq`` on (at most ``limit`` seqs;
         of ``namespace`` only, if given), written by any process. One read
-        transaction; with nothing new, the feed id and one record read.
+        transaction; with nothing new, the feed id and one record read;
+        ``limit`` 0 reads no record (``next_seq`` is ``seq``: the feed id
+        and ``resync`` only).
         ``resync`` set: the reader fell behind the feed's bound, or
         ``feed_id`` (a batch's or inventory's ``feed_id``) is given and is
         not this feed's (the store was created again at this path, or an OS
@@ -47,10 +49,10 @@ class StoreFeed:
         clear, then :meth:`event_inventory`. Without ``feed_id`` only the
         seq is checked: a reader that keeps its seq across opens or
         processes must keep the batch's ``feed_id`` and pass it. A ``seq``
-        that is not an int >= 0, a ``limit`` that is not an int, or a
+        that is not an int >= 0, a ``limit`` that is not an int >= 0, or a
         ``feed_id`` that is not a str is a :class:`~ucm_db.errors.ConfigError`."""
         self._state.check_open()
-        seq, limit = _integer("seq", seq, 0), _integer("limit", limit, None)
+        seq, limit = _integer("seq", seq, 0), _integer("limit", limit, 0)
         if feed_id is not None and not isinstance(feed_id, str):
             raise ConfigError(f"changes_since: feed_id must be a str or None, got {type(feed_id).__name__}",
                               hint="pass the feed_id of the batch or inventory the seq came from (a hex string)")
