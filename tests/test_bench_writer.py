@@ -11,10 +11,13 @@ the connector (vLLM) takes about 10 s of its own on a 2-core host.
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+
+import ucm_db
 
 from ucm_db.tools.bench import writer as bench
 from ucm_db.tools.bench.common import BLOCK_BYTES
@@ -82,3 +85,18 @@ def test_the_baseline_keeps_the_put_of_median_cpu_time() -> None:
     assert bench.BASELINE_PUTS % 2 == 1  # a true median
     assert bench.median_by_cpu([(0.1, 0.9), (0.5, 0.2), (0.3, 0.4)]) == (0.3, 0.4)
     assert bench.median_by_cpu([(1.0, 1.0)]) == (1.0, 1.0)
+
+
+def test_engine_rocksdb_saves_into_a_rocksdb_store(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(bench, "load_payloads", _noise)
+    monkeypatch.setattr(shutil, "rmtree", lambda *args, **kwargs: None)  # keep the scratch stores to look at them
+    args = ["writer", "--quick", "--layers", "2", "--jobs", "6", "--repeat", "1", "--backlog", "on", "--store", "fresh",
+            "--engine", "rocksdb", "--dir", str(tmp_path), "--json"]
+    result = CliRunner().invoke(bench_group, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["options"]["engine"] == "rocksdb"
+    assert report["rows"][0]["saved_bytes"] == sum([1, 2] * 3) * bench.KV_HEADS * 2 * bench.LAYER_UNIT_BYTES
+    [saves] = [p for p in tmp_path.glob("*/ucm-bench-writer-2L_backlog-*") if p.is_dir()][-1:]
+    with ucm_db.open(saves, read_only=True) as store:
+        assert store.config.engine == "rocksdb" and store.stats().blocks > 0

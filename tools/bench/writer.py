@@ -214,7 +214,7 @@ def _commits(counters: Any) -> int:
 
 
 def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec: str, scratch: Path,
-                fillers: Sequence[Sequence[Any]] = ()) -> Run:
+                fillers: Sequence[Sequence[Any]] = (), engine: str = "lmdb") -> Run:
     """One repetition of ``case`` on a fresh store (opened and removed
     untimed), or with ``fillers`` (plans of the same size, other keys) on
     one at capacity: a capacity of what ``metas`` save, filled untimed by
@@ -227,7 +227,8 @@ def writer_once(case: Case, caches: dict[str, Any], metas: Sequence[Any], codec:
     path = Path(tempfile.mkdtemp(prefix=f"ucm-bench-writer-{case.name}-", dir=scratch))
     expected = sum(len(t.keys) for meta in metas for t in meta.saves) * KV_HEADS * case.unit_bytes
     capacity_bytes = at_capacity.capacity_for(expected, expected // case.unit_bytes) if fillers else CAPACITY_BYTES
-    settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": codec, "capacity_bytes": capacity_bytes})
+    settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": codec, "capacity_bytes": capacity_bytes,
+                                                    "engine": engine})
     worker = UcmDbWorker(settings, _shape(case.layers), CACHE_BLOCKS)
     before = {t.ident for t in threading.enumerate()}
     worker.register_kv_caches(caches, 0, 0)
@@ -272,7 +273,7 @@ def _figure(values: list[float], unit: str, note: str = "") -> Figure:
 
 
 def run(layers: Sequence[int], modes: Sequence[str], job_blocks: Sequence[int], jobs: int, codec: str, repeat: int,
-        quick: bool = False, scratch_dir: str | None = None, store: str = "full") -> dict[str, Any]:
+        quick: bool = False, scratch_dir: str | None = None, store: str = "full", engine: str = "lmdb") -> dict[str, Any]:
     """Every case against the baseline, interleaved by repetition (module
     docstring); figures as plain dicts (``value``, ``unit``, ``runs``, ``note``)."""
     started, load_avg = time.time(), [round(x, 2) for x in os.getloadavg()]
@@ -289,8 +290,8 @@ def run(layers: Sequence[int], modes: Sequence[str], job_blocks: Sequence[int], 
         for rep in range(repeat + 1):  # round 0 warms up, untimed: a process's first store ran up to 2x slower
             puts = [at_capacity.put_once(options, payloads, codec, store) for _ in range(BASELINE_PUTS)]
             put_run = median_by_cpu(puts)
-            case_runs = {case: writer_once(case, caches[case.layers], metas[case.layers], codec, Path(scratch), fillers[case.layers])
-                         for case in cases}
+            case_runs = {case: writer_once(case, caches[case.layers], metas[case.layers], codec, Path(scratch), fillers[case.layers],
+                                           engine) for case in cases}
             if rep:
                 base.append(put_run)
                 for case, one in case_runs.items():
@@ -303,7 +304,7 @@ def run(layers: Sequence[int], modes: Sequence[str], job_blocks: Sequence[int], 
     }
     return as_dict({
         "model": {"layout": "vLLM CPU", "kv_dtype": "bfloat16", "kv_heads": KV_HEADS, "head_size": HEAD_SIZE, "block_size": BLOCK},
-        "options": {"layers": list(layers), "modes": list(modes), "job_blocks": list(job_blocks), "jobs": jobs, "codec": codec, "store": store,
+        "options": {"layers": list(layers), "modes": list(modes), "job_blocks": list(job_blocks), "jobs": jobs, "codec": codec, "store": store, "engine": engine,
                     "repeat": repeat, "quick": quick, "requests": REQUESTS, "durability": "group"},
         "baseline": baseline,
         "rows": [_row(case, runs[case], base, put_bytes) for case in cases],
@@ -359,12 +360,14 @@ def as_dict(report: dict[str, Any]) -> dict[str, Any]:
 @click.option("--codec", type=click.Choice(["none", "zstd"]), default="none", show_default=True, help="store codec (and baseline's)")
 @click.option("--store", type=click.Choice(["full", "fresh"]), default="full", show_default=True,
               help="full: saves and baseline into stores at capacity (every save evicts; at_capacity.py); fresh: new stores")
+@click.option("--engine", type=click.Choice(["lmdb", "rocksdb"]), default="lmdb", show_default=True,
+              help="the saves' store engine (the baseline stays bench core's LMDB put)")
 @click.option("--repeat", type=click.IntRange(min=1), default=None, help="repetitions (median) [7; quick 3]")
 @click.option("--quick", is_flag=True, help="64 jobs, 3 repetitions, bench core --quick's baseline (32 blocks)")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None, help="scratch directory (default: system temp)")
 @click.option("--json", "as_json", is_flag=True, help="print the full report as JSON")
 def command(layers: list[int], job_blocks: list[int], jobs: int | None, backlog: str, codec: str, store: str,
-            repeat: int | None, quick: bool, scratch_dir: str | None, as_json: bool) -> None:
+            engine: str, repeat: int | None, quick: bool, scratch_dir: str | None, as_json: bool) -> None:
     """In-engine saves (connector worker + background writer) per writer CPU second against bench core's durable put.
 
     The target (issue 50) is reported, not enforced: writer GB/s per CPU
@@ -375,9 +378,10 @@ def command(layers: list[int], job_blocks: list[int], jobs: int | None, backlog:
         ucm-db bench writer
         ucm-db bench writer --layers 8 --backlog on --codec zstd --json
         ucm-db bench writer --quick --job-blocks 2 --jobs 32
+        ucm-db bench writer --quick --layers 8 --backlog on --engine rocksdb
     """
     modes = {"all": MODES, "both": ("backlog", "paced"), "on": ("backlog",), "off": ("paced",), "steps": ("steps",)}[backlog]
-    report = run(layers, modes, job_blocks, jobs or (64 if quick else 256), codec, repeat or (3 if quick else 7), quick, scratch_dir, store)
+    report = run(layers, modes, job_blocks, jobs or (64 if quick else 256), codec, repeat or (3 if quick else 7), quick, scratch_dir, store, engine)
     click.echo(json.dumps(report, indent=2) if as_json else writer_table.format_table(report))
 
 

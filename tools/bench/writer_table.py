@@ -10,7 +10,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"in-engine saves (connector worker + BackgroundWriter), vLLM CPU layout, bf16, {m['kv_heads']} KV heads x head "
         f"{m['head_size']}, block {m['block_size']}; jobs of {','.join(map(str, o['job_blocks']))} blocks (cycled) from "
-        f"{o['requests']} requests, {o['jobs']} jobs; codec {o['codec']}, durability group, {o['store']} stores; medians of {o['repeat']}",
+        f"{o['requests']} requests, {o['jobs']} jobs; codec {o['codec']}, durability group, {o['store']} {o.get('engine', 'lmdb')} stores; medians of {o['repeat']}",
         f"baseline (bench core's durable put, {b['blocks']} x 2 MiB, codec {o['codec']}): {b['put_gbps']['value']:.3f} GB/s wall, "
         f"{b['put_gbps_per_cpu_s']['value']:.3f} GB/s per CPU s",
         "",
