@@ -48,17 +48,8 @@ def record(txn: Txn, namespace_id: bytes) -> None:
 def moved_since(txn: Txn, seq: int, namespaces: Container[bytes] | None) -> bool:
     """Whether an epoch of ``namespaces`` (every namespace: None) moved on
     at or after feed seq ``seq`` (a damaged record: yes)."""
-    for name, _ in txn.scan(records.INFO, MOVED_PREFIX):
-        namespace_id = bytes(name)[len(MOVED_PREFIX):]
-        if namespaces is not None and namespace_id not in namespaces:
-            continue
-        try:
-            value = records.get_checked(txn, bytes(name), size=_SEQ_BYTES)
-        except records.DamagedRecord:
-            return True
-        if value is None or int.from_bytes(value, "little") >= seq:
-            return True
-    return False
+    return any((namespaces is None or namespace_id in namespaces) and (at is None or at >= seq)
+               for namespace_id, at in _moves(txn))
 
 
 def problems(txn: Txn) -> list[str]:
@@ -77,10 +68,17 @@ def repair(txn: Txn) -> int:
 
 
 def _damaged(txn: Txn) -> list[bytes]:
-    found = []
+    return [namespace_id for namespace_id, at in _moves(txn) if at is None]
+
+
+def _moves(txn: Txn) -> list[tuple[bytes, int | None]]:
+    """``(namespace id, feed seq of its last move)`` of every move recorded
+    (None: the record is damaged)."""
+    found: list[tuple[bytes, int | None]] = []
     for name, _ in list(txn.scan(records.INFO, MOVED_PREFIX)):
         try:
-            records.get_checked(txn, bytes(name), size=_SEQ_BYTES)
+            value = records.get_checked(txn, bytes(name), size=_SEQ_BYTES)
         except records.DamagedRecord:
-            found.append(bytes(name)[len(MOVED_PREFIX):])
+            value = None
+        found.append((bytes(name)[len(MOVED_PREFIX):], None if value is None else int.from_bytes(value, "little")))
     return found
