@@ -24,15 +24,24 @@ def put_evented(store: ucm_db.Store, namespace: Namespace, tokens: list[int]) ->
     return list(keys)
 
 
+def stored_then_followed(path: Path, *, move: bool) -> dict[str, object]:
+    """A store with one evented chain (then, with ``move``, an epoch move and a chain at the new epoch); returns
+    the cursor a follower saves: the last line of the inventory."""
+    with ucm_db.open(path) as store:
+        put_evented(store, NS, [1, 2, 3, 4])
+        if move:
+            store.bump_epoch(NS)
+            put_evented(store, NS, [5, 6, 7, 8])
+    return list(maintenance.iter_events(path, with_feed_id=True))[-1]
+
+
 def resumed(path: Path, cursor: dict[str, object]) -> list[dict[str, object]]:
     return list(maintenance.iter_events(path, since_seq=int(cursor["seq"]), feed_id=str(cursor["feed_id"])))  # type: ignore[call-overload]
 
 
 def test_a_follower_resumed_before_a_move_is_cleared_and_told_the_inventory(tmp_path: Path) -> None:
     path = tmp_path / "s"
-    with ucm_db.open(path) as store:
-        put_evented(store, NS, [1, 2, 3, 4])
-    cursor = list(maintenance.iter_events(path, with_feed_id=True))[-1]
+    cursor = stored_then_followed(path, move=False)
     with ucm_db.open(path) as store:
         store.bump_epoch(NS)
         new = put_evented(store, NS, [5, 6, 7, 8])
@@ -43,11 +52,7 @@ def test_a_follower_resumed_before_a_move_is_cleared_and_told_the_inventory(tmp_
 
 def test_a_follower_resumed_after_the_move_reads_on_without_a_resync(tmp_path: Path) -> None:
     path = tmp_path / "s"
-    with ucm_db.open(path) as store:
-        put_evented(store, NS, [1, 2, 3, 4])
-        store.bump_epoch(NS)
-        put_evented(store, NS, [5, 6, 7, 8])
-    cursor = list(maintenance.iter_events(path, with_feed_id=True))[-1]  # the inventory, after the move
+    cursor = stored_then_followed(path, move=True)  # the inventory, after the move
     with ucm_db.open(path) as store:
         later = put_evented(store, NS, [9, 10, 11, 12])
     events = resumed(path, cursor)
@@ -57,9 +62,7 @@ def test_a_follower_resumed_after_the_move_reads_on_without_a_resync(tmp_path: P
 
 def test_a_new_namespace_and_another_namespace_s_follower_cost_no_resync(tmp_path: Path) -> None:
     path = tmp_path / "s"
-    with ucm_db.open(path) as store:
-        put_evented(store, NS, [1, 2, 3, 4])
-    cursor = list(maintenance.iter_events(path, with_feed_id=True))[-1]
+    cursor = stored_then_followed(path, move=False)
     with ucm_db.open(path) as store:
         put_evented(store, OTHER, [1, 2, 3, 4])  # its first epoch: no move
         store.bump_epoch(OTHER)
@@ -72,11 +75,7 @@ def test_a_new_namespace_and_another_namespace_s_follower_cost_no_resync(tmp_pat
 
 def test_a_damaged_move_record_counts_as_a_move_until_verify_fix_records_it_again(tmp_path: Path) -> None:
     path = tmp_path / "s"
-    with ucm_db.open(path) as store:
-        put_evented(store, NS, [1, 2, 3, 4])
-        store.bump_epoch(NS)
-        put_evented(store, NS, [5, 6, 7, 8])
-    cursor = list(maintenance.iter_events(path, with_feed_id=True))[-1]
+    cursor = stored_then_followed(path, move=True)
     with ucm_db.open(path) as store:
         name = epoch_moves.MOVED_PREFIX + NS.id
         store._tier.engine.write(lambda txn: txn.put(records.INFO, name, b"\xff" * 8))  # the checksum no longer agrees
