@@ -74,11 +74,5 @@ def _damaged(txn: Txn) -> list[bytes]:
 def _moves(txn: Txn) -> list[tuple[bytes, int | None]]:
     """``(namespace id, feed seq of its last move)`` of every move recorded
     (None: the record is damaged)."""
-    found: list[tuple[bytes, int | None]] = []
-    for name, _ in list(txn.scan(records.INFO, MOVED_PREFIX)):
-        try:
-            value = records.get_checked(txn, bytes(name), size=_SEQ_BYTES)
-        except records.DamagedRecord:
-            value = None
-        found.append((bytes(name)[len(MOVED_PREFIX):], None if value is None else int.from_bytes(value, "little")))
-    return found
+    return [(name[len(MOVED_PREFIX):], None if value is None else int.from_bytes(value, "little"))
+            for name, value in records.scan_checked(txn, MOVED_PREFIX, size=_SEQ_BYTES)]

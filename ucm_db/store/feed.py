@@ -52,7 +52,7 @@ class StoreFeed:
         that is not an int >= 0, a ``limit`` that is not an int >= 0, or a
         ``feed_id`` that is not a str is a :class:`~ucm_db.errors.ConfigError`."""
         self._state.check_open()
-        seq, limit = _integer("seq", seq, 0), _integer("limit", limit, 0)
+        seq, limit = _integer("seq", seq), _integer("limit", limit)
         if feed_id is not None and not isinstance(feed_id, str):
             raise ConfigError(f"changes_since: feed_id must be a str or None, got {type(feed_id).__name__}",
                               hint="pass the feed_id of the batch or inventory the seq came from (a hex string)")
@@ -114,8 +114,8 @@ class StoreFeed:
         return self._epochs.bump(namespace)
 
 
-def _integer(name: str, value: object, least: int | None) -> int:
-    """``changes_since``' ``seq`` or ``limit`` as an int (a numpy integer
+def _integer(name: str, value: object) -> int:
+    """``changes_since``' ``seq`` or ``limit`` as an int >= 0 (a numpy integer
     too), or a ConfigError: a str seq ("0", read from a file) failed deep
     in the feed as a TypeError."""
     try:
@@ -124,7 +124,7 @@ def _integer(name: str, value: object, least: int | None) -> int:
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         number = None
-    if number is None or (least is not None and number < least):
-        raise ConfigError(f"changes_since: {name} must be an integer{'' if least is None else f' >= {least}'}, got {value!r}",
+    if number is None or number < 0:
+        raise ConfigError(f"changes_since: {name} must be an integer >= 0, got {value!r}",
                           hint="pass seq=store.feed_position() (or a batch's next_seq) and limit as an int")
     return number
