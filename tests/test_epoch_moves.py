@@ -88,3 +88,20 @@ def test_a_damaged_move_record_counts_as_a_move_until_verify_fix_records_it_agai
         put_evented(store, NS, [9, 10, 11, 12])
     cursor = list(maintenance.iter_events(path, with_feed_id=True))[-1]  # past the move recorded again
     assert all(e["type"] == "BlockStored" for e in resumed(path, cursor))
+
+
+def test_an_epoch_record_lost_and_renewed_by_verify_fix_counts_as_a_move(tmp_path: Path) -> None:
+    """A record removed by damage outside ucm-db (the store is sealed: its blocks read as a lost epoch) gets a fresh
+    epoch from ``verify --fix``; a follower resumed from before that holds the lost epoch's blocks and resyncs."""
+    path = tmp_path / "s"
+    cursor = stored_then_followed(path, move=False)
+    with ucm_db.open(path) as store:
+        name = b"epoch:" + NS.id
+        assert store._tier.engine.read(lambda txn: txn.get(records.INFO, name)) is not None
+        store._tier.engine.write(lambda txn: txn.delete(records.INFO, name))
+    assert maintenance.verify(path, fix=True).epochs_renewed == 1
+    with ucm_db.open(path) as store:
+        new = put_evented(store, NS, [5, 6, 7, 8])
+    events = resumed(path, cursor)
+    assert events[0]["type"] == "AllBlocksCleared"
+    assert [bytes.fromhex(str(e["key"])) for e in events[1:]] == new

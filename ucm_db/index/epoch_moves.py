@@ -13,8 +13,9 @@ records the feed's next seq at that moment (the checked info record
 
 Invariants:
     * Written in the transaction that changes a namespace's recorded epoch
-      to another value; never for a namespace's first epoch (no follower
-      holds its blocks from before it).
+      to another value, or renews a lost one (absent while the store holds
+      the namespace's blocks: ``verify --fix``, ``invalidate``); never for a
+      namespace's first epoch (no follower holds its blocks from before it).
     * A follower resuming from ``since_seq`` S was told every record below
       S. A move recorded at P >= S may be later than all it was told: it
       resyncs (``AllBlocksCleared``, then the inventory). P < S: it was told

@@ -163,10 +163,12 @@ def _name(namespace_id: bytes) -> bytes:
     return EPOCH_PREFIX + bytes(namespace_id)
 
 
-def _put(txn: Txn, namespace_id: bytes, epoch: int) -> None:
+def _put(txn: Txn, namespace_id: bytes, epoch: int, *, lost: bool = False) -> None:
+    """Records the namespace's epoch; ``lost``: its record was lost (absent
+    though the store holds its blocks), so this replaces an epoch too."""
     high = _high(txn)  # before this write: the record it replaces counts
     before = txn.get(_INFO, _name(namespace_id))
-    if before is not None and bytes(before) != epoch.to_bytes(_EPOCH_BYTES, "little"):
+    if lost or (before is not None and bytes(before) != epoch.to_bytes(_EPOCH_BYTES, "little")):
         epoch_moves.record(txn, namespace_id)  # a resumed event follower resyncs (epoch_moves.py)
     records.put_checked(txn, _name(namespace_id), epoch.to_bytes(_EPOCH_BYTES, "little"))
     # A damaged high-water record stays damaged: never lowered by a rewrite.
@@ -359,7 +361,7 @@ def bump(engine: Engine, namespace_id: bytes, floor: int = 0, *, fresh: bool = F
         seal(txn)
         found = state(txn, namespace_id)
         epoch = next_epoch(found.epoch, floor, _high(txn) if found.epoch is None else 0, fresh=fresh)
-        _put(txn, namespace_id, epoch)
+        _put(txn, namespace_id, epoch, lost=found.epoch is None)
         pins.release_namespace(txn, namespace_id)  # stale is stale (module invariants)
         return epoch
 
