@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import ucm_db
+from ucm_db import maintenance
 from ucm_db.components import local_tier
 from ucm_db.remote.tier import RemoteRoot
 
@@ -94,3 +95,26 @@ def test_uploads_and_deletes_of_a_directory_remote_survive_its_power_loss(
         assert _on_remote(url, namespace, keys[2:]) == [False, False], \
             "a block deleted with remote=True (retraction confirmed) came back after the remote's power loss"
         assert _on_remote(url, namespace, keys[:2]) == [True, True]
+
+
+def _gc_everything(url: str) -> None:
+    report = maintenance.gc_remote(url, older_than_s=0)
+    assert report["removed_objects"] == BLOCKS, report
+
+
+def test_gc_removals_from_a_directory_remote_survive_its_power_loss(tmp_path: Path, namespace: ucm_db.Namespace) -> None:
+    """gc's removals are durable when it returns (``ucm_db.remote.files.remove_all``): before, it unlinked without
+    a directory fsync, and the objects it reported removed came back with the remote's power."""
+    keys, _payloads = chain(namespace, BLOCKS)
+    with PowerCutMount(tmp_path / "mnt", tmp_path) as mount:
+        mount.strict_names(True)
+        remote_dir = tmp_path / "mnt" / "remote"
+        remote_dir.mkdir()
+        _sync_dir(tmp_path / "mnt")
+        url = f"file://{remote_dir}"
+        log = tmp_path / "child.log"
+        assert run_child(_put_and_flush, tmp_path / "store", url, namespace, log_path=log, timeout_s=120) == 0, tail(log)
+        assert _on_remote(url, namespace, keys) == [True] * BLOCKS
+        assert run_child(_gc_everything, url, log_path=log, timeout_s=120) == 0, tail(log)
+        mount.cut("drop", 1)
+        assert _on_remote(url, namespace, keys) == [False] * BLOCKS, "objects gc removed came back after a power loss"

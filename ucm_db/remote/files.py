@@ -13,7 +13,8 @@ Invariants:
     * On a local or NFS directory a name is durable before a write or a
       removal returns: the rename, link or unlink is followed by an fsync of
       its directory, and of the parent of each directory the write created
-      (:func:`_sync_dirs`). Callers drop their own records once the call
+      (:func:`_sync_dirs`); :func:`remove_all` (``gc``) fsyncs each
+      directory once after its last removal. Callers drop their own records once the call
       returned (the upload queue's row, a retraction's confirmation, both
       made durable by ``flush``): the audit that taught it
       (tests/remote/test_audit_uploads_durable_names.py) lost, with the
@@ -163,6 +164,23 @@ def remove_whole(fs: Any, path: str) -> None:
     fs.rm_file(path)
     if is_local_fs(fs):
         _sync_names(path, [])
+
+
+def remove_all(fs: Any, paths: Iterable[str]) -> int:
+    """Removes the objects at ``paths`` (one already gone is passed over);
+    on a local directory the removals are durable when this returns, each
+    directory fsynced once after its last removal. Returns how many it
+    removed."""
+    removed: list[str] = []
+    for path in paths:
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    if removed and is_local_fs(fs):
+        _sync_dirs(dict.fromkeys(os.path.dirname(path) for path in removed))
+    return len(removed)
 
 
 def _sync_names(path: str, created: list[str], syncs: DirSyncs | None = None) -> None:

@@ -123,6 +123,7 @@ from typing import Any
 from ucm_db.remote.gc_listing import (  # noqa: F401 - RemoteListing, list_objects re-exported
     RemoteListing, RemoteObjectInfo, landed_parents, list_objects, require_bucket, stale_tombstones,
 )
+from ucm_db.remote.files import remove_all
 from ucm_db.remote.tier import RemoteRoot
 
 TEMP_MAX_AGE_S = 3600.0
@@ -339,11 +340,7 @@ def gc(root: RemoteRoot, *, older_than_s: float | None, max_bytes: int | None, d
     doomed = removal_order(objects, plan.victims | plan.cascade)
     sizes = {o.path: o.size_bytes for o in objects}
     if not dry_run:
-        for path in doomed + stale_temps + old_tombstones:
-            try:
-                root.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
+        remove_all(root.fs, doomed + stale_temps + old_tombstones)  # durable on a directory remote (files.py)
     total = sum(sizes.values())
     freed = sum(sizes[p] for p in doomed)
     return {
