@@ -8,7 +8,7 @@ the fraction that were seen before, either found stored by the request's
 lookup (loaded from ucm-db, or held by vLLM's own cache and stored) or counted
 by the admission's sighting sketch (computed again since an earlier sighting).
 It sets the admission threshold that
-:class:`~ucm_db.connector.request_controls.Admission` applies: 1 (store from
+:class:`~ucm_db.connector.admission.Admission` applies: 1 (store from
 the first sighting) or 2 (from the second).
 
 Invariants:
@@ -23,7 +23,7 @@ Invariants:
       :data:`HALF_LIFE_BLOCKS` blocks observed: recent traffic counts, a
       burst of unique prompts an hour ago does not.
     * Only the threshold changes; admission still only shortens a
-      request's saves to a prefix of its chain (request_controls.py), so
+      request's saves to a prefix of its chain (admission.py), so
       what is stored keeps the parent-before-child invariant.
     * Imports no vLLM (the settings and tests use it in any process).
 """

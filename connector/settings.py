@@ -36,7 +36,7 @@ The extra config accepts, by name:
   stored from its Nth sighting, so one-shot prompts are never written;
   ``"auto"``: 2 while under 5% of the blocks computed were seen before, else
   1, :mod:`ucm_db.connector.auto_admission`), see
-  :mod:`ucm_db.connector.request_controls`; ``save_process`` (``true``: the
+  :mod:`ucm_db.connector.admission`; ``save_process`` (``true``: the
   background writer hands each round to a child process that opens the same
   store and commits from shared staging memory, so the commit's Python
   never holds the model thread's GIL, see :mod:`ucm_db.committer`; if the
@@ -74,7 +74,7 @@ from typing import Any
 from ucm_db.config import StoreConfig, redacted_options
 from ucm_db import load_config_file
 from ucm_db.connector.scheduler.cost_model import check_load_policy
-from ucm_db.connector.request_controls import check_admission
+from ucm_db.connector.admission import check_admission
 from ucm_db.connector.roles import check_publish_options
 from ucm_db.errors import ConfigError
 
@@ -119,7 +119,7 @@ class ConnectorSettings:
             faster than recomputing, see cost_model.py) or ``"always"``.
         remote_lookup: ``"inline"`` or ``"background"`` (remote_lookups.py).
         save_decode: store the blocks completed during decode (holding
-            generated tokens) too (request_controls.py).
+            generated tokens) too (admission.py).
         admit_after: store a chain's blocks from its Nth sighting (1: always),
             or ``"auto"`` (2 while little of the engine's work is reused, else 1).
         save_process: commit saves in a child process: True, False, or

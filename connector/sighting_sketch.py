@@ -1,4 +1,4 @@
-"""How often each block key was seen, for ``admit_after`` (request_controls.py).
+"""How often each block key was seen, for ``admit_after`` (admission.py).
 
 Invariants:
     * The memory is fixed (:data:`SKETCH_DEPTH` rows of

@@ -70,7 +70,7 @@ class EngineWarmReport:
 def warming_params() -> Any:
     """:func:`warm_engine`'s ``SamplingParams``: one greedy token, and the
     ``save: "always"`` control, so every prompt is stored whatever the
-    connector's ``admit_after`` says (request_controls.py)."""
+    connector's ``admit_after`` says (admission.py)."""
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {PARAMS_KEY: {"save": SAVE_ALWAYS}}})

@@ -152,7 +152,7 @@ def test_the_default_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
 
 
 def test_a_kv_producer_refuses_admit_after_two_as_quoted() -> None:
-    from ucm_db.connector.request_controls import Admission
+    from ucm_db.connector.admission import Admission
 
     quoted = "`ConfigError: admit_after 2 on a kv_producer would publish nothing of a prompt's first sightings ...`"
     assert quoted in _flat(CONNECTOR)
@@ -209,7 +209,7 @@ def test_the_figures_connector_md_quotes_are_the_codes() -> None:
     from ucm_db.connector.device_saves import GATHER_CHUNK_BYTES
     from ucm_db.connector.hybrid.ssm_state import MAX_PROBES
     from ucm_db.connector.metrics import GAUGE_INTERVAL_S
-    from ucm_db.connector.request_controls import MAX_ADMIT_AFTER
+    from ucm_db.connector.admission import MAX_ADMIT_AFTER
     from ucm_db.connector.scheduler.lookups import PROBE_BLOCKS
     from ucm_db.connector.scheduler.remote_lookups import LOOKUP_THREADS
     from ucm_db.connector.sighting_sketch import SKETCH_DEPTH, SKETCH_HALVE_EVERY, SKETCH_WIDTH, SightingSketch

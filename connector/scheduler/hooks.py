@@ -87,7 +87,7 @@ from ucm_db.connector.scheduler.lookups import LookupPending, PrefixLookup
 from ucm_db.connector.metadata import UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.metrics import Counters, StoreGauges
 from ucm_db.connector.scheduler.planner import StepPlanner
-from ucm_db.connector.request_controls import Admission
+from ucm_db.connector.admission import Admission
 from ucm_db.connector.scheduler.request_state import hit_sources, LookupRecord, RequestState
 from ucm_db.connector.scheduler.served_controls import log_not_looked_up, refuse_saves_over_stale_caches, served_controls
 from ucm_db.connector.roles import PublicationWaits, RolePolicy, store_fingerprints
@@ -117,7 +117,7 @@ class UcmDbScheduler:
         """``generations_checked``: the caller (the connector's facade) has
         refused a store of an older storage generation already;
         ``steps_overlap``: vLLM plans steps ahead of outputs (every claim async)."""
-        # First: a kv_producer's admit_after above 1 is refused before the store is opened (request_controls.Admission).
+        # First: a kv_producer's admit_after above 1 is refused before the store is opened (admission.Admission).
         self._admission = Admission(settings.save_decode, settings.admit_after, publishes=role.publishes, store_foreign_loads=settings.store_foreign_loads)
         self._store = acquire(settings)
         try:  # blocks of an older storage generation: converted by `ucm-db migrate`, never read here

@@ -28,7 +28,7 @@ Invariants:
     * A request whose key chain is of an older epoch than the namespace's
       (a reset since its lookup) saves nothing more; nor does one whose
       controls say ``save: false``. Admission
-      (:class:`~ucm_db.connector.request_controls.Admission`: ``save_decode``,
+      (:class:`~ucm_db.connector.admission.Admission`: ``save_decode``,
       ``admit_after``) only cuts a request's saves short, to a prefix of
       its chain, so the parent invariant above holds.
     * The cost model learns from real work only: the local tier's load
@@ -49,7 +49,8 @@ from ucm_db.connector.scheduler.cost_model import MIN_PREFILL_TOKENS, CostModel
 from ucm_db.connector.events import save_fields
 from ucm_db.connector.scheduler.lookups import PrefixLookup
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
-from ucm_db.connector.request_controls import SAVE_ALWAYS, Admission
+from ucm_db.connector.admission import Admission
+from ucm_db.connector.request_controls import SAVE_ALWAYS
 from ucm_db.connector.scheduler.request_state import RequestState
 from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS, SaveSettlement
 from ucm_db.connector.scheduler.stale_blocks import CLEAN_STEP, Scheduled, StaleBlocks, StepVerdict
@@ -74,7 +75,7 @@ class StepPlanner:
         self._lookup = lookup
         self._settlement = settlement
         self._current_epoch = current_epoch
-        self._admission = admission or Admission()  # save_decode, admit_after (request_controls.py)
+        self._admission = admission or Admission()  # save_decode, admit_after (admission.py)
         self._step = 0  # number of the next step's metadata
         # step -> (planned at, tokens scheduled, remote lookup seconds so far, mean position of those tokens)
         self._pending_steps: dict[int, tuple[float, int, float, float | None]] = {}
