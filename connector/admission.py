@@ -132,10 +132,11 @@ class Admission:
         counts = self.sketch.counts(keys[low:end]) if low < end else np.zeros(0, dtype=np.uint8)
         if end > first or observe:
             state.sighted_blocks = end  # under "auto" also where every block was stored: observed once
+        sampled = self.auto is not None and len(keys) > 0 and auto_admission.sampled(keys[0])
         if observe:
-            self.admit_after = self._observe_reuse(state.stored_blocks, counts[first - low:], before, end)
-        if self.admit_after == 1:
-            admitted = max(admitted, end)  # no count can refuse a block
+            self.admit_after = self._observe_reuse(state.stored_blocks, counts[first - low:], before, end, sampled)
+        if self.admit_after == 1 or sampled:
+            admitted = max(admitted, end)  # no count can refuse a block (a sampled chain: auto_admission.py)
         elif check:
             refused = np.flatnonzero(counts[admitted - low:] < self.admit_after)
             admitted = end if not len(refused) else admitted + int(refused[0])
@@ -143,14 +144,16 @@ class Admission:
         state.admitted_blocks = admitted
         return min(admitted, end)
 
-    def _observe_reuse(self, stored_blocks: int, sighted_counts: np.ndarray, before: int, end: int) -> int:
+    def _observe_reuse(self, stored_blocks: int, sighted_counts: np.ndarray, before: int, end: int,
+                       sampled: bool) -> int:
         """Feeds ``admit_after: "auto"`` a request's blocks ``[before,
         end)``, observed once each: those below ``stored_blocks`` were found
         stored (reused); of those just sighted (``sighted_counts``, their
         counts after this sighting) a count of 2 or more was seen before.
+        ``sampled``: the chain is stored from its first sighting at 2.
         Returns the threshold in force."""
         assert self.auto is not None
         stored = max(0, min(stored_blocks, end) - before)
         seen = int(np.count_nonzero(sighted_counts >= 2))
-        return self.auto.observe(stored + seen, end - before)
+        return self.auto.observe(stored + seen, end - before, sampled=sampled)
 

@@ -29,3 +29,16 @@ def test_admit_after_2_writes_nothing_of_unique_prompts_and_keeps_repeated_prefi
     assert once["stored_bytes"] > 0 and twice["stored_bytes"] == 0
     kept1, kept2 = run_one(loads["prefix"], 1), run_one(loads["prefix"], 2)
     assert kept2["hits_after_second_sighting"] == kept1["hits_after_second_sighting"] > 0
+
+
+
+def test_the_fleet_workload_carries_its_reuse_only_through_the_store() -> None:
+    from ucm_db.tools.bench.admission import fleet_workload, run_fleet
+
+    sent = fleet_workload(prompt_tokens=4 * BS, prompts=4, documents=3, seed=3)
+    assert [e for _, e, _ in sent] == [0, 1, 0, 1, 0, 1, 1, 0, 0, 1]  # documents: computed on one engine, asked on the other
+    assert [c for _, _, c in sent] == [False] * 4 + [False, True] * 3  # only the questions' hits are counted
+    documents, questions = sent[4::2], sent[5::2]
+    assert all(q[: 4 * BS] == d and len(q) == 4 * BS + TAIL_TOKENS for (d, _, _), (q, _, _) in zip(documents, questions))
+    assert run_fleet(sent, 1)["hit_tokens"] == 3 * 4 * BS  # every document found stored by the engine asked
+    assert run_fleet(sent, 2)["hit_tokens"] == 0  # no engine sees a document twice

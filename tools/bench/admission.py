@@ -11,6 +11,13 @@ Workloads (block size 32, codec none):
 * ``conversation``: ``--chats`` chats of ``--turns`` turns, each turn's
   prompt the conversation so far (the previous prompt, a 64-token reply
   standing for the answer, a new 64-token message).
+* ``fleet``: two engines on one store (a store shared by a node's engines).
+  First ``--prompts`` unique prompts, alternating engines (traffic that
+  shows no reuse: ``auto`` moves to 2); then ``--documents`` documents of
+  ``--prompt-tokens`` tokens, each computed once on one engine and then
+  asked about (a 64-token question after it) on the other, so only the
+  store carries the reuse: no engine sees a document twice. Hits are
+  counted in that second phase.
 
 Reported per N: bytes written (the store's stored bytes), hit tokens, and
 for ``prefix`` the hits of every prefix's third and later sightings (what N=2
@@ -98,11 +105,11 @@ def workloads(prompt_tokens: int, prompts: int, prefixes: int, repeats: int, cha
               seed: int) -> dict[str, list[tuple[list[int], str | None]]]:
     """Each workload's prompts in sending order, with the prefix each repeats (None: none)."""
     rng = random.Random(seed)
-    no_reuse = [(_ids_of(rng, prompt_tokens), None) for _ in range(prompts)]
+    no_reuse: list[tuple[list[int], str | None]] = [(_ids_of(rng, prompt_tokens), None) for _ in range(prompts)]
     heads = [_ids_of(rng, prompt_tokens) for _ in range(prefixes)]
     order = [p for p in range(prefixes) for _ in range(repeats)]
     rng.shuffle(order)
-    prefix = [(heads[p] + _ids_of(rng, TAIL_TOKENS), f"p{p}") for p in order]
+    prefix: list[tuple[list[int], str | None]] = [(heads[p] + _ids_of(rng, TAIL_TOKENS), f"p{p}") for p in order]
     conversation: list[tuple[list[int], str | None]] = []
     chat_tokens = [_ids_of(rng, TAIL_TOKENS) for _ in range(chats)]
     for turn in range(turns):
@@ -110,6 +117,29 @@ def workloads(prompt_tokens: int, prompts: int, prefixes: int, repeats: int, cha
             conversation.append((list(chat_tokens[c]), None))
             chat_tokens[c] += _ids_of(rng, 2 * TAIL_TOKENS)  # the reply, then the next message
     return {"no-reuse": no_reuse, "prefix": prefix, "conversation": conversation}
+
+
+def fleet_workload(prompt_tokens: int, prompts: int, documents: int, seed: int) -> list[tuple[list[int], int, bool]]:
+    """``fleet``'s prompts in sending order: ``(tokens, engine, counted)``, counted: its hits are reported."""
+    rng = random.Random(seed + 1)
+    sent = [(_ids_of(rng, prompt_tokens), i % 2, False) for i in range(prompts)]
+    for d in range(documents):
+        document = _ids_of(rng, prompt_tokens)
+        sent += [(document, d % 2, False), (document + _ids_of(rng, TAIL_TOKENS), 1 - d % 2, True)]
+    return sent
+
+
+def run_fleet(prompts: list[tuple[list[int], int, bool]], admit_after: int | str) -> dict[str, Any]:
+    max_blocks = max(len(t) for t, _, _ in prompts) // BS + 2
+    with tempfile.TemporaryDirectory(prefix="ucm-db-admission-") as tmp:
+        engines = [_Engine(Path(tmp) / "store", admit_after, max_blocks) for _ in range(2)]
+        try:
+            hits = [engines[e].prefill(tokens) for tokens, e, _ in prompts]
+            return {"stored_bytes": engines[0].stored_bytes(), "hit_tokens": sum(h for h, (_, _, c) in zip(hits, prompts) if c),
+                    "prompt_tokens": sum(len(t) for t, _, c in prompts if c)}
+        finally:
+            for engine in engines:
+                engine.close()
 
 
 def run_one(prompts: list[tuple[list[int], str | None]], admit_after: int | str) -> dict[str, Any]:
@@ -140,10 +170,11 @@ def run_one(prompts: list[tuple[list[int], str | None]], admit_after: int | str)
 @click.option("--repeats", type=click.IntRange(min=3), default=8, show_default=True, help="sightings of each prefix")
 @click.option("--chats", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--turns", type=click.IntRange(min=2), default=6, show_default=True)
+@click.option("--documents", type=click.IntRange(min=1), default=128, show_default=True, help="fleet documents")
 @click.option("--seed", type=int, default=7, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON only")
-def command(admit: str, prompt_tokens: int, prompts: int, prefixes: int, repeats: int, chats: int, turns: int, seed: int,
-            as_json: bool) -> None:
+def command(admit: str, prompt_tokens: int, prompts: int, prefixes: int, repeats: int, chats: int, turns: int,
+            documents: int, seed: int, as_json: bool) -> None:
     """Bytes written and hits kept by admit_after N (or auto) on three workloads.
 
     \b
@@ -153,6 +184,8 @@ def command(admit: str, prompt_tokens: int, prompts: int, prefixes: int, repeats
     ns: list[int | str] = [n if n == "auto" else int(n) for n in admit.split(",")]
     loads = workloads(prompt_tokens, prompts, prefixes, repeats, chats, turns, seed)
     report = {name: {n: run_one(prompts_, n) for n in ns} for name, prompts_ in loads.items()}
+    fleet = fleet_workload(prompt_tokens, prompts, documents, seed)
+    report["fleet"] = {n: run_fleet(fleet, n) for n in ns}
     base = ns[0]
     verdicts = {}
     if 1 in ns and 2 in ns:
@@ -163,7 +196,7 @@ def command(admit: str, prompt_tokens: int, prompts: int, prefixes: int, repeats
     if 1 in ns and "auto" in ns:
         verdicts["no_reuse_bytes_auto_over_n1"] = round(report["no-reuse"]["auto"]["stored_bytes"]
                                                         / max(1, report["no-reuse"][1]["stored_bytes"]), 4)
-        for name in ("prefix", "conversation"):
+        for name in ("prefix", "conversation", "fleet"):
             verdicts[f"{name}_hits_auto_over_n1"] = round(report[name]["auto"]["hit_tokens"] / max(1, report[name][1]["hit_tokens"]), 4)
     if as_json:
         click.echo(json.dumps({"workloads": report, "targets": verdicts}, indent=2))
