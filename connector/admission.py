@@ -111,13 +111,14 @@ class Admission:
         return (self.sketch is not None and end <= state.admission_checked_blocks
                 and state.admitted_blocks < end and state.admitted_blocks <= start)
 
-    def admit(self, state: AdmissionMarks, keys: Sequence[bytes], end: int) -> int:
+    def admit(self, state: AdmissionMarks, keys: Sequence[bytes], end: int, token_ids: Sequence[int] = ()) -> int:
         """Counts the sightings of the request's blocks before ``end`` not
         counted yet (those known stored excepted) and returns where its
         admitted prefix ends (at most ``end``). Counts are read once per
         ``end`` the request reaches (:meth:`decided`). Under ``"auto"`` the
         blocks not observed yet feed its threshold first, which then
-        applies to them (:meth:`_observe_reuse`)."""
+        applies to them (:meth:`_observe_reuse`), and ``token_ids`` (the
+        request's) say whether its chain is one sampled at 2."""
         if self.sketch is None:
             return end
         before = state.sighted_blocks
@@ -132,7 +133,7 @@ class Admission:
         counts = self.sketch.counts(keys[low:end]) if low < end else np.zeros(0, dtype=np.uint8)
         if end > first or observe:
             state.sighted_blocks = end  # under "auto" also where every block was stored: observed once
-        sampled = self.auto is not None and len(keys) > 0 and auto_admission.sampled(keys[0])
+        sampled = self.auto is not None and auto_admission.sampled(token_ids)
         if observe:
             self.admit_after = self._observe_reuse(state.stored_blocks, counts[first - low:], before, end, sampled)
         if self.admit_after == 1 or sampled:

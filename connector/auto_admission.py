@@ -23,9 +23,11 @@ Invariants:
       :data:`HALF_LIFE_BLOCKS` blocks observed: recent traffic counts, a
       burst of unique prompts an hour ago does not.
     * At threshold 2, one chain in :data:`SAMPLE_ONE_IN` is still stored
-      from its first sighting: the chains whose first block's key
-      :func:`sampled` picks, the same chains on every engine (a key names
-      its namespace and token prefix, never the engine). Reuse that only
+      from its first sighting: the chains whose first
+      :data:`SAMPLE_ROOT_TOKENS` token ids :func:`sampled` picks, the same
+      chains on every engine and in every KV cache group of a hybrid model
+      (whose groups key the same tokens apart: a chain some groups stored
+      and others not would serve no hit). Reuse that only
       another engine, or this one after a restart, would see (a chain
       computed once here and read later elsewhere) is invisible to the
       sketch, but is found stored for the sampled chains; their own share
@@ -44,7 +46,11 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Sequence
+
+import numpy as np
 
 #: Blocks observed before the threshold may leave 1 (a few dozen prompts).
 MIN_EVIDENCE_BLOCKS = 1024
@@ -58,16 +64,23 @@ HIGH_SHARE = 0.10
 SAMPLE_ONE_IN = 16
 #: Sampled blocks observed at threshold 2 before their share alone may move it back to 1.
 MIN_SAMPLED_BLOCKS = 256
+#: Leading token ids that decide whether a chain is sampled (a request holding fewer is not sampled until it
+#: holds them: with blocks of under 16 tokens its first blocks may be refused until then, never stored with a gap).
+SAMPLE_ROOT_TOKENS = 16
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handler prints it
 
 
-def sampled(root_key: bytes) -> bool:
-    """Whether the chain whose first block has ``root_key`` is stored from
-    its first sighting at threshold 2 (module invariants): the same answer
-    on every engine, for one chain in :data:`SAMPLE_ONE_IN` (keys are
-    digests)."""
-    return int.from_bytes(bytes(root_key[-4:]), "little") % SAMPLE_ONE_IN == 0
+def sampled(token_ids: Sequence[int]) -> bool:
+    """Whether the chain of a request whose token ids begin with
+    ``token_ids`` is stored from its first sighting at threshold 2 (module
+    invariants): the same answer on every engine, for one chain in
+    :data:`SAMPLE_ONE_IN`, decided by its first :data:`SAMPLE_ROOT_TOKENS`
+    ids (fewer: not sampled)."""
+    if len(token_ids) < SAMPLE_ROOT_TOKENS:
+        return False
+    root = np.asarray(token_ids[:SAMPLE_ROOT_TOKENS], dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(root, digest_size=8).digest(), "little") % SAMPLE_ONE_IN == 0
 
 
 class DecayedShare:

@@ -206,7 +206,7 @@ def test_each_malformed_control_is_served_as_the_table_says() -> None:
 # -- figures the document quotes ------------------------------------------------------------------------
 def test_the_figures_connector_md_quotes_are_the_codes() -> None:
     from ucm_db.connector.auto_admission import (
-        HALF_LIFE_BLOCKS, HIGH_SHARE, LOW_SHARE, MIN_EVIDENCE_BLOCKS, MIN_SAMPLED_BLOCKS, SAMPLE_ONE_IN,
+        HALF_LIFE_BLOCKS, HIGH_SHARE, LOW_SHARE, MIN_EVIDENCE_BLOCKS, MIN_SAMPLED_BLOCKS, SAMPLE_ONE_IN, SAMPLE_ROOT_TOKENS,
     )
     from ucm_db.connector.device_saves import GATHER_CHUNK_BYTES
     from ucm_db.connector.hybrid.ssm_state import MAX_PROBES
@@ -237,6 +237,7 @@ def test_the_figures_connector_md_quotes_are_the_codes() -> None:
         ("whose weights halve every 2048 blocks", HALF_LIFE_BLOCKS, 2048),
         ("when under 5% of the blocks were seen before, and back to 1 at 10% or more", (LOW_SHARE, HIGH_SHARE), (0.05, 0.10)),
         ("At N=2 one chain in 16 is still stored from its first sighting", SAMPLE_ONE_IN, 16),
+        ("those whose first 16 token ids are picked", SAMPLE_ROOT_TOKENS, 16),
         ("once their own share (from 256 of their blocks) reaches 10%", (MIN_SAMPLED_BLOCKS, HIGH_SHARE), (256, 0.10)),
     ]
     wrong = [(said, actual) for said, actual, stated in quoted if said not in flat or actual != stated]

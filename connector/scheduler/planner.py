@@ -184,7 +184,7 @@ class StepPlanner:
             return
         keys = self._keys(state, end)
         if admitting:
-            end = self._admission.admit(state, keys, end)  # admit_after: the prefix seen often enough
+            end = self._admission.admit(state, keys, end, request.all_token_ids)  # admit_after: the prefix seen enough
         if end <= start:
             return
         after_loads, sibling = self._settlement.after_loads(req_id, block_ids[:end], loaded)
