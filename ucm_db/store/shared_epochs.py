@@ -15,9 +15,11 @@ Invariants:
     * A namespace is *shared* once this store recorded its epoch with a
       remote configured (its first contact finding the namespace there, its
       epoch told to the remote, a put or promotion there, a bump through it:
-      the checked info record ``epochs:shared:<id>``), or
-      where the store uploaded to a remote at all (the uploader's
-      ``remote_codec`` record: stores shared before the mark existed).
+      the checked info record ``epochs:shared:<id>``), or its blocks came
+      from an archive (``ucm-db import``: the source's epochs may be a
+      fleet's), or where the store uploaded to a remote at all (the
+      uploader's ``remote_codec`` record: stores shared before the mark
+      existed).
       Marks are never removed.
     * Above ``2**40`` a claimed epoch is at least the clock's fresh epoch
       (:func:`claimable`): a count there (``F + 1``) could land on a fresh

@@ -16,6 +16,13 @@ Invariants:
       epochs only move forward. A namespace whose epoch the store cannot
       establish stays unknown (the archive's may be older than the lost
       one) and is reported.
+    * Import marks every namespace it records shared
+      (:mod:`ucm_db.store.shared_epochs`): the source's epochs may be a
+      fleet's, counted through a remote this store has not met, so an
+      invalidation here without that remote takes a fresh epoch, never the
+      next count (which a fleet node may claim meanwhile: both
+      invalidations would then live at one epoch, each side serving the
+      other's blocks: tests/remote/test_epoch_seeded_by_import.py).
     * An archive of version 1 (ucm-db before epochs travelled) carries no
       epoch: each of its namespaces is read as "epoch unknown", and import
       lowers nothing and raises nothing: the store keeps its epochs and the
@@ -40,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm_db.errors import ConfigError
-from ucm_db.store import epochs
+from ucm_db.store import epochs, shared_epochs
 from ucm_db.store.view import StoreView
 
 _DAMAGED = "the archive is damaged or not written by ucm-db export; export it again"
@@ -104,5 +111,7 @@ def adopt_epochs(store: Any, carried: dict[str, int | None]) -> tuple[dict[str, 
         note = NO_EPOCH_NOTE if epoch is None else None
         if found.epoch is None:
             problems.append(str(epochs.unknown_error(bytes.fromhex(ns_hex), found.problem, str(store.path))))
+        else:
+            shared_epochs.mark(store._engine, bytes.fromhex(ns_hex))  # its source's epochs may be a fleet's
         rows[ns_hex] = {"carried": epoch, "epoch": found.epoch, "note": note}
     return rows, problems
