@@ -23,7 +23,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from ucm_db.tools.cli_bench import BENCHMARKS, bench_group
+from ucm_db.tools.cli_bench import BENCHMARKS, SUMMARIES, bench_group
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURING = ("ucm_db.tools.bench", "ucm_db.tools.demo")
@@ -87,6 +87,7 @@ def test_every_benchmark_is_a_documented_click_command(name: str) -> None:
     assert command.help and "Example:" in command.help and f"ucm-db bench {name}" in command.help
     result = CliRunner().invoke(bench_group, [name, "--help"])
     assert result.exit_code == 0 and "Example:" in result.output
+    assert SUMMARIES[name] == command.get_short_help_str(limit=200)  # what the group's help lists without importing it
 
 
 def test_the_group_lists_every_benchmark_and_refuses_others() -> None:
@@ -96,6 +97,16 @@ def test_the_group_lists_every_benchmark_and_refuses_others() -> None:
         assert name in result.output
     unknown = CliRunner().invoke(bench_group, ["nonsense"])
     assert unknown.exit_code == 2 and "No such command" in unknown.output
+
+
+def test_the_groups_help_imports_no_benchmark() -> None:
+    """``ucm-db bench --help`` took about 8 s: listing the commands imported every benchmark (torch, vLLM)."""
+    code = ("import sys; from click.testing import CliRunner; from ucm_db.tools.cli import cli; "
+            "out = CliRunner().invoke(cli, ['bench', '--help']); assert out.exit_code == 0, out.output; "
+            "print(sorted(m for m in sys.modules if m.startswith('ucm_db.tools.bench.') or m in ('torch', 'vllm')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
 
 
 def test_python_m_runs_the_same_group() -> None:
