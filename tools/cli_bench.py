@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 
 import click
-from click.utils import make_default_short_help
 
 #: Subcommand -> "module:attribute" of its click command.
 BENCHMARKS = {
@@ -57,7 +56,7 @@ BENCHMARKS = {
 
 #: Subcommand -> its short help, so `ucm-db bench --help` imports no benchmark (tests/test_bench_layout.py holds
 #: each equal to its command's).
-SUMMARIES = {
+SUMMARIES: dict[str, str] = {
     'core': 'The store against baselines measured in the same run: put, get, codec, lookup, keys, scale.',
     'engines': 'The LMDB and RocksDB engines side by side through the Store API (put, get, lookup).',
     'remote': 'The remote tier against raw fsspec: upload, download, lookup round trips, a remote that is down.',
@@ -113,10 +112,14 @@ class LazyBenchGroup(click.Group):
         if not names:
             return
         limit = formatter.width - 6 - max(len(name) for name in names)
-        rows = [(name, make_default_short_help(SUMMARIES[name], limit) if name in SUMMARIES
-                 else self.commands[name].get_short_help_str(limit)) for name in names]
+        rows = [(name, self._summary(name, limit)) for name in names]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+    def _summary(self, name: str, limit: int) -> str:
+        if name in SUMMARIES:
+            return click.Command(name, help=SUMMARIES[name]).get_short_help_str(limit)  # as the command's own would
+        return self.commands[name].get_short_help_str(limit)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.commands:
