@@ -137,8 +137,6 @@ class GroupedScheduler:
                       for g in self.groups]
         self._attention = [p for p in self.parts if not isinstance(p, SsmStateScheduler)]
         self._states = [p for p in self.parts if isinstance(p, SsmStateScheduler)]
-        for part in self._states:  # a state is kept only inside the prefix every attention group stores
-            part.attention_saved_tokens = self._attention_saved_tokens
         self._step_tokens = claim_step(self.groups, shape.block_size)  # a hit is a multiple of it (module invariants)
         # Lookups and hits are the same for every group (the shortest claim):
         # the first attention group's counters report them once.
@@ -198,17 +196,8 @@ class GroupedScheduler:
                 request.request_id, request.num_prompt_tokens, local_tokens, num_external_tokens,
             )
 
-    def _attention_saved_tokens(self, req_id: str) -> int:
-        """Tokens of the request's prefix every attention group stores or
-        plans to (after their admission: ``save_decode``, ``admit_after``)."""
-        states = [part._requests.get(req_id) for part in self._attention]
-        return min((s.saved_blocks * part._block_size if s is not None else 0)
-                   for s, part in zip(states, self._attention))
-
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
-        # The attention groups plan first: a state group keeps only states inside their saved prefix (ssm_state.py).
-        built = {id(part): part.build_connector_meta(scheduler_output) for part in self._attention + self._states}
-        metas = [built[id(part)] for part in self.parts]
+        metas = [part.build_connector_meta(scheduler_output) for part in self.parts]
         loaded: dict[str, set[int]] = {}
         for meta in metas:
             drop_null_loads(meta)

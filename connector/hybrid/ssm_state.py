@@ -27,11 +27,8 @@ Invariants:
     * Saved: exactly the boundary states vLLM offers for this group, at
       whole blocks of known tokens, in the step that offers them (the
       worker copies them out in that step's ``wait_for_save``, after the
-      forward pass wrote them), and only inside the prefix every attention
-      group stores or plans to in that step (``attention_saved_tokens``:
-      a hit needs both, so a state past it would never serve one; this is
-      how ``save_decode`` and ``admit_after`` reach the state groups); a
-      boundary already stored or loaded for the request is not saved again.
+      forward pass wrote them); a boundary already stored or loaded for the
+      request is not saved again.
     * A hit ends at a block boundary where every state group holds a state
       and every attention group holds the prefix (:func:`ssm_claim`): the
       longest such boundary at or below the attention groups' claim, looked
@@ -73,7 +70,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -133,10 +130,6 @@ class SsmStateScheduler(UcmDbScheduler):
         self._state(request, renew_epoch=False)
         self._plans.setdefault(request.request_id, _StatePlan())  # the load: plan_async_load
 
-    #: Tokens of a request's prefix every attention group stores or plans to (set by the hybrid scheduler, which
-    #: builds their metadata first; None: no bound).
-    attention_saved_tokens: Callable[[str], int] | None = None
-
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         meta = UcmDbConnectorMetadata(namespace=self._namespace.id, namespace_inputs=self._inputs)
         self._planner.number_step(meta, scheduler_output)
@@ -185,15 +178,12 @@ class SsmStateScheduler(UcmDbScheduler):
         if req_id in scheduler_output.finished_req_ids or req_id in (getattr(scheduler_output, "preempted_req_ids", None) or ()):
             return  # its blocks are going back to the pool this step
         plan = self._plans.setdefault(req_id, _StatePlan())
-        bound = None if self.attention_saved_tokens is None else self.attention_saved_tokens(req_id)
         for group, block_id, boundary_tokens in entries:
             k = boundary_tokens // self._block_size
             if group != self._group or boundary_tokens % self._block_size or k <= 0 or k in plan.done_blocks:
                 continue
             if boundary_tokens > state.request.num_tokens:
                 continue  # keys need the tokens
-            if bound is not None and boundary_tokens > bound:
-                continue  # past what the attention groups store: it would serve no hit (module invariants)
             key = self._keys(state, k)[k - 1]
             fields = save_fields(state.request, k - 1, k, self._block_size, state.epoch, self._group)
             meta.saves.append(BlockTransfer(req_id, (key,), (block_id,), None, event_fields=fields))
