@@ -27,7 +27,10 @@ Invariants:
       by a request of the step) are reported with them, and counted in neither.
     * The blocks this worker failed to load in its last
       :data:`FAILED_STEPS_KEPT` steps stay known (:meth:`WorkerLoads.recent_failures`):
-      a save computed over one is dropped (worker.py).
+      a save computed over one is dropped (worker.py); a block id a later
+      synchronous load filled right (vLLM gave it to another request)
+      leaves them, or that request's right saves were dropped on this rank
+      alone (a review found a TP=2 block stored for one KV head only).
     * Each step's loads are timed (wall time of the read and the copy into
       the KV caches) and handed back once, with the step's number, by
       :meth:`WorkerLoads.take_worker_meta`: the scheduler's cost model
@@ -168,11 +171,13 @@ class WorkerLoads:
         if job is not None:  # layer mode's thread: beside the model, off its cores where it is bound
             cpu_placement.place_current_thread()
         failed = self._load_checked(loads, job, after=after)
-        if failed:
-            with self._errors_lock:
-                self._load_errors.update(failed)
-                if self._recent_failed:
-                    self._recent_failed[-1].update(failed)
+        loaded = {b for t in loads for b in t.block_ids}.difference(failed)
+        with self._errors_lock:
+            self._load_errors.update(failed)
+            for recent in self._recent_failed:  # written right again (another request's now): no longer failed
+                recent.difference_update(loaded)
+            if self._recent_failed:
+                self._recent_failed[-1].update(failed)
 
     def _load_checked(self, loads: Sequence[BlockTransfer], job: _LayerLoad | None, *, background: bool = False,
                       after: torch.Event | None = None) -> set[int]:

@@ -20,8 +20,12 @@ was served the voided KV (tests/connector/test_void_retracts_remote.py).
 Invariants:
     * A save that may be voided (not held, computed over loads: it carries a
       :class:`VoidTag`) leaves, once its writer round is done, a record of
-      the first unit its round stored in each of its unit chains
-      (``PutResult.stored_keys``). A chain's stored units are a suffix of
+      the first unit its round stored for it in each of its unit chains
+      (``PutResult.stored_keys``): a unit another save of the round named
+      too is that save's where it came first in the batch, and the saves
+      no void can take come first (:func:`batch_order`), so a void never
+      deletes a right save's units (a review found a producer's void
+      deleting, with its own, another request's units of the same blocks). A chain's stored units are a suffix of
       it (a stored unit's parent is stored: the prefix invariant), so that
       unit and its descendants are all it stored; its void deletes them,
       with any descendant stored since (the prefix invariant needs that too).
@@ -69,6 +73,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from vllm.logger import init_logger
 
@@ -89,6 +94,15 @@ _FAILURE_LOG_INTERVAL_S = 60.0
 
 #: A save as its void names it again: (request id, first block key, blocks).
 SaveId = tuple[str, bytes, int]
+
+
+def batch_order(chains: Sequence[tuple[Any, int]]) -> list[tuple[Any, int]]:
+    """A round's ``(save job, chain)`` pairs with the saves no void can take
+    first: where two saves of a round name one unit, the store keeps the
+    batch's first payload, so a right save's, which a void of the other
+    then never deletes (a child put before its parent fails the batch,
+    and the writer puts save by save)."""
+    return sorted(chains, key=lambda pair: pair[0].void_tag is not None)
 
 
 def save_id(transfer: BlockTransfer) -> SaveId:
@@ -141,11 +155,31 @@ class SaveVoids:
                 return  # still failing: the later ones wait too
             del self._failed[save]
 
-    def stored(self, keys: Iterable[bytes]) -> None:
-        """Keys a put of the current round stored, or may have (module
-        invariants); nothing kept in a round without a voidable save."""
-        if self._recording:
+    def stored(self, keys: Iterable[bytes], job: Any) -> None:
+        """Keys a put of ``job``'s chains alone stored, or may have (module
+        invariants); kept only for a voidable save (``job.void_tag``)."""
+        if self._recording and job.void_tag is not None:
             self._round.update(keys)
+
+    def maybe_stored(self, chains: Sequence[tuple[Any, int]]) -> None:
+        """A put of ``chains`` raised after perhaps committing: every unit a
+        voidable save among them named counts as stored (module invariants)."""
+        for job, j in chains:
+            self.stored(job.chains[j], job)
+
+    def stored_by(self, chains: Sequence[tuple[Any, int]], keys: Iterable[bytes]) -> None:
+        """Keys one put of several saves' ``chains`` (in its batch order:
+        :func:`batch_order`) stored, or may have: a key named by several is
+        the first naming save's (the store keeps a batch's first payload of
+        a key), kept only where that save is voidable."""
+        if not self._recording:
+            return
+        left = set(keys)
+        for job, j in chains:
+            mine = [key for key in job.chains[j] if key in left]
+            left.difference_update(mine)
+            if job.void_tag is not None:
+                self._round.update(mine)
 
     def end_round(self, saves: Sequence[tuple[VoidTag, tuple[UnitKeys, ...]]]) -> None:
         """Records, for each voidable save of the round just done (its tag

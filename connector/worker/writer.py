@@ -81,7 +81,7 @@ from ucm_db.committer import CommitProcess
 from ucm_db.connector.device_saves import SaveCopy
 from ucm_db.connector.metrics import Counters, LogLimit
 from ucm_db.connector.worker.commit_route import CommitRoute
-from ucm_db.connector.worker.voids import SaveVoids, VoidJob, VoidTag
+from ucm_db.connector.worker.voids import SaveVoids, VoidJob, VoidTag, batch_order
 from ucm_db.errors import MissingAncestorError, StoreFullError, UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import UnitKeys
@@ -317,9 +317,9 @@ class BackgroundWriter:
         evented: dict[bytes, ucm_db.BlockEventFields] = {}
         for job in jobs:
             evented.update(job.evented() or {})
-        chains = [(job, j) for job in jobs for j in range(len(job.chains))]
+        chains = batch_order([(job, j) for job in jobs for j in range(len(job.chains))])
         try:
-            self._voids.stored(self._route.put(chains, evented or None))
+            self._voids.stored_by(chains, self._route.put(chains, evented or None))
         except (MissingAncestorError, StoreFullError):
             for job in jobs:
                 self._commit(job)
@@ -334,7 +334,7 @@ class BackgroundWriter:
         started, started_cpu = time.perf_counter(), time.thread_time()
         self._route.child_cpu_s = 0.0
         try:
-            self._voids.stored(self._route.put([(job, j) for j in range(len(job.chains))], job.evented()))
+            self._voids.stored(self._route.put([(job, j) for j in range(len(job.chains))], job.evented()), job)
             failed, why = 0, None
         except (MissingAncestorError, StoreFullError):
             failed, why = self._put_one_by_one(job)
@@ -370,7 +370,7 @@ class BackgroundWriter:
 
     def _maybe_stored(self, chains: list[tuple[SaveJob, int]]) -> None:
         """A put of ``chains`` raised after perhaps committing: voids count its units as stored (voids.py)."""
-        self._voids.stored(key for job, j in chains for key in job.chains[j])
+        self._voids.maybe_stored(chains)
 
     def _put_one_by_one(self, job: SaveJob) -> tuple[int, BaseException | None]:
         """Puts each chain on its own; returns how many failed, and why (None: only missing parents)."""
@@ -378,7 +378,7 @@ class BackgroundWriter:
         evented = job.evented()
         for j in range(len(job.chains)):
             try:
-                self._voids.stored(self._route.put([(job, j)], evented))
+                self._voids.stored(self._route.put([(job, j)], evented), job)
             except MissingAncestorError:
                 # The parent was evicted (or its save dropped) meanwhile: the prefix invariant forbids an orphan.
                 failed += 1

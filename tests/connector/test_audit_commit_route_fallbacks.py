@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -100,8 +101,9 @@ def _void(store: ucm_db.Store, job: _Job, stored: list[bytes]) -> None:
     """The writer's records of a voidable save's round, then its void (voids.py)."""
     voids, save = SaveVoids(store), ("req", job.chains[0][0], BLOCKS)
     voids.begin_round(True)
-    voids.stored(stored)
-    voids.end_round([(VoidTag(save, 1), job.chains)])
+    tag = VoidTag(save, 1)
+    voids.stored(stored, SimpleNamespace(void_tag=tag))
+    voids.end_round([(tag, job.chains)])
     voids.delete(VoidJob(NS, save, BLOCKS, step=2))
 
 

@@ -10,6 +10,7 @@ with a real full disk."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -43,8 +44,9 @@ def save_round(voids: SaveVoids, store: ucm_db.Store, save: tuple[str, bytes, in
                chain: list[bytes], payload: bytes) -> None:
     """One writer round holding one voidable save of ``chain``."""
     voids.begin_round(True)
-    voids.stored(store.put(NS, chain, [payload] * len(chain)).stored_keys)
-    voids.end_round([(VoidTag(save, step), (tuple(chain),))])
+    tag = VoidTag(save, step)
+    voids.stored(store.put(NS, chain, [payload] * len(chain)).stored_keys, SimpleNamespace(void_tag=tag))
+    voids.end_round([(tag, (tuple(chain),))])
 
 
 @pytest.fixture
