@@ -28,7 +28,10 @@ Invariants:
       whole blocks of known tokens, in the step that offers them (the
       worker copies them out in that step's ``wait_for_save``, after the
       forward pass wrote them); a boundary already stored or loaded for the
-      request is not saved again.
+      request is not saved again. ``save_decode`` and ``admit_after`` do
+      not hold a state back: it is offered once, and the attention groups
+      may admit its prefix later (a second sighting over vLLM's own cache
+      computes only the tail), when a held-back state could never be stored.
     * A hit ends at a block boundary where every state group holds a state
       and every attention group holds the prefix (:func:`ssm_claim`): the
       longest such boundary at or below the attention groups' claim, looked
