@@ -21,11 +21,12 @@ Invariants:
     * A save that may be voided (not held, computed over loads: it carries a
       :class:`VoidTag`) leaves, once its writer round is done, a record of
       the first unit its round stored for it in each of its unit chains
-      (``PutResult.stored_keys``): a unit another save of the round named
-      too is that save's where it came first in the batch, and the saves
-      no void can take come first (:func:`batch_order`), so a void never
-      deletes a right save's units (a review found a producer's void
-      deleting, with its own, another request's units of the same blocks). A chain's stored units are a suffix of
+      (``PutResult.stored_keys``), kept per save: a unit another save of
+      the round named too is that save's where it came first in the batch
+      (the saves no void can take come first: :func:`batch_order`), so a
+      void never deletes another save's units (a review found a producer's
+      void deleting, with its own, another request's units of the same
+      blocks). A chain's stored units are a suffix of
       it (a stored unit's parent is stored: the prefix invariant), so that
       unit and its descendants are all it stored; its void deletes them,
       with any descendant stored since (the prefix invariant needs that too).
@@ -142,7 +143,7 @@ class SaveVoids:
         self._failed: dict[SaveId, tuple[VoidJob, list[bytes]]] = {}  # voids whose delete failed, oldest first
         self._failure_logged_s = -_FAILURE_LOG_INTERVAL_S
         self._overflow_logged_s = -_FAILURE_LOG_INTERVAL_S  # the error line while over MAX_FAILED_VOIDS
-        self._round: set[bytes] = set()  # keys the current round stored (or may have)
+        self._round: dict[SaveId, set[bytes]] = {}  # per voidable save: keys the round stored for it (or may have)
         self._recording = False  # the current round holds a voidable save: only then are its keys kept
         self._records: dict[SaveId, tuple[int, list[bytes]]] = {}  # save -> (step, first stored unit per chain)
 
@@ -159,7 +160,7 @@ class SaveVoids:
         """Keys a put of ``job``'s chains alone stored, or may have (module
         invariants); kept only for a voidable save (``job.void_tag``)."""
         if self._recording and job.void_tag is not None:
-            self._round.update(keys)
+            self._round.setdefault(job.void_tag.save, set()).update(keys)
 
     def maybe_stored(self, chains: Sequence[tuple[Any, int]]) -> None:
         """A put of ``chains`` raised after perhaps committing: every unit a
@@ -179,13 +180,14 @@ class SaveVoids:
             mine = [key for key in job.chains[j] if key in left]
             left.difference_update(mine)
             if job.void_tag is not None:
-                self._round.update(mine)
+                self._round.setdefault(job.void_tag.save, set()).update(mine)
 
     def end_round(self, saves: Sequence[tuple[VoidTag, tuple[UnitKeys, ...]]]) -> None:
         """Records, for each voidable save of the round just done (its tag
         and unit chains), the first unit the round stored in each chain."""
         for tag, chains in saves:
-            firsts = [key for key in (next((k for k in chain if k in self._round), None) for chain in chains) if key is not None]
+            own = self._round.get(tag.save, set())
+            firsts = [key for key in (next((k for k in chain if k in own), None) for chain in chains) if key is not None]
             self._records.pop(tag.save, None)  # a newer save of the same blocks replaces it, last in age order
             if firsts:
                 self._records[tag.save] = (tag.step, firsts)
