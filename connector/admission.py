@@ -133,9 +133,12 @@ class Admission:
         counts = self.sketch.counts(keys[low:end]) if low < end else np.zeros(0, dtype=np.uint8)
         if end > first or observe:
             state.sighted_blocks = end  # under "auto" also where every block was stored: observed once
-        sampled = self.auto is not None and auto_admission.sampled(token_ids)
+        at_2 = self.auto is not None and self.admit_after == 2  # only there does the sample count (hashed once)
+        sampled = at_2 and auto_admission.sampled(token_ids)
         if observe:
             self.admit_after = self._observe_reuse(state.stored_blocks, counts[first - low:], before, end, sampled)
+            if not at_2 and self.admit_after == 2:  # these blocks moved it to 2: they are admitted at 2
+                sampled = auto_admission.sampled(token_ids)
         if self.admit_after == 1 or sampled:
             admitted = max(admitted, end)  # no count can refuse a block (a sampled chain: auto_admission.py)
         elif check:

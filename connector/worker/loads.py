@@ -171,11 +171,12 @@ class WorkerLoads:
         if job is not None:  # layer mode's thread: beside the model, off its cores where it is bound
             cpu_placement.place_current_thread()
         failed = self._load_checked(loads, job, after=after)
-        loaded = {b for t in loads for b in t.block_ids}.difference(failed)
         with self._errors_lock:
             self._load_errors.update(failed)
-            for recent in self._recent_failed:  # written right again (another request's now): no longer failed
-                recent.difference_update(loaded)
+            if any(self._recent_failed):  # a block written right again (another request's now) is no longer failed
+                loaded = {b for t in loads for b in t.block_ids}.difference(failed)
+                for recent in self._recent_failed:
+                    recent.difference_update(loaded)
             if self._recent_failed:
                 self._recent_failed[-1].update(failed)
 
