@@ -98,11 +98,15 @@ SaveId = tuple[str, bytes, int]
 
 
 def batch_order(chains: Sequence[tuple[Any, int]]) -> list[tuple[Any, int]]:
-    """A round's ``(save job, chain)`` pairs with the saves no void can take
-    first: where two saves of a round name one unit, the store keeps the
-    batch's first payload, so a right save's, which a void of the other
-    then never deletes (a child put before its parent fails the batch,
-    and the writer puts save by save)."""
+    """A round's ``(save job, chain)`` pairs, with the saves no void can take
+    first where one of them names a unit a voidable save names too: the
+    store keeps the batch's first payload of a unit, so the right save's,
+    which a void of the other then never deletes. Otherwise in queue order
+    (a child put before its parent fails the batch, and the writer puts
+    save by save: not in a round that needs no reordering)."""
+    voidable = {key for job, j in chains if job.void_tag is not None for key in job.chains[j]}
+    if not any(job.void_tag is None and not voidable.isdisjoint(job.chains[j]) for job, j in chains):
+        return list(chains)
     return sorted(chains, key=lambda pair: pair[0].void_tag is not None)
 
 
