@@ -30,6 +30,7 @@ from ucm_db.keys import BlockKeys, Namespace
 from ucm_db.codec.slabs import ScatterSlabs
 from ucm_db.store import STORE_FORMAT_VERSION, NamespaceStats, Store, StoreStats, open
 from ucm_db.index.local import PutResult
+from ucm_db.store.provisional import ProvisionalOwner
 
 from ucm_db.version import __version__
 
@@ -42,6 +43,6 @@ PUBLIC_MODULES = (
 
 __all__ = [
     "STORE_FORMAT_VERSION", "BlockEventFields", "BlockKeys", "ChangeBatch", "ChangeRecord", "ClosedError", "CommitProcessError", "ConfigError", "CorruptBlockError", "DamagedPageError", "DamagedRecordError", "EventInventory", "FormatVersionError", "Framed",
-    "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "PutResult",
+    "LockedError", "MigrationError", "MissingAncestorError", "Namespace", "NamespaceStats", "ProvisionalOwner", "PutResult",
     "ScatterSlabs", "Store", "StoreConfig", "StoreFullError", "StoreStats", "TierError", "UcmDbError", "load_config_file", "open",
 ]

@@ -240,10 +240,12 @@ class CommitProcess:
         return None
 
     def put_segments(self, namespace: Namespace, chains: Sequence[SharedChain], *, codec_name: str | None = None,
-                     frame_bytes: Sequence[int] | None = None, event_fields: Mapping[bytes, BlockEventFields] | None = None) -> Committed:
+                     frame_bytes: Sequence[int] | None = None, event_fields: Mapping[bytes, BlockEventFields] | None = None,
+                     provisional: Mapping[bytes, bytes] | None = None) -> Committed:
         """``Store.put_segments`` of ``chains``, in the child; ``frame_bytes``:
         each unit is a :class:`ucm_db.Framed` of frames of these lengths
-        (None: plain bytes).
+        (None: plain bytes); ``provisional``: as for ``put_segments`` (the
+        tags are this process's owner's: the child's puts die with it).
 
         Raises:
             ConfigError: a chain names a buffer not shared (or dropped), or
@@ -262,6 +264,7 @@ class CommitProcess:
         body = {
             "ns": namespace.to_dict(), "codec": codec_name, "frame_bytes": list(frame_bytes) if frame_bytes is not None else None,
             "events": {k.hex(): v.hex() for k, v in packed.items()} if packed else None,
+            "prov": {bytes(k).hex(): bytes(v).hex() for k, v in provisional.items()} if provisional else None,
             "chains": [{"keys": [k.hex() for k in chain.keys], "parent": chain.keys.parent.hex() if chain.keys.parent is not None else None,
                         "buf": chain.buffer_id, "offset": chain.offset, "stride": chain.stride_bytes, "unit_bytes": chain.unit_bytes}
                        for chain in chains],

@@ -140,7 +140,9 @@ def _put(store: ucm_db.Store, buffers: dict[int, mmap.mmap], namespace: Namespac
             segments.append((keys, payloads))
         events = body.get("events")
         event_fields = {bytes.fromhex(k): BlockEventFields.unpack(bytes.fromhex(v)) for k, v in events.items()} if events else None
-        return store.put_segments(namespace, segments, codec_name=body.get("codec"), event_fields=event_fields)
+        prov = body.get("prov")
+        provisional = {bytes.fromhex(k): bytes.fromhex(v) for k, v in prov.items()} if prov else None
+        return store.put_segments(namespace, segments, codec_name=body.get("codec"), event_fields=event_fields, provisional=provisional)
     finally:
         segments.clear()
         for view in reversed(views):

@@ -37,11 +37,12 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import MissingAncestorError, StoreFullError
 from ucm_db.index import changefeed, damage, descriptions, namespace_guard, pins, records, retractions
+from ucm_db.index import provisional as provisional_marks
 from ucm_db.index.accounting import NS_DESC_PREFIX, Changes
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.index.damage import Damage
@@ -110,6 +111,7 @@ class IndexWriter:
         protect: Sequence[bytes] = (),
         guard: Callable[[Txn], None] | None = None,
         stored: list[BlockEntry] | None = None,
+        provisional: Mapping[bytes, bytes] | None = None,
     ) -> PutResult:
         """Atomically stores a batch, then evicts LRU blocks over capacity,
         never a block of the batch, one of ``protect`` (blocks of the same
@@ -124,6 +126,9 @@ class IndexWriter:
             stored: once the put committed, the entries it stored are
                 appended (not those found stored already): what the store
                 counts for durability and uploads.
+            provisional: tag by key: a block of these that this put stores
+                is provisional under its tag; the transaction marks each
+                chain root of them (:mod:`ucm_db.index.provisional`).
 
         Raises:
             MissingAncestorError: a block's parent is neither stored nor
@@ -143,6 +148,7 @@ class IndexWriter:
             in_batch: set[bytes] = set()
             depths: dict[bytes, int] = {}
             new: list[BlockEntry] = []
+            tagged: dict[bytes, bytes] = {}  # provisional blocks this put stored -> their tag
             maybe_stuck = damage.any_quarantined(txn)  # usually none: then no block needs refuse_stuck's read
             if namespace_desc is not None and descriptions.needs_writing(txn, namespace_desc[0]):  # none, or a placeholder
                 records.put_checked(txn, NS_DESC_PREFIX + namespace_desc[0], namespace_desc[1])
@@ -169,6 +175,10 @@ class IndexWriter:
                     txn.put("children", entry.parent + entry.key, b"")
                 if enqueue_upload:
                     txn.put("uploads", entry.key, entry.namespace_id)
+                if provisional is not None and (tag := provisional.get(entry.key)) is not None:
+                    if entry.parent is None or tagged.get(entry.parent) != tag:
+                        provisional_marks.mark(txn, tag, entry.key, entry.namespace_id)
+                    tagged[entry.key] = tag
                 if entry.event_fields is not None:
                     changefeed.stored(txn, entry.key, entry.namespace_id, depth, entry.event_fields, limits.feed_max_records)
                 changes.add(meta, +1)

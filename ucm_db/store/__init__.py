@@ -56,6 +56,7 @@ from ucm_db.store.feed import StoreFeed
 from ucm_db.store.opening import open_store
 from ucm_db.store.pinning import StorePins
 from ucm_db.store.presence import StorePresence
+from ucm_db.store.provisional import ProvisionalOwner, sweep_opened
 from ucm_db.store.reads import StoreReads
 from ucm_db.store.state import StoreState
 from ucm_db.store.writes import StoreWrites
@@ -142,6 +143,7 @@ class Store:
         self._feed = StoreFeed(state)
         self._pins = StorePins(state)
         self._presence = StorePresence(state)
+        sweep_opened(state)  # provisional blocks of writers that died (store/provisional.py)
 
     @property
     def _activity(self) -> Background:
@@ -161,8 +163,23 @@ class Store:
     def put_segments(
         self, namespace: Namespace, segments: Sequence[tuple[Sequence[bytes], Sequence[Payload]]], *,
         codec_name: str | None = None, event_fields: Mapping[bytes, BlockEventFields] | None = None,
+        provisional: Mapping[bytes, bytes] | None = None,
     ) -> PutResult:
-        return self._writes.put_segments(namespace, segments, codec_name=codec_name, event_fields=event_fields)
+        return self._writes.put_segments(namespace, segments, codec_name=codec_name, event_fields=event_fields,
+                                         provisional=provisional)
+
+    @_operation
+    def provisional_owner(self) -> ProvisionalOwner:
+        """A writer that may take back what it puts (:mod:`ucm_db.store.provisional`):
+        its :meth:`~ProvisionalOwner.tag` s name blocks of :meth:`put_segments`
+        (``provisional``) that, should this process die before it settles
+        them, a sweep deletes with their descendants.
+
+        Raises:
+            TierError: the store is open read-only, or its directory takes
+                no record locks (then go on without provisional puts).
+        """
+        return ProvisionalOwner(self._state)
 
     @_doc(StoreWrites.put_encoded)
     def put_encoded(self, namespace: Namespace, blocks: Sequence[tuple[bytes, bytes | None, Buffer]]) -> PutResult:

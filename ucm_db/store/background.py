@@ -63,15 +63,14 @@ Invariants:
     * A failed maintenance round is counted in ``errors`` and retried next
       interval; its warning is logged at most once per
       :data:`FAILURE_LOG_INTERVAL_S` (a full disk fails every round), and
-      one INFO line says when a round succeeds again. If the thread itself
-      dies, its exception stays in ``failure`` and the store refuses puts: with group durability a
-      store that nobody syncs must not go on acknowledging writes. Nor one
-      whose syncs fail: once two sync budgets were committed since the last
-      sync that succeeded, and the last one failed, puts are refused
-      (:mod:`ucm_db.store.sync_health`) until a sync succeeds (a round's or
-      an explicit flush's; a sync that could not record its snapshot fails).
-    * A :class:`Background` belongs to the process that made it; a forked
-      child makes its own (the parent's thread does not exist there).
+      one INFO line says when a round succeeds again. If the thread itself dies, its exception
+      stays in ``failure`` and the store refuses puts: with group durability a store that nobody
+      syncs must not go on acknowledging writes. Nor one whose syncs fail: once two sync budgets were
+      committed since the last sync that succeeded, and the last one failed, puts are refused
+      (:mod:`ucm_db.store.sync_health`) until a sync succeeds (a round's or an explicit flush's; a
+      sync that could not record its snapshot fails). The rounds also sweep dead writers'
+      provisional blocks (:mod:`ucm_db.store.provisional`).
+    * A :class:`Background` belongs to the process that made it; a forked child makes its own.
     * A read-only store (``config.read_only``) has no thread and writes
       nothing: hits and misses are counted in memory (``stats()`` shows
       them), LRU touches are not kept.
@@ -105,10 +104,9 @@ ACTIVITY_FLUSH_KEYS = 4096
 GROWTH_WAIT_S = 30.0
 #: The smallest sync budget (:attr:`Background.sync_budget_bytes`).
 MIN_SYNC_BUDGET_BYTES = 1 << 20
-#: A block whose recency this process wrote less than this long ago has a
-#: new touch kept back by the maintenance rounds (module doc); at least
-#: half of it has passed when the touch is written. The same staleness
-#: the index allows an ancestor's recency (one notion of "recent enough").
+#: A block whose recency this process wrote less than this long ago has a new touch kept back by the
+#: maintenance rounds (module doc); at least half of it has passed when the touch is written. The same
+#: staleness the index allows an ancestor's recency (one notion of "recent enough").
 RECENCY_REFRESH_S = ANCESTOR_RECENCY_SLACK_NS / 1e9
 #: Failing maintenance rounds log at most one warning this often (module invariants).
 FAILURE_LOG_INTERVAL_S = 60.0
@@ -151,8 +149,10 @@ class ReadsForEviction:
 class Background:
     """Activity buffer and maintenance thread of one store in one process."""
 
-    def __init__(self, path: Path, engine: Engine, tier: LocalTier, config: StoreConfig) -> None:
+    def __init__(self, path: Path, engine: Engine, tier: LocalTier, config: StoreConfig,
+                 sweep: tuple[Callable[[], object], float] | None = None) -> None:
         self._path = path
+        self._sweep = sweep  # provisional blocks of dead writers (store/provisional.py), and its interval
         self._engine = engine
         self._tier = tier
         self._config = config
@@ -356,7 +356,7 @@ class Background:
         try:
             # A wake (a read's touches, a commit's bytes) never restarts the
             # interval: the periodic flush and sync keep their own clock.
-            next_round_s = time.monotonic() + self._config.sync_interval_s
+            next_round_s = next_sweep_s = time.monotonic() + self._config.sync_interval_s
             while True:
                 self._wake.wait(max(0.0, next_round_s - time.monotonic()))
                 self._wake.clear()
@@ -374,6 +374,9 @@ class Background:
                     if sync and self._config.durability == "group":
                         self._synced_by(self._engine.sync_round)
                         self._growth.check(self._engine, self._config.capacity_bytes, self.sync_budget_bytes)
+                    if self._sweep is not None and time.monotonic() >= next_sweep_s:
+                        next_sweep_s = time.monotonic() + self._sweep[1]
+                        self._sweep[0]()
                 except Exception as exc:  # noqa: BLE001 - logged, counted, retried next round
                     self.errors += 1
                     self._round_failed(exc)

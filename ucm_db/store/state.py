@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING
 
 from ucm_db.codec.pool import CodecPool
 from ucm_db.errors import ClosedError, TierError
+from ucm_db.store import provisional
 from ucm_db.store.background import Background
 from ucm_db.store.epoch_gate import EpochGate
 from ucm_db.store.opening import OpenedStore
@@ -127,7 +128,8 @@ class StoreState:
             if self._pid == os.getpid():
                 return
             self._pool = CodecPool(self.config.encode_threads)
-            self._background = Background(self.path, self.engine, self.tier, self.config)
+            sweep = (lambda: provisional.sweep(self), provisional.SWEEP_INTERVAL_S)  # dead writers' provisional blocks
+            self._background = Background(self.path, self.engine, self.tier, self.config, sweep=sweep)
             if self.wing is not None:
                 self.wing.start_process(forked=self._pid != -1)  # a forked child: the parent's threads are gone
             self._pid = os.getpid()

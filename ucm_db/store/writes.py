@@ -53,6 +53,7 @@ from ucm_db.buffers import Buffer
 from ucm_db.errors import ConfigError, MissingAncestorError
 from ucm_db.events import BlockEventFields, pack_event_fields
 from ucm_db.keys import BlockKeys, Namespace
+from ucm_db.store.provisional import provisional_tags
 from ucm_db.store.put_entries import encoded_entries, raw_entries, verified_entries
 from ucm_db.store.state import StoreState
 from ucm_db.index.local import BlockEntry, PutResult
@@ -135,6 +136,7 @@ class StoreWrites:
         *,
         codec_name: str | None = None,
         event_fields: Mapping[bytes, BlockEventFields] | None = None,
+        provisional: Mapping[bytes, bytes] | None = None,
     ) -> PutResult:
         """Atomically stores several chain segments in one transaction
         (e.g. the KV-head unit chains of one engine step): every block of
@@ -147,6 +149,12 @@ class StoreWrites:
                 (parents are resolved in order: a segment continuing a
                 later one is refused).
             codec_name, event_fields: as for :meth:`put`.
+            provisional: a tag (:meth:`ProvisionalOwner.tag`) by key: the
+                blocks named here that this put stores are provisional
+                under that tag until its owner settles it; should the
+                owner's process die first, a sweep deletes them with their
+                descendants (:mod:`ucm_db.store.provisional`). Blocks found
+                stored already stay another writer's.
 
         Raises:
             The errors of :meth:`put`; MissingAncestorError if any
@@ -165,11 +173,12 @@ class StoreWrites:
                     hint="pass slices of Namespace.block_keys, or BlockKeys(keys, parent=...)",
                 )
             checked.append((keys, payloads, keys.parent))
-        return self._put_checked(namespace, checked, codec_name, event_fields)
+        return self._put_checked(namespace, checked, codec_name, event_fields, provisional_tags(provisional))
 
     def _put_checked(
         self, namespace: Namespace, segments: list[tuple[Sequence[bytes], Sequence[Payload], bytes | None]],
         codec_name: str | None, event_fields: Mapping[bytes, BlockEventFields] | None = None,
+        provisional: Mapping[bytes, bytes] | None = None,
     ) -> PutResult:
         packed = pack_event_fields(event_fields)
         if codec_name is None:
@@ -196,7 +205,7 @@ class StoreWrites:
         if not keys:
             return PutResult()
         return self._put_new(namespace, keys, lambda todo: self._encode(namespace, keys, payloads, parents, todo, codec_name, packed),
-                             check_first=codec_name != "none")
+                             check_first=codec_name != "none", provisional=provisional)
 
     def _encode(
         self, namespace: Namespace, keys: Sequence[bytes], payloads: Sequence[Payload],
@@ -245,6 +254,7 @@ class StoreWrites:
 
     def _put_new(
         self, namespace: Namespace, keys: Sequence[bytes], entries_for: Callable[[list[int]], list[BlockEntry]], *, check_first: bool,
+        provisional: Mapping[bytes, bytes] | None = None,
     ) -> PutResult:
         """Puts those of ``keys`` not stored yet, ``entries_for(indices)``
         making their entries: the one way from a put to the tier (module
@@ -266,21 +276,22 @@ class StoreWrites:
         desc = _namespace_description(namespace)
         everything = list(range(len(keys)))
         if not check_first:
-            return self._commit(namespace, keys, everything, entries_for(everything), desc)
+            return self._commit(namespace, keys, everything, entries_for(everything), desc, provisional)
         # A key stored under another namespace is a ForeignNamespaceError
         # (ConfigError) here, before anything is encoded.
         present = self._tier.present_for_put(keys, desc)
         todo = [i for i, p in enumerate(present) if not p]
         try:
-            return self._commit(namespace, keys, todo, entries_for(todo), desc)
+            return self._commit(namespace, keys, todo, entries_for(todo), desc, provisional)
         except MissingAncestorError:
             if len(todo) == len(keys):
                 raise
             # A block seen present was evicted meanwhile: put the whole chain.
-            return self._commit(namespace, keys, everything, entries_for(everything), desc)
+            return self._commit(namespace, keys, everything, entries_for(everything), desc, provisional)
 
     def _commit(
         self, namespace: Namespace, keys: Sequence[bytes], todo: list[int], entries: list[BlockEntry], desc: tuple[bytes, bytes],
+        provisional: Mapping[bytes, bytes] | None = None,
     ) -> PutResult:
         activity, wing = self._state.activity, self._state.wing
         reads = ReadsForEviction(activity)
@@ -292,7 +303,7 @@ class StoreWrites:
             result = self._tier.put_blocks(
                 entries, namespace_desc=desc, enqueue_upload=wing is not None, activity=reads,
                 protect=[key for i, key in enumerate(keys) if i not in encoded] if len(todo) < len(keys) else (),
-                guard=lambda txn: self._epochs.check_put(txn, namespace_id), stored=stored,
+                guard=lambda txn: self._epochs.check_put(txn, namespace_id), stored=stored, provisional=provisional,
             )
             committed = True
         finally:

@@ -1,0 +1,82 @@
+"""Provisional blocks: puts whose owner may still take them back.
+
+A writer that commits blocks before it knows whether they are right (a
+``kv_producer`` commits a save over a load within its step; a later step may
+find the load failed and void the save) tags them (``Store.put_segments``'s
+``provisional``). The put's own transaction records, in ``info``, one
+marker per chain root the put stored under a tag (a stored block whose
+parent was not stored by the same put under the same tag):
+
+* ``prov/<owner id><seq><key>`` -> the block's namespace id, where the tag
+  is the owner id (:data:`OWNER_ID_BYTES`) and a sequence number
+  (:data:`SEQ_BYTES`, big-endian) the owner gives each save.
+
+Nothing else scans the prefix. The owner removes a tag's markers once the
+save stands (:func:`settle`) or after its void deleted the blocks; a sweep
+(:mod:`ucm_db.store.provisional`) deletes, with their descendants, the
+marked blocks of an owner whose process is gone, then its markers.
+
+Invariants:
+    * A marker is written by the transaction that stores its block, never
+      for a block found stored already (first writer wins: its blocks are
+      another writer's), so a sweep deletes only what the owner stored and
+      every descendant of it (those are computed over it too).
+    * A marked root and its descendants are all the blocks one tag's put
+      stored in its chain: a block of the tag whose parent the same put
+      stored under the same tag needs no marker of its own.
+    * Markers may outlive their block (evicted, deleted, re-stored by
+      someone else): a sweep then deletes what is stored under that key
+      now, which loses a right block at worst, never keeps a wrong one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ucm_db.engines.base import Txn
+
+INFO = "info"
+PROVISIONAL_PREFIX = b"prov/"
+#: A provisional owner's id: random bytes made by the owner.
+OWNER_ID_BYTES = 16
+#: A tag's sequence number, after the owner id.
+SEQ_BYTES = 8
+TAG_BYTES = OWNER_ID_BYTES + SEQ_BYTES
+
+
+def mark(txn: Txn, tag: bytes, key: bytes, namespace_id: bytes) -> None:
+    """Records ``key``, stored by this transaction under ``tag``, as provisional."""
+    txn.put(INFO, PROVISIONAL_PREFIX + tag + key, namespace_id)
+
+
+def settle(txn: Txn, tags: Iterable[bytes]) -> int:
+    """Drops every marker of ``tags`` (their blocks stand); returns how many."""
+    dropped = 0
+    for tag in tags:
+        for name in [bytes(name) for name, _ in txn.scan(INFO, PROVISIONAL_PREFIX + tag)]:
+            txn.delete(INFO, name)
+            dropped += 1
+    return dropped
+
+
+def owners(txn: Txn) -> set[bytes]:
+    """The owner ids that have markers (few: markers are settled within steps)."""
+    found: set[bytes] = set()
+    start = len(PROVISIONAL_PREFIX)
+    for name, _ in txn.scan(INFO, PROVISIONAL_PREFIX):
+        found.add(bytes(name[start:start + OWNER_ID_BYTES]))
+    return found
+
+
+def marked(txn: Txn, owner_id: bytes) -> dict[bytes, list[bytes]]:
+    """The marked keys of ``owner_id``, by namespace id."""
+    by_namespace: dict[bytes, list[bytes]] = {}
+    start = len(PROVISIONAL_PREFIX) + TAG_BYTES
+    for name, namespace_id in txn.scan(INFO, PROVISIONAL_PREFIX + owner_id):
+        by_namespace.setdefault(bytes(namespace_id), []).append(bytes(name[start:]))
+    return by_namespace
+
+
+def drop_owner(txn: Txn, owner_id: bytes) -> int:
+    """Drops every marker of ``owner_id``; returns how many."""
+    return settle(txn, [owner_id])
