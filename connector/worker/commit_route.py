@@ -40,7 +40,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -73,8 +73,10 @@ class CommitRoute:
     """Commits chains of save jobs through ``committer`` where it can, else ``store`` (module invariants)."""
 
     def __init__(self, store: ucm_db.Store, frames: Callable[[np.ndarray], ucm_db.Framed], codec_name: str | None,
-                 committer: CommitProcess | None, frame_bytes: Sequence[int] | None) -> None:
+                 committer: CommitProcess | None, frame_bytes: Sequence[int] | None,
+                 tag_of: Callable[[Any], bytes | None] | None = None) -> None:
         self._store = store
+        self._tag_of = tag_of  # a voidable save's provisional tag (voids.py, provisional.py)
         self._frames = frames
         self._codec_name = codec_name
         self._committer = committer
@@ -94,12 +96,14 @@ class CommitRoute:
         if self._committer is not None and not self._committer.alive:  # found gone by a staging allocation
             self._lose_committer(self._committer.gone_reason or "")
         sent = False  # the child may have committed this round
+        provisional = self._provisional(chains)
         if self._committer is not None:
             shared = self._shared(self._committer, chains)
             if shared is not None:
                 try:
                     committed = self._committer.put_segments(
-                        namespace, shared, codec_name=self._codec_name, frame_bytes=self._frame_bytes, event_fields=evented)
+                        namespace, shared, codec_name=self._codec_name, frame_bytes=self._frame_bytes, event_fields=evented,
+                        provisional=provisional)
                     self.child_cpu_s += committed.cpu_s
                     return committed.stored_keys
                 except CommitProcessError as exc:
@@ -108,8 +112,21 @@ class CommitRoute:
                         self._log_refused(str(exc))
                     else:
                         self._lose_committer(str(exc))
-        stored = self._store.put_segments(namespace, self._segments(chains), codec_name=self._codec_name, event_fields=evented).stored_keys
+        stored = self._store.put_segments(namespace, self._segments(chains), codec_name=self._codec_name, event_fields=evented,
+                                          provisional=provisional).stored_keys
         return [key for job, j in chains for key in job.chains[j]] if sent else stored
+
+    def _provisional(self, chains: list[tuple[SaveJob, int]]) -> dict[bytes, bytes] | None:
+        """The round's provisional tags by unit key: a unit several saves name
+        is the first's (the store keeps a batch's first payload of a key)."""
+        tags = [self._tag_of(job) for job, _ in chains] if self._tag_of is not None else []
+        if not any(tags):
+            return None
+        by_key: dict[bytes, bytes | None] = {}
+        for (job, j), tag in zip(chains, tags):
+            for key in job.chains[j]:
+                by_key.setdefault(key, tag)
+        return {key: tag for key, tag in by_key.items() if tag is not None}
 
     def close(self) -> None:
         if self._committer is not None:

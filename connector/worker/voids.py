@@ -50,8 +50,10 @@ Invariants:
       :data:`MAX_FAILED_VOIDS` kept, an error naming ``ucm-db invalidate``
       is logged at most once a minute. A second failed void of the same
       save id (the save recomputed and voided again) merges its units into
-      the first's. The list lives in memory: a restart forgets it (the
-      units stay stored: docs/connector.md). Until its retry succeeds
+      the first's. The list lives in memory; the store knows the units as
+      provisional (:mod:`~ucm_db.connector.worker.provisional`): a clean
+      close leaves them to the store's sweep, as a death leaves every save
+      not settled. Until its retry succeeds
       the voided units stay stored, and every reader of the store (this
       engine's lookups once the scheduler's fence lifts, a step after the
       void: settlement.py; other engines at once) may load them; a save of
@@ -82,6 +84,7 @@ import ucm_db
 from ucm_db.connector.metadata import BlockTransfer
 from ucm_db.connector.metrics import Counters
 from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS
+from ucm_db.connector.worker.provisional import ProvisionalTags
 from ucm_db.keys import Namespace
 from ucm_db.keys.units import UnitKeys
 
@@ -143,6 +146,7 @@ class SaveVoids:
 
     def __init__(self, store: ucm_db.Store, counters: Counters | None = None) -> None:
         self._store = store
+        self._tags = ProvisionalTags(store)  # the saves' durable marks (provisional.py)
         self._counters = counters  # saves_voided: the blocks of each save whose void deleted something
         self._failed: dict[SaveId, tuple[VoidJob, list[bytes]]] = {}  # voids whose delete failed, oldest first
         self._failure_logged_s = -_FAILURE_LOG_INTERVAL_S
@@ -150,6 +154,14 @@ class SaveVoids:
         self._round: dict[SaveId, set[bytes]] = {}  # per voidable save: keys the round stored for it (or may have)
         self._recording = False  # the current round holds a voidable save: only then are its keys kept
         self._records: dict[SaveId, tuple[int, list[bytes]]] = {}  # save -> (step, first stored unit per chain)
+
+    def tag_for(self, job: Any) -> bytes | None:
+        """The provisional tag of a voidable save's units in this round (None: not voidable, or no owner)."""
+        return self._tags.tag_for(job.void_tag.save) if job.void_tag is not None else None
+
+    def close(self) -> None:
+        """Ends the owner of the tags: the store's sweep deletes the units of the voids still failing (provisional.py)."""
+        self._tags.close(self._failed)
 
     def begin_round(self, voidable: bool) -> None:
         """Starts a writer round (or a void); ``voidable``: it holds a save a
@@ -159,6 +171,7 @@ class SaveVoids:
             if not self._delete(job, units):
                 return  # still failing: the later ones wait too
             del self._failed[save]
+            self._tags.settle(save)
 
     def stored(self, keys: Iterable[bytes], job: Any) -> None:
         """Keys a put of ``job``'s chains alone stored, or may have (module
@@ -195,14 +208,19 @@ class SaveVoids:
             self._records.pop(tag.save, None)  # a newer save of the same blocks replaces it, last in age order
             if firsts:
                 self._records[tag.save] = (tag.step, firsts)
+            elif tag.save not in self._failed:
+                self._tags.settle(tag.save)  # stored nothing: no mark
             self._forget_before(tag.step - KEEP_STEPS)
         self._round.clear()
+        self._tags.end_round()
 
     def delete(self, job: VoidJob) -> None:
         """Deletes what the writer stored for ``job``'s save (nothing if it stored nothing)."""
         record = self._records.pop(job.save, None)
         self._forget_before(job.step - KEEP_STEPS)
         if record is None or self._delete(job, record[1]):
+            if job.save not in self._failed:
+                self._tags.settle(job.save)  # settled at end_round, which the writer calls after a void too
             return
         self._keep_failed(job, record[1])
 
@@ -246,3 +264,5 @@ class SaveVoids:
             if self._records[oldest][0] >= step:
                 return
             del self._records[oldest]
+            if oldest not in self._failed:
+                self._tags.settle(oldest)  # its save stands

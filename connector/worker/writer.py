@@ -44,10 +44,9 @@ Invariants:
       its round (blocks not yet counted go to ``save_errors``, a void is left undone, items still marked
       done), logged with its traceback at most once a minute.
     * A :class:`~ucm_db.connector.worker.voids.VoidJob` (a save whose KV was
-      computed over a failed load, metadata.py) deletes, in queue order
-      (after every save submitted before it: never before its save's commit),
-      only the units this writer stored for that save, here and on the remote
-      (:mod:`~ucm_db.connector.worker.voids`).
+      computed over a failed load, metadata.py) deletes, in queue order (after every save submitted before
+      it: never before its save's commit), only the units this writer stored for that save, here and on the
+      remote (:mod:`~ucm_db.connector.worker.voids`; tagged provisional in the store until settled).
     * :meth:`close` commits every queued job before returning.
     * A save job is read only once its copy out of the KV caches is done
       (:meth:`SaveJob.copied`: on an accelerator the model's thread only
@@ -178,8 +177,8 @@ class BackgroundWriter:
         whose units are :class:`ucm_db.Framed` of ``frame_bytes`` (what
         ``frames`` makes of a row)."""
         self._store = store
-        self._route = CommitRoute(store, frames, codec_name, committer, frame_bytes)  # commit_route.py
         self._voids = SaveVoids(store, counters)  # what voidable saves stored, and the voids' deletes (voids.py)
+        self._route = CommitRoute(store, frames, codec_name, committer, frame_bytes, self._voids.tag_for)  # commit_route.py
         self._counters = counters
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = self._counted_blocks = 0
@@ -236,6 +235,7 @@ class BackgroundWriter:
             self._queue.put(None)
             self._thread.join()
         self._route.close()
+        self._voids.close()  # the saves' provisional tags not settled: the store's sweep deletes their units
 
     def _run(self) -> None:
         cpu_placement.place_current_thread()  # encode off the model's cores where it is bound

@@ -1,0 +1,143 @@
+"""A ``kv_producer`` worker killed between its commit and its void leaves no
+wrong KV stored: the store's sweep deletes what the void would have.
+
+The scenario of ``test_void_retracts_remote.py``, run in a child process: a
+TP=2 producer's rank 1 fails to load block 1, rank 0 commits its save of
+blocks 2-4 (computed over that failed block: wrong KV) within the step. The
+scheduler would void it a step later; here the child is killed with SIGKILL
+first (a crash, an OOM kill). Before provisional tags the void lived in the
+worker's memory only and the wrong units stayed stored for every engine.
+Checked, in the commit process and without: after the kill, the next open
+deletes the three units (the worker's store handle's sweep); with a clean
+shutdown before any void (the void's verdict never came), they stand, as the
+docs say; a void settles its tag (no mark left for a sweep).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import ucm_db  # noqa: E402
+from test_failed_load_saves import _output, _seed  # noqa: E402
+from test_scheduler_worker import BS, _admit, _kv, _new_step, _request, _shape  # noqa: E402
+from test_void_keeps_others_saves import IDS, PROMPT, _rank_worker  # noqa: E402
+
+from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E402
+from ucm_db.connector.roles import RolePolicy  # noqa: E402
+from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
+from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
+from ucm_db.index import provisional as marks  # noqa: E402
+from ucm_db.keys.units import unit_key  # noqa: E402
+
+
+def _producer(path: Path, save_process: bool, end: str) -> list[bytes]:
+    """Commits the wrong save; returns its rank-0 unit keys (``end``:
+    "shutdown" shuts down cleanly first; "kill" leaves it all running)."""
+    settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": "none", "save_process": save_process})
+    sched = UcmDbScheduler(settings, _shape(2), RolePolicy("kv_producer"))
+    workers = [_rank_worker(settings, rank, "kv_producer") for rank in (0, 1)]
+    ns, g, spans = namespace(_shape(2)), grid(_shape(2)), reader_spans(_shape(2))
+    req = _request("b", PROMPT)
+    assert _admit(sched, req) == 2 * BS
+    meta = sched.build_connector_meta(_new_step(req, IDS, len(PROMPT) - 2 * BS))
+    keys = sched.keys_for(req, 5)
+    assert sched.store.delete(ns, [unit_key(keys[1], spans[1], g)]) == 1  # rank 1's load of block 1 fails
+    for worker in workers:
+        worker.start_load(meta)
+        worker.save(meta)  # rank 0 commits blocks 2-4 within the step: a producer does not hold
+    head0 = [unit_key(k, spans[0], g) for k in keys]
+    assert sched.store.lookup(ns, head0) == 5, "the wrong save was not committed"
+    if end == "shutdown":
+        for worker in workers:
+            worker.shutdown()
+        sched.shutdown()
+    return [bytes(k) for k in head0]
+
+
+CHILD = """
+import sys
+sys.path[:0] = [sys.argv[1]]
+import time
+from test_void_survives_worker_death import _producer
+print(" ".join(k.hex() for k in _producer(sys.argv[2], sys.argv[3] == "True", "kill")), flush=True)
+time.sleep(120)
+"""
+
+
+def _killed(tmp_path: Path, save_process: bool) -> list[bytes]:
+    """Runs the producer in a process of its own and SIGKILLs it after its
+    commit; returns its rank-0 unit keys."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(Path(__file__).parent), str(tmp_path / "s"), str(save_process)],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    line = child.stdout.readline().split()
+    assert line, "the producer did not commit"
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait(60) == -signal.SIGKILL
+    return [bytes.fromhex(k) for k in line]
+
+
+def _seeded(tmp_path: Path) -> None:
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "codec": "none"})
+    _seed(settings, {name: torch.randn(t.shape).to(torch.bfloat16) for name, t in _kv().items()}, blocks=2)
+
+
+@pytest.mark.parametrize("save_process", [False, True], ids=["in-process", "commit-process"])
+def test_a_producer_killed_before_its_void_leaves_no_wrong_units(tmp_path: Path, save_process: bool) -> None:
+    _seeded(tmp_path)
+    head0 = _killed(tmp_path, save_process)
+    with ucm_db.open(tmp_path / "s") as store:
+        ns = namespace(_shape(2))
+        assert store.lookup(ns, head0) == 2, "the dead producer's wrong units (blocks 2-4) are still served"
+        assert not store._engine.read(marks.owners)
+
+
+def test_a_clean_shutdown_before_the_void_keeps_the_save(tmp_path: Path) -> None:
+    """The docs' promise: a save whose void never came (the scheduler never
+    said) stands after a clean shutdown, as it did before tags."""
+    _seeded(tmp_path)
+    head0 = _producer(tmp_path / "s", False, "shutdown")
+    with ucm_db.open(tmp_path / "s") as store:
+        assert store.lookup(namespace(_shape(2)), head0) == 5
+        assert not store._engine.read(marks.owners), "a clean close left marks"
+
+
+def test_a_void_leaves_no_mark(tmp_path: Path) -> None:
+    """The void deletes the units and settles their tag: no mark stays for
+    a sweep (which would delete the right units computed again since)."""
+    _seeded(tmp_path)
+    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "codec": "none"})
+    sched = UcmDbScheduler(settings, _shape(2), RolePolicy("kv_producer"))
+    workers = [_rank_worker(settings, rank, "kv_producer") for rank in (0, 1)]
+    ns, g, spans = namespace(_shape(2)), grid(_shape(2)), reader_spans(_shape(2))
+    req = _request("b", PROMPT)
+    assert _admit(sched, req) == 2 * BS
+    meta = sched.build_connector_meta(_new_step(req, IDS, len(PROMPT) - 2 * BS))
+    keys = sched.keys_for(req, 5)
+    assert sched.store.delete(ns, [unit_key(keys[1], spans[1], g)]) == 1
+    for worker in workers:
+        worker.start_load(meta)
+        worker.save(meta)
+    assert sched.store._engine.read(marks.owners), "the voidable save was not marked"
+    req.num_computed_tokens = 1 * BS
+    sched.observe_output(_output(meta.step, {11}).kv_connector_worker_meta, {11})
+    sched.request_finished(req, IDS)
+    nxt = sched.build_connector_meta(_new_step(_request("idle", PROMPT[:3]), [30], 0))
+    assert [t.block_ids for t in nxt.void_saves] == [(12, 13, 14)]
+    for worker in workers:
+        worker.start_load(nxt)
+        worker.drain()
+    assert sched.store.lookup(ns, [unit_key(k, spans[0], g) for k in keys]) == 2
+    assert not sched.store._engine.read(marks.owners), "the void left its tag's marks"
+    for worker in workers:
+        worker.shutdown()
+    sched.shutdown()
