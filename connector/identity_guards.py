@@ -17,6 +17,11 @@ Invariants:
       keyed by its name and ``model_loader_extra_config`` and, without the
       connector's ``model_id`` (the operator's word), by what it reads, or
       refused where ucm-db cannot read that (``weight_loads.weights_elsewhere``).
+    * In a folder holding vLLM's Mistral layout beside a Hugging Face one, the load and config formats
+      are keyed as given (:func:`has_mistral_layout`): they pick which half's weights and config vLLM
+      reads, and the fingerprint hashes both halves (a review found ``auto`` and ``safetensors`` engines,
+      or ``auto`` and ``hf`` configs, sharing a namespace over different files). Formats that resolve
+      alike there are keyed apart: fewer hits, never wrong ones.
     * Engine-wide multimodal options that vLLM's item identifiers do not
       carry (:func:`multimodal_inputs`) are keyed; runtime-calibrated fp8
       scales of the vision encoder, which no key can name, are refused.
@@ -67,6 +72,9 @@ from ucm_db.errors import ConfigError
 #: Load formats that read the weights from the fingerprinted model files
 #: (the same bytes, however read): not keyed.
 FILE_LOAD_FORMATS = frozenset({"auto", "hf", "pt", "safetensors", "npcache", "mistral", "instanttensor", "fastsafetensors"})
+#: Files of vLLM's Mistral layout; a folder holding one beside a Hugging Face layout loads either half, as
+#: ``load_format`` (``auto``: ``consolidated*.safetensors`` first) and ``config_format`` (``auto``: ``params.json``) pick.
+MISTRAL_FILES = ("params.json", "consolidated.safetensors", "consolidated.safetensors.index.json")
 #: Drawn once per process; mixed into multimodal identifiers that name no content.
 PROCESS_NONCE = secrets.token_hex(16)
 #: vLLM's counter identifiers: ``renderer{api rank}-mm-{n}-{modality}-{i}`` (renderers/base.py).
@@ -95,6 +103,9 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
                                          getattr(model_config, "code_revision", None))
     out.update(quantization_file_inputs(vllm_config.model_config))
     if fmt in FILE_LOAD_FORMATS:
+        if has_mistral_layout(vllm_config.model_config):  # which half of the folder loads: the formats pick
+            config_format = getattr(vllm_config.model_config, "config_format", "auto")
+            out["formats"] = [fmt, str(getattr(config_format, "value", config_format))]
         return out
     if model_id is None:
         out.update(weights_elsewhere(vllm_config, fmt))
@@ -106,6 +117,21 @@ def load_inputs(vllm_config: Any, model_id: str | None) -> dict[str, Any]:
         experts = int(parallel.data_parallel_size) if getattr(parallel, "enable_expert_parallel", False) else 1
         out["dummy_shards"] = [int(parallel.tensor_parallel_size), experts]
     return {**out, "load_format": fmt, "model_loader_extra_config": digest}
+
+
+def has_mistral_layout(model_config: Any) -> bool:
+    """Whether the model's folder (a local one, or a hub id's cached
+    snapshot) holds vLLM's Mistral layout (:data:`MISTRAL_FILES`, or any
+    ``consolidated*.safetensors``): there the load and config formats pick
+    which half vLLM reads, the fingerprint hashing both (module invariants)."""
+    model = str(getattr(model_config, "model", "") or "")
+    if os.path.isdir(model):
+        try:
+            names = os.listdir(model)
+        except OSError:
+            return False
+        return any(name in MISTRAL_FILES or (name.startswith("consolidated") and name.endswith(".safetensors")) for name in names)
+    return bool(model) and bool(hub_cached_files(model, MISTRAL_FILES, getattr(model_config, "revision", None)))
 
 
 def multimodal_inputs(vllm_config: Any) -> dict[str, Any]:
