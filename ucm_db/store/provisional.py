@@ -29,7 +29,11 @@ Invariants:
       again by someone else is deleted too (a lost block, never a wrong one).
     * Sweeps run when a store opens writable, and in its maintenance thread
       every :data:`SWEEP_INTERVAL_S` (one read of the marker prefix while
-      there are none). A store open read-only never sweeps.
+      there are none). A store open read-only never sweeps. With a remote,
+      the delete records the blocks' retractions (never read back from the
+      remote meanwhile); a sweep at open deletes their remote objects before
+      the open returns, one in the maintenance thread leaves that to the
+      uploader (the thread's syncs never wait on the network).
     * Where the store directory takes no record locks (some network file
       systems), no owner can be made (:class:`~ucm_db.errors.TierError`):
       the caller goes on without provisional puts; a sweep that cannot
@@ -212,9 +216,14 @@ def _owner_gone(store_path: Path, owner_id: bytes) -> tuple[bool, int | None]:
     return True, fd
 
 
-def sweep(state: StoreState) -> int:
+def sweep(state: StoreState, *, retract_now: bool = True) -> int:
     """Deletes the provisional blocks of owners whose process is gone, with
-    their descendants, then their markers; returns the blocks removed."""
+    their descendants, then their markers; returns the blocks removed. With
+    a remote their retractions are recorded in the delete's transaction
+    (never read back from the remote here); ``retract_now`` also deletes
+    the remote objects before returning, within a bulk deadline (not from
+    the maintenance thread, whose syncs must not wait on the network: the
+    uploader deletes them there)."""
     if state.config.read_only:
         return 0
     engine = state.engine
@@ -227,7 +236,7 @@ def sweep(state: StoreState) -> int:
         if not gone:
             continue
         try:
-            removed += _take_back(state, owner_id)
+            removed += _take_back(state, owner_id, retract_now)
             owner_file(state.path, owner_id).unlink(missing_ok=True)
         finally:
             if fd is not None:
@@ -244,7 +253,7 @@ def sweep_opened(state: StoreState) -> None:
                        "thread): %s", state.path, exc)
 
 
-def _take_back(state: StoreState, owner_id: bytes) -> int:
+def _take_back(state: StoreState, owner_id: bytes, retract_now: bool) -> int:
     """Deletes a gone owner's marked blocks (and descendants), then its markers."""
     wing = state.wing
     removed = 0
@@ -259,7 +268,7 @@ def _take_back(state: StoreState, owner_id: bytes) -> int:
             return removed
     state.engine.write(lambda txn: marks.drop_owner(txn, owner_id))
     state.activity.committed(0)
-    if wing is not None and removed:
+    if wing is not None and removed and retract_now:
         wing.retract()  # never raises: what it leaves, the uploader deletes
     if removed:
         logger.warning("ucm-db store %s: deleted %d blocks a writer that died had stored provisionally (saves it could "

@@ -128,7 +128,7 @@ class StoreState:
             if self._pid == os.getpid():
                 return
             self._pool = CodecPool(self.config.encode_threads)
-            sweep = (lambda: provisional.sweep(self), provisional.SWEEP_INTERVAL_S)  # dead writers' provisional blocks
+            sweep = (lambda: provisional.sweep(self, retract_now=False), provisional.SWEEP_INTERVAL_S)  # dead writers' provisional blocks
             self._background = Background(self.path, self.engine, self.tier, self.config, sweep=sweep)
             if self.wing is not None:
                 self.wing.start_process(forked=self._pid != -1)  # a forked child: the parent's threads are gone
