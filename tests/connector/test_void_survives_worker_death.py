@@ -10,7 +10,8 @@ worker's memory only and the wrong units stayed stored for every engine.
 Checked, in the commit process and without: after the kill, the next open
 deletes the three units (the worker's store handle's sweep); with a clean
 shutdown before any void (the void's verdict never came), they stand, as the
-docs say; a void settles its tag (no mark left for a sweep).
+docs say; a void settles its tag (no mark left for a sweep); a void still
+failing at a clean close leaves its units to the sweep.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ pytest.importorskip("vllm")
 
 import ucm_db  # noqa: E402
 from test_failed_load_saves import _output, _seed  # noqa: E402
+from test_review_voids_retry import FailingDeletes  # noqa: E402
 from test_scheduler_worker import BS, _admit, _kv, _new_step, _request, _shape  # noqa: E402
 from test_void_keeps_others_saves import IDS, PROMPT, _rank_worker  # noqa: E402
 
@@ -35,8 +39,10 @@ from ucm_db.connector.identity import grid, namespace, reader_spans  # noqa: E40
 from ucm_db.connector.roles import RolePolicy  # noqa: E402
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler  # noqa: E402
 from ucm_db.connector.settings import ConnectorSettings  # noqa: E402
+from ucm_db.connector.worker.voids import SaveVoids, VoidJob, VoidTag  # noqa: E402
 from ucm_db.index import provisional as marks  # noqa: E402
 from ucm_db.keys.units import unit_key  # noqa: E402
+from ucm_db.store import provisional as store_provisional  # noqa: E402
 
 
 def _producer(path: Path, save_process: bool, end: str) -> list[bytes]:
@@ -141,3 +147,30 @@ def test_a_void_leaves_no_mark(tmp_path: Path) -> None:
     for worker in workers:
         worker.shutdown()
     sched.shutdown()
+
+
+def test_a_clean_close_leaves_a_failing_voids_units_to_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A void whose delete still fails at the writer's close (a full disk:
+    the failing delete is the review's mock, test_review_voids_retry.py)
+    leaves its tag unsettled, so the store's sweep deletes the wrong units
+    once the owner is gone; a save whose void never came stands."""
+    monkeypatch.setattr(store_provisional, "SWEEP_INTERVAL_S", 0.2)
+    ns = ucm_db.Namespace(model="void-close", kv_dtype="bfloat16", block_size=4)
+    with ucm_db.open(tmp_path / "s", codec="none", sync_interval_s=0.1) as store:
+        flaky = FailingDeletes(store)
+        voids = SaveVoids(flaky)  # type: ignore[arg-type]
+        voided, standing = ns.block_keys(list(range(12))), ns.block_keys(list(range(100, 112)))
+        for step, chain in enumerate((voided, standing)):
+            tag = VoidTag((f"req-{step}", chain[0], 3), step)
+            job = SimpleNamespace(void_tag=tag)
+            voids.begin_round(True)
+            provisional = {key: voids.tag_for(job) for key in chain}
+            voids.stored(store.put_segments(ns, [(chain, [b"\x11" * 4096] * 3)], provisional=provisional).stored_keys, job)
+            voids.end_round([(tag, (tuple(chain),))])
+        voids.delete(VoidJob(ns, ("req-0", voided[0], 3), 3, step=2))  # fails: kept for its retry
+        voids.close()
+        deadline = time.monotonic() + 10
+        while store.lookup(ns, voided) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.lookup(ns, voided) == 0, "a failing void's wrong units outlived the writer's close"
+        assert store.lookup(ns, standing) == 3
