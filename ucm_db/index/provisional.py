@@ -68,15 +68,25 @@ def owners(txn: Txn) -> set[bytes]:
     return found
 
 
-def marked(txn: Txn, owner_id: bytes) -> dict[bytes, list[bytes]]:
-    """The marked keys of ``owner_id``, by namespace id."""
+def marked(txn: Txn, owner_id: bytes) -> tuple[dict[bytes, list[bytes]], list[bytes]]:
+    """The marked keys of ``owner_id`` by namespace id, and the markers' names
+    (a sweep drops those it read, never one written since: :func:`drop`)."""
     by_namespace: dict[bytes, list[bytes]] = {}
+    names: list[bytes] = []
     start = len(PROVISIONAL_PREFIX) + TAG_BYTES
     for name, namespace_id in txn.scan(INFO, PROVISIONAL_PREFIX + owner_id):
+        names.append(bytes(name))
         by_namespace.setdefault(bytes(namespace_id), []).append(bytes(name[start:]))
-    return by_namespace
+    return by_namespace, names
 
 
-def drop_owner(txn: Txn, owner_id: bytes) -> int:
-    """Drops every marker of ``owner_id``; returns how many."""
-    return settle(txn, [owner_id])
+def drop(txn: Txn, names: Iterable[bytes]) -> None:
+    """Drops the markers named ``names``."""
+    for name in names:
+        txn.delete(INFO, name)
+
+
+def marked_keys(txn: Txn) -> set[bytes]:
+    """Every marked key, of any owner (an export leaves their chains out)."""
+    start = len(PROVISIONAL_PREFIX) + TAG_BYTES
+    return {bytes(name[start:]) for name, _ in txn.scan(INFO, PROVISIONAL_PREFIX)}

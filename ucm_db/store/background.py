@@ -356,9 +356,10 @@ class Background:
         try:
             # A wake (a read's touches, a commit's bytes) never restarts the
             # interval: the periodic flush and sync keep their own clock.
-            next_round_s = next_sweep_s = time.monotonic() + self._config.sync_interval_s
+            next_round_s = time.monotonic() + self._config.sync_interval_s
+            next_sweep_s = time.monotonic() + self._sweep[1] if self._sweep is not None else float("inf")
             while True:
-                self._wake.wait(max(0.0, next_round_s - time.monotonic()))
+                self._wake.wait(max(0.0, min(next_round_s, next_sweep_s) - time.monotonic()))
                 self._wake.clear()
                 if self._stop.is_set():
                     return

@@ -19,9 +19,18 @@ Invariants:
       takes the lock of an owner with markers (or finds no file) knows the
       owner is gone: markers are only written while their owner holds it.
     * A sweep never judges an owner of its own process (the lock would be
-      granted to it: record locks do not conflict within a process); those
-      are listed in this process (:data:`_OWN`, emptied in a forked child,
-      which holds none of them).
+      granted to it: record locks do not conflict within a process, and
+      closing the file would release the owner's lock); those are listed in
+      this process (:data:`_OWN`, emptied in a forked child, which holds
+      none of them), read after the markers (an owner is listed before it
+      makes its first tag). A sweeper takes a shared lock through a
+      read-only descriptor (another user's sweep too).
+    * An owner works in the process that made it: in a forked child its
+      tags and settles raise (they would be the parent's), its close only
+      forgets it. An owner whose file was removed (a cleaner of old files)
+      makes and locks it again at its next tag.
+    * A sweep drops the markers it read, never one written since (a late
+      put of a dead owner's commit process keeps its mark for the next).
     * The blocks go before their markers (two transactions): a sweep cut
       short leaves markers, and the next one deletes again (a no-op where
       they are gone).
@@ -123,24 +132,24 @@ class ProvisionalOwner:
         self._path = owner_file(state.path, self.owner_id)
         self._lock = threading.Lock()
         self._seq = 0
-        try:
-            self._fd: int | None = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise TierError(f"cannot create {self._path}: {exc}", hint="provisional puts need a writable store directory") from exc
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            self._drop_file()
-            raise TierError(f"{self._path} takes no record lock ({exc})",
-                            hint="provisional puts need a store directory on a file system with POSIX locks") from exc
+        self._pid = os.getpid()
+        self._fd: int | None = None
+        self._hold_file()
         with _OWN_LOCK:
             _OWN.add(self.owner_id)
 
     def tag(self) -> bytes:
-        """A new tag: owner id and the next sequence number."""
+        """A new tag: owner id and the next sequence number.
+
+        Raises:
+            TierError: the owner is closed, or was made in another process
+                (a forked child: its tags would be the parent's).
+        """
         with self._lock:
-            if self._fd is None:
-                raise TierError("this provisional owner is closed", hint="make a new one with Store.provisional_owner()")
+            fd = self._held()
+            if os.fstat(fd).st_nlink == 0:  # the file was removed (a cleaner): a sweep would take us for dead
+                self._drop_file()
+                self._hold_file()
             self._seq += 1
             return self.owner_id + self._seq.to_bytes(marks.SEQ_BYTES, "big")
 
@@ -150,6 +159,8 @@ class ProvisionalOwner:
         tags = [bytes(tag) for tag in tags]
         if not tags:
             return
+        with self._lock:
+            self._held()
         state = self._state
         try:  # one operation of the store: a close waits for it (store/state.py)
             state.enter()
@@ -160,13 +171,38 @@ class ProvisionalOwner:
             state.leave()
 
     def close(self) -> None:
-        """Ends the owner: tags not settled are a sweep's (idempotent)."""
+        """Ends the owner: tags not settled are a sweep's (idempotent). In a
+        forked child it only forgets the owner (the parent's file and lock stay)."""
         with self._lock:
             if self._fd is None:
+                return
+            if self._pid != os.getpid():
+                self._fd = None  # the descriptor is the parent's lock's file: left open, never unlinked here
                 return
             with _OWN_LOCK:
                 _OWN.discard(self.owner_id)
             self._drop_file()
+
+    def _held(self) -> int:
+        if self._fd is None:
+            raise TierError("this provisional owner is closed", hint="make a new one with Store.provisional_owner()")
+        if self._pid != os.getpid():
+            raise TierError(f"this provisional owner was made in process {self._pid}, not this one (a forked child)",
+                            hint="make an owner in each process with Store.provisional_owner()")
+        return self._fd
+
+    def _hold_file(self) -> None:
+        """Creates the owner's file and takes its record lock."""
+        try:
+            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise TierError(f"cannot create {self._path}: {exc}", hint="provisional puts need a writable store directory") from exc
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            self._drop_file()
+            raise TierError(f"{self._path} takes no record lock ({exc})",
+                            hint="provisional puts need a store directory on a file system with POSIX locks") from exc
 
     def _drop_file(self) -> None:
         try:
@@ -201,13 +237,13 @@ def _owner_gone(store_path: Path, owner_id: bytes) -> tuple[bool, int | None]:
     its file takes no lock."""
     path = owner_file(store_path, owner_id)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # read access: a shared lock, which the owner's excludes
     except FileNotFoundError:
         return True, None
     except OSError:
         return False, None
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
         if exc.errno not in (errno.EACCES, errno.EAGAIN):
@@ -226,10 +262,10 @@ def sweep(state: StoreState, *, retract_now: bool = True) -> int:
     uploader deletes them there)."""
     if state.config.read_only:
         return 0
-    engine = state.engine
+    marked = state.engine.read(marks.owners)  # before this process's owners: an owner joins _OWN before its first mark
     with _OWN_LOCK:
         own = set(_OWN)
-    candidates = [owner for owner in engine.read(marks.owners) if owner not in own]
+    candidates = [owner for owner in marked if owner not in own]
     removed = 0
     for owner_id in candidates:
         gone, fd = _owner_gone(state.path, owner_id)
@@ -257,7 +293,8 @@ def _take_back(state: StoreState, owner_id: bytes, retract_now: bool) -> int:
     """Deletes a gone owner's marked blocks (and descendants), then its markers."""
     wing = state.wing
     removed = 0
-    for namespace_id, keys in state.engine.read(lambda txn: marks.marked(txn, owner_id)).items():
+    by_namespace, names = state.engine.read(lambda txn: marks.marked(txn, owner_id))
+    for namespace_id, keys in by_namespace.items():
         try:
             removed += state.tier.delete(keys, namespace_id=namespace_id, retract=wing is not None)
         except UcmDbError as exc:  # a descendant under another namespace: left to verify / invalidate
@@ -266,7 +303,7 @@ def _take_back(state: StoreState, owner_id: bytes, retract_now: bool) -> int:
                 logger.error("ucm-db store %s: a dead writer's provisional blocks could not be deleted (`ucm-db "
                              "invalidate` the namespace to drop them): %s", state.path, exc)
             return removed
-    state.engine.write(lambda txn: marks.drop_owner(txn, owner_id))
+    state.engine.write(lambda txn: marks.drop(txn, names))  # those read: a put landing since keeps its own
     state.activity.committed(0)
     if wing is not None and removed and retract_now:
         wing.retract()  # never raises: what it leaves, the uploader deletes

@@ -82,6 +82,7 @@ from ucm_db.errors import ConfigError, CorruptBlockError, MissingAncestorError, 
 from ucm_db.keys import Namespace
 from ucm_db.remote.sealing import load_sealing_keys
 from ucm_db.store.view import ProgressFn, open_view, select_namespaces
+from ucm_db.index import provisional as provisional_marks
 from ucm_db.index.namespace_guard import ForeignNamespaceError
 from ucm_db.store.epochs import EpochUnknownError
 
@@ -92,6 +93,22 @@ MAX_MEMBER_BYTES = 512 << 20
 #: Bytes of blobs gathered before one put on import (one member may overshoot).
 BATCH_BYTES = 256 << 20
 _Block = tuple[bytes, bytes | None, bytes | bytearray]  # key, parent, blob: what Store.put_encoded takes
+
+
+def _settled(view: Any, blocks: list[tuple[bytes, Any]]) -> list[tuple[bytes, Any]]:
+    """``blocks`` (parents first) but the provisional ones and their
+    descendants (:mod:`ucm_db.store.provisional`): their writer may still
+    take them back, or died before it could (a read-only view never sweeps)."""
+    left_out = view.tier.engine.read(provisional_marks.marked_keys)
+    if not left_out:
+        return blocks
+    kept = []
+    for key, meta in blocks:
+        if key in left_out or meta.parent in left_out:
+            left_out.add(key)
+        else:
+            kept.append((key, meta))
+    return kept
 
 
 def _check_manifest_size(path: str | Path, manifest_bytes: int) -> None:
@@ -146,7 +163,7 @@ def export_archive(path: str | Path, archive: str | Path, namespaces: tuple[str,
         check_export_format(view)
         selected = select_namespaces(view, namespaces)
         descriptions = view.tier.namespace_descriptions()
-        blocks = sorted(view.tier.scan_metas(selected).items(), key=lambda km: (km[1].namespace_id, km[1].depth, km[0]))
+        blocks = _settled(view, sorted(view.tier.scan_metas(selected).items(), key=lambda km: (km[1].namespace_id, km[1].depth, km[0])))
         used = sorted({m.namespace_id for _, m in blocks} | (selected or set()))
         manifest = {
             "format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION if sealer is None else SEALED_ARCHIVE_VERSION,
