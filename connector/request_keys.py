@@ -90,8 +90,13 @@ def chain_keys(namespace: Namespace, block_size: int, state: RequestState, num_b
         prompt = request.prompt_token_ids
         # The prompt list itself when it is long enough, cut by block_keys:
         # slicing 32K ids cost 0.25 ms (a reference to every int) on a 1 ms
-        # budget. Past the prompt, all_token_ids (block_keys slices it).
-        tokens = prompt if isinstance(prompt, list) and len(prompt) >= end else request.all_token_ids
+        # budget. Past the prompt, all_token_ids (block_keys slices it). Not
+        # in mixed mode (prompt_is_token_ids set): vLLM keeps a placeholder id
+        # at embedding rows in prompt_token_ids but 0 in all_token_ids, so one
+        # prompt would hash two ways as the first lookup reached past it or not
+        # (a review: tests/connector/test_review_request_keys_fuzz.py).
+        plain = getattr(request, "prompt_is_token_ids", None) is None
+        tokens = prompt if plain and isinstance(prompt, list) and len(prompt) >= end else request.all_token_ids
         start = have * block_size
         if have:
             more = namespace.block_keys(tokens, parent=state.keys[-1], start=start, stop=end, block_extras=state.block_extras)
