@@ -20,7 +20,11 @@ Invariants:
       points to: a hub snapshot links to blobs) are what they were when it
       was hashed. Every write moves ``ctime``, which no user call can set
       back, so a checkpoint retrained and saved in place is always rehashed;
-      only the files whose stat changed are.
+      only the files whose stat changed are. Where timestamps are coarse (one
+      timer tick before Linux 6.13, a second or two on some file systems) a
+      write in the tick of the hash could leave the stat as it was: a file
+      changed within :data:`RACY_WINDOW_NS` of its hash is hashed again at
+      the next start (git's "racy clean" rule).
     * Files are hashed whole with BLAKE3 (cryptographic: a crafted file
       cannot take another model's namespace). On the development VM a warm
       file hashed at 3.4 GB/s (one thread, mmap); blake2b managed 0.57 GB/s,
@@ -57,6 +61,8 @@ from ucm_db.errors import ConfigError
 
 #: Smaller sets hash in well under the 0.2 s start budget: kept in memory only.
 PERSIST_MIN_BYTES = 64 << 20
+#: A file changed this recently when hashed keeps a digest that is never reused (module invariants).
+RACY_WINDOW_NS = 2_000_000_000
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -131,7 +137,11 @@ def _hash_changed(root: Path, stats: Stats, known: dict[str, list[Any]]) -> tupl
         if (after.st_ino, after.st_size, after.st_mtime_ns, after.st_ctime_ns) != st:
             # Written while hashed: the digest names no version of it.
             raise ConfigError(f"{file} changed while ucm-db hashed it", hint="start the engine again once the files are written")
-        entries[name] = [*st, digest]
+        # Racy (git's word): written within RACY_WINDOW_NS of the hash, a later
+        # write in the same timestamp tick (coarse on kernels before 6.13) would
+        # leave the stat as it is: such a digest is used now, never reused.
+        racy = time.time_ns() - max(st[2], st[3]) < RACY_WINDOW_NS
+        entries[name] = [*st, digest, "racy"] if racy else [*st, digest]
         hashed += st[1]
     return entries, hashed
 
@@ -162,8 +172,8 @@ def _file_digest(file: Path, size: int) -> str:
 def _combine(entries: dict[str, list[Any]]) -> str:
     hasher = blake3.blake3(b"ucm-db/files/1\0")
     for name in sorted(entries):
-        ino, size, mtime, ctime, digest = entries[name]
-        hasher.update(name.encode() + b"\0" + int(size).to_bytes(8, "little") + bytes.fromhex(digest))
+        entry = entries[name]  # [ino, size, mtime, ctime, digest], "racy" after it for a digest never reused
+        hasher.update(name.encode() + b"\0" + int(entry[1]).to_bytes(8, "little") + bytes.fromhex(entry[4]))
     return str(hasher.hexdigest())
 
 

@@ -60,6 +60,9 @@ def own_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(fingerprints, "_resettled", set())
     monkeypatch.setattr(fingerprints, "_named", {})
     monkeypatch.setattr(fingerprints, "_renamed", set())
+    # The tests write their files just before hashing them: the racy rule (its own test in
+    # test_fingerprint_racy.py) would rehash them every time.
+    monkeypatch.setattr(fingerprints, "RACY_WINDOW_NS", 0)
     return tmp_path / "xdg" / "ucm-db" / "fingerprints.json"
 
 
@@ -181,7 +184,7 @@ def test_a_damaged_cache_file_is_rebuilt_from_the_files(tmp_path: Path, own_cach
 
 def test_processes_starting_together_hash_a_checkpoint_once(tmp_path: Path) -> None:
     model = _checkpoint(tmp_path / "m", weights=os.urandom(8 << 20))
-    child = ("import sys; from ucm_db.connector import fingerprints as f; f.PERSIST_MIN_BYTES = 1; "
+    child = ("import sys; from ucm_db.connector import fingerprints as f; f.PERSIST_MIN_BYTES = 1; f.RACY_WINDOW_NS = 0; "
              "p = f.fingerprint(sys.argv[1]); print(p.digest, p.hashed_bytes)")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     procs = [subprocess.Popen([sys.executable, "-c", child, str(model)], stdout=subprocess.PIPE, text=True, env=env)
