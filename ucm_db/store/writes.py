@@ -149,17 +149,12 @@ class StoreWrites:
                 (parents are resolved in order: a segment continuing a
                 later one is refused).
             codec_name, event_fields: as for :meth:`put`.
-            provisional: a tag (:meth:`ProvisionalOwner.tag`) by key: the
-                blocks named here that this put stores are provisional
-                under that tag until its owner settles it; should the
-                owner's process die first, a sweep deletes them with their
-                descendants (:mod:`ucm_db.store.provisional`). Blocks found
-                stored already stay another writer's.
+            provisional: a tag (``ProvisionalOwner.tag()``) by key: blocks it stores stay provisional until the tag
+                is settled; should the owner die first, a sweep deletes them (:mod:`ucm_db.store.provisional`).
 
         Raises:
-            The errors of :meth:`put`; MissingAncestorError if any
-            segment's parent is neither stored nor in an earlier segment
-            of the call (nothing is stored).
+            The errors of :meth:`put`; MissingAncestorError if any segment's parent is neither stored nor in an
+            earlier segment of the call (nothing is stored).
         """
         self._state.check_writable()
         require_namespace(namespace, "put_segments")
@@ -263,15 +258,11 @@ class StoreWrites:
         The write transaction checks the namespace's epoch and each block's
         presence itself (a block stored already is left as it is; a key
         under another namespace is a ForeignNamespaceError, nothing
-        written), so a put is that one transaction: two read transactions
-        less than before, 7% of a 4 x 32 KiB put's CPU (issue 50 item 3).
-        ``check_first``: where making an entry is dear (zstd: 40 us and
-        more per 32 KiB unit), presence is read first in a read transaction
-        of its own and only the blocks not stored are encoded. Codec
-        ``none`` (a header and a checksum: a few us per 32 KiB) and encoded
-        blocks go straight to the write, where a block found stored costs
-        only its entry: a put of 4 x 32 KiB all stored already took 125 us
-        so against 140 us with the presence read first."""
+        written), so a put is that one transaction (two read transactions less: 7% of a 4 x 32 KiB put's CPU).
+        ``check_first``: where making an entry is dear (zstd: 40 us and more per 32 KiB unit), presence is read
+        first in a read transaction of its own and only the blocks not stored are encoded. Codec ``none`` (a
+        header and a checksum) and encoded blocks go straight to the write, where a block found stored costs
+        only its entry (a put of 4 x 32 KiB all stored already: 125 us so, 140 us with the presence read first)."""
         self._epochs.before_put(namespace)  # registers a namespace new here (store/epoch_gate.py)
         desc = _namespace_description(namespace)
         everything = list(range(len(keys)))
