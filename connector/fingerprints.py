@@ -293,8 +293,8 @@ def adapter_key(lora_request: Any) -> str:
     first keyed them, the key is ``unsettled:`` and random (nothing is
     served to or from it) until the engine restarts, loads in place, or
     loads the name and path under a new id (vLLM's reload after an update).
-    Not seen: files changed between vLLM's preload of an adapter
-    (``--lora-modules``, ``load_lora_adapter``) and its first request."""
+    The worker checks its saves against what vLLM read (lora_loads.py):
+    files changed between this keying and vLLM's load store nothing."""
     name, where = str(lora_request.lora_name), str(lora_request.lora_path)
     path = os.path.expanduser(where)
     if not os.path.isdir(path) and not os.path.isabs(path) and _hub_offline():

@@ -83,6 +83,7 @@ class BlockTransfer:
     hold_id: int = -1  # a save: >= 0 if workers keep it until the scheduler's verdict
     event_fields: tuple[BlockEventFields, ...] = ()  # a save: vLLM's KV event fields per block, or () (events.py)
     touched: bool = False  # a load: the scheduler touched its units (Store.touch), so workers read with touch=False
+    adapter: tuple[int, str] | tuple[()] = ()  # a LoRA request's save: (lora_int_id, its chain's adapter key) (lora_loads.py)
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.block_ids):

@@ -17,7 +17,9 @@ Registered, ``"kv_connector": "UcmDbConnector"`` also works without
 
 Why watch: vLLM makes the connector after it loaded the weights, so only
 code that runs before the load can tell the files ucm-db hashes from the
-files vLLM read (a checkpoint written in place meanwhile).
+files vLLM read (a checkpoint written in place meanwhile). The same for LoRA
+adapters, which vLLM's worker reads after the scheduler keyed their requests
+(:mod:`ucm_db.connector.lora_loads`).
 
 Invariants:
     * :func:`register` is idempotent and never replaces a connector another
@@ -49,4 +51,10 @@ def register() -> None:
 
         watch()
     except Exception:  # noqa: BLE001 - another vLLM's loaders: the start warns instead (weight_loads.py)
+        pass
+    try:
+        from ucm_db.connector import lora_loads
+
+        lora_loads.watch()  # what adapter files vLLM's worker reads (a LoRA request's saves are checked against it)
+    except Exception:  # noqa: BLE001 - another vLLM: LoRA requests' saves are then dropped (lora_loads.py)
         pass

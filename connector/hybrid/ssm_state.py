@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any
 from ucm_db.connector.events import save_fields
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata
 from ucm_db.connector.scheduler.hooks import UcmDbScheduler, logger
+from ucm_db.connector.scheduler.request_state import adapter_claim
 from ucm_db.keys.units import unit_keys_of
 
 if TYPE_CHECKING:
@@ -189,7 +190,7 @@ class SsmStateScheduler(UcmDbScheduler):
                 continue  # keys need the tokens
             key = self._keys(state, k)[k - 1]
             fields = save_fields(state.request, k - 1, k, self._block_size, state.epoch, self._group)
-            meta.saves.append(BlockTransfer(req_id, (key,), (block_id,), None, event_fields=fields))
+            meta.saves.append(BlockTransfer(req_id, (key,), (block_id,), None, event_fields=fields, adapter=adapter_claim(state)))
             plan.done_blocks.add(k)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

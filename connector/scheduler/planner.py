@@ -51,7 +51,7 @@ from ucm_db.connector.scheduler.lookups import PrefixLookup
 from ucm_db.connector.metadata import BlockTransfer, UcmDbConnectorMetadata, UcmDbWorkerMetadata
 from ucm_db.connector.admission import Admission
 from ucm_db.connector.request_controls import SAVE_ALWAYS
-from ucm_db.connector.scheduler.request_state import RequestState
+from ucm_db.connector.scheduler.request_state import RequestState, adapter_claim
 from ucm_db.connector.scheduler.settlement import MAX_PENDING_STEPS, SaveSettlement
 from ucm_db.connector.scheduler.stale_blocks import CLEAN_STEP, Scheduled, StaleBlocks, StepVerdict
 
@@ -192,6 +192,7 @@ class StepPlanner:
             req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None,
             after_loads=after_loads, hold_id=self._settlement.hold_id(req_id, after_loads, sibling),
             event_fields=save_fields(request, start, end, self._block_size, state.epoch or 0, self._group),
+            adapter=adapter_claim(state),
         )
         meta.saves.append(transfer)
         self._settlement.track(meta.step, transfer, start, sibling)

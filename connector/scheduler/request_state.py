@@ -152,3 +152,12 @@ def hit_sources(state: RequestState | None, num_external_tokens: int, block_size
                    else max(first, state.first_remote_block * block_size))
     disk = max(0, min(first + num_external_tokens, remote_from) - first)
     return {name: count for name, count in (("disk", disk), ("remote", num_external_tokens - disk)) if count}
+
+
+def adapter_claim(state: RequestState) -> tuple[int, str] | tuple[()]:
+    """A LoRA request's ``(lora_int_id, adapter key)`` as its chain names the
+    adapter: what a worker checks its saves against (lora_loads.py); () without one."""
+    lora_request, key = state.request.lora_request, state.extras.get("lora")
+    if lora_request is None or not isinstance(key, str):
+        return ()
+    return int(getattr(lora_request, "lora_int_id", 0) or 0), key

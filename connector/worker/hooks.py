@@ -47,6 +47,7 @@ from vllm.logger import init_logger
 
 import ucm_db
 from ucm_db import cpu_placement
+from ucm_db.connector import lora_loads
 from ucm_db.committer import CommitProcess
 from ucm_db.connector.drafts import is_draft_layer
 from ucm_db.connector.events import evented_chain
@@ -197,6 +198,9 @@ class UcmDbWorker:
     def _copy_out(self, transfer: BlockTransfer, failed: set[int]) -> None:
         """Copies one save's units out of the KV cache and queues (or holds) them."""
         assert self._writer is not None
+        if transfer.adapter and not lora_loads.computed_with(*transfer.adapter):
+            self.counters.add(save_errors=len(transfer.block_ids))  # computed with other adapter files than keyed
+            return
         if failed.intersection(transfer.after_loads):
             # Computed over a block this worker failed to load: wrong KV.
             self.counters.add(saves_voided=len(transfer.block_ids))
