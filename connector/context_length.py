@@ -23,6 +23,10 @@ from typing import Any
 from ucm_db.errors import ConfigError
 
 
+#: RoPE types whose rotation reads ``max_model_len`` (:func:`max_len_inputs`).
+LENGTH_READING_ROPES = frozenset({"longrope", "su", "dynamic"})
+
+
 def max_len_inputs(config: Any, text: Any, params: Any) -> dict[str, Any]:
     """Where ``max_model_len`` changes K/V, what of it does."""
     layers: list[dict[str, Any]] = []
@@ -67,3 +71,16 @@ def _llama4_temperature_tuning(config: Any, built_len: int) -> bool:
         generation = {}
     generation.update(config.override_generation_config or {})
     return bool(generation.get("attn_temperature_tuning", built_len > 32768))
+
+
+def rope_of(text: Any) -> dict[str, Any]:
+    """The effective RoPE parameters of a text config (vLLM patches them into
+    ``rope_parameters``; older configs keep ``rope_scaling`` and
+    ``rope_theta`` apart)."""
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    rope: dict[str, Any] = {"parameters": params} if params else {}
+    for name in ("rope_theta", "partial_rotary_factor"):
+        value = getattr(text, name, None)
+        if value is not None and not (isinstance(params, dict) and params.get(name) == value):
+            rope[name] = value
+    return rope

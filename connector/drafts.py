@@ -54,6 +54,7 @@ import json
 import sys
 from typing import Any
 
+from ucm_db.connector.context_length import LENGTH_READING_ROPES, max_len_inputs, rope_of
 from ucm_db.connector.draft_files import draft_weight_inputs, vocabulary_inputs
 from ucm_db.connector.identity_guards import FILE_LOAD_FORMATS
 from ucm_db.connector.weight_files import DEFAULT_IGNORE_PATTERNS, load_format_of
@@ -168,8 +169,27 @@ def draft_shape(vllm_config: Any, kv_cache_config: Any, fingerprint: Any,
         "dtype": str(getattr(draft_model, "dtype", "")).removeprefix("torch."),
         "quantization": getattr(spec, "quantization", None) or getattr(draft_model, "quantization", None),
         "speculative_tokens": int(spec.num_speculative_tokens) if len(names) > 1 else None,
+        "max_len": draft_max_len_inputs(vllm_config, draft_model) or None,
     }
     return len(names), {k: v for k, v in inputs.items() if v is not None}
+
+
+def draft_max_len_inputs(vllm_config: Any, draft_model: Any) -> dict[str, Any]:
+    """What of ``max_model_len`` the draft's own RoPE and attention read
+    (context_length.py): a LongRoPE draft of a default-RoPE target picks its
+    long factors past its ``original_max_position_embeddings`` (a review:
+    ``tests/connector/test_review_drafts_fuzz.py``). A draft model is built
+    at its own length, every other drafter under the target's config."""
+    if draft_model is None:
+        return {}
+    built_under = draft_model if str(vllm_config.speculative_config.method) == "draft_model" else vllm_config.model_config
+    text = getattr(draft_model, "hf_text_config", None) or getattr(draft_model, "hf_config", None)
+    params = rope_of(text).get("parameters")
+    layers = [p for p in params.values() if isinstance(p, dict)] or [params] if isinstance(params, dict) else []
+    kinds = {str(p.get("rope_type", p.get("type", ""))) for p in layers}
+    if not kinds & LENGTH_READING_ROPES and getattr(text, "model_type", "") not in ("llama4", "llama4_text"):
+        return {}  # nothing of the draft reads the length (max_len_inputs' cases)
+    return max_len_inputs(built_under, text, params)
 
 
 def _own_load_config(vllm_config: Any) -> Any:

@@ -25,7 +25,8 @@ and left out at its default, so a deployment keys only what it changed:
       the model dtype. (The KV cache dtype itself is ``cache_dtype`` in the
       layout and ``Namespace.kv_dtype``.)
     * ``hf_overrides``: a changed config (a dict as given; a function by its
-      qualified name, all of it that prints the same in every process).
+      qualified name, code and bound plain values: callables.py, with a
+      digest of the config it left).
     * ``rope``: the effective RoPE parameters (``rope_parameters``, else
       ``rope_scaling``; ``rope_theta`` and ``partial_rotary_factor`` where
       kept apart): K is stored rotated.
@@ -98,7 +99,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_db.connector.context_length import max_len_inputs
+from ucm_db.connector.callables import callable_identity
+from ucm_db.connector.context_length import max_len_inputs, rope_of
 from ucm_db.connector.drafts import draft_load_config, draft_shape, drops_last_block, stored_view
 from ucm_db.connector.engine_facts import kv_view
 from ucm_db.connector.fingerprints import model_fingerprint
@@ -295,7 +297,7 @@ def namespace_inputs(vllm_config: Any, model_id: str | None = None) -> str:
     left out. Raises ConfigError for inputs no key can name."""
     config, attention = vllm_config.model_config, getattr(vllm_config, "attention_config", None)
     text = config.hf_text_config
-    rope = _rope(text)
+    rope = rope_of(text)
     inputs: dict[str, Any] = {
         "dtype": config.dtype,
         "quantization": config.quantization,
@@ -337,19 +339,6 @@ def _overrides(config: Any) -> Any:
     return {"function": _plain(overrides), "config": hashlib.blake2b(text, digest_size=16).hexdigest()}
 
 
-def _rope(text: Any) -> dict[str, Any]:
-    """The effective RoPE parameters (vLLM patches them into
-    ``rope_parameters``; older configs keep ``rope_scaling`` and
-    ``rope_theta`` apart)."""
-    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
-    rope: dict[str, Any] = {"parameters": params} if params else {}
-    for name in ("rope_theta", "partial_rotary_factor"):
-        value = getattr(text, name, None)
-        if value is not None and not (isinstance(params, dict) and params.get(name) == value):
-            rope[name] = value
-    return rope
-
-
 def _plain(value: Any) -> Any:
     """``value`` as JSON-able data that prints the same in every process."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -366,8 +355,8 @@ def _plain(value: Any) -> Any:
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if hasattr(value, "to_dict"):
         return _plain(value.to_dict())
-    if callable(value):  # e.g. an hf_overrides function: its name is all that prints the same
-        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    if callable(value):  # e.g. an hf_overrides function: its name and code (callables.py), never an address
+        return callable_identity(value)
     return str(value).removeprefix("torch.")  # a torch.dtype and the like
 
 
