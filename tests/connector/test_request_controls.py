@@ -266,7 +266,7 @@ def test_an_unsettled_lora_adapter_neither_saves_nor_loads(engine: Engine, tmp_p
     no request would find: only write traffic and space)."""
     from vllm.lora.request import LoRARequest
 
-    from ucm_db.connector import fingerprints
+    from ucm_db.connector import fingerprints, lora_loads
 
     adapters = {}
     for name, weights in (("a", b"1"), ("b", b"2")):
@@ -279,6 +279,8 @@ def test_an_unsettled_lora_adapter_neither_saves_nor_loads(engine: Engine, tmp_p
     try:
         first = _request(tokens)
         first.lora_request = LoRARequest("a", 77, adapters["a"])
+        # No vLLM worker here: what vLLM's adapter load records before the forward (lora_loads.py).
+        lora_loads.note_load(77, adapters["a"], lora_loads._stats(adapters["a"]))
         assert engine.prefill(first) == (0, [(0, 1, 2, 3)])
         lookups = engine.lookups
         other = _request(tokens)
@@ -286,6 +288,7 @@ def test_an_unsettled_lora_adapter_neither_saves_nor_loads(engine: Engine, tmp_p
         assert engine.prefill(other) == (0, [])
         assert engine.lookups == lookups and engine.stored_units() == 4 * UNITS_PER_BLOCK
     finally:
+        lora_loads._loaded.pop(77, None)
         fingerprints._adapter_ids.clear(), fingerprints._adapters.clear()
         fingerprints._adapter_ids.update(saved_ids[0]), fingerprints._adapters.update(saved_ids[1])
 
