@@ -21,8 +21,10 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -45,9 +47,25 @@ from ucm_db.keys.units import unit_key  # noqa: E402
 from ucm_db.store import provisional as store_provisional  # noqa: E402
 
 
-def _producer(path: Path, save_process: bool, end: str) -> list[bytes]:
-    """Commits the wrong save; returns its rank-0 unit keys (``end``:
-    "shutdown" shuts down cleanly first; "kill" leaves it all running)."""
+@dataclass
+class WrongSave:
+    """A TP=2 producer whose rank 0 committed a save over rank 1's failed load."""
+
+    sched: UcmDbScheduler
+    workers: list[Any]
+    request: Any
+    meta: Any
+    head0: list[bytes]  # rank 0's unit keys of blocks 0-4 (2-4: the wrong save's)
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        self.sched.shutdown()
+
+
+def _wrong_save(path: Path, save_process: bool = False) -> WrongSave:
+    """Commits the wrong save: rank 1's load of block 1 fails, rank 0 commits
+    blocks 2-4 within the step (a producer does not hold)."""
     settings = ConnectorSettings.from_extra_config({"path": str(path), "codec": "none", "save_process": save_process})
     sched = UcmDbScheduler(settings, _shape(2), RolePolicy("kv_producer"))
     workers = [_rank_worker(settings, rank, "kv_producer") for rank in (0, 1)]
@@ -59,22 +77,18 @@ def _producer(path: Path, save_process: bool, end: str) -> list[bytes]:
     assert sched.store.delete(ns, [unit_key(keys[1], spans[1], g)]) == 1  # rank 1's load of block 1 fails
     for worker in workers:
         worker.start_load(meta)
-        worker.save(meta)  # rank 0 commits blocks 2-4 within the step: a producer does not hold
-    head0 = [unit_key(k, spans[0], g) for k in keys]
+        worker.save(meta)
+    head0 = [bytes(unit_key(k, spans[0], g)) for k in keys]
     assert sched.store.lookup(ns, head0) == 5, "the wrong save was not committed"
-    if end == "shutdown":
-        for worker in workers:
-            worker.shutdown()
-        sched.shutdown()
-    return [bytes(k) for k in head0]
+    return WrongSave(sched, workers, req, meta, head0)
 
 
 CHILD = """
 import sys
 sys.path[:0] = [sys.argv[1]]
 import time
-from test_void_survives_worker_death import _producer
-print(" ".join(k.hex() for k in _producer(sys.argv[2], sys.argv[3] == "True", "kill")), flush=True)
+from test_void_survives_worker_death import _wrong_save
+print(" ".join(k.hex() for k in _wrong_save(sys.argv[2], sys.argv[3] == "True").head0), flush=True)
 time.sleep(120)
 """
 
@@ -111,7 +125,9 @@ def test_a_clean_shutdown_before_the_void_keeps_the_save(tmp_path: Path) -> None
     """The docs' promise: a save whose void never came (the scheduler never
     said) stands after a clean shutdown, as it did before tags."""
     _seeded(tmp_path)
-    head0 = _producer(tmp_path / "s", False, "shutdown")
+    wrong = _wrong_save(tmp_path / "s")
+    wrong.shutdown()
+    head0 = wrong.head0
     with ucm_db.open(tmp_path / "s") as store:
         assert store.lookup(namespace(_shape(2)), head0) == 5
         assert not store._engine.read(marks.owners), "a clean close left marks"
@@ -121,18 +137,8 @@ def test_a_void_leaves_no_mark(tmp_path: Path) -> None:
     """The void deletes the units and settles their tag: no mark stays for
     a sweep (which would delete the right units computed again since)."""
     _seeded(tmp_path)
-    settings = ConnectorSettings.from_extra_config({"path": str(tmp_path / "s"), "codec": "none"})
-    sched = UcmDbScheduler(settings, _shape(2), RolePolicy("kv_producer"))
-    workers = [_rank_worker(settings, rank, "kv_producer") for rank in (0, 1)]
-    ns, g, spans = namespace(_shape(2)), grid(_shape(2)), reader_spans(_shape(2))
-    req = _request("b", PROMPT)
-    assert _admit(sched, req) == 2 * BS
-    meta = sched.build_connector_meta(_new_step(req, IDS, len(PROMPT) - 2 * BS))
-    keys = sched.keys_for(req, 5)
-    assert sched.store.delete(ns, [unit_key(keys[1], spans[1], g)]) == 1
-    for worker in workers:
-        worker.start_load(meta)
-        worker.save(meta)
+    wrong = _wrong_save(tmp_path / "s")
+    sched, workers, req, meta = wrong.sched, wrong.workers, wrong.request, wrong.meta
     assert sched.store._engine.read(marks.owners), "the voidable save was not marked"
     req.num_computed_tokens = 1 * BS
     sched.observe_output(_output(meta.step, {11}).kv_connector_worker_meta, {11})
@@ -142,11 +148,9 @@ def test_a_void_leaves_no_mark(tmp_path: Path) -> None:
     for worker in workers:
         worker.start_load(nxt)
         worker.drain()
-    assert sched.store.lookup(ns, [unit_key(k, spans[0], g) for k in keys]) == 2
+    assert sched.store.lookup(namespace(_shape(2)), wrong.head0) == 2
     assert not sched.store._engine.read(marks.owners), "the void left its tag's marks"
-    for worker in workers:
-        worker.shutdown()
-    sched.shutdown()
+    wrong.shutdown()
 
 
 def test_a_clean_close_leaves_a_failing_voids_units_to_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
