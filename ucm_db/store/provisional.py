@@ -106,6 +106,10 @@ _LOGGED_STUCK: set[bytes] = set()
 
 
 def _forget_owners_in_child() -> None:
+    """A forked child holds none of the parent's owners' locks, nor
+    :data:`_OWN_LOCK` should a parent's thread have held it at the fork."""
+    global _OWN_LOCK
+    _OWN_LOCK = threading.Lock()
     _OWN.clear()
 
 
