@@ -81,6 +81,7 @@ class BlockTransfer:
     parent: bytes | None = None
     after_loads: tuple[int, ...] = ()  # a save: loaded blocks (of unsettled steps) its KV was computed over
     hold_id: int = -1  # a save: >= 0 if workers keep it until the scheduler's verdict
+    voidable: bool = False  # a save committed at once that the scheduler may void a step later (voids.py)
     event_fields: tuple[BlockEventFields, ...] = ()  # a save: vLLM's KV event fields per block, or () (events.py)
     touched: bool = False  # a load: the scheduler touched its units (Store.touch), so workers read with touch=False
     adapter: tuple[int, str] | tuple[()] = ()  # a LoRA request's save: (lora_int_id, its chain's adapter key) (lora_loads.py)

@@ -9,8 +9,9 @@ tags' blocks go with their descendants (stored by another process since),
 settled tags' stay, a block found stored already stays (first writer wins),
 a live owner's stay (in another process and in this one), a forked child
 of the owner keeps nothing alive, a closed owner's unsettled blocks go, a
-swept block on a ``file://`` remote is retracted there, and a malformed
-tag is refused with nothing written.
+dead writer's unsettled blocks never reach a write-back ``file://`` remote
+(another node misses them before any sweep) and are retracted from a
+write-through one, and a malformed tag is refused with nothing written.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import os, sys, time
 import ucm_db
 ns = ucm_db.Namespace(model="provisional-puts", kv_dtype="bfloat16", block_size=4)
 remote = [a.split("=", 1)[1] for a in sys.argv if a.startswith("remote=")]
-extra = {"remote": remote[0], "remote_mode": "write_through"} if remote else {}
+mode = "write_through" if "write_through" in sys.argv else "write_back"
+extra = {"remote": remote[0], "remote_mode": mode} if remote else {}
 extra.update(engine="rocksdb") if "rocksdb" in sys.argv else None
 store = ucm_db.open(sys.argv[1], capacity_bytes=64 << 20, codec="none", sync_interval_s=0.2, **extra)
 def chain(seed):
@@ -167,20 +169,40 @@ def test_a_forked_child_keeps_no_dead_owner_alive(tmp_path: Path) -> None:
         assert _stored(store, 200) == 4
 
 
-def test_swept_blocks_are_retracted_from_the_remote(tmp_path: Path) -> None:
+def _uploaded(shared: Path, seed: int) -> list[bool]:
+    return [(shared / NS.short_id / key[:1].hex() / key.hex()).exists() for key in _keys(seed)]
+
+
+def test_swept_blocks_are_retracted_from_a_write_through_remote(tmp_path: Path) -> None:
     shared = tmp_path / "remote"
     remote = {"remote": f"file://{shared}", "remote_mode": "write_through"}
     path = tmp_path / "s"
-    proc = _writer(path, f"remote=file://{shared}")
-    objects = [shared / NS.short_id / key[:1].hex() / key.hex() for key in _keys(300)]
-    assert all(obj.exists() for obj in objects), "the writer did not upload"
+    proc = _writer(path, f"remote=file://{shared}", "write_through")
+    assert _uploaded(shared, 300) == [True] * 4, "the writer did not upload"
     _kill(proc)
     with ucm_db.open(path, **OPTIONS, **remote) as store:
         assert _stored(store, 300) == 0
         store.flush(upload_timeout_s=30)
-    assert not any(obj.exists() for obj in objects), "swept blocks stayed on the remote"
+    assert _uploaded(shared, 300) == [False] * 4, "swept blocks stayed on the remote"
     with ucm_db.open(tmp_path / "other", **OPTIONS, **remote) as other:
         assert other.lookup(NS, _keys(300)) == 0
+
+
+def test_a_killed_writers_unsettled_blocks_never_reach_a_write_back_remote(tmp_path: Path) -> None:
+    shared = tmp_path / "remote"
+    remote = {"remote": f"file://{shared}", "remote_mode": "write_back"}
+    path = tmp_path / "s"
+    proc = _writer(path, f"remote=file://{shared}")
+    assert _uploaded(shared, 200) == [True] * 4, "the writer did not upload its settled blocks"
+    assert _uploaded(shared, 300) == [False] * 4, "unsettled provisional blocks were uploaded"
+    _kill(proc)
+    with ucm_db.open(tmp_path / "other", **OPTIONS, **remote) as other:  # before anyone sweeps
+        assert other.lookup(NS, _keys(300)) == 0, "another node was served a dead writer's blocks"
+        assert other.lookup(NS, _keys(200)) == 4
+    with ucm_db.open(path, **OPTIONS, **remote) as store:
+        assert _stored(store, 300) == 0
+        store.flush(upload_timeout_s=30)
+    assert _uploaded(shared, 300) == [False] * 4
 
 
 def test_a_malformed_tag_is_refused_and_nothing_written(tmp_path: Path) -> None:

@@ -188,9 +188,10 @@ class StepPlanner:
         if end <= start:
             return
         after_loads, sibling = self._settlement.after_loads(req_id, block_ids[:end], loaded)
+        hold_id = self._settlement.hold_id(req_id, after_loads, sibling)
         transfer = BlockTransfer(
             req_id, tuple(keys[start:end]), tuple(block_ids[start:end]), keys[start - 1] if start else None,
-            after_loads=after_loads, hold_id=self._settlement.hold_id(req_id, after_loads, sibling),
+            after_loads=after_loads, hold_id=hold_id, voidable=self._settlement.voidable(hold_id, after_loads, sibling),
             event_fields=save_fields(request, start, end, self._block_size, state.epoch or 0, self._group),
             adapter=adapter_claim(state),
         )

@@ -200,6 +200,13 @@ class SaveSettlement:
         self._next_hold_id += 1
         return self._next_hold_id - 1
 
+    def voidable(self, hold_id: int, after_loads: tuple[int, ...], sibling: bool = False) -> bool:
+        """Whether a save the scheduler may void a step later: committed at
+        once over loads that another rank or another connector made (what
+        :meth:`track` records as committed). One rank's save over its own
+        loads never is: its worker drops it when one of them failed."""
+        return hold_id < 0 and bool(after_loads) and (self._several_ranks or sibling)
+
     def track(self, step: int, transfer: BlockTransfer, start: int, sibling: bool = False) -> None:
         """Remembers a planned save that waits on loads: held; or (a
         producer's) committed at once and deleted if another rank or

@@ -216,7 +216,7 @@ class UcmDbWorker:
         block_keys = [transfer.parent, *transfer.keys] if transfer.parent is not None else list(transfer.keys)
         start = 1 if transfer.parent is not None else 0
         chains = tuple(UnitKeys(block_keys, self._grid, span, start) for span in self._spans)
-        voidable = transfer.hold_id < 0 and bool(transfer.after_loads)  # committed at once over loads (voids.py)
+        voidable = transfer.voidable  # committed at once over another rank's or connector's loads (voids.py)
         job = SaveJob(self._namespace, chains, lease.staging, transfer.event_fields, self._evented_chain, lease.release,
                       lease.held_bytes, copy, VoidTag(save_id(transfer), self._steps) if voidable else None)
         if transfer.hold_id >= 0:

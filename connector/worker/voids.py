@@ -18,7 +18,8 @@ recomputed right ones were "already present", and every node of the remote
 was served the voided KV (tests/connector/test_void_retracts_remote.py).
 
 Invariants:
-    * A save that may be voided (not held, computed over loads: it carries a
+    * A save that may be voided (``BlockTransfer.voidable``: committed at
+      once over another rank's or another connector's loads; it carries a
       :class:`VoidTag`) leaves, once its writer round is done, a record of
       the first unit its round stored for it in each of its unit chains
       (``PutResult.stored_keys``), kept per save: a unit another save of

@@ -83,6 +83,7 @@ def test_failed_load_drops_the_step_s_saves_and_the_recompute_is_saved(settings:
     meta = sched.build_connector_meta(_new_step(req, ids, len(PROMPT) - 2 * BS))
     assert [t.block_ids for t in meta.loads] == [(10, 11)] and [t.block_ids for t in meta.saves] == [(12, 13, 14)]
     assert meta.saves[0].after_loads == (10, 11)
+    assert not meta.saves[0].voidable, "one rank's save over its own loads is dropped by its worker, never voided"
     # Another engine evicts one head's unit of block 1 between lookup and load.
     assert sched.store.delete(ns, [unit_key(meta.loads[0].keys[1], spans[1], g)]) == 1
     worker.start_load(meta)

@@ -123,7 +123,7 @@ def test_a_void_of_a_save_never_committed_deletes_nothing(tmp_path: Path) -> Non
     assert store is not None
     theirs = store.get(ns, head0[2:])
     assert all(unit is not None for unit in theirs)
-    save = BlockTransfer("b", tuple(keys[2:]), tuple(range(12, 110)), parent=keys[1], after_loads=(10, 11))
+    save = BlockTransfer("b", tuple(keys[2:]), tuple(range(12, 110)), parent=keys[1], after_loads=(10, 11), voidable=True)
     worker.start_load(UcmDbConnectorMetadata(step=1))
     worker.save(UcmDbConnectorMetadata(step=1, saves=[save]))  # 98 units of 16 KiB: over the 1 MiB bound, dropped
     assert worker.counters.totals.data["saves_dropped"] == 98

@@ -1,8 +1,9 @@
 """A producer's void deletes the voided save's units from the remote tier too.
 
-A ``kv_producer`` commits (and with a remote, uploads) its save over a load
-within the step; if another rank's load failed, the save is voided a step
-later. The void deleted its units from the local tier only, so the next
+A ``kv_producer`` commits (and with ``publish: "remote"``, uploads) its save
+over a load within the step; if another rank's load failed, the save is
+voided a step later. With a write-back remote its upload is held until the
+save's fate is known, so the wrong units never reach the remote. The void deleted its units from the local tier only, so the next
 lookup of the prompt promoted the wrong units back from the remote, the
 recomputed right ones were then "already present" (first writer wins), and
 every node of the remote was served the wrong KV (the review's repro: "head
@@ -38,7 +39,7 @@ from ucm_db.keys.units import unit_key  # noqa: E402
 
 MODES = {
     "publish-remote": {"remote_mode": "write_through", "publish": "remote"},  # uploaded within the step
-    "write-back": {"remote_mode": "write_back"},  # publish "local"; the uploader sends it before the void (flushed)
+    "write-back": {"remote_mode": "write_back"},  # publish "local"; the upload is held until the save's settle
 }
 
 
@@ -70,6 +71,7 @@ def test_a_voided_save_is_not_served_back_from_the_remote(tmp_path: Path, mode: 
     req = _request("b", PROMPT)
     assert _admit(sched, req) == 2 * BS
     meta = sched.build_connector_meta(_new_step(req, IDS, len(PROMPT) - 2 * BS))
+    assert [t.voidable for t in meta.saves] == [True], "a TP=2 producer's save over loads may be voided"
     keys = sched.keys_for(req, 5)
     head0 = [unit_key(k, spans[0], g) for k in keys]
     lost = unit_key(keys[1], spans[1], g)
@@ -80,8 +82,12 @@ def test_a_voided_save_is_not_served_back_from_the_remote(tmp_path: Path, mode: 
         worker.save(meta)  # rank 0 commits blocks 2-4, computed over rank 1's failed block
     assert workers[1].take_load_errors() == {11}
     wrong = _unit(workers[0], 14)
-    sched.store.flush(upload_timeout_s=30)  # write-back: uploaded before the void comes
-    assert all(_object(shared, ns, key).exists() for key in head0[2:]), "the wrong units reached the remote"
+    sched.store.flush(upload_timeout_s=30)
+    uploaded = [_object(shared, ns, key).exists() for key in head0[2:]]
+    if mode == "publish-remote":  # write-through: the consumer reads the upload within the step
+        assert all(uploaded), "the wrong units did not reach the remote"
+    else:  # write-back: a voidable save's upload waits for its settle (ucm_db/index/provisional.py)
+        assert not any(uploaded), "a voidable save was uploaded before its fate was known"
     req.num_computed_tokens = 1 * BS
     sched.observe_output(_output(meta.step, {11}).kv_connector_worker_meta, {11})
     sched.request_finished(req, IDS)  # the client went away: b is not computed again

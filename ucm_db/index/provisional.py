@@ -11,10 +11,15 @@ parent was not stored by the same put under the same tag):
   is the owner id (:data:`OWNER_ID_BYTES`) and a sequence number
   (:data:`SEQ_BYTES`, big-endian) the owner gives each save.
 
-Nothing else scans the prefix. The owner removes a tag's markers once the
-save stands (:func:`settle`) or after its void deleted the blocks; a sweep
-(:mod:`ucm_db.store.provisional`) deletes, with their descendants, the
-marked blocks of an owner whose process is gone, then its markers.
+* ``held/<owner id><seq><key>`` -> the block's namespace id, for every
+  block the put stored under a tag where the store uploads to a write-back
+  remote: the upload the put would have queued (``uploads``), held back.
+
+Nothing else scans the prefixes. The owner removes a tag's markers once
+the save stands (:func:`settle`, which queues its held uploads) or after its
+void deleted the blocks; a sweep (:mod:`ucm_db.store.provisional`)
+deletes, with their descendants, the marked blocks of an owner whose
+process is gone, then its markers and held uploads.
 
 Invariants:
     * A marker is written by the transaction that stores its block, never
@@ -24,6 +29,15 @@ Invariants:
     * A marked root and its descendants are all the blocks one tag's put
       stored in its chain: a block of the tag whose parent the same put
       stored under the same tag needs no marker of its own.
+    * With a write-back remote, a provisional block reaches the remote only
+      once its tag is settled: its put holds its upload (no ``uploads``
+      row), and the uploader's ancestor repair never sends a held block nor
+      what hangs under it (:mod:`ucm_db.remote.ancestry`). Other nodes are
+      never served what a dead owner stored, nor what its void took back.
+      The settle queues the held uploads of blocks still stored, in its own
+      transaction. A write-through put uploads what it stores before it
+      returns, tagged or not (its caller's contract: a ``kv_producer``
+      publishing to the remote); a void or sweep retracts them there.
     * Markers may outlive their block (evicted, deleted, re-stored by
       someone else): a sweep then deletes what is stored under that key
       now, which loses a right block at worst, never keeps a wrong one.
@@ -37,6 +51,7 @@ from ucm_db.engines.base import Txn
 
 INFO = "info"
 PROVISIONAL_PREFIX = b"prov/"
+HELD_PREFIX = b"held/"
 #: A provisional owner's id: random bytes made by the owner.
 OWNER_ID_BYTES = 16
 #: A tag's sequence number, after the owner id.
@@ -49,14 +64,28 @@ def mark(txn: Txn, tag: bytes, key: bytes, namespace_id: bytes) -> None:
     txn.put(INFO, PROVISIONAL_PREFIX + tag + key, namespace_id)
 
 
-def settle(txn: Txn, tags: Iterable[bytes]) -> int:
-    """Drops every marker of ``tags`` (their blocks stand); returns how many."""
-    dropped = 0
+def hold(txn: Txn, tag: bytes, key: bytes, namespace_id: bytes) -> None:
+    """Holds back the upload of ``key``, stored by this transaction under
+    ``tag``, until the tag is settled."""
+    txn.put(INFO, HELD_PREFIX + tag + key, namespace_id)
+
+
+def settle(txn: Txn, tags: Iterable[bytes]) -> tuple[int, int]:
+    """Drops every marker of ``tags`` (their blocks stand) and queues their
+    held uploads whose block is still stored; returns ``(markers dropped,
+    uploads queued)``."""
+    dropped = queued = 0
+    start = len(HELD_PREFIX) + TAG_BYTES
     for tag in tags:
         for name in [bytes(name) for name, _ in txn.scan(INFO, PROVISIONAL_PREFIX + tag)]:
             txn.delete(INFO, name)
             dropped += 1
-    return dropped
+        for name, namespace_id in [(bytes(n), bytes(v)) for n, v in txn.scan(INFO, HELD_PREFIX + tag)]:
+            txn.delete(INFO, name)
+            if txn.get("meta", name[start:]) is not None:  # gone (voided, evicted): nothing to upload
+                txn.put("uploads", name[start:], namespace_id)
+                queued += 1
+    return dropped, queued
 
 
 def owners(txn: Txn) -> set[bytes]:
@@ -69,14 +98,16 @@ def owners(txn: Txn) -> set[bytes]:
 
 
 def marked(txn: Txn, owner_id: bytes) -> tuple[dict[bytes, list[bytes]], list[bytes]]:
-    """The marked keys of ``owner_id`` by namespace id, and the markers' names
-    (a sweep drops those it read, never one written since: :func:`drop`)."""
+    """The marked keys of ``owner_id`` by namespace id, and the names of its
+    markers and held uploads (a sweep drops those it read, never one
+    written since: :func:`drop`)."""
     by_namespace: dict[bytes, list[bytes]] = {}
     names: list[bytes] = []
     start = len(PROVISIONAL_PREFIX) + TAG_BYTES
     for name, namespace_id in txn.scan(INFO, PROVISIONAL_PREFIX + owner_id):
         names.append(bytes(name))
         by_namespace.setdefault(bytes(namespace_id), []).append(bytes(name[start:]))
+    names.extend(bytes(name) for name, _ in txn.scan(INFO, HELD_PREFIX + owner_id))
     return by_namespace, names
 
 
@@ -84,6 +115,14 @@ def drop(txn: Txn, names: Iterable[bytes]) -> None:
     """Drops the markers named ``names``."""
     for name in names:
         txn.delete(INFO, name)
+
+
+def held_among(txn: Txn, keys: Iterable[bytes]) -> set[bytes]:
+    """Those of ``keys`` whose upload is held (one scan: held uploads last
+    about a step)."""
+    start = len(HELD_PREFIX) + TAG_BYTES
+    held = {bytes(name[start:]) for name, _ in txn.scan(INFO, HELD_PREFIX)}
+    return held.intersection(keys) if held else set()
 
 
 def marked_keys(txn: Txn) -> set[bytes]:

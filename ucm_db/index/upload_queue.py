@@ -3,9 +3,11 @@
 the remote wing's uploader (:mod:`ucm_db.remote.uploader`).
 
 Invariants:
-    * A key is queued in the transaction that stores its block (or again
-      by the confirmation of its retraction, when it was stored again
-      since: the remote delete may have taken its upload) and leaves the
+    * A key is queued in the transaction that stores its block (a
+      provisional block's in the one that settles its tag, while it is still
+      stored: :mod:`ucm_db.index.provisional`; again by the confirmation of
+      its retraction, when it was stored again since: the remote delete may
+      have taken its upload) and leaves the
       queue when it is uploaded or its block is removed: the queue never
       names a block that was never stored.
     * A key has one row, the row of the block stored under it now: a block
@@ -25,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ucm_db.engines.base import Buffer, Engine, Txn
-from ucm_db.index import retractions
+from ucm_db.index import provisional, retractions
 from ucm_db.index.damage import meta_or_none
 from ucm_db.index.retractions import RETRACTION_GRACE_S, Retraction
 
@@ -149,6 +151,11 @@ class UploadQueue:
     def first_retracted(self, keys: Sequence[bytes]) -> int | None:
         """Index of the first of ``keys`` whose retraction is recorded, or None."""
         return self.engine.read(lambda txn: retractions.first_retracted(txn, keys))
+
+    def held(self, keys: Sequence[bytes]) -> set[bytes]:
+        """Those of ``keys`` whose upload a provisional put holds (its tag
+        not settled: :func:`ucm_db.index.provisional.held_among`)."""
+        return set(self.engine.read(lambda txn: provisional.held_among(txn, keys))) if keys else set()
 
     def retracted(self, keys: Sequence[bytes]) -> set[bytes]:
         """Those of ``keys`` whose retraction is recorded."""

@@ -112,6 +112,7 @@ class IndexWriter:
         guard: Callable[[Txn], None] | None = None,
         stored: list[BlockEntry] | None = None,
         provisional: Mapping[bytes, bytes] | None = None,
+        hold_provisional_uploads: bool = False,
     ) -> PutResult:
         """Atomically stores a batch, then evicts LRU blocks over capacity,
         never a block of the batch, one of ``protect`` (blocks of the same
@@ -129,6 +130,10 @@ class IndexWriter:
             provisional: tag by key: a block of these that this put stores
                 is provisional under its tag; the transaction marks each
                 chain root of them (:mod:`ucm_db.index.provisional`).
+            hold_provisional_uploads: with ``enqueue_upload``, the upload
+                of a provisional block is held until its tag's settle
+                instead of queued (a write-back store's: a write-through
+                put uploads what it stored before it returns).
 
         Raises:
             MissingAncestorError: a block's parent is neither stored nor
@@ -173,9 +178,12 @@ class IndexWriter:
                 txn.put("lru", lru_key(now, depth, entry.key), b"")
                 if entry.parent is not None:
                     txn.put("children", entry.parent + entry.key, b"")
-                if enqueue_upload:
+                tag = provisional.get(entry.key) if provisional is not None else None
+                if enqueue_upload and tag is not None and hold_provisional_uploads:  # queued by the tag's settle
+                    provisional_marks.hold(txn, tag, entry.key, entry.namespace_id)
+                elif enqueue_upload:
                     txn.put("uploads", entry.key, entry.namespace_id)
-                if provisional is not None and (tag := provisional.get(entry.key)) is not None:
+                if tag is not None:
                     if entry.parent is None or tagged.get(entry.parent) != tag:
                         provisional_marks.mark(txn, tag, entry.key, entry.namespace_id)
                     tagged[entry.key] = tag

@@ -18,12 +18,13 @@ whole:
   first block has none to check) is on the remote: one ranged read of its
   envelope per distinct parent (:data:`~ucm_db.remote.envelope.ENVELOPE_BYTES`),
   none for a key this process uploaded in the last
-  :data:`UPLOADED_TTL_S` (a key found present is checked again next time:
-  it may be old, which is what gc removes). A parent found absent (gc removed it, or its
-  object is broken) that the local tier still holds is uploaded again from
-  it, with its absent ancestors, parents first, before the batch. One the local tier no longer holds (or holds under
-  another namespace, or whose delete is being retracted here) is counted in
-  :attr:`AncestorRepair.missing`, and the children go anyway, as before.
+  :data:`UPLOADED_TTL_S` (one found present is checked again next time:
+  gc removes old ones). A parent found absent (gc removed it, or its object
+  is broken) that the local tier holds is uploaded again from it, with its
+  absent ancestors, parents first, before the batch. One the local tier
+  no longer holds (or holds under another namespace, or whose delete is
+  being retracted here) is counted in :attr:`AncestorRepair.missing`, and
+  the children go anyway.
 * A parent found absent whose object a retraction took (its tombstone is
   there: :mod:`ucm_db.remote.tombstones`; one more read per absent parent)
   is never uploaded again, whatever the local tier holds: gc'd (old) and
@@ -32,16 +33,17 @@ whole:
   fleet. Nor is anything under it: the batch's blocks whose parent chain
   meets it leave the queue without an upload
   (:attr:`AncestorRepair.dropped`): computed over the retracted block, they
-  are wrong too, and uploaded they would be served again the day it is
-  (recomputed). Counted in :attr:`AncestorRepair.retracted`.
+  are wrong too. Counted in :attr:`AncestorRepair.retracted`.
+* An ancestor found absent whose upload a provisional put holds (its tag
+  not settled: :mod:`ucm_db.index.provisional`) is not uploaded, and what
+  hangs under it stays queued for a later batch, without an error: the
+  settle queues it, or a sweep deletes it with what hangs under it.
 * An ancestor found absent is uploaded again only where still no object
   is (an exclusive write; a broken one is replaced). One there by then is
   another writer's (another node's re-upload, or the voiding node's
-  recomputed block, which a replace overwrote with the wrong one and the
-  undo below then deleted: tests/remote/test_review_uploads_tombstone_reread.py):
+  recomputed block: tests/remote/test_review_uploads_tombstone_reread.py):
   it stays, and what hangs under the key here is dropped, as under a
-  retracted block (its block may be the voided one; counted in
-  :attr:`AncestorRepair.taken`).
+  retracted block (counted in :attr:`AncestorRepair.taken`).
 * An ancestor uploaded again has its tombstone read once more after its
   upload landed: a void on another node may have written the tombstone
   between the check and the landing (and found nothing to delete). Seen, the
@@ -56,25 +58,19 @@ whole:
   voided block present and sent its children under it).
 
 Cost per batch: one request per distinct batch-root parent not uploaded
-here within :data:`UPLOADED_TTL_S` (on S3 a GET of 64 bytes: about a twelfth
-of a PUT's price, and one round trip before the batch, since the checks run
-on the upload pool at once), plus four requests per ancestor found absent
-(its check, its tombstone's, its upload and its tombstone's again; and a
-read of its head and its delete where that tombstone is there). A batch
-that continues this process's own recent uploads (a conversation's next
-turn) checks nothing.
+here within :data:`UPLOADED_TTL_S` (on S3 a GET of 64 bytes, all at once on
+the upload pool), plus four per ancestor found absent (its check, its
+tombstone's, its upload, its tombstone's again; and a head read and a delete
+where that tombstone is there). A batch continuing this process's recent
+uploads (a conversation's next turn) checks nothing.
 
-Round trips: the absent ancestors are found a round of checks at a time,
-each round checking every chain further up at once (read from the local
-tier): 1 level, then 2, 4, ... up to ``upload_concurrency`` levels a round
-(shared among the chains walked). A chain whose parent is present costs its
-one check, as before; a long absent chain costs about ``2 / upload_concurrency``
-round trips of checks per level instead of 2 (the checks above the first
-present ancestor of a round are wasted: at most one round's worth). The
-uploads then go one level per round trip, parents first: a block is sent
-only once its parent has landed, so a failed upload never leaves a remote
-chain with a hole that the next batch's check (of its own parent only)
-would not see.
+Round trips: absent ancestors are found a round of checks at a time, each
+round checking every chain further up at once: 1 level, then 2, 4, ... up
+to ``upload_concurrency`` levels a round (shared among the chains). A long
+absent chain costs about ``2 / upload_concurrency`` round trips of checks
+per level (at most one round's checks are wasted above a present
+ancestor). Uploads then go a level per round trip, parents first, so a
+failed upload never leaves a hole the next batch's check would not see.
 
 Invariants:
     * Nothing of a batch goes before the ancestors it needs: a batch root
@@ -84,19 +80,15 @@ Invariants:
       call (memory: ``upload_concurrency`` blocks at a time).
     * A block whose delete is being retracted is never sent again
       (:mod:`ucm_db.remote.retraction`).
-    * Within a batch, uploads still run at once (shallower first), so a
-      child may land a moment before its parent: ``gc`` reads such a parent
-      when it lands after its listing (:func:`ucm_db.remote.gc_listing.landed_parents`).
+    * Within a batch, uploads run at once (shallower first): ``gc`` reads a
+      parent landing after its listing (:func:`ucm_db.remote.gc_listing.landed_parents`).
 
 Not covered: a gc that listed before a batch landed and removes the
-parent its check found after the check (the batch then lands under
-nothing, and the next batches check only their own parents): the window is
-one batch's upload, and the gc must list the batch's paths before they land.
-A process killed or closed between an ancestor's upload and its second
-tombstone read (or with it or its delete owed) leaves the upload on the
-remote; a recomputed upload of the block by the voiding node that lands
-between the undo's read of the object and its delete is deleted (a miss,
-recomputed: never the wrong block served).
+parent its check found after the check (the batch lands under nothing; the
+window is one batch's upload). A process killed or closed between an
+ancestor's upload and its second tombstone read (or with it or its delete
+owed) leaves the upload on the remote; a recomputed upload landing between
+the undo's read and its delete is deleted (a miss, never a wrong block).
 """
 
 from __future__ import annotations
@@ -143,6 +135,8 @@ class _Walk:
     failed: dict[bytes, str] = field(default_factory=dict)  # failed check or upload -> its error
     retracted: set[bytes] = field(default_factory=set)  # tombstoned (and absent ones under them): never to upload
     broken: set[bytes] = field(default_factory=set)  # checked keys holding a broken object: replaced when uploaded
+    held: set[bytes] = field(default_factory=set)  # absent keys whose upload a provisional put holds
+    waiting: set[bytes] = field(default_factory=set)  # held ones met (and absent ones under them): wait for a settle
 
 
 class AncestorRepair:
@@ -229,7 +223,7 @@ class AncestorRepair:
             return None
         dropped = under(work, absent, retracted)
         self.dropped += len(dropped)
-        return Repair(under(work, absent, failed) - dropped, list(dict.fromkeys(failed.values())), dropped,
+        return Repair(under(work, absent, failed.keys() | walk.waiting) - dropped, list(dict.fromkeys(failed.values())), dropped,
                       frozenset(absent.keys() - failed.keys() - retracted))
 
     def _ahead(self, frontier: dict[bytes, bytes], depth: int, walk: _Walk) -> dict[bytes, bytes]:
@@ -260,6 +254,7 @@ class AncestorRepair:
         unread = [key for key in found if key not in walk.metas]
         walk.metas.update(zip(unread, self.local.metas(unread)))
         walk.retracted_here |= self.local.uploads.retracted(found)
+        walk.held |= self.local.uploads.held(found)
         following: dict[bytes, bytes] = {}
         for start, namespace_id in frontier.items():
             key: bytes | None = start
@@ -283,6 +278,8 @@ class AncestorRepair:
         elif outcome == _TOMBSTONED:
             self.retracted += 1
             walk.retracted.add(key)
+        elif key in walk.held:  # provisional (index/provisional.py): what hangs under it waits for the settle
+            walk.waiting.add(key)
         elif meta is None or meta.namespace_id != namespace_id:
             self.missing += 1
         else:
@@ -336,7 +333,8 @@ class AncestorRepair:
         """Uploads ``walk.absent`` level by level, shallowest first, each
         where still no object is (a broken one is replaced); a block over a
         failed one does not go, nor one over a retracted one or another
-        writer's (it joins ``walk.retracted``). None when stopping."""
+        writer's (it joins ``walk.retracted``), nor one over a held one
+        (it joins ``walk.waiting``). None when stopping."""
         absent, failed, retracted = walk.absent, walk.failed, walk.retracted
         for depth in sorted({meta.depth for meta in absent.values()}):
             level = [key for key, meta in absent.items() if meta.depth == depth]
@@ -346,7 +344,9 @@ class AncestorRepair:
                     failed[key] = failed[parent]
                 elif parent is not None and parent in retracted:
                     retracted.add(key)
-            level = [key for key in level if key not in failed and key not in retracted]
+                elif parent is not None and parent in walk.waiting:
+                    walk.waiting.add(key)
+            level = [key for key in level if key not in failed and key not in retracted and key not in walk.waiting]
             tiers = {key: self.remote.tier(absent[key].namespace_id, exclusive=key not in walk.broken, syncs=syncs)
                      for key in level}
             gone: set[bytes] = set()

@@ -180,6 +180,12 @@ class RemoteWing:
                 hint="the blocks are stored locally and queued; the background uploader retries them",
             )
 
+    def wake_uploader(self) -> None:
+        """Rows were queued outside a put (a provisional tag's settle): the
+        uploader takes them now, in either mode."""
+        if self.uploader is not None:
+            self.uploader.notify()
+
     def retract(self) -> None:
         """After a delete recorded retractions: deletes their remote objects
         now, within a bulk fetch's deadline (:meth:`Uploader.retract_now`);

@@ -8,7 +8,8 @@ load that failed). Its puts tag such blocks (``Store.put_segments``'s
 stands or its void deleted the blocks. An owner whose process died holds
 tags nobody will settle nor void: :func:`sweep` deletes their blocks, with
 their descendants (off the remote too, where the sweeping store has one),
-then their markers.
+then their markers. A provisional block reaches no remote before its tag
+is settled (:mod:`ucm_db.index.provisional`).
 
 Invariants:
     * Liveness is a POSIX record lock (``lockf``) on the owner's file in the
@@ -159,7 +160,7 @@ class ProvisionalOwner:
 
     def settle(self, tags: Iterable[bytes]) -> None:
         """The saves of ``tags`` stand (or their void deleted them): drops
-        their markers in one transaction."""
+        their markers and queues the uploads they held, in one transaction."""
         tags = [bytes(tag) for tag in tags]
         if not tags:
             return
@@ -169,8 +170,10 @@ class ProvisionalOwner:
         try:  # one operation of the store: a close waits for it (store/state.py)
             state.enter()
             state.check_open()
-            state.engine.write(lambda txn: marks.settle(txn, tags))
+            queued = state.engine.write(lambda txn: marks.settle(txn, tags))[1]
             state.activity.committed(0)
+            if queued and state.wing is not None:
+                state.wing.wake_uploader()
         finally:
             state.leave()
 

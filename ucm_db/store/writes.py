@@ -149,8 +149,8 @@ class StoreWrites:
                 (parents are resolved in order: a segment continuing a
                 later one is refused).
             codec_name, event_fields: as for :meth:`put`.
-            provisional: a tag (``ProvisionalOwner.tag()``) by key: blocks it stores stay provisional until the tag
-                is settled; should the owner die first, a sweep deletes them (:mod:`ucm_db.store.provisional`).
+            provisional: a tag (``ProvisionalOwner.tag()``) by key: blocks it stores stay provisional (kept off a write-back
+                remote) until the tag is settled; should the owner die first, a sweep deletes them.
 
         Raises:
             The errors of :meth:`put`; MissingAncestorError if any segment's parent is neither stored nor in an
@@ -295,7 +295,7 @@ class StoreWrites:
                 entries, namespace_desc=desc, enqueue_upload=wing is not None, activity=reads,
                 protect=[key for i, key in enumerate(keys) if i not in encoded] if len(todo) < len(keys) else (),
                 guard=lambda txn: self._epochs.check_put(txn, namespace_id), stored=stored, provisional=provisional,
-            )
+                hold_provisional_uploads=self._state.config.remote_mode == "write_back")
             committed = True
         finally:
             reads.settle(committed)
