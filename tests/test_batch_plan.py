@@ -28,7 +28,8 @@ from ucm_db.codec import batch_loads, native, raw_loads
 from ucm_db import codec
 from ucm_db.codec.header import CHECKSUM_OFFSET, HEADER_BYTES, RAW_TABLES
 from ucm_db.codec.slabs import ScatterSlabs
-from ucm_db.index.entries import body_of
+from ucm_db.index.entries import META, body_of
+from ucm_db.index.reads import in_namespace
 
 pytestmark = pytest.mark.skipif(not batch_loads.AVAILABLE, reason="the native batch path is not built (see test_native.py)")
 
@@ -40,7 +41,7 @@ FORMAT = batch_loads._FORMAT  # noqa: SLF001 - the constants the module passes
 def _python_plan(key: bytes, stored: bytes | None, head: bytes | None, meta: bytes | None, below: int | None) -> tuple[int, int]:
     """The per-unit path's verdict: (kind, checksum), 0 where it would not
     reach the native load with the whole stored value as the body."""
-    if stored is None or (meta is None or bytes(meta[:16]) != NS_ID):
+    if stored is None or not in_namespace(meta, NS_ID):  # the per-unit path's own check
         return 0, 0
     head_view = memoryview(head or b"")
     body = body_of(head_view, memoryview(stored))
@@ -58,7 +59,7 @@ def _cases() -> list[tuple[str, bytes, bytes | None, bytes | None, bytes | None]
     head, body = (bytes(p) for p in codec.split(codec.encode(key, [raw[:SLAB], raw[SLAB:]], codec="none")))
     codec.decode(head + body, key)  # the codec's path learns the table
     zhead, zbody = (bytes(p) for p in codec.split(codec.encode(key, [raw], codec="zstd", element_bytes=2)))
-    meta = NS_ID + bytes(40)
+    meta = NS_ID + bytes(META.size - len(NS_ID))
 
     def patched(at: int, fmt: str, value: int) -> bytes:
         out = bytearray(head)
@@ -73,7 +74,8 @@ def _cases() -> list[tuple[str, bytes, bytes | None, bytes | None, bytes | None]
         ("absent", key, None, None, None),
         ("no head", key, body, None, meta),
         ("no meta", key, body, head, None),
-        ("another namespace", key, body, head, OTHER_NS_ID + bytes(40)),
+        ("another namespace", key, body, head, OTHER_NS_ID + bytes(META.size - len(NS_ID))),
+        ("a meta of the wrong length", key, body, head, NS_ID + bytes(40)),
         ("a short meta", key, body, head, NS_ID[:8]),
         ("another owner", other, body, head, meta),
         ("body cut short", key, body[:-1], head, meta),

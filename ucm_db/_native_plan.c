@@ -51,6 +51,8 @@
 #define CHECKSUM_AT 60
 #define FRAME_BYTES 24
 #define NAMESPACE_ID_BYTES 16
+/* A whole meta record's length: ucm_db.index.entries.META.size (tests/test_batch_plan.py checks it). */
+#define META_RECORD_BYTES 88
 
 enum { KIND_SKIP = 0, KIND_RAW = 1, KIND_SHUFFLED = 2 };
 
@@ -161,7 +163,8 @@ static int plan_one(const format_t *f, PyObject *raw_tables, Py_ssize_t below, c
     return kind;
 }
 
-/* Whether meta names the namespace (its first 16 bytes are namespace_id). */
+/* Whether meta is a whole record's length (another length is damaged: a miss)
+ * and names the namespace (its first 16 bytes are namespace_id). */
 static int in_namespace(PyObject *meta, const Py_buffer *namespace_id, int *error)
 {
     Py_buffer m;
@@ -169,7 +172,7 @@ static int in_namespace(PyObject *meta, const Py_buffer *namespace_id, int *erro
         *error = 1;
         return 0;
     }
-    int same = m.len >= NAMESPACE_ID_BYTES && namespace_id->len == NAMESPACE_ID_BYTES &&
+    int same = m.len == META_RECORD_BYTES && namespace_id->len == NAMESPACE_ID_BYTES &&
                memcmp(m.buf, namespace_id->buf, NAMESPACE_ID_BYTES) == 0;
     PyBuffer_Release(&m);
     return same;

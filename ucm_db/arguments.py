@@ -164,7 +164,12 @@ def require_writable(buffer: Any) -> None:
 def require_keys(keys: Sequence[bytes]) -> None:
     """Refuses keys that are not 32-byte block keys (map(len) runs in C: a
     lookup of 8192 keys stays cheap)."""
-    lengths = set(map(len, keys))
+    try:
+        lengths = set(map(len, keys))
+    except TypeError:  # an int, None: no length
+        bad_type = next(type(key).__name__ for key in keys if not hasattr(key, "__len__"))
+        raise ConfigError(f"block keys are {KEY_BYTES}-byte bytes objects, got a {bad_type}",
+                          hint="use Namespace.block_keys") from None
     if lengths - {KEY_BYTES}:
         bad = sorted(lengths - {KEY_BYTES})[0]
         raise ConfigError(f"block keys are {KEY_BYTES} bytes, got one of {bad}", hint="use Namespace.block_keys")

@@ -26,6 +26,9 @@ from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX,
 from ucm_db.engines.base import Buffer, Engine, Txn
 from ucm_db.index.entries import META, BlockMeta, body_of
 
+#: A whole ``meta`` record's length (one of another length is damaged: a miss).
+_META_BYTES = META.size
+
 T = TypeVar("T")
 #: ``take_chunk(start, stored, heads, metas) -> positions not used`` (:meth:`IndexReader.with_blocks`).
 TakeChunk = Callable[[int, list[Any], list[Any], Optional[list[Any]]], Sequence[int]]
@@ -87,7 +90,7 @@ class IndexReader:
     def with_blocks(
         self, keys: Sequence[bytes], fn: Callable[[list[tuple[memoryview, memoryview] | None]], T],
         *, namespace_id: bytes | None = None, take: Callable[[int, memoryview, memoryview], bool] | None = None,
-        take_chunk: TakeChunk | None = None, chunk_keys: int = 128,
+        take_chunk: TakeChunk | None = None, chunk_keys: int = 128, damaged: list[int] | None = None,
     ) -> T:
         """Calls ``fn`` with every key's ``(head, body)`` (None where absent,
         or, given ``namespace_id``, stored under another namespace) inside
@@ -109,9 +112,19 @@ class IndexReader:
         positions in the chunk it did not use up; only those go on as above
         (namespace check, ``take``, ``fn``'s list), and the chunk's views
         are dropped before the next chunk is read.
+
+        Given ``namespace_id`` and ``damaged``, the positions of payloads
+        whose ``meta`` record is damaged (a miss, like one of another
+        namespace) are appended to ``damaged``: the caller quarantines them
+        (the prefix invariant is broken under them: a lookup may count
+        past the hole).
         """
         def offer(txn: Txn, i: int, key: bytes, stored: Buffer | None, blocks: list[tuple[memoryview, memoryview] | None]) -> None:
-            if stored is None or (namespace_id is not None and not in_namespace(txn.get("meta", key), namespace_id)):
+            if stored is None:
+                return
+            if namespace_id is not None and not in_namespace(meta := txn.get("meta", key), namespace_id):
+                if damaged is not None and meta is not None and _meta_or_none(meta) is None:
+                    damaged.append(i)
                 return
             head = memoryview(txn.get("heads", key) or b"")
             body = body_of(head, memoryview(stored))
@@ -232,7 +245,7 @@ class SnapshotPresence:
         metas = self._txn.get_many("meta", keys)
         if namespace_id is None:
             return [meta is not None for meta in metas]
-        return [meta is not None and meta[:16] == namespace_id for meta in metas]
+        return [meta is not None and len(meta) == _META_BYTES and meta[:16] == namespace_id for meta in metas]
 
     def lookup(self, _namespace: object, keys: Sequence[bytes]) -> int:
         """:meth:`count`, as :func:`ucm_db.keys.units.stored_prefix` asks a store."""
@@ -256,7 +269,7 @@ def count_in(txn: Txn, keys: Sequence[bytes], namespace_id: bytes | None) -> int
         if type(key) is not bytes or len(key) != 32:
             require_key(key)
         meta = get("meta", key)
-        return meta is not None and (namespace_id is None or meta[:16] == namespace_id)
+        return meta is not None and len(meta) == _META_BYTES and (namespace_id is None or meta[:16] == namespace_id)
 
     if n == 0 or not present(0):
         return 0
@@ -281,9 +294,10 @@ def require_key(key: object) -> None:
 
 
 def in_namespace(meta: Buffer | None, namespace_id: bytes | None) -> bool:
-    """Whether a ``meta`` record exists and, given ``namespace_id``, names
-    that namespace (its first 16 bytes)."""
-    if meta is None:
+    """Whether a ``meta`` record exists, has a record's length (one that
+    has not is damaged: a miss) and, given ``namespace_id``, names that
+    namespace (its first 16 bytes)."""
+    if meta is None or len(meta) != _META_BYTES:
         return False
     return namespace_id is None or bytes(meta[:16]) == namespace_id
 

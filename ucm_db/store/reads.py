@@ -5,7 +5,9 @@
 Invariants:
     * Every payload read is verified (header, owning key, checksum) before
       it is reported read; a corrupt block reads as a miss and is
-      quarantined with its descendants (by a writable store).
+      quarantined with its descendants (by a writable store); so is one
+      whose ``meta`` record is damaged (a miss too, which a lookup may
+      count past: the hole breaks the prefix invariant under it).
     * Reads never open a write transaction: their activity (LRU touches,
       hit and miss counts) goes to the maintenance thread. A caller may
       read with ``get_into(..., touch=False)`` and touch the blocks from
@@ -40,6 +42,8 @@ from ucm_db.store.state import StoreState
 from ucm_db.engines.base import Buffer
 
 logger = logging.getLogger(__name__)
+#: The quarantine reason of a block read whose ``meta`` record is damaged.
+DAMAGED_RECORD = "damaged metadata record"
 
 
 class StoreReads:
@@ -103,9 +107,12 @@ class StoreReads:
                 corrupt.append((keys[i], str(exc)))
                 return None
 
+        damaged: list[int] = []
         results = self._tier.with_blocks(
             keys, lambda blocks: self._state.codecs.decode_blocks(blocks, decode), namespace_id=namespace.id,
+            damaged=damaged,
         )
+        corrupt.extend((keys[i], DAMAGED_RECORD) for i in damaged)
 
         def decode_fetched(i: int, blob: Buffer) -> None:
             results[i] = codec.decode(blob, keys[i])
@@ -218,11 +225,13 @@ class StoreReads:
                 return raw
             return [r if r is not None else d for r, d in zip(raw, self._state.codecs.decode_blocks(blocks, decode))]
 
+        damaged: list[int] = []
         if batch is None:
-            results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=take)
+            results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=take, damaged=damaged)
         else:
             results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=batch.taker(take),
-                                             take_chunk=batch.take_chunk, chunk_keys=batch_loads.FLUSH_UNITS)
+                                             take_chunk=batch.take_chunk, chunk_keys=batch_loads.FLUSH_UNITS, damaged=damaged)
+        corrupt.extend((keys[i], DAMAGED_RECORD) for i in damaged)
         flags: list[Any] = [True if r else None for r in results]
 
         def decode_fetched(i: int, blob: Buffer) -> None:
