@@ -27,9 +27,11 @@ Invariants:
       in the same transaction.
     * A call that would leave more than ``limit_bytes`` pinned in the whole
       store, and pins anything new, is refused (StoreFullError naming
-      ``max_pinned_bytes``) and writes nothing. Pins already made stay
-      whatever the limit (a process opened with a lower one refuses only
-      new pins).
+      ``max_pinned_bytes``) and writes nothing; a ``limit_bytes`` of 0
+      refuses every call that finds any of its chains stored (a pin again
+      of a pinned chain, or over blocks another pin holds, too). Pins
+      already made stay whatever the limit (a process opened with a lower
+      one refuses only new pins).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class IndexPins:
                 counts.append(stored)
             after = changes.pins(namespace_id)
             total = pins.pinned_bytes(txn, changes)
-            if total > limit_bytes and after[0] > before[0]:
+            if (total > limit_bytes and after[0] > before[0]) or (limit_bytes == 0 and any(counts)):
                 raise StoreFullError(
                     f"pinning these chains would pin {total} bytes in the store (this call adds {after[1] - before[1]} bytes "
                     f"in {after[0] - before[0]} blocks), over max_pinned_bytes={limit_bytes}; nothing was pinned",
@@ -149,9 +151,12 @@ def _refuse_stale(txn: Txn, first: bytes, moved_ns: int | None, number: int, cou
 def _pin_chain(txn: Txn, changes: Changes, chain: Sequence[bytes], stored: int, namespace_id: bytes) -> None:
     """Makes ``chain``'s pin at its stored tip, moving the pin it made
     before (if any, at a block above: its stored prefix only grows while
-    pinned) there."""
+    pinned; above ``chain[0]`` too, where the chain is given as a slice of
+    itself) there."""
     chain_id, tip = chain[-1], chain[stored - 1]
     made = pins.chain_pin_in(txn, chain[:_pinned_prefix(txn, chain, stored)], chain_id)
+    if made is None:  # the chain given as a slice may have made its pin above it
+        made = pins.chain_pin_above(txn, chain[0], chain_id)
     if made != tip:
         pins.pin_chain(txn, changes, tip, chain_id, namespace_id)
         if made is not None:

@@ -202,6 +202,17 @@ def chain_pin_in(txn: Txn, keys: Sequence[bytes], chain_id: bytes) -> bytes | No
     return None
 
 
+def chain_pin_above(txn: Txn, key: bytes, chain_id: bytes) -> bytes | None:
+    """The ancestor of stored ``key`` (a slice's first block) where the chain
+    ``chain_id`` made its pin; None where none did (a walk to the root:
+    only a chain given as a slice pays it)."""
+    _, parent = _parent_of(txn, key)
+    for ancestor, _meta in _upward(txn, parent):
+        if txn.get(INFO, PIN_BY_PREFIX + ancestor + chain_id) is not None:
+            return ancestor
+    return None
+
+
 def legacy_pin_in(txn: Txn, keys: Sequence[bytes]) -> bytes | None:
     """The deepest block of ``keys`` holding a legacy pin; None where none."""
     for key in reversed(keys):
