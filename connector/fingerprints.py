@@ -239,7 +239,7 @@ def model_fingerprint(model_config: Any, download_dir: str | None = None, load_c
                 sum(p.files for p in parts), sum(p.total_bytes for p in parts) / 1e9,
                 sum(p.hashed_bytes for p in parts) / 1e9, sum(p.seconds for p in parts),
                 "".join(f"; {field} {named[field]}" for field in sorted(subs)))
-    return "blake3:" + digest
+    return CONTENT_PREFIX + digest
 
 
 def _source(model: str, revision: str | None, download_dir: str | None, options: dict[str, Any],
@@ -273,6 +273,18 @@ def _source(model: str, revision: str | None, download_dir: str | None, options:
 
 #: An adapter key no other request shares (:func:`adapter_key`): its requests are neither saved nor loaded.
 UNSETTLED_PREFIX = "unsettled:"
+#: What names files by content: a digest of :func:`fingerprint` follows.
+CONTENT_PREFIX = "blake3:"
+#: Ends the key of an adapter vLLM reads in the fused 3D MoE layout (``LoRARequest.is_3d_lora_weight``).
+LAYOUT_3D_SUFFIX = "+3d"
+
+
+def adapter_layout(lora_request: Any) -> str:
+    """How vLLM reads the adapter's files: :data:`LAYOUT_3D_SUFFIX` where the
+    request declares the fused 3D MoE layout (with
+    ``enable_mixed_moe_lora_format`` vLLM splits such weights otherwise than
+    2D ones, so the same files compute other KV), else ``""``."""
+    return LAYOUT_3D_SUFFIX if getattr(lora_request, "is_3d_lora_weight", False) else ""
 
 
 def adapter_key(lora_request: Any) -> str:
@@ -320,7 +332,7 @@ def adapter_key(lora_request: Any) -> str:
                            "nor loaded until a restart; save a retrained adapter to a new directory under a new id, or "
                            "send it with load_inplace=True", name, int_id, where)
                 return UNSETTLED_PREFIX + os.urandom(16).hex()
-            return "blake3:" + digest
+            return CONTENT_PREFIX + digest + adapter_layout(lora_request)
         except ConfigError:  # written while hashed: a key no other request has, so no stale KV is served
             return UNSETTLED_PREFIX + os.urandom(16).hex()
         except OSError:
@@ -329,7 +341,7 @@ def adapter_key(lora_request: Any) -> str:
                "ucm-db: LoRA adapter %r has no readable local directory at %r (a hub id?): its blocks are keyed by its "
                "name and path, not its files, so an adapter updated under both would be served the old one's KV; give "
                "vLLM the adapter's local directory (or set HF_HUB_OFFLINE=1 once it is cached) to key it by content", name, where)
-    return "unhashed:" + json.dumps([name, where])
+    return "unhashed:" + json.dumps([name, where]) + adapter_layout(lora_request)
 
 
 def adapter_resettled(lora_request: Any, *, multimodal: bool = False) -> bool:

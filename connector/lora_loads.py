@@ -13,7 +13,9 @@ replica with the named files would be served it (a review:
 So the plugin wraps vLLM's adapter load in every process (:func:`watch`),
 and each load records, per ``lora_int_id``, the content key of the files it
 read (``blake3:`` and the digest :func:`adapter_key` makes of the same
-files), or none where they changed while read or hashed. The worker saves a
+files, then the layout vLLM read them in: ``+3d`` for a request's
+``is_3d_lora_weight``, which the loaded adapter keeps for its id), or none
+where they changed while read or hashed. The worker saves a
 LoRA request's blocks only where the id's recorded key is the one its chain
 names (:func:`computed_with`): otherwise the save is dropped, counted in
 ``save_errors`` and logged.
@@ -39,10 +41,9 @@ import threading
 import time
 from typing import Any
 
-from ucm_db.connector.fingerprints import fingerprint
+from ucm_db.connector.fingerprints import CONTENT_PREFIX, adapter_layout, fingerprint
 from ucm_db.connector.weight_files import selected_files
 
-CONTENT_PREFIX = "blake3:"
 _WRAPPED = "__ucm_db_lora_watched__"
 _LOG_INTERVAL_S = 60.0
 _loaded: dict[int, str] = {}  # lora_int_id -> the content key of the files vLLM read last ("" unknown)
@@ -66,21 +67,23 @@ def _watched(load_adapter: Any) -> Any:
         path = _local_path(lora_request)
         before = _stats(path)
         model = load_adapter(self, lora_request)
-        note_load(int(getattr(lora_request, "lora_int_id", 0) or 0), path, before)
+        note_load(int(getattr(lora_request, "lora_int_id", 0) or 0), path, before, adapter_layout(lora_request))
         return model
 
     setattr(load_adapter_watched, _WRAPPED, True)
     return load_adapter_watched
 
 
-def note_load(lora_int_id: int, path: str | None, before: dict[str, Any] | None) -> None:
-    """Records what a load of ``lora_int_id`` from ``path`` read (never raises)."""
+def note_load(lora_int_id: int, path: str | None, before: dict[str, Any] | None, layout: str = "") -> None:
+    """Records what a load of ``lora_int_id`` from ``path`` read, and how
+    (``layout``: :func:`~ucm_db.connector.fingerprints.adapter_layout`);
+    never raises."""
     key = ""
     try:
         if path is not None and before is not None:
             digest = fingerprint(path, adapter=True).digest
             if _stats(path) == before:
-                key = CONTENT_PREFIX + digest
+                key = CONTENT_PREFIX + digest + layout
     except Exception:  # noqa: BLE001 - changed while hashed, unreadable: nothing matches the record
         key = ""
     with _lock:

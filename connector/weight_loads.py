@@ -185,7 +185,7 @@ def weights_elsewhere(vllm_config: Any, fmt: str, model_config: Any = None, load
     weights under the same name must never keep a namespace. The configs
     default to ``vllm_config``'s (a speculative draft passes its own, with
     ``draft``: no ``model_id`` names a draft, so the hint names local files)."""
-    from ucm_db.connector.fingerprints import fingerprint
+    from ucm_db.connector.fingerprints import CONTENT_PREFIX, fingerprint
 
     model_config = model_config if model_config is not None else vllm_config.model_config
     load_config = load_config if load_config is not None else vllm_config.load_config
@@ -202,13 +202,13 @@ def weights_elsewhere(vllm_config: Any, fmt: str, model_config: Any = None, load
         if not weights or weights == str(model_config.model):
             return {}  # the model's own files, fingerprinted
         if not is_remote(weights) and Path(weights).expanduser().is_dir():
-            return {"model_weights_files": "blake3:" + fingerprint(Path(weights).expanduser(), load_format=fmt,
-                                                                    subfolders=True).digest}
+            return {"model_weights_files": CONTENT_PREFIX + fingerprint(Path(weights).expanduser(), load_format=fmt,
+                                                                         subfolders=True).digest}
         where = f"model_weights {weights!r}"
     elif fmt == "tensorizer":
         files = tensorizer_files(load_config, int(parallel_config.tensor_parallel_size))
         if files and all(not is_remote(f) and os.path.isfile(f) for f in files):
-            return {"tensorizer_files": ["blake3:" + fingerprint(f).digest for f in files]}
+            return {"tensorizer_files": [CONTENT_PREFIX + fingerprint(f).digest for f in files]}
         where = f"tensorizer files {files or '(none named)'}"
     else:  # another process or server (NAMED_ONLY_FORMATS), or a loader ucm-db does not know
         where = f"load format {fmt!r}"

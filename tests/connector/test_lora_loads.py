@@ -1,6 +1,7 @@
 """What ``connector/lora_loads.py`` records of vLLM's adapter loads, and which
 saves it lets through: a content key equal to the last load's (and no other),
-a label key (``unhashed:``) as before, nothing for an id never seen loading,
+a label key (``unhashed:``) as before, nothing for an id never seen loading or
+loaded in another layout (``is_3d_lora_weight``),
 nothing where the files moved between the load's start and the hash. Real
 adapter files; the load itself is vLLM's elsewhere
 (``test_review_lora_key_race.py`` drives it).
@@ -53,3 +54,21 @@ def test_files_that_moved_during_the_load_match_no_key(tmp_path: Path) -> None:
     os.utime(a / "adapter_model.safetensors")
     lora_loads.note_load(7, str(a), before)
     assert not lora_loads.computed_with(7, "blake3:" + fingerprint(a, adapter=True).digest)
+
+
+def test_the_3d_moe_layout_is_part_of_the_key_and_of_the_load_record(tmp_path: Path) -> None:
+    """``is_3d_lora_weight``: vLLM (with ``enable_mixed_moe_lora_format``) splits the same files otherwise, and the
+    loaded adapter keeps the flag of the request that loaded it: both the chain's key and the load's record name it,
+    so a request keyed 3D whose id vLLM loaded 2D (or the other way round) saves nothing."""
+    from vllm.lora.request import LoRARequest
+
+    from ucm_db.connector.fingerprints import adapter_key
+
+    a = _adapter(tmp_path / "a", b"\1" * 256)
+    flat, fused = (LoRARequest("a", 7, str(a), is_3d_lora_weight=flag) for flag in (False, True))
+    key_flat, key_fused = adapter_key(flat), adapter_key(fused)
+    assert key_flat == "blake3:" + fingerprint(a, adapter=True).digest and key_fused == key_flat + "+3d"
+    lora_loads.note_load(7, str(a), lora_loads._stats(str(a)), "")
+    assert lora_loads.computed_with(7, key_flat) and not lora_loads.computed_with(7, key_fused)
+    lora_loads.note_load(7, str(a), lora_loads._stats(str(a)), "+3d")
+    assert lora_loads.computed_with(7, key_fused) and not lora_loads.computed_with(7, key_flat)
