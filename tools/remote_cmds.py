@@ -181,7 +181,6 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
         ucm-db warm /var/cache/ucm-db --remote s3://kv-cache/prod \\
             --namespace Qwen/Qwen2.5-0.5B --tokens system_prompts.jsonl
     """
-    import dataclasses
 
     import ucm_db
 
@@ -194,7 +193,7 @@ def warm_command(path: Path, remote: str, namespace: str, tokens_file: Path | No
             "remote_encryption_key_env": encryption_key_env}
     with ProgressBar(not as_json, "warming") as bar, ucm_db.open(path, remote=remote, remote_options=remote_options, **key_settings) as store:
         report = store.warm(ns, token_sequences=tokens, keys=keys, progress=bar)
-    data = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(vars(report))
+    data = report.to_dict()  # the counts and their sum, "blocks" (distinct blocks named)
     emit(as_json, data, lambda d: "warmed: " + ", ".join(f"{k}={v}" for k, v in d.items()))
     if data.get("failed"):
         # The remote failed for some blocks (it may hold them): not a warm to rely on, so exit 1 after the report.

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -85,6 +86,10 @@ class WarmReport:
         fetched: blocks fetched from the remote and promoted.
         missing: blocks neither local nor fetchable (absent, corrupt, or
             after such a block in their chain).
+
+    Each distinct block the run was given counts once (prompts sharing a
+    prefix name it once each): fetched where this run promoted it, else
+    as its first chain found it.
         bytes: stored (encoded) bytes fetched.
         seconds: wall time of the run.
         failed: blocks not fetched because the remote failed (an error or a
@@ -123,16 +128,19 @@ class RemoteNamespaces:
     problems: list[str]
 
     def find(self, wanted: str) -> Namespace:
-        """The one namespace whose short id starts with ``wanted`` or whose
-        model is ``wanted``.
+        """The one namespace whose model is ``wanted``, or else whose id
+        (its 32 hex digits, of which the short id is the first 16) starts
+        with ``wanted``: a model's name wins over id prefixes, as for the
+        store's other commands (:func:`ucm_db.store.view.select_namespaces`).
 
         Raises:
             ConfigError: none or several match (the problems are named, since
                 the one wanted may be among the skipped entries).
         """
         require_namespace_selectors((wanted,), "warm")
-        found = [ns for short_id, ns in sorted(self.namespaces.items())
-                 if short_id.startswith(wanted.lower()) or ns.model == wanted]
+        listed = [ns for _, ns in sorted(self.namespaces.items())]
+        found = ([ns for ns in listed if ns.model == wanted]
+                 or [ns for ns in listed if ns.id.hex().startswith(wanted.lower())])
         if len(found) == 1:
             return found[0]
         skipped = f"; skipped: {'; '.join(self.problems)}" if self.problems else ""
@@ -263,40 +271,46 @@ def warm(
     rooted, given = _chains(namespace, token_sequences, keys, epoch)
     chains = rooted + given
     total = sum(len(chain) for chain in chains)
-    counts = {"already_local": 0, "fetched": 0, "missing": 0, "bytes": 0, "failed": 0}
-    done = failed_in_a_row = 0
+    found: dict[bytes, str] = {}  # each distinct key -> its count (WarmReport): "fetched" wins over a first finding
+    nbytes_total = done = failed_in_a_row = 0
     for i, chain in enumerate(chains):
         local_n = tier.count_prefix(chain, namespace_id=namespace.id)  # another namespace's blocks are not this one's
-        counts["already_local"] += local_n
+        for key in chain[:local_n]:
+            found.setdefault(key, "already_local")  # fetched earlier in this run: counted fetched already
         done += local_n
         if link is not None and local_n < len(chain) and failed_in_a_row >= FAILED_CHAINS_LIMIT:
             fetched, nbytes, failed = 0, 0, True  # the remote keeps failing: asked nothing more
         else:
             fetched, nbytes, failed = _warm_chain(tier, link, target, chain, local_n, i < len(rooted),
-                                                  lambda n: _tick(progress, done + n, total))
+                                                  lambda n: _tick(progress, done + n, total), found)
         if local_n < len(chain):  # a chain that asked the remote nothing says nothing of it
             failed_in_a_row = failed_in_a_row + 1 if failed else 0
-        counts["fetched"] += fetched
-        counts["bytes"] += nbytes
-        counts["failed" if failed else "missing"] += len(chain) - local_n - fetched
+        found.update(dict.fromkeys(chain[local_n:local_n + fetched], "fetched"))
+        for key in chain[local_n + fetched:]:
+            found.setdefault(key, "failed" if failed else "missing")
+        nbytes_total += nbytes
         done += len(chain) - local_n
         _tick(progress, done, total)
+    counts = Counter(found.values())
     if counts["failed"]:
         _log.warning("ucm-db: warm from remote %s: %d block(s) not fetched: the remote failed or timed out (see "
                      "stats().remote); warm again once it answers", link.url if link else None, counts["failed"])
-    return WarmReport(seconds=time.monotonic() - started, **counts)
+    return WarmReport(already_local=counts["already_local"], fetched=counts["fetched"], missing=counts["missing"],
+                      bytes=nbytes_total, seconds=time.monotonic() - started, failed=counts["failed"])
 
 
 def _warm_chain(
     tier: LocalTier, link: RemoteLink | None, target: PromotionTarget, chain: list[bytes], local_n: int, rooted: bool,
-    on_batch: Callable[[int], None],
+    on_batch: Callable[[int], None], found: Mapping[bytes, str],
 ) -> tuple[int, int, bool]:
     """Fetches ``chain[local_n:]`` batch by batch; stops at the first gap.
     ``rooted``: the chain starts at a chain root (a prompt's), so its first
     block's parent is None and needs no probe (one sequential round trip
     per prompt saved). Returns ``(fetched, bytes, failed)``: ``failed``
     when the fetch stopped short because the remote failed (module
-    invariants), not at a block it lacks."""
+    invariants), not at a block it lacks; so does a chain given from its
+    middle whose parent an earlier chain of the run (``found``) failed to
+    fetch."""
     if link is None or local_n == len(chain):
         return 0, 0, False
 
@@ -313,7 +327,7 @@ def _warm_chain(
         if ok is None:
             return 0, 0, True
         if not ok:
-            return 0, 0, False
+            return 0, 0, parent is not None and found.get(parent) == "failed"
     for run in link.stream_chain(namespace_id, chain[at:], parent, chunk_blocks=BATCH_BLOCKS, timeout_s=BATCH_DEADLINE_S):
         promoted = promote(tier, run, target)
         fetched += promoted
