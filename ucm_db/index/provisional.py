@@ -11,9 +11,10 @@ parent was not stored by the same put under the same tag):
   is the owner id (:data:`OWNER_ID_BYTES`) and a sequence number
   (:data:`SEQ_BYTES`, big-endian) the owner gives each save.
 
-* ``held/<owner id><seq><key>`` -> the block's namespace id, for every
-  block the put stored under a tag where the store uploads to a write-back
-  remote: the upload the put would have queued (``uploads``), held back.
+* ``held/<owner id><seq><key>`` -> the block's namespace id and its
+  ``created_ns`` (8 bytes, big-endian), for every block the put stored
+  under a tag where the store uploads to a write-back remote: the upload
+  the put would have queued (``uploads``), held back.
 
 Nothing else scans the prefixes. The owner removes a tag's markers once
 the save stands (:func:`settle`, which queues its held uploads) or after its
@@ -34,8 +35,11 @@ Invariants:
       row), and the uploader's ancestor repair never sends a held block nor
       what hangs under it (:mod:`ucm_db.remote.ancestry`). Other nodes are
       never served what a dead owner stored, nor what its void took back.
-      The settle queues the held uploads of blocks still stored, in its own
-      transaction. A write-through put uploads what it stores before it
+      The settle queues the held uploads of blocks still stored as the put
+      stored them (the same ``created_ns``: a key voided or evicted and
+      stored again since is another block, held under its own tag or
+      queued by its own put), in its own transaction. A retraction's
+      confirmation never queues a held block (:mod:`retractions`). A write-through put uploads what it stores before it
       returns, tagged or not (its caller's contract: a ``kv_producer``
       publishing to the remote); a void or sweep retracts them there.
     * Markers may outlive their block (evicted, deleted, re-stored by
@@ -48,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ucm_db.engines.base import Txn
+from ucm_db.index.damage import meta_or_none
 
 INFO = "info"
 PROVISIONAL_PREFIX = b"prov/"
@@ -64,26 +69,27 @@ def mark(txn: Txn, tag: bytes, key: bytes, namespace_id: bytes) -> None:
     txn.put(INFO, PROVISIONAL_PREFIX + tag + key, namespace_id)
 
 
-def hold(txn: Txn, tag: bytes, key: bytes, namespace_id: bytes) -> None:
+def hold(txn: Txn, tag: bytes, key: bytes, namespace_id: bytes, created_ns: int) -> None:
     """Holds back the upload of ``key``, stored by this transaction under
-    ``tag``, until the tag is settled."""
-    txn.put(INFO, HELD_PREFIX + tag + key, namespace_id)
+    ``tag`` at ``created_ns``, until the tag is settled."""
+    txn.put(INFO, HELD_PREFIX + tag + key, namespace_id + created_ns.to_bytes(8, "big"))
 
 
 def settle(txn: Txn, tags: Iterable[bytes]) -> tuple[int, int]:
     """Drops every marker of ``tags`` (their blocks stand) and queues their
-    held uploads whose block is still stored; returns ``(markers dropped,
-    uploads queued)``."""
+    held uploads whose block is still the one the put stored (module
+    invariants); returns ``(markers dropped, uploads queued)``."""
     dropped = queued = 0
     start = len(HELD_PREFIX) + TAG_BYTES
     for tag in tags:
         for name in [bytes(name) for name, _ in txn.scan(INFO, PROVISIONAL_PREFIX + tag)]:
             txn.delete(INFO, name)
             dropped += 1
-        for name, namespace_id in [(bytes(n), bytes(v)) for n, v in txn.scan(INFO, HELD_PREFIX + tag)]:
+        for name, value in [(bytes(n), bytes(v)) for n, v in txn.scan(INFO, HELD_PREFIX + tag)]:
             txn.delete(INFO, name)
-            if txn.get("meta", name[start:]) is not None:  # gone (voided, evicted): nothing to upload
-                txn.put("uploads", name[start:], namespace_id)
+            meta = meta_or_none(txn.get("meta", name[start:]))
+            if meta is not None and meta.created_ns == int.from_bytes(value[16:24], "big"):  # else gone, or another
+                txn.put("uploads", name[start:], value[:16])
                 queued += 1
     return dropped, queued
 
@@ -117,11 +123,16 @@ def drop(txn: Txn, names: Iterable[bytes]) -> None:
         txn.delete(INFO, name)
 
 
-def held_among(txn: Txn, keys: Iterable[bytes]) -> set[bytes]:
-    """Those of ``keys`` whose upload is held (one scan: held uploads last
-    about a step)."""
+def held_keys(txn: Txn) -> set[bytes]:
+    """Every key whose upload is held (one scan: held uploads last a few
+    steps)."""
     start = len(HELD_PREFIX) + TAG_BYTES
-    held = {bytes(name[start:]) for name, _ in txn.scan(INFO, HELD_PREFIX)}
+    return {bytes(name[start:]) for name, _ in txn.scan(INFO, HELD_PREFIX)}
+
+
+def held_among(txn: Txn, keys: Iterable[bytes]) -> set[bytes]:
+    """Those of ``keys`` whose upload is held."""
+    held = held_keys(txn)
     return held.intersection(keys) if held else set()
 
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from ucm_db.engines.base import Txn
 from ucm_db.errors import MissingAncestorError
-from ucm_db.index import records
+from ucm_db.index import provisional, records
 from ucm_db.index.damage import meta_or_none, tree_keys
 
 RETRACTION_PREFIX = b"retract/"
@@ -151,7 +151,10 @@ def confirm(txn: Txn, done: Iterable[Retraction], now_ns: int) -> None:
     names, and promotion refuses the key), so no clock decides it: a wall
     clock stepped back between the delete and the new put made the block
     look older than its delete, and it was never uploaded again (audit:
-    tests/remote/test_audit_uploads_clock.py)."""
+    tests/remote/test_audit_uploads_clock.py). A block a provisional put
+    holds is not queued: its tag's settle queues it (:mod:`provisional`)."""
+    done = list(done)
+    held = provisional.held_keys(txn) if done else set()
     for item in done:
         name = RETRACTION_PREFIX + item.key
         value = txn.get(records.INFO, name)
@@ -159,7 +162,7 @@ def confirm(txn: Txn, done: Iterable[Retraction], now_ns: int) -> None:
             continue
         records.put_checked(txn, name, _RECORD.pack(item.namespace_id, item.depth, item.retracted_ns, now_ns))
         meta = meta_or_none(txn.get("meta", item.key))
-        if meta is not None and txn.get("uploads", item.key) is None:
+        if meta is not None and item.key not in held and txn.get("uploads", item.key) is None:
             txn.put("uploads", item.key, meta.namespace_id)
 
 

@@ -23,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ucm_db.engines.base import Buffer, Engine, Txn
@@ -50,10 +50,15 @@ class UploadQueue:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def pending_uploads(self, limit: int | None = None) -> list[bytes]:
+    def pending_uploads(self, limit: int | None = None, skip: Container[bytes] = ()) -> list[bytes]:
+        """Queued keys in key order, at most ``limit``, passing over ``skip``
+        (rows the uploader knows wait below a held block: they never fill a
+        batch in place of others)."""
         def run(txn: Txn) -> list[bytes]:
             out = []
             for key, _ in txn.scan("uploads"):
+                if key in skip:
+                    continue
                 out.append(key)
                 if limit is not None and len(out) >= limit:
                     break

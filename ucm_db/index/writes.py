@@ -180,7 +180,7 @@ class IndexWriter:
                     txn.put("children", entry.parent + entry.key, b"")
                 tag = provisional.get(entry.key) if provisional is not None else None
                 if enqueue_upload and tag is not None and hold_provisional_uploads:  # queued by the tag's settle
-                    provisional_marks.hold(txn, tag, entry.key, entry.namespace_id)
+                    provisional_marks.hold(txn, tag, entry.key, entry.namespace_id, now)
                 elif enqueue_upload:
                     txn.put("uploads", entry.key, entry.namespace_id)
                 if tag is not None:

@@ -210,8 +210,8 @@ class AncestorRepair:
         in_batch = {item[0] for item in work}
         frontier = {item[1]: item[2] for item in work if item[1] is not None and item[1] not in in_batch
                     and not self._known(item[1])}
-        walk = _Walk()
-        depth = 1
+        walk = _Walk(waiting=self.local.uploads.held(list(frontier)))  # held parents: no remote check, they wait
+        frontier, depth = {key: ns for key, ns in frontier.items() if key not in walk.waiting}, 1
         while frontier:
             wanted = self._ahead(frontier, max(1, min(depth, self.concurrency // len(frontier))), walk)
             if self._absent(wanted, walk, run) is None:
@@ -223,8 +223,9 @@ class AncestorRepair:
             return None
         dropped = under(work, absent, retracted)
         self.dropped += len(dropped)
-        return Repair(under(work, absent, failed.keys() | walk.waiting) - dropped, list(dict.fromkeys(failed.values())), dropped,
-                      frozenset(absent.keys() - failed.keys() - retracted))
+        waiting = under(work, absent, walk.waiting) - dropped
+        return Repair((under(work, absent, failed) - dropped) | waiting, list(dict.fromkeys(failed.values())), dropped,
+                      frozenset(absent.keys() - failed.keys() - retracted), waiting)
 
     def _ahead(self, frontier: dict[bytes, bytes], depth: int, walk: _Walk) -> dict[bytes, bytes]:
         """The keys to check this round: each frontier key and up to
@@ -273,13 +274,13 @@ class AncestorRepair:
             return None
         if outcome == _FAILED:  # what hangs under it waits for a later batch
             walk.failed[key] = walk.errors[key]
+        elif key in walk.held:  # provisional (index/provisional.py), recomputed after a retraction too: waits
+            walk.waiting.add(key)
         elif key in walk.retracted_here:  # this node's delete took its tree: what it queued since is computed anew
             self.missing += 1
         elif outcome == _TOMBSTONED:
             self.retracted += 1
             walk.retracted.add(key)
-        elif key in walk.held:  # provisional (index/provisional.py): what hangs under it waits for the settle
-            walk.waiting.add(key)
         elif meta is None or meta.namespace_id != namespace_id:
             self.missing += 1
         else:

@@ -66,6 +66,8 @@ class Repair:
     errors: list[str]
     dropped: frozenset[bytes] = frozenset()
     sent: frozenset[bytes] = frozenset()
+    #: Of ``held_back``, those below a block a provisional put holds (waiting for its settle, not a failure).
+    waiting: frozenset[bytes] = frozenset()
 
 
 class BatchPlanner:

@@ -119,6 +119,7 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="ucm-db-uploader", daemon=True)
         self.retractions = RemoteRetractions(local, remote, self._pool)
         self.planner = BatchPlanner(local)
+        self._waiting: set[bytes] = set()  # rows found below a held block: passed over until the queue has no other
         self.ancestry = AncestorRepair(local, remote, upload=self.sender.send, run=self._run_uploads,
                                        concurrency=concurrency)
         self.uploaded = 0
@@ -210,8 +211,9 @@ class Uploader:
             self._batch.release()
 
     def _drain_batch(self) -> tuple[int, int]:
-        keys = self.local.pending_uploads(limit=BATCH_KEYS)
+        keys = self.local.pending_uploads(limit=BATCH_KEYS, skip=self._waiting)
         if not keys:
+            self._waiting.clear()  # only rows waiting for a settle are left: tried again after the idle wait
             return 0, 0
         keys, gone, stored_ns = self.planner.plan(keys, max_keys=BATCH_KEYS, max_bytes=BATCH_BYTES)
         items = read_items(self.local, keys)
@@ -229,6 +231,7 @@ class Uploader:
         if repair is None:
             return 0, 0
         left_out = repair.held_back | repair.dropped
+        self._waiting |= repair.waiting
         work = [item for item in work if item[0] not in left_out]
         results = self._run_uploads([partial(self.sender.send, item, self.remote.tier(item[2], syncs=syncs))
                                      for item in work])
