@@ -247,6 +247,13 @@ def _read_rest(root: ObjectSource, path: str, first: bytes, stated: int, limits:
     early: a range that starts at an object's end is an error on S3."""
     out = bytearray(first)
     at = len(first)
+    if at == stated:  # the first read ended exactly at the stated end: the byte past it is asked for alone
+        tail = root.read_range(path, stated - 1, stated + 1)
+        if tail is None:
+            return None  # removed meanwhile
+        if len(tail) != 1:
+            raise CorruptBlockError(f"remote object is longer than the {stated} bytes it states")
+        return out
     chunk_bytes = CHUNK_BYTES
     while at < stated:
         limits.check()
