@@ -75,8 +75,8 @@ NAMESPACE_HELP = "Namespace: id prefix or model name (`ucm-db inspect` lists the
 TOKENS_HELP = "File of prompts: one JSON list of token ids per line (no LoRA, cache_salt or multimodal extras)."
 
 
-def _one_namespace(ctx: click.Context, _param: click.Parameter, given: tuple[str, ...]) -> str:
-    """The one ``--namespace`` of pin/unpin/lookup. Given twice, click kept
+def one_namespace(ctx: click.Context, _param: click.Parameter, given: tuple[str, ...]) -> str:
+    """The one ``--namespace`` of pin/unpin/lookup/warm. Given twice, click kept
     the last and dropped the first without a word (`pin --namespace a
     --namespace b` pinned in b only)."""
     if len(given) > 1:
@@ -89,5 +89,5 @@ def store_prompts_arguments(fn: Callable[..., Any]) -> Callable[..., Any]:
     """PATH, ``--namespace`` (exactly once) and ``--tokens`` of the commands
     that act on a store's prompts (pin, unpin, lookup)."""
     fn = click.option("--tokens", "tokens_file", required=True, type=CliPath(exists=True, dir_okay=False), help=TOKENS_HELP)(fn)
-    fn = click.option("--namespace", required=True, multiple=True, callback=_one_namespace, help=NAMESPACE_HELP)(fn)
+    fn = click.option("--namespace", required=True, multiple=True, callback=one_namespace, help=NAMESPACE_HELP)(fn)
     return click.argument("path", type=CliPath())(fn)

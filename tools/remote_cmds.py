@@ -16,7 +16,7 @@ from ucm_db.keys import KEY_BYTES
 from ucm_db.tools.cli_common import (
     EXIT_PROBLEMS, CliPath, ProgressBar, auth_options, emit, encryption_options, human_bytes, json_option, warn,
 )
-from ucm_db.tools.prompt_files import read_prompts, read_text
+from ucm_db.tools.prompt_files import one_namespace, read_prompts, read_text
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?b?\s*$", re.IGNORECASE)
@@ -156,7 +156,8 @@ def refuse_file_on_store_path(path: Path) -> None:
 @click.command("warm")
 @click.argument("path", type=CliPath())
 @click.option("--remote", required=True, help="fsspec URL of the remote tier to warm from.")
-@click.option("--namespace", "namespace", required=True, help="Namespace on the remote: id prefix or model name.")
+@click.option("--namespace", "namespace", required=True, multiple=True, callback=one_namespace,
+              help="Namespace on the remote: id prefix or model name (once).")
 @click.option("--tokens", "tokens_file", type=CliPath(exists=True, dir_okay=False), help="File of prompts: one JSON list of token ids per line.")
 @click.option("--keys", "keys_file", type=CliPath(exists=True, dir_okay=False), help="File of chains: hex block keys of one chain per line.")
 @click.option("--option", "options", multiple=True, help="fsspec option NAME=VALUE for the remote; repeatable.")

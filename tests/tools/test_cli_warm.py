@@ -55,3 +55,13 @@ def test_warm_into_a_file_is_a_usage_error(tmp_path: Path, under: str) -> None:
     assert error["type"] == "ConfigError" and error["message"] == f"cannot warm into {target}: {where}, not a directory"
     assert "a store is a directory" in error["hint"]
     assert afile.read_text() == "keep me"
+
+
+def test_warm_takes_one_namespace(tmp_path: Path) -> None:
+    """``--namespace`` given twice is refused (click kept the last one without a word), as for pin and lookup."""
+    tokens = tmp_path / "t.jsonl"
+    tokens.write_text("[1, 2, 3, 4]\n")
+    result = invoke("warm", tmp_path / "s", "--remote", f"file://{tmp_path}/r", "--namespace", "a", "--namespace", "b",
+                    "--tokens", tokens, expect=2)
+    assert "one --namespace" in result.output
+    assert not (tmp_path / "s").exists()
