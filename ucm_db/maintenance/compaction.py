@@ -44,6 +44,7 @@ from typing import Any
 from ucm_db.arguments import require_limit
 from ucm_db.crashpoints import crashpoint
 from ucm_db.errors import DamagedRecordError, FormatVersionError, LockedError, TierError
+from ucm_db.migrations.access import format_read_only
 from ucm_db.format import STORE_FORMAT_VERSION, damaged_format_records, open_engine, read_format_version, read_settings
 from ucm_db.store.view import UNLIMITED_BYTES, VIEW_LOCK_WAIT_S, ProgressFn, check_store_path
 from ucm_db.storelock import StoreLock, describe, holders
@@ -144,7 +145,7 @@ def rewrite_lmdb(path: Path) -> None:
                     try:
                         env.copy(str(tmp), compact=True)
                     except lmdb.Error as exc:
-                        if _disk_full(exc):
+                        if disk_full(exc):
                             raise
                         # A damaged page LMDB's page walk refuses (a zeroed
                         # overflow page): copy entry by entry instead, which
@@ -179,7 +180,7 @@ def rewrite_lmdb(path: Path) -> None:
 def _rewrite_error(path: Path, exc: BaseException) -> TierError:
     """The TierError for a rewrite that failed before the switch."""
     data_bytes = (path / "lmdb" / "data.mdb").stat().st_size
-    if _disk_full(exc):
+    if disk_full(exc):
         return TierError(
             f"compact could not rewrite {path}: the disk is full ({exc}); the store is unchanged by the rewrite "
             f"(blocks evicted before it stay evicted)",
@@ -192,7 +193,8 @@ def _rewrite_error(path: Path, exc: BaseException) -> TierError:
     )
 
 
-def _disk_full(exc: BaseException) -> bool:
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk is full (an errno, LMDB's or RocksDB's message)."""
     import lmdb
 
     return getattr(exc, "errno", None) == errno.ENOSPC or isinstance(exc, lmdb.DiskError) or "No space left" in str(exc)
@@ -228,6 +230,7 @@ def compact(path: str | Path, *, target_bytes: int | None = None, require_exclus
                 raise LockedError(f"cannot compact {path}: it is open in {describe(held_by)} ({why})",
                                   hint="stop or close those processes, then run ucm-db compact again")
             lock.acquire_shared(VIEW_LOCK_WAIT_S)
+        _refuse_other_format(path, format_read_only(path))  # before a writable open: RocksDB's replays its log
         report: dict[str, Any] = {"path": str(path), "engine": engine_name, "exclusive": exclusive, "held_by": held_by,
                                   "file_bytes_before": dir_bytes(path / engine_name)}
         report.update(_transactional_steps(path, engine_name, target_bytes, exclusive, progress))
@@ -238,14 +241,17 @@ def compact(path: str | Path, *, target_bytes: int | None = None, require_exclus
         lock.release()
 
 
+def _refuse_other_format(path: Path, version: int) -> None:
+    if version != STORE_FORMAT_VERSION:
+        raise FormatVersionError(f"store at {path} has format {version}, this ucm-db compacts {STORE_FORMAT_VERSION}",
+                                 hint=f"run `ucm-db migrate {path}` first" if version < STORE_FORMAT_VERSION else "upgrade ucm-db")
+
+
 def _transactional_steps(path: Path, engine_name: str, target_bytes: int | None, exclusive: bool,
                          progress: ProgressFn | None) -> dict[str, Any]:
     engine = open_engine(path, engine_name, read_only=False, sync=True)
     try:
-        version = read_format_version(engine)
-        if version != STORE_FORMAT_VERSION:
-            raise FormatVersionError(f"store at {path} has format {version}, this ucm-db compacts {STORE_FORMAT_VERSION}",
-                                     hint=f"run `ucm-db migrate {path}` first" if version < STORE_FORMAT_VERSION else "upgrade ucm-db")
+        _refuse_other_format(path, read_format_version(engine))
         damaged = engine.read(damaged_format_records)
         if damaged:
             # A store that open refuses is not rewritten (issue 46: compact kept

@@ -31,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-from ucm_db.errors import ConfigError, FormatVersionError, MigrationError, UcmDbError
+from ucm_db.errors import ConfigError, FormatVersionError, MigrationError, TierError, UcmDbError
 from ucm_db.format import (
     INFO_TABLE, SETTINGS_KEY, STORE_FORMAT_VERSION, open_engine, open_lmdb_read_only, read_format_version, read_settings,
     settings_records_for_engine,
@@ -42,6 +42,7 @@ from ucm_db.index import records
 from ucm_db.store.view import ProgressFn, check_store_path, open_view
 from ucm_db.engines.base import TABLES, Engine, Txn
 from ucm_db.engines.lmdb import drop_sync_record
+from ucm_db.maintenance.compaction import disk_full
 from ucm_db.maintenance.verification import verify_view
 
 #: The settings record's checksum sidecar (renewed with the record).
@@ -188,8 +189,14 @@ def convert(source_path: str | Path, dest_path: str | Path, engine_name: str, pr
                 blocks = _copy_and_verify(source, temp, engine_name, source_digests, total, progress, source_path)
                 os.rename(temp, dest_path)  # replaces only an empty directory
                 fsync_dir(dest_path.parent)
-            except BaseException:
+            except BaseException as exc:
                 shutil.rmtree(temp, ignore_errors=True)
+                if disk_full(exc):
+                    why = exc.message if isinstance(exc, UcmDbError) else str(exc)  # its hint is a store's, not this
+                    raise TierError(f"cannot convert {source_path} to {dest_path}: the disk is full ({why}); nothing "
+                                    "was converted and the source is unchanged",
+                                    hint=f"free space on the disk of {dest_path.parent} (the copy needs about the "
+                                         "source's size) or pass a DEST on another disk") from exc
                 raise
         finally:
             source.close()
@@ -205,8 +212,13 @@ def _copy_and_verify(source: Engine, temp: Path, engine_name: str, source_digest
     try:
         copy_tables(source, dest, engine_name, total, progress)
         dest_digests = table_digests(dest)
-    finally:
-        dest.close()
+    except BaseException:
+        try:
+            dest.close()
+        except Exception:  # noqa: BLE001 - a close after a failed write fails too (RocksDB): the write's error is the one
+            pass
+        raise
+    dest.close()
     # The copy ran as a group writer, which keeps a sync record; the new store starts without one, as
     # any new store does (the copy is synced whole): a sync store's commits then never move one.
     if engine_name == "lmdb":
@@ -222,7 +234,7 @@ def verify_converted(dest_path: Path, source_path: Path) -> int:
     problem found is the source's (module invariants)."""
     from ucm_db.store import open as open_store
 
-    open_store(dest_path).close()  # format and settings accepted by the Store
+    open_store(dest_path, read_only=True).close()  # format and settings accepted; read-only: a writable open sweeps
     with open_view(dest_path) as view:
         report = verify_view(view)
     if report.problems:
