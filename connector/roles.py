@@ -212,8 +212,8 @@ class Publication:
         if not isinstance(params, Mapping):
             return None
         body = params.get(PARAMS_KEY)
-        if not isinstance(body, Mapping) or body.get("version") != PARAMS_VERSION:
-            return None
+        if not isinstance(body, Mapping) or type(body.get("version")) is not int or body["version"] != PARAMS_VERSION:
+            return None  # an array's == is no bool: typed first (a review's repro stopped the step)
         try:
             blocks, block_size = body["blocks"], body["block_size"]
             namespace_id, last_key = body["namespace"], body["last_key"]

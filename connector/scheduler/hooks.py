@@ -207,17 +207,18 @@ class UcmDbScheduler:
         state.start_lookup(num_computed_tokens)  # what a sibling connector loads is told apart per lookup
         refuse_saves_over_stale_caches(state, num_computed_tokens)  # an adapter reloaded with other files
         if not state.controls.load:
-            # The request's `load: false` (or vLLM's skip_reading_prefix_cache,
-            # which would throw a claim away): no lookup, no remote fetch, no wait.
-            state.lookup = LookupRecord(num_computed_tokens, 0, 0, 0.0, looked_up=False)
+            # `load: false` (or vLLM's skip_reading_prefix_cache): no lookup counted, no remote fetch, no
+            # wait; the local tier says which blocks vLLM's cache served are stored (never copied out again).
+            held = num_computed_tokens // self._block_size
+            stored = 0 if epoch is None or not held else self._unfenced(state, self._lookup.locally_stored_prefix(state, held))
+            state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0, looked_up=False)
             return 0, False
         max_blocks = (request.num_tokens - 1) // self._block_size
         claimable = state.claimable_blocks(self._block_size, max_blocks, num_computed_tokens)
         if claimable * self._block_size <= num_computed_tokens or epoch is None:
-            # Nothing to load. Where vLLM's own cache holds every loadable
-            # block, the local tier says which are stored: saved once, never again.
+            # Nothing to load; where vLLM's cache holds every loadable block, the local tier says which are stored.
             stored = 0 if epoch is None or not claimable else self._unfenced(state, self._lookup.locally_stored_prefix(state, claimable))
-            # Capped below one block (max_load_tokens): nothing was to be loaded, so no lookup is counted.
+            # Capped below one block (max_load_tokens): nothing to load, no lookup counted.
             state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0, looked_up=not state.controls.loads_nothing(self._block_size))
             return 0, False
         skips_before = sum(self.cost.skipped.values())
@@ -253,8 +254,7 @@ class UcmDbScheduler:
         """Takes the lookup's record into the request's pending load (an
         async load is planned at once), stored and saved marks, and the
         lookup counters."""
-        # Without a lookup this step (back from an async load) the request holds
-        # KV of the epoch its state was made at: kept, so a reset since saves none of it.
+        # No lookup this step (back from an async load): the KV is of its state's epoch, kept (a reset since saves none).
         state = self._state(request, renew_epoch=False)
         record = state.lookup
         state.lookup, state.claimed = None, record  # vLLM asks the claim's hit sources after this (request_state.py)
