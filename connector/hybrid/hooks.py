@@ -55,6 +55,13 @@ Invariants:
       a hit is cut back to a boundary where every state group holds a state
       (:func:`~ucm_db.connector.hybrid.ssm_state.ssm_claim`). Its async load is
       planned with the attention groups' (ssm_state.py says which block).
+    * A group's save of a request whose save in another group is held or
+      voidable this step (over another connector's loads) is voidable too,
+      so its units are provisional (worker/provisional.py): a state save,
+      planned outside the save settlement (settlement.py), is neither held nor voided
+      itself, but vLLM stops the engine when a load fails with several KV
+      cache groups, and the store's sweep then deletes what the dead worker
+      stored provisionally (a review: tests/connector/test_review_voidable_fuzz.py).
 """
 
 from __future__ import annotations
@@ -208,11 +215,15 @@ class GroupedScheduler:
             if len(self._step_loads) > _MAX_PENDING_STEPS:
                 del self._step_loads[min(self._step_loads)]
         after: dict[str, set[int]] = {}
+        settling = set()  # requests with a save held or voidable this step: their other groups' saves are tagged
         for meta in metas:
             for transfer in meta.saves:
                 after.setdefault(transfer.req_id, set()).update(transfer.after_loads)
+                if transfer.hold_id >= 0 or transfer.voidable:
+                    settling.add(transfer.req_id)
         for index, meta in enumerate(metas):
-            kept = [replace(t, after_loads=tuple(sorted(after[t.req_id]))) if after[t.req_id] else t
+            kept = [replace(t, after_loads=tuple(sorted(after[t.req_id])),
+                            voidable=t.voidable or (t.hold_id < 0 and t.req_id in settling)) if after[t.req_id] else t
                     for t in meta.saves if self._keeps(index, t)]
             if meta.saves and not kept:  # its worker drains nothing this step: its voids wait (settlement.py)
                 self.parts[index].saves_dropped(meta.step)
