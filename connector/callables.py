@@ -34,7 +34,7 @@ def callable_identity(value: Any) -> Any:
     if isinstance(value, functools.partial):
         return {"partial": callable_identity(value.func), "args": _data(list(value.args)),
                 "keywords": _data(dict(value.keywords))}
-    name = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    name = _qualified_name(value)
     code = getattr(value, "__code__", None)
     if not isinstance(code, types.CodeType):
         return name
@@ -65,5 +65,9 @@ def _data(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted((_data(v) for v in value), key=repr)
     if callable(value):  # by name only: a function capturing itself would recurse
-        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+        return _qualified_name(value)
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _qualified_name(value: Any) -> str:
+    return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"

@@ -279,6 +279,11 @@ CONTENT_PREFIX = "blake3:"
 LAYOUT_3D_SUFFIX = "+3d"
 
 
+def lora_int_id(lora_request: Any) -> int:
+    """The id vLLM loads ``lora_request``'s adapter under (0 where it names none)."""
+    return int(getattr(lora_request, "lora_int_id", 0) or 0)
+
+
 def adapter_layout(lora_request: Any) -> str:
     """How vLLM reads the adapter's files: :data:`LAYOUT_3D_SUFFIX` where the
     request declares the fused 3D MoE layout (with
@@ -315,7 +320,7 @@ def adapter_key(lora_request: Any) -> str:
     if os.path.isdir(path):
         try:
             digest = fingerprint(path, adapter=True).digest
-            int_id = int(getattr(lora_request, "lora_int_id", 0) or 0)
+            int_id = lora_int_id(lora_request)
             # vLLM loads these files: in place, or under an id it has not loaded (its reload after an update),
             # when it first runs the id's request (files changed before that are not seen: docstring).
             if _named.setdefault(name, digest) != digest:

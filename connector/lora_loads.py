@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any
 
-from ucm_db.connector.fingerprints import CONTENT_PREFIX, adapter_layout, fingerprint
+from ucm_db.connector.fingerprints import CONTENT_PREFIX, adapter_layout, fingerprint, lora_int_id
 from ucm_db.connector.weight_files import selected_files
 
 _WRAPPED = "__ucm_db_lora_watched__"
@@ -67,7 +67,7 @@ def _watched(load_adapter: Any) -> Any:
         path = _local_path(lora_request)
         before = _stats(path)
         model = load_adapter(self, lora_request)
-        note_load(int(getattr(lora_request, "lora_int_id", 0) or 0), path, before, adapter_layout(lora_request))
+        note_load(lora_int_id(lora_request), path, before, adapter_layout(lora_request))
         return model
 
     setattr(load_adapter_watched, _WRAPPED, True)

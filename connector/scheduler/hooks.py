@@ -206,21 +206,13 @@ class UcmDbScheduler:
         state = self._state(request)
         state.start_lookup(num_computed_tokens)  # what a sibling connector loads is told apart per lookup
         refuse_saves_over_stale_caches(state, num_computed_tokens)  # an adapter reloaded with other files
-        if not state.controls.load:
-            # `load: false` (or vLLM's skip_reading_prefix_cache): no lookup counted, no remote fetch, no
-            # wait; the local tier says which blocks vLLM's cache served are stored (never copied out again).
-            held = num_computed_tokens // self._block_size
-            stored = 0 if epoch is None or not held else self._unfenced(state, self._lookup.locally_stored_prefix(state, held))
-            state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0, looked_up=False)
-            return 0, False
+        if not state.controls.load:  # `load: false` (or vLLM's skip_reading_prefix_cache): no lookup, fetch nor wait
+            return self._loads_nothing(state, num_computed_tokens, num_computed_tokens // self._block_size, epoch, False)
         max_blocks = (request.num_tokens - 1) // self._block_size
         claimable = state.claimable_blocks(self._block_size, max_blocks, num_computed_tokens)
-        if claimable * self._block_size <= num_computed_tokens or epoch is None:
-            # Nothing to load; where vLLM's cache holds every loadable block, the local tier says which are stored.
-            stored = 0 if epoch is None or not claimable else self._unfenced(state, self._lookup.locally_stored_prefix(state, claimable))
-            # Capped below one block (max_load_tokens): nothing to load, no lookup counted.
-            state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0, looked_up=not state.controls.loads_nothing(self._block_size))
-            return 0, False
+        if claimable * self._block_size <= num_computed_tokens or epoch is None:  # capped below a block: no lookup
+            return self._loads_nothing(state, num_computed_tokens, claimable, epoch,
+                                       not state.controls.loads_nothing(self._block_size))
         skips_before = sum(self.cost.skipped.values())
         state.vllm_computed_tokens = num_computed_tokens
         try:  # a hit that gives its last block back looks one block past a max_load_tokens cap
@@ -243,6 +235,14 @@ class UcmDbScheduler:
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
         """The last claim's tokens by tier (:func:`.request_state.hit_sources`)."""
         return hit_sources(self._requests.get(request.request_id), num_external_tokens, self._block_size)
+
+    def _loads_nothing(self, state: RequestState, num_computed_tokens: int, held: int, epoch: int | None,
+                       looked_up: bool) -> tuple[int, bool]:
+        """A lookup that loads nothing; the local tier still says which of the ``held``
+        blocks vLLM's own cache holds are stored (saved once, never copied out again)."""
+        stored = 0 if epoch is None or not held else self._unfenced(state, self._lookup.locally_stored_prefix(state, held))
+        state.lookup = LookupRecord(num_computed_tokens, 0, stored, 0.0, looked_up=looked_up)
+        return 0, False
 
     def _unfenced(self, state: RequestState, found: int) -> int:
         """``found`` stored blocks cut before one a voided save of this engine may still hold (settlement.py's fences)."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ucm_db.connector.composition import forget_ucm_db_load
+from ucm_db.connector.fingerprints import lora_int_id
 from ucm_db.connector.request_controls import RequestControls
 from ucm_db.keys import BlockKeys
 
@@ -160,4 +161,4 @@ def adapter_claim(state: RequestState) -> tuple[int, str] | tuple[()]:
     lora_request, key = state.request.lora_request, state.extras.get("lora")
     if lora_request is None or not isinstance(key, str):
         return ()
-    return int(getattr(lora_request, "lora_int_id", 0) or 0), key
+    return lora_int_id(lora_request), key

@@ -215,7 +215,7 @@ class SaveSettlement:
         if transfer.hold_id >= 0:
             self._held[transfer.hold_id] = HeldSave(step, transfer, start)
         elif transfer.after_loads:
-            committed = self._several_ranks or sibling
+            committed = self.voidable(transfer.hold_id, transfer.after_loads, sibling)
             self._step_loads.setdefault(step, StepLoads()).saves.append((transfer, start, committed))
 
     def take_verdicts(self, meta: UcmDbConnectorMetadata) -> None:

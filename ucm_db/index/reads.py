@@ -28,6 +28,8 @@ from ucm_db.index.entries import META, BlockMeta, body_of
 
 #: A whole ``meta`` record's length (one of another length is damaged: a miss).
 _META_BYTES = META.size
+#: The quarantine reason of a payload read whose ``meta`` record is damaged.
+DAMAGED_RECORD = "damaged metadata record"
 
 T = TypeVar("T")
 #: ``take_chunk(start, stored, heads, metas) -> positions not used`` (:meth:`IndexReader.with_blocks`).
@@ -90,7 +92,7 @@ class IndexReader:
     def with_blocks(
         self, keys: Sequence[bytes], fn: Callable[[list[tuple[memoryview, memoryview] | None]], T],
         *, namespace_id: bytes | None = None, take: Callable[[int, memoryview, memoryview], bool] | None = None,
-        take_chunk: TakeChunk | None = None, chunk_keys: int = 128, damaged: list[int] | None = None,
+        take_chunk: TakeChunk | None = None, chunk_keys: int = 128, damaged: list[tuple[bytes, str]] | None = None,
     ) -> T:
         """Calls ``fn`` with every key's ``(head, body)`` (None where absent,
         or, given ``namespace_id``, stored under another namespace) inside
@@ -113,18 +115,18 @@ class IndexReader:
         (namespace check, ``take``, ``fn``'s list), and the chunk's views
         are dropped before the next chunk is read.
 
-        Given ``namespace_id`` and ``damaged``, the positions of payloads
-        whose ``meta`` record is damaged (a miss, like one of another
-        namespace) are appended to ``damaged``: the caller quarantines them
-        (the prefix invariant is broken under them: a lookup may count
-        past the hole).
+        Given ``namespace_id`` and ``damaged`` (a read's corrupt blocks), each
+        payload whose ``meta`` record is damaged (a miss, like one of another
+        namespace) is appended as ``(key, DAMAGED_RECORD)``: the caller
+        quarantines it (the prefix invariant is broken under it: a lookup
+        may count past the hole).
         """
         def offer(txn: Txn, i: int, key: bytes, stored: Buffer | None, blocks: list[tuple[memoryview, memoryview] | None]) -> None:
             if stored is None:
                 return
             if namespace_id is not None and not in_namespace(meta := txn.get("meta", key), namespace_id):
                 if damaged is not None and meta is not None and _meta_or_none(meta) is None:
-                    damaged.append(i)
+                    damaged.append((key, DAMAGED_RECORD))
                 return
             head = memoryview(txn.get("heads", key) or b"")
             body = body_of(head, memoryview(stored))

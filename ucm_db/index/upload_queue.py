@@ -160,7 +160,7 @@ class UploadQueue:
     def held(self, keys: Sequence[bytes]) -> set[bytes]:
         """Those of ``keys`` whose upload a provisional put holds (its tag
         not settled: :func:`ucm_db.index.provisional.held_among`)."""
-        return set(self.engine.read(lambda txn: provisional.held_among(txn, keys))) if keys else set()
+        return self.engine.read(lambda txn: provisional.held_among(txn, keys)) if keys else set()
 
     def retracted(self, keys: Sequence[bytes]) -> set[bytes]:
         """Those of ``keys`` whose retraction is recorded."""

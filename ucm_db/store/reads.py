@@ -42,8 +42,6 @@ from ucm_db.store.state import StoreState
 from ucm_db.engines.base import Buffer
 
 logger = logging.getLogger(__name__)
-#: The quarantine reason of a block read whose ``meta`` record is damaged.
-DAMAGED_RECORD = "damaged metadata record"
 
 
 class StoreReads:
@@ -107,12 +105,10 @@ class StoreReads:
                 corrupt.append((keys[i], str(exc)))
                 return None
 
-        damaged: list[int] = []
         results = self._tier.with_blocks(
             keys, lambda blocks: self._state.codecs.decode_blocks(blocks, decode), namespace_id=namespace.id,
-            damaged=damaged,
+            damaged=corrupt,
         )
-        corrupt.extend((keys[i], DAMAGED_RECORD) for i in damaged)
 
         def decode_fetched(i: int, blob: Buffer) -> None:
             results[i] = codec.decode(blob, keys[i])
@@ -225,13 +221,11 @@ class StoreReads:
                 return raw
             return [r if r is not None else d for r, d in zip(raw, self._state.codecs.decode_blocks(blocks, decode))]
 
-        damaged: list[int] = []
         if batch is None:
-            results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=take, damaged=damaged)
+            results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=take, damaged=corrupt)
         else:
             results = self._tier.with_blocks(keys, decode_all, namespace_id=namespace_id, take=batch.taker(take),
-                                             take_chunk=batch.take_chunk, chunk_keys=batch_loads.FLUSH_UNITS, damaged=damaged)
-        corrupt.extend((keys[i], DAMAGED_RECORD) for i in damaged)
+                                             take_chunk=batch.take_chunk, chunk_keys=batch_loads.FLUSH_UNITS, damaged=corrupt)
         flags: list[Any] = [True if r else None for r in results]
 
         def decode_fetched(i: int, blob: Buffer) -> None:
