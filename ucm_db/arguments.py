@@ -8,7 +8,7 @@ written nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ucm_db.codec import Framed, buffer_view
@@ -192,6 +192,18 @@ def require_namespace_selectors(selectors: Any, operation: str) -> tuple[str, ..
                 hint="pass --namespace with a namespace id prefix or a model name (`ucm-db inspect PATH` lists them); "
                 "an unset shell variable (--namespace \"$MODEL\") expands to an empty one")
     return checked
+
+
+def namespaces_selected(selector: str, models: Mapping[bytes, Any]) -> set[bytes]:
+    """The ids among ``models`` (namespace id -> its model name, None where
+    unknown) that the one ``selector`` names: those whose model is exactly
+    ``selector``, or, only where no model is, those whose id's hex starts
+    with it (case-insensitive). A model's name wins over id prefixes, so a
+    model named ``bf`` never also selects a namespace whose id starts
+    ``bf...``; a longer prefix or the full id names that one. The one rule
+    of every ``--namespace`` (the store's commands and ``warm``)."""
+    named = {ns for ns, model in models.items() if model == selector}
+    return named or {ns for ns in models if ns.hex().startswith(selector.lower())}
 
 
 def require_remote_url(url: Any, operation: str) -> str:

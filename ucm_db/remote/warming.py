@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ucm_db.arguments import key_list, require_namespace_selectors
+from ucm_db.arguments import key_list, namespaces_selected, require_namespace_selectors
 from ucm_db.errors import ConfigError, TierError, UcmDbError
 from ucm_db.keys import Namespace
 from ucm_db.remote.gc_listing import require_bucket
@@ -131,16 +131,15 @@ class RemoteNamespaces:
         """The one namespace whose model is ``wanted``, or else whose id
         (its 32 hex digits, of which the short id is the first 16) starts
         with ``wanted``: a model's name wins over id prefixes, as for the
-        store's other commands (:func:`ucm_db.store.view.select_namespaces`).
+        store's other commands (:func:`ucm_db.arguments.namespaces_selected`).
 
         Raises:
             ConfigError: none or several match (the problems are named, since
                 the one wanted may be among the skipped entries).
         """
         require_namespace_selectors((wanted,), "warm")
-        listed = [ns for _, ns in sorted(self.namespaces.items())]
-        found = ([ns for ns in listed if ns.model == wanted]
-                 or [ns for ns in listed if ns.id.hex().startswith(wanted.lower())])
+        by_id = {ns.id: ns for ns in self.namespaces.values()}
+        found = [by_id[ns_id] for ns_id in sorted(namespaces_selected(wanted, {i: ns.model for i, ns in by_id.items()}))]
         if len(found) == 1:
             return found[0]
         skipped = f"; skipped: {'; '.join(self.problems)}" if self.problems else ""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ucm_db.arguments import require_namespace_selectors
+from ucm_db.arguments import namespaces_selected, require_namespace_selectors
 from ucm_db.errors import ConfigError, UcmDbError
 from ucm_db.format import (
     CREATED_KEY, INFO_TABLE, STORE_FORMAT_VERSION, detect_engine, open_engine, open_lmdb_read_only, read_format_version,
@@ -151,6 +151,7 @@ def select_namespaces(
     if not wanted:
         return None
     descriptions = view.tier.namespace_descriptions()
+    models = {ns: d.get("model") for ns, d in descriptions.items()}
     bare = sorted(ns for ns, counts in view.tier.namespace_counts().items() if counts[0] and ns not in descriptions)
 
     def listed(ids: set[bytes] | dict[bytes, Any]) -> str:
@@ -164,9 +165,8 @@ def select_namespaces(
 
     chosen: set[bytes] = set()
     for item in wanted:
-        found = {ns for ns, d in descriptions.items() if d.get("model") == item}
-        if not found:
-            found = {ns for ns in descriptions if ns.hex().startswith(item.lower())}
+        found = namespaces_selected(item, models)
+        if item not in models.values():
             if unique_prefixes and len(found) > 1:
                 raise ConfigError(f"the id prefix {item!r} matches {len(found)} namespaces: {listed(found)}",
                                   hint="pass a model name, or a longer id prefix (`ucm-db inspect` lists them)")
