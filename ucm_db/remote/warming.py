@@ -86,15 +86,21 @@ class WarmReport:
         fetched: blocks fetched from the remote and promoted.
         missing: blocks neither local nor fetchable (absent, corrupt, or
             after such a block in their chain).
-
-    Each distinct block the run was given counts once (prompts sharing a
-    prefix name it once each): fetched where this run promoted it, else
-    as its first chain found it.
         bytes: stored (encoded) bytes fetched.
         seconds: wall time of the run.
         failed: blocks not fetched because the remote failed (an error or a
             timeout, or its read breaker open after one): the remote may
             hold them; warm again once it answers.
+        evicted: blocks counted ``already_local`` or ``fetched`` that were
+            no longer stored under the namespace when the run ended: the
+            warm's later blocks evicted them (it asked for more than the
+            store's capacity holds) or other writers did.
+
+    Each distinct block the run was given counts once (prompts sharing a
+    prefix name it once each) in exactly one of ``already_local``,
+    ``fetched``, ``missing`` and ``failed``: fetched where this run promoted
+    it, else as its first chain found it. ``evicted`` counts again some of
+    the first two.
     """
 
     already_local: int
@@ -103,6 +109,7 @@ class WarmReport:
     bytes: int
     seconds: float
     failed: int = 0
+    evicted: int = 0
 
     @property
     def blocks(self) -> int:
@@ -294,8 +301,19 @@ def warm(
     if counts["failed"]:
         _log.warning("ucm-db: warm from remote %s: %d block(s) not fetched: the remote failed or timed out (see "
                      "stats().remote); warm again once it answers", link.url if link else None, counts["failed"])
+    evicted = _gone(tier, namespace.id, [key for key, count in found.items() if count in ("already_local", "fetched")])
+    if evicted:
+        _log.warning("ucm-db: warm: %d of the block(s) it found or fetched were evicted before it ended: it asked for "
+                     "more than the store's capacity holds (or other writers filled it); warm fewer prompts or raise "
+                     "capacity_bytes", evicted)
     return WarmReport(already_local=counts["already_local"], fetched=counts["fetched"], missing=counts["missing"],
-                      bytes=nbytes_total, seconds=time.monotonic() - started, failed=counts["failed"])
+                      bytes=nbytes_total, seconds=time.monotonic() - started, failed=counts["failed"], evicted=evicted)
+
+
+def _gone(tier: LocalTier, namespace_id: bytes, keys: list[bytes]) -> int:
+    """How many of ``keys`` are not stored under ``namespace_id`` now (one
+    read transaction)."""
+    return sum(meta is None or meta.namespace_id != namespace_id for meta in tier.metas(keys))
 
 
 def _warm_chain(
