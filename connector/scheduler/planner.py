@@ -168,13 +168,17 @@ class StepPlanner:
         epoch = self._current_epoch()
         if state is None or state.epoch is None or state.epoch != epoch:
             return  # a request running across a reset: its KV predates the new epoch
-        if not state.controls.save:
-            return  # the request's own `save: false` (request_controls.py)
         request = state.request
         # KV of tokens [num_computed, num_computed + num_tokens) is written
         # this step; only tokens whose ids are known can be keyed.
         done_tokens = min(request.num_computed_tokens + num_tokens, request.num_tokens)
         end = self._admission.savable_end(done_tokens // self._block_size, request.num_prompt_tokens // self._block_size)
+        if not state.controls.save:  # the request's own `save: false` (request_controls.py)
+            if self._admission.sketch is not None and end > state.sighted_blocks:
+                # Still a sighting of each block it computes (admit_after counts requests computing a block); what
+                # admission answers is dropped: nothing of this request is stored.
+                self._admission.admit(state, self._keys(state, end), end, request.all_token_ids)
+            return
         start = state.saved_blocks
         admitting = state.controls.save != SAVE_ALWAYS  # `save: "always"` stores whatever admission says
         if end <= start or (admitting and self._admission.decided(state, start, end)):

@@ -406,6 +406,24 @@ def test_admit_after_2_stores_a_chain_from_its_second_sighting(tmp_path: Path) -
         eng.close()
 
 
+def test_a_save_false_request_is_a_sighting(tmp_path: Path) -> None:
+    """``save: false`` stores nothing of its request, but the request computed
+    its blocks: that is a sighting (docs/connector.md), so under
+    ``admit_after: 2`` the next request of the prompt stores it. Before, a
+    ``save: false`` request was not counted and the next was a first sighting."""
+    eng = Engine(ConnectorSettings.from_extra_config({"path": str(tmp_path / "store"), "admit_after": 2, "load_policy": "always"}))
+    try:
+        prompt = list(range(1, 2 * BS + 2))
+        assert eng.prefill(_request(prompt, {"save": False})) == (0, [])
+        assert eng.stored_units() == 0
+        assert eng.prefill(_request(prompt)) == (0, [(0, 1)])  # its second sighting: stored
+        assert eng.stored_units() == 2 * UNITS_PER_BLOCK
+        unseen = list(range(700, 700 + 2 * BS + 1))
+        assert eng.prefill(_request(unseen)) == (0, [])  # a first sighting is still refused
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("admit_after", [2, "auto"])
 def test_save_always_stores_a_first_sighting_whatever_admit_after_says(tmp_path: Path, admit_after: int | str) -> None:
     """``save: "always"`` (warm_engine sends it) stores a prompt seen once,

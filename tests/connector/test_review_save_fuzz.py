@@ -324,11 +324,13 @@ def _may_store(prefix: tuple[int, ...], holders: list[tuple[int, Arrival]], sett
     """Whether the settings let a block whose chain is ``prefix`` be stored,
     ``holders`` (engine, request) holding it: a request that saves it (in
     its prompt, without ``save_decode``), and with ``admit_after: 2`` one
-    that says ``save: "always"`` or two in one engine (its sightings)."""
-    savers = [(e, r) for e, r in holders if r.saves and (settings["save_decode"] or len(r.prompt) >= len(prefix))]
+    that says ``save: "always"`` or two in one engine computing it (its
+    sightings: a ``save: false`` request's count too)."""
+    computing = [(e, r) for e, r in holders if settings["save_decode"] or len(r.prompt) >= len(prefix)]
+    savers = [(e, r) for e, r in computing if r.saves]
     if settings["admit_after"] != 2 or any(dict(r.controls).get("save") == "always" for _, r in savers):
         return bool(savers)
-    return any(sum(e == engine for e, _ in savers) >= 2 for engine, _ in savers)
+    return any(sum(e == engine for e, _ in computing) >= 2 for engine, _ in savers)
 
 
 def check(root: Path, store: Path, scenario: Scenario, outcome: Outcome) -> None:
