@@ -53,6 +53,9 @@
 #define NAMESPACE_ID_BYTES 16
 /* A whole meta record's length: ucm_db.index.entries.META.size (tests/test_batch_plan.py checks it). */
 #define META_RECORD_BYTES 88
+/* Its raw and stored sizes (ucm_db.index.entries: META, MAX_STORED_BYTES). */
+#define META_RAW_AT 52
+#define META_STORED_AT 60
 
 enum { KIND_SKIP = 0, KIND_RAW = 1, KIND_SHUFFLED = 2 };
 
@@ -163,9 +166,11 @@ static int plan_one(const format_t *f, PyObject *raw_tables, Py_ssize_t below, c
     return kind;
 }
 
-/* Whether meta is a whole record's length (another length is damaged: a miss)
- * and names the namespace (its first 16 bytes are namespace_id). */
-static int in_namespace(PyObject *meta, const Py_buffer *namespace_id, int *error)
+/* Whether meta is a whole record (a record's length and sizes some block can
+ * have: ucm_db.index.entries.plausible_meta; another is damaged, left to the
+ * Python path, which files it) and names the namespace (its first 16 bytes
+ * are namespace_id). */
+static int in_namespace(PyObject *meta, const Py_buffer *namespace_id, const format_t *f, int *error)
 {
     Py_buffer m;
     if (PyObject_GetBuffer(meta, &m, PyBUF_SIMPLE) < 0) {
@@ -174,6 +179,11 @@ static int in_namespace(PyObject *meta, const Py_buffer *namespace_id, int *erro
     }
     int same = m.len == META_RECORD_BYTES && namespace_id->len == NAMESPACE_ID_BYTES &&
                memcmp(m.buf, namespace_id->buf, NAMESPACE_ID_BYTES) == 0;
+    if (same) {
+        const uint8_t *p = (const uint8_t *)m.buf;
+        unsigned long long max_stored = f->max_raw_bytes + 2ULL * (HEADER_BYTES + f->max_frames * 32ULL);
+        same = le_u64(p + META_RAW_AT) <= f->max_raw_bytes && le_u64(p + META_STORED_AT) <= max_stored;
+    }
     PyBuffer_Release(&m);
     return same;
 }
@@ -227,7 +237,7 @@ PyObject *native_plan_units(PyObject *module, PyObject *args)
         if (metas != Py_None) {
             PyObject *m = PyList_GET_ITEM(metas, i);
             int error = 0;
-            if (m == Py_None || !in_namespace(m, &namespace_id, &error)) {
+            if (m == Py_None || !in_namespace(m, &namespace_id, &f, &error)) {
                 if (error) {
                     goto fail;
                 }

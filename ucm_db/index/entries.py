@@ -89,6 +89,20 @@ class BlockMeta:
         return meta
 
 
+#: A ``meta`` record's raw and stored sizes (what :func:`plausible_meta` checks).
+_SIZES = struct.Struct("<52xQQ20x")
+
+
+def plausible_meta(data: Buffer) -> bool:
+    """Whether :meth:`BlockMeta.unpack` takes this record: a record's
+    length and sizes some block can have (its checks, without making a
+    :class:`BlockMeta`: a read asks it of every block it offers)."""
+    if len(data) != META.size:
+        return False
+    raw, stored = _SIZES.unpack(data)
+    return raw <= codec.MAX_RAW_BYTES and stored <= MAX_STORED_BYTES
+
+
 #: What refiling a block reads of its ``meta`` record (:func:`refiled_record`):
 #: depth, raw and stored bytes, access time.
 _REFILE_FIELDS = struct.Struct("<48xIQQ8xQ4x")

@@ -24,12 +24,14 @@ from ucm_db.errors import ConfigError
 from ucm_db.index import damage, descriptions, namespace_guard, records
 from ucm_db.index.accounting import NS_COUNTS, NS_COUNTS_PREFIX, NS_DESC_PREFIX, Totals, parse_description, recount
 from ucm_db.engines.base import Buffer, Engine, Txn
-from ucm_db.index.entries import META, BlockMeta, body_of
+from ucm_db.index.entries import META, BlockMeta, body_of, plausible_meta
 
 #: A whole ``meta`` record's length (one of another length is damaged: a miss).
 _META_BYTES = META.size
 #: The quarantine reason of a payload read whose ``meta`` record is damaged.
 DAMAGED_RECORD = "damaged metadata record"
+#: Reason a read files for a block whose ``meta`` record is whole but whose payload is gone.
+PAYLOAD_MISSING = "payload missing"
 
 T = TypeVar("T")
 #: ``take_chunk(start, stored, heads, metas) -> positions not used`` (:meth:`IndexReader.with_blocks`).
@@ -116,18 +118,26 @@ class IndexReader:
         are dropped before the next chunk is read.
 
         Given ``namespace_id`` and ``damaged`` (a read's corrupt blocks), each
-        payload whose ``meta`` record is damaged (a miss, like one of another
-        namespace) is appended as ``(key, DAMAGED_RECORD)``: the caller
-        quarantines it (the prefix invariant is broken under it: a lookup
-        may count past the hole).
+        payload whose ``meta`` record is damaged (wrong length or impossible
+        sizes: a miss, like one of another namespace) is appended as ``(key,
+        DAMAGED_RECORD)``, and each block of the namespace whose payload is
+        gone as ``(key, PAYLOAD_MISSING)``: the caller quarantines them (the
+        prefix invariant is broken under them: a lookup may count past the
+        hole).
         """
         def offer(txn: Txn, i: int, key: bytes, stored: Buffer | None, blocks: list[tuple[memoryview, memoryview] | None]) -> None:
             if stored is None:
+                if damaged is not None and namespace_id is not None:
+                    meta = txn.get("meta", key)  # a miss's one extra read: a record whose payload was lost is damage
+                    if meta is not None and (not plausible_meta(meta) or in_namespace(meta, namespace_id)):
+                        damaged.append((key, PAYLOAD_MISSING if plausible_meta(meta) else DAMAGED_RECORD))
                 return
-            if namespace_id is not None and not in_namespace(meta := txn.get("meta", key), namespace_id):
-                if damaged is not None and meta is not None and _meta_or_none(meta) is None:
-                    damaged.append((key, DAMAGED_RECORD))
-                return
+            if namespace_id is not None:
+                meta = txn.get("meta", key)
+                if meta is None or not in_namespace(meta, namespace_id) or not plausible_meta(meta):
+                    if damaged is not None and meta is not None and _meta_or_none(meta) is None:
+                        damaged.append((key, DAMAGED_RECORD))
+                    return
             head = memoryview(txn.get("heads", key) or b"")
             body = body_of(head, memoryview(stored))
             if take is None or not take(i, head, body):
