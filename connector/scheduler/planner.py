@@ -132,7 +132,11 @@ class StepPlanner:
             if state is not None and table is not None:
                 computed = state.request.num_computed_tokens  # before the step: vLLM advances it after planning
                 scheduled.append(Scheduled(req_id, table, computed, min(computed + num_tokens, state.request.num_tokens)))
-        loaded = [b for transfer in meta.loads for b in transfer.block_ids] + [b for _, ids in others for b in ids]
+        # Every write of the step's loads, async ones included: a block an async load fills is not stale (a failed
+        # load's blocks go stale again when its failure is reported); vLLM may hand a block freed stale to another
+        # request's async load in the very schedule() that freed it, before forget_freed sees it free.
+        loaded = [b for transfers in (meta.loads, meta.async_loads) for transfer in transfers for b in transfer.block_ids]
+        loaded += [b for _, ids in others for b in ids]
         verdict = self.stale.plan(meta.step, scheduled, loaded)
         meta.stale_reads = verdict.stale_reads
         return verdict
