@@ -70,6 +70,10 @@ class Damage:
     def __init__(self, engine: Engine, limits: TierLimits) -> None:
         self.engine = engine
         self.limits = limits
+        #: Blocks :meth:`quarantine` removed in this process, descendants
+        #: included (``verify --fix`` reports its own share, whatever other
+        #: writers commit meanwhile).
+        self.quarantined_blocks = 0
 
     def meta_or_clear(self, txn: Txn, changes: Changes, key: bytes) -> BlockMeta | None:
         """``key``'s metadata; a damaged record is quarantined (with the
@@ -94,13 +98,17 @@ class Damage:
         leaving the payload as a stuck entry (any other failure, a full disk
         say, is raised: a stuck entry refuses puts of its key until a
         compact). Returns whether the block was quarantined."""
-        def run(txn: Txn, keep_payload: bool) -> bool:
+        def run(txn: Txn, keep_payload: bool) -> int | None:
             return self._quarantine_in(txn, key, reason, still_corrupt, keep_payload=keep_payload, still_damaged=still_damaged)
         try:
-            return self.engine.write(lambda txn: run(txn, False))
+            removed = self.engine.write(lambda txn: run(txn, False))
         except DamagedPageError as exc:
             logger.warning("ucm-db: quarantining block %s failed (%s); leaving its payload behind", key.hex()[:16], exc)
-            return self.engine.write(lambda txn: run(txn, True))
+            removed = self.engine.write(lambda txn: run(txn, True))
+        if removed is None:
+            return False
+        self.quarantined_blocks += removed  # counted once its transaction committed
+        return True
 
     def records(self) -> dict[bytes, dict[str, Any]]:
         """Every quarantine record, by key (one snapshot); a damaged one reads
@@ -164,9 +172,11 @@ class Damage:
         return bool(bad)
 
     def _quarantine_in(self, txn: Txn, key: bytes, reason: str, still_corrupt: Recheck, *, keep_payload: bool,
-                       still_damaged: MetaRecheck | None = None) -> bool:
+                       still_damaged: MetaRecheck | None = None) -> int | None:
         """One quarantine transaction (:meth:`quarantine`); with
-        ``keep_payload`` the block's own ``blocks`` value is left as a stuck entry."""
+        ``keep_payload`` the block's own ``blocks`` value is left as a stuck
+        entry. Returns the blocks it removed (descendants included; 0 for a
+        record-less payload), None where a recheck cleared the block."""
         data = txn.get("meta", key)
         damaged: DamagedMeta | None = None
         meta: BlockMeta | None = None
@@ -176,22 +186,23 @@ class Damage:
             except DamagedMeta as exc:
                 damaged = exc
         if still_damaged is not None and meta is not None and not still_damaged(txn, meta):
-            return False
+            return None
         stored = txn.get("blocks", key)
         if meta is not None and stored is not None:
             head = memoryview(txn.get("heads", key) or b"")
             body = body_of(head, memoryview(stored))
             if len(head) + len(body) == meta.stored_bytes and not still_corrupt(head, body):
-                return False
+                return None
         changes = Changes(txn)
-        self._file(txn, changes, key, reason, meta, damaged, keep_payload=keep_payload)
+        removed = self._file(txn, changes, key, reason, meta, damaged, keep_payload=keep_payload)
         changes.commit()
-        return True
+        return removed
 
     def _file(self, txn: Txn, changes: Changes, key: bytes, reason: str, meta: BlockMeta | None,
-              damaged: DamagedMeta | None, *, keep_payload: bool) -> None:
+              damaged: DamagedMeta | None, *, keep_payload: bool) -> int:
         """Removes ``key`` (whole record ``meta``, or a ``damaged`` one, or
-        none) and its descendants, and files its quarantine record."""
+        none) and its descendants, and files its quarantine record. Returns
+        the blocks removed (those with a record)."""
         fields = meta if meta is not None else damaged.fields if damaged is not None else None
         record: dict[str, object] = {
             "reason": reason, "time_ns": time.time_ns(),
@@ -201,17 +212,19 @@ class Damage:
         feed_max_records = self.limits.feed_max_records
         children = [bytes(link[32:]) for link, _ in txn.scan("children", key)]
         pins.release_above(txn, changes, key)  # the subtree's pins leave its ancestors (pins.py)
+        removed = 0
         if txn.get("meta", key) is not None:
-            detach(txn, changes, key, fields, damaged, delete_payload=not keep_payload, feed_max_records=feed_max_records)
+            removed = detach(txn, changes, key, fields, damaged, delete_payload=not keep_payload, feed_max_records=feed_max_records)
         elif not keep_payload:
             txn.delete("blocks", key)
             txn.delete("heads", key)
         for child in children:
-            remove_tree(txn, changes, child, feed_max_records=feed_max_records)
+            removed += remove_tree(txn, changes, child, feed_max_records=feed_max_records)
         if keep_payload:
             record["payload_stuck"] = True
         txn.put("quarantine", key, json.dumps(record).encode())
         changes.totals.quarantined += 1
+        return removed
 
 
 def meta_or_none(data: Buffer | None) -> BlockMeta | None:

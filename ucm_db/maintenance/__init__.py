@@ -96,10 +96,16 @@ def inspect(path: str | Path, *, namespaces: tuple[str, ...] = (), top: int = 0,
     (:func:`ucm_db.store.epochs.problems`)."""
     namespaces = require_namespace_selectors(namespaces, "inspect")
 
+    def report_of(view: StoreView) -> dict[str, Any]:
+        report = inspect_view(view, namespaces=namespaces, top=top, now_ns=now_ns)
+        _add_epochs(view, report)
+        return report
+
     def run() -> dict[str, Any]:
         with open_view(path) as view:
-            report = inspect_view(view, namespaces=namespaces, top=top, now_ns=now_ns)
-            _add_epochs(view, report)
+            free_bytes = view.engine.free_page_bytes()  # a read of its own: outside the snapshot
+            report = view.one_snapshot(report_of)  # figures of one commit, writers or not
+            report["file_free_bytes"] = free_bytes
             return report
     return run_isolated(run, path) if isolated else run()
 

@@ -218,15 +218,15 @@ def repair(path: Path, report: VerifyReport) -> VerifyReport:
 
     with open_store(path) as store:
         tier = store._tier
-        # Counted from the totals (exact deltas; a damaged record is recounted
-        # by both reads alike), not by listing the store twice.
-        before = tier.totals().blocks
+        # Counted by the quarantines' own transactions: a writer's puts and
+        # evictions meanwhile are not this repair's.
+        before = tier.damage.quarantined_blocks
         for key, reason in report.corrupt.items():
             if reason in _METADATA_REASONS:
                 tier.quarantine(key, f"ucm-db verify: {reason}", _always, still_damaged=still_damaged(reason))
             else:
                 store.quarantine(key, f"ucm-db verify: {reason}")
-        report.quarantined_blocks = before - tier.totals().blocks
+        report.quarantined_blocks = tier.damage.quarantined_blocks - before
         report.index_repaired = repair_index(tier, report.index_problems)
         if counters_damaged(report.index_problems):
             tier.recompute_totals()

@@ -26,7 +26,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,7 +38,8 @@ from ucm_db.format import (
 )
 from ucm_db.storelock import hold_shared
 from ucm_db.store.path import path_error
-from ucm_db.engines.base import Engine
+from ucm_db.engines.base import Engine, Txn
+from ucm_db.engines.snapshot import SnapshotEngine
 from ucm_db.index.local import LocalTier
 
 T = TypeVar("T")
@@ -71,6 +72,17 @@ class StoreView:
     @property
     def capacity_bytes(self) -> int:
         return int(self.settings.get("capacity_bytes", 0))
+
+    def one_snapshot(self, fn: Callable[[StoreView], T]) -> T:
+        """``fn`` of a view whose every read (of its engine and its tier) is
+        one read transaction of this view's engine: a report built from
+        several reads agrees with itself while writers commit. That view is
+        valid only during the call, and writes nothing."""
+        def run(txn: Txn) -> T:
+            engine = SnapshotEngine(self.engine, txn)
+            tier = LocalTier(engine, capacity_bytes=self.tier.limits.capacity_bytes)
+            return fn(replace(self, engine=engine, tier=tier))
+        return self.engine.read(run)
 
 
 def check_store_path(path: Path) -> str:
