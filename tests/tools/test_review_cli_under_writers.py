@@ -345,7 +345,7 @@ def test_read_commands_beside_writers(tmp_path: Path, seed: int, engine: str, se
     assert list(report.corrupt) == sorted(still_damaged) and report.index_problems == [], report.to_dict()
 
 
-# -- the defects found, fixed: deterministic reproductions --------------------------------------------------------------------------
+# -- the defects found, fixed: deterministic reproductions --------------------------------------------------
 def put_one(path: str, chain: str) -> None:
     """The one-shot writer process: puts writer_proc.chain(chain) (4 blocks)."""
     with ucm_db.open(path) as store:
