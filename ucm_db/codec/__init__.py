@@ -41,7 +41,7 @@ decoding and transcoding in :mod:`ucm_db.codec.decoding`; callers import
 from __future__ import annotations
 
 from ucm_db.codec.decoding import (  # noqa: F401 - the codec's API
-    decode, decode_into, decode_parts, decode_parts_into, readable, transcode,
+    check_frames, decode, decode_into, decode_parts, decode_parts_into, readable, transcode, verify_sound,
 )
 from ucm_db.codec.encoding import (  # noqa: F401 - the codec's API
     ZSTD_GROUP_BYTES, EncodedBlock, Framed, buffer_view, encode, encode_parts,

@@ -174,8 +174,12 @@ def decode(blob: Buffer, key: bytes) -> bytearray:
 def decode_parts(head: Buffer, body: Buffer, key: bytes) -> bytearray:
     """:func:`decode` for a head and body kept apart."""
     # Checksum first: a corrupt raw_len must not size an allocation (a
-    # flipped high bit would otherwise allocate up to MAX_RAW_BYTES).
+    # flipped high bit would otherwise allocate up to MAX_RAW_BYTES); and a
+    # large one only once the frames are found to fill it (a blob resealed
+    # with a checksum of its own, as put_encoded takes them, may claim 4 GiB).
     header = verify_parts(head, body, key)
+    if header.raw_len > _SCRATCH_KEEP_BYTES:
+        check_frames(head, body, header.raw_len)
     out = bytearray(header.raw_len)
     _decode_verified(head, body, header, out)
     return out
@@ -213,26 +217,67 @@ def _decode_frame(stored: memoryview, out: memoryview, mode: int, elem: int, mas
 def shuffled_planes(stored: memoryview, raw_len: int, elem: int, mask: int) -> list[Buffer]:
     """The byte planes of a shuffled frame of ``raw_len`` raw bytes (those
     whose ``mask`` bit is set decompressed, the others views of ``stored``)."""
+    plane_len = raw_len // elem if elem else 0
+    return [_zstd_bytes(part, plane_len) if packed else part for part, packed in _plane_parts(stored, raw_len, elem, mask)]
+
+
+def _plane_parts(stored: memoryview, raw_len: int, elem: int, mask: int) -> list[tuple[memoryview, bool]]:
+    """A shuffled frame's planes as stored, each with whether it is
+    compressed; a stored plane is checked to be a plane's length."""
     if elem not in (2, 4) or raw_len % elem or len(stored) < 4 * elem:
         raise CorruptBlockError("bad shuffle frame")
     lengths = struct.unpack_from(f"<{elem}I", stored, 0)
     plane_len = raw_len // elem
     at = 4 * elem
-    planes: list[Buffer] = []
+    parts = []
     for i, length in enumerate(lengths):
         part = stored[at : at + length]
         if len(part) != length:
             raise CorruptBlockError("shuffle plane exceeds the frame")
         at += length
-        if mask >> i & 1:
-            planes.append(_zstd_bytes(part, plane_len))
-        elif length == plane_len:
-            planes.append(part)
-        else:
+        packed = bool(mask >> i & 1)
+        if not packed and length != plane_len:
             raise CorruptBlockError("raw plane length mismatch")
+        parts.append((part, packed))
     if at != len(stored):
         raise CorruptBlockError("shuffle frame has trailing bytes")
-    return planes
+    return parts
+
+
+def check_frames(head: Buffer, body: Buffer, raw_len: int) -> None:
+    """Every check of a block's layout a decode makes, short of
+    decompressing: its frames fill its ``raw_len`` bytes inside its body, a
+    raw frame (or plane) stores its raw length, and each zstd frame (or
+    plane) claims the size the table gives it (zstandard sizes its
+    allocation by that claim). Raises :class:`CorruptBlockError`. So a
+    block claiming more bytes than its frames hold is refused before
+    anything its header states is allocated."""
+    body_view = memoryview(body)
+    for _raw_at, frame_raw, body_at, stored_len, mode, elem, mask in frame_table(head, raw_len, len(body_view)):
+        stored = body_view[body_at : body_at + stored_len]
+        if mode == MODE_RAW:
+            if stored_len != frame_raw:
+                raise CorruptBlockError("raw frame length mismatch")
+        elif mode == MODE_ZSTD:
+            _check_claim(stored, frame_raw)
+        elif mode == MODE_SHUFFLE:
+            for part, packed in _plane_parts(stored, frame_raw, elem, mask):
+                if packed:
+                    _check_claim(part, frame_raw // elem)
+        else:
+            raise CorruptBlockError(f"unknown frame mode {mode}")
+
+
+def verify_sound(blob: Buffer, key: bytes) -> Header:
+    """:func:`~ucm_db.codec.header.verify` (bounds, owning key, checksum)
+    and :func:`check_frames`: what a store takes an encoded blob from
+    outside with (``put_encoded``, an archive's import), so that a blob
+    resealed with a checksum of its own over frames that cannot decode is
+    refused rather than stored."""
+    head, body = split(blob)
+    header = verify_parts(head, body, key)
+    check_frames(head, body, header.raw_len)
+    return header
 
 
 def merge_shuffled(body: memoryview, frames: Sequence[Frame], merge: Callable[[list[Buffer], int, int], object]) -> None:

@@ -27,7 +27,8 @@ from ucm_db.index.local import BlockEntry
 
 
 def verified_entries(blocks: object, namespace_id: bytes) -> list[BlockEntry]:
-    """``put_encoded``'s blocks as entries, each blob verified under its key."""
+    """``put_encoded``'s blocks as entries, each blob verified under its key
+    (:func:`ucm_db.codec.verify_sound`: its frames must decode too)."""
     if isinstance(blocks, (bytes, bytearray, memoryview, str)) or not isinstance(blocks, Sequence):
         raise ConfigError(f"put_encoded takes a sequence of (key, parent, blob), got {type(blocks).__name__}",
                           hint="pass e.g. [(key, None, blob), (child_key, key, child_blob)]")
@@ -41,8 +42,12 @@ def verified_entries(blocks: object, namespace_id: bytes) -> list[BlockEntry]:
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise ConfigError(f"an encoded block is a bytes-like blob, got {type(blob).__name__}",
                               hint="pass each block as its store holds it, e.g. an archive's member bytes")
+        if isinstance(blob, memoryview) and not (blob.c_contiguous and blob.itemsize == 1):
+            raise ConfigError(f"an encoded block is a contiguous view of bytes, got one of format {blob.format!r}"
+                              f"{'' if blob.c_contiguous else ', strided'}",
+                              hint="pass bytes(view), or a view cast to bytes (view.cast('B'))")
         try:
-            header = codec.verify(blob, key)
+            header = codec.verify_sound(blob, key)
         except CorruptBlockError as exc:
             why = exc.message
             raise CorruptBlockError(f"block {key.hex()[:16]} does not verify under its key ({why}); nothing was written",
