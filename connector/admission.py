@@ -32,6 +32,7 @@ import numpy as np
 from ucm_db.connector import auto_admission
 from ucm_db.connector.auto_admission import AutoThreshold
 from ucm_db.connector.sighting_sketch import SightingSketch
+from ucm_db.config import brief_value
 from ucm_db.errors import ConfigError
 
 #: The largest ``admit_after`` (counters saturate at 255).
@@ -43,12 +44,12 @@ AUTO = "auto"
 def check_admission(save_decode: Any, admit_after: Any) -> None:
     """Validates the admission settings (raises ConfigError)."""
     if not isinstance(save_decode, bool):
-        raise ConfigError(f"save_decode must be true or false, got {save_decode!r}",
+        raise ConfigError(f"save_decode must be true or false, got {brief_value(save_decode)}",
                           hint="use save_decode=true (store generated tokens' blocks too: a chat's next turn holds the reply)")
     if admit_after == AUTO:
         return
     if isinstance(admit_after, bool) or not isinstance(admit_after, int) or not 1 <= admit_after <= MAX_ADMIT_AFTER:
-        raise ConfigError(f"admit_after must be an integer in [1, {MAX_ADMIT_AFTER}] or \"auto\", got {admit_after!r}",
+        raise ConfigError(f"admit_after must be an integer in [1, {MAX_ADMIT_AFTER}] or \"auto\", got {brief_value(admit_after)}",
                           hint="use admit_after=1 (store every chain), 2 (store a chain from its second sighting) or "
                                "\"auto\" (2 while little of the engine's work is reused, else 1)")
 

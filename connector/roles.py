@@ -63,6 +63,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ucm_db.config import brief_value
 from ucm_db.errors import ConfigError
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm": vLLM's log handler prints it; imports no vLLM
@@ -88,7 +89,7 @@ class RolePolicy:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ConfigError(f"kv_role must be one of {', '.join(ROLES)}, got {self.role!r}", hint="use \"kv_role\": \"kv_both\"")
+            raise ConfigError(f"kv_role must be one of {', '.join(ROLES)}, got {brief_value(self.role)}", hint="use \"kv_role\": \"kv_both\"")
 
     @classmethod
     def from_kv_role(cls, kv_role: str | None) -> RolePolicy:
@@ -109,13 +110,13 @@ class RolePolicy:
 def check_publish_options(publish: str, load_deadline_s: float, publish_codec: str = "none") -> None:
     """Validates the connector's PD settings (raises ConfigError)."""
     if publish_codec not in PUBLISH_CODECS:
-        raise ConfigError(f"publish_codec must be one of {', '.join(PUBLISH_CODECS)}, got {publish_codec!r}",
+        raise ConfigError(f"publish_codec must be one of {', '.join(PUBLISH_CODECS)}, got {brief_value(publish_codec)}",
                           hint="use publish_codec='none' (fastest publication) or 'store' (the store's codec, smaller)")
     if publish not in PUBLISH_TARGETS:
-        raise ConfigError(f"publish must be one of {', '.join(PUBLISH_TARGETS)}, got {publish!r}",
+        raise ConfigError(f"publish must be one of {', '.join(PUBLISH_TARGETS)}, got {brief_value(publish)}",
                           hint="use publish='local' (consumers share this store) or 'remote' (consumers on other nodes)")
     if isinstance(load_deadline_s, bool) or not isinstance(load_deadline_s, (int, float)) or not 0 <= load_deadline_s <= 600:
-        raise ConfigError(f"load_deadline_s must be a number of seconds in [0, 600], got {load_deadline_s!r}",
+        raise ConfigError(f"load_deadline_s must be a number of seconds in [0, 600], got {brief_value(load_deadline_s)}",
                           hint="use e.g. load_deadline_s=5.0")
 
 

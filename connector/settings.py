@@ -59,7 +59,7 @@ Invariants:
     * Every refusal is one short ConfigError line: a ``path`` or
       ``config_file`` no file system takes (empty, not a string, a NUL
       character, an unknown user's ``~user``) is refused here, and a bad
-      value is described by :func:`_brief`, never printed whole.
+      value is described by :func:`ucm_db.config.brief_value`, never printed whole.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ucm_db.config import StoreConfig, redacted_options
+from ucm_db.config import StoreConfig, brief_value, redacted_options
 from ucm_db import load_config_file
 from ucm_db.connector.scheduler.cost_model import check_load_policy
 from ucm_db.connector.admission import check_admission
@@ -91,7 +91,7 @@ def default_store_path() -> Path:
     """The embedded default store path (see the module docstring)."""
     explicit = os.environ.get(PATH_ENV)
     if explicit:
-        return Path(explicit).expanduser()
+        return _path_option(PATH_ENV, explicit, expand=True)  # an unknown user's "~" named, not pathlib's error
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "ucm-db"
 
@@ -154,30 +154,30 @@ class ConnectorSettings:
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
-            raise ConfigError(f"load_mode must be one of {', '.join(LOAD_MODES)}, got {_brief(self.load_mode)}", hint="use load_mode='block'")
+            raise ConfigError(f"load_mode must be one of {', '.join(LOAD_MODES)}, got {brief_value(self.load_mode)}", hint="use load_mode='block'")
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
             raise ConfigError("model_id must be a non-empty string", hint="omit it to fingerprint the model's config and weights")
         limit = self.max_pending_save_bytes
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1 << 20:
-            raise ConfigError(f"max_pending_save_bytes must be an integer >= 1 MiB, got {_brief(limit)}", hint="use e.g. 1073741824")
+            raise ConfigError(f"max_pending_save_bytes must be an integer >= 1 MiB, got {brief_value(limit)}", hint="use e.g. 1073741824")
         StoreConfig.from_dict(self.store_options)
         check_publish_options(self.publish, self.load_deadline_s, self.publish_codec)
         check_load_policy(self.load_policy)
         if self.remote_lookup not in REMOTE_LOOKUPS:
             raise ConfigError(
-                f"remote_lookup must be one of {', '.join(REMOTE_LOOKUPS)}, got {_brief(self.remote_lookup)}",
+                f"remote_lookup must be one of {', '.join(REMOTE_LOOKUPS)}, got {brief_value(self.remote_lookup)}",
                 hint="use remote_lookup='inline' (fetch while the scheduler waits) or 'background'",
             )
         check_admission(self.save_decode, self.admit_after)
         if not isinstance(self.store_foreign_loads, bool):
-            raise ConfigError(f"store_foreign_loads must be true or false, got {_brief(self.store_foreign_loads)}",
+            raise ConfigError(f"store_foreign_loads must be true or false, got {brief_value(self.store_foreign_loads)}",
                               hint="use store_foreign_loads=true only where the other connector checks the model's files")
         if not isinstance(self.save_process, bool) and self.save_process != "auto":
-            raise ConfigError(f"save_process must be true, false or \"auto\", got {_brief(self.save_process)}",
+            raise ConfigError(f"save_process must be true, false or \"auto\", got {brief_value(self.save_process)}",
                               hint="use save_process=true to commit saves in a child process")
         threads = self.load_threads
         if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64):
-            raise ConfigError(f"load_threads must be \"auto\" or an integer from 1 to 64, got {_brief(threads)}",
+            raise ConfigError(f"load_threads must be \"auto\" or an integer from 1 to 64, got {brief_value(threads)}",
                               hint="use load_threads=\"auto\" (one thread on a CPU host, up to 4 beside an accelerator)")
 
     @classmethod
@@ -204,25 +204,6 @@ class ConnectorSettings:
         )
 
 
-def _brief(value: Any) -> str:
-    """``value`` for an error message: at most about 60 characters, and never
-    an exception (a setting may be a huge string or int, or nested past
-    ``repr``'s recursion limit; audit F5: ``!r`` of an alias bomb's value
-    ran for minutes and grew past 6 GiB)."""
-    try:
-        if value is None or isinstance(value, (bool, float)) or (isinstance(value, int) and value.bit_length() <= 64):
-            return repr(value)
-        if isinstance(value, str):
-            return repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value)} characters)"
-        if isinstance(value, int):
-            return f"an integer of {value.bit_length()} bits"
-        if isinstance(value, (list, tuple, dict, set, frozenset)):
-            return f"a {type(value).__name__} of {len(value)} items"
-        return f"a {type(value).__name__}"
-    except Exception:  # a str subclass's or a container's odd __len__
-        return "a value"
-
-
 def _path_option(name: str, value: Any, *, expand: bool) -> Path:
     """The path option ``name`` as a Path (``~``, ``~user`` expanded if
     ``expand``): a ConfigError now for what no file system takes (empty, a
@@ -230,16 +211,16 @@ def _path_option(name: str, value: Any, *, expand: bool) -> Path:
     RuntimeError from ``pathlib`` at start-up."""
     text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(text, str) or not text or "\0" in text:
-        raise ConfigError(f"{name} must be a non-empty path without NUL characters, got {_brief(value)}",
-                          hint=f"pass {name}='/var/cache/ucm-db'" if name == "path" else "name a YAML or JSON file")
+        raise ConfigError(f"{name} must be a non-empty path without NUL characters, got {brief_value(value)}",
+                          hint=f"pass {name}='/var/cache/ucm-db'" if name in ("path", PATH_ENV) else "name a YAML or JSON file")
     try:
         return Path(text).expanduser() if expand else Path(text)
     except RuntimeError as exc:  # "~user" of no user this host knows
-        raise ConfigError(f"{name} {_brief(text)} starts with the home of an unknown user", hint="write the path out in full") from exc
+        raise ConfigError(f"{name} {brief_value(text)} starts with the home of an unknown user", hint="write the path out in full") from exc
 
 
 def _reject_unknown(options: Mapping[str, Any], where: str) -> None:
-    unknown = sorted(key[:40] if isinstance(key, str) else _brief(key) for key in set(options) - set(valid_keys()))
+    unknown = sorted(key[:40] if isinstance(key, str) else brief_value(key) for key in set(options) - set(valid_keys()))
     if unknown:
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         raise ConfigError(

@@ -31,14 +31,19 @@ def parse_duration_s(text: str) -> float:
     return float(match.group(1)) * _SECONDS[match.group(2)]
 
 
+#: Longest size text read (a byte count of 40 digits is past any disk).
+MAX_SIZE_CHARS = 48
+
+
 def parse_size_bytes(text: str) -> int:
     """``"10GiB" -> 10737418240``, ``"500MB" -> 500000000``, ``"4096" -> 4096``,
     ``"1.5KiB" -> 1536``: in integer arithmetic (a float lost the last digits of
     ``9007199254740993``), a fraction of a byte dropped. A non-zero size that
     comes to 0 bytes (``0.5``) is refused: it meant something, never "nothing"."""
-    match = _SIZE.match(text)
+    match = _SIZE.match(text) if len(text) <= MAX_SIZE_CHARS else None  # int() refuses over 4300 digits
     if not match:
-        raise ConfigError(f"cannot read size {text!r}", hint="write e.g. 4096, 500MB or 10GiB")
+        shown = repr(text) if len(text) <= MAX_SIZE_CHARS else f"of {len(text)} characters"
+        raise ConfigError(f"cannot read size {shown}", hint="write e.g. 4096, 500MB or 10GiB")
     whole, _, fraction = match.group(1).partition(".")
     unit = (match.group(2) or "").lower()
     power = " kmgt".index(unit) if unit else 0

@@ -213,11 +213,22 @@ class StoreConfig:
             _require_int("map_size_bytes", self.map_size_bytes, minimum=1 << 20, maximum=MAX_LMDB_MAP_BYTES)
         if self.remote is not None and (not isinstance(self.remote, str) or "://" not in self.remote):
             raise ConfigError(
-                f"remote must be an fsspec URL such as s3://bucket/prefix, got {self.remote!r}",
+                f"remote must be an fsspec URL such as s3://bucket/prefix, got {brief_value(self.remote)}",
                 hint="write file:///abs/dir for a shared directory",
             )
+        if self.remote is not None:
+            scheme, _, where = self.remote.partition("://")
+            if not where.strip() or (scheme == "file" and not where.startswith("/")):  # file:// alone: the cwd
+                raise ConfigError(
+                    f"remote {brief_value(self.remote)} names no {'absolute directory' if scheme == 'file' else 'place'}",
+                    hint="write file:///abs/dir or s3://bucket/prefix (an unset shell variable in file://$DIR expands to '')",
+                )
         if not isinstance(self.remote_options, Mapping):
             raise ConfigError("remote_options must be a mapping", hint="pass a dict such as {'endpoint_url': ...}")
+        if any(not isinstance(name, str) for name in self.remote_options):
+            bad = next(name for name in self.remote_options if not isinstance(name, str))
+            raise ConfigError(f"remote_options names must be strings, got {brief_value(bad)}",
+                              hint="quote the option's name (YAML reads `1: x` as an integer name)")
         _require_choice("remote_mode", self.remote_mode, REMOTE_MODES)
         _require_positive_float("remote_deadline_s", self.remote_deadline_s, maximum=MAX_REMOTE_DEADLINE_S)
         _require_int("upload_concurrency", self.upload_concurrency, minimum=1)
@@ -232,7 +243,7 @@ class StoreConfig:
         if self.max_pinned_bytes is not None:
             _require_int("max_pinned_bytes", self.max_pinned_bytes, minimum=0, maximum=MAX_CAPACITY_BYTES)
         if not isinstance(self.read_only, bool):
-            raise ConfigError(f"read_only must be true or false, got {self.read_only!r}", hint="pass read_only=True or omit it")
+            raise ConfigError(f"read_only must be true or false, got {brief_value(self.read_only)}", hint="pass read_only=True or omit it")
         if self.read_only and self.engine == "memory":
             raise ConfigError("read_only has no meaning for the memory engine (it starts empty)", hint="omit read_only")
         if self.read_only and self.remote is not None:
@@ -302,7 +313,7 @@ def _check_auth_settings(config: StoreConfig) -> None:
     open, :func:`ucm_db.auth.load_keys`), and only with a remote."""
     file, env = config.remote_auth_key_file, config.remote_auth_key_env
     if file is not None and (not isinstance(file, (str, Path)) or not str(file)):
-        raise ConfigError(f"remote_auth_key_file must be a path, got {file!r}", hint="name the key file, never the key itself")
+        raise ConfigError(f"remote_auth_key_file must be a path, got {brief_value(file)}", hint="name the key file, never the key itself")
     if env is not None and (not isinstance(env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", env)):
         raise ConfigError(f"remote_auth_key_env must name an environment variable, got {'a value' if isinstance(env, str) else repr(env)}",
                           hint="pass the variable's name (e.g. UCM_DB_AUTH_KEY), never the key itself")
@@ -325,14 +336,35 @@ def _check_key_settings(config: StoreConfig, prefix: str, purpose: str, archive_
                           hint=f"set remote, or drop the setting (archives take {archive_flag})")
 
 
+def brief_value(value: Any) -> str:
+    """``value`` for an error message: at most about 60 characters, and never
+    an exception (a setting may be a huge string or an int past ``str()``'s
+    4300 digits, as a YAML hex literal reads; or nested past ``repr``'s
+    recursion limit: ``!r`` of an alias bomb's value ran for minutes and grew
+    past 6 GiB)."""
+    try:
+        if value is None or isinstance(value, (bool, float)) or (isinstance(value, int) and value.bit_length() <= 64):
+            return repr(value)
+        if isinstance(value, str):
+            return repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value)} characters)"
+        if isinstance(value, int):
+            return f"an integer of {value.bit_length()} bits"
+        if isinstance(value, (list, tuple, dict, set, frozenset)):
+            return f"a {type(value).__name__} of {len(value)} items"
+        return f"a {type(value).__name__}"
+    except Exception:  # noqa: BLE001 - a str subclass's or a container's odd __len__
+        return "a value"
+
+
 def _require_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}", hint=f"pass {name}=<int>")
+        raise ConfigError(f"{name} must be an integer, got {brief_value(value)}", hint=f"pass {name}=<int>")
     span = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
     if value < minimum:
-        raise ConfigError(f"{name} must be {'in ' if maximum is not None else ''}{span}, got {value}", hint=f"raise {name}")
+        raise ConfigError(f"{name} must be {'in ' if maximum is not None else ''}{span}, got {brief_value(value)}",
+                          hint=f"raise {name}")
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{name} must be in {span}, got {value}", hint=f"lower {name}")
+        raise ConfigError(f"{name} must be in {span}, got {brief_value(value)}", hint=f"lower {name}")
 
 
 def _require_positive_float(name: str, value: Any, *, maximum: float, minimum: float | None = None) -> None:
@@ -341,12 +373,12 @@ def _require_positive_float(name: str, value: Any, *, maximum: float, minimum: f
     low_ok = isinstance(value, (int, float)) and (value > 0 if minimum is None else value >= minimum)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok and value <= maximum):
         span = f"(0, {maximum:g}]" if minimum is None else f"[{minimum:g}, {maximum:g}]"
-        raise ConfigError(f"{name} must be a number of seconds in {span}, got {value!r}", hint=f"pass e.g. {name}=0.5")
+        raise ConfigError(f"{name} must be a number of seconds in {span}, got {brief_value(value)}", hint=f"pass e.g. {name}=0.5")
 
 
 def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}", hint=f"pass {name}={choices[0]!r}")
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {brief_value(value)}", hint=f"pass {name}={choices[0]!r}")
 
 
 def persisted_settings_problem(settings: dict[str, Any]) -> str | None:

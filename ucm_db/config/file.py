@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """Reads a YAML or JSON config file into a dict (not yet validated): a regular file of at most :data:`MAX_CONFIG_FILE_BYTES`
     of UTF-8; YAML nested at most :data:`MAX_CONFIG_DEPTH` deep, without aliases (an alias bomb expands once a value is printed)."""
     import yaml  # a dependency; imported here, as only config files need it
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str) or "\0" in text:  # pathlib's own ValueError or TypeError otherwise
+        raise ConfigError(f"config file must be a path without NUL characters, got a {type(path).__name__}",
+                          hint="name a YAML or JSON file, e.g. load_config_file('/etc/ucm-db.yaml')")
     path = Path(path)
     kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
     try:
