@@ -342,3 +342,12 @@ def open_filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[An
     except (ImportError, ValueError) as exc:
         raise ConfigError(f"cannot open remote {url!r}: {exc}", hint="install the fsspec backend for its protocol (s3fs for s3://)") from exc
     return fs, str(root).rstrip("/")
+
+
+def range_past_the_end(exc: OSError) -> bool:
+    """Whether a ranged read failed only because the range starts at or
+    past the object's end (S3's 416 InvalidRange, which s3fs raises as
+    ``OSError(EINVAL, "The requested range is not satisfiable")``): the
+    object holds no bytes there, which is no remote failure."""
+    text = str(exc)
+    return exc.errno == errno.EINVAL and ("InvalidRange" in text or "range is not satisfiable" in text)

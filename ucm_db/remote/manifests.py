@@ -89,12 +89,34 @@ UNVERIFIED_EPOCH_LIMIT = UNKEYED_EPOCH_LIMIT
 _log = logging.getLogger("ucm_db")
 
 
+#: How long a manifest this process wrote or found is taken as there: a
+#: prefix emptied behind a running node (an operator, an S3 lifecycle rule,
+#: which expires a namespace's oldest object, its manifest, first) gets it
+#: back from the first upload after that, so gc still owns its objects.
+MANIFEST_RECHECK_S = 60.0
+
+
+class RecentManifests:
+    """Namespaces whose manifest this process wrote or found within
+    :data:`MANIFEST_RECHECK_S` (``namespace_id in recent``)."""
+
+    def __init__(self) -> None:
+        self._at: dict[bytes, float] = {}
+
+    def add(self, namespace_id: bytes) -> None:
+        self._at[namespace_id] = time.monotonic()
+
+    def __contains__(self, namespace_id: object) -> bool:
+        at = self._at.get(namespace_id) if isinstance(namespace_id, bytes) else None
+        return at is not None and time.monotonic() - at < MANIFEST_RECHECK_S
+
+
 class RemoteRoot(Protocol):
     """What this module needs of :class:`ucm_db.remote.tier.RemoteRoot`."""
 
     fs: Any
     root: str
-    manifests_written: set[bytes]
+    manifests_written: RecentManifests
     auth: AuthKeys | None
     #: The highest epoch of each namespace written or read here (a
     #: replaced manifest keeps it).
@@ -126,7 +148,8 @@ class ManifestError(UcmDbError):
 
 
 def ensure_manifest(root: RemoteRoot, namespace_id: bytes, description: dict[str, Any]) -> None:
-    """Writes the namespace manifest once (idempotent, whole-object); an
+    """Writes the namespace manifest where none is (idempotent,
+    whole-object), asking again once :data:`MANIFEST_RECHECK_S` passed; an
     unreadable manifest is replaced."""
     if namespace_id in root.manifests_written:
         return

@@ -59,6 +59,7 @@ Invariants:
 
 from __future__ import annotations
 
+
 import logging
 import os
 import threading
@@ -69,8 +70,8 @@ from ucm_db.auth import AuthKeys
 from ucm_db.errors import ConfigError, CorruptBlockError, TierError
 from ucm_db.engines.base import Buffer, Tier, TierCapabilities
 from ucm_db.remote.files import (  # noqa: F401 - re-exported: the remote tier's public names
-    TEMP_PREFIX, DirSyncs, NotRegularFileError, require_regular_file, is_local_fs, read_local_range, remove_whole,
-    write_new, write_whole, open_filesystem,
+    TEMP_PREFIX, DirSyncs, NotRegularFileError, require_regular_file, is_local_fs, range_past_the_end, read_local_range,
+    remove_whole, write_new, write_whole, open_filesystem,
 )
 from ucm_db.remote.remote_stats import RemoteStats  # noqa: F401 - re-exported
 from ucm_db.remote import manifests as remote_manifests
@@ -110,7 +111,7 @@ class RemoteRoot:
         self.sealing: SealingKeys | None = None
         self.stats = RemoteStats()
         self._lock = threading.Lock()
-        self.manifests_written: set[bytes] = set()
+        self.manifests_written = remote_manifests.RecentManifests()
         #: Each namespace's highest epoch met here (its manifest's, :mod:`ucm_db.remote.manifests`).
         self.epochs: dict[bytes, int] = {}
         self._local = is_local_fs(fs)
@@ -167,6 +168,11 @@ class RemoteRoot:
         except (NotRegularFileError, IsADirectoryError, NotADirectoryError) as exc:
             self.quarantine(path, str(exc))
             return None
+        except OSError as exc:
+            if not range_past_the_end(exc):
+                self.count(errors=1)
+                raise
+            data = b""  # S3 answers a range starting at or past an object's end (a zero-byte one's 0) with 416
         except BaseException:
             self.count(errors=1)
             raise
@@ -197,8 +203,8 @@ class RemoteRoot:
 
     # -- manifests (ucm_db.remote.manifests) ------------------------------
     def ensure_manifest(self, namespace_id: bytes, description: dict[str, Any]) -> None:
-        """Writes the namespace manifest once (idempotent, whole-object); an
-        unreadable manifest is replaced."""
+        """Writes the namespace manifest where none is (asked again every
+        minute); an unreadable manifest is replaced."""
         remote_manifests.ensure_manifest(self, namespace_id, description)
 
     def manifest_written(self, namespace_id: bytes) -> None:
@@ -390,3 +396,4 @@ def remote_failure(exc: BaseException, url: str) -> TierError:
         f"remote {url} failed: {type(exc).__name__}: {exc}",
         hint="check remote/remote_options (endpoint, credentials, network); blocks stay queued locally and are retried",
     )
+

@@ -265,7 +265,7 @@ class Uploader:
         return self._pool.run(calls, self._stop)
 
     def _ensure_manifests(self, namespace_ids: set[bytes]) -> None:
-        if not namespace_ids - self.remote.manifests_written:
+        if all(namespace_id in self.remote.manifests_written for namespace_id in namespace_ids):
             return
         descriptions = self.local.namespace_descriptions()
         for namespace_id in namespace_ids:
