@@ -52,7 +52,9 @@ class PinReport:
 @dataclass(frozen=True, slots=True)
 class StoreStats:
     """A snapshot of the store's counters (committed state plus this
-    process's not yet flushed hits and misses)."""
+    process's not yet flushed hits and misses). Known limit: hits and
+    misses a flush is writing at that moment are in neither, so those two
+    may read low (never high) for one call; the next call counts them."""
 
     path: str
     engine: str
