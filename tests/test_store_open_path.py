@@ -149,3 +149,19 @@ def test_an_unreadable_store_path_in_a_maintenance_call_is_a_tier_error_with_a_h
         pytest.skip(error["text"])
     assert error["tier"] == "True", error
     assert "ermission denied" in error["text"] and "access" in error["hint"], error
+
+
+NS_SECOND_OPEN = Namespace(model="test/second-open", kv_dtype="bfloat16", block_size=4)
+
+
+@pytest.mark.parametrize("engine", ["lmdb", "rocksdb"])
+def test_a_second_open_in_one_process_is_a_tier_error_saying_to_share_the_store(tmp_path: Path, engine: str) -> None:
+    """docs/api.md: open each store once per process; a second open there is a TierError that says so (and leaves
+    the first open working)."""
+    with ucm_db.open(tmp_path / "s", engine=engine) as store:
+        with pytest.raises(ucm_db.TierError) as second:
+            ucm_db.open(tmp_path / "s", engine=engine)
+        assert "once per process" in second.value.hint or "already open" in str(second.value)
+        keys = NS_SECOND_OPEN.block_keys(list(range(8)))
+        store.put(NS_SECOND_OPEN, keys, [b"x" * 64, b"y" * 64])
+        assert store.lookup(NS_SECOND_OPEN, keys, remote=False) == 2
