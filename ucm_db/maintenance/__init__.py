@@ -97,26 +97,23 @@ def inspect(path: str | Path, *, namespaces: tuple[str, ...] = (), top: int = 0,
     namespaces = require_namespace_selectors(namespaces, "inspect")
 
     def report_of(view: StoreView) -> dict[str, Any]:
-        report = inspect_view(view, namespaces=namespaces, top=top, now_ns=now_ns)
-        _add_epochs(view, report)
-        return report
+        return _add_epochs(view, inspect_view(view, namespaces=namespaces, top=top, now_ns=now_ns))
 
     def run() -> dict[str, Any]:
         with open_view(path) as view:
             free_bytes = view.engine.free_page_bytes()  # a read of its own: outside the snapshot
-            report = view.one_snapshot(report_of)  # figures of one commit, writers or not
-            report["file_free_bytes"] = free_bytes
-            return report
+            return {**view.one_snapshot(report_of), "file_free_bytes": free_bytes}  # figures of one commit
     return run_isolated(run, path) if isolated else run()
 
 
-def _add_epochs(view: StoreView, report: dict[str, Any]) -> None:
+def _add_epochs(view: StoreView, report: dict[str, Any]) -> dict[str, Any]:
     states = epochs.all_states(view.engine)
     for row in report.get("namespaces", []):
         found = states.get(bytes.fromhex(row["id"]))
         row["epoch"] = 0 if found is None else found.epoch
     report["epoch_problems"] = [str(epochs.unknown_error(ns_id, found.problem, str(view.path)))
                                 for ns_id, found in states.items() if found.epoch is None]
+    return report
 
 
 def namespaces(path: str | Path) -> list[dict[str, Any]]:
