@@ -112,14 +112,17 @@ class Admission:
         return (self.sketch is not None and end <= state.admission_checked_blocks
                 and state.admitted_blocks < end and state.admitted_blocks <= start)
 
-    def admit(self, state: AdmissionMarks, keys: Sequence[bytes], end: int, token_ids: Sequence[int] = ()) -> int:
+    def admit(self, state: AdmissionMarks, keys: Sequence[bytes], end: int, token_ids: Sequence[int] = (),
+              *, saving: bool = True) -> int:
         """Counts the sightings of the request's blocks before ``end`` not
         counted yet (those known stored excepted) and returns where its
         admitted prefix ends (at most ``end``). Counts are read once per
         ``end`` the request reaches (:meth:`decided`). Under ``"auto"`` the
         blocks not observed yet feed its threshold first, which then
         applies to them (:meth:`_observe_reuse`), and ``token_ids`` (the
-        request's) say whether its chain is one sampled at 2."""
+        request's) say whether its chain is one sampled at 2. A request not
+        ``saving`` (``save: false``) is counted as a sighting only: it
+        feeds no threshold (``"auto"`` measures the requests that plan saves)."""
         if self.sketch is None:
             return end
         before = state.sighted_blocks
@@ -127,7 +130,7 @@ class Admission:
         if end > first:
             self.sketch.sight(keys[first:end])
         admitted = max(state.admitted_blocks, state.stored_blocks)
-        observe = self.auto is not None and end > before
+        observe = saving and self.auto is not None and end > before
         check = admitted < end and end > state.admission_checked_blocks
         # One read of the counts serves both: the sightings just counted and the blocks not admitted yet.
         low = min(first if observe else end, admitted if check else end)

@@ -181,7 +181,7 @@ class StepPlanner:
             if self._admission.sketch is not None and end > state.sighted_blocks:
                 # Still a sighting of each block it computes (admit_after counts requests computing a block); what
                 # admission answers is dropped: nothing of this request is stored.
-                self._admission.admit(state, self._keys(state, end), end, request.all_token_ids)
+                self._admission.admit(state, self._keys(state, end), end, request.all_token_ids, saving=False)
             return
         start = state.saved_blocks
         admitting = state.controls.save != SAVE_ALWAYS  # `save: "always"` stores whatever admission says

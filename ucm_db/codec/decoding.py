@@ -328,7 +328,10 @@ def _check_claim(data: memoryview, size: int) -> None:
     """Refuses ``data`` that starts with no zstd frame (a skippable frame is
     none), or whose frame claims a content size other than ``size``:
     zstandard would allocate what a frame claims, whatever it is told."""
-    claimed = zstandard.frame_content_size(data)  # 0 for a skippable frame: its magic is checked then only
+    try:
+        claimed = zstandard.frame_content_size(data)  # 0 for a skippable frame: its magic is checked then only
+    except zstandard.ZstdError as exc:  # not a frame's start at all
+        raise CorruptBlockError(f"zstd frame unreadable: {exc}") from exc
     if claimed not in (-1, size) or (claimed == 0 and bytes(data[:4]) != _ZSTD_MAGIC):
         raise CorruptBlockError(f"zstd frame claims {claimed} bytes where the block table says {size}")
 

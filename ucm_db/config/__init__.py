@@ -218,7 +218,7 @@ class StoreConfig:
             )
         if self.remote is not None:
             scheme, _, where = self.remote.partition("://")
-            if not where.strip() or (scheme == "file" and not where.startswith("/")):  # file:// alone: the cwd
+            if not where.strip() or (scheme == "file" and not where.startswith(("/", "~"))):  # file:// alone: the cwd
                 raise ConfigError(
                     f"remote {brief_value(self.remote)} names no {'absolute directory' if scheme == 'file' else 'place'}",
                     hint="write file:///abs/dir or s3://bucket/prefix (an unset shell variable in file://$DIR expands to '')",

@@ -254,7 +254,7 @@ class StoreReads:
     def _finish_read(
         self, keys: Sequence[bytes], results: list[Any], corrupt: list[tuple[bytes, str]], *, touch: bool = True,
     ) -> list[Any]:
-        for key, reason in corrupt:
+        for key, reason in dict(corrupt).items():  # a key read twice in one call is quarantined once
             self._quarantine(key, reason)
         self._state.activity.record_reads(keys, results, touch=touch)
         return results
