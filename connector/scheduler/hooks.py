@@ -17,9 +17,8 @@ states); the work is done by:
   vLLM's ``skip_reading_prefix_cache``; served as
   :mod:`ucm_db.connector.scheduler.served_controls` says) and the
   admission of computed blocks (``save_decode``, ``admit_after``);
-* :mod:`ucm_db.connector.roles`, :mod:`ucm_db.connector.scheduler.publications`
-  -- what a ``kv_producer`` announces, a ``kv_consumer``'s waits for blocks a
-  producer announced; :mod:`ucm_db.connector.epochs` -- resets.
+* :mod:`~ucm_db.connector.roles`, :mod:`~ucm_db.connector.scheduler.publications` -- a
+  producer's announcements, a consumer's waits; :mod:`~ucm_db.connector.epochs` -- resets.
 
 Invariants:
     * ``get_num_new_matched_tokens`` claims only whole blocks whose every
@@ -292,9 +291,10 @@ class UcmDbScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmDbConnectorMetadata:
         """The step's metadata: its loads and saves (planner.py), the saves'
         verdicts (settlement.py), the epoch and the preempted requests."""
+        epoch = self._epochs.current()  # once a step, lookups or not: a reset reaches decode-only engines (epochs.py)
         meta = UcmDbConnectorMetadata(namespace=self._namespace.id, namespace_inputs=self._inputs)
         self._planner.plan_step(meta, scheduler_output, saves=self._role.saves and not self._off)
-        meta.epoch = -1 if self._epochs.epoch is None else self._epochs.epoch
+        meta.epoch = -1 if epoch is None else epoch
         meta.preempted = self._preempted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self._epochs.step_done()
         return meta
