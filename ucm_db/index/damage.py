@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -74,6 +75,7 @@ class Damage:
         #: included (``verify --fix`` reports its own share, whatever other
         #: writers commit meanwhile).
         self.quarantined_blocks = 0
+        self._counting = threading.Lock()
 
     def meta_or_clear(self, txn: Txn, changes: Changes, key: bytes) -> BlockMeta | None:
         """``key``'s metadata; a damaged record is quarantined (with the
@@ -107,7 +109,8 @@ class Damage:
             removed = self.engine.write(lambda txn: run(txn, True))
         if removed is None:
             return False
-        self.quarantined_blocks += removed  # counted once its transaction committed
+        with self._counting:  # counted once its transaction committed; threads may quarantine at once
+            self.quarantined_blocks += removed
         return True
 
     def records(self) -> dict[bytes, dict[str, Any]]:

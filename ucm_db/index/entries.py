@@ -84,9 +84,15 @@ class BlockMeta:
             raise DamagedMeta(f"{len(data)} bytes, expected {META.size}", None)
         ns, parent, depth, raw, stored, created, access, hits = META.unpack(data)
         meta = cls(ns, None if parent == NO_PARENT else parent, depth, raw, stored, created, access, hits)
-        if raw > codec.MAX_RAW_BYTES or stored > MAX_STORED_BYTES:
+        if not _possible_sizes(raw, stored):
             raise DamagedMeta(f"impossible sizes: {raw} raw bytes, {stored} stored bytes", meta)
         return meta
+
+
+def _possible_sizes(raw_bytes: int, stored_bytes: int) -> bool:
+    """Whether some block can have these sizes: the one rule behind
+    :meth:`BlockMeta.unpack`, :func:`plausible_meta` and :func:`refiled_record`."""
+    return raw_bytes <= codec.MAX_RAW_BYTES and stored_bytes <= MAX_STORED_BYTES
 
 
 #: A ``meta`` record's raw and stored sizes (what :func:`plausible_meta` checks).
@@ -99,8 +105,7 @@ def plausible_meta(data: Buffer) -> bool:
     :class:`BlockMeta`: a read asks it of every block it offers)."""
     if len(data) != META.size:
         return False
-    raw, stored = _SIZES.unpack(data)
-    return raw <= codec.MAX_RAW_BYTES and stored <= MAX_STORED_BYTES
+    return _possible_sizes(*_SIZES.unpack(data))
 
 
 #: What refiling a block reads of its ``meta`` record (:func:`refiled_record`):
@@ -119,7 +124,7 @@ def refiled_record(data: Buffer, access_ns: int) -> tuple[bytes, int, int, bytes
     if len(data) != META.size:
         return None
     depth, raw, stored, access = _REFILE_FIELDS.unpack(data)
-    if raw > codec.MAX_RAW_BYTES or stored > MAX_STORED_BYTES:
+    if not _possible_sizes(raw, stored):
         return None
     record = bytes(data)
     if access < access_ns:

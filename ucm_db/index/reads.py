@@ -129,13 +129,18 @@ class IndexReader:
             if stored is None:
                 if damaged is not None and namespace_id is not None:
                     meta = txn.get("meta", key)  # a miss's one extra read: a record whose payload was lost is damage
-                    if meta is not None and (not plausible_meta(meta) or in_namespace(meta, namespace_id)):
-                        damaged.append((key, PAYLOAD_MISSING if plausible_meta(meta) else DAMAGED_RECORD))
+                    if meta is not None:
+                        plausible = plausible_meta(meta)
+                        if not plausible or in_namespace(meta, namespace_id):
+                            damaged.append((key, PAYLOAD_MISSING if plausible else DAMAGED_RECORD))
                 return
             if namespace_id is not None:
                 meta = txn.get("meta", key)
-                if meta is None or not in_namespace(meta, namespace_id) or not plausible_meta(meta):
-                    if damaged is not None and meta is not None and _meta_or_none(meta) is None:
+                if meta is None:
+                    return
+                plausible = plausible_meta(meta)
+                if not plausible or not in_namespace(meta, namespace_id):
+                    if damaged is not None and not plausible:
                         damaged.append((key, DAMAGED_RECORD))
                     return
             head = memoryview(txn.get("heads", key) or b"")

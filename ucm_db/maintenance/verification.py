@@ -61,6 +61,7 @@ from ucm_db.index.damage import stored_meta
 from ucm_db.index.entries import BlockMeta, body_of
 from ucm_db.index.local import LocalTier
 from ucm_db.index.partitions import partitions
+from ucm_db.index.reads import PAYLOAD_MISSING
 from ucm_db.index.upkeep import MAINTENANCE_CHUNK_KEYS
 
 #: Blocks checked per read transaction (keeps LMDB read snapshots short).
@@ -127,7 +128,7 @@ def check_block(key: bytes, meta_data: Any, head_data: Any, stored: Any) -> tupl
     if meta_data is None:
         return 0, _VANISHED
     if stored is None:
-        return 0, "payload missing"
+        return 0, PAYLOAD_MISSING
     if head_data is None:
         return 0, "head missing"
     try:
