@@ -59,6 +59,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ucm_db.codec.pool import CodecPool
+from ucm_db.engines.lmdb import commit_ids_of
 from ucm_db.errors import ClosedError, TierError
 from ucm_db.store import provisional
 from ucm_db.store.background import Background
@@ -101,7 +102,9 @@ class StoreState:
 
             self.wing = RemoteWing(self.config, opened.auth_keys, self.tier, self.path, opened.sealing_keys)
         #: The namespaces' epochs as this store serves them (lookups, reads, puts).
-        self.epochs = EpochGate(self.engine, self.path, read_only=self.config.read_only, remote=self.wing)
+        self._commit_ids = commit_ids_of(self.engine)
+        self.epochs = EpochGate(self.engine, self.path, read_only=self.config.read_only, remote=self.wing,
+                                commit_id=None if self._commit_ids is None else self._commit_ids.last)
         self.closed = False
         self.lock = threading.Lock()
         self._calls = threading.RLock()  # guards closed and _holders; re-entrant: a signal handler may close inside
@@ -293,6 +296,8 @@ class StoreState:
             finally:
                 try:
                     self.engine.close()
+                    if self._commit_ids is not None:
+                        self._commit_ids.close()
                 finally:
                     self._dir_lock.release()
         finally:

@@ -17,17 +17,19 @@ fenced to the LMDB versions it was proven on (:mod:`.fence`):
     prefault    mapping the page-cached pages after open
     copy        a table-by-table copy for compaction
     malloc      glibc tuning for LMDB's dirty pages
+    commit_ids  the last commit's id, read from a map of the meta pages
 
 Invariant: modules outside this package import only the names below.
 """
 
 from __future__ import annotations
 
+from ucm_db.engines.lmdb.commit_ids import CommitIds, commit_ids_of
 from ucm_db.engines.lmdb.copy import copy_leaving, stuck_keys
 from ucm_db.engines.lmdb.engine import LmdbEngine
 from ucm_db.engines.lmdb.fence import LMDB_REQUIREMENT, PROVEN_DATA_VERSIONS, PROVEN_LIBRARY_VERSIONS
 from ucm_db.engines.lmdb.groupsync import clear_rolled_back, drop_record as drop_sync_record, rolled_back
 from ucm_db.engines.lmdb.recovery import boot_id
 
-__all__ = ["LMDB_REQUIREMENT", "PROVEN_DATA_VERSIONS", "PROVEN_LIBRARY_VERSIONS", "LmdbEngine", "boot_id", "clear_rolled_back", "copy_leaving",
-           "drop_sync_record", "rolled_back", "stuck_keys"]
+__all__ = ["LMDB_REQUIREMENT", "PROVEN_DATA_VERSIONS", "PROVEN_LIBRARY_VERSIONS", "CommitIds", "LmdbEngine", "boot_id", "clear_rolled_back",
+           "commit_ids_of", "copy_leaving", "drop_sync_record", "rolled_back", "stuck_keys"]
