@@ -33,15 +33,14 @@ contiguous host tensors, no kernel blocks inside a vLLM block), a load skips
 staging: :meth:`KVLayout.unit_slabs` hands the store those slabs as each
 unit's scatter list. The worker does so for either codec in ``block``
 and ``async`` load modes (``ucm-db bench load`` measures it).
-A *whole* block (every local head per frame, the segments' bytes back to
-back: :meth:`KVLayout.gather`) is what ucm-db stored before units; the
-connector no longer reads one (``ucm-db migrate`` splits those written on
-CPU into units, drops the rest: :mod:`ucm_db.maintenance.pre_units`). The store only ever sees bytes.
+A *whole* block (every local head per frame, the segments' bytes back to back: :meth:`KVLayout.gather`) is what
+ucm-db stored before units; the connector no longer reads one (``ucm-db migrate`` splits those written on CPU into
+units, drops the rest: :mod:`ucm_db.maintenance.pre_units`). The store only ever sees bytes.
 
 Invariants:
-    * Copies use plain torch ops (``index_select``, ``index_copy_``,
-      ``copy_``), so the same code moves NPU, CUDA and CPU tensors; nothing
-      assumes contiguity of a segment beyond what ``copy_`` handles.
+    * Copies use plain torch ops (``index_select``, ``index_copy_``, ``copy_``) on integer views of each segment's
+      width (bit-exact, whatever kernels a dtype has: CPU torch has no float8 ``index_copy_``), so the same code moves
+      NPU, CUDA and CPU tensors; nothing assumes contiguity of a segment beyond what ``copy_`` handles.
     * Whole blocks are copied, never token slices: some kernels (CPU, AMX)
       permute tokens inside a block.
     * If the kernel block is smaller than vLLM's block (``kernel_ratio`` > 1),
@@ -267,7 +266,7 @@ class KVLayout:
         offset = self.unit_layer_offsets[layer]
         spec = self.layers[layer]
         for seg, size in zip(spec.segments, spec.segment_bytes):
-            slab = size // self.heads
+            slab, seg = size // self.heads, seg.view(_BITS[seg.element_size()])
             shape = list(seg.shape[1:])
             if spec.head_axis is not None:
                 del shape[spec.head_axis]
@@ -294,6 +293,7 @@ class KVLayout:
         offset = self.layer_offsets[layer]
         spec = self.layers[layer]
         for seg, size in zip(spec.segments, spec.segment_bytes):
+            seg = seg.view(_BITS[seg.element_size()])
             typed = staging[:, offset : offset + size].view(seg.dtype)
             out.append((seg, typed.unflatten(1, tuple(seg.shape[1:]))))
             offset += size
@@ -375,6 +375,7 @@ def _layer_segments(name: str, entry: KVCacheEntry, num_blocks: int | None) -> t
     raise ConfigError(f"layer {name}: unknown KV cache shape {tuple(entry.shape)}", hint="report this KV layout to ucm-db")
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # copies' view of each width (module doc)
 #: Axis of the KV heads in one block's slice of a segment, per layout kind.
 _HEAD_AXIS: dict[str, int | None] = {"cpu": 0, "flash": 1, "kv_tuple": 1, "mla": None}
 
