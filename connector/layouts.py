@@ -266,7 +266,7 @@ class KVLayout:
         offset = self.unit_layer_offsets[layer]
         spec = self.layers[layer]
         for seg, size in zip(spec.segments, spec.segment_bytes):
-            slab, seg = size // self.heads, seg.view(_BITS[seg.element_size()])
+            slab, seg = size // self.heads, seg.view(_BITS.get(seg.element_size(), seg.dtype))
             shape = list(seg.shape[1:])
             if spec.head_axis is not None:
                 del shape[spec.head_axis]
@@ -293,7 +293,7 @@ class KVLayout:
         offset = self.layer_offsets[layer]
         spec = self.layers[layer]
         for seg, size in zip(spec.segments, spec.segment_bytes):
-            seg = seg.view(_BITS[seg.element_size()])
+            seg = seg.view(_BITS.get(seg.element_size(), seg.dtype))
             typed = staging[:, offset : offset + size].view(seg.dtype)
             out.append((seg, typed.unflatten(1, tuple(seg.shape[1:]))))
             offset += size
@@ -375,7 +375,7 @@ def _layer_segments(name: str, entry: KVCacheEntry, num_blocks: int | None) -> t
     raise ConfigError(f"layer {name}: unknown KV cache shape {tuple(entry.shape)}", hint="report this KV layout to ucm-db")
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # copies' view of each width (module doc)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # copies' view of each width (others: as is)
 #: Axis of the KV heads in one block's slice of a segment, per layout kind.
 _HEAD_AXIS: dict[str, int | None] = {"cpu": 0, "flash": 1, "kv_tuple": 1, "mla": None}
 

@@ -9,10 +9,10 @@ Invariants:
       :class:`~ucm_db.store.epochs.EpochUnknownError`. It is logged once
       per namespace and store object (an error line naming the fix), again
       only after a bump established it and it was lost anew.
-    * ``epoch()`` reads the record again whenever any process committed
-      to the store since its last answer (``commit_id``: LMDB's, read
+    * ``epoch()`` reads the record again unless the store's last commit
+      is the one its last read saw (``commits``: LMDB's, the last read
       without a call into LMDB, :mod:`ucm_db.engines.lmdb.commit_ids`; a
-      bump anywhere is a commit), the remote's floor moved, or
+      bump anywhere is a commit), or when the remote's floor moved, or
       :data:`QUICK_RECHECK_S` passed; otherwise it answers from memory
       (a read transaction cost a serving engine's scheduler a median 75
       us, most of it winning the GIL back), so a record damaged on disk
@@ -92,6 +92,14 @@ QUICK_RECHECK_S = 1.0
 _log = logging.getLogger("ucm_db")
 
 
+class CommitClock(Protocol):
+    """What the gate needs of :class:`ucm_db.engines.lmdb.CommitIds`."""
+
+    def last(self) -> int | None: ...
+
+    def seen_by(self, txn: Txn) -> int | None: ...
+
+
 class RemoteEpochs(Protocol):
     """What the gate needs of :class:`ucm_db.remote.wing.RemoteWing`."""
 
@@ -114,9 +122,9 @@ class EpochGate:
     """One store object's view of its namespaces' epochs (module invariants)."""
 
     def __init__(self, engine: Engine, path: Path, *, read_only: bool, remote: RemoteEpochs | None,
-                 commit_id: Callable[[], int | None] | None = None) -> None:
+                 commits: CommitClock | None = None) -> None:
         self._engine = engine
-        self._commit_id = commit_id  # the engine's last commit id (module invariants); None: read every time
+        self._commits = commits  # the engine's commit ids (module invariants); None: read every time
         self._path = path
         self._read_only = read_only
         self._remote = remote
@@ -142,13 +150,13 @@ class EpochGate:
         memory while the store saw no commit since the last answer (module
         invariants)."""
         ns_id = namespace.id
-        commit = None if self._commit_id is None else self._commit_id()  # before the read: a racing commit is seen next
-        quick = self._quick.get(ns_id)
-        if (quick is not None and quick[:2] == (commit, self._floors.get(ns_id, 0)) and time.monotonic() < quick[2]
-                and ns_id in self._handed):
+        quick, commits = self._quick.get(ns_id), self._commits
+        if (quick is not None and commits is not None and quick[:2] == (commits.last(), self._floors.get(ns_id, 0))
+                and time.monotonic() < quick[2] and ns_id in self._handed):
             return self._handed[ns_id]
         self._settle(ns_id, wait_s)
-        epoch = self._known(ns_id, self._state(ns_id))
+        found, seen = self._engine.read(lambda txn: (epochs.state(txn, ns_id), None if commits is None else commits.seen_by(txn)))
+        epoch = self._known(ns_id, found)
         floor = self._floors.get(ns_id, 0)
         if floor > epoch and not self._read_only:
             epoch = self._record(ns_id, floor)
@@ -156,8 +164,8 @@ class EpochGate:
         self._tell(namespace, epoch)
         epoch = max(epoch, self._floors.get(ns_id, 0))  # a tell superseded moved it on (_tell)
         self._handed[ns_id] = epoch
-        if commit is not None and (self._remote is None or (ns_id in self._settled and self._told.get(ns_id, 0) >= epoch)):
-            self._quick[ns_id] = (commit, self._floors.get(ns_id, 0), time.monotonic() + QUICK_RECHECK_S)
+        if seen is not None and (self._remote is None or (ns_id in self._settled and self._told.get(ns_id, 0) >= epoch)):
+            self._quick[ns_id] = (seen, self._floors.get(ns_id, 0), time.monotonic() + QUICK_RECHECK_S)
         return epoch
 
     def serves(self, namespace: Namespace) -> bool:

@@ -104,7 +104,7 @@ class StoreState:
         #: The namespaces' epochs as this store serves them (lookups, reads, puts).
         self._commit_ids = commit_ids_of(self.engine)
         self.epochs = EpochGate(self.engine, self.path, read_only=self.config.read_only, remote=self.wing,
-                                commit_id=None if self._commit_ids is None else self._commit_ids.last)
+                                commits=self._commit_ids)
         self.closed = False
         self.lock = threading.Lock()
         self._calls = threading.RLock()  # guards closed and _holders; re-entrant: a signal handler may close inside
@@ -295,9 +295,11 @@ class StoreState:
                     self._stop_process()
             finally:
                 try:
-                    self.engine.close()
-                    if self._commit_ids is not None:
-                        self._commit_ids.close()
+                    try:
+                        self.engine.close()
+                    finally:
+                        if self._commit_ids is not None:
+                            self._commit_ids.close()
                 finally:
                     self._dir_lock.release()
         finally:

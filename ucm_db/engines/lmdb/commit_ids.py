@@ -17,6 +17,12 @@ Invariants:
       while LMDB writes it may read as any number: at worst a change
       reported where none finished (the caller reads again), or the commit
       being written taken as not yet made.
+    * LMDB writes a commit's meta page before it hands the commit to new
+      readers (its lock file's txnid), so a read transaction begun in
+      between reads the commit before while :meth:`CommitIds.last`
+      already names the new one: a cache must be keyed by the id its read
+      saw (:meth:`CommitIds.seen_by`), and trusted only while
+      :meth:`CommitIds.last` equals it.
     * Nothing is read through LMDB; the map is read-only, two pages long,
       and closed with the store. A file whose meta page cannot be decoded,
       or another engine (:func:`commit_ids_of`), gives no ids (None):
@@ -30,9 +36,10 @@ import os
 import struct
 from pathlib import Path
 
-from ucm_db.engines.base import Engine
+from ucm_db.engines.base import Engine, Txn
 from ucm_db.engines.lmdb.engine import LmdbEngine
 from ucm_db.engines.lmdb.meta import PAGE_HEADER_BYTES, read_meta_pages
+from ucm_db.engines.lmdb.txn import LmdbTxn
 
 #: Where a meta page holds its transaction id: after the page header, the
 #: magic, version, address and map size (24 bytes), the two tree records
@@ -68,6 +75,11 @@ class CommitIds:
                        _TXNID.unpack_from(view, self._second_page + TXNID_OFFSET)[0])
         except ValueError:  # closed by another thread meanwhile
             return None
+
+    @staticmethod
+    def seen_by(txn: Txn) -> int | None:
+        """The id of the commit ``txn`` reads (an LMDB transaction's), else None."""
+        return txn.snapshot_id() if isinstance(txn, LmdbTxn) else None
 
     def close(self) -> None:
         view, self._map = self._map, None

@@ -45,6 +45,10 @@ class LmdbTxn:
         get, db = self._txn.get, self._dbs[table]
         return [get(key, None, db) for key in keys]
 
+    def snapshot_id(self) -> int:
+        """The id of the commit this transaction reads (a write transaction: the one it will make)."""
+        return int(self._txn.id())
+
     def stat(self, table: str) -> Any:
         """LMDB's page counts of ``table`` in this snapshot (``txn.stat``)."""
         return self._txn.stat(self._dbs[table])
