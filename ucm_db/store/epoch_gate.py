@@ -10,9 +10,9 @@ Invariants:
       per namespace and store object (an error line naming the fix), again
       only after a bump established it and it was lost anew.
     * ``epoch()`` reads the record again unless the store's last commit
-      is the one its last read saw (``commits``: LMDB's, the last read
-      without a call into LMDB, :mod:`ucm_db.engines.lmdb.commit_ids`; a
-      bump anywhere is a commit), or when the remote's floor moved, or
+      is the one its last read saw (``commits``: LMDB's ids, the last one
+      read without a call into LMDB, :mod:`ucm_db.engines.lmdb.commit_ids`;
+      a bump anywhere is a commit), or when the remote's floor moved, or
       :data:`QUICK_RECHECK_S` passed; otherwise it answers from memory
       (a read transaction cost a serving engine's scheduler a median 75
       us, most of it winning the GIL back), so a record damaged on disk
