@@ -38,13 +38,9 @@ from pathlib import Path
 
 from ucm_db.engines.base import Engine, Txn
 from ucm_db.engines.lmdb.engine import LmdbEngine
-from ucm_db.engines.lmdb.meta import PAGE_HEADER_BYTES, read_meta_pages
+from ucm_db.engines.lmdb.meta import TXNID_OFFSET, read_meta_pages
 from ucm_db.engines.lmdb.txn import LmdbTxn
 
-#: Where a meta page holds its transaction id: after the page header, the
-#: magic, version, address and map size (24 bytes), the two tree records
-#: (48 bytes each) and the last page number (8 bytes).
-TXNID_OFFSET = PAGE_HEADER_BYTES + 24 + 2 * 48 + 8
 _TXNID = struct.Struct("<Q")
 
 

@@ -37,6 +37,8 @@ _P_META = 0x08
 _DB = struct.Struct("<IHHQQQQQ")  # md_pad (page size in the free db), flags, depth, branch, leaf, overflow, entries, root
 _HEAD = struct.Struct("<IIQQ")     # magic, version, address, map size
 _TAIL = struct.Struct("<QQ")       # last page, transaction id
+#: Where a meta page (its page header included) holds its transaction id: after the last page number.
+TXNID_OFFSET = PAGE_HEADER_BYTES + _HEAD.size + 2 * _DB.size + 8
 _MIN_PAGE_BYTES, _MAX_PAGE_BYTES = 512, 1 << 16
 _CHECK_TRIES, _RECHECK_PAUSE_S = 3, 0.01
 
