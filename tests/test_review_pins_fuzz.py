@@ -290,11 +290,13 @@ CRASH_CHAINS = [NAMESPACES[0].block_keys(list(range(1000 * i, 1000 * i + 12)), e
 def journal_pins(lines: list[str]) -> tuple[dict[bytes, bytes], set[bytes]]:
     """The pins (chain id -> tip) the child's finished steps left; the chain of its unfinished pin or unpin."""
     made: dict[bytes, bytes] = {}
-    for step, op, chain, count in ((w[0], w[2], CRASH_CHAINS[int(w[3])], w[4:]) for w in map(str.split, lines)):
+    # Journal lines only: "B step op i" or "D step op i done" (a line SIGKILL cut short is no finished step).
+    journal = [w for w in map(str.split, lines) if (w[:1] == ["B"] and len(w) == 4) or (w[:1] == ["D"] and len(w) == 5)]
+    for step, op, chain, count in ((w[0], w[2], CRASH_CHAINS[int(w[3])], w[4:]) for w in journal):
         if step == "D" and op in ("pin", "unpin"):
             made.pop(chain[-1], None)
             made.update({chain[-1]: chain[int(count[0]) - 1]} if op == "pin" and int(count[0]) else {})
-    return made, {CRASH_CHAINS[int(w[3])][-1]} if (w := lines[-1].split())[0] == "B" and w[2] != "put" else set()
+    return made, {CRASH_CHAINS[int(w[3])][-1]} if (w := journal[-1])[0] == "B" and w[2] != "put" else set()
 
 
 def run_child_until_killed(path: Path, engine: str, seed: int, kill_at: int, env: dict[str, str]) -> list[str]:
