@@ -376,22 +376,25 @@ def test_object_of_exactly_the_first_read_extended_is_a_miss(tmp_path: Path) -> 
         assert reader.stats().remote["corrupt"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="the uploader's parent check reads only the envelope: a truncated parent "
-                                       "object counts as present and is never uploaded again, unlike a deleted one")
-def test_truncated_parent_object_is_uploaded_again_like_an_absent_one(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("damage", ["cut", "lengthened", "cut_in_head"])
+def test_truncated_parent_object_is_uploaded_again_like_an_absent_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      damage: str) -> None:
     """remote.md (Uploads and gc): a batch root's parent found absent or broken that the local tier holds is
-    uploaded again; ancestry.AncestorRepair._check: "present if it is whole". A parent object cut short (an
-    attacker, a partial copy) is not whole: readers miss it and all under it (corrupt), yet the check reads its
-    64-byte envelope only and takes it for present. With the parent deleted instead, the reader finds all 4."""
+    uploaded again; ancestry.AncestorRepair._check: "present if it is whole". A parent object cut short or
+    lengthened (an attacker, a partial copy) is not whole: readers miss it and all under it (corrupt). The check
+    once read its envelope only and took it for present; it now also reads the object's stated end. With the
+    parent deleted instead, the reader finds all 4, and so it must here."""
     keys, payloads = _chain(4, seed=2)
     keyed = {**Profile(("A1",)).options(tmp_path, "k", monkeypatch), "remote_deadline_s": 5}
     url = f"file://{tmp_path}/remote"
     with ucm_db.open(tmp_path / "node", capacity_bytes=CAP, remote=url, remote_mode="write_through", **keyed) as node:
         node.put(NA, keys[:3], payloads[:3])
     parent = tmp_path / "remote" / NA.short_id / keys[2][:1].hex() / keys[2].hex()
-    parent.write_bytes(parent.read_bytes()[: ENVELOPE_BYTES + 100])
+    whole = parent.read_bytes()
+    parent.write_bytes({"cut": whole[: ENVELOPE_BYTES + 100], "lengthened": whole + b"\0",
+                        "cut_in_head": whole[: ENVELOPE_BYTES + 3]}[damage])
     with ucm_db.open(tmp_path / "node", capacity_bytes=CAP, remote=url, remote_mode="write_through", **keyed) as node:
         node.put(NA, keys[3:], payloads[3:], parent=keys[2])
+    assert parent.read_bytes() == whole
     with ucm_db.open(tmp_path / "reader", capacity_bytes=CAP, remote=url, **keyed) as reader:
         assert reader.lookup(NA, keys) == 4

@@ -15,9 +15,8 @@ whole:
   ancestor of its.
 * :class:`AncestorRepair` checks, before a batch goes, that the parent of
   each *batch root* (a block whose parent is not in the batch; a chain's
-  first block has none to check) is on the remote: one ranged read of its
-  envelope per distinct parent (:data:`~ucm_db.remote.envelope.ENVELOPE_BYTES`),
-  none for a key this process uploaded in the last
+  first block has none to check) is on the remote and whole: a ranged read of
+  its first bytes and one of its stated end per distinct parent, none for a key this process uploaded in the last
   :data:`UPLOADED_TTL_S` (one found present is checked again next time:
   gc removes old ones). A parent found absent (gc removed it, or its object
   is broken) that the local tier holds is uploaded again from it, with its
@@ -102,7 +101,8 @@ from functools import partial
 from ucm_db.errors import CorruptBlockError
 from ucm_db.index.entries import BlockMeta
 from ucm_db.index.local import LocalTier
-from ucm_db.remote.tier import ENVELOPE_BYTES, DirSyncs, RemoteRoot, RemoteTier, parse_envelope
+from ucm_db.remote.object_reads import object_is_whole
+from ucm_db.remote.tier import PROBE_BYTES, DirSyncs, RemoteRoot, RemoteTier, parse_envelope
 from ucm_db.remote.tombstones import has_tombstone
 from ucm_db.remote.upload_plan import Item, Repair, read_items, under
 
@@ -314,13 +314,13 @@ class AncestorRepair:
 
     def _check(self, key: bytes, namespace_id: bytes, present: dict[bytes, bool], tombstoned: set[bytes],
                broken: set[bytes]) -> str | None:
-        """Reads the envelope of ``key``'s object: present if it is whole and
-        of this namespace (a broken one, in ``broken``, is replaced, as gc
-        would remove it); when it is not, whether a retraction's tombstone
-        is there."""
-        head = self.remote.read_range(self.remote.object_path(namespace_id, key), 0, ENVELOPE_BYTES)
+        """Reads ``key``'s object's first bytes and stated end: present if it is whole and of this namespace (a
+        broken one, in ``broken``, is replaced, as gc would remove it); if not, whether a tombstone is there."""
+        path = self.remote.object_path(namespace_id, key)
+        head = self.remote.read_range(path, 0, PROBE_BYTES)
         try:
-            found = head is not None and parse_envelope(head, key)[1] == namespace_id
+            found = head is not None and parse_envelope(head, key)[1] == namespace_id and \
+                object_is_whole(self.remote, path, key, head, PROBE_BYTES)
         except CorruptBlockError:
             found = False
         if head is not None and not found:

@@ -238,6 +238,27 @@ def read_object(root: ObjectSource, path: str, key: bytes, first_read_bytes: int
             budget.settle(limits.index)
 
 
+def object_is_whole(root: ObjectSource, path: str, key: bytes, first: bytes, asked_bytes: int) -> bool:
+    """Whether the object at ``path`` is exactly as long as it states.
+
+    ``first`` is what a read of its first ``asked_bytes`` (at least
+    :data:`~ucm_db.remote.envelope.PROBE_BYTES`) returned: a shorter answer
+    is the whole object; otherwise one more request asks for the byte
+    before its stated end and the one past it (one byte back: the object
+    is whole and no longer). False where the envelope or the length it
+    states is bad, or the object went meanwhile; other errors raise."""
+    try:
+        stated = stated_object_bytes(first, key)
+    except CorruptBlockError:
+        return False
+    if len(first) < asked_bytes:
+        return len(first) == stated
+    if stated < asked_bytes:
+        return False  # longer than it states
+    tail = root.read_range(path, stated - 1, stated + 1)
+    return tail is not None and len(tail) == 1
+
+
 def _read_rest(root: ObjectSource, path: str, first: bytes, stated: int, limits: ReadLimits) -> bytearray | None:
     """Reads ``[len(first), stated]`` in chunks after ``first``, appended to
     one buffer as they come (a buffer allocated whole up front is touched
