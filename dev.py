@@ -10,6 +10,13 @@ or any C source or header under ucm_db/ (every ``*.c`` and ``*.h`` there, in
 subfolders too: the extension ucm_db._native is compiled from them at install;
 a new one is covered without editing this file). Extra arguments go to the job
 (e.g. ``python3 dev.py test -m "not vllm"``).
+
+``test`` runs the suite in two pytest processes at once (``--part engines``:
+the tests that start vLLM; ``--part rest``: the others; tests/conftest.py),
+so the engines' start-ups and the rest use both cores: the rest prints as
+it runs, the engines' part after it, and the command fails if either does.
+Arguments that choose tests (a path, ``-k``, ``-m``, ``--part``) or
+``--one-process`` run one pytest instead.
 """
 
 from __future__ import annotations
@@ -136,10 +143,47 @@ def main(argv: list[str]) -> int:
         return 0
     if job == "demo":
         cmd = [str(PY), "-m", "ucm_db.tools.demo", *rest]
+    elif "--one-process" in rest or not splits(rest):
+        cmd = [str(PY), "-m", "pytest", *[arg for arg in rest if arg != "--one-process"]]
     else:
-        cmd = [str(PY), "-m", "pytest", *rest]
+        return run_in_two_parts(rest, env)
     print("+", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+def splits(pytest_args: list[str]) -> bool:
+    """Whether ``dev.py test`` may run the suite in two parts: no argument
+    chooses tests (options such as ``--long``, ``-x`` or ``-v`` do not)."""
+    choosers = ("-k", "-m", "--part", "--deselect", "--ignore", "--lf", "--last-failed", "--sw")
+    return not any(not arg.startswith("-") or arg.startswith(choosers) for arg in pytest_args)
+
+
+def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
+    """Runs ``--part engines`` in the background into a log file and ``--part
+    rest`` in the foreground, then prints the log; the exit status is the
+    first non-zero of the two (rest's first). An interrupt stops both."""
+    import tempfile
+
+    base = [str(PY), "-m", "pytest", *pytest_args]
+    with tempfile.NamedTemporaryFile("w+", prefix="ucm-db-engines-", suffix=".log") as log:
+        print("+", " ".join([*base, "-p", "no:cacheprovider", "--part", "engines"]), f"> {log.name} (printed at the end)",
+              flush=True)
+        # Without the cache plugin: two sessions writing .pytest_cache at once would race (rest's is kept).
+        engines = subprocess.Popen([*base, "-p", "no:cacheprovider", "--part", "engines"], cwd=ROOT, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)
+        try:
+            print("+", " ".join([*base, "--part", "rest"]), flush=True)
+            rest_code = subprocess.call([*base, "--part", "rest"], cwd=ROOT, env=env)
+            print("\n=== the tests that start vLLM (--part engines), run beside the rest ===", flush=True)
+            engines_code = engines.wait()
+        finally:
+            if engines.poll() is None:
+                engines.terminate()
+                engines.wait()
+        log.seek(0)
+        sys.stdout.write(log.read())
+    print(f"\nrest: exit {rest_code}, engines: exit {engines_code}", flush=True)
+    return rest_code or engines_code
 
 
 if __name__ == "__main__":
