@@ -153,23 +153,27 @@ def main(argv: list[str]) -> int:
 
 def splits(pytest_args: list[str]) -> bool:
     """Whether ``dev.py test`` may run the suite in two parts: no argument
-    chooses tests (options such as ``--long``, ``-x`` or ``-v`` do not)."""
-    choosers = ("-k", "-m", "--part", "--deselect", "--ignore", "--lf", "--last-failed", "--sw")
+    chooses tests (options such as ``--long``, ``-x`` or ``-v`` do not) and
+    none waits for a person (a debugger's prompt in the background part)."""
+    choosers = ("-k", "-m", "--part", "--deselect", "--ignore", "--lf", "--last-failed", "--sw", "--stepwise",
+                "--pdb", "--trace")
     return not any(not arg.startswith("-") or arg.startswith(choosers) for arg in pytest_args)
 
 
 def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
-    """Runs ``--part engines`` in the background into a log file and ``--part
-    rest`` in the foreground, then prints the log; the exit status is the
-    first non-zero of the two (rest's first). An interrupt stops both."""
+    """Runs ``--part engines`` in the background into a log file (no stdin;
+    its own pytest cache folder, so the two sessions never write one file)
+    and ``--part rest`` in the foreground, then prints the log, as it is,
+    also after an interrupt; the exit status is the first non-zero of the
+    two (rest's first). An interrupt stops both."""
     import tempfile
 
     base = [str(PY), "-m", "pytest", *pytest_args]
-    with tempfile.NamedTemporaryFile("w+", prefix="ucm-db-engines-", suffix=".log") as log:
-        print("+", " ".join([*base, "-p", "no:cacheprovider", "--part", "engines"]), f"> {log.name} (printed at the end)",
-              flush=True)
-        # Without the cache plugin: two sessions writing .pytest_cache at once would race (rest's is kept).
-        engines = subprocess.Popen([*base, "-p", "no:cacheprovider", "--part", "engines"], cwd=ROOT, env=env, stdout=log,
+    engines_cmd = [*base, "-o", "cache_dir=.pytest_cache/engines-part", "--part", "engines"]
+    rest_code = engines_code = 1
+    with tempfile.NamedTemporaryFile("wb+", prefix="ucm-db-engines-", suffix=".log") as log:
+        print("+", " ".join(engines_cmd), f"> {log.name} (printed at the end)", flush=True)
+        engines = subprocess.Popen(engines_cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT)
         try:
             print("+", " ".join([*base, "--part", "rest"]), flush=True)
@@ -180,8 +184,10 @@ def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
             if engines.poll() is None:
                 engines.terminate()
                 engines.wait()
-        log.seek(0)
-        sys.stdout.write(log.read())
+            log.seek(0)
+            sys.stdout.flush()
+            sys.stdout.buffer.write(log.read())
+            sys.stdout.flush()
     print(f"\nrest: exit {rest_code}, engines: exit {engines_code}", flush=True)
     return rest_code or engines_code
 

@@ -15,6 +15,7 @@ otherwise.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -27,8 +28,15 @@ VLLM_TESTS = Path(__file__).resolve().parent / "vllm"
 
 def starts_vllm(item: pytest.Item) -> bool:
     """Whether a test belongs to ``--part engines``: marked ``vllm``, or under
-    ``tests/vllm`` (whose other tests fork its engine server or import vLLM)."""
-    return item.get_closest_marker("vllm") is not None or VLLM_TESTS in item.path.parents
+    ``tests/vllm`` (whose other tests fork its engine server or import vLLM),
+    however the checkout's path was spelt (links resolved)."""
+    return item.get_closest_marker("vllm") is not None or _under_vllm_tests(item.path.parent)
+
+
+@functools.lru_cache(maxsize=None)
+def _under_vllm_tests(folder: Path) -> bool:
+    resolved = folder.resolve()
+    return resolved == VLLM_TESTS or VLLM_TESTS in resolved.parents
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -292,12 +292,25 @@ def test_dev_py_hands_extra_arguments_to_the_job(monkeypatch: pytest.MonkeyPatch
         ran.append((cmd, cwd))
         return 0
 
+    class Started:  # the background part (dev.run_in_two_parts), recorded, not run
+        def __init__(self, cmd: list[str], cwd: Path, **_: Any) -> None:
+            ran.append((cmd, cwd))
+
+        def wait(self) -> int:
+            return 0
+
+        def poll(self) -> int:
+            return 0
+
     monkeypatch.setattr(dev.subprocess, "call", call)
+    monkeypatch.setattr(dev.subprocess, "Popen", Started)
     for args in (["test", "-m", "not vllm"], ["test", "--long"], ["demo", "--dtype", "float32"]):
         assert dev.main(["dev.py", *args]) == 0
-    python = str(ROOT / ".venv" / "bin" / "python")
-    assert ran == [([python, "-m", "pytest", "-m", "not vllm"], ROOT), ([python, "-m", "pytest", "--long"], ROOT),
-                   ([python, "-m", "ucm_db.tools.demo", "--dtype", "float32"], ROOT)]
+    pytest_cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest"]
+    assert ran == [([*pytest_cmd, "-m", "not vllm"], ROOT),
+                   ([*pytest_cmd, "--long", "-o", "cache_dir=.pytest_cache/engines-part", "--part", "engines"], ROOT),
+                   ([*pytest_cmd, "--long", "--part", "rest"], ROOT),
+                   ([pytest_cmd[0], "-m", "ucm_db.tools.demo", "--dtype", "float32"], ROOT)]
 
 
 MARKED = "import pytest\ndef test_core(): pass\n@pytest.mark.long\ndef test_soak(): pass\n" \

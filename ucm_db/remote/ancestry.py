@@ -56,9 +56,9 @@ whole:
   failed read used to be a failed upload only: the next batch found the
   voided block present and sent its children under it).
 
-Cost per batch: one request per distinct batch-root parent not uploaded
-here within :data:`UPLOADED_TTL_S` (on S3 a GET of 64 bytes, all at once on
-the upload pool), plus four per ancestor found absent (its check, its
+Cost per batch: two requests per distinct batch-root parent not uploaded here within :data:`UPLOADED_TTL_S`
+(ranged GETs of its first bytes and its stated end, on the upload pool; one for an object smaller than the
+first read), plus four per ancestor found absent (its check, its
 tombstone's, its upload, its tombstone's again; and a head read and a delete
 where that tombstone is there). A batch continuing this process's recent
 uploads (a conversation's next turn) checks nothing.
@@ -161,7 +161,7 @@ class AncestorRepair:
         self._uploaded: dict[bytes, float] = {}  # key -> monotonic time this process uploaded it
         #: This process's ancestor uploads whose tombstone read (or undo) is owed: key -> (namespace id, head written).
         self._owed: dict[bytes, tuple[bytes, bytes]] = {}
-        #: Parents checked on the remote (one request each).
+        #: Parents checked on the remote (two requests each, one where the first read is the whole object).
         self.checks = 0
         #: Ancestors found absent from the remote and uploaded again from the local tier.
         self.reuploaded = 0
