@@ -11,10 +11,10 @@ subfolders too: the extension ucm_db._native is compiled from them at install;
 a new one is covered without editing this file). Extra arguments go to the job
 (e.g. ``python3 dev.py test -m "not vllm"``).
 
-``test`` runs the suite in two pytest processes at once (``--part engines``:
-the tests that start vLLM; ``--part rest``: the others; tests/conftest.py),
-so the engines' start-ups and the rest use both cores: the rest prints as
-it runs, the engines' part after it, and the command fails if either does.
+``test`` runs the suite in two pytest processes at once (``--part 1``: the
+tests that start vLLM, tests/reliability and tests/tools; ``--part 2``: the
+others; tests/conftest.py), so the two use both cores: part 2 prints as it
+runs, part 1 after it, and the command fails if either does.
 Arguments that choose tests (a path, ``-k``, ``-m``, ``--part``) or
 ``--one-process`` run one pytest instead.
 """
@@ -161,35 +161,36 @@ def splits(pytest_args: list[str]) -> bool:
 
 
 def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
-    """Runs ``--part engines`` in the background into a log file (no stdin;
-    its own pytest cache folder, so the two sessions never write one file)
-    and ``--part rest`` in the foreground, then prints the log, as it is,
-    also after an interrupt; the exit status is the first non-zero of the
-    two (rest's first). An interrupt stops both."""
+    """Runs ``--part 1`` in the background into a log file (no stdin; its
+    own pytest cache folder, so the two sessions never write one file) and
+    ``--part 2`` in the foreground, then prints the log, as it is, also
+    after an interrupt; the exit status is the first non-zero of the two
+    (part 2's first). An interrupt stops both."""
     import tempfile
 
     base = [str(PY), "-m", "pytest", *pytest_args]
-    engines_cmd = [*base, "-o", "cache_dir=.pytest_cache/engines-part", "--part", "engines"]
-    rest_code = engines_code = 1
-    with tempfile.NamedTemporaryFile("wb+", prefix="ucm-db-engines-", suffix=".log") as log:
-        print("+", " ".join(engines_cmd), f"> {log.name} (printed at the end)", flush=True)
-        engines = subprocess.Popen(engines_cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                   stderr=subprocess.STDOUT)
+    first_cmd = [*base, "-o", "cache_dir=.pytest_cache/part-1", "--part", "1"]
+    first_code = second_code = 1
+    with tempfile.NamedTemporaryFile("wb+", prefix="ucm-db-tests-part-1-", suffix=".log") as log:
+        print("+", " ".join(first_cmd), f"> {log.name} (printed at the end)", flush=True)
+        first = subprocess.Popen(first_cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT)
         try:
-            print("+", " ".join([*base, "--part", "rest"]), flush=True)
-            rest_code = subprocess.call([*base, "--part", "rest"], cwd=ROOT, env=env)
-            print("\n=== the tests that start vLLM (--part engines), run beside the rest ===", flush=True)
-            engines_code = engines.wait()
+            print("+", " ".join([*base, "--part", "2"]), flush=True)
+            second_code = subprocess.call([*base, "--part", "2"], cwd=ROOT, env=env)
+            print("\n=== part 1 (the tests that start vLLM, tests/reliability, tests/tools), run beside part 2 ===",
+                  flush=True)
+            first_code = first.wait()
         finally:
-            if engines.poll() is None:
-                engines.terminate()
-                engines.wait()
+            if first.poll() is None:
+                first.terminate()
+                first.wait()
             log.seek(0)
             sys.stdout.flush()
             sys.stdout.buffer.write(log.read())
             sys.stdout.flush()
-    print(f"\nrest: exit {rest_code}, engines: exit {engines_code}", flush=True)
-    return rest_code or engines_code
+    print(f"\npart 2: exit {second_code}, part 1: exit {first_code}", flush=True)
+    return second_code or first_code
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 ``--long`` enables the long soak / crash modes (marker ``long``); without it
 those tests are deselected, and the README's test command runs the rest.
 
-``--part engines`` keeps only the tests that start vLLM (everything under
-``tests/vllm`` and every test marked ``vllm``), ``--part rest`` only the
-others: ``dev.py test`` runs the two parts at once, one pytest each, so the
-engines' start-ups and the rest share the machine's two cores.
+``--part 1`` keeps the tests that start vLLM (everything under ``tests/vllm``
+and every test marked ``vllm``) and those of :data:`FIRST_PART_FOLDERS`;
+``--part 2`` the others. ``dev.py test`` runs the two parts at once, one
+pytest each, so they share the machine's two cores; the folders added to
+part 1 make the two take about as long.
 
 Where the collected modules imported vLLM, vLLM inspects model classes in
 this process (tests/vllm_inspection.py): a new interpreter per architecture
@@ -22,27 +23,31 @@ from pathlib import Path
 import pytest
 
 #: The values of ``--part``.
-PARTS = ("engines", "rest")
-VLLM_TESTS = Path(__file__).resolve().parent / "vllm"
+PARTS = ("1", "2")
+TESTS = Path(__file__).resolve().parent
+#: Part 1 besides the tests that start vLLM: the crash loops and the CLI (serial, at 447b01b: vLLM's tests about
+#: 520 s, these about 275 s, the rest about 660 s; alone, vLLM's part ended at 10 min and the rest's at 21).
+FIRST_PART_FOLDERS = (TESTS / "vllm", TESTS / "reliability", TESTS / "tools")
 
 
-def starts_vllm(item: pytest.Item) -> bool:
-    """Whether a test belongs to ``--part engines``: marked ``vllm``, or under
-    ``tests/vllm`` (whose other tests fork its engine server or import vLLM),
-    however the checkout's path was spelt (links resolved)."""
-    return item.get_closest_marker("vllm") is not None or _under_vllm_tests(item.path.parent)
+def in_first_part(item: pytest.Item) -> bool:
+    """Whether a test belongs to ``--part 1``: marked ``vllm``, or under one
+    of :data:`FIRST_PART_FOLDERS` (``tests/vllm``'s other tests fork its
+    engine server or import vLLM), however the checkout's path was spelt
+    (links resolved)."""
+    return item.get_closest_marker("vllm") is not None or _under_first_part_folders(item.path.parent)
 
 
 @functools.lru_cache(maxsize=None)
-def _under_vllm_tests(folder: Path) -> bool:
+def _under_first_part_folders(folder: Path) -> bool:
     resolved = folder.resolve()
-    return resolved == VLLM_TESTS or VLLM_TESTS in resolved.parents
+    return any(resolved == top or top in resolved.parents for top in FIRST_PART_FOLDERS)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False, help="run the long soak and crash modes too")
     parser.addoption("--part", choices=PARTS, default=None,
-                     help="only the tests that start vLLM (engines) or only the others (rest); default: all")
+                     help="1: only the tests that start vLLM, tests/reliability and tests/tools; 2: only the others")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -51,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     kept, dropped = [], []
     for item in items:
-        wrong_part = part is not None and (part == "engines") != starts_vllm(item)
+        wrong_part = part is not None and (part == "1") != in_first_part(item)
         (dropped if wrong_part or (not long and item.get_closest_marker("long")) else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -174,7 +174,7 @@ def test_the_stamp_changes_with_any_c_source_or_header(monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("args, split", [([], True), (["--long", "-x", "-q"], True), (["tests/test_a.py"], False),
-                                         (["-k", "put"], False), (["-m", "not vllm"], False), (["--part", "rest"], False)])
+                                         (["-k", "put"], False), (["-m", "not vllm"], False), (["--part", "2"], False)])
 def test_the_suite_splits_in_two_only_when_no_argument_chooses_tests(args: list[str], split: bool) -> None:
     spec = importlib.util.spec_from_file_location("dev_under_test", ROOT / "dev.py")
     assert spec is not None and spec.loader is not None
@@ -183,12 +183,12 @@ def test_the_suite_splits_in_two_only_when_no_argument_chooses_tests(args: list[
     assert dev.splits(args) is split
 
 
-@pytest.mark.parametrize("failing", ["rest", "engines", None])
+@pytest.mark.parametrize("failing", ["2", "1", None])
 def test_two_parts_run_every_test_once_and_fail_when_either_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    capfd: pytest.CaptureFixture[str],
                                                                    failing: str | None) -> None:
-    """dev.py's docstring: the two parts (tests/conftest.py's ``--part``) run every test once between them, rest's
-    output first, then the engines' log; the command fails if either part does. A tiny tree with the real
+    """dev.py's docstring: the two parts (tests/conftest.py's ``--part``) run every test once between them, part
+    2's output first, then part 1's log; the command fails if either part does. A tiny tree with the real
     conftest: one test under tests/vllm, one marked vllm elsewhere, one plain."""
     spec = importlib.util.spec_from_file_location("dev_under_test", ROOT / "dev.py")
     assert spec is not None and spec.loader is not None
@@ -196,19 +196,19 @@ def test_two_parts_run_every_test_once_and_fail_when_either_fails(tmp_path: Path
     spec.loader.exec_module(dev)
     (tmp_path / "tests" / "vllm").mkdir(parents=True)
     shutil.copyfile(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
-    verdict = {part: "False" if part == failing else "True" for part in ("rest", "engines")}
-    (tmp_path / "tests" / "vllm" / "test_under_vllm.py").write_text(f"def test_under_vllm():\n    assert {verdict['engines']}\n")
+    verdict = {part: "False" if part == failing else "True" for part in ("1", "2")}
+    (tmp_path / "tests" / "vllm" / "test_under_vllm.py").write_text(f"def test_under_vllm():\n    assert {verdict['1']}\n")
     (tmp_path / "tests" / "test_marked.py").write_text("import pytest\n\n@pytest.mark.vllm\ndef test_marked():\n    pass\n\n"
-                                                       f"def test_plain():\n    assert {verdict['rest']}\n")
+                                                       f"def test_plain():\n    assert {verdict['2']}\n")
     monkeypatch.setattr(dev, "ROOT", tmp_path)
     monkeypatch.setattr(dev, "PY", Path(sys.executable))
     code = dev.run_in_two_parts(["-v", "-p", "no:cacheprovider"], dict(os.environ))
     out = capfd.readouterr().out
     assert (code != 0) is (failing is not None), out
-    engines_log = out[out.index("--part engines), run beside the rest"):]
-    assert "test_plain" in out[: out.index("--part engines), run beside the rest")] and "test_plain" not in engines_log
-    assert "test_under_vllm PASSED" in engines_log or failing == "engines"
-    assert "test_marked PASSED" in engines_log
+    first_log = out[out.index("=== part 1 "):]
+    assert "test_plain" in out[: out.index("=== part 1 ")] and "test_plain" not in first_log
+    assert "test_under_vllm PASSED" in first_log or failing == "1"
+    assert "test_marked PASSED" in first_log
     runs = {name: sum(out.count(f"::{name} {word}") for word in ("PASSED", "FAILED"))
             for name in ("test_under_vllm", "test_marked", "test_plain")}
     assert runs == {"test_under_vllm": 1, "test_marked": 1, "test_plain": 1}, out

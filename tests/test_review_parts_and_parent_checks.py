@@ -13,8 +13,8 @@ each test passes), and the command's output must survive what a test writes.
 
 The defects this review found (the docs' cost of a check, cache-plugin options and a log that is not UTF-8
 failing the two parts, a debugger's prompt hanging the background part) are fixed; their tests stay. The partition
-itself was checked by hand once (each part's ``--collect-only`` against the whole suite's: 99 + 5088 = 5187, none
-in both): too slow to repeat here.
+itself was checked by hand (each part's ``--collect-only`` against the whole suite's: together the whole, none in
+both): too slow to repeat here.
 """
 
 from __future__ import annotations
@@ -189,20 +189,20 @@ def load_dev() -> ModuleType:
     return dev
 
 
-def tiny_tree(tmp_path: Path, engines_body: str = "pass") -> Path:
-    """tests/ with the real conftest, one passing test under tests/vllm (body ``engines_body``), one plain."""
+def tiny_tree(tmp_path: Path, first_part_body: str = "pass") -> Path:
+    """tests/ with the real conftest, one passing test under tests/vllm (body ``first_part_body``), one plain."""
     (tmp_path / "tests" / "vllm").mkdir(parents=True)
     shutil.copyfile(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
-    engine_test = f"import os\n\n\ndef test_engine():\n    {engines_body}\n"
+    engine_test = f"import os\n\n\ndef test_engine():\n    {first_part_body}\n"
     (tmp_path / "tests" / "vllm" / "test_engine.py").write_text(engine_test)
     (tmp_path / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
     return tmp_path
 
 
-def run_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], engines_body: str = "pass") -> int:
+def run_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], first_part_body: str = "pass") -> int:
     dev = load_dev()
     assert dev.splits(args), args  # the forms below are all ones dev.py runs in two parts
-    monkeypatch.setattr(dev, "ROOT", tiny_tree(tmp_path, engines_body))
+    monkeypatch.setattr(dev, "ROOT", tiny_tree(tmp_path, first_part_body))
     monkeypatch.setattr(dev, "PY", Path(sys.executable))
     return int(dev.run_in_two_parts(args, dict(os.environ)))
 
@@ -218,9 +218,9 @@ def test_options_of_the_cache_plugin_run_in_two_parts(option: str, tmp_path: Pat
     assert code == 0, capfd.readouterr().out[-2000:]
 
 
-def test_an_engines_log_that_is_not_utf8_is_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_part_1_log_that_is_not_utf8_is_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     raw_bytes = "os.write(1, b'\\xff\\xfe raw\\n')"
-    assert run_parts(tmp_path, monkeypatch, ["-q", "-s"], engines_body=raw_bytes) == 0
+    assert run_parts(tmp_path, monkeypatch, ["-q", "-s"], first_part_body=raw_bytes) == 0
 
 
 @pytest.mark.parametrize("option", ["--pdb", "--trace"])

@@ -308,8 +308,8 @@ def test_dev_py_hands_extra_arguments_to_the_job(monkeypatch: pytest.MonkeyPatch
         assert dev.main(["dev.py", *args]) == 0
     pytest_cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest"]
     assert ran == [([*pytest_cmd, "-m", "not vllm"], ROOT),
-                   ([*pytest_cmd, "--long", "-o", "cache_dir=.pytest_cache/engines-part", "--part", "engines"], ROOT),
-                   ([*pytest_cmd, "--long", "--part", "rest"], ROOT),
+                   ([*pytest_cmd, "--long", "-o", "cache_dir=.pytest_cache/part-1", "--part", "1"], ROOT),
+                   ([*pytest_cmd, "--long", "--part", "2"], ROOT),
                    ([pytest_cmd[0], "-m", "ucm_db.tools.demo", "--dtype", "float32"], ROOT)]
 
 
