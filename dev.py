@@ -162,10 +162,12 @@ def splits(pytest_args: list[str]) -> bool:
 
 def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
     """Runs ``--part 1`` in the background into a log file (no stdin; its
-    own pytest cache folder, so the two sessions never write one file) and
-    ``--part 2`` in the foreground, then prints the log, as it is, also
-    after an interrupt; the exit status is the first non-zero of the two
-    (part 2's first). An interrupt stops both."""
+    own session, so a test that looks at its process group sees its own
+    part only; its own pytest cache folder, so the two sessions never write
+    one file) and ``--part 2`` in the foreground, then prints the log, as
+    it is, also after an interrupt; the exit status is the first non-zero
+    of the two (part 2's first). An interrupt stops both (part 1's whole
+    process group)."""
     import tempfile
 
     base = [str(PY), "-m", "pytest", *pytest_args]
@@ -174,7 +176,7 @@ def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
     with tempfile.NamedTemporaryFile("wb+", prefix="ucm-db-tests-part-1-", suffix=".log") as log:
         print("+", " ".join(first_cmd), f"> {log.name} (printed at the end)", flush=True)
         first = subprocess.Popen(first_cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                 stderr=subprocess.STDOUT)
+                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             print("+", " ".join([*base, "--part", "2"]), flush=True)
             second_code = subprocess.call([*base, "--part", "2"], cwd=ROOT, env=env)
@@ -183,7 +185,12 @@ def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
             first_code = first.wait()
         finally:
             if first.poll() is None:
-                first.terminate()
+                import signal
+
+                try:
+                    os.killpg(first.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
                 first.wait()
             log.seek(0)
             sys.stdout.flush()

@@ -87,7 +87,8 @@ def test_a_traced_pass_carries_its_threads_and_prints_them_on_demand(monkeypatch
 
     result = thread_trace.trace_pass(os.getpgid(0), send)
     mine = [r for r in result["threads"] if r["cpu_s"] >= 0.15]
-    assert mine and mine[0]["process"] == thread_trace.process_name(os.getpid())
+    # This process's spinning thread is among them (other processes of the group may have spun more).
+    assert thread_trace.process_name(os.getpid()) in {r["process"] for r in mine}, mine
     monkeypatch.delenv("UCM_DB_BENCH_THREADS", raising=False)
     assert thread_trace.shown(result["threads"]) == ""
     monkeypatch.setenv("UCM_DB_BENCH_THREADS", "1")

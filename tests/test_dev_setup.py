@@ -200,6 +200,9 @@ def test_two_parts_run_every_test_once_and_fail_when_either_fails(tmp_path: Path
     (tmp_path / "tests" / "vllm" / "test_under_vllm.py").write_text(f"def test_under_vllm():\n    assert {verdict['1']}\n")
     (tmp_path / "tests" / "test_marked.py").write_text("import pytest\n\n@pytest.mark.vllm\ndef test_marked():\n    pass\n\n"
                                                        f"def test_plain():\n    assert {verdict['2']}\n")
+    # Part 1 leads its own session: a test looking at its process group sees its own part only.
+    (tmp_path / "tests" / "vllm" / "test_own_session.py").write_text(
+        "import os\n\n\ndef test_own_session():\n    assert os.getsid(0) == os.getpid()\n")
     monkeypatch.setattr(dev, "ROOT", tmp_path)
     monkeypatch.setattr(dev, "PY", Path(sys.executable))
     code = dev.run_in_two_parts(["-v", "-p", "no:cacheprovider"], dict(os.environ))
@@ -208,7 +211,7 @@ def test_two_parts_run_every_test_once_and_fail_when_either_fails(tmp_path: Path
     first_log = out[out.index("=== part 1 "):]
     assert "test_plain" in out[: out.index("=== part 1 ")] and "test_plain" not in first_log
     assert "test_under_vllm PASSED" in first_log or failing == "1"
-    assert "test_marked PASSED" in first_log
+    assert "test_marked PASSED" in first_log and "test_own_session PASSED" in first_log
     runs = {name: sum(out.count(f"::{name} {word}") for word in ("PASSED", "FAILED"))
             for name in ("test_under_vllm", "test_marked", "test_plain")}
     assert runs == {"test_under_vllm": 1, "test_marked": 1, "test_plain": 1}, out
