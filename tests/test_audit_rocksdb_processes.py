@@ -99,8 +99,12 @@ def test_read_only_reader_and_inspect_beside_a_live_writer(tmp_path: Path) -> No
         for attempt in range(15):
             last = latest[0]
             with ucm_db.open(path, read_only=True) as store:  # sees at least every chain acknowledged before
-                assert store.lookup(NS, chain(last)) == expected_blocks(last)
-                for i in range(max(0, last - 20), last + 1):
+                # ... whole, or evicted as the oldest (the writer runs ahead of `latest` where this thread is slow
+                # to read its pipe, and 3 MiB hold about 40 chains): then every older chain is gone too.
+                found = store.lookup(NS, chain(last))
+                older = [i for i in range(max(0, last - 45), last) if store.lookup(NS, chain(i))]
+                assert found == expected_blocks(last) or not older, (last, found, older)
+                for i in range(max(0, last - 20), last + 60):
                     for got in store.get(NS, chain(i)):
                         if got is not None:
                             assert bytes(got) == bytes([i % 251]) * BLOCK_BYTES, f"chain {i}"

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,10 +177,7 @@ def test_the_stamp_changes_with_any_c_source_or_header(monkeypatch: pytest.Monke
 @pytest.mark.parametrize("args, split", [([], True), (["--long", "-x", "-q"], True), (["tests/test_a.py"], False),
                                          (["-k", "put"], False), (["-m", "not vllm"], False), (["--part", "2"], False)])
 def test_the_suite_splits_in_two_only_when_no_argument_chooses_tests(args: list[str], split: bool) -> None:
-    spec = importlib.util.spec_from_file_location("dev_under_test", ROOT / "dev.py")
-    assert spec is not None and spec.loader is not None
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
+    dev: Any = _load_dev()
     assert dev.splits(args) is split
 
 
@@ -190,10 +188,7 @@ def test_two_parts_run_every_test_once_and_fail_when_either_fails(tmp_path: Path
     """dev.py's docstring: the two parts (tests/conftest.py's ``--part``) run every test once between them, part
     2's output first, then part 1's log; the command fails if either part does. A tiny tree with the real
     conftest: one test under tests/vllm, one marked vllm elsewhere, one plain."""
-    spec = importlib.util.spec_from_file_location("dev_under_test", ROOT / "dev.py")
-    assert spec is not None and spec.loader is not None
-    dev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dev)
+    dev: Any = _load_dev()
     (tmp_path / "tests" / "vllm").mkdir(parents=True)
     shutil.copyfile(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
     verdict = {part: "False" if part == failing else "True" for part in ("1", "2")}
