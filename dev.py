@@ -15,16 +15,19 @@ a new one is covered without editing this file). Extra arguments go to the job
 tests that start vLLM, tests/reliability and tests/tools; ``--part 2``: the
 others; tests/conftest.py), so the two use both cores: part 2 prints as it
 runs, part 1 after it, and the command fails if either does.
-Arguments that choose tests (a path, ``-k``, ``-m``, ``--part``) or
-``--one-process`` run one pytest instead.
+Arguments that choose tests (a path, ``-k``, ``-m``, ``--part``, ``--lf``),
+a debugger's (``--pdb``, ``--trace``) or ``--one-process`` run one pytest
+instead.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import venv
 from pathlib import Path
@@ -168,8 +171,6 @@ def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
     it is, also after an interrupt; the exit status is the first non-zero
     of the two (part 2's first). An interrupt stops both (part 1's whole
     process group)."""
-    import tempfile
-
     base = [str(PY), "-m", "pytest", *pytest_args]
     first_cmd = [*base, "-o", "cache_dir=.pytest_cache/part-1", "--part", "1"]
     first_code = second_code = 1
@@ -185,8 +186,6 @@ def run_in_two_parts(pytest_args: list[str], env: dict[str, str]) -> int:
             first_code = first.wait()
         finally:
             if first.poll() is None:
-                import signal
-
                 try:
                     os.killpg(first.pid, signal.SIGTERM)
                 except ProcessLookupError:

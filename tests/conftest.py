@@ -25,7 +25,7 @@ import pytest
 #: The values of ``--part``.
 PARTS = ("1", "2")
 TESTS = Path(__file__).resolve().parent
-#: Part 1 besides the tests that start vLLM: the crash loops and the CLI (serial, at 447b01b: vLLM's tests about
+#: Part 1 besides the tests that start vLLM: the crash loops and the CLI (serial, at ba6a2a6: vLLM's tests about
 #: 520 s, these about 275 s, the rest about 660 s; alone, vLLM's part ended at 10 min and the rest's at 21).
 FIRST_PART_FOLDERS = (TESTS / "vllm", TESTS / "reliability", TESTS / "tools")
 
