@@ -304,10 +304,11 @@ def test_dev_py_hands_extra_arguments_to_the_job(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(dev.subprocess, "call", call)
     monkeypatch.setattr(dev.subprocess, "Popen", Started)
-    for args in (["test", "-m", "not vllm"], ["test", "--long"], ["demo", "--dtype", "float32"]):
+    for args in (["test", "-m", "not vllm"], ["test", "--long"], ["test", "--long", "--two-parts"],
+                 ["demo", "--dtype", "float32"]):
         assert dev.main(["dev.py", *args]) == 0
     pytest_cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest"]
-    assert ran == [([*pytest_cmd, "-m", "not vllm"], ROOT),
+    assert ran == [([*pytest_cmd, "-m", "not vllm"], ROOT), ([*pytest_cmd, "--long"], ROOT),
                    ([*pytest_cmd, "--long", "-o", "cache_dir=.pytest_cache/part-1", "--part", "1"], ROOT),
                    ([*pytest_cmd, "--long", "--part", "2"], ROOT),
                    ([pytest_cmd[0], "-m", "ucm_db.tools.demo", "--dtype", "float32"], ROOT)]
