@@ -15,7 +15,7 @@ a new one is covered without editing this file). Extra arguments go to the job
 (``--part 1``: the tests that start vLLM, tests/reliability and tests/tools;
 ``--part 2``: the others; tests/conftest.py), so the two use both cores:
 part 2 prints as it runs, part 1 after it, and the command fails if either
-does. About 16-21 min against 24 in one process, but timing-sensitive tests
+does. About 16-23 min against 24 in one process, but timing-sensitive tests
 failed beside the other part (a power-cut simulator that did not bite, in
 one of four runs): one process stays the default (the README's command and
 CI). With arguments that choose tests (a path, ``-k``, ``-m``, ``--part``,
