@@ -5,9 +5,10 @@ those tests are deselected, and the README's test command runs the rest.
 
 ``--part 1`` keeps the tests that start vLLM (everything under ``tests/vllm``
 and every test marked ``vllm``) and those of :data:`FIRST_PART_FOLDERS`;
-``--part 2`` the others. ``dev.py test`` runs the two parts at once, one
-pytest each, so they share the machine's two cores; the folders added to
-part 1 make the two take about as long.
+``--part 2`` the others. ``dev.py test --two-parts`` runs the two parts at
+once, one pytest each, so they share the machine's two cores (opt-in: the
+README's command runs one process); the folders added to part 1 make the
+two take about as long.
 
 Where the collected modules imported vLLM, vLLM inspects model classes in
 this process (tests/vllm_inspection.py): a new interpreter per architecture
